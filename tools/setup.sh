@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Installs what is missing (apt packages, the .venv with pinned Python packages)
+# and builds layerstream into build/. Idempotent: re-running only does what is
+# needed. Used by tools/test.sh and tools/demo.sh; safe to run by hand.
+#
+# Environment: LS_WERROR=1 builds with -Werror (CI does), LS_BUILD_DIR
+# (default build), LS_JOBS (default: nproc).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+BUILD_DIR=${LS_BUILD_DIR:-build}
+JOBS=${LS_JOBS:-$(nproc)}
+log() { echo "[setup] $*"; }
+
+# 1. apt packages (C++ test/bench libraries and compilers).
+need_apt=()
+for pkg in g++ libgtest-dev libgmock-dev libbenchmark-dev python3-dev valgrind; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "[setup] missing apt packages: ${need_apt[*]} (run as root, or install them)" >&2
+    exit 1
+  fi
+  log "apt-get install ${need_apt[*]}"
+  apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_apt[@]}" >/dev/null
+fi
+
+# 2. The virtual environment with pinned packages (taken from wheels on disk).
+PY=${LS_PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.requirements.sha
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  log "pip install -r requirements.txt (pinned; from local wheels)"
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+  echo "$want" > "$stamp"
+fi
+VPY="$ROOT/.venv/bin/python"
+export PATH="$ROOT/.venv/bin:$PATH"
+
+# 3. Configure and build.
+TORCH_PREFIX=$("$VPY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+# A CUDA build of torch needs the CUDA toolkit (nvcc + cudart) and libnvrtc,
+# which the torch wheel's nvidia packages carry.
+cuda_args=()
+if [ -x /usr/local/cuda/bin/nvcc ]; then
+  cuda_args+=(-DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+fi
+nvrtc=$(ls "$ROOT"/.venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -1 || true)
+[ -n "$nvrtc" ] && cuda_args+=(-DCUDA_nvrtc_LIBRARY="$nvrtc")
+werror=OFF
+[ "${LS_WERROR:-0}" = "1" ] && werror=ON
+if [ ! -f "$BUILD_DIR/build.ninja" ] || [ "$(cat "$BUILD_DIR/.ls_werror" 2>/dev/null)" != "$werror" ]; then
+  log "configuring $BUILD_DIR (LS_WERROR=$werror)"
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$VPY" \
+    -DLS_WERROR=$werror "${cuda_args[@]}" >"$BUILD_DIR.configure.log" 2>&1 || { cat "$BUILD_DIR.configure.log"; exit 1; }
+  echo "$werror" > "$BUILD_DIR/.ls_werror"
+fi
+log "building ($JOBS jobs)"
+cmake --build "$BUILD_DIR" -j "$JOBS"
