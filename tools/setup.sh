@@ -3,7 +3,8 @@
 # and builds layerstream into build/. Idempotent: re-running only does what is
 # needed. Used by tools/test.sh and tools/demo.sh; safe to run by hand.
 #
-# Environment: LS_WERROR=1 builds with -Werror (CI does), LS_BUILD_DIR
+# Environment: LS_WERROR=1 builds with -Werror (CI does), LS_WITH_TORCH=OFF
+# skips the LibTorch parts (fast core-only build), LS_BUILD_DIR
 # (default build), LS_JOBS (default: nproc).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -59,7 +60,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ] || [ "$(cat "$BUILD_DIR/.ls_werror" 2>/dev/
   log "configuring $BUILD_DIR (LS_WERROR=$werror)"
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$VPY" \
-    -DLS_WERROR=$werror "${cuda_args[@]}" >"$BUILD_DIR.configure.log" 2>&1 || { cat "$BUILD_DIR.configure.log"; exit 1; }
+    -DLS_WERROR=$werror -DLS_WITH_TORCH=${LS_WITH_TORCH:-ON} "${cuda_args[@]}" >"$BUILD_DIR.configure.log" 2>&1 || { cat "$BUILD_DIR.configure.log"; exit 1; }
   echo "$werror" > "$BUILD_DIR/.ls_werror"
 fi
 log "building ($JOBS jobs)"
