@@ -1,0 +1,58 @@
+#include "host_store.h"
+
+#include <cstring>
+
+#include "log.h"
+
+namespace layerstream {
+
+HostStore::HostStore(Backend& backend, bool want_pinned)
+    : backend_(backend), want_pinned_(want_pinned) {}
+
+size_t HostStore::add(size_t bytes, const void* src, const std::string& name) {
+  bool fell_back = false;
+  // Allocate outside the lock: pinning can be slow.
+  HostBuffer buf = HostBuffer::allocate(backend_, bytes == 0 ? 1 : bytes, want_pinned_, name,
+                                        &fell_back);
+  if (src && bytes) std::memcpy(buf.data(), src, bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fell_back && !warned_) {
+    warned_ = true;
+    warn("could not allocate pinned host memory for '" + name + "' (" + std::to_string(bytes) +
+         " bytes); using pageable memory for it and any further tensors that cannot be pinned. "
+         "Host-to-device copies from pageable memory are slower and less asynchronous; raise the "
+         "locked-memory limit (ulimit -l) or free host RAM to get pinned memory.");
+  }
+  if (buf.kind() == MemoryKind::HostPinned) {
+    stats_.pinned_bytes += bytes;
+  } else {
+    stats_.pageable_bytes += bytes;
+  }
+  stats_.tensors++;
+  entries_.push_back(Entry{std::move(buf), name});
+  return entries_.size() - 1;
+}
+
+const BufferRef& HostStore::buffer(size_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  LS_CHECK(index < entries_.size(), "host store has no tensor #", index);
+  return entries_[index].buf.ref();
+}
+
+const std::string& HostStore::name(size_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  LS_CHECK(index < entries_.size(), "host store has no tensor #", index);
+  return entries_[index].name;
+}
+
+size_t HostStore::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entries_.size();
+}
+
+HostStoreStats HostStore::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+}  // namespace layerstream

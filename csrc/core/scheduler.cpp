@@ -1,0 +1,366 @@
+#include "scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+
+namespace layerstream {
+
+namespace {
+constexpr size_t kAlign = 256;
+size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+}  // namespace
+
+Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> layers,
+                     SchedulerOptions options)
+    : backend_(backend), transfer_(transfer), opts_(options) {
+  LS_CHECK(transfer_.backend() == &backend_, "the transfer stream belongs to another backend");
+  LS_CHECK(opts_.num_slots >= 1, "num_slots must be at least 1, got ", opts_.num_slots);
+  LS_CHECK(opts_.prefetch_depth >= 0, "prefetch depth must be >= 0, got ", opts_.prefetch_depth);
+  LS_CHECK(!layers.empty(), "the scheduler needs at least one layer");
+
+  size_t largest = 0;
+  size_t largest_index = 0;
+  layers_.reserve(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Layer l;
+    l.spec = std::move(layers[i]);
+    size_t off = 0;
+    for (const BufferRef& p : l.spec.parts) {
+      LS_CHECK(p.ptr != nullptr || p.bytes == 0, "layer '", l.spec.name, "' has a null part");
+      LS_CHECK(p.is_host(), "layer '", l.spec.name, "' part '", p.label,
+               "' must be host memory, got ", to_string(p.kind));
+      l.offsets.push_back(off);
+      off = align_up(off + p.bytes);
+      l.copy_bytes += p.bytes;
+    }
+    l.bytes = off;
+    if (l.bytes > largest) {
+      largest = l.bytes;
+      largest_index = i;
+    }
+    layers_.push_back(std::move(l));
+  }
+  size_t slot_bytes = opts_.slot_bytes ? align_up(opts_.slot_bytes) : largest;
+  if (slot_bytes == 0) slot_bytes = kAlign;
+  LS_CHECK(slot_bytes >= largest, "slot size ", slot_bytes, " bytes is smaller than layer '",
+           layers_[largest_index].spec.name, "' (", largest, " bytes)");
+  const size_t need = slot_bytes * static_cast<size_t>(opts_.num_slots);
+  LS_CHECK(need <= opts_.budget_bytes, "device budget of ", opts_.budget_bytes,
+           " bytes is too small: ", opts_.num_slots, " slots of ", slot_bytes,
+           " bytes are needed (", need, " bytes; the largest streamed layer is '",
+           layers_[largest_index].spec.name, "' with ", largest,
+           " bytes). Raise the budget to at least ", need, " bytes or use fewer slots.");
+
+  pool_ = std::make_unique<SlotPool>(backend_, slot_bytes, opts_.num_slots, opts_.budget_bytes);
+  slots_.resize(static_cast<size_t>(opts_.num_slots));
+  for (SlotState& s : slots_) s.ready = backend_.create_event();
+  loaded_.assign(layers_.size(), -1);
+  stats_.device_bytes = pool_->device_bytes();
+  stats_.slot_bytes = pool_->slot_bytes();
+  stats_.num_slots = opts_.num_slots;
+}
+
+Scheduler::~Scheduler() {
+  try {
+    backend_.synchronize(transfer_);
+  } catch (...) {
+    // Shutting down: the pool's destructor waits for the slots regardless.
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    // Slots still held (prefetched, or leaked leases) are returned so the pool
+    // can wait for them; the transfer stream is their last user.
+    if (!pool_->is_free(static_cast<int>(i))) pool_->release(static_cast<int>(i), transfer_);
+  }
+}
+
+void Scheduler::note_held_locked() {
+  const int held = pool_->num_slots() - pool_->num_free();
+  stats_.max_slots_held = std::max(stats_.max_slots_held, held);
+}
+
+void Scheduler::advance_trace_locked(int layer, Phase phase) {
+  if (recording_) {
+    if (opts_.auto_step && phase == Phase::Forward && !trace_.empty() && trace_.front() == layer) {
+      begin_step_locked();
+    } else {
+      if (trace_.size() < opts_.max_trace_length) trace_.push_back(layer);
+      return;
+    }
+  } else if (opts_.auto_step && phase == Phase::Forward && pos_ > 0 && trace_.front() == layer) {
+    begin_step_locked();
+  }
+  if (recording_) {  // first step just ended above
+    return;
+  }
+  if (pos_ < trace_.size() && trace_[pos_] == layer) {
+    ++pos_;
+    return;
+  }
+  stats_.deviations++;
+  for (size_t j = pos_; j < trace_.size(); ++j) {
+    if (trace_[j] == layer) {
+      pos_ = j + 1;
+      return;
+    }
+  }
+  for (size_t j = 0; j < pos_ && j < trace_.size(); ++j) {
+    if (trace_[j] == layer) {
+      pos_ = j + 1;
+      return;
+    }
+  }
+  // Unknown layer: keep the position.
+}
+
+int Scheduler::next_use_distance_locked(int layer, size_t window) const {
+  if (recording_) return -1;
+  for (size_t j = pos_; j < trace_.size() && j < pos_ + window; ++j)
+    if (trace_[j] == layer) return static_cast<int>(j - pos_);
+  return -1;
+}
+
+int Scheduler::obtain_slot_locked(bool on_demand) {
+  const size_t window = static_cast<size_t>(opts_.prefetch_depth) + 1;
+  auto cost = [&](int64_t tag) -> int64_t {
+    if (tag == SlotPool::kNoTag) return 0;
+    const int d = next_use_distance_locked(static_cast<int>(tag), window);
+    if (d < 0) return 1;                  // cached content not needed soon
+    if (!on_demand) return -1;            // never evict what the window needs
+    return 1000000 - d;                   // evict the one needed last
+  };
+  std::optional<int> got = pool_->acquire(transfer_, cost);
+  if (got) {
+    const int s = *got;
+    const int64_t old = pool_->tag(s);
+    if (old >= 0 && loaded_[static_cast<size_t>(old)] == s) loaded_[static_cast<size_t>(old)] = -1;
+    pool_->set_tag(s, SlotPool::kNoTag);
+    return s;
+  }
+  if (!on_demand) return -1;
+  // Repurpose a prefetched slot: the new copy is ordered after the old one
+  // on the transfer stream, and nothing else has read the slot since.
+  int victim = -1;
+  int victim_dist = -2;
+  for (int s = 0; s < pool_->num_slots(); ++s) {
+    if (slots_[static_cast<size_t>(s)].use != Use::Prefetched) continue;
+    const int64_t tag = pool_->tag(s);
+    int d = tag >= 0 ? next_use_distance_locked(static_cast<int>(tag), trace_.size() + 1) : -1;
+    if (d < 0) d = 1 << 30;
+    if (d > victim_dist) {
+      victim = s;
+      victim_dist = d;
+    }
+  }
+  if (victim >= 0) {
+    const int64_t old = pool_->tag(victim);
+    if (old >= 0 && loaded_[static_cast<size_t>(old)] == victim) loaded_[static_cast<size_t>(old)] = -1;
+    pool_->set_tag(victim, SlotPool::kNoTag);
+    slots_[static_cast<size_t>(victim)].use = Use::Free;
+    return victim;
+  }
+  std::ostringstream held;
+  for (int s = 0; s < pool_->num_slots(); ++s) {
+    const int64_t tag = pool_->tag(s);
+    held << (s ? ", " : "") << (tag >= 0 ? layers_[static_cast<size_t>(tag)].spec.name : "scratch");
+  }
+  LS_FAIL("all ", pool_->num_slots(), " device slots are held at once (", held.str(),
+          "): more layers are in use simultaneously than there are slots. Increase the number "
+          "of slots (and the budget) or release leases earlier.");
+}
+
+void Scheduler::issue_copy_locked(int layer, int slot) {
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  const BufferRef& dst = pool_->slot(slot);
+  for (size_t i = 0; i < l.spec.parts.size(); ++i) {
+    const BufferRef& src = l.spec.parts[i];
+    if (src.bytes == 0) continue;
+    backend_.copy_async(dst, l.offsets[i], src, 0, src.bytes, transfer_);
+  }
+  backend_.record(slots_[static_cast<size_t>(slot)].ready, transfer_);
+  pool_->set_tag(slot, layer);
+  loaded_[static_cast<size_t>(layer)] = slot;
+  stats_.copies++;
+  stats_.h2d_bytes += l.copy_bytes;
+}
+
+void Scheduler::prefetch_locked(int current_layer, Phase phase) {
+  const int k = opts_.prefetch_depth;
+  if (k <= 0) return;
+  std::vector<int> want;
+  if (recording_) {
+    // No trace yet: guess the neighbours in registration order.
+    if (current_layer < 0) return;
+    const int dir = phase == Phase::Forward ? 1 : -1;
+    for (int i = 1; i <= k; ++i) {
+      const int l = current_layer + dir * i;
+      if (l < 0 || l >= num_layers()) break;
+      want.push_back(l);
+    }
+  } else {
+    for (size_t j = pos_; j < trace_.size() && j < pos_ + static_cast<size_t>(k); ++j)
+      want.push_back(trace_[j]);
+  }
+  for (int l : want) {
+    if (loaded_[static_cast<size_t>(l)] >= 0) continue;
+    const int s = obtain_slot_locked(false);
+    if (s < 0) break;
+    slots_[static_cast<size_t>(s)].use = Use::Prefetched;
+    issue_copy_locked(l, s);
+  }
+  note_held_locked();
+}
+
+Lease Scheduler::make_lease_locked(int layer, int slot, bool hit) const {
+  Lease lease;
+  lease.layer = layer;
+  lease.slot = slot;
+  lease.slot_buf = pool_->slot(slot);
+  if (layer >= 0) lease.offsets = layers_[static_cast<size_t>(layer)].offsets;
+  lease.hit = hit;
+  return lease;
+}
+
+Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
+  LS_CHECK(layer >= 0 && layer < num_layers(), "no streamed layer #", layer, " (there are ",
+           num_layers(), ")");
+  const Event* ready = nullptr;
+  Lease lease;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.acquires++;
+    advance_trace_locked(layer, phase);
+    acquires_in_step_++;
+    last_phase_ = phase;
+    int s = loaded_[static_cast<size_t>(layer)];
+    bool hit = s >= 0;
+    if (s >= 0) {
+      SlotState& st = slots_[static_cast<size_t>(s)];
+      if (st.use == Use::Free) {
+        // Cached content in a free slot: take it back (orders `compute`
+        // after the slot's previous users, which is harmless).
+        pool_->acquire_slot(s, compute);
+      }
+      st.use = Use::InUse;
+      st.refs++;
+      stats_.hits++;
+    } else {
+      s = obtain_slot_locked(true);
+      SlotState& st = slots_[static_cast<size_t>(s)];
+      issue_copy_locked(layer, s);
+      st.use = Use::InUse;
+      st.refs = 1;
+      stats_.misses++;
+    }
+    note_held_locked();
+    prefetch_locked(layer, phase);
+    ready = &slots_[static_cast<size_t>(s)].ready;
+    lease = make_lease_locked(layer, s, hit);
+  }
+  // The slot is InUse, so its ready event is not re-recorded concurrently.
+  const auto t0 = std::chrono::steady_clock::now();
+  backend_.wait(compute, *ready);
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  backend_.declare_access(lease.slot_buf, Access::Read, compute,
+                          "compute reads '" + layers_[static_cast<size_t>(layer)].spec.name + "'");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.host_wait_seconds += waited;
+  }
+  return lease;
+}
+
+Lease Scheduler::acquire_scratch(Stream user) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Take a slot without a pending copy if possible; the pool orders `user`
+  // after the slot's previous users.
+  const size_t window = static_cast<size_t>(opts_.prefetch_depth) + 1;
+  auto cost = [&](int64_t tag) -> int64_t {
+    if (tag == SlotPool::kNoTag) return 0;
+    const int d = next_use_distance_locked(static_cast<int>(tag), window);
+    return d < 0 ? 1 : 1000000 - d;
+  };
+  std::optional<int> got = pool_->acquire(user, cost);
+  int s;
+  if (got) {
+    s = *got;
+    const int64_t old = pool_->tag(s);
+    if (old >= 0 && loaded_[static_cast<size_t>(old)] == s) loaded_[static_cast<size_t>(old)] = -1;
+    pool_->set_tag(s, SlotPool::kNoTag);
+  } else {
+    // Only prefetched slots left: repurpose one; `user` must wait for the
+    // copy that is in flight into it.
+    s = obtain_slot_locked(true);
+    backend_.wait(user, slots_[static_cast<size_t>(s)].ready);
+  }
+  SlotState& st = slots_[static_cast<size_t>(s)];
+  st.use = Use::InUse;
+  st.refs = 1;
+  note_held_locked();
+  return make_lease_locked(-1, s, false);
+}
+
+void Scheduler::release(Lease& lease, Stream last_user) {
+  LS_CHECK(lease.slot >= 0, "release of an empty lease");
+  std::lock_guard<std::mutex> lock(mu_);
+  SlotState& st = slots_.at(static_cast<size_t>(lease.slot));
+  LS_INTERNAL_CHECK(st.use == Use::InUse && st.refs > 0, "release of slot ", lease.slot,
+                    " that is not in use");
+  if (--st.refs == 0) {
+    st.use = Use::Free;
+    pool_->release(lease.slot, last_user);
+  }
+  const int layer = lease.layer;
+  lease = Lease{};
+  prefetch_locked(layer, last_phase_);
+}
+
+void Scheduler::drop_content_locked() {
+  for (int s = 0; s < pool_->num_slots(); ++s) {
+    SlotState& st = slots_[static_cast<size_t>(s)];
+    if (st.use == Use::InUse) continue;
+    const int64_t tag = pool_->tag(s);
+    if (tag >= 0 && loaded_[static_cast<size_t>(tag)] == s) loaded_[static_cast<size_t>(tag)] = -1;
+    if (st.use == Use::Prefetched) {
+      st.use = Use::Free;
+      pool_->release(s, transfer_);
+    }
+    pool_->set_tag(s, SlotPool::kNoTag);
+  }
+}
+
+void Scheduler::begin_step_locked() {
+  if (recording_ && !trace_.empty()) recording_ = false;
+  if (acquires_in_step_ > 0) stats_.steps++;
+  acquires_in_step_ = 0;
+  pos_ = 0;
+  drop_content_locked();
+}
+
+void Scheduler::begin_step() {
+  std::lock_guard<std::mutex> lock(mu_);
+  begin_step_locked();
+}
+
+void Scheduler::quiesce() {
+  backend_.synchronize(transfer_);
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_content_locked();
+}
+
+std::vector<int> Scheduler::trace() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return trace_;
+}
+
+SchedulerStats Scheduler::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  SchedulerStats s = stats_;
+  s.trace_length = trace_.size();
+  s.recording = recording_;
+  return s;
+}
+
+}  // namespace layerstream

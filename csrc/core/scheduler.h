@@ -1,0 +1,161 @@
+// layerstream — the fetch scheduler: trace once, prefetch by replay.
+//
+// The scheduler owns a SlotPool and moves each layer's host buffers into a
+// device slot on the transfer stream, ahead of use:
+//  * During the first step it records the sequence of layer fetches (forward,
+//    checkpoint recompute and backward alike): the trace. While recording, it
+//    guesses the next layers by index (ascending in forward, descending in
+//    backward).
+//  * Afterwards it replays the trace: after every acquire/release it keeps the
+//    next `prefetch_depth` trace entries loaded or in flight, as far as free
+//    slots allow. Prefetches never cross the end of the trace (the step
+//    boundary), so no copy of step N+1 reads host weights the optimizer of
+//    step N is still writing.
+//  * When the actual order deviates (unknown layer, skipped layer, different
+//    order) it fetches on demand, resynchronises its position in the trace,
+//    and counts a deviation. It never blocks the host waiting for a slot: a
+//    slot is reused by making the transfer stream wait on the slot's free
+//    event. If every slot is held by a caller, acquire throws (it cannot wait
+//    without deadlocking the caller).
+//  * A new step starts at begin_step(), or automatically (auto_step) when the
+//    first layer of the trace is fetched again in the forward phase. At a step
+//    boundary, content cached in slots is forgotten (weights may have changed).
+//
+// Stream semantics: acquire(layer, compute) makes `compute` wait for the
+// layer's copy and declares a read of the slot on `compute` (ordering
+// checker). release(lease, s) records the slot's free event on `s`: every
+// access to the slot must be enqueued on `s` (or ordered before it) by then.
+//
+// Ownership: the scheduler does not own the host buffers in LayerSpec; they
+// must outlive it. It owns the device slots. Thread safety: all methods are
+// safe to call from several threads (one internal mutex; blocking waits happen
+// outside it).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "runtime.h"
+#include "slot_pool.h"
+
+namespace layerstream {
+
+// One streamed layer: host buffers copied, in order, into one slot, each at
+// a 256-byte aligned offset.
+struct LayerSpec {
+  std::string name;
+  std::vector<BufferRef> parts;
+};
+
+enum class Phase : uint8_t { Forward, Backward };
+
+struct SchedulerOptions {
+  int num_slots = 4;
+  int prefetch_depth = 2;  // 0 = fetch on demand only
+  size_t budget_bytes = std::numeric_limits<size_t>::max();
+  size_t slot_bytes = 0;   // 0 = the largest layer; larger to fit scratch buffers
+  bool auto_step = true;
+  size_t max_trace_length = size_t(1) << 20;
+};
+
+// A layer's weights in a slot, held for compute. Move-only by convention.
+struct Lease {
+  int layer = -1;  // -1 for scratch leases
+  int slot = -1;
+  BufferRef slot_buf;
+  std::vector<size_t> offsets;  // byte offset of each part in the slot
+  bool hit = false;             // already loaded or in flight when acquired
+  explicit operator bool() const { return slot >= 0; }
+  void* part_ptr(size_t i) const { return static_cast<char*>(slot_buf.ptr) + offsets.at(i); }
+};
+
+struct SchedulerStats {
+  uint64_t steps = 0;              // completed step boundaries
+  uint64_t acquires = 0;
+  uint64_t hits = 0;               // prefetched / in flight / cached when acquired
+  uint64_t misses = 0;             // fetched on demand
+  uint64_t deviations = 0;         // acquires that did not match the trace position
+  uint64_t copies = 0;             // host-to-device layer copies issued
+  uint64_t h2d_bytes = 0;
+  double host_wait_seconds = 0;    // time callers blocked in acquire (inline streams)
+  size_t device_bytes = 0;         // the slot arena, constant
+  size_t slot_bytes = 0;
+  int num_slots = 0;
+  int max_slots_held = 0;          // most slots held (in use or prefetched) at once
+  size_t trace_length = 0;
+  bool recording = true;
+};
+
+class Scheduler {
+ public:
+  Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> layers,
+            SchedulerOptions options);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  const LayerSpec& layer(int i) const { return layers_.at(static_cast<size_t>(i)).spec; }
+  size_t layer_bytes(int i) const { return layers_.at(static_cast<size_t>(i)).bytes; }
+
+  Lease acquire(int layer, Stream compute, Phase phase = Phase::Forward);
+  // A whole slot as scratch space (e.g. for staging gradients), ordered
+  // after the slot's previous users on `user`. Released with release().
+  Lease acquire_scratch(Stream user);
+  void release(Lease& lease, Stream last_user);
+
+  void begin_step();
+  // Blocks until all issued copies completed and forgets cached content.
+  void quiesce();
+
+  std::vector<int> trace() const;
+  SchedulerStats stats() const;
+  const SlotPool& pool() const { return *pool_; }
+  const SchedulerOptions& options() const { return opts_; }
+
+ private:
+  struct Layer {
+    LayerSpec spec;
+    std::vector<size_t> offsets;
+    size_t bytes = 0;  // slot bytes used (with alignment)
+    size_t copy_bytes = 0;
+  };
+  enum class Use : uint8_t { Free, Prefetched, InUse };
+  struct SlotState {
+    Use use = Use::Free;
+    int refs = 0;
+    Event ready;
+  };
+
+  void begin_step_locked();
+  void drop_content_locked();
+  void advance_trace_locked(int layer, Phase phase);
+  int next_use_distance_locked(int layer, size_t window) const;
+  int obtain_slot_locked(bool on_demand);
+  void issue_copy_locked(int layer, int slot);
+  void prefetch_locked(int current_layer, Phase phase);
+  void note_held_locked();
+  Lease make_lease_locked(int layer, int slot, bool hit) const;
+
+  Backend& backend_;
+  Stream transfer_;
+  std::vector<Layer> layers_;
+  SchedulerOptions opts_;
+  std::unique_ptr<SlotPool> pool_;
+  std::vector<SlotState> slots_;
+  std::vector<int> loaded_;  // layer -> slot holding (or loading) it, -1 if none
+
+  mutable std::mutex mu_;
+  std::vector<int> trace_;
+  bool recording_ = true;
+  size_t pos_ = 0;  // next expected trace index
+  uint64_t acquires_in_step_ = 0;
+  Phase last_phase_ = Phase::Forward;
+  SchedulerStats stats_;
+};
+
+}  // namespace layerstream
