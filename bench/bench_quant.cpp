@@ -1,0 +1,186 @@
+// bench_quant — pack / dequantize throughput for every quantized format.
+//
+//   bench_quant [--rows R] [--cols C] [--threads N] [--reps K] [--json]
+//
+// For each format: CPU pack throughput (GB/s of fp32 source read, and the
+// same time expressed as bf16-source GB/s), CPU dequant-to-bf16 throughput
+// (GB/s of bf16 written), and, when built with CUDA and a device is present,
+// device dequant-to-bf16 throughput (GB/s of packed read + bf16 written).
+// Times are the best of K repetitions.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/quant.h"
+
+#ifdef LS_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/dequant.h"
+#endif
+
+namespace q = layerstream::quant;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <class Fn>
+double best_of(int reps, const Fn& fn) {
+  double best = 1e300;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now_s();
+    fn();
+    best = std::min(best, now_s() - t0);
+  }
+  return best;
+}
+
+struct Row {
+  std::string format;
+  size_t packed_bytes = 0;
+  double pack_s = 0, dequant_s = 0, device_s = -1;
+};
+
+#ifdef LS_HAVE_CUDA
+// Device dequant time in seconds (best of reps), or -1 without a device.
+double device_dequant(const q::PackedLayout& L, const std::vector<uint8_t>& packed, int reps) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return -1;
+  }
+  void* dp = nullptr;
+  void* dout = nullptr;
+  if (cudaMalloc(&dp, packed.size()) != cudaSuccess ||
+      cudaMalloc(&dout, static_cast<size_t>(L.numel()) * 2) != cudaSuccess)
+    return -1;
+  cudaMemcpy(dp, packed.data(), packed.size(), cudaMemcpyHostToDevice);
+  cudaStream_t s;
+  cudaStreamCreate(&s);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  q::dequantize_cuda(L, dp, dout, q::OutDtype::BF16, s);  // warm-up
+  cudaStreamSynchronize(s);
+  double best = 1e300;
+  for (int i = 0; i < std::max(reps, 10); ++i) {
+    cudaEventRecord(a, s);
+    q::dequantize_cuda(L, dp, dout, q::OutDtype::BF16, s);
+    cudaEventRecord(b, s);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    best = std::min(best, ms * 1e-3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaStreamDestroy(s);
+  cudaFree(dp);
+  cudaFree(dout);
+  return best;
+}
+#endif
+
+void usage() {
+  std::fprintf(stderr,
+               "usage: bench_quant [--rows R] [--cols C] [--threads N] [--reps K] [--json]\n"
+               "  defaults: 4096 x 4096, threads 0 (= all hardware threads), reps 5\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t rows = 4096, cols = 4096;
+  int threads = 0, reps = 5;
+  bool json = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        usage();
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--rows") rows = std::atoll(next());
+    else if (a == "--cols") cols = std::atoll(next());
+    else if (a == "--threads") threads = std::atoi(next());
+    else if (a == "--reps") reps = std::max(1, std::atoi(next()));
+    else if (a == "--json") json = true;
+    else {
+      usage();
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  try {
+    const int64_t n = rows * cols;
+    std::vector<float> w(static_cast<size_t>(n));
+    std::mt19937 rng(42);
+    std::normal_distribution<float> nd(0.0f, 0.02f);
+    for (auto& v : w) v = nd(rng);
+    std::vector<uint16_t> out(static_cast<size_t>(n));
+
+    std::vector<Row> results;
+    for (q::Format f : {q::Format::Int8, q::Format::Fp8E4M3, q::Format::NF4, q::Format::Int4}) {
+      const q::PackedLayout L = q::layout_for(f, rows, cols);
+      std::vector<uint8_t> packed(L.total_bytes());
+      Row r;
+      r.format = q::to_string(f);
+      r.packed_bytes = L.total_bytes();
+      r.pack_s = best_of(reps, [&] { q::pack(f, w.data(), rows, cols, packed.data(), threads); });
+      r.dequant_s = best_of(reps, [&] {
+        q::dequantize_cpu(L, packed.data(), out.data(), q::OutDtype::BF16, threads);
+      });
+#ifdef LS_HAVE_CUDA
+      r.device_s = device_dequant(L, packed, reps);
+#endif
+      results.push_back(r);
+    }
+
+    const double f32_bytes = static_cast<double>(n) * 4, bf16_bytes = static_cast<double>(n) * 2;
+    if (json) {
+      std::printf("{\"rows\": %lld, \"cols\": %lld, \"threads\": %d, \"results\": [",
+                  static_cast<long long>(rows), static_cast<long long>(cols), threads);
+      for (size_t i = 0; i < results.size(); ++i) {
+        const Row& r = results[i];
+        std::printf(
+            "%s{\"format\": \"%s\", \"packed_bytes\": %zu, \"pack_s\": %.6g, "
+            "\"pack_gbps_f32_src\": %.4g, \"pack_gbps_bf16_src\": %.4g, \"dequant_cpu_s\": %.6g, "
+            "\"dequant_cpu_gbps_bf16_out\": %.4g, \"dequant_cuda_s\": %.6g, "
+            "\"dequant_cuda_gbps\": %.4g}",
+            i ? ", " : "", r.format.c_str(), r.packed_bytes, r.pack_s, f32_bytes / r.pack_s / 1e9,
+            bf16_bytes / r.pack_s / 1e9, r.dequant_s, bf16_bytes / r.dequant_s / 1e9, r.device_s,
+            r.device_s > 0 ? (bf16_bytes + r.packed_bytes) / r.device_s / 1e9 : -1.0);
+      }
+      std::printf("]}\n");
+    } else {
+      std::printf("bench_quant: %lld x %lld, threads %d (0 = all), best of %d\n",
+                  static_cast<long long>(rows), static_cast<long long>(cols), threads, reps);
+      std::printf("%-6s %12s %10s %14s %14s %16s %18s\n", "format", "packed MiB", "pack ms",
+                  "pack GB/s f32", "pack GB/s bf16", "cpu deq GB/s bf16", "cuda deq GB/s (r+w)");
+      for (const Row& r : results) {
+        char dev[32];
+        if (r.device_s > 0)
+          std::snprintf(dev, sizeof dev, "%.1f", (bf16_bytes + r.packed_bytes) / r.device_s / 1e9);
+        else
+          std::snprintf(dev, sizeof dev, "-");
+        std::printf("%-6s %12.2f %10.2f %14.2f %14.2f %16.2f %18s\n", r.format.c_str(),
+                    r.packed_bytes / 1048576.0, r.pack_s * 1e3, f32_bytes / r.pack_s / 1e9,
+                    bf16_bytes / r.pack_s / 1e9, bf16_bytes / r.dequant_s / 1e9, dev);
+      }
+    }
+  } catch (const layerstream::Error& e) {
+    std::fprintf(stderr, "bench_quant: %s\n", e.message().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,674 @@
+// layerstream — quantized weight formats: packing, reference dequantization,
+// scalar conversions. See quant.h and docs/design/quant-formats.md.
+#include "quant.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "error.h"
+
+namespace layerstream {
+namespace quant {
+
+const float kNF4Codes[16] = {
+    -1.0f,
+    -0.6961928009986877f,
+    -0.5250730514526367f,
+    -0.39491748809814453f,
+    -0.28444138169288635f,
+    -0.18477343022823334f,
+    -0.09105003625154495f,
+    0.0f,
+    0.07958029955625534f,
+    0.16093020141124725f,
+    0.24611230194568634f,
+    0.33791524171829224f,
+    0.44070982933044434f,
+    0.5626170039176941f,
+    0.7229568362236328f,
+    1.0f,
+};
+
+namespace {
+
+inline uint32_t f2u(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float u2f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round half to even for |x| < 2^22 (default FE_TONEAREST rounding mode; the
+// compiler may not fold this without -ffast-math, which we never use).
+inline float rne_small(float x) {
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it leaves no fraction bits
+  const float t = x + magic;
+  return t - magic;
+}
+
+inline uint16_t bf16_from_float(float x) {
+  uint32_t u = f2u(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline uint16_t f16_from_float(float x) {
+  const uint32_t u = f2u(x);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7FFF;               // NaN (canonical, like CUDA)
+  if (a >= 0x477FF000u) return sign | 0x7C00u;      // >= 65520 rounds to Inf
+  if (a >= 0x38800000u) {                           // >= 2^-14: normal half
+    // Branch-free RNE of the 13 dropped mantissa bits (a carry bumps the exponent).
+    const uint32_t t = a + 0xFFFu + ((a >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((t >> 13) - ((127u - 15u) << 10)));
+  }
+  // Half subnormal (or rounds up to the smallest normal): units of 2^-24.
+  // a * 2^24 is exact; the result is in [0, 1024].
+  uint32_t m = static_cast<uint32_t>(rne_small(u2f(a) * 16777216.0f));
+  return static_cast<uint16_t>(sign | m);
+}
+
+inline float float_from_bf16(uint16_t b) { return u2f(static_cast<uint32_t>(b) << 16); }
+
+inline float float_from_f16(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu;
+  const uint32_t m = h & 0x3FFu;
+  if (e == 0) {
+    float v = static_cast<float>(m) * (1.0f / 16777216.0f);  // exact
+    return u2f(f2u(v) | sign);
+  }
+  if (e == 31) return u2f(sign | 0x7F800000u | (m << 13));
+  return u2f(sign | ((e - 15u + 127u) << 23) | (m << 13));
+}
+
+inline uint8_t fp8_encode(float x) {
+  const uint32_t u = f2u(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);  // NaN
+  if (a >= 0x43E00000u) return static_cast<uint8_t>(sign | 0x7Eu); // >= 448: saturate
+  if (a < 0x3C800000u) {  // < 2^-6: e4m3 subnormal, units of 2^-9; code 8 = 2^-6 (normal)
+    const uint32_t m = static_cast<uint32_t>(rne_small(u2f(a) * 512.0f));  // exact scaling
+    return static_cast<uint8_t>(sign | m);
+  }
+  // Normal: branch-free RNE of the 20 dropped mantissa bits (a carry bumps the
+  // exponent), rebias 127 -> 7, saturate to 448 (0x7E).
+  const uint32_t t = a + 0x7FFFFu + ((a >> 20) & 1u);
+  const uint32_t code = std::min<uint32_t>((t >> 20) - ((127u - 7u) << 3), 0x7Eu);
+  return static_cast<uint8_t>(sign | code);
+}
+
+inline float fp8_decode(uint8_t c) {
+  const uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
+  const uint32_t e = (c >> 3) & 0xFu;
+  const uint32_t m = c & 7u;
+  if (e == 15 && m == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (e == 0) return u2f(f2u(static_cast<float>(m) * (1.0f / 512.0f)) | sign);
+  return u2f(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = fp8_decode(static_cast<uint8_t>(i));
+  }
+};
+const Fp8Table& fp8_table() {
+  static const Fp8Table t;
+  return t;
+}
+
+// Midpoints between adjacent NF4 codes, in double so the comparison with a
+// float is exact: q = #midpoints strictly below x (ties go to the lower code).
+struct NF4Mids {
+  double m[15];
+  NF4Mids() {
+    for (int i = 0; i < 15; ++i)
+      m[i] = (static_cast<double>(kNF4Codes[i]) + static_cast<double>(kNF4Codes[i + 1])) / 2.0;
+  }
+};
+const NF4Mids& nf4_mids() {
+  static const NF4Mids t;
+  return t;
+}
+
+inline uint8_t nf4_nearest(float x, const double* mids) {
+  // Branch-free binary search for #mids < x (mids ascending).
+  const double d = x;
+  int q = static_cast<int>(d > mids[7]) << 3;
+  q += static_cast<int>(d > mids[q + 3]) << 2;
+  q += static_cast<int>(d > mids[q + 1]) << 1;
+  q += static_cast<int>(d > mids[q]);
+  return static_cast<uint8_t>(q);
+}
+
+inline bool finite(float v) { return (f2u(v) & 0x7F800000u) != 0x7F800000u; }
+
+int resolve_threads(int num_threads, int64_t units, int64_t elems) {
+  int64_t t;
+  if (num_threads > 0) {
+    t = num_threads;
+  } else {
+    const unsigned hw = std::thread::hardware_concurrency();
+    t = hw == 0 ? 1 : static_cast<int64_t>(hw);
+    // Automatic choice: at least ~64K elements per thread.
+    t = std::min<int64_t>(t, std::max<int64_t>(1, elems / 65536));
+  }
+  t = std::min<int64_t>(t, std::max<int64_t>(1, units));
+  return static_cast<int>(std::max<int64_t>(1, t));
+}
+
+// Runs fn(begin, end) over [0, units) split into contiguous ranges, one per
+// thread. fn returns the flat index of the first non-finite source element in
+// its range, or -1. Returns the smallest such index over all ranges (-1 if none).
+// Exceptions thrown by fn are rethrown (the first range's first).
+template <class Fn>
+int64_t parallel_ranges(int64_t units, int threads, const Fn& fn) {
+  if (threads <= 1 || units <= 1) return fn(int64_t{0}, units);
+  std::vector<int64_t> bad(static_cast<size_t>(threads), -1);
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(threads));
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads));
+  const int64_t per = (units + threads - 1) / threads;
+  for (int t = 0; t < threads; ++t) {
+    const int64_t b = std::min<int64_t>(units, t * per);
+    const int64_t e = std::min<int64_t>(units, b + per);
+    pool.emplace_back([&, t, b, e] {
+      try {
+        bad[static_cast<size_t>(t)] = fn(b, e);
+      } catch (...) {
+        errors[static_cast<size_t>(t)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  for (auto& ep : errors)
+    if (ep) std::rethrow_exception(ep);
+  int64_t first = -1;
+  for (int64_t b : bad)
+    if (b >= 0 && (first < 0 || b < first)) first = b;
+  return first;
+}
+
+// ---- source loaders ----
+struct LoadF32 {
+  const float* p;
+  float operator()(int64_t i) const { return p[i]; }
+};
+struct LoadBF16 {
+  const uint16_t* p;
+  float operator()(int64_t i) const { return float_from_bf16(p[i]); }
+};
+struct LoadF16 {
+  const uint16_t* p;
+  float operator()(int64_t i) const { return float_from_f16(p[i]); }
+};
+
+struct Sections {
+  uint8_t* data;
+  float* scales;
+  float* zeros;
+};
+
+template <class Load>
+int64_t pack_int8_rows(const Load& ld, int64_t cols, const Sections& s, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t base = r * cols;
+    float absmax = 0.0f;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = ld(base + c);
+      if (!finite(v)) return base + c;
+      absmax = std::max(absmax, std::fabs(v));
+    }
+    const float scale = absmax / 127.0f;
+    s.scales[r] = scale;
+    int8_t* q = reinterpret_cast<int8_t*>(s.data) + base;
+    if (scale == 0.0f) {
+      std::memset(q, 0, static_cast<size_t>(cols));
+      continue;
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      float x = ld(base + c) / scale;
+      x = std::min(127.0f, std::max(-127.0f, x));
+      q[c] = static_cast<int8_t>(rne_small(x));
+    }
+  }
+  return -1;
+}
+
+template <class Load>
+int64_t pack_fp8_rows(const Load& ld, int64_t cols, const Sections& s, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t base = r * cols;
+    float absmax = 0.0f;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = ld(base + c);
+      if (!finite(v)) return base + c;
+      absmax = std::max(absmax, std::fabs(v));
+    }
+    const float scale = absmax / 448.0f;
+    s.scales[r] = scale;
+    uint8_t* q = s.data + base;
+    if (scale == 0.0f) {
+      std::memset(q, 0, static_cast<size_t>(cols));
+      continue;
+    }
+    for (int64_t c = 0; c < cols; ++c) q[c] = fp8_encode(ld(base + c) / scale);
+  }
+  return -1;
+}
+
+template <class Load>
+int64_t pack_nf4_blocks(const Load& ld, int64_t n, const Sections& s, int64_t b0, int64_t b1) {
+  const double* mids = nf4_mids().m;
+  uint8_t q[kNF4BlockSize];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t base = b * kNF4BlockSize;
+    const int64_t count = std::min<int64_t>(kNF4BlockSize, n - base);
+    float absmax = 0.0f;
+    for (int64_t i = 0; i < count; ++i) {
+      const float v = ld(base + i);
+      if (!finite(v)) return base + i;
+      absmax = std::max(absmax, std::fabs(v));
+    }
+    s.scales[b] = absmax;
+    if (absmax == 0.0f) {
+      std::fill(q, q + count, uint8_t{7});  // code 7 is 0.0
+    } else {
+      for (int64_t i = 0; i < count; ++i) q[i] = nf4_nearest(ld(base + i) / absmax, mids);
+    }
+    uint8_t* out = s.data + base / 2;
+    for (int64_t i = 0; i < count; i += 2) {
+      const uint8_t lo = (i + 1 < count) ? q[i + 1] : uint8_t{0};
+      out[i / 2] = static_cast<uint8_t>((q[i] << 4) | lo);
+    }
+  }
+  return -1;
+}
+
+template <class Load>
+int64_t pack_int4_rows(const Load& ld, int64_t cols, const Sections& s, int64_t r0, int64_t r1) {
+  const int64_t groups = cols / kInt4GroupSize;
+  uint8_t q[kInt4GroupSize];
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t base = r * cols + g * kInt4GroupSize;
+      float mn = 0.0f, mx = 0.0f;  // the range always includes 0
+      for (int64_t i = 0; i < kInt4GroupSize; ++i) {
+        const float v = ld(base + i);
+        if (!finite(v)) return base + i;
+        mn = std::min(mn, v);
+        mx = std::max(mx, v);
+      }
+      // In double so that a range near ±FLT_MAX cannot overflow.
+      const float scale =
+          static_cast<float>((static_cast<double>(mx) - static_cast<double>(mn)) / 15.0);
+      float zero = 0.0f;
+      if (scale == 0.0f) {
+        std::fill(q, q + kInt4GroupSize, uint8_t{0});
+      } else {
+        zero = std::min(15.0f, std::max(0.0f, rne_small(-mn / scale)));
+        for (int64_t i = 0; i < kInt4GroupSize; ++i) {
+          const float x = rne_small(ld(base + i) / scale + zero);
+          q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, x)));
+        }
+      }
+      s.scales[r * groups + g] = scale;
+      s.zeros[r * groups + g] = zero;
+      uint8_t* out = s.data + base / 2;
+      for (int64_t i = 0; i < kInt4GroupSize; i += 2)
+        out[i / 2] = static_cast<uint8_t>((q[i] << 4) | q[i + 1]);
+    }
+  }
+  return -1;
+}
+
+template <class Load>
+void pack_impl(const PackedLayout& L, const Load& ld, void* dst, int num_threads) {
+  uint8_t* base = static_cast<uint8_t*>(dst);
+  // Zero everything first: padding (between sections, the last nibble of an
+  // odd nf4 tensor) must be deterministic.
+  std::memset(base, 0, L.total_bytes());
+  const Sections s{base + L.data_offset(), reinterpret_cast<float*>(base + L.scale_offset()),
+                   reinterpret_cast<float*>(base + L.zero_offset())};
+  const int64_t n = L.numel();
+  if (n == 0) return;
+  int64_t bad = -1;
+  switch (L.format) {
+    case Format::Int8: {
+      const int t = resolve_threads(num_threads, L.rows, n);
+      bad = parallel_ranges(L.rows, t, [&](int64_t a, int64_t b) {
+        return pack_int8_rows(ld, L.cols, s, a, b);
+      });
+      break;
+    }
+    case Format::Fp8E4M3: {
+      const int t = resolve_threads(num_threads, L.rows, n);
+      bad = parallel_ranges(L.rows, t, [&](int64_t a, int64_t b) {
+        return pack_fp8_rows(ld, L.cols, s, a, b);
+      });
+      break;
+    }
+    case Format::NF4: {
+      const int64_t blocks = L.num_scales();
+      const int t = resolve_threads(num_threads, blocks, n);
+      bad = parallel_ranges(blocks, t, [&](int64_t a, int64_t b) {
+        return pack_nf4_blocks(ld, n, s, a, b);
+      });
+      break;
+    }
+    case Format::Int4: {
+      const int t = resolve_threads(num_threads, L.rows, n);
+      bad = parallel_ranges(L.rows, t, [&](int64_t a, int64_t b) {
+        return pack_int4_rows(ld, L.cols, s, a, b);
+      });
+      break;
+    }
+    case Format::None:
+      LS_INTERNAL_CHECK(false, "pack with Format::None");
+  }
+  if (bad >= 0) {
+    const float v = ld(bad);
+    LS_FAIL("cannot quantize to ", to_string(L.format), ": the weight [", L.rows, ", ", L.cols,
+            "] has ", (std::isnan(v) ? "NaN" : (v > 0 ? "+Inf" : "-Inf")), " at row ",
+            bad / L.cols, ", column ", bad % L.cols,
+            " (the first non-finite element); fix or drop the non-finite weights before packing");
+  }
+}
+
+// ---- dequantization ----
+struct StoreF32 {
+  float* p;
+  void operator()(int64_t i, float v) const { p[i] = v; }
+};
+struct StoreBF16 {
+  uint16_t* p;
+  void operator()(int64_t i, float v) const { p[i] = bf16_from_float(v); }
+};
+struct StoreF16 {
+  uint16_t* p;
+  void operator()(int64_t i, float v) const { p[i] = f16_from_float(v); }
+};
+
+template <class Store>
+void dequant_impl(const PackedLayout& L, const uint8_t* base, const Store& st, int num_threads) {
+  const uint8_t* data = base + L.data_offset();
+  const float* scales = reinterpret_cast<const float*>(base + L.scale_offset());
+  const float* zeros = reinterpret_cast<const float*>(base + L.zero_offset());
+  const int64_t n = L.numel();
+  const int64_t cols = L.cols;
+  if (n == 0) return;
+  switch (L.format) {
+    case Format::Int8: {
+      const int8_t* q = reinterpret_cast<const int8_t*>(data);
+      parallel_ranges(L.rows, resolve_threads(num_threads, L.rows, n), [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; ++r) {
+          const float s = scales[r];
+          for (int64_t c = 0; c < cols; ++c)
+            st(r * cols + c, static_cast<float>(q[r * cols + c]) * s);
+        }
+        return int64_t{-1};
+      });
+      break;
+    }
+    case Format::Fp8E4M3: {
+      const float* tab = fp8_table().v;
+      parallel_ranges(L.rows, resolve_threads(num_threads, L.rows, n), [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; ++r) {
+          const float s = scales[r];
+          for (int64_t c = 0; c < cols; ++c) st(r * cols + c, tab[data[r * cols + c]] * s);
+        }
+        return int64_t{-1};
+      });
+      break;
+    }
+    case Format::NF4: {
+      const int64_t blocks = L.num_scales();
+      parallel_ranges(blocks, resolve_threads(num_threads, blocks, n), [&](int64_t a, int64_t b) {
+        for (int64_t blk = a; blk < b; ++blk) {
+          const float amax = scales[blk];
+          const int64_t i0 = blk * kNF4BlockSize;
+          const int64_t i1 = std::min<int64_t>(n, i0 + kNF4BlockSize);
+          for (int64_t i = i0; i < i1; ++i) {
+            const uint8_t byte = data[i >> 1];
+            const unsigned q = (i & 1) ? (byte & 0xFu) : (byte >> 4);
+            st(i, kNF4Codes[q] * amax);
+          }
+        }
+        return int64_t{-1};
+      });
+      break;
+    }
+    case Format::Int4: {
+      const int64_t groups = cols / kInt4GroupSize;
+      parallel_ranges(L.rows, resolve_threads(num_threads, L.rows, n), [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; ++r) {
+          for (int64_t g = 0; g < groups; ++g) {
+            const float s = scales[r * groups + g];
+            const float z = zeros[r * groups + g];
+            const int64_t i0 = r * cols + g * kInt4GroupSize;
+            for (int64_t k = 0; k < kInt4GroupSize; k += 2) {
+              const uint8_t byte = data[(i0 + k) >> 1];
+              st(i0 + k, (static_cast<float>(byte >> 4) - z) * s);
+              st(i0 + k + 1, (static_cast<float>(byte & 0xFu) - z) * s);
+            }
+          }
+        }
+        return int64_t{-1};
+      });
+      break;
+    }
+    case Format::None:
+      LS_INTERNAL_CHECK(false, "dequantize with Format::None");
+  }
+}
+
+void check_layout(const PackedLayout& L) {
+  const PackedLayout want = layout_for(L.format, L.rows, L.cols);
+  LS_CHECK(want.block_size == L.block_size && want.data_bytes == L.data_bytes &&
+               want.scale_bytes == L.scale_bytes && want.zero_bytes == L.zero_bytes,
+           "inconsistent PackedLayout for ", to_string(L.format), " [", L.rows, ", ", L.cols,
+           "]: expected ", describe(want), ", got ", describe(L),
+           "; build layouts with quant::layout_for()");
+}
+
+}  // namespace
+
+// ---- names ----
+Format parse_format(const std::string& name) {
+  std::string s;
+  for (char c : name) s += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s == "int8") return Format::Int8;
+  if (s == "fp8" || s == "fp8_e4m3" || s == "e4m3" || s == "fp8e4m3") return Format::Fp8E4M3;
+  if (s == "nf4") return Format::NF4;
+  if (s == "int4") return Format::Int4;
+  if (s == "none") return Format::None;
+  LS_FAIL("unknown quantization format '", name,
+          "'; valid formats are: int8, fp8 (e4m3), nf4, int4, none");
+}
+
+const char* to_string(Format f) {
+  switch (f) {
+    case Format::None: return "none";
+    case Format::Int8: return "int8";
+    case Format::Fp8E4M3: return "fp8";
+    case Format::NF4: return "nf4";
+    case Format::Int4: return "int4";
+  }
+  return "unknown";
+}
+
+OutDtype parse_out_dtype(const std::string& name) {
+  std::string s;
+  for (char c : name) s += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s == "f32" || s == "fp32" || s == "float32" || s == "float") return OutDtype::F32;
+  if (s == "bf16" || s == "bfloat16") return OutDtype::BF16;
+  if (s == "f16" || s == "fp16" || s == "float16" || s == "half") return OutDtype::F16;
+  LS_FAIL("unknown output dtype '", name, "'; valid dtypes are: f32, bf16, f16");
+}
+
+const char* to_string(OutDtype d) {
+  switch (d) {
+    case OutDtype::F32: return "f32";
+    case OutDtype::BF16: return "bf16";
+    case OutDtype::F16: return "f16";
+  }
+  return "unknown";
+}
+
+const char* to_string(SrcDtype d) {
+  switch (d) {
+    case SrcDtype::F32: return "f32";
+    case SrcDtype::BF16: return "bf16";
+    case SrcDtype::F16: return "f16";
+  }
+  return "unknown";
+}
+
+size_t out_dtype_bytes(OutDtype d) { return d == OutDtype::F32 ? 4 : 2; }
+
+std::string describe(const PackedLayout& L) {
+  return detail::compose(to_string(L.format), " [", L.rows, ", ", L.cols, "] block ", L.block_size,
+                         ": data ", L.data_bytes, " B @", L.data_offset(), ", scales ",
+                         L.scale_bytes, " B @", L.scale_offset(), ", zeros ", L.zero_bytes, " B @",
+                         L.zero_offset(), ", total ", L.total_bytes(), " B");
+}
+
+// ---- layout ----
+PackedLayout layout_for(Format format, int64_t rows, int64_t cols) {
+  LS_CHECK(format != Format::None,
+           "layout_for: format 'none' has no packed layout; choose int8, fp8, nf4 or int4");
+  LS_CHECK(rows >= 0 && cols >= 0, "cannot quantize a weight of shape [", rows, ", ", cols,
+           "] to ", to_string(format), ": dimensions must be non-negative");
+  LS_CHECK(rows == 0 || cols <= std::numeric_limits<int64_t>::max() / rows,
+           "cannot quantize a weight of shape [", rows, ", ", cols, "]: too many elements");
+  PackedLayout L;
+  L.format = format;
+  L.rows = rows;
+  L.cols = cols;
+  const int64_t n = rows * cols;
+  switch (format) {
+    case Format::Int8:
+    case Format::Fp8E4M3:
+      L.block_size = cols;
+      L.data_bytes = static_cast<size_t>(n);
+      L.scale_bytes = static_cast<size_t>(rows) * sizeof(float);
+      break;
+    case Format::NF4:
+      L.block_size = kNF4BlockSize;
+      L.data_bytes = static_cast<size_t>((n + 1) / 2);
+      L.scale_bytes =
+          static_cast<size_t>((n + kNF4BlockSize - 1) / kNF4BlockSize) * sizeof(float);
+      break;
+    case Format::Int4:
+      LS_CHECK(cols % kInt4GroupSize == 0, "cannot quantize a weight of shape [", rows, ", ", cols,
+               "] (viewed as [out_features, in_features]) to int4: in_features (", cols,
+               ") must be divisible by the group size ", kInt4GroupSize,
+               "; use nf4, int8 or fp8 for this tensor, or pad in_features");
+      L.block_size = kInt4GroupSize;
+      L.data_bytes = static_cast<size_t>(n / 2);
+      L.scale_bytes = static_cast<size_t>(n / kInt4GroupSize) * sizeof(float);
+      L.zero_bytes = L.scale_bytes;
+      break;
+    case Format::None:
+      break;
+  }
+  return L;
+}
+
+// ---- pack ----
+void pack(Format format, const float* src, int64_t rows, int64_t cols, void* dst,
+          int num_threads) {
+  pack(format, src, SrcDtype::F32, rows, cols, dst, num_threads);
+}
+
+void pack(Format format, const void* src, SrcDtype src_dtype, int64_t rows, int64_t cols,
+          void* dst, int num_threads) {
+  const PackedLayout L = layout_for(format, rows, cols);
+  LS_CHECK(dst != nullptr, "pack: destination buffer is null (needs ", L.total_bytes(), " bytes)");
+  LS_CHECK(src != nullptr || L.numel() == 0, "pack: source pointer is null for a [", rows, ", ",
+           cols, "] weight");
+  switch (src_dtype) {
+    case SrcDtype::F32:
+      pack_impl(L, LoadF32{static_cast<const float*>(src)}, dst, num_threads);
+      break;
+    case SrcDtype::BF16:
+      pack_impl(L, LoadBF16{static_cast<const uint16_t*>(src)}, dst, num_threads);
+      break;
+    case SrcDtype::F16:
+      pack_impl(L, LoadF16{static_cast<const uint16_t*>(src)}, dst, num_threads);
+      break;
+  }
+}
+
+// ---- dequantize ----
+void dequantize_cpu(const PackedLayout& layout, const void* packed, void* out, OutDtype dtype,
+                    int num_threads) {
+  check_layout(layout);
+  if (layout.numel() == 0) return;
+  LS_CHECK(packed != nullptr && out != nullptr, "dequantize_cpu: null packed or output pointer");
+  const uint8_t* base = static_cast<const uint8_t*>(packed);
+  switch (dtype) {
+    case OutDtype::F32:
+      dequant_impl(layout, base, StoreF32{static_cast<float*>(out)}, num_threads);
+      break;
+    case OutDtype::BF16:
+      dequant_impl(layout, base, StoreBF16{static_cast<uint16_t*>(out)}, num_threads);
+      break;
+    case OutDtype::F16:
+      dequant_impl(layout, base, StoreF16{static_cast<uint16_t*>(out)}, num_threads);
+      break;
+  }
+}
+
+// ---- bounds ----
+double error_bound(const PackedLayout& L, const void* packed, int64_t row, int64_t col, float w) {
+  LS_CHECK(row >= 0 && row < L.rows && col >= 0 && col < L.cols, "error_bound: element (", row,
+           ", ", col, ") is outside the [", L.rows, ", ", L.cols, "] weight");
+  const float* scales =
+      reinterpret_cast<const float*>(static_cast<const uint8_t*>(packed) + L.scale_offset());
+  double bound = 0.0;
+  switch (L.format) {
+    case Format::Int8:
+      bound = 0.5 * scales[row];
+      break;
+    case Format::Int4:
+      bound = 0.5 * scales[row * (L.cols / kInt4GroupSize) + col / kInt4GroupSize];
+      break;
+    case Format::NF4:
+      bound = kNF4MaxHalfGap * scales[(row * L.cols + col) / kNF4BlockSize];
+      break;
+    case Format::Fp8E4M3: {
+      const double s = scales[row];
+      if (s > 0) bound = s * std::max(std::fabs(static_cast<double>(w)) / s / 16.0, 1.0 / 1024.0);
+      break;
+    }
+    case Format::None:
+      LS_FAIL("error_bound: format 'none' has no quantization error");
+  }
+  return bound * (1.0 + 1.0 / 1024.0) + std::ldexp(1.0, -140);
+}
+
+// ---- scalar conversions ----
+uint8_t fp8_e4m3_encode(float x) { return fp8_encode(x); }
+float fp8_e4m3_decode(uint8_t code) { return fp8_decode(code); }
+uint16_t float_to_bf16_bits(float x) { return bf16_from_float(x); }
+uint16_t float_to_f16_bits(float x) { return f16_from_float(x); }
+float bf16_bits_to_float(uint16_t b) { return float_from_bf16(b); }
+float f16_bits_to_float(uint16_t h) { return float_from_f16(h); }
+
+}  // namespace quant
+}  // namespace layerstream

@@ -1,0 +1,272 @@
+// layerstream — CUDA dequantization kernels, bit-identical to
+// quant::dequantize_cpu (same fp32 operations in the same order, explicit
+// round-to-nearest intrinsics so nvcc cannot contract anything, and the
+// output conversion with __float2bfloat16_rn / __float2half_rn).
+//
+// Work split: each thread owns 16 consecutive elements of the flattened
+// [rows, cols] tensor. Full chunks load their codes with one 16-byte (8-bit
+// formats) or 8-byte (4-bit formats) load and store with 16-byte stores when
+// the output is 16-byte aligned; the last partial chunk goes element by
+// element. A chunk of 16 never straddles an nf4 block (64) or an int4 group
+// (128, and cols % 128 == 0), so those formats fetch one scale per chunk.
+#include "kernels/cuda/dequant.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/error.h"
+
+namespace layerstream {
+namespace quant {
+namespace {
+
+constexpr int kChunk = 16;
+constexpr int kThreads = 256;
+
+struct NF4Table {
+  float v[16];
+};
+
+__device__ __forceinline__ float fp8_decode_dev(uint32_t c) {
+  const uint32_t sign = (c & 0x80u) << 24;
+  const uint32_t e = (c >> 3) & 0xFu;
+  const uint32_t m = c & 7u;
+  if (e == 0) return __uint_as_float(__float_as_uint(__fmul_rn(static_cast<float>(m), 0.001953125f)) | sign);
+  if (e == 15 && m == 7) return __uint_as_float(sign | 0x7FC00000u);
+  return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+template <int kOut>
+struct OutTraits;
+template <>
+struct OutTraits<0> {  // F32
+  using T = float;
+  __device__ __forceinline__ static float cvt(float v) { return v; }
+};
+template <>
+struct OutTraits<1> {  // BF16
+  using T = unsigned short;
+  __device__ __forceinline__ static unsigned short cvt(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+};
+template <>
+struct OutTraits<2> {  // F16
+  using T = unsigned short;
+  __device__ __forceinline__ static unsigned short cvt(float v) {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+};
+
+// Value of element i (any i < n) without vector loads: the tail path.
+template <int kFmt>
+__device__ __forceinline__ float element(const uint8_t* data, const float* scales,
+                                         const float* zeros, const float* nf4, int64_t cols,
+                                         int64_t i) {
+  if (kFmt == static_cast<int>(Format::Int8)) {
+    return __fmul_rn(static_cast<float>(reinterpret_cast<const int8_t*>(data)[i]), scales[i / cols]);
+  } else if (kFmt == static_cast<int>(Format::Fp8E4M3)) {
+    return __fmul_rn(fp8_decode_dev(data[i]), scales[i / cols]);
+  } else if (kFmt == static_cast<int>(Format::NF4)) {
+    const uint32_t byte = data[i >> 1];
+    const uint32_t q = (i & 1) ? (byte & 0xFu) : (byte >> 4);
+    return __fmul_rn(nf4[q], scales[i / 64]);
+  } else {  // Int4
+    const uint32_t byte = data[i >> 1];
+    const uint32_t q = (i & 1) ? (byte & 0xFu) : (byte >> 4);
+    const int64_t g = i / 128;
+    return __fmul_rn(__fsub_rn(static_cast<float>(q), zeros[g]), scales[g]);
+  }
+}
+
+template <int kFmt, int kOut, bool kVecStore>
+__global__ void __launch_bounds__(kThreads)
+    dequant_kernel(const uint8_t* __restrict__ data, const float* __restrict__ scales,
+                   const float* __restrict__ zeros, typename OutTraits<kOut>::T* __restrict__ out,
+                   int64_t n, int64_t cols, NF4Table table) {
+  __shared__ float nf4[16];
+  if (kFmt == static_cast<int>(Format::NF4)) {
+    if (threadIdx.x < 16) nf4[threadIdx.x] = table.v[threadIdx.x];
+    __syncthreads();
+  }
+  const int64_t start = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kChunk;
+  if (start >= n) return;
+  using T = typename OutTraits<kOut>::T;
+
+  if (start + kChunk > n) {  // the last, partial chunk
+    for (int64_t i = start; i < n; ++i)
+      out[i] = OutTraits<kOut>::cvt(element<kFmt>(data, scales, zeros, nf4, cols, i));
+    return;
+  }
+
+  float v[kChunk];
+  if (kFmt == static_cast<int>(Format::Int8) || kFmt == static_cast<int>(Format::Fp8E4M3)) {
+    const uint4 w = *reinterpret_cast<const uint4*>(data + start);
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    int64_t row = start / cols;
+    int64_t col = start - row * cols;
+    float s = scales[row];
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) {
+      if (col == cols) {  // crossed into the next row (cols need not divide 16)
+        ++row;
+        col = 0;
+        s = scales[row];
+      }
+      const uint32_t c = (words[k / 4] >> (8 * (k % 4))) & 0xFFu;
+      float x;
+      if (kFmt == static_cast<int>(Format::Int8)) {
+        x = static_cast<float>(static_cast<int>(static_cast<int8_t>(static_cast<uint8_t>(c))));
+      } else {
+        x = fp8_decode_dev(c);
+      }
+      v[k] = __fmul_rn(x, s);
+      ++col;
+    }
+  } else {
+    const uint2 w = *reinterpret_cast<const uint2*>(data + start / 2);
+    const uint32_t words[2] = {w.x, w.y};
+    if (kFmt == static_cast<int>(Format::NF4)) {
+      const float a = scales[start / 64];
+#pragma unroll
+      for (int k = 0; k < kChunk; k += 2) {
+        const uint32_t byte = (words[k / 8] >> (8 * ((k / 2) % 4))) & 0xFFu;
+        v[k] = __fmul_rn(nf4[byte >> 4], a);
+        v[k + 1] = __fmul_rn(nf4[byte & 0xFu], a);
+      }
+    } else {  // Int4
+      const int64_t g = start / 128;
+      const float s = scales[g];
+      const float z = zeros[g];
+#pragma unroll
+      for (int k = 0; k < kChunk; k += 2) {
+        const uint32_t byte = (words[k / 8] >> (8 * ((k / 2) % 4))) & 0xFFu;
+        v[k] = __fmul_rn(__fsub_rn(static_cast<float>(byte >> 4), z), s);
+        v[k + 1] = __fmul_rn(__fsub_rn(static_cast<float>(byte & 0xFu), z), s);
+      }
+    }
+  }
+
+  T* dst = out + start;
+  if (kVecStore) {
+    if (kOut == 0) {
+#pragma unroll
+      for (int k = 0; k < kChunk; k += 4) {
+        float4 f;
+        f.x = v[k];
+        f.y = v[k + 1];
+        f.z = v[k + 2];
+        f.w = v[k + 3];
+        reinterpret_cast<float4*>(dst)[k / 4] = f;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kChunk; k += 8) {
+        uint4 u;
+        u.x = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k])) |
+              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 1])) << 16);
+        u.y = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 2])) |
+              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 3])) << 16);
+        u.z = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 4])) |
+              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 5])) << 16);
+        u.w = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 6])) |
+              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 7])) << 16);
+        reinterpret_cast<uint4*>(dst)[k / 8] = u;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) dst[k] = OutTraits<kOut>::cvt(v[k]);
+  }
+}
+
+template <int kFmt, int kOut>
+void launch_out(const PackedLayout& L, const uint8_t* base, void* out, bool vec_store,
+                cudaStream_t stream) {
+  const int64_t n = L.numel();
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t blocks = (chunks + kThreads - 1) / kThreads;
+  LS_CHECK(blocks <= 0x7FFFFFFF, "dequantize_cuda: tensor [", L.rows, ", ", L.cols,
+           "] is too large for one launch; split it");
+  NF4Table table;
+  for (int i = 0; i < 16; ++i) table.v[i] = kNF4Codes[i];
+  const uint8_t* data = base + L.data_offset();
+  const float* scales = reinterpret_cast<const float*>(base + L.scale_offset());
+  const float* zeros = reinterpret_cast<const float*>(base + L.zero_offset());
+  using T = typename OutTraits<kOut>::T;
+  T* o = static_cast<T*>(out);
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (vec_store) {
+    dequant_kernel<kFmt, kOut, true><<<grid, kThreads, 0, stream>>>(data, scales, zeros, o, n,
+                                                                     L.cols, table);
+  } else {
+    dequant_kernel<kFmt, kOut, false><<<grid, kThreads, 0, stream>>>(data, scales, zeros, o, n,
+                                                                      L.cols, table);
+  }
+}
+
+template <int kFmt>
+void launch_fmt(const PackedLayout& L, const uint8_t* base, void* out, OutDtype dtype,
+                bool vec_store, cudaStream_t stream) {
+  switch (dtype) {
+    case OutDtype::F32:
+      launch_out<kFmt, 0>(L, base, out, vec_store, stream);
+      break;
+    case OutDtype::BF16:
+      launch_out<kFmt, 1>(L, base, out, vec_store, stream);
+      break;
+    case OutDtype::F16:
+      launch_out<kFmt, 2>(L, base, out, vec_store, stream);
+      break;
+  }
+}
+
+}  // namespace
+
+void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* out_dev,
+                     OutDtype dtype, void* cuda_stream) {
+  const PackedLayout want = layout_for(layout.format, layout.rows, layout.cols);
+  LS_CHECK(want.block_size == layout.block_size && want.data_bytes == layout.data_bytes &&
+               want.scale_bytes == layout.scale_bytes && want.zero_bytes == layout.zero_bytes,
+           "dequantize_cuda: inconsistent PackedLayout (expected ", describe(want), ", got ",
+           describe(layout), "); build layouts with quant::layout_for()");
+  if (layout.numel() == 0) return;
+  LS_CHECK(packed_dev != nullptr && out_dev != nullptr,
+           "dequantize_cuda: null packed or output device pointer");
+  const uintptr_t pa = reinterpret_cast<uintptr_t>(packed_dev);
+  const uintptr_t oa = reinterpret_cast<uintptr_t>(out_dev);
+  LS_CHECK(pa % 16 == 0, "dequantize_cuda: the packed buffer must be 16-byte aligned (got address ",
+           packed_dev, "); use cudaMalloc'd memory or an offset that is a multiple of 256");
+  LS_CHECK(oa % out_dtype_bytes(dtype) == 0, "dequantize_cuda: the ", to_string(dtype),
+           " output pointer is not aligned to its element size");
+  const bool vec_store = (oa % 16 == 0);
+  const uint8_t* base = static_cast<const uint8_t*>(packed_dev);
+  cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+  switch (layout.format) {
+    case Format::Int8:
+      launch_fmt<static_cast<int>(Format::Int8)>(layout, base, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::Fp8E4M3:
+      launch_fmt<static_cast<int>(Format::Fp8E4M3)>(layout, base, out_dev, dtype, vec_store,
+                                                    stream);
+      break;
+    case Format::NF4:
+      launch_fmt<static_cast<int>(Format::NF4)>(layout, base, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::Int4:
+      launch_fmt<static_cast<int>(Format::Int4)>(layout, base, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::None:
+      LS_FAIL("dequantize_cuda: format 'none' has nothing to dequantize");
+  }
+  const cudaError_t err = cudaGetLastError();
+  LS_CHECK(err == cudaSuccess, "dequantize_cuda: kernel launch for ", describe(layout), " to ",
+           to_string(dtype), " failed: ", cudaGetErrorString(err), " (", static_cast<int>(err),
+           ")");
+}
+
+}  // namespace quant
+}  // namespace layerstream

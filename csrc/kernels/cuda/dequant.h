@@ -1,0 +1,22 @@
+// layerstream — CUDA dequantization kernels (plain C++ header: callers need
+// no CUDA includes). Implemented in dequant.cu, built into ls_cuda.
+#pragma once
+
+#include "core/quant.h"
+
+namespace layerstream {
+namespace quant {
+
+// Dequantizes one packed tensor on the device. `packed_dev` points to the
+// device copy of the buffer pack() produced (layout.total_bytes() bytes,
+// 16-byte aligned; cudaMalloc memory is), `out_dev` to layout.numel()
+// elements of `dtype` (bf16/f16 as raw 16-bit values). Enqueued on
+// `cuda_stream` (a cudaStream_t; nullptr = the legacy default stream); the
+// call returns without waiting. The result is bit-identical to
+// dequantize_cpu(). Throws layerstream::Error on a bad layout, misaligned
+// pointers, or a launch error (with cudaGetErrorString's text).
+void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* out_dev,
+                     OutDtype dtype, void* cuda_stream);
+
+}  // namespace quant
+}  // namespace layerstream
