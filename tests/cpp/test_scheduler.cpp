@@ -140,7 +140,9 @@ TEST_P(RandomSchedule, NoRacesBytesExactBudgetHeld) {
     EXPECT_LE(st.device_bytes, so.budget_bytes);
     EXPECT_GE(st.steps, 30u) << "auto step detection should see most step boundaries";
     EXPECT_FALSE(st.recording);
-    if (p.prefetch > 0) EXPECT_GT(st.hits, st.misses) << "prefetching should serve most fetches";
+    if (p.prefetch > 0) {
+      EXPECT_GT(st.hits, st.misses) << "prefetching should serve most fetches";
+    }
   }
   EXPECT_EQ(mismatches.load(), 0) << "a slot did not hold its layer's bytes when compute read it";
   EXPECT_LE(sim->stats().peak_device_bytes, so.budget_bytes);

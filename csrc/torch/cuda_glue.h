@@ -1,0 +1,23 @@
+// layerstream — the CUDA-specific part of the torch glue, behind plain
+// functions so that engine.cpp compiles against a CPU-only LibTorch.
+// Implemented in cuda_glue_cuda.cpp (LibTorch with CUDA and the CUDA
+// toolkit) or cuda_glue_nocuda.cpp (otherwise).
+#pragma once
+
+#include <memory>
+
+#include "core/runtime.h"
+
+namespace layerstream::cuda_glue {
+
+// True when this build supports CUDA and PyTorch sees at least one GPU.
+bool available();
+int device_count();
+// A CUDA backend on `device` (throws a clear error without CUDA support).
+std::shared_ptr<Backend> make_backend(int device);
+// The framework's current CUDA stream on `device` (a cudaStream_t).
+void* current_stream(int device);
+// Peak device bytes allocated through a CUDA backend (0 for other backends).
+size_t peak_device_bytes(Backend& backend);
+
+}  // namespace layerstream::cuda_glue

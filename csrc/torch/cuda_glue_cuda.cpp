@@ -1,0 +1,29 @@
+// Compiled only when LibTorch has CUDA and the CUDA toolkit is found.
+#include <c10/cuda/CUDAStream.h>
+#include <torch/cuda.h>
+
+#include "backends/cuda/cuda_backend.h"
+#include "cuda_glue.h"
+
+namespace layerstream::cuda_glue {
+
+bool available() { return torch::cuda::is_available(); }
+int device_count() { return static_cast<int>(torch::cuda::device_count()); }
+
+std::shared_ptr<Backend> make_backend(int device) {
+  CudaOptions o;
+  o.device = device;
+  return make_cuda_backend(o);
+}
+
+void* current_stream(int device) {
+  return static_cast<void*>(
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
+}
+
+size_t peak_device_bytes(Backend& backend) {
+  if (auto* c = dynamic_cast<CudaBackend*>(&backend)) return c->memory_stats().device_bytes_peak;
+  return 0;
+}
+
+}  // namespace layerstream::cuda_glue

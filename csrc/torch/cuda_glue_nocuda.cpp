@@ -1,0 +1,18 @@
+// Used when LibTorch or the toolkit has no CUDA: every CUDA request fails clearly.
+#ifndef LS_TORCH_CUDA
+#include "core/error.h"
+#include "cuda_glue.h"
+
+namespace layerstream::cuda_glue {
+
+bool available() { return false; }
+int device_count() { return 0; }
+std::shared_ptr<Backend> make_backend(int) {
+  LS_FAIL("this layerstream build has no CUDA support (built against a CPU-only LibTorch or "
+          "without the CUDA toolkit); use device='sim'");
+}
+void* current_stream(int) { LS_FAIL("this layerstream build has no CUDA support"); }
+size_t peak_device_bytes(Backend&) { return 0; }
+
+}  // namespace layerstream::cuda_glue
+#endif

@@ -1,0 +1,732 @@
+#include "engine.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "backends/sim/sim_backend.h"
+#include "core/log.h"
+#include "cuda_glue.h"
+
+namespace layerstream {
+
+namespace {
+
+std::mutex g_registry_mu;
+std::map<uint64_t, std::weak_ptr<Engine>>& registry() {
+  static std::map<uint64_t, std::weak_ptr<Engine>> r;
+  return r;
+}
+std::atomic<uint64_t> g_next_id{1};
+
+size_t align256(size_t v) { return (v + 255) / 256 * 256; }
+
+bool is_float_activation(torch::ScalarType t) {
+  return t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+}  // namespace
+
+std::string resolve_device(const std::string& device) {
+  if (device == "sim") return "sim";
+  if (device == "auto") return cuda_glue::available() ? "cuda:0" : "sim";
+  if (device == "cpu")
+    LS_FAIL("device 'cpu' cannot be a streaming target: weights already live on the CPU. Use "
+            "device='sim' for the simulated GPU, or 'cuda'.");
+  if (device.rfind("cuda", 0) == 0) {
+    int index = 0;
+    if (device.size() > 4) {
+      LS_CHECK(device[4] == ':' && device.size() > 5, "bad device '", device,
+               "': use 'cuda' or 'cuda:N'");
+      try {
+        index = std::stoi(device.substr(5));
+      } catch (...) {
+        LS_FAIL("bad device '", device, "': use 'cuda' or 'cuda:N'");
+      }
+    }
+    LS_CHECK(cuda_glue::available(), "device '", device,
+             "' was requested but no CUDA GPU is visible to PyTorch (torch.cuda.is_available() "
+             "is False, or this layerstream build has no CUDA support); use device='sim' to run "
+             "on the simulated device.");
+    LS_CHECK(index >= 0 && index < cuda_glue::device_count(), "device '", device,
+             "' does not exist: PyTorch sees ", cuda_glue::device_count(), " CUDA device(s)");
+    return "cuda:" + std::to_string(index);
+  }
+  LS_FAIL("unknown device '", device, "': use 'auto', 'sim', 'cuda' or 'cuda:N'");
+}
+
+std::shared_ptr<Engine> Engine::create(const EngineOptions& options) {
+  std::shared_ptr<Engine> e(new Engine(options));
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  registry()[e->id_] = e;
+  return e;
+}
+
+std::shared_ptr<Engine> Engine::lookup(uint64_t id) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = registry().find(id);
+  return it == registry().end() ? nullptr : it->second.lock();
+}
+
+Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) {
+  LS_CHECK(opts_.prefetch >= 0, "prefetch must be >= 0, got ", opts_.prefetch);
+  LS_CHECK(opts_.slots >= 0, "slots must be >= 0, got ", opts_.slots);
+  device_name_ = resolve_device(opts_.device);
+  if (device_name_ == "sim") {
+    SimOptions so;
+    so.h2d_gbps = opts_.sim_h2d_gbps;
+    so.d2h_gbps = opts_.sim_d2h_gbps;
+    so.latency_us = opts_.sim_latency_us;
+    so.checker = opts_.checker;
+    so.abort_on_ordering_error = opts_.abort_on_ordering_error;
+    backend_ = make_sim_backend(so);
+    compute_device_ = torch::Device(torch::kCPU);
+    inline_compute_ = backend_->create_inline_stream("compute");
+  } else {
+    const int index = std::stoi(device_name_.substr(5));
+    backend_ = cuda_glue::make_backend(index);
+    compute_device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  store_ = std::make_shared<HostStore>(*backend_, opts_.pin_memory);
+  transfer_ = backend_->create_stream("transfer");
+  grad_stream_ = backend_->create_stream("grad");
+}
+
+Engine::~Engine() {
+  try {
+    drain_grads();
+  } catch (...) {
+  }
+  sched_.reset();
+  for (auto& l : layers_) {
+    l->grad_done = Event();
+    l->grad_staging.reset();
+  }
+  try {
+    backend_->synchronize(grad_stream_);
+    backend_->destroy_stream(transfer_);
+    backend_->destroy_stream(grad_stream_);
+    if (inline_compute_) backend_->destroy_stream(inline_compute_);
+  } catch (...) {
+  }
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  registry().erase(id_);
+}
+
+int Engine::num_layers() const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  return static_cast<int>(layers_.size());
+}
+
+std::string Engine::layer_name(int i) const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  return layers_.at(static_cast<size_t>(i))->name;
+}
+
+int64_t Engine::layer_bytes(int i) const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const auto& l = *layers_.at(static_cast<size_t>(i));
+  return static_cast<int64_t>(l.w_bytes + l.b_bytes);
+}
+
+Engine::LayerInfo& Engine::layer(int i) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(i >= 0 && i < static_cast<int>(layers_.size()), "no streamed layer #", i);
+  return *layers_[static_cast<size_t>(i)];
+}
+
+namespace {
+// Moves a parameter's data into the host store; the parameter's data becomes
+// a CPU tensor over the store's memory (kept alive by the tensor's deleter).
+void* adopt(HostStore& store, const std::shared_ptr<HostStore>& keep, torch::Tensor& param,
+            const std::string& name, size_t* index, size_t* bytes) {
+  torch::NoGradGuard ng;
+  torch::Tensor src = param.detach().to(torch::kCPU).contiguous();
+  *bytes = static_cast<size_t>(src.numel()) * src.element_size();
+  *index = store.add(*bytes, src.data_ptr(), name);
+  void* ptr = store.buffer(*index).ptr;
+  auto keepalive = keep;
+  torch::Tensor alias = torch::from_blob(
+      ptr, src.sizes(), [keepalive](void*) {}, torch::TensorOptions().dtype(src.scalar_type()));
+  param.set_data(alias);
+  return ptr;
+}
+}  // namespace
+
+int Engine::add_layer(LayerInfo info) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
+  LS_CHECK(info.weight.defined(), "layer '", info.name, "' has no weight");
+  LS_CHECK(info.weight.is_floating_point(), "layer '", info.name, "' has a ",
+           info.weight.scalar_type(), " weight; only floating-point weights can be streamed");
+  for (const auto& l : layers_) {
+    LS_CHECK(!l->weight.is_same(info.weight), "layer '", info.name,
+             "' shares its weight with already streamed layer '", l->name,
+             "': attach each module once");
+  }
+  info.w_shape = info.weight.sizes().vec();
+  info.w_dtype = info.weight.scalar_type();
+  info.w_host = adopt(*store_, store_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes);
+  if (info.bias.defined()) {
+    LS_CHECK(info.bias.is_floating_point(), "layer '", info.name, "' has a non-float bias");
+    info.b_shape = info.bias.sizes().vec();
+    info.b_dtype = info.bias.scalar_type();
+    info.b_host = adopt(*store_, store_, info.bias, info.name + ".bias", &info.b_index, &info.b_bytes);
+  }
+  info.grad_done = backend_->create_event();
+  layers_.push_back(std::make_unique<LayerInfo>(std::move(info)));
+  // A new layer invalidates the scheduler (its slot size and trace).
+  if (sched_) {
+    sched_->quiesce();
+    const SchedulerStats st = sched_->stats();
+    carried_.steps += st.steps;
+    carried_.acquires += st.acquires;
+    carried_.hits += st.hits;
+    carried_.misses += st.misses;
+    carried_.deviations += st.deviations;
+    carried_.h2d_bytes += st.h2d_bytes;
+    carried_.host_wait_seconds += st.host_wait_seconds;
+    sched_.reset();
+  }
+  return static_cast<int>(layers_.size()) - 1;
+}
+
+int Engine::add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias) {
+  LS_CHECK(weight.dim() == 2, "Linear layer '", name, "' needs a 2-D weight, got ",
+           shape_str(weight.sizes().vec()));
+  LayerInfo info;
+  info.name = name;
+  info.weight = weight;
+  info.bias = bias;
+  return add_layer(std::move(info));
+}
+
+int Engine::add_conv(const std::string& name, torch::Tensor weight, torch::Tensor bias,
+                     const ConvSpec& spec) {
+  LS_CHECK(spec.dims >= 1 && spec.dims <= 3, "Conv layer '", name, "': only 1-3 spatial dims");
+  LS_CHECK(weight.dim() == spec.dims + 2, "Conv", spec.dims, "d layer '", name, "' needs a ",
+           spec.dims + 2, "-D weight, got ", shape_str(weight.sizes().vec()));
+  auto check_len = [&](const std::vector<int64_t>& v, const char* what) {
+    LS_CHECK(static_cast<int>(v.size()) == spec.dims, "Conv layer '", name, "': ", what,
+             " needs ", spec.dims, " values, got ", v.size());
+  };
+  check_len(spec.stride, "stride");
+  check_len(spec.dilation, "dilation");
+  if (!spec.same) check_len(spec.padding, "padding");
+  LayerInfo info;
+  info.name = name;
+  info.is_conv = true;
+  info.conv = spec;
+  info.weight = weight;
+  info.bias = bias;
+  return add_layer(std::move(info));
+}
+
+size_t Engine::grad_bytes(const LayerInfo& l) const {
+  return align256(l.w_bytes) + l.b_bytes;
+}
+
+void Engine::build_scheduler_locked() {
+  std::vector<LayerSpec> specs;
+  size_t largest = 0, largest_grad = 0;
+  int largest_i = 0;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const LayerInfo& l = *layers_[i];
+    LayerSpec s;
+    s.name = l.name;
+    s.parts.push_back(store_->buffer(l.w_index));
+    if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
+    const size_t bytes = align256(l.w_bytes) + align256(l.b_bytes);
+    if (bytes > largest) {
+      largest = bytes;
+      largest_i = static_cast<int>(i);
+    }
+    largest_grad = std::max(largest_grad, grad_bytes(l));
+    specs.push_back(std::move(s));
+  }
+  const size_t slot_bytes = std::max(largest, largest_grad);
+  SchedulerOptions so;
+  so.slot_bytes = slot_bytes;
+  so.prefetch_depth = opts_.prefetch;
+  int slots = opts_.slots > 0 ? opts_.slots : opts_.prefetch + 2;
+  if (opts_.budget_bytes >= 0) {
+    const size_t budget = static_cast<size_t>(opts_.budget_bytes);
+    LS_CHECK(budget >= 2 * slot_bytes, "budget of ", budget, " bytes is smaller than what the "
+             "largest streamed layer '", layers_[static_cast<size_t>(largest_i)]->name,
+             "' needs: 2 slots of ", slot_bytes, " bytes (", 2 * slot_bytes, " bytes; the layer has ",
+             largest, " bytes of weights). Raise the budget to at least ", 2 * slot_bytes,
+             " bytes or exclude that layer from streaming.");
+    const int fit = static_cast<int>(std::min<size_t>(budget / slot_bytes, 1 << 20));
+    if (opts_.slots > 0) {
+      LS_CHECK(opts_.slots <= fit, "slots=", opts_.slots, " slots of ", slot_bytes,
+               " bytes do not fit in the budget of ", budget, " bytes (at most ", fit, ")");
+    } else {
+      slots = std::min(slots, fit);
+    }
+    so.budget_bytes = budget;
+  }
+  slots = std::max(slots, 2);
+  so.num_slots = slots;
+  so.prefetch_depth = std::min(opts_.prefetch, slots - 1);
+  sched_ = std::make_unique<Scheduler>(*backend_, transfer_, std::move(specs), so);
+}
+
+void Engine::ensure_scheduler() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; its layers run their original "
+           "forward now. Call offload() again to stream them.");
+  if (!sched_) build_scheduler_locked();
+}
+
+Scheduler& Engine::scheduler() {
+  ensure_scheduler();
+  return *sched_;
+}
+
+Stream Engine::compute_stream() {
+  if (inline_compute_) return inline_compute_;
+  void* native = cuda_glue::current_stream(compute_device_.index());
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  auto it = wrapped_streams_.find(native);
+  if (it != wrapped_streams_.end()) return it->second;
+  Stream s = backend_->wrap_stream(native, "compute");
+  wrapped_streams_[native] = s;
+  return s;
+}
+
+Phase Engine::current_phase() const {
+  return torch::autograd::get_current_graph_task_id() == -1 ? Phase::Forward : Phase::Backward;
+}
+
+void Engine::check_host_alias(const LayerInfo& l) const {
+  LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
+           "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
+           ".cuda() or load_state_dict(assign=True)); layerstream keeps streamed weights in host "
+           "memory. Call handle.detach() before moving the model, or copy new values in place.");
+  if (l.bias.defined())
+    LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "
+             "layer '", l.name, "' was replaced or moved after offload(); call handle.detach() "
+             "first or copy new values in place.");
+}
+
+torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
+  auto opts = torch::TensorOptions().dtype(l.w_dtype).device(compute_device_);
+  torch::Tensor w = torch::from_blob(lease.part_ptr(0), l.w_shape, opts);
+  return w.scalar_type() == dtype ? w : w.to(dtype);
+}
+
+torch::Tensor Engine::device_bias(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
+  if (!l.bias.defined()) return torch::Tensor();
+  auto opts = torch::TensorOptions().dtype(l.b_dtype).device(compute_device_);
+  torch::Tensor b = torch::from_blob(lease.part_ptr(1), l.b_shape, opts);
+  return b.scalar_type() == dtype ? b : b.to(dtype);
+}
+
+void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LayerInfo& l = *layers_.at(static_cast<size_t>(layer_index));
+  Stream cs = compute_stream();
+  backend_->declare_access(scratch.slot_buf, Access::Write, cs,
+                           "compute writes gradients of '" + l.name + "'");
+  // The staging buffer may still hold the previous gradient of this layer
+  // (a layer used twice in one backward): accumulate that one first.
+  if (l.grad_pending) accumulate_locked(l);
+  if (!l.grad_staging.data()) {
+    bool fell_back = false;
+    l.grad_staging = HostBuffer::allocate(*backend_, grad_bytes(l), opts_.pin_memory,
+                                          l.name + ".grad-staging", &fell_back);
+    l.grad_b_offset = align256(l.w_bytes);
+    if (fell_back)
+      warn_once("grad-staging-pageable", "could not pin the gradient staging buffer of '" + l.name +
+                                             "'; using pageable memory (slower gradient copies)");
+  }
+  Event computed = backend_->create_event();
+  backend_->record(computed, cs);
+  backend_->wait(grad_stream_, computed);
+  if (has_w) {
+    backend_->copy_async(l.grad_staging.ref(), 0, scratch.slot_buf, 0, l.w_bytes, grad_stream_);
+    d2h_bytes_ += l.w_bytes;
+  }
+  if (has_b) {
+    backend_->copy_async(l.grad_staging.ref(), l.grad_b_offset, scratch.slot_buf, l.grad_b_offset,
+                         l.b_bytes, grad_stream_);
+    d2h_bytes_ += l.b_bytes;
+  }
+  backend_->record(l.grad_done, grad_stream_);
+  scheduler().release(scratch, grad_stream_);
+  l.grad_pending = true;
+  l.pending_w = has_w;
+  l.pending_b = has_b;
+  pending_.push_back(layer_index);
+}
+
+void Engine::accumulate_locked(LayerInfo& l) {
+  if (!l.grad_pending) return;
+  backend_->synchronize(l.grad_done);
+  backend_->declare_host_access(l.grad_staging.ref(), Access::Read,
+                                "host accumulates gradients of '" + l.name + "'");
+  torch::NoGradGuard ng;
+  auto acc = [](torch::Tensor& param, void* src, const std::vector<int64_t>& shape,
+                torch::ScalarType dt) {
+    torch::Tensor g = torch::from_blob(src, shape, torch::TensorOptions().dtype(dt));
+    torch::Tensor& grad = param.mutable_grad();
+    if (!grad.defined()) {
+      grad = g.clone();
+    } else {
+      grad.add_(g);
+    }
+  };
+  if (l.pending_w) acc(l.weight, l.grad_staging.data(), l.w_shape, l.w_dtype);
+  if (l.pending_b)
+    acc(l.bias, static_cast<char*>(l.grad_staging.data()) + l.grad_b_offset, l.b_shape, l.b_dtype);
+  l.grad_pending = false;
+  l.pending_w = l.pending_b = false;
+}
+
+void Engine::drain_grads() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  for (int i : pending_) accumulate_locked(*layers_.at(static_cast<size_t>(i)));
+  pending_.clear();
+}
+
+void Engine::ensure_backward_callback() {
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (task == -1) return;
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (std::find(callback_tasks_.begin(), callback_tasks_.end(), task) != callback_tasks_.end())
+      return;
+    callback_tasks_.push_back(task);
+  }
+  std::weak_ptr<Engine> weak = shared_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak, task] {
+    auto self = weak.lock();
+    if (!self) return;
+    {
+      std::lock_guard<std::recursive_mutex> lock(self->mu_);
+      auto& t = self->callback_tasks_;
+      t.erase(std::remove(t.begin(), t.end(), task), t.end());
+    }
+    self->drain_grads();
+  });
+}
+
+void Engine::synchronize() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  drain_grads();
+  backend_->synchronize(grad_stream_);
+  if (sched_) sched_->quiesce();
+}
+
+void Engine::detach(const std::vector<torch::Device>& devices) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was already detached");
+  synchronize();
+  LS_CHECK(devices.empty() || devices.size() == layers_.size(), "detach needs one device per layer");
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    LayerInfo& l = *layers_[i];
+    const torch::Device dev = devices.empty() ? torch::Device(torch::kCPU) : devices[i];
+    l.weight.set_data(l.weight.detach().clone().to(dev));
+    if (l.bias.defined()) l.bias.set_data(l.bias.detach().clone().to(dev));
+  }
+  sched_.reset();
+  detached_ = true;
+}
+
+std::map<std::string, double> Engine::stats() const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::map<std::string, double> m;
+  SchedulerStats st = sched_ ? sched_->stats() : SchedulerStats{};
+  m["steps"] = static_cast<double>(st.steps + carried_.steps);
+  m["acquires"] = static_cast<double>(st.acquires + carried_.acquires);
+  m["hits"] = static_cast<double>(st.hits + carried_.hits);
+  m["misses"] = static_cast<double>(st.misses + carried_.misses);
+  m["deviations"] = static_cast<double>(st.deviations + carried_.deviations);
+  m["h2d_bytes"] = static_cast<double>(st.h2d_bytes + carried_.h2d_bytes);
+  m["d2h_bytes"] = static_cast<double>(d2h_bytes_);
+  m["stall_seconds"] = st.host_wait_seconds + carried_.host_wait_seconds;
+  m["slots"] = st.num_slots;
+  m["slot_bytes"] = static_cast<double>(st.slot_bytes);
+  m["max_slots_held"] = st.max_slots_held;
+  m["budget_bytes"] = static_cast<double>(opts_.budget_bytes);
+  m["layers"] = static_cast<double>(layers_.size());
+  const HostStoreStats hs = store_->stats();
+  m["pinned_bytes"] = static_cast<double>(hs.pinned_bytes);
+  m["pageable_bytes"] = static_cast<double>(hs.pageable_bytes);
+  if (auto* sim = dynamic_cast<SimBackend*>(backend_.get())) {
+    m["peak_device_bytes"] = static_cast<double>(sim->stats().peak_device_bytes);
+  } else {
+    m["peak_device_bytes"] = static_cast<double>(cuda_glue::peak_device_bytes(*backend_));
+  }
+  m["ordering_errors"] = static_cast<double>(backend_->ordering_errors().size());
+  return m;
+}
+
+std::vector<std::string> Engine::ordering_errors() const { return backend_->ordering_errors(); }
+
+// ---------------------------------------------------------------------------
+// Autograd functions
+// ---------------------------------------------------------------------------
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::shared_ptr<Engine> engine_from(AutogradContext* ctx) {
+  const uint64_t id = static_cast<uint64_t>(ctx->saved_data["engine"].toInt());
+  auto e = Engine::lookup(id);
+  LS_CHECK(e != nullptr, "the layerstream engine of this graph was destroyed before backward "
+           "(the offload handle was detached or garbage-collected); keep the handle alive until "
+           "backward completes");
+  return e;
+}
+
+void check_input(Engine& e, const Engine::LayerInfo& l, const torch::Tensor& x) {
+  LS_CHECK(x.device() == e.compute_device(), "layer '", l.name, "' streams to ",
+           e.device_name(), " (tensors on ", e.compute_device().str(), ") but its input is on ",
+           x.device().str(), "; move the input to ", e.compute_device().str());
+  LS_CHECK(is_float_activation(x.scalar_type()), "layer '", l.name, "' got a ", x.scalar_type(),
+           " input; activations must be float32, bfloat16 or float16");
+}
+
+bool wants_grad(const torch::Tensor& p) {
+  return p.defined() && p.requires_grad() && p.is_floating_point();
+}
+
+struct LinearFn : public torch::autograd::Function<LinearFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
+                               torch::Tensor bias, Engine* e, int64_t layer) {
+    Engine::LayerInfo& l = e->layer(static_cast<int>(layer));
+    Stream cs = e->compute_stream();
+    Lease lease = e->scheduler().acquire(static_cast<int>(layer), cs, e->current_phase());
+    torch::Tensor out;
+    try {
+      torch::Tensor w = e->device_weight(l, lease, x.scalar_type());
+      torch::Tensor b = e->device_bias(l, lease, x.scalar_type());
+      out = torch::linear(x, w, b);
+    } catch (...) {
+      e->scheduler().release(lease, cs);
+      throw;
+    }
+    e->scheduler().release(lease, cs);
+    ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
+    ctx->saved_data["layer"] = layer;
+    ctx->save_for_backward({wants_grad(weight) ? x : torch::Tensor()});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto e = engine_from(ctx);
+    const int layer = static_cast<int>(ctx->saved_data["layer"].toInt());
+    Engine::LayerInfo& l = e->layer(layer);
+    torch::Tensor go = grads[0];
+    torch::Tensor x = ctx->get_saved_variables()[0];
+    const bool need_x = ctx->needs_input_grad(0);
+    const bool need_w = x.defined() && wants_grad(l.weight);
+    const bool need_b = wants_grad(l.bias);
+    Stream cs = e->compute_stream();
+    Scheduler& sched = e->scheduler();
+    torch::Tensor gx;
+    if (need_x) {
+      Lease lease = sched.acquire(layer, cs, Phase::Backward);
+      try {
+        gx = go.matmul(e->device_weight(l, lease, go.scalar_type()));
+      } catch (...) {
+        sched.release(lease, cs);
+        throw;
+      }
+      sched.release(lease, cs);
+    }
+    if (need_w || need_b) {
+      Lease scratch = sched.acquire_scratch(cs);
+      try {
+        const int64_t out_f = l.w_shape[0];
+        torch::Tensor go2 = go.reshape({-1, out_f});
+        if (need_w) {
+          torch::Tensor x2 = x.reshape({-1, l.w_shape[1]});
+          torch::Tensor gw = torch::from_blob(scratch.part_ptr(0), l.w_shape,
+                                              torch::TensorOptions().dtype(l.w_dtype).device(e->compute_device()));
+          if (go2.scalar_type() == l.w_dtype) {
+            torch::mm_out(gw, go2.t(), x2);
+          } else {
+            gw.copy_(go2.t().mm(x2));
+          }
+        }
+        if (need_b) {
+          torch::Tensor gb = torch::from_blob(static_cast<char*>(scratch.slot_buf.ptr) + align256(l.w_bytes),
+                                              l.b_shape,
+                                              torch::TensorOptions().dtype(l.b_dtype).device(e->compute_device()));
+          gb.copy_(go2.sum(0));
+        }
+      } catch (...) {
+        sched.release(scratch, cs);
+        throw;
+      }
+      e->push_grads(layer, scratch, need_w, need_b);
+      e->ensure_backward_callback();
+    }
+    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// Explicit symmetric padding for a conv, plus the extra right padding that
+// 'same' needs when the total padding is odd.
+struct ConvGeometry {
+  std::vector<int64_t> padding;
+  std::vector<int64_t> extra;  // right-side extra padding per spatial dim
+  bool asymmetric = false;
+};
+
+ConvGeometry conv_geometry(const Engine::LayerInfo& l) {
+  ConvGeometry g;
+  const int d = l.conv.dims;
+  if (!l.conv.same) {
+    g.padding = l.conv.padding.empty() ? std::vector<int64_t>(static_cast<size_t>(d), 0) : l.conv.padding;
+    g.extra.assign(static_cast<size_t>(d), 0);
+    return g;
+  }
+  for (int i = 0; i < d; ++i) {
+    const int64_t k = l.w_shape[static_cast<size_t>(2 + i)];
+    const int64_t total = l.conv.dilation[static_cast<size_t>(i)] * (k - 1);
+    const int64_t left = total / 2;
+    g.padding.push_back(left);
+    g.extra.push_back(total - 2 * left);
+    if (total - 2 * left) g.asymmetric = true;
+  }
+  return g;
+}
+
+torch::Tensor pad_right(const torch::Tensor& x, const ConvGeometry& g) {
+  if (!g.asymmetric) return x;
+  std::vector<int64_t> pad;  // last dim first: (left, right) pairs
+  for (int i = static_cast<int>(g.extra.size()) - 1; i >= 0; --i) {
+    pad.push_back(0);
+    pad.push_back(g.extra[static_cast<size_t>(i)]);
+  }
+  return torch::constant_pad_nd(x, pad, 0);
+}
+
+struct ConvFn : public torch::autograd::Function<ConvFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
+                               torch::Tensor bias, Engine* e, int64_t layer) {
+    Engine::LayerInfo& l = e->layer(static_cast<int>(layer));
+    const bool unbatched = x.dim() == l.conv.dims + 1;
+    LS_CHECK(unbatched || x.dim() == l.conv.dims + 2, "Conv", l.conv.dims, "d layer '", l.name,
+             "' expects a ", l.conv.dims + 1, "-D or ", l.conv.dims + 2, "-D input, got ",
+             x.dim(), "-D");
+    torch::Tensor xb = unbatched ? x.unsqueeze(0) : x;
+    const ConvGeometry g = conv_geometry(l);
+    torch::Tensor xp = pad_right(xb, g);
+    Stream cs = e->compute_stream();
+    Lease lease = e->scheduler().acquire(static_cast<int>(layer), cs, e->current_phase());
+    torch::Tensor out;
+    try {
+      torch::Tensor w = e->device_weight(l, lease, x.scalar_type());
+      torch::Tensor b = e->device_bias(l, lease, x.scalar_type());
+      out = torch::convolution(xp, w, b, l.conv.stride, g.padding, l.conv.dilation, false,
+                               std::vector<int64_t>(static_cast<size_t>(l.conv.dims), 0), l.conv.groups);
+    } catch (...) {
+      e->scheduler().release(lease, cs);
+      throw;
+    }
+    e->scheduler().release(lease, cs);
+    ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["unbatched"] = unbatched;
+    ctx->save_for_backward({xp});
+    return unbatched ? out.squeeze(0) : out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto e = engine_from(ctx);
+    const int layer = static_cast<int>(ctx->saved_data["layer"].toInt());
+    const bool unbatched = ctx->saved_data["unbatched"].toBool();
+    Engine::LayerInfo& l = e->layer(layer);
+    torch::Tensor go = unbatched ? grads[0].unsqueeze(0) : grads[0];
+    torch::Tensor xp = ctx->get_saved_variables()[0];
+    const bool need_x = ctx->needs_input_grad(0);
+    const bool need_w = wants_grad(l.weight);
+    const bool need_b = wants_grad(l.bias);
+    const ConvGeometry g = conv_geometry(l);
+    Stream cs = e->compute_stream();
+    Scheduler& sched = e->scheduler();
+    Lease lease = sched.acquire(layer, cs, Phase::Backward);
+    torch::Tensor gx, gw, gb;
+    try {
+      torch::Tensor w = e->device_weight(l, lease, go.scalar_type());
+      std::optional<at::IntArrayRef> bias_sizes;
+      std::vector<int64_t> bs;
+      if (l.bias.defined()) {
+        bs = l.b_shape;
+        bias_sizes = at::IntArrayRef(bs);
+      }
+      auto res = at::convolution_backward(
+          go, xp.to(go.scalar_type()), w, bias_sizes, l.conv.stride, g.padding, l.conv.dilation, false,
+          std::vector<int64_t>(static_cast<size_t>(l.conv.dims), 0), l.conv.groups,
+          {need_x, need_w, need_b && l.bias.defined()});
+      gx = std::get<0>(res);
+      gw = std::get<1>(res);
+      gb = std::get<2>(res);
+    } catch (...) {
+      sched.release(lease, cs);
+      throw;
+    }
+    sched.release(lease, cs);
+    if (need_x && g.asymmetric) {
+      for (int i = 0; i < l.conv.dims; ++i)
+        gx = gx.narrow(2 + i, 0, gx.size(2 + i) - g.extra[static_cast<size_t>(i)]);
+    }
+    if (need_x && unbatched) gx = gx.squeeze(0);
+    if (need_w || need_b) {
+      Lease scratch = sched.acquire_scratch(cs);
+      try {
+        auto dopts = torch::TensorOptions().device(e->compute_device());
+        if (need_w)
+          torch::from_blob(scratch.part_ptr(0), l.w_shape, dopts.dtype(l.w_dtype)).copy_(gw);
+        if (need_b)
+          torch::from_blob(static_cast<char*>(scratch.slot_buf.ptr) + align256(l.w_bytes), l.b_shape,
+                           dopts.dtype(l.b_dtype))
+              .copy_(gb);
+      } catch (...) {
+        sched.release(scratch, cs);
+        throw;
+      }
+      e->push_grads(layer, scratch, need_w, need_b);
+      e->ensure_backward_callback();
+    }
+    return {need_x ? gx : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x) {
+  LayerInfo& l = layer(layer_index);
+  LS_CHECK(!l.is_conv, "layer '", l.name, "' is a convolution, not a Linear");
+  check_input(*this, l, x);
+  check_host_alias(l);
+  ensure_scheduler();
+  return LinearFn::apply(x, l.weight, l.bias, this, static_cast<int64_t>(layer_index));
+}
+
+torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x) {
+  LayerInfo& l = layer(layer_index);
+  LS_CHECK(l.is_conv, "layer '", l.name, "' is a Linear, not a convolution");
+  check_input(*this, l, x);
+  check_host_alias(l);
+  ensure_scheduler();
+  return ConvFn::apply(x, l.weight, l.bias, this, static_cast<int64_t>(layer_index));
+}
+
+}  // namespace layerstream

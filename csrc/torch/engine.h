@@ -1,0 +1,184 @@
+// layerstream — LibTorch glue: the streaming engine behind offload().
+//
+// An Engine owns one backend (the sim device or CUDA), a host store holding
+// every streamed weight (pinned when possible), and a Scheduler that moves
+// layer weights into device slots ahead of use. Layers are registered with
+// add_linear()/add_conv(): the parameter keeps its identity (same Variable,
+// same name, same requires_grad) but its data now aliases the host store, so
+// optimizers, load_state_dict() and in-place edits act on the host copy.
+//
+// Compute: linear()/conv() run a C++ autograd function that acquires the
+// layer's slot, computes on the device with the framework's current stream
+// (CUDA) or on the calling thread (sim device: tensors are CPU tensors over
+// the simulated device memory), and releases the slot. Backward fetches the
+// weights again (prefetched in the traced order), computes the input
+// gradient, and, when the weight/bias require grad and are floating point,
+// computes their gradients on the device into a scratch slot, copies them to
+// a host staging buffer on a separate gradient stream, and accumulates them
+// into param.grad on the host. Accumulation happens in a callback queued at
+// the end of every backward pass (one host wait per backward, none per
+// layer), so param.grad is complete when loss.backward() returns; see
+// docs/design/gradients.md. synchronize() does the same on demand.
+//
+// Dtype rule: weights are cast on the device to the activation dtype
+// (fp32/bf16/fp16); weight gradients are computed in the activation dtype and
+// cast to the parameter dtype on the device before they are copied back.
+//
+// Thread safety: an Engine may be used from the autograd engine's threads and
+// the Python thread; its methods are internally synchronised. Ownership: the
+// Engine is shared (std::shared_ptr); parameters keep the host memory alive
+// even after the Engine is gone.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/host_store.h"
+#include "core/runtime.h"
+#include "core/scheduler.h"
+
+namespace layerstream {
+
+struct EngineOptions {
+  // "auto" (CUDA when LibTorch sees a GPU, else the sim device), "sim",
+  // "cuda" or "cuda:N".
+  std::string device = "auto";
+  // Hard bound on the device bytes of the slot arena; -1 = no bound (then
+  // `slots` or prefetch+2 slots are used).
+  int64_t budget_bytes = -1;
+  int prefetch = 2;  // layers kept in flight ahead of use
+  int slots = 0;     // 0 = prefetch + 2, capped by the budget
+  // Simulated link (sim device only): PCIe 4.0 x16-like defaults.
+  double sim_h2d_gbps = 25.0;
+  double sim_d2h_gbps = 25.0;
+  double sim_latency_us = 5.0;
+  bool checker = true;                  // sim device: ordering checker on
+  bool abort_on_ordering_error = false; // sim device: throw at the racy access
+  bool pin_memory = true;
+};
+
+// Conv geometry (1-3 spatial dims). `same` computes padding from the kernel.
+struct ConvSpec {
+  int dims = 2;
+  std::vector<int64_t> stride, padding, dilation;
+  int64_t groups = 1;
+  bool same = false;
+};
+
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  static std::shared_ptr<Engine> create(const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Registers a streamed layer and moves its parameter data into the host
+  // store. weight/bias are the module's parameters (bias may be undefined).
+  int add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias);
+  int add_conv(const std::string& name, torch::Tensor weight, torch::Tensor bias,
+               const ConvSpec& spec);
+
+  // The streamed computations (differentiable).
+  torch::Tensor linear(int layer, const torch::Tensor& x);
+  torch::Tensor conv(int layer, const torch::Tensor& x);
+
+  // Waits for every pending transfer and gradient, and accumulates pending
+  // gradients into param.grad.
+  void synchronize();
+  // Restores every layer's parameters to ordinary tensors on `device`
+  // (bit-identical data) and disables the engine.
+  void detach(const std::vector<torch::Device>& devices);
+  bool detached() const { return detached_; }
+
+  // Telemetry: peak_device_bytes, h2d_bytes, d2h_bytes, steps, hits, misses,
+  // deviations, stall_seconds, slots, slot_bytes, budget_bytes,
+  // pinned_bytes, pageable_bytes, layers, ordering_errors.
+  std::map<std::string, double> stats() const;
+  std::vector<std::string> ordering_errors() const;
+
+  torch::Device compute_device() const { return compute_device_; }
+  const std::string& device_name() const { return device_name_; }
+  int num_layers() const;
+  std::string layer_name(int layer) const;
+  int64_t layer_bytes(int layer) const;
+  const EngineOptions& options() const { return opts_; }
+
+  // ---- used by the autograd functions ----
+  struct LayerInfo;
+  LayerInfo& layer(int i);
+  Stream compute_stream();
+  Phase current_phase() const;
+  Scheduler& scheduler();
+  // Builds the device view of the layer's weight/bias inside a lease, cast
+  // to `dtype`.
+  torch::Tensor device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype);
+  torch::Tensor device_bias(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype);
+  // Copies weight/bias gradients (already computed into `scratch` on the
+  // compute stream) to the host and schedules their accumulation.
+  void push_grads(int layer, Lease& scratch, bool has_w, bool has_b);
+  // Makes sure pending gradients are accumulated at the end of this backward.
+  void ensure_backward_callback();
+  uint64_t id() const { return id_; }
+  static std::shared_ptr<Engine> lookup(uint64_t id);
+
+  struct LayerInfo {
+    std::string name;
+    bool is_conv = false;
+    ConvSpec conv;
+    torch::Tensor weight;  // the parameter (Variable), data aliases host store
+    torch::Tensor bias;    // may be undefined
+    std::vector<int64_t> w_shape, b_shape;
+    torch::ScalarType w_dtype = torch::kFloat, b_dtype = torch::kFloat;
+    size_t w_index = 0, b_index = 0;  // host store indices
+    void* w_host = nullptr;
+    void* b_host = nullptr;
+    size_t w_bytes = 0, b_bytes = 0;
+    // gradient staging (host) and bookkeeping
+    HostBuffer grad_staging;
+    size_t grad_b_offset = 0;
+    bool grad_pending = false;
+    Event grad_done;
+    bool pending_w = false, pending_b = false;
+  };
+
+ private:
+  explicit Engine(const EngineOptions& options);
+  int add_layer(LayerInfo info);
+  void build_scheduler_locked();
+  void ensure_scheduler();
+  void check_host_alias(const LayerInfo& l) const;
+  void accumulate_locked(LayerInfo& l);
+  void drain_grads();
+  size_t grad_bytes(const LayerInfo& l) const;
+
+  EngineOptions opts_;
+  uint64_t id_;
+  std::string device_name_;
+  torch::Device compute_device_{torch::kCPU};
+  std::shared_ptr<Backend> backend_;
+  std::shared_ptr<HostStore> store_;
+  Stream transfer_, grad_stream_, inline_compute_;
+  std::map<void*, Stream> wrapped_streams_;
+
+  mutable std::recursive_mutex mu_;
+  std::vector<std::unique_ptr<LayerInfo>> layers_;
+  std::unique_ptr<Scheduler> sched_;
+  std::vector<int> pending_;  // layers with gradients in flight
+  std::vector<int> callback_tasks_;
+  uint64_t d2h_bytes_ = 0;
+  bool detached_ = false;
+  // counters carried over scheduler rebuilds
+  SchedulerStats carried_;
+};
+
+// Resolves a device string for the engine; throws a clear error for unknown
+// devices or "cuda" without a visible GPU.
+std::string resolve_device(const std::string& device);
+
+}  // namespace layerstream
