@@ -217,7 +217,11 @@ Lease Scheduler::make_lease_locked(int layer, int slot, bool hit) const {
   lease.layer = layer;
   lease.slot = slot;
   lease.slot_buf = pool_->slot(slot);
-  if (layer >= 0) lease.offsets = layers_[static_cast<size_t>(layer)].offsets;
+  if (layer >= 0) {
+    lease.offsets = layers_[static_cast<size_t>(layer)].offsets;
+  } else {
+    lease.offsets = {0};  // scratch: one part covering the slot
+  }
   lease.hit = hit;
   return lease;
 }

@@ -530,7 +530,8 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     const int layer = static_cast<int>(ctx->saved_data["layer"].toInt());
     Engine::LayerInfo& l = e->layer(layer);
     torch::Tensor go = grads[0];
-    torch::Tensor x = ctx->get_saved_variables()[0];
+    const variable_list saved = ctx->get_saved_variables();
+    torch::Tensor x = saved.empty() ? torch::Tensor() : saved[0];
     const bool need_x = ctx->needs_input_grad(0);
     const bool need_w = x.defined() && wants_grad(l.weight);
     const bool need_b = wants_grad(l.bias);

@@ -1,0 +1,781 @@
+#include "planner.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include "error.h"
+#include "json.h"
+
+namespace layerstream {
+
+// ------------------------------------------------------------ bytes helpers
+
+uint64_t parse_bytes(const std::string& input) {
+  const std::string shown = json::quote(input);
+  size_t b = 0, e = input.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(input[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(input[e - 1]))) --e;
+  std::string s = input.substr(b, e - b);
+  LS_CHECK(!s.empty(), "empty size; expected a byte count such as 12GiB, 500MB, 1.5e9 or 123");
+  // Number: digits [. digits] [e[+-]digits]
+  size_t i = 0;
+  auto digits = [&]() {
+    size_t n = 0;
+    while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) ++i, ++n;
+    return n;
+  };
+  size_t int_digits = digits();
+  size_t frac_digits = 0;
+  if (i < s.size() && s[i] == '.') {
+    ++i;
+    frac_digits = digits();
+  }
+  LS_CHECK(int_digits + frac_digits > 0, "invalid size ", shown,
+           ": expected a non-negative number with an optional unit, e.g. 12GiB, 500MB, 1.5e9 or 123");
+  if (i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
+    size_t save = i;
+    ++i;
+    if (i < s.size() && (s[i] == '+' || s[i] == '-')) ++i;
+    if (digits() == 0) i = save;  // not an exponent: let the unit parser reject it
+  }
+  std::string number = s.substr(0, i);
+  std::string unit;
+  for (size_t j = i; j < s.size(); ++j)
+    if (!std::isspace(static_cast<unsigned char>(s[j])))
+      unit.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(s[j]))));
+    else
+      LS_CHECK(unit.empty(), "invalid size ", shown, ": unexpected space inside the unit");
+  if (!unit.empty() && unit.back() == 'b') unit.pop_back();
+  static const std::map<std::string, double> kUnits = {
+      {"", 1.0},         {"k", 1e3},           {"m", 1e6},           {"g", 1e9},
+      {"t", 1e12},       {"ki", 1024.0},       {"mi", 1048576.0},    {"gi", 1073741824.0},
+      {"ti", 1099511627776.0}};
+  auto it = kUnits.find(unit);
+  LS_CHECK(it != kUnits.end(), "invalid size ", shown,
+           ": unknown unit (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)");
+  double v = std::strtod(number.c_str(), nullptr) * it->second;
+  LS_CHECK(std::isfinite(v) && v < 18446744073709551615.0, "invalid size ", shown, ": too large");
+  double r = std::floor(v + 0.5);
+  LS_CHECK(std::fabs(v - r) <= 1e-6 * std::max(1.0, v), "invalid size ", shown,
+           ": not a whole number of bytes");
+  return static_cast<uint64_t>(r);
+}
+
+std::string format_bytes(uint64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (bytes < 1024) return std::to_string(bytes) + " B";
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 6) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, kUnits[u]);
+  return buf;
+}
+
+namespace {
+
+std::string format_seconds(double s) {
+  char buf[32];
+  if (s == 0.0)
+    return "0 s";
+  else if (s < 1e-3)
+    std::snprintf(buf, sizeof buf, "%.1f us", s * 1e6);
+  else if (s < 1.0)
+    std::snprintf(buf, sizeof buf, "%.2f ms", s * 1e3);
+  else
+    std::snprintf(buf, sizeof buf, "%.3f s", s);
+  return buf;
+}
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+// ----------------------------------------------------------- time model
+
+struct Timing {
+  double first_step = 0.0;
+  double step = 0.0;
+};
+
+double compute_seconds(const PlannerInput& in, const LayerSpec& l) {
+  return in.device_flops_per_s > 0 ? l.flops / in.device_flops_per_s : 0.0;
+}
+double transfer_seconds(const PlannerInput& in, uint64_t bytes) {
+  return in.link_bytes_per_s > 0 ? static_cast<double>(bytes) / in.link_bytes_per_s : 0.0;
+}
+
+// Event simulation of the streaming pipeline (see docs/design/planner.md):
+// one compute stream, one host->device copy engine, one device->host copy
+// engine (gradients), `slots` device slots used round-robin by the streamed
+// layers. A streamed layer's copy starts when the link is free and its slot
+// has been released by the compute of the layer that used it before; its
+// compute starts when the previous compute and its copy are done.
+Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int slots) {
+  const size_t n = in.layers.size();
+  struct Op {
+    size_t layer;
+    double compute;
+    bool streamed;
+    double grad_out;  // seconds of device->host gradient copy after compute
+  };
+  std::vector<Op> ops;
+  for (size_t i = 0; i < n; ++i) {
+    double c = compute_seconds(in, in.layers[i]);
+    ops.push_back({i, in.training ? c / 3.0 : c, !resident[i], 0.0});
+  }
+  if (in.training) {
+    for (size_t r = n; r-- > 0;) {
+      const LayerSpec& l = in.layers[r];
+      double c = compute_seconds(in, l);
+      bool streamed = !resident[r];
+      double g = (streamed && l.trainable) ? transfer_seconds(in, l.resident_bytes) : 0.0;
+      ops.push_back({r, c * 2.0 / 3.0, streamed, g});
+    }
+  }
+  const int kSteps = 4;
+  std::vector<double> slot_free(static_cast<size_t>(std::max(slots, 1)), 0.0);
+  double link_free = 0.0, d2h_free = 0.0, compute_free = 0.0;
+  uint64_t streamed_count = 0;
+  std::vector<double> step_end;
+  for (int s = 0; s < kSteps; ++s) {
+    for (const Op& op : ops) {
+      double ready = 0.0;
+      size_t slot = 0;
+      if (op.streamed) {
+        slot = static_cast<size_t>(streamed_count++ % slot_free.size());
+        double start = std::max(link_free, slot_free[slot]);
+        link_free = start + transfer_seconds(in, in.layers[op.layer].bytes);
+        ready = link_free;
+      }
+      double start = std::max(compute_free, ready);
+      compute_free = start + op.compute;
+      if (op.streamed) slot_free[slot] = compute_free;
+      if (op.grad_out > 0) d2h_free = std::max(d2h_free, compute_free) + op.grad_out;
+    }
+    step_end.push_back(std::max(compute_free, d2h_free));
+  }
+  Timing t;
+  t.first_step = step_end[0];
+  t.step = (step_end[kSteps - 1] - step_end[kSteps - 3]) / 2.0;
+  return t;
+}
+
+struct Candidate {
+  std::vector<char> resident;
+  int slots = 0;
+  uint64_t slot_bytes = 0;
+  uint64_t resident_bytes = 0;
+  uint64_t device_bytes = 0;
+  uint64_t streamed_bytes = 0;
+  size_t num_streamed = 0;
+  Timing timing;
+};
+
+int effective_slots(int k, int min_slots, size_t num_streamed) {
+  if (num_streamed == 0) return 0;
+  return std::min<int>(k, std::max<int>(min_slots, static_cast<int>(std::min<size_t>(num_streamed, 1u << 20))));
+}
+
+}  // namespace
+
+std::string Plan::bound() const {
+  if (!has_time) return "unknown";
+  if (num_streamed == 0 || step_time_s <= compute_time_s * (1.0 + 1e-9) + 1e-12) return "compute";
+  return "transfer";
+}
+
+Plan plan_placement(const PlannerInput& in) {
+  LS_CHECK(in.min_slots >= 2, "planner: min_slots must be at least 2 (got ", in.min_slots, ")");
+  LS_CHECK(in.max_prefetch >= 1 && in.max_prefetch <= 64, "planner: max_prefetch must be in [1, 64] (got ",
+           in.max_prefetch, ")");
+  LS_CHECK(std::isfinite(in.link_bytes_per_s) && in.link_bytes_per_s >= 0,
+           "planner: link bandwidth must be a non-negative number of bytes/s");
+  LS_CHECK(std::isfinite(in.device_flops_per_s) && in.device_flops_per_s >= 0,
+           "planner: device throughput must be a non-negative number of FLOP/s");
+  const size_t n = in.layers.size();
+  uint64_t total_resident = in.fixed_resident_bytes;
+  bool total_overflow = false;
+  for (const auto& l : in.layers) {
+    LS_CHECK(std::isfinite(l.flops) && l.flops >= 0, "planner: layer ", json::quote(l.name),
+             " has invalid FLOPs (must be >= 0)");
+    if (total_resident > UINT64_MAX - l.resident_bytes) total_overflow = true;
+    else total_resident += l.resident_bytes;
+  }
+  LS_CHECK(in.fixed_resident_bytes <= in.budget_bytes, "budget ", format_bytes(in.budget_bytes), " (",
+           in.budget_bytes, " bytes) cannot even hold the always-resident small tensors (",
+           format_bytes(in.fixed_resident_bytes), "); raise the budget to at least ",
+           format_bytes(in.fixed_resident_bytes));
+
+  Plan plan;
+  plan.budget_bytes = in.budget_bytes;
+  plan.fixed_resident_bytes = in.fixed_resident_bytes;
+  plan.link_bytes_per_s = in.link_bytes_per_s;
+  plan.device_flops_per_s = in.device_flops_per_s;
+  plan.training = in.training;
+  plan.has_time = in.link_bytes_per_s > 0;
+
+  auto build = [&](const std::vector<char>& resident, int k) {
+    Candidate c;
+    c.resident = resident;
+    c.resident_bytes = in.fixed_resident_bytes;
+    for (size_t i = 0; i < n; ++i) {
+      if (resident[i]) {
+        c.resident_bytes += in.layers[i].resident_bytes;
+      } else {
+        c.slot_bytes = std::max(c.slot_bytes, in.layers[i].bytes);
+        c.streamed_bytes += in.layers[i].bytes;
+        ++c.num_streamed;
+      }
+    }
+    c.slots = effective_slots(k, in.min_slots, c.num_streamed);
+    c.device_bytes = c.resident_bytes + static_cast<uint64_t>(c.slots) * c.slot_bytes;
+    c.timing = simulate(in, resident, c.slots);
+    return c;
+  };
+
+  Candidate best;
+  if (!total_overflow && total_resident <= in.budget_bytes) {
+    best = build(std::vector<char>(n, 1), in.min_slots);
+  } else {
+    // The largest layer (first one on ties) sets the minimum slot size.
+    size_t largest = 0;
+    for (size_t i = 1; i < n; ++i)
+      if (in.layers[i].bytes > in.layers[largest].bytes) largest = i;
+    const LayerSpec& L = in.layers[largest];
+    const uint64_t room = in.budget_bytes - in.fixed_resident_bytes;
+    const uint64_t min_slots = static_cast<uint64_t>(in.min_slots);
+    if (L.bytes > room / min_slots) {
+      long double needed = static_cast<long double>(in.fixed_resident_bytes) +
+                           static_cast<long double>(min_slots) * static_cast<long double>(L.bytes);
+      uint64_t needed_b = needed >= 18446744073709551615.0L ? UINT64_MAX : static_cast<uint64_t>(needed);
+      LS_FAIL("budget ", format_bytes(in.budget_bytes), " (", in.budget_bytes,
+              " bytes) is too small: the largest layer ", json::quote(L.name), " is ", format_bytes(L.bytes), " (",
+              L.bytes, " bytes) and streaming needs ", in.min_slots, " slots of it",
+              in.fixed_resident_bytes ? " plus " + format_bytes(in.fixed_resident_bytes) + " of small resident tensors"
+                                      : std::string(),
+              "; a budget of at least ", format_bytes(needed_b), " (", needed_b,
+              " bytes) is needed (or quantize, e.g. --quantize nf4)");
+    }
+
+    // Residency priority: lowest FLOPs per streamed byte first (its transfer
+    // hides least behind its compute); unknown FLOPs count as 0; ties: larger
+    // first, then execution order.
+    std::vector<size_t> order(n);
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::vector<double> ratio(n);
+    for (size_t i = 0; i < n; ++i)
+      ratio[i] = in.layers[i].bytes ? in.layers[i].flops / static_cast<double>(in.layers[i].bytes) : 0.0;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      if (ratio[a] != ratio[b]) return ratio[a] < ratio[b];
+      if (in.layers[a].bytes != in.layers[b].bytes) return in.layers[a].bytes > in.layers[b].bytes;
+      return a < b;
+    });
+
+    bool have_best = false;
+    const int max_slots = in.max_prefetch + 1;
+    for (int k = in.min_slots; k <= std::max(in.min_slots, max_slots); ++k) {
+      if (L.bytes > room / static_cast<uint64_t>(k)) break;  // k slots of the largest layer do not fit
+      std::vector<char> resident(n, 0);
+      std::multiset<uint64_t> streamed;
+      for (const auto& l : in.layers) streamed.insert(l.bytes);
+      uint64_t res = in.fixed_resident_bytes;
+      for (size_t i : order) {
+        const LayerSpec& l = in.layers[i];
+        if (l.resident_bytes > in.budget_bytes - res) continue;
+        auto it = streamed.find(l.bytes);
+        LS_INTERNAL_CHECK(it != streamed.end());
+        streamed.erase(it);
+        uint64_t slot = streamed.empty() ? 0 : *streamed.rbegin();
+        uint64_t slots = static_cast<uint64_t>(effective_slots(k, in.min_slots, streamed.size()));
+        uint64_t new_res = res + l.resident_bytes;
+        bool fits = slot == 0 || slots <= (in.budget_bytes - new_res) / slot;
+        if (fits) {
+          resident[i] = 1;
+          res = new_res;
+        } else {
+          streamed.insert(l.bytes);
+        }
+      }
+      Candidate c = build(resident, k);
+      LS_INTERNAL_CHECK(c.device_bytes <= in.budget_bytes);
+      auto better = [&](const Candidate& a, const Candidate& b) {
+        const double tol = 1e-9 * std::max(a.timing.step, b.timing.step);
+        if (std::fabs(a.timing.step - b.timing.step) > tol) return a.timing.step < b.timing.step;
+        if (a.streamed_bytes != b.streamed_bytes) return a.streamed_bytes < b.streamed_bytes;
+        if (a.device_bytes != b.device_bytes) return a.device_bytes < b.device_bytes;
+        return a.slots < b.slots;
+      };
+      if (!have_best || better(c, best)) {
+        best = std::move(c);
+        have_best = true;
+      }
+    }
+    LS_INTERNAL_CHECK(have_best);
+  }
+
+  // Fill the plan from the chosen candidate.
+  plan.slot_bytes = best.slot_bytes;
+  plan.num_slots = best.slots;
+  plan.prefetch_depth = best.slots > 0 ? best.slots - 1 : 0;
+  plan.device_bytes = best.device_bytes;
+  plan.resident_bytes = best.resident_bytes - in.fixed_resident_bytes;
+  plan.host_pinned_bytes = best.streamed_bytes;
+  plan.bus_bytes_per_step = best.streamed_bytes * (in.training ? 2 : 1);
+  plan.num_streamed = best.num_streamed;
+  plan.num_resident = n - best.num_streamed;
+  for (size_t i = 0; i < n; ++i) {
+    const LayerSpec& l = in.layers[i];
+    LayerPlacement p;
+    p.index = i;
+    p.name = l.name;
+    p.resident = best.resident[i] != 0;
+    p.bytes = l.bytes;
+    p.resident_bytes = l.resident_bytes;
+    p.flops = l.flops;
+    p.compute_s = compute_seconds(in, l);
+    p.transfer_s = p.resident ? 0.0 : transfer_seconds(in, l.bytes) * (in.training ? 2 : 1);
+    plan.compute_time_s += p.compute_s;
+    plan.transfer_time_s += p.transfer_s;
+    plan.layers.push_back(std::move(p));
+  }
+  if (plan.has_time) {
+    plan.step_time_s = best.timing.step;
+    plan.first_step_time_s = best.timing.first_step;
+  }
+  LS_INTERNAL_CHECK(plan.device_bytes <= plan.budget_bytes);
+  return plan;
+}
+
+std::string Plan::explain() const {
+  std::string out;
+  char buf[512];
+  size_t w = 5;
+  for (const auto& l : layers) w = std::max(w, std::min<size_t>(l.name.size(), 60));
+  std::snprintf(buf, sizeof buf, "placement: %zu layers (%zu resident, %zu streamed), budget %s\n", layers.size(),
+                num_resident, num_streamed, format_bytes(budget_bytes).c_str());
+  out += buf;
+  std::snprintf(buf, sizeof buf, "%5s  %-*s  %-8s  %12s  %10s  %10s  %10s\n", "#", static_cast<int>(w), "layer",
+                "where", "bytes", "FLOPs/B", "compute", "transfer");
+  out += buf;
+  for (const auto& l : layers) {
+    std::string name = l.name.size() > 60 ? l.name.substr(0, 27) + "..." + l.name.substr(l.name.size() - 30) : l.name;
+    std::string ratio = l.flops > 0 && l.bytes > 0 ? json_number(l.flops / static_cast<double>(l.bytes)) : "-";
+    std::snprintf(buf, sizeof buf, "%5zu  %-*s  %-8s  %12s  %10s  %10s  %10s\n", l.index, static_cast<int>(w),
+                  name.c_str(), l.resident ? "resident" : "streamed",
+                  format_bytes(l.resident ? l.resident_bytes : l.bytes).c_str(), ratio.c_str(),
+                  format_seconds(l.compute_s).c_str(), l.resident ? "-" : format_seconds(l.transfer_s).c_str());
+    out += buf;
+  }
+  out += "\n";
+  double pct = budget_bytes ? 100.0 * static_cast<double>(device_bytes) / static_cast<double>(budget_bytes) : 0.0;
+  std::snprintf(buf, sizeof buf,
+                "device memory:            %s = resident layers %s + small tensors %s + %d slots x %s "
+                "(%.1f%% of budget %s)\n",
+                format_bytes(device_bytes).c_str(), format_bytes(resident_bytes).c_str(),
+                format_bytes(fixed_resident_bytes).c_str(), num_slots, format_bytes(slot_bytes).c_str(), pct,
+                format_bytes(budget_bytes).c_str());
+  out += buf;
+  std::snprintf(buf, sizeof buf, "host RAM needed (pinned): %s (%zu streamed layers)\n",
+                format_bytes(host_pinned_bytes).c_str(), num_streamed);
+  out += buf;
+  std::snprintf(buf, sizeof buf, "slots:                    %d of %s, prefetch depth %d\n", num_slots,
+                format_bytes(slot_bytes).c_str(), prefetch_depth);
+  out += buf;
+  if (has_time) {
+    std::snprintf(buf, sizeof buf,
+                  "predicted step time:      %s steady state (first step %s); compute %s, transfer %s "
+                  "(%s per step over the link) -> %s-bound%s\n",
+                  format_seconds(step_time_s).c_str(), format_seconds(first_step_time_s).c_str(),
+                  format_seconds(compute_time_s).c_str(), format_seconds(transfer_time_s).c_str(),
+                  format_bytes(bus_bytes_per_step).c_str(), bound().c_str(), training ? " (training)" : "");
+  } else {
+    std::snprintf(buf, sizeof buf, "predicted step time:      unknown (no link bandwidth given)\n");
+  }
+  out += buf;
+  return out;
+}
+
+std::string Plan::to_json() const {
+  std::string o = "{";
+  auto num = [&](const char* k, uint64_t v, bool comma = true) {
+    o += std::string("\"") + k + "\": " + std::to_string(v) + (comma ? ", " : "");
+  };
+  auto dbl = [&](const char* k, double v, bool comma = true) {
+    o += std::string("\"") + k + "\": " + json_number(v) + (comma ? ", " : "");
+  };
+  num("budget_bytes", budget_bytes);
+  num("device_bytes", device_bytes);
+  num("resident_bytes", resident_bytes);
+  num("small_resident_bytes", fixed_resident_bytes);
+  num("slot_bytes", slot_bytes);
+  num("num_slots", static_cast<uint64_t>(num_slots));
+  num("prefetch_depth", static_cast<uint64_t>(prefetch_depth));
+  num("host_pinned_bytes", host_pinned_bytes);
+  num("bus_bytes_per_step", bus_bytes_per_step);
+  num("num_resident", num_resident);
+  num("num_streamed", num_streamed);
+  dbl("link_bytes_per_s", link_bytes_per_s);
+  dbl("device_flops_per_s", device_flops_per_s);
+  o += std::string("\"training\": ") + (training ? "true" : "false") + ", ";
+  if (has_time) {
+    o += "\"time\": {";
+    dbl("step_s", step_time_s);
+    dbl("first_step_s", first_step_time_s);
+    dbl("compute_s", compute_time_s);
+    dbl("transfer_s", transfer_time_s);
+    o += "\"bound\": " + json::quote(bound()) + "}, ";
+  } else {
+    o += "\"time\": null, ";
+  }
+  o += "\"layers\": [";
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& l = layers[i];
+    if (i) o += ", ";
+    o += "{\"index\": " + std::to_string(l.index) + ", \"name\": " + json::quote(l.name) +
+         ", \"placement\": " + (l.resident ? "\"resident\"" : "\"streamed\"") + ", ";
+    num("bytes", l.bytes);
+    num("resident_bytes", l.resident_bytes);
+    dbl("flops", l.flops);
+    dbl("compute_s", l.compute_s);
+    dbl("transfer_s", l.transfer_s, false);
+    o += "}";
+  }
+  o += "]}";
+  return o;
+}
+
+// ------------------------------------------------------ model descriptions
+
+Quantization parse_quantization(const std::string& s) {
+  if (s == "none") return Quantization::None;
+  if (s == "int8") return Quantization::Int8;
+  if (s == "fp8") return Quantization::FP8;
+  if (s == "nf4") return Quantization::NF4;
+  if (s == "int4") return Quantization::Int4;
+  LS_FAIL("unknown quantization ", json::quote(s), " (valid: none, int8, fp8, nf4, int4)");
+}
+
+const char* to_string(Quantization q) {
+  switch (q) {
+    case Quantization::None: return "none";
+    case Quantization::Int8: return "int8";
+    case Quantization::FP8: return "fp8";
+    case Quantization::NF4: return "nf4";
+    case Quantization::Int4: return "int4";
+  }
+  return "?";
+}
+
+namespace {
+uint64_t numel_of(const std::vector<uint64_t>& shape) {
+  uint64_t n = 1;
+  for (uint64_t d : shape) n *= d;  // shapes were validated by the header reader
+  return n;
+}
+uint64_t bytes_of(uint64_t numel, const std::string& dtype) {
+  unsigned bits = safetensors_dtype_bits(dtype);
+  LS_CHECK(bits > 0, "unknown dtype ", json::quote(dtype));
+  return (numel * bits + 7) / 8;
+}
+uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+}  // namespace
+
+uint64_t ModelLayer::weight_numel() const { return numel_of(weight_shape); }
+uint64_t ModelLayer::params() const { return weight_numel() + bias_numel; }
+uint64_t ModelLayer::stored_bytes() const {
+  return bytes_of(weight_numel(), weight_dtype) + (bias_dtype.empty() ? 0 : bytes_of(bias_numel, bias_dtype));
+}
+
+uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::string& dtype, Quantization q) {
+  uint64_t numel = numel_of(shape);
+  if (q == Quantization::None || !safetensors_dtype_is_wide_float(dtype) || shape.empty())
+    return bytes_of(numel, dtype);
+  uint64_t rows = shape[0];
+  if (rows == 0 || numel == 0) return 0;
+  uint64_t in = numel / rows;
+  switch (q) {
+    case Quantization::Int8:
+    case Quantization::FP8: return rows * in + rows * 4;  // 1 B/param + fp32 scale per row
+    case Quantization::NF4: return rows * ceil_div(in, 2) + rows * ceil_div(in, 64) * 4;  // fp32 absmax / 64
+    case Quantization::Int4: return rows * ceil_div(in, 2) + rows * ceil_div(in, 128) * 8;  // scale+zero / 128
+    case Quantization::None: break;
+  }
+  return bytes_of(numel, dtype);
+}
+
+std::vector<LayerSpec> layer_specs(const ModelDescription& m, const LayerOptions& opt) {
+  std::vector<LayerSpec> out;
+  const double tokens = static_cast<double>(opt.tokens);
+  for (const auto& l : m.layers) {
+    LayerSpec s;
+    s.name = l.name;
+    uint64_t bias = l.bias_dtype.empty() ? 0 : bytes_of(l.bias_numel, l.bias_dtype);
+    s.bytes = quantized_weight_bytes(l.weight_shape, l.weight_dtype, opt.quantize) + bias;
+    s.resident_bytes = opt.resident_dequantized ? l.stored_bytes() : s.bytes;
+    uint64_t rows = l.weight_shape.empty() ? 0 : l.weight_shape[0];
+    uint64_t row_size = rows ? l.weight_numel() / rows : 0;
+    s.flops = l.embedding ? tokens * static_cast<double>(row_size) : 2.0 * tokens * static_cast<double>(l.params());
+    if (opt.training) s.flops *= 3.0;
+    s.trainable = opt.training && opt.quantize == Quantization::None;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+namespace {
+
+// Natural order: digit runs compare as numbers ("layers.2" < "layers.10").
+bool natural_less(const std::string& a, const std::string& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    bool da = std::isdigit(static_cast<unsigned char>(a[i])), db = std::isdigit(static_cast<unsigned char>(b[j]));
+    if (da && db) {
+      size_t ie = i, je = j;
+      while (ie < a.size() && std::isdigit(static_cast<unsigned char>(a[ie]))) ++ie;
+      while (je < b.size() && std::isdigit(static_cast<unsigned char>(b[je]))) ++je;
+      size_t is = i, js = j;
+      while (is + 1 < ie && a[is] == '0') ++is;
+      while (js + 1 < je && b[js] == '0') ++js;
+      if (ie - is != je - js) return ie - is < je - js;
+      int c = a.compare(is, ie - is, b, js, je - js);
+      if (c != 0) return c < 0;
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return static_cast<unsigned char>(a[i]) < static_cast<unsigned char>(b[j]);
+      ++i;
+      ++j;
+    }
+  }
+  if ((a.size() - i) != (b.size() - j)) return a.size() - i < b.size() - j;
+  return a < b;
+}
+
+std::vector<std::string> split_dots(const std::string& s) {
+  std::vector<std::string> out(1);
+  for (char c : s) {
+    if (c == '.')
+      out.emplace_back();
+    else
+      out.back().push_back(c);
+  }
+  return out;
+}
+
+// Known module names in their usual execution order (attention before MLP,
+// q/k/v/o, gate/up/down); -1 when unknown.
+int component_rank(const std::string& c) {
+  static const std::map<std::string, int> kRank = {
+      {"self_attn", 0}, {"attn", 0},    {"attention", 0}, {"cross_attn", 1},   {"mlp", 2},
+      {"ffn", 2},       {"feed_forward", 2}, {"q_proj", 10}, {"k_proj", 11}, {"v_proj", 12},
+      {"o_proj", 13},   {"gate_proj", 20}, {"up_proj", 21},  {"down_proj", 22}};
+  auto it = kRank.find(c);
+  return it == kRank.end() ? -1 : it->second;
+}
+
+bool looks_like_embedding(const std::string& prefix);
+
+// Approximate execution order of checkpoint layers: embeddings first, the LM
+// head last, otherwise component-wise natural order with known module names
+// (component_rank) in execution order.
+bool execution_less(const std::string& a, const std::string& b) {
+  auto top = [](const std::string& n) {
+    if (looks_like_embedding(n)) return 0;
+    if (n == "lm_head" || (n.size() > 8 && n.compare(n.size() - 8, 8, ".lm_head") == 0)) return 2;
+    return 1;
+  };
+  int ta = top(a), tb = top(b);
+  if (ta != tb) return ta < tb;
+  std::vector<std::string> ca = split_dots(a), cb = split_dots(b);
+  for (size_t i = 0; i < std::min(ca.size(), cb.size()); ++i) {
+    if (ca[i] == cb[i]) continue;
+    int ra = component_rank(ca[i]), rb = component_rank(cb[i]);
+    if (ra >= 0 && rb >= 0 && ra != rb) return ra < rb;
+    return natural_less(ca[i], cb[i]);
+  }
+  if (ca.size() != cb.size()) return ca.size() < cb.size();
+  return a < b;
+}
+
+bool looks_like_embedding(const std::string& prefix) {
+  std::string last = prefix.substr(prefix.rfind('.') == std::string::npos ? 0 : prefix.rfind('.') + 1);
+  std::transform(last.begin(), last.end(), last.begin(), [](unsigned char c) { return std::tolower(c); });
+  return last.find("embed") != std::string::npos || last == "wte" || last == "wpe";
+}
+
+}  // namespace
+
+ModelDescription describe_checkpoint(const Checkpoint& ck) {
+  ModelDescription m;
+  m.name = ck.path;
+  m.files = ck.files;
+  std::map<std::string, const TensorInfo*> by_name;
+  for (const auto& t : ck.tensors) by_name[t.name] = &t;
+  std::set<std::string> used;
+  std::vector<ModelLayer> layers;
+  for (const auto& t : ck.tensors) {
+    const std::string suffix = ".weight";
+    if (t.shape.size() < 2 || t.name.size() <= suffix.size() ||
+        t.name.compare(t.name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    ModelLayer l;
+    l.name = t.name.substr(0, t.name.size() - suffix.size());
+    l.weight_shape = t.shape;
+    l.weight_dtype = t.dtype;
+    l.embedding = looks_like_embedding(l.name);
+    used.insert(t.name);
+    auto b = by_name.find(l.name + ".bias");
+    if (b != by_name.end()) {
+      l.bias_numel = b->second->numel;
+      l.bias_dtype = b->second->dtype;
+      used.insert(b->first);
+    }
+    layers.push_back(std::move(l));
+  }
+  std::stable_sort(layers.begin(), layers.end(),
+                   [](const ModelLayer& a, const ModelLayer& b) { return execution_less(a.name, b.name); });
+  m.layers = std::move(layers);
+  for (const auto& t : ck.tensors) {
+    if (used.count(t.name)) continue;
+    m.small_bytes += t.nbytes;
+    ++m.small_tensors;
+  }
+  return m;
+}
+
+namespace {
+
+struct Builder {
+  ModelDescription m;
+  std::string dtype;
+  void linear(const std::string& name, uint64_t out, uint64_t in, bool bias) {
+    ModelLayer l;
+    l.name = name;
+    l.weight_shape = {out, in};
+    l.weight_dtype = dtype;
+    if (bias) {
+      l.bias_numel = out;
+      l.bias_dtype = dtype;
+    }
+    m.layers.push_back(std::move(l));
+  }
+  void embedding(const std::string& name, uint64_t rows, uint64_t dim) {
+    linear(name, rows, dim, false);
+    m.layers.back().embedding = true;
+  }
+  void small(uint64_t numel, int count = 1) {
+    m.small_bytes += bytes_of(numel, dtype) * static_cast<uint64_t>(count);
+    m.small_tensors += static_cast<size_t>(count);
+  }
+};
+
+ModelDescription gpt2(const std::string& name, uint64_t d, int n_layers) {
+  Builder b;
+  b.m.name = name;
+  b.dtype = "F32";
+  b.embedding("transformer.wte", 50257, d);
+  b.embedding("transformer.wpe", 1024, d);
+  for (int i = 0; i < n_layers; ++i) {
+    std::string p = "transformer.h." + std::to_string(i) + ".";
+    b.small(d, 2);  // ln_1 weight + bias
+    b.linear(p + "attn.c_attn", 3 * d, d, true);
+    b.linear(p + "attn.c_proj", d, d, true);
+    b.small(d, 2);  // ln_2
+    b.linear(p + "mlp.c_fc", 4 * d, d, true);
+    b.linear(p + "mlp.c_proj", d, 4 * d, true);
+  }
+  b.small(d, 2);  // ln_f; lm_head is tied to wte
+  return b.m;
+}
+
+ModelDescription llama(const std::string& name, uint64_t d, int n_layers, uint64_t ff, uint64_t kv_dim,
+                       uint64_t vocab) {
+  Builder b;
+  b.m.name = name;
+  b.dtype = "BF16";
+  b.embedding("model.embed_tokens", vocab, d);
+  for (int i = 0; i < n_layers; ++i) {
+    std::string p = "model.layers." + std::to_string(i) + ".";
+    b.small(d);  // input_layernorm
+    b.linear(p + "self_attn.q_proj", d, d, false);
+    b.linear(p + "self_attn.k_proj", kv_dim, d, false);
+    b.linear(p + "self_attn.v_proj", kv_dim, d, false);
+    b.linear(p + "self_attn.o_proj", d, d, false);
+    b.small(d);  // post_attention_layernorm
+    b.linear(p + "mlp.gate_proj", ff, d, false);
+    b.linear(p + "mlp.up_proj", ff, d, false);
+    b.linear(p + "mlp.down_proj", d, ff, false);
+  }
+  b.small(d);  // model.norm
+  b.linear("lm_head", vocab, d, false);
+  return b.m;
+}
+
+ModelDescription flux_dev() {
+  const uint64_t h = 3072, mlp = 12288;
+  Builder b;
+  b.m.name = "flux-dev";
+  b.dtype = "BF16";
+  b.linear("img_in", h, 64, true);
+  b.linear("time_in.in_layer", h, 256, true);
+  b.linear("time_in.out_layer", h, h, true);
+  b.linear("guidance_in.in_layer", h, 256, true);
+  b.linear("guidance_in.out_layer", h, h, true);
+  b.linear("vector_in.in_layer", h, 768, true);
+  b.linear("vector_in.out_layer", h, h, true);
+  b.linear("txt_in", h, 4096, true);
+  for (int i = 0; i < 19; ++i) {
+    std::string p = "double_blocks." + std::to_string(i) + ".";
+    for (const char* s : {"img", "txt"}) {
+      std::string q = p + s;
+      b.linear(q + "_mod.lin", 6 * h, h, true);
+      b.linear(q + "_attn.qkv", 3 * h, h, true);
+      b.small(128, 2);  // q/k norm scales
+      b.linear(q + "_attn.proj", h, h, true);
+      b.linear(q + "_mlp.0", mlp, h, true);
+      b.linear(q + "_mlp.2", h, mlp, true);
+    }
+  }
+  for (int i = 0; i < 38; ++i) {
+    std::string p = "single_blocks." + std::to_string(i) + ".";
+    b.linear(p + "modulation.lin", 3 * h, h, true);
+    b.linear(p + "linear1", 3 * h + mlp, h, true);
+    b.small(128, 2);
+    b.linear(p + "linear2", h, h + mlp, true);
+  }
+  b.linear("final_layer.adaLN_modulation.1", 2 * h, h, true);
+  b.linear("final_layer.linear", 64, h, true);
+  return b.m;
+}
+
+}  // namespace
+
+std::vector<std::string> builtin_model_names() {
+  return {"gpt2-small", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b", "flux-dev"};
+}
+
+ModelDescription builtin_model(const std::string& name) {
+  if (name == "gpt2-small") return gpt2(name, 768, 12);
+  if (name == "gpt2-xl") return gpt2(name, 1600, 48);
+  if (name == "llama-7b") return llama(name, 4096, 32, 11008, 4096, 32000);
+  if (name == "llama-13b") return llama(name, 5120, 40, 13824, 5120, 32000);
+  if (name == "llama-70b") return llama(name, 8192, 80, 28672, 1024, 32000);
+  if (name == "flux-dev") return flux_dev();
+  std::string names;
+  for (const auto& n : builtin_model_names()) names += (names.empty() ? "" : ", ") + n;
+  LS_FAIL("unknown model ", json::quote(name), " (built-in models: ", names, ")");
+}
+
+}  // namespace layerstream

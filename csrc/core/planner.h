@@ -1,0 +1,143 @@
+// layerstream — placement planner (torch-free).
+//
+// Decides which layers stay resident on the device and which are streamed
+// from pinned host memory through a ring of equally sized device slots, under
+// a hard device-memory budget, and predicts the step time. The policy and the
+// time model are described in docs/design/planner.md.
+//
+// Also: model descriptions (from a safetensors checkpoint or a built-in model
+// name), quantized byte sizes, and parse_bytes/format_bytes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "safetensors.h"
+
+namespace layerstream {
+
+// ---------------------------------------------------------------- planner
+
+struct LayerSpec {
+  std::string name;
+  uint64_t bytes = 0;           // bytes that cross the bus when streamed (packed if quantized)
+  uint64_t resident_bytes = 0;  // bytes it occupies on the device if kept resident
+  double flops = 0.0;           // FLOPs per step (0 = unknown)
+  bool trainable = false;       // training: its gradient is offloaded to the host when streamed
+};
+
+struct PlannerInput {
+  uint64_t budget_bytes = 0;
+  std::vector<LayerSpec> layers;       // in execution order
+  uint64_t fixed_resident_bytes = 0;   // small tensors that are always resident (norms, biases, ...)
+  double link_bytes_per_s = 0.0;       // host->device bandwidth (0 = unknown: no time prediction)
+  double device_flops_per_s = 0.0;     // device throughput (0 = unknown: compute time 0)
+  int min_slots = 2;                   // at least 2 (one in use + one being filled)
+  int max_prefetch = 4;                // slots <= max_prefetch + 1
+  bool training = false;               // forward + backward pass (streamed layers cross twice)
+};
+
+struct LayerPlacement {
+  size_t index = 0;  // position in PlannerInput::layers
+  std::string name;
+  bool resident = false;
+  uint64_t bytes = 0;
+  uint64_t resident_bytes = 0;
+  double flops = 0.0;
+  double compute_s = 0.0;   // per step
+  double transfer_s = 0.0;  // per step (0 when resident)
+};
+
+struct Plan {
+  std::vector<LayerPlacement> layers;  // in execution order
+  uint64_t budget_bytes = 0;
+  uint64_t resident_bytes = 0;        // resident layers (their resident_bytes)
+  uint64_t fixed_resident_bytes = 0;  // small always-resident tensors
+  uint64_t slot_bytes = 0;            // largest streamed layer (0 when nothing streams)
+  int num_slots = 0;                  // 0 when nothing streams, else >= 2
+  int prefetch_depth = 0;             // num_slots - 1 (0 when nothing streams)
+  uint64_t device_bytes = 0;          // resident + fixed + num_slots * slot_bytes  (<= budget)
+  uint64_t host_pinned_bytes = 0;     // sum of streamed layers' bytes
+  uint64_t bus_bytes_per_step = 0;    // host->device bytes per step (x2 when training)
+  size_t num_resident = 0;
+  size_t num_streamed = 0;
+
+  double link_bytes_per_s = 0.0;
+  double device_flops_per_s = 0.0;
+  bool training = false;
+  bool has_time = false;        // link bandwidth known
+  double step_time_s = 0.0;     // steady-state time of one step (pipeline simulation)
+  double first_step_time_s = 0.0;  // the first step, starting with empty slots
+  double compute_time_s = 0.0;  // sum of compute times
+  double transfer_time_s = 0.0; // sum of host->device transfer times
+  std::string bound() const;    // "compute", "transfer" or "unknown"
+
+  std::string explain() const;  // human-readable table + summary
+  std::string to_json() const;  // one JSON object (schema in docs/design/planner.md)
+};
+
+// Throws layerstream::Error when no plan fits (names the largest layer, its
+// size, the budget and the budget needed). Deterministic.
+Plan plan_placement(const PlannerInput& in);
+
+// "12GiB", "500MB", "1.5e9", "123", "64 KiB", "2g" (k/m/g/t = powers of 1000,
+// ki/mi/gi/ti = powers of 1024, optional trailing "B"). Throws on bad input.
+uint64_t parse_bytes(const std::string& s);
+// 1536 -> "1.50 KiB".
+std::string format_bytes(uint64_t bytes);
+
+// ------------------------------------------------------ model descriptions
+
+enum class Quantization { None, Int8, FP8, NF4, Int4 };
+Quantization parse_quantization(const std::string& s);  // "none"|"int8"|"fp8"|"nf4"|"int4"
+const char* to_string(Quantization q);
+
+// One streamable layer: a 2-D (or higher) weight plus an optional bias.
+struct ModelLayer {
+  std::string name;                    // module prefix, e.g. "model.layers.0.mlp.up_proj"
+  std::vector<uint64_t> weight_shape;  // [out, in, ...]
+  std::string weight_dtype;            // safetensors dtype name
+  uint64_t bias_numel = 0;
+  std::string bias_dtype;              // empty when there is no bias
+  bool embedding = false;              // a lookup table (FLOPs ~ tokens * row size)
+  uint64_t params() const;             // weight + bias elements
+  uint64_t weight_numel() const;
+  uint64_t stored_bytes() const;       // as stored (weight + bias)
+};
+
+struct ModelDescription {
+  std::string name;
+  std::vector<ModelLayer> layers;  // execution order
+  uint64_t small_bytes = 0;        // tensors that are not part of a layer (always resident)
+  size_t small_tensors = 0;
+  std::vector<std::string> files;  // checkpoint files (empty for built-ins)
+};
+
+// Groups a checkpoint's tensors into layers: a layer is a module prefix P
+// whose "P.weight" has >= 2 dimensions, plus "P.bias" if present; every other
+// tensor is small and resident. Layers are ordered to approximate the
+// execution order: embeddings first, lm_head last, otherwise component-wise
+// natural order (numbers compare as numbers: layers.2 < layers.10) with
+// well-known module names in their usual order (attention before mlp;
+// q/k/v/o_proj; gate/up/down_proj).
+ModelDescription describe_checkpoint(const Checkpoint& ck);
+
+// Built-in approximate model shapes; unknown name -> Error listing valid names.
+ModelDescription builtin_model(const std::string& name);
+std::vector<std::string> builtin_model_names();
+
+struct LayerOptions {
+  uint64_t tokens = 4096;     // tokens per step (FLOPs = 2 * tokens * params)
+  Quantization quantize = Quantization::None;
+  bool training = false;      // FLOPs x3, layers trainable
+  bool resident_dequantized = false;  // resident layers keep the stored (unquantized) bytes
+};
+
+// Bytes of one weight of `shape`/`dtype` after quantization (unchanged for
+// None or for dtypes narrower than 16 bits).
+uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::string& dtype, Quantization q);
+
+std::vector<LayerSpec> layer_specs(const ModelDescription& m, const LayerOptions& opt);
+
+}  // namespace layerstream

@@ -1,0 +1,96 @@
+// pybind11 bindings of the streaming engine: layerstream._C. Stateful objects
+// only; the user-facing API lives in python/layerstream/.
+#include <torch/extension.h>
+
+#include "core/log.h"
+#include "torch/engine.h"
+
+namespace py = pybind11;
+using layerstream::ConvSpec;
+using layerstream::Engine;
+using layerstream::EngineOptions;
+
+namespace {
+
+EngineOptions options_from(const py::dict& d) {
+  EngineOptions o;
+  for (auto item : d) {
+    const std::string k = py::cast<std::string>(item.first);
+    py::handle v = item.second;
+    if (k == "device") o.device = py::cast<std::string>(v);
+    else if (k == "budget_bytes") o.budget_bytes = py::cast<int64_t>(v);
+    else if (k == "prefetch") o.prefetch = py::cast<int>(v);
+    else if (k == "slots") o.slots = py::cast<int>(v);
+    else if (k == "sim_h2d_gbps") o.sim_h2d_gbps = py::cast<double>(v);
+    else if (k == "sim_d2h_gbps") o.sim_d2h_gbps = py::cast<double>(v);
+    else if (k == "sim_latency_us") o.sim_latency_us = py::cast<double>(v);
+    else if (k == "checker") o.checker = py::cast<bool>(v);
+    else if (k == "abort_on_ordering_error") o.abort_on_ordering_error = py::cast<bool>(v);
+    else if (k == "pin_memory") o.pin_memory = py::cast<bool>(v);
+    else LS_FAIL("unknown engine option '", k, "'");
+  }
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "layerstream C++ engine";
+  static py::exception<layerstream::Error> exc(m, "LayerstreamError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const layerstream::Error& e) {
+      py::set_error(exc, e.message().c_str());
+    }
+  });
+
+  // Route library warnings to Python's warnings module.
+  layerstream::set_warning_handler([](const std::string& msg) {
+    if (!Py_IsInitialized()) return;
+    py::gil_scoped_acquire gil;
+    PyErr_WarnEx(PyExc_RuntimeWarning, ("layerstream: " + msg).c_str(), 1);
+  });
+
+  m.def("resolve_device", &layerstream::resolve_device, py::arg("device"));
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init([](const py::dict& opts) { return Engine::create(options_from(opts)); }),
+           py::arg("options") = py::dict())
+      .def("add_linear", &Engine::add_linear, py::arg("name"), py::arg("weight"),
+           py::arg("bias") = torch::Tensor())
+      .def(
+          "add_conv",
+          [](Engine& e, const std::string& name, torch::Tensor w, torch::Tensor b, int dims,
+             std::vector<int64_t> stride, std::vector<int64_t> padding, bool same,
+             std::vector<int64_t> dilation, int64_t groups) {
+            ConvSpec s;
+            s.dims = dims;
+            s.stride = std::move(stride);
+            s.padding = std::move(padding);
+            s.same = same;
+            s.dilation = std::move(dilation);
+            s.groups = groups;
+            return e.add_conv(name, w, b, s);
+          },
+          py::arg("name"), py::arg("weight"), py::arg("bias"), py::arg("dims"), py::arg("stride"),
+          py::arg("padding"), py::arg("same"), py::arg("dilation"), py::arg("groups"))
+      .def("linear", &Engine::linear)
+      .def("conv", &Engine::conv)
+      .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("detach",
+           [](Engine& e, const std::vector<std::string>& devices) {
+             std::vector<torch::Device> d;
+             for (const auto& s : devices) d.emplace_back(s);
+             e.detach(d);
+           })
+      .def("stats", &Engine::stats)
+      .def("ordering_errors", &Engine::ordering_errors)
+      .def_property_readonly("device", &Engine::device_name)
+      .def_property_readonly("compute_device",
+                             [](const Engine& e) { return e.compute_device().str(); })
+      .def_property_readonly("num_layers", &Engine::num_layers)
+      .def("layer_name", &Engine::layer_name)
+      .def("layer_bytes", &Engine::layer_bytes)
+      .def_property_readonly("detached", &Engine::detached);
+}

@@ -1,0 +1,295 @@
+"""layerstream: stream layer weights from host RAM to the GPU, ahead of use.
+
+Quick use::
+
+    import layerstream
+    handle = layerstream.offload(model, budget="8GiB", prefetch=2)
+    loss = model(x).sum(); loss.backward()     # param.grad complete on return
+    print(handle.stats())
+    handle.detach()                             # weights back, bit-identical
+
+The engine is C++ (``layerstream._C``); this module only finds the layers,
+hands them to the engine and swaps their ``forward``.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+from typing import Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from . import _C
+
+__all__ = ["offload", "Handle", "LayerstreamError", "parse_bytes", "__version__"]
+__version__ = "0.1.0"
+
+LayerstreamError = _C.LayerstreamError
+
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """Parses 123, 1.5e9, "500MB", "12GiB" into bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"budget must be a size in bytes, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"budget must be >= 0, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot parse size {value!r}: use a number of bytes or a number with a unit "
+            f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '12GiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _is_streamable(module: nn.Module) -> Optional[str]:
+    """Returns 'linear', 'conv' or None."""
+    # MultiheadAttention reads out_proj.weight directly instead of calling it.
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return None
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, _CONV_TYPES):
+        return "conv"
+    return None
+
+
+def _selected(name: str, include, exclude) -> bool:
+    def match(patterns):
+        if patterns is None:
+            return False
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    if include is not None and not match(include):
+        return False
+    return not match(exclude)
+
+
+def _conv_args(module: nn.Module) -> dict:
+    dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[next(t for t in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, t))]
+    pad = module.padding
+    same = False
+    if isinstance(pad, str):
+        if pad == "same":
+            same, pad = True, (0,) * dims
+        elif pad == "valid":
+            pad = (0,) * dims
+        else:
+            raise ValueError(f"unknown conv padding {pad!r}")
+    return dict(dims=dims, stride=list(module.stride), padding=list(pad), same=same,
+                dilation=list(module.dilation), groups=int(module.groups))
+
+
+class _Attached:
+    """What offload() changed on one module, to undo it in detach()."""
+
+    __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices")
+
+    def __init__(self, name, module, kind, index, had_forward, old_forward, devices):
+        self.name, self.module, self.kind, self.index = name, module, kind, index
+        self.had_forward, self.old_forward, self.devices = had_forward, old_forward, devices
+
+
+def _make_forward(engine, index: int, kind: str, original):
+    run = engine.linear if kind == "linear" else engine.conv
+
+    def forward(x, *args, **kwargs):
+        if args or kwargs:  # an unusual call signature: use the module's own forward
+            return original(x, *args, **kwargs)
+        return run(index, x)
+
+    return forward
+
+
+class Handle:
+    """The result of offload(): statistics, synchronisation and detach."""
+
+    def __init__(self, engine, attached: List[_Attached], moved: list):
+        self._engine = engine
+        self._attached = attached
+        self._moved = moved  # (tensor owner, attribute, original device) of resident parts
+
+    # -- state --------------------------------------------------------------
+    def _check(self):
+        if self._engine is None:
+            raise LayerstreamError(
+                "this layerstream handle was detached; call layerstream.offload() again to "
+                "stream the model")
+        return self._engine
+
+    @property
+    def device(self) -> str:
+        return self._check().device
+
+    @property
+    def compute_device(self) -> torch.device:
+        return torch.device(self._check().compute_device)
+
+    @property
+    def layers(self) -> List[str]:
+        return [a.name for a in self._attached]
+
+    def stats(self) -> Dict[str, float]:
+        """Counters since offload(): peak_device_bytes, h2d_bytes, d2h_bytes, steps, ..."""
+        s = dict(self._check().stats())
+        for k in ("steps", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "slots", "slot_bytes",
+                  "layers", "hits", "misses", "acquires", "deviations", "ordering_errors",
+                  "pinned_bytes", "pageable_bytes", "max_slots_held"):
+            if k in s:
+                s[k] = int(s[k])
+        return s
+
+    def ordering_errors(self) -> List[str]:
+        """Races found by the sim device's ordering checker (empty on CUDA)."""
+        return list(self._check().ordering_errors())
+
+    def synchronize(self) -> None:
+        """Waits for every transfer and gradient copy; param.grad is then complete."""
+        self._check().synchronize()
+
+    def detach(self) -> None:
+        """Restores the modules: original forward, weights as ordinary tensors
+        on their original devices, bit-identical."""
+        engine = self._check()
+        devices = []
+        for a in self._attached:
+            devices.append(a.devices[0])
+        engine.detach(devices)
+        for a in self._attached:
+            if a.had_forward:
+                a.module.forward = a.old_forward
+            else:
+                try:
+                    del a.module.forward
+                except AttributeError:
+                    pass
+            for p in a.module.parameters(recurse=False):
+                if hasattr(p, "_is_memory_managed"):
+                    del p._is_memory_managed
+            if getattr(a.module, "_layerstream_handle", None) is not None:
+                del a.module._layerstream_handle
+        self._engine = None
+
+    def __repr__(self):
+        if self._engine is None:
+            return "<layerstream.Handle (detached)>"
+        return f"<layerstream.Handle device={self.device} layers={len(self._attached)}>"
+
+
+def offload(
+    model: nn.Module,
+    device: Optional[str] = None,
+    budget: Union[None, int, str] = None,
+    prefetch: int = 2,
+    slots: Optional[int] = None,
+    include: Union[None, str, Sequence[str]] = None,
+    exclude: Union[None, str, Sequence[str]] = None,
+    sim_link_gbps: float = 25.0,
+    sim_latency_us: float = 5.0,
+    checker: bool = True,
+    pin_memory: bool = True,
+) -> Handle:
+    """Streams the model's Linear and Conv1d/2d/3d layers from host RAM.
+
+    Eligible submodules (selected by ``include``/``exclude`` glob patterns on
+    their qualified names) keep their parameters (same objects, same names)
+    but the data moves to (pinned) host memory; their ``forward`` streams the
+    weights to ``device`` just before use. Everything else of the model is
+    moved to the compute device.
+
+    device: "cuda"/"cuda:N", "sim" (simulated device; tensors compute on the
+        CPU) or None (CUDA when visible, else "sim").
+    budget: hard bound on the device bytes used for streamed weights (bytes,
+        "12GiB", ...); None = no bound. Must hold 2 slots of the largest layer.
+    prefetch: layers kept in flight ahead of use; slots: device slots
+        (default prefetch + 2, capped by the budget).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")
+    opts = {
+        "device": "auto" if device is None else str(device),
+        "prefetch": int(prefetch),
+        "slots": 0 if slots is None else int(slots),
+        "sim_h2d_gbps": float(sim_link_gbps),
+        "sim_d2h_gbps": float(sim_link_gbps),
+        "sim_latency_us": float(sim_latency_us),
+        "checker": bool(checker),
+        "pin_memory": bool(pin_memory),
+        "budget_bytes": -1 if budget is None else parse_bytes(budget),
+    }
+    if opts["prefetch"] < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if slots is not None and slots < 2:
+        raise ValueError(f"slots must be >= 2, got {slots}")
+    engine = _C.Engine(opts)
+    compute_device = torch.device(engine.compute_device)
+
+    candidates = []
+    for name, module in model.named_modules():
+        kind = _is_streamable(module)
+        if kind is None or not _selected(name, include, exclude):
+            continue
+        if getattr(module, "_layerstream_handle", None) is not None or hasattr(module, "_layer_memory_manager"):
+            raise LayerstreamError(
+                f"module '{name}' is already offloaded by another layerstream handle; call "
+                f"detach() on that handle first")
+        if kind == "conv" and module.padding_mode != "zeros":
+            warnings.warn(
+                f"layerstream: conv '{name}' uses padding_mode='{module.padding_mode}', which is "
+                f"not streamed; it stays resident on {compute_device} and runs its original forward",
+                RuntimeWarning, stacklevel=2)
+            continue
+        candidates.append((name, module, kind))
+    if not candidates:
+        raise LayerstreamError(
+            "offload() found no Linear or Conv1d/2d/3d layer to stream"
+            + (" (check include/exclude)" if include is not None or exclude is not None else ""))
+
+    attached: List[_Attached] = []
+    streamed_params = set()
+    for name, module, kind in candidates:
+        weight = module.weight
+        bias = module.bias
+        devices = [str(weight.device)]
+        if kind == "linear":
+            index = engine.add_linear(name or "<root>", weight, bias)
+        else:
+            index = engine.add_conv(name or "<root>", weight, bias, **_conv_args(module))
+        had_forward = "forward" in module.__dict__
+        old_forward = module.__dict__.get("forward")
+        module.forward = _make_forward(engine, index, kind, old_forward or module.forward)
+        for p in module.parameters(recurse=False):
+            p._is_memory_managed = True
+            streamed_params.add(id(p))
+        attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices))
+
+    handle = Handle(engine, attached, [])
+    for a in attached:
+        a.module._layerstream_handle = handle
+    _move_resident(model, streamed_params, compute_device)
+    return handle
+
+
+def _move_resident(model: nn.Module, streamed_params: set, device: torch.device) -> None:
+    """Moves every non-streamed parameter and buffer to the compute device."""
+    with torch.no_grad():
+        for module in model.modules():
+            for pname, p in module._parameters.items():
+                if p is None or id(p) in streamed_params or p.device == device:
+                    continue
+                p.data = p.data.to(device)
+            for bname, b in module._buffers.items():
+                if b is not None and b.device != device:
+                    module._buffers[bname] = b.to(device)
