@@ -1,0 +1,366 @@
+// Placement planner: budget property across random layer sets, determinism,
+// policy, error text, time model, parse_bytes and model descriptions.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/json.h"
+#include "core/planner.h"
+
+using namespace layerstream;
+
+namespace {
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message().find('\n'), std::string::npos);
+    return e.message();
+  }
+  ADD_FAILURE() << "did not throw";
+  return "";
+}
+
+#define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
+
+LayerSpec layer(const std::string& name, uint64_t bytes, double flops = 0.0) {
+  LayerSpec l;
+  l.name = name;
+  l.bytes = bytes;
+  l.resident_bytes = bytes;
+  l.flops = flops;
+  return l;
+}
+
+constexpr uint64_t MiB = 1ull << 20;
+
+}  // namespace
+
+// ------------------------------------------------------------ parse_bytes
+
+TEST(ParseBytes, Units) {
+  EXPECT_EQ(parse_bytes("123"), 123u);
+  EXPECT_EQ(parse_bytes("12GiB"), 12ull << 30);
+  EXPECT_EQ(parse_bytes("500MB"), 500000000u);
+  EXPECT_EQ(parse_bytes("1.5e9"), 1500000000u);
+  EXPECT_EQ(parse_bytes(" 64 KiB "), 65536u);
+  EXPECT_EQ(parse_bytes("2g"), 2000000000u);
+  EXPECT_EQ(parse_bytes("1.5GiB"), 3ull << 29);
+  EXPECT_EQ(parse_bytes("7B"), 7u);
+  EXPECT_EQ(parse_bytes("1TiB"), 1ull << 40);
+  EXPECT_EQ(parse_bytes("0"), 0u);
+}
+
+TEST(ParseBytes, Errors) {
+  EXPECT_HAS(error_of([] { parse_bytes(""); }), "empty size");
+  EXPECT_HAS(error_of([] { parse_bytes("abc"); }), "invalid size \"abc\"");
+  EXPECT_HAS(error_of([] { parse_bytes("-5GB"); }), "invalid size \"-5GB\"");
+  EXPECT_HAS(error_of([] { parse_bytes("12XB"); }), "unknown unit");
+  EXPECT_HAS(error_of([] { parse_bytes("12 G iB"); }), "unexpected space");
+  EXPECT_HAS(error_of([] { parse_bytes("1e30"); }), "too large");
+  EXPECT_HAS(error_of([] { parse_bytes("0.5"); }), "not a whole number of bytes");
+  EXPECT_HAS(error_of([] { parse_bytes("1e"); }), "unknown unit");
+  EXPECT_HAS(error_of([] { parse_bytes("inf"); }), "invalid size");
+  EXPECT_HAS(error_of([] { parse_bytes("0x10"); }), "unknown unit");
+}
+
+TEST(FormatBytes, Readable) {
+  EXPECT_EQ(format_bytes(10), "10 B");
+  EXPECT_EQ(format_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(format_bytes(12ull << 30), "12.00 GiB");
+}
+
+// ------------------------------------------------------------ planner
+
+TEST(Planner, EverythingResidentWhenItFits) {
+  PlannerInput in;
+  in.budget_bytes = 100 * MiB;
+  in.layers = {layer("a", 10 * MiB), layer("b", 20 * MiB)};
+  in.fixed_resident_bytes = MiB;
+  Plan p = plan_placement(in);
+  EXPECT_EQ(p.num_streamed, 0u);
+  EXPECT_EQ(p.num_slots, 0);
+  EXPECT_EQ(p.prefetch_depth, 0);
+  EXPECT_EQ(p.slot_bytes, 0u);
+  EXPECT_EQ(p.device_bytes, 31 * MiB);
+  EXPECT_EQ(p.host_pinned_bytes, 0u);
+}
+
+TEST(Planner, TooSmallBudgetErrorNamesLargestLayer) {
+  PlannerInput in;
+  in.budget_bytes = 100 * MiB;
+  in.layers = {layer("small", 10 * MiB), layer("model.layers.3.mlp.up_proj", 60 * MiB), layer("c", 50 * MiB)};
+  in.fixed_resident_bytes = MiB;
+  std::string m = error_of([&] { plan_placement(in); });
+  EXPECT_HAS(m, "budget 100.00 MiB (104857600 bytes) is too small");
+  EXPECT_HAS(m, "the largest layer \"model.layers.3.mlp.up_proj\" is 60.00 MiB (62914560 bytes)");
+  EXPECT_HAS(m, "needs 2 slots of it plus 1.00 MiB of small resident tensors");
+  EXPECT_HAS(m, "a budget of at least 121.00 MiB (126877696 bytes) is needed");
+
+  in.fixed_resident_bytes = 200 * MiB;
+  EXPECT_HAS(error_of([&] { plan_placement(in); }), "cannot even hold the always-resident small tensors");
+}
+
+TEST(Planner, LowFlopsPerByteLayerIsKeptResidentFirst) {
+  PlannerInput in;
+  in.link_bytes_per_s = 1e9;
+  in.device_flops_per_s = 1e12;
+  // Four equal layers; room for 2 slots + exactly one resident layer.
+  in.layers = {layer("hi_a", 10 * MiB, 1e12), layer("low", 10 * MiB, 1e6), layer("hi_b", 10 * MiB, 1e12),
+               layer("hi_c", 10 * MiB, 1e12)};
+  in.budget_bytes = 30 * MiB;
+  in.max_prefetch = 1;
+  Plan p = plan_placement(in);
+  ASSERT_EQ(p.num_resident, 1u);
+  EXPECT_TRUE(p.layers[1].resident);
+  EXPECT_EQ(p.layers[1].name, "low");
+  EXPECT_EQ(p.num_slots, 2);
+  EXPECT_EQ(p.slot_bytes, 10 * MiB);
+  EXPECT_EQ(p.host_pinned_bytes, 30 * MiB);
+
+  // Unknown FLOPs: largest first, then execution order.
+  PlannerInput u;
+  u.layers = {layer("x", 4 * MiB), layer("y", 6 * MiB), layer("z", 6 * MiB), layer("w", 5 * MiB)};
+  u.budget_bytes = 18 * MiB;  // total 21; y resident (6) + 2 slots x 6 (z) = 18
+  Plan q = plan_placement(u);
+  EXPECT_TRUE(q.layers[1].resident);
+  EXPECT_FALSE(q.layers[2].resident);
+  EXPECT_LE(q.device_bytes, u.budget_bytes);
+}
+
+TEST(Planner, TimeModel) {
+  PlannerInput in;
+  in.link_bytes_per_s = 1e9;
+  in.device_flops_per_s = 1e12;
+  in.budget_bytes = 2 * 1000000;  // only the slots fit
+  for (int i = 0; i < 10; ++i) in.layers.push_back(layer("l" + std::to_string(i), 1000000, 1e10));  // 1 ms each way... compute 10 ms
+  Plan p = plan_placement(in);
+  ASSERT_TRUE(p.has_time);
+  EXPECT_EQ(p.num_streamed, 10u);
+  EXPECT_NEAR(p.compute_time_s, 0.1, 1e-9);
+  EXPECT_NEAR(p.transfer_time_s, 0.01, 1e-9);
+  EXPECT_NEAR(p.step_time_s, 0.1, 1e-6);  // transfers hide behind compute
+  EXPECT_EQ(p.bound(), "compute");
+
+  for (auto& l : in.layers) l.flops = 1e8;  // compute 0.1 ms, transfer 1 ms
+  p = plan_placement(in);
+  EXPECT_NEAR(p.step_time_s, 0.01, 1e-4);  // link-bound: one transfer after another
+  EXPECT_EQ(p.bound(), "transfer");
+  EXPECT_GE(p.first_step_time_s, p.step_time_s - 1e-12);
+
+  in.link_bytes_per_s = 0;
+  p = plan_placement(in);
+  EXPECT_FALSE(p.has_time);
+  EXPECT_EQ(p.bound(), "unknown");
+  EXPECT_EQ(p.to_json().find("\"time\": null") != std::string::npos, true);
+}
+
+TEST(Planner, TrainingStreamsTwice) {
+  PlannerInput in;
+  in.link_bytes_per_s = 1e9;
+  in.budget_bytes = 2 * 1000000;
+  in.training = true;
+  for (int i = 0; i < 4; ++i) in.layers.push_back(layer("l" + std::to_string(i), 1000000));
+  Plan p = plan_placement(in);
+  EXPECT_EQ(p.bus_bytes_per_step, 8000000u);
+  EXPECT_NEAR(p.step_time_s, 0.008, 1e-6);
+}
+
+TEST(Planner, ExplainAndJson) {
+  PlannerInput in;
+  in.link_bytes_per_s = 25e9;
+  in.device_flops_per_s = 1e14;
+  in.budget_bytes = 50 * MiB;
+  in.fixed_resident_bytes = 1000;
+  for (int i = 0; i < 6; ++i) in.layers.push_back(layer("blk." + std::to_string(i) + ".fc", 10 * MiB, 1e9 * (i + 1)));
+  Plan p = plan_placement(in);
+  std::string text = p.explain();
+  EXPECT_HAS(text, "blk.5.fc");
+  EXPECT_HAS(text, "resident");
+  EXPECT_HAS(text, "streamed");
+  EXPECT_HAS(text, "host RAM needed (pinned)");
+  EXPECT_HAS(text, "predicted step time");
+  json::Value v = json::parse(p.to_json(), "plan json");
+  uint64_t dev = 0, budget = 0;
+  ASSERT_TRUE(v.find("device_bytes")->to_uint64(dev));
+  ASSERT_TRUE(v.find("budget_bytes")->to_uint64(budget));
+  EXPECT_LE(dev, budget);
+  EXPECT_EQ(v.find("layers")->array.size(), 6u);
+  EXPECT_TRUE(v.find("time")->is_object());
+  EXPECT_TRUE(v.find("time")->find("step_s")->is_number());
+}
+
+TEST(Planner, InputValidation) {
+  PlannerInput in;
+  in.budget_bytes = 100;
+  in.layers = {layer("a", 10)};
+  in.min_slots = 1;
+  EXPECT_HAS(error_of([&] { plan_placement(in); }), "min_slots must be at least 2");
+  in.min_slots = 2;
+  in.layers[0].flops = -1;
+  EXPECT_HAS(error_of([&] { plan_placement(in); }), "invalid FLOPs");
+  in.layers[0].flops = NAN;
+  EXPECT_HAS(error_of([&] { plan_placement(in); }), "invalid FLOPs");
+}
+
+// Budget held across hundreds of random layer sets; deterministic; consistent.
+TEST(Planner, RandomLayerSetsNeverExceedBudget) {
+  std::mt19937_64 rng(2024);
+  int planned = 0, rejected = 0;
+  for (int iter = 0; iter < 600; ++iter) {
+    PlannerInput in;
+    size_t n = 1 + rng() % 80;
+    uint64_t total = 0, largest = 0;
+    for (size_t i = 0; i < n; ++i) {
+      uint64_t bytes = static_cast<uint64_t>(std::exp2(10 + static_cast<double>(rng() % 2000) / 100.0));
+      if (rng() % 10 == 0) bytes = bytes / 7 * 7;  // ties
+      if (rng() % 20 == 0) bytes = 0;
+      LayerSpec l = layer("layer" + std::to_string(i), bytes, rng() % 4 == 0 ? 0.0 : static_cast<double>(rng() % 1000000000000ull));
+      l.resident_bytes = rng() % 3 == 0 ? bytes * (1 + rng() % 4) : bytes;
+      l.trainable = rng() % 2;
+      in.layers.push_back(l);
+      total += l.resident_bytes;
+      largest = std::max(largest, bytes);
+    }
+    in.fixed_resident_bytes = rng() % 3 == 0 ? rng() % (largest + 1) : 0;
+    in.budget_bytes = static_cast<uint64_t>(static_cast<double>(total + in.fixed_resident_bytes) *
+                                            (static_cast<double>(rng() % 1300) / 1000.0));
+    in.link_bytes_per_s = rng() % 5 == 0 ? 0.0 : 1e9 * (1 + rng() % 50);
+    in.device_flops_per_s = rng() % 5 == 0 ? 0.0 : 1e12 * (1 + rng() % 500);
+    in.min_slots = 2 + static_cast<int>(rng() % 2);
+    in.max_prefetch = 1 + static_cast<int>(rng() % 6);
+    in.training = rng() % 4 == 0;
+    SCOPED_TRACE("iteration " + std::to_string(iter));
+    Plan p;
+    try {
+      p = plan_placement(in);
+    } catch (const Error& e) {
+      ++rejected;
+      // Only when it genuinely cannot fit.
+      bool all_fit = total + in.fixed_resident_bytes <= in.budget_bytes;
+      EXPECT_FALSE(all_fit) << e.message();
+      EXPECT_GT(in.fixed_resident_bytes + static_cast<uint64_t>(in.min_slots) * largest, in.budget_bytes) << e.message();
+      continue;
+    }
+    ++planned;
+    EXPECT_LE(p.device_bytes, in.budget_bytes);
+    uint64_t res = 0, streamed = 0, slot = 0;
+    size_t ns = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const auto& l = p.layers[i];
+      EXPECT_EQ(l.index, i);
+      EXPECT_EQ(l.name, in.layers[i].name);
+      if (l.resident) {
+        res += l.resident_bytes;
+      } else {
+        streamed += l.bytes;
+        slot = std::max(slot, l.bytes);
+        ++ns;
+      }
+    }
+    EXPECT_EQ(p.resident_bytes, res);
+    EXPECT_EQ(p.host_pinned_bytes, streamed);
+    EXPECT_EQ(p.slot_bytes, slot);
+    EXPECT_EQ(p.num_streamed, ns);
+    EXPECT_EQ(p.device_bytes, res + in.fixed_resident_bytes + static_cast<uint64_t>(p.num_slots) * slot);
+    if (ns > 0) {
+      EXPECT_GE(p.num_slots, in.min_slots);
+      EXPECT_LE(p.num_slots, std::max(in.min_slots, in.max_prefetch + 1));
+      EXPECT_EQ(p.prefetch_depth, p.num_slots - 1);
+    } else {
+      EXPECT_EQ(p.num_slots, 0);
+    }
+    if (p.has_time) {
+      EXPECT_TRUE(std::isfinite(p.step_time_s));
+      EXPECT_GE(p.step_time_s + 1e-9, p.compute_time_s * 0.999999);
+    }
+    // Deterministic.
+    Plan again = plan_placement(in);
+    EXPECT_EQ(again.to_json(), p.to_json());
+  }
+  EXPECT_GT(planned, 300);
+  EXPECT_GT(rejected, 5);
+}
+
+// ------------------------------------------------------------ models
+
+TEST(Models, BuiltinsAndUnknownName) {
+  auto names = builtin_model_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "llama-7b"), names.end());
+  for (const auto& n : names) {
+    ModelDescription m = builtin_model(n);
+    EXPECT_FALSE(m.layers.empty()) << n;
+  }
+  ModelDescription l7 = builtin_model("llama-7b");
+  uint64_t params = 0;
+  for (const auto& l : l7.layers) params += l.params();
+  EXPECT_NEAR(static_cast<double>(params), 6.74e9, 0.05e9);
+  ModelDescription g = builtin_model("gpt2-small");
+  params = 0;
+  for (const auto& l : g.layers) params += l.params();
+  EXPECT_NEAR(static_cast<double>(params), 124e6, 2e6);
+  ModelDescription f = builtin_model("flux-dev");
+  params = 0;
+  for (const auto& l : f.layers) params += l.params();
+  EXPECT_NEAR(static_cast<double>(params), 11.9e9, 0.2e9);
+  std::string m = error_of([] { builtin_model("gpt5"); });
+  EXPECT_HAS(m, "unknown model \"gpt5\" (built-in models: gpt2-small");
+  EXPECT_HAS(m, "llama-13b");
+}
+
+TEST(Models, QuantizedBytes) {
+  std::vector<uint64_t> s = {4096, 4096};
+  EXPECT_EQ(quantized_weight_bytes(s, "BF16", Quantization::None), 4096u * 4096 * 2);
+  EXPECT_EQ(quantized_weight_bytes(s, "BF16", Quantization::Int8), 4096u * 4096 + 4096 * 4);
+  EXPECT_EQ(quantized_weight_bytes(s, "F32", Quantization::FP8), 4096u * 4096 + 4096 * 4);
+  EXPECT_EQ(quantized_weight_bytes(s, "BF16", Quantization::NF4), 4096u * 2048 + 4096 * 64 * 4);
+  EXPECT_EQ(quantized_weight_bytes(s, "BF16", Quantization::Int4), 4096u * 2048 + 4096 * 32 * 8);
+  EXPECT_EQ(quantized_weight_bytes(s, "I8", Quantization::NF4), 4096u * 4096);  // already narrow
+  EXPECT_EQ(quantized_weight_bytes({10, 3}, "F16", Quantization::NF4), 10u * 2 + 10 * 4);
+  EXPECT_EQ(parse_quantization("nf4"), Quantization::NF4);
+  EXPECT_HAS(error_of([] { parse_quantization("int3"); }), "unknown quantization \"int3\" (valid: none, int8");
+}
+
+TEST(Models, LayerSpecsFlopsAndQuantization) {
+  ModelDescription m = builtin_model("llama-7b");
+  LayerOptions opt;
+  opt.tokens = 100;
+  auto specs = layer_specs(m, opt);
+  ASSERT_EQ(specs.size(), m.layers.size());
+  EXPECT_EQ(specs[1].name, "model.layers.0.self_attn.q_proj");
+  EXPECT_DOUBLE_EQ(specs[1].flops, 2.0 * 100 * 4096 * 4096);
+  EXPECT_EQ(specs[1].bytes, 4096u * 4096 * 2);
+  EXPECT_LT(specs[0].flops, specs[1].flops / 1000);  // embedding lookup is cheap
+  opt.training = true;
+  opt.quantize = Quantization::NF4;
+  opt.resident_dequantized = true;
+  specs = layer_specs(m, opt);
+  EXPECT_DOUBLE_EQ(specs[1].flops, 3 * 2.0 * 100 * 4096 * 4096);
+  EXPECT_EQ(specs[1].bytes, 4096u * 2048 + 4096 * 64 * 4);
+  EXPECT_EQ(specs[1].resident_bytes, 4096u * 4096 * 2);
+  EXPECT_FALSE(specs[1].trainable);  // quantized base weights are frozen
+}
+
+TEST(Models, PlansBuiltinModelsUnderBudget) {
+  for (const auto& name : builtin_model_names()) {
+    ModelDescription m = builtin_model(name);
+    PlannerInput in;
+    in.layers = layer_specs(m, LayerOptions{});
+    in.fixed_resident_bytes = m.small_bytes;
+    in.link_bytes_per_s = 25e9;
+    in.device_flops_per_s = 1e14;
+    uint64_t largest = 0;
+    for (const auto& l : in.layers) largest = std::max(largest, l.bytes);
+    in.budget_bytes = m.small_bytes + 3 * largest;
+    Plan p = plan_placement(in);
+    EXPECT_LE(p.device_bytes, in.budget_bytes) << name;
+    EXPECT_GT(p.num_streamed, 0u) << name;
+  }
+}

@@ -1,0 +1,206 @@
+"""End-to-end tests of `layerstream plan` on real checkpoints.
+
+Runs the built binary at $LS_BUILD_DIR/layerstream (default <repo>/build).
+Checkpoints are written with safetensors.torch.save_file and with
+transformers' save_pretrained (sharded, with an index json).
+"""
+import json
+import os
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_DIR = Path(os.environ.get("LS_BUILD_DIR", REPO / "build"))
+if not BUILD_DIR.is_absolute():
+    BUILD_DIR = REPO / BUILD_DIR
+BINARY = BUILD_DIR / "layerstream"
+
+pytestmark = pytest.mark.skipif(
+    not BINARY.is_file(),
+    reason=f"layerstream binary not built at {BINARY} (run tools/setup.sh or set LS_BUILD_DIR)",
+)
+
+
+def run(*args, timeout=60):
+    return subprocess.run([str(BINARY), "plan", *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def plan_json(*args):
+    r = run(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def assert_one_line_error(r, code=None, contains=None):
+    assert r.returncode != 0, r.stdout
+    if code is not None:
+        assert r.returncode == code, (r.returncode, r.stderr)
+    assert r.returncode in (1, 2)  # never a crash (negative = signal)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("layerstream plan: error: "), lines[0]
+    if contains:
+        assert contains in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def st_file(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    d = tmp_path_factory.mktemp("st")
+    tensors = {}
+    for i in range(4):
+        tensors[f"blocks.{i}.fc1.weight"] = torch.randn(256, 128, dtype=torch.float16)
+        tensors[f"blocks.{i}.fc1.bias"] = torch.randn(256, dtype=torch.float16)
+        tensors[f"blocks.{i}.fc2.weight"] = torch.randn(128, 256, dtype=torch.float16)
+        tensors[f"blocks.{i}.norm.weight"] = torch.ones(128, dtype=torch.float32)
+    tensors["embed.weight"] = torch.randn(200, 128, dtype=torch.bfloat16)
+    path = d / "model.safetensors"
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("hf")
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(str(d), max_shard_size="200KB", safe_serialization=True)
+    assert list(d.glob("*.safetensors.index.json")), "expected a sharded checkpoint with an index"
+    assert len(list(d.glob("*.safetensors"))) >= 2
+    return d
+
+
+def test_help_and_list_models():
+    r = run("--help")
+    assert r.returncode == 0 and "--checkpoint" in r.stdout and "--budget" in r.stdout
+    r = run("--list-models")
+    assert r.returncode == 0 and "llama-7b" in r.stdout.split()
+
+
+def test_safetensors_file_text_and_json(st_file):
+    r = run("--checkpoint", st_file, "--budget", "300KB")
+    assert r.returncode == 0, r.stderr
+    for i in range(4):
+        assert f"blocks.{i}.fc1" in r.stdout and f"blocks.{i}.fc2" in r.stdout
+    assert "host RAM needed (pinned)" in r.stdout
+    assert "predicted step time" in r.stdout
+    j = plan_json("--checkpoint", st_file, "--budget", "300KB")
+    p = j["plan"]
+    assert p["device_bytes"] <= p["budget_bytes"] == 300_000
+    names = [l["name"] for l in p["layers"]]
+    assert names[0] == "embed"  # embeddings first, then natural order
+    assert names.index("blocks.0.fc1") < names.index("blocks.0.fc2") < names.index("blocks.1.fc1")
+    assert j["source"]["small_tensors"] == 4  # the four norm weights
+    assert p["num_streamed"] > 0 and p["num_slots"] >= 2
+    assert p["host_pinned_bytes"] == sum(l["bytes"] for l in p["layers"] if l["placement"] == "streamed")
+
+
+def test_transformers_sharded_checkpoint(hf_dir):
+    index = next(hf_dir.glob("*.safetensors.index.json"))
+    for source in (hf_dir, index):
+        j = plan_json("--checkpoint", source, "--budget", "400KB", "--tokens", "128")
+        p = j["plan"]
+        assert p["device_bytes"] <= p["budget_bytes"]
+        assert len(j["source"]["files"]) >= 2
+        names = [l["name"] for l in p["layers"]]
+        for i in range(3):
+            for proj in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+                assert f"model.layers.{i}.{proj}" in names
+        # Approximate execution order.
+        assert names[0] == "model.embed_tokens" and names[-1] == "lm_head"
+        order = [names.index(f"model.layers.0.{m}") for m in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+        assert order == sorted(order)
+        assert names.index("model.layers.1.self_attn.q_proj") < names.index("model.layers.2.self_attn.q_proj")
+    r = run("--checkpoint", hf_dir, "--budget", "1MiB", "--quantize", "nf4", "--train")
+    assert r.returncode == 0, r.stderr
+    assert "model.layers.2.mlp.up_proj" in r.stdout
+
+
+def test_budget_respected_across_budgets(hf_dir):
+    for budget in ("270KB", "300KB", "500KB", "1MB", "10MB"):
+        p = plan_json("--checkpoint", hf_dir, "--budget", budget)["plan"]
+        assert p["device_bytes"] <= p["budget_bytes"]
+
+
+def test_budget_too_small(hf_dir):
+    r = run("--checkpoint", hf_dir, "--budget", "10KB")
+    line = assert_one_line_error(r, code=1, contains="is too small: the largest layer")
+    assert "a budget of at least" in line
+
+
+def test_builtin_model():
+    p = plan_json("--model", "llama-7b", "--budget", "8GiB")["plan"]
+    assert p["device_bytes"] <= p["budget_bytes"]
+    assert p["time"]["step_s"] > 0
+
+
+# ------------------------------------------------------------- bad inputs
+
+def write(path, data):
+    path.write_bytes(data)
+    return path
+
+
+def test_truncated_file(tmp_path, st_file):
+    data = st_file.read_bytes()
+    p = write(tmp_path / "t.safetensors", data[:5])
+    assert_one_line_error(run("--checkpoint", p, "--budget", "1GB"), code=1, contains="too short")
+    # Header intact, data cut off: tensors run past the end.
+    p = write(tmp_path / "t2.safetensors", data[: len(data) // 2])
+    assert_one_line_error(run("--checkpoint", p, "--budget", "1GB"), code=1, contains="past the end of the file")
+
+
+def test_header_length_past_eof(tmp_path):
+    p = write(tmp_path / "h.safetensors", struct.pack("<Q", 10_000) + b"{}")
+    assert_one_line_error(run("--checkpoint", p, "--budget", "1GB"), code=1, contains="runs past the end of the file")
+
+
+def test_bad_json(tmp_path):
+    h = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]'
+    p = write(tmp_path / "j.safetensors", struct.pack("<Q", len(h)) + h + b"\0" * 4)
+    assert_one_line_error(run("--checkpoint", p, "--budget", "1GB"), code=1, contains="bad JSON")
+
+
+def test_unknown_dtype(tmp_path):
+    h = b'{"a.weight": {"dtype": "Q7", "shape": [1, 1], "data_offsets": [0, 4]}}'
+    p = write(tmp_path / "d.safetensors", struct.pack("<Q", len(h)) + h + b"\0" * 4)
+    assert_one_line_error(run("--checkpoint", p, "--budget", "1GB"), code=1, contains='unknown dtype "Q7"')
+
+
+def test_missing_file(tmp_path):
+    assert_one_line_error(run("--checkpoint", tmp_path / "nope.safetensors", "--budget", "1GB"),
+                          code=1, contains="does not exist")
+
+
+def test_unknown_model():
+    line = assert_one_line_error(run("--model", "gpt5", "--budget", "1GB"), code=2, contains='unknown model "gpt5"')
+    assert "llama-7b" in line
+
+
+@pytest.mark.parametrize("args,needle", [
+    ((), "exactly one of --checkpoint"),
+    (("--model", "llama-7b"), "--budget SIZE is required"),
+    (("--model", "llama-7b", "--budget", "lots"), 'invalid size "lots"'),
+    (("--model", "llama-7b", "--budget", "1GB", "--quantize", "int3"), 'unknown quantization "int3"'),
+    (("--model", "llama-7b", "--budget", "1GB", "--tokens", "-5"), "--tokens expects a positive integer"),
+    (("--model", "llama-7b", "--budget", "1GB", "--link-gbps", "fast"), "--link-gbps expects"),
+    (("--model", "llama-7b", "--budget", "1GB", "--frobnicate"), 'unknown option "--frobnicate"'),
+    (("--model", "llama-7b", "--budget"), "--budget needs a value"),
+    (("--model", "a", "--checkpoint", "b", "--budget", "1GB"), "exactly one of"),
+])
+def test_usage_errors(args, needle):
+    assert_one_line_error(run(*args), code=2, contains=needle)

@@ -1,0 +1,195 @@
+// `layerstream plan`: placement plan for a checkpoint or a built-in model
+// under a device-memory budget (see docs/design/planner.md).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "commands.h"
+#include "core/error.h"
+#include "core/json.h"
+#include "core/planner.h"
+#include "core/safetensors.h"
+
+namespace {
+
+using namespace layerstream;
+
+const char* kHelp =
+    "usage: layerstream plan (--checkpoint PATH | --model NAME) --budget SIZE [options]\n"
+    "\n"
+    "Decides which layers stay resident on the device and which are streamed from\n"
+    "pinned host RAM, under a hard device-memory budget, and predicts the step time.\n"
+    "\n"
+    "  --checkpoint PATH     a .safetensors file, a *.safetensors.index.json, or a\n"
+    "                        directory holding one of them (only headers are read)\n"
+    "  --model NAME          a built-in model description (--list-models)\n"
+    "  --budget SIZE         device memory for weights, e.g. 12GiB, 500MB, 1.5e9\n"
+    "  --link-gbps X         host->device bandwidth in GB/s (10^9 bytes/s; default 25;\n"
+    "                        0 = unknown, no time prediction)\n"
+    "  --tflops X            device throughput in TFLOP/s (default 100; 0 = unknown)\n"
+    "  --tokens N            tokens per step; FLOPs of a layer = 2 * tokens * params\n"
+    "                        (default 4096)\n"
+    "  --train               training step: FLOPs x3, weights cross the link twice\n"
+    "  --quantize Q          stream weights as int8|fp8|nf4|int4 (default: as stored)\n"
+    "  --resident-dequantized  resident layers keep their stored (unquantized) size\n"
+    "  --max-prefetch N      at most N layers prefetched ahead (slots <= N+1; default 4)\n"
+    "  --json                print the plan as one JSON object\n"
+    "  --list-models         print the built-in model names and exit\n"
+    "  -h, --help            this help\n"
+    "\n"
+    "Exit status: 0 ok, 2 bad usage, 1 any other error (bad checkpoint, budget too small).\n";
+
+struct Usage {
+  std::string message;
+};
+
+double parse_number(const std::string& flag, const std::string& v) {
+  const char* s = v.c_str();
+  char* end = nullptr;
+  double d = std::strtod(s, &end);
+  if (v.empty() || end != s + v.size() || !std::isfinite(d) || d < 0)
+    throw Usage{flag + " expects a non-negative number, got " + json::quote(v)};
+  return d;
+}
+
+uint64_t parse_count(const std::string& flag, const std::string& v) {
+  if (v.empty() || v.size() > 18 || v.find_first_not_of("0123456789") != std::string::npos)
+    throw Usage{flag + " expects a positive integer, got " + json::quote(v)};
+  uint64_t n = std::strtoull(v.c_str(), nullptr, 10);
+  if (n == 0) throw Usage{flag + " expects a positive integer, got " + json::quote(v)};
+  return n;
+}
+
+int usage_error(const std::string& msg) {
+  std::fprintf(stderr, "layerstream plan: error: %s (run 'layerstream plan --help')\n", msg.c_str());
+  return 2;
+}
+
+int cmd_plan(int argc, char** argv) {
+  std::string checkpoint, model, budget_s;
+  bool have_checkpoint = false, have_model = false, have_budget = false, as_json = false;
+  double link_gbps = 25.0, tflops = 100.0;
+  LayerOptions opt;
+  int max_prefetch = 4;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      std::string value;
+      bool inline_value = false;
+      if (a.rfind("--", 0) == 0) {
+        size_t eq = a.find('=');
+        if (eq != std::string::npos) {
+          value = a.substr(eq + 1);
+          a = a.substr(0, eq);
+          inline_value = true;
+        }
+      }
+      auto take = [&]() -> std::string {
+        if (inline_value) return value;
+        if (i + 1 >= argc) throw Usage{a + " needs a value"};
+        return argv[++i];
+      };
+      auto no_value = [&]() {
+        if (inline_value) throw Usage{a + " takes no value"};
+      };
+      if (a == "-h" || a == "--help") {
+        std::fputs(kHelp, stdout);
+        return 0;
+      } else if (a == "--list-models") {
+        no_value();
+        for (const auto& n : builtin_model_names()) std::printf("%s\n", n.c_str());
+        return 0;
+      } else if (a == "--checkpoint") {
+        checkpoint = take();
+        have_checkpoint = true;
+      } else if (a == "--model") {
+        model = take();
+        have_model = true;
+      } else if (a == "--budget") {
+        budget_s = take();
+        have_budget = true;
+      } else if (a == "--link-gbps") {
+        link_gbps = parse_number(a, take());
+      } else if (a == "--tflops") {
+        tflops = parse_number(a, take());
+      } else if (a == "--tokens") {
+        opt.tokens = parse_count(a, take());
+      } else if (a == "--quantize") {
+        opt.quantize = parse_quantization(take());
+      } else if (a == "--train") {
+        no_value();
+        opt.training = true;
+      } else if (a == "--resident-dequantized") {
+        no_value();
+        opt.resident_dequantized = true;
+      } else if (a == "--max-prefetch") {
+        uint64_t n = parse_count(a, take());
+        if (n > 64) throw Usage{"--max-prefetch must be at most 64"};
+        max_prefetch = static_cast<int>(n);
+      } else if (a == "--json") {
+        no_value();
+        as_json = true;
+      } else {
+        throw Usage{"unknown option " + json::quote(a)};
+      }
+    }
+    if (have_checkpoint == have_model) throw Usage{"pass exactly one of --checkpoint PATH or --model NAME"};
+    if (!have_budget) throw Usage{"--budget SIZE is required (e.g. --budget 12GiB)"};
+    if (have_checkpoint && checkpoint.empty()) throw Usage{"--checkpoint needs a non-empty path"};
+  } catch (const Usage& u) {
+    return usage_error(u.message);
+  } catch (const Error& e) {
+    return usage_error(e.message());
+  }
+
+  PlannerInput in;
+  ModelDescription desc;
+  try {
+    in.budget_bytes = parse_bytes(budget_s);
+    if (have_model) desc = builtin_model(model);
+  } catch (const Error& e) {
+    return usage_error(e.message());
+  }
+  if (have_checkpoint) desc = describe_checkpoint(read_checkpoint(checkpoint));  // errors -> exit 1
+  in.layers = layer_specs(desc, opt);
+  in.fixed_resident_bytes = desc.small_bytes;
+  in.link_bytes_per_s = link_gbps * 1e9;
+  in.device_flops_per_s = tflops * 1e12;
+  in.max_prefetch = max_prefetch;
+  in.training = opt.training;
+  Plan plan = plan_placement(in);
+
+  if (as_json) {
+    std::string o = "{\"source\": {\"kind\": ";
+    o += have_checkpoint ? "\"checkpoint\"" : "\"model\"";
+    o += ", \"name\": " + json::quote(have_checkpoint ? checkpoint : model) + ", \"files\": [";
+    for (size_t i = 0; i < desc.files.size(); ++i) o += (i ? ", " : "") + json::quote(desc.files[i]);
+    o += "], \"layers\": " + std::to_string(desc.layers.size()) +
+         ", \"small_tensors\": " + std::to_string(desc.small_tensors) + "}, ";
+    o += "\"options\": {\"tokens\": " + std::to_string(opt.tokens) + ", \"quantize\": \"" +
+         to_string(opt.quantize) + "\", \"training\": " + (opt.training ? "true" : "false") +
+         ", \"resident_dequantized\": " + (opt.resident_dequantized ? "true" : "false") +
+         ", \"max_prefetch\": " + std::to_string(max_prefetch) + "}, ";
+    o += "\"plan\": " + plan.to_json() + "}";
+    std::printf("%s\n", o.c_str());
+  } else {
+    if (have_checkpoint)
+      std::printf("source: checkpoint %s (%zu file%s)\n", checkpoint.c_str(), desc.files.size(),
+                  desc.files.size() == 1 ? "" : "s");
+    else
+      std::printf("source: built-in model %s\n", model.c_str());
+    std::printf("model:  %zu layers + %zu small tensors (%s, always resident)\n", desc.layers.size(),
+                desc.small_tensors, format_bytes(desc.small_bytes).c_str());
+    std::printf("inputs: %llu tokens/step%s, quantize %s, link %g GB/s, device %g TFLOP/s\n\n",
+                static_cast<unsigned long long>(opt.tokens), opt.training ? " (training)" : "",
+                to_string(opt.quantize), link_gbps, tflops);
+    std::fputs(plan.explain().c_str(), stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+LS_REGISTER_COMMAND("plan", cmd_plan, "placement plan: which layers stay resident, which stream");
