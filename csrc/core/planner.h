@@ -135,7 +135,10 @@ struct LayerOptions {
 };
 
 // Bytes of one weight of `shape`/`dtype` after quantization (unchanged for
-// None or for dtypes narrower than 16 bits).
+// None or for dtypes narrower than 16 bits): the exact packed buffer size of
+// core/quant.h (layout_for(...).total_bytes(), sections 256-byte aligned) for
+// shape [rows, in...] viewed as [rows, prod(in...)]; for shapes quant.h does
+// not support (int4 with in % 128 != 0) the formula plus 768 B of padding.
 uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::string& dtype, Quantization q);
 
 std::vector<LayerSpec> layer_specs(const ModelDescription& m, const LayerOptions& opt);
