@@ -7,7 +7,9 @@
 // 1.00 is perfect overlap. Goal: <= 1.10 at every ratio with prefetch >= 2.
 //
 //   build/bench/bench_overlap [--layers 24] [--compute-ms 3] [--layer-mib 1]
-//                             [--steps 5] [--json]
+//                             [--steps 5] [--json] [--no-versions]
+// --no-versions: the scheduler is not told that weights are unchanged, so
+// it drops slot content and stops prefetching at every step boundary. [--no-versions]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -32,6 +34,7 @@ struct Config {
   double layer_mib = 1.0;
   int steps = 5;
   bool json = false;
+  bool versioned = true;
 };
 
 struct Result {
@@ -64,6 +67,9 @@ Result run_case(const Config& c, double ratio, int prefetch) {
   SchedulerOptions so;
   so.prefetch_depth = prefetch;
   so.num_slots = prefetch + 1;
+  // The host weights never change here (inference): say so, as the torch
+  // glue does with tensor version counters, so prefetching runs across steps.
+  if (c.versioned) so.content_version = [](int) -> uint64_t { return 0; };
   Result r{};
   {
     Scheduler sched(*sim, transfer, specs, so);
@@ -120,8 +126,9 @@ int main(int argc, char** argv) {
     else if (a == "--layer-mib") c.layer_mib = std::atof(next());
     else if (a == "--steps") c.steps = std::atoi(next());
     else if (a == "--json") c.json = true;
+    else if (a == "--no-versions") c.versioned = false;
     else {
-      std::fprintf(stderr, "usage: bench_overlap [--layers N] [--compute-ms MS] [--layer-mib MIB] [--steps N] [--json]\n");
+      std::fprintf(stderr, "usage: bench_overlap [--layers N] [--compute-ms MS] [--layer-mib MIB] [--steps N] [--json] [--no-versions]\n");
       return 2;
     }
   }

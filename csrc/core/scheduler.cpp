@@ -56,6 +56,7 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
   slots_.resize(static_cast<size_t>(opts_.num_slots));
   for (SlotState& s : slots_) s.ready = backend_.create_event();
   loaded_.assign(layers_.size(), -1);
+  copied_version_.assign(layers_.size(), 0);
   stats_.device_bytes = pool_->device_bytes();
   stats_.slot_bytes = pool_->slot_bytes();
   stats_.num_slots = opts_.num_slots;
@@ -115,7 +116,12 @@ void Scheduler::advance_trace_locked(int layer, Phase phase) {
 }
 
 int Scheduler::next_use_distance_locked(int layer, size_t window) const {
-  if (recording_) return -1;
+  if (recording_ || trace_.empty()) return -1;
+  if (opts_.content_version) {  // the window wraps into the next step
+    for (size_t j = 0; j < window && j < trace_.size(); ++j)
+      if (trace_[(pos_ + j) % trace_.size()] == layer) return static_cast<int>(j);
+    return -1;
+  }
   for (size_t j = pos_; j < trace_.size() && j < pos_ + window; ++j)
     if (trace_[j] == layer) return static_cast<int>(j - pos_);
   return -1;
@@ -179,10 +185,30 @@ void Scheduler::issue_copy_locked(int layer, int slot) {
     backend_.copy_async(dst, l.offsets[i], src, 0, src.bytes, transfer_);
   }
   backend_.record(slots_[static_cast<size_t>(slot)].ready, transfer_);
+  if (opts_.content_version) copied_version_[static_cast<size_t>(layer)] = opts_.content_version(layer);
   pool_->set_tag(slot, layer);
   loaded_[static_cast<size_t>(layer)] = slot;
   stats_.copies++;
   stats_.h2d_bytes += l.copy_bytes;
+}
+
+// True when `layer` is loaded (or in flight) with current content. Stale
+// content (the host data changed since its copy) is forgotten here.
+bool Scheduler::loaded_valid_locked(int layer) {
+  const int s = loaded_[static_cast<size_t>(layer)];
+  if (s < 0) return false;
+  if (!opts_.content_version ||
+      opts_.content_version(layer) == copied_version_[static_cast<size_t>(layer)])
+    return true;
+  SlotState& st = slots_[static_cast<size_t>(s)];
+  loaded_[static_cast<size_t>(layer)] = -1;
+  if (st.use == Use::InUse) return false;  // its holder keeps reading the old copy
+  if (st.use == Use::Prefetched) {
+    st.use = Use::Free;
+    pool_->release(s, transfer_);
+  }
+  pool_->set_tag(s, SlotPool::kNoTag);
+  return false;
 }
 
 void Scheduler::prefetch_locked(int current_layer, Phase phase) {
@@ -198,12 +224,16 @@ void Scheduler::prefetch_locked(int current_layer, Phase phase) {
       if (l < 0 || l >= num_layers()) break;
       want.push_back(l);
     }
+  } else if (opts_.content_version) {
+    // Versioned content: prefetch across the step boundary into the next step.
+    for (size_t j = 0; j < static_cast<size_t>(k) && j < trace_.size(); ++j)
+      want.push_back(trace_[(pos_ + j) % trace_.size()]);
   } else {
     for (size_t j = pos_; j < trace_.size() && j < pos_ + static_cast<size_t>(k); ++j)
       want.push_back(trace_[j]);
   }
   for (int l : want) {
-    if (loaded_[static_cast<size_t>(l)] >= 0) continue;
+    if (loaded_valid_locked(l)) continue;
     const int s = obtain_slot_locked(false);
     if (s < 0) break;
     slots_[static_cast<size_t>(s)].use = Use::Prefetched;
@@ -237,8 +267,8 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
     advance_trace_locked(layer, phase);
     acquires_in_step_++;
     last_phase_ = phase;
+    const bool hit = loaded_valid_locked(layer);
     int s = loaded_[static_cast<size_t>(layer)];
-    bool hit = s >= 0;
     if (s >= 0) {
       SlotState& st = slots_[static_cast<size_t>(s)];
       if (st.use == Use::Free) {
@@ -340,7 +370,7 @@ void Scheduler::begin_step_locked() {
   if (acquires_in_step_ > 0) stats_.steps++;
   acquires_in_step_ = 0;
   pos_ = 0;
-  drop_content_locked();
+  if (!opts_.content_version) drop_content_locked();
 }
 
 void Scheduler::begin_step() {

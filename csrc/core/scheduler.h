@@ -19,7 +19,8 @@
 //    without deadlocking the caller).
 //  * A new step starts at begin_step(), or automatically (auto_step) when the
 //    first layer of the trace is fetched again in the forward phase. At a step
-//    boundary, content cached in slots is forgotten (weights may have changed).
+//    boundary, content cached in slots is forgotten (weights may have
+//    changed) unless SchedulerOptions::content_version tells when they did.
 //
 // Stream semantics: acquire(layer, compute) makes `compute` wait for the
 // layer's copy and declares a read of the slot on `compute` (ordering
@@ -33,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -60,6 +62,16 @@ struct SchedulerOptions {
   size_t slot_bytes = 0;   // 0 = the largest layer; larger to fit scratch buffers
   bool auto_step = true;
   size_t max_trace_length = size_t(1) << 20;
+  // Optional: the current version of a layer's host data (e.g. the torch
+  // tensor version counter, bumped by every in-place write). When given, a
+  // slot's content is reused only while the version it was copied at is
+  // still current, so content survives step boundaries and prefetching wraps
+  // around the end of the trace into the next step (a copy that raced with a
+  // host write is detected by the version and redone on demand). Without it,
+  // content is dropped at every step boundary and prefetching stops at the
+  // end of the trace. Called under the scheduler's lock: must be cheap and
+  // must not call back into the scheduler.
+  std::function<uint64_t(int layer)> content_version;
 };
 
 // A layer's weights in a slot, held for compute. Move-only by convention.
@@ -148,6 +160,8 @@ class Scheduler {
   std::unique_ptr<SlotPool> pool_;
   std::vector<SlotState> slots_;
   std::vector<int> loaded_;  // layer -> slot holding (or loading) it, -1 if none
+  std::vector<uint64_t> copied_version_;  // layer -> content version of its last copy
+  bool loaded_valid_locked(int layer);
 
   mutable std::mutex mu_;
   std::vector<int> trace_;

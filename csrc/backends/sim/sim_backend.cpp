@@ -6,7 +6,7 @@
 //    from a FIFO queue; inline streams have no thread and run on the caller.
 //  * Link: one per direction (H2D, D2H), a shared resource with a "free at"
 //    time. A copy claims [max(now, free_at), +duration) under the link mutex,
-//    then sleeps until its end WITHOUT holding any lock, then memcpys.
+//    moves the bytes, then sleeps until its end WITHOUT holding any lock.
 //  * EventVersion: every record() makes a fresh version {done, cv, snapshot};
 //    the event points at the newest; waits capture the newest at enqueue.
 //  * The ordering checker runs at ENQUEUE time under its own mutex. Every
@@ -361,11 +361,12 @@ struct SimBackend::Impl {
 
   void do_copy(void* dst, const void* src, std::size_t bytes, CopyDir dir) {
     Link* link = dir == CopyDir::H2D ? &h2d : dir == CopyDir::D2H ? &d2h : nullptr;
-    if (link) {
-      const Clock::time_point end = link->schedule(bytes);
-      std::this_thread::sleep_until(end);  // no lock held
-    }
+    // The bytes move inside the modelled transfer time (the memmove is the
+    // simulator's cost, not the link's), then the copy completes at its end.
+    Clock::time_point end{};
+    if (link) end = link->schedule(bytes);
     if (bytes) std::memmove(dst, src, bytes);
+    if (link) std::this_thread::sleep_until(end);  // no lock held
     const int d = static_cast<int>(dir);
     bytes_by_dir[d].fetch_add(bytes, std::memory_order_relaxed);
     copies_by_dir[d].fetch_add(1, std::memory_order_relaxed);
