@@ -27,6 +27,7 @@ EngineOptions options_from(const py::dict& d) {
     else if (k == "checker") o.checker = py::cast<bool>(v);
     else if (k == "abort_on_ordering_error") o.abort_on_ordering_error = py::cast<bool>(v);
     else if (k == "pin_memory") o.pin_memory = py::cast<bool>(v);
+    else if (k == "cache_across_steps") o.cache_across_steps = py::cast<bool>(v);
     else LS_FAIL("unknown engine option '", k, "'");
   }
   return o;

@@ -257,17 +257,21 @@ void Engine::build_scheduler_locked() {
   SchedulerOptions so;
   so.slot_bytes = slot_bytes;
   so.prefetch_depth = opts_.prefetch;
-  // Slot content stays valid while the parameters' version counters (bumped
-  // by every in-place write: optimizer steps, load_state_dict, copy_) do not
-  // change; this lets prefetching run across step boundaries.
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> params;
-  for (const auto& l : layers_) params.emplace_back(l->weight, l->bias);
-  so.content_version = [params = std::move(params)](int layer) -> uint64_t {
-    const auto& [w, b] = params[static_cast<size_t>(layer)];
-    uint64_t v = static_cast<uint64_t>(w._version());
-    if (b.defined()) v += static_cast<uint64_t>(b._version()) << 32;
-    return v;
-  };
+  if (opts_.cache_across_steps) {
+    // Opt-in: slot content stays valid across steps while the parameters'
+    // version counters (bumped by in-place writes on the parameters:
+    // optimizers, load_state_dict, copy_) do not change, and prefetching runs
+    // across step boundaries. Writes through `.data` do not bump the counter
+    // and would go unnoticed: that is why this is not the default.
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> params;
+    for (const auto& l : layers_) params.emplace_back(l->weight, l->bias);
+    so.content_version = [params = std::move(params)](int layer) -> uint64_t {
+      const auto& [w, b] = params[static_cast<size_t>(layer)];
+      uint64_t v = static_cast<uint64_t>(w._version());
+      if (b.defined()) v += static_cast<uint64_t>(b._version()) << 32;
+      return v;
+    };
+  }
   int slots = opts_.slots > 0 ? opts_.slots : opts_.prefetch + 2;
   if (opts_.budget_bytes >= 0) {
     const size_t budget = static_cast<size_t>(opts_.budget_bytes);

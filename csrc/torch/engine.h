@@ -61,6 +61,13 @@ struct EngineOptions {
   bool checker = true;                  // sim device: ordering checker on
   bool abort_on_ordering_error = false; // sim device: throw at the racy access
   bool pin_memory = true;
+  // Keep slot content and prefetch across step boundaries, trusting the
+  // parameters' version counters to detect weight updates. Writes through
+  // `.data` (e.g. some LoRA merge code) are not detected, so this is opt-in;
+  // safe for inference loops and for optimizers that update parameters in
+  // place. Default: content is dropped and prefetching stops at each step
+  // boundary (the first layers of every step are fetched on demand).
+  bool cache_across_steps = false;
 };
 
 // Conv geometry (1-3 spatial dims). `same` computes padding from the kernel.

@@ -200,6 +200,7 @@ def offload(
     sim_latency_us: float = 5.0,
     checker: bool = True,
     pin_memory: bool = True,
+    cache_across_steps: bool = False,
 ) -> Handle:
     """Streams the model's Linear and Conv1d/2d/3d layers from host RAM.
 
@@ -215,6 +216,10 @@ def offload(
         "12GiB", ...); None = no bound. Must hold 2 slots of the largest layer.
     prefetch: layers kept in flight ahead of use; slots: device slots
         (default prefetch + 2, capped by the budget).
+    cache_across_steps: keep weights in device slots and prefetch across step
+        boundaries, detecting weight updates by the parameters' version
+        counters. Faster for inference loops and small models; do not enable
+        it if code writes streamed weights through ``.data`` (not detected).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")
@@ -227,6 +232,7 @@ def offload(
         "sim_latency_us": float(sim_latency_us),
         "checker": bool(checker),
         "pin_memory": bool(pin_memory),
+        "cache_across_steps": bool(cache_across_steps),
         "budget_bytes": -1 if budget is None else parse_bytes(budget),
     }
     if opts["prefetch"] < 0:

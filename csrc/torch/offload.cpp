@@ -1,0 +1,271 @@
+#include "offload.h"
+
+#include <fnmatch.h>
+
+#include <cmath>
+
+namespace layerstream {
+
+namespace {
+
+bool glob_any(const std::vector<std::string>& patterns, const std::string& name) {
+  for (const auto& p : patterns)
+    if (fnmatch(p.c_str(), name.c_str(), 0) == 0) return true;
+  return false;
+}
+
+template <size_t D, typename Opt>
+ConvSpec spec_from(const Opt& o) {
+  ConvSpec s;
+  s.dims = static_cast<int>(D);
+  s.stride = std::vector<int64_t>(o.stride()->begin(), o.stride()->end());
+  s.dilation = std::vector<int64_t>(o.dilation()->begin(), o.dilation()->end());
+  s.groups = o.groups();
+  const auto& pad = o.padding();
+  if (std::holds_alternative<torch::enumtype::kSame>(pad)) {
+    s.same = true;
+  } else if (std::holds_alternative<torch::enumtype::kValid>(pad)) {
+    s.padding.assign(D, 0);
+  } else {
+    const auto& arr = std::get<torch::ExpandingArray<D>>(pad);
+    s.padding = std::vector<int64_t>(arr->begin(), arr->end());
+  }
+  return s;
+}
+
+template <size_t D, typename Opt>
+torch::nn::ConvOptions<D> conv_options_from(const Opt& o) {
+  torch::nn::ConvOptions<D> c(o.in_channels(), o.out_channels(), o.kernel_size());
+  c.stride(o.stride()).padding(o.padding()).dilation(o.dilation()).groups(o.groups()).bias(o.bias());
+  c.padding_mode(o.padding_mode());
+  return c;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Streamed modules
+// ---------------------------------------------------------------------------
+namespace nn {
+
+LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_) : options(options_) { reset(); }
+
+LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_, torch::Tensor w, torch::Tensor b)
+    : options(options_) {
+  weight = register_parameter("weight", w);
+  if (b.defined()) bias = register_parameter("bias", b);
+  else bias = register_parameter("bias", {}, /*requires_grad=*/false);
+}
+
+void LinearImpl::reset() {
+  // Same initialisation as torch::nn::Linear.
+  weight = register_parameter("weight", torch::empty({options.out_features(), options.in_features()}));
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (options.bias()) {
+    bias = register_parameter("bias", torch::empty(options.out_features()));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  } else {
+    bias = register_parameter("bias", {}, false);
+  }
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  if (engine_) return engine_->linear(index_, x);
+  return torch::linear(x, weight, bias);
+}
+
+void LinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "layerstream::nn::Linear(in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << options.bias()
+         << (engine_ ? ", streamed" : "") << ")";
+}
+
+template <size_t D>
+ConvImpl<D>::ConvImpl(const torch::nn::ConvOptions<D>& options_) : options(options_) {
+  reset();
+}
+
+template <size_t D>
+ConvImpl<D>::ConvImpl(const torch::nn::ConvOptions<D>& options_, torch::Tensor w, torch::Tensor b)
+    : options(options_) {
+  weight = this->register_parameter("weight", w);
+  if (b.defined()) bias = this->register_parameter("bias", b);
+  else bias = this->register_parameter("bias", {}, false);
+}
+
+template <size_t D>
+void ConvImpl<D>::reset() {
+  std::vector<int64_t> shape = {options.out_channels(), options.in_channels() / options.groups()};
+  for (auto k : *options.kernel_size()) shape.push_back(k);
+  weight = this->register_parameter("weight", torch::empty(shape));
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (options.bias()) {
+    bias = this->register_parameter("bias", torch::empty(options.out_channels()));
+    int64_t fan_in = shape[1];
+    for (size_t i = 2; i < shape.size(); ++i) fan_in *= shape[i];
+    const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  } else {
+    bias = this->register_parameter("bias", {}, false);
+  }
+}
+
+template <size_t D>
+ConvSpec ConvImpl<D>::spec() const {
+  return spec_from<D>(options);
+}
+
+template <size_t D>
+torch::Tensor ConvImpl<D>::forward(const torch::Tensor& x) {
+  if (engine_) return engine_->conv(index_, x);
+  const ConvSpec s = spec();
+  LS_CHECK(std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode()),
+           "layerstream::nn::Conv supports only zero padding");
+  if (s.same) {
+    return torch::_convolution_mode(x, weight, bias, s.stride, "same", s.dilation, s.groups);
+  }
+  return torch::convolution(x, weight, bias, s.stride, s.padding, s.dilation, false,
+                            std::vector<int64_t>(D, 0), s.groups);
+}
+
+template class ConvImpl<1>;
+template class ConvImpl<2>;
+template class ConvImpl<3>;
+
+}  // namespace nn
+
+// ---------------------------------------------------------------------------
+// offload()
+// ---------------------------------------------------------------------------
+std::shared_ptr<Engine> OffloadHandle::engine() const {
+  LS_CHECK(engine_ != nullptr, "this layerstream handle was detached; call offload() again");
+  return engine_;
+}
+
+std::map<std::string, double> OffloadHandle::stats() const { return engine()->stats(); }
+
+void OffloadHandle::synchronize() { engine()->synchronize(); }
+
+void OffloadHandle::detach() {
+  auto e = engine();
+  e->detach(devices_);
+  for (auto& u : unbind_) u();
+  for (auto& s : swaps_) s.parent->replace_module(s.child, s.original);
+  unbind_.clear();
+  swaps_.clear();
+  engine_.reset();
+}
+
+std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOptions& options) {
+  auto handle = std::shared_ptr<OffloadHandle>(new OffloadHandle());
+  auto engine = Engine::create(options);
+  handle->engine_ = engine;
+  const torch::Device dev = engine->compute_device();
+  std::set<torch::TensorImpl*> streamed;
+
+  auto selected = [&](const std::string& name) {
+    if (!options.include.empty() && !glob_any(options.include, name)) return false;
+    return !glob_any(options.exclude, name);
+  };
+  auto record = [&](const std::string& name, const torch::Tensor& w, const torch::Tensor& b) {
+    handle->names_.push_back(name);
+    handle->devices_.push_back(w.device());
+    streamed.insert(w.unsafeGetTensorImpl());
+    if (b.defined()) streamed.insert(b.unsafeGetTensorImpl());
+  };
+
+  // Collect first: swapping while iterating the tree would invalidate it.
+  struct Item {
+    std::string name;
+    torch::nn::Module* parent;
+    std::string child;
+    std::shared_ptr<torch::nn::Module> module;
+  };
+  std::vector<Item> items;
+  for (const auto& named : root.named_modules("", /*include_self=*/true)) {
+    torch::nn::Module* parent = named.value().get();
+    const bool is_container = dynamic_cast<torch::nn::SequentialImpl*>(parent) ||
+                              dynamic_cast<torch::nn::ModuleListImpl*>(parent) ||
+                              dynamic_cast<torch::nn::ModuleDictImpl*>(parent);
+    for (const auto& child : parent->named_children()) {
+      const std::string name = named.key().empty() ? child.key() : named.key() + "." + child.key();
+      auto m = child.value();
+      const bool plain = dynamic_cast<torch::nn::LinearImpl*>(m.get()) ||
+                         dynamic_cast<torch::nn::Conv1dImpl*>(m.get()) ||
+                         dynamic_cast<torch::nn::Conv2dImpl*>(m.get()) ||
+                         dynamic_cast<torch::nn::Conv3dImpl*>(m.get());
+      const bool ours = dynamic_cast<nn::StreamedBase*>(m.get()) != nullptr;
+      if ((!plain && !ours) || !selected(name)) continue;
+      LS_CHECK(!(plain && is_container), "cannot stream '", name, "': it is a torch::nn module "
+               "inside a Sequential/ModuleList/ModuleDict, whose element list offload() cannot "
+               "swap. Declare it as layerstream::nn::Linear/Conv*d, or exclude it.");
+      if (ours) {
+        LS_CHECK(!dynamic_cast<nn::StreamedBase*>(m.get())->attached(), "module '", name,
+                 "' is already offloaded by another layerstream handle; detach it first");
+      }
+      items.push_back(Item{name, parent, child.key(), m});
+    }
+  }
+  LS_CHECK(!items.empty(), "offload() found no Linear or Conv1d/2d/3d module to stream");
+
+  for (auto& it : items) {
+    torch::nn::Module* m = it.module.get();
+    if (auto* l = dynamic_cast<nn::LinearImpl*>(m)) {
+      const int idx = engine->add_linear(it.name, l->weight, l->bias);
+      l->bind(engine, idx);
+      handle->unbind_.push_back([l] { l->unbind(); });
+      record(it.name, l->weight, l->bias);
+    } else if (auto* tl = dynamic_cast<torch::nn::LinearImpl*>(m)) {
+      auto s = std::make_shared<nn::LinearImpl>(tl->options, tl->weight, tl->bias);
+      const int idx = engine->add_linear(it.name, s->weight, s->bias);
+      s->bind(engine, idx);
+      it.parent->replace_module(it.child, s);
+      handle->swaps_.push_back({it.parent, it.child, it.module});
+      record(it.name, s->weight, s->bias);
+    } else {
+      auto swap_conv = [&](auto* conv, auto dim_tag) -> bool {
+        if (!conv) return false;
+        constexpr size_t D = decltype(dim_tag)::value;
+        LS_CHECK(std::holds_alternative<torch::enumtype::kZeros>(conv->options.padding_mode()),
+                 "cannot stream conv '", it.name, "': only zero padding_mode is streamed; exclude it");
+        auto opts = conv_options_from<D>(conv->options);
+        auto s = std::make_shared<nn::ConvImpl<D>>(opts, conv->weight, conv->bias);
+        const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec());
+        s->bind(engine, idx);
+        it.parent->replace_module(it.child, s);
+        handle->swaps_.push_back({it.parent, it.child, it.module});
+        record(it.name, s->weight, s->bias);
+        return true;
+      };
+      auto bind_ours = [&](auto* conv) -> bool {
+        if (!conv) return false;
+        const int idx = engine->add_conv(it.name, conv->weight, conv->bias, conv->spec());
+        conv->bind(engine, idx);
+        handle->unbind_.push_back([conv] { conv->unbind(); });
+        record(it.name, conv->weight, conv->bias);
+        return true;
+      };
+      if (bind_ours(dynamic_cast<nn::Conv1dImpl*>(m)) || bind_ours(dynamic_cast<nn::Conv2dImpl*>(m)) ||
+          bind_ours(dynamic_cast<nn::Conv3dImpl*>(m)))
+        continue;
+      if (swap_conv(dynamic_cast<torch::nn::Conv1dImpl*>(m), std::integral_constant<size_t, 1>{}) ||
+          swap_conv(dynamic_cast<torch::nn::Conv2dImpl*>(m), std::integral_constant<size_t, 2>{}) ||
+          swap_conv(dynamic_cast<torch::nn::Conv3dImpl*>(m), std::integral_constant<size_t, 3>{}))
+        continue;
+    }
+  }
+
+  // Everything not streamed goes to the compute device.
+  torch::NoGradGuard ng;
+  for (auto& p : root.parameters(/*recurse=*/true)) {
+    if (streamed.count(p.unsafeGetTensorImpl()) || p.device() == dev) continue;
+    p.set_data(p.data().to(dev));
+  }
+  for (auto& b : root.buffers(/*recurse=*/true)) {
+    if (b.device() != dev) b.set_data(b.data().to(dev));
+  }
+  return handle;
+}
+
+}  // namespace layerstream

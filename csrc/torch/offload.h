@@ -1,0 +1,130 @@
+// layerstream — C++ API for LibTorch users.
+//
+//   #include "torch/offload.h"
+//   layerstream::OffloadOptions opts;          // device "auto": CUDA if visible, else sim
+//   opts.budget_bytes = 2LL << 30;
+//   auto handle = layerstream::offload(*model, opts);
+//   auto loss = model->forward(x).sum(); loss.backward();   // grads on host, complete
+//   handle->stats(); handle->detach();
+//
+// Streamed module types. layerstream::nn::Linear / Conv1d / Conv2d / Conv3d
+// are drop-in replacements for torch::nn::Linear / Conv*d (same options,
+// parameters "weight" and "bias"): they compute like the torch module until
+// offload() attaches them to an engine, then they stream their weights.
+//
+// offload(root, options) walks root's module tree and
+//  * attaches every layerstream::nn::* module, and
+//  * swaps every registered torch::nn::Linear / Conv*d child for a streamed
+//    module sharing the same parameters (same named_parameters() names) via
+//    Module::replace_module. LibTorch limitation: a parent that calls a child
+//    through its own ModuleHolder member (`fc->forward(x)`) keeps calling the
+//    old module; such code should declare the member as layerstream::nn::Linear
+//    (or re-read the child from the registry). Children of Sequential /
+//    ModuleList / ModuleDict cannot be swapped (their element lists are
+//    private): offload() throws naming them, so nothing runs unstreamed
+//    silently.
+// Non-streamed parameters and buffers are moved to the compute device.
+//
+// Thread safety: like torch modules; the handle's methods are thread-safe.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+
+namespace layerstream {
+
+struct OffloadOptions : EngineOptions {
+  // Glob patterns (* and ?) on qualified module names; empty include = all.
+  std::vector<std::string> include;
+  std::vector<std::string> exclude;
+};
+
+class OffloadHandle {
+ public:
+  std::map<std::string, double> stats() const;
+  void synchronize();
+  // Restores plain computation: weights back to ordinary tensors on their
+  // original devices (bit-identical); swapped children are swapped back.
+  void detach();
+  const std::vector<std::string>& layers() const { return names_; }
+  std::shared_ptr<Engine> engine() const;
+
+ private:
+  friend std::shared_ptr<OffloadHandle> offload(torch::nn::Module&, const OffloadOptions&);
+  struct Swap {
+    torch::nn::Module* parent;
+    std::string child;
+    std::shared_ptr<torch::nn::Module> original;
+  };
+  std::shared_ptr<Engine> engine_;
+  std::vector<std::string> names_;
+  std::vector<torch::Device> devices_;
+  std::vector<Swap> swaps_;
+  std::vector<std::function<void()>> unbind_;
+};
+
+std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOptions& options = {});
+
+namespace nn {
+
+// Common part of the streamed modules: the engine binding.
+class StreamedBase {
+ public:
+  bool attached() const { return engine_ != nullptr; }
+  void bind(std::shared_ptr<Engine> engine, int index) {
+    engine_ = std::move(engine);
+    index_ = index;
+  }
+  void unbind() {
+    engine_.reset();
+    index_ = -1;
+  }
+
+ protected:
+  std::shared_ptr<Engine> engine_;
+  int index_ = -1;
+};
+
+class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public StreamedBase {
+ public:
+  LinearImpl(int64_t in, int64_t out) : LinearImpl(torch::nn::LinearOptions(in, out)) {}
+  explicit LinearImpl(const torch::nn::LinearOptions& options);
+  // Shares the given parameters (e.g. those of an existing torch::nn::Linear).
+  LinearImpl(const torch::nn::LinearOptions& options, torch::Tensor weight, torch::Tensor bias);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x);
+  void pretty_print(std::ostream& stream) const override;
+
+  torch::nn::LinearOptions options;
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Linear);
+
+template <size_t D>
+class ConvImpl : public torch::nn::Cloneable<ConvImpl<D>>, public StreamedBase {
+ public:
+  explicit ConvImpl(const torch::nn::ConvOptions<D>& options);
+  // Shares the given parameters (e.g. those of an existing torch::nn::Conv{D}d).
+  ConvImpl(const torch::nn::ConvOptions<D>& options, torch::Tensor weight, torch::Tensor bias);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x);
+  ConvSpec spec() const;
+
+  torch::nn::ConvOptions<D> options;
+  torch::Tensor weight, bias;
+};
+using Conv1dImpl = ConvImpl<1>;
+using Conv2dImpl = ConvImpl<2>;
+using Conv3dImpl = ConvImpl<3>;
+TORCH_MODULE(Conv1d);
+TORCH_MODULE(Conv2d);
+TORCH_MODULE(Conv3d);
+
+}  // namespace nn
+}  // namespace layerstream
