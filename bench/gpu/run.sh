@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# GPU proof: build layerstream for the GPU, run the GPU test subset, then the
+# comparison (bench/gpu/compare.py); writes results.json and results.md (and
+# build.log, tests.log, compare.log) into OUTDIR. Exits non-zero on any failure
+# (build, tests, a system that errors); the speed targets are reported, not
+# enforced.
+#
+#   bash bench/gpu/run.sh [--dry-run] OUTDIR [--seed-impl PATH] [--no-build] [-- compare.py args...]
+#
+# Real run (a machine with CUDA-enabled PyTorch 2.x and nvcc): uses .venv/bin/python
+# when present, else python3; configures build-gpu/ against that python's torch
+# and builds only the _C target (it lands in python/layerstream/); runs
+# tests/python/test_parity_layers.py with LS_TEST_DEVICE=cuda when that file
+# exists; then the comparison at full size (~6.4B params, bf16).
+# --dry-run: the local .venv and its existing build (tools/setup.sh if the
+# module does not import), device "sim", tiny sizes, the parity tests only
+# collected (tools/test.sh runs them on sim); < 2 minutes on 2 CPU cores.
+# --seed-impl: the seed's seed_layer.py (never in the repo). When not given,
+# .shared/seed_layer.py or ../shared/reference/seed_layer.py is used if present.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$ROOT"
+
+usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+DRY=0; OUTDIR=""; SEED=""; BUILD=1; EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --seed-impl) [ $# -ge 2 ] || usage; SEED=$2; shift ;;
+    --seed-impl=*) SEED=${1#*=} ;;
+    --no-build) BUILD=0 ;;
+    -h|--help) usage ;;
+    --) shift; EXTRA=("$@"); break ;;
+    -*) echo "run.sh: unknown option $1" >&2; usage ;;
+    *) [ -z "$OUTDIR" ] || { echo "run.sh: more than one OUTDIR" >&2; usage; }; OUTDIR=$1 ;;
+  esac
+  shift
+done
+[ -n "$OUTDIR" ] || usage
+mkdir -p "$OUTDIR" || exit 1
+OUTDIR=$(cd "$OUTDIR" && pwd)
+T0=$(date +%s)
+log() { echo "[gpu-proof] $*"; }
+fail=0
+
+if [ -z "$SEED" ]; then
+  for cand in "$ROOT/.shared/seed_layer.py" "$ROOT/../shared/reference/seed_layer.py"; do
+    if [ -f "$cand" ]; then SEED=$cand; break; fi
+  done
+fi
+seed_args=()
+if [ -n "$SEED" ]; then
+  [ -f "$SEED" ] || { echo "run.sh: --seed-impl $SEED does not exist" >&2; exit 2; }
+  SEED="$(cd "$(dirname "$SEED")" && pwd)/$(basename "$SEED")"
+  seed_args=(--seed-impl "$SEED")
+  log "seed implementation: ${seed_args[1]}"
+else
+  log "no seed implementation given: the 'seed' system will be skipped"
+fi
+
+# ---- python ----------------------------------------------------------------
+if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+  PY="$ROOT/.venv/bin/python"
+elif [ "$DRY" = 1 ]; then
+  log "no .venv: running tools/setup.sh"
+  bash tools/setup.sh || exit 1
+  PY="$ROOT/.venv/bin/python"
+elif python3 -c 'import torch' >/dev/null 2>&1; then
+  PY=$(command -v python3)
+else
+  echo "run.sh: no python with torch (.venv/bin/python or python3)" >&2
+  exit 1
+fi
+log "python: $PY ($("$PY" -c 'import torch,sys;print("torch",torch.__version__,"python",sys.version.split()[0])'))"
+export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+NO_CUDA=0
+if [ "$DRY" = 0 ] && ! "$PY" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  log "ERROR: torch sees no CUDA device (use --dry-run on a machine without a GPU); build and tests not run"
+  NO_CUDA=1; fail=1
+fi
+
+# ---- build -----------------------------------------------------------------
+build_status=skipped; build_detail=""; build_s=0
+tb=$(date +%s)
+if [ "$DRY" = 1 ]; then
+  if "$PY" -c 'import layerstream' >/dev/null 2>&1; then
+    build_status=ok; build_detail="dry run: existing build of the .venv (python/layerstream/_C)"
+  else
+    log "layerstream does not import: running tools/setup.sh"
+    if bash tools/setup.sh >"$OUTDIR/build.log" 2>&1; then
+      build_status=ok; build_detail="dry run: tools/setup.sh"
+    else
+      build_status=failed; build_detail="tools/setup.sh failed (see build.log)"; fail=1
+      tail -30 "$OUTDIR/build.log"
+    fi
+  fi
+elif [ "$NO_CUDA" = 1 ]; then
+  build_status=skipped; build_detail="not run: no CUDA device"
+elif [ "$BUILD" = 0 ]; then
+  build_status=skipped; build_detail="--no-build: using the module already in python/layerstream/"
+else
+  pyinc=$("$PY" -c 'import sysconfig;print(sysconfig.get_paths()["include"])')
+  [ -f "$pyinc/Python.h" ] || log "warning: $pyinc/Python.h not found: the Python module may not build"
+  TORCH_PREFIX=$("$PY" -c 'import torch.utils;print(torch.utils.cmake_prefix_path)')
+  cuda_args=()
+  if [ -x /usr/local/cuda/bin/nvcc ]; then
+    cuda_args+=(-DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+  fi
+  # A CUDA torch wheel's config wants libnvrtc; take the one its nvidia packages carry.
+  nvrtc=$("$PY" - <<'EOF'
+import glob, os, site
+roots = list(site.getsitepackages()) + [site.getusersitepackages()]
+for r in roots:
+    for pat in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*"):
+        hits = sorted(glob.glob(os.path.join(r, pat)))
+        hits = [h for h in hits if "builtins" not in h and "alt" not in os.path.basename(h)]
+        if hits:
+            print(hits[0]); raise SystemExit
+EOF
+)
+  [ -n "$nvrtc" ] && cuda_args+=(-DCUDA_nvrtc_LIBRARY="$nvrtc")
+  gen=(); command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+  [ -f build-gpu/CMakeCache.txt ] && ! grep -q "^CMAKE_GENERATOR:INTERNAL=Ninja" build-gpu/CMakeCache.txt && gen=()
+  log "configuring build-gpu"
+  if cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+       -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" \
+       -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 -DLS_WITH_TORCH=ON "${cuda_args[@]}" \
+       >"$OUTDIR/build.log" 2>&1; then
+    grep -E "layerstream: (CUDA|LibTorch)" "$OUTDIR/build.log" | sed 's/^/[gpu-proof]   /'
+    log "building _C ($(nproc) jobs)"
+    if cmake --build build-gpu --target _C -j "$(nproc)" >>"$OUTDIR/build.log" 2>&1; then
+      build_status=ok
+      build_detail="cmake Release, build-gpu, target _C, CUDA arch 90; $(grep -E 'layerstream: (CUDA|LibTorch)' "$OUTDIR/build.log" | sed 's/.*layerstream: //' | tr '\n' ';' | sed 's/;$//')"
+    else
+      build_status=failed; build_detail="cmake --build failed (see build.log)"; fail=1
+    fi
+  else
+    build_status=failed; build_detail="cmake configure failed (see build.log)"; fail=1
+  fi
+  [ "$build_status" = failed ] && tail -40 "$OUTDIR/build.log"
+  if [ "$build_status" = ok ] && ! "$PY" -c 'import layerstream, torch; e = layerstream._C' 2>>"$OUTDIR/build.log"; then
+    build_status=failed; build_detail="built, but 'import layerstream' fails (see build.log)"; fail=1
+  fi
+fi
+build_s=$(( $(date +%s) - tb ))
+log "build: $build_status ($build_s s) $build_detail"
+
+# ---- GPU test subset ---------------------------------------------------------
+TESTS_JSON="$OUTDIR/tests.json"
+PARITY=tests/python/test_parity_layers.py
+write_tests() { # status detail rc env_supported
+  "$PY" - "$TESTS_JSON" "$1" "$2" "$3" "$4" "$PARITY" <<'EOF'
+import json, sys
+path, status, detail, rc, env, f = sys.argv[1:7]
+json.dump({"status": status, "detail": detail, "rc": int(rc), "file": f,
+           "ls_test_device_supported": env == "1"}, open(path, "w"), indent=2)
+EOF
+}
+if [ "$NO_CUDA" = 1 ]; then
+  write_tests "not run" "no CUDA device" 0 0
+elif [ ! -f "$PARITY" ]; then
+  log "tests: $PARITY does not exist yet: recorded as missing"
+  write_tests missing "$PARITY does not exist in this checkout" 0 0
+elif ! "$PY" -c 'import pytest' >/dev/null 2>&1; then
+  write_tests failed "pytest is not importable" 1 0; fail=1
+else
+  env_ok=0; grep -q LS_TEST_DEVICE "$PARITY" && env_ok=1
+  if [ "$DRY" = 1 ]; then
+    # tools/test.sh already runs the whole Python suite on sim; here only check
+    # that the file collects, which is what the real run depends on.
+    LS_TEST_DEVICE=sim timeout 90 "$PY" -m pytest -q --collect-only -k parity "$PARITY" >"$OUTDIR/tests.log" 2>&1
+    rc=$?
+    summary=$(tail -1 "$OUTDIR/tests.log")
+    if [ $rc = 0 ]; then write_tests collected "dry run, collect only: $summary" 0 $env_ok
+    else write_tests failed "collect failed (rc $rc): $summary" $rc $env_ok; fail=1; fi
+  else
+    log "tests: LS_TEST_DEVICE=cuda pytest -k parity $PARITY"
+    LS_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -k parity "$PARITY" >"$OUTDIR/tests.log" 2>&1
+    rc=$?
+    summary=$(tail -1 "$OUTDIR/tests.log")
+    note=""; [ $env_ok = 0 ] && note=" (the file does not read LS_TEST_DEVICE: its own default device was used)"
+    if [ $rc = 0 ]; then write_tests passed "$summary$note" 0 $env_ok
+    else write_tests failed "rc $rc: $summary$note" $rc $env_ok; fail=1; tail -30 "$OUTDIR/tests.log"; fi
+  fi
+  log "tests: $(tail -1 "$OUTDIR/tests.log")"
+fi
+
+# ---- comparison ------------------------------------------------------------
+cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
+          --build-detail "$build_detail" --tests-json "$TESTS_JSON")
+# One torch thread: on 2 shared cores, intra-op threads spin against each other
+# and make the tiny bf16 matmuls ~50x slower.
+[ "$DRY" = 1 ] && cmp_args+=(--dry-run --threads 1)
+# The whole real run must fit in 8 minutes: the comparison gets what is left
+# of ~460 s (at least 180 s); a system that cannot start in time is skipped
+# and counted as a failure.
+if [ "$DRY" = 0 ]; then
+  left=$(( 460 - ($(date +%s) - T0) )); [ $left -lt 180 ] && left=180
+  cmp_args+=(--deadline-s "$left")
+fi
+cmd_str="bash bench/gpu/run.sh$([ "$DRY" = 1 ] && echo ' --dry-run') OUTDIR${SEED:+ --seed-impl $SEED}"
+log "comparison: compare.py ${cmp_args[*]} ${EXTRA[*]}"
+"$PY" bench/gpu/compare.py "${cmp_args[@]}" --command "$cmd_str" "${EXTRA[@]}"
+rc=$?
+[ $rc = 0 ] || { log "compare.py exited with $rc"; fail=1; }
+[ -f "$OUTDIR/results.json" ] && [ -f "$OUTDIR/results.md" ] || { log "results.json/results.md missing"; fail=1; }
+
+log "done in $(( $(date +%s) - T0 )) s: $OUTDIR/results.md ($([ $fail = 0 ] && echo OK || echo FAILED))"
+exit $fail
