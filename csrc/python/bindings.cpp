@@ -55,16 +55,48 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("resolve_device", &layerstream::resolve_device, py::arg("device"));
 
+  namespace quant = layerstream::quant;
+  auto fmt = [](const std::string& f) {
+    return f.empty() || f == "none" ? quant::Format::None : quant::parse_format(f);
+  };
+  // "" when `format` can pack a rows x cols weight, else the reason.
+  m.def("quant_check", [fmt](const std::string& format, int64_t rows, int64_t cols) -> std::string {
+    try {
+      quant::layout_for(fmt(format), rows, cols);
+      return "";
+    } catch (const layerstream::Error& e) {
+      return e.message();
+    }
+  });
+  m.def("quant_formats", [] { return std::vector<std::string>{"int8", "fp8", "nf4", "int4"}; });
+  m.def("quant_packed_bytes", [fmt](const std::string& format, int64_t rows, int64_t cols) {
+    return quant::layout_for(fmt(format), rows, cols).total_bytes();
+  });
+
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](const py::dict& opts) { return Engine::create(options_from(opts)); }),
            py::arg("options") = py::dict())
-      .def("add_linear", &Engine::add_linear, py::arg("name"), py::arg("weight"),
-           py::arg("bias") = torch::Tensor())
+      .def("add_linear",
+           [fmt](Engine& e, const std::string& name, torch::Tensor w, std::optional<torch::Tensor> b,
+                 const std::string& quantize) {
+             return e.add_linear(name, w, b.value_or(torch::Tensor()), fmt(quantize));
+           },
+           py::arg("name"), py::arg("weight"), py::arg("bias") = py::none(),
+           py::arg("quantize") = "")
+      .def("add_linear_int8",
+           [](Engine& e, const std::string& name, torch::Tensor data,
+              torch::Tensor scales, std::optional<torch::Tensor> bias, py::object dense_dtype) {
+             const auto dt = torch::python::detail::py_object_to_dtype(dense_dtype);
+             return e.add_linear_int8(name, data, scales, bias.value_or(torch::Tensor()), dt);
+           },
+           py::arg("name"), py::arg("data"), py::arg("scales"),
+           py::arg("bias"), py::arg("dense_dtype"))
       .def(
           "add_conv",
-          [](Engine& e, const std::string& name, torch::Tensor w, torch::Tensor b, int dims,
+          [](Engine& e, const std::string& name, torch::Tensor w, std::optional<torch::Tensor> ob, int dims,
              std::vector<int64_t> stride, std::vector<int64_t> padding, bool same,
-             std::vector<int64_t> dilation, int64_t groups) {
+             std::vector<int64_t> dilation, int64_t groups, const std::string& quantize) {
+            torch::Tensor b = ob.value_or(torch::Tensor());
             ConvSpec s;
             s.dims = dims;
             s.stride = std::move(stride);
@@ -72,10 +104,13 @@ PYBIND11_MODULE(_C, m) {
             s.same = same;
             s.dilation = std::move(dilation);
             s.groups = groups;
-            return e.add_conv(name, w, b, s);
+            return e.add_conv(name, w, b, s, quantize.empty() || quantize == "none"
+                                                    ? layerstream::quant::Format::None
+                                                    : layerstream::quant::parse_format(quantize));
           },
           py::arg("name"), py::arg("weight"), py::arg("bias"), py::arg("dims"), py::arg("stride"),
-          py::arg("padding"), py::arg("same"), py::arg("dilation"), py::arg("groups"))
+          py::arg("padding"), py::arg("same"), py::arg("dilation"), py::arg("groups"),
+          py::arg("quantize") = "")
       .def("linear", &Engine::linear)
       .def("conv", &Engine::conv)
       .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())
@@ -93,5 +128,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_layers", &Engine::num_layers)
       .def("layer_name", &Engine::layer_name)
       .def("layer_bytes", &Engine::layer_bytes)
+      .def("layer_format", &Engine::layer_format)
+      .def("dequantized_weight", &Engine::dequantized_weight)
       .def_property_readonly("detached", &Engine::detached);
 }

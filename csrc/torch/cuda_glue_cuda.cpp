@@ -3,6 +3,7 @@
 #include <torch/cuda.h>
 
 #include "backends/cuda/cuda_backend.h"
+#include "kernels/cuda/dequant.h"
 #include "cuda_glue.h"
 
 namespace layerstream::cuda_glue {
@@ -19,6 +20,11 @@ std::shared_ptr<Backend> make_backend(int device) {
 void* current_stream(int device) {
   return static_cast<void*>(
       c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
+}
+
+void dequantize(const quant::PackedLayout& layout, const void* packed, void* out,
+                quant::OutDtype dtype, int device) {
+  quant::dequantize_cuda(layout, packed, out, dtype, current_stream(device));
 }
 
 size_t peak_device_bytes(Backend& backend) {

@@ -162,7 +162,34 @@ void* adopt(HostStore& store, const std::shared_ptr<HostStore>& keep, torch::Ten
 }
 }  // namespace
 
-int Engine::add_layer(LayerInfo info) {
+namespace {
+quant::SrcDtype src_dtype_of(torch::ScalarType t, const std::string& name) {
+  switch (t) {
+    case torch::kFloat: return quant::SrcDtype::F32;
+    case torch::kBFloat16: return quant::SrcDtype::BF16;
+    case torch::kHalf: return quant::SrcDtype::F16;
+    default:
+      LS_FAIL("layer '", name, "': only float32/bfloat16/float16 weights can be quantized, got ", t);
+  }
+}
+
+quant::OutDtype out_dtype_of(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat: return quant::OutDtype::F32;
+    case torch::kBFloat16: return quant::OutDtype::BF16;
+    case torch::kHalf: return quant::OutDtype::F16;
+    default: LS_FAIL("cannot dequantize to ", t);
+  }
+}
+
+// A data-less stand-in (meta tensor) with the weight's shape and dtype: the
+// engine must not keep the dense weight alive once it is packed.
+torch::Tensor meta_like(const std::vector<int64_t>& shape, torch::ScalarType dtype) {
+  return torch::empty(shape, torch::TensorOptions().dtype(dtype).device(torch::kMeta));
+}
+}  // namespace
+
+int Engine::add_layer(LayerInfo info, quant::Format format) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
   LS_CHECK(info.weight.defined(), "layer '", info.name, "' has no weight");
@@ -175,13 +202,40 @@ int Engine::add_layer(LayerInfo info) {
   }
   info.w_shape = info.weight.sizes().vec();
   info.w_dtype = info.weight.scalar_type();
-  info.w_host = adopt(*store_, store_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes);
+  if (format == quant::Format::None) {
+    info.w_host = adopt(*store_, store_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes);
+  } else {
+    LS_CHECK(!info.weight.requires_grad(), "layer '", info.name, "': a quantized weight cannot be "
+             "trained; freeze it first (weight.requires_grad_(False), as QLoRA does with the base "
+             "model) or do not quantize this layer");
+    torch::NoGradGuard ng;
+    torch::Tensor src = info.weight.detach().to(torch::kCPU).contiguous();
+    const int64_t rows = info.w_shape[0];
+    const int64_t cols = rows ? src.numel() / rows : 0;
+    try {
+      info.qlayout = quant::layout_for(format, rows, cols);
+      info.w_bytes = info.qlayout.total_bytes();
+      info.w_index = store_->add(info.w_bytes, nullptr, info.name + ".weight[" + quant::to_string(format) + "]");
+      info.w_host = store_->buffer(info.w_index).ptr;
+      quant::pack(format, src.data_ptr(), src_dtype_of(src.scalar_type(), info.name), rows, cols,
+                  info.w_host, 0);
+    } catch (const Error& e) {
+      LS_FAIL("cannot quantize layer '", info.name, "' (weight ", shape_str(info.w_shape), ") to ",
+              quant::to_string(format), ": ", e.message());
+    }
+    info.qformat = format;
+    info.weight = meta_like(info.w_shape, info.w_dtype);
+  }
   if (info.bias.defined()) {
     LS_CHECK(info.bias.is_floating_point(), "layer '", info.name, "' has a non-float bias");
     info.b_shape = info.bias.sizes().vec();
     info.b_dtype = info.bias.scalar_type();
     info.b_host = adopt(*store_, store_, info.bias, info.name + ".bias", &info.b_index, &info.b_bytes);
   }
+  return register_layer_locked(std::move(info));
+}
+
+int Engine::register_layer_locked(LayerInfo info) {
   info.grad_done = backend_->create_event();
   layers_.push_back(std::make_unique<LayerInfo>(std::move(info)));
   // A new layer invalidates the scheduler (its slot size and trace).
@@ -200,18 +254,57 @@ int Engine::add_layer(LayerInfo info) {
   return static_cast<int>(layers_.size()) - 1;
 }
 
-int Engine::add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias) {
+int Engine::add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias,
+                       quant::Format format) {
   LS_CHECK(weight.dim() == 2, "Linear layer '", name, "' needs a 2-D weight, got ",
            shape_str(weight.sizes().vec()));
   LayerInfo info;
   info.name = name;
   info.weight = weight;
   info.bias = bias;
-  return add_layer(std::move(info));
+  return add_layer(std::move(info), format);
+}
+
+int Engine::add_linear_int8(const std::string& name, torch::Tensor data,
+                            torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
+  LS_CHECK(data.dim() == 2 && data.scalar_type() == torch::kChar, "layer '", name,
+           "': pre-quantized weight must be a 2-D int8 tensor, got ", data.scalar_type(), " ",
+           shape_str(data.sizes().vec()));
+  const int64_t rows = data.size(0), cols = data.size(1);
+  torch::Tensor sc = scales.detach().to(torch::kCPU).to(torch::kFloat).contiguous().reshape({-1});
+  LS_CHECK(sc.numel() == rows || sc.numel() == 1, "layer '", name, "': int8 weight has ", rows,
+           " rows but ", sc.numel(), " scales (need one per row or one per tensor)");
+  if (sc.numel() == 1) sc = sc.expand({rows}).contiguous();
+  LS_CHECK(torch::isfinite(sc).all().item<bool>(), "layer '", name, "': int8 scales contain NaN/Inf");
+  LayerInfo info;
+  info.name = name;
+  info.bias = bias;
+  info.w_shape = {rows, cols};
+  info.w_dtype = dense_dtype;
+  info.qformat = quant::Format::Int8;
+  info.qlayout = quant::layout_for(quant::Format::Int8, rows, cols);
+  info.w_bytes = info.qlayout.total_bytes();
+  info.w_index = store_->add(info.w_bytes, nullptr, name + ".weight[int8]");
+  info.w_host = store_->buffer(info.w_index).ptr;
+  char* dst = static_cast<char*>(info.w_host);
+  std::memset(dst, 0, info.w_bytes);
+  torch::Tensor d = data.detach().to(torch::kCPU).contiguous();
+  std::memcpy(dst + info.qlayout.data_offset(), d.data_ptr(), static_cast<size_t>(rows * cols));
+  std::memcpy(dst + info.qlayout.scale_offset(), sc.data_ptr(), static_cast<size_t>(rows) * sizeof(float));
+  info.weight = meta_like(info.w_shape, dense_dtype);
+  if (bias.defined()) {
+    LS_CHECK(bias.is_floating_point(), "layer '", name, "' has a non-float bias");
+    info.b_shape = bias.sizes().vec();
+    info.b_dtype = bias.scalar_type();
+    info.b_host = adopt(*store_, store_, info.bias, name + ".bias", &info.b_index, &info.b_bytes);
+  }
+  return register_layer_locked(std::move(info));
 }
 
 int Engine::add_conv(const std::string& name, torch::Tensor weight, torch::Tensor bias,
-                     const ConvSpec& spec) {
+                     const ConvSpec& spec, quant::Format format) {
   LS_CHECK(spec.dims >= 1 && spec.dims <= 3, "Conv layer '", name, "': only 1-3 spatial dims");
   LS_CHECK(weight.dim() == spec.dims + 2, "Conv", spec.dims, "d layer '", name, "' needs a ",
            spec.dims + 2, "-D weight, got ", shape_str(weight.sizes().vec()));
@@ -228,7 +321,7 @@ int Engine::add_conv(const std::string& name, torch::Tensor weight, torch::Tenso
   info.conv = spec;
   info.weight = weight;
   info.bias = bias;
-  return add_layer(std::move(info));
+  return add_layer(std::move(info), format);
 }
 
 size_t Engine::grad_bytes(const LayerInfo& l) const {
@@ -323,7 +416,8 @@ Phase Engine::current_phase() const {
 }
 
 void Engine::check_host_alias(const LayerInfo& l) const {
-  LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
+  if (l.qformat == quant::Format::None)
+    LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
            ".cuda() or load_state_dict(assign=True)); layerstream keeps streamed weights in host "
            "memory. Call handle.detach() before moving the model, or copy new values in place.");
@@ -334,6 +428,18 @@ void Engine::check_host_alias(const LayerInfo& l) const {
 }
 
 torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
+  if (l.qformat != quant::Format::None) {
+    // Packed in the slot: dequantize on the device, on the compute stream,
+    // straight to the activation dtype.
+    torch::Tensor out = torch::empty(l.w_shape, torch::TensorOptions().dtype(dtype).device(compute_device_));
+    if (compute_device_.is_cpu()) {
+      quant::dequantize_cpu(l.qlayout, lease.part_ptr(0), out.data_ptr(), out_dtype_of(dtype), 1);
+    } else {
+      cuda_glue::dequantize(l.qlayout, lease.part_ptr(0), out.data_ptr(), out_dtype_of(dtype),
+                            compute_device_.index());
+    }
+    return out;
+  }
   auto opts = torch::TensorOptions().dtype(l.w_dtype).device(compute_device_);
   torch::Tensor w = torch::from_blob(lease.part_ptr(0), l.w_shape, opts);
   return w.scalar_type() == dtype ? w : w.to(dtype);
@@ -451,7 +557,11 @@ void Engine::detach(const std::vector<torch::Device>& devices) {
   for (size_t i = 0; i < layers_.size(); ++i) {
     LayerInfo& l = *layers_[i];
     const torch::Device dev = devices.empty() ? torch::Device(torch::kCPU) : devices[i];
-    l.weight.set_data(l.weight.detach().clone().to(dev));
+    if (l.qformat != quant::Format::None) {
+      // The caller restores quantized weights from dequantized_weight().
+    } else {
+      l.weight.set_data(l.weight.detach().clone().to(dev));
+    }
     if (l.bias.defined()) l.bias.set_data(l.bias.detach().clone().to(dev));
   }
   sched_.reset();
@@ -475,6 +585,9 @@ std::map<std::string, double> Engine::stats() const {
   m["max_slots_held"] = st.max_slots_held;
   m["budget_bytes"] = static_cast<double>(opts_.budget_bytes);
   m["layers"] = static_cast<double>(layers_.size());
+  int quantized = 0;
+  for (const auto& l : layers_) quantized += l->qformat != quant::Format::None ? 1 : 0;
+  m["quantized_layers"] = quantized;
   const HostStoreStats hs = store_->stats();
   m["pinned_bytes"] = static_cast<double>(hs.pinned_bytes);
   m["pageable_bytes"] = static_cast<double>(hs.pageable_bytes);
@@ -488,6 +601,21 @@ std::map<std::string, double> Engine::stats() const {
 }
 
 std::vector<std::string> Engine::ordering_errors() const { return backend_->ordering_errors(); }
+
+torch::Tensor Engine::dequantized_weight(int index) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LS_CHECK(l.qformat != quant::Format::None, "layer '", l.name, "' is not quantized");
+  torch::Tensor dense = torch::empty(l.w_shape, torch::TensorOptions().dtype(torch::kFloat));
+  quant::dequantize_cpu(l.qlayout, l.w_host, dense.data_ptr(), quant::OutDtype::F32, 0);
+  return dense.to(l.w_dtype);
+}
+
+std::string Engine::layer_format(int index) const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  return l.qformat == quant::Format::None ? "" : quant::to_string(l.qformat);
+}
 
 // ---------------------------------------------------------------------------
 // Autograd functions
@@ -733,7 +861,10 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x) {
   check_input(*this, l, x);
   check_host_alias(l);
   ensure_scheduler();
-  return LinearFn::apply(x, l.weight, l.bias, this, static_cast<int64_t>(layer_index));
+  // Autograd inputs must be defined tensors: without a bias, the weight
+  // stands in (the functions read the bias from the layer, never from here).
+  return LinearFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
+                         static_cast<int64_t>(layer_index));
 }
 
 torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x) {
@@ -742,7 +873,8 @@ torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x) {
   check_input(*this, l, x);
   check_host_alias(l);
   ensure_scheduler();
-  return ConvFn::apply(x, l.weight, l.bias, this, static_cast<int64_t>(layer_index));
+  return ConvFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
+                       static_cast<int64_t>(layer_index));
 }
 
 }  // namespace layerstream

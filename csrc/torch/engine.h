@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "core/host_store.h"
+#include "core/quant.h"
 #include "core/runtime.h"
 #include "core/scheduler.h"
 
@@ -87,9 +88,22 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   // Registers a streamed layer and moves its parameter data into the host
   // store. weight/bias are the module's parameters (bias may be undefined).
-  int add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias);
+  // With a quantization format the weight is packed on the host (it must be
+  // frozen: requires_grad false), crosses the bus packed and is dequantized
+  // on the device to the activation dtype at use. The engine keeps no
+  // reference to the dense weight: callers replace the module's parameter
+  // by a data-less (meta) one so the dense copy is freed (the Python layer
+  // does). The bias stays float. See docs/design/quant-formats.md.
+  int add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias,
+                 quant::Format format = quant::Format::None);
   int add_conv(const std::string& name, torch::Tensor weight, torch::Tensor bias,
-               const ConvSpec& spec);
+               const ConvSpec& spec, quant::Format format = quant::Format::None);
+  // A Linear whose weight is already int8 with one fp32 scale per output
+  // row (e.g. from torch.quantize_per_channel with zero points 0): stored in
+  // the int8 format byte for byte. `dense_dtype` is the dtype it stands for
+  // (what detach() restores).
+  int add_linear_int8(const std::string& name, torch::Tensor int8_data,
+                      torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype);
 
   // The streamed computations (differentiable).
   torch::Tensor linear(int layer, const torch::Tensor& x);
@@ -108,6 +122,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // pinned_bytes, pageable_bytes, layers, ordering_errors.
   std::map<std::string, double> stats() const;
   std::vector<std::string> ordering_errors() const;
+  // Quantized layers: the weight dequantized on the host (CPU, original
+  // dtype) — what detach() restores (lossy); "" / format name per layer.
+  torch::Tensor dequantized_weight(int layer);
+  std::string layer_format(int layer) const;
 
   torch::Device compute_device() const { return compute_device_; }
   const std::string& device_name() const { return device_name_; }
@@ -145,7 +163,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
     size_t w_index = 0, b_index = 0;  // host store indices
     void* w_host = nullptr;
     void* b_host = nullptr;
-    size_t w_bytes = 0, b_bytes = 0;
+    size_t w_bytes = 0, b_bytes = 0;  // bytes in the host store (packed for quantized)
+    quant::Format qformat = quant::Format::None;
+    quant::PackedLayout qlayout;
     // gradient staging (host) and bookkeeping
     HostBuffer grad_staging;
     size_t grad_b_offset = 0;
@@ -156,7 +176,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
  private:
   explicit Engine(const EngineOptions& options);
-  int add_layer(LayerInfo info);
+  int add_layer(LayerInfo info, quant::Format format);
+  int register_layer_locked(LayerInfo info);
   void build_scheduler_locked();
   void ensure_scheduler();
   void check_host_alias(const LayerInfo& l) const;

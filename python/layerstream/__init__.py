@@ -52,6 +52,55 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _quant_for(name: str, quantize) -> Optional[str]:
+    """The quantization format for layer `name`: quantize is None, a format
+    name, or a dict of glob pattern -> format (None = keep dense); the first
+    matching pattern wins."""
+    if quantize is None:
+        return None
+    if isinstance(quantize, str):
+        return quantize
+    if isinstance(quantize, dict):
+        for pattern, fmt in quantize.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return fmt
+        return None
+    raise TypeError(f"quantize must be None, a format name or a dict of pattern -> format, "
+                    f"got {type(quantize).__name__}")
+
+
+def _prequantized(module: nn.Module):
+    """(int8 data, per-row scales) when the module's weight is already int8:
+    a torch quantized tensor (qint8, zero points 0) or an int8 tensor with a
+    `weight_scale` attribute. None for float weights."""
+    w = module.weight
+    if w.is_quantized:
+        if w.dtype != torch.qint8:
+            raise LayerstreamError(f"quantized weight dtype {w.dtype} is not supported; use qint8")
+        scheme = w.qscheme()
+        if scheme in (torch.per_channel_affine, torch.per_channel_symmetric):
+            if w.q_per_channel_axis() != 0 or bool((w.q_per_channel_zero_points() != 0).any()):
+                raise LayerstreamError(
+                    "per-channel quantized weights must use axis 0 and zero points 0 (symmetric); "
+                    "dequantize them first or use offload(quantize='int8')")
+            return w.int_repr(), w.q_per_channel_scales().float()
+        if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            if w.q_zero_point() != 0:
+                raise LayerstreamError(
+                    "per-tensor quantized weights must use zero point 0; dequantize them first or "
+                    "use offload(quantize='int8')")
+            return w.int_repr(), torch.tensor([w.q_scale()], dtype=torch.float32)
+        raise LayerstreamError(f"unsupported quantization scheme {scheme}")
+    if not w.dtype.is_floating_point:
+        scale = getattr(module, "weight_scale", None)
+        if w.dtype != torch.int8 or scale is None:
+            raise LayerstreamError(
+                f"an integer weight ({w.dtype}) needs dtype int8 and a `weight_scale` attribute "
+                f"(one fp32 scale per output row, or one for the tensor) to be streamed")
+        return w.detach(), torch.as_tensor(scale, dtype=torch.float32)
+    return None
+
+
 def _is_streamable(module: nn.Module) -> Optional[str]:
     """Returns 'linear', 'conv' or None."""
     # MultiheadAttention reads out_proj.weight directly instead of calling it.
@@ -95,11 +144,14 @@ def _conv_args(module: nn.Module) -> dict:
 class _Attached:
     """What offload() changed on one module, to undo it in detach()."""
 
-    __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices")
+    __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
+                 "prequantized")
 
-    def __init__(self, name, module, kind, index, had_forward, old_forward, devices):
+    def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
+                 prequantized=False):
         self.name, self.module, self.kind, self.index = name, module, kind, index
         self.had_forward, self.old_forward, self.devices = had_forward, old_forward, devices
+        self.prequantized = prequantized
 
 
 def _make_forward(engine, index: int, kind: str, original):
@@ -164,9 +216,17 @@ class Handle:
         on their original devices, bit-identical."""
         engine = self._check()
         devices = []
+        dense = {}
         for a in self._attached:
             devices.append(a.devices[0])
+            if engine.layer_format(a.index) and not a.prequantized:
+                # Quantized by offload(): the dense values were not kept; restore the
+                # dequantized weights (lossy by the format's error bound).
+                dense[a.index] = engine.dequantized_weight(a.index)
         engine.detach(devices)
+        for a in self._attached:
+            if a.index in dense:
+                a.module.weight = nn.Parameter(dense[a.index].to(a.devices[0]), requires_grad=False)
         for a in self._attached:
             if a.had_forward:
                 a.module.forward = a.old_forward
@@ -201,6 +261,7 @@ def offload(
     checker: bool = True,
     pin_memory: bool = True,
     cache_across_steps: bool = False,
+    quantize: Union[None, str, Dict[str, Optional[str]]] = None,
 ) -> Handle:
     """Streams the model's Linear and Conv1d/2d/3d layers from host RAM.
 
@@ -216,6 +277,12 @@ def offload(
         "12GiB", ...); None = no bound. Must hold 2 slots of the largest layer.
     prefetch: layers kept in flight ahead of use; slots: device slots
         (default prefetch + 2, capped by the budget).
+    quantize: pack streamed weights on the host and dequantize them on the
+        device: "int8", "fp8", "nf4" or "int4" for every streamed layer (layers
+        whose shape the format cannot pack stay dense, with one warning), or a
+        dict {glob pattern: format or None} for per-layer choices (first match
+        wins; an explicit format that cannot pack a layer is an error).
+        Quantized weights must be frozen (requires_grad False).
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
         counters. Faster for inference loops and small models; do not enable
@@ -265,22 +332,59 @@ def offload(
 
     attached: List[_Attached] = []
     streamed_params = set()
+    unpackable = []
     for name, module, kind in candidates:
         weight = module.weight
         bias = module.bias
         devices = [str(weight.device)]
-        if kind == "linear":
-            index = engine.add_linear(name or "<root>", weight, bias)
+        pre = _prequantized(module)
+        fmt = _quant_for(name, quantize)
+        if pre is not None:
+            if kind != "linear":
+                raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
+                                       f"Linear layers only")
+            data, scales = pre
+            index = engine.add_linear_int8(name or "<root>", data, scales, bias, torch.float32)
         else:
-            index = engine.add_conv(name or "<root>", weight, bias, **_conv_args(module))
+            if fmt is not None:
+                rows = weight.shape[0]
+                cols = weight.numel() // max(rows, 1)
+                reason = _C.quant_check(fmt, rows, cols)
+                if reason:
+                    if isinstance(quantize, str):
+                        unpackable.append(f"{name} ({reason})")
+                        fmt = None
+                    else:
+                        raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
+            if kind == "linear":
+                index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
+            else:
+                index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",
+                                        **_conv_args(module))
+        if pre is None and engine.layer_format(index):
+            # The weight now lives packed on the host; the module keeps a
+            # data-less (meta) parameter of the same shape and dtype so the
+            # dense copy is freed (state_dict() shows meta tensors for it).
+            old_weight = module.weight
+            module.weight = nn.Parameter(
+                torch.empty(tuple(old_weight.shape), dtype=old_weight.dtype
+                            if old_weight.dtype.is_floating_point else torch.float32,
+                            device="meta"), requires_grad=False)
+            devices = ["cpu" if old_weight.device.type == "meta" else str(old_weight.device)]
+            del old_weight, weight
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
         module.forward = _make_forward(engine, index, kind, old_forward or module.forward)
         for p in module.parameters(recurse=False):
             p._is_memory_managed = True
             streamed_params.add(id(p))
-        attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices))
+        attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices,
+                                  prequantized=pre is not None))
 
+    if unpackable:
+        warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
+                      f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
+                      stacklevel=2)
     handle = Handle(engine, attached, [])
     for a in attached:
         a.module._layerstream_handle = handle
