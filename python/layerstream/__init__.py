@@ -302,6 +302,12 @@ def offload(
         "cache_across_steps": bool(cache_across_steps),
         "budget_bytes": -1 if budget is None else parse_bytes(budget),
     }
+    formats = ([quantize] if isinstance(quantize, str) else
+               list(quantize.values()) if isinstance(quantize, dict) else [])
+    for fmt in formats:
+        if fmt is not None and fmt not in _C.quant_formats():
+            raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
+                             f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
     if opts["prefetch"] < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if slots is not None and slots < 2:
