@@ -59,51 +59,77 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sim-link-gbps", type=float, default=0.0,
+                    help="simulated link bandwidth (0 = infinite: measure the machinery, not the link)")
+    ap.add_argument("--sim-latency-us", type=float, default=0.0)
+    ap.add_argument("--stack", type=int, default=8,
+                    help="layers in the stacked case (cost reported per layer)")
     args = ap.parse_args()
+    sim = dict(device="sim", checker=False, sim_link_gbps=args.sim_link_gbps,
+               sim_latency_us=args.sim_latency_us)
     torch.set_num_threads(1)
     f, b = args.features, args.batch
     torch.manual_seed(0)
 
-    systems = {}
-    systems["plain nn.Linear"] = nn.Linear(f, f)
-    m = nn.Linear(f, f)
-    handles = [layerstream.offload(m, device="sim", checker=False)]
-    systems["layerstream"] = m
-    m2 = nn.Linear(f, f)
-    handles.append(layerstream.offload(m2, device="sim", checker=False, cache_across_steps=True))
-    systems["layerstream cache_across_steps"] = m2
-    if args.seed_impl:
-        seed = load_seed(args.seed_impl)
-        m3 = nn.Linear(f, f)
-        seed.LinearLayerMemoryManager.attach(m3, _SeedManager("cpu"))
-        systems["original system (seed)"] = m3
+    seed = load_seed(args.seed_impl) if args.seed_impl else None
 
+    def build(system, layers):
+        mod = nn.Sequential(*[nn.Linear(f, f) for _ in range(layers)])
+        handle = None
+        if system == "layerstream":
+            handle = layerstream.offload(mod, **sim)
+        elif system == "layerstream cache_across_steps":
+            handle = layerstream.offload(mod, cache_across_steps=True, **sim)
+        elif system == "original system (seed)":
+            for lin in mod:
+                seed.LinearLayerMemoryManager.attach(lin, _SeedManager("cpu"))
+        return mod, handle
+
+    systems = ["plain nn.Linear", "layerstream", "layerstream cache_across_steps"]
+    if seed is not None:
+        systems.append("original system (seed)")
     x = torch.randn(b, f)
     xg = torch.randn(b, f, requires_grad=True)
     rows = []
-    for name, mod in systems.items():
-        def fwd(mod=mod):
-            with torch.no_grad():
-                mod(x)
+    for layers in (1, args.stack):
+        for system in systems:
+            mod, handle = build(system, layers)
 
-        def fwd_bwd(mod=mod):
-            mod(xg).sum().backward()
+            def fwd(mod=mod):
+                with torch.no_grad():
+                    mod(x)
 
-        rows.append({"system": name,
-                     "forward_us": time_per_call(fwd, args.calls),
-                     "forward_backward_us": time_per_call(fwd_bwd, args.calls // 4)})
-    base = rows[0]
+            def fwd_bwd(mod=mod):
+                mod(xg).sum().backward()
+
+            def fwd_bwd_frozen(mod=mod):
+                mod(xg).sum().backward()
+
+            r = {"system": system, "layers": layers}
+            r["forward_us"] = time_per_call(fwd, args.calls // layers) / layers
+            r["fwd_bwd_trainable_us"] = time_per_call(fwd_bwd, args.calls // (4 * layers)) / layers
+            for p in mod.parameters():
+                p.requires_grad_(False)
+            r["fwd_bwd_frozen_us"] = time_per_call(fwd_bwd_frozen, args.calls // (4 * layers)) / layers
+            rows.append(r)
+    keys = ("forward_us", "fwd_bwd_frozen_us", "fwd_bwd_trainable_us")
     for r in rows:
-        r["forward_ratio"] = r["forward_us"] / base["forward_us"]
-        r["forward_backward_ratio"] = r["forward_backward_us"] / base["forward_backward_us"]
+        base = next(q for q in rows if q["layers"] == r["layers"] and q["system"] == "plain nn.Linear")
+        for k in keys:
+            r[k.replace("_us", "_ratio")] = r[k] / base[k]
     if args.json:
-        print(json.dumps({"batch": b, "features": f, "rows": rows}))
+        print(json.dumps({"batch": b, "features": f, "sim_link_gbps": args.sim_link_gbps,
+                          "sim_latency_us": args.sim_latency_us, "rows": rows}))
         return
-    print(f"per-call overhead, Linear {f}->{f}, batch {b}, CPU (sim device), torch {torch.__version__}")
-    print(f"{'system':34s} {'fwd us':>9s} {'ratio':>7s} {'fwd+bwd us':>11s} {'ratio':>7s}")
+    print(f"per-call overhead, Linear {f}->{f}, batch {b}, CPU (sim device, link "
+          f"{'infinite' if args.sim_link_gbps <= 0 else str(args.sim_link_gbps) + ' GB/s'}, "
+          f"latency {args.sim_latency_us} us), torch {torch.__version__}; us per layer call, ratio to plain")
+    print(f"{'system':32s} {'layers':>6s} {'fwd':>8s} {'ratio':>6s} {'fwd+bwd frozen':>15s} {'ratio':>6s}"
+          f" {'fwd+bwd train':>14s} {'ratio':>6s}")
     for r in rows:
-        print(f"{r['system']:34s} {r['forward_us']:9.2f} {r['forward_ratio']:7.2f} "
-              f"{r['forward_backward_us']:11.2f} {r['forward_backward_ratio']:7.2f}")
+        print(f"{r['system']:32s} {r['layers']:6d} {r['forward_us']:8.2f} {r['forward_ratio']:6.2f} "
+              f"{r['fwd_bwd_frozen_us']:15.2f} {r['fwd_bwd_frozen_ratio']:6.2f} "
+              f"{r['fwd_bwd_trainable_us']:14.2f} {r['fwd_bwd_trainable_ratio']:6.2f}")
 
 
 if __name__ == "__main__":

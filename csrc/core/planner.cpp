@@ -110,7 +110,7 @@ struct Timing {
   double step = 0.0;
 };
 
-double compute_seconds(const PlannerInput& in, const LayerSpec& l) {
+double compute_seconds(const PlannerInput& in, const PlannerLayer& l) {
   return in.device_flops_per_s > 0 ? l.flops / in.device_flops_per_s : 0.0;
 }
 double transfer_seconds(const PlannerInput& in, uint64_t bytes) {
@@ -138,7 +138,7 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
   }
   if (in.training) {
     for (size_t r = n; r-- > 0;) {
-      const LayerSpec& l = in.layers[r];
+      const PlannerLayer& l = in.layers[r];
       double c = compute_seconds(in, l);
       bool streamed = !resident[r];
       double g = (streamed && l.trainable) ? transfer_seconds(in, l.resident_bytes) : 0.0;
@@ -254,7 +254,7 @@ Plan plan_placement(const PlannerInput& in) {
     size_t largest = 0;
     for (size_t i = 1; i < n; ++i)
       if (in.layers[i].bytes > in.layers[largest].bytes) largest = i;
-    const LayerSpec& L = in.layers[largest];
+    const PlannerLayer& L = in.layers[largest];
     const uint64_t room = in.budget_bytes - in.fixed_resident_bytes;
     const uint64_t min_slots = static_cast<uint64_t>(in.min_slots);
     if (L.bytes > room / min_slots) {
@@ -293,7 +293,7 @@ Plan plan_placement(const PlannerInput& in) {
       for (const auto& l : in.layers) streamed.insert(l.bytes);
       uint64_t res = in.fixed_resident_bytes;
       for (size_t i : order) {
-        const LayerSpec& l = in.layers[i];
+        const PlannerLayer& l = in.layers[i];
         if (l.resident_bytes > in.budget_bytes - res) continue;
         auto it = streamed.find(l.bytes);
         LS_INTERNAL_CHECK(it != streamed.end());
@@ -337,7 +337,7 @@ Plan plan_placement(const PlannerInput& in) {
   plan.num_streamed = best.num_streamed;
   plan.num_resident = n - best.num_streamed;
   for (size_t i = 0; i < n; ++i) {
-    const LayerSpec& l = in.layers[i];
+    const PlannerLayer& l = in.layers[i];
     LayerPlacement p;
     p.index = i;
     p.name = l.name;
@@ -532,11 +532,11 @@ uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::s
   return bytes_of(numel, dtype);
 }
 
-std::vector<LayerSpec> layer_specs(const ModelDescription& m, const LayerOptions& opt) {
-  std::vector<LayerSpec> out;
+std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOptions& opt) {
+  std::vector<PlannerLayer> out;
   const double tokens = static_cast<double>(opt.tokens);
   for (const auto& l : m.layers) {
-    LayerSpec s;
+    PlannerLayer s;
     s.name = l.name;
     uint64_t bias = l.bias_dtype.empty() ? 0 : bytes_of(l.bias_numel, l.bias_dtype);
     s.bytes = quantized_weight_bytes(l.weight_shape, l.weight_dtype, opt.quantize) + bias;

@@ -19,7 +19,7 @@ namespace layerstream {
 
 // ---------------------------------------------------------------- planner
 
-struct LayerSpec {
+struct PlannerLayer {
   std::string name;
   uint64_t bytes = 0;           // bytes that cross the bus when streamed (packed if quantized)
   uint64_t resident_bytes = 0;  // bytes it occupies on the device if kept resident
@@ -29,7 +29,7 @@ struct LayerSpec {
 
 struct PlannerInput {
   uint64_t budget_bytes = 0;
-  std::vector<LayerSpec> layers;       // in execution order
+  std::vector<PlannerLayer> layers;       // in execution order
   uint64_t fixed_resident_bytes = 0;   // small tensors that are always resident (norms, biases, ...)
   double link_bytes_per_s = 0.0;       // host->device bandwidth (0 = unknown: no time prediction)
   double device_flops_per_s = 0.0;     // device throughput (0 = unknown: compute time 0)
@@ -141,6 +141,6 @@ struct LayerOptions {
 // not support (int4 with in % 128 != 0) the formula plus 768 B of padding.
 uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::string& dtype, Quantization q);
 
-std::vector<LayerSpec> layer_specs(const ModelDescription& m, const LayerOptions& opt);
+std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOptions& opt);
 
 }  // namespace layerstream

@@ -30,8 +30,8 @@ std::string error_of(F&& f) {
 
 #define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
 
-LayerSpec layer(const std::string& name, uint64_t bytes, double flops = 0.0) {
-  LayerSpec l;
+PlannerLayer layer(const std::string& name, uint64_t bytes, double flops = 0.0) {
+  PlannerLayer l;
   l.name = name;
   l.bytes = bytes;
   l.resident_bytes = bytes;
@@ -222,7 +222,7 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       uint64_t bytes = static_cast<uint64_t>(std::exp2(10 + static_cast<double>(rng() % 2000) / 100.0));
       if (rng() % 10 == 0) bytes = bytes / 7 * 7;  // ties
       if (rng() % 20 == 0) bytes = 0;
-      LayerSpec l = layer("layer" + std::to_string(i), bytes, rng() % 4 == 0 ? 0.0 : static_cast<double>(rng() % 1000000000000ull));
+      PlannerLayer l = layer("layer" + std::to_string(i), bytes, rng() % 4 == 0 ? 0.0 : static_cast<double>(rng() % 1000000000000ull));
       l.resident_bytes = rng() % 3 == 0 ? bytes * (1 + rng() % 4) : bytes;
       l.trainable = rng() % 2;
       in.layers.push_back(l);
