@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "core/log.h"
+#include "core/planner.h"
 #include "torch/engine.h"
 
 namespace py = pybind11;
@@ -72,6 +73,48 @@ PYBIND11_MODULE(_C, m) {
   m.def("quant_packed_bytes", [fmt](const std::string& format, int64_t rows, int64_t cols) {
     return quant::layout_for(fmt(format), rows, cols).total_bytes();
   });
+
+  // The placement planner (core/planner.h): which layers stay resident.
+  m.def(
+      "plan",
+      [](uint64_t budget, const std::vector<std::tuple<std::string, uint64_t, uint64_t, double, bool>>& layers,
+         uint64_t fixed, double link_bytes_per_s, double flops_per_s, bool training, int max_prefetch) {
+        layerstream::PlannerInput in;
+        in.budget_bytes = budget;
+        in.fixed_resident_bytes = fixed;
+        in.link_bytes_per_s = link_bytes_per_s;
+        in.device_flops_per_s = flops_per_s;
+        in.training = training;
+        in.max_prefetch = std::max(1, max_prefetch);
+        for (const auto& [name, bytes, resident, flops, trainable] : layers) {
+          layerstream::PlannerLayer l;
+          l.name = name;
+          l.bytes = bytes;
+          l.resident_bytes = resident;
+          l.flops = flops;
+          l.trainable = trainable;
+          in.layers.push_back(l);
+        }
+        const layerstream::Plan plan = layerstream::plan_placement(in);
+        py::dict d;
+        py::list resident;
+        for (const auto& l : plan.layers)
+          if (l.resident) resident.append(l.name);
+        d["resident"] = resident;
+        d["num_slots"] = plan.num_slots;
+        d["prefetch_depth"] = plan.prefetch_depth;
+        d["slot_bytes"] = plan.slot_bytes;
+        d["resident_bytes"] = plan.resident_bytes;
+        d["fixed_resident_bytes"] = plan.fixed_resident_bytes;
+        d["device_bytes"] = plan.device_bytes;
+        d["budget_bytes"] = plan.budget_bytes;
+        d["explain"] = plan.explain();
+        d["json"] = plan.to_json();
+        return d;
+      },
+      py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"),
+      py::arg("link_bytes_per_s") = 0.0, py::arg("device_flops_per_s") = 0.0,
+      py::arg("training") = false, py::arg("max_prefetch") = 4);
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](const py::dict& opts) { return Engine::create(options_from(opts)); }),

@@ -168,10 +168,10 @@ def _make_forward(engine, index: int, kind: str, original):
 class Handle:
     """The result of offload(): statistics, synchronisation and detach."""
 
-    def __init__(self, engine, attached: List[_Attached], moved: list):
+    def __init__(self, engine, attached: List[_Attached], plan: Optional[dict]):
         self._engine = engine
         self._attached = attached
-        self._moved = moved  # (tensor owner, attribute, original device) of resident parts
+        self._plan = plan  # the planner's decision when offload() had a budget
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -193,12 +193,27 @@ class Handle:
     def layers(self) -> List[str]:
         return [a.name for a in self._attached]
 
+    @property
+    def plan(self) -> Optional[str]:
+        """The planner's placement (printable), when offload() had a budget."""
+        self._check()
+        return None if self._plan is None else self._plan["explain"]
+
     def stats(self) -> Dict[str, float]:
-        """Counters since offload(): peak_device_bytes, h2d_bytes, d2h_bytes, steps, ..."""
+        """Counters since offload(): peak_device_bytes (streaming slots plus the
+        weights the planner kept resident), h2d_bytes, d2h_bytes, steps, ..."""
         s = dict(self._check().stats())
+        s["streamed_device_bytes"] = s["peak_device_bytes"]
+        s["resident_bytes"] = 0
+        if self._plan is not None:
+            s["resident_bytes"] = self._plan["resident_bytes"] + self._plan["fixed_resident_bytes"]
+            s["resident_layers"] = len(self._plan["resident"])
+            s["budget_bytes"] = self._plan["budget_bytes"]
+        s["peak_device_bytes"] = s["streamed_device_bytes"] + s["resident_bytes"]
         for k in ("steps", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "slots", "slot_bytes",
                   "layers", "hits", "misses", "acquires", "deviations", "ordering_errors",
-                  "pinned_bytes", "pageable_bytes", "max_slots_held"):
+                  "pinned_bytes", "pageable_bytes", "max_slots_held", "quantized_layers",
+                  "budget_bytes", "streamed_device_bytes", "resident_bytes"):
             if k in s:
                 s[k] = int(s[k])
         return s
@@ -300,7 +315,7 @@ def offload(
         "checker": bool(checker),
         "pin_memory": bool(pin_memory),
         "cache_across_steps": bool(cache_across_steps),
-        "budget_bytes": -1 if budget is None else parse_bytes(budget),
+        "budget_bytes": -1,  # set from the plan below when a budget is given
     }
     formats = ([quantize] if isinstance(quantize, str) else
                list(quantize.values()) if isinstance(quantize, dict) else [])
@@ -312,8 +327,8 @@ def offload(
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if slots is not None and slots < 2:
         raise ValueError(f"slots must be >= 2, got {slots}")
-    engine = _C.Engine(opts)
-    compute_device = torch.device(engine.compute_device)
+    resolved = _C.resolve_device(opts["device"])
+    compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
     candidates = []
     for name, module in model.named_modules():
@@ -336,47 +351,85 @@ def offload(
             "offload() found no Linear or Conv1d/2d/3d layer to stream"
             + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
-    attached: List[_Attached] = []
-    streamed_params = set()
+    # 1. Per layer: quantization format (or pre-quantized int8) and the bytes
+    #    it takes in a slot (as the engine lays them out) or resident.
+    layers = []  # (name, module, kind, fmt, pre, slot_bytes, resident_bytes)
     unpackable = []
     for name, module, kind in candidates:
-        weight = module.weight
-        bias = module.bias
-        devices = [str(weight.device)]
+        weight, bias = module.weight, module.bias
         pre = _prequantized(module)
-        fmt = _quant_for(name, quantize)
+        fmt = _quant_for(name, quantize) if pre is None else None
+        rows = weight.shape[0]
+        cols = weight.numel() // max(rows, 1)
+        if fmt is not None:
+            reason = _C.quant_check(fmt, rows, cols)
+            if reason:
+                if isinstance(quantize, str):
+                    unpackable.append(f"{name} ({reason})")
+                    fmt = None
+                else:
+                    raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
+        dense_w = weight.numel() * (weight.element_size() if weight.dtype.is_floating_point else 4)
+        b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
+        if pre is not None or fmt is not None:
+            w_bytes = _C.quant_packed_bytes(fmt or "int8", rows, cols)
+        else:
+            w_bytes = dense_w
+        layers.append((name, module, kind, fmt, pre, _align256(w_bytes) + _align256(b_bytes),
+                       dense_w + b_bytes))
+    if unpackable:
+        warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
+                      f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
+                      stacklevel=2)
+
+    # 2. With a budget, the planner decides which layers stay resident; the
+    #    slots get what is left. The budget covers every weight on the device.
+    plan = None
+    resident_names = set()
+    if budget is not None:
+        budget_bytes = _resolve_budget(budget, compute_device, opts)
+        layer_ids = {id(t[1]) for t in layers}
+        fixed = 0
+        for module in model.modules():
+            if id(module) in layer_ids:
+                continue
+            for t in list(module._parameters.values()) + list(module._buffers.values()):
+                if t is not None and t.device.type != "meta":
+                    fixed += t.numel() * t.element_size()
+        plan = _C.plan(budget_bytes,
+                       [(n, sb, rb, 0.0, bool(m.weight.requires_grad)) for n, m, _, _, _, sb, rb in layers],
+                       fixed, max_prefetch=max(1, opts["prefetch"]))
+        resident_names = set(plan["resident"])
+        opts["budget_bytes"] = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
+
+    # 3. Attach the streamed layers to one engine.
+    engine = _C.Engine(opts)
+    attached: List[_Attached] = []
+    streamed_params = set()
+    for name, module, kind, fmt, pre, _, _ in layers:
+        if name in resident_names:
+            continue
+        weight, bias = module.weight, module.bias
+        devices = [str(weight.device)]
         if pre is not None:
             if kind != "linear":
                 raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
                                        f"Linear layers only")
             data, scales = pre
             index = engine.add_linear_int8(name or "<root>", data, scales, bias, torch.float32)
+        elif kind == "linear":
+            index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
         else:
-            if fmt is not None:
-                rows = weight.shape[0]
-                cols = weight.numel() // max(rows, 1)
-                reason = _C.quant_check(fmt, rows, cols)
-                if reason:
-                    if isinstance(quantize, str):
-                        unpackable.append(f"{name} ({reason})")
-                        fmt = None
-                    else:
-                        raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
-            if kind == "linear":
-                index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
-            else:
-                index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",
-                                        **_conv_args(module))
+            index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",
+                                    **_conv_args(module))
         if pre is None and engine.layer_format(index):
             # The weight now lives packed on the host; the module keeps a
             # data-less (meta) parameter of the same shape and dtype so the
             # dense copy is freed (state_dict() shows meta tensors for it).
             old_weight = module.weight
             module.weight = nn.Parameter(
-                torch.empty(tuple(old_weight.shape), dtype=old_weight.dtype
-                            if old_weight.dtype.is_floating_point else torch.float32,
-                            device="meta"), requires_grad=False)
-            devices = ["cpu" if old_weight.device.type == "meta" else str(old_weight.device)]
+                torch.empty(tuple(old_weight.shape), dtype=old_weight.dtype, device="meta"),
+                requires_grad=False)
             del old_weight, weight
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
@@ -387,15 +440,45 @@ def offload(
         attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices,
                                   prequantized=pre is not None))
 
-    if unpackable:
-        warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
-                      f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
-                      stacklevel=2)
-    handle = Handle(engine, attached, [])
+    handle = Handle(engine, attached, plan)
     for a in attached:
         a.module._layerstream_handle = handle
     _move_resident(model, streamed_params, compute_device)
     return handle
+
+
+def _align256(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+# Share of free device memory that budget="auto" gives to weights; the rest
+# is left for activations, gradients and workspaces.
+AUTO_BUDGET_FRACTION = 0.6
+
+
+def _resolve_budget(budget, compute_device: torch.device, opts: dict) -> int:
+    """Bytes from a size, "auto" or a fraction ("40%" or 0 < x < 1) of the
+    device's free memory (the sim device reports its simulated capacity)."""
+    fraction = None
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        fraction = AUTO_BUDGET_FRACTION
+    elif isinstance(budget, str) and budget.strip().endswith("%"):
+        fraction = float(budget.strip()[:-1]) / 100.0
+    elif isinstance(budget, float) and 0.0 < budget < 1.0:
+        fraction = budget
+    if fraction is None:
+        return parse_bytes(budget)
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"budget fraction must be in (0, 100%], got {budget!r}")
+    if compute_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(compute_device)
+    else:
+        free = opts.get("sim_device_memory_bytes", SIM_DEVICE_MEMORY)
+    return int(free * fraction)
+
+
+# Capacity of the simulated device (what budget="auto" sees on "sim").
+SIM_DEVICE_MEMORY = 16 * 2**30
 
 
 def _move_resident(model: nn.Module, streamed_params: set, device: torch.device) -> None:
