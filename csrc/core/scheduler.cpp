@@ -79,6 +79,7 @@ Scheduler::~Scheduler() {
 void Scheduler::note_held_locked() {
   const int held = pool_->num_slots() - pool_->num_free();
   stats_.max_slots_held = std::max(stats_.max_slots_held, held);
+  cur_step_.max_slots_held = std::max(cur_step_.max_slots_held, held);
 }
 
 void Scheduler::advance_trace_locked(int layer, Phase phase) {
@@ -179,10 +180,25 @@ int Scheduler::obtain_slot_locked(bool on_demand) {
 void Scheduler::issue_copy_locked(int layer, int slot) {
   Layer& l = layers_[static_cast<size_t>(layer)];
   const BufferRef& dst = pool_->slot(slot);
+  std::shared_ptr<double> started;
+  if (tracer_ && backend_.caps().host_functions) {
+    started = std::make_shared<double>(0);
+    auto t = tracer_;
+    backend_.launch_host_func(transfer_, [t, started] { *started = t->now_us(); });
+  }
   for (size_t i = 0; i < l.spec.parts.size(); ++i) {
     const BufferRef& src = l.spec.parts[i];
     if (src.bytes == 0) continue;
     backend_.copy_async(dst, l.offsets[i], src, 0, src.bytes, transfer_);
+  }
+  if (started) {
+    auto t = tracer_;
+    TraceSlice slice{"transfer", "H2D " + l.spec.name, 0, 0, l.copy_bytes};
+    backend_.launch_host_func(transfer_, [t, started, slice]() mutable {
+      slice.start_us = *started;
+      slice.end_us = t->now_us();
+      t->add(std::move(slice));
+    });
   }
   backend_.record(slots_[static_cast<size_t>(slot)].ready, transfer_);
   if (opts_.content_version) copied_version_[static_cast<size_t>(layer)] = opts_.content_version(layer);
@@ -190,6 +206,7 @@ void Scheduler::issue_copy_locked(int layer, int slot) {
   loaded_[static_cast<size_t>(layer)] = slot;
   stats_.copies++;
   stats_.h2d_bytes += l.copy_bytes;
+  cur_step_.h2d_bytes += l.copy_bytes;
 }
 
 // True when `layer` is loaded (or in flight) with current content. Stale
@@ -266,6 +283,7 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
     stats_.acquires++;
     advance_trace_locked(layer, phase);
     acquires_in_step_++;
+    cur_step_.acquires++;
     last_phase_ = phase;
     const bool hit = loaded_valid_locked(layer);
     int s = loaded_[static_cast<size_t>(layer)];
@@ -279,6 +297,7 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
       st.use = Use::InUse;
       st.refs++;
       stats_.hits++;
+      cur_step_.hits++;
     } else {
       s = obtain_slot_locked(true);
       SlotState& st = slots_[static_cast<size_t>(s)];
@@ -286,6 +305,7 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
       st.use = Use::InUse;
       st.refs = 1;
       stats_.misses++;
+      cur_step_.misses++;
     }
     note_held_locked();
     prefetch_locked(layer, phase);
@@ -302,6 +322,12 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.host_wait_seconds += waited;
+    cur_step_.host_wait_seconds += waited;
+    if (tracer_ && waited > 1e-6) {
+      const double end = tracer_->now_us();
+      tracer_->add(TraceSlice{"stall", "wait " + layers_[static_cast<size_t>(layer)].spec.name,
+                              end - waited * 1e6, end, 0});
+    }
   }
   return lease;
 }
@@ -367,7 +393,18 @@ void Scheduler::drop_content_locked() {
 
 void Scheduler::begin_step_locked() {
   if (recording_ && !trace_.empty()) recording_ = false;
-  if (acquires_in_step_ > 0) stats_.steps++;
+  if (acquires_in_step_ > 0) {
+    cur_step_.step = stats_.steps;
+    if (tracer_) {
+      cur_step_.end_us = tracer_->now_us();
+      tracer_->mark_step(stats_.steps + 1);
+    }
+    steps_.push_back(cur_step_);
+    if (steps_.size() > 4096) steps_.erase(steps_.begin());
+    stats_.steps++;
+    cur_step_ = StepStats{};
+    if (tracer_) cur_step_.start_us = tracer_->now_us();
+  }
   acquires_in_step_ = 0;
   pos_ = 0;
   if (!opts_.content_version) drop_content_locked();
@@ -382,6 +419,22 @@ void Scheduler::quiesce() {
   backend_.synchronize(transfer_);
   std::lock_guard<std::mutex> lock(mu_);
   drop_content_locked();
+}
+
+std::vector<StepStats> Scheduler::step_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return steps_;
+}
+
+void Scheduler::note_d2h(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cur_step_.d2h_bytes += bytes;
+}
+
+void Scheduler::set_trace(std::shared_ptr<TraceRecorder> trace) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tracer_ = std::move(trace);
+  if (tracer_) cur_step_.start_us = tracer_->now_us();
 }
 
 std::vector<int> Scheduler::trace() const {

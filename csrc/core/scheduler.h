@@ -43,6 +43,7 @@
 
 #include "runtime.h"
 #include "slot_pool.h"
+#include "telemetry.h"
 
 namespace layerstream {
 
@@ -83,6 +84,17 @@ struct Lease {
   bool hit = false;             // already loaded or in flight when acquired
   explicit operator bool() const { return slot >= 0; }
   void* part_ptr(size_t i) const { return static_cast<char*>(slot_buf.ptr) + offsets.at(i); }
+};
+
+// Counters of one step (between two step boundaries).
+struct StepStats {
+  uint64_t step = 0;
+  uint64_t acquires = 0, hits = 0, misses = 0;
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;        // reported by the owner through note_d2h()
+  double host_wait_seconds = 0;  // stall: time callers blocked waiting for weights
+  int max_slots_held = 0;        // slot utilisation: most slots held at once
+  double start_us = 0, end_us = 0;  // on the trace clock, when tracing
 };
 
 struct SchedulerStats {
@@ -126,6 +138,13 @@ class Scheduler {
 
   std::vector<int> trace() const;
   SchedulerStats stats() const;
+  // Completed steps' counters (the most recent 4096), oldest first.
+  std::vector<StepStats> step_stats() const;
+  // Counts device-to-host bytes into the current step (the owner copies
+  // gradients; the scheduler does not see those copies).
+  void note_d2h(uint64_t bytes);
+  // Records copies (and step boundaries) into `trace`; nullptr stops.
+  void set_trace(std::shared_ptr<TraceRecorder> trace);
   const SlotPool& pool() const { return *pool_; }
   const SchedulerOptions& options() const { return opts_; }
 
@@ -170,6 +189,9 @@ class Scheduler {
   uint64_t acquires_in_step_ = 0;
   Phase last_phase_ = Phase::Forward;
   SchedulerStats stats_;
+  StepStats cur_step_;
+  std::vector<StepStats> steps_;
+  std::shared_ptr<TraceRecorder> tracer_;
 };
 
 }  // namespace layerstream

@@ -29,6 +29,7 @@ EngineOptions options_from(const py::dict& d) {
     else if (k == "abort_on_ordering_error") o.abort_on_ordering_error = py::cast<bool>(v);
     else if (k == "pin_memory") o.pin_memory = py::cast<bool>(v);
     else if (k == "cache_across_steps") o.cache_across_steps = py::cast<bool>(v);
+    else if (k == "trace") o.trace = py::cast<bool>(v);
     else LS_FAIL("unknown engine option '", k, "'");
   }
   return o;
@@ -172,6 +173,26 @@ PYBIND11_MODULE(_C, m) {
       .def("layer_name", &Engine::layer_name)
       .def("layer_bytes", &Engine::layer_bytes)
       .def("layer_format", &Engine::layer_format)
+      .def("trace_json", &Engine::trace_json)
+      .def("step_stats",
+           [](const Engine& e) {
+             py::list out;
+             for (const auto& [st, overlap] : e.step_stats()) {
+               py::dict d;
+               d["step"] = st.step;
+               d["acquires"] = st.acquires;
+               d["hits"] = st.hits;
+               d["misses"] = st.misses;
+               d["h2d_bytes"] = st.h2d_bytes;
+               d["d2h_bytes"] = st.d2h_bytes;
+               d["stall_seconds"] = st.host_wait_seconds;
+               d["max_slots_held"] = st.max_slots_held;
+               d["overlap_fraction"] = overlap;
+               d["duration_seconds"] = st.end_us > st.start_us ? (st.end_us - st.start_us) * 1e-6 : 0.0;
+               out.append(d);
+             }
+             return out;
+           })
       .def("dequantized_weight", &Engine::dequantized_weight)
       .def_property_readonly("detached", &Engine::detached);
 }

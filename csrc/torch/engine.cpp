@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 
 #include "backends/sim/sim_backend.h"
 #include "core/log.h"
@@ -97,6 +98,7 @@ Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) 
     compute_device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
   store_ = std::make_shared<HostStore>(*backend_, opts_.pin_memory);
+  if (opts_.trace) tracer_ = std::make_shared<TraceRecorder>();
   transfer_ = backend_->create_stream("transfer");
   grad_stream_ = backend_->create_stream("grad");
 }
@@ -386,6 +388,7 @@ void Engine::build_scheduler_locked() {
   so.num_slots = slots;
   so.prefetch_depth = std::min(opts_.prefetch, slots - 1);
   sched_ = std::make_unique<Scheduler>(*backend_, transfer_, std::move(specs), so);
+  if (tracer_) sched_->set_trace(tracer_);
 }
 
 void Engine::ensure_scheduler() {
@@ -473,6 +476,7 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
   Event computed = backend_->create_event();
   backend_->record(computed, cs);
   backend_->wait(grad_stream_, computed);
+  auto span = trace_begin(grad_stream_);
   if (has_w) {
     backend_->copy_async(l.grad_staging.ref(), 0, scratch.slot_buf, 0, l.w_bytes, grad_stream_);
     d2h_bytes_ += l.w_bytes;
@@ -482,6 +486,9 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
                          l.b_bytes, grad_stream_);
     d2h_bytes_ += l.b_bytes;
   }
+  trace_end(grad_stream_, span, "grad", "D2H grad " + l.name,
+            (has_w ? l.w_bytes : 0) + (has_b ? l.b_bytes : 0));
+  scheduler().note_d2h((has_w ? l.w_bytes : 0) + (has_b ? l.b_bytes : 0));
   backend_->record(l.grad_done, grad_stream_);
   scheduler().release(scratch, grad_stream_);
   l.grad_pending = true;
@@ -602,6 +609,40 @@ std::map<std::string, double> Engine::stats() const {
 
 std::vector<std::string> Engine::ordering_errors() const { return backend_->ordering_errors(); }
 
+std::shared_ptr<double> Engine::trace_begin(Stream s) {
+  if (!tracer_) return nullptr;
+  auto start = std::make_shared<double>(0);
+  auto t = tracer_;
+  backend_->launch_host_func(s, [t, start] { *start = t->now_us(); });
+  return start;
+}
+
+void Engine::trace_end(Stream s, const std::shared_ptr<double>& start, const std::string& lane,
+                       const std::string& name, uint64_t bytes) {
+  if (!tracer_ || !start) return;
+  auto t = tracer_;
+  TraceSlice slice{lane, name, 0, 0, bytes};
+  backend_->launch_host_func(s, [t, start, slice]() mutable {
+    slice.start_us = *start;
+    slice.end_us = t->now_us();
+    t->add(std::move(slice));
+  });
+}
+
+std::vector<std::pair<StepStats, double>> Engine::step_stats() const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::vector<std::pair<StepStats, double>> out;
+  if (!sched_) return out;
+  for (const StepStats& st : sched_->step_stats()) {
+    const double overlap = tracer_ ? tracer_->overlap_fraction("transfer", "compute", st.start_us, st.end_us)
+                                   : std::numeric_limits<double>::quiet_NaN();
+    out.emplace_back(st, overlap);
+  }
+  return out;
+}
+
+std::string Engine::trace_json() const { return tracer_ ? tracer_->to_chrome_json() : ""; }
+
 torch::Tensor Engine::dequantized_weight(int index) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
@@ -653,6 +694,7 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     Stream cs = e->compute_stream();
     Lease lease = e->scheduler().acquire(static_cast<int>(layer), cs, e->current_phase());
     torch::Tensor out;
+    auto span = e->trace_begin(cs);
     try {
       torch::Tensor w = e->device_weight(l, lease, x.scalar_type());
       torch::Tensor b = e->device_bias(l, lease, x.scalar_type());
@@ -661,6 +703,7 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
       e->scheduler().release(lease, cs);
       throw;
     }
+    e->trace_end(cs, span, "compute", "fwd " + l.name);
     e->scheduler().release(lease, cs);
     ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
     ctx->saved_data["layer"] = layer;
@@ -683,12 +726,14 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     torch::Tensor gx;
     if (need_x) {
       Lease lease = sched.acquire(layer, cs, Phase::Backward);
+      auto span = e->trace_begin(cs);
       try {
         gx = go.matmul(e->device_weight(l, lease, go.scalar_type()));
       } catch (...) {
         sched.release(lease, cs);
         throw;
       }
+      e->trace_end(cs, span, "compute", "bwd " + l.name);
       sched.release(lease, cs);
     }
     if (need_w || need_b) {
@@ -774,6 +819,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
     Stream cs = e->compute_stream();
     Lease lease = e->scheduler().acquire(static_cast<int>(layer), cs, e->current_phase());
     torch::Tensor out;
+    auto span = e->trace_begin(cs);
     try {
       torch::Tensor w = e->device_weight(l, lease, x.scalar_type());
       torch::Tensor b = e->device_bias(l, lease, x.scalar_type());
@@ -783,6 +829,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
       e->scheduler().release(lease, cs);
       throw;
     }
+    e->trace_end(cs, span, "compute", "fwd " + l.name);
     e->scheduler().release(lease, cs);
     ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
     ctx->saved_data["layer"] = layer;
@@ -806,6 +853,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
     Scheduler& sched = e->scheduler();
     Lease lease = sched.acquire(layer, cs, Phase::Backward);
     torch::Tensor gx, gw, gb;
+    auto span = e->trace_begin(cs);
     try {
       torch::Tensor w = e->device_weight(l, lease, go.scalar_type());
       std::optional<at::IntArrayRef> bias_sizes;
@@ -825,6 +873,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
       sched.release(lease, cs);
       throw;
     }
+    e->trace_end(cs, span, "compute", "bwd " + l.name);
     sched.release(lease, cs);
     if (need_x && g.asymmetric) {
       for (int i = 0; i < l.conv.dims; ++i)

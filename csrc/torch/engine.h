@@ -43,6 +43,7 @@
 #include "core/quant.h"
 #include "core/runtime.h"
 #include "core/scheduler.h"
+#include "core/telemetry.h"
 
 namespace layerstream {
 
@@ -69,6 +70,9 @@ struct EngineOptions {
   // place. Default: content is dropped and prefetching stops at each step
   // boundary (the first layers of every step are fetched on demand).
   bool cache_across_steps = false;
+  // Record a timeline (copies, layer computations, stalls) for
+  // trace_json() / per-step overlap; small cost per layer call.
+  bool trace = false;
 };
 
 // Conv geometry (1-3 spatial dims). `same` computes padding from the kernel.
@@ -122,6 +126,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // pinned_bytes, pageable_bytes, layers, ordering_errors.
   std::map<std::string, double> stats() const;
   std::vector<std::string> ordering_errors() const;
+  // Per-step counters (see StepStats) of completed steps, with the overlap
+  // fraction of each step from the timeline when tracing (else NaN).
+  std::vector<std::pair<StepStats, double>> step_stats() const;
+  // The timeline in Chrome trace / Perfetto JSON ("" when trace is off).
+  std::string trace_json() const;
+  // Marks the start/end of a layer computation on `s` in the timeline.
+  std::shared_ptr<double> trace_begin(Stream s);
+  void trace_end(Stream s, const std::shared_ptr<double>& start, const std::string& lane,
+                 const std::string& name, uint64_t bytes = 0);
   // Quantized layers: the weight dequantized on the host (CPU, original
   // dtype) — what detach() restores (lossy); "" / format name per layer.
   torch::Tensor dequantized_weight(int layer);
@@ -201,6 +214,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<int> callback_tasks_;
   uint64_t d2h_bytes_ = 0;
   bool detached_ = false;
+  std::shared_ptr<TraceRecorder> tracer_;
   // counters carried over scheduler rebuilds
   SchedulerStats carried_;
 };

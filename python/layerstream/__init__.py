@@ -218,6 +218,38 @@ class Handle:
                 s[k] = int(s[k])
         return s
 
+    def step_stats(self) -> List[Dict[str, float]]:
+        """Per completed step: h2d_bytes, d2h_bytes, stall_seconds (time compute
+        waited for weights), overlap_fraction (share of copy time hidden behind
+        compute; needs trace=True, else NaN), peak_device_bytes, slot
+        utilisation (max_slots_held / slots), hits, misses."""
+        engine = self._check()
+        total = self.stats()
+        out = []
+        for d in engine.step_stats():
+            d = dict(d)
+            d["peak_device_bytes"] = total["peak_device_bytes"]
+            d["slot_utilisation"] = d["max_slots_held"] / total["slots"] if total["slots"] else 0.0
+            out.append(d)
+        return out
+
+    def export_trace(self, path: str) -> None:
+        """Writes the timeline as Chrome trace / Perfetto JSON (open it in
+        ui.perfetto.dev or chrome://tracing). Needs offload(..., trace=True)."""
+        text = self._check().trace_json()
+        if not text:
+            raise LayerstreamError("no timeline was recorded: pass trace=True to offload()")
+        with open(path, "w") as f:
+            f.write(text)
+
+    def plot_timeline(self, path: str, max_ms: Optional[float] = None) -> None:
+        """Draws the timeline (one lane per stream) into a PNG with matplotlib."""
+        from .timeline import plot_chrome_trace
+        text = self._check().trace_json()
+        if not text:
+            raise LayerstreamError("no timeline was recorded: pass trace=True to offload()")
+        plot_chrome_trace(text, path, max_ms=max_ms)
+
     def ordering_errors(self) -> List[str]:
         """Races found by the sim device's ordering checker (empty on CUDA)."""
         return list(self._check().ordering_errors())
@@ -277,6 +309,7 @@ def offload(
     pin_memory: bool = True,
     cache_across_steps: bool = False,
     quantize: Union[None, str, Dict[str, Optional[str]]] = None,
+    trace: bool = False,
 ) -> Handle:
     """Streams the model's Linear and Conv1d/2d/3d layers from host RAM.
 
@@ -298,6 +331,8 @@ def offload(
         dict {glob pattern: format or None} for per-layer choices (first match
         wins; an explicit format that cannot pack a layer is an error).
         Quantized weights must be frozen (requires_grad False).
+    trace: record a timeline (copies, layer computations, stalls) for
+        Handle.export_trace() / plot_timeline() and per-step overlap.
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
         counters. Faster for inference loops and small models; do not enable
@@ -315,6 +350,7 @@ def offload(
         "checker": bool(checker),
         "pin_memory": bool(pin_memory),
         "cache_across_steps": bool(cache_across_steps),
+        "trace": bool(trace),
         "budget_bytes": -1,  # set from the plan below when a budget is given
     }
     formats = ([quantize] if isinstance(quantize, str) else

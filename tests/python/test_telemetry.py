@@ -1,0 +1,65 @@
+"""Per-step telemetry, the Chrome trace export and the PNG timeline."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import layerstream
+
+
+def run_steps(trace=True, steps=3):
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    h = layerstream.offload(m, device="sim", trace=trace, sim_link_gbps=1.0, prefetch=2)
+    x = torch.randn(16, 256, requires_grad=True)
+    for _ in range(steps):
+        m(x).sum().backward()
+    return m, h
+
+
+def test_step_stats_count_bytes_stall_and_overlap():
+    m, h = run_steps()
+    steps = h.step_stats()
+    assert len(steps) == 2  # the last step ends at the next step boundary
+    layer_bytes = 256 * 256 * 4 + 256 * 4
+    for s in steps:
+        # forward fetches 6 layers; backward refetches those not still in a slot
+        assert s["h2d_bytes"] % layer_bytes == 0 and s["h2d_bytes"] >= 6 * layer_bytes
+        assert s["d2h_bytes"] == 6 * layer_bytes  # every weight and bias gradient once
+        assert s["stall_seconds"] >= 0
+        assert 0.0 <= s["overlap_fraction"] <= 1.0
+        assert 0 < s["slot_utilisation"] <= 1.0
+        assert s["peak_device_bytes"] == h.stats()["peak_device_bytes"]
+    assert h.ordering_errors() == []
+
+
+def test_trace_export_is_valid_chrome_json_with_lanes_and_slices(tmp_path):
+    m, h = run_steps()
+    path = tmp_path / "trace.json"
+    h.export_trace(str(path))
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert {"compute", "transfer", "grad"} <= lanes
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    assert any(n.startswith("H2D ") for n in names)
+    assert any(n.startswith("fwd ") for n in names) and any(n.startswith("bwd ") for n in names)
+    assert any(n.startswith("D2H grad ") for n in names)
+    for e in events:
+        if e.get("ph") == "X":
+            assert e["dur"] >= 0 and e["ts"] >= 0
+
+
+def test_timeline_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    m, h = run_steps(steps=2)
+    path = tmp_path / "timeline.png"
+    h.plot_timeline(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_export_without_trace_is_a_clear_error(tmp_path):
+    m, h = run_steps(trace=False, steps=1)
+    with pytest.raises(layerstream.LayerstreamError, match="trace=True"):
+        h.export_trace(str(tmp_path / "t.json"))
