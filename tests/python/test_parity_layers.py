@@ -1,0 +1,320 @@
+"""Parity of a single streamed Linear / Conv1d/2d/3d against the unmodified layer.
+
+Outputs and ALL gradients (input, weight, bias) are compared with an
+unmodified deep copy taken before offload():
+
+* fp32: torch.testing.assert_close(rtol=1e-5, atol=1e-6); Linear fp32 is
+  additionally bit-exact (same kernel on the same CPU tensors).
+* bf16 (bf16 weights and activations): bf16 tolerance.
+* mixed (fp32 weights, bf16/fp16 activations): the documented dtype rule --
+  weights are cast to the activation dtype on the device; weight gradients
+  are computed in the activation dtype and cast to the parameter dtype. The
+  reference computes with weights cast to the activation dtype and casts
+  their grads back.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import clone_input
+
+BF16_TOL = dict(rtol=1.6e-2, atol=1e-2)
+FP16_TOL = dict(rtol=1e-3, atol=1e-3)
+FP32_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _fp16_matmul_supported() -> bool:
+    try:
+        a = torch.ones(2, 2, dtype=torch.float16)
+        torch.nn.functional.linear(a, a, a).sum().item()
+        return True
+    except RuntimeError:
+        return False
+
+
+# ---------------------------------------------------------------- helpers
+def _run(module, x, g):
+    y = module(x)
+    y.backward(g)
+    return y
+
+
+def _grads(module):
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in module.named_parameters()}
+
+
+def _check_same_module(mod, ref, x_shape, act_dtype, tol, exact=False, offload_sim=None):
+    """mod/ref already have identical parameters (and the same dtype)."""
+    x = torch.randn(x_shape, dtype=torch.float32).to(act_dtype).requires_grad_()
+    xr = clone_input(x)
+    handle = offload_sim(mod)
+    assert handle.layers == [""] or len(handle.layers) == 1
+
+    y = mod(x)
+    yr = ref(xr)
+    assert y.dtype == yr.dtype == act_dtype
+    assert y.shape == yr.shape
+    g = torch.randn(y.shape, dtype=torch.float32).to(act_dtype)
+    y.backward(g)
+    yr.backward(g)
+
+    if exact:
+        assert torch.equal(y, yr), "forward not bit-exact"
+        assert torch.equal(x.grad, xr.grad), "input grad not bit-exact"
+    torch.testing.assert_close(y, yr, **tol)
+    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    for (n, p), (_, q) in zip(mod.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, f"{n}.grad missing after backward"
+        assert p.grad.dtype == p.dtype == q.grad.dtype
+        if exact:
+            assert torch.equal(p.grad, q.grad), f"{n}.grad not bit-exact"
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"{n}.grad: {m}")
+    stats = handle.stats()
+    assert stats["h2d_bytes"] > 0
+    assert stats["d2h_bytes"] > 0
+    return handle
+
+
+def _check_mixed(mod, x_shape, act_dtype, functional, tol, offload_sim):
+    """fp32 parameters, low-precision activations (documented dtype rule)."""
+    ref_w = {n: p.detach().clone().to(act_dtype).requires_grad_() for n, p in mod.named_parameters()}
+    x = torch.randn(x_shape).to(act_dtype).requires_grad_()
+    xr = clone_input(x)
+    offload_sim(mod)
+    y = mod(x)
+    yr = functional(xr, ref_w["weight"], ref_w.get("bias"))
+    assert y.dtype == act_dtype, f"output dtype {y.dtype}, expected the activation dtype {act_dtype}"
+    g = torch.randn(y.shape).to(act_dtype)
+    y.backward(g)
+    yr.backward(g)
+    torch.testing.assert_close(y, yr, **tol)
+    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    for n, p in mod.named_parameters():
+        assert p.dtype == torch.float32
+        assert p.grad is not None, f"{n}.grad missing"
+        assert p.grad.dtype == torch.float32, f"{n}.grad has dtype {p.grad.dtype}, expected the parameter dtype"
+        # grad computed in the activation dtype, then cast: must equal the cast reference
+        torch.testing.assert_close(p.grad, ref_w[n].grad.float(), **tol, msg=lambda m: f"{n}.grad: {m}")
+
+
+# ---------------------------------------------------------------- Linear
+LINEAR_CASES = [
+    pytest.param(8, 16, True, (4, 8), id="2d-bias"),
+    pytest.param(8, 16, False, (4, 8), id="2d-nobias"),
+    pytest.param(12, 5, True, (2, 3, 12), id="3d-bias"),
+    pytest.param(12, 5, False, (2, 3, 12), id="3d-nobias"),
+    pytest.param(6, 7, True, (2, 2, 3, 6), id="4d-bias"),
+    pytest.param(16, 1, True, (5, 16), id="out1"),
+    pytest.param(3, 33, True, (1, 3), id="batch1-odd"),
+    pytest.param(8, 4, True, (8,), id="1d-input"),
+]
+
+
+@pytest.mark.parametrize("fin,fout,bias,x_shape", LINEAR_CASES)
+def test_linear_fp32_bit_exact(offload_sim, fin, fout, bias, x_shape):
+    mod = nn.Linear(fin, fout, bias=bias)
+    ref = copy.deepcopy(mod)
+    _check_same_module(mod, ref, x_shape, torch.float32, FP32_TOL, exact=True, offload_sim=offload_sim)
+
+
+@pytest.mark.parametrize("fin,fout,bias,x_shape", LINEAR_CASES)
+def test_linear_bf16(offload_sim, fin, fout, bias, x_shape):
+    mod = nn.Linear(fin, fout, bias=bias).to(torch.bfloat16)
+    ref = copy.deepcopy(mod)
+    _check_same_module(mod, ref, x_shape, torch.bfloat16, BF16_TOL, offload_sim=offload_sim)
+
+
+@pytest.mark.skipif(not _fp16_matmul_supported(), reason="fp16 linear not supported on this CPU")
+@pytest.mark.parametrize("fin,fout,bias,x_shape", LINEAR_CASES[:4])
+def test_linear_fp16(offload_sim, fin, fout, bias, x_shape):
+    mod = nn.Linear(fin, fout, bias=bias).to(torch.float16)
+    ref = copy.deepcopy(mod)
+    _check_same_module(mod, ref, x_shape, torch.float16, FP16_TOL, offload_sim=offload_sim)
+
+
+@pytest.mark.parametrize("act_dtype", [
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, id="fp16", marks=pytest.mark.skipif(
+        not _fp16_matmul_supported(), reason="fp16 linear not supported on this CPU")),
+])
+@pytest.mark.parametrize("bias,x_shape", [
+    pytest.param(True, (4, 8), id="2d-bias"),
+    pytest.param(False, (2, 3, 8), id="3d-nobias"),
+])
+def test_linear_mixed_fp32_weights(offload_sim, act_dtype, bias, x_shape):
+    mod = nn.Linear(8, 16, bias=bias)
+    tol = BF16_TOL if act_dtype == torch.bfloat16 else FP16_TOL
+    _check_mixed(mod, x_shape, act_dtype, torch.nn.functional.linear, tol, offload_sim)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_linear_bf16_weights_fp32_activations(offload_sim, bias):
+    """Weights cast up to the activation dtype; weight grads cast back to bf16."""
+    mod = nn.Linear(8, 16, bias=bias).to(torch.bfloat16)
+    ref_w = {n: p.detach().float().requires_grad_() for n, p in mod.named_parameters()}
+    x = torch.randn(4, 8, requires_grad=True)
+    xr = clone_input(x)
+    offload_sim(mod)
+    y = mod(x)
+    yr = torch.nn.functional.linear(xr, ref_w["weight"], ref_w.get("bias"))
+    assert y.dtype == torch.float32
+    g = torch.randn(y.shape)
+    y.backward(g)
+    yr.backward(g)
+    torch.testing.assert_close(y, yr, **FP32_TOL)
+    torch.testing.assert_close(x.grad, xr.grad, **FP32_TOL)
+    for n, p in mod.named_parameters():
+        assert p.grad.dtype == torch.bfloat16, f"{n}.grad dtype {p.grad.dtype}"
+        torch.testing.assert_close(p.grad, ref_w[n].grad.to(torch.bfloat16), **BF16_TOL)
+
+
+def test_linear_no_input_grad(offload_sim):
+    """Input without requires_grad: weight/bias grads still complete."""
+    mod = nn.Linear(8, 4)
+    ref = copy.deepcopy(mod)
+    offload_sim(mod)
+    x = torch.randn(3, 8)
+    mod(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert torch.equal(mod.weight.grad, ref.weight.grad)
+    assert torch.equal(mod.bias.grad, ref.bias.grad)
+
+
+def test_linear_frozen_params_input_grad_only(offload_sim):
+    mod = nn.Linear(8, 4)
+    mod.requires_grad_(False)
+    ref = copy.deepcopy(mod)
+    offload_sim(mod)
+    x = torch.randn(3, 8, requires_grad=True)
+    xr = clone_input(x)
+    mod(x).square().sum().backward()
+    ref(xr).square().sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+    assert mod.weight.grad is None and mod.bias.grad is None
+
+
+# ---------------------------------------------------------------- Conv
+def _conv_param(dims, cin, cout, k, x_hw, ident, **kw):
+    return pytest.param(dims, cin, cout, k, x_hw, kw, id=ident)
+
+
+CONV_CASES = [
+    # Conv1d
+    _conv_param(1, 3, 4, 3, (9,), "1d-basic"),
+    _conv_param(1, 3, 4, 3, (9,), "1d-nobias", bias=False),
+    _conv_param(1, 4, 6, 3, (11,), "1d-stride2-pad1", stride=2, padding=1),
+    _conv_param(1, 3, 4, 4, (10,), "1d-same-evenk", padding="same"),
+    _conv_param(1, 3, 4, 3, (10,), "1d-same-dil2", padding="same", dilation=2),
+    _conv_param(1, 3, 4, 3, (10,), "1d-valid", padding="valid"),
+    _conv_param(1, 4, 8, 3, (10,), "1d-groups2", groups=2, padding=1),
+    _conv_param(1, 4, 4, 3, (10,), "1d-depthwise", groups=4, bias=False),
+    # Conv2d
+    _conv_param(2, 3, 4, 3, (7, 8), "2d-basic"),
+    _conv_param(2, 3, 4, 3, (7, 8), "2d-nobias", bias=False),
+    _conv_param(2, 3, 5, 3, (9, 9), "2d-stride2-pad1", stride=2, padding=1),
+    _conv_param(2, 3, 4, (3, 2), (7, 8), "2d-rectk-stride12-pad10", stride=(1, 2), padding=(1, 0)),
+    _conv_param(2, 3, 4, 3, (8, 8), "2d-same", padding="same"),
+    _conv_param(2, 3, 4, (2, 4), (8, 7), "2d-same-evenk", padding="same"),
+    _conv_param(2, 3, 4, 3, (8, 8), "2d-same-dil2-nobias", padding="same", dilation=2, bias=False),
+    _conv_param(2, 3, 4, 3, (8, 8), "2d-valid", padding="valid"),
+    _conv_param(2, 3, 4, 3, (10, 10), "2d-dil2-pad2", dilation=2, padding=2),
+    _conv_param(2, 4, 6, 3, (7, 7), "2d-groups2", groups=2, padding=1),
+    _conv_param(2, 6, 6, 3, (7, 7), "2d-depthwise-stride2", groups=6, stride=2, padding=1),
+    _conv_param(2, 4, 8, 1, (5, 5), "2d-1x1"),
+    # Conv3d
+    _conv_param(3, 2, 3, 3, (5, 5, 5), "3d-basic"),
+    _conv_param(3, 2, 3, 3, (5, 5, 5), "3d-nobias", bias=False),
+    _conv_param(3, 2, 4, 3, (6, 5, 5), "3d-stride2-pad1", stride=2, padding=1),
+    _conv_param(3, 2, 3, 3, (5, 6, 5), "3d-same", padding="same"),
+    _conv_param(3, 2, 3, 2, (5, 5, 5), "3d-valid-dil2", padding="valid", dilation=2),
+    _conv_param(3, 4, 4, 3, (5, 5, 5), "3d-groups2", groups=2, padding=(1, 0, 1)),
+]
+
+_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+_CONV_F = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
+
+
+def _make_conv(dims, cin, cout, k, kw):
+    return _CONV[dims](cin, cout, k, **kw)
+
+
+@pytest.mark.parametrize("dims,cin,cout,k,x_hw,kw", CONV_CASES)
+def test_conv_fp32(offload_sim, dims, cin, cout, k, x_hw, kw):
+    mod = _make_conv(dims, cin, cout, k, kw)
+    ref = copy.deepcopy(mod)
+    _check_same_module(mod, ref, (2, cin, *x_hw), torch.float32, dict(rtol=1e-5, atol=1e-6),
+                       offload_sim=offload_sim)
+
+
+@pytest.mark.parametrize("dims,cin,cout,k,x_hw,kw", CONV_CASES)
+def test_conv_bf16(offload_sim, dims, cin, cout, k, x_hw, kw):
+    mod = _make_conv(dims, cin, cout, k, kw).to(torch.bfloat16)
+    ref = copy.deepcopy(mod)
+    _check_same_module(mod, ref, (2, cin, *x_hw), torch.bfloat16, BF16_TOL, offload_sim=offload_sim)
+
+
+@pytest.mark.parametrize("dims,cin,cout,k,x_hw,kw", [
+    c for c in CONV_CASES if c.id in ("1d-stride2-pad1", "2d-same", "2d-groups2", "2d-nobias", "3d-basic")
+])
+def test_conv_mixed_fp32_weights_bf16_activations(offload_sim, dims, cin, cout, k, x_hw, kw):
+    mod = _make_conv(dims, cin, cout, k, kw)
+    args = dict(stride=mod.stride, padding=mod.padding, dilation=mod.dilation, groups=mod.groups)
+    functional = lambda x, w, b: _CONV_F[dims](x, w, b, **args)  # noqa: E731
+    _check_mixed(mod, (2, cin, *x_hw), torch.bfloat16, functional, BF16_TOL, offload_sim)
+
+
+def test_conv_unbatched_input(offload_sim):
+    """nn.Conv2d accepts (C, H, W) inputs; the streamed layer must too."""
+    mod = nn.Conv2d(3, 4, 3, padding=1)
+    ref = copy.deepcopy(mod)
+    _check_same_module(mod, ref, (3, 6, 6), torch.float32, FP32_TOL, offload_sim=offload_sim)
+
+
+def test_conv_padding_mode_reflect_stays_resident(offload_sim):
+    """Non-zero padding modes are not streamed (warning) and still compute correctly."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.Conv2d(4, 2, 3))
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match="padding_mode='reflect'"):
+        handle = offload_sim(model)
+    assert handle.layers == ["1"]
+    x = torch.randn(1, 3, 6, 6, requires_grad=True)
+    xr = clone_input(x)
+    y, yr = model(x), ref(xr)
+    y.sum().backward()
+    yr.sum().backward()
+    torch.testing.assert_close(y, yr, **FP32_TOL)
+    torch.testing.assert_close(x.grad, xr.grad, **FP32_TOL)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------- repeated use
+def test_same_layer_called_twice_per_step(offload_sim):
+    """A streamed layer used twice in one forward (weight sharing) accumulates both grads."""
+    lin = nn.Linear(6, 6)
+    ref = copy.deepcopy(lin)
+    offload_sim(lin)
+    x = torch.randn(4, 6, requires_grad=True)
+    xr = clone_input(x)
+    lin(torch.tanh(lin(x))).sum().backward()
+    ref(torch.tanh(ref(xr))).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, **FP32_TOL)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, **FP32_TOL)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, **FP32_TOL)
+
+
+def test_repeated_steps_accumulate_into_existing_grad(offload_sim):
+    """Without zero_grad, grads of 3 steps add up into param.grad (like the reference)."""
+    mod = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 3))
+    ref = copy.deepcopy(mod)
+    offload_sim(mod)
+    for _ in range(3):
+        x = torch.randn(4, 5)
+        mod(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+    for (n, p), (_, q) in zip(mod.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
