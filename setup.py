@@ -16,8 +16,8 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         import torch.utils
 
-        out_dir = os.path.abspath(os.path.dirname(self.get_ext_fullpath(ext.name)))
-        build_dir = os.path.join(ROOT, "build-pip")
+        dest = os.path.abspath(self.get_ext_fullpath(ext.name))
+        build_dir = os.environ.get("LS_BUILD_DIR", os.path.join(ROOT, "build-pip"))
         args = [
             "cmake", "-S", ROOT, "-B", build_dir, "-G", "Ninja",
             "-DCMAKE_BUILD_TYPE=Release",
@@ -34,12 +34,12 @@ class CMakeBuild(build_ext):
             args.append(f"-DCUDA_nvrtc_LIBRARY={os.path.abspath(nvrtc[0])}")
         subprocess.check_call(args)
         subprocess.check_call(["cmake", "--build", build_dir, "--target", "_C"])
-        os.makedirs(os.path.join(out_dir, "layerstream"), exist_ok=True)
-        built = [f for f in os.listdir(os.path.join(ROOT, "python", "layerstream"))
-                 if f.startswith("_C") and f.endswith(".so")]
-        for f in built:
-            self.copy_file(os.path.join(ROOT, "python", "layerstream", f),
-                           os.path.join(out_dir, "layerstream", f))
+        pkg = os.path.join(ROOT, "python", "layerstream")
+        built = sorted(f for f in os.listdir(pkg) if f.startswith("_C") and f.endswith(".so"))
+        if not built:
+            raise RuntimeError("the CMake build produced no layerstream/_C*.so")
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        self.copy_file(os.path.join(pkg, built[-1]), dest)
 
 
 setup(
