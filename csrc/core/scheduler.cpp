@@ -317,8 +317,9 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
   backend_.wait(compute, *ready);
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  backend_.declare_access(lease.slot_buf, Access::Read, compute,
-                          "compute reads '" + layers_[static_cast<size_t>(layer)].spec.name + "'");
+  if (backend_.caps().ordering_checker)  // skip building the description otherwise
+    backend_.declare_access(lease.slot_buf, Access::Read, compute,
+                            "compute reads '" + layers_[static_cast<size_t>(layer)].spec.name + "'");
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.host_wait_seconds += waited;

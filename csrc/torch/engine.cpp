@@ -459,8 +459,9 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LayerInfo& l = *layers_.at(static_cast<size_t>(layer_index));
   Stream cs = compute_stream();
-  backend_->declare_access(scratch.slot_buf, Access::Write, cs,
-                           "compute writes gradients of '" + l.name + "'");
+  if (backend_->caps().ordering_checker)
+    backend_->declare_access(scratch.slot_buf, Access::Write, cs,
+                             "compute writes gradients of '" + l.name + "'");
   // The staging buffer may still hold the previous gradient of this layer
   // (a layer used twice in one backward): accumulate that one first.
   if (l.grad_pending) accumulate_locked(l);
@@ -500,8 +501,9 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
 void Engine::accumulate_locked(LayerInfo& l) {
   if (!l.grad_pending) return;
   backend_->synchronize(l.grad_done);
-  backend_->declare_host_access(l.grad_staging.ref(), Access::Read,
-                                "host accumulates gradients of '" + l.name + "'");
+  if (backend_->caps().ordering_checker)
+    backend_->declare_host_access(l.grad_staging.ref(), Access::Read,
+                                  "host accumulates gradients of '" + l.name + "'");
   torch::NoGradGuard ng;
   auto acc = [](torch::Tensor& param, void* src, const std::vector<int64_t>& shape,
                 torch::ScalarType dt) {
