@@ -10,103 +10,21 @@
 //                             [--steps 5] [--json] [--no-versions]
 // --no-versions: the scheduler is not told that weights are unchanged, so
 // it drops slot content and stops prefetching at every step boundary. [--no-versions]
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "backends/sim/sim_backend.h"
-#include "core/host_store.h"
-#include "core/scheduler.h"
+#include "bench/overlap.h"
 
-using namespace layerstream;
-using Clock = std::chrono::steady_clock;
+using layerstream::bench::OverlapConfig;
+using layerstream::bench::OverlapResult;
 
 namespace {
 
-struct Config {
-  int layers = 24;
-  double compute_ms = 3.0;
-  double layer_mib = 1.0;
-  int steps = 5;
+struct Config : OverlapConfig {
   bool json = false;
-  bool versioned = true;
 };
-
-struct Result {
-  double ratio;
-  int prefetch;
-  int slots;
-  double step_ms;
-  double ideal_ms;
-  double overlap_ratio;
-  double hit_rate;
-};
-
-Result run_case(const Config& c, double ratio, int prefetch) {
-  const size_t bytes = static_cast<size_t>(c.layer_mib * 1024 * 1024);
-  const double transfer_s = ratio * c.compute_ms / 1000.0;
-  SimOptions o;
-  o.h2d_gbps = static_cast<double>(bytes) / transfer_s / 1e9;
-  o.latency_us = 0;
-  o.checker = true;  // the protocol is checked here too
-  auto sim = make_sim_backend(o);
-  HostStore store(*sim);
-  std::vector<LayerSpec> specs;
-  std::vector<unsigned char> data(bytes, 1);
-  for (int i = 0; i < c.layers; ++i) {
-    const size_t idx = store.add(bytes, data.data(), "layer" + std::to_string(i));
-    specs.push_back(LayerSpec{"layer" + std::to_string(i), {store.buffer(idx)}});
-  }
-  Stream transfer = sim->create_stream("transfer");
-  Stream compute = sim->create_stream("compute");
-  SchedulerOptions so;
-  so.prefetch_depth = prefetch;
-  so.num_slots = prefetch + 1;
-  // The host weights never change here (inference): say so, as the torch
-  // glue does with tensor version counters, so prefetching runs across steps.
-  if (c.versioned) so.content_version = [](int) -> uint64_t { return 0; };
-  Result r{};
-  {
-    Scheduler sched(*sim, transfer, specs, so);
-    const auto compute_time = std::chrono::microseconds(static_cast<long>(c.compute_ms * 1000));
-    std::vector<double> times;
-    for (int step = 0; step < c.steps + 1; ++step) {
-      const auto t0 = Clock::now();
-      for (int l = 0; l < c.layers; ++l) {
-        Lease lease = sched.acquire(l, compute);
-        sim->launch_host_func(compute, [compute_time] { std::this_thread::sleep_for(compute_time); });
-        sched.release(lease, compute);
-      }
-      sim->synchronize(compute);
-      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      if (step > 0) times.push_back(ms);  // step 0 records the trace
-    }
-    std::sort(times.begin(), times.end());
-    r.step_ms = times[times.size() / 2];
-    const SchedulerStats st = sched.stats();
-    r.hit_rate = st.acquires ? static_cast<double>(st.hits) / static_cast<double>(st.acquires) : 0;
-  }
-  const auto errors = sim->ordering_errors();
-  if (!errors.empty()) {
-    std::fprintf(stderr, "ordering errors: %zu, first: %s\n", errors.size(), errors[0].c_str());
-    std::exit(1);
-  }
-  r.ratio = ratio;
-  r.prefetch = prefetch;
-  r.slots = so.num_slots;
-  const double total_compute = c.layers * c.compute_ms;
-  const double total_transfer = c.layers * ratio * c.compute_ms;
-  r.ideal_ms = std::max(total_compute, total_transfer);
-  r.overlap_ratio = r.step_ms / r.ideal_ms;
-  sim->destroy_stream(compute);
-  sim->destroy_stream(transfer);
-  return r;
-}
 
 }  // namespace
 
@@ -136,14 +54,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_overlap: layers, compute-ms, layer-mib and steps must be positive\n");
     return 2;
   }
-  std::vector<Result> results;
+  std::vector<OverlapResult> results;
   for (double ratio : {0.5, 1.0, 2.0})
-    for (int k : {0, 1, 2, 3}) results.push_back(run_case(c, ratio, k));
+    for (int k : {0, 1, 2, 3}) {
+      results.push_back(layerstream::bench::run_overlap_case(c, ratio, k));
+      const OverlapResult& r = results.back();
+      if (r.ordering_errors) {
+        std::fprintf(stderr, "ordering errors: %zu, first: %s\n", r.ordering_errors,
+                     r.first_ordering_error.c_str());
+        return 1;
+      }
+    }
 
   if (c.json) {
     std::printf("[");
     for (size_t i = 0; i < results.size(); ++i) {
-      const Result& r = results[i];
+      const OverlapResult& r = results[i];
       std::printf("%s{\"transfer_over_compute\": %.2f, \"prefetch\": %d, \"slots\": %d, "
                   "\"step_ms\": %.3f, \"ideal_ms\": %.3f, \"overlap_ratio\": %.4f, \"hit_rate\": %.3f}",
                   i ? ", " : "", r.ratio, r.prefetch, r.slots, r.step_ms, r.ideal_ms,
@@ -156,7 +82,7 @@ int main(int argc, char** argv) {
               c.layers, c.compute_ms, c.layer_mib, c.steps);
   std::printf("%-18s %-9s %-6s %-10s %-10s %-14s %s\n", "transfer/compute", "prefetch", "slots",
               "step ms", "ideal ms", "step/ideal", "hit rate");
-  for (const Result& r : results)
+  for (const OverlapResult& r : results)
     std::printf("%-18.2f %-9d %-6d %-10.2f %-10.2f %-14.3f %.2f\n", r.ratio, r.prefetch, r.slots,
                 r.step_ms, r.ideal_ms, r.overlap_ratio, r.hit_rate);
   return 0;
