@@ -155,8 +155,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("name"), py::arg("weight"), py::arg("bias"), py::arg("dims"), py::arg("stride"),
           py::arg("padding"), py::arg("same"), py::arg("dilation"), py::arg("groups"),
           py::arg("quantize") = "")
-      .def("linear", &Engine::linear)
-      .def("conv", &Engine::conv)
+      .def("linear", &Engine::linear, py::arg("layer"), py::arg("x"),
+           py::arg("grads_via_autograd") = false)
+      .def("conv", &Engine::conv, py::arg("layer"), py::arg("x"), py::arg("grads_via_autograd") = false)
       .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("detach",
            [](Engine& e, const std::vector<std::string>& devices) {

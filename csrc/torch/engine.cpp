@@ -25,6 +25,15 @@ std::atomic<uint64_t> g_next_id{1};
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
+// What a parameter's data needs alive after the Engine is gone: the host
+// store and the backend that frees its buffers, released in that order.
+struct HostKeepAlive {
+  std::shared_ptr<Backend> backend;
+  std::shared_ptr<HostStore> store;
+  ~HostKeepAlive() { store.reset(); }  // buffers go back to a live backend
+};
+
+
 bool is_float_activation(torch::ScalarType t) {
   return t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf;
 }
@@ -98,6 +107,12 @@ Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) 
     compute_device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
   store_ = std::make_shared<HostStore>(*backend_, opts_.pin_memory);
+  {
+    auto keep = std::make_shared<HostKeepAlive>();
+    keep->backend = backend_;
+    keep->store = store_;
+    keepalive_ = keep;
+  }
   if (opts_.trace) tracer_ = std::make_shared<TraceRecorder>();
   transfer_ = backend_->create_stream("transfer");
   grad_stream_ = backend_->create_stream("grad");
@@ -149,7 +164,7 @@ Engine::LayerInfo& Engine::layer(int i) {
 namespace {
 // Moves a parameter's data into the host store; the parameter's data becomes
 // a CPU tensor over the store's memory (kept alive by the tensor's deleter).
-void* adopt(HostStore& store, const std::shared_ptr<HostStore>& keep, torch::Tensor& param,
+void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& param,
             const std::string& name, size_t* index, size_t* bytes) {
   torch::NoGradGuard ng;
   torch::Tensor src = param.detach().to(torch::kCPU).contiguous();
@@ -205,7 +220,7 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
   info.w_shape = info.weight.sizes().vec();
   info.w_dtype = info.weight.scalar_type();
   if (format == quant::Format::None) {
-    info.w_host = adopt(*store_, store_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes);
+    info.w_host = adopt(*store_, keepalive_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes);
   } else {
     LS_CHECK(!info.weight.requires_grad(), "layer '", info.name, "': a quantized weight cannot be "
              "trained; freeze it first (weight.requires_grad_(False), as QLoRA does with the base "
@@ -232,7 +247,7 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
     LS_CHECK(info.bias.is_floating_point(), "layer '", info.name, "' has a non-float bias");
     info.b_shape = info.bias.sizes().vec();
     info.b_dtype = info.bias.scalar_type();
-    info.b_host = adopt(*store_, store_, info.bias, info.name + ".bias", &info.b_index, &info.b_bytes);
+    info.b_host = adopt(*store_, keepalive_, info.bias, info.name + ".bias", &info.b_index, &info.b_bytes);
   }
   return register_layer_locked(std::move(info));
 }
@@ -300,7 +315,7 @@ int Engine::add_linear_int8(const std::string& name, torch::Tensor data,
     LS_CHECK(bias.is_floating_point(), "layer '", name, "' has a non-float bias");
     info.b_shape = bias.sizes().vec();
     info.b_dtype = bias.scalar_type();
-    info.b_host = adopt(*store_, store_, info.bias, name + ".bias", &info.b_index, &info.b_bytes);
+    info.b_host = adopt(*store_, keepalive_, info.bias, name + ".bias", &info.b_index, &info.b_bytes);
   }
   return register_layer_locked(std::move(info));
 }
@@ -611,6 +626,17 @@ std::map<std::string, double> Engine::stats() const {
 
 std::vector<std::string> Engine::ordering_errors() const { return backend_->ordering_errors(); }
 
+torch::Tensor Engine::grad_to_host(const torch::Tensor& g, torch::ScalarType dtype) {
+  torch::Tensor h = g.to(dtype).to(torch::kCPU);  // synchronous on CUDA
+  const uint64_t bytes = static_cast<uint64_t>(h.numel()) * h.element_size();
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    d2h_bytes_ += bytes;
+  }
+  scheduler().note_d2h(bytes);
+  return h;
+}
+
 std::shared_ptr<double> Engine::trace_begin(Stream s) {
   if (!tracer_) return nullptr;
   auto start = std::make_shared<double>(0);
@@ -689,11 +715,21 @@ bool wants_grad(const torch::Tensor& p) {
   return p.defined() && p.requires_grad() && p.is_floating_point();
 }
 
+// A plain loss.backward(): autograd accumulates into every leaf's .grad. Then
+// layerstream copies weight gradients back asynchronously and accumulates them
+// itself. Otherwise (torch.autograd.grad, backward(inputs=...)) autograd must
+// decide where each gradient goes, so they are returned to it.
+bool plain_backward() {
+  const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  return info == nullptr || info->empty();
+}
+
 struct LinearFn : public torch::autograd::Function<LinearFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
-                               torch::Tensor bias, Engine* e, int64_t layer) {
+                               torch::Tensor bias, Engine* e, int64_t layer, bool via_autograd) {
     Engine::LayerInfo& l = e->layer(static_cast<int>(layer));
     Stream cs = e->compute_stream();
+    ctx->saved_data["via_autograd"] = via_autograd;
     Lease lease = e->scheduler().acquire(static_cast<int>(layer), cs, e->current_phase());
     torch::Tensor out;
     auto span = e->trace_begin(cs);
@@ -721,8 +757,9 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     const variable_list saved = ctx->get_saved_variables();
     torch::Tensor x = saved.empty() ? torch::Tensor() : saved[0];
     const bool need_x = ctx->needs_input_grad(0);
-    const bool need_w = x.defined() && wants_grad(l.weight);
-    const bool need_b = wants_grad(l.bias);
+    const bool need_w = x.defined() && ctx->needs_input_grad(1) && wants_grad(l.weight);
+    const bool need_b = l.bias.defined() && ctx->needs_input_grad(2) && wants_grad(l.bias);
+    const bool via_autograd = ctx->saved_data["via_autograd"].toBool() || !plain_backward();
     Stream cs = e->compute_stream();
     Scheduler& sched = e->scheduler();
     torch::Tensor gx;
@@ -738,13 +775,25 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
       e->trace_end(cs, span, "compute", "bwd " + l.name);
       sched.release(lease, cs);
     }
+    if ((need_w || need_b) && via_autograd) {
+      // Return the gradients to autograd (host copies, synchronous).
+      const int64_t out_f = l.w_shape[0];
+      torch::Tensor go2 = go.reshape({-1, out_f});
+      torch::Tensor gw, gb;
+      if (need_w) {
+        torch::Tensor x2 = x.reshape({-1, l.w_shape[1]}).to(go2.scalar_type());
+        gw = e->grad_to_host(go2.t().mm(x2), l.w_dtype);
+      }
+      if (need_b) gb = e->grad_to_host(go2.sum(0), l.b_dtype);
+      return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
     if (need_w || need_b) {
       Lease scratch = sched.acquire_scratch(cs);
       try {
         const int64_t out_f = l.w_shape[0];
         torch::Tensor go2 = go.reshape({-1, out_f});
         if (need_w) {
-          torch::Tensor x2 = x.reshape({-1, l.w_shape[1]});
+          torch::Tensor x2 = x.reshape({-1, l.w_shape[1]}).to(go2.scalar_type());
           torch::Tensor gw = torch::from_blob(scratch.part_ptr(0), l.w_shape,
                                               torch::TensorOptions().dtype(l.w_dtype).device(e->compute_device()));
           if (go2.scalar_type() == l.w_dtype) {
@@ -766,7 +815,7 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
       e->push_grads(layer, scratch, need_w, need_b);
       e->ensure_backward_callback();
     }
-    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -809,8 +858,9 @@ torch::Tensor pad_right(const torch::Tensor& x, const ConvGeometry& g) {
 
 struct ConvFn : public torch::autograd::Function<ConvFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
-                               torch::Tensor bias, Engine* e, int64_t layer) {
+                               torch::Tensor bias, Engine* e, int64_t layer, bool via_autograd) {
     Engine::LayerInfo& l = e->layer(static_cast<int>(layer));
+    ctx->saved_data["via_autograd"] = via_autograd;
     const bool unbatched = x.dim() == l.conv.dims + 1;
     LS_CHECK(unbatched || x.dim() == l.conv.dims + 2, "Conv", l.conv.dims, "d layer '", l.name,
              "' expects a ", l.conv.dims + 1, "-D or ", l.conv.dims + 2, "-D input, got ",
@@ -848,8 +898,9 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
     torch::Tensor go = unbatched ? grads[0].unsqueeze(0) : grads[0];
     torch::Tensor xp = ctx->get_saved_variables()[0];
     const bool need_x = ctx->needs_input_grad(0);
-    const bool need_w = wants_grad(l.weight);
-    const bool need_b = wants_grad(l.bias);
+    const bool need_w = ctx->needs_input_grad(1) && wants_grad(l.weight);
+    const bool need_b = l.bias.defined() && ctx->needs_input_grad(2) && wants_grad(l.bias);
+    const bool via_autograd = ctx->saved_data["via_autograd"].toBool() || !plain_backward();
     const ConvGeometry g = conv_geometry(l);
     Stream cs = e->compute_stream();
     Scheduler& sched = e->scheduler();
@@ -882,6 +933,11 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
         gx = gx.narrow(2 + i, 0, gx.size(2 + i) - g.extra[static_cast<size_t>(i)]);
     }
     if (need_x && unbatched) gx = gx.squeeze(0);
+    if ((need_w || need_b) && via_autograd) {
+      return {need_x ? gx : torch::Tensor(), need_w ? e->grad_to_host(gw, l.w_dtype) : torch::Tensor(),
+              need_b ? e->grad_to_host(gb, l.b_dtype) : torch::Tensor(), torch::Tensor(),
+              torch::Tensor(), torch::Tensor()};
+    }
     if (need_w || need_b) {
       Lease scratch = sched.acquire_scratch(cs);
       try {
@@ -900,13 +956,13 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
       e->ensure_backward_callback();
     }
     return {need_x ? gx : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
 }  // namespace
 
-torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x) {
+torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x, bool grads_via_autograd) {
   LayerInfo& l = layer(layer_index);
   LS_CHECK(!l.is_conv, "layer '", l.name, "' is a convolution, not a Linear");
   check_input(*this, l, x);
@@ -915,17 +971,17 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x) {
   // Autograd inputs must be defined tensors: without a bias, the weight
   // stands in (the functions read the bias from the layer, never from here).
   return LinearFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
-                         static_cast<int64_t>(layer_index));
+                         static_cast<int64_t>(layer_index), grads_via_autograd);
 }
 
-torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x) {
+torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x, bool grads_via_autograd) {
   LayerInfo& l = layer(layer_index);
   LS_CHECK(l.is_conv, "layer '", l.name, "' is a Linear, not a convolution");
   check_input(*this, l, x);
   check_host_alias(l);
   ensure_scheduler();
   return ConvFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
-                       static_cast<int64_t>(layer_index));
+                       static_cast<int64_t>(layer_index), grads_via_autograd);
 }
 
 }  // namespace layerstream

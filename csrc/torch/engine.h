@@ -109,9 +109,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int add_linear_int8(const std::string& name, torch::Tensor int8_data,
                       torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype);
 
-  // The streamed computations (differentiable).
-  torch::Tensor linear(int layer, const torch::Tensor& x);
-  torch::Tensor conv(int layer, const torch::Tensor& x);
+  // The streamed computations (differentiable). Weight gradients normally
+  // go back asynchronously and are accumulated into .grad by the engine; with
+  // grads_via_autograd (e.g. the parameter has hooks) — and always under
+  // torch.autograd.grad / backward(inputs=...) — they are copied to the host
+  // synchronously and returned to autograd, which routes them.
+  torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
+  torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
 
   // Waits for every pending transfer and gradient, and accumulates pending
   // gradients into param.grad.
@@ -160,6 +164,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Copies weight/bias gradients (already computed into `scratch` on the
   // compute stream) to the host and schedules their accumulation.
   void push_grads(int layer, Lease& scratch, bool has_w, bool has_b);
+  // A gradient computed on the device, as a host tensor of `dtype` (blocking).
+  torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
   // Makes sure pending gradients are accumulated at the end of this backward.
   void ensure_backward_callback();
   uint64_t id() const { return id_; }
@@ -204,6 +210,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   torch::Device compute_device_{torch::kCPU};
   std::shared_ptr<Backend> backend_;
   std::shared_ptr<HostStore> store_;
+  std::shared_ptr<void> keepalive_;  // held by parameters' data: store + backend
   Stream transfer_, grad_stream_, inline_compute_;
   std::map<void*, Stream> wrapped_streams_;
 

@@ -154,13 +154,27 @@ class _Attached:
         self.prequantized = prequantized
 
 
-def _make_forward(engine, index: int, kind: str, original):
+def _has_grad_hooks(p) -> bool:
+    return p is not None and bool(getattr(p, "_backward_hooks", None) or
+                                  getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _make_forward(engine, index: int, kind: str, original, module: nn.Module, name: str):
     run = engine.linear if kind == "linear" else engine.conv
+    weight, bias = module.weight, module.bias
 
     def forward(x, *args, **kwargs):
         if args or kwargs:  # an unusual call signature: use the module's own forward
             return original(x, *args, **kwargs)
-        return run(index, x)
+        if module.weight is not weight or module.bias is not bias:
+            raise LayerstreamError(
+                f"the parameters of streamed layer '{name}' were replaced after offload() (e.g. by "
+                f"load_state_dict(assign=True) or assigning a new nn.Parameter); layerstream "
+                f"streams the original ones. Copy new values in place (load_state_dict() without "
+                f"assign, or param.data.copy_()), or call handle.detach() first.")
+        # Gradient hooks on the parameters: hand their gradients to autograd
+        # (synchronously) so that the hooks fire.
+        return run(index, x, _has_grad_hooks(weight) or _has_grad_hooks(bias))
 
     return forward
 
@@ -288,6 +302,11 @@ class Handle:
             if getattr(a.module, "_layerstream_handle", None) is not None:
                 del a.module._layerstream_handle
         self._engine = None
+
+    def __deepcopy__(self, memo):
+        raise LayerstreamError(
+            "an offloaded model cannot be deep-copied (its streamed weights live in layerstream's "
+            "host store); deep-copy it before offload(), or call handle.detach() first")
 
     def __repr__(self):
         if self._engine is None:
@@ -469,7 +488,8 @@ def offload(
             del old_weight, weight
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
-        module.forward = _make_forward(engine, index, kind, old_forward or module.forward)
+        module.forward = _make_forward(engine, index, kind, old_forward or module.forward, module,
+                                       name)
         for p in module.parameters(recurse=False):
             p._is_memory_managed = True
             streamed_params.add(id(p))

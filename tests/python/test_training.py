@@ -390,8 +390,6 @@ def test_training_then_detach_keeps_trained_weights_and_stats(offload_sim):
 
 
 # ---------------------------------------------------------------- autograd API variants
-@pytest.mark.xfail(strict=True, reason="BUG: torch.autograd.grad(loss, [x]) also accumulates the streamed "
-                   "layers' weight grads into param.grad (reference leaves param.grad None)")
 def test_autograd_grad_wrt_input_does_not_touch_param_grad(offload_sim):
     model = Net()
     ref = copy.deepcopy(model)
@@ -405,8 +403,6 @@ def test_autograd_grad_wrt_input_does_not_touch_param_grad(offload_sim):
     assert leaked == [], f"param.grad written by autograd.grad: {leaked}"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: backward(inputs=[x]) also accumulates the streamed layers' "
-                   "weight grads into param.grad")
 def test_backward_with_inputs_subset(offload_sim):
     model = Net()
     ref = copy.deepcopy(model)
@@ -419,8 +415,6 @@ def test_backward_with_inputs_subset(offload_sim):
     _assert_grads(model, ref)  # all None in the reference
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: torch.autograd.grad(loss, streamed params) returns no gradient "
-                   "for them (None with allow_unused=True; the grads go to param.grad instead)")
 def test_autograd_grad_wrt_streamed_params(offload_sim):
     model = Net()
     ref = copy.deepcopy(model)
@@ -433,9 +427,6 @@ def test_autograd_grad_wrt_streamed_params(offload_sim):
         torch.testing.assert_close(g, w, **TOL)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: tensor hooks on streamed params are called with grad=None and "
-                   "post-accumulate-grad hooks fire while param.grad is still None (grads land later, "
-                   "in the end-of-backward callback)")
 def test_param_hooks_fire_like_reference(offload_sim):
     """Tensor hooks and post-accumulate-grad hooks (used by DDP/FSDP-style code) fire."""
     model = Net()
@@ -456,9 +447,6 @@ def test_param_hooks_fire_like_reference(offload_sim):
         torch.testing.assert_close(got[n], want[n], **TOL, msg=lambda m: f"{n}: {m}")
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="BUG: under torch.autocast the streamed forward "
-                   "returns bf16 but backward fails: 'expected m1 and m2 to have the same dtype, but got: "
-                   "c10::BFloat16 != float'")
 def test_autocast_bf16_mixed_precision_training(offload_sim):
     model = Net()
     ref = copy.deepcopy(model)
@@ -509,9 +497,6 @@ print("OK")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a streamed parameter that outlives its engine aliases freed "
-                   "host memory (garbage values) and freeing it later aborts/segfaults the process "
-                   "(HostBuffer keeps a raw Backend* to the destroyed sim backend)")
 def test_parameter_outlives_engine():
     """engine.h: 'parameters keep the host memory alive even after the Engine is gone'.
 
