@@ -7,7 +7,8 @@
 // 1.00 is perfect overlap. Goal: <= 1.10 at every ratio with prefetch >= 2.
 //
 //   build/bench/bench_overlap [--layers 24] [--compute-ms 3] [--layer-mib 1]
-//                             [--steps 5] [--json] [--no-versions]
+//                             [--steps 5] [--json] [--no-versions] [--quant]
+// --quant: bf16 vs int8/fp8/nf4/int4 bytes over one transfer-bound link.
 // --no-versions: the scheduler is not told that weights are unchanged, so
 // it drops slot content and stops prefetching at every step boundary. [--no-versions]
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "bench/overlap.h"
+#include "core/quant.h"
 
 using layerstream::bench::OverlapConfig;
 using layerstream::bench::OverlapResult;
@@ -24,7 +26,62 @@ namespace {
 
 struct Config : OverlapConfig {
   bool json = false;
+  bool quant = false;
 };
+
+// --quant: the same stack with its weights in bf16 and in each packed format,
+// over one fixed link chosen so that bf16 is strongly transfer-bound (transfer/compute
+// = 4). Fewer bytes per step must show as a shorter step, down to the compute
+// bound. Packed sizes are the exact layouts of core/quant.h.
+int run_quant(const Config& c) {
+  using namespace layerstream;
+  const double bf16_bytes = c.layer_mib * 1024 * 1024;
+  const int64_t cols = 1024;
+  const int64_t rows = static_cast<int64_t>(bf16_bytes / 2) / cols;
+  struct Row {
+    const char* name;
+    double bytes;
+  };
+  std::vector<Row> rows_out = {{"bf16", static_cast<double>(rows * cols * 2)}};
+  for (auto f : {quant::Format::Int8, quant::Format::Fp8E4M3, quant::Format::NF4, quant::Format::Int4})
+    rows_out.push_back({quant::to_string(f), static_cast<double>(quant::layout_for(f, rows, cols).total_bytes())});
+  const double base_ratio = 4.0;
+  if (!c.json) {
+    std::printf("sim overlap, quantized weights: %d layers x %.2f ms compute, %lldx%lld weights, one link "
+                "(bf16 transfer/compute = %.1f), prefetch 2, median of %d steps\n",
+                c.layers, c.compute_ms, static_cast<long long>(rows), static_cast<long long>(cols),
+                base_ratio, c.steps);
+    std::printf("%-8s %-12s %-12s %-10s %-10s %-12s %s\n", "format", "bytes/param", "MiB/layer", "step ms",
+                "ideal ms", "step/ideal", "step vs bf16");
+  } else {
+    std::printf("[");
+  }
+  double bf16_step = 0;
+  for (size_t i = 0; i < rows_out.size(); ++i) {
+    Config cc = c;
+    const double scale = rows_out[i].bytes / rows_out[0].bytes;
+    cc.layer_mib = rows_out[i].bytes / (1024.0 * 1024.0);
+    // Same link bandwidth for every format: the transfer/compute ratio scales with the bytes.
+    const OverlapResult r = layerstream::bench::run_overlap_case(cc, base_ratio * scale, 2);
+    if (r.ordering_errors) {
+      std::fprintf(stderr, "ordering errors: %zu, first: %s\n", r.ordering_errors, r.first_ordering_error.c_str());
+      return 1;
+    }
+    if (i == 0) bf16_step = r.step_ms;
+    const double bpp = rows_out[i].bytes / static_cast<double>(rows * cols);
+    if (c.json) {
+      std::printf("%s{\"format\": \"%s\", \"bytes_per_param\": %.4f, \"step_ms\": %.3f, \"ideal_ms\": %.3f, "
+                  "\"overlap_ratio\": %.4f, \"step_vs_bf16\": %.4f}",
+                  i ? ", " : "", rows_out[i].name, bpp, r.step_ms, r.ideal_ms, r.overlap_ratio,
+                  r.step_ms / bf16_step);
+    } else {
+      std::printf("%-8s %-12.4f %-12.3f %-10.2f %-10.2f %-12.3f %.3f\n", rows_out[i].name, bpp,
+                  cc.layer_mib, r.step_ms, r.ideal_ms, r.overlap_ratio, r.step_ms / bf16_step);
+    }
+  }
+  if (c.json) std::printf("]\n");
+  return 0;
+}
 
 }  // namespace
 
@@ -45,8 +102,9 @@ int main(int argc, char** argv) {
     else if (a == "--steps") c.steps = std::atoi(next());
     else if (a == "--json") c.json = true;
     else if (a == "--no-versions") c.versioned = false;
+    else if (a == "--quant") c.quant = true;
     else {
-      std::fprintf(stderr, "usage: bench_overlap [--layers N] [--compute-ms MS] [--layer-mib MIB] [--steps N] [--json] [--no-versions]\n");
+      std::fprintf(stderr, "usage: bench_overlap [--layers N] [--compute-ms MS] [--layer-mib MIB] [--steps N] [--json] [--no-versions] [--quant]\n");
       return 2;
     }
   }
@@ -54,6 +112,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_overlap: layers, compute-ms, layer-mib and steps must be positive\n");
     return 2;
   }
+  if (c.quant) return run_quant(c);
   std::vector<OverlapResult> results;
   for (double ratio : {0.5, 1.0, 2.0})
     for (int k : {0, 1, 2, 3}) {
