@@ -724,25 +724,31 @@ bool plain_backward() {
   return info == nullptr || info->empty();
 }
 
+// The streamed Linear forward: fetch, compute on the device, release.
+torch::Tensor linear_forward(Engine* e, Engine::LayerInfo& l, int layer, const torch::Tensor& x) {
+  Stream cs = e->compute_stream();
+  Lease lease = e->scheduler().acquire(layer, cs, e->current_phase());
+  torch::Tensor out;
+  auto span = e->trace_begin(cs);
+  try {
+    torch::Tensor w = e->device_weight(l, lease, x.scalar_type());
+    torch::Tensor b = e->device_bias(l, lease, x.scalar_type());
+    out = torch::linear(x, w, b);
+  } catch (...) {
+    e->scheduler().release(lease, cs);
+    throw;
+  }
+  if (span) e->trace_end(cs, span, "compute", "fwd " + l.name);
+  e->scheduler().release(lease, cs);
+  return out;
+}
+
 struct LinearFn : public torch::autograd::Function<LinearFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
                                torch::Tensor bias, Engine* e, int64_t layer, bool via_autograd) {
     Engine::LayerInfo& l = e->layer(static_cast<int>(layer));
-    Stream cs = e->compute_stream();
     ctx->saved_data["via_autograd"] = via_autograd;
-    Lease lease = e->scheduler().acquire(static_cast<int>(layer), cs, e->current_phase());
-    torch::Tensor out;
-    auto span = e->trace_begin(cs);
-    try {
-      torch::Tensor w = e->device_weight(l, lease, x.scalar_type());
-      torch::Tensor b = e->device_bias(l, lease, x.scalar_type());
-      out = torch::linear(x, w, b);
-    } catch (...) {
-      e->scheduler().release(lease, cs);
-      throw;
-    }
-    e->trace_end(cs, span, "compute", "fwd " + l.name);
-    e->scheduler().release(lease, cs);
+    torch::Tensor out = linear_forward(e, l, static_cast<int>(layer), x);
     ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
     ctx->saved_data["layer"] = layer;
     ctx->save_for_backward({wants_grad(weight) ? x : torch::Tensor()});
@@ -968,6 +974,11 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x, bool grads
   check_input(*this, l, x);
   check_host_alias(l);
   ensure_scheduler();
+  // No gradient can flow (no_grad / inference, or nothing requires grad):
+  // skip the autograd node entirely.
+  if (!torch::GradMode::is_enabled() ||
+      (!x.requires_grad() && !l.weight.requires_grad() && !(l.bias.defined() && l.bias.requires_grad())))
+    return linear_forward(this, l, layer_index, x);
   // Autograd inputs must be defined tensors: without a bias, the weight
   // stands in (the functions read the bias from the layer, never from here).
   return LinearFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
