@@ -159,6 +159,9 @@ void OffloadHandle::detach() {
 
 std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOptions& options) {
   auto handle = std::shared_ptr<OffloadHandle>(new OffloadHandle());
+  const quant::Format qformat =
+      options.quantize.empty() || options.quantize == "none" ? quant::Format::None
+                                                             : quant::parse_format(options.quantize);
   auto engine = Engine::create(options);
   handle->engine_ = engine;
   const torch::Device dev = engine->compute_device();
@@ -212,13 +215,13 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   for (auto& it : items) {
     torch::nn::Module* m = it.module.get();
     if (auto* l = dynamic_cast<nn::LinearImpl*>(m)) {
-      const int idx = engine->add_linear(it.name, l->weight, l->bias);
+      const int idx = engine->add_linear(it.name, l->weight, l->bias, qformat);
       l->bind(engine, idx);
       handle->unbind_.push_back([l] { l->unbind(); });
       record(it.name, l->weight, l->bias);
     } else if (auto* tl = dynamic_cast<torch::nn::LinearImpl*>(m)) {
       auto s = std::make_shared<nn::LinearImpl>(tl->options, tl->weight, tl->bias);
-      const int idx = engine->add_linear(it.name, s->weight, s->bias);
+      const int idx = engine->add_linear(it.name, s->weight, s->bias, qformat);
       s->bind(engine, idx);
       it.parent->replace_module(it.child, s);
       handle->swaps_.push_back({it.parent, it.child, it.module});
@@ -231,7 +234,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                  "cannot stream conv '", it.name, "': only zero padding_mode is streamed; exclude it");
         auto opts = conv_options_from<D>(conv->options);
         auto s = std::make_shared<nn::ConvImpl<D>>(opts, conv->weight, conv->bias);
-        const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec());
+        const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec(), qformat);
         s->bind(engine, idx);
         it.parent->replace_module(it.child, s);
         handle->swaps_.push_back({it.parent, it.child, it.module});
@@ -240,7 +243,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       };
       auto bind_ours = [&](auto* conv) -> bool {
         if (!conv) return false;
-        const int idx = engine->add_conv(it.name, conv->weight, conv->bias, conv->spec());
+        const int idx = engine->add_conv(it.name, conv->weight, conv->bias, conv->spec(), qformat);
         conv->bind(engine, idx);
         handle->unbind_.push_back([conv] { conv->unbind(); });
         record(it.name, conv->weight, conv->bias);

@@ -43,6 +43,10 @@ struct OffloadOptions : EngineOptions {
   // Glob patterns (* and ?) on qualified module names; empty include = all.
   std::vector<std::string> include;
   std::vector<std::string> exclude;
+  // "", "int8", "fp8", "nf4" or "int4": pack every streamed weight (they must
+  // be frozen). In C++ the module's dense parameter is left as it is (the
+  // engine does not use it; free it yourself if host RAM matters).
+  std::string quantize;
 };
 
 class OffloadHandle {

@@ -1,0 +1,107 @@
+"""layerstream.compat: the original system's API with its observable behaviour."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from layerstream.compat import ConvLayerMemoryManager, LinearLayerMemoryManager, MemoryManager
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 64), nn.Conv1d(1, 1, 3),
+                         nn.Linear(62, 4))
+
+
+def test_attach_tags_params_and_matches_reference():
+    m = make_model()
+    ref = copy.deepcopy(m)
+    mgr = MemoryManager.attach(m, torch.device("cpu"))
+    assert m._memory_manager is mgr
+    for layer in (m[0], m[2], m[3], m[4]):
+        assert hasattr(layer, "_layer_memory_manager")
+        assert layer._memory_management_device == torch.device("cpu")
+        assert all(getattr(p, "_is_memory_managed", False) for p in layer.parameters())
+    x = torch.randn(2, 1, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = m(x), ref(xr)
+    assert torch.equal(y, yr)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert mgr.engine.ordering_errors() == []
+
+
+def test_offload_percent_picks_largest_layers_deterministically():
+    m = make_model()
+    # sizes (params): [0]=544, [2]=2112, [3]=4, [4]=252; total 2912
+    MemoryManager.attach(m, "cpu", offload_percent=0.5, ignore_modules=[m[4]])
+    picked = [i for i, layer in enumerate(m) if hasattr(layer, "_layer_memory_manager")]
+    assert picked == [2]  # the largest layer alone covers half of the bytes
+    m2 = make_model()
+    MemoryManager.attach(m2, "cpu", offload_percent=0.5, ignore_modules=[m2[4]])
+    assert [i for i, layer in enumerate(m2) if hasattr(layer, "_layer_memory_manager")] == picked
+    m3 = make_model()
+    MemoryManager.attach(m3, "cpu", offload_percent=0.0)
+    assert not any(hasattr(layer, "_layer_memory_manager") for layer in m3)
+
+
+def test_extra_call_arguments_fall_back_to_original_forward():
+    class Custom(nn.Linear):
+        def forward(self, x, scale=1.0):
+            return super().forward(x) * scale
+
+    m = Custom(4, 4)
+    mgr = MemoryManager(m, "cpu")
+    LinearLayerMemoryManager.attach(m, mgr)
+    x = torch.randn(2, 4)
+    plain = nn.functional.linear(x, m.weight, m.bias)
+    assert torch.allclose(m(x), plain)
+    assert torch.allclose(m(x, scale=3.0), 3.0 * plain)
+
+
+def test_second_attach_is_a_no_op():
+    m = nn.Linear(4, 4)
+    mgr = MemoryManager(m, "cpu")
+    first = LinearLayerMemoryManager.attach(m, mgr)
+    assert LinearLayerMemoryManager.attach(m, mgr) is first
+    assert mgr.engine.num_layers == 1
+
+
+def test_ara_lora_ref_gets_its_org_forward_replaced():
+    base = nn.Linear(4, 4)
+
+    class Ara(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.org_forward = base.forward
+
+        def forward(self, x):
+            return self.org_forward(x) * 2
+
+    ara = Ara()
+    base.ara_lora_ref = lambda: ara
+    mgr = MemoryManager(base, "cpu")
+    LinearLayerMemoryManager.attach(base, mgr)
+    assert "forward" not in base.__dict__  # the module's own forward is untouched
+    x = torch.ones(1, 4)
+    assert torch.allclose(ara(x), 2 * nn.functional.linear(x, base.weight, base.bias))
+    assert mgr.stats()["acquires"] == 1  # it went through the streamed path
+
+
+def test_conv_manager_streams_conv2d():
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    ref = copy.deepcopy(conv)
+    mgr = MemoryManager(conv, "cpu")
+    ConvLayerMemoryManager.attach(conv, mgr)
+    x = torch.randn(1, 3, 8, 8)
+    assert torch.equal(conv(x), ref(x))
+    assert mgr.stats()["h2d_bytes"] > 0
+
+
+def test_unsupported_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="unsupported device"):
+        MemoryManager(nn.Linear(2, 2), "meta")
