@@ -401,7 +401,7 @@ void Scheduler::begin_step_locked() {
       tracer_->mark_step(stats_.steps + 1);
     }
     steps_.push_back(cur_step_);
-    if (steps_.size() > 4096) steps_.erase(steps_.begin());
+    if (steps_.size() > 4096) steps_.pop_front();
     stats_.steps++;
     cur_step_ = StepStats{};
     if (tracer_) cur_step_.start_us = tracer_->now_us();
@@ -424,7 +424,7 @@ void Scheduler::quiesce() {
 
 std::vector<StepStats> Scheduler::step_stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return steps_;
+  return std::vector<StepStats>(steps_.begin(), steps_.end());
 }
 
 void Scheduler::note_d2h(uint64_t bytes) {

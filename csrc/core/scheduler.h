@@ -34,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -190,7 +191,7 @@ class Scheduler {
   Phase last_phase_ = Phase::Forward;
   SchedulerStats stats_;
   StepStats cur_step_;
-  std::vector<StepStats> steps_;
+  std::deque<StepStats> steps_;  // bounded: oldest dropped in O(1)
   std::shared_ptr<TraceRecorder> tracer_;
 };
 
