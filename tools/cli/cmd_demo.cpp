@@ -331,6 +331,7 @@ int run_demo(const DemoOptions& o) {
   layerstream::OffloadOptions opts;
   opts.device = o.device;
   opts.budget_bytes = budget;
+  opts.trace = true;  // timeline -> overlap fraction per step
   // sim link defaults of EngineOptions: 25 GB/s each way, 5 us latency.
   auto handle = layerstream::offload(*streamed, opts);
 
@@ -389,6 +390,18 @@ int run_demo(const DemoOptions& o) {
               st["stall_seconds"] / steps * 1e3);
   std::printf("prefetch hit rate    %.1f%% (%.0f hits / %.0f acquires)\n",
               acquires > 0 ? 100.0 * st["hits"] / acquires : 0.0, st["hits"], acquires);
+  {
+    double sum = 0;
+    int n = 0;
+    for (const auto& [step, overlap] : handle->engine()->step_stats())
+      if (!std::isnan(overlap)) {
+        sum += overlap;
+        n++;
+      }
+    if (n > 0)
+      std::printf("overlap              %.1f%% of host->device copy time hidden behind compute (mean of %d steps)\n",
+                  100.0 * sum / n, n);
+  }
   std::printf("time per step        resident %.3f s, streamed %.3f s\n", t_resident / steps, t_streamed / steps);
   if (sim)
     std::printf("ordering checker     %.0f races\n", st["ordering_errors"]);
