@@ -27,7 +27,7 @@ import layerstream  # noqa: E402
 
 
 def time_per_call(fn, n: int, repeats: int = 5) -> float:
-    for _ in range(max(50, n // 10)):
+    for _ in range(max(5, n // 20)):
         fn()
     runs = []
     for _ in range(repeats):
@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--sim-link-gbps", type=float, default=0.0,
                     help="simulated link bandwidth (0 = infinite: measure the machinery, not the link)")
     ap.add_argument("--sim-latency-us", type=float, default=0.0)
+    ap.add_argument("--rounds", type=int, default=9,
+                    help="interleaved measurement rounds (ratios are medians over rounds)")
     ap.add_argument("--stack", type=int, default=8,
                     help="layers in the stacked case (cost reported per layer)")
     args = ap.parse_args()
@@ -90,40 +92,47 @@ def main():
         systems.append("original system (seed)")
     x = torch.randn(b, f)
     xg = torch.randn(b, f, requires_grad=True)
+
+    def fwd(mod):
+        with torch.no_grad():
+            mod(x)
+
+    def fwd_bwd(mod):
+        mod(xg).sum().backward()
+
+    # Systems are measured interleaved, round by round, and each ratio is the
+    # median over rounds of (system time / plain time in the same round): the
+    # machine's drift hits both sides of every ratio alike.
     rows = []
     for layers in (1, args.stack):
-        for system in systems:
-            mod, handle = build(system, layers)
-
-            def fwd(mod=mod):
-                with torch.no_grad():
-                    mod(x)
-
-            def fwd_bwd(mod=mod):
-                mod(xg).sum().backward()
-
-            def fwd_bwd_frozen(mod=mod):
-                mod(xg).sum().backward()
-
-            r = {"system": system, "layers": layers}
-            r["forward_us"] = time_per_call(fwd, args.calls // layers) / layers
-            r["fwd_bwd_trainable_us"] = time_per_call(fwd_bwd, args.calls // (4 * layers)) / layers
-            for p in mod.parameters():
-                p.requires_grad_(False)
-            r["fwd_bwd_frozen_us"] = time_per_call(fwd_bwd_frozen, args.calls // (4 * layers)) / layers
-            rows.append(r)
-    keys = ("forward_us", "fwd_bwd_frozen_us", "fwd_bwd_trainable_us")
-    for r in rows:
-        base = next(q for q in rows if q["layers"] == r["layers"] and q["system"] == "plain nn.Linear")
-        for k in keys:
-            r[k.replace("_us", "_ratio")] = r[k] / base[k]
+        mods = {name: build(name, layers)[0] for name in systems}
+        results = {name: {"system": name, "layers": layers} for name in systems}
+        for mode, fn, frozen in (("forward", fwd, False), ("fwd_bwd_trainable", fwd_bwd, False),
+                                 ("fwd_bwd_frozen", fwd_bwd, True)):
+            if frozen:
+                for mod in mods.values():
+                    for p in mod.parameters():
+                        p.requires_grad_(False)
+            calls = max(20, args.calls // layers // (1 if mode == "forward" else 4))
+            times = {name: [] for name in systems}
+            for name in systems:  # warm-up
+                time_per_call(lambda: fn(mods[name]), calls, repeats=1)
+            for _ in range(args.rounds):
+                for name in systems:
+                    times[name].append(time_per_call(lambda: fn(mods[name]), calls, repeats=1) / layers)
+            for name in systems:
+                ratios = [t / p for t, p in zip(times[name], times["plain nn.Linear"])]
+                results[name][mode + "_us"] = statistics.median(times[name])
+                results[name][mode + "_ratio"] = statistics.median(ratios)
+        rows.extend(results[name] for name in systems)
     if args.json:
         print(json.dumps({"batch": b, "features": f, "sim_link_gbps": args.sim_link_gbps,
                           "sim_latency_us": args.sim_latency_us, "rows": rows}))
         return
     print(f"per-call overhead, Linear {f}->{f}, batch {b}, CPU (sim device, link "
           f"{'infinite' if args.sim_link_gbps <= 0 else str(args.sim_link_gbps) + ' GB/s'}, "
-          f"latency {args.sim_latency_us} us), torch {torch.__version__}; us per layer call, ratio to plain")
+          f"latency {args.sim_latency_us} us), torch {torch.__version__}; us per layer call (median of "
+          f"{args.rounds} interleaved rounds), ratio to plain (median of per-round ratios)")
     print(f"{'system':32s} {'layers':>6s} {'fwd':>8s} {'ratio':>6s} {'fwd+bwd frozen':>15s} {'ratio':>6s}"
           f" {'fwd+bwd train':>14s} {'ratio':>6s}")
     for r in rows:

@@ -155,18 +155,21 @@ class _Attached:
 
 
 def _has_grad_hooks(p) -> bool:
-    return p is not None and bool(getattr(p, "_backward_hooks", None) or
-                                  getattr(p, "_post_accumulate_grad_hooks", None))
+    return p is not None and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 def _make_forward(engine, index: int, kind: str, original, module: nn.Module, name: str):
     run = engine.linear if kind == "linear" else engine.conv
     weight, bias = module.weight, module.bias
+    # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
+    # not a Parameter (e.g. a torch quantized tensor) lives in the instance dict.
+    params, attrs = module._parameters, module.__dict__
 
     def forward(x, *args, **kwargs):
         if args or kwargs:  # an unusual call signature: use the module's own forward
             return original(x, *args, **kwargs)
-        if module.weight is not weight or module.bias is not bias:
+        if ((params["weight"] if "weight" in params else attrs.get("weight")) is not weight or
+                (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
             raise LayerstreamError(
                 f"the parameters of streamed layer '{name}' were replaced after offload() (e.g. by "
                 f"load_state_dict(assign=True) or assigning a new nn.Parameter); layerstream "
