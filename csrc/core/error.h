@@ -2,7 +2,7 @@
 //
 // One family of check macros for the whole project. Every failure throws
 // layerstream::Error whose message carries file:line and a composed sentence.
-// User-facing messages must say what to change. Never use bare assert().
+// User-facing messages must say what to change. No bare C asserts: they vanish in release builds.
 #pragma once
 
 #include <sstream>
