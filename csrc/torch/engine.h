@@ -175,7 +175,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::string name;
     bool is_conv = false;
     ConvSpec conv;
-    torch::Tensor weight;  // the parameter (Variable), data aliases host store
+    torch::Tensor weight;  // the parameter (data aliases the host store); a meta stand-in if quantized
     torch::Tensor bias;    // may be undefined
     std::vector<int64_t> w_shape, b_shape;
     torch::ScalarType w_dtype = torch::kFloat, b_dtype = torch::kFloat;
