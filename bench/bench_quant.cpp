@@ -12,10 +12,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "bench/quant_throughput.h"
 #include "core/error.h"
 #include "core/quant.h"
 
@@ -29,26 +29,7 @@ namespace q = layerstream::quant;
 
 namespace {
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-template <class Fn>
-double best_of(int reps, const Fn& fn) {
-  double best = 1e300;
-  for (int i = 0; i < reps; ++i) {
-    const double t0 = now_s();
-    fn();
-    best = std::min(best, now_s() - t0);
-  }
-  return best;
-}
-
-struct Row {
-  std::string format;
-  size_t packed_bytes = 0;
-  double pack_s = 0, dequant_s = 0, device_s = -1;
-};
+using Row = layerstream::bench::QuantThroughput;
 
 #ifdef LS_HAVE_CUDA
 // Device dequant time in seconds (best of reps), or -1 without a device.
@@ -123,28 +104,13 @@ int main(int argc, char** argv) {
   }
   try {
     const int64_t n = rows * cols;
-    std::vector<float> w(static_cast<size_t>(n));
-    std::mt19937 rng(42);
-    std::normal_distribution<float> nd(0.0f, 0.02f);
-    for (auto& v : w) v = nd(rng);
-    std::vector<uint16_t> out(static_cast<size_t>(n));
-
-    std::vector<Row> results;
-    for (q::Format f : {q::Format::Int8, q::Format::Fp8E4M3, q::Format::NF4, q::Format::Int4}) {
-      const q::PackedLayout L = q::layout_for(f, rows, cols);
-      std::vector<uint8_t> packed(L.total_bytes());
-      Row r;
-      r.format = q::to_string(f);
-      r.packed_bytes = L.total_bytes();
-      r.pack_s = best_of(reps, [&] { q::pack(f, w.data(), rows, cols, packed.data(), threads); });
-      r.dequant_s = best_of(reps, [&] {
-        q::dequantize_cpu(L, packed.data(), out.data(), q::OutDtype::BF16, threads);
-      });
+    layerstream::bench::DeviceDequantFn device;
 #ifdef LS_HAVE_CUDA
-      r.device_s = device_dequant(L, packed, reps);
+    device = [reps](const q::PackedLayout& L, const std::vector<uint8_t>& packed) {
+      return device_dequant(L, packed, reps);
+    };
 #endif
-      results.push_back(r);
-    }
+    const std::vector<Row> results = layerstream::bench::measure_quant(rows, cols, reps, threads, device);
 
     const double f32_bytes = static_cast<double>(n) * 4, bf16_bytes = static_cast<double>(n) * 2;
     if (json) {

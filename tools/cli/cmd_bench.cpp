@@ -13,11 +13,11 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "bench/overlap.h"
+#include "bench/quant_throughput.h"
 #include "commands.h"
 #include "core/error.h"
 #include "core/json.h"
@@ -163,39 +163,20 @@ struct QuantRow {
   double dequant_gbps = 0;  // GB/s of bf16 written
 };
 
-template <class Fn>
-double best_of(int reps, const Fn& fn) {
-  double best = 1e300;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = Clock::now();
-    fn();
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  return best;
-}
-
 std::vector<QuantRow> run_quant(bool quick) {
-  const int64_t rows = quick ? 512 : 2048, cols = quick ? 512 : 2048;
-  const int reps = quick ? 2 : 3;
-  const int64_t n = rows * cols;
-  std::vector<float> w(static_cast<size_t>(n));
-  std::mt19937 rng(42);
-  std::normal_distribution<float> nd(0.0f, 0.02f);
-  for (auto& v : w) v = nd(rng);
-  std::vector<uint16_t> out(static_cast<size_t>(n));
+  const int64_t size = quick ? 512 : 2048;
   std::vector<QuantRow> result;
-  for (q::Format f : {q::Format::Int8, q::Format::Fp8E4M3, q::Format::NF4, q::Format::Int4}) {
-    const q::PackedLayout L = q::layout_for(f, rows, cols);
-    std::vector<uint8_t> packed(L.total_bytes());
+  for (const auto& t : layerstream::bench::measure_quant(size, size, quick ? 2 : 3, 0)) {
     QuantRow r;
-    r.format = q::to_string(f);
-    r.rows = rows;
-    r.cols = cols;
-    r.packed_bytes = L.total_bytes();
-    r.pack_s = best_of(reps, [&] { q::pack(f, w.data(), rows, cols, packed.data(), 0); });
-    r.dequant_s = best_of(reps, [&] { q::dequantize_cpu(L, packed.data(), out.data(), q::OutDtype::BF16, 0); });
-    r.pack_gbps = static_cast<double>(n) * 4 / r.pack_s / 1e9;
-    r.dequant_gbps = static_cast<double>(n) * 2 / r.dequant_s / 1e9;
+    r.format = t.format;
+    r.rows = t.rows;
+    r.cols = t.cols;
+    r.packed_bytes = t.packed_bytes;
+    r.pack_s = t.pack_s;
+    r.dequant_s = t.dequant_s;
+    const double n = static_cast<double>(t.rows * t.cols);
+    r.pack_gbps = n * 4 / t.pack_s / 1e9;
+    r.dequant_gbps = n * 2 / t.dequant_s / 1e9;
     result.push_back(r);
   }
   return result;

@@ -1,0 +1,50 @@
+#include "quant_throughput.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+namespace layerstream::bench {
+
+namespace {
+template <class Fn>
+double best_of(int reps, const Fn& fn) {
+  double best = 1e300;
+  for (int i = 0; i < std::max(1, reps); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+}  // namespace
+
+std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps, int threads,
+                                           const DeviceDequantFn& device) {
+  namespace q = layerstream::quant;
+  const int64_t n = rows * cols;
+  std::vector<float> w(static_cast<size_t>(n));
+  std::mt19937 rng(42);
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  for (auto& v : w) v = nd(rng);
+  std::vector<uint16_t> out(static_cast<size_t>(n));
+  std::vector<QuantThroughput> results;
+  for (q::Format f : {q::Format::Int8, q::Format::Fp8E4M3, q::Format::NF4, q::Format::Int4}) {
+    const q::PackedLayout L = q::layout_for(f, rows, cols);
+    std::vector<uint8_t> packed(L.total_bytes());
+    QuantThroughput r;
+    r.format = q::to_string(f);
+    r.rows = rows;
+    r.cols = cols;
+    r.packed_bytes = L.total_bytes();
+    r.pack_s = best_of(reps, [&] { q::pack(f, w.data(), rows, cols, packed.data(), threads); });
+    r.dequant_s = best_of(reps, [&] {
+      q::dequantize_cpu(L, packed.data(), out.data(), q::OutDtype::BF16, threads);
+    });
+    if (device) r.device_s = device(L, packed);
+    results.push_back(r);
+  }
+  return results;
+}
+
+}  // namespace layerstream::bench

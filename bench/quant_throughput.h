@@ -1,0 +1,31 @@
+// Quantization throughput measurement, shared by bench/bench_quant.cpp and
+// `layerstream bench`: CPU pack and CPU dequantize-to-bf16 time per format on
+// N(0, 0.02) fp32 weights, best of `reps`.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/quant.h"
+
+namespace layerstream::bench {
+
+struct QuantThroughput {
+  std::string format;
+  int64_t rows = 0, cols = 0;
+  size_t packed_bytes = 0;
+  double pack_s = 0, dequant_s = 0;
+  double device_s = -1;  // device dequant time when measured, else -1
+};
+
+// Optional: device dequant time (seconds) of one packed weight, -1 if none.
+using DeviceDequantFn = std::function<double(const quant::PackedLayout&, const std::vector<uint8_t>&)>;
+
+// Every format (int8, fp8, nf4, int4); threads 0 = all cores.
+std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps, int threads,
+                                           const DeviceDequantFn& device = {});
+
+}  // namespace layerstream::bench
