@@ -15,6 +15,8 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
                      SchedulerOptions options)
     : backend_(backend), transfer_(transfer), opts_(options) {
   LS_CHECK(transfer_.backend() == &backend_, "the transfer stream belongs to another backend");
+  post_ = opts_.post_copy_stream ? opts_.post_copy_stream : transfer_;
+  LS_CHECK(post_.backend() == &backend_, "the post-copy stream belongs to another backend");
   LS_CHECK(opts_.num_slots >= 1, "num_slots must be at least 1, got ", opts_.num_slots);
   LS_CHECK(opts_.prefetch_depth >= 0, "prefetch depth must be >= 0, got ", opts_.prefetch_depth);
   LS_CHECK(!layers.empty(), "the scheduler needs at least one layer");
@@ -33,6 +35,10 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
       l.offsets.push_back(off);
       off = align_up(off + p.bytes);
       l.copy_bytes += p.bytes;
+    }
+    if (l.spec.workspace_bytes > 0) {
+      l.offsets.push_back(off);
+      off = align_up(off + l.spec.workspace_bytes);
     }
     l.bytes = off;
     if (l.bytes > largest) {
@@ -54,7 +60,10 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
 
   pool_ = std::make_unique<SlotPool>(backend_, slot_bytes, opts_.num_slots, opts_.budget_bytes);
   slots_.resize(static_cast<size_t>(opts_.num_slots));
-  for (SlotState& s : slots_) s.ready = backend_.create_event();
+  for (SlotState& s : slots_) {
+    s.ready = backend_.create_event();
+    s.copied = backend_.create_event();
+  }
   loaded_.assign(layers_.size(), -1);
   copied_version_.assign(layers_.size(), 0);
   stats_.device_bytes = pool_->device_bytes();
@@ -65,15 +74,31 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
 Scheduler::~Scheduler() {
   try {
     backend_.synchronize(transfer_);
+    if (post_ != transfer_) backend_.synchronize(post_);
   } catch (...) {
     // Shutting down: the pool's destructor waits for the slots regardless.
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < slots_.size(); ++i) {
     // Slots still held (prefetched, or leaked leases) are returned so the pool
-    // can wait for them; the transfer stream is their last user.
-    if (!pool_->is_free(static_cast<int>(i))) pool_->release(static_cast<int>(i), transfer_);
+    // can wait for them; the transfer stream (ordered after any post-copy
+    // work) is their last user.
+    if (!pool_->is_free(static_cast<int>(i))) {
+      fence_post_copy_locked(static_cast<int>(i));
+      pool_->release(static_cast<int>(i), transfer_);
+    }
   }
+}
+
+void Scheduler::fence_post_copy_locked(int slot) {
+  if (post_ != transfer_) backend_.wait(transfer_, slots_[static_cast<size_t>(slot)].ready);
+}
+
+void Scheduler::release_prefetched_locked(int slot) {
+  SlotState& st = slots_[static_cast<size_t>(slot)];
+  st.use = Use::Free;
+  fence_post_copy_locked(slot);
+  pool_->release(slot, transfer_);
 }
 
 void Scheduler::note_held_locked() {
@@ -165,6 +190,8 @@ int Scheduler::obtain_slot_locked(bool on_demand) {
     if (old >= 0 && loaded_[static_cast<size_t>(old)] == victim) loaded_[static_cast<size_t>(old)] = -1;
     pool_->set_tag(victim, SlotPool::kNoTag);
     slots_[static_cast<size_t>(victim)].use = Use::Free;
+    // The old content's post-copy work may still read/write the slot.
+    fence_post_copy_locked(victim);
     return victim;
   }
   std::ostringstream held;
@@ -200,7 +227,32 @@ void Scheduler::issue_copy_locked(int layer, int slot) {
       t->add(std::move(slice));
     });
   }
-  backend_.record(slots_[static_cast<size_t>(slot)].ready, transfer_);
+  SlotState& st = slots_[static_cast<size_t>(slot)];
+  if (l.spec.post_copy) {
+    if (post_ != transfer_) {
+      backend_.record(st.copied, transfer_);
+      backend_.wait(post_, st.copied);
+    }
+    std::shared_ptr<double> pstart;
+    if (tracer_ && backend_.caps().host_functions) {
+      pstart = std::make_shared<double>(0);
+      auto t = tracer_;
+      backend_.launch_host_func(post_, [t, pstart] { *pstart = t->now_us(); });
+    }
+    l.spec.post_copy(dst, l.offsets, post_);
+    if (pstart) {
+      auto t = tracer_;
+      TraceSlice slice{"post-copy", "dequant " + l.spec.name, 0, 0, l.spec.workspace_bytes};
+      backend_.launch_host_func(post_, [t, pstart, slice]() mutable {
+        slice.start_us = *pstart;
+        slice.end_us = t->now_us();
+        t->add(std::move(slice));
+      });
+    }
+    backend_.record(st.ready, post_);
+  } else {
+    backend_.record(st.ready, transfer_);
+  }
   if (opts_.content_version) copied_version_[static_cast<size_t>(layer)] = opts_.content_version(layer);
   pool_->set_tag(slot, layer);
   loaded_[static_cast<size_t>(layer)] = slot;
@@ -220,10 +272,7 @@ bool Scheduler::loaded_valid_locked(int layer) {
   SlotState& st = slots_[static_cast<size_t>(s)];
   loaded_[static_cast<size_t>(layer)] = -1;
   if (st.use == Use::InUse) return false;  // its holder keeps reading the old copy
-  if (st.use == Use::Prefetched) {
-    st.use = Use::Free;
-    pool_->release(s, transfer_);
-  }
+  if (st.use == Use::Prefetched) release_prefetched_locked(s);
   pool_->set_tag(s, SlotPool::kNoTag);
   return false;
 }
@@ -384,10 +433,7 @@ void Scheduler::drop_content_locked() {
     if (st.use == Use::InUse) continue;
     const int64_t tag = pool_->tag(s);
     if (tag >= 0 && loaded_[static_cast<size_t>(tag)] == s) loaded_[static_cast<size_t>(tag)] = -1;
-    if (st.use == Use::Prefetched) {
-      st.use = Use::Free;
-      pool_->release(s, transfer_);
-    }
+    if (st.use == Use::Prefetched) release_prefetched_locked(s);
     pool_->set_tag(s, SlotPool::kNoTag);
   }
 }
@@ -418,6 +464,7 @@ void Scheduler::begin_step() {
 
 void Scheduler::quiesce() {
   backend_.synchronize(transfer_);
+  if (post_ != transfer_) backend_.synchronize(post_);
   std::lock_guard<std::mutex> lock(mu_);
   drop_content_locked();
 }

@@ -23,7 +23,7 @@
 //    changed) unless SchedulerOptions::content_version tells when they did.
 //
 // Stream semantics: acquire(layer, compute) makes `compute` wait for the
-// layer's copy and declares a read of the slot on `compute` (ordering
+// layer's copy (and its post-copy work, if any) and declares a read of the slot on `compute` (ordering
 // checker). release(lease, s) records the slot's free event on `s`: every
 // access to the slot must be enqueued on `s` (or ordered before it) by then.
 //
@@ -40,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime.h"
@@ -48,11 +49,24 @@
 
 namespace layerstream {
 
+// Device work run on a freshly copied slot before it counts as loaded (e.g.
+// dequantizing packed weights into the layer's workspace). `offsets` holds
+// each part's offset in `slot`, then the workspace's. It must only ENQUEUE
+// work on `s` (it is called with the scheduler's lock held) and must declare
+// its accesses to `slot` on `s` for the ordering checker.
+using PostCopyFn =
+    std::function<void(const BufferRef& slot, const std::vector<size_t>& offsets, Stream s)>;
+
 // One streamed layer: host buffers copied, in order, into one slot, each at
-// a 256-byte aligned offset.
+// a 256-byte aligned offset, optionally followed by `workspace_bytes` of
+// device-only space (not copied) that `post_copy` fills on the device.
 struct LayerSpec {
+  LayerSpec() = default;
+  LayerSpec(std::string n, std::vector<BufferRef> p) : name(std::move(n)), parts(std::move(p)) {}
   std::string name;
   std::vector<BufferRef> parts;
+  size_t workspace_bytes = 0;
+  PostCopyFn post_copy;  // optional
 };
 
 enum class Phase : uint8_t { Forward, Backward };
@@ -74,6 +88,10 @@ struct SchedulerOptions {
   // end of the trace. Called under the scheduler's lock: must be cheap and
   // must not call back into the scheduler.
   std::function<uint64_t(int layer)> content_version;
+  // Where LayerSpec::post_copy work runs. A stream of its own lets the next
+  // copy start while the previous layer is post-processed; default (null):
+  // the transfer stream. Not owned: it must outlive the scheduler.
+  Stream post_copy_stream;
 };
 
 // A layer's weights in a slot, held for compute. Move-only by convention.
@@ -81,7 +99,7 @@ struct Lease {
   int layer = -1;  // -1 for scratch leases
   int slot = -1;
   BufferRef slot_buf;
-  std::vector<size_t> offsets;  // byte offset of each part in the slot
+  std::vector<size_t> offsets;  // byte offset of each part (then the workspace) in the slot
   bool hit = false;             // already loaded or in flight when acquired
   explicit operator bool() const { return slot >= 0; }
   void* part_ptr(size_t i) const { return static_cast<char*>(slot_buf.ptr) + offsets.at(i); }
@@ -160,7 +178,8 @@ class Scheduler {
   struct SlotState {
     Use use = Use::Free;
     int refs = 0;
-    Event ready;
+    Event ready;   // copy (and post-copy work) done
+    Event copied;  // copy done (post-copy work waits on it)
   };
 
   void begin_step_locked();
@@ -171,10 +190,15 @@ class Scheduler {
   void issue_copy_locked(int layer, int slot);
   void prefetch_locked(int current_layer, Phase phase);
   void note_held_locked();
+  // Orders the transfer stream after the slot's post-copy work (when that
+  // runs on another stream), before the slot is rewritten or freed.
+  void fence_post_copy_locked(int slot);
+  void release_prefetched_locked(int slot);
   Lease make_lease_locked(int layer, int slot, bool hit) const;
 
   Backend& backend_;
   Stream transfer_;
+  Stream post_;  // where post-copy work runs (transfer_ unless given)
   std::vector<Layer> layers_;
   SchedulerOptions opts_;
   std::unique_ptr<SlotPool> pool_;

@@ -1,10 +1,13 @@
 // Scheduler + slot pool + host store on the sim device, ordering checker on.
 // Randomized schedules (prefetch depth 0-4, slots 2-8, random orders and
 // deviations, hundreds of steps): zero ordering errors, every fetched slot
-// byte-identical to its host source, the budget never exceeded.
+// byte-identical to its host source, the budget never exceeded. Also with
+// post-copy work (a device-side transform into the layer's workspace, like
+// dequantization) on the transfer stream or on a stream of its own.
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -46,9 +49,38 @@ Model make_model(HostStore& store, int n, std::mt19937& rng, size_t max_bytes) {
   return m;
 }
 
+constexpr unsigned char kXor = 0xA5;
+
+// Post-copy work for the tests: workspace[i] = part0[i] ^ kXor, run as a host
+// function on the post-copy stream (like a dequantization kernel), with its
+// accesses declared for the checker. A short random sleep widens any race.
+void add_post_copy(Backend& be, LayerSpec& spec, unsigned seed) {
+  spec.workspace_bytes = spec.parts[0].bytes;
+  const size_t n = spec.parts[0].bytes;
+  const size_t np = spec.parts.size();
+  spec.post_copy = [&be, n, np, seed](const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
+    be.declare_access(slot, Access::Read, s, "post-copy reads the packed part");
+    be.declare_access(slot, Access::Write, s, "post-copy writes the workspace");
+    auto* base = static_cast<unsigned char*>(slot.ptr);
+    const unsigned char* src = base + off.at(0);
+    unsigned char* dst = base + off.at(np);
+    const auto us = static_cast<int>(seed % 7u) * 20;
+    be.launch_host_func(s, [src, dst, n, us] {
+      if (us) std::this_thread::sleep_for(std::chrono::microseconds(us));
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<unsigned char>(src[i] ^ kXor);
+    });
+  };
+}
+
 bool slot_matches(const Lease& lease, const LayerSpec& spec) {
   for (size_t i = 0; i < spec.parts.size(); ++i) {
     if (std::memcmp(lease.part_ptr(i), spec.parts[i].ptr, spec.parts[i].bytes) != 0) return false;
+  }
+  if (spec.post_copy) {
+    const auto* src = static_cast<const unsigned char*>(spec.parts[0].ptr);
+    const auto* ws = static_cast<const unsigned char*>(lease.part_ptr(spec.parts.size()));
+    for (size_t i = 0; i < spec.workspace_bytes; ++i)
+      if (ws[i] != static_cast<unsigned char>(src[i] ^ kXor)) return false;
   }
   return true;
 }
@@ -76,15 +108,21 @@ std::vector<std::pair<int, Phase>> make_step(int n, std::mt19937& rng, bool devi
   return seq;
 }
 
+enum class Post { None, OnTransfer, OwnStream };
+
 struct Params {
   int prefetch;
   int slots;
   bool async_compute;  // compute on a sim worker stream (else inline = host)
+  Post post = Post::None;
 };
 
 std::string param_name(const testing::TestParamInfo<Params>& info) {
+  const char* post = info.param.post == Post::None         ? ""
+                     : info.param.post == Post::OnTransfer ? "_postOnTransfer"
+                                                           : "_postOwnStream";
   return "prefetch" + std::to_string(info.param.prefetch) + "_slots" +
-         std::to_string(info.param.slots) + (info.param.async_compute ? "_async" : "_inline");
+         std::to_string(info.param.slots) + (info.param.async_compute ? "_async" : "_inline") + post;
 }
 
 class RandomSchedule : public testing::TestWithParam<Params> {};
@@ -100,11 +138,15 @@ TEST_P(RandomSchedule, NoRacesBytesExactBudgetHeld) {
   HostStore store(*sim);
   const int n = 6 + static_cast<int>(rng() % 5);
   Model m = make_model(store, n, rng, 4096);
+  if (p.post != Post::None)
+    for (size_t l = 0; l < m.specs.size(); ++l)
+      if (l % 3 != 2) add_post_copy(*sim, m.specs[l], static_cast<unsigned>(rng()));  // most layers
 
   size_t largest = 0;
   for (auto& s : m.specs) {
     size_t b = 0;
     for (auto& part : s.parts) b = (b + part.bytes + 255) / 256 * 256;
+    b = (b + s.workspace_bytes + 255) / 256 * 256;
     largest = std::max(largest, b);
   }
   SchedulerOptions so;
@@ -113,6 +155,8 @@ TEST_P(RandomSchedule, NoRacesBytesExactBudgetHeld) {
   so.budget_bytes = largest * static_cast<size_t>(p.slots);  // exactly enough
   Stream transfer = sim->create_stream("transfer");
   Stream compute = p.async_compute ? sim->create_stream("compute") : sim->create_inline_stream("compute");
+  Stream post;
+  if (p.post == Post::OwnStream) so.post_copy_stream = post = sim->create_stream("post-copy");
   std::atomic<int> mismatches{0};
   {
     Scheduler sched(*sim, transfer, m.specs, so);
@@ -149,6 +193,7 @@ TEST_P(RandomSchedule, NoRacesBytesExactBudgetHeld) {
   auto errors = sim->ordering_errors();
   EXPECT_TRUE(errors.empty()) << errors.size() << " ordering errors, first: " << errors.front();
   sim->destroy_stream(compute);
+  if (post) sim->destroy_stream(post);
   sim->destroy_stream(transfer);
 }
 
@@ -157,6 +202,10 @@ std::vector<Params> all_params() {
   for (int k = 0; k <= 4; ++k)
     for (int s : {2, 3, 5, 8})
       for (bool async : {false, true}) v.push_back({k, s, async});
+  for (Post post : {Post::OnTransfer, Post::OwnStream})
+    for (int k : {0, 1, 2, 4})
+      for (int s : {2, 3, 5})
+        for (bool async : {false, true}) v.push_back({k, s, async, post});
   return v;
 }
 
