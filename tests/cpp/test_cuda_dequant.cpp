@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -112,6 +113,90 @@ TEST_P(CudaDequant, BitExactVsCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFormats, CudaDequant, ::testing::ValuesIn(cases()), case_name);
+
+// Hand-built packed buffers (not from pack()) so that every code value is
+// decoded: all 256 int8 / fp8 bytes (int8 -128 and the fp8 NaN codes 0x7F /
+// 0xFF included), every nf4 / int4 nibble pair, int4 zero points 0..15 and a
+// fractional one, and scales from 0 and fp32 subnormals up to values whose
+// products overflow f16, bf16 and fp32 (finite scales only: a NaN or Inf scale
+// is outside the bit-identity contract, see dequant.cu).
+std::vector<float> edge_scales() {
+  std::vector<float> v = {0.0f,    1.0f,    0.5f,     1.0f / 127.0f, 1e-3f,   1e-5f,
+                          6e-8f,   1e-30f,  1e-40f,   1.4e-45f,      300.0f,  65504.0f / 127.0f,
+                          516.0f,  1e30f,   3.4e38f,  -2.5f,         -0.0f,   0.0078125f};
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> ex(-40.0f, 40.0f);
+  for (int i = 0; i < 14; ++i) v.push_back(std::ldexp(1.0f + ex(rng) / 80.0f, static_cast<int>(ex(rng))));
+  return v;
+}
+
+std::vector<uint8_t> all_codes_buffer(const q::PackedLayout& L) {
+  std::vector<uint8_t> buf(L.total_bytes(), 0);
+  for (size_t j = 0; j < L.data_bytes; ++j)  // 7 is odd: every 256 bytes hold every value
+    buf[j] = static_cast<uint8_t>(j * 7 + (j / 256) * 13);
+  const std::vector<float> sc = edge_scales();
+  float* scales = reinterpret_cast<float*>(buf.data() + L.scale_offset());
+  for (int64_t k = 0; k < L.num_scales(); ++k) scales[k] = sc[static_cast<size_t>(k) % sc.size()];
+  if (L.zero_bytes > 0) {
+    float* zeros = reinterpret_cast<float*>(buf.data() + L.zero_offset());
+    for (int64_t k = 0; k < L.num_scales(); ++k)
+      zeros[k] = (k % 17 == 16) ? 7.5f : static_cast<float>(k % 17);
+  }
+  return buf;
+}
+
+class CudaDequantCodes : public ::testing::TestWithParam<Format> {
+ protected:
+  void SetUp() override {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  }
+};
+
+TEST_P(CudaDequantCodes, EveryCodeAndEdgeScaleBitExact) {
+  const Format f = GetParam();
+  // int4 needs cols % 128 == 0; the others get a ragged shape (partial chunk,
+  // odd nf4 element count).
+  const int64_t rows = 64, cols = f == Format::Int4 ? 512 : 515;
+  const q::PackedLayout L = q::layout_for(f, rows, cols);
+  const std::vector<uint8_t> packed = all_codes_buffer(L);
+  const int64_t n = L.numel();
+  void* dpacked = nullptr;
+  CUDA_OK(cudaMalloc(&dpacked, packed.size()));
+  CUDA_OK(cudaMemcpy(dpacked, packed.data(), packed.size(), cudaMemcpyHostToDevice));
+  for (OutDtype d : {OutDtype::F32, OutDtype::BF16, OutDtype::F16}) {
+    const size_t esz = q::out_dtype_bytes(d);
+    std::vector<uint8_t> want(static_cast<size_t>(n) * esz), got(want.size());
+    q::dequantize_cpu(L, packed.data(), want.data(), d, 1);
+    for (size_t offset_elems : {size_t{0}, size_t{1}}) {
+      SCOPED_TRACE(std::string(q::to_string(d)) + ", output offset " + std::to_string(offset_elems));
+      void* dout = nullptr;
+      CUDA_OK(cudaMalloc(&dout, want.size() + 16));
+      void* out = static_cast<uint8_t*>(dout) + offset_elems * esz;
+      q::dequantize_cuda(L, dpacked, out, d, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaFree(dout));
+      int shown = 0;
+      for (int64_t i = 0; i < n && shown < 5; ++i) {
+        const size_t at = static_cast<size_t>(i) * esz;
+        if (std::memcmp(&want[at], &got[at], esz) != 0) {
+          uint32_t w = 0, g = 0;
+          std::memcpy(&w, &want[at], esz);
+          std::memcpy(&g, &got[at], esz);
+          ++shown;
+          ADD_FAILURE() << "element " << i << ": CPU bits 0x" << std::hex << w << ", GPU bits 0x" << g;
+        }
+      }
+    }
+  }
+  CUDA_OK(cudaFree(dpacked));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFormats, CudaDequantCodes,
+                         ::testing::Values(Format::Int8, Format::Fp8E4M3, Format::NF4, Format::Int4),
+                         [](const ::testing::TestParamInfo<Format>& info) {
+                           return std::string(q::to_string(info.param));
+                         });
 
 TEST(CudaDequantErrors, MisalignedPackedBufferIsRejected) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device available";

@@ -44,7 +44,12 @@ struct OutTraits;
 template <>
 struct OutTraits<0> {  // F32
   using T = float;
-  __device__ __forceinline__ static float cvt(float v) { return v; }
+  // Any NaN result leaves as 0x7FC00000, the NaN dequantize_cpu produces on
+  // x86/ARM (a NaN fp8 code decodes to +qNaN and the multiply propagates it).
+  // The GPU's own fp32 arithmetic would give its canonical 0x7FFFFFFF instead.
+  __device__ __forceinline__ static float cvt(float v) {
+    return isnan(v) ? __uint_as_float(0x7FC00000u) : v;
+  }
 };
 template <>
 struct OutTraits<1> {  // BF16
