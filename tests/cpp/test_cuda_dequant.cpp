@@ -198,18 +198,101 @@ INSTANTIATE_TEST_SUITE_P(AllFormats, CudaDequantCodes,
                            return std::string(q::to_string(info.param));
                          });
 
-TEST(CudaDequantErrors, MisalignedPackedBufferIsRejected) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
-  const q::PackedLayout L = q::layout_for(Format::Int8, 4, 64);
-  void* d = nullptr;
-  ASSERT_EQ(cudaMalloc(&d, L.total_bytes() + 256), cudaSuccess);
+// Argument checks run before any CUDA call, so they are tested without a GPU
+// (fake, never dereferenced device addresses).
+template <typename F>
+std::string error_of(F&& f) {
   try {
-    q::dequantize_cuda(L, static_cast<uint8_t*>(d) + 4, d, OutDtype::F32, nullptr);
-    ADD_FAILURE() << "expected an alignment error";
+    f();
   } catch (const layerstream::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+    return e.what();
   }
-  cudaFree(d);
+  return "<no layerstream::Error thrown>";
+}
+
+void* fake_device_ptr(uintptr_t addr) { return reinterpret_cast<void*>(addr); }
+
+TEST(CudaDequantArgs, MisalignedPackedBufferIsRejected) {
+  const q::PackedLayout L = q::layout_for(Format::Int8, 4, 64);
+  const std::string msg = error_of(
+      [&] { q::dequantize_cuda(L, fake_device_ptr(0x10004), fake_device_ptr(0x20000), OutDtype::F32, nullptr); });
+  EXPECT_NE(msg.find("16-byte aligned"), std::string::npos) << msg;
+}
+
+TEST(CudaDequantArgs, MisalignedOutputIsRejected) {
+  const q::PackedLayout L = q::layout_for(Format::NF4, 3, 37);
+  std::string msg = error_of(
+      [&] { q::dequantize_cuda(L, fake_device_ptr(0x10000), fake_device_ptr(0x20002), OutDtype::F32, nullptr); });
+  EXPECT_NE(msg.find("not aligned to its element size"), std::string::npos) << msg;
+  msg = error_of(
+      [&] { q::dequantize_cuda(L, fake_device_ptr(0x10000), fake_device_ptr(0x20001), OutDtype::BF16, nullptr); });
+  EXPECT_NE(msg.find("not aligned to its element size"), std::string::npos) << msg;
+}
+
+TEST(CudaDequantArgs, InconsistentLayoutAndNullPointersAreRejected) {
+  q::PackedLayout L = q::layout_for(Format::Int4, 2, 256);
+  L.zero_bytes = 0;  // e.g. a hand-built layout that forgot the zero points
+  std::string msg = error_of(
+      [&] { q::dequantize_cuda(L, fake_device_ptr(0x10000), fake_device_ptr(0x20000), OutDtype::F16, nullptr); });
+  EXPECT_NE(msg.find("inconsistent PackedLayout"), std::string::npos) << msg;
+
+  L = q::layout_for(Format::Fp8E4M3, 2, 16);
+  msg = error_of([&] { q::dequantize_cuda(L, nullptr, fake_device_ptr(0x20000), OutDtype::F16, nullptr); });
+  EXPECT_NE(msg.find("null"), std::string::npos) << msg;
+  msg = error_of([&] { q::dequantize_cuda(L, fake_device_ptr(0x10000), nullptr, OutDtype::F16, nullptr); });
+  EXPECT_NE(msg.find("null"), std::string::npos) << msg;
+
+  q::PackedLayout none;
+  msg = error_of(
+      [&] { q::dequantize_cuda(none, fake_device_ptr(0x10000), fake_device_ptr(0x20000), OutDtype::F32, nullptr); });
+  EXPECT_NE(msg.find("'none'"), std::string::npos) << msg;
+}
+
+TEST(CudaDequantArgs, EmptyTensorIsANoOp) {
+  // Nothing to do: no pointer is looked at and nothing is launched.
+  for (Format f : {Format::Int8, Format::Fp8E4M3, Format::NF4, Format::Int4}) {
+    const q::PackedLayout L = q::layout_for(f, 0, 256);
+    EXPECT_NO_THROW(q::dequantize_cuda(L, nullptr, nullptr, OutDtype::BF16, nullptr)) << q::to_string(f);
+  }
+}
+
+// With two or more GPUs: the kernel runs on the stream's device even when the
+// calling thread has another device current, and that device stays current.
+TEST(CudaDequantDevices, LaunchesOnTheStreamsDevice) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  int count = 0;
+  CUDA_OK(cudaGetDeviceCount(&count));
+  if (count < 2) GTEST_SKIP() << "needs two CUDA devices";
+  const int dev = count - 1;
+  const q::PackedLayout L = q::layout_for(Format::NF4, 17, 300);
+  std::vector<float> w(static_cast<size_t>(L.numel()));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::sin(static_cast<float>(i)) * 3.0f;
+  std::vector<uint8_t> packed(L.total_bytes());
+  q::pack(Format::NF4, w.data(), L.rows, L.cols, packed.data());
+  std::vector<uint16_t> want(w.size()), got(w.size());
+  q::dequantize_cpu(L, packed.data(), want.data(), OutDtype::BF16, 1);
+
+  CUDA_OK(cudaSetDevice(dev));
+  void* dpacked = nullptr;
+  void* dout = nullptr;
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaMalloc(&dpacked, packed.size()));
+  CUDA_OK(cudaMalloc(&dout, got.size() * 2));
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaMemcpy(dpacked, packed.data(), packed.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaSetDevice(0));
+  q::dequantize_cuda(L, dpacked, dout, OutDtype::BF16, stream);
+  int cur = -1;
+  CUDA_OK(cudaGetDevice(&cur));
+  EXPECT_EQ(cur, 0) << "dequantize_cuda must restore the caller's current device";
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size() * 2), 0);
+  CUDA_OK(cudaSetDevice(dev));
+  CUDA_OK(cudaStreamDestroy(stream));
+  CUDA_OK(cudaFree(dpacked));
+  CUDA_OK(cudaFree(dout));
+  CUDA_OK(cudaSetDevice(0));
 }
 
 }  // namespace

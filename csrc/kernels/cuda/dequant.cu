@@ -188,9 +188,61 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Clears the calling thread's last-error slot if it holds `err`, so that a
+// reported error does not leak into a later, unrelated cudaGetLastError().
+void clear_error(cudaError_t err) {
+  if (err != cudaSuccess && cudaPeekAtLastError() == err) (void)cudaGetLastError();
+}
+
+bool is_per_device_default_stream(cudaStream_t s) {
+  return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
+}
+
+// A kernel must be launched with its stream's device current. Callers may be
+// on a thread where another device is current (a framework thread, a device
+// other than 0), so select the stream's device for the launch and restore the
+// caller's afterwards. A default-stream handle means "the current device's".
+class StreamDeviceGuard {
+ public:
+  explicit StreamDeviceGuard(cudaStream_t stream) {
+    if (is_per_device_default_stream(stream)) return;
+    int dev = -1;
+    cudaError_t e = cudaStreamGetDevice(stream, &dev);
+    if (e != cudaSuccess) {
+      clear_error(e);
+      LS_FAIL("dequantize_cuda: cannot query the device of the CUDA stream (cudaStreamGetDevice: ",
+              cudaGetErrorString(e), "); pass a live cudaStream_t");
+    }
+    int cur = -1;
+    e = cudaGetDevice(&cur);
+    if (e != cudaSuccess) {
+      clear_error(e);
+      cur = -1;
+    }
+    if (cur == dev) return;
+    e = cudaSetDevice(dev);
+    if (e != cudaSuccess) {
+      clear_error(e);
+      LS_FAIL("dequantize_cuda: cannot select CUDA device ", dev, " of the stream (cudaSetDevice: ",
+              cudaGetErrorString(e), ")");
+    }
+    prev_ = cur;
+  }
+  ~StreamDeviceGuard() {
+    if (prev_ >= 0) clear_error(cudaSetDevice(prev_));
+  }
+  StreamDeviceGuard(const StreamDeviceGuard&) = delete;
+  StreamDeviceGuard& operator=(const StreamDeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+// Returns the launch's own error (cudaLaunchKernelEx reports it directly, so
+// an unrelated error left in the thread's last-error slot is not blamed on it).
 template <int kFmt, int kOut>
-void launch_out(const PackedLayout& L, const uint8_t* base, void* out, bool vec_store,
-                cudaStream_t stream) {
+cudaError_t launch_out(const PackedLayout& L, const uint8_t* base, void* out, bool vec_store,
+                       cudaStream_t stream) {
   const int64_t n = L.numel();
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   const int64_t blocks = (chunks + kThreads - 1) / kThreads;
@@ -203,41 +255,44 @@ void launch_out(const PackedLayout& L, const uint8_t* base, void* out, bool vec_
   const float* zeros = reinterpret_cast<const float*>(base + L.zero_offset());
   using T = typename OutTraits<kOut>::T;
   T* o = static_cast<T*>(out);
-  const dim3 grid(static_cast<unsigned>(blocks));
-  if (vec_store) {
-    dequant_kernel<kFmt, kOut, true><<<grid, kThreads, 0, stream>>>(data, scales, zeros, o, n,
-                                                                     L.cols, table);
-  } else {
-    dequant_kernel<kFmt, kOut, false><<<grid, kThreads, 0, stream>>>(data, scales, zeros, o, n,
-                                                                      L.cols, table);
-  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  const int64_t cols = L.cols;
+  if (vec_store)
+    return cudaLaunchKernelEx(&cfg, dequant_kernel<kFmt, kOut, true>, data, scales, zeros, o, n,
+                              cols, table);
+  return cudaLaunchKernelEx(&cfg, dequant_kernel<kFmt, kOut, false>, data, scales, zeros, o, n,
+                            cols, table);
 }
 
 template <int kFmt>
-void launch_fmt(const PackedLayout& L, const uint8_t* base, void* out, OutDtype dtype,
-                bool vec_store, cudaStream_t stream) {
+cudaError_t launch_fmt(const PackedLayout& L, const uint8_t* base, void* out, OutDtype dtype,
+                       bool vec_store, cudaStream_t stream) {
   switch (dtype) {
-    case OutDtype::F32:
-      launch_out<kFmt, 0>(L, base, out, vec_store, stream);
-      break;
-    case OutDtype::BF16:
-      launch_out<kFmt, 1>(L, base, out, vec_store, stream);
-      break;
-    case OutDtype::F16:
-      launch_out<kFmt, 2>(L, base, out, vec_store, stream);
-      break;
+    case OutDtype::F32: return launch_out<kFmt, 0>(L, base, out, vec_store, stream);
+    case OutDtype::BF16: return launch_out<kFmt, 1>(L, base, out, vec_store, stream);
+    case OutDtype::F16: return launch_out<kFmt, 2>(L, base, out, vec_store, stream);
   }
+  LS_FAIL("dequantize_cuda: unknown output dtype ", static_cast<int>(dtype));
 }
 
 }  // namespace
 
 void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* out_dev,
                      OutDtype dtype, void* cuda_stream) {
+  // All argument checks come before the first CUDA call.
+  LS_CHECK(layout.format != Format::None,
+           "dequantize_cuda: format 'none' has nothing to dequantize");
   const PackedLayout want = layout_for(layout.format, layout.rows, layout.cols);
   LS_CHECK(want.block_size == layout.block_size && want.data_bytes == layout.data_bytes &&
                want.scale_bytes == layout.scale_bytes && want.zero_bytes == layout.zero_bytes,
            "dequantize_cuda: inconsistent PackedLayout (expected ", describe(want), ", got ",
            describe(layout), "); build layouts with quant::layout_for()");
+  LS_CHECK(dtype == OutDtype::F32 || dtype == OutDtype::BF16 || dtype == OutDtype::F16,
+           "dequantize_cuda: unknown output dtype ", static_cast<int>(dtype));
   if (layout.numel() == 0) return;
   LS_CHECK(packed_dev != nullptr && out_dev != nullptr,
            "dequantize_cuda: null packed or output device pointer");
@@ -250,27 +305,34 @@ void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* o
   const bool vec_store = (oa % 16 == 0);
   const uint8_t* base = static_cast<const uint8_t*>(packed_dev);
   cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+
+  StreamDeviceGuard guard(stream);
+  cudaError_t err = cudaSuccess;
   switch (layout.format) {
     case Format::Int8:
-      launch_fmt<static_cast<int>(Format::Int8)>(layout, base, out_dev, dtype, vec_store, stream);
+      err = launch_fmt<static_cast<int>(Format::Int8)>(layout, base, out_dev, dtype, vec_store,
+                                                       stream);
       break;
     case Format::Fp8E4M3:
-      launch_fmt<static_cast<int>(Format::Fp8E4M3)>(layout, base, out_dev, dtype, vec_store,
-                                                    stream);
+      err = launch_fmt<static_cast<int>(Format::Fp8E4M3)>(layout, base, out_dev, dtype, vec_store,
+                                                          stream);
       break;
     case Format::NF4:
-      launch_fmt<static_cast<int>(Format::NF4)>(layout, base, out_dev, dtype, vec_store, stream);
+      err = launch_fmt<static_cast<int>(Format::NF4)>(layout, base, out_dev, dtype, vec_store,
+                                                      stream);
       break;
     case Format::Int4:
-      launch_fmt<static_cast<int>(Format::Int4)>(layout, base, out_dev, dtype, vec_store, stream);
+      err = launch_fmt<static_cast<int>(Format::Int4)>(layout, base, out_dev, dtype, vec_store,
+                                                       stream);
       break;
     case Format::None:
-      LS_FAIL("dequantize_cuda: format 'none' has nothing to dequantize");
+      break;  // rejected above
   }
-  const cudaError_t err = cudaGetLastError();
-  LS_CHECK(err == cudaSuccess, "dequantize_cuda: kernel launch for ", describe(layout), " to ",
-           to_string(dtype), " failed: ", cudaGetErrorString(err), " (", static_cast<int>(err),
-           ")");
+  if (err != cudaSuccess) {
+    clear_error(err);
+    LS_FAIL("dequantize_cuda: kernel launch for ", describe(layout), " to ", to_string(dtype),
+            " failed: ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ")");
+  }
 }
 
 }  // namespace quant

@@ -12,9 +12,13 @@ namespace quant {
 // 16-byte aligned; cudaMalloc memory is), `out_dev` to layout.numel()
 // elements of `dtype` (bf16/f16 as raw 16-bit values). Enqueued on
 // `cuda_stream` (a cudaStream_t; nullptr = the legacy default stream); the
-// call returns without waiting. The result is bit-identical to
-// dequantize_cpu(). Throws layerstream::Error on a bad layout, misaligned
-// pointers, or a launch error (with cudaGetErrorString's text).
+// call returns without waiting. The kernel runs on the stream's device, which
+// is made current for the launch and the caller's current device restored
+// (a default-stream handle means the caller's current device); both pointers
+// must be usable from that device. The result is bit-identical to
+// dequantize_cpu() for every code and every finite scale / zero point.
+// Throws layerstream::Error on a bad layout, misaligned pointers (checked
+// before any CUDA call), or a launch error (with cudaGetErrorString's text).
 void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* out_dev,
                      OutDtype dtype, void* cuda_stream);
 
