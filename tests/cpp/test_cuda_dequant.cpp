@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -49,7 +50,10 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 
 std::vector<Case> cases() {
   // 3x37 and 5x100: partial chunks, rows that do not divide 16, odd nf4 nibble.
-  const std::pair<int64_t, int64_t> shapes[] = {{1, 128}, {3, 37}, {5, 100}, {33, 384}, {256, 1024}};
+  // 37x3 and 45x1: several row changes inside one 16-element chunk (int8/fp8
+  // fetch a new scale mid-chunk). 1000x1003: many blocks, partial last chunk.
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 128}, {3, 37},   {5, 100},    {37, 3},
+                                                {45, 1},  {33, 384}, {256, 1024}, {1000, 1003}};
   std::vector<Case> v;
   for (Format f : {Format::Int8, Format::Fp8E4M3, Format::NF4, Format::Int4})
     for (auto s : shapes)
@@ -84,23 +88,38 @@ TEST_P(CudaDequant, BitExactVsCpu) {
   std::vector<uint8_t> want(static_cast<size_t>(n) * esz), got(want.size(), 0xCD);
   q::dequantize_cpu(L, packed.data(), want.data(), c.out, 0);
 
-  // Aligned output (vector stores) and an output offset by one element (scalar stores).
+  // Aligned output (vector stores) and an output offset by one element (scalar
+  // stores). The output sits between two guard zones that must stay untouched.
+  constexpr size_t kGuard = 256;
   for (size_t offset_elems : {size_t{0}, size_t{1}}) {
     SCOPED_TRACE("output offset " + std::to_string(offset_elems) + " elements");
     void* dpacked = nullptr;
     void* dout = nullptr;
+    const size_t lead = kGuard + offset_elems * esz;
+    const size_t span = lead + want.size() + kGuard;
     CUDA_OK(cudaMalloc(&dpacked, packed.size()));
-    CUDA_OK(cudaMalloc(&dout, want.size() + 16));
+    CUDA_OK(cudaMalloc(&dout, span));
+    CUDA_OK(cudaMemset(dout, 0xCD, span));
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreate(&stream));
     CUDA_OK(cudaMemcpy(dpacked, packed.data(), packed.size(), cudaMemcpyHostToDevice));
-    void* out = static_cast<uint8_t*>(dout) + offset_elems * esz;
+    void* out = static_cast<uint8_t*>(dout) + lead;
     q::dequantize_cuda(L, dpacked, out, c.out, stream);
     CUDA_OK(cudaStreamSynchronize(stream));
-    CUDA_OK(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
+    std::vector<uint8_t> whole(span);
+    CUDA_OK(cudaMemcpy(whole.data(), dout, span, cudaMemcpyDeviceToHost));
+    std::memcpy(got.data(), whole.data() + lead, got.size());
     CUDA_OK(cudaStreamDestroy(stream));
     CUDA_OK(cudaFree(dpacked));
     CUDA_OK(cudaFree(dout));
+    for (size_t b = 0; b < span; ++b) {
+      if (b >= lead && b < lead + want.size()) continue;
+      if (whole[b] != 0xCD) {
+        ADD_FAILURE() << "the kernel wrote outside the output, at byte " << static_cast<long long>(b) - static_cast<long long>(lead)
+                      << " relative to its start";
+        break;
+      }
+    }
     int shown = 0;
     for (int64_t i = 0; i < n && shown < 5; ++i) {
       if (std::memcmp(&want[static_cast<size_t>(i) * esz], &got[static_cast<size_t>(i) * esz], esz) != 0) {
@@ -197,6 +216,132 @@ INSTANTIATE_TEST_SUITE_P(AllFormats, CudaDequantCodes,
                          [](const ::testing::TestParamInfo<Format>& info) {
                            return std::string(q::to_string(info.param));
                          });
+
+// More than 2^31 elements (an lm_head or embedding of 128k x 16k is 2^31):
+// 64-bit element, byte, row, block and group offsets and the grid size. The
+// packed buffer is filled with a constant; random codes and scales go into
+// three windows (the start, across element 2^31, the end with its partial
+// chunk), each compared with dequantize_cpu of the same elements on their own.
+struct BigCase {
+  Format format;
+  int64_t rows, cols;
+};
+
+// Window [e0, e1) of flat elements; e0 (and e1 unless it is n) on a whole
+// unit: a row for int8/fp8/int4, a 64-element block for nf4.
+struct WindowMap {
+  q::PackedLayout sub;   // the window as a tensor of its own
+  size_t data_off = 0;   // byte offset of its codes in the full data section
+  int64_t scale0 = 0;    // index of its first scale (and zero point)
+};
+
+WindowMap window_map(const q::PackedLayout& L, int64_t e0, int64_t e1) {
+  WindowMap m;
+  if (L.format == Format::NF4) {
+    m.sub = q::layout_for(Format::NF4, 1, e1 - e0);
+    m.data_off = static_cast<size_t>(e0 / 2);
+    m.scale0 = e0 / q::kNF4BlockSize;
+  } else {
+    m.sub = q::layout_for(L.format, (e1 - e0) / L.cols, L.cols);
+    m.data_off = static_cast<size_t>(L.format == Format::Int4 ? e0 / 2 : e0);
+    m.scale0 = L.format == Format::Int4 ? e0 / q::kInt4GroupSize : e0 / L.cols;
+  }
+  return m;
+}
+
+TEST(CudaDequantLarge, MoreThan2To31Elements) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  const BigCase cases[] = {
+      {Format::Int8, 262147, 8193},            // 2^31 + 286723 elements, cols odd
+      {Format::Fp8E4M3, 262147, 8193},
+      {Format::NF4, 1, (int64_t{1} << 31) + (1 << 20) + 4097},  // odd: partial last byte
+      {Format::Int4, 16400, 131072},           // 2^31 + 2^21 elements
+  };
+  int64_t max_n = 0;
+  size_t max_packed = 0;
+  for (const BigCase& c : cases) {
+    const q::PackedLayout L = q::layout_for(c.format, c.rows, c.cols);
+    max_n = std::max(max_n, L.numel());
+    max_packed = std::max(max_packed, L.total_bytes());
+  }
+  constexpr size_t kGuard = 256;
+  const size_t out_bytes = static_cast<size_t>(max_n) * 2;  // bf16
+  size_t free_b = 0, total_b = 0;
+  CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+  if (free_b < max_packed + out_bytes + kGuard + (size_t{1} << 30))
+    GTEST_SKIP() << "needs " << (max_packed + out_bytes) / (1 << 20) << " MiB of free device memory";
+
+  void* dpacked = nullptr;
+  void* dout = nullptr;
+  CUDA_OK(cudaMalloc(&dpacked, max_packed));
+  CUDA_OK(cudaMalloc(&dout, out_bytes + kGuard));
+  std::mt19937 rng(12345);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> sc(0.001f, 2.0f);
+  for (const BigCase& c : cases) {
+    const q::PackedLayout L = q::layout_for(c.format, c.rows, c.cols);
+    const int64_t n = L.numel();
+    SCOPED_TRACE(q::describe(L));
+    ASSERT_GT(n, int64_t{1} << 31);
+    const int64_t unit = c.format == Format::NF4 ? q::kNF4BlockSize : c.cols;
+    const int64_t mid = (int64_t{1} << 31) / unit * unit;  // the unit holding element 2^31
+    const int64_t span = std::max<int64_t>(unit * 4, 4096 / unit * unit);
+    const std::pair<int64_t, int64_t> windows[] = {
+        {0, span}, {mid - span, mid + span}, {(n - 1) / unit * unit - span, n}};
+    ASSERT_TRUE(windows[0].second <= windows[1].first && windows[1].second <= windows[2].first)
+        << "the windows must not overlap";
+
+    CUDA_OK(cudaMemset(dpacked, 0x3F, L.total_bytes()));
+    CUDA_OK(cudaMemset(dout, 0xCD, out_bytes + kGuard));
+    std::vector<std::vector<uint8_t>> subs;
+    for (const auto& w : windows) {
+      const WindowMap m = window_map(L, w.first, w.second);
+      std::vector<uint8_t> buf(m.sub.total_bytes(), 0);
+      for (size_t j = 0; j < m.sub.data_bytes; ++j) buf[j] = static_cast<uint8_t>(byte(rng));
+      if (c.format == Format::NF4 && m.sub.numel() % 2 == 1) buf[m.sub.data_bytes - 1] &= 0xF0;
+      float* scales = reinterpret_cast<float*>(buf.data() + m.sub.scale_offset());
+      float* zeros = reinterpret_cast<float*>(buf.data() + m.sub.zero_offset());
+      for (int64_t k = 0; k < m.sub.num_scales(); ++k) {
+        scales[k] = sc(rng);
+        if (m.sub.zero_bytes) zeros[k] = static_cast<float>(byte(rng) % 16);
+      }
+      uint8_t* base = static_cast<uint8_t*>(dpacked);
+      CUDA_OK(cudaMemcpy(base + L.data_offset() + m.data_off, buf.data(), m.sub.data_bytes,
+                         cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(base + L.scale_offset() + m.scale0 * 4, scales, m.sub.scale_bytes,
+                         cudaMemcpyHostToDevice));
+      if (m.sub.zero_bytes)
+        CUDA_OK(cudaMemcpy(base + L.zero_offset() + m.scale0 * 4, zeros, m.sub.zero_bytes,
+                           cudaMemcpyHostToDevice));
+      subs.push_back(std::move(buf));
+    }
+    q::dequantize_cuda(L, dpacked, dout, OutDtype::BF16, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    for (size_t k = 0; k < subs.size(); ++k) {
+      const WindowMap m = window_map(L, windows[k].first, windows[k].second);
+      const size_t count = static_cast<size_t>(windows[k].second - windows[k].first);
+      std::vector<uint16_t> want(count), got(count);
+      q::dequantize_cpu(m.sub, subs[k].data(), want.data(), OutDtype::BF16, 1);
+      CUDA_OK(cudaMemcpy(got.data(), static_cast<uint16_t*>(dout) + windows[k].first, count * 2,
+                         cudaMemcpyDeviceToHost));
+      size_t bad = 0;
+      for (size_t i = 0; i < count; ++i) bad += want[i] != got[i];
+      EXPECT_EQ(bad, 0u) << "window [" << windows[k].first << ", " << windows[k].second
+                         << ") differs from the CPU reference in " << bad << " elements";
+    }
+    std::vector<uint8_t> tail(kGuard);
+    CUDA_OK(cudaMemcpy(tail.data(), static_cast<uint8_t*>(dout) + static_cast<size_t>(n) * 2, kGuard,
+                       cudaMemcpyDeviceToHost));
+    for (uint8_t b : tail) {
+      if (b != 0xCD) {
+        ADD_FAILURE() << "the kernel wrote past the end of the output";
+        break;
+      }
+    }
+  }
+  CUDA_OK(cudaFree(dpacked));
+  CUDA_OK(cudaFree(dout));
+}
 
 // Argument checks run before any CUDA call, so they are tested without a GPU
 // (fake, never dereferenced device addresses).
