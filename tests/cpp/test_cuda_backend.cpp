@@ -1,5 +1,6 @@
 // Tests of the CUDA backend. They need a visible CUDA device; without one
 // every test skips except NoGpu.*, which checks the no-device behaviour.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -453,4 +454,119 @@ TEST(CudaBackend, ConcurrentUseFromThreads) {
   CudaMemoryStats st = be->memory_stats();
   EXPECT_EQ(st.device_bytes_in_use, 0u);
   EXPECT_EQ(st.pinned_bytes, 0u);
+}
+
+TEST(CudaBackend, WrapsDefaultStreamHandles) {
+  REQUIRE_CUDA_DEVICE();
+  auto be = make_cuda_backend({});
+  const size_t n = 1 << 16;
+  HostBuffer h = HostBuffer::allocate(*be, n, true);
+  HostBuffer o = HostBuffer::allocate(*be, n, true);
+  DeviceBuffer d(*be, n);
+  fill_pattern(h.data(), n, 21);
+  for (cudaStream_t handle : {cudaStreamLegacy, cudaStreamPerThread}) {
+    std::memset(o.data(), 0, n);
+    Stream s = be->wrap_stream(static_cast<void*>(handle), "default");
+    Event ev = be->create_event();
+    be->copy_async(d.ref(), 0, h.ref(), 0, n, s);
+    be->copy_async(o.ref(), 0, d.ref(), 0, n, s);
+    be->record(ev, s);
+    be->synchronize(ev);
+    EXPECT_EQ(std::memcmp(h.data(), o.data(), n), 0);
+    be->destroy_stream(s);
+  }
+}
+
+TEST(CudaBackend, WrapStreamOfAnotherDeviceIsRejected) {
+  REQUIRE_CUDA_DEVICE();
+  int count = 0;
+  ASSERT_TRUE(cuda_device_available(&count));
+  if (count < 2) GTEST_SKIP() << "needs two CUDA devices";
+  auto be = make_cuda_backend({});  // device 0
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  std::string msg = error_message([&] { be->wrap_stream(other, "elsewhere"); });
+  EXPECT_NE(msg.find("belongs to CUDA device 1"), std::string::npos) << msg;
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(other), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
+// A backend on device 1 used from a thread whose current device is 0: every
+// call selects device 1 and leaves device 0 current for the caller.
+TEST(CudaBackend, UsesItsDeviceAndRestoresTheCallers) {
+  REQUIRE_CUDA_DEVICE();
+  int count = 0;
+  ASSERT_TRUE(cuda_device_available(&count));
+  if (count < 2) GTEST_SKIP() << "needs two CUDA devices";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  CudaOptions opts;
+  opts.device = 1;
+  auto be = make_cuda_backend(opts);
+  auto current = [] {
+    int d = -1;
+    EXPECT_EQ(cudaGetDevice(&d), cudaSuccess);
+    return d;
+  };
+  EXPECT_EQ(current(), 0);
+  Stream a = be->create_stream("a");
+  Stream b = be->create_stream("b");
+  int dev = -1;
+  ASSERT_EQ(cudaStreamGetDevice(static_cast<cudaStream_t>(a.native()), &dev), cudaSuccess);
+  EXPECT_EQ(dev, 1);
+  const size_t n = 1 << 20;
+  HostBuffer h = HostBuffer::allocate(*be, n, true);
+  HostBuffer o = HostBuffer::allocate(*be, n, true);
+  DeviceBuffer d(*be, n);
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, d.data()), cudaSuccess);
+  EXPECT_EQ(attr.device, 1);
+  fill_pattern(h.data(), n, 33);
+  Event ev = be->create_event();
+  be->copy_async(d.ref(), 0, h.ref(), 0, n, a);
+  be->record(ev, a);
+  be->wait(b, ev);
+  be->copy_async(o.ref(), 0, d.ref(), 0, n, b);
+  be->synchronize(b);
+  EXPECT_EQ(std::memcmp(h.data(), o.data(), n), 0);
+  EXPECT_EQ(current(), 0);
+  Stream def = be->wrap_stream(nullptr, "legacy");  // device 1's legacy stream
+  be->copy_async(o.ref(), 0, d.ref(), 0, n, def);
+  be->synchronize(def);
+  EXPECT_EQ(current(), 0);
+  be->destroy_stream(def);
+  be->destroy_stream(a);
+  be->destroy_stream(b);
+  EXPECT_EQ(current(), 0);
+}
+
+TEST(CudaBackend, HostFunctionClosureIsReleasedAfterItRuns) {
+  REQUIRE_CUDA_DEVICE();
+  auto be = make_cuda_backend({});
+  Stream s = be->create_stream("s");
+  auto token = std::make_shared<int>(0);
+  be->launch_host_func(s, [token] { ++*token; });
+  be->launch_host_func(s, [token] { throw std::runtime_error("after " + std::to_string(*token)); });
+  be->synchronize(s);
+  EXPECT_EQ(*token, 1);
+  EXPECT_EQ(token.use_count(), 1) << "the closures (and what they capture) must be destroyed";
+  EXPECT_EQ(be->take_host_function_errors().size(), 1u);
+  be->destroy_stream(s);
+}
+
+TEST(CudaBackend, EventMayOutliveItsBackend) {
+  REQUIRE_CUDA_DEVICE();
+  (void)cudaGetLastError();  // start clean whatever earlier tests left
+  Event ev;
+  {
+    auto be = make_cuda_backend({});
+    Stream s = be->create_stream("s");
+    ev = be->create_event();
+    be->record(ev, s);
+    be->synchronize(ev);
+  }
+  ev = Event();  // destroys the CUDA event after the backend is gone: no crash, no error left
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
 }

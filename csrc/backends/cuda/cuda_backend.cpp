@@ -561,6 +561,20 @@ Stream CudaBackend::create_stream(const std::string& name) {
 
 Stream CudaBackend::wrap_stream(void* native, const std::string& name) {
   State& st = *st_;
+  cudaStream_t handle = static_cast<cudaStream_t>(native);
+  if (handle != nullptr && handle != cudaStreamLegacy && handle != cudaStreamPerThread) {
+    // Events of this backend live on its device, and cudaEventRecord needs the
+    // stream on the same device: reject a stream of another device now, with a
+    // clear message, instead of failing later at the first record().
+    DeviceGuard guard(st.opts.device);
+    int dev = -1;
+    LS_CUDA_CHECK_CTX(cudaStreamGetDevice(handle, &dev), "wrap_stream(", quoted(name),
+                      "): querying the device of the native stream (is it a live cudaStream_t?)");
+    LS_CHECK(dev == st.opts.device, "wrap_stream(", quoted(name), "): the native stream belongs to "
+             "CUDA device ", dev, " but this backend runs on device ", st.opts.device,
+             "; wrap a stream of device ", st.opts.device, " or create the backend with "
+             "CudaOptions::device = ", dev);
+  }
   std::lock_guard<std::mutex> lock(st.mu);
   uint64_t id = st.next_stream_id++;
   st.streams[id] = StreamEntry{static_cast<cudaStream_t>(native), false, name};

@@ -7,8 +7,11 @@
 //
 // Mapping (see runtime.h for the semantics):
 //   create_stream      cudaStreamCreateWithFlags(cudaStreamNonBlocking), owned
-//   wrap_stream        a framework's cudaStream_t, not owned (destroy_stream
-//                      only forgets it); nullptr means the legacy default stream
+//   wrap_stream        a framework's cudaStream_t of the backend's device (checked),
+//                      not owned (destroy_stream only forgets it); nullptr means
+//                      the device's legacy default stream. cudaStreamPerThread is
+//                      accepted but names a different stream on every calling
+//                      thread: use it from one thread only.
 //   events             cudaEvent_t with cudaEventDisableTiming (create_event) or
 //                      with timing (create_timing_event, for elapsed_ms)
 //   alloc_device       cudaMalloc per call, or carved from one up-front arena
@@ -95,8 +98,11 @@ class CudaBackend : public Backend {
   bool query(const Event& ev) override;
 
   // ---- work on a stream ----
-  // fn runs on a CUDA driver thread; it must not call CUDA. An exception it
-  // throws cannot propagate: it is written to stderr and kept for
+  // fn runs on a CUDA driver thread; it must not call CUDA. fn is also
+  // destroyed there, right after it runs, so what it captures must not call
+  // CUDA when destroyed either (do not let it hold the last reference to a
+  // DeviceBuffer, HostBuffer, Event or the backend). An exception it throws
+  // cannot propagate: it is written to stderr and kept for
   // take_host_function_errors().
   void launch_host_func(Stream s, std::function<void()> fn) override;
 
