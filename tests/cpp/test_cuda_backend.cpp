@@ -8,12 +8,16 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "backends/cuda/arena_allocator.h"
 #include "backends/cuda/cuda_backend.h"
 
 using namespace layerstream;
@@ -62,6 +66,95 @@ TEST(NoGpu, AvailabilityNeverThrowsAndFactoryFailsClearly) {
   std::string msg = error_message([] { make_cuda_backend(CudaOptions{}); });
   EXPECT_NE(msg.find("no CUDA device visible"), std::string::npos) << msg;
   EXPECT_NE(msg.find("sim backend"), std::string::npos) << msg;
+}
+
+// The arena allocator is plain C++: tested here without a GPU.
+TEST(NoGpu, ArenaFirstFitAndCoalescing) {
+  detail::ArenaAllocator a;
+  a.reset(1024);
+  size_t o0 = 1, o1 = 1, o2 = 1, o = 1;
+  ASSERT_TRUE(a.allocate(256, &o0));
+  ASSERT_TRUE(a.allocate(256, &o1));
+  ASSERT_TRUE(a.allocate(256, &o2));
+  EXPECT_EQ(o0, 0u);
+  EXPECT_EQ(o1, 256u);
+  EXPECT_EQ(o2, 512u);
+  EXPECT_FALSE(a.allocate(512, &o));
+  EXPECT_EQ(a.free_bytes(), 256u);
+  a.release(o1, 256);
+  ASSERT_TRUE(a.allocate(256, &o));  // first fit: the hole, not the tail
+  EXPECT_EQ(o, 256u);
+  a.release(o, 256);
+  a.release(o0, 256);  // coalesces with the hole
+  EXPECT_EQ(a.free_blocks(), 2u);
+  EXPECT_EQ(a.largest_free_block(), 512u);
+  ASSERT_TRUE(a.allocate(512, &o));
+  EXPECT_EQ(o, 0u);
+  a.release(o, 512);
+  a.release(o2, 256);  // coalesces on both sides
+  EXPECT_EQ(a.free_blocks(), 1u);
+  EXPECT_EQ(a.free_bytes(), 1024u);
+  EXPECT_EQ(a.largest_free_block(), 1024u);
+  a.reset(0);
+  EXPECT_FALSE(a.allocate(256, &o));
+}
+
+TEST(NoGpu, ArenaRejectsBadReleases) {
+  detail::ArenaAllocator a;
+  a.reset(1024);
+  size_t o0 = 0, o1 = 0;
+  ASSERT_TRUE(a.allocate(256, &o0));
+  ASSERT_TRUE(a.allocate(256, &o1));
+  a.release(o0, 256);
+  EXPECT_THROW(a.release(o0, 256), Error);    // twice
+  EXPECT_THROW(a.release(128, 256), Error);   // overlaps the free block [0, 256)
+  EXPECT_THROW(a.release(1024, 256), Error);  // outside the arena
+  EXPECT_EQ(a.free_bytes(), 1024u - 256u);
+}
+
+// Random allocate/release against a byte map: blocks never overlap, the
+// offset is the lowest fitting one, and the accounting matches.
+TEST(NoGpu, ArenaRandomizedAgainstAByteMap) {
+  constexpr size_t kUnit = 256, kUnits = 64;
+  detail::ArenaAllocator a;
+  a.reset(kUnit * kUnits);
+  std::vector<int> used(kUnits, 0);
+  std::map<size_t, size_t> live;  // offset -> bytes
+  std::mt19937 rng(99);
+  for (int step = 0; step < 5000; ++step) {
+    if (!live.empty() && rng() % 2 == 0) {
+      auto it = live.begin();
+      std::advance(it, static_cast<long>(rng() % live.size()));
+      a.release(it->first, it->second);
+      for (size_t u = it->first / kUnit; u < (it->first + it->second) / kUnit; ++u) used[u] = 0;
+      live.erase(it);
+    } else {
+      const size_t units = 1 + rng() % 8;
+      size_t want = SIZE_MAX;  // the lowest run of `units` free units
+      for (size_t u = 0, run = 0; u < kUnits; ++u) {
+        run = used[u] ? 0 : run + 1;
+        if (run == units) {
+          want = (u + 1 - units) * kUnit;
+          break;
+        }
+      }
+      size_t off = 0;
+      const bool ok = a.allocate(units * kUnit, &off);
+      // First fit over free *blocks* equals the lowest fitting run because
+      // adjacent free blocks are always coalesced.
+      ASSERT_EQ(ok, want != SIZE_MAX) << "step " << step;
+      if (!ok) continue;
+      ASSERT_EQ(off, want) << "step " << step;
+      for (size_t u = off / kUnit; u < off / kUnit + units; ++u) {
+        ASSERT_EQ(used[u], 0) << "overlapping blocks at step " << step;
+        used[u] = 1;
+      }
+      live[off] = units * kUnit;
+    }
+    size_t in_use = 0;
+    for (int x : used) in_use += static_cast<size_t>(x) * kUnit;
+    ASSERT_EQ(a.free_bytes(), kUnit * kUnits - in_use) << "step " << step;
+  }
 }
 
 // ------------------------------------------------------------ with a device
