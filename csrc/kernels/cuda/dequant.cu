@@ -161,10 +161,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < kChunk; k += 4) {
         float4 f;
-        f.x = v[k];
-        f.y = v[k + 1];
-        f.z = v[k + 2];
-        f.w = v[k + 3];
+        f.x = OutTraits<0>::cvt(v[k]);
+        f.y = OutTraits<0>::cvt(v[k + 1]);
+        f.z = OutTraits<0>::cvt(v[k + 2]);
+        f.w = OutTraits<0>::cvt(v[k + 3]);
         reinterpret_cast<float4*>(dst)[k / 4] = f;
       }
     } else {
