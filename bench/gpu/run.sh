@@ -170,19 +170,21 @@ else
     # that the file collects, which is what the real run depends on.
     LS_TEST_DEVICE=sim timeout 90 "$PY" -m pytest -q --collect-only -k parity "$PARITY" >"$OUTDIR/tests.log" 2>&1
     rc=$?
-    summary=$(tail -1 "$OUTDIR/tests.log")
+    summary=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
     if [ $rc = 0 ]; then write_tests collected "dry run, collect only: $summary" 0 $env_ok
     else write_tests failed "collect failed (rc $rc): $summary" $rc $env_ok; fail=1; fi
   else
     log "tests: LS_TEST_DEVICE=cuda pytest -k parity $PARITY"
     LS_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -k parity "$PARITY" >"$OUTDIR/tests.log" 2>&1
     rc=$?
-    summary=$(tail -1 "$OUTDIR/tests.log")
-    note=""; [ $env_ok = 0 ] && note=" (the file does not read LS_TEST_DEVICE: its own default device was used)"
+    # last non-blank line: the pytest summary, or its "ERROR: ..." usage error
+    summary=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
+    if [ $env_ok = 1 ]; then note=" (on cuda: LS_TEST_DEVICE=cuda)"
+    else note=" (the file does not read LS_TEST_DEVICE: its own default device was used)"; fi
     if [ $rc = 0 ]; then write_tests passed "$summary$note" 0 $env_ok
     else write_tests failed "rc $rc: $summary$note" $rc $env_ok; fail=1; tail -30 "$OUTDIR/tests.log"; fi
   fi
-  log "tests: $(tail -1 "$OUTDIR/tests.log")"
+  log "tests: $summary"
 fi
 
 # ---- comparison ------------------------------------------------------------

@@ -1,14 +1,26 @@
-"""Shared fixtures for the layerstream acceptance tests (simulated device).
+"""Shared fixtures for the layerstream acceptance tests.
 
-Every test that streams a model goes through ``offload_sim``: it calls
-``layerstream.offload(model, device="sim", **kw)`` with the ordering checker
-on, and at teardown asserts that the checker found no race on any handle the
+Every test that streams a model goes through ``offload_sim`` (always the
+simulated device) or ``offload_dev`` (the device LS_TEST_DEVICE names). Both
+call ``layerstream.offload(model, device=..., **kw)`` with the ordering checker
+on, and at teardown assert that the checker found no race on any handle the
 test created. Handles detached during the test are checked right before
 their detach (the checker can no longer be read afterwards).
+
+LS_TEST_DEVICE (read once, when pytest configures): "sim" (default, also
+when unset or empty), "cuda" or "cuda:N". Only the tests that take the
+``offload_dev`` / ``compute_device`` fixtures (test_parity_layers.py) run on
+it; the other files build CPU tensors and stay on "sim". Any other value is a
+usage error, and asking for CUDA where torch or this layerstream build cannot
+use it stops the session before any test runs -- it never falls back to sim.
+On CUDA there is no ordering checker (Handle.ordering_errors() is always
+empty there), so the teardown check is vacuous on that device.
 """
 from __future__ import annotations
 
 import copy
+import os
+import re
 
 import pytest
 import torch
@@ -16,6 +28,53 @@ import torch
 import layerstream
 
 torch.set_num_threads(1)
+
+DEVICE_ENV = "LS_TEST_DEVICE"
+
+
+def requested_device() -> str:
+    """The LS_TEST_DEVICE value ("sim" when unset or empty); raises
+    pytest.UsageError for anything but "sim", "cuda" or "cuda:N"."""
+    value = os.environ.get(DEVICE_ENV, "") or "sim"
+    if value in ("sim", "cuda") or re.fullmatch(r"cuda:[0-9]+", value):
+        return value
+    raise pytest.UsageError(
+        f"{DEVICE_ENV}={value!r} is not a test device: use 'sim' (the default), 'cuda' or "
+        f"'cuda:N' (e.g. 'cuda:0')")
+
+
+def _check_cuda_usable(value: str) -> None:
+    """Stops the session (pytest.UsageError) unless `value` can really run on CUDA."""
+    if not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"{DEVICE_ENV}={value} asks for the parity tests on CUDA, but torch.cuda.is_available() "
+            f"is False (torch {torch.__version__}, CUDA build {torch.version.cuda}); not falling "
+            f"back to the simulated device. Run on a machine with a visible GPU, or unset "
+            f"{DEVICE_ENV} (or set it to 'sim') to test on the simulator.")
+    try:
+        layerstream._C.resolve_device(value)  # the check offload() makes: index, CUDA build
+    except layerstream.LayerstreamError as e:
+        raise pytest.UsageError(f"{DEVICE_ENV}={value}: {e}") from None
+
+
+def pytest_configure(config):
+    value = requested_device()
+    if value != "sim":
+        _check_cuda_usable(value)
+
+
+def torch_device_for(device: str) -> torch.device:
+    """Where the streamed computation runs for offload(device=...): the CPU
+    for "sim" (the sim device computes with CPU tensors), else the CUDA
+    device offload() resolves it to ("cuda" -> cuda:0)."""
+    if device == "sim":
+        return torch.device("cpu")
+    return torch.device(layerstream._C.resolve_device(device))
+
+
+def requested_torch_device() -> torch.device:
+    """torch_device_for(requested_device()): cpu for sim, cuda:N for CUDA."""
+    return torch_device_for(requested_device())
 
 
 def _ordering_errors_or_none(handle):
@@ -31,16 +90,19 @@ def _seed():
     yield
 
 
-@pytest.fixture
-def offload_sim(request):
-    """offload_sim(model, **kw) -> Handle, with the checker asserted clean at teardown."""
+def _checked_offload(device: str):
+    """A fixture body: yields offload(model, **kw) -> Handle on `device`, and
+    asserts at teardown that the ordering checker saw no race."""
+    expected = torch_device_for(device)
     handles = []
     seen_before_detach = []  # (handle, errors read right before detach)
 
     def _offload(model, **kw):
         kw.setdefault("checker", True)
         assert kw["checker"], "the ordering checker must stay on in the acceptance tests"
-        handle = layerstream.offload(model, device="sim", **kw)
+        handle = layerstream.offload(model, device=device, **kw)
+        assert handle.compute_device == expected, (
+            f"offload(device={device!r}) computes on {handle.compute_device}, expected {expected}")
         original_detach = handle.detach
 
         def detach_checked():
@@ -74,6 +136,27 @@ def offload_sim(request):
     for handle in live:
         handle.detach()
     assert problems == [], f"ordering checker reported races: {problems}"
+
+
+@pytest.fixture
+def offload_sim():
+    """offload_sim(model, **kw) -> Handle on device="sim" whatever LS_TEST_DEVICE says,
+    with the checker asserted clean at teardown."""
+    yield from _checked_offload("sim")
+
+
+@pytest.fixture
+def offload_dev():
+    """offload_dev(model, **kw) -> Handle on the LS_TEST_DEVICE device ("sim" by
+    default), with the checker asserted clean at teardown (sim only; CUDA has none).
+    Inputs must be on the ``compute_device`` fixture's device."""
+    yield from _checked_offload(requested_device())
+
+
+@pytest.fixture
+def compute_device() -> torch.device:
+    """The torch device the offload_dev computation runs on: cpu for sim, cuda:N for CUDA."""
+    return requested_torch_device()
 
 
 def clone_input(x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,22 @@
 """Parity of a single streamed Linear / Conv1d/2d/3d against the unmodified layer.
 
-Outputs and ALL gradients (input, weight, bias) are compared with an
-unmodified deep copy taken before offload():
+Runs on the device LS_TEST_DEVICE names: "sim" (default; the simulated device
+computes with CPU tensors), "cuda" or "cuda:N" (see conftest.py; bench/gpu/run.sh
+runs this file with LS_TEST_DEVICE=cuda). Inputs live on the compute device; the
+reference is an unmodified deep copy of the module, taken before offload() and
+resident on that same device (offload() keeps non-streamed parts there too).
+Streamed parameters live on the host, so their grads are on the CPU while the
+reference's are on the compute device: comparisons are made on CPU copies.
+
+Outputs and ALL gradients (input, weight, bias) are compared with the reference:
 
 * fp32: torch.testing.assert_close(rtol=1e-5, atol=1e-6); Linear fp32 is
-  additionally bit-exact (same kernel on the same CPU tensors).
+  additionally bit-exact (the streamed path calls the same ATen ops with the
+  same operand layouts as the reference's forward and autograd backward: on
+  CUDA, TF32 is switched off for this file and both run on the current
+  stream, so cuBLAS gets identical calls).
+* conv: tolerance only, on every device (cuDNN's backward algorithms may
+  accumulate with atomics and are not bit-reproducible run to run).
 * bf16 (bf16 weights and activations): bf16 tolerance.
 * mixed (fp32 weights, bf16/fp16 activations): the documented dtype rule --
   weights are cast to the activation dtype on the device; weight gradients
@@ -20,23 +32,58 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import clone_input
+from conftest import clone_input, requested_torch_device
 
 BF16_TOL = dict(rtol=1.6e-2, atol=1e-2)
 FP16_TOL = dict(rtol=1e-3, atol=1e-3)
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _fp16_matmul_supported() -> bool:
+def _fp16_matmul_supported(device: torch.device) -> bool:
     try:
-        a = torch.ones(2, 2, dtype=torch.float16)
+        a = torch.ones(2, 2, dtype=torch.float16, device=device)
         torch.nn.functional.linear(a, a, a).sum().item()
         return True
     except RuntimeError:
         return False
 
 
+# conftest.py's pytest_configure already rejected a bad or unusable LS_TEST_DEVICE.
+_FP16_OK = _fp16_matmul_supported(requested_torch_device())
+_FP16_SKIP = pytest.mark.skipif(not _FP16_OK, reason="fp16 linear not supported on this device")
+
+
+@pytest.fixture(autouse=True)
+def _true_fp32(compute_device):
+    """On CUDA, fp32 means IEEE fp32: TF32 off for matmuls and cuDNN convs (cuDNN
+    allows TF32 by default, which would miss the fp32 tolerances). Restored after."""
+    if compute_device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 # ---------------------------------------------------------------- helpers
+def _randn(shape, dev, dtype=torch.float32):
+    """Drawn on the CPU (the same values on every device), then moved."""
+    return torch.randn(shape, dtype=torch.float32).to(device=dev, dtype=dtype)
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a.detach().cpu(), b.detach().cpu())
+
+
+def _close(a, b, **kw):
+    """assert_close on CPU copies (streamed param grads are on the host)."""
+    torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), **kw)
+
+
 def _run(module, x, g):
     y = module(x)
     y.backward(g)
@@ -47,58 +94,63 @@ def _grads(module):
     return {n: (p.grad.clone() if p.grad is not None else None) for n, p in module.named_parameters()}
 
 
-def _check_same_module(mod, ref, x_shape, act_dtype, tol, exact=False, offload_sim=None):
-    """mod/ref already have identical parameters (and the same dtype)."""
-    x = torch.randn(x_shape, dtype=torch.float32).to(act_dtype).requires_grad_()
+def _check_same_module(mod, ref, x_shape, act_dtype, tol, dev, offload, exact=False):
+    """mod/ref already have identical parameters (and the same dtype); mod is
+    streamed, ref becomes resident on the compute device `dev`."""
+    ref.to(dev)
+    x = _randn(x_shape, dev, act_dtype).requires_grad_()
     xr = clone_input(x)
-    handle = offload_sim(mod)
+    handle = offload(mod)
     assert handle.layers == [""] or len(handle.layers) == 1
 
     y = mod(x)
     yr = ref(xr)
+    assert y.device == yr.device == dev
     assert y.dtype == yr.dtype == act_dtype
     assert y.shape == yr.shape
-    g = torch.randn(y.shape, dtype=torch.float32).to(act_dtype)
+    g = _randn(y.shape, dev, act_dtype)
     y.backward(g)
     yr.backward(g)
 
     if exact:
-        assert torch.equal(y, yr), "forward not bit-exact"
-        assert torch.equal(x.grad, xr.grad), "input grad not bit-exact"
-    torch.testing.assert_close(y, yr, **tol)
-    torch.testing.assert_close(x.grad, xr.grad, **tol)
+        assert _equal(y, yr), "forward not bit-exact"
+        assert _equal(x.grad, xr.grad), "input grad not bit-exact"
+    _close(y, yr, **tol)
+    _close(x.grad, xr.grad, **tol)
     for (n, p), (_, q) in zip(mod.named_parameters(), ref.named_parameters()):
         assert p.grad is not None, f"{n}.grad missing after backward"
         assert p.grad.dtype == p.dtype == q.grad.dtype
         if exact:
-            assert torch.equal(p.grad, q.grad), f"{n}.grad not bit-exact"
-        torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"{n}.grad: {m}")
+            assert _equal(p.grad, q.grad), f"{n}.grad not bit-exact"
+        _close(p.grad, q.grad, **tol, msg=lambda m: f"{n}.grad: {m}")
     stats = handle.stats()
     assert stats["h2d_bytes"] > 0
     assert stats["d2h_bytes"] > 0
     return handle
 
 
-def _check_mixed(mod, x_shape, act_dtype, functional, tol, offload_sim):
+def _check_mixed(mod, x_shape, act_dtype, functional, tol, dev, offload):
     """fp32 parameters, low-precision activations (documented dtype rule)."""
-    ref_w = {n: p.detach().clone().to(act_dtype).requires_grad_() for n, p in mod.named_parameters()}
-    x = torch.randn(x_shape).to(act_dtype).requires_grad_()
+    ref_w = {n: p.detach().clone().to(device=dev, dtype=act_dtype).requires_grad_()
+             for n, p in mod.named_parameters()}
+    x = _randn(x_shape, dev, act_dtype).requires_grad_()
     xr = clone_input(x)
-    offload_sim(mod)
+    offload(mod)
     y = mod(x)
     yr = functional(xr, ref_w["weight"], ref_w.get("bias"))
+    assert y.device == dev
     assert y.dtype == act_dtype, f"output dtype {y.dtype}, expected the activation dtype {act_dtype}"
-    g = torch.randn(y.shape).to(act_dtype)
+    g = _randn(y.shape, dev, act_dtype)
     y.backward(g)
     yr.backward(g)
-    torch.testing.assert_close(y, yr, **tol)
-    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    _close(y, yr, **tol)
+    _close(x.grad, xr.grad, **tol)
     for n, p in mod.named_parameters():
         assert p.dtype == torch.float32
         assert p.grad is not None, f"{n}.grad missing"
         assert p.grad.dtype == torch.float32, f"{n}.grad has dtype {p.grad.dtype}, expected the parameter dtype"
         # grad computed in the activation dtype, then cast: must equal the cast reference
-        torch.testing.assert_close(p.grad, ref_w[n].grad.float(), **tol, msg=lambda m: f"{n}.grad: {m}")
+        _close(p.grad, ref_w[n].grad.float(), **tol, msg=lambda m: f"{n}.grad: {m}")
 
 
 # ---------------------------------------------------------------- Linear
@@ -115,85 +167,87 @@ LINEAR_CASES = [
 
 
 @pytest.mark.parametrize("fin,fout,bias,x_shape", LINEAR_CASES)
-def test_linear_fp32_bit_exact(offload_sim, fin, fout, bias, x_shape):
+def test_linear_fp32_bit_exact(offload_dev, compute_device, fin, fout, bias, x_shape):
     mod = nn.Linear(fin, fout, bias=bias)
     ref = copy.deepcopy(mod)
-    _check_same_module(mod, ref, x_shape, torch.float32, FP32_TOL, exact=True, offload_sim=offload_sim)
+    _check_same_module(mod, ref, x_shape, torch.float32, FP32_TOL, compute_device, offload_dev, exact=True)
 
 
 @pytest.mark.parametrize("fin,fout,bias,x_shape", LINEAR_CASES)
-def test_linear_bf16(offload_sim, fin, fout, bias, x_shape):
+def test_linear_bf16(offload_dev, compute_device, fin, fout, bias, x_shape):
     mod = nn.Linear(fin, fout, bias=bias).to(torch.bfloat16)
     ref = copy.deepcopy(mod)
-    _check_same_module(mod, ref, x_shape, torch.bfloat16, BF16_TOL, offload_sim=offload_sim)
+    _check_same_module(mod, ref, x_shape, torch.bfloat16, BF16_TOL, compute_device, offload_dev)
 
 
-@pytest.mark.skipif(not _fp16_matmul_supported(), reason="fp16 linear not supported on this CPU")
+@_FP16_SKIP
 @pytest.mark.parametrize("fin,fout,bias,x_shape", LINEAR_CASES[:4])
-def test_linear_fp16(offload_sim, fin, fout, bias, x_shape):
+def test_linear_fp16(offload_dev, compute_device, fin, fout, bias, x_shape):
     mod = nn.Linear(fin, fout, bias=bias).to(torch.float16)
     ref = copy.deepcopy(mod)
-    _check_same_module(mod, ref, x_shape, torch.float16, FP16_TOL, offload_sim=offload_sim)
+    _check_same_module(mod, ref, x_shape, torch.float16, FP16_TOL, compute_device, offload_dev)
 
 
 @pytest.mark.parametrize("act_dtype", [
     pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float16, id="fp16", marks=pytest.mark.skipif(
-        not _fp16_matmul_supported(), reason="fp16 linear not supported on this CPU")),
+    pytest.param(torch.float16, id="fp16", marks=_FP16_SKIP),
 ])
 @pytest.mark.parametrize("bias,x_shape", [
     pytest.param(True, (4, 8), id="2d-bias"),
     pytest.param(False, (2, 3, 8), id="3d-nobias"),
 ])
-def test_linear_mixed_fp32_weights(offload_sim, act_dtype, bias, x_shape):
+def test_linear_mixed_fp32_weights(offload_dev, compute_device, act_dtype, bias, x_shape):
     mod = nn.Linear(8, 16, bias=bias)
     tol = BF16_TOL if act_dtype == torch.bfloat16 else FP16_TOL
-    _check_mixed(mod, x_shape, act_dtype, torch.nn.functional.linear, tol, offload_sim)
+    _check_mixed(mod, x_shape, act_dtype, torch.nn.functional.linear, tol, compute_device, offload_dev)
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_linear_bf16_weights_fp32_activations(offload_sim, bias):
+def test_linear_bf16_weights_fp32_activations(offload_dev, compute_device, bias):
     """Weights cast up to the activation dtype; weight grads cast back to bf16."""
+    dev = compute_device
     mod = nn.Linear(8, 16, bias=bias).to(torch.bfloat16)
-    ref_w = {n: p.detach().float().requires_grad_() for n, p in mod.named_parameters()}
-    x = torch.randn(4, 8, requires_grad=True)
+    ref_w = {n: p.detach().to(device=dev, dtype=torch.float32).requires_grad_()
+             for n, p in mod.named_parameters()}
+    x = _randn((4, 8), dev).requires_grad_()
     xr = clone_input(x)
-    offload_sim(mod)
+    offload_dev(mod)
     y = mod(x)
     yr = torch.nn.functional.linear(xr, ref_w["weight"], ref_w.get("bias"))
+    assert y.device == dev
     assert y.dtype == torch.float32
-    g = torch.randn(y.shape)
+    g = _randn(y.shape, dev)
     y.backward(g)
     yr.backward(g)
-    torch.testing.assert_close(y, yr, **FP32_TOL)
-    torch.testing.assert_close(x.grad, xr.grad, **FP32_TOL)
+    _close(y, yr, **FP32_TOL)
+    _close(x.grad, xr.grad, **FP32_TOL)
     for n, p in mod.named_parameters():
         assert p.grad.dtype == torch.bfloat16, f"{n}.grad dtype {p.grad.dtype}"
-        torch.testing.assert_close(p.grad, ref_w[n].grad.to(torch.bfloat16), **BF16_TOL)
+        _close(p.grad, ref_w[n].grad.to(torch.bfloat16), **BF16_TOL)
 
 
-def test_linear_no_input_grad(offload_sim):
-    """Input without requires_grad: weight/bias grads still complete."""
+def test_linear_no_input_grad(offload_dev, compute_device):
+    """Input without requires_grad: weight/bias grads still complete (fp32: bit-exact)."""
     mod = nn.Linear(8, 4)
-    ref = copy.deepcopy(mod)
-    offload_sim(mod)
-    x = torch.randn(3, 8)
+    ref = copy.deepcopy(mod).to(compute_device)
+    offload_dev(mod)
+    x = _randn((3, 8), compute_device)
     mod(x).square().sum().backward()
     ref(x).square().sum().backward()
-    assert torch.equal(mod.weight.grad, ref.weight.grad)
-    assert torch.equal(mod.bias.grad, ref.bias.grad)
+    assert _equal(mod.weight.grad, ref.weight.grad)
+    assert _equal(mod.bias.grad, ref.bias.grad)
 
 
-def test_linear_frozen_params_input_grad_only(offload_sim):
+def test_linear_frozen_params_input_grad_only(offload_dev, compute_device):
     mod = nn.Linear(8, 4)
     mod.requires_grad_(False)
-    ref = copy.deepcopy(mod)
-    offload_sim(mod)
-    x = torch.randn(3, 8, requires_grad=True)
+    ref = copy.deepcopy(mod).to(compute_device)
+    offload_dev(mod)
+    x = _randn((3, 8), compute_device).requires_grad_()
     xr = clone_input(x)
     mod(x).square().sum().backward()
     ref(xr).square().sum().backward()
-    assert torch.equal(x.grad, xr.grad)
+    assert _equal(x.grad, xr.grad)
     assert mod.weight.grad is None and mod.bias.grad is None
 
 
@@ -243,78 +297,82 @@ def _make_conv(dims, cin, cout, k, kw):
 
 
 @pytest.mark.parametrize("dims,cin,cout,k,x_hw,kw", CONV_CASES)
-def test_conv_fp32(offload_sim, dims, cin, cout, k, x_hw, kw):
+def test_conv_fp32(offload_dev, compute_device, dims, cin, cout, k, x_hw, kw):
     mod = _make_conv(dims, cin, cout, k, kw)
     ref = copy.deepcopy(mod)
     _check_same_module(mod, ref, (2, cin, *x_hw), torch.float32, dict(rtol=1e-5, atol=1e-6),
-                       offload_sim=offload_sim)
+                       compute_device, offload_dev)
 
 
 @pytest.mark.parametrize("dims,cin,cout,k,x_hw,kw", CONV_CASES)
-def test_conv_bf16(offload_sim, dims, cin, cout, k, x_hw, kw):
+def test_conv_bf16(offload_dev, compute_device, dims, cin, cout, k, x_hw, kw):
     mod = _make_conv(dims, cin, cout, k, kw).to(torch.bfloat16)
     ref = copy.deepcopy(mod)
-    _check_same_module(mod, ref, (2, cin, *x_hw), torch.bfloat16, BF16_TOL, offload_sim=offload_sim)
+    _check_same_module(mod, ref, (2, cin, *x_hw), torch.bfloat16, BF16_TOL, compute_device, offload_dev)
 
 
 @pytest.mark.parametrize("dims,cin,cout,k,x_hw,kw", [
     c for c in CONV_CASES if c.id in ("1d-stride2-pad1", "2d-same", "2d-groups2", "2d-nobias", "3d-basic")
 ])
-def test_conv_mixed_fp32_weights_bf16_activations(offload_sim, dims, cin, cout, k, x_hw, kw):
+def test_conv_mixed_fp32_weights_bf16_activations(offload_dev, compute_device, dims, cin, cout, k, x_hw, kw):
     mod = _make_conv(dims, cin, cout, k, kw)
     args = dict(stride=mod.stride, padding=mod.padding, dilation=mod.dilation, groups=mod.groups)
     functional = lambda x, w, b: _CONV_F[dims](x, w, b, **args)  # noqa: E731
-    _check_mixed(mod, (2, cin, *x_hw), torch.bfloat16, functional, BF16_TOL, offload_sim)
+    _check_mixed(mod, (2, cin, *x_hw), torch.bfloat16, functional, BF16_TOL, compute_device, offload_dev)
 
 
-def test_conv_unbatched_input(offload_sim):
+def test_conv_unbatched_input(offload_dev, compute_device):
     """nn.Conv2d accepts (C, H, W) inputs; the streamed layer must too."""
     mod = nn.Conv2d(3, 4, 3, padding=1)
     ref = copy.deepcopy(mod)
-    _check_same_module(mod, ref, (3, 6, 6), torch.float32, FP32_TOL, offload_sim=offload_sim)
+    _check_same_module(mod, ref, (3, 6, 6), torch.float32, FP32_TOL, compute_device, offload_dev)
 
 
-def test_conv_padding_mode_reflect_stays_resident(offload_sim):
-    """Non-zero padding modes are not streamed (warning) and still compute correctly."""
+def test_conv_padding_mode_reflect_stays_resident(offload_dev, compute_device):
+    """Non-zero padding modes are not streamed (warning), stay resident on the
+    compute device and still compute correctly."""
+    dev = compute_device
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.Conv2d(4, 2, 3))
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(dev)
     with pytest.warns(RuntimeWarning, match="padding_mode='reflect'"):
-        handle = offload_sim(model)
+        handle = offload_dev(model)
     assert handle.layers == ["1"]
-    x = torch.randn(1, 3, 6, 6, requires_grad=True)
+    assert model[0].weight.device == dev, "offload() moves resident layers to the compute device"
+    x = _randn((1, 3, 6, 6), dev).requires_grad_()
     xr = clone_input(x)
     y, yr = model(x), ref(xr)
+    assert y.device == dev
     y.sum().backward()
     yr.sum().backward()
-    torch.testing.assert_close(y, yr, **FP32_TOL)
-    torch.testing.assert_close(x.grad, xr.grad, **FP32_TOL)
+    _close(y, yr, **FP32_TOL)
+    _close(x.grad, xr.grad, **FP32_TOL)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+        _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
 
 
 # ---------------------------------------------------------------- repeated use
-def test_same_layer_called_twice_per_step(offload_sim):
+def test_same_layer_called_twice_per_step(offload_dev, compute_device):
     """A streamed layer used twice in one forward (weight sharing) accumulates both grads."""
     lin = nn.Linear(6, 6)
-    ref = copy.deepcopy(lin)
-    offload_sim(lin)
-    x = torch.randn(4, 6, requires_grad=True)
+    ref = copy.deepcopy(lin).to(compute_device)
+    offload_dev(lin)
+    x = _randn((4, 6), compute_device).requires_grad_()
     xr = clone_input(x)
     lin(torch.tanh(lin(x))).sum().backward()
     ref(torch.tanh(ref(xr))).sum().backward()
-    torch.testing.assert_close(x.grad, xr.grad, **FP32_TOL)
-    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, **FP32_TOL)
-    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, **FP32_TOL)
+    _close(x.grad, xr.grad, **FP32_TOL)
+    _close(lin.weight.grad, ref.weight.grad, **FP32_TOL)
+    _close(lin.bias.grad, ref.bias.grad, **FP32_TOL)
 
 
-def test_repeated_steps_accumulate_into_existing_grad(offload_sim):
+def test_repeated_steps_accumulate_into_existing_grad(offload_dev, compute_device):
     """Without zero_grad, grads of 3 steps add up into param.grad (like the reference)."""
     mod = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 3))
-    ref = copy.deepcopy(mod)
-    offload_sim(mod)
+    ref = copy.deepcopy(mod).to(compute_device)
+    offload_dev(mod)
     for _ in range(3):
-        x = torch.randn(4, 5)
+        x = _randn((4, 5), compute_device)
         mod(x).pow(2).sum().backward()
         ref(x).pow(2).sum().backward()
     for (n, p), (_, q) in zip(mod.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+        _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
