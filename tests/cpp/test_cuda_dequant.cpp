@@ -401,8 +401,9 @@ TEST(CudaDequantArgs, EmptyTensorIsANoOp) {
   }
 }
 
-// With two or more GPUs: the kernel runs on the stream's device even when the
-// calling thread has another device current, and that device stays current.
+// With two or more GPUs: the kernel runs on the stream's device (for the
+// default stream: the output's device) even when the calling thread has
+// another device current, and that device stays current.
 TEST(CudaDequantDevices, LaunchesOnTheStreamsDevice) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device available";
   int count = 0;
@@ -433,7 +434,19 @@ TEST(CudaDequantDevices, LaunchesOnTheStreamsDevice) {
   CUDA_OK(cudaStreamSynchronize(stream));
   CUDA_OK(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
   EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size() * 2), 0);
+
+  // nullptr (torch's "default stream of cuda:N"): the output's device's default stream.
   CUDA_OK(cudaSetDevice(dev));
+  CUDA_OK(cudaMemset(dout, 0, got.size() * 2));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaSetDevice(0));
+  q::dequantize_cuda(L, dpacked, dout, OutDtype::BF16, nullptr);
+  CUDA_OK(cudaGetDevice(&cur));
+  EXPECT_EQ(cur, 0);
+  CUDA_OK(cudaSetDevice(dev));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size() * 2), 0);
   CUDA_OK(cudaStreamDestroy(stream));
   CUDA_OK(cudaFree(dpacked));
   CUDA_OK(cudaFree(dout));

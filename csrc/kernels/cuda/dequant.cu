@@ -201,17 +201,32 @@ bool is_per_device_default_stream(cudaStream_t s) {
 // A kernel must be launched with its stream's device current. Callers may be
 // on a thread where another device is current (a framework thread, a device
 // other than 0), so select the stream's device for the launch and restore the
-// caller's afterwards. A default-stream handle means "the current device's".
+// caller's afterwards. A default-stream handle names a stream of whichever
+// device is current; for it the device is the output buffer's (torch hands
+// out nullptr for "the default stream of cuda:N"), or the current one when
+// the output is not device memory.
 class StreamDeviceGuard {
  public:
-  explicit StreamDeviceGuard(cudaStream_t stream) {
-    if (is_per_device_default_stream(stream)) return;
+  StreamDeviceGuard(cudaStream_t stream, const void* out_dev) {
     int dev = -1;
-    cudaError_t e = cudaStreamGetDevice(stream, &dev);
-    if (e != cudaSuccess) {
-      clear_error(e);
-      LS_FAIL("dequantize_cuda: cannot query the device of the CUDA stream (cudaStreamGetDevice: ",
-              cudaGetErrorString(e), "); pass a live cudaStream_t");
+    cudaError_t e = cudaSuccess;
+    if (is_per_device_default_stream(stream)) {
+      cudaPointerAttributes attr{};
+      e = cudaPointerGetAttributes(&attr, out_dev);
+      if (e != cudaSuccess) {
+        clear_error(e);
+        return;
+      }
+      if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) return;
+      if (attr.device < 0) return;
+      dev = attr.device;
+    } else {
+      e = cudaStreamGetDevice(stream, &dev);
+      if (e != cudaSuccess) {
+        clear_error(e);
+        LS_FAIL("dequantize_cuda: cannot query the device of the CUDA stream (cudaStreamGetDevice: ",
+                cudaGetErrorString(e), "); pass a live cudaStream_t");
+      }
     }
     int cur = -1;
     e = cudaGetDevice(&cur);
@@ -306,7 +321,7 @@ void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* o
   const uint8_t* base = static_cast<const uint8_t*>(packed_dev);
   cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
 
-  StreamDeviceGuard guard(stream);
+  StreamDeviceGuard guard(stream, out_dev);
   cudaError_t err = cudaSuccess;
   switch (layout.format) {
     case Format::Int8:

@@ -13,9 +13,11 @@ namespace quant {
 // elements of `dtype` (bf16/f16 as raw 16-bit values). Enqueued on
 // `cuda_stream` (a cudaStream_t; nullptr = the legacy default stream); the
 // call returns without waiting. The kernel runs on the stream's device, which
-// is made current for the launch and the caller's current device restored
-// (a default-stream handle means the caller's current device); both pointers
-// must be usable from that device. The result is bit-identical to
+// is made current for the launch and the caller's current device restored;
+// with a default-stream handle (nullptr, cudaStreamLegacy,
+// cudaStreamPerThread) it is the default stream of out_dev's device (of the
+// current device if out_dev is not device memory). Both pointers must be
+// usable from that device. The result is bit-identical to
 // dequantize_cpu() for every code and every finite scale / zero point.
 // Throws layerstream::Error on a bad layout, misaligned pointers (checked
 // before any CUDA call), or a launch error (with cudaGetErrorString's text).
