@@ -7,8 +7,10 @@
 // 1.00 is perfect overlap. Goal: <= 1.10 at every ratio with prefetch >= 2.
 //
 //   build/bench/bench_overlap [--layers 24] [--compute-ms 3] [--layer-mib 1]
-//                             [--steps 5] [--json] [--no-versions] [--quant]
+//                             [--steps 5] [--json] [--no-versions] [--quant] [--dequant]
 // --quant: bf16 vs int8/fp8/nf4/int4 bytes over one transfer-bound link.
+// --dequant: where the dequantization runs (transfer path vs at use), with
+//            the real CPU kernel, on a compute-bound stack.
 // --no-versions: the scheduler is not told that weights are unchanged, so
 // it drops slot content and stops prefetching at every step boundary. [--no-versions]
 #include <cstdio>
@@ -27,7 +29,52 @@ namespace {
 struct Config : OverlapConfig {
   bool json = false;
   bool quant = false;
+  bool dequant = false;
 };
+
+// --dequant: each format, dequantized on the transfer path (a post-copy step
+// on the dequant stream) vs at use (on the compute stream before the layer's
+// compute), link at transfer/compute = 0.5 per packed layer. On the transfer
+// path the dequantization hides behind compute; at use it adds to every layer.
+int run_dequant(const Config& c) {
+  using namespace layerstream;
+  using layerstream::bench::DequantAt;
+  const double ratio = 0.5;
+  if (!c.json)
+    std::printf("sim, dequantization placement: %d layers x %.2f ms compute, %.2f MiB bf16 weights each, "
+                "link: packed layer transfer = %.1f x compute, prefetch 2, median of %d steps\n"
+                "%-6s %-14s %-9s %-9s %-15s %-10s %s\n",
+                c.layers, c.compute_ms, c.layer_mib, ratio, c.steps, "format", "dequant at", "step ms",
+                "ideal ms", "dequant ms/lyr", "step/ideal", "use/transfer-path");
+  else
+    std::printf("[");
+  bool first = true;
+  for (const char* f : {"int8", "fp8", "nf4", "int4"}) {
+    double path_ms = 0;
+    for (DequantAt at : {DequantAt::TransferPath, DequantAt::Use}) {
+      const auto r = layerstream::bench::run_dequant_case(c, f, ratio, at);
+      if (r.ordering_errors) {
+        std::fprintf(stderr, "ordering errors: %zu, first: %s\n", r.ordering_errors, r.first_ordering_error.c_str());
+        return 1;
+      }
+      const bool tp = at == DequantAt::TransferPath;
+      if (tp) path_ms = r.step_ms;
+      if (c.json) {
+        std::printf("%s{\"format\": \"%s\", \"dequant_at\": \"%s\", \"step_ms\": %.3f, \"ideal_ms\": %.3f, "
+                    "\"dequant_ms_per_layer\": %.3f, \"overlap_ratio\": %.4f}",
+                    first ? "" : ", ", f, tp ? "transfer_path" : "use", r.step_ms, r.ideal_ms, r.dequant_ms,
+                    r.step_ms / r.ideal_ms);
+      } else {
+        std::printf("%-6s %-14s %-9.2f %-9.2f %-15.3f %-10.3f %s\n", f, tp ? "transfer path" : "use",
+                    r.step_ms, r.ideal_ms, r.dequant_ms, r.step_ms / r.ideal_ms,
+                    tp ? "" : std::to_string(r.step_ms / path_ms).substr(0, 5).c_str());
+      }
+      first = false;
+    }
+  }
+  if (c.json) std::printf("]\n");
+  return 0;
+}
 
 // --quant: the same stack with its weights in bf16 and in each packed format,
 // over one fixed link chosen so that bf16 is strongly transfer-bound (transfer/compute
@@ -103,8 +150,9 @@ int main(int argc, char** argv) {
     else if (a == "--json") c.json = true;
     else if (a == "--no-versions") c.versioned = false;
     else if (a == "--quant") c.quant = true;
+    else if (a == "--dequant") c.dequant = true;
     else {
-      std::fprintf(stderr, "usage: bench_overlap [--layers N] [--compute-ms MS] [--layer-mib MIB] [--steps N] [--json] [--no-versions] [--quant]\n");
+      std::fprintf(stderr, "usage: bench_overlap [--layers N] [--compute-ms MS] [--layer-mib MIB] [--steps N] [--json] [--no-versions] [--quant] [--dequant]\n");
       return 2;
     }
   }
@@ -113,6 +161,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (c.quant) return run_quant(c);
+  if (c.dequant) return run_dequant(c);
   std::vector<OverlapResult> results;
   for (double ratio : {0.5, 1.0, 2.0})
     for (int k : {0, 1, 2, 3}) {

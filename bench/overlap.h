@@ -25,6 +25,20 @@ struct OverlapConfig {
   bool versioned = true;
 };
 
+// Where a quantized layer is dequantized (run_dequant_case).
+enum class DequantAt { TransferPath, Use };
+
+struct DequantResult {
+  std::string format;
+  DequantAt at = DequantAt::TransferPath;
+  double step_ms = 0;        // median step time
+  double dequant_ms = 0;     // measured CPU dequantization time of one layer
+  double transfer_ms = 0;    // modelled transfer time of one packed layer
+  double ideal_ms = 0;       // max(total compute, total transfer, total dequant)
+  size_t ordering_errors = 0;
+  std::string first_ordering_error;
+};
+
 struct OverlapResult {
   double ratio = 0;     // transfer / compute
   int prefetch = 0;
@@ -40,6 +54,15 @@ struct OverlapResult {
 
 // One case. Throws layerstream::Error on invalid configs.
 OverlapResult run_overlap_case(const OverlapConfig& config, double ratio, int prefetch);
+
+// A stack of `layers` bf16 weights of `layer_mib` MiB each, packed in
+// `format`, streamed with prefetch 2 over a link on which one packed layer
+// takes `ratio` x compute_ms, and dequantized (the real CPU reference kernel,
+// into the slot's workspace) either on the transfer path (scheduler
+// post-copy work on a dequant stream of its own) or at use (on the compute
+// stream, before the layer's compute). Ordering checker on.
+DequantResult run_dequant_case(const OverlapConfig& config, const std::string& format, double ratio,
+                               DequantAt at);
 
 // Every (ratio, prefetch) pair, ratios outer.
 std::vector<OverlapResult> run_overlap(const OverlapConfig& config,

@@ -235,7 +235,7 @@ Plan plan_placement(const PlannerInput& in) {
       if (resident[i]) {
         c.resident_bytes += in.layers[i].resident_bytes;
       } else {
-        c.slot_bytes = std::max(c.slot_bytes, in.layers[i].bytes);
+        c.slot_bytes = std::max(c.slot_bytes, in.layers[i].streamed_slot_bytes());
         c.streamed_bytes += in.layers[i].bytes;
         ++c.num_streamed;
       }
@@ -250,20 +250,23 @@ Plan plan_placement(const PlannerInput& in) {
   if (!total_overflow && total_resident <= in.budget_bytes) {
     best = build(std::vector<char>(n, 1), in.min_slots);
   } else {
-    // The largest layer (first one on ties) sets the minimum slot size.
+    // The largest slot (first one on ties) sets the minimum slot size.
     size_t largest = 0;
     for (size_t i = 1; i < n; ++i)
-      if (in.layers[i].bytes > in.layers[largest].bytes) largest = i;
+      if (in.layers[i].streamed_slot_bytes() > in.layers[largest].streamed_slot_bytes()) largest = i;
     const PlannerLayer& L = in.layers[largest];
+    const uint64_t L_slot = L.streamed_slot_bytes();
     const uint64_t room = in.budget_bytes - in.fixed_resident_bytes;
     const uint64_t min_slots = static_cast<uint64_t>(in.min_slots);
-    if (L.bytes > room / min_slots) {
+    if (L_slot > room / min_slots) {
       long double needed = static_cast<long double>(in.fixed_resident_bytes) +
-                           static_cast<long double>(min_slots) * static_cast<long double>(L.bytes);
+                           static_cast<long double>(min_slots) * static_cast<long double>(L_slot);
       uint64_t needed_b = needed >= 18446744073709551615.0L ? UINT64_MAX : static_cast<uint64_t>(needed);
       LS_FAIL("budget ", format_bytes(in.budget_bytes), " (", in.budget_bytes,
-              " bytes) is too small: the largest layer ", json::quote(L.name), " is ", format_bytes(L.bytes), " (",
-              L.bytes, " bytes) and streaming needs ", in.min_slots, " slots of it",
+              " bytes) is too small: the largest layer ", json::quote(L.name),
+              L_slot > L.bytes ? " needs a slot of " : " is ", format_bytes(L_slot), " (", L_slot, " bytes",
+              L_slot > L.bytes ? ": " + format_bytes(L.bytes) + " packed + the dequantized weight" : std::string(),
+              ") and streaming needs ", in.min_slots, " slots of it",
               in.fixed_resident_bytes ? " plus " + format_bytes(in.fixed_resident_bytes) + " of small resident tensors"
                                       : std::string(),
               "; a budget of at least ", format_bytes(needed_b), " (", needed_b,
@@ -287,15 +290,15 @@ Plan plan_placement(const PlannerInput& in) {
     bool have_best = false;
     const int max_slots = in.max_prefetch + 1;
     for (int k = in.min_slots; k <= std::max(in.min_slots, max_slots); ++k) {
-      if (L.bytes > room / static_cast<uint64_t>(k)) break;  // k slots of the largest layer do not fit
+      if (L_slot > room / static_cast<uint64_t>(k)) break;  // k slots of the largest layer do not fit
       std::vector<char> resident(n, 0);
-      std::multiset<uint64_t> streamed;
-      for (const auto& l : in.layers) streamed.insert(l.bytes);
+      std::multiset<uint64_t> streamed;  // slot sizes of the streamed layers
+      for (const auto& l : in.layers) streamed.insert(l.streamed_slot_bytes());
       uint64_t res = in.fixed_resident_bytes;
       for (size_t i : order) {
         const PlannerLayer& l = in.layers[i];
         if (l.resident_bytes > in.budget_bytes - res) continue;
-        auto it = streamed.find(l.bytes);
+        auto it = streamed.find(l.streamed_slot_bytes());
         LS_INTERNAL_CHECK(it != streamed.end());
         streamed.erase(it);
         uint64_t slot = streamed.empty() ? 0 : *streamed.rbegin();
@@ -306,7 +309,7 @@ Plan plan_placement(const PlannerInput& in) {
           resident[i] = 1;
           res = new_res;
         } else {
-          streamed.insert(l.bytes);
+          streamed.insert(l.streamed_slot_bytes());
         }
       }
       Candidate c = build(resident, k);
@@ -539,7 +542,13 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     PlannerLayer s;
     s.name = l.name;
     uint64_t bias = l.bias_dtype.empty() ? 0 : bytes_of(l.bias_numel, l.bias_dtype);
-    s.bytes = quantized_weight_bytes(l.weight_shape, l.weight_dtype, opt.quantize) + bias;
+    const uint64_t w_stored = bytes_of(l.weight_numel(), l.weight_dtype);
+    const uint64_t w_bus = quantized_weight_bytes(l.weight_shape, l.weight_dtype, opt.quantize);
+    s.bytes = w_bus + bias;
+    // A quantized layer's slot also holds its dequantized weight (in the
+    // stored dtype), written on the device after the copy.
+    if (opt.quantize != Quantization::None && w_bus != w_stored)
+      s.slot_bytes = s.bytes + w_stored + quant::kSectionAlign;
     s.resident_bytes = opt.resident_dequantized ? l.stored_bytes() : s.bytes;
     uint64_t rows = l.weight_shape.empty() ? 0 : l.weight_shape[0];
     uint64_t row_size = rows ? l.weight_numel() / rows : 0;

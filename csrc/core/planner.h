@@ -22,6 +22,9 @@ namespace layerstream {
 struct PlannerLayer {
   std::string name;
   uint64_t bytes = 0;           // bytes that cross the bus when streamed (packed if quantized)
+  uint64_t slot_bytes = 0;      // device bytes of its slot when streamed, if more than `bytes`
+                                // (quantized: packed + dequantized workspace); 0 = `bytes`
+  uint64_t streamed_slot_bytes() const { return slot_bytes > bytes ? slot_bytes : bytes; }
   uint64_t resident_bytes = 0;  // bytes it occupies on the device if kept resident
   double flops = 0.0;           // FLOPs per step (0 = unknown)
   bool trainable = false;       // training: its gradient is offloaded to the host when streamed
@@ -54,7 +57,7 @@ struct Plan {
   uint64_t budget_bytes = 0;
   uint64_t resident_bytes = 0;        // resident layers (their resident_bytes)
   uint64_t fixed_resident_bytes = 0;  // small always-resident tensors
-  uint64_t slot_bytes = 0;            // largest streamed layer (0 when nothing streams)
+  uint64_t slot_bytes = 0;            // largest streamed layer's slot (0 when nothing streams)
   int num_slots = 0;                  // 0 when nothing streams, else >= 2
   int prefetch_depth = 0;             // num_slots - 1 (0 when nothing streams)
   uint64_t device_bytes = 0;          // resident + fixed + num_slots * slot_bytes  (<= budget)

@@ -76,9 +76,12 @@ PYBIND11_MODULE(_C, m) {
   });
 
   // The placement planner (core/planner.h): which layers stay resident.
+  // layers: (name, bus bytes, slot bytes (0 = bus bytes), resident bytes,
+  // FLOPs, trainable) in execution order.
   m.def(
       "plan",
-      [](uint64_t budget, const std::vector<std::tuple<std::string, uint64_t, uint64_t, double, bool>>& layers,
+      [](uint64_t budget,
+         const std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool>>& layers,
          uint64_t fixed, double link_bytes_per_s, double flops_per_s, bool training, int max_prefetch) {
         layerstream::PlannerInput in;
         in.budget_bytes = budget;
@@ -87,10 +90,11 @@ PYBIND11_MODULE(_C, m) {
         in.device_flops_per_s = flops_per_s;
         in.training = training;
         in.max_prefetch = std::max(1, max_prefetch);
-        for (const auto& [name, bytes, resident, flops, trainable] : layers) {
+        for (const auto& [name, bytes, slot_bytes, resident, flops, trainable] : layers) {
           layerstream::PlannerLayer l;
           l.name = name;
           l.bytes = bytes;
+          l.slot_bytes = slot_bytes;
           l.resident_bytes = resident;
           l.flops = flops;
           l.trainable = trainable;

@@ -18,9 +18,10 @@ int device_count();
 std::shared_ptr<Backend> make_backend(int device);
 // The framework's current CUDA stream on `device` (a cudaStream_t).
 void* current_stream(int device);
-// Dequantizes a packed weight on `device`, on the framework's current stream.
-void dequantize(const quant::PackedLayout& layout, const void* packed, void* out,
-                quant::OutDtype dtype, int device);
+// Dequantizes a packed weight on `device`, enqueued on `stream` (a
+// cudaStream_t of that device); sets the current device for the launch.
+void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* out,
+                   quant::OutDtype dtype, int device, void* stream);
 // Peak device bytes allocated through a CUDA backend (0 for other backends).
 size_t peak_device_bytes(Backend& backend);
 

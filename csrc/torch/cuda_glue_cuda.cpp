@@ -1,4 +1,5 @@
 // Compiled only when LibTorch has CUDA and the CUDA toolkit is found.
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
 
@@ -22,9 +23,11 @@ void* current_stream(int device) {
       c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
 }
 
-void dequantize(const quant::PackedLayout& layout, const void* packed, void* out,
-                quant::OutDtype dtype, int device) {
-  quant::dequantize_cuda(layout, packed, out, dtype, current_stream(device));
+void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* out,
+                   quant::OutDtype dtype, int device, void* stream) {
+  // The caller may be any thread (e.g. an autograd worker on another device).
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  quant::dequantize_cuda(layout, packed, out, dtype, stream);
 }
 
 size_t peak_device_bytes(Backend& backend) {

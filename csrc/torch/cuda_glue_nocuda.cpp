@@ -12,7 +12,7 @@ std::shared_ptr<Backend> make_backend(int) {
           "without the CUDA toolkit); use device='sim'");
 }
 void* current_stream(int) { LS_FAIL("this layerstream build has no CUDA support"); }
-void dequantize(const quant::PackedLayout&, const void*, void*, quant::OutDtype, int) {
+void dequantize_on(const quant::PackedLayout&, const void*, void*, quant::OutDtype, int, void*) {
   LS_FAIL("this layerstream build has no CUDA support");
 }
 size_t peak_device_bytes(Backend&) { return 0; }

@@ -116,6 +116,7 @@ Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) 
   if (opts_.trace) tracer_ = std::make_shared<TraceRecorder>();
   transfer_ = backend_->create_stream("transfer");
   grad_stream_ = backend_->create_stream("grad");
+  dequant_stream_ = backend_->create_stream("dequant");
 }
 
 Engine::~Engine() {
@@ -131,6 +132,7 @@ Engine::~Engine() {
   try {
     backend_->synchronize(grad_stream_);
     backend_->destroy_stream(transfer_);
+    backend_->destroy_stream(dequant_stream_);
     backend_->destroy_stream(grad_stream_);
     if (inline_compute_) backend_->destroy_stream(inline_compute_);
   } catch (...) {
@@ -355,7 +357,11 @@ void Engine::build_scheduler_locked() {
     s.name = l.name;
     s.parts.push_back(store_->buffer(l.w_index));
     if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
-    const size_t bytes = align256(l.w_bytes) + align256(l.b_bytes);
+    if (l.qformat != quant::Format::None) {
+      s.workspace_bytes = dense_weight_bytes(l);
+      s.post_copy = make_dequant_step(l, s.parts.size());
+    }
+    const size_t bytes = align256(l.w_bytes) + align256(l.b_bytes) + align256(s.workspace_bytes);
     if (bytes > largest) {
       largest = bytes;
       largest_i = static_cast<int>(i);
@@ -366,6 +372,7 @@ void Engine::build_scheduler_locked() {
   const size_t slot_bytes = std::max(largest, largest_grad);
   SchedulerOptions so;
   so.slot_bytes = slot_bytes;
+  so.post_copy_stream = dequant_stream_;
   so.prefetch_depth = opts_.prefetch;
   if (opts_.cache_across_steps) {
     // Opt-in: slot content stays valid across steps while the parameters'
@@ -445,21 +452,47 @@ void Engine::check_host_alias(const LayerInfo& l) const {
              "first or copy new values in place.");
 }
 
-torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
-  if (l.qformat != quant::Format::None) {
-    // Packed in the slot: dequantize on the device, on the compute stream,
-    // straight to the activation dtype.
-    torch::Tensor out = torch::empty(l.w_shape, torch::TensorOptions().dtype(dtype).device(compute_device_));
-    if (compute_device_.is_cpu()) {
-      quant::dequantize_cpu(l.qlayout, lease.part_ptr(0), out.data_ptr(), out_dtype_of(dtype), 1);
-    } else {
-      cuda_glue::dequantize(l.qlayout, lease.part_ptr(0), out.data_ptr(), out_dtype_of(dtype),
-                            compute_device_.index());
+size_t Engine::dense_weight_bytes(const LayerInfo& l) {
+  int64_t numel = 1;
+  for (int64_t d : l.w_shape) numel *= d;
+  return static_cast<size_t>(numel) * c10::elementSize(l.w_dtype);
+}
+
+PostCopyFn Engine::make_dequant_step(const LayerInfo& l, size_t workspace_part) {
+  // Runs on the dequant stream right after the packed weight landed in the
+  // slot (the scheduler orders it after the copy and the slot's readers after
+  // it): packed weight -> workspace, in the layer's dense dtype.
+  Backend* be = backend_.get();
+  const quant::PackedLayout layout = l.qlayout;
+  const quant::OutDtype dtype = out_dtype_of(l.w_dtype);
+  const bool on_cpu = compute_device_.is_cpu();
+  const int device = compute_device_.index();
+  const std::string what = "dequantize '" + l.name + "'";
+  return [be, layout, dtype, on_cpu, device, what, workspace_part](
+             const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
+    const char* base = static_cast<const char*>(slot.ptr);
+    const void* packed = base + off.at(0);
+    void* out = const_cast<char*>(base) + off.at(workspace_part);
+    if (be->caps().ordering_checker) {
+      be->declare_access(slot, Access::Read, s, what + " (reads the packed weight)");
+      be->declare_access(slot, Access::Write, s, what + " (writes the dequantized weight)");
     }
-    return out;
-  }
+    if (on_cpu) {
+      // The sim device: the CPU reference kernel, in order on the stream.
+      be->launch_host_func(s, [layout, packed, out, dtype] {
+        quant::dequantize_cpu(layout, packed, out, dtype, 1);
+      });
+    } else {
+      cuda_glue::dequantize_on(layout, packed, out, dtype, device, s.native());
+    }
+  };
+}
+
+torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
   auto opts = torch::TensorOptions().dtype(l.w_dtype).device(compute_device_);
-  torch::Tensor w = torch::from_blob(lease.part_ptr(0), l.w_shape, opts);
+  // Quantized: the dequantized copy in the slot's workspace (after the parts).
+  const size_t part = l.qformat == quant::Format::None ? 0 : (l.bias.defined() ? 2 : 1);
+  torch::Tensor w = torch::from_blob(lease.part_ptr(part), l.w_shape, opts);
   return w.scalar_type() == dtype ? w : w.to(dtype);
 }
 

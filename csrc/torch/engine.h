@@ -93,8 +93,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Registers a streamed layer and moves its parameter data into the host
   // store. weight/bias are the module's parameters (bias may be undefined).
   // With a quantization format the weight is packed on the host (it must be
-  // frozen: requires_grad false), crosses the bus packed and is dequantized
-  // on the device to the activation dtype at use. The engine keeps no
+  // frozen: requires_grad false) and crosses the bus packed; right after the
+  // copy, a dequantization on the engine's dequant stream writes the weight
+  // in its dense dtype into the same slot (the slot holds both, inside the
+  // budget), and compute waits only for that (cast to the activation dtype
+  // at use if it differs, like unquantized weights). The engine keeps no
   // reference to the dense weight: callers replace the module's parameter
   // by a data-less (meta) one so the dense copy is freed (the Python layer
   // does). The bias stays float. See docs/design/quant-formats.md.
@@ -203,6 +206,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void accumulate_locked(LayerInfo& l);
   void drain_grads();
   size_t grad_bytes(const LayerInfo& l) const;
+  static size_t dense_weight_bytes(const LayerInfo& l);
+  PostCopyFn make_dequant_step(const LayerInfo& l, size_t workspace_part);
 
   EngineOptions opts_;
   uint64_t id_;
@@ -211,7 +216,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::shared_ptr<Backend> backend_;
   std::shared_ptr<HostStore> store_;
   std::shared_ptr<void> keepalive_;  // held by parameters' data: store + backend
-  Stream transfer_, grad_stream_, inline_compute_;
+  Stream transfer_, grad_stream_, dequant_stream_, inline_compute_;
   std::map<void*, Stream> wrapped_streams_;
 
   mutable std::recursive_mutex mu_;

@@ -410,8 +410,10 @@ def offload(
             + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
     # 1. Per layer: quantization format (or pre-quantized int8) and the bytes
-    #    it takes in a slot (as the engine lays them out) or resident.
-    layers = []  # (name, module, kind, fmt, pre, slot_bytes, resident_bytes)
+    #    it takes on the bus, in a slot (as the engine lays them out) or resident.
+    #    A quantized layer's slot holds the packed weight and, after it, the
+    #    weight dequantized on the device (in its dense dtype).
+    layers = []  # (name, module, kind, fmt, pre, bus_bytes, slot_bytes, resident_bytes)
     unpackable = []
     for name, module, kind in candidates:
         weight, bias = module.weight, module.bias
@@ -431,10 +433,12 @@ def offload(
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
         if pre is not None or fmt is not None:
             w_bytes = _C.quant_packed_bytes(fmt or "int8", rows, cols)
+            workspace = _align256(dense_w)
         else:
             w_bytes = dense_w
-        layers.append((name, module, kind, fmt, pre, _align256(w_bytes) + _align256(b_bytes),
-                       dense_w + b_bytes))
+            workspace = 0
+        bus = _align256(w_bytes) + _align256(b_bytes)
+        layers.append((name, module, kind, fmt, pre, bus, bus + workspace, dense_w + b_bytes))
     if unpackable:
         warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
                       f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
@@ -455,7 +459,8 @@ def offload(
                 if t is not None and t.device.type != "meta":
                     fixed += t.numel() * t.element_size()
         plan = _C.plan(budget_bytes,
-                       [(n, sb, rb, 0.0, bool(m.weight.requires_grad)) for n, m, _, _, _, sb, rb in layers],
+                       [(n, bb, sb, rb, 0.0, bool(m.weight.requires_grad))
+                        for n, m, _, _, _, bb, sb, rb in layers],
                        fixed, max_prefetch=max(1, opts["prefetch"]))
         resident_names = set(plan["resident"])
         opts["budget_bytes"] = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
@@ -464,7 +469,7 @@ def offload(
     engine = _C.Engine(opts)
     attached: List[_Attached] = []
     streamed_params = set()
-    for name, module, kind, fmt, pre, _, _ in layers:
+    for name, module, kind, fmt, pre, _, _, _ in layers:
         if name in resident_names:
             continue
         weight, bias = module.weight, module.bias

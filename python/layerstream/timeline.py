@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-_COLORS = {"compute": "#4c72b0", "transfer": "#dd8452", "grad": "#55a868", "stall": "#c44e52"}
+_COLORS = {"compute": "#4c72b0", "transfer": "#dd8452", "grad": "#55a868", "stall": "#c44e52",
+           "post-copy": "#937860"}
 
 
 def plot_chrome_trace(trace_json: str, path: str, max_ms: Optional[float] = None) -> None:

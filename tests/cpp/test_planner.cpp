@@ -225,9 +225,11 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       PlannerLayer l = layer("layer" + std::to_string(i), bytes, rng() % 4 == 0 ? 0.0 : static_cast<double>(rng() % 1000000000000ull));
       l.resident_bytes = rng() % 3 == 0 ? bytes * (1 + rng() % 4) : bytes;
       l.trainable = rng() % 2;
+      // Like a quantized layer: the slot also holds the dequantized weight.
+      if (rng() % 8 == 0) l.slot_bytes = bytes + bytes * (1 + rng() % 4);
       in.layers.push_back(l);
       total += l.resident_bytes;
-      largest = std::max(largest, bytes);
+      largest = std::max(largest, l.streamed_slot_bytes());
     }
     in.fixed_resident_bytes = rng() % 3 == 0 ? rng() % (largest + 1) : 0;
     in.budget_bytes = static_cast<uint64_t>(static_cast<double>(total + in.fixed_resident_bytes) *
@@ -261,7 +263,7 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
         res += l.resident_bytes;
       } else {
         streamed += l.bytes;
-        slot = std::max(slot, l.bytes);
+        slot = std::max(slot, in.layers[i].streamed_slot_bytes());
         ++ns;
       }
     }
@@ -285,8 +287,30 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
     Plan again = plan_placement(in);
     EXPECT_EQ(again.to_json(), p.to_json());
   }
-  EXPECT_GT(planned, 300);
+  EXPECT_GT(planned, 250);  // enough plans exercised (larger quantized-like slots reject more)
   EXPECT_GT(rejected, 5);
+}
+
+TEST(Planner, SlotHoldsPackedAndDequantizedWeight) {
+  // Two quantized layers: 1 MiB crosses the bus, but each slot holds 5 MiB
+  // (packed + dequantized). 2 slots of 5 MiB must fit, not 2 of 1 MiB.
+  PlannerInput in;
+  for (int i = 0; i < 2; ++i) {
+    PlannerLayer l = layer("q" + std::to_string(i), MiB);
+    l.resident_bytes = 6 * MiB;
+    l.slot_bytes = 5 * MiB;
+    in.layers.push_back(l);
+  }
+  in.budget_bytes = 9 * MiB;  // < 12 (all resident) and < 2 slots of 5
+  const std::string m = error_of([&] { plan_placement(in); });
+  EXPECT_HAS(m, "needs a slot of 5.00 MiB");
+  EXPECT_HAS(m, "1.00 MiB packed + the dequantized weight");
+  in.budget_bytes = 10 * MiB;
+  Plan p = plan_placement(in);
+  EXPECT_EQ(p.slot_bytes, 5 * MiB);
+  EXPECT_EQ(p.num_slots, 2);
+  EXPECT_EQ(p.host_pinned_bytes, 2 * MiB);  // packed bytes cross the bus
+  EXPECT_LE(p.device_bytes, in.budget_bytes);
 }
 
 // ------------------------------------------------------------ models

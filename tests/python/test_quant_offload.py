@@ -160,3 +160,61 @@ def test_prequantized_torch_qint8_weight_streams_exactly():
     h = layerstream.offload(lin, device="sim")
     assert torch.equal(lin(x), expected)
     assert h.stats()["h2d_bytes"] < 64 * 32 * 2  # packed int8, not fp32
+
+
+def _align256(n):
+    return (n + 255) // 256 * 256
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_dequantized_on_the_transfer_path_inside_the_budget(fmt, tmp_path):
+    """The packed weight and its dequantized copy share the layer's slot: the
+    dequantization runs on the dequant stream right after the copy (a
+    'post-copy' slice per fetch in the timeline), not on the compute path,
+    and the whole slot counts against the budget."""
+    import json
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=(i % 2 == 0)) for i in range(4)]).to(torch.bfloat16)
+    model.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    packed = layerstream._C.quant_packed_bytes(fmt, 256, 256)
+    dense = 256 * 256 * 2
+    slot = _align256(packed) + _align256(256 * 2) + _align256(dense)  # weight, bias, workspace
+    h = layerstream.offload(model, device="sim", quantize=fmt, trace=True, budget=2 * slot)
+    with torch.no_grad():
+        for _ in range(3):
+            y = model(x)
+    s = h.stats()
+    assert s["slot_bytes"] == slot
+    assert s["peak_device_bytes"] <= 2 * slot
+    assert h.ordering_errors() == []
+    # Each step copies only the packed bytes.
+    assert s["h2d_bytes"] >= 3 * 4 * packed
+    assert s["h2d_bytes"] <= 3 * (4 * _align256(packed) + 2 * 512)
+    path = tmp_path / "trace.json"
+    h.export_trace(str(path))
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    post = [e for e in events if e.get("ph") == "X" and lanes.get(e["tid"]) == "post-copy"]
+    assert len(post) >= 4, "every fetched quantized layer is dequantized on the post-copy lane"
+    assert all(e["name"].startswith("dequant ") for e in post)
+    # The compute lane does not dequantize.
+    assert not any(e["name"].startswith("dequant") for e in events
+                   if e.get("ph") == "X" and lanes.get(e["tid"]) != "post-copy")
+    # Same numbers as the dense layers with the host-dequantized weights
+    # (detach() restores those): the device dequantization is bit-identical.
+    h.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x), y)
+        assert not torch.equal(ref(x), y)  # it really was quantized
+
+
+def test_budget_must_hold_packed_and_dequantized_weight():
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False))
+    model.requires_grad_(False)
+    packed = _align256(layerstream._C.quant_packed_bytes("nf4", 256, 256))
+    # Enough for 2 slots of packed bytes, not for packed + dequantized fp32.
+    with pytest.raises(layerstream.LayerstreamError, match="packed \\+ the dequantized weight"):
+        layerstream.offload(model, device="sim", quantize="nf4", budget=3 * packed)
