@@ -536,6 +536,14 @@ def write_md(res: dict, path: Path) -> None:
     L.append(f"- build: {b.get('status', '?')}" + (f" ({b['seconds']} s)" if b.get("seconds") else "")
              + (f" — {b['detail']}" if b.get("detail") else ""))
     L.append(f"- GPU tests: {t.get('status', '?')}" + (f" — {t['detail']}" if t.get("detail") else ""))
+    cpp = t.get("cpp") or {}
+    if cpp:
+        L.append(f"- C++ CUDA tests: {cpp.get('status', '?')}" + (f" — {cpp['detail']}" if cpp.get("detail") else ""))
+        dq = cpp.get("dequant_throughput")
+        if dq:
+            L.append(f"- dequantization to bf16, {dq['rows']}×{dq['cols']} (bench_quant): "
+                     + "; ".join(f"{f['format']} device {fmt(f['cuda_gbps'] if f['cuda_gbps'] > 0 else None)} GB/s, "
+                                 f"CPU {fmt(f['cpu_gbps'])} GB/s" for f in dq["formats"]))
     L.append("")
     L.append("| system | regime | mode | tokens | step ms | × resident | × ideal | GB/s | % pinned peak "
              "| peak device mem | verdict | checks |")
@@ -765,6 +773,8 @@ def main(argv=None) -> int:
         failures.append(f"build: {a.build_status} {a.build_detail}".strip())
     if tests.get("status") == "failed":
         failures.append(f"GPU tests failed: {tests.get('detail', '')}")
+    if (tests.get("cpp") or {}).get("status") == "failed":
+        failures.append(f"C++ CUDA tests failed: {tests['cpp'].get('detail', '')}")
 
     verdicts = [r["verdict"] for r in rows if r["system"] == "layerstream" and r.get("status") == "ok"]
     res = {

@@ -9,9 +9,13 @@
 #
 # Real run (a machine with CUDA-enabled PyTorch 2.x and nvcc): uses .venv/bin/python
 # when present, else python3; configures build-gpu/ against that python's torch
-# and builds only the _C target (it lands in python/layerstream/); runs
-# tests/python/test_parity_layers.py with LS_TEST_DEVICE=cuda when that file
-# exists; then the comparison at full size (~6.4B params, bf16).
+# and builds the _C target (it lands in python/layerstream/), bench_quant and
+# the C++ CUDA tests (GoogleTest: installed, or sources in .shared/googletest
+# or /usr/src/googletest; without it those tests are reported "not built");
+# runs tests/python/test_parity_layers.py with LS_TEST_DEVICE=cuda, the C++
+# CUDA tests (CPU-vs-CUDA dequantization bit-identity, backend) and
+# bench_quant (device dequant GB/s); then the comparison at full size
+# (~6.4B params, bf16).
 # --dry-run: the local .venv and its existing build (tools/setup.sh if the
 # module does not import), device "sim", tiny sizes, the parity tests only
 # collected (tools/test.sh runs them on sim); < 2 minutes on 2 CPU cores.
@@ -121,16 +125,32 @@ EOF
   [ -n "$nvrtc" ] && cuda_args+=(-DCUDA_nvrtc_LIBRARY="$nvrtc")
   gen=(); command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
   [ -f build-gpu/CMakeCache.txt ] && ! grep -q "^CMAKE_GENERATOR:INTERNAL=Ninja" build-gpu/CMakeCache.txt && gen=()
+  # GoogleTest for the C++ CUDA tests: installed, or built from sources.
+  gtest_args=()
+  for g in "$ROOT/.shared/googletest" /usr/src/googletest; do
+    if [ -f "$g/CMakeLists.txt" ]; then gtest_args=(-DLS_GTEST_SOURCE_DIR="$g"); break; fi
+  done
+  configure() {
+    cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 -DLS_WITH_TORCH=ON "${cuda_args[@]}" "$@"
+  }
   log "configuring build-gpu"
-  if cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-       -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" \
-       -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 -DLS_WITH_TORCH=ON "${cuda_args[@]}" \
-       >"$OUTDIR/build.log" 2>&1; then
+  cpp_tests_built=1
+  configure -DLS_BUILD_TESTS=ON "${gtest_args[@]}" >"$OUTDIR/build.log" 2>&1; cfg_rc=$?
+  if [ $cfg_rc != 0 ] && grep -q "GoogleTest not found" "$OUTDIR/build.log"; then
+    log "GoogleTest not found: configuring without the C++ tests (carry /usr/src/googletest as .shared/googletest)"
+    cpp_tests_built=0
+    configure -DLS_BUILD_TESTS=OFF >>"$OUTDIR/build.log" 2>&1; cfg_rc=$?
+  fi
+  if [ $cfg_rc = 0 ]; then
     grep -E "layerstream: (CUDA|LibTorch)" "$OUTDIR/build.log" | sed 's/^/[gpu-proof]   /'
-    log "building _C ($(nproc) jobs)"
-    if cmake --build build-gpu --target _C -j "$(nproc)" >>"$OUTDIR/build.log" 2>&1; then
+    targets=(_C bench_quant)
+    [ $cpp_tests_built = 1 ] && targets+=(test_cuda_dequant test_cuda_backend)
+    log "building ${targets[*]} ($(nproc) jobs)"
+    if cmake --build build-gpu --target "${targets[@]}" -j "$(nproc)" >>"$OUTDIR/build.log" 2>&1; then
       build_status=ok
-      build_detail="cmake Release, build-gpu, target _C, CUDA arch 90; $(grep -E 'layerstream: (CUDA|LibTorch)' "$OUTDIR/build.log" | sed 's/.*layerstream: //' | tr '\n' ';' | sed 's/;$//')"
+      build_detail="cmake Release, build-gpu, targets ${targets[*]}, CUDA arch 90; $(grep -E 'layerstream: (CUDA|LibTorch)' "$OUTDIR/build.log" | sed 's/.*layerstream: //' | tr '\n' ';' | sed 's/;$//')"
     else
       build_status=failed; build_detail="cmake --build failed (see build.log)"; fail=1
     fi
@@ -186,6 +206,77 @@ else
   fi
   log "tests: $summary"
 fi
+
+# ---- C++ CUDA tests and device dequant throughput ----------------------------
+# test_cuda_dequant: dequantize_cuda bit-identical to dequantize_cpu (every
+# format x output dtype x shape); test_cuda_backend: streams, events, copies,
+# host functions on the device; bench_quant: pack, CPU and device dequant GB/s.
+# The dry run runs the same binaries from the local build (they skip without
+# a GPU) to check the plumbing.
+CPP_JSON="$OUTDIR/cpp_tests.json"
+bdir=build-gpu; [ "$DRY" = 1 ] && bdir=${LS_BUILD_DIR:-build}
+: >"$OUTDIR/cpp_tests.log"
+cpp_results=()
+if [ "$NO_CUDA" = 1 ] || [ "$build_status" = failed ]; then
+  cpp_state="not run"
+else
+  cpp_state=ran
+  for t in test_cuda_dequant test_cuda_backend; do
+    exe="$bdir/tests/cpp/$t"
+    if [ ! -x "$exe" ]; then cpp_results+=("$t|not built|0"); continue; fi
+    log "C++: $t"
+    timeout 180 "$exe" --gtest_brief=1 >"$OUTDIR/$t.log" 2>&1; rc=$?
+    cat "$OUTDIR/$t.log" >>"$OUTDIR/cpp_tests.log"
+    sum=$(grep -E '^\[ +(PASSED|SKIPPED|FAILED) +\] [0-9]+ test' "$OUTDIR/$t.log" \
+          | sed -E 's/^\[ +([A-Z]+) +\] ([0-9]+).*/\2 \1/' | tr 'A-Z\n' 'a-z,' | sed 's/,$//;s/,/, /g')
+    cpp_results+=("$t|${sum:-no summary}|$rc")
+    [ $rc = 0 ] || { fail=1; grep -E "FAILED|Failure" "$OUTDIR/$t.log" | head -20; }
+  done
+  qexe="$bdir/bench/bench_quant"
+  if [ -x "$qexe" ]; then
+    qargs=(--json); [ "$DRY" = 1 ] && qargs+=(--rows 256 --cols 1024 --reps 1)
+    log "C++: bench_quant ${qargs[*]}"
+    timeout 120 "$qexe" "${qargs[@]}" >"$OUTDIR/bench_quant.json" 2>>"$OUTDIR/cpp_tests.log"; rc=$?
+    cpp_results+=("bench_quant|rc $rc|$rc")
+    [ $rc = 0 ] || fail=1
+  else
+    cpp_results+=("bench_quant|not built|0")
+  fi
+fi
+"$PY" - "$CPP_JSON" "$TESTS_JSON" "$OUTDIR/bench_quant.json" "$cpp_state" "$DRY" "${cpp_results[@]}" <<'EOF'
+import json, sys
+out, tests_path, quant_path, state, dry = sys.argv[1:6]
+entries = []
+for item in sys.argv[6:]:
+    name, summary, rc = item.split("|")
+    entries.append({"name": name, "summary": summary, "rc": int(rc)})
+cpp = {"status": state, "binaries": entries}
+if state == "ran":
+    bad = [e for e in entries if e["rc"] != 0]
+    missing = [e for e in entries if e["summary"] == "not built"]
+    cpp["status"] = "failed" if bad else ("incomplete" if missing else "passed")
+    cpp["detail"] = "; ".join(f"{e['name']}: {e['summary']}" for e in entries)
+try:
+    q = json.load(open(quant_path))
+    cpp["dequant_throughput"] = {"rows": q["rows"], "cols": q["cols"], "formats": [
+        {"format": r["format"], "cuda_gbps": r["dequant_cuda_gbps"], "cpu_gbps": r["dequant_cpu_gbps_bf16_out"],
+         "pack_gbps_f32_src": r["pack_gbps_f32_src"]} for r in q["results"]]}
+    if dry == "0" and any(r["cuda_gbps"] <= 0 for r in cpp["dequant_throughput"]["formats"]):
+        cpp["status"] = "failed"
+        cpp["detail"] = cpp.get("detail", "") + "; bench_quant measured no device dequantization"
+except (OSError, ValueError, KeyError):
+    pass
+json.dump(cpp, open(out, "w"), indent=2)
+try:
+    tests = json.load(open(tests_path))
+except (OSError, ValueError):
+    tests = {"status": "unknown"}
+tests["cpp"] = cpp
+json.dump(tests, open(tests_path, "w"), indent=2)
+print(f"[gpu-proof] C++ CUDA tests: {cpp['status']}" + (f" — {cpp['detail']}" if cpp.get("detail") else ""))
+sys.exit(1 if cpp["status"] == "failed" else 0)
+EOF
+[ $? = 0 ] || fail=1
 
 # ---- comparison ------------------------------------------------------------
 cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
