@@ -394,8 +394,12 @@ void Engine::build_scheduler_locked() {
     const size_t budget = static_cast<size_t>(opts_.budget_bytes);
     LS_CHECK(budget >= 2 * slot_bytes, "budget of ", budget, " bytes is smaller than what the "
              "largest streamed layer '", layers_[static_cast<size_t>(largest_i)]->name,
-             "' needs: 2 slots of ", slot_bytes, " bytes (", 2 * slot_bytes, " bytes; the layer has ",
-             largest, " bytes of weights). Raise the budget to at least ", 2 * slot_bytes,
+             "' needs: 2 slots of ", slot_bytes, " bytes (", 2 * slot_bytes, " bytes; the layer takes ",
+             largest, " bytes in a slot",
+             layers_[static_cast<size_t>(largest_i)]->qformat != quant::Format::None
+                 ? ": its packed weight and the weight dequantized on the device"
+                 : "",
+             "). Raise the budget to at least ", 2 * slot_bytes,
              " bytes or exclude that layer from streaming.");
     const int fit = static_cast<int>(std::min<size_t>(budget / slot_bytes, 1 << 20));
     if (opts_.slots > 0) {
