@@ -30,6 +30,7 @@ EngineOptions options_from(const py::dict& d) {
     else if (k == "pin_memory") o.pin_memory = py::cast<bool>(v);
     else if (k == "cache_across_steps") o.cache_across_steps = py::cast<bool>(v);
     else if (k == "trace") o.trace = py::cast<bool>(v);
+    else if (k == "dequant_dtype") o.dequant_dtype = py::cast<std::string>(v);
     else LS_FAIL("unknown engine option '", k, "'");
   }
   return o;

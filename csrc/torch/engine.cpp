@@ -90,6 +90,14 @@ std::shared_ptr<Engine> Engine::lookup(uint64_t id) {
 Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) {
   LS_CHECK(opts_.prefetch >= 0, "prefetch must be >= 0, got ", opts_.prefetch);
   LS_CHECK(opts_.slots >= 0, "slots must be >= 0, got ", opts_.slots);
+  if (!opts_.dequant_dtype.empty()) {
+    const std::string& d = opts_.dequant_dtype;
+    if (d == "float32" || d == "float") dequant_dtype_ = torch::kFloat;
+    else if (d == "bfloat16") dequant_dtype_ = torch::kBFloat16;
+    else if (d == "float16" || d == "half") dequant_dtype_ = torch::kHalf;
+    else LS_FAIL("dequant_dtype must be float32, bfloat16 or float16 (or empty for each weight's "
+                 "own dtype), got '", d, "'");
+  }
   device_name_ = resolve_device(opts_.device);
   if (device_name_ == "sim") {
     SimOptions so;
@@ -255,6 +263,7 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
 }
 
 int Engine::register_layer_locked(LayerInfo info) {
+  if (info.qformat != quant::Format::None) info.q_dtype = dequant_dtype_.value_or(info.w_dtype);
   info.grad_done = backend_->create_event();
   layers_.push_back(std::make_unique<LayerInfo>(std::move(info)));
   // A new layer invalidates the scheduler (its slot size and trace).
@@ -459,7 +468,7 @@ void Engine::check_host_alias(const LayerInfo& l) const {
 size_t Engine::dense_weight_bytes(const LayerInfo& l) {
   int64_t numel = 1;
   for (int64_t d : l.w_shape) numel *= d;
-  return static_cast<size_t>(numel) * c10::elementSize(l.w_dtype);
+  return static_cast<size_t>(numel) * c10::elementSize(l.q_dtype);
 }
 
 PostCopyFn Engine::make_dequant_step(const LayerInfo& l, size_t workspace_part) {
@@ -468,7 +477,7 @@ PostCopyFn Engine::make_dequant_step(const LayerInfo& l, size_t workspace_part) 
   // it): packed weight -> workspace, in the layer's dense dtype.
   Backend* be = backend_.get();
   const quant::PackedLayout layout = l.qlayout;
-  const quant::OutDtype dtype = out_dtype_of(l.w_dtype);
+  const quant::OutDtype dtype = out_dtype_of(l.q_dtype);
   const bool on_cpu = compute_device_.is_cpu();
   const int device = compute_device_.index();
   const std::string what = "dequantize '" + l.name + "'";
@@ -493,9 +502,10 @@ PostCopyFn Engine::make_dequant_step(const LayerInfo& l, size_t workspace_part) 
 }
 
 torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
-  auto opts = torch::TensorOptions().dtype(l.w_dtype).device(compute_device_);
+  const bool q = l.qformat != quant::Format::None;
+  auto opts = torch::TensorOptions().dtype(q ? l.q_dtype : l.w_dtype).device(compute_device_);
   // Quantized: the dequantized copy in the slot's workspace (after the parts).
-  const size_t part = l.qformat == quant::Format::None ? 0 : (l.bias.defined() ? 2 : 1);
+  const size_t part = !q ? 0 : (l.bias.defined() ? 2 : 1);
   torch::Tensor w = torch::from_blob(lease.part_ptr(part), l.w_shape, opts);
   return w.scalar_type() == dtype ? w : w.to(dtype);
 }

@@ -73,6 +73,11 @@ struct EngineOptions {
   // Record a timeline (copies, layer computations, stalls) for
   // trace_json() / per-step overlap; small cost per layer call.
   bool trace = false;
+  // The dtype quantized weights are dequantized to on the device: "" = each
+  // weight's own dtype, or "float32" / "bfloat16" / "float16". Set it to the
+  // activation dtype when that differs (e.g. an fp32 model run in bf16): the
+  // slot then holds the smaller dense copy and no cast runs at use.
+  std::string dequant_dtype;
 };
 
 // Conv geometry (1-3 spatial dims). `same` computes padding from the kernel.
@@ -188,6 +193,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     size_t w_bytes = 0, b_bytes = 0;  // bytes in the host store (packed for quantized)
     quant::Format qformat = quant::Format::None;
     quant::PackedLayout qlayout;
+    torch::ScalarType q_dtype = torch::kFloat;  // quantized: dtype of the dequantized weight
     // gradient staging (host) and bookkeeping
     HostBuffer grad_staging;
     size_t grad_b_offset = 0;
@@ -210,6 +216,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   PostCopyFn make_dequant_step(const LayerInfo& l, size_t workspace_part);
 
   EngineOptions opts_;
+  std::optional<torch::ScalarType> dequant_dtype_;  // from opts_.dequant_dtype
   uint64_t id_;
   std::string device_name_;
   torch::Device compute_device_{torch::kCPU};

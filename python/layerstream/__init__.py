@@ -331,6 +331,7 @@ def offload(
     pin_memory: bool = True,
     cache_across_steps: bool = False,
     quantize: Union[None, str, Dict[str, Optional[str]]] = None,
+    dequant_dtype: Optional[torch.dtype] = None,
     trace: bool = False,
 ) -> Handle:
     """Streams the model's Linear and Conv1d/2d/3d layers from host RAM.
@@ -352,7 +353,13 @@ def offload(
         whose shape the format cannot pack stay dense, with one warning), or a
         dict {glob pattern: format or None} for per-layer choices (first match
         wins; an explicit format that cannot pack a layer is an error).
-        Quantized weights must be frozen (requires_grad False).
+        Quantized weights must be frozen (requires_grad False). Each quantized
+        layer's slot holds the packed weight and, written on the device right
+        after the copy, the dequantized weight.
+    dequant_dtype: the dtype quantized weights are dequantized to on the
+        device (torch.float32, torch.bfloat16 or torch.float16); None = each
+        weight's own dtype. Set it to the activation dtype when that differs
+        (e.g. an fp32 checkpoint run in bf16): smaller slots, no cast at use.
     trace: record a timeline (copies, layer computations, stalls) for
         Handle.export_trace() / plot_timeline() and per-step overlap.
     cache_across_steps: keep weights in device slots and prefetch across step
@@ -375,6 +382,12 @@ def offload(
         "trace": bool(trace),
         "budget_bytes": -1,  # set from the plan below when a budget is given
     }
+    _dequant_dtypes = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dequant_dtype is not None:
+        if dequant_dtype not in _dequant_dtypes:
+            raise ValueError(f"dequant_dtype must be torch.float32, torch.bfloat16 or torch.float16 "
+                             f"(or None), got {dequant_dtype!r}")
+        opts["dequant_dtype"] = _dequant_dtypes[dequant_dtype]
     formats = ([quantize] if isinstance(quantize, str) else
                list(quantize.values()) if isinstance(quantize, dict) else [])
     for fmt in formats:
@@ -433,7 +446,8 @@ def offload(
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
         if pre is not None or fmt is not None:
             w_bytes = _C.quant_packed_bytes(fmt or "int8", rows, cols)
-            workspace = _align256(dense_w)
+            workspace = _align256(dense_w if dequant_dtype is None else
+                                  weight.numel() * torch.empty((), dtype=dequant_dtype).element_size())
         else:
             w_bytes = dense_w
             workspace = 0

@@ -218,3 +218,33 @@ def test_budget_must_hold_packed_and_dequantized_weight():
     # Enough for 2 slots of packed bytes, not for packed + dequantized fp32.
     with pytest.raises(layerstream.LayerstreamError, match="packed \\+ the dequantized weight"):
         layerstream.offload(model, device="sim", quantize="nf4", budget=3 * packed)
+
+
+def test_dequant_dtype_matches_cast_at_use_with_smaller_slots():
+    """An fp32 checkpoint run in bf16: dequant_dtype=bf16 makes the device
+    write the bf16 weight directly (half the workspace), with the same numbers
+    as dequantizing to fp32 and casting at use (both round the fp32 value to
+    nearest even)."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256, bias=False))
+    a.requires_grad_(False)
+    b = copy.deepcopy(a)
+    ha = layerstream.offload(a, device="sim", quantize="int4")
+    hb = layerstream.offload(b, device="sim", quantize="int4", dequant_dtype=torch.bfloat16)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ya, yb = a(x), b(x)
+    assert ya.dtype == yb.dtype == torch.bfloat16
+    assert torch.equal(ya, yb)
+    packed = _align256(layerstream._C.quant_packed_bytes("int4", 512, 256))
+    bias = _align256(512 * 4)
+    assert ha.stats()["slot_bytes"] == packed + bias + _align256(512 * 256 * 4)
+    assert hb.stats()["slot_bytes"] == packed + bias + _align256(512 * 256 * 2)
+    assert ha.ordering_errors() == [] and hb.ordering_errors() == []
+
+
+def test_dequant_dtype_must_be_a_float_dtype():
+    m = nn.Linear(128, 128)
+    m.requires_grad_(False)
+    with pytest.raises(ValueError, match="dequant_dtype"):
+        layerstream.offload(m, device="sim", quantize="int8", dequant_dtype=torch.int8)
