@@ -23,8 +23,8 @@
 //    changed) unless SchedulerOptions::content_version tells when they did.
 //
 // Stream semantics: acquire(layer, compute) makes `compute` wait for the
-// layer's copy (and its post-copy work, if any) and declares a read of the slot on `compute` (ordering
-// checker). release(lease, s) records the slot's free event on `s`: every
+// layer's copy (and its post-copy work, if any) and declares a read of the
+// slot on `compute` (ordering checker). release(lease, s) records the slot's free event on `s`: every
 // access to the slot must be enqueued on `s` (or ordered before it) by then.
 //
 // Ownership: the scheduler does not own the host buffers in LayerSpec; they

@@ -483,9 +483,9 @@ PostCopyFn Engine::make_dequant_step(const LayerInfo& l, size_t workspace_part) 
   const std::string what = "dequantize '" + l.name + "'";
   return [be, layout, dtype, on_cpu, device, what, workspace_part](
              const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
-    const char* base = static_cast<const char*>(slot.ptr);
+    char* base = static_cast<char*>(slot.ptr);
     const void* packed = base + off.at(0);
-    void* out = const_cast<char*>(base) + off.at(workspace_part);
+    void* out = base + off.at(workspace_part);
     if (be->caps().ordering_checker) {
       be->declare_access(slot, Access::Read, s, what + " (reads the packed weight)");
       be->declare_access(slot, Access::Write, s, what + " (writes the dequantized weight)");
