@@ -248,3 +248,24 @@ def test_dequant_dtype_must_be_a_float_dtype():
     m.requires_grad_(False)
     with pytest.raises(ValueError, match="dequant_dtype"):
         layerstream.offload(m, device="sim", quantize="int8", dequant_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_quantized_conv_matches_host_dequantized_weights(fmt):
+    """Conv weights [out, in, kh, kw] are packed as [out, in*kh*kw]; the device
+    dequantization into the slot gives exactly the host-dequantized weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, bias=False))
+    model.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, 10, 10)
+    h = layerstream.offload(model, device="sim", quantize=fmt)
+    assert h.stats()["quantized_layers"] == 2
+    with torch.no_grad():
+        y = model(x)
+        y_dense = ref(x)
+    h.detach()  # restores the host-dequantized weights
+    with torch.no_grad():
+        assert torch.equal(model(x), y)
+    err = ((y - y_dense).norm() / y_dense.norm()).item()
+    assert 0 < err <= MODEL_TOL[fmt], err
