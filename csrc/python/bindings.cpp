@@ -140,6 +140,16 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("name"), py::arg("data"), py::arg("scales"),
            py::arg("bias"), py::arg("dense_dtype"))
+      .def("add_linear_packed",
+           [fmt](Engine& e, const std::string& name, const std::string& format, torch::Tensor codes,
+                 torch::Tensor scales, std::optional<torch::Tensor> bias, int64_t rows, int64_t cols,
+                 py::object dense_dtype) {
+             const auto dt = torch::python::detail::py_object_to_dtype(dense_dtype);
+             return e.add_linear_packed(name, fmt(format), codes, scales, bias.value_or(torch::Tensor()),
+                                        rows, cols, dt);
+           },
+           py::arg("name"), py::arg("format"), py::arg("codes"), py::arg("scales"), py::arg("bias"),
+           py::arg("rows"), py::arg("cols"), py::arg("dense_dtype"))
       .def(
           "add_conv",
           [](Engine& e, const std::string& name, torch::Tensor w, std::optional<torch::Tensor> ob, int dims,
@@ -200,5 +210,6 @@ PYBIND11_MODULE(_C, m) {
              return out;
            })
       .def("dequantized_weight", &Engine::dequantized_weight)
+      .def("packed_codes", &Engine::packed_codes)
       .def_property_readonly("detached", &Engine::detached);
 }

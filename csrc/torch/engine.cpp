@@ -295,8 +295,6 @@ int Engine::add_linear(const std::string& name, torch::Tensor weight, torch::Ten
 
 int Engine::add_linear_int8(const std::string& name, torch::Tensor data,
                             torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
   LS_CHECK(data.dim() == 2 && data.scalar_type() == torch::kChar, "layer '", name,
            "': pre-quantized weight must be a 2-D int8 tensor, got ", data.scalar_type(), " ",
            shape_str(data.sizes().vec()));
@@ -305,22 +303,52 @@ int Engine::add_linear_int8(const std::string& name, torch::Tensor data,
   LS_CHECK(sc.numel() == rows || sc.numel() == 1, "layer '", name, "': int8 weight has ", rows,
            " rows but ", sc.numel(), " scales (need one per row or one per tensor)");
   if (sc.numel() == 1) sc = sc.expand({rows}).contiguous();
-  LS_CHECK(torch::isfinite(sc).all().item<bool>(), "layer '", name, "': int8 scales contain NaN/Inf");
+  return add_linear_packed(name, quant::Format::Int8, data, sc, bias, rows, cols, dense_dtype);
+}
+
+int Engine::add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes,
+                              torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols,
+                              torch::ScalarType dense_dtype) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
+  LS_CHECK(format == quant::Format::Int8 || format == quant::Format::NF4, "layer '", name,
+           "': pre-packed weights are supported in the int8 and nf4 formats, got ",
+           quant::to_string(format));
+  LS_CHECK(dense_dtype == torch::kFloat || dense_dtype == torch::kBFloat16 || dense_dtype == torch::kHalf,
+           "layer '", name, "': the dense dtype of a pre-packed weight must be float32, bfloat16 or "
+           "float16, got ", dense_dtype);
+  LS_CHECK(rows > 0 && cols > 0, "layer '", name, "': pre-packed weight shape [", rows, ", ", cols,
+           "] is empty");
+  const quant::PackedLayout layout = quant::layout_for(format, rows, cols);
+  torch::Tensor d = codes.detach().to(torch::kCPU).contiguous();
+  LS_CHECK(d.element_size() == 1 && !d.is_floating_point(), "layer '", name,
+           "': pre-packed codes must be an int8/uint8 tensor, got ", d.scalar_type());
+  LS_CHECK(static_cast<size_t>(d.numel()) == layout.data_bytes, "layer '", name, "': ",
+           quant::to_string(format), " weight [", rows, ", ", cols, "] needs ", layout.data_bytes,
+           " bytes of codes, got ", d.numel());
+  torch::Tensor sc = scales.detach().to(torch::kCPU).to(torch::kFloat).contiguous().reshape({-1});
+  LS_CHECK(sc.numel() == layout.num_scales(), "layer '", name, "': ", quant::to_string(format),
+           " weight [", rows, ", ", cols, "] needs ", layout.num_scales(), " scales, got ", sc.numel());
+  LS_CHECK(torch::isfinite(sc).all().item<bool>(), "layer '", name, "': scales contain NaN/Inf");
   LayerInfo info;
   info.name = name;
   info.bias = bias;
   info.w_shape = {rows, cols};
   info.w_dtype = dense_dtype;
-  info.qformat = quant::Format::Int8;
-  info.qlayout = quant::layout_for(quant::Format::Int8, rows, cols);
-  info.w_bytes = info.qlayout.total_bytes();
-  info.w_index = store_->add(info.w_bytes, nullptr, name + ".weight[int8]");
+  info.qformat = format;
+  info.qlayout = layout;
+  info.w_bytes = layout.total_bytes();
+  info.w_index = store_->add(info.w_bytes, nullptr, name + ".weight[" + quant::to_string(format) + "]");
   info.w_host = store_->buffer(info.w_index).ptr;
   char* dst = static_cast<char*>(info.w_host);
   std::memset(dst, 0, info.w_bytes);
-  torch::Tensor d = data.detach().to(torch::kCPU).contiguous();
-  std::memcpy(dst + info.qlayout.data_offset(), d.data_ptr(), static_cast<size_t>(rows * cols));
-  std::memcpy(dst + info.qlayout.scale_offset(), sc.data_ptr(), static_cast<size_t>(rows) * sizeof(float));
+  std::memcpy(dst + layout.data_offset(), d.data_ptr(), layout.data_bytes);
+  std::memcpy(dst + layout.scale_offset(), sc.data_ptr(), layout.scale_bytes);
+  if (format == quant::Format::NF4 && layout.numel() % 2 == 1) {
+    // The last byte's low nibble is padding: zero, as pack() writes it.
+    auto* last = reinterpret_cast<uint8_t*>(dst + layout.data_offset() + layout.data_bytes - 1);
+    *last = static_cast<uint8_t>(*last & 0xF0);
+  }
   info.weight = meta_like(info.w_shape, dense_dtype);
   if (bias.defined()) {
     LS_CHECK(bias.is_floating_point(), "layer '", name, "' has a non-float bias");
@@ -717,6 +745,16 @@ std::vector<std::pair<StepStats, double>> Engine::step_stats() const {
 }
 
 std::string Engine::trace_json() const { return tracer_ ? tracer_->to_chrome_json() : ""; }
+
+torch::Tensor Engine::packed_codes(int index) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LS_CHECK(l.qformat != quant::Format::None, "layer '", l.name, "' is not quantized");
+  torch::Tensor out = torch::empty({static_cast<int64_t>(l.qlayout.data_bytes)}, torch::kUInt8);
+  std::memcpy(out.data_ptr(), static_cast<const char*>(l.w_host) + l.qlayout.data_offset(),
+              l.qlayout.data_bytes);
+  return out;
+}
 
 torch::Tensor Engine::dequantized_weight(int index) {
   std::lock_guard<std::recursive_mutex> lock(mu_);

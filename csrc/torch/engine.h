@@ -116,6 +116,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // (what detach() restores).
   int add_linear_int8(const std::string& name, torch::Tensor int8_data,
                       torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype);
+  // A Linear [rows, cols] whose weight arrives already packed in `format`
+  // (int8 or nf4) as its code bytes and fp32 scales, laid out as in
+  // docs/design/quant-formats.md — e.g. bitsandbytes NF4 weights (blocks of
+  // 64, high nibble first, absmax per block). Stored byte for byte; the
+  // codes and scales are copied (callers may free theirs).
+  int add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes,
+                        torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols,
+                        torch::ScalarType dense_dtype);
 
   // The streamed computations (differentiable). Weight gradients normally
   // go back asynchronously and are accumulated into .grad by the engine; with
@@ -150,6 +158,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Quantized layers: the weight dequantized on the host (CPU, original
   // dtype) — what detach() restores (lossy); "" / format name per layer.
   torch::Tensor dequantized_weight(int layer);
+  // Quantized layers: a copy of the packed code bytes (uint8, 1-D).
+  torch::Tensor packed_codes(int layer);
   std::string layer_format(int layer) const;
 
   torch::Device compute_device() const { return compute_device_; }

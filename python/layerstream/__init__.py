@@ -69,11 +69,66 @@ def _quant_for(name: str, quantize) -> Optional[str]:
                     f"got {type(quantize).__name__}")
 
 
-def _prequantized(module: nn.Module):
-    """(int8 data, per-row scales) when the module's weight is already int8:
-    a torch quantized tensor (qint8, zero points 0) or an int8 tensor with a
-    `weight_scale` attribute. None for float weights."""
+# The 16 NF4 code values (QLoRA / bitsandbytes), as in csrc/core/quant.h.
+_NF4_CODES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+              0.44070982933044434, 0.5626170039176941, 0.7229568362236328, 1.0)
+
+
+class _Packed:
+    """A weight that arrives already packed: stored byte for byte."""
+
+    __slots__ = ("format", "codes", "scales", "rows", "cols", "dense_dtype", "bnb_stats")
+
+    def __init__(self, format, codes, scales, rows, cols, dense_dtype, bnb_stats=None):
+        self.format, self.codes, self.scales = format, codes, scales
+        self.rows, self.cols, self.dense_dtype = int(rows), int(cols), dense_dtype
+        self.bnb_stats = bnb_stats  # bitsandbytes: what detach() needs to rebuild Params4bit
+
+
+def _bnb_nf4(name: str, w) -> Optional[_Packed]:
+    """A bitsandbytes Params4bit weight (Linear4bit), quantized: its NF4 codes
+    (2 per byte, high nibble first) and fp32 absmax per block of 64 are our
+    nf4 layout, so they are taken as they are."""
+    qs = getattr(w, "quant_state", None)
+    if qs is None:
+        if getattr(w, "bnb_quantized", True) is False:
+            raise LayerstreamError(
+                f"layer '{name}': its bitsandbytes 4-bit weight is not quantized yet (bitsandbytes "
+                f"quantizes when the module moves to a device); move it first, or offload the "
+                f"unquantized model with offload(quantize='nf4')")
+        return None
+    if qs.quant_type != "nf4" or qs.blocksize != 64:
+        raise LayerstreamError(
+            f"layer '{name}': bitsandbytes {qs.quant_type} weights with blocksize {qs.blocksize} are "
+            f"not supported (layerstream takes nf4 with blocks of 64); dequantize the model or load "
+            f"it unquantized and use offload(quantize='nf4')")
+    code = qs.code.detach().float().cpu()
+    if code.numel() != 16 or not torch.equal(code, torch.tensor(_NF4_CODES, dtype=torch.float32)):
+        raise LayerstreamError(f"layer '{name}': its bitsandbytes nf4 code table is not the standard one")
+    if qs.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise LayerstreamError(f"layer '{name}': bitsandbytes dtype {qs.dtype} is not supported")
+    absmax = qs.absmax
+    if qs.nested:  # double quantization: absmax itself is blockwise-quantized
+        import bitsandbytes.functional as bnbF
+        absmax = bnbF.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+    rows, cols = int(qs.shape[0]), int(qs.shape[1])
+    stats = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+             for k, v in qs.as_dict(packed=True).items()}
+    return _Packed("nf4", w.detach().reshape(-1).cpu(), absmax.detach().float().cpu(), rows, cols,
+                   qs.dtype, stats)
+
+
+def _prequantized(name: str, module: nn.Module) -> Optional[_Packed]:
+    """The weight when it is already quantized: a torch quantized tensor
+    (qint8, zero points 0) or an int8 tensor with a `weight_scale` attribute
+    (int8, dense float32), or a bitsandbytes nf4 Params4bit. None for float
+    weights."""
     w = module.weight
+    if type(w).__name__ == "Params4bit":
+        return _bnb_nf4(name, w)
+    rows = w.shape[0]
     if w.is_quantized:
         if w.dtype != torch.qint8:
             raise LayerstreamError(f"quantized weight dtype {w.dtype} is not supported; use qint8")
@@ -83,13 +138,15 @@ def _prequantized(module: nn.Module):
                 raise LayerstreamError(
                     "per-channel quantized weights must use axis 0 and zero points 0 (symmetric); "
                     "dequantize them first or use offload(quantize='int8')")
-            return w.int_repr(), w.q_per_channel_scales().float()
+            return _Packed("int8", w.int_repr(), w.q_per_channel_scales().float(), rows,
+                           w.numel() // max(rows, 1), torch.float32)
         if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
             if w.q_zero_point() != 0:
                 raise LayerstreamError(
                     "per-tensor quantized weights must use zero point 0; dequantize them first or "
                     "use offload(quantize='int8')")
-            return w.int_repr(), torch.tensor([w.q_scale()], dtype=torch.float32)
+            return _Packed("int8", w.int_repr(), torch.tensor([w.q_scale()], dtype=torch.float32), rows,
+                           w.numel() // max(rows, 1), torch.float32)
         raise LayerstreamError(f"unsupported quantization scheme {scheme}")
     if not w.dtype.is_floating_point:
         scale = getattr(module, "weight_scale", None)
@@ -97,7 +154,8 @@ def _prequantized(module: nn.Module):
             raise LayerstreamError(
                 f"an integer weight ({w.dtype}) needs dtype int8 and a `weight_scale` attribute "
                 f"(one fp32 scale per output row, or one for the tensor) to be streamed")
-        return w.detach(), torch.as_tensor(scale, dtype=torch.float32)
+        return _Packed("int8", w.detach(), torch.as_tensor(scale, dtype=torch.float32), rows,
+                       w.numel() // max(rows, 1), torch.float32)
     return None
 
 
@@ -145,13 +203,14 @@ class _Attached:
     """What offload() changed on one module, to undo it in detach()."""
 
     __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
-                 "prequantized")
+                 "prequantized", "bnb_stats")
 
     def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
-                 prequantized=False):
+                 prequantized=False, bnb_stats=None):
         self.name, self.module, self.kind, self.index = name, module, kind, index
         self.had_forward, self.old_forward, self.devices = had_forward, old_forward, devices
         self.prequantized = prequantized
+        self.bnb_stats = bnb_stats
 
 
 def _has_grad_hooks(p) -> bool:
@@ -283,13 +342,24 @@ class Handle:
         dense = {}
         for a in self._attached:
             devices.append(a.devices[0])
-            if engine.layer_format(a.index) and not a.prequantized:
+            if a.bnb_stats is not None:
+                # bitsandbytes weights: rebuilt from the same bytes.
+                dense[a.index] = engine.packed_codes(a.index)
+            elif engine.layer_format(a.index) and not a.prequantized:
                 # Quantized by offload(): the dense values were not kept; restore the
                 # dequantized weights (lossy by the format's error bound).
                 dense[a.index] = engine.dequantized_weight(a.index)
         engine.detach(devices)
         for a in self._attached:
-            if a.index in dense:
+            if a.index in dense and a.bnb_stats is not None:
+                import bitsandbytes as bnb
+                dev = torch.device(a.devices[0])
+                a.module.weight = bnb.nn.Params4bit.from_prequantized(
+                    data=dense[a.index].reshape(-1, 1).to(dev),
+                    quantized_stats={k: (v.to(dev) if torch.is_tensor(v) else v)
+                                     for k, v in a.bnb_stats.items()},
+                    requires_grad=False, device=dev, module=a.module)
+            elif a.index in dense:
                 a.module.weight = nn.Parameter(dense[a.index].to(a.devices[0]), requires_grad=False)
         for a in self._attached:
             if a.had_forward:
@@ -430,10 +500,13 @@ def offload(
     unpackable = []
     for name, module, kind in candidates:
         weight, bias = module.weight, module.bias
-        pre = _prequantized(module)
+        pre = _prequantized(name, module)
         fmt = _quant_for(name, quantize) if pre is None else None
-        rows = weight.shape[0]
-        cols = weight.numel() // max(rows, 1)
+        if pre is not None:
+            rows, cols = pre.rows, pre.cols
+        else:
+            rows = weight.shape[0]
+            cols = weight.numel() // max(rows, 1)
         if fmt is not None:
             reason = _C.quant_check(fmt, rows, cols)
             if reason:
@@ -442,12 +515,13 @@ def offload(
                     fmt = None
                 else:
                     raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
-        dense_w = weight.numel() * (weight.element_size() if weight.dtype.is_floating_point else 4)
+        dense_dtype = pre.dense_dtype if pre is not None else weight.dtype
+        dense_w = rows * cols * torch.empty((), dtype=dense_dtype).element_size()
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
         if pre is not None or fmt is not None:
-            w_bytes = _C.quant_packed_bytes(fmt or "int8", rows, cols)
+            w_bytes = _C.quant_packed_bytes(pre.format if pre is not None else fmt, rows, cols)
             workspace = _align256(dense_w if dequant_dtype is None else
-                                  weight.numel() * torch.empty((), dtype=dequant_dtype).element_size())
+                                  rows * cols * torch.empty((), dtype=dequant_dtype).element_size())
         else:
             w_bytes = dense_w
             workspace = 0
@@ -492,22 +566,27 @@ def offload(
             if kind != "linear":
                 raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
                                        f"Linear layers only")
-            data, scales = pre
-            index = engine.add_linear_int8(name or "<root>", data, scales, bias, torch.float32)
+            if pre.format == "int8":
+                index = engine.add_linear_int8(name or "<root>", pre.codes, pre.scales, bias,
+                                               pre.dense_dtype)
+            else:
+                index = engine.add_linear_packed(name or "<root>", pre.format, pre.codes, pre.scales,
+                                                 bias, pre.rows, pre.cols, pre.dense_dtype)
         elif kind == "linear":
             index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
         else:
             index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",
                                     **_conv_args(module))
-        if pre is None and engine.layer_format(index):
+        if (pre is None or pre.bnb_stats is not None) and engine.layer_format(index):
             # The weight now lives packed on the host; the module keeps a
             # data-less (meta) parameter of the same shape and dtype so the
-            # dense copy is freed (state_dict() shows meta tensors for it).
-            old_weight = module.weight
-            module.weight = nn.Parameter(
-                torch.empty(tuple(old_weight.shape), dtype=old_weight.dtype, device="meta"),
-                requires_grad=False)
-            del old_weight, weight
+            # dense (or the bitsandbytes) copy is freed (state_dict() shows
+            # meta tensors for it).
+            shape = (pre.rows, pre.cols) if pre is not None else tuple(module.weight.shape)
+            dtype = pre.dense_dtype if pre is not None else module.weight.dtype
+            module.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
+                                         requires_grad=False)
+            del weight
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
         module.forward = _make_forward(engine, index, kind, old_forward or module.forward, module,
@@ -516,7 +595,8 @@ def offload(
             p._is_memory_managed = True
             streamed_params.add(id(p))
         attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices,
-                                  prequantized=pre is not None))
+                                  prequantized=pre is not None,
+                                  bnb_stats=None if pre is None else pre.bnb_stats))
 
     handle = Handle(engine, attached, plan)
     for a in attached:

@@ -1,0 +1,109 @@
+"""bitsandbytes NF4 weights (Linear4bit / Params4bit, QLoRA's format) stream
+as they are: their codes and absmax become our nf4 layout byte for byte, so
+the device dequantization gives exactly bitsandbytes' own dequantized weight."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbF
+
+import layerstream
+
+
+def bnb_linear(n_in, n_out, bias=True, compress_statistics=True, quant_type="nf4", dtype=torch.bfloat16):
+    """A Linear4bit quantized on the CPU (bitsandbytes quantizes when the module moves)."""
+    dense = nn.Linear(n_in, n_out, bias=bias)
+    lin = bnb.nn.Linear4bit(n_in, n_out, bias=bias, compute_dtype=dtype, quant_type=quant_type,
+                            compress_statistics=compress_statistics)
+    lin.weight = bnb.nn.Params4bit(dense.weight.data.to(dtype), requires_grad=False, quant_type=quant_type,
+                                   compress_statistics=compress_statistics)
+    if bias:
+        lin.bias = nn.Parameter(dense.bias.data.to(dtype), requires_grad=False)
+    return lin.to("cpu")
+
+
+def bnb_dequantized(lin):
+    return bnbF.dequantize_4bit(lin.weight.data, lin.weight.quant_state)
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "plain-absmax"])
+def test_bnb_nf4_streams_bit_identical_to_its_own_dequantization(nested):
+    torch.manual_seed(0)
+    model = nn.Sequential(bnb_linear(128, 256, compress_statistics=nested), nn.GELU(),
+                          bnb_linear(256, 64, bias=False, compress_statistics=nested))
+    assert model[0].weight.quant_state is not None
+    w_ref = [bnb_dequantized(model[0]), bnb_dequantized(model[2])]
+    b0 = model[0].bias.detach().clone()
+    codes_before = [model[0].weight.data.clone(), model[2].weight.data.clone()]
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = nn.functional.linear(nn.functional.gelu(nn.functional.linear(x, w_ref[0], b0)), w_ref[1])
+        y_bnb = model(x)  # bitsandbytes' own forward, before offload
+    h = layerstream.offload(model, device="sim")
+    s = h.stats()
+    assert s["quantized_layers"] == 2
+    with torch.no_grad():
+        y = model(x)
+        y2 = model(x)
+    assert torch.equal(y, want), "device dequantization must equal bitsandbytes' dequantize_4bit"
+    assert torch.equal(y, y2)
+    torch.testing.assert_close(y, y_bnb, rtol=2e-2, atol=2e-2)
+    # Only the packed bytes cross the bus: ~0.56 B/param instead of 2 (bf16).
+    h2d = h.stats()["h2d_bytes"] / 2  # two forward passes
+    params = 128 * 256 + 256 * 64
+    assert h2d < 0.6 * params + 256 * 2 + 4096, h2d
+    assert model[0].weight.device.type == "meta"  # bitsandbytes' copy was released
+    assert h.ordering_errors() == []
+    # detach() rebuilds the Params4bit from the same bytes: bitsandbytes runs it again.
+    h.detach()
+    assert type(model[0].weight).__name__ == "Params4bit"
+    assert torch.equal(model[0].weight.data, codes_before[0])
+    assert torch.equal(model[2].weight.data, codes_before[1])
+    with torch.no_grad():
+        assert torch.equal(model(x), y_bnb)
+
+
+def test_lora_over_bnb_nf4_base_trains_the_adapter():
+    import peft
+
+    torch.manual_seed(0)
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = bnb_linear(64, 64)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    base = Tiny()
+    ref = copy.deepcopy(base)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], lora_dropout=0.0,
+                           init_lora_weights=False)
+    model = peft.get_peft_model(base, cfg)
+    ref = peft.get_peft_model(ref, cfg)
+    with torch.no_grad():  # same adapter weights in both
+        mine = dict(model.named_parameters())
+        for n, p in ref.named_parameters():
+            if p.requires_grad:
+                p.copy_(mine[n])
+    h = layerstream.offload(model, device="sim")
+    assert h.stats()["quantized_layers"] == 1
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    model(x).float().pow(2).sum().backward()
+    ref(x).float().pow(2).sum().backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and len(got) == 2  # lora_A, lora_B
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=5e-2, atol=5e-2, msg=lambda m: f"{n}: {m}")
+    assert h.ordering_errors() == []
+
+
+def test_bnb_fp4_is_a_clear_error():
+    model = nn.Sequential(bnb_linear(64, 64, quant_type="fp4"))
+    with pytest.raises(layerstream.LayerstreamError, match="fp4"):
+        layerstream.offload(model, device="sim")
