@@ -107,3 +107,23 @@ def test_bnb_fp4_is_a_clear_error():
     model = nn.Sequential(bnb_linear(64, 64, quant_type="fp4"))
     with pytest.raises(layerstream.LayerstreamError, match="fp4"):
         layerstream.offload(model, device="sim")
+
+
+def test_prepacked_input_is_checked():
+    e = layerstream._C.Engine({"device": "sim"})
+    codes = torch.zeros(64 * 128 // 2, dtype=torch.uint8)
+    absmax = torch.ones(64 * 128 // 64)
+    with pytest.raises(layerstream.LayerstreamError, match="needs 4096 bytes of codes, got 4095"):
+        e.add_linear_packed("a", "nf4", codes[:-1], absmax, None, 64, 128, torch.bfloat16)
+    with pytest.raises(layerstream.LayerstreamError, match="needs 128 scales, got 127"):
+        e.add_linear_packed("b", "nf4", codes, absmax[:-1], None, 64, 128, torch.bfloat16)
+    with pytest.raises(layerstream.LayerstreamError, match="NaN/Inf"):
+        e.add_linear_packed("c", "nf4", codes, absmax * float("nan"), None, 64, 128, torch.bfloat16)
+    with pytest.raises(layerstream.LayerstreamError, match="int8 and nf4"):
+        e.add_linear_packed("d", "int4", codes, absmax, None, 64, 128, torch.bfloat16)
+    with pytest.raises(layerstream.LayerstreamError, match="int8/uint8"):
+        e.add_linear_packed("e", "nf4", codes.float(), absmax, None, 64, 128, torch.bfloat16)
+    # The caller's tensors are copied, not aliased or modified.
+    i = e.add_linear_packed("f", "nf4", codes, absmax, None, 64, 128, torch.bfloat16)
+    codes.fill_(0x11)
+    assert int(e.packed_codes(i).max()) == 0
