@@ -356,8 +356,8 @@ class Handle:
                 dev = torch.device(a.devices[0])
                 a.module.weight = bnb.nn.Params4bit.from_prequantized(
                     data=dense[a.index].reshape(-1, 1).to(dev),
-                    quantized_stats={k: (v.to(dev) if torch.is_tensor(v) else v)
-                                     for k, v in a.bnb_stats.items()},
+                    # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
+                    quantized_stats=dict(a.bnb_stats),
                     requires_grad=False, device=dev, module=a.module)
             elif a.index in dense:
                 a.module.weight = nn.Parameter(dense[a.index].to(a.devices[0]), requires_grad=False)
