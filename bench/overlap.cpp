@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +22,28 @@ using Clock = std::chrono::steady_clock;
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// Median step time (ms) of `c.steps` steps after one that records the trace:
+// every layer is acquired, `before_compute` runs (may be empty), the compute
+// (a sleep of c.compute_ms on `compute`) is enqueued, and the lease released.
+double timed_steps(const OverlapConfig& c, Backend& sim, Scheduler& sched, Stream compute,
+                   const std::function<void(const Lease&)>& before_compute) {
+  const auto compute_time = std::chrono::microseconds(static_cast<long>(c.compute_ms * 1000));
+  std::vector<double> times;
+  for (int step = 0; step < c.steps + 1; ++step) {
+    const auto t0 = Clock::now();
+    for (int l = 0; l < c.layers; ++l) {
+      Lease lease = sched.acquire(l, compute);
+      if (before_compute) before_compute(lease);
+      sim.launch_host_func(compute, [compute_time] { std::this_thread::sleep_for(compute_time); });
+      sched.release(lease, compute);
+    }
+    sim.synchronize(compute);
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (step > 0) times.push_back(ms);  // step 0 records the trace
+  }
+  return median(times);
 }
 }  // namespace
 
@@ -53,21 +76,7 @@ OverlapResult run_overlap_case(const OverlapConfig& c, double ratio, int prefetc
   OverlapResult r;
   {
     Scheduler sched(*sim, transfer, specs, so);
-    const auto compute_time = std::chrono::microseconds(static_cast<long>(c.compute_ms * 1000));
-    std::vector<double> times;
-    for (int step = 0; step < c.steps + 1; ++step) {
-      const auto t0 = Clock::now();
-      for (int l = 0; l < c.layers; ++l) {
-        Lease lease = sched.acquire(l, compute);
-        sim->launch_host_func(compute, [compute_time] { std::this_thread::sleep_for(compute_time); });
-        sched.release(lease, compute);
-      }
-      sim->synchronize(compute);
-      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      if (step > 0) times.push_back(ms);  // step 0 records the trace
-    }
-    std::sort(times.begin(), times.end());
-    r.step_ms = times[times.size() / 2];
+    r.step_ms = timed_steps(c, *sim, sched, compute, nullptr);
     const SchedulerStats st = sched.stats();
     r.hit_rate = st.acquires ? static_cast<double>(st.hits) / static_cast<double>(st.acquires) : 0;
   }
@@ -158,21 +167,10 @@ DequantResult run_dequant_case(const OverlapConfig& c, const std::string& format
   if (c.versioned) so.content_version = [](int) -> uint64_t { return 0; };
   {
     Scheduler sched(*sim, transfer, specs, so);
-    const auto compute_time = std::chrono::microseconds(static_cast<long>(c.compute_ms * 1000));
-    std::vector<double> times;
-    for (int step = 0; step < c.steps + 1; ++step) {
-      const auto t0 = Clock::now();
-      for (int l = 0; l < c.layers; ++l) {
-        Lease lease = sched.acquire(l, compute);
-        if (at == DequantAt::Use) dequantize_into_slot(lease.slot_buf, lease.offsets, compute);
-        sim->launch_host_func(compute, [compute_time] { std::this_thread::sleep_for(compute_time); });
-        sched.release(lease, compute);
-      }
-      sim->synchronize(compute);
-      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      if (step > 0) times.push_back(ms);
-    }
-    r.step_ms = median(times);
+    std::function<void(const Lease&)> at_use;
+    if (at == DequantAt::Use)
+      at_use = [&](const Lease& lease) { dequantize_into_slot(lease.slot_buf, lease.offsets, compute); };
+    r.step_ms = timed_steps(c, *sim, sched, compute, at_use);
   }
   const auto errors = sim->ordering_errors();
   r.ordering_errors = errors.size();
