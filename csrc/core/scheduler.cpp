@@ -207,48 +207,26 @@ int Scheduler::obtain_slot_locked(bool on_demand) {
 void Scheduler::issue_copy_locked(int layer, int slot) {
   Layer& l = layers_[static_cast<size_t>(layer)];
   const BufferRef& dst = pool_->slot(slot);
-  std::shared_ptr<double> started;
-  if (tracer_ && backend_.caps().host_functions) {
-    started = std::make_shared<double>(0);
-    auto t = tracer_;
-    backend_.launch_host_func(transfer_, [t, started] { *started = t->now_us(); });
-  }
+  const std::shared_ptr<double> started = trace_stream_begin(tracer_, backend_, transfer_);
   for (size_t i = 0; i < l.spec.parts.size(); ++i) {
     const BufferRef& src = l.spec.parts[i];
     if (src.bytes == 0) continue;
     backend_.copy_async(dst, l.offsets[i], src, 0, src.bytes, transfer_);
   }
-  if (started) {
-    auto t = tracer_;
-    TraceSlice slice{"transfer", "H2D " + l.spec.name, 0, 0, l.copy_bytes};
-    backend_.launch_host_func(transfer_, [t, started, slice]() mutable {
-      slice.start_us = *started;
-      slice.end_us = t->now_us();
-      t->add(std::move(slice));
-    });
-  }
+  if (started)
+    trace_stream_end(tracer_, backend_, transfer_, started,
+                     {"transfer", "H2D " + l.spec.name, 0, 0, l.copy_bytes});
   SlotState& st = slots_[static_cast<size_t>(slot)];
   if (l.spec.post_copy) {
     if (post_ != transfer_) {
       backend_.record(st.copied, transfer_);
       backend_.wait(post_, st.copied);
     }
-    std::shared_ptr<double> pstart;
-    if (tracer_ && backend_.caps().host_functions) {
-      pstart = std::make_shared<double>(0);
-      auto t = tracer_;
-      backend_.launch_host_func(post_, [t, pstart] { *pstart = t->now_us(); });
-    }
+    const std::shared_ptr<double> pstart = trace_stream_begin(tracer_, backend_, post_);
     l.spec.post_copy(dst, l.offsets, post_);
-    if (pstart) {
-      auto t = tracer_;
-      TraceSlice slice{"post-copy", "dequant " + l.spec.name, 0, 0, l.spec.workspace_bytes};
-      backend_.launch_host_func(post_, [t, pstart, slice]() mutable {
-        slice.start_us = *pstart;
-        slice.end_us = t->now_us();
-        t->add(std::move(slice));
-      });
-    }
+    if (pstart)
+      trace_stream_end(tracer_, backend_, post_, pstart,
+                       {"post-copy", "dequant " + l.spec.name, 0, 0, l.spec.workspace_bytes});
     backend_.record(st.ready, post_);
   } else {
     backend_.record(st.ready, transfer_);

@@ -147,4 +147,21 @@ double TraceRecorder::overlap_fraction(const std::string& copy_lane, const std::
   return hidden / copy_total;
 }
 
+std::shared_ptr<double> trace_stream_begin(const std::shared_ptr<TraceRecorder>& t, Backend& be, Stream s) {
+  if (!t || !be.caps().host_functions) return nullptr;
+  auto start = std::make_shared<double>(0);
+  be.launch_host_func(s, [t, start] { *start = t->now_us(); });
+  return start;
+}
+
+void trace_stream_end(const std::shared_ptr<TraceRecorder>& t, Backend& be, Stream s,
+                      const std::shared_ptr<double>& start, TraceSlice slice) {
+  if (!t || !start) return;
+  be.launch_host_func(s, [t, start, slice = std::move(slice)]() mutable {
+    slice.start_us = *start;
+    slice.end_us = t->now_us();
+    t->add(std::move(slice));
+  });
+}
+
 }  // namespace layerstream

@@ -18,9 +18,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "runtime.h"
 
 namespace layerstream {
 
@@ -59,5 +62,14 @@ class TraceRecorder {
   size_t capacity_ = 1000000;
   uint64_t dropped_ = 0;
 };
+
+// Timing work on a stream: trace_stream_begin() enqueues a host function that
+// notes when `s` reaches it; trace_stream_end() enqueues one that adds `slice`
+// (its lane, name and bytes) from that moment to when `s` reaches the end.
+// begin returns nullptr, and end does nothing for it, when `t` is null or the
+// backend cannot run host functions.
+std::shared_ptr<double> trace_stream_begin(const std::shared_ptr<TraceRecorder>& t, Backend& be, Stream s);
+void trace_stream_end(const std::shared_ptr<TraceRecorder>& t, Backend& be, Stream s,
+                      const std::shared_ptr<double>& start, TraceSlice slice);
 
 }  // namespace layerstream

@@ -72,6 +72,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   m.def("quant_formats", [] { return std::vector<std::string>{"int8", "fp8", "nf4", "int4"}; });
+  m.def("nf4_codes", [] { return std::vector<float>(quant::kNF4Codes, quant::kNF4Codes + 16); });
   m.def("quant_packed_bytes", [fmt](const std::string& format, int64_t rows, int64_t cols) {
     return quant::layout_for(fmt(format), rows, cols).total_bytes();
   });

@@ -91,12 +91,15 @@ Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) 
   LS_CHECK(opts_.prefetch >= 0, "prefetch must be >= 0, got ", opts_.prefetch);
   LS_CHECK(opts_.slots >= 0, "slots must be >= 0, got ", opts_.slots);
   if (!opts_.dequant_dtype.empty()) {
-    const std::string& d = opts_.dequant_dtype;
-    if (d == "float32" || d == "float") dequant_dtype_ = torch::kFloat;
-    else if (d == "bfloat16") dequant_dtype_ = torch::kBFloat16;
-    else if (d == "float16" || d == "half") dequant_dtype_ = torch::kHalf;
-    else LS_FAIL("dequant_dtype must be float32, bfloat16 or float16 (or empty for each weight's "
-                 "own dtype), got '", d, "'");
+    try {
+      switch (quant::parse_out_dtype(opts_.dequant_dtype)) {
+        case quant::OutDtype::F32: dequant_dtype_ = torch::kFloat; break;
+        case quant::OutDtype::BF16: dequant_dtype_ = torch::kBFloat16; break;
+        case quant::OutDtype::F16: dequant_dtype_ = torch::kHalf; break;
+      }
+    } catch (const Error& e) {
+      LS_FAIL("dequant_dtype (empty = each weight's own dtype): ", e.message());
+    }
   }
   device_name_ = resolve_device(opts_.device);
   if (device_name_ == "sim") {
@@ -713,23 +716,12 @@ torch::Tensor Engine::grad_to_host(const torch::Tensor& g, torch::ScalarType dty
 }
 
 std::shared_ptr<double> Engine::trace_begin(Stream s) {
-  if (!tracer_) return nullptr;
-  auto start = std::make_shared<double>(0);
-  auto t = tracer_;
-  backend_->launch_host_func(s, [t, start] { *start = t->now_us(); });
-  return start;
+  return trace_stream_begin(tracer_, *backend_, s);
 }
 
 void Engine::trace_end(Stream s, const std::shared_ptr<double>& start, const std::string& lane,
                        const std::string& name, uint64_t bytes) {
-  if (!tracer_ || !start) return;
-  auto t = tracer_;
-  TraceSlice slice{lane, name, 0, 0, bytes};
-  backend_->launch_host_func(s, [t, start, slice]() mutable {
-    slice.start_us = *start;
-    slice.end_us = t->now_us();
-    t->add(std::move(slice));
-  });
+  if (start) trace_stream_end(tracer_, *backend_, s, start, {lane, name, 0, 0, bytes});
 }
 
 std::vector<std::pair<StepStats, double>> Engine::step_stats() const {

@@ -69,13 +69,6 @@ def _quant_for(name: str, quantize) -> Optional[str]:
                     f"got {type(quantize).__name__}")
 
 
-# The 16 NF4 code values (QLoRA / bitsandbytes), as in csrc/core/quant.h.
-_NF4_CODES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-              0.44070982933044434, 0.5626170039176941, 0.7229568362236328, 1.0)
-
-
 class _Packed:
     """A weight that arrives already packed: stored byte for byte."""
 
@@ -85,6 +78,9 @@ class _Packed:
         self.format, self.codes, self.scales = format, codes, scales
         self.rows, self.cols, self.dense_dtype = int(rows), int(cols), dense_dtype
         self.bnb_stats = bnb_stats  # bitsandbytes: what detach() needs to rebuild Params4bit
+
+
+_DEQUANT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _bnb_nf4(name: str, w) -> Optional[_Packed]:
@@ -105,7 +101,7 @@ def _bnb_nf4(name: str, w) -> Optional[_Packed]:
             f"not supported (layerstream takes nf4 with blocks of 64); dequantize the model or load "
             f"it unquantized and use offload(quantize='nf4')")
     code = qs.code.detach().float().cpu()
-    if code.numel() != 16 or not torch.equal(code, torch.tensor(_NF4_CODES, dtype=torch.float32)):
+    if code.numel() != 16 or not torch.equal(code, torch.tensor(_C.nf4_codes(), dtype=torch.float32)):
         raise LayerstreamError(f"layer '{name}': its bitsandbytes nf4 code table is not the standard one")
     if qs.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise LayerstreamError(f"layer '{name}': bitsandbytes dtype {qs.dtype} is not supported")
@@ -452,12 +448,11 @@ def offload(
         "trace": bool(trace),
         "budget_bytes": -1,  # set from the plan below when a budget is given
     }
-    _dequant_dtypes = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
     if dequant_dtype is not None:
-        if dequant_dtype not in _dequant_dtypes:
+        if dequant_dtype not in _DEQUANT_DTYPES:
             raise ValueError(f"dequant_dtype must be torch.float32, torch.bfloat16 or torch.float16 "
                              f"(or None), got {dequant_dtype!r}")
-        opts["dequant_dtype"] = _dequant_dtypes[dequant_dtype]
+        opts["dequant_dtype"] = _DEQUANT_DTYPES[dequant_dtype]
     formats = ([quantize] if isinstance(quantize, str) else
                list(quantize.values()) if isinstance(quantize, dict) else [])
     for fmt in formats:
@@ -516,12 +511,11 @@ def offload(
                 else:
                     raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
         dense_dtype = pre.dense_dtype if pre is not None else weight.dtype
-        dense_w = rows * cols * torch.empty((), dtype=dense_dtype).element_size()
+        dense_w = rows * cols * dense_dtype.itemsize
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
         if pre is not None or fmt is not None:
             w_bytes = _C.quant_packed_bytes(pre.format if pre is not None else fmt, rows, cols)
-            workspace = _align256(dense_w if dequant_dtype is None else
-                                  rows * cols * torch.empty((), dtype=dequant_dtype).element_size())
+            workspace = _align256(dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize)
         else:
             w_bytes = dense_w
             workspace = 0
