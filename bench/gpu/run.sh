@@ -225,7 +225,7 @@ else
     exe="$bdir/tests/cpp/$t"
     if [ ! -x "$exe" ]; then cpp_results+=("$t|not built|0"); continue; fi
     log "C++: $t"
-    timeout 180 "$exe" --gtest_brief=1 >"$OUTDIR/$t.log" 2>&1; rc=$?
+    timeout 100 "$exe" --gtest_brief=1 >"$OUTDIR/$t.log" 2>&1; rc=$?
     cat "$OUTDIR/$t.log" >>"$OUTDIR/cpp_tests.log"
     sum=$(grep -E '^\[ +(PASSED|SKIPPED|FAILED) +\] [0-9]+ test' "$OUTDIR/$t.log" \
           | sed -E 's/^\[ +([A-Z]+) +\] ([0-9]+).*/\2 \1/' | tr 'A-Z\n' 'a-z,' | sed 's/,$//;s/,/, /g')
@@ -236,7 +236,7 @@ else
   if [ -x "$qexe" ]; then
     qargs=(--json); [ "$DRY" = 1 ] && qargs+=(--rows 256 --cols 1024 --reps 1)
     log "C++: bench_quant ${qargs[*]}"
-    timeout 120 "$qexe" "${qargs[@]}" >"$OUTDIR/bench_quant.json" 2>>"$OUTDIR/cpp_tests.log"; rc=$?
+    timeout 60 "$qexe" "${qargs[@]}" >"$OUTDIR/bench_quant.json" 2>>"$OUTDIR/cpp_tests.log"; rc=$?
     cpp_results+=("bench_quant|rc $rc|$rc")
     [ $rc = 0 ] || fail=1
   else
