@@ -11,6 +11,9 @@ grad, so activation gradients flow through every layer).
 Systems:
   resident     the model on the device (upper bound on speed)
   layerstream  layerstream.offload(model, device=..., budget=~10% of the weight bytes)
+  layerstream-nf4  the same with quantize="nf4": packed weights cross the bus
+               (0.28x the bytes) and are dequantized to bf16 on the device, on
+               the transfer path; same budget (an extra row, not a target)
   seed         the original system (--seed-impl PATH, imported from that path),
                LinearLayerMemoryManager attached to every Linear
   accelerate   accelerate.cpu_offload(model, execution_device)
@@ -45,7 +48,7 @@ from pathlib import Path
 
 MARK = "LSBENCH_JSON "
 REPO = Path(__file__).resolve().parents[2]
-SYSTEMS = ("resident", "layerstream", "seed", "accelerate")
+SYSTEMS = ("resident", "layerstream", "layerstream-nf4", "seed", "accelerate")
 REGIMES = ("transfer", "compute")
 MODES = ("infer", "train")
 
@@ -186,14 +189,16 @@ def run_child(system: str, cfg: dict, rows: list) -> int:
             model, wbytes, largest = build_model(cfg, dev)
         else:
             model, wbytes, largest = build_model(cfg, torch.device("cpu"))
-        if system == "layerstream":
+        if system.startswith("layerstream"):
             sys.path.insert(0, str(REPO / "python"))
             import layerstream
 
             budget = budget_for(cfg, wbytes, largest)
+            quantize = "nf4" if system == "layerstream-nf4" else None
             handle = layerstream.offload(model, device="cuda" if cuda else "sim", budget=budget,
-                                         prefetch=cfg["prefetch"], sim_link_gbps=cfg["sim_link_gbps"])
-            extra = {"budget_bytes": budget, "engine_layers": len(handle.layers),
+                                         prefetch=cfg["prefetch"], sim_link_gbps=cfg["sim_link_gbps"],
+                                         quantize=quantize)
+            extra = {"budget_bytes": budget, "engine_layers": len(handle.layers), "quantize": quantize,
                      "layerstream_file": layerstream.__file__}
         elif system == "seed":
             seed = load_seed(cfg["seed_impl"])
@@ -314,7 +319,13 @@ def measure(system, model, handle, dev, cuda, tokens, d, mode, cfg) -> dict:
     if handle is not None:
         s1 = handle.stats()
         out["h2d_bytes_per_step"] = (s1["h2d_bytes"] - stats0["h2d_bytes"]) / n
+        # peak_device_bytes = the slot arena (streamed_device_bytes, cudaMalloc'd
+        # by the engine, outside torch's allocator) + the weights the planner
+        # kept resident (resident_bytes: ordinary torch tensors on the device,
+        # so torch.cuda.max_memory_allocated already counts them).
         out["peak_device_bytes_engine"] = int(s1.get("peak_device_bytes", 0))
+        out["streamed_device_bytes"] = int(s1.get("streamed_device_bytes", s1.get("peak_device_bytes", 0)))
+        out["resident_bytes"] = int(s1.get("resident_bytes", 0))
         out["engine"] = {k: s1.get(k) for k in ("slots", "slot_bytes", "budget_bytes", "max_slots_held",
                                                 "pinned_bytes", "pageable_bytes", "ordering_errors")}
         for k in ("hits", "misses", "stall_seconds", "d2h_bytes", "deviations"):
@@ -423,6 +434,18 @@ def spawn(args_list: list, label: str, timeout_s: float, logf) -> tuple:
     return rc, objs, timed_out.is_set()
 
 
+def peak_total(torch_peak, eng_peak, streamed):
+    """Device memory of one row, each byte once: torch's peak (activations,
+    and on CUDA the weights the planner kept resident, which are torch
+    tensors) + the engine's slot arena, allocated outside torch. Without a
+    torch figure (sim/CPU), the engine's peak (slots + resident weights)."""
+    if torch_peak is None:
+        return eng_peak
+    if eng_peak is None:
+        return torch_peak
+    return torch_peak + (streamed if streamed is not None else eng_peak)
+
+
 def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
     """Adds bytes, bandwidth, ideal, ratios and the target checks to every row."""
     peak_gbps = probe.get("pinned_peak_gbps")
@@ -432,7 +455,7 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
             continue
         sysname, mode = r["system"], r["mode"]
         wbytes = metas.get(sysname, {}).get("weight_bytes")
-        if sysname == "layerstream":
+        if sysname.startswith("layerstream"):
             b, src = r.get("h2d_bytes_per_step"), "measured (engine h2d_bytes delta / steps)"
         elif sysname == "seed":
             passes = 2 if mode == "train" else 1
@@ -449,8 +472,7 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
         r["gbps"] = (b / step_s / 1e9) if b else None
         r["pct_pinned_peak"] = (r["gbps"] / peak_gbps) if (r["gbps"] and peak_gbps) else None
         torch_peak, eng_peak = r.get("peak_device_bytes_torch"), r.get("peak_device_bytes_engine")
-        parts = [v for v in (torch_peak, eng_peak) if v is not None]
-        r["peak_device_bytes_total"] = sum(parts) if parts else None
+        r["peak_device_bytes_total"] = peak_total(torch_peak, eng_peak, r.get("streamed_device_bytes"))
         res = by.get(("resident", r["regime"], mode))
         res_ms = res["step_ms"] if res and res.get("status") == "ok" else None
         r["ratio_to_resident"] = (r["step_ms"] / res_ms) if res_ms else None
@@ -465,7 +487,7 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
 
     for r in rows:
         checks = []
-        if r["system"] != "layerstream" or r.get("status") != "ok":
+        if not r["system"].startswith("layerstream") or r.get("status") != "ok":
             r["checks"], r["verdict"] = checks, ("—" if r.get("status") == "ok" else r.get("status", "?"))
             continue
         regime, mode = r["regime"], r["mode"]
@@ -477,7 +499,7 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
             v = r.get("pct_pinned_peak")
             checks.append({"name": f">= {T_TRANSFER_PCT_OF_PINNED:.0%} pinned peak",
                            "value": v, "pass": None if v is None else v >= T_TRANSFER_PCT_OF_PINNED})
-        budget = metas.get("layerstream", {}).get("budget_bytes")
+        budget = metas.get(r["system"], {}).get("budget_bytes")
         eng = r.get("peak_device_bytes_engine")
         if budget is not None and eng is not None:
             checks.append({"name": "engine peak <= budget", "value": eng, "pass": eng <= budget})
@@ -531,7 +553,9 @@ def write_md(res: dict, path: Path) -> None:
     L.append(f"- tokens per step: transfer-bound {c['tokens']['transfer']}, compute-bound {c['tokens']['compute']};"
              f" {c['warmup']} warm-up + {c['steps']} timed steps, median reported")
     L.append(f"- layerstream budget: {fmt_bytes(c.get('budget_bytes'))} "
-             f"({c['budget_frac']:.0%} of weight bytes, at least 3 slots), prefetch {c['prefetch']}")
+             f"({c['budget_frac']:.0%} of the bf16 weight bytes, at least 3 slots), prefetch {c['prefetch']}; "
+             "layerstream-nf4: the same budget, weights packed as nf4 on the host and dequantized to bf16 "
+             "on the device (an extra row; the issue's targets are judged on the layerstream rows)")
     b, t = res.get("build", {}), res.get("tests", {})
     L.append(f"- build: {b.get('status', '?')}" + (f" ({b['seconds']} s)" if b.get("seconds") else "")
              + (f" — {b['detail']}" if b.get("detail") else ""))
@@ -563,8 +587,8 @@ def write_md(res: dict, path: Path) -> None:
     L.append("Columns: step ms = median over the timed steps (CUDA events on the compute stream; perf_counter "
              "on CPU/sim); × ideal = step / max(resident step, bytes streamed per step / H2D peak); GB/s = bytes "
              "streamed per step / step time (layerstream: measured h2d bytes; seed/accelerate: computed); peak "
-             "device mem = torch.cuda.max_memory_allocated + layerstream's slot arena (peak_device_bytes, "
-             "allocated outside torch). Targets (goals, not the exit status): compute-bound training ≤ "
+             "device mem = torch.cuda.max_memory_allocated + layerstream's slot arena (streamed_device_bytes, "
+             "allocated outside torch; the weights its planner keeps resident are torch tensors, counted once). Targets (goals, not the exit status): compute-bound training ≤ "
              f"{T_COMPUTE_TRAIN_VS_RESIDENT:.2f}× resident; transfer-bound ≥ {T_TRANSFER_PCT_OF_PINNED:.0%} of the "
              "pinned peak; engine peak ≤ budget; total peak ≤ budget + the resident run's activations "
              f"(+{MEM_TOLERANCE_BYTES >> 20} MiB); faster than the seed.")
@@ -776,7 +800,7 @@ def main(argv=None) -> int:
     if (tests.get("cpp") or {}).get("status") == "failed":
         failures.append(f"C++ CUDA tests failed: {tests['cpp'].get('detail', '')}")
 
-    verdicts = [r["verdict"] for r in rows if r["system"] == "layerstream" and r.get("status") == "ok"]
+    verdicts = [r["verdict"] for r in rows if r["system"].startswith("layerstream") and r.get("status") == "ok"]
     res = {
         "schema": 1,
         "dry_run": dry,

@@ -234,7 +234,7 @@ else
   done
   qexe="$bdir/bench/bench_quant"
   if [ -x "$qexe" ]; then
-    qargs=(--json); [ "$DRY" = 1 ] && qargs+=(--rows 256 --cols 1024 --reps 1)
+    qargs=(--json --rows 16384 --cols 4096); [ "$DRY" = 1 ] && qargs=(--json --rows 256 --cols 1024 --reps 1)
     log "C++: bench_quant ${qargs[*]}"
     timeout 60 "$qexe" "${qargs[@]}" >"$OUTDIR/bench_quant.json" 2>>"$OUTDIR/cpp_tests.log"; rc=$?
     cpp_results+=("bench_quant|rc $rc|$rc")
