@@ -79,12 +79,14 @@ PYBIND11_MODULE(_C, m) {
 
   // The placement planner (core/planner.h): which layers stay resident.
   // layers: (name, bus bytes, slot bytes (0 = bus bytes), resident bytes,
-  // FLOPs, trainable) in execution order.
+  // FLOPs, trainable) in execution order; min_slots: slots reserved before
+  // any layer is made resident (offload() passes prefetch + 1 or `slots`).
   m.def(
       "plan",
       [](uint64_t budget,
          const std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool>>& layers,
-         uint64_t fixed, double link_bytes_per_s, double flops_per_s, bool training, int max_prefetch) {
+         uint64_t fixed, double link_bytes_per_s, double flops_per_s, bool training, int max_prefetch,
+         int min_slots) {
         layerstream::PlannerInput in;
         in.budget_bytes = budget;
         in.fixed_resident_bytes = fixed;
@@ -92,6 +94,7 @@ PYBIND11_MODULE(_C, m) {
         in.device_flops_per_s = flops_per_s;
         in.training = training;
         in.max_prefetch = std::max(1, max_prefetch);
+        in.min_slots = min_slots;
         for (const auto& [name, bytes, slot_bytes, resident, flops, trainable] : layers) {
           layerstream::PlannerLayer l;
           l.name = name;
@@ -121,7 +124,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"),
       py::arg("link_bytes_per_s") = 0.0, py::arg("device_flops_per_s") = 0.0,
-      py::arg("training") = false, py::arg("max_prefetch") = 4);
+      py::arg("training") = false, py::arg("max_prefetch") = 4, py::arg("min_slots") = 2);
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](const py::dict& opts) { return Engine::create(options_from(opts)); }),

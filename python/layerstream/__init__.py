@@ -410,8 +410,12 @@ def offload(
 
     device: "cuda"/"cuda:N", "sim" (simulated device; tensors compute on the
         CPU) or None (CUDA when visible, else "sim").
-    budget: hard bound on the device bytes used for streamed weights (bytes,
-        "12GiB", ...); None = no bound. Must hold 2 slots of the largest layer.
+    budget: hard bound on the device bytes of the weights: streaming slots
+        plus the layers the planner keeps resident (bytes, "12GiB", ...);
+        None = no bound. Must hold 2 slots of the largest layer. The planner
+        first reserves the slots (``slots``, else prefetch + 1), then keeps as
+        many layers resident as the rest holds; a budget too small for
+        prefetch + 1 slots gets fewer (at least 2) and prefetch slots - 1.
     prefetch: layers kept in flight ahead of use; slots: device slots
         (default prefetch + 2, capped by the budget).
     quantize: pack streamed weights on the host and dequantize them on the
@@ -540,10 +544,26 @@ def offload(
             for t in list(module._parameters.values()) + list(module._buffers.values()):
                 if t is not None and t.device.type != "meta":
                     fixed += t.numel() * t.element_size()
-        plan = _C.plan(budget_bytes,
-                       [(n, bb, sb, rb, 0.0, bool(m.weight.requires_grad))
-                        for n, m, _, _, _, bb, sb, rb in layers],
-                       fixed, max_prefetch=max(1, opts["prefetch"]))
+        # Slots first, residency with what is left: the planner reserves the
+        # slots the requested prefetch depth needs (prefetch + 1: one in use,
+        # `prefetch` in flight; or exactly `slots`) before it keeps any layer
+        # resident. Without this it would trade slots for residency (it has
+        # no time model here) and silently run at prefetch depth 1. A budget
+        # too small for those slots gets fewer (at least 2; prefetch becomes
+        # slots - 1), as documented.
+        largest_slot = max((t[6] for t in layers), default=0)
+        fit = (budget_bytes - fixed) // largest_slot if largest_slot and budget_bytes > fixed else 0
+        min_slots = int(slots) if slots is not None else max(2, min(opts["prefetch"] + 1, fit))
+        try:
+            plan = _C.plan(budget_bytes,
+                           [(n, bb, sb, rb, 0.0, bool(m.weight.requires_grad))
+                            for n, m, _, _, _, bb, sb, rb in layers],
+                           fixed, max_prefetch=max(1, opts["prefetch"], min_slots - 1), min_slots=min_slots)
+        except LayerstreamError as e:
+            if slots is None:
+                raise
+            raise LayerstreamError(f"slots={slots} do not fit in the budget: {e}; or ask for fewer "
+                                   f"slots (at least 2)") from None
         resident_names = set(plan["resident"])
         opts["budget_bytes"] = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
 

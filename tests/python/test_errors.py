@@ -131,7 +131,61 @@ def test_bad_options(kw, exc, match):
 
 def test_slots_do_not_fit_budget(offload_sim):
     err = _budget_error(offload_sim, _stack(), torch.randn(1, 32), budget=3 * 4352, slots=8)
-    assert "slots=8" in str(err), str(err)
+    msg = str(err)
+    assert "slots=8" in msg, msg
+    assert _minimum_from(msg) == 8 * 4352, msg  # what 8 slots of the largest layer need
+    model = _stack(n=12)  # 12 * 4224 bytes: does not fit resident in 8 * 4352
+    handle = offload_sim(model, budget=8 * 4352, slots=8)
+    model(torch.randn(1, 32))  # the schedule (and its slots) is built on first use
+    assert handle.stats()["slots"] == 8
+
+
+# --------------------------------------------------- budget: slots before residency
+@pytest.mark.parametrize("prefetch,slots", [(0, 2), (1, 2), (2, 3), (3, 4)])
+def test_budget_reserves_the_prefetch_slots_before_residency(offload_sim, prefetch, slots):
+    """With a budget, the planner first reserves prefetch + 1 slots (one in use,
+    `prefetch` in flight), then keeps layers resident with the rest: the
+    requested prefetch depth is not traded away for residency."""
+    budget = 8 * 4352  # 12 layers of 4352 bytes in a slot (4224 resident)
+    model = _stack(n=12)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, budget=budget, prefetch=prefetch)
+    x = torch.randn(3, 32)
+    assert torch.equal(model(x), ref(x))
+    s = handle.stats()
+    assert s["slots"] >= slots, s
+    assert s["peak_device_bytes"] <= budget, s
+    # residency takes what the reserved slots leave, and only that
+    expected_resident = (budget - slots * 4352) // 4224
+    assert s["resident_layers"] == min(expected_resident, 12 - slots), s
+    assert s["slots"] * 4352 + s["resident_layers"] * 4224 <= budget
+
+
+def test_budget_too_small_for_the_prefetch_slots_streams_with_fewer(offload_sim):
+    """A budget that holds 2 slots but not prefetch + 1 still streams (prefetch
+    depth 1), as documented, and stays inside the budget."""
+    model = _stack(n=6)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, budget=2 * 4352 + 100, prefetch=3)
+    x = torch.randn(2, 32)
+    assert torch.equal(model(x), ref(x))
+    s = handle.stats()
+    assert s["slots"] == 2 and s.get("resident_layers", 0) == 0, s
+    assert s["peak_device_bytes"] <= 2 * 4352 + 100
+
+
+def test_explicit_slots_with_budget_are_reserved_before_residency(offload_sim):
+    """slots=N with a budget that holds N slots and more: N slots, the rest
+    resident (the planner used to spend the budget on residency first and the
+    engine then refused the N slots)."""
+    budget = 8 * 4352
+    model = _stack(n=12)
+    handle = offload_sim(model, budget=budget, slots=4)
+    model(torch.randn(1, 32))
+    s = handle.stats()
+    assert s["slots"] == 4, s
+    assert s["resident_layers"] == (budget - 4 * 4352) // 4224, s
+    assert s["peak_device_bytes"] <= budget
 
 
 # ---------------------------------------------------------------- device
