@@ -26,14 +26,16 @@ double median(std::vector<double> v) {
 
 // Median step time (ms) of `c.steps` steps after one that records the trace:
 // every layer is acquired, `before_compute` runs (may be empty), the compute
-// (a sleep of c.compute_ms on `compute`) is enqueued, and the lease released.
+// (a sleep of c.compute_ms x the layer's multiplier on `compute`) is
+// enqueued, and the lease released.
 double timed_steps(const OverlapConfig& c, Backend& sim, Scheduler& sched, Stream compute,
                    const std::function<void(const Lease&)>& before_compute) {
-  const auto compute_time = std::chrono::microseconds(static_cast<long>(c.compute_ms * 1000));
   std::vector<double> times;
   for (int step = 0; step < c.steps + 1; ++step) {
     const auto t0 = Clock::now();
     for (int l = 0; l < c.layers; ++l) {
+      const auto compute_time =
+          std::chrono::microseconds(static_cast<long>(c.compute_ms * c.multiplier(l) * 1000));
       Lease lease = sched.acquire(l, compute);
       if (before_compute) before_compute(lease);
       sim.launch_host_func(compute, [compute_time] { std::this_thread::sleep_for(compute_time); });
@@ -51,7 +53,8 @@ OverlapResult run_overlap_case(const OverlapConfig& c, double ratio, int prefetc
   LS_CHECK(c.layers >= 1 && c.compute_ms > 0 && c.layer_mib > 0 && c.steps >= 1,
            "overlap benchmark: layers, compute-ms, layer-mib and steps must be positive");
   LS_CHECK(ratio > 0 && prefetch >= 0, "overlap benchmark: ratio must be positive and prefetch >= 0");
-  const size_t bytes = static_cast<size_t>(c.layer_mib * 1024 * 1024);
+  for (double m : c.pattern) LS_CHECK(m > 0, "overlap benchmark: pattern multipliers must be positive");
+  const size_t bytes = static_cast<size_t>(c.layer_mib * 1024 * 1024);  // a layer of multiplier 1
   const double transfer_s = ratio * c.compute_ms / 1000.0;
   SimOptions o;
   o.h2d_gbps = static_cast<double>(bytes) / transfer_s / 1e9;
@@ -60,9 +63,13 @@ OverlapResult run_overlap_case(const OverlapConfig& c, double ratio, int prefetc
   auto sim = make_sim_backend(o);
   HostStore store(*sim);
   std::vector<LayerSpec> specs;
-  std::vector<unsigned char> data(bytes, 1);
+  double sum_multipliers = 0;
+  std::vector<unsigned char> data;
   for (int i = 0; i < c.layers; ++i) {
-    const size_t idx = store.add(bytes, data.data(), "layer" + std::to_string(i));
+    sum_multipliers += c.multiplier(i);
+    const size_t n = static_cast<size_t>(static_cast<double>(bytes) * c.multiplier(i));
+    if (data.size() < n) data.assign(n, 1);
+    const size_t idx = store.add(n, data.data(), "layer" + std::to_string(i));
     specs.push_back(LayerSpec{"layer" + std::to_string(i), {store.buffer(idx)}});
   }
   Stream transfer = sim->create_stream("transfer");
@@ -86,8 +93,8 @@ OverlapResult run_overlap_case(const OverlapConfig& c, double ratio, int prefetc
   r.ratio = ratio;
   r.prefetch = prefetch;
   r.slots = so.num_slots;
-  const double total_compute = c.layers * c.compute_ms;
-  const double total_transfer = c.layers * ratio * c.compute_ms;
+  const double total_compute = sum_multipliers * c.compute_ms;
+  const double total_transfer = sum_multipliers * ratio * c.compute_ms;
   r.ideal_ms = std::max(total_compute, total_transfer);
   r.overlap_ratio = r.step_ms / r.ideal_ms;
   sim->destroy_stream(compute);
@@ -100,6 +107,7 @@ DequantResult run_dequant_case(const OverlapConfig& c, const std::string& format
   LS_CHECK(c.layers >= 1 && c.compute_ms > 0 && c.layer_mib > 0 && c.steps >= 1,
            "dequant benchmark: layers, compute-ms, layer-mib and steps must be positive");
   LS_CHECK(ratio > 0, "dequant benchmark: ratio must be positive");
+  LS_CHECK(c.pattern.empty(), "dequant benchmark: layers are uniform here (no pattern)");
   const quant::Format fmt = quant::parse_format(format);
   LS_CHECK(fmt != quant::Format::None, "dequant benchmark needs a quantization format");
   const int64_t cols = 1024;

@@ -2,7 +2,8 @@
 // `layerstream bench`.
 //
 // A stack of N layers, each with a fixed compute time (a sleep on the compute
-// stream) and a fixed weight size; the simulated link bandwidth is set so that
+// stream) and a fixed weight size (both scaled per layer by
+// OverlapConfig::pattern); the simulated link bandwidth is set so that
 // total transfer time / total compute time equals `ratio`. A case reports the
 // median step time over `steps` steps (after one step that records the
 // trace) and overlap_ratio = step time / max(total compute, total transfer):
@@ -23,6 +24,14 @@ struct OverlapConfig {
   // Tell the scheduler the weights never change, so prefetching runs across
   // step boundaries (as the torch glue does with version counters).
   bool versioned = true;
+  // Per-layer multipliers of compute_ms and layer_mib, cycled over the layers
+  // (empty: all 1). {1, 1, 1, 1, 4, 4} is a transformer block at a fixed
+  // token count: q, k, v, o, then a 4x MLP's up and down, each layer's
+  // compute proportional to its bytes. Used by run_overlap_case.
+  std::vector<double> pattern;
+  double multiplier(int layer) const {
+    return pattern.empty() ? 1.0 : pattern[static_cast<size_t>(layer) % pattern.size()];
+  }
 };
 
 // Where a quantized layer is dequantized (run_dequant_case).
