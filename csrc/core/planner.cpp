@@ -270,7 +270,9 @@ Plan plan_placement(const PlannerInput& in) {
               in.fixed_resident_bytes ? " plus " + format_bytes(in.fixed_resident_bytes) + " of small resident tensors"
                                       : std::string(),
               "; a budget of at least ", format_bytes(needed_b), " (", needed_b,
-              " bytes) is needed (or quantize the weights, e.g. to nf4)");
+              " bytes) is needed",
+              L_slot > L.bytes ? " (or dequantize to a narrower dtype: the slot holds the dequantized weight)"
+                               : " (or quantize the weights, e.g. to nf4)");
     }
 
     // Residency priority: lowest FLOPs per streamed byte first (its transfer

@@ -103,6 +103,7 @@ TEST(Planner, TooSmallBudgetErrorNamesLargestLayer) {
   EXPECT_HAS(m, "the largest layer \"model.layers.3.mlp.up_proj\" is 60.00 MiB (62914560 bytes)");
   EXPECT_HAS(m, "needs 2 slots of it plus 1.00 MiB of small resident tensors");
   EXPECT_HAS(m, "a budget of at least 121.00 MiB (126877696 bytes) is needed");
+  EXPECT_HAS(m, "(or quantize the weights, e.g. to nf4)");
 
   in.fixed_resident_bytes = 200 * MiB;
   EXPECT_HAS(error_of([&] { plan_placement(in); }), "cannot even hold the always-resident small tensors");
@@ -305,6 +306,8 @@ TEST(Planner, SlotHoldsPackedAndDequantizedWeight) {
   const std::string m = error_of([&] { plan_placement(in); });
   EXPECT_HAS(m, "needs a slot of 5.00 MiB");
   EXPECT_HAS(m, "1.00 MiB packed + the dequantized weight");
+  EXPECT_HAS(m, "dequantize to a narrower dtype");  // it is quantized already: no "quantize" advice
+  EXPECT_TRUE(m.find("e.g. to nf4") == std::string::npos) << m;
   in.budget_bytes = 10 * MiB;
   Plan p = plan_placement(in);
   EXPECT_EQ(p.slot_bytes, 5 * MiB);
