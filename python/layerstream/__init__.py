@@ -415,7 +415,8 @@ def offload(
         None = no bound. Must hold 2 slots of the largest layer. The planner
         first reserves the slots (``slots``, else prefetch + 1), then keeps as
         many layers resident as the rest holds; a budget too small for
-        prefetch + 1 slots gets fewer (at least 2) and prefetch slots - 1.
+        prefetch + 1 slots gets fewer (at least 2) and a prefetch depth of
+        slots - 1.
     prefetch: layers kept in flight ahead of use; slots: device slots
         (default prefetch + 2, capped by the budget).
     quantize: pack streamed weights on the host and dequantize them on the
@@ -560,7 +561,7 @@ def offload(
                             for n, m, _, _, _, bb, sb, rb in layers],
                            fixed, max_prefetch=max(1, opts["prefetch"], min_slots - 1), min_slots=min_slots)
         except LayerstreamError as e:
-            if slots is None:
+            if slots is None or "too small" not in str(e):
                 raise
             raise LayerstreamError(f"slots={slots} do not fit in the budget: {e}; or ask for fewer "
                                    f"slots (at least 2)") from None
