@@ -277,7 +277,9 @@ int64_t pack_nf4_blocks(const Load& ld, int64_t n, const Sections& s, int64_t b0
   uint8_t q[kNF4BlockSize];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t base = b * kNF4BlockSize;
-    const int64_t count = std::min<int64_t>(kNF4BlockSize, n - base);
+    // Clamped below too: b < b1 <= blocks keeps n - base > 0, but GCC 13
+    // cannot see that and warns (-Wstringop-overflow) on the fill below.
+    const int64_t count = std::clamp<int64_t>(n - base, 1, kNF4BlockSize);
     float absmax = 0.0f;
     for (int64_t i = 0; i < count; ++i) {
       const float v = ld(base + i);
