@@ -229,7 +229,7 @@ def run_child(system: str, cfg: dict, rows: list) -> int:
         tokens = cfg["tokens"][regime]
         row = {"kind": "row", "system": system, "regime": regime, "mode": mode, "tokens": tokens}
         try:
-            row.update(measure(system, model, handle, dev, cuda, tokens, d, mode, cfg))
+            row.update(measure(system, model, handle, dev, cuda, tokens, d, mode, cfg, cfg["steps"][regime]))
             row["status"] = "ok"
         except Exception as e:  # noqa: BLE001
             failed = True
@@ -250,7 +250,7 @@ def run_child(system: str, cfg: dict, rows: list) -> int:
     return 1 if failed else 0
 
 
-def measure(system, model, handle, dev, cuda, tokens, d, mode, cfg) -> dict:
+def measure(system, model, handle, dev, cuda, tokens, d, mode, cfg, n) -> dict:
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(tokens)
@@ -286,7 +286,6 @@ def measure(system, model, handle, dev, cuda, tokens, d, mode, cfg) -> dict:
     full_sync()
     stats0 = handle.stats() if handle is not None else None
 
-    n = cfg["steps"]
     times_ms = []
     w0 = time.perf_counter()
     if cuda:
@@ -551,7 +550,8 @@ def write_md(res: dict, path: Path) -> None:
     L.append(f"- model: {c['blocks']} blocks, d={c['dim']}, MLP {c['mlp_mult']}x, bf16, bias={c['bias']}: "
              f"{c.get('params', 0)/1e6:,.3f}M params, {fmt_bytes(c.get('weight_bytes'))} of weights")
     L.append(f"- tokens per step: transfer-bound {c['tokens']['transfer']}, compute-bound {c['tokens']['compute']};"
-             f" {c['warmup']} warm-up + {c['steps']} timed steps, median reported")
+             f" {c['warmup']} warm-up + {c['steps']['transfer']} (transfer-bound) / {c['steps']['compute']}"
+             " (compute-bound) timed steps, median reported")
     L.append(f"- layerstream budget: {fmt_bytes(c.get('budget_bytes'))} "
              f"({c['budget_frac']:.0%} of the bf16 weight bytes, at least 3 slots), prefetch {c['prefetch']}; "
              "layerstream-nf4: the same budget, weights packed as nf4 on the host and dequantized to bf16 "
@@ -622,7 +622,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bias", action="store_true", help="Linear layers without bias")
     ap.add_argument("--tokens-transfer", type=int)
     ap.add_argument("--tokens-compute", type=int)
-    ap.add_argument("--steps", type=int)
+    ap.add_argument("--steps", type=int, help="timed steps per row, both regimes")
+    ap.add_argument("--steps-compute", type=int,
+                    help="timed steps per compute-bound row (default 9 on a GPU: its steps vary by ~1-3%%)")
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--budget-frac", type=float, default=0.10)
     ap.add_argument("--prefetch", type=int, default=2)
@@ -657,14 +659,16 @@ def main(argv=None) -> int:
     if not a.out:
         ap.error("--out is required")
     dry = a.dry_run
-    dflt = dict(blocks=4, dim=64, tt=8, tc=2048, steps=5, warmup=1, timeout=60) if dry else \
-        dict(blocks=32, dim=4096, tt=512, tc=32768, steps=5, warmup=2, timeout=150)
+    dflt = dict(blocks=4, dim=64, tt=8, tc=2048, steps=5, steps_c=5, warmup=1, timeout=60) if dry else \
+        dict(blocks=32, dim=4096, tt=512, tc=32768, steps=5, steps_c=9, warmup=2, timeout=150)
     cfg = {
         "dry_run": dry,
         "blocks": a.blocks or dflt["blocks"], "dim": a.dim or dflt["dim"], "mlp_mult": a.mlp_mult,
         "bias": not a.no_bias,
         "tokens": {"transfer": a.tokens_transfer or dflt["tt"], "compute": a.tokens_compute or dflt["tc"]},
-        "steps": a.steps or dflt["steps"], "warmup": a.warmup if a.warmup is not None else dflt["warmup"],
+        "steps": {"transfer": a.steps or dflt["steps"],
+                  "compute": a.steps_compute or a.steps or dflt["steps_c"]},
+        "warmup": a.warmup if a.warmup is not None else dflt["warmup"],
         "budget_frac": a.budget_frac, "prefetch": a.prefetch,
         "sim_link_gbps": a.sim_link_gbps if a.sim_link_gbps is not None else 0.1,
         "probe_bytes": a.probe_bytes, "threads": a.threads,
