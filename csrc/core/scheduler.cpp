@@ -226,7 +226,7 @@ void Scheduler::issue_copy_locked(int layer, int slot) {
     l.spec.post_copy(dst, l.offsets, post_);
     if (pstart)
       trace_stream_end(tracer_, backend_, post_, pstart,
-                       {"post-copy", "dequant " + l.spec.name, 0, 0, l.spec.workspace_bytes});
+                       {"post-copy", l.spec.post_copy_label + " " + l.spec.name, 0, 0, l.spec.workspace_bytes});
     backend_.record(st.ready, post_);
   } else {
     backend_.record(st.ready, transfer_);

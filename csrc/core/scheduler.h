@@ -67,6 +67,7 @@ struct LayerSpec {
   std::vector<BufferRef> parts;
   size_t workspace_bytes = 0;
   PostCopyFn post_copy;  // optional
+  std::string post_copy_label = "dequant";  // its name in the timeline ("dequant <layer>")
 };
 
 enum class Phase : uint8_t { Forward, Backward };

@@ -31,6 +31,7 @@ EngineOptions options_from(const py::dict& d) {
     else if (k == "cache_across_steps") o.cache_across_steps = py::cast<bool>(v);
     else if (k == "trace") o.trace = py::cast<bool>(v);
     else if (k == "dequant_dtype") o.dequant_dtype = py::cast<std::string>(v);
+    else if (k == "compute_dtype") o.compute_dtype = py::cast<std::string>(v);
     else LS_FAIL("unknown engine option '", k, "'");
   }
   return o;

@@ -4,6 +4,9 @@
 // toolkit) or cuda_glue_nocuda.cpp (otherwise).
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
 #include <memory>
 
 #include "core/quant.h"
@@ -22,6 +25,11 @@ void* current_stream(int device);
 // cudaStream_t of that device); sets the current device for the launch.
 void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* out,
                    quant::OutDtype dtype, int device, void* stream);
+// Casts `numel` contiguous elements on `device`, enqueued on `stream`, as
+// torch's Tensor::to(dtype) does (same kernel, same rounding); sets the
+// current device and stream for the launch. No allocation.
+void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t numel,
+             int device, void* stream);
 // Peak device bytes allocated through a CUDA backend (0 for other backends).
 size_t peak_device_bytes(Backend& backend);
 

@@ -2,6 +2,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
+#include <torch/types.h>
 
 #include "backends/cuda/cuda_backend.h"
 #include "kernels/cuda/dequant.h"
@@ -28,6 +29,17 @@ void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* 
   // The caller may be any thread (e.g. an autograd worker on another device).
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   quant::dequantize_cuda(layout, packed, out, dtype, stream);
+}
+
+void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t numel,
+             int device, void* stream) {
+  const auto index = static_cast<c10::DeviceIndex>(device);
+  c10::cuda::CUDAGuard guard(index);
+  c10::cuda::CUDAStreamGuard stream_guard(
+      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), index));
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, index);
+  torch::Tensor out = torch::from_blob(dst, {numel}, opts.dtype(to));
+  out.copy_(torch::from_blob(const_cast<void*>(src), {numel}, opts.dtype(from)));
 }
 
 size_t peak_device_bytes(Backend& backend) {

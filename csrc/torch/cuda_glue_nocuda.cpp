@@ -15,6 +15,9 @@ void* current_stream(int) { LS_FAIL("this layerstream build has no CUDA support"
 void dequantize_on(const quant::PackedLayout&, const void*, void*, quant::OutDtype, int, void*) {
   LS_FAIL("this layerstream build has no CUDA support");
 }
+void cast_on(const void*, c10::ScalarType, void*, c10::ScalarType, int64_t, int, void*) {
+  LS_FAIL("this layerstream build has no CUDA support");
+}
 size_t peak_device_bytes(Backend&) { return 0; }
 
 }  // namespace layerstream::cuda_glue

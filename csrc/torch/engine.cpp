@@ -90,16 +90,26 @@ std::shared_ptr<Engine> Engine::lookup(uint64_t id) {
 Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) {
   LS_CHECK(opts_.prefetch >= 0, "prefetch must be >= 0, got ", opts_.prefetch);
   LS_CHECK(opts_.slots >= 0, "slots must be >= 0, got ", opts_.slots);
-  if (!opts_.dequant_dtype.empty()) {
+  auto parse_dtype = [](const std::string& text, const char* what) -> std::optional<torch::ScalarType> {
+    if (text.empty()) return std::nullopt;
     try {
-      switch (quant::parse_out_dtype(opts_.dequant_dtype)) {
-        case quant::OutDtype::F32: dequant_dtype_ = torch::kFloat; break;
-        case quant::OutDtype::BF16: dequant_dtype_ = torch::kBFloat16; break;
-        case quant::OutDtype::F16: dequant_dtype_ = torch::kHalf; break;
+      switch (quant::parse_out_dtype(text)) {
+        case quant::OutDtype::F32: return torch::kFloat;
+        case quant::OutDtype::BF16: return torch::kBFloat16;
+        case quant::OutDtype::F16: return torch::kHalf;
       }
     } catch (const Error& e) {
-      LS_FAIL("dequant_dtype (empty = each weight's own dtype): ", e.message());
+      LS_FAIL(what, " (empty = each weight's own dtype): ", e.message());
     }
+    return std::nullopt;
+  };
+  dequant_dtype_ = parse_dtype(opts_.dequant_dtype, "dequant_dtype");
+  compute_dtype_ = parse_dtype(opts_.compute_dtype, "compute_dtype");
+  if (compute_dtype_) {
+    LS_CHECK(!dequant_dtype_ || *dequant_dtype_ == *compute_dtype_, "dequant_dtype '",
+             opts_.dequant_dtype, "' and compute_dtype '", opts_.compute_dtype, "' disagree; "
+             "compute_dtype alone is enough (quantized weights are then dequantized to it)");
+    dequant_dtype_ = compute_dtype_;
   }
   device_name_ = resolve_device(opts_.device);
   if (device_name_ == "sim") {
@@ -212,6 +222,13 @@ quant::OutDtype out_dtype_of(torch::ScalarType t) {
   }
 }
 
+// Casts `numel` elements on the CPU, as torch's Tensor::to(dtype) does
+// (the sim device's compute_dtype cast, run on a stream worker).
+void cast_cpu(const void* src, torch::ScalarType from, void* dst, torch::ScalarType to, int64_t numel) {
+  torch::Tensor out = torch::from_blob(dst, {numel}, torch::TensorOptions().dtype(to));
+  out.copy_(torch::from_blob(const_cast<void*>(src), {numel}, torch::TensorOptions().dtype(from)));
+}
+
 // A data-less stand-in (meta tensor) with the weight's shape and dtype: the
 // engine must not keep the dense weight alive once it is packed.
 torch::Tensor meta_like(const std::vector<int64_t>& shape, torch::ScalarType dtype) {
@@ -267,6 +284,16 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
 
 int Engine::register_layer_locked(LayerInfo info) {
   if (info.qformat != quant::Format::None) info.q_dtype = dequant_dtype_.value_or(info.w_dtype);
+  if (compute_dtype_) {
+    info.cast_dtype = *compute_dtype_;
+    info.cast_w = info.qformat == quant::Format::None && info.w_dtype != *compute_dtype_;
+    info.cast_b = info.bias.defined() && info.b_dtype != *compute_dtype_;
+  }
+  if (info.cast_b) {
+    // The bias copy goes after the device weight in the workspace (if any).
+    const bool weight_in_ws = info.qformat != quant::Format::None || info.cast_w;
+    info.ws_b_offset = weight_in_ws ? align256(dense_weight_bytes(info)) : 0;
+  }
   info.grad_done = backend_->create_event();
   layers_.push_back(std::make_unique<LayerInfo>(std::move(info)));
   // A new layer invalidates the scheduler (its slot size and trace).
@@ -397,9 +424,10 @@ void Engine::build_scheduler_locked() {
     s.name = l.name;
     s.parts.push_back(store_->buffer(l.w_index));
     if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
-    if (l.qformat != quant::Format::None) {
-      s.workspace_bytes = dense_weight_bytes(l);
-      s.post_copy = make_dequant_step(l, s.parts.size());
+    s.workspace_bytes = workspace_bytes(l);
+    if (s.workspace_bytes) {
+      s.post_copy = make_post_copy(l, s.parts.size());
+      s.post_copy_label = l.qformat != quant::Format::None ? "dequant" : "cast";
     }
     const size_t bytes = align256(l.w_bytes) + align256(l.b_bytes) + align256(s.workspace_bytes);
     if (bytes > largest) {
@@ -499,52 +527,91 @@ void Engine::check_host_alias(const LayerInfo& l) const {
 size_t Engine::dense_weight_bytes(const LayerInfo& l) {
   int64_t numel = 1;
   for (int64_t d : l.w_shape) numel *= d;
-  return static_cast<size_t>(numel) * c10::elementSize(l.q_dtype);
+  const torch::ScalarType t = l.qformat != quant::Format::None ? l.q_dtype : l.cast_dtype;
+  return static_cast<size_t>(numel) * c10::elementSize(t);
 }
 
-PostCopyFn Engine::make_dequant_step(const LayerInfo& l, size_t workspace_part) {
-  // Runs on the dequant stream right after the packed weight landed in the
+size_t Engine::workspace_bytes(const LayerInfo& l) {
+  size_t bytes = 0;
+  if (l.qformat != quant::Format::None || l.cast_w) bytes = align256(dense_weight_bytes(l));
+  if (l.cast_b) {
+    int64_t numel = 1;
+    for (int64_t d : l.b_shape) numel *= d;
+    bytes = l.ws_b_offset + static_cast<size_t>(numel) * c10::elementSize(l.cast_dtype);
+  }
+  return bytes;
+}
+
+PostCopyFn Engine::make_post_copy(const LayerInfo& l, size_t workspace_part) {
+  // Runs on the dequant stream right after the layer's bytes landed in the
   // slot (the scheduler orders it after the copy and the slot's readers after
-  // it): packed weight -> workspace, in the layer's dense dtype.
+  // it): packed weight -> workspace in the layer's dense dtype, or dense
+  // weight -> workspace cast to compute_dtype; then the bias cast.
   Backend* be = backend_.get();
+  const bool quantized = l.qformat != quant::Format::None;
   const quant::PackedLayout layout = l.qlayout;
-  const quant::OutDtype dtype = out_dtype_of(l.q_dtype);
+  const quant::OutDtype qdtype = out_dtype_of(l.q_dtype);
+  const bool cast_w = l.cast_w, cast_b = l.cast_b;
+  const torch::ScalarType w_dtype = l.w_dtype, b_dtype = l.b_dtype, to = l.cast_dtype;
+  int64_t w_numel = 1, b_numel = 1;
+  for (int64_t d : l.w_shape) w_numel *= d;
+  for (int64_t d : l.b_shape) b_numel *= d;
+  const size_t ws_b = l.ws_b_offset;
   const bool on_cpu = compute_device_.is_cpu();
   const int device = compute_device_.index();
-  const std::string what = "dequantize '" + l.name + "'";
-  return [be, layout, dtype, on_cpu, device, what, workspace_part](
-             const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
+  const std::string what = (quantized ? "dequantize '" : "cast '") + l.name + "'";
+  return [=](const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
     char* base = static_cast<char*>(slot.ptr);
-    const void* packed = base + off.at(0);
-    void* out = base + off.at(workspace_part);
+    char* ws = base + off.at(workspace_part);
+    const void* w_src = base + off.at(0);
+    const void* b_src = cast_b ? base + off.at(1) : nullptr;
     if (be->caps().ordering_checker) {
-      be->declare_access(slot, Access::Read, s, what + " (reads the packed weight)");
-      be->declare_access(slot, Access::Write, s, what + " (writes the dequantized weight)");
+      be->declare_access(slot, Access::Read, s, what + " (reads the copied weights)");
+      be->declare_access(slot, Access::Write, s, what + " (writes the workspace)");
     }
     if (on_cpu) {
-      // The sim device: the CPU reference kernel, in order on the stream.
-      be->launch_host_func(s, [layout, packed, out, dtype] {
-        quant::dequantize_cpu(layout, packed, out, dtype, 1);
+      // The sim device: CPU reference code, in order on the stream.
+      be->launch_host_func(s, [=] {
+        if (quantized) quant::dequantize_cpu(layout, w_src, ws, qdtype, 1);
+        if (cast_w) cast_cpu(w_src, w_dtype, ws, to, w_numel);
+        if (cast_b) cast_cpu(b_src, b_dtype, ws + ws_b, to, b_numel);
       });
     } else {
-      cuda_glue::dequantize_on(layout, packed, out, dtype, device, s.native());
+      if (quantized) cuda_glue::dequantize_on(layout, w_src, ws, qdtype, device, s.native());
+      if (cast_w) cuda_glue::cast_on(w_src, w_dtype, ws, to, w_numel, device, s.native());
+      if (cast_b) cuda_glue::cast_on(b_src, b_dtype, ws + ws_b, to, b_numel, device, s.native());
     }
   };
 }
 
 torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
-  const bool q = l.qformat != quant::Format::None;
-  auto opts = torch::TensorOptions().dtype(q ? l.q_dtype : l.w_dtype).device(compute_device_);
-  // Quantized: the dequantized copy in the slot's workspace (after the parts).
-  const size_t part = !q ? 0 : (l.bias.defined() ? 2 : 1);
-  torch::Tensor w = torch::from_blob(lease.part_ptr(part), l.w_shape, opts);
+  const size_t ws_part = l.bias.defined() ? 2 : 1;  // the workspace follows the copied parts
+  torch::Tensor w;
+  if (l.qformat != quant::Format::None) {
+    // The dequantized copy in the workspace.
+    w = torch::from_blob(lease.part_ptr(ws_part), l.w_shape,
+                         torch::TensorOptions().dtype(l.q_dtype).device(compute_device_));
+  } else if (l.cast_w && dtype == l.cast_dtype) {
+    // The copy cast to compute_dtype after the transfer.
+    w = torch::from_blob(lease.part_ptr(ws_part), l.w_shape,
+                         torch::TensorOptions().dtype(l.cast_dtype).device(compute_device_));
+  } else {
+    w = torch::from_blob(lease.part_ptr(0), l.w_shape,
+                         torch::TensorOptions().dtype(l.w_dtype).device(compute_device_));
+  }
   return w.scalar_type() == dtype ? w : w.to(dtype);
 }
 
 torch::Tensor Engine::device_bias(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
   if (!l.bias.defined()) return torch::Tensor();
-  auto opts = torch::TensorOptions().dtype(l.b_dtype).device(compute_device_);
-  torch::Tensor b = torch::from_blob(lease.part_ptr(1), l.b_shape, opts);
+  torch::Tensor b;
+  if (l.cast_b && dtype == l.cast_dtype) {
+    b = torch::from_blob(static_cast<char*>(lease.part_ptr(2)) + l.ws_b_offset, l.b_shape,
+                         torch::TensorOptions().dtype(l.cast_dtype).device(compute_device_));
+  } else {
+    b = torch::from_blob(lease.part_ptr(1), l.b_shape,
+                         torch::TensorOptions().dtype(l.b_dtype).device(compute_device_));
+  }
   return b.scalar_type() == dtype ? b : b.to(dtype);
 }
 

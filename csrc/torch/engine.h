@@ -21,8 +21,11 @@
 // docs/design/gradients.md. synchronize() does the same on demand.
 //
 // Dtype rule: weights are cast on the device to the activation dtype
-// (fp32/bf16/fp16); weight gradients are computed in the activation dtype and
-// cast to the parameter dtype on the device before they are copied back.
+// (fp32/bf16/fp16): at use, a temporary from the framework's allocator, or,
+// with EngineOptions::compute_dtype equal to the activation dtype, once per
+// copy into the slot (inside the budget). Weight gradients are computed in
+// the activation dtype and cast to the parameter dtype on the device before
+// they are copied back.
 //
 // Thread safety: an Engine may be used from the autograd engine's threads and
 // the Python thread; its methods are internally synchronised. Ownership: the
@@ -78,6 +81,17 @@ struct EngineOptions {
   // activation dtype when that differs (e.g. an fp32 model run in bf16): the
   // slot then holds the smaller dense copy and no cast runs at use.
   std::string dequant_dtype;
+  // The dtype every streamed weight (and bias) is used in on the device: ""
+  // = none (each weight's own dtype, cast at use when the activations
+  // differ), or "float32" / "bfloat16" / "float16". A dense weight of another
+  // dtype crosses the bus as it is and is cast into the slot's workspace
+  // right after the copy, on the dequant stream (so the cast is inside the
+  // budget and off the compute stream); quantized weights are dequantized
+  // straight to it (it implies dequant_dtype; both given must agree). The
+  // cast copy is used when the activations have this dtype; activations of
+  // the weight's own dtype use the weight as it is, any other dtype casts at
+  // use (as without this option), so results never depend on it.
+  std::string compute_dtype;
 };
 
 // Conv geometry (1-3 spatial dims). `same` computes padding from the kernel.
@@ -204,6 +218,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
     quant::Format qformat = quant::Format::None;
     quant::PackedLayout qlayout;
     torch::ScalarType q_dtype = torch::kFloat;  // quantized: dtype of the dequantized weight
+    // The slot's workspace (after the copied parts), written by the post-copy
+    // step: the weight (dequantized, or cast to compute_dtype: cast_w) at
+    // offset 0, then the bias cast to compute_dtype (cast_b) at ws_b_offset.
+    bool cast_w = false, cast_b = false;
+    torch::ScalarType cast_dtype = torch::kFloat;  // compute_dtype, when cast_w or cast_b
+    size_t ws_b_offset = 0;
     // gradient staging (host) and bookkeeping
     HostBuffer grad_staging;
     size_t grad_b_offset = 0;
@@ -222,11 +242,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void accumulate_locked(LayerInfo& l);
   void drain_grads();
   size_t grad_bytes(const LayerInfo& l) const;
+  // Bytes of the weight as the workspace holds it (dequantized, or cast to
+  // compute_dtype).
   static size_t dense_weight_bytes(const LayerInfo& l);
-  PostCopyFn make_dequant_step(const LayerInfo& l, size_t workspace_part);
+  // Bytes of the slot's workspace (0: no post-copy step).
+  static size_t workspace_bytes(const LayerInfo& l);
+  PostCopyFn make_post_copy(const LayerInfo& l, size_t workspace_part);
 
   EngineOptions opts_;
-  std::optional<torch::ScalarType> dequant_dtype_;  // from opts_.dequant_dtype
+  std::optional<torch::ScalarType> dequant_dtype_;  // from opts_.dequant_dtype (or compute_dtype)
+  std::optional<torch::ScalarType> compute_dtype_;  // from opts_.compute_dtype
   uint64_t id_;
   std::string device_name_;
   torch::Device compute_device_{torch::kCPU};

@@ -398,6 +398,7 @@ def offload(
     cache_across_steps: bool = False,
     quantize: Union[None, str, Dict[str, Optional[str]]] = None,
     dequant_dtype: Optional[torch.dtype] = None,
+    compute_dtype: Optional[torch.dtype] = None,
     trace: bool = False,
 ) -> Handle:
     """Streams the model's Linear and Conv1d/2d/3d layers from host RAM.
@@ -431,6 +432,16 @@ def offload(
         device (torch.float32, torch.bfloat16 or torch.float16); None = each
         weight's own dtype. Set it to the activation dtype when that differs
         (e.g. an fp32 checkpoint run in bf16): smaller slots, no cast at use.
+    compute_dtype: the dtype the activations will have (torch.float32,
+        torch.bfloat16 or torch.float16), e.g. torch.bfloat16 for an fp32
+        model run under bf16 autocast. Streamed weights and biases of another
+        dtype are cast into their slot right after the copy (inside the
+        budget, on the engine's dequant stream) instead of at every use (a
+        temporary outside the budget, on the compute stream); quantized
+        weights are dequantized to it (it implies dequant_dtype). Weights
+        still cross the bus in their own dtype, and numbers do not change:
+        the cast is the one used at use, and activations of another dtype
+        still use the original weight. None = cast at use.
     trace: record a timeline (copies, layer computations, stalls) for
         Handle.export_trace() / plot_timeline() and per-step overlap.
     cache_across_steps: keep weights in device slots and prefetch across step
@@ -453,11 +464,18 @@ def offload(
         "trace": bool(trace),
         "budget_bytes": -1,  # set from the plan below when a budget is given
     }
-    if dequant_dtype is not None:
-        if dequant_dtype not in _DEQUANT_DTYPES:
-            raise ValueError(f"dequant_dtype must be torch.float32, torch.bfloat16 or torch.float16 "
-                             f"(or None), got {dequant_dtype!r}")
-        opts["dequant_dtype"] = _DEQUANT_DTYPES[dequant_dtype]
+    for what, dt in (("dequant_dtype", dequant_dtype), ("compute_dtype", compute_dtype)):
+        if dt is not None:
+            if dt not in _DEQUANT_DTYPES:
+                raise ValueError(f"{what} must be torch.float32, torch.bfloat16 or torch.float16 "
+                                 f"(or None), got {dt!r}")
+            opts[what] = _DEQUANT_DTYPES[dt]
+    if compute_dtype is not None:
+        if dequant_dtype is not None and dequant_dtype != compute_dtype:
+            raise ValueError(f"dequant_dtype={dequant_dtype} and compute_dtype={compute_dtype} "
+                             f"disagree; compute_dtype alone is enough (quantized weights are then "
+                             f"dequantized to it)")
+        dequant_dtype = compute_dtype
     formats = ([quantize] if isinstance(quantize, str) else
                list(quantize.values()) if isinstance(quantize, dict) else [])
     for fmt in formats:
@@ -523,7 +541,11 @@ def offload(
             workspace = _align256(dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize)
         else:
             w_bytes = dense_w
-            workspace = 0
+            cast_w = compute_dtype is not None and dense_dtype != compute_dtype
+            workspace = _align256(rows * cols * compute_dtype.itemsize) if cast_w else 0
+        if compute_dtype is not None and bias is not None and bias.dtype != compute_dtype:
+            # The bias cast follows the device weight in the workspace.
+            workspace = _align256(workspace + bias.numel() * compute_dtype.itemsize)
         bus = _align256(w_bytes) + _align256(b_bytes)
         layers.append((name, module, kind, fmt, pre, bus, bus + workspace, dense_w + b_bytes))
     if unpackable:

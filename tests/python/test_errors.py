@@ -364,3 +364,34 @@ def test_parameter_reassignment_is_detected(offload_sim):
     else:
         expected = model.out(torch.relu(model.big.bias.expand(2, 64)))
         assert torch.allclose(y, expected)
+
+
+def test_compute_dtype_must_be_a_float_dtype():
+    with pytest.raises(ValueError, match="compute_dtype must be"):
+        layerstream.offload(nn.Linear(8, 8), device="sim", compute_dtype=torch.int8)
+
+
+def test_compute_dtype_and_dequant_dtype_must_agree():
+    m = nn.Linear(128, 128)
+    m.requires_grad_(False)
+    with pytest.raises(ValueError, match="disagree"):
+        layerstream.offload(m, device="sim", quantize="int8", dequant_dtype=torch.float16,
+                            compute_dtype=torch.bfloat16)
+
+
+def test_budget_counts_the_compute_dtype_cast_in_each_slot():
+    """The planner sizes slots as the engine lays them out: fp32 weight + bias,
+    then their bf16 copies. A budget of exactly 2 such slots streams; one byte
+    less is refused (2 slots of the copied bytes alone would have fit)."""
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))  # too big to keep any resident
+    copied = 256 * 256 * 4 + 256 * 4
+    slot = copied + 256 * 256 * 2 + 256 * 2  # all multiples of 256
+    streamed = copy.deepcopy(model)
+    h = layerstream.offload(streamed, device="sim", compute_dtype=torch.bfloat16, budget=2 * slot)
+    with torch.no_grad():
+        streamed(torch.randn(2, 256, dtype=torch.bfloat16))
+    assert h.layers == ["0", "1", "2", "3"]
+    assert h.stats()["slot_bytes"] == slot and h.stats()["slots"] == 2
+    with pytest.raises(LayerstreamError):
+        layerstream.offload(copy.deepcopy(model), device="sim", compute_dtype=torch.bfloat16,
+                            budget=2 * slot - 1)

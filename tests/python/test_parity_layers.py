@@ -31,6 +31,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import clone_input, requested_torch_device
 
@@ -376,3 +377,128 @@ def test_repeated_steps_accumulate_into_existing_grad(offload_dev, compute_devic
         ref(x).pow(2).sum().backward()
     for (n, p), (_, q) in zip(mod.named_parameters(), ref.named_parameters()):
         _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------- compute_dtype
+# offload(compute_dtype=...) casts a streamed weight (and bias) of another
+# dtype into its slot right after the copy, instead of at every use. The
+# numbers must be those of the cast at use, bit for bit, on every device.
+class _CastCounter(TorchDispatchMode):
+    """Counts dtype casts (aten._to_copy) of tensors with one of `shapes` run on
+    this thread, i.e. the casts at use (the slot cast runs on a stream worker
+    on sim and through copy_ on CUDA)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.casts = {tuple(s) for s in shapes}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mixed_pair(make, act_dtype, dev, offload, **kw):
+    """Two identical fp32 modules streamed without / with compute_dtype=act_dtype."""
+    torch.manual_seed(0)
+    a = make()
+    b = copy.deepcopy(a)
+    ha = offload(a, **kw)
+    hb = offload(b, compute_dtype=act_dtype, **kw)
+    return a, b, ha, hb
+
+
+@pytest.mark.parametrize("act_dtype", [
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, id="fp16", marks=_FP16_SKIP),
+])
+@pytest.mark.parametrize("kind", ["linear-bias", "linear-nobias", "conv2d"])
+def test_compute_dtype_same_numbers_as_cast_at_use(offload_dev, compute_device, act_dtype, kind):
+    dev = compute_device
+    if kind == "conv2d":
+        make = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 4, 3))  # noqa: E731
+        x_shape = (2, 3, 9, 9)
+    else:
+        bias = kind == "linear-bias"
+        make = lambda: nn.Sequential(nn.Linear(24, 40, bias=bias), nn.GELU(), nn.Linear(40, 8, bias=bias))  # noqa: E731
+        x_shape = (5, 24)
+    a, b, ha, hb = _mixed_pair(make, act_dtype, dev, offload_dev)
+    x = _randn(x_shape, dev, act_dtype).requires_grad_()
+    xb = clone_input(x)
+    shapes = [p.shape for p in a.parameters()]
+    with _CastCounter(shapes) as ca:
+        y = a(x)
+    with _CastCounter(shapes) as cb:
+        yb = b(xb)
+    assert ca.casts >= len(shapes), "without compute_dtype every weight and bias is cast at use"
+    assert cb.casts == 0, "with compute_dtype nothing is cast at use"
+    g = _randn(y.shape, dev, act_dtype)
+    y.backward(g)
+    yb.backward(g)
+    assert y.dtype == yb.dtype == act_dtype
+    assert _equal(y, yb), "forward differs from the cast at use"
+    assert _equal(x.grad, xb.grad), "input grad differs from the cast at use"
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert p.dtype == q.dtype == torch.float32
+        assert q.grad.dtype == torch.float32
+        assert _equal(p.grad, q.grad), f"{n}.grad differs"
+    # The slot holds the copied fp32 weight and bias and their cast copies.
+    elem = torch.finfo(act_dtype).bits // 8
+
+    def slot(m):
+        w = _align(m.weight.numel() * 4) + (0 if m.bias is None else _align(m.bias.numel() * 4))
+        cast = _align(m.weight.numel() * elem) + (0 if m.bias is None else m.bias.numel() * elem)
+        return w, w + _align(cast)
+    big = max((slot(m) for m in a if hasattr(m, "weight")), key=lambda t: t[1])
+    assert ha.stats()["slot_bytes"] == max(slot(m)[0] for m in a if hasattr(m, "weight"))
+    assert hb.stats()["slot_bytes"] == big[1]
+
+
+def _align(n):
+    return (n + 255) // 256 * 256
+
+
+def test_compute_dtype_other_activation_dtype_uses_the_weight_as_is(offload_dev, compute_device):
+    """compute_dtype=bf16, fp32 activations: the fp32 weight in the slot is used,
+    bit-exact with the resident fp32 layer (never the bf16-rounded copy)."""
+    dev = compute_device
+    torch.manual_seed(0)
+    mod = nn.Linear(16, 12)
+    ref = copy.deepcopy(mod).to(dev)
+    offload_dev(mod, compute_dtype=torch.bfloat16)
+    x = _randn((4, 16), dev).requires_grad_()
+    xr = clone_input(x)
+    y, yr = mod(x), ref(xr)
+    assert y.dtype == torch.float32
+    assert _equal(y, yr)
+    y.sum().backward()
+    yr.sum().backward()
+    assert _equal(x.grad, xr.grad)
+    assert _equal(mod.weight.grad, ref.weight.grad) and _equal(mod.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["per-step", "cache_across_steps"])
+def test_compute_dtype_recasts_after_optimizer_steps(offload_dev, compute_device, cache):
+    """Trainable fp32 weights, bf16 activations, SGD in place between steps: every
+    step uses the cast of the updated weights (no stale cast copy), with the same
+    numbers as the cast at use."""
+    dev = compute_device
+    make = lambda: nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))  # noqa: E731
+    a, b, _, _ = _mixed_pair(make, torch.bfloat16, dev, offload_dev, cache_across_steps=cache)
+    oa = torch.optim.SGD(a.parameters(), lr=0.5)
+    ob = torch.optim.SGD(b.parameters(), lr=0.5)
+    outs = []
+    for step in range(3):
+        x = _randn((6, 16), dev, torch.bfloat16)
+        ya, yb = a(x), b(x)
+        assert _equal(ya, yb), f"step {step}: outputs differ"
+        outs.append(ya.detach().cpu())
+        ya.float().square().sum().backward()
+        yb.float().square().sum().backward()
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+    assert not torch.equal(outs[0], outs[2]), "the weights really changed"
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert _equal(p, q), f"{n} diverged"

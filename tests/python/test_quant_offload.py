@@ -269,3 +269,23 @@ def test_quantized_conv_matches_host_dequantized_weights(fmt):
         assert torch.equal(model(x), y)
     err = ((y - y_dense).norm() / y_dense.norm()).item()
     assert 0 < err <= MODEL_TOL[fmt], err
+
+
+def test_compute_dtype_dequantizes_to_it_and_casts_the_bias_in_the_slot():
+    """compute_dtype on a quantized layer: the weight is dequantized straight to
+    it (as dequant_dtype does) and the fp32 bias is cast into the slot too; the
+    numbers are those of dequant_dtype with the bias cast at use."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256, bias=False))
+    a.requires_grad_(False)
+    b = copy.deepcopy(a)
+    ha = layerstream.offload(a, device="sim", quantize="int4", dequant_dtype=torch.bfloat16)
+    hb = layerstream.offload(b, device="sim", quantize="int4", compute_dtype=torch.bfloat16)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+    packed = _align256(layerstream._C.quant_packed_bytes("int4", 512, 256))
+    bias = _align256(512 * 4)
+    assert ha.stats()["slot_bytes"] == packed + bias + _align256(512 * 256 * 2)
+    assert hb.stats()["slot_bytes"] == packed + bias + _align256(512 * 256 * 2) + _align256(512 * 2)
+    assert hb.ordering_errors() == []
