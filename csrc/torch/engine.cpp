@@ -1,5 +1,6 @@
 #include "engine.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -1110,12 +1111,26 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
   }
 };
 
+// Under torch.autocast, Linear and convolutions run in the autocast dtype:
+// the input is cast here as autocast would cast it (differentiably, so its
+// gradient is cast back), and the weight follows the activation dtype by the
+// dtype rule (the compute_dtype copy in the slot when it matches). Without
+// this, autocast would cast the weight inside the op, outside the budget.
+torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device) {
+  if (!at::autocast::is_autocast_enabled(device)) return x;
+  const torch::ScalarType to = at::autocast::get_autocast_dtype(device);
+  const torch::ScalarType t = x.scalar_type();
+  if (!x.is_floating_point() || t == torch::kDouble || t == to) return x;
+  return x.to(to);
+}
+
 }  // namespace
 
-torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x, bool grads_via_autograd) {
+torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   LayerInfo& l = layer(layer_index);
   LS_CHECK(!l.is_conv, "layer '", l.name, "' is a convolution, not a Linear");
-  check_input(*this, l, x);
+  check_input(*this, l, x_in);
+  const torch::Tensor x = autocast_input(x_in, compute_device_.type());
   check_host_alias(l);
   ensure_scheduler();
   // No gradient can flow (no_grad / inference, or nothing requires grad):
@@ -1129,10 +1144,11 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x, bool grads
                          static_cast<int64_t>(layer_index), grads_via_autograd);
 }
 
-torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x, bool grads_via_autograd) {
+torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   LayerInfo& l = layer(layer_index);
   LS_CHECK(l.is_conv, "layer '", l.name, "' is a Linear, not a convolution");
-  check_input(*this, l, x);
+  check_input(*this, l, x_in);
+  const torch::Tensor x = autocast_input(x_in, compute_device_.type());
   check_host_alias(l);
   ensure_scheduler();
   return ConvFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,

@@ -143,7 +143,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // go back asynchronously and are accumulated into .grad by the engine; with
   // grads_via_autograd (e.g. the parameter has hooks) — and always under
   // torch.autograd.grad / backward(inputs=...) — they are copied to the host
-  // synchronously and returned to autograd, which routes them.
+  // synchronously and returned to autograd, which routes them. Under
+  // torch.autocast for the compute device's type, a float input is first
+  // cast to the autocast dtype (as autocast casts Linear/conv inputs), so
+  // the weight is used in that dtype (compute_dtype's copy when it matches).
   torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
   torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import clone_input
 
@@ -447,20 +448,63 @@ def test_param_hooks_fire_like_reference(offload_sim):
         torch.testing.assert_close(got[n], want[n], **TOL, msg=lambda m: f"{n}: {m}")
 
 
-def test_autocast_bf16_mixed_precision_training(offload_sim):
+class _WeightCasts(TorchDispatchMode):
+    """Counts dtype casts (aten._to_copy) on this thread of tensors shaped like `params`."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.shapes, self.casts = {tuple(p.shape) for p in params}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["cast-at-use", "compute_dtype"])
+def test_autocast_bf16_mixed_precision_training(offload_sim, compute_dtype):
+    """fp32 weights under bf16 autocast: streamed layers compute in bf16 exactly as
+    autocast's nn.Linear does (the input is cast as autocast would), so outputs
+    and fp32 grads are bit-identical to the resident model. With
+    compute_dtype=bf16 the weights are cast in their slots, never at use."""
     model = Net()
     ref = copy.deepcopy(model)
-    offload_sim(model)
-    x = torch.randn(4, 8)
+    offload_sim(model, compute_dtype=compute_dtype)
+    x = torch.randn(5, 8)  # batch 5: no activation has a weight's shape
+    streamed = [p for n, p in model.named_parameters() if "norm" not in n]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y, yr = model(x), ref(x)
+        with _WeightCasts(streamed) as casts:
+            y = model(x)
+        yr = ref(x)
     assert y.dtype == yr.dtype == torch.bfloat16
-    torch.testing.assert_close(y, yr, rtol=1.6e-2, atol=1e-2)
+    if compute_dtype is None:
+        assert casts.casts >= len(streamed)
+    else:
+        assert casts.casts == 0, "weights were cast at use despite compute_dtype"
+    assert torch.equal(y, yr)
     y.float().pow(2).mean().backward()
     yr.float().pow(2).mean().backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.grad.dtype == torch.float32
-        torch.testing.assert_close(p.grad, q.grad, rtol=3e-2, atol=1e-2, msg=lambda m: f"{n}: {m}")
+        assert torch.equal(p.grad, q.grad), f"{n}.grad differs"
+
+
+def test_autocast_conv_computes_in_the_autocast_dtype(offload_sim):
+    """A streamed Conv2d under autocast runs in bf16 like autocast's own conv2d
+    (same numbers, bit for bit on the CPU), with gradients in the parameters' fp32."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    ref = copy.deepcopy(model)
+    offload_sim(model, compute_dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 9, 9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yr = model(x), ref(x)
+    assert y.dtype == yr.dtype == torch.bfloat16
+    assert torch.equal(y, yr)
+    y.float().square().sum().backward()
+    yr.float().square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad.dtype == torch.float32
+        assert torch.equal(p.grad, q.grad), f"{n}.grad differs"
 
 
 def test_retain_graph_double_backward_pass(offload_sim):
