@@ -121,11 +121,13 @@ void Scheduler::advance_trace_locked(int layer, Phase phase) {
   if (recording_) {  // first step just ended above
     return;
   }
+  if (observed_.size() < opts_.max_trace_length) observed_.push_back(layer);
   if (pos_ < trace_.size() && trace_[pos_] == layer) {
     ++pos_;
     return;
   }
   stats_.deviations++;
+  step_deviations_++;
   for (size_t j = pos_; j < trace_.size(); ++j) {
     if (trace_[j] == layer) {
       pos_ = j + 1;
@@ -417,7 +419,19 @@ void Scheduler::drop_content_locked() {
 }
 
 void Scheduler::begin_step_locked() {
-  if (recording_ && !trace_.empty()) recording_ = false;
+  if (recording_ && !trace_.empty()) {
+    recording_ = false;
+  } else if (!recording_ && acquires_in_step_ > 0) {
+    // Re-learn the order when the trace stopped describing the steps.
+    deviating_steps_ = step_deviations_ > 0 ? deviating_steps_ + 1 : 0;
+    if (opts_.retrace_after > 0 && deviating_steps_ >= opts_.retrace_after && !observed_.empty()) {
+      trace_.swap(observed_);
+      stats_.retraces++;
+      deviating_steps_ = 0;
+    }
+  }
+  observed_.clear();
+  step_deviations_ = 0;
   if (acquires_in_step_ > 0) {
     cur_step_.step = stats_.steps;
     if (tracer_) {

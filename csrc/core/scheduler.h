@@ -13,7 +13,12 @@
 //    step N is still writing.
 //  * When the actual order deviates (unknown layer, skipped layer, different
 //    order) it fetches on demand, resynchronises its position in the trace,
-//    and counts a deviation. It never blocks the host waiting for a slot: a
+//    and counts a deviation. After `retrace_after` consecutive steps that
+//    deviated, the last step's actual order becomes the trace (e.g. the first
+//    step was an inference pass and training followed: without this, every
+//    backward fetch would stay on demand). A step that follows the trace (or
+//    a prefix of it, like an inference step under a training trace) resets
+//    the count, so alternating step kinds do not make it thrash. It never blocks the host waiting for a slot: a
 //    slot is reused by making the transfer stream wait on the slot's free
 //    event. If every slot is held by a caller, acquire throws (it cannot wait
 //    without deadlocking the caller).
@@ -79,6 +84,9 @@ struct SchedulerOptions {
   size_t slot_bytes = 0;   // 0 = the largest layer; larger to fit scratch buffers
   bool auto_step = true;
   size_t max_trace_length = size_t(1) << 20;
+  // Consecutive deviating steps after which the last step's order replaces
+  // the trace; 0 = never (the first step's trace is kept forever).
+  int retrace_after = 2;
   // Optional: the current version of a layer's host data (e.g. the torch
   // tensor version counter, bumped by every in-place write). When given, a
   // slot's content is reused only while the version it was copied at is
@@ -123,6 +131,7 @@ struct SchedulerStats {
   uint64_t hits = 0;               // prefetched / in flight / cached when acquired
   uint64_t misses = 0;             // fetched on demand
   uint64_t deviations = 0;         // acquires that did not match the trace position
+  uint64_t retraces = 0;           // times the trace was replaced by a step's actual order
   uint64_t copies = 0;             // host-to-device layer copies issued
   uint64_t h2d_bytes = 0;
   double host_wait_seconds = 0;    // time callers blocked in acquire (inline streams)
@@ -210,6 +219,9 @@ class Scheduler {
 
   mutable std::mutex mu_;
   std::vector<int> trace_;
+  std::vector<int> observed_;  // this step's actual order (replay only)
+  uint64_t step_deviations_ = 0;
+  int deviating_steps_ = 0;    // consecutive steps with deviations
   bool recording_ = true;
   size_t pos_ = 0;  // next expected trace index
   uint64_t acquires_in_step_ = 0;

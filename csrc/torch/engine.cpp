@@ -306,6 +306,7 @@ int Engine::register_layer_locked(LayerInfo info) {
     carried_.hits += st.hits;
     carried_.misses += st.misses;
     carried_.deviations += st.deviations;
+    carried_.retraces += st.retraces;
     carried_.h2d_bytes += st.h2d_bytes;
     carried_.host_wait_seconds += st.host_wait_seconds;
     sched_.reset();
@@ -747,6 +748,7 @@ std::map<std::string, double> Engine::stats() const {
   m["hits"] = static_cast<double>(st.hits + carried_.hits);
   m["misses"] = static_cast<double>(st.misses + carried_.misses);
   m["deviations"] = static_cast<double>(st.deviations + carried_.deviations);
+  m["retraces"] = static_cast<double>(st.retraces + carried_.retraces);
   m["h2d_bytes"] = static_cast<double>(st.h2d_bytes + carried_.h2d_bytes);
   m["d2h_bytes"] = static_cast<double>(d2h_bytes_);
   m["stall_seconds"] = st.host_wait_seconds + carried_.host_wait_seconds;

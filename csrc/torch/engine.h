@@ -159,7 +159,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool detached() const { return detached_; }
 
   // Telemetry: peak_device_bytes, h2d_bytes, d2h_bytes, steps, hits, misses,
-  // deviations, stall_seconds, slots, slot_bytes, budget_bytes,
+  // deviations, retraces, stall_seconds, slots, slot_bytes, budget_bytes,
   // pinned_bytes, pageable_bytes, layers, ordering_errors.
   std::map<std::string, double> stats() const;
   std::vector<std::string> ordering_errors() const;

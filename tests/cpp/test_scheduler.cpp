@@ -269,6 +269,83 @@ TEST_F(SchedulerTest, DeviationFetchesOnDemandAndResyncs) {
   EXPECT_TRUE(sim->ordering_errors().empty());
 }
 
+// One step of `order`: the first `forward` entries in the forward phase.
+void run_step(Scheduler& sched, Stream compute, const std::vector<int>& order, size_t forward) {
+  for (size_t i = 0; i < order.size(); ++i) {
+    Lease l = sched.acquire(order[i], compute, i < forward ? Phase::Forward : Phase::Backward);
+    sched.release(l, compute);
+  }
+}
+
+TEST_F(SchedulerTest, RetracesAfterTwoDeviatingStepsThenReplaysTheNewOrder) {
+  // The first step is forward only (an inference pass); training steps
+  // follow. Their backward deviates from the trace for two steps, then the
+  // last step's order is the trace and backward is prefetched again.
+  SchedulerOptions so;
+  so.num_slots = 3;
+  so.prefetch_depth = 2;
+  Scheduler sched(*sim, transfer, model.specs, so);
+  const std::vector<int> infer = {0, 1, 2, 3, 4};
+  const std::vector<int> train = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
+  run_step(sched, compute, infer, 5);
+  EXPECT_EQ(sched.trace(), infer);
+  run_step(sched, compute, train, 5);
+  run_step(sched, compute, train, 5);
+  const SchedulerStats before = sched.stats();
+  EXPECT_GT(before.deviations, 0u);
+  EXPECT_EQ(before.retraces, 0u);
+  run_step(sched, compute, train, 5);  // its start closes the 2nd deviating step: retrace
+  EXPECT_EQ(sched.stats().retraces, 1u);
+  EXPECT_EQ(sched.trace(), train);
+  for (int i = 0; i < 3; ++i) run_step(sched, compute, train, 5);
+  run_step(sched, compute, infer, 5);  // closes the last training step
+  const SchedulerStats after = sched.stats();
+  EXPECT_EQ(after.retraces, 1u);
+  EXPECT_EQ(after.deviations, before.deviations) << "steps after the retrace follow the trace";
+  const std::vector<StepStats> steps = sched.step_stats();
+  ASSERT_GE(steps.size(), 7u);
+  for (size_t i = 3; i < 7; ++i) {
+    EXPECT_EQ(steps[i].misses, 1u) << "step " << i << ": only the first fetch misses";
+    EXPECT_EQ(steps[i].hits, train.size() - 1) << "step " << i;
+  }
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
+TEST_F(SchedulerTest, AlternatingStepKindsDoNotThrashTheTrace) {
+  // Training trace; inference steps (a prefix of it) in between never
+  // deviate, and one odd step is not enough to replace the trace.
+  SchedulerOptions so;
+  so.num_slots = 3;
+  so.prefetch_depth = 2;
+  Scheduler sched(*sim, transfer, model.specs, so);
+  const std::vector<int> train = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
+  const std::vector<int> infer = {0, 1, 2, 3, 4};
+  const std::vector<int> odd = {0, 2, 1, 3, 4};
+  run_step(sched, compute, train, 5);
+  for (int i = 0; i < 4; ++i) {
+    run_step(sched, compute, infer, 5);
+    run_step(sched, compute, i % 2 ? odd : train, 5);
+  }
+  run_step(sched, compute, train, 5);
+  EXPECT_EQ(sched.stats().retraces, 0u);
+  EXPECT_EQ(sched.trace(), train);
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
+TEST_F(SchedulerTest, RetraceCanBeSwitchedOff) {
+  SchedulerOptions so;
+  so.num_slots = 3;
+  so.prefetch_depth = 2;
+  so.retrace_after = 0;
+  Scheduler sched(*sim, transfer, model.specs, so);
+  const std::vector<int> infer = {0, 1, 2, 3, 4};
+  const std::vector<int> train = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
+  run_step(sched, compute, infer, 5);
+  for (int i = 0; i < 5; ++i) run_step(sched, compute, train, 5);
+  EXPECT_EQ(sched.stats().retraces, 0u);
+  EXPECT_EQ(sched.trace(), infer);
+}
+
 TEST_F(SchedulerTest, AllSlotsHeldIsAClearError) {
   SchedulerOptions so;
   so.num_slots = 2;

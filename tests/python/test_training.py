@@ -168,6 +168,36 @@ def test_peft_lora_training_matches_reference(offload_sim, bias):
     assert stats["d2h_bytes"] == 0, "frozen base weights must not copy gradients back"
 
 
+# ---------------------------------------------------------------- trace
+def test_training_after_an_inference_pass_prefetches_backward_again(offload_sim):
+    """The first step is a no_grad forward (its trace has no backward); after two
+    training steps that deviate from it, the scheduler learns the training order
+    and every later step misses only its first fetch. Numbers match throughout."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    h = offload_sim(model, trace=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    for i in range(5):
+        xi = torch.randn(4, 8)
+        model(xi).pow(2).mean().backward()
+        ref(xi).pow(2).mean().backward()
+    with torch.no_grad():
+        model(x)  # closes the last training step
+    _assert_grads(model, ref, exact=True)
+    steps = h.step_stats()
+    acquires = steps[-1]["acquires"]
+    # forward + backward fetches ('inp' is not fetched in backward: its input needs no grad)
+    assert acquires == 2 * len(h.layers) - 1
+    s = h.stats()
+    assert s["retraces"] == 1
+    # Steps 1-2 deviate (backward unknown to the trace); steps 3-5 follow the new one.
+    for st in steps[3:]:
+        assert st["misses"] == 1, st
+        assert st["hits"] == acquires - 1, st
+
+
 # ---------------------------------------------------------------- accumulation / optimizers
 def test_grad_accumulation_three_micro_batches(offload_sim):
     model = Net()
