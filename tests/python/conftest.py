@@ -24,6 +24,7 @@ import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import layerstream
 
@@ -224,3 +225,18 @@ def fixed_resident_bytes(model: torch.nn.Module) -> int:
             if t is not None:
                 total += t.numel() * t.element_size()
     return total
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts dtype casts (aten._to_copy) run on this thread of tensors shaped like
+    one of `shapes`: the weight casts at use. (compute_dtype's cast into the slot
+    runs on a stream worker on sim and through copy_ on CUDA, so it is not counted.)"""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.casts = {tuple(s) for s in shapes}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))

@@ -31,9 +31,8 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import clone_input, requested_torch_device
+from conftest import CastCounter, clone_input, requested_torch_device
 
 BF16_TOL = dict(rtol=1.6e-2, atol=1e-2)
 FP16_TOL = dict(rtol=1e-3, atol=1e-3)
@@ -383,21 +382,6 @@ def test_repeated_steps_accumulate_into_existing_grad(offload_dev, compute_devic
 # offload(compute_dtype=...) casts a streamed weight (and bias) of another
 # dtype into its slot right after the copy, instead of at every use. The
 # numbers must be those of the cast at use, bit for bit, on every device.
-class _CastCounter(TorchDispatchMode):
-    """Counts dtype casts (aten._to_copy) of tensors with one of `shapes` run on
-    this thread, i.e. the casts at use (the slot cast runs on a stream worker
-    on sim and through copy_ on CUDA)."""
-
-    def __init__(self, shapes):
-        super().__init__()
-        self.shapes, self.casts = {tuple(s) for s in shapes}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
-            self.casts += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _mixed_pair(make, act_dtype, dev, offload, **kw):
     """Two identical fp32 modules streamed without / with compute_dtype=act_dtype."""
     torch.manual_seed(0)
@@ -426,9 +410,9 @@ def test_compute_dtype_same_numbers_as_cast_at_use(offload_dev, compute_device, 
     x = _randn(x_shape, dev, act_dtype).requires_grad_()
     xb = clone_input(x)
     shapes = [p.shape for p in a.parameters()]
-    with _CastCounter(shapes) as ca:
+    with CastCounter(shapes) as ca:
         y = a(x)
-    with _CastCounter(shapes) as cb:
+    with CastCounter(shapes) as cb:
         yb = b(xb)
     assert ca.casts >= len(shapes), "without compute_dtype every weight and bias is cast at use"
     assert cb.casts == 0, "with compute_dtype nothing is cast at use"

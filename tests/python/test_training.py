@@ -13,9 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import clone_input
+from conftest import CastCounter, clone_input
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -478,19 +477,6 @@ def test_param_hooks_fire_like_reference(offload_sim):
         torch.testing.assert_close(got[n], want[n], **TOL, msg=lambda m: f"{n}: {m}")
 
 
-class _WeightCasts(TorchDispatchMode):
-    """Counts dtype casts (aten._to_copy) on this thread of tensors shaped like `params`."""
-
-    def __init__(self, params):
-        super().__init__()
-        self.shapes, self.casts = {tuple(p.shape) for p in params}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
-            self.casts += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["cast-at-use", "compute_dtype"])
 def test_autocast_bf16_mixed_precision_training(offload_sim, compute_dtype):
     """fp32 weights under bf16 autocast: streamed layers compute in bf16 exactly as
@@ -503,7 +489,7 @@ def test_autocast_bf16_mixed_precision_training(offload_sim, compute_dtype):
     x = torch.randn(5, 8)  # batch 5: no activation has a weight's shape
     streamed = [p for n, p in model.named_parameters() if "norm" not in n]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with _WeightCasts(streamed) as casts:
+        with CastCounter(p.shape for p in streamed) as casts:
             y = model(x)
         yr = ref(x)
     assert y.dtype == yr.dtype == torch.bfloat16
