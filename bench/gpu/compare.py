@@ -327,7 +327,7 @@ def measure(system, model, handle, dev, cuda, tokens, d, mode, cfg, n) -> dict:
         out["resident_bytes"] = int(s1.get("resident_bytes", 0))
         out["engine"] = {k: s1.get(k) for k in ("slots", "slot_bytes", "budget_bytes", "max_slots_held",
                                                 "pinned_bytes", "pageable_bytes", "ordering_errors")}
-        for k in ("hits", "misses", "stall_seconds", "d2h_bytes", "deviations"):
+        for k in ("hits", "misses", "stall_seconds", "d2h_bytes", "deviations", "retraces"):
             if k in s1 and k in stats0:
                 out["engine"][k + "_per_step"] = (s1[k] - stats0[k]) / n
     del x, gout
@@ -598,6 +598,16 @@ def write_md(res: dict, path: Path) -> None:
         for rc in res["regime_check"]:
             L.append(f"- {rc['regime']}/{rc['mode']}: resident {fmt(rc['resident_ms'])} ms vs transfer "
                      f"{fmt(rc['transfer_ms'])} ms → {rc['bound']}-bound")
+    eng_rows = [r for r in res["rows"] if r.get("engine")]
+    if eng_rows:
+        L.append("")
+        L.append("layerstream engine per timed step (fetches that were prefetched or cached / fetched on "
+                 "demand / off the traced order; slots):")
+        for r in eng_rows:
+            e = r["engine"]
+            L.append(f"- {r['system']} {r['regime']}/{r['mode']}: hits {fmt(e.get('hits_per_step'), '.1f')}, "
+                     f"misses {fmt(e.get('misses_per_step'), '.1f')}, deviations "
+                     f"{fmt(e.get('deviations_per_step'), '.1f')}; {e.get('slots')} slots")
     skipped = [f"- {s}: {v['reason']}" for s, v in res["systems"].items() if v.get("status") == "skipped"]
     if skipped:
         L.append("")
@@ -659,7 +669,7 @@ def main(argv=None) -> int:
     if not a.out:
         ap.error("--out is required")
     dry = a.dry_run
-    dflt = dict(blocks=4, dim=64, tt=8, tc=2048, steps=5, steps_c=5, warmup=1, timeout=60) if dry else \
+    dflt = dict(blocks=4, dim=64, tt=8, tc=2048, steps=5, steps_c=5, warmup=2, timeout=60) if dry else \
         dict(blocks=32, dim=4096, tt=512, tc=32768, steps=5, steps_c=9, warmup=2, timeout=150)
     cfg = {
         "dry_run": dry,
