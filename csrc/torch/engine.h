@@ -150,8 +150,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
   torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
 
-  // Waits for every pending transfer and gradient, and accumulates pending
-  // gradients into param.grad.
+  // Waits for every pending transfer and gradient, accumulates pending
+  // gradients into param.grad, and forgets the weights cached in device
+  // slots (the next fetch reads the host copy: the call to make after host
+  // writes the version counters cannot see, with cache_across_steps).
   void synchronize();
   // Restores every layer's parameters to ordinary tensors on `device`
   // (bit-identical data) and disables the engine.

@@ -327,7 +327,11 @@ class Handle:
         return list(self._check().ordering_errors())
 
     def synchronize(self) -> None:
-        """Waits for every transfer and gradient copy; param.grad is then complete."""
+        """Waits for every transfer and gradient copy; param.grad is then complete.
+        It also forgets every weight cached on the device, so the next fetch
+        reads the host copy again: with cache_across_steps=True, call it after
+        writing streamed weights in a way their version counter does not see
+        (through ``.data``, or a raw pointer as C++ CPU optimizers do)."""
         self._check().synchronize()
 
     def detach(self) -> None:
@@ -446,8 +450,9 @@ def offload(
         Handle.export_trace() / plot_timeline() and per-step overlap.
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
-        counters. Faster for inference loops and small models; do not enable
-        it if code writes streamed weights through ``.data`` (not detected).
+        counters. Faster for inference loops and small models. Writes through
+        ``.data`` or raw pointers (e.g. C++ CPU optimizers) are not detected:
+        call ``handle.synchronize()`` after them, or leave this off.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")

@@ -253,6 +253,26 @@ def test_in_place_weight_edit_between_forwards_is_seen(offload_sim, cache):
     assert torch.equal(lin(x), ref(x))
 
 
+def test_data_writes_with_cache_across_steps_need_synchronize(offload_sim):
+    """A write through .data (as C++ CPU optimizers write through raw pointers)
+    does not bump the version counter: with cache_across_steps the cached copy
+    is still used (the documented limit), and handle.synchronize() makes the
+    next forward read the host copy again."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    h = offload_sim(model, cache_across_steps=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        before = model(x)
+        assert torch.equal(before, ref(x))
+        model(x)  # second step: both layers now cached across the boundary
+        for m in (model, ref):
+            m[1].weight.data.mul_(2)
+        assert torch.equal(model(x), before), "the cached (old) weight is used: the limit"
+        h.synchronize()
+        assert torch.equal(model(x), ref(x)), "after synchronize() the new weight is read"
+
+
 def test_clip_grad_norm_right_after_backward(offload_sim):
     model = Net()
     ref = copy.deepcopy(model)
