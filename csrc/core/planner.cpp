@@ -265,13 +265,15 @@ Plan plan_placement(const PlannerInput& in) {
       LS_FAIL("budget ", format_bytes(in.budget_bytes), " (", in.budget_bytes,
               " bytes) is too small: the largest layer ", json::quote(L.name),
               L_slot > L.bytes ? " needs a slot of " : " is ", format_bytes(L_slot), " (", L_slot, " bytes",
-              L_slot > L.bytes ? ": " + format_bytes(L.bytes) + " packed + the dequantized weight" : std::string(),
+              L_slot > L.bytes ? ": " + format_bytes(L.bytes) + " copied + the weight written on the device, "
+                                 "dequantized or cast" : std::string(),
               ") and streaming needs ", in.min_slots, " slots of it",
               in.fixed_resident_bytes ? " plus " + format_bytes(in.fixed_resident_bytes) + " of small resident tensors"
                                       : std::string(),
               "; a budget of at least ", format_bytes(needed_b), " (", needed_b,
               " bytes) is needed",
-              L_slot > L.bytes ? " (or dequantize to a narrower dtype: the slot holds the dequantized weight)"
+              L_slot > L.bytes ? " (or have the device write a narrower dtype, e.g. dequant_dtype / compute_dtype "
+                                 "bfloat16: the slot holds that weight too)"
                                : " (or quantize the weights, e.g. to nf4)");
     }
 

@@ -468,7 +468,9 @@ void Engine::build_scheduler_locked() {
              largest, " bytes in a slot",
              layers_[static_cast<size_t>(largest_i)]->qformat != quant::Format::None
                  ? ": its packed weight and the weight dequantized on the device"
-                 : "",
+                 : layers_[static_cast<size_t>(largest_i)]->cast_w
+                       ? ": its weight and the copy cast to compute_dtype '" + opts_.compute_dtype + "'"
+                       : std::string(),
              "). Raise the budget to at least ", 2 * slot_bytes,
              " bytes or exclude that layer from streaming.");
     const int fit = static_cast<int>(std::min<size_t>(budget / slot_bytes, 1 << 20));

@@ -305,8 +305,8 @@ TEST(Planner, SlotHoldsPackedAndDequantizedWeight) {
   in.budget_bytes = 9 * MiB;  // < 12 (all resident) and < 2 slots of 5
   const std::string m = error_of([&] { plan_placement(in); });
   EXPECT_HAS(m, "needs a slot of 5.00 MiB");
-  EXPECT_HAS(m, "1.00 MiB packed + the dequantized weight");
-  EXPECT_HAS(m, "dequantize to a narrower dtype");  // it is quantized already: no "quantize" advice
+  EXPECT_HAS(m, "1.00 MiB copied + the weight written on the device, dequantized or cast");
+  EXPECT_HAS(m, "have the device write a narrower dtype");  // it is quantized already: no "quantize" advice
   EXPECT_TRUE(m.find("e.g. to nf4") == std::string::npos) << m;
   in.budget_bytes = 10 * MiB;
   Plan p = plan_placement(in);

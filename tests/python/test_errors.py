@@ -392,6 +392,6 @@ def test_budget_counts_the_compute_dtype_cast_in_each_slot():
         streamed(torch.randn(2, 256, dtype=torch.bfloat16))
     assert h.layers == ["0", "1", "2", "3"]
     assert h.stats()["slot_bytes"] == slot and h.stats()["slots"] == 2
-    with pytest.raises(LayerstreamError):
+    with pytest.raises(LayerstreamError, match="written on the device, dequantized or cast"):
         layerstream.offload(copy.deepcopy(model), device="sim", compute_dtype=torch.bfloat16,
                             budget=2 * slot - 1)

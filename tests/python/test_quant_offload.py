@@ -216,7 +216,7 @@ def test_budget_must_hold_packed_and_dequantized_weight():
     model.requires_grad_(False)
     packed = _align256(layerstream._C.quant_packed_bytes("nf4", 256, 256))
     # Enough for 2 slots of packed bytes, not for packed + dequantized fp32.
-    with pytest.raises(layerstream.LayerstreamError, match="packed \\+ the dequantized weight"):
+    with pytest.raises(layerstream.LayerstreamError, match="copied \\+ the weight written on the device"):
         layerstream.offload(model, device="sim", quantize="nf4", budget=3 * packed)
 
 
