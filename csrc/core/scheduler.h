@@ -18,10 +18,11 @@
 //    step was an inference pass and training followed: without this, every
 //    backward fetch would stay on demand). A step that follows the trace (or
 //    a prefix of it, like an inference step under a training trace) resets
-//    the count, so alternating step kinds do not make it thrash. It never blocks the host waiting for a slot: a
-//    slot is reused by making the transfer stream wait on the slot's free
-//    event. If every slot is held by a caller, acquire throws (it cannot wait
-//    without deadlocking the caller).
+//    the count, so alternating step kinds do not make it thrash.
+//  * It never blocks the host waiting for a slot: a slot is reused by making
+//    the transfer stream wait on the slot's free event. If every slot is held
+//    by a caller, acquire throws (it cannot wait without deadlocking the
+//    caller).
 //  * A new step starts at begin_step(), or automatically (auto_step) when the
 //    first layer of the trace is fetched again in the forward phase. At a step
 //    boundary, content cached in slots is forgotten (weights may have
