@@ -549,10 +549,19 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     const uint64_t w_stored = bytes_of(l.weight_numel(), l.weight_dtype);
     const uint64_t w_bus = quantized_weight_bytes(l.weight_shape, l.weight_dtype, opt.quantize);
     s.bytes = w_bus + bias;
-    // A quantized layer's slot also holds its dequantized weight (in the
-    // stored dtype), written on the device after the copy.
+    // The slot's workspace, written on the device after the copy: a
+    // quantized layer's dequantized weight (in compute_dtype, else the stored
+    // dtype), or a float weight / bias cast to compute_dtype.
+    const std::string& cd = opt.compute_dtype;
+    const auto align = [](uint64_t v) { return (v + quant::kSectionAlign - 1) / quant::kSectionAlign * quant::kSectionAlign; };
+    uint64_t workspace = 0;
     if (opt.quantize != Quantization::None && w_bus != w_stored)
-      s.slot_bytes = s.bytes + w_stored + quant::kSectionAlign;
+      workspace = align(cd.empty() ? w_stored : bytes_of(l.weight_numel(), cd));
+    else if (!cd.empty() && l.weight_dtype != cd && safetensors_dtype_is_wide_float(l.weight_dtype))
+      workspace = align(bytes_of(l.weight_numel(), cd));
+    if (!cd.empty() && !l.bias_dtype.empty() && l.bias_dtype != cd && safetensors_dtype_is_wide_float(l.bias_dtype))
+      workspace = align(workspace + bytes_of(l.bias_numel, cd));
+    if (workspace) s.slot_bytes = s.bytes + workspace + quant::kSectionAlign;
     s.resident_bytes = opt.resident_dequantized ? l.stored_bytes() : s.bytes;
     uint64_t rows = l.weight_shape.empty() ? 0 : l.weight_shape[0];
     uint64_t row_size = rows ? l.weight_numel() / rows : 0;

@@ -135,6 +135,11 @@ struct LayerOptions {
   Quantization quantize = Quantization::None;
   bool training = false;      // FLOPs x3, layers trainable
   bool resident_dequantized = false;  // resident layers keep the stored (unquantized) bytes
+  // "" or a safetensors float dtype ("F32", "BF16", "F16"): like the engine's
+  // compute_dtype, a streamed float weight or bias of another dtype also
+  // holds its cast copy in the slot, and quantized weights are dequantized
+  // to it (instead of to the stored dtype).
+  std::string compute_dtype;
 };
 
 // Bytes of one weight of `shape`/`dtype` after quantization (unchanged for

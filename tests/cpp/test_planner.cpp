@@ -377,6 +377,26 @@ TEST(Models, LayerSpecsFlopsAndQuantization) {
   EXPECT_FALSE(specs[1].trainable);  // quantized base weights are frozen
 }
 
+TEST(Models, LayerSpecsComputeDtypeWorkspace) {
+  // Like offload(compute_dtype=...): the slot also holds the weight cast to
+  // it (dense) or dequantized to it (quantized); same dtype: no workspace.
+  ModelDescription m = builtin_model("llama-7b");  // BF16 weights, no biases
+  const uint64_t n = 4096u * 4096;
+  LayerOptions opt;
+  EXPECT_EQ(layer_specs(m, opt)[1].slot_bytes, 0u);
+  opt.compute_dtype = "BF16";
+  EXPECT_EQ(layer_specs(m, opt)[1].slot_bytes, 0u);
+  opt.compute_dtype = "F32";
+  auto s = layer_specs(m, opt)[1];
+  EXPECT_EQ(s.bytes, n * 2);
+  EXPECT_EQ(s.slot_bytes, n * 2 + n * 4 + 256);
+  opt.quantize = Quantization::NF4;
+  const uint64_t packed = layer_specs(m, opt)[1].bytes;
+  EXPECT_EQ(layer_specs(m, opt)[1].slot_bytes, packed + n * 4 + 256);  // dequantized to F32
+  opt.compute_dtype.clear();
+  EXPECT_EQ(layer_specs(m, opt)[1].slot_bytes, packed + n * 2 + 256);  // to the stored BF16
+}
+
 TEST(Models, PlansBuiltinModelsUnderBudget) {
   for (const auto& name : builtin_model_names()) {
     ModelDescription m = builtin_model(name);

@@ -204,3 +204,23 @@ def test_unknown_model():
 ])
 def test_usage_errors(args, needle):
     assert_one_line_error(run(*args), code=2, contains=needle)
+
+
+def test_compute_dtype_adds_the_cast_copy_to_each_slot():
+    """--compute-dtype mirrors offload(compute_dtype=): a bf16 model planned for
+    fp32 activations holds each weight's fp32 copy in its slot too (2 + 4 bytes
+    per parameter); for bf16 activations nothing changes."""
+    base = plan_json("--model", "llama-13b", "--budget", "24GiB")
+    same = plan_json("--model", "llama-13b", "--budget", "24GiB", "--compute-dtype", "bf16")
+    wide = plan_json("--model", "llama-13b", "--budget", "24GiB", "--compute-dtype", "fp32")
+    assert wide["options"]["compute_dtype"] == "F32" and base["options"]["compute_dtype"] is None
+    s = base["plan"]["slot_bytes"]
+    assert s > 0
+    assert same["plan"]["slot_bytes"] == s
+    assert 3 * s <= wide["plan"]["slot_bytes"] <= 3 * s + 1024
+    assert wide["plan"]["device_bytes"] <= wide["plan"]["budget_bytes"]
+
+
+def test_compute_dtype_bad_value_is_a_usage_error():
+    r = run("--model", "llama-13b", "--budget", "24GiB", "--compute-dtype", "int8")
+    assert_one_line_error(r, code=2, contains="--compute-dtype expects fp32, bf16 or fp16")

@@ -34,6 +34,8 @@ const char* kHelp =
     "  --train               training step: FLOPs x3, weights cross the link twice\n"
     "  --quantize Q          stream weights as int8|fp8|nf4|int4 (default: as stored)\n"
     "  --resident-dequantized  resident layers keep their stored (unquantized) size\n"
+    "  --compute-dtype D     fp32|bf16|fp16: the activations' dtype, as offload(compute_dtype=)\n"
+    "                        (slots also hold weights cast to it; quantized ones dequantize to it)\n"
     "  --max-prefetch N      at most N layers prefetched ahead (slots <= N+1; default 4)\n"
     "  --json                print the plan as one JSON object\n"
     "  --list-models         print the built-in model names and exit\n"
@@ -124,6 +126,12 @@ int cmd_plan(int argc, char** argv) {
       } else if (a == "--resident-dequantized") {
         no_value();
         opt.resident_dequantized = true;
+      } else if (a == "--compute-dtype") {
+        const std::string d = take();
+        if (d == "fp32" || d == "float32" || d == "F32") opt.compute_dtype = "F32";
+        else if (d == "bf16" || d == "bfloat16" || d == "BF16") opt.compute_dtype = "BF16";
+        else if (d == "fp16" || d == "float16" || d == "F16") opt.compute_dtype = "F16";
+        else throw Usage{"--compute-dtype expects fp32, bf16 or fp16, got " + json::quote(d)};
       } else if (a == "--max-prefetch") {
         uint64_t n = parse_count(a, take());
         if (n > 64) throw Usage{"--max-prefetch must be at most 64"};
@@ -171,6 +179,7 @@ int cmd_plan(int argc, char** argv) {
     o += "\"options\": {\"tokens\": " + std::to_string(opt.tokens) + ", \"quantize\": \"" +
          to_string(opt.quantize) + "\", \"training\": " + (opt.training ? "true" : "false") +
          ", \"resident_dequantized\": " + (opt.resident_dequantized ? "true" : "false") +
+         ", \"compute_dtype\": " + (opt.compute_dtype.empty() ? std::string("null") : json::quote(opt.compute_dtype)) +
          ", \"max_prefetch\": " + std::to_string(max_prefetch) + "}, ";
     o += "\"plan\": " + plan.to_json() + "}";
     std::printf("%s\n", o.c_str());
@@ -182,9 +191,10 @@ int cmd_plan(int argc, char** argv) {
       std::printf("source: built-in model %s\n", model.c_str());
     std::printf("model:  %zu layers + %zu small tensors (%s, always resident)\n", desc.layers.size(),
                 desc.small_tensors, format_bytes(desc.small_bytes).c_str());
-    std::printf("inputs: %llu tokens/step%s, quantize %s, link %g GB/s, device %g TFLOP/s\n\n",
+    std::printf("inputs: %llu tokens/step%s, quantize %s%s%s, link %g GB/s, device %g TFLOP/s\n\n",
                 static_cast<unsigned long long>(opt.tokens), opt.training ? " (training)" : "",
-                to_string(opt.quantize), link_gbps, tflops);
+                to_string(opt.quantize), opt.compute_dtype.empty() ? "" : ", compute dtype ",
+                opt.compute_dtype.c_str(), link_gbps, tflops);
     std::fputs(plan.explain().c_str(), stdout);
   }
   return 0;
