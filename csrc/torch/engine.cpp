@@ -588,6 +588,27 @@ PostCopyFn Engine::make_post_copy(const LayerInfo& l, size_t workspace_part) {
   };
 }
 
+namespace {
+const char* dtype_name(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat: return "float32";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kHalf: return "float16";
+    case torch::kDouble: return "float64";
+    default: return c10::toString(t);
+  }
+}
+}  // namespace
+
+void Engine::note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch::ScalarType to) {
+  if (cast_warned_.exchange(true)) return;
+  warn("layer '" + l.name + "' (and any other streamed layer in this case) casts its " +
+       dtype_name(from) + " weight to the " + dtype_name(to) + " activations at every use: a temporary "
+       "outside the budget, on the compute stream. With compute_dtype=" + dtype_name(to) +
+       " (offload(..., compute_dtype=torch." + dtype_name(to) + "); C++: EngineOptions::compute_dtype) "
+       "the weight is cast once per copy, inside its slot; the numbers are the same.");
+}
+
 torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
   const size_t ws_part = l.bias.defined() ? 2 : 1;  // the workspace follows the copied parts
   torch::Tensor w;
@@ -603,7 +624,9 @@ torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torc
     w = torch::from_blob(lease.part_ptr(0), l.w_shape,
                          torch::TensorOptions().dtype(l.w_dtype).device(compute_device_));
   }
-  return w.scalar_type() == dtype ? w : w.to(dtype);
+  if (w.scalar_type() == dtype) return w;
+  note_cast_at_use(l, w.scalar_type(), dtype);
+  return w.to(dtype);
 }
 
 torch::Tensor Engine::device_bias(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {

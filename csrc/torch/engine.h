@@ -35,6 +35,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -253,6 +254,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Bytes of the slot's workspace (0: no post-copy step).
   static size_t workspace_bytes(const LayerInfo& l);
   PostCopyFn make_post_copy(const LayerInfo& l, size_t workspace_part);
+  // Warns once per engine that weights are cast at use (and how to avoid it).
+  void note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch::ScalarType to);
 
   EngineOptions opts_;
   std::optional<torch::ScalarType> dequant_dtype_;  // from opts_.dequant_dtype (or compute_dtype)
@@ -272,6 +275,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<int> pending_;  // layers with gradients in flight
   std::vector<int> callback_tasks_;
   uint64_t d2h_bytes_ = 0;
+  std::atomic<bool> cast_warned_{false};
   bool detached_ = false;
   std::shared_ptr<TraceRecorder> tracer_;
   // counters carried over scheduler rebuilds

@@ -395,3 +395,27 @@ def test_budget_counts_the_compute_dtype_cast_in_each_slot():
     with pytest.raises(LayerstreamError, match="written on the device, dequantized or cast"):
         layerstream.offload(copy.deepcopy(model), device="sim", compute_dtype=torch.bfloat16,
                             budget=2 * slot - 1)
+
+
+def test_cast_at_use_warns_once_and_names_compute_dtype():
+    """fp32 weights with bf16 activations: one warning per handle, saying the
+    cast is outside the budget and how to avoid it; none with compute_dtype,
+    none when the dtypes match."""
+    import warnings
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+
+    def warnings_of(model, **kw):
+        layerstream.offload(model, device="sim", **kw)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                for _ in range(3):
+                    model(x)
+        return [str(m.message) for m in w if "at every use" in str(m.message)]
+
+    got = warnings_of(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    assert len(got) == 1, got
+    assert "'0'" in got[0] and "float32 weight to the bfloat16 activations" in got[0]
+    assert "compute_dtype=torch.bfloat16" in got[0] and "outside the budget" in got[0]
+    assert warnings_of(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), compute_dtype=torch.bfloat16) == []
+    assert warnings_of(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch.bfloat16)) == []
