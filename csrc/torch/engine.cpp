@@ -26,6 +26,12 @@ std::atomic<uint64_t> g_next_id{1};
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
 // What a parameter's data needs alive after the Engine is gone: the host
 // store and the backend that frees its buffers, released in that order.
 struct HostKeepAlive {
@@ -529,20 +535,14 @@ void Engine::check_host_alias(const LayerInfo& l) const {
 }
 
 size_t Engine::dense_weight_bytes(const LayerInfo& l) {
-  int64_t numel = 1;
-  for (int64_t d : l.w_shape) numel *= d;
   const torch::ScalarType t = l.qformat != quant::Format::None ? l.q_dtype : l.cast_dtype;
-  return static_cast<size_t>(numel) * c10::elementSize(t);
+  return static_cast<size_t>(numel_of(l.w_shape)) * c10::elementSize(t);
 }
 
 size_t Engine::workspace_bytes(const LayerInfo& l) {
   size_t bytes = 0;
   if (l.qformat != quant::Format::None || l.cast_w) bytes = align256(dense_weight_bytes(l));
-  if (l.cast_b) {
-    int64_t numel = 1;
-    for (int64_t d : l.b_shape) numel *= d;
-    bytes = l.ws_b_offset + static_cast<size_t>(numel) * c10::elementSize(l.cast_dtype);
-  }
+  if (l.cast_b) bytes = l.ws_b_offset + static_cast<size_t>(numel_of(l.b_shape)) * c10::elementSize(l.cast_dtype);
   return bytes;
 }
 
@@ -557,9 +557,7 @@ PostCopyFn Engine::make_post_copy(const LayerInfo& l, size_t workspace_part) {
   const quant::OutDtype qdtype = out_dtype_of(l.q_dtype);
   const bool cast_w = l.cast_w, cast_b = l.cast_b;
   const torch::ScalarType w_dtype = l.w_dtype, b_dtype = l.b_dtype, to = l.cast_dtype;
-  int64_t w_numel = 1, b_numel = 1;
-  for (int64_t d : l.w_shape) w_numel *= d;
-  for (int64_t d : l.b_shape) b_numel *= d;
+  const int64_t w_numel = numel_of(l.w_shape), b_numel = numel_of(l.b_shape);
   const size_t ws_b = l.ws_b_offset;
   const bool on_cpu = compute_device_.is_cpu();
   const int device = compute_device_.index();

@@ -230,18 +230,29 @@ class SchedulerTest : public testing::Test {
   Stream transfer, compute;
 };
 
-TEST_F(SchedulerTest, TraceIsRecordedThenReplayedWithHits) {
-  SchedulerOptions so;
-  so.num_slots = 3;
-  so.prefetch_depth = 2;
-  Scheduler sched(*sim, transfer, model.specs, so);
-  std::vector<int> order = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
-  for (int step = 0; step < 3; ++step) {
-    for (size_t i = 0; i < order.size(); ++i) {
-      Lease l = sched.acquire(order[i], compute, i < 5 ? Phase::Forward : Phase::Backward);
-      sched.release(l, compute);
-    }
+// One step of `order`: the first `forward` entries in the forward phase.
+void run_step(Scheduler& sched, Stream compute, const std::vector<int>& order, size_t forward) {
+  for (size_t i = 0; i < order.size(); ++i) {
+    Lease l = sched.acquire(order[i], compute, i < forward ? Phase::Forward : Phase::Backward);
+    sched.release(l, compute);
   }
+}
+
+// Step orders over the fixture's 5 layers: a forward-only pass and a training step.
+const std::vector<int> kInfer = {0, 1, 2, 3, 4};
+const std::vector<int> kTrain = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
+
+SchedulerOptions options(int slots, int depth) {
+  SchedulerOptions so;
+  so.num_slots = slots;
+  so.prefetch_depth = depth;
+  return so;
+}
+
+TEST_F(SchedulerTest, TraceIsRecordedThenReplayedWithHits) {
+  Scheduler sched(*sim, transfer, model.specs, options(3, 2));
+  const std::vector<int>& order = kTrain;
+  for (int step = 0; step < 3; ++step) run_step(sched, compute, order, 5);
   EXPECT_EQ(sched.trace(), order);
   SchedulerStats st = sched.stats();
   EXPECT_EQ(st.steps, 2u);
@@ -269,24 +280,13 @@ TEST_F(SchedulerTest, DeviationFetchesOnDemandAndResyncs) {
   EXPECT_TRUE(sim->ordering_errors().empty());
 }
 
-// One step of `order`: the first `forward` entries in the forward phase.
-void run_step(Scheduler& sched, Stream compute, const std::vector<int>& order, size_t forward) {
-  for (size_t i = 0; i < order.size(); ++i) {
-    Lease l = sched.acquire(order[i], compute, i < forward ? Phase::Forward : Phase::Backward);
-    sched.release(l, compute);
-  }
-}
-
 TEST_F(SchedulerTest, RetracesAfterTwoDeviatingStepsThenReplaysTheNewOrder) {
   // The first step is forward only (an inference pass); training steps
   // follow. Their backward deviates from the trace for two steps, then the
   // last step's order is the trace and backward is prefetched again.
-  SchedulerOptions so;
-  so.num_slots = 3;
-  so.prefetch_depth = 2;
-  Scheduler sched(*sim, transfer, model.specs, so);
-  const std::vector<int> infer = {0, 1, 2, 3, 4};
-  const std::vector<int> train = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
+  Scheduler sched(*sim, transfer, model.specs, options(3, 2));
+  const std::vector<int>& infer = kInfer;
+  const std::vector<int>& train = kTrain;
   run_step(sched, compute, infer, 5);
   EXPECT_EQ(sched.trace(), infer);
   run_step(sched, compute, train, 5);
@@ -314,36 +314,27 @@ TEST_F(SchedulerTest, RetracesAfterTwoDeviatingStepsThenReplaysTheNewOrder) {
 TEST_F(SchedulerTest, AlternatingStepKindsDoNotThrashTheTrace) {
   // Training trace; inference steps (a prefix of it) in between never
   // deviate, and one odd step is not enough to replace the trace.
-  SchedulerOptions so;
-  so.num_slots = 3;
-  so.prefetch_depth = 2;
-  Scheduler sched(*sim, transfer, model.specs, so);
-  const std::vector<int> train = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
-  const std::vector<int> infer = {0, 1, 2, 3, 4};
+  Scheduler sched(*sim, transfer, model.specs, options(3, 2));
   const std::vector<int> odd = {0, 2, 1, 3, 4};
-  run_step(sched, compute, train, 5);
+  run_step(sched, compute, kTrain, 5);
   for (int i = 0; i < 4; ++i) {
-    run_step(sched, compute, infer, 5);
-    run_step(sched, compute, i % 2 ? odd : train, 5);
+    run_step(sched, compute, kInfer, 5);
+    run_step(sched, compute, i % 2 ? odd : kTrain, 5);
   }
-  run_step(sched, compute, train, 5);
+  run_step(sched, compute, kTrain, 5);
   EXPECT_EQ(sched.stats().retraces, 0u);
-  EXPECT_EQ(sched.trace(), train);
+  EXPECT_EQ(sched.trace(), kTrain);
   EXPECT_TRUE(sim->ordering_errors().empty());
 }
 
 TEST_F(SchedulerTest, RetraceCanBeSwitchedOff) {
-  SchedulerOptions so;
-  so.num_slots = 3;
-  so.prefetch_depth = 2;
+  SchedulerOptions so = options(3, 2);
   so.retrace_after = 0;
   Scheduler sched(*sim, transfer, model.specs, so);
-  const std::vector<int> infer = {0, 1, 2, 3, 4};
-  const std::vector<int> train = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
-  run_step(sched, compute, infer, 5);
-  for (int i = 0; i < 5; ++i) run_step(sched, compute, train, 5);
+  run_step(sched, compute, kInfer, 5);
+  for (int i = 0; i < 5; ++i) run_step(sched, compute, kTrain, 5);
   EXPECT_EQ(sched.stats().retraces, 0u);
-  EXPECT_EQ(sched.trace(), infer);
+  EXPECT_EQ(sched.trace(), kInfer);
 }
 
 TEST_F(SchedulerTest, AllSlotsHeldIsAClearError) {
