@@ -3,6 +3,7 @@
 #include <fnmatch.h>
 
 #include <cmath>
+#include <set>
 
 namespace layerstream {
 
@@ -186,6 +187,38 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
     std::shared_ptr<torch::nn::Module> module;
   };
   std::vector<Item> items;
+  // Tied weights: a parameter of two distinct modules (e.g. an output
+  // projection sharing the embedding's weight). Streaming its layer would move
+  // the tensor to the host under the other module and accumulate the layer's
+  // gradient beside autograd's, so such layers stay resident (the other module
+  // keeps the tensor on the device anyway).
+  std::map<torch::TensorImpl*, std::vector<std::string>> owners;
+  {
+    std::set<torch::nn::Module*> seen;
+    for (const auto& named : root.named_modules("", /*include_self=*/true)) {
+      if (!seen.insert(named.value().get()).second) continue;
+      for (const auto& p : named.value()->named_parameters(/*recurse=*/false)) {
+        if (!p.value().defined()) continue;
+        owners[p.value().unsafeGetTensorImpl()].push_back(
+            named.key().empty() ? p.key() : named.key() + "." + p.key());
+      }
+    }
+  }
+  std::vector<std::string> tied;
+  std::set<torch::nn::Module*> collected;
+  auto tied_with = [&](const std::string& name, torch::nn::Module& m) {
+    std::string shared;
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+      if (!p.value().defined()) continue;
+      const auto& who = owners[p.value().unsafeGetTensorImpl()];
+      if (who.size() < 2) continue;
+      const std::string own = name + "." + p.key();
+      for (const auto& o : who)
+        if (o != own) shared += (shared.empty() ? "" : ", ") + p.key() + " shared with '" + o + "'";
+    }
+    if (!shared.empty()) tied.push_back("'" + name + "' (" + shared + ")");
+    return !shared.empty();
+  };
   for (const auto& named : root.named_modules("", /*include_self=*/true)) {
     torch::nn::Module* parent = named.value().get();
     const bool is_container = dynamic_cast<torch::nn::SequentialImpl*>(parent) ||
@@ -199,7 +232,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                          dynamic_cast<torch::nn::Conv2dImpl*>(m.get()) ||
                          dynamic_cast<torch::nn::Conv3dImpl*>(m.get());
       const bool ours = dynamic_cast<nn::StreamedBase*>(m.get()) != nullptr;
-      if ((!plain && !ours) || !selected(name)) continue;
+      if ((!plain && !ours) || !selected(name) || tied_with(name, *m)) continue;
+      if (!collected.insert(m.get()).second) continue;  // one module under two names
       LS_CHECK(!(plain && is_container), "cannot stream '", name, "': it is a torch::nn module "
                "inside a Sequential/ModuleList/ModuleDict, whose element list offload() cannot "
                "swap. Declare it as layerstream::nn::Linear/Conv*d, or exclude it.");
@@ -209,6 +243,13 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       }
       items.push_back(Item{name, parent, child.key(), m});
     }
+  }
+  if (!tied.empty()) {
+    std::string list;
+    for (const auto& t : tied) list += (list.empty() ? "" : "; ") + t;
+    TORCH_WARN("layerstream: ", tied.size(), " layer(s) with tied weights stay resident on ",
+               engine->compute_device(), " (a streamed copy would move a tensor another module "
+               "uses, and lose gradient): ", list);
   }
   LS_CHECK(!items.empty(), "offload() found no Linear or Conv1d/2d/3d module to stream");
 

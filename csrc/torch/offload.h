@@ -23,6 +23,8 @@
 //    ModuleList / ModuleDict cannot be swapped (their element lists are
 //    private): offload() throws naming them, so nothing runs unstreamed
 //    silently.
+// A layer whose weight or bias another module shares (tied weights) is not
+// streamed: it stays resident, with one warning (docs/design/torch-glue.md).
 // Non-streamed parameters and buffers are moved to the compute device.
 //
 // Thread safety: like torch modules; the handle's methods are thread-safe.

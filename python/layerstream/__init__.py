@@ -180,6 +180,43 @@ def _selected(name: str, include, exclude) -> bool:
     return not match(exclude)
 
 
+def _drop_tied(model: nn.Module, candidates: list, compute_device: torch.device) -> list:
+    """Keeps layers whose weight or bias is also a parameter of another module
+    (tied weights, e.g. an lm_head sharing the embedding's weight) resident.
+
+    Streaming such a layer would move the shared tensor to the host under the
+    other module's feet (on CUDA that module then fails with a device
+    mismatch) and would accumulate the layer's gradient beside autograd's
+    accumulation of the other use, losing gradient. The other module keeps the
+    tensor on the device anyway, so residency costs no extra device memory."""
+    owners: Dict[int, List[str]] = {}  # parameter id -> qualified names of its distinct modules
+    seen_modules = set()
+    for mname, m in model.named_modules(remove_duplicate=False):
+        if id(m) in seen_modules:  # one module reachable under two names is not a tie
+            continue
+        seen_modules.add(id(m))
+        for pname, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+    kept, tied = [], []
+    for name, module, kind in candidates:
+        shared = [(pn, owners[id(p)]) for pn, p in (("weight", module.weight), ("bias", module.bias))
+                  if p is not None and len(owners.get(id(p), ())) > 1]
+        if not shared:
+            kept.append((name, module, kind))
+            continue
+        own = f"{name}." if name else ""
+        tied.append(f"'{name or '<root>'}' (" + "; ".join(
+            f"{pn} shared with " + ", ".join(f"'{o}'" for o in others if o != own + pn)
+            for pn, others in shared) + ")")
+    if tied:
+        warnings.warn(
+            f"layerstream: {len(tied)} layer(s) with tied weights stay resident on {compute_device} "
+            f"(a streamed copy would move a tensor another module uses, and lose gradient): "
+            + "; ".join(tied), RuntimeWarning, stacklevel=3)
+    return kept
+
+
 def _conv_args(module: nn.Module) -> dict:
     dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[next(t for t in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, t))]
     pad = module.padding
@@ -411,7 +448,9 @@ def offload(
     their qualified names) keep their parameters (same objects, same names)
     but the data moves to (pinned) host memory; their ``forward`` streams the
     weights to ``device`` just before use. Everything else of the model is
-    moved to the compute device.
+    moved to the compute device, including layers with tied weights (a weight
+    or bias shared with another module, e.g. an lm_head tied to the
+    embedding), which stay resident with one warning.
 
     device: "cuda"/"cuda:N", "sim" (simulated device; tensors compute on the
         CPU) or None (CUDA when visible, else "sim").
@@ -510,6 +549,7 @@ def offload(
                 RuntimeWarning, stacklevel=2)
             continue
         candidates.append((name, module, kind))
+    candidates = _drop_tied(model, candidates, compute_device)
     if not candidates:
         raise LayerstreamError(
             "offload() found no Linear or Conv1d/2d/3d layer to stream"
@@ -566,11 +606,13 @@ def offload(
         budget_bytes = _resolve_budget(budget, compute_device, opts)
         layer_ids = {id(t[1]) for t in layers}
         fixed = 0
+        counted = set()  # a tensor shared by two modules (tied weights) is on the device once
         for module in model.modules():
             if id(module) in layer_ids:
                 continue
             for t in list(module._parameters.values()) + list(module._buffers.values()):
-                if t is not None and t.device.type != "meta":
+                if t is not None and t.device.type != "meta" and id(t) not in counted:
+                    counted.add(id(t))
                     fixed += t.numel() * t.element_size()
         # Slots first, residency with what is left: the planner reserves the
         # slots the requested prefetch depth needs (prefetch + 1: one in use,

@@ -378,6 +378,43 @@ def test_repeated_steps_accumulate_into_existing_grad(offload_dev, compute_devic
         _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
 
 
+class _TiedLM(nn.Module):
+    """Embedding whose weight is also the output projection's (as in GPT-2, Gemma)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 12)
+        self.fc = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 40, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.fc(self.emb(ids))))
+
+
+def test_tied_weights_stay_resident(offload_dev, compute_device):
+    """A layer whose weight another module shares stays resident (with a warning naming
+    both): streaming it would move the embedding's weight to the host (a device mismatch
+    on CUDA) and accumulate its gradient beside autograd's (the second of two
+    accumulating steps lost gradient before). Outputs and grads match the reference."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    ref = copy.deepcopy(model).to(compute_device)
+    with pytest.warns(RuntimeWarning, match=r"'head' \(weight shared with 'emb.weight'\)"):
+        handle = offload_dev(model)
+    assert handle.layers == ["fc"]
+    assert model.head.weight is model.emb.weight
+    assert model.emb.weight.device == compute_device
+    ids = torch.randint(0, 40, (3, 5), device=compute_device)
+    for _ in range(3):  # no zero_grad: the grads accumulate
+        out, want = model(ids), ref(ids)
+        _close(out, want, **FP32_TOL)
+        out.square().mean().backward()
+        want.square().mean().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+
+
 # ---------------------------------------------------------------- compute_dtype
 # offload(compute_dtype=...) casts a streamed weight (and bias) of another
 # dtype into its slot right after the copy, instead of at every use. The

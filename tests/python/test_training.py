@@ -167,6 +167,39 @@ def test_peft_lora_training_matches_reference(offload_sim, bias):
     assert stats["d2h_bytes"] == 0, "frozen base weights must not copy gradients back"
 
 
+def test_tied_embeddings_full_finetune_with_budget(offload_sim):
+    """Llama with tie_word_embeddings: lm_head shares embed_tokens' weight, so it stays
+    resident (one warning); the tied weight is trained through both uses and its
+    gradient accumulates exactly over two backward passes; the budget's resident
+    bytes count the shared tensor once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"'lm_head' \(weight shared with "
+                                            r"'model.embed_tokens.weight'\)"):
+        handle = offload_sim(model, budget=2 * 32 * 64 * 4 + 64 * 32 * 4 + 64 * 4 * 10,
+                             prefetch=1)
+    assert "lm_head" not in handle.layers and len(handle.layers) == 14
+    unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    streamed = {id(p) for n, p in model.named_parameters()
+                if n.rsplit(".", 1)[0] in handle.layers}
+    on_device = sum(t.numel() * t.element_size() for i, t in unique.items() if i not in streamed)
+    assert handle.stats()["resident_bytes"] == on_device
+    for _ in range(2):  # no zero_grad: the second backward accumulates
+        ids = torch.randint(0, 64, (2, 9))
+        loss, loss_r = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        assert torch.equal(loss, loss_r)
+        loss.backward(), loss_r.backward()
+    _assert_grads(model, ref, exact=True)
+
+
 # ---------------------------------------------------------------- trace
 def test_training_after_an_inference_pass_prefetches_backward_again(offload_sim):
     """The first step is a no_grad forward (its trace has no backward); after two

@@ -1,0 +1,102 @@
+// layerstream::offload() for LibTorch modules, on the sim device (tensors
+// compute on the CPU, so results compare bit for bit with the resident model).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "torch/offload.h"
+
+namespace {
+
+// An embedding whose weight is also the output projection's (tied weights, as
+// in GPT-2 or Gemma), with one ordinary streamed layer between them.
+struct TiedImpl : torch::nn::Module {
+  torch::nn::Embedding emb{nullptr};
+  layerstream::nn::Linear fc{nullptr}, head{nullptr};
+  TiedImpl() {
+    emb = register_module("emb", torch::nn::Embedding(50, 16));
+    fc = register_module("fc", layerstream::nn::Linear(16, 16));
+    head = register_module(
+        "head", layerstream::nn::Linear(torch::nn::LinearOptions(16, 50).bias(false), emb->weight,
+                                        torch::Tensor()));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(torch::relu(fc(emb(ids)))); }
+};
+TORCH_MODULE(Tied);
+
+// Three SGD steps, the last two accumulating into the same gradients; returns
+// each step's output and every parameter's gradient.
+std::vector<torch::Tensor> train_steps(Tied model) {
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  std::vector<torch::Tensor> seen;
+  torch::manual_seed(7);
+  for (int step = 0; step < 3; ++step) {
+    if (step < 2) opt.zero_grad();
+    auto out = model(torch::randint(0, 50, {4, 7}));
+    out.square().mean().backward();
+    seen.push_back(out.detach().clone());
+    for (auto& p : model->parameters()) seen.push_back(p.grad().clone());
+    opt.step();
+  }
+  return seen;
+}
+
+layerstream::OffloadOptions sim_options() {
+  layerstream::OffloadOptions o;
+  o.device = "sim";
+  return o;
+}
+
+TEST(TorchOffload, TiedWeightLayerStaysResidentAndLosesNoGradient) {
+  torch::manual_seed(0);
+  Tied ref;
+  torch::manual_seed(0);
+  Tied model;
+  ASSERT_TRUE(model->head->weight.is_same(model->emb->weight));
+
+  auto handle = layerstream::offload(*model, sim_options());
+  EXPECT_EQ(handle->layers(), std::vector<std::string>{"fc"});
+  EXPECT_FALSE(model->head->attached());
+  EXPECT_TRUE(model->fc->attached());
+  EXPECT_TRUE(model->head->weight.is_same(model->emb->weight));
+
+  const auto want = train_steps(ref);
+  const auto got = train_steps(model);
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(torch::equal(want[i], got[i])) << "output or gradient #" << i << " differs";
+  handle->detach();
+}
+
+TEST(TorchOffload, LayerUsedUnderTwoNamesIsNotATie) {
+  // One module registered twice shares its parameters with itself only.
+  struct TwiceImpl : torch::nn::Module {
+    layerstream::nn::Linear fc{nullptr};
+    TwiceImpl() {
+      fc = register_module("a", layerstream::nn::Linear(8, 8));
+      register_module("b", fc);
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return fc(fc(x)); }
+  };
+  auto model = std::make_shared<TwiceImpl>();
+  auto x = torch::randn({3, 8});
+  const auto want = model->forward(x);
+  auto handle = layerstream::offload(*model, sim_options());
+  EXPECT_TRUE(model->fc->attached());
+  EXPECT_TRUE(torch::equal(model->forward(x), want));
+  handle->detach();
+}
+
+TEST(TorchOffload, ContainerChildIsAClearError) {
+  torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::ReLU());
+  try {
+    layerstream::offload(*seq, sim_options());
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot stream '0'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
