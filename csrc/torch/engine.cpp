@@ -894,6 +894,19 @@ bool plain_backward() {
   return info == nullptr || info->empty();
 }
 
+// backward(create_graph=True) runs backward functions with grad mode on, to
+// build a graph of the gradients (double backward, e.g. a gradient penalty).
+// A streamed layer cannot take part: its device weight is a slot that is
+// reused right after (a graph saving it would read other weights later), and
+// it is not the parameter (the weight's share of the second derivative would
+// be missing). Refuse instead of returning silently wrong numbers.
+void check_no_create_graph(const Engine::LayerInfo& l) {
+  LS_CHECK(!torch::GradMode::is_enabled(), "layer '", l.name, "': backward with create_graph=True "
+           "(double backward, e.g. a gradient penalty) is not supported through a streamed layer; "
+           "keep the layers it must differentiate through resident (offload(exclude=[...])) or "
+           "compute that gradient without create_graph");
+}
+
 // The streamed Linear forward: fetch, compute on the device, release.
 torch::Tensor linear_forward(Engine* e, Engine::LayerInfo& l, int layer, const torch::Tensor& x) {
   Stream cs = e->compute_stream();
@@ -929,6 +942,7 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     auto e = engine_from(ctx);
     const int layer = static_cast<int>(ctx->saved_data["layer"].toInt());
     Engine::LayerInfo& l = e->layer(layer);
+    check_no_create_graph(l);
     torch::Tensor go = grads[0];
     const variable_list saved = ctx->get_saved_variables();
     torch::Tensor x = saved.empty() ? torch::Tensor() : saved[0];
@@ -1071,6 +1085,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
     const int layer = static_cast<int>(ctx->saved_data["layer"].toInt());
     const bool unbatched = ctx->saved_data["unbatched"].toBool();
     Engine::LayerInfo& l = e->layer(layer);
+    check_no_create_graph(l);
     torch::Tensor go = unbatched ? grads[0].unsqueeze(0) : grads[0];
     torch::Tensor xp = ctx->get_saved_variables()[0];
     const bool need_x = ctx->needs_input_grad(0);

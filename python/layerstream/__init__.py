@@ -264,7 +264,8 @@ def _make_forward(engine, index: int, kind: str, original, module: nn.Module, na
                 (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
             raise LayerstreamError(
                 f"the parameters of streamed layer '{name}' were replaced after offload() (e.g. by "
-                f"load_state_dict(assign=True) or assigning a new nn.Parameter); layerstream "
+                f"load_state_dict(assign=True), assigning a new nn.Parameter, or "
+                f"torch.func.functional_call); layerstream "
                 f"streams the original ones. Copy new values in place (load_state_dict() without "
                 f"assign, or param.data.copy_()), or call handle.detach() first.")
         # Gradient hooks on the parameters: hand their gradients to autograd

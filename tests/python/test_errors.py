@@ -329,6 +329,37 @@ def test_wrong_shape_then_recovers(offload_sim):
         assert torch.equal(p.grad, q.grad), n
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_create_graph_backward_is_a_clear_error_then_recovers(offload_sim, kind):
+    """backward(create_graph=True) through a streamed layer (a gradient penalty) is refused:
+    before, the input gradient's graph held a device slot that is reused (and lacked the
+    weight's share), and the parameter gradients came out wrong or missing without a word.
+    A plain backward afterwards matches the reference."""
+    if kind == "linear":
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        x = torch.randn(2, 4, requires_grad=True)
+    else:
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Conv2d(3, 2, 3))
+        x = torch.randn(2, 2, 7, 7, requires_grad=True)
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    with pytest.raises(RuntimeError, match=r"layer '2': backward with create_graph=True .*"
+                                           r"offload\(exclude=\[\.\.\.\]\)"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        model(x).square().sum().backward(create_graph=True)
+    for p in model.parameters():
+        p.grad = None
+    xr = x.detach().requires_grad_()
+    x.grad = None
+    model(x).square().sum().backward()
+    ref(xr).square().sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
 # ---------------------------------------------------------------- weights replaced after offload
 def test_module_to_other_dtype_after_offload(offload_sim):
     model = Named()
@@ -350,6 +381,16 @@ def test_load_state_dict_assign_is_detected(offload_sim):
         assert "replaced" in str(e) and "detach" in str(e)
     else:  # acceptable only if it computes with the new weights
         assert torch.equal(y, new(x))
+
+
+def test_functional_call_with_other_parameters_is_detected(offload_sim):
+    """torch.func.functional_call swaps the parameters in for one call; a streamed layer
+    would stream its own instead, so it refuses and names the call."""
+    model = Named()
+    offload_sim(model)
+    params = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    with pytest.raises(LayerstreamError, match="functional_call"):
+        torch.func.functional_call(model, params, (torch.randn(2, 4),))
 
 
 def test_parameter_reassignment_is_detected(offload_sim):
