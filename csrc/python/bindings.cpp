@@ -216,5 +216,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("dequantized_weight", &Engine::dequantized_weight)
       .def("packed_codes", &Engine::packed_codes)
+      .def("watch_weight", &Engine::watch_weight)
+      .def("requantize", &Engine::requantize)
       .def_property_readonly("detached", &Engine::detached);
 }

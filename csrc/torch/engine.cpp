@@ -243,6 +243,56 @@ torch::Tensor meta_like(const std::vector<int64_t>& shape, torch::ScalarType dty
 }
 }  // namespace
 
+namespace {
+void watch(Engine::LayerInfo& l, const torch::Tensor& param) {
+  const c10::VariableVersion& v = param.unsafeGetTensorImpl()->version_counter();
+  if (!v.enabled()) return;  // an inference tensor cannot be written in place later
+  l.watched = v;
+  l.watched_version = v.current_version();
+}
+}  // namespace
+
+void Engine::watch_weight(int index, const torch::Tensor& param) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LS_CHECK(param.defined(), "watch_weight: layer '", l.name, "': undefined tensor");
+  watch(l, param);
+}
+
+void Engine::requantize(int index, const torch::Tensor& dense) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; write the module's weight directly");
+  LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LS_CHECK(l.packed_here, "layer '", l.name, "' was not quantized by offload() (",
+           l.qformat == quant::Format::None ? "it is not quantized: write its parameter in place"
+                                            : "its weight came pre-packed: detach(), load, and offload() again",
+           ")");
+  LS_CHECK(dense.defined() && dense.sizes().vec() == l.w_shape, "layer '", l.name,
+           "': new weight of shape ", dense.defined() ? shape_str(dense.sizes().vec()) : "(undefined)",
+           " does not match the layer's ", shape_str(l.w_shape));
+  LS_CHECK(dense.is_floating_point(), "layer '", l.name, "': a new weight must be floating point, got ",
+           dense.scalar_type());
+  LS_CHECK(!dense.is_meta(), "layer '", l.name, "': the new weight is data-less (meta), e.g. "
+           "taken from the state_dict() of an offloaded quantized model; it has no values to load");
+  torch::NoGradGuard ng;
+  torch::Tensor src = dense.detach().to(torch::kCPU).to(l.w_dtype).contiguous();
+  const int64_t rows = l.w_shape[0];
+  const int64_t cols = rows ? src.numel() / rows : 0;
+  std::vector<char> packed(l.w_bytes);
+  try {
+    quant::pack(l.qformat, src.data_ptr(), src_dtype_of(src.scalar_type(), l.name), rows, cols,
+                packed.data(), 0);
+  } catch (const Error& e) {
+    LS_FAIL("cannot quantize the new weight of layer '", l.name, "' to ", quant::to_string(l.qformat),
+            ": ", e.message(), " (the old weight is kept)");
+  }
+  synchronize();  // no copy may read the host buffer while it changes; forgets cached slots
+  std::memcpy(l.w_host, packed.data(), l.w_bytes);
+  // The packed weight now holds these values: an earlier stray write to the
+  // watched parameter no longer matters.
+  if (l.watched) l.watched_version = l.watched->current_version();
+}
+
 int Engine::add_layer(LayerInfo info, quant::Format format) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
@@ -278,6 +328,8 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
               quant::to_string(format), ": ", e.message());
     }
     info.qformat = format;
+    info.packed_here = true;
+    watch(info, info.weight);
     info.weight = meta_like(info.w_shape, info.w_dtype);
   }
   if (info.bias.defined()) {
@@ -523,6 +575,13 @@ Phase Engine::current_phase() const {
 }
 
 void Engine::check_host_alias(const LayerInfo& l) const {
+  if (l.watched)
+    LS_CHECK(l.watched->current_version() == l.watched_version, "the weight of quantized layer '",
+             l.name, "' was written in place after offload() (copy_, an in-place op or "
+             "load_state_dict into the parameter); layerstream holds it packed on the host and "
+             "that write did not reach it. Load new values with load_state_dict() on the offloaded "
+             "model (it re-quantizes them; C++: Engine::requantize()), or detach(), write the "
+             "weight, and offload() again.");
   if (l.qformat == quant::Format::None)
     LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "

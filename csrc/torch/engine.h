@@ -175,6 +175,26 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::shared_ptr<double> trace_begin(Stream s);
   void trace_end(Stream s, const std::shared_ptr<double>& start, const std::string& lane,
                  const std::string& name, uint64_t bytes = 0);
+  // Quantized and pre-packed layers hold their weight packed on the host, so
+  // an in-place write to the module's parameter does not reach it.
+  // watch_weight records `param`'s version counter (without keeping its data
+  // alive); after an in-place write to it (copy_, load_state_dict without the
+  // re-quantizing hook, an optimizer) the layer's next call fails with an
+  // error saying how to load new values, instead of silently computing with
+  // the old ones. add_linear/add_conv with a format watch the weight they are
+  // given; a caller that replaces the module's parameter (by a meta stand-in)
+  // watches the replacement. Unquantized layers need none (their parameter's
+  // data is the host copy). Inference tensors (no version counter) are not
+  // watched.
+  void watch_weight(int layer, const torch::Tensor& param);
+  // Layers quantized by add_linear/add_conv: packs `dense` (the weight's
+  // shape, any float dtype and device; cast to the weight's dtype first, as
+  // load_state_dict's copy would) into the layer's host buffer in place of
+  // the old weight. Waits for in-flight copies and forgets weights cached on
+  // the device first (like synchronize()); the old packed weight stays if
+  // packing fails (e.g. NaN). Not safe concurrently with a forward or
+  // backward of this engine.
+  void requantize(int layer, const torch::Tensor& dense);
   // Quantized layers: the weight dequantized on the host (CPU, original
   // dtype) — what detach() restores (lossy); "" / format name per layer.
   torch::Tensor dequantized_weight(int layer);
@@ -230,6 +250,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
     bool cast_w = false, cast_b = false;
     torch::ScalarType cast_dtype = torch::kFloat;  // compute_dtype, when cast_w or cast_b
     size_t ws_b_offset = 0;
+    bool packed_here = false;  // quantized by add_linear/add_conv (requantize() can repack it)
+    // watch_weight(): the module parameter's version counter and its value then.
+    std::optional<c10::VariableVersion> watched;
+    uint32_t watched_version = 0;
     // gradient staging (host) and bookkeeping
     HostBuffer grad_staging;
     size_t grad_b_offset = 0;

@@ -47,7 +47,9 @@ struct OffloadOptions : EngineOptions {
   std::vector<std::string> exclude;
   // "", "int8", "fp8", "nf4" or "int4": pack every streamed weight (they must
   // be frozen). In C++ the module's dense parameter is left as it is (the
-  // engine does not use it; free it yourself if host RAM matters).
+  // engine does not use it; free it yourself if host RAM matters). A write to
+  // it is refused at the layer's next call; Engine::requantize() loads new
+  // values (handle->engine()).
   std::string quantize;
 };
 

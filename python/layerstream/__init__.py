@@ -236,14 +236,45 @@ class _Attached:
     """What offload() changed on one module, to undo it in detach()."""
 
     __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
-                 "prequantized", "bnb_stats")
+                 "prequantized", "bnb_stats", "hooks")
 
     def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
-                 prequantized=False, bnb_stats=None):
+                 prequantized=False, bnb_stats=None, hooks=()):
         self.name, self.module, self.kind, self.index = name, module, kind, index
         self.had_forward, self.old_forward, self.devices = had_forward, old_forward, devices
         self.prequantized = prequantized
         self.bnb_stats = bnb_stats
+        self.hooks = list(hooks)
+
+
+def _requantize_on_load(engine, index: int, module: nn.Module) -> list:
+    """load_state_dict() hooks for a layer offload() quantized: its parameter is
+    data-less (meta), so the copy load_state_dict makes into it would be lost.
+    The pre-hook takes the weight out of the state dict and re-quantizes it into
+    the host store instead (errors join load_state_dict's own); the post-hook
+    removes the key it took from the missing keys. Returns the hook handles."""
+    taken = []
+
+    def pre(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            error_msgs):
+        key = prefix + "weight"
+        if key not in state_dict:
+            return
+        value = state_dict.pop(key)
+        taken.append(key)
+        try:
+            engine.requantize(index, value)
+        except LayerstreamError as e:
+            error_msgs.append(f'While loading "{key}" into a quantized streamed layer: {e}')
+
+    def post(mod, incompatible_keys):
+        for key in taken:
+            if key in incompatible_keys.missing_keys:
+                incompatible_keys.missing_keys.remove(key)
+        taken.clear()
+
+    return [module._register_load_state_dict_pre_hook(pre, with_module=True),
+            module.register_load_state_dict_post_hook(post)]
 
 
 def _has_grad_hooks(p) -> bool:
@@ -400,6 +431,8 @@ class Handle:
             elif a.index in dense:
                 a.module.weight = nn.Parameter(dense[a.index].to(a.devices[0]), requires_grad=False)
         for a in self._attached:
+            for h in a.hooks:
+                h.remove()
             if a.had_forward:
                 a.module.forward = a.old_forward
             else:
@@ -672,6 +705,15 @@ def offload(
             module.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
                                          requires_grad=False)
             del weight
+        hooks = []
+        if engine.layer_format(index):
+            # Packed on the host: in-place writes to the module's weight do not reach
+            # it. The engine refuses the next call after one; load_state_dict()
+            # re-quantizes (layers offload() quantized itself).
+            engine.watch_weight(index, module.weight if "weight" in module._parameters
+                                else module.__dict__["weight"])
+            if pre is None:
+                hooks = _requantize_on_load(engine, index, module)
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
         module.forward = _make_forward(engine, index, kind, old_forward or module.forward, module,
@@ -681,7 +723,7 @@ def offload(
             streamed_params.add(id(p))
         attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices,
                                   prequantized=pre is not None,
-                                  bnb_stats=None if pre is None else pre.bnb_stats))
+                                  bnb_stats=None if pre is None else pre.bnb_stats, hooks=hooks))
 
     handle = Handle(engine, attached, plan)
     for a in attached:

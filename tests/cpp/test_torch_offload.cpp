@@ -89,6 +89,52 @@ TEST(TorchOffload, LayerUsedUnderTwoNamesIsNotATie) {
   handle->detach();
 }
 
+struct OneImpl : torch::nn::Module {
+  layerstream::nn::Linear fc{nullptr};
+  OneImpl() { fc = register_module("fc", layerstream::nn::Linear(64, 32)); }
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x); }
+};
+TORCH_MODULE(One);
+
+TEST(TorchOffload, WriteToQuantizedWeightIsRefusedUntilRequantized) {
+  // The engine holds a quantized weight packed: a write to the module's dense
+  // parameter would be silently ignored; it is refused at the next call
+  // instead, and Engine::requantize() loads the written values.
+  torch::manual_seed(0);
+  One model, fresh;
+  model->fc->weight.requires_grad_(false);
+  {
+    torch::NoGradGuard ng;
+    fresh->fc->weight.copy_(model->fc->weight * 2);
+    fresh->fc->bias.copy_(model->fc->bias);
+  }
+  fresh->fc->weight.requires_grad_(false);
+  auto opts = sim_options();
+  opts.quantize = "int8";
+  auto handle = layerstream::offload(*model, opts);
+  auto fresh_handle = layerstream::offload(*fresh, opts);
+  const auto x = torch::randn({3, 64});
+  const auto before = model->forward(x);
+  {
+    torch::NoGradGuard ng;
+    model->fc->weight.mul_(2);
+  }
+  try {
+    model->forward(x);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("quantized layer 'fc' was written in place"),
+              std::string::npos) << e.what();
+  }
+  handle->engine()->requantize(0, model->fc->weight);
+  const auto after = model->forward(x);
+  EXPECT_TRUE(torch::equal(after, fresh->forward(x)));
+  EXPECT_FALSE(torch::equal(after, before));
+  EXPECT_THROW(handle->engine()->requantize(0, torch::zeros({32, 63})), std::exception);
+  handle->detach();
+  fresh_handle->detach();
+}
+
 TEST(TorchOffload, ContainerChildIsAClearError) {
   torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::ReLU());
   try {

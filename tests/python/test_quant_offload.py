@@ -289,3 +289,97 @@ def test_compute_dtype_dequantizes_to_it_and_casts_the_bias_in_the_slot():
     assert ha.stats()["slot_bytes"] == packed + bias + _align256(512 * 256 * 2)
     assert hb.stats()["slot_bytes"] == packed + bias + _align256(512 * 256 * 2) + _align256(512 * 2)
     assert hb.ordering_errors() == []
+
+
+# ---------------------------------------------------------------- writing quantized weights
+def _two_layer(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32)).requires_grad_(False)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("cache", [False, True], ids=["nocache", "cache"])
+def test_load_state_dict_requantizes(offload_sim, fmt, cache):
+    """load_state_dict() into an offloaded quantized model loads the new weights: they
+    are re-quantized into the host store (before, the copy into the data-less parameter
+    was lost and the model silently kept its old weights). Outputs then equal a model
+    offloaded with the new weights from the start, bit for bit; strict loading reports
+    no missing key; weights cached on the device are not reused."""
+    model, new = _two_layer(0), _two_layer(1)
+    for a, b in zip(model, new):  # same biases: only the quantized weights change
+        if isinstance(a, nn.Linear):
+            b.bias = nn.Parameter(a.bias.detach().clone(), requires_grad=False)
+    fresh = copy.deepcopy(new)
+    offload_sim(model, quantize=fmt, cache_across_steps=cache)
+    offload_sim(fresh, quantize=fmt)
+    x = torch.randn(3, 64)
+    old = model(x)
+    model(x)  # with cache_across_steps the weights now sit in device slots
+    # Weights only (no bias write, whose version bump would also drop the cache).
+    weights = {k: v for k, v in new.state_dict().items() if k.endswith("weight")}
+    result = model.load_state_dict(weights, strict=False)
+    assert result.missing_keys == ["0.bias", "2.bias"] and not result.unexpected_keys
+    assert all(p.is_meta for n, p in model.named_parameters() if n.endswith("weight"))
+    got = model(x)
+    assert torch.equal(got, fresh(x))
+    assert not torch.equal(got, old)
+    result = model.load_state_dict(new.state_dict())  # strict: the taken keys are not missing
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(model(x), got)
+
+
+def test_load_state_dict_bad_values_keep_the_old_weight(offload_sim):
+    """A NaN weight or a data-less (meta) one, e.g. from the state_dict() of an offloaded
+    quantized model, fails load_state_dict() with a message naming the key; the layer
+    keeps its old weight (nothing half-written) and stays usable."""
+    model = _two_layer(0)
+    offload_sim(model, quantize="int8")
+    x = torch.randn(3, 64)
+    before = model(x)
+    sd = {k: v.clone() for k, v in _two_layer(1).state_dict().items()}
+    sd["0.weight"][0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match=r'"0.weight".*NaN'):
+        model.load_state_dict(sd)
+    assert torch.equal(model[0].bias, sd["0.bias"])  # the rest loaded, as torch does
+    model[0].bias.data.copy_(_two_layer(0)[0].bias)
+    model[2].load_state_dict(_two_layer(0)[2].state_dict())
+    assert torch.equal(model(x), before)
+    with pytest.raises(RuntimeError, match=r'"0.weight".*data-less \(meta\)'):
+        model.load_state_dict(model.state_dict())
+    assert torch.equal(model(x), before)
+
+
+def test_in_place_write_to_a_quantized_weight_is_an_error(offload_sim):
+    """copy_ (or any in-place op) on the data-less weight of a quantized layer does not
+    reach the packed weight: the next call says so instead of computing with the old
+    values. load_state_dict() then loads the new values and re-arms the check."""
+    model, new = _two_layer(0), _two_layer(1)
+    fresh = copy.deepcopy(new)
+    offload_sim(model, quantize="int8")
+    offload_sim(fresh, quantize="int8")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        model[0].weight.copy_(new[0].weight)
+    with pytest.raises(layerstream.LayerstreamError, match=r"quantized layer '0' was written in place.*"
+                                               r"load_state_dict\(\)"):
+        model(x)
+    model.load_state_dict(new.state_dict())
+    assert torch.equal(model(x), fresh(x))
+
+
+def test_in_place_write_to_a_prequantized_int8_weight_is_an_error(offload_sim):
+    """A weight that arrived int8 (with weight_scale) is copied into the host store; a
+    later write to the module's int8 parameter (here add_; load_state_dict's copy alike)
+    is refused at the next call."""
+    lin = nn.Linear(64, 32)
+    codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    del lin.weight
+    lin.weight = nn.Parameter(codes, requires_grad=False)
+    lin.weight_scale = torch.full((32,), 0.01)
+    offload_sim(lin)
+    x = torch.randn(2, 64)
+    lin(x)
+    with torch.no_grad():
+        lin.weight.add_(1)
+    with pytest.raises(layerstream.LayerstreamError, match="written in place"):
+        lin(x)
