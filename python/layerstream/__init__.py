@@ -281,29 +281,51 @@ def _has_grad_hooks(p) -> bool:
     return p is not None and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
-def _make_forward(engine, index: int, kind: str, original, module: nn.Module, name: str):
-    run = engine.linear if kind == "linear" else engine.conv
-    weight, bias = module.weight, module.bias
-    # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
-    # not a Parameter (e.g. a torch quantized tensor) lives in the instance dict.
-    params, attrs = module._parameters, module.__dict__
+_NO_COPY = ("an offloaded model cannot be {what} (its streamed weights live in layerstream's host "
+            "store, which this process owns); {instead}, or call handle.detach() first")
 
-    def forward(x, *args, **kwargs):
+
+class _StreamedForward:
+    """The forward offload() installs on a streamed module (an instance attribute).
+
+    A small callable object rather than a closure, so that pickling the model
+    (torch.save(model)) or deep-copying it fails with a message that says what
+    to do instead of pickle's "Can't pickle local object"."""
+
+    __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name")
+
+    def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
+        self._run = engine.linear if kind == "linear" else engine.conv
+        self._index, self._original, self._name = index, original, name
+        self._weight, self._bias = module.weight, module.bias
+        # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
+        # not a Parameter (e.g. a torch quantized tensor) lives in the instance dict.
+        self._params, self._attrs = module._parameters, module.__dict__
+
+    def __call__(self, x, *args, **kwargs):
         if args or kwargs:  # an unusual call signature: use the module's own forward
-            return original(x, *args, **kwargs)
+            return self._original(x, *args, **kwargs)
+        params, attrs, weight, bias = self._params, self._attrs, self._weight, self._bias
         if ((params["weight"] if "weight" in params else attrs.get("weight")) is not weight or
                 (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
             raise LayerstreamError(
-                f"the parameters of streamed layer '{name}' were replaced after offload() (e.g. by "
-                f"load_state_dict(assign=True), assigning a new nn.Parameter, or "
-                f"torch.func.functional_call); layerstream "
-                f"streams the original ones. Copy new values in place (load_state_dict() without "
-                f"assign, or param.data.copy_()), or call handle.detach() first.")
+                f"the parameters of streamed layer '{self._name}' were replaced after offload() (e.g. "
+                f"by load_state_dict(assign=True), assigning a new nn.Parameter, or "
+                f"torch.func.functional_call); layerstream streams the original ones. Copy new "
+                f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
+                f"call handle.detach() first.")
         # Gradient hooks on the parameters: hand their gradients to autograd
         # (synchronously) so that the hooks fire.
-        return run(index, x, _has_grad_hooks(weight) or _has_grad_hooks(bias))
+        return self._run(self._index, x, _has_grad_hooks(weight) or _has_grad_hooks(bias))
 
-    return forward
+    def __reduce_ex__(self, protocol):
+        raise LayerstreamError(_NO_COPY.format(
+            what="pickled (e.g. torch.save(model))",
+            instead="save model.state_dict() instead (quantized weights are data-less there until "
+                    "detach())"))
+
+    def __deepcopy__(self, memo):
+        raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
 
 
 class Handle:
@@ -448,9 +470,13 @@ class Handle:
         self._engine = None
 
     def __deepcopy__(self, memo):
-        raise LayerstreamError(
-            "an offloaded model cannot be deep-copied (its streamed weights live in layerstream's "
-            "host store); deep-copy it before offload(), or call handle.detach() first")
+        raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
+
+    def __reduce_ex__(self, protocol):
+        raise LayerstreamError(_NO_COPY.format(
+            what="pickled (e.g. torch.save(model))",
+            instead="save model.state_dict() instead (quantized weights are data-less there until "
+                    "detach())"))
 
     def __repr__(self):
         if self._engine is None:
@@ -716,7 +742,7 @@ def offload(
                 hooks = _requantize_on_load(engine, index, module)
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
-        module.forward = _make_forward(engine, index, kind, old_forward or module.forward, module,
+        module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward, module,
                                        name)
         for p in module.parameters(recurse=False):
             p._is_memory_managed = True

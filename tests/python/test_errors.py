@@ -383,6 +383,29 @@ def test_load_state_dict_assign_is_detected(offload_sim):
         assert torch.equal(y, new(x))
 
 
+def test_pickle_and_deepcopy_of_an_offloaded_model_are_clear_errors(offload_sim):
+    """torch.save(model) / deepcopy after offload() say what to do instead (before:
+    pickle's "Can't pickle local object"); the model keeps working; its state_dict saves."""
+    import io
+    import pickle
+
+    model = Named()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    with pytest.raises(LayerstreamError, match=r"cannot be pickled .*state_dict\(\)"):
+        torch.save(model, io.BytesIO())
+    with pytest.raises(LayerstreamError, match="cannot be pickled"):
+        pickle.dumps(handle)
+    with pytest.raises(LayerstreamError, match=r"cannot be deep-copied.*before offload\(\)"):
+        copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    ref.load_state_dict(torch.load(buf))
+    x = torch.randn(2, 4)
+    assert torch.equal(model(x), ref(x))
+
+
 def test_functional_call_with_other_parameters_is_detected(offload_sim):
     """torch.func.functional_call swaps the parameters in for one call; a streamed layer
     would stream its own instead, so it refuses and names the call."""
