@@ -248,11 +248,12 @@ class _Attached:
 
 
 def _requantize_on_load(engine, index: int, module: nn.Module) -> list:
-    """load_state_dict() hooks for a layer offload() quantized: its parameter is
-    data-less (meta), so the copy load_state_dict makes into it would be lost.
-    The pre-hook takes the weight out of the state dict and re-quantizes it into
-    the host store instead (errors join load_state_dict's own); the post-hook
-    removes the key it took from the missing keys. Returns the hook handles."""
+    """load_state_dict() hooks for a layer offload() quantized. Its parameter's
+    copy_ re-quantizes too (_PackedWeight), but load_state_dict() would first warn
+    that copying into a meta parameter is a no-op. The pre-hook takes the weight
+    out of the state dict and re-quantizes it (errors join load_state_dict's
+    own); the post-hook removes the key it took from the missing keys. Returns
+    the hook handles."""
     taken = []
 
     def pre(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -275,6 +276,101 @@ def _requantize_on_load(engine, index: int, module: nn.Module) -> list:
 
     return [module._register_load_state_dict_pre_hook(pre, with_module=True),
             module.register_load_state_dict_post_hook(post)]
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]  # the .data descriptor, as __torch_function__ sees it
+_CONVERSIONS = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "type_as",
+                "pin_memory", "share_memory_"}
+
+
+class _PackedWeight(nn.Parameter):
+    """The parameter a quantized streamed layer keeps: data-less (meta, same shape
+    and dtype), because the weight lives packed in the engine's host store.
+
+    A plain meta tensor would swallow writes: ``copy_`` into it, and
+    ``w.data += delta`` (peft's merge_and_unload) would leave the packed weight
+    as it was without a word, and ``torch.save(model.state_dict())`` would save
+    no values. So:
+      * ``copy_`` (what load_state_dict() does) re-quantizes the new values into
+        the host store (``Engine.requantize``);
+      * every other in-place write, assigning ``.data``, converting or moving it
+        (``model.to()``, ``.half()``) and pickling it (``torch.save``) raise a
+        LayerstreamError that says what to do (``handle.detach()`` restores a
+        dense, dequantized weight);
+      * reads (shape, dtype, ``detach()`` for state_dict(), ...) behave as on a
+        meta tensor; ``.data`` is the parameter itself, so writes through it
+        are seen too.
+    """
+
+    def __new__(cls, shape, dtype, engine, index: int, name: str):
+        self = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
+        self._ls = (engine, index, name)
+        return self
+
+    @classmethod
+    def _alias(cls, t, ls):
+        out = torch.Tensor._make_subclass(cls, t, False)
+        out._ls = ls
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self = args[0] if args else None
+        ls = getattr(self, "_ls", None) if isinstance(self, _PackedWeight) else None
+        descr = getattr(func, "__self__", None)
+        name = getattr(func, "__name__", "")
+        if ls is not None and descr is _DATA:
+            if name == "__get__":
+                return self  # so that writes through .data reach this handler
+            value = args[1]
+            if value is self or (isinstance(value, _PackedWeight) and value._ls == ls):
+                return None  # Module._apply assigns an unchanged parameter back
+            raise LayerstreamError(cls._msg(ls, "its .data cannot be replaced"))
+        if ls is not None and name == "copy_":
+            engine, index, _ = ls
+            engine.requantize(index, args[1])
+            return self
+        if ls is not None and name in ("detach", "alias", "detach_", "requires_grad_"):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return self if out is self else cls._alias(out, ls)
+        if ls is not None and name in _CONVERSIONS:
+            with torch._C.DisableTorchFunctionSubclass():
+                try:
+                    out = func(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - e.g. "cannot copy out of meta tensor"
+                    out = None
+            if out is self:
+                return self  # a no-op conversion (same dtype and device)
+            raise LayerstreamError(cls._msg(ls, f"it cannot be converted or moved ({name}())"))
+        if ls is not None and (name.endswith("_") and not name.startswith("_") or
+                               name in ("__setitem__", "__iadd__", "__isub__", "__imul__",
+                                        "__itruediv__", "__ior__", "__iand__")):
+            raise LayerstreamError(cls._msg(ls, f"in-place {name}() cannot reach it"))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @staticmethod
+    def _msg(ls, what: str) -> str:
+        return (f"the weight of quantized streamed layer '{ls[2]}' is packed in layerstream's host "
+                f"store and this parameter is its data-less (meta) stand-in: {what}. Load new values "
+                f"with load_state_dict() or weight.copy_() (they are re-quantized); to change it "
+                f"otherwise (e.g. merge a LoRA adapter into it) or move the model, call "
+                f"handle.detach() first (it restores the dense, dequantized weight)")
+
+    def __reduce_ex__(self, protocol):
+        raise LayerstreamError(self._msg(self._ls, "it cannot be saved (pickled)") +
+                               "; state_dict() of an offloaded model has no values for it: save "
+                               "only the trainable parameters (peft's save_pretrained does), or "
+                               "detach() first")
+
+    def __deepcopy__(self, memo):
+        raise LayerstreamError(self._msg(self._ls, "it cannot be deep-copied"))
+
+    def __repr__(self):
+        return (f"layerstream packed weight of '{self._ls[2]}' (meta stand-in, shape "
+                f"{tuple(self.shape)}, {self.dtype})")
 
 
 def _has_grad_hooks(p) -> bool:
@@ -530,7 +626,9 @@ def offload(
         wins; an explicit format that cannot pack a layer is an error).
         Quantized weights must be frozen (requires_grad False). Each quantized
         layer's slot holds the packed weight and, written on the device right
-        after the copy, the dequantized weight.
+        after the copy, the dequantized weight. The module keeps a data-less
+        (meta) weight: load_state_dict() and weight.copy_() re-quantize new
+        values; other writes, .to() and torch.save of it raise (detach() first).
     dequant_dtype: the dtype quantized weights are dequantized to on the
         device (torch.float32, torch.bfloat16 or torch.float16); None = each
         weight's own dtype. Set it to the activation dtype when that differs
@@ -724,18 +822,16 @@ def offload(
         if (pre is None or pre.bnb_stats is not None) and engine.layer_format(index):
             # The weight now lives packed on the host; the module keeps a
             # data-less (meta) parameter of the same shape and dtype so the
-            # dense (or the bitsandbytes) copy is freed (state_dict() shows
-            # meta tensors for it).
+            # dense (or the bitsandbytes) copy is freed.
             shape = (pre.rows, pre.cols) if pre is not None else tuple(module.weight.shape)
             dtype = pre.dense_dtype if pre is not None else module.weight.dtype
-            module.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
-                                         requires_grad=False)
+            module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>")
             del weight
         hooks = []
         if engine.layer_format(index):
-            # Packed on the host: in-place writes to the module's weight do not reach
-            # it. The engine refuses the next call after one; load_state_dict()
-            # re-quantizes (layers offload() quantized itself).
+            # Packed on the host: an in-place write to the module's weight that
+            # _PackedWeight does not turn into a re-quantization (or a pre-quantized
+            # int8 weight's write) does not reach it; the engine refuses the next call.
             engine.watch_weight(index, module.weight if "weight" in module._parameters
                                 else module.__dict__["weight"])
             if pre is None:

@@ -349,22 +349,83 @@ def test_load_state_dict_bad_values_keep_the_old_weight(offload_sim):
     assert torch.equal(model(x), before)
 
 
-def test_in_place_write_to_a_quantized_weight_is_an_error(offload_sim):
-    """copy_ (or any in-place op) on the data-less weight of a quantized layer does not
-    reach the packed weight: the next call says so instead of computing with the old
-    values. load_state_dict() then loads the new values and re-arms the check."""
+def test_writes_to_a_quantized_weight_requantize_or_are_refused(offload_sim):
+    """The data-less parameter of a quantized layer never swallows a write (before,
+    copy_ and in-place ops into the meta tensor were silently lost): copy_ re-quantizes;
+    other in-place ops, .data writes (peft's merge), conversions and moves fail at once,
+    saying what to do; a write that bypasses all that (no __torch_function__) is caught
+    by the version counter at the next call. Reads behave as on a meta tensor."""
+    import io
+
     model, new = _two_layer(0), _two_layer(1)
     fresh = copy.deepcopy(new)
     offload_sim(model, quantize="int8")
     offload_sim(fresh, quantize="int8")
     x = torch.randn(3, 64)
+    w = model[0].weight
+    assert w.is_meta and w.shape == (64, 64) and w.dtype == torch.float32 and not w.requires_grad
+    assert "packed weight of '0'" in repr(w)
     with torch.no_grad():
-        model[0].weight.copy_(new[0].weight)
-    with pytest.raises(layerstream.LayerstreamError, match=r"quantized layer '0' was written in place.*"
-                                               r"load_state_dict\(\)"):
-        model(x)
-    model.load_state_dict(new.state_dict())
+        w.copy_(new[0].weight)
+        model[2].weight.data.copy_(new[2].weight)  # .data is the parameter itself
+        model[0].bias.copy_(new[0].bias)
+        model[2].bias.copy_(new[2].bias)
     assert torch.equal(model(x), fresh(x))
+    before = model(x)
+    refused = {
+        "mul_": lambda: w.mul_(2),
+        "data +=": lambda: w.data.add_(1),  # what `w.data += delta` runs
+        "iadd": lambda: w.__iadd__(1),
+        "setitem": lambda: w.__setitem__(0, 1.0),
+        ".data =": lambda: setattr(w, "data", torch.zeros(64, 64)),
+        "to fp16": lambda: model.to(torch.float16),
+        "to cpu": lambda: w.to("cpu"),
+        "torch.save": lambda: torch.save(model.state_dict(), io.BytesIO()),
+        "deepcopy": lambda: copy.deepcopy(w),
+    }
+    for what, write in refused.items():
+        with torch.no_grad(), pytest.raises(layerstream.LayerstreamError,
+                                            match=r"quantized streamed layer '[02]'.*detach\(\)"):
+            write()
+        assert torch.equal(model(x), before), what
+    model.to(torch.float32)  # a no-op conversion is fine
+    model.train(False)
+    assert torch.equal(model(x), before)
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        w.mul_(2)  # reaches the meta tensor itself: a no-op, but it bumps the version counter
+    with pytest.raises(layerstream.LayerstreamError, match=r"quantized layer '0' was written in place"):
+        model(x)
+    model.load_state_dict(new.state_dict())  # loads the values and re-arms the check
+    assert torch.equal(model(x), fresh(x))
+
+
+def test_peft_merge_into_a_quantized_base_is_refused(offload_sim):
+    """peft's merge_and_unload() adds the adapter through `base.weight.data += delta`; into
+    a quantized streamed base that was silently dropped (the merged model computed without
+    the adapter). Now it fails naming detach(); after detach() the merge works."""
+    peft = pytest.importorskip("peft")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    model = peft.get_peft_model(M(), peft.LoraConfig(r=4, target_modules=["a", "b"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    handle = offload_sim(model, exclude=["*lora_*"], quantize="int8")
+    x = torch.randn(3, 32)
+    with_adapter = model(x)
+    with pytest.raises(layerstream.LayerstreamError, match=r"merge a LoRA adapter.*detach\(\)"):
+        model.merge_and_unload()
+    handle.detach()
+    merged = model.merge_and_unload()
+    torch.testing.assert_close(merged(x), with_adapter, rtol=1e-5, atol=1e-5)
 
 
 def test_in_place_write_to_a_prequantized_int8_weight_is_an_error(offload_sim):
