@@ -278,7 +278,9 @@ def _requantize_on_load(engine, index: int, module: nn.Module) -> list:
             module.register_load_state_dict_post_hook(post)]
 
 
-_DATA = torch._C.TensorBase.__dict__["data"]  # the .data descriptor, as __torch_function__ sees it
+# The .data / .requires_grad descriptors, as __torch_function__ sees their getters and setters.
+_DATA = torch._C.TensorBase.__dict__["data"]
+_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
 _CONVERSIONS = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "type_as",
                 "pin_memory", "share_memory_"}
 
@@ -327,6 +329,12 @@ class _PackedWeight(nn.Parameter):
             if value is self or (isinstance(value, _PackedWeight) and value._ls == ls):
                 return None  # Module._apply assigns an unchanged parameter back
             raise LayerstreamError(cls._msg(ls, "its .data cannot be replaced"))
+        if ls is not None and (name == "requires_grad_" and (args[1:] or [kwargs.get("requires_grad", True)])[0]
+                               or descr is _REQUIRES_GRAD and name == "__set__" and args[1]):
+            raise LayerstreamError(
+                f"the weight of quantized streamed layer '{ls[2]}' cannot be trained (it is packed "
+                f"on the host and dequantized on the device); train an adapter over it (LoRA), or "
+                f"detach() and offload() again without quantizing this layer")
         if ls is not None and name == "copy_":
             engine, index, _ = ls
             engine.requantize(index, args[1])

@@ -388,6 +388,13 @@ def test_writes_to_a_quantized_weight_requantize_or_are_refused(offload_sim):
                                             match=r"quantized streamed layer '[02]'.*detach\(\)"):
             write()
         assert torch.equal(model(x), before), what
+    for train in (lambda: w.requires_grad_(), lambda: setattr(w, "requires_grad", True),
+                  lambda: model.requires_grad_(True)):
+        # Before, the flag flipped but the layer never produced a gradient for it.
+        with pytest.raises(layerstream.LayerstreamError, match="cannot be trained"):
+            train()
+    assert not w.requires_grad
+    model.requires_grad_(False)  # freezing is fine
     model.to(torch.float32)  # a no-op conversion is fine
     model.train(False)
     assert torch.equal(model(x), before)
