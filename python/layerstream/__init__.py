@@ -432,6 +432,87 @@ class _StreamedForward:
         raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
 
 
+class _StreamedApply:
+    """The ``_apply`` offload() installs on a streamed module (an instance attribute;
+    ``model.to()``, ``.cuda()``, ``.half()`` ... reach every module through it).
+
+    Streamed weights live in host memory by design, so a move of the model to the
+    compute device (what HF Trainer, accelerate's prepare() and pipelines do) is a
+    no-op for them, as are conversions that change nothing (``.float()`` on an fp32
+    model). Anything else (another device, another dtype) would break the layer's
+    link to its host copy: it raises before anything is changed, naming detach().
+    Other parameters, buffers and children of the module (rare on a Linear/conv)
+    are converted as usual."""
+
+    __slots__ = ("_module", "_compute", "_name")
+
+    def __init__(self, module: nn.Module, compute_device: torch.device, name: str):
+        self._module, self._compute, self._name = module, compute_device, name
+
+    def _allowed(self, fn, dtype: torch.dtype) -> bool:
+        try:  # a no-op conversion keeps a meta tensor as it is
+            out = fn(torch.empty(0, dtype=dtype, device="meta"))
+            if isinstance(out, torch.Tensor) and out.is_meta:
+                return out.dtype == dtype
+        except Exception:  # noqa: BLE001 - a move: meta tensors cannot be copied out
+            pass
+        try:  # a move: only to the compute device, in the same dtype
+            out = fn(torch.empty(0, dtype=dtype))
+        except Exception:  # noqa: BLE001
+            return False
+        return isinstance(out, torch.Tensor) and out.device == self._compute and out.dtype == dtype
+
+    def check(self, fn) -> None:
+        module = self._module
+        w = module._parameters.get("weight", module.__dict__.get("weight"))
+        for key, p in (("weight", w), ("bias", module._parameters.get("bias"))):
+            if p is not None and not self._allowed(fn, p.dtype):
+                raise LayerstreamError(
+                    f"streamed layer '{self._name}' keeps its weights in host memory and computes on "
+                    f"{self._compute}: model.to()/cuda() to that device is fine (the streamed layers "
+                    f"stay as they are), but this conversion would move them elsewhere or change "
+                    f"their dtype ({key} is {p.dtype}). Convert the model before offload(), or call "
+                    f"handle.detach() first.")
+
+    def __call__(self, fn, recurse=True):
+        self.check(fn)
+        module = self._module
+        mine = {k: module._parameters[k] for k in ("weight", "bias") if module._parameters.get(k) is not None}
+        others = [k for k in module._parameters if k not in mine]
+        if others or module._buffers or module._modules:
+            # Convert the rest with nn.Module's own _apply, the streamed parameters
+            # held out (and put back in their places: parameter order is visible).
+            order = list(module._parameters)
+            for k in mine:
+                del module._parameters[k]
+            try:
+                type(module)._apply(module, fn, recurse)
+            finally:
+                rest = dict(module._parameters)
+                module._parameters.clear()
+                for k in order:
+                    module._parameters[k] = mine[k] if k in mine else rest.pop(k)
+                module._parameters.update(rest)
+        return module
+
+
+class _RootApply:
+    """The ``_apply`` offload() installs on the model it was given: checks every
+    streamed layer first, so that a refused conversion (``model.half()``) raises
+    before any part of the model changed, then converts as nn.Module does (the
+    streamed layers' own _StreamedApply keeps their weights as they are)."""
+
+    __slots__ = ("_model", "_layers")
+
+    def __init__(self, model: nn.Module, layers: list):
+        self._model, self._layers = model, layers
+
+    def __call__(self, fn, recurse=True):
+        for layer in self._layers:
+            layer.check(fn)
+        return type(self._model)._apply(self._model, fn, recurse)
+
+
 class Handle:
     """The result of offload(): statistics, synchronisation and detach."""
 
@@ -439,6 +520,7 @@ class Handle:
         self._engine = engine
         self._attached = attached
         self._plan = plan  # the planner's decision when offload() had a budget
+        self._root = None  # the model, when offload() installed a _RootApply on it
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -559,6 +641,7 @@ class Handle:
         for a in self._attached:
             for h in a.hooks:
                 h.remove()
+            a.module.__dict__.pop("_apply", None)
             if a.had_forward:
                 a.module.forward = a.old_forward
             else:
@@ -571,6 +654,9 @@ class Handle:
                     del p._is_memory_managed
             if getattr(a.module, "_layerstream_handle", None) is not None:
                 del a.module._layerstream_handle
+        if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
+            del self._root.__dict__["_apply"]
+        self._root = None
         self._engine = None
 
     def __deepcopy__(self, memo):
@@ -848,6 +934,7 @@ def offload(
         old_forward = module.__dict__.get("forward")
         module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward, module,
                                        name)
+        module._apply = _StreamedApply(module, compute_device, name or "<root>")
         for p in module.parameters(recurse=False):
             p._is_memory_managed = True
             streamed_params.add(id(p))
@@ -858,6 +945,9 @@ def offload(
     handle = Handle(engine, attached, plan)
     for a in attached:
         a.module._layerstream_handle = handle
+    if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
+        model._apply = _RootApply(model, [a.module._apply for a in attached])
+        handle._root = model
     _move_resident(model, streamed_params, compute_device)
     return handle
 

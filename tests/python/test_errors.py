@@ -362,11 +362,31 @@ def test_create_graph_backward_is_a_clear_error_then_recovers(offload_sim, kind)
 
 # ---------------------------------------------------------------- weights replaced after offload
 def test_module_to_other_dtype_after_offload(offload_sim):
+    """model.half() after offload() is refused before any part of the model changed (it
+    would cut the streamed layers from their host copies); the model keeps working.
+    After detach() it converts as usual."""
+    model = Named()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    for convert in (model.half, lambda: model.to(torch.bfloat16), lambda: model.big.double()):
+        with pytest.raises(LayerstreamError, match=r"streamed layer '\w+'.*detach\(\)"):
+            convert()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x = torch.randn(2, 4)
+    assert torch.equal(model(x), ref(x))
+    handle.detach()
+    model.half()
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+
+
+def test_weight_moved_behind_the_engines_back_is_detected(offload_sim):
+    """A streamed parameter's data replaced directly (not through model.to()) is still
+    caught at the next call."""
     model = Named()
     offload_sim(model)
-    model.half()
+    model.big.weight.data = model.big.weight.data.half()
     with pytest.raises(LayerstreamError, match="replaced or moved after offload"):
-        model(torch.randn(2, 4, dtype=torch.half))
+        model(torch.randn(2, 4))
 
 
 def test_load_state_dict_assign_is_detected(offload_sim):

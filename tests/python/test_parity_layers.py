@@ -378,6 +378,27 @@ def test_repeated_steps_accumulate_into_existing_grad(offload_dev, compute_devic
         _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
 
 
+def test_model_to_compute_device_after_offload_is_a_no_op_for_streamed_layers(offload_dev, compute_device):
+    """model.to(device) / .cuda() after offload() (HF Trainer, accelerate's prepare() and
+    pipelines do it): streamed weights stay in host memory, the rest is converted as
+    usual, results unchanged. Before, it moved the streamed weights and the next call
+    failed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    ref = copy.deepcopy(model).to(compute_device)
+    handle = offload_dev(model)
+    host = [p.data_ptr() for n, p in model.named_parameters() if not n.startswith("1.")]
+    model.to(compute_device)
+    model.to(torch.float32)
+    if compute_device.type == "cuda":
+        model.cuda(compute_device)
+    assert [p.data_ptr() for n, p in model.named_parameters() if not n.startswith("1.")] == host
+    assert model[1].weight.device == compute_device
+    x = _randn((4, 6), compute_device)
+    _close(model(x), ref(x), **FP32_TOL)
+    assert handle.layers == ["0", "2"]
+
+
 class _TiedLM(nn.Module):
     """Embedding whose weight is also the output projection's (as in GPT-2, Gemma)."""
 
