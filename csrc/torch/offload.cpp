@@ -49,6 +49,44 @@ torch::nn::ConvOptions<D> conv_options_from(const Opt& o) {
 // ---------------------------------------------------------------------------
 namespace nn {
 
+bool StreamedBase::keep_streamed(const torch::Tensor& weight, std::optional<torch::Device> device,
+                                 std::optional<torch::Dtype> dtype) const {
+  if (!engine_) return false;
+  const torch::Device compute = engine_->compute_device();
+  const bool same_device = !device || *device == compute ||
+                           (device->is_cuda() && compute.is_cuda() && !device->has_index() &&
+                            compute.index() == 0);
+  LS_CHECK(same_device && (!dtype || *dtype == weight.scalar_type()), "streamed layer '",
+           engine_->layer_name(index_), "' keeps its weights in host memory and computes on ",
+           compute.str(), ": to() that device is fine (the streamed weights stay as they are), but "
+           "this conversion would move them elsewhere or change their dtype (weight is ",
+           weight.scalar_type(), "). Convert the model before offload(), or call detach() first.");
+  return true;
+}
+
+void LinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  if (!keep_streamed(weight, device, dtype)) torch::nn::Module::to(device, dtype, non_blocking);
+}
+void LinearImpl::to(torch::Dtype dtype, bool non_blocking) {
+  if (!keep_streamed(weight, std::nullopt, dtype)) torch::nn::Module::to(dtype, non_blocking);
+}
+void LinearImpl::to(torch::Device device, bool non_blocking) {
+  if (!keep_streamed(weight, device, std::nullopt)) torch::nn::Module::to(device, non_blocking);
+}
+
+template <size_t D>
+void ConvImpl<D>::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  if (!this->keep_streamed(weight, device, dtype)) torch::nn::Module::to(device, dtype, non_blocking);
+}
+template <size_t D>
+void ConvImpl<D>::to(torch::Dtype dtype, bool non_blocking) {
+  if (!this->keep_streamed(weight, std::nullopt, dtype)) torch::nn::Module::to(dtype, non_blocking);
+}
+template <size_t D>
+void ConvImpl<D>::to(torch::Device device, bool non_blocking) {
+  if (!this->keep_streamed(weight, device, std::nullopt)) torch::nn::Module::to(device, non_blocking);
+}
+
 LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_) : options(options_) { reset(); }
 
 LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_, torch::Tensor w, torch::Tensor b)

@@ -25,7 +25,10 @@
 //    silently.
 // A layer whose weight or bias another module shares (tied weights) is not
 // streamed: it stays resident, with one warning (docs/design/torch-glue.md).
-// Non-streamed parameters and buffers are moved to the compute device.
+// Non-streamed parameters and buffers are moved to the compute device. After
+// offload(), model->to(<compute device>) leaves the streamed weights in host
+// memory; other devices or dtypes throw (children convert in order, so
+// modules before the first streamed one may already be converted then).
 //
 // Thread safety: like torch modules; the handle's methods are thread-safe.
 #pragma once
@@ -34,6 +37,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -95,6 +99,12 @@ class StreamedBase {
   }
 
  protected:
+  // module->to() once attached: a move to the engine's compute device in the
+  // weight's own dtype leaves the streamed weights in host memory (returns
+  // true: nothing to do); any other device or dtype throws, naming detach().
+  // Returns false when not attached (convert as torch does).
+  bool keep_streamed(const torch::Tensor& weight, std::optional<torch::Device> device,
+                     std::optional<torch::Dtype> dtype) const;
   std::shared_ptr<Engine> engine_;
   int index_ = -1;
 };
@@ -108,6 +118,10 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public StreamedBase 
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x);
   void pretty_print(std::ostream& stream) const override;
+  // Once attached: see StreamedBase::keep_streamed.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 
   torch::nn::LinearOptions options;
   torch::Tensor weight, bias;
@@ -123,6 +137,10 @@ class ConvImpl : public torch::nn::Cloneable<ConvImpl<D>>, public StreamedBase {
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x);
   ConvSpec spec() const;
+  // Once attached: see StreamedBase::keep_streamed.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 
   torch::nn::ConvOptions<D> options;
   torch::Tensor weight, bias;

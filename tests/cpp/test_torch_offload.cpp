@@ -135,6 +135,32 @@ TEST(TorchOffload, WriteToQuantizedWeightIsRefusedUntilRequantized) {
   fresh_handle->detach();
 }
 
+TEST(TorchOffload, ToComputeDeviceKeepsStreamedWeightsOnTheHost) {
+  // model->to(<compute device>) after offload() (the sim device computes on
+  // the CPU) leaves the streamed weights where the engine reads them; a dtype
+  // change throws; results are unchanged; after detach() to() converts.
+  torch::manual_seed(0);
+  Tied model;
+  auto handle = layerstream::offload(*model, sim_options());
+  const auto ids = torch::randint(0, 50, {2, 5});
+  const auto before = model->forward(ids);
+  const void* host = model->fc->weight.data_ptr();
+  model->to(torch::kCPU);
+  model->to(torch::kFloat);
+  EXPECT_EQ(model->fc->weight.data_ptr(), host);
+  EXPECT_TRUE(torch::equal(model->forward(ids), before));
+  try {
+    model->to(torch::kHalf);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("streamed layer 'fc'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(model->fc->weight.scalar_type(), torch::kFloat);
+  handle->detach();
+  model->to(torch::kHalf);
+  EXPECT_EQ(model->fc->weight.scalar_type(), torch::kHalf);
+}
+
 TEST(TorchOffload, ContainerChildIsAClearError) {
   torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::ReLU());
   try {
