@@ -33,4 +33,29 @@ void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType t
 // Peak device bytes allocated through a CUDA backend (0 for other backends).
 size_t peak_device_bytes(Backend& backend);
 
+// Makes `device` the calling thread's current CUDA device the way torch's own
+// device guards do: exchange_device returns the previous device (-1 when
+// nothing changed; always -1 without CUDA), restore_device puts it back
+// without creating a CUDA context on it, which a bare cudaSetDevice would
+// (CUDA 12+). The engine holds a DeviceScope around every entry point that
+// reaches the CUDA backend, so the backend's own guards find its device
+// already current, and a process streaming to cuda:1 creates no context on
+// GPU 0.
+int exchange_device(int device);
+void restore_device(int previous);
+
+class DeviceScope {
+ public:
+  // device < 0 (the sim device): does nothing.
+  explicit DeviceScope(int device) : prev_(device >= 0 ? exchange_device(device) : -1) {}
+  ~DeviceScope() {
+    if (prev_ >= 0) restore_device(prev_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int prev_;
+};
+
 }  // namespace layerstream::cuda_glue

@@ -1,4 +1,5 @@
 // Compiled only when LibTorch has CUDA and the CUDA toolkit is found.
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
@@ -40,6 +41,17 @@ void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType t
   const auto opts = torch::TensorOptions().device(torch::kCUDA, index);
   torch::Tensor out = torch::from_blob(dst, {numel}, opts.dtype(to));
   out.copy_(torch::from_blob(const_cast<void*>(src), {numel}, opts.dtype(from)));
+}
+
+int exchange_device(int device) {
+  const auto prev = c10::cuda::ExchangeDevice(static_cast<c10::DeviceIndex>(device));
+  return prev == device ? -1 : static_cast<int>(prev);
+}
+
+void restore_device(int previous) {
+  // Like CUDAGuard's destructor: a device without a context is only noted
+  // as current (torch's deferred device), not initialised.
+  (void)c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(previous));
 }
 
 size_t peak_device_bytes(Backend& backend) {

@@ -130,10 +130,11 @@ Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) 
     compute_device_ = torch::Device(torch::kCPU);
     inline_compute_ = backend_->create_inline_stream("compute");
   } else {
-    const int index = std::stoi(device_name_.substr(5));
-    backend_ = cuda_glue::make_backend(index);
-    compute_device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+    cuda_index_ = std::stoi(device_name_.substr(5));
+    compute_device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(cuda_index_));
   }
+  auto scope = device_scope();
+  if (!backend_) backend_ = cuda_glue::make_backend(cuda_index_);
   store_ = std::make_shared<HostStore>(*backend_, opts_.pin_memory);
   {
     auto keep = std::make_shared<HostKeepAlive>();
@@ -148,6 +149,11 @@ Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) 
 }
 
 Engine::~Engine() {
+  std::optional<cuda_glue::DeviceScope> scope;
+  try {
+    scope.emplace(cuda_index_);
+  } catch (...) {
+  }
   try {
     drain_grads();
   } catch (...) {
@@ -260,6 +266,7 @@ void Engine::watch_weight(int index, const torch::Tensor& param) {
 }
 
 void Engine::requantize(int index, const torch::Tensor& dense) {
+  auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; write the module's weight directly");
   LayerInfo& l = *layers_.at(static_cast<size_t>(index));
@@ -294,6 +301,7 @@ void Engine::requantize(int index, const torch::Tensor& dense) {
 }
 
 int Engine::add_layer(LayerInfo info, quant::Format format) {
+  auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
   LS_CHECK(info.weight.defined(), "layer '", info.name, "' has no weight");
@@ -399,6 +407,7 @@ int Engine::add_linear_int8(const std::string& name, torch::Tensor data,
 int Engine::add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes,
                               torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols,
                               torch::ScalarType dense_dtype) {
+  auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
   LS_CHECK(format == quant::Format::Int8 || format == quant::Format::NF4, "layer '", name,
@@ -790,11 +799,13 @@ void Engine::ensure_backward_callback() {
       auto& t = self->callback_tasks_;
       t.erase(std::remove(t.begin(), t.end(), task), t.end());
     }
+    auto scope = self->device_scope();
     self->drain_grads();
   });
 }
 
 void Engine::synchronize() {
+  auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   drain_grads();
   backend_->synchronize(grad_stream_);
@@ -802,6 +813,7 @@ void Engine::synchronize() {
 }
 
 void Engine::detach(const std::vector<torch::Device>& devices) {
+  auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was already detached");
   synchronize();
@@ -1002,6 +1014,7 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     const int layer = static_cast<int>(ctx->saved_data["layer"].toInt());
     Engine::LayerInfo& l = e->layer(layer);
     check_no_create_graph(l);
+    auto scope = e->device_scope();
     torch::Tensor go = grads[0];
     const variable_list saved = ctx->get_saved_variables();
     torch::Tensor x = saved.empty() ? torch::Tensor() : saved[0];
@@ -1145,6 +1158,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
     const bool unbatched = ctx->saved_data["unbatched"].toBool();
     Engine::LayerInfo& l = e->layer(layer);
     check_no_create_graph(l);
+    auto scope = e->device_scope();
     torch::Tensor go = unbatched ? grads[0].unsqueeze(0) : grads[0];
     torch::Tensor xp = ctx->get_saved_variables()[0];
     const bool need_x = ctx->needs_input_grad(0);
@@ -1226,6 +1240,7 @@ torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device) {
 }  // namespace
 
 torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
+  auto scope = device_scope();
   LayerInfo& l = layer(layer_index);
   LS_CHECK(!l.is_conv, "layer '", l.name, "' is a convolution, not a Linear");
   check_input(*this, l, x_in);
@@ -1244,6 +1259,7 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool gr
 }
 
 torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
+  auto scope = device_scope();
   LayerInfo& l = layer(layer_index);
   LS_CHECK(l.is_conv, "layer '", l.name, "' is a Linear, not a convolution");
   check_input(*this, l, x_in);

@@ -45,6 +45,7 @@
 
 #include "core/host_store.h"
 #include "core/quant.h"
+#include "cuda_glue.h"
 #include "core/runtime.h"
 #include "core/scheduler.h"
 #include "core/telemetry.h"
@@ -210,6 +211,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const EngineOptions& options() const { return opts_; }
 
   // ---- used by the autograd functions ----
+  // Makes the engine's CUDA device current for the calling thread (torch's way;
+  // a no-op on sim) for the returned scope's lifetime. See cuda_glue.h.
+  cuda_glue::DeviceScope device_scope() const { return cuda_glue::DeviceScope(cuda_index_); }
   struct LayerInfo;
   LayerInfo& layer(int i);
   Stream compute_stream();
@@ -287,6 +291,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   uint64_t id_;
   std::string device_name_;
   torch::Device compute_device_{torch::kCPU};
+  int cuda_index_ = -1;  // compute_device_'s index on CUDA, -1 on sim
   std::shared_ptr<Backend> backend_;
   std::shared_ptr<HostStore> store_;
   std::shared_ptr<void> keepalive_;  // held by parameters' data: store + backend
