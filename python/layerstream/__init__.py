@@ -167,6 +167,17 @@ def _is_streamable(module: nn.Module) -> Optional[str]:
     return None
 
 
+def _stock_forward(module: nn.Module, kind: str) -> bool:
+    """True when the module computes what a streamed layer computes: torch's own
+    Linear / ConvNd forward (a subclass may add only other methods), or a
+    bitsandbytes Linear4bit (its nf4 weight streams packed; see _bnb_nf4)."""
+    cls = type(module)
+    if kind == "linear":
+        return cls.forward is nn.Linear.forward or type(module.weight).__name__ == "Params4bit"
+    base = next(t for t in _CONV_TYPES if isinstance(module, t))
+    return cls.forward is base.forward and cls._conv_forward is base._conv_forward
+
+
 def _selected(name: str, include, exclude) -> bool:
     def match(patterns):
         if patterns is None:
@@ -785,7 +796,7 @@ def offload(
     resolved = _C.resolve_device(opts["device"])
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
-    candidates = []
+    candidates, custom = [], []
     for name, module in model.named_modules():
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
@@ -800,7 +811,16 @@ def offload(
                 f"not streamed; it stays resident on {compute_device} and runs its original forward",
                 RuntimeWarning, stacklevel=2)
             continue
+        if not _stock_forward(module, kind):
+            custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
+            continue
         candidates.append((name, module, kind))
+    if custom:
+        warnings.warn(
+            f"layerstream: {len(custom)} Linear/conv subclass layer(s) with their own forward stay "
+            f"resident on {compute_device} and run that forward (a streamed layer computes the plain "
+            f"Linear/conv, which would drop what it adds): " + "; ".join(custom),
+            RuntimeWarning, stacklevel=2)
     candidates = _drop_tied(model, candidates, compute_device)
     if not candidates:
         raise LayerstreamError(

@@ -403,6 +403,42 @@ def test_load_state_dict_assign_is_detected(offload_sim):
         assert torch.equal(y, new(x))
 
 
+def test_layer_subclass_with_its_own_forward_stays_resident(offload_sim):
+    """A Linear/conv subclass that overrides forward (or _conv_forward) computes
+    something else than the plain layer: it stays resident with a warning naming it
+    (before, the streamed forward replaced it and its extra work was silently
+    dropped). A subclass that only adds other methods streams."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    class Plain(nn.Linear):
+        def extra(self):
+            return 1
+
+    class Shifted(nn.Conv1d):
+        def _conv_forward(self, x, w, b):
+            return super()._conv_forward(x, w, b) + 1
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scaled, self.plain, self.conv = Scaled(4, 4), Plain(4, 4), Shifted(1, 1, 1)
+
+        def forward(self, x):
+            return self.conv(self.plain(self.scaled(x)).unsqueeze(1)).squeeze(1)
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"2 Linear/conv subclass layer\(s\) with their own forward "
+                                            r"stay resident.*'scaled' \(.*Scaled\); 'conv'"):
+        handle = offload_sim(model)
+    assert handle.layers == ["plain"]
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), ref(x))
+
+
 def test_pickle_and_deepcopy_of_an_offloaded_model_are_clear_errors(offload_sim):
     """torch.save(model) / deepcopy after offload() say what to do instead (before:
     pickle's "Can't pickle local object"); the model keeps working; its state_dict saves."""
