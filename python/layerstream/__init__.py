@@ -477,7 +477,9 @@ class _StreamedApply:
         module = self._module
         w = module._parameters.get("weight", module.__dict__.get("weight"))
         for key, p in (("weight", w), ("bias", module._parameters.get("bias"))):
-            if p is not None and not self._allowed(fn, p.dtype):
+            # A torch quantized (qint8) weight is probed as the int8 it stores: not
+            # floating point, so conversions leave it as it is.
+            if p is not None and not self._allowed(fn, torch.int8 if p.is_quantized else p.dtype):
                 raise LayerstreamError(
                     f"streamed layer '{self._name}' keeps its weights in host memory and computes on "
                     f"{self._compute}: model.to()/cuda() to that device is fine (the streamed layers "
@@ -952,8 +954,8 @@ def offload(
                 hooks = _requantize_on_load(engine, index, module)
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
-        module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward, module,
-                                       name)
+        module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
+                                          module, name)
         module._apply = _StreamedApply(module, compute_device, name or "<root>")
         for p in module.parameters(recurse=False):
             p._is_memory_managed = True

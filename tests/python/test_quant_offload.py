@@ -160,6 +160,10 @@ def test_prequantized_torch_qint8_weight_streams_exactly():
     h = layerstream.offload(lin, device="sim")
     assert torch.equal(lin(x), expected)
     assert h.stats()["h2d_bytes"] < 64 * 32 * 2  # packed int8, not fp32
+    lin.to("cpu")  # to the compute device: the streamed layer stays as it is
+    assert lin.weight is q and torch.equal(lin(x), expected)
+    with pytest.raises(layerstream.LayerstreamError, match="change their dtype"):
+        lin.half()  # the bias would change dtype
 
 
 def _align256(n):
