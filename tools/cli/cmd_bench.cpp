@@ -93,7 +93,12 @@ double us_per_call(const Fn& fn, int n, int repeats) {
 template <class M>
 struct Stack : torch::nn::Module {
   Stack(int n, int64_t f) {
-    for (int i = 0; i < n; ++i) mods.push_back(register_module("l" + std::to_string(i), M(f, f)));
+    for (int i = 0; i < n; ++i) {
+      // Not "l" + std::to_string(i): GCC 12 at -O3 reports a false -Wrestrict there.
+      std::string name = std::to_string(i);
+      name.insert(name.begin(), 'l');
+      mods.push_back(register_module(name, M(f, f)));
+    }
   }
   torch::Tensor forward(torch::Tensor x) {
     for (auto& m : mods) x = m(x);
