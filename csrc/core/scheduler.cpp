@@ -422,9 +422,15 @@ void Scheduler::begin_step_locked() {
   if (recording_ && !trace_.empty()) {
     recording_ = false;
   } else if (!recording_ && acquires_in_step_ > 0) {
-    // Re-learn the order when the trace stopped describing the steps.
+    // Re-learn the order when the trace stopped describing the steps. A step
+    // that ran the whole trace and went on (a training step after an
+    // inference trace) replaces it at once: steps that follow the old trace
+    // are prefixes of the new one, so this cannot thrash.
+    const bool extends = opts_.retrace_after > 0 && observed_.size() > trace_.size() &&
+                         std::equal(trace_.begin(), trace_.end(), observed_.begin());
     deviating_steps_ = step_deviations_ > 0 ? deviating_steps_ + 1 : 0;
-    if (opts_.retrace_after > 0 && deviating_steps_ >= opts_.retrace_after && !observed_.empty()) {
+    if (extends || (opts_.retrace_after > 0 && deviating_steps_ >= opts_.retrace_after &&
+                    !observed_.empty())) {
       trace_.swap(observed_);
       stats_.retraces++;
       deviating_steps_ = 0;

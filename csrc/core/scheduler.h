@@ -13,12 +13,16 @@
 //    step N is still writing.
 //  * When the actual order deviates (unknown layer, skipped layer, different
 //    order) it fetches on demand, resynchronises its position in the trace,
-//    and counts a deviation. After `retrace_after` consecutive steps that
-//    deviated, the last step's actual order becomes the trace (e.g. the first
-//    step was an inference pass and training followed: without this, every
-//    backward fetch would stay on demand). A step that follows the trace (or
-//    a prefix of it, like an inference step under a training trace) resets
-//    the count, so alternating step kinds do not make it thrash.
+//    and counts a deviation. A step that ran the whole trace and went on
+//    (the first step was an inference pass and training followed; or steps
+//    alternate between an inference pass and training, as a reference model
+//    sharing the base weights does in DPO) makes its order the trace at once:
+//    without this, every backward fetch would stay on demand, and steps that
+//    follow the old trace are prefixes of the new one. Otherwise, after
+//    `retrace_after` consecutive steps that deviated, the last step's actual
+//    order becomes the trace. A step that follows the trace (or a prefix of
+//    it, like an inference step under a training trace) resets the count, so
+//    alternating step kinds do not make it thrash.
 //  * It never blocks the host waiting for a slot: a slot is reused by making
 //    the transfer stream wait on the slot's free event. If every slot is held
 //    by a caller, acquire throws (it cannot wait without deadlocking the
@@ -86,7 +90,8 @@ struct SchedulerOptions {
   bool auto_step = true;
   size_t max_trace_length = size_t(1) << 20;
   // Consecutive deviating steps after which the last step's order replaces
-  // the trace; 0 = never (the first step's trace is kept forever).
+  // the trace (a step that extends the trace replaces it at once); 0 = never
+  // (the first step's trace is kept forever).
   int retrace_after = 2;
   // Optional: the current version of a layer's host data (e.g. the torch
   // tensor version counter, bumped by every in-place write). When given, a

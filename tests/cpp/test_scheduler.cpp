@@ -241,6 +241,8 @@ void run_step(Scheduler& sched, Stream compute, const std::vector<int>& order, s
 // Step orders over the fixture's 5 layers: a forward-only pass and a training step.
 const std::vector<int> kInfer = {0, 1, 2, 3, 4};
 const std::vector<int> kTrain = {0, 1, 2, 3, 4, 4, 3, 2, 1, 0};
+// Training with checkpointed segments: backward recomputes before it runs.
+const std::vector<int> kCkpt = {0, 1, 2, 3, 4, 3, 4, 4, 3, 1, 2, 2, 1, 0};
 
 SchedulerOptions options(int slots, int depth) {
   SchedulerOptions so;
@@ -281,24 +283,22 @@ TEST_F(SchedulerTest, DeviationFetchesOnDemandAndResyncs) {
 }
 
 TEST_F(SchedulerTest, RetracesAfterTwoDeviatingStepsThenReplaysTheNewOrder) {
-  // The first step is forward only (an inference pass); training steps
-  // follow. Their backward deviates from the trace for two steps, then the
-  // last step's order is the trace and backward is prefetched again.
+  // The first step is plain training; checkpointed training follows. Its
+  // backward deviates from the trace for two steps, then the last step's
+  // order is the trace and backward is prefetched again.
   Scheduler sched(*sim, transfer, model.specs, options(3, 2));
-  const std::vector<int>& infer = kInfer;
-  const std::vector<int>& train = kTrain;
-  run_step(sched, compute, infer, 5);
-  EXPECT_EQ(sched.trace(), infer);
-  run_step(sched, compute, train, 5);
-  run_step(sched, compute, train, 5);
+  run_step(sched, compute, kTrain, 5);
+  EXPECT_EQ(sched.trace(), kTrain);
+  run_step(sched, compute, kCkpt, 5);
+  run_step(sched, compute, kCkpt, 5);
   const SchedulerStats before = sched.stats();
   EXPECT_GT(before.deviations, 0u);
   EXPECT_EQ(before.retraces, 0u);
-  run_step(sched, compute, train, 5);  // its start closes the 2nd deviating step: retrace
+  run_step(sched, compute, kCkpt, 5);  // its start closes the 2nd deviating step: retrace
   EXPECT_EQ(sched.stats().retraces, 1u);
-  EXPECT_EQ(sched.trace(), train);
-  for (int i = 0; i < 3; ++i) run_step(sched, compute, train, 5);
-  run_step(sched, compute, infer, 5);  // closes the last training step
+  EXPECT_EQ(sched.trace(), kCkpt);
+  for (int i = 0; i < 3; ++i) run_step(sched, compute, kCkpt, 5);
+  run_step(sched, compute, kInfer, 5);  // closes the last checkpointed step
   const SchedulerStats after = sched.stats();
   EXPECT_EQ(after.retraces, 1u);
   EXPECT_EQ(after.deviations, before.deviations) << "steps after the retrace follow the trace";
@@ -306,8 +306,50 @@ TEST_F(SchedulerTest, RetracesAfterTwoDeviatingStepsThenReplaysTheNewOrder) {
   ASSERT_GE(steps.size(), 7u);
   for (size_t i = 3; i < 7; ++i) {
     EXPECT_EQ(steps[i].misses, 1u) << "step " << i << ": only the first fetch misses";
-    EXPECT_EQ(steps[i].hits, train.size() - 1) << "step " << i;
+    EXPECT_EQ(steps[i].hits, kCkpt.size() - 1) << "step " << i;
   }
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
+TEST_F(SchedulerTest, AStepThatExtendsTheTraceReplacesItAtOnce) {
+  // An inference pass first, training after it: the first training step runs
+  // the whole (forward-only) trace and goes on, so its order is the trace
+  // from the next step on; steps that follow the old trace are prefixes of
+  // the new one.
+  Scheduler sched(*sim, transfer, model.specs, options(3, 2));
+  run_step(sched, compute, kInfer, 5);
+  run_step(sched, compute, kTrain, 5);
+  run_step(sched, compute, kTrain, 5);  // its start closes the extending step
+  EXPECT_EQ(sched.stats().retraces, 1u);
+  EXPECT_EQ(sched.trace(), kTrain);
+  const uint64_t deviations = sched.stats().deviations;
+  for (int i = 0; i < 3; ++i) run_step(sched, compute, kTrain, 5);
+  run_step(sched, compute, kInfer, 5);
+  EXPECT_EQ(sched.stats().deviations, deviations);
+  const std::vector<StepStats> steps = sched.step_stats();
+  ASSERT_GE(steps.size(), 6u);
+  for (size_t i = 2; i < 6; ++i) EXPECT_EQ(steps[i].misses, 1u) << "step " << i;
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
+TEST_F(SchedulerTest, InferenceAndTrainingAlternatingAfterAnInferenceTraceLearnTraining) {
+  // As DPO with a reference model that shares the base weights: a no-grad
+  // forward, then a training step, alternating, the first step being the
+  // inference pass. The prefix steps used to reset the deviation count, so
+  // the trace never learned backward and every backward fetch was on demand.
+  Scheduler sched(*sim, transfer, model.specs, options(3, 2));
+  run_step(sched, compute, kInfer, 5);
+  for (int i = 0; i < 4; ++i) {
+    run_step(sched, compute, kTrain, 5);
+    run_step(sched, compute, kInfer, 5);
+  }
+  run_step(sched, compute, kTrain, 5);  // closes the last inference step
+  EXPECT_EQ(sched.stats().retraces, 1u);
+  EXPECT_EQ(sched.trace(), kTrain);
+  const std::vector<StepStats> steps = sched.step_stats();
+  ASSERT_EQ(steps.size(), 9u);
+  for (size_t i = 3; i < 9; i += 2)  // training steps after the first one
+    EXPECT_EQ(steps[i].misses, 1u) << "step " << i << ": backward is prefetched";
   EXPECT_TRUE(sim->ordering_errors().empty());
 }
 

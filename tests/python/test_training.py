@@ -202,9 +202,10 @@ def test_tied_embeddings_full_finetune_with_budget(offload_sim):
 
 # ---------------------------------------------------------------- trace
 def test_training_after_an_inference_pass_prefetches_backward_again(offload_sim):
-    """The first step is a no_grad forward (its trace has no backward); after two
-    training steps that deviate from it, the scheduler learns the training order
-    and every later step misses only its first fetch. Numbers match throughout."""
+    """The first step is a no_grad forward (its trace has no backward); the first
+    training step runs that whole trace and goes on, so the scheduler takes its
+    order as the trace and every later step misses only its first fetch. Numbers
+    match throughout."""
     model = Net()
     ref = copy.deepcopy(model)
     h = offload_sim(model, trace=True)
@@ -224,10 +225,47 @@ def test_training_after_an_inference_pass_prefetches_backward_again(offload_sim)
     assert acquires == 2 * len(h.layers) - 1
     s = h.stats()
     assert s["retraces"] == 1
-    # Steps 1-2 deviate (backward unknown to the trace); steps 3-5 follow the new one.
-    for st in steps[3:]:
+    # Step 1 extends the trace (its backward is unknown to it); steps 2-5 follow the new one.
+    for st in steps[2:]:
         assert st["misses"] == 1, st
         assert st["hits"] == acquires - 1, st
+
+
+def test_dpo_like_reference_pass_with_disabled_adapter_keeps_backward_prefetched(offload_sim):
+    """DPO-style training over a LoRA model whose reference model is the same base with
+    the adapter disabled: each step is a no_grad reference forward, then the policy's
+    forward + backward, the very first step being a reference pass. Before, the trace
+    kept that first forward-only order (the reference passes, prefixes of the training
+    order, kept resetting the retrace count) and every backward fetch was on demand;
+    now every training step misses only its first fetch. Numbers match the reference."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(_tiny_llama(False), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                          target_modules=["q_proj", "v_proj"]))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, exclude=["*lora_*"], prefetch=2)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    opt_r = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for step in range(5):
+        ids = torch.randint(0, 64, (2, 10))
+        for m, o in ((model, opt), (ref, opt_r)):
+            with torch.no_grad(), m.disable_adapter():
+                ref_logp = m(input_ids=ids).logits.log_softmax(-1)
+            logp = m(input_ids=ids).logits.log_softmax(-1)
+            loss = (logp - ref_logp).exp().mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(p, q), f"step {step}: {n}"
+    with torch.no_grad():
+        model(input_ids=ids)  # closes the last training step
+    steps = handle.step_stats()
+    assert len(steps) == 10  # reference pass, training step, alternating
+    assert handle.stats()["retraces"] == 1
+    for st in steps[3::2]:  # the training steps after the first
+        assert st["misses"] == 1, st
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["per-step", "cache_across_steps"])
