@@ -178,6 +178,17 @@ def _stock_forward(module: nn.Module, kind: str) -> bool:
     return cls.forward is base.forward and cls._conv_forward is base._conv_forward
 
 
+def _computed_weight(module: nn.Module) -> bool:
+    """True when the module's weight is not a parameter of its own but computed
+    (torch.nn.utils.parametrize: weight_norm, spectral_norm, ...; pruning's
+    forward pre-hook): streaming would freeze one computed value. A torch
+    quantized or int8 weight (pre-quantized, streamed as it is) is not."""
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return True
+    w = module.__dict__.get("weight")
+    return "weight" not in module._parameters and isinstance(w, torch.Tensor) and w.is_floating_point()
+
+
 def _selected(name: str, include, exclude) -> bool:
     def match(patterns):
         if patterns is None:
@@ -798,7 +809,7 @@ def offload(
     resolved = _C.resolve_device(opts["device"])
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
-    candidates, custom = [], []
+    candidates, custom, computed = [], [], []
     for name, module in model.named_modules():
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
@@ -816,7 +827,16 @@ def offload(
         if not _stock_forward(module, kind):
             custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
             continue
+        if _computed_weight(module):
+            computed.append(f"'{name or '<root>'}'")
+            continue
         candidates.append((name, module, kind))
+    if computed:
+        warnings.warn(
+            f"layerstream: {len(computed)} layer(s) whose weight is not a parameter of their own "
+            f"(computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or by "
+            f"pruning; or a plain tensor attribute) stay resident on {compute_device}: "
+            + "; ".join(computed), RuntimeWarning, stacklevel=2)
     if custom:
         warnings.warn(
             f"layerstream: {len(custom)} Linear/conv subclass layer(s) with their own forward stay "

@@ -439,6 +439,39 @@ def test_layer_subclass_with_its_own_forward_stays_resident(offload_sim):
     assert torch.equal(model(x), ref(x))
 
 
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "prune"])
+def test_layer_with_a_computed_weight_stays_resident(offload_sim, how):
+    """A weight computed from other tensors (parametrizations, pruning) is not a plain
+    parameter: streaming it froze one computed value, and weight_norm failed at the
+    first call claiming the parameters were replaced. It stays resident with a warning;
+    training matches the unmodified model."""
+    from torch.nn.utils import parametrizations, prune
+
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        if how == "prune":
+            prune.l1_unstructured(m[0], "weight", amount=0.5)
+        else:
+            getattr(parametrizations, how)(m[0])
+        return m
+
+    model, ref = make(), make()
+    with pytest.warns(RuntimeWarning, match=r"1 layer\(s\) whose weight is not a parameter of "
+                                            r"their own .*: '0'"):
+        handle = offload_sim(model)
+    assert handle.layers == ["2"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(3, 8)
+        out, want = model(x), ref(x)
+        assert torch.equal(out, want)
+        opt.zero_grad(), opt_r.zero_grad()
+        out.square().sum().backward(), want.square().sum().backward()
+        opt.step(), opt_r.step()
+
+
 def test_pickle_and_deepcopy_of_an_offloaded_model_are_clear_errors(offload_sim):
     """torch.save(model) / deepcopy after offload() say what to do instead (before:
     pickle's "Can't pickle local object"); the model keeps working; its state_dict saves."""
