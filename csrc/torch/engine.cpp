@@ -162,6 +162,7 @@ Engine::~Engine() {
   for (auto& l : layers_) {
     l->grad_done = Event();
     l->grad_staging.reset();
+    for (auto& b : l->grad_extra) b.reset();
   }
   try {
     backend_->synchronize(grad_stream_);
@@ -715,13 +716,16 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
   if (backend_->caps().ordering_checker)
     backend_->declare_access(scratch.slot_buf, Access::Write, cs,
                              "compute writes gradients of '" + l.name + "'");
-  // The staging buffer may still hold the previous gradient of this layer
-  // (a layer used twice in one backward): accumulate that one first.
-  if (l.grad_pending) accumulate_locked(l);
-  if (!l.grad_staging.data()) {
+  // A layer used more than once in one backward: each use gets its own
+  // staging buffer; accumulate_locked() sums them before touching .grad.
+  const size_t use = l.pending.size();
+  if (use > 0 && l.grad_extra.size() < use) l.grad_extra.emplace_back();
+  HostBuffer& staging = use == 0 ? l.grad_staging : l.grad_extra[use - 1];
+  if (!staging.data()) {
     bool fell_back = false;
-    l.grad_staging = HostBuffer::allocate(*backend_, grad_bytes(l), opts_.pin_memory,
-                                          l.name + ".grad-staging", &fell_back);
+    staging = HostBuffer::allocate(*backend_, grad_bytes(l), opts_.pin_memory,
+                                   l.name + ".grad-staging" + (use ? "." + std::to_string(use) : ""),
+                                   &fell_back);
     l.grad_b_offset = align256(l.w_bytes);
     if (fell_back)
       warn_once("grad-staging-pageable", "could not pin the gradient staging buffer of '" + l.name +
@@ -732,11 +736,11 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
   backend_->wait(grad_stream_, computed);
   auto span = trace_begin(grad_stream_);
   if (has_w) {
-    backend_->copy_async(l.grad_staging.ref(), 0, scratch.slot_buf, 0, l.w_bytes, grad_stream_);
+    backend_->copy_async(staging.ref(), 0, scratch.slot_buf, 0, l.w_bytes, grad_stream_);
     d2h_bytes_ += l.w_bytes;
   }
   if (has_b) {
-    backend_->copy_async(l.grad_staging.ref(), l.grad_b_offset, scratch.slot_buf, l.grad_b_offset,
+    backend_->copy_async(staging.ref(), l.grad_b_offset, scratch.slot_buf, l.grad_b_offset,
                          l.b_bytes, grad_stream_);
     d2h_bytes_ += l.b_bytes;
   }
@@ -745,34 +749,49 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
   scheduler().note_d2h((has_w ? l.w_bytes : 0) + (has_b ? l.b_bytes : 0));
   backend_->record(l.grad_done, grad_stream_);
   scheduler().release(scratch, grad_stream_);
-  l.grad_pending = true;
-  l.pending_w = has_w;
-  l.pending_b = has_b;
-  pending_.push_back(layer_index);
+  l.pending.emplace_back(has_w, has_b);
+  if (use == 0) pending_.push_back(layer_index);
 }
 
 void Engine::accumulate_locked(LayerInfo& l) {
-  if (!l.grad_pending) return;
+  if (l.pending.empty()) return;
   backend_->synchronize(l.grad_done);
+  auto staged = [&](size_t use) -> HostBuffer& { return use == 0 ? l.grad_staging : l.grad_extra[use - 1]; };
   if (backend_->caps().ordering_checker)
-    backend_->declare_host_access(l.grad_staging.ref(), Access::Read,
-                                  "host accumulates gradients of '" + l.name + "'");
+    for (size_t u = 0; u < l.pending.size(); ++u)
+      backend_->declare_host_access(staged(u).ref(), Access::Read,
+                                    "host accumulates gradients of '" + l.name + "'");
   torch::NoGradGuard ng;
-  auto acc = [](torch::Tensor& param, void* src, const std::vector<int64_t>& shape,
-                torch::ScalarType dt) {
-    torch::Tensor g = torch::from_blob(src, shape, torch::TensorOptions().dtype(dt));
+  // Sum this backward's gradients of the weight (or bias) in arrival order,
+  // then add the sum to .grad once: the order autograd uses for a leaf that
+  // gets several gradients, so the result is bit-identical.
+  auto acc = [&](torch::Tensor& param, bool weight, size_t offset, const std::vector<int64_t>& shape,
+                 torch::ScalarType dt) {
+    torch::Tensor sum;
+    bool owned = false;
+    for (size_t u = 0; u < l.pending.size(); ++u) {
+      if (!(weight ? l.pending[u].first : l.pending[u].second)) continue;
+      torch::Tensor g = torch::from_blob(static_cast<char*>(staged(u).data()) + offset, shape,
+                                         torch::TensorOptions().dtype(dt));
+      if (!sum.defined()) {
+        sum = g;
+      } else {
+        if (!owned) sum = sum.clone();
+        owned = true;
+        sum.add_(g);
+      }
+    }
+    if (!sum.defined()) return;
     torch::Tensor& grad = param.mutable_grad();
     if (!grad.defined()) {
-      grad = g.clone();
+      grad = owned ? sum : sum.clone();
     } else {
-      grad.add_(g);
+      grad.add_(sum);
     }
   };
-  if (l.pending_w) acc(l.weight, l.grad_staging.data(), l.w_shape, l.w_dtype);
-  if (l.pending_b)
-    acc(l.bias, static_cast<char*>(l.grad_staging.data()) + l.grad_b_offset, l.b_shape, l.b_dtype);
-  l.grad_pending = false;
-  l.pending_w = l.pending_b = false;
+  acc(l.weight, true, 0, l.w_shape, l.w_dtype);
+  if (l.bias.defined()) acc(l.bias, false, l.grad_b_offset, l.b_shape, l.b_dtype);
+  l.pending.clear();
 }
 
 void Engine::drain_grads() {

@@ -258,12 +258,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
     // watch_weight(): the module parameter's version counter and its value then.
     std::optional<c10::VariableVersion> watched;
     uint32_t watched_version = 0;
-    // gradient staging (host) and bookkeeping
+    // Gradient staging (host): one buffer per use of the layer in one
+    // backward (grad_staging, then grad_extra), summed in arrival order and
+    // added to .grad once, as autograd sums a leaf's incoming gradients first.
     HostBuffer grad_staging;
+    std::vector<HostBuffer> grad_extra;
     size_t grad_b_offset = 0;
-    bool grad_pending = false;
     Event grad_done;
-    bool pending_w = false, pending_b = false;
+    std::vector<std::pair<bool, bool>> pending;  // per staged use: weight, bias gradient
   };
 
  private:

@@ -231,6 +231,30 @@ def test_training_after_an_inference_pass_prefetches_backward_again(offload_sim)
         assert st["hits"] == acquires - 1, st
 
 
+@pytest.mark.parametrize("pattern", ["two_forwards", "layer_twice"])
+def test_layer_used_twice_per_backward_accumulates_exactly(offload_sim, pattern):
+    """A layer that gets two gradients in one backward (two forwards before one backward,
+    or one module called twice) while .grad already holds earlier steps' gradients:
+    autograd sums the two first and adds the sum once. layerstream used to add them to
+    .grad one by one, which rounds differently (about one ulp); it now keeps one
+    staging buffer per use and sums them the same way: bit-identical."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+    ref = copy.deepcopy(model)
+    offload_sim(model, prefetch=2)
+
+    def loss(m, a, b):
+        if pattern == "two_forwards":
+            return (m(a) * m(b)).sum()
+        return m(m(a) + b).square().sum()
+
+    for _ in range(4):  # no zero_grad: .grad accumulates across steps
+        a, b = torch.randn(4, 16), torch.randn(4, 16)
+        loss(model, a, b).backward()
+        loss(ref, a, b).backward()
+    _assert_grads(model, ref, exact=True)
+
+
 def test_dpo_like_reference_pass_with_disabled_adapter_keeps_backward_prefetched(offload_sim):
     """DPO-style training over a LoRA model whose reference model is the same base with
     the adapter disabled: each step is a no_grad reference forward, then the policy's
