@@ -161,8 +161,7 @@ Engine::~Engine() {
   sched_.reset();
   for (auto& l : layers_) {
     l->grad_done = Event();
-    l->grad_staging.reset();
-    for (auto& b : l->grad_extra) b.reset();
+    for (auto& b : l->grad_staging) b.reset();
   }
   try {
     backend_->synchronize(grad_stream_);
@@ -719,8 +718,8 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
   // A layer used more than once in one backward: each use gets its own
   // staging buffer; accumulate_locked() sums them before touching .grad.
   const size_t use = l.pending.size();
-  if (use > 0 && l.grad_extra.size() < use) l.grad_extra.emplace_back();
-  HostBuffer& staging = use == 0 ? l.grad_staging : l.grad_extra[use - 1];
+  if (l.grad_staging.size() <= use) l.grad_staging.resize(use + 1);
+  HostBuffer& staging = l.grad_staging[use];
   if (!staging.data()) {
     bool fell_back = false;
     staging = HostBuffer::allocate(*backend_, grad_bytes(l), opts_.pin_memory,
@@ -756,10 +755,9 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
 void Engine::accumulate_locked(LayerInfo& l) {
   if (l.pending.empty()) return;
   backend_->synchronize(l.grad_done);
-  auto staged = [&](size_t use) -> HostBuffer& { return use == 0 ? l.grad_staging : l.grad_extra[use - 1]; };
   if (backend_->caps().ordering_checker)
     for (size_t u = 0; u < l.pending.size(); ++u)
-      backend_->declare_host_access(staged(u).ref(), Access::Read,
+      backend_->declare_host_access(l.grad_staging[u].ref(), Access::Read,
                                     "host accumulates gradients of '" + l.name + "'");
   torch::NoGradGuard ng;
   // Sum this backward's gradients of the weight (or bias) in arrival order,
@@ -771,7 +769,7 @@ void Engine::accumulate_locked(LayerInfo& l) {
     bool owned = false;
     for (size_t u = 0; u < l.pending.size(); ++u) {
       if (!(weight ? l.pending[u].first : l.pending[u].second)) continue;
-      torch::Tensor g = torch::from_blob(static_cast<char*>(staged(u).data()) + offset, shape,
+      torch::Tensor g = torch::from_blob(static_cast<char*>(l.grad_staging[u].data()) + offset, shape,
                                          torch::TensorOptions().dtype(dt));
       if (!sum.defined()) {
         sum = g;

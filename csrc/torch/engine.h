@@ -259,10 +259,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::optional<c10::VariableVersion> watched;
     uint32_t watched_version = 0;
     // Gradient staging (host): one buffer per use of the layer in one
-    // backward (grad_staging, then grad_extra), summed in arrival order and
-    // added to .grad once, as autograd sums a leaf's incoming gradients first.
-    HostBuffer grad_staging;
-    std::vector<HostBuffer> grad_extra;
+    // backward, summed in arrival order and added to .grad once, as autograd
+    // sums a leaf's incoming gradients first.
+    std::vector<HostBuffer> grad_staging;
     size_t grad_b_offset = 0;
     Event grad_done;
     std::vector<std::pair<bool, bool>> pending;  // per staged use: weight, bias gradient

@@ -231,12 +231,19 @@ def _drop_tied(model: nn.Module, candidates: list, compute_device: torch.device)
         tied.append(f"'{name or '<root>'}' (" + "; ".join(
             f"{pn} shared with " + ", ".join(f"'{o}'" for o in others if o != own + pn)
             for pn, others in shared) + ")")
-    if tied:
-        warnings.warn(
-            f"layerstream: {len(tied)} layer(s) with tied weights stay resident on {compute_device} "
-            f"(a streamed copy would move a tensor another module uses, and lose gradient): "
-            + "; ".join(tied), RuntimeWarning, stacklevel=3)
+    _warn_resident(tied, "layer(s) with tied weights", compute_device,
+                   "a streamed copy would move a tensor another module uses, and lose gradient",
+                   stacklevel=4)
     return kept
+
+
+def _warn_resident(names: list, what: str, compute_device: torch.device, why: str,
+                   stacklevel: int = 3) -> None:
+    """One warning for the layers offload() keeps resident for one reason
+    (stacklevel 3: the caller of offload(), when called from offload())."""
+    if names:
+        warnings.warn(f"layerstream: {len(names)} {what} stay resident on {compute_device} ({why}): "
+                      + "; ".join(names), RuntimeWarning, stacklevel=stacklevel)
 
 
 def _conv_args(module: nn.Module) -> dict:
@@ -466,12 +473,20 @@ class _StreamedApply:
     Other parameters, buffers and children of the module (rare on a Linear/conv)
     are converted as usual."""
 
-    __slots__ = ("_module", "_compute", "_name")
+    __slots__ = ("_module", "_compute", "_name", "_verdicts")
 
     def __init__(self, module: nn.Module, compute_device: torch.device, name: str):
         self._module, self._compute, self._name = module, compute_device, name
+        self._verdicts = None  # dtype -> allowed, shared by _RootApply during one conversion
 
     def _allowed(self, fn, dtype: torch.dtype) -> bool:
+        if self._verdicts is not None:
+            if dtype not in self._verdicts:
+                self._verdicts[dtype] = self._probe(fn, dtype)
+            return self._verdicts[dtype]
+        return self._probe(fn, dtype)
+
+    def _probe(self, fn, dtype: torch.dtype) -> bool:
         try:  # a no-op conversion keeps a meta tensor as it is
             out = fn(torch.empty(0, dtype=dtype, device="meta"))
             if isinstance(out, torch.Tensor) and out.is_meta:
@@ -532,9 +547,18 @@ class _RootApply:
         self._model, self._layers = model, layers
 
     def __call__(self, fn, recurse=True):
+        # The verdict depends on the conversion and the dtype only: probe each
+        # dtype once for all layers (their own _apply then finds it too).
+        verdicts = {}
         for layer in self._layers:
-            layer.check(fn)
-        return type(self._model)._apply(self._model, fn, recurse)
+            layer._verdicts = verdicts
+        try:
+            for layer in self._layers:
+                layer.check(fn)
+            return type(self._model)._apply(self._model, fn, recurse)
+        finally:
+            for layer in self._layers:
+                layer._verdicts = None
 
 
 class Handle:
@@ -831,18 +855,12 @@ def offload(
             computed.append(f"'{name or '<root>'}'")
             continue
         candidates.append((name, module, kind))
-    if computed:
-        warnings.warn(
-            f"layerstream: {len(computed)} layer(s) whose weight is not a parameter of their own "
-            f"(computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or by "
-            f"pruning; or a plain tensor attribute) stay resident on {compute_device}: "
-            + "; ".join(computed), RuntimeWarning, stacklevel=2)
-    if custom:
-        warnings.warn(
-            f"layerstream: {len(custom)} Linear/conv subclass layer(s) with their own forward stay "
-            f"resident on {compute_device} and run that forward (a streamed layer computes the plain "
-            f"Linear/conv, which would drop what it adds): " + "; ".join(custom),
-            RuntimeWarning, stacklevel=2)
+    _warn_resident(computed, "layer(s) whose weight is not a parameter of their own", compute_device,
+                   "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
+                   "by pruning; or a plain tensor attribute")
+    _warn_resident(custom, "Linear/conv subclass layer(s) with their own forward", compute_device,
+                   "they run that forward: a streamed layer computes the plain Linear/conv, which "
+                   "would drop what it adds")
     candidates = _drop_tied(model, candidates, compute_device)
     if not candidates:
         raise LayerstreamError(
