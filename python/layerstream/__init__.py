@@ -833,7 +833,7 @@ def offload(
     resolved = _C.resolve_device(opts["device"])
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
-    candidates, custom, computed = [], [], []
+    candidates, padded, custom, computed = [], [], [], []
     for name, module in model.named_modules():
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
@@ -843,10 +843,7 @@ def offload(
                 f"module '{name}' is already offloaded by another layerstream handle; call "
                 f"detach() on that handle first")
         if kind == "conv" and module.padding_mode != "zeros":
-            warnings.warn(
-                f"layerstream: conv '{name}' uses padding_mode='{module.padding_mode}', which is "
-                f"not streamed; it stays resident on {compute_device} and runs its original forward",
-                RuntimeWarning, stacklevel=2)
+            padded.append(f"'{name or '<root>'}' (padding_mode='{module.padding_mode}')")
             continue
         if not _stock_forward(module, kind):
             custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
@@ -855,6 +852,8 @@ def offload(
             computed.append(f"'{name or '<root>'}'")
             continue
         candidates.append((name, module, kind))
+    _warn_resident(padded, "conv layer(s) with a padding_mode other than 'zeros'", compute_device,
+                   "not streamed; they run their original forward")
     _warn_resident(computed, "layer(s) whose weight is not a parameter of their own", compute_device,
                    "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
                    "by pruning; or a plain tensor attribute")
