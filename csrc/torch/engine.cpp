@@ -155,7 +155,7 @@ Engine::~Engine() {
   } catch (...) {
   }
   try {
-    drain_grads();
+    drain_grads(kAnyTask);  // no callback can reach this engine any more
   } catch (...) {
   }
   sched_.reset();
@@ -717,6 +717,7 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
                              "compute writes gradients of '" + l.name + "'");
   // A layer used more than once in one backward: each use gets its own
   // staging buffer; accumulate_locked() sums them before touching .grad.
+  // Uses are tagged with the graph task, which applies them when it ends.
   const size_t use = l.pending.size();
   if (l.grad_staging.size() <= use) l.grad_staging.resize(use + 1);
   HostBuffer& staging = l.grad_staging[use];
@@ -748,15 +749,50 @@ void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b)
   scheduler().note_d2h((has_w ? l.w_bytes : 0) + (has_b ? l.b_bytes : 0));
   backend_->record(l.grad_done, grad_stream_);
   scheduler().release(scratch, grad_stream_);
-  l.pending.emplace_back(has_w, has_b);
+  l.pending.push_back({has_w, has_b, torch::autograd::get_current_graph_task_id()});
   if (use == 0) pending_.push_back(layer_index);
 }
 
-void Engine::accumulate_locked(LayerInfo& l) {
-  if (l.pending.empty()) return;
+namespace {
+// Moves the staged uses of `l` (and their staging buffers, which keep their
+// pairing) that `pick` selects to the front, in arrival order; returns how
+// many. The rest keep their relative order behind them.
+template <typename Pick>
+size_t partition_uses(Engine::LayerInfo& l, Pick pick) {
+  size_t n = 0;
+  for (size_t u = 0; u < l.pending.size(); ++u) {
+    if (!pick(l.pending[u])) continue;
+    if (u != n) {
+      std::rotate(l.pending.begin() + static_cast<std::ptrdiff_t>(n),
+                  l.pending.begin() + static_cast<std::ptrdiff_t>(u),
+                  l.pending.begin() + static_cast<std::ptrdiff_t>(u) + 1);
+      std::rotate(l.grad_staging.begin() + static_cast<std::ptrdiff_t>(n),
+                  l.grad_staging.begin() + static_cast<std::ptrdiff_t>(u),
+                  l.grad_staging.begin() + static_cast<std::ptrdiff_t>(u) + 1);
+    }
+    ++n;
+  }
+  return n;
+}
+
+// Drops the first `n` staged uses; their buffers go to the back for reuse
+// (a later copy into one is ordered after the earlier copy on the gradient
+// stream, and the host reads it only after waiting for the later one).
+void drop_front_uses(Engine::LayerInfo& l, size_t n) {
+  l.pending.erase(l.pending.begin(), l.pending.begin() + static_cast<std::ptrdiff_t>(n));
+  std::rotate(l.grad_staging.begin(), l.grad_staging.begin() + static_cast<std::ptrdiff_t>(n),
+              l.grad_staging.end());
+}
+}  // namespace
+
+void Engine::accumulate_locked(LayerInfo& l, int task) {
+  const size_t n = partition_uses(l, [task](const LayerInfo::StagedUse& u) {
+    return task == kAnyTask || u.task == task || u.task == -1;
+  });
+  if (n == 0) return;
   backend_->synchronize(l.grad_done);
   if (backend_->caps().ordering_checker)
-    for (size_t u = 0; u < l.pending.size(); ++u)
+    for (size_t u = 0; u < n; ++u)
       backend_->declare_host_access(l.grad_staging[u].ref(), Access::Read,
                                     "host accumulates gradients of '" + l.name + "'");
   torch::NoGradGuard ng;
@@ -767,8 +803,8 @@ void Engine::accumulate_locked(LayerInfo& l) {
                  torch::ScalarType dt) {
     torch::Tensor sum;
     bool owned = false;
-    for (size_t u = 0; u < l.pending.size(); ++u) {
-      if (!(weight ? l.pending[u].first : l.pending[u].second)) continue;
+    for (size_t u = 0; u < n; ++u) {
+      if (!(weight ? l.pending[u].w : l.pending[u].b)) continue;
       torch::Tensor g = torch::from_blob(static_cast<char*>(l.grad_staging[u].data()) + offset, shape,
                                          torch::TensorOptions().dtype(dt));
       if (!sum.defined()) {
@@ -789,13 +825,42 @@ void Engine::accumulate_locked(LayerInfo& l) {
   };
   acc(l.weight, true, 0, l.w_shape, l.w_dtype);
   if (l.bias.defined()) acc(l.bias, false, l.grad_b_offset, l.b_shape, l.b_dtype);
-  l.pending.clear();
+  drop_front_uses(l, n);
 }
 
-void Engine::drain_grads() {
+void Engine::drain_grads(int task) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  for (int i : pending_) accumulate_locked(*layers_.at(static_cast<size_t>(i)));
-  pending_.clear();
+  std::vector<int> still;
+  for (int i : pending_) {
+    LayerInfo& l = *layers_.at(static_cast<size_t>(i));
+    accumulate_locked(l, task);
+    if (!l.pending.empty()) still.push_back(i);
+  }
+  pending_ = std::move(still);
+}
+
+void Engine::discard_task(int task) noexcept {
+  try {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    auto& t = callback_tasks_;
+    t.erase(std::remove(t.begin(), t.end(), task), t.end());
+    bool dropped = false;
+    std::vector<int> still;
+    for (int i : pending_) {
+      LayerInfo& l = *layers_.at(static_cast<size_t>(i));
+      const size_t n = partition_uses(l, [task](const LayerInfo::StagedUse& u) { return u.task == task; });
+      drop_front_uses(l, n);
+      dropped = dropped || n > 0;
+      if (!l.pending.empty()) still.push_back(i);
+    }
+    pending_ = std::move(still);
+    if (dropped) {
+      ++failed_backwards_;
+      failed_backward_unreported_ = true;
+    }
+  } catch (...) {
+    // Runs from a destructor inside the autograd engine: never throw there.
+  }
 }
 
 void Engine::ensure_backward_callback() {
@@ -807,24 +872,52 @@ void Engine::ensure_backward_callback() {
       return;
     callback_tasks_.push_back(task);
   }
-  std::weak_ptr<Engine> weak = shared_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([weak, task] {
-    auto self = weak.lock();
+  // The callback runs only when the backward succeeds. When it fails, the
+  // graph task is destroyed with the callback unrun, and so is `guard`:
+  // its destructor drops what this backward staged (see discard_task()).
+  struct TaskGuard {
+    std::weak_ptr<Engine> engine;
+    int task;
+    std::atomic<bool> ran{false};
+    ~TaskGuard() {
+      if (ran.load()) return;
+      if (auto self = engine.lock()) self->discard_task(task);
+    }
+  };
+  auto guard = std::make_shared<TaskGuard>();
+  guard->engine = shared_from_this();
+  guard->task = task;
+  torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+    guard->ran = true;
+    auto self = guard->engine.lock();
     if (!self) return;
     {
       std::lock_guard<std::recursive_mutex> lock(self->mu_);
       auto& t = self->callback_tasks_;
-      t.erase(std::remove(t.begin(), t.end(), task), t.end());
+      t.erase(std::remove(t.begin(), t.end(), guard->task), t.end());
     }
     auto scope = self->device_scope();
-    self->drain_grads();
+    self->drain_grads(guard->task);
   });
+}
+
+void Engine::report_failed_backward() {
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (!failed_backward_unreported_) return;
+    failed_backward_unreported_ = false;
+  }
+  warn_once("failed-backward-" + std::to_string(id_),
+            "a backward pass through streamed layers raised an exception; the weight gradients it had "
+            "already computed for streamed layers were dropped, not added to .grad (plain autograd "
+            "would have added them). Zero the gradients (optimizer.zero_grad()) before the next "
+            "step, as after any failed backward; stats()['failed_backwards'] counts these.");
 }
 
 void Engine::synchronize() {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  drain_grads();
+  drain_grads(-1);
   backend_->synchronize(grad_stream_);
   if (sched_) sched_->quiesce();
 }
@@ -860,6 +953,7 @@ std::map<std::string, double> Engine::stats() const {
   m["misses"] = static_cast<double>(st.misses + carried_.misses);
   m["deviations"] = static_cast<double>(st.deviations + carried_.deviations);
   m["retraces"] = static_cast<double>(st.retraces + carried_.retraces);
+  m["failed_backwards"] = static_cast<double>(failed_backwards_);
   m["h2d_bytes"] = static_cast<double>(st.h2d_bytes + carried_.h2d_bytes);
   m["d2h_bytes"] = static_cast<double>(d2h_bytes_);
   m["stall_seconds"] = st.host_wait_seconds + carried_.host_wait_seconds;
@@ -1258,6 +1352,7 @@ torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device) {
 
 torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
+  report_failed_backward();
   LayerInfo& l = layer(layer_index);
   LS_CHECK(!l.is_conv, "layer '", l.name, "' is a convolution, not a Linear");
   check_input(*this, l, x_in);
@@ -1277,6 +1372,7 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool gr
 
 torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
+  report_failed_backward();
   LayerInfo& l = layer(layer_index);
   LS_CHECK(l.is_conv, "layer '", l.name, "' is a Linear, not a convolution");
   check_input(*this, l, x_in);

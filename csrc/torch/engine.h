@@ -36,6 +36,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <climits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -152,8 +153,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
   torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
 
-  // Waits for every pending transfer and gradient, accumulates pending
-  // gradients into param.grad, and forgets the weights cached in device
+  // Waits for every pending transfer and gradient, accumulates gradients
+  // staged outside any autograd graph task into param.grad (a backward pass
+  // applies its own when it finishes), and forgets the weights cached in device
   // slots (the next fetch reads the host copy: the call to make after host
   // writes the version counters cannot see, with cache_across_steps).
   void synchronize();
@@ -164,7 +166,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   // Telemetry: peak_device_bytes, h2d_bytes, d2h_bytes, steps, hits, misses,
   // deviations, retraces, stall_seconds, slots, slot_bytes, budget_bytes,
-  // pinned_bytes, pageable_bytes, layers, ordering_errors.
+  // pinned_bytes, pageable_bytes, layers, ordering_errors, failed_backwards
+  // (backward passes that raised after staging weight gradients, which were
+  // dropped: see discard_task()).
   std::map<std::string, double> stats() const;
   std::vector<std::string> ordering_errors() const;
   // Per-step counters (see StepStats) of completed steps, with the overlap
@@ -264,7 +268,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::vector<HostBuffer> grad_staging;
     size_t grad_b_offset = 0;
     Event grad_done;
-    std::vector<std::pair<bool, bool>> pending;  // per staged use: weight, bias gradient
+    // Per staged use, in arrival order (pending[u] is in grad_staging[u]):
+    // which gradients it holds and the autograd graph task that staged it
+    // (-1: none; see drain_grads()).
+    struct StagedUse {
+      bool w = false, b = false;
+      int task = -1;
+    };
+    std::vector<StagedUse> pending;
   };
 
  private:
@@ -274,8 +285,21 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void build_scheduler_locked();
   void ensure_scheduler();
   void check_host_alias(const LayerInfo& l) const;
-  void accumulate_locked(LayerInfo& l);
-  void drain_grads();
+  // Adds the staged uses of `l` that `task` may apply (its own and those of
+  // no graph task; every use for kAnyTask) to .grad; the others stay staged.
+  static constexpr int kAnyTask = INT_MIN;
+  void accumulate_locked(LayerInfo& l, int task);
+  // At the end of backward `task` (its final callback): applies that task's
+  // staged gradients. synchronize() passes -1: only uses staged outside any
+  // graph task, since a running backward applies its own when it finishes.
+  void drain_grads(int task);
+  // A backward that failed (its graph task ended without running the
+  // callback): drops the gradients it staged, which are never added to
+  // .grad, so a later backward or zero_grad() cannot be mixed with them.
+  void discard_task(int task) noexcept;
+  // Warns (once per engine) at the next linear()/conv() after discard_task()
+  // dropped gradients: never from inside the autograd engine.
+  void report_failed_backward();
   size_t grad_bytes(const LayerInfo& l) const;
   // Bytes of the weight as the workspace holds it (dequantized, or cast to
   // compute_dtype).
@@ -303,7 +327,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<std::unique_ptr<LayerInfo>> layers_;
   std::unique_ptr<Scheduler> sched_;
   std::vector<int> pending_;  // layers with gradients in flight
-  std::vector<int> callback_tasks_;
+  std::vector<int> callback_tasks_;  // graph tasks whose end-of-backward callback is queued
+  uint64_t failed_backwards_ = 0;      // backwards whose staged gradients were dropped
+  bool failed_backward_unreported_ = false;  // warned at the next linear()/conv()
   uint64_t d2h_bytes_ = 0;
   std::atomic<bool> cast_warned_{false};
   bool detached_ = false;

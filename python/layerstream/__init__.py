@@ -609,6 +609,7 @@ class Handle:
         s["peak_device_bytes"] = s["streamed_device_bytes"] + s["resident_bytes"]
         for k in ("steps", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "slots", "slot_bytes",
                   "layers", "hits", "misses", "acquires", "deviations", "retraces", "ordering_errors",
+                  "failed_backwards",
                   "pinned_bytes", "pageable_bytes", "max_slots_held", "quantized_layers",
                   "budget_bytes", "streamed_device_bytes", "resident_bytes"):
             if k in s:

@@ -172,3 +172,49 @@ TEST(TorchOffload, ContainerChildIsAClearError) {
 }
 
 }  // namespace
+
+// Two streamed layers, a failure point, one more streamed layer: the layers
+// after the failure point (first in backward) stage their gradients before it.
+struct FailingImpl : torch::nn::Module {
+  layerstream::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  bool fail = false;
+  FailingImpl() {
+    a = register_module("a", layerstream::nn::Linear(8, 8));
+    b = register_module("b", layerstream::nn::Linear(8, 8));
+    c = register_module("c", layerstream::nn::Linear(8, 8));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(a(x)) * 1.0;
+    if (fail) h.register_hook([](torch::Tensor g) -> torch::Tensor { throw std::runtime_error("boom"); });
+    return c(torch::tanh(b(h)));
+  }
+};
+TORCH_MODULE(Failing);
+
+TEST(TorchOffload, BackwardThatThrowsLeavesNoGradientForTheNextStep) {
+  // Before: b and c staged their gradients, the backward threw, and the
+  // staged gradients were added at the end of the next backward, after the
+  // caller's zero_grad(). Now they are dropped, and counted.
+  torch::manual_seed(0);
+  Failing ref;
+  torch::manual_seed(0);
+  Failing model;
+  auto handle = layerstream::offload(*model, sim_options());
+  const auto x = torch::randn({4, 8});
+  for (Failing* m : {&model, &ref}) {
+    (*m)->fail = true;
+    EXPECT_THROW((*m)->forward(x).square().sum().backward(), std::exception);
+    (*m)->fail = false;
+    for (auto& p : (*m)->parameters()) p.mutable_grad() = torch::Tensor();
+  }
+  EXPECT_FALSE(model->c->weight.grad().defined());
+  EXPECT_EQ(handle->stats().at("failed_backwards"), 1);
+  for (int step = 0; step < 2; ++step) {
+    const auto y = torch::randn({4, 8});
+    model->forward(y).square().sum().backward();
+    ref->forward(y).square().sum().backward();
+    auto mp = model->named_parameters(), rp = ref->named_parameters();
+    for (const auto& kv : mp)
+      EXPECT_TRUE(torch::equal(kv.value().grad(), rp[kv.key()].grad())) << kv.key() << " step " << step;
+  }
+}

@@ -319,6 +319,113 @@ def test_random_mix_of_step_kinds_stays_exact(offload_sim, cache):
     assert h.stats()["deviations"] > 0, "the mix really changed the order"
 
 
+# ---------------------------------------------------------------- a backward that raises
+class _FailInBackward(nn.Module):
+    """Identity whose backward raises while `fail` is set (a NaN check, a CUDA OOM in
+    an attention backward, ... caught by a training loop that skips the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x):
+        if not (self.fail and x.requires_grad):
+            return x
+        x = x * 1.0
+
+        def boom(g):
+            raise RuntimeError("backward failed on purpose")
+
+        x.register_hook(boom)
+        return x
+
+
+class _NetFailingMidBackward(nn.Module):
+    def __init__(self, checkpoint):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.fail = _FailInBackward()
+        self.c = nn.Linear(16, 16)  # used twice: two staged uses per backward
+        self.d = nn.Linear(16, 16)
+        self.checkpoint = checkpoint
+
+    def tail(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.c(x)))))
+
+    def forward(self, x):
+        x = self.fail(self.b(torch.tanh(self.a(x))))
+        if self.checkpoint:
+            return cp.checkpoint(self.tail, x, use_reentrant=self.checkpoint == "reentrant")
+        return self.tail(x)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "nonreentrant"])
+def test_backward_that_raises_leaves_no_gradient_behind(offload_sim, checkpoint):
+    """A backward that raises after the layers behind the failure point staged their
+    weight gradients. Before, those staged gradients stayed pending and were added to
+    .grad at the end of the *next* backward: a loop that catches the error, calls
+    zero_grad() and goes on trained on the failed batch's gradients too. Now the failed
+    backward's gradients are dropped (never added; autograd would have added them, so
+    .grad of those layers keeps its value from before the failed step, with a warning),
+    and the steps after zero_grad() are bit-identical to plain autograd."""
+    torch.manual_seed(0)
+    model = _NetFailingMidBackward(checkpoint)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step(m, x):
+        m(x).square().sum().backward()
+
+    x = torch.randn(4, 16)
+    step(model, x)
+    step(ref, x)
+    _assert_grads(model, ref, exact=True)
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.fail.fail = ref.fail.fail = True
+    x = torch.randn(4, 16)
+    for m in (model, ref):
+        with pytest.raises(RuntimeError, match="failed on purpose"):
+            step(m, x)
+    model.fail.fail = ref.fail.fail = False
+    assert not torch.equal(ref.d.weight.grad, before["d.weight"])  # the test's premise
+    if checkpoint == "reentrant":
+        # c and d ran in the checkpoint's own (nested) backward, which completed and
+        # applied their gradients before the outer one failed, as autograd does.
+        _assert_grads(model, ref, exact=True)
+        assert handle.stats()["failed_backwards"] == 0
+    else:
+        # c and d ran their backward before the failure: autograd added their
+        # gradients; layerstream dropped them and left .grad as it was.
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, before[n]), f"{n}: .grad changed by the failed backward"
+        assert handle.stats()["failed_backwards"] == 1
+
+    failed = handle.stats()["failed_backwards"]
+    for m in (model, ref):
+        m.zero_grad()
+    if failed:
+        with pytest.warns(RuntimeWarning, match="backward pass through streamed layers raised"):
+            y = model(x)
+    else:
+        y = model(x)
+    y.square().sum().backward()
+    step(ref, x)
+    _assert_grads(model, ref, exact=True)
+    for _ in range(2):
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        x = torch.randn(4, 16)
+        step(model, x)
+        step(ref, x)
+        _assert_grads(model, ref, exact=True)
+    _assert_params_close(model, ref, exact=True)
+    assert handle.stats()["failed_backwards"] == failed
+
+
 # ---------------------------------------------------------------- accumulation / optimizers
 def test_grad_accumulation_three_micro_batches(offload_sim):
     model = Net()
