@@ -8,6 +8,7 @@ requires_grad toggles, detach() and the transfer statistics.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -752,6 +753,37 @@ def test_autocast_bf16_mixed_precision_training(offload_sim, compute_dtype):
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.grad.dtype == torch.float32
         assert torch.equal(p.grad, q.grad), f"{n}.grad differs"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_of_an_offloaded_model_trains_exactly(offload_sim, backend):
+    """torch.compile(model) after offload(): Dynamo cannot trace the engine's C++ call,
+    so each streamed layer is a graph break and runs eagerly (one Dynamo warning);
+    the code between them is compiled (aot_eager: through AOTAutograd, so the weight
+    gradients cross compiled backward graphs). Results and gradients are exact."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Dynamo does not know how to trace")
+        for _ in range(3):
+            x = torch.randn(8, 16)
+            y, yr = compiled(x), ref(x)
+            assert torch.equal(y, yr)
+            y.square().sum().backward()
+            yr.square().sum().backward()
+            _assert_grads(model, ref, exact=True)
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+    _assert_params_close(model, ref, exact=True)
+    assert handle.stats()["misses"] < handle.stats()["acquires"]
+    torch._dynamo.reset()
 
 
 def test_autocast_conv_computes_in_the_autocast_dtype(offload_sim):
