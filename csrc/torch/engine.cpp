@@ -1089,6 +1089,20 @@ void check_no_create_graph(const Engine::LayerInfo& l) {
            "compute that gradient without create_graph");
 }
 
+// ctx->get_saved_variables(), naming the layer when autograd's version check
+// fails (its weight or input was written in place after the forward).
+variable_list saved_variables_of(AutogradContext* ctx, const Engine::LayerInfo& l) {
+  try {
+    return ctx->get_saved_variables();
+  } catch (const c10::Error& err) {
+    LS_FAIL("streamed layer '", l.name, "': a tensor its backward needs (its weight or its input) "
+             "was modified in place after the forward pass (e.g. an optimizer step or a weight edit "
+             "before this backward); autograd raises the same for a resident layer. ",
+             err.what_without_backtrace());
+  }
+  return {};
+}
+
 // The streamed Linear forward: fetch, compute on the device, release.
 torch::Tensor linear_forward(Engine* e, Engine::LayerInfo& l, int layer, const torch::Tensor& x) {
   Stream cs = e->compute_stream();
@@ -1116,7 +1130,11 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     torch::Tensor out = linear_forward(e, l, static_cast<int>(layer), x);
     ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
     ctx->saved_data["layer"] = layer;
-    ctx->save_for_backward({wants_grad(weight) ? x : torch::Tensor()});
+    // The weight is saved (no copy: it is the parameter) when the input
+    // gradient needs it, as autograd's own Linear saves it: unpacking checks
+    // its version, so an in-place write between forward and backward raises
+    // autograd's error instead of differentiating through the new values.
+    ctx->save_for_backward({wants_grad(weight) ? x : torch::Tensor(), x.requires_grad() ? weight : torch::Tensor()});
     return out;
   }
 
@@ -1127,7 +1145,7 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     check_no_create_graph(l);
     auto scope = e->device_scope();
     torch::Tensor go = grads[0];
-    const variable_list saved = ctx->get_saved_variables();
+    const variable_list saved = saved_variables_of(ctx, l);
     torch::Tensor x = saved.empty() ? torch::Tensor() : saved[0];
     const bool need_x = ctx->needs_input_grad(0);
     const bool need_w = x.defined() && ctx->needs_input_grad(1) && wants_grad(l.weight);
@@ -1259,7 +1277,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
     ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
     ctx->saved_data["layer"] = layer;
     ctx->saved_data["unbatched"] = unbatched;
-    ctx->save_for_backward({xp});
+    ctx->save_for_backward({xp, weight});  // the weight: for its version check, as in LinearFn
     return unbatched ? out.squeeze(0) : out;
   }
 
@@ -1271,7 +1289,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
     check_no_create_graph(l);
     auto scope = e->device_scope();
     torch::Tensor go = unbatched ? grads[0].unsqueeze(0) : grads[0];
-    torch::Tensor xp = ctx->get_saved_variables()[0];
+    torch::Tensor xp = saved_variables_of(ctx, l)[0];
     const bool need_x = ctx->needs_input_grad(0);
     const bool need_w = ctx->needs_input_grad(1) && wants_grad(l.weight);
     const bool need_b = l.bias.defined() && ctx->needs_input_grad(2) && wants_grad(l.bias);

@@ -360,6 +360,56 @@ def test_create_graph_backward_is_a_clear_error_then_recovers(offload_sim, kind)
         assert torch.equal(p.grad, q.grad), n
 
 
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_weight_written_between_forward_and_backward_raises_like_autograd(offload_sim, kind, input_grad):
+    """A weight written in place between a forward and its backward (an optimizer step
+    before the second micro-batch's backward, an EMA update...). Autograd raises when
+    the backward needs the old weight; layerstream fetched the new one and returned
+    wrong input gradients without a word. It now saves the weight for autograd's
+    version check exactly where autograd's Linear / conv do (Linear: only when the
+    input gradient needs it; conv: always), so it raises iff the reference raises, and
+    names the layer; when neither raises, gradients are identical."""
+    torch.manual_seed(0)
+    if kind == "linear":
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        x = torch.randn(2, 4, requires_grad=input_grad)
+    else:
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Conv2d(3, 2, 3))
+        x = torch.randn(2, 2, 7, 7, requires_grad=input_grad)
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    outcomes = []
+    for m in (ref, model):
+        xm = x.detach().clone().requires_grad_(input_grad)
+        y = m(xm)
+        with torch.no_grad():
+            m[0].weight.mul_(2)
+        try:
+            y.square().sum().backward()
+            outcomes.append(None)
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    ref_error, error = outcomes
+    # The last layer's input always requires grad, so its weight is needed and the
+    # first layer's edit matters only when the first layer's input gradient (or, for
+    # a conv, anything) needs it.
+    assert (ref_error is not None) == (input_grad or kind == "conv")
+    assert (error is not None) == (ref_error is not None), (ref_error, error)
+    if error is not None:
+        assert "modified by an inplace operation" in error
+        assert "streamed layer '0'" in error
+    else:
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(p.grad, q.grad), n
+    # Training goes on normally afterwards.
+    for m in (ref, model):
+        m.zero_grad()
+        m(x.detach()).square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
 # ---------------------------------------------------------------- weights replaced after offload
 def test_module_to_other_dtype_after_offload(offload_sim):
     """model.half() after offload() is refused before any part of the model changed (it
