@@ -295,6 +295,10 @@ void Engine::requantize(int index, const torch::Tensor& dense) {
   }
   synchronize();  // no copy may read the host buffer while it changes; forgets cached slots
   std::memcpy(l.w_host, packed.data(), l.w_bytes);
+  // A write, as far as autograd's version checks go: a backward whose forward
+  // used the old values raises (see saved_variables_of()).
+  if (l.weight.unsafeGetTensorImpl()->version_counter().enabled())
+    l.weight.unsafeGetTensorImpl()->bump_version();
   // The packed weight now holds these values: an earlier stray write to the
   // watched parameter no longer matters.
   if (l.watched) l.watched_version = l.watched->current_version();

@@ -332,6 +332,23 @@ def test_load_state_dict_requantizes(offload_sim, fmt, cache):
     assert torch.equal(model(x), got)
 
 
+def test_load_state_dict_between_forward_and_backward_raises(offload_sim):
+    """Re-quantizing a weight (load_state_dict) after a forward and before its backward
+    counts as an in-place write for autograd's version check, as copying into a resident
+    weight does: the backward raises instead of using the new weights for the input
+    gradient of the old forward."""
+    model, new = _two_layer(0), _two_layer(1)
+    offload_sim(model, quantize="int8")
+    x = torch.randn(3, 64, requires_grad=True)
+    y = model(x)
+    model.load_state_dict(new.state_dict())
+    with pytest.raises(RuntimeError, match=r"streamed layer '2'.*modified by an inplace operation"):
+        y.sum().backward()
+    x.grad = None
+    model(x).sum().backward()  # a fresh forward is fine
+    assert x.grad is not None
+
+
 def test_load_state_dict_bad_values_keep_the_old_weight(offload_sim):
     """A NaN weight or a data-less (meta) one, e.g. from the state_dict() of an offloaded
     quantized model, fails load_state_dict() with a message naming the key; the layer
