@@ -14,6 +14,7 @@ hands them to the engine and swaps their ``forward``.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import re
 import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Union
@@ -187,6 +188,21 @@ def _computed_weight(module: nn.Module) -> bool:
         return True
     w = module.__dict__.get("weight")
     return "weight" not in module._parameters and isinstance(w, torch.Tensor) and w.is_floating_point()
+
+
+def _check_no_meta(model: nn.Module) -> None:
+    """offload() needs every weight's values: refuses data-less (meta) parameters and
+    buffers with the names of the first few, before anything changes."""
+    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+            if t.is_meta and not isinstance(t, _PackedWeight)]  # those: offloaded already
+    if meta:
+        raise LayerstreamError(
+            f"{len(meta)} parameter(s)/buffer(s) have no data (meta tensors): "
+            f"{', '.join(meta[:5])}{', ...' if len(meta) > 5 else ''}. The model was built without "
+            f"weights (torch.device('meta'), accelerate's init_empty_weights) or its weights are "
+            f"offloaded by accelerate hooks (a device_map with 'cpu'/'disk' entries). Load real "
+            f"weights into host memory first (e.g. from_pretrained(...) without device_map, or "
+            f"model.to_empty(device='cpu') then load_state_dict()), then call offload().")
 
 
 def _selected(name: str, include, exclude) -> bool:
@@ -834,7 +850,8 @@ def offload(
     resolved = _C.resolve_device(opts["device"])
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
-    candidates, padded, custom, computed = [], [], [], []
+    _check_no_meta(model)
+    candidates, padded, custom, computed, wrapped = [], [], [], [], []
     for name, module in model.named_modules():
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
@@ -849,6 +866,9 @@ def offload(
         if not _stock_forward(module, kind):
             custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
             continue
+        if "forward" in module.__dict__:
+            wrapped.append(f"'{name or '<root>'}'" + (" (accelerate hook)" if hasattr(module, "_hf_hook") else ""))
+            continue
         if _computed_weight(module):
             computed.append(f"'{name or '<root>'}'")
             continue
@@ -861,6 +881,10 @@ def offload(
     _warn_resident(custom, "Linear/conv subclass layer(s) with their own forward", compute_device,
                    "they run that forward: a streamed layer computes the plain Linear/conv, which "
                    "would drop what it adds")
+    _warn_resident(wrapped, "layer(s) whose forward was replaced on the instance", compute_device,
+                   "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
+                   "drop; to stream them, remove the wrapper first, e.g. "
+                   "accelerate.hooks.remove_hook_from_module(model, recurse=True)")
     candidates = _drop_tied(model, candidates, compute_device)
     if not candidates:
         raise LayerstreamError(

@@ -248,6 +248,67 @@ def test_offload_parent_of_offloaded_submodule(offload_sim):
     assert "forward" not in outer[0].__dict__
 
 
+def test_offload_parent_of_quantized_offloaded_submodule(offload_sim):
+    """The data-less (meta) weights of a quantized offloaded submodule are not taken
+    for an unloaded model: the error is the 'already offloaded' one."""
+    inner = Named().requires_grad_(False)
+    offload_sim(inner, quantize="int8")
+    assert inner.big.weight.is_meta
+    outer = nn.Sequential(nn.Linear(3, 4), inner)
+    with pytest.raises(LayerstreamError, match=r"'1\.small' is already offloaded"):
+        layerstream.offload(outer, device="sim")
+
+
+@pytest.mark.parametrize("where", ["all", "one_module"])
+def test_data_less_weights_are_a_clear_error(where):
+    """A model built on the meta device (or with accelerate's init_empty_weights, or whose
+    weights accelerate offloads through hooks) has no values to stream. Before, offload()
+    failed deep inside with torch's "Cannot copy out of meta tensor"; now the error names
+    the tensors and says how to load the weights, and nothing was changed."""
+    if where == "all":
+        with torch.device("meta"):
+            model = Named()
+        names = "small.weight, small.bias, big.weight, big.bias, out.weight, ..."
+    else:
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+        model[1].to("meta")
+        names = "1.weight, 1.bias."
+    with pytest.raises(LayerstreamError, match="no data \\(meta tensors\\)") as info:
+        layerstream.offload(model, device="sim")
+    assert names in str(info.value)
+    assert "from_pretrained" in str(info.value)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not any(getattr(m, "_layerstream_handle", None) for m in model.modules())
+
+
+def test_layer_with_a_forward_wrapped_on_the_instance_stays_resident(offload_sim):
+    """A layer whose forward was replaced on the instance (accelerate's add_hook_to_module,
+    or any wrapping) used to be streamed with the plain Linear forward, silently dropping
+    the wrapper (here: an output scaled by 2). It now stays resident with one warning that
+    names it and how to remove accelerate's hooks; the other layers stream."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Double(ModelHook):
+        def post_forward(self, module, output):
+            return output * 2
+
+    model = Named()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        add_hook_to_module(m.big, Double())
+        plain = m.out.forward
+        m.out.forward = lambda x, plain=plain: plain(x) + 1
+    with pytest.warns(RuntimeWarning, match=r"2 layer\(s\) whose forward was replaced on the instance "
+                                            r"stay resident .*remove_hook_from_module.*: 'big' "
+                                            r"\(accelerate hook\); 'out'"):
+        handle = offload_sim(model)
+    assert handle.layers == ["small"]
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), ref(x))
+    handle.detach()
+    assert torch.equal(model(x), ref(x))
+
+
 def test_offload_again_after_detach(offload_sim):
     model = Named()
     ref = copy.deepcopy(model)
