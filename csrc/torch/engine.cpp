@@ -200,16 +200,25 @@ Engine::LayerInfo& Engine::layer(int i) {
 namespace {
 // Moves a parameter's data into the host store; the parameter's data becomes
 // a CPU tensor over the store's memory (kept alive by the tensor's deleter).
+// Moves `param`'s values into the host store and makes its data alias them.
+// A dense, non-overlapping layout other than the contiguous one (a
+// channels_last conv weight, a transposed Linear weight) is kept: the store
+// holds the bytes in that memory order and `strides` receives them (empty:
+// contiguous), so the device copy computes exactly as the original did.
 void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& param,
-            const std::string& name, size_t* index, size_t* bytes) {
+            const std::string& name, size_t* index, size_t* bytes, std::vector<int64_t>* strides = nullptr) {
   torch::NoGradGuard ng;
-  torch::Tensor src = param.detach().to(torch::kCPU).contiguous();
+  torch::Tensor src = param.detach().to(torch::kCPU);
+  const bool keep_layout = strides && !src.is_contiguous() && src.is_non_overlapping_and_dense();
+  if (!keep_layout) src = src.contiguous();
   *bytes = static_cast<size_t>(src.numel()) * src.element_size();
   *index = store.add(*bytes, src.data_ptr(), name);
   void* ptr = store.buffer(*index).ptr;
   auto keepalive = keep;
-  torch::Tensor alias = torch::from_blob(
-      ptr, src.sizes(), [keepalive](void*) {}, torch::TensorOptions().dtype(src.scalar_type()));
+  const auto opts = torch::TensorOptions().dtype(src.scalar_type());
+  torch::Tensor alias = keep_layout ? torch::from_blob(ptr, src.sizes(), src.strides(), [keepalive](void*) {}, opts)
+                                    : torch::from_blob(ptr, src.sizes(), [keepalive](void*) {}, opts);
+  if (strides) *strides = keep_layout ? src.strides().vec() : std::vector<int64_t>{};
   param.set_data(alias);
   return ptr;
 }
@@ -319,7 +328,8 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
   info.w_shape = info.weight.sizes().vec();
   info.w_dtype = info.weight.scalar_type();
   if (format == quant::Format::None) {
-    info.w_host = adopt(*store_, keepalive_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes);
+    info.w_host = adopt(*store_, keepalive_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes,
+                        &info.w_strides);
   } else {
     LS_CHECK(!info.weight.requires_grad(), "layer '", info.name, "': a quantized weight cannot be "
              "trained; freeze it first (weight.requires_grad_(False), as QLoRA does with the base "
@@ -686,13 +696,14 @@ torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torc
     // The dequantized copy in the workspace.
     w = torch::from_blob(lease.part_ptr(ws_part), l.w_shape,
                          torch::TensorOptions().dtype(l.q_dtype).device(compute_device_));
-  } else if (l.cast_w && dtype == l.cast_dtype) {
-    // The copy cast to compute_dtype after the transfer.
-    w = torch::from_blob(lease.part_ptr(ws_part), l.w_shape,
-                         torch::TensorOptions().dtype(l.cast_dtype).device(compute_device_));
   } else {
-    w = torch::from_blob(lease.part_ptr(0), l.w_shape,
-                         torch::TensorOptions().dtype(l.w_dtype).device(compute_device_));
+    // The copy cast to compute_dtype after the transfer (element by element,
+    // so in the same memory order), or the copied weight itself.
+    const bool cast = l.cast_w && dtype == l.cast_dtype;
+    const auto opts = torch::TensorOptions().dtype(cast ? l.cast_dtype : l.w_dtype).device(compute_device_);
+    void* ptr = lease.part_ptr(cast ? ws_part : 0);
+    w = l.w_strides.empty() ? torch::from_blob(ptr, l.w_shape, opts)
+                            : torch::from_blob(ptr, l.w_shape, l.w_strides, opts);
   }
   if (w.scalar_type() == dtype) return w;
   note_cast_at_use(l, w.scalar_type(), dtype);
@@ -822,7 +833,14 @@ void Engine::accumulate_locked(LayerInfo& l, int task) {
     if (!sum.defined()) return;
     torch::Tensor& grad = param.mutable_grad();
     if (!grad.defined()) {
-      grad = owned ? sum : sum.clone();
+      if (param.is_contiguous()) {
+        grad = owned ? sum : sum.clone();
+      } else {
+        // The parameter's layout (channels_last, transposed), as autograd
+        // lays out a new .grad.
+        grad = torch::empty_like(param);
+        grad.copy_(sum);
+      }
     } else {
       grad.add_(sum);
     }

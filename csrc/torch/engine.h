@@ -244,6 +244,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
     torch::Tensor weight;  // the parameter (data aliases the host store); a meta stand-in if quantized
     torch::Tensor bias;    // may be undefined
     std::vector<int64_t> w_shape, b_shape;
+    // A dense weight's strides when its layout is not the contiguous one
+    // (channels_last, transposed): kept in the host store, the slot and
+    // on the device. Empty: contiguous (always for quantized weights).
+    std::vector<int64_t> w_strides;
     torch::ScalarType w_dtype = torch::kFloat, b_dtype = torch::kFloat;
     size_t w_index = 0, b_index = 0;  // host store indices
     void* w_host = nullptr;
