@@ -271,6 +271,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                          dynamic_cast<torch::nn::Conv3dImpl*>(m.get());
       const bool ours = dynamic_cast<nn::StreamedBase*>(m.get()) != nullptr;
       if ((!plain && !ours) || !selected(name) || tied_with(name, *m)) continue;
+      if (const auto* w = m->named_parameters(/*recurse=*/false).find("weight"); w && w->numel() == 0)
+        continue;  // zero elements (e.g. Linear(0, n)): nothing to stream
       if (!collected.insert(m.get()).second) continue;  // one module under two names
       LS_CHECK(!(plain && is_container), "cannot stream '", name, "': it is a torch::nn module "
                "inside a Sequential/ModuleList/ModuleDict, whose element list offload() cannot "

@@ -856,6 +856,9 @@ def offload(
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
             continue
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.numel() == 0:
+            continue  # zero elements (e.g. Linear(0, n)): nothing to stream; it stays as it is
         if getattr(module, "_layerstream_handle", None) is not None or hasattr(module, "_layer_memory_manager"):
             raise LayerstreamError(
                 f"module '{name}' is already offloaded by another layerstream handle; call "

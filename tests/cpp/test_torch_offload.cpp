@@ -218,3 +218,20 @@ TEST(TorchOffload, BackwardThatThrowsLeavesNoGradientForTheNextStep) {
       EXPECT_TRUE(torch::equal(kv.value().grad(), rp[kv.key()].grad())) << kv.key() << " step " << step;
   }
 }
+
+struct WithEmptyImpl : torch::nn::Module {
+  layerstream::nn::Linear a{nullptr}, empty{nullptr};
+  WithEmptyImpl() {
+    a = register_module("a", layerstream::nn::Linear(4, 4));
+    empty = register_module("empty", layerstream::nn::Linear(4, 0));
+  }
+};
+TORCH_MODULE(WithEmpty);
+
+TEST(TorchOffload, ZeroElementLayerIsLeftAsItIs) {
+  WithEmpty model;
+  auto handle = layerstream::offload(*model, sim_options());
+  EXPECT_EQ(handle->layers(), std::vector<std::string>{"a"});
+  const auto y = model->empty(torch::randn({2, 4}));
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 0}));
+}

@@ -319,6 +319,22 @@ def test_offload_again_after_detach(offload_sim):
     assert handle.stats()["h2d_bytes"] > 0
 
 
+def test_zero_element_layer_is_left_as_it_is(offload_sim):
+    """A Linear with zero elements (out_features=0) has nothing to stream: before, it was
+    attached anyway and its first call failed claiming its weight had been replaced. It is
+    now left as it is and the other layers stream."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 0))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    assert handle.layers == ["0"]
+    x = torch.randn(2, 4, requires_grad=True)
+    y = model(x)
+    assert y.shape == (2, 0) and torch.equal(y, ref(x))
+    (y.sum() + model[0](x).sum()).backward()
+    assert model[0].weight.grad is not None
+
+
 def test_nothing_to_stream():
     with pytest.raises(LayerstreamError, match="no Linear or Conv"):
         layerstream.offload(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), device="sim")
