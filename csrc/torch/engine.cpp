@@ -264,6 +264,7 @@ void watch(Engine::LayerInfo& l, const torch::Tensor& param) {
   if (!v.enabled()) return;  // an inference tensor cannot be written in place later
   l.watched = v;
   l.watched_version = v.current_version();
+  l.watched_param = c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr());
 }
 }  // namespace
 
@@ -605,6 +606,12 @@ void Engine::check_host_alias(const LayerInfo& l) const {
              "that write did not reach it. Load new values with load_state_dict() on the offloaded "
              "model (it re-quantizes them; C++: Engine::requantize()), or detach(), write the "
              "weight, and offload() again.");
+  if (l.qformat != quant::Format::None) {
+    if (auto p = l.watched_param.lock())
+      LS_CHECK(!p->requires_grad(), "the weight of quantized layer '", l.name, "' was set to require "
+               "grad after offload(); a quantized weight is frozen (no gradient is computed for it). "
+               "Train an adapter beside it (LoRA) or do not quantize this layer.");
+  }
   if (l.qformat == quant::Format::None)
     LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "

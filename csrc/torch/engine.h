@@ -265,6 +265,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
     bool packed_here = false;  // quantized by add_linear/add_conv (requantize() can repack it)
     // watch_weight(): the module parameter's version counter and its value then.
     std::optional<c10::VariableVersion> watched;
+    // ...and the parameter itself, weakly (the engine must not keep a dense
+    // weight alive): a quantized weight is frozen, so requires_grad set on it
+    // later is refused at the next call (C++; Python's _PackedWeight refuses it
+    // at once).
+    c10::weak_intrusive_ptr<c10::TensorImpl> watched_param{c10::intrusive_ptr<c10::TensorImpl>()};
     uint32_t watched_version = 0;
     // Gradient staging (host): one buffer per use of the layer in one
     // backward, summed in arrival order and added to .grad once, as autograd

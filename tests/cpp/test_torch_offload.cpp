@@ -235,3 +235,27 @@ TEST(TorchOffload, ZeroElementLayerIsLeftAsItIs) {
   const auto y = model->empty(torch::randn({2, 4}));
   EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 0}));
 }
+
+TEST(TorchOffload, TrainingAQuantizedWeightIsRefused) {
+  // The module keeps its dense parameter in C++, but the engine streams the
+  // packed copy and computes no gradient for it: requires_grad set on it after
+  // offload() used to train nothing without a word; the next call refuses it.
+  torch::manual_seed(0);
+  One model;
+  model->fc->weight.requires_grad_(false);
+  auto opts = sim_options();
+  opts.quantize = "int8";
+  auto handle = layerstream::offload(*model, opts);
+  const auto x = torch::randn({3, 64});
+  const auto before = model->forward(x);
+  model->fc->weight.requires_grad_(true);
+  try {
+    model->forward(x);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("quantized layer 'fc' was set to require grad"), std::string::npos)
+        << e.what();
+  }
+  model->fc->weight.requires_grad_(false);
+  EXPECT_TRUE(torch::equal(model->forward(x), before));
+}
