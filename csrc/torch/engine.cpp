@@ -3,6 +3,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1395,11 +1396,21 @@ torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device) {
   return x.to(to);
 }
 
+// torch.jit.trace (torch::jit::trace) would record the device weight of this
+// one call, a view of a slot that holds other layers later, as a constant:
+// the traced module would compute with whatever that memory holds.
+void check_not_tracing(const Engine::LayerInfo& l) {
+  LS_CHECK(!torch::jit::tracer::isTracing(), "streamed layer '", l.name, "' cannot be recorded by "
+           "torch.jit.trace: its weights are copied into reused device memory at each call, which "
+           "a trace would freeze. Trace the model before offload() or after handle.detach(), or "
+           "use torch.compile (each streamed layer is a graph break).");
+}
 }  // namespace
 
 torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
   report_failed_backward();
+  check_not_tracing(layer(layer_index));
   LayerInfo& l = layer(layer_index);
   LS_CHECK(!l.is_conv, "layer '", l.name, "' is a convolution, not a Linear");
   check_input(*this, l, x_in);
@@ -1420,6 +1431,7 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool gr
 torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
   report_failed_backward();
+  check_not_tracing(layer(layer_index));
   LayerInfo& l = layer(layer_index);
   LS_CHECK(l.is_conv, "layer '", l.name, "' is a Linear, not a convolution");
   check_input(*this, l, x_in);

@@ -459,8 +459,9 @@ class _StreamedForward:
                 (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
             raise LayerstreamError(
                 f"the parameters of streamed layer '{self._name}' were replaced after offload() (e.g. "
-                f"by load_state_dict(assign=True), assigning a new nn.Parameter, or "
-                f"torch.func.functional_call); layerstream streams the original ones. Copy new "
+                f"by load_state_dict(assign=True), assigning a new nn.Parameter, "
+                f"torch.func.functional_call, or torch.export, which cannot capture a streamed "
+                f"layer); layerstream streams the original ones. Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
         # Gradient hooks on the parameters: hand their gradients to autograd
