@@ -201,7 +201,6 @@ Engine::LayerInfo& Engine::layer(int i) {
 namespace {
 // Moves a parameter's data into the host store; the parameter's data becomes
 // a CPU tensor over the store's memory (kept alive by the tensor's deleter).
-// Moves `param`'s values into the host store and makes its data alias them.
 // A dense, non-overlapping layout other than the contiguous one (a
 // channels_last conv weight, a transposed Linear weight) is kept: the store
 // holds the bytes in that memory order and `strides` receives them (empty:
@@ -1410,8 +1409,8 @@ void check_not_tracing(const Engine::LayerInfo& l) {
 torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
   report_failed_backward();
-  check_not_tracing(layer(layer_index));
   LayerInfo& l = layer(layer_index);
+  check_not_tracing(l);
   LS_CHECK(!l.is_conv, "layer '", l.name, "' is a convolution, not a Linear");
   check_input(*this, l, x_in);
   const torch::Tensor x = autocast_input(x_in, compute_device_.type());
@@ -1431,8 +1430,8 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool gr
 torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
   report_failed_backward();
-  check_not_tracing(layer(layer_index));
   LayerInfo& l = layer(layer_index);
+  check_not_tracing(l);
   LS_CHECK(l.is_conv, "layer '", l.name, "' is a Linear, not a convolution");
   check_input(*this, l, x_in);
   const torch::Tensor x = autocast_input(x_in, compute_device_.type());
