@@ -857,7 +857,9 @@ def offload(
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
             continue
-        w = getattr(module, "weight", None)
+        # Not getattr(): a parametrized weight (spectral_norm) would be computed, which
+        # runs a power-iteration step and changes the module's state.
+        w = module._parameters.get("weight", module.__dict__.get("weight"))
         if isinstance(w, torch.Tensor) and w.numel() == 0:
             continue  # zero elements (e.g. Linear(0, n)): nothing to stream; it stays as it is
         if getattr(module, "_layerstream_handle", None) is not None or hasattr(module, "_layer_memory_manager"):
