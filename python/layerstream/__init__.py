@@ -190,6 +190,18 @@ def _computed_weight(module: nn.Module) -> bool:
     return "weight" not in module._parameters and isinstance(w, torch.Tensor) and w.is_floating_point()
 
 
+def _dora_layers(model: nn.Module) -> set:
+    """ids of the modules inside a peft LoRA layer with a DoRA adapter: DoRA reads
+    base_layer.weight and the lora_A/lora_B weights directly (its weight norm), not
+    through their forward."""
+    out = set()
+    for m in model.modules():
+        use_dora = getattr(m, "use_dora", None)
+        if isinstance(use_dora, dict) and any(use_dora.values()):
+            out.update(id(sub) for sub in m.modules() if sub is not m)
+    return out
+
+
 def _check_no_meta(model: nn.Module) -> None:
     """offload() needs every weight's values: refuses data-less (meta) parameters and
     buffers with the names of the first few, before anything changes."""
@@ -852,7 +864,8 @@ def offload(
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
     _check_no_meta(model)
-    candidates, padded, custom, computed, wrapped = [], [], [], [], []
+    dora = _dora_layers(model)
+    candidates, padded, custom, computed, wrapped, under_dora = [], [], [], [], [], []
     for name, module in model.named_modules():
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
@@ -871,6 +884,9 @@ def offload(
             continue
         if not _stock_forward(module, kind):
             custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
+            continue
+        if id(module) in dora:
+            under_dora.append(f"'{name or '<root>'}'")
             continue
         if "forward" in module.__dict__:
             wrapped.append(f"'{name or '<root>'}'" + (" (accelerate hook)" if hasattr(module, "_hf_hook") else ""))
@@ -891,6 +907,10 @@ def offload(
                    "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
                    "drop; to stream them, remove the wrapper first, e.g. "
                    "accelerate.hooks.remove_hook_from_module(model, recurse=True)")
+    _warn_resident(under_dora, "layer(s) of a peft DoRA adapter", compute_device,
+                   "DoRA reads the base and adapter weights directly at every forward to compute "
+                   "the weight norm, which a streamed layer does not keep on the device; plain "
+                   "LoRA (use_dora=False) streams the base layers")
     candidates = _drop_tied(model, candidates, compute_device)
     if not candidates:
         raise LayerstreamError(

@@ -168,6 +168,38 @@ def test_peft_lora_training_matches_reference(offload_sim, bias):
     assert stats["d2h_bytes"] == 0, "frozen base weights must not copy gradients back"
 
 
+def test_peft_dora_layers_stay_resident(offload_sim):
+    """peft DoRA reads base_layer.weight and the lora_A/lora_B weights directly at every
+    forward (its weight norm). Streamed, those are host tensors: on CUDA a device
+    mismatch at the first call (the sim device computes on the CPU, so it hid it). The
+    DoRA layer's modules stay resident with one warning; plain layers still stream, and
+    training matches the reference exactly."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["0"], use_dora=True,
+                                            init_lora_weights=False))
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"3 layer\(s\) of a peft DoRA adapter stay resident .*"
+                                            r"'base_model.model.0.base_layer'; "
+                                            r"'base_model.model.0.lora_A.default'; "
+                                            r"'base_model.model.0.lora_B.default'"):
+        handle = offload_sim(model)
+    assert handle.layers == ["base_model.model.2", "base_model.model.4"]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(2):
+        x = torch.randn(8, 16)
+        y, yr = model(x), ref(x)
+        assert torch.equal(y, yr)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        _assert_grads(model, ref, exact=True)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+
 def test_tied_embeddings_full_finetune_with_budget(offload_sim):
     """Llama with tie_word_embeddings: lm_head shares embed_tokens' weight, so it stays
     resident (one warning); the tied weight is trained through both uses and its
