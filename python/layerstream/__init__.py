@@ -922,11 +922,22 @@ def offload(
     #    A quantized layer's slot holds the packed weight and, after it, the
     #    weight dequantized on the device (in its dense dtype).
     layers = []  # (name, module, kind, fmt, pre, bus_bytes, slot_bytes, resident_bytes)
-    unpackable = []
+    unpackable, trainable = [], []
     for name, module, kind in candidates:
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
+        if pre is not None and kind != "linear":
+            raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
+                                   f"Linear layers only")
         fmt = _quant_for(name, quantize) if pre is None else None
+        if fmt is not None and weight.requires_grad:
+            trainable.append(name or "<root>")
+        elif fmt is not None and not bool(torch.isfinite(weight.detach()).all()):
+            # Checked before anything changes: the packer refuses it, and undoing the layers
+            # quantized before this one could only restore their dequantized values.
+            raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: its weight "
+                                   f"has NaN or Inf values; fix the checkpoint or do not quantize "
+                                   f"this layer (quantize={{'{name}': None, ...}})")
         if pre is not None:
             rows, cols = pre.rows, pre.cols
         else:
@@ -955,6 +966,15 @@ def offload(
             workspace = _align256(workspace + bias.numel() * compute_dtype.itemsize)
         bus = _align256(w_bytes) + _align256(b_bytes)
         layers.append((name, module, kind, fmt, pre, bus, bus + workspace, dense_w + b_bytes))
+    if trainable:
+        # Refused here, before any module changes (the engine would refuse at the first such
+        # layer, after the layers before it had been attached).
+        raise LayerstreamError(
+            f"quantize={quantize!r} would quantize {len(trainable)} trainable layer(s), but a quantized "
+            f"weight is frozen: {', '.join(trainable[:5])}{', ...' if len(trainable) > 5 else ''}. "
+            f"Freeze them (requires_grad_(False)), or choose per layer with a dict, first match "
+            f"wins, e.g. quantize={{'*lora_*': None, '*': 'nf4'}} for a peft model, or call "
+            f"offload() on the frozen base before adding the adapter.")
     if unpackable:
         warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
                       f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
@@ -999,19 +1019,41 @@ def offload(
         resident_names = set(plan["resident"])
         opts["budget_bytes"] = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
 
-    # 3. Attach the streamed layers to one engine.
+    # 3. Attach the streamed layers to one engine. A failure part way (e.g. a weight the
+    #    format cannot pack, host memory) undoes what was attached, as detach() does.
     engine = _C.Engine(opts)
     attached: List[_Attached] = []
     streamed_params = set()
+    try:
+        _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device)
+    except BaseException:
+        try:
+            Handle(engine, attached, plan).detach()
+        except Exception as undo_error:  # pragma: no cover - reported with the original error
+            warnings.warn(f"layerstream: offload() failed and undoing it failed too: {undo_error}",
+                          RuntimeWarning, stacklevel=2)
+        raise
+
+    handle = Handle(engine, attached, plan)
+    for a in attached:
+        a.module._layerstream_handle = handle
+    if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
+        model._apply = _RootApply(model, [a.module._apply for a in attached])
+        handle._root = model
+    _move_resident(model, streamed_params, compute_device)
+    return handle
+
+
+def _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device) -> None:
+    """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
+    appending to `attached` / `streamed_params` as it goes (what offload() undoes on
+    failure)."""
     for name, module, kind, fmt, pre, _, _, _ in layers:
         if name in resident_names:
             continue
         weight, bias = module.weight, module.bias
         devices = [str(weight.device)]
         if pre is not None:
-            if kind != "linear":
-                raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
-                                       f"Linear layers only")
             if pre.format == "int8":
                 index = engine.add_linear_int8(name or "<root>", pre.codes, pre.scales, bias,
                                                pre.dense_dtype)
@@ -1023,6 +1065,13 @@ def offload(
         else:
             index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",
                                     **_conv_args(module))
+        # Recorded as soon as the engine holds the layer, so that a failure below
+        # is undone for this layer too.
+        had_forward = "forward" in module.__dict__
+        old_forward = module.__dict__.get("forward")
+        a = _Attached(name, module, kind, index, had_forward, old_forward, devices,
+                      prequantized=pre is not None, bnb_stats=None if pre is None else pre.bnb_stats)
+        attached.append(a)
         if (pre is None or pre.bnb_stats is not None) and engine.layer_format(index):
             # The weight now lives packed on the host; the module keeps a
             # data-less (meta) parameter of the same shape and dtype so the
@@ -1031,7 +1080,6 @@ def offload(
             dtype = pre.dense_dtype if pre is not None else module.weight.dtype
             module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>")
             del weight
-        hooks = []
         if engine.layer_format(index):
             # Packed on the host: an in-place write to the module's weight that
             # _PackedWeight does not turn into a re-quantization (or a pre-quantized
@@ -1039,27 +1087,13 @@ def offload(
             engine.watch_weight(index, module.weight if "weight" in module._parameters
                                 else module.__dict__["weight"])
             if pre is None:
-                hooks = _requantize_on_load(engine, index, module)
-        had_forward = "forward" in module.__dict__
-        old_forward = module.__dict__.get("forward")
+                a.hooks = _requantize_on_load(engine, index, module)
         module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
                                           module, name)
         module._apply = _StreamedApply(module, compute_device, name or "<root>")
         for p in module.parameters(recurse=False):
             p._is_memory_managed = True
             streamed_params.add(id(p))
-        attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices,
-                                  prequantized=pre is not None,
-                                  bnb_stats=None if pre is None else pre.bnb_stats, hooks=hooks))
-
-    handle = Handle(engine, attached, plan)
-    for a in attached:
-        a.module._layerstream_handle = handle
-    if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
-        model._apply = _RootApply(model, [a.module._apply for a in attached])
-        handle._root = model
-    _move_resident(model, streamed_params, compute_device)
-    return handle
 
 
 def _align256(n: int) -> int:

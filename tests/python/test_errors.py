@@ -309,6 +309,41 @@ def test_layer_with_a_forward_wrapped_on_the_instance_stays_resident(offload_sim
     assert torch.equal(model(x), ref(x))
 
 
+def test_failure_while_attaching_undoes_what_was_attached(offload_sim, monkeypatch):
+    """A failure part way through attaching the layers (here: injected at the third
+    layer, after the engine took it and its forward was swapped) used to leave the first
+    layers streamed, with no handle to detach them. offload() now undoes every layer it
+    touched, as detach() does: original forwards, the weights bit-identical on their
+    devices, no engine state left, and the error propagates."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    real = layerstream._StreamedApply
+    calls = []
+
+    def failing(module, device, name):
+        calls.append(name)
+        if len(calls) == 3:
+            raise MemoryError("injected")
+        return real(module, device, name)
+
+    monkeypatch.setattr(layerstream, "_StreamedApply", failing)
+    with pytest.raises(MemoryError, match="injected"):
+        layerstream.offload(model, device="sim")
+    monkeypatch.setattr(layerstream, "_StreamedApply", real)
+    assert calls == ["0", "2", "4"]
+    for m in model.modules():
+        assert "forward" not in m.__dict__ and "_apply" not in m.__dict__
+        assert getattr(m, "_layerstream_handle", None) is None
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q) and p.device == q.device, n
+        assert not hasattr(p, "_is_memory_managed"), n
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), ref(x))
+    handle = offload_sim(model)  # and it can be offloaded again
+    assert torch.equal(model(x), ref(x))
+    assert handle.layers == ["0", "2", "4"]
+
+
 def test_offload_again_after_detach(offload_sim):
     model = Named()
     ref = copy.deepcopy(model)

@@ -99,8 +99,29 @@ def test_lora_over_quantized_base_trains_adapter_only():
 
 def test_trainable_weight_cannot_be_quantized():
     m = nn.Linear(64, 64)
-    with pytest.raises(layerstream.LayerstreamError, match="cannot be trained"):
+    with pytest.raises(layerstream.LayerstreamError, match="would quantize 1 trainable layer"):
         layerstream.offload(m, device="sim", quantize="int8")
+
+
+def test_trainable_layer_after_frozen_ones_is_refused_before_anything_changes():
+    """A trainable layer behind frozen ones (a peft model offloaded with quantize="nf4":
+    lora_A/lora_B are trainable). Before, the engine refused it only after the frozen
+    layers before it had been quantized: offload() raised, the model was left with packed
+    (meta) weights whose dense values were gone, and no handle to undo it. Now it is
+    refused before any module changes, naming the layers and the per-layer dict."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    m[0].requires_grad_(False)
+    m[2].requires_grad_(False)
+    ref = copy.deepcopy(m)
+    with pytest.raises(layerstream.LayerstreamError,
+                       match=r"1 trainable layer\(s\).*frozen: 4\. .*quantize=\{'\*lora_\*': None"):
+        layerstream.offload(m, device="sim", quantize="nf4")
+    assert all("forward" not in x.__dict__ for x in m.modules())
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert type(p) is nn.Parameter and torch.equal(p, q), n
+    handle = layerstream.offload(m, device="sim", quantize={"4": None, "*": "nf4"})
+    assert handle.stats()["quantized_layers"] == 2
 
 
 def test_nan_weight_is_a_clear_error():
