@@ -259,3 +259,34 @@ TEST(TorchOffload, TrainingAQuantizedWeightIsRefused) {
   model->fc->weight.requires_grad_(false);
   EXPECT_TRUE(torch::equal(model->forward(x), before));
 }
+
+struct TwoImpl : torch::nn::Module {
+  layerstream::nn::Linear a{nullptr}, b{nullptr};
+  TwoImpl() {
+    a = register_module("a", layerstream::nn::Linear(64, 64));
+    b = register_module("b", layerstream::nn::Linear(64, 64));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(a(x))); }
+};
+TORCH_MODULE(Two);
+
+TEST(TorchOffload, FailureWhileAttachingUndoesWhatWasAttached) {
+  // 'a' is frozen and quantizes; 'b' is trainable, which the engine refuses
+  // for a quantized weight. Before, the exception left 'a' bound to an engine
+  // no handle could detach. Now offload() undoes it and rethrows.
+  torch::manual_seed(0);
+  Two model;
+  model->a->weight.requires_grad_(false);
+  const auto x = torch::randn({3, 64});
+  const auto want = model->forward(x).detach();
+  auto opts = sim_options();
+  opts.quantize = "int8";
+  EXPECT_THROW(layerstream::offload(*model, opts), std::exception);
+  EXPECT_FALSE(model->a->attached());
+  EXPECT_FALSE(model->b->attached());
+  EXPECT_TRUE(torch::equal(model->forward(x), want));
+  model->b->weight.requires_grad_(false);
+  model->b->bias.requires_grad_(false);
+  auto handle = layerstream::offload(*model, opts);
+  EXPECT_EQ(handle->stats().at("quantized_layers"), 2);
+}
