@@ -1024,23 +1024,24 @@ def offload(
     engine = _C.Engine(opts)
     attached: List[_Attached] = []
     streamed_params = set()
+    handle = Handle(engine, attached, plan)
     try:
         _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device)
+        for a in attached:
+            a.module._layerstream_handle = handle
+        if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
+            model._apply = _RootApply(model, [a.module._apply for a in attached])
+            handle._root = model
+        # Resident weights to the compute device (device memory can run out here; the
+        # tensors already moved stay there, on the device the model was meant for).
+        _move_resident(model, streamed_params, compute_device)
     except BaseException:
         try:
-            Handle(engine, attached, plan).detach()
+            handle.detach()
         except Exception as undo_error:  # pragma: no cover - reported with the original error
             warnings.warn(f"layerstream: offload() failed and undoing it failed too: {undo_error}",
                           RuntimeWarning, stacklevel=2)
         raise
-
-    handle = Handle(engine, attached, plan)
-    for a in attached:
-        a.module._layerstream_handle = handle
-    if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
-        model._apply = _RootApply(model, [a.module._apply for a in attached])
-        handle._root = model
-    _move_resident(model, streamed_params, compute_device)
     return handle
 
 

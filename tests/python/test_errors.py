@@ -309,28 +309,38 @@ def test_layer_with_a_forward_wrapped_on_the_instance_stays_resident(offload_sim
     assert torch.equal(model(x), ref(x))
 
 
-def test_failure_while_attaching_undoes_what_was_attached(offload_sim, monkeypatch):
-    """A failure part way through attaching the layers (here: injected at the third
-    layer, after the engine took it and its forward was swapped) used to leave the first
-    layers streamed, with no handle to detach them. offload() now undoes every layer it
-    touched, as detach() does: original forwards, the weights bit-identical on their
-    devices, no engine state left, and the error propagates."""
+@pytest.mark.parametrize("where", ["third_layer", "moving_resident_weights"])
+def test_failure_while_attaching_undoes_what_was_attached(offload_sim, monkeypatch, where):
+    """A failure part way through offload() (injected at the third layer, after the engine
+    took it and its forward was swapped; or when the resident weights move to the device,
+    where device memory can run out) used to leave the layers streamed, with no handle to
+    detach them. offload() now undoes every layer it touched, as detach() does: original
+    forwards, the weights bit-identical on their devices, no engine state left, and the
+    error propagates."""
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     ref = copy.deepcopy(model)
-    real = layerstream._StreamedApply
     calls = []
+    if where == "third_layer":
+        real = layerstream._StreamedApply
 
-    def failing(module, device, name):
-        calls.append(name)
-        if len(calls) == 3:
+        def failing(module, device, name):
+            calls.append(name)
+            if len(calls) == 3:
+                raise MemoryError("injected")
+            return real(module, device, name)
+
+        monkeypatch.setattr(layerstream, "_StreamedApply", failing)
+    else:
+        def failing(*args):
+            calls.append("moved")
             raise MemoryError("injected")
-        return real(module, device, name)
 
-    monkeypatch.setattr(layerstream, "_StreamedApply", failing)
+        monkeypatch.setattr(layerstream, "_move_resident", failing)
     with pytest.raises(MemoryError, match="injected"):
         layerstream.offload(model, device="sim")
-    monkeypatch.setattr(layerstream, "_StreamedApply", real)
-    assert calls == ["0", "2", "4"]
+    monkeypatch.undo()
+    assert calls == (["0", "2", "4"] if where == "third_layer" else ["moved"])
+    assert "_apply" not in model.__dict__
     for m in model.modules():
         assert "forward" not in m.__dict__ and "_apply" not in m.__dict__
         assert getattr(m, "_layerstream_handle", None) is None
