@@ -931,11 +931,9 @@ void Engine::ensure_backward_callback() {
 }
 
 void Engine::report_failed_backward() {
-  {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    if (!failed_backward_unreported_) return;
-    failed_backward_unreported_ = false;
-  }
+  // On every call: a plain load, no lock, in the common case.
+  if (!failed_backward_unreported_.load(std::memory_order_relaxed) || !failed_backward_unreported_.exchange(false))
+    return;
   warn_once("failed-backward-" + std::to_string(id_),
             "a backward pass through streamed layers raised an exception; the weight gradients it had "
             "already computed for streamed layers were dropped, not added to .grad (plain autograd "

@@ -338,7 +338,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<int> pending_;  // layers with gradients in flight
   std::vector<int> callback_tasks_;  // graph tasks whose end-of-backward callback is queued
   uint64_t failed_backwards_ = 0;      // backwards whose staged gradients were dropped
-  bool failed_backward_unreported_ = false;  // warned at the next linear()/conv()
+  std::atomic<bool> failed_backward_unreported_{false};  // warned at the next linear()/conv()
   uint64_t d2h_bytes_ = 0;
   std::atomic<bool> cast_warned_{false};
   bool detached_ = false;

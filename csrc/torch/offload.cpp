@@ -293,64 +293,69 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   }
   LS_CHECK(!items.empty(), "offload() found no Linear or Conv1d/2d/3d module to stream");
 
-  // A failure part way (a trainable layer to quantize, host memory) undoes
-  // the layers attached so far, as detach() does, before it propagates.
-  try {
-    for (auto& it : items) {
-      torch::nn::Module* m = it.module.get();
-      if (auto* l = dynamic_cast<nn::LinearImpl*>(m)) {
-        const int idx = engine->add_linear(it.name, l->weight, l->bias, qformat);
-        l->bind(engine, idx);
-        handle->unbind_.push_back([l] { l->unbind(); });
-        record(it.name, l->weight, l->bias);
-      } else if (auto* tl = dynamic_cast<torch::nn::LinearImpl*>(m)) {
-        auto s = std::make_shared<nn::LinearImpl>(tl->options, tl->weight, tl->bias);
-        const int idx = engine->add_linear(it.name, s->weight, s->bias, qformat);
+  // A failure part way (a trainable layer to quantize, host or device
+  // memory) undoes the layers attached so far, as detach() does, before it
+  // propagates.
+  struct UndoOnThrow {
+    OffloadHandle* handle;
+    bool armed = true;
+    ~UndoOnThrow() {
+      if (!armed) return;
+      try {
+        handle->detach();
+      } catch (...) {
+      }
+    }
+  } undo{handle.get()};
+  for (auto& it : items) {
+    torch::nn::Module* m = it.module.get();
+    if (auto* l = dynamic_cast<nn::LinearImpl*>(m)) {
+      const int idx = engine->add_linear(it.name, l->weight, l->bias, qformat);
+      l->bind(engine, idx);
+      handle->unbind_.push_back([l] { l->unbind(); });
+      record(it.name, l->weight, l->bias);
+    } else if (auto* tl = dynamic_cast<torch::nn::LinearImpl*>(m)) {
+      auto s = std::make_shared<nn::LinearImpl>(tl->options, tl->weight, tl->bias);
+      const int idx = engine->add_linear(it.name, s->weight, s->bias, qformat);
+      s->bind(engine, idx);
+      it.parent->replace_module(it.child, s);
+      handle->swaps_.push_back({it.parent, it.child, it.module});
+      record(it.name, s->weight, s->bias);
+    } else {
+      auto swap_conv = [&](auto* conv, auto dim_tag) -> bool {
+        if (!conv) return false;
+        constexpr size_t D = decltype(dim_tag)::value;
+        LS_CHECK(std::holds_alternative<torch::enumtype::kZeros>(conv->options.padding_mode()),
+                 "cannot stream conv '", it.name, "': only zero padding_mode is streamed; exclude it");
+        auto opts = conv_options_from<D>(conv->options);
+        auto s = std::make_shared<nn::ConvImpl<D>>(opts, conv->weight, conv->bias);
+        const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec(), qformat);
         s->bind(engine, idx);
         it.parent->replace_module(it.child, s);
         handle->swaps_.push_back({it.parent, it.child, it.module});
         record(it.name, s->weight, s->bias);
-      } else {
-        auto swap_conv = [&](auto* conv, auto dim_tag) -> bool {
-          if (!conv) return false;
-          constexpr size_t D = decltype(dim_tag)::value;
-          LS_CHECK(std::holds_alternative<torch::enumtype::kZeros>(conv->options.padding_mode()),
-                   "cannot stream conv '", it.name, "': only zero padding_mode is streamed; exclude it");
-          auto opts = conv_options_from<D>(conv->options);
-          auto s = std::make_shared<nn::ConvImpl<D>>(opts, conv->weight, conv->bias);
-          const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec(), qformat);
-          s->bind(engine, idx);
-          it.parent->replace_module(it.child, s);
-          handle->swaps_.push_back({it.parent, it.child, it.module});
-          record(it.name, s->weight, s->bias);
-          return true;
-        };
-        auto bind_ours = [&](auto* conv) -> bool {
-          if (!conv) return false;
-          const int idx = engine->add_conv(it.name, conv->weight, conv->bias, conv->spec(), qformat);
-          conv->bind(engine, idx);
-          handle->unbind_.push_back([conv] { conv->unbind(); });
-          record(it.name, conv->weight, conv->bias);
-          return true;
-        };
-        if (bind_ours(dynamic_cast<nn::Conv1dImpl*>(m)) || bind_ours(dynamic_cast<nn::Conv2dImpl*>(m)) ||
-            bind_ours(dynamic_cast<nn::Conv3dImpl*>(m)))
-          continue;
-        if (swap_conv(dynamic_cast<torch::nn::Conv1dImpl*>(m), std::integral_constant<size_t, 1>{}) ||
-            swap_conv(dynamic_cast<torch::nn::Conv2dImpl*>(m), std::integral_constant<size_t, 2>{}) ||
-            swap_conv(dynamic_cast<torch::nn::Conv3dImpl*>(m), std::integral_constant<size_t, 3>{}))
-          continue;
-      }
+        return true;
+      };
+      auto bind_ours = [&](auto* conv) -> bool {
+        if (!conv) return false;
+        const int idx = engine->add_conv(it.name, conv->weight, conv->bias, conv->spec(), qformat);
+        conv->bind(engine, idx);
+        handle->unbind_.push_back([conv] { conv->unbind(); });
+        record(it.name, conv->weight, conv->bias);
+        return true;
+      };
+      if (bind_ours(dynamic_cast<nn::Conv1dImpl*>(m)) || bind_ours(dynamic_cast<nn::Conv2dImpl*>(m)) ||
+          bind_ours(dynamic_cast<nn::Conv3dImpl*>(m)))
+        continue;
+      if (swap_conv(dynamic_cast<torch::nn::Conv1dImpl*>(m), std::integral_constant<size_t, 1>{}) ||
+          swap_conv(dynamic_cast<torch::nn::Conv2dImpl*>(m), std::integral_constant<size_t, 2>{}) ||
+          swap_conv(dynamic_cast<torch::nn::Conv3dImpl*>(m), std::integral_constant<size_t, 3>{}))
+        continue;
     }
-  } catch (...) {
-    try {
-      handle->detach();
-    } catch (...) {
-    }
-    throw;
   }
 
-  // Everything not streamed goes to the compute device.
+  // Everything not streamed goes to the compute device (device memory can run
+  // out here too: still undone).
   torch::NoGradGuard ng;
   for (auto& p : root.parameters(/*recurse=*/true)) {
     if (streamed.count(p.unsafeGetTensorImpl()) || p.device() == dev) continue;
@@ -359,6 +364,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   for (auto& b : root.buffers(/*recurse=*/true)) {
     if (b.device() != dev) b.set_data(b.data().to(dev));
   }
+  undo.armed = false;
   return handle;
 }
 

@@ -452,18 +452,22 @@ def test_wrong_shape_then_recovers(offload_sim):
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def _two_layers(kind, input_grad=True):
+    """Two streamed Linear or Conv2d layers (names '0' and '2') and an input."""
+    if kind == "linear":
+        return (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)),
+                torch.randn(2, 4, requires_grad=input_grad))
+    return (nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Conv2d(3, 2, 3)),
+            torch.randn(2, 2, 7, 7, requires_grad=input_grad))
+
+
 @pytest.mark.parametrize("kind", ["linear", "conv"])
 def test_create_graph_backward_is_a_clear_error_then_recovers(offload_sim, kind):
     """backward(create_graph=True) through a streamed layer (a gradient penalty) is refused:
     before, the input gradient's graph held a device slot that is reused (and lacked the
     weight's share), and the parameter gradients came out wrong or missing without a word.
     A plain backward afterwards matches the reference."""
-    if kind == "linear":
-        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-        x = torch.randn(2, 4, requires_grad=True)
-    else:
-        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Conv2d(3, 2, 3))
-        x = torch.randn(2, 2, 7, 7, requires_grad=True)
+    model, x = _two_layers(kind)
     ref = copy.deepcopy(model)
     offload_sim(model)
     with pytest.raises(RuntimeError, match=r"layer '2': backward with create_graph=True .*"
@@ -493,12 +497,7 @@ def test_weight_written_between_forward_and_backward_raises_like_autograd(offloa
     input gradient needs it; conv: always), so it raises iff the reference raises, and
     names the layer; when neither raises, gradients are identical."""
     torch.manual_seed(0)
-    if kind == "linear":
-        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-        x = torch.randn(2, 4, requires_grad=input_grad)
-    else:
-        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Conv2d(3, 2, 3))
-        x = torch.randn(2, 2, 7, 7, requires_grad=input_grad)
+    model, x = _two_layers(kind, input_grad)
     ref = copy.deepcopy(model)
     offload_sim(model)
     outcomes = []

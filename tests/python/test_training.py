@@ -71,6 +71,23 @@ def _assert_grads(model, ref, exact=False, tol=TOL):
             torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"{n}.grad: {m}")
 
 
+def _train_exactly(model, ref, steps, run=None, d_in=16):
+    """`steps` SGD steps on random inputs, the streamed model (called through `run`,
+    default the model itself) against `ref`: outputs and grads bit-identical each step."""
+    run = run or model
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(steps):
+        x = torch.randn(8, d_in)
+        y, yr = run(x), ref(x)
+        assert torch.equal(y, yr)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        _assert_grads(model, ref, exact=True)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+
 # ---------------------------------------------------------------- checkpointing
 @pytest.mark.parametrize("mode", ["reentrant", "nonreentrant"])
 def test_gradient_checkpointing(offload_sim, mode):
@@ -187,17 +204,7 @@ def test_peft_dora_layers_stay_resident(offload_sim):
                                             r"'base_model.model.0.lora_B.default'"):
         handle = offload_sim(model)
     assert handle.layers == ["base_model.model.2", "base_model.model.4"]
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    for _ in range(2):
-        x = torch.randn(8, 16)
-        y, yr = model(x), ref(x)
-        assert torch.equal(y, yr)
-        y.square().sum().backward()
-        yr.square().sum().backward()
-        _assert_grads(model, ref, exact=True)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    _train_exactly(model, ref, steps=2)
 
 
 def test_tied_embeddings_full_finetune_with_budget(offload_sim):
@@ -800,19 +807,9 @@ def test_torch_compile_of_an_offloaded_model_trains_exactly(offload_sim, backend
     ref = copy.deepcopy(model)
     handle = offload_sim(model)
     compiled = torch.compile(model, backend=backend)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Dynamo does not know how to trace")
-        for _ in range(3):
-            x = torch.randn(8, 16)
-            y, yr = compiled(x), ref(x)
-            assert torch.equal(y, yr)
-            y.square().sum().backward()
-            yr.square().sum().backward()
-            _assert_grads(model, ref, exact=True)
-            opt.step(), ref_opt.step()
-            opt.zero_grad(), ref_opt.zero_grad()
+        _train_exactly(model, ref, steps=3, run=compiled)
     _assert_params_close(model, ref, exact=True)
     assert handle.stats()["misses"] < handle.stats()["acquires"]
     torch._dynamo.reset()
