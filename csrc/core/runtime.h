@@ -145,6 +145,13 @@ class Backend {
   // returns false (and changes nothing) when it cannot.
   virtual bool pin_existing(void* ptr, size_t bytes) { (void)ptr; (void)bytes; return false; }
   virtual void unpin_existing(void* ptr) { (void)ptr; }
+  // The address at which kernels on this backend's device read the host
+  // memory `host` directly (pinned memory mapped into the device's address
+  // space: cudaHostGetDevicePointer), or nullptr when they cannot (pageable
+  // memory; the sim device, whose computations run on the host anyway). Such
+  // reads cross the bus when the kernel runs: the memory must stay alive and
+  // unwritten by the host until that work is done (record an event after it).
+  virtual void* device_address_of_host(const BufferRef& host) { (void)host; return nullptr; }
   // Frees memory from alloc_device/alloc_host. The caller guarantees that no
   // pending work still uses it (synchronize the events that used it first).
   virtual void free(const BufferRef& buf) = 0;

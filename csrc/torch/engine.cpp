@@ -160,8 +160,13 @@ Engine::~Engine() {
   } catch (...) {
   }
   sched_.reset();
+  try {
+    wait_lookups_locked();  // no lookup may still read the host store
+  } catch (...) {
+  }
   for (auto& l : layers_) {
     l->grad_done = Event();
+    l->last_read = Event();
     for (auto& b : l->grad_staging) b.reset();
   }
   try {
@@ -366,7 +371,8 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
 
 int Engine::register_layer_locked(LayerInfo info) {
   if (info.qformat != quant::Format::None) info.q_dtype = dequant_dtype_.value_or(info.w_dtype);
-  if (compute_dtype_) {
+  // An embedding's output is in its weight's dtype, as torch's lookup: never cast.
+  if (compute_dtype_ && !info.is_embedding) {
     info.cast_dtype = *compute_dtype_;
     info.cast_w = info.qformat == quant::Format::None && info.w_dtype != *compute_dtype_;
     info.cast_b = info.bias.defined() && info.b_dtype != *compute_dtype_;
@@ -404,6 +410,34 @@ int Engine::add_linear(const std::string& name, torch::Tensor weight, torch::Ten
   info.weight = weight;
   info.bias = bias;
   return add_layer(std::move(info), format);
+}
+
+int Engine::add_embedding(const std::string& name, torch::Tensor weight) {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
+  LS_CHECK(weight.defined() && weight.dim() == 2, "embedding layer '", name, "' needs a 2-D weight, got ",
+           weight.defined() ? shape_str(weight.sizes().vec()) : std::string("none"));
+  LS_CHECK(weight.is_floating_point(), "embedding layer '", name, "' has a ", weight.scalar_type(),
+           " weight; only floating-point weights can be streamed");
+  LS_CHECK(!weight.requires_grad(), "embedding layer '", name, "': its weight requires grad, but a "
+           "streamed embedding is frozen (its lookups read the host copy and compute no gradient); "
+           "freeze it (weight.requires_grad_(False)) or keep it resident");
+  for (const auto& l : layers_) {
+    LS_CHECK(!l->weight.is_same(weight), "embedding layer '", name, "' shares its weight with already "
+             "streamed layer '", l->name, "': attach each module once");
+  }
+  LayerInfo info;
+  info.name = name;
+  info.is_embedding = true;
+  info.weight = weight;
+  info.w_shape = weight.sizes().vec();
+  info.w_dtype = weight.scalar_type();
+  info.w_host = adopt(*store_, keepalive_, info.weight, name + ".weight", &info.w_index, &info.w_bytes,
+                      &info.w_strides);
+  info.last_read = backend_->create_event();
+  info.w_host_mapped = backend_->device_address_of_host(store_->buffer(info.w_index));
+  return register_layer_locked(std::move(info));
 }
 
 int Engine::add_linear_int8(const std::string& name, torch::Tensor data,
@@ -506,6 +540,10 @@ void Engine::build_scheduler_locked() {
     const LayerInfo& l = *layers_[i];
     LayerSpec s;
     s.name = l.name;
+    if (l.is_embedding) {  // looked up in place, never fetched: an empty spec keeps the indices
+      specs.push_back(std::move(s));
+      continue;
+    }
     s.parts.push_back(store_->buffer(l.w_index));
     if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
     s.workspace_bytes = workspace_bytes(l);
@@ -947,6 +985,12 @@ void Engine::synchronize() {
   drain_grads(-1);
   backend_->synchronize(grad_stream_);
   if (sched_) sched_->quiesce();
+  wait_lookups_locked();
+}
+
+void Engine::wait_lookups_locked() {
+  for (const auto& l : layers_)
+    if (l->is_embedding && l->last_read) backend_->synchronize(l->last_read);
 }
 
 void Engine::detach(const std::vector<torch::Device>& devices) {
@@ -981,7 +1025,9 @@ std::map<std::string, double> Engine::stats() const {
   m["deviations"] = static_cast<double>(st.deviations + carried_.deviations);
   m["retraces"] = static_cast<double>(st.retraces + carried_.retraces);
   m["failed_backwards"] = static_cast<double>(failed_backwards_);
-  m["h2d_bytes"] = static_cast<double>(st.h2d_bytes + carried_.h2d_bytes);
+  const uint64_t gathered = gathered_bytes_.load();
+  m["h2d_bytes"] = static_cast<double>(st.h2d_bytes + carried_.h2d_bytes + gathered);
+  m["gathered_bytes"] = static_cast<double>(gathered);
   m["d2h_bytes"] = static_cast<double>(d2h_bytes_);
   m["stall_seconds"] = st.host_wait_seconds + carried_.host_wait_seconds;
   m["slots"] = st.num_slots;
@@ -992,6 +1038,9 @@ std::map<std::string, double> Engine::stats() const {
   int quantized = 0;
   for (const auto& l : layers_) quantized += l->qformat != quant::Format::None ? 1 : 0;
   m["quantized_layers"] = quantized;
+  int embeddings = 0;
+  for (const auto& l : layers_) embeddings += l->is_embedding ? 1 : 0;
+  m["embedding_layers"] = embeddings;
   const HostStoreStats hs = store_->stats();
   m["pinned_bytes"] = static_cast<double>(hs.pinned_bytes);
   m["pageable_bytes"] = static_cast<double>(hs.pageable_bytes);
@@ -1409,7 +1458,8 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool gr
   report_failed_backward();
   LayerInfo& l = layer(layer_index);
   check_not_tracing(l);
-  LS_CHECK(!l.is_conv, "layer '", l.name, "' is a convolution, not a Linear");
+  LS_CHECK(!l.is_conv && !l.is_embedding, "layer '", l.name, "' is ",
+           l.is_conv ? "a convolution" : "an embedding", ", not a Linear");
   check_input(*this, l, x_in);
   const torch::Tensor x = autocast_input(x_in, compute_device_.type());
   check_host_alias(l);
@@ -1430,13 +1480,63 @@ torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grad
   report_failed_backward();
   LayerInfo& l = layer(layer_index);
   check_not_tracing(l);
-  LS_CHECK(l.is_conv, "layer '", l.name, "' is a Linear, not a convolution");
+  LS_CHECK(l.is_conv, "layer '", l.name, "' is ", l.is_embedding ? "an embedding" : "a Linear",
+           ", not a convolution");
   check_input(*this, l, x_in);
   const torch::Tensor x = autocast_input(x_in, compute_device_.type());
   check_host_alias(l);
   ensure_scheduler();
   return ConvFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
                        static_cast<int64_t>(layer_index), grads_via_autograd);
+}
+
+torch::Tensor Engine::embedding(int layer_index, const torch::Tensor& ids) {
+  auto scope = device_scope();
+  report_failed_backward();
+  LayerInfo& l = layer(layer_index);
+  check_not_tracing(l);
+  LS_CHECK(l.is_embedding, "layer '", l.name, "' is ", l.is_conv ? "a convolution" : "a Linear",
+           ", not an embedding");
+  LS_CHECK(ids.device() == compute_device_, "embedding layer '", l.name, "' streams to ", device_name_,
+           " (tensors on ", compute_device_.str(), ") but its ids are on ", ids.device().str(),
+           "; move them to ", compute_device_.str());
+  LS_CHECK(ids.scalar_type() == torch::kLong || ids.scalar_type() == torch::kInt, "embedding layer '",
+           l.name, "' got ", ids.scalar_type(), " ids; they must be int64 or int32");
+  check_host_alias(l);
+  LS_CHECK(!(torch::GradMode::is_enabled() && l.weight.requires_grad()), "the weight of streamed "
+           "embedding layer '", l.name, "' was set to require grad after offload(); a streamed "
+           "embedding is frozen (its lookups compute no gradient). Call handle.detach() and "
+           "offload() again with it trainable: trainable embeddings stay resident.");
+  torch::NoGradGuard ng;  // frozen: the result needs no graph
+  Stream cs = compute_stream();
+  auto span = trace_begin(cs);
+  const int64_t row_bytes = l.w_shape[1] * static_cast<int64_t>(c10::elementSize(l.w_dtype));
+  torch::Tensor out;
+  if (compute_device_.is_cpu()) {
+    // The sim device computes on the host: the lookup reads the store directly.
+    if (backend_->caps().ordering_checker)
+      backend_->declare_host_access(store_->buffer(l.w_index), Access::Read, "lookup in '" + l.name + "'");
+    out = torch::embedding(l.weight.detach(), ids);
+  } else if (l.w_host_mapped != nullptr) {
+    // Kernels read the pinned store through its device mapping: only the rows named.
+    const auto opts = torch::TensorOptions().dtype(l.w_dtype).device(compute_device_);
+    const torch::Tensor table =
+        at::for_blob(l.w_host_mapped, l.w_shape)
+            .strides(l.w_strides.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(l.w_strides))
+            .target_device(compute_device_)
+            .options(opts)
+            .make_tensor();
+    out = torch::embedding(table, ids);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    backend_->record(l.last_read, cs);
+  } else {
+    // Pageable store: the device cannot read it; gather on the host, then copy.
+    out = torch::embedding(l.weight.detach(), ids.to(torch::kCPU)).to(compute_device_);
+  }
+  gathered_bytes_ += static_cast<uint64_t>(ids.numel()) * static_cast<uint64_t>(row_bytes);
+  if (span) trace_end(cs, span, "compute", "lookup " + l.name,
+                      static_cast<uint64_t>(ids.numel()) * static_cast<uint64_t>(row_bytes));
+  return out;
 }
 
 }  // namespace layerstream

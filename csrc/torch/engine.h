@@ -142,6 +142,20 @@ class Engine : public std::enable_shared_from_this<Engine> {
                         torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols,
                         torch::ScalarType dense_dtype);
 
+  // A frozen embedding table (nn.Embedding without max_norm): its weight
+  // moves into the host store like a Linear's and never occupies device
+  // memory. Each lookup reads only the rows its ids name, straight from host
+  // memory: on CUDA a gather kernel on the compute stream reads the pinned
+  // store through its device mapping (PCIe reads of ids.numel() rows, no
+  // slot, no copy of the table); with a pageable store (pinning failed or
+  // pin_memory=false) the ids are copied to the host and the rows gathered
+  // there, then copied to the device (a host wait per lookup). The weight
+  // must not require grad (a trainable table stays resident; offload() leaves
+  // it to the model). Not part of the scheduler's trace and not counted in
+  // the slots; `layers` in stats() counts it, `embedding_layers` and
+  // `gathered_bytes` (rows read, also in h2d_bytes) describe it.
+  int add_embedding(const std::string& name, torch::Tensor weight);
+
   // The streamed computations (differentiable). Weight gradients normally
   // go back asynchronously and are accumulated into .grad by the engine; with
   // grads_via_autograd (e.g. the parameter has hooks) — and always under
@@ -152,6 +166,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // the weight is used in that dtype (compute_dtype's copy when it matches).
   torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
   torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
+  // The lookup of an embedding layer: weight[ids] on the compute device, in
+  // the weight's dtype, like torch.nn.functional.embedding (ids: an integer
+  // tensor on the compute device; out-of-range ids fail as torch's lookup
+  // does). Not differentiable (the table is frozen): calling it with grad
+  // mode on after the weight was set to require grad is an error. Stream
+  // semantics: enqueued on the compute stream like the layers; the host
+  // rows are read when it runs, so host writes to the table must wait for
+  // synchronize() (detach() and the destructor wait for it).
+  torch::Tensor embedding(int layer, const torch::Tensor& ids);
 
   // Waits for every pending transfer and gradient, accumulates gradients
   // staged outside any autograd graph task into param.grad (a backward pass
@@ -166,9 +189,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   // Telemetry: peak_device_bytes, h2d_bytes, d2h_bytes, steps, hits, misses,
   // deviations, retraces, stall_seconds, slots, slot_bytes, budget_bytes,
-  // pinned_bytes, pageable_bytes, layers, ordering_errors, failed_backwards
-  // (backward passes that raised after staging weight gradients, which were
-  // dropped: see discard_task()).
+  // pinned_bytes, pageable_bytes, layers, embedding_layers, gathered_bytes,
+  // ordering_errors, failed_backwards (backward passes that raised after
+  // staging weight gradients, which were dropped: see discard_task()).
   std::map<std::string, double> stats() const;
   std::vector<std::string> ordering_errors() const;
   // Per-step counters (see StepStats) of completed steps, with the overlap
@@ -240,6 +263,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   struct LayerInfo {
     std::string name;
     bool is_conv = false;
+    bool is_embedding = false;  // add_embedding(): looked up, never in a slot
+    Event last_read;            // embedding: after the newest lookup on the device
+    void* w_host_mapped = nullptr;  // embedding: the store's device mapping (nullptr: none)
     ConvSpec conv;
     torch::Tensor weight;  // the parameter (data aliases the host store); a meta stand-in if quantized
     torch::Tensor bias;    // may be undefined
@@ -309,6 +335,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Warns (once per engine) at the next linear()/conv() after discard_task()
   // dropped gradients: never from inside the autograd engine.
   void report_failed_backward();
+  // Waits until no embedding lookup enqueued so far still reads the host store.
+  void wait_lookups_locked();
   size_t grad_bytes(const LayerInfo& l) const;
   // Bytes of the weight as the workspace holds it (dequantized, or cast to
   // compute_dtype).
@@ -340,6 +368,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   uint64_t failed_backwards_ = 0;      // backwards whose staged gradients were dropped
   std::atomic<bool> failed_backward_unreported_{false};  // warned at the next linear()/conv()
   uint64_t d2h_bytes_ = 0;
+  std::atomic<uint64_t> gathered_bytes_{0};  // embedding rows read from the host store
   std::atomic<bool> cast_warned_{false};
   bool detached_ = false;
   std::shared_ptr<TraceRecorder> tracer_;

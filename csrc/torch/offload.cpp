@@ -168,6 +168,48 @@ torch::Tensor ConvImpl<D>::forward(const torch::Tensor& x) {
                             std::vector<int64_t>(D, 0), s.groups);
 }
 
+EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options_) : options(options_) { reset(); }
+
+EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options_, torch::Tensor w)
+    : options(options_) {
+  weight = register_parameter("weight", w, w.requires_grad());
+}
+
+void EmbeddingImpl::reset() {
+  // Same initialisation as torch::nn::Embedding: N(0, 1), the padding row zero.
+  weight = register_parameter("weight", torch::empty({options.num_embeddings(), options.embedding_dim()}));
+  torch::nn::init::normal_(weight);
+  if (options.padding_idx()) {
+    int64_t p = *options.padding_idx();
+    if (p < 0) p += options.num_embeddings();
+    torch::NoGradGuard ng;
+    weight[p].fill_(0);
+  }
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
+  if (engine_) return engine_->embedding(index_, ids);
+  namespace F = torch::nn::functional;
+  auto o = F::EmbeddingFuncOptions().padding_idx(options.padding_idx()).max_norm(options.max_norm());
+  o.norm_type(options.norm_type()).scale_grad_by_freq(options.scale_grad_by_freq()).sparse(options.sparse());
+  return F::embedding(ids, weight, o);
+}
+
+void EmbeddingImpl::pretty_print(std::ostream& stream) const {
+  stream << "layerstream::nn::Embedding(num_embeddings=" << options.num_embeddings()
+         << ", embedding_dim=" << options.embedding_dim() << (engine_ ? ", streamed" : "") << ")";
+}
+
+void EmbeddingImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  if (!keep_streamed(weight, device, dtype)) torch::nn::Module::to(device, dtype, non_blocking);
+}
+void EmbeddingImpl::to(torch::Dtype dtype, bool non_blocking) {
+  if (!keep_streamed(weight, std::nullopt, dtype)) torch::nn::Module::to(dtype, non_blocking);
+}
+void EmbeddingImpl::to(torch::Device device, bool non_blocking) {
+  if (!keep_streamed(weight, device, std::nullopt)) torch::nn::Module::to(device, non_blocking);
+}
+
 template class ConvImpl<1>;
 template class ConvImpl<2>;
 template class ConvImpl<3>;
@@ -265,6 +307,14 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
     for (const auto& child : parent->named_children()) {
       const std::string name = named.key().empty() ? child.key() : named.key() + "." + child.key();
       auto m = child.value();
+      // layerstream::nn::Embedding: only a frozen float table without max_norm
+      // (which renormalizes the rows it reads, in place); others compute as the
+      // torch module, resident. torch::nn::Embedding is not swapped: parents
+      // usually call it through their own holder member, which would keep
+      // calling the torch module on a weight moved to the host.
+      if (const auto* e = dynamic_cast<nn::EmbeddingImpl*>(m.get())) {
+        if (!e->weight.is_floating_point() || e->weight.requires_grad() || e->options.max_norm()) continue;
+      }
       const bool plain = dynamic_cast<torch::nn::LinearImpl*>(m.get()) ||
                          dynamic_cast<torch::nn::Conv1dImpl*>(m.get()) ||
                          dynamic_cast<torch::nn::Conv2dImpl*>(m.get()) ||
@@ -291,7 +341,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                engine->compute_device(), " (a streamed copy would move a tensor another module "
                "uses, and lose gradient): ", list);
   }
-  LS_CHECK(!items.empty(), "offload() found no Linear or Conv1d/2d/3d module to stream");
+  LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or frozen Embedding module to stream");
 
   // A failure part way (a trainable layer to quantize, host or device
   // memory) undoes the layers attached so far, as detach() does, before it
@@ -314,6 +364,11 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       l->bind(engine, idx);
       handle->unbind_.push_back([l] { l->unbind(); });
       record(it.name, l->weight, l->bias);
+    } else if (auto* e = dynamic_cast<nn::EmbeddingImpl*>(m)) {
+      const int idx = engine->add_embedding(it.name, e->weight);
+      e->bind(engine, idx);
+      handle->unbind_.push_back([e] { e->unbind(); });
+      record(it.name, e->weight, torch::Tensor());
     } else if (auto* tl = dynamic_cast<torch::nn::LinearImpl*>(m)) {
       auto s = std::make_shared<nn::LinearImpl>(tl->options, tl->weight, tl->bias);
       const int idx = engine->add_linear(it.name, s->weight, s->bias, qformat);

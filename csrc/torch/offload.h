@@ -7,13 +7,16 @@
 //   auto loss = model->forward(x).sum(); loss.backward();   // grads on host, complete
 //   handle->stats(); handle->detach();
 //
-// Streamed module types. layerstream::nn::Linear / Conv1d / Conv2d / Conv3d
-// are drop-in replacements for torch::nn::Linear / Conv*d (same options,
-// parameters "weight" and "bias"): they compute like the torch module until
-// offload() attaches them to an engine, then they stream their weights.
+// Streamed module types. layerstream::nn::Linear / Conv1d / Conv2d / Conv3d /
+// Embedding are drop-in replacements for torch::nn::Linear / Conv*d /
+// Embedding (same options, parameters "weight" and "bias"): they compute like
+// the torch module until offload() attaches them to an engine, then they
+// stream their weights (an embedding: a frozen table without max_norm,
+// looked up in host memory; see Engine::add_embedding).
 //
 // offload(root, options) walks root's module tree and
-//  * attaches every layerstream::nn::* module, and
+//  * attaches every layerstream::nn::* module (an Embedding only when frozen
+//    and without max_norm), and
 //  * swaps every registered torch::nn::Linear / Conv*d child for a streamed
 //    module sharing the same parameters (same named_parameters() names) via
 //    Module::replace_module. LibTorch limitation: a parent that calls a child
@@ -22,7 +25,8 @@
 //    (or re-read the child from the registry). Children of Sequential /
 //    ModuleList / ModuleDict cannot be swapped (their element lists are
 //    private): offload() throws naming them, so nothing runs unstreamed
-//    silently.
+//    silently. torch::nn::Embedding is never swapped (it stays resident):
+//    declare the member as layerstream::nn::Embedding to stream a table.
 // A layer whose weight or bias another module shares (tied weights) is not
 // streamed: it stays resident, with one warning (docs/design/torch-glue.md).
 // Non-streamed parameters and buffers are moved to the compute device. After
@@ -145,6 +149,29 @@ class ConvImpl : public torch::nn::Cloneable<ConvImpl<D>>, public StreamedBase {
   torch::nn::ConvOptions<D> options;
   torch::Tensor weight, bias;
 };
+// A drop-in replacement for torch::nn::Embedding (same options, parameter
+// "weight"). Attached (a frozen table without max_norm), its lookups read the
+// rows from host memory (Engine::embedding); otherwise it computes like the
+// torch module.
+class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public StreamedBase {
+ public:
+  EmbeddingImpl(int64_t num, int64_t dim) : EmbeddingImpl(torch::nn::EmbeddingOptions(num, dim)) {}
+  explicit EmbeddingImpl(const torch::nn::EmbeddingOptions& options);
+  // Shares the given weight (e.g. that of an existing torch::nn::Embedding).
+  EmbeddingImpl(const torch::nn::EmbeddingOptions& options, torch::Tensor weight);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& ids);
+  void pretty_print(std::ostream& stream) const override;
+  // Once attached: see StreamedBase::keep_streamed.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
+  torch::nn::EmbeddingOptions options;
+  torch::Tensor weight;
+};
+TORCH_MODULE(Embedding);
+
 using Conv1dImpl = ConvImpl<1>;
 using Conv2dImpl = ConvImpl<2>;
 using Conv3dImpl = ConvImpl<3>;

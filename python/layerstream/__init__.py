@@ -157,7 +157,7 @@ def _prequantized(name: str, module: nn.Module) -> Optional[_Packed]:
 
 
 def _is_streamable(module: nn.Module) -> Optional[str]:
-    """Returns 'linear', 'conv' or None."""
+    """Returns 'linear', 'conv', 'embedding' or None."""
     # MultiheadAttention reads out_proj.weight directly instead of calling it.
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return None
@@ -165,6 +165,8 @@ def _is_streamable(module: nn.Module) -> Optional[str]:
         return "linear"
     if isinstance(module, _CONV_TYPES):
         return "conv"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
     return None
 
 
@@ -173,6 +175,8 @@ def _stock_forward(module: nn.Module, kind: str) -> bool:
     Linear / ConvNd forward (a subclass may add only other methods), or a
     bitsandbytes Linear4bit (its nf4 weight streams packed; see _bnb_nf4)."""
     cls = type(module)
+    if kind == "embedding":
+        return cls.forward is nn.Embedding.forward
     if kind == "linear":
         return cls.forward is nn.Linear.forward or type(module.weight).__name__ == "Params4bit"
     base = next(t for t in _CONV_TYPES if isinstance(module, t))
@@ -250,7 +254,8 @@ def _drop_tied(model: nn.Module, candidates: list, compute_device: torch.device)
                 owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
     kept, tied = [], []
     for name, module, kind in candidates:
-        shared = [(pn, owners[id(p)]) for pn, p in (("weight", module.weight), ("bias", module.bias))
+        shared = [(pn, owners[id(p)]) for pn, p in (("weight", module.weight),
+                                                     ("bias", getattr(module, "bias", None)))
                   if p is not None and len(owners.get(id(p), ())) > 1]
         if not shared:
             kept.append((name, module, kind))
@@ -453,12 +458,14 @@ class _StreamedForward:
     (torch.save(model)) or deep-copying it fails with a message that says what
     to do instead of pickle's "Can't pickle local object"."""
 
-    __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name")
+    __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
+                 "_lookup")
 
     def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
-        self._run = engine.linear if kind == "linear" else engine.conv
+        self._lookup = kind == "embedding"
+        self._run = {"linear": engine.linear, "conv": engine.conv, "embedding": engine.embedding}[kind]
         self._index, self._original, self._name = index, original, name
-        self._weight, self._bias = module.weight, module.bias
+        self._weight, self._bias = module.weight, getattr(module, "bias", None)
         # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
         # not a Parameter (e.g. a torch quantized tensor) lives in the instance dict.
         self._params, self._attrs = module._parameters, module.__dict__
@@ -476,6 +483,8 @@ class _StreamedForward:
                 f"layer); layerstream streams the original ones. Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
+        if self._lookup:  # a frozen table: no gradient to route
+            return self._run(self._index, x)
         # Gradient hooks on the parameters: hand their gradients to autograd
         # (synchronously) so that the hooks fire.
         return self._run(self._index, x, _has_grad_hooks(weight) or _has_grad_hooks(bias))
@@ -638,7 +647,7 @@ class Handle:
         s["peak_device_bytes"] = s["streamed_device_bytes"] + s["resident_bytes"]
         for k in ("steps", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "slots", "slot_bytes",
                   "layers", "hits", "misses", "acquires", "deviations", "retraces", "ordering_errors",
-                  "failed_backwards",
+                  "failed_backwards", "embedding_layers", "gathered_bytes",
                   "pinned_bytes", "pageable_bytes", "max_slots_held", "quantized_layers",
                   "budget_bytes", "streamed_device_bytes", "resident_bytes"):
             if k in s:
@@ -775,10 +784,14 @@ def offload(
     Eligible submodules (selected by ``include``/``exclude`` glob patterns on
     their qualified names) keep their parameters (same objects, same names)
     but the data moves to (pinned) host memory; their ``forward`` streams the
-    weights to ``device`` just before use. Everything else of the model is
-    moved to the compute device, including layers with tied weights (a weight
-    or bias shared with another module, e.g. an lm_head tied to the
-    embedding), which stay resident with one warning.
+    weights to ``device`` just before use. Frozen ``nn.Embedding`` tables
+    (without ``max_norm``) move to host memory too and are looked up there:
+    each call reads only the rows its ids name, with no slot and no device
+    copy of the table (not quantized; trainable tables stay resident).
+    Everything else of the model is moved to the compute device, including
+    layers with tied weights (a weight or bias shared with another module,
+    e.g. an lm_head tied to the embedding), which stay resident with one
+    warning.
 
     device: "cuda"/"cuda:N", "sim" (simulated device; tensors compute on the
         CPU) or None (CUDA when visible, else "sim").
@@ -865,7 +878,7 @@ def offload(
 
     _check_no_meta(model)
     dora = _dora_layers(model)
-    candidates, padded, custom, computed, wrapped, under_dora = [], [], [], [], [], []
+    candidates, padded, custom, computed, wrapped, under_dora, renormed = [], [], [], [], [], [], []
     for name, module in model.named_modules():
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
@@ -894,14 +907,22 @@ def offload(
         if _computed_weight(module):
             computed.append(f"'{name or '<root>'}'")
             continue
+        if kind == "embedding":
+            if not module.weight.is_floating_point():
+                continue  # not a float table: left as it is
+            if module.max_norm is not None:  # renormalizes the looked-up rows in place
+                renormed.append(f"'{name or '<root>'}'")
+                continue
+            if module.weight.requires_grad:
+                continue  # a trainable table stays resident (full fine-tuning; documented)
         candidates.append((name, module, kind))
     _warn_resident(padded, "conv layer(s) with a padding_mode other than 'zeros'", compute_device,
                    "not streamed; they run their original forward")
     _warn_resident(computed, "layer(s) whose weight is not a parameter of their own", compute_device,
                    "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
                    "by pruning; or a plain tensor attribute")
-    _warn_resident(custom, "Linear/conv subclass layer(s) with their own forward", compute_device,
-                   "they run that forward: a streamed layer computes the plain Linear/conv, which "
+    _warn_resident(custom, "Linear/conv/embedding subclass layer(s) with their own forward", compute_device,
+                   "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
                    "would drop what it adds")
     _warn_resident(wrapped, "layer(s) whose forward was replaced on the instance", compute_device,
                    "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
@@ -911,10 +932,19 @@ def offload(
                    "DoRA reads the base and adapter weights directly at every forward to compute "
                    "the weight norm, which a streamed layer does not keep on the device; plain "
                    "LoRA (use_dora=False) streams the base layers")
+    _warn_resident(renormed, "embedding layer(s) with max_norm", compute_device,
+                   "each lookup renormalizes the rows it reads in place, which a streamed lookup "
+                   "does not do")
     candidates = _drop_tied(model, candidates, compute_device)
-    if not candidates:
+    # Frozen embedding tables stay in host memory and are looked up there (no slot, no
+    # planner entry, no quantization): only the rows a batch names cross the bus.
+    order = {id(module): i for i, (_, module, _) in enumerate(candidates)}  # attached in model order
+    tables = [(name, module, kind, None, None, 0, 0, 0) for name, module, kind in candidates
+              if kind == "embedding"]
+    candidates = [c for c in candidates if c[2] != "embedding"]
+    if not candidates and not tables:
         raise LayerstreamError(
-            "offload() found no Linear or Conv1d/2d/3d layer to stream"
+            "offload() found no Linear, Conv1d/2d/3d or frozen Embedding layer to stream"
             + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
     # 1. Per layer: quantization format (or pre-quantized int8) and the bytes
@@ -986,7 +1016,7 @@ def offload(
     resident_names = set()
     if budget is not None:
         budget_bytes = _resolve_budget(budget, compute_device, opts)
-        layer_ids = {id(t[1]) for t in layers}
+        layer_ids = {id(t[1]) for t in layers + tables}  # tables take no device memory
         fixed = 0
         counted = set()  # a tensor shared by two modules (tied weights) is on the device once
         for module in model.modules():
@@ -1026,7 +1056,8 @@ def offload(
     streamed_params = set()
     handle = Handle(engine, attached, plan)
     try:
-        _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device)
+        _attach_layers(engine, sorted(layers + tables, key=lambda t: order[id(t[1])]), resident_names,
+                       attached, streamed_params, compute_device)
         for a in attached:
             a.module._layerstream_handle = handle
         if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
@@ -1052,7 +1083,7 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
     for name, module, kind, fmt, pre, _, _, _ in layers:
         if name in resident_names:
             continue
-        weight, bias = module.weight, module.bias
+        weight, bias = module.weight, getattr(module, "bias", None)
         devices = [str(weight.device)]
         if pre is not None:
             if pre.format == "int8":
@@ -1061,6 +1092,8 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             else:
                 index = engine.add_linear_packed(name or "<root>", pre.format, pre.codes, pre.scales,
                                                  bias, pre.rows, pre.cols, pre.dense_dtype)
+        elif kind == "embedding":
+            index = engine.add_embedding(name or "<root>", weight)
         elif kind == "linear":
             index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
         else:

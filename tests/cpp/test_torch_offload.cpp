@@ -290,3 +290,72 @@ TEST(TorchOffload, FailureWhileAttachingUndoesWhatWasAttached) {
   auto handle = layerstream::offload(*model, opts);
   EXPECT_EQ(handle->stats().at("quantized_layers"), 2);
 }
+
+// A language model's input side: a token table, a plain torch table beside it
+// and a Linear.
+struct TokensImpl : torch::nn::Module {
+  layerstream::nn::Embedding emb{nullptr};
+  torch::nn::Embedding pos{nullptr};
+  layerstream::nn::Linear fc{nullptr};
+  TokensImpl() {
+    emb = register_module("emb", layerstream::nn::Embedding(
+                                     torch::nn::EmbeddingOptions(300, 16).padding_idx(0)));
+    pos = register_module("pos", torch::nn::Embedding(8, 16));
+    fc = register_module("fc", layerstream::nn::Linear(16, 4));
+    emb->weight.requires_grad_(false);
+    pos->weight.requires_grad_(false);
+  }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    return fc(emb(ids) + pos(torch::arange(ids.size(1))));
+  }
+};
+TORCH_MODULE(Tokens);
+
+TEST(TorchOffload, FrozenEmbeddingIsLookedUpInHostMemory) {
+  torch::manual_seed(0);
+  Tokens ref;
+  torch::manual_seed(0);
+  Tokens model;
+  const auto table = model->emb->weight.detach().clone();
+  auto handle = layerstream::offload(*model, sim_options());
+  // torch::nn::Embedding is never swapped (its parent calls it through a member).
+  EXPECT_EQ(handle->layers(), (std::vector<std::string>{"emb", "fc"}));
+  EXPECT_TRUE(model->emb->attached());
+  const auto ids = torch::tensor({{0, 299, 7, 7}, {3, 0, 1, 298}});
+  for (int step = 0; step < 2; ++step) {
+    auto out = model(ids), want = ref(ids);
+    EXPECT_TRUE(torch::equal(out, want)) << "step " << step;
+    out.square().sum().backward();
+    want.square().sum().backward();
+    EXPECT_FALSE(model->emb->weight.grad().defined());
+    EXPECT_TRUE(torch::equal(model->fc->weight.grad(), ref->fc->weight.grad()));
+  }
+  const auto stats = handle->stats();
+  EXPECT_EQ(stats.at("embedding_layers"), 1);
+  EXPECT_EQ(stats.at("gathered_bytes"), 2 * 8 * 16 * 4);
+  auto engine = handle->engine();
+  EXPECT_THROW(engine->linear(0, torch::randn({2, 16})), std::exception);  // 'emb' is a table
+  try {
+    engine->embedding(0, ids.to(torch::kFloat));
+    ADD_FAILURE() << "float ids were accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("must be int64 or int32"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(engine->ordering_errors().empty());
+  handle->detach();
+  EXPECT_FALSE(model->emb->attached());
+  EXPECT_TRUE(torch::equal(model->emb->weight, table));
+  EXPECT_TRUE(torch::equal(model(ids), ref(ids)));
+}
+
+TEST(TorchOffload, TrainableEmbeddingStaysResident) {
+  torch::manual_seed(0);
+  Tokens model;
+  model->emb->weight.requires_grad_(true);
+  auto handle = layerstream::offload(*model, sim_options());
+  EXPECT_EQ(handle->layers(), std::vector<std::string>{"fc"});
+  EXPECT_FALSE(model->emb->attached());
+  // The engine refuses a trainable table outright.
+  auto t = torch::randn({5, 3}, torch::requires_grad());
+  EXPECT_THROW(handle->engine()->add_embedding("t", t), std::exception);
+}

@@ -381,7 +381,7 @@ def test_zero_element_layer_is_left_as_it_is(offload_sim):
 
 
 def test_nothing_to_stream():
-    with pytest.raises(LayerstreamError, match="no Linear or Conv"):
+    with pytest.raises(LayerstreamError, match="no Linear, Conv1d/2d/3d or frozen Embedding"):
         layerstream.offload(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), device="sim")
     with pytest.raises(LayerstreamError, match="include/exclude"):
         layerstream.offload(Named(), device="sim", exclude="*")
@@ -602,7 +602,7 @@ def test_layer_subclass_with_its_own_forward_stays_resident(offload_sim):
 
     model = Net()
     ref = copy.deepcopy(model)
-    with pytest.warns(RuntimeWarning, match=r"2 Linear/conv subclass layer\(s\) with their own forward "
+    with pytest.warns(RuntimeWarning, match=r"2 Linear/conv/embedding subclass layer\(s\) with their own forward "
                                             r"stay resident.*'scaled' \(.*Scaled\); 'conv'"):
         handle = offload_sim(model)
     assert handle.layers == ["plain"]

@@ -623,3 +623,69 @@ def test_compute_dtype_recasts_after_optimizer_steps(offload_dev, compute_device
     assert not torch.equal(outs[0], outs[2]), "the weights really changed"
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert _equal(p, q), f"{n} diverged"
+
+
+# ---------------------------------------------------------------- embeddings
+class _Embedded(nn.Module):
+    """A frozen token table feeding a trainable Linear (a LoRA-style language model's
+    input side): the table is streamed by lookup, the Linear by slot."""
+
+    def __init__(self, table: torch.Tensor, padding_idx=None):
+        super().__init__()
+        self.emb = nn.Embedding.from_pretrained(table, freeze=True, padding_idx=padding_idx)
+        self.fc = nn.Linear(table.shape[1], 8)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
+def test_embedding_lookup_is_exact(offload_dev, compute_device, dtype, ids_dtype, pin):
+    """A frozen nn.Embedding streams by lookup: only the rows the ids name are read from
+    host memory (on CUDA by a kernel reading the pinned table through its device mapping;
+    from a pageable table by a gather on the host and a copy). Outputs, the downstream
+    Linear's grads and the table after detach() are bit-identical to the reference, and
+    the bytes read are exactly ids x row bytes."""
+    torch.manual_seed(0)
+    dev = compute_device
+    model = _Embedded(torch.randn(1000, 24).to(dtype), padding_idx=0).to(dtype)
+    ref = copy.deepcopy(model).to(dev)
+    table = model.emb.weight.detach().clone()
+    handle = offload_dev(model, pin_memory=pin)
+    assert sorted(handle.layers) == ["emb", "fc"]
+    assert model.emb.weight.device.type == "cpu", "the table stays in host memory"
+    ids = torch.tensor([[0, 999, 5, 5, 17], [3, 0, 998, 1, 5]], dtype=ids_dtype, device=dev)
+    for step in range(2):
+        out, want = model(ids), ref(ids)
+        assert out.dtype == want.dtype == dtype and out.device == dev
+        assert _equal(out, want), f"step {step}: outputs differ"
+        assert _equal(model.emb(ids), ref.emb(ids))
+        out.float().square().sum().backward()
+        want.float().square().sum().backward()
+        assert model.emb.weight.grad is None
+        assert _equal(model.fc.weight.grad, ref.fc.weight.grad)
+    with torch.no_grad():
+        assert _equal(model(ids), ref(ids))
+    with torch.inference_mode():
+        assert _equal(model.emb(ids), ref.emb(ids))
+    stats = handle.stats()
+    assert stats["embedding_layers"] == 1
+    assert stats["gathered_bytes"] == 6 * ids.numel() * 24 * table.element_size()
+    assert stats["pinned_bytes" if pin else "pageable_bytes"] >= table.numel() * table.element_size()
+    handle.detach()
+    assert model.emb.weight.device.type == "cpu" and torch.equal(model.emb.weight, table)
+
+
+def test_embedding_table_layout_is_kept(offload_dev, compute_device):
+    """A table whose memory layout is not the contiguous one (a transposed view) is
+    looked up with its own strides."""
+    torch.manual_seed(0)
+    model = _Embedded(torch.randn(16, 300).t())
+    assert not model.emb.weight.is_contiguous()
+    ref = copy.deepcopy(model).to(compute_device)
+    offload_dev(model)
+    assert model.emb.weight.stride() == ref.emb.weight.stride()
+    ids = torch.randint(0, 300, (4, 9), device=compute_device)
+    assert _equal(model(ids), ref(ids))

@@ -433,6 +433,18 @@ void CudaBackend::unpin_existing(void* ptr) {
   LS_CUDA_CHECK_CTX(cudaHostUnregister(ptr), "unregistering ", bytes, " bytes at ", ptr);
 }
 
+void* CudaBackend::device_address_of_host(const BufferRef& host) {
+  if (host.ptr == nullptr || host.kind != MemoryKind::HostPinned) return nullptr;
+  DeviceGuard guard(st_->opts.device);
+  void* dev = nullptr;
+  const cudaError_t e = cudaHostGetDevicePointer(&dev, host.ptr, 0);
+  if (e != cudaSuccess) {  // e.g. registered without mapping: callers copy instead
+    clear_error(e);
+    return nullptr;
+  }
+  return dev;
+}
+
 void CudaBackend::free(const BufferRef& buf) {
   State& st = *st_;
   if (buf.ptr == nullptr) return;

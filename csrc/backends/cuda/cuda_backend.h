@@ -18,6 +18,7 @@
 //                      (CudaOptions::arena_bytes > 0; first-fit with coalescing)
 //   alloc_host         cudaHostAlloc when pinned, else 64-byte aligned malloc
 //   pin_existing       cudaHostRegister / cudaHostUnregister
+//   device_address_of_host  cudaHostGetDevicePointer (pinned memory only)
 //   copy_async         cudaMemcpyAsync(cudaMemcpyDefault), bounds-checked
 //   launch_host_func   cudaLaunchHostFunc
 //
@@ -78,6 +79,7 @@ class CudaBackend : public Backend {
   BufferRef alloc_host(size_t bytes, bool pinned, const std::string& label = {}) override;
   bool pin_existing(void* ptr, size_t bytes) override;
   void unpin_existing(void* ptr) override;
+  void* device_address_of_host(const BufferRef& host) override;
   void free(const BufferRef& buf) override;
 
   // ---- streams ----

@@ -1,0 +1,165 @@
+"""Streamed embedding tables (frozen nn.Embedding looked up in host memory): which
+tables stream, what the budget counts, and the errors around them. The numbers
+(exactness on sim and CUDA, pinned and pageable tables) are in test_parity_layers.py."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from layerstream import LayerstreamError
+
+
+class _LM(nn.Module):
+    def __init__(self, vocab=500, d=32, frozen=True, out=None, **emb_kw):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, **emb_kw)
+        self.emb.weight.requires_grad_(not frozen)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, out or vocab)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.fc(self.emb(ids))))
+
+
+def _ids(vocab=500, shape=(2, 6)):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(1))
+
+
+def test_only_frozen_plain_tables_stream(offload_sim, recwarn):
+    """A frozen table streams. A trainable one (full fine-tuning) stays resident without
+    a warning, as other layers do; exclude= keeps a frozen one resident."""
+    torch.manual_seed(0)
+    assert offload_sim(_LM(frozen=True)).layers == ["emb", "fc", "head"]
+    assert offload_sim(_LM(frozen=False)).layers == ["fc", "head"]
+    assert offload_sim(_LM(frozen=True), exclude=["emb"]).layers == ["fc", "head"]
+    assert not [w for w in recwarn if "layerstream" in str(w.message)]
+
+
+def test_table_with_max_norm_stays_resident(offload_sim):
+    """max_norm renormalizes the rows a lookup reads, in place: such a table stays
+    resident, with one warning, and computes as before."""
+    torch.manual_seed(0)
+    model = _LM(max_norm=1.0)
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"1 embedding layer\(s\) with max_norm stay resident .*'emb'"):
+        handle = offload_sim(model)
+    assert handle.layers == ["fc", "head"]
+    ids = _ids()
+    torch.testing.assert_close(model(ids), ref(ids), rtol=0, atol=0)
+    torch.testing.assert_close(model.emb.weight, ref.emb.weight, rtol=0, atol=0)  # renormed alike
+
+
+def test_embedding_subclass_with_its_own_forward_stays_resident(offload_sim):
+    class Scaled(nn.Embedding):  # e.g. Gemma's scaled word embedding
+        def forward(self, ids):
+            return super().forward(ids) * 3.0
+
+    torch.manual_seed(0)
+    model = _LM()
+    model.emb = Scaled(500, 32)
+    model.emb.weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"subclass layer\(s\) with their own forward.*'emb' \(.*Scaled\)"):
+        handle = offload_sim(model)
+    assert "emb" not in handle.layers
+    ids = _ids()
+    assert torch.equal(model(ids), ref(ids))
+
+
+def test_budget_does_not_count_a_streamed_table(offload_sim):
+    """The table lives in host memory: a budget far below its size holds the model, and
+    the device bytes exclude it; kept resident (exclude=), it must fit in the budget."""
+    torch.manual_seed(0)
+    table_bytes = 50000 * 32 * 4  # 6.4 MB
+    model = _LM(vocab=50000, out=10)
+    ref = copy.deepcopy(model)
+    budget = 2**20  # 1 MiB
+    with pytest.raises(LayerstreamError, match="cannot even hold the always-resident"):
+        offload_sim(copy.deepcopy(model), budget=budget, exclude=["emb"])
+    handle = offload_sim(model, budget=budget)
+    assert "emb" in handle.layers
+    ids = _ids(50000)
+    assert torch.equal(model(ids), ref(ids))
+    stats = handle.stats()
+    assert stats["peak_device_bytes"] <= budget < table_bytes
+    assert stats["gathered_bytes"] == ids.numel() * 32 * 4
+
+
+def test_writes_to_the_table_reach_the_next_lookup(offload_sim):
+    """The parameter's data is the host table: load_state_dict() and in-place copies
+    change what the next lookup returns; detach() keeps them."""
+    torch.manual_seed(0)
+    model = _LM()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    ids = _ids()
+    new = torch.randn(500, 32)
+    model.load_state_dict({**model.state_dict(), "emb.weight": new})
+    ref.load_state_dict({**ref.state_dict(), "emb.weight": new})
+    assert torch.equal(model(ids), ref(ids))
+    with torch.no_grad():
+        model.emb.weight[3].fill_(7.0)
+        ref.emb.weight[3].fill_(7.0)
+    assert torch.equal(model.emb(torch.tensor([3])), torch.full((1, 32), 7.0))
+    handle.detach()
+    assert torch.equal(model.emb.weight, ref.emb.weight)
+
+
+def test_table_set_trainable_after_offload_is_an_error(offload_sim):
+    """A streamed table computes no gradient: made trainable after offload(), its next
+    lookup with grad enabled fails (rather than train nothing); under no_grad it works."""
+    torch.manual_seed(0)
+    model = _LM()
+    offload_sim(model)
+    model.emb.weight.requires_grad_(True)
+    with pytest.raises(LayerstreamError, match=r"embedding layer 'emb' was set to require grad after "
+                                               r"offload\(\).*detach\(\)"):
+        model(_ids())
+    with torch.no_grad():
+        model(_ids())
+
+
+def test_bad_ids_are_clear_errors(offload_sim):
+    torch.manual_seed(0)
+    model = _LM()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    with pytest.raises(LayerstreamError, match=r"embedding layer 'emb' got Float ids; they must be int64 or int32"):
+        model(torch.zeros(2, 3))
+    with pytest.raises(LayerstreamError, match=r"its ids are on meta; move them to cpu"):
+        model(torch.zeros(2, 3, dtype=torch.long, device="meta"))
+    # Out of range: the same error as the resident table's lookup.
+    with pytest.raises(IndexError, match="index out of range") as want:
+        ref(torch.tensor([[500]]))
+    with pytest.raises(IndexError, match="index out of range") as got:
+        model(torch.tensor([[500]]))
+    assert str(want.value).splitlines()[0] == str(got.value).splitlines()[0]
+
+
+def test_model_of_only_a_table(offload_sim):
+    """A model whose only streamable layer is a frozen table can be offloaded."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(100, 8).requires_grad_(False)
+    ref = copy.deepcopy(emb)
+    handle = offload_sim(emb, budget="1KiB")
+    assert handle.layers == [""]
+    ids = _ids(100)
+    assert torch.equal(emb(ids), ref(ids))
+    assert handle.stats()["peak_device_bytes"] == 0
+
+
+def test_moving_and_converting_a_model_with_a_streamed_table(offload_sim):
+    """model.to(<compute device>) leaves the table in host memory; a dtype change is
+    refused before anything changes (as for streamed Linear layers)."""
+    torch.manual_seed(0)
+    model = _LM()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    model.to("cpu")
+    assert torch.equal(model(_ids()), ref(_ids()))
+    with pytest.raises(LayerstreamError, match=r"streamed layer 'emb' keeps its weights in host memory"):
+        model.half()
+    assert model.fc.weight.dtype == torch.float32 and model.emb.weight.dtype == torch.float32
