@@ -250,18 +250,55 @@ Plan plan_placement(const PlannerInput& in) {
   if (!total_overflow && total_resident <= in.budget_bytes) {
     best = build(std::vector<char>(n, 1), in.min_slots);
   } else {
-    // The largest slot (first one on ties) sets the minimum slot size.
-    size_t largest = 0;
-    for (size_t i = 1; i < n; ++i)
-      if (in.layers[i].streamed_slot_bytes() > in.layers[largest].streamed_slot_bytes()) largest = i;
-    const PlannerLayer& L = in.layers[largest];
-    const uint64_t L_slot = L.streamed_slot_bytes();
-    const uint64_t room = in.budget_bytes - in.fixed_resident_bytes;
+    // Streaming needs k slots of the largest streamed layer. Usually that is
+    // the model's largest layer, but one outlier (an LM head 10x the size of
+    // a block's layers) may be kept resident instead, so that the slots are
+    // sized by the next one: the fewest largest layers that must be resident
+    // for k slots to fit are forced resident before the greedy fill below.
+    std::vector<size_t> by_slot(n);
+    std::iota(by_slot.begin(), by_slot.end(), size_t{0});
+    std::stable_sort(by_slot.begin(), by_slot.end(), [&](size_t a, size_t b) {
+      return in.layers[a].streamed_slot_bytes() > in.layers[b].streamed_slot_bytes();
+    });
+    // The number of largest layers forced resident for k slots, or n + 1
+    // when no such plan fits (keeping every layer resident does not fit
+    // either: that case was handled above). Also the least device memory any
+    // plan with k slots needs, and its forced prefix.
+    auto forced_prefix = [&](uint64_t k, long double* least = nullptr, size_t* least_p = nullptr) -> size_t {
+      long double res = static_cast<long double>(in.fixed_resident_bytes);
+      size_t found = n + 1;
+      for (size_t p = 0; p < n; ++p) {
+        const long double need = res + static_cast<long double>(k) *
+                                           static_cast<long double>(in.layers[by_slot[p]].streamed_slot_bytes());
+        if (least && (p == 0 || need < *least)) {
+          *least = need;
+          *least_p = p;
+        }
+        if (need <= static_cast<long double>(in.budget_bytes)) {
+          found = p;
+          if (!least) break;
+        }
+        res += static_cast<long double>(in.layers[by_slot[p]].resident_bytes);
+      }
+      return found;
+    };
     const uint64_t min_slots = static_cast<uint64_t>(in.min_slots);
-    if (L_slot > room / min_slots) {
-      long double needed = static_cast<long double>(in.fixed_resident_bytes) +
-                           static_cast<long double>(min_slots) * static_cast<long double>(L_slot);
-      uint64_t needed_b = needed >= 18446744073709551615.0L ? UINT64_MAX : static_cast<uint64_t>(needed);
+    long double least = 0;
+    size_t least_p = 0;
+    if (forced_prefix(min_slots, &least, &least_p) > n) {
+      const PlannerLayer& L = in.layers[by_slot[0]];
+      const uint64_t L_slot = L.streamed_slot_bytes();
+      std::string resident_note;
+      if (!total_overflow && static_cast<long double>(total_resident) <= least) {
+        least = static_cast<long double>(total_resident);  // cheaper than any streaming plan
+        resident_note = " (every layer resident)";
+      } else if (least_p > 0) {
+        const PlannerLayer& S = in.layers[by_slot[least_p]];
+        resident_note = " (the least with the " + std::to_string(least_p) + " largest layer(s) resident and " +
+                        std::to_string(in.min_slots) + " slots of " + json::quote(S.name) + ", " +
+                        format_bytes(S.streamed_slot_bytes()) + ")";
+      }
+      const uint64_t needed_b = least >= 18446744073709551615.0L ? UINT64_MAX : static_cast<uint64_t>(least);
       LS_FAIL("budget ", format_bytes(in.budget_bytes), " (", in.budget_bytes,
               " bytes) is too small: the largest layer ", json::quote(L.name),
               L_slot > L.bytes ? " needs a slot of " : " is ", format_bytes(L_slot), " (", L_slot, " bytes",
@@ -271,7 +308,7 @@ Plan plan_placement(const PlannerInput& in) {
               in.fixed_resident_bytes ? " plus " + format_bytes(in.fixed_resident_bytes) + " of small resident tensors"
                                       : std::string(),
               "; a budget of at least ", format_bytes(needed_b), " (", needed_b,
-              " bytes) is needed",
+              " bytes) is needed", resident_note,
               L_slot > L.bytes ? " (or have the device write a narrower dtype, e.g. dequant_dtype / compute_dtype "
                                  "bfloat16: the slot holds that weight too)"
                                : " (or quantize the weights, e.g. to nf4)");
@@ -294,12 +331,19 @@ Plan plan_placement(const PlannerInput& in) {
     bool have_best = false;
     const int max_slots = in.max_prefetch + 1;
     for (int k = in.min_slots; k <= std::max(in.min_slots, max_slots); ++k) {
-      if (L_slot > room / static_cast<uint64_t>(k)) break;  // k slots of the largest layer do not fit
+      const size_t forced = forced_prefix(static_cast<uint64_t>(k));
+      if (forced > n) break;  // no plan holds k slots (nor more)
       std::vector<char> resident(n, 0);
       std::multiset<uint64_t> streamed;  // slot sizes of the streamed layers
-      for (const auto& l : in.layers) streamed.insert(l.streamed_slot_bytes());
       uint64_t res = in.fixed_resident_bytes;
+      for (size_t p = 0; p < forced; ++p) {
+        resident[by_slot[p]] = 1;
+        res += in.layers[by_slot[p]].resident_bytes;
+      }
+      for (size_t i = 0; i < n; ++i)
+        if (!resident[i]) streamed.insert(in.layers[i].streamed_slot_bytes());
       for (size_t i : order) {
+        if (resident[i]) continue;
         const PlannerLayer& l = in.layers[i];
         if (l.resident_bytes > in.budget_bytes - res) continue;
         auto it = streamed.find(l.streamed_slot_bytes());

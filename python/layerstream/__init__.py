@@ -1032,20 +1032,25 @@ def offload(
         # resident. Without this it would trade slots for residency (it has
         # no time model here) and silently run at prefetch depth 1. A budget
         # too small for those slots gets fewer (at least 2; prefetch becomes
-        # slots - 1), as documented.
-        largest_slot = max((t[6] for t in layers), default=0)
-        fit = (budget_bytes - fixed) // largest_slot if largest_slot and budget_bytes > fixed else 0
-        min_slots = int(slots) if slots is not None else max(2, min(opts["prefetch"] + 1, fit))
-        try:
-            plan = _C.plan(budget_bytes,
-                           [(n, bb, sb, rb, 0.0, bool(m.weight.requires_grad))
-                            for n, m, _, _, _, bb, sb, rb in layers],
-                           fixed, max_prefetch=max(1, opts["prefetch"], min_slots - 1), min_slots=min_slots)
-        except LayerstreamError as e:
-            if slots is None or "too small" not in str(e):
+        # slots - 1), as documented. The slots are sized by the largest
+        # *streamed* layer: the planner may keep an outlier (an LM head)
+        # resident to shrink them, so whether k slots fit is its call.
+        planned = [(n, bb, sb, rb, 0.0, bool(m.weight.requires_grad)) for n, m, _, _, _, bb, sb, rb in layers]
+        wanted = [int(slots)] if slots is not None else list(range(max(2, opts["prefetch"] + 1), 1, -1))
+        for min_slots in wanted:
+            try:
+                plan = _C.plan(budget_bytes, planned, fixed,
+                               max_prefetch=max(1, opts["prefetch"], min_slots - 1), min_slots=min_slots)
+                break
+            except LayerstreamError as e:
+                if "too small" not in str(e):
+                    raise
+                if min_slots != wanted[-1]:
+                    continue  # fewer slots may fit (prefetch becomes slots - 1)
+                if slots is not None:
+                    raise LayerstreamError(f"slots={slots} do not fit in the budget: {e}; or ask for "
+                                           f"fewer slots (at least 2)") from None
                 raise
-            raise LayerstreamError(f"slots={slots} do not fit in the budget: {e}; or ask for fewer "
-                                   f"slots (at least 2)") from None
         resident_names = set(plan["resident"])
         opts["budget_bytes"] = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
 

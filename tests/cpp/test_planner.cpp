@@ -212,9 +212,49 @@ TEST(Planner, InputValidation) {
 }
 
 // Budget held across hundreds of random layer sets; deterministic; consistent.
+// The least device memory of any plan with min_slots slots: the k largest
+// layers resident and min_slots slots of the next one, for the best k.
+long double least_with_min_slots(const PlannerInput& in) {
+  std::vector<const PlannerLayer*> by_slot;
+  for (const auto& l : in.layers) by_slot.push_back(&l);
+  std::stable_sort(by_slot.begin(), by_slot.end(), [](const PlannerLayer* a, const PlannerLayer* b) {
+    return a->streamed_slot_bytes() > b->streamed_slot_bytes();
+  });
+  long double best = INFINITY, res = static_cast<long double>(in.fixed_resident_bytes);
+  for (const PlannerLayer* l : by_slot) {
+    best = std::min(best, res + static_cast<long double>(in.min_slots) * static_cast<long double>(l->streamed_slot_bytes()));
+    res += static_cast<long double>(l->resident_bytes);
+  }
+  return best;
+}
+
+TEST(Planner, OutlierLayerIsKeptResidentSoSlotsShrink) {
+  // Eight 10 MiB block layers and a 100 MiB LM head: 3 slots of the head
+  // (300 MiB) do not fit in 150 MiB, but the head resident and 3 slots of
+  // 10 MiB do, with room for two more resident layers.
+  PlannerInput in;
+  for (int i = 0; i < 8; ++i) in.layers.push_back(layer("l" + std::to_string(i), 10 * MiB));
+  in.layers.push_back(layer("lm_head", 100 * MiB));
+  in.min_slots = 3;
+  in.max_prefetch = 2;
+  in.budget_bytes = 150 * MiB;
+  Plan p = plan_placement(in);
+  EXPECT_TRUE(p.layers[8].resident);
+  EXPECT_EQ(p.num_slots, 3);
+  EXPECT_EQ(p.slot_bytes, 10 * MiB);
+  EXPECT_EQ(p.num_resident, 3u);
+  EXPECT_EQ(p.device_bytes, 150 * MiB);
+  // Below that, the error gives the least budget of any plan and how.
+  in.budget_bytes = 120 * MiB;
+  const std::string m = error_of([&] { plan_placement(in); });
+  EXPECT_HAS(m, "the largest layer \"lm_head\" is 100.00 MiB");
+  EXPECT_HAS(m, "a budget of at least 130.00 MiB (136314880 bytes) is needed (the least with the 1 largest "
+                "layer(s) resident and 3 slots of \"l0\", 10.00 MiB)");
+}
+
 TEST(Planner, RandomLayerSetsNeverExceedBudget) {
   std::mt19937_64 rng(2024);
-  int planned = 0, rejected = 0;
+  int planned = 0, rejected = 0, outlier_plans = 0;
   for (int iter = 0; iter < 600; ++iter) {
     PlannerInput in;
     size_t n = 1 + rng() % 80;
@@ -246,12 +286,20 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       p = plan_placement(in);
     } catch (const Error& e) {
       ++rejected;
-      // Only when it genuinely cannot fit.
+      // Only when it genuinely cannot fit: not everything resident, and for no
+      // set of the largest layers kept resident do min_slots slots of the
+      // largest other one fit beside them.
       bool all_fit = total + in.fixed_resident_bytes <= in.budget_bytes;
       EXPECT_FALSE(all_fit) << e.message();
       EXPECT_GT(in.fixed_resident_bytes + static_cast<uint64_t>(in.min_slots) * largest, in.budget_bytes) << e.message();
+      EXPECT_GT(least_with_min_slots(in), static_cast<long double>(in.budget_bytes)) << e.message();
       continue;
     }
+    // Planned although the largest layer's slots alone would not fit: it kept
+    // the largest layers resident (an outlier such as an LM head).
+    if (in.fixed_resident_bytes + static_cast<uint64_t>(in.min_slots) * largest > in.budget_bytes &&
+        total + in.fixed_resident_bytes > in.budget_bytes)
+      ++outlier_plans;
     ++planned;
     EXPECT_LE(p.device_bytes, in.budget_bytes);
     uint64_t res = 0, streamed = 0, slot = 0;
@@ -290,6 +338,7 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
   }
   EXPECT_GT(planned, 250);  // enough plans exercised (larger quantized-like slots reject more)
   EXPECT_GT(rejected, 5);
+  EXPECT_GT(outlier_plans, 5);
 }
 
 TEST(Planner, SlotHoldsPackedAndDequantizedWeight) {

@@ -60,7 +60,12 @@ def test_budget_smaller_than_largest_layer(offload_sim):
     assert re.search(r"""['"]big['"]""", msg), msg      # names the layer
     assert "1000 bytes" in msg, msg                     # the budget given
     assert "2304" in msg, msg                           # the layer's size
-    assert _minimum_from(msg) >= 2 * 2304, msg          # and what is needed
+    # and what is needed: here the whole model resident (2984 bytes) is cheaper than 2 slots
+    # of 'big' (4608), or 'big' resident and 2 slots of 'out' (768 bytes each: 3840)
+    assert _minimum_from(msg) == 160 + 2304 + 520 < 2304 + 2 * 768 < 2 * 2304, msg
+    assert "(every layer resident)" in msg, msg
+    handle = offload_sim(model, budget=_minimum_from(msg))
+    assert handle.layers == []
 
 
 def test_budget_error_at_offload_leaves_model_untouched():
@@ -130,10 +135,13 @@ def test_bad_options(kw, exc, match):
 
 
 def test_slots_do_not_fit_budget(offload_sim):
-    err = _budget_error(offload_sim, _stack(), torch.randn(1, 32), budget=3 * 4352, slots=8)
+    err = _budget_error(offload_sim, _stack(n=12), torch.randn(1, 32), budget=3 * 4352, slots=8)
     msg = str(err)
     assert "slots=8" in msg, msg
     assert _minimum_from(msg) == 8 * 4352, msg  # what 8 slots of the largest layer need
+    # (with 6 layers, keeping them all resident would be the cheaper plan, and the message says so)
+    msg6 = str(_budget_error(offload_sim, _stack(), torch.randn(1, 32), budget=3 * 4352, slots=8))
+    assert _minimum_from(msg6) == 6 * 4224 and "(every layer resident)" in msg6, msg6
     model = _stack(n=12)  # 12 * 4224 bytes: does not fit resident in 8 * 4352
     handle = offload_sim(model, budget=8 * 4352, slots=8)
     model(torch.randn(1, 32))  # the schedule (and its slots) is built on first use
@@ -186,6 +194,45 @@ def test_explicit_slots_with_budget_are_reserved_before_residency(offload_sim):
     assert s["slots"] == 4, s
     assert s["resident_layers"] == (budget - 4 * 4352) // 4224, s
     assert s["peak_device_bytes"] <= budget
+
+
+class _WithHead(nn.Module):
+    """Six 4352-byte-slot layers and an LM-head-like outlier ten times larger."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = _stack(n=6)
+        self.head = nn.Linear(32, 336)  # 336*32*4 + 336*4 = 44352 bytes
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_budget_keeps_an_outlier_layer_resident_to_shrink_the_slots(offload_sim):
+    """The slots are sized by the largest *streamed* layer. An outlier (an LM head
+    10x a block's layers) is kept resident when that lets the prefetch slots fit:
+    before, a budget below prefetch + 1 slots of the outlier fell back to 2 slots of
+    it, or was refused below 2 (here: 3 slots of 44.5 KB in a 60 KB budget)."""
+    torch.manual_seed(0)
+    budget = 44352 + 3 * 4352 + 1000
+    model = _WithHead()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, budget=budget, prefetch=2)
+    assert "head" not in handle.layers and len(handle.layers) == 6
+    x = torch.randn(3, 32)
+    out, want = model(x), ref(x)
+    assert torch.equal(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    s = handle.stats()
+    assert s["slots"] == 3 and s["slot_bytes"] == 4352, s
+    assert s["peak_device_bytes"] <= budget, s
+    # Too small for the outlier plus 2 slots: the error names the least budget and how.
+    with pytest.raises(LayerstreamError, match=r"a budget of at least 51.81 KiB \(53056 bytes\) is needed "
+                                               r"\(the least with the 1 largest layer\(s\) resident"):
+        offload_sim(_WithHead(), budget=44352 + 2 * 4352 - 1)
 
 
 # ---------------------------------------------------------------- device
