@@ -631,8 +631,17 @@ class Handle:
     @property
     def plan(self) -> Optional[str]:
         """The planner's placement (printable), when offload() had a budget."""
-        self._check()
-        return None if self._plan is None else self._plan["explain"]
+        engine = self._check()
+        if self._plan is None:
+            return None
+        tables = [a for a in self._attached if a.kind == "embedding"]
+        if not tables:
+            return self._plan["explain"]
+        size = sum(engine.layer_bytes(a.index) for a in tables)
+        return (self._plan["explain"].rstrip("\n") +
+                f"\nembedding tables:         {len(tables)} looked up in host memory (pinned unless "
+                f"pinning failed), {size / 2**20:.2f} MiB, no device memory: "
+                + ", ".join(a.name or "<root>" for a in tables) + "\n")
 
     def stats(self) -> Dict[str, float]:
         """Counters since offload(): peak_device_bytes (streaming slots plus the
