@@ -133,16 +133,21 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
   };
   std::vector<Op> ops;
   for (size_t i = 0; i < n; ++i) {
-    double c = compute_seconds(in, in.layers[i]);
-    ops.push_back({i, in.training ? c / 3.0 : c, !resident[i], 0.0});
+    const PlannerLayer& l = in.layers[i];
+    double c = compute_seconds(in, l);
+    double fwd = in.training ? c / 3.0 : c;
+    if (l.lookup) fwd += transfer_seconds(in, l.lookup_bytes);  // rows read across the bus, on the compute stream
+    ops.push_back({i, fwd, !resident[i] && !l.lookup, 0.0});
   }
   if (in.training) {
     for (size_t r = n; r-- > 0;) {
       const PlannerLayer& l = in.layers[r];
       double c = compute_seconds(in, l);
-      bool streamed = !resident[r];
+      bool streamed = !resident[r] && !l.lookup;
       double g = (streamed && l.trainable) ? transfer_seconds(in, l.resident_bytes) : 0.0;
-      ops.push_back({r, c * 2.0 / 3.0, streamed, g});
+      // A trainable table's gradient rows go back synchronously, on the compute stream.
+      const double rows_back = (l.lookup && l.trainable) ? transfer_seconds(in, l.lookup_bytes) : 0.0;
+      ops.push_back({r, c * 2.0 / 3.0 + rows_back, streamed, g});
     }
   }
   const int kSteps = 4;
@@ -181,6 +186,9 @@ struct Candidate {
   uint64_t device_bytes = 0;
   uint64_t streamed_bytes = 0;
   size_t num_streamed = 0;
+  uint64_t lookup_bytes = 0;      // tables looked up in host memory (pinned)
+  uint64_t lookup_bus_bytes = 0;  // the rows they read per step
+  size_t num_lookup = 0;
   Timing timing;
 };
 
@@ -206,11 +214,12 @@ Plan plan_placement(const PlannerInput& in) {
   LS_CHECK(std::isfinite(in.device_flops_per_s) && in.device_flops_per_s >= 0,
            "planner: device throughput must be a non-negative number of FLOP/s");
   const size_t n = in.layers.size();
-  uint64_t total_resident = in.fixed_resident_bytes;
+  uint64_t total_resident = in.fixed_resident_bytes;  // every layer that can be resident
   bool total_overflow = false;
   for (const auto& l : in.layers) {
     LS_CHECK(std::isfinite(l.flops) && l.flops >= 0, "planner: layer ", json::quote(l.name),
              " has invalid FLOPs (must be >= 0)");
+    if (l.lookup) continue;
     if (total_resident > UINT64_MAX - l.resident_bytes) total_overflow = true;
     else total_resident += l.resident_bytes;
   }
@@ -232,7 +241,11 @@ Plan plan_placement(const PlannerInput& in) {
     c.resident = resident;
     c.resident_bytes = in.fixed_resident_bytes;
     for (size_t i = 0; i < n; ++i) {
-      if (resident[i]) {
+      if (in.layers[i].lookup) {
+        c.lookup_bytes += in.layers[i].bytes;
+        c.lookup_bus_bytes += in.layers[i].lookup_bytes;
+        ++c.num_lookup;
+      } else if (resident[i]) {
         c.resident_bytes += in.layers[i].resident_bytes;
       } else {
         c.slot_bytes = std::max(c.slot_bytes, in.layers[i].streamed_slot_bytes());
@@ -246,17 +259,23 @@ Plan plan_placement(const PlannerInput& in) {
     return c;
   };
 
+  // Tables looked up in host memory are never resident nor streamed through a slot.
+  std::vector<char> all_resident(n, 1);
+  for (size_t i = 0; i < n; ++i)
+    if (in.layers[i].lookup) all_resident[i] = 0;
   Candidate best;
   if (!total_overflow && total_resident <= in.budget_bytes) {
-    best = build(std::vector<char>(n, 1), in.min_slots);
+    best = build(all_resident, in.min_slots);
   } else {
     // Streaming needs k slots of the largest streamed layer. Usually that is
     // the model's largest layer, but one outlier (an LM head 10x the size of
     // a block's layers) may be kept resident instead, so that the slots are
     // sized by the next one: the fewest largest layers that must be resident
     // for k slots to fit are forced resident before the greedy fill below.
-    std::vector<size_t> by_slot(n);
-    std::iota(by_slot.begin(), by_slot.end(), size_t{0});
+    std::vector<size_t> by_slot;  // the layers that may stream
+    for (size_t i = 0; i < n; ++i)
+      if (!in.layers[i].lookup) by_slot.push_back(i);
+    LS_INTERNAL_CHECK(!by_slot.empty());  // else everything is resident or looked up: handled above
     std::stable_sort(by_slot.begin(), by_slot.end(), [&](size_t a, size_t b) {
       return in.layers[a].streamed_slot_bytes() > in.layers[b].streamed_slot_bytes();
     });
@@ -267,7 +286,7 @@ Plan plan_placement(const PlannerInput& in) {
     auto forced_prefix = [&](uint64_t k, long double* least = nullptr, size_t* least_p = nullptr) -> size_t {
       long double res = static_cast<long double>(in.fixed_resident_bytes);
       size_t found = n + 1;
-      for (size_t p = 0; p < n; ++p) {
+      for (size_t p = 0; p < by_slot.size(); ++p) {
         const long double need = res + static_cast<long double>(k) *
                                            static_cast<long double>(in.layers[by_slot[p]].streamed_slot_bytes());
         if (least && (p == 0 || need < *least)) {
@@ -341,9 +360,9 @@ Plan plan_placement(const PlannerInput& in) {
         res += in.layers[by_slot[p]].resident_bytes;
       }
       for (size_t i = 0; i < n; ++i)
-        if (!resident[i]) streamed.insert(in.layers[i].streamed_slot_bytes());
+        if (!resident[i] && !in.layers[i].lookup) streamed.insert(in.layers[i].streamed_slot_bytes());
       for (size_t i : order) {
-        if (resident[i]) continue;
+        if (resident[i] || in.layers[i].lookup) continue;
         const PlannerLayer& l = in.layers[i];
         if (l.resident_bytes > in.budget_bytes - res) continue;
         auto it = streamed.find(l.streamed_slot_bytes());
@@ -383,21 +402,25 @@ Plan plan_placement(const PlannerInput& in) {
   plan.prefetch_depth = best.slots > 0 ? best.slots - 1 : 0;
   plan.device_bytes = best.device_bytes;
   plan.resident_bytes = best.resident_bytes - in.fixed_resident_bytes;
-  plan.host_pinned_bytes = best.streamed_bytes;
-  plan.bus_bytes_per_step = best.streamed_bytes * (in.training ? 2 : 1);
+  plan.host_pinned_bytes = best.streamed_bytes + best.lookup_bytes;
+  plan.bus_bytes_per_step = best.streamed_bytes * (in.training ? 2 : 1) + best.lookup_bus_bytes;
   plan.num_streamed = best.num_streamed;
-  plan.num_resident = n - best.num_streamed;
+  plan.num_lookup = best.num_lookup;
+  plan.num_resident = n - best.num_streamed - best.num_lookup;
   for (size_t i = 0; i < n; ++i) {
     const PlannerLayer& l = in.layers[i];
     LayerPlacement p;
     p.index = i;
     p.name = l.name;
     p.resident = best.resident[i] != 0;
+    p.lookup = l.lookup;
     p.bytes = l.bytes;
     p.resident_bytes = l.resident_bytes;
     p.flops = l.flops;
     p.compute_s = compute_seconds(in, l);
-    p.transfer_s = p.resident ? 0.0 : transfer_seconds(in, l.bytes) * (in.training ? 2 : 1);
+    p.transfer_s = l.lookup     ? transfer_seconds(in, l.lookup_bytes)
+                   : p.resident ? 0.0
+                                : transfer_seconds(in, l.bytes) * (in.training ? 2 : 1);
     plan.compute_time_s += p.compute_s;
     plan.transfer_time_s += p.transfer_s;
     plan.layers.push_back(std::move(p));
@@ -415,8 +438,9 @@ std::string Plan::explain() const {
   char buf[512];
   size_t w = 5;
   for (const auto& l : layers) w = std::max(w, std::min<size_t>(l.name.size(), 60));
-  std::snprintf(buf, sizeof buf, "placement: %zu layers (%zu resident, %zu streamed), budget %s\n", layers.size(),
-                num_resident, num_streamed, format_bytes(budget_bytes).c_str());
+  const std::string looked = num_lookup ? ", " + std::to_string(num_lookup) + " looked up in host memory" : "";
+  std::snprintf(buf, sizeof buf, "placement: %zu layers (%zu resident, %zu streamed%s), budget %s\n", layers.size(),
+                num_resident, num_streamed, looked.c_str(), format_bytes(budget_bytes).c_str());
   out += buf;
   std::snprintf(buf, sizeof buf, "%5s  %-*s  %-8s  %12s  %10s  %10s  %10s\n", "#", static_cast<int>(w), "layer",
                 "where", "bytes", "FLOPs/B", "compute", "transfer");
@@ -425,7 +449,7 @@ std::string Plan::explain() const {
     std::string name = l.name.size() > 60 ? l.name.substr(0, 27) + "..." + l.name.substr(l.name.size() - 30) : l.name;
     std::string ratio = l.flops > 0 && l.bytes > 0 ? json_number(l.flops / static_cast<double>(l.bytes)) : "-";
     std::snprintf(buf, sizeof buf, "%5zu  %-*s  %-8s  %12s  %10s  %10s  %10s\n", l.index, static_cast<int>(w),
-                  name.c_str(), l.resident ? "resident" : "streamed",
+                  name.c_str(), l.lookup ? "lookup" : l.resident ? "resident" : "streamed",
                   format_bytes(l.resident ? l.resident_bytes : l.bytes).c_str(), ratio.c_str(),
                   format_seconds(l.compute_s).c_str(), l.resident ? "-" : format_seconds(l.transfer_s).c_str());
     out += buf;
@@ -439,8 +463,9 @@ std::string Plan::explain() const {
                 format_bytes(fixed_resident_bytes).c_str(), num_slots, format_bytes(slot_bytes).c_str(), pct,
                 format_bytes(budget_bytes).c_str());
   out += buf;
-  std::snprintf(buf, sizeof buf, "host RAM needed (pinned): %s (%zu streamed layers)\n",
-                format_bytes(host_pinned_bytes).c_str(), num_streamed);
+  const std::string tables = num_lookup ? " + " + std::to_string(num_lookup) + " looked-up tables" : "";
+  std::snprintf(buf, sizeof buf, "host RAM needed (pinned): %s (%zu streamed layers%s)\n",
+                format_bytes(host_pinned_bytes).c_str(), num_streamed, tables.c_str());
   out += buf;
   std::snprintf(buf, sizeof buf, "slots:                    %d of %s, prefetch depth %d\n", num_slots,
                 format_bytes(slot_bytes).c_str(), prefetch_depth);
@@ -478,6 +503,7 @@ std::string Plan::to_json() const {
   num("bus_bytes_per_step", bus_bytes_per_step);
   num("num_resident", num_resident);
   num("num_streamed", num_streamed);
+  num("num_lookup", num_lookup);
   dbl("link_bytes_per_s", link_bytes_per_s);
   dbl("device_flops_per_s", device_flops_per_s);
   o += std::string("\"training\": ") + (training ? "true" : "false") + ", ";
@@ -496,7 +522,7 @@ std::string Plan::to_json() const {
     const auto& l = layers[i];
     if (i) o += ", ";
     o += "{\"index\": " + std::to_string(l.index) + ", \"name\": " + json::quote(l.name) +
-         ", \"placement\": " + (l.resident ? "\"resident\"" : "\"streamed\"") + ", ";
+         ", \"placement\": " + (l.lookup ? "\"lookup\"" : l.resident ? "\"resident\"" : "\"streamed\"") + ", ";
     num("bytes", l.bytes);
     num("resident_bytes", l.resident_bytes);
     dbl("flops", l.flops);
@@ -612,6 +638,15 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     s.flops = l.embedding ? tokens * static_cast<double>(row_size) : 2.0 * tokens * static_cast<double>(l.params());
     if (opt.training) s.flops *= 3.0;
     s.trainable = opt.training && opt.quantize == Quantization::None;
+    if (l.embedding) {
+      // As offload() does: a table is looked up in host memory (the rows a
+      // step names cross the bus; a trainable one's gradient rows come back),
+      // never quantized, never in a slot.
+      s.bytes = s.resident_bytes = l.stored_bytes();
+      s.slot_bytes = 0;
+      s.lookup = true;
+      s.lookup_bytes = opt.tokens * (rows ? l.stored_bytes() / rows : 0);
+    }
     out.push_back(std::move(s));
   }
   return out;
@@ -717,7 +752,6 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
     l.name = t.name.substr(0, t.name.size() - suffix.size());
     l.weight_shape = t.shape;
     l.weight_dtype = t.dtype;
-    l.embedding = looks_like_embedding(l.name);
     used.insert(t.name);
     auto b = by_name.find(l.name + ".bias");
     if (b != by_name.end()) {
@@ -725,6 +759,9 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
       l.bias_dtype = b->second->dtype;
       used.insert(b->first);
     }
+    // A table: an embedding-like name, a 2-D weight and no bias (Flux's
+    // "x_embedder" and "context_embedder" are Linear layers with biases).
+    l.embedding = looks_like_embedding(l.name) && t.shape.size() == 2 && l.bias_dtype.empty();
     layers.push_back(std::move(l));
   }
   std::stable_sort(layers.begin(), layers.end(),

@@ -28,6 +28,12 @@ struct PlannerLayer {
   uint64_t resident_bytes = 0;  // bytes it occupies on the device if kept resident
   double flops = 0.0;           // FLOPs per step (0 = unknown)
   bool trainable = false;       // training: its gradient is offloaded to the host when streamed
+  // An embedding table looked up in host memory (what offload() does with a
+  // table without max_norm): never resident and never in a slot; `bytes` stay in
+  // pinned host memory and `lookup_bytes` (the rows one step reads) cross
+  // the bus on the compute stream, in the forward pass.
+  bool lookup = false;
+  uint64_t lookup_bytes = 0;
 };
 
 struct PlannerInput {
@@ -45,6 +51,7 @@ struct LayerPlacement {
   size_t index = 0;  // position in PlannerInput::layers
   std::string name;
   bool resident = false;
+  bool lookup = false;  // looked up in host memory (PlannerLayer::lookup); resident is false
   uint64_t bytes = 0;
   uint64_t resident_bytes = 0;
   double flops = 0.0;
@@ -61,10 +68,11 @@ struct Plan {
   int num_slots = 0;                  // 0 when nothing streams, else >= 2
   int prefetch_depth = 0;             // num_slots - 1 (0 when nothing streams)
   uint64_t device_bytes = 0;          // resident + fixed + num_slots * slot_bytes  (<= budget)
-  uint64_t host_pinned_bytes = 0;     // sum of streamed layers' bytes
-  uint64_t bus_bytes_per_step = 0;    // host->device bytes per step (x2 when training)
+  uint64_t host_pinned_bytes = 0;     // sum of streamed and looked-up layers' bytes
+  uint64_t bus_bytes_per_step = 0;    // host->device bytes per step (streamed x2 when training, + lookups)
   size_t num_resident = 0;
   size_t num_streamed = 0;
+  size_t num_lookup = 0;              // tables looked up in host memory
 
   double link_bytes_per_s = 0.0;
   double device_flops_per_s = 0.0;

@@ -178,7 +178,8 @@ PYBIND11_MODULE(_C, m) {
       .def("linear", &Engine::linear, py::arg("layer"), py::arg("x"),
            py::arg("grads_via_autograd") = false)
       .def("conv", &Engine::conv, py::arg("layer"), py::arg("x"), py::arg("grads_via_autograd") = false)
-      .def("add_embedding", &Engine::add_embedding, py::arg("name"), py::arg("weight"))
+      .def("add_embedding", &Engine::add_embedding, py::arg("name"), py::arg("weight"),
+           py::arg("padding_idx") = -1, py::arg("scale_grad_by_freq") = false, py::arg("sparse") = false)
       .def("embedding", &Engine::embedding, py::arg("layer"), py::arg("ids"))
       .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("detach",

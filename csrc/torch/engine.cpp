@@ -412,7 +412,8 @@ int Engine::add_linear(const std::string& name, torch::Tensor weight, torch::Ten
   return add_layer(std::move(info), format);
 }
 
-int Engine::add_embedding(const std::string& name, torch::Tensor weight) {
+int Engine::add_embedding(const std::string& name, torch::Tensor weight, int64_t padding_idx,
+                          bool scale_grad_by_freq, bool sparse) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
@@ -420,9 +421,6 @@ int Engine::add_embedding(const std::string& name, torch::Tensor weight) {
            weight.defined() ? shape_str(weight.sizes().vec()) : std::string("none"));
   LS_CHECK(weight.is_floating_point(), "embedding layer '", name, "' has a ", weight.scalar_type(),
            " weight; only floating-point weights can be streamed");
-  LS_CHECK(!weight.requires_grad(), "embedding layer '", name, "': its weight requires grad, but a "
-           "streamed embedding is frozen (its lookups read the host copy and compute no gradient); "
-           "freeze it (weight.requires_grad_(False)) or keep it resident");
   for (const auto& l : layers_) {
     LS_CHECK(!l->weight.is_same(weight), "embedding layer '", name, "' shares its weight with already "
              "streamed layer '", l->name, "': attach each module once");
@@ -431,6 +429,12 @@ int Engine::add_embedding(const std::string& name, torch::Tensor weight) {
   info.name = name;
   info.is_embedding = true;
   info.weight = weight;
+  const int64_t rows = weight.size(0);
+  LS_CHECK(padding_idx == -1 || (padding_idx >= 0 && padding_idx < rows), "embedding layer '", name,
+           "': padding_idx ", padding_idx, " must be -1 (none) or a row index below ", rows);
+  info.padding_idx = padding_idx;
+  info.scale_grad_by_freq = scale_grad_by_freq;
+  info.sparse = sparse;
   info.w_shape = weight.sizes().vec();
   info.w_dtype = weight.scalar_type();
   info.w_host = adopt(*store_, keepalive_, info.weight, name + ".weight", &info.w_index, &info.w_bytes,
@@ -1490,6 +1494,45 @@ torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grad
                        static_cast<int64_t>(layer_index), grads_via_autograd);
 }
 
+namespace {
+// A trainable table's lookup: forward reads the rows (Engine::lookup); backward
+// computes the weight's gradient on the host with torch's own embedding backward
+// (the resident module's numbers on the sim device; on CUDA the same sums in
+// another order), from the output gradient's rows copied back and the ids, and
+// returns it to autograd, which accumulates it into .grad.
+struct EmbeddingFn : public torch::autograd::Function<EmbeddingFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor ids, torch::Tensor weight, Engine* e,
+                               int64_t layer) {
+    Engine::LayerInfo& l = e->layer(static_cast<int>(layer));
+    ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
+    ctx->saved_data["layer"] = layer;
+    ctx->save_for_backward({ids});
+    return e->lookup(l, ids);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto e = engine_from(ctx);
+    Engine::LayerInfo& l = e->layer(static_cast<int>(ctx->saved_data["layer"].toInt()));
+    check_no_create_graph(l);
+    auto scope = e->device_scope();
+    const torch::Tensor go = grads[0];
+    if (!go.defined() || !ctx->needs_input_grad(1)) return {torch::Tensor(), torch::Tensor(), torch::Tensor(),
+                                                            torch::Tensor()};
+    const torch::Tensor ids = saved_variables_of(ctx, l)[0];
+    torch::Tensor go_host = go.to(torch::kCPU);  // synchronous on CUDA: the rows, not the table
+    e->count_d2h(static_cast<uint64_t>(go_host.numel()) * go_host.element_size());
+    torch::Tensor gw = torch::embedding_backward(go_host, ids.to(torch::kCPU), l.w_shape[0], l.padding_idx,
+                                                 l.scale_grad_by_freq, l.sparse);
+    return {torch::Tensor(), gw.to(l.w_dtype), torch::Tensor(), torch::Tensor()};
+  }
+};
+}  // namespace
+
+void Engine::count_d2h(uint64_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  d2h_bytes_ += bytes;
+}
+
 torch::Tensor Engine::embedding(int layer_index, const torch::Tensor& ids) {
   auto scope = device_scope();
   report_failed_backward();
@@ -1503,14 +1546,17 @@ torch::Tensor Engine::embedding(int layer_index, const torch::Tensor& ids) {
   LS_CHECK(ids.scalar_type() == torch::kLong || ids.scalar_type() == torch::kInt, "embedding layer '",
            l.name, "' got ", ids.scalar_type(), " ids; they must be int64 or int32");
   check_host_alias(l);
-  LS_CHECK(!(torch::GradMode::is_enabled() && l.weight.requires_grad()), "the weight of streamed "
-           "embedding layer '", l.name, "' was set to require grad after offload(); a streamed "
-           "embedding is frozen (its lookups compute no gradient). Call handle.detach() and "
-           "offload() again with it trainable: trainable embeddings stay resident.");
-  torch::NoGradGuard ng;  // frozen: the result needs no graph
+  if (torch::GradMode::is_enabled() && l.weight.requires_grad())
+    return EmbeddingFn::apply(ids, l.weight, this, static_cast<int64_t>(layer_index));
+  return lookup(l, ids);
+}
+
+torch::Tensor Engine::lookup(LayerInfo& l, const torch::Tensor& ids) {
+  torch::NoGradGuard ng;  // the result's graph, if any, is EmbeddingFn's
   Stream cs = compute_stream();
   auto span = trace_begin(cs);
-  const int64_t row_bytes = l.w_shape[1] * static_cast<int64_t>(c10::elementSize(l.w_dtype));
+  const uint64_t bytes = static_cast<uint64_t>(ids.numel()) *
+                         static_cast<uint64_t>(l.w_shape[1] * static_cast<int64_t>(c10::elementSize(l.w_dtype)));
   torch::Tensor out;
   if (compute_device_.is_cpu()) {
     // The sim device computes on the host: the lookup reads the store directly.
@@ -1533,9 +1579,8 @@ torch::Tensor Engine::embedding(int layer_index, const torch::Tensor& ids) {
     // Pageable store: the device cannot read it; gather on the host, then copy.
     out = torch::embedding(l.weight.detach(), ids.to(torch::kCPU)).to(compute_device_);
   }
-  gathered_bytes_ += static_cast<uint64_t>(ids.numel()) * static_cast<uint64_t>(row_bytes);
-  if (span) trace_end(cs, span, "compute", "lookup " + l.name,
-                      static_cast<uint64_t>(ids.numel()) * static_cast<uint64_t>(row_bytes));
+  gathered_bytes_ += bytes;
+  if (span) trace_end(cs, span, "compute", "lookup " + l.name, bytes);
   return out;
 }
 

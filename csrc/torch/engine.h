@@ -142,19 +142,24 @@ class Engine : public std::enable_shared_from_this<Engine> {
                         torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols,
                         torch::ScalarType dense_dtype);
 
-  // A frozen embedding table (nn.Embedding without max_norm): its weight
-  // moves into the host store like a Linear's and never occupies device
-  // memory. Each lookup reads only the rows its ids name, straight from host
-  // memory: on CUDA a gather kernel on the compute stream reads the pinned
-  // store through its device mapping (PCIe reads of ids.numel() rows, no
-  // slot, no copy of the table); with a pageable store (pinning failed or
+  // An embedding table (nn.Embedding without max_norm): its weight moves
+  // into the host store like a Linear's and never occupies device memory.
+  // Each lookup reads only the rows its ids name, straight from host memory:
+  // on CUDA a gather kernel on the compute stream reads the pinned store
+  // through its device mapping (PCIe reads of ids.numel() rows, no slot, no
+  // copy of the table); with a pageable store (pinning failed or
   // pin_memory=false) the ids are copied to the host and the rows gathered
-  // there, then copied to the device (a host wait per lookup). The weight
-  // must not require grad (a trainable table stays resident; offload() leaves
-  // it to the model). Not part of the scheduler's trace and not counted in
+  // there, then copied to the device (a host wait per lookup). A trainable
+  // table's gradient is computed on the host by torch's own embedding
+  // backward (padding_idx: -1 = none, else a row index; scale_grad_by_freq
+  // and sparse as the module's)
+  // from the output gradient and the ids, copied back synchronously (rows,
+  // not the table), and returned to autograd, which accumulates it into
+  // .grad (on the host). Not part of the scheduler's trace and not counted in
   // the slots; `layers` in stats() counts it, `embedding_layers` and
   // `gathered_bytes` (rows read, also in h2d_bytes) describe it.
-  int add_embedding(const std::string& name, torch::Tensor weight);
+  int add_embedding(const std::string& name, torch::Tensor weight, int64_t padding_idx = -1,
+                    bool scale_grad_by_freq = false, bool sparse = false);
 
   // The streamed computations (differentiable). Weight gradients normally
   // go back asynchronously and are accumulated into .grad by the engine; with
@@ -169,8 +174,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // The lookup of an embedding layer: weight[ids] on the compute device, in
   // the weight's dtype, like torch.nn.functional.embedding (ids: an integer
   // tensor on the compute device; out-of-range ids fail as torch's lookup
-  // does). Not differentiable (the table is frozen): calling it with grad
-  // mode on after the weight was set to require grad is an error. Stream
+  // does); differentiable for the weight when it requires grad. Stream
   // semantics: enqueued on the compute stream like the layers; the host
   // rows are read when it runs, so host writes to the table must wait for
   // synchronize() (detach() and the destructor wait for it).
@@ -243,6 +247,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   cuda_glue::DeviceScope device_scope() const { return cuda_glue::DeviceScope(cuda_index_); }
   struct LayerInfo;
   LayerInfo& layer(int i);
+  // An embedding layer's lookup itself (no autograd node), on the compute stream.
+  torch::Tensor lookup(LayerInfo& l, const torch::Tensor& ids);
+  // Counts device-to-host bytes copied outside the gradient stream (d2h_bytes).
+  void count_d2h(uint64_t bytes);
   Stream compute_stream();
   Phase current_phase() const;
   Scheduler& scheduler();
@@ -266,6 +274,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     bool is_embedding = false;  // add_embedding(): looked up, never in a slot
     Event last_read;            // embedding: after the newest lookup on the device
     void* w_host_mapped = nullptr;  // embedding: the store's device mapping (nullptr: none)
+    int64_t padding_idx = -1;       // embedding: as nn.Embedding (its row gets no gradient)
+    bool scale_grad_by_freq = false, sparse = false;  // embedding: as nn.Embedding
     ConvSpec conv;
     torch::Tensor weight;  // the parameter (data aliases the host store); a meta stand-in if quantized
     torch::Tensor bias;    // may be undefined

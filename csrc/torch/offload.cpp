@@ -172,19 +172,28 @@ EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options_) : opti
 
 EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options_, torch::Tensor w)
     : options(options_) {
+  normalize_padding_idx();
   weight = register_parameter("weight", w, w.requires_grad());
 }
 
 void EmbeddingImpl::reset() {
+  normalize_padding_idx();
   // Same initialisation as torch::nn::Embedding: N(0, 1), the padding row zero.
   weight = register_parameter("weight", torch::empty({options.num_embeddings(), options.embedding_dim()}));
   torch::nn::init::normal_(weight);
   if (options.padding_idx()) {
-    int64_t p = *options.padding_idx();
-    if (p < 0) p += options.num_embeddings();
     torch::NoGradGuard ng;
-    weight[p].fill_(0);
+    weight[*options.padding_idx()].fill_(0);
   }
+}
+
+void EmbeddingImpl::normalize_padding_idx() {
+  // As torch::nn::Embedding: a negative padding_idx counts from the end.
+  if (options.padding_idx() && *options.padding_idx() < 0)
+    options.padding_idx(*options.padding_idx() + options.num_embeddings());
+  LS_CHECK(!options.padding_idx() || (*options.padding_idx() >= 0 &&
+                                      *options.padding_idx() < options.num_embeddings()),
+           "Embedding: padding_idx must be within num_embeddings");
 }
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
@@ -307,13 +316,13 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
     for (const auto& child : parent->named_children()) {
       const std::string name = named.key().empty() ? child.key() : named.key() + "." + child.key();
       auto m = child.value();
-      // layerstream::nn::Embedding: only a frozen float table without max_norm
-      // (which renormalizes the rows it reads, in place); others compute as the
-      // torch module, resident. torch::nn::Embedding is not swapped: parents
+      // layerstream::nn::Embedding: a float table without max_norm (which
+      // renormalizes the rows it reads, in place); others compute as the torch
+      // module, resident. torch::nn::Embedding is not swapped: parents
       // usually call it through their own holder member, which would keep
       // calling the torch module on a weight moved to the host.
       if (const auto* e = dynamic_cast<nn::EmbeddingImpl*>(m.get())) {
-        if (!e->weight.is_floating_point() || e->weight.requires_grad() || e->options.max_norm()) continue;
+        if (!e->weight.is_floating_point() || e->options.max_norm()) continue;
       }
       const bool plain = dynamic_cast<torch::nn::LinearImpl*>(m.get()) ||
                          dynamic_cast<torch::nn::Conv1dImpl*>(m.get()) ||
@@ -341,7 +350,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                engine->compute_device(), " (a streamed copy would move a tensor another module "
                "uses, and lose gradient): ", list);
   }
-  LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or frozen Embedding module to stream");
+  LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or Embedding module to stream");
 
   // A failure part way (a trainable layer to quantize, host or device
   // memory) undoes the layers attached so far, as detach() does, before it
@@ -365,7 +374,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       handle->unbind_.push_back([l] { l->unbind(); });
       record(it.name, l->weight, l->bias);
     } else if (auto* e = dynamic_cast<nn::EmbeddingImpl*>(m)) {
-      const int idx = engine->add_embedding(it.name, e->weight);
+      const int idx = engine->add_embedding(it.name, e->weight, e->options.padding_idx().value_or(-1),
+                                            e->options.scale_grad_by_freq(), e->options.sparse());
       e->bind(engine, idx);
       handle->unbind_.push_back([e] { e->unbind(); });
       record(it.name, e->weight, torch::Tensor());

@@ -11,12 +11,12 @@
 // Embedding are drop-in replacements for torch::nn::Linear / Conv*d /
 // Embedding (same options, parameters "weight" and "bias"): they compute like
 // the torch module until offload() attaches them to an engine, then they
-// stream their weights (an embedding: a frozen table without max_norm,
-// looked up in host memory; see Engine::add_embedding).
+// stream their weights (an embedding: a table without max_norm, looked up in
+// host memory; see Engine::add_embedding).
 //
 // offload(root, options) walks root's module tree and
-//  * attaches every layerstream::nn::* module (an Embedding only when frozen
-//    and without max_norm), and
+//  * attaches every layerstream::nn::* module (an Embedding only without
+//    max_norm), and
 //  * swaps every registered torch::nn::Linear / Conv*d child for a streamed
 //    module sharing the same parameters (same named_parameters() names) via
 //    Module::replace_module. LibTorch limitation: a parent that calls a child
@@ -150,9 +150,9 @@ class ConvImpl : public torch::nn::Cloneable<ConvImpl<D>>, public StreamedBase {
   torch::Tensor weight, bias;
 };
 // A drop-in replacement for torch::nn::Embedding (same options, parameter
-// "weight"). Attached (a frozen table without max_norm), its lookups read the
-// rows from host memory (Engine::embedding); otherwise it computes like the
-// torch module.
+// "weight"). Attached (a table without max_norm), its lookups read the rows
+// from host memory and a trainable one's gradient is computed on the host
+// (Engine::add_embedding); otherwise it computes like the torch module.
 class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public StreamedBase {
  public:
   EmbeddingImpl(int64_t num, int64_t dim) : EmbeddingImpl(torch::nn::EmbeddingOptions(num, dim)) {}
@@ -167,8 +167,11 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Streame
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
 
-  torch::nn::EmbeddingOptions options;
+  torch::nn::EmbeddingOptions options;  // padding_idx normalized to a row index
   torch::Tensor weight;
+
+ private:
+  void normalize_padding_idx();
 };
 TORCH_MODULE(Embedding);
 

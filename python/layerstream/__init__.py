@@ -483,7 +483,7 @@ class _StreamedForward:
                 f"layer); layerstream streams the original ones. Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
-        if self._lookup:  # a frozen table: no gradient to route
+        if self._lookup:  # a table's gradient goes through autograd (hooks fire)
             return self._run(self._index, x)
         # Gradient hooks on the parameters: hand their gradients to autograd
         # (synchronously) so that the hooks fire.
@@ -793,10 +793,11 @@ def offload(
     Eligible submodules (selected by ``include``/``exclude`` glob patterns on
     their qualified names) keep their parameters (same objects, same names)
     but the data moves to (pinned) host memory; their ``forward`` streams the
-    weights to ``device`` just before use. Frozen ``nn.Embedding`` tables
-    (without ``max_norm``) move to host memory too and are looked up there:
-    each call reads only the rows its ids name, with no slot and no device
-    copy of the table (not quantized; trainable tables stay resident).
+    weights to ``device`` just before use. ``nn.Embedding`` tables (without
+    ``max_norm``) move to host memory too and are looked up there: each call
+    reads only the rows its ids name, with no slot and no device copy of the
+    table (never quantized); a trainable table's gradient is computed on the
+    host from the output gradient's rows.
     Everything else of the model is moved to the compute device, including
     layers with tied weights (a weight or bias shared with another module,
     e.g. an lm_head tied to the embedding), which stay resident with one
@@ -922,8 +923,6 @@ def offload(
             if module.max_norm is not None:  # renormalizes the looked-up rows in place
                 renormed.append(f"'{name or '<root>'}'")
                 continue
-            if module.weight.requires_grad:
-                continue  # a trainable table stays resident (full fine-tuning; documented)
         candidates.append((name, module, kind))
     _warn_resident(padded, "conv layer(s) with a padding_mode other than 'zeros'", compute_device,
                    "not streamed; they run their original forward")
@@ -945,15 +944,15 @@ def offload(
                    "each lookup renormalizes the rows it reads in place, which a streamed lookup "
                    "does not do")
     candidates = _drop_tied(model, candidates, compute_device)
-    # Frozen embedding tables stay in host memory and are looked up there (no slot, no
-    # planner entry, no quantization): only the rows a batch names cross the bus.
+    # Embedding tables stay in host memory and are looked up there (no slot, no planner
+    # entry, no quantization): only the rows a batch names cross the bus.
     order = {id(module): i for i, (_, module, _) in enumerate(candidates)}  # attached in model order
     tables = [(name, module, kind, None, None, 0, 0, 0) for name, module, kind in candidates
               if kind == "embedding"]
     candidates = [c for c in candidates if c[2] != "embedding"]
     if not candidates and not tables:
         raise LayerstreamError(
-            "offload() found no Linear, Conv1d/2d/3d or frozen Embedding layer to stream"
+            "offload() found no Linear, Conv1d/2d/3d or Embedding layer to stream"
             + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
     # 1. Per layer: quantization format (or pre-quantized int8) and the bytes
@@ -1107,7 +1106,9 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
                 index = engine.add_linear_packed(name or "<root>", pre.format, pre.codes, pre.scales,
                                                  bias, pre.rows, pre.cols, pre.dense_dtype)
         elif kind == "embedding":
-            index = engine.add_embedding(name or "<root>", weight)
+            index = engine.add_embedding(name or "<root>", weight,
+                                         -1 if module.padding_idx is None else module.padding_idx,
+                                         module.scale_grad_by_freq, module.sparse)
         elif kind == "linear":
             index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
         else:

@@ -216,7 +216,8 @@ TEST(Planner, InputValidation) {
 // layers resident and min_slots slots of the next one, for the best k.
 long double least_with_min_slots(const PlannerInput& in) {
   std::vector<const PlannerLayer*> by_slot;
-  for (const auto& l : in.layers) by_slot.push_back(&l);
+  for (const auto& l : in.layers)
+    if (!l.lookup) by_slot.push_back(&l);
   std::stable_sort(by_slot.begin(), by_slot.end(), [](const PlannerLayer* a, const PlannerLayer* b) {
     return a->streamed_slot_bytes() > b->streamed_slot_bytes();
   });
@@ -226,6 +227,40 @@ long double least_with_min_slots(const PlannerInput& in) {
     res += static_cast<long double>(l->resident_bytes);
   }
   return best;
+}
+
+TEST(Planner, LookupTablesTakeNoDeviceMemory) {
+  // A 100 MiB table looked up in host memory beside four 10 MiB layers and a
+  // 25 MiB budget: the table is neither resident nor in a slot; its bytes are
+  // pinned host memory and the rows a step reads cross the bus.
+  PlannerInput in;
+  PlannerLayer table = layer("model.embed_tokens", 100 * MiB);
+  table.lookup = true;
+  table.lookup_bytes = 2 * MiB;
+  in.layers.push_back(table);
+  for (int i = 0; i < 4; ++i) in.layers.push_back(layer("l" + std::to_string(i), 10 * MiB));
+  in.budget_bytes = 25 * MiB;
+  in.link_bytes_per_s = 1e9;
+  Plan p = plan_placement(in);
+  EXPECT_TRUE(p.layers[0].lookup);
+  EXPECT_FALSE(p.layers[0].resident);
+  EXPECT_EQ(p.num_lookup, 1u);
+  EXPECT_EQ(p.num_streamed + p.num_resident, 4u);
+  EXPECT_EQ(p.slot_bytes, 10 * MiB);
+  EXPECT_LE(p.device_bytes, 25 * MiB);
+  EXPECT_EQ(p.host_pinned_bytes, 100 * MiB + 10 * MiB * p.num_streamed);
+  EXPECT_EQ(p.bus_bytes_per_step, 2 * MiB + 10 * MiB * p.num_streamed);
+  EXPECT_NEAR(p.layers[0].transfer_s, 2.0 * MiB / 1e9, 1e-12);
+  EXPECT_HAS(p.explain(), "1 looked up in host memory");
+  EXPECT_HAS(p.explain(), "+ 1 looked-up tables");
+  EXPECT_HAS(p.to_json(), "\"placement\": \"lookup\"");
+  EXPECT_HAS(p.to_json(), "\"num_lookup\": 1");
+  // Everything else fits resident: the table is still looked up.
+  in.budget_bytes = 40 * MiB;
+  p = plan_placement(in);
+  EXPECT_EQ(p.num_resident, 4u);
+  EXPECT_TRUE(p.layers[0].lookup);
+  EXPECT_EQ(p.device_bytes, 40 * MiB);
 }
 
 TEST(Planner, OutlierLayerIsKeptResidentSoSlotsShrink) {
@@ -268,7 +303,13 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       l.trainable = rng() % 2;
       // Like a quantized layer: the slot also holds the dequantized weight.
       if (rng() % 8 == 0) l.slot_bytes = bytes + bytes * (1 + rng() % 4);
+      // Like an embedding table: looked up in host memory, never on the device.
+      if (rng() % 12 == 0) {
+        l.lookup = true;
+        l.lookup_bytes = rng() % (bytes + 1);
+      }
       in.layers.push_back(l);
+      if (l.lookup) continue;
       total += l.resident_bytes;
       largest = std::max(largest, l.streamed_slot_bytes());
     }
@@ -302,13 +343,18 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       ++outlier_plans;
     ++planned;
     EXPECT_LE(p.device_bytes, in.budget_bytes);
-    uint64_t res = 0, streamed = 0, slot = 0;
-    size_t ns = 0;
+    uint64_t res = 0, streamed = 0, slot = 0, looked = 0;
+    size_t ns = 0, nl = 0;
     for (size_t i = 0; i < n; ++i) {
       const auto& l = p.layers[i];
       EXPECT_EQ(l.index, i);
       EXPECT_EQ(l.name, in.layers[i].name);
-      if (l.resident) {
+      EXPECT_EQ(l.lookup, in.layers[i].lookup);
+      if (l.lookup) {
+        EXPECT_FALSE(l.resident);
+        looked += l.bytes;
+        ++nl;
+      } else if (l.resident) {
         res += l.resident_bytes;
       } else {
         streamed += l.bytes;
@@ -317,7 +363,8 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       }
     }
     EXPECT_EQ(p.resident_bytes, res);
-    EXPECT_EQ(p.host_pinned_bytes, streamed);
+    EXPECT_EQ(p.host_pinned_bytes, streamed + looked);
+    EXPECT_EQ(p.num_lookup, nl);
     EXPECT_EQ(p.slot_bytes, slot);
     EXPECT_EQ(p.num_streamed, ns);
     EXPECT_EQ(p.device_bytes, res + in.fixed_resident_bytes + static_cast<uint64_t>(p.num_slots) * slot);
@@ -416,6 +463,11 @@ TEST(Models, LayerSpecsFlopsAndQuantization) {
   EXPECT_DOUBLE_EQ(specs[1].flops, 2.0 * 100 * 4096 * 4096);
   EXPECT_EQ(specs[1].bytes, 4096u * 4096 * 2);
   EXPECT_LT(specs[0].flops, specs[1].flops / 1000);  // embedding lookup is cheap
+  // The table is looked up in host memory: the rows of 100 tokens cross the bus.
+  EXPECT_TRUE(specs[0].lookup);
+  EXPECT_EQ(specs[0].lookup_bytes, 100u * 4096 * 2);
+  EXPECT_EQ(specs[0].bytes, 32000u * 4096 * 2);
+  EXPECT_FALSE(specs[1].lookup);
   opt.training = true;
   opt.quantize = Quantization::NF4;
   opt.resident_dequantized = true;
@@ -424,6 +476,7 @@ TEST(Models, LayerSpecsFlopsAndQuantization) {
   EXPECT_EQ(specs[1].bytes, 4096u * 2048 + 4096 * 64 * 4);
   EXPECT_EQ(specs[1].resident_bytes, 4096u * 4096 * 2);
   EXPECT_FALSE(specs[1].trainable);  // quantized base weights are frozen
+  EXPECT_EQ(specs[0].bytes, 32000u * 4096 * 2);  // tables are never quantized
 }
 
 TEST(Models, LayerSpecsComputeDtypeWorkspace) {
@@ -455,7 +508,8 @@ TEST(Models, PlansBuiltinModelsUnderBudget) {
     in.link_bytes_per_s = 25e9;
     in.device_flops_per_s = 1e14;
     uint64_t largest = 0;
-    for (const auto& l : in.layers) largest = std::max(largest, l.bytes);
+    for (const auto& l : in.layers)
+      if (!l.lookup) largest = std::max(largest, l.bytes);  // tables are looked up, never in a slot
     in.budget_bytes = m.small_bytes + 3 * largest;
     Plan p = plan_placement(in);
     EXPECT_LE(p.device_bytes, in.budget_bytes) << name;

@@ -1,6 +1,7 @@
-"""Streamed embedding tables (frozen nn.Embedding looked up in host memory): which
-tables stream, what the budget counts, and the errors around them. The numbers
-(exactness on sim and CUDA, pinned and pageable tables) are in test_parity_layers.py."""
+"""Streamed embedding tables (nn.Embedding looked up in host memory): which tables
+stream, what the budget counts, and the errors around them. The numbers (exactness
+on sim and CUDA, pinned and pageable tables, trainable tables' gradients) are in
+test_parity_layers.py."""
 from __future__ import annotations
 
 import copy
@@ -28,12 +29,11 @@ def _ids(vocab=500, shape=(2, 6)):
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(1))
 
 
-def test_only_frozen_plain_tables_stream(offload_sim, recwarn):
-    """A frozen table streams. A trainable one (full fine-tuning) stays resident without
-    a warning, as other layers do; exclude= keeps a frozen one resident."""
+def test_tables_stream_frozen_or_trainable(offload_sim, recwarn):
+    """Frozen and trainable tables stream; exclude= keeps one resident."""
     torch.manual_seed(0)
     assert offload_sim(_LM(frozen=True)).layers == ["emb", "fc", "head"]
-    assert offload_sim(_LM(frozen=False)).layers == ["fc", "head"]
+    assert offload_sim(_LM(frozen=False)).layers == ["emb", "fc", "head"]
     assert offload_sim(_LM(frozen=True), exclude=["emb"]).layers == ["fc", "head"]
     assert not [w for w in recwarn if "layerstream" in str(w.message)]
 
@@ -110,18 +110,27 @@ def test_writes_to_the_table_reach_the_next_lookup(offload_sim):
     assert torch.equal(model.emb.weight, ref.emb.weight)
 
 
-def test_table_set_trainable_after_offload_is_an_error(offload_sim):
-    """A streamed table computes no gradient: made trainable after offload(), its next
-    lookup with grad enabled fails (rather than train nothing); under no_grad it works."""
+def test_table_made_trainable_after_offload_trains(offload_sim):
+    """requires_grad_(True) on a streamed frozen table after offload(): the next lookup
+    builds the gradient (as a resident table's would), and gradient hooks fire; made
+    frozen again, it gets none."""
     torch.manual_seed(0)
     model = _LM()
+    ref = copy.deepcopy(model)
     offload_sim(model)
-    model.emb.weight.requires_grad_(True)
-    with pytest.raises(LayerstreamError, match=r"embedding layer 'emb' was set to require grad after "
-                                               r"offload\(\).*detach\(\)"):
-        model(_ids())
-    with torch.no_grad():
-        model(_ids())
+    for m in (model, ref):
+        m.emb.weight.requires_grad_(True)
+    seen = []
+    model.emb.weight.register_hook(lambda g: seen.append(g.shape))
+    ids = _ids()
+    model(ids).sum().backward()
+    ref(ids).sum().backward()
+    assert seen == [torch.Size([500, 32])]
+    assert torch.equal(model.emb.weight.grad, ref.emb.weight.grad)
+    model.emb.weight.requires_grad_(False)
+    model.emb.weight.grad = None
+    model(ids).sum().backward()
+    assert model.emb.weight.grad is None
 
 
 def test_bad_ids_are_clear_errors(offload_sim):
@@ -165,3 +174,12 @@ def test_moving_and_converting_a_model_with_a_streamed_table(offload_sim):
     with pytest.raises(LayerstreamError, match=r"streamed layer 'emb' keeps its weights in host memory"):
         model.half()
     assert model.fc.weight.dtype == torch.float32 and model.emb.weight.dtype == torch.float32
+
+
+def test_double_backward_through_a_trainable_table_is_an_error(offload_sim):
+    torch.manual_seed(0)
+    model = _LM(frozen=False)
+    offload_sim(model, exclude=["fc", "head"])
+    loss = model(_ids()).square().sum()
+    with pytest.raises(RuntimeError, match=r"layer .emb.: backward with create_graph=True"):
+        loss.backward(create_graph=True)

@@ -689,3 +689,46 @@ def test_embedding_table_layout_is_kept(offload_dev, compute_device):
     assert model.emb.weight.stride() == ref.emb.weight.stride()
     ids = torch.randint(0, 300, (4, 9), device=compute_device)
     assert _equal(model(ids), ref(ids))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(),
+    dict(padding_idx=0),
+    dict(scale_grad_by_freq=True),
+    dict(sparse=True),
+], ids=["plain", "padding_idx", "scale_grad_by_freq", "sparse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_trainable_embedding_trains_like_the_resident_table(offload_dev, compute_device, opts, dtype):
+    """A trainable table streams too: its gradient is computed on the host by torch's
+    embedding backward (padding row, frequency scaling and sparse gradients as the
+    module asks) from the output gradient's rows, and accumulated into .grad by autograd.
+    Three SGD steps, the last two accumulating, match the resident table: bit for bit on
+    sim (the same CPU op), within the dtype's tolerance on CUDA (the reference sums the
+    repeated ids' rows on the device, in another order)."""
+    torch.manual_seed(0)
+    dev = compute_device
+    model = _Embedded(torch.randn(300, 16).to(dtype)).to(dtype)
+    model.emb = nn.Embedding(300, 16, dtype=dtype, **opts)
+    ref = copy.deepcopy(model).to(dev)
+    handle = offload_dev(model)
+    assert "emb" in handle.layers and model.emb.weight.requires_grad
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.5)
+    tol = dict(rtol=0, atol=0) if dev.type == "cpu" else (BF16_TOL if dtype == torch.bfloat16 else FP32_TOL)
+    ids = torch.tensor([[0, 7, 7, 299, 0, 3], [7, 1, 0, 2, 2, 2]], device=dev)
+    for step in range(3):
+        if step < 2:
+            opt.zero_grad()
+            opt_r.zero_grad()
+        out, want = model(ids), ref(ids)
+        _close(out, want, **tol)
+        out.float().square().sum().backward()
+        want.float().square().sum().backward()
+        g, gr = model.emb.weight.grad, ref.emb.weight.grad
+        assert g.device.type == "cpu" and g.is_sparse == gr.is_sparse == bool(opts.get("sparse"))
+        _close(g.to_dense() if g.is_sparse else g, gr.to_dense() if gr.is_sparse else gr, **tol)
+        if step < 2:  # sparse grads accumulate as sparse tensors: compare once, before stepping
+            opt.step()
+            opt_r.step()
+    _close(model.emb.weight, ref.emb.weight, **tol)
+    assert handle.stats()["d2h_bytes"] >= 3 * ids.numel() * 16 * model.emb.weight.element_size()
