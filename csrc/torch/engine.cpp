@@ -1497,8 +1497,8 @@ torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grad
 namespace {
 // A trainable table's lookup: forward reads the rows (Engine::lookup); backward
 // computes the weight's gradient on the host with torch's own embedding backward
-// (the resident module's numbers on the sim device; on CUDA the same sums in
-// another order), from the output gradient's rows copied back and the ids, and
+// (the resident module's numbers on the sim device; on CUDA the same fp32 sums,
+// in another order), from the output gradient's rows copied back and the ids, and
 // returns it to autograd, which accumulates it into .grad.
 struct EmbeddingFn : public torch::autograd::Function<EmbeddingFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor ids, torch::Tensor weight, Engine* e,
@@ -1521,6 +1521,10 @@ struct EmbeddingFn : public torch::autograd::Function<EmbeddingFn> {
     const torch::Tensor ids = saved_variables_of(ctx, l)[0];
     torch::Tensor go_host = go.to(torch::kCPU);  // synchronous on CUDA: the rows, not the table
     e->count_d2h(static_cast<uint64_t>(go_host.numel()) * go_host.element_size());
+    // CUDA's embedding backward sums a repeated id's rows in fp32 and rounds
+    // once; the CPU op (the sim device's reference) sums in the gradient's dtype.
+    if (!e->compute_device().is_cpu() && go_host.is_floating_point() && go_host.element_size() < 4)
+      go_host = go_host.to(torch::kFloat);
     torch::Tensor gw = torch::embedding_backward(go_host, ids.to(torch::kCPU), l.w_shape[0], l.padding_idx,
                                                  l.scale_grad_by_freq, l.sparse);
     return {torch::Tensor(), gw.to(l.w_dtype), torch::Tensor(), torch::Tensor()};
