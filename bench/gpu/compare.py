@@ -357,6 +357,65 @@ def measure(system, model, handle, dev, cuda, tokens, d, mode, cfg, n) -> dict:
     return out
 
 
+def time_calls(fn, cuda: bool, n: int = 10) -> float:
+    """Median seconds of fn() over n calls after 2 warm-ups (CUDA events on the current
+    stream, else perf_counter)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(n):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def lookup_probe(dry: bool) -> dict:
+    """Embedding lookups: a table resident on the device against the same table streamed
+    by layerstream (looked up in pinned host memory, only the rows named crossing the
+    bus), a 152k x 4096 bf16 vocabulary as in recent language models. A diagnostic: its
+    problems are reported, a result that differs from the resident lookup is a failure."""
+    import torch
+    import torch.nn as nn
+
+    try:
+        import layerstream
+
+        vocab, dim, dtype = (5000, 64, torch.float32) if dry else (152064, 4096, torch.bfloat16)
+        dev = torch.device("cpu" if dry else "cuda")
+        table = torch.empty(vocab, dim, dtype=dtype).uniform_(-1, 1)
+        ref = nn.Embedding.from_pretrained(table.to(dev), freeze=True)
+        emb = nn.Embedding.from_pretrained(table, freeze=True)
+        handle = layerstream.offload(emb, device="sim" if dry else "cuda")
+        out = {"vocab": vocab, "dim": dim, "dtype": str(dtype).replace("torch.", ""),
+               "table_bytes": table.numel() * table.element_size(), "rows": []}
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n in ((512, 4096) if dry else (4096, 32768)):
+                ids = torch.randint(0, vocab, (n,), generator=gen).to(dev)
+                exact = torch.equal(emb(ids), ref(ids))
+                t_res = time_calls(lambda: ref(ids), not dry)
+                t_str = time_calls(lambda: emb(ids), not dry)
+                rows = n * dim * table.element_size()
+                out["rows"].append({"ids": n, "row_bytes": rows, "resident_ms": t_res * 1e3,
+                                    "streamed_ms": t_str * 1e3, "streamed_gbps": rows / t_str / 1e9,
+                                    "exact": exact})
+        handle.detach()
+        return out
+    except Exception as e:  # noqa: BLE001 - reported in results.md
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def run_probe(cfg: dict) -> int:
     """Machine facts and the measured pinned host->device copy peak."""
     import torch
@@ -375,6 +434,7 @@ def run_probe(cfg: dict) -> int:
         info.update({"device": "sim", "gpu": None,
                      "pinned_peak_gbps": cfg["sim_link_gbps"],
                      "pinned_peak_source": f"sim link model ({cfg['sim_link_gbps']} GB/s, not measured)"})
+        info["lookup"] = lookup_probe(dry=True)
         emit(info)
         return 0
     if not torch.cuda.is_available():
@@ -411,6 +471,8 @@ def run_probe(cfg: dict) -> int:
                  "pinned_peak_source": f"measured: pinned CPU tensor of {fmt_bytes(nbytes)} -> cuda, "
                                        f"non_blocking, CUDA events, best of {len(gbps)}",
                  "pageable_gbps": nbytes / (time.perf_counter() - t) / 1e9})
+    del src, dst, pg
+    info["lookup"] = lookup_probe(dry=False)
     emit(info)
     return 0
 
@@ -581,6 +643,13 @@ def write_md(res: dict, path: Path) -> None:
              "on the device (an extra row; the issue's targets are judged on the layerstream rows); "
              "engine-only (compute-bound rows, diagnostic): one slot per layer and cache_across_steps, "
              "so no copies after the first step: its gap to resident is the engine's own per-layer cost")
+    lk = p.get("lookup") or {}
+    if lk.get("rows"):
+        L.append(f"- embedding lookup ({lk['vocab']}×{lk['dim']} {lk['dtype']} table, "
+                 f"{fmt_bytes(lk['table_bytes'])}; random ids, median of 10): "
+                 + "; ".join(f"{r['ids']} ids: resident {r['resident_ms']:.3f} ms, layerstream (rows read from "
+                             f"pinned host memory) {r['streamed_ms']:.3f} ms = {fmt(r['streamed_gbps'])} GB/s "
+                             f"of rows, {'exact' if r['exact'] else 'DIFFERS'}" for r in lk["rows"]))
     b, t = res.get("build", {}), res.get("tests", {})
     L.append(f"- build: {b.get('status', '?')}" + (f" ({b['seconds']} s)" if b.get("seconds") else "")
              + (f" — {b['detail']}" if b.get("detail") else ""))
@@ -739,6 +808,13 @@ def main(argv=None) -> int:
     if rc != 0 or not probe or probe.get("error"):
         failures.append(f"machine probe failed (rc={rc}{', timed out' if to else ''}): "
                         f"{probe.get('error', 'no output')}")
+    lk = probe.get("lookup") or {}
+    if lk.get("error"):
+        notes.append(f"embedding lookup probe: {lk['error']}")
+    for r in lk.get("rows", []):
+        if not r["exact"]:
+            failures.append(f"embedding lookup probe: the streamed lookup of {r['ids']} ids differs from "
+                            f"the resident table's")
 
     # 2. systems
     wanted = [s.strip() for s in a.systems.split(",") if s.strip()]
