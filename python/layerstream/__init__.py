@@ -1004,6 +1004,15 @@ def offload(
             workspace = _align256(workspace + bias.numel() * compute_dtype.itemsize)
         bus = _align256(w_bytes) + _align256(b_bytes)
         layers.append((name, module, kind, fmt, pre, bus, bus + workspace, dense_w + b_bytes))
+    if isinstance(quantize, dict):
+        # A table named explicitly (no wildcard) for a format: tables are never quantized.
+        named = [f"'{name}'" for name, _, _, _, _, _, _, _ in tables
+                 if any(not any(c in pattern for c in "*?[") and fnmatch.fnmatchcase(name, pattern) and fmt
+                        for pattern, fmt in quantize.items())]
+        if named:
+            warnings.warn(f"layerstream: quantize= names embedding table(s) {', '.join(named)}, but tables "
+                          f"are not quantized: they are looked up in host memory as they are (only the "
+                          f"rows a batch names cross the bus)", RuntimeWarning, stacklevel=2)
     if trainable:
         # Refused here, before any module changes (the engine would refuse at the first such
         # layer, after the layers before it had been attached).

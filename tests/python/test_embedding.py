@@ -183,3 +183,21 @@ def test_double_backward_through_a_trainable_table_is_an_error(offload_sim):
     loss = model(_ids()).square().sum()
     with pytest.raises(RuntimeError, match=r"layer .emb.: backward with create_graph=True"):
         loss.backward(create_graph=True)
+
+
+def test_quantizing_a_table_by_name_warns_that_tables_are_not_quantized(offload_sim, recwarn):
+    """quantize= packs Linear/conv weights; a table named explicitly for a format gets a
+    warning (it streams as it is); a wildcard that also covers it does not warn."""
+    torch.manual_seed(0)
+    model = _LM()
+    ref = copy.deepcopy(model)
+    model.fc.requires_grad_(False)
+    with pytest.warns(RuntimeWarning, match=r"quantize= names embedding table\(s\) 'emb', but tables are "
+                                            r"not quantized"):
+        handle = offload_sim(model, quantize={"emb": "int8", "fc": "int8"})
+    assert handle.stats()["quantized_layers"] == 1
+    ids = _ids()
+    assert torch.equal(model.emb(ids), ref.emb(ids))
+    recwarn.clear()
+    offload_sim(_LM().requires_grad_(False), quantize={"*": "int8"})
+    assert not [w for w in recwarn if "embedding table" in str(w.message)]
