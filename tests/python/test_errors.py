@@ -212,7 +212,7 @@ def test_budget_keeps_an_outlier_layer_resident_to_shrink_the_slots(offload_sim)
     """The slots are sized by the largest *streamed* layer. An outlier (an LM head
     10x a block's layers) is kept resident when that lets the prefetch slots fit:
     before, a budget below prefetch + 1 slots of the outlier fell back to 2 slots of
-    it, or was refused below 2 (here: 3 slots of 44.5 KB in a 60 KB budget)."""
+    it, or was refused below 2 (here it was refused: a 58 KB budget, slots of 44.5 KB)."""
     torch.manual_seed(0)
     budget = 44352 + 3 * 4352 + 1000
     model = _WithHead()
