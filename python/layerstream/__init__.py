@@ -298,15 +298,18 @@ class _Attached:
     """What offload() changed on one module, to undo it in detach()."""
 
     __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
-                 "prequantized", "bnb_stats", "hooks")
+                 "prequantized", "bnb_stats", "hooks", "strides")
 
     def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
-                 prequantized=False, bnb_stats=None, hooks=()):
+                 prequantized=False, bnb_stats=None, hooks=(), strides=None):
         self.name, self.module, self.kind, self.index = name, module, kind, index
         self.had_forward, self.old_forward, self.devices = had_forward, old_forward, devices
         self.prequantized = prequantized
         self.bnb_stats = bnb_stats
         self.hooks = list(hooks)
+        # A weight quantized by offload() whose memory layout was not the contiguous one
+        # (channels_last): detach() restores its dequantized values in that layout.
+        self.strides = strides
 
 
 def _requantize_on_load(engine, index: int, module: nn.Module) -> list:
@@ -733,7 +736,10 @@ class Handle:
                     quantized_stats=dict(a.bnb_stats),
                     requires_grad=False, device=dev, module=a.module)
             elif a.index in dense:
-                a.module.weight = nn.Parameter(dense[a.index].to(a.devices[0]), requires_grad=False)
+                w = dense[a.index]
+                if a.strides is not None:  # the layout it had before offload() (e.g. channels_last)
+                    w = torch.empty_strided(w.shape, a.strides, dtype=w.dtype).copy_(w)
+                a.module.weight = nn.Parameter(w.to(a.devices[0]), requires_grad=False)
         for a in self._attached:
             for h in a.hooks:
                 h.remove()
@@ -1128,7 +1134,8 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
         a = _Attached(name, module, kind, index, had_forward, old_forward, devices,
-                      prequantized=pre is not None, bnb_stats=None if pre is None else pre.bnb_stats)
+                      prequantized=pre is not None, bnb_stats=None if pre is None else pre.bnb_stats,
+                      strides=None if weight.is_contiguous() else tuple(weight.stride()))
         attached.append(a)
         if (pre is None or pre.bnb_stats is not None) and engine.layer_format(index):
             # The weight now lives packed on the host; the module keeps a

@@ -296,6 +296,22 @@ def test_quantized_conv_matches_host_dequantized_weights(fmt):
     assert 0 < err <= MODEL_TOL[fmt], err
 
 
+def test_detach_restores_a_quantized_weight_in_its_memory_layout():
+    """A channels_last conv weight is packed from its logical order; detach() restores
+    the dequantized values in the layout the weight had (it came back contiguous)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 8, 3)).to(
+        memory_format=torch.channels_last).requires_grad_(False)
+    strides = [m.weight.stride() for m in model]
+    assert not model[0].weight.is_contiguous()
+    h = layerstream.offload(model, device="sim", quantize="int8")
+    dequantized = [h._engine.dequantized_weight(a.index) for a in h._attached]
+    h.detach()
+    for m, st, dq in zip(model, strides, dequantized):
+        assert m.weight.stride() == st
+        assert torch.equal(m.weight, dq)
+
+
 def test_compute_dtype_dequantizes_to_it_and_casts_the_bias_in_the_slot():
     """compute_dtype on a quantized layer: the weight is dequantized straight to
     it (as dequant_dtype does) and the fp32 bias is cast into the slot too; the
