@@ -1039,11 +1039,12 @@ std::map<std::string, double> Engine::stats() const {
   m["max_slots_held"] = st.max_slots_held;
   m["budget_bytes"] = static_cast<double>(opts_.budget_bytes);
   m["layers"] = static_cast<double>(layers_.size());
-  int quantized = 0;
-  for (const auto& l : layers_) quantized += l->qformat != quant::Format::None ? 1 : 0;
+  int quantized = 0, embeddings = 0;
+  for (const auto& l : layers_) {
+    quantized += l->qformat != quant::Format::None ? 1 : 0;
+    embeddings += l->is_embedding ? 1 : 0;
+  }
   m["quantized_layers"] = quantized;
-  int embeddings = 0;
-  for (const auto& l : layers_) embeddings += l->is_embedding ? 1 : 0;
   m["embedding_layers"] = embeddings;
   const HostStoreStats hs = store_->stats();
   m["pinned_bytes"] = static_cast<double>(hs.pinned_bytes);
@@ -1455,15 +1456,23 @@ void check_not_tracing(const Engine::LayerInfo& l) {
            "a trace would freeze. Trace the model before offload() or after handle.detach(), or "
            "use torch.compile (each streamed layer is a graph break).");
 }
+
+const char* kind_of(const Engine::LayerInfo& l) {
+  return l.is_conv ? "a convolution" : l.is_embedding ? "an embedding" : "a Linear";
+}
 }  // namespace
+
+Engine::LayerInfo& Engine::call_layer(int index, const char* kind) {
+  report_failed_backward();
+  LayerInfo& l = layer(index);
+  check_not_tracing(l);
+  LS_CHECK(std::strcmp(kind_of(l), kind) == 0, "layer '", l.name, "' is ", kind_of(l), ", not ", kind);
+  return l;
+}
 
 torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
-  report_failed_backward();
-  LayerInfo& l = layer(layer_index);
-  check_not_tracing(l);
-  LS_CHECK(!l.is_conv && !l.is_embedding, "layer '", l.name, "' is ",
-           l.is_conv ? "a convolution" : "an embedding", ", not a Linear");
+  LayerInfo& l = call_layer(layer_index, "a Linear");
   check_input(*this, l, x_in);
   const torch::Tensor x = autocast_input(x_in, compute_device_.type());
   check_host_alias(l);
@@ -1481,11 +1490,7 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool gr
 
 torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
-  report_failed_backward();
-  LayerInfo& l = layer(layer_index);
-  check_not_tracing(l);
-  LS_CHECK(l.is_conv, "layer '", l.name, "' is ", l.is_embedding ? "an embedding" : "a Linear",
-           ", not a convolution");
+  LayerInfo& l = call_layer(layer_index, "a convolution");
   check_input(*this, l, x_in);
   const torch::Tensor x = autocast_input(x_in, compute_device_.type());
   check_host_alias(l);
@@ -1539,11 +1544,7 @@ void Engine::count_d2h(uint64_t bytes) {
 
 torch::Tensor Engine::embedding(int layer_index, const torch::Tensor& ids) {
   auto scope = device_scope();
-  report_failed_backward();
-  LayerInfo& l = layer(layer_index);
-  check_not_tracing(l);
-  LS_CHECK(l.is_embedding, "layer '", l.name, "' is ", l.is_conv ? "a convolution" : "a Linear",
-           ", not an embedding");
+  LayerInfo& l = call_layer(layer_index, "an embedding");
   LS_CHECK(ids.device() == compute_device_, "embedding layer '", l.name, "' streams to ", device_name_,
            " (tensors on ", compute_device_.str(), ") but its ids are on ", ids.device().str(),
            "; move them to ", compute_device_.str());

@@ -345,6 +345,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Warns (once per engine) at the next linear()/conv() after discard_task()
   // dropped gradients: never from inside the autograd engine.
   void report_failed_backward();
+  // The common start of linear()/conv()/embedding(): reports a failed backward,
+  // refuses tracing, and checks that layer `index` is of `kind` ("a Linear",
+  // "a convolution", "an embedding").
+  LayerInfo& call_layer(int index, const char* kind);
   // Waits until no embedding lookup enqueued so far still reads the host store.
   void wait_lookups_locked();
   size_t grad_bytes(const LayerInfo& l) const;
