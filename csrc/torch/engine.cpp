@@ -326,14 +326,11 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
   LS_CHECK(info.weight.defined(), "layer '", info.name, "' has no weight");
   LS_CHECK(info.weight.is_floating_point(), "layer '", info.name, "' has a ",
            info.weight.scalar_type(), " weight; only floating-point weights can be streamed");
-  for (const auto& l : layers_) {
-    LS_CHECK(!l->weight.is_same(info.weight), "layer '", info.name,
-             "' shares its weight with already streamed layer '", l->name,
-             "': attach each module once");
-  }
   info.w_shape = info.weight.sizes().vec();
   info.w_dtype = info.weight.scalar_type();
-  if (format == quant::Format::None) {
+  if (share_weight_locked(info, format)) {
+    // Tied: the other layer's host copy is this layer's too.
+  } else if (format == quant::Format::None) {
     info.w_host = adopt(*store_, keepalive_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes,
                         &info.w_strides);
   } else {
@@ -367,6 +364,39 @@ int Engine::add_layer(LayerInfo info, quant::Format format) {
     info.b_host = adopt(*store_, keepalive_, info.bias, info.name + ".bias", &info.b_index, &info.b_bytes);
   }
   return register_layer_locked(std::move(info));
+}
+
+bool Engine::share_weight_locked(LayerInfo& info, quant::Format format) {
+  const auto same = [](const torch::Tensor& a, const torch::Tensor& b) { return a.defined() && a.is_same(b); };
+  for (const auto& l : layers_) {
+    LS_CHECK(!info.bias.defined() || (!same(l->bias, info.bias) && !same(l->weight, info.bias)),
+             "layer '", info.name, "' shares its bias with already streamed layer '", l->name,
+             "'; only weights can be shared between streamed layers (tied weights): keep one of "
+             "them resident");
+    LS_CHECK(!same(l->bias, info.weight), "layer '", info.name, "' uses the bias of already streamed "
+             "layer '", l->name, "' as its weight; keep one of them resident");
+    const auto watched = l->watched_param.lock();
+    LS_CHECK(!(watched && watched.get() == info.weight.unsafeGetTensorImpl()), "layer '", info.name,
+             "' shares its weight with layer '", l->name, "', which streams it quantized; a shared "
+             "(tied) weight streams unquantized: quantize neither layer");
+  }
+  for (auto& lp : layers_) {
+    LayerInfo& l = *lp;
+    if (!same(l.weight, info.weight)) continue;
+    LS_CHECK(format == quant::Format::None, "cannot quantize layer '", info.name, "' to ",
+             quant::to_string(format), ": its weight is shared with streamed layer '", l.name,
+             "' (tied weights), and a shared weight streams unquantized; do not quantize it");
+    LS_CHECK(l.qformat == quant::Format::None, "layer '", info.name, "' shares its weight with layer '",
+             l.name, "', which streams it quantized; a shared (tied) weight streams unquantized");
+    check_host_alias(l);  // the shared tensor still is the host copy
+    info.w_index = l.w_index;
+    info.w_host = l.w_host;
+    info.w_bytes = l.w_bytes;
+    info.w_strides = l.w_strides;
+    info.shared_weight = l.shared_weight = true;
+    return true;
+  }
+  return false;
 }
 
 int Engine::register_layer_locked(LayerInfo info) {
@@ -421,10 +451,6 @@ int Engine::add_embedding(const std::string& name, torch::Tensor weight, int64_t
            weight.defined() ? shape_str(weight.sizes().vec()) : std::string("none"));
   LS_CHECK(weight.is_floating_point(), "embedding layer '", name, "' has a ", weight.scalar_type(),
            " weight; only floating-point weights can be streamed");
-  for (const auto& l : layers_) {
-    LS_CHECK(!l->weight.is_same(weight), "embedding layer '", name, "' shares its weight with already "
-             "streamed layer '", l->name, "': attach each module once");
-  }
   LayerInfo info;
   info.name = name;
   info.is_embedding = true;
@@ -437,8 +463,9 @@ int Engine::add_embedding(const std::string& name, torch::Tensor weight, int64_t
   info.sparse = sparse;
   info.w_shape = weight.sizes().vec();
   info.w_dtype = weight.scalar_type();
-  info.w_host = adopt(*store_, keepalive_, info.weight, name + ".weight", &info.w_index, &info.w_bytes,
-                      &info.w_strides);
+  if (!share_weight_locked(info, quant::Format::None))
+    info.w_host = adopt(*store_, keepalive_, info.weight, name + ".weight", &info.w_index, &info.w_bytes,
+                        &info.w_strides);
   info.last_read = backend_->create_event();
   info.w_host_mapped = backend_->device_address_of_host(store_->buffer(info.w_index));
   return register_layer_locked(std::move(info));
@@ -1009,6 +1036,9 @@ void Engine::detach(const std::vector<torch::Device>& devices) {
     const torch::Device dev = devices.empty() ? torch::Device(torch::kCPU) : devices[i];
     if (l.qformat != quant::Format::None) {
       // The caller restores quantized weights from dequantized_weight().
+    } else if (l.shared_weight && l.weight.data_ptr() != l.w_host) {
+      // Tied: already restored by the first layer that shares it (the one that
+      // adopted it, registered first), to that layer's device.
     } else {
       l.weight.set_data(l.weight.detach().clone().to(dev));
     }
@@ -1485,7 +1515,7 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool gr
   // Autograd inputs must be defined tensors: without a bias, the weight
   // stands in (the functions read the bias from the layer, never from here).
   return LinearFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
-                         static_cast<int64_t>(layer_index), grads_via_autograd);
+                         static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
 }
 
 torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
@@ -1496,7 +1526,7 @@ torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grad
   check_host_alias(l);
   ensure_scheduler();
   return ConvFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
-                       static_cast<int64_t>(layer_index), grads_via_autograd);
+                       static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
 }
 
 namespace {

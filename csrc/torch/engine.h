@@ -114,6 +114,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   // Registers a streamed layer and moves its parameter data into the host
   // store. weight/bias are the module's parameters (bias may be undefined).
+  // Tied weights: a dense weight that an already registered (unquantized)
+  // layer streams — the same tensor, as an lm_head tied to the embedding —
+  // is not copied again: both layers read one host copy (add_embedding too).
+  // Such a shared weight cannot be quantized here, and its gradients always
+  // go through autograd (as with grads_via_autograd), which sums the uses
+  // into one .grad as it does for a resident tied weight. A bias shared
+  // with another layer is refused.
   // With a quantization format the weight is packed on the host (it must be
   // frozen: requires_grad false) and crosses the bus packed; right after the
   // copy, a dequantization on the engine's dequant stream writes the weight
@@ -272,6 +279,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::string name;
     bool is_conv = false;
     bool is_embedding = false;  // add_embedding(): looked up, never in a slot
+    // Tied weights: the weight (its host copy, w_index/w_host) is also
+    // another layer's; its gradients go through autograd (see add_linear).
+    bool shared_weight = false;
     Event last_read;            // embedding: after the newest lookup on the device
     void* w_host_mapped = nullptr;  // embedding: the store's device mapping (nullptr: none)
     int64_t padding_idx = -1;       // embedding: as nn.Embedding (its row gets no gradient)
@@ -327,6 +337,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   explicit Engine(const EngineOptions& options);
   int add_layer(LayerInfo info, quant::Format format);
   int register_layer_locked(LayerInfo info);
+  // Tied weights: when `info.weight` is already streamed by another layer,
+  // points `info` at that layer's host copy and returns true (false: not
+  // shared; the caller adopts it). Refuses shared biases and quantizing a
+  // shared weight (`format`), naming both layers.
+  bool share_weight_locked(LayerInfo& info, quant::Format format);
   void build_scheduler_locked();
   void ensure_scheduler();
   void check_host_alias(const LayerInfo& l) const;

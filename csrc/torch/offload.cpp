@@ -261,9 +261,12 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
     if (!options.include.empty() && !glob_any(options.include, name)) return false;
     return !glob_any(options.exclude, name);
   };
-  auto record = [&](const std::string& name, const torch::Tensor& w, const torch::Tensor& b) {
+  // Called right after the engine took the layer, with the device its
+  // weight was on before (the engine moved it to the host store).
+  auto record = [&](const std::string& name, const torch::Tensor& w, const torch::Tensor& b,
+                    torch::Device before) {
     handle->names_.push_back(name);
-    handle->devices_.push_back(w.device());
+    handle->devices_.push_back(before);
     streamed.insert(w.unsafeGetTensorImpl());
     if (b.defined()) streamed.insert(b.unsafeGetTensorImpl());
   };
@@ -274,14 +277,23 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
     torch::nn::Module* parent;
     std::string child;
     std::shared_ptr<torch::nn::Module> module;
+    bool shared = false;  // its weight is tied to another streamed layer's
   };
   std::vector<Item> items;
+  std::set<torch::nn::Module*> collected;
   // Tied weights: a parameter of two distinct modules (e.g. an output
-  // projection sharing the embedding's weight). Streaming its layer would move
-  // the tensor to the host under the other module and accumulate the layer's
-  // gradient beside autograd's, so such layers stay resident (the other module
-  // keeps the tensor on the device anyway).
-  std::map<torch::TensorImpl*, std::vector<std::string>> owners;
+  // projection sharing the embedding's weight). When it is the weight of
+  // every module that has it and each of them streams, they share one host
+  // copy (Engine::add_linear) and their gradients go through autograd, which
+  // sums them. Otherwise (a bias, or a module that stays resident, such as a
+  // torch::nn::Embedding) those layers stay resident: streaming one would
+  // move the tensor to the host under the other module, which keeps it on
+  // the device anyway.
+  struct Owner {
+    torch::nn::Module* module;
+    std::string param, qualified;
+  };
+  std::map<torch::TensorImpl*, std::vector<Owner>> owners;
   {
     std::set<torch::nn::Module*> seen;
     for (const auto& named : root.named_modules("", /*include_self=*/true)) {
@@ -289,25 +301,11 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       for (const auto& p : named.value()->named_parameters(/*recurse=*/false)) {
         if (!p.value().defined()) continue;
         owners[p.value().unsafeGetTensorImpl()].push_back(
-            named.key().empty() ? p.key() : named.key() + "." + p.key());
+            {named.value().get(), p.key(), named.key().empty() ? p.key() : named.key() + "." + p.key()});
       }
     }
   }
-  std::vector<std::string> tied;
-  std::set<torch::nn::Module*> collected;
-  auto tied_with = [&](const std::string& name, torch::nn::Module& m) {
-    std::string shared;
-    for (const auto& p : m.named_parameters(/*recurse=*/false)) {
-      if (!p.value().defined()) continue;
-      const auto& who = owners[p.value().unsafeGetTensorImpl()];
-      if (who.size() < 2) continue;
-      const std::string own = name + "." + p.key();
-      for (const auto& o : who)
-        if (o != own) shared += (shared.empty() ? "" : ", ") + p.key() + " shared with '" + o + "'";
-    }
-    if (!shared.empty()) tied.push_back("'" + name + "' (" + shared + ")");
-    return !shared.empty();
-  };
+  // Pass 1: the modules offload() would stream, ties aside.
   for (const auto& named : root.named_modules("", /*include_self=*/true)) {
     torch::nn::Module* parent = named.value().get();
     const bool is_container = dynamic_cast<torch::nn::SequentialImpl*>(parent) ||
@@ -329,7 +327,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                          dynamic_cast<torch::nn::Conv2dImpl*>(m.get()) ||
                          dynamic_cast<torch::nn::Conv3dImpl*>(m.get());
       const bool ours = dynamic_cast<nn::StreamedBase*>(m.get()) != nullptr;
-      if ((!plain && !ours) || !selected(name) || tied_with(name, *m)) continue;
+      if ((!plain && !ours) || !selected(name)) continue;
       if (const auto* w = m->named_parameters(/*recurse=*/false).find("weight"); w && w->numel() == 0)
         continue;  // zero elements (e.g. Linear(0, n)): nothing to stream
       if (!collected.insert(m.get()).second) continue;  // one module under two names
@@ -343,12 +341,49 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       items.push_back(Item{name, parent, child.key(), m});
     }
   }
+  // Pass 2: ties. A shared parameter streams only as the weight of modules
+  // that all stream; the others stay resident (one warning).
+  std::vector<std::string> tied, unquantized;
+  std::vector<Item> kept;
+  for (auto& it : items) {
+    std::string resident_why;
+    bool shares = false;
+    for (const auto& p : it.module->named_parameters(/*recurse=*/false)) {
+      if (!p.value().defined()) continue;
+      const auto& who = owners[p.value().unsafeGetTensorImpl()];
+      if (who.size() < 2) continue;
+      bool streams = p.key() == "weight";
+      for (const auto& o : who)
+        streams = streams && o.param == "weight" && collected.count(o.module) != 0;
+      shares = true;
+      if (streams) continue;
+      const std::string own = it.name + "." + p.key();
+      for (const auto& o : who)
+        if (o.qualified != own)
+          resident_why += (resident_why.empty() ? "" : ", ") + p.key() + " shared with '" + o.qualified + "'";
+    }
+    if (!resident_why.empty()) {
+      tied.push_back("'" + it.name + "' (" + resident_why + ")");
+      continue;
+    }
+    it.shared = shares;
+    if (shares && qformat != quant::Format::None && !dynamic_cast<nn::EmbeddingImpl*>(it.module.get()))
+      unquantized.push_back("'" + it.name + "'");
+    kept.push_back(it);
+  }
+  items = std::move(kept);
   if (!tied.empty()) {
     std::string list;
     for (const auto& t : tied) list += (list.empty() ? "" : "; ") + t;
     TORCH_WARN("layerstream: ", tied.size(), " layer(s) with tied weights stay resident on ",
-               engine->compute_device(), " (a streamed copy would move a tensor another module "
-               "uses, and lose gradient): ", list);
+               engine->compute_device(), " (another module that stays resident, or a bias, shares "
+               "the tensor; a streamed copy would move it under that module): ", list);
+  }
+  if (!unquantized.empty()) {
+    std::string list;
+    for (const auto& t : unquantized) list += (list.empty() ? "" : ", ") + t;
+    TORCH_WARN("layerstream: quantize=", options.quantize, " does not apply to ", unquantized.size(),
+               " layer(s) with tied weights (a shared weight streams unquantized): ", list);
   }
   LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or Embedding module to stream");
 
@@ -368,24 +403,27 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   } undo{handle.get()};
   for (auto& it : items) {
     torch::nn::Module* m = it.module.get();
+    const quant::Format fmt = it.shared ? quant::Format::None : qformat;
+    const torch::Tensor* w0 = m->named_parameters(/*recurse=*/false).find("weight");
+    const torch::Device before = w0 ? w0->device() : torch::Device(torch::kCPU);
     if (auto* l = dynamic_cast<nn::LinearImpl*>(m)) {
-      const int idx = engine->add_linear(it.name, l->weight, l->bias, qformat);
+      const int idx = engine->add_linear(it.name, l->weight, l->bias, fmt);
       l->bind(engine, idx);
       handle->unbind_.push_back([l] { l->unbind(); });
-      record(it.name, l->weight, l->bias);
+      record(it.name, l->weight, l->bias, before);
     } else if (auto* e = dynamic_cast<nn::EmbeddingImpl*>(m)) {
       const int idx = engine->add_embedding(it.name, e->weight, e->options.padding_idx().value_or(-1),
                                             e->options.scale_grad_by_freq(), e->options.sparse());
       e->bind(engine, idx);
       handle->unbind_.push_back([e] { e->unbind(); });
-      record(it.name, e->weight, torch::Tensor());
+      record(it.name, e->weight, torch::Tensor(), before);
     } else if (auto* tl = dynamic_cast<torch::nn::LinearImpl*>(m)) {
       auto s = std::make_shared<nn::LinearImpl>(tl->options, tl->weight, tl->bias);
-      const int idx = engine->add_linear(it.name, s->weight, s->bias, qformat);
+      const int idx = engine->add_linear(it.name, s->weight, s->bias, fmt);
       s->bind(engine, idx);
       it.parent->replace_module(it.child, s);
       handle->swaps_.push_back({it.parent, it.child, it.module});
-      record(it.name, s->weight, s->bias);
+      record(it.name, s->weight, s->bias, before);
     } else {
       auto swap_conv = [&](auto* conv, auto dim_tag) -> bool {
         if (!conv) return false;
@@ -394,19 +432,19 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                  "cannot stream conv '", it.name, "': only zero padding_mode is streamed; exclude it");
         auto opts = conv_options_from<D>(conv->options);
         auto s = std::make_shared<nn::ConvImpl<D>>(opts, conv->weight, conv->bias);
-        const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec(), qformat);
+        const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec(), fmt);
         s->bind(engine, idx);
         it.parent->replace_module(it.child, s);
         handle->swaps_.push_back({it.parent, it.child, it.module});
-        record(it.name, s->weight, s->bias);
+        record(it.name, s->weight, s->bias, before);
         return true;
       };
       auto bind_ours = [&](auto* conv) -> bool {
         if (!conv) return false;
-        const int idx = engine->add_conv(it.name, conv->weight, conv->bias, conv->spec(), qformat);
+        const int idx = engine->add_conv(it.name, conv->weight, conv->bias, conv->spec(), fmt);
         conv->bind(engine, idx);
         handle->unbind_.push_back([conv] { conv->unbind(); });
-        record(it.name, conv->weight, conv->bias);
+        record(it.name, conv->weight, conv->bias, before);
         return true;
       };
       if (bind_ours(dynamic_cast<nn::Conv1dImpl*>(m)) || bind_ours(dynamic_cast<nn::Conv2dImpl*>(m)) ||

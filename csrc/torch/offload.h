@@ -27,8 +27,13 @@
 //    private): offload() throws naming them, so nothing runs unstreamed
 //    silently. torch::nn::Embedding is never swapped (it stays resident):
 //    declare the member as layerstream::nn::Embedding to stream a table.
-// A layer whose weight or bias another module shares (tied weights) is not
-// streamed: it stays resident, with one warning (docs/design/torch-glue.md).
+// Tied weights (one weight parameter of several modules, e.g. an output
+// projection sharing a layerstream::nn::Embedding's table) stream when every
+// module that has it streams: they read one host copy, unquantized (with a
+// warning when `quantize` is set), and their gradients go back through
+// autograd. A layer whose weight another, resident module shares (e.g. a
+// torch::nn::Embedding), or whose bias is shared, stays resident, with one
+// warning (docs/design/torch-glue.md).
 // Non-streamed parameters and buffers are moved to the compute device. After
 // offload(), model->to(<compute device>) leaves the streamed weights in host
 // memory; other devices or dtypes throw (children convert in order, so

@@ -234,16 +234,20 @@ def _selected(name: str, include, exclude) -> bool:
     return not match(exclude)
 
 
-def _drop_tied(model: nn.Module, candidates: list, compute_device: torch.device) -> list:
-    """Keeps layers whose weight or bias is also a parameter of another module
-    (tied weights, e.g. an lm_head sharing the embedding's weight) resident.
+def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device):
+    """Tied weights: a parameter of several distinct modules (e.g. an lm_head
+    sharing the embedding's weight). Returns (kept candidates, groups), groups
+    being the lists of candidate names that share one weight.
 
-    Streaming such a layer would move the shared tensor to the host under the
-    other module's feet (on CUDA that module then fails with a device
-    mismatch) and would accumulate the layer's gradient beside autograd's
-    accumulation of the other use, losing gradient. The other module keeps the
-    tensor on the device anyway, so residency costs no extra device memory."""
-    owners: Dict[int, List[str]] = {}  # parameter id -> qualified names of its distinct modules
+    When the shared tensor is the weight of every module that has it and all of
+    them are candidates, they stream together: the engine keeps one host copy
+    for all of them (the table looks it up, the lm_head streams it) and returns
+    their gradients through autograd, which sums them into the one .grad as it
+    does for a resident tied weight. Otherwise (a shared bias, or a module that
+    stays resident uses it) those layers stay resident, with one warning:
+    streaming one would move the tensor to the host under the other module (on
+    CUDA a device mismatch), which keeps it on the device anyway."""
+    owners: Dict[int, List[tuple]] = {}  # parameter id -> (module id, parameter name, qualified name)
     seen_modules = set()
     for mname, m in model.named_modules(remove_duplicate=False):
         if id(m) in seen_modules:  # one module reachable under two names is not a tie
@@ -251,23 +255,28 @@ def _drop_tied(model: nn.Module, candidates: list, compute_device: torch.device)
         seen_modules.add(id(m))
         for pname, p in m._parameters.items():
             if p is not None:
-                owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
-    kept, tied = [], []
+                owners.setdefault(id(p), []).append((id(m), pname, f"{mname}.{pname}" if mname else pname))
+    streamable = {id(module) for _, module, _ in candidates}
+    kept, tied, groups = [], [], {}
     for name, module, kind in candidates:
-        shared = [(pn, owners[id(p)]) for pn, p in (("weight", module.weight),
-                                                     ("bias", getattr(module, "bias", None)))
-                  if p is not None and len(owners.get(id(p), ())) > 1]
-        if not shared:
+        why = []
+        for pn, p in (("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))):
+            who = owners.get(id(p), ()) if p is not None else ()
+            if len(who) < 2:
+                continue
+            if pn == "weight" and all(o[1] == "weight" and o[0] in streamable for o in who):
+                groups.setdefault(id(p), []).append(name)
+                continue
+            own = f"{name}.{pn}" if name else pn
+            why.append(f"{pn} shared with " + ", ".join(f"'{o[2]}'" for o in who if o[2] != own))
+        if why:
+            tied.append(f"'{name or '<root>'}' (" + "; ".join(why) + ")")
+        else:
             kept.append((name, module, kind))
-            continue
-        own = f"{name}." if name else ""
-        tied.append(f"'{name or '<root>'}' (" + "; ".join(
-            f"{pn} shared with " + ", ".join(f"'{o}'" for o in others if o != own + pn)
-            for pn, others in shared) + ")")
     _warn_resident(tied, "layer(s) with tied weights", compute_device,
-                   "a streamed copy would move a tensor another module uses, and lose gradient",
-                   stacklevel=4)
-    return kept
+                   "another module that stays resident, or a bias, shares the tensor; a streamed "
+                   "copy would move it under that module", stacklevel=4)
+    return kept, [g for g in groups.values() if len(g) > 1]
 
 
 def _warn_resident(names: list, what: str, compute_device: torch.device, why: str,
@@ -641,10 +650,15 @@ class Handle:
         if not tables:
             return self._plan["explain"]
         size = sum(engine.layer_bytes(a.index) for a in tables)
+
+        def describe(t):
+            tied = [a.name or "<root>" for a in self._attached
+                    if a is not t and a.module._parameters.get("weight") is t.module.weight]
+            return (t.name or "<root>") + (f" (weight shared with {', '.join(tied)})" if tied else "")
         return (self._plan["explain"].rstrip("\n") +
                 f"\nembedding tables:         {len(tables)} looked up in host memory (pinned unless "
                 f"pinning failed), {size / 2**20:.2f} MiB, no device memory: "
-                + ", ".join(a.name or "<root>" for a in tables) + "\n")
+                + ", ".join(describe(t) for t in tables) + "\n")
 
     def stats(self) -> Dict[str, float]:
         """Counters since offload(): peak_device_bytes (streaming slots plus the
@@ -804,10 +818,11 @@ def offload(
     reads only the rows its ids name, with no slot and no device copy of the
     table (never quantized); a trainable table's gradient is computed on the
     host from the output gradient's rows.
-    Everything else of the model is moved to the compute device, including
-    layers with tied weights (a weight or bias shared with another module,
-    e.g. an lm_head tied to the embedding), which stay resident with one
-    warning.
+    Tied weights (an lm_head sharing the embedding's weight) stream when every
+    module that has the weight streams: from one host copy, unquantized, the
+    gradient of the uses summed through autograd. Everything else of the model
+    is moved to the compute device, including layers whose weight a resident
+    module shares, or whose bias is shared (one warning names them).
 
     device: "cuda"/"cuda:N", "sim" (simulated device; tensors compute on the
         CPU) or None (CUDA when visible, else "sim").
@@ -949,7 +964,8 @@ def offload(
     _warn_resident(renormed, "embedding layer(s) with max_norm", compute_device,
                    "each lookup renormalizes the rows it reads in place, which a streamed lookup "
                    "does not do")
-    candidates = _drop_tied(model, candidates, compute_device)
+    candidates, tie_groups = _split_tied(model, candidates, compute_device)
+    tied_names = {n for g in tie_groups for n in g}
     # Embedding tables stay in host memory and are looked up there (no slot, no planner
     # entry, no quantization): only the rows a batch names cross the bus.
     order = {id(module): i for i, (_, module, _) in enumerate(candidates)}  # attached in model order
@@ -966,7 +982,7 @@ def offload(
     #    A quantized layer's slot holds the packed weight and, after it, the
     #    weight dequantized on the device (in its dense dtype).
     layers = []  # (name, module, kind, fmt, pre, bus_bytes, slot_bytes, resident_bytes)
-    unpackable, trainable = [], []
+    unpackable, trainable, tied_dense = [], [], []
     for name, module, kind in candidates:
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
@@ -974,6 +990,9 @@ def offload(
             raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
                                    f"Linear layers only")
         fmt = _quant_for(name, quantize) if pre is None else None
+        if fmt is not None and name in tied_names:
+            tied_dense.append(f"'{name or '<root>'}'")  # one host copy, read dense by every user
+            fmt = None
         if fmt is not None and weight.requires_grad:
             trainable.append(name or "<root>")
         elif fmt is not None and not bool(torch.isfinite(weight.detach()).all()):
@@ -1028,6 +1047,11 @@ def offload(
             f"Freeze them (requires_grad_(False)), or choose per layer with a dict, first match "
             f"wins, e.g. quantize={{'*lora_*': None, '*': 'nf4'}} for a peft model, or call "
             f"offload() on the frozen base before adding the adapter.")
+    if tied_dense:
+        warnings.warn(f"layerstream: quantize={quantize!r} does not apply to {len(tied_dense)} layer(s) "
+                      f"with tied weights (the weight is shared with an embedding table or another "
+                      f"layer, which read the same host copy): they stream unquantized: "
+                      + ", ".join(tied_dense), RuntimeWarning, stacklevel=2)
     if unpackable:
         warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
                       f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
@@ -1075,6 +1099,11 @@ def offload(
                                            f"fewer slots (at least 2)") from None
                 raise
         resident_names = set(plan["resident"])
+        # Tied weights: a layer kept resident keeps its tensor on the device, so the
+        # layers that share it stay resident too (it is on the device once, counted once).
+        for group in tie_groups:
+            if resident_names.intersection(group):
+                resident_names.update(group)
         opts["budget_bytes"] = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
 
     # 3. Attach the streamed layers to one engine. A failure part way (e.g. a weight the

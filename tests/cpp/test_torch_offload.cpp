@@ -26,9 +26,25 @@ struct TiedImpl : torch::nn::Module {
 };
 TORCH_MODULE(Tied);
 
+// The same with a layerstream::nn::Embedding, so that the table streams too.
+struct StreamedTiedImpl : torch::nn::Module {
+  layerstream::nn::Embedding emb{nullptr};
+  layerstream::nn::Linear fc{nullptr}, head{nullptr};
+  StreamedTiedImpl() {
+    emb = register_module("emb", layerstream::nn::Embedding(50, 16));
+    fc = register_module("fc", layerstream::nn::Linear(16, 16));
+    head = register_module(
+        "head", layerstream::nn::Linear(torch::nn::LinearOptions(16, 50).bias(false), emb->weight,
+                                        torch::Tensor()));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(torch::relu(fc(emb(ids)))); }
+};
+TORCH_MODULE(StreamedTied);
+
 // Three SGD steps, the last two accumulating into the same gradients; returns
 // each step's output and every parameter's gradient.
-std::vector<torch::Tensor> train_steps(Tied model) {
+template <typename Model>
+std::vector<torch::Tensor> train_steps(Model model) {
   torch::optim::SGD opt(model->parameters(), 0.1);
   std::vector<torch::Tensor> seen;
   torch::manual_seed(7);
@@ -68,6 +84,72 @@ TEST(TorchOffload, TiedWeightLayerStaysResidentAndLosesNoGradient) {
   for (size_t i = 0; i < want.size(); ++i)
     EXPECT_TRUE(torch::equal(want[i], got[i])) << "output or gradient #" << i << " differs";
   handle->detach();
+}
+
+TEST(TorchOffload, TiedWeightStreamsFromOneHostCopyWhenEveryUserStreams) {
+  // Table and head both stream: one host copy (pinned bytes), the gradient of
+  // both uses summed by autograd (bit-identical to the resident model over
+  // accumulating steps and SGD updates); detach() restores one tensor, tied.
+  torch::manual_seed(0);
+  StreamedTied ref;
+  torch::manual_seed(0);
+  StreamedTied model;
+  auto handle = layerstream::offload(*model, sim_options());
+  EXPECT_EQ(handle->layers(), (std::vector<std::string>{"emb", "fc", "head"}));
+  EXPECT_TRUE(model->head->attached() && model->emb->attached());
+  EXPECT_TRUE(model->head->weight.is_same(model->emb->weight));
+  EXPECT_EQ(handle->stats().at("pinned_bytes"), (50 * 16 + 16 * 16 + 16) * 4);
+
+  const auto want = train_steps(ref);
+  const auto got = train_steps(model);
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(torch::equal(want[i], got[i])) << "output or gradient #" << i << " differs";
+  handle->detach();
+  EXPECT_TRUE(model->head->weight.is_same(model->emb->weight));
+  EXPECT_TRUE(torch::equal(model->emb->weight, ref->emb->weight));
+}
+
+TEST(TorchOffload, QuantizeLeavesATiedWeightUnquantized) {
+  // quantize= packs the other layers; the tied head reads the table's dense
+  // host copy (a warning names it).
+  torch::manual_seed(0);
+  StreamedTied model;
+  for (auto& p : model->parameters()) p.requires_grad_(false);
+  auto opts = sim_options();
+  opts.quantize = "int8";
+  auto handle = layerstream::offload(*model, opts);
+  EXPECT_EQ(handle->stats().at("quantized_layers"), 1);
+  EXPECT_EQ(handle->engine()->layer_format(2), "");
+  EXPECT_EQ(handle->engine()->layer_format(1), "int8");
+  const auto ids = torch::randint(0, 50, {2, 5});
+  torch::NoGradGuard ng;
+  const auto h = torch::relu(model->fc(model->emb(ids)));
+  EXPECT_TRUE(torch::equal(model->head(h), torch::linear(h, model->emb->weight)));
+  handle->detach();
+}
+
+TEST(TorchOffload, EngineRefusesToQuantizeOrShareABiasOfATiedWeight) {
+  auto engine = layerstream::Engine::create(sim_options());
+  auto table = torch::randn({10, 4});
+  auto bias = torch::randn({10});
+  engine->add_embedding("emb", table);
+  try {
+    engine->add_linear("head", table, torch::Tensor(), layerstream::quant::Format::Int8);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("shared with streamed layer 'emb' (tied weights)"),
+              std::string::npos) << e.what();
+  }
+  engine->add_linear("a", torch::randn({10, 4}), bias);
+  try {
+    engine->add_linear("b", torch::randn({10, 4}), bias);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("shares its bias with already streamed layer 'a'"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_EQ(engine->num_layers(), 2);
 }
 
 TEST(TorchOffload, LayerUsedUnderTwoNamesIsNotATie) {

@@ -413,19 +413,27 @@ class _TiedLM(nn.Module):
         return self.head(torch.relu(self.fc(self.emb(ids))))
 
 
-def test_tied_weights_stay_resident(offload_dev, compute_device):
-    """A layer whose weight another module shares stays resident (with a warning naming
-    both): streaming it would move the embedding's weight to the host (a device mismatch
-    on CUDA) and accumulate its gradient beside autograd's (the second of two
-    accumulating steps lost gradient before). Outputs and grads match the reference."""
+@pytest.mark.parametrize("resident_table", [False, True], ids=["streamed", "table-resident"])
+def test_tied_weights(offload_dev, compute_device, resident_table):
+    """A weight shared by a table and a Linear (an lm_head tied to the embedding)
+    streams for both from one host copy, its gradient summed over both uses through
+    autograd. When the table stays resident (exclude=), the head stays resident too,
+    with a warning naming both (streaming it would move the table's weight to the
+    host). Outputs and grads match the reference, accumulated over 3 backwards."""
     torch.manual_seed(0)
     model = _TiedLM()
     ref = copy.deepcopy(model).to(compute_device)
-    with pytest.warns(RuntimeWarning, match=r"'head' \(weight shared with 'emb.weight'\)"):
+    if resident_table:
+        with pytest.warns(RuntimeWarning, match=r"'head' \(weight shared with 'emb.weight'\)"):
+            handle = offload_dev(model, exclude=["emb"])
+        assert handle.layers == ["fc"]
+        assert model.emb.weight.device == compute_device
+    else:
         handle = offload_dev(model)
-    assert handle.layers == ["fc"]
+        assert handle.layers == ["emb", "fc", "head"]
+        assert model.emb.weight.device.type == "cpu"
+        assert handle.stats()["pinned_bytes"] == (40 * 12 + 12 * 12 + 12) * 4  # the table once
     assert model.head.weight is model.emb.weight
-    assert model.emb.weight.device == compute_device
     ids = torch.randint(0, 40, (3, 5), device=compute_device)
     for _ in range(3):  # no zero_grad: the grads accumulate
         out, want = model(ids), ref(ids)
@@ -433,7 +441,9 @@ def test_tied_weights_stay_resident(offload_dev, compute_device):
         out.square().mean().backward()
         want.square().mean().backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+        _close(p.grad.to(compute_device), q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+    handle.detach()
+    assert model.head.weight is model.emb.weight and model.emb.weight.device == compute_device
 
 
 class _StridedWeights(nn.Module):
