@@ -14,6 +14,7 @@ hands them to the engine and swaps their ``forward``.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
 import re
 import warnings
@@ -173,14 +174,70 @@ def _is_streamable(module: nn.Module) -> Optional[str]:
 def _stock_forward(module: nn.Module, kind: str) -> bool:
     """True when the module computes what a streamed layer computes: torch's own
     Linear / ConvNd forward (a subclass may add only other methods), or a
-    bitsandbytes Linear4bit (its nf4 weight streams packed; see _bnb_nf4)."""
+    bitsandbytes Linear4bit (its nf4 weight streams packed; see _bnb_nf4); or an
+    Embedding subclass whose forward does its lookup through super().forward
+    (see _lookup_through_super)."""
     cls = type(module)
     if kind == "embedding":
-        return cls.forward is nn.Embedding.forward
+        return cls.forward is nn.Embedding.forward or _lookup_through_super(cls)
     if kind == "linear":
         return cls.forward is nn.Linear.forward or type(module.weight).__name__ == "Params4bit"
     base = next(t for t in _CONV_TYPES if isinstance(module, t))
     return cls.forward is base.forward and cls._conv_forward is base._conv_forward
+
+
+def _lookup_through_super(cls: type) -> bool:
+    """True for an nn.Embedding subclass each of whose own forward methods calls
+    ``super().forward`` (and reads no other forward), as the scaled word
+    embeddings of Gemma, Bart, M2M100, ... do (``super().forward(ids) *
+    embed_scale``). Such a module streams with its own forward kept: offload()
+    puts _LookupBase between the subclass and nn.Embedding in its class, so that
+    super().forward is the streamed lookup and whatever the subclass adds runs
+    on its result. A forward without super() (its own F.embedding call, which
+    would read the weight directly) is not recognized: the module stays
+    resident, as before."""
+    for klass in cls.__mro__:
+        if klass is nn.Embedding:
+            return True
+        f = klass.__dict__.get("forward")
+        if f is None:
+            continue
+        code = getattr(f, "__code__", None)
+        if code is None or "super" not in code.co_names or "forward" not in code.co_names:
+            return False
+    return False
+
+
+class _LookupBase(nn.Embedding):
+    """The base offload() slides under a streamed Embedding subclass that calls
+    super().forward (see _lookup_through_super): its forward is the streamed
+    lookup. Copying or pickling the module is refused, as for every streamed
+    module."""
+
+    def forward(self, input):
+        return self.__dict__["_layerstream_lookup"](input)
+
+    def __reduce_ex__(self, protocol):
+        raise LayerstreamError(_NO_COPY.format(
+            what="pickled (e.g. torch.save(model))",
+            instead="save model.state_dict() instead (quantized weights are data-less there until "
+                    "detach())"))
+
+    def __deepcopy__(self, memo):
+        raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
+
+
+_LOOKUP_CLASSES: Dict[type, type] = {}
+
+
+def _with_streamed_lookup(cls: type) -> type:
+    """cls with _LookupBase after it in the method order (one class per cls,
+    same name), so that cls's super().forward reaches the streamed lookup."""
+    if cls not in _LOOKUP_CLASSES:
+        _LOOKUP_CLASSES[cls] = type(cls.__name__, (cls, _LookupBase),
+                                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                     "_layerstream_original_class": cls})
+    return _LOOKUP_CLASSES[cls]
 
 
 def _computed_weight(module: nn.Module) -> bool:
@@ -758,7 +815,11 @@ class Handle:
             for h in a.hooks:
                 h.remove()
             a.module.__dict__.pop("_apply", None)
-            if a.had_forward:
+            original = type(a.module).__dict__.get("_layerstream_original_class")
+            if original is not None:  # an Embedding subclass that looked up through super()
+                a.module.__class__ = original
+                a.module.__dict__.pop("_layerstream_lookup", None)
+            elif a.had_forward:
                 a.module.forward = a.old_forward
             else:
                 try:
@@ -814,7 +875,9 @@ def offload(
     their qualified names) keep their parameters (same objects, same names)
     but the data moves to (pinned) host memory; their ``forward`` streams the
     weights to ``device`` just before use. ``nn.Embedding`` tables (without
-    ``max_norm``) move to host memory too and are looked up there: each call
+    ``max_norm``; subclasses too when their forward looks up through
+    ``super().forward``, as Gemma's scaled word embedding does) move to host
+    memory too and are looked up there: each call
     reads only the rows its ids name, with no slot and no device copy of the
     table (never quantized); a trainable table's gradient is computed on the
     host from the output gradient's rows.
@@ -1182,8 +1245,15 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
                                 else module.__dict__["weight"])
             if pre is None:
                 a.hooks = _requantize_on_load(engine, index, module)
-        module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
-                                          module, name)
+        if kind == "embedding" and type(module).forward is not nn.Embedding.forward:
+            # A subclass that looks up through super().forward: its own forward stays
+            # and reaches the streamed lookup (see _lookup_through_super).
+            module.__dict__["_layerstream_lookup"] = _StreamedForward(
+                engine, index, kind, functools.partial(nn.Embedding.forward, module), module, name)
+            module.__class__ = _with_streamed_lookup(type(module))
+        else:
+            module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
+                                              module, name)
         module._apply = _StreamedApply(module, compute_device, name or "<root>")
         for p in module.parameters(recurse=False):
             p._is_memory_managed = True

@@ -52,17 +52,69 @@ def test_table_with_max_norm_stays_resident(offload_sim):
     torch.testing.assert_close(model.emb.weight, ref.emb.weight, rtol=0, atol=0)  # renormed alike
 
 
-def test_embedding_subclass_with_its_own_forward_stays_resident(offload_sim):
-    class Scaled(nn.Embedding):  # e.g. Gemma's scaled word embedding
+class _Scaled(nn.Embedding):
+    """Like transformers' *ScaledWordEmbedding (Gemma, Bart, M2M100, ...)."""
+
+    def __init__(self, *args, embed_scale=3.0, **kw):
+        super().__init__(*args, **kw)
+        self.embed_scale = nn.Buffer(torch.tensor(embed_scale), persistent=False)
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class _ScaledTwice(_Scaled):  # a second level of super() calls
+    def forward(self, input_ids):
+        return super().forward(input_ids) + 1.0
+
+
+@pytest.mark.parametrize("cls", [_Scaled, _ScaledTwice])
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trainable"])
+def test_embedding_subclass_that_looks_up_through_super_streams(offload_sim, recwarn, cls, frozen):
+    """A subclass whose forward calls super().forward (the scaled word embeddings of
+    Gemma, Bart, ...) streams with its own forward kept: the lookup reads the host
+    table and the scale applies to its result. Numbers and the table's gradient are
+    bit-identical; the module is still an instance of its class; detach() restores
+    the class; copying is refused with the usual message."""
+    torch.manual_seed(0)
+    model = _LM()
+    model.emb = cls(500, 32, padding_idx=0)
+    model.emb.weight.requires_grad_(not frozen)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    assert not [w for w in recwarn if "layerstream" in str(w.message)]
+    assert handle.layers == ["emb", "fc", "head"]
+    assert isinstance(model.emb, cls) and type(model.emb).__name__ == cls.__name__
+    assert model.emb.weight.device.type == "cpu" and handle.stats()["embedding_layers"] == 1
+    for i in range(2):
+        out, want = model(_ids()), ref(_ids())
+        assert torch.equal(out, want)
+        out.square().mean().backward()
+        want.square().mean().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
+    assert handle.stats()["gathered_bytes"] == 2 * 12 * 32 * 4
+    with pytest.raises(LayerstreamError, match="cannot be deep-copied"):
+        copy.deepcopy(model)
+    handle.detach()
+    assert type(model.emb) is cls and "_layerstream_lookup" not in model.emb.__dict__
+    assert torch.equal(model(_ids()), ref(_ids()))
+
+
+def test_embedding_subclass_with_its_own_lookup_stays_resident(offload_sim):
+    """A subclass whose forward does its own lookup (no super().forward) would read the
+    weight directly: it stays resident, with a warning, and computes as before."""
+
+    class Own(nn.Embedding):
         def forward(self, ids):
-            return super().forward(ids) * 3.0
+            return nn.functional.embedding(ids, self.weight) * 3.0
 
     torch.manual_seed(0)
     model = _LM()
-    model.emb = Scaled(500, 32)
+    model.emb = Own(500, 32)
     model.emb.weight.requires_grad_(False)
     ref = copy.deepcopy(model)
-    with pytest.warns(RuntimeWarning, match=r"subclass layer\(s\) with their own forward.*'emb' \(.*Scaled\)"):
+    with pytest.warns(RuntimeWarning, match=r"subclass layer\(s\) with their own forward.*'emb' \(.*Own\)"):
         handle = offload_sim(model)
     assert "emb" not in handle.layers
     ids = _ids()

@@ -413,8 +413,16 @@ class _TiedLM(nn.Module):
         return self.head(torch.relu(self.fc(self.emb(ids))))
 
 
-@pytest.mark.parametrize("resident_table", [False, True], ids=["streamed", "table-resident"])
-def test_tied_weights(offload_dev, compute_device, resident_table):
+class _ScaledEmbedding(nn.Embedding):
+    """Like transformers' *ScaledWordEmbedding (Gemma): a lookup through super().forward."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.5
+
+
+@pytest.mark.parametrize("resident_table,scaled", [(False, False), (False, True), (True, False)],
+                         ids=["streamed", "streamed-scaled", "table-resident"])
+def test_tied_weights(offload_dev, compute_device, resident_table, scaled):
     """A weight shared by a table and a Linear (an lm_head tied to the embedding)
     streams for both from one host copy, its gradient summed over both uses through
     autograd. When the table stays resident (exclude=), the head stays resident too,
@@ -422,6 +430,9 @@ def test_tied_weights(offload_dev, compute_device, resident_table):
     host). Outputs and grads match the reference, accumulated over 3 backwards."""
     torch.manual_seed(0)
     model = _TiedLM()
+    if scaled:  # the table is a subclass that looks up through super().forward
+        model.emb = _ScaledEmbedding(40, 12)
+        model.head.weight = model.emb.weight
     ref = copy.deepcopy(model).to(compute_device)
     if resident_table:
         with pytest.warns(RuntimeWarning, match=r"'head' \(weight shared with 'emb.weight'\)"):

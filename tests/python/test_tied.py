@@ -262,3 +262,39 @@ def test_hf_tied_lm_with_lora_streams_the_tied_head(offload_sim):
         loss.backward(), loss_r.backward()
         opt.step(), opt_r.step()
         opt.zero_grad(), opt_r.zero_grad()
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2"])
+def test_hf_gemma_scaled_tied_embedding_streams_and_trains_exactly(offload_sim, recwarn, arch):
+    """Gemma: a scaled word embedding (an nn.Embedding subclass calling super().forward)
+    tied to lm_head. Both stream from one host copy, no warning; a full fine-tuning step
+    with AdamW gives the resident model's loss, gradients and weights bit for bit."""
+    import transformers
+
+    cfg_cls = {"gemma": transformers.GemmaConfig, "gemma2": transformers.Gemma2Config}[arch]
+    lm_cls = {"gemma": transformers.GemmaForCausalLM, "gemma2": transformers.Gemma2ForCausalLM}[arch]
+    cfg = cfg_cls(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  max_position_embeddings=64, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = lm_cls(cfg)
+    assert type(model.model.embed_tokens).forward is not nn.Embedding.forward  # the scaled subclass
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    assert not [w for w in recwarn if "layerstream" in str(w.message)]
+    assert "model.embed_tokens" in handle.layers and "lm_head" in handle.layers
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for i in range(2):
+        ids = _ids(vocab=80, shape=(2, 7), seed=i)
+        loss, loss_r = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        assert torch.equal(loss, loss_r), f"step {i}"
+        loss.backward(), loss_r.backward()
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {i}: {n}"
+        opt.step(), opt_r.step()
+        opt.zero_grad(), opt_r.zero_grad()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_ids(vocab=80)).logits, ref(input_ids=_ids(vocab=80)).logits)
