@@ -123,8 +123,18 @@ double transfer_seconds(const PlannerInput& in, uint64_t bytes) {
 // layers. A streamed layer's copy starts when the link is free and its slot
 // has been released by the compute of the layer that used it before; its
 // compute starts when the previous compute and its copy are done.
+// Tables held on the device by their resident tied layer (PlannerLayer::tied_table):
+// resident with it, so they are not looked up.
+std::vector<char> tables_held(const PlannerInput& in, const std::vector<char>& resident) {
+  std::vector<char> held(in.layers.size(), 0);
+  for (size_t i = 0; i < in.layers.size(); ++i)
+    if (resident[i] && in.layers[i].tied_table >= 0) held[static_cast<size_t>(in.layers[i].tied_table)] = 1;
+  return held;
+}
+
 Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int slots) {
   const size_t n = in.layers.size();
+  const std::vector<char> held = tables_held(in, resident);
   struct Op {
     size_t layer;
     double compute;
@@ -136,7 +146,7 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
     const PlannerLayer& l = in.layers[i];
     double c = compute_seconds(in, l);
     double fwd = in.training ? c / 3.0 : c;
-    if (l.lookup) fwd += transfer_seconds(in, l.lookup_bytes);  // rows read across the bus, on the compute stream
+    if (l.lookup && !held[i]) fwd += transfer_seconds(in, l.lookup_bytes);  // rows read across the bus, on the compute stream
     ops.push_back({i, fwd, !resident[i] && !l.lookup, 0.0});
   }
   if (in.training) {
@@ -146,7 +156,7 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
       bool streamed = !resident[r] && !l.lookup;
       double g = (streamed && l.trainable) ? transfer_seconds(in, l.resident_bytes) : 0.0;
       // A trainable table's gradient rows go back synchronously, on the compute stream.
-      const double rows_back = (l.lookup && l.trainable) ? transfer_seconds(in, l.lookup_bytes) : 0.0;
+      const double rows_back = (l.lookup && !held[r] && l.trainable) ? transfer_seconds(in, l.lookup_bytes) : 0.0;
       ops.push_back({r, c * 2.0 / 3.0 + rows_back, streamed, g});
     }
   }
@@ -189,6 +199,8 @@ struct Candidate {
   uint64_t lookup_bytes = 0;      // tables looked up in host memory (pinned)
   uint64_t lookup_bus_bytes = 0;  // the rows they read per step
   size_t num_lookup = 0;
+  uint64_t shared_host_bytes = 0;  // streamed tied layers' bytes: the table's host copy
+  std::vector<char> held;          // tables_held()
   Timing timing;
 };
 
@@ -219,6 +231,10 @@ Plan plan_placement(const PlannerInput& in) {
   for (const auto& l : in.layers) {
     LS_CHECK(std::isfinite(l.flops) && l.flops >= 0, "planner: layer ", json::quote(l.name),
              " has invalid FLOPs (must be >= 0)");
+    LS_CHECK(l.tied_table < 0 || (static_cast<size_t>(l.tied_table) < n && !l.lookup &&
+                                  in.layers[static_cast<size_t>(l.tied_table)].lookup),
+             "planner: layer ", json::quote(l.name), " is tied to layer #", l.tied_table,
+             ", which is not a lookup table");
     if (l.lookup) continue;
     if (total_resident > UINT64_MAX - l.resident_bytes) total_overflow = true;
     else total_resident += l.resident_bytes;
@@ -239,8 +255,10 @@ Plan plan_placement(const PlannerInput& in) {
   auto build = [&](const std::vector<char>& resident, int k) {
     Candidate c;
     c.resident = resident;
+    c.held = tables_held(in, resident);
     c.resident_bytes = in.fixed_resident_bytes;
     for (size_t i = 0; i < n; ++i) {
+      if (c.held[i]) continue;  // on the device in its tied layer's resident bytes
       if (in.layers[i].lookup) {
         c.lookup_bytes += in.layers[i].bytes;
         c.lookup_bus_bytes += in.layers[i].lookup_bytes;
@@ -250,6 +268,7 @@ Plan plan_placement(const PlannerInput& in) {
       } else {
         c.slot_bytes = std::max(c.slot_bytes, in.layers[i].streamed_slot_bytes());
         c.streamed_bytes += in.layers[i].bytes;
+        if (in.layers[i].tied_table >= 0) c.shared_host_bytes += in.layers[i].bytes;
         ++c.num_streamed;
       }
     }
@@ -402,23 +421,31 @@ Plan plan_placement(const PlannerInput& in) {
   plan.prefetch_depth = best.slots > 0 ? best.slots - 1 : 0;
   plan.device_bytes = best.device_bytes;
   plan.resident_bytes = best.resident_bytes - in.fixed_resident_bytes;
-  plan.host_pinned_bytes = best.streamed_bytes + best.lookup_bytes;
+  plan.host_pinned_bytes = best.streamed_bytes + best.lookup_bytes - best.shared_host_bytes;
   plan.bus_bytes_per_step = best.streamed_bytes * (in.training ? 2 : 1) + best.lookup_bus_bytes;
   plan.num_streamed = best.num_streamed;
   plan.num_lookup = best.num_lookup;
   plan.num_resident = n - best.num_streamed - best.num_lookup;
+  std::vector<int> tied_with(n, -1);
+  for (size_t i = 0; i < n; ++i) {
+    if (in.layers[i].tied_table < 0) continue;
+    tied_with[i] = in.layers[i].tied_table;
+    tied_with[static_cast<size_t>(in.layers[i].tied_table)] = static_cast<int>(i);
+  }
   for (size_t i = 0; i < n; ++i) {
     const PlannerLayer& l = in.layers[i];
+    const bool held = best.held[i] != 0;
     LayerPlacement p;
     p.index = i;
     p.name = l.name;
-    p.resident = best.resident[i] != 0;
-    p.lookup = l.lookup;
+    p.resident = best.resident[i] != 0 || held;
+    p.lookup = l.lookup && !held;
+    p.tied_with = tied_with[i];
     p.bytes = l.bytes;
-    p.resident_bytes = l.resident_bytes;
+    p.resident_bytes = held ? 0 : l.resident_bytes;
     p.flops = l.flops;
     p.compute_s = compute_seconds(in, l);
-    p.transfer_s = l.lookup     ? transfer_seconds(in, l.lookup_bytes)
+    p.transfer_s = p.lookup     ? transfer_seconds(in, l.lookup_bytes)
                    : p.resident ? 0.0
                                 : transfer_seconds(in, l.bytes) * (in.training ? 2 : 1);
     plan.compute_time_s += p.compute_s;
@@ -470,6 +497,13 @@ std::string Plan::explain() const {
   std::snprintf(buf, sizeof buf, "slots:                    %d of %s, prefetch depth %d\n", num_slots,
                 format_bytes(slot_bytes).c_str(), prefetch_depth);
   out += buf;
+  for (const auto& l : layers) {
+    if (l.tied_with < 0 || l.lookup || (l.resident && l.resident_bytes == 0)) continue;
+    const std::string& other = layers[static_cast<size_t>(l.tied_with)].name;
+    out += "tied weights:             " + l.name + (l.resident ? " is resident, and " + other + " with it"
+                                                               : " streams the host copy of " + other +
+                                                                     " (counted once)") + "\n";
+  }
   if (has_time) {
     std::snprintf(buf, sizeof buf,
                   "predicted step time:      %s steady state (first step %s); compute %s, transfer %s "
@@ -523,6 +557,7 @@ std::string Plan::to_json() const {
     if (i) o += ", ";
     o += "{\"index\": " + std::to_string(l.index) + ", \"name\": " + json::quote(l.name) +
          ", \"placement\": " + (l.lookup ? "\"lookup\"" : l.resident ? "\"resident\"" : "\"streamed\"") + ", ";
+    if (l.tied_with >= 0) o += "\"tied_with\": " + json::quote(layers[static_cast<size_t>(l.tied_with)].name) + ", ";
     num("bytes", l.bytes);
     num("resident_bytes", l.resident_bytes);
     dbl("flops", l.flops);
@@ -615,9 +650,17 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
   for (const auto& l : m.layers) {
     PlannerLayer s;
     s.name = l.name;
+    // A tied layer reads the table's dense host copy: never quantized (as offload()).
+    const Quantization quantize = l.tied_to.empty() ? opt.quantize : Quantization::None;
+    if (!l.tied_to.empty()) {
+      for (size_t j = 0; j < out.size(); ++j)
+        if (out[j].name == l.tied_to && out[j].lookup) s.tied_table = static_cast<int>(j);
+      LS_CHECK(s.tied_table >= 0, "layer ", json::quote(l.name), " is tied to ", json::quote(l.tied_to),
+               ", which is not an embedding table before it");
+    }
     uint64_t bias = l.bias_dtype.empty() ? 0 : bytes_of(l.bias_numel, l.bias_dtype);
     const uint64_t w_stored = bytes_of(l.weight_numel(), l.weight_dtype);
-    const uint64_t w_bus = quantized_weight_bytes(l.weight_shape, l.weight_dtype, opt.quantize);
+    const uint64_t w_bus = quantized_weight_bytes(l.weight_shape, l.weight_dtype, quantize);
     s.bytes = w_bus + bias;
     // The slot's workspace, written on the device after the copy: a
     // quantized layer's dequantized weight (in compute_dtype, else the stored
@@ -625,7 +668,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     const std::string& cd = opt.compute_dtype;
     const auto align = [](uint64_t v) { return (v + quant::kSectionAlign - 1) / quant::kSectionAlign * quant::kSectionAlign; };
     uint64_t workspace = 0;
-    if (opt.quantize != Quantization::None && w_bus != w_stored)
+    if (quantize != Quantization::None && w_bus != w_stored)
       workspace = align(cd.empty() ? w_stored : bytes_of(l.weight_numel(), cd));
     else if (!cd.empty() && l.weight_dtype != cd && safetensors_dtype_is_wide_float(l.weight_dtype))
       workspace = align(bytes_of(l.weight_numel(), cd));
@@ -637,7 +680,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     uint64_t row_size = rows ? l.weight_numel() / rows : 0;
     s.flops = l.embedding ? tokens * static_cast<double>(row_size) : 2.0 * tokens * static_cast<double>(l.params());
     if (opt.training) s.flops *= 3.0;
-    s.trainable = opt.training && opt.quantize == Quantization::None;
+    s.trainable = opt.training && opt.quantize == Quantization::None;  // quantizing freezes the model
     if (l.embedding) {
       // As offload() does: a table is looked up in host memory (the rows a
       // step names cross the bus; a trainable one's gradient rows come back),
@@ -775,6 +818,53 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
   return m;
 }
 
+std::string add_tied_head(ModelDescription& m, const std::string& config_json, const std::string& what) {
+  const json::Value cfg = json::parse(config_json, what);
+  if (!cfg.is_object()) return "";
+  const auto last_part = [](const std::string& n) { return n.substr(n.rfind('.') == std::string::npos ? 0 : n.rfind('.') + 1); };
+  for (const auto& l : m.layers)
+    if (last_part(l.name) == "lm_head" || !l.tied_to.empty()) return "";  // the head is there
+  // tie_word_embeddings: top level, else in text_config (multimodal configs).
+  const json::Value* tie = cfg.find("tie_word_embeddings");
+  const json::Value* text = cfg.find("text_config");
+  if ((tie == nullptr || !tie->is_bool()) && text != nullptr && text->is_object()) tie = text->find("tie_word_embeddings");
+  bool tied = false;
+  if (tie != nullptr && tie->is_bool()) {
+    tied = tie->boolean;
+  } else if (const json::Value* archs = cfg.find("architectures"); archs != nullptr && archs->is_array()) {
+    for (const auto& a : archs->array) {
+      if (!a.is_string()) continue;
+      for (const char* suffix : {"ForCausalLM", "LMHeadModel", "ForConditionalGeneration"}) {
+        const std::string sfx = suffix;
+        if (a.text.size() >= sfx.size() && a.text.compare(a.text.size() - sfx.size(), sfx.size(), sfx) == 0)
+          tied = true;
+      }
+    }
+  }
+  if (!tied) return "";
+  uint64_t vocab = 0;
+  const json::Value* v = cfg.find("vocab_size");
+  if ((v == nullptr || !v->is_number()) && text != nullptr && text->is_object()) v = text->find("vocab_size");
+  const bool know_vocab = v != nullptr && v->to_uint64(vocab);
+  const ModelLayer* table = nullptr;
+  for (const auto& l : m.layers) {
+    const std::string last = last_part(l.name);
+    if (!l.embedding || l.weight_shape.size() != 2) continue;
+    if (last != "embed_tokens" && last != "wte" && last != "word_embeddings" && last != "shared") continue;
+    if (know_vocab && l.weight_shape[0] != vocab) continue;
+    if (table == nullptr) table = &l;
+  }
+  if (table == nullptr) return "";
+  ModelLayer head;
+  head.name = "lm_head";
+  head.weight_shape = table->weight_shape;
+  head.weight_dtype = table->weight_dtype;
+  head.tied_to = table->name;
+  const std::string name = table->name;
+  m.layers.push_back(std::move(head));  // last in execution order
+  return name;
+}
+
 namespace {
 
 struct Builder {
@@ -816,7 +906,9 @@ ModelDescription gpt2(const std::string& name, uint64_t d, int n_layers) {
     b.linear(p + "mlp.c_fc", 4 * d, d, true);
     b.linear(p + "mlp.c_proj", d, 4 * d, true);
   }
-  b.small(d, 2);  // ln_f; lm_head is tied to wte
+  b.small(d, 2);  // ln_f
+  b.linear("lm_head", 50257, d, false);
+  b.m.layers.back().tied_to = "transformer.wte";  // tied: it streams wte's host copy
   return b.m;
 }
 

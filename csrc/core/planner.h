@@ -34,6 +34,12 @@ struct PlannerLayer {
   // the bus on the compute stream, in the forward pass.
   bool lookup = false;
   uint64_t lookup_bytes = 0;
+  // Tied weights: this layer's weight is lookup table #tied_table's (an
+  // lm_head tied to the embedding; -1: none). Streamed, it reads the table's
+  // host copy (host bytes counted once); kept resident, the table is
+  // resident with it (the tensor is on the device once, in this layer's
+  // resident_bytes, and no rows cross the bus).
+  int tied_table = -1;
 };
 
 struct PlannerInput {
@@ -52,6 +58,10 @@ struct LayerPlacement {
   std::string name;
   bool resident = false;
   bool lookup = false;  // looked up in host memory (PlannerLayer::lookup); resident is false
+  // Tied weights: the other layer of the pair (-1: none). A table whose tied
+  // layer is resident is resident too, with resident_bytes 0 (that layer
+  // holds the tensor).
+  int tied_with = -1;
   uint64_t bytes = 0;
   uint64_t resident_bytes = 0;
   double flops = 0.0;
@@ -112,6 +122,10 @@ struct ModelLayer {
   uint64_t bias_numel = 0;
   std::string bias_dtype;              // empty when there is no bias
   bool embedding = false;              // a lookup table (FLOPs ~ tokens * row size)
+  // Tied weights: the name of the table whose weight this layer's is (an
+  // lm_head tied to the embedding, not in the checkpoint); empty: none. As
+  // offload() does, it reads the table's host copy and is never quantized.
+  std::string tied_to;
   uint64_t params() const;             // weight + bias elements
   uint64_t weight_numel() const;
   uint64_t stored_bytes() const;       // as stored (weight + bias)
@@ -133,6 +147,18 @@ struct ModelDescription {
 // well-known module names in their usual order (attention before mlp;
 // q/k/v/o_proj; gate/up/down_proj).
 ModelDescription describe_checkpoint(const Checkpoint& ck);
+
+// Tied output head: a checkpoint of a model whose lm_head is tied to the
+// token embedding stores only the table. Given the model's config.json text,
+// adds an "lm_head" layer (the table's shape and dtype, tied_to the table)
+// when the description has no lm_head, has a token table ("embed_tokens",
+// "wte", "word_embeddings", "shared"; of `vocab_size` rows when the config
+// says), and the config says tie_word_embeddings (top level or in
+// text_config), or does not say and names a language-model architecture
+// ("...ForCausalLM", "...LMHeadModel", "...ForConditionalGeneration"): such a
+// model without an lm_head tensor can only take it from the table. Returns
+// the table's name, or "" when nothing was added. Bad JSON throws.
+std::string add_tied_head(ModelDescription& m, const std::string& config_json, const std::string& what);
 
 // Built-in approximate model shapes; unknown name -> Error listing valid names.
 ModelDescription builtin_model(const std::string& name);

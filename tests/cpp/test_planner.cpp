@@ -263,6 +263,111 @@ TEST(Planner, LookupTablesTakeNoDeviceMemory) {
   EXPECT_EQ(p.device_bytes, 40 * MiB);
 }
 
+TEST(Planner, TiedHeadSharesItsTablesHostCopyOrHoldsItResident) {
+  // A 100 MiB table and an lm_head tied to it. Streamed, the head reads the
+  // table's host copy: pinned host bytes count it once. Kept resident, the
+  // table is resident with it: no lookup, no rows on the bus, no extra
+  // device bytes.
+  auto model = [](int blocks, uint64_t block_bytes) {
+    PlannerInput in;
+    PlannerLayer table = layer("model.embed_tokens", 100 * MiB);
+    table.lookup = true;
+    table.lookup_bytes = 2 * MiB;
+    in.layers.push_back(table);
+    for (int i = 0; i < blocks; ++i) in.layers.push_back(layer("l" + std::to_string(i), block_bytes));
+    PlannerLayer head = layer("lm_head", 100 * MiB);
+    head.tied_table = 0;
+    in.layers.push_back(head);
+    in.link_bytes_per_s = 1e9;
+    return in;
+  };
+  // Blocks larger than the head: 3 slots of a block and nothing else fit.
+  PlannerInput in = model(4, 120 * MiB);
+  in.budget_bytes = 400 * MiB;
+  Plan p = plan_placement(in);
+  const size_t h = 5;
+  ASSERT_FALSE(p.layers[h].resident);
+  EXPECT_TRUE(p.layers[0].lookup);
+  EXPECT_EQ(p.layers[h].tied_with, 0);
+  EXPECT_EQ(p.layers[0].tied_with, static_cast<int>(h));
+  uint64_t streamed = 0;
+  for (size_t i = 1; i < h; ++i) streamed += p.layers[i].resident ? 0 : 120 * MiB;
+  EXPECT_EQ(p.host_pinned_bytes, 100 * MiB + streamed);  // the table once; the head reads it
+  EXPECT_EQ(p.bus_bytes_per_step, 2 * MiB + 100 * MiB + streamed);
+  EXPECT_HAS(p.explain(), "tied weights:             lm_head streams the host copy of model.embed_tokens");
+  EXPECT_HAS(p.to_json(), "\"tied_with\": \"lm_head\"");
+
+  // An outlier head beside 10 MiB blocks: kept resident so that the slots shrink.
+  in = model(8, 10 * MiB);
+  in.budget_bytes = 150 * MiB;
+  p = plan_placement(in);
+  const size_t h2 = 9;
+  ASSERT_TRUE(p.layers[h2].resident);
+  EXPECT_TRUE(p.layers[0].resident);
+  EXPECT_FALSE(p.layers[0].lookup);
+  EXPECT_EQ(p.layers[0].resident_bytes, 0u);
+  EXPECT_EQ(p.num_lookup, 0u);
+  EXPECT_EQ(p.layers[0].transfer_s, 0.0);
+  ASSERT_GT(p.num_streamed, 0u);
+  EXPECT_EQ(p.host_pinned_bytes, 10 * MiB * p.num_streamed);
+  EXPECT_EQ(p.bus_bytes_per_step, 10 * MiB * p.num_streamed);
+  EXPECT_EQ(p.device_bytes, p.resident_bytes + static_cast<uint64_t>(p.num_slots) * p.slot_bytes);
+  EXPECT_LE(p.device_bytes, 150 * MiB);
+  EXPECT_HAS(p.explain(), "tied weights:             lm_head is resident, and model.embed_tokens with it");
+
+  in.layers[h2].tied_table = 2;  // not a table
+  EXPECT_HAS(error_of([&] { plan_placement(in); }), "is tied to layer #2, which is not a lookup table");
+}
+
+TEST(Models, TiedHeadFromConfig) {
+  // A checkpoint of a tied model stores only the table: add_tied_head adds
+  // the head when the config says tie_word_embeddings, or does not say and
+  // names a language-model architecture; never when the head is there or
+  // the config says false.
+  auto table_only = [] {
+    ModelDescription m;
+    ModelLayer t;
+    t.name = "model.embed_tokens";
+    t.weight_shape = {1000, 64};
+    t.weight_dtype = "BF16";
+    t.embedding = true;
+    m.layers.push_back(t);
+    ModelLayer l;
+    l.name = "model.layers.0.mlp.up_proj";
+    l.weight_shape = {256, 64};
+    l.weight_dtype = "BF16";
+    m.layers.push_back(l);
+    return m;
+  };
+  ModelDescription m = table_only();
+  EXPECT_EQ(add_tied_head(m, R"({"tie_word_embeddings": true, "vocab_size": 1000})", "c"), "model.embed_tokens");
+  ASSERT_EQ(m.layers.size(), 3u);
+  EXPECT_EQ(m.layers[2].name, "lm_head");
+  EXPECT_EQ(m.layers[2].tied_to, "model.embed_tokens");
+  EXPECT_EQ(m.layers[2].weight_shape, (std::vector<uint64_t>{1000, 64}));
+  EXPECT_EQ(add_tied_head(m, R"({"tie_word_embeddings": true})", "c"), "");  // already there
+  m = table_only();
+  EXPECT_EQ(add_tied_head(m, R"({"architectures": ["Gemma3ForCausalLM"]})", "c"), "model.embed_tokens");
+  m = table_only();
+  EXPECT_EQ(add_tied_head(m, R"({"text_config": {"tie_word_embeddings": true}})", "c"), "model.embed_tokens");
+  m = table_only();
+  EXPECT_EQ(add_tied_head(m, R"({"tie_word_embeddings": false, "architectures": ["LlamaForCausalLM"]})", "c"), "");
+  EXPECT_EQ(add_tied_head(m, R"({"architectures": ["BertModel"]})", "c"), "");
+  EXPECT_EQ(add_tied_head(m, R"({"tie_word_embeddings": true, "vocab_size": 999})", "c"), "");  // no such table
+  EXPECT_EQ(m.layers.size(), 2u);
+  EXPECT_HAS(error_of([&] { add_tied_head(m, "{", "config.json"); }), "config.json");
+
+  // As offload(): the tied head is never quantized, and its host copy is the table's.
+  m = table_only();
+  add_tied_head(m, R"({"tie_word_embeddings": true})", "c");
+  LayerOptions opt;
+  opt.quantize = Quantization::NF4;
+  const auto specs = layer_specs(m, opt);
+  EXPECT_EQ(specs[2].tied_table, 0);
+  EXPECT_EQ(specs[2].bytes, 1000u * 64 * 2);
+  EXPECT_LT(specs[1].bytes, 256u * 64 * 2);  // the others are quantized
+}
+
 TEST(Planner, OutlierLayerIsKeptResidentSoSlotsShrink) {
   // Eight 10 MiB block layers and a 100 MiB LM head: 3 slots of the head
   // (300 MiB) do not fit in 150 MiB, but the head resident and 3 slots of
@@ -289,11 +394,12 @@ TEST(Planner, OutlierLayerIsKeptResidentSoSlotsShrink) {
 
 TEST(Planner, RandomLayerSetsNeverExceedBudget) {
   std::mt19937_64 rng(2024);
-  int planned = 0, rejected = 0, outlier_plans = 0;
+  int planned = 0, rejected = 0, outlier_plans = 0, tied_streamed = 0, tied_resident = 0;
   for (int iter = 0; iter < 600; ++iter) {
     PlannerInput in;
     size_t n = 1 + rng() % 80;
     uint64_t total = 0, largest = 0;
+    int untied_table = -1;  // the last table no layer is tied to yet
     for (size_t i = 0; i < n; ++i) {
       uint64_t bytes = static_cast<uint64_t>(std::exp2(10 + static_cast<double>(rng() % 2000) / 100.0));
       if (rng() % 10 == 0) bytes = bytes / 7 * 7;  // ties
@@ -307,7 +413,14 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       if (rng() % 12 == 0) {
         l.lookup = true;
         l.lookup_bytes = rng() % (bytes + 1);
+      } else if (untied_table >= 0 && rng() % 3 == 0) {
+        // Tied weights: an lm_head that is that table's weight (never quantized).
+        l.tied_table = untied_table;
+        l.bytes = l.resident_bytes = in.layers[static_cast<size_t>(untied_table)].bytes;
+        l.slot_bytes = 0;
+        untied_table = -1;
       }
+      if (l.lookup) untied_table = static_cast<int>(i);
       in.layers.push_back(l);
       if (l.lookup) continue;
       total += l.resident_bytes;
@@ -343,14 +456,26 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       ++outlier_plans;
     ++planned;
     EXPECT_LE(p.device_bytes, in.budget_bytes);
-    uint64_t res = 0, streamed = 0, slot = 0, looked = 0;
+    uint64_t res = 0, streamed = 0, slot = 0, looked = 0, shared = 0;
     size_t ns = 0, nl = 0;
+    std::vector<char> held(n, 0);  // tables on the device with their resident tied layer
+    for (size_t i = 0; i < n; ++i) {
+      const int t = in.layers[i].tied_table;
+      if (t < 0) continue;
+      EXPECT_EQ(p.layers[i].tied_with, t);
+      EXPECT_EQ(p.layers[static_cast<size_t>(t)].tied_with, static_cast<int>(i));
+      held[static_cast<size_t>(t)] = p.layers[i].resident;
+      ++(p.layers[i].resident ? tied_resident : tied_streamed);
+    }
     for (size_t i = 0; i < n; ++i) {
       const auto& l = p.layers[i];
       EXPECT_EQ(l.index, i);
       EXPECT_EQ(l.name, in.layers[i].name);
-      EXPECT_EQ(l.lookup, in.layers[i].lookup);
-      if (l.lookup) {
+      EXPECT_EQ(l.lookup, in.layers[i].lookup && !held[i]);
+      if (held[i]) {
+        EXPECT_TRUE(l.resident);
+        EXPECT_EQ(l.resident_bytes, 0u);
+      } else if (l.lookup) {
         EXPECT_FALSE(l.resident);
         looked += l.bytes;
         ++nl;
@@ -358,12 +483,13 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
         res += l.resident_bytes;
       } else {
         streamed += l.bytes;
+        if (in.layers[i].tied_table >= 0) shared += l.bytes;  // the table's host copy
         slot = std::max(slot, in.layers[i].streamed_slot_bytes());
         ++ns;
       }
     }
     EXPECT_EQ(p.resident_bytes, res);
-    EXPECT_EQ(p.host_pinned_bytes, streamed + looked);
+    EXPECT_EQ(p.host_pinned_bytes, streamed + looked - shared);
     EXPECT_EQ(p.num_lookup, nl);
     EXPECT_EQ(p.slot_bytes, slot);
     EXPECT_EQ(p.num_streamed, ns);
@@ -386,6 +512,8 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
   EXPECT_GT(planned, 250);  // enough plans exercised (larger quantized-like slots reject more)
   EXPECT_GT(rejected, 5);
   EXPECT_GT(outlier_plans, 5);
+  EXPECT_GT(tied_streamed, 5);
+  EXPECT_GT(tied_resident, 5);
 }
 
 TEST(Planner, SlotHoldsPackedAndDequantizedWeight) {
@@ -427,8 +555,11 @@ TEST(Models, BuiltinsAndUnknownName) {
   EXPECT_NEAR(static_cast<double>(params), 6.74e9, 0.05e9);
   ModelDescription g = builtin_model("gpt2-small");
   params = 0;
-  for (const auto& l : g.layers) params += l.params();
+  for (const auto& l : g.layers)
+    if (l.tied_to.empty()) params += l.params();  // the tied lm_head is wte's weight
   EXPECT_NEAR(static_cast<double>(params), 124e6, 2e6);
+  EXPECT_EQ(g.layers.back().name, "lm_head");
+  EXPECT_EQ(g.layers.back().tied_to, "transformer.wte");
   ModelDescription f = builtin_model("flux-dev");
   params = 0;
   for (const auto& l : f.layers) params += l.params();

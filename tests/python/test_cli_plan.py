@@ -226,3 +226,53 @@ def test_compute_dtype_adds_the_cast_copy_to_each_slot():
 def test_compute_dtype_bad_value_is_a_usage_error():
     r = run("--model", "llama-13b", "--budget", "24GiB", "--compute-dtype", "int8")
     assert_one_line_error(r, code=2, contains="--compute-dtype expects fp32, bf16 or fp16")
+
+
+def test_tied_lm_head_from_config(tmp_path):
+    """A tied model's checkpoint stores only the table; config.json says it is tied, so
+    the plan adds the lm_head that offload() streams from the table's host copy (counted
+    once in pinned host memory, never quantized). Without the config it plans what the
+    checkpoint holds."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path), safe_serialization=True)
+    assert (tmp_path / "config.json").is_file()
+    table = 128 * 64 * 4
+
+    def layers_of(j):
+        return {l["name"]: l for l in j["plan"]["layers"]}
+
+    # 200 KB: the head streams, reading the table's host copy (counted once).
+    j = plan_json("--checkpoint", tmp_path, "--budget", "200KB")
+    assert j["source"]["tied_lm_head"] == "model.embed_tokens"
+    layers, p = layers_of(j), j["plan"]
+    head, emb = layers["lm_head"], layers["model.embed_tokens"]
+    assert head["tied_with"] == "model.embed_tokens" and emb["tied_with"] == "lm_head"
+    assert (head["placement"], emb["placement"]) == ("streamed", "lookup")
+    assert p["host_pinned_bytes"] == sum(l["bytes"] for l in p["layers"]
+                                         if l["placement"] in ("streamed", "lookup")) - table
+    # Quantized: the others pack, the head reads the dense table.
+    layers = layers_of(plan_json("--checkpoint", tmp_path, "--budget", "200KB", "--quantize", "int8"))
+    assert layers["lm_head"]["bytes"] == table
+    assert layers["model.layers.0.mlp.up_proj"]["bytes"] < 176 * 64 * 4
+    # 350 KB: the head is resident, and the table with it (no extra device bytes).
+    layers = layers_of(plan_json("--checkpoint", tmp_path, "--budget", "350KB"))
+    assert layers["lm_head"]["placement"] == layers["model.embed_tokens"]["placement"] == "resident"
+    assert layers["model.embed_tokens"]["resident_bytes"] == 0
+    r = run("--checkpoint", tmp_path, "--budget", "200KB")
+    assert r.returncode == 0, r.stderr
+    assert "lm_head: not in the checkpoint, tied to model.embed_tokens" in r.stdout
+    assert "tied weights:             lm_head streams the host copy of model.embed_tokens" in r.stdout
+    # The safetensors file alone (no config.json beside it): no head is added.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (tmp_path / "model.safetensors").rename(alone / "model.safetensors")
+    j = plan_json("--checkpoint", alone / "model.safetensors", "--budget", "700KB")
+    assert j["source"]["tied_lm_head"] is None
+    assert "lm_head" not in [l["name"] for l in j["plan"]["layers"]]

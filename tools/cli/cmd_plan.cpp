@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "commands.h"
@@ -23,7 +26,8 @@ const char* kHelp =
     "pinned host RAM, under a hard device-memory budget, and predicts the step time.\n"
     "\n"
     "  --checkpoint PATH     a .safetensors file, a *.safetensors.index.json, or a\n"
-    "                        directory holding one of them (only headers are read)\n"
+    "                        directory holding one of them (only headers are read;\n"
+    "                        a config.json beside it tells whether lm_head is tied)\n"
     "  --model NAME          a built-in model description (--list-models)\n"
     "  --budget SIZE         device memory for weights, e.g. 12GiB, 500MB, 1.5e9\n"
     "  --link-gbps X         host->device bandwidth in GB/s (10^9 bytes/s; default 25;\n"
@@ -46,6 +50,17 @@ const char* kHelp =
 struct Usage {
   std::string message;
 };
+
+// The model's config.json next to a checkpoint (in the directory given, or
+// beside the file given); "" when there is none.
+std::string config_json_beside(const std::string& checkpoint) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(checkpoint);
+  const fs::path dir = fs::is_directory(p, ec) ? p : p.parent_path();
+  const fs::path config = (dir.empty() ? fs::path(".") : dir) / "config.json";
+  return fs::is_regular_file(config, ec) ? config.string() : std::string();
+}
 
 double parse_number(const std::string& flag, const std::string& v) {
   const char* s = v.c_str();
@@ -160,7 +175,20 @@ int cmd_plan(int argc, char** argv) {
   } catch (const Error& e) {
     return usage_error(e.message());
   }
-  if (have_checkpoint) desc = describe_checkpoint(read_checkpoint(checkpoint));  // errors -> exit 1
+  std::string tied_table;
+  if (have_checkpoint) {
+    const Checkpoint ck = read_checkpoint(checkpoint);  // errors -> exit 1
+    desc = describe_checkpoint(ck);
+    // A tied lm_head is not in the checkpoint: the model's config.json beside
+    // it says whether offload() will stream one from the token table.
+    const std::string config = config_json_beside(checkpoint);
+    if (!config.empty()) {
+      std::ifstream f(config, std::ios::binary);
+      std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      if (!f || f.bad()) LS_FAIL("cannot read ", config);
+      tied_table = add_tied_head(desc, text, config);
+    }
+  }
   in.layers = layer_specs(desc, opt);
   in.fixed_resident_bytes = desc.small_bytes;
   in.link_bytes_per_s = link_gbps * 1e9;
@@ -174,7 +202,11 @@ int cmd_plan(int argc, char** argv) {
     o += have_checkpoint ? "\"checkpoint\"" : "\"model\"";
     o += ", \"name\": " + json::quote(have_checkpoint ? checkpoint : model) + ", \"files\": [";
     for (size_t i = 0; i < desc.files.size(); ++i) o += (i ? ", " : "") + json::quote(desc.files[i]);
-    o += "], \"layers\": " + std::to_string(desc.layers.size()) +
+    std::string tied_to;  // from config.json, or a built-in model's own tie
+    for (const auto& l : desc.layers)
+      if (!l.tied_to.empty()) tied_to = l.tied_to;
+    o += "], \"tied_lm_head\": " + (tied_to.empty() ? std::string("null") : json::quote(tied_to));
+    o += ", \"layers\": " + std::to_string(desc.layers.size()) +
          ", \"small_tensors\": " + std::to_string(desc.small_tensors) + "}, ";
     o += "\"options\": {\"tokens\": " + std::to_string(opt.tokens) + ", \"quantize\": \"" +
          to_string(opt.quantize) + "\", \"training\": " + (opt.training ? "true" : "false") +
@@ -191,6 +223,9 @@ int cmd_plan(int argc, char** argv) {
       std::printf("source: built-in model %s\n", model.c_str());
     std::printf("model:  %zu layers + %zu small tensors (%s, always resident)\n", desc.layers.size(),
                 desc.small_tensors, format_bytes(desc.small_bytes).c_str());
+    if (!tied_table.empty())
+      std::printf("        lm_head: not in the checkpoint, tied to %s (per %s); planned as offload() runs it\n",
+                  tied_table.c_str(), config_json_beside(checkpoint).c_str());
     std::printf("inputs: %llu tokens/step%s, quantize %s%s%s, link %g GB/s, device %g TFLOP/s\n\n",
                 static_cast<unsigned long long>(opt.tokens), opt.training ? " (training)" : "",
                 to_string(opt.quantize), opt.compute_dtype.empty() ? "" : ", compute dtype ",
