@@ -181,6 +181,9 @@ PYBIND11_MODULE(_C, m) {
       .def("add_embedding", &Engine::add_embedding, py::arg("name"), py::arg("weight"),
            py::arg("padding_idx") = -1, py::arg("scale_grad_by_freq") = false, py::arg("sparse") = false)
       .def("embedding", &Engine::embedding, py::arg("layer"), py::arg("ids"))
+      .def("add_group", &Engine::add_group, py::arg("name"), py::arg("tensors"))
+      .def("fetch", &Engine::fetch, py::arg("layer"))
+      .def("release", &Engine::release, py::arg("token"))
       .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("detach",
            [](Engine& e, const std::vector<std::string>& devices) {

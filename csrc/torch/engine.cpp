@@ -194,7 +194,9 @@ std::string Engine::layer_name(int i) const {
 int64_t Engine::layer_bytes(int i) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const auto& l = *layers_.at(static_cast<size_t>(i));
-  return static_cast<int64_t>(l.w_bytes + l.b_bytes);
+  size_t bytes = l.w_bytes + l.b_bytes;
+  for (const auto& e : l.extras) bytes += e.bytes;
+  return static_cast<int64_t>(bytes);
 }
 
 Engine::LayerInfo& Engine::layer(int i) {
@@ -402,7 +404,7 @@ bool Engine::share_weight_locked(LayerInfo& info, quant::Format format) {
 int Engine::register_layer_locked(LayerInfo info) {
   if (info.qformat != quant::Format::None) info.q_dtype = dequant_dtype_.value_or(info.w_dtype);
   // An embedding's output is in its weight's dtype, as torch's lookup: never cast.
-  if (compute_dtype_ && !info.is_embedding) {
+  if (compute_dtype_ && !info.is_embedding && !info.is_group) {
     info.cast_dtype = *compute_dtype_;
     info.cast_w = info.qformat == quant::Format::None && info.w_dtype != *compute_dtype_;
     info.cast_b = info.bias.defined() && info.b_dtype != *compute_dtype_;
@@ -469,6 +471,77 @@ int Engine::add_embedding(const std::string& name, torch::Tensor weight, int64_t
   info.last_read = backend_->create_event();
   info.w_host_mapped = backend_->device_address_of_host(store_->buffer(info.w_index));
   return register_layer_locked(std::move(info));
+}
+
+int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>& tensors) {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
+  LS_CHECK(!tensors.empty(), "tensor group '", name, "' has no tensors");
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const torch::Tensor& t = tensors[k];
+    LS_CHECK(t.defined() && t.is_floating_point(), "tensor group '", name, "': tensor #", k,
+             " is not a floating-point tensor; only those can be streamed");
+    for (const auto& l : layers_) {
+      bool taken = l->weight.is_same(t) || (l->bias.defined() && l->bias.is_same(t));
+      for (const auto& e : l->extras) taken = taken || e.param.is_same(t);
+      LS_CHECK(!taken, "tensor group '", name, "': tensor #", k, " is already streamed by layer '", l->name,
+               "'; a tensor can be in one streamed layer only");
+    }
+    for (size_t j = 0; j < k; ++j)
+      LS_CHECK(!tensors[j].is_same(t), "tensor group '", name, "' lists one tensor twice");
+  }
+  LayerInfo info;
+  info.name = name;
+  info.is_group = true;
+  info.weight = tensors[0];
+  info.w_shape = info.weight.sizes().vec();
+  info.w_dtype = info.weight.scalar_type();
+  info.w_host = adopt(*store_, keepalive_, info.weight, name + "#0", &info.w_index, &info.w_bytes, &info.w_strides);
+  for (size_t k = 1; k < tensors.size(); ++k) {
+    LayerInfo::Extra e;
+    e.param = tensors[k];
+    e.shape = e.param.sizes().vec();
+    e.dtype = e.param.scalar_type();
+    e.host = adopt(*store_, keepalive_, e.param, name + "#" + std::to_string(k), &e.index, &e.bytes, &e.strides);
+    info.extras.push_back(std::move(e));
+  }
+  return register_layer_locked(std::move(info));
+}
+
+std::pair<int64_t, std::vector<torch::Tensor>> Engine::fetch(int layer_index) {
+  auto scope = device_scope();
+  LayerInfo& l = call_layer(layer_index, "a tensor group");
+  check_host_alias(l);
+  ensure_scheduler();
+  Stream cs = compute_stream();
+  Lease lease = scheduler().acquire(layer_index, cs, current_phase());
+  std::vector<torch::Tensor> views;
+  auto view = [&](void* ptr, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                  torch::ScalarType dtype) {
+    const auto opts = torch::TensorOptions().dtype(dtype).device(compute_device_);
+    views.push_back(strides.empty() ? torch::from_blob(ptr, shape, opts) : torch::from_blob(ptr, shape, strides, opts));
+  };
+  view(lease.part_ptr(0), l.w_shape, l.w_strides, l.w_dtype);
+  for (size_t k = 0; k < l.extras.size(); ++k)
+    view(lease.part_ptr(k + 1), l.extras[k].shape, l.extras[k].strides, l.extras[k].dtype);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const int64_t token = next_token_++;
+  fetched_.emplace(token, std::move(lease));
+  return {token, std::move(views)};
+}
+
+void Engine::release(int64_t token) {
+  auto scope = device_scope();
+  Lease lease;
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    auto it = fetched_.find(token);
+    LS_CHECK(it != fetched_.end(), "release(): token ", token, " is not a fetched tensor group (released twice?)");
+    lease = std::move(it->second);
+    fetched_.erase(it);
+  }
+  scheduler().release(lease, compute_stream());
 }
 
 int Engine::add_linear_int8(const std::string& name, torch::Tensor data,
@@ -560,6 +633,7 @@ int Engine::add_conv(const std::string& name, torch::Tensor weight, torch::Tenso
 }
 
 size_t Engine::grad_bytes(const LayerInfo& l) const {
+  if (l.is_group) return 0;  // its gradients are the caller's
   return align256(l.w_bytes) + l.b_bytes;
 }
 
@@ -577,12 +651,17 @@ void Engine::build_scheduler_locked() {
     }
     s.parts.push_back(store_->buffer(l.w_index));
     if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
+    size_t extra_bytes = 0;
+    for (const auto& e : l.extras) {
+      s.parts.push_back(store_->buffer(e.index));
+      extra_bytes += align256(e.bytes);
+    }
     s.workspace_bytes = workspace_bytes(l);
     if (s.workspace_bytes) {
       s.post_copy = make_post_copy(l, s.parts.size());
       s.post_copy_label = l.qformat != quant::Format::None ? "dequant" : "cast";
     }
-    const size_t bytes = align256(l.w_bytes) + align256(l.b_bytes) + align256(s.workspace_bytes);
+    const size_t bytes = align256(l.w_bytes) + align256(l.b_bytes) + extra_bytes + align256(s.workspace_bytes);
     if (bytes > largest) {
       largest = bytes;
       largest_i = static_cast<int>(i);
@@ -601,12 +680,16 @@ void Engine::build_scheduler_locked() {
     // optimizers, load_state_dict, copy_) do not change, and prefetching runs
     // across step boundaries. Writes through `.data` do not bump the counter
     // and would go unnoticed: that is why this is not the default.
-    std::vector<std::pair<torch::Tensor, torch::Tensor>> params;
-    for (const auto& l : layers_) params.emplace_back(l->weight, l->bias);
+    std::vector<std::vector<torch::Tensor>> params;
+    for (const auto& l : layers_) {
+      params.push_back({l->weight, l->bias});
+      for (const auto& e : l->extras) params.back().push_back(e.param);
+    }
     so.content_version = [params = std::move(params)](int layer) -> uint64_t {
-      const auto& [w, b] = params[static_cast<size_t>(layer)];
-      uint64_t v = static_cast<uint64_t>(w._version());
-      if (b.defined()) v += static_cast<uint64_t>(b._version()) << 32;
+      // Any in-place write bumps one of the counters, which only grow.
+      uint64_t v = 0;
+      for (const auto& t : params[static_cast<size_t>(layer)])
+        if (t.defined()) v = v * 1000003u + static_cast<uint64_t>(t._version());
       return v;
     };
   }
@@ -686,6 +769,10 @@ void Engine::check_host_alias(const LayerInfo& l) const {
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
            ".cuda() or load_state_dict(assign=True)); layerstream keeps streamed weights in host "
            "memory. Call handle.detach() before moving the model, or copy new values in place.");
+  for (const auto& e : l.extras)
+    LS_CHECK(e.param.device().is_cpu() && e.param.data_ptr() == e.host, "a tensor of streamed layer '",
+             l.name, "' was replaced or moved after offload(); call handle.detach() first or copy new "
+             "values in place.");
   if (l.bias.defined())
     LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "
              "layer '", l.name, "' was replaced or moved after offload(); call handle.detach() "
@@ -1043,8 +1130,10 @@ void Engine::detach(const std::vector<torch::Device>& devices) {
       l.weight.set_data(l.weight.detach().clone().to(dev));
     }
     if (l.bias.defined()) l.bias.set_data(l.bias.detach().clone().to(dev));
+    for (auto& e : l.extras) e.param.set_data(e.param.detach().clone().to(dev));
   }
   sched_.reset();
+  fetched_.clear();
   detached_ = true;
 }
 
@@ -1069,13 +1158,15 @@ std::map<std::string, double> Engine::stats() const {
   m["max_slots_held"] = st.max_slots_held;
   m["budget_bytes"] = static_cast<double>(opts_.budget_bytes);
   m["layers"] = static_cast<double>(layers_.size());
-  int quantized = 0, embeddings = 0;
+  int quantized = 0, embeddings = 0, groups = 0;
   for (const auto& l : layers_) {
     quantized += l->qformat != quant::Format::None ? 1 : 0;
     embeddings += l->is_embedding ? 1 : 0;
+    groups += l->is_group ? 1 : 0;
   }
   m["quantized_layers"] = quantized;
   m["embedding_layers"] = embeddings;
+  m["group_layers"] = groups;
   const HostStoreStats hs = store_->stats();
   m["pinned_bytes"] = static_cast<double>(hs.pinned_bytes);
   m["pageable_bytes"] = static_cast<double>(hs.pageable_bytes);
@@ -1488,7 +1579,7 @@ void check_not_tracing(const Engine::LayerInfo& l) {
 }
 
 const char* kind_of(const Engine::LayerInfo& l) {
-  return l.is_conv ? "a convolution" : l.is_embedding ? "an embedding" : "a Linear";
+  return l.is_conv ? "a convolution" : l.is_embedding ? "an embedding" : l.is_group ? "a tensor group" : "a Linear";
 }
 }  // namespace
 

@@ -168,6 +168,28 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int add_embedding(const std::string& name, torch::Tensor weight, int64_t padding_idx = -1,
                     bool scale_grad_by_freq = false, bool sparse = false);
 
+  // A group of tensors streamed together in one slot (e.g. a mixture-of-
+  // experts module's 3-D expert weights, gate_up_proj and down_proj, and
+  // their biases): adopted into the host store like a layer's weight (same
+  // aliasing and layout rules), any shape, used in their own dtype (never
+  // quantized or cast). The engine runs no computation for it: the caller
+  // fetch()es the device views, computes, and release()s them (the Python
+  // offload() runs the module's own forward on them and recomputes it in
+  // backward; docs/design/torch-glue.md "Tensor groups"). Gradients are the
+  // caller's (it returns them to autograd). Tensors already streamed by
+  // another layer are refused.
+  int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors);
+  // Group layers: acquires the layer's slot for the compute stream (waiting
+  // for its copy, prefetched in the traced order like any layer; the phase is
+  // backward inside an autograd graph task) and returns a token and views of
+  // its tensors on the compute device, in add_group() order. The views are
+  // valid until release(token); work that reads them must be enqueued on the
+  // compute stream (the framework's current stream) before release, which
+  // records the slot's reuse after it. Thread-safe; each token is released
+  // once.
+  std::pair<int64_t, std::vector<torch::Tensor>> fetch(int layer);
+  void release(int64_t token);
+
   // The streamed computations (differentiable). Weight gradients normally
   // go back asynchronously and are accumulated into .grad by the engine; with
   // grads_via_autograd (e.g. the parameter has hooks) — and always under
@@ -282,6 +304,18 @@ class Engine : public std::enable_shared_from_this<Engine> {
     // Tied weights: the weight (its host copy, w_index/w_host) is also
     // another layer's; its gradients go through autograd (see add_linear).
     bool shared_weight = false;
+    // add_group(): `weight` is the first tensor, `extras` the others; fetched
+    // whole into one slot by fetch(), computed by the caller.
+    bool is_group = false;
+    struct Extra {
+      torch::Tensor param;  // data aliases the host store
+      std::vector<int64_t> shape, strides;  // strides empty: contiguous
+      torch::ScalarType dtype = torch::kFloat;
+      size_t index = 0;
+      void* host = nullptr;
+      size_t bytes = 0;
+    };
+    std::vector<Extra> extras;
     Event last_read;            // embedding: after the newest lookup on the device
     void* w_host_mapped = nullptr;  // embedding: the store's device mapping (nullptr: none)
     int64_t padding_idx = -1;       // embedding: as nn.Embedding (its row gets no gradient)
@@ -397,6 +431,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   uint64_t failed_backwards_ = 0;      // backwards whose staged gradients were dropped
   std::atomic<bool> failed_backward_unreported_{false};  // warned at the next linear()/conv()
   uint64_t d2h_bytes_ = 0;
+  std::map<int64_t, Lease> fetched_;  // fetch() tokens not yet released
+  int64_t next_token_ = 1;
   std::atomic<uint64_t> gathered_bytes_{0};  // embedding rows read from the host store
   std::atomic<bool> cast_warned_{false};
   bool detached_ = false;

@@ -13,6 +13,7 @@ hands them to the engine and swaps their ``forward``.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import itertools
@@ -157,8 +158,21 @@ def _prequantized(name: str, module: nn.Module) -> Optional[_Packed]:
     return None
 
 
+def _is_experts(module: nn.Module) -> bool:
+    """transformers' mixture-of-experts modules (the ``use_experts_implementation``
+    decorator gives them ``has_gate`` and ``is_transposed``), whose expert weights
+    are 3-D parameters (``gate_up_proj`` [experts, 2 * inter, hidden], ``down_proj``,
+    optional biases) that the module indexes itself: Qwen2/3-MoE, Mixtral, GPT-OSS,
+    DeepSeek, ... They stream as a tensor group (see _GroupForward)."""
+    params = [p for p in module._parameters.values() if p is not None]
+    return (hasattr(module, "has_gate") and hasattr(module, "is_transposed") and bool(params)
+            and all(p.is_floating_point() for p in params) and any(p.dim() == 3 for p in params))
+
+
 def _is_streamable(module: nn.Module) -> Optional[str]:
-    """Returns 'linear', 'conv', 'embedding' or None."""
+    """Returns 'linear', 'conv', 'embedding', 'group' (mixture-of-experts weights) or None."""
+    if _is_experts(module):
+        return "group"
     # MultiheadAttention reads out_proj.weight directly instead of calling it.
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return None
@@ -178,6 +192,8 @@ def _stock_forward(module: nn.Module, kind: str) -> bool:
     Embedding subclass whose forward does its lookup through super().forward
     (see _lookup_through_super)."""
     cls = type(module)
+    if kind == "group":
+        return True  # its own forward runs, on the fetched tensors
     if kind == "embedding":
         return cls.forward is nn.Embedding.forward or _lookup_through_super(cls)
     if kind == "linear":
@@ -317,11 +333,13 @@ def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device
     kept, tied, groups = [], [], {}
     for name, module, kind in candidates:
         why = []
-        for pn, p in (("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))):
+        own = (list(module._parameters.items()) if kind == "group" else
+               [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
+        for pn, p in own:
             who = owners.get(id(p), ()) if p is not None else ()
             if len(who) < 2:
                 continue
-            if pn == "weight" and all(o[1] == "weight" and o[0] in streamable for o in who):
+            if kind != "group" and pn == "weight" and all(o[1] == "weight" and o[0] in streamable for o in who):
                 groups.setdefault(id(p), []).append(name)
                 continue
             own = f"{name}.{pn}" if name else pn
@@ -568,6 +586,143 @@ class _StreamedForward:
         raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
 
 
+class _GroupForward:
+    """The forward offload() installs on a streamed tensor group (a mixture-of-experts
+    module, _is_experts): the module's own forward runs with its parameters swapped,
+    for the call, for views of a device slot that holds all of them (Engine.fetch /
+    release). When a gradient is needed, _GroupFn runs it without a graph and runs it
+    again in backward on the fetched weights (as activation checkpointing does), so no
+    slot memory is saved for backward. A callable object for the reasons given in
+    _StreamedForward. Not safe for two threads calling the same module at once (the
+    swap is on the module)."""
+
+    __slots__ = ("_engine", "_index", "_original", "_module", "_keys", "_params", "_name", "_device")
+
+    def __init__(self, engine, index: int, original, module: nn.Module, keys: Sequence[str], name: str):
+        self._engine, self._index, self._original, self._module, self._name = engine, index, original, module, name
+        self._keys = tuple(keys)
+        self._params = tuple(module._parameters[k] for k in self._keys)
+        self._device = torch.device(engine.compute_device)
+
+    @contextlib.contextmanager
+    def fetched(self, requires_grad=None):
+        """The module's parameters swapped for views of the fetched slot while the
+        block runs (work on them must be enqueued inside it); `requires_grad`: per
+        tensor, whether the view is a leaf that requires grad (backward's recompute)."""
+        module, keys = self._module, self._keys
+        token, views = self._engine.fetch(self._index)
+        try:
+            if requires_grad is not None:
+                views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
+            try:
+                for k, v in zip(keys, views):
+                    module._parameters[k] = v
+                yield views
+            finally:
+                for k, p in zip(keys, self._params):
+                    module._parameters[k] = p
+        finally:
+            self._engine.release(token)
+
+    def __call__(self, *args, **kwargs):
+        module = self._module
+        if any(module._parameters.get(k) is not p for k, p in zip(self._keys, self._params)):
+            raise LayerstreamError(
+                f"the parameters of streamed layer '{self._name}' were replaced after offload(); "
+                f"layerstream streams the original ones. Copy new values in place, or call "
+                f"handle.detach() first.")
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        inputs = [flat[i] for i in positions]
+        if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or
+                                                any(p.requires_grad for p in self._params)):
+            with self.fetched():
+                return self._original(*args, **kwargs)
+        skeleton = [None if i in set(positions) else a for i, a in enumerate(flat)]
+        return _GroupFn.apply(self, (skeleton, spec, positions), *inputs, *self._params)
+
+    def __reduce_ex__(self, protocol):
+        raise LayerstreamError(_NO_COPY.format(
+            what="pickled (e.g. torch.save(model))",
+            instead="save model.state_dict() instead (quantized weights are data-less there until "
+                    "detach())"))
+
+    def __deepcopy__(self, memo):
+        raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
+
+
+def _rebuild(layout, tensors):
+    skeleton, spec, positions = layout
+    flat = list(skeleton)
+    for i, t in zip(positions, tensors):
+        flat[i] = t
+    return torch.utils._pytree.tree_unflatten(flat, spec)
+
+
+class _GroupFn(torch.autograd.Function):
+    """A tensor group's computation when a gradient is needed: forward without a
+    graph (the slot is released right after); backward fetches the tensors again,
+    re-runs the module's forward with the saved inputs (same RNG and autocast state)
+    and differentiates it. Gradients of trainable group tensors are copied to the
+    host and returned to autograd, which accumulates them into .grad."""
+
+    @staticmethod
+    def forward(ctx, fwd, layout, *tensors):
+        n_in = len(layout[2])
+        inputs = tensors[:n_in]
+        ctx.fwd, ctx.layout = fwd, layout
+        dev = fwd._device
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+        kind = dev.type
+        ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        ctx.save_for_backward(*inputs)
+        args, kwargs = _rebuild(layout, inputs)
+        with fwd.fetched():
+            out = fwd._original(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            ctx.single = True
+            return out
+        if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+            ctx.single = False
+            return tuple(out)
+        raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__}; a streamed "
+                               f"tensor group must return a tensor or a tuple of tensors")
+
+    @staticmethod
+    def backward(ctx, *grads):
+        fwd = ctx.fwd
+        if torch.is_grad_enabled():
+            raise LayerstreamError(f"layer '{fwd._name}': backward with create_graph=True (double "
+                                   f"backward) is not supported through a streamed layer; keep it "
+                                   f"resident (offload(exclude=[...]))")
+        saved = ctx.saved_tensors
+        n_in = len(saved)
+        needs = ctx.needs_input_grad[2:]
+        inputs = [x.detach().requires_grad_(bool(needs[i])) for i, x in enumerate(saved)]
+        args, kwargs = _rebuild(ctx.layout, inputs)
+        dev = fwd._device
+        cpu_rng, dev_rng = ctx.rng
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.set_rng_state(cpu_rng)
+            if dev_rng is not None:
+                torch.cuda.set_rng_state(dev_rng, dev)
+            with torch.enable_grad(), torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]), \
+                    fwd.fetched(needs[n_in:]) as views:
+                out = fwd._original(*args, **kwargs)
+                outs = (out,) if ctx.single else tuple(out)
+                pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+                wanted = [t for t in inputs + views if t.requires_grad]
+                got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                               allow_unused=True)
+                           if pairs and wanted else [None] * len(wanted))
+                result = [next(got) if t.requires_grad else None for t in inputs + views]
+        host = []
+        for k, p in enumerate(fwd._params):
+            g = result[n_in + k]
+            host.append(None if g is None else g.to("cpu", p.dtype))  # returned to autograd: .grad on the host
+        return (None, None, *result[:n_in], *host)
+
+
 class _StreamedApply:
     """The ``_apply`` offload() installs on a streamed module (an instance attribute;
     ``model.to()``, ``.cuda()``, ``.half()`` ... reach every module through it).
@@ -580,11 +735,13 @@ class _StreamedApply:
     Other parameters, buffers and children of the module (rare on a Linear/conv)
     are converted as usual."""
 
-    __slots__ = ("_module", "_compute", "_name", "_verdicts")
+    __slots__ = ("_module", "_compute", "_name", "_verdicts", "_keys")
 
-    def __init__(self, module: nn.Module, compute_device: torch.device, name: str):
+    def __init__(self, module: nn.Module, compute_device: torch.device, name: str,
+                 keys: Sequence[str] = ("weight", "bias")):
         self._module, self._compute, self._name = module, compute_device, name
         self._verdicts = None  # dtype -> allowed, shared by _RootApply during one conversion
+        self._keys = tuple(keys)  # the streamed parameters (a tensor group: all of them)
 
     def _allowed(self, fn, dtype: torch.dtype) -> bool:
         if self._verdicts is not None:
@@ -609,7 +766,7 @@ class _StreamedApply:
     def check(self, fn) -> None:
         module = self._module
         w = module._parameters.get("weight", module.__dict__.get("weight"))
-        for key, p in (("weight", w), ("bias", module._parameters.get("bias"))):
+        for key, p in ((k, w if k == "weight" else module._parameters.get(k)) for k in self._keys):
             # A torch quantized (qint8) weight is probed as the int8 it stores: not
             # floating point, so conversions leave it as it is.
             if p is not None and not self._allowed(fn, torch.int8 if p.is_quantized else p.dtype):
@@ -623,7 +780,7 @@ class _StreamedApply:
     def __call__(self, fn, recurse=True):
         self.check(fn)
         module = self._module
-        mine = {k: module._parameters[k] for k in ("weight", "bias") if module._parameters.get(k) is not None}
+        mine = {k: module._parameters[k] for k in self._keys if module._parameters.get(k) is not None}
         others = [k for k in module._parameters if k not in mine]
         if others or module._buffers or module._modules:
             # Convert the rest with nn.Module's own _apply, the streamed parameters
@@ -730,7 +887,7 @@ class Handle:
         s["peak_device_bytes"] = s["streamed_device_bytes"] + s["resident_bytes"]
         for k in ("steps", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "slots", "slot_bytes",
                   "layers", "hits", "misses", "acquires", "deviations", "retraces", "ordering_errors",
-                  "failed_backwards", "embedding_layers", "gathered_bytes",
+                  "failed_backwards", "embedding_layers", "group_layers", "gathered_bytes",
                   "pinned_bytes", "pageable_bytes", "max_slots_held", "quantized_layers",
                   "budget_bytes", "streamed_device_bytes", "resident_bytes"):
             if k in s:
@@ -869,7 +1026,7 @@ def offload(
     compute_dtype: Optional[torch.dtype] = None,
     trace: bool = False,
 ) -> Handle:
-    """Streams the model's Linear and Conv1d/2d/3d layers from host RAM.
+    """Streams the model's Linear, Conv1d/2d/3d, Embedding and MoE experts layers from host RAM.
 
     Eligible submodules (selected by ``include``/``exclude`` glob patterns on
     their qualified names) keep their parameters (same objects, same names)
@@ -880,7 +1037,10 @@ def offload(
     memory too and are looked up there: each call
     reads only the rows its ids name, with no slot and no device copy of the
     table (never quantized); a trainable table's gradient is computed on the
-    host from the output gradient's rows.
+    host from the output gradient's rows. transformers' mixture-of-experts
+    modules (experts as 3-D parameters) stream as tensor groups: all of a
+    module's tensors in one slot, its own forward run on them (and again in
+    backward, on the re-fetched tensors, when a gradient is needed).
     Tied weights (an lm_head sharing the embedding's weight) stream when every
     module that has the weight streams: from one host copy, unquantized, the
     gradient of the uses summed through autograd. Everything else of the model
@@ -1045,8 +1205,15 @@ def offload(
     #    A quantized layer's slot holds the packed weight and, after it, the
     #    weight dequantized on the device (in its dense dtype).
     layers = []  # (name, module, kind, fmt, pre, bus_bytes, slot_bytes, resident_bytes)
-    unpackable, trainable, tied_dense = [], [], []
+    unpackable, trainable, tied_dense, groups_dense = [], [], [], []
     for name, module, kind in candidates:
+        if kind == "group":  # one slot holds every tensor, as they are (no quantization, no cast)
+            if _quant_for(name, quantize) is not None:
+                groups_dense.append(f"'{name or '<root>'}'")
+            sizes = [p.numel() * p.element_size() for p in module._parameters.values() if p is not None]
+            bus = sum(_align256(n) for n in sizes)
+            layers.append((name, module, kind, None, None, bus, bus, sum(sizes)))
+            continue
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
         if pre is not None and kind != "linear":
@@ -1110,6 +1277,11 @@ def offload(
             f"Freeze them (requires_grad_(False)), or choose per layer with a dict, first match "
             f"wins, e.g. quantize={{'*lora_*': None, '*': 'nf4'}} for a peft model, or call "
             f"offload() on the frozen base before adding the adapter.")
+    if groups_dense:
+        warnings.warn(f"layerstream: quantize={quantize!r} does not apply to {len(groups_dense)} "
+                      f"mixture-of-experts module(s) (tensor groups stream their tensors as they are): "
+                      + ", ".join(groups_dense[:5]) + (", ..." if len(groups_dense) > 5 else ""),
+                      RuntimeWarning, stacklevel=2)
     if tied_dense:
         warnings.warn(f"layerstream: quantize={quantize!r} does not apply to {len(tied_dense)} layer(s) "
                       f"with tied weights (the weight is shared with an embedding table or another "
@@ -1145,7 +1317,9 @@ def offload(
         # slots - 1), as documented. The slots are sized by the largest
         # *streamed* layer: the planner may keep an outlier (an LM head)
         # resident to shrink them, so whether k slots fit is its call.
-        planned = [(n, bb, sb, rb, 0.0, bool(m.weight.requires_grad)) for n, m, _, _, _, bb, sb, rb in layers]
+        planned = [(n, bb, sb, rb, 0.0, any(p.requires_grad for p in m.parameters(recurse=False))
+                    if k == "group" else bool(m.weight.requires_grad))
+                   for n, m, k, _, _, bb, sb, rb in layers]
         wanted = [int(slots)] if slots is not None else list(range(max(2, opts["prefetch"] + 1), 1, -1))
         for min_slots in wanted:
             try:
@@ -1202,6 +1376,21 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
     failure)."""
     for name, module, kind, fmt, pre, _, _, _ in layers:
         if name in resident_names:
+            continue
+        if kind == "group":
+            keys = [k for k, p in module._parameters.items() if p is not None]
+            params = [module._parameters[k] for k in keys]
+            devices = [str(params[0].device)]
+            index = engine.add_group(name or "<root>", params)
+            had_forward = "forward" in module.__dict__
+            old_forward = module.__dict__.get("forward")
+            attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices))
+            module.forward = _GroupForward(engine, index, old_forward or module.forward, module, keys,
+                                           name or "<root>")
+            module._apply = _StreamedApply(module, compute_device, name or "<root>", keys)
+            for p in params:
+                p._is_memory_managed = True
+                streamed_params.add(id(p))
             continue
         weight, bias = module.weight, getattr(module, "bias", None)
         devices = [str(weight.device)]

@@ -457,3 +457,36 @@ TEST(TorchOffload, TrainableEmbeddingTrainsFromTheHost) {
   EXPECT_TRUE(torch::equal(model->emb->weight, ref->emb->weight));
   EXPECT_GT(handle->stats().at("d2h_bytes"), 0);
 }
+
+TEST(TorchOffload, TensorGroupIsFetchedWholeIntoOneSlot) {
+  // add_group(): any-shaped tensors adopted into the host store (the
+  // parameters alias it), fetched together as device views of one slot,
+  // released by token; detach() restores them, bit-identical.
+  auto engine = layerstream::Engine::create(sim_options());
+  torch::manual_seed(0);
+  auto a = torch::randn({4, 6, 8}), b = torch::randn({4, 8, 3}), c = torch::randn({4, 3});
+  const auto a0 = a.clone(), b0 = b.clone(), c0 = c.clone();
+  const int g = engine->add_group("experts", {a, b, c});
+  EXPECT_EQ(engine->layer_bytes(g), (4 * 6 * 8 + 4 * 8 * 3 + 4 * 3) * 4);
+  EXPECT_EQ(engine->stats().at("group_layers"), 1);
+  EXPECT_EQ(engine->stats().at("pinned_bytes"), engine->layer_bytes(g));
+  for (int step = 0; step < 2; ++step) {
+    auto [token, views] = engine->fetch(g);
+    ASSERT_EQ(views.size(), 3u);
+    EXPECT_TRUE(torch::equal(views[0], a0) && torch::equal(views[1], b0) && torch::equal(views[2], c0));
+    EXPECT_NE(views[0].data_ptr(), a.data_ptr());  // the slot, not the host copy
+    engine->release(token);
+    EXPECT_THROW(engine->release(token), std::exception);  // once
+  }
+  EXPECT_GT(engine->stats().at("h2d_bytes"), 0);
+  try {
+    engine->linear(g, torch::randn({2, 8}));
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 'experts' is a tensor group, not a Linear"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(engine->add_group("again", {b}), std::exception);  // already streamed
+  engine->detach({});
+  EXPECT_TRUE(torch::equal(a, a0) && torch::equal(b, b0) && torch::equal(c, c0));
+}

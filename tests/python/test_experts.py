@@ -1,0 +1,164 @@
+"""Mixture-of-experts modules (transformers' *Experts: expert weights as 3-D parameters
+that the module indexes itself) stream as tensor groups: one slot holds all of a
+module's tensors, its own forward runs on the fetched views, and when a gradient is
+needed it runs again in backward on the fetched weights. On the sim device every number
+is compared bit for bit with the resident model; test_parity_layers.py runs one on CUDA."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from layerstream import LayerstreamError
+
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3_moe(**over):
+    cfg = transformers.Qwen3MoeConfig(**{**dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64), **over})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def _gpt_oss():
+    cfg = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, layer_types=["full_attention", "full_attention"])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(cfg)
+
+
+def _ids(seed=3):
+    return torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _train_compare(model, ref, steps=2):
+    """`steps` backwards without zero_grad (grads accumulate), then AdamW on both:
+    losses, every gradient and the next logits are bit-identical."""
+    for i in range(steps):
+        loss, loss_r = model(input_ids=_ids(i), labels=_ids(i)).loss, ref(input_ids=_ids(i), labels=_ids(i)).loss
+        assert torch.equal(loss, loss_r), f"step {i}"
+        loss.backward(), loss_r.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), f"{n}: gradient differs"
+    for m in (model, ref):
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2).step()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_ids(9)).logits, ref(input_ids=_ids(9)).logits)
+
+
+@pytest.mark.parametrize("make", [_qwen3_moe, _gpt_oss], ids=["qwen3-moe", "gpt-oss-biases"])
+def test_experts_stream_as_groups_and_train_exactly(offload_sim, recwarn, make):
+    """Every experts module streams (one group layer each, no warning); inference and
+    full training (the experts' own gradients copied to the host) match the resident
+    model bit for bit; detach() restores the parameters."""
+    model = make()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    assert not [w for w in recwarn if "layerstream" in str(w.message)]
+    groups = [n for n in handle.layers if n.endswith("mlp.experts")]
+    assert len(groups) == 2 and handle.stats()["group_layers"] == 2
+    experts = model.model.layers[0].mlp.experts
+    assert all(p.device.type == "cpu" for p in experts.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_ids()).logits, ref(input_ids=_ids()).logits)
+    _train_compare(model, ref)
+    assert experts.gate_up_proj.grad.device.type == "cpu"
+    handle.detach()
+    assert "forward" not in experts.__dict__
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_frozen_experts_with_gradient_checkpointing(offload_sim):
+    """The LoRA-like case: frozen experts, the rest trains, with transformers' gradient
+    checkpointing around the decoder layers (it re-runs the experts' forward itself).
+    Exact; the experts get no gradient."""
+    model = _qwen3_moe()
+    for n, p in model.named_parameters():
+        p.requires_grad_("experts" not in n)
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable()
+        m.train()
+    offload_sim(model)
+    _train_compare(model, ref)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad is None
+
+
+def test_budget_plans_experts_as_one_slot_each(offload_sim):
+    """The planner sees each experts module as one layer of all its tensors; with a budget
+    below the model's weights they stream through slots of that size and the numbers hold."""
+    model = _qwen3_moe()
+    ref = copy.deepcopy(model)
+    experts = model.model.layers[0].mlp.experts
+    group = sum((p.numel() * 4 + 255) // 256 * 256 for p in experts.parameters())
+    budget = 2 * group + 4096  # two slots of a group and a little room
+    assert budget < sum(p.numel() * 4 for p in model.parameters())
+    handle = offload_sim(model, budget=budget, prefetch=1)
+    assert "model.layers.0.mlp.experts" in handle.layers and "model.layers.1.mlp.experts" in handle.layers
+    _train_compare(model, ref, steps=1)
+    stats = handle.stats()
+    assert stats["slot_bytes"] >= group and stats["peak_device_bytes"] <= budget
+    assert stats["h2d_bytes"] >= 2 * 2 * group  # each group crossed in forward and in backward
+
+
+def test_experts_errors(offload_sim):
+    """Double backward through a group and a replaced parameter are clear errors;
+    moving the model to the compute device is fine, changing its dtype is refused."""
+    model = _qwen3_moe()
+    handle = offload_sim(model)
+    model.to("cpu")  # the compute device of "sim": the streamed tensors stay as they are
+    with pytest.raises(LayerstreamError, match="'model.layers.1.mlp.experts' keeps its weights in host memory"
+                                               ".*gate_up_proj is torch.float32"):
+        model.model.layers[1].mlp.experts.half()
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    grads = torch.autograd.grad(loss, [model.model.embed_tokens.weight], create_graph=False)
+    assert grads[0] is not None
+    experts = model.model.layers[1].mlp.experts
+    experts.down_proj = nn.Parameter(experts.down_proj.detach().clone())
+    with pytest.raises(LayerstreamError, match="were replaced after offload"):
+        model(input_ids=_ids())
+    del handle
+    model = _qwen3_moe()
+    offload_sim(model, include=["*experts"])  # only the groups stream
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    with pytest.raises(LayerstreamError, match="'model.layers.1.mlp.experts': backward with create_graph=True"):
+        loss.backward(create_graph=True)
+
+
+def test_shared_expert_tensor_keeps_the_module_resident(offload_sim):
+    """A tensor of an experts module that another module also holds stays resident with
+    the module (one warning), like any tied weight it cannot stream alone."""
+    model = _qwen3_moe()
+    other = model.model.layers[1].mlp.experts
+    other.down_proj = model.model.layers[0].mlp.experts.down_proj
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"tied weights stay resident .*mlp.experts' \(down_proj shared"):
+        handle = offload_sim(model)
+    assert not [n for n in handle.layers if n.endswith("experts")]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_ids()).logits, ref(input_ids=_ids()).logits)
+
+
+def test_quantize_does_not_apply_to_experts(offload_sim):
+    """quantize= packs the Linear layers; the experts stream as they are, with a warning
+    naming them (so a QLoRA-style run knows its bulk is not packed)."""
+    model = _qwen3_moe()
+    model.requires_grad_(False)
+    with pytest.warns(RuntimeWarning, match=r"quantize='int8' does not apply to 2 mixture-of-experts "
+                                            r"module\(s\).*'model.layers.0.mlp.experts'"):
+        handle = offload_sim(model, quantize="int8")
+    stats = handle.stats()
+    assert stats["group_layers"] == 2 and stats["quantized_layers"] > 0
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
