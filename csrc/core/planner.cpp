@@ -349,6 +349,7 @@ Plan plan_placement(const PlannerInput& in) {
               " bytes) is needed", resident_note,
               L_slot > L.bytes ? " (or have the device write a narrower dtype, e.g. dequant_dtype / compute_dtype "
                                  "bfloat16: the slot holds that weight too)"
+              : L.as_stored    ? " (it streams as stored: quantization does not apply to it)"
                                : " (or quantize the weights, e.g. to nf4)");
     }
 
@@ -606,8 +607,9 @@ uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
 uint64_t ModelLayer::weight_numel() const { return numel_of(weight_shape); }
-uint64_t ModelLayer::params() const { return weight_numel() + bias_numel; }
+uint64_t ModelLayer::params() const { return group ? group_params : weight_numel() + bias_numel; }
 uint64_t ModelLayer::stored_bytes() const {
+  if (group) return group_bytes;
   return bytes_of(weight_numel(), weight_dtype) + (bias_dtype.empty() ? 0 : bytes_of(bias_numel, bias_dtype));
 }
 
@@ -650,6 +652,16 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
   for (const auto& l : m.layers) {
     PlannerLayer s;
     s.name = l.name;
+    if (l.group) {
+      // A tensor group: all of it in one slot, as stored (offload() neither
+      // quantizes nor casts it); only the active experts compute.
+      s.bytes = s.resident_bytes = l.group_bytes;
+      s.flops = 2.0 * tokens * static_cast<double>(l.group_params) * l.active * (opt.training ? 3.0 : 1.0);
+      s.trainable = opt.training && opt.quantize == Quantization::None;
+      s.as_stored = true;
+      out.push_back(std::move(s));
+      continue;
+    }
     // A tied layer reads the table's dense host copy: never quantized (as offload()).
     const Quantization quantize = l.tied_to.empty() ? opt.quantize : Quantization::None;
     if (!l.tied_to.empty()) {
@@ -657,6 +669,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
         if (out[j].name == l.tied_to && out[j].lookup) s.tied_table = static_cast<int>(j);
       LS_CHECK(s.tied_table >= 0, "layer ", json::quote(l.name), " is tied to ", json::quote(l.tied_to),
                ", which is not an embedding table before it");
+      s.as_stored = true;
     }
     uint64_t bias = l.bias_dtype.empty() ? 0 : bytes_of(l.bias_numel, l.bias_dtype);
     const uint64_t w_stored = bytes_of(l.weight_numel(), l.weight_dtype);
@@ -786,7 +799,27 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
   for (const auto& t : ck.tensors) by_name[t.name] = &t;
   std::set<std::string> used;
   std::vector<ModelLayer> layers;
+  // Mixture of experts: every tensor under "<prefix>.experts." (per expert,
+  // "experts.7.gate_proj.weight", or fused, "experts.gate_up_proj") joins the
+  // group "<prefix>.experts", as offload() streams transformers' *Experts
+  // modules (docs/design/torch-glue.md "Tensor groups").
+  std::map<std::string, ModelLayer> groups;
   for (const auto& t : ck.tensors) {
+    const size_t at = t.name.find(".experts.");
+    if (at == std::string::npos) continue;
+    ModelLayer& g = groups[t.name.substr(0, at + 8)];
+    if (!g.group) {
+      g.name = t.name.substr(0, at + 8);
+      g.group = true;
+      g.weight_dtype = t.dtype;
+    }
+    g.group_bytes += t.nbytes;
+    g.group_params += t.numel;
+    used.insert(t.name);
+  }
+  for (auto& [name, g] : groups) layers.push_back(std::move(g));
+  for (const auto& t : ck.tensors) {
+    if (used.count(t.name)) continue;
     const std::string suffix = ".weight";
     if (t.shape.size() < 2 || t.name.size() <= suffix.size() ||
         t.name.compare(t.name.size() - suffix.size(), suffix.size(), suffix) != 0)
@@ -863,6 +896,32 @@ std::string add_tied_head(ModelDescription& m, const std::string& config_json, c
   const std::string name = table->name;
   m.layers.push_back(std::move(head));  // last in execution order
   return name;
+}
+
+double set_expert_activity(ModelDescription& m, const std::string& config_json, const std::string& what) {
+  const json::Value cfg = json::parse(config_json, what);
+  if (!cfg.is_object()) return 0.0;
+  const json::Value* text = cfg.find("text_config");
+  auto number = [&](const char* key) -> double {
+    for (const json::Value* c : {&cfg, text}) {
+      if (c == nullptr || !c->is_object()) continue;
+      uint64_t v = 0;
+      if (const json::Value* x = c->find(key); x != nullptr && x->to_uint64(v) && v > 0) return static_cast<double>(v);
+    }
+    return 0.0;
+  };
+  const double k = number("num_experts_per_tok");
+  double e = number("num_experts");
+  if (e == 0.0) e = number("num_local_experts");
+  if (e == 0.0) e = number("n_routed_experts");
+  if (k == 0.0 || e == 0.0 || k > e) return 0.0;
+  bool any = false;
+  for (auto& l : m.layers)
+    if (l.group) {
+      l.active = k / e;
+      any = true;
+    }
+  return any ? k / e : 0.0;
 }
 
 namespace {

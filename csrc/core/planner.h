@@ -40,6 +40,10 @@ struct PlannerLayer {
   // resident with it (the tensor is on the device once, in this layer's
   // resident_bytes, and no rows cross the bus).
   int tied_table = -1;
+  // Streamed as stored whatever the quantization asked for (a mixture-of-
+  // experts tensor group, a tied layer): the "too small" error then does not
+  // suggest quantizing.
+  bool as_stored = false;
 };
 
 struct PlannerInput {
@@ -126,6 +130,15 @@ struct ModelLayer {
   // lm_head tied to the embedding, not in the checkpoint); empty: none. As
   // offload() does, it reads the table's host copy and is never quantized.
   std::string tied_to;
+  // A mixture-of-experts module's expert tensors (every tensor under a
+  // "<prefix>.experts." name, per expert or fused), streamed as one tensor
+  // group as offload() does: `group_bytes` / `group_params` over all of them
+  // as stored, never quantized; `active` is the share of the experts one
+  // token runs (num_experts_per_tok / num_experts from config.json, 1 when
+  // unknown): FLOPs = 2 * tokens * params * active.
+  bool group = false;
+  uint64_t group_bytes = 0, group_params = 0;
+  double active = 1.0;
   uint64_t params() const;             // weight + bias elements
   uint64_t weight_numel() const;
   uint64_t stored_bytes() const;       // as stored (weight + bias)
@@ -159,6 +172,11 @@ ModelDescription describe_checkpoint(const Checkpoint& ck);
 // model without an lm_head tensor can only take it from the table. Returns
 // the table's name, or "" when nothing was added. Bad JSON throws.
 std::string add_tied_head(ModelDescription& m, const std::string& config_json, const std::string& what);
+// Mixture of experts: sets every expert group's `active` share from the
+// config (num_experts_per_tok over num_experts / num_local_experts /
+// n_routed_experts, top level or in text_config). Returns the share, or 0
+// when the config does not say (or the model has no expert group).
+double set_expert_activity(ModelDescription& m, const std::string& config_json, const std::string& what);
 
 // Built-in approximate model shapes; unknown name -> Error listing valid names.
 ModelDescription builtin_model(const std::string& name);

@@ -368,6 +368,63 @@ TEST(Models, TiedHeadFromConfig) {
   EXPECT_LT(specs[1].bytes, 256u * 64 * 2);  // the others are quantized
 }
 
+TEST(Models, ExpertTensorsFormOneGroupPerModule) {
+  // A checkpoint of a mixture-of-experts model: per-expert tensors (as
+  // transformers saves them) and fused 3-D ones both join one group per
+  // "<prefix>.experts", planned as one slot, never quantized; the config's
+  // num_experts_per_tok / num_experts scales its FLOPs.
+  Checkpoint ck;
+  auto add = [&](const std::string& name, std::vector<uint64_t> shape, const std::string& dtype = "BF16") {
+    TensorInfo t;
+    t.name = name;
+    t.dtype = dtype;
+    t.shape = shape;
+    t.numel = 1;
+    for (auto d : shape) t.numel *= d;
+    t.nbytes = t.numel * (dtype == "F32" ? 4 : 2);
+    ck.tensors.push_back(t);
+  };
+  for (int e = 0; e < 4; ++e)
+    for (const char* p : {"gate_proj", "up_proj", "down_proj"})
+      add("model.layers.0.mlp.experts." + std::to_string(e) + "." + p + ".weight", {16, 32});
+  add("model.layers.0.mlp.gate.weight", {4, 32});  // the router: an ordinary layer
+  add("model.layers.1.mlp.experts.gate_up_proj", {4, 32, 32});
+  add("model.layers.1.mlp.experts.gate_up_proj_bias", {4, 32});
+  add("model.layers.1.mlp.experts.down_proj", {4, 32, 16});
+  add("model.layers.0.self_attn.q_proj.weight", {32, 32});
+  ModelDescription m = describe_checkpoint(ck);
+  const ModelLayer* g0 = nullptr;
+  const ModelLayer* g1 = nullptr;
+  for (const auto& l : m.layers) {
+    if (l.name == "model.layers.0.mlp.experts") g0 = &l;
+    if (l.name == "model.layers.1.mlp.experts") g1 = &l;
+    EXPECT_EQ(l.name.find(".experts."), std::string::npos) << l.name;  // no per-expert layer left
+  }
+  ASSERT_TRUE(g0 && g1);
+  EXPECT_TRUE(g0->group);
+  EXPECT_EQ(g0->stored_bytes(), 4u * 3 * 16 * 32 * 2);
+  EXPECT_EQ(g1->params(), 4u * 32 * 32 + 4 * 32 + 4 * 32 * 16);
+  EXPECT_EQ(m.layers.size(), 4u);  // two groups, the router, q_proj
+  EXPECT_EQ(m.small_tensors, 0u);
+  EXPECT_EQ(set_expert_activity(m, R"({"num_experts_per_tok": 1, "num_experts": 4})", "c"), 0.25);
+  EXPECT_EQ(set_expert_activity(m, R"({"text_config": {"num_experts_per_tok": 2, "num_local_experts": 4}})", "c"), 0.5);
+  EXPECT_EQ(set_expert_activity(m, R"({"hidden_size": 32})", "c"), 0.0);
+  LayerOptions opt;
+  opt.quantize = Quantization::NF4;
+  opt.tokens = 10;
+  const auto specs = layer_specs(m, opt);
+  for (const auto& sp : specs) {
+    if (sp.name != "model.layers.0.mlp.experts") continue;
+    EXPECT_EQ(sp.bytes, 4u * 3 * 16 * 32 * 2);  // as stored
+    EXPECT_TRUE(sp.as_stored);
+    EXPECT_DOUBLE_EQ(sp.flops, 2.0 * 10 * (4 * 3 * 16 * 32) * 0.5);
+  }
+  PlannerInput in;
+  in.layers = specs;
+  in.budget_bytes = 4000;
+  EXPECT_HAS(error_of([&] { plan_placement(in); }), "it streams as stored: quantization does not apply to it");
+}
+
 TEST(Planner, OutlierLayerIsKeptResidentSoSlotsShrink) {
   // Eight 10 MiB block layers and a 100 MiB LM head: 3 slots of the head
   // (300 MiB) do not fit in 150 MiB, but the head resident and 3 slots of

@@ -276,3 +276,28 @@ def test_tied_lm_head_from_config(tmp_path):
     j = plan_json("--checkpoint", alone / "model.safetensors", "--budget", "700KB")
     assert j["source"]["tied_lm_head"] is None
     assert "lm_head" not in [l["name"] for l in j["plan"]["layers"]]
+
+
+def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
+    """transformers saves a mixture-of-experts model with per-expert tensors; the plan groups
+    them per experts module, as offload() streams them (one slot, as stored, even with
+    --quantize), and takes the experts a token runs from config.json."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(tmp_path), safe_serialization=True)
+    group = 8 * 3 * 16 * 32 * 4
+    j = plan_json("--checkpoint", tmp_path, "--budget", "200KB", "--quantize", "int8", "--tokens", "100")
+    layers = {l["name"]: l for l in j["plan"]["layers"]}
+    assert not [n for n in layers if ".experts." in n]
+    for i in range(2):
+        g = layers[f"model.layers.{i}.mlp.experts"]
+        assert g["bytes"] == group  # as stored: quantization does not apply to a group
+        assert g["flops"] == 2 * 100 * (group // 4) * 2 / 8  # 2 of 8 experts per token
+    r = run("--checkpoint", tmp_path, "--budget", "200KB")
+    assert r.returncode == 0, r.stderr
+    assert "2 mixture-of-experts group(s), each streamed whole (one slot); a token runs 25% of the experts" in r.stdout

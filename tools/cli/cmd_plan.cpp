@@ -176,6 +176,7 @@ int cmd_plan(int argc, char** argv) {
     return usage_error(e.message());
   }
   std::string tied_table;
+  double experts_active = 0.0;  // share of the experts a token runs (config.json), 0: unknown
   if (have_checkpoint) {
     const Checkpoint ck = read_checkpoint(checkpoint);  // errors -> exit 1
     desc = describe_checkpoint(ck);
@@ -187,6 +188,7 @@ int cmd_plan(int argc, char** argv) {
       std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
       if (!f || f.bad()) LS_FAIL("cannot read ", config);
       tied_table = add_tied_head(desc, text, config);
+      experts_active = set_expert_activity(desc, text, config);
     }
   }
   in.layers = layer_specs(desc, opt);
@@ -223,6 +225,14 @@ int cmd_plan(int argc, char** argv) {
       std::printf("source: built-in model %s\n", model.c_str());
     std::printf("model:  %zu layers + %zu small tensors (%s, always resident)\n", desc.layers.size(),
                 desc.small_tensors, format_bytes(desc.small_bytes).c_str());
+    size_t groups = 0;
+    for (const auto& l : desc.layers) groups += l.group ? 1 : 0;
+    if (groups && experts_active > 0)
+      std::printf("        %zu mixture-of-experts group(s), each streamed whole (one slot); a token runs "
+                  "%.3g%% of the experts (config.json)\n", groups, experts_active * 100.0);
+    else if (groups)
+      std::printf("        %zu mixture-of-experts group(s), each streamed whole (one slot); FLOPs count "
+                  "every expert (no config.json with num_experts_per_tok)\n", groups);
     if (!tied_table.empty())
       std::printf("        lm_head: not in the checkpoint, tied to %s (per %s); planned as offload() runs it\n",
                   tied_table.c_str(), config_json_beside(checkpoint).c_str());
