@@ -377,6 +377,9 @@ bool Engine::share_weight_locked(LayerInfo& info, quant::Format format) {
              "them resident");
     LS_CHECK(!same(l->bias, info.weight), "layer '", info.name, "' uses the bias of already streamed "
              "layer '", l->name, "' as its weight; keep one of them resident");
+    for (const auto& e : l->extras)
+      LS_CHECK(!same(e.param, info.weight) && !same(e.param, info.bias), "layer '", info.name,
+               "' uses a tensor of streamed tensor group '", l->name, "'; keep one of them resident");
     const auto watched = l->watched_param.lock();
     LS_CHECK(!(watched && watched.get() == info.weight.unsafeGetTensorImpl()), "layer '", info.name,
              "' shares its weight with layer '", l->name, "', which streams it quantized; a shared "
@@ -385,6 +388,8 @@ bool Engine::share_weight_locked(LayerInfo& info, quant::Format format) {
   for (auto& lp : layers_) {
     LayerInfo& l = *lp;
     if (!same(l.weight, info.weight)) continue;
+    LS_CHECK(!l.is_group, "layer '", info.name, "' uses a tensor of streamed tensor group '", l.name,
+             "'; keep one of them resident");
     LS_CHECK(format == quant::Format::None, "cannot quantize layer '", info.name, "' to ",
              quant::to_string(format), ": its weight is shared with streamed layer '", l.name,
              "' (tied weights), and a shared weight streams unquantized; do not quantize it");

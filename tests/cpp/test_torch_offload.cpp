@@ -487,6 +487,16 @@ TEST(TorchOffload, TensorGroupIsFetchedWholeIntoOneSlot) {
         << e.what();
   }
   EXPECT_THROW(engine->add_group("again", {b}), std::exception);  // already streamed
+  for (int which = 0; which < 2; ++which) {  // a group's tensor as a Linear's weight or bias
+    try {
+      if (which == 0) engine->add_linear("fc", c, torch::Tensor());
+      else engine->add_linear("fc", torch::randn({4, 3}), c);
+      FAIL() << "expected an error";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("uses a tensor of streamed tensor group 'experts'"), std::string::npos)
+          << e.what();
+    }
+  }
   engine->detach({});
   EXPECT_TRUE(torch::equal(a, a0) && torch::equal(b, b0) && torch::equal(c, c0));
 }
