@@ -333,9 +333,9 @@ def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device
     kept, tied, groups = [], [], {}
     for name, module, kind in candidates:
         why = []
-        own = (list(module._parameters.items()) if kind == "group" else
-               [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
-        for pn, p in own:
+        params = (list(module._parameters.items()) if kind == "group" else
+                  [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
+        for pn, p in params:
             who = owners.get(id(p), ()) if p is not None else ()
             if len(who) < 2:
                 continue
@@ -638,7 +638,8 @@ class _GroupForward:
                                                 any(p.requires_grad for p in self._params)):
             with self.fetched():
                 return self._original(*args, **kwargs)
-        skeleton = [None if i in set(positions) else a for i, a in enumerate(flat)]
+        taken = set(positions)
+        skeleton = [None if i in taken else a for i, a in enumerate(flat)]
         return _GroupFn.apply(self, (skeleton, spec, positions), *inputs, *self._params)
 
     def __reduce_ex__(self, protocol):
