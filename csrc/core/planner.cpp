@@ -653,12 +653,31 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     PlannerLayer s;
     s.name = l.name;
     if (l.group) {
-      // A tensor group: all of it in one slot, as stored (offload() neither
-      // quantizes nor casts it); only the active experts compute.
-      s.bytes = s.resident_bytes = l.group_bytes;
+      // A tensor group: all of it in one slot; quantized, each tensor of 2+
+      // dimensions crosses packed (a matrix of its last dimension's columns)
+      // and is dequantized into the slot's workspace (in compute_dtype, else
+      // as stored), as offload() does. Never cast otherwise. Only the active
+      // experts compute.
+      const auto align = [](uint64_t v) { return (v + quant::kSectionAlign - 1) / quant::kSectionAlign * quant::kSectionAlign; };
+      uint64_t bus = 0, workspace = 0;
+      for (const auto& [shape, dtype] : l.group_tensors) {
+        const uint64_t numel = numel_of(shape);
+        const bool pack = opt.quantize != Quantization::None && shape.size() >= 2 && shape.back() > 0 &&
+                          safetensors_dtype_is_wide_float(dtype);
+        if (pack) {
+          bus += quantized_weight_bytes({numel / shape.back(), shape.back()}, dtype, opt.quantize);
+          workspace += align(bytes_of(numel, opt.compute_dtype.empty() ? dtype : opt.compute_dtype));
+        } else {
+          bus += bytes_of(numel, dtype);
+        }
+      }
+      if (l.group_tensors.empty()) bus = l.group_bytes;
+      s.bytes = bus;
+      if (workspace) s.slot_bytes = bus + workspace + quant::kSectionAlign;
+      s.resident_bytes = opt.resident_dequantized ? l.group_bytes : bus;
       s.flops = 2.0 * tokens * static_cast<double>(l.group_params) * l.active * (opt.training ? 3.0 : 1.0);
       s.trainable = opt.training && opt.quantize == Quantization::None;
-      s.as_stored = true;
+      s.as_stored = opt.quantize != Quantization::None && bus == l.group_bytes;  // nothing to pack
       out.push_back(std::move(s));
       continue;
     }
@@ -815,6 +834,7 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
     }
     g.group_bytes += t.nbytes;
     g.group_params += t.numel;
+    g.group_tensors.emplace_back(t.shape, t.dtype);
     used.insert(t.name);
   }
   for (auto& [name, g] : groups) layers.push_back(std::move(g));

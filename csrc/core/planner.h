@@ -40,8 +40,8 @@ struct PlannerLayer {
   // resident with it (the tensor is on the device once, in this layer's
   // resident_bytes, and no rows cross the bus).
   int tied_table = -1;
-  // Streamed as stored whatever the quantization asked for (a mixture-of-
-  // experts tensor group, a tied layer): the "too small" error then does not
+  // Streamed as stored whatever the quantization asked for (a tied layer, a
+  // tensor group with nothing to pack): the "too small" error then does not
   // suggest quantizing.
   bool as_stored = false;
 };
@@ -133,12 +133,15 @@ struct ModelLayer {
   // A mixture-of-experts module's expert tensors (every tensor under a
   // "<prefix>.experts." name, per expert or fused), streamed as one tensor
   // group as offload() does: `group_bytes` / `group_params` over all of them
-  // as stored, never quantized; `active` is the share of the experts one
+  // as stored; `active` is the share of the experts one
   // token runs (num_experts_per_tok / num_experts from config.json, 1 when
   // unknown): FLOPs = 2 * tokens * params * active.
   bool group = false;
   uint64_t group_bytes = 0, group_params = 0;
   double active = 1.0;
+  // Its tensors (shape, dtype): with --quantize each of 2+ dimensions is
+  // packed as a matrix of its last dimension's columns, as offload() does.
+  std::vector<std::pair<std::vector<uint64_t>, std::string>> group_tensors;
   uint64_t params() const;             // weight + bias elements
   uint64_t weight_numel() const;
   uint64_t stored_bytes() const;       // as stored (weight + bias)

@@ -181,7 +181,14 @@ PYBIND11_MODULE(_C, m) {
       .def("add_embedding", &Engine::add_embedding, py::arg("name"), py::arg("weight"),
            py::arg("padding_idx") = -1, py::arg("scale_grad_by_freq") = false, py::arg("sparse") = false)
       .def("embedding", &Engine::embedding, py::arg("layer"), py::arg("ids"))
-      .def("add_group", &Engine::add_group, py::arg("name"), py::arg("tensors"))
+      .def("add_group",
+           [fmt](Engine& e, const std::string& name, const std::vector<torch::Tensor>& tensors,
+                 const std::string& quantize) {
+             return e.add_group(name, tensors, fmt(quantize));
+           },
+           py::arg("name"), py::arg("tensors"), py::arg("quantize") = "")
+      .def("dequantized_part", &Engine::dequantized_part, py::arg("layer"), py::arg("part"))
+      .def("requantize_part", &Engine::requantize_part, py::arg("layer"), py::arg("part"), py::arg("dense"))
       .def("fetch", &Engine::fetch, py::arg("layer"))
       .def("release", &Engine::release, py::arg("token"))
       .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())

@@ -195,7 +195,7 @@ int64_t Engine::layer_bytes(int i) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const auto& l = *layers_.at(static_cast<size_t>(i));
   size_t bytes = l.w_bytes + l.b_bytes;
-  for (const auto& e : l.extras) bytes += e.bytes;
+  for (const auto& e : l.parts) bytes += e.bytes;
   return static_cast<int64_t>(bytes);
 }
 
@@ -377,7 +377,7 @@ bool Engine::share_weight_locked(LayerInfo& info, quant::Format format) {
              "them resident");
     LS_CHECK(!same(l->bias, info.weight), "layer '", info.name, "' uses the bias of already streamed "
              "layer '", l->name, "' as its weight; keep one of them resident");
-    for (const auto& e : l->extras)
+    for (const auto& e : l->parts)
       LS_CHECK(!same(e.param, info.weight) && !same(e.param, info.bias), "layer '", info.name,
                "' uses a tensor of streamed tensor group '", l->name, "'; keep one of them resident");
     const auto watched = l->watched_param.lock();
@@ -388,8 +388,6 @@ bool Engine::share_weight_locked(LayerInfo& info, quant::Format format) {
   for (auto& lp : layers_) {
     LayerInfo& l = *lp;
     if (!same(l.weight, info.weight)) continue;
-    LS_CHECK(!l.is_group, "layer '", info.name, "' uses a tensor of streamed tensor group '", l.name,
-             "'; keep one of them resident");
     LS_CHECK(format == quant::Format::None, "cannot quantize layer '", info.name, "' to ",
              quant::to_string(format), ": its weight is shared with streamed layer '", l.name,
              "' (tied weights), and a shared weight streams unquantized; do not quantize it");
@@ -478,7 +476,7 @@ int Engine::add_embedding(const std::string& name, torch::Tensor weight, int64_t
   return register_layer_locked(std::move(info));
 }
 
-int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>& tensors) {
+int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>& tensors, quant::Format format) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
@@ -489,29 +487,99 @@ int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>&
              " is not a floating-point tensor; only those can be streamed");
     for (const auto& l : layers_) {
       bool taken = l->weight.is_same(t) || (l->bias.defined() && l->bias.is_same(t));
-      for (const auto& e : l->extras) taken = taken || e.param.is_same(t);
+      for (const auto& e : l->parts) taken = taken || e.param.is_same(t);
       LS_CHECK(!taken, "tensor group '", name, "': tensor #", k, " is already streamed by layer '", l->name,
                "'; a tensor can be in one streamed layer only");
     }
     for (size_t j = 0; j < k; ++j)
       LS_CHECK(!tensors[j].is_same(t), "tensor group '", name, "' lists one tensor twice");
+    if (format != quant::Format::None && t.dim() >= 2)
+      LS_CHECK(!t.requires_grad(), "tensor group '", name, "': tensor #", k, " requires grad, but a quantized "
+               "tensor cannot be trained; freeze it (requires_grad_(False)) or do not quantize this group");
   }
   LayerInfo info;
   info.name = name;
   info.is_group = true;
-  info.weight = tensors[0];
-  info.w_shape = info.weight.sizes().vec();
-  info.w_dtype = info.weight.scalar_type();
-  info.w_host = adopt(*store_, keepalive_, info.weight, name + "#0", &info.w_index, &info.w_bytes, &info.w_strides);
-  for (size_t k = 1; k < tensors.size(); ++k) {
-    LayerInfo::Extra e;
+  size_t ws = 0;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    LayerInfo::Part e;
     e.param = tensors[k];
     e.shape = e.param.sizes().vec();
     e.dtype = e.param.scalar_type();
-    e.host = adopt(*store_, keepalive_, e.param, name + "#" + std::to_string(k), &e.index, &e.bytes, &e.strides);
-    info.extras.push_back(std::move(e));
+    const std::string label = name + "#" + std::to_string(k);
+    if (format != quant::Format::None && e.param.dim() >= 2) {
+      // Packed as a matrix of the last dimension's columns (an expert's rows
+      // follow each other), dequantized into the workspace after the copy.
+      torch::NoGradGuard ng;
+      const torch::Tensor src = e.param.detach().to(torch::kCPU).contiguous();
+      const int64_t cols = e.shape.back();
+      const int64_t rows = cols ? src.numel() / cols : 0;
+      try {
+        e.qlayout = quant::layout_for(format, rows, cols);
+        e.bytes = e.qlayout.total_bytes();
+        e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(format) + "]");
+        e.host = store_->buffer(e.index).ptr;
+        quant::pack(format, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows, cols, e.host, 0);
+      } catch (const Error& err) {
+        LS_FAIL("cannot quantize tensor #", k, " of group '", name, "' (", shape_str(e.shape), ") to ",
+                quant::to_string(format), ": ", err.message());
+      }
+      e.qformat = format;
+      e.q_dtype = dequant_dtype_.value_or(e.dtype);
+      e.ws_offset = ws;
+      ws += align256(static_cast<size_t>(src.numel()) * c10::elementSize(e.q_dtype));
+      e.param = meta_like(e.shape, e.dtype);  // the engine keeps no dense copy
+    } else {
+      e.host = adopt(*store_, keepalive_, e.param, label, &e.index, &e.bytes, &e.strides);
+    }
+    info.parts.push_back(std::move(e));
   }
+  info.group_ws_bytes = ws;
   return register_layer_locked(std::move(info));
+}
+
+static Engine::LayerInfo::Part& group_part(Engine::LayerInfo& l, int part) {
+  LS_CHECK(l.is_group && part >= 0 && static_cast<size_t>(part) < l.parts.size(), "layer '", l.name,
+           "' has no tensor #", part, l.is_group ? "" : " (it is not a tensor group)");
+  return l.parts[static_cast<size_t>(part)];
+}
+
+torch::Tensor Engine::dequantized_part(int index, int part) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LayerInfo::Part& e = group_part(*layers_.at(static_cast<size_t>(index)), part);
+  LS_CHECK(e.qformat != quant::Format::None, "tensor #", part, " of group '", layers_[static_cast<size_t>(index)]->name,
+           "' is not quantized");
+  torch::Tensor dense = torch::empty(e.shape, torch::TensorOptions().dtype(torch::kFloat));
+  quant::dequantize_cpu(e.qlayout, e.host, dense.data_ptr(), quant::OutDtype::F32, 0);
+  return dense.to(e.dtype);
+}
+
+void Engine::requantize_part(int index, int part, const torch::Tensor& dense) {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; write the module's tensor directly");
+  LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LayerInfo::Part& e = group_part(l, part);
+  LS_CHECK(e.qformat != quant::Format::None, "tensor #", part, " of group '", l.name,
+           "' is not quantized: write its parameter in place");
+  LS_CHECK(dense.defined() && dense.sizes().vec() == e.shape, "group '", l.name, "': new tensor #", part,
+           " of shape ", dense.defined() ? shape_str(dense.sizes().vec()) : "(undefined)", " does not match ",
+           shape_str(e.shape));
+  LS_CHECK(dense.is_floating_point() && !dense.is_meta(), "group '", l.name, "': new tensor #", part,
+           " must be a floating-point tensor with values (not meta)");
+  torch::NoGradGuard ng;
+  const torch::Tensor src = dense.detach().to(torch::kCPU).to(e.dtype).contiguous();
+  const int64_t cols = e.shape.back();
+  const int64_t rows = cols ? src.numel() / cols : 0;
+  std::vector<char> packed(e.bytes);
+  try {
+    quant::pack(e.qformat, src.data_ptr(), src_dtype_of(src.scalar_type(), l.name), rows, cols, packed.data(), 0);
+  } catch (const Error& err) {
+    LS_FAIL("cannot quantize the new tensor #", part, " of group '", l.name, "' to ", quant::to_string(e.qformat),
+            ": ", err.message(), " (the old values are kept)");
+  }
+  synchronize();  // no copy may read the host buffer while it changes; forgets cached slots
+  std::memcpy(e.host, packed.data(), e.bytes);
 }
 
 std::pair<int64_t, std::vector<torch::Tensor>> Engine::fetch(int layer_index) {
@@ -527,9 +595,13 @@ std::pair<int64_t, std::vector<torch::Tensor>> Engine::fetch(int layer_index) {
     const auto opts = torch::TensorOptions().dtype(dtype).device(compute_device_);
     views.push_back(strides.empty() ? torch::from_blob(ptr, shape, opts) : torch::from_blob(ptr, shape, strides, opts));
   };
-  view(lease.part_ptr(0), l.w_shape, l.w_strides, l.w_dtype);
-  for (size_t k = 0; k < l.extras.size(); ++k)
-    view(lease.part_ptr(k + 1), l.extras[k].shape, l.extras[k].strides, l.extras[k].dtype);
+  for (size_t k = 0; k < l.parts.size(); ++k) {
+    const LayerInfo::Part& e = l.parts[k];
+    if (e.qformat != quant::Format::None)  // its dequantized copy in the workspace
+      view(static_cast<char*>(lease.part_ptr(l.parts.size())) + e.ws_offset, e.shape, {}, e.q_dtype);
+    else
+      view(lease.part_ptr(k), e.shape, e.strides, e.dtype);
+  }
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const int64_t token = next_token_++;
   fetched_.emplace(token, std::move(lease));
@@ -654,19 +726,23 @@ void Engine::build_scheduler_locked() {
       specs.push_back(std::move(s));
       continue;
     }
-    s.parts.push_back(store_->buffer(l.w_index));
-    if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
-    size_t extra_bytes = 0;
-    for (const auto& e : l.extras) {
-      s.parts.push_back(store_->buffer(e.index));
-      extra_bytes += align256(e.bytes);
+    size_t copied = 0;
+    if (l.is_group) {
+      for (const auto& e : l.parts) {
+        s.parts.push_back(store_->buffer(e.index));
+        copied += align256(e.bytes);
+      }
+    } else {
+      s.parts.push_back(store_->buffer(l.w_index));
+      if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
+      copied = align256(l.w_bytes) + align256(l.b_bytes);
     }
     s.workspace_bytes = workspace_bytes(l);
     if (s.workspace_bytes) {
-      s.post_copy = make_post_copy(l, s.parts.size());
-      s.post_copy_label = l.qformat != quant::Format::None ? "dequant" : "cast";
+      s.post_copy = l.is_group ? make_group_post_copy(l, s.parts.size()) : make_post_copy(l, s.parts.size());
+      s.post_copy_label = l.is_group || l.qformat != quant::Format::None ? "dequant" : "cast";
     }
-    const size_t bytes = align256(l.w_bytes) + align256(l.b_bytes) + extra_bytes + align256(s.workspace_bytes);
+    const size_t bytes = copied + align256(s.workspace_bytes);
     if (bytes > largest) {
       largest = bytes;
       largest_i = static_cast<int>(i);
@@ -688,7 +764,7 @@ void Engine::build_scheduler_locked() {
     std::vector<std::vector<torch::Tensor>> params;
     for (const auto& l : layers_) {
       params.push_back({l->weight, l->bias});
-      for (const auto& e : l->extras) params.back().push_back(e.param);
+      for (const auto& e : l->parts) params.back().push_back(e.param);
     }
     so.content_version = [params = std::move(params)](int layer) -> uint64_t {
       // Any in-place write bumps one of the counters, which only grow.
@@ -756,6 +832,13 @@ Phase Engine::current_phase() const {
 }
 
 void Engine::check_host_alias(const LayerInfo& l) const {
+  if (l.is_group) {
+    for (const auto& e : l.parts)
+      LS_CHECK(e.qformat != quant::Format::None || (e.param.device().is_cpu() && e.param.data_ptr() == e.host),
+               "a tensor of streamed layer '", l.name, "' was replaced or moved after offload(); call "
+               "handle.detach() first or copy new values in place.");
+    return;
+  }
   if (l.watched)
     LS_CHECK(l.watched->current_version() == l.watched_version, "the weight of quantized layer '",
              l.name, "' was written in place after offload() (copy_, an in-place op or "
@@ -774,10 +857,6 @@ void Engine::check_host_alias(const LayerInfo& l) const {
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
            ".cuda() or load_state_dict(assign=True)); layerstream keeps streamed weights in host "
            "memory. Call handle.detach() before moving the model, or copy new values in place.");
-  for (const auto& e : l.extras)
-    LS_CHECK(e.param.device().is_cpu() && e.param.data_ptr() == e.host, "a tensor of streamed layer '",
-             l.name, "' was replaced or moved after offload(); call handle.detach() first or copy new "
-             "values in place.");
   if (l.bias.defined())
     LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "
              "layer '", l.name, "' was replaced or moved after offload(); call handle.detach() "
@@ -790,6 +869,7 @@ size_t Engine::dense_weight_bytes(const LayerInfo& l) {
 }
 
 size_t Engine::workspace_bytes(const LayerInfo& l) {
+  if (l.is_group) return l.group_ws_bytes;
   size_t bytes = 0;
   if (l.qformat != quant::Format::None || l.cast_w) bytes = align256(dense_weight_bytes(l));
   if (l.cast_b) bytes = l.ws_b_offset + static_cast<size_t>(numel_of(l.b_shape)) * c10::elementSize(l.cast_dtype);
@@ -832,6 +912,41 @@ PostCopyFn Engine::make_post_copy(const LayerInfo& l, size_t workspace_part) {
       if (quantized) cuda_glue::dequantize_on(layout, w_src, ws, qdtype, device, s.native());
       if (cast_w) cuda_glue::cast_on(w_src, w_dtype, ws, to, w_numel, device, s.native());
       if (cast_b) cuda_glue::cast_on(b_src, b_dtype, ws + ws_b, to, b_numel, device, s.native());
+    }
+  };
+}
+
+PostCopyFn Engine::make_group_post_copy(const LayerInfo& l, size_t workspace_part) {
+  // Runs on the dequant stream right after the group's bytes landed in the
+  // slot: each packed part -> its dense copy in the workspace.
+  struct Job {
+    size_t part;
+    quant::PackedLayout layout;
+    quant::OutDtype out;
+    size_t ws_offset;
+  };
+  std::vector<Job> jobs;
+  for (size_t k = 0; k < l.parts.size(); ++k)
+    if (l.parts[k].qformat != quant::Format::None)
+      jobs.push_back({k, l.parts[k].qlayout, out_dtype_of(l.parts[k].q_dtype), l.parts[k].ws_offset});
+  Backend* be = backend_.get();
+  const bool on_cpu = compute_device_.is_cpu();
+  const int device = compute_device_.index();
+  const std::string what = "dequantize '" + l.name + "'";
+  return [=](const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
+    char* base = static_cast<char*>(slot.ptr);
+    char* ws = base + off.at(workspace_part);
+    if (be->caps().ordering_checker) {
+      be->declare_access(slot, Access::Read, s, what + " (reads the copied tensors)");
+      be->declare_access(slot, Access::Write, s, what + " (writes the workspace)");
+    }
+    for (const Job& j : jobs) {
+      const void* src = base + off.at(j.part);
+      void* dst = ws + j.ws_offset;
+      if (on_cpu)
+        be->launch_host_func(s, [=] { quant::dequantize_cpu(j.layout, src, dst, j.out, 1); });
+      else
+        cuda_glue::dequantize_on(j.layout, src, dst, j.out, device, s.native());
     }
   };
 }
@@ -1126,7 +1241,9 @@ void Engine::detach(const std::vector<torch::Device>& devices) {
   for (size_t i = 0; i < layers_.size(); ++i) {
     LayerInfo& l = *layers_[i];
     const torch::Device dev = devices.empty() ? torch::Device(torch::kCPU) : devices[i];
-    if (l.qformat != quant::Format::None) {
+    if (l.is_group) {
+      // Its tensors are its parts (below).
+    } else if (l.qformat != quant::Format::None) {
       // The caller restores quantized weights from dequantized_weight().
     } else if (l.shared_weight && l.weight.data_ptr() != l.w_host) {
       // Tied: already restored by the first layer that shares it (the one that
@@ -1135,7 +1252,8 @@ void Engine::detach(const std::vector<torch::Device>& devices) {
       l.weight.set_data(l.weight.detach().clone().to(dev));
     }
     if (l.bias.defined()) l.bias.set_data(l.bias.detach().clone().to(dev));
-    for (auto& e : l.extras) e.param.set_data(e.param.detach().clone().to(dev));
+    for (auto& e : l.parts)  // quantized parts: the caller restores them from dequantized_part()
+      if (e.qformat == quant::Format::None) e.param.set_data(e.param.detach().clone().to(dev));
   }
   sched_.reset();
   fetched_.clear();

@@ -178,7 +178,19 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // backward; docs/design/torch-glue.md "Tensor groups"). Gradients are the
   // caller's (it returns them to autograd). Tensors already streamed by
   // another layer are refused.
-  int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors);
+  // With a format, every tensor of 2 or more dimensions is packed on the
+  // host as a matrix of its last dimension's columns (it must be frozen;
+  // the engine keeps no reference to the dense values, so callers replace
+  // the parameters by data-less stand-ins) and dequantized into the slot
+  // after the copy, to its dtype or dequant_dtype; fetch() returns the
+  // dequantized views. 1-D tensors (biases) stay as they are.
+  int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors,
+                quant::Format format = quant::Format::None);
+  // Group layers quantized by add_group: tensor `part` dequantized on the
+  // host (what detach() restores; lossy), and new values packed into it in
+  // place of the old ones (as requantize() for a layer).
+  torch::Tensor dequantized_part(int layer, int part);
+  void requantize_part(int layer, int part, const torch::Tensor& dense);
   // Group layers: acquires the layer's slot for the compute stream (waiting
   // for its copy, prefetched in the traced order like any layer; the phase is
   // backward inside an autograd graph task) and returns a token and views of
@@ -304,18 +316,25 @@ class Engine : public std::enable_shared_from_this<Engine> {
     // Tied weights: the weight (its host copy, w_index/w_host) is also
     // another layer's; its gradients go through autograd (see add_linear).
     bool shared_weight = false;
-    // add_group(): `weight` is the first tensor, `extras` the others; fetched
-    // whole into one slot by fetch(), computed by the caller.
+    // add_group(): all its tensors are `parts` (`weight` and `bias` stay
+    // undefined); fetched whole into one slot by fetch(), computed by the
+    // caller. A quantized part crosses the bus packed and is dequantized into
+    // the slot's workspace at `ws_offset` (after the copied parts).
     bool is_group = false;
-    struct Extra {
-      torch::Tensor param;  // data aliases the host store
-      std::vector<int64_t> shape, strides;  // strides empty: contiguous
+    struct Part {
+      torch::Tensor param;  // data aliases the host store; a meta stand-in if quantized
+      std::vector<int64_t> shape, strides;  // strides empty: contiguous (always when quantized)
       torch::ScalarType dtype = torch::kFloat;
       size_t index = 0;
       void* host = nullptr;
-      size_t bytes = 0;
+      size_t bytes = 0;  // in the host store (packed if quantized)
+      quant::Format qformat = quant::Format::None;
+      quant::PackedLayout qlayout;
+      torch::ScalarType q_dtype = torch::kFloat;  // dequantized to
+      size_t ws_offset = 0;
     };
-    std::vector<Extra> extras;
+    std::vector<Part> parts;
+    size_t group_ws_bytes = 0;  // the dequantized parts, in the workspace
     Event last_read;            // embedding: after the newest lookup on the device
     void* w_host_mapped = nullptr;  // embedding: the store's device mapping (nullptr: none)
     int64_t padding_idx = -1;       // embedding: as nn.Embedding (its row gets no gradient)
@@ -407,6 +426,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Bytes of the slot's workspace (0: no post-copy step).
   static size_t workspace_bytes(const LayerInfo& l);
   PostCopyFn make_post_copy(const LayerInfo& l, size_t workspace_part);
+  // A group's: dequantizes its packed parts into the workspace.
+  PostCopyFn make_group_post_copy(const LayerInfo& l, size_t workspace_part);
   // Warns once per engine that weights are cast at use (and how to avoid it).
   void note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch::ScalarType to);
 

@@ -382,7 +382,7 @@ class _Attached:
     """What offload() changed on one module, to undo it in detach()."""
 
     __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
-                 "prequantized", "bnb_stats", "hooks", "strides")
+                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts")
 
     def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
                  prequantized=False, bnb_stats=None, hooks=(), strides=None):
@@ -394,9 +394,11 @@ class _Attached:
         # A weight quantized by offload() whose memory layout was not the contiguous one
         # (channels_last): detach() restores its dequantized values in that layout.
         self.strides = strides
+        # A tensor group quantized by offload(): (parameter name, part) of its packed tensors.
+        self.packed_parts = []
 
 
-def _requantize_on_load(engine, index: int, module: nn.Module) -> list:
+def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> list:
     """load_state_dict() hooks for a layer offload() quantized. Its parameter's
     copy_ re-quantizes too (_PackedWeight), but load_state_dict() would first warn
     that copying into a meta parameter is a no-op. The pre-hook takes the weight
@@ -404,18 +406,24 @@ def _requantize_on_load(engine, index: int, module: nn.Module) -> list:
     own); the post-hook removes the key it took from the missing keys. Returns
     the hook handles."""
     taken = []
+    # (parameter name, part): a layer's weight, or a tensor group's packed parts.
+    targets = [("weight", None)] if parts is None else list(parts)
 
     def pre(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
             error_msgs):
-        key = prefix + "weight"
-        if key not in state_dict:
-            return
-        value = state_dict.pop(key)
-        taken.append(key)
-        try:
-            engine.requantize(index, value)
-        except LayerstreamError as e:
-            error_msgs.append(f'While loading "{key}" into a quantized streamed layer: {e}')
+        for pname, part in targets:
+            key = prefix + pname
+            if key not in state_dict:
+                continue
+            value = state_dict.pop(key)
+            taken.append(key)
+            try:
+                if part is None:
+                    engine.requantize(index, value)
+                else:
+                    engine.requantize_part(index, part, value)
+            except LayerstreamError as e:
+                error_msgs.append(f'While loading "{key}" into a quantized streamed layer: {e}')
 
     def post(mod, incompatible_keys):
         for key in taken:
@@ -453,9 +461,9 @@ class _PackedWeight(nn.Parameter):
         are seen too.
     """
 
-    def __new__(cls, shape, dtype, engine, index: int, name: str):
+    def __new__(cls, shape, dtype, engine, index: int, name: str, part: Optional[int] = None):
         self = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
-        self._ls = (engine, index, name)
+        self._ls = (engine, index, name, part)  # part: a tensor group's tensor, else None
         return self
 
     @classmethod
@@ -485,8 +493,11 @@ class _PackedWeight(nn.Parameter):
                 f"on the host and dequantized on the device); train an adapter over it (LoRA), or "
                 f"detach() and offload() again without quantizing this layer")
         if ls is not None and name == "copy_":
-            engine, index, _ = ls
-            engine.requantize(index, args[1])
+            engine, index, _, part = ls
+            if part is None:
+                engine.requantize(index, args[1])
+            else:
+                engine.requantize_part(index, part, args[1])
             return self
         if ls is not None and name in ("detach", "alias", "detach_", "requires_grad_"):
             with torch._C.DisableTorchFunctionSubclass():
@@ -950,6 +961,9 @@ class Handle:
             if a.bnb_stats is not None:
                 # bitsandbytes weights: rebuilt from the same bytes.
                 dense[a.index] = engine.packed_codes(a.index)
+            elif a.packed_parts:
+                # A quantized tensor group: the dequantized values, per packed tensor.
+                dense[a.index] = {k: engine.dequantized_part(a.index, part) for k, part in a.packed_parts}
             elif engine.layer_format(a.index) and not a.prequantized:
                 # Quantized by offload(): the dense values were not kept; restore the
                 # dequantized weights (lossy by the format's error bound).
@@ -964,6 +978,9 @@ class Handle:
                     # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
                     quantized_stats=dict(a.bnb_stats),
                     requires_grad=False, device=dev, module=a.module)
+            elif a.index in dense and a.packed_parts:
+                for k, value in dense[a.index].items():
+                    a.module._parameters[k] = nn.Parameter(value.to(a.devices[0]), requires_grad=False)
             elif a.index in dense:
                 w = dense[a.index]
                 if a.strides is not None:  # the layout it had before offload() (e.g. channels_last)
@@ -1041,7 +1058,8 @@ def offload(
     host from the output gradient's rows. transformers' mixture-of-experts
     modules (experts as 3-D parameters) stream as tensor groups: all of a
     module's tensors in one slot, its own forward run on them (and again in
-    backward, on the re-fetched tensors, when a gradient is needed).
+    backward, on the re-fetched tensors, when a gradient is needed); with
+    ``quantize`` they are packed on the host and dequantized in the slot.
     Tied weights (an lm_head sharing the embedding's weight) stream when every
     module that has the weight streams: from one host copy, unquantized, the
     gradient of the uses summed through autograd. Everything else of the model
@@ -1206,14 +1224,38 @@ def offload(
     #    A quantized layer's slot holds the packed weight and, after it, the
     #    weight dequantized on the device (in its dense dtype).
     layers = []  # (name, module, kind, fmt, pre, bus_bytes, slot_bytes, resident_bytes)
-    unpackable, trainable, tied_dense, groups_dense = [], [], [], []
+    unpackable, trainable, tied_dense = [], [], []
     for name, module, kind in candidates:
-        if kind == "group":  # one slot holds every tensor, as they are (no quantization, no cast)
-            if _quant_for(name, quantize) is not None:
-                groups_dense.append(f"'{name or '<root>'}'")
-            sizes = [p.numel() * p.element_size() for p in module._parameters.values() if p is not None]
-            bus = sum(_align256(n) for n in sizes)
-            layers.append((name, module, kind, None, None, bus, bus, sum(sizes)))
+        if kind == "group":
+            # One slot holds every tensor; with a format, each tensor of 2+ dimensions
+            # crosses packed (as a matrix of its last dimension's columns) and is
+            # dequantized into the slot's workspace after the copy.
+            fmt = _quant_for(name, quantize)
+            params = [p for p in module._parameters.values() if p is not None]
+            packed = [p for p in params if p.dim() >= 2]
+            if fmt is not None:
+                reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1]) for p in packed]
+                reason = next((r for r in reasons if r), "")
+                if reason and isinstance(quantize, str):
+                    unpackable.append(f"{name} ({reason})")
+                    fmt = None
+                elif reason:
+                    raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
+            if fmt is not None and any(p.requires_grad for p in packed):
+                trainable.append(name or "<root>")
+            elif fmt is not None and not all(bool(torch.isfinite(p.detach()).all()) for p in packed):
+                raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: a tensor has "
+                                       f"NaN or Inf values; fix the checkpoint or do not quantize this layer "
+                                       f"(quantize={{'{name}': None, ...}})")
+            bus = workspace = 0
+            for p in params:
+                if fmt is not None and p.dim() >= 2:
+                    bus += _align256(_C.quant_packed_bytes(fmt, p.numel() // p.shape[-1], p.shape[-1]))
+                    workspace += _align256(p.numel() * (dequant_dtype or p.dtype).itemsize)
+                else:
+                    bus += _align256(p.numel() * p.element_size())
+            layers.append((name, module, kind, fmt, None, bus, bus + workspace,
+                           sum(p.numel() * p.element_size() for p in params)))
             continue
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
@@ -1278,11 +1320,6 @@ def offload(
             f"Freeze them (requires_grad_(False)), or choose per layer with a dict, first match "
             f"wins, e.g. quantize={{'*lora_*': None, '*': 'nf4'}} for a peft model, or call "
             f"offload() on the frozen base before adding the adapter.")
-    if groups_dense:
-        warnings.warn(f"layerstream: quantize={quantize!r} does not apply to {len(groups_dense)} "
-                      f"mixture-of-experts module(s) (tensor groups stream their tensors as they are): "
-                      + ", ".join(groups_dense[:5]) + (", ..." if len(groups_dense) > 5 else ""),
-                      RuntimeWarning, stacklevel=2)
     if tied_dense:
         warnings.warn(f"layerstream: quantize={quantize!r} does not apply to {len(tied_dense)} layer(s) "
                       f"with tied weights (the weight is shared with an embedding table or another "
@@ -1382,10 +1419,21 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             keys = [k for k, p in module._parameters.items() if p is not None]
             params = [module._parameters[k] for k in keys]
             devices = [str(params[0].device)]
-            index = engine.add_group(name or "<root>", params)
+            index = engine.add_group(name or "<root>", params, fmt or "")
             had_forward = "forward" in module.__dict__
             old_forward = module.__dict__.get("forward")
-            attached.append(_Attached(name, module, kind, index, had_forward, old_forward, devices))
+            a = _Attached(name, module, kind, index, had_forward, old_forward, devices)
+            attached.append(a)
+            if fmt is not None:
+                # Packed on the host: the module keeps data-less stand-ins (the dense
+                # tensors are freed); copy_ / load_state_dict() re-quantize into them.
+                a.packed_parts = [(k, part) for part, (k, p) in enumerate(zip(keys, params)) if p.dim() >= 2]
+                for k, part in a.packed_parts:
+                    p = module._parameters[k]
+                    module._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
+                                                          f"{name or '<root>'}.{k}", part)
+                a.hooks = _requantize_on_load(engine, index, module, a.packed_parts)
+                params = [module._parameters[k] for k in keys]
             module.forward = _GroupForward(engine, index, old_forward or module.forward, module, keys,
                                            name or "<root>")
             module._apply = _StreamedApply(module, compute_device, name or "<root>", keys)

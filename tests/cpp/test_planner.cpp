@@ -365,6 +365,11 @@ TEST(Models, TiedHeadFromConfig) {
   const auto specs = layer_specs(m, opt);
   EXPECT_EQ(specs[2].tied_table, 0);
   EXPECT_EQ(specs[2].bytes, 1000u * 64 * 2);
+  EXPECT_TRUE(specs[2].as_stored);
+  PlannerInput in;
+  in.layers = specs;
+  in.budget_bytes = 100000;  // below 2 slots of the 128000-byte head
+  EXPECT_HAS(error_of([&] { plan_placement(in); }), "it streams as stored: quantization does not apply to it");
   EXPECT_LT(specs[1].bytes, 256u * 64 * 2);  // the others are quantized
 }
 
@@ -410,19 +415,32 @@ TEST(Models, ExpertTensorsFormOneGroupPerModule) {
   EXPECT_EQ(set_expert_activity(m, R"({"text_config": {"num_experts_per_tok": 2, "num_local_experts": 4}})", "c"), 0.5);
   EXPECT_EQ(set_expert_activity(m, R"({"hidden_size": 32})", "c"), 0.0);
   LayerOptions opt;
-  opt.quantize = Quantization::NF4;
   opt.tokens = 10;
-  const auto specs = layer_specs(m, opt);
-  for (const auto& sp : specs) {
-    if (sp.name != "model.layers.0.mlp.experts") continue;
-    EXPECT_EQ(sp.bytes, 4u * 3 * 16 * 32 * 2);  // as stored
-    EXPECT_TRUE(sp.as_stored);
-    EXPECT_DOUBLE_EQ(sp.flops, 2.0 * 10 * (4 * 3 * 16 * 32) * 0.5);
+  for (auto q : {Quantization::None, Quantization::NF4}) {
+    opt.quantize = q;
+    int seen = 0;
+    for (const auto& sp : layer_specs(m, opt)) {
+      if (sp.name == "model.layers.0.mlp.experts") {
+        ++seen;
+        // Quantized as offload() packs them: each tensor a matrix of its last dimension.
+        const uint64_t one = quantized_weight_bytes({16, 32}, "BF16", q);
+        EXPECT_EQ(sp.bytes, 12 * one);
+        EXPECT_EQ(sp.slot_bytes, q == Quantization::None ? 0u : 12 * one + 12 * 16 * 32 * 2 + 256);
+        EXPECT_FALSE(sp.as_stored);
+        EXPECT_DOUBLE_EQ(sp.flops, 2.0 * 10 * (4 * 3 * 16 * 32) * 0.5);
+      }
+      if (sp.name == "model.layers.1.mlp.experts") {
+        ++seen;  // the 3-D tensors as [experts * rows, cols]; the 2-D bias too
+        const uint64_t want = q == Quantization::None
+                                  ? (4u * 32 * 32 + 4 * 32 + 4 * 32 * 16) * 2
+                                  : quantized_weight_bytes({128, 32}, "BF16", q) +
+                                        quantized_weight_bytes({4, 32}, "BF16", q) +
+                                        quantized_weight_bytes({128, 16}, "BF16", q);
+        EXPECT_EQ(sp.bytes, want);
+      }
+    }
+    EXPECT_EQ(seen, 2);
   }
-  PlannerInput in;
-  in.layers = specs;
-  in.budget_bytes = 4000;
-  EXPECT_HAS(error_of([&] { plan_placement(in); }), "it streams as stored: quantization does not apply to it");
 }
 
 TEST(Planner, OutlierLayerIsKeptResidentSoSlotsShrink) {

@@ -500,3 +500,41 @@ TEST(TorchOffload, TensorGroupIsFetchedWholeIntoOneSlot) {
   engine->detach({});
   EXPECT_TRUE(torch::equal(a, a0) && torch::equal(b, b0) && torch::equal(c, c0));
 }
+
+TEST(TorchOffload, QuantizedTensorGroupDequantizesIntoTheSlot) {
+  // With a format, 2+-D tensors cross packed and fetch() returns their
+  // dequantized copies (what dequantized_part() computes on the host); 1-D
+  // tensors stay as they are; requantize_part() loads new values; a tensor
+  // that requires grad is refused.
+  auto engine = layerstream::Engine::create(sim_options());
+  torch::manual_seed(0);
+  auto a = torch::randn({4, 6, 64}), b = torch::randn({64});
+  const auto b0 = b.clone();
+  const int g = engine->add_group("experts", {a, b}, layerstream::quant::Format::Int8);
+  EXPECT_LT(engine->layer_bytes(g), (4 * 6 * 64 + 64) * 4 / 2);  // packed: ~1 byte per element
+  const auto a_deq = engine->dequantized_part(g, 0);
+  EXPECT_TRUE(torch::allclose(a_deq, a, 0, 0.05));
+  EXPECT_THROW(engine->dequantized_part(g, 1), std::exception);  // not quantized
+  {
+    auto [token, views] = engine->fetch(g);
+    EXPECT_TRUE(torch::equal(views[0], a_deq));
+    EXPECT_TRUE(torch::equal(views[1], b0));
+    engine->release(token);
+  }
+  engine->requantize_part(g, 0, a * 2);
+  {
+    auto [token, views] = engine->fetch(g);
+    EXPECT_TRUE(torch::equal(views[0], engine->dequantized_part(g, 0)));
+    EXPECT_TRUE(torch::allclose(views[0], a * 2, 0, 0.1));
+    engine->release(token);
+  }
+  EXPECT_THROW(engine->requantize_part(g, 0, torch::randn({4, 6})), std::exception);  // shape
+  auto t = torch::randn({2, 64}).requires_grad_();
+  try {
+    engine->add_group("trainable", {t}, layerstream::quant::Format::NF4);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("a quantized tensor cannot be trained"), std::string::npos) << e.what();
+  }
+  engine->detach({});
+}

@@ -280,8 +280,8 @@ def test_tied_lm_head_from_config(tmp_path):
 
 def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
     """transformers saves a mixture-of-experts model with per-expert tensors; the plan groups
-    them per experts module, as offload() streams them (one slot, as stored, even with
-    --quantize), and takes the experts a token runs from config.json."""
+    them per experts module, as offload() streams them (one slot; with --quantize each tensor
+    packed), and takes the experts a token runs from config.json."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
@@ -296,7 +296,9 @@ def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
     assert not [n for n in layers if ".experts." in n]
     for i in range(2):
         g = layers[f"model.layers.{i}.mlp.experts"]
-        assert g["bytes"] == group  # as stored: quantization does not apply to a group
+        # Each of the 24 tensors (16 x 32 or 32 x 16) packed as int8: 512 B of codes and an
+        # fp32 scale per row, in 256-byte-aligned sections: 768 B instead of 2048 B.
+        assert g["bytes"] == 24 * 768 < group
         assert g["flops"] == 2 * 100 * (group // 4) * 2 / 8  # 2 of 8 experts per token
     r = run("--checkpoint", tmp_path, "--budget", "200KB")
     assert r.returncode == 0, r.stderr

@@ -782,3 +782,33 @@ def test_moe_experts_stream_as_a_group(offload_dev, compute_device):
         want.backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         _close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_quantized_moe_experts_compute_their_dequantized_values(offload_dev, compute_device, fmt):
+    """Packed experts (quantize=) are dequantized into their slot on the device: the
+    streamed model computes what the same model computes resident with the dequantized
+    values that detach() restores (the device dequantization is bit-identical to the
+    host's). Frozen model, inference and input gradients."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).requires_grad_(False)
+    handle = offload_dev(model, quantize={"*experts": fmt})
+    assert handle.stats()["group_layers"] == 2 and model.model.layers[0].mlp.experts.gate_up_proj.is_meta
+    ids = torch.randint(0, 64, (2, 9), device=compute_device)
+    emb = model.model.embed_tokens(ids).detach().requires_grad_()
+    out = model(inputs_embeds=emb).logits
+    out.square().mean().backward()
+    got, got_grad = out.detach().cpu(), emb.grad.cpu()
+    handle.detach()
+    model.to(compute_device)
+    emb2 = emb.detach().clone().requires_grad_()
+    want = model(inputs_embeds=emb2).logits
+    want.square().mean().backward()
+    _close(got, want, **FP32_TOL)
+    _close(got_grad, emb2.grad, **FP32_TOL)
