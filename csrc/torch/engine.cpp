@@ -1283,7 +1283,9 @@ std::map<std::string, double> Engine::stats() const {
   m["layers"] = static_cast<double>(layers_.size());
   int quantized = 0, embeddings = 0, groups = 0;
   for (const auto& l : layers_) {
-    quantized += l->qformat != quant::Format::None ? 1 : 0;
+    bool packed = l->qformat != quant::Format::None;
+    for (const auto& e : l->parts) packed = packed || e.qformat != quant::Format::None;
+    quantized += packed ? 1 : 0;
     embeddings += l->is_embedding ? 1 : 0;
     groups += l->is_group ? 1 : 0;
   }

@@ -174,6 +174,8 @@ def test_quantized_experts_stream_packed(offload_sim, fmt):
     assert experts.gate_up_proj.is_meta and type(experts.gate_up_proj).__name__ == "_PackedWeight"
     stats = handle.stats()
     assert stats["group_layers"] == 2
+    # Every streamed layer but the table and the adapters' is packed, the two groups included.
+    assert stats["quantized_layers"] == len([n for n in handle.layers if "lora_" not in n]) - 1
     # The experts take ~27% (int8) / ~14% (nf4) of their fp32 bytes on the host.
     assert stats["pinned_bytes"] < pinned_dense - experts_bytes * (0.7 if fmt == "int8" else 0.85)
     ids = _ids()
