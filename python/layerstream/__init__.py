@@ -687,7 +687,10 @@ class _GroupFn(torch.autograd.Function):
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
         kind = dev.type
         ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-        ctx.save_for_backward(*inputs)
+        # The dense parameters are saved too (no copy: host tensors), so that an in-place
+        # write between forward and backward raises autograd's version error, as for a
+        # resident module, instead of recomputing with other values.
+        ctx.save_for_backward(*inputs, *(p for p in fwd._params if not p.is_meta))
         args, kwargs = _rebuild(layout, inputs)
         with fwd.fetched():
             out = fwd._original(*args, **kwargs)
@@ -707,8 +710,15 @@ class _GroupFn(torch.autograd.Function):
             raise LayerstreamError(f"layer '{fwd._name}': backward with create_graph=True (double "
                                    f"backward) is not supported through a streamed layer; keep it "
                                    f"resident (offload(exclude=[...]))")
-        saved = ctx.saved_tensors
-        n_in = len(saved)
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as e:
+            raise LayerstreamError(f"streamed layer '{fwd._name}': a tensor its backward needs (an input "
+                                   f"or a parameter) was modified in place after the forward pass (e.g. an "
+                                   f"optimizer step before this backward); autograd raises the same for a "
+                                   f"resident module. {e}") from None
+        n_in = len(ctx.layout[2])
+        saved = saved[:n_in]
         needs = ctx.needs_input_grad[2:]
         inputs = [x.detach().requires_grad_(bool(needs[i])) for i, x in enumerate(saved)]
         args, kwargs = _rebuild(ctx.layout, inputs)

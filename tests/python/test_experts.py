@@ -219,3 +219,16 @@ def test_quantizing_trainable_experts_is_refused(offload_sim):
     model = _qwen3_moe()
     with pytest.raises(LayerstreamError, match=r"would quantize \d+ trainable layer\(s\), .*mlp.experts"):
         offload_sim(model, quantize="nf4")
+
+
+def test_writing_experts_between_forward_and_backward_is_an_error(offload_sim):
+    """An in-place write to a trainable expert tensor after the forward would make the
+    backward's recompute use other values; it raises, as autograd does for a resident
+    module."""
+    model = _qwen3_moe()
+    offload_sim(model)
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj.mul_(2)
+    with pytest.raises(LayerstreamError, match="'model.layers.1.mlp.experts': a tensor its backward needs"):
+        loss.backward()
