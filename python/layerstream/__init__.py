@@ -422,6 +422,7 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
                     engine.requantize(index, value)
                 else:
                     engine.requantize_part(index, part, value)
+                    torch.autograd.graph.increment_version(mod._parameters[pname])  # see _PackedWeight
             except LayerstreamError as e:
                 error_msgs.append(f'While loading "{key}" into a quantized streamed layer: {e}')
 
@@ -498,6 +499,9 @@ class _PackedWeight(nn.Parameter):
                 engine.requantize(index, args[1])
             else:
                 engine.requantize_part(index, part, args[1])
+                # A write, as far as autograd's version checks go: a tensor group's
+                # backward whose forward used the old values raises (_GroupFn).
+                torch.autograd.graph.increment_version(self)
             return self
         if ls is not None and name in ("detach", "alias", "detach_", "requires_grad_"):
             with torch._C.DisableTorchFunctionSubclass():
@@ -687,10 +691,11 @@ class _GroupFn(torch.autograd.Function):
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
         kind = dev.type
         ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-        # The dense parameters are saved too (no copy: host tensors), so that an in-place
-        # write between forward and backward raises autograd's version error, as for a
-        # resident module, instead of recomputing with other values.
-        ctx.save_for_backward(*inputs, *(p for p in fwd._params if not p.is_meta))
+        # The parameters are saved too (no copy: host tensors, or the packed ones' stand-ins,
+        # whose version a re-quantization bumps), so that a write between forward and
+        # backward raises autograd's version error, as for a resident module, instead of
+        # recomputing with other values.
+        ctx.save_for_backward(*inputs, *fwd._params)
         args, kwargs = _rebuild(layout, inputs)
         with fwd.fetched():
             out = fwd._original(*args, **kwargs)

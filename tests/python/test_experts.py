@@ -232,3 +232,16 @@ def test_writing_experts_between_forward_and_backward_is_an_error(offload_sim):
         model.model.layers[1].mlp.experts.down_proj.mul_(2)
     with pytest.raises(LayerstreamError, match="'model.layers.1.mlp.experts': a tensor its backward needs"):
         loss.backward()
+
+
+def test_requantizing_experts_between_forward_and_backward_is_an_error(offload_sim):
+    """Packed experts re-quantized (load_state_dict) after the forward: the backward's
+    recompute would use the new values; it raises instead."""
+    model = _lora_moe()
+    offload_sim(model, quantize={"*lora_*": None, "*": "int8"})
+    experts = model.base_model.model.model.layers[1].mlp.experts
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    experts.load_state_dict({"gate_up_proj": torch.randn(experts.gate_up_proj.shape),
+                             "down_proj": torch.randn(experts.down_proj.shape)})
+    with pytest.raises(LayerstreamError, match="mlp.experts': a tensor its backward needs"):
+        loss.backward()
