@@ -224,14 +224,15 @@ def _lookup_through_super(cls: type) -> bool:
     return False
 
 
-class _LookupBase(nn.Embedding):
-    """The base offload() slides under a streamed Embedding subclass that calls
-    super().forward (see _lookup_through_super): its forward is the streamed
-    lookup. Copying or pickling the module is refused, as for every streamed
-    module."""
+_NO_COPY = ("an offloaded model cannot be {what} (its streamed weights live in layerstream's host "
+            "store, which this process owns); {instead}, or call handle.detach() first")
 
-    def forward(self, input):
-        return self.__dict__["_layerstream_lookup"](input)
+
+class _RefusesCopy:
+    """Pickling (torch.save(model)) or deep-copying an object offload() attached to a
+    model fails with a message that says what to do instead of pickle's own error."""
+
+    __slots__ = ()
 
     def __reduce_ex__(self, protocol):
         raise LayerstreamError(_NO_COPY.format(
@@ -241,6 +242,16 @@ class _LookupBase(nn.Embedding):
 
     def __deepcopy__(self, memo):
         raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
+
+
+class _LookupBase(_RefusesCopy, nn.Embedding):
+    """The base offload() slides under a streamed Embedding subclass that calls
+    super().forward (see _lookup_through_super): its forward is the streamed
+    lookup. Copying or pickling the module is refused, as for every streamed
+    module."""
+
+    def forward(self, input):
+        return self.__dict__["_layerstream_lookup"](input)
 
 
 _LOOKUP_CLASSES: Dict[type, type] = {}
@@ -549,11 +560,7 @@ def _has_grad_hooks(p) -> bool:
     return p is not None and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
-_NO_COPY = ("an offloaded model cannot be {what} (its streamed weights live in layerstream's host "
-            "store, which this process owns); {instead}, or call handle.detach() first")
-
-
-class _StreamedForward:
+class _StreamedForward(_RefusesCopy):
     """The forward offload() installs on a streamed module (an instance attribute).
 
     A small callable object rather than a closure, so that pickling the model
@@ -591,17 +598,8 @@ class _StreamedForward:
         # (synchronously) so that the hooks fire.
         return self._run(self._index, x, _has_grad_hooks(weight) or _has_grad_hooks(bias))
 
-    def __reduce_ex__(self, protocol):
-        raise LayerstreamError(_NO_COPY.format(
-            what="pickled (e.g. torch.save(model))",
-            instead="save model.state_dict() instead (quantized weights are data-less there until "
-                    "detach())"))
 
-    def __deepcopy__(self, memo):
-        raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
-
-
-class _GroupForward:
+class _GroupForward(_RefusesCopy):
     """The forward offload() installs on a streamed tensor group (a mixture-of-experts
     module, _is_experts): the module's own forward runs with its parameters swapped,
     for the call, for views of a device slot that holds all of them (Engine.fetch /
@@ -656,15 +654,6 @@ class _GroupForward:
         taken = set(positions)
         skeleton = [None if i in taken else a for i, a in enumerate(flat)]
         return _GroupFn.apply(self, (skeleton, spec, positions), *inputs, *self._params)
-
-    def __reduce_ex__(self, protocol):
-        raise LayerstreamError(_NO_COPY.format(
-            what="pickled (e.g. torch.save(model))",
-            instead="save model.state_dict() instead (quantized weights are data-less there until "
-                    "detach())"))
-
-    def __deepcopy__(self, memo):
-        raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
 
 
 def _rebuild(layout, tensors):
@@ -852,7 +841,7 @@ class _RootApply:
                 layer._verdicts = None
 
 
-class Handle:
+class Handle(_RefusesCopy):
     """The result of offload(): statistics, synchronisation and detach."""
 
     def __init__(self, engine, attached: List[_Attached], plan: Optional[dict]):
@@ -1025,15 +1014,6 @@ class Handle:
             del self._root.__dict__["_apply"]
         self._root = None
         self._engine = None
-
-    def __deepcopy__(self, memo):
-        raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
-
-    def __reduce_ex__(self, protocol):
-        raise LayerstreamError(_NO_COPY.format(
-            what="pickled (e.g. torch.save(model))",
-            instead="save model.state_dict() instead (quantized weights are data-less there until "
-                    "detach())"))
 
     def __repr__(self):
         if self._engine is None:

@@ -11,12 +11,15 @@
 namespace {
 
 // An embedding whose weight is also the output projection's (tied weights, as
-// in GPT-2 or Gemma), with one ordinary streamed layer between them.
-struct TiedImpl : torch::nn::Module {
-  torch::nn::Embedding emb{nullptr};
+// in GPT-2 or Gemma), with one ordinary streamed layer between them. With a
+// torch::nn::Embedding (never swapped, so resident) the head stays resident;
+// with a layerstream::nn::Embedding the table streams too.
+template <typename EmbeddingHolder>
+struct TiedLMImpl : torch::nn::Module {
+  EmbeddingHolder emb{nullptr};
   layerstream::nn::Linear fc{nullptr}, head{nullptr};
-  TiedImpl() {
-    emb = register_module("emb", torch::nn::Embedding(50, 16));
+  TiedLMImpl() {
+    emb = register_module("emb", EmbeddingHolder(50, 16));
     fc = register_module("fc", layerstream::nn::Linear(16, 16));
     head = register_module(
         "head", layerstream::nn::Linear(torch::nn::LinearOptions(16, 50).bias(false), emb->weight,
@@ -24,21 +27,9 @@ struct TiedImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& ids) { return head(torch::relu(fc(emb(ids)))); }
 };
+using TiedImpl = TiedLMImpl<torch::nn::Embedding>;
 TORCH_MODULE(Tied);
-
-// The same with a layerstream::nn::Embedding, so that the table streams too.
-struct StreamedTiedImpl : torch::nn::Module {
-  layerstream::nn::Embedding emb{nullptr};
-  layerstream::nn::Linear fc{nullptr}, head{nullptr};
-  StreamedTiedImpl() {
-    emb = register_module("emb", layerstream::nn::Embedding(50, 16));
-    fc = register_module("fc", layerstream::nn::Linear(16, 16));
-    head = register_module(
-        "head", layerstream::nn::Linear(torch::nn::LinearOptions(16, 50).bias(false), emb->weight,
-                                        torch::Tensor()));
-  }
-  torch::Tensor forward(const torch::Tensor& ids) { return head(torch::relu(fc(emb(ids)))); }
-};
+using StreamedTiedImpl = TiedLMImpl<layerstream::nn::Embedding>;
 TORCH_MODULE(StreamedTied);
 
 // Three SGD steps, the last two accumulating into the same gradients; returns

@@ -755,20 +755,25 @@ def test_trainable_embedding_trains_like_the_resident_table(offload_dev, compute
     assert handle.stats()["d2h_bytes"] >= 3 * ids.numel() * 16 * model.emb.weight.element_size()
 
 
+def _tiny_qwen3_moe(hidden: int, experts_inter: int):
+    """A 2-layer transformers Qwen3-MoE (4 experts, 2 per token), seeded, on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=64, moe_intermediate_size=experts_inter,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
 def test_moe_experts_stream_as_a_group(offload_dev, compute_device):
     """A mixture-of-experts model (transformers' Qwen3-MoE, experts as 3-D parameters):
     each experts module streams as one tensor group, its own forward (transformers' default
     experts implementation on this device) running on the fetched slot and again in
     backward. Outputs, losses and every gradient (the experts' on the host) match the
     resident model over two accumulating backwards."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
+    model = _tiny_qwen3_moe(hidden=32, experts_inter=16)
     ref = copy.deepcopy(model).to(compute_device)
     handle = offload_dev(model)
     assert handle.stats()["group_layers"] == 2
@@ -790,14 +795,7 @@ def test_quantized_moe_experts_compute_their_dequantized_values(offload_dev, com
     streamed model computes what the same model computes resident with the dequantized
     values that detach() restores (the device dequantization is bit-identical to the
     host's). Frozen model, inference and input gradients."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).requires_grad_(False)
+    model = _tiny_qwen3_moe(hidden=64, experts_inter=64).requires_grad_(False)  # packable shapes
     handle = offload_dev(model, quantize={"*experts": fmt})
     assert handle.stats()["group_layers"] == 2 and model.model.layers[0].mlp.experts.gate_up_proj.is_meta
     ids = torch.randint(0, 64, (2, 9), device=compute_device)
