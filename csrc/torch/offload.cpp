@@ -345,31 +345,40 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   // that all stream; the others stay resident (one warning).
   std::vector<std::string> tied, unquantized;
   std::vector<Item> kept;
-  for (auto& it : items) {
-    std::string resident_why;
-    bool shares = false;
-    for (const auto& p : it.module->named_parameters(/*recurse=*/false)) {
-      if (!p.value().defined()) continue;
-      const auto& who = owners[p.value().unsafeGetTensorImpl()];
-      if (who.size() < 2) continue;
-      bool streams = p.key() == "weight";
-      for (const auto& o : who)
-        streams = streams && o.param == "weight" && collected.count(o.module) != 0;
-      shares = true;
-      if (streams) continue;
-      const std::string own = it.name + "." + p.key();
-      for (const auto& o : who)
-        if (o.qualified != own)
-          resident_why += (resident_why.empty() ? "" : ", ") + p.key() + " shared with '" + o.qualified + "'";
+  for (bool changed = true; changed;) {  // a resident layer keeps its weight's other users resident
+    tied.clear();
+    unquantized.clear();
+    kept.clear();
+    for (auto& it : items) {
+      std::string resident_why;
+      bool shares = false;
+      for (const auto& p : it.module->named_parameters(/*recurse=*/false)) {
+        if (!p.value().defined()) continue;
+        const auto& who = owners[p.value().unsafeGetTensorImpl()];
+        if (who.size() < 2) continue;
+        bool streams = p.key() == "weight";
+        for (const auto& o : who)
+          streams = streams && o.param == "weight" && collected.count(o.module) != 0;
+        shares = true;
+        if (streams) continue;
+        const std::string own = it.name + "." + p.key();
+        for (const auto& o : who)
+          if (o.qualified != own)
+            resident_why += (resident_why.empty() ? "" : ", ") + p.key() + " shared with '" + o.qualified + "'";
+      }
+      if (!resident_why.empty()) {
+        tied.push_back("'" + it.name + "' (" + resident_why + ")");
+        continue;
+      }
+      it.shared = shares;
+      if (shares && qformat != quant::Format::None && !dynamic_cast<nn::EmbeddingImpl*>(it.module.get()))
+        unquantized.push_back("'" + it.name + "'");
+      kept.push_back(it);
     }
-    if (!resident_why.empty()) {
-      tied.push_back("'" + it.name + "' (" + resident_why + ")");
-      continue;
-    }
-    it.shared = shares;
-    if (shares && qformat != quant::Format::None && !dynamic_cast<nn::EmbeddingImpl*>(it.module.get()))
-      unquantized.push_back("'" + it.name + "'");
-    kept.push_back(it);
+    std::set<torch::nn::Module*> still;
+    for (const auto& it : kept) still.insert(it.module.get());
+    changed = still.size() != collected.size();
+    collected = std::move(still);
   }
   items = std::move(kept);
   if (!tied.empty()) {

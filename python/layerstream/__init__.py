@@ -341,24 +341,30 @@ def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device
             if p is not None:
                 owners.setdefault(id(p), []).append((id(m), pname, f"{mname}.{pname}" if mname else pname))
     streamable = {id(module) for _, module, _ in candidates}
-    kept, tied, groups = [], [], {}
-    for name, module, kind in candidates:
-        why = []
-        params = (list(module._parameters.items()) if kind == "group" else
-                  [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
-        for pn, p in params:
-            who = owners.get(id(p), ()) if p is not None else ()
-            if len(who) < 2:
-                continue
-            if kind != "group" and pn == "weight" and all(o[1] == "weight" and o[0] in streamable for o in who):
-                groups.setdefault(id(p), []).append(name)
-                continue
-            own = f"{name}.{pn}" if name else pn
-            why.append(f"{pn} shared with " + ", ".join(f"'{o[2]}'" for o in who if o[2] != own))
-        if why:
-            tied.append(f"'{name or '<root>'}' (" + "; ".join(why) + ")")
-        else:
-            kept.append((name, module, kind))
+    while True:  # a layer kept resident keeps the modules it shares a weight with resident too
+        kept, tied, groups = [], [], {}
+        for name, module, kind in candidates:
+            why = []
+            params = (list(module._parameters.items()) if kind == "group" else
+                      [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
+            for pn, p in params:
+                who = owners.get(id(p), ()) if p is not None else ()
+                if len(who) < 2:
+                    continue
+                if kind != "group" and pn == "weight" and all(o[1] == "weight" and o[0] in streamable
+                                                              for o in who):
+                    groups.setdefault(id(p), []).append(name)
+                    continue
+                own = f"{name}.{pn}" if name else pn
+                why.append(f"{pn} shared with " + ", ".join(f"'{o[2]}'" for o in who if o[2] != own))
+            if why:
+                tied.append(f"'{name or '<root>'}' (" + "; ".join(why) + ")")
+            else:
+                kept.append((name, module, kind))
+        still = {id(module) for _, module, _ in kept}
+        if still == streamable:
+            break
+        streamable = still
     _warn_resident(tied, "layer(s) with tied weights", compute_device,
                    "another module that stays resident, or a bias, shares the tensor; a streamed "
                    "copy would move it under that module", stacklevel=4)

@@ -101,6 +101,26 @@ TEST(TorchOffload, TiedWeightStreamsFromOneHostCopyWhenEveryUserStreams) {
   EXPECT_TRUE(torch::equal(model->emb->weight, ref->emb->weight));
 }
 
+TEST(TorchOffload, TiePartnerOfAResidentLayerStaysResident) {
+  // The head shares its bias with another layer, so it stays resident; the
+  // table it shares its weight with must then stay resident too.
+  struct TwistedImpl : torch::nn::Module {
+    layerstream::nn::Embedding emb{nullptr};
+    layerstream::nn::Linear head{nullptr}, other{nullptr};
+    TwistedImpl() {
+      emb = register_module("emb", layerstream::nn::Embedding(50, 16));
+      auto bias = torch::zeros({50}).requires_grad_();
+      head = register_module("head", layerstream::nn::Linear(torch::nn::LinearOptions(16, 50), emb->weight, bias));
+      other = register_module("other", layerstream::nn::Linear(torch::nn::LinearOptions(16, 50),
+                                                               torch::randn({50, 16}), bias));
+    }
+  };
+  auto model = std::make_shared<TwistedImpl>();
+  EXPECT_THROW(layerstream::offload(*model, sim_options()), std::exception);  // nothing left to stream
+  EXPECT_FALSE(model->emb->attached());
+  EXPECT_TRUE(model->head->weight.is_same(model->emb->weight));
+}
+
 TEST(TorchOffload, QuantizeLeavesATiedWeightUnquantized) {
   // quantize= packs the other layers; the tied head reads the table's dense
   // host copy (a warning names it).

@@ -328,3 +328,29 @@ def test_hf_t5_four_way_tie_trains_exactly(offload_sim, recwarn):
         assert torch.equal(p.grad, q.grad), n
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False),
                        ref.generate(ids, max_new_tokens=5, do_sample=False))
+
+
+def test_tie_partner_of_a_resident_layer_stays_resident(offload_sim):
+    """A head whose bias is shared stays resident; the table it shares its weight with
+    must then stay resident too (streaming it would move the head's weight to the host)."""
+
+    class Twisted(_TiedLM):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(12, 40)
+            self.head.weight = self.emb.weight
+            self.other = nn.Linear(12, 40)
+            self.other.bias = self.head.bias
+
+        def forward(self, ids):
+            h = torch.relu(self.fc(self.emb(ids)))
+            return self.head(h) + self.other(h)
+
+    torch.manual_seed(0)
+    model = Twisted()
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"tied weights stay resident .*'emb' \(weight shared with 'head.weight'\)"):
+        handle = offload_sim(model)
+    assert handle.layers == ["fc"]
+    assert model.emb.weight.data_ptr() == model.head.weight.data_ptr()
+    _train_and_compare(model, ref)
