@@ -405,11 +405,12 @@ struct StoreF16 {
   void operator()(int64_t i, float v) const { p[i] = f16_from_float(v); }
 };
 
+// L: the layout of what is dequantized (rows, cols, format; for a row range
+// of a larger tensor, layout_for() of the range); its sections at data /
+// scales / zeros.
 template <class Store>
-void dequant_impl(const PackedLayout& L, const uint8_t* base, const Store& st, int num_threads) {
-  const uint8_t* data = base + L.data_offset();
-  const float* scales = reinterpret_cast<const float*>(base + L.scale_offset());
-  const float* zeros = reinterpret_cast<const float*>(base + L.zero_offset());
+void dequant_impl(const PackedLayout& L, const uint8_t* data, const float* scales, const float* zeros,
+                  const Store& st, int num_threads) {
   const int64_t n = L.numel();
   const int64_t cols = L.cols;
   if (n == 0) return;
@@ -622,16 +623,73 @@ void dequantize_cpu(const PackedLayout& layout, const void* packed, void* out, O
   check_layout(layout);
   if (layout.numel() == 0) return;
   LS_CHECK(packed != nullptr && out != nullptr, "dequantize_cpu: null packed or output pointer");
+  dequantize_rows_cpu(layout, packed, 0, layout.rows, out, dtype, num_threads);
+}
+
+RowRange row_range(const PackedLayout& L, int64_t row_begin, int64_t row_end) {
+  LS_CHECK(0 <= row_begin && row_begin <= row_end && row_end <= L.rows, "row range [", row_begin, ", ",
+           row_end, ") is not inside the ", L.rows, " rows of a packed ", to_string(L.format), " tensor");
+  const int64_t e0 = row_begin * L.cols, e1 = row_end * L.cols;
+  if (L.format == Format::NF4)
+    LS_CHECK(e0 % kNF4BlockSize == 0 && (row_end == L.rows || e1 % kNF4BlockSize == 0), "row range [",
+             row_begin, ", ", row_end, ") of an nf4 tensor with ", L.cols, " columns does not start and end "
+             "on a block of ", kNF4BlockSize, " elements");
+  RowRange r;
+  r.row_begin = row_begin;
+  r.row_end = row_end;
+  const bool last = row_end == L.rows;
+  switch (L.format) {
+    case Format::Int8:
+    case Format::Fp8E4M3:
+      r.data_begin = static_cast<size_t>(e0);
+      r.data_bytes = static_cast<size_t>(e1 - e0);
+      r.scale_begin = static_cast<size_t>(row_begin) * sizeof(float);
+      r.scale_bytes = static_cast<size_t>(row_end - row_begin) * sizeof(float);
+      break;
+    case Format::NF4:
+      r.data_begin = static_cast<size_t>(e0 / 2);
+      r.data_bytes = (last ? L.data_bytes : static_cast<size_t>(e1 / 2)) - r.data_begin;
+      r.scale_begin = static_cast<size_t>(e0 / kNF4BlockSize) * sizeof(float);
+      r.scale_bytes = (last ? L.scale_bytes : static_cast<size_t>(e1 / kNF4BlockSize) * sizeof(float)) -
+                      r.scale_begin;
+      break;
+    case Format::Int4:
+      r.data_begin = static_cast<size_t>(e0 / 2);
+      r.data_bytes = static_cast<size_t>((e1 - e0) / 2);
+      r.scale_begin = static_cast<size_t>(e0 / kInt4GroupSize) * sizeof(float);
+      r.scale_bytes = static_cast<size_t>((e1 - e0) / kInt4GroupSize) * sizeof(float);
+      r.zero_begin = r.scale_begin;
+      r.zero_bytes = r.scale_bytes;
+      break;
+    case Format::None:
+      LS_FAIL("row_range: format 'none' has no packed layout");
+  }
+  r.data_begin += L.data_offset();
+  r.scale_begin += L.scale_offset();
+  r.zero_begin += L.zero_offset();
+  return r;
+}
+
+void dequantize_rows_cpu(const PackedLayout& layout, const void* packed, int64_t row_begin, int64_t row_end,
+                         void* out, OutDtype dtype, int num_threads) {
+  check_layout(layout);
+  const RowRange r = row_range(layout, row_begin, row_end);
+  const PackedLayout sub = layout_for(layout.format, row_end - row_begin, layout.cols);
+  if (sub.numel() == 0) return;
+  LS_CHECK(packed != nullptr && out != nullptr, "dequantize_cpu: null packed or output pointer");
   const uint8_t* base = static_cast<const uint8_t*>(packed);
+  const uint8_t* data = base + r.data_begin;
+  const float* scales = reinterpret_cast<const float*>(base + r.scale_begin);
+  const float* zeros = reinterpret_cast<const float*>(base + r.zero_begin);
   switch (dtype) {
     case OutDtype::F32:
-      dequant_impl(layout, base, StoreF32{static_cast<float*>(out)}, num_threads);
+      dequant_impl(sub, data, scales, zeros, StoreF32{static_cast<float*>(out)}, num_threads);
       break;
     case OutDtype::BF16:
-      dequant_impl(layout, base, StoreBF16{static_cast<uint16_t*>(out)}, num_threads);
+      dequant_impl(sub, data, scales, zeros, StoreBF16{static_cast<uint16_t*>(out)}, num_threads);
       break;
     case OutDtype::F16:
-      dequant_impl(layout, base, StoreF16{static_cast<uint16_t*>(out)}, num_threads);
+      dequant_impl(sub, data, scales, zeros, StoreF16{static_cast<uint16_t*>(out)}, num_threads);
       break;
   }
 }

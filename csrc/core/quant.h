@@ -136,6 +136,27 @@ inline void dequantize_cpu(const PackedLayout& layout, const void* packed, float
   dequantize_cpu(layout, packed, out, OutDtype::F32, 1);
 }
 
+// Where rows [row_begin, row_end) of a packed tensor lie in its buffer (byte
+// offsets from the buffer's start; each section's part is contiguous), so that
+// a row range, e.g. one expert of an [experts * rows, cols] tensor, can be
+// copied on its own and dequantized where it lies (dequantize_rows_*). nf4
+// blocks run across rows: row_begin * cols must be a multiple of 64, and so
+// must row_end * cols unless row_end == rows. Throws otherwise.
+struct RowRange {
+  int64_t row_begin = 0, row_end = 0;
+  size_t data_begin = 0, data_bytes = 0;
+  size_t scale_begin = 0, scale_bytes = 0;
+  size_t zero_begin = 0, zero_bytes = 0;  // int4 only
+};
+RowRange row_range(const PackedLayout& layout, int64_t row_begin, int64_t row_end);
+
+// dequantize_cpu() of rows [row_begin, row_end) only, read from `packed` (the
+// whole tensor's buffer; only the row range's bytes are read): `out` receives
+// (row_end - row_begin) * cols elements, bit-identical to those rows of
+// dequantize_cpu()'s output. Same row rules as row_range().
+void dequantize_rows_cpu(const PackedLayout& layout, const void* packed, int64_t row_begin,
+                         int64_t row_end, void* out, OutDtype dtype, int num_threads = 0);
+
 // Allowed |w - w'| for element (row, col) whose original value was w, given
 // the packed buffer (which holds the element's scale). Includes a small slack
 // for fp32 rounding inside the quantizer: relative 2^-10 of the bound plus

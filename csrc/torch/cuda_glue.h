@@ -23,8 +23,11 @@ std::shared_ptr<Backend> make_backend(int device);
 void* current_stream(int device);
 // Dequantizes a packed weight on `device`, enqueued on `stream` (a
 // cudaStream_t of that device); sets the current device for the launch.
+// With a row range (quant::row_range()'s rules; row_end < 0 = all rows),
+// only those rows, written at `out` (quant::dequantize_rows_cuda).
 void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* out,
-                   quant::OutDtype dtype, int device, void* stream);
+                   quant::OutDtype dtype, int device, void* stream, int64_t row_begin = 0,
+                   int64_t row_end = -1);
 // Casts `numel` contiguous elements on `device`, enqueued on `stream`, as
 // torch's Tensor::to(dtype) does (same kernel, same rounding); sets the
 // current device and stream for the launch. No allocation.

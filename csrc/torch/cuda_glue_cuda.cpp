@@ -26,10 +26,11 @@ void* current_stream(int device) {
 }
 
 void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* out,
-                   quant::OutDtype dtype, int device, void* stream) {
+                   quant::OutDtype dtype, int device, void* stream, int64_t row_begin, int64_t row_end) {
   // The caller may be any thread (e.g. an autograd worker on another device).
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  quant::dequantize_cuda(layout, packed, out, dtype, stream);
+  quant::dequantize_rows_cuda(layout, packed, row_begin, row_end < 0 ? layout.rows : row_end, out, dtype,
+                              stream);
 }
 
 void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t numel,

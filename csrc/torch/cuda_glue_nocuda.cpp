@@ -12,7 +12,8 @@ std::shared_ptr<Backend> make_backend(int) {
           "without the CUDA toolkit); use device='sim'");
 }
 void* current_stream(int) { LS_FAIL("this layerstream build has no CUDA support"); }
-void dequantize_on(const quant::PackedLayout&, const void*, void*, quant::OutDtype, int, void*) {
+void dequantize_on(const quant::PackedLayout&, const void*, void*, quant::OutDtype, int, void*, int64_t,
+                   int64_t) {
   LS_FAIL("this layerstream build has no CUDA support");
 }
 void cast_on(const void*, c10::ScalarType, void*, c10::ScalarType, int64_t, int, void*) {

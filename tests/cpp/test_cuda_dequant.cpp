@@ -133,6 +133,39 @@ TEST_P(CudaDequant, BitExactVsCpu) {
 
 INSTANTIATE_TEST_SUITE_P(AllFormats, CudaDequant, ::testing::ValuesIn(cases()), case_name);
 
+// One expert's rows of an [experts * rows, cols] tensor dequantized on the
+// device where they lie equal the CPU reference's rows, bit for bit.
+TEST(CudaDequantRows, ExpertRowsMatchTheCpuReference) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  const int64_t experts = 4, rows = 6, cols = 256;
+  const int64_t n = experts * rows * cols;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> w(static_cast<size_t>(n));
+  for (float& v : w) v = nd(rng);
+  for (Format f : {Format::Int8, Format::Fp8E4M3, Format::NF4, Format::Int4}) {
+    SCOPED_TRACE(q::to_string(f));
+    const q::PackedLayout L = q::layout_for(f, experts * rows, cols);
+    std::vector<uint8_t> packed(L.total_bytes());
+    q::pack(f, w.data(), experts * rows, cols, packed.data());
+    void* dpacked = nullptr;
+    void* dout = nullptr;
+    CUDA_OK(cudaMalloc(&dpacked, packed.size()));
+    CUDA_OK(cudaMalloc(&dout, static_cast<size_t>(rows * cols) * 2));
+    CUDA_OK(cudaMemcpy(dpacked, packed.data(), packed.size(), cudaMemcpyHostToDevice));
+    for (int64_t e = 0; e < experts; ++e) {
+      std::vector<uint8_t> want(static_cast<size_t>(rows * cols) * 2), got(want.size());
+      q::dequantize_rows_cpu(L, packed.data(), e * rows, (e + 1) * rows, want.data(), OutDtype::BF16, 1);
+      q::dequantize_rows_cuda(L, dpacked, e * rows, (e + 1) * rows, dout, OutDtype::BF16, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaMemcpy(got.data(), dout, got.size(), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size())) << "expert " << e;
+    }
+    CUDA_OK(cudaFree(dpacked));
+    CUDA_OK(cudaFree(dout));
+  }
+}
+
 // Hand-built packed buffers (not from pack()) so that every code value is
 // decoded: all 256 int8 / fp8 bytes (int8 -128 and the fp8 NaN codes 0x7F /
 // 0xFF included), every nf4 / int4 nibble pair, int4 zero points 0..15 and a

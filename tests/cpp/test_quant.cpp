@@ -502,3 +502,57 @@ TEST(QuantSources, Bf16AndF16MatchFloatPath) {
     EXPECT_EQ(buf, pack_vec(f, wh, rows, cols));
   }
 }
+
+// ---------------------------------------------------------------- row ranges
+// An expert's rows of an [experts * rows, cols] tensor, copied on their own
+// (row_range) and dequantized where they lie (dequantize_rows_cpu), equal
+// those rows of the whole tensor's dequantization, bit for bit; bytes outside
+// the range are never read.
+TEST(QuantRows, EachExpertsRowsAloneMatchTheWholeTensor) {
+  const int64_t experts = 5, rows = 6, cols = 128;  // 768 elements per expert: whole nf4 blocks
+  const std::vector<float> w = make_weights(experts * rows, cols, 7);
+  for (Format f : {Format::Int8, Format::Fp8E4M3, Format::NF4, Format::Int4}) {
+    SCOPED_TRACE(q::to_string(f));
+    const q::PackedLayout L = q::layout_for(f, experts * rows, cols);
+    const std::vector<uint8_t> buf = pack_vec(f, w, experts * rows, cols);
+    for (OutDtype d : {OutDtype::F32, OutDtype::BF16}) {
+      const size_t esz = q::out_dtype_bytes(d);
+      std::vector<uint8_t> whole(static_cast<size_t>(L.numel()) * esz);
+      q::dequantize_cpu(L, buf.data(), whole.data(), d, 1);
+      size_t data_end = L.data_offset(), scale_end = L.scale_offset(), zero_end = L.zero_offset();
+      for (int64_t e = 0; e < experts; ++e) {
+        const q::RowRange r = q::row_range(L, e * rows, (e + 1) * rows);
+        // Consecutive ranges tile each section.
+        EXPECT_EQ(r.data_begin, data_end);
+        EXPECT_EQ(r.scale_begin, scale_end);
+        EXPECT_EQ(r.zero_begin, zero_end);
+        data_end = r.data_begin + r.data_bytes;
+        scale_end = r.scale_begin + r.scale_bytes;
+        zero_end = r.zero_begin + r.zero_bytes;
+        // Only the range's bytes are present; everything else is garbage.
+        std::vector<uint8_t> part(buf.size(), 0xFF);
+        std::memcpy(&part[r.data_begin], &buf[r.data_begin], r.data_bytes);
+        std::memcpy(&part[r.scale_begin], &buf[r.scale_begin], r.scale_bytes);
+        if (r.zero_bytes) std::memcpy(&part[r.zero_begin], &buf[r.zero_begin], r.zero_bytes);
+        const size_t n = static_cast<size_t>(rows * cols) * esz;
+        std::vector<uint8_t> got(n, 0xCD);
+        q::dequantize_rows_cpu(L, part.data(), e * rows, (e + 1) * rows, got.data(), d, 2);
+        EXPECT_EQ(0, std::memcmp(got.data(), &whole[static_cast<size_t>(e * rows * cols) * esz], n))
+            << "expert " << e << " (" << q::to_string(d) << ")";
+      }
+      EXPECT_EQ(data_end, L.data_offset() + L.data_bytes);
+      EXPECT_EQ(scale_end, L.scale_offset() + L.scale_bytes);
+      EXPECT_EQ(zero_end, L.zero_offset() + L.zero_bytes);
+    }
+  }
+}
+
+TEST(QuantRows, RangesThatSplitAnNF4BlockOrLeaveTheTensorAreRefused) {
+  const q::PackedLayout L = q::layout_for(Format::NF4, 10, 40);  // 400 elements, blocks of 64
+  EXPECT_NE(throws_message([&] { q::row_range(L, 1, 5); }).find("block of 64"), std::string::npos);
+  EXPECT_NE(throws_message([&] { q::row_range(L, 0, 11); }).find("not inside the 10 rows"), std::string::npos);
+  // 8 rows = 320 elements = 5 blocks; the rest ends at the tensor's end (a partial last block).
+  const q::RowRange a = q::row_range(L, 0, 8), b = q::row_range(L, 8, 10);
+  EXPECT_EQ(a.data_bytes + b.data_bytes, L.data_bytes);
+  EXPECT_EQ(a.scale_bytes + b.scale_bytes, L.scale_bytes);
+}

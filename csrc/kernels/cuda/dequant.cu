@@ -255,9 +255,11 @@ class StreamDeviceGuard {
 
 // Returns the launch's own error (cudaLaunchKernelEx reports it directly, so
 // an unrelated error left in the thread's last-error slot is not blamed on it).
+// L: the layout of what is dequantized (for a row range, layout_for() of the
+// range); its sections at data / scales / zeros.
 template <int kFmt, int kOut>
-cudaError_t launch_out(const PackedLayout& L, const uint8_t* base, void* out, bool vec_store,
-                       cudaStream_t stream) {
+cudaError_t launch_out(const PackedLayout& L, const uint8_t* data, const float* scales, const float* zeros,
+                       void* out, bool vec_store, cudaStream_t stream) {
   const int64_t n = L.numel();
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   const int64_t blocks = (chunks + kThreads - 1) / kThreads;
@@ -265,9 +267,6 @@ cudaError_t launch_out(const PackedLayout& L, const uint8_t* base, void* out, bo
            "] is too large for one launch; split it");
   NF4Table table;
   for (int i = 0; i < 16; ++i) table.v[i] = kNF4Codes[i];
-  const uint8_t* data = base + L.data_offset();
-  const float* scales = reinterpret_cast<const float*>(base + L.scale_offset());
-  const float* zeros = reinterpret_cast<const float*>(base + L.zero_offset());
   using T = typename OutTraits<kOut>::T;
   T* o = static_cast<T*>(out);
   cudaLaunchConfig_t cfg = {};
@@ -284,12 +283,12 @@ cudaError_t launch_out(const PackedLayout& L, const uint8_t* base, void* out, bo
 }
 
 template <int kFmt>
-cudaError_t launch_fmt(const PackedLayout& L, const uint8_t* base, void* out, OutDtype dtype,
-                       bool vec_store, cudaStream_t stream) {
+cudaError_t launch_fmt(const PackedLayout& L, const uint8_t* d, const float* s, const float* z, void* out,
+                       OutDtype dtype, bool vec_store, cudaStream_t stream) {
   switch (dtype) {
-    case OutDtype::F32: return launch_out<kFmt, 0>(L, base, out, vec_store, stream);
-    case OutDtype::BF16: return launch_out<kFmt, 1>(L, base, out, vec_store, stream);
-    case OutDtype::F16: return launch_out<kFmt, 2>(L, base, out, vec_store, stream);
+    case OutDtype::F32: return launch_out<kFmt, 0>(L, d, s, z, out, vec_store, stream);
+    case OutDtype::BF16: return launch_out<kFmt, 1>(L, d, s, z, out, vec_store, stream);
+    case OutDtype::F16: return launch_out<kFmt, 2>(L, d, s, z, out, vec_store, stream);
   }
   LS_FAIL("dequantize_cuda: unknown output dtype ", static_cast<int>(dtype));
 }
@@ -298,6 +297,11 @@ cudaError_t launch_fmt(const PackedLayout& L, const uint8_t* base, void* out, Ou
 
 void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* out_dev,
                      OutDtype dtype, void* cuda_stream) {
+  dequantize_rows_cuda(layout, packed_dev, 0, layout.rows, out_dev, dtype, cuda_stream);
+}
+
+void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, int64_t row_begin,
+                          int64_t row_end, void* out_dev, OutDtype dtype, void* cuda_stream) {
   // All argument checks come before the first CUDA call.
   LS_CHECK(layout.format != Format::None,
            "dequantize_cuda: format 'none' has nothing to dequantize");
@@ -308,45 +312,49 @@ void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* o
            describe(layout), "); build layouts with quant::layout_for()");
   LS_CHECK(dtype == OutDtype::F32 || dtype == OutDtype::BF16 || dtype == OutDtype::F16,
            "dequantize_cuda: unknown output dtype ", static_cast<int>(dtype));
-  if (layout.numel() == 0) return;
+  const RowRange r = row_range(layout, row_begin, row_end);
+  const PackedLayout sub = layout_for(layout.format, row_end - row_begin, layout.cols);
+  if (sub.numel() == 0) return;
   LS_CHECK(packed_dev != nullptr && out_dev != nullptr,
            "dequantize_cuda: null packed or output device pointer");
+  const uint8_t* base = static_cast<const uint8_t*>(packed_dev);
   const uintptr_t pa = reinterpret_cast<uintptr_t>(packed_dev);
   const uintptr_t oa = reinterpret_cast<uintptr_t>(out_dev);
   LS_CHECK(pa % 16 == 0, "dequantize_cuda: the packed buffer must be 16-byte aligned (got address ",
            packed_dev, "); use cudaMalloc'd memory or an offset that is a multiple of 256");
+  LS_CHECK((pa + r.data_begin) % 16 == 0, "dequantize_cuda: rows [", row_begin, ", ", row_end,
+           ") start at byte ", r.data_begin, " of the packed codes, which is not a multiple of 16; "
+           "dequantize a row range that starts on 16 bytes of codes (or the whole tensor)");
   LS_CHECK(oa % out_dtype_bytes(dtype) == 0, "dequantize_cuda: the ", to_string(dtype),
            " output pointer is not aligned to its element size");
   const bool vec_store = (oa % 16 == 0);
-  const uint8_t* base = static_cast<const uint8_t*>(packed_dev);
+  const uint8_t* d = base + r.data_begin;
+  const float* sc = reinterpret_cast<const float*>(base + r.scale_begin);
+  const float* z = reinterpret_cast<const float*>(base + r.zero_begin);
   cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
 
   StreamDeviceGuard guard(stream, out_dev);
   cudaError_t err = cudaSuccess;
   switch (layout.format) {
     case Format::Int8:
-      err = launch_fmt<static_cast<int>(Format::Int8)>(layout, base, out_dev, dtype, vec_store,
-                                                       stream);
+      err = launch_fmt<static_cast<int>(Format::Int8)>(sub, d, sc, z, out_dev, dtype, vec_store, stream);
       break;
     case Format::Fp8E4M3:
-      err = launch_fmt<static_cast<int>(Format::Fp8E4M3)>(layout, base, out_dev, dtype, vec_store,
-                                                          stream);
+      err = launch_fmt<static_cast<int>(Format::Fp8E4M3)>(sub, d, sc, z, out_dev, dtype, vec_store, stream);
       break;
     case Format::NF4:
-      err = launch_fmt<static_cast<int>(Format::NF4)>(layout, base, out_dev, dtype, vec_store,
-                                                      stream);
+      err = launch_fmt<static_cast<int>(Format::NF4)>(sub, d, sc, z, out_dev, dtype, vec_store, stream);
       break;
     case Format::Int4:
-      err = launch_fmt<static_cast<int>(Format::Int4)>(layout, base, out_dev, dtype, vec_store,
-                                                       stream);
+      err = launch_fmt<static_cast<int>(Format::Int4)>(sub, d, sc, z, out_dev, dtype, vec_store, stream);
       break;
     case Format::None:
       break;  // rejected above
   }
   if (err != cudaSuccess) {
     clear_error(err);
-    LS_FAIL("dequantize_cuda: kernel launch for ", describe(layout), " to ", to_string(dtype),
-            " failed: ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ")");
+    LS_FAIL("dequantize_cuda: kernel launch for rows [", row_begin, ", ", row_end, ") of ", describe(layout),
+            " to ", to_string(dtype), " failed: ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ")");
   }
 }
 

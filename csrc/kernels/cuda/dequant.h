@@ -23,6 +23,13 @@ namespace quant {
 // before any CUDA call), or a launch error (with cudaGetErrorString's text).
 void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* out_dev,
                      OutDtype dtype, void* cuda_stream);
+// The same for rows [row_begin, row_end) only (quant::row_range()'s rules):
+// reads those rows' bytes of the whole tensor's buffer at `packed_dev` and
+// writes (row_end - row_begin) * cols elements at `out_dev`, bit-identical to
+// those rows of the whole tensor's output. The rows' codes must start on 16
+// bytes (row_begin * cols a multiple of 16 for int8/fp8, of 32 for nf4/int4).
+void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, int64_t row_begin,
+                          int64_t row_end, void* out_dev, OutDtype dtype, void* cuda_stream);
 
 }  // namespace quant
 }  // namespace layerstream
