@@ -260,23 +260,26 @@ bool Scheduler::loaded_valid_locked(int layer) {
 void Scheduler::prefetch_locked(int current_layer, Phase phase) {
   const int k = opts_.prefetch_depth;
   if (k <= 0) return;
+  // The next k layers that may be prefetched (set_prefetch(): others are
+  // passed over without counting).
   std::vector<int> want;
+  auto take = [&](int l) {
+    if (layers_[static_cast<size_t>(l)].prefetch) want.push_back(l);
+    return want.size() < static_cast<size_t>(k);
+  };
   if (recording_) {
     // No trace yet: guess the neighbours in registration order.
     if (current_layer < 0) return;
     const int dir = phase == Phase::Forward ? 1 : -1;
-    for (int i = 1; i <= k; ++i) {
-      const int l = current_layer + dir * i;
-      if (l < 0 || l >= num_layers()) break;
-      want.push_back(l);
+    for (int l = current_layer + dir; l >= 0 && l < num_layers() && take(l); l += dir) {
     }
   } else if (opts_.content_version) {
     // Versioned content: prefetch across the step boundary into the next step.
-    for (size_t j = 0; j < static_cast<size_t>(k) && j < trace_.size(); ++j)
-      want.push_back(trace_[(pos_ + j) % trace_.size()]);
+    for (size_t j = 0; j < trace_.size() && take(trace_[(pos_ + j) % trace_.size()]); ++j) {
+    }
   } else {
-    for (size_t j = pos_; j < trace_.size() && j < pos_ + static_cast<size_t>(k); ++j)
-      want.push_back(trace_[j]);
+    for (size_t j = pos_; j < trace_.size() && take(trace_[j]); ++j) {
+    }
   }
   for (int l : want) {
     if (loaded_valid_locked(l)) continue;
@@ -305,6 +308,24 @@ Lease Scheduler::make_lease_locked(int layer, int slot, bool hit) const {
 Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
   LS_CHECK(layer >= 0 && layer < num_layers(), "no streamed layer #", layer, " (there are ",
            num_layers(), ")");
+  return acquire_impl(layer, compute, phase, nullptr);
+}
+
+Lease Scheduler::acquire_partial(int layer, Stream compute, Phase phase, const PartialCopy& copy) {
+  LS_CHECK(layer >= 0 && layer < num_layers(), "no streamed layer #", layer, " (there are ",
+           num_layers(), ")");
+  const Layer& l = layers_[static_cast<size_t>(layer)];
+  LS_CHECK(copy.ranges.size() == l.spec.parts.size(), "partial copy of layer '", l.spec.name, "' names ",
+           copy.ranges.size(), " parts; the layer has ", l.spec.parts.size());
+  for (size_t i = 0; i < copy.ranges.size(); ++i)
+    for (const auto& r : copy.ranges[i])
+      LS_CHECK(r.first <= l.spec.parts[i].bytes && r.second <= l.spec.parts[i].bytes - r.first,
+               "partial copy of layer '", l.spec.name, "': bytes [", r.first, ", ", r.first + r.second,
+               ") are outside part #", i, " (", l.spec.parts[i].bytes, " bytes)");
+  return acquire_impl(layer, compute, phase, &copy);
+}
+
+Lease Scheduler::acquire_impl(int layer, Stream compute, Phase phase, const PartialCopy* partial) {
   const Event* ready = nullptr;
   Lease lease;
   {
@@ -316,7 +337,7 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
     last_phase_ = phase;
     const bool hit = loaded_valid_locked(layer);
     int s = loaded_[static_cast<size_t>(layer)];
-    if (s >= 0) {
+    if (s >= 0) {  // loaded or in flight (whole, also for a partial acquire)
       SlotState& st = slots_[static_cast<size_t>(s)];
       if (st.use == Use::Free) {
         // Cached content in a free slot: take it back (orders `compute`
@@ -330,7 +351,10 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
     } else {
       s = obtain_slot_locked(true);
       SlotState& st = slots_[static_cast<size_t>(s)];
-      issue_copy_locked(layer, s);
+      if (partial)
+        issue_partial_copy_locked(layer, s, *partial);
+      else
+        issue_copy_locked(layer, s);
       st.use = Use::InUse;
       st.refs = 1;
       stats_.misses++;
@@ -360,6 +384,49 @@ Lease Scheduler::acquire(int layer, Stream compute, Phase phase) {
     }
   }
   return lease;
+}
+
+void Scheduler::issue_partial_copy_locked(int layer, int slot, const PartialCopy& copy) {
+  const Layer& l = layers_[static_cast<size_t>(layer)];
+  const BufferRef& dst = pool_->slot(slot);
+  SlotState& st = slots_[static_cast<size_t>(slot)];
+  uint64_t bytes = 0;
+  const std::shared_ptr<double> started = trace_stream_begin(tracer_, backend_, transfer_);
+  for (size_t i = 0; i < l.spec.parts.size(); ++i)
+    for (const auto& r : copy.ranges[i]) {
+      if (r.second == 0) continue;
+      backend_.copy_async(dst, l.offsets[i] + r.first, l.spec.parts[i], r.first, r.second, transfer_);
+      bytes += r.second;
+    }
+  if (started)
+    trace_stream_end(tracer_, backend_, transfer_, started,
+                     {"transfer", "H2D " + l.spec.name + " (part)", 0, 0, bytes});
+  if (copy.post_copy) {
+    if (post_ != transfer_) {
+      backend_.record(st.copied, transfer_);
+      backend_.wait(post_, st.copied);
+    }
+    const std::shared_ptr<double> pstart = trace_stream_begin(tracer_, backend_, post_);
+    copy.post_copy(dst, l.offsets, post_);
+    if (pstart)
+      trace_stream_end(tracer_, backend_, post_, pstart,
+                       {"post-copy", l.spec.post_copy_label + " " + l.spec.name + " (part)", 0, 0, 0});
+    backend_.record(st.ready, post_);
+  } else {
+    backend_.record(st.ready, transfer_);
+  }
+  // The content is this acquire's alone: the slot stays untagged (as
+  // obtain_slot_locked left it), so no later acquire takes it for the layer.
+  stats_.copies++;
+  stats_.h2d_bytes += bytes;
+  cur_step_.h2d_bytes += bytes;
+}
+
+void Scheduler::set_prefetch(int layer, bool allowed) {
+  LS_CHECK(layer >= 0 && layer < num_layers(), "no streamed layer #", layer, " (there are ",
+           num_layers(), ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  layers_[static_cast<size_t>(layer)].prefetch = allowed;
 }
 
 Lease Scheduler::acquire_scratch(Stream user) {

@@ -109,6 +109,17 @@ struct SchedulerOptions {
   Stream post_copy_stream;
 };
 
+// A copy of only some bytes of a layer's parts (e.g. the experts a router
+// chose, of a mixture-of-experts layer's tensors): for each part, the
+// (offset, bytes) ranges within it to copy, each to the same offset within
+// the part's place in the slot; a part with no ranges is not copied. The rest
+// of the slot keeps whatever it held. `post_copy` replaces the layer's own
+// for this copy (null: none).
+struct PartialCopy {
+  std::vector<std::vector<std::pair<size_t, size_t>>> ranges;
+  PostCopyFn post_copy;
+};
+
 // A layer's weights in a slot, held for compute. Move-only by convention.
 struct Lease {
   int layer = -1;  // -1 for scratch leases
@@ -162,6 +173,15 @@ class Scheduler {
   size_t layer_bytes(int i) const { return layers_.at(static_cast<size_t>(i)).bytes; }
 
   Lease acquire(int layer, Stream compute, Phase phase = Phase::Forward);
+  // As acquire(), but when the layer is not already loaded (or in flight)
+  // only `copy`'s ranges are copied, on demand; that content is the caller's
+  // alone: it is never reused by a later acquire (which copies again). When
+  // the layer is loaded, its whole content is used and nothing is copied.
+  // Counts as one acquire of the layer in the trace.
+  Lease acquire_partial(int layer, Stream compute, Phase phase, const PartialCopy& copy);
+  // Whether replay prefetches `layer` (default true). A layer that is mostly
+  // fetched partially is better not prefetched whole: the caller turns it off.
+  void set_prefetch(int layer, bool allowed);
   // A whole slot as scratch space (e.g. for staging gradients), ordered
   // after the slot's previous users on `user`. Released with release().
   Lease acquire_scratch(Stream user);
@@ -189,6 +209,7 @@ class Scheduler {
     std::vector<size_t> offsets;
     size_t bytes = 0;  // slot bytes used (with alignment)
     size_t copy_bytes = 0;
+    bool prefetch = true;  // set_prefetch()
   };
   enum class Use : uint8_t { Free, Prefetched, InUse };
   struct SlotState {
@@ -211,6 +232,8 @@ class Scheduler {
   void fence_post_copy_locked(int slot);
   void release_prefetched_locked(int slot);
   Lease make_lease_locked(int layer, int slot, bool hit) const;
+  Lease acquire_impl(int layer, Stream compute, Phase phase, const PartialCopy* partial);
+  void issue_partial_copy_locked(int layer, int slot, const PartialCopy& copy);
 
   Backend& backend_;
   Stream transfer_;

@@ -379,6 +379,82 @@ TEST_F(SchedulerTest, RetraceCanBeSwitchedOff) {
   EXPECT_EQ(sched.trace(), kInfer);
 }
 
+// A partial acquire copies only its ranges (the rest of the slot keeps what
+// it held), counts exactly those bytes, and its content is never taken for
+// the whole layer by a later acquire; a layer already loaded is used whole.
+TEST_F(SchedulerTest, PartialAcquireCopiesOnlyItsRangesAndIsNeverReused) {
+  Scheduler sched(*sim, transfer, model.specs, options(2, 0));
+  const LayerSpec& spec = model.specs[2];
+  const size_t n = spec.parts[0].bytes;
+  ASSERT_GE(n, 8u);
+  PartialCopy copy;
+  copy.ranges.resize(spec.parts.size());
+  copy.ranges[0] = {{1, 3}, {n - 2, 2}};  // bytes [1, 4) and the last two
+  // Fill both slots with other layers' bytes first, so "untouched" is visible.
+  for (int l : {0, 1}) {
+    Lease x = sched.acquire(l, compute);
+    sched.release(x, compute);
+  }
+  const uint64_t before = sched.stats().h2d_bytes;
+  Lease x = sched.acquire_partial(2, compute, Phase::Forward, copy);
+  EXPECT_FALSE(x.hit);
+  EXPECT_EQ(sched.stats().h2d_bytes - before, 5u);
+  const auto* got = static_cast<const unsigned char*>(x.part_ptr(0));
+  const auto* want = static_cast<const unsigned char*>(spec.parts[0].ptr);
+  EXPECT_EQ(0, std::memcmp(got + 1, want + 1, 3));
+  EXPECT_EQ(0, std::memcmp(got + n - 2, want + n - 2, 2));
+  EXPECT_FALSE(slot_matches(x, spec)) << "bytes outside the ranges were copied too";
+  sched.release(x, compute);
+  // A whole acquire right after copies the whole layer again.
+  Lease y = sched.acquire(2, compute);
+  EXPECT_FALSE(y.hit);
+  EXPECT_TRUE(slot_matches(y, spec));
+  sched.release(y, compute);
+  // Loaded (cached in a free slot): a partial acquire uses it whole, copying nothing.
+  const uint64_t mid = sched.stats().h2d_bytes;
+  Lease z = sched.acquire_partial(2, compute, Phase::Forward, copy);
+  EXPECT_TRUE(z.hit);
+  EXPECT_TRUE(slot_matches(z, spec));
+  EXPECT_EQ(sched.stats().h2d_bytes, mid);
+  sched.release(z, compute);
+  // Ranges outside a part are refused before anything is copied.
+  PartialCopy bad;
+  bad.ranges.resize(spec.parts.size());
+  bad.ranges[0] = {{n - 1, 2}};
+  EXPECT_THROW(sched.acquire_partial(3, compute, Phase::Forward, bad), Error);
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
+// set_prefetch(layer, false): replay passes over the layer (it is fetched on
+// demand) and prefetches the layers after it instead.
+TEST_F(SchedulerTest, ALayerWithoutPrefetchIsFetchedOnDemandAndSkipped) {
+  Scheduler sched(*sim, transfer, model.specs, options(3, 1));
+  for (int step = 0; step < 2; ++step) run_step(sched, compute, kInfer, 5);
+  sched.set_prefetch(2, false);
+  for (int l : kInfer) {
+    Lease x = sched.acquire(l, compute);
+    EXPECT_TRUE(slot_matches(x, model.specs[static_cast<size_t>(l)]));
+    // Layer 1's release prefetches layer 3, not layer 2; layer 3 was in flight by its acquire.
+    if (l == 2) {
+      EXPECT_FALSE(x.hit) << "layer 2 was prefetched";
+    }
+    if (l == 3) {
+      EXPECT_TRUE(x.hit) << "layer 3 was not prefetched past layer 2";
+    }
+    sched.release(x, compute);
+  }
+  sched.set_prefetch(2, true);
+  sched.begin_step();
+  for (int l : kInfer) {
+    Lease x = sched.acquire(l, compute);
+    if (l > 0) {
+      EXPECT_TRUE(x.hit) << "layer " << l;
+    }
+    sched.release(x, compute);
+  }
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
 TEST_F(SchedulerTest, AllSlotsHeldIsAClearError) {
   SchedulerOptions so;
   so.num_slots = 2;
