@@ -183,13 +183,13 @@ PYBIND11_MODULE(_C, m) {
       .def("embedding", &Engine::embedding, py::arg("layer"), py::arg("ids"))
       .def("add_group",
            [fmt](Engine& e, const std::string& name, const std::vector<torch::Tensor>& tensors,
-                 const std::string& quantize) {
-             return e.add_group(name, tensors, fmt(quantize));
+                 const std::string& quantize, int64_t experts) {
+             return e.add_group(name, tensors, fmt(quantize), experts);
            },
-           py::arg("name"), py::arg("tensors"), py::arg("quantize") = "")
+           py::arg("name"), py::arg("tensors"), py::arg("quantize") = "", py::arg("experts") = 0)
       .def("dequantized_part", &Engine::dequantized_part, py::arg("layer"), py::arg("part"))
       .def("requantize_part", &Engine::requantize_part, py::arg("layer"), py::arg("part"), py::arg("dense"))
-      .def("fetch", &Engine::fetch, py::arg("layer"))
+      .def("fetch", &Engine::fetch, py::arg("layer"), py::arg("experts") = std::vector<int64_t>{})
       .def("release", &Engine::release, py::arg("token"))
       .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("detach",

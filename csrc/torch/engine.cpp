@@ -476,11 +476,14 @@ int Engine::add_embedding(const std::string& name, torch::Tensor weight, int64_t
   return register_layer_locked(std::move(info));
 }
 
-int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>& tensors, quant::Format format) {
+int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>& tensors, quant::Format format,
+                      int64_t experts) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
   LS_CHECK(!tensors.empty(), "tensor group '", name, "' has no tensors");
+  LS_CHECK(experts >= 0, "tensor group '", name, "': experts must be >= 0 (0: not indexed by expert), got ",
+           experts);
   for (size_t k = 0; k < tensors.size(); ++k) {
     const torch::Tensor& t = tensors[k];
     LS_CHECK(t.defined() && t.is_floating_point(), "tensor group '", name, "': tensor #", k,
@@ -529,11 +532,27 @@ int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>&
       e.ws_offset = ws;
       ws += align256(static_cast<size_t>(src.numel()) * c10::elementSize(e.q_dtype));
       e.param = meta_like(e.shape, e.dtype);  // the engine keeps no dense copy
+      // An expert's rows start on whole nf4 blocks and on 16 bytes of codes
+      // (what the device kernel loads at once) when its element count is a
+      // multiple of 64.
+      if (experts > 0 && e.shape[0] == experts && rows % experts == 0 && (rows / experts * cols) % 64 == 0) {
+        e.by_expert = true;
+        e.expert_rows = rows / experts;
+      }
     } else {
       e.host = adopt(*store_, keepalive_, e.param, label, &e.index, &e.bytes, &e.strides);
+      // Dim-0 slices are contiguous when dim 0 is the outermost (densely
+      // laid out: adopt() keeps only dense, non-overlapping layouts).
+      const int64_t n = e.param.numel();
+      if (experts > 0 && e.shape[0] == experts && n > 0 &&
+          (e.strides.empty() || e.strides[0] * experts == n)) {
+        e.by_expert = true;
+        e.expert_bytes = e.bytes / static_cast<size_t>(experts);
+      }
     }
     info.parts.push_back(std::move(e));
   }
+  info.experts = experts;
   info.group_ws_bytes = ws;
   return register_layer_locked(std::move(info));
 }
@@ -582,13 +601,60 @@ void Engine::requantize_part(int index, int part, const torch::Tensor& dense) {
   std::memcpy(e.host, packed.data(), e.bytes);
 }
 
-std::pair<int64_t, std::vector<torch::Tensor>> Engine::fetch(int layer_index) {
+std::pair<int64_t, std::vector<torch::Tensor>> Engine::fetch(int layer_index, const std::vector<int64_t>& experts) {
   auto scope = device_scope();
   LayerInfo& l = call_layer(layer_index, "a tensor group");
+  LS_CHECK(l.is_group, "fetch(): layer '", l.name, "' is not a tensor group");
+  LS_CHECK(experts.empty() || l.experts > 0, "fetch(): tensor group '", l.name, "' was not added as indexed by "
+           "expert (add_group(..., experts)); fetch it whole");
+  std::vector<int64_t> ids(experts);
+  for (int64_t x : ids)
+    LS_CHECK(x >= 0 && x < l.experts, "fetch(): expert ", x, " of tensor group '", l.name, "' is outside [0, ",
+             l.experts, ")");
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   check_host_alias(l);
   ensure_scheduler();
   Stream cs = compute_stream();
-  Lease lease = scheduler().acquire(layer_index, cs, current_phase());
+  // Some experts only: copy their slices (unless the group is in a slot
+  // already); more than half: the whole group, which may be prefetched.
+  const bool routed = !ids.empty() && 2 * static_cast<int64_t>(ids.size()) <= l.experts;
+  if (l.experts > 0) scheduler().set_prefetch(layer_index, !routed);
+  Lease lease;
+  if (routed) {
+    std::vector<std::pair<int64_t, int64_t>> runs;  // consecutive experts, [begin, end)
+    for (int64_t x : ids) {
+      if (!runs.empty() && runs.back().second == x)
+        runs.back().second = x + 1;
+      else
+        runs.push_back({x, x + 1});
+    }
+    PartialCopy copy;
+    copy.ranges.resize(l.parts.size());
+    for (size_t k = 0; k < l.parts.size(); ++k) {
+      const LayerInfo::Part& e = l.parts[k];
+      auto& r = copy.ranges[k];
+      if (!e.by_expert) {
+        r.push_back({0, e.bytes});
+      } else if (e.qformat == quant::Format::None) {
+        for (const auto& run : runs)
+          r.push_back({static_cast<size_t>(run.first) * e.expert_bytes,
+                       static_cast<size_t>(run.second - run.first) * e.expert_bytes});
+      } else {
+        for (const auto& run : runs) {
+          const quant::RowRange q = quant::row_range(e.qlayout, run.first * e.expert_rows, run.second * e.expert_rows);
+          r.push_back({q.data_begin, q.data_bytes});
+          r.push_back({q.scale_begin, q.scale_bytes});
+          if (q.zero_bytes) r.push_back({q.zero_begin, q.zero_bytes});
+        }
+      }
+    }
+    if (l.group_ws_bytes) copy.post_copy = make_group_post_copy(l, l.parts.size(), &runs);
+    lease = scheduler().acquire_partial(layer_index, cs, current_phase(), copy);
+    if (!lease.hit) routed_fetches_++;
+  } else {
+    lease = scheduler().acquire(layer_index, cs, current_phase());
+  }
   std::vector<torch::Tensor> views;
   auto view = [&](void* ptr, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
                   torch::ScalarType dtype) {
@@ -916,19 +982,33 @@ PostCopyFn Engine::make_post_copy(const LayerInfo& l, size_t workspace_part) {
   };
 }
 
-PostCopyFn Engine::make_group_post_copy(const LayerInfo& l, size_t workspace_part) {
+PostCopyFn Engine::make_group_post_copy(const LayerInfo& l, size_t workspace_part,
+                                        const std::vector<std::pair<int64_t, int64_t>>* runs) {
   // Runs on the dequant stream right after the group's bytes landed in the
-  // slot: each packed part -> its dense copy in the workspace.
+  // slot: each packed part -> its dense copy in the workspace (with `runs`,
+  // only those experts' rows of the expert-indexed parts, where they lie).
   struct Job {
     size_t part;
     quant::PackedLayout layout;
     quant::OutDtype out;
-    size_t ws_offset;
+    size_t ws_offset;   // of the rows' output
+    int64_t row_begin, row_end;
   };
   std::vector<Job> jobs;
-  for (size_t k = 0; k < l.parts.size(); ++k)
-    if (l.parts[k].qformat != quant::Format::None)
-      jobs.push_back({k, l.parts[k].qlayout, out_dtype_of(l.parts[k].q_dtype), l.parts[k].ws_offset});
+  for (size_t k = 0; k < l.parts.size(); ++k) {
+    const LayerInfo::Part& e = l.parts[k];
+    if (e.qformat == quant::Format::None) continue;
+    const quant::OutDtype out = out_dtype_of(e.q_dtype);
+    if (!runs || !e.by_expert) {
+      jobs.push_back({k, e.qlayout, out, e.ws_offset, 0, e.qlayout.rows});
+      continue;
+    }
+    const size_t row_out = static_cast<size_t>(e.qlayout.cols) * quant::out_dtype_bytes(out);
+    for (const auto& run : *runs) {
+      const int64_t r0 = run.first * e.expert_rows, r1 = run.second * e.expert_rows;
+      jobs.push_back({k, e.qlayout, out, e.ws_offset + static_cast<size_t>(r0) * row_out, r0, r1});
+    }
+  }
   Backend* be = backend_.get();
   const bool on_cpu = compute_device_.is_cpu();
   const int device = compute_device_.index();
@@ -944,9 +1024,10 @@ PostCopyFn Engine::make_group_post_copy(const LayerInfo& l, size_t workspace_par
       const void* src = base + off.at(j.part);
       void* dst = ws + j.ws_offset;
       if (on_cpu)
-        be->launch_host_func(s, [=] { quant::dequantize_cpu(j.layout, src, dst, j.out, 1); });
+        be->launch_host_func(
+            s, [=] { quant::dequantize_rows_cpu(j.layout, src, j.row_begin, j.row_end, dst, j.out, 1); });
       else
-        cuda_glue::dequantize_on(j.layout, src, dst, j.out, device, s.native());
+        cuda_glue::dequantize_on(j.layout, src, dst, j.out, device, s.native(), j.row_begin, j.row_end);
     }
   };
 }
@@ -1292,6 +1373,7 @@ std::map<std::string, double> Engine::stats() const {
   m["quantized_layers"] = quantized;
   m["embedding_layers"] = embeddings;
   m["group_layers"] = groups;
+  m["routed_fetches"] = static_cast<double>(routed_fetches_.load());
   const HostStoreStats hs = store_->stats();
   m["pinned_bytes"] = static_cast<double>(hs.pinned_bytes);
   m["pageable_bytes"] = static_cast<double>(hs.pageable_bytes);

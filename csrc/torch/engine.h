@@ -184,8 +184,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // the parameters by data-less stand-ins) and dequantized into the slot
   // after the copy, to its dtype or dequant_dtype; fetch() returns the
   // dequantized views. 1-D tensors (biases) stay as they are.
+  //
+  // experts > 0: the group's tensors are indexed by expert along dim 0 (a
+  // mixture-of-experts module's), and fetch() may be given the experts a
+  // router chose, to copy only theirs. A tensor whose dim 0 is not `experts`,
+  // or whose dim-0 slices are not contiguous in memory (or, quantized, do
+  // not start on whole nf4 blocks / 16 bytes of codes), is copied whole.
   int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors,
-                quant::Format format = quant::Format::None);
+                quant::Format format = quant::Format::None, int64_t experts = 0);
   // Group layers quantized by add_group: tensor `part` dequantized on the
   // host (what detach() restores; lossy), and new values packed into it in
   // place of the old ones (as requantize() for a layer).
@@ -199,7 +205,17 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // compute stream (the framework's current stream) before release, which
   // records the slot's reuse after it. Thread-safe; each token is released
   // once.
-  std::pair<int64_t, std::vector<torch::Tensor>> fetch(int layer);
+  //
+  // `experts` (a group added with experts > 0): the experts the computation
+  // will read (ids in [0, experts), any order, repeats allowed). When they
+  // are at most half of them and the group is not already in a slot, only
+  // their slices of each expert-indexed tensor cross the bus (and are
+  // dequantized), on demand; the other experts' slices in the views hold
+  // whatever the slot held before, so the caller must read no other expert.
+  // The group is then no longer prefetched whole, until a fetch reads more
+  // than half of the experts (or names none) again. Empty: the whole group.
+  std::pair<int64_t, std::vector<torch::Tensor>> fetch(int layer,
+                                                       const std::vector<int64_t>& experts = {});
   void release(int64_t token);
 
   // The streamed computations (differentiable). Weight gradients normally
@@ -332,8 +348,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
       quant::PackedLayout qlayout;
       torch::ScalarType q_dtype = torch::kFloat;  // dequantized to
       size_t ws_offset = 0;
+      // Indexed by expert along dim 0, each expert's slice contiguous (and,
+      // when quantized, on whole blocks): fetch(layer, experts) copies only
+      // the named experts' slices. expert_bytes: one dense slice's bytes;
+      // expert_rows: one expert's rows of the packed matrix.
+      bool by_expert = false;
+      size_t expert_bytes = 0;
+      int64_t expert_rows = 0;
     };
     std::vector<Part> parts;
+    int64_t experts = 0;  // add_group(experts): dim 0 of the expert-indexed parts
     size_t group_ws_bytes = 0;  // the dequantized parts, in the workspace
     Event last_read;            // embedding: after the newest lookup on the device
     void* w_host_mapped = nullptr;  // embedding: the store's device mapping (nullptr: none)
@@ -427,7 +451,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   static size_t workspace_bytes(const LayerInfo& l);
   PostCopyFn make_post_copy(const LayerInfo& l, size_t workspace_part);
   // A group's: dequantizes its packed parts into the workspace.
-  PostCopyFn make_group_post_copy(const LayerInfo& l, size_t workspace_part);
+  // With `runs` (half-open ranges of experts), only those experts' rows of
+  // the expert-indexed packed parts.
+  PostCopyFn make_group_post_copy(const LayerInfo& l, size_t workspace_part,
+                                  const std::vector<std::pair<int64_t, int64_t>>* runs = nullptr);
   // Warns once per engine that weights are cast at use (and how to avoid it).
   void note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch::ScalarType to);
 
@@ -455,6 +482,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<int64_t, Lease> fetched_;  // fetch() tokens not yet released
   int64_t next_token_ = 1;
   std::atomic<uint64_t> gathered_bytes_{0};  // embedding rows read from the host store
+  std::atomic<uint64_t> routed_fetches_{0};  // group fetches that copied some experts only
   std::atomic<bool> cast_warned_{false};
   bool detached_ = false;
   std::shared_ptr<TraceRecorder> tracer_;

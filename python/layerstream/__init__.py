@@ -169,6 +169,32 @@ def _is_experts(module: nn.Module) -> bool:
             and all(p.is_floating_point() for p in params) and any(p.dim() == 3 for p in params))
 
 
+_TRANSFORMERS_EXPERTS_FORWARDS = ("batched_mm_experts_forward", "grouped_mm_experts_forward")
+
+
+def _reads_routed_experts_only(module: nn.Module) -> bool:
+    """True when the experts module's forward reads only the experts its routing ids
+    name, so that the others need not be in the slot: transformers' dispatching forward
+    (use_experts_implementation) running the class's own "eager" forward (every one in
+    transformers loops over the experts hit) or transformers' own "batched_mm" /
+    "grouped_mm" (they index the weights by the ids, or skip experts without tokens).
+    Checked at every call (the implementation can be switched at run time); any other
+    implementation (e.g. a registered kernel) gets every expert."""
+    fwd = type(module).forward  # functools.wraps copied the names: ask where its code lives
+    if getattr(fwd, "__globals__", {}).get("__name__") != "transformers.integrations.moe" or \
+            not hasattr(fwd, "__wrapped__"):
+        return False
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if impl is None or impl == "eager":
+        return True
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # pragma: no cover - the module comes from transformers
+        return False
+    fn = moe.ALL_EXPERTS_FUNCTIONS.get(impl)
+    return any(fn is getattr(moe, name, None) for name in _TRANSFORMERS_EXPERTS_FORWARDS)
+
+
 def _is_streamable(module: nn.Module) -> Optional[str]:
     """Returns 'linear', 'conv', 'embedding', 'group' (mixture-of-experts weights) or None."""
     if _is_experts(module):
@@ -615,21 +641,39 @@ class _GroupForward(_RefusesCopy):
     _StreamedForward. Not safe for two threads calling the same module at once (the
     swap is on the module)."""
 
-    __slots__ = ("_engine", "_index", "_original", "_module", "_keys", "_params", "_name", "_device")
+    __slots__ = ("_engine", "_index", "_original", "_module", "_keys", "_params", "_name", "_device", "_experts")
 
-    def __init__(self, engine, index: int, original, module: nn.Module, keys: Sequence[str], name: str):
+    def __init__(self, engine, index: int, original, module: nn.Module, keys: Sequence[str], name: str,
+                 experts: int = 0):
         self._engine, self._index, self._original, self._module, self._name = engine, index, original, module, name
         self._keys = tuple(keys)
         self._params = tuple(module._parameters[k] for k in self._keys)
         self._device = torch.device(engine.compute_device)
+        self._experts = experts  # > 0: the group was added indexed by expert (offload(experts="routed"))
+
+    def routed_experts(self, args, kwargs) -> List[int]:
+        """The experts this call reads (its routing ids), when fewer than all of them may
+        cross the bus: [] = all. One device-to-host sync (the ids are on the device)."""
+        if not self._experts or not _reads_routed_experts_only(self._module):
+            return []
+        ids = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+            return []
+        hit = torch.unique(ids.detach()).tolist()
+        # Ids outside the experts (expert-parallel sentinels, which batched_mm clamps
+        # onto the last expert) or more than half of them: the whole group.
+        if hit[0] < 0 or hit[-1] >= self._experts or 2 * len(hit) > self._experts:
+            return []
+        return hit
 
     @contextlib.contextmanager
-    def fetched(self, requires_grad=None):
+    def fetched(self, requires_grad=None, experts: Sequence[int] = ()):
         """The module's parameters swapped for views of the fetched slot while the
         block runs (work on them must be enqueued inside it); `requires_grad`: per
-        tensor, whether the view is a leaf that requires grad (backward's recompute)."""
+        tensor, whether the view is a leaf that requires grad (backward's recompute);
+        `experts`: the only experts the block reads (routed_experts), [] = all."""
         module, keys = self._module, self._keys
-        token, views = self._engine.fetch(self._index)
+        token, views = self._engine.fetch(self._index, list(experts))
         try:
             if requires_grad is not None:
                 views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
@@ -655,7 +699,7 @@ class _GroupForward(_RefusesCopy):
         inputs = [flat[i] for i in positions]
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or
                                                 any(p.requires_grad for p in self._params)):
-            with self.fetched():
+            with self.fetched(experts=self.routed_experts(args, kwargs)):
                 return self._original(*args, **kwargs)
         taken = set(positions)
         skeleton = [None if i in taken else a for i, a in enumerate(flat)]
@@ -692,7 +736,8 @@ class _GroupFn(torch.autograd.Function):
         # recomputing with other values.
         ctx.save_for_backward(*inputs, *fwd._params)
         args, kwargs = _rebuild(layout, inputs)
-        with fwd.fetched():
+        ctx.experts = fwd.routed_experts(args, kwargs)  # the recompute reads the same ones
+        with fwd.fetched(experts=ctx.experts):
             out = fwd._original(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             ctx.single = True
@@ -729,7 +774,7 @@ class _GroupFn(torch.autograd.Function):
             if dev_rng is not None:
                 torch.cuda.set_rng_state(dev_rng, dev)
             with torch.enable_grad(), torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]), \
-                    fwd.fetched(needs[n_in:]) as views:
+                    fwd.fetched(needs[n_in:], ctx.experts) as views:
                 out = fwd._original(*args, **kwargs)
                 outs = (out,) if ctx.single else tuple(out)
                 pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
@@ -909,7 +954,7 @@ class Handle(_RefusesCopy):
         s["peak_device_bytes"] = s["streamed_device_bytes"] + s["resident_bytes"]
         for k in ("steps", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "slots", "slot_bytes",
                   "layers", "hits", "misses", "acquires", "deviations", "retraces", "ordering_errors",
-                  "failed_backwards", "embedding_layers", "group_layers", "gathered_bytes",
+                  "failed_backwards", "embedding_layers", "group_layers", "routed_fetches", "gathered_bytes",
                   "pinned_bytes", "pageable_bytes", "max_slots_held", "quantized_layers",
                   "budget_bytes", "streamed_device_bytes", "resident_bytes"):
             if k in s:
@@ -1044,6 +1089,7 @@ def offload(
     dequant_dtype: Optional[torch.dtype] = None,
     compute_dtype: Optional[torch.dtype] = None,
     trace: bool = False,
+    experts: str = "routed",
 ) -> Handle:
     """Streams the model's Linear, Conv1d/2d/3d, Embedding and MoE experts layers from host RAM.
 
@@ -1104,6 +1150,15 @@ def offload(
         still use the original weight. None = cast at use.
     trace: record a timeline (copies, layer computations, stalls) for
         Handle.export_trace() / plot_timeline() and per-step overlap.
+    experts: how a mixture-of-experts module's weights cross the bus.
+        "routed" (default): when a call's routing ids name at most half of the
+        experts (decoding, small batches), only those experts' slices are
+        copied (and dequantized), on demand after the router ran (one
+        device-to-host sync of the ids per call), and the module is no longer
+        prefetched whole until a call needs more than half again; the numbers
+        are the same (the module's forward reads no other expert: transformers'
+        "eager", "batched_mm" and "grouped_mm" implementations; any other
+        gets every expert). "all": every expert, every call (prefetched).
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
         counters. Faster for inference loops and small models. Writes through
@@ -1112,6 +1167,9 @@ def offload(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")
+    if experts not in ("routed", "all"):
+        raise ValueError(f'experts must be "routed" (copy only the experts a call routes to) or "all", '
+                         f"got {experts!r}")
     opts = {
         "device": "auto" if device is None else str(device),
         "prefetch": int(prefetch),
@@ -1390,7 +1448,7 @@ def offload(
     handle = Handle(engine, attached, plan)
     try:
         _attach_layers(engine, sorted(layers + tables, key=lambda t: order[id(t[1])]), resident_names,
-                       attached, streamed_params, compute_device)
+                       attached, streamed_params, compute_device, experts == "routed")
         for a in attached:
             a.module._layerstream_handle = handle
         if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
@@ -1409,7 +1467,8 @@ def offload(
     return handle
 
 
-def _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device) -> None:
+def _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device,
+                   routed: bool) -> None:
     """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
     appending to `attached` / `streamed_params` as it goes (what offload() undoes on
     failure)."""
@@ -1420,7 +1479,9 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             keys = [k for k, p in module._parameters.items() if p is not None]
             params = [module._parameters[k] for k in keys]
             devices = [str(params[0].device)]
-            index = engine.add_group(name or "<root>", params, fmt or "")
+            n_experts = getattr(module, "num_experts", 0) if routed else 0
+            n_experts = n_experts if isinstance(n_experts, int) and n_experts > 1 else 0
+            index = engine.add_group(name or "<root>", params, fmt or "", n_experts)
             had_forward = "forward" in module.__dict__
             old_forward = module.__dict__.get("forward")
             a = _Attached(name, module, kind, index, had_forward, old_forward, devices)
@@ -1436,7 +1497,7 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
                 a.hooks = _requantize_on_load(engine, index, module, a.packed_parts)
                 params = [module._parameters[k] for k in keys]
             module.forward = _GroupForward(engine, index, old_forward or module.forward, module, keys,
-                                           name or "<root>")
+                                           name or "<root>", n_experts)
             module._apply = _StreamedApply(module, compute_device, name or "<root>", keys)
             for p in params:
                 p._is_memory_managed = True

@@ -512,6 +512,61 @@ TEST(TorchOffload, TensorGroupIsFetchedWholeIntoOneSlot) {
   EXPECT_TRUE(torch::equal(a, a0) && torch::equal(b, b0) && torch::equal(c, c0));
 }
 
+TEST(TorchOffload, RoutedFetchCopiesOnlyTheNamedExperts) {
+  // add_group(..., experts): fetch(layer, experts) with at most half of the
+  // experts copies only their slices of the expert-indexed tensors (dense
+  // and packed: theirs dequantized), the other tensors whole; more than half
+  // fetch the whole group. Bad ids and a group not indexed by expert are
+  // clear errors.
+  for (auto format : {layerstream::quant::Format::None, layerstream::quant::Format::NF4}) {
+    SCOPED_TRACE(layerstream::quant::to_string(format));
+    auto engine = layerstream::Engine::create(sim_options());
+    torch::manual_seed(0);
+    auto a = torch::randn({8, 4, 32}), b = torch::randn({8, 64}), c = torch::randn({5});
+    const auto a0 = a.clone(), b0 = b.clone();
+    const int g = engine->add_group("experts", {a, b, c}, format, 8);
+    const auto want_a = format == layerstream::quant::Format::None ? a0 : engine->dequantized_part(g, 0);
+    const auto want_b = format == layerstream::quant::Format::None ? b0 : engine->dequantized_part(g, 1);
+    double before = engine->stats().at("h2d_bytes");
+    {
+      auto [token, views] = engine->fetch(g, {6, 1, 2, 6});  // runs [1, 3) and [6, 7)
+      for (int64_t x : {1, 2, 6}) {
+        EXPECT_TRUE(torch::equal(views[0][x], want_a[x])) << "expert " << x;
+        EXPECT_TRUE(torch::equal(views[1][x], want_b[x])) << "expert " << x;
+      }
+      EXPECT_TRUE(torch::equal(views[2], c));
+      engine->release(token);
+    }
+    const double routed = engine->stats().at("h2d_bytes") - before;
+    EXPECT_EQ(engine->stats().at("routed_fetches"), 1);
+    before = engine->stats().at("h2d_bytes");
+    {
+      auto [token, views] = engine->fetch(g, {0, 1, 2, 3, 4});  // more than half: whole
+      EXPECT_TRUE(torch::equal(views[0], want_a) && torch::equal(views[1], want_b));
+      engine->release(token);
+    }
+    const double whole = engine->stats().at("h2d_bytes") - before;
+    EXPECT_EQ(engine->stats().at("routed_fetches"), 1);
+    if (format == layerstream::quant::Format::None) {
+      EXPECT_EQ(routed, 3.0 / 8.0 * (8 * 4 * 32 + 8 * 64) * 4 + 5 * 4);
+      EXPECT_EQ(whole, (8 * 4 * 32 + 8 * 64 + 5) * 4);
+    } else {  // 3 experts' codes (2 per byte) and block scales (one fp32 per 64)
+      EXPECT_EQ(routed, 3 * (4 * 32 / 2 + 4 * 32 / 64 * 4 + 64 / 2 + 64 / 64 * 4) + 5 * 4);
+      EXPECT_LT(routed, whole * 0.3);
+    }
+    try {
+      engine->fetch(g, {8});
+      FAIL() << "expected an error";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("expert 8 of tensor group 'experts' is outside [0, 8)"),
+                std::string::npos) << e.what();
+    }
+    const int plain = engine->add_group("plain", {torch::randn({8, 4})});
+    EXPECT_THROW(engine->fetch(plain, {1}), std::exception);
+    engine->detach({});
+  }
+}
+
 TEST(TorchOffload, QuantizedTensorGroupDequantizesIntoTheSlot) {
   // With a format, 2+-D tensors cross packed and fetch() returns their
   // dequantized copies (what dequantized_part() computes on the host); 1-D

@@ -245,3 +245,139 @@ def test_requantizing_experts_between_forward_and_backward_is_an_error(offload_s
                              "down_proj": torch.randn(experts.down_proj.shape)})
     with pytest.raises(LayerstreamError, match="mlp.experts': a tensor its backward needs"):
         loss.backward()
+
+
+# ---- routed fetch: only the experts a call routes to cross the bus ----
+
+def _many_experts(impl="eager", **over):
+    """16 experts, 2 per token: one token reads at most 2 of them."""
+    model = _qwen3_moe(num_experts=16, num_experts_per_tok=2, **over)
+    model.config._experts_implementation = impl
+    return model
+
+
+def _hits(model):
+    """Records, per forward of each experts module, how many experts its ids name."""
+    seen = []
+    for m in model.modules():
+        if type(m).__name__.endswith("Experts"):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(int(torch.unique(args[1]).numel())))
+    return seen
+
+
+def _expert_bytes(model):
+    experts = model.model.layers[0].mlp.experts
+    return sum(p.numel() * p.element_size() for p in experts.parameters()) // experts.num_experts
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+def test_routed_experts_copy_only_the_experts_a_call_reads(offload_sim, impl):
+    """Decoding one token reads 2 of 16 experts per layer: after the first such call
+    (whose groups were prefetched whole), only those experts' slices cross the bus,
+    exactly the bytes of the experts the router chose, and the logits equal the
+    resident model's bit for bit, in each of transformers' experts implementations."""
+    model = _many_experts(impl)
+    ref = copy.deepcopy(model)
+    whole = copy.deepcopy(model)
+    handle = offload_sim(model)
+    h_all = offload_sim(whole, experts="all")
+    hits = _hits(model)
+    token = torch.tensor([[5]])
+    with torch.no_grad():
+        for step in range(3):
+            before, before_all = handle.stats()["h2d_bytes"], h_all.stats()["h2d_bytes"]
+            hits.clear()
+            out = model(input_ids=token + step).logits
+            assert torch.equal(out, ref(input_ids=token + step).logits), f"step {step}"
+            assert torch.equal(out, whole(input_ids=token + step).logits), f"step {step}"
+            moved, moved_all = handle.stats()["h2d_bytes"] - before, h_all.stats()["h2d_bytes"] - before_all
+        # The last step: all - routed = the experts not read, in each of the two layers.
+        assert len(hits) == 2 and all(h <= 2 for h in hits)
+        assert moved_all - moved == sum(16 - h for h in hits) * _expert_bytes(model)
+    stats = handle.stats()
+    assert stats["routed_fetches"] >= 4 and h_all.stats()["routed_fetches"] == 0
+    # A batch that reads more than half of the experts fetches the whole group again.
+    many = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=many).logits, ref(input_ids=many).logits)
+    assert handle.stats()["routed_fetches"] == stats["routed_fetches"]
+
+
+def _gpt_oss_many():
+    """GPT-OSS (expert biases, routing ids passed as `router_indices`) with 16 experts."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=16, num_experts_per_tok=2,
+        max_position_embeddings=64, layer_types=["full_attention", "full_attention"])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("make", [_many_experts, _gpt_oss_many], ids=["qwen3-moe", "gpt-oss-biases"])
+def test_routed_experts_train_exactly(offload_sim, make):
+    """Training on a few tokens (forward, and the backward's recompute, each copy the
+    experts routed to): the loss and every gradient, the experts' own included (zero for
+    the experts not read), match the resident model bit for bit."""
+    model = make()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    for step in range(3):
+        ids = torch.tensor([[3 + step, 7]])
+        loss, want = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        assert torch.equal(loss, want)
+        loss.backward(), want.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    # Steps 2 and 3: forward and recompute of both layers copied some experts only.
+    assert handle.stats()["routed_fetches"] >= 2 * 2 * 2
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4"])
+def test_routed_quantized_experts_dequantize_only_theirs(offload_sim, fmt):
+    """Packed experts: the chosen experts' packed bytes (codes and scales) are copied and
+    only their rows are dequantized; the logits equal those of the same packed model
+    fetching every expert, bit for bit, with fewer bytes on the bus."""
+    model = _many_experts(hidden_size=64, moe_intermediate_size=32, head_dim=32)
+    model.requires_grad_(False)
+    whole = copy.deepcopy(model)
+    handle = offload_sim(model, quantize={"*experts": fmt})
+    h_all = offload_sim(whole, quantize={"*experts": fmt}, experts="all")
+    token = torch.tensor([[9]])
+    with torch.no_grad():
+        for step in range(3):
+            before, before_all = handle.stats()["h2d_bytes"], h_all.stats()["h2d_bytes"]
+            assert torch.equal(model(input_ids=token + step).logits, whole(input_ids=token + step).logits)
+    assert handle.stats()["h2d_bytes"] - before < (h_all.stats()["h2d_bytes"] - before_all) * 0.8
+    assert handle.stats()["routed_fetches"] >= 4
+
+
+def test_other_experts_implementations_get_every_expert(offload_sim):
+    """An experts implementation layerstream does not know (here one that computes every
+    expert densely, reading all of them) is given the whole group: same numbers, no routed
+    fetch. experts= takes "routed" or "all"."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+
+    def dense(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):  # reads every expert
+            gate, up = nn.functional.linear(hidden_states, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+            w = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + h * w
+        return out
+
+    moe.ALL_EXPERTS_FUNCTIONS.register("ls_test_dense", dense)
+    try:
+        model = _many_experts("ls_test_dense")
+        ref = copy.deepcopy(model)
+        handle = offload_sim(model)
+        with torch.no_grad():
+            for step in range(3):
+                token = torch.tensor([[5 + step]])
+                assert torch.equal(model(input_ids=token).logits, ref(input_ids=token).logits)
+        assert handle.stats()["routed_fetches"] == 0
+    finally:
+        del moe.ExpertsInterface._global_mapping["ls_test_dense"]
+    with pytest.raises(ValueError, match='experts must be "routed"'):
+        offload_sim(_qwen3_moe(), experts="some")

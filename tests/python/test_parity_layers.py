@@ -755,14 +755,15 @@ def test_trainable_embedding_trains_like_the_resident_table(offload_dev, compute
     assert handle.stats()["d2h_bytes"] >= 3 * ids.numel() * 16 * model.emb.weight.element_size()
 
 
-def _tiny_qwen3_moe(hidden: int, experts_inter: int):
-    """A 2-layer transformers Qwen3-MoE (4 experts, 2 per token), seeded, on the CPU."""
+def _tiny_qwen3_moe(hidden: int, experts_inter: int, experts: int = 4, impl: str = "eager"):
+    """A 2-layer transformers Qwen3-MoE (`experts` experts, 2 per token), seeded, on the CPU."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=hidden, intermediate_size=64, moe_intermediate_size=experts_inter,
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+        num_experts=experts, num_experts_per_tok=2, max_position_embeddings=64)
     cfg._attn_implementation = "eager"
+    cfg._experts_implementation = impl
     torch.manual_seed(0)
     return transformers.Qwen3MoeForCausalLM(cfg)
 
@@ -810,3 +811,28 @@ def test_quantized_moe_experts_compute_their_dequantized_values(offload_dev, com
     want.square().mean().backward()
     _close(got, want, **FP32_TOL)
     _close(got_grad, emb2.grad, **FP32_TOL)
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm"])
+@pytest.mark.parametrize("fmt", [None, "nf4"])
+def test_routed_moe_experts_copy_only_the_chosen_ones(offload_dev, compute_device, impl, fmt):
+    """Decoding one token reads 2 of 16 experts per layer: only their slices cross the bus
+    (packed ones dequantized row range by row range on the device). The logits equal those
+    of the same model fetching every expert (experts="all"), bit for bit, and, dense, the
+    resident model's; fewer bytes cross."""
+    model = _tiny_qwen3_moe(hidden=64, experts_inter=64, experts=16, impl=impl).requires_grad_(False)
+    whole = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(compute_device)
+    quantize = {"*experts": fmt} if fmt else None
+    handle = offload_dev(model, quantize=quantize)
+    h_all = offload_dev(whole, quantize=quantize, experts="all")
+    with torch.no_grad():
+        for step in range(3):
+            before, before_all = handle.stats()["h2d_bytes"], h_all.stats()["h2d_bytes"]
+            token = torch.tensor([[5 + step]], device=compute_device)
+            out = model(input_ids=token).logits
+            assert torch.equal(out, whole(input_ids=token).logits), f"step {step}"
+            if fmt is None:
+                _close(out, ref(input_ids=token).logits, **FP32_TOL)
+    assert handle.stats()["h2d_bytes"] - before < (h_all.stats()["h2d_bytes"] - before_all) * 0.8
+    assert handle.stats()["routed_fetches"] >= 4 and h_all.stats()["routed_fetches"] == 0
