@@ -14,8 +14,9 @@
 # or /usr/src/googletest; without it those tests are reported "not built");
 # runs tests/python/test_parity_layers.py with LS_TEST_DEVICE=cuda, the C++
 # CUDA tests (CPU-vs-CUDA dequantization bit-identity, backend) and
-# bench_quant (device dequant GB/s); then the comparison at full size
-# (~6.4B params, bf16).
+# bench_quant (device dequant GB/s); bench/bench_moe_decode.py (MoE decoding,
+# every expert vs the routed ones; moe_decode.json/.md, appended to
+# results.md); then the comparison at full size (~6.4B params, bf16).
 # --dry-run: the local .venv and its existing build (tools/setup.sh if the
 # module does not import), device "sim", tiny sizes, the parity tests only
 # collected (tools/test.sh runs them on sim); < 2 minutes on 2 CPU cores.
@@ -25,7 +26,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 
-usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"; exit 2; }
 DRY=0; OUTDIR=""; SEED=""; BUILD=1; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -278,6 +279,21 @@ sys.exit(1 if cpp["status"] == "failed" else 0)
 EOF
 [ $? = 0 ] || fail=1
 
+# ---- MoE decoding: every expert vs only the routed ones ---------------------
+# bench/bench_moe_decode.py: greedy decoding of a small Qwen3-MoE (128 experts,
+# 8 per token) with offload(experts="all") and experts="routed"; fails when
+# either generates other tokens than the resident model.
+if [ "$DRY" = 1 ]; then
+  margs=(--tokens 4)
+else
+  margs=(--device cuda --layers 4 --hidden 1024 --expert-inter 512 --tokens 16)
+fi
+log "MoE decode: bench_moe_decode.py ${margs[*]}"
+timeout 150 "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTDIR/moe_decode.md" \
+  >"$OUTDIR/moe_decode.json" 2>"$OUTDIR/moe_decode.log"
+mrc=$?
+[ $mrc = 0 ] || { log "bench_moe_decode.py exited with $mrc (see moe_decode.log)"; fail=1; }
+
 # ---- comparison ------------------------------------------------------------
 cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
           --build-detail "$build_detail" --tests-json "$TESTS_JSON")
@@ -297,6 +313,11 @@ log "comparison: compare.py ${cmp_args[*]} ${EXTRA[*]}"
 rc=$?
 [ $rc = 0 ] || { log "compare.py exited with $rc"; fail=1; }
 [ -f "$OUTDIR/results.json" ] && [ -f "$OUTDIR/results.md" ] || { log "results.json/results.md missing"; fail=1; }
+if [ -f "$OUTDIR/results.md" ]; then
+  { echo; echo "## MoE decoding: every expert vs the routed ones (bench/bench_moe_decode.py)"; echo
+    if [ -s "$OUTDIR/moe_decode.md" ]; then cat "$OUTDIR/moe_decode.md"; else echo "not measured: exit status $mrc, see moe_decode.log"; fi
+  } >>"$OUTDIR/results.md"
+fi
 
 log "done in $(( $(date +%s) - T0 )) s: $OUTDIR/results.md ($([ $fail = 0 ] && echo OK || echo FAILED))"
 exit $fail

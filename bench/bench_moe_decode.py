@@ -1,0 +1,128 @@
+"""Decoding a mixture-of-experts model: every expert vs only the routed ones (sim device).
+
+A transformers Qwen3-MoE shaped like Qwen3-30B-A3B in miniature (bf16, 128
+experts, 8 per token: 1/16 of the experts read per token), every layer
+streamed with layerstream on the sim device over a modelled PCIe link. The same
+greedy decode runs with offload(experts="all") (each step moves every expert
+of every layer) and experts="routed" (only the experts the router chose),
+side by side in one run; prints bytes moved and time per generated token, and
+checks that both generate the same tokens as the resident model (exit status 1
+if not). On the sim device the time per token is mostly the CPU's own compute;
+`--device cuda` measures the real link (bench/gpu/run.sh runs it so).
+
+    .venv/bin/python bench/bench_moe_decode.py [--device sim|cuda] [--tokens 16] [--link-gbps 25] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import layerstream  # noqa: E402
+
+
+def build(args):
+    import transformers
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
+        moe_intermediate_size=args.expert_inter, num_hidden_layers=args.layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=args.hidden // 4, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, max_position_embeddings=256)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def decode(model, prompt, tokens):
+    """Greedy decoding with the KV cache; returns (generated ids, seconds per new token
+    after the first, which also prefills)."""
+    out = model(input_ids=prompt, use_cache=True)
+    past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    ids = [int(nxt)]
+    t0 = time.perf_counter()
+    for _ in range(tokens - 1):
+        out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        ids.append(int(nxt))
+    return ids, (time.perf_counter() - t0) / max(1, tokens - 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="sim", help='"sim" (default) or "cuda"')
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--expert-inter", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--link-gbps", type=float, default=25.0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out-md", help="also write the markdown table to this file")
+    args = ap.parse_args()
+    on_gpu = args.device != "sim"
+    if not on_gpu:
+        torch.set_num_threads(1)
+    compute = torch.device(args.device if on_gpu else "cpu")
+
+    base = build(args)
+    prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to(compute)
+    with torch.no_grad():
+        resident = copy.deepcopy(base).to(compute)
+        want, resident_s = decode(resident, prompt, args.tokens)
+        del resident
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "experts" in n)
+    rows = []
+    for mode in ("all", "routed"):
+        model = copy.deepcopy(base)
+        handle = layerstream.offload(model, device=args.device, experts=mode, sim_link_gbps=args.link_gbps,
+                                     sim_latency_us=5.0)
+        with torch.no_grad():
+            decode(model, prompt, 2)  # warm-up: traces the steps
+            before = handle.stats()
+            got, per_token = decode(model, prompt, args.tokens)
+            after = handle.stats()
+        steps = args.tokens  # one prefill + tokens - 1 decode calls, bytes per call
+        rows.append({
+            "experts": mode,
+            "ms_per_token": per_token * 1e3,
+            "mib_per_call": (after["h2d_bytes"] - before["h2d_bytes"]) / steps / 2**20,
+            "routed_fetches": int(after["routed_fetches"] - before["routed_fetches"]),
+            "same_tokens_as_resident": got == want,
+        })
+        handle.detach()
+    info = {"experts_mib": expert_bytes / 2**20, "layers": args.layers, "experts": args.experts,
+            "top_k": args.top_k, "device": args.device, "link_gbps": args.link_gbps if not on_gpu else None,
+            "tokens": args.tokens, "resident_ms_per_token": resident_s * 1e3}
+    lines = [
+        f"Qwen3-MoE shape, bf16, {args.layers} layers x {args.experts} experts ({args.top_k} per token), "
+        f"{info['experts_mib']:.0f} MiB of experts; "
+        f"{f'sim link {args.link_gbps} GB/s' if not on_gpu else args.device}; {args.tokens} tokens, greedy; "
+        f"resident: {resident_s * 1e3:.1f} ms / token",
+        "",
+        "| experts= | ms / token | MiB on the bus / call | routed fetches | same tokens as resident |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['experts']} | {r['ms_per_token']:.1f} | {r['mib_per_call']:.1f} | {r['routed_fetches']} | "
+                     f"{'yes' if r['same_tokens_as_resident'] else 'NO'} |")
+    lines += ["", f"routed / all: {rows[1]['ms_per_token'] / rows[0]['ms_per_token']:.3f} of the time, "
+                  f"{rows[1]['mib_per_call'] / rows[0]['mib_per_call']:.3f} of the bytes"]
+    if args.out_md:
+        with open(args.out_md, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    if args.json:
+        print(json.dumps({"config": info, "rows": rows}, indent=2))
+    else:
+        print("\n".join(lines))
+    return 0 if all(r["same_tokens_as_resident"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
