@@ -170,9 +170,11 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
       double ready = 0.0;
       size_t slot = 0;
       if (op.streamed) {
+        const PlannerLayer& l = in.layers[op.layer];
         slot = static_cast<size_t>(streamed_count++ % slot_free.size());
         double start = std::max(link_free, slot_free[slot]);
-        link_free = start + transfer_seconds(in, in.layers[op.layer].bytes);
+        if (l.routed_bytes) start = std::max(start, compute_free);  // on demand, after the router
+        link_free = start + transfer_seconds(in, l.fetch_bytes());
         ready = link_free;
       }
       double start = std::max(compute_free, ready);
@@ -196,6 +198,7 @@ struct Candidate {
   uint64_t device_bytes = 0;
   uint64_t streamed_bytes = 0;
   size_t num_streamed = 0;
+  uint64_t fetched_bytes = 0;     // what the streamed layers copy per pass (routed groups: some experts)
   uint64_t lookup_bytes = 0;      // tables looked up in host memory (pinned)
   uint64_t lookup_bus_bytes = 0;  // the rows they read per step
   size_t num_lookup = 0;
@@ -268,6 +271,7 @@ Plan plan_placement(const PlannerInput& in) {
       } else {
         c.slot_bytes = std::max(c.slot_bytes, in.layers[i].streamed_slot_bytes());
         c.streamed_bytes += in.layers[i].bytes;
+        c.fetched_bytes += in.layers[i].fetch_bytes();
         if (in.layers[i].tied_table >= 0) c.shared_host_bytes += in.layers[i].bytes;
         ++c.num_streamed;
       }
@@ -360,7 +364,7 @@ Plan plan_placement(const PlannerInput& in) {
     std::iota(order.begin(), order.end(), size_t{0});
     std::vector<double> ratio(n);
     for (size_t i = 0; i < n; ++i)
-      ratio[i] = in.layers[i].bytes ? in.layers[i].flops / static_cast<double>(in.layers[i].bytes) : 0.0;
+      ratio[i] = in.layers[i].bytes ? in.layers[i].flops / static_cast<double>(in.layers[i].fetch_bytes()) : 0.0;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       if (ratio[a] != ratio[b]) return ratio[a] < ratio[b];
       if (in.layers[a].bytes != in.layers[b].bytes) return in.layers[a].bytes > in.layers[b].bytes;
@@ -423,7 +427,7 @@ Plan plan_placement(const PlannerInput& in) {
   plan.device_bytes = best.device_bytes;
   plan.resident_bytes = best.resident_bytes - in.fixed_resident_bytes;
   plan.host_pinned_bytes = best.streamed_bytes + best.lookup_bytes - best.shared_host_bytes;
-  plan.bus_bytes_per_step = best.streamed_bytes * (in.training ? 2 : 1) + best.lookup_bus_bytes;
+  plan.bus_bytes_per_step = best.fetched_bytes * (in.training ? 2 : 1) + best.lookup_bus_bytes;
   plan.num_streamed = best.num_streamed;
   plan.num_lookup = best.num_lookup;
   plan.num_resident = n - best.num_streamed - best.num_lookup;
@@ -443,12 +447,13 @@ Plan plan_placement(const PlannerInput& in) {
     p.lookup = l.lookup && !held;
     p.tied_with = tied_with[i];
     p.bytes = l.bytes;
+    p.routed_bytes = l.routed_bytes;
     p.resident_bytes = held ? 0 : l.resident_bytes;
     p.flops = l.flops;
     p.compute_s = compute_seconds(in, l);
     p.transfer_s = p.lookup     ? transfer_seconds(in, l.lookup_bytes)
                    : p.resident ? 0.0
-                                : transfer_seconds(in, l.bytes) * (in.training ? 2 : 1);
+                                : transfer_seconds(in, l.fetch_bytes()) * (in.training ? 2 : 1);
     plan.compute_time_s += p.compute_s;
     plan.transfer_time_s += p.transfer_s;
     plan.layers.push_back(std::move(p));
@@ -477,7 +482,7 @@ std::string Plan::explain() const {
     std::string name = l.name.size() > 60 ? l.name.substr(0, 27) + "..." + l.name.substr(l.name.size() - 30) : l.name;
     std::string ratio = l.flops > 0 && l.bytes > 0 ? json_number(l.flops / static_cast<double>(l.bytes)) : "-";
     std::snprintf(buf, sizeof buf, "%5zu  %-*s  %-8s  %12s  %10s  %10s  %10s\n", l.index, static_cast<int>(w),
-                  name.c_str(), l.lookup ? "lookup" : l.resident ? "resident" : "streamed",
+                  name.c_str(), l.lookup ? "lookup" : l.resident ? "resident" : l.routed_bytes ? "routed" : "streamed",
                   format_bytes(l.resident ? l.resident_bytes : l.bytes).c_str(), ratio.c_str(),
                   format_seconds(l.compute_s).c_str(), l.resident ? "-" : format_seconds(l.transfer_s).c_str());
     out += buf;
@@ -560,6 +565,7 @@ std::string Plan::to_json() const {
          ", \"placement\": " + (l.lookup ? "\"lookup\"" : l.resident ? "\"resident\"" : "\"streamed\"") + ", ";
     if (l.tied_with >= 0) o += "\"tied_with\": " + json::quote(layers[static_cast<size_t>(l.tied_with)].name) + ", ";
     num("bytes", l.bytes);
+    if (l.routed_bytes) num("routed_bytes", l.routed_bytes);
     num("resident_bytes", l.resident_bytes);
     dbl("flops", l.flops);
     dbl("compute_s", l.compute_s);
@@ -678,6 +684,11 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       s.flops = 2.0 * tokens * static_cast<double>(l.group_params) * l.active * (opt.training ? 3.0 : 1.0);
       s.trainable = opt.training && opt.quantize == Quantization::None;
       s.as_stored = opt.quantize != Quantization::None && bus == l.group_bytes;  // nothing to pack
+      if (opt.routed_experts && l.active < 1.0) {
+        // The share of the experts `tokens` tokens reach, routed uniformly.
+        const double share = 1.0 - std::pow(1.0 - l.active, tokens);
+        if (share <= 0.5) s.routed_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(bus * share)));
+      }
       out.push_back(std::move(s));
       continue;
     }

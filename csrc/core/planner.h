@@ -44,6 +44,12 @@ struct PlannerLayer {
   // tensor group with nothing to pack): the "too small" error then does not
   // suggest quantizing.
   bool as_stored = false;
+  // A mixture-of-experts group under routed fetch (offload(experts="routed")):
+  // the bytes one fetch copies when a step's tokens reach at most half of the
+  // experts (0: the whole group, prefetched). Such a copy is on demand, after
+  // the router ran: it starts when the compute before it is done.
+  uint64_t routed_bytes = 0;
+  uint64_t fetch_bytes() const { return routed_bytes ? routed_bytes : bytes; }
 };
 
 struct PlannerInput {
@@ -67,6 +73,7 @@ struct LayerPlacement {
   // holds the tensor).
   int tied_with = -1;
   uint64_t bytes = 0;
+  uint64_t routed_bytes = 0;  // PlannerLayer::routed_bytes (0: copied whole)
   uint64_t resident_bytes = 0;
   double flops = 0.0;
   double compute_s = 0.0;   // per step
@@ -195,6 +202,11 @@ struct LayerOptions {
   // holds its cast copy in the slot, and quantized weights are dequantized
   // to it (instead of to the stored dtype).
   std::string compute_dtype;
+  // As offload(experts="routed"): a group whose `active` share of experts
+  // (per token) reaches at most half of them over `tokens` tokens copies only
+  // those (PlannerLayer::routed_bytes), assuming uniform routing: a share
+  // 1 - (1 - active)^tokens of the experts.
+  bool routed_experts = true;
 };
 
 // Bytes of one weight of `shape`/`dtype` after quantization (unchanged for

@@ -443,6 +443,60 @@ TEST(Models, ExpertTensorsFormOneGroupPerModule) {
   }
 }
 
+TEST(Models, RoutedExpertsCopyTheShareOfExpertsAStepReaches) {
+  // As offload(experts="routed"): 1 token with 1 of 8 experts active per
+  // token reaches 1/8 of them, so a fetch copies 1/8 of the group; 8 tokens
+  // reach 1 - (7/8)^8 = 66% (more than half): the whole group; --experts all: whole.
+  ModelDescription m;
+  ModelLayer g;
+  g.name = "model.layers.0.mlp.experts";
+  g.group = true;
+  g.group_tensors = {{{8, 64, 32}, "BF16"}, {{8, 32, 32}, "BF16"}};
+  g.group_bytes = (8 * 64 * 32 + 8 * 32 * 32) * 2;
+  g.group_params = g.group_bytes / 2;
+  g.active = 1.0 / 8;
+  m.layers.push_back(g);
+  LayerOptions opt;
+  opt.tokens = 1;
+  PlannerLayer one = layer_specs(m, opt).at(0);
+  EXPECT_EQ(one.bytes, g.group_bytes);
+  EXPECT_EQ(one.routed_bytes, g.group_bytes / 8);
+  EXPECT_EQ(one.fetch_bytes(), g.group_bytes / 8);
+  EXPECT_EQ(one.streamed_slot_bytes(), g.group_bytes);  // the slot still holds every expert's place
+  opt.tokens = 8;
+  EXPECT_EQ(layer_specs(m, opt).at(0).routed_bytes, 0u);
+  opt.tokens = 1;
+  opt.routed_experts = false;
+  EXPECT_EQ(layer_specs(m, opt).at(0).routed_bytes, 0u);
+}
+
+TEST(Planner, RoutedGroupsCrossTheirShareOnDemand) {
+  // Two blocks of attention (1 MiB, 1 ms) and a routed group (32 MiB, of
+  // which a fetch copies 2 MiB, 1 ms); the budget holds only 2 slots of a
+  // group, so everything streams. A routed copy moves its share (bus bytes,
+  // transfer time) and starts only after the compute before it (the router):
+  // per block 1 ms of attention, 2 ms of copy, 1 ms of experts = 8 ms a step.
+  PlannerInput in;
+  PlannerLayer g = layer("experts", 32 * MiB, 1e9);
+  g.routed_bytes = 2 * MiB;
+  for (int b = 0; b < 2; ++b) {
+    in.layers.push_back(layer("attn" + std::to_string(b), 1 * MiB, 1e9));
+    in.layers.push_back(g);
+    in.layers.back().name += std::to_string(b);
+  }
+  in.budget_bytes = 2 * 32 * MiB + MiB / 2;
+  in.link_bytes_per_s = static_cast<double>(MiB) * 1000;  // 1 MiB per ms
+  in.device_flops_per_s = 1e12;                            // 1e9 FLOPs = 1 ms
+  Plan p = plan_placement(in);
+  ASSERT_EQ(p.num_resident, 0u);
+  EXPECT_EQ(p.bus_bytes_per_step, 2 * (1 + 2) * MiB);
+  EXPECT_DOUBLE_EQ(p.layers[1].transfer_s, 0.002);
+  EXPECT_EQ(p.layers[1].routed_bytes, 2 * MiB);
+  EXPECT_NEAR(p.step_time_s, 0.008, 1e-9);
+  for (auto& l : in.layers) l.routed_bytes = 0;  // whole, prefetched: 2 x 32 ms of copy per step
+  EXPECT_GT(plan_placement(in).step_time_s, 0.064);
+}
+
 TEST(Planner, OutlierLayerIsKeptResidentSoSlotsShrink) {
   // Eight 10 MiB block layers and a 100 MiB LM head: 3 slots of the head
   // (300 MiB) do not fit in 150 MiB, but the head resident and 3 slots of

@@ -302,4 +302,34 @@ def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
         assert g["flops"] == 2 * 100 * (group // 4) * 2 / 8  # 2 of 8 experts per token
     r = run("--checkpoint", tmp_path, "--budget", "200KB")
     assert r.returncode == 0, r.stderr
-    assert "2 mixture-of-experts group(s), each streamed whole (one slot); a token runs 25% of the experts" in r.stdout
+    assert ("2 mixture-of-experts group(s), one slot each; a token runs 25% of the experts (config.json), "
+            "4096 tokens reach ~100%: more than half, so each group crosses whole") in r.stdout
+    assert j["options"]["experts"] == "routed" and "routed_bytes" not in g
+
+
+def test_moe_decoding_plans_the_routed_experts_only(tmp_path):
+    """One token per step (decoding) reaches 2 of 8 experts: as offload(experts="routed")
+    copies only those, the plan counts a quarter of each group on the bus, on demand (the
+    table says "routed"); --experts all counts every expert."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(tmp_path), safe_serialization=True)
+    group = 8 * 3 * 16 * 32 * 4
+    routed = plan_json("--checkpoint", tmp_path, "--budget", "110KB", "--tokens", "1")
+    whole = plan_json("--checkpoint", tmp_path, "--budget", "110KB", "--tokens", "1", "--experts", "all")
+    assert routed["options"]["experts"] == "routed" and whole["options"]["experts"] == "all"
+    for i in range(2):
+        g = {l["name"]: l for l in routed["plan"]["layers"]}[f"model.layers.{i}.mlp.experts"]
+        assert g["bytes"] == group and g["routed_bytes"] == group // 4
+        assert g["placement"] == "streamed" and g["transfer_s"] == pytest.approx(group / 4 / 25e9)
+    assert routed["plan"]["bus_bytes_per_step"] < whole["plan"]["bus_bytes_per_step"] - group
+    r = run("--checkpoint", tmp_path, "--budget", "110KB", "--tokens", "1")
+    assert "1 tokens reach ~25%: only those cross the bus (routed), on demand" in r.stdout
+    assert " routed " in r.stdout
+    bad = run("--checkpoint", tmp_path, "--budget", "200KB", "--experts", "some")
+    assert bad.returncode == 2 and "--experts expects routed or all" in bad.stderr

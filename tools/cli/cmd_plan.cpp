@@ -40,6 +40,9 @@ const char* kHelp =
     "  --resident-dequantized  resident layers keep their stored (unquantized) size\n"
     "  --compute-dtype D     fp32|bf16|fp16: the activations' dtype, as offload(compute_dtype=)\n"
     "                        (slots also hold weights cast to it; quantized ones dequantize to it)\n"
+    "  --experts MODE        routed (default) | all, as offload(experts=): with routed, a\n"
+    "                        mixture-of-experts group whose step reaches at most half of its\n"
+    "                        experts copies only those (uniform routing assumed)\n"
     "  --max-prefetch N      at most N layers prefetched ahead (slots <= N+1; default 4)\n"
     "  --json                print the plan as one JSON object\n"
     "  --list-models         print the built-in model names and exit\n"
@@ -147,6 +150,10 @@ int cmd_plan(int argc, char** argv) {
         else if (d == "bf16" || d == "bfloat16" || d == "BF16") opt.compute_dtype = "BF16";
         else if (d == "fp16" || d == "float16" || d == "F16") opt.compute_dtype = "F16";
         else throw Usage{"--compute-dtype expects fp32, bf16 or fp16, got " + json::quote(d)};
+      } else if (a == "--experts") {
+        const std::string m = take();
+        if (m != "routed" && m != "all") throw Usage{"--experts expects routed or all, got " + json::quote(m)};
+        opt.routed_experts = m == "routed";
       } else if (a == "--max-prefetch") {
         uint64_t n = parse_count(a, take());
         if (n > 64) throw Usage{"--max-prefetch must be at most 64"};
@@ -214,6 +221,7 @@ int cmd_plan(int argc, char** argv) {
          to_string(opt.quantize) + "\", \"training\": " + (opt.training ? "true" : "false") +
          ", \"resident_dequantized\": " + (opt.resident_dequantized ? "true" : "false") +
          ", \"compute_dtype\": " + (opt.compute_dtype.empty() ? std::string("null") : json::quote(opt.compute_dtype)) +
+         ", \"experts\": " + (opt.routed_experts ? "\"routed\"" : "\"all\"") +
          ", \"max_prefetch\": " + std::to_string(max_prefetch) + "}, ";
     o += "\"plan\": " + plan.to_json() + "}";
     std::printf("%s\n", o.c_str());
@@ -227,9 +235,15 @@ int cmd_plan(int argc, char** argv) {
                 desc.small_tensors, format_bytes(desc.small_bytes).c_str());
     size_t groups = 0;
     for (const auto& l : desc.layers) groups += l.group ? 1 : 0;
-    if (groups && experts_active > 0)
-      std::printf("        %zu mixture-of-experts group(s), each streamed whole (one slot); a token runs "
-                  "%.3g%% of the experts (config.json)\n", groups, experts_active * 100.0);
+    if (groups && experts_active > 0) {
+      const double reach = 1.0 - std::pow(1.0 - experts_active, static_cast<double>(opt.tokens));
+      std::printf("        %zu mixture-of-experts group(s), one slot each; a token runs %.3g%% of the experts "
+                  "(config.json), %llu tokens reach ~%.3g%%%s\n", groups, experts_active * 100.0,
+                  static_cast<unsigned long long>(opt.tokens), reach * 100.0,
+                  !opt.routed_experts ? ": every expert crosses the bus (--experts all)"
+                  : reach <= 0.5     ? ": only those cross the bus (routed), on demand"
+                                     : ": more than half, so each group crosses whole");
+    }
     else if (groups)
       std::printf("        %zu mixture-of-experts group(s), each streamed whole (one slot); FLOPs count "
                   "every expert (no config.json with num_experts_per_tok)\n", groups);
