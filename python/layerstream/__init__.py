@@ -657,7 +657,9 @@ class _GroupForward(_RefusesCopy):
         if not self._experts or not _reads_routed_experts_only(self._module):
             return []
         ids = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+        # More than twice as many (token, expert) picks as experts nearly always reach more
+        # than half of them: skip the sync and fetch the whole group (prefetched).
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or not 0 < ids.numel() <= 2 * self._experts:
             return []
         hit = torch.unique(ids.detach()).tolist()
         # Ids outside the experts (expert-parallel sentinels, which batched_mm clamps
@@ -1154,7 +1156,8 @@ def offload(
         "routed" (default): when a call's routing ids name at most half of the
         experts (decoding, small batches), only those experts' slices are
         copied (and dequantized), on demand after the router ran (one
-        device-to-host sync of the ids per call), and the module is no longer
+        device-to-host sync of the ids per call; a call with more than 2 x experts
+        (token, expert) picks skips it and gets every expert), and the module is no longer
         prefetched whole until a call needs more than half again; the numbers
         are the same (the module's forward reads no other expert: transformers'
         "eager", "batched_mm" and "grouped_mm" implementations; any other

@@ -271,7 +271,7 @@ def _expert_bytes(model):
 
 
 @pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
-def test_routed_experts_copy_only_the_experts_a_call_reads(offload_sim, impl):
+def test_routed_experts_copy_only_the_experts_a_call_reads(offload_sim, monkeypatch, impl):
     """Decoding one token reads 2 of 16 experts per layer: after the first such call
     (whose groups were prefetched whole), only those experts' slices cross the bus,
     exactly the bytes of the experts the router chose, and the logits equal the
@@ -296,11 +296,19 @@ def test_routed_experts_copy_only_the_experts_a_call_reads(offload_sim, impl):
         assert moved_all - moved == sum(16 - h for h in hits) * _expert_bytes(model)
     stats = handle.stats()
     assert stats["routed_fetches"] >= 4 and h_all.stats()["routed_fetches"] == 0
-    # A batch that reads more than half of the experts fetches the whole group again.
+    # A batch of more than 2 x 16 (token, expert) picks fetches the whole group again,
+    # without asking the device which experts it reads.
+    unique, asked = torch.unique, []
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: (asked.append(
+        __import__("sys")._getframe(1).f_globals["__name__"]), unique(*a, **k))[1])
     many = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(input_ids=many).logits, ref(input_ids=many).logits)
     assert handle.stats()["routed_fetches"] == stats["routed_fetches"]
+    assert "layerstream" not in asked
+    with torch.no_grad():
+        model(input_ids=token)
+    assert "layerstream" in asked  # one token: it does ask
 
 
 def _gpt_oss_many():
