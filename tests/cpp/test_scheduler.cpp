@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -81,6 +82,24 @@ bool slot_matches(const Lease& lease, const LayerSpec& spec) {
     const auto* ws = static_cast<const unsigned char*>(lease.part_ptr(spec.parts.size()));
     for (size_t i = 0; i < spec.workspace_bytes; ++i)
       if (ws[i] != static_cast<unsigned char>(src[i] ^ kXor)) return false;
+  }
+  return true;
+}
+
+// A partial copy's ranges hold the layer's bytes; with post-copy work, the
+// workspace bytes computed from those ranges of part 0 too.
+bool ranges_match(const Lease& lease, const LayerSpec& spec, const PartialCopy& copy) {
+  for (size_t i = 0; i < spec.parts.size(); ++i)
+    for (const auto& [a, n] : copy.ranges[i])
+      if (std::memcmp(static_cast<const char*>(lease.part_ptr(i)) + a,
+                      static_cast<const char*>(spec.parts[i].ptr) + a, n) != 0)
+        return false;
+  if (spec.post_copy) {
+    const auto* src = static_cast<const unsigned char*>(spec.parts[0].ptr);
+    const auto* ws = static_cast<const unsigned char*>(lease.part_ptr(spec.parts.size()));
+    for (const auto& [a, n] : copy.ranges[0])
+      for (size_t i = a; i < a + n; ++i)
+        if (ws[i] != static_cast<unsigned char>(src[i] ^ kXor)) return false;
   }
   return true;
 }
@@ -158,21 +177,43 @@ TEST_P(RandomSchedule, NoRacesBytesExactBudgetHeld) {
   Stream post;
   if (p.post == Post::OwnStream) so.post_copy_stream = post = sim->create_stream("post-copy");
   std::atomic<int> mismatches{0};
+  int partial_copies = 0;
   {
     Scheduler sched(*sim, transfer, m.specs, so);
     const int steps = 40;
     for (int step = 0; step < steps; ++step) {
       auto seq = make_step(n, rng, step > 1 && rng() % 2 == 0);
       for (auto [layer, phase] : seq) {
-        Lease lease = sched.acquire(layer, compute, phase);
         const LayerSpec& spec = m.specs[static_cast<size_t>(layer)];
+        // Now and then a layer stops (or starts again) being prefetched, and
+        // an acquire copies only some random byte ranges (as a mixture-of-
+        // experts group's routed fetch does), with the layer's post-copy work.
+        if (rng() % 16 == 0) sched.set_prefetch(layer, false);
+        if (rng() % 4 == 0) sched.set_prefetch(layer, true);
+        std::optional<PartialCopy> partial;
+        if (rng() % 8 == 0) {
+          partial.emplace();
+          partial->post_copy = spec.post_copy;
+          for (const BufferRef& part : spec.parts) {
+            partial->ranges.emplace_back();
+            for (unsigned r = rng() % 3; r > 0; --r) {
+              const size_t a = rng() % part.bytes;
+              partial->ranges.back().push_back({a, rng() % (part.bytes - a + 1)});
+            }
+          }
+        }
+        Lease lease = partial ? sched.acquire_partial(layer, compute, phase, *partial)
+                              : sched.acquire(layer, compute, phase);
+        const bool whole = !partial || lease.hit;  // a loaded layer is used whole
+        partial_copies += whole ? 0 : 1;
+        auto check = [&mismatches, &spec, whole, partial](const Lease& l) {
+          if (!(whole ? slot_matches(l, spec) : ranges_match(l, spec, *partial))) mismatches++;
+        };
         if (p.async_compute) {
           Lease copy = lease;
-          sim->launch_host_func(compute, [&mismatches, copy, &spec] {
-            if (!slot_matches(copy, spec)) mismatches++;
-          });
-        } else if (!slot_matches(lease, spec)) {
-          mismatches++;
+          sim->launch_host_func(compute, [check, copy] { check(copy); });
+        } else {
+          check(lease);
         }
         sched.release(lease, compute);
       }
@@ -189,6 +230,7 @@ TEST_P(RandomSchedule, NoRacesBytesExactBudgetHeld) {
     }
   }
   EXPECT_EQ(mismatches.load(), 0) << "a slot did not hold its layer's bytes when compute read it";
+  EXPECT_GT(partial_copies, 10) << "too few partial copies to test them";
   EXPECT_LE(sim->stats().peak_device_bytes, so.budget_bytes);
   auto errors = sim->ordering_errors();
   EXPECT_TRUE(errors.empty()) << errors.size() << " ordering errors, first: " << errors.front();
