@@ -932,15 +932,21 @@ class Handle(_RefusesCopy):
         tables = [a for a in self._attached if a.kind == "embedding"]
         if not tables:
             return self._plan["explain"]
-        size = sum(engine.layer_bytes(a.index) for a in tables)
+
+        def sharing(t):  # the streamed layers that read the table's weight (a tied head)
+            return [a.name or "<root>" for a in self._attached
+                    if a is not t and a.module._parameters.get("weight") is t.module.weight]
 
         def describe(t):
-            tied = [a.name or "<root>" for a in self._attached
-                    if a is not t and a.module._parameters.get("weight") is t.module.weight]
-            return (t.name or "<root>") + (f" (weight shared with {', '.join(tied)})" if tied else "")
+            tied = sharing(t)
+            return (t.name or "<root>") + (f" (weight shared with {', '.join(tied)}: its bytes are in the "
+                                           f"host RAM line above)" if tied else "")
+        # A table whose weight a streamed head shares is one host copy, already counted
+        # in the planner's host RAM line as the head's.
+        size = sum(engine.layer_bytes(a.index) for a in tables if not sharing(a))
         return (self._plan["explain"].rstrip("\n") +
                 f"\nembedding tables:         {len(tables)} looked up in host memory (pinned unless "
-                f"pinning failed), {size / 2**20:.2f} MiB, no device memory: "
+                f"pinning failed), {size / 2**20:.2f} MiB more, no device memory: "
                 + ", ".join(describe(t) for t in tables) + "\n")
 
     def stats(self) -> Dict[str, float]:

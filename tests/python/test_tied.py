@@ -226,7 +226,10 @@ def test_plan_names_the_table_a_head_shares(offload_sim):
     slot = 400 * 12 * 4 + 1792  # fc.0: weight + bias (256-byte aligned)
     handle = offload_sim(Wide(), budget=3 * slot)  # the slots, nothing left to keep resident
     assert "emb" in handle.layers and "head" in handle.layers, handle.plan
-    assert "emb (weight shared with head)" in handle.plan
+    assert "emb (weight shared with head: its bytes are in the host RAM line above)" in handle.plan
+    # The table's bytes are not counted a second time.
+    assert "embedding tables:         1 looked up in host memory (pinned unless pinning failed), 0.00 MiB more" \
+        in handle.plan
 
 
 def test_hf_tied_lm_with_lora_streams_the_tied_head(offload_sim):
