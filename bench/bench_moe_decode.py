@@ -6,8 +6,8 @@ streamed with layerstream on the sim device over a modelled PCIe link. The same
 greedy decode runs with offload(experts="all") (each step moves every expert
 of every layer) and experts="routed" (only the experts the router chose),
 side by side in one run; prints bytes moved and time per generated token, and
-checks that both generate the same tokens as the resident model (exit status 1
-if not). On the sim device the time per token is mostly the CPU's own compute;
+checks the logits against the resident model's, every system fed the resident
+model's greedy tokens (exit status 1 beyond --tolerance). On the sim device the time per token is mostly the CPU's own compute;
 `--device cuda` measures the real link (bench/gpu/run.sh runs it so).
 
     .venv/bin/python bench/bench_moe_decode.py [--device sim|cuda] [--tokens 16] [--link-gbps 25] [--json]
@@ -39,18 +39,23 @@ def build(args):
     return transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
-def decode(model, prompt, tokens):
-    """Greedy decoding with the KV cache; returns (generated ids, seconds per new token
-    after the first, which also prefills)."""
+def decode(model, prompt, tokens, forced=None):
+    """Greedy decoding with the KV cache (or, with `forced`, feeding those tokens: every
+    system then sees the same inputs); returns (generated ids, seconds per new token after
+    the first, which also prefills, and each step's last logits on the CPU)."""
     out = model(input_ids=prompt, use_cache=True)
+    logits = [out.logits[:, -1].float().cpu()]
     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
     ids = [int(nxt)]
     t0 = time.perf_counter()
-    for _ in range(tokens - 1):
+    for i in range(tokens - 1):
+        if forced is not None:
+            nxt = torch.tensor([[forced[i]]], device=prompt.device)
         out = model(input_ids=nxt, past_key_values=past, use_cache=True)
         past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
         ids.append(int(nxt))
-    return ids, (time.perf_counter() - t0) / max(1, tokens - 1)
+        logits.append(out.logits[:, -1].float().cpu())
+    return ids, (time.perf_counter() - t0) / max(1, tokens - 1), logits
 
 
 def main():
@@ -63,6 +68,8 @@ def main():
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--link-gbps", type=float, default=25.0)
+    ap.add_argument("--tolerance", type=float, default=0.05,
+                    help="largest |logit - resident logit| accepted (bf16; 0 on the sim device in practice)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out-md", help="also write the markdown table to this file")
     args = ap.parse_args()
@@ -75,7 +82,7 @@ def main():
     prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to(compute)
     with torch.no_grad():
         resident = copy.deepcopy(base).to(compute)
-        want, resident_s = decode(resident, prompt, args.tokens)
+        want, resident_s, want_logits = decode(resident, prompt, args.tokens)
         del resident
     expert_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "experts" in n)
     rows = []
@@ -86,8 +93,11 @@ def main():
         with torch.no_grad():
             decode(model, prompt, 2)  # warm-up: traces the steps
             before = handle.stats()
-            got, per_token = decode(model, prompt, args.tokens)
+            # Fed the resident model's tokens, so that a near tie decided the other way by
+            # last-bit differences (another GEMM algorithm on the GPU) cannot derail the run.
+            got, per_token, logits = decode(model, prompt, args.tokens, forced=want)
             after = handle.stats()
+        diff = max(float((a - b).abs().max()) for a, b in zip(logits, want_logits))
         steps = args.tokens  # one prefill + tokens - 1 decode calls, bytes per call
         rows.append({
             "experts": mode,
@@ -95,6 +105,8 @@ def main():
             "mib_per_call": (after["h2d_bytes"] - before["h2d_bytes"]) / steps / 2**20,
             "routed_fetches": int(after["routed_fetches"] - before["routed_fetches"]),
             "same_tokens_as_resident": got == want,
+            "max_abs_logit_diff": diff,
+            "matches_resident": diff <= args.tolerance,
         })
         handle.detach()
     info = {"experts_mib": expert_bytes / 2**20, "layers": args.layers, "experts": args.experts,
@@ -106,12 +118,14 @@ def main():
         f"{f'sim link {args.link_gbps} GB/s' if not on_gpu else args.device}; {args.tokens} tokens, greedy; "
         f"resident: {resident_s * 1e3:.1f} ms / token",
         "",
-        "| experts= | ms / token | MiB on the bus / call | routed fetches | same tokens as resident |",
-        "|---|---:|---:|---:|---|",
+        "| experts= | ms / token | MiB on the bus / call | routed fetches | max abs logit diff vs resident | "
+        "same greedy tokens |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(f"| {r['experts']} | {r['ms_per_token']:.1f} | {r['mib_per_call']:.1f} | {r['routed_fetches']} | "
-                     f"{'yes' if r['same_tokens_as_resident'] else 'NO'} |")
+                     f"{r['max_abs_logit_diff']:.3g}{'' if r['matches_resident'] else ' (over tolerance)'} | "
+                     f"{'yes' if r['same_tokens_as_resident'] else 'no'} |")
     lines += ["", f"routed / all: {rows[1]['ms_per_token'] / rows[0]['ms_per_token']:.3f} of the time, "
                   f"{rows[1]['mib_per_call'] / rows[0]['mib_per_call']:.3f} of the bytes"]
     if args.out_md:
@@ -121,7 +135,7 @@ def main():
         print(json.dumps({"config": info, "rows": rows}, indent=2))
     else:
         print("\n".join(lines))
-    return 0 if all(r["same_tokens_as_resident"] for r in rows) else 1
+    return 0 if all(r["matches_resident"] for r in rows) else 1
 
 
 if __name__ == "__main__":

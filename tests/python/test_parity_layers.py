@@ -817,9 +817,10 @@ def test_quantized_moe_experts_compute_their_dequantized_values(offload_dev, com
 @pytest.mark.parametrize("fmt", [None, "nf4"])
 def test_routed_moe_experts_copy_only_the_chosen_ones(offload_dev, compute_device, impl, fmt):
     """Decoding one token reads 2 of 16 experts per layer: only their slices cross the bus
-    (packed ones dequantized row range by row range on the device). The logits equal those
-    of the same model fetching every expert (experts="all"), bit for bit, and, dense, the
-    resident model's; fewer bytes cross."""
+    (packed ones dequantized row range by row range on the device). The logits match those
+    of the same model fetching every expert (experts="all") and, dense, the resident
+    model's (bit for bit on the sim device: tests/python/test_experts.py); fewer bytes
+    cross."""
     model = _tiny_qwen3_moe(hidden=64, experts_inter=64, experts=16, impl=impl).requires_grad_(False)
     whole = copy.deepcopy(model)
     ref = copy.deepcopy(model).to(compute_device)
@@ -831,7 +832,7 @@ def test_routed_moe_experts_copy_only_the_chosen_ones(offload_dev, compute_devic
             before, before_all = handle.stats()["h2d_bytes"], h_all.stats()["h2d_bytes"]
             token = torch.tensor([[5 + step]], device=compute_device)
             out = model(input_ids=token).logits
-            assert torch.equal(out, whole(input_ids=token).logits), f"step {step}"
+            _close(out, whole(input_ids=token).logits, **FP32_TOL)
             if fmt is None:
                 _close(out, ref(input_ids=token).logits, **FP32_TOL)
     assert handle.stats()["h2d_bytes"] - before < (h_all.stats()["h2d_bytes"] - before_all) * 0.8
