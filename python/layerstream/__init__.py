@@ -195,10 +195,34 @@ def _reads_routed_experts_only(module: nn.Module) -> bool:
     return any(fn is getattr(moe, name, None) for name in _TRANSFORMERS_EXPERTS_FORWARDS)
 
 
+def _group_slots(module: nn.Module) -> List[tuple]:
+    """(owner, key, name) of each parameter of a tensor group: the module's own, and for
+    nn.MultiheadAttention its out_proj's too (its forward reads out_proj.weight directly,
+    so they stream together)."""
+    slots = [(module, k, k) for k, p in module._parameters.items() if p is not None]
+    if isinstance(module, nn.MultiheadAttention):
+        out = module.out_proj
+        slots += [(out, k, f"out_proj.{k}") for k, p in out._parameters.items() if p is not None]
+    return slots
+
+
+def _is_mha(module: nn.Module) -> bool:
+    """torch's nn.MultiheadAttention with its own forward and floating-point weights: its
+    forward reads the projection weights directly (no Linear to swap), so it streams as a
+    tensor group, its out_proj with it."""
+    return (type(module).forward is nn.MultiheadAttention.forward
+            and type(module.out_proj).forward is nn.Linear.forward
+            and all(p.is_floating_point() for _, _, p in
+                    ((o, k, o._parameters[k]) for o, k, _ in _group_slots(module))))
+
+
 def _is_streamable(module: nn.Module) -> Optional[str]:
-    """Returns 'linear', 'conv', 'embedding', 'group' (mixture-of-experts weights) or None."""
+    """Returns 'linear', 'conv', 'embedding', 'group' (mixture-of-experts weights,
+    nn.MultiheadAttention) or None."""
     if _is_experts(module):
         return "group"
+    if isinstance(module, nn.MultiheadAttention):
+        return "group" if _is_mha(module) else None
     # MultiheadAttention reads out_proj.weight directly instead of calling it.
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return None
@@ -371,7 +395,7 @@ def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device
         kept, tied, groups = [], [], {}
         for name, module, kind in candidates:
             why = []
-            params = (list(module._parameters.items()) if kind == "group" else
+            params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
                       [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
             for pn, p in params:
                 who = owners.get(id(p), ()) if p is not None else ()
@@ -425,7 +449,7 @@ class _Attached:
     """What offload() changed on one module, to undo it in detach()."""
 
     __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
-                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts")
+                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts", "owners")
 
     def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
                  prequantized=False, bnb_stats=None, hooks=(), strides=None):
@@ -437,8 +461,12 @@ class _Attached:
         # A weight quantized by offload() whose memory layout was not the contiguous one
         # (channels_last): detach() restores its dequantized values in that layout.
         self.strides = strides
-        # A tensor group quantized by offload(): (parameter name, part) of its packed tensors.
+        # A tensor group quantized by offload(): (parameter name, part, owner module, key)
+        # of its packed tensors (the name relative to the module: "out_proj.weight").
         self.packed_parts = []
+        # Other modules that own some of a tensor group's parameters (an attention's
+        # out_proj): they got a _StreamedApply too.
+        self.owners = []
 
 
 def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> list:
@@ -449,12 +477,13 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
     own); the post-hook removes the key it took from the missing keys. Returns
     the hook handles."""
     taken = []
-    # (parameter name, part): a layer's weight, or a tensor group's packed parts.
-    targets = [("weight", None)] if parts is None else list(parts)
+    # (parameter name, part, owner, key): a layer's weight, or a tensor group's packed
+    # parts (the name relative to `module`; the parameter is owner._parameters[key]).
+    targets = [("weight", None, module, "weight")] if parts is None else list(parts)
 
     def pre(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
             error_msgs):
-        for pname, part in targets:
+        for pname, part, owner, pkey in targets:
             key = prefix + pname
             if key not in state_dict:
                 continue
@@ -465,7 +494,7 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
                     engine.requantize(index, value)
                 else:
                     engine.requantize_part(index, part, value)
-                    torch.autograd.graph.increment_version(mod._parameters[pname])  # see _PackedWeight
+                    torch.autograd.graph.increment_version(owner._parameters[pkey])  # see _PackedWeight
             except LayerstreamError as e:
                 error_msgs.append(f'While loading "{key}" into a quantized streamed layer: {e}')
 
@@ -641,13 +670,13 @@ class _GroupForward(_RefusesCopy):
     _StreamedForward. Not safe for two threads calling the same module at once (the
     swap is on the module)."""
 
-    __slots__ = ("_engine", "_index", "_original", "_module", "_keys", "_params", "_name", "_device", "_experts")
+    __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts")
 
-    def __init__(self, engine, index: int, original, module: nn.Module, keys: Sequence[str], name: str,
+    def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
                  experts: int = 0):
         self._engine, self._index, self._original, self._module, self._name = engine, index, original, module, name
-        self._keys = tuple(keys)
-        self._params = tuple(module._parameters[k] for k in self._keys)
+        self._slots = tuple((o, k) for o, k, _ in slots)  # (owner, key) of each tensor (_group_slots)
+        self._params = tuple(o._parameters[k] for o, k in self._slots)
         self._device = torch.device(engine.compute_device)
         self._experts = experts  # > 0: the group was added indexed by expert (offload(experts="routed"))
 
@@ -674,24 +703,22 @@ class _GroupForward(_RefusesCopy):
         block runs (work on them must be enqueued inside it); `requires_grad`: per
         tensor, whether the view is a leaf that requires grad (backward's recompute);
         `experts`: the only experts the block reads (routed_experts), [] = all."""
-        module, keys = self._module, self._keys
         token, views = self._engine.fetch(self._index, list(experts))
         try:
             if requires_grad is not None:
                 views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
             try:
-                for k, v in zip(keys, views):
-                    module._parameters[k] = v
+                for (o, k), v in zip(self._slots, views):
+                    o._parameters[k] = v
                 yield views
             finally:
-                for k, p in zip(keys, self._params):
-                    module._parameters[k] = p
+                for (o, k), p in zip(self._slots, self._params):
+                    o._parameters[k] = p
         finally:
             self._engine.release(token)
 
     def __call__(self, *args, **kwargs):
-        module = self._module
-        if any(module._parameters.get(k) is not p for k, p in zip(self._keys, self._params)):
+        if any(o._parameters.get(k) is not p for (o, k), p in zip(self._slots, self._params)):
             raise LayerstreamError(
                 f"the parameters of streamed layer '{self._name}' were replaced after offload(); "
                 f"layerstream streams the original ones. Copy new values in place, or call "
@@ -744,11 +771,11 @@ class _GroupFn(torch.autograd.Function):
         if isinstance(out, torch.Tensor):
             ctx.single = True
             return out
-        if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
-            ctx.single = False
+        if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+            ctx.single = False  # None entries: nn.MultiheadAttention without attention weights
             return tuple(out)
         raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__}; a streamed "
-                               f"tensor group must return a tensor or a tuple of tensors")
+                               f"tensor group must return a tensor or a tuple of tensors (or None)")
 
     @staticmethod
     def backward(ctx, *grads):
@@ -779,7 +806,7 @@ class _GroupFn(torch.autograd.Function):
                     fwd.fetched(needs[n_in:], ctx.experts) as views:
                 out = fwd._original(*args, **kwargs)
                 outs = (out,) if ctx.single else tuple(out)
-                pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+                pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
                 wanted = [t for t in inputs + views if t.requires_grad]
                 got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                                allow_unused=True)
@@ -1026,7 +1053,7 @@ class Handle(_RefusesCopy):
                 dense[a.index] = engine.packed_codes(a.index)
             elif a.packed_parts:
                 # A quantized tensor group: the dequantized values, per packed tensor.
-                dense[a.index] = {k: engine.dequantized_part(a.index, part) for k, part in a.packed_parts}
+                dense[a.index] = {(o, k): engine.dequantized_part(a.index, part) for _, part, o, k in a.packed_parts}
             elif engine.layer_format(a.index) and not a.prequantized:
                 # Quantized by offload(): the dense values were not kept; restore the
                 # dequantized weights (lossy by the format's error bound).
@@ -1042,8 +1069,8 @@ class Handle(_RefusesCopy):
                     quantized_stats=dict(a.bnb_stats),
                     requires_grad=False, device=dev, module=a.module)
             elif a.index in dense and a.packed_parts:
-                for k, value in dense[a.index].items():
-                    a.module._parameters[k] = nn.Parameter(value.to(a.devices[0]), requires_grad=False)
+                for (o, k), value in dense[a.index].items():
+                    o._parameters[k] = nn.Parameter(value.to(a.devices[0]), requires_grad=False)
             elif a.index in dense:
                 w = dense[a.index]
                 if a.strides is not None:  # the layout it had before offload() (e.g. channels_last)
@@ -1053,6 +1080,11 @@ class Handle(_RefusesCopy):
             for h in a.hooks:
                 h.remove()
             a.module.__dict__.pop("_apply", None)
+            for o in a.owners:
+                o.__dict__.pop("_apply", None)
+                for p in o.parameters(recurse=False):
+                    if hasattr(p, "_is_memory_managed"):
+                        del p._is_memory_managed
             original = type(a.module).__dict__.get("_layerstream_original_class")
             if original is not None:  # an Embedding subclass that looked up through super()
                 a.module.__class__ = original
@@ -1099,7 +1131,8 @@ def offload(
     trace: bool = False,
     experts: str = "routed",
 ) -> Handle:
-    """Streams the model's Linear, Conv1d/2d/3d, Embedding and MoE experts layers from host RAM.
+    """Streams the model's Linear, Conv1d/2d/3d, Embedding, MultiheadAttention and MoE experts
+    layers from host RAM.
 
     Eligible submodules (selected by ``include``/``exclude`` glob patterns on
     their qualified names) keep their parameters (same objects, same names)
@@ -1115,6 +1148,8 @@ def offload(
     module's tensors in one slot, its own forward run on them (and again in
     backward, on the re-fetched tensors, when a gradient is needed); with
     ``quantize`` they are packed on the host and dequantized in the slot.
+    ``nn.MultiheadAttention`` (whose forward reads its projection weights
+    directly) streams the same way, its out_proj's tensors in its group.
     Tied weights (an lm_head sharing the embedding's weight) stream when every
     module that has the weight streams: from one host copy, unquantized, the
     gradient of the uses summed through autograd. Everything else of the model
@@ -1284,7 +1319,8 @@ def offload(
     candidates = [c for c in candidates if c[2] != "embedding"]
     if not candidates and not tables:
         raise LayerstreamError(
-            "offload() found no Linear, Conv1d/2d/3d or Embedding layer to stream"
+            "offload() found no Linear, Conv1d/2d/3d, Embedding, MultiheadAttention or mixture-of-experts "
+            "layer to stream"
             + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
     # 1. Per layer: quantization format (or pre-quantized int8) and the bytes
@@ -1299,7 +1335,7 @@ def offload(
             # crosses packed (as a matrix of its last dimension's columns) and is
             # dequantized into the slot's workspace after the copy.
             fmt = _quant_for(name, quantize)
-            params = [p for p in module._parameters.values() if p is not None]
+            params = [o._parameters[k] for o, k, _ in _group_slots(module)]
             packed = [p for p in params if p.dim() >= 2]
             if fmt is not None:
                 reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1]) for p in packed]
@@ -1407,6 +1443,9 @@ def offload(
         layer_ids = {id(t[1]) for t in layers + tables}  # tables take no device memory
         fixed = 0
         counted = set()  # a tensor shared by two modules (tied weights) is on the device once
+        for t in layers:  # a tensor group's tensors held by a child (an attention's out_proj)
+            if t[2] == "group":
+                counted.update(id(o._parameters[k]) for o, k, _ in _group_slots(t[1]))
         for module in model.modules():
             if id(module) in layer_ids:
                 continue
@@ -1423,7 +1462,7 @@ def offload(
         # slots - 1), as documented. The slots are sized by the largest
         # *streamed* layer: the planner may keep an outlier (an LM head)
         # resident to shrink them, so whether k slots fit is its call.
-        planned = [(n, bb, sb, rb, 0.0, any(p.requires_grad for p in m.parameters(recurse=False))
+        planned = [(n, bb, sb, rb, 0.0, any(o._parameters[key].requires_grad for o, key, _ in _group_slots(m))
                     if k == "group" else bool(m.weight.requires_grad))
                    for n, m, k, _, _, bb, sb, rb in layers]
         wanted = [int(slots)] if slots is not None else list(range(max(2, opts["prefetch"] + 1), 1, -1))
@@ -1461,7 +1500,7 @@ def offload(
         for a in attached:
             a.module._layerstream_handle = handle
         if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
-            model._apply = _RootApply(model, [a.module._apply for a in attached])
+            model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
             handle._root = model
         # Resident weights to the compute device (device memory can run out here; the
         # tensors already moved stay there, on the device the model was meant for).
@@ -1485,8 +1524,8 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
         if name in resident_names:
             continue
         if kind == "group":
-            keys = [k for k, p in module._parameters.items() if p is not None]
-            params = [module._parameters[k] for k in keys]
+            slots = _group_slots(module)
+            params = [o._parameters[k] for o, k, _ in slots]
             devices = [str(params[0].device)]
             n_experts = getattr(module, "num_experts", 0) if routed else 0
             n_experts = n_experts if isinstance(n_experts, int) and n_experts > 1 else 0
@@ -1498,16 +1537,24 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             if fmt is not None:
                 # Packed on the host: the module keeps data-less stand-ins (the dense
                 # tensors are freed); copy_ / load_state_dict() re-quantize into them.
-                a.packed_parts = [(k, part) for part, (k, p) in enumerate(zip(keys, params)) if p.dim() >= 2]
-                for k, part in a.packed_parts:
-                    p = module._parameters[k]
-                    module._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
-                                                          f"{name or '<root>'}.{k}", part)
+                a.packed_parts = [(qn, part, o, k) for part, ((o, k, qn), p) in enumerate(zip(slots, params))
+                                  if p.dim() >= 2]
+                for qn, part, o, k in a.packed_parts:
+                    p = o._parameters[k]
+                    o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
+                                                     f"{name or '<root>'}.{qn}", part)
                 a.hooks = _requantize_on_load(engine, index, module, a.packed_parts)
-                params = [module._parameters[k] for k in keys]
-            module.forward = _GroupForward(engine, index, old_forward or module.forward, module, keys,
+                params = [o._parameters[k] for o, k, _ in slots]
+            module.forward = _GroupForward(engine, index, old_forward or module.forward, module, slots,
                                            name or "<root>", n_experts)
-            module._apply = _StreamedApply(module, compute_device, name or "<root>", keys)
+            # Each module that owns some of the tensors keeps them where they are on
+            # model.to() (nn.MultiheadAttention: its out_proj too).
+            for owner in dict.fromkeys(o for o, _, _ in slots):
+                keys = [k for o, k, _ in slots if o is owner]
+                sub = "" if owner is module else ".out_proj"
+                owner._apply = _StreamedApply(owner, compute_device, (name or "<root>") + sub, keys)
+                if owner is not module:
+                    a.owners.append(owner)
             for p in params:
                 p._is_memory_managed = True
                 streamed_params.add(id(p))

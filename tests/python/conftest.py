@@ -189,13 +189,23 @@ def assert_grads_match(model, ref, *, exact=False, rtol=1e-5, atol=1e-6):
             torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+def _layer_params(module: torch.nn.Module):
+    """A streamed layer's tensors: its own; an nn.MultiheadAttention's with its out_proj's
+    (they stream as one tensor group)."""
+    own = list(module.parameters(recurse=False))
+    if isinstance(module, torch.nn.MultiheadAttention):
+        own += list(module.out_proj.parameters(recurse=False))
+    return own
+
+
 def layer_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return sum(p.numel() * p.element_size() for p in _layer_params(module))
 
 
 def streamable_modules(model: torch.nn.Module):
-    """(name, module) of the layers offload() streams by default (MHA's out_proj excluded)."""
-    kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    """(name, module) of the layers offload() streams by default: Linear / conv layers and
+    nn.MultiheadAttention (a tensor group with its out_proj, which is not a layer of its own)."""
+    kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.MultiheadAttention)
     skip = torch.nn.modules.linear.NonDynamicallyQuantizableLinear
     return [(n, m) for n, m in model.named_modules()
             if isinstance(m, kinds) and not isinstance(m, skip)
@@ -207,8 +217,11 @@ def largest_streamable_bytes(model: torch.nn.Module) -> int:
 
 
 def slot_bytes(module: torch.nn.Module) -> int:
-    """Bytes of one layer in a device slot: weight and bias each 256-byte aligned."""
+    """Bytes of one layer in a device slot: each tensor 256-byte aligned (weight and bias;
+    a tensor group's tensors)."""
     a = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return sum(a(p.numel() * p.element_size()) for p in _layer_params(module))
     b = 0 if module.bias is None else module.bias.numel() * module.bias.element_size()
     return a(module.weight.numel() * module.weight.element_size()) + a(b)
 
@@ -217,6 +230,7 @@ def fixed_resident_bytes(model: torch.nn.Module) -> int:
     """Parameters and buffers of everything that is not a streamable layer
     (they always live on the device, and a budget covers them)."""
     layer_ids = {id(m) for _, m in streamable_modules(model)}
+    layer_ids |= {id(m.out_proj) for _, m in streamable_modules(model) if isinstance(m, torch.nn.MultiheadAttention)}
     total = 0
     for m in model.modules():
         if id(m) in layer_ids:

@@ -428,7 +428,8 @@ def test_zero_element_layer_is_left_as_it_is(offload_sim):
 
 
 def test_nothing_to_stream():
-    with pytest.raises(LayerstreamError, match="no Linear, Conv1d/2d/3d or Embedding"):
+    with pytest.raises(LayerstreamError, match="no Linear, Conv1d/2d/3d, Embedding, MultiheadAttention or "
+                                               "mixture-of-experts layer"):
         layerstream.offload(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), device="sim")
     with pytest.raises(LayerstreamError, match="include/exclude"):
         layerstream.offload(Named(), device="sim", exclude="*")

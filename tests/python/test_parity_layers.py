@@ -837,3 +837,33 @@ def test_routed_moe_experts_copy_only_the_chosen_ones(offload_dev, compute_devic
                 _close(out, ref(input_ids=token).logits, **FP32_TOL)
     assert handle.stats()["h2d_bytes"] - before < (h_all.stats()["h2d_bytes"] - before_all) * 0.8
     assert handle.stats()["routed_fetches"] >= 4 and h_all.stats()["routed_fetches"] == 0
+
+
+@pytest.mark.parametrize("fmt", [None, "nf4"])
+def test_multihead_attention_streams_as_a_group(offload_dev, compute_device, fmt):
+    """nn.MultiheadAttention (its forward reads the projection weights directly) streams as
+    one tensor group with its out_proj: outputs and input gradients match the resident
+    module (dense), or the module resident with the dequantized values detach() restores
+    (nf4); weight gradients too (dense)."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(64, 4, batch_first=True)
+    if fmt:
+        m.requires_grad_(False)
+    ref = copy.deepcopy(m).to(compute_device)
+    handle = offload_dev(m, quantize=fmt)
+    assert handle.layers == [""]
+    x = torch.randn(2, 7, 64, device=compute_device, requires_grad=True)
+    out = m(x, x, x, need_weights=False)[0]
+    out.square().sum().backward()
+    got, got_grad = out.detach().cpu(), x.grad.cpu()
+    if fmt:
+        handle.detach()
+        ref = m.to(compute_device)
+    x2 = x.detach().clone().requires_grad_()
+    want = ref(x2, x2, x2, need_weights=False)[0]
+    want.square().sum().backward()
+    _close(got, want, **FP32_TOL)
+    _close(got_grad, x2.grad, **FP32_TOL)
+    if not fmt:
+        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+            _close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda s: f"{n}: {s}")

@@ -1,0 +1,138 @@
+"""nn.MultiheadAttention streams as a tensor group: its forward reads the projection
+weights directly (in_proj_weight, or q/k/v_proj_weight, and out_proj.weight) instead of
+calling Linear layers, so its tensors and its out_proj's share one slot and its own
+forward runs on the fetched views (and again in backward when a gradient is needed). On
+the sim device every number is compared bit for bit with the resident module."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from layerstream import LayerstreamError
+
+VARIANTS = {
+    "default": dict(),
+    "batch-first": dict(batch_first=True),
+    "kdim-vdim": dict(kdim=12, vdim=10),
+    "bias-kv-zero-attn": dict(add_bias_kv=True, add_zero_attn=True),
+    "no-bias": dict(bias=False),
+    "dropout": dict(dropout=0.25),
+}
+
+
+def _inputs(kw, L=5, N=3, E=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (N, L) if kw.get("batch_first") else (L, N)
+    return (torch.randn(*shape, E, generator=g), torch.randn(*shape, kw.get("kdim", E), generator=g),
+            torch.randn(*shape, kw.get("vdim", E), generator=g))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_attention_streams_as_one_group_and_trains_exactly(offload_sim, variant):
+    """Every layout of nn.MultiheadAttention: one streamed layer holding its tensors and its
+    out_proj's; outputs, attention weights, input and weight gradients (dropout's masks
+    too: the recompute restores the RNG) bit-identical to the resident module, with and
+    without need_weights, with masks; inference (the fused fast path) too; detach()
+    restores everything."""
+    kw = VARIANTS[variant]
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 2, **kw)
+    ref = copy.deepcopy(m)
+    handle = offload_sim(m)
+    assert handle.layers == [""] and handle.stats()["group_layers"] == 1
+    assert m.out_proj.weight.device.type == "cpu" and hasattr(m.out_proj.weight, "_is_memory_managed")
+    q, k, v = _inputs(kw)
+    mask = torch.zeros(q.shape[0 if not kw.get("batch_first") else 1], k.shape[0 if not kw.get("batch_first") else 1],
+                       dtype=torch.bool)
+    mask[0, -1] = True
+    for step, need in enumerate((True, False, True)):
+        q1, q2 = q.clone().requires_grad_(), q.clone().requires_grad_()
+        extra = dict(attn_mask=mask) if step == 2 else {}
+        torch.manual_seed(step)
+        out, w = m(q1, k, v, need_weights=need, **extra)
+        torch.manual_seed(step)
+        want, want_w = ref(q2, k, v, need_weights=need, **extra)
+        assert torch.equal(out, want) and (w is None) == (want_w is None)
+        if w is not None:
+            assert torch.equal(w, want_w)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        assert torch.equal(q1.grad, q2.grad)
+    for (n, p), (_, r) in zip(m.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, r.grad), n
+    m.eval(), ref.eval()
+    with torch.no_grad():  # eval + no_grad: torch's fused attention path, where it applies
+        assert torch.equal(m(q, k, v)[0], ref(q, k, v)[0])
+    handle.detach()
+    assert "forward" not in m.__dict__ and "_apply" not in m.out_proj.__dict__
+    assert not hasattr(m.out_proj.weight, "_is_memory_managed")
+    for (n, p), (_, r) in zip(m.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, r), n
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(self.attn(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_quantized_attention_streams_packed(offload_sim, fmt):
+    """quantize= packs the attention's projections, out_proj's too (stand-ins on both
+    modules); the streamed model computes what the same model computes resident with the
+    dequantized values detach() restores; load_state_dict() re-quantizes both, and
+    converting the out_proj alone is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block()).requires_grad_(False)
+    other = nn.Sequential(_Block(), _Block())
+    handle = offload_sim(model, quantize=fmt)
+    attn = model[0].attn
+    assert attn.in_proj_weight.is_meta and type(attn.out_proj.weight).__name__ == "_PackedWeight"
+    assert sorted(handle.layers) == ["0.attn", "0.fc", "1.attn", "1.fc"]
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        got = model(x)
+    with pytest.raises(LayerstreamError, match=r"'0.attn.out_proj' keeps its weights in host memory"):
+        attn.out_proj.half()
+    result = model.load_state_dict(other.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    with torch.no_grad():
+        loaded = model(x)
+    handle.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x), loaded)  # the loaded values, dequantized as streamed
+        torch.testing.assert_close(model(x), other(x), rtol=0.2, atol=0.05)  # ~ the loaded model
+    assert not torch.equal(got, loaded)
+
+
+def test_attention_errors_and_ties(offload_sim, recwarn):
+    """A replaced out_proj weight is a clear error at the next call; an attention whose
+    out_proj weight another module shares stays resident (the tied-weights warning); a
+    subclass with its own forward stays resident as before."""
+    torch.manual_seed(0)
+    model = _Block()
+    offload_sim(model)
+    model.attn.out_proj.weight = nn.Parameter(torch.randn(32, 32))
+    with pytest.raises(LayerstreamError, match="were replaced after offload"):
+        model(torch.randn(2, 5, 32))
+    tied = nn.Sequential(_Block(), nn.Linear(32, 32))
+    tied[0].fc.weight = tied[0].attn.out_proj.weight
+    with pytest.warns(RuntimeWarning, match=r"tied weights stay resident .*'0.attn' \(out_proj.weight shared"):
+        handle = offload_sim(tied)
+    assert handle.layers == ["1"]
+
+    class Custom(nn.MultiheadAttention):
+        def forward(self, *a, **k):
+            return super().forward(*a, **k)
+
+    block = _Block()
+    block.attn = Custom(32, 4, batch_first=True)
+    handle = offload_sim(block)
+    assert handle.layers == ["fc"]
