@@ -848,6 +848,33 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
     g.group_tensors.emplace_back(t.shape, t.dtype);
     used.insert(t.name);
   }
+  // torch's nn.MultiheadAttention ("<prefix>.in_proj_weight", or separate
+  // "q/k/v_proj_weight", and "<prefix>.out_proj.weight"): one group of all its
+  // tensors, its out_proj's included, as offload() streams the module (its
+  // forward reads them directly).
+  for (const auto& t : ck.tensors) {
+    std::string prefix;
+    for (const char* s : {".in_proj_weight", ".q_proj_weight"}) {
+      const std::string suf = s;
+      if (t.name.size() > suf.size() && t.name.compare(t.name.size() - suf.size(), suf.size(), suf) == 0)
+        prefix = t.name.substr(0, t.name.size() - suf.size());
+    }
+    if (prefix.empty() || used.count(t.name) || !by_name.count(prefix + ".out_proj.weight")) continue;
+    ModelLayer g;
+    g.name = prefix;
+    g.group = true;
+    g.weight_dtype = t.dtype;
+    for (const char* s : {".in_proj_weight", ".q_proj_weight", ".k_proj_weight", ".v_proj_weight", ".in_proj_bias",
+                          ".bias_k", ".bias_v", ".out_proj.weight", ".out_proj.bias"}) {
+      auto it = by_name.find(prefix + s);
+      if (it == by_name.end() || used.count(it->first)) continue;
+      g.group_bytes += it->second->nbytes;
+      g.group_params += it->second->numel;
+      g.group_tensors.emplace_back(it->second->shape, it->second->dtype);
+      used.insert(it->first);
+    }
+    groups[prefix] = std::move(g);
+  }
   for (auto& [name, g] : groups) layers.push_back(std::move(g));
   for (const auto& t : ck.tensors) {
     if (used.count(t.name)) continue;

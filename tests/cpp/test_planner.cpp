@@ -443,6 +443,36 @@ TEST(Models, ExpertTensorsFormOneGroupPerModule) {
   }
 }
 
+TEST(Models, MultiheadAttentionTensorsFormOneGroup) {
+  // nn.MultiheadAttention as torch saves it (OpenCLIP, torchvision ViT): the
+  // in-projection and the out_proj become one group named after the module,
+  // as offload() streams it; no separate out_proj layer, no small tensor left.
+  Checkpoint ck;
+  auto add = [&](const std::string& name, std::vector<uint64_t> shape) {
+    TensorInfo t;
+    t.name = name;
+    t.dtype = "F16";
+    t.shape = shape;
+    t.numel = 1;
+    for (auto d : shape) t.numel *= d;
+    t.nbytes = t.numel * 2;
+    ck.tensors.push_back(t);
+  };
+  add("transformer.resblocks.0.attn.in_proj_weight", {96, 32});
+  add("transformer.resblocks.0.attn.in_proj_bias", {96});
+  add("transformer.resblocks.0.attn.out_proj.weight", {32, 32});
+  add("transformer.resblocks.0.attn.out_proj.bias", {32});
+  add("transformer.resblocks.0.mlp.c_fc.weight", {128, 32});
+  ModelDescription m = describe_checkpoint(ck);
+  ASSERT_EQ(m.layers.size(), 2u);
+  EXPECT_EQ(m.layers[0].name, "transformer.resblocks.0.attn");
+  EXPECT_TRUE(m.layers[0].group);
+  EXPECT_EQ(m.layers[0].group_bytes, (96u * 32 + 96 + 32 * 32 + 32) * 2);
+  EXPECT_EQ(m.layers[0].group_tensors.size(), 4u);
+  EXPECT_EQ(m.small_tensors, 0u);
+  EXPECT_DOUBLE_EQ(layer_specs(m, LayerOptions{}).at(0).flops, 2.0 * 4096 * (96 * 32 + 96 + 32 * 32 + 32));
+}
+
 TEST(Models, RoutedExpertsCopyTheShareOfExpertsAStepReaches) {
   // As offload(experts="routed"): 1 token with 1 of 8 experts active per
   // token reaches 1/8 of them, so a fetch copies 1/8 of the group; 8 tokens
