@@ -929,6 +929,9 @@ class Handle(_RefusesCopy):
         self._attached = attached
         self._plan = plan  # the planner's decision when offload() had a budget
         self._root = None  # the model, when offload() installed a _RootApply on it
+        # (module, value) of the nn.TransformerEncoderLayer whose fused inference path
+        # offload() turned off (_no_fused_encoder_path), to restore in detach().
+        self._fused_off = []
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -1103,6 +1106,9 @@ class Handle(_RefusesCopy):
                 del a.module._layerstream_handle
         if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
             del self._root.__dict__["_apply"]
+        for layer, value in self._fused_off:
+            layer.activation_relu_or_gelu = value
+        self._fused_off = []
         self._root = None
         self._engine = None
 
@@ -1499,6 +1505,7 @@ def offload(
                        attached, streamed_params, compute_device, experts == "routed")
         for a in attached:
             a.module._layerstream_handle = handle
+        _no_fused_encoder_path(model, attached, handle._fused_off)
         if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
             model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
             handle._root = model
@@ -1513,6 +1520,22 @@ def offload(
                           RuntimeWarning, stacklevel=2)
         raise
     return handle
+
+
+def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
+    """nn.TransformerEncoderLayer's fused inference path (eval, no gradient) passes the
+    weights of its self_attn, linear1 and linear2 to one kernel itself, bypassing their
+    forwards: it would run on the host copies of streamed weights (a device mismatch on a
+    GPU; the data-less stand-ins of packed ones). On a layer with any of them streamed it
+    is turned off (activation_relu_or_gelu = 0, which only that path and
+    nn.TransformerEncoder's nested-tensor path read; the unfused path computes the same
+    function with the layer's own activation). detach() restores it."""
+    streamed = {id(a.module) for a in attached}
+    for m in model.modules():
+        if (isinstance(m, nn.TransformerEncoderLayer) and getattr(m, "activation_relu_or_gelu", 0)
+                and any(id(getattr(m, n, None)) in streamed for n in ("self_attn", "linear1", "linear2"))):
+            undo.append((m, m.activation_relu_or_gelu))
+            m.activation_relu_or_gelu = 0
 
 
 def _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device,

@@ -136,3 +136,34 @@ def test_attention_errors_and_ties(offload_sim, recwarn):
     block.attn = Custom(32, 4, batch_first=True)
     handle = offload_sim(block)
     assert handle.layers == ["fc"]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_transformer_encoder_inference_streams_instead_of_its_fused_path(offload_sim, nested):
+    """nn.TransformerEncoderLayer's fused inference path (eval, no gradient) reads the
+    weights of its attention and linears itself, which would bypass streaming (on a GPU,
+    with host weights: a device mismatch). offload() turns it off on layers that stream:
+    the layers are fetched, and the output equals the resident model's unfused path bit
+    for bit (and the fused one to rounding); detach() turns it back on."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+    ref = copy.deepcopy(enc)
+    handle = offload_sim(enc)
+    assert handle.layers == [f"layers.{i}.{n}" for i in range(2) for n in ("self_attn", "linear1", "linear2")]
+    x = torch.randn(2, 5, 32)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, -2:] = True
+    with torch.no_grad():
+        fused = ref(x, src_key_padding_mask=pad)
+        before = handle.stats()["acquires"]
+        got = enc(x, src_key_padding_mask=pad)
+        assert handle.stats()["acquires"] - before == 6  # every streamed layer was fetched
+        for m in ref.layers:
+            m.activation_relu_or_gelu = 0
+        want = ref(x, src_key_padding_mask=pad)
+    got, want, fused = (t.to_padded_tensor(0.0) if t.is_nested else t for t in (got, want, fused))
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, fused, rtol=1e-5, atol=1e-5)
+    handle.detach()
+    assert all(m.activation_relu_or_gelu == 1 for m in enc.layers)
