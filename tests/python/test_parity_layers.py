@@ -867,3 +867,21 @@ def test_multihead_attention_streams_as_a_group(offload_dev, compute_device, fmt
     if not fmt:
         for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
             _close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda s: f"{n}: {s}")
+
+
+def test_transformer_encoder_inference_streams(offload_dev, compute_device):
+    """nn.TransformerEncoder in eval under no_grad: its layers' fused path, which reads
+    the weights itself, is turned off where they stream, so the streamed weights are used
+    on the device (not the host copies); matches the resident model's fused path to
+    rounding."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0), 2,
+                                enable_nested_tensor=False).eval()
+    ref = copy.deepcopy(enc).to(compute_device)
+    handle = offload_dev(enc)
+    x = torch.randn(2, 7, 64, device=compute_device)
+    with torch.no_grad():
+        before = handle.stats()["acquires"]
+        got = enc(x)
+        assert handle.stats()["acquires"] - before == 6
+        _close(got, ref(x), **FP32_TOL)
