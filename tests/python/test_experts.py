@@ -389,3 +389,17 @@ def test_other_experts_implementations_get_every_expert(offload_sim):
         del moe.ExpertsInterface._global_mapping["ls_test_dense"]
     with pytest.raises(ValueError, match='experts must be "routed"'):
         offload_sim(_qwen3_moe(), experts="some")
+
+
+def test_generate_with_routed_experts_matches_resident(offload_sim):
+    """transformers' generate() (greedy, KV cache) on a streamed MoE model: after the
+    prompt, every new token copies only its experts, and the generated ids equal the
+    resident model's."""
+    model = _many_experts()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    prompt = torch.tensor([[3, 9, 4]])
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+    assert handle.stats()["routed_fetches"] >= 2 * 5
