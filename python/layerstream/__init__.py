@@ -718,6 +718,15 @@ class _GroupForward(_RefusesCopy):
             self._engine.release(token)
 
     def __call__(self, *args, **kwargs):
+        for o, k in self._slots:
+            if k in getattr(o, "parametrizations", {}):
+                raise LayerstreamError(
+                    f"streamed layer '{self._name}': its tensor '{k}' is parametrized during the call "
+                    f"(torch.nn.utils.parametrize; e.g. peft's LoRA on expert parameters, "
+                    f"LoraConfig(target_parameters=...)), so its value is computed from the tensor by "
+                    f"code layerstream cannot stream, and whose gradients it could not return. Put the "
+                    f"adapters on Linear layers (target_modules), or keep this module resident "
+                    f"(offload(exclude=[...])).")
         if any(o._parameters.get(k) is not p for (o, k), p in zip(self._slots, self._params)):
             raise LayerstreamError(
                 f"the parameters of streamed layer '{self._name}' were replaced after offload(); "

@@ -403,3 +403,15 @@ def test_generate_with_routed_experts_matches_resident(offload_sim):
     with torch.no_grad():
         assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
     assert handle.stats()["routed_fetches"] >= 2 * 5
+
+
+def test_lora_on_expert_parameters_is_a_clear_error(offload_sim):
+    """peft's LoRA on expert parameters (target_parameters) parametrizes the 3-D tensor
+    around each call: its value and its adapters' gradients would come from code outside
+    the stream. The first call says so (instead of running without the adapters)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_qwen3_moe(), peft.LoraConfig(r=2, target_modules=[],
+                                                              target_parameters=["mlp.experts.gate_up_proj"]))
+    offload_sim(model)
+    with pytest.raises(LayerstreamError, match=r"'gate_up_proj' is parametrized during the call .*target_parameters"):
+        model(input_ids=_ids())
