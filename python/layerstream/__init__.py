@@ -1536,9 +1536,9 @@ def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
     weights of its self_attn, linear1 and linear2 to one kernel itself, bypassing their
     forwards: it would run on the host copies of streamed weights (a device mismatch on a
     GPU; the data-less stand-ins of packed ones). On a layer with any of them streamed it
-    is turned off (activation_relu_or_gelu = 0, which only that path and
-    nn.TransformerEncoder's nested-tensor path read; the unfused path computes the same
-    function with the layer's own activation). detach() restores it."""
+    is turned off (activation_relu_or_gelu = 0, which only that path reads at call time;
+    the unfused path computes the same function with the layer's own activation).
+    detach() restores it."""
     streamed = {id(a.module) for a in attached}
     for m in model.modules():
         if (isinstance(m, nn.TransformerEncoderLayer) and getattr(m, "activation_relu_or_gelu", 0)

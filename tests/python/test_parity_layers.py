@@ -869,19 +869,22 @@ def test_multihead_attention_streams_as_a_group(offload_dev, compute_device, fmt
             _close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda s: f"{n}: {s}")
 
 
-def test_transformer_encoder_inference_streams(offload_dev, compute_device):
+@pytest.mark.parametrize("nested", [False, True])
+def test_transformer_encoder_inference_streams(offload_dev, compute_device, nested):
     """nn.TransformerEncoder in eval under no_grad: its layers' fused path, which reads
     the weights itself, is turned off where they stream, so the streamed weights are used
     on the device (not the host copies); matches the resident model's fused path to
-    rounding."""
+    rounding, also for a padded batch the encoder turns into nested tensors."""
     torch.manual_seed(0)
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0), 2,
-                                enable_nested_tensor=False).eval()
+                                enable_nested_tensor=nested).eval()
     ref = copy.deepcopy(enc).to(compute_device)
     handle = offload_dev(enc)
     x = torch.randn(2, 7, 64, device=compute_device)
+    pad = torch.zeros(2, 7, dtype=torch.bool, device=compute_device)
+    pad[1, -3:] = True
     with torch.no_grad():
         before = handle.stats()["acquires"]
-        got = enc(x)
+        got = enc(x, src_key_padding_mask=pad)
         assert handle.stats()["acquires"] - before == 6
-        _close(got, ref(x), **FP32_TOL)
+        _close(got, ref(x, src_key_padding_mask=pad), **FP32_TOL)
