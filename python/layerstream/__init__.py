@@ -19,6 +19,7 @@ import functools
 import itertools
 import re
 import warnings
+import weakref
 from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -195,10 +196,19 @@ def _reads_routed_experts_only(module: nn.Module) -> bool:
     return any(fn is getattr(moe, name, None) for name in _TRANSFORMERS_EXPERTS_FORWARDS)
 
 
+# Modules offload(groups=...) streams whole (while offloaded): _group_slots() lists every
+# parameter below them. Weak: a module dropped without detach() leaves nothing behind.
+_WHOLE_GROUPS = weakref.WeakSet()
+
+
 def _group_slots(module: nn.Module) -> List[tuple]:
     """(owner, key, name) of each parameter of a tensor group: the module's own, and for
     nn.MultiheadAttention its out_proj's too (its forward reads out_proj.weight directly,
-    so they stream together)."""
+    so they stream together); for a module offload(groups=...) named, every parameter of
+    it and of its descendants (named relative to it)."""
+    if module in _WHOLE_GROUPS:  # offload(groups=...): every parameter below it
+        return [(owner, k, f"{mname}.{k}" if mname else k) for mname, owner in module.named_modules()
+                for k, p in owner._parameters.items() if p is not None]
     slots = [(module, k, k) for k, p in module._parameters.items() if p is not None]
     if isinstance(module, nn.MultiheadAttention):
         out = module.out_proj
@@ -697,6 +707,17 @@ class _GroupForward(_RefusesCopy):
             return []
         return hit
 
+    def check_output(self, out, views) -> None:
+        """A result that is a view of a fetched tensor would point into a slot that the
+        next layers reuse: refused, as the group's limits say."""
+        held = {v.untyped_storage().data_ptr() for v in views}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_nested and t.untyped_storage().data_ptr() in held:
+                raise LayerstreamError(
+                    f"streamed layer '{self._name}' returned a view of one of its parameters; a streamed "
+                    f"tensor group's parameters are views of a device slot that the next layers reuse. "
+                    f"Return a copy (e.g. .clone()), or keep this module resident (offload(exclude=[...])).")
+
     @contextlib.contextmanager
     def fetched(self, requires_grad=None, experts: Sequence[int] = ()):
         """The module's parameters swapped for views of the fetched slot while the
@@ -737,8 +758,10 @@ class _GroupForward(_RefusesCopy):
         inputs = [flat[i] for i in positions]
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or
                                                 any(p.requires_grad for p in self._params)):
-            with self.fetched(experts=self.routed_experts(args, kwargs)):
-                return self._original(*args, **kwargs)
+            with self.fetched(experts=self.routed_experts(args, kwargs)) as views:
+                out = self._original(*args, **kwargs)
+                self.check_output(out, views)
+                return out
         taken = set(positions)
         skeleton = [None if i in taken else a for i, a in enumerate(flat)]
         return _GroupFn.apply(self, (skeleton, spec, positions), *inputs, *self._params)
@@ -775,8 +798,9 @@ class _GroupFn(torch.autograd.Function):
         ctx.save_for_backward(*inputs, *fwd._params)
         args, kwargs = _rebuild(layout, inputs)
         ctx.experts = fwd.routed_experts(args, kwargs)  # the recompute reads the same ones
-        with fwd.fetched(experts=ctx.experts):
+        with fwd.fetched(experts=ctx.experts) as views:
             out = fwd._original(*args, **kwargs)
+            fwd.check_output(out, views)
         if isinstance(out, torch.Tensor):
             ctx.single = True
             return out
@@ -1092,6 +1116,7 @@ class Handle(_RefusesCopy):
             for h in a.hooks:
                 h.remove()
             a.module.__dict__.pop("_apply", None)
+            _WHOLE_GROUPS.discard(a.module)
             for o in a.owners:
                 o.__dict__.pop("_apply", None)
                 for p in o.parameters(recurse=False):
@@ -1145,6 +1170,7 @@ def offload(
     compute_dtype: Optional[torch.dtype] = None,
     trace: bool = False,
     experts: str = "routed",
+    groups: Union[None, str, Sequence[str]] = None,
 ) -> Handle:
     """Streams the model's Linear, Conv1d/2d/3d, Embedding, MultiheadAttention and MoE experts
     layers from host RAM.
@@ -1218,6 +1244,15 @@ def offload(
         are the same (the module's forward reads no other expert: transformers'
         "eager", "batched_mm" and "grouped_mm" implementations; any other
         gets every expert). "all": every expert, every call (prefetched).
+    groups: glob patterns of modules to stream whole as tensor groups (opt-in, for
+        layers whose forward reads weights directly: custom layers, RNNs, ...): all
+        the parameters of such a module and of its descendants share one slot, its own
+        forward runs with them swapped for the fetched tensors, and when a gradient is
+        needed it runs again in backward (with the same RNG state). Its forward must be
+        a function of its inputs, parameters and the RNG (recomputed), read its
+        parameters through the module attributes at call time (not through references
+        cached earlier: nn.RNNBase modules are refused for that reason), read no
+        parameter outside it, and return no view of a parameter (an error says so).
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
         counters. Faster for inference loops and small models. Writes through
@@ -1270,7 +1305,37 @@ def offload(
     _check_no_meta(model)
     dora = _dora_layers(model)
     candidates, padded, custom, computed, wrapped, under_dora, renormed = [], [], [], [], [], [], []
+    grouped = []  # the names of modules offload(groups=...) streams whole: their descendants are theirs
     for name, module in model.named_modules():
+        if any(name.startswith(g + ".") or g == "" for g in grouped):
+            continue
+        if groups is not None and _selected(name, groups, None) and _selected(name, include, exclude):
+            if any(getattr(m, "_layerstream_handle", None) is not None for m in module.modules()):
+                raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; "
+                                       f"call detach() on that handle first")
+            if "forward" in module.__dict__:
+                wrapped.append(f"'{name or '<root>'}'")
+                continue
+            below = list(module.modules())
+            rnn = [m for m in below if isinstance(m, nn.RNNBase)]
+            if rnn:
+                raise LayerstreamError(
+                    f"offload(groups=...) names module '{name or '<root>'}', which holds a "
+                    f"{type(rnn[0]).__name__}: its forward reads cached references to its weights "
+                    f"(_flat_weights), not the parameters swapped in for the call, so it cannot stream "
+                    f"as a tensor group; leave it out of groups= (it stays resident)")
+            if any(torch.nn.utils.parametrize.is_parametrized(m) for m in below):
+                computed.append(f"'{name or '<root>'}'")
+                continue
+            params = [p for m in below for p in m._parameters.values() if p is not None]
+            if not params or not all(p.is_floating_point() for p in params):
+                raise LayerstreamError(
+                    f"offload(groups=...) names module '{name or '<root>'}', which has "
+                    f"{'no parameters' if not params else 'non-floating-point parameters'} to stream")
+            grouped.append(name)
+            _WHOLE_GROUPS.add(module)
+            candidates.append((name, module, "group"))
+            continue
         kind = _is_streamable(module)
         if kind is None or not _selected(name, include, exclude):
             continue
@@ -1515,6 +1580,11 @@ def offload(
         for a in attached:
             a.module._layerstream_handle = handle
         _no_fused_encoder_path(model, attached, handle._fused_off)
+        streamed_ids = {id(a.module) for a in attached}
+        for name in grouped:  # a groups= module kept resident is an ordinary module again
+            module = model.get_submodule(name)
+            if id(module) not in streamed_ids:
+                _WHOLE_GROUPS.discard(module)
         if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
             model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
             handle._root = model
@@ -1522,6 +1592,8 @@ def offload(
         # tensors already moved stay there, on the device the model was meant for).
         _move_resident(model, streamed_params, compute_device)
     except BaseException:
+        for name in grouped:
+            _WHOLE_GROUPS.discard(model.get_submodule(name))
         try:
             handle.detach()
         except Exception as undo_error:  # pragma: no cover - reported with the original error
@@ -1583,8 +1655,10 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             # model.to() (nn.MultiheadAttention: its out_proj too).
             for owner in dict.fromkeys(o for o, _, _ in slots):
                 keys = [k for o, k, _ in slots if o is owner]
-                sub = "" if owner is module else ".out_proj"
-                owner._apply = _StreamedApply(owner, compute_device, (name or "<root>") + sub, keys)
+                qn = next(q for o, k, q in slots if o is owner)
+                sub = qn[:-len(keys[0]) - 1] if owner is not module else ""
+                full = ".".join(x for x in (name, sub) if x) or "<root>"
+                owner._apply = _StreamedApply(owner, compute_device, full, keys)
                 if owner is not module:
                     a.owners.append(owner)
             for p in params:

@@ -1,0 +1,111 @@
+"""offload(groups=...): any module streamed whole as a tensor group (opt-in, for layers
+whose forward reads weights directly): every parameter of it and of its descendants in
+one slot, its own forward on the fetched tensors, recomputed in backward. Bit for bit
+against the resident model on the sim device."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from layerstream import LayerstreamError
+
+
+class Custom(nn.Module):
+    """Reads its weight directly (no Linear to swap) and calls a child Linear."""
+
+    def __init__(self, d=16, p=0.0):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.b = nn.Parameter(torch.zeros(d))
+        self.inner = nn.Linear(d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.inner(self.drop(torch.tanh(x @ self.w.t() + self.b)))
+
+
+def _model(p=0.0):
+    torch.manual_seed(0)
+    return nn.Sequential(Custom(p=p), nn.Linear(16, 16), Custom(p=p))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["plain", "dropout"])
+def test_named_modules_stream_whole_and_train_exactly(offload_sim, p):
+    """groups=["0", "2"]: each custom module (its parameters and its child Linear's) is one
+    streamed layer, the child no layer of its own; two accumulating backwards (dropout's
+    masks reproduced by the recompute), an optimizer step and the next forward match the
+    resident model bit for bit; model.to() on the compute device is fine, a dtype change
+    of a child refused; detach() restores everything."""
+    model, ref = _model(p), None
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, groups=["0", "2"])
+    assert handle.layers == ["0", "1", "2"] and handle.stats()["group_layers"] == 2
+    assert model[0].inner.weight.device.type == "cpu" and hasattr(model[0].inner.weight, "_is_memory_managed")
+    model.to("cpu")
+    with pytest.raises(LayerstreamError, match=r"'0.inner' keeps its weights in host memory"):
+        model[0].inner.half()
+    for step in range(2):
+        x = torch.randn(4, 16)
+        torch.manual_seed(step)
+        y = model(x)
+        torch.manual_seed(step)
+        want = ref(x)
+        assert torch.equal(y, want)
+        y.square().sum().backward()
+        want.square().sum().backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    for m in (model, ref):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        assert torch.equal(model(x), ref(x))
+    handle.detach()
+    assert "_apply" not in model[0].inner.__dict__ and not hasattr(model[0].w, "_is_memory_managed")
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), n
+    handle = offload_sim(model)  # offloaded again without groups=: the child Linears stream alone
+    assert handle.layers == ["0.inner", "1", "2.inner"]
+
+
+def test_groups_errors(offload_sim):
+    """A module that returns a view of its parameter, an RNN (cached weight references),
+    a module without parameters: clear errors. A group excluded by exclude= is not one
+    (its child Linear streams alone)."""
+
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return x @ self.w, self.w.t()
+
+    model = nn.Sequential(Leaky(), nn.Linear(4, 4))
+    offload_sim(model, groups="0")
+    with pytest.raises(LayerstreamError, match="'0' returned a view of one of its parameters"):
+        model[0](torch.randn(2, 4))
+    with pytest.raises(LayerstreamError, match="holds a LSTM: its forward reads cached references"):
+        offload_sim(nn.Sequential(nn.LSTM(4, 4), nn.Linear(4, 4)), groups="0")
+    with pytest.raises(LayerstreamError, match="names module '0', which has no parameters"):
+        offload_sim(nn.Sequential(nn.ReLU(), nn.Linear(4, 4)), groups="0")
+    handle = offload_sim(_model(), groups=["0", "2"], exclude="2")
+    assert handle.layers == ["0", "1", "2.inner"]
+
+
+def test_quantized_group_module(offload_sim):
+    """quantize= packs a groups= module's matrices (frozen), its child's too; the streamed
+    model computes what the same model computes resident with the values detach() restores."""
+    model = _model().requires_grad_(False)
+    handle = offload_sim(model, groups=["0", "2"], quantize="int8")
+    assert model[0].w.is_meta and model[0].inner.weight.is_meta
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        got = model(x)
+    handle.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x), got)
