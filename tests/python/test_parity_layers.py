@@ -888,3 +888,30 @@ def test_transformer_encoder_inference_streams(offload_dev, compute_device, nest
         got = enc(x, src_key_padding_mask=pad)
         assert handle.stats()["acquires"] - before == 6
         _close(got, ref(x, src_key_padding_mask=pad), **FP32_TOL)
+
+
+def test_named_module_streams_whole_as_a_group(offload_dev, compute_device):
+    """offload(groups=...): a custom module that reads its weight directly streams whole,
+    its child Linear with it; outputs and every gradient match the resident module."""
+
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 32) / 32 ** 0.5)
+            self.inner = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.inner(torch.tanh(x @ self.w.t()))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Custom(), nn.Linear(32, 8))
+    ref = copy.deepcopy(model).to(compute_device)
+    handle = offload_dev(model, groups="0")
+    assert handle.layers == ["0", "1"]
+    x = torch.randn(4, 32, device=compute_device)
+    out, want = model(x), ref(x)
+    _close(out, want, **FP32_TOL)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        _close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda s: f"{n}: {s}")
