@@ -1089,10 +1089,45 @@ ModelDescription flux_dev() {
   return b.m;
 }
 
+// Qwen3-30B-A3B (transformers' layout): 48 layers of GQA attention (32 query
+// heads, 4 key/value heads of 128) and a mixture of 128 experts of width 768,
+// 8 per token, fused as transformers holds them (gate_up_proj [experts,
+// 2 * 768, 2048], down_proj [experts, 2048, 768]): one tensor group each.
+ModelDescription qwen3_30b_a3b() {
+  const uint64_t d = 2048, q = 32 * 128, kv = 4 * 128, experts = 128, inter = 768, vocab = 151936;
+  Builder b;
+  b.m.name = "qwen3-30b-a3b";
+  b.dtype = "BF16";
+  b.embedding("model.embed_tokens", vocab, d);
+  for (int i = 0; i < 48; ++i) {
+    std::string p = "model.layers." + std::to_string(i) + ".";
+    b.small(d);  // input_layernorm
+    b.linear(p + "self_attn.q_proj", q, d, false);
+    b.linear(p + "self_attn.k_proj", kv, d, false);
+    b.linear(p + "self_attn.v_proj", kv, d, false);
+    b.small(128, 2);  // q_norm, k_norm
+    b.linear(p + "self_attn.o_proj", d, q, false);
+    b.small(d);  // post_attention_layernorm
+    b.linear(p + "mlp.gate", experts, d, false);  // the router
+    ModelLayer g;
+    g.name = p + "mlp.experts";
+    g.group = true;
+    g.weight_dtype = b.dtype;
+    g.group_tensors = {{{experts, 2 * inter, d}, b.dtype}, {{experts, d, inter}, b.dtype}};
+    g.group_params = experts * 3 * inter * d;
+    g.group_bytes = bytes_of(g.group_params, b.dtype);
+    g.active = 8.0 / 128.0;
+    b.m.layers.push_back(std::move(g));
+  }
+  b.small(d);  // model.norm
+  b.linear("lm_head", vocab, d, false);
+  return b.m;
+}
+
 }  // namespace
 
 std::vector<std::string> builtin_model_names() {
-  return {"gpt2-small", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b", "flux-dev"};
+  return {"gpt2-small", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b", "flux-dev", "qwen3-30b-a3b"};
 }
 
 ModelDescription builtin_model(const std::string& name) {
@@ -1102,6 +1137,7 @@ ModelDescription builtin_model(const std::string& name) {
   if (name == "llama-13b") return llama(name, 5120, 40, 13824, 5120, 32000);
   if (name == "llama-70b") return llama(name, 8192, 80, 28672, 1024, 32000);
   if (name == "flux-dev") return flux_dev();
+  if (name == "qwen3-30b-a3b") return qwen3_30b_a3b();
   std::string names;
   for (const auto& n : builtin_model_names()) names += (names.empty() ? "" : ", ") + n;
   LS_FAIL("unknown model ", json::quote(name), " (built-in models: ", names, ")");

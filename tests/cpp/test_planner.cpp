@@ -723,6 +723,26 @@ TEST(Models, BuiltinsAndUnknownName) {
   params = 0;
   for (const auto& l : f.layers) params += l.params();
   EXPECT_NEAR(static_cast<double>(params), 11.9e9, 0.2e9);
+  // Qwen3-30B-A3B: 30.5B parameters, 3.3B of them active per token (8 of 128 experts;
+  // the embedding table counted, as Qwen counts it);
+  // decoding one token copies 1/16 of each expert group (routed), 4096 tokens all of it.
+  ModelDescription q = builtin_model("qwen3-30b-a3b");
+  params = 0;
+  double active = 0;
+  for (const auto& l : q.layers) {
+    const uint64_t n = l.group ? l.group_params : l.params();
+    params += n;
+    active += static_cast<double>(n) * (l.group ? l.active : 1.0);
+  }
+  EXPECT_NEAR(static_cast<double>(params), 30.5e9, 0.1e9);
+  EXPECT_NEAR(active, 3.3e9, 0.1e9);
+  LayerOptions one;
+  one.tokens = 1;
+  for (const auto& sp : layer_specs(q, one))
+    if (sp.name == "model.layers.0.mlp.experts") {
+      EXPECT_EQ(sp.routed_bytes, (sp.bytes + 15) / 16);
+    }
+  EXPECT_EQ(layer_specs(q, LayerOptions{}).at(5).routed_bytes, 0u);  // 4096 tokens reach every expert
   std::string m = error_of([] { builtin_model("gpt5"); });
   EXPECT_HAS(m, "unknown model \"gpt5\" (built-in models: gpt2-small");
   EXPECT_HAS(m, "llama-13b");

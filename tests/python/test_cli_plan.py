@@ -333,3 +333,9 @@ def test_moe_decoding_plans_the_routed_experts_only(tmp_path):
     assert " routed " in r.stdout
     bad = run("--checkpoint", tmp_path, "--budget", "200KB", "--experts", "some")
     assert bad.returncode == 2 and "--experts expects routed or all" in bad.stderr
+    # The built-in Qwen3-30B-A3B (8 of 128 experts per token), decoding under 16 GiB:
+    # routed, a step moves about a tenth of what every expert would.
+    q = plan_json("--model", "qwen3-30b-a3b", "--budget", "16GiB", "--tokens", "1")
+    q_all = plan_json("--model", "qwen3-30b-a3b", "--budget", "16GiB", "--tokens", "1", "--experts", "all")
+    assert q["plan"]["bus_bytes_per_step"] < q_all["plan"]["bus_bytes_per_step"] / 8
+    assert q["plan"]["time"]["step_s"] < q_all["plan"]["time"]["step_s"] / 8

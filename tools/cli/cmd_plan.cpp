@@ -234,11 +234,15 @@ int cmd_plan(int argc, char** argv) {
     std::printf("model:  %zu layers + %zu small tensors (%s, always resident)\n", desc.layers.size(),
                 desc.small_tensors, format_bytes(desc.small_bytes).c_str());
     size_t groups = 0;
-    for (const auto& l : desc.layers) groups += l.group ? 1 : 0;
+    for (const auto& l : desc.layers) {
+      groups += l.group ? 1 : 0;
+      if (l.group && l.active < 1.0 && experts_active <= 0) experts_active = l.active;  // a built-in's own
+    }
+    const char* active_from = have_checkpoint ? "config.json" : "built-in";
     if (groups && experts_active > 0) {
       const double reach = 1.0 - std::pow(1.0 - experts_active, static_cast<double>(opt.tokens));
       std::printf("        %zu mixture-of-experts group(s), one slot each; a token runs %.3g%% of the experts "
-                  "(config.json), %llu tokens reach ~%.3g%%%s\n", groups, experts_active * 100.0,
+                  "(%s), %llu tokens reach ~%.3g%%%s\n", groups, experts_active * 100.0, active_from,
                   static_cast<unsigned long long>(opt.tokens), reach * 100.0,
                   !opt.routed_experts ? ": every expert crosses the bus (--experts all)"
                   : reach <= 0.5     ? ": only those cross the bus (routed), on demand"
