@@ -222,8 +222,7 @@ def _is_mha(module: nn.Module) -> bool:
     tensor group, its out_proj with it."""
     return (type(module).forward is nn.MultiheadAttention.forward
             and type(module.out_proj).forward is nn.Linear.forward
-            and all(p.is_floating_point() for _, _, p in
-                    ((o, k, o._parameters[k]) for o, k, _ in _group_slots(module))))
+            and all(o._parameters[k].is_floating_point() for o, k, _ in _group_slots(module)))
 
 
 def _is_streamable(module: nn.Module) -> Optional[str]:

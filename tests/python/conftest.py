@@ -254,3 +254,17 @@ class CastCounter(TorchDispatchMode):
         if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
             self.casts += 1
         return func(*args, **(kwargs or {}))
+
+
+def tiny_llama(vocab_size: int = 64, seed=0, **config):
+    """A 2-layer transformers Llama (hidden 32, eager attention) on the CPU, seeded unless
+    seed is None; `config` overrides LlamaConfig fields (tie_word_embeddings=True, biases)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                max_position_embeddings=64), **config})
+    cfg._attn_implementation = "eager"
+    if seed is not None:
+        torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)

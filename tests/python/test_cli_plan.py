@@ -278,10 +278,9 @@ def test_tied_lm_head_from_config(tmp_path):
     assert "lm_head" not in [l["name"] for l in j["plan"]["layers"]]
 
 
-def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
-    """transformers saves a mixture-of-experts model with per-expert tensors; the plan groups
-    them per experts module, as offload() streams them (one slot; with --quantize each tensor
-    packed), and takes the experts a token runs from config.json."""
+def _save_tiny_qwen3_moe(path):
+    """A 2-layer transformers Qwen3-MoE checkpoint (8 experts, 2 per token; per-expert tensors,
+    as transformers saves them) with its config.json, in `path`."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
@@ -289,7 +288,14 @@ def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
         max_position_embeddings=64)
     torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(tmp_path), safe_serialization=True)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+
+
+def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
+    """transformers saves a mixture-of-experts model with per-expert tensors; the plan groups
+    them per experts module, as offload() streams them (one slot; with --quantize each tensor
+    packed), and takes the experts a token runs from config.json."""
+    _save_tiny_qwen3_moe(tmp_path)
     group = 8 * 3 * 16 * 32 * 4
     j = plan_json("--checkpoint", tmp_path, "--budget", "200KB", "--quantize", "int8", "--tokens", "100")
     layers = {l["name"]: l for l in j["plan"]["layers"]}
@@ -311,14 +317,7 @@ def test_moe_decoding_plans_the_routed_experts_only(tmp_path):
     """One token per step (decoding) reaches 2 of 8 experts: as offload(experts="routed")
     copies only those, the plan counts a quarter of each group on the bus, on demand (the
     table says "routed"); --experts all counts every expert."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(tmp_path), safe_serialization=True)
+    _save_tiny_qwen3_moe(tmp_path)
     group = 8 * 3 * 16 * 32 * 4
     routed = plan_json("--checkpoint", tmp_path, "--budget", "110KB", "--tokens", "1")
     whole = plan_json("--checkpoint", tmp_path, "--budget", "110KB", "--tokens", "1", "--experts", "all")

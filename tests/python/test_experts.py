@@ -26,10 +26,11 @@ def _qwen3_moe(**over):
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
-def _gpt_oss():
+def _gpt_oss(experts=4):
+    """GPT-OSS: expert biases, routing ids passed as `router_indices`."""
     cfg = transformers.GptOssConfig(
         vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=experts, num_experts_per_tok=2,
         max_position_embeddings=64, layer_types=["full_attention", "full_attention"])
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -312,14 +313,7 @@ def test_routed_experts_copy_only_the_experts_a_call_reads(offload_sim, monkeypa
 
 
 def _gpt_oss_many():
-    """GPT-OSS (expert biases, routing ids passed as `router_indices`) with 16 experts."""
-    cfg = transformers.GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_local_experts=16, num_experts_per_tok=2,
-        max_position_embeddings=64, layer_types=["full_attention", "full_attention"])
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return transformers.GptOssForCausalLM(cfg)
+    return _gpt_oss(experts=16)
 
 
 @pytest.mark.parametrize("make", [_many_experts, _gpt_oss_many], ids=["qwen3-moe", "gpt-oss-biases"])

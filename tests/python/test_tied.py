@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import tiny_llama
 from layerstream import LayerstreamError
 
 
@@ -238,14 +239,8 @@ def test_hf_tied_lm_with_lora_streams_the_tied_head(offload_sim):
     resident model."""
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg)
+    base = tiny_llama(96, tie_word_embeddings=True)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     ref = copy.deepcopy(model)
     handle = offload_sim(model)

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
 
-from conftest import CastCounter, clone_input
+from conftest import CastCounter, clone_input, tiny_llama
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -121,13 +121,7 @@ def test_gradient_checkpointing_matches_checkpointed_reference(offload_sim):
 
 # ---------------------------------------------------------------- LoRA (peft + transformers)
 def _tiny_llama(bias: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                      attention_bias=bias, mlp_bias=bias)
-    cfg._attn_implementation = "eager"
-    return LlamaForCausalLM(cfg)
+    return tiny_llama(seed=None, attention_bias=bias, mlp_bias=bias)
 
 
 @pytest.mark.parametrize("bias", [
@@ -217,14 +211,8 @@ def test_tied_embeddings_full_finetune_with_budget(offload_sim):
     counted once); with less, both stream from one host copy. Either way the tied
     weight is trained through both uses and its gradient accumulates exactly over two
     backward passes, and the budget's resident bytes are what is on the device."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg)
+    pytest.importorskip("transformers")
+    base = tiny_llama(64, tie_word_embeddings=True)
     # The planner keeps lm_head resident with room for 2 slots and 7 more 8 KiB layers;
     # with room for 2 slots and 1 it keeps smaller layers resident and streams lm_head.
     for budget, head_streams in ((9 * 64 * 32 * 4 + 64 * 4 * 10, False),
