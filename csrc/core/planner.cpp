@@ -652,6 +652,10 @@ uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::s
   return bytes_of(numel, dtype);
 }
 
+double experts_reached(double active, uint64_t tokens) {
+  return 1.0 - std::pow(1.0 - active, static_cast<double>(tokens));
+}
+
 std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOptions& opt) {
   std::vector<PlannerLayer> out;
   const double tokens = static_cast<double>(opt.tokens);
@@ -685,8 +689,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       s.trainable = opt.training && opt.quantize == Quantization::None;
       s.as_stored = opt.quantize != Quantization::None && bus == l.group_bytes;  // nothing to pack
       if (opt.routed_experts && l.active < 1.0) {
-        // The share of the experts `tokens` tokens reach, routed uniformly.
-        const double share = 1.0 - std::pow(1.0 - l.active, tokens);
+        const double share = experts_reached(l.active, opt.tokens);
         if (share <= 0.5) s.routed_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(bus * share)));
       }
       out.push_back(std::move(s));

@@ -209,6 +209,11 @@ struct LayerOptions {
   bool routed_experts = true;
 };
 
+// The share of a mixture-of-experts layer's experts that `tokens` tokens
+// reach when each runs a share `active` of them, routed uniformly:
+// 1 - (1 - active)^tokens (what LayerOptions::routed_experts plans with).
+double experts_reached(double active, uint64_t tokens);
+
 // Bytes of one weight of `shape`/`dtype` after quantization (unchanged for
 // None or for dtypes narrower than 16 bits): the exact packed buffer size of
 // core/quant.h (layout_for(...).total_bytes(), sections 256-byte aligned) for

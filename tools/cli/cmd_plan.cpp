@@ -240,7 +240,7 @@ int cmd_plan(int argc, char** argv) {
     }
     const char* active_from = have_checkpoint ? "config.json" : "built-in";
     if (groups && experts_active > 0) {
-      const double reach = 1.0 - std::pow(1.0 - experts_active, static_cast<double>(opt.tokens));
+      const double reach = experts_reached(experts_active, opt.tokens);
       std::printf("        %zu mixture-of-experts group(s), one slot each; a token runs %.3g%% of the experts "
                   "(%s), %llu tokens reach ~%.3g%%%s\n", groups, experts_active * 100.0, active_from,
                   static_cast<unsigned long long>(opt.tokens), reach * 100.0,
