@@ -6,7 +6,10 @@
 // same time expressed as bf16-source GB/s), CPU dequant-to-bf16 throughput
 // (GB/s of bf16 written), and, when built with CUDA and a device is present,
 // device dequant-to-bf16 throughput (GB/s of packed read + bf16 written).
-// Times are the best of K repetitions.
+// Times are the best of K repetitions. GGUF's block formats (q8_0 .. q6_k,
+// when cols is a multiple of 256) follow, dequantization only (layerstream
+// reads them from .gguf files, it does not pack them: pack columns "-", 0 in
+// JSON).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -110,7 +113,8 @@ int main(int argc, char** argv) {
       return device_dequant(L, packed, reps);
     };
 #endif
-    const std::vector<Row> results = layerstream::bench::measure_quant(rows, cols, reps, threads, device);
+    const std::vector<Row> results =
+        layerstream::bench::measure_quant(rows, cols, reps, threads, device, cols % 256 == 0);
 
     const double f32_bytes = static_cast<double>(n) * 4, bf16_bytes = static_cast<double>(n) * 2;
     if (json) {
@@ -123,8 +127,9 @@ int main(int argc, char** argv) {
             "\"pack_gbps_f32_src\": %.4g, \"pack_gbps_bf16_src\": %.4g, \"dequant_cpu_s\": %.6g, "
             "\"dequant_cpu_gbps_bf16_out\": %.4g, \"dequant_cuda_s\": %.6g, "
             "\"dequant_cuda_gbps\": %.4g}",
-            i ? ", " : "", r.format.c_str(), r.packed_bytes, r.pack_s, f32_bytes / r.pack_s / 1e9,
-            bf16_bytes / r.pack_s / 1e9, r.dequant_s, bf16_bytes / r.dequant_s / 1e9, r.device_s,
+            i ? ", " : "", r.format.c_str(), r.packed_bytes, r.pack_s,
+            r.pack_s > 0 ? f32_bytes / r.pack_s / 1e9 : 0.0, r.pack_s > 0 ? bf16_bytes / r.pack_s / 1e9 : 0.0,
+            r.dequant_s, bf16_bytes / r.dequant_s / 1e9, r.device_s,
             r.device_s > 0 ? (bf16_bytes + r.packed_bytes) / r.device_s / 1e9 : -1.0);
       }
       std::printf("]}\n");
@@ -139,9 +144,13 @@ int main(int argc, char** argv) {
           std::snprintf(dev, sizeof dev, "%.1f", (bf16_bytes + r.packed_bytes) / r.device_s / 1e9);
         else
           std::snprintf(dev, sizeof dev, "-");
-        std::printf("%-6s %12.2f %10.2f %14.2f %14.2f %16.2f %18s\n", r.format.c_str(),
-                    r.packed_bytes / 1048576.0, r.pack_s * 1e3, f32_bytes / r.pack_s / 1e9,
-                    bf16_bytes / r.pack_s / 1e9, bf16_bytes / r.dequant_s / 1e9, dev);
+        if (r.pack_s > 0)
+          std::printf("%-6s %12.2f %10.2f %14.2f %14.2f %16.2f %18s\n", r.format.c_str(),
+                      r.packed_bytes / 1048576.0, r.pack_s * 1e3, f32_bytes / r.pack_s / 1e9,
+                      bf16_bytes / r.pack_s / 1e9, bf16_bytes / r.dequant_s / 1e9, dev);
+        else
+          std::printf("%-6s %12.2f %10s %14s %14s %16.2f %18s\n", r.format.c_str(), r.packed_bytes / 1048576.0,
+                      "-", "-", "-", bf16_bytes / r.dequant_s / 1e9, dev);
       }
     }
   } catch (const layerstream::Error& e) {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <random>
+#include <utility>
+#include <vector>
 
 namespace layerstream::bench {
 
@@ -20,7 +22,7 @@ double best_of(int reps, const Fn& fn) {
 }  // namespace
 
 std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps, int threads,
-                                           const DeviceDequantFn& device) {
+                                           const DeviceDequantFn& device, bool gguf) {
   namespace q = layerstream::quant;
   const int64_t n = rows * cols;
   std::vector<float> w(static_cast<size_t>(n));
@@ -38,6 +40,37 @@ std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps,
     r.cols = cols;
     r.packed_bytes = L.total_bytes();
     r.pack_s = best_of(reps, [&] { q::pack(f, w.data(), rows, cols, packed.data(), threads); });
+    r.dequant_s = best_of(reps, [&] {
+      q::dequantize_cpu(L, packed.data(), out.data(), q::OutDtype::BF16, threads);
+    });
+    if (device) r.device_s = device(L, packed);
+    results.push_back(r);
+  }
+  if (!gguf) return results;
+  // Byte offsets of each GGUF format's fp16 scale fields in a block (ggml's block_q*).
+  const std::pair<q::Format, std::vector<int>> fields[] = {
+      {q::Format::GgufQ8_0, {0}},     {q::Format::GgufQ4_0, {0}},     {q::Format::GgufQ4_1, {0, 2}},
+      {q::Format::GgufQ5_0, {0}},     {q::Format::GgufQ5_1, {0, 2}},  {q::Format::GgufQ2_K, {80, 82}},
+      {q::Format::GgufQ3_K, {108}},   {q::Format::GgufQ4_K, {0, 2}},  {q::Format::GgufQ5_K, {0, 2}},
+      {q::Format::GgufQ6_K, {208}},
+  };
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const auto& [f, offsets] : fields) {
+    const q::PackedLayout L = q::layout_for(f, rows, cols);
+    std::vector<uint8_t> packed(L.total_bytes(), 0);
+    for (size_t i = 0; i < L.data_bytes; ++i) packed[i] = static_cast<uint8_t>(byte(rng));
+    const size_t block = L.data_bytes / static_cast<size_t>(std::max<int64_t>(1, n / L.block_size));
+    const uint16_t d = q::float_to_f16_bits(0.01f);
+    for (size_t b = 0; b + block <= L.data_bytes; b += block)
+      for (int off : offsets) {
+        packed[b + static_cast<size_t>(off)] = static_cast<uint8_t>(d & 0xFF);
+        packed[b + static_cast<size_t>(off) + 1] = static_cast<uint8_t>(d >> 8);
+      }
+    QuantThroughput r;
+    r.format = q::to_string(f);
+    r.rows = rows;
+    r.cols = cols;
+    r.packed_bytes = L.data_bytes;
     r.dequant_s = best_of(reps, [&] {
       q::dequantize_cpu(L, packed.data(), out.data(), q::OutDtype::BF16, threads);
     });

@@ -24,8 +24,11 @@ struct QuantThroughput {
 // Optional: device dequant time (seconds) of one packed weight, -1 if none.
 using DeviceDequantFn = std::function<double(const quant::PackedLayout&, const std::vector<uint8_t>&)>;
 
-// Every format (int8, fp8, nf4, int4); threads 0 = all cores.
+// Every format (int8, fp8, nf4, int4); threads 0 = all cores. With `gguf`
+// also the GGUF block formats (q8_0 .. q6_k; cols must be a multiple of 256):
+// layerstream does not pack those, so their blocks are random bytes with
+// small finite scales and pack_s is 0 (not measured).
 std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps, int threads,
-                                           const DeviceDequantFn& device = {});
+                                           const DeviceDequantFn& device = {}, bool gguf = false);
 
 }  // namespace layerstream::bench

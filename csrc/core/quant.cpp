@@ -12,9 +12,17 @@
 #include <vector>
 
 #include "error.h"
+#include "gguf_blocks.h"
 
 namespace layerstream {
 namespace quant {
+
+static_assert(static_cast<int>(Format::GgufQ8_0) == gguf::kQ8_0 && static_cast<int>(Format::GgufQ4_0) == gguf::kQ4_0 &&
+                  static_cast<int>(Format::GgufQ4_1) == gguf::kQ4_1 && static_cast<int>(Format::GgufQ5_0) == gguf::kQ5_0 &&
+                  static_cast<int>(Format::GgufQ5_1) == gguf::kQ5_1 && static_cast<int>(Format::GgufQ2_K) == gguf::kQ2_K &&
+                  static_cast<int>(Format::GgufQ3_K) == gguf::kQ3_K && static_cast<int>(Format::GgufQ4_K) == gguf::kQ4_K &&
+                  static_cast<int>(Format::GgufQ5_K) == gguf::kQ5_K && static_cast<int>(Format::GgufQ6_K) == gguf::kQ6_K,
+              "quant::Format ids and gguf_blocks.h ids must agree");
 
 const float kNF4Codes[16] = {
     -1.0f,
@@ -379,8 +387,8 @@ void pack_impl(const PackedLayout& L, const Load& ld, void* dst, int num_threads
       });
       break;
     }
-    case Format::None:
-      LS_INTERNAL_CHECK(false, "pack with Format::None");
+    default:  // None and the GGUF formats: pack() refused them
+      LS_INTERNAL_CHECK(false, "pack with format ", to_string(L.format));
   }
   if (bad >= 0) {
     const float v = ld(bad);
@@ -408,6 +416,23 @@ struct StoreF16 {
 // L: the layout of what is dequantized (rows, cols, format; for a row range
 // of a larger tensor, layout_for() of the range); its sections at data /
 // scales / zeros.
+// GGUF: rows of cols / elems blocks; every element decoded on its own
+// (gguf_blocks.h, shared with the CUDA kernels).
+template <int kFmt, class Store>
+void gguf_rows(const PackedLayout& L, const uint8_t* data, const Store& st, int num_threads) {
+  const int64_t elems = gguf::block_elems(kFmt), bytes = gguf::block_bytes(kFmt);
+  const int64_t blocks = L.cols / elems;
+  parallel_ranges(L.rows, resolve_threads(num_threads, L.rows, L.numel()), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      for (int64_t k = 0; k < blocks; ++k) {
+        const uint8_t* blk = data + (r * blocks + k) * bytes;
+        const int64_t i0 = r * L.cols + k * elems;
+        for (int e = 0; e < elems; ++e) st(i0 + e, gguf::decode<kFmt>(blk, e));
+      }
+    return int64_t{-1};
+  });
+}
+
 template <class Store>
 void dequant_impl(const PackedLayout& L, const uint8_t* data, const float* scales, const float* zeros,
                   const Store& st, int num_threads) {
@@ -474,6 +499,16 @@ void dequant_impl(const PackedLayout& L, const uint8_t* data, const float* scale
       });
       break;
     }
+    case Format::GgufQ8_0: gguf_rows<gguf::kQ8_0>(L, data, st, num_threads); break;
+    case Format::GgufQ4_0: gguf_rows<gguf::kQ4_0>(L, data, st, num_threads); break;
+    case Format::GgufQ4_1: gguf_rows<gguf::kQ4_1>(L, data, st, num_threads); break;
+    case Format::GgufQ5_0: gguf_rows<gguf::kQ5_0>(L, data, st, num_threads); break;
+    case Format::GgufQ5_1: gguf_rows<gguf::kQ5_1>(L, data, st, num_threads); break;
+    case Format::GgufQ2_K: gguf_rows<gguf::kQ2_K>(L, data, st, num_threads); break;
+    case Format::GgufQ3_K: gguf_rows<gguf::kQ3_K>(L, data, st, num_threads); break;
+    case Format::GgufQ4_K: gguf_rows<gguf::kQ4_K>(L, data, st, num_threads); break;
+    case Format::GgufQ5_K: gguf_rows<gguf::kQ5_K>(L, data, st, num_threads); break;
+    case Format::GgufQ6_K: gguf_rows<gguf::kQ6_K>(L, data, st, num_threads); break;
     case Format::None:
       LS_INTERNAL_CHECK(false, "dequantize with Format::None");
   }
@@ -499,8 +534,21 @@ Format parse_format(const std::string& name) {
   if (s == "nf4") return Format::NF4;
   if (s == "int4") return Format::Int4;
   if (s == "none") return Format::None;
+  for (int id = static_cast<int>(Format::GgufQ8_0); id <= static_cast<int>(Format::GgufQ6_K); ++id)
+    if (s == to_string(static_cast<Format>(id)))
+      LS_FAIL("'", name, "' is a GGUF format: layerstream streams GGUF weights as they are read "
+              "from a .gguf file (layerstream.load_gguf) but does not quantize to it; valid formats "
+              "for quantizing are: int8, fp8 (e4m3), nf4, int4, none");
   LS_FAIL("unknown quantization format '", name,
           "'; valid formats are: int8, fp8 (e4m3), nf4, int4, none");
+}
+
+Format parse_packed_format(const std::string& name) {
+  std::string s;
+  for (char c : name) s += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (int id = static_cast<int>(Format::GgufQ8_0); id <= static_cast<int>(Format::GgufQ6_K); ++id)
+    if (s == to_string(static_cast<Format>(id))) return static_cast<Format>(id);
+  return parse_format(name);
 }
 
 const char* to_string(Format f) {
@@ -510,6 +558,16 @@ const char* to_string(Format f) {
     case Format::Fp8E4M3: return "fp8";
     case Format::NF4: return "nf4";
     case Format::Int4: return "int4";
+    case Format::GgufQ8_0: return "q8_0";
+    case Format::GgufQ4_0: return "q4_0";
+    case Format::GgufQ4_1: return "q4_1";
+    case Format::GgufQ5_0: return "q5_0";
+    case Format::GgufQ5_1: return "q5_1";
+    case Format::GgufQ2_K: return "q2_k";
+    case Format::GgufQ3_K: return "q3_k";
+    case Format::GgufQ4_K: return "q4_k";
+    case Format::GgufQ5_K: return "q5_k";
+    case Format::GgufQ6_K: return "q6_k";
   }
   return "unknown";
 }
@@ -588,6 +646,16 @@ PackedLayout layout_for(Format format, int64_t rows, int64_t cols) {
       break;
     case Format::None:
       break;
+    default: {  // GGUF: whole blocks along cols
+      const int64_t elems = gguf::block_elems(static_cast<int>(format));
+      LS_CHECK(cols % elems == 0, "a GGUF ", to_string(format), " tensor of shape [", rows, ", ", cols,
+               "] (viewed as [out_features, in_features]) is not whole blocks: in_features (", cols,
+               ") must be a multiple of ", elems);
+      L.block_size = elems;
+      L.data_bytes = static_cast<size_t>(rows) * static_cast<size_t>(cols / elems) *
+                     static_cast<size_t>(gguf::block_bytes(static_cast<int>(format)));
+      break;
+    }
   }
   return L;
 }
@@ -600,6 +668,9 @@ void pack(Format format, const float* src, int64_t rows, int64_t cols, void* dst
 
 void pack(Format format, const void* src, SrcDtype src_dtype, int64_t rows, int64_t cols,
           void* dst, int num_threads) {
+  LS_CHECK(!is_gguf(format), "layerstream does not quantize to GGUF's ", to_string(format),
+           " format: GGUF weights stream as they are read from a .gguf file; to quantize, use "
+           "int8, fp8, nf4 or int4");
   const PackedLayout L = layout_for(format, rows, cols);
   LS_CHECK(dst != nullptr, "pack: destination buffer is null (needs ", L.total_bytes(), " bytes)");
   LS_CHECK(src != nullptr || L.numel() == 0, "pack: source pointer is null for a [", rows, ", ",
@@ -663,6 +734,12 @@ RowRange row_range(const PackedLayout& L, int64_t row_begin, int64_t row_end) {
       break;
     case Format::None:
       LS_FAIL("row_range: format 'none' has no packed layout");
+    default: {  // GGUF: a row is whole blocks
+      const size_t row_bytes = L.data_bytes / static_cast<size_t>(std::max<int64_t>(L.rows, 1));
+      r.data_begin = static_cast<size_t>(row_begin) * row_bytes;
+      r.data_bytes = static_cast<size_t>(row_end - row_begin) * row_bytes;
+      break;
+    }
   }
   r.data_begin += L.data_offset();
   r.scale_begin += L.scale_offset();
@@ -718,6 +795,9 @@ double error_bound(const PackedLayout& L, const void* packed, int64_t row, int64
     }
     case Format::None:
       LS_FAIL("error_bound: format 'none' has no quantization error");
+    default:
+      LS_FAIL("error_bound: GGUF's ", to_string(L.format), " was not quantized by layerstream; "
+              "it has no bound here");
   }
   return bound * (1.0 + 1.0 / 1024.0) + std::ldexp(1.0, -140);
 }

@@ -50,16 +50,34 @@
 namespace layerstream {
 namespace quant {
 
-enum class Format : uint8_t { None = 0, Int8 = 1, Fp8E4M3 = 2, NF4 = 3, Int4 = 4 };
+// Int8 .. Int4 are layerstream's own (pack() produces them). The Gguf* formats
+// are GGUF's (llama.cpp / ggml) block formats, read as they are from .gguf
+// files: layerstream dequantizes them (on the CPU and on the device,
+// bit-identical to gguf-py's dequantize) but does not produce them (pack()
+// refuses). Byte layouts: gguf_blocks.h and docs/design/quant-formats.md.
+enum class Format : uint8_t {
+  None = 0, Int8 = 1, Fp8E4M3 = 2, NF4 = 3, Int4 = 4,
+  GgufQ8_0 = 5, GgufQ4_0 = 6, GgufQ4_1 = 7, GgufQ5_0 = 8, GgufQ5_1 = 9,
+  GgufQ2_K = 10, GgufQ3_K = 11, GgufQ4_K = 12, GgufQ5_K = 13, GgufQ6_K = 14,
+};
+
+// True for the GGUF block formats.
+inline bool is_gguf(Format f) { return f >= Format::GgufQ8_0 && f <= Format::GgufQ6_K; }
 
 // Element type of an unpacked source or output: fp32, or raw 16-bit bit
 // patterns (uint16_t) of bfloat16 / IEEE half.
 enum class SrcDtype : uint8_t { F32, BF16, F16 };
 enum class OutDtype : uint8_t { F32, BF16, F16 };
 
-// "int8", "fp8" (also "fp8_e4m3", "e4m3"), "nf4", "int4", "none".
-// Throws layerstream::Error listing the valid names otherwise.
+// "int8", "fp8" (also "fp8_e4m3", "e4m3"), "nf4", "int4", "none": the
+// formats layerstream quantizes to. Throws layerstream::Error listing the valid
+// names otherwise (a GGUF name gets a message saying where those come from).
 Format parse_format(const std::string& name);
+// Any format by its to_string() name, GGUF ones included ("q8_0", "q4_k", ...):
+// for weights that arrive packed.
+Format parse_packed_format(const std::string& name);
+// "int8", "fp8", "nf4", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+// "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "none".
 const char* to_string(Format f);
 // "f32", "bf16", "f16" (also "float32", "bfloat16", "float16", "fp16", "fp32").
 OutDtype parse_out_dtype(const std::string& name);
@@ -83,9 +101,10 @@ struct PackedLayout {
   Format format = Format::None;
   int64_t rows = 0, cols = 0;
   // Elements sharing one scale: int8/fp8: cols (one scale per row);
-  // nf4: 64 (consecutive flattened elements); int4: 128 (along cols).
+  // nf4: 64 (consecutive flattened elements); int4: 128 (along cols);
+  // GGUF: the elements of one block (32 or 256, along cols).
   int64_t block_size = 0;
-  size_t data_bytes = 0;   // packed codes
+  size_t data_bytes = 0;   // packed codes (GGUF: the blocks, scales inside)
   size_t scale_bytes = 0;  // fp32 scales (nf4: absmax per block)
   size_t zero_bytes = 0;   // fp32 zero points (int4 only, else 0)
 
@@ -106,13 +125,15 @@ struct PackedLayout {
 // @0, scales 1048576 B @8388608, zeros 0 B @9437184, total 9437184 B".
 std::string describe(const PackedLayout& layout);
 
-// Validates the shape (rows, cols >= 0; int4 needs cols % 128 == 0) with a
-// message naming the shape and the block size. Format::None is rejected.
+// Validates the shape (rows, cols >= 0; int4 needs cols % 128 == 0, GGUF
+// formats cols % block == 0) with a message naming the shape and the block
+// size. Format::None is rejected.
 PackedLayout layout_for(Format format, int64_t rows, int64_t cols);
 
 // Quantizes src ([rows, cols] row-major) into dst, which must hold
 // layout_for(format, rows, cols).total_bytes() bytes. num_threads 0 = one per
-// hardware thread (small tensors use fewer). Throws on NaN/Inf in src.
+// hardware thread (small tensors use fewer). Throws on NaN/Inf in src, and
+// for the GGUF formats (layerstream does not produce them).
 void pack(Format format, const float* src, int64_t rows, int64_t cols, void* dst,
           int num_threads = 0);
 // Same from raw fp32 / bf16 / fp16 source elements (16-bit ones as uint16_t).
@@ -139,7 +160,8 @@ inline void dequantize_cpu(const PackedLayout& layout, const void* packed, float
 // Where rows [row_begin, row_end) of a packed tensor lie in its buffer (byte
 // offsets from the buffer's start; each section's part is contiguous), so that
 // a row range, e.g. one expert of an [experts * rows, cols] tensor, can be
-// copied on its own and dequantized where it lies (dequantize_rows_*). nf4
+// copied on its own and dequantized where it lies (dequantize_rows_*). GGUF
+// rows are whole blocks, so any range is one contiguous byte range. nf4
 // blocks run across rows: row_begin * cols must be a multiple of 64, and so
 // must row_end * cols unless row_end == rows. Throws otherwise.
 struct RowRange {
@@ -160,7 +182,8 @@ void dequantize_rows_cpu(const PackedLayout& layout, const void* packed, int64_t
 // Allowed |w - w'| for element (row, col) whose original value was w, given
 // the packed buffer (which holds the element's scale). Includes a small slack
 // for fp32 rounding inside the quantizer: relative 2^-10 of the bound plus
-// 2^-140 absolute (relevant only when a scale is subnormal).
+// 2^-140 absolute (relevant only when a scale is subnormal). Throws for the
+// GGUF formats (their quantizer is not ours).
 double error_bound(const PackedLayout& layout, const void* packed, int64_t row, int64_t col,
                    float w);
 

@@ -5,9 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -428,7 +432,10 @@ TEST(CudaDequantArgs, InconsistentLayoutAndNullPointersAreRejected) {
 
 TEST(CudaDequantArgs, EmptyTensorIsANoOp) {
   // Nothing to do: no pointer is looked at and nothing is launched.
-  for (Format f : {Format::Int8, Format::Fp8E4M3, Format::NF4, Format::Int4}) {
+  for (Format f : {Format::Int8, Format::Fp8E4M3, Format::NF4, Format::Int4, Format::GgufQ8_0,
+                   Format::GgufQ4_0, Format::GgufQ4_1, Format::GgufQ5_0, Format::GgufQ5_1,
+                   Format::GgufQ2_K, Format::GgufQ3_K, Format::GgufQ4_K, Format::GgufQ5_K,
+                   Format::GgufQ6_K}) {
     const q::PackedLayout L = q::layout_for(f, 0, 256);
     EXPECT_NO_THROW(q::dequantize_cuda(L, nullptr, nullptr, OutDtype::BF16, nullptr)) << q::to_string(f);
   }
@@ -484,6 +491,313 @@ TEST(CudaDequantDevices, LaunchesOnTheStreamsDevice) {
   CUDA_OK(cudaFree(dpacked));
   CUDA_OK(cudaFree(dout));
   CUDA_OK(cudaSetDevice(0));
+}
+
+// ---- GGUF block formats (q8_0 .. q6_k) ----
+// Blocks of random bytes whose fp16 scale fields (d, dmin, m) hold random
+// finite halves of both signs (zeros and subnormals included): every code and
+// scale byte pattern the bit-identity contract covers.
+struct GgufInfo {
+  Format format;
+  int elems, bytes;
+  int halves[2];  // byte offsets of the fp16 fields inside a block
+  int num_halves;
+};
+
+const GgufInfo kGgufInfos[] = {
+    {Format::GgufQ8_0, 32, 34, {0, 0}, 1},     {Format::GgufQ4_0, 32, 18, {0, 0}, 1},
+    {Format::GgufQ4_1, 32, 20, {0, 2}, 2},     {Format::GgufQ5_0, 32, 22, {0, 0}, 1},
+    {Format::GgufQ5_1, 32, 24, {0, 2}, 2},     {Format::GgufQ2_K, 256, 84, {80, 82}, 2},
+    {Format::GgufQ3_K, 256, 110, {108, 0}, 1}, {Format::GgufQ4_K, 256, 144, {0, 2}, 2},
+    {Format::GgufQ5_K, 256, 176, {0, 2}, 2},   {Format::GgufQ6_K, 256, 210, {208, 0}, 1},
+};
+
+const GgufInfo& gguf_info(Format f) {
+  for (const GgufInfo& g : kGgufInfos)
+    if (g.format == f) return g;
+  throw std::logic_error("not a GGUF format");
+}
+
+uint16_t random_finite_half(std::mt19937& rng) {
+  static const uint16_t kSpecial[] = {0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x83FF,
+                                      0x0400, 0x8400, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF};
+  const uint32_t u = static_cast<uint32_t>(rng());
+  if (u % 4 == 0) return kSpecial[(u >> 8) % (sizeof kSpecial / sizeof kSpecial[0])];
+  uint16_t h = static_cast<uint16_t>(u >> 16);
+  if (u % 8 == 1) h &= 0x83FF;                     // a subnormal (or zero)
+  if (((h >> 10) & 0x1F) == 0x1F) h ^= 0x0400;     // Inf / NaN exponent 31 -> 30
+  return h;
+}
+
+// A whole packed buffer of layout L (padding zero).
+std::vector<uint8_t> gguf_buffer(const q::PackedLayout& L, uint32_t seed) {
+  const GgufInfo& g = gguf_info(L.format);
+  std::vector<uint8_t> buf(L.total_bytes(), 0);
+  std::mt19937 rng(seed);
+  for (size_t j = 0; j < L.data_bytes; ++j) buf[j] = static_cast<uint8_t>(rng() >> 24);
+  const size_t blocks = L.data_bytes / static_cast<size_t>(g.bytes);
+  for (size_t k = 0; k < blocks; ++k)
+    for (int h = 0; h < g.num_halves; ++h) {
+      const uint16_t v = random_finite_half(rng);
+      uint8_t* p = buf.data() + k * static_cast<size_t>(g.bytes) + g.halves[h];
+      p[0] = static_cast<uint8_t>(v & 0xFF);
+      p[1] = static_cast<uint8_t>(v >> 8);
+    }
+  return buf;
+}
+
+// Rows [r0, r1) of `packed` (the whole tensor, copied to the device as is)
+// dequantized on the device into an output `offset_elems` elements past a
+// 256-byte aligned address, between two guard zones that must stay
+// untouched; the whole tensor goes through dequantize_cuda, a proper range
+// through dequantize_rows_cuda. `got` receives the output.
+void gguf_on_device(const q::PackedLayout& L, const std::vector<uint8_t>& packed, int64_t r0, int64_t r1,
+                    OutDtype d, size_t offset_elems, std::vector<uint8_t>& got) {
+  constexpr size_t kGuard = 256;
+  const size_t esz = q::out_dtype_bytes(d);
+  const size_t bytes = static_cast<size_t>((r1 - r0) * L.cols) * esz;
+  const size_t lead = kGuard + offset_elems * esz;
+  const size_t span = lead + bytes + kGuard;
+  void* dpacked = nullptr;
+  void* dout = nullptr;
+  CUDA_OK(cudaMalloc(&dpacked, packed.size()));
+  CUDA_OK(cudaMalloc(&dout, span));
+  CUDA_OK(cudaMemset(dout, 0xCD, span));
+  CUDA_OK(cudaMemcpy(dpacked, packed.data(), packed.size(), cudaMemcpyHostToDevice));
+  void* out = static_cast<uint8_t*>(dout) + lead;
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreate(&stream));
+  if (r0 == 0 && r1 == L.rows)
+    q::dequantize_cuda(L, dpacked, out, d, stream);
+  else
+    q::dequantize_rows_cuda(L, dpacked, r0, r1, out, d, stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
+  std::vector<uint8_t> whole(span);
+  CUDA_OK(cudaMemcpy(whole.data(), dout, span, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaFree(dpacked));
+  CUDA_OK(cudaFree(dout));
+  got.assign(whole.begin() + static_cast<std::ptrdiff_t>(lead),
+             whole.begin() + static_cast<std::ptrdiff_t>(lead + bytes));
+  for (size_t b = 0; b < span; ++b) {
+    if (b >= lead && b < lead + bytes) continue;
+    if (whole[b] != 0xCD) {
+      ADD_FAILURE() << "the kernel wrote outside the output, at byte "
+                    << static_cast<long long>(b) - static_cast<long long>(lead) << " relative to its start";
+      break;
+    }
+  }
+}
+
+void expect_same_bits(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got, size_t esz,
+                      int64_t cols) {
+  ASSERT_EQ(want.size(), got.size());
+  if (std::memcmp(want.data(), got.data(), want.size()) == 0) return;
+  int shown = 0;
+  for (size_t i = 0; i * esz < want.size() && shown < 5; ++i) {
+    const size_t at = i * esz;
+    if (std::memcmp(&want[at], &got[at], esz) != 0) {
+      uint32_t w = 0, g = 0;
+      std::memcpy(&w, &want[at], esz);
+      std::memcpy(&g, &got[at], esz);
+      ++shown;
+      ADD_FAILURE() << "element " << i << " (row " << static_cast<int64_t>(i) / cols << ", col "
+                    << static_cast<int64_t>(i) % cols << "): CPU bits 0x" << std::hex << w << ", GPU bits 0x" << g;
+    }
+  }
+}
+
+struct GgufCase {
+  Format format;
+  int64_t rows, blocks;  // cols = blocks * the format's block elements
+  OutDtype out;
+};
+
+std::vector<GgufCase> gguf_cases() {
+  std::vector<GgufCase> v;
+  for (const GgufInfo& g : kGgufInfos)
+    for (int64_t rows : {1, 3, 67})
+      for (int64_t blocks : {1, 2, 7})
+        for (OutDtype d : {OutDtype::F32, OutDtype::BF16, OutDtype::F16}) v.push_back({g.format, rows, blocks, d});
+  return v;
+}
+
+class CudaDequantGguf : public ::testing::TestWithParam<GgufCase> {
+ protected:
+  void SetUp() override {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  }
+};
+
+TEST_P(CudaDequantGguf, BitExactVsCpu) {
+  const GgufCase c = GetParam();
+  const GgufInfo& g = gguf_info(c.format);
+  const int64_t cols = c.blocks * g.elems;
+  const q::PackedLayout L = q::layout_for(c.format, c.rows, cols);
+  ASSERT_EQ(L.data_bytes, static_cast<size_t>(c.rows * c.blocks * g.bytes));
+  const std::vector<uint8_t> packed =
+      gguf_buffer(L, static_cast<uint32_t>(static_cast<int>(c.format) * 1000 + c.rows * 10 + c.blocks));
+  const size_t esz = q::out_dtype_bytes(c.out);
+  std::vector<uint8_t> want(static_cast<size_t>(L.numel()) * esz, 0), got;
+  q::dequantize_cpu(L, packed.data(), want.data(), c.out, 1);
+  // Aligned output (vector stores) and one offset by one element (not 16-byte
+  // aligned: scalar stores).
+  for (size_t offset_elems : {size_t{0}, size_t{1}}) {
+    SCOPED_TRACE("output offset " + std::to_string(offset_elems) + " elements");
+    ASSERT_NO_FATAL_FAILURE(gguf_on_device(L, packed, 0, c.rows, c.out, offset_elems, got));
+    expect_same_bits(want, got, esz, cols);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllGgufFormats, CudaDequantGguf, ::testing::ValuesIn(gguf_cases()),
+                         [](const ::testing::TestParamInfo<GgufCase>& info) {
+                           const GgufCase& c = info.param;
+                           return std::string(q::to_string(c.format)) + "_" + std::to_string(c.rows) + "x" +
+                                  std::to_string(c.blocks) + "blocks_" + q::to_string(c.out);
+                         });
+
+// Row ranges of a GGUF tensor, starting where the byte offset of the rows'
+// blocks is not a multiple of 16 wherever the format allows it (q4_k and q5_k
+// blocks are 144 / 176 bytes, so their rows always start on 16 bytes).
+TEST(CudaDequantGgufRows, RowRangesMatchTheCpuReference) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  const int64_t rows = 67, blocks = 3;
+  for (const GgufInfo& g : kGgufInfos) {
+    const int64_t cols = blocks * g.elems;
+    const q::PackedLayout L = q::layout_for(g.format, rows, cols);
+    const std::vector<uint8_t> packed = gguf_buffer(L, 99u + static_cast<uint32_t>(g.format));
+    int64_t r0 = 1;
+    for (int64_t r = 1; r < 16; ++r)
+      if (q::row_range(L, r, rows).data_begin % 16 != 0) {
+        r0 = r;
+        break;
+      }
+    if (g.bytes % 16 != 0) {
+      ASSERT_NE(q::row_range(L, r0, rows).data_begin % 16, 0u) << q::to_string(g.format);
+    }
+    const std::pair<int64_t, int64_t> ranges[] = {{r0, rows - 2}, {r0, r0 + 1}, {rows - 1, rows}};
+    for (OutDtype d : {OutDtype::F32, OutDtype::BF16, OutDtype::F16}) {
+      const size_t esz = q::out_dtype_bytes(d);
+      for (const auto& rr : ranges) {
+        for (size_t offset_elems : {size_t{0}, size_t{1}}) {
+          SCOPED_TRACE(std::string(q::to_string(g.format)) + " rows [" + std::to_string(rr.first) + ", " +
+                       std::to_string(rr.second) + ") at byte " +
+                       std::to_string(q::row_range(L, rr.first, rr.second).data_begin) + ", " +
+                       q::to_string(d) + ", output offset " + std::to_string(offset_elems));
+          std::vector<uint8_t> want(static_cast<size_t>((rr.second - rr.first) * cols) * esz, 0), got;
+          q::dequantize_rows_cpu(L, packed.data(), rr.first, rr.second, want.data(), d, 1);
+          ASSERT_NO_FATAL_FAILURE(gguf_on_device(L, packed, rr.first, rr.second, d, offset_elems, got));
+          expect_same_bits(want, got, esz, cols);
+        }
+      }
+    }
+  }
+}
+
+// More than 2^31 elements of a 32-element and a 256-element GGUF format
+// (64-bit chunk, block and byte offsets). cols = 8448: element 2^31 falls
+// inside a row. The device buffer is a constant (0x3C bytes: finite scales),
+// with random blocks in three row windows (the start, around element 2^31,
+// the end), each compared with dequantize_cpu of its rows on their own.
+TEST(CudaDequantGgufLarge, MoreThan2To31Elements) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  const int64_t cols = 8448, rows = 254264;  // 2^31 / 8448 = 254200.2
+  size_t max_packed = 0;
+  for (Format f : {Format::GgufQ4_0, Format::GgufQ6_K})
+    max_packed = std::max(max_packed, q::layout_for(f, rows, cols).total_bytes());
+  const size_t out_bytes = static_cast<size_t>(rows * cols) * 2;  // bf16
+  constexpr size_t kGuard = 256;
+  size_t free_b = 0, total_b = 0;
+  CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+  if (free_b < max_packed + out_bytes + kGuard + (size_t{1} << 30))
+    GTEST_SKIP() << "needs " << (max_packed + out_bytes) / (1 << 20) << " MiB of free device memory";
+  void* dpacked = nullptr;
+  void* dout = nullptr;
+  CUDA_OK(cudaMalloc(&dpacked, max_packed));
+  CUDA_OK(cudaMalloc(&dout, out_bytes + kGuard));
+  for (Format f : {Format::GgufQ4_0, Format::GgufQ6_K}) {
+    const q::PackedLayout L = q::layout_for(f, rows, cols);
+    SCOPED_TRACE(q::describe(L));
+    ASSERT_GT(L.numel(), int64_t{1} << 31);
+    const int64_t mid = (int64_t{1} << 31) / cols;  // the row holding element 2^31
+    const std::pair<int64_t, int64_t> windows[] = {{0, 3}, {mid - 2, mid + 3}, {rows - 3, rows}};
+    ASSERT_TRUE(windows[0].second <= windows[1].first && windows[1].second <= windows[2].first)
+        << "the windows must not overlap";
+    CUDA_OK(cudaMemset(dpacked, 0x3C, L.total_bytes()));
+    CUDA_OK(cudaMemset(dout, 0xCD, out_bytes + kGuard));
+    std::vector<std::vector<uint8_t>> subs;
+    for (const auto& w : windows) {
+      const q::PackedLayout sub = q::layout_for(f, w.second - w.first, cols);
+      subs.push_back(gguf_buffer(sub, static_cast<uint32_t>(w.first)));
+      const q::RowRange r = q::row_range(L, w.first, w.second);
+      ASSERT_EQ(r.data_bytes, sub.data_bytes);
+      CUDA_OK(cudaMemcpy(static_cast<uint8_t*>(dpacked) + r.data_begin, subs.back().data(), sub.data_bytes,
+                         cudaMemcpyHostToDevice));
+    }
+    q::dequantize_cuda(L, dpacked, dout, OutDtype::BF16, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    for (size_t k = 0; k < subs.size(); ++k) {
+      const q::PackedLayout sub = q::layout_for(f, windows[k].second - windows[k].first, cols);
+      const size_t count = static_cast<size_t>(sub.numel());
+      std::vector<uint16_t> want(count), got(count);
+      q::dequantize_cpu(sub, subs[k].data(), want.data(), OutDtype::BF16, 1);
+      CUDA_OK(cudaMemcpy(got.data(), static_cast<uint16_t*>(dout) + windows[k].first * cols, count * 2,
+                         cudaMemcpyDeviceToHost));
+      size_t bad = 0;
+      for (size_t i = 0; i < count; ++i) bad += want[i] != got[i];
+      EXPECT_EQ(bad, 0u) << "rows [" << windows[k].first << ", " << windows[k].second
+                         << ") differ from the CPU reference in " << bad << " elements";
+    }
+    std::vector<uint8_t> tail(kGuard);
+    CUDA_OK(cudaMemcpy(tail.data(), static_cast<uint8_t*>(dout) + static_cast<size_t>(L.numel()) * 2, kGuard,
+                       cudaMemcpyDeviceToHost));
+    for (uint8_t b : tail) {
+      if (b != 0xCD) {
+        ADD_FAILURE() << "the kernel wrote past the end of the output";
+        break;
+      }
+    }
+  }
+  CUDA_OK(cudaFree(dpacked));
+  CUDA_OK(cudaFree(dout));
+}
+
+// No device needed: layout_for() (and so dequantize_cuda, which rebuilds the
+// layout before any CUDA call) rejects GGUF shapes that are not whole blocks.
+TEST(CudaDequantGgufArgs, ColsNotWholeBlocksAreRejected) {
+  for (const GgufInfo& g : kGgufInfos) {
+    SCOPED_TRACE(q::to_string(g.format));
+    for (int64_t cols : {int64_t{1}, int64_t{g.elems / 2}, int64_t{g.elems + 16}, int64_t{3 * g.elems - 1}}) {
+      const std::string msg = error_of([&] { (void)q::layout_for(g.format, 4, cols); });
+      EXPECT_NE(msg.find("multiple of " + std::to_string(g.elems)), std::string::npos) << msg;
+    }
+    EXPECT_NO_THROW((void)q::layout_for(g.format, 4, 2 * g.elems));
+    q::PackedLayout L = q::layout_for(g.format, 4, 2 * g.elems);
+    L.cols = g.elems + 16;  // a hand-edited layout
+    const std::string msg = error_of(
+        [&] { q::dequantize_cuda(L, fake_device_ptr(0x10000), fake_device_ptr(0x20000), OutDtype::F32, nullptr); });
+    EXPECT_NE(msg.find("multiple of " + std::to_string(g.elems)), std::string::npos) << msg;
+  }
+}
+
+// The 16-byte start rule for row ranges applies to int8 / fp8 / nf4 / int4
+// only. Without a device the GGUF call passes the argument checks and fails
+// at the launch instead (with a device it would launch on fake addresses, and
+// CudaDequantGgufRows covers it for real).
+TEST(CudaDequantGgufArgs, RowRangeOffTheSixteenByteGridPassesTheChecks) {
+  if (have_device()) GTEST_SKIP() << "runs only without a device (see CudaDequantGgufRows)";
+  const q::PackedLayout I = q::layout_for(Format::Int8, 4, 24);
+  std::string msg = error_of([&] {
+    q::dequantize_rows_cuda(I, fake_device_ptr(0x10000), 1, 2, fake_device_ptr(0x20000), OutDtype::F32, nullptr);
+  });
+  EXPECT_NE(msg.find("not a multiple of 16"), std::string::npos) << msg;
+  const q::PackedLayout G = q::layout_for(Format::GgufQ8_0, 4, 32);
+  ASSERT_EQ(q::row_range(G, 1, 2).data_begin % 16, 2u);
+  msg = error_of([&] {
+    q::dequantize_rows_cuda(G, fake_device_ptr(0x10000), 1, 2, fake_device_ptr(0x20000), OutDtype::F32, nullptr);
+  });
+  EXPECT_EQ(msg.find("multiple of 16"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("16-byte aligned"), std::string::npos) << msg;
 }
 
 }  // namespace

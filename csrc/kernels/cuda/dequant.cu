@@ -3,12 +3,23 @@
 // round-to-nearest intrinsics so nvcc cannot contract anything, and the
 // output conversion with __float2bfloat16_rn / __float2half_rn).
 //
-// Work split: each thread owns 16 consecutive elements of the flattened
-// [rows, cols] tensor. Full chunks load their codes with one 16-byte (8-bit
-// formats) or 8-byte (4-bit formats) load and store with 16-byte stores when
-// the output is 16-byte aligned; the last partial chunk goes element by
-// element. A chunk of 16 never straddles an nf4 block (64) or an int4 group
-// (128, and cols % 128 == 0), so those formats fetch one scale per chunk.
+// Work split (int8 / fp8 / nf4 / int4): each thread owns 16 consecutive
+// elements of the flattened [rows, cols] tensor. Full chunks load their codes
+// with one 16-byte (8-bit formats) or 8-byte (4-bit formats) load and store
+// with 16-byte stores when the output is 16-byte aligned; the last partial
+// chunk goes element by element. A chunk of 16 never straddles an nf4 block
+// (64) or an int4 group (128, and cols % 128 == 0), so those formats fetch one
+// scale per chunk.
+//
+// Work split (GGUF q8_0 .. q6_k): each thread also owns 16 consecutive
+// elements, which are always inside one block (blocks are 32 or 256 elements
+// and rows are whole blocks), so blocks and rows never need a division by
+// cols: 2 threads per 32-element block, 16 per 256-element k-quant block (one
+// scale group of 16, half of a q4_k / q5_k group of 32). Every element is
+// gguf::decode<fmt>() of core/gguf_blocks.h, the very function the CPU
+// reference calls; it reads bytes (blocks are 18..210 bytes, not aligned), so
+// GGUF rows may start at any byte. The tensor is always whole chunks; stores
+// are 16-byte vectors when the output is 16-byte aligned, else scalar.
 #include "kernels/cuda/dequant.h"
 
 #include <cuda_bf16.h>
@@ -18,6 +29,7 @@
 #include <cstdint>
 
 #include "core/error.h"
+#include "core/gguf_blocks.h"
 
 namespace layerstream {
 namespace quant {
@@ -87,6 +99,42 @@ __device__ __forceinline__ float element(const uint8_t* data, const float* scale
   }
 }
 
+// Stores the 16 values of one chunk at dst (16-byte aligned when kVecStore).
+template <int kOut, bool kVecStore>
+__device__ __forceinline__ void store_chunk(typename OutTraits<kOut>::T* __restrict__ dst,
+                                            const float (&v)[kChunk]) {
+  if (kVecStore) {
+    if (kOut == 0) {
+#pragma unroll
+      for (int k = 0; k < kChunk; k += 4) {
+        float4 f;
+        f.x = OutTraits<0>::cvt(v[k]);
+        f.y = OutTraits<0>::cvt(v[k + 1]);
+        f.z = OutTraits<0>::cvt(v[k + 2]);
+        f.w = OutTraits<0>::cvt(v[k + 3]);
+        reinterpret_cast<float4*>(dst)[k / 4] = f;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kChunk; k += 8) {
+        uint4 u;
+        u.x = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k])) |
+              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 1])) << 16);
+        u.y = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 2])) |
+              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 3])) << 16);
+        u.z = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 4])) |
+              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 5])) << 16);
+        u.w = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 6])) |
+              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 7])) << 16);
+        reinterpret_cast<uint4*>(dst)[k / 8] = u;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) dst[k] = OutTraits<kOut>::cvt(v[k]);
+  }
+}
+
 template <int kFmt, int kOut, bool kVecStore>
 __global__ void __launch_bounds__(kThreads)
     dequant_kernel(const uint8_t* __restrict__ data, const float* __restrict__ scales,
@@ -99,7 +147,6 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t start = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kChunk;
   if (start >= n) return;
-  using T = typename OutTraits<kOut>::T;
 
   if (start + kChunk > n) {  // the last, partial chunk
     for (int64_t i = start; i < n; ++i)
@@ -155,37 +202,26 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  T* dst = out + start;
-  if (kVecStore) {
-    if (kOut == 0) {
+  store_chunk<kOut, kVecStore>(out + start, v);
+}
+
+// GGUF: thread c owns elements [16c, 16c + 16) of the flattened tensor, which
+// lie in block c / (elems / 16) (rows are whole blocks, so the flat block
+// index is the CPU reference's r * cols / elems + col / elems).
+template <int kFmt, int kOut, bool kVecStore>
+__global__ void __launch_bounds__(kThreads)
+    gguf_kernel(const uint8_t* __restrict__ data, typename OutTraits<kOut>::T* __restrict__ out,
+                int64_t chunks) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= chunks) return;
+  const int per_block = gguf::block_elems(kFmt) / kChunk;  // 2 or 16 (constants once inlined)
+  const int64_t blk = c / per_block;
+  const int e0 = static_cast<int>(c - blk * per_block) * kChunk;  // a multiple of 16
+  const uint8_t* b = data + blk * static_cast<int64_t>(gguf::block_bytes(kFmt));
+  float v[kChunk];
 #pragma unroll
-      for (int k = 0; k < kChunk; k += 4) {
-        float4 f;
-        f.x = OutTraits<0>::cvt(v[k]);
-        f.y = OutTraits<0>::cvt(v[k + 1]);
-        f.z = OutTraits<0>::cvt(v[k + 2]);
-        f.w = OutTraits<0>::cvt(v[k + 3]);
-        reinterpret_cast<float4*>(dst)[k / 4] = f;
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < kChunk; k += 8) {
-        uint4 u;
-        u.x = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k])) |
-              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 1])) << 16);
-        u.y = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 2])) |
-              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 3])) << 16);
-        u.z = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 4])) |
-              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 5])) << 16);
-        u.w = static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 6])) |
-              (static_cast<uint32_t>(OutTraits<kOut>::cvt(v[k + 7])) << 16);
-        reinterpret_cast<uint4*>(dst)[k / 8] = u;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kChunk; ++k) dst[k] = OutTraits<kOut>::cvt(v[k]);
-  }
+  for (int k = 0; k < kChunk; ++k) v[k] = gguf::decode<kFmt>(b, e0 | k);  // e0 | k == e0 + k
+  store_chunk<kOut, kVecStore>(out + c * kChunk, v);
 }
 
 // Clears the calling thread's last-error slot if it holds `err`, so that a
@@ -293,6 +329,36 @@ cudaError_t launch_fmt(const PackedLayout& L, const uint8_t* d, const float* s, 
   LS_FAIL("dequantize_cuda: unknown output dtype ", static_cast<int>(dtype));
 }
 
+template <int kFmt, int kOut>
+cudaError_t launch_gguf_out(const PackedLayout& L, const uint8_t* data, void* out, bool vec_store,
+                            cudaStream_t stream) {
+  const int64_t chunks = L.numel() / kChunk;  // cols is a multiple of 32
+  const int64_t blocks = (chunks + kThreads - 1) / kThreads;
+  LS_CHECK(blocks <= 0x7FFFFFFF, "dequantize_cuda: tensor [", L.rows, ", ", L.cols,
+           "] is too large for one launch; split it");
+  using T = typename OutTraits<kOut>::T;
+  T* o = static_cast<T*>(out);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  if (vec_store) return cudaLaunchKernelEx(&cfg, gguf_kernel<kFmt, kOut, true>, data, o, chunks);
+  return cudaLaunchKernelEx(&cfg, gguf_kernel<kFmt, kOut, false>, data, o, chunks);
+}
+
+template <int kFmt>
+cudaError_t launch_gguf(const PackedLayout& L, const uint8_t* d, void* out, OutDtype dtype, bool vec_store,
+                        cudaStream_t stream) {
+  static_assert(kFmt >= gguf::kQ8_0 && kFmt <= gguf::kQ6_K, "not a GGUF format");
+  switch (dtype) {
+    case OutDtype::F32: return launch_gguf_out<kFmt, 0>(L, d, out, vec_store, stream);
+    case OutDtype::BF16: return launch_gguf_out<kFmt, 1>(L, d, out, vec_store, stream);
+    case OutDtype::F16: return launch_gguf_out<kFmt, 2>(L, d, out, vec_store, stream);
+  }
+  LS_FAIL("dequantize_cuda: unknown output dtype ", static_cast<int>(dtype));
+}
+
 }  // namespace
 
 void dequantize_cuda(const PackedLayout& layout, const void* packed_dev, void* out_dev,
@@ -322,9 +388,11 @@ void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, in
   const uintptr_t oa = reinterpret_cast<uintptr_t>(out_dev);
   LS_CHECK(pa % 16 == 0, "dequantize_cuda: the packed buffer must be 16-byte aligned (got address ",
            packed_dev, "); use cudaMalloc'd memory or an offset that is a multiple of 256");
-  LS_CHECK((pa + r.data_begin) % 16 == 0, "dequantize_cuda: rows [", row_begin, ", ", row_end,
-           ") start at byte ", r.data_begin, " of the packed codes, which is not a multiple of 16; "
-           "dequantize a row range that starts on 16 bytes of codes (or the whole tensor)");
+  // The int8 / fp8 / nf4 / int4 kernels load codes 8 or 16 bytes at a time;
+  // the GGUF kernels read bytes, so their rows may start anywhere.
+  LS_CHECK(is_gguf(layout.format) || (pa + r.data_begin) % 16 == 0, "dequantize_cuda: rows [", row_begin,
+           ", ", row_end, ") start at byte ", r.data_begin, " of the packed codes, which is not a "
+           "multiple of 16; dequantize a row range that starts on 16 bytes of codes (or the whole tensor)");
   LS_CHECK(oa % out_dtype_bytes(dtype) == 0, "dequantize_cuda: the ", to_string(dtype),
            " output pointer is not aligned to its element size");
   const bool vec_store = (oa % 16 == 0);
@@ -347,6 +415,36 @@ void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, in
       break;
     case Format::Int4:
       err = launch_fmt<static_cast<int>(Format::Int4)>(sub, d, sc, z, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ8_0:
+      err = launch_gguf<gguf::kQ8_0>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ4_0:
+      err = launch_gguf<gguf::kQ4_0>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ4_1:
+      err = launch_gguf<gguf::kQ4_1>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ5_0:
+      err = launch_gguf<gguf::kQ5_0>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ5_1:
+      err = launch_gguf<gguf::kQ5_1>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ2_K:
+      err = launch_gguf<gguf::kQ2_K>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ3_K:
+      err = launch_gguf<gguf::kQ3_K>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ4_K:
+      err = launch_gguf<gguf::kQ4_K>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ5_K:
+      err = launch_gguf<gguf::kQ5_K>(sub, d, out_dev, dtype, vec_store, stream);
+      break;
+    case Format::GgufQ6_K:
+      err = launch_gguf<gguf::kQ6_K>(sub, d, out_dev, dtype, vec_store, stream);
       break;
     case Format::None:
       break;  // rejected above
