@@ -2,6 +2,7 @@
 // only; the user-facing API lives in python/layerstream/.
 #include <torch/extension.h>
 
+#include "core/gguf.h"
 #include "core/log.h"
 #include "core/planner.h"
 #include "torch/engine.h"
@@ -74,8 +75,61 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("quant_formats", [] { return std::vector<std::string>{"int8", "fp8", "nf4", "int4"}; });
   m.def("nf4_codes", [] { return std::vector<float>(quant::kNF4Codes, quant::kNF4Codes + 16); });
-  m.def("quant_packed_bytes", [fmt](const std::string& format, int64_t rows, int64_t cols) {
-    return quant::layout_for(fmt(format), rows, cols).total_bytes();
+  m.def("quant_packed_bytes", [](const std::string& format, int64_t rows, int64_t cols) {
+    return quant::layout_for(quant::parse_packed_format(format), rows, cols).total_bytes();
+  });
+
+  // A .gguf file's header (core/gguf.h): metadata and tensor records; the
+  // data is read by the caller at each record's absolute `offset`.
+  m.def("gguf_read", [](const std::string& path) {
+    const layerstream::GgufFile g = layerstream::read_gguf(path);
+    py::dict d;
+    d["version"] = g.version;
+    d["alignment"] = g.alignment;
+    d["data_offset"] = g.data_offset;
+    d["file_bytes"] = g.file_bytes;
+    py::dict meta;
+    for (const auto& [k, v] : g.metadata) meta[py::str(k)] = v;
+    d["metadata"] = meta;
+    py::list tensors;
+    for (const auto& t : g.tensors) {
+      py::dict e;
+      e["name"] = t.name;
+      e["shape"] = t.shape;
+      e["type"] = t.type_name;
+      e["type_id"] = t.type;
+      e["offset"] = t.offset;
+      e["nbytes"] = t.nbytes;
+      const quant::Format f = layerstream::ggml_type_format(t.type);
+      e["format"] = f == quant::Format::None ? std::string() : std::string(quant::to_string(f));
+      tensors.append(e);
+    }
+    d["tensors"] = tensors;
+    return d;
+  });
+  // The CPU reference dequantization of a packed tensor whose bytes are
+  // `packed` (uint8, the layout's total_bytes(), or for the GGUF formats just
+  // its blocks): a new [rows, cols] tensor of `dtype` (float32/bfloat16/float16).
+  m.def("dequantize_packed", [](const std::string& format, torch::Tensor packed, int64_t rows, int64_t cols,
+                                torch::ScalarType dtype) {
+    const quant::PackedLayout L = quant::layout_for(quant::parse_packed_format(format), rows, cols);
+    LS_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8, "dequantize_packed: the packed "
+             "bytes must be a CPU uint8 tensor, got ", packed.scalar_type(), " on ", packed.device());
+    torch::Tensor src = packed.contiguous();
+    const size_t need = quant::is_gguf(L.format) ? L.data_bytes : L.total_bytes();
+    LS_CHECK(static_cast<size_t>(src.numel()) == need, "dequantize_packed: a ", quant::to_string(L.format),
+             " tensor [", rows, ", ", cols, "] is ", need, " bytes, got ", src.numel());
+    const quant::OutDtype od = dtype == torch::kFloat ? quant::OutDtype::F32
+                               : dtype == torch::kBFloat16 ? quant::OutDtype::BF16
+                               : dtype == torch::kHalf ? quant::OutDtype::F16
+                               : (LS_FAIL("dequantize_packed: dtype must be float32, bfloat16 or float16, got ",
+                                          dtype), quant::OutDtype::F32);
+    torch::Tensor out = torch::empty({rows, cols}, torch::TensorOptions().dtype(dtype));
+    {
+      py::gil_scoped_release nogil;
+      quant::dequantize_cpu(L, src.data_ptr(), out.data_ptr(), od, 0);
+    }
+    return out;
   });
 
   // The placement planner (core/planner.h): which layers stay resident.
@@ -146,11 +200,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("name"), py::arg("data"), py::arg("scales"),
            py::arg("bias"), py::arg("dense_dtype"))
       .def("add_linear_packed",
-           [fmt](Engine& e, const std::string& name, const std::string& format, torch::Tensor codes,
+           [](Engine& e, const std::string& name, const std::string& format, torch::Tensor codes,
                  torch::Tensor scales, std::optional<torch::Tensor> bias, int64_t rows, int64_t cols,
                  py::object dense_dtype) {
              const auto dt = torch::python::detail::py_object_to_dtype(dense_dtype);
-             return e.add_linear_packed(name, fmt(format), codes, scales, bias.value_or(torch::Tensor()),
+             return e.add_linear_packed(name, quant::parse_packed_format(format), codes, scales,
+                                        bias.value_or(torch::Tensor()),
                                         rows, cols, dt);
            },
            py::arg("name"), py::arg("format"), py::arg("codes"), py::arg("scales"), py::arg("bias"),

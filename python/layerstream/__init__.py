@@ -26,8 +26,10 @@ import torch
 import torch.nn as nn
 
 from . import _C
+from ._gguf import GgufLoad, GgufWeight, load_gguf
 
-__all__ = ["offload", "Handle", "LayerstreamError", "parse_bytes", "__version__"]
+__all__ = ["offload", "Handle", "LayerstreamError", "parse_bytes", "load_gguf", "GgufLoad", "GgufWeight",
+           "__version__"]
 __version__ = "0.1.0"
 
 LayerstreamError = _C.LayerstreamError
@@ -76,14 +78,17 @@ def _quant_for(name: str, quantize) -> Optional[str]:
 class _Packed:
     """A weight that arrives already packed: stored byte for byte."""
 
-    __slots__ = ("format", "codes", "scales", "rows", "cols", "dense_dtype", "bnb_stats")
+    __slots__ = ("format", "codes", "scales", "rows", "cols", "dense_dtype", "bnb_stats", "gguf")
 
-    def __init__(self, format, codes, scales, rows, cols, dense_dtype, bnb_stats=None):
+    def __init__(self, format, codes, scales, rows, cols, dense_dtype, bnb_stats=None, gguf=False):
         self.format, self.codes, self.scales = format, codes, scales
         self.rows, self.cols, self.dense_dtype = int(rows), int(cols), dense_dtype
         self.bnb_stats = bnb_stats  # bitsandbytes: what detach() needs to rebuild Params4bit
+        self.gguf = gguf  # load_gguf()'s bytes: detach() restores the dequantized weight
 
 
+_HOST = torch.device("cpu")
+_GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 _DEQUANT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -128,6 +133,8 @@ def _prequantized(name: str, module: nn.Module) -> Optional[_Packed]:
     w = module.weight
     if type(w).__name__ == "Params4bit":
         return _bnb_nf4(name, w)
+    if isinstance(w, GgufWeight):
+        return _Packed(w.gguf_format, w.gguf_bytes, torch.empty(0), w.shape[0], w.shape[1], w.dtype, gguf=True)
     rows = w.shape[0]
     if w.is_quantized:
         if w.dtype != torch.qint8:
@@ -353,7 +360,7 @@ def _check_no_meta(model: nn.Module) -> None:
     """offload() needs every weight's values: refuses data-less (meta) parameters and
     buffers with the names of the first few, before anything changes."""
     meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
-            if t.is_meta and not isinstance(t, _PackedWeight)]  # those: offloaded already
+            if t.is_meta and not isinstance(t, (_PackedWeight, GgufWeight))]  # offloaded; packed bytes
     if meta:
         raise LayerstreamError(
             f"{len(meta)} parameter(s)/buffer(s) have no data (meta tensors): "
@@ -520,6 +527,7 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
 # The .data / .requires_grad descriptors, as __torch_function__ sees their getters and setters.
 _DATA = torch._C.TensorBase.__dict__["data"]
 _REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
+_DEVICE = torch._C.TensorBase.__dict__["device"]
 _CONVERSIONS = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "type_as",
                 "pin_memory", "share_memory_"}
 
@@ -540,7 +548,11 @@ class _PackedWeight(nn.Parameter):
         dense, dequantized weight);
       * reads (shape, dtype, ``detach()`` for state_dict(), ...) behave as on a
         meta tensor; ``.data`` is the parameter itself, so writes through it
-        are seen too.
+        are seen too;
+      * ``.device`` is the CPU (``is_meta`` stays True): code that places new
+        tensors beside the weight (peft puts a LoRA adapter on its base layer's
+        weight's device) puts them in host memory, where streamed parameters
+        live, instead of on the meta device, where their values would be lost.
     """
 
     def __new__(cls, shape, dtype, engine, index: int, name: str, part: Optional[int] = None):
@@ -561,6 +573,8 @@ class _PackedWeight(nn.Parameter):
         ls = getattr(self, "_ls", None) if isinstance(self, _PackedWeight) else None
         descr = getattr(func, "__self__", None)
         name = getattr(func, "__name__", "")
+        if ls is not None and descr is _DEVICE and name == "__get__":
+            return _HOST  # where the packed bytes are (see the class docstring)
         if ls is not None and descr is _DATA:
             if name == "__get__":
                 return self  # so that writes through .data reach this handler
@@ -1291,6 +1305,10 @@ def offload(
     formats = ([quantize] if isinstance(quantize, str) else
                list(quantize.values()) if isinstance(quantize, dict) else [])
     for fmt in formats:
+        if isinstance(fmt, str) and fmt.lower() in _GGUF_FORMATS:
+            raise ValueError(f"{fmt!r} is a GGUF format: layerstream streams GGUF weights as they are "
+                             f"read from a .gguf file (layerstream.load_gguf) but does not quantize to "
+                             f"it; valid formats for quantize=: {', '.join(_C.quant_formats())}")
         if fmt is not None and fmt not in _C.quant_formats():
             raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
                              f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
@@ -1485,6 +1503,13 @@ def offload(
             workspace = _align256(workspace + bias.numel() * compute_dtype.itemsize)
         bus = _align256(w_bytes) + _align256(b_bytes)
         layers.append((name, module, kind, fmt, pre, bus, bus + workspace, dense_w + b_bytes))
+    # GGUF weights (load_gguf) of layers that do not stream as Linear layers (excluded, in a
+    # groups= module, a subclass with its own forward, ...) stay resident: dense, dequantized
+    # here so that the planner counts them (not undone if offload() fails: the values are the same).
+    linear_ids = {id(t[1]) for t in layers if t[2] == "linear"}
+    for module in model.modules():
+        if id(module) not in linear_ids:
+            _materialize_gguf(module)
     if isinstance(quantize, dict):
         # A table named explicitly (no wildcard) for a format: tables are never quantized.
         named = [f"'{name}'" for name, _, _, _, _, _, _, _ in tables
@@ -1529,7 +1554,7 @@ def offload(
             if id(module) in layer_ids:
                 continue
             for t in list(module._parameters.values()) + list(module._buffers.values()):
-                if t is not None and t.device.type != "meta" and id(t) not in counted:
+                if t is not None and not t.is_meta and id(t) not in counted:
                     counted.add(id(t))
                     fixed += t.numel() * t.element_size()
         # Slots first, residency with what is left: the planner reserves the
@@ -1618,6 +1643,14 @@ def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
             m.activation_relu_or_gelu = 0
 
 
+def _materialize_gguf(module: nn.Module) -> None:
+    """Replaces the module's own GGUF weights (load_gguf) by dense, dequantized
+    parameters (frozen), for a module that does not stream them."""
+    for k, p in list(module._parameters.items()):
+        if isinstance(p, GgufWeight):
+            module._parameters[k] = nn.Parameter(p.dequantized(), requires_grad=False)
+
+
 def _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device,
                    routed: bool) -> None:
     """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
@@ -1625,6 +1658,7 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
     failure)."""
     for name, module, kind, fmt, pre, _, _, _ in layers:
         if name in resident_names:
+            _materialize_gguf(module)  # the planner counted it dense
             continue
         if kind == "group":
             slots = _group_slots(module)
@@ -1665,7 +1699,7 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
                 streamed_params.add(id(p))
             continue
         weight, bias = module.weight, getattr(module, "bias", None)
-        devices = [str(weight.device)]
+        devices = [str(weight.device)]  # a GgufWeight's is the CPU, where its bytes are
         if pre is not None:
             if pre.format == "int8":
                 index = engine.add_linear_int8(name or "<root>", pre.codes, pre.scales, bias,
@@ -1687,10 +1721,11 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
         a = _Attached(name, module, kind, index, had_forward, old_forward, devices,
-                      prequantized=pre is not None, bnb_stats=None if pre is None else pre.bnb_stats,
+                      prequantized=pre is not None and not pre.gguf,
+                      bnb_stats=None if pre is None else pre.bnb_stats,
                       strides=None if weight.is_contiguous() else tuple(weight.stride()))
         attached.append(a)
-        if (pre is None or pre.bnb_stats is not None) and engine.layer_format(index):
+        if (pre is None or pre.bnb_stats is not None or pre.gguf) and engine.layer_format(index):
             # The weight now lives packed on the host; the module keeps a
             # data-less (meta) parameter of the same shape and dtype so the
             # dense (or the bitsandbytes) copy is freed.

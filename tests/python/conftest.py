@@ -268,3 +268,59 @@ def tiny_llama(vocab_size: int = 64, seed=0, **config):
     if seed is not None:
         torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
+
+
+# ---- GGUF test files, written without gguf-py (the GPU machine lacks it) ----
+GGUF_BLOCKS = {  # ggml type: (id, elements per block, bytes per block, offsets of its fp16 scales)
+    "F32": (0, 1, 4, ()), "F16": (1, 1, 2, ()), "BF16": (30, 1, 2, ()),
+    "Q4_0": (2, 32, 18, (0,)), "Q4_1": (3, 32, 20, (0, 2)), "Q5_0": (6, 32, 22, (0,)),
+    "Q5_1": (7, 32, 24, (0, 2)), "Q8_0": (8, 32, 34, (0,)), "Q2_K": (10, 256, 84, (80, 82)),
+    "Q3_K": (11, 256, 110, (108,)), "Q4_K": (12, 256, 144, (0, 2)), "Q5_K": (13, 256, 176, (0, 2)),
+    "Q6_K": (14, 256, 210, (208,)), "IQ4_NL": (20, 32, 18, (0,)),
+}
+
+
+def gguf_random_blocks(type_name: str, rows: int, cols: int, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
+    """Random bytes for a [rows, cols] tensor of a GGUF block type, with its fp16
+    scale fields set to small finite values (any bytes are valid codes)."""
+    _, elems, nbytes, offsets = GGUF_BLOCKS[type_name]
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows * cols // elems, nbytes), dtype=torch.uint8, generator=g)
+    for off in offsets:
+        d = (torch.randn(blocks.shape[0], generator=g) * scale).to(torch.float16)
+        blocks[:, off:off + 2] = d.view(torch.uint8).reshape(-1, 2)
+    return blocks.reshape(-1)
+
+
+def write_gguf(path, tensors, metadata=None, alignment=None, version=3):
+    """Writes a GGUF file: tensors is a list of (name, torch shape, ggml type name,
+    raw bytes as a uint8 tensor); metadata: str -> str or int (UINT32)."""
+    import struct
+
+    def s(text):
+        b = text.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    kv = dict(metadata or {})
+    if alignment is not None:
+        kv["general.alignment"] = alignment
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(kv)))
+    for k, v in kv.items():
+        out += s(k) + (struct.pack("<II", 4, v) if isinstance(v, int) else struct.pack("<I", 8) + s(v))
+    align = alignment or 32
+    offset = 0
+    offsets = []
+    for name, shape, tname, raw in tensors:
+        dims = list(reversed(shape))
+        out += s(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        out += struct.pack("<IQ", GGUF_BLOCKS[tname][0], offset)
+        offsets.append(offset)
+        offset += (raw.numel() + align - 1) // align * align
+    out += bytes((-len(out)) % align)
+    data_start = len(out)
+    for (name, shape, tname, raw), off in zip(tensors, offsets):
+        out += bytes(data_start + off - len(out))
+        out += raw.numpy().tobytes()
+    with open(path, "wb") as f:
+        f.write(out)
+    return path

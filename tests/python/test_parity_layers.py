@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import CastCounter, clone_input, requested_torch_device
+from conftest import CastCounter, clone_input, gguf_random_blocks, requested_torch_device, write_gguf
 
 BF16_TOL = dict(rtol=1.6e-2, atol=1e-2)
 FP16_TOL = dict(rtol=1e-3, atol=1e-3)
@@ -915,3 +915,42 @@ def test_named_module_streams_whole_as_a_group(offload_dev, compute_device):
     want.square().sum().backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         _close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda s: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_1", "Q3_K", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gguf_linear_streams_its_file_bytes(tmp_path, offload_dev, compute_device, type_name, dtype):
+    """load_gguf() keeps a Linear weight as the file's blocks; on the device they are
+    dequantized (CUDA: the GGUF kernels) to the same values as the CPU reference
+    (itself bit-identical to gguf-py, test_gguf.py): fp32 outputs and input
+    gradients bit-exact against a resident Linear holding those values."""
+    import layerstream
+    rows, cols = 96, 512
+    raw = gguf_random_blocks(type_name, rows, cols, seed=3)
+    bias = torch.randn(rows)
+    path = write_gguf(tmp_path / "l.gguf", [("0.weight", (rows, cols), type_name, raw),
+                                            ("0.bias", (rows,), "F32", bias.view(torch.uint8))])
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(cols, rows)).to(dtype)
+    assert layerstream.load_gguf(model, str(path)).packed == ["0.weight"]
+    ref = nn.Linear(cols, rows).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(model[0].weight.dequantized())
+        ref.bias.copy_(bias)
+    ref = ref.to(compute_device).requires_grad_(False)
+    handle = offload_dev(model)
+    x = torch.randn(7, cols, dtype=dtype, device=compute_device, requires_grad=True)
+    x_ref = clone_input(x)
+    y, y_ref = model(x), ref(x_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    if dtype == torch.float32:
+        assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad)
+    else:
+        _close(y, y_ref, **BF16_TOL)
+        _close(x.grad, x_ref.grad, **BF16_TOL)
+    assert handle.stats()["quantized_layers"] == 1
+    handle.detach()
+    assert torch.equal(model[0].weight.cpu(), ref.weight.cpu())
+

@@ -92,7 +92,7 @@ def test_lora_over_quantized_base_trains_adapter_only():
     model(x).square().mean().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert lora_a.weight.grad is not None and lora_b.weight.grad is not None
-    assert model.base.weight.grad is None and model.base.weight.device.type == "meta"
+    assert model.base.weight.grad is None and model.base.weight.is_meta
     assert h.stats()["d2h_bytes"] == 0  # no gradient crosses back for the frozen packed weight
     assert h.ordering_errors() == []
 
@@ -491,6 +491,44 @@ def test_peft_merge_into_a_quantized_base_is_refused(offload_sim):
     handle.detach()
     merged = model.merge_and_unload()
     torch.testing.assert_close(merged(x), with_adapter, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_added_after_offload_lives_on_the_host_and_trains(offload_sim):
+    """The flow the 'would quantize trainable layers' error suggests: quantize the
+    frozen base, then add the adapter. peft puts an adapter on its base weight's
+    device; the packed stand-in reports the CPU (it is meta underneath), so the
+    adapter gets real host tensors. (It used to get meta ones: values lost.)"""
+    peft = pytest.importorskip("peft")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    base = M().requires_grad_(False)
+    handle = offload_sim(base, quantize="int8")
+    assert base.a.weight.is_meta and base.a.weight.device == torch.device("cpu")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["a", "b"]))
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(lora) == 4 and all(p.device.type == "cpu" and not p.is_meta for p in lora.values())
+    with torch.no_grad():
+        for n, p in lora.items():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    x = torch.randn(3, 32)
+    model(x).square().sum().backward()
+    got = {n: p.grad.clone() for n, p in lora.items()}
+    out = model(x).detach()
+    handle.detach()  # dense, dequantized base weights: the same function without streaming
+    for p in lora.values():
+        p.grad = None
+    torch.testing.assert_close(model(x), out, rtol=1e-5, atol=1e-6)
+    model(x).square().sum().backward()
+    for n, p in lora.items():
+        torch.testing.assert_close(p.grad, got[n], rtol=1e-5, atol=1e-6)
 
 
 def test_in_place_write_to_a_prequantized_int8_weight_is_an_error(offload_sim):

@@ -1,0 +1,275 @@
+"""GGUF files (llama.cpp / ggml, also used for diffusion models): load_gguf().
+
+The file's header is read by the C++ reader (``_C.gguf_read``, csrc/core/gguf.h);
+the tensor data is read here, tensor by tensor, into host memory. Quantized
+tensors of Linear weights stay packed as they are in the file (``GgufWeight``)
+and offload() streams those bytes, dequantized on the device; everything else
+is loaded into the model's own parameters and buffers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Dict, List, Mapping, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from . import _C
+
+LayerstreamError = _C.LayerstreamError
+
+# ggml element types and the torch dtype their bytes are.
+_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+          "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
+_DENSE = (torch.float32, torch.bfloat16, torch.float16)
+_DEVICE = torch._C.TensorBase.__dict__["device"]
+_HOST = torch.device("cpu")
+
+
+class GgufWeight(nn.Parameter):
+    """The weight of a Linear layer that load_gguf() keeps packed: data-less (a
+    meta tensor of the weight's shape and dtype) with the file's bytes beside it
+    (``gguf_format``: "q4_k", ...; ``gguf_bytes``: a CPU uint8 tensor). offload()
+    streams those bytes and dequantizes them on the device; run the model only
+    after offload(). Frozen (requires_grad False). Its ``.device`` is the CPU,
+    where the bytes are (``is_meta`` is True): peft then creates LoRA adapters
+    over it in host memory instead of on the meta device."""
+
+    def __new__(cls, shape, dtype, fmt: str, data: torch.Tensor, name: str):
+        self = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
+        self.gguf_format, self.gguf_bytes, self.gguf_name = fmt, data, name
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self = args[0] if args and isinstance(args[0], GgufWeight) else None
+        name = getattr(func, "__name__", "")
+        if self is not None and getattr(func, "__self__", None) is _DEVICE and name == "__get__":
+            return _HOST  # where the bytes are; is_meta stays True (see the class docstring)
+        if func is torch.nn.functional.linear or (self is not None and name == "copy_"):
+            w = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, GgufWeight))
+            raise LayerstreamError(w._msg("computing with it" if func is torch.nn.functional.linear
+                                          else "writing into it"))
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if self is not None and name in ("detach", "alias") and isinstance(out, torch.Tensor):
+            # state_dict() holds detached aliases: they keep the type, so that saving them
+            # raises instead of writing a value-less tensor.
+            alias = torch.Tensor._make_subclass(cls, out, False)
+            alias.gguf_format, alias.gguf_bytes, alias.gguf_name = self.gguf_format, self.gguf_bytes, self.gguf_name
+            return alias
+        return out
+
+    def _msg(self, what: str) -> str:
+        return (f"the weight of '{self.gguf_name}' is GGUF {self.gguf_format} bytes that load_gguf() kept "
+                f"packed (a data-less stand-in), so {what} is not possible: call layerstream.offload("
+                f"model, ...) to run the model (the bytes stream to the device and are dequantized "
+                f"there); handle.detach() afterwards leaves dense, dequantized weights, and "
+                f"GgufWeight.dequantized() gives one weight's values")
+
+    def __reduce_ex__(self, protocol):
+        raise LayerstreamError(self._msg("saving (pickling) it") + "; save the .gguf file's path instead")
+
+    def __deepcopy__(self, memo):
+        # The copy shares the file's bytes (nothing writes them).
+        out = GgufWeight(self.shape, self.dtype, self.gguf_format, self.gguf_bytes, self.gguf_name)
+        memo[id(self)] = out
+        return out
+
+    def __repr__(self):
+        return (f"GgufWeight({self.gguf_format}, shape {tuple(self.shape)}, dense dtype {self.dtype}, "
+                f"{self.gguf_bytes.numel()} bytes on the host)")
+
+    def dequantized(self) -> torch.Tensor:
+        """The dense weight (CPU, the parameter's dtype), bit-identical to gguf-py's
+        dequantize() of the same bytes (rounded to the dtype)."""
+        cols = self.shape[-1]
+        rows = self.numel() // max(cols, 1)
+        return _C.dequantize_packed(self.gguf_format, self.gguf_bytes, rows, cols, self.dtype).reshape(self.shape)
+
+
+@dataclasses.dataclass
+class GgufLoad:
+    """What load_gguf() did, by parameter name."""
+    packed: List[str]         # Linear weights kept packed (GgufWeight): they stream as they are
+    dense: List[str]          # loaded from plain tensors (F32, F16, BF16, ...), cast to the model's dtype
+    dequantized: List[str]    # quantized in the file, dequantized on load (not a Linear weight)
+    missing: List[str]        # parameters / persistent buffers of the model not in the file
+    unexpected: List[str]     # tensors of the file that name nothing in the model
+    metadata: Dict[str, str]  # the file's key/value metadata (arrays summarized)
+    packed_bytes: int = 0     # host bytes of the packed weights
+
+
+def _orig_shape(meta: Mapping[str, str], name: str) -> Optional[tuple]:
+    """ComfyUI-GGUF's converter stores the shape of tensors it reshaped for
+    quantization under comfy.gguf.orig_shape.<name>."""
+    text = meta.get(f"comfy.gguf.orig_shape.{name}")
+    if not text:
+        return None
+    nums = re.findall(r"-?\d+", text)
+    return tuple(int(n) for n in nums) if nums else None
+
+
+def _linear_weight_owner(model: nn.Module, key: str) -> Optional[nn.Module]:
+    """The module whose `weight` `key` is, when that module streams as a plain
+    Linear (torch's own forward); None otherwise."""
+    from . import _is_streamable, _stock_forward
+    mod_name, _, attr = key.rpartition(".")
+    if attr != "weight":
+        return None
+    try:
+        mod = model.get_submodule(mod_name)
+    except AttributeError:
+        return None
+    if _is_streamable(mod) != "linear" or not _stock_forward(mod, "linear"):
+        return None
+    return mod
+
+
+def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str], Optional[str]],
+                                                            Mapping[str, Optional[str]]] = None,
+              strict: bool = True) -> GgufLoad:
+    """Loads the tensors of a .gguf file into `model` by name.
+
+    * A tensor quantized in one of the formats layerstream streams (Q8_0, Q4_0,
+      Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) that is the weight of an
+      ``nn.Linear`` stays packed: the parameter becomes a ``GgufWeight`` (no
+      dense copy is ever made) and offload() streams the file's bytes, which
+      the device dequantizes to the parameter's dtype, bit-identical to
+      gguf-py's ``dequantize`` rounded to that dtype. Frozen.
+    * Plain tensors (F32, F16, BF16, ...) are copied into the parameter or
+      buffer, cast to its dtype; quantized tensors of anything else (a conv or
+      embedding weight, a bias) are dequantized on load to its dtype.
+    * The model may be built without weights (``accelerate.init_empty_weights()``,
+      which keeps buffers real, or ``torch.device("meta")``): a meta parameter
+      gets a new tensor (tied parameters stay tied; tie them before loading,
+      e.g. transformers' ``model.tie_weights()``); a real one is written in place.
+
+    ``rename`` maps the file's tensor names to the model's parameter names: a
+    callable or a dict (a name it maps to None, or a callable returning None,
+    is skipped). ``strict`` (default) raises, before anything changes, when the
+    file has tensors the model lacks or the model has parameters or persistent
+    buffers the file lacks; with ``strict=False`` those are listed in the
+    result. Shapes must match (the file's dims reversed, as ggml stores the
+    innermost first); a mismatch is an error naming both.
+
+    Only the layout the model itself uses can be loaded: llama.cpp's language
+    model files permute the rows of attn_q / attn_k for its rotary layout
+    (transformers' GGUF loader undoes that), which load_gguf does not.
+
+    Returns a ``GgufLoad`` (what was packed, loaded dense, dequantized,
+    missing, unexpected; the file's metadata). Not thread-safe with other users
+    of the model."""
+    info = _C.gguf_read(str(path))
+    meta = info["metadata"]
+    # Every (owner module, key) holding each tensor, by qualified name.
+    slots: Dict[str, tuple] = {}
+    holders: Dict[int, list] = {}
+    persistent = set()
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for k, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            if t is None:
+                continue
+            qn = f"{mname}.{k}" if mname else k
+            slots[qn] = (mod, k, t)
+            holders.setdefault(id(t), []).append((mod, k))
+            if k in mod._parameters or k not in mod._non_persistent_buffers_set:
+                persistent.add(qn)
+
+    plan = []  # (tensor record, target name)
+    unexpected, seen = [], set()
+    for rec in info["tensors"]:
+        src = rec["name"]
+        if rename is None:
+            dst = src
+        elif callable(rename):
+            dst = rename(src)
+        else:
+            dst = rename.get(src, src)
+        if dst is None:
+            continue
+        if dst not in slots:
+            unexpected.append(src if dst == src else f"{src} (as {dst})")
+            continue
+        if dst in seen:
+            raise LayerstreamError(f"{path}: two tensors of the file load into '{dst}'; fix rename=")
+        seen.add(dst)
+        plan.append((rec, dst))
+    seen_ids = {id(slots[d][2]) for d in seen}
+    missing = sorted(n for n in persistent if id(slots[n][2]) not in seen_ids)
+    if strict and (missing or unexpected):
+        parts = []
+        if unexpected:
+            parts.append(f"{len(unexpected)} tensor(s) of the file name nothing in the model: "
+                         f"{', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}")
+        if missing:
+            parts.append(f"{len(missing)} parameter(s)/buffer(s) of the model are not in the file: "
+                         f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
+        raise LayerstreamError(f"load_gguf({path!r}): " + "; ".join(parts) +
+                               ". Map the names with rename= (a dict or a function of the file's name), "
+                               "or pass strict=False to load what matches")
+    # Shapes and types, all checked before anything changes.
+    for rec, dst in plan:
+        _, _, target = slots[dst]
+        shape = tuple(rec["shape"])
+        if shape != tuple(target.shape):
+            orig = _orig_shape(meta, rec["name"])
+            if orig is None or orig != tuple(target.shape) or rec["type"] not in _PLAIN and not rec["format"]:
+                raise LayerstreamError(
+                    f"{path}: tensor '{rec['name']}' has shape {list(shape)} (GGUF dims reversed) but "
+                    f"'{dst}' in the model is {list(target.shape)}")
+        if rec["type"] not in _PLAIN and not rec["format"]:
+            raise LayerstreamError(
+                f"{path}: tensor '{rec['name']}' is GGUF type {rec['type']}, which layerstream cannot "
+                f"read; supported: F32, F16, BF16, F64, I8-I64, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+                f"Q4_K, Q5_K, Q6_K (requantize the file with llama.cpp's llama-quantize)")
+        if rec["format"] and target.dtype not in _DENSE:
+            raise LayerstreamError(f"{path}: '{dst}' is {target.dtype}; a quantized GGUF tensor loads "
+                                   f"into float32, bfloat16 or float16 parameters")
+
+    out = GgufLoad([], [], [], missing, unexpected, dict(meta))
+    with open(path, "rb") as f:
+        for rec, dst in plan:
+            mod, key, target = slots[dst]
+            f.seek(rec["offset"])
+            raw = torch.empty(rec["nbytes"], dtype=torch.uint8)
+            if rec["nbytes"] and f.readinto(memoryview(raw.numpy())) != rec["nbytes"]:
+                raise LayerstreamError(f"{path}: could not read tensor '{rec['name']}' (file truncated?)")
+            shape = tuple(target.shape)
+            owner = _linear_weight_owner(model, dst) if rec["format"] else None
+            if owner is not None and owner.weight is target and tuple(rec["shape"]) == shape:
+                new = GgufWeight(shape, target.dtype, rec["format"], raw, dst)
+                for m, k in holders[id(target)]:
+                    m._parameters[k] = new
+                out.packed.append(dst)
+                out.packed_bytes += raw.numel()
+                continue
+            if rec["format"]:
+                cols = int(rec["shape"][-1])
+                value = _C.dequantize_packed(rec["format"], raw, target.numel() // max(cols, 1), cols,
+                                             target.dtype).reshape(shape)
+                out.dequantized.append(dst)
+            else:
+                value = raw.view(_PLAIN[rec["type"]]).reshape(shape)
+                out.dense.append(dst)
+            _assign(holders[id(target)], target, value)
+    return out
+
+
+def _assign(holders, target: torch.Tensor, value: torch.Tensor) -> None:
+    """Writes `value` into `target` (in place, cast), or for a meta target puts a
+    new tensor of its dtype in every place that holds it (tied stay tied)."""
+    if target.is_meta or isinstance(target, GgufWeight):
+        new_t = value.to(target.dtype).clone()
+        if isinstance(target, nn.Parameter):
+            new_t = nn.Parameter(new_t, requires_grad=target.requires_grad and new_t.is_floating_point())
+        for m, k in holders:
+            if k in m._parameters:
+                m._parameters[k] = new_t
+            else:
+                m._buffers[k] = new_t
+        return
+    with torch.no_grad():
+        target.copy_(value)

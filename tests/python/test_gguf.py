@@ -1,0 +1,417 @@
+"""GGUF files: the reader (csrc/core/gguf.h), the dequantization of the ten block
+formats (bit for bit gguf-py's numpy reference), and load_gguf() + offload():
+Linear weights stream as the file's bytes, everything else loads dense."""
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import gguf
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+import layerstream
+from layerstream import GgufWeight, LayerstreamError, _C
+from conftest import GGUF_BLOCKS, gguf_random_blocks, write_gguf
+
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_dequantization_is_bit_identical_to_gguf_py(type_name):
+    """Random blocks (every code pattern) with scales of both signs, zero,
+    subnormal and large: our CPU reference equals gguf-py's dequantize bit for
+    bit in fp32, and its rounding to bf16 / fp16 equals torch's."""
+    _, elems, nbytes, offsets = GGUF_BLOCKS[type_name]
+    rows, cols = 7, 3 * elems
+    raw = gguf_random_blocks(type_name, rows, cols, seed=1).reshape(-1, nbytes)
+    special = torch.tensor([0.0, -0.0, 6e-8, -3e-5, 65504.0, -1.5, 2.0 ** -14], dtype=torch.float16)
+    for off in offsets:
+        raw[: len(special), off:off + 2] = special.view(torch.uint8).reshape(-1, 2)
+    want = torch.from_numpy(quants.dequantize(raw.reshape(rows, -1).numpy(), getattr(T, type_name)).copy())
+    assert want.shape == (rows, cols)
+    fmt = type_name.lower()
+    got = _C.dequantize_packed(fmt, raw.reshape(-1), rows, cols, torch.float32)
+    assert torch.equal(_bits(got), _bits(want.float())), f"{type_name}: fp32 values differ from gguf-py"
+    for dtype in (torch.bfloat16, torch.float16):
+        got = _C.dequantize_packed(fmt, raw.reshape(-1), rows, cols, dtype)
+        assert torch.equal(_bits(got), _bits(want.to(dtype))), f"{type_name}: {dtype} rounding differs"
+
+
+def test_dequantize_checks_sizes_and_blocks():
+    raw = gguf_random_blocks("Q4_K", 2, 256)
+    with pytest.raises(LayerstreamError, match="is 288 bytes, got 287"):
+        _C.dequantize_packed("q4_k", raw[:-1], 2, 256, torch.float32)
+    with pytest.raises(LayerstreamError, match="must be a multiple of 256"):
+        _C.dequantize_packed("q4_k", raw, 4, 128, torch.float32)
+
+
+def _gguf_py_file(path, tensors, alignment=None):
+    w = gguf.GGUFWriter(str(path), "test")
+    if alignment:
+        w.add_custom_alignment(alignment)
+    w.add_string("general.name", "tiny")
+    w.add_uint32("test.count", 7)
+    w.add_float32("test.eps", 0.5)
+    w.add_array("test.ids", [1, 2, 3])
+    w.add_array("test.tokens", ["a", "bb", "ccc"])
+    for name, arr, raw_dtype in tensors:
+        w.add_tensor(name, arr, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_reader_reads_what_gguf_py_writes(tmp_path, alignment):
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((3, 5, 8)).astype(np.float16)
+    q8 = quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), T.Q8_0)
+    q6 = gguf_random_blocks("Q6_K", 2, 512).reshape(2, -1).numpy()
+    path = tmp_path / "a.gguf"
+    _gguf_py_file(path, [("dense", dense, None), ("q8", q8, T.Q8_0), ("blk.0.q6", q6, T.Q6_K)], alignment)
+    info = _C.gguf_read(str(path))
+    assert info["version"] == 3
+    assert info["alignment"] == (alignment or 32)
+    assert info["data_offset"] % (alignment or 32) == 0
+    meta = info["metadata"]
+    assert meta["general.name"] == "tiny" and meta["test.count"] == "7" and meta["test.eps"] == "0.5"
+    assert meta["test.ids"] == "[1, 2, 3]" and meta["test.tokens"] == "[3 x STRING]"
+    t = {r["name"]: r for r in info["tensors"]}
+    assert [r["name"] for r in info["tensors"]] == ["dense", "q8", "blk.0.q6"]
+    assert t["dense"]["shape"] == [3, 5, 8] and t["dense"]["type"] == "F16" and t["dense"]["format"] == ""
+    assert t["q8"]["shape"] == [4, 64] and t["q8"]["type"] == "Q8_0" and t["q8"]["format"] == "q8_0"
+    assert t["blk.0.q6"]["shape"] == [2, 512] and t["blk.0.q6"]["format"] == "q6_k"
+    data = path.read_bytes()
+    for name, arr in (("dense", dense), ("q8", q8), ("blk.0.q6", q6)):
+        r = t[name]
+        assert r["offset"] % (alignment or 32) == 0
+        assert r["nbytes"] == arr.nbytes
+        assert data[r["offset"]:r["offset"] + r["nbytes"]] == arr.tobytes(), name
+
+
+def test_reader_rejects_damaged_files(tmp_path):
+    raw = gguf_random_blocks("Q4_0", 2, 64)
+    good = write_gguf(tmp_path / "good.gguf", [("w", (2, 64), "Q4_0", raw), ("b", (2,), "F32",
+                                                                          torch.zeros(8, dtype=torch.uint8))])
+    data = bytearray(open(good, "rb").read())
+    assert len(_C.gguf_read(str(good))["tensors"]) == 2
+
+    def read(blob, name):
+        p = tmp_path / name
+        p.write_bytes(bytes(blob))
+        return _C.gguf_read(str(p))
+
+    with pytest.raises(LayerstreamError, match="is not a GGUF file"):
+        read(b"GGML" + data[4:], "magic.gguf")
+    with pytest.raises(LayerstreamError, match="GGUF version 1 is not supported"):
+        read(data[:4] + (1).to_bytes(4, "little") + data[8:], "v1.gguf")
+    with pytest.raises(LayerstreamError, match="the file ends .* while reading"):
+        read(data[:40], "cut_header.gguf")
+    with pytest.raises(LayerstreamError, match="tensor 'b' .* runs past the end"):
+        read(data[:-4], "cut_data.gguf")
+    with pytest.raises(LayerstreamError, match="does not exist"):
+        _C.gguf_read(str(tmp_path / "nope.gguf"))
+    bad = write_gguf(tmp_path / "t.gguf", [("w", (2, 64), "Q4_0", raw)])
+    blob = bytearray(open(bad, "rb").read())
+    type_at = blob.index(b"w") + 1 + 4 + 16  # name, n_dims, two dims
+    blob[type_at:type_at + 4] = (99).to_bytes(4, "little")
+    with pytest.raises(LayerstreamError, match="tensor 'w' has unknown ggml type 99"):
+        read(blob, "type.gguf")
+    blob[type_at:type_at + 4] = (2).to_bytes(4, "little")
+    blob[type_at + 4:type_at + 12] = (8).to_bytes(8, "little")
+    with pytest.raises(LayerstreamError, match="not a multiple of the alignment 32"):
+        read(blob, "align.gguf")
+    two = write_gguf(tmp_path / "two.gguf", [("a", (2, 64), "Q4_0", raw), ("b", (2, 64), "Q4_0", raw)])
+    blob = bytearray(open(two, "rb").read())
+    off_b = blob.index(b"\x01\x00\x00\x00\x00\x00\x00\x00b") + 9 + 4 + 16 + 4  # b's offset field
+    blob[off_b:off_b + 8] = (0).to_bytes(8, "little")
+    with pytest.raises(LayerstreamError, match="tensors 'a' and 'b' overlap"):
+        read(blob, "overlap.gguf")
+    blocks = write_gguf(tmp_path / "blk.gguf", [("w", (2, 64), "Q4_0", raw)])
+    blob = bytearray(open(blocks, "rb").read())
+    dim0 = blob.index(b"w") + 1 + 4
+    blob[dim0:dim0 + 8] = (48).to_bytes(8, "little")
+    with pytest.raises(LayerstreamError, match="not a multiple of the block size 32"):
+        read(blob, "blocks.gguf")
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 256) if vocab else None
+        self.up = nn.Linear(256, 512)
+        self.norm = nn.LayerNorm(512)
+        self.down = nn.Linear(512, 256, bias=False)
+        self.head = nn.Linear(256, 64)
+
+    def forward(self, x):
+        if self.emb is not None:
+            x = self.emb(x)
+        return self.head(torch.relu(self.down(self.norm(self.up(x)))))
+
+
+TYPES = {"up.weight": "Q4_K", "down.weight": "Q8_0", "head.weight": "Q6_K"}
+
+
+def _net_file(tmp_path, dtype=torch.bfloat16, vocab=0, emb_type="F16"):
+    """A .gguf of Net: Q8_0 quantized by gguf-py from real weights, K-quants random;
+    returns (path, reference Net with the dequantized values, in `dtype`)."""
+    torch.manual_seed(0)
+    src = Net(vocab)
+    tensors, values = [], {}
+    for k, v in src.state_dict().items():
+        t = TYPES.get(k, emb_type if k == "emb.weight" else "F32")
+        if t == "Q8_0":
+            raw = torch.from_numpy(quants.quantize(v.numpy(), T.Q8_0).reshape(-1).copy())
+        elif t in ("F32", "F16"):
+            raw = v.to(torch.float32 if t == "F32" else torch.float16).reshape(-1).view(torch.uint8)
+        else:
+            raw = gguf_random_blocks(t, v.shape[0], v.shape[1], seed=len(tensors))
+        tensors.append((k, tuple(v.shape), t, raw))
+        if t in ("F32", "F16"):
+            values[k] = raw.view(torch.float32 if t == "F32" else torch.float16).reshape(v.shape)
+        else:
+            values[k] = torch.from_numpy(quants.dequantize(raw.reshape(v.shape[0], -1).numpy(),
+                                                           getattr(T, t)).copy())
+    path = write_gguf(tmp_path / "net.gguf", tensors, metadata={"general.name": "net"})
+    ref = Net(vocab)
+    ref.load_state_dict({k: v.float() for k, v in values.items()})
+    return path, ref.to(dtype)
+
+
+def _meta_net(vocab=0, dtype=torch.bfloat16):
+    with torch.device("meta"):
+        return Net(vocab).to(dtype)
+
+
+def test_load_gguf_keeps_linear_weights_packed_and_streams_them(tmp_path):
+    path, ref = _net_file(tmp_path)
+    model = _meta_net()
+    r = layerstream.load_gguf(model, str(path))
+    assert sorted(r.packed) == sorted(TYPES)
+    assert sorted(r.dense) == ["head.bias", "norm.bias", "norm.weight", "up.bias"]
+    assert r.dequantized == [] and r.missing == [] and r.unexpected == []
+    assert r.metadata["general.name"] == "net"
+    assert isinstance(model.up.weight, GgufWeight) and model.up.weight.gguf_format == "q4_k"
+    assert not model.up.weight.requires_grad and model.up.weight.is_meta
+    assert r.packed_bytes == (512 * 256 // 256 * 144 + 256 * 512 // 32 * 34 + 64 * 256 // 256 * 210)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    with pytest.raises(LayerstreamError, match=r"'up.weight' is GGUF q4_k .* call layerstream.offload"):
+        model(x)
+    h = layerstream.offload(model, device="sim", checker=True)
+    assert h.stats()["quantized_layers"] == 3
+    with torch.no_grad():
+        y, want = model(x), ref(x)
+    assert torch.equal(y, want), "the device dequantization must equal gguf-py's values"
+    # The file's bytes (each packed tensor padded to 256 bytes) and the biases, nothing else.
+    bus = sum(-(-model.get_submodule(k[:-7]).weight.numel() // GGUF_BLOCKS[t][1] * GGUF_BLOCKS[t][2] // 256) * 256
+              for k, t in TYPES.items())
+    assert bus - r.packed_bytes == 128  # head: 13440 bytes
+    assert h.stats()["h2d_bytes"] == bus + (512 + 64) * 2
+    # Frozen packed weights, but the input gradient flows (LoRA-style training).
+    xg = x.clone().requires_grad_(True)
+    xr = x.clone().requires_grad_(True)
+    model(xg).float().square().sum().backward()
+    ref.requires_grad_(False)
+    ref(xr).float().square().sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
+    assert h.ordering_errors() == []
+    h.detach()
+    for k in TYPES:  # dense, dequantized
+        p = model.get_parameter(k)
+        assert type(p) is nn.Parameter and not p.requires_grad
+        assert torch.equal(p, ref.get_parameter(k))
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+def test_gguf_weights_refuse_writes_and_saving_but_deep_copy(tmp_path):
+    path, ref = _net_file(tmp_path)
+    model = _meta_net()
+    layerstream.load_gguf(model, str(path))
+    with pytest.raises(LayerstreamError, match="'down.weight' is GGUF q8_0 .* writing into it"):
+        with torch.no_grad():
+            model.down.weight.copy_(torch.zeros(256, 512))
+    with pytest.raises(LayerstreamError, match="saving \\(pickling\\) it is not possible"):
+        torch.save(model.state_dict(), io.BytesIO())
+    twin = copy.deepcopy(model)
+    assert twin.up.weight.gguf_bytes is model.up.weight.gguf_bytes
+    assert torch.equal(twin.up.weight.dequantized(), ref.up.weight)
+    h = layerstream.offload(model, device="sim")
+    with pytest.raises(RuntimeError, match="layer 'up' was not quantized by offload\\(\\) \\(its weight came "
+                                           "pre-packed: detach\\(\\), load, and offload\\(\\) again"):
+        model.load_state_dict(ref.state_dict())
+    h.detach()
+
+
+@pytest.mark.parametrize("how", ["exclude", "budget"])
+def test_gguf_layers_that_stay_resident_are_dequantized(tmp_path, how):
+    """A GGUF Linear that does not stream (excluded, or kept resident by the
+    planner) gets its dense, dequantized weight at offload()."""
+    path, ref = _net_file(tmp_path)
+    model = _meta_net()
+    layerstream.load_gguf(model, str(path))
+    kw = {"exclude": ["head"]} if how == "exclude" else {"budget": "1GiB"}
+    h = layerstream.offload(model, device="sim", **kw)
+    if how == "budget":
+        assert h.stats()["resident_layers"] == 3
+    assert type(model.head.weight) is nn.Parameter
+    assert torch.equal(model.head.weight, ref.head.weight)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    h.detach()
+
+
+def test_quantized_tensors_of_other_layers_are_dequantized_on_load(tmp_path):
+    path, ref = _net_file(tmp_path, vocab=100, emb_type="Q8_0")
+    model = _meta_net(vocab=100)
+    r = layerstream.load_gguf(model, str(path))
+    assert r.dequantized == ["emb.weight"]
+    assert type(model.emb.weight) is nn.Parameter and torch.equal(model.emb.weight, ref.emb.weight)
+    ids = torch.randint(0, 100, (2, 3))
+    h = layerstream.offload(model, device="sim")
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+    h.detach()
+
+
+def test_load_gguf_into_real_parameters_writes_in_place(tmp_path):
+    path, ref = _net_file(tmp_path, dtype=torch.float32)
+    model = Net()
+    norm_w = model.norm.weight
+    layerstream.load_gguf(model, str(path))
+    assert model.norm.weight is norm_w and torch.equal(norm_w, ref.norm.weight)
+    assert isinstance(model.up.weight, GgufWeight) and model.up.weight.dtype == torch.float32
+
+
+def test_strict_names_and_rename(tmp_path):
+    path, ref = _net_file(tmp_path)
+    model = _meta_net(vocab=10)  # emb.weight is not in the file
+    with pytest.raises(LayerstreamError, match=r"1 parameter\(s\)/buffer\(s\) of the model are not in the "
+                                               r"file: emb.weight.*rename=.*strict=False"):
+        layerstream.load_gguf(model, str(path))
+    assert model.up.weight.is_meta and not isinstance(model.up.weight, GgufWeight)  # nothing changed
+    r = layerstream.load_gguf(model, str(path), strict=False)
+    assert r.missing == ["emb.weight"] and r.unexpected == []
+    # Names mapped by a dict and by a function; None skips a tensor.
+    renamed = write_gguf(tmp_path / "r.gguf", [("blk.up", (512, 256), "Q4_0", gguf_random_blocks("Q4_0", 512, 256)),
+                                                ("extra", (4,), "F32", torch.zeros(16, dtype=torch.uint8))])
+    with torch.device("meta"):
+        lin = nn.Sequential(nn.Linear(256, 512, bias=False))
+    with pytest.raises(LayerstreamError, match=r"2 tensor\(s\) of the file name nothing in the model: blk.up, extra"):
+        layerstream.load_gguf(lin, str(renamed))
+    r = layerstream.load_gguf(lin, str(renamed), rename={"blk.up": "0.weight", "extra": None})
+    assert r.packed == ["0.weight"] and r.unexpected == []
+    with torch.device("meta"):
+        lin = nn.Sequential(nn.Linear(256, 512, bias=False))
+    r = layerstream.load_gguf(lin, str(renamed), rename=lambda n: "0.weight" if n == "blk.up" else None)
+    assert r.packed == ["0.weight"]
+
+
+def test_shape_and_type_errors_change_nothing(tmp_path):
+    raw = gguf_random_blocks("Q4_0", 512, 256)
+    with torch.device("meta"):
+        lin = nn.Sequential(nn.Linear(512, 256, bias=False))
+    p = write_gguf(tmp_path / "s.gguf", [("0.weight", (512, 256), "Q4_0", raw)])
+    with pytest.raises(LayerstreamError, match=r"tensor '0.weight' has shape \[512, 256\] .* is \[256, 512\]"):
+        layerstream.load_gguf(lin, str(p))
+    p = write_gguf(tmp_path / "t.gguf", [("0.weight", (256, 512), "IQ4_NL", gguf_random_blocks("IQ4_NL", 256, 512))])
+    with pytest.raises(LayerstreamError, match="GGUF type IQ4_NL, which layerstream cannot read"):
+        layerstream.load_gguf(lin, str(p))
+    assert not isinstance(lin[0].weight, GgufWeight)
+
+
+def test_meta_tied_parameters_stay_tied(tmp_path):
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32, bias=False))
+    m[1].weight = m[0].weight
+    table = torch.randn(32, 16).to(torch.float16)
+    p = write_gguf(tmp_path / "tied.gguf", [("0.weight", (32, 16), "F16", table.reshape(-1).view(torch.uint8))])
+    r = layerstream.load_gguf(m, str(p))
+    assert r.dense == ["0.weight"] and r.missing == []
+    assert m[1].weight is m[0].weight and torch.equal(m[0].weight, table.float())
+
+
+def test_quantize_names_a_gguf_format_is_refused():
+    model = Net()
+    with pytest.raises(ValueError, match="'q4_k' is a GGUF format: .*load_gguf.*int8, fp8"):
+        layerstream.offload(model, device="sim", quantize="q4_k")
+    assert type(model.up.weight) is nn.Parameter
+
+
+def test_lora_over_a_gguf_base_trains(tmp_path):
+    """peft over GgufWeights (before offload): the adapters land in host memory, and
+    training them gives the gradients of a dense model holding the dequantized values."""
+    peft = pytest.importorskip("peft")
+    path, ref = _net_file(tmp_path, dtype=torch.float32)
+    model = _meta_net(dtype=torch.float32)
+    layerstream.load_gguf(model, str(path))
+    cfg = peft.LoraConfig(r=4, target_modules=["up", "down"], init_lora_weights=False)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, cfg)
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(lora) == 4 and all(p.device.type == "cpu" and not p.is_meta for p in lora.values())
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(ref, cfg)
+    ref_lora = {n: p for n, p in ref.named_parameters() if "lora_" in n}
+    for n, p in lora.items():
+        assert torch.equal(p, ref_lora[n])
+    h = layerstream.offload(model, device="sim", checker=True)
+    x = torch.randn(4, 256)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for n, p in lora.items():
+        torch.testing.assert_close(p.grad, ref_lora[n].grad, rtol=1e-5, atol=1e-5)
+    assert h.ordering_errors() == []
+    h.detach()
+
+
+
+def test_a_transformers_model_built_empty_loads_and_streams(tmp_path):
+    """The intended use: a transformers Llama built without weights (accelerate's
+    init_empty_weights: parameters on meta, buffers such as rotary inv_freq real),
+    its Linear weights from a GGUF file (Q8_0 / Q4_0 quantized by gguf-py from the
+    reference's values), the tied table dense. Logits equal the reference model's
+    holding the dequantized values."""
+    accelerate = pytest.importorskip("accelerate")
+    from conftest import tiny_llama
+
+    ref = tiny_llama(tie_word_embeddings=True).eval()
+    tensors = []
+    with torch.no_grad():
+        for name, p in ref.named_parameters():  # lm_head.weight is embed_tokens': listed once
+            w = p.detach()
+            if name.endswith("proj.weight"):
+                t = T.Q4_0 if "down_proj" in name else T.Q8_0
+                raw = quants.quantize(w.numpy(), t)
+                p.copy_(torch.from_numpy(quants.dequantize(raw, t).copy()))
+                tensors.append((name, tuple(w.shape), t.name, torch.from_numpy(raw.reshape(-1).copy())))
+            else:
+                tensors.append((name, tuple(w.shape), "F32", w.contiguous().reshape(-1).view(torch.uint8).clone()))
+    path = write_gguf(tmp_path / "llama.gguf", tensors)
+    with accelerate.init_empty_weights():
+        model = tiny_llama(seed=None, tie_word_embeddings=True).eval()
+    model.tie_weights()  # transformers ties in from_pretrained(); an empty model is tied by hand
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    r = layerstream.load_gguf(model, str(path))
+    assert len(r.packed) == 14 and r.missing == [] and r.unexpected == []
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
+    h = layerstream.offload(model, device="sim", checker=True)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert torch.equal(got, want)
+    assert h.stats()["quantized_layers"] == 14
+    assert h.ordering_errors() == []
+    h.detach()
