@@ -194,6 +194,15 @@ GgmlType ggml_type(uint32_t id) {
   return r ? r->t : GgmlType{};
 }
 
+bool ggml_type_by_name(std::string_view name, uint32_t& id) {
+  for (const auto& r : kTypes)
+    if (name == r.t.name) {
+      id = r.id;
+      return true;
+    }
+  return false;
+}
+
 quant::Format ggml_type_format(uint32_t id) {
   const TypeRow* r = find_type(id);
   return r ? r->format : quant::Format::None;

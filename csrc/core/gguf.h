@@ -34,6 +34,9 @@ struct GgmlType {
 };
 // The ggml tensor type with this id (as in ggml.h / gguf-py's GGMLQuantizationType).
 GgmlType ggml_type(uint32_t id);
+// The id of the ggml type named `name` ("Q4_K", "F16", ...; case-sensitive),
+// false when no type has that name.
+bool ggml_type_by_name(std::string_view name, uint32_t& id);
 // The layerstream format that streams a tensor of this ggml type as it is
 // (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K); Format::None otherwise (plain
 // element types such as F16, and the block types layerstream cannot dequantize).

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "error.h"
+#include "gguf.h"
 #include "json.h"
 #include "quant.h"
 
@@ -606,6 +607,11 @@ uint64_t numel_of(const std::vector<uint64_t>& shape) {
 }
 uint64_t bytes_of(uint64_t numel, const std::string& dtype) {
   unsigned bits = safetensors_dtype_bits(dtype);
+  uint32_t id = 0;
+  if (bits == 0 && ggml_type_by_name(dtype, id)) {  // a GGUF block type: whole blocks
+    const GgmlType t = ggml_type(id);
+    return (numel + t.block_elems - 1) / t.block_elems * t.block_bytes;
+  }
   LS_CHECK(bits > 0, "unknown dtype ", json::quote(dtype));
   return (numel * bits + 7) / 8;
 }
@@ -708,6 +714,24 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     const uint64_t w_stored = bytes_of(l.weight_numel(), l.weight_dtype);
     const uint64_t w_bus = quantized_weight_bytes(l.weight_shape, l.weight_dtype, quantize);
     s.bytes = w_bus + bias;
+    if (!l.dense_dtype.empty() && !l.embedding) {
+      // GGUF blocks (load_gguf): they cross as they are (padded to 256 B, as
+      // the engine stores them) and are dequantized in the slot to the
+      // parameter's dtype (compute_dtype when given); resident, offload()
+      // holds the dequantized weight.
+      const std::string& dense = opt.compute_dtype.empty() ? l.dense_dtype : opt.compute_dtype;
+      const uint64_t packed = (w_stored + quant::kSectionAlign - 1) / quant::kSectionAlign * quant::kSectionAlign;
+      const uint64_t dense_w = bytes_of(l.weight_numel(), dense);
+      s.bytes = packed + bias;
+      s.slot_bytes = s.bytes + (dense_w + quant::kSectionAlign - 1) / quant::kSectionAlign * quant::kSectionAlign +
+                     quant::kSectionAlign;
+      s.resident_bytes = dense_w + bias;
+      s.flops = 2.0 * tokens * static_cast<double>(l.params()) * (opt.training ? 3.0 : 1.0);
+      s.trainable = false;  // a GGUF weight is frozen
+      s.as_stored = true;
+      out.push_back(std::move(s));
+      continue;
+    }
     // The slot's workspace, written on the device after the copy: a
     // quantized layer's dequantized weight (in compute_dtype, else the stored
     // dtype), or a float weight / bias cast to compute_dtype.
@@ -819,7 +843,7 @@ bool execution_less(const std::string& a, const std::string& b) {
 bool looks_like_embedding(const std::string& prefix) {
   std::string last = prefix.substr(prefix.rfind('.') == std::string::npos ? 0 : prefix.rfind('.') + 1);
   std::transform(last.begin(), last.end(), last.begin(), [](unsigned char c) { return std::tolower(c); });
-  return last.find("embed") != std::string::npos || last == "wte" || last == "wpe";
+  return last.find("embed") != std::string::npos || last == "wte" || last == "wpe" || last == "token_embd";
 }
 
 }  // namespace
@@ -908,6 +932,44 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
     if (used.count(t.name)) continue;
     m.small_bytes += t.nbytes;
     ++m.small_tensors;
+  }
+  return m;
+}
+
+ModelDescription describe_gguf(const GgufFile& g, const std::string& dense_dtype) {
+  LS_CHECK(safetensors_dtype_is_wide_float(dense_dtype), "the dense dtype of GGUF weights must be F32, BF16 or "
+           "F16 (the model's parameter dtype), got ", json::quote(dense_dtype));
+  Checkpoint ck;
+  ck.path = g.path;
+  ck.files = {g.path};
+  for (const auto& t : g.tensors) {
+    const bool plain = safetensors_dtype_bits(t.type_name) > 0;
+    LS_CHECK(plain || ggml_type_format(t.type) != quant::Format::None, g.path, ": tensor '", t.name,
+             "' is GGUF type ", t.type_name, ", which layerstream cannot read");
+    TensorInfo i;
+    i.name = t.name;
+    i.dtype = t.type_name;
+    i.shape = t.shape;
+    i.numel = t.numel;
+    i.nbytes = t.nbytes;
+    i.file = g.path;
+    ck.tensors.push_back(std::move(i));
+  }
+  ModelDescription m = describe_checkpoint(ck);
+  const auto packed = [](const std::string& dtype) { return safetensors_dtype_bits(dtype) == 0; };
+  for (auto& l : m.layers) {
+    if (l.group) {  // dequantized on load (not a Linear weight)
+      l.group_bytes = 0;
+      for (auto& [shape, dtype] : l.group_tensors) {
+        if (packed(dtype)) dtype = dense_dtype;
+        l.group_bytes += bytes_of(numel_of(shape), dtype);
+      }
+      if (packed(l.weight_dtype)) l.weight_dtype = dense_dtype;
+    } else if (packed(l.weight_dtype)) {
+      if (l.embedding) l.weight_dtype = dense_dtype;  // dequantized on load
+      else l.dense_dtype = dense_dtype;
+    }
+    if (!l.bias_dtype.empty() && packed(l.bias_dtype)) l.bias_dtype = dense_dtype;
   }
   return m;
 }

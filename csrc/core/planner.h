@@ -149,6 +149,11 @@ struct ModelLayer {
   // Its tensors (shape, dtype): with --quantize each of 2+ dimensions is
   // packed as a matrix of its last dimension's columns, as offload() does.
   std::vector<std::pair<std::vector<uint64_t>, std::string>> group_tensors;
+  // A weight stored in a GGUF block format that offload() streams as it is
+  // (load_gguf(); weight_dtype is the ggml type name, e.g. "Q4_K"): the dtype
+  // the device dequantizes it to, the model's parameter dtype ("BF16", ...).
+  // Empty otherwise.
+  std::string dense_dtype;
   uint64_t params() const;             // weight + bias elements
   uint64_t weight_numel() const;
   uint64_t stored_bytes() const;       // as stored (weight + bias)
@@ -170,6 +175,16 @@ struct ModelDescription {
 // well-known module names in their usual order (attention before mlp;
 // q/k/v/o_proj; gate/up/down_proj).
 ModelDescription describe_checkpoint(const Checkpoint& ck);
+
+struct GgufFile;
+// A .gguf file (core/gguf.h) as load_gguf() + offload() place it: layers as
+// describe_checkpoint() groups them; a weight in a block format layerstream
+// streams (Q8_0 .. Q6_K) crosses the bus as the file's blocks and is
+// dequantized in the slot to `dense_dtype` (a safetensors float dtype name,
+// the model's parameter dtype); embedding tables and expert groups, which
+// load_gguf() dequantizes on load, are planned dense in `dense_dtype`. Other
+// ggml types load dense as stored. Types layerstream cannot read throw.
+ModelDescription describe_gguf(const GgufFile& g, const std::string& dense_dtype = "BF16");
 
 // Tied output head: a checkpoint of a model whose lm_head is tied to the
 // token embedding stores only the table. Given the model's config.json text,

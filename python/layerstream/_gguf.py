@@ -162,6 +162,10 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
     Returns a ``GgufLoad`` (what was packed, loaded dense, dequantized,
     missing, unexpected; the file's metadata). Not thread-safe with other users
     of the model."""
+    from . import _PackedWeight
+    if any(hasattr(p, "_is_memory_managed") or isinstance(p, _PackedWeight) for p in model.parameters()):
+        raise LayerstreamError("load_gguf(): the model is offloaded (layerstream holds its weights); call "
+                               "handle.detach() first, then load_gguf() and offload() again")
     info = _C.gguf_read(str(path))
     meta = info["metadata"]
     # Every (owner module, key) holding each tensor, by qualified name.

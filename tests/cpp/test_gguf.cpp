@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -272,4 +273,34 @@ TEST(GgufReader, DamagedFilesAreOneClearError) {
   } catch (const Error& e) {
     EXPECT_NE(e.message().find("does not exist"), std::string::npos);
   }
+}
+
+TEST(GgufReader, DamagedBytesOnlyEverThrowLayerstreamError) {
+  // Bit flips, byte overwrites and truncations of a valid file: the parser
+  // either reads it or throws layerstream::Error, never anything else (no
+  // crash, no std:: exception, no runaway allocation).
+  const std::string good = small_file();
+  std::mt19937 rng(12345);
+  int parsed = 0, refused = 0;
+  for (int it = 0; it < 20000; ++it) {
+    std::string f = good;
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const size_t at = rng() % f.size();
+      switch (rng() % 3) {
+        case 0: f[at] = static_cast<char>(f[at] ^ (1 << (rng() % 8))); break;
+        case 1: f[at] = static_cast<char>(rng() & 0xFF); break;
+        default: f.resize(at); break;
+      }
+      if (f.empty()) break;
+    }
+    try {
+      parse_gguf(f, f.size(), "fuzz.gguf");
+      ++parsed;
+    } catch (const Error&) {
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 1000);
+  EXPECT_GT(parsed, 0);
 }

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "core/gguf.h"
 #include "core/planner.h"
 
 using namespace layerstream;
@@ -825,4 +826,68 @@ TEST(Models, PlansBuiltinModelsUnderBudget) {
     EXPECT_LE(p.device_bytes, in.budget_bytes) << name;
     EXPECT_GT(p.num_streamed, 0u) << name;
   }
+}
+
+TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
+  // What load_gguf() + offload() do: a Q4_K / Q8_0 Linear weight crosses as
+  // the file's blocks (padded to 256 B) and is dequantized in its slot to the
+  // model's dtype; resident it is dense; a Q6_K token table is dequantized on
+  // load (dense, looked up in host memory); F32 tensors are as stored.
+  auto tensor = [](const std::string& name, std::vector<uint64_t> shape, uint32_t type) {
+    GgufTensor t;
+    t.name = name;
+    t.shape = std::move(shape);
+    t.type = type;
+    t.type_name = ggml_type(type).name;
+    t.numel = 1;
+    for (uint64_t d : t.shape) t.numel *= d;
+    t.nbytes = t.numel / ggml_type(type).block_elems * ggml_type(type).block_bytes;
+    return t;
+  };
+  GgufFile g;
+  g.path = "m.gguf";
+  g.tensors = {tensor("token_embd.weight", {1000, 512}, 14), tensor("blk.0.q.weight", {1024, 512}, 12),
+               tensor("blk.0.q.bias", {1024}, 0), tensor("blk.0.up.weight", {100, 512}, 8),
+               tensor("blk.0.norm.weight", {512}, 0)};
+  const ModelDescription m = describe_gguf(g, "BF16");
+  ASSERT_EQ(m.layers.size(), 3u);
+  EXPECT_EQ(m.layers[0].name, "token_embd");
+  EXPECT_TRUE(m.layers[0].embedding);
+  EXPECT_EQ(m.layers[0].weight_dtype, "BF16");
+  EXPECT_EQ(m.small_bytes, 512u * 4);
+  const ModelLayer* q = nullptr;
+  for (const auto& l : m.layers)
+    if (l.name == "blk.0.q") q = &l;
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(q->weight_dtype, "Q4_K");
+  EXPECT_EQ(q->dense_dtype, "BF16");
+  LayerOptions opt;
+  opt.tokens = 8;
+  const std::vector<PlannerLayer> specs = layer_specs(m, opt);
+  for (const auto& s : specs) {
+    if (s.name == "blk.0.q") {
+      const uint64_t packed = 1024u * 512 / 256 * 144;  // 294912, a multiple of 256
+      EXPECT_EQ(s.bytes, packed + 1024 * 4);
+      EXPECT_EQ(s.slot_bytes, s.bytes + 1024u * 512 * 2 + quant::kSectionAlign);
+      EXPECT_EQ(s.resident_bytes, 1024u * 512 * 2 + 1024 * 4);
+      EXPECT_FALSE(s.trainable);
+    } else if (s.name == "blk.0.up") {
+      EXPECT_EQ(s.bytes, (100u * 512 / 32 * 34 + 255) / 256 * 256);  // 54400 -> 54528
+      EXPECT_EQ(s.resident_bytes, 100u * 512 * 2);
+    } else {
+      EXPECT_TRUE(s.lookup);
+      EXPECT_EQ(s.bytes, 1000u * 512 * 2);
+    }
+  }
+  opt.compute_dtype = "F32";  // offload(compute_dtype=) dequantizes to it
+  for (const auto& s : layer_specs(m, opt)) {
+    if (s.name == "blk.0.q") {
+      EXPECT_EQ(s.resident_bytes, 1024u * 512 * 4 + 1024 * 4);
+    }
+  }
+  // A type layerstream cannot read is refused; so is a non-float dense dtype.
+  g.tensors.push_back(tensor("blk.0.iq.weight", {4, 512}, 20));
+  EXPECT_THROW(describe_gguf(g, "BF16"), Error);
+  g.tensors.pop_back();
+  EXPECT_THROW(describe_gguf(g, "I8"), Error);
 }

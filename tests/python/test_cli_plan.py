@@ -338,3 +338,34 @@ def test_moe_decoding_plans_the_routed_experts_only(tmp_path):
     q_all = plan_json("--model", "qwen3-30b-a3b", "--budget", "16GiB", "--tokens", "1", "--experts", "all")
     assert q["plan"]["bus_bytes_per_step"] < q_all["plan"]["bus_bytes_per_step"] / 8
     assert q["plan"]["time"]["step_s"] < q_all["plan"]["time"]["step_s"] / 8
+
+
+def test_gguf_file_plans_the_file_blocks(tmp_path):
+    """`plan --checkpoint x.gguf`: Q4_K / Q8_0 Linear weights cross as the file's
+    blocks and are dequantized in the slot (to --dense-dtype, default bf16); resident
+    they are dense."""
+    torch = pytest.importorskip("torch")
+    from conftest import gguf_random_blocks, write_gguf
+
+    tensors = []
+    for i in range(4):
+        tensors.append((f"blocks.{i}.attn.qkv.weight", (768, 512), "Q4_K", gguf_random_blocks("Q4_K", 768, 512)))
+        tensors.append((f"blocks.{i}.mlp.fc.weight", (1024, 512), "Q8_0", gguf_random_blocks("Q8_0", 1024, 512)))
+        tensors.append((f"blocks.{i}.norm.weight", (512,), "F32", torch.zeros(512 * 4, dtype=torch.uint8)))
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    q4k, q8 = 768 * 512 // 256 * 144, 1024 * 512 // 32 * 34  # 221184 and 557056: multiples of 256
+    p = plan_json("--checkpoint", path, "--budget", "6MiB", "--tokens", "16")
+    assert p["source"]["kind"] == "gguf" and p["source"]["layers"] == 8
+    layers = {l["name"]: l for l in p["plan"]["layers"]}
+    streamed = [l for l in layers.values() if l["placement"] == "streamed"]
+    assert streamed, "a 6 MiB budget cannot hold every layer dense"
+    for l in streamed:
+        assert l["bytes"] == (q4k if "qkv" in l["name"] else q8), l
+    assert p["plan"]["slot_bytes"] == q8 + 1024 * 512 * 2 + 256  # packed + dense bf16 + alignment
+    assert all(l["resident_bytes"] == l["bytes"] // (q4k if "qkv" in l["name"] else q8) * (768 if "qkv" in
+               l["name"] else 1024) * 512 * 2 for l in layers.values())  # resident: dense bf16
+    fp32 = plan_json("--checkpoint", path, "--budget", "6MiB", "--dense-dtype", "fp32")
+    assert fp32["plan"]["slot_bytes"] == q8 + 1024 * 512 * 4 + 256
+    r = run("--checkpoint", path, "--budget", "6MiB")
+    assert r.returncode == 0 and "8 weight(s) cross as the file's blocks, dequantized in the slot to BF16" in r.stdout
+    assert_one_line_error(run("--checkpoint", tmp_path / "none.gguf", "--budget", "1GiB"), 1, "does not exist")

@@ -247,6 +247,8 @@ def test_gguf_weights_refuse_writes_and_saving_but_deep_copy(tmp_path):
     assert twin.up.weight.gguf_bytes is model.up.weight.gguf_bytes
     assert torch.equal(twin.up.weight.dequantized(), ref.up.weight)
     h = layerstream.offload(model, device="sim")
+    with pytest.raises(LayerstreamError, match=r"the model is offloaded .* handle.detach\(\) first"):
+        layerstream.load_gguf(model, str(path))
     with pytest.raises(RuntimeError, match="layer 'up' was not quantized by offload\\(\\) \\(its weight came "
                                            "pre-packed: detach\\(\\), load, and offload\\(\\) again"):
         model.load_state_dict(ref.state_dict())

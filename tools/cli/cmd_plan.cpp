@@ -11,6 +11,7 @@
 
 #include "commands.h"
 #include "core/error.h"
+#include "core/gguf.h"
 #include "core/json.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
@@ -27,7 +28,11 @@ const char* kHelp =
     "\n"
     "  --checkpoint PATH     a .safetensors file, a *.safetensors.index.json, or a\n"
     "                        directory holding one of them (only headers are read;\n"
-    "                        a config.json beside it tells whether lm_head is tied)\n"
+    "                        a config.json beside it tells whether lm_head is tied),\n"
+    "                        or a .gguf file (its Q8_0..Q6_K weights cross as they are,\n"
+    "                        as load_gguf() + offload() stream them)\n"
+    "  --dense-dtype D       .gguf: the model's parameter dtype, fp32|bf16|fp16, that\n"
+    "                        GGUF weights are dequantized to in their slot (default bf16)\n"
     "  --model NAME          a built-in model description (--list-models)\n"
     "  --budget SIZE         device memory for weights, e.g. 12GiB, 500MB, 1.5e9\n"
     "  --link-gbps X         host->device bandwidth in GB/s (10^9 bytes/s; default 25;\n"
@@ -88,7 +93,7 @@ int usage_error(const std::string& msg) {
 }
 
 int cmd_plan(int argc, char** argv) {
-  std::string checkpoint, model, budget_s;
+  std::string checkpoint, model, budget_s, dense_dtype = "BF16";
   bool have_checkpoint = false, have_model = false, have_budget = false, as_json = false;
   double link_gbps = 25.0, tflops = 100.0;
   LayerOptions opt;
@@ -144,12 +149,13 @@ int cmd_plan(int argc, char** argv) {
       } else if (a == "--resident-dequantized") {
         no_value();
         opt.resident_dequantized = true;
-      } else if (a == "--compute-dtype") {
+      } else if (a == "--compute-dtype" || a == "--dense-dtype") {
         const std::string d = take();
-        if (d == "fp32" || d == "float32" || d == "F32") opt.compute_dtype = "F32";
-        else if (d == "bf16" || d == "bfloat16" || d == "BF16") opt.compute_dtype = "BF16";
-        else if (d == "fp16" || d == "float16" || d == "F16") opt.compute_dtype = "F16";
-        else throw Usage{"--compute-dtype expects fp32, bf16 or fp16, got " + json::quote(d)};
+        std::string& to = a == "--compute-dtype" ? opt.compute_dtype : dense_dtype;
+        if (d == "fp32" || d == "float32" || d == "F32") to = "F32";
+        else if (d == "bf16" || d == "bfloat16" || d == "BF16") to = "BF16";
+        else if (d == "fp16" || d == "float16" || d == "F16") to = "F16";
+        else throw Usage{a + " expects fp32, bf16 or fp16, got " + json::quote(d)};
       } else if (a == "--experts") {
         const std::string m = take();
         if (m != "routed" && m != "all") throw Usage{"--experts expects routed or all, got " + json::quote(m)};
@@ -184,7 +190,11 @@ int cmd_plan(int argc, char** argv) {
   }
   std::string tied_table;
   double experts_active = 0.0;  // share of the experts a token runs (config.json), 0: unknown
-  if (have_checkpoint) {
+  const bool gguf = have_checkpoint && checkpoint.size() > 5 &&
+                    checkpoint.compare(checkpoint.size() - 5, 5, ".gguf") == 0;
+  if (gguf) {
+    desc = describe_gguf(read_gguf(checkpoint), dense_dtype);  // errors -> exit 1
+  } else if (have_checkpoint) {
     const Checkpoint ck = read_checkpoint(checkpoint);  // errors -> exit 1
     desc = describe_checkpoint(ck);
     // A tied lm_head is not in the checkpoint: the model's config.json beside
@@ -208,7 +218,7 @@ int cmd_plan(int argc, char** argv) {
 
   if (as_json) {
     std::string o = "{\"source\": {\"kind\": ";
-    o += have_checkpoint ? "\"checkpoint\"" : "\"model\"";
+    o += gguf ? "\"gguf\"" : have_checkpoint ? "\"checkpoint\"" : "\"model\"";
     o += ", \"name\": " + json::quote(have_checkpoint ? checkpoint : model) + ", \"files\": [";
     for (size_t i = 0; i < desc.files.size(); ++i) o += (i ? ", " : "") + json::quote(desc.files[i]);
     std::string tied_to;  // from config.json, or a built-in model's own tie
@@ -226,7 +236,13 @@ int cmd_plan(int argc, char** argv) {
     o += "\"plan\": " + plan.to_json() + "}";
     std::printf("%s\n", o.c_str());
   } else {
-    if (have_checkpoint)
+    if (gguf) {
+      size_t packed = 0;
+      for (const auto& l : desc.layers) packed += l.dense_dtype.empty() ? 0 : 1;
+      std::printf("source: GGUF file %s: %zu weight(s) cross as the file's blocks, dequantized in the slot "
+                  "to %s\n", checkpoint.c_str(), packed,
+                  (opt.compute_dtype.empty() ? dense_dtype : opt.compute_dtype).c_str());
+    } else if (have_checkpoint)
       std::printf("source: checkpoint %s (%zu file%s)\n", checkpoint.c_str(), desc.files.size(),
                   desc.files.size() == 1 ? "" : "s");
     else
