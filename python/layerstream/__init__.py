@@ -1707,6 +1707,9 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             else:
                 index = engine.add_linear_packed(name or "<root>", pre.format, pre.codes, pre.scales,
                                                  bias, pre.rows, pre.cols, pre.dense_dtype)
+            # The engine copied them into its host store: let them go now rather than when
+            # offload() returns (a GGUF file's bytes would otherwise be held twice until then).
+            pre.codes = pre.scales = None
         elif kind == "embedding":
             index = engine.add_embedding(name or "<root>", weight,
                                          -1 if module.padding_idx is None else module.padding_idx,

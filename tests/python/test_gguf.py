@@ -417,3 +417,29 @@ def test_a_transformers_model_built_empty_loads_and_streams(tmp_path):
     assert h.stats()["quantized_layers"] == 14
     assert h.ordering_errors() == []
     h.detach()
+
+
+def test_file_bytes_are_released_as_each_layer_is_stored(tmp_path, monkeypatch):
+    """offload() copies each GGUF weight's bytes into the engine's host store and
+    lets go of them then, not when it returns: the file is not held twice."""
+    import gc
+    import weakref
+    path, _ = _net_file(tmp_path)
+    model = _meta_net()
+    layerstream.load_gguf(model, str(path))
+    held = [weakref.ref(model.get_parameter(k).gguf_bytes) for k in ("up.weight", "down.weight", "head.weight")]
+    alive_at_call = []
+    original = _C.Engine.add_linear_packed
+
+    def counting(self, *args, **kwargs):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in held))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_C.Engine, "add_linear_packed", counting)
+    h = layerstream.offload(model, device="sim")
+    assert alive_at_call == [3, 2, 1]
+    gc.collect()
+    assert all(r() is None for r in held)
+    h.detach()
+
