@@ -149,7 +149,10 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
 
     ``rename`` maps the file's tensor names to the model's parameter names: a
     callable or a dict (a name it maps to None, or a callable returning None,
-    is skipped). ``strict`` (default) raises, before anything changes, when the
+    is skipped). A name may also map to a list of ``(parameter name, (first
+    row, end row))`` to split a tensor by rows (dim 0), e.g. a fused qkv
+    weight into separate q, k and v projections: GGUF rows are whole blocks,
+    so each part stays packed and exact. ``strict`` (default) raises, before anything changes, when the
     file has tensors the model lacks or the model has parameters or persistent
     buffers the file lacks; with ``strict=False`` those are listed in the
     result. Shapes must match (the file's dims reversed, as ggml stores the
@@ -182,7 +185,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
             if k in mod._parameters or k not in mod._non_persistent_buffers_set:
                 persistent.add(qn)
 
-    plan = []  # (tensor record, target name)
+    plan = []  # (tensor record, target name, first row, end row) - rows of the file's tensor
     unexpected, seen = [], set()
     for rec in info["tensors"]:
         src = rec["name"]
@@ -194,13 +197,16 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
             dst = rename.get(src, src)
         if dst is None:
             continue
-        if dst not in slots:
-            unexpected.append(src if dst == src else f"{src} (as {dst})")
-            continue
-        if dst in seen:
-            raise LayerstreamError(f"{path}: two tensors of the file load into '{dst}'; fix rename=")
-        seen.add(dst)
-        plan.append((rec, dst))
+        rows = int(rec["shape"][0]) if rec["shape"] else 1
+        pieces = [(dst, 0, rows)] if isinstance(dst, str) else _row_pieces(path, src, dst, rows)
+        for name, r0, r1 in pieces:
+            if name not in slots:
+                unexpected.append(src if name == src else f"{src} (as {name})")
+                continue
+            if name in seen:
+                raise LayerstreamError(f"{path}: two tensors of the file load into '{name}'; fix rename=")
+            seen.add(name)
+            plan.append((rec, name, r0, r1))
     seen_ids = {id(slots[d][2]) for d in seen}
     missing = sorted(n for n in persistent if id(slots[n][2]) not in seen_ids)
     if strict and (missing or unexpected):
@@ -215,14 +221,16 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
                                ". Map the names with rename= (a dict or a function of the file's name), "
                                "or pass strict=False to load what matches")
     # Shapes and types, all checked before anything changes.
-    for rec, dst in plan:
+    for rec, dst, r0, r1 in plan:
         _, _, target = slots[dst]
-        shape = tuple(rec["shape"])
+        shape = _rows_shape(rec, r0, r1)
         if shape != tuple(target.shape):
             orig = _orig_shape(meta, rec["name"])
-            if orig is None or orig != tuple(target.shape) or rec["type"] not in _PLAIN and not rec["format"]:
+            whole = (r0, r1) == (0, int(rec["shape"][0]) if rec["shape"] else 1)
+            if orig is None or not whole or orig != tuple(target.shape):
+                rows = "" if whole else f" (rows {r0}:{r1})"
                 raise LayerstreamError(
-                    f"{path}: tensor '{rec['name']}' has shape {list(shape)} (GGUF dims reversed) but "
+                    f"{path}: tensor '{rec['name']}'{rows} has shape {list(shape)} (GGUF dims reversed) but "
                     f"'{dst}' in the model is {list(target.shape)}")
         if rec["type"] not in _PLAIN and not rec["format"]:
             raise LayerstreamError(
@@ -235,15 +243,18 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
 
     out = GgufLoad([], [], [], missing, unexpected, dict(meta))
     with open(path, "rb") as f:
-        for rec, dst in plan:
+        for rec, dst, r0, r1 in plan:
             mod, key, target = slots[dst]
-            f.seek(rec["offset"])
-            raw = torch.empty(rec["nbytes"], dtype=torch.uint8)
-            if rec["nbytes"] and f.readinto(memoryview(raw.numpy())) != rec["nbytes"]:
+            # Rows of a GGUF tensor are whole blocks: rows r0..r1 are one byte range.
+            row_bytes = rec["nbytes"] // max(int(rec["shape"][0]) if rec["shape"] else 1, 1)
+            nbytes = (r1 - r0) * row_bytes
+            f.seek(rec["offset"] + r0 * row_bytes)
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes and f.readinto(memoryview(raw.numpy())) != nbytes:
                 raise LayerstreamError(f"{path}: could not read tensor '{rec['name']}' (file truncated?)")
             shape = tuple(target.shape)
             owner = _linear_weight_owner(model, dst) if rec["format"] else None
-            if owner is not None and owner.weight is target and tuple(rec["shape"]) == shape:
+            if owner is not None and owner.weight is target and _rows_shape(rec, r0, r1) == shape:
                 new = GgufWeight(shape, target.dtype, rec["format"], raw, dst)
                 for m, k in holders[id(target)]:
                     m._parameters[k] = new
@@ -260,6 +271,27 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
                 out.dense.append(dst)
             _assign(holders[id(target)], target, value)
     return out
+
+
+def _rows_shape(rec, r0: int, r1: int) -> tuple:
+    """The torch shape of rows [r0, r1) of a file tensor."""
+    shape = tuple(int(d) for d in rec["shape"])
+    return ((r1 - r0),) + shape[1:] if shape else shape
+
+
+def _row_pieces(path, src: str, value, rows: int) -> list:
+    """rename='s value for one tensor that splits it by rows: a list of
+    (target name, (first row, end row)), e.g. a fused qkv weight into q, k and v."""
+    try:
+        pieces = [(str(name), int(a), int(b)) for name, (a, b) in value]
+    except (TypeError, ValueError):
+        raise LayerstreamError(
+            f"{path}: rename= maps '{src}' to {value!r}; give a parameter name, None (skip), or a list of "
+            f"(parameter name, (first row, end row)) to split it by rows") from None
+    for name, a, b in pieces:
+        if not 0 <= a < b <= rows:
+            raise LayerstreamError(f"{path}: rename= gives '{name}' rows {a}:{b} of '{src}', which has {rows} rows")
+    return pieces
 
 
 def _assign(holders, target: torch.Tensor, value: torch.Tensor) -> None:

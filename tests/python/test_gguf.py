@@ -443,3 +443,40 @@ def test_file_bytes_are_released_as_each_layer_is_stored(tmp_path, monkeypatch):
     assert all(r() is None for r in held)
     h.detach()
 
+
+
+def test_rename_splits_a_fused_tensor_by_rows(tmp_path):
+    """A fused qkv weight (and its bias) in the file, separate q/k/v Linears in the
+    model (diffusers' Flux vs the original's): rename= gives each its rows; each
+    part stays packed (a row range of a GGUF tensor is whole blocks) and streams."""
+    raw = gguf_random_blocks("Q4_K", 3 * 64, 256, seed=5)
+    bias = torch.randn(3 * 64)
+    path = write_gguf(tmp_path / "qkv.gguf", [("attn.qkv.weight", (192, 256), "Q4_K", raw),
+                                              ("attn.qkv.bias", (192,), "F32", bias.view(torch.uint8))])
+    whole = _C.dequantize_packed("q4_k", raw, 192, 256, torch.float32)
+    with torch.device("meta"):
+        model = nn.ModuleDict({"q": nn.Linear(256, 64), "k": nn.Linear(256, 64), "v": nn.Linear(256, 64)})
+    split = {n: [(f"{p}.{n.split('.')[-1]}", (64 * i, 64 * i + 64)) for i, p in enumerate("qkv")]
+             for n in ("attn.qkv.weight", "attn.qkv.bias")}
+    r = layerstream.load_gguf(model, str(path), rename=split)
+    assert sorted(r.packed) == ["k.weight", "q.weight", "v.weight"] and r.missing == []
+    assert model["k"].weight.gguf_bytes.numel() == 64 * 144
+    for i, p in enumerate("qkv"):
+        assert torch.equal(model[p].weight.dequantized(), whole[64 * i:64 * i + 64])
+        assert torch.equal(model[p].bias, bias[64 * i:64 * i + 64])
+    h = layerstream.offload(model, device="sim")
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        got = torch.cat([model[p](x) for p in "qkv"], dim=-1)
+    assert torch.equal(got, nn.functional.linear(x, whole, bias))
+    h.detach()
+    with torch.device("meta"):
+        model = nn.ModuleDict({"q": nn.Linear(256, 64)})
+    with pytest.raises(LayerstreamError, match=r"rows 128:256 of 'attn.qkv.weight', which has 192 rows"):
+        layerstream.load_gguf(model, str(path), rename={"attn.qkv.weight": [("q.weight", (128, 256))]},
+                              strict=False)
+    with pytest.raises(LayerstreamError, match=r"tensor 'attn.qkv.weight' \(rows 0:32\) has shape \[32, 256\]"):
+        layerstream.load_gguf(model, str(path), rename={"attn.qkv.weight": [("q.weight", (0, 32))]},
+                              strict=False)
+    with pytest.raises(LayerstreamError, match="give a parameter name, None"):
+        layerstream.load_gguf(model, str(path), rename={"attn.qkv.weight": 7}, strict=False)
