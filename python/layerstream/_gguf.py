@@ -8,6 +8,7 @@ is loaded into the model's own parameters and buffers.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import re
 from typing import Callable, Dict, List, Mapping, Optional, Union
@@ -250,7 +251,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
             nbytes = (r1 - r0) * row_bytes
             f.seek(rec["offset"] + r0 * row_bytes)
             raw = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes and f.readinto(memoryview(raw.numpy())) != nbytes:
+            if nbytes and f.readinto(_writable_view(raw)) != nbytes:
                 raise LayerstreamError(f"{path}: could not read tensor '{rec['name']}' (file truncated?)")
             shape = tuple(target.shape)
             owner = _linear_weight_owner(model, dst) if rec["format"] else None
@@ -271,6 +272,12 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
                 out.dense.append(dst)
             _assign(holders[id(target)], target, value)
     return out
+
+
+def _writable_view(t: torch.Tensor) -> memoryview:
+    """A writable buffer over a contiguous CPU uint8 tensor's memory, for readinto()
+    straight into it (no numpy needed, no copy)."""
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
 def _rows_shape(rec, r0: int, r1: int) -> tuple:
