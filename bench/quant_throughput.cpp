@@ -1,9 +1,10 @@
 #include "quant_throughput.h"
 
+#include "core/gguf_blocks.h"
+
 #include <algorithm>
 #include <chrono>
 #include <random>
-#include <utility>
 #include <vector>
 
 namespace layerstream::bench {
@@ -47,24 +48,20 @@ std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps,
     results.push_back(r);
   }
   if (!gguf) return results;
-  // Byte offsets of each GGUF format's fp16 scale fields in a block (ggml's block_q*).
-  const std::pair<q::Format, std::vector<int>> fields[] = {
-      {q::Format::GgufQ8_0, {0}},     {q::Format::GgufQ4_0, {0}},     {q::Format::GgufQ4_1, {0, 2}},
-      {q::Format::GgufQ5_0, {0}},     {q::Format::GgufQ5_1, {0, 2}},  {q::Format::GgufQ2_K, {80, 82}},
-      {q::Format::GgufQ3_K, {108}},   {q::Format::GgufQ4_K, {0, 2}},  {q::Format::GgufQ5_K, {0, 2}},
-      {q::Format::GgufQ6_K, {208}},
-  };
   std::uniform_int_distribution<int> byte(0, 255);
-  for (const auto& [f, offsets] : fields) {
+  const uint16_t d = q::float_to_f16_bits(0.01f);
+  for (int id = static_cast<int>(q::Format::GgufQ8_0); id <= static_cast<int>(q::Format::GgufQ6_K); ++id) {
+    const q::Format f = static_cast<q::Format>(id);
     const q::PackedLayout L = q::layout_for(f, rows, cols);
     std::vector<uint8_t> packed(L.total_bytes(), 0);
     for (size_t i = 0; i < L.data_bytes; ++i) packed[i] = static_cast<uint8_t>(byte(rng));
-    const size_t block = L.data_bytes / static_cast<size_t>(std::max<int64_t>(1, n / L.block_size));
-    const uint16_t d = q::float_to_f16_bits(0.01f);
+    int off[2];
+    const int fields = q::gguf::half_fields(id, off);
+    const size_t block = static_cast<size_t>(q::gguf::block_bytes(id));
     for (size_t b = 0; b + block <= L.data_bytes; b += block)
-      for (int off : offsets) {
-        packed[b + static_cast<size_t>(off)] = static_cast<uint8_t>(d & 0xFF);
-        packed[b + static_cast<size_t>(off) + 1] = static_cast<uint8_t>(d >> 8);
+      for (int k = 0; k < fields; ++k) {
+        packed[b + static_cast<size_t>(off[k])] = static_cast<uint8_t>(d & 0xFF);
+        packed[b + static_cast<size_t>(off[k]) + 1] = static_cast<uint8_t>(d >> 8);
       }
     QuantThroughput r;
     r.format = q::to_string(f);

@@ -63,6 +63,15 @@ LS_GGUF_FN int block_bytes(int fmt) {
   }
 }
 
+// Byte offsets in a block of its fp16 scale fields (d, then dmin or m when
+// the format has one), as ggml's block_q* structs place them; returns how
+// many there are (1 or 2). For tests and benchmarks that build blocks.
+LS_GGUF_FN int half_fields(int fmt, int (&off)[2]) {
+  off[0] = fmt == kQ2_K ? 80 : fmt == kQ3_K ? 108 : fmt == kQ6_K ? 208 : 0;
+  off[1] = fmt == kQ2_K ? 82 : 2;
+  return fmt == kQ4_1 || fmt == kQ5_1 || fmt == kQ2_K || fmt == kQ4_K || fmt == kQ5_K ? 2 : 1;
+}
+
 LS_GGUF_FN float mul(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from ._gguf import GgufLoad, GgufWeight, load_gguf
+from ._gguf import _DEVICE, _HOST, GgufLoad, GgufWeight, load_gguf
 
 __all__ = ["offload", "Handle", "LayerstreamError", "parse_bytes", "load_gguf", "GgufLoad", "GgufWeight",
            "__version__"]
@@ -87,8 +87,15 @@ class _Packed:
         self.gguf = gguf  # load_gguf()'s bytes: detach() restores the dequantized weight
 
 
-_HOST = torch.device("cpu")
-_GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+def _is_packed_only_format(fmt: str) -> bool:
+    """A format the engine streams but does not quantize to (GGUF's q8_0 .. q6_k)."""
+    try:
+        _C.quant_packed_bytes(fmt, 0, 256)
+        return True
+    except LayerstreamError:
+        return False
+
+
 _DEQUANT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -527,7 +534,6 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
 # The .data / .requires_grad descriptors, as __torch_function__ sees their getters and setters.
 _DATA = torch._C.TensorBase.__dict__["data"]
 _REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
-_DEVICE = torch._C.TensorBase.__dict__["device"]
 _CONVERSIONS = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "type_as",
                 "pin_memory", "share_memory_"}
 
@@ -1305,7 +1311,7 @@ def offload(
     formats = ([quantize] if isinstance(quantize, str) else
                list(quantize.values()) if isinstance(quantize, dict) else [])
     for fmt in formats:
-        if isinstance(fmt, str) and fmt.lower() in _GGUF_FORMATS:
+        if isinstance(fmt, str) and fmt not in _C.quant_formats() and _is_packed_only_format(fmt):
             raise ValueError(f"{fmt!r} is a GGUF format: layerstream streams GGUF weights as they are "
                              f"read from a .gguf file (layerstream.load_gguf) but does not quantize to "
                              f"it; valid formats for quantize=: {', '.join(_C.quant_formats())}")

@@ -24,6 +24,8 @@ LayerstreamError = _C.LayerstreamError
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
 _DENSE = (torch.float32, torch.bfloat16, torch.float16)
+# The .device descriptor as __torch_function__ sees its getter, and what packed stand-ins
+# (GgufWeight here, _PackedWeight in __init__) report from it: the host, where their bytes are.
 _DEVICE = torch._C.TensorBase.__dict__["device"]
 _HOST = torch.device("cpu")
 

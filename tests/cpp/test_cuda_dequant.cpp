@@ -15,10 +15,12 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/gguf_blocks.h"
 #include "core/quant.h"
 #include "kernels/cuda/dequant.h"
 
 namespace q = layerstream::quant;
+namespace gguf = layerstream::quant::gguf;
 using q::Format;
 using q::OutDtype;
 
@@ -33,6 +35,15 @@ bool have_device() {
   }
   return n > 0;
 }
+
+// Parameterized device tests: each skips without a CUDA device.
+template <class Param>
+class DeviceTest : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  }
+};
 
 #define CUDA_OK(expr)                                                                  \
   do {                                                                                 \
@@ -68,12 +79,7 @@ std::vector<Case> cases() {
   return v;
 }
 
-class CudaDequant : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    if (!have_device()) GTEST_SKIP() << "no CUDA device available";
-  }
-};
+class CudaDequant : public DeviceTest<Case> {};
 
 TEST_P(CudaDequant, BitExactVsCpu) {
   const Case c = GetParam();
@@ -201,12 +207,7 @@ std::vector<uint8_t> all_codes_buffer(const q::PackedLayout& L) {
   return buf;
 }
 
-class CudaDequantCodes : public ::testing::TestWithParam<Format> {
- protected:
-  void SetUp() override {
-    if (!have_device()) GTEST_SKIP() << "no CUDA device available";
-  }
-};
+class CudaDequantCodes : public DeviceTest<Format> {};
 
 TEST_P(CudaDequantCodes, EveryCodeAndEdgeScaleBitExact) {
   const Format f = GetParam();
@@ -504,18 +505,27 @@ struct GgufInfo {
   int num_halves;
 };
 
-const GgufInfo kGgufInfos[] = {
-    {Format::GgufQ8_0, 32, 34, {0, 0}, 1},     {Format::GgufQ4_0, 32, 18, {0, 0}, 1},
-    {Format::GgufQ4_1, 32, 20, {0, 2}, 2},     {Format::GgufQ5_0, 32, 22, {0, 0}, 1},
-    {Format::GgufQ5_1, 32, 24, {0, 2}, 2},     {Format::GgufQ2_K, 256, 84, {80, 82}, 2},
-    {Format::GgufQ3_K, 256, 110, {108, 0}, 1}, {Format::GgufQ4_K, 256, 144, {0, 2}, 2},
-    {Format::GgufQ5_K, 256, 176, {0, 2}, 2},   {Format::GgufQ6_K, 256, 210, {208, 0}, 1},
-};
-
 const GgufInfo& gguf_info(Format f) {
-  for (const GgufInfo& g : kGgufInfos)
+  static const std::vector<GgufInfo> infos = [] {
+    std::vector<GgufInfo> v;
+    for (int id = static_cast<int>(Format::GgufQ8_0); id <= static_cast<int>(Format::GgufQ6_K); ++id) {
+      GgufInfo g{static_cast<Format>(id), gguf::block_elems(id), gguf::block_bytes(id), {0, 0}, 0};
+      g.num_halves = gguf::half_fields(id, g.halves);
+      v.push_back(g);
+    }
+    return v;
+  }();
+  for (const GgufInfo& g : infos)
     if (g.format == f) return g;
   throw std::logic_error("not a GGUF format");
+}
+
+// Every GGUF format, as gguf_info() describes it.
+std::vector<GgufInfo> gguf_infos() {
+  std::vector<GgufInfo> v;
+  for (int id = static_cast<int>(Format::GgufQ8_0); id <= static_cast<int>(Format::GgufQ6_K); ++id)
+    v.push_back(gguf_info(static_cast<Format>(id)));
+  return v;
 }
 
 uint16_t random_finite_half(std::mt19937& rng) {
@@ -615,19 +625,14 @@ struct GgufCase {
 
 std::vector<GgufCase> gguf_cases() {
   std::vector<GgufCase> v;
-  for (const GgufInfo& g : kGgufInfos)
+  for (const GgufInfo& g : gguf_infos())
     for (int64_t rows : {1, 3, 67})
       for (int64_t blocks : {1, 2, 7})
         for (OutDtype d : {OutDtype::F32, OutDtype::BF16, OutDtype::F16}) v.push_back({g.format, rows, blocks, d});
   return v;
 }
 
-class CudaDequantGguf : public ::testing::TestWithParam<GgufCase> {
- protected:
-  void SetUp() override {
-    if (!have_device()) GTEST_SKIP() << "no CUDA device available";
-  }
-};
+class CudaDequantGguf : public DeviceTest<GgufCase> {};
 
 TEST_P(CudaDequantGguf, BitExactVsCpu) {
   const GgufCase c = GetParam();
@@ -662,7 +667,7 @@ INSTANTIATE_TEST_SUITE_P(AllGgufFormats, CudaDequantGguf, ::testing::ValuesIn(gg
 TEST(CudaDequantGgufRows, RowRangesMatchTheCpuReference) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device available";
   const int64_t rows = 67, blocks = 3;
-  for (const GgufInfo& g : kGgufInfos) {
+  for (const GgufInfo& g : gguf_infos()) {
     const int64_t cols = blocks * g.elems;
     const q::PackedLayout L = q::layout_for(g.format, rows, cols);
     const std::vector<uint8_t> packed = gguf_buffer(L, 99u + static_cast<uint32_t>(g.format));
@@ -765,7 +770,7 @@ TEST(CudaDequantGgufLarge, MoreThan2To31Elements) {
 // No device needed: layout_for() (and so dequantize_cuda, which rebuilds the
 // layout before any CUDA call) rejects GGUF shapes that are not whole blocks.
 TEST(CudaDequantGgufArgs, ColsNotWholeBlocksAreRejected) {
-  for (const GgufInfo& g : kGgufInfos) {
+  for (const GgufInfo& g : gguf_infos()) {
     SCOPED_TRACE(q::to_string(g.format));
     for (int64_t cols : {int64_t{1}, int64_t{g.elems / 2}, int64_t{g.elems + 16}, int64_t{3 * g.elems - 1}}) {
       const std::string msg = error_of([&] { (void)q::layout_for(g.format, 4, cols); });

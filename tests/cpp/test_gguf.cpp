@@ -87,6 +87,20 @@ TEST(GgufFormats, NamesLayoutsAndRefusals) {
     }
     EXPECT_THROW(quant::error_bound(L, dst.data(), 0, 0, 1.0f), Error);
   }
+  // Where each format's fp16 scale fields are (ggml's block_q* structs).
+  const struct { int fmt, n, a, b; } halves[] = {
+      {quant::gguf::kQ8_0, 1, 0, -1}, {quant::gguf::kQ4_0, 1, 0, -1}, {quant::gguf::kQ4_1, 2, 0, 2},
+      {quant::gguf::kQ5_0, 1, 0, -1}, {quant::gguf::kQ5_1, 2, 0, 2},  {quant::gguf::kQ2_K, 2, 80, 82},
+      {quant::gguf::kQ3_K, 1, 108, -1}, {quant::gguf::kQ4_K, 2, 0, 2}, {quant::gguf::kQ5_K, 2, 0, 2},
+      {quant::gguf::kQ6_K, 1, 208, -1}};
+  for (const auto& h : halves) {
+    int off[2];
+    ASSERT_EQ(quant::gguf::half_fields(h.fmt, off), h.n) << h.fmt;
+    EXPECT_EQ(off[0], h.a) << h.fmt;
+    if (h.n == 2) {
+      EXPECT_EQ(off[1], h.b) << h.fmt;
+    }
+  }
   EXPECT_FALSE(quant::is_gguf(Format::NF4));
   EXPECT_FALSE(quant::is_gguf(Format::None));
 }

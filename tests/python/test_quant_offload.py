@@ -464,21 +464,24 @@ def test_writes_to_a_quantized_weight_requantize_or_are_refused(offload_sim):
     assert torch.equal(model(x), fresh(x))
 
 
+class _TwoLinears(nn.Module):
+    """a -> relu -> b: LoRA targets for the peft tests below."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
 def test_peft_merge_into_a_quantized_base_is_refused(offload_sim):
     """peft's merge_and_unload() adds the adapter through `base.weight.data += delta`; into
     a quantized streamed base that was silently dropped (the merged model computed without
     the adapter). Now it fails naming detach(); after detach() the merge works."""
     peft = pytest.importorskip("peft")
 
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 8)
-
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x)))
-
-    model = peft.get_peft_model(M(), peft.LoraConfig(r=4, target_modules=["a", "b"]))
+    model = peft.get_peft_model(_TwoLinears(), peft.LoraConfig(r=4, target_modules=["a", "b"]))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -500,15 +503,7 @@ def test_lora_added_after_offload_lives_on_the_host_and_trains(offload_sim):
     adapter gets real host tensors. (It used to get meta ones: values lost.)"""
     peft = pytest.importorskip("peft")
 
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 8)
-
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x)))
-
-    base = M().requires_grad_(False)
+    base = _TwoLinears().requires_grad_(False)
     handle = offload_sim(base, quantize="int8")
     assert base.a.weight.is_meta and base.a.weight.device == torch.device("cpu")
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["a", "b"]))

@@ -293,23 +293,28 @@ class StreamDeviceGuard {
 // an unrelated error left in the thread's last-error slot is not blamed on it).
 // L: the layout of what is dequantized (for a row range, layout_for() of the
 // range); its sections at data / scales / zeros.
-template <int kFmt, int kOut>
-cudaError_t launch_out(const PackedLayout& L, const uint8_t* data, const float* scales, const float* zeros,
-                       void* out, bool vec_store, cudaStream_t stream) {
-  const int64_t n = L.numel();
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
+// One thread per chunk of kChunk elements, kThreads per block, on `stream`.
+cudaLaunchConfig_t launch_config(const PackedLayout& L, int64_t chunks, cudaStream_t stream) {
   const int64_t blocks = (chunks + kThreads - 1) / kThreads;
   LS_CHECK(blocks <= 0x7FFFFFFF, "dequantize_cuda: tensor [", L.rows, ", ", L.cols,
            "] is too large for one launch; split it");
-  NF4Table table;
-  for (int i = 0; i < 16; ++i) table.v[i] = kNF4Codes[i];
-  using T = typename OutTraits<kOut>::T;
-  T* o = static_cast<T*>(out);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
+  return cfg;
+}
+
+template <int kFmt, int kOut>
+cudaError_t launch_out(const PackedLayout& L, const uint8_t* data, const float* scales, const float* zeros,
+                       void* out, bool vec_store, cudaStream_t stream) {
+  const int64_t n = L.numel();
+  cudaLaunchConfig_t cfg = launch_config(L, (n + kChunk - 1) / kChunk, stream);
+  NF4Table table;
+  for (int i = 0; i < 16; ++i) table.v[i] = kNF4Codes[i];
+  using T = typename OutTraits<kOut>::T;
+  T* o = static_cast<T*>(out);
   const int64_t cols = L.cols;
   if (vec_store)
     return cudaLaunchKernelEx(&cfg, dequant_kernel<kFmt, kOut, true>, data, scales, zeros, o, n,
@@ -333,16 +338,9 @@ template <int kFmt, int kOut>
 cudaError_t launch_gguf_out(const PackedLayout& L, const uint8_t* data, void* out, bool vec_store,
                             cudaStream_t stream) {
   const int64_t chunks = L.numel() / kChunk;  // cols is a multiple of 32
-  const int64_t blocks = (chunks + kThreads - 1) / kThreads;
-  LS_CHECK(blocks <= 0x7FFFFFFF, "dequantize_cuda: tensor [", L.rows, ", ", L.cols,
-           "] is too large for one launch; split it");
+  cudaLaunchConfig_t cfg = launch_config(L, chunks, stream);
   using T = typename OutTraits<kOut>::T;
   T* o = static_cast<T*>(out);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
   if (vec_store) return cudaLaunchKernelEx(&cfg, gguf_kernel<kFmt, kOut, true>, data, o, chunks);
   return cudaLaunchKernelEx(&cfg, gguf_kernel<kFmt, kOut, false>, data, o, chunks);
 }
