@@ -131,9 +131,9 @@ def _linear_weight_owner(model: nn.Module, key: str) -> Optional[nn.Module]:
     return mod
 
 
-def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str], Optional[str]],
+def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[[str], Optional[str]],
                                                             Mapping[str, Optional[str]]] = None,
-              strict: bool = True) -> GgufLoad:
+              strict: bool = True, permute_qk: Optional[bool] = None) -> GgufLoad:
     """Loads the tensors of a .gguf file into `model` by name.
 
     * A tensor quantized in one of the formats layerstream streams (Q8_0, Q4_0,
@@ -161,9 +161,20 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
     result. Shapes must match (the file's dims reversed, as ggml stores the
     innermost first); a mismatch is an error naming both.
 
-    Only the layout the model itself uses can be loaded: llama.cpp's language
-    model files permute the rows of attn_q / attn_k for its rotary layout
-    (transformers' GGUF loader undoes that), which load_gguf does not.
+    ``rename="llama.cpp"`` loads a language model file written by llama.cpp's
+    converter (``blk.0.attn_q.weight``, ``token_embd.weight``, ...) into the
+    transformers model of its architecture: the names are mapped with gguf-py's
+    tensor name map for the file's ``general.architecture`` (the mapping
+    transformers' own GGUF loader uses), and the rows of ``attn_q`` /
+    ``attn_k`` (weights and biases), which that converter reorders per head
+    for llama.cpp's rotary layout, are put back in the model's order.
+    ``permute_qk`` says whether the file has that reordering: None (default)
+    means yes for the "llama" architecture (Llama, Mistral, Mixtral files),
+    as transformers assumes, and no otherwise; pass True or False to say so
+    for another architecture. A row reorder of a GGUF tensor moves whole
+    blocks, so those weights stay packed and exact. The head counts come from
+    the file (``<arch>.attention.head_count`` / ``head_count_kv``) and must
+    equal the model's config. Needs the ``gguf`` package.
 
     Returns a ``GgufLoad`` (what was packed, loaded dense, dequantized,
     missing, unexpected; the file's metadata). Not thread-safe with other users
@@ -188,7 +199,17 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
             if k in mod._parameters or k not in mod._non_persistent_buffers_set:
                 persistent.add(qn)
 
-    plan = []  # (tensor record, target name, first row, end row) - rows of the file's tensor
+    reorder: Dict[str, Optional[int]] = {}  # file name -> heads its rows are reordered over (llama.cpp)
+    if isinstance(rename, str):
+        if rename != "llama.cpp":
+            raise LayerstreamError(f"load_gguf(): rename={rename!r} is not a known naming; give \"llama.cpp\", "
+                                   f"a dict or a function of the file's tensor names")
+        rename, reorder = _llama_cpp_names(model, path, meta, [r["name"] for r in info["tensors"]],
+                                           list(slots), permute_qk)
+    elif permute_qk:
+        raise LayerstreamError("load_gguf(): permute_qk= applies to rename=\"llama.cpp\" (a file of llama.cpp's "
+                               "converter); with other names, the file must already be in the model's layout")
+    plan = []  # (tensor record, target name, first row, end row, heads to undo llama.cpp's reorder over)
     unexpected, seen = [], set()
     for rec in info["tensors"]:
         src = rec["name"]
@@ -209,7 +230,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
             if name in seen:
                 raise LayerstreamError(f"{path}: two tensors of the file load into '{name}'; fix rename=")
             seen.add(name)
-            plan.append((rec, name, r0, r1))
+            plan.append((rec, name, r0, r1, reorder.get(src)))
     seen_ids = {id(slots[d][2]) for d in seen}
     missing = sorted(n for n in persistent if id(slots[n][2]) not in seen_ids)
     if strict and (missing or unexpected):
@@ -224,7 +245,11 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
                                ". Map the names with rename= (a dict or a function of the file's name), "
                                "or pass strict=False to load what matches")
     # Shapes and types, all checked before anything changes.
-    for rec, dst, r0, r1 in plan:
+    for rec, dst, r0, r1, heads in plan:
+        if heads and (int(rec["shape"][0]) % (2 * heads) if rec["shape"] else 1):
+            raise LayerstreamError(f"{path}: tensor '{rec['name']}' has {rec['shape'][0] if rec['shape'] else 0} "
+                                   f"rows, not a whole number of pairs for {heads} heads: it cannot be llama.cpp's "
+                                   f"per-head reordering (pass permute_qk=False if the file does not have it)")
         _, _, target = slots[dst]
         shape = _rows_shape(rec, r0, r1)
         if shape != tuple(target.shape):
@@ -246,7 +271,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
 
     out = GgufLoad([], [], [], missing, unexpected, dict(meta))
     with open(path, "rb") as f:
-        for rec, dst, r0, r1 in plan:
+        for rec, dst, r0, r1, heads in plan:
             mod, key, target = slots[dst]
             # Rows of a GGUF tensor are whole blocks: rows r0..r1 are one byte range.
             row_bytes = rec["nbytes"] // max(int(rec["shape"][0]) if rec["shape"] else 1, 1)
@@ -255,6 +280,8 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
             raw = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes and f.readinto(_writable_view(raw)) != nbytes:
                 raise LayerstreamError(f"{path}: could not read tensor '{rec['name']}' (file truncated?)")
+            if heads:  # whole rows move, so packed blocks stay intact (a tensor with a reorder is never split)
+                raw = raw.view(r1 - r0, row_bytes)[_llama_cpp_row_order(r1 - r0, heads)].reshape(-1)
             shape = tuple(target.shape)
             owner = _linear_weight_owner(model, dst) if rec["format"] else None
             if owner is not None and owner.weight is target and _rows_shape(rec, r0, r1) == shape:
@@ -274,6 +301,79 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, Callable[[str]
                 out.dense.append(dst)
             _assign(holders[id(target)], target, value)
     return out
+
+
+def _llama_cpp_row_order(rows: int, heads: int) -> torch.Tensor:
+    """For each row of the model's q/k projection, the row of llama.cpp's file
+    that holds it. Per head, transformers' rotary layout pairs element i of the
+    first half with element i of the second (rows i and half + i); llama.cpp's
+    converter interleaves them (rows 2i and 2i + 1)."""
+    half = rows // heads // 2
+    # model row h*2*half + j*half + i  <-  file row h*2*half + 2*i + j
+    h, j, i = torch.meshgrid(torch.arange(heads), torch.arange(2), torch.arange(half), indexing="ij")
+    return (h * 2 * half + 2 * i + j).reshape(-1)
+
+
+def _llama_cpp_names(model: nn.Module, path, meta: Mapping[str, str], file_names: List[str],
+                     model_names: List[str], permute_qk: Optional[bool]):
+    """rename="llama.cpp": (file name -> model name, file name -> heads to undo the
+    q/k row reordering over) for a file of llama.cpp's converter."""
+    try:
+        import gguf
+    except ImportError:
+        raise LayerstreamError('load_gguf(rename="llama.cpp") maps llama.cpp\'s tensor names with the gguf '
+                               'package\'s name tables: pip install gguf') from None
+    arch = meta.get("general.architecture", "")
+    found = [a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch]
+    if not found:
+        raise LayerstreamError(f"{path}: general.architecture is {arch!r}, which the installed gguf package "
+                               f"does not know; rename=\"llama.cpp\" needs its tensor name table (map the "
+                               f"names with a dict or function instead)")
+
+    def count(key: str) -> Optional[int]:
+        text = meta.get(f"{arch}.{key}")
+        if text is None:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise LayerstreamError(f"{path}: {arch}.{key} is {text}, not one number (per-layer values are not "
+                                   f"supported by rename=\"llama.cpp\")") from None
+
+    blocks = count("block_count")
+    if blocks is None:
+        raise LayerstreamError(f"{path}: {arch}.block_count is missing; is this a llama.cpp language-model file?")
+    table = gguf.get_tensor_name_map(found[0], blocks)
+    names: Dict[str, str] = {}
+    for qn in model_names:
+        base, dot, suffix = qn.rpartition(".")
+        parts = base.split(".") if dot else []
+        for k in range(len(parts)):  # the name as the converter saw it may lack a wrapper's prefix
+            g = table.get_name(".".join(parts[k:]))
+            if g is not None:
+                names.setdefault(f"{g}.{suffix}", qn)
+                break
+    if permute_qk is None:
+        permute_qk = arch == "llama"
+    reorder: Dict[str, Optional[int]] = {}
+    if permute_qk:
+        heads, kv = count("attention.head_count"), count("attention.head_count_kv")
+        if heads is None:
+            raise LayerstreamError(f"{path}: {arch}.attention.head_count is missing; it is needed to undo "
+                                   f"llama.cpp's q/k row order (permute_qk=False if the file does not have it)")
+        kv = kv or heads
+        cfg = getattr(model, "config", None)
+        for key, want in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+            have = getattr(cfg, key, None)
+            if isinstance(have, int) and have != want:
+                raise LayerstreamError(f"{path}: the file has {want} {key.replace('num_', '').replace('_', ' ')} "
+                                       f"but the model's config.{key} is {have}; build the model from the "
+                                       f"file's configuration")
+        for n in file_names:
+            parts = n.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+                reorder[n] = heads if parts[2] == "attn_q" else kv
+    return names, reorder
 
 
 def _writable_view(t: torch.Tensor) -> memoryview:

@@ -480,3 +480,144 @@ def test_rename_splits_a_fused_tensor_by_rows(tmp_path):
                               strict=False)
     with pytest.raises(LayerstreamError, match="give a parameter name, None"):
         layerstream.load_gguf(model, str(path), rename={"attn.qkv.weight": 7}, strict=False)
+
+
+def _llama_cpp_file(path, ref, quantized=T.Q8_0, permute=True):
+    """A GGUF file of `ref` (a transformers Llama) as llama.cpp's converter writes
+    one: its tensor names, its metadata, and the rows of q/k (weights and biases)
+    reordered per head for llama.cpp's rotary layout (done here independently of
+    layerstream: reshape to (heads, 2, half, ...) and swap the middle axes). The
+    projections are quantized, everything else F32."""
+    cfg = ref.config
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_types([1] * cfg.vocab_size)
+    for name, p in ref.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        a = p.detach().numpy().astype(np.float32)
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(base.split(".")[-1])
+        if heads and permute:
+            a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        if a.ndim == 2 and base.endswith("proj"):
+            w.add_tensor(f"{table.get_name(base)}.{suffix}", quants.quantize(a, quantized), raw_dtype=quantized)
+        else:
+            w.add_tensor(f"{table.get_name(base)}.{suffix}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _empty_llama(config):
+    accelerate = pytest.importorskip("accelerate")
+    from transformers import LlamaForCausalLM
+    with accelerate.init_empty_weights():
+        return LlamaForCausalLM(config).eval()
+
+
+def test_llama_cpp_file_loads_packed_in_the_models_row_order(tmp_path):
+    """A Llama file with llama.cpp's names and q/k row order (4 query heads, 2 kv
+    heads, q/k/v biases), loaded with rename="llama.cpp" into the model built
+    empty: every projection stays packed and holds exactly the values of the
+    reference's own weight quantized by gguf-py (Q8_0 blocks run along a row, so
+    quantizing commutes with reordering rows), the biases are the reference's,
+    and the streamed logits equal the reference holding those values. With
+    permute_qk=False (the file's rows as they are) q and k differ."""
+    from conftest import tiny_llama
+
+    ref = tiny_llama(num_attention_heads=4, num_key_value_heads=2, attention_bias=True).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("bias"):  # transformers starts them at zero, which any row order keeps
+                p.copy_(torch.randn(p.shape))
+    path = _llama_cpp_file(tmp_path / "llama.gguf", ref)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("proj.weight"):
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), T.Q8_0), T.Q8_0).copy()))
+    model = _empty_llama(ref.config)
+    r = layerstream.load_gguf(model, str(path), rename="llama.cpp")
+    assert len(r.packed) == 14 and r.missing == [] and r.unexpected == []
+    assert "model.layers.1.self_attn.k_proj.bias" in r.dense
+    params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        want = params[name]
+        got = p.dequantized() if isinstance(p, GgufWeight) else p
+        assert torch.equal(got, want), name
+    h = layerstream.offload(model, device="sim", checker=True)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert h.ordering_errors() == []
+    h.detach()
+
+    unordered = _empty_llama(ref.config)
+    layerstream.load_gguf(unordered, str(path), rename="llama.cpp", permute_qk=False)
+    attn = unordered.model.layers[0].self_attn
+    assert not torch.equal(attn.q_proj.weight.dequantized(), params["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(attn.k_proj.bias, params["model.layers.0.self_attn.k_proj.bias"])
+    assert torch.equal(attn.v_proj.bias, params["model.layers.0.self_attn.v_proj.bias"])
+
+
+def test_llama_cpp_file_loads_like_transformers_gguf_loader(tmp_path):
+    """The same file (no biases: transformers' GGUF config has no attention_bias)
+    through transformers' own GGUF loader (from_pretrained(gguf_file=): gguf-py's
+    name table, its numpy row reorder, dequantized to fp32) and, as the README
+    shows, through a model built empty from the file's config +
+    load_gguf(rename="llama.cpp") + offload(): equal logits."""
+    accelerate = pytest.importorskip("accelerate")
+    from conftest import tiny_llama
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _llama_cpp_file(tmp_path / "llama.gguf", tiny_llama(num_attention_heads=4, num_key_value_heads=2))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="llama.gguf", dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file="llama.gguf")
+    with accelerate.init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.tie_weights()
+    r = layerstream.load_gguf(model, str(tmp_path / "llama.gguf"), rename="llama.cpp")
+    assert len(r.packed) == 14 and r.missing == [] and r.unexpected == []
+    h = layerstream.offload(model, device="sim")
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, hf(ids).logits)
+    h.detach()
+
+
+def test_llama_cpp_names_errors(tmp_path):
+    """rename="llama.cpp" refuses what it cannot load right: head counts that
+    differ from the model's config, an architecture the gguf package does not
+    know, another naming, and permute_qk= without llama.cpp names."""
+    accelerate = pytest.importorskip("accelerate")
+    from conftest import tiny_llama
+    from transformers import LlamaForCausalLM
+
+    ref = tiny_llama(num_attention_heads=4, num_key_value_heads=2)
+    path = _llama_cpp_file(tmp_path / "llama.gguf", ref)
+    with accelerate.init_empty_weights():
+        other = LlamaForCausalLM(tiny_llama(seed=None, num_attention_heads=4, num_key_value_heads=4).config)
+    with pytest.raises(LayerstreamError, match=r"2 key value heads but the model's config.num_key_value_heads is 4"):
+        layerstream.load_gguf(other, str(path), rename="llama.cpp")
+    assert other.model.layers[0].self_attn.q_proj.weight.is_meta  # nothing changed
+    with pytest.raises(LayerstreamError, match=r"rename='hf' is not a known naming"):
+        layerstream.load_gguf(other, str(path), rename="hf")
+    with pytest.raises(LayerstreamError, match=r"permute_qk= applies to rename=\"llama.cpp\""):
+        layerstream.load_gguf(other, str(path), permute_qk=True)
+    write_gguf(tmp_path / "odd.gguf", [("x.weight", (4,), "F32", torch.zeros(4).view(torch.uint8))],
+               {"general.architecture": "no-such-arch"})
+    with pytest.raises(LayerstreamError, match=r"general.architecture is 'no-such-arch'"):
+        layerstream.load_gguf(other, str(tmp_path / "odd.gguf"), rename="llama.cpp")
