@@ -238,10 +238,17 @@ PYBIND11_MODULE(_C, m) {
       .def("embedding", &Engine::embedding, py::arg("layer"), py::arg("ids"))
       .def("add_group",
            [fmt](Engine& e, const std::string& name, const std::vector<torch::Tensor>& tensors,
-                 const std::string& quantize, int64_t experts) {
-             return e.add_group(name, tensors, fmt(quantize), experts);
+                 const std::string& quantize, int64_t experts,
+                 const std::vector<std::optional<std::pair<std::string, torch::Tensor>>>& prepacked) {
+             // prepacked: per tensor, None or (GGUF format name, its bytes).
+             std::vector<Engine::PrepackedPart> parts;
+             for (const auto& p : prepacked)
+               parts.push_back(p ? Engine::PrepackedPart{quant::parse_packed_format(p->first), p->second}
+                                 : Engine::PrepackedPart{});
+             return e.add_group(name, tensors, fmt(quantize), experts, parts);
            },
-           py::arg("name"), py::arg("tensors"), py::arg("quantize") = "", py::arg("experts") = 0)
+           py::arg("name"), py::arg("tensors"), py::arg("quantize") = "", py::arg("experts") = 0,
+           py::arg("prepacked") = std::vector<std::optional<std::pair<std::string, torch::Tensor>>>{})
       .def("dequantized_part", &Engine::dequantized_part, py::arg("layer"), py::arg("part"))
       .def("requantize_part", &Engine::requantize_part, py::arg("layer"), py::arg("part"), py::arg("dense"))
       .def("fetch", &Engine::fetch, py::arg("layer"), py::arg("experts") = std::vector<int64_t>{})

@@ -477,7 +477,7 @@ int Engine::add_embedding(const std::string& name, torch::Tensor weight, int64_t
 }
 
 int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>& tensors, quant::Format format,
-                      int64_t experts) {
+                      int64_t experts, const std::vector<PrepackedPart>& prepacked) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
@@ -496,10 +496,20 @@ int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>&
     }
     for (size_t j = 0; j < k; ++j)
       LS_CHECK(!tensors[j].is_same(t), "tensor group '", name, "' lists one tensor twice");
-    if (format != quant::Format::None && t.dim() >= 2)
+    const bool pre = k < prepacked.size() && prepacked[k].format != quant::Format::None;
+    if ((format != quant::Format::None && t.dim() >= 2) || pre)
       LS_CHECK(!t.requires_grad(), "tensor group '", name, "': tensor #", k, " requires grad, but a quantized "
                "tensor cannot be trained; freeze it (requires_grad_(False)) or do not quantize this group");
+    if (pre) {
+      LS_CHECK(quant::is_gguf(prepacked[k].format), "tensor group '", name, "': tensor #", k,
+               ": pre-packed tensors are supported in the GGUF formats only, got ",
+               quant::to_string(prepacked[k].format));
+      LS_CHECK(t.dim() >= 2 && t.numel() > 0, "tensor group '", name, "': pre-packed tensor #", k,
+               " must have 2 or more dimensions and elements, got ", shape_str(t.sizes().vec()));
+    }
   }
+  LS_CHECK(prepacked.empty() || prepacked.size() == tensors.size(), "tensor group '", name, "': ",
+           prepacked.size(), " pre-packed entries for ", tensors.size(), " tensors (give one per tensor, or none)");
   LayerInfo info;
   info.name = name;
   info.is_group = true;
@@ -510,32 +520,57 @@ int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>&
     e.shape = e.param.sizes().vec();
     e.dtype = e.param.scalar_type();
     const std::string label = name + "#" + std::to_string(k);
-    if (format != quant::Format::None && e.param.dim() >= 2) {
+    const bool pre = !prepacked.empty() && prepacked[k].format != quant::Format::None;
+    if (pre || (format != quant::Format::None && e.param.dim() >= 2)) {
       // Packed as a matrix of the last dimension's columns (an expert's rows
       // follow each other), dequantized into the workspace after the copy.
-      torch::NoGradGuard ng;
-      const torch::Tensor src = e.param.detach().to(torch::kCPU).contiguous();
+      const quant::Format f = pre ? prepacked[k].format : format;
       const int64_t cols = e.shape.back();
-      const int64_t rows = cols ? src.numel() / cols : 0;
-      try {
-        e.qlayout = quant::layout_for(format, rows, cols);
+      const int64_t rows = cols ? e.param.numel() / cols : 0;
+      if (pre) {
+        LS_CHECK(e.dtype == torch::kFloat || e.dtype == torch::kBFloat16 || e.dtype == torch::kHalf,
+                 "tensor group '", name, "': pre-packed tensor #", k, " must be float32, bfloat16 or float16 "
+                 "(its dense dtype), got ", e.dtype);
+        const torch::Tensor b = prepacked[k].bytes.detach().to(torch::kCPU).contiguous();
+        LS_CHECK(b.element_size() == 1 && !b.is_floating_point(), "tensor group '", name, "': the bytes of "
+                 "pre-packed tensor #", k, " must be an int8/uint8 tensor, got ", b.scalar_type());
+        try {
+          e.qlayout = quant::layout_for(f, rows, cols);
+        } catch (const Error& err) {
+          LS_FAIL("tensor group '", name, "': pre-packed tensor #", k, " (", shape_str(e.shape), ") cannot be ",
+                  quant::to_string(f), ": ", err.message());
+        }
+        LS_CHECK(static_cast<size_t>(b.numel()) == e.qlayout.total_bytes(), "tensor group '", name,
+                 "': pre-packed tensor #", k, " ", shape_str(e.shape), " in ", quant::to_string(f), " needs ",
+                 e.qlayout.total_bytes(), " bytes, got ", b.numel());
         e.bytes = e.qlayout.total_bytes();
-        e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(format) + "]");
+        e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(f) + "]");
         e.host = store_->buffer(e.index).ptr;
-        quant::pack(format, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows, cols, e.host, 0);
-      } catch (const Error& err) {
-        LS_FAIL("cannot quantize tensor #", k, " of group '", name, "' (", shape_str(e.shape), ") to ",
-                quant::to_string(format), ": ", err.message());
+        std::memcpy(e.host, b.data_ptr(), e.bytes);
+      } else {
+        torch::NoGradGuard ng;
+        const torch::Tensor src = e.param.detach().to(torch::kCPU).contiguous();
+        try {
+          e.qlayout = quant::layout_for(f, rows, cols);
+          e.bytes = e.qlayout.total_bytes();
+          e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(f) + "]");
+          e.host = store_->buffer(e.index).ptr;
+          quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows, cols, e.host, 0);
+        } catch (const Error& err) {
+          LS_FAIL("cannot quantize tensor #", k, " of group '", name, "' (", shape_str(e.shape), ") to ",
+                  quant::to_string(f), ": ", err.message());
+        }
       }
-      e.qformat = format;
+      e.qformat = f;
       e.q_dtype = dequant_dtype_.value_or(e.dtype);
       e.ws_offset = ws;
-      ws += align256(static_cast<size_t>(src.numel()) * c10::elementSize(e.q_dtype));
+      ws += align256(static_cast<size_t>(e.param.numel()) * c10::elementSize(e.q_dtype));
       e.param = meta_like(e.shape, e.dtype);  // the engine keeps no dense copy
-      // An expert's rows start on whole nf4 blocks and on 16 bytes of codes
-      // (what the device kernel loads at once) when its element count is a
-      // multiple of 64.
-      if (experts > 0 && e.shape[0] == experts && rows % experts == 0 && (rows / experts * cols) % 64 == 0) {
+      // An expert's rows start on whole blocks: GGUF rows always do; for our
+      // formats, an expert's element count must be a multiple of 64 (whole nf4
+      // blocks and 16 bytes of codes, what the device kernel loads at once).
+      if (experts > 0 && e.shape[0] == experts && rows % experts == 0 &&
+          (quant::is_gguf(f) || (rows / experts * cols) % 64 == 0)) {
         e.by_expert = true;
         e.expert_rows = rows / experts;
       }

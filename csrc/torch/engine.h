@@ -190,8 +190,23 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // router chose, to copy only theirs. A tensor whose dim 0 is not `experts`,
   // or whose dim-0 slices are not contiguous in memory (or, quantized, do
   // not start on whole nf4 blocks / 16 bytes of codes), is copied whole.
+  //
+  // prepacked (empty, or one entry per tensor): a tensor whose entry has a
+  // format arrives already packed, e.g. a GGUF file's blocks (load_gguf):
+  // `bytes` (CPU uint8, copied; the caller may free it) laid out as
+  // quant::layout_for(format, numel / last dim, last dim), GGUF formats
+  // only. The group's tensor at that position gives only the shape and the
+  // dense dtype (its values are never read; a meta tensor will do). It is
+  // dequantized into the slot like a tensor packed by `format`, whatever
+  // `format` is, and its dim-0 slices are fetched per expert (GGUF rows are
+  // whole blocks).
+  struct PrepackedPart {
+    quant::Format format = quant::Format::None;
+    torch::Tensor bytes;
+  };
   int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors,
-                quant::Format format = quant::Format::None, int64_t experts = 0);
+                quant::Format format = quant::Format::None, int64_t experts = 0,
+                const std::vector<PrepackedPart>& prepacked = {});
   // Group layers quantized by add_group: tensor `part` dequantized on the
   // host (what detach() restores; lossy), and new values packed into it in
   // place of the old ones (as requantize() for a layer).

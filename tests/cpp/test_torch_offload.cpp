@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/quant.h"
 #include "torch/offload.h"
 
 namespace {
@@ -565,6 +566,77 @@ TEST(TorchOffload, RoutedFetchCopiesOnlyTheNamedExperts) {
     EXPECT_THROW(engine->fetch(plain, {1}), std::exception);
     engine->detach({});
   }
+}
+
+TEST(TorchOffload, PrepackedGgufGroupPartsStreamAsTheirBytes) {
+  // add_group(..., prepacked): a GGUF tensor's bytes (Q8_0 blocks here) are
+  // stored as they are and dequantized into the slot (what quant::
+  // dequantize_cpu gives, in the stand-in's dtype); each expert's rows are
+  // fetched on their own, whatever the group's format; wrong byte counts,
+  // non-GGUF formats and 1-D pre-packed tensors are refused.
+  namespace q = layerstream::quant;
+  // One expert: 3 rows of one Q8_0 block, 96 elements (not whole nf4 blocks:
+  // only the GGUF rule, whole rows, lets an expert be fetched on its own).
+  const int64_t experts = 8, rows = 3, cols = 32;
+  const q::PackedLayout L = q::layout_for(q::Format::GgufQ8_0, experts * rows, cols);
+  torch::manual_seed(0);
+  auto bytes = torch::randint(0, 256, {static_cast<int64_t>(L.total_bytes())}, torch::kUInt8);
+  auto* p = bytes.data_ptr<uint8_t>();
+  for (size_t blk = 0; blk < L.total_bytes() / 34; ++blk) {  // finite fp16 scales: 1/64 (0x2400)
+    p[blk * 34] = 0x00;
+    p[blk * 34 + 1] = 0x24;
+  }
+  auto want = torch::empty({experts, rows, cols}, torch::kBFloat16);
+  q::dequantize_cpu(L, p, want.data_ptr(), q::OutDtype::BF16);
+  for (auto format : {q::Format::None, q::Format::NF4}) {
+    SCOPED_TRACE(q::to_string(format));
+    auto engine = layerstream::Engine::create(sim_options());
+    auto stand_in = torch::empty({experts, rows, cols}, torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kMeta));
+    auto bias = torch::randn({5});
+    const int g = engine->add_group("experts", {stand_in, bias}, format, experts,
+                                    {{q::Format::GgufQ8_0, bytes}, {}});
+    EXPECT_EQ(engine->dequantized_part(g, 0).view(torch::kInt16).equal(want.view(torch::kInt16)), true);
+    {
+      auto [token, views] = engine->fetch(g);
+      EXPECT_TRUE(torch::equal(views[0], want));
+      EXPECT_TRUE(torch::equal(views[1], bias));
+      engine->release(token);
+    }
+    const double before = engine->stats().at("h2d_bytes");
+    {
+      auto [token, views] = engine->fetch(g, {5, 2});
+      EXPECT_TRUE(torch::equal(views[0][5], want[5]) && torch::equal(views[0][2], want[2]));
+      engine->release(token);
+    }
+    EXPECT_EQ(engine->stats().at("h2d_bytes") - before, 2.0 * rows * cols / 32 * 34 + 5 * 4);
+    EXPECT_EQ(engine->stats().at("routed_fetches"), 1);
+    engine->detach({});
+  }
+  auto engine = layerstream::Engine::create(sim_options());
+  auto meta = [](std::vector<int64_t> shape) {
+    return torch::empty(shape, torch::TensorOptions().dtype(torch::kFloat).device(torch::kMeta));
+  };
+  const auto error_of = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::string msg = error_of([&] {
+    engine->add_group("short", {meta({experts, rows, cols})}, q::Format::None, 0,
+                      {{q::Format::GgufQ8_0, bytes.narrow(0, 0, 100)}});
+  });
+  EXPECT_NE(msg.find("in q8_0 needs " + std::to_string(L.total_bytes()) + " bytes, got 100"), std::string::npos) << msg;
+  msg = error_of([&] {
+    engine->add_group("nf4", {meta({experts, rows, cols})}, q::Format::None, 0, {{q::Format::NF4, bytes}});
+  });
+  EXPECT_NE(msg.find("pre-packed tensors are supported in the GGUF formats only"), std::string::npos) << msg;
+  msg = error_of([&] { engine->add_group("flat", {meta({64})}, q::Format::None, 0, {{q::Format::GgufQ8_0, bytes}}); });
+  EXPECT_NE(msg.find("must have 2 or more dimensions"), std::string::npos) << msg;
+  msg = error_of([&] { engine->add_group("count", {meta({2, 64}), meta({3})}, q::Format::None, 0, {{}}); });
+  EXPECT_NE(msg.find("1 pre-packed entries for 2 tensors"), std::string::npos) << msg;
 }
 
 TEST(TorchOffload, QuantizedTensorGroupDequantizesIntoTheSlot) {
