@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <numeric>
 #include <set>
@@ -676,11 +677,18 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       // experts compute.
       const auto align = [](uint64_t v) { return (v + quant::kSectionAlign - 1) / quant::kSectionAlign * quant::kSectionAlign; };
       uint64_t bus = 0, workspace = 0;
+      bool gguf = false;
       for (const auto& [shape, dtype] : l.group_tensors) {
         const uint64_t numel = numel_of(shape);
         const bool pack = opt.quantize != Quantization::None && shape.size() >= 2 && shape.back() > 0 &&
                           safetensors_dtype_is_wide_float(dtype);
-        if (pack) {
+        if (!l.dense_dtype.empty() && safetensors_dtype_bits(dtype) == 0) {
+          // GGUF blocks (load_gguf): they cross as they are, padded as the
+          // engine stores them, and are dequantized into the workspace.
+          gguf = true;
+          bus += align(bytes_of(numel, dtype));
+          workspace += align(bytes_of(numel, opt.compute_dtype.empty() ? l.dense_dtype : opt.compute_dtype));
+        } else if (pack) {
           bus += quantized_weight_bytes({numel / shape.back(), shape.back()}, dtype, opt.quantize);
           workspace += align(bytes_of(numel, opt.compute_dtype.empty() ? dtype : opt.compute_dtype));
         } else {
@@ -690,10 +698,11 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       if (l.group_tensors.empty()) bus = l.group_bytes;
       s.bytes = bus;
       if (workspace) s.slot_bytes = bus + workspace + quant::kSectionAlign;
-      s.resident_bytes = opt.resident_dequantized ? l.group_bytes : bus;
+      // Resident, a group with GGUF tensors is dense (group_bytes: dequantized).
+      s.resident_bytes = opt.resident_dequantized || gguf ? l.group_bytes : bus;
       s.flops = 2.0 * tokens * static_cast<double>(l.group_params) * l.active * (opt.training ? 3.0 : 1.0);
-      s.trainable = opt.training && opt.quantize == Quantization::None;
-      s.as_stored = opt.quantize != Quantization::None && bus == l.group_bytes;  // nothing to pack
+      s.trainable = opt.training && opt.quantize == Quantization::None && !gguf;  // GGUF tensors are frozen
+      s.as_stored = gguf || (opt.quantize != Quantization::None && bus == l.group_bytes);  // nothing to pack
       if (opt.routed_experts && l.active < 1.0) {
         const double share = experts_reached(l.active, opt.tokens);
         if (share <= 0.5) s.routed_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(bus * share)));
@@ -948,6 +957,14 @@ ModelDescription describe_gguf(const GgufFile& g, const std::string& dense_dtype
              "' is GGUF type ", t.type_name, ", which layerstream cannot read");
     TensorInfo i;
     i.name = t.name;
+    // llama.cpp's expert tensors ("blk.7.ffn_up_exps.weight"): one group per
+    // block, "blk.7.experts", as load_gguf(rename="llama.cpp") puts them into
+    // transformers' experts module, which offload() streams as one group.
+    const std::string exps = "_exps.weight";
+    const size_t ffn = t.name.find(".ffn_");
+    if (t.name.rfind("blk.", 0) == 0 && ffn != std::string::npos && t.name.size() > exps.size() &&
+        t.name.compare(t.name.size() - exps.size(), exps.size(), exps) == 0)
+      i.name = t.name.substr(0, ffn) + ".experts." + t.name.substr(ffn + 1, t.name.size() - ffn - 1 - 7);
     i.dtype = t.type_name;
     i.shape = t.shape;
     i.numel = t.numel;
@@ -957,14 +974,31 @@ ModelDescription describe_gguf(const GgufFile& g, const std::string& dense_dtype
   }
   ModelDescription m = describe_checkpoint(ck);
   const auto packed = [](const std::string& dtype) { return safetensors_dtype_bits(dtype) == 0; };
+  // The share of experts one token runs, from the file (<arch>.expert_used_count / expert_count).
+  double active = 1.0;
+  const auto arch = g.metadata.find("general.architecture");
+  if (arch != g.metadata.end()) {
+    const auto number = [&](const std::string& key) {
+      const auto it = g.metadata.find(arch->second + "." + key);
+      char* end = nullptr;
+      const double v = it == g.metadata.end() ? 0.0 : std::strtod(it->second.c_str(), &end);
+      return it != g.metadata.end() && end != it->second.c_str() && *end == '\0' && v > 0 ? v : 0.0;
+    };
+    const double used = number("expert_used_count"), count = number("expert_count");
+    if (used > 0 && count >= used) active = used / count;
+  }
   for (auto& l : m.layers) {
-    if (l.group) {  // dequantized on load (not a Linear weight)
+    if (l.group) {
+      // Tensors in a GGUF block type stay packed (load_gguf) and are
+      // dequantized in the slot to dense_dtype; group_bytes is the dense
+      // (resident) size.
       l.group_bytes = 0;
-      for (auto& [shape, dtype] : l.group_tensors) {
-        if (packed(dtype)) dtype = dense_dtype;
-        l.group_bytes += bytes_of(numel_of(shape), dtype);
+      for (const auto& [shape, dtype] : l.group_tensors) {
+        if (packed(dtype)) l.dense_dtype = dense_dtype;
+        l.group_bytes += bytes_of(numel_of(shape), packed(dtype) ? dense_dtype : dtype);
       }
       if (packed(l.weight_dtype)) l.weight_dtype = dense_dtype;
+      l.active = active;
     } else if (packed(l.weight_dtype)) {
       if (l.embedding) l.weight_dtype = dense_dtype;  // dequantized on load
       else l.dense_dtype = dense_dtype;

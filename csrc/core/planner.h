@@ -152,7 +152,9 @@ struct ModelLayer {
   // A weight stored in a GGUF block format that offload() streams as it is
   // (load_gguf(); weight_dtype is the ggml type name, e.g. "Q4_K"): the dtype
   // the device dequantizes it to, the model's parameter dtype ("BF16", ...).
-  // Empty otherwise.
+  // For a group: set when some of group_tensors are in a GGUF block format
+  // (their dtype is the ggml type name), and group_bytes is then the dense
+  // size (what a resident group holds). Empty otherwise.
   std::string dense_dtype;
   uint64_t params() const;             // weight + bias elements
   uint64_t weight_numel() const;
@@ -178,12 +180,16 @@ ModelDescription describe_checkpoint(const Checkpoint& ck);
 
 struct GgufFile;
 // A .gguf file (core/gguf.h) as load_gguf() + offload() place it: layers as
-// describe_checkpoint() groups them; a weight in a block format layerstream
+// describe_checkpoint() groups them, plus llama.cpp's expert tensors
+// ("blk.N.ffn_up_exps.weight", ...) as one group per block, "blk.N.experts",
+// whose active share comes from the file (<arch>.expert_used_count /
+// expert_count). A weight or group tensor in a block format layerstream
 // streams (Q8_0 .. Q6_K) crosses the bus as the file's blocks and is
 // dequantized in the slot to `dense_dtype` (a safetensors float dtype name,
-// the model's parameter dtype); embedding tables and expert groups, which
-// load_gguf() dequantizes on load, are planned dense in `dense_dtype`. Other
-// ggml types load dense as stored. Types layerstream cannot read throw.
+// the model's parameter dtype; ModelLayer::dense_dtype says so, for groups
+// too); resident, it is dense. Embedding tables, which load_gguf()
+// dequantizes on load, are planned dense in `dense_dtype`. Other ggml types
+// load dense as stored. Types layerstream cannot read throw.
 ModelDescription describe_gguf(const GgufFile& g, const std::string& dense_dtype = "BF16");
 
 // Tied output head: a checkpoint of a model whose lm_head is tied to the

@@ -1437,9 +1437,10 @@ def offload(
             # One slot holds every tensor; with a format, each tensor of 2+ dimensions
             # crosses packed (as a matrix of its last dimension's columns) and is
             # dequantized into the slot's workspace after the copy.
+            # GGUF tensors (load_gguf) cross as the file's blocks whatever the format.
             fmt = _quant_for(name, quantize)
             params = [o._parameters[k] for o, k, _ in _group_slots(module)]
-            packed = [p for p in params if p.dim() >= 2]
+            packed = [p for p in params if p.dim() >= 2 and not isinstance(p, GgufWeight)]
             if fmt is not None:
                 reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1]) for p in packed]
                 reason = next((r for r in reasons if r), "")
@@ -1456,7 +1457,10 @@ def offload(
                                        f"(quantize={{'{name}': None, ...}})")
             bus = workspace = 0
             for p in params:
-                if fmt is not None and p.dim() >= 2:
+                if isinstance(p, GgufWeight):
+                    bus += _align256(p.gguf_bytes.numel())
+                    workspace += _align256(p.numel() * (dequant_dtype or p.dtype).itemsize)
+                elif fmt is not None and p.dim() >= 2:
                     bus += _align256(_C.quant_packed_bytes(fmt, p.numel() // p.shape[-1], p.shape[-1]))
                     workspace += _align256(p.numel() * (dequant_dtype or p.dtype).itemsize)
                 else:
@@ -1512,10 +1516,12 @@ def offload(
     # GGUF weights (load_gguf) of layers that do not stream as Linear layers (excluded, in a
     # groups= module, a subclass with its own forward, ...) stay resident: dense, dequantized
     # here so that the planner counts them (not undone if offload() fails: the values are the same).
+    # Tensor groups stream theirs packed too.
     linear_ids = {id(t[1]) for t in layers if t[2] == "linear"}
+    in_groups = {id(o._parameters[k]) for t in layers if t[2] == "group" for o, k, _ in _group_slots(t[1])}
     for module in model.modules():
         if id(module) not in linear_ids:
-            _materialize_gguf(module)
+            _materialize_gguf(module, keep=in_groups)
     if isinstance(quantize, dict):
         # A table named explicitly (no wildcard) for a format: tables are never quantized.
         named = [f"'{name}'" for name, _, _, _, _, _, _, _ in tables
@@ -1649,11 +1655,12 @@ def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
             m.activation_relu_or_gelu = 0
 
 
-def _materialize_gguf(module: nn.Module) -> None:
+def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:
     """Replaces the module's own GGUF weights (load_gguf) by dense, dequantized
-    parameters (frozen), for a module that does not stream them."""
+    parameters (frozen), for a module that does not stream them (but not those
+    whose id is in `keep`: a streamed tensor group's)."""
     for k, p in list(module._parameters.items()):
-        if isinstance(p, GgufWeight):
+        if isinstance(p, GgufWeight) and id(p) not in keep:
             module._parameters[k] = nn.Parameter(p.dequantized(), requires_grad=False)
 
 
@@ -1672,16 +1679,19 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             devices = [str(params[0].device)]
             n_experts = getattr(module, "num_experts", 0) if routed else 0
             n_experts = n_experts if isinstance(n_experts, int) and n_experts > 1 else 0
-            index = engine.add_group(name or "<root>", params, fmt or "", n_experts)
+            gguf = [(p.gguf_format, p.gguf_bytes) if isinstance(p, GgufWeight) else None for p in params]
+            index = engine.add_group(name or "<root>", params, fmt or "", n_experts,
+                                     gguf if any(gguf) else [])
             had_forward = "forward" in module.__dict__
             old_forward = module.__dict__.get("forward")
             a = _Attached(name, module, kind, index, had_forward, old_forward, devices)
             attached.append(a)
-            if fmt is not None:
+            if fmt is not None or any(gguf):
                 # Packed on the host: the module keeps data-less stand-ins (the dense
-                # tensors are freed); copy_ / load_state_dict() re-quantize into them.
+                # tensors, or a GGUF file's bytes, are freed); copy_ / load_state_dict()
+                # re-quantize into them (not into GGUF parts: the engine refuses).
                 a.packed_parts = [(qn, part, o, k) for part, ((o, k, qn), p) in enumerate(zip(slots, params))
-                                  if p.dim() >= 2]
+                                  if p.dim() >= 2 and (fmt is not None or gguf[part])]
                 for qn, part, o, k in a.packed_parts:
                     p = o._parameters[k]
                     o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,

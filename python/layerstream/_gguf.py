@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import re
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
@@ -115,20 +116,47 @@ def _orig_shape(meta: Mapping[str, str], name: str) -> Optional[tuple]:
     return tuple(int(n) for n in nums) if nums else None
 
 
-def _linear_weight_owner(model: nn.Module, key: str) -> Optional[nn.Module]:
-    """The module whose `weight` `key` is, when that module streams as a plain
-    Linear (torch's own forward); None otherwise."""
+def _streams_packed(mod: nn.Module, key: str, target: torch.Tensor) -> bool:
+    """Whether `mod`'s tensor `key` streams as a GGUF file's blocks: the weight of a
+    Linear that streams as one (torch's own forward), or a tensor of 2+ dimensions of
+    a module offload() streams as a tensor group (mixture-of-experts weights)."""
     from . import _is_streamable, _stock_forward
-    mod_name, _, attr = key.rpartition(".")
-    if attr != "weight":
-        return None
-    try:
-        mod = model.get_submodule(mod_name)
-    except AttributeError:
-        return None
-    if _is_streamable(mod) != "linear" or not _stock_forward(mod, "linear"):
-        return None
-    return mod
+    if mod._parameters.get(key) is not target:
+        return False
+    kind = _is_streamable(mod)
+    if kind == "linear":
+        return key == "weight" and _stock_forward(mod, "linear")
+    return kind == "group" and target.dim() >= 2
+
+
+def _load_merged(out: "GgufLoad", holders, mod: nn.Module, key: str, target: torch.Tensor, dst: str,
+                 pieces: list) -> None:
+    """Loads n file tensors [E, I, ...] side by side along dim 1 into `target`
+    [E, n*I, ...] (e.g. ffn_gate_exps and ffn_up_exps into gate_up_proj). Of one
+    GGUF type and streamed packed: per expert (dim 0), the pieces' blocks one after
+    the other, which is that layout's packing. Otherwise dense, dequantized."""
+    shape = tuple(target.shape)
+    fmts = {rec["format"] for rec, _ in pieces}
+    experts = shape[0]
+    if len(fmts) == 1 and "" not in fmts and _streams_packed(mod, key, target):
+        raw = torch.cat([raw.view(experts, -1) for _, raw in pieces], dim=1).reshape(-1)
+        new = GgufWeight(shape, target.dtype, fmts.pop(), raw, dst)
+        for m, k in holders:
+            m._parameters[k] = new
+        out.packed.append(dst)
+        out.packed_bytes += raw.numel()
+        return
+    dense = []
+    for rec, raw in pieces:
+        pshape = tuple(int(d) for d in rec["shape"])
+        if rec["format"]:
+            cols = pshape[-1]
+            dense.append(_C.dequantize_packed(rec["format"], raw, math.prod(pshape) // cols, cols,
+                                              target.dtype).reshape(pshape))
+        else:
+            dense.append(raw.view(_PLAIN[rec["type"]]).reshape(pshape).to(target.dtype))
+    (out.dequantized if any(rec["format"] for rec, _ in pieces) else out.dense).append(dst)
+    _assign(holders, target, torch.cat(dense, dim=1))
 
 
 def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[[str], Optional[str]],
@@ -138,10 +166,13 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
 
     * A tensor quantized in one of the formats layerstream streams (Q8_0, Q4_0,
       Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) that is the weight of an
-      ``nn.Linear`` stays packed: the parameter becomes a ``GgufWeight`` (no
-      dense copy is ever made) and offload() streams the file's bytes, which
-      the device dequantizes to the parameter's dtype, bit-identical to
-      gguf-py's ``dequantize`` rounded to that dtype. Frozen.
+      ``nn.Linear``, or a tensor of 2+ dimensions of a module offload()
+      streams as a tensor group (transformers' mixture-of-experts modules, whose
+      3-D expert weights then cross per expert as the file's blocks), stays
+      packed: the parameter becomes a ``GgufWeight`` (no dense copy is ever
+      made) and offload() streams the file's bytes, which the device
+      dequantizes to the parameter's dtype, bit-identical to gguf-py's
+      ``dequantize`` rounded to that dtype. Frozen.
     * Plain tensors (F32, F16, BF16, ...) are copied into the parameter or
       buffer, cast to its dtype; quantized tensors of anything else (a conv or
       embedding weight, a bias) are dequantized on load to its dtype.
@@ -174,7 +205,13 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
     for another architecture. A row reorder of a GGUF tensor moves whole
     blocks, so those weights stay packed and exact. The head counts come from
     the file (``<arch>.attention.head_count`` / ``head_count_kv``) and must
-    equal the model's config. Needs the ``gguf`` package.
+    equal the model's config. A mixture-of-experts model whose experts fuse
+    gate and up into one ``gate_up_proj`` (transformers' Qwen3-MoE, Mixtral,
+    ...) gets the file's ``ffn_gate_exps`` and ``ffn_up_exps`` side by side
+    along dim 1, gate first (as transformers' loader does); when both have
+    the same GGUF type they stay packed (per expert, the gate's blocks then
+    the up's), otherwise they are dequantized on load. Needs the ``gguf``
+    package.
 
     Returns a ``GgufLoad`` (what was packed, loaded dense, dequantized,
     missing, unexpected; the file's metadata). Not thread-safe with other users
@@ -200,16 +237,19 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
                 persistent.add(qn)
 
     reorder: Dict[str, Optional[int]] = {}  # file name -> heads its rows are reordered over (llama.cpp)
+    merges: Dict[str, tuple] = {}  # file name -> (k, n): the k-th of n tensors side by side along dim 1
     if isinstance(rename, str):
         if rename != "llama.cpp":
             raise LayerstreamError(f"load_gguf(): rename={rename!r} is not a known naming; give \"llama.cpp\", "
                                    f"a dict or a function of the file's tensor names")
-        rename, reorder = _llama_cpp_names(model, path, meta, [r["name"] for r in info["tensors"]],
-                                           list(slots), permute_qk)
+        rename, reorder, merges = _llama_cpp_names(model, path, meta, [r["name"] for r in info["tensors"]],
+                                                   list(slots), permute_qk)
     elif permute_qk:
         raise LayerstreamError("load_gguf(): permute_qk= applies to rename=\"llama.cpp\" (a file of llama.cpp's "
                                "converter); with other names, the file must already be in the model's layout")
-    plan = []  # (tensor record, target name, first row, end row, heads to undo llama.cpp's reorder over)
+    # (tensor record, target name, first row, end row, heads to undo llama.cpp's reorder over,
+    #  None or (k, n): the k-th of n file tensors that lie side by side along dim 1 of the target)
+    plan = []
     unexpected, seen = [], set()
     for rec in info["tensors"]:
         src = rec["name"]
@@ -227,10 +267,19 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
             if name not in slots:
                 unexpected.append(src if name == src else f"{src} (as {name})")
                 continue
-            if name in seen:
+            if name in seen and src not in merges:
                 raise LayerstreamError(f"{path}: two tensors of the file load into '{name}'; fix rename=")
             seen.add(name)
-            plan.append((rec, name, r0, r1, reorder.get(src)))
+            plan.append((rec, name, r0, r1, reorder.get(src), merges.get(src)))
+    pieces_of: Dict[str, set] = {}
+    for rec, dst, _, _, _, merge in plan:
+        if merge:
+            pieces_of.setdefault(dst, set()).add(merge)
+    for dst, got in pieces_of.items():
+        n = next(iter(got))[1]
+        if got != {(k, n) for k in range(n)}:
+            raise LayerstreamError(f"{path}: '{dst}' is made of {n} tensors of the file side by side, but "
+                                   f"only {len(got)} are in it")
     seen_ids = {id(slots[d][2]) for d in seen}
     missing = sorted(n for n in persistent if id(slots[n][2]) not in seen_ids)
     if strict and (missing or unexpected):
@@ -245,13 +294,16 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
                                ". Map the names with rename= (a dict or a function of the file's name), "
                                "or pass strict=False to load what matches")
     # Shapes and types, all checked before anything changes.
-    for rec, dst, r0, r1, heads in plan:
+    for rec, dst, r0, r1, heads, merge in plan:
         if heads and (int(rec["shape"][0]) % (2 * heads) if rec["shape"] else 1):
             raise LayerstreamError(f"{path}: tensor '{rec['name']}' has {rec['shape'][0] if rec['shape'] else 0} "
                                    f"rows, not a whole number of pairs for {heads} heads: it cannot be llama.cpp's "
                                    f"per-head reordering (pass permute_qk=False if the file does not have it)")
         _, _, target = slots[dst]
         shape = _rows_shape(rec, r0, r1)
+        if merge:  # one of n equal tensors side by side along dim 1
+            n = merge[1]
+            shape = shape[:1] + (shape[1] * n,) + shape[2:] if len(shape) >= 2 else shape
         if shape != tuple(target.shape):
             orig = _orig_shape(meta, rec["name"])
             whole = (r0, r1) == (0, int(rec["shape"][0]) if rec["shape"] else 1)
@@ -271,7 +323,8 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
 
     out = GgufLoad([], [], [], missing, unexpected, dict(meta))
     with open(path, "rb") as f:
-        for rec, dst, r0, r1, heads in plan:
+        parts: Dict[str, dict] = {}  # target -> {k: (record, bytes)} of a merge, until all are read
+        for rec, dst, r0, r1, heads, merge in plan:
             mod, key, target = slots[dst]
             # Rows of a GGUF tensor are whole blocks: rows r0..r1 are one byte range.
             row_bytes = rec["nbytes"] // max(int(rec["shape"][0]) if rec["shape"] else 1, 1)
@@ -283,8 +336,14 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
             if heads:  # whole rows move, so packed blocks stay intact (a tensor with a reorder is never split)
                 raw = raw.view(r1 - r0, row_bytes)[_llama_cpp_row_order(r1 - r0, heads)].reshape(-1)
             shape = tuple(target.shape)
-            owner = _linear_weight_owner(model, dst) if rec["format"] else None
-            if owner is not None and owner.weight is target and _rows_shape(rec, r0, r1) == shape:
+            if merge:
+                got = parts.setdefault(dst, {})
+                got[merge[0]] = (rec, raw)
+                if len(got) == merge[1]:
+                    _load_merged(out, holders[id(target)], mod, key, target, dst, [got[k] for k in sorted(got)])
+                    del parts[dst]
+                continue
+            if rec["format"] and _streams_packed(mod, key, target) and _rows_shape(rec, r0, r1) == shape:
                 new = GgufWeight(shape, target.dtype, rec["format"], raw, dst)
                 for m, k in holders[id(target)]:
                     m._parameters[k] = new
@@ -345,14 +404,32 @@ def _llama_cpp_names(model: nn.Module, path, meta: Mapping[str, str], file_names
         raise LayerstreamError(f"{path}: {arch}.block_count is missing; is this a llama.cpp language-model file?")
     table = gguf.get_tensor_name_map(found[0], blocks)
     names: Dict[str, str] = {}
-    for qn in model_names:
-        base, dot, suffix = qn.rpartition(".")
-        parts = base.split(".") if dot else []
+    merges: Dict[str, tuple] = {}
+
+    def gguf_name(qn: str) -> Optional[str]:
+        parts = qn.split(".")
         for k in range(len(parts)):  # the name as the converter saw it may lack a wrapper's prefix
             g = table.get_name(".".join(parts[k:]))
             if g is not None:
-                names.setdefault(f"{g}.{suffix}", qn)
-                break
+                return g
+        return None
+
+    for qn in model_names:
+        if qn.endswith("experts.gate_up_proj"):
+            # transformers' fused experts: the file's ffn_gate_exps and ffn_up_exps, gate first.
+            pair = [gguf_name(qn[:-len("gate_up_proj")] + w) for w in ("gate_proj", "up_proj")]
+            if all(pair):
+                for k, g in enumerate(pair):
+                    names.setdefault(f"{g}.weight", qn)
+                    merges[f"{g}.weight"] = (k, 2)
+                continue
+        base, dot, suffix = qn.rpartition(".")
+        if suffix in ("weight", "bias"):
+            g = gguf_name(base) if dot else None
+        else:  # a parameter named for what it is (experts.down_proj): the file calls it <name>.weight
+            g, suffix = gguf_name(qn), "weight"
+        if g is not None:
+            names.setdefault(f"{g}.{suffix}", qn)
     if permute_qk is None:
         permute_qk = arch == "llama"
     reorder: Dict[str, Optional[int]] = {}
@@ -373,7 +450,7 @@ def _llama_cpp_names(model: nn.Module, path, meta: Mapping[str, str], file_names
             parts = n.split(".")
             if len(parts) == 4 and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
                 reorder[n] = heads if parts[2] == "attn_q" else kv
-    return names, reorder
+    return names, reorder, merges
 
 
 def _writable_view(t: torch.Tensor) -> memoryview:

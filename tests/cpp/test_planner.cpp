@@ -891,3 +891,55 @@ TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
   g.tensors.pop_back();
   EXPECT_THROW(describe_gguf(g, "I8"), Error);
 }
+
+TEST(Models, GgufExpertTensorsPlanAsOneGroupOfTheFilesBlocks) {
+  // llama.cpp's expert tensors of a block (8 experts, 2 per token, from the
+  // file's metadata) are one group, "blk.0.experts", as load_gguf(rename=
+  // "llama.cpp") + offload() stream transformers' experts module: Q8_0 / Q6_K
+  // blocks on the bus (each padded to 256 B), dequantized into the slot;
+  // dense when resident; frozen; routed decoding reads 2 of 8 experts.
+  auto tensor = [](const std::string& name, std::vector<uint64_t> shape, uint32_t type) {
+    GgufTensor t;
+    t.name = name;
+    t.shape = std::move(shape);
+    t.type = type;
+    t.type_name = ggml_type(type).name;
+    t.numel = 1;
+    for (uint64_t d : t.shape) t.numel *= d;
+    t.nbytes = t.numel / ggml_type(type).block_elems * ggml_type(type).block_bytes;
+    return t;
+  };
+  GgufFile g;
+  g.path = "moe.gguf";
+  g.metadata = {{"general.architecture", "qwen3moe"}, {"qwen3moe.expert_count", "8"},
+                {"qwen3moe.expert_used_count", "2"}};
+  g.tensors = {tensor("blk.0.ffn_gate_inp.weight", {8, 256}, 0), tensor("blk.0.ffn_gate_exps.weight", {8, 64, 256}, 8),
+               tensor("blk.0.ffn_up_exps.weight", {8, 64, 256}, 8), tensor("blk.0.ffn_down_exps.weight", {8, 256, 64}, 8),
+               tensor("blk.0.attn_q.weight", {256, 256}, 14)};
+  const ModelDescription m = describe_gguf(g, "BF16");
+  const ModelLayer* experts = nullptr;
+  for (const auto& l : m.layers)
+    if (l.name == "blk.0.experts") experts = &l;
+  ASSERT_NE(experts, nullptr);
+  EXPECT_TRUE(experts->group);
+  EXPECT_EQ(experts->group_tensors.size(), 3u);
+  EXPECT_EQ(experts->dense_dtype, "BF16");
+  EXPECT_DOUBLE_EQ(experts->active, 0.25);
+  const uint64_t numel = 8u * 64 * 256;  // each of the three
+  EXPECT_EQ(experts->group_bytes, 3 * numel * 2);
+  LayerOptions opt;
+  opt.tokens = 1;
+  opt.routed_experts = true;
+  bool seen = false;
+  for (const auto& s : layer_specs(m, opt)) {
+    if (s.name != "blk.0.experts") continue;
+    seen = true;
+    const uint64_t blocks = (numel / 32 * 34 + 255) / 256 * 256;
+    EXPECT_EQ(s.bytes, 3 * blocks);
+    EXPECT_EQ(s.slot_bytes, 3 * blocks + 3 * numel * 2 + quant::kSectionAlign);
+    EXPECT_EQ(s.resident_bytes, 3 * numel * 2);
+    EXPECT_FALSE(s.trainable);
+    EXPECT_EQ(s.routed_bytes, static_cast<uint64_t>(std::ceil(3.0 * blocks * 0.25)));
+  }
+  EXPECT_TRUE(seen);
+}

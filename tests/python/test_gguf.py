@@ -621,3 +621,112 @@ def test_llama_cpp_names_errors(tmp_path):
                {"general.architecture": "no-such-arch"})
     with pytest.raises(LayerstreamError, match=r"general.architecture is 'no-such-arch'"):
         layerstream.load_gguf(other, str(tmp_path / "odd.gguf"), rename="llama.cpp")
+
+
+def _tiny_qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+def _qwen3_moe_file(path, ref, gate=T.Q8_0, up=T.Q8_0, down=T.Q8_0):
+    """A qwen3moe GGUF file of `ref` as llama.cpp's converter writes one: its names,
+    the experts' gate and up apart (ffn_gate_exps / ffn_up_exps, the first and second
+    half of transformers' gate_up_proj along dim 1), quantized in the given types;
+    everything else F32. Sets ref's expert weights to the values the file holds."""
+    cfg = ref.config
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    def put(name, a, t):
+        if t is None:
+            w.add_tensor(name, a)
+            return a
+        w.add_tensor(name, quants.quantize(a, t), raw_dtype=t)
+        return quants.dequantize(quants.quantize(a, t), t)
+
+    with torch.no_grad():
+        for name, p in ref.state_dict().items():
+            base, suffix = name.rsplit(".", 1)
+            a = p.numpy().astype(np.float32)
+            if name.endswith("experts.gate_up_proj"):
+                half = a.shape[1] // 2
+                g = put(table.get_name(name[:-len("gate_up_proj")] + "gate_proj") + ".weight", a[:, :half], gate)
+                u = put(table.get_name(name[:-len("gate_up_proj")] + "up_proj") + ".weight", a[:, half:], up)
+                p.copy_(torch.from_numpy(np.concatenate([g, u], axis=1)))
+            elif name.endswith("experts.down_proj"):
+                p.copy_(torch.from_numpy(put(table.get_name(name) + ".weight", a, down).copy()))
+            else:
+                put(f"{table.get_name(base)}.{suffix}", a, None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("up", [T.Q8_0, T.Q4_0], ids=["same-types", "up-q4_0"])
+def test_llama_cpp_moe_experts_stream_as_the_files_blocks(tmp_path, up):
+    """A Qwen3-MoE file of llama.cpp's converter (experts Q8_0; gate and up apart):
+    rename="llama.cpp" puts ffn_gate_exps and ffn_up_exps side by side into
+    transformers' gate_up_proj. Of one type they stay packed (each expert's gate
+    blocks, then its up blocks) and stream as the file's bytes, every expert or only
+    the routed ones; of two types gate_up_proj is dequantized on load. Logits equal
+    the reference holding the file's values either way, and detach() leaves them."""
+    accelerate = pytest.importorskip("accelerate")
+    ref = _tiny_qwen3_moe()
+    path = _qwen3_moe_file(tmp_path / "moe.gguf", ref, up=up)
+    with accelerate.init_empty_weights():
+        model = type(ref)(ref.config).eval()
+    r = layerstream.load_gguf(model, str(path), rename="llama.cpp")
+    assert r.missing == [] and r.unexpected == []
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts.down_proj, GgufWeight)
+    if up == T.Q8_0:
+        assert sorted(r.packed) == sorted(f"model.layers.{i}.mlp.experts.{n}" for i in range(2)
+                                          for n in ("gate_up_proj", "down_proj"))
+        assert experts.gate_up_proj.gguf_bytes.numel() == 4 * 64 * 32 // 32 * 34
+        assert torch.equal(experts.gate_up_proj.dequantized(), ref.model.layers[1].mlp.experts.gate_up_proj)
+    else:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in r.dequantized
+        assert not isinstance(experts.gate_up_proj, GgufWeight)
+    whole = _loaded(ref, path)  # the same file, every expert fetched
+    h = layerstream.offload(model, device="sim", checker=True)  # experts="routed", the default
+    h_all = layerstream.offload(whole, device="sim", experts="all")
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+        for step in range(3):  # decoding: one token reads 2 of the 4 experts per layer
+            token = torch.tensor([[5 + step]])
+            before, before_all = h.stats()["h2d_bytes"], h_all.stats()["h2d_bytes"]
+            want = ref(token).logits
+            assert torch.equal(model(token).logits, want) and torch.equal(whole(token).logits, want)
+    # The last step: the routed model moved fewer bytes (only its experts' blocks).
+    assert h.stats()["h2d_bytes"] - before < h_all.stats()["h2d_bytes"] - before_all
+    assert h.stats()["routed_fetches"] >= 2 and h_all.stats()["routed_fetches"] == 0
+    assert h.stats()["group_layers"] == 2 and h.ordering_errors() == []
+    for handle, m in ((h, model), (h_all, whole)):
+        handle.detach()
+        for i in range(2):
+            for n in ("gate_up_proj", "down_proj"):
+                got = getattr(m.model.layers[i].mlp.experts, n)
+                assert not isinstance(got, GgufWeight) and torch.equal(got, getattr(ref.model.layers[i].mlp.experts, n))
+
+
+def _loaded(ref, path):
+    accelerate = pytest.importorskip("accelerate")
+    with accelerate.init_empty_weights():
+        model = type(ref)(ref.config).eval()
+    layerstream.load_gguf(model, str(path), rename="llama.cpp")
+    return model

@@ -959,3 +959,44 @@ def test_gguf_linear_streams_its_file_bytes(tmp_path, offload_dev, compute_devic
     handle.detach()
     assert torch.equal(model[0].weight.cpu(), ref.weight.cpu())
 
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_1"])
+def test_gguf_moe_experts_stream_their_file_bytes(tmp_path, offload_dev, compute_device, type_name):
+    """Expert tensors of a GGUF file (load_gguf keeps a mixture-of-experts module's 3-D
+    weights packed) stream as the file's blocks; decoding one token copies only the
+    routed experts' blocks and dequantizes them on the device (CUDA: the GGUF row-range
+    kernels). The logits match the resident model holding the dequantized values, and
+    those of the same file fetching every expert, with fewer bytes on the bus."""
+    import layerstream
+    model = _tiny_qwen3_moe(hidden=64, experts_inter=64, experts=16).requires_grad_(False)
+    tensors = []
+    for i, layer in enumerate(model.model.layers):
+        for n in ("gate_up_proj", "down_proj"):
+            shape = tuple(getattr(layer.mlp.experts, n).shape)
+            raw = gguf_random_blocks(type_name, shape[0] * shape[1], shape[2], seed=10 * i + len(n))
+            tensors.append((f"model.layers.{i}.mlp.experts.{n}", shape, type_name, raw))
+    path = write_gguf(tmp_path / "experts.gguf", tensors)
+    whole = copy.deepcopy(model)
+    for m in (model, whole):
+        assert len(layerstream.load_gguf(m, str(path), strict=False).packed) == 4
+    ref = copy.deepcopy(model)
+    for layer in ref.model.layers:
+        for n in ("gate_up_proj", "down_proj"):
+            setattr(layer.mlp.experts, n, nn.Parameter(getattr(layer.mlp.experts, n).dequantized(),
+                                                       requires_grad=False))
+    ref = ref.to(compute_device)
+    handle = offload_dev(model)
+    h_all = offload_dev(whole, experts="all")
+    with torch.no_grad():
+        for step in range(3):
+            before, before_all = handle.stats()["h2d_bytes"], h_all.stats()["h2d_bytes"]
+            token = torch.tensor([[5 + step]], device=compute_device)
+            out = model(input_ids=token).logits
+            _close(out, ref(input_ids=token).logits, **FP32_TOL)
+            _close(out, whole(input_ids=token).logits, **FP32_TOL)
+    assert handle.stats()["h2d_bytes"] - before < (h_all.stats()["h2d_bytes"] - before_all) * 0.8
+    assert handle.stats()["routed_fetches"] >= 4 and h_all.stats()["routed_fetches"] == 0
+    handle.detach()
+    assert torch.equal(model.model.layers[1].mlp.experts.down_proj.cpu(),
+                       ref.model.layers[1].mlp.experts.down_proj.cpu())
