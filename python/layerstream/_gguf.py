@@ -375,8 +375,10 @@ def _llama_cpp_row_order(rows: int, heads: int) -> torch.Tensor:
 
 def _llama_cpp_names(model: nn.Module, path, meta: Mapping[str, str], file_names: List[str],
                      model_names: List[str], permute_qk: Optional[bool]):
-    """rename="llama.cpp": (file name -> model name, file name -> heads to undo the
-    q/k row reordering over) for a file of llama.cpp's converter."""
+    """rename="llama.cpp" for a file of llama.cpp's converter: (file name -> model
+    name, file name -> heads to undo the q/k row reordering over, file name -> (k, n)
+    for the k-th of n file tensors side by side in one parameter: ffn_gate_exps and
+    ffn_up_exps in transformers' experts.gate_up_proj)."""
     try:
         import gguf
     except ImportError:

@@ -274,6 +274,26 @@ def test_gguf_layers_that_stay_resident_are_dequantized(tmp_path, how):
     h.detach()
 
 
+def test_gguf_linear_in_a_groups_module_streams_packed_with_it(tmp_path):
+    """offload(groups=[...]) streams a module whole as one tensor group; a GGUF
+    weight in it crosses as the file's blocks with the group's other tensors and is
+    dequantized into the slot; outputs equal the reference, detach() leaves the
+    dequantized weight."""
+    path, ref = _net_file(tmp_path)
+    model = _meta_net()
+    layerstream.load_gguf(model, str(path))
+    h = layerstream.offload(model, device="sim", groups=["up"], checker=True)
+    stats = h.stats()
+    assert stats["group_layers"] == 1 and stats["quantized_layers"] == 3
+    assert stats["pinned_bytes"] < 512 * 256 * 2  # up's weight is in the store as Q4_K blocks, not bf16
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert h.ordering_errors() == []
+    h.detach()
+    assert type(model.up.weight) is nn.Parameter and torch.equal(model.up.weight, ref.up.weight)
+
+
 def test_quantized_tensors_of_other_layers_are_dequantized_on_load(tmp_path):
     path, ref = _net_file(tmp_path, vocab=100, emb_type="Q8_0")
     model = _meta_net(vocab=100)
@@ -716,6 +736,7 @@ def test_llama_cpp_moe_experts_stream_as_the_files_blocks(tmp_path, up):
     assert h.stats()["h2d_bytes"] - before < h_all.stats()["h2d_bytes"] - before_all
     assert h.stats()["routed_fetches"] >= 2 and h_all.stats()["routed_fetches"] == 0
     assert h.stats()["group_layers"] == 2 and h.ordering_errors() == []
+    assert h.stats()["quantized_layers"] == 2  # the experts cross as GGUF blocks (down_proj at least)
     for handle, m in ((h, model), (h_all, whole)):
         handle.detach()
         for i in range(2):

@@ -997,6 +997,7 @@ def test_gguf_moe_experts_stream_their_file_bytes(tmp_path, offload_dev, compute
             _close(out, whole(input_ids=token).logits, **FP32_TOL)
     assert handle.stats()["h2d_bytes"] - before < (h_all.stats()["h2d_bytes"] - before_all) * 0.8
     assert handle.stats()["routed_fetches"] >= 4 and h_all.stats()["routed_fetches"] == 0
+    assert handle.stats()["quantized_layers"] == 2  # both experts modules cross as GGUF blocks
     handle.detach()
     assert torch.equal(model.model.layers[1].mlp.experts.down_proj.cpu(),
                        ref.model.layers[1].mlp.experts.down_proj.cpu())
