@@ -540,13 +540,15 @@ int Engine::add_group(const std::string& name, const std::vector<torch::Tensor>&
           LS_FAIL("tensor group '", name, "': pre-packed tensor #", k, " (", shape_str(e.shape), ") cannot be ",
                   quant::to_string(f), ": ", err.message());
         }
-        LS_CHECK(static_cast<size_t>(b.numel()) == e.qlayout.total_bytes(), "tensor group '", name,
+        LS_CHECK(static_cast<size_t>(b.numel()) == e.qlayout.data_bytes, "tensor group '", name,
                  "': pre-packed tensor #", k, " ", shape_str(e.shape), " in ", quant::to_string(f), " needs ",
-                 e.qlayout.total_bytes(), " bytes, got ", b.numel());
+                 e.qlayout.data_bytes, " bytes, got ", b.numel());
+        // The layout pads its section to 256 bytes: zeros, as pack() leaves them.
         e.bytes = e.qlayout.total_bytes();
         e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(f) + "]");
         e.host = store_->buffer(e.index).ptr;
-        std::memcpy(e.host, b.data_ptr(), e.bytes);
+        std::memset(e.host, 0, e.bytes);
+        std::memcpy(static_cast<char*>(e.host) + e.qlayout.data_offset(), b.data_ptr(), e.qlayout.data_bytes);
       } else {
         torch::NoGradGuard ng;
         const torch::Tensor src = e.param.detach().to(torch::kCPU).contiguous();

@@ -193,9 +193,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   //
   // prepacked (empty, or one entry per tensor): a tensor whose entry has a
   // format arrives already packed, e.g. a GGUF file's blocks (load_gguf):
-  // `bytes` (CPU uint8, copied; the caller may free it) laid out as
-  // quant::layout_for(format, numel / last dim, last dim), GGUF formats
-  // only. The group's tensor at that position gives only the shape and the
+  // `bytes` (CPU uint8, copied; the caller may free it) are the data section
+  // of quant::layout_for(format, numel / last dim, last dim), i.e. the file's
+  // blocks without padding (layout.data_bytes), GGUF formats only. The group's tensor at that position gives only the shape and the
   // dense dtype (its values are never read; a meta tensor will do). It is
   // dequantized into the slot like a tensor packed by `format`, whatever
   // `format` is, and its dim-0 slices are fetched per expert (GGUF rows are

@@ -1513,10 +1513,9 @@ def offload(
             workspace = _align256(workspace + bias.numel() * compute_dtype.itemsize)
         bus = _align256(w_bytes) + _align256(b_bytes)
         layers.append((name, module, kind, fmt, pre, bus, bus + workspace, dense_w + b_bytes))
-    # GGUF weights (load_gguf) of layers that do not stream as Linear layers (excluded, in a
-    # groups= module, a subclass with its own forward, ...) stay resident: dense, dequantized
+    # GGUF weights (load_gguf) of layers that stream neither as Linear layers nor in a tensor
+    # group (excluded, a subclass with its own forward, ...) stay resident: dense, dequantized
     # here so that the planner counts them (not undone if offload() fails: the values are the same).
-    # Tensor groups stream theirs packed too.
     linear_ids = {id(t[1]) for t in layers if t[2] == "linear"}
     in_groups = {id(o._parameters[k]) for t in layers if t[2] == "group" for o, k, _ in _group_slots(t[1])}
     for module in model.modules():
@@ -1670,8 +1669,9 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
     appending to `attached` / `streamed_params` as it goes (what offload() undoes on
     failure)."""
     for name, module, kind, fmt, pre, _, _, _ in layers:
-        if name in resident_names:
-            _materialize_gguf(module)  # the planner counted it dense
+        if name in resident_names:  # the planner counted it dense
+            for owner in (dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]):
+                _materialize_gguf(owner)
             continue
         if kind == "group":
             slots = _group_slots(module)

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -580,14 +581,19 @@ TEST(TorchOffload, PrepackedGgufGroupPartsStreamAsTheirBytes) {
   const int64_t experts = 8, rows = 3, cols = 32;
   const q::PackedLayout L = q::layout_for(q::Format::GgufQ8_0, experts * rows, cols);
   torch::manual_seed(0);
-  auto bytes = torch::randint(0, 256, {static_cast<int64_t>(L.total_bytes())}, torch::kUInt8);
+  // The file's bytes: whole blocks, no padding (the layout pads its section to 256 B).
+  ASSERT_EQ(L.data_bytes, static_cast<size_t>(experts * rows * 34));
+  ASSERT_GT(L.total_bytes(), L.data_bytes);
+  auto bytes = torch::randint(0, 256, {static_cast<int64_t>(L.data_bytes)}, torch::kUInt8);
   auto* p = bytes.data_ptr<uint8_t>();
-  for (size_t blk = 0; blk < L.total_bytes() / 34; ++blk) {  // finite fp16 scales: 1/64 (0x2400)
+  for (size_t blk = 0; blk < L.data_bytes / 34; ++blk) {  // finite fp16 scales: 1/64 (0x2400)
     p[blk * 34] = 0x00;
     p[blk * 34 + 1] = 0x24;
   }
   auto want = torch::empty({experts, rows, cols}, torch::kBFloat16);
-  q::dequantize_cpu(L, p, want.data_ptr(), q::OutDtype::BF16);
+  auto padded = torch::zeros({static_cast<int64_t>(L.total_bytes())}, torch::kUInt8);
+  std::memcpy(padded.data_ptr<uint8_t>() + L.data_offset(), p, L.data_bytes);
+  q::dequantize_cpu(L, padded.data_ptr(), want.data_ptr(), q::OutDtype::BF16);
   for (auto format : {q::Format::None, q::Format::NF4}) {
     SCOPED_TRACE(q::to_string(format));
     auto engine = layerstream::Engine::create(sim_options());
@@ -628,7 +634,7 @@ TEST(TorchOffload, PrepackedGgufGroupPartsStreamAsTheirBytes) {
     engine->add_group("short", {meta({experts, rows, cols})}, q::Format::None, 0,
                       {{q::Format::GgufQ8_0, bytes.narrow(0, 0, 100)}});
   });
-  EXPECT_NE(msg.find("in q8_0 needs " + std::to_string(L.total_bytes()) + " bytes, got 100"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("in q8_0 needs " + std::to_string(L.data_bytes) + " bytes, got 100"), std::string::npos) << msg;
   msg = error_of([&] {
     engine->add_group("nf4", {meta({experts, rows, cols})}, q::Format::None, 0, {{q::Format::NF4, bytes}});
   });

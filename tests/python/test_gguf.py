@@ -274,24 +274,43 @@ def test_gguf_layers_that_stay_resident_are_dequantized(tmp_path, how):
     h.detach()
 
 
-def test_gguf_linear_in_a_groups_module_streams_packed_with_it(tmp_path):
+class _Block(nn.Module):  # a module with a Linear below it, for offload(groups=...)
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("how", ["streamed", "resident"])
+def test_gguf_linear_in_a_groups_module_streams_packed_with_it(tmp_path, how):
     """offload(groups=[...]) streams a module whole as one tensor group; a GGUF
-    weight in it crosses as the file's blocks with the group's other tensors and is
-    dequantized into the slot; outputs equal the reference, detach() leaves the
-    dequantized weight."""
+    weight below it crosses as the file's blocks with the group's other tensors and
+    is dequantized into the slot. Kept resident by the planner, the group's GGUF
+    weights are dequantized at offload(). Outputs equal the reference either way;
+    detach() leaves the dequantized weights."""
     path, ref = _net_file(tmp_path)
-    model = _meta_net()
-    layerstream.load_gguf(model, str(path))
-    h = layerstream.offload(model, device="sim", groups=["up"], checker=True)
+    net = _meta_net()
+    layerstream.load_gguf(net, str(path))
+    model = _Block(net)
+    kw = {"budget": "1GiB"} if how == "resident" else {}
+    h = layerstream.offload(model, device="sim", groups=["net"], checker=True, **kw)
     stats = h.stats()
-    assert stats["group_layers"] == 1 and stats["quantized_layers"] == 3
-    assert stats["pinned_bytes"] < 512 * 256 * 2  # up's weight is in the store as Q4_K blocks, not bf16
+    if how == "resident":
+        assert stats["resident_layers"] == 1 and type(net.up.weight) is nn.Parameter
+    else:
+        assert stats["group_layers"] == 1 and stats["quantized_layers"] == 1
+        # The three GGUF weights are in the store as the file's blocks (padded), not dense.
+        assert stats["pinned_bytes"] < 512 * 256 * 2
     x = torch.randn(5, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
     assert h.ordering_errors() == []
     h.detach()
-    assert type(model.up.weight) is nn.Parameter and torch.equal(model.up.weight, ref.up.weight)
+    for n in ("up", "down", "head"):
+        w = getattr(net, n).weight
+        assert type(w) is nn.Parameter and torch.equal(w, getattr(ref, n).weight), n
 
 
 def test_quantized_tensors_of_other_layers_are_dequantized_on_load(tmp_path):
