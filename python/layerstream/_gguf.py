@@ -210,8 +210,9 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
     ...) gets the file's ``ffn_gate_exps`` and ``ffn_up_exps`` side by side
     along dim 1, gate first (as transformers' loader does); when both have
     the same GGUF type they stay packed (per expert, the gate's blocks then
-    the up's), otherwise they are dequantized on load. Needs the ``gguf``
-    package.
+    the up's), otherwise they are dequantized on load. llama.cpp's rotary
+    tables (``rope_freqs``, ``rope_factors_*``) are skipped: transformers
+    computes them from the config. Needs the ``gguf`` package.
 
     Returns a ``GgufLoad`` (what was packed, loaded dense, dequantized,
     missing, unexpected; the file's metadata). Not thread-safe with other users
@@ -251,6 +252,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
     #  None or (k, n): the k-th of n file tensors that lie side by side along dim 1 of the target)
     plan = []
     unexpected, seen = [], set()
+    loaded_by: Dict[int, tuple] = {}  # id of a model tensor -> (file name, model name) that loads it
     for rec in info["tensors"]:
         src = rec["name"]
         if rename is None:
@@ -269,6 +271,12 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
                 continue
             if name in seen and src not in merges:
                 raise LayerstreamError(f"{path}: two tensors of the file load into '{name}'; fix rename=")
+            first = loaded_by.setdefault(id(slots[name][2]), (src, name))
+            if first[1] != name:  # tied: one tensor under two names, and the file has a tensor for each
+                raise LayerstreamError(
+                    f"{path}: '{first[0]}' and '{src}' of the file both load into one tensor of the model, "
+                    f"'{first[1]}' and '{name}' being tied; untie them (the file has both; for transformers, "
+                    f"tie_word_embeddings=False) or skip one with rename= (map it to None)")
             seen.add(name)
             plan.append((rec, name, r0, r1, reorder.get(src), merges.get(src)))
     pieces_of: Dict[str, set] = {}
@@ -405,7 +413,7 @@ def _llama_cpp_names(model: nn.Module, path, meta: Mapping[str, str], file_names
     if blocks is None:
         raise LayerstreamError(f"{path}: {arch}.block_count is missing; is this a llama.cpp language-model file?")
     table = gguf.get_tensor_name_map(found[0], blocks)
-    names: Dict[str, str] = {}
+    names: Dict[str, Optional[str]] = {}
     merges: Dict[str, tuple] = {}
 
     def gguf_name(qn: str) -> Optional[str]:
@@ -416,6 +424,9 @@ def _llama_cpp_names(model: nn.Module, path, meta: Mapping[str, str], file_names
                 return g
         return None
 
+    for n in file_names:
+        if n.startswith(("rope_freqs.", "rope_factors_")):
+            names[n] = None  # llama.cpp's rotary tables: transformers computes them from the config
     for qn in model_names:
         if qn.endswith("experts.gate_up_proj"):
             # transformers' fused experts: the file's ffn_gate_exps and ffn_up_exps, gate first.

@@ -553,6 +553,8 @@ def _llama_cpp_file(path, ref, quantized=T.Q8_0, permute=True):
             w.add_tensor(f"{table.get_name(base)}.{suffix}", quants.quantize(a, quantized), raw_dtype=quantized)
         else:
             w.add_tensor(f"{table.get_name(base)}.{suffix}", a)
+    # Llama 3's rotary scaling table, which transformers computes from the config.
+    w.add_tensor("rope_freqs.weight", np.ones(cfg.hidden_size // cfg.num_attention_heads // 2, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -660,6 +662,14 @@ def test_llama_cpp_names_errors(tmp_path):
                {"general.architecture": "no-such-arch"})
     with pytest.raises(LayerstreamError, match=r"general.architecture is 'no-such-arch'"):
         layerstream.load_gguf(other, str(tmp_path / "odd.gguf"), rename="llama.cpp")
+    # The file has output.weight, the model ties lm_head to the table: refused, not overwritten.
+    tied = _empty_llama(tiny_llama(seed=None, num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=True).config)
+    tied.tie_weights()
+    with pytest.raises(LayerstreamError, match=r"'token_embd.weight' and 'output.weight' of the file both load "
+                                               r"into one tensor of the model.*tie_word_embeddings=False"):
+        layerstream.load_gguf(tied, str(path), rename="llama.cpp")
+    assert tied.lm_head.weight.is_meta
 
 
 def _tiny_qwen3_moe():
