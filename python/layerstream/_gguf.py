@@ -97,7 +97,7 @@ class GgufWeight(nn.Parameter):
 @dataclasses.dataclass
 class GgufLoad:
     """What load_gguf() did, by parameter name."""
-    packed: List[str]         # Linear weights kept packed (GgufWeight): they stream as they are
+    packed: List[str]         # Linear weights and tensor-group (expert) tensors kept packed (GgufWeight)
     dense: List[str]          # loaded from plain tensors (F32, F16, BF16, ...), cast to the model's dtype
     dequantized: List[str]    # quantized in the file, dequantized on load (not a Linear weight)
     missing: List[str]        # parameters / persistent buffers of the model not in the file
