@@ -521,12 +521,12 @@ def test_rename_splits_a_fused_tensor_by_rows(tmp_path):
         layerstream.load_gguf(model, str(path), rename={"attn.qkv.weight": 7}, strict=False)
 
 
-def _llama_cpp_file(path, ref, quantized=T.Q8_0, permute=True):
+def _llama_cpp_file(path, ref):
     """A GGUF file of `ref` (a transformers Llama) as llama.cpp's converter writes
     one: its tensor names, its metadata, and the rows of q/k (weights and biases)
     reordered per head for llama.cpp's rotary layout (done here independently of
     layerstream: reshape to (heads, 2, half, ...) and swap the middle axes). The
-    projections are quantized, everything else F32."""
+    projections are Q8_0, everything else F32."""
     cfg = ref.config
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -547,10 +547,10 @@ def _llama_cpp_file(path, ref, quantized=T.Q8_0, permute=True):
         base, suffix = name.rsplit(".", 1)
         a = p.detach().numpy().astype(np.float32)
         heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(base.split(".")[-1])
-        if heads and permute:
+        if heads:
             a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
         if a.ndim == 2 and base.endswith("proj"):
-            w.add_tensor(f"{table.get_name(base)}.{suffix}", quants.quantize(a, quantized), raw_dtype=quantized)
+            w.add_tensor(f"{table.get_name(base)}.{suffix}", quants.quantize(a, T.Q8_0), raw_dtype=T.Q8_0)
         else:
             w.add_tensor(f"{table.get_name(base)}.{suffix}", a)
     # Llama 3's rotary scaling table, which transformers computes from the config.
@@ -642,7 +642,8 @@ def test_llama_cpp_file_loads_like_transformers_gguf_loader(tmp_path):
 def test_llama_cpp_names_errors(tmp_path):
     """rename="llama.cpp" refuses what it cannot load right: head counts that
     differ from the model's config, an architecture the gguf package does not
-    know, another naming, and permute_qk= without llama.cpp names."""
+    know, another naming, permute_qk= without llama.cpp names, and a file with
+    both token_embd and output for a model whose head is tied to its table."""
     accelerate = pytest.importorskip("accelerate")
     from conftest import tiny_llama
     from transformers import LlamaForCausalLM
