@@ -353,10 +353,12 @@ Plan plan_placement(const PlannerInput& in) {
                                       : std::string(),
               "; a budget of at least ", format_bytes(needed_b), " (", needed_b,
               " bytes) is needed", resident_note,
-              L_slot > L.bytes ? " (or have the device write a narrower dtype, e.g. dequant_dtype / compute_dtype "
-                                 "bfloat16: the slot holds that weight too)"
-              : L.as_stored    ? " (it streams as stored: quantization does not apply to it)"
-                               : " (or quantize the weights, e.g. to nf4)");
+              L_slot > L.bytes && !L.narrow_write
+                  ? " (or have the device write a narrower dtype, e.g. dequant_dtype / compute_dtype bfloat16: the "
+                    "slot holds that weight too)"
+              : L.as_stored ? " (it streams as stored: quantization does not apply to it)"
+              : L_slot > L.bytes ? ""
+                                 : " (or quantize the weights, e.g. to nf4)");
     }
 
     // Residency priority: lowest FLOPs per streamed byte first (its transfer
@@ -677,7 +679,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       // experts compute.
       const auto align = [](uint64_t v) { return (v + quant::kSectionAlign - 1) / quant::kSectionAlign * quant::kSectionAlign; };
       uint64_t bus = 0, workspace = 0;
-      bool gguf = false;
+      bool gguf = false, narrow = true;  // narrow: every tensor written on the device is 2 bytes wide
       for (const auto& [shape, dtype] : l.group_tensors) {
         const uint64_t numel = numel_of(shape);
         const bool pack = opt.quantize != Quantization::None && shape.size() >= 2 && shape.back() > 0 &&
@@ -686,11 +688,15 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
           // GGUF blocks (load_gguf): they cross as they are, padded as the
           // engine stores them, and are dequantized into the workspace.
           gguf = true;
+          const std::string& written = opt.compute_dtype.empty() ? l.dense_dtype : opt.compute_dtype;
           bus += align(bytes_of(numel, dtype));
-          workspace += align(bytes_of(numel, opt.compute_dtype.empty() ? l.dense_dtype : opt.compute_dtype));
+          workspace += align(bytes_of(numel, written));
+          narrow = narrow && safetensors_dtype_bits(written) <= 16;
         } else if (pack) {
+          const std::string& written = opt.compute_dtype.empty() ? dtype : opt.compute_dtype;
           bus += quantized_weight_bytes({numel / shape.back(), shape.back()}, dtype, opt.quantize);
-          workspace += align(bytes_of(numel, opt.compute_dtype.empty() ? dtype : opt.compute_dtype));
+          workspace += align(bytes_of(numel, written));
+          narrow = narrow && safetensors_dtype_bits(written) <= 16;
         } else {
           bus += bytes_of(numel, dtype);
         }
@@ -698,6 +704,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       if (l.group_tensors.empty()) bus = l.group_bytes;
       s.bytes = bus;
       if (workspace) s.slot_bytes = bus + workspace + quant::kSectionAlign;
+      s.narrow_write = workspace && narrow;
       // Resident, a group with GGUF tensors is dense (group_bytes: dequantized).
       s.resident_bytes = opt.resident_dequantized || gguf ? l.group_bytes : bus;
       s.flops = 2.0 * tokens * static_cast<double>(l.group_params) * l.active * (opt.training ? 3.0 : 1.0);
@@ -738,6 +745,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       s.flops = 2.0 * tokens * static_cast<double>(l.params()) * (opt.training ? 3.0 : 1.0);
       s.trainable = false;  // a GGUF weight is frozen
       s.as_stored = true;
+      s.narrow_write = safetensors_dtype_bits(dense) <= 16;
       out.push_back(std::move(s));
       continue;
     }
@@ -747,10 +755,13 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     const std::string& cd = opt.compute_dtype;
     const auto align = [](uint64_t v) { return (v + quant::kSectionAlign - 1) / quant::kSectionAlign * quant::kSectionAlign; };
     uint64_t workspace = 0;
-    if (quantize != Quantization::None && w_bus != w_stored)
+    if (quantize != Quantization::None && w_bus != w_stored) {
       workspace = align(cd.empty() ? w_stored : bytes_of(l.weight_numel(), cd));
-    else if (!cd.empty() && l.weight_dtype != cd && safetensors_dtype_is_wide_float(l.weight_dtype))
+      s.narrow_write = safetensors_dtype_bits(cd.empty() ? l.weight_dtype : cd) <= 16;
+    } else if (!cd.empty() && l.weight_dtype != cd && safetensors_dtype_is_wide_float(l.weight_dtype)) {
       workspace = align(bytes_of(l.weight_numel(), cd));
+      s.narrow_write = safetensors_dtype_bits(cd) <= 16;
+    }
     if (!cd.empty() && !l.bias_dtype.empty() && l.bias_dtype != cd && safetensors_dtype_is_wide_float(l.bias_dtype))
       workspace = align(workspace + bytes_of(l.bias_numel, cd));
     if (workspace) s.slot_bytes = s.bytes + workspace + quant::kSectionAlign;

@@ -44,6 +44,10 @@ struct PlannerLayer {
   // tensor group with nothing to pack): the "too small" error then does not
   // suggest quantizing.
   bool as_stored = false;
+  // What the device writes into the slot (a dequantized or cast weight) is
+  // already 2 bytes per element (bf16 / fp16): the "too small" error then
+  // does not suggest a narrower dequant_dtype / compute_dtype.
+  bool narrow_write = false;
   // A mixture-of-experts group under routed fetch (offload(experts="routed")):
   // the bytes one fetch copies when a step's tokens reach at most half of the
   // experts (0: the whole group, prefetched). Such a copy is on demand, after

@@ -692,6 +692,12 @@ TEST(Planner, SlotHoldsPackedAndDequantizedWeight) {
   EXPECT_HAS(m, "1.00 MiB copied + the weight written on the device, dequantized or cast");
   EXPECT_HAS(m, "have the device write a narrower dtype");  // it is quantized already: no "quantize" advice
   EXPECT_TRUE(m.find("e.g. to nf4") == std::string::npos) << m;
+  // Written as bf16 already (narrow_write): nothing narrower to suggest.
+  for (auto& l : in.layers) l.narrow_write = true;
+  const std::string narrow = error_of([&] { plan_placement(in); });
+  EXPECT_HAS(narrow, "needs a slot of 5.00 MiB");
+  EXPECT_TRUE(narrow.find("narrower") == std::string::npos && narrow.find("nf4") == std::string::npos) << narrow;
+  for (auto& l : in.layers) l.narrow_write = false;
   in.budget_bytes = 10 * MiB;
   Plan p = plan_placement(in);
   EXPECT_EQ(p.slot_bytes, 5 * MiB);
@@ -879,10 +885,16 @@ TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
       EXPECT_EQ(s.bytes, 1000u * 512 * 2);
     }
   }
+  for (const auto& s : layer_specs(m, opt)) {
+    if (s.name == "blk.0.q") {
+      EXPECT_TRUE(s.narrow_write);  // dequantized to bf16: nothing narrower to suggest
+    }
+  }
   opt.compute_dtype = "F32";  // offload(compute_dtype=) dequantizes to it
   for (const auto& s : layer_specs(m, opt)) {
     if (s.name == "blk.0.q") {
       EXPECT_EQ(s.resident_bytes, 1024u * 512 * 4 + 1024 * 4);
+      EXPECT_FALSE(s.narrow_write);
     }
   }
   // A type layerstream cannot read is refused; so is a non-float dense dtype.
@@ -939,6 +951,7 @@ TEST(Models, GgufExpertTensorsPlanAsOneGroupOfTheFilesBlocks) {
     EXPECT_EQ(s.slot_bytes, 3 * blocks + 3 * numel * 2 + quant::kSectionAlign);
     EXPECT_EQ(s.resident_bytes, 3 * numel * 2);
     EXPECT_FALSE(s.trainable);
+    EXPECT_TRUE(s.narrow_write);
     EXPECT_EQ(s.routed_bytes, static_cast<uint64_t>(std::ceil(3.0 * blocks * 0.25)));
   }
   EXPECT_TRUE(seen);
