@@ -129,6 +129,15 @@ def _streams_packed(mod: nn.Module, key: str, target: torch.Tensor) -> bool:
     return kind == "group" and target.dim() >= 2
 
 
+def _keep_packed(out: "GgufLoad", holders, target: torch.Tensor, fmt: str, raw: torch.Tensor, dst: str) -> None:
+    """Puts a GgufWeight of `raw` (the file's blocks) in every place that holds `target`."""
+    new = GgufWeight(tuple(target.shape), target.dtype, fmt, raw, dst)
+    for m, k in holders:
+        m._parameters[k] = new
+    out.packed.append(dst)
+    out.packed_bytes += raw.numel()
+
+
 def _load_merged(out: "GgufLoad", holders, mod: nn.Module, key: str, target: torch.Tensor, dst: str,
                  pieces: list) -> None:
     """Loads n file tensors [E, I, ...] side by side along dim 1 into `target`
@@ -140,11 +149,7 @@ def _load_merged(out: "GgufLoad", holders, mod: nn.Module, key: str, target: tor
     experts = shape[0]
     if len(fmts) == 1 and "" not in fmts and _streams_packed(mod, key, target):
         raw = torch.cat([raw.view(experts, -1) for _, raw in pieces], dim=1).reshape(-1)
-        new = GgufWeight(shape, target.dtype, fmts.pop(), raw, dst)
-        for m, k in holders:
-            m._parameters[k] = new
-        out.packed.append(dst)
-        out.packed_bytes += raw.numel()
+        _keep_packed(out, holders, target, fmts.pop(), raw, dst)
         return
     dense = []
     for rec, raw in pieces:
@@ -352,11 +357,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
                     del parts[dst]
                 continue
             if rec["format"] and _streams_packed(mod, key, target) and _rows_shape(rec, r0, r1) == shape:
-                new = GgufWeight(shape, target.dtype, rec["format"], raw, dst)
-                for m, k in holders[id(target)]:
-                    m._parameters[k] = new
-                out.packed.append(dst)
-                out.packed_bytes += raw.numel()
+                _keep_packed(out, holders[id(target)], target, rec["format"], raw, dst)
                 continue
             if rec["format"]:
                 cols = int(rec["shape"][-1])

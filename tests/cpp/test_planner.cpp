@@ -834,27 +834,29 @@ TEST(Models, PlansBuiltinModelsUnderBudget) {
   }
 }
 
+// A GGUF tensor record of `type` (a ggml type id) as the reader gives it.
+static GgufTensor gguf_tensor(const std::string& name, std::vector<uint64_t> shape, uint32_t type) {
+  GgufTensor t;
+  t.name = name;
+  t.shape = std::move(shape);
+  t.type = type;
+  t.type_name = ggml_type(type).name;
+  t.numel = 1;
+  for (uint64_t d : t.shape) t.numel *= d;
+  t.nbytes = t.numel / ggml_type(type).block_elems * ggml_type(type).block_bytes;
+  return t;
+}
+
 TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
   // What load_gguf() + offload() do: a Q4_K / Q8_0 Linear weight crosses as
   // the file's blocks (padded to 256 B) and is dequantized in its slot to the
   // model's dtype; resident it is dense; a Q6_K token table is dequantized on
   // load (dense, looked up in host memory); F32 tensors are as stored.
-  auto tensor = [](const std::string& name, std::vector<uint64_t> shape, uint32_t type) {
-    GgufTensor t;
-    t.name = name;
-    t.shape = std::move(shape);
-    t.type = type;
-    t.type_name = ggml_type(type).name;
-    t.numel = 1;
-    for (uint64_t d : t.shape) t.numel *= d;
-    t.nbytes = t.numel / ggml_type(type).block_elems * ggml_type(type).block_bytes;
-    return t;
-  };
   GgufFile g;
   g.path = "m.gguf";
-  g.tensors = {tensor("token_embd.weight", {1000, 512}, 14), tensor("blk.0.q.weight", {1024, 512}, 12),
-               tensor("blk.0.q.bias", {1024}, 0), tensor("blk.0.up.weight", {100, 512}, 8),
-               tensor("blk.0.norm.weight", {512}, 0)};
+  g.tensors = {gguf_tensor("token_embd.weight", {1000, 512}, 14), gguf_tensor("blk.0.q.weight", {1024, 512}, 12),
+               gguf_tensor("blk.0.q.bias", {1024}, 0), gguf_tensor("blk.0.up.weight", {100, 512}, 8),
+               gguf_tensor("blk.0.norm.weight", {512}, 0)};
   const ModelDescription m = describe_gguf(g, "BF16");
   ASSERT_EQ(m.layers.size(), 3u);
   EXPECT_EQ(m.layers[0].name, "token_embd");
@@ -898,7 +900,7 @@ TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
     }
   }
   // A type layerstream cannot read is refused; so is a non-float dense dtype.
-  g.tensors.push_back(tensor("blk.0.iq.weight", {4, 512}, 20));
+  g.tensors.push_back(gguf_tensor("blk.0.iq.weight", {4, 512}, 20));
   EXPECT_THROW(describe_gguf(g, "BF16"), Error);
   g.tensors.pop_back();
   EXPECT_THROW(describe_gguf(g, "I8"), Error);
@@ -910,24 +912,13 @@ TEST(Models, GgufExpertTensorsPlanAsOneGroupOfTheFilesBlocks) {
   // "llama.cpp") + offload() stream transformers' experts module: Q8_0 / Q6_K
   // blocks on the bus (each padded to 256 B), dequantized into the slot;
   // dense when resident; frozen; routed decoding reads 2 of 8 experts.
-  auto tensor = [](const std::string& name, std::vector<uint64_t> shape, uint32_t type) {
-    GgufTensor t;
-    t.name = name;
-    t.shape = std::move(shape);
-    t.type = type;
-    t.type_name = ggml_type(type).name;
-    t.numel = 1;
-    for (uint64_t d : t.shape) t.numel *= d;
-    t.nbytes = t.numel / ggml_type(type).block_elems * ggml_type(type).block_bytes;
-    return t;
-  };
   GgufFile g;
   g.path = "moe.gguf";
   g.metadata = {{"general.architecture", "qwen3moe"}, {"qwen3moe.expert_count", "8"},
                 {"qwen3moe.expert_used_count", "2"}};
-  g.tensors = {tensor("blk.0.ffn_gate_inp.weight", {8, 256}, 0), tensor("blk.0.ffn_gate_exps.weight", {8, 64, 256}, 8),
-               tensor("blk.0.ffn_up_exps.weight", {8, 64, 256}, 8), tensor("blk.0.ffn_down_exps.weight", {8, 256, 64}, 8),
-               tensor("blk.0.attn_q.weight", {256, 256}, 14)};
+  g.tensors = {gguf_tensor("blk.0.ffn_gate_inp.weight", {8, 256}, 0), gguf_tensor("blk.0.ffn_gate_exps.weight", {8, 64, 256}, 8),
+               gguf_tensor("blk.0.ffn_up_exps.weight", {8, 64, 256}, 8), gguf_tensor("blk.0.ffn_down_exps.weight", {8, 256, 64}, 8),
+               gguf_tensor("blk.0.attn_q.weight", {256, 256}, 14)};
   const ModelDescription m = describe_gguf(g, "BF16");
   const ModelLayer* experts = nullptr;
   for (const auto& l : m.layers)

@@ -528,14 +528,9 @@ def _llama_cpp_file(path, ref):
     layerstream: reshape to (heads, 2, half, ...) and swap the middle axes). The
     projections are Q8_0, everything else F32."""
     cfg = ref.config
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
+    table, w = _llama_cpp_writer(path, gguf.MODEL_ARCH.LLAMA, cfg)
     w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(cfg.vocab_size)
@@ -555,6 +550,21 @@ def _llama_cpp_file(path, ref):
             w.add_tensor(f"{table.get_name(base)}.{suffix}", a)
     # Llama 3's rotary scaling table, which transformers computes from the config.
     w.add_tensor("rope_freqs.weight", np.ones(cfg.hidden_size // cfg.num_attention_heads // 2, np.float32))
+    return _written(w, path)
+
+
+def _llama_cpp_writer(path, arch, cfg):
+    """gguf-py's name table for `arch` and a writer with the metadata every
+    llama.cpp language-model file has (block count, width, head counts)."""
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    return gguf.get_tensor_name_map(arch, cfg.num_hidden_layers), w
+
+
+def _written(w, path):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -689,12 +699,7 @@ def _qwen3_moe_file(path, ref, gate=T.Q8_0, up=T.Q8_0, down=T.Q8_0):
     half of transformers' gate_up_proj along dim 1), quantized in the given types;
     everything else F32. Sets ref's expert weights to the values the file holds."""
     cfg = ref.config
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    table, w = _llama_cpp_writer(path, gguf.MODEL_ARCH.QWEN3MOE, cfg)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -719,11 +724,7 @@ def _qwen3_moe_file(path, ref, gate=T.Q8_0, up=T.Q8_0, down=T.Q8_0):
                 p.copy_(torch.from_numpy(put(table.get_name(name) + ".weight", a, down).copy()))
             else:
                 put(f"{table.get_name(base)}.{suffix}", a, None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _written(w, path)
 
 
 @pytest.mark.parametrize("up", [T.Q8_0, T.Q4_0], ids=["same-types", "up-q4_0"])
