@@ -4,6 +4,7 @@
 
 #include "core/gguf.h"
 #include "core/log.h"
+#include "core/options.h"
 #include "core/planner.h"
 #include "torch/engine.h"
 
@@ -14,18 +15,54 @@ using layerstream::EngineOptions;
 
 namespace {
 
+namespace options = layerstream::options;
+
+// A Python int as int64, saturated, so that a huge value reaches the option's
+// own range check (and its message) instead of pybind's conversion error.
+int64_t int_arg(py::handle v, const char* what) {
+  LS_CHECK(py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v), what, " must be an integer, got ",
+           py::str(py::repr(v)).cast<std::string>());
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (overflow) return overflow > 0 ? INT64_MAX : INT64_MIN;
+  return n;
+}
+
+double float_arg(py::handle v, const char* what) {
+  if (py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v)) return static_cast<double>(int_arg(v, what));
+  LS_CHECK(py::isinstance<py::float_>(v), what, " must be a number, got ", py::str(py::repr(v)).cast<std::string>());
+  return v.cast<double>();
+}
+
+py::tuple budget_of(py::handle v) {
+  options::Budget b;
+  if (py::isinstance<py::str>(v)) {
+    b = options::parse_budget(v.cast<std::string>());
+  } else if (py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v)) {
+    const int64_t n = int_arg(v, "budget");
+    LS_CHECK(n >= 0, "budget must be >= 0 bytes, got ", n);
+    LS_CHECK(n < INT64_MAX, "budget of ", py::str(v).cast<std::string>(), " bytes is too large (at most 2^63 - 1 bytes)");
+    b.bytes = static_cast<uint64_t>(n);
+  } else {
+    LS_CHECK(py::isinstance<py::float_>(v), "budget must be a size in bytes (e.g. 12 * 2**30 or '12GiB'), a "
+             "share ('40%', or a number in (0, 1)) or 'auto', got ", py::str(py::repr(v)).cast<std::string>());
+    b = options::budget_from_number(v.cast<double>());
+  }
+  return py::make_tuple(b.fraction, b.bytes, b.share);
+}
+
 EngineOptions options_from(const py::dict& d) {
   EngineOptions o;
   for (auto item : d) {
     const std::string k = py::cast<std::string>(item.first);
     py::handle v = item.second;
     if (k == "device") o.device = py::cast<std::string>(v);
-    else if (k == "budget_bytes") o.budget_bytes = py::cast<int64_t>(v);
-    else if (k == "prefetch") o.prefetch = py::cast<int>(v);
-    else if (k == "slots") o.slots = py::cast<int>(v);
-    else if (k == "sim_h2d_gbps") o.sim_h2d_gbps = py::cast<double>(v);
-    else if (k == "sim_d2h_gbps") o.sim_d2h_gbps = py::cast<double>(v);
-    else if (k == "sim_latency_us") o.sim_latency_us = py::cast<double>(v);
+    else if (k == "budget_bytes") o.budget_bytes = options::check_budget_bytes(int_arg(v, "budget_bytes"));
+    else if (k == "prefetch") o.prefetch = options::check_prefetch(int_arg(v, "prefetch"));
+    else if (k == "slots") o.slots = options::check_slots(int_arg(v, "slots"));
+    else if (k == "sim_h2d_gbps") o.sim_h2d_gbps = options::check_link_gbps(float_arg(v, "sim_h2d_gbps"), "sim_h2d_gbps");
+    else if (k == "sim_d2h_gbps") o.sim_d2h_gbps = options::check_link_gbps(float_arg(v, "sim_d2h_gbps"), "sim_d2h_gbps");
+    else if (k == "sim_latency_us") o.sim_latency_us = options::check_latency_us(float_arg(v, "sim_latency_us"));
     else if (k == "checker") o.checker = py::cast<bool>(v);
     else if (k == "abort_on_ordering_error") o.abort_on_ordering_error = py::cast<bool>(v);
     else if (k == "pin_memory") o.pin_memory = py::cast<bool>(v);
@@ -59,6 +96,25 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("resolve_device", &layerstream::resolve_device, py::arg("device"));
+  // The option rules (core/options.h), for offload()'s arguments: a bad
+  // argument is Python's ValueError, with the rule's message.
+#define LS_VALUE_ERRORS(expr)                   \
+  try {                                         \
+    return expr;                                \
+  } catch (const layerstream::Error& e) {       \
+    throw py::value_error(e.message());         \
+  }
+  m.def("parse_budget", [](py::handle v) { LS_VALUE_ERRORS(budget_of(v)) }, py::arg("budget"),
+        "(is_share, bytes, share) of a budget given as bytes, a size text, a share or 'auto'");
+  m.def("check_prefetch", [](py::handle v) { LS_VALUE_ERRORS(options::check_prefetch(int_arg(v, "prefetch"))) });
+  m.def("check_slots", [](py::handle v) { LS_VALUE_ERRORS(options::check_slots(int_arg(v, "slots"), false)) });
+  m.def("check_link_gbps", [](py::handle v) {
+    LS_VALUE_ERRORS(options::check_link_gbps(float_arg(v, "sim_link_gbps")))
+  });
+  m.def("check_latency_us", [](py::handle v) {
+    LS_VALUE_ERRORS(options::check_latency_us(float_arg(v, "sim_latency_us")))
+  });
+#undef LS_VALUE_ERRORS
 
   namespace quant = layerstream::quant;
   auto fmt = [](const std::string& f) {

@@ -12,6 +12,7 @@
 
 #include "backends/sim/sim_backend.h"
 #include "core/log.h"
+#include "core/options.h"
 #include "cuda_glue.h"
 
 namespace layerstream {
@@ -96,8 +97,12 @@ std::shared_ptr<Engine> Engine::lookup(uint64_t id) {
 }
 
 Engine::Engine(const EngineOptions& options) : opts_(options), id_(g_next_id++) {
-  LS_CHECK(opts_.prefetch >= 0, "prefetch must be >= 0, got ", opts_.prefetch);
-  LS_CHECK(opts_.slots >= 0, "slots must be >= 0, got ", opts_.slots);
+  options::check_prefetch(opts_.prefetch);
+  options::check_slots(opts_.slots);
+  options::check_budget_bytes(opts_.budget_bytes);
+  options::check_link_gbps(opts_.sim_h2d_gbps, "sim_h2d_gbps");
+  options::check_link_gbps(opts_.sim_d2h_gbps, "sim_d2h_gbps");
+  options::check_latency_us(opts_.sim_latency_us);
   auto parse_dtype = [](const std::string& text, const char* what) -> std::optional<torch::ScalarType> {
     if (text.empty()) return std::nullopt;
     try {
@@ -692,11 +697,16 @@ std::pair<int64_t, std::vector<torch::Tensor>> Engine::fetch(int layer_index, co
   } else {
     lease = scheduler().acquire(layer_index, cs, current_phase());
   }
+  // Views with their parameters' requires_grad, normal tensors even under
+  // inference mode: the module's forward then takes the resident module's
+  // paths (Note [Same calls as the resident module]).
+  c10::InferenceMode normal(false);
   std::vector<torch::Tensor> views;
   auto view = [&](void* ptr, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
                   torch::ScalarType dtype) {
     const auto opts = torch::TensorOptions().dtype(dtype).device(compute_device_);
     views.push_back(strides.empty() ? torch::from_blob(ptr, shape, opts) : torch::from_blob(ptr, shape, strides, opts));
+    if (l.parts[views.size() - 1].param.requires_grad()) views.back().set_requires_grad(true);
   };
   for (size_t k = 0; k < l.parts.size(); ++k) {
     const LayerInfo::Part& e = l.parts[k];
@@ -1090,38 +1100,107 @@ void Engine::note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch:
        "the weight is cast once per copy, inside its slot; the numbers are the same.");
 }
 
-torch::Tensor Engine::device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
+Engine::DeviceParams Engine::device_params(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
+  // Normal tensors even under inference mode, as the parameters are: a view
+  // of an inference tensor would not keep requires_grad, which decides
+  // at::matmul's path (Note [Same calls as the resident module]).
+  c10::InferenceMode normal(false);
+  DeviceParams p;
   const size_t ws_part = l.bias.defined() ? 2 : 1;  // the workspace follows the copied parts
-  torch::Tensor w;
+  const auto on_device = torch::TensorOptions().device(compute_device_);
   if (l.qformat != quant::Format::None) {
-    // The dequantized copy in the workspace.
-    w = torch::from_blob(lease.part_ptr(ws_part), l.w_shape,
-                         torch::TensorOptions().dtype(l.q_dtype).device(compute_device_));
+    // The dequantized copy in the workspace (frozen: never requires grad).
+    p.w_leaf = torch::from_blob(lease.part_ptr(ws_part), l.w_shape, on_device.dtype(l.q_dtype));
   } else {
     // The copy cast to compute_dtype after the transfer (element by element,
     // so in the same memory order), or the copied weight itself.
     const bool cast = l.cast_w && dtype == l.cast_dtype;
-    const auto opts = torch::TensorOptions().dtype(cast ? l.cast_dtype : l.w_dtype).device(compute_device_);
+    const auto opts = on_device.dtype(cast ? l.cast_dtype : l.w_dtype);
     void* ptr = lease.part_ptr(cast ? ws_part : 0);
-    w = l.w_strides.empty() ? torch::from_blob(ptr, l.w_shape, opts)
-                            : torch::from_blob(ptr, l.w_shape, l.w_strides, opts);
+    p.w_leaf = l.w_strides.empty() ? torch::from_blob(ptr, l.w_shape, opts)
+                                   : torch::from_blob(ptr, l.w_shape, l.w_strides, opts);
+    if (l.weight.requires_grad()) p.w_leaf.set_requires_grad(true);
   }
-  if (w.scalar_type() == dtype) return w;
-  note_cast_at_use(l, w.scalar_type(), dtype);
-  return w.to(dtype);
+  p.w = p.w_leaf;
+  if (p.w.scalar_type() != dtype) {
+    note_cast_at_use(l, p.w.scalar_type(), dtype);
+    p.w = p.w_leaf.to(dtype);
+  }
+  if (l.bias.defined()) {
+    const bool cast = l.cast_b && dtype == l.cast_dtype;
+    p.b_leaf = cast ? torch::from_blob(static_cast<char*>(lease.part_ptr(2)) + l.ws_b_offset, l.b_shape,
+                                       on_device.dtype(l.cast_dtype))
+                    : torch::from_blob(lease.part_ptr(1), l.b_shape, on_device.dtype(l.b_dtype));
+    if (l.bias.requires_grad()) p.b_leaf.set_requires_grad(true);
+    p.b = p.b_leaf.scalar_type() == dtype ? p.b_leaf : p.b_leaf.to(dtype);
+  }
+  return p;
 }
 
-torch::Tensor Engine::device_bias(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
-  if (!l.bias.defined()) return torch::Tensor();
-  torch::Tensor b;
-  if (l.cast_b && dtype == l.cast_dtype) {
-    b = torch::from_blob(static_cast<char*>(lease.part_ptr(2)) + l.ws_b_offset, l.b_shape,
-                         torch::TensorOptions().dtype(l.cast_dtype).device(compute_device_));
-  } else {
-    b = torch::from_blob(lease.part_ptr(1), l.b_shape,
-                         torch::TensorOptions().dtype(l.b_dtype).device(compute_device_));
+namespace {
+// The storages of `p` that a recorded graph may save, with their roles
+// (Engine::ParkedStorage::role).
+std::vector<std::pair<int, c10::Storage>> param_storages(const Engine::DeviceParams& p) {
+  std::vector<std::pair<int, c10::Storage>> out{{0, p.w_leaf.storage()}};
+  if (!p.w.is_same(p.w_leaf)) out.emplace_back(1, p.w.storage());
+  if (p.b_leaf.defined()) out.emplace_back(2, p.b_leaf.storage());
+  if (p.b.defined() && !p.b.is_same(p.b_leaf)) out.emplace_back(3, p.b.storage());
+  return out;
+}
+
+void set_storage(c10::StorageImpl& s, void* ptr) {
+  // Non-owning; replacing an owning pointer (a cast copy's) frees its memory.
+  s.set_data_ptr_noswap(at::DataPtr(ptr, s.device()));
+}
+}  // namespace
+
+void Engine::register_storages(int layer, torch::ScalarType dtype, const DeviceParams& p, bool park_now) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  auto& list = parked_[layer];
+  list.erase(std::remove_if(list.begin(), list.end(), [](const ParkedStorage& e) { return e.storage.expired(); }),
+             list.end());
+  for (auto& [role, storage] : param_storages(p)) {
+    if (park_now) set_storage(*storage.unsafeGetStorageImpl(), nullptr);
+    list.push_back({role, dtype, c10::weak_intrusive_ptr<c10::StorageImpl>(storage.getWeakStorageImpl())});
   }
-  return b.scalar_type() == dtype ? b : b.to(dtype);
+}
+
+void Engine::unpark(int layer, torch::ScalarType dtype, const DeviceParams& fresh) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::map<int, c10::Storage> by_role;
+  for (auto& [role, storage] : param_storages(fresh)) by_role.emplace(role, storage);
+  for (const ParkedStorage& e : parked_[layer]) {
+    if (e.dtype != dtype) continue;  // another backward's (other activation dtype)
+    auto s = e.storage.lock();
+    if (!s) continue;
+    auto it = by_role.find(e.role);
+    LS_CHECK(it != by_role.end() && it->second.nbytes() == s->nbytes(), "internal: the device parameters of "
+             "layer '", layers_.at(static_cast<size_t>(layer))->name, "' changed between its forward and backward");
+    set_storage(*s, it->second.mutable_data());
+  }
+  active_[layer].emplace_back(dtype, fresh);
+}
+
+void Engine::park(int layer, torch::ScalarType dtype) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  for (const ParkedStorage& e : parked_[layer])
+    if (e.dtype == dtype)
+      if (auto s = e.storage.lock()) set_storage(*s, nullptr);
+  auto& act = active_[layer];
+  for (auto it = act.rbegin(); it != act.rend(); ++it)
+    if (it->first == dtype) {
+      act.erase(std::next(it).base());
+      break;
+    }
+}
+
+std::optional<Engine::DeviceParams> Engine::active_params(int layer, torch::ScalarType dtype) const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  auto it = active_.find(layer);
+  if (it == active_.end()) return std::nullopt;
+  for (auto a = it->second.rbegin(); a != it->second.rend(); ++a)
+    if (a->first == dtype) return a->second;
+  return std::nullopt;
 }
 
 void Engine::push_grads(int layer_index, Lease& scratch, bool has_w, bool has_b) {
@@ -1536,11 +1615,15 @@ void check_no_create_graph(const Engine::LayerInfo& l) {
 }
 
 // ctx->get_saved_variables(), naming the layer when autograd's version check
-// fails (its weight or input was written in place after the forward).
+// fails (its weight or input was written in place after the forward); any
+// other error (e.g. a second backward through a freed graph) is autograd's
+// own, passed on as it is.
 variable_list saved_variables_of(AutogradContext* ctx, const Engine::LayerInfo& l) {
   try {
     return ctx->get_saved_variables();
   } catch (const c10::Error& err) {
+    if (std::string(err.what_without_backtrace()).find("modified by an inplace operation") == std::string::npos)
+      throw;
     LS_FAIL("streamed layer '", l.name, "': a tensor its backward needs (its weight or its input) "
              "was modified in place after the forward pass (e.g. an optimizer step or a weight edit "
              "before this backward); autograd raises the same for a resident layer. ",
@@ -1549,38 +1632,150 @@ variable_list saved_variables_of(AutogradContext* ctx, const Engine::LayerInfo& 
   return {};
 }
 
-// The streamed Linear forward: fetch, compute on the device, release.
-torch::Tensor linear_forward(Engine* e, Engine::LayerInfo& l, int layer, const torch::Tensor& x) {
-  Stream cs = e->compute_stream();
-  Lease lease = e->scheduler().acquire(layer, cs, e->current_phase());
-  torch::Tensor out;
-  auto span = e->trace_begin(cs);
-  try {
-    torch::Tensor w = e->device_weight(l, lease, x.scalar_type());
-    torch::Tensor b = e->device_bias(l, lease, x.scalar_type());
-    out = torch::linear(x, w, b);
-  } catch (...) {
-    e->scheduler().release(lease, cs);
-    throw;
+// A slot held for the compute stream `cs`, released when this goes out of
+// scope: after the work that reads it was enqueued, or when that work threw.
+class SlotLease {
+ public:
+  SlotLease(Scheduler& sched, Lease lease, Stream cs) : sched_(sched), lease_(std::move(lease)), cs_(cs) {}
+  SlotLease(const SlotLease&) = delete;
+  SlotLease& operator=(const SlotLease&) = delete;
+  ~SlotLease() {
+    try {
+      sched_.release(lease_, cs_);
+    } catch (const std::exception& err) {  // a destructor must not throw; nothing can be undone here
+      warn(std::string("layerstream: releasing a slot failed: ") + err.what());
+    }
   }
-  if (span) e->trace_end(cs, span, "compute", "fwd " + l.name);
-  e->scheduler().release(lease, cs);
+  const Lease& get() const { return lease_; }
+
+ private:
+  Scheduler& sched_;
+  Lease lease_;
+  Stream cs_;
+};
+
+// Note [Same calls as the resident module]
+// Bit-exactness with the resident model holds only if a streamed layer issues
+// the resident module's ATen/BLAS calls on operands of the same shapes,
+// strides and requires_grad: at::matmul folds a 3-D+ input into one GEMM
+// only when the weight requires grad, at::_convolution picks its backend by
+// grad mode, mm's backward transposes its product by the weight's layout, and
+// each BLAS rounds these variants differently on some CPUs. So the streamed
+// op does not reimplement the module's math; it runs the module's own call
+// (torch::linear, at::convNd) on leaves that stand in for the parameters
+// (Engine::device_params: views of the slot with the parameters'
+// requires_grad) under the caller's grad mode, and with a gradient to come,
+// keeps the autograd graph that call recorded and runs it in backward with
+// the autograd engine itself: op for op the resident module's graph.
+//
+// The graph's saved tensors must not pin slot memory (the slot is reused
+// right after the forward): the storages of the device parameters it may
+// have saved (the leaves, and their cast-at-use copies) are *parked* after
+// the forward (data pointer null; a cast copy's memory freed), and in
+// backward pointed at the re-fetched slot (and fresh cast copies) before the
+// graph runs, then parked again (the way FSDP frees and restores parameter
+// storage under saved tensors). Only the storages change: the saved tensors'
+// metadata and version counters stay, so autograd's checks hold.
+
+// What a streamed op's forward keeps for its backward.
+struct KeptGraph : torch::CustomClassHolder {
+  torch::autograd::Edge root;  // the op's output in the recorded graph
+  torch::Tensor x, w, b;       // the leaves the graph was recorded on (b may be undefined)
+  torch::ScalarType dtype = torch::kFloat;  // the activations' (device_params)
+};
+
+// New leaves on the memory of `p` (other storage objects, same pointers), as
+// device_params() would make them: for a forward run inside the layer's own
+// backward, whose storages that backward parks when it ends.
+Engine::DeviceParams alias_params(const Engine::DeviceParams& p, torch::ScalarType dtype) {
+  c10::InferenceMode normal(false);
+  const auto alias = [](const torch::Tensor& t) {
+    torch::Tensor a = torch::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options());
+    if (t.requires_grad()) a.set_requires_grad(true);
+    return a;
+  };
+  Engine::DeviceParams out;
+  out.w_leaf = alias(p.w_leaf);
+  out.w = out.w_leaf.scalar_type() == dtype ? out.w_leaf : out.w_leaf.to(dtype);
+  if (p.b_leaf.defined()) {
+    out.b_leaf = alias(p.b_leaf);
+    out.b = out.b_leaf.scalar_type() == dtype ? out.b_leaf : out.b_leaf.to(dtype);
+  }
   return out;
 }
 
-struct LinearFn : public torch::autograd::Function<LinearFn> {
+// The resident module's own call (Note [Same calls as the resident module]).
+torch::Tensor layer_op(const Engine::LayerInfo& l, const torch::Tensor& x, const torch::Tensor& w,
+                       const torch::Tensor& b) {
+  if (!l.is_conv) return torch::linear(x, w, b);
+  const ConvSpec& c = l.conv;
+  switch (c.dims) {
+    case 1:
+      return c.same ? at::conv1d(x, w, b, c.stride, "same", c.dilation, c.groups)
+                    : at::conv1d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+    case 2:
+      return c.same ? at::conv2d(x, w, b, c.stride, "same", c.dilation, c.groups)
+                    : at::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+    default:
+      return c.same ? at::conv3d(x, w, b, c.stride, "same", c.dilation, c.groups)
+                    : at::conv3d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+  }
+}
+
+// A streamed layer's computation without an autograd node of its own (no
+// gradient can flow): fetch, compute under the caller's grad mode, release.
+torch::Tensor streamed_forward(Engine* e, Engine::LayerInfo& l, int layer, const torch::Tensor& x) {
+  Stream cs = e->compute_stream();
+  SlotLease lease(e->scheduler(), e->scheduler().acquire(layer, cs, e->current_phase()), cs);
+  auto span = e->trace_begin(cs);
+  const Engine::DeviceParams p = e->device_params(l, lease.get(), x.scalar_type());
+  torch::Tensor out = layer_op(l, x, p.w, p.b);
+  if (span) e->trace_end(cs, span, "compute", std::string("fwd ") + l.name);
+  return out;
+}
+
+// A streamed Linear or convolution when a gradient can flow.
+struct StreamedFn : public torch::autograd::Function<StreamedFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
                                torch::Tensor bias, Engine* e, int64_t layer, bool via_autograd) {
     Engine::LayerInfo& l = e->layer(static_cast<int>(layer));
+    auto kept = c10::make_intrusive<KeptGraph>();
+    kept->dtype = x.scalar_type();
+    const int index = static_cast<int>(layer);
+    torch::Tensor out;
+    // Inside this layer's own backward (a non-reentrant checkpoint recomputing
+    // its region to unpack a saved tensor): on the weights that backward holds.
+    const std::optional<Engine::DeviceParams> active = e->active_params(index, kept->dtype);
+    {
+      Stream cs = e->compute_stream();
+      std::optional<SlotLease> lease;
+      if (!active) lease.emplace(e->scheduler(), e->scheduler().acquire(index, cs, e->current_phase()), cs);
+      auto span = e->trace_begin(cs);
+      at::AutoGradMode grad_on(true);  // as the resident module's call runs
+      kept->x = x.detach();
+      if (x.requires_grad()) kept->x.requires_grad_(true);
+      const Engine::DeviceParams p =
+          active ? alias_params(*active, kept->dtype) : e->device_params(l, lease->get(), kept->dtype);
+      kept->w = p.w_leaf;
+      kept->b = p.b_leaf;
+      torch::Tensor recorded = layer_op(l, kept->x, p.w, p.b);
+      if (recorded.requires_grad()) kept->root = torch::autograd::impl::gradient_edge(recorded);
+      out = recorded.detach();
+      if (span) e->trace_end(cs, span, "compute", std::string("fwd ") + l.name);
+      // Parked now, before the slot goes back (or, inside the layer's
+      // backward, when that backward ends).
+      e->register_storages(index, kept->dtype, p, /*park_now=*/!active);
+    }
     ctx->saved_data["via_autograd"] = via_autograd;
-    torch::Tensor out = linear_forward(e, l, static_cast<int>(layer), x);
     ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
     ctx->saved_data["layer"] = layer;
-    // The weight is saved (no copy: it is the parameter) when the input
-    // gradient needs it, as autograd's own Linear saves it: unpacking checks
-    // its version, so an in-place write between forward and backward raises
-    // autograd's error instead of differentiating through the new values.
-    ctx->save_for_backward({wants_grad(weight) ? x : torch::Tensor(), x.requires_grad() ? weight : torch::Tensor()});
+    ctx->saved_data["graph"] = c10::IValue::make_capsule(kept);
+    // The parameter is saved (no copy) where the resident module's graph
+    // saves the weight (a Linear when the input gradient needs it, a conv
+    // always): unpacking checks its version, so an in-place write between
+    // forward and backward raises autograd's error instead of
+    // differentiating through the new values.
+    ctx->save_for_backward({l.is_conv || x.requires_grad() ? weight : torch::Tensor()});
     return out;
   }
 
@@ -1590,199 +1785,67 @@ struct LinearFn : public torch::autograd::Function<LinearFn> {
     Engine::LayerInfo& l = e->layer(layer);
     check_no_create_graph(l);
     auto scope = e->device_scope();
-    torch::Tensor go = grads[0];
-    const variable_list saved = saved_variables_of(ctx, l);
-    torch::Tensor x = saved.empty() ? torch::Tensor() : saved[0];
-    const bool need_x = ctx->needs_input_grad(0);
-    const bool need_w = x.defined() && ctx->needs_input_grad(1) && wants_grad(l.weight);
-    const bool need_b = l.bias.defined() && ctx->needs_input_grad(2) && wants_grad(l.bias);
+    saved_variables_of(ctx, l);  // the version check
+    auto kept = c10::static_intrusive_pointer_cast<KeptGraph>(ctx->saved_data["graph"].toCapsule());
+    const variable_list none(6);
+    const torch::Tensor& go = grads[0];
+    if (!go.defined() || !kept->root.is_valid()) return none;
+    const bool need_x = ctx->needs_input_grad(0) && kept->x.requires_grad();
+    const bool need_w = ctx->needs_input_grad(1) && kept->w.requires_grad() && wants_grad(l.weight);
+    const bool need_b = l.bias.defined() && ctx->needs_input_grad(2) && kept->b.defined() &&
+                        kept->b.requires_grad() && wants_grad(l.bias);
+    if (!need_x && !need_w && !need_b) return none;
     const bool via_autograd = ctx->saved_data["via_autograd"].toBool() || !plain_backward();
+    const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+    torch::autograd::edge_list wanted;
+    for (const auto& [need, leaf] : {std::pair{need_x, &kept->x}, {need_w, &kept->w}, {need_b, &kept->b}})
+      if (need) wanted.push_back(torch::autograd::impl::gradient_edge(*leaf));
     Stream cs = e->compute_stream();
     Scheduler& sched = e->scheduler();
-    torch::Tensor gx;
-    if (need_x) {
-      Lease lease = sched.acquire(layer, cs, Phase::Backward);
+    const auto run = [&] {
+      return torch::autograd::Engine::get_default_engine().execute({kept->root}, {go}, keep_graph,
+                                                                  /*create_graph=*/false,
+                                                                  /*accumulate_grad=*/false, wanted);
+    };
+    variable_list got;
+    if (!need_x) {
+      // The weight and bias gradients of a Linear or convolution are functions
+      // of the input and the output gradient only: the graph reads no weight
+      // (a read of a parked storage would raise, not return garbage), so the
+      // weights are not fetched again.
+      got = run();
+    } else {
+      SlotLease lease(sched, sched.acquire(layer, cs, Phase::Backward), cs);
       auto span = e->trace_begin(cs);
+      const Engine::DeviceParams fresh = e->device_params(l, lease.get(), kept->dtype);
+      e->unpark(layer, kept->dtype, fresh);
       try {
-        gx = go.matmul(e->device_weight(l, lease, go.scalar_type()));
+        got = run();
       } catch (...) {
-        sched.release(lease, cs);
+        e->park(layer, kept->dtype);
         throw;
       }
-      e->trace_end(cs, span, "compute", "bwd " + l.name);
-      sched.release(lease, cs);
+      e->park(layer, kept->dtype);  // before the slot goes back: nothing may point into it
+      if (span) e->trace_end(cs, span, "compute", std::string("bwd ") + l.name);
     }
+    if (!keep_graph) kept->root = torch::autograd::Edge();
+    size_t k = 0;
+    const torch::Tensor gx = need_x ? got[k++] : torch::Tensor();
+    const torch::Tensor gw = need_w ? got[k++] : torch::Tensor();
+    const torch::Tensor gb = need_b ? got[k++] : torch::Tensor();
     if ((need_w || need_b) && via_autograd) {
-      // Return the gradients to autograd (host copies, synchronous).
-      const int64_t out_f = l.w_shape[0];
-      torch::Tensor go2 = go.reshape({-1, out_f});
-      torch::Tensor gw, gb;
-      if (need_w) {
-        torch::Tensor x2 = x.reshape({-1, l.w_shape[1]}).to(go2.scalar_type());
-        gw = e->grad_to_host(go2.t().mm(x2), l.w_dtype);
-      }
-      if (need_b) gb = e->grad_to_host(go2.sum(0), l.b_dtype);
-      return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      // Returned to autograd (host copies, synchronous), which routes them.
+      return {gx, need_w ? e->grad_to_host(gw, l.w_dtype) : torch::Tensor(),
+              need_b ? e->grad_to_host(gb, l.b_dtype) : torch::Tensor(), torch::Tensor(), torch::Tensor(),
+              torch::Tensor()};
     }
     if (need_w || need_b) {
+      // Into the scratch slot in the parameters' dtypes (as autograd's cast
+      // back would), then to the host on the gradient stream.
       Lease scratch = sched.acquire_scratch(cs);
       try {
-        const int64_t out_f = l.w_shape[0];
-        torch::Tensor go2 = go.reshape({-1, out_f});
-        if (need_w) {
-          torch::Tensor x2 = x.reshape({-1, l.w_shape[1]}).to(go2.scalar_type());
-          torch::Tensor gw = torch::from_blob(scratch.part_ptr(0), l.w_shape,
-                                              torch::TensorOptions().dtype(l.w_dtype).device(e->compute_device()));
-          if (go2.scalar_type() == l.w_dtype) {
-            torch::mm_out(gw, go2.t(), x2);
-          } else {
-            gw.copy_(go2.t().mm(x2));
-          }
-        }
-        if (need_b) {
-          torch::Tensor gb = torch::from_blob(static_cast<char*>(scratch.slot_buf.ptr) + align256(l.w_bytes),
-                                              l.b_shape,
-                                              torch::TensorOptions().dtype(l.b_dtype).device(e->compute_device()));
-          gb.copy_(go2.sum(0));
-        }
-      } catch (...) {
-        sched.release(scratch, cs);
-        throw;
-      }
-      e->push_grads(layer, scratch, need_w, need_b);
-      e->ensure_backward_callback();
-    }
-    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
-};
-
-// Explicit symmetric padding for a conv, plus the extra right padding that
-// 'same' needs when the total padding is odd.
-struct ConvGeometry {
-  std::vector<int64_t> padding;
-  std::vector<int64_t> extra;  // right-side extra padding per spatial dim
-  bool asymmetric = false;
-};
-
-ConvGeometry conv_geometry(const Engine::LayerInfo& l) {
-  ConvGeometry g;
-  const int d = l.conv.dims;
-  if (!l.conv.same) {
-    g.padding = l.conv.padding.empty() ? std::vector<int64_t>(static_cast<size_t>(d), 0) : l.conv.padding;
-    g.extra.assign(static_cast<size_t>(d), 0);
-    return g;
-  }
-  for (int i = 0; i < d; ++i) {
-    const int64_t k = l.w_shape[static_cast<size_t>(2 + i)];
-    const int64_t total = l.conv.dilation[static_cast<size_t>(i)] * (k - 1);
-    const int64_t left = total / 2;
-    g.padding.push_back(left);
-    g.extra.push_back(total - 2 * left);
-    if (total - 2 * left) g.asymmetric = true;
-  }
-  return g;
-}
-
-torch::Tensor pad_right(const torch::Tensor& x, const ConvGeometry& g) {
-  if (!g.asymmetric) return x;
-  std::vector<int64_t> pad;  // last dim first: (left, right) pairs
-  for (int i = static_cast<int>(g.extra.size()) - 1; i >= 0; --i) {
-    pad.push_back(0);
-    pad.push_back(g.extra[static_cast<size_t>(i)]);
-  }
-  return torch::constant_pad_nd(x, pad, 0);
-}
-
-struct ConvFn : public torch::autograd::Function<ConvFn> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
-                               torch::Tensor bias, Engine* e, int64_t layer, bool via_autograd) {
-    Engine::LayerInfo& l = e->layer(static_cast<int>(layer));
-    ctx->saved_data["via_autograd"] = via_autograd;
-    const bool unbatched = x.dim() == l.conv.dims + 1;
-    LS_CHECK(unbatched || x.dim() == l.conv.dims + 2, "Conv", l.conv.dims, "d layer '", l.name,
-             "' expects a ", l.conv.dims + 1, "-D or ", l.conv.dims + 2, "-D input, got ",
-             x.dim(), "-D");
-    torch::Tensor xb = unbatched ? x.unsqueeze(0) : x;
-    const ConvGeometry g = conv_geometry(l);
-    torch::Tensor xp = pad_right(xb, g);
-    Stream cs = e->compute_stream();
-    Lease lease = e->scheduler().acquire(static_cast<int>(layer), cs, e->current_phase());
-    torch::Tensor out;
-    auto span = e->trace_begin(cs);
-    try {
-      torch::Tensor w = e->device_weight(l, lease, x.scalar_type());
-      torch::Tensor b = e->device_bias(l, lease, x.scalar_type());
-      out = torch::convolution(xp, w, b, l.conv.stride, g.padding, l.conv.dilation, false,
-                               std::vector<int64_t>(static_cast<size_t>(l.conv.dims), 0), l.conv.groups);
-    } catch (...) {
-      e->scheduler().release(lease, cs);
-      throw;
-    }
-    e->trace_end(cs, span, "compute", "fwd " + l.name);
-    e->scheduler().release(lease, cs);
-    ctx->saved_data["engine"] = static_cast<int64_t>(e->id());
-    ctx->saved_data["layer"] = layer;
-    ctx->saved_data["unbatched"] = unbatched;
-    ctx->save_for_backward({xp, weight});  // the weight: for its version check, as in LinearFn
-    return unbatched ? out.squeeze(0) : out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto e = engine_from(ctx);
-    const int layer = static_cast<int>(ctx->saved_data["layer"].toInt());
-    const bool unbatched = ctx->saved_data["unbatched"].toBool();
-    Engine::LayerInfo& l = e->layer(layer);
-    check_no_create_graph(l);
-    auto scope = e->device_scope();
-    torch::Tensor go = unbatched ? grads[0].unsqueeze(0) : grads[0];
-    torch::Tensor xp = saved_variables_of(ctx, l)[0];
-    const bool need_x = ctx->needs_input_grad(0);
-    const bool need_w = ctx->needs_input_grad(1) && wants_grad(l.weight);
-    const bool need_b = l.bias.defined() && ctx->needs_input_grad(2) && wants_grad(l.bias);
-    const bool via_autograd = ctx->saved_data["via_autograd"].toBool() || !plain_backward();
-    const ConvGeometry g = conv_geometry(l);
-    Stream cs = e->compute_stream();
-    Scheduler& sched = e->scheduler();
-    Lease lease = sched.acquire(layer, cs, Phase::Backward);
-    torch::Tensor gx, gw, gb;
-    auto span = e->trace_begin(cs);
-    try {
-      torch::Tensor w = e->device_weight(l, lease, go.scalar_type());
-      std::optional<at::IntArrayRef> bias_sizes;
-      std::vector<int64_t> bs;
-      if (l.bias.defined()) {
-        bs = l.b_shape;
-        bias_sizes = at::IntArrayRef(bs);
-      }
-      auto res = at::convolution_backward(
-          go, xp.to(go.scalar_type()), w, bias_sizes, l.conv.stride, g.padding, l.conv.dilation, false,
-          std::vector<int64_t>(static_cast<size_t>(l.conv.dims), 0), l.conv.groups,
-          {need_x, need_w, need_b && l.bias.defined()});
-      gx = std::get<0>(res);
-      gw = std::get<1>(res);
-      gb = std::get<2>(res);
-    } catch (...) {
-      sched.release(lease, cs);
-      throw;
-    }
-    e->trace_end(cs, span, "compute", "bwd " + l.name);
-    sched.release(lease, cs);
-    if (need_x && g.asymmetric) {
-      for (int i = 0; i < l.conv.dims; ++i)
-        gx = gx.narrow(2 + i, 0, gx.size(2 + i) - g.extra[static_cast<size_t>(i)]);
-    }
-    if (need_x && unbatched) gx = gx.squeeze(0);
-    if ((need_w || need_b) && via_autograd) {
-      return {need_x ? gx : torch::Tensor(), need_w ? e->grad_to_host(gw, l.w_dtype) : torch::Tensor(),
-              need_b ? e->grad_to_host(gb, l.b_dtype) : torch::Tensor(), torch::Tensor(),
-              torch::Tensor(), torch::Tensor()};
-    }
-    if (need_w || need_b) {
-      Lease scratch = sched.acquire_scratch(cs);
-      try {
-        auto dopts = torch::TensorOptions().device(e->compute_device());
-        if (need_w)
-          torch::from_blob(scratch.part_ptr(0), l.w_shape, dopts.dtype(l.w_dtype)).copy_(gw);
+        const auto dopts = torch::TensorOptions().device(e->compute_device());
+        if (need_w) torch::from_blob(scratch.part_ptr(0), l.w_shape, dopts.dtype(l.w_dtype)).copy_(gw);
         if (need_b)
           torch::from_blob(static_cast<char*>(scratch.slot_buf.ptr) + align256(l.w_bytes), l.b_shape,
                            dopts.dtype(l.b_dtype))
@@ -1794,8 +1857,7 @@ struct ConvFn : public torch::autograd::Function<ConvFn> {
       e->push_grads(layer, scratch, need_w, need_b);
       e->ensure_backward_callback();
     }
-    return {need_x ? gx : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor()};
+    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -1827,6 +1889,15 @@ const char* kind_of(const Engine::LayerInfo& l) {
 }
 }  // namespace
 
+namespace {
+// Whether a gradient can flow through the layer's call (else it runs without
+// an autograd node of its own, as the resident module would record none).
+bool needs_node(const torch::Tensor& x, const Engine::LayerInfo& l) {
+  return torch::GradMode::is_enabled() &&
+         (x.requires_grad() || l.weight.requires_grad() || (l.bias.defined() && l.bias.requires_grad()));
+}
+}  // namespace
+
 Engine::LayerInfo& Engine::call_layer(int index, const char* kind) {
   report_failed_backward();
   LayerInfo& l = layer(index);
@@ -1844,13 +1915,11 @@ torch::Tensor Engine::linear(int layer_index, const torch::Tensor& x_in, bool gr
   ensure_scheduler();
   // No gradient can flow (no_grad / inference, or nothing requires grad):
   // skip the autograd node entirely.
-  if (!torch::GradMode::is_enabled() ||
-      (!x.requires_grad() && !l.weight.requires_grad() && !(l.bias.defined() && l.bias.requires_grad())))
-    return linear_forward(this, l, layer_index, x);
+  if (!needs_node(x, l)) return streamed_forward(this, l, layer_index, x);
   // Autograd inputs must be defined tensors: without a bias, the weight
   // stands in (the functions read the bias from the layer, never from here).
-  return LinearFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
-                         static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
+  return StreamedFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
+                           static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
 }
 
 torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
@@ -1860,8 +1929,11 @@ torch::Tensor Engine::conv(int layer_index, const torch::Tensor& x_in, bool grad
   const torch::Tensor x = autocast_input(x_in, compute_device_.type());
   check_host_alias(l);
   ensure_scheduler();
-  return ConvFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
-                       static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
+  LS_CHECK(x.dim() == l.conv.dims + 1 || x.dim() == l.conv.dims + 2, "Conv", l.conv.dims, "d layer '", l.name,
+           "' expects a ", l.conv.dims + 1, "-D or ", l.conv.dims + 2, "-D input, got ", x.dim(), "-D");
+  if (!needs_node(x, l)) return streamed_forward(this, l, layer_index, x);
+  return StreamedFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
+                           static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
 }
 
 namespace {

@@ -326,10 +326,29 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Stream compute_stream();
   Phase current_phase() const;
   Scheduler& scheduler();
-  // Builds the device view of the layer's weight/bias inside a lease, cast
-  // to `dtype`.
-  torch::Tensor device_weight(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype);
-  torch::Tensor device_bias(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype);
+  // The layer's weight and bias as its computation reads them on the device,
+  // for activations of `dtype`. The leaves are views of the lease's slot
+  // with their parameters' requires_grad (normal tensors, also under
+  // inference mode), so that the op takes the resident module's path
+  // (Note [Same calls as the resident module] in engine.cpp); w/b are the
+  // leaves, or their casts to `dtype` (cast at use, recorded by autograd
+  // when grad mode is on). Undefined when the layer has no bias.
+  struct DeviceParams {
+    torch::Tensor w_leaf, b_leaf, w, b;
+  };
+  DeviceParams device_params(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype);
+  // Note [Same calls as the resident module]: the storages of device
+  // parameters that a recorded graph may have saved are registered per
+  // layer and activation dtype, and *parked* (data pointer null) while the
+  // layer is not computing. unpark() points every live one of (layer,
+  // dtype) at `fresh` (the parameters the layer's backward fetched) until
+  // park(); while unparked, active_params() returns `fresh`, so a forward of
+  // the layer run inside that backward (a non-reentrant checkpoint
+  // recomputing its region) computes on them. Thread-safe.
+  void register_storages(int layer, torch::ScalarType dtype, const DeviceParams& p, bool park_now);
+  void unpark(int layer, torch::ScalarType dtype, const DeviceParams& fresh);
+  void park(int layer, torch::ScalarType dtype);
+  std::optional<DeviceParams> active_params(int layer, torch::ScalarType dtype) const;
   // Copies weight/bias gradients (already computed into `scratch` on the
   // compute stream) to the host and schedules their accumulation.
   void push_grads(int layer, Lease& scratch, bool has_w, bool has_b);
@@ -503,6 +522,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::shared_ptr<TraceRecorder> tracer_;
   // counters carried over scheduler rebuilds
   SchedulerStats carried_;
+  // register_storages() / unpark() / park(): per layer.
+  struct ParkedStorage {
+    int role;                 // 0 weight leaf, 1 its cast, 2 bias leaf, 3 its cast
+    torch::ScalarType dtype;  // the activations' (device_params)
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  };
+  std::map<int, std::vector<ParkedStorage>> parked_;
+  std::map<int, std::vector<std::pair<torch::ScalarType, DeviceParams>>> active_;
 };
 
 // Resolves a device string for the engine; throws a clear error for unknown

@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from . import _C
+from . import _C, _standin
 from ._gguf import _DEVICE, _HOST, GgufLoad, GgufWeight, load_gguf
 
 __all__ = ["offload", "Handle", "LayerstreamError", "parse_bytes", "load_gguf", "GgufLoad", "GgufWeight",
@@ -35,27 +35,14 @@ __version__ = "0.1.0"
 LayerstreamError = _C.LayerstreamError
 
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
 
 
 def parse_bytes(value: Union[int, float, str]) -> int:
-    """Parses 123, 1.5e9, "500MB", "12GiB" into bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"budget must be a size in bytes, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"budget must be >= 0, got {value}")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"cannot parse size {value!r}: use a number of bytes or a number with a unit "
-            f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '12GiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """Parses 123, 1.5e9, "500MB", "12GiB" into bytes (whole bytes: "0.5" is refused)."""
+    fraction, nbytes, _ = _C.parse_budget(value)
+    if fraction:
+        raise ValueError(f"{value!r} is a share, not a size in bytes")
+    return nbytes
 
 
 def _quant_for(name: str, quantize) -> Optional[str]:
@@ -378,6 +365,35 @@ def _check_no_meta(model: nn.Module) -> None:
             f"model.to_empty(device='cpu') then load_state_dict()), then call offload().")
 
 
+def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
+    """Refuses, before anything changes, streamed parameters that share memory with another
+    tensor of the model (views of one flat buffer, as some trainers build): offload() moves
+    each streamed parameter into host memory of its own, and detach() could not restore
+    the sharing. The same tensor in several places (tied weights) is not refused here."""
+    owners = {}  # storage address -> names of the distinct tensors on it
+    seen = set()
+    for n, t in itertools.chain(model.named_parameters(remove_duplicate=True),
+                                model.named_buffers(remove_duplicate=True)):
+        if t is None or t.is_meta or id(t) in seen or t.untyped_storage().nbytes() == 0:
+            continue
+        seen.add(id(t))
+        owners.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(n)
+    streamed = []
+    for name, module, kind in candidates:
+        params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
+                  [(k, module._parameters.get(k)) for k in ("weight", "bias")])
+        streamed += [(f"{name}.{pn}" if name else pn, p) for pn, p in params if p is not None and not p.is_meta]
+    for qn, p in streamed:
+        names = owners.get((p.device, p.untyped_storage().data_ptr()), [])
+        if len(names) > 1:
+            raise LayerstreamError(
+                f"parameter '{qn}' shares its memory with {', '.join(repr(n) for n in names if n != qn)} "
+                f"(views of one flat buffer); offload() moves each streamed parameter into host memory of "
+                f"its own, so that sharing would be lost for good after detach(). Give the parameters "
+                f"memory of their own before offload() (e.g. p.data = p.data.clone() for each), or keep "
+                f"these layers resident (offload(exclude=[...])).")
+
+
 def _selected(name: str, include, exclude) -> bool:
     def match(patterns):
         if patterns is None:
@@ -621,6 +637,12 @@ class _PackedWeight(nn.Parameter):
                                name in ("__setitem__", "__iadd__", "__isub__", "__imul__",
                                         "__itruediv__", "__ior__", "__iand__")):
             raise LayerstreamError(cls._msg(ls, f"in-place {name}() cannot reach it"))
+        other = _standin.first_standin(types, args, kwargs, _PackedWeight)
+        if other is not None and not _standin.reads_metadata_only(func):
+            # Any computation with it, in any argument position (x @ w.t(), F.linear(x, w)):
+            # a meta tensor has no values, and torch would return uninitialised memory.
+            raise LayerstreamError(cls._msg(other._ls, _standin.computing_message(func)) +
+                                   "; run the module itself (it streams the weight), or detach() first")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -794,6 +816,22 @@ def _rebuild(layout, tensors):
     return torch.utils._pytree.tree_unflatten(flat, spec)
 
 
+def _leaves(tensors, requires_grad) -> list:
+    """Detached copies of `tensors` (no data copied) with the given requires_grad, one per
+    distinct tensor: a tensor passed twice stays one object (nn.MultiheadAttention takes
+    another path when query is key is value)."""
+    seen = {}
+    for t, r in zip(tensors, requires_grad):
+        if id(t) not in seen:
+            seen[id(t)] = t.detach().requires_grad_(bool(r))
+    return [seen[id(t)] for t in tensors]
+
+
+# What autograd's version check says (torch/csrc/autograd/saved_variable.cpp); its other
+# errors on unpacking (a graph already freed, ...) are passed on as they are.
+_INPLACE_ERROR = "modified by an inplace operation"
+
+
 class _GroupFn(torch.autograd.Function):
     """A tensor group's computation when a gradient is needed: forward without a
     graph (the slot is released right after); backward fetches the tensors again,
@@ -817,9 +855,16 @@ class _GroupFn(torch.autograd.Function):
         ctx.save_for_backward(*inputs, *fwd._params)
         args, kwargs = _rebuild(layout, inputs)
         ctx.experts = fwd.routed_experts(args, kwargs)  # the recompute reads the same ones
-        with fwd.fetched(experts=ctx.experts) as views:
+        # Run as the resident module runs: grad mode on, inputs and parameters with their
+        # requires_grad (the fetched views have their parameters'), so that every op takes
+        # the same path (at::matmul folds by requires_grad; attention picks its kernel by
+        # grad mode); the graph it records is dropped with the detached outputs.
+        # (Note [Same calls as the resident module], csrc/torch/engine.cpp)
+        with torch.enable_grad(), fwd.fetched(experts=ctx.experts) as views:
+            args, kwargs = _rebuild(layout, _leaves(inputs, [x.requires_grad for x in inputs]))
             out = fwd._original(*args, **kwargs)
             fwd.check_output(out, views)
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         if isinstance(out, torch.Tensor):
             ctx.single = True
             return out
@@ -839,6 +884,8 @@ class _GroupFn(torch.autograd.Function):
         try:
             saved = ctx.saved_tensors
         except RuntimeError as e:
+            if _INPLACE_ERROR not in str(e):
+                raise  # e.g. a second backward through a freed graph: torch's own message
             raise LayerstreamError(f"streamed layer '{fwd._name}': a tensor its backward needs (an input "
                                    f"or a parameter) was modified in place after the forward pass (e.g. an "
                                    f"optimizer step before this backward); autograd raises the same for a "
@@ -846,7 +893,7 @@ class _GroupFn(torch.autograd.Function):
         n_in = len(ctx.layout[2])
         saved = saved[:n_in]
         needs = ctx.needs_input_grad[2:]
-        inputs = [x.detach().requires_grad_(bool(needs[i])) for i, x in enumerate(saved)]
+        inputs = _leaves(saved, needs)
         args, kwargs = _rebuild(ctx.layout, inputs)
         dev = fwd._device
         cpu_rng, dev_rng = ctx.rng
@@ -864,6 +911,12 @@ class _GroupFn(torch.autograd.Function):
                                                allow_unused=True)
                            if pairs and wanted else [None] * len(wanted))
                 result = [next(got) if t.requires_grad else None for t in inputs + views]
+                # A tensor passed at several positions is one leaf here: its whole gradient
+                # goes to its first position (autograd sums the positions' gradients).
+                first = {}
+                for i, t in enumerate(inputs):
+                    if first.setdefault(id(t), i) != i:
+                        result[i] = None
         host = []
         for k, p in enumerate(fwd._params):
             g = result[n_in + k]
@@ -899,6 +952,11 @@ class _StreamedApply:
         return self._probe(fn, dtype)
 
     def _probe(self, fn, dtype: torch.dtype) -> bool:
+        try:  # a move to the meta device (model.to("meta")) is not a no-op: refused
+            if fn(torch.empty(0, dtype=dtype)).is_meta:
+                return False
+        except Exception:  # noqa: BLE001 - e.g. .cuda() without a GPU: decided below
+            pass
         try:  # a no-op conversion keeps a meta tensor as it is
             out = fn(torch.empty(0, dtype=dtype, device="meta"))
             if isinstance(out, torch.Tensor) and out.is_meta:
@@ -1219,14 +1277,20 @@ def offload(
     device: "cuda"/"cuda:N", "sim" (simulated device; tensors compute on the
         CPU) or None (CUDA when visible, else "sim").
     budget: hard bound on the device bytes of the weights: streaming slots
-        plus the layers the planner keeps resident (bytes, "12GiB", ...);
-        None = no bound. Must hold 2 slots of the largest layer. The planner
+        plus the layers the planner keeps resident: whole bytes (an int, or a
+        text such as "12GiB", "500MB", "1.5e9"), a share of the device's free
+        memory ("40%", a float in (0, 1), or "auto": 60%); None = no bound.
+        Must hold 2 slots of the largest layer. The planner
         first reserves the slots (``slots``, else prefetch + 1), then keeps as
         many layers resident as the rest holds; a budget too small for
         prefetch + 1 slots gets fewer (at least 2) and a prefetch depth of
         slots - 1.
-    prefetch: layers kept in flight ahead of use; slots: device slots
-        (default prefetch + 2, capped by the budget).
+    prefetch: layers kept in flight ahead of use, 0 to 64; slots: device
+        slots, 2 to 66 (default prefetch + 2, capped by the budget). The rules
+        for these and the sim link options are the C++ ones
+        (csrc/core/options.h): bad values raise ValueError before anything
+        changes. offload() inside torch.inference_mode() is refused (the
+        tensors it makes could never be trained); run the model in it after.
     quantize: pack streamed weights on the host and dequantize them on the
         device: "int8", "fp8", "nf4" or "int4" for every streamed layer (layers
         whose shape the format cannot pack stay dense, with one warning), or a
@@ -1283,13 +1347,19 @@ def offload(
     if experts not in ("routed", "all"):
         raise ValueError(f'experts must be "routed" (copy only the experts a call routes to) or "all", '
                          f"got {experts!r}")
+    if torch.is_inference_mode_enabled():
+        raise LayerstreamError(
+            "offload() was called inside torch.inference_mode(): the tensors it makes would be inference "
+            "tensors, which no later training step could use. Call offload() outside inference_mode (then "
+            "run the model inside it as you like).")
+    # One rule per option, in C++ (core/options.h): the same for C++ and the command line.
     opts = {
         "device": "auto" if device is None else str(device),
-        "prefetch": int(prefetch),
-        "slots": 0 if slots is None else int(slots),
-        "sim_h2d_gbps": float(sim_link_gbps),
-        "sim_d2h_gbps": float(sim_link_gbps),
-        "sim_latency_us": float(sim_latency_us),
+        "prefetch": _C.check_prefetch(prefetch),
+        "slots": 0 if slots is None else _C.check_slots(slots),
+        "sim_h2d_gbps": _C.check_link_gbps(sim_link_gbps),
+        "sim_d2h_gbps": _C.check_link_gbps(sim_link_gbps),
+        "sim_latency_us": _C.check_latency_us(sim_latency_us),
         "checker": bool(checker),
         "pin_memory": bool(pin_memory),
         "cache_across_steps": bool(cache_across_steps),
@@ -1318,14 +1388,18 @@ def offload(
         if fmt is not None and fmt not in _C.quant_formats():
             raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
                              f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
-    if opts["prefetch"] < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    if slots is not None and slots < 2:
-        raise ValueError(f"slots must be >= 2, got {slots}")
     resolved = _C.resolve_device(opts["device"])
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
+    budget_spec = None if budget is None else _C.parse_budget(budget)  # checked before anything changes
     _check_no_meta(model)
+    trainable_gguf = [n for n, p in model.named_parameters() if isinstance(p, GgufWeight) and p.requires_grad]
+    if trainable_gguf:
+        raise LayerstreamError(
+            f"{len(trainable_gguf)} GGUF weight(s) require grad: {', '.join(trainable_gguf[:5])}"
+            f"{', ...' if len(trainable_gguf) > 5 else ''}. load_gguf() keeps them as the file's packed blocks, "
+            f"which are frozen (no gradient is computed for them); freeze them (requires_grad_(False)) and "
+            f"train an adapter over them (LoRA), or load a dense checkpoint to train these weights.")
     dora = _dora_layers(model)
     candidates, padded, custom, computed, wrapped, under_dora, renormed = [], [], [], [], [], [], []
     grouped = []  # the names of modules offload(groups=...) streams whole: their descendants are theirs
@@ -1413,6 +1487,7 @@ def offload(
                    "each lookup renormalizes the rows it reads in place, which a streamed lookup "
                    "does not do")
     candidates, tie_groups = _split_tied(model, candidates, compute_device)
+    _check_no_shared_storage(model, candidates)
     tied_names = {n for g in tie_groups for n in g}
     # Embedding tables stay in host memory and are looked up there (no slot, no planner
     # entry, no quantization): only the rows a batch names cross the bus.
@@ -1553,8 +1628,8 @@ def offload(
     #    slots get what is left. The budget covers every weight on the device.
     plan = None
     resident_names = set()
-    if budget is not None:
-        budget_bytes = _resolve_budget(budget, compute_device, opts)
+    if budget_spec is not None:
+        budget_bytes = _resolve_budget(budget_spec, compute_device)
         layer_ids = {id(t[1]) for t in layers + tables}  # tables take no device memory
         fixed = 0
         counted = set()  # a tensor shared by two modules (tied weights) is on the device once
@@ -1779,30 +1854,17 @@ def _align256(n: int) -> int:
     return (n + 255) // 256 * 256
 
 
-# Share of free device memory that budget="auto" gives to weights; the rest
-# is left for activations, gradients and workspaces.
-AUTO_BUDGET_FRACTION = 0.6
-
-
-def _resolve_budget(budget, compute_device: torch.device, opts: dict) -> int:
-    """Bytes from a size, "auto" or a fraction ("40%" or 0 < x < 1) of the
+def _resolve_budget(spec, compute_device: torch.device) -> int:
+    """Bytes of a budget checked by _C.parse_budget: a byte count, or a share of the
     device's free memory (the sim device reports its simulated capacity)."""
-    fraction = None
-    if isinstance(budget, str) and budget.strip().lower() == "auto":
-        fraction = AUTO_BUDGET_FRACTION
-    elif isinstance(budget, str) and budget.strip().endswith("%"):
-        fraction = float(budget.strip()[:-1]) / 100.0
-    elif isinstance(budget, float) and 0.0 < budget < 1.0:
-        fraction = budget
-    if fraction is None:
-        return parse_bytes(budget)
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"budget fraction must be in (0, 100%], got {budget!r}")
+    fraction, nbytes, share = spec
+    if not fraction:
+        return nbytes
     if compute_device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(compute_device)
     else:
-        free = opts.get("sim_device_memory_bytes", SIM_DEVICE_MEMORY)
-    return int(free * fraction)
+        free = SIM_DEVICE_MEMORY
+    return int(free * share)
 
 
 # Capacity of the simulated device (what budget="auto" sees on "sim").

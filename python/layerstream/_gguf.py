@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
-from . import _C
+from . import _C, _standin
 
 LayerstreamError = _C.LayerstreamError
 
@@ -52,10 +52,12 @@ class GgufWeight(nn.Parameter):
         name = getattr(func, "__name__", "")
         if self is not None and getattr(func, "__self__", None) is _DEVICE and name == "__get__":
             return _HOST  # where the bytes are; is_meta stays True (see the class docstring)
-        if func is torch.nn.functional.linear or (self is not None and name == "copy_"):
-            w = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, GgufWeight))
-            raise LayerstreamError(w._msg("computing with it" if func is torch.nn.functional.linear
-                                          else "writing into it"))
+        if self is not None and name == "copy_":
+            raise LayerstreamError(self._msg("writing into it"))
+        w = _standin.first_standin(types, args, kwargs, GgufWeight)
+        if w is not None and not _standin.reads_metadata_only(func) and name not in ("detach", "alias", "requires_grad_"):
+            # Any computation with it, in any argument position: a meta tensor has no values.
+            raise LayerstreamError(w._msg(_standin.computing_message(func)))
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if self is not None and name in ("detach", "alias") and isinstance(out, torch.Tensor):

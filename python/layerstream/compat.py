@@ -20,7 +20,9 @@ Observable behaviour kept from the original:
 Differences (fixes): ``offload_percent`` picks layers by bytes, largest
 first, deterministically (ties by name), not at random; weights are
 prefetched in the traced order; gradients are complete when backward
-returns; a CPU ``device`` runs on layerstream's simulated device.
+returns; a CPU ``device`` runs on layerstream's simulated device; a model
+already offloaded by ``layerstream.offload()`` is refused (one model, one
+handle), as offload() refuses a model attached here.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import torch
 import torch.nn as nn
 
 from . import _C, _conv_args, _is_streamable
+
+LayerstreamError = _C.LayerstreamError
 
 __all__ = ["MemoryManager", "LinearLayerMemoryManager", "ConvLayerMemoryManager",
            "BaseLayerMemoryManager"]
@@ -60,6 +64,13 @@ class MemoryManager:
                ignore_modules: Optional[Iterable[nn.Module]] = None, **engine_options):
         if hasattr(module, "_memory_manager"):
             return module._memory_manager
+        taken = [name or "<root>" for name, sub in module.named_modules()
+                 if getattr(sub, "_layerstream_handle", None) is not None]
+        if taken:
+            raise LayerstreamError(
+                f"MemoryManager.attach: the model is already offloaded by layerstream.offload() "
+                f"({len(taken)} streamed layer(s), e.g. '{taken[0]}'); one model is streamed by one "
+                f"handle. Call handle.detach() on the offload() handle first, or keep using it.")
         if not 0.0 <= float(offload_percent) <= 1.0:
             raise ValueError(f"offload_percent must be in [0, 1], got {offload_percent}")
         manager = cls(module, device, **engine_options)

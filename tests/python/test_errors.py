@@ -120,7 +120,7 @@ def test_budget_string_units(offload_sim):
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    pytest.param(dict(budget="12 parsecs"), ValueError, "cannot parse size", id="budget-unit"),
+    pytest.param(dict(budget="12 parsecs"), ValueError, "invalid size", id="budget-unit"),
     pytest.param(dict(budget=-5), ValueError, "budget", id="budget-negative"),
     pytest.param(dict(budget=True), ValueError, "budget", id="budget-bool"),
     pytest.param(dict(slots=1), ValueError, "slots", id="slots-1"),

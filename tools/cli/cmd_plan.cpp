@@ -1,5 +1,7 @@
 // `layerstream plan`: placement plan for a checkpoint or a built-in model
 // under a device-memory budget (see docs/design/planner.md).
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +15,7 @@
 #include "core/error.h"
 #include "core/gguf.h"
 #include "core/json.h"
+#include "core/options.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
 
@@ -136,7 +139,7 @@ int cmd_plan(int argc, char** argv) {
         budget_s = take();
         have_budget = true;
       } else if (a == "--link-gbps") {
-        link_gbps = parse_number(a, take());
+        link_gbps = options::check_link_gbps(parse_number(a, take()), "--link-gbps");
       } else if (a == "--tflops") {
         tflops = parse_number(a, take());
       } else if (a == "--tokens") {
@@ -161,9 +164,12 @@ int cmd_plan(int argc, char** argv) {
         if (m != "routed" && m != "all") throw Usage{"--experts expects routed or all, got " + json::quote(m)};
         opt.routed_experts = m == "routed";
       } else if (a == "--max-prefetch") {
-        uint64_t n = parse_count(a, take());
-        if (n > 64) throw Usage{"--max-prefetch must be at most 64"};
-        max_prefetch = static_cast<int>(n);
+        const uint64_t n = parse_count(a, take());
+        try {
+          max_prefetch = options::check_prefetch(static_cast<int64_t>(std::min<uint64_t>(n, INT64_MAX)));
+        } catch (const Error& e) {
+          throw Usage{"--max-prefetch: " + e.message()};
+        }
       } else if (a == "--json") {
         no_value();
         as_json = true;

@@ -10,6 +10,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/error.h"
+#include "core/planner.h"
+
 namespace layerstream::cli {
 
 // Bad usage: the command prints `message` on one line and exits with 2.
@@ -60,25 +63,20 @@ inline int parse_int(const std::string& flag, const std::string& v, int lo, int 
   return static_cast<int>(n);
 }
 
-// "1048576", "1.5MiB", "2MB", "512KiB", "1e6", "3G" (K/M/G = powers of 1000,
-// Ki/Mi/Gi = powers of 1024; a trailing B is optional).
+// A size for `flag`, by the project's one size rule (parse_bytes in
+// core/planner.h: "1048576", "1.5MiB", "2MB", "512KiB", "1e6", "3G";
+// K/M/G/T = powers of 1000, Ki/Mi/Gi/Ti = powers of 1024; B optional;
+// whole bytes), above 0.
 inline int64_t parse_size(const std::string& flag, const std::string& v) {
-  const char* s = v.c_str();
-  char* end = nullptr;
-  const double d = std::strtod(s, &end);
-  std::string unit(end);
-  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
-  double mul = 0;
-  if (unit.empty()) mul = 1;
-  else if (unit == "K" || unit == "k") mul = 1e3;
-  else if (unit == "M") mul = 1e6;
-  else if (unit == "G") mul = 1e9;
-  else if (unit == "Ki") mul = 1024.0;
-  else if (unit == "Mi") mul = 1024.0 * 1024;
-  else if (unit == "Gi") mul = 1024.0 * 1024 * 1024;
-  if (end == s || mul == 0 || !std::isfinite(d) || d <= 0 || d * mul > 9e18)
-    throw UsageError{flag + " expects a size such as 2MiB, 1.5MB or 3000000, got '" + v + "'"};
-  return static_cast<int64_t>(d * mul);
+  uint64_t n = 0;
+  try {
+    n = layerstream::parse_bytes(v);
+  } catch (const layerstream::Error& e) {
+    throw UsageError{flag + ": " + e.message()};
+  }
+  if (n == 0 || n >= (uint64_t{1} << 63))
+    throw UsageError{flag + " expects a size above 0 and below 2^63 bytes, such as 2MiB, got '" + v + "'"};
+  return static_cast<int64_t>(n);
 }
 
 // Value of option argv[i] (either "--flag value" or "--flag=value"); advances i.

@@ -1,0 +1,51 @@
+// layerstream — the rules for user options, in one place.
+//
+// Python's offload(), the C++ EngineOptions/OffloadOptions and the command
+// line all validate through these functions, so an option means the same
+// and fails with the same message everywhere. Each check returns the value
+// it accepted or throws layerstream::Error with a sentence that says what to
+// change. Torch-free; thread-safe (no state).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace layerstream::options {
+
+// Most layers kept in flight ahead of use. A deeper prefetch only holds more
+// slots: with weights copied in layer order, one layer ahead hides a copy
+// as long as the copy is shorter than a layer's compute.
+constexpr int64_t kMaxPrefetch = 64;
+// Most device slots (a slot holds one layer's weights).
+constexpr int64_t kMaxSlots = kMaxPrefetch + 2;
+
+// A device budget: a byte count, or a share of the device's free memory
+// ("auto" is kAutoFraction of it).
+struct Budget {
+  bool fraction = false;
+  uint64_t bytes = 0;  // when !fraction
+  double share = 0;    // when fraction: in (0, 1]
+};
+constexpr double kAutoFraction = 0.6;
+
+// Text: "auto", "40%", or a size ("12GiB", "500MB", "1.5e9", "123"; see
+// parse_bytes in planner.h: whole bytes, so "0.5" is refused and names "50%").
+Budget parse_budget(const std::string& text);
+// A number (Python's int or float): 0 < value < 1 is a share of free device
+// memory; otherwise a whole, non-negative byte count below 2^63.
+Budget budget_from_number(double value);
+
+// prefetch in [0, kMaxPrefetch]; slots in [2, kMaxSlots], or 0 (automatic)
+// where the caller represents "unset" that way (C++ EngineOptions; Python
+// uses None and passes zero_is_auto = false).
+int check_prefetch(int64_t prefetch);
+int check_slots(int64_t slots, bool zero_is_auto = true);
+// The simulated link: bandwidth in GB/s (10^9 bytes/s), finite and >= 0 (0:
+// no link model, copies take no modelled time); latency in microseconds,
+// finite and >= 0. `what` names the option in the message.
+double check_link_gbps(double gbps, const char* what = "sim_link_gbps");
+double check_latency_us(double us, const char* what = "sim_latency_us");
+// A C++ budget in bytes: -1 (none) or >= 0.
+int64_t check_budget_bytes(int64_t bytes);
+
+}  // namespace layerstream::options

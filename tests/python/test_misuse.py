@@ -1,0 +1,254 @@
+"""Misuse gives a clear error and leaves the model as it was: never garbage, never a
+silent half-change. Each case checks the error's text and the model afterwards."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import layerstream
+from conftest import gguf_random_blocks
+from layerstream import GgufWeight, LayerstreamError
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def _state(model):
+    """Everything a misuse could change: each tensor's class, device, dtype, strides,
+    storage address and values (packed stand-ins: metadata only)."""
+    out = {}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        values = None if t.is_meta else t.detach().clone()
+        out[n] = (type(t), t.device, t.dtype, t.shape, t.stride(), t.requires_grad,
+                  None if t.is_meta else t.untyped_storage().data_ptr(), values)
+    return out
+
+
+def _assert_unchanged(before, model):
+    after = _state(model)
+    assert after.keys() == before.keys()
+    for n in before:
+        *meta_b, vb = before[n]
+        *meta_a, va = after[n]
+        assert meta_a == meta_b, n
+        assert (va is None) == (vb is None) and (va is None or torch.equal(va, vb)), n
+
+
+# ---------------------------------------------------------------- packed stand-ins
+
+@pytest.mark.parametrize("use", [
+    lambda x, w: x @ w.t(),
+    lambda x, w: x @ w.T,
+    lambda x, w: F.linear(x, w),
+    lambda x, w: torch.matmul(x, w.t()),
+    lambda x, w: w + 1,
+    lambda x, w: w.sum(),
+    lambda x, w: torch.cat([w, w]),
+    lambda x, w: w.clone(),
+], ids=["matmul-t", "matmul-T", "F.linear", "torch.matmul", "add", "sum", "cat", "clone"])
+def test_quantized_stand_in_refuses_computation(use):
+    model = _mlp().requires_grad_(False)
+    handle = layerstream.offload(model, device="sim", quantize="int8")
+    x = torch.randn(4, 32)
+    want = model(x)
+    before = _state(model)
+    with pytest.raises(LayerstreamError, match=r"packed in layerstream's host store.*computing with it.*"
+                                               r"run the module itself"):
+        use(x, model[0].weight)
+    _assert_unchanged(before, model)
+    assert torch.equal(model(x), want)  # the module itself still computes, from the packed weight
+    # Metadata stays readable (optimizers, peft and printing rely on it).
+    w = model[0].weight
+    assert (w.shape, w.dtype, w.numel(), w.dim(), w.requires_grad) == ((64, 32), torch.float32, 2048, 2, False)
+    handle.detach()
+
+
+def _gguf_linear():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 8))
+    w = GgufWeight((8, 32), torch.float32, "q8_0", gguf_random_blocks("Q8_0", 8, 32), "0.weight")
+    model[0].weight = w
+    return model
+
+
+@pytest.mark.parametrize("use", [lambda x, w: x @ w.t(), lambda x, w: F.linear(x, w), lambda x, w: w * 2],
+                         ids=["matmul", "F.linear", "mul"])
+def test_gguf_stand_in_refuses_computation(use):
+    model = _gguf_linear()
+    before = _state(model)
+    with pytest.raises(LayerstreamError, match=r"GGUF q8_0 bytes.*computing with it.*layerstream.offload"):
+        use(torch.randn(2, 32), model[0].weight)
+    _assert_unchanged(before, model)
+
+
+def test_trainable_gguf_weight_is_refused_by_offload():
+    model = _gguf_linear()
+    model[0].weight.requires_grad_(True)
+    before = _state(model)
+    forward = model[0].forward
+    with pytest.raises(LayerstreamError, match=r"1 GGUF weight\(s\) require grad: 0.weight.*frozen.*"
+                                               r"requires_grad_\(False\)"):
+        layerstream.offload(model, device="sim")
+    _assert_unchanged(before, model)
+    assert "forward" not in model[0].__dict__ and model[0].forward == forward
+
+
+# ---------------------------------------------------------------- conversions
+
+def test_move_to_meta_after_offload_is_refused_before_anything_changes():
+    model = nn.Sequential(_mlp(), nn.LayerNorm(32))  # the LayerNorm stays resident
+    handle = layerstream.offload(model, device="sim", exclude=["1"])
+    x = torch.randn(4, 32)
+    want = model(x)
+    before = _state(model)
+    for convert in (lambda m: m.to("meta"), lambda m: m.to_empty(device="meta")):
+        with pytest.raises(LayerstreamError, match="would move them elsewhere or change their dtype"):
+            convert(model)
+        _assert_unchanged(before, model)  # the resident LayerNorm too: nothing went to meta
+    assert torch.equal(model(x), want)
+    handle.detach()
+
+
+# ---------------------------------------------------------------- modes and handles
+
+def test_offload_inside_inference_mode_is_refused():
+    model = _mlp()
+    before = _state(model)
+    with torch.inference_mode():
+        with pytest.raises(LayerstreamError, match=r"inside torch.inference_mode\(\).*outside inference_mode"):
+            layerstream.offload(model, device="sim")
+    _assert_unchanged(before, model)
+    # Outside it, offload() works, and inference mode afterwards is fine.
+    handle = layerstream.offload(model, device="sim")
+    with torch.inference_mode():
+        out = model(torch.randn(2, 32))
+    assert out.shape == (2, 32)
+    handle.detach()
+
+
+def test_compat_attach_refuses_an_offloaded_model():
+    from layerstream.compat import MemoryManager
+    model = _mlp()
+    handle = layerstream.offload(model, device="sim")
+    x = torch.randn(4, 32)
+    model(x).sum().backward()
+    steps = handle.stats()["steps"]
+    with pytest.raises(LayerstreamError, match=r"already offloaded by layerstream.offload\(\).*handle.detach\(\)"):
+        MemoryManager.attach(model, torch.device("cpu"))
+    assert not hasattr(model, "_memory_manager")
+    model(x).sum().backward()  # the handle still streams the model
+    assert handle.stats()["steps"] > steps
+    handle.detach()
+
+
+# ---------------------------------------------------------------- backward errors
+
+def test_second_backward_gives_torchs_own_message():
+    torch.manual_seed(0)
+    for model, x, kw in [(_mlp(), torch.randn(4, 32, requires_grad=True), {}),
+                         (nn.MultiheadAttention(32, 4), torch.randn(5, 2, 32, requires_grad=True), {})]:
+        handle = layerstream.offload(model, device="sim", **kw)
+        out = model(x) if isinstance(model, nn.Sequential) else model(x, x, x)[0]
+        y = out.sum()
+        y.backward()
+        with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time") as err:
+            y.backward()
+        assert "modified in place" not in str(err.value)
+        handle.detach()
+
+
+def test_in_place_write_before_backward_names_the_layer():
+    model = _mlp()
+    handle = layerstream.offload(model, device="sim")
+    x = torch.randn(4, 32, requires_grad=True)
+    y = model(x).sum()
+    with torch.no_grad():
+        model[2].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    handle.detach()
+
+
+# ---------------------------------------------------------------- arguments
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(budget=1e30), r"budget of 1e\+30 bytes is too large"),
+    (dict(budget=2**70), r"budget of 1180591620717411303424 bytes is too large"),
+    (dict(budget=float("nan")), r"budget must be a finite number"),
+    (dict(budget=float("inf")), r"budget must be a finite number"),
+    (dict(budget="0.5"), r"not a whole number of bytes.*'50%'.*0\.5"),
+    (dict(budget=1.5), r"not a whole number of bytes"),
+    (dict(budget=-1), r"budget must be >= 0"),
+    (dict(budget="150%"), r"\(0, 100\]"),
+    (dict(budget=[1]), r"budget must be a size in bytes"),
+    (dict(prefetch=10**9), r"prefetch must be in \[0, 64\]"),
+    (dict(prefetch=100), r"prefetch must be in \[0, 64\]"),
+    (dict(prefetch=100, budget="1MiB"), r"prefetch must be in \[0, 64\]"),
+    (dict(prefetch=2.5), r"prefetch must be an integer"),
+    (dict(slots=0), r"slots must be in \[2, 66\]"),
+    (dict(slots=10**20), r"slots must be in \[2, 66\]"),
+    (dict(sim_link_gbps=float("nan")), r"sim_link_gbps must be a finite bandwidth"),
+    (dict(sim_link_gbps=-1), r"sim_link_gbps must be a finite bandwidth"),
+    (dict(sim_latency_us=float("inf")), r"sim_latency_us must be a finite latency"),
+])
+def test_bad_arguments_are_one_clear_error(kw, match):
+    model = _mlp()
+    before = _state(model)
+    with pytest.raises(ValueError, match=match):
+        layerstream.offload(model, device="sim", **kw)
+    _assert_unchanged(before, model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_the_same_rules_in_cpp_and_python():
+    """The engine's own options (C++ EngineOptions, what the C++ offload() takes)
+    check with the same rules and messages."""
+    for opts, match in [({"prefetch": 10**9}, r"prefetch must be in \[0, 64\]"),
+                        ({"slots": 1}, r"slots must be in \[2, 66\]"),
+                        ({"sim_h2d_gbps": float("nan")}, r"sim_h2d_gbps must be a finite bandwidth"),
+                        ({"budget_bytes": -2}, r"budget_bytes must be -1")]:
+        with pytest.raises(LayerstreamError, match=match):
+            layerstream._C.Engine({"device": "sim", **opts})
+    assert layerstream.parse_bytes("12GiB") == 12 * 2**30
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        layerstream.parse_bytes("0.5")
+
+
+def test_a_budget_share_and_prefetch_64_work():
+    model = _mlp()
+    handle = layerstream.offload(model, device="sim", budget=0.5, prefetch=64)
+    assert handle.stats()["budget_bytes"] == layerstream.SIM_DEVICE_MEMORY // 2
+    handle.detach()
+
+
+# ---------------------------------------------------------------- shared storage
+
+def test_parameters_viewing_one_flat_buffer_are_refused():
+    model = _mlp()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    offset = 0
+    for m in (model[0], model[2]):
+        for k in ("weight", "bias"):
+            p = m._parameters[k]
+            m._parameters[k] = nn.Parameter(flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+    before = _state(model)
+    with pytest.raises(LayerstreamError, match=r"parameter '0.weight' shares its memory with '0.bias'.*"
+                                               r"flat buffer.*clone\(\)"):
+        layerstream.offload(model, device="sim")
+    _assert_unchanged(before, model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    # The fix the message names works.
+    for p in model.parameters():
+        p.data = p.data.clone()
+    x = torch.randn(3, 32)
+    want = copy.deepcopy(model)(x)
+    handle = layerstream.offload(model, device="sim")
+    assert torch.equal(model(x), want)
+    handle.detach()
