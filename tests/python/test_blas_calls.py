@@ -205,10 +205,13 @@ def test_conv_issues_the_resident_calls(capfd, case):
     _compare(capfd, model, x)
 
 
+@pytest.mark.parametrize("module_mode", ["train", "eval"])
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
-def test_attention_group_issues_the_resident_calls(capfd, batch_first):
+def test_attention_group_issues_the_resident_calls(capfd, batch_first, module_mode):
+    """In eval mode, nn.MultiheadAttention takes its fused path only without grad mode:
+    a streamed group's forward must run under grad mode as the resident one does."""
     torch.manual_seed(0)
-    model = nn.MultiheadAttention(64, 4, batch_first=batch_first)
+    model = nn.MultiheadAttention(64, 4, batch_first=batch_first).train(module_mode == "train")
 
     class SelfAttention(nn.Module):
         def __init__(self):
