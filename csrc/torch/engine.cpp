@@ -697,10 +697,8 @@ std::pair<int64_t, std::vector<torch::Tensor>> Engine::fetch(int layer_index, co
   } else {
     lease = scheduler().acquire(layer_index, cs, current_phase());
   }
-  // Views with their parameters' requires_grad, normal tensors even under
-  // inference mode: the module's forward then takes the resident module's
-  // paths (Note [Same calls as the resident module]).
-  c10::InferenceMode normal(false);
+  // Views with their parameters' requires_grad: the module's forward then
+  // takes the resident module's paths (Note [Same calls as the resident module]).
   std::vector<torch::Tensor> views;
   auto view = [&](void* ptr, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
                   torch::ScalarType dtype) {
@@ -1101,10 +1099,6 @@ void Engine::note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch:
 }
 
 Engine::DeviceParams Engine::device_params(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {
-  // Normal tensors even under inference mode, as the parameters are: a view
-  // of an inference tensor would not keep requires_grad, which decides
-  // at::matmul's path (Note [Same calls as the resident module]).
-  c10::InferenceMode normal(false);
   DeviceParams p;
   const size_t ws_part = l.bias.defined() ? 2 : 1;  // the workspace follows the copied parts
   const auto on_device = torch::TensorOptions().device(compute_device_);
@@ -1688,7 +1682,6 @@ struct KeptGraph : torch::CustomClassHolder {
 // device_params() would make them: for a forward run inside the layer's own
 // backward, whose storages that backward parks when it ends.
 Engine::DeviceParams alias_params(const Engine::DeviceParams& p, torch::ScalarType dtype) {
-  c10::InferenceMode normal(false);
   const auto alias = [](const torch::Tensor& t) {
     torch::Tensor a = torch::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options());
     if (t.requires_grad()) a.set_requires_grad(true);

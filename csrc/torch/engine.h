@@ -328,8 +328,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Scheduler& scheduler();
   // The layer's weight and bias as its computation reads them on the device,
   // for activations of `dtype`. The leaves are views of the lease's slot
-  // with their parameters' requires_grad (normal tensors, also under
-  // inference mode), so that the op takes the resident module's path
+  // with their parameters' requires_grad, so that the op takes the resident
+  // module's path
   // (Note [Same calls as the resident module] in engine.cpp); w/b are the
   // leaves, or their casts to `dtype` (cast at use, recorded by autograd
   // when grad mode is on). Undefined when the layer has no bias.

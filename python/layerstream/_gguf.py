@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from . import _C, _standin
+from ._standin import DEVICE as _DEVICE, HOST as _HOST
 
 LayerstreamError = _C.LayerstreamError
 
@@ -25,10 +26,6 @@ LayerstreamError = _C.LayerstreamError
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
 _DENSE = (torch.float32, torch.bfloat16, torch.float16)
-# The .device descriptor as __torch_function__ sees its getter, and what packed stand-ins
-# (GgufWeight here, _PackedWeight in __init__) report from it: the host, where their bytes are.
-_DEVICE = torch._C.TensorBase.__dict__["device"]
-_HOST = torch.device("cpu")
 
 
 class GgufWeight(nn.Parameter):
@@ -122,7 +119,7 @@ def _streams_packed(mod: nn.Module, key: str, target: torch.Tensor) -> bool:
     """Whether `mod`'s tensor `key` streams as a GGUF file's blocks: the weight of a
     Linear that streams as one (torch's own forward), or a tensor of 2+ dimensions of
     a module offload() streams as a tensor group (mixture-of-experts weights)."""
-    from . import _is_streamable, _stock_forward
+    from ._discovery import _is_streamable, _stock_forward
     if mod._parameters.get(key) is not target:
         return False
     kind = _is_streamable(mod)
@@ -224,7 +221,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
     Returns a ``GgufLoad`` (what was packed, loaded dense, dequantized,
     missing, unexpected; the file's metadata). Not thread-safe with other users
     of the model."""
-    from . import _PackedWeight
+    from ._packed import _PackedWeight
     if any(hasattr(p, "_is_memory_managed") or isinstance(p, _PackedWeight) for p in model.parameters()):
         raise LayerstreamError("load_gguf(): the model is offloaded (layerstream holds its weights); call "
                                "handle.detach() first, then load_gguf() and offload() again")

@@ -11,7 +11,13 @@ few calls it gives a meaning of its own (detach(), copy_(), .device) before aski
 """
 from __future__ import annotations
 
+import torch
 import torch.utils._pytree as pytree
+
+# The .device descriptor as __torch_function__ sees its getter, and what packed stand-ins
+# (GgufWeight, _PackedWeight) report from it: the host, where their bytes are.
+DEVICE = torch._C.TensorBase.__dict__["device"]
+HOST = torch.device("cpu")
 
 # Property getters that compute a view of the values: refused like any computation.
 _VIEW_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})

@@ -31,7 +31,9 @@ from typing import Iterable, List, Optional
 import torch
 import torch.nn as nn
 
-from . import _C, _conv_args, _is_streamable
+from . import _C
+from ._discovery import _conv_args, _is_streamable
+from ._offload import _move_resident
 
 LayerstreamError = _C.LayerstreamError
 
@@ -109,7 +111,6 @@ class MemoryManager:
             else:
                 ConvLayerMemoryManager.attach(sub, manager, name=name)
         # Whatever is not streamed runs on the process device.
-        from . import _move_resident
         streamed = {id(p) for m in manager.managed for p in m.parameters(recurse=False)}
         _move_resident(module, streamed, torch.device(manager.engine.compute_device))
         return manager

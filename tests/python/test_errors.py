@@ -376,13 +376,13 @@ def test_failure_while_attaching_undoes_what_was_attached(offload_sim, monkeypat
                 raise MemoryError("injected")
             return real(module, device, name)
 
-        monkeypatch.setattr(layerstream, "_StreamedApply", failing)
+        monkeypatch.setattr(layerstream._offload, "_StreamedApply", failing)
     else:
         def failing(*args):
             calls.append("moved")
             raise MemoryError("injected")
 
-        monkeypatch.setattr(layerstream, "_move_resident", failing)
+        monkeypatch.setattr(layerstream._offload, "_move_resident", failing)
     with pytest.raises(MemoryError, match="injected"):
         layerstream.offload(model, device="sim")
     monkeypatch.undo()

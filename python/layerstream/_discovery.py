@@ -1,0 +1,304 @@
+"""Which modules of a model stream, and as what: eligibility rules (stock forwards,
+wrappers, parametrizations, DoRA, tied weights, shared storage) and the names of a
+tensor group's parameters. Reads modules; changes nothing.
+"""
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import warnings
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from . import _C
+from ._gguf import GgufWeight
+from ._packed import _PackedWeight
+
+LayerstreamError = _C.LayerstreamError
+
+
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """transformers' mixture-of-experts modules (the ``use_experts_implementation``
+    decorator gives them ``has_gate`` and ``is_transposed``), whose expert weights
+    are 3-D parameters (``gate_up_proj`` [experts, 2 * inter, hidden], ``down_proj``,
+    optional biases) that the module indexes itself: Qwen2/3-MoE, Mixtral, GPT-OSS,
+    DeepSeek, ... They stream as a tensor group (see _GroupForward)."""
+    params = [p for p in module._parameters.values() if p is not None]
+    return (hasattr(module, "has_gate") and hasattr(module, "is_transposed") and bool(params)
+            and all(p.is_floating_point() for p in params) and any(p.dim() == 3 for p in params))
+
+
+_TRANSFORMERS_EXPERTS_FORWARDS = ("batched_mm_experts_forward", "grouped_mm_experts_forward")
+
+
+def _reads_routed_experts_only(module: nn.Module) -> bool:
+    """True when the experts module's forward reads only the experts its routing ids
+    name, so that the others need not be in the slot: transformers' dispatching forward
+    (use_experts_implementation) running the class's own "eager" forward (every one in
+    transformers loops over the experts hit) or transformers' own "batched_mm" /
+    "grouped_mm" (they index the weights by the ids, or skip experts without tokens).
+    Checked at every call (the implementation can be switched at run time); any other
+    implementation (e.g. a registered kernel) gets every expert."""
+    fwd = type(module).forward  # functools.wraps copied the names: ask where its code lives
+    if getattr(fwd, "__globals__", {}).get("__name__") != "transformers.integrations.moe" or \
+            not hasattr(fwd, "__wrapped__"):
+        return False
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if impl is None or impl == "eager":
+        return True
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # pragma: no cover - the module comes from transformers
+        return False
+    fn = moe.ALL_EXPERTS_FUNCTIONS.get(impl)
+    return any(fn is getattr(moe, name, None) for name in _TRANSFORMERS_EXPERTS_FORWARDS)
+
+
+# Modules offload(groups=...) streams whole (while offloaded): _group_slots() lists every
+# parameter below them. Weak: a module dropped without detach() leaves nothing behind.
+_WHOLE_GROUPS = weakref.WeakSet()
+
+
+def _group_slots(module: nn.Module) -> List[tuple]:
+    """(owner, key, name) of each parameter of a tensor group: the module's own, and for
+    nn.MultiheadAttention its out_proj's too (its forward reads out_proj.weight directly,
+    so they stream together); for a module offload(groups=...) named, every parameter of
+    it and of its descendants (named relative to it)."""
+    if module in _WHOLE_GROUPS:  # offload(groups=...): every parameter below it
+        return [(owner, k, f"{mname}.{k}" if mname else k) for mname, owner in module.named_modules()
+                for k, p in owner._parameters.items() if p is not None]
+    slots = [(module, k, k) for k, p in module._parameters.items() if p is not None]
+    if isinstance(module, nn.MultiheadAttention):
+        out = module.out_proj
+        slots += [(out, k, f"out_proj.{k}") for k, p in out._parameters.items() if p is not None]
+    return slots
+
+
+def _is_mha(module: nn.Module) -> bool:
+    """torch's nn.MultiheadAttention with its own forward and floating-point weights: its
+    forward reads the projection weights directly (no Linear to swap), so it streams as a
+    tensor group, its out_proj with it."""
+    return (type(module).forward is nn.MultiheadAttention.forward
+            and type(module.out_proj).forward is nn.Linear.forward
+            and all(o._parameters[k].is_floating_point() for o, k, _ in _group_slots(module)))
+
+
+def _is_streamable(module: nn.Module) -> Optional[str]:
+    """Returns 'linear', 'conv', 'embedding', 'group' (mixture-of-experts weights,
+    nn.MultiheadAttention) or None."""
+    if _is_experts(module):
+        return "group"
+    if isinstance(module, nn.MultiheadAttention):
+        return "group" if _is_mha(module) else None
+    # MultiheadAttention reads out_proj.weight directly instead of calling it.
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return None
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, _CONV_TYPES):
+        return "conv"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return None
+
+
+def _stock_forward(module: nn.Module, kind: str) -> bool:
+    """True when the module computes what a streamed layer computes: torch's own
+    Linear / ConvNd forward (a subclass may add only other methods), or a
+    bitsandbytes Linear4bit (its nf4 weight streams packed; see _bnb_nf4); or an
+    Embedding subclass whose forward does its lookup through super().forward
+    (see _lookup_through_super)."""
+    cls = type(module)
+    if kind == "group":
+        return True  # its own forward runs, on the fetched tensors
+    if kind == "embedding":
+        return cls.forward is nn.Embedding.forward or _lookup_through_super(cls)
+    if kind == "linear":
+        return cls.forward is nn.Linear.forward or type(module.weight).__name__ == "Params4bit"
+    base = next(t for t in _CONV_TYPES if isinstance(module, t))
+    return cls.forward is base.forward and cls._conv_forward is base._conv_forward
+
+
+def _lookup_through_super(cls: type) -> bool:
+    """True for an nn.Embedding subclass each of whose own forward methods calls
+    ``super().forward`` (and reads no other forward), as the scaled word
+    embeddings of Gemma, Bart, M2M100, ... do (``super().forward(ids) *
+    embed_scale``). Such a module streams with its own forward kept: offload()
+    puts _LookupBase between the subclass and nn.Embedding in its class, so that
+    super().forward is the streamed lookup and whatever the subclass adds runs
+    on its result. A forward without super() (its own F.embedding call, which
+    would read the weight directly) is not recognized: the module stays
+    resident, as before."""
+    for klass in cls.__mro__:
+        if klass is nn.Embedding:
+            return True
+        f = klass.__dict__.get("forward")
+        if f is None:
+            continue
+        code = getattr(f, "__code__", None)
+        if code is None or "super" not in code.co_names or "forward" not in code.co_names:
+            return False
+    return False
+
+
+def _computed_weight(module: nn.Module) -> bool:
+    """True when the module's weight is not a parameter of its own but computed
+    (torch.nn.utils.parametrize: weight_norm, spectral_norm, ...; pruning's
+    forward pre-hook): streaming would freeze one computed value. A torch
+    quantized or int8 weight (pre-quantized, streamed as it is) is not."""
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return True
+    w = module.__dict__.get("weight")
+    return "weight" not in module._parameters and isinstance(w, torch.Tensor) and w.is_floating_point()
+
+
+def _dora_layers(model: nn.Module) -> set:
+    """ids of the modules inside a peft LoRA layer with a DoRA adapter: DoRA reads
+    base_layer.weight and the lora_A/lora_B weights directly (its weight norm), not
+    through their forward."""
+    out = set()
+    for m in model.modules():
+        use_dora = getattr(m, "use_dora", None)
+        if isinstance(use_dora, dict) and any(use_dora.values()):
+            out.update(id(sub) for sub in m.modules() if sub is not m)
+    return out
+
+
+def _check_no_meta(model: nn.Module) -> None:
+    """offload() needs every weight's values: refuses data-less (meta) parameters and
+    buffers with the names of the first few, before anything changes."""
+    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+            if t.is_meta and not isinstance(t, (_PackedWeight, GgufWeight))]  # offloaded; packed bytes
+    if meta:
+        raise LayerstreamError(
+            f"{len(meta)} parameter(s)/buffer(s) have no data (meta tensors): "
+            f"{', '.join(meta[:5])}{', ...' if len(meta) > 5 else ''}. The model was built without "
+            f"weights (torch.device('meta'), accelerate's init_empty_weights) or its weights are "
+            f"offloaded by accelerate hooks (a device_map with 'cpu'/'disk' entries). Load real "
+            f"weights into host memory first (e.g. from_pretrained(...) without device_map, or "
+            f"model.to_empty(device='cpu') then load_state_dict()), then call offload().")
+
+
+def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
+    """Refuses, before anything changes, streamed parameters that share memory with another
+    tensor of the model (views of one flat buffer, as some trainers build): offload() moves
+    each streamed parameter into host memory of its own, and detach() could not restore
+    the sharing. The same tensor in several places (tied weights) is not refused here."""
+    owners = {}  # storage address -> names of the distinct tensors on it
+    seen = set()
+    for n, t in itertools.chain(model.named_parameters(remove_duplicate=True),
+                                model.named_buffers(remove_duplicate=True)):
+        if t is None or t.is_meta or id(t) in seen or t.untyped_storage().nbytes() == 0:
+            continue
+        seen.add(id(t))
+        owners.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(n)
+    streamed = []
+    for name, module, kind in candidates:
+        params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
+                  [(k, module._parameters.get(k)) for k in ("weight", "bias")])
+        streamed += [(f"{name}.{pn}" if name else pn, p) for pn, p in params if p is not None and not p.is_meta]
+    for qn, p in streamed:
+        names = owners.get((p.device, p.untyped_storage().data_ptr()), [])
+        if len(names) > 1:
+            raise LayerstreamError(
+                f"parameter '{qn}' shares its memory with {', '.join(repr(n) for n in names if n != qn)} "
+                f"(views of one flat buffer); offload() moves each streamed parameter into host memory of "
+                f"its own, so that sharing would be lost for good after detach(). Give the parameters "
+                f"memory of their own before offload() (e.g. p.data = p.data.clone() for each), or keep "
+                f"these layers resident (offload(exclude=[...])).")
+
+
+def _selected(name: str, include, exclude) -> bool:
+    def match(patterns):
+        if patterns is None:
+            return False
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    if include is not None and not match(include):
+        return False
+    return not match(exclude)
+
+
+def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device):
+    """Tied weights: a parameter of several distinct modules (e.g. an lm_head
+    sharing the embedding's weight). Returns (kept candidates, groups), groups
+    being the lists of candidate names that share one weight.
+
+    When the shared tensor is the weight of every module that has it and all of
+    them are candidates, they stream together: the engine keeps one host copy
+    for all of them (the table looks it up, the lm_head streams it) and returns
+    their gradients through autograd, which sums them into the one .grad as it
+    does for a resident tied weight. Otherwise (a shared bias, or a module that
+    stays resident uses it) those layers stay resident, with one warning:
+    streaming one would move the tensor to the host under the other module (on
+    CUDA a device mismatch), which keeps it on the device anyway."""
+    owners: Dict[int, List[tuple]] = {}  # parameter id -> (module id, parameter name, qualified name)
+    seen_modules = set()
+    for mname, m in model.named_modules(remove_duplicate=False):
+        if id(m) in seen_modules:  # one module reachable under two names is not a tie
+            continue
+        seen_modules.add(id(m))
+        for pname, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((id(m), pname, f"{mname}.{pname}" if mname else pname))
+    streamable = {id(module) for _, module, _ in candidates}
+    while True:  # a layer kept resident keeps the modules it shares a weight with resident too
+        kept, tied, groups = [], [], {}
+        for name, module, kind in candidates:
+            why = []
+            params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
+                      [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
+            for pn, p in params:
+                who = owners.get(id(p), ()) if p is not None else ()
+                if len(who) < 2:
+                    continue
+                if kind != "group" and pn == "weight" and all(o[1] == "weight" and o[0] in streamable
+                                                              for o in who):
+                    groups.setdefault(id(p), []).append(name)
+                    continue
+                own = f"{name}.{pn}" if name else pn
+                why.append(f"{pn} shared with " + ", ".join(f"'{o[2]}'" for o in who if o[2] != own))
+            if why:
+                tied.append(f"'{name or '<root>'}' (" + "; ".join(why) + ")")
+            else:
+                kept.append((name, module, kind))
+        still = {id(module) for _, module, _ in kept}
+        if still == streamable:
+            break
+        streamable = still
+    _warn_resident(tied, "layer(s) with tied weights", compute_device,
+                   "another module that stays resident, or a bias, shares the tensor; a streamed "
+                   "copy would move it under that module", stacklevel=4)
+    return kept, [g for g in groups.values() if len(g) > 1]
+
+
+def _warn_resident(names: list, what: str, compute_device: torch.device, why: str,
+                   stacklevel: int = 3) -> None:
+    """One warning for the layers offload() keeps resident for one reason
+    (stacklevel 3: the caller of offload(), when called from offload())."""
+    if names:
+        warnings.warn(f"layerstream: {len(names)} {what} stay resident on {compute_device} ({why}): "
+                      + "; ".join(names), RuntimeWarning, stacklevel=stacklevel)
+
+
+def _conv_args(module: nn.Module) -> dict:
+    dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[next(t for t in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, t))]
+    pad = module.padding
+    same = False
+    if isinstance(pad, str):
+        if pad == "same":
+            same, pad = True, (0,) * dims
+        elif pad == "valid":
+            pad = (0,) * dims
+        else:
+            raise ValueError(f"unknown conv padding {pad!r}")
+    return dict(dims=dims, stride=list(module.stride), padding=list(pad), same=same,
+                dilation=list(module.dilation), groups=int(module.groups))

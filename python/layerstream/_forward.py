@@ -1,0 +1,314 @@
+"""The forwards offload() installs: a streamed layer's (_StreamedForward), a streamed
+embedding subclass's base (_LookupBase) and a tensor group's (_GroupForward, _GroupFn).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import _C
+from ._discovery import _reads_routed_experts_only
+
+LayerstreamError = _C.LayerstreamError
+
+
+_NO_COPY = ("an offloaded model cannot be {what} (its streamed weights live in layerstream's host "
+            "store, which this process owns); {instead}, or call handle.detach() first")
+
+
+class _RefusesCopy:
+    """Pickling (torch.save(model)) or deep-copying an object offload() attached to a
+    model fails with a message that says what to do instead of pickle's own error."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol):
+        raise LayerstreamError(_NO_COPY.format(
+            what="pickled (e.g. torch.save(model))",
+            instead="save model.state_dict() instead (quantized weights are data-less there until "
+                    "detach())"))
+
+    def __deepcopy__(self, memo):
+        raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
+
+
+class _LookupBase(_RefusesCopy, nn.Embedding):
+    """The base offload() slides under a streamed Embedding subclass that calls
+    super().forward (see _lookup_through_super): its forward is the streamed
+    lookup. Copying or pickling the module is refused, as for every streamed
+    module."""
+
+    def forward(self, input):
+        return self.__dict__["_layerstream_lookup"](input)
+
+
+_LOOKUP_CLASSES: Dict[type, type] = {}
+
+
+def _with_streamed_lookup(cls: type) -> type:
+    """cls with _LookupBase after it in the method order (one class per cls,
+    same name), so that cls's super().forward reaches the streamed lookup."""
+    if cls not in _LOOKUP_CLASSES:
+        _LOOKUP_CLASSES[cls] = type(cls.__name__, (cls, _LookupBase),
+                                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                     "_layerstream_original_class": cls})
+    return _LOOKUP_CLASSES[cls]
+
+
+def _has_grad_hooks(p) -> bool:
+    return p is not None and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+class _StreamedForward(_RefusesCopy):
+    """The forward offload() installs on a streamed module (an instance attribute).
+
+    A small callable object rather than a closure, so that pickling the model
+    (torch.save(model)) or deep-copying it fails with a message that says what
+    to do instead of pickle's "Can't pickle local object"."""
+
+    __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
+                 "_lookup")
+
+    def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
+        self._lookup = kind == "embedding"
+        self._run = {"linear": engine.linear, "conv": engine.conv, "embedding": engine.embedding}[kind]
+        self._index, self._original, self._name = index, original, name
+        self._weight, self._bias = module.weight, getattr(module, "bias", None)
+        # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
+        # not a Parameter (e.g. a torch quantized tensor) lives in the instance dict.
+        self._params, self._attrs = module._parameters, module.__dict__
+
+    def __call__(self, x, *args, **kwargs):
+        if args or kwargs:  # an unusual call signature: use the module's own forward
+            return self._original(x, *args, **kwargs)
+        params, attrs, weight, bias = self._params, self._attrs, self._weight, self._bias
+        if ((params["weight"] if "weight" in params else attrs.get("weight")) is not weight or
+                (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
+            raise LayerstreamError(
+                f"the parameters of streamed layer '{self._name}' were replaced after offload() (e.g. "
+                f"by load_state_dict(assign=True), assigning a new nn.Parameter, "
+                f"torch.func.functional_call, or torch.export, which cannot capture a streamed "
+                f"layer); layerstream streams the original ones. Copy new "
+                f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
+                f"call handle.detach() first.")
+        if self._lookup:  # a table's gradient goes through autograd (hooks fire)
+            return self._run(self._index, x)
+        # Gradient hooks on the parameters: hand their gradients to autograd
+        # (synchronously) so that the hooks fire.
+        return self._run(self._index, x, _has_grad_hooks(weight) or _has_grad_hooks(bias))
+
+
+class _GroupForward(_RefusesCopy):
+    """The forward offload() installs on a streamed tensor group (a mixture-of-experts
+    module, _is_experts): the module's own forward runs with its parameters swapped,
+    for the call, for views of a device slot that holds all of them (Engine.fetch /
+    release). When a gradient is needed, _GroupFn runs it without a graph and runs it
+    again in backward on the fetched weights (as activation checkpointing does), so no
+    slot memory is saved for backward. A callable object for the reasons given in
+    _StreamedForward. Not safe for two threads calling the same module at once (the
+    swap is on the module)."""
+
+    __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts")
+
+    def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
+                 experts: int = 0):
+        self._engine, self._index, self._original, self._module, self._name = engine, index, original, module, name
+        self._slots = tuple((o, k) for o, k, _ in slots)  # (owner, key) of each tensor (_group_slots)
+        self._params = tuple(o._parameters[k] for o, k in self._slots)
+        self._device = torch.device(engine.compute_device)
+        self._experts = experts  # > 0: the group was added indexed by expert (offload(experts="routed"))
+
+    def routed_experts(self, args, kwargs) -> List[int]:
+        """The experts this call reads (its routing ids), when fewer than all of them may
+        cross the bus: [] = all. One device-to-host sync (the ids are on the device)."""
+        if not self._experts or not _reads_routed_experts_only(self._module):
+            return []
+        ids = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        # More than twice as many (token, expert) picks as experts nearly always reach more
+        # than half of them: skip the sync and fetch the whole group (prefetched).
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or not 0 < ids.numel() <= 2 * self._experts:
+            return []
+        hit = torch.unique(ids.detach()).tolist()
+        # Ids outside the experts (expert-parallel sentinels, which batched_mm clamps
+        # onto the last expert) or more than half of them: the whole group.
+        if hit[0] < 0 or hit[-1] >= self._experts or 2 * len(hit) > self._experts:
+            return []
+        return hit
+
+    def check_output(self, out, views) -> None:
+        """A result that is a view of a fetched tensor would point into a slot that the
+        next layers reuse: refused, as the group's limits say."""
+        held = {v.untyped_storage().data_ptr() for v in views}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_nested and t.untyped_storage().data_ptr() in held:
+                raise LayerstreamError(
+                    f"streamed layer '{self._name}' returned a view of one of its parameters; a streamed "
+                    f"tensor group's parameters are views of a device slot that the next layers reuse. "
+                    f"Return a copy (e.g. .clone()), or keep this module resident (offload(exclude=[...])).")
+
+    @contextlib.contextmanager
+    def fetched(self, requires_grad=None, experts: Sequence[int] = ()):
+        """The module's parameters swapped for views of the fetched slot while the
+        block runs (work on them must be enqueued inside it); `requires_grad`: per
+        tensor, whether the view is a leaf that requires grad (backward's recompute);
+        `experts`: the only experts the block reads (routed_experts), [] = all."""
+        token, views = self._engine.fetch(self._index, list(experts))
+        try:
+            if requires_grad is not None:
+                views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
+            try:
+                for (o, k), v in zip(self._slots, views):
+                    o._parameters[k] = v
+                yield views
+            finally:
+                for (o, k), p in zip(self._slots, self._params):
+                    o._parameters[k] = p
+        finally:
+            self._engine.release(token)
+
+    def __call__(self, *args, **kwargs):
+        for o, k in self._slots:
+            if k in getattr(o, "parametrizations", {}):
+                raise LayerstreamError(
+                    f"streamed layer '{self._name}': its tensor '{k}' is parametrized during the call "
+                    f"(torch.nn.utils.parametrize; e.g. peft's LoRA on expert parameters, "
+                    f"LoraConfig(target_parameters=...)), so its value is computed from the tensor by "
+                    f"code layerstream cannot stream, and whose gradients it could not return. Put the "
+                    f"adapters on Linear layers (target_modules), or keep this module resident "
+                    f"(offload(exclude=[...])).")
+        if any(o._parameters.get(k) is not p for (o, k), p in zip(self._slots, self._params)):
+            raise LayerstreamError(
+                f"the parameters of streamed layer '{self._name}' were replaced after offload(); "
+                f"layerstream streams the original ones. Copy new values in place, or call "
+                f"handle.detach() first.")
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        inputs = [flat[i] for i in positions]
+        if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or
+                                                any(p.requires_grad for p in self._params)):
+            with self.fetched(experts=self.routed_experts(args, kwargs)) as views:
+                out = self._original(*args, **kwargs)
+                self.check_output(out, views)
+                return out
+        taken = set(positions)
+        skeleton = [None if i in taken else a for i, a in enumerate(flat)]
+        return _GroupFn.apply(self, (skeleton, spec, positions), *inputs, *self._params)
+
+
+def _rebuild(layout, tensors):
+    skeleton, spec, positions = layout
+    flat = list(skeleton)
+    for i, t in zip(positions, tensors):
+        flat[i] = t
+    return torch.utils._pytree.tree_unflatten(flat, spec)
+
+
+def _leaves(tensors, requires_grad) -> list:
+    """Detached copies of `tensors` (no data copied) with the given requires_grad, one per
+    distinct tensor: a tensor passed twice stays one object (nn.MultiheadAttention takes
+    another path when query is key is value)."""
+    seen = {}
+    for t, r in zip(tensors, requires_grad):
+        if id(t) not in seen:
+            seen[id(t)] = t.detach().requires_grad_(bool(r))
+    return [seen[id(t)] for t in tensors]
+
+
+# What autograd's version check says (torch/csrc/autograd/saved_variable.cpp); its other
+# errors on unpacking (a graph already freed, ...) are passed on as they are.
+_INPLACE_ERROR = "modified by an inplace operation"
+
+
+class _GroupFn(torch.autograd.Function):
+    """A tensor group's computation when a gradient is needed: forward without a
+    graph (the slot is released right after); backward fetches the tensors again,
+    re-runs the module's forward with the saved inputs (same RNG and autocast state)
+    and differentiates it. Gradients of trainable group tensors are copied to the
+    host and returned to autograd, which accumulates them into .grad."""
+
+    @staticmethod
+    def forward(ctx, fwd, layout, *tensors):
+        n_in = len(layout[2])
+        inputs = tensors[:n_in]
+        ctx.fwd, ctx.layout = fwd, layout
+        dev = fwd._device
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+        kind = dev.type
+        ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        # The parameters are saved too (no copy: host tensors, or the packed ones' stand-ins,
+        # whose version a re-quantization bumps), so that a write between forward and
+        # backward raises autograd's version error, as for a resident module, instead of
+        # recomputing with other values.
+        ctx.save_for_backward(*inputs, *fwd._params)
+        args, kwargs = _rebuild(layout, inputs)
+        ctx.experts = fwd.routed_experts(args, kwargs)  # the recompute reads the same ones
+        # Run as the resident module runs: grad mode on, inputs and parameters with their
+        # requires_grad (the fetched views have their parameters'), so that every op takes
+        # the same path (at::matmul folds by requires_grad; attention picks its kernel by
+        # grad mode); the graph it records is dropped with the detached outputs.
+        # (Note [Same calls as the resident module], csrc/torch/engine.cpp)
+        with torch.enable_grad(), fwd.fetched(experts=ctx.experts) as views:
+            args, kwargs = _rebuild(layout, _leaves(inputs, [x.requires_grad for x in inputs]))
+            out = fwd._original(*args, **kwargs)
+            fwd.check_output(out, views)
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        if isinstance(out, torch.Tensor):
+            ctx.single = True
+            return out
+        if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+            ctx.single = False  # None entries: nn.MultiheadAttention without attention weights
+            return tuple(out)
+        raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__}; a streamed "
+                               f"tensor group must return a tensor or a tuple of tensors (or None)")
+
+    @staticmethod
+    def backward(ctx, *grads):
+        fwd = ctx.fwd
+        if torch.is_grad_enabled():
+            raise LayerstreamError(f"layer '{fwd._name}': backward with create_graph=True (double "
+                                   f"backward) is not supported through a streamed layer; keep it "
+                                   f"resident (offload(exclude=[...]))")
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as e:
+            if _INPLACE_ERROR not in str(e):
+                raise  # e.g. a second backward through a freed graph: torch's own message
+            raise LayerstreamError(f"streamed layer '{fwd._name}': a tensor its backward needs (an input "
+                                   f"or a parameter) was modified in place after the forward pass (e.g. an "
+                                   f"optimizer step before this backward); autograd raises the same for a "
+                                   f"resident module. {e}") from None
+        n_in = len(ctx.layout[2])
+        saved = saved[:n_in]
+        needs = ctx.needs_input_grad[2:]
+        inputs = _leaves(saved, needs)
+        args, kwargs = _rebuild(ctx.layout, inputs)
+        dev = fwd._device
+        cpu_rng, dev_rng = ctx.rng
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.set_rng_state(cpu_rng)
+            if dev_rng is not None:
+                torch.cuda.set_rng_state(dev_rng, dev)
+            with torch.enable_grad(), torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]), \
+                    fwd.fetched(needs[n_in:], ctx.experts) as views:
+                out = fwd._original(*args, **kwargs)
+                outs = (out,) if ctx.single else tuple(out)
+                pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
+                wanted = [t for t in inputs + views if t.requires_grad]
+                got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                               allow_unused=True)
+                           if pairs and wanted else [None] * len(wanted))
+                result = [next(got) if t.requires_grad else None for t in inputs + views]
+                # A tensor passed at several positions is one leaf here: its whole gradient
+                # goes to its first position (autograd sums the positions' gradients).
+                first = {}
+                for i, t in enumerate(inputs):
+                    if first.setdefault(id(t), i) != i:
+                        result[i] = None
+        host = []
+        for k, p in enumerate(fwd._params):
+            g = result[n_in + k]
+            host.append(None if g is None else g.to("cpu", p.dtype))  # returned to autograd: .grad on the host
+        return (None, None, *result[:n_in], *host)

@@ -1,0 +1,159 @@
+"""What keeps an offloaded model consistent: model.to()/.half() on streamed layers
+(_StreamedApply, _RootApply) and load_state_dict() into packed weights.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from . import _C
+
+LayerstreamError = _C.LayerstreamError
+
+
+def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> list:
+    """load_state_dict() hooks for a layer offload() quantized. Its parameter's
+    copy_ re-quantizes too (_PackedWeight), but load_state_dict() would first warn
+    that copying into a meta parameter is a no-op. The pre-hook takes the weight
+    out of the state dict and re-quantizes it (errors join load_state_dict's
+    own); the post-hook removes the key it took from the missing keys. Returns
+    the hook handles."""
+    taken = []
+    # (parameter name, part, owner, key): a layer's weight, or a tensor group's packed
+    # parts (the name relative to `module`; the parameter is owner._parameters[key]).
+    targets = [("weight", None, module, "weight")] if parts is None else list(parts)
+
+    def pre(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            error_msgs):
+        for pname, part, owner, pkey in targets:
+            key = prefix + pname
+            if key not in state_dict:
+                continue
+            value = state_dict.pop(key)
+            taken.append(key)
+            try:
+                if part is None:
+                    engine.requantize(index, value)
+                else:
+                    engine.requantize_part(index, part, value)
+                    torch.autograd.graph.increment_version(owner._parameters[pkey])  # see _PackedWeight
+            except LayerstreamError as e:
+                error_msgs.append(f'While loading "{key}" into a quantized streamed layer: {e}')
+
+    def post(mod, incompatible_keys):
+        for key in taken:
+            if key in incompatible_keys.missing_keys:
+                incompatible_keys.missing_keys.remove(key)
+        taken.clear()
+
+    return [module._register_load_state_dict_pre_hook(pre, with_module=True),
+            module.register_load_state_dict_post_hook(post)]
+
+
+class _StreamedApply:
+    """The ``_apply`` offload() installs on a streamed module (an instance attribute;
+    ``model.to()``, ``.cuda()``, ``.half()`` ... reach every module through it).
+
+    Streamed weights live in host memory by design, so a move of the model to the
+    compute device (what HF Trainer, accelerate's prepare() and pipelines do) is a
+    no-op for them, as are conversions that change nothing (``.float()`` on an fp32
+    model). Anything else (another device, another dtype) would break the layer's
+    link to its host copy: it raises before anything is changed, naming detach().
+    Other parameters, buffers and children of the module (rare on a Linear/conv)
+    are converted as usual."""
+
+    __slots__ = ("_module", "_compute", "_name", "_verdicts", "_keys")
+
+    def __init__(self, module: nn.Module, compute_device: torch.device, name: str,
+                 keys: Sequence[str] = ("weight", "bias")):
+        self._module, self._compute, self._name = module, compute_device, name
+        self._verdicts = None  # dtype -> allowed, shared by _RootApply during one conversion
+        self._keys = tuple(keys)  # the streamed parameters (a tensor group: all of them)
+
+    def _allowed(self, fn, dtype: torch.dtype) -> bool:
+        if self._verdicts is not None:
+            if dtype not in self._verdicts:
+                self._verdicts[dtype] = self._probe(fn, dtype)
+            return self._verdicts[dtype]
+        return self._probe(fn, dtype)
+
+    def _probe(self, fn, dtype: torch.dtype) -> bool:
+        try:  # a move to the meta device (model.to("meta")) is not a no-op: refused
+            if fn(torch.empty(0, dtype=dtype)).is_meta:
+                return False
+        except Exception:  # noqa: BLE001 - e.g. .cuda() without a GPU: decided below
+            pass
+        try:  # a no-op conversion keeps a meta tensor as it is
+            out = fn(torch.empty(0, dtype=dtype, device="meta"))
+            if isinstance(out, torch.Tensor) and out.is_meta:
+                return out.dtype == dtype
+        except Exception:  # noqa: BLE001 - a move: meta tensors cannot be copied out
+            pass
+        try:  # a move: only to the compute device, in the same dtype
+            out = fn(torch.empty(0, dtype=dtype))
+        except Exception:  # noqa: BLE001
+            return False
+        return isinstance(out, torch.Tensor) and out.device == self._compute and out.dtype == dtype
+
+    def check(self, fn) -> None:
+        module = self._module
+        w = module._parameters.get("weight", module.__dict__.get("weight"))
+        for key, p in ((k, w if k == "weight" else module._parameters.get(k)) for k in self._keys):
+            # A torch quantized (qint8) weight is probed as the int8 it stores: not
+            # floating point, so conversions leave it as it is.
+            if p is not None and not self._allowed(fn, torch.int8 if p.is_quantized else p.dtype):
+                raise LayerstreamError(
+                    f"streamed layer '{self._name}' keeps its weights in host memory and computes on "
+                    f"{self._compute}: model.to()/cuda() to that device is fine (the streamed layers "
+                    f"stay as they are), but this conversion would move them elsewhere or change "
+                    f"their dtype ({key} is {p.dtype}). Convert the model before offload(), or call "
+                    f"handle.detach() first.")
+
+    def __call__(self, fn, recurse=True):
+        self.check(fn)
+        module = self._module
+        mine = {k: module._parameters[k] for k in self._keys if module._parameters.get(k) is not None}
+        others = [k for k in module._parameters if k not in mine]
+        if others or module._buffers or module._modules:
+            # Convert the rest with nn.Module's own _apply, the streamed parameters
+            # held out (and put back in their places: parameter order is visible).
+            order = list(module._parameters)
+            for k in mine:
+                del module._parameters[k]
+            try:
+                type(module)._apply(module, fn, recurse)
+            finally:
+                rest = dict(module._parameters)
+                module._parameters.clear()
+                for k in order:
+                    module._parameters[k] = mine[k] if k in mine else rest.pop(k)
+                module._parameters.update(rest)
+        return module
+
+
+class _RootApply:
+    """The ``_apply`` offload() installs on the model it was given: checks every
+    streamed layer first, so that a refused conversion (``model.half()``) raises
+    before any part of the model changed, then converts as nn.Module does (the
+    streamed layers' own _StreamedApply keeps their weights as they are)."""
+
+    __slots__ = ("_model", "_layers")
+
+    def __init__(self, model: nn.Module, layers: list):
+        self._model, self._layers = model, layers
+
+    def __call__(self, fn, recurse=True):
+        # The verdict depends on the conversion and the dtype only: probe each
+        # dtype once for all layers (their own _apply then finds it too).
+        verdicts = {}
+        for layer in self._layers:
+            layer._verdicts = verdicts
+        try:
+            for layer in self._layers:
+                layer.check(fn)
+            return type(self._model)._apply(self._model, fn, recurse)
+        finally:
+            for layer in self._layers:
+                layer._verdicts = None

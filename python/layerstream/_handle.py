@@ -1,0 +1,237 @@
+"""Handle: what offload() returns (statistics, plan, trace, synchronize, detach).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from . import _C
+from ._discovery import _WHOLE_GROUPS
+from ._forward import _RefusesCopy
+from ._guards import _RootApply
+
+LayerstreamError = _C.LayerstreamError
+
+
+class _Attached:
+    """What offload() changed on one module, to undo it in detach()."""
+
+    __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
+                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts", "owners")
+
+    def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
+                 prequantized=False, bnb_stats=None, hooks=(), strides=None):
+        self.name, self.module, self.kind, self.index = name, module, kind, index
+        self.had_forward, self.old_forward, self.devices = had_forward, old_forward, devices
+        self.prequantized = prequantized
+        self.bnb_stats = bnb_stats
+        self.hooks = list(hooks)
+        # A weight quantized by offload() whose memory layout was not the contiguous one
+        # (channels_last): detach() restores its dequantized values in that layout.
+        self.strides = strides
+        # A tensor group quantized by offload(): (parameter name, part, owner module, key)
+        # of its packed tensors (the name relative to the module: "out_proj.weight").
+        self.packed_parts = []
+        # Other modules that own some of a tensor group's parameters (an attention's
+        # out_proj): they got a _StreamedApply too.
+        self.owners = []
+
+
+class Handle(_RefusesCopy):
+    """The result of offload(): statistics, synchronisation and detach."""
+
+    def __init__(self, engine, attached: List[_Attached], plan: Optional[dict]):
+        self._engine = engine
+        self._attached = attached
+        self._plan = plan  # the planner's decision when offload() had a budget
+        self._root = None  # the model, when offload() installed a _RootApply on it
+        # (module, value) of the nn.TransformerEncoderLayer whose fused inference path
+        # offload() turned off (_no_fused_encoder_path), to restore in detach().
+        self._fused_off = []
+
+    # -- state --------------------------------------------------------------
+    def _check(self):
+        if self._engine is None:
+            raise LayerstreamError(
+                "this layerstream handle was detached; call layerstream.offload() again to "
+                "stream the model")
+        return self._engine
+
+    @property
+    def device(self) -> str:
+        return self._check().device
+
+    @property
+    def compute_device(self) -> torch.device:
+        return torch.device(self._check().compute_device)
+
+    @property
+    def layers(self) -> List[str]:
+        return [a.name for a in self._attached]
+
+    @property
+    def plan(self) -> Optional[str]:
+        """The planner's placement (printable), when offload() had a budget."""
+        engine = self._check()
+        if self._plan is None:
+            return None
+        tables = [a for a in self._attached if a.kind == "embedding"]
+        if not tables:
+            return self._plan["explain"]
+
+        def sharing(t):  # the streamed layers that read the table's weight (a tied head)
+            return [a.name or "<root>" for a in self._attached
+                    if a is not t and a.module._parameters.get("weight") is t.module.weight]
+
+        def describe(t):
+            tied = sharing(t)
+            return (t.name or "<root>") + (f" (weight shared with {', '.join(tied)}: its bytes are in the "
+                                           f"host RAM line above)" if tied else "")
+        # A table whose weight a streamed head shares is one host copy, already counted
+        # in the planner's host RAM line as the head's.
+        size = sum(engine.layer_bytes(a.index) for a in tables if not sharing(a))
+        return (self._plan["explain"].rstrip("\n") +
+                f"\nembedding tables:         {len(tables)} looked up in host memory (pinned unless "
+                f"pinning failed), {size / 2**20:.2f} MiB more, no device memory: "
+                + ", ".join(describe(t) for t in tables) + "\n")
+
+    def stats(self) -> Dict[str, float]:
+        """Counters since offload(): peak_device_bytes (streaming slots plus the
+        weights the planner kept resident), h2d_bytes, d2h_bytes, steps, ..."""
+        s = dict(self._check().stats())
+        s["streamed_device_bytes"] = s["peak_device_bytes"]
+        s["resident_bytes"] = 0
+        if self._plan is not None:
+            s["resident_bytes"] = self._plan["resident_bytes"] + self._plan["fixed_resident_bytes"]
+            s["resident_layers"] = len(self._plan["resident"])
+            s["budget_bytes"] = self._plan["budget_bytes"]
+        s["peak_device_bytes"] = s["streamed_device_bytes"] + s["resident_bytes"]
+        for k in ("steps", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "slots", "slot_bytes",
+                  "layers", "hits", "misses", "acquires", "deviations", "retraces", "ordering_errors",
+                  "failed_backwards", "embedding_layers", "group_layers", "routed_fetches", "gathered_bytes",
+                  "pinned_bytes", "pageable_bytes", "max_slots_held", "quantized_layers",
+                  "budget_bytes", "streamed_device_bytes", "resident_bytes"):
+            if k in s:
+                s[k] = int(s[k])
+        return s
+
+    def step_stats(self) -> List[Dict[str, float]]:
+        """Per completed step: h2d_bytes, d2h_bytes, stall_seconds (time compute
+        waited for weights), overlap_fraction (share of copy time hidden behind
+        compute; needs trace=True, else NaN), peak_device_bytes, slot
+        utilisation (max_slots_held / slots), hits, misses."""
+        engine = self._check()
+        total = self.stats()
+        out = []
+        for d in engine.step_stats():
+            d = dict(d)
+            d["peak_device_bytes"] = total["peak_device_bytes"]
+            d["slot_utilisation"] = d["max_slots_held"] / total["slots"] if total["slots"] else 0.0
+            out.append(d)
+        return out
+
+    def export_trace(self, path: str) -> None:
+        """Writes the timeline as Chrome trace / Perfetto JSON (open it in
+        ui.perfetto.dev or chrome://tracing). Needs offload(..., trace=True)."""
+        text = self._check().trace_json()
+        if not text:
+            raise LayerstreamError("no timeline was recorded: pass trace=True to offload()")
+        with open(path, "w") as f:
+            f.write(text)
+
+    def plot_timeline(self, path: str, max_ms: Optional[float] = None) -> None:
+        """Draws the timeline (one lane per stream) into a PNG with matplotlib."""
+        from .timeline import plot_chrome_trace
+        text = self._check().trace_json()
+        if not text:
+            raise LayerstreamError("no timeline was recorded: pass trace=True to offload()")
+        plot_chrome_trace(text, path, max_ms=max_ms)
+
+    def ordering_errors(self) -> List[str]:
+        """Races found by the sim device's ordering checker (empty on CUDA)."""
+        return list(self._check().ordering_errors())
+
+    def synchronize(self) -> None:
+        """Waits for every transfer and gradient copy; param.grad is then complete.
+        It also forgets every weight cached on the device, so the next fetch
+        reads the host copy again: with cache_across_steps=True, call it after
+        writing streamed weights in a way their version counter does not see
+        (through ``.data``, or a raw pointer as C++ CPU optimizers do)."""
+        self._check().synchronize()
+
+    def detach(self) -> None:
+        """Restores the modules: original forward, weights as ordinary tensors
+        on their original devices, bit-identical."""
+        engine = self._check()
+        devices = []
+        dense = {}
+        for a in self._attached:
+            devices.append(a.devices[0])
+            if a.bnb_stats is not None:
+                # bitsandbytes weights: rebuilt from the same bytes.
+                dense[a.index] = engine.packed_codes(a.index)
+            elif a.packed_parts:
+                # A quantized tensor group: the dequantized values, per packed tensor.
+                dense[a.index] = {(o, k): engine.dequantized_part(a.index, part) for _, part, o, k in a.packed_parts}
+            elif engine.layer_format(a.index) and not a.prequantized:
+                # Quantized by offload(): the dense values were not kept; restore the
+                # dequantized weights (lossy by the format's error bound).
+                dense[a.index] = engine.dequantized_weight(a.index)
+        engine.detach(devices)
+        for a in self._attached:
+            if a.index in dense and a.bnb_stats is not None:
+                import bitsandbytes as bnb
+                dev = torch.device(a.devices[0])
+                a.module.weight = bnb.nn.Params4bit.from_prequantized(
+                    data=dense[a.index].reshape(-1, 1).to(dev),
+                    # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
+                    quantized_stats=dict(a.bnb_stats),
+                    requires_grad=False, device=dev, module=a.module)
+            elif a.index in dense and a.packed_parts:
+                for (o, k), value in dense[a.index].items():
+                    o._parameters[k] = nn.Parameter(value.to(a.devices[0]), requires_grad=False)
+            elif a.index in dense:
+                w = dense[a.index]
+                if a.strides is not None:  # the layout it had before offload() (e.g. channels_last)
+                    w = torch.empty_strided(w.shape, a.strides, dtype=w.dtype).copy_(w)
+                a.module.weight = nn.Parameter(w.to(a.devices[0]), requires_grad=False)
+        for a in self._attached:
+            for h in a.hooks:
+                h.remove()
+            a.module.__dict__.pop("_apply", None)
+            _WHOLE_GROUPS.discard(a.module)
+            for o in a.owners:
+                o.__dict__.pop("_apply", None)
+                for p in o.parameters(recurse=False):
+                    if hasattr(p, "_is_memory_managed"):
+                        del p._is_memory_managed
+            original = type(a.module).__dict__.get("_layerstream_original_class")
+            if original is not None:  # an Embedding subclass that looked up through super()
+                a.module.__class__ = original
+                a.module.__dict__.pop("_layerstream_lookup", None)
+            elif a.had_forward:
+                a.module.forward = a.old_forward
+            else:
+                try:
+                    del a.module.forward
+                except AttributeError:
+                    pass
+            for p in a.module.parameters(recurse=False):
+                if hasattr(p, "_is_memory_managed"):
+                    del p._is_memory_managed
+            if getattr(a.module, "_layerstream_handle", None) is not None:
+                del a.module._layerstream_handle
+        if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
+            del self._root.__dict__["_apply"]
+        for layer, value in self._fused_off:
+            layer.activation_relu_or_gelu = value
+        self._fused_off = []
+        self._root = None
+        self._engine = None
+
+    def __repr__(self):
+        if self._engine is None:
+            return "<layerstream.Handle (detached)>"
+        return f"<layerstream.Handle device={self.device} layers={len(self._attached)}>"

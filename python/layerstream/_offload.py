@@ -1,0 +1,686 @@
+"""offload(): finds the layers, plans the budget, attaches them to one engine and
+swaps their forwards; each step lives in the modules it calls.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import warnings
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from . import _C
+from ._discovery import _WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _computed_weight, _conv_args, _dora_layers, _group_slots, _is_streamable, _selected, _split_tied, _stock_forward, _warn_resident
+from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
+from ._gguf import GgufWeight
+from ._guards import _RootApply, _StreamedApply, _requantize_on_load
+from ._handle import Handle, _Attached
+from ._packed import _PackedWeight
+from ._prequant import _DEQUANT_DTYPES, _is_packed_only_format, _prequantized, _quant_for
+
+LayerstreamError = _C.LayerstreamError
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """Parses 123, 1.5e9, "500MB", "12GiB" into bytes (whole bytes: "0.5" is refused)."""
+    fraction, nbytes, _ = _C.parse_budget(value)
+    if fraction:
+        raise ValueError(f"{value!r} is a share, not a size in bytes")
+    return nbytes
+
+
+def offload(
+    model: nn.Module,
+    device: Optional[str] = None,
+    budget: Union[None, int, str] = None,
+    prefetch: int = 2,
+    slots: Optional[int] = None,
+    include: Union[None, str, Sequence[str]] = None,
+    exclude: Union[None, str, Sequence[str]] = None,
+    sim_link_gbps: float = 25.0,
+    sim_latency_us: float = 5.0,
+    checker: bool = True,
+    pin_memory: bool = True,
+    cache_across_steps: bool = False,
+    quantize: Union[None, str, Dict[str, Optional[str]]] = None,
+    dequant_dtype: Optional[torch.dtype] = None,
+    compute_dtype: Optional[torch.dtype] = None,
+    trace: bool = False,
+    experts: str = "routed",
+    groups: Union[None, str, Sequence[str]] = None,
+) -> Handle:
+    """Streams the model's Linear, Conv1d/2d/3d, Embedding, MultiheadAttention and MoE experts
+    layers from host RAM.
+
+    Eligible submodules (selected by ``include``/``exclude`` glob patterns on
+    their qualified names) keep their parameters (same objects, same names)
+    but the data moves to (pinned) host memory; their ``forward`` streams the
+    weights to ``device`` just before use. ``nn.Embedding`` tables (without
+    ``max_norm``; subclasses too when their forward looks up through
+    ``super().forward``, as Gemma's scaled word embedding does) move to host
+    memory too and are looked up there: each call
+    reads only the rows its ids name, with no slot and no device copy of the
+    table (never quantized); a trainable table's gradient is computed on the
+    host from the output gradient's rows. transformers' mixture-of-experts
+    modules (experts as 3-D parameters) stream as tensor groups: all of a
+    module's tensors in one slot, its own forward run on them (and again in
+    backward, on the re-fetched tensors, when a gradient is needed); with
+    ``quantize`` they are packed on the host and dequantized in the slot.
+    ``nn.MultiheadAttention`` (whose forward reads its projection weights
+    directly) streams the same way, its out_proj's tensors in its group.
+    Tied weights (an lm_head sharing the embedding's weight) stream when every
+    module that has the weight streams: from one host copy, unquantized, the
+    gradient of the uses summed through autograd. Everything else of the model
+    is moved to the compute device, including layers whose weight a resident
+    module shares, or whose bias is shared (one warning names them).
+
+    device: "cuda"/"cuda:N", "sim" (simulated device; tensors compute on the
+        CPU) or None (CUDA when visible, else "sim").
+    budget: hard bound on the device bytes of the weights: streaming slots
+        plus the layers the planner keeps resident: whole bytes (an int, or a
+        text such as "12GiB", "500MB", "1.5e9"), a share of the device's free
+        memory ("40%", a float in (0, 1), or "auto": 60%); None = no bound.
+        Must hold 2 slots of the largest layer. The planner
+        first reserves the slots (``slots``, else prefetch + 1), then keeps as
+        many layers resident as the rest holds; a budget too small for
+        prefetch + 1 slots gets fewer (at least 2) and a prefetch depth of
+        slots - 1.
+    prefetch: layers kept in flight ahead of use, 0 to 64; slots: device
+        slots, 2 to 66 (default prefetch + 2, capped by the budget). The rules
+        for these and the sim link options are the C++ ones
+        (csrc/core/options.h): bad values raise ValueError before anything
+        changes. offload() inside torch.inference_mode() is refused (the
+        tensors it makes could never be trained); run the model in it after.
+    quantize: pack streamed weights on the host and dequantize them on the
+        device: "int8", "fp8", "nf4" or "int4" for every streamed layer (layers
+        whose shape the format cannot pack stay dense, with one warning), or a
+        dict {glob pattern: format or None} for per-layer choices (first match
+        wins; an explicit format that cannot pack a layer is an error).
+        Quantized weights must be frozen (requires_grad False). Each quantized
+        layer's slot holds the packed weight and, written on the device right
+        after the copy, the dequantized weight. The module keeps a data-less
+        (meta) weight: load_state_dict() and weight.copy_() re-quantize new
+        values; other writes, .to() and torch.save of it raise (detach() first).
+    dequant_dtype: the dtype quantized weights are dequantized to on the
+        device (torch.float32, torch.bfloat16 or torch.float16); None = each
+        weight's own dtype. Set it to the activation dtype when that differs
+        (e.g. an fp32 checkpoint run in bf16): smaller slots, no cast at use.
+    compute_dtype: the dtype the activations will have (torch.float32,
+        torch.bfloat16 or torch.float16), e.g. torch.bfloat16 for an fp32
+        model run under bf16 autocast. Streamed weights and biases of another
+        dtype are cast into their slot right after the copy (inside the
+        budget, on the engine's dequant stream) instead of at every use (a
+        temporary outside the budget, on the compute stream); quantized
+        weights are dequantized to it (it implies dequant_dtype). Weights
+        still cross the bus in their own dtype, and numbers do not change:
+        the cast is the one used at use, and activations of another dtype
+        still use the original weight. None = cast at use.
+    trace: record a timeline (copies, layer computations, stalls) for
+        Handle.export_trace() / plot_timeline() and per-step overlap.
+    experts: how a mixture-of-experts module's weights cross the bus.
+        "routed" (default): when a call's routing ids name at most half of the
+        experts (decoding, small batches), only those experts' slices are
+        copied (and dequantized), on demand after the router ran (one
+        device-to-host sync of the ids per call; a call with more than 2 x experts
+        (token, expert) picks skips it and gets every expert), and the module is no longer
+        prefetched whole until a call needs more than half again; the numbers
+        are the same (the module's forward reads no other expert: transformers'
+        "eager", "batched_mm" and "grouped_mm" implementations; any other
+        gets every expert). "all": every expert, every call (prefetched).
+    groups: glob patterns of modules to stream whole as tensor groups (opt-in, for
+        layers whose forward reads weights directly: custom layers, RNNs, ...): all
+        the parameters of such a module and of its descendants share one slot, its own
+        forward runs with them swapped for the fetched tensors, and when a gradient is
+        needed it runs again in backward (with the same RNG state). Its forward must be
+        a function of its inputs, parameters and the RNG (recomputed), read its
+        parameters through the module attributes at call time (not through references
+        cached earlier: nn.RNNBase modules are refused for that reason), read no
+        parameter outside it, and return no view of a parameter (an error says so).
+    cache_across_steps: keep weights in device slots and prefetch across step
+        boundaries, detecting weight updates by the parameters' version
+        counters. Faster for inference loops and small models. Writes through
+        ``.data`` or raw pointers (e.g. C++ CPU optimizers) are not detected:
+        call ``handle.synchronize()`` after them, or leave this off.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")
+    if experts not in ("routed", "all"):
+        raise ValueError(f'experts must be "routed" (copy only the experts a call routes to) or "all", '
+                         f"got {experts!r}")
+    if torch.is_inference_mode_enabled():
+        raise LayerstreamError(
+            "offload() was called inside torch.inference_mode(): the tensors it makes would be inference "
+            "tensors, which no later training step could use. Call offload() outside inference_mode (then "
+            "run the model inside it as you like).")
+    # One rule per option, in C++ (core/options.h): the same for C++ and the command line.
+    opts = {
+        "device": "auto" if device is None else str(device),
+        "prefetch": _C.check_prefetch(prefetch),
+        "slots": 0 if slots is None else _C.check_slots(slots),
+        "sim_h2d_gbps": _C.check_link_gbps(sim_link_gbps),
+        "sim_d2h_gbps": _C.check_link_gbps(sim_link_gbps),
+        "sim_latency_us": _C.check_latency_us(sim_latency_us),
+        "checker": bool(checker),
+        "pin_memory": bool(pin_memory),
+        "cache_across_steps": bool(cache_across_steps),
+        "trace": bool(trace),
+        "budget_bytes": -1,  # set from the plan below when a budget is given
+    }
+    for what, dt in (("dequant_dtype", dequant_dtype), ("compute_dtype", compute_dtype)):
+        if dt is not None:
+            if dt not in _DEQUANT_DTYPES:
+                raise ValueError(f"{what} must be torch.float32, torch.bfloat16 or torch.float16 "
+                                 f"(or None), got {dt!r}")
+            opts[what] = _DEQUANT_DTYPES[dt]
+    if compute_dtype is not None:
+        if dequant_dtype is not None and dequant_dtype != compute_dtype:
+            raise ValueError(f"dequant_dtype={dequant_dtype} and compute_dtype={compute_dtype} "
+                             f"disagree; compute_dtype alone is enough (quantized weights are then "
+                             f"dequantized to it)")
+        dequant_dtype = compute_dtype
+    formats = ([quantize] if isinstance(quantize, str) else
+               list(quantize.values()) if isinstance(quantize, dict) else [])
+    for fmt in formats:
+        if isinstance(fmt, str) and fmt not in _C.quant_formats() and _is_packed_only_format(fmt):
+            raise ValueError(f"{fmt!r} is a GGUF format: layerstream streams GGUF weights as they are "
+                             f"read from a .gguf file (layerstream.load_gguf) but does not quantize to "
+                             f"it; valid formats for quantize=: {', '.join(_C.quant_formats())}")
+        if fmt is not None and fmt not in _C.quant_formats():
+            raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
+                             f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
+    resolved = _C.resolve_device(opts["device"])
+    compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
+
+    budget_spec = None if budget is None else _C.parse_budget(budget)  # checked before anything changes
+    _check_no_meta(model)
+    trainable_gguf = [n for n, p in model.named_parameters() if isinstance(p, GgufWeight) and p.requires_grad]
+    if trainable_gguf:
+        raise LayerstreamError(
+            f"{len(trainable_gguf)} GGUF weight(s) require grad: {', '.join(trainable_gguf[:5])}"
+            f"{', ...' if len(trainable_gguf) > 5 else ''}. load_gguf() keeps them as the file's packed blocks, "
+            f"which are frozen (no gradient is computed for them); freeze them (requires_grad_(False)) and "
+            f"train an adapter over them (LoRA), or load a dense checkpoint to train these weights.")
+    dora = _dora_layers(model)
+    candidates, padded, custom, computed, wrapped, under_dora, renormed = [], [], [], [], [], [], []
+    grouped = []  # the names of modules offload(groups=...) streams whole: their descendants are theirs
+    for name, module in model.named_modules():
+        if any(name.startswith(g + ".") or g == "" for g in grouped):
+            continue
+        if groups is not None and _selected(name, groups, None) and _selected(name, include, exclude):
+            if any(getattr(m, "_layerstream_handle", None) is not None for m in module.modules()):
+                raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; "
+                                       f"call detach() on that handle first")
+            if "forward" in module.__dict__:
+                wrapped.append(f"'{name or '<root>'}'")
+                continue
+            below = list(module.modules())
+            rnn = [m for m in below if isinstance(m, nn.RNNBase)]
+            if rnn:
+                raise LayerstreamError(
+                    f"offload(groups=...) names module '{name or '<root>'}', which holds a "
+                    f"{type(rnn[0]).__name__}: its forward reads cached references to its weights "
+                    f"(_flat_weights), not the parameters swapped in for the call, so it cannot stream "
+                    f"as a tensor group; leave it out of groups= (it stays resident)")
+            if any(torch.nn.utils.parametrize.is_parametrized(m) for m in below):
+                computed.append(f"'{name or '<root>'}'")
+                continue
+            params = [p for m in below for p in m._parameters.values() if p is not None]
+            if not params or not all(p.is_floating_point() for p in params):
+                raise LayerstreamError(
+                    f"offload(groups=...) names module '{name or '<root>'}', which has "
+                    f"{'no parameters' if not params else 'non-floating-point parameters'} to stream")
+            grouped.append(name)
+            _WHOLE_GROUPS.add(module)
+            candidates.append((name, module, "group"))
+            continue
+        kind = _is_streamable(module)
+        if kind is None or not _selected(name, include, exclude):
+            continue
+        # Not getattr(): a parametrized weight (spectral_norm) would be computed, which
+        # runs a power-iteration step and changes the module's state.
+        w = module._parameters.get("weight", module.__dict__.get("weight"))
+        if isinstance(w, torch.Tensor) and w.numel() == 0:
+            continue  # zero elements (e.g. Linear(0, n)): nothing to stream; it stays as it is
+        if getattr(module, "_layerstream_handle", None) is not None or hasattr(module, "_layer_memory_manager"):
+            raise LayerstreamError(
+                f"module '{name}' is already offloaded by another layerstream handle; call "
+                f"detach() on that handle first")
+        if kind == "conv" and module.padding_mode != "zeros":
+            padded.append(f"'{name or '<root>'}' (padding_mode='{module.padding_mode}')")
+            continue
+        if not _stock_forward(module, kind):
+            custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
+            continue
+        if id(module) in dora:
+            under_dora.append(f"'{name or '<root>'}'")
+            continue
+        if "forward" in module.__dict__:
+            wrapped.append(f"'{name or '<root>'}'" + (" (accelerate hook)" if hasattr(module, "_hf_hook") else ""))
+            continue
+        if _computed_weight(module):
+            computed.append(f"'{name or '<root>'}'")
+            continue
+        if kind == "embedding":
+            if not module.weight.is_floating_point():
+                continue  # not a float table: left as it is
+            if module.max_norm is not None:  # renormalizes the looked-up rows in place
+                renormed.append(f"'{name or '<root>'}'")
+                continue
+        candidates.append((name, module, kind))
+    _warn_resident(padded, "conv layer(s) with a padding_mode other than 'zeros'", compute_device,
+                   "not streamed; they run their original forward")
+    _warn_resident(computed, "layer(s) whose weight is not a parameter of their own", compute_device,
+                   "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
+                   "by pruning; or a plain tensor attribute")
+    _warn_resident(custom, "Linear/conv/embedding subclass layer(s) with their own forward", compute_device,
+                   "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
+                   "would drop what it adds")
+    _warn_resident(wrapped, "layer(s) whose forward was replaced on the instance", compute_device,
+                   "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
+                   "drop; to stream them, remove the wrapper first, e.g. "
+                   "accelerate.hooks.remove_hook_from_module(model, recurse=True)")
+    _warn_resident(under_dora, "layer(s) of a peft DoRA adapter", compute_device,
+                   "DoRA reads the base and adapter weights directly at every forward to compute "
+                   "the weight norm, which a streamed layer does not keep on the device; plain "
+                   "LoRA (use_dora=False) streams the base layers")
+    _warn_resident(renormed, "embedding layer(s) with max_norm", compute_device,
+                   "each lookup renormalizes the rows it reads in place, which a streamed lookup "
+                   "does not do")
+    candidates, tie_groups = _split_tied(model, candidates, compute_device)
+    _check_no_shared_storage(model, candidates)
+    tied_names = {n for g in tie_groups for n in g}
+    # Embedding tables stay in host memory and are looked up there (no slot, no planner
+    # entry, no quantization): only the rows a batch names cross the bus.
+    order = {id(module): i for i, (_, module, _) in enumerate(candidates)}  # attached in model order
+    tables = [(name, module, kind, None, None, 0, 0, 0) for name, module, kind in candidates
+              if kind == "embedding"]
+    candidates = [c for c in candidates if c[2] != "embedding"]
+    if not candidates and not tables:
+        raise LayerstreamError(
+            "offload() found no Linear, Conv1d/2d/3d, Embedding, MultiheadAttention or mixture-of-experts "
+            "layer to stream"
+            + (" (check include/exclude)" if include is not None or exclude is not None else ""))
+
+    # 1. Per layer: quantization format (or pre-quantized int8) and the bytes
+    #    it takes on the bus, in a slot (as the engine lays them out) or resident.
+    #    A quantized layer's slot holds the packed weight and, after it, the
+    #    weight dequantized on the device (in its dense dtype).
+    layers = []  # (name, module, kind, fmt, pre, bus_bytes, slot_bytes, resident_bytes)
+    unpackable, trainable, tied_dense = [], [], []
+    for name, module, kind in candidates:
+        if kind == "group":
+            # One slot holds every tensor; with a format, each tensor of 2+ dimensions
+            # crosses packed (as a matrix of its last dimension's columns) and is
+            # dequantized into the slot's workspace after the copy.
+            # GGUF tensors (load_gguf) cross as the file's blocks whatever the format.
+            fmt = _quant_for(name, quantize)
+            params = [o._parameters[k] for o, k, _ in _group_slots(module)]
+            packed = [p for p in params if p.dim() >= 2 and not isinstance(p, GgufWeight)]
+            if fmt is not None:
+                reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1]) for p in packed]
+                reason = next((r for r in reasons if r), "")
+                if reason and isinstance(quantize, str):
+                    unpackable.append(f"{name} ({reason})")
+                    fmt = None
+                elif reason:
+                    raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
+            if fmt is not None and any(p.requires_grad for p in packed):
+                trainable.append(name or "<root>")
+            elif fmt is not None and not all(bool(torch.isfinite(p.detach()).all()) for p in packed):
+                raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: a tensor has "
+                                       f"NaN or Inf values; fix the checkpoint or do not quantize this layer "
+                                       f"(quantize={{'{name}': None, ...}})")
+            bus = workspace = 0
+            for p in params:
+                if isinstance(p, GgufWeight):
+                    bus += _align256(p.gguf_bytes.numel())
+                    workspace += _align256(p.numel() * (dequant_dtype or p.dtype).itemsize)
+                elif fmt is not None and p.dim() >= 2:
+                    bus += _align256(_C.quant_packed_bytes(fmt, p.numel() // p.shape[-1], p.shape[-1]))
+                    workspace += _align256(p.numel() * (dequant_dtype or p.dtype).itemsize)
+                else:
+                    bus += _align256(p.numel() * p.element_size())
+            layers.append((name, module, kind, fmt, None, bus, bus + workspace,
+                           sum(p.numel() * p.element_size() for p in params)))
+            continue
+        weight, bias = module.weight, module.bias
+        pre = _prequantized(name, module)
+        if pre is not None and kind != "linear":
+            raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
+                                   f"Linear layers only")
+        fmt = _quant_for(name, quantize) if pre is None else None
+        if fmt is not None and name in tied_names:
+            tied_dense.append(f"'{name or '<root>'}'")  # one host copy, read dense by every user
+            fmt = None
+        if fmt is not None and weight.requires_grad:
+            trainable.append(name or "<root>")
+        elif fmt is not None and not bool(torch.isfinite(weight.detach()).all()):
+            # Checked before anything changes: the packer refuses it, and undoing the layers
+            # quantized before this one could only restore their dequantized values.
+            raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: its weight "
+                                   f"has NaN or Inf values; fix the checkpoint or do not quantize "
+                                   f"this layer (quantize={{'{name}': None, ...}})")
+        if pre is not None:
+            rows, cols = pre.rows, pre.cols
+        else:
+            rows = weight.shape[0]
+            cols = weight.numel() // max(rows, 1)
+        if fmt is not None:
+            reason = _C.quant_check(fmt, rows, cols)
+            if reason:
+                if isinstance(quantize, str):
+                    unpackable.append(f"{name} ({reason})")
+                    fmt = None
+                else:
+                    raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
+        dense_dtype = pre.dense_dtype if pre is not None else weight.dtype
+        dense_w = rows * cols * dense_dtype.itemsize
+        b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
+        if pre is not None or fmt is not None:
+            w_bytes = _C.quant_packed_bytes(pre.format if pre is not None else fmt, rows, cols)
+            workspace = _align256(dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize)
+        else:
+            w_bytes = dense_w
+            cast_w = compute_dtype is not None and dense_dtype != compute_dtype
+            workspace = _align256(rows * cols * compute_dtype.itemsize) if cast_w else 0
+        if compute_dtype is not None and bias is not None and bias.dtype != compute_dtype:
+            # The bias cast follows the device weight in the workspace.
+            workspace = _align256(workspace + bias.numel() * compute_dtype.itemsize)
+        bus = _align256(w_bytes) + _align256(b_bytes)
+        layers.append((name, module, kind, fmt, pre, bus, bus + workspace, dense_w + b_bytes))
+    # GGUF weights (load_gguf) of layers that stream neither as Linear layers nor in a tensor
+    # group (excluded, a subclass with its own forward, ...) stay resident: dense, dequantized
+    # here so that the planner counts them (not undone if offload() fails: the values are the same).
+    linear_ids = {id(t[1]) for t in layers if t[2] == "linear"}
+    in_groups = {id(o._parameters[k]) for t in layers if t[2] == "group" for o, k, _ in _group_slots(t[1])}
+    for module in model.modules():
+        if id(module) not in linear_ids:
+            _materialize_gguf(module, keep=in_groups)
+    if isinstance(quantize, dict):
+        # A table named explicitly (no wildcard) for a format: tables are never quantized.
+        named = [f"'{name}'" for name, _, _, _, _, _, _, _ in tables
+                 if any(not any(c in pattern for c in "*?[") and fnmatch.fnmatchcase(name, pattern) and fmt
+                        for pattern, fmt in quantize.items())]
+        if named:
+            warnings.warn(f"layerstream: quantize= names embedding table(s) {', '.join(named)}, but tables "
+                          f"are not quantized: they are looked up in host memory as they are (only the "
+                          f"rows a batch names cross the bus)", RuntimeWarning, stacklevel=2)
+    if trainable:
+        # Refused here, before any module changes (the engine would refuse at the first such
+        # layer, after the layers before it had been attached).
+        raise LayerstreamError(
+            f"quantize={quantize!r} would quantize {len(trainable)} trainable layer(s), but a quantized "
+            f"weight is frozen: {', '.join(trainable[:5])}{', ...' if len(trainable) > 5 else ''}. "
+            f"Freeze them (requires_grad_(False)), or choose per layer with a dict, first match "
+            f"wins, e.g. quantize={{'*lora_*': None, '*': 'nf4'}} for a peft model, or call "
+            f"offload() on the frozen base before adding the adapter.")
+    if tied_dense:
+        warnings.warn(f"layerstream: quantize={quantize!r} does not apply to {len(tied_dense)} layer(s) "
+                      f"with tied weights (the weight is shared with an embedding table or another "
+                      f"layer, which read the same host copy): they stream unquantized: "
+                      + ", ".join(tied_dense), RuntimeWarning, stacklevel=2)
+    if unpackable:
+        warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
+                      f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
+                      stacklevel=2)
+
+    # 2. With a budget, the planner decides which layers stay resident; the
+    #    slots get what is left. The budget covers every weight on the device.
+    plan = None
+    resident_names = set()
+    if budget_spec is not None:
+        budget_bytes = _resolve_budget(budget_spec, compute_device)
+        layer_ids = {id(t[1]) for t in layers + tables}  # tables take no device memory
+        fixed = 0
+        counted = set()  # a tensor shared by two modules (tied weights) is on the device once
+        for t in layers:  # a tensor group's tensors held by a child (an attention's out_proj)
+            if t[2] == "group":
+                counted.update(id(o._parameters[k]) for o, k, _ in _group_slots(t[1]))
+        for module in model.modules():
+            if id(module) in layer_ids:
+                continue
+            for t in list(module._parameters.values()) + list(module._buffers.values()):
+                if t is not None and not t.is_meta and id(t) not in counted:
+                    counted.add(id(t))
+                    fixed += t.numel() * t.element_size()
+        # Slots first, residency with what is left: the planner reserves the
+        # slots the requested prefetch depth needs (prefetch + 1: one in use,
+        # `prefetch` in flight; or exactly `slots`) before it keeps any layer
+        # resident. Without this it would trade slots for residency (it has
+        # no time model here) and silently run at prefetch depth 1. A budget
+        # too small for those slots gets fewer (at least 2; prefetch becomes
+        # slots - 1), as documented. The slots are sized by the largest
+        # *streamed* layer: the planner may keep an outlier (an LM head)
+        # resident to shrink them, so whether k slots fit is its call.
+        planned = [(n, bb, sb, rb, 0.0, any(o._parameters[key].requires_grad for o, key, _ in _group_slots(m))
+                    if k == "group" else bool(m.weight.requires_grad))
+                   for n, m, k, _, _, bb, sb, rb in layers]
+        wanted = [int(slots)] if slots is not None else list(range(max(2, opts["prefetch"] + 1), 1, -1))
+        for min_slots in wanted:
+            try:
+                plan = _C.plan(budget_bytes, planned, fixed,
+                               max_prefetch=max(1, opts["prefetch"], min_slots - 1), min_slots=min_slots)
+                break
+            except LayerstreamError as e:
+                if "too small" not in str(e):
+                    raise
+                if min_slots != wanted[-1]:
+                    continue  # fewer slots may fit (prefetch becomes slots - 1)
+                if slots is not None:
+                    raise LayerstreamError(f"slots={slots} do not fit in the budget: {e}; or ask for "
+                                           f"fewer slots (at least 2)") from None
+                raise
+        resident_names = set(plan["resident"])
+        # Tied weights: a layer kept resident keeps its tensor on the device, so the
+        # layers that share it stay resident too (it is on the device once, counted once).
+        for group in tie_groups:
+            if resident_names.intersection(group):
+                resident_names.update(group)
+        opts["budget_bytes"] = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
+
+    # 3. Attach the streamed layers to one engine. A failure part way (e.g. a weight the
+    #    format cannot pack, host memory) undoes what was attached, as detach() does.
+    engine = _C.Engine(opts)
+    attached: List[_Attached] = []
+    streamed_params = set()
+    handle = Handle(engine, attached, plan)
+    try:
+        _attach_layers(engine, sorted(layers + tables, key=lambda t: order[id(t[1])]), resident_names,
+                       attached, streamed_params, compute_device, experts == "routed")
+        for a in attached:
+            a.module._layerstream_handle = handle
+        _no_fused_encoder_path(model, attached, handle._fused_off)
+        streamed_ids = {id(a.module) for a in attached}
+        for name in grouped:  # a groups= module kept resident is an ordinary module again
+            module = model.get_submodule(name)
+            if id(module) not in streamed_ids:
+                _WHOLE_GROUPS.discard(module)
+        if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
+            model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
+            handle._root = model
+        # Resident weights to the compute device (device memory can run out here; the
+        # tensors already moved stay there, on the device the model was meant for).
+        _move_resident(model, streamed_params, compute_device)
+    except BaseException:
+        for name in grouped:
+            _WHOLE_GROUPS.discard(model.get_submodule(name))
+        try:
+            handle.detach()
+        except Exception as undo_error:  # pragma: no cover - reported with the original error
+            warnings.warn(f"layerstream: offload() failed and undoing it failed too: {undo_error}",
+                          RuntimeWarning, stacklevel=2)
+        raise
+    return handle
+
+
+def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
+    """nn.TransformerEncoderLayer's fused inference path (eval, no gradient) passes the
+    weights of its self_attn, linear1 and linear2 to one kernel itself, bypassing their
+    forwards: it would run on the host copies of streamed weights (a device mismatch on a
+    GPU; the data-less stand-ins of packed ones). On a layer with any of them streamed it
+    is turned off (activation_relu_or_gelu = 0, which only that path reads at call time;
+    the unfused path computes the same function with the layer's own activation).
+    detach() restores it."""
+    streamed = {id(a.module) for a in attached}
+    for m in model.modules():
+        if (isinstance(m, nn.TransformerEncoderLayer) and getattr(m, "activation_relu_or_gelu", 0)
+                and any(id(getattr(m, n, None)) in streamed for n in ("self_attn", "linear1", "linear2"))):
+            undo.append((m, m.activation_relu_or_gelu))
+            m.activation_relu_or_gelu = 0
+
+
+def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:
+    """Replaces the module's own GGUF weights (load_gguf) by dense, dequantized
+    parameters (frozen), for a module that does not stream them (but not those
+    whose id is in `keep`: a streamed tensor group's)."""
+    for k, p in list(module._parameters.items()):
+        if isinstance(p, GgufWeight) and id(p) not in keep:
+            module._parameters[k] = nn.Parameter(p.dequantized(), requires_grad=False)
+
+
+def _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device,
+                   routed: bool) -> None:
+    """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
+    appending to `attached` / `streamed_params` as it goes (what offload() undoes on
+    failure)."""
+    for name, module, kind, fmt, pre, _, _, _ in layers:
+        if name in resident_names:  # the planner counted it dense
+            for owner in (dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]):
+                _materialize_gguf(owner)
+            continue
+        if kind == "group":
+            slots = _group_slots(module)
+            params = [o._parameters[k] for o, k, _ in slots]
+            devices = [str(params[0].device)]
+            n_experts = getattr(module, "num_experts", 0) if routed else 0
+            n_experts = n_experts if isinstance(n_experts, int) and n_experts > 1 else 0
+            gguf = [(p.gguf_format, p.gguf_bytes) if isinstance(p, GgufWeight) else None for p in params]
+            index = engine.add_group(name or "<root>", params, fmt or "", n_experts,
+                                     gguf if any(gguf) else [])
+            had_forward = "forward" in module.__dict__
+            old_forward = module.__dict__.get("forward")
+            a = _Attached(name, module, kind, index, had_forward, old_forward, devices)
+            attached.append(a)
+            if fmt is not None or any(gguf):
+                # Packed on the host: the module keeps data-less stand-ins (the dense
+                # tensors, or a GGUF file's bytes, are freed); copy_ / load_state_dict()
+                # re-quantize into them (not into GGUF parts: the engine refuses).
+                a.packed_parts = [(qn, part, o, k) for part, ((o, k, qn), p) in enumerate(zip(slots, params))
+                                  if p.dim() >= 2 and (fmt is not None or gguf[part])]
+                for qn, part, o, k in a.packed_parts:
+                    p = o._parameters[k]
+                    o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
+                                                     f"{name or '<root>'}.{qn}", part)
+                a.hooks = _requantize_on_load(engine, index, module, a.packed_parts)
+                params = [o._parameters[k] for o, k, _ in slots]
+            module.forward = _GroupForward(engine, index, old_forward or module.forward, module, slots,
+                                           name or "<root>", n_experts)
+            # Each module that owns some of the tensors keeps them where they are on
+            # model.to() (nn.MultiheadAttention: its out_proj too).
+            for owner in dict.fromkeys(o for o, _, _ in slots):
+                keys = [k for o, k, _ in slots if o is owner]
+                qn = next(q for o, k, q in slots if o is owner)
+                sub = qn[:-len(keys[0]) - 1] if owner is not module else ""
+                full = ".".join(x for x in (name, sub) if x) or "<root>"
+                owner._apply = _StreamedApply(owner, compute_device, full, keys)
+                if owner is not module:
+                    a.owners.append(owner)
+            for p in params:
+                p._is_memory_managed = True
+                streamed_params.add(id(p))
+            continue
+        weight, bias = module.weight, getattr(module, "bias", None)
+        devices = [str(weight.device)]  # a GgufWeight's is the CPU, where its bytes are
+        if pre is not None:
+            if pre.format == "int8":
+                index = engine.add_linear_int8(name or "<root>", pre.codes, pre.scales, bias,
+                                               pre.dense_dtype)
+            else:
+                index = engine.add_linear_packed(name or "<root>", pre.format, pre.codes, pre.scales,
+                                                 bias, pre.rows, pre.cols, pre.dense_dtype)
+            # The engine copied them into its host store: let them go now rather than when
+            # offload() returns (a GGUF file's bytes would otherwise be held twice until then).
+            pre.codes = pre.scales = None
+        elif kind == "embedding":
+            index = engine.add_embedding(name or "<root>", weight,
+                                         -1 if module.padding_idx is None else module.padding_idx,
+                                         module.scale_grad_by_freq, module.sparse)
+        elif kind == "linear":
+            index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
+        else:
+            index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",
+                                    **_conv_args(module))
+        # Recorded as soon as the engine holds the layer, so that a failure below
+        # is undone for this layer too.
+        had_forward = "forward" in module.__dict__
+        old_forward = module.__dict__.get("forward")
+        a = _Attached(name, module, kind, index, had_forward, old_forward, devices,
+                      prequantized=pre is not None and not pre.gguf,
+                      bnb_stats=None if pre is None else pre.bnb_stats,
+                      strides=None if weight.is_contiguous() else tuple(weight.stride()))
+        attached.append(a)
+        if (pre is None or pre.bnb_stats is not None or pre.gguf) and engine.layer_format(index):
+            # The weight now lives packed on the host; the module keeps a
+            # data-less (meta) parameter of the same shape and dtype so the
+            # dense (or the bitsandbytes) copy is freed.
+            shape = (pre.rows, pre.cols) if pre is not None else tuple(module.weight.shape)
+            dtype = pre.dense_dtype if pre is not None else module.weight.dtype
+            module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>")
+            del weight
+        if engine.layer_format(index):
+            # Packed on the host: an in-place write to the module's weight that
+            # _PackedWeight does not turn into a re-quantization (or a pre-quantized
+            # int8 weight's write) does not reach it; the engine refuses the next call.
+            engine.watch_weight(index, module.weight if "weight" in module._parameters
+                                else module.__dict__["weight"])
+            if pre is None:
+                a.hooks = _requantize_on_load(engine, index, module)
+        if kind == "embedding" and type(module).forward is not nn.Embedding.forward:
+            # A subclass that looks up through super().forward: its own forward stays
+            # and reaches the streamed lookup (see _lookup_through_super).
+            module.__dict__["_layerstream_lookup"] = _StreamedForward(
+                engine, index, kind, functools.partial(nn.Embedding.forward, module), module, name)
+            module.__class__ = _with_streamed_lookup(type(module))
+        else:
+            module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
+                                              module, name)
+        module._apply = _StreamedApply(module, compute_device, name or "<root>")
+        for p in module.parameters(recurse=False):
+            p._is_memory_managed = True
+            streamed_params.add(id(p))
+
+
+def _align256(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def _resolve_budget(spec, compute_device: torch.device) -> int:
+    """Bytes of a budget checked by _C.parse_budget: a byte count, or a share of the
+    device's free memory (the sim device reports its simulated capacity)."""
+    fraction, nbytes, share = spec
+    if not fraction:
+        return nbytes
+    if compute_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(compute_device)
+    else:
+        free = SIM_DEVICE_MEMORY
+    return int(free * share)
+
+
+# Capacity of the simulated device (what budget="auto" sees on "sim").
+SIM_DEVICE_MEMORY = 16 * 2**30
+
+
+def _move_resident(model: nn.Module, streamed_params: set, device: torch.device) -> None:
+    """Moves every non-streamed parameter and buffer to the compute device."""
+    with torch.no_grad():
+        for module in model.modules():
+            for pname, p in module._parameters.items():
+                if p is None or id(p) in streamed_params or p.device == device:
+                    continue
+                p.data = p.data.to(device)
+            for bname, b in module._buffers.items():
+                if b is not None and b.device != device:
+                    module._buffers[bname] = b.to(device)

@@ -1,0 +1,139 @@
+"""The data-less parameter a layer quantized by offload() keeps (_PackedWeight):
+writes re-quantize or are refused, computing with it is refused (see _standin).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from . import _C, _standin
+from ._standin import DEVICE as _DEVICE, HOST as _HOST
+
+LayerstreamError = _C.LayerstreamError
+
+
+# The .data / .requires_grad descriptors, as __torch_function__ sees their getters and setters.
+_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
+
+
+_CONVERSIONS = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "type_as",
+                "pin_memory", "share_memory_"}
+
+
+class _PackedWeight(nn.Parameter):
+    """The parameter a quantized streamed layer keeps: data-less (meta, same shape
+    and dtype), because the weight lives packed in the engine's host store.
+
+    A plain meta tensor would swallow writes: ``copy_`` into it, and
+    ``w.data += delta`` (peft's merge_and_unload) would leave the packed weight
+    as it was without a word, and ``torch.save(model.state_dict())`` would save
+    no values. So:
+      * ``copy_`` (what load_state_dict() does) re-quantizes the new values into
+        the host store (``Engine.requantize``);
+      * every other in-place write, assigning ``.data``, converting or moving it
+        (``model.to()``, ``.half()``) and pickling it (``torch.save``) raise a
+        LayerstreamError that says what to do (``handle.detach()`` restores a
+        dense, dequantized weight);
+      * reads (shape, dtype, ``detach()`` for state_dict(), ...) behave as on a
+        meta tensor; ``.data`` is the parameter itself, so writes through it
+        are seen too;
+      * ``.device`` is the CPU (``is_meta`` stays True): code that places new
+        tensors beside the weight (peft puts a LoRA adapter on its base layer's
+        weight's device) puts them in host memory, where streamed parameters
+        live, instead of on the meta device, where their values would be lost.
+    """
+
+    def __new__(cls, shape, dtype, engine, index: int, name: str, part: Optional[int] = None):
+        self = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
+        self._ls = (engine, index, name, part)  # part: a tensor group's tensor, else None
+        return self
+
+    @classmethod
+    def _alias(cls, t, ls):
+        out = torch.Tensor._make_subclass(cls, t, False)
+        out._ls = ls
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self = args[0] if args else None
+        ls = getattr(self, "_ls", None) if isinstance(self, _PackedWeight) else None
+        descr = getattr(func, "__self__", None)
+        name = getattr(func, "__name__", "")
+        if ls is not None and descr is _DEVICE and name == "__get__":
+            return _HOST  # where the packed bytes are (see the class docstring)
+        if ls is not None and descr is _DATA:
+            if name == "__get__":
+                return self  # so that writes through .data reach this handler
+            value = args[1]
+            if value is self or (isinstance(value, _PackedWeight) and value._ls == ls):
+                return None  # Module._apply assigns an unchanged parameter back
+            raise LayerstreamError(cls._msg(ls, "its .data cannot be replaced"))
+        if ls is not None and (name == "requires_grad_" and (args[1:] or [kwargs.get("requires_grad", True)])[0]
+                               or descr is _REQUIRES_GRAD and name == "__set__" and args[1]):
+            raise LayerstreamError(
+                f"the weight of quantized streamed layer '{ls[2]}' cannot be trained (it is packed "
+                f"on the host and dequantized on the device); train an adapter over it (LoRA), or "
+                f"detach() and offload() again without quantizing this layer")
+        if ls is not None and name == "copy_":
+            engine, index, _, part = ls
+            if part is None:
+                engine.requantize(index, args[1])
+            else:
+                engine.requantize_part(index, part, args[1])
+                # A write, as far as autograd's version checks go: a tensor group's
+                # backward whose forward used the old values raises (_GroupFn).
+                torch.autograd.graph.increment_version(self)
+            return self
+        if ls is not None and name in ("detach", "alias", "detach_", "requires_grad_"):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return self if out is self else cls._alias(out, ls)
+        if ls is not None and name in _CONVERSIONS:
+            with torch._C.DisableTorchFunctionSubclass():
+                try:
+                    out = func(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - e.g. "cannot copy out of meta tensor"
+                    out = None
+            if out is self:
+                return self  # a no-op conversion (same dtype and device)
+            raise LayerstreamError(cls._msg(ls, f"it cannot be converted or moved ({name}())"))
+        if ls is not None and (name.endswith("_") and not name.startswith("_") or
+                               name in ("__setitem__", "__iadd__", "__isub__", "__imul__",
+                                        "__itruediv__", "__ior__", "__iand__")):
+            raise LayerstreamError(cls._msg(ls, f"in-place {name}() cannot reach it"))
+        other = _standin.first_standin(types, args, kwargs, _PackedWeight)
+        if other is not None and not _standin.reads_metadata_only(func):
+            # Any computation with it, in any argument position (x @ w.t(), F.linear(x, w)):
+            # a meta tensor has no values, and torch would return uninitialised memory.
+            raise LayerstreamError(cls._msg(other._ls, _standin.computing_message(func)) +
+                                   "; run the module itself (it streams the weight), or detach() first")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @staticmethod
+    def _msg(ls, what: str) -> str:
+        return (f"the weight of quantized streamed layer '{ls[2]}' is packed in layerstream's host "
+                f"store and this parameter is its data-less (meta) stand-in: {what}. Load new values "
+                f"with load_state_dict() or weight.copy_() (they are re-quantized); to change it "
+                f"otherwise (e.g. merge a LoRA adapter into it) or move the model, call "
+                f"handle.detach() first (it restores the dense, dequantized weight)")
+
+    def __reduce_ex__(self, protocol):
+        raise LayerstreamError(self._msg(self._ls, "it cannot be saved (pickled)") +
+                               "; state_dict() of an offloaded model has no values for it: save "
+                               "only the trainable parameters (peft's save_pretrained does), or "
+                               "detach() first")
+
+    def __deepcopy__(self, memo):
+        raise LayerstreamError(self._msg(self._ls, "it cannot be deep-copied"))
+
+    def __repr__(self):
+        return (f"layerstream packed weight of '{self._ls[2]}' (meta stand-in, shape "
+                f"{tuple(self.shape)}, {self.dtype})")
