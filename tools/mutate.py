@@ -86,10 +86,16 @@ MUTATIONS = [
     # ---- other holes named by issue 29, now covered ----
     Mutation(
         "planner-keeps-nothing-resident", "csrc/core/planner.cpp",
-        "  if (!total_overflow && total_resident <= in.budget_bytes) {",
-        "  if (false && !total_overflow && total_resident <= in.budget_bytes) {",
+        "    best = build(all_resident, in.min_slots);",
+        "    best = build(std::vector<char>(n, 0), in.min_slots);",
         [P + "test_errors.py::test_budget_that_fits_everything_keeps_layers_resident"],
-        "a budget that holds the whole model keeps nothing resident"),
+        "a budget that holds the whole model keeps nothing resident (streams everything)"),
+    Mutation(
+        "planner-greedy-fill-keeps-nothing", "csrc/core/planner.cpp",
+        "        if (fits) {\n          resident[i] = 1;",
+        "        if (false) {\n          resident[i] = 1;",
+        [P + "test_parity_layers.py::test_resident_and_streamed_layers_in_one_model"],
+        "a budget with room for some layers beside the slots keeps none of them resident"),
     Mutation(
         "sim-destructor-leaks-buffers", "csrc/backends/sim/sim_backend.cpp",
         "  for (auto& kv : impl_->allocs) ::operator delete(kv.first, std::align_val_t(kAlign));\n",
