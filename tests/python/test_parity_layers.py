@@ -270,7 +270,9 @@ def test_resident_and_streamed_layers_in_one_model(offload_dev, compute_device):
     Linear layers resident (the user's own modules on the compute device) and streams the
     other four through the slots, in one model. Three SGD steps: outputs, the input
     gradient, every weight gradient and the updated weights equal the resident model's
-    bit for bit (fp32 Linear, as test_linear_fp32_bit_exact)."""
+    bit for bit on the sim device (fp32 Linear, as test_linear_fp32_bit_exact); on CUDA
+    within the fp32 tolerance (the optimizer updates the streamed weights on the host
+    and the reference's on the GPU, whose kernels may fuse the multiply-add)."""
     from conftest import slot_bytes
 
     torch.manual_seed(0)
@@ -286,6 +288,14 @@ def test_resident_and_streamed_layers_in_one_model(offload_dev, compute_device):
     assert len(resident) == 2
     for n in resident:
         assert model.get_submodule(n).weight.device == dev  # resident: the user's module, moved
+    exact = dev.type == "cpu"
+
+    def same(a, b, what):
+        if exact:
+            assert _equal(a, b), what
+        else:
+            _close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
     opt, opt_r = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for step in range(3):
         x = _randn((5, 32), dev).requires_grad_()
@@ -293,16 +303,16 @@ def test_resident_and_streamed_layers_in_one_model(offload_dev, compute_device):
         opt.zero_grad()
         opt_r.zero_grad()
         y, yr = model(x), ref(xr)
-        assert _equal(y, yr), f"step {step}: output"
+        same(y, yr, f"step {step}: output")
         y.square().sum().backward()
         yr.square().sum().backward()
-        assert _equal(x.grad, xr.grad), f"step {step}: input grad"
+        same(x.grad, xr.grad, f"step {step}: input grad")
         for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            assert _equal(p.grad, q.grad), f"step {step}: {n}.grad"
+            same(p.grad, q.grad, f"step {step}: {n}.grad")
         opt.step()
         opt_r.step()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert _equal(p, q), n
+        same(p, q, n)
     assert handle.stats()["h2d_bytes"] >= 3 * 4 * layer  # the streamed four crossed every step
 
 
