@@ -10,7 +10,12 @@ checks the logits against the resident model's, every system fed the resident
 model's greedy tokens (exit status 1 beyond --tolerance). On the sim device the time per token is mostly the CPU's own compute;
 `--device cuda` measures the real link (bench/gpu/run.sh runs it so).
 
-    .venv/bin/python bench/bench_moe_decode.py [--device sim|cuda] [--tokens 16] [--link-gbps 25] [--json]
+    .venv/bin/python bench/bench_moe_decode.py [--device sim|cuda] [--tokens 16] [--link-gbps 25] [--repeats 3] [--json]
+
+Every system (the resident model too) first decodes two tokens untimed (warm-up: the
+streamed ones trace their steps there, and every system's first calls pay for
+allocator and kernel warm-up), then the timed decode runs --repeats times; the
+reported time per token is the median of those runs, with their min and max.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -58,6 +64,27 @@ def decode(model, prompt, tokens, forced=None):
     return ids, (time.perf_counter() - t0) / max(1, tokens - 1), logits
 
 
+def timed_decodes(model, prompt, tokens, repeats, forced=None, sync=None):
+    """Warm-up (two tokens, untimed), then `repeats` timed decodes; returns (the first
+    run's ids and logits, the seconds per token of every run)."""
+    decode(model, prompt, 2)
+    runs, first = [], None
+    for _ in range(repeats):
+        if sync:
+            sync()
+        ids, per_token, logits = decode(model, prompt, tokens, forced=forced)
+        runs.append(per_token)
+        if first is None:
+            first = (ids, logits)
+    return first[0], first[1], runs
+
+
+def _spread(runs):
+    """Median, min and max of per-token seconds, in ms."""
+    ms = [r * 1e3 for r in runs]
+    return statistics.median(ms), min(ms), max(ms)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="sim", help='"sim" (default) or "cuda"')
@@ -68,6 +95,7 @@ def main():
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--link-gbps", type=float, default=25.0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed decodes per system (median reported)")
     ap.add_argument("--tolerance", type=float, default=0.05,
                     help="largest |logit - resident logit| accepted (bf16; 0 on the sim device in practice)")
     ap.add_argument("--json", action="store_true")
@@ -80,10 +108,12 @@ def main():
 
     base = build(args)
     prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to(compute)
+    sync = (lambda: torch.cuda.synchronize(compute)) if on_gpu else None
     with torch.no_grad():
         resident = copy.deepcopy(base).to(compute)
-        want, resident_s, want_logits = decode(resident, prompt, args.tokens)
+        want, want_logits, resident_runs = timed_decodes(resident, prompt, args.tokens, args.repeats, sync=sync)
         del resident
+    resident_ms, resident_min, resident_max = _spread(resident_runs)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "experts" in n)
     rows = []
     for mode in ("all", "routed"):
@@ -91,18 +121,22 @@ def main():
         handle = layerstream.offload(model, device=args.device, experts=mode, sim_link_gbps=args.link_gbps,
                                      sim_latency_us=5.0)
         with torch.no_grad():
-            decode(model, prompt, 2)  # warm-up: traces the steps
+            decode(model, prompt, 2)  # warm-up: traces the steps (timed_decodes repeats it)
             before = handle.stats()
             # Fed the resident model's tokens, so that a near tie decided the other way by
             # last-bit differences (another GEMM algorithm on the GPU) cannot derail the run.
-            got, per_token, logits = decode(model, prompt, args.tokens, forced=want)
+            got, logits, runs = timed_decodes(model, prompt, args.tokens, args.repeats, forced=want, sync=sync)
             after = handle.stats()
         diff = max(float((a - b).abs().max()) for a, b in zip(logits, want_logits))
-        steps = args.tokens  # one prefill + tokens - 1 decode calls, bytes per call
+        # bytes per call: one prefill + tokens - 1 decode calls per run, plus the 2-token warm-up
+        calls = args.repeats * args.tokens + 2
+        ms, ms_min, ms_max = _spread(runs)
         rows.append({
             "experts": mode,
-            "ms_per_token": per_token * 1e3,
-            "mib_per_call": (after["h2d_bytes"] - before["h2d_bytes"]) / steps / 2**20,
+            "ms_per_token": ms,
+            "ms_per_token_min": ms_min,
+            "ms_per_token_max": ms_max,
+            "mib_per_call": (after["h2d_bytes"] - before["h2d_bytes"]) / calls / 2**20,
             "routed_fetches": int(after["routed_fetches"] - before["routed_fetches"]),
             "same_tokens_as_resident": got == want,
             "max_abs_logit_diff": diff,
@@ -111,19 +145,22 @@ def main():
         handle.detach()
     info = {"experts_mib": expert_bytes / 2**20, "layers": args.layers, "experts": args.experts,
             "top_k": args.top_k, "device": args.device, "link_gbps": args.link_gbps if not on_gpu else None,
-            "tokens": args.tokens, "resident_ms_per_token": resident_s * 1e3}
+            "tokens": args.tokens, "repeats": args.repeats, "resident_ms_per_token": resident_ms,
+            "resident_ms_per_token_min": resident_min, "resident_ms_per_token_max": resident_max}
     lines = [
         f"Qwen3-MoE shape, bf16, {args.layers} layers x {args.experts} experts ({args.top_k} per token), "
         f"{info['experts_mib']:.0f} MiB of experts; "
         f"{f'sim link {args.link_gbps} GB/s' if not on_gpu else args.device}; {args.tokens} tokens, greedy; "
-        f"resident: {resident_s * 1e3:.1f} ms / token",
+        f"every system warmed up, then {args.repeats} timed runs (median, min-max); "
+        f"resident: {resident_ms:.1f} ms / token ({resident_min:.1f}-{resident_max:.1f})",
         "",
-        "| experts= | ms / token | MiB on the bus / call | routed fetches | max abs logit diff vs resident | "
-        "same greedy tokens |",
-        "|---|---:|---:|---:|---:|---|",
+        "| experts= | ms / token (median) | min-max | MiB on the bus / call | routed fetches | "
+        "max abs logit diff vs resident | same greedy tokens |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['experts']} | {r['ms_per_token']:.1f} | {r['mib_per_call']:.1f} | {r['routed_fetches']} | "
+        lines.append(f"| {r['experts']} | {r['ms_per_token']:.1f} | {r['ms_per_token_min']:.1f}-"
+                     f"{r['ms_per_token_max']:.1f} | {r['mib_per_call']:.1f} | {r['routed_fetches']} | "
                      f"{r['max_abs_logit_diff']:.3g}{'' if r['matches_resident'] else ' (over tolerance)'} | "
                      f"{'yes' if r['same_tokens_as_resident'] else 'no'} |")
     lines += ["", f"routed / all: {rows[1]['ms_per_token'] / rows[0]['ms_per_token']:.3f} of the time, "

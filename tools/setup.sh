@@ -5,7 +5,8 @@
 #
 # Environment: LS_WERROR=1 builds with -Werror (CI does), LS_WITH_TORCH=OFF
 # skips the LibTorch parts (fast core-only build), LS_BUILD_DIR
-# (default build), LS_JOBS (default: nproc).
+# (default build), LS_JOBS (default: nproc), LS_TARGETS (build only these
+# CMake targets, e.g. "_C test_quant"; default: everything).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -63,5 +64,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ] || [ "$(cat "$BUILD_DIR/.ls_werror" 2>/dev/
     -DLS_WERROR=$werror -DLS_WITH_TORCH=${LS_WITH_TORCH:-ON} "${cuda_args[@]}" >"$BUILD_DIR.configure.log" 2>&1 || { cat "$BUILD_DIR.configure.log"; exit 1; }
   echo "$werror" > "$BUILD_DIR/.ls_werror"
 fi
-log "building ($JOBS jobs)"
-cmake --build "$BUILD_DIR" -j "$JOBS"
+targets=()
+[ -n "${LS_TARGETS:-}" ] && targets=(--target ${LS_TARGETS})
+log "building ($JOBS jobs${LS_TARGETS:+; targets: $LS_TARGETS})"
+cmake --build "$BUILD_DIR" -j "$JOBS" "${targets[@]}"

@@ -17,9 +17,16 @@
 # bench_quant (device dequant GB/s); bench/bench_moe_decode.py (MoE decoding,
 # every expert vs the routed ones; moe_decode.json/.md, appended to
 # results.md); then the comparison at full size (~6.4B params, bf16).
+# Skips: on the GPU machine a skipped test fails the run unless its reason is
+# one bench/gpu/skip_policy.py lists as right on one GPU (e.g. "needs two CUDA
+# devices"); a skip because no device is usable ("no CUDA device visible": a
+# driver mismatch) always fails it. pytest and the C++ CUDA tests write JUnit
+# XML reports (tests.xml, test_cuda_*.xml) that the policy reads.
 # --dry-run: the local .venv and its existing build (tools/setup.sh if the
-# module does not import), device "sim", tiny sizes, the parity tests only
-# collected (tools/test.sh runs them on sim); < 2 minutes on 2 CPU cores.
+# module does not import), device "sim", tiny sizes; the parity tests are
+# collected and a few of them run on sim under the skip policy (no skip
+# allowed there; tools/test.sh runs them all), and the skip policy checks its
+# own rules (--self-test); < 2 minutes on 2 CPU cores.
 # --seed-impl: the seed's seed_layer.py (never in the repo). When not given,
 # .shared/seed_layer.py or ../shared/reference/seed_layer.py is used if present.
 set -uo pipefail
@@ -187,23 +194,45 @@ elif ! "$PY" -c 'import pytest' >/dev/null 2>&1; then
 else
   env_ok=0; grep -q LS_TEST_DEVICE "$PARITY" && env_ok=1
   if [ "$DRY" = 1 ]; then
-    # tools/test.sh already runs the whole Python suite on sim; here only check
-    # that the file collects, which is what the real run depends on.
+    # tools/test.sh already runs the whole Python suite on sim; here check that the
+    # file collects (what the real run depends on), the skip policy's own rules, and
+    # run a few parity tests on sim through the same report + policy path as the
+    # real run (no skip is expected on sim).
     LS_TEST_DEVICE=sim timeout 90 "$PY" -m pytest -q --collect-only -k parity "$PARITY" >"$OUTDIR/tests.log" 2>&1
     rc=$?
     summary=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
-    if [ $rc = 0 ]; then write_tests collected "dry run, collect only: $summary" 0 $env_ok
-    else write_tests failed "collect failed (rc $rc): $summary" $rc $env_ok; fail=1; fi
+    "$PY" bench/gpu/skip_policy.py --self-test >"$OUTDIR/skip_policy.log" 2>&1; prc=$?
+    [ $prc = 0 ] || { log "skip policy self-test FAILED (see skip_policy.log)"; cat "$OUTDIR/skip_policy.log"; }
+    LS_TEST_DEVICE=sim timeout 120 "$PY" -m pytest -q -rs --junitxml="$OUTDIR/tests.xml" \
+      -k "test_linear_fp32_bit_exact or test_resident_and_streamed_layers_in_one_model" "$PARITY" \
+      >>"$OUTDIR/tests.log" 2>&1
+    src=$?
+    ssum=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
+    "$PY" bench/gpu/skip_policy.py --mode sim "$OUTDIR/tests.xml" >>"$OUTDIR/skip_policy.log" 2>&1; spc=$?
+    pol=$(tail -1 "$OUTDIR/skip_policy.log")
+    if [ $rc = 0 ] && [ $prc = 0 ] && [ $src = 0 ] && [ $spc = 0 ]; then
+      write_tests collected "dry run: $summary; subset on sim: $ssum; $pol; skip policy self-test passed" 0 $env_ok
+    else
+      write_tests failed "dry run: collect rc $rc ($summary); subset on sim rc $src ($ssum); skip policy rc $spc ($pol); self-test rc $prc" 1 $env_ok
+      fail=1; tail -20 "$OUTDIR/tests.log"; cat "$OUTDIR/skip_policy.log"
+    fi
+    summary="$summary; subset: $ssum; $pol"
   else
     log "tests: LS_TEST_DEVICE=cuda pytest -k parity $PARITY"
-    LS_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -k parity "$PARITY" >"$OUTDIR/tests.log" 2>&1
+    LS_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -rs --junitxml="$OUTDIR/tests.xml" -k parity "$PARITY" \
+      >"$OUTDIR/tests.log" 2>&1
     rc=$?
     # last non-blank line: the pytest summary, or its "ERROR: ..." usage error
     summary=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
     if [ $env_ok = 1 ]; then note=" (on cuda: LS_TEST_DEVICE=cuda)"
     else note=" (the file does not read LS_TEST_DEVICE: its own default device was used)"; fi
-    if [ $rc = 0 ]; then write_tests passed "$summary$note" 0 $env_ok
-    else write_tests failed "rc $rc: $summary$note" $rc $env_ok; fail=1; tail -30 "$OUTDIR/tests.log"; fi
+    # A skipped parity test is not a pass on the GPU machine (bench/gpu/skip_policy.py).
+    "$PY" bench/gpu/skip_policy.py --mode gpu "$OUTDIR/tests.xml" >"$OUTDIR/skip_policy.log" 2>&1; spc=$?
+    pol=$(tail -1 "$OUTDIR/skip_policy.log")
+    if [ $rc = 0 ] && [ $spc = 0 ]; then write_tests passed "$summary$note; $pol" 0 $env_ok
+    elif [ $rc = 0 ]; then
+      write_tests failed "unexpected skips: $summary$note; $pol" 1 $env_ok; fail=1; cat "$OUTDIR/skip_policy.log"
+    else write_tests failed "rc $rc: $summary$note; $pol" $rc $env_ok; fail=1; tail -30 "$OUTDIR/tests.log"; fi
   fi
   log "tests: $summary"
 fi
@@ -226,10 +255,19 @@ else
     exe="$bdir/tests/cpp/$t"
     if [ ! -x "$exe" ]; then cpp_results+=("$t|not built|0"); continue; fi
     log "C++: $t"
-    timeout 100 "$exe" --gtest_brief=1 >"$OUTDIR/$t.log" 2>&1; rc=$?
+    rm -f "$OUTDIR/$t.xml"
+    timeout 100 "$exe" --gtest_brief=1 --gtest_output="xml:$OUTDIR/$t.xml" >"$OUTDIR/$t.log" 2>&1; rc=$?
     cat "$OUTDIR/$t.log" >>"$OUTDIR/cpp_tests.log"
     sum=$(grep -E '^\[ +(PASSED|SKIPPED|FAILED) +\] [0-9]+ test' "$OUTDIR/$t.log" \
           | sed -E 's/^\[ +([A-Z]+) +\] ([0-9]+).*/\2 \1/' | tr 'A-Z\n' 'a-z,' | sed 's/,$//;s/,/, /g')
+    # On the GPU machine a skip is a pass only for the reasons skip_policy.py lists
+    # (a "no CUDA device" skip of every test would otherwise report success). The
+    # dry run has no GPU: its CUDA binaries skip for lack of a device, as they should.
+    if [ "$DRY" = 0 ] && [ $rc = 0 ]; then
+      "$PY" bench/gpu/skip_policy.py --mode gpu "$OUTDIR/$t.xml" >>"$OUTDIR/skip_policy.log" 2>&1 \
+        || { rc=1; sum="${sum:-no summary}, unexpected skips: $(grep -c 'UNEXPECTED SKIP' "$OUTDIR/skip_policy.log")"; \
+             grep 'UNEXPECTED SKIP' "$OUTDIR/skip_policy.log" | head -5; }
+    fi
     cpp_results+=("$t|${sum:-no summary}|$rc")
     [ $rc = 0 ] || { fail=1; grep -E "FAILED|Failure" "$OUTDIR/$t.log" | head -20; }
   done

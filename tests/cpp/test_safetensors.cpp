@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -334,30 +335,59 @@ TEST(Checkpoint, GroupsLayersInNaturalOrder) {
 // ------------------------------------------------------------ corpus replay
 
 namespace {
-void replay_dir(const std::string& dir, bool crashers) {
-  if (!fs::exists(dir)) return;
+// Replays every input file of `dir` (not README.md / expected.tsv); returns how many
+// it replayed. A missing folder is a failure (a moved data folder must not turn the
+// replay into a no-op). `expected.tsv` (file TAB message fragment), when present,
+// names the error each listed file must be refused with.
+int replay_dir(const std::string& dir, bool crashers) {
+  if (!fs::is_directory(dir)) {
+    ADD_FAILURE() << "test data folder " << dir << " is missing";
+    return 0;
+  }
+  std::map<std::string, std::string> expected;
+  {
+    std::ifstream f(dir + "/expected.tsv");
+    std::string line;
+    while (std::getline(f, line)) {
+      const size_t tab = line.find('\t');
+      if (tab != std::string::npos) expected[line.substr(0, tab)] = line.substr(tab + 1);
+    }
+  }
+  int replayed = 0;
   for (const auto& e : fs::directory_iterator(dir)) {
-    if (!e.is_regular_file() || e.path().extension() == ".md") continue;
+    if (!e.is_regular_file() || e.path().extension() == ".md" || e.path().filename() == "expected.tsv") continue;
     std::string name = e.path().filename().string();
     SCOPED_TRACE(name);
+    ++replayed;
     bool expect_ok = !crashers && name.rfind("valid_", 0) == 0;
+    const auto want = expected.find(name);
     try {
       SafetensorsHeader h = read_safetensors_header(e.path().string());
       if (!expect_ok && !crashers) ADD_FAILURE() << "expected an error for " << name;
+      if (want != expected.end()) ADD_FAILURE() << name << " parsed; expected the error \"" << want->second << "\"";
     } catch (const Error& err) {
       EXPECT_FALSE(expect_ok) << err.message();
       EXPECT_EQ(err.message().find('\n'), std::string::npos);
+      if (want != expected.end()) EXPECT_NE(err.message().find(want->second), std::string::npos) << err.message();
     } catch (...) {
       ADD_FAILURE() << "non-layerstream exception for " << name;
     }
   }
+  for (const auto& [name, msg] : expected)
+    EXPECT_TRUE(fs::exists(dir + "/" + name)) << "expected.tsv lists " << name << ", which is missing";
+  return replayed;
 }
 }  // namespace
 
-TEST(Safetensors, CorpusReplay) { replay_dir(std::string(LS_TEST_DATA_DIR) + "/safetensors/corpus", false); }
+TEST(Safetensors, CorpusReplay) {
+  // 2 valid_* files and 5 that must be refused (tests/cpp/data/safetensors/corpus/README.md)
+  EXPECT_EQ(replay_dir(std::string(LS_TEST_DATA_DIR) + "/safetensors/corpus", false), 7);
+}
 
-// Every input the fuzzer ever crashed on, kept as a regression test.
-TEST(Safetensors, CrashersReplay) { replay_dir(std::string(LS_TEST_DATA_DIR) + "/safetensors/crashers", true); }
+// Hostile inputs (and every input the fuzzer ever crashed on), kept as a regression test.
+TEST(Safetensors, CrashersReplay) {
+  EXPECT_GE(replay_dir(std::string(LS_TEST_DATA_DIR) + "/safetensors/crashers", true), 8);
+}
 
 // ------------------------------------------------------------ fuzzing
 

@@ -3,6 +3,7 @@
 // its own file (test_sim_checker.cpp).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -14,6 +15,53 @@
 #include <vector>
 
 #include "backends/sim/sim_backend.h"
+
+// The sim backend backs its buffers with aligned operator new (64 bytes). This
+// test binary replaces the aligned forms of operator new/delete (all of them,
+// so every such allocation is paired with its own release) to count the live
+// ones: SimMemory.UnfreedBuffersAreReleasedByTheDestructor checks that the
+// backend's destructor really releases buffers the caller never freed.
+#include <cstdlib>
+#include <new>
+
+namespace {
+std::atomic<long> g_live_aligned{0};
+
+void* counted_aligned_alloc(std::size_t bytes, std::align_val_t align) noexcept {
+  void* p = nullptr;
+  const std::size_t a = std::max(static_cast<std::size_t>(align), sizeof(void*));
+  if (posix_memalign(&p, a, bytes ? bytes : 1) != 0) return nullptr;
+  g_live_aligned.fetch_add(1);
+  return p;
+}
+
+void counted_aligned_free(void* p) noexcept {
+  if (!p) return;
+  g_live_aligned.fetch_sub(1);
+  std::free(p);
+}
+}  // namespace
+
+void* operator new(std::size_t n, std::align_val_t a) {
+  if (void* p = counted_aligned_alloc(n, a)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n, std::align_val_t a) {
+  if (void* p = counted_aligned_alloc(n, a)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return counted_aligned_alloc(n, a);
+}
+void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return counted_aligned_alloc(n, a);
+}
+void operator delete(void* p, std::align_val_t) noexcept { counted_aligned_free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { counted_aligned_free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { counted_aligned_free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { counted_aligned_free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { counted_aligned_free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { counted_aligned_free(p); }
 
 namespace layerstream {
 namespace {
@@ -168,10 +216,19 @@ TEST(SimMemory, FreeingForeignOrTwiceIsAnError) {
 }
 
 TEST(SimMemory, UnfreedBuffersAreReleasedByTheDestructor) {
+  const long at_start = g_live_aligned.load();
   auto sim = make_sim_backend(instant());
+  const long before = g_live_aligned.load();
+  BufferRef freed = sim->alloc_device(1024, "freed.device");
   sim->alloc_device(4096, "leaked.device");
   sim->alloc_host(4096, true, "leaked.host");
-  sim.reset();  // ASan / valgrind would report a leak otherwise
+  sim->alloc_host(100, false, "leaked.pageable");
+  EXPECT_EQ(g_live_aligned.load() - before, 4) << "each buffer is one aligned allocation";
+  sim->free(freed);
+  EXPECT_EQ(g_live_aligned.load() - before, 3);
+  EXPECT_EQ(sim->stats().device_bytes_in_use, 4096u);
+  sim.reset();
+  EXPECT_EQ(g_live_aligned.load(), at_start) << "the destructor must release the 3 buffers never freed";
 }
 
 // ---------------------------------------------------------------- FIFO order

@@ -86,29 +86,43 @@ class _Block(nn.Module):
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
 def test_quantized_attention_streams_packed(offload_sim, fmt):
     """quantize= packs the attention's projections, out_proj's too (stand-ins on both
-    modules); the streamed model computes what the same model computes resident with the
-    dequantized values detach() restores; load_state_dict() re-quantizes both, and
-    converting the out_proj alone is refused."""
+    modules). Every output is checked against an independent reference (quant_ref.py, the
+    format's spec in torch): the model resident with each packed tensor replaced by its
+    reference dequantization, bit for bit; so are the values detach() restores.
+    load_state_dict() re-quantizes both (the loaded values' reference), and converting
+    the out_proj alone is refused."""
+    from quant_ref import assert_reference_values, packed_names, with_reference_values
+
     torch.manual_seed(0)
     model = nn.Sequential(_Block(), _Block()).requires_grad_(False)
     other = nn.Sequential(_Block(), _Block())
+    original = copy.deepcopy(model)
     handle = offload_sim(model, quantize=fmt)
     attn = model[0].attn
     assert attn.in_proj_weight.is_meta and type(attn.out_proj.weight).__name__ == "_PackedWeight"
     assert sorted(handle.layers) == ["0.attn", "0.fc", "1.attn", "1.fc"]
+    packed = packed_names(model)
+    assert sorted(packed) == sorted(f"{i}.{n}" for i in (0, 1)
+                                    for n in ("attn.in_proj_weight", "attn.out_proj.weight", "fc.weight"))
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
         got = model(x)
+        assert torch.equal(got, with_reference_values(original, fmt, packed)(x))
     with pytest.raises(LayerstreamError, match=r"'0.attn.out_proj' keeps its weights in host memory"):
         attn.out_proj.half()
     result = model.load_state_dict(other.state_dict())
     assert not result.missing_keys and not result.unexpected_keys
+    # frozen like `model` (nn.MultiheadAttention picks its path by requires_grad)
+    loaded_ref = with_reference_values(other, fmt, packed).requires_grad_(False)
     with torch.no_grad():
         loaded = model(x)
+        assert torch.equal(loaded, loaded_ref(x))  # the loaded values, re-quantized
     handle.detach()
+    restored, want = dict(model.named_parameters()), dict(other.named_parameters())
+    for n in packed:
+        assert_reference_values(fmt, want[n], restored[n], n)
     with torch.no_grad():
-        assert torch.equal(model(x), loaded)  # the loaded values, dequantized as streamed
-        torch.testing.assert_close(model(x), other(x), rtol=0.2, atol=0.05)  # ~ the loaded model
+        assert torch.equal(model(x), loaded)
     assert not torch.equal(got, loaded)
 
 

@@ -29,12 +29,32 @@ def _ids(vocab=500, shape=(2, 6)):
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(1))
 
 
-def test_tables_stream_frozen_or_trainable(offload_sim, recwarn):
-    """Frozen and trainable tables stream; exclude= keeps one resident."""
+@pytest.mark.parametrize("frozen,exclude", [(True, None), (False, None), (True, ["emb"])],
+                         ids=["frozen", "trainable", "excluded"])
+def test_tables_stream_frozen_or_trainable(offload_sim, recwarn, frozen, exclude):
+    """Frozen and trainable tables stream (looked up in host memory: counted in
+    embedding_layers and gathered_bytes); exclude= keeps one resident. Each computes what
+    the resident model computes, bit for bit, and a trainable table's gradient (computed
+    on the host) equals the resident table's."""
     torch.manual_seed(0)
-    assert offload_sim(_LM(frozen=True)).layers == ["emb", "fc", "head"]
-    assert offload_sim(_LM(frozen=False)).layers == ["emb", "fc", "head"]
-    assert offload_sim(_LM(frozen=True), exclude=["emb"]).layers == ["fc", "head"]
+    model = _LM(frozen=frozen)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, exclude=exclude)
+    streams_table = exclude is None
+    assert handle.layers == (["emb", "fc", "head"] if streams_table else ["fc", "head"])
+    ids = _ids()
+    out, want = model(ids), ref(ids)
+    assert torch.equal(out, want)
+    stats = handle.stats()
+    assert stats["embedding_layers"] == int(streams_table)
+    # a lookup reads only the rows its ids name: 12 ids of 32 fp32 values
+    assert stats["gathered_bytes"] == (ids.numel() * 32 * 4 if streams_table else 0)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) == (n == "emb.weight" and frozen), n
+        if q.grad is not None:
+            assert torch.equal(p.grad, q.grad), n
     assert not [w for w in recwarn if "layerstream" in str(w.message)]
 
 

@@ -163,35 +163,46 @@ def _lora_moe(fmt_seed=0):
 def test_quantized_experts_stream_packed(offload_sim, fmt):
     """QLoRA on a mixture-of-experts model: quantize= packs the 3-D expert tensors (as
     matrices of their last dimension), the module keeps data-less stand-ins, and the slot
-    holds them dequantized. The streamed model computes exactly what the dequantized model
-    computes resident (after detach(), which restores those values): loss and the adapter's
-    gradients, bit for bit."""
+    holds them dequantized. Checked against an independent reference (quant_ref.py: the
+    format's spec in torch): the streamed model computes exactly what the model computes
+    resident with every packed tensor replaced by its reference dequantization (loss and
+    the adapter's gradients, bit for bit), and detach() restores exactly those values,
+    within the format's bound of the original weights."""
+    from quant_ref import assert_reference_values, packed_names, with_reference_values
+
     model = _lora_moe()
+    original = copy.deepcopy(model)
     experts_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "experts" in n)
     dense = copy.deepcopy(model)
     pinned_dense = offload_sim(dense, quantize={"*lora_*": None, "*experts": None, "*": fmt}).stats()["pinned_bytes"]
     handle = offload_sim(model, quantize={"*lora_*": None, "*": fmt})
     experts = model.base_model.model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.is_meta and type(experts.gate_up_proj).__name__ == "_PackedWeight"
+    packed = packed_names(model)
+    assert sum("experts" in n for n in packed) == 4  # gate_up_proj and down_proj of both layers
     stats = handle.stats()
     assert stats["group_layers"] == 2
     # Every streamed layer but the table and the adapters' is packed, the two groups included.
     assert stats["quantized_layers"] == len([n for n in handle.layers if "lora_" not in n]) - 1
     # The experts take ~27% (int8) / ~14% (nf4) of their fp32 bytes on the host.
     assert stats["pinned_bytes"] < pinned_dense - experts_bytes * (0.7 if fmt == "int8" else 0.85)
+    ref = with_reference_values(original, fmt, packed)
     ids = _ids()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    handle.detach()
-    assert experts.gate_up_proj.device.type == "cpu" and not experts.gate_up_proj.is_meta
-    model.zero_grad()
-    want = model(input_ids=ids, labels=ids).loss
+    want = ref(input_ids=ids, labels=ids).loss
     want.backward()
     assert torch.equal(loss, want)
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(grads[n], p.grad), n
+    grads = dict(ref.named_parameters())
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    for n in trained:
+        assert torch.equal(dict(model.named_parameters())[n].grad, grads[n].grad), n
+    handle.detach()
+    assert experts.gate_up_proj.device.type == "cpu" and not experts.gate_up_proj.is_meta
+    restored, before = dict(model.named_parameters()), dict(original.named_parameters())
+    for n in packed:
+        assert_reference_values(fmt, before[n], restored[n], n)
 
 
 def test_quantized_experts_load_state_dict_requantizes(offload_sim):
@@ -340,17 +351,26 @@ def test_routed_experts_train_exactly(offload_sim, make):
 def test_routed_quantized_experts_dequantize_only_theirs(offload_sim, fmt):
     """Packed experts: the chosen experts' packed bytes (codes and scales) are copied and
     only their rows are dequantized; the logits equal those of the same packed model
-    fetching every expert, bit for bit, with fewer bytes on the bus."""
+    fetching every expert and those of the model resident with the experts' reference
+    dequantization (quant_ref.py), bit for bit, with fewer bytes on the bus."""
+    from quant_ref import packed_names, with_reference_values
+
     model = _many_experts(hidden_size=64, moe_intermediate_size=32, head_dim=32)
     model.requires_grad_(False)
     whole = copy.deepcopy(model)
+    original = copy.deepcopy(model)
     handle = offload_sim(model, quantize={"*experts": fmt})
     h_all = offload_sim(whole, quantize={"*experts": fmt}, experts="all")
+    packed = packed_names(model)
+    assert len(packed) == 4 and all("experts" in n for n in packed)
+    ref = with_reference_values(original, fmt, packed)  # independent: the format's spec in torch
     token = torch.tensor([[9]])
     with torch.no_grad():
         for step in range(3):
             before, before_all = handle.stats()["h2d_bytes"], h_all.stats()["h2d_bytes"]
-            assert torch.equal(model(input_ids=token + step).logits, whole(input_ids=token + step).logits)
+            out = model(input_ids=token + step).logits
+            assert torch.equal(out, whole(input_ids=token + step).logits)
+            assert torch.equal(out, ref(input_ids=token + step).logits), "differs from the reference values"
     assert handle.stats()["h2d_bytes"] - before < (h_all.stats()["h2d_bytes"] - before_all) * 0.8
     assert handle.stats()["routed_fetches"] >= 4
 

@@ -72,6 +72,12 @@ def test_tiny_llama_output_error_within_tolerance(fmt):
 
 
 def test_lora_over_quantized_base_trains_adapter_only():
+    """A frozen nf4 base under a trainable adapter: the output, the input gradient and the
+    adapter's gradients equal, bit for bit, those of the model resident with the base
+    weight replaced by its reference nf4 dequantization (quant_ref.py, the format's spec in
+    torch); the base gets no gradient and sends none back."""
+    from quant_ref import assert_reference_values, ref_dequantize
+
     base = nn.Linear(128, 128)
     base.requires_grad_(False)
     lora_a = nn.Linear(128, 4, bias=False)
@@ -87,14 +93,26 @@ def test_lora_over_quantized_base_trains_adapter_only():
             return self.base(x) + self.b(self.a(x))
 
     model = WithLora()
+    original = model.base.weight.detach().clone()
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref.base.weight.copy_(ref_dequantize("nf4", original))
     h = layerstream.offload(model, device="sim", quantize="nf4", include=["base"])
     x = torch.randn(8, 128, requires_grad=True)
-    model(x).square().mean().backward()
-    assert x.grad is not None and torch.isfinite(x.grad).all()
-    assert lora_a.weight.grad is not None and lora_b.weight.grad is not None
+    xr = x.detach().clone().requires_grad_()
+    y, yr = model(x), ref(xr)
+    assert torch.equal(y, yr)
+    y.square().mean().backward()
+    yr.square().mean().backward()
+    assert torch.equal(x.grad, xr.grad)
+    assert torch.equal(lora_a.weight.grad, ref.a.weight.grad)
+    assert torch.equal(lora_b.weight.grad, ref.b.weight.grad)
+    assert lora_a.weight.grad.abs().sum() > 0 and lora_b.weight.grad.abs().sum() > 0
     assert model.base.weight.grad is None and model.base.weight.is_meta
     assert h.stats()["d2h_bytes"] == 0  # no gradient crosses back for the frozen packed weight
     assert h.ordering_errors() == []
+    h.detach()
+    assert_reference_values("nf4", original, model.base.weight, "base.weight")
 
 
 def test_trainable_weight_cannot_be_quantized():
@@ -146,18 +164,59 @@ def test_int4_shape_not_divisible_stays_dense_with_warning_or_errors_when_explic
 
 
 def test_per_layer_overrides_and_detach_restores_dequantized():
+    """{"0": "int8", "*": None}: layer 0 packed, layer 1 dense. The output equals the model
+    resident with layer 0's weight replaced by its reference int8 dequantization
+    (quant_ref.py) bit for bit; detach() restores exactly those values (within int8's
+    bound of the original) and layer 1's weights bit for bit."""
+    from quant_ref import assert_reference_values, ref_dequantize
+
     m = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128))
     m.requires_grad_(False)
     before = [p.detach().clone() for p in m.parameters()]
+    ref = copy.deepcopy(m)
+    with torch.no_grad():
+        ref[0].weight.copy_(ref_dequantize("int8", before[0]))
     h = layerstream.offload(m, device="sim", quantize={"0": "int8", "*": None})
     assert h.stats()["quantized_layers"] == 1
-    y = m(torch.randn(2, 128))
-    assert torch.isfinite(y).all()
+    assert m[0].weight.is_meta and not m[1].weight.is_meta
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        y = m(x)
+        assert torch.equal(y, ref(x))
     h.detach()
-    # the dense layer is bit-identical, the quantized one within int8's bound
+    # the dense layer is bit-identical, the quantized one the reference int8 values
     assert torch.equal(m[1].weight, before[2]) and torch.equal(m[1].bias, before[3])
+    assert torch.equal(m[0].bias, before[1])
+    assert_reference_values("int8", before[0], m[0].weight, "0.weight")
     scale = before[0].abs().amax(1, keepdim=True) / 127
     assert ((m[0].weight - before[0]).abs() <= scale / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):
+    """Every format, for a Linear: what the device computes with (its output against a
+    resident Linear holding the reference values) and what detach() restores are the
+    format's reference dequantization (quant_ref.py: the spec in torch, no engine code),
+    rounded to the weight's dtype; the reference lies within the format's stated bound."""
+    from quant_ref import assert_reference_values, ref_dequantize
+
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96).to(dtype).requires_grad_(False)
+    with torch.no_grad():  # a zero row and a row of one value exercise the edge cases
+        lin.weight[3].zero_()
+        lin.weight[5].fill_(0.25)
+    original = lin.weight.detach().clone()
+    ref = copy.deepcopy(lin)
+    with torch.no_grad():
+        ref.weight.copy_(ref_dequantize(fmt, original))
+    h = layerstream.offload(lin, device="sim", quantize=fmt)
+    assert h.stats()["quantized_layers"] == 1
+    x = torch.randn(4, 256, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(lin(x), ref(x))
+    h.detach()
+    assert_reference_values(fmt, original.float(), lin.weight, fmt)
 
 
 def test_unknown_format_is_a_clear_error():

@@ -63,3 +63,34 @@ def test_export_without_trace_is_a_clear_error(tmp_path):
     m, h = run_steps(trace=False, steps=1)
     with pytest.raises(layerstream.LayerstreamError, match="trace=True"):
         h.export_trace(str(tmp_path / "t.json"))
+
+
+def test_step_stats_of_a_constructed_schedule():
+    """Figures known from the schedule itself. Two Linear layers, four slots (slots=4),
+    prefetch 1, forward + backward per step: in each replayed step layer 1 is prefetched
+    while layer 0 is in use, so at most 2 slots are held at once (each layer holds at
+    most one): slot_utilisation = 2 / 4 exactly. The forward fetches both layers (h2d =
+    2 layers); backward finds them still in their slots (4 slots hold both), so nothing
+    more is copied; every weight and bias gradient goes back once (d2h = 2 layers).
+    (test_step_stats_count_bytes_stall_and_overlap checks the figures' ranges on a
+    schedule where they are not known in advance.)"""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    h = layerstream.offload(m, device="sim", trace=True, slots=4, prefetch=1)
+    x = torch.randn(8, 64, requires_grad=True)
+    for _ in range(4):
+        m(x).sum().backward()
+    assert h.stats()["slots"] == 4
+    steps = h.step_stats()
+    assert len(steps) == 3
+    layer = 64 * 64 * 4 + 64 * 4
+    for s in steps[1:]:  # replayed steps (the first one recorded the order)
+        assert s["max_slots_held"] == 2, s
+        assert s["slot_utilisation"] == 0.5, s
+        assert s["h2d_bytes"] == 2 * layer, s
+        assert s["d2h_bytes"] == 2 * layer, s
+        # 2 forward + 2 backward acquires; only the step's first layer is fetched on
+        # demand (nothing prefetches across a step boundary without cache_across_steps)
+        assert (s["acquires"], s["hits"], s["misses"]) == (4, 3, 1), s
+        assert s["peak_device_bytes"] == 4 * layer  # the 4 slots (parts 256-aligned: no padding here)
+    assert h.ordering_errors() == []

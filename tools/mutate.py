@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Mutation audit: do the tests fail when the code is wrong?
+
+Each entry of MUTATIONS plants one plausible bug: an exact, distinctive source
+snippet (the anchor) in one file is replaced. For each mutation the harness
+copies the working tree into a scratch folder (once; later runs only copy what
+changed), applies the mutation there, rebuilds only what its tests need (one
+scratch build dir reused across mutations, so only the changed file
+recompiles), runs the mutation's own short list of tests, restores the file,
+and prints a table:
+
+    caught     some listed test failed (what we want)
+    survived   every listed test passed: a hole in the suite
+    stale      the anchor is not in the file any more (the code moved: update
+               the entry); never counted as caught
+    ambiguous  the anchor occurs more than once
+    no-build   the mutated tree does not compile (a bad mutation, not a catch)
+    baseline   a listed test fails without the mutation (fix that first)
+
+    python3 tools/mutate.py                   # every mutation
+    python3 tools/mutate.py --list            # names, files, tests
+    python3 tools/mutate.py -k slot -k bf16   # the mutations whose name contains these
+    python3 tools/mutate.py --markdown docs/mutation-audit.md   # also write the table
+
+Options: --scratch DIR (default /tmp/layerstream-mutate; keep it between runs:
+the first run builds everything there, later ones are incremental),
+--jobs N (build jobs), --no-baseline (skip the unmutated run of the tests).
+A tool for us, not part of CI. Run from the repository root, after
+tools/setup.sh (it uses .venv). Time: docs/mutation-audit.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutation:
+    name: str
+    file: str            # path in the repository
+    anchor: str          # exact snippet, must occur once
+    replacement: str
+    tests: list          # "py:tests/python/x.py::test_y" or "gtest:binary:Filter.*"
+    why: str             # the bug it plants, and the issue item it stands for
+    survived_before: bool = False  # survived the audit of issue 29 (before its tests)
+    extra_targets: list = field(default_factory=list)
+
+
+P = "py:tests/python/"
+MUTATIONS = [
+    # ---- the four that survived the audit of issue 29 ----
+    Mutation(
+        "bf16-weight-grad-1pct", "csrc/torch/engine.cpp",
+        "            torch::mm_out(gw, go2.t(), x2);\n",
+        "            torch::mm_out(gw, go2.t(), x2);\n"
+        "            if (l.w_dtype == torch::kBFloat16) gw.mul_(1.01);\n",
+        [P + "test_parity_layers.py::test_linear_bf16"],
+        "bf16 Linear weight gradients 1% too large", survived_before=True),
+    Mutation(
+        "group-packed-from-half-the-rows", "csrc/torch/engine.cpp",
+        "quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows, cols, e.host, 0);",
+        "quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows / 2, cols, e.host, 0);",
+        [P + "test_groups.py::test_quantized_group_module",
+         P + "test_attention.py::test_quantized_attention_streams_packed"],
+        "quantized tensor groups packed from half the weights", survived_before=True),
+    Mutation(
+        "group-recompute-ignores-autocast", "python/layerstream/__init__.py",
+        "torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0])",
+        "torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=False)",
+        [P + "test_groups.py::test_group_under_autocast_recomputes_in_the_autocast_dtype"],
+        "a group's recompute in backward ignores autocast", survived_before=True),
+    Mutation(
+        "slot-utilisation-denominator", "python/layerstream/__init__.py",
+        'd["max_slots_held"] / total["slots"]',
+        'd["max_slots_held"] / total["layers"]',
+        [P + "test_telemetry.py"],
+        "slot_utilisation divided by the layer count instead of the slot count", survived_before=True),
+    # ---- other holes named by issue 29, now covered ----
+    Mutation(
+        "planner-keeps-nothing-resident", "csrc/core/planner.cpp",
+        "    best = build(all_resident, in.min_slots);",
+        "    best = build(std::vector<char>(n, 0), in.min_slots);",
+        [P + "test_errors.py::test_budget_that_fits_everything_keeps_layers_resident"],
+        "a budget that holds the whole model keeps nothing resident (streams everything)"),
+    Mutation(
+        "planner-greedy-fill-keeps-nothing", "csrc/core/planner.cpp",
+        "        if (fits) {\n          resident[i] = 1;",
+        "        if (false) {\n          resident[i] = 1;",
+        [P + "test_parity_layers.py::test_resident_and_streamed_layers_in_one_model"],
+        "a budget with room for some layers beside the slots keeps none of them resident"),
+    Mutation(
+        "sim-destructor-leaks-buffers", "csrc/backends/sim/sim_backend.cpp",
+        "  for (auto& kv : impl_->allocs) ::operator delete(kv.first, std::align_val_t(kAlign));\n",
+        "",
+        ["gtest:test_sim_backend:SimMemory.*"],
+        "the sim backend's destructor no longer frees buffers never freed"),
+    Mutation(
+        "json-no-depth-limit", "csrc/core/json.cpp",
+        "    if (depth >= kMaxDepth) fail(",
+        "    if (false) fail(",
+        ["gtest:test_safetensors:Safetensors.*Replay"],
+        "the header parser recurses without a depth limit (a hostile file's stack)"),
+    Mutation(
+        "scheduler-slots-held-off-by-one", "csrc/core/scheduler.cpp",
+        "  const int held = pool_->num_slots() - pool_->num_free();",
+        "  const int held = pool_->num_slots() - pool_->num_free() - 1;",
+        [P + "test_telemetry.py::test_step_stats_of_a_constructed_schedule"],
+        "slot utilisation's numerator (most slots held) one too small"),
+    Mutation(
+        "skip-policy-accepts-no-device", "bench/gpu/skip_policy.py",
+        '        if NO_DEVICE.search(reason) and mode == "gpu":',
+        '        if False:',
+        ["cmd:python bench/gpu/skip_policy.py --self-test"],
+        "the GPU script's skip policy no longer names a no-device skip as a failure"),
+    # ---- plausible bugs the suite already caught in the audit ----
+    Mutation(
+        "int8-scale-128", "csrc/core/quant.cpp",
+        "    const float scale = absmax / 127.0f;",
+        "    const float scale = absmax / 128.0f;",
+        ["gtest:test_quant:*", P + "test_quant_offload.py::test_streamed_values_equal_the_reference_dequantization"],
+        "int8 packing with the wrong scale"),
+    Mutation(
+        "group-recompute-other-dropout-mask", "python/layerstream/__init__.py",
+        "            torch.set_rng_state(cpu_rng)\n",
+        "            pass\n",
+        [P + "test_groups.py::test_named_modules_stream_whole_and_train_exactly"],
+        "a group's recompute does not restore the RNG (other dropout masks)"),
+    Mutation(
+        "linear-bias-grad-dropped", "csrc/torch/engine.cpp",
+        "          gb.copy_(go2.sum(0));",
+        "          gb.zero_();",
+        [P + "test_parity_layers.py::test_linear_fp32_bit_exact"],
+        "streamed Linear bias gradient lost"),
+    Mutation(
+        "sim-device-bytes-miscounted", "csrc/backends/sim/sim_backend.cpp",
+        "BufferRef SimBackend::alloc_device(size_t bytes, const std::string& label) {\n"
+        "  std::lock_guard<std::mutex> l(impl_->mem_mu);",
+        "BufferRef SimBackend::alloc_device(size_t bytes, const std::string& label) {\n"
+        "  bytes += 64;\n  std::lock_guard<std::mutex> l(impl_->mem_mu);",
+        ["gtest:test_sim_backend:SimMemory.*"],
+        "the sim device counts more memory than a buffer asks for"),
+    Mutation(
+        "control-harmless-comment", "python/layerstream/__init__.py",
+        "class _GroupFn(torch.autograd.Function):",
+        "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
+        [P + "test_groups.py::test_quantized_group_module"],
+        "control: a harmless edit must survive (checks the harness itself)"),
+]
+
+CONTROL = {"control-harmless-comment"}
+
+
+def sh(cmd, cwd, env=None, timeout=None, log=None):
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=cwd, env=env, shell=isinstance(cmd, str), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    if log is not None:
+        log.write(f"$ {cmd if isinstance(cmd, str) else ' '.join(map(str, cmd))}  ({time.time() - t0:.0f} s, rc {r.returncode})\n")
+        log.write(r.stdout[-20000:] + "\n")
+        log.flush()
+    return r
+
+
+def sync_tree(tree: Path):
+    """Copies the working tree's tracked and untracked-but-not-ignored files into
+    `tree`, only those whose bytes differ (unchanged files keep their mtimes, so the
+    scratch build stays incremental), and removes files no longer listed."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           stdout=subprocess.PIPE, check=True).stdout.decode().split("\0")
+    files = [f for f in files if f and (ROOT / f).is_file()]
+    tree.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        src, dst = ROOT / f, tree / f
+        data = src.read_bytes()
+        if dst.is_file() and dst.read_bytes() == data:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(data)
+        shutil.copymode(src, dst)
+    venv = tree / ".venv"
+    if not venv.exists():
+        venv.symlink_to(ROOT / ".venv")
+
+
+def targets_for(m: Mutation):
+    t = set(m.extra_targets)
+    for test in m.tests:
+        kind, _, rest = test.partition(":")
+        if kind == "py":
+            t.add("_C")
+            if "test_cli" in rest:
+                t.add("layerstream")
+        elif kind == "gtest":
+            t.add(rest.split(":")[0])
+    return sorted(t)
+
+
+def run_tests(m: Mutation, tree: Path, build: Path, log, timeout: int) -> bool:
+    """True when every listed test passes."""
+    env = dict(os.environ, PYTHONPATH=str(tree / "python"), LS_BUILD_DIR=str(build),
+               PATH=f"{tree / '.venv' / 'bin'}:{os.environ['PATH']}")
+    py = [t.partition(":")[2] for t in m.tests if t.startswith("py:")]
+    ok = True
+    if py:
+        r = sh([str(tree / ".venv/bin/python"), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *py],
+               tree, env, timeout, log)
+        ok &= r.returncode == 0
+    for t in m.tests:
+        kind, _, rest = t.partition(":")
+        if kind == "gtest":
+            binary, _, flt = rest.partition(":")
+            r = sh([str(build / "tests/cpp" / binary), f"--gtest_filter={flt or '*'}", "--gtest_brief=1"],
+                   tree, env, timeout, log)
+            ok &= r.returncode == 0
+        elif kind == "cmd":
+            r = sh(rest, tree, env, timeout, log)
+            ok &= r.returncode == 0
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-k", action="append", default=[], help="only mutations whose name contains this")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--scratch", default="/tmp/layerstream-mutate")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per build or test command")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--markdown", help="also write the result table (markdown) to this file")
+    args = ap.parse_args()
+    chosen = [m for m in MUTATIONS if not args.k or any(k in m.name for k in args.k)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:36} {m.file:36} {', '.join(m.tests)}")
+        return 0
+    scratch = Path(args.scratch).resolve()
+    tree, build = scratch / "tree", scratch / "build"
+    log = open(scratch.mkdir(parents=True, exist_ok=True) or scratch / "mutate.log", "a")
+    t_start = time.time()
+    print(f"[mutate] scratch {scratch} (log: {scratch / 'mutate.log'})", flush=True)
+    sync_tree(tree)
+    # Group the mutations by file (each C++ file then recompiles once per mutation,
+    # and its restore is rebuilt by whichever later mutation needs it).
+    chosen.sort(key=lambda m: (m.file, MUTATIONS.index(m)))
+    all_targets = sorted({t for m in chosen for t in targets_for(m)})
+    env = dict(os.environ, LS_BUILD_DIR=str(build), LS_JOBS=str(args.jobs), LS_TARGETS=" ".join(all_targets))
+    t0 = time.time()
+    r = sh(["bash", "tools/setup.sh"], tree, env, None, log)
+    if r.returncode != 0:
+        print(r.stdout[-3000:])
+        print("[mutate] the unmutated scratch tree does not build", file=sys.stderr)
+        return 2
+    print(f"[mutate] scratch build ready ({time.time() - t0:.0f} s)", flush=True)
+    baseline_bad = set()
+    if not args.no_baseline:
+        t0 = time.time()
+        for m in chosen:
+            if not run_tests(m, tree, build, log, args.timeout):
+                baseline_bad.add(m.name)
+        print(f"[mutate] baseline: {len(chosen) - len(baseline_bad)}/{len(chosen)} test lists pass unmutated "
+              f"({time.time() - t0:.0f} s)", flush=True)
+    rows = []
+    for m in chosen:
+        t0 = time.time()
+        path = tree / m.file
+        original = path.read_text()
+        count = original.count(m.anchor)
+        if m.name in baseline_bad:
+            result = "baseline"
+        elif count == 0:
+            result = "stale"
+        elif count > 1:
+            result = "ambiguous"
+        else:
+            path.write_text(original.replace(m.anchor, m.replacement))
+            try:
+                targets = targets_for(m)
+                b = sh(["cmake", "--build", str(build), "-j", str(args.jobs), "--target", *targets], tree,
+                       None, args.timeout, log) if targets else None
+                if b is not None and b.returncode != 0:
+                    result = "no-build"
+                else:
+                    passed = run_tests(m, tree, build, log, args.timeout)
+                    result = "survived" if passed else "caught"
+            except subprocess.TimeoutExpired:
+                result = "caught (timeout)"
+            finally:
+                path.write_text(original)  # a new mtime: the next build of its targets recompiles it
+        secs = time.time() - t0
+        rows.append((m, result, secs))
+        print(f"[mutate] {m.name:36} {result:9} ({secs:.0f} s)", flush=True)
+    total = time.time() - t_start
+    lines = ["| mutation | file | planted bug | survived the issue-29 audit | result | tests run | s |",
+             "|---|---|---|---|---|---|---:|"]
+    for m, result, secs in rows:
+        shown = result + (" (control: must survive)" if m.name in CONTROL else "")
+        lines.append(f"| `{m.name}` | `{m.file}` | {m.why} | {'yes' if m.survived_before else 'no'} | "
+                     f"{shown} | {'<br>'.join(f'`{t}`' for t in m.tests)} | {secs:.0f} |")
+    good = all((r == "survived") if m.name in CONTROL else r.startswith("caught") for m, r, _ in rows)
+    summary = (f"{sum(r.startswith('caught') for m, r, _ in rows if m.name not in CONTROL)} caught of "
+               f"{sum(m.name not in CONTROL for m, _, _ in rows)} mutations (plus {len(CONTROL & {m.name for m, _, _ in rows})} "
+               f"control); total {total / 60:.1f} min")
+    print("\n".join(lines))
+    print(summary)
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines) + "\n\n" + summary + "\n")
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
