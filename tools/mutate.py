@@ -59,9 +59,8 @@ MUTATIONS = [
     # ---- the four that survived the audit of issue 29 ----
     Mutation(
         "bf16-weight-grad-1pct", "csrc/torch/engine.cpp",
-        "            torch::mm_out(gw, go2.t(), x2);\n",
-        "            torch::mm_out(gw, go2.t(), x2);\n"
-        "            if (l.w_dtype == torch::kBFloat16) gw.mul_(1.01);\n",
+        "dopts.dtype(l.w_dtype)).copy_(gw);",
+        "dopts.dtype(l.w_dtype)).copy_(l.w_dtype == torch::kBFloat16 ? gw * 1.01 : gw);",
         [P + "test_parity_layers.py::test_linear_bf16"],
         "bf16 Linear weight gradients 1% too large", survived_before=True),
     Mutation(
@@ -72,13 +71,13 @@ MUTATIONS = [
          P + "test_attention.py::test_quantized_attention_streams_packed"],
         "quantized tensor groups packed from half the weights", survived_before=True),
     Mutation(
-        "group-recompute-ignores-autocast", "python/layerstream/__init__.py",
+        "group-recompute-ignores-autocast", "python/layerstream/_forward.py",
         "torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0])",
         "torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=False)",
         [P + "test_groups.py::test_group_under_autocast_recomputes_in_the_autocast_dtype"],
         "a group's recompute in backward ignores autocast", survived_before=True),
     Mutation(
-        "slot-utilisation-denominator", "python/layerstream/__init__.py",
+        "slot-utilisation-denominator", "python/layerstream/_handle.py",
         'd["max_slots_held"] / total["slots"]',
         'd["max_slots_held"] / total["layers"]',
         [P + "test_telemetry.py"],
@@ -120,6 +119,31 @@ MUTATIONS = [
         '        if False:',
         ["cmd:python bench/gpu/skip_policy.py --self-test"],
         "the GPU script's skip policy no longer names a no-device skip as a failure"),
+    # ---- issue 19: the streamed path issues the resident module's calls ----
+    Mutation(
+        "device-view-drops-requires-grad", "csrc/torch/engine.cpp",
+        "    if (l.weight.requires_grad()) p.w_leaf.set_requires_grad(true);\n",
+        "",
+        [P + "test_blas_calls.py"],
+        "the slot view of a trainable weight does not require grad (at::matmul takes another path)"),
+    Mutation(
+        "group-views-drop-requires-grad", "csrc/torch/engine.cpp",
+        "    if (l.parts[views.size() - 1].param.requires_grad()) views.back().set_requires_grad(true);\n",
+        "",
+        [P + "test_blas_calls.py"],
+        "a tensor group's fetched views do not require grad as their parameters do"),
+    Mutation(
+        "group-forward-without-grad-mode", "python/layerstream/_forward.py",
+        "        with torch.enable_grad(), fwd.fetched(experts=ctx.experts) as views:\n",
+        "        with fwd.fetched(experts=ctx.experts) as views:\n",
+        [P + "test_blas_calls.py"],
+        "a tensor group's forward runs without grad mode (eval attention takes its fused path)"),
+    Mutation(
+        "group-inputs-lose-identity", "python/layerstream/_forward.py",
+        "        if id(t) not in seen:\n",
+        "        if True:\n",
+        [P + "test_blas_calls.py"],
+        "a tensor passed twice to a group becomes two tensors (attention: query is not key)"),
     # ---- plausible bugs the suite already caught in the audit ----
     Mutation(
         "int8-scale-128", "csrc/core/quant.cpp",
@@ -128,15 +152,15 @@ MUTATIONS = [
         ["gtest:test_quant:*", P + "test_quant_offload.py::test_streamed_values_equal_the_reference_dequantization"],
         "int8 packing with the wrong scale"),
     Mutation(
-        "group-recompute-other-dropout-mask", "python/layerstream/__init__.py",
+        "group-recompute-other-dropout-mask", "python/layerstream/_forward.py",
         "            torch.set_rng_state(cpu_rng)\n",
         "            pass\n",
         [P + "test_groups.py::test_named_modules_stream_whole_and_train_exactly"],
         "a group's recompute does not restore the RNG (other dropout masks)"),
     Mutation(
         "linear-bias-grad-dropped", "csrc/torch/engine.cpp",
-        "          gb.copy_(go2.sum(0));",
-        "          gb.zero_();",
+        "              .copy_(gb);",
+        "              .zero_();",
         [P + "test_parity_layers.py::test_linear_fp32_bit_exact"],
         "streamed Linear bias gradient lost"),
     Mutation(
@@ -148,7 +172,7 @@ MUTATIONS = [
         ["gtest:test_sim_backend:SimMemory.*"],
         "the sim device counts more memory than a buffer asks for"),
     Mutation(
-        "control-harmless-comment", "python/layerstream/__init__.py",
+        "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
         [P + "test_groups.py::test_quantized_group_module"],

@@ -368,7 +368,9 @@ int replay_dir(const std::string& dir, bool crashers) {
     } catch (const Error& err) {
       EXPECT_FALSE(expect_ok) << err.message();
       EXPECT_EQ(err.message().find('\n'), std::string::npos);
-      if (want != expected.end()) EXPECT_NE(err.message().find(want->second), std::string::npos) << err.message();
+      if (want != expected.end()) {
+        EXPECT_NE(err.message().find(want->second), std::string::npos) << err.message();
+      }
     } catch (...) {
       ADD_FAILURE() << "non-layerstream exception for " << name;
     }
