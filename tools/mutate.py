@@ -140,8 +140,8 @@ MUTATIONS = [
         "a tensor group's forward runs without grad mode (eval attention takes its fused path)"),
     Mutation(
         "group-inputs-lose-identity", "python/layerstream/_forward.py",
-        "        if id(t) not in seen:\n",
-        "        if True:\n",
+        "    return [seen[id(t)] for t in tensors]\n",
+        "    return [t.detach().requires_grad_(bool(r)) for t, r in zip(tensors, requires_grad)]\n",
         [P + "test_blas_calls.py"],
         "a tensor passed twice to a group becomes two tensors (attention: query is not key)"),
     # ---- plausible bugs the suite already caught in the audit ----

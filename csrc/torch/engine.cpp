@@ -1669,7 +1669,14 @@ class SlotLease {
 // backward pointed at the re-fetched slot (and fresh cast copies) before the
 // graph runs, then parked again (the way FSDP frees and restores parameter
 // storage under saved tensors). Only the storages change: the saved tensors'
-// metadata and version counters stay, so autograd's checks hold.
+// metadata and version counters stay, so autograd's checks hold. The
+// storages are registered per layer (Engine::register_storages), not per
+// graph: under a non-reentrant checkpoint the graph's saved tensors are the
+// ones its recompute made, which the backward of the layer must point at the
+// fetched weights too; a recompute run inside the layer's own backward
+// computes on that backward's weights (Engine::active_params). The weight
+// and bias gradients of a Linear or conv read no weight, so a backward that
+// needs no input gradient fetches nothing.
 
 // What a streamed op's forward keeps for its backward.
 struct KeptGraph : torch::CustomClassHolder {
