@@ -8,7 +8,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <queue>
+#include <unordered_map>
 
 #include "backends/sim/sim_backend.h"
 #include "core/log.h"
@@ -1704,6 +1707,82 @@ Engine::DeviceParams alias_params(const Engine::DeviceParams& p, torch::ScalarTy
   return out;
 }
 
+// Note [The kept graph runs in the caller's graph task]
+// Engine::execute would run a kept graph as a graph task of its own, and
+// non-reentrant checkpointing keys its recompute by the current graph task:
+// each streamed layer of a checkpointed region would recompute the whole
+// region again (N layers, N recomputes), and each nested task costs a graph
+// task's setup. In a plain backward (no exec_info: every edge computes) the
+// graph is small and runs here instead, node by node as the autograd engine
+// runs nodes: only the nodes that lead to a wanted leaf, in the engine's
+// order (highest sequence number first among the ready ones), gradients
+// summed per input as its input buffers do, each node's outputs validated
+// (cast and shaped) by the engine's own validate_outputs, and the saved
+// variables released after the node unless the graph is kept.
+variable_list run_kept_graph(const torch::autograd::Edge& root, const torch::Tensor& go,
+                             const torch::autograd::edge_list& wanted, bool keep_graph) {
+  using torch::autograd::Node;
+  using NodePtr = decltype(torch::autograd::Edge::function);
+  std::unordered_map<Node*, size_t> want;
+  for (size_t i = 0; i < wanted.size(); ++i) want.emplace(wanted[i].function.get(), i);
+  std::unordered_map<Node*, bool> needed;  // a path to a wanted leaf (the graph is a DAG)
+  const std::function<bool(Node*)> leads = [&](Node* n) {
+    auto it = needed.find(n);
+    if (it != needed.end()) return it->second;
+    bool need = false;
+    for (const auto& e : n->next_edges())
+      if (e.is_valid() && (want.count(e.function.get()) || leads(e.function.get()))) need = true;
+    needed[n] = need;
+    return need;
+  };
+  variable_list got(wanted.size());
+  if (!leads(root.function.get())) return got;
+  std::unordered_map<Node*, int> deps;
+  for (const auto& [n, need] : needed)
+    if (need)
+      for (const auto& e : n->next_edges())
+        if (e.is_valid() && !want.count(e.function.get()) && needed[e.function.get()]) ++deps[e.function.get()];
+  const auto add = [](torch::Tensor& into, torch::Tensor&& g) {
+    if (!g.defined()) return;
+    into = into.defined() ? into + g : std::move(g);
+  };
+  std::unordered_map<Node*, variable_list> inputs;
+  const auto buffer = [&](Node* n) -> variable_list& {
+    auto& b = inputs[n];
+    if (b.empty()) b.resize(n->num_inputs());
+    return b;
+  };
+  auto later = [](const NodePtr& a, const NodePtr& b) { return a->sequence_nr() < b->sequence_nr(); };
+  std::priority_queue<NodePtr, std::vector<NodePtr>, decltype(later)> ready(later);
+  buffer(root.function.get())[root.input_nr] = go;
+  ready.push(root.function);
+  while (!ready.empty()) {
+    NodePtr fn = ready.top();
+    ready.pop();
+    variable_list in = std::move(buffer(fn.get()));
+    inputs.erase(fn.get());
+    if (!keep_graph) fn->will_release_variables();
+    variable_list out = (*fn)(std::move(in));
+    if (!keep_graph) fn->release_variables();
+    torch::autograd::validate_outputs(fn->next_edges(), out,
+                                      [&](const std::string& msg) { return fn->name() + ": " + msg; });
+    for (size_t i = 0; i < out.size(); ++i) {
+      const auto& e = fn->next_edge(i);
+      if (!e.is_valid()) continue;
+      Node* to = e.function.get();
+      auto w = want.find(to);
+      if (w != want.end()) {
+        add(got[w->second], std::move(out[i]));
+        continue;
+      }
+      if (!needed[to]) continue;
+      add(buffer(to)[e.input_nr], std::move(out[i]));
+      if (--deps[to] == 0) ready.push(e.function);
+    }
+  }
+  return got;
+}
+
 // The resident module's own call (Note [Same calls as the resident module]).
 torch::Tensor layer_op(const Engine::LayerInfo& l, const torch::Tensor& x, const torch::Tensor& w,
                        const torch::Tensor& b) {
@@ -1802,7 +1881,12 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
       if (need) wanted.push_back(torch::autograd::impl::gradient_edge(*leaf));
     Stream cs = e->compute_stream();
     Scheduler& sched = e->scheduler();
+    // Note [The kept graph runs in the caller's graph task]; under
+    // torch.autograd.grad / backward(inputs=...) the autograd engine runs it
+    // (the caller's exec_info would prune the kept graph's edges).
+    const bool plain = plain_backward();
     const auto run = [&] {
+      if (plain) return run_kept_graph(kept->root, go, wanted, keep_graph);
       return torch::autograd::Engine::get_default_engine().execute({kept->root}, {go}, keep_graph,
                                                                   /*create_graph=*/false,
                                                                   /*accumulate_grad=*/false, wanted);

@@ -119,6 +119,45 @@ def test_gradient_checkpointing_matches_checkpointed_reference(offload_sim):
     _assert_grads(model, ref, exact=True)
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_non_reentrant_checkpoint_recomputes_a_region_once(offload_sim, frozen):
+    """A checkpointed region of three streamed layers runs its forward twice per step
+    (forward, one recompute in backward), as the resident one does: the layers' kept
+    graphs run in the caller's graph task, by which non-reentrant checkpointing keys its
+    recompute (each as a graph task of its own, the region ran once per layer again)."""
+    runs = {"n": 0}
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            runs["n"] += 1
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for blk in self.blocks:
+                x = cp.checkpoint(blk, x, use_reentrant=False)
+            return x
+
+    torch.manual_seed(0)
+    model = Model().requires_grad_(not frozen)
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    for m in (ref, model):
+        runs["n"] = 0
+        m(x).sum().backward()
+        assert runs["n"] == 4, runs  # 2 blocks x (forward + one recompute)
+    _assert_grads(model, ref, exact=True)
+
+
 # ---------------------------------------------------------------- LoRA (peft + transformers)
 def _tiny_llama(bias: bool):
     return tiny_llama(seed=None, attention_bias=bias, mlp_bias=bias)
