@@ -1,6 +1,6 @@
 // layerstream — the simulated asynchronous device ("sim" backend).
 //
-// A product, not a mock (ARCHITECTURE.md, principle 5): every stream is a
+// A product, not a mock (docs/design/sim-backend.md): every stream is a
 // worker thread executing its queue in FIFO order, events behave like CUDA
 // events, copies really move the bytes and take simulated link time
 // (latency + bytes / bandwidth, one shared link per direction), and an
