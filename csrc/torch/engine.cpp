@@ -1158,7 +1158,11 @@ void Engine::register_storages(int layer, torch::ScalarType dtype, const DeviceP
              list.end());
   for (auto& [role, storage] : param_storages(p)) {
     if (park_now) set_storage(*storage.unsafeGetStorageImpl(), nullptr);
-    list.push_back({role, dtype, c10::weak_intrusive_ptr<c10::StorageImpl>(storage.getWeakStorageImpl())});
+    // (reclaim_copy: a strong reference from the raw pointer, as every torch
+    // version has; Storage::getWeakStorageImpl is recent)
+    list.push_back({role, dtype,
+                    c10::weak_intrusive_ptr<c10::StorageImpl>(
+                        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage.unsafeGetStorageImpl()))});
   }
 }
 
