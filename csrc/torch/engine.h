@@ -7,15 +7,17 @@
 // same name, same requires_grad) but its data now aliases the host store, so
 // optimizers, load_state_dict() and in-place edits act on the host copy.
 //
-// Compute: linear()/conv() run a C++ autograd function that acquires the
-// layer's slot, computes on the device with the framework's current stream
-// (CUDA) or on the calling thread (sim device: tensors are CPU tensors over
-// the simulated device memory), and releases the slot. Backward fetches the
-// weights again (prefetched in the traced order), computes the input
-// gradient, and, when the weight/bias require grad and are floating point,
-// computes their gradients on the device into a scratch slot, copies them to
-// a host staging buffer on a separate gradient stream, and accumulates them
-// into param.grad on the host. Accumulation happens in a callback queued at
+// Compute: linear()/conv() acquire the layer's slot, run the module's own
+// ATen call on views of it (with the parameters' requires_grad) on the
+// framework's current stream (CUDA) or the calling thread (sim device:
+// tensors are CPU tensors over the simulated device memory), and release the
+// slot; with a gradient to come, the autograd graph that call recorded is
+// kept, and backward runs it on the weights fetched again (prefetched in the
+// traced order; not fetched when no input gradient is needed), so the
+// streamed layer issues the resident module's calls (Note [Same calls as the
+// resident module] in engine.cpp). Weight/bias gradients are copied into a
+// scratch slot, then to a host staging buffer on a separate gradient stream,
+// and accumulated into param.grad on the host. Accumulation happens in a callback queued at
 // the end of every backward pass (one host wait per backward, none per
 // layer), so param.grad is complete when loss.backward() returns; see
 // docs/design/gradients.md. synchronize() does the same on demand.
