@@ -53,8 +53,9 @@ static std::vector<float> train(MLP model, bool stream, const std::string& devic
   }
   if (handle) {
     auto s = handle->stats();
-    std::printf("streamed: %d layers, peak device bytes %.0f (budget %.0f), %.0f bytes host->device\n",
-                static_cast<int>(s["layers"]), s["peak_device_bytes"], s["budget_bytes"], s["h2d_bytes"]);
+    std::printf("streamed: %llu layers, peak device bytes %llu (budget %lld), %llu bytes host->device\n",
+                static_cast<unsigned long long>(s.layers), static_cast<unsigned long long>(s.peak_device_bytes),
+                static_cast<long long>(s.budget_bytes), static_cast<unsigned long long>(s.h2d_bytes));
     handle->detach();
   }
   return losses;

@@ -58,13 +58,13 @@ P = "py:tests/python/"
 MUTATIONS = [
     # ---- the four that survived the audit of issue 29 ----
     Mutation(
-        "bf16-weight-grad-1pct", "csrc/torch/engine.cpp",
+        "bf16-weight-grad-1pct", "csrc/torch/ops_streamed.cpp",
         "dopts.dtype(l.w_dtype)).copy_(gw);",
         "dopts.dtype(l.w_dtype)).copy_(l.w_dtype == torch::kBFloat16 ? gw * 1.01 : gw);",
         [P + "test_parity_layers.py::test_linear_bf16"],
         "bf16 Linear weight gradients 1% too large", survived_before=True),
     Mutation(
-        "group-packed-from-half-the-rows", "csrc/torch/engine.cpp",
+        "group-packed-from-half-the-rows", "csrc/torch/engine_groups.cpp",
         "quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows, cols, e.host, 0);",
         "quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows / 2, cols, e.host, 0);",
         [P + "test_groups.py::test_quantized_group_module",
@@ -121,14 +121,14 @@ MUTATIONS = [
         "the GPU script's skip policy no longer names a no-device skip as a failure"),
     # ---- issue 19: the streamed path issues the resident module's calls ----
     Mutation(
-        "device-view-drops-requires-grad", "csrc/torch/engine.cpp",
+        "device-view-drops-requires-grad", "csrc/torch/engine_device.cpp",
         "    if (l.weight.requires_grad()) p.w_leaf.set_requires_grad(true);\n",
         "",
         [P + "test_blas_calls.py"],
         "the slot view of a trainable weight does not require grad (at::matmul takes another path)"),
     Mutation(
-        "group-views-drop-requires-grad", "csrc/torch/engine.cpp",
-        "    if (l.parts[views.size() - 1].param.requires_grad()) views.back().set_requires_grad(true);\n",
+        "group-views-drop-requires-grad", "csrc/torch/engine_groups.cpp",
+        "    if (l.parts()[views.size() - 1].param.requires_grad()) views.back().set_requires_grad(true);\n",
         "",
         [P + "test_blas_calls.py"],
         "a tensor group's fetched views do not require grad as their parameters do"),
@@ -158,9 +158,9 @@ MUTATIONS = [
         [P + "test_groups.py::test_named_modules_stream_whole_and_train_exactly"],
         "a group's recompute does not restore the RNG (other dropout masks)"),
     Mutation(
-        "linear-bias-grad-dropped", "csrc/torch/engine.cpp",
-        "              .copy_(gb);",
-        "              .zero_();",
+        "linear-bias-grad-dropped", "csrc/torch/ops_streamed.cpp",
+        "            .copy_(gb);",
+        "            .zero_();",
         [P + "test_parity_layers.py::test_linear_fp32_bit_exact"],
         "streamed Linear bias gradient lost"),
     Mutation(

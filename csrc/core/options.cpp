@@ -98,4 +98,30 @@ int64_t check_budget_bytes(int64_t bytes) {
   return bytes;
 }
 
+uint64_t budget_bytes(const Budget& budget, uint64_t free_bytes) {
+  if (!budget.fraction) return budget.bytes;
+  return static_cast<uint64_t>(static_cast<long double>(free_bytes) * static_cast<long double>(budget.share));
+}
+
+Dtypes check_dtypes(const std::string& dequant_dtype, const std::string& compute_dtype) {
+  auto parse = [](const std::string& text, const char* what) -> std::optional<quant::OutDtype> {
+    if (text.empty()) return std::nullopt;
+    try {
+      return quant::parse_out_dtype(text);
+    } catch (const Error& e) {
+      LS_FAIL(what, " must be float32, bfloat16 or float16 (or none: each weight's own dtype), got '", text, "'");
+    }
+  };
+  Dtypes d;
+  d.dequant = parse(dequant_dtype, "dequant_dtype");
+  d.compute = parse(compute_dtype, "compute_dtype");
+  if (d.compute) {
+    LS_CHECK(!d.dequant || *d.dequant == *d.compute, "dequant_dtype '", dequant_dtype, "' and compute_dtype '",
+             compute_dtype, "' disagree; compute_dtype alone is enough (quantized weights are then "
+             "dequantized to it)");
+    d.dequant = d.compute;
+  }
+  return d;
+}
+
 }  // namespace layerstream::options

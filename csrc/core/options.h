@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <string>
 
+#include <optional>
+
+#include "core/quant.h"
+
 namespace layerstream::options {
 
 // Most layers kept in flight ahead of use. A deeper prefetch only holds more
@@ -35,6 +39,10 @@ Budget parse_budget(const std::string& text);
 // memory; otherwise a whole, non-negative byte count below 2^63.
 Budget budget_from_number(double value);
 
+// The bytes of a budget on a device with `free_bytes` free: the byte count,
+// or the share of free_bytes (rounded down).
+uint64_t budget_bytes(const Budget& budget, uint64_t free_bytes);
+
 // prefetch in [0, kMaxPrefetch]; slots in [2, kMaxSlots], or 0 (automatic)
 // where the caller represents "unset" that way (C++ EngineOptions; Python
 // uses None and passes zero_is_auto = false).
@@ -47,5 +55,14 @@ double check_link_gbps(double gbps, const char* what = "sim_link_gbps");
 double check_latency_us(double us, const char* what = "sim_latency_us");
 // A C++ budget in bytes: -1 (none) or >= 0.
 int64_t check_budget_bytes(int64_t bytes);
+
+// dequant_dtype and compute_dtype: "" (none: each weight's own dtype) or a
+// float dtype ("float32", "bfloat16", "float16"; quant::parse_out_dtype's
+// spellings). compute_dtype implies dequant_dtype (quantized weights are
+// dequantized to it); both given must agree. Returns the effective pair.
+struct Dtypes {
+  std::optional<quant::OutDtype> dequant, compute;
+};
+Dtypes check_dtypes(const std::string& dequant_dtype, const std::string& compute_dtype);
 
 }  // namespace layerstream::options

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
+
 #include "safetensors.h"
 
 namespace layerstream {
@@ -113,9 +115,27 @@ struct Plan {
   std::string to_json() const;  // one JSON object (schema in docs/design/planner.md)
 };
 
-// Throws layerstream::Error when no plan fits (names the largest layer, its
-// size, the budget and the budget needed). Deterministic.
+// A budget too small for the slots a plan needs (the message names the
+// largest layer, its size, the budget and the budget needed).
+class BudgetTooSmall : public Error {
+ public:
+  using Error::Error;
+};
+
+// Throws BudgetTooSmall when no plan fits, layerstream::Error for bad
+// input. Deterministic.
 Plan plan_placement(const PlannerInput& in);
+
+// offload()'s rule, slots first and residency with what is left: reserves
+// the slots the prefetch depth needs (prefetch + 1: one in use, `prefetch`
+// in flight; or exactly `slots` when > 0) before any layer is kept resident
+// (without a time model the placement would trade slots for residency and
+// run at prefetch depth 1). A budget too small for them gets fewer, down to
+// 2 (prefetch becomes slots - 1); with `slots` given, none fewer. The slots
+// are sized by the largest *streamed* layer: whether k slots fit is the
+// placement's call (it may keep an outlier resident). `in.min_slots` and
+// `in.max_prefetch` are set here.
+Plan plan_slots_first(PlannerInput in, int prefetch, int slots);
 
 // "12GiB", "500MB", "1.5e9", "123", "64 KiB", "2g" (k/m/g/t = powers of 1000,
 // ki/mi/gi/ti = powers of 1024, optional trailing "B"). Throws on bad input.

@@ -47,6 +47,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/slot_layout.h"
+
 namespace layerstream {
 namespace quant {
 
@@ -85,7 +87,8 @@ const char* to_string(OutDtype d);
 const char* to_string(SrcDtype d);
 size_t out_dtype_bytes(OutDtype d);
 
-constexpr size_t kSectionAlign = 256;
+// Sections of a packed buffer start on the slot's alignment (slot_layout.h).
+constexpr size_t kSectionAlign = slot_layout::kAlign;
 constexpr int64_t kNF4BlockSize = 64;
 constexpr int64_t kInt4GroupSize = 128;
 

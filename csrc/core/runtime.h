@@ -130,10 +130,18 @@ class Event {
   std::unique_ptr<EventImpl> impl_;
 };
 
+// Device memory accounting of a backend (a snapshot).
+struct MemoryStats {
+  size_t device_bytes_in_use = 0;  // bytes handed out by alloc_device (as requested)
+  size_t device_bytes_peak = 0;    // high-water mark of device_bytes_in_use
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual const Capabilities& caps() const = 0;
+  // Thread-safe.
+  virtual MemoryStats memory_stats() const = 0;
 
   // ---- memory ----
   // Device memory. Throws layerstream::Error when out of memory.

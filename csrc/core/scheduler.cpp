@@ -558,7 +558,6 @@ std::vector<int> Scheduler::trace() const {
 SchedulerStats Scheduler::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   SchedulerStats s = stats_;
-  s.trace_length = trace_.size();
   s.recording = recording_;
   return s;
 }

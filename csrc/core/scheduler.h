@@ -156,7 +156,6 @@ struct SchedulerStats {
   size_t slot_bytes = 0;
   int num_slots = 0;
   int max_slots_held = 0;          // most slots held (in use or prefetched) at once
-  size_t trace_length = 0;
   bool recording = true;
 };
 

@@ -75,11 +75,6 @@ void SlotPool::release(int i, Stream last_user) {
   s.held = false;
 }
 
-void SlotPool::clear_tags() {
-  for (Slot& s : slots_)
-    if (!s.held) s.tag = kNoTag;
-}
-
 void SlotPool::synchronize() {
   for (Slot& s : slots_)
     if (s.recorded) backend_.synchronize(s.free_event);

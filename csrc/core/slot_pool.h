@@ -57,8 +57,6 @@ class SlotPool {
   // Returns slot i; `last_user` is the stream of the last work that touches
   // it: the free event is recorded there.
   void release(int i, Stream last_user);
-  // Forgets every free slot's content tag.
-  void clear_tags();
   // Blocks until every slot's free event has completed (for shutdown).
   void synchronize();
 

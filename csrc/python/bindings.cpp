@@ -4,8 +4,11 @@
 
 #include "core/gguf.h"
 #include "core/log.h"
+#include "core/offload_policy.h"
 #include "core/options.h"
 #include "core/planner.h"
+#include "core/slot_layout.h"
+#include "backends/sim/sim_backend.h"
 #include "torch/engine.h"
 
 namespace py = pybind11;
@@ -34,7 +37,7 @@ double float_arg(py::handle v, const char* what) {
   return v.cast<double>();
 }
 
-py::tuple budget_of(py::handle v) {
+options::Budget budget_of(py::handle v) {
   options::Budget b;
   if (py::isinstance<py::str>(v)) {
     b = options::parse_budget(v.cast<std::string>());
@@ -48,32 +51,9 @@ py::tuple budget_of(py::handle v) {
              "share ('40%', or a number in (0, 1)) or 'auto', got ", py::str(py::repr(v)).cast<std::string>());
     b = options::budget_from_number(v.cast<double>());
   }
-  return py::make_tuple(b.fraction, b.bytes, b.share);
+  return b;
 }
 
-EngineOptions options_from(const py::dict& d) {
-  EngineOptions o;
-  for (auto item : d) {
-    const std::string k = py::cast<std::string>(item.first);
-    py::handle v = item.second;
-    if (k == "device") o.device = py::cast<std::string>(v);
-    else if (k == "budget_bytes") o.budget_bytes = options::check_budget_bytes(int_arg(v, "budget_bytes"));
-    else if (k == "prefetch") o.prefetch = options::check_prefetch(int_arg(v, "prefetch"));
-    else if (k == "slots") o.slots = options::check_slots(int_arg(v, "slots"));
-    else if (k == "sim_h2d_gbps") o.sim_h2d_gbps = options::check_link_gbps(float_arg(v, "sim_h2d_gbps"), "sim_h2d_gbps");
-    else if (k == "sim_d2h_gbps") o.sim_d2h_gbps = options::check_link_gbps(float_arg(v, "sim_d2h_gbps"), "sim_d2h_gbps");
-    else if (k == "sim_latency_us") o.sim_latency_us = options::check_latency_us(float_arg(v, "sim_latency_us"));
-    else if (k == "checker") o.checker = py::cast<bool>(v);
-    else if (k == "abort_on_ordering_error") o.abort_on_ordering_error = py::cast<bool>(v);
-    else if (k == "pin_memory") o.pin_memory = py::cast<bool>(v);
-    else if (k == "cache_across_steps") o.cache_across_steps = py::cast<bool>(v);
-    else if (k == "trace") o.trace = py::cast<bool>(v);
-    else if (k == "dequant_dtype") o.dequant_dtype = py::cast<std::string>(v);
-    else if (k == "compute_dtype") o.compute_dtype = py::cast<std::string>(v);
-    else LS_FAIL("unknown engine option '", k, "'");
-  }
-  return o;
-}
 
 }  // namespace
 
@@ -104,8 +84,29 @@ PYBIND11_MODULE(_C, m) {
   } catch (const layerstream::Error& e) {       \
     throw py::value_error(e.message());         \
   }
-  m.def("parse_budget", [](py::handle v) { LS_VALUE_ERRORS(budget_of(v)) }, py::arg("budget"),
+  m.def("parse_budget", [](py::handle v) {
+    try {
+      const options::Budget b = budget_of(v);
+      return py::make_tuple(b.fraction, b.bytes, b.share);
+    } catch (const layerstream::Error& e) {
+      throw py::value_error(e.message());
+    }
+  }, py::arg("budget"),
         "(is_share, bytes, share) of a budget given as bytes, a size text, a share or 'auto'");
+  m.def("budget_bytes", [](py::handle v, uint64_t free_bytes) {
+    LS_VALUE_ERRORS(options::budget_bytes(budget_of(v), free_bytes))
+  }, py::arg("budget"), py::arg("free_bytes"), "bytes of a budget on a device with free_bytes free");
+  m.attr("SIM_DEVICE_MEMORY") = static_cast<uint64_t>(layerstream::kDefaultDeviceMemory);
+  // The effective (dequant_dtype, compute_dtype) names, "" = none (options::check_dtypes).
+  m.def("check_dtypes", [](const std::string& dequant, const std::string& compute) {
+    auto name = [](std::optional<layerstream::quant::OutDtype> t) { return t ? std::string(layerstream::quant::to_string(*t)) : std::string(); };
+    try {
+      const auto d = options::check_dtypes(dequant, compute);
+      return std::make_pair(name(d.dequant), name(d.compute));
+    } catch (const layerstream::Error& e) {
+      throw py::value_error(e.message());
+    }
+  }, py::arg("dequant_dtype"), py::arg("compute_dtype"));
   m.def("check_prefetch", [](py::handle v) { LS_VALUE_ERRORS(options::check_prefetch(int_arg(v, "prefetch"))) });
   m.def("check_slots", [](py::handle v) { LS_VALUE_ERRORS(options::check_slots(int_arg(v, "slots"), false)) });
   m.def("check_link_gbps", [](py::handle v) {
@@ -134,6 +135,41 @@ PYBIND11_MODULE(_C, m) {
   m.def("quant_packed_bytes", [](const std::string& format, int64_t rows, int64_t cols) {
     return quant::layout_for(quant::parse_packed_format(format), rows, cols).total_bytes();
   });
+  // Tied weights (core/offload_policy.h). candidates: (name, module id,
+  // [(role, tensor id, streams_shared)]); owners: {tensor id: [(module id,
+  // param, qualified name)]}. Returns (kept indices, groups, resident reasons).
+  m.def("analyse_ties",
+        [](const std::vector<std::tuple<std::string, uint64_t, std::vector<std::tuple<std::string, uint64_t, bool>>>>&
+               candidates,
+           const std::map<uint64_t, std::vector<std::tuple<uint64_t, std::string, std::string>>>& owners) {
+          std::vector<layerstream::policy::TieCandidate> cs;
+          for (const auto& [name, module, params] : candidates) {
+            layerstream::policy::TieCandidate c{name, module, {}};
+            for (const auto& [role, tensor, streams] : params) c.params.push_back({role, tensor, streams});
+            cs.push_back(std::move(c));
+          }
+          std::map<uint64_t, std::vector<layerstream::policy::TieOwner>> os;
+          for (const auto& [tensor, who] : owners)
+            for (const auto& [module, param, qualified] : who) os[tensor].push_back({module, param, qualified});
+          const auto r = layerstream::policy::analyse_ties(cs, os);
+          return py::make_tuple(r.kept, r.groups, r.resident);
+        },
+        py::arg("candidates"), py::arg("owners"));
+  // Mixture-of-experts routing thresholds (core/offload_policy.h).
+  m.def("picks_may_route", &layerstream::policy::picks_may_route, py::arg("picks"), py::arg("experts"));
+  m.def("fetch_some_experts", &layerstream::policy::fetch_some_experts, py::arg("distinct"), py::arg("experts"));
+  // A layer's bytes in a slot (core/slot_layout.h): parts = [(bus, written)].
+  m.def("slot_layout", [](const std::vector<std::pair<uint64_t, uint64_t>>& parts) {
+    std::vector<layerstream::slot_layout::Part> ps;
+    for (const auto& [bus, written] : parts) ps.push_back({bus, written});
+    const auto l = layerstream::slot_layout::of(ps);
+    py::dict d;
+    d["bus_bytes"] = l.bus_bytes;
+    d["workspace_bytes"] = l.workspace_bytes;
+    d["slot_bytes"] = l.slot_bytes();
+    d["workspace_offsets"] = l.workspace_offsets;
+    return d;
+  }, py::arg("parts"));
 
   // A .gguf file's header (core/gguf.h): metadata and tensor records; the
   // data is read by the caller at each record's absolute `offset`.
@@ -190,55 +226,99 @@ PYBIND11_MODULE(_C, m) {
 
   // The placement planner (core/planner.h): which layers stay resident.
   // layers: (name, bus bytes, slot bytes (0 = bus bytes), resident bytes,
-  // FLOPs, trainable) in execution order; min_slots: slots reserved before
-  // any layer is made resident (offload() passes prefetch + 1 or `slots`).
+  // FLOPs, trainable) in execution order.
+  using PlannedLayers = std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool>>;
+  auto planner_input = [](uint64_t budget, const PlannedLayers& layers, uint64_t fixed) {
+    layerstream::PlannerInput in;
+    in.budget_bytes = budget;
+    in.fixed_resident_bytes = fixed;
+    for (const auto& [name, bytes, slot_bytes, resident, flops, trainable] : layers) {
+      layerstream::PlannerLayer l;
+      l.name = name;
+      l.bytes = bytes;
+      l.slot_bytes = slot_bytes;
+      l.resident_bytes = resident;
+      l.flops = flops;
+      l.trainable = trainable;
+      in.layers.push_back(l);
+    }
+    return in;
+  };
+  auto plan_dict = [](const layerstream::Plan& plan) {
+    py::dict d;
+    py::list resident;
+    for (const auto& l : plan.layers)
+      if (l.resident) resident.append(l.name);
+    d["resident"] = resident;
+    d["num_slots"] = plan.num_slots;
+    d["prefetch_depth"] = plan.prefetch_depth;
+    d["slot_bytes"] = plan.slot_bytes;
+    d["resident_bytes"] = plan.resident_bytes;
+    d["fixed_resident_bytes"] = plan.fixed_resident_bytes;
+    d["device_bytes"] = plan.device_bytes;
+    d["budget_bytes"] = plan.budget_bytes;
+    d["explain"] = plan.explain();
+    d["json"] = plan.to_json();
+    return d;
+  };
+  // min_slots: slots reserved before any layer is made resident.
   m.def(
       "plan",
-      [](uint64_t budget,
-         const std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool>>& layers,
-         uint64_t fixed, double link_bytes_per_s, double flops_per_s, bool training, int max_prefetch,
-         int min_slots) {
-        layerstream::PlannerInput in;
-        in.budget_bytes = budget;
-        in.fixed_resident_bytes = fixed;
+      [planner_input, plan_dict](uint64_t budget, const PlannedLayers& layers, uint64_t fixed,
+                                 double link_bytes_per_s, double flops_per_s, bool training, int max_prefetch,
+                                 int min_slots) {
+        layerstream::PlannerInput in = planner_input(budget, layers, fixed);
         in.link_bytes_per_s = link_bytes_per_s;
         in.device_flops_per_s = flops_per_s;
         in.training = training;
         in.max_prefetch = std::max(1, max_prefetch);
         in.min_slots = min_slots;
-        for (const auto& [name, bytes, slot_bytes, resident, flops, trainable] : layers) {
-          layerstream::PlannerLayer l;
-          l.name = name;
-          l.bytes = bytes;
-          l.slot_bytes = slot_bytes;
-          l.resident_bytes = resident;
-          l.flops = flops;
-          l.trainable = trainable;
-          in.layers.push_back(l);
-        }
-        const layerstream::Plan plan = layerstream::plan_placement(in);
-        py::dict d;
-        py::list resident;
-        for (const auto& l : plan.layers)
-          if (l.resident) resident.append(l.name);
-        d["resident"] = resident;
-        d["num_slots"] = plan.num_slots;
-        d["prefetch_depth"] = plan.prefetch_depth;
-        d["slot_bytes"] = plan.slot_bytes;
-        d["resident_bytes"] = plan.resident_bytes;
-        d["fixed_resident_bytes"] = plan.fixed_resident_bytes;
-        d["device_bytes"] = plan.device_bytes;
-        d["budget_bytes"] = plan.budget_bytes;
-        d["explain"] = plan.explain();
-        d["json"] = plan.to_json();
-        return d;
+        return plan_dict(layerstream::plan_placement(in));
       },
       py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"),
       py::arg("link_bytes_per_s") = 0.0, py::arg("device_flops_per_s") = 0.0,
       py::arg("training") = false, py::arg("max_prefetch") = 4, py::arg("min_slots") = 2);
+  // offload()'s rule: slots first, residency with what is left (plan_slots_first).
+  m.def(
+      "plan_slots_first",
+      [planner_input, plan_dict](uint64_t budget, const PlannedLayers& layers, uint64_t fixed, int prefetch,
+                                 int slots) {
+        return plan_dict(layerstream::plan_slots_first(planner_input(budget, layers, fixed), prefetch, slots));
+      },
+      py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"), py::arg("prefetch"),
+      py::arg("slots") = 0);
+
+  // The engine's options (torch/engine.h EngineOptions), checked when an
+  // Engine is made.
+  py::class_<EngineOptions>(m, "EngineOptions")
+      .def(py::init<>())
+      .def_readwrite("device", &EngineOptions::device)
+      .def_readwrite("budget_bytes", &EngineOptions::budget_bytes)
+      .def_readwrite("prefetch", &EngineOptions::prefetch)
+      .def_readwrite("slots", &EngineOptions::slots)
+      .def_readwrite("sim_h2d_gbps", &EngineOptions::sim_h2d_gbps)
+      .def_readwrite("sim_d2h_gbps", &EngineOptions::sim_d2h_gbps)
+      .def_readwrite("sim_latency_us", &EngineOptions::sim_latency_us)
+      .def_readwrite("checker", &EngineOptions::checker)
+      .def_readwrite("abort_on_ordering_error", &EngineOptions::abort_on_ordering_error)
+      .def_readwrite("pin_memory", &EngineOptions::pin_memory)
+      .def_readwrite("cache_across_steps", &EngineOptions::cache_across_steps)
+      .def_readwrite("trace", &EngineOptions::trace)
+      .def_readwrite("dequant_dtype", &EngineOptions::dequant_dtype)
+      .def_readwrite("compute_dtype", &EngineOptions::compute_dtype);
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init([](const py::dict& opts) { return Engine::create(options_from(opts)); }),
+      .def(py::init([](const EngineOptions& opts) { return Engine::create(opts); }), py::arg("options"))
+      // {field: value} of EngineOptions (an unknown field is refused).
+      .def(py::init([](const py::dict& fields) {
+             py::object opts = py::module_::import("layerstream._C").attr("EngineOptions")();
+             for (auto item : fields) {
+               const std::string k = py::cast<std::string>(item.first);
+               LS_CHECK(py::hasattr(opts, k.c_str()), "unknown engine option '", k, "'");
+               opts.attr(k.c_str()) = item.second;
+             }
+             return Engine::create(opts.cast<EngineOptions>());
+           }),
            py::arg("options") = py::dict())
       .def("add_linear",
            [fmt](Engine& e, const std::string& name, torch::Tensor w, std::optional<torch::Tensor> b,
@@ -316,7 +396,12 @@ PYBIND11_MODULE(_C, m) {
              for (const auto& s : devices) d.emplace_back(s);
              e.detach(d);
            })
-      .def("stats", &Engine::stats)
+      .def("stats",
+           [](const Engine& e) {
+             py::dict d;  // ints, and floats for the float fields
+             e.stats().for_each([&d](const char* name, auto value) { d[name] = value; });
+             return d;
+           })
       .def("ordering_errors", &Engine::ordering_errors)
       .def_property_readonly("device", &Engine::device_name)
       .def_property_readonly("compute_device",

@@ -1,5 +1,5 @@
 // layerstream — the CUDA-specific part of the torch glue, behind plain
-// functions so that engine.cpp compiles against a CPU-only LibTorch.
+// functions so that the engine compiles against a CPU-only LibTorch.
 // Implemented in cuda_glue_cuda.cpp (LibTorch with CUDA and the CUDA
 // toolkit) or cuda_glue_nocuda.cpp (otherwise).
 #pragma once
@@ -33,8 +33,6 @@ void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* 
 // current device and stream for the launch. No allocation.
 void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t numel,
              int device, void* stream);
-// Peak device bytes allocated through a CUDA backend (0 for other backends).
-size_t peak_device_bytes(Backend& backend);
 
 // Makes `device` the calling thread's current CUDA device the way torch's own
 // device guards do: exchange_device returns the previous device (-1 when

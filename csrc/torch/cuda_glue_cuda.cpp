@@ -55,9 +55,4 @@ void restore_device(int previous) {
   (void)c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(previous));
 }
 
-size_t peak_device_bytes(Backend& backend) {
-  if (auto* c = dynamic_cast<CudaBackend*>(&backend)) return c->memory_stats().device_bytes_peak;
-  return 0;
-}
-
 }  // namespace layerstream::cuda_glue

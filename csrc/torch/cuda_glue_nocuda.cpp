@@ -19,7 +19,6 @@ void dequantize_on(const quant::PackedLayout&, const void*, void*, quant::OutDty
 void cast_on(const void*, c10::ScalarType, void*, c10::ScalarType, int64_t, int, void*) {
   LS_FAIL("this layerstream build has no CUDA support");
 }
-size_t peak_device_bytes(Backend&) { return 0; }
 int exchange_device(int) { return -1; }
 void restore_device(int) {}
 

@@ -15,7 +15,7 @@
 // kept, and backward runs it on the weights fetched again (prefetched in the
 // traced order; not fetched when no input gradient is needed), so the
 // streamed layer issues the resident module's calls (Note [Same calls as the
-// resident module] in engine.cpp). Weight/bias gradients are copied into a
+// resident module] in ops_streamed.cpp). Weight/bias gradients are copied into a
 // scratch slot, then to a host staging buffer on a separate gradient stream,
 // and accumulated into param.grad on the host. Accumulation happens in a callback queued at
 // the end of every backward pass (one host wait per backward, none per
@@ -37,21 +37,14 @@
 
 #include <torch/torch.h>
 
-#include <atomic>
-#include <climits>
 #include <map>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "core/host_store.h"
 #include "core/quant.h"
-#include "cuda_glue.h"
-#include "core/runtime.h"
-#include "core/scheduler.h"
-#include "core/telemetry.h"
+#include "core/scheduler.h"  // StepStats
 
 namespace layerstream {
 
@@ -99,6 +92,41 @@ struct EngineOptions {
   std::string compute_dtype;
 };
 
+// Counters since the engine was made (Engine::stats(): a snapshot).
+struct EngineStats {
+  uint64_t steps = 0, acquires = 0, hits = 0, misses = 0;
+  uint64_t deviations = 0, retraces = 0;  // the traced fetch order was not followed / re-recorded
+  // Backward passes that raised after staging weight gradients, which were
+  // dropped (never added to .grad).
+  uint64_t failed_backwards = 0;
+  uint64_t h2d_bytes = 0;       // host to device, embedding rows included
+  uint64_t gathered_bytes = 0;  // embedding rows read from the host store
+  uint64_t d2h_bytes = 0;
+  double stall_seconds = 0;     // host time the compute stream waited for weights
+  uint64_t slots = 0, slot_bytes = 0, max_slots_held = 0;
+  int64_t budget_bytes = -1;    // EngineOptions::budget_bytes
+  uint64_t layers = 0, quantized_layers = 0, embedding_layers = 0, group_layers = 0;
+  uint64_t routed_fetches = 0;  // group fetches that copied some experts only
+  uint64_t pinned_bytes = 0, pageable_bytes = 0;  // the host store
+  uint64_t peak_device_bytes = 0;
+  uint64_t ordering_errors = 0;  // sim device: races the checker found
+
+  // Calls f(name, value) for every field, in the order above (bindings,
+  // printing).
+  template <class F>
+  void for_each(F&& f) const {
+    f("steps", steps), f("acquires", acquires), f("hits", hits), f("misses", misses);
+    f("deviations", deviations), f("retraces", retraces), f("failed_backwards", failed_backwards);
+    f("h2d_bytes", h2d_bytes), f("gathered_bytes", gathered_bytes), f("d2h_bytes", d2h_bytes);
+    f("stall_seconds", stall_seconds), f("slots", slots), f("slot_bytes", slot_bytes);
+    f("max_slots_held", max_slots_held), f("budget_bytes", budget_bytes), f("layers", layers);
+    f("quantized_layers", quantized_layers), f("embedding_layers", embedding_layers);
+    f("group_layers", group_layers), f("routed_fetches", routed_fetches), f("pinned_bytes", pinned_bytes);
+    f("pageable_bytes", pageable_bytes), f("peak_device_bytes", peak_device_bytes);
+    f("ordering_errors", ordering_errors);
+  }
+};
+
 // Conv geometry (1-3 spatial dims). `same` computes padding from the kernel.
 struct ConvSpec {
   int dims = 2;
@@ -107,10 +135,14 @@ struct ConvSpec {
   bool same = false;
 };
 
-class Engine : public std::enable_shared_from_this<Engine> {
+// The public interface; the implementation (EngineImpl) and its layer
+// records live in the internal engine_impl.h (docs/design/README.md).
+class Engine {
  public:
+  // Thread-safe. The engine is shared: parameters it adopted keep the host
+  // memory alive after the last shared_ptr is gone.
   static std::shared_ptr<Engine> create(const EngineOptions& options);
-  ~Engine();
+  virtual ~Engine() = default;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -132,24 +164,24 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // reference to the dense weight: callers replace the module's parameter
   // by a data-less (meta) one so the dense copy is freed (the Python layer
   // does). The bias stays float. See docs/design/quant-formats.md.
-  int add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias,
-                 quant::Format format = quant::Format::None);
-  int add_conv(const std::string& name, torch::Tensor weight, torch::Tensor bias,
-               const ConvSpec& spec, quant::Format format = quant::Format::None);
+  virtual int add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias,
+                         quant::Format format = quant::Format::None) = 0;
+  virtual int add_conv(const std::string& name, torch::Tensor weight, torch::Tensor bias,
+                       const ConvSpec& spec, quant::Format format = quant::Format::None) = 0;
   // A Linear whose weight is already int8 with one fp32 scale per output
   // row (e.g. from torch.quantize_per_channel with zero points 0): stored in
   // the int8 format byte for byte. `dense_dtype` is the dtype it stands for
   // (what detach() restores).
-  int add_linear_int8(const std::string& name, torch::Tensor int8_data,
-                      torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype);
+  virtual int add_linear_int8(const std::string& name, torch::Tensor int8_data,
+                              torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype) = 0;
   // A Linear [rows, cols] whose weight arrives already packed in `format`
   // (int8 or nf4) as its code bytes and fp32 scales, laid out as in
   // docs/design/quant-formats.md — e.g. bitsandbytes NF4 weights (blocks of
   // 64, high nibble first, absmax per block). Stored byte for byte; the
   // codes and scales are copied (callers may free theirs).
-  int add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes,
-                        torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols,
-                        torch::ScalarType dense_dtype);
+  virtual int add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes,
+                                torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols,
+                                torch::ScalarType dense_dtype) = 0;
 
   // An embedding table (nn.Embedding without max_norm): its weight moves
   // into the host store like a Linear's and never occupies device memory.
@@ -167,8 +199,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // .grad (on the host). Not part of the scheduler's trace and not counted in
   // the slots; `layers` in stats() counts it, `embedding_layers` and
   // `gathered_bytes` (rows read, also in h2d_bytes) describe it.
-  int add_embedding(const std::string& name, torch::Tensor weight, int64_t padding_idx = -1,
-                    bool scale_grad_by_freq = false, bool sparse = false);
+  virtual int add_embedding(const std::string& name, torch::Tensor weight, int64_t padding_idx = -1,
+                            bool scale_grad_by_freq = false, bool sparse = false) = 0;
 
   // A group of tensors streamed together in one slot (e.g. a mixture-of-
   // experts module's 3-D expert weights, gate_up_proj and down_proj, and
@@ -206,14 +238,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
     quant::Format format = quant::Format::None;
     torch::Tensor bytes;
   };
-  int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors,
-                quant::Format format = quant::Format::None, int64_t experts = 0,
-                const std::vector<PrepackedPart>& prepacked = {});
+  virtual int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors,
+                        quant::Format format = quant::Format::None, int64_t experts = 0,
+                        const std::vector<PrepackedPart>& prepacked = {}) = 0;
   // Group layers quantized by add_group: tensor `part` dequantized on the
   // host (what detach() restores; lossy), and new values packed into it in
   // place of the old ones (as requantize() for a layer).
-  torch::Tensor dequantized_part(int layer, int part);
-  void requantize_part(int layer, int part, const torch::Tensor& dense);
+  virtual torch::Tensor dequantized_part(int layer, int part) = 0;
+  virtual void requantize_part(int layer, int part, const torch::Tensor& dense) = 0;
   // Group layers: acquires the layer's slot for the compute stream (waiting
   // for its copy, prefetched in the traced order like any layer; the phase is
   // backward inside an autograd graph task) and returns a token and views of
@@ -231,9 +263,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // whatever the slot held before, so the caller must read no other expert.
   // The group is then no longer prefetched whole, until a fetch reads more
   // than half of the experts (or names none) again. Empty: the whole group.
-  std::pair<int64_t, std::vector<torch::Tensor>> fetch(int layer,
-                                                       const std::vector<int64_t>& experts = {});
-  void release(int64_t token);
+  virtual std::pair<int64_t, std::vector<torch::Tensor>> fetch(int layer,
+                                                               const std::vector<int64_t>& experts = {}) = 0;
+  virtual void release(int64_t token) = 0;
 
   // The streamed computations (differentiable). Weight gradients normally
   // go back asynchronously and are accumulated into .grad by the engine; with
@@ -243,8 +275,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // torch.autocast for the compute device's type, a float input is first
   // cast to the autocast dtype (as autocast casts Linear/conv inputs), so
   // the weight is used in that dtype (compute_dtype's copy when it matches).
-  torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
-  torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd = false);
+  virtual torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd = false) = 0;
+  virtual torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd = false) = 0;
   // The lookup of an embedding layer: weight[ids] on the compute device, in
   // the weight's dtype, like torch.nn.functional.embedding (ids: an integer
   // tensor on the compute device; out-of-range ids fail as torch's lookup
@@ -252,35 +284,27 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // semantics: enqueued on the compute stream like the layers; the host
   // rows are read when it runs, so host writes to the table must wait for
   // synchronize() (detach() and the destructor wait for it).
-  torch::Tensor embedding(int layer, const torch::Tensor& ids);
+  virtual torch::Tensor embedding(int layer, const torch::Tensor& ids) = 0;
 
   // Waits for every pending transfer and gradient, accumulates gradients
   // staged outside any autograd graph task into param.grad (a backward pass
   // applies its own when it finishes), and forgets the weights cached in device
   // slots (the next fetch reads the host copy: the call to make after host
   // writes the version counters cannot see, with cache_across_steps).
-  void synchronize();
+  virtual void synchronize() = 0;
   // Restores every layer's parameters to ordinary tensors on `device`
   // (bit-identical data) and disables the engine.
-  void detach(const std::vector<torch::Device>& devices);
-  bool detached() const { return detached_; }
+  virtual void detach(const std::vector<torch::Device>& devices) = 0;
+  virtual bool detached() const = 0;
 
-  // Telemetry: peak_device_bytes, h2d_bytes, d2h_bytes, steps, hits, misses,
-  // deviations, retraces, stall_seconds, slots, slot_bytes, budget_bytes,
-  // pinned_bytes, pageable_bytes, layers, embedding_layers, gathered_bytes,
-  // ordering_errors, failed_backwards (backward passes that raised after
-  // staging weight gradients, which were dropped: see discard_task()).
-  std::map<std::string, double> stats() const;
-  std::vector<std::string> ordering_errors() const;
+  // Telemetry (EngineStats).
+  virtual EngineStats stats() const = 0;
+  virtual std::vector<std::string> ordering_errors() const = 0;
   // Per-step counters (see StepStats) of completed steps, with the overlap
   // fraction of each step from the timeline when tracing (else NaN).
-  std::vector<std::pair<StepStats, double>> step_stats() const;
+  virtual std::vector<std::pair<StepStats, double>> step_stats() const = 0;
   // The timeline in Chrome trace / Perfetto JSON ("" when trace is off).
-  std::string trace_json() const;
-  // Marks the start/end of a layer computation on `s` in the timeline.
-  std::shared_ptr<double> trace_begin(Stream s);
-  void trace_end(Stream s, const std::shared_ptr<double>& start, const std::string& lane,
-                 const std::string& name, uint64_t bytes = 0);
+  virtual std::string trace_json() const = 0;
   // Quantized and pre-packed layers hold their weight packed on the host, so
   // an in-place write to the module's parameter does not reach it.
   // watch_weight records `param`'s version counter (without keeping its data
@@ -292,7 +316,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // watches the replacement. Unquantized layers need none (their parameter's
   // data is the host copy). Inference tensors (no version counter) are not
   // watched.
-  void watch_weight(int layer, const torch::Tensor& param);
+  virtual void watch_weight(int layer, const torch::Tensor& param) = 0;
   // Layers quantized by add_linear/add_conv: packs `dense` (the weight's
   // shape, any float dtype and device; cast to the weight's dtype first, as
   // load_state_dict's copy would) into the layer's host buffer in place of
@@ -300,238 +324,23 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // the device first (like synchronize()); the old packed weight stays if
   // packing fails (e.g. NaN). Not safe concurrently with a forward or
   // backward of this engine.
-  void requantize(int layer, const torch::Tensor& dense);
+  virtual void requantize(int layer, const torch::Tensor& dense) = 0;
   // Quantized layers: the weight dequantized on the host (CPU, original
   // dtype) — what detach() restores (lossy); "" / format name per layer.
-  torch::Tensor dequantized_weight(int layer);
+  virtual torch::Tensor dequantized_weight(int layer) = 0;
   // Quantized layers: a copy of the packed code bytes (uint8, 1-D).
-  torch::Tensor packed_codes(int layer);
-  std::string layer_format(int layer) const;
+  virtual torch::Tensor packed_codes(int layer) = 0;
+  virtual std::string layer_format(int layer) const = 0;
 
-  torch::Device compute_device() const { return compute_device_; }
-  const std::string& device_name() const { return device_name_; }
-  int num_layers() const;
-  std::string layer_name(int layer) const;
-  int64_t layer_bytes(int layer) const;
-  const EngineOptions& options() const { return opts_; }
+  virtual torch::Device compute_device() const = 0;
+  virtual const std::string& device_name() const = 0;
+  virtual int num_layers() const = 0;
+  virtual std::string layer_name(int layer) const = 0;
+  virtual int64_t layer_bytes(int layer) const = 0;
+  virtual const EngineOptions& options() const = 0;
 
-  // ---- used by the autograd functions ----
-  // Makes the engine's CUDA device current for the calling thread (torch's way;
-  // a no-op on sim) for the returned scope's lifetime. See cuda_glue.h.
-  cuda_glue::DeviceScope device_scope() const { return cuda_glue::DeviceScope(cuda_index_); }
-  struct LayerInfo;
-  LayerInfo& layer(int i);
-  // An embedding layer's lookup itself (no autograd node), on the compute stream.
-  torch::Tensor lookup(LayerInfo& l, const torch::Tensor& ids);
-  // Counts device-to-host bytes copied outside the gradient stream (d2h_bytes).
-  void count_d2h(uint64_t bytes);
-  Stream compute_stream();
-  Phase current_phase() const;
-  Scheduler& scheduler();
-  // The layer's weight and bias as its computation reads them on the device,
-  // for activations of `dtype`. The leaves are views of the lease's slot
-  // with their parameters' requires_grad, so that the op takes the resident
-  // module's path
-  // (Note [Same calls as the resident module] in engine.cpp); w/b are the
-  // leaves, or their casts to `dtype` (cast at use, recorded by autograd
-  // when grad mode is on). Undefined when the layer has no bias.
-  struct DeviceParams {
-    torch::Tensor w_leaf, b_leaf, w, b;
-  };
-  DeviceParams device_params(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype);
-  // Note [Same calls as the resident module]: the storages of device
-  // parameters that a recorded graph may have saved are registered per
-  // layer and activation dtype, and *parked* (data pointer null) while the
-  // layer is not computing. unpark() points every live one of (layer,
-  // dtype) at `fresh` (the parameters the layer's backward fetched) until
-  // park(); while unparked, active_params() returns `fresh`, so a forward of
-  // the layer run inside that backward (a non-reentrant checkpoint
-  // recomputing its region) computes on them. Thread-safe.
-  void register_storages(int layer, torch::ScalarType dtype, const DeviceParams& p, bool park_now);
-  void unpark(int layer, torch::ScalarType dtype, const DeviceParams& fresh);
-  void park(int layer, torch::ScalarType dtype);
-  std::optional<DeviceParams> active_params(int layer, torch::ScalarType dtype) const;
-  // Copies weight/bias gradients (already computed into `scratch` on the
-  // compute stream) to the host and schedules their accumulation.
-  void push_grads(int layer, Lease& scratch, bool has_w, bool has_b);
-  // A gradient computed on the device, as a host tensor of `dtype` (blocking).
-  torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
-  // Makes sure pending gradients are accumulated at the end of this backward.
-  void ensure_backward_callback();
-  uint64_t id() const { return id_; }
-  static std::shared_ptr<Engine> lookup(uint64_t id);
-
-  struct LayerInfo {
-    std::string name;
-    bool is_conv = false;
-    bool is_embedding = false;  // add_embedding(): looked up, never in a slot
-    // Tied weights: the weight (its host copy, w_index/w_host) is also
-    // another layer's; its gradients go through autograd (see add_linear).
-    bool shared_weight = false;
-    // add_group(): all its tensors are `parts` (`weight` and `bias` stay
-    // undefined); fetched whole into one slot by fetch(), computed by the
-    // caller. A quantized part crosses the bus packed and is dequantized into
-    // the slot's workspace at `ws_offset` (after the copied parts).
-    bool is_group = false;
-    struct Part {
-      torch::Tensor param;  // data aliases the host store; a meta stand-in if quantized
-      std::vector<int64_t> shape, strides;  // strides empty: contiguous (always when quantized)
-      torch::ScalarType dtype = torch::kFloat;
-      size_t index = 0;
-      void* host = nullptr;
-      size_t bytes = 0;  // in the host store (packed if quantized)
-      quant::Format qformat = quant::Format::None;
-      quant::PackedLayout qlayout;
-      torch::ScalarType q_dtype = torch::kFloat;  // dequantized to
-      size_t ws_offset = 0;
-      // Indexed by expert along dim 0, each expert's slice contiguous (and,
-      // when quantized, on whole blocks): fetch(layer, experts) copies only
-      // the named experts' slices. expert_bytes: one dense slice's bytes;
-      // expert_rows: one expert's rows of the packed matrix.
-      bool by_expert = false;
-      size_t expert_bytes = 0;
-      int64_t expert_rows = 0;
-    };
-    std::vector<Part> parts;
-    int64_t experts = 0;  // add_group(experts): dim 0 of the expert-indexed parts
-    size_t group_ws_bytes = 0;  // the dequantized parts, in the workspace
-    Event last_read;            // embedding: after the newest lookup on the device
-    void* w_host_mapped = nullptr;  // embedding: the store's device mapping (nullptr: none)
-    int64_t padding_idx = -1;       // embedding: as nn.Embedding (its row gets no gradient)
-    bool scale_grad_by_freq = false, sparse = false;  // embedding: as nn.Embedding
-    ConvSpec conv;
-    torch::Tensor weight;  // the parameter (data aliases the host store); a meta stand-in if quantized
-    torch::Tensor bias;    // may be undefined
-    std::vector<int64_t> w_shape, b_shape;
-    // A dense weight's strides when its layout is not the contiguous one
-    // (channels_last, transposed): kept in the host store, the slot and
-    // on the device. Empty: contiguous (always for quantized weights).
-    std::vector<int64_t> w_strides;
-    torch::ScalarType w_dtype = torch::kFloat, b_dtype = torch::kFloat;
-    size_t w_index = 0, b_index = 0;  // host store indices
-    void* w_host = nullptr;
-    void* b_host = nullptr;
-    size_t w_bytes = 0, b_bytes = 0;  // bytes in the host store (packed for quantized)
-    quant::Format qformat = quant::Format::None;
-    quant::PackedLayout qlayout;
-    torch::ScalarType q_dtype = torch::kFloat;  // quantized: dtype of the dequantized weight
-    // The slot's workspace (after the copied parts), written by the post-copy
-    // step: the weight (dequantized, or cast to compute_dtype: cast_w) at
-    // offset 0, then the bias cast to compute_dtype (cast_b) at ws_b_offset.
-    bool cast_w = false, cast_b = false;
-    torch::ScalarType cast_dtype = torch::kFloat;  // compute_dtype, when cast_w or cast_b
-    size_t ws_b_offset = 0;
-    bool packed_here = false;  // quantized by add_linear/add_conv (requantize() can repack it)
-    // watch_weight(): the module parameter's version counter and its value then.
-    std::optional<c10::VariableVersion> watched;
-    // ...and the parameter itself, weakly (the engine must not keep a dense
-    // weight alive): a quantized weight is frozen, so requires_grad set on it
-    // later is refused at the next call (C++; Python's _PackedWeight refuses it
-    // at once).
-    c10::weak_intrusive_ptr<c10::TensorImpl> watched_param{c10::intrusive_ptr<c10::TensorImpl>()};
-    uint32_t watched_version = 0;
-    // Gradient staging (host): one buffer per use of the layer in one
-    // backward, summed in arrival order and added to .grad once, as autograd
-    // sums a leaf's incoming gradients first.
-    std::vector<HostBuffer> grad_staging;
-    size_t grad_b_offset = 0;
-    Event grad_done;
-    // Per staged use, in arrival order (pending[u] is in grad_staging[u]):
-    // which gradients it holds and the autograd graph task that staged it
-    // (-1: none; see drain_grads()).
-    struct StagedUse {
-      bool w = false, b = false;
-      int task = -1;
-    };
-    std::vector<StagedUse> pending;
-  };
-
- private:
-  explicit Engine(const EngineOptions& options);
-  int add_layer(LayerInfo info, quant::Format format);
-  int register_layer_locked(LayerInfo info);
-  // Tied weights: when `info.weight` is already streamed by another layer,
-  // points `info` at that layer's host copy and returns true (false: not
-  // shared; the caller adopts it). Refuses shared biases and quantizing a
-  // shared weight (`format`), naming both layers.
-  bool share_weight_locked(LayerInfo& info, quant::Format format);
-  void build_scheduler_locked();
-  void ensure_scheduler();
-  void check_host_alias(const LayerInfo& l) const;
-  // Adds the staged uses of `l` that `task` may apply (its own and those of
-  // no graph task; every use for kAnyTask) to .grad; the others stay staged.
-  static constexpr int kAnyTask = INT_MIN;
-  void accumulate_locked(LayerInfo& l, int task);
-  // At the end of backward `task` (its final callback): applies that task's
-  // staged gradients. synchronize() passes -1: only uses staged outside any
-  // graph task, since a running backward applies its own when it finishes.
-  void drain_grads(int task);
-  // A backward that failed (its graph task ended without running the
-  // callback): drops the gradients it staged, which are never added to
-  // .grad, so a later backward or zero_grad() cannot be mixed with them.
-  void discard_task(int task) noexcept;
-  // Warns (once per engine) at the next linear()/conv() after discard_task()
-  // dropped gradients: never from inside the autograd engine.
-  void report_failed_backward();
-  // The common start of linear()/conv()/embedding(): reports a failed backward,
-  // refuses tracing, and checks that layer `index` is of `kind` ("a Linear",
-  // "a convolution", "an embedding").
-  LayerInfo& call_layer(int index, const char* kind);
-  // Waits until no embedding lookup enqueued so far still reads the host store.
-  void wait_lookups_locked();
-  size_t grad_bytes(const LayerInfo& l) const;
-  // Bytes of the weight as the workspace holds it (dequantized, or cast to
-  // compute_dtype).
-  static size_t dense_weight_bytes(const LayerInfo& l);
-  // Bytes of the slot's workspace (0: no post-copy step).
-  static size_t workspace_bytes(const LayerInfo& l);
-  PostCopyFn make_post_copy(const LayerInfo& l, size_t workspace_part);
-  // A group's: dequantizes its packed parts into the workspace.
-  // With `runs` (half-open ranges of experts), only those experts' rows of
-  // the expert-indexed packed parts.
-  PostCopyFn make_group_post_copy(const LayerInfo& l, size_t workspace_part,
-                                  const std::vector<std::pair<int64_t, int64_t>>* runs = nullptr);
-  // Warns once per engine that weights are cast at use (and how to avoid it).
-  void note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch::ScalarType to);
-
-  EngineOptions opts_;
-  std::optional<torch::ScalarType> dequant_dtype_;  // from opts_.dequant_dtype (or compute_dtype)
-  std::optional<torch::ScalarType> compute_dtype_;  // from opts_.compute_dtype
-  uint64_t id_;
-  std::string device_name_;
-  torch::Device compute_device_{torch::kCPU};
-  int cuda_index_ = -1;  // compute_device_'s index on CUDA, -1 on sim
-  std::shared_ptr<Backend> backend_;
-  std::shared_ptr<HostStore> store_;
-  std::shared_ptr<void> keepalive_;  // held by parameters' data: store + backend
-  Stream transfer_, grad_stream_, dequant_stream_, inline_compute_;
-  std::map<void*, Stream> wrapped_streams_;
-
-  mutable std::recursive_mutex mu_;
-  std::vector<std::unique_ptr<LayerInfo>> layers_;
-  std::unique_ptr<Scheduler> sched_;
-  std::vector<int> pending_;  // layers with gradients in flight
-  std::vector<int> callback_tasks_;  // graph tasks whose end-of-backward callback is queued
-  uint64_t failed_backwards_ = 0;      // backwards whose staged gradients were dropped
-  std::atomic<bool> failed_backward_unreported_{false};  // warned at the next linear()/conv()
-  uint64_t d2h_bytes_ = 0;
-  std::map<int64_t, Lease> fetched_;  // fetch() tokens not yet released
-  int64_t next_token_ = 1;
-  std::atomic<uint64_t> gathered_bytes_{0};  // embedding rows read from the host store
-  std::atomic<uint64_t> routed_fetches_{0};  // group fetches that copied some experts only
-  std::atomic<bool> cast_warned_{false};
-  bool detached_ = false;
-  std::shared_ptr<TraceRecorder> tracer_;
-  // counters carried over scheduler rebuilds
-  SchedulerStats carried_;
-  // register_storages() / unpark() / park(): per layer.
-  struct ParkedStorage {
-    int role;                 // 0 weight leaf, 1 its cast, 2 bias leaf, 3 its cast
-    torch::ScalarType dtype;  // the activations' (device_params)
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  };
-  std::map<int, std::vector<ParkedStorage>> parked_;
-  std::map<int, std::vector<std::pair<torch::ScalarType, DeviceParams>>> active_;
+ protected:
+  Engine() = default;
 };
 
 // Resolves a device string for the engine; throws a clear error for unknown

@@ -3,7 +3,10 @@
 #include <fnmatch.h>
 
 #include <cmath>
+#include <map>
 #include <set>
+
+#include "core/offload_policy.h"
 
 namespace layerstream {
 
@@ -233,7 +236,7 @@ std::shared_ptr<Engine> OffloadHandle::engine() const {
   return engine_;
 }
 
-std::map<std::string, double> OffloadHandle::stats() const { return engine()->stats(); }
+EngineStats OffloadHandle::stats() const { return engine()->stats(); }
 
 void OffloadHandle::synchronize() { engine()->synchronize(); }
 
@@ -281,27 +284,17 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   };
   std::vector<Item> items;
   std::set<torch::nn::Module*> collected;
-  // Tied weights: a parameter of two distinct modules (e.g. an output
-  // projection sharing the embedding's weight). When it is the weight of
-  // every module that has it and each of them streams, they share one host
-  // copy (Engine::add_linear) and their gradients go through autograd, which
-  // sums them. Otherwise (a bias, or a module that stays resident, such as a
-  // torch::nn::Embedding) those layers stay resident: streaming one would
-  // move the tensor to the host under the other module, which keeps it on
-  // the device anyway.
-  struct Owner {
-    torch::nn::Module* module;
-    std::string param, qualified;
-  };
-  std::map<torch::TensorImpl*, std::vector<Owner>> owners;
+  // Tied weights (the rule: core/offload_policy.h analyse_ties).
+  std::map<uint64_t, std::vector<policy::TieOwner>> owners;
   {
     std::set<torch::nn::Module*> seen;
     for (const auto& named : root.named_modules("", /*include_self=*/true)) {
       if (!seen.insert(named.value().get()).second) continue;
       for (const auto& p : named.value()->named_parameters(/*recurse=*/false)) {
         if (!p.value().defined()) continue;
-        owners[p.value().unsafeGetTensorImpl()].push_back(
-            {named.value().get(), p.key(), named.key().empty() ? p.key() : named.key() + "." + p.key()});
+        owners[reinterpret_cast<uint64_t>(p.value().unsafeGetTensorImpl())].push_back(
+            {reinterpret_cast<uint64_t>(named.value().get()), p.key(),
+             named.key().empty() ? p.key() : named.key() + "." + p.key()});
       }
     }
   }
@@ -341,45 +334,27 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       items.push_back(Item{name, parent, child.key(), m});
     }
   }
-  // Pass 2: ties. A shared parameter streams only as the weight of modules
-  // that all stream; the others stay resident (one warning).
-  std::vector<std::string> tied, unquantized;
-  std::vector<Item> kept;
-  for (bool changed = true; changed;) {  // a resident layer keeps its weight's other users resident
-    tied.clear();
-    unquantized.clear();
-    kept.clear();
-    for (auto& it : items) {
-      std::string resident_why;
-      bool shares = false;
-      for (const auto& p : it.module->named_parameters(/*recurse=*/false)) {
-        if (!p.value().defined()) continue;
-        const auto& who = owners[p.value().unsafeGetTensorImpl()];
-        if (who.size() < 2) continue;
-        bool streams = p.key() == "weight";
-        for (const auto& o : who)
-          streams = streams && o.param == "weight" && collected.count(o.module) != 0;
-        shares = true;
-        if (streams) continue;
-        const std::string own = it.name + "." + p.key();
-        for (const auto& o : who)
-          if (o.qualified != own)
-            resident_why += (resident_why.empty() ? "" : ", ") + p.key() + " shared with '" + o.qualified + "'";
-      }
-      if (!resident_why.empty()) {
-        tied.push_back("'" + it.name + "' (" + resident_why + ")");
-        continue;
-      }
-      it.shared = shares;
-      if (shares && qformat != quant::Format::None && !dynamic_cast<nn::EmbeddingImpl*>(it.module.get()))
-        unquantized.push_back("'" + it.name + "'");
-      kept.push_back(it);
-    }
-    std::set<torch::nn::Module*> still;
-    for (const auto& it : kept) still.insert(it.module.get());
-    changed = still.size() != collected.size();
-    collected = std::move(still);
+  // Pass 2: ties.
+  std::vector<policy::TieCandidate> described;
+  for (const auto& it : items) {
+    policy::TieCandidate c{it.name, reinterpret_cast<uint64_t>(it.module.get()), {}};
+    for (const auto& p : it.module->named_parameters(/*recurse=*/false))
+      if (p.value().defined())
+        c.params.push_back({p.key(), reinterpret_cast<uint64_t>(p.value().unsafeGetTensorImpl()),
+                            p.key() == "weight"});
+    described.push_back(std::move(c));
   }
+  const policy::TieResult ties = policy::analyse_ties(described, owners);
+  std::vector<std::string> unquantized;
+  std::vector<Item> kept;
+  for (size_t k = 0; k < ties.kept.size(); ++k) {
+    Item it = items[ties.kept[k]];
+    it.shared = ties.shares[k];
+    if (it.shared && qformat != quant::Format::None && !dynamic_cast<nn::EmbeddingImpl*>(it.module.get()))
+      unquantized.push_back("'" + it.name + "'");
+    kept.push_back(std::move(it));
+  }
+  const std::vector<std::string>& tied = ties.resident;
   items = std::move(kept);
   if (!tied.empty()) {
     std::string list;

@@ -68,7 +68,7 @@ struct OffloadOptions : EngineOptions {
 
 class OffloadHandle {
  public:
-  std::map<std::string, double> stats() const;
+  EngineStats stats() const;
   void synchronize();
   // Restores plain computation: weights back to ordinary tensors on their
   // original devices (bit-identical); swapped children are swapped back.

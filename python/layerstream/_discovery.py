@@ -228,18 +228,9 @@ def _selected(name: str, include, exclude) -> bool:
 
 
 def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device):
-    """Tied weights: a parameter of several distinct modules (e.g. an lm_head
-    sharing the embedding's weight). Returns (kept candidates, groups), groups
-    being the lists of candidate names that share one weight.
-
-    When the shared tensor is the weight of every module that has it and all of
-    them are candidates, they stream together: the engine keeps one host copy
-    for all of them (the table looks it up, the lm_head streams it) and returns
-    their gradients through autograd, which sums them into the one .grad as it
-    does for a resident tied weight. Otherwise (a shared bias, or a module that
-    stays resident uses it) those layers stay resident, with one warning:
-    streaming one would move the tensor to the host under the other module (on
-    CUDA a device mismatch), which keeps it on the device anyway."""
+    """Tied weights (the rule: core/offload_policy.h analyse_ties): returns (kept
+    candidates, groups), groups being the lists of candidate names that share one
+    weight; warns once for the layers kept resident."""
     owners: Dict[int, List[tuple]] = {}  # parameter id -> (module id, parameter name, qualified name)
     seen_modules = set()
     for mname, m in model.named_modules(remove_duplicate=False):
@@ -249,35 +240,17 @@ def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device
         for pname, p in m._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((id(m), pname, f"{mname}.{pname}" if mname else pname))
-    streamable = {id(module) for _, module, _ in candidates}
-    while True:  # a layer kept resident keeps the modules it shares a weight with resident too
-        kept, tied, groups = [], [], {}
-        for name, module, kind in candidates:
-            why = []
-            params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
-                      [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
-            for pn, p in params:
-                who = owners.get(id(p), ()) if p is not None else ()
-                if len(who) < 2:
-                    continue
-                if kind != "group" and pn == "weight" and all(o[1] == "weight" and o[0] in streamable
-                                                              for o in who):
-                    groups.setdefault(id(p), []).append(name)
-                    continue
-                own = f"{name}.{pn}" if name else pn
-                why.append(f"{pn} shared with " + ", ".join(f"'{o[2]}'" for o in who if o[2] != own))
-            if why:
-                tied.append(f"'{name or '<root>'}' (" + "; ".join(why) + ")")
-            else:
-                kept.append((name, module, kind))
-        still = {id(module) for _, module, _ in kept}
-        if still == streamable:
-            break
-        streamable = still
+    described = []
+    for name, module, kind in candidates:
+        params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
+                  [("weight", module._parameters.get("weight")), ("bias", module._parameters.get("bias"))])
+        described.append((name, id(module), [(pn, id(p), kind != "group" and pn == "weight")
+                                             for pn, p in params if p is not None]))
+    kept, groups, tied = _C.analyse_ties(described, owners)  # core/offload_policy.h
     _warn_resident(tied, "layer(s) with tied weights", compute_device,
                    "another module that stays resident, or a bias, shares the tensor; a streamed "
                    "copy would move it under that module", stacklevel=4)
-    return kept, [g for g in groups.values() if len(g) > 1]
+    return [candidates[i] for i in kept], groups
 
 
 def _warn_resident(names: list, what: str, compute_device: torch.device, why: str,

@@ -127,14 +127,14 @@ class _GroupForward(_RefusesCopy):
         if not self._experts or not _reads_routed_experts_only(self._module):
             return []
         ids = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
-        # More than twice as many (token, expert) picks as experts nearly always reach more
-        # than half of them: skip the sync and fetch the whole group (prefetched).
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or not 0 < ids.numel() <= 2 * self._experts:
+        # The thresholds: core/offload_policy.h. Too many picks: skip the sync (whole group).
+        if (not isinstance(ids, torch.Tensor) or ids.is_floating_point()
+                or not _C.picks_may_route(ids.numel(), self._experts)):
             return []
         hit = torch.unique(ids.detach()).tolist()
         # Ids outside the experts (expert-parallel sentinels, which batched_mm clamps
-        # onto the last expert) or more than half of them: the whole group.
-        if hit[0] < 0 or hit[-1] >= self._experts or 2 * len(hit) > self._experts:
+        # onto the last expert) or too many of them: the whole group.
+        if hit[0] < 0 or hit[-1] >= self._experts or not _C.fetch_some_experts(len(hit), self._experts):
             return []
         return hit
 

@@ -108,13 +108,6 @@ class Handle(_RefusesCopy):
             s["resident_layers"] = len(self._plan["resident"])
             s["budget_bytes"] = self._plan["budget_bytes"]
         s["peak_device_bytes"] = s["streamed_device_bytes"] + s["resident_bytes"]
-        for k in ("steps", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "slots", "slot_bytes",
-                  "layers", "hits", "misses", "acquires", "deviations", "retraces", "ordering_errors",
-                  "failed_backwards", "embedding_layers", "group_layers", "routed_fetches", "gathered_bytes",
-                  "pinned_bytes", "pageable_bytes", "max_slots_held", "quantized_layers",
-                  "budget_bytes", "streamed_device_bytes", "resident_bytes"):
-            if k in s:
-                s[k] = int(s[k])
         return s
 
     def step_stats(self) -> List[Dict[str, float]]:

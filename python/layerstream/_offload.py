@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import warnings
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -18,9 +18,22 @@ from ._gguf import GgufWeight
 from ._guards import _RootApply, _StreamedApply, _requantize_on_load
 from ._handle import Handle, _Attached
 from ._packed import _PackedWeight
-from ._prequant import _DEQUANT_DTYPES, _is_packed_only_format, _prequantized, _quant_for
+from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _is_packed_only_format, _prequantized, _quant_for
 
 LayerstreamError = _C.LayerstreamError
+
+
+class _Candidate(NamedTuple):
+    """A layer offload() may stream, with its bytes as the engine lays them out
+    (core/slot_layout.h through _C.slot_layout)."""
+    name: str
+    module: nn.Module
+    kind: str            # "linear", "conv", "embedding" or "group"
+    fmt: Optional[str]   # quantization format offload() packs it in (None: as it is)
+    pre: Any             # pre-quantized weight (_prequant), or None
+    bus_bytes: int       # bytes that cross the bus per fetch
+    slot_bytes: int      # bytes in a slot (bus + workspace)
+    resident_bytes: int  # bytes on the device when kept resident
 
 
 def parse_bytes(value: Union[int, float, str]) -> int:
@@ -154,32 +167,23 @@ def offload(
             "offload() was called inside torch.inference_mode(): the tensors it makes would be inference "
             "tensors, which no later training step could use. Call offload() outside inference_mode (then "
             "run the model inside it as you like).")
-    # One rule per option, in C++ (core/options.h): the same for C++ and the command line.
-    opts = {
-        "device": "auto" if device is None else str(device),
-        "prefetch": _C.check_prefetch(prefetch),
-        "slots": 0 if slots is None else _C.check_slots(slots),
-        "sim_h2d_gbps": _C.check_link_gbps(sim_link_gbps),
-        "sim_d2h_gbps": _C.check_link_gbps(sim_link_gbps),
-        "sim_latency_us": _C.check_latency_us(sim_latency_us),
-        "checker": bool(checker),
-        "pin_memory": bool(pin_memory),
-        "cache_across_steps": bool(cache_across_steps),
-        "trace": bool(trace),
-        "budget_bytes": -1,  # set from the plan below when a budget is given
-    }
-    for what, dt in (("dequant_dtype", dequant_dtype), ("compute_dtype", compute_dtype)):
-        if dt is not None:
-            if dt not in _DEQUANT_DTYPES:
-                raise ValueError(f"{what} must be torch.float32, torch.bfloat16 or torch.float16 "
-                                 f"(or None), got {dt!r}")
-            opts[what] = _DEQUANT_DTYPES[dt]
-    if compute_dtype is not None:
-        if dequant_dtype is not None and dequant_dtype != compute_dtype:
-            raise ValueError(f"dequant_dtype={dequant_dtype} and compute_dtype={compute_dtype} "
-                             f"disagree; compute_dtype alone is enough (quantized weights are then "
-                             f"dequantized to it)")
-        dequant_dtype = compute_dtype
+    # The engine's options are C++'s EngineOptions; one rule per option, in C++
+    # (core/options.h): the same for C++ and the command line (ValueError here).
+    opts = _C.EngineOptions()
+    opts.device = "auto" if device is None else str(device)
+    opts.prefetch = _C.check_prefetch(prefetch)
+    opts.slots = 0 if slots is None else _C.check_slots(slots)
+    opts.sim_h2d_gbps = opts.sim_d2h_gbps = _C.check_link_gbps(sim_link_gbps)
+    opts.sim_latency_us = _C.check_latency_us(sim_latency_us)
+    opts.checker = bool(checker)
+    opts.pin_memory = bool(pin_memory)
+    opts.cache_across_steps = bool(cache_across_steps)
+    opts.trace = bool(trace)
+    # budget_bytes stays -1 (none) unless a budget is given: set from the plan below.
+    names = [_DEQUANT_DTYPES.get(dt, str(dt)) if dt is not None else "" for dt in (dequant_dtype, compute_dtype)]
+    effective = _C.check_dtypes(*names)
+    opts.dequant_dtype, opts.compute_dtype = names
+    dequant_dtype, compute_dtype = (_CORE_DTYPES[n] if n else None for n in effective)
     formats = ([quantize] if isinstance(quantize, str) else
                list(quantize.values()) if isinstance(quantize, dict) else [])
     for fmt in formats:
@@ -190,10 +194,11 @@ def offload(
         if fmt is not None and fmt not in _C.quant_formats():
             raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
                              f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
-    resolved = _C.resolve_device(opts["device"])
+    resolved = _C.resolve_device(opts.device)
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
-    budget_spec = None if budget is None else _C.parse_budget(budget)  # checked before anything changes
+    if budget is not None:
+        _C.parse_budget(budget)  # checked before anything changes
     _check_no_meta(model)
     trainable_gguf = [n for n, p in model.named_parameters() if isinstance(p, GgufWeight) and p.requires_grad]
     if trainable_gguf:
@@ -294,7 +299,7 @@ def offload(
     # Embedding tables stay in host memory and are looked up there (no slot, no planner
     # entry, no quantization): only the rows a batch names cross the bus.
     order = {id(module): i for i, (_, module, _) in enumerate(candidates)}  # attached in model order
-    tables = [(name, module, kind, None, None, 0, 0, 0) for name, module, kind in candidates
+    tables = [_Candidate(name, module, kind, None, None, 0, 0, 0) for name, module, kind in candidates
               if kind == "embedding"]
     candidates = [c for c in candidates if c[2] != "embedding"]
     if not candidates and not tables:
@@ -307,7 +312,7 @@ def offload(
     #    it takes on the bus, in a slot (as the engine lays them out) or resident.
     #    A quantized layer's slot holds the packed weight and, after it, the
     #    weight dequantized on the device (in its dense dtype).
-    layers = []  # (name, module, kind, fmt, pre, bus_bytes, slot_bytes, resident_bytes)
+    layers: List[_Candidate] = []
     unpackable, trainable, tied_dense = [], [], []
     for name, module, kind in candidates:
         if kind == "group":
@@ -332,18 +337,18 @@ def offload(
                 raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: a tensor has "
                                        f"NaN or Inf values; fix the checkpoint or do not quantize this layer "
                                        f"(quantize={{'{name}': None, ...}})")
-            bus = workspace = 0
+            parts = []  # (bus, written) per tensor, as the engine lays them out in a slot
             for p in params:
                 if isinstance(p, GgufWeight):
-                    bus += _align256(p.gguf_bytes.numel())
-                    workspace += _align256(p.numel() * (dequant_dtype or p.dtype).itemsize)
+                    parts.append((p.gguf_bytes.numel(), p.numel() * (dequant_dtype or p.dtype).itemsize))
                 elif fmt is not None and p.dim() >= 2:
-                    bus += _align256(_C.quant_packed_bytes(fmt, p.numel() // p.shape[-1], p.shape[-1]))
-                    workspace += _align256(p.numel() * (dequant_dtype or p.dtype).itemsize)
+                    parts.append((_C.quant_packed_bytes(fmt, p.numel() // p.shape[-1], p.shape[-1]),
+                                  p.numel() * (dequant_dtype or p.dtype).itemsize))
                 else:
-                    bus += _align256(p.numel() * p.element_size())
-            layers.append((name, module, kind, fmt, None, bus, bus + workspace,
-                           sum(p.numel() * p.element_size() for p in params)))
+                    parts.append((p.numel() * p.element_size(), 0))
+            layout = _C.slot_layout(parts)
+            layers.append(_Candidate(name, module, kind, fmt, None, layout["bus_bytes"], layout["slot_bytes"],
+                                     sum(p.numel() * p.element_size() for p in params)))
             continue
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
@@ -380,21 +385,24 @@ def offload(
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
         if pre is not None or fmt is not None:
             w_bytes = _C.quant_packed_bytes(pre.format if pre is not None else fmt, rows, cols)
-            workspace = _align256(dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize)
+            w_written = dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize
         else:
             w_bytes = dense_w
             cast_w = compute_dtype is not None and dense_dtype != compute_dtype
-            workspace = _align256(rows * cols * compute_dtype.itemsize) if cast_w else 0
-        if compute_dtype is not None and bias is not None and bias.dtype != compute_dtype:
-            # The bias cast follows the device weight in the workspace.
-            workspace = _align256(workspace + bias.numel() * compute_dtype.itemsize)
-        bus = _align256(w_bytes) + _align256(b_bytes)
-        layers.append((name, module, kind, fmt, pre, bus, bus + workspace, dense_w + b_bytes))
+            w_written = rows * cols * compute_dtype.itemsize if cast_w else 0
+        parts = [(w_bytes, w_written)]
+        if bias is not None:
+            # A bias cast to compute_dtype follows the device weight in the workspace.
+            cast_b = compute_dtype is not None and bias.dtype != compute_dtype
+            parts.append((b_bytes, bias.numel() * compute_dtype.itemsize if cast_b else 0))
+        layout = _C.slot_layout(parts)
+        layers.append(_Candidate(name, module, kind, fmt, pre, layout["bus_bytes"], layout["slot_bytes"],
+                                 dense_w + b_bytes))
     # GGUF weights (load_gguf) of layers that stream neither as Linear layers nor in a tensor
     # group (excluded, a subclass with its own forward, ...) stay resident: dense, dequantized
     # here so that the planner counts them (not undone if offload() fails: the values are the same).
-    linear_ids = {id(t[1]) for t in layers if t[2] == "linear"}
-    in_groups = {id(o._parameters[k]) for t in layers if t[2] == "group" for o, k, _ in _group_slots(t[1])}
+    linear_ids = {id(t.module) for t in layers if t.kind == "linear"}
+    in_groups = {id(o._parameters[k]) for t in layers if t.kind == "group" for o, k, _ in _group_slots(t.module)}
     for module in model.modules():
         if id(module) not in linear_ids:
             _materialize_gguf(module, keep=in_groups)
@@ -430,14 +438,14 @@ def offload(
     #    slots get what is left. The budget covers every weight on the device.
     plan = None
     resident_names = set()
-    if budget_spec is not None:
-        budget_bytes = _resolve_budget(budget_spec, compute_device)
-        layer_ids = {id(t[1]) for t in layers + tables}  # tables take no device memory
+    if budget is not None:
+        budget_bytes = _resolve_budget(budget, compute_device)
+        layer_ids = {id(t.module) for t in layers + tables}  # tables take no device memory
         fixed = 0
         counted = set()  # a tensor shared by two modules (tied weights) is on the device once
         for t in layers:  # a tensor group's tensors held by a child (an attention's out_proj)
-            if t[2] == "group":
-                counted.update(id(o._parameters[k]) for o, k, _ in _group_slots(t[1]))
+            if t.kind == "group":
+                counted.update(id(o._parameters[k]) for o, k, _ in _group_slots(t.module))
         for module in model.modules():
             if id(module) in layer_ids:
                 continue
@@ -445,40 +453,20 @@ def offload(
                 if t is not None and not t.is_meta and id(t) not in counted:
                     counted.add(id(t))
                     fixed += t.numel() * t.element_size()
-        # Slots first, residency with what is left: the planner reserves the
-        # slots the requested prefetch depth needs (prefetch + 1: one in use,
-        # `prefetch` in flight; or exactly `slots`) before it keeps any layer
-        # resident. Without this it would trade slots for residency (it has
-        # no time model here) and silently run at prefetch depth 1. A budget
-        # too small for those slots gets fewer (at least 2; prefetch becomes
-        # slots - 1), as documented. The slots are sized by the largest
-        # *streamed* layer: the planner may keep an outlier (an LM head)
-        # resident to shrink them, so whether k slots fit is its call.
-        planned = [(n, bb, sb, rb, 0.0, any(o._parameters[key].requires_grad for o, key, _ in _group_slots(m))
-                    if k == "group" else bool(m.weight.requires_grad))
-                   for n, m, k, _, _, bb, sb, rb in layers]
-        wanted = [int(slots)] if slots is not None else list(range(max(2, opts["prefetch"] + 1), 1, -1))
-        for min_slots in wanted:
-            try:
-                plan = _C.plan(budget_bytes, planned, fixed,
-                               max_prefetch=max(1, opts["prefetch"], min_slots - 1), min_slots=min_slots)
-                break
-            except LayerstreamError as e:
-                if "too small" not in str(e):
-                    raise
-                if min_slots != wanted[-1]:
-                    continue  # fewer slots may fit (prefetch becomes slots - 1)
-                if slots is not None:
-                    raise LayerstreamError(f"slots={slots} do not fit in the budget: {e}; or ask for "
-                                           f"fewer slots (at least 2)") from None
-                raise
+        # Slots first, residency with what is left (core/planner.h plan_slots_first).
+        planned = [(t.name, t.bus_bytes, t.slot_bytes, t.resident_bytes, 0.0,
+                    any(o._parameters[key].requires_grad for o, key, _ in _group_slots(t.module))
+                    if t.kind == "group" else bool(t.module.weight.requires_grad))
+                   for t in layers]
+        plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
+                                   slots=int(slots) if slots is not None else 0)
         resident_names = set(plan["resident"])
         # Tied weights: a layer kept resident keeps its tensor on the device, so the
         # layers that share it stay resident too (it is on the device once, counted once).
         for group in tie_groups:
             if resident_names.intersection(group):
                 resident_names.update(group)
-        opts["budget_bytes"] = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
+        opts.budget_bytes = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
 
     # 3. Attach the streamed layers to one engine. A failure part way (e.g. a weight the
     #    format cannot pack, host memory) undoes what was attached, as detach() does.
@@ -487,7 +475,7 @@ def offload(
     streamed_params = set()
     handle = Handle(engine, attached, plan)
     try:
-        _attach_layers(engine, sorted(layers + tables, key=lambda t: order[id(t[1])]), resident_names,
+        _attach_layers(engine, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
                        attached, streamed_params, compute_device, experts == "routed")
         for a in attached:
             a.module._layerstream_handle = handle
@@ -652,25 +640,15 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             streamed_params.add(id(p))
 
 
-def _align256(n: int) -> int:
-    return (n + 255) // 256 * 256
-
-
-def _resolve_budget(spec, compute_device: torch.device) -> int:
-    """Bytes of a budget checked by _C.parse_budget: a byte count, or a share of the
-    device's free memory (the sim device reports its simulated capacity)."""
-    fraction, nbytes, share = spec
-    if not fraction:
-        return nbytes
-    if compute_device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(compute_device)
-    else:
-        free = SIM_DEVICE_MEMORY
-    return int(free * share)
+def _resolve_budget(budget, compute_device: torch.device) -> int:
+    """Bytes of a budget (core/options.h budget_bytes): a byte count, or a share of
+    the device's free memory (the sim device reports its simulated capacity)."""
+    free = torch.cuda.mem_get_info(compute_device)[0] if compute_device.type == "cuda" else SIM_DEVICE_MEMORY
+    return _C.budget_bytes(budget, free)
 
 
 # Capacity of the simulated device (what budget="auto" sees on "sim").
-SIM_DEVICE_MEMORY = 16 * 2**30
+SIM_DEVICE_MEMORY = _C.SIM_DEVICE_MEMORY
 
 
 def _move_resident(model: nn.Module, streamed_params: set, device: torch.device) -> None:

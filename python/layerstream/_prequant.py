@@ -54,6 +54,7 @@ def _is_packed_only_format(fmt: str) -> bool:
 
 
 _DEQUANT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_CORE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # quant::to_string(OutDtype)
 
 
 def _bnb_nf4(name: str, w) -> Optional[_Packed]:

@@ -346,7 +346,7 @@ TEST(CudaBackend, ArenaAllocationAndOom) {
   BufferRef c = be->alloc_device(q, "c");
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a.ptr) % 256, 0u);
   EXPECT_EQ(static_cast<char*>(b.ptr) - static_cast<char*>(a.ptr), static_cast<ptrdiff_t>(q));
-  CudaMemoryStats st = be->memory_stats();
+  CudaMemoryStats st = be->cuda_memory_stats();
   EXPECT_EQ(st.device_bytes_in_use, 3 * q);
   EXPECT_EQ(st.arena_bytes, opts.arena_bytes);
   EXPECT_EQ(st.arena_free_bytes, q);
@@ -368,7 +368,7 @@ TEST(CudaBackend, ArenaAllocationAndOom) {
   EXPECT_EQ(ab.ptr, a.ptr);
   be->free(ab);
   be->free(c);
-  st = be->memory_stats();
+  st = be->cuda_memory_stats();
   EXPECT_EQ(st.device_bytes_in_use, 0u);
   EXPECT_EQ(st.device_bytes_peak, 3 * q);
   EXPECT_EQ(st.arena_free_bytes, opts.arena_bytes);
@@ -399,7 +399,7 @@ TEST(CudaBackend, DeviceOomWithoutArenaIsClearAndRecoverable) {
   HostBuffer h = HostBuffer::allocate(*be, 4096, true);
   be->copy_async(d.ref(), 0, h.ref(), 0, 4096, s);
   be->synchronize(s);
-  EXPECT_EQ(be->memory_stats().device_bytes_in_use, 4096u);
+  EXPECT_EQ(be->cuda_memory_stats().device_bytes_in_use, 4096u);
   be->destroy_stream(s);
 }
 
@@ -408,7 +408,7 @@ TEST(CudaBackend, PinnedAllocationAndPinExisting) {
   auto be = make_cuda_backend({});
   BufferRef p = be->alloc_host(1 << 20, true, "pinned");
   EXPECT_EQ(p.kind, MemoryKind::HostPinned);
-  EXPECT_EQ(be->memory_stats().pinned_bytes, size_t(1) << 20);
+  EXPECT_EQ(be->cuda_memory_stats().pinned_bytes, size_t(1) << 20);
   BufferRef q = be->alloc_host(1000, false, "pageable");
   EXPECT_EQ(q.kind, MemoryKind::HostPageable);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(q.ptr) % 64, 0u);
@@ -419,7 +419,7 @@ TEST(CudaBackend, PinnedAllocationAndPinExisting) {
   EXPECT_FALSE(be->pin_existing(nullptr, n));
   ASSERT_TRUE(be->pin_existing(mem, n));
   EXPECT_FALSE(be->pin_existing(mem, n));  // already registered: nothing changes
-  CudaMemoryStats st = be->memory_stats();
+  CudaMemoryStats st = be->cuda_memory_stats();
   EXPECT_EQ(st.pinned_registered_bytes, n);
   EXPECT_EQ(st.pinned_bytes, n + (size_t(1) << 20));
 
@@ -435,14 +435,14 @@ TEST(CudaBackend, PinnedAllocationAndPinExisting) {
   EXPECT_EQ(std::memcmp(mem, out.data(), n), 0);
 
   be->unpin_existing(mem);
-  EXPECT_EQ(be->memory_stats().pinned_registered_bytes, 0u);
+  EXPECT_EQ(be->cuda_memory_stats().pinned_registered_bytes, 0u);
   EXPECT_THROW(be->unpin_existing(mem), Error);
   std::free(mem);
   be->free(p);
   be->free(q);
   EXPECT_THROW(be->free(p), Error);  // double free is caught
   // Only `out` is left pinned.
-  EXPECT_EQ(be->memory_stats().pinned_bytes, out.kind() == MemoryKind::HostPinned ? n : 0u);
+  EXPECT_EQ(be->cuda_memory_stats().pinned_bytes, out.kind() == MemoryKind::HostPinned ? n : 0u);
   be->destroy_stream(s);
 }
 
@@ -574,7 +574,7 @@ TEST(CudaBackend, ConcurrentUseFromThreads) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(failures.load(), 0);
-  CudaMemoryStats st = be->memory_stats();
+  CudaMemoryStats st = be->cuda_memory_stats();
   EXPECT_EQ(st.device_bytes_in_use, 0u);
   EXPECT_EQ(st.pinned_bytes, 0u);
 }

@@ -12,6 +12,7 @@
 #include "core/json.h"
 #include "core/gguf.h"
 #include "core/planner.h"
+#include "core/slot_layout.h"
 
 using namespace layerstream;
 
@@ -426,7 +427,8 @@ TEST(Models, ExpertTensorsFormOneGroupPerModule) {
         // Quantized as offload() packs them: each tensor a matrix of its last dimension.
         const uint64_t one = quantized_weight_bytes({16, 32}, "BF16", q);
         EXPECT_EQ(sp.bytes, 12 * one);
-        EXPECT_EQ(sp.slot_bytes, q == Quantization::None ? 0u : 12 * one + 12 * 16 * 32 * 2 + 256);
+        // In a slot (core/slot_layout.h): each packed tensor, then each dequantized one.
+        EXPECT_EQ(sp.slot_bytes, q == Quantization::None ? 0u : 12 * slot_layout::align(one) + 12 * 16 * 32 * 2);
         EXPECT_FALSE(sp.as_stored);
         EXPECT_DOUBLE_EQ(sp.flops, 2.0 * 10 * (4 * 3 * 16 * 32) * 0.5);
       }
@@ -808,12 +810,12 @@ TEST(Models, LayerSpecsComputeDtypeWorkspace) {
   opt.compute_dtype = "F32";
   auto s = layer_specs(m, opt)[1];
   EXPECT_EQ(s.bytes, n * 2);
-  EXPECT_EQ(s.slot_bytes, n * 2 + n * 4 + 256);
+  EXPECT_EQ(s.slot_bytes, n * 2 + n * 4);  // the slot's layout (core/slot_layout.h)
   opt.quantize = Quantization::NF4;
   const uint64_t packed = layer_specs(m, opt)[1].bytes;
-  EXPECT_EQ(layer_specs(m, opt)[1].slot_bytes, packed + n * 4 + 256);  // dequantized to F32
+  EXPECT_EQ(layer_specs(m, opt)[1].slot_bytes, slot_layout::align(packed) + n * 4);  // dequantized to F32
   opt.compute_dtype.clear();
-  EXPECT_EQ(layer_specs(m, opt)[1].slot_bytes, packed + n * 2 + 256);  // to the stored BF16
+  EXPECT_EQ(layer_specs(m, opt)[1].slot_bytes, slot_layout::align(packed) + n * 2);  // to the stored BF16
 }
 
 TEST(Models, PlansBuiltinModelsUnderBudget) {
@@ -876,7 +878,7 @@ TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
     if (s.name == "blk.0.q") {
       const uint64_t packed = 1024u * 512 / 256 * 144;  // 294912, a multiple of 256
       EXPECT_EQ(s.bytes, packed + 1024 * 4);
-      EXPECT_EQ(s.slot_bytes, s.bytes + 1024u * 512 * 2 + quant::kSectionAlign);
+      EXPECT_EQ(s.slot_bytes, s.bytes + 1024u * 512 * 2);  // aligned parts (core/slot_layout.h)
       EXPECT_EQ(s.resident_bytes, 1024u * 512 * 2 + 1024 * 4);
       EXPECT_FALSE(s.trainable);
     } else if (s.name == "blk.0.up") {
@@ -939,7 +941,7 @@ TEST(Models, GgufExpertTensorsPlanAsOneGroupOfTheFilesBlocks) {
     seen = true;
     const uint64_t blocks = (numel / 32 * 34 + 255) / 256 * 256;
     EXPECT_EQ(s.bytes, 3 * blocks);
-    EXPECT_EQ(s.slot_bytes, 3 * blocks + 3 * numel * 2 + quant::kSectionAlign);
+    EXPECT_EQ(s.slot_bytes, 3 * blocks + 3 * slot_layout::align(numel * 2));  // core/slot_layout.h
     EXPECT_EQ(s.resident_bytes, 3 * numel * 2);
     EXPECT_FALSE(s.trainable);
     EXPECT_TRUE(s.narrow_write);

@@ -91,7 +91,7 @@ TEST(TorchOffload, TiedWeightStreamsFromOneHostCopyWhenEveryUserStreams) {
   EXPECT_EQ(handle->layers(), (std::vector<std::string>{"emb", "fc", "head"}));
   EXPECT_TRUE(model->head->attached() && model->emb->attached());
   EXPECT_TRUE(model->head->weight.is_same(model->emb->weight));
-  EXPECT_EQ(handle->stats().at("pinned_bytes"), (50 * 16 + 16 * 16 + 16) * 4);
+  EXPECT_EQ(handle->stats().pinned_bytes, (50u * 16 + 16 * 16 + 16) * 4);
 
   const auto want = train_steps(ref);
   const auto got = train_steps(model);
@@ -132,7 +132,7 @@ TEST(TorchOffload, QuantizeLeavesATiedWeightUnquantized) {
   auto opts = sim_options();
   opts.quantize = "int8";
   auto handle = layerstream::offload(*model, opts);
-  EXPECT_EQ(handle->stats().at("quantized_layers"), 1);
+  EXPECT_EQ(handle->stats().quantized_layers, 1u);
   EXPECT_EQ(handle->engine()->layer_format(2), "");
   EXPECT_EQ(handle->engine()->layer_format(1), "int8");
   const auto ids = torch::randint(0, 50, {2, 5});
@@ -303,7 +303,7 @@ TEST(TorchOffload, BackwardThatThrowsLeavesNoGradientForTheNextStep) {
     for (auto& p : (*m)->parameters()) p.mutable_grad() = torch::Tensor();
   }
   EXPECT_FALSE(model->c->weight.grad().defined());
-  EXPECT_EQ(handle->stats().at("failed_backwards"), 1);
+  EXPECT_EQ(handle->stats().failed_backwards, 1u);
   for (int step = 0; step < 2; ++step) {
     const auto y = torch::randn({4, 8});
     model->forward(y).square().sum().backward();
@@ -383,7 +383,7 @@ TEST(TorchOffload, FailureWhileAttachingUndoesWhatWasAttached) {
   model->b->weight.requires_grad_(false);
   model->b->bias.requires_grad_(false);
   auto handle = layerstream::offload(*model, opts);
-  EXPECT_EQ(handle->stats().at("quantized_layers"), 2);
+  EXPECT_EQ(handle->stats().quantized_layers, 2u);
 }
 
 // A language model's input side: a token table, a plain torch table beside it
@@ -426,8 +426,8 @@ TEST(TorchOffload, FrozenEmbeddingIsLookedUpInHostMemory) {
     EXPECT_TRUE(torch::equal(model->fc->weight.grad(), ref->fc->weight.grad()));
   }
   const auto stats = handle->stats();
-  EXPECT_EQ(stats.at("embedding_layers"), 1);
-  EXPECT_EQ(stats.at("gathered_bytes"), 2 * 8 * 16 * 4);
+  EXPECT_EQ(stats.embedding_layers, 1u);
+  EXPECT_EQ(stats.gathered_bytes, 2u * 8 * 16 * 4);
   auto engine = handle->engine();
   EXPECT_THROW(engine->linear(0, torch::randn({2, 16})), std::exception);  // 'emb' is a table
   try {
@@ -468,7 +468,7 @@ TEST(TorchOffload, TrainableEmbeddingTrainsFromTheHost) {
     opt_r.step();
   }
   EXPECT_TRUE(torch::equal(model->emb->weight, ref->emb->weight));
-  EXPECT_GT(handle->stats().at("d2h_bytes"), 0);
+  EXPECT_GT(handle->stats().d2h_bytes, 0u);
 }
 
 TEST(TorchOffload, TensorGroupIsFetchedWholeIntoOneSlot) {
@@ -481,8 +481,8 @@ TEST(TorchOffload, TensorGroupIsFetchedWholeIntoOneSlot) {
   const auto a0 = a.clone(), b0 = b.clone(), c0 = c.clone();
   const int g = engine->add_group("experts", {a, b, c});
   EXPECT_EQ(engine->layer_bytes(g), (4 * 6 * 8 + 4 * 8 * 3 + 4 * 3) * 4);
-  EXPECT_EQ(engine->stats().at("group_layers"), 1);
-  EXPECT_EQ(engine->stats().at("pinned_bytes"), engine->layer_bytes(g));
+  EXPECT_EQ(engine->stats().group_layers, 1u);
+  EXPECT_EQ(engine->stats().pinned_bytes, static_cast<uint64_t>(engine->layer_bytes(g)));
   for (int step = 0; step < 2; ++step) {
     auto [token, views] = engine->fetch(g);
     ASSERT_EQ(views.size(), 3u);
@@ -491,7 +491,7 @@ TEST(TorchOffload, TensorGroupIsFetchedWholeIntoOneSlot) {
     engine->release(token);
     EXPECT_THROW(engine->release(token), std::exception);  // once
   }
-  EXPECT_GT(engine->stats().at("h2d_bytes"), 0);
+  EXPECT_GT(engine->stats().h2d_bytes, 0u);
   try {
     engine->linear(g, torch::randn({2, 8}));
     FAIL() << "expected an error";
@@ -529,7 +529,7 @@ TEST(TorchOffload, RoutedFetchCopiesOnlyTheNamedExperts) {
     const int g = engine->add_group("experts", {a, b, c}, format, 8);
     const auto want_a = format == layerstream::quant::Format::None ? a0 : engine->dequantized_part(g, 0);
     const auto want_b = format == layerstream::quant::Format::None ? b0 : engine->dequantized_part(g, 1);
-    double before = engine->stats().at("h2d_bytes");
+    double before = engine->stats().h2d_bytes;
     {
       auto [token, views] = engine->fetch(g, {6, 1, 2, 6});  // runs [1, 3) and [6, 7)
       for (int64_t x : {1, 2, 6}) {
@@ -539,16 +539,16 @@ TEST(TorchOffload, RoutedFetchCopiesOnlyTheNamedExperts) {
       EXPECT_TRUE(torch::equal(views[2], c));
       engine->release(token);
     }
-    const double routed = engine->stats().at("h2d_bytes") - before;
-    EXPECT_EQ(engine->stats().at("routed_fetches"), 1);
-    before = engine->stats().at("h2d_bytes");
+    const double routed = engine->stats().h2d_bytes - before;
+    EXPECT_EQ(engine->stats().routed_fetches, 1u);
+    before = engine->stats().h2d_bytes;
     {
       auto [token, views] = engine->fetch(g, {0, 1, 2, 3, 4});  // more than half: whole
       EXPECT_TRUE(torch::equal(views[0], want_a) && torch::equal(views[1], want_b));
       engine->release(token);
     }
-    const double whole = engine->stats().at("h2d_bytes") - before;
-    EXPECT_EQ(engine->stats().at("routed_fetches"), 1);
+    const double whole = engine->stats().h2d_bytes - before;
+    EXPECT_EQ(engine->stats().routed_fetches, 1u);
     if (format == layerstream::quant::Format::None) {
       EXPECT_EQ(routed, 3.0 / 8.0 * (8 * 4 * 32 + 8 * 64) * 4 + 5 * 4);
       EXPECT_EQ(whole, (8 * 4 * 32 + 8 * 64 + 5) * 4);
@@ -608,14 +608,14 @@ TEST(TorchOffload, PrepackedGgufGroupPartsStreamAsTheirBytes) {
       EXPECT_TRUE(torch::equal(views[1], bias));
       engine->release(token);
     }
-    const double before = engine->stats().at("h2d_bytes");
+    const double before = engine->stats().h2d_bytes;
     {
       auto [token, views] = engine->fetch(g, {5, 2});
       EXPECT_TRUE(torch::equal(views[0][5], want[5]) && torch::equal(views[0][2], want[2]));
       engine->release(token);
     }
-    EXPECT_EQ(engine->stats().at("h2d_bytes") - before, 2.0 * rows * cols / 32 * 34 + 5 * 4);
-    EXPECT_EQ(engine->stats().at("routed_fetches"), 1);
+    EXPECT_EQ(engine->stats().h2d_bytes - before, 2.0 * rows * cols / 32 * 34 + 5 * 4);
+    EXPECT_EQ(engine->stats().routed_fetches, 1u);
     engine->detach({});
   }
   auto engine = layerstream::Engine::create(sim_options());

@@ -20,6 +20,7 @@
 
 #include "commands.h"
 #include "core/error.h"
+#include "core/slot_layout.h"
 #include "progress.h"
 
 #ifdef LS_HAVE_TORCH
@@ -162,8 +163,6 @@ struct GPTImpl : torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-
 struct StreamedSize {
   int layers = 0;
   size_t bytes = 0;       // weight + bias bytes of every streamed Linear
@@ -180,8 +179,9 @@ StreamedSize streamed_size(GPT& model) {
     const size_t b = lin->bias.defined() ? static_cast<size_t>(lin->bias.numel() * lin->bias.element_size()) : 0;
     ++s.layers;
     s.bytes += w + b;
-    if (align256(w) + align256(b) > s.slot_bytes) {
-      s.slot_bytes = align256(w) + align256(b);
+    const size_t slot = layerstream::slot_layout::of({{w, 0}, {b, 0}}).slot_bytes();
+    if (slot > s.slot_bytes) {
+      s.slot_bytes = slot;
       s.largest = item.key();
     }
   }
@@ -303,7 +303,7 @@ int run_demo(const DemoOptions& o) {
   const int64_t min_budget = static_cast<int64_t>(2 * size.slot_bytes);
   if (budget < 0) {
     budget = std::max<int64_t>(static_cast<int64_t>(size.bytes / 4), static_cast<int64_t>(3 * size.slot_bytes));
-    budget = (budget + 255) / 256 * 256;
+    budget = static_cast<int64_t>(layerstream::slot_layout::align(static_cast<uint64_t>(budget)));
   } else if (budget < min_budget) {
     throw UsageError{"--budget " + std::to_string(budget) + " bytes is below 2 slots of the largest streamed "
                      "layer '" + size.largest + "' (" + std::to_string(min_budget) + " bytes)"};
@@ -372,24 +372,24 @@ int run_demo(const DemoOptions& o) {
   }
   handle->synchronize();
   auto st = handle->stats();
-  const double peak = st["peak_device_bytes"];
+  const double peak = static_cast<double>(st.peak_device_bytes);
   const double steps = static_cast<double>(std::max(1, o.steps));
-  const double acquires = st["acquires"];
+  const double acquires = static_cast<double>(st.acquires);
   std::printf("\n");
   std::printf("device               %s%s\n", sim ? "sim (simulated device, " : resolved.c_str(),
               sim ? "modelled PCIe 4.0 x16: 25 GB/s, 5 us)" : "");
   std::printf("peak device bytes    %.0f (%s) vs budget %lld (%s): %s\n", peak, mib(peak).c_str(),
               static_cast<long long>(budget), mib(static_cast<double>(budget)).c_str(),
               peak <= static_cast<double>(budget) ? "within budget" : "OVER BUDGET");
-  std::printf("slots                %.0f x %s, prefetch %d\n", st["slots"], mib(st["slot_bytes"]).c_str(),
+  std::printf("slots                %.0f x %s, prefetch %d\n", static_cast<double>(st.slots), mib(static_cast<double>(st.slot_bytes)).c_str(),
               opts.prefetch);
-  std::printf("host->device         %s per step (%.0f bytes in %d steps)\n", mib(st["h2d_bytes"] / steps).c_str(),
-              st["h2d_bytes"], o.steps);
-  std::printf("device->host         %s per step (weight gradients)\n", mib(st["d2h_bytes"] / steps).c_str());
-  std::printf("stall                %.3f s total (%.1f ms per step waiting for weights)\n", st["stall_seconds"],
-              st["stall_seconds"] / steps * 1e3);
+  std::printf("host->device         %s per step (%.0f bytes in %d steps)\n", mib(static_cast<double>(st.h2d_bytes) / steps).c_str(),
+              static_cast<double>(st.h2d_bytes), o.steps);
+  std::printf("device->host         %s per step (weight gradients)\n", mib(static_cast<double>(st.d2h_bytes) / steps).c_str());
+  std::printf("stall                %.3f s total (%.1f ms per step waiting for weights)\n", st.stall_seconds,
+              st.stall_seconds / steps * 1e3);
   std::printf("prefetch hit rate    %.1f%% (%.0f hits / %.0f acquires)\n",
-              acquires > 0 ? 100.0 * st["hits"] / acquires : 0.0, st["hits"], acquires);
+              acquires > 0 ? 100.0 * static_cast<double>(st.hits) / acquires : 0.0, static_cast<double>(st.hits), acquires);
   {
     double sum = 0;
     int n = 0;
@@ -404,9 +404,9 @@ int run_demo(const DemoOptions& o) {
   }
   std::printf("time per step        resident %.3f s, streamed %.3f s\n", t_resident / steps, t_streamed / steps);
   if (sim)
-    std::printf("ordering checker     %.0f races\n", st["ordering_errors"]);
+    std::printf("ordering checker     %.0f races\n", static_cast<double>(st.ordering_errors));
   std::printf("max |loss diff|      %.2e (tolerance %.0e)\n", worst, kTolerance);
-  const bool races = st["ordering_errors"] > 0;
+  const bool races = static_cast<double>(st.ordering_errors) > 0;
   const bool over = peak > static_cast<double>(budget);
   handle->detach();
   if (first_bad > 0) {

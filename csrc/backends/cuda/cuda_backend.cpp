@@ -186,7 +186,6 @@ struct CudaBackend::State {
 
   size_t device_in_use = 0;
   size_t device_peak = 0;
-  size_t device_count = 0;
   size_t pinned = 0;
   size_t pinned_registered = 0;
   size_t pageable = 0;
@@ -227,7 +226,6 @@ struct CudaBackend::State {
   void add_device_bytes(size_t bytes) {
     device_in_use += bytes;
     device_peak = std::max(device_peak, device_in_use);
-    ++device_count;
   }
 };
 
@@ -460,7 +458,6 @@ void CudaBackend::free(const BufferRef& buf) {
     switch (a.kind) {
       case MemoryKind::Device:
         st.device_in_use -= a.bytes;
-        --st.device_count;
         if (a.in_arena) st.arena.release(a.arena_offset, a.arena_bytes);
         break;
       case MemoryKind::HostPinned: st.pinned -= a.bytes; break;
@@ -483,13 +480,20 @@ void CudaBackend::free(const BufferRef& buf) {
   }
 }
 
-CudaMemoryStats CudaBackend::memory_stats() const {
+MemoryStats CudaBackend::memory_stats() const {
+  const CudaMemoryStats c = cuda_memory_stats();
+  MemoryStats s;
+  s.device_bytes_in_use = c.device_bytes_in_use;
+  s.device_bytes_peak = c.device_bytes_peak;
+  return s;
+}
+
+CudaMemoryStats CudaBackend::cuda_memory_stats() const {
   const State& st = *st_;
   std::lock_guard<std::mutex> lock(st.mu);
   CudaMemoryStats s;
   s.device_bytes_in_use = st.device_in_use;
   s.device_bytes_peak = st.device_peak;
-  s.device_allocations = st.device_count;
   s.pinned_bytes = st.pinned;
   s.pinned_registered_bytes = st.pinned_registered;
   s.pageable_bytes = st.pageable;

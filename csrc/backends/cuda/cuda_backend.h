@@ -50,7 +50,6 @@ struct CudaOptions {
 struct CudaMemoryStats {
   size_t device_bytes_in_use = 0;   // bytes handed out by alloc_device (as requested)
   size_t device_bytes_peak = 0;     // high-water mark of device_bytes_in_use
-  size_t device_allocations = 0;    // live alloc_device buffers
   size_t pinned_bytes = 0;          // alloc_host(pinned) + pin_existing bytes
   size_t pinned_registered_bytes = 0;  // the pin_existing part of pinned_bytes
   size_t pageable_bytes = 0;        // alloc_host(pinned=false) bytes
@@ -121,7 +120,9 @@ class CudaBackend : public Backend {
 
   int device() const;
   const CudaOptions& options() const;
-  CudaMemoryStats memory_stats() const;
+  MemoryStats memory_stats() const override;
+  // The CUDA backend's own accounting (pinned memory, arena), a superset.
+  CudaMemoryStats cuda_memory_stats() const;
   // Messages of exceptions thrown by host functions since the last call.
   std::vector<std::string> take_host_function_errors();
 

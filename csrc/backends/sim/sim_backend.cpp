@@ -523,14 +523,20 @@ const Capabilities& SimBackend::caps() const { return impl_->caps; }
 const SimOptions& SimBackend::options() const { return impl_->opts; }
 void SimBackend::set_fail_pinned_allocations(bool fail) { impl_->fail_pinned = fail; }
 
+MemoryStats SimBackend::memory_stats() const {
+  std::lock_guard<std::mutex> l(impl_->mem_mu);
+  MemoryStats s;
+  s.device_bytes_in_use = impl_->device_in_use;
+  s.device_bytes_peak = impl_->device_peak;
+  return s;
+}
+
 SimStats SimBackend::stats() const {
   SimStats s;
   auto b = [&](CopyDir d) { return impl_->bytes_by_dir[static_cast<int>(d)].load(); };
   auto n = [&](CopyDir d) { return impl_->copies_by_dir[static_cast<int>(d)].load(); };
   s.h2d_bytes = b(CopyDir::H2D);
   s.d2h_bytes = b(CopyDir::D2H);
-  s.d2d_bytes = b(CopyDir::D2D);
-  s.h2h_bytes = b(CopyDir::H2H);
   s.h2d_copies = n(CopyDir::H2D);
   s.d2h_copies = n(CopyDir::D2H);
   s.d2d_copies = n(CopyDir::D2D);

@@ -29,6 +29,9 @@
 
 namespace layerstream {
 
+// The simulated device's memory unless SimOptions says otherwise: 16 GiB.
+constexpr size_t kDefaultDeviceMemory = size_t(16) << 30;
+
 struct SimOptions {
   // Link bandwidths in GB/s (1e9 bytes per second). 0 or negative = infinite.
   double h2d_gbps = 25.0;
@@ -40,8 +43,9 @@ struct SimOptions {
   // between 90% and 110% of its nominal time. Deterministic given `seed`.
   double jitter = 0.0;
   uint64_t seed = 1;
-  // alloc_device beyond this throws layerstream::Error.
-  size_t device_memory_bytes = size_t(64) << 30;
+  // alloc_device beyond this throws layerstream::Error. The default is the
+  // capacity budget shares (offload(budget="auto"/"40%")) see on "sim".
+  size_t device_memory_bytes = kDefaultDeviceMemory;
   // Track and check buffer accesses (caps().ordering_checker).
   bool checker = true;
   // Throw layerstream::Error at the racy call (copy_async, declare_access,
@@ -53,7 +57,7 @@ struct SimOptions {
 };
 
 struct SimStats {
-  uint64_t h2d_bytes = 0, d2h_bytes = 0, d2d_bytes = 0, h2h_bytes = 0;
+  uint64_t h2d_bytes = 0, d2h_bytes = 0;
   uint64_t h2d_copies = 0, d2h_copies = 0, d2d_copies = 0, h2h_copies = 0;
   uint64_t copies = 0;               // all completed copies
   size_t device_bytes_in_use = 0;    // currently allocated with alloc_device
@@ -70,6 +74,7 @@ class SimBackend final : public Backend {
   SimBackend& operator=(const SimBackend&) = delete;
 
   const Capabilities& caps() const override;
+  MemoryStats memory_stats() const override;
 
   BufferRef alloc_device(size_t bytes, const std::string& label = {}) override;
   BufferRef alloc_host(size_t bytes, bool pinned, const std::string& label = {}) override;

@@ -1,0 +1,314 @@
+// layerstream — LibTorch glue: tensor groups and the expert-routed fetch
+// (the engine's rooms: engine_impl.h).
+#include "engine_impl.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/log.h"
+#include "core/offload_policy.h"
+
+namespace layerstream {
+
+int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tensor>& tensors, quant::Format format,
+                      int64_t experts, const std::vector<PrepackedPart>& prepacked) {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
+  LS_CHECK(!tensors.empty(), "tensor group '", name, "' has no tensors");
+  LS_CHECK(experts >= 0, "tensor group '", name, "': experts must be >= 0 (0: not indexed by expert), got ",
+           experts);
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const torch::Tensor& t = tensors[k];
+    LS_CHECK(t.defined() && t.is_floating_point(), "tensor group '", name, "': tensor #", k,
+             " is not a floating-point tensor; only those can be streamed");
+    for (const auto& l : layers_) {
+      bool taken = l->weight.is_same(t) || (l->bias.defined() && l->bias.is_same(t));
+      for (const auto& e : l->parts()) taken = taken || e.param.is_same(t);
+      LS_CHECK(!taken, "tensor group '", name, "': tensor #", k, " is already streamed by layer '", l->name,
+               "'; a tensor can be in one streamed layer only");
+    }
+    for (size_t j = 0; j < k; ++j)
+      LS_CHECK(!tensors[j].is_same(t), "tensor group '", name, "' lists one tensor twice");
+    const bool pre = k < prepacked.size() && prepacked[k].format != quant::Format::None;
+    if ((format != quant::Format::None && t.dim() >= 2) || pre)
+      LS_CHECK(!t.requires_grad(), "tensor group '", name, "': tensor #", k, " requires grad, but a quantized "
+               "tensor cannot be trained; freeze it (requires_grad_(False)) or do not quantize this group");
+    if (pre) {
+      LS_CHECK(quant::is_gguf(prepacked[k].format), "tensor group '", name, "': tensor #", k,
+               ": pre-packed tensors are supported in the GGUF formats only, got ",
+               quant::to_string(prepacked[k].format));
+      LS_CHECK(t.dim() >= 2 && t.numel() > 0, "tensor group '", name, "': pre-packed tensor #", k,
+               " must have 2 or more dimensions and elements, got ", shape_str(t.sizes().vec()));
+    }
+  }
+  LS_CHECK(prepacked.empty() || prepacked.size() == tensors.size(), "tensor group '", name, "': ",
+           prepacked.size(), " pre-packed entries for ", tensors.size(), " tensors (give one per tensor, or none)");
+  LayerInfo info;
+  info.name = name;
+  info.kind = GroupKind{};
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    LayerInfo::Part e;
+    e.param = tensors[k];
+    e.shape = e.param.sizes().vec();
+    e.dtype = e.param.scalar_type();
+    const std::string label = name + "#" + std::to_string(k);
+    const bool pre = !prepacked.empty() && prepacked[k].format != quant::Format::None;
+    if (pre || (format != quant::Format::None && e.param.dim() >= 2)) {
+      // Packed as a matrix of the last dimension's columns (an expert's rows
+      // follow each other), dequantized into the workspace after the copy.
+      const quant::Format f = pre ? prepacked[k].format : format;
+      const int64_t cols = e.shape.back();
+      const int64_t rows = cols ? e.param.numel() / cols : 0;
+      if (pre) {
+        LS_CHECK(e.dtype == torch::kFloat || e.dtype == torch::kBFloat16 || e.dtype == torch::kHalf,
+                 "tensor group '", name, "': pre-packed tensor #", k, " must be float32, bfloat16 or float16 "
+                 "(its dense dtype), got ", e.dtype);
+        const torch::Tensor b = prepacked[k].bytes.detach().to(torch::kCPU).contiguous();
+        LS_CHECK(b.element_size() == 1 && !b.is_floating_point(), "tensor group '", name, "': the bytes of "
+                 "pre-packed tensor #", k, " must be an int8/uint8 tensor, got ", b.scalar_type());
+        try {
+          e.qlayout = quant::layout_for(f, rows, cols);
+        } catch (const Error& err) {
+          LS_FAIL("tensor group '", name, "': pre-packed tensor #", k, " (", shape_str(e.shape), ") cannot be ",
+                  quant::to_string(f), ": ", err.message());
+        }
+        LS_CHECK(static_cast<size_t>(b.numel()) == e.qlayout.data_bytes, "tensor group '", name,
+                 "': pre-packed tensor #", k, " ", shape_str(e.shape), " in ", quant::to_string(f), " needs ",
+                 e.qlayout.data_bytes, " bytes, got ", b.numel());
+        // The layout pads its section to 256 bytes: zeros, as pack() leaves them.
+        e.bytes = e.qlayout.total_bytes();
+        e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(f) + "]");
+        e.host = store_->buffer(e.index).ptr;
+        std::memset(e.host, 0, e.bytes);
+        std::memcpy(static_cast<char*>(e.host) + e.qlayout.data_offset(), b.data_ptr(), e.qlayout.data_bytes);
+      } else {
+        torch::NoGradGuard ng;
+        const torch::Tensor src = e.param.detach().to(torch::kCPU).contiguous();
+        try {
+          e.qlayout = quant::layout_for(f, rows, cols);
+          e.bytes = e.qlayout.total_bytes();
+          e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(f) + "]");
+          e.host = store_->buffer(e.index).ptr;
+          quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows, cols, e.host, 0);
+        } catch (const Error& err) {
+          LS_FAIL("cannot quantize tensor #", k, " of group '", name, "' (", shape_str(e.shape), ") to ",
+                  quant::to_string(f), ": ", err.message());
+        }
+      }
+      e.qformat = f;
+      e.q_dtype = dequant_dtype_.value_or(e.dtype);
+      e.param = meta_like(e.shape, e.dtype);  // the engine keeps no dense copy
+      // An expert's rows start on whole blocks: GGUF rows always do; for our
+      // formats, an expert's element count must be a multiple of 64 (whole nf4
+      // blocks and 16 bytes of codes, what the device kernel loads at once).
+      if (experts > 0 && e.shape[0] == experts && rows % experts == 0 &&
+          (quant::is_gguf(f) || (rows / experts * cols) % 64 == 0)) {
+        e.by_expert = true;
+        e.expert_rows = rows / experts;
+      }
+    } else {
+      e.host = adopt(*store_, keepalive_, e.param, label, &e.index, &e.bytes, &e.strides);
+      // Dim-0 slices are contiguous when dim 0 is the outermost (densely
+      // laid out: adopt() keeps only dense, non-overlapping layouts).
+      const int64_t n = e.param.numel();
+      if (experts > 0 && e.shape[0] == experts && n > 0 &&
+          (e.strides.empty() || e.strides[0] * experts == n)) {
+        e.by_expert = true;
+        e.expert_bytes = e.bytes / static_cast<size_t>(experts);
+      }
+    }
+    info.group().parts.push_back(std::move(e));
+  }
+  info.group().experts = experts;
+  const slot_layout::Layout layout = layout_of(info);
+  GroupKind& group = info.group();
+  for (size_t k = 0; k < group.parts.size(); ++k) group.parts[k].ws_offset = layout.workspace_offsets[k];
+  group.workspace_bytes = layout.workspace_bytes;
+  return register_layer_locked(std::move(info));
+}
+
+static EngineImpl::LayerInfo::Part& group_part(EngineImpl::LayerInfo& l, int part) {
+  LS_CHECK(l.is_group() && part >= 0 && static_cast<size_t>(part) < l.parts().size(), "layer '", l.name,
+           "' has no tensor #", part, l.is_group() ? "" : " (it is not a tensor group)");
+  return l.group().parts[static_cast<size_t>(part)];
+}
+
+torch::Tensor EngineImpl::dequantized_part(int index, int part) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LayerInfo::Part& e = group_part(*layers_.at(static_cast<size_t>(index)), part);
+  LS_CHECK(e.qformat != quant::Format::None, "tensor #", part, " of group '", layers_[static_cast<size_t>(index)]->name,
+           "' is not quantized");
+  torch::Tensor dense = torch::empty(e.shape, torch::TensorOptions().dtype(torch::kFloat));
+  quant::dequantize_cpu(e.qlayout, e.host, dense.data_ptr(), quant::OutDtype::F32, 0);
+  return dense.to(e.dtype);
+}
+
+void EngineImpl::requantize_part(int index, int part, const torch::Tensor& dense) {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; write the module's tensor directly");
+  LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LayerInfo::Part& e = group_part(l, part);
+  LS_CHECK(e.qformat != quant::Format::None, "tensor #", part, " of group '", l.name,
+           "' is not quantized: write its parameter in place");
+  LS_CHECK(dense.defined() && dense.sizes().vec() == e.shape, "group '", l.name, "': new tensor #", part,
+           " of shape ", dense.defined() ? shape_str(dense.sizes().vec()) : "(undefined)", " does not match ",
+           shape_str(e.shape));
+  LS_CHECK(dense.is_floating_point() && !dense.is_meta(), "group '", l.name, "': new tensor #", part,
+           " must be a floating-point tensor with values (not meta)");
+  torch::NoGradGuard ng;
+  const torch::Tensor src = dense.detach().to(torch::kCPU).to(e.dtype).contiguous();
+  const int64_t cols = e.shape.back();
+  const int64_t rows = cols ? src.numel() / cols : 0;
+  std::vector<char> packed(e.bytes);
+  try {
+    quant::pack(e.qformat, src.data_ptr(), src_dtype_of(src.scalar_type(), l.name), rows, cols, packed.data(), 0);
+  } catch (const Error& err) {
+    LS_FAIL("cannot quantize the new tensor #", part, " of group '", l.name, "' to ", quant::to_string(e.qformat),
+            ": ", err.message(), " (the old values are kept)");
+  }
+  synchronize();  // no copy may read the host buffer while it changes; forgets cached slots
+  std::memcpy(e.host, packed.data(), e.bytes);
+}
+
+std::pair<int64_t, std::vector<torch::Tensor>> EngineImpl::fetch(int layer_index, const std::vector<int64_t>& experts) {
+  auto scope = device_scope();
+  LayerInfo& l = call_layer(layer_index, "a tensor group");
+  LS_CHECK(l.is_group(), "fetch(): layer '", l.name, "' is not a tensor group");
+  LS_CHECK(experts.empty() || l.group().experts > 0, "fetch(): tensor group '", l.name, "' was not added as indexed by "
+           "expert (add_group(..., experts)); fetch it whole");
+  std::vector<int64_t> ids(experts);
+  for (int64_t x : ids)
+    LS_CHECK(x >= 0 && x < l.group().experts, "fetch(): expert ", x, " of tensor group '", l.name, "' is outside [0, ",
+             l.group().experts, ")");
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  check_host_alias(l);
+  ensure_scheduler();
+  Stream cs = compute_stream();
+  // Some experts only: copy their slices (unless the group is in a slot
+  // already); more: the whole group, which may be prefetched.
+  const bool routed = policy::fetch_some_experts(static_cast<int64_t>(ids.size()), l.group().experts);
+  if (l.group().experts > 0) scheduler().set_prefetch(layer_index, !routed);
+  Lease lease;
+  if (routed) {
+    std::vector<std::pair<int64_t, int64_t>> runs;  // consecutive experts, [begin, end)
+    for (int64_t x : ids) {
+      if (!runs.empty() && runs.back().second == x)
+        runs.back().second = x + 1;
+      else
+        runs.push_back({x, x + 1});
+    }
+    PartialCopy copy;
+    copy.ranges.resize(l.parts().size());
+    for (size_t k = 0; k < l.parts().size(); ++k) {
+      const LayerInfo::Part& e = l.parts()[k];
+      auto& r = copy.ranges[k];
+      if (!e.by_expert) {
+        r.push_back({0, e.bytes});
+      } else if (e.qformat == quant::Format::None) {
+        for (const auto& run : runs)
+          r.push_back({static_cast<size_t>(run.first) * e.expert_bytes,
+                       static_cast<size_t>(run.second - run.first) * e.expert_bytes});
+      } else {
+        for (const auto& run : runs) {
+          const quant::RowRange q = quant::row_range(e.qlayout, run.first * e.expert_rows, run.second * e.expert_rows);
+          r.push_back({q.data_begin, q.data_bytes});
+          r.push_back({q.scale_begin, q.scale_bytes});
+          if (q.zero_bytes) r.push_back({q.zero_begin, q.zero_bytes});
+        }
+      }
+    }
+    if (l.group().workspace_bytes) copy.post_copy = make_group_post_copy(l, l.parts().size(), &runs);
+    lease = scheduler().acquire_partial(layer_index, cs, current_phase(), copy);
+    if (!lease.hit) routed_fetches_++;
+  } else {
+    lease = scheduler().acquire(layer_index, cs, current_phase());
+  }
+  // Views with their parameters' requires_grad: the module's forward then
+  // takes the resident module's paths (Note [Same calls as the resident module]).
+  std::vector<torch::Tensor> views;
+  auto view = [&](void* ptr, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                  torch::ScalarType dtype) {
+    const auto opts = torch::TensorOptions().dtype(dtype).device(compute_device_);
+    views.push_back(strides.empty() ? torch::from_blob(ptr, shape, opts) : torch::from_blob(ptr, shape, strides, opts));
+    if (l.parts()[views.size() - 1].param.requires_grad()) views.back().set_requires_grad(true);
+  };
+  for (size_t k = 0; k < l.parts().size(); ++k) {
+    const LayerInfo::Part& e = l.parts()[k];
+    if (e.qformat != quant::Format::None)  // its dequantized copy in the workspace
+      view(static_cast<char*>(lease.part_ptr(l.parts().size())) + e.ws_offset, e.shape, {}, e.q_dtype);
+    else
+      view(lease.part_ptr(k), e.shape, e.strides, e.dtype);
+  }
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const int64_t token = next_token_++;
+  fetched_.emplace(token, std::move(lease));
+  return {token, std::move(views)};
+}
+
+void EngineImpl::release(int64_t token) {
+  auto scope = device_scope();
+  Lease lease;
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    auto it = fetched_.find(token);
+    LS_CHECK(it != fetched_.end(), "release(): token ", token, " is not a fetched tensor group (released twice?)");
+    lease = std::move(it->second);
+    fetched_.erase(it);
+  }
+  scheduler().release(lease, compute_stream());
+}
+
+PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace_part,
+                                        const std::vector<std::pair<int64_t, int64_t>>* runs) {
+  // Runs on the dequant stream right after the group's bytes landed in the
+  // slot: each packed part -> its dense copy in the workspace (with `runs`,
+  // only those experts' rows of the expert-indexed parts, where they lie).
+  struct Job {
+    size_t part;
+    quant::PackedLayout layout;
+    quant::OutDtype out;
+    size_t ws_offset;   // of the rows' output
+    int64_t row_begin, row_end;
+  };
+  std::vector<Job> jobs;
+  for (size_t k = 0; k < l.parts().size(); ++k) {
+    const LayerInfo::Part& e = l.parts()[k];
+    if (e.qformat == quant::Format::None) continue;
+    const quant::OutDtype out = out_dtype_of(e.q_dtype);
+    if (!runs || !e.by_expert) {
+      jobs.push_back({k, e.qlayout, out, e.ws_offset, 0, e.qlayout.rows});
+      continue;
+    }
+    const size_t row_out = static_cast<size_t>(e.qlayout.cols) * quant::out_dtype_bytes(out);
+    for (const auto& run : *runs) {
+      const int64_t r0 = run.first * e.expert_rows, r1 = run.second * e.expert_rows;
+      jobs.push_back({k, e.qlayout, out, e.ws_offset + static_cast<size_t>(r0) * row_out, r0, r1});
+    }
+  }
+  Backend* be = backend_.get();
+  const bool on_cpu = compute_device_.is_cpu();
+  const int device = compute_device_.index();
+  const std::string what = "dequantize '" + l.name + "'";
+  return [=](const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
+    char* base = static_cast<char*>(slot.ptr);
+    char* ws = base + off.at(workspace_part);
+    if (be->caps().ordering_checker) {
+      be->declare_access(slot, Access::Read, s, what + " (reads the copied tensors)");
+      be->declare_access(slot, Access::Write, s, what + " (writes the workspace)");
+    }
+    for (const Job& j : jobs) {
+      const void* src = base + off.at(j.part);
+      void* dst = ws + j.ws_offset;
+      if (on_cpu)
+        be->launch_host_func(
+            s, [=] { quant::dequantize_rows_cpu(j.layout, src, j.row_begin, j.row_end, dst, j.out, 1); });
+      else
+        cuda_glue::dequantize_on(j.layout, src, dst, j.out, device, s.native(), j.row_begin, j.row_end);
+    }
+  };
+}
+
+}  // namespace layerstream

@@ -1,0 +1,392 @@
+// layerstream — LibTorch glue, internal: the engine's implementation.
+//
+// Included by the engine's .cpp files and the autograd functions only
+// (csrc/torch/engine_*.cpp, ops_*.cpp); callers use engine.h. One file per
+// concern implements the members declared here (docs/design/README.md):
+//   engine.cpp            construction, devices, the scheduler and budget,
+//                         synchronize/detach
+//   engine_register.cpp   layer registration, host adoption, ties, requantize
+//   engine_groups.cpp     tensor groups, expert-routed fetch
+//   engine_device.cpp     the slot's post-copy step (dequant/cast) and the
+//                         device views of parameters (parking)
+//   engine_gradients.cpp  weight gradients: staging, accumulation, callbacks
+//   engine_telemetry.cpp  stats, timeline, per-step counters
+//   ops_streamed.cpp      Linear/conv: the autograd function (StreamedFn)
+//   ops_embedding.cpp     embedding tables: lookup and its autograd function
+// Thread safety: every member takes mu_ (recursive) unless it says _locked
+// (the caller holds it).
+#pragma once
+
+#include "engine.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+#include <climits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <variant>
+#include <string>
+#include <vector>
+
+#include "core/host_store.h"
+#include "core/runtime.h"
+#include "core/scheduler.h"
+#include "core/slot_layout.h"
+#include "core/log.h"
+#include "cuda_glue.h"
+
+namespace layerstream {
+
+class EngineImpl final : public Engine, public std::enable_shared_from_this<EngineImpl> {
+ public:
+  ~EngineImpl() override;
+
+  // ---- the public interface (documented in engine.h) ----
+  int add_linear(const std::string& name, torch::Tensor weight, torch::Tensor bias, quant::Format format) override;
+  int add_conv(const std::string& name, torch::Tensor weight, torch::Tensor bias, const ConvSpec& spec, quant::Format format) override;
+  int add_linear_int8(const std::string& name, torch::Tensor int8_data, torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype) override;
+  int add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes, torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols, torch::ScalarType dense_dtype) override;
+  int add_embedding(const std::string& name, torch::Tensor weight, int64_t padding_idx, bool scale_grad_by_freq, bool sparse) override;
+  int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors, quant::Format format, int64_t experts, const std::vector<PrepackedPart>& prepacked) override;
+  torch::Tensor dequantized_part(int layer, int part) override;
+  void requantize_part(int layer, int part, const torch::Tensor& dense) override;
+  std::pair<int64_t, std::vector<torch::Tensor>> fetch(int layer, const std::vector<int64_t>& experts) override;
+  void release(int64_t token) override;
+  torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd) override;
+  torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd) override;
+  torch::Tensor embedding(int layer, const torch::Tensor& ids) override;
+  void synchronize() override;
+  void detach(const std::vector<torch::Device>& devices) override;
+  bool detached() const override { return detached_; }
+  EngineStats stats() const override;
+  std::vector<std::string> ordering_errors() const override;
+  std::vector<std::pair<StepStats, double>> step_stats() const override;
+  std::string trace_json() const override;
+  void watch_weight(int layer, const torch::Tensor& param) override;
+  void requantize(int layer, const torch::Tensor& dense) override;
+  torch::Tensor dequantized_weight(int layer) override;
+  torch::Tensor packed_codes(int layer) override;
+  std::string layer_format(int layer) const override;
+  torch::Device compute_device() const override { return compute_device_; }
+  const std::string& device_name() const override { return device_name_; }
+  int num_layers() const override;
+  std::string layer_name(int layer) const override;
+  int64_t layer_bytes(int layer) const override;
+  const EngineOptions& options() const override { return opts_; }
+
+  // Marks the start/end of a layer computation on `s` in the timeline.
+  std::shared_ptr<double> trace_begin(Stream s);
+  void trace_end(Stream s, const std::shared_ptr<double>& start, const std::string& lane,
+                 const std::string& name, uint64_t bytes = 0);
+  // ---- used by the autograd functions ----
+  // Makes the engine's CUDA device current for the calling thread (torch's way;
+  // a no-op on sim) for the returned scope's lifetime. See cuda_glue.h.
+  cuda_glue::DeviceScope device_scope() const { return cuda_glue::DeviceScope(cuda_index_); }
+  struct LayerInfo;
+  LayerInfo& layer(int i);
+  // An embedding layer's lookup itself (no autograd node), on the compute stream.
+  torch::Tensor lookup(LayerInfo& l, const torch::Tensor& ids);
+  // Counts device-to-host bytes copied outside the gradient stream (d2h_bytes).
+  void count_d2h(uint64_t bytes);
+  Stream compute_stream();
+  Phase current_phase() const;
+  Scheduler& scheduler();
+  // The layer's weight and bias as its computation reads them on the device,
+  // for activations of `dtype`. The leaves are views of the lease's slot
+  // with their parameters' requires_grad, so that the op takes the resident
+  // module's path
+  // (Note [Same calls as the resident module] in ops_streamed.cpp); w/b are the
+  // leaves, or their casts to `dtype` (cast at use, recorded by autograd
+  // when grad mode is on). Undefined when the layer has no bias.
+  struct DeviceParams {
+    torch::Tensor w_leaf, b_leaf, w, b;
+  };
+  DeviceParams device_params(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype);
+  // Note [Same calls as the resident module]: the storages of device
+  // parameters that a recorded graph may have saved are registered per
+  // layer and activation dtype, and *parked* (data pointer null) while the
+  // layer is not computing. unpark() points every live one of (layer,
+  // dtype) at `fresh` (the parameters the layer's backward fetched) until
+  // park(); while unparked, active_params() returns `fresh`, so a forward of
+  // the layer run inside that backward (a non-reentrant checkpoint
+  // recomputing its region) computes on them. Thread-safe.
+  void register_storages(int layer, torch::ScalarType dtype, const DeviceParams& p, bool park_now);
+  void unpark(int layer, torch::ScalarType dtype, const DeviceParams& fresh);
+  void park(int layer, torch::ScalarType dtype);
+  std::optional<DeviceParams> active_params(int layer, torch::ScalarType dtype) const;
+  // Copies weight/bias gradients (already computed into `scratch` on the
+  // compute stream) to the host and schedules their accumulation.
+  void push_grads(int layer, Lease& scratch, bool has_w, bool has_b);
+  // A gradient computed on the device, as a host tensor of `dtype` (blocking).
+  torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
+  // Makes sure pending gradients are accumulated at the end of this backward.
+  void ensure_backward_callback();
+  uint64_t id() const { return id_; }
+  static std::shared_ptr<EngineImpl> lookup(uint64_t id);
+
+  // Note [Layer kinds]: what a layer is decides how it is fetched and
+  // computed, one alternative of LayerInfo::kind each. Whether a weight is
+  // packed is not a kind: it is the weight's format (qformat), which a
+  // Linear, a conv and a group's tensors alike may have.
+  struct LinearKind {};
+  struct ConvKind {
+    ConvSpec spec;
+  };
+  // add_embedding(): looked up in host memory, never in a slot.
+  struct TableKind {
+    Event last_read;                // after the newest lookup on the device
+    void* w_host_mapped = nullptr;  // the store's device mapping (nullptr: none)
+    int64_t padding_idx = -1;       // as nn.Embedding (its row gets no gradient)
+    bool scale_grad_by_freq = false, sparse = false;  // as nn.Embedding
+  };
+  // add_group(): all its tensors are `parts` (the layer's `weight` and `bias`
+  // stay undefined); fetched whole into one slot by fetch(), computed by the
+  // caller. A quantized part crosses the bus packed and is dequantized into
+  // the slot's workspace at `ws_offset` (after the copied parts).
+  struct GroupPart {
+    torch::Tensor param;  // data aliases the host store; a meta stand-in if quantized
+    std::vector<int64_t> shape, strides;  // strides empty: contiguous (always when quantized)
+    torch::ScalarType dtype = torch::kFloat;
+    size_t index = 0;
+    void* host = nullptr;
+    size_t bytes = 0;  // in the host store (packed if quantized)
+    quant::Format qformat = quant::Format::None;
+    quant::PackedLayout qlayout;
+    torch::ScalarType q_dtype = torch::kFloat;  // dequantized to
+    size_t ws_offset = 0;
+    // Indexed by expert along dim 0, each expert's slice contiguous (and,
+    // when quantized, on whole blocks): fetch(layer, experts) copies only
+    // the named experts' slices. expert_bytes: one dense slice's bytes;
+    // expert_rows: one expert's rows of the packed matrix.
+    bool by_expert = false;
+    size_t expert_bytes = 0;
+    int64_t expert_rows = 0;
+  };
+  struct GroupKind {
+    std::vector<GroupPart> parts;
+    int64_t experts = 0;        // add_group(experts): dim 0 of the expert-indexed parts
+    size_t workspace_bytes = 0; // the dequantized parts, in the workspace
+  };
+
+  struct LayerInfo {
+    std::string name;
+    std::variant<LinearKind, ConvKind, TableKind, GroupKind> kind;
+    using Part = GroupPart;
+    bool is_conv() const { return std::holds_alternative<ConvKind>(kind); }
+    bool is_table() const { return std::holds_alternative<TableKind>(kind); }
+    bool is_group() const { return std::holds_alternative<GroupKind>(kind); }
+    const ConvSpec& conv() const { return std::get<ConvKind>(kind).spec; }
+    TableKind& table() { return std::get<TableKind>(kind); }
+    const TableKind& table() const { return std::get<TableKind>(kind); }
+    GroupKind& group() { return std::get<GroupKind>(kind); }
+    const GroupKind& group() const { return std::get<GroupKind>(kind); }
+    // A group's parts; none for the other kinds.
+    const std::vector<GroupPart>& parts() const {
+      static const std::vector<GroupPart> none;
+      return is_group() ? group().parts : none;
+    }
+    // Tied weights: the weight (its host copy, w_index/w_host) is also
+    // another layer's; its gradients go through autograd (see add_linear).
+    bool shared_weight = false;
+    torch::Tensor weight;  // the parameter (data aliases the host store); a meta stand-in if quantized
+    torch::Tensor bias;    // may be undefined
+    std::vector<int64_t> w_shape, b_shape;
+    // A dense weight's strides when its layout is not the contiguous one
+    // (channels_last, transposed): kept in the host store, the slot and
+    // on the device. Empty: contiguous (always for quantized weights).
+    std::vector<int64_t> w_strides;
+    torch::ScalarType w_dtype = torch::kFloat, b_dtype = torch::kFloat;
+    size_t w_index = 0, b_index = 0;  // host store indices
+    void* w_host = nullptr;
+    void* b_host = nullptr;
+    size_t w_bytes = 0, b_bytes = 0;  // bytes in the host store (packed for quantized)
+    quant::Format qformat = quant::Format::None;
+    quant::PackedLayout qlayout;
+    torch::ScalarType q_dtype = torch::kFloat;  // quantized: dtype of the dequantized weight
+    // The slot's workspace (after the copied parts), written by the post-copy
+    // step: the weight (dequantized, or cast to compute_dtype: cast_w) at
+    // offset 0, then the bias cast to compute_dtype (cast_b) at ws_b_offset.
+    bool cast_w = false, cast_b = false;
+    torch::ScalarType cast_dtype = torch::kFloat;  // compute_dtype, when cast_w or cast_b
+    size_t ws_b_offset = 0;
+    bool packed_here = false;  // quantized by add_linear/add_conv (requantize() can repack it)
+    // watch_weight(): the module parameter's version counter and its value then.
+    std::optional<c10::VariableVersion> watched;
+    // ...and the parameter itself, weakly (the engine must not keep a dense
+    // weight alive): a quantized weight is frozen, so requires_grad set on it
+    // later is refused at the next call (C++; Python's _PackedWeight refuses it
+    // at once).
+    c10::weak_intrusive_ptr<c10::TensorImpl> watched_param{c10::intrusive_ptr<c10::TensorImpl>()};
+    uint32_t watched_version = 0;
+    // Gradient staging (host): one buffer per use of the layer in one
+    // backward, summed in arrival order and added to .grad once, as autograd
+    // sums a leaf's incoming gradients first.
+    std::vector<HostBuffer> grad_staging;
+    size_t grad_b_offset = 0;
+    Event grad_done;
+    // Per staged use, in arrival order (pending[u] is in grad_staging[u]):
+    // which gradients it holds and the autograd graph task that staged it
+    // (-1: none; see drain_grads()).
+    struct StagedUse {
+      bool w = false, b = false;
+      int task = -1;
+    };
+    std::vector<StagedUse> pending;
+  };
+
+ private:
+  explicit EngineImpl(const EngineOptions& options);
+  friend std::shared_ptr<Engine> Engine::create(const EngineOptions&);
+  int add_layer(LayerInfo info, quant::Format format);
+  int register_layer_locked(LayerInfo info);
+  // Tied weights: when `info.weight` is already streamed by another layer,
+  // points `info` at that layer's host copy and returns true (false: not
+  // shared; the caller adopts it). Refuses shared biases and quantizing a
+  // shared weight (`format`), naming both layers.
+  bool share_weight_locked(LayerInfo& info, quant::Format format);
+  void build_scheduler_locked();
+  void ensure_scheduler();
+  void check_host_alias(const LayerInfo& l) const;
+  // Adds the staged uses of `l` that `task` may apply (its own and those of
+  // no graph task; every use for kAnyTask) to .grad; the others stay staged.
+  static constexpr int kAnyTask = INT_MIN;
+  void accumulate_locked(LayerInfo& l, int task);
+  // At the end of backward `task` (its final callback): applies that task's
+  // staged gradients. synchronize() passes -1: only uses staged outside any
+  // graph task, since a running backward applies its own when it finishes.
+  void drain_grads(int task);
+  // A backward that failed (its graph task ended without running the
+  // callback): drops the gradients it staged, which are never added to
+  // .grad, so a later backward or zero_grad() cannot be mixed with them.
+  void discard_task(int task) noexcept;
+  // Warns (once per engine) at the next linear()/conv() after discard_task()
+  // dropped gradients: never from inside the autograd engine.
+  void report_failed_backward();
+  // The common start of linear()/conv()/embedding(): reports a failed backward,
+  // refuses tracing, and checks that layer `index` is of `kind` ("a Linear",
+  // "a convolution", "an embedding").
+  LayerInfo& call_layer(int index, const char* kind);
+  // Waits until no embedding lookup enqueued so far still reads the host store.
+  void wait_lookups_locked();
+  size_t grad_bytes(const LayerInfo& l) const;
+  // Bytes of the weight as the workspace holds it (dequantized, or cast to
+  // compute_dtype).
+  static size_t dense_weight_bytes(const LayerInfo& l);
+  // The layer's parts in a slot (core/slot_layout.h); workspace_bytes 0: no
+  // post-copy step.
+  static slot_layout::Layout layout_of(const LayerInfo& l);
+  PostCopyFn make_post_copy(const LayerInfo& l, size_t workspace_part);
+  // A group's: dequantizes its packed parts into the workspace.
+  // With `runs` (half-open ranges of experts), only those experts' rows of
+  // the expert-indexed packed parts.
+  PostCopyFn make_group_post_copy(const LayerInfo& l, size_t workspace_part,
+                                  const std::vector<std::pair<int64_t, int64_t>>* runs = nullptr);
+  // Warns once per engine that weights are cast at use (and how to avoid it).
+  void note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch::ScalarType to);
+
+  EngineOptions opts_;
+  std::optional<torch::ScalarType> dequant_dtype_;  // from opts_.dequant_dtype (or compute_dtype)
+  std::optional<torch::ScalarType> compute_dtype_;  // from opts_.compute_dtype
+  uint64_t id_;
+  std::string device_name_;
+  torch::Device compute_device_{torch::kCPU};
+  int cuda_index_ = -1;  // compute_device_'s index on CUDA, -1 on sim
+  std::shared_ptr<Backend> backend_;
+  std::shared_ptr<HostStore> store_;
+  std::shared_ptr<void> keepalive_;  // held by parameters' data: store + backend
+  Stream transfer_, grad_stream_, dequant_stream_, inline_compute_;
+  std::map<void*, Stream> wrapped_streams_;
+
+  mutable std::recursive_mutex mu_;
+  std::vector<std::unique_ptr<LayerInfo>> layers_;
+  std::unique_ptr<Scheduler> sched_;
+  std::vector<int> pending_;  // layers with gradients in flight
+  std::vector<int> callback_tasks_;  // graph tasks whose end-of-backward callback is queued
+  uint64_t failed_backwards_ = 0;      // backwards whose staged gradients were dropped
+  std::atomic<bool> failed_backward_unreported_{false};  // warned at the next linear()/conv()
+  uint64_t d2h_bytes_ = 0;
+  std::map<int64_t, Lease> fetched_;  // fetch() tokens not yet released
+  int64_t next_token_ = 1;
+  std::atomic<uint64_t> gathered_bytes_{0};  // embedding rows read from the host store
+  std::atomic<uint64_t> routed_fetches_{0};  // group fetches that copied some experts only
+  std::atomic<bool> cast_warned_{false};
+  bool detached_ = false;
+  std::shared_ptr<TraceRecorder> tracer_;
+  // counters carried over scheduler rebuilds
+  SchedulerStats carried_;
+  // register_storages() / unpark() / park(): per layer.
+  struct ParkedStorage {
+    int role;                 // 0 weight leaf, 1 its cast, 2 bias leaf, 3 its cast
+    torch::ScalarType dtype;  // the activations' (device_params)
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  };
+  std::map<int, std::vector<ParkedStorage>> parked_;
+  std::map<int, std::vector<std::pair<torch::ScalarType, DeviceParams>>> active_;
+};
+
+// ---- helpers the engine's files share ----
+inline int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+inline bool is_float_activation(torch::ScalarType t) {
+  return t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf;
+}
+
+inline std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+inline quant::SrcDtype src_dtype_of(torch::ScalarType t, const std::string& name) {
+  switch (t) {
+    case torch::kFloat: return quant::SrcDtype::F32;
+    case torch::kBFloat16: return quant::SrcDtype::BF16;
+    case torch::kHalf: return quant::SrcDtype::F16;
+    default:
+      LS_FAIL("layer '", name, "': only float32/bfloat16/float16 weights can be quantized, got ", t);
+  }
+}
+
+inline quant::OutDtype out_dtype_of(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat: return quant::OutDtype::F32;
+    case torch::kBFloat16: return quant::OutDtype::BF16;
+    case torch::kHalf: return quant::OutDtype::F16;
+    default: LS_FAIL("cannot dequantize to ", t);
+  }
+}
+
+// A data-less stand-in (meta tensor) with the weight's shape and dtype: the
+// engine must not keep the dense weight alive once it is packed.
+inline torch::Tensor meta_like(const std::vector<int64_t>& shape, torch::ScalarType dtype) {
+  return torch::empty(shape, torch::TensorOptions().dtype(dtype).device(torch::kMeta));
+}
+
+// Moves a parameter's data into the host store; the parameter's data becomes
+// a CPU tensor over the store's memory (kept alive by the tensor's deleter).
+// A dense, non-overlapping layout other than the contiguous one (a
+// channels_last conv weight, a transposed Linear weight) is kept: the store
+// holds the bytes in that memory order and `strides` receives them (empty:
+// contiguous), so the device copy computes exactly as the original did.
+// (engine_register.cpp)
+void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& param,
+            const std::string& name, size_t* index, size_t* bytes, std::vector<int64_t>* strides = nullptr);
+
+// ---- shared by the autograd functions (ops_*.cpp; defined in ops_streamed.cpp) ----
+// The engine a graph's node belongs to (saved by id: the graph may outlive it).
+std::shared_ptr<EngineImpl> engine_from(torch::autograd::AutogradContext* ctx);
+// Refuses backward(create_graph=True) through a streamed layer.
+void check_no_create_graph(const EngineImpl::LayerInfo& l);
+// ctx->get_saved_variables(), naming the layer when a saved tensor was
+// modified in place.
+torch::autograd::variable_list saved_variables_of(torch::autograd::AutogradContext* ctx,
+                                                  const EngineImpl::LayerInfo& l);
+
+}  // namespace layerstream

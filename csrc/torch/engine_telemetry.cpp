@@ -1,0 +1,78 @@
+// layerstream — LibTorch glue: statistics, the timeline and per-step counters
+// (the engine's rooms: engine_impl.h).
+#include "engine_impl.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/log.h"
+
+namespace layerstream {
+
+EngineStats EngineImpl::stats() const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  EngineStats m;
+  const SchedulerStats st = sched_ ? sched_->stats() : SchedulerStats{};
+  m.steps = st.steps + carried_.steps;
+  m.acquires = st.acquires + carried_.acquires;
+  m.hits = st.hits + carried_.hits;
+  m.misses = st.misses + carried_.misses;
+  m.deviations = st.deviations + carried_.deviations;
+  m.retraces = st.retraces + carried_.retraces;
+  m.failed_backwards = failed_backwards_;
+  m.gathered_bytes = gathered_bytes_.load();
+  m.h2d_bytes = st.h2d_bytes + carried_.h2d_bytes + m.gathered_bytes;
+  m.d2h_bytes = d2h_bytes_;
+  m.stall_seconds = st.host_wait_seconds + carried_.host_wait_seconds;
+  m.slots = static_cast<uint64_t>(st.num_slots);
+  m.slot_bytes = st.slot_bytes;
+  m.max_slots_held = static_cast<uint64_t>(st.max_slots_held);
+  m.budget_bytes = opts_.budget_bytes;
+  m.layers = layers_.size();
+  for (const auto& l : layers_) {
+    bool packed = l->qformat != quant::Format::None;
+    for (const auto& e : l->parts()) packed = packed || e.qformat != quant::Format::None;
+    m.quantized_layers += packed ? 1 : 0;
+    m.embedding_layers += l->is_table() ? 1 : 0;
+    m.group_layers += l->is_group() ? 1 : 0;
+  }
+  m.routed_fetches = routed_fetches_.load();
+  const HostStoreStats hs = store_->stats();
+  m.pinned_bytes = hs.pinned_bytes;
+  m.pageable_bytes = hs.pageable_bytes;
+  m.peak_device_bytes = backend_->memory_stats().device_bytes_peak;
+  m.ordering_errors = backend_->ordering_errors().size();
+  return m;
+}
+
+std::vector<std::string> EngineImpl::ordering_errors() const { return backend_->ordering_errors(); }
+
+std::shared_ptr<double> EngineImpl::trace_begin(Stream s) {
+  return trace_stream_begin(tracer_, *backend_, s);
+}
+
+void EngineImpl::trace_end(Stream s, const std::shared_ptr<double>& start, const std::string& lane,
+                       const std::string& name, uint64_t bytes) {
+  if (start) trace_stream_end(tracer_, *backend_, s, start, {lane, name, 0, 0, bytes});
+}
+
+std::vector<std::pair<StepStats, double>> EngineImpl::step_stats() const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::vector<std::pair<StepStats, double>> out;
+  if (!sched_) return out;
+  for (const StepStats& st : sched_->step_stats()) {
+    const double overlap = tracer_ ? tracer_->overlap_fraction("transfer", "compute", st.start_us, st.end_us)
+                                   : std::numeric_limits<double>::quiet_NaN();
+    out.emplace_back(st, overlap);
+  }
+  return out;
+}
+
+std::string EngineImpl::trace_json() const { return tracer_ ? tracer_->to_chrome_json() : ""; }
+
+void EngineImpl::count_d2h(uint64_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  d2h_bytes_ += bytes;
+}
+
+}  // namespace layerstream
