@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from ._gguf import GgufWeight
+from ._gguf_weight import GgufWeight
 from ._packed import _PackedWeight
 
 LayerstreamError = _C.LayerstreamError

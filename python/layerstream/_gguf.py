@@ -17,8 +17,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
-from . import _C, _standin
-from ._standin import DEVICE as _DEVICE, HOST as _HOST
+from . import _C
+from ._gguf_weight import GgufWeight
 
 LayerstreamError = _C.LayerstreamError
 
@@ -26,71 +26,6 @@ LayerstreamError = _C.LayerstreamError
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
 _DENSE = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class GgufWeight(nn.Parameter):
-    """The weight of a Linear layer that load_gguf() keeps packed: data-less (a
-    meta tensor of the weight's shape and dtype) with the file's bytes beside it
-    (``gguf_format``: "q4_k", ...; ``gguf_bytes``: a CPU uint8 tensor). offload()
-    streams those bytes and dequantizes them on the device; run the model only
-    after offload(). Frozen (requires_grad False). Its ``.device`` is the CPU,
-    where the bytes are (``is_meta`` is True): peft then creates LoRA adapters
-    over it in host memory instead of on the meta device."""
-
-    def __new__(cls, shape, dtype, fmt: str, data: torch.Tensor, name: str):
-        self = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
-        self.gguf_format, self.gguf_bytes, self.gguf_name = fmt, data, name
-        return self
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self = args[0] if args and isinstance(args[0], GgufWeight) else None
-        name = getattr(func, "__name__", "")
-        if self is not None and getattr(func, "__self__", None) is _DEVICE and name == "__get__":
-            return _HOST  # where the bytes are; is_meta stays True (see the class docstring)
-        if self is not None and name == "copy_":
-            raise LayerstreamError(self._msg("writing into it"))
-        w = _standin.first_standin(types, args, kwargs, GgufWeight)
-        if w is not None and not _standin.reads_metadata_only(func) and name not in ("detach", "alias", "requires_grad_"):
-            # Any computation with it, in any argument position: a meta tensor has no values.
-            raise LayerstreamError(w._msg(_standin.computing_message(func)))
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if self is not None and name in ("detach", "alias") and isinstance(out, torch.Tensor):
-            # state_dict() holds detached aliases: they keep the type, so that saving them
-            # raises instead of writing a value-less tensor.
-            alias = torch.Tensor._make_subclass(cls, out, False)
-            alias.gguf_format, alias.gguf_bytes, alias.gguf_name = self.gguf_format, self.gguf_bytes, self.gguf_name
-            return alias
-        return out
-
-    def _msg(self, what: str) -> str:
-        return (f"the weight of '{self.gguf_name}' is GGUF {self.gguf_format} bytes that load_gguf() kept "
-                f"packed (a data-less stand-in), so {what} is not possible: call layerstream.offload("
-                f"model, ...) to run the model (the bytes stream to the device and are dequantized "
-                f"there); handle.detach() afterwards leaves dense, dequantized weights, and "
-                f"GgufWeight.dequantized() gives one weight's values")
-
-    def __reduce_ex__(self, protocol):
-        raise LayerstreamError(self._msg("saving (pickling) it") + "; save the .gguf file's path instead")
-
-    def __deepcopy__(self, memo):
-        # The copy shares the file's bytes (nothing writes them).
-        out = GgufWeight(self.shape, self.dtype, self.gguf_format, self.gguf_bytes, self.gguf_name)
-        memo[id(self)] = out
-        return out
-
-    def __repr__(self):
-        return (f"GgufWeight({self.gguf_format}, shape {tuple(self.shape)}, dense dtype {self.dtype}, "
-                f"{self.gguf_bytes.numel()} bytes on the host)")
-
-    def dequantized(self) -> torch.Tensor:
-        """The dense weight (CPU, the parameter's dtype), bit-identical to gguf-py's
-        dequantize() of the same bytes (rounded to the dtype)."""
-        cols = self.shape[-1]
-        rows = self.numel() // max(cols, 1)
-        return _C.dequantize_packed(self.gguf_format, self.gguf_bytes, rows, cols, self.dtype).reshape(self.shape)
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import torch.nn as nn
 from . import _C
 from ._discovery import _WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _computed_weight, _conv_args, _dora_layers, _group_slots, _is_streamable, _selected, _split_tied, _stock_forward, _warn_resident
 from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
-from ._gguf import GgufWeight
+from ._gguf_weight import GgufWeight
 from ._guards import _RootApply, _StreamedApply, _requantize_on_load
 from ._handle import Handle, _Attached
 from ._packed import _PackedWeight

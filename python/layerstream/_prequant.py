@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from ._gguf import GgufWeight
+from ._gguf_weight import GgufWeight
 
 LayerstreamError = _C.LayerstreamError
 
