@@ -77,11 +77,11 @@ MUTATIONS = [
         [P + "test_groups.py::test_group_under_autocast_recomputes_in_the_autocast_dtype"],
         "a group's recompute in backward ignores autocast", survived_before=True),
     Mutation(
-        "slot-utilisation-denominator", "python/layerstream/_handle.py",
-        'd["max_slots_held"] / total["slots"]',
-        'd["max_slots_held"] / total["layers"]',
+        "slot-utilisation-denominator", "csrc/core/scheduler.h",
+        "static_cast<double>(max_slots_held) / num_slots : 0.0;",
+        "static_cast<double>(max_slots_held) / (num_slots + 1) : 0.0;",
         [P + "test_telemetry.py"],
-        "slot_utilisation divided by the layer count instead of the slot count", survived_before=True),
+        "slot_utilisation divided by one slot too many", survived_before=True),
     # ---- other holes named by issue 29, now covered ----
     Mutation(
         "planner-keeps-nothing-resident", "csrc/core/planner.cpp",

@@ -28,7 +28,7 @@
 # allowed there; tools/test.sh runs them all), and the skip policy checks its
 # own rules (--self-test); < 2 minutes on 2 CPU cores.
 # --seed-impl: the seed's seed_layer.py (never in the repo). When not given,
-# .shared/seed_layer.py or ../shared/reference/seed_layer.py is used if present.
+# .shared/seed_layer.py (an ignored folder of the checkout) is used if present.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
@@ -56,7 +56,7 @@ log() { echo "[gpu-proof] $*"; }
 fail=0
 
 if [ -z "$SEED" ]; then
-  for cand in "$ROOT/.shared/seed_layer.py" "$ROOT/../shared/reference/seed_layer.py"; do
+  for cand in "$ROOT/.shared/seed_layer.py"; do
     if [ -f "$cand" ]; then SEED=$cand; break; fi
   done
 fi

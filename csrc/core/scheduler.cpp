@@ -507,6 +507,7 @@ void Scheduler::begin_step_locked() {
   step_deviations_ = 0;
   if (acquires_in_step_ > 0) {
     cur_step_.step = stats_.steps;
+    cur_step_.num_slots = pool_->num_slots();
     if (tracer_) {
       cur_step_.end_us = tracer_->now_us();
       tracer_->mark_step(stats_.steps + 1);

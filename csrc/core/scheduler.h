@@ -138,8 +138,11 @@ struct StepStats {
   uint64_t h2d_bytes = 0;
   uint64_t d2h_bytes = 0;        // reported by the owner through note_d2h()
   double host_wait_seconds = 0;  // stall: time callers blocked waiting for weights
-  int max_slots_held = 0;        // slot utilisation: most slots held at once
+  int max_slots_held = 0;        // most slots held at once
+  int num_slots = 0;             // the slots there were
   double start_us = 0, end_us = 0;  // on the trace clock, when tracing
+  // Slot utilisation: the share of slots the step held at most at once.
+  double slot_utilisation() const { return num_slots ? static_cast<double>(max_slots_held) / num_slots : 0.0; }
 };
 
 struct SchedulerStats {

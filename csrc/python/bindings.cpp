@@ -424,6 +424,7 @@ PYBIND11_MODULE(_C, m) {
                d["d2h_bytes"] = st.d2h_bytes;
                d["stall_seconds"] = st.host_wait_seconds;
                d["max_slots_held"] = st.max_slots_held;
+               d["slot_utilisation"] = st.slot_utilisation();
                d["overlap_fraction"] = overlap;
                d["duration_seconds"] = st.end_us > st.start_us ? (st.end_us - st.start_us) * 1e-6 : 0.0;
                out.append(d);

@@ -121,7 +121,6 @@ class Handle(_RefusesCopy):
         for d in engine.step_stats():
             d = dict(d)
             d["peak_device_bytes"] = total["peak_device_bytes"]
-            d["slot_utilisation"] = d["max_slots_held"] / total["slots"] if total["slots"] else 0.0
             out.append(d)
         return out
 
