@@ -249,14 +249,14 @@ def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device
     kept, groups, tied = _C.analyse_ties(described, owners)  # core/offload_policy.h
     _warn_resident(tied, "layer(s) with tied weights", compute_device,
                    "another module that stays resident, or a bias, shares the tensor; a streamed "
-                   "copy would move it under that module", stacklevel=4)
+                   "copy would move it under that module")
     return [candidates[i] for i in kept], groups
 
 
 def _warn_resident(names: list, what: str, compute_device: torch.device, why: str,
-                   stacklevel: int = 3) -> None:
+                   stacklevel: int = 4) -> None:
     """One warning for the layers offload() keeps resident for one reason
-    (stacklevel 3: the caller of offload(), when called from offload())."""
+    (stacklevel 4: the caller of offload(), when called from a step offload() calls)."""
     if names:
         warnings.warn(f"layerstream: {len(names)} {what} stay resident on {compute_device} ({why}): "
                       + "; ".join(names), RuntimeWarning, stacklevel=stacklevel)
@@ -275,3 +275,96 @@ def _conv_args(module: nn.Module) -> dict:
             raise ValueError(f"unknown conv padding {pad!r}")
     return dict(dims=dims, stride=list(module.stride), padding=list(pad), same=same,
                 dilation=list(module.dilation), groups=int(module.groups))
+
+
+def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.device):
+    """The modules offload() would stream, in model order, as (name, module, kind),
+    ties aside; and the names of the modules groups= streams whole. Warns once per
+    reason for the layers that stay resident (stacklevel: offload()'s caller)."""
+    dora = _dora_layers(model)
+    candidates, padded, custom, computed, wrapped, under_dora, renormed = [], [], [], [], [], [], []
+    grouped = []  # the names of modules offload(groups=...) streams whole: their descendants are theirs
+    for name, module in model.named_modules():
+        if any(name.startswith(g + ".") or g == "" for g in grouped):
+            continue
+        if groups is not None and _selected(name, groups, None) and _selected(name, include, exclude):
+            if any(getattr(m, "_layerstream_handle", None) is not None for m in module.modules()):
+                raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; "
+                                       f"call detach() on that handle first")
+            if "forward" in module.__dict__:
+                wrapped.append(f"'{name or '<root>'}'")
+                continue
+            below = list(module.modules())
+            rnn = [m for m in below if isinstance(m, nn.RNNBase)]
+            if rnn:
+                raise LayerstreamError(
+                    f"offload(groups=...) names module '{name or '<root>'}', which holds a "
+                    f"{type(rnn[0]).__name__}: its forward reads cached references to its weights "
+                    f"(_flat_weights), not the parameters swapped in for the call, so it cannot stream "
+                    f"as a tensor group; leave it out of groups= (it stays resident)")
+            if any(torch.nn.utils.parametrize.is_parametrized(m) for m in below):
+                computed.append(f"'{name or '<root>'}'")
+                continue
+            params = [p for m in below for p in m._parameters.values() if p is not None]
+            if not params or not all(p.is_floating_point() for p in params):
+                raise LayerstreamError(
+                    f"offload(groups=...) names module '{name or '<root>'}', which has "
+                    f"{'no parameters' if not params else 'non-floating-point parameters'} to stream")
+            grouped.append(name)
+            _WHOLE_GROUPS.add(module)
+            candidates.append((name, module, "group"))
+            continue
+        kind = _is_streamable(module)
+        if kind is None or not _selected(name, include, exclude):
+            continue
+        # Not getattr(): a parametrized weight (spectral_norm) would be computed, which
+        # runs a power-iteration step and changes the module's state.
+        w = module._parameters.get("weight", module.__dict__.get("weight"))
+        if isinstance(w, torch.Tensor) and w.numel() == 0:
+            continue  # zero elements (e.g. Linear(0, n)): nothing to stream; it stays as it is
+        if getattr(module, "_layerstream_handle", None) is not None or hasattr(module, "_layer_memory_manager"):
+            raise LayerstreamError(
+                f"module '{name}' is already offloaded by another layerstream handle; call "
+                f"detach() on that handle first")
+        if kind == "conv" and module.padding_mode != "zeros":
+            padded.append(f"'{name or '<root>'}' (padding_mode='{module.padding_mode}')")
+            continue
+        if not _stock_forward(module, kind):
+            custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
+            continue
+        if id(module) in dora:
+            under_dora.append(f"'{name or '<root>'}'")
+            continue
+        if "forward" in module.__dict__:
+            wrapped.append(f"'{name or '<root>'}'" + (" (accelerate hook)" if hasattr(module, "_hf_hook") else ""))
+            continue
+        if _computed_weight(module):
+            computed.append(f"'{name or '<root>'}'")
+            continue
+        if kind == "embedding":
+            if not module.weight.is_floating_point():
+                continue  # not a float table: left as it is
+            if module.max_norm is not None:  # renormalizes the looked-up rows in place
+                renormed.append(f"'{name or '<root>'}'")
+                continue
+        candidates.append((name, module, kind))
+    _warn_resident(padded, "conv layer(s) with a padding_mode other than 'zeros'", compute_device,
+                   "not streamed; they run their original forward")
+    _warn_resident(computed, "layer(s) whose weight is not a parameter of their own", compute_device,
+                   "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
+                   "by pruning; or a plain tensor attribute")
+    _warn_resident(custom, "Linear/conv/embedding subclass layer(s) with their own forward", compute_device,
+                   "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
+                   "would drop what it adds")
+    _warn_resident(wrapped, "layer(s) whose forward was replaced on the instance", compute_device,
+                   "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
+                   "drop; to stream them, remove the wrapper first, e.g. "
+                   "accelerate.hooks.remove_hook_from_module(model, recurse=True)")
+    _warn_resident(under_dora, "layer(s) of a peft DoRA adapter", compute_device,
+                   "DoRA reads the base and adapter weights directly at every forward to compute "
+                   "the weight norm, which a streamed layer does not keep on the device; plain "
+                   "LoRA (use_dora=False) streams the base layers")
+    _warn_resident(renormed, "embedding layer(s) with max_norm", compute_device,
+                   "each lookup renormalizes the rows it reads in place, which a streamed lookup "
+                   "does not do")
+    return candidates, grouped

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from ._discovery import _WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _computed_weight, _conv_args, _dora_layers, _group_slots, _is_streamable, _selected, _split_tied, _stock_forward, _warn_resident
+from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _conv_args, _discover,
+                         _group_slots, _split_tied)
 from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
 from ._gguf_weight import GgufWeight
 from ._guards import _RootApply, _StreamedApply, _requantize_on_load
@@ -167,132 +168,17 @@ def offload(
             "offload() was called inside torch.inference_mode(): the tensors it makes would be inference "
             "tensors, which no later training step could use. Call offload() outside inference_mode (then "
             "run the model inside it as you like).")
-    # The engine's options are C++'s EngineOptions; one rule per option, in C++
-    # (core/options.h): the same for C++ and the command line (ValueError here).
-    opts = _C.EngineOptions()
-    opts.device = "auto" if device is None else str(device)
-    opts.prefetch = _C.check_prefetch(prefetch)
-    opts.slots = 0 if slots is None else _C.check_slots(slots)
-    opts.sim_h2d_gbps = opts.sim_d2h_gbps = _C.check_link_gbps(sim_link_gbps)
-    opts.sim_latency_us = _C.check_latency_us(sim_latency_us)
-    opts.checker = bool(checker)
-    opts.pin_memory = bool(pin_memory)
-    opts.cache_across_steps = bool(cache_across_steps)
-    opts.trace = bool(trace)
-    # budget_bytes stays -1 (none) unless a budget is given: set from the plan below.
-    names = [_DEQUANT_DTYPES.get(dt, str(dt)) if dt is not None else "" for dt in (dequant_dtype, compute_dtype)]
-    effective = _C.check_dtypes(*names)
-    opts.dequant_dtype, opts.compute_dtype = names
-    dequant_dtype, compute_dtype = (_CORE_DTYPES[n] if n else None for n in effective)
-    formats = ([quantize] if isinstance(quantize, str) else
-               list(quantize.values()) if isinstance(quantize, dict) else [])
-    for fmt in formats:
-        if isinstance(fmt, str) and fmt not in _C.quant_formats() and _is_packed_only_format(fmt):
-            raise ValueError(f"{fmt!r} is a GGUF format: layerstream streams GGUF weights as they are "
-                             f"read from a .gguf file (layerstream.load_gguf) but does not quantize to "
-                             f"it; valid formats for quantize=: {', '.join(_C.quant_formats())}")
-        if fmt is not None and fmt not in _C.quant_formats():
-            raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
-                             f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
+    opts, dequant_dtype, compute_dtype = _engine_options(
+        device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory, cache_across_steps, trace,
+        dequant_dtype, compute_dtype)
+    _check_quantize(quantize)
     resolved = _C.resolve_device(opts.device)
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
     if budget is not None:
         _C.parse_budget(budget)  # checked before anything changes
-    _check_no_meta(model)
-    trainable_gguf = [n for n, p in model.named_parameters() if isinstance(p, GgufWeight) and p.requires_grad]
-    if trainable_gguf:
-        raise LayerstreamError(
-            f"{len(trainable_gguf)} GGUF weight(s) require grad: {', '.join(trainable_gguf[:5])}"
-            f"{', ...' if len(trainable_gguf) > 5 else ''}. load_gguf() keeps them as the file's packed blocks, "
-            f"which are frozen (no gradient is computed for them); freeze them (requires_grad_(False)) and "
-            f"train an adapter over them (LoRA), or load a dense checkpoint to train these weights.")
-    dora = _dora_layers(model)
-    candidates, padded, custom, computed, wrapped, under_dora, renormed = [], [], [], [], [], [], []
-    grouped = []  # the names of modules offload(groups=...) streams whole: their descendants are theirs
-    for name, module in model.named_modules():
-        if any(name.startswith(g + ".") or g == "" for g in grouped):
-            continue
-        if groups is not None and _selected(name, groups, None) and _selected(name, include, exclude):
-            if any(getattr(m, "_layerstream_handle", None) is not None for m in module.modules()):
-                raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; "
-                                       f"call detach() on that handle first")
-            if "forward" in module.__dict__:
-                wrapped.append(f"'{name or '<root>'}'")
-                continue
-            below = list(module.modules())
-            rnn = [m for m in below if isinstance(m, nn.RNNBase)]
-            if rnn:
-                raise LayerstreamError(
-                    f"offload(groups=...) names module '{name or '<root>'}', which holds a "
-                    f"{type(rnn[0]).__name__}: its forward reads cached references to its weights "
-                    f"(_flat_weights), not the parameters swapped in for the call, so it cannot stream "
-                    f"as a tensor group; leave it out of groups= (it stays resident)")
-            if any(torch.nn.utils.parametrize.is_parametrized(m) for m in below):
-                computed.append(f"'{name or '<root>'}'")
-                continue
-            params = [p for m in below for p in m._parameters.values() if p is not None]
-            if not params or not all(p.is_floating_point() for p in params):
-                raise LayerstreamError(
-                    f"offload(groups=...) names module '{name or '<root>'}', which has "
-                    f"{'no parameters' if not params else 'non-floating-point parameters'} to stream")
-            grouped.append(name)
-            _WHOLE_GROUPS.add(module)
-            candidates.append((name, module, "group"))
-            continue
-        kind = _is_streamable(module)
-        if kind is None or not _selected(name, include, exclude):
-            continue
-        # Not getattr(): a parametrized weight (spectral_norm) would be computed, which
-        # runs a power-iteration step and changes the module's state.
-        w = module._parameters.get("weight", module.__dict__.get("weight"))
-        if isinstance(w, torch.Tensor) and w.numel() == 0:
-            continue  # zero elements (e.g. Linear(0, n)): nothing to stream; it stays as it is
-        if getattr(module, "_layerstream_handle", None) is not None or hasattr(module, "_layer_memory_manager"):
-            raise LayerstreamError(
-                f"module '{name}' is already offloaded by another layerstream handle; call "
-                f"detach() on that handle first")
-        if kind == "conv" and module.padding_mode != "zeros":
-            padded.append(f"'{name or '<root>'}' (padding_mode='{module.padding_mode}')")
-            continue
-        if not _stock_forward(module, kind):
-            custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
-            continue
-        if id(module) in dora:
-            under_dora.append(f"'{name or '<root>'}'")
-            continue
-        if "forward" in module.__dict__:
-            wrapped.append(f"'{name or '<root>'}'" + (" (accelerate hook)" if hasattr(module, "_hf_hook") else ""))
-            continue
-        if _computed_weight(module):
-            computed.append(f"'{name or '<root>'}'")
-            continue
-        if kind == "embedding":
-            if not module.weight.is_floating_point():
-                continue  # not a float table: left as it is
-            if module.max_norm is not None:  # renormalizes the looked-up rows in place
-                renormed.append(f"'{name or '<root>'}'")
-                continue
-        candidates.append((name, module, kind))
-    _warn_resident(padded, "conv layer(s) with a padding_mode other than 'zeros'", compute_device,
-                   "not streamed; they run their original forward")
-    _warn_resident(computed, "layer(s) whose weight is not a parameter of their own", compute_device,
-                   "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
-                   "by pruning; or a plain tensor attribute")
-    _warn_resident(custom, "Linear/conv/embedding subclass layer(s) with their own forward", compute_device,
-                   "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
-                   "would drop what it adds")
-    _warn_resident(wrapped, "layer(s) whose forward was replaced on the instance", compute_device,
-                   "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
-                   "drop; to stream them, remove the wrapper first, e.g. "
-                   "accelerate.hooks.remove_hook_from_module(model, recurse=True)")
-    _warn_resident(under_dora, "layer(s) of a peft DoRA adapter", compute_device,
-                   "DoRA reads the base and adapter weights directly at every forward to compute "
-                   "the weight norm, which a streamed layer does not keep on the device; plain "
-                   "LoRA (use_dora=False) streams the base layers")
-    _warn_resident(renormed, "embedding layer(s) with max_norm", compute_device,
-                   "each lookup renormalizes the rows it reads in place, which a streamed lookup "
-                   "does not do")
+    _check_loadable(model)
+    candidates, grouped = _discover(model, include, exclude, groups, compute_device)
     candidates, tie_groups = _split_tied(model, candidates, compute_device)
     _check_no_shared_storage(model, candidates)
     tied_names = {n for g in tie_groups for n in g}
@@ -308,10 +194,73 @@ def offload(
             "layer to stream"
             + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
-    # 1. Per layer: quantization format (or pre-quantized int8) and the bytes
-    #    it takes on the bus, in a slot (as the engine lays them out) or resident.
-    #    A quantized layer's slot holds the packed weight and, after it, the
-    #    weight dequantized on the device (in its dense dtype).
+    # 1. Per layer: its format and its bytes on the bus, in a slot, resident.
+    layers = _formats_and_bytes(model, candidates, tables, quantize, tied_names, dequant_dtype, compute_dtype)
+
+    # 2. With a budget: which layers stay resident; the slots get what is left.
+    plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups)
+
+    # 3. Attach them to one engine (undone on failure); the rest moves to the device.
+    return _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names, plan,
+                   grouped, compute_device, experts == "routed")
+
+
+def _engine_options(device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory,
+                    cache_across_steps, trace, dequant_dtype, compute_dtype):
+    """The engine's options (C++ EngineOptions), each checked by its rule in C++
+    (core/options.h: the same for C++ and the command line; ValueError here), and
+    the effective (dequant_dtype, compute_dtype) as torch dtypes."""
+    opts = _C.EngineOptions()
+    opts.device = "auto" if device is None else str(device)
+    opts.prefetch = _C.check_prefetch(prefetch)
+    opts.slots = 0 if slots is None else _C.check_slots(slots)
+    opts.sim_h2d_gbps = opts.sim_d2h_gbps = _C.check_link_gbps(sim_link_gbps)
+    opts.sim_latency_us = _C.check_latency_us(sim_latency_us)
+    opts.checker = bool(checker)
+    opts.pin_memory = bool(pin_memory)
+    opts.cache_across_steps = bool(cache_across_steps)
+    opts.trace = bool(trace)
+    # budget_bytes stays -1 (none) unless a budget is given: set from the plan below.
+    names = [_DEQUANT_DTYPES.get(dt, str(dt)) if dt is not None else "" for dt in (dequant_dtype, compute_dtype)]
+    effective = _C.check_dtypes(*names)
+    opts.dequant_dtype, opts.compute_dtype = names
+    dequant_dtype, compute_dtype = (_CORE_DTYPES[n] if n else None for n in effective)
+    return opts, dequant_dtype, compute_dtype
+
+
+def _check_quantize(quantize) -> None:
+    """quantize= names formats offload() can pack (ValueError otherwise)."""
+    formats = ([quantize] if isinstance(quantize, str) else
+               list(quantize.values()) if isinstance(quantize, dict) else [])
+    for fmt in formats:
+        if isinstance(fmt, str) and fmt not in _C.quant_formats() and _is_packed_only_format(fmt):
+            raise ValueError(f"{fmt!r} is a GGUF format: layerstream streams GGUF weights as they are "
+                             f"read from a .gguf file (layerstream.load_gguf) but does not quantize to "
+                             f"it; valid formats for quantize=: {', '.join(_C.quant_formats())}")
+        if fmt is not None and fmt not in _C.quant_formats():
+            raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
+                             f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
+
+
+def _check_loadable(model: nn.Module) -> None:
+    """Refusals before anything changes: meta tensors, trainable GGUF weights."""
+    _check_no_meta(model)
+    trainable_gguf = [n for n, p in model.named_parameters() if isinstance(p, GgufWeight) and p.requires_grad]
+    if trainable_gguf:
+        raise LayerstreamError(
+            f"{len(trainable_gguf)} GGUF weight(s) require grad: {', '.join(trainable_gguf[:5])}"
+            f"{', ...' if len(trainable_gguf) > 5 else ''}. load_gguf() keeps them as the file's packed blocks, "
+            f"which are frozen (no gradient is computed for them); freeze them (requires_grad_(False)) and "
+            f"train an adapter over them (LoRA), or load a dense checkpoint to train these weights.")
+
+
+def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantize, tied_names: set,
+                       dequant_dtype, compute_dtype) -> List[_Candidate]:
+    """Step 1: per layer, the quantization format (or pre-quantized weight) and the
+    bytes it takes on the bus, in a slot (core/slot_layout.h) and resident. A
+    quantized layer's slot holds the packed weight and, after it, the weight
+    dequantized on the device (in its dense dtype). Refuses or warns before any
+    module changes."""
     layers: List[_Candidate] = []
     unpackable, trainable, tied_dense = [], [], []
     for name, module, kind in candidates:
@@ -414,7 +363,7 @@ def offload(
         if named:
             warnings.warn(f"layerstream: quantize= names embedding table(s) {', '.join(named)}, but tables "
                           f"are not quantized: they are looked up in host memory as they are (only the "
-                          f"rows a batch names cross the bus)", RuntimeWarning, stacklevel=2)
+                          f"rows a batch names cross the bus)", RuntimeWarning, stacklevel=3)
     if trainable:
         # Refused here, before any module changes (the engine would refuse at the first such
         # layer, after the layers before it had been attached).
@@ -428,14 +377,20 @@ def offload(
         warnings.warn(f"layerstream: quantize={quantize!r} does not apply to {len(tied_dense)} layer(s) "
                       f"with tied weights (the weight is shared with an embedding table or another "
                       f"layer, which read the same host copy): they stream unquantized: "
-                      + ", ".join(tied_dense), RuntimeWarning, stacklevel=2)
+                      + ", ".join(tied_dense), RuntimeWarning, stacklevel=3)
     if unpackable:
         warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
                       f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
-                      stacklevel=2)
+                      stacklevel=3)
 
-    # 2. With a budget, the planner decides which layers stay resident; the
-    #    slots get what is left. The budget covers every weight on the device.
+    return layers
+
+
+def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, compute_device: torch.device,
+          opts, slots, tie_groups: list):
+    """Step 2: with a budget, the planner decides which layers stay resident; the
+    slots get what is left (opts.budget_bytes). The budget covers every weight on
+    the device. Returns (plan or None, resident layer names)."""
     plan = None
     resident_names = set()
     if budget is not None:
@@ -468,15 +423,20 @@ def offload(
                 resident_names.update(group)
         opts.budget_bytes = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
 
-    # 3. Attach the streamed layers to one engine. A failure part way (e.g. a weight the
-    #    format cannot pack, host memory) undoes what was attached, as detach() does.
+    return plan, resident_names
+
+
+def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,
+            compute_device: torch.device, routed: bool) -> Handle:
+    """Step 3: attaches the streamed layers (in model order) to one engine and moves
+    the rest to the compute device. A failure part way (e.g. a weight the format
+    cannot pack, host memory) undoes what was attached, as detach() does."""
     engine = _C.Engine(opts)
     attached: List[_Attached] = []
     streamed_params = set()
     handle = Handle(engine, attached, plan)
     try:
-        _attach_layers(engine, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
-                       attached, streamed_params, compute_device, experts == "routed")
+        _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device, routed)
         for a in attached:
             a.module._layerstream_handle = handle
         _no_fused_encoder_path(model, attached, handle._fused_off)
@@ -498,7 +458,7 @@ def offload(
             handle.detach()
         except Exception as undo_error:  # pragma: no cover - reported with the original error
             warnings.warn(f"layerstream: offload() failed and undoing it failed too: {undo_error}",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
         raise
     return handle
 

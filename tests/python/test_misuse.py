@@ -2,6 +2,7 @@
 silent half-change. Each case checks the error's text and the model afterwards."""
 from __future__ import annotations
 
+import warnings
 import copy
 
 import pytest
@@ -251,4 +252,26 @@ def test_parameters_viewing_one_flat_buffer_are_refused():
     want = copy.deepcopy(model)(x)
     handle = layerstream.offload(model, device="sim")
     assert torch.equal(model(x), want)
+    handle.detach()
+
+
+def test_offload_warnings_name_the_callers_line():
+    """offload() runs its steps in functions of its own; a warning from any of them
+    (discovery, ties, formats) still points at the line that called offload()."""
+    class Custom(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    shared = nn.Parameter(torch.zeros(8))
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    a.bias = b.bias = shared
+    model = nn.Sequential(Custom(8, 8), a, b, nn.Linear(8, 100)).requires_grad_(False)  # 8 columns: no int4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = layerstream.offload(model, device="sim", quantize="int4")
+    texts = {str(w.message)[:60]: w.filename for w in caught if "layerstream" in str(w.message)}
+    assert any("subclass" in t for t in texts), texts
+    assert any("tied weights" in t for t in texts), texts
+    assert any("cannot pack" in t for t in texts), texts
+    assert set(texts.values()) == {__file__}, texts
     handle.detach()
