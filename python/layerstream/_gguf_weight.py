@@ -4,15 +4,13 @@ discovery (_discovery) can recognise it without importing the loader."""
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from . import _C, _standin
-from ._standin import DEVICE as _DEVICE, HOST as _HOST
 
 LayerstreamError = _C.LayerstreamError
 
 
-class GgufWeight(nn.Parameter):
+class GgufWeight(_standin.StandIn):
     """The weight of a Linear layer that load_gguf() keeps packed: data-less (a
     meta tensor of the weight's shape and dtype) with the file's bytes beside it
     (``gguf_format``: "q4_k", ...; ``gguf_bytes``: a CPU uint8 tensor). offload()
@@ -22,7 +20,7 @@ class GgufWeight(nn.Parameter):
     over it in host memory instead of on the meta device."""
 
     def __new__(cls, shape, dtype, fmt: str, data: torch.Tensor, name: str):
-        self = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
+        self = cls._meta(shape, dtype)
         self.gguf_format, self.gguf_bytes, self.gguf_name = fmt, data, name
         return self
 
@@ -31,14 +29,10 @@ class GgufWeight(nn.Parameter):
         kwargs = kwargs or {}
         self = args[0] if args and isinstance(args[0], GgufWeight) else None
         name = getattr(func, "__name__", "")
-        if self is not None and getattr(func, "__self__", None) is _DEVICE and name == "__get__":
-            return _HOST  # where the bytes are; is_meta stays True (see the class docstring)
         if self is not None and name == "copy_":
-            raise LayerstreamError(self._msg("writing into it"))
-        w = _standin.first_standin(types, args, kwargs, GgufWeight)
-        if w is not None and not _standin.reads_metadata_only(func) and name not in ("detach", "alias", "requires_grad_"):
-            # Any computation with it, in any argument position: a meta tensor has no values.
-            raise LayerstreamError(w._msg(_standin.computing_message(func)))
+            raise LayerstreamError(self._refusal("writing into it"))
+        if name not in ("detach", "alias", "requires_grad_"):
+            return cls._common(func, types, args, kwargs)  # _standin.StandIn's rules
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if self is not None and name in ("detach", "alias") and isinstance(out, torch.Tensor):
@@ -49,7 +43,7 @@ class GgufWeight(nn.Parameter):
             return alias
         return out
 
-    def _msg(self, what: str) -> str:
+    def _refusal(self, what: str) -> str:
         return (f"the weight of '{self.gguf_name}' is GGUF {self.gguf_format} bytes that load_gguf() kept "
                 f"packed (a data-less stand-in), so {what} is not possible: call layerstream.offload("
                 f"model, ...) to run the model (the bytes stream to the device and are dequantized "
@@ -57,7 +51,7 @@ class GgufWeight(nn.Parameter):
                 f"GgufWeight.dequantized() gives one weight's values")
 
     def __reduce_ex__(self, protocol):
-        raise LayerstreamError(self._msg("saving (pickling) it") + "; save the .gguf file's path instead")
+        raise LayerstreamError(self._refusal("saving (pickling) it") + "; save the .gguf file's path instead")
 
     def __deepcopy__(self, memo):
         # The copy shares the file's bytes (nothing writes them).

@@ -6,10 +6,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn as nn
 
 from . import _C, _standin
-from ._standin import DEVICE as _DEVICE, HOST as _HOST
 
 LayerstreamError = _C.LayerstreamError
 
@@ -25,7 +23,7 @@ _CONVERSIONS = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "typ
                 "pin_memory", "share_memory_"}
 
 
-class _PackedWeight(nn.Parameter):
+class _PackedWeight(_standin.StandIn):
     """The parameter a quantized streamed layer keeps: data-less (meta, same shape
     and dtype), because the weight lives packed in the engine's host store.
 
@@ -49,7 +47,7 @@ class _PackedWeight(nn.Parameter):
     """
 
     def __new__(cls, shape, dtype, engine, index: int, name: str, part: Optional[int] = None):
-        self = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
+        self = cls._meta(shape, dtype)
         self._ls = (engine, index, name, part)  # part: a tensor group's tensor, else None
         return self
 
@@ -66,8 +64,6 @@ class _PackedWeight(nn.Parameter):
         ls = getattr(self, "_ls", None) if isinstance(self, _PackedWeight) else None
         descr = getattr(func, "__self__", None)
         name = getattr(func, "__name__", "")
-        if ls is not None and descr is _DEVICE and name == "__get__":
-            return _HOST  # where the packed bytes are (see the class docstring)
         if ls is not None and descr is _DATA:
             if name == "__get__":
                 return self  # so that writes through .data reach this handler
@@ -108,14 +104,11 @@ class _PackedWeight(nn.Parameter):
                                name in ("__setitem__", "__iadd__", "__isub__", "__imul__",
                                         "__itruediv__", "__ior__", "__iand__")):
             raise LayerstreamError(cls._msg(ls, f"in-place {name}() cannot reach it"))
-        other = _standin.first_standin(types, args, kwargs, _PackedWeight)
-        if other is not None and not _standin.reads_metadata_only(func):
-            # Any computation with it, in any argument position (x @ w.t(), F.linear(x, w)):
-            # a meta tensor has no values, and torch would return uninitialised memory.
-            raise LayerstreamError(cls._msg(other._ls, _standin.computing_message(func)) +
-                                   "; run the module itself (it streams the weight), or detach() first")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        # Any computation with it, in any argument position (x @ w.t(), F.linear(x, w)): refused.
+        return cls._common(func, types, args, kwargs)
+
+    def _refusal(self, what: str) -> str:
+        return self._msg(self._ls, what) + "; run the module itself (it streams the weight), or detach() first"
 
     @staticmethod
     def _msg(ls, what: str) -> str:

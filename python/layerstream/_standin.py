@@ -12,7 +12,10 @@ few calls it gives a meaning of its own (detach(), copy_(), .device) before aski
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.utils._pytree as pytree
+
+from . import _C
 
 # The .device descriptor as __torch_function__ sees its getter, and what packed stand-ins
 # (GgufWeight, _PackedWeight) report from it: the host, where their bytes are.
@@ -62,3 +65,37 @@ def computing_message(func) -> str:
         name += "()"
     return f"computing with it ({name})"
 
+
+
+class StandIn(nn.Parameter):
+    """The base of the packed stand-ins (``_PackedWeight``, ``GgufWeight``): a data-less
+    meta tensor of the weight's shape and dtype whose ``.device`` is the host, which
+    refuses computing (the rules above) and pickling. Subclasses say, in their own
+    words, what the weight is and what to do instead (``_refusal``), and handle the
+    calls they give a meaning of their own before calling ``_common``."""
+
+    @classmethod
+    def _meta(cls, shape, dtype):
+        return torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
+
+    def _refusal(self, what: str) -> str:
+        """The message that refuses `what` ("computing with it (mm())", ...)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _common(cls, func, types, args, kwargs):
+        """The rules every stand-in shares: ``.device`` is the host; any computation
+        with one, in any argument position, is refused; the rest runs as on the meta
+        tensor."""
+        self = args[0] if args and isinstance(args[0], cls) else None
+        if self is not None and getattr(func, "__self__", None) is DEVICE and getattr(func, "__name__", "") == "__get__":
+            return HOST  # where the bytes are; is_meta stays True
+        other = first_standin(types, args, kwargs, cls)
+        if other is not None and not reads_metadata_only(func):
+            # A meta tensor has no values, and torch would return uninitialised memory.
+            raise _C.LayerstreamError(other._refusal(computing_message(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        raise _C.LayerstreamError(self._refusal("saving (pickling) it"))
