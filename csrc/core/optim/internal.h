@@ -11,9 +11,10 @@ namespace layerstream {
 namespace optim {
 namespace detail {
 
-// Elements per task: a multiple of kQ8Block and a divisor of 2^32 (so a
-// chunk's element counters never wrap), fixed so that results do not depend
-// on the thread count.
+// Elements per task: a multiple of kQ8Block, and small enough for 32-bit
+// element counters within a chunk (the random streams count elements from
+// the chunk's start; the chunk's key covers its position). Fixed, so that
+// results do not depend on the thread count.
 constexpr int64_t kChunk = 65536;
 static_assert(kChunk % kQ8Block == 0, "chunks hold whole 8-bit blocks");
 

@@ -25,6 +25,9 @@ struct AdamWScalars {
   float bc2_sqrt = 1.0f;      // sqrt(1 - beta2^t)
   float eps = 1e-8f;
   float neg_step = -1e-3f;    // -lr / (1 - beta1^t)
+  // bf16 parameters: the update with one division (kernels_impl.h).
+  float neg_step_bc2 = -1e-3f;  // -lr / (1 - beta1^t) * sqrt(1 - beta2^t)
+  float eps_bc2 = 1e-8f;        // eps * sqrt(1 - beta2^t)
 };
 
 // Random-stream keys of one chunk (32-bit element counters).

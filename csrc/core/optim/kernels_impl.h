@@ -47,58 +47,110 @@ inline void adam_math(float& p, float& m, float& v, float g, const AdamWScalars&
   p = p + s.neg_step * m / d;
 }
 
-inline void st(float* p, int64_t i, float x, uint32_t) { p[i] = x; }
-inline void st(uint16_t* p, int64_t i, float x, uint32_t key) {
-  p[i] = sr_bf16(x, hash32(static_cast<uint32_t>(i), key));
+// bf16 parameters (written by stochastic rounding, whose noise is 2^8 times
+// an fp32 rounding): the same update with one division instead of two,
+//   p - lr/bc1 * m / (sqrt(v)/bc2s + eps) = p + (-lr/bc1 * bc2s) * m / (sqrt(v) + eps * bc2s),
+// the scalars folded in double (AdamWScalars::neg_step_bc2, eps_bc2).
+template <bool kSmallW>
+inline void adam_math_1div(float& p, float& m, float& v, float g, const AdamWScalars& s) {
+  g = g * s.grad_scale;
+  p = p * s.decay;
+  m = kSmallW ? m + s.w1 * (g - m) : g - (g - m) * s.one_minus_w1;
+  v = v * s.beta2 + s.omb2 * g * g;
+  p = p + s.neg_step_bc2 * m / (std::sqrt(v) + s.eps_bc2);
+}
+
+// Element counters are 32-bit and relative to the chunk (the chunk's key
+// covers its position): 32-bit vector lanes, no 64-bit index arithmetic.
+
+// [p, g, m, v] point at the chunk's first element; n <= kChunk.
+// fp32 everything: one pass.
+template <bool kSmallW>
+void adamw_f32(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, uint32_t n,
+               const AdamWScalars& scalars) {
+  const AdamWScalars s = scalars;  // locals: no aliasing with the arrays
+  for (uint32_t i = 0; i < n; ++i) {
+    float pp = p[i], mm = m[i], vv = v[i];
+    adam_math<kSmallW>(pp, mm, vv, g[i], s);
+    m[i] = mm;
+    v[i] = vv;
+    p[i] = pp;
+  }
 }
 
 template <class P, class G, class S, bool kSmallW>
-void adamw_dense(P* __restrict p, const G* __restrict g, S* __restrict m, S* __restrict v, int64_t b, int64_t e,
+void adamw_dense(P* __restrict p, const G* __restrict g, S* __restrict m, S* __restrict v, uint32_t n,
                  const AdamWScalars& scalars, const Keys& keys) {
-  const AdamWScalars s = scalars;  // locals: no aliasing with the arrays
-  const Keys k = keys;
-  for (int64_t i = b; i < e; ++i) {
-    float pp = ld(p, i), mm = ld(m, i), vv = ld(v, i);
-    adam_math<kSmallW>(pp, mm, vv, ld(g, i), s);
-    if constexpr (std::is_same_v<S, float>) {
-      m[i] = mm;
-      v[i] = vv;
-    } else {
-      const uint32_t h = hash32(static_cast<uint32_t>(i), k.m);
-      m[i] = sr_bf16(mm, h);
-      v[i] = sr_bf16(vv, h >> 16);
+  if constexpr (std::is_same_v<P, float> && std::is_same_v<G, float> && std::is_same_v<S, float>) {
+    adamw_f32<kSmallW>(p, g, m, v, n, scalars);
+  } else {
+    const AdamWScalars s = scalars;
+    const Keys k = keys;
+    // One hash per element: its low 16 bits round the parameter, its high
+    // 16 bits exp_avg, rehash16 exp_avg_sq (each rounding sees uniform bits,
+    // which is all unbiasedness needs).
+    for (uint32_t i = 0; i < n; ++i) {
+      float pp = ld(p, i), mm = ld(m, i), vv = ld(v, i);
+      if constexpr (std::is_same_v<P, float>)
+        adam_math<kSmallW>(pp, mm, vv, ld(g, i), s);
+      else
+        adam_math_1div<kSmallW>(pp, mm, vv, ld(g, i), s);
+      const uint32_t h = hash32(i, k.param);
+      if constexpr (std::is_same_v<S, float>) {
+        m[i] = mm;
+        v[i] = vv;
+      } else {
+        m[i] = sr_bf16(mm, h >> 16);
+        v[i] = sr_bf16(vv, rehash16(h));
+      }
+      if constexpr (std::is_same_v<P, float>) {
+        p[i] = pp;
+      } else {
+        p[i] = sr_bf16(pp, h);
+      }
     }
-    st(p, i, pp, k.param);
   }
 }
 
 inline float abs_f(float x) { return f32_from_bits(bits_from_f32(x) & 0x7FFFFFFFu); }
 
-// 8-bit states: block by block, decode, step, new absmax, encode.
+// 8-bit states: block by block, decode, step, new absmax, encode. The
+// pointers start at the chunk (a whole number of blocks); ma/va at its
+// first block.
 template <class P, class G, bool kSmallW>
 void adamw_q8(P* __restrict p, const G* __restrict g, uint8_t* __restrict mc, uint8_t* __restrict vc,
-              float* __restrict ma, float* __restrict va, int64_t b, int64_t e, const AdamWScalars& scalars,
+              float* __restrict ma, float* __restrict va, uint32_t e, const AdamWScalars& scalars,
               const Keys& keys) {
   const AdamWScalars s = scalars;
   const Keys k = keys;
   const Q8Tables& T = q8_tables();
   alignas(64) float mm[kQ8Block];
   alignas(64) float vv[kQ8Block];
-  for (int64_t b0 = b; b0 < e; b0 += kQ8Block) {
-    const int64_t n = e - b0 < kQ8Block ? e - b0 : kQ8Block;
-    const int64_t j = b0 / kQ8Block;
+  for (uint32_t b0 = 0; b0 < e; b0 += kQ8Block) {
+    const uint32_t n = e - b0 < kQ8Block ? e - b0 : static_cast<uint32_t>(kQ8Block);
+    const uint32_t j = b0 / kQ8Block;
+    // This block's elements (pointer offsets keep the inner indices simple
+    // for the vectorizer).
+    P* __restrict pb = p + b0;
+    const G* __restrict gb = g + b0;
+    uint8_t* __restrict mcb = mc + b0;
+    uint8_t* __restrict vcb = vc + b0;
     const float am = ma[j], av = va[j];
-    for (int64_t t = 0; t < n; ++t) {
-      mm[t] = T.signed_e4m3[mc[b0 + t]] * am;
-      vv[t] = T.unsigned_e5m3[vc[b0 + t]] * av;
+    for (uint32_t t = 0; t < n; ++t) {
+      mm[t] = T.signed_e4m3[mcb[t]] * am;
+      vv[t] = T.unsigned_e5m3[vcb[t]] * av;
     }
     // The absmax as the bits of |x| (non-negative floats order as their
     // bits; an integer max vectorizes, and NaN/Inf show as >= 0x7F800000).
     uint32_t amax_m = 0, amax_v = 0;
-    for (int64_t t = 0; t < n; ++t) {
-      float pp = ld(p, b0 + t), m1 = mm[t], v1 = vv[t];
-      adam_math<kSmallW>(pp, m1, v1, ld(g, b0 + t), s);
-      st(p, b0 + t, pp, k.param);
+    for (uint32_t t = 0; t < n; ++t) {
+      float pp = ld(pb, t), m1 = mm[t], v1 = vv[t];
+      adam_math<kSmallW>(pp, m1, v1, ld(gb, t), s);
+      if constexpr (std::is_same_v<P, float>) {
+        pb[t] = pp;
+      } else {
+        pb[t] = sr_bf16(pp, hash32(b0 + t, k.param));
+      }
       mm[t] = m1;
       vv[t] = v1;
       const uint32_t a1 = bits_from_f32(m1) & 0x7FFFFFFFu, a2 = bits_from_f32(v1) & 0x7FFFFFFFu;
@@ -110,11 +162,11 @@ void adamw_q8(P* __restrict p, const G* __restrict g, uint8_t* __restrict mc, ui
     const float new_m = bad ? nan : f32_from_bits(amax_m), new_v = bad ? nan : f32_from_bits(amax_v);
     const float sm = new_m > 0.0f ? kQ8Top / new_m : 0.0f;
     const float sv = new_v > 0.0f ? kQ8Top / new_v : 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      const uint32_t i = static_cast<uint32_t>(b0 + t);
+    for (uint32_t t = 0; t < n; ++t) {
+      const uint32_t i = b0 + t;
       const uint32_t sign = (bits_from_f32(mm[t]) >> 31) << 7;
-      mc[b0 + t] = static_cast<uint8_t>(q8_code_e4m3(abs_f(mm[t]) * sm, hash32(i, k.m)) | sign);
-      vc[b0 + t] = static_cast<uint8_t>(q8_code_e5m3(vv[t] * sv, hash32(i, k.v)));
+      mcb[t] = static_cast<uint8_t>(q8_code_e4m3(abs_f(mm[t]) * sm, hash32(i, k.m)) | sign);
+      vcb[t] = static_cast<uint8_t>(q8_code_e5m3(vv[t] * sv, hash32(i, k.v)));
     }
     ma[j] = new_m;
     va[j] = new_v;
@@ -124,20 +176,21 @@ void adamw_q8(P* __restrict p, const G* __restrict g, uint8_t* __restrict mc, ui
 template <class P, class G, bool kSmallW>
 void adamw_states(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b,
                   int64_t e) {
-  P* p = static_cast<P*>(t.param);
-  const G* g = static_cast<const G*>(t.grad);
+  P* p = static_cast<P*>(t.param) + b;
+  const G* g = static_cast<const G*>(t.grad) + b;
+  const uint32_t n = static_cast<uint32_t>(e - b);
   switch (f) {
     case StateFormat::F32:
-      adamw_dense<P, G, float, kSmallW>(p, g, static_cast<float*>(t.exp_avg), static_cast<float*>(t.exp_avg_sq), b,
-                                        e, s, k);
+      adamw_dense<P, G, float, kSmallW>(p, g, static_cast<float*>(t.exp_avg) + b, static_cast<float*>(t.exp_avg_sq) + b,
+                                        n, s, k);
       break;
     case StateFormat::BF16:
-      adamw_dense<P, G, uint16_t, kSmallW>(p, g, static_cast<uint16_t*>(t.exp_avg),
-                                           static_cast<uint16_t*>(t.exp_avg_sq), b, e, s, k);
+      adamw_dense<P, G, uint16_t, kSmallW>(p, g, static_cast<uint16_t*>(t.exp_avg) + b,
+                                           static_cast<uint16_t*>(t.exp_avg_sq) + b, n, s, k);
       break;
     case StateFormat::Q8:
-      adamw_q8<P, G, kSmallW>(p, g, static_cast<uint8_t*>(t.exp_avg), static_cast<uint8_t*>(t.exp_avg_sq),
-                              t.exp_avg_absmax, t.exp_avg_sq_absmax, b, e, s, k);
+      adamw_q8<P, G, kSmallW>(p, g, static_cast<uint8_t*>(t.exp_avg) + b, static_cast<uint8_t*>(t.exp_avg_sq) + b,
+                              t.exp_avg_absmax + b / kQ8Block, t.exp_avg_sq_absmax + b / kQ8Block, n, s, k);
       break;
   }
 }
@@ -287,7 +340,7 @@ double af_update_sumsq(const AdafactorTensor& t, const AdafactorScalars& s, cons
 // Applies the final update u (clipped, times lr) to element i.
 template <class P>
 inline void af_apply_one(P* __restrict p, float* __restrict m, int64_t i, float u, const AdafactorScalars& s,
-                         uint32_t key) {
+                         uint32_t key, uint32_t counter) {
   u = u / s.clip_div;
   u = u * s.lr;
   if (s.first_moment) {
@@ -298,7 +351,11 @@ inline void af_apply_one(P* __restrict p, float* __restrict m, int64_t i, float 
   float pp = ld(p, i);
   if (s.weight_decay) pp = pp + s.neg_wd_lr * pp;
   pp = pp + -u;
-  st(p, i, pp, key);
+  if constexpr (std::is_same_v<P, float>) {
+    p[i] = pp;
+  } else {
+    p[i] = sr_bf16(pp, hash32(counter, key));
+  }
 }
 
 template <class P, class G>
@@ -316,13 +373,15 @@ void af_apply_t(const AdafactorTensor& t, P* __restrict p, const G* __restrict g
       const float r = rf[row];
       const float* __restrict cfr = cf + b_idx * cols + c0;
       for (int64_t c = 0; c < n; ++c)
-        af_apply_one(p, m, i + c, (r * cfr[c]) * (ld(g, i + c) * s.grad_scale), s, key);
+        af_apply_one(p, m, i + c, (r * cfr[c]) * (ld(g, i + c) * s.grad_scale), s, key,
+                     static_cast<uint32_t>(i + c - b));
       i += n;
     }
   } else {
     const float* __restrict v = t.exp_avg_sq;
     for (int64_t i = b; i < e; ++i)
-      af_apply_one(p, m, i, (1.0f / std::sqrt(v[i])) * (ld(g, i) * s.grad_scale), s, key);
+      af_apply_one(p, m, i, (1.0f / std::sqrt(v[i])) * (ld(g, i) * s.grad_scale), s, key,
+                   static_cast<uint32_t>(i - b));
   }
 }
 

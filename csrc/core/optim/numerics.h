@@ -53,21 +53,21 @@ static inline uint16_t bf16_rne(float f) {
 }
 
 // Stochastic rounding of `f` to bfloat16 with 16 random bits `r` (the low
-// 16 bits of r are used).
+// 16 bits of r are used): add them below the kept bits, truncate. Inf and
+// NaN (exponent all ones) get no random bits: Inf stays Inf, and a NaN
+// stays a NaN as long as its payload has a bit among the kept ones -- true
+// of every NaN that arithmetic produces (x86 and ARM set the quiet bit).
 static inline uint16_t sr_bf16(float f, uint32_t r) {
   const uint32_t u = bits_from_f32(f);
-  const bool special = (u & 0x7F800000u) == 0x7F800000u;
-  // NaN: keep it a NaN after dropping payload bits (set the quiet bit).
-  const uint32_t kept = (u >> 16) | ((u & 0x007FFFFFu) ? 0x0040u : 0u);
-  const uint32_t rounded = (u + (r & 0xFFFFu)) >> 16;
-  return static_cast<uint16_t>(special ? kept : rounded);
+  const uint32_t add = (u & 0x7F800000u) == 0x7F800000u ? 0u : (r & 0xFFFFu);
+  return static_cast<uint16_t>((u + add) >> 16);
 }
 
-// A counter-based 32-bit hash (an xor-shift-multiply mixer); `key` selects
-// the stream (seed, tensor, step, purpose).
+// A counter-based 32-bit hash ("lowbias32"-style xor-shift-multiply mixer
+// with full avalanche); `key` selects the stream (seed, tensor, step,
+// purpose).
 static inline uint32_t hash32(uint32_t x, uint32_t key) {
-  x ^= key;
-  x *= 0x9E3779B1u;
+  x += key;
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -75,6 +75,10 @@ static inline uint32_t hash32(uint32_t x, uint32_t key) {
   x ^= x >> 16;
   return x;
 }
+
+// 16 more random bits from a hash value (a further multiply): for a third
+// rounding of the same element.
+static inline uint32_t rehash16(uint32_t h) { return (h * 0x9E3779B1u) >> 16; }
 
 // A 64-bit mix for deriving keys (not per element).
 static inline uint64_t mix64(uint64_t x) {

@@ -90,7 +90,8 @@ uint32_t derive_key(uint64_t seed, uint64_t tensor_key, int64_t step, uint32_t p
   uint64_t x = mix64(seed);
   x = mix64(x ^ tensor_key);
   x = mix64(x ^ static_cast<uint64_t>(step));
-  x = mix64(x ^ (static_cast<uint64_t>(purpose) << 56) ^ (static_cast<uint64_t>(begin) >> 32));
+  x = mix64(x ^ (static_cast<uint64_t>(purpose) << 56));
+  x = mix64(x ^ static_cast<uint64_t>(begin));
   return static_cast<uint32_t>(x ^ (x >> 32));
 }
 
@@ -160,6 +161,8 @@ detail::AdamWScalars adamw_scalars(const AdamWConfig& c, int64_t step, float gra
   s.bc2_sqrt = static_cast<float>(bc2_sqrt);
   s.eps = static_cast<float>(c.eps);
   s.neg_step = static_cast<float>(-step_size);
+  s.neg_step_bc2 = static_cast<float>(-step_size * bc2_sqrt);
+  s.eps_bc2 = static_cast<float>(c.eps * bc2_sqrt);
   return s;
 }
 
