@@ -10,7 +10,7 @@
 #include "core/slot_layout.h"
 #include "backends/sim/sim_backend.h"
 #include "torch/engine.h"
-#include "torch/optim.h"
+#include "torch/host_optim.h"
 
 namespace py = pybind11;
 using layerstream::ConvSpec;
@@ -57,7 +57,7 @@ options::Budget budget_of(py::handle v) {
 
 
 
-// The host optimizers (torch/optim.h) for python/layerstream/optim.py. Lists
+// The host optimizers (torch/host_optim.h) for python/layerstream/optim.py. Lists
 // are parallel, one entry per parameter; None stands for an absent tensor.
 void bind_optim(py::module& m) {
   namespace o = layerstream::optim;

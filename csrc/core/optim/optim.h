@@ -5,7 +5,7 @@
 // operations) with fp32, bf16 or 8-bit block-quantized states, Adafactor
 // (transformers' Adafactor semantics), the global gradient norm and the
 // clip coefficient of torch.nn.utils.clip_grad_norm_. The torch glue
-// (torch/optim.h) and the Python optimizers (python/layerstream/optim.py)
+// (torch/host_optim.h) and the Python optimizers (python/layerstream/optim.py)
 // drive these; docs/design/optim.md has the design.
 //
 // Numbers: fp32 parameters are updated exactly as torch's single-tensor

@@ -1,5 +1,5 @@
-// Host optimizers over torch tensors: see optim.h and docs/design/optim.md.
-#include "optim.h"
+// Host optimizers over torch tensors: see host_optim.h and docs/design/optim.md.
+#include "host_optim.h"
 
 #include <cmath>
 #include <set>
@@ -40,6 +40,14 @@ torch::ScalarType state_dtype(StateFormat f) {
     case StateFormat::Q8: return torch::kByte;
   }
   return torch::kFloat;
+}
+
+// The kernels write parameters through raw pointers: bump their version
+// counters as an in-place torch op would, so that what watches them (the
+// engine's cache_across_steps, a saved tensor's check) sees the update.
+void bump_versions(const std::vector<torch::Tensor>& params) {
+  for (const torch::Tensor& p : params)
+    if (p.device().is_cpu() && !p.is_inference()) torch::autograd::impl::bump_version(p);
 }
 
 Span span_of(const torch::Tensor& t) {
@@ -190,6 +198,7 @@ void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector
     host.push_back(t);
   }
   if (!host.empty()) optim::adamw_step(config, format, host, grad_scale, seed);
+  bump_versions(params);
 }
 
 AdafactorStates adafactor_init_states(const torch::Tensor& param, const AdafactorConfig& config) {
@@ -268,6 +277,7 @@ std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vect
     if (!work_p[i].is_same(params[i])) params[i].copy_(work_p[i]);
     rms[i] = ts[i].rms;
   }
+  bump_versions(params);
   return rms;
 }
 

@@ -1,5 +1,6 @@
 // layerstream — host optimizers over torch tensors (LibTorch glue of
-// core/optim/optim.h).
+// core/optim/optim.h). Named host_optim.h, not optim.h: with csrc/ on the
+// include path, "torch/optim.h" would shadow LibTorch's own <torch/optim.h>.
 //
 // Two layers:
 //  * tensor functions: state allocation and checks, one AdamW / Adafactor
