@@ -10,6 +10,7 @@
 #include "core/slot_layout.h"
 #include "backends/sim/sim_backend.h"
 #include "torch/engine.h"
+#include "torch/host_optim.h"
 
 namespace py = pybind11;
 using layerstream::ConvSpec;
@@ -54,6 +55,123 @@ options::Budget budget_of(py::handle v) {
   return b;
 }
 
+
+
+// The host optimizers (torch/host_optim.h) for python/layerstream/optim.py. Lists
+// are parallel, one entry per parameter; None stands for an absent tensor.
+void bind_optim(py::module& m) {
+  namespace o = layerstream::optim;
+  using OptT = std::optional<torch::Tensor>;
+  auto opt = [](const torch::Tensor& t) -> py::object { return t.defined() ? py::cast(t) : py::none(); };
+  // A bad argument is Python's ValueError, as in torch.optim.
+  auto value_error = [](const auto& fn) {
+    try {
+      fn();
+    } catch (const layerstream::Error& e) {
+      throw py::value_error(e.message());
+    }
+  };
+  m.def("optim_check_adamw", [value_error](double lr, double beta1, double beta2, double eps, double wd) {
+    value_error([&] { o::check_adamw(o::AdamWConfig{lr, beta1, beta2, eps, wd}); });
+  });
+  m.def("optim_state_precision", [value_error](const std::string& name) {
+    std::string out;
+    value_error([&] { out = o::state_format_name(o::parse_state_format(name)); });
+    return out;
+  }, "the canonical name ('fp32', 'bf16', '8bit') of a state precision");
+  m.def("optim_adamw_init_states", [opt](const torch::Tensor& p, const std::string& fmt) {
+    const o::AdamWStates s = o::adamw_init_states(p, o::parse_state_format(fmt));
+    return py::make_tuple(s.exp_avg, s.exp_avg_sq, opt(s.exp_avg_absmax), opt(s.exp_avg_sq_absmax));
+  });
+  m.def("optim_adamw_adopt_states", [opt](const torch::Tensor& p, const std::string& fmt, OptT m1, OptT m2,
+                                          OptT a1, OptT a2, const std::string& name) {
+    const o::AdamWStates s = o::adamw_adopt_states(
+        p, o::parse_state_format(fmt),
+        o::AdamWStates{m1.value_or(torch::Tensor()), m2.value_or(torch::Tensor()), a1.value_or(torch::Tensor()),
+                       a2.value_or(torch::Tensor())},
+        name);
+    return py::make_tuple(s.exp_avg, s.exp_avg_sq, opt(s.exp_avg_absmax), opt(s.exp_avg_sq_absmax));
+  });
+  m.def(
+      "optim_adamw_step",
+      [](double lr, double beta1, double beta2, double eps, double wd, const std::string& fmt,
+         const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+         const std::vector<torch::Tensor>& exp_avgs, const std::vector<torch::Tensor>& exp_avg_sqs,
+         const std::vector<OptT>& absmax_m, const std::vector<OptT>& absmax_v, const std::vector<int64_t>& steps,
+         const std::vector<uint64_t>& keys, float grad_scale, uint64_t seed) {
+        const size_t n = params.size();
+        LS_CHECK(exp_avgs.size() == n && exp_avg_sqs.size() == n && absmax_m.size() == n && absmax_v.size() == n,
+                 "internal: optim_adamw_step needs one state of each kind per parameter");
+        std::vector<o::AdamWStates> states(n);
+        for (size_t i = 0; i < n; ++i)
+          states[i] = o::AdamWStates{exp_avgs[i], exp_avg_sqs[i], absmax_m[i].value_or(torch::Tensor()),
+                                     absmax_v[i].value_or(torch::Tensor())};
+        py::gil_scoped_release nogil;
+        o::adamw_step(o::AdamWConfig{lr, beta1, beta2, eps, wd}, o::parse_state_format(fmt), params, grads, states,
+                      steps, keys, grad_scale, seed);
+      });
+  auto af_config = [](py::object lr, double eps1, double eps2, double clip_threshold, double decay_rate,
+                      py::object beta1, double wd, bool scale_parameter, bool relative_step, bool warmup_init) {
+    o::AdafactorConfig c;
+    c.lr = lr.is_none() ? -1.0 : lr.cast<double>();
+    c.eps1 = eps1;
+    c.eps2 = eps2;
+    c.clip_threshold = clip_threshold;
+    c.decay_rate = decay_rate;
+    c.beta1 = beta1.is_none() ? -1.0 : beta1.cast<double>();
+    c.weight_decay = wd;
+    c.scale_parameter = scale_parameter;
+    c.relative_step = relative_step;
+    c.warmup_init = warmup_init;
+    return c;
+  };
+  m.def("optim_check_adafactor", [af_config, value_error](py::object lr, double eps1, double eps2, double clip,
+                                                          double decay, py::object beta1, double wd, bool sp, bool rs,
+                                                          bool wi) {
+    value_error([&] {
+      if (!lr.is_none()) LS_CHECK(lr.cast<double>() >= 0.0, "Adafactor: lr must be >= 0, got ", lr.cast<double>());
+      if (!beta1.is_none())
+        LS_CHECK(beta1.cast<double>() >= 0.0, "Adafactor: beta1 must be in [0, 1) or None, got ", beta1.cast<double>());
+      o::check_adafactor(af_config(lr, eps1, eps2, clip, decay, beta1, wd, sp, rs, wi));
+    });
+  });
+  m.def("optim_adafactor_init_states", [opt](const torch::Tensor& p, bool first_moment) {
+    o::AdafactorConfig c;
+    c.beta1 = first_moment ? 0.0 : -1.0;
+    const o::AdafactorStates s = o::adafactor_init_states(p, c);
+    return py::make_tuple(opt(s.exp_avg_sq_row), opt(s.exp_avg_sq_col), opt(s.exp_avg_sq), opt(s.exp_avg));
+  });
+  m.def(
+      "optim_adafactor_step",
+      [af_config](py::object lr, double eps1, double eps2, double clip, double decay, py::object beta1, double wd,
+                  bool sp, bool rs, bool wi, const std::vector<torch::Tensor>& params,
+                  const std::vector<torch::Tensor>& grads, const std::vector<OptT>& rows, const std::vector<OptT>& cols,
+                  const std::vector<OptT>& vs, const std::vector<OptT>& ms, const std::vector<int64_t>& steps,
+                  const std::vector<uint64_t>& keys, float grad_scale, uint64_t seed) {
+        const o::AdafactorConfig c = af_config(lr, eps1, eps2, clip, decay, beta1, wd, sp, rs, wi);
+        const size_t n = params.size();
+        LS_CHECK(rows.size() == n && cols.size() == n && vs.size() == n && ms.size() == n,
+                 "internal: optim_adafactor_step needs one state of each kind per parameter");
+        std::vector<o::AdafactorStates> states(n);
+        for (size_t i = 0; i < n; ++i)
+          states[i] = o::AdafactorStates{rows[i].value_or(torch::Tensor()), cols[i].value_or(torch::Tensor()),
+                                         vs[i].value_or(torch::Tensor()), ms[i].value_or(torch::Tensor())};
+        py::gil_scoped_release nogil;
+        return o::adafactor_step(c, params, grads, states, steps, keys, grad_scale, seed);
+      });
+  m.def("optim_grad_norm", &o::grad_norm, py::call_guard<py::gil_scoped_release>(),
+        "the total 2-norm of the gradients (host ones by the C++ kernels), as a Python float");
+  m.def("optim_clip_coefficient", &o::clip_coefficient, py::arg("total_norm"), py::arg("max_norm"));
+  m.def("optim_check_group", &o::check_group, py::arg("params"), py::arg("grads"), py::arg("group"));
+  m.def("optim_bytes_per_element", [](const std::string& param, const std::string& grad, const std::string& fmt) {
+    auto dt = [](const std::string& s) { return s == "bfloat16" ? o::Dtype::BF16 : o::Dtype::F32; };
+    return o::adamw_bytes_per_element(dt(param), dt(grad), o::parse_state_format(fmt));
+  });
+  m.def("optim_q8_block", [] { return o::kQ8Block; });
+  m.def("optim_kernel_isa", [] { return std::string(o::kernel_isa()); });
+  m.def("optim_threads", [] { return o::ThreadPool::shared().threads(); });
+  m.def("optim_set_threads", &o::ThreadPool::set_shared_threads, py::arg("threads"));
+}
 
 }  // namespace
 
@@ -116,6 +234,7 @@ PYBIND11_MODULE(_C, m) {
     LS_VALUE_ERRORS(options::check_latency_us(float_arg(v, "sim_latency_us")))
   });
 #undef LS_VALUE_ERRORS
+  bind_optim(m);
 
   namespace quant = layerstream::quant;
   auto fmt = [](const std::string& f) {

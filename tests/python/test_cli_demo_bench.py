@@ -124,6 +124,27 @@ def test_demo_peak_within_printed_budget(demo_run):
     assert 0 < peak <= budget, line
 
 
+def test_demo_full_fine_tune_with_the_host_optimizer():
+    """`demo --full`: the streamed model steps with layerstream::optim::AdamW (C++
+    kernels, clipping to norm 1), the resident one with clip_grad_norm_ +
+    torch::optim::AdamW; their losses agree to the mode's 1e-4 and fall."""
+    if not built_with_torch():
+        pytest.skip("layerstream was built without LibTorch: no demo")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    r = run("demo", "--full", "--steps", "4", timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "layerstream::optim::AdamW (host C++ kernels" in out, out
+    assert "tolerance 1e-04" in out, out
+    losses = _demo_losses(out)
+    assert len(losses) == 4, out
+    for resident, streamed, diff in losses:
+        assert abs(resident - streamed) <= 1e-4 and diff <= 1e-4, losses
+    assert losses[-1][1] < losses[0][1] - 0.05, losses
+    line = next(l for l in out.splitlines() if l.startswith("optimizer step"))
+    assert "layerstream::optim::AdamW, clipping included" in line, line
+
+
 @pytest.mark.parametrize("args", [
     ["--steps", "zero"],
     ["--steps", "0"],

@@ -1,0 +1,7 @@
+// The optimizer loops compiled for AVX2 (this file gets -mavx2 on x86-64; see
+// csrc/core/CMakeLists.txt). Chosen at run time when the CPU has AVX2.
+#if defined(__x86_64__) && defined(__AVX2__)
+#define LS_OPTIM_ISA avx2
+#define LS_OPTIM_ISA_NAME "avx2"
+#include "core/optim/kernels_impl.h"
+#endif

@@ -1,0 +1,405 @@
+// layerstream — internal: the optimizer loops (see kernels.h). Included once
+// per instruction set with LS_OPTIM_ISA naming the namespace; everything here
+// has internal linkage or lives in that namespace, so the two compilations
+// never mix (an inline function with external linkage could be merged by the
+// linker into the AVX2 copy and run on a CPU without AVX2).
+//
+// Written for the compiler's vectorizer: plain loops over restrict pointers,
+// no calls, no branches in the loop bodies (selects only), fixed-size inner
+// loops for the sums (8 double accumulators, combined in a fixed order).
+#ifndef LS_OPTIM_ISA
+#error "define LS_OPTIM_ISA before including kernels_impl.h"
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "core/optim/kernels.h"
+#include "core/optim/numerics.h"
+
+namespace layerstream {
+namespace optim {
+namespace detail {
+namespace LS_OPTIM_ISA {
+namespace {
+
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+
+// One element of torch's single-tensor AdamW (torch/optim/adam.py with
+// decoupled weight decay), operation for operation:
+//   param.mul_(1 - lr * wd); exp_avg.lerp_(grad, 1 - beta1);
+//   exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2);
+//   denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps);
+//   param.addcdiv_(exp_avg, denom, value=-step_size)
+// (ATen's CPU kernels: lerp is self + w * (end - self) for |w| < 0.5, else
+// end - (end - self) * (1 - w); addcmul is self + value * t1 * t2; addcdiv is
+// self + value * t1 / t2.)
+template <bool kSmallW>
+inline void adam_math(float& p, float& m, float& v, float g, const AdamWScalars& s) {
+  g = g * s.grad_scale;
+  p = p * s.decay;
+  m = kSmallW ? m + s.w1 * (g - m) : g - (g - m) * s.one_minus_w1;
+  v = v * s.beta2 + s.omb2 * g * g;
+  const float d = std::sqrt(v) / s.bc2_sqrt + s.eps;
+  p = p + s.neg_step * m / d;
+}
+
+// bf16 parameters (written by stochastic rounding, whose noise is 2^8 times
+// an fp32 rounding): the same update with one division instead of two,
+//   p - lr/bc1 * m / (sqrt(v)/bc2s + eps) = p + (-lr/bc1 * bc2s) * m / (sqrt(v) + eps * bc2s),
+// the scalars folded in double (AdamWScalars::neg_step_bc2, eps_bc2).
+template <bool kSmallW>
+inline void adam_math_1div(float& p, float& m, float& v, float g, const AdamWScalars& s) {
+  g = g * s.grad_scale;
+  p = p * s.decay;
+  m = kSmallW ? m + s.w1 * (g - m) : g - (g - m) * s.one_minus_w1;
+  v = v * s.beta2 + s.omb2 * g * g;
+  p = p + s.neg_step_bc2 * m / (std::sqrt(v) + s.eps_bc2);
+}
+
+// Element counters are 32-bit and relative to the chunk (the chunk's key
+// covers its position): 32-bit vector lanes, no 64-bit index arithmetic.
+
+// [p, g, m, v] point at the chunk's first element; n <= kChunk.
+// fp32 everything: one pass.
+template <bool kSmallW>
+void adamw_f32(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, uint32_t n,
+               const AdamWScalars& scalars) {
+  const AdamWScalars s = scalars;  // locals: no aliasing with the arrays
+  for (uint32_t i = 0; i < n; ++i) {
+    float pp = p[i], mm = m[i], vv = v[i];
+    adam_math<kSmallW>(pp, mm, vv, g[i], s);
+    m[i] = mm;
+    v[i] = vv;
+    p[i] = pp;
+  }
+}
+
+template <class P, class G, class S, bool kSmallW>
+void adamw_dense(P* __restrict p, const G* __restrict g, S* __restrict m, S* __restrict v, uint32_t n,
+                 const AdamWScalars& scalars, const Keys& keys) {
+  if constexpr (std::is_same_v<P, float> && std::is_same_v<G, float> && std::is_same_v<S, float>) {
+    adamw_f32<kSmallW>(p, g, m, v, n, scalars);
+  } else {
+    const AdamWScalars s = scalars;
+    const Keys k = keys;
+    // One hash per element: its low 16 bits round the parameter, its high
+    // 16 bits exp_avg, rehash16 exp_avg_sq (each rounding sees uniform bits,
+    // which is all unbiasedness needs).
+    for (uint32_t i = 0; i < n; ++i) {
+      float pp = ld(p, i), mm = ld(m, i), vv = ld(v, i);
+      if constexpr (std::is_same_v<P, float>)
+        adam_math<kSmallW>(pp, mm, vv, ld(g, i), s);
+      else
+        adam_math_1div<kSmallW>(pp, mm, vv, ld(g, i), s);
+      const uint32_t h = hash32(i, k.param);
+      if constexpr (std::is_same_v<S, float>) {
+        m[i] = mm;
+        v[i] = vv;
+      } else {
+        m[i] = sr_bf16(mm, h >> 16);
+        v[i] = sr_bf16(vv, rehash16(h));
+      }
+      if constexpr (std::is_same_v<P, float>) {
+        p[i] = pp;
+      } else {
+        p[i] = sr_bf16(pp, h);
+      }
+    }
+  }
+}
+
+inline float abs_f(float x) { return f32_from_bits(bits_from_f32(x) & 0x7FFFFFFFu); }
+
+// 8-bit states: block by block, decode, step, new absmax, encode. The
+// pointers start at the chunk (a whole number of blocks); ma/va at its
+// first block.
+template <class P, class G, bool kSmallW>
+void adamw_q8(P* __restrict p, const G* __restrict g, uint8_t* __restrict mc, uint8_t* __restrict vc,
+              float* __restrict ma, float* __restrict va, uint32_t e, const AdamWScalars& scalars,
+              const Keys& keys) {
+  const AdamWScalars s = scalars;
+  const Keys k = keys;
+  const Q8Tables& T = q8_tables();
+  alignas(64) float mm[kQ8Block];
+  alignas(64) float vv[kQ8Block];
+  for (uint32_t b0 = 0; b0 < e; b0 += kQ8Block) {
+    const uint32_t n = e - b0 < kQ8Block ? e - b0 : static_cast<uint32_t>(kQ8Block);
+    const uint32_t j = b0 / kQ8Block;
+    // This block's elements (pointer offsets keep the inner indices simple
+    // for the vectorizer).
+    P* __restrict pb = p + b0;
+    const G* __restrict gb = g + b0;
+    uint8_t* __restrict mcb = mc + b0;
+    uint8_t* __restrict vcb = vc + b0;
+    const float am = ma[j], av = va[j];
+    for (uint32_t t = 0; t < n; ++t) {
+      mm[t] = T.signed_e4m3[mcb[t]] * am;
+      vv[t] = T.unsigned_e5m3[vcb[t]] * av;
+    }
+    // The absmax as the bits of |x| (non-negative floats order as their
+    // bits; an integer max vectorizes, and NaN/Inf show as >= 0x7F800000).
+    uint32_t amax_m = 0, amax_v = 0;
+    for (uint32_t t = 0; t < n; ++t) {
+      float pp = ld(pb, t), m1 = mm[t], v1 = vv[t];
+      adam_math<kSmallW>(pp, m1, v1, ld(gb, t), s);
+      if constexpr (std::is_same_v<P, float>) {
+        pb[t] = pp;
+      } else {
+        pb[t] = sr_bf16(pp, hash32(b0 + t, k.param));
+      }
+      mm[t] = m1;
+      vv[t] = v1;
+      const uint32_t a1 = bits_from_f32(m1) & 0x7FFFFFFFu, a2 = bits_from_f32(v1) & 0x7FFFFFFFu;
+      amax_m = a1 > amax_m ? a1 : amax_m;
+      amax_v = a2 > amax_v ? a2 : amax_v;
+    }
+    const bool bad = amax_m >= 0x7F800000u || amax_v >= 0x7F800000u;
+    const float nan = f32_from_bits(0x7FC00000u);
+    const float new_m = bad ? nan : f32_from_bits(amax_m), new_v = bad ? nan : f32_from_bits(amax_v);
+    const float sm = new_m > 0.0f ? kQ8Top / new_m : 0.0f;
+    const float sv = new_v > 0.0f ? kQ8Top / new_v : 0.0f;
+    for (uint32_t t = 0; t < n; ++t) {
+      const uint32_t i = b0 + t;
+      const uint32_t sign = (bits_from_f32(mm[t]) >> 31) << 7;
+      mcb[t] = static_cast<uint8_t>(q8_code_e4m3(abs_f(mm[t]) * sm, hash32(i, k.m)) | sign);
+      vcb[t] = static_cast<uint8_t>(q8_code_e5m3(vv[t] * sv, hash32(i, k.v)));
+    }
+    ma[j] = new_m;
+    va[j] = new_v;
+  }
+}
+
+template <class P, class G, bool kSmallW>
+void adamw_states(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b,
+                  int64_t e) {
+  P* p = static_cast<P*>(t.param) + b;
+  const G* g = static_cast<const G*>(t.grad) + b;
+  const uint32_t n = static_cast<uint32_t>(e - b);
+  switch (f) {
+    case StateFormat::F32:
+      adamw_dense<P, G, float, kSmallW>(p, g, static_cast<float*>(t.exp_avg) + b, static_cast<float*>(t.exp_avg_sq) + b,
+                                        n, s, k);
+      break;
+    case StateFormat::BF16:
+      adamw_dense<P, G, uint16_t, kSmallW>(p, g, static_cast<uint16_t*>(t.exp_avg) + b,
+                                           static_cast<uint16_t*>(t.exp_avg_sq) + b, n, s, k);
+      break;
+    case StateFormat::Q8:
+      adamw_q8<P, G, kSmallW>(p, g, static_cast<uint8_t*>(t.exp_avg) + b, static_cast<uint8_t*>(t.exp_avg_sq) + b,
+                              t.exp_avg_absmax + b / kQ8Block, t.exp_avg_sq_absmax + b / kQ8Block, n, s, k);
+      break;
+  }
+}
+
+template <class P, class G>
+void adamw_pg(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b, int64_t e) {
+  if (s.small_w1)
+    adamw_states<P, G, true>(t, f, s, k, b, e);
+  else
+    adamw_states<P, G, false>(t, f, s, k, b, e);
+}
+
+void adamw(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b, int64_t e) {
+  const bool pb = t.param_dtype == Dtype::BF16, gb = t.grad_dtype == Dtype::BF16;
+  if (!pb && !gb) adamw_pg<float, float>(t, f, s, k, b, e);
+  else if (!pb && gb) adamw_pg<float, uint16_t>(t, f, s, k, b, e);
+  else if (pb && !gb) adamw_pg<uint16_t, float>(t, f, s, k, b, e);
+  else adamw_pg<uint16_t, uint16_t>(t, f, s, k, b, e);
+}
+
+// ---------------------------------------------------------------- sums
+template <class T>
+double sumsq_t(const T* __restrict x, int64_t b, int64_t e) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8)
+    for (int l = 0; l < 8; ++l) {
+      const double d = ld(x, i + l);
+      acc[l] += d * d;
+    }
+  double tail = 0;
+  for (; i < e; ++i) {
+    const double d = ld(x, i);
+    tail += d * d;
+  }
+  return (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) + tail;
+}
+
+double sumsq(const Span& s, int64_t b, int64_t e) {
+  if (s.dtype == Dtype::BF16) return sumsq_t(static_cast<const uint16_t*>(s.data), b, e);
+  return sumsq_t(static_cast<const float*>(s.data), b, e);
+}
+
+// ---------------------------------------------------------------- Adafactor
+// transformers' Adafactor.step, element by element (fp32 as torch computes):
+//   update = grad**2 + eps1
+//   factored: row = row * b2t + (1 - b2t) * update.mean(-1), col likewise
+//             with mean(-2); update = (rsqrt(row / row.mean(-1)) outer
+//             rsqrt(col)) * grad
+//   else:     v = v * b2t + (1 - b2t) * update; update = rsqrt(v) * grad
+//   update /= max(rms(update) / clip_threshold, 1); update *= lr
+//   beta1:    m = m * beta1 + (1 - beta1) * update; update = m
+//   p += -wd * lr * p (if wd); p += -update
+template <class G>
+void af_stats_t(const G* __restrict g, const AdafactorScalars& s, int64_t cols, int64_t base, int64_t r0, int64_t r1,
+                double* __restrict row_sums, double* __restrict col_sums) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t off = base + r * cols;
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8)
+      for (int l = 0; l < 8; ++l) {
+        const float gg = ld(g, off + c + l) * s.grad_scale;
+        const float u = gg * gg + s.eps1;
+        acc[l] += u;
+        col_sums[c + l] += u;
+      }
+    double tail = 0;
+    for (; c < cols; ++c) {
+      const float gg = ld(g, off + c) * s.grad_scale;
+      const float u = gg * gg + s.eps1;
+      tail += u;
+      col_sums[c] += u;
+    }
+    row_sums[r - r0] =
+        (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) + tail;
+  }
+}
+
+void af_stats(const AdafactorTensor& t, const AdafactorScalars& s, int64_t b, int64_t r0, int64_t r1,
+              double* row_sums, double* col_sums) {
+  const int64_t base = b * t.rows * t.cols;
+  if (t.grad_dtype == Dtype::BF16)
+    af_stats_t(static_cast<const uint16_t*>(t.grad), s, t.cols, base, r0, r1, row_sums, col_sums);
+  else
+    af_stats_t(static_cast<const float*>(t.grad), s, t.cols, base, r0, r1, row_sums, col_sums);
+}
+
+// The update before clipping, for element i (row-major within its matrix).
+template <class G>
+double af_update_sumsq_t(const AdafactorTensor& t, const G* __restrict g, const AdafactorScalars& s,
+                         const float* __restrict rf, const float* __restrict cf, int64_t b, int64_t e) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double tail = 0;
+  if (t.factored) {
+    // Walk row by row so the column factor is a contiguous run.
+    const int64_t cols = t.cols;
+    int64_t i = b;
+    while (i < e) {
+      const int64_t row = i / cols;  // global row: batch * rows + r
+      const int64_t c0 = i - row * cols;
+      const int64_t n = (e - i) < (cols - c0) ? (e - i) : (cols - c0);
+      const int64_t b_idx = row / t.rows;
+      const float r = rf[row];
+      const float* __restrict cfr = cf + b_idx * cols + c0;
+      int64_t c = 0;
+      for (; c + 8 <= n; c += 8)
+        for (int l = 0; l < 8; ++l) {
+          const float u = (r * cfr[c + l]) * (ld(g, i + c + l) * s.grad_scale);
+          acc[l] += static_cast<double>(u) * u;
+        }
+      for (; c < n; ++c) {
+        const float u = (r * cfr[c]) * (ld(g, i + c) * s.grad_scale);
+        tail += static_cast<double>(u) * u;
+      }
+      i += n;
+    }
+  } else {
+    float* __restrict v = t.exp_avg_sq;
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8)
+      for (int l = 0; l < 8; ++l) {
+        const float gg = ld(g, i + l) * s.grad_scale;
+        const float vv = v[i + l] * s.b2t + s.om_b2t * (gg * gg + s.eps1);
+        v[i + l] = vv;
+        const float u = (1.0f / std::sqrt(vv)) * gg;
+        acc[l] += static_cast<double>(u) * u;
+      }
+    for (; i < e; ++i) {
+      const float gg = ld(g, i) * s.grad_scale;
+      const float vv = v[i] * s.b2t + s.om_b2t * (gg * gg + s.eps1);
+      v[i] = vv;
+      const float u = (1.0f / std::sqrt(vv)) * gg;
+      tail += static_cast<double>(u) * u;
+    }
+  }
+  return (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) + tail;
+}
+
+double af_update_sumsq(const AdafactorTensor& t, const AdafactorScalars& s, const float* rf, const float* cf,
+                       int64_t b, int64_t e) {
+  if (t.grad_dtype == Dtype::BF16)
+    return af_update_sumsq_t(t, static_cast<const uint16_t*>(t.grad), s, rf, cf, b, e);
+  return af_update_sumsq_t(t, static_cast<const float*>(t.grad), s, rf, cf, b, e);
+}
+
+// Applies the final update u (clipped, times lr) to element i.
+template <class P>
+inline void af_apply_one(P* __restrict p, float* __restrict m, int64_t i, float u, const AdafactorScalars& s,
+                         uint32_t key, uint32_t counter) {
+  u = u / s.clip_div;
+  u = u * s.lr;
+  if (s.first_moment) {
+    const float mm = m[i] * s.beta1 + s.om_beta1 * u;
+    m[i] = mm;
+    u = mm;
+  }
+  float pp = ld(p, i);
+  if (s.weight_decay) pp = pp + s.neg_wd_lr * pp;
+  pp = pp + -u;
+  if constexpr (std::is_same_v<P, float>) {
+    p[i] = pp;
+  } else {
+    p[i] = sr_bf16(pp, hash32(counter, key));
+  }
+}
+
+template <class P, class G>
+void af_apply_t(const AdafactorTensor& t, P* __restrict p, const G* __restrict g, const AdafactorScalars& s,
+                const float* __restrict rf, const float* __restrict cf, uint32_t key, int64_t b, int64_t e) {
+  float* __restrict m = t.exp_avg;
+  if (t.factored) {
+    const int64_t cols = t.cols;
+    int64_t i = b;
+    while (i < e) {
+      const int64_t row = i / cols;
+      const int64_t c0 = i - row * cols;
+      const int64_t n = (e - i) < (cols - c0) ? (e - i) : (cols - c0);
+      const int64_t b_idx = row / t.rows;
+      const float r = rf[row];
+      const float* __restrict cfr = cf + b_idx * cols + c0;
+      for (int64_t c = 0; c < n; ++c)
+        af_apply_one(p, m, i + c, (r * cfr[c]) * (ld(g, i + c) * s.grad_scale), s, key,
+                     static_cast<uint32_t>(i + c - b));
+      i += n;
+    }
+  } else {
+    const float* __restrict v = t.exp_avg_sq;
+    for (int64_t i = b; i < e; ++i)
+      af_apply_one(p, m, i, (1.0f / std::sqrt(v[i])) * (ld(g, i) * s.grad_scale), s, key,
+                   static_cast<uint32_t>(i - b));
+  }
+}
+
+void af_apply(const AdafactorTensor& t, const AdafactorScalars& s, const float* rf, const float* cf, const Keys& k,
+              int64_t b, int64_t e) {
+  const bool pb = t.param_dtype == Dtype::BF16, gb = t.grad_dtype == Dtype::BF16;
+  if (!pb && !gb) af_apply_t(t, static_cast<float*>(t.param), static_cast<const float*>(t.grad), s, rf, cf, k.param, b, e);
+  else if (!pb && gb) af_apply_t(t, static_cast<float*>(t.param), static_cast<const uint16_t*>(t.grad), s, rf, cf, k.param, b, e);
+  else if (pb && !gb) af_apply_t(t, static_cast<uint16_t*>(t.param), static_cast<const float*>(t.grad), s, rf, cf, k.param, b, e);
+  else af_apply_t(t, static_cast<uint16_t*>(t.param), static_cast<const uint16_t*>(t.grad), s, rf, cf, k.param, b, e);
+}
+
+}  // namespace
+
+extern const Kernels kKernels;
+const Kernels kKernels = {LS_OPTIM_ISA_NAME, &adamw, &sumsq, &af_stats, &af_update_sumsq, &af_apply};
+
+}  // namespace LS_OPTIM_ISA
+}  // namespace detail
+}  // namespace optim
+}  // namespace layerstream

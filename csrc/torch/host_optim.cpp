@@ -1,0 +1,395 @@
+// Host optimizers over torch tensors: see host_optim.h and docs/design/optim.md.
+#include "host_optim.h"
+
+#include <cmath>
+#include <set>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace layerstream {
+namespace optim {
+
+namespace {
+
+std::string device_str(const torch::Device& d) { return d.str(); }
+
+// The kernels walk memory order: a parameter, its gradient and its states
+// must be dense and share one layout.
+void check_dense(const torch::Tensor& t, const std::string& what) {
+  LS_CHECK(t.is_non_overlapping_and_dense(), "layerstream.optim: ", what,
+           " is not a dense tensor (a view with gaps or overlaps); optimizers step dense parameters only");
+}
+
+bool same_layout(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && (a.numel() <= 1 || a.strides() == b.strides());
+}
+
+// `g` in the layout of `like` (a copy when it differs).
+torch::Tensor in_layout_of(const torch::Tensor& g, const torch::Tensor& like) {
+  if (same_layout(g, like)) return g;
+  torch::Tensor out = torch::empty_like(like, g.options());
+  out.copy_(g);
+  return out;
+}
+
+torch::ScalarType state_dtype(StateFormat f) {
+  switch (f) {
+    case StateFormat::F32: return torch::kFloat;
+    case StateFormat::BF16: return torch::kBFloat16;
+    case StateFormat::Q8: return torch::kByte;
+  }
+  return torch::kFloat;
+}
+
+// The kernels write parameters through raw pointers: bump their version
+// counters as an in-place torch op would, so that what watches them (the
+// engine's cache_across_steps, a saved tensor's check) sees the update.
+void bump_versions(const std::vector<torch::Tensor>& params) {
+  for (const torch::Tensor& p : params)
+    if (p.device().is_cpu() && !p.is_inference()) torch::autograd::impl::bump_version(p);
+}
+
+Span span_of(const torch::Tensor& t) {
+  return Span{t.data_ptr(), core_dtype(t, "gradient"), t.numel()};
+}
+
+}  // namespace
+
+Dtype core_dtype(const torch::Tensor& t, const std::string& what) {
+  if (t.scalar_type() == torch::kFloat) return Dtype::F32;
+  if (t.scalar_type() == torch::kBFloat16) return Dtype::BF16;
+  LS_FAIL("layerstream.optim: ", what, " has dtype ", t.scalar_type(),
+          "; the host optimizers step float32 and bfloat16 parameters");
+}
+
+AdamWStates adamw_init_states(const torch::Tensor& param, StateFormat format) {
+  check_dense(param, "a parameter");
+  AdamWStates s;
+  const auto opts = param.options().dtype(state_dtype(format)).requires_grad(false);
+  s.exp_avg = torch::zeros_like(param, opts, torch::MemoryFormat::Preserve);
+  s.exp_avg_sq = torch::zeros_like(param, opts, torch::MemoryFormat::Preserve);
+  if (format == StateFormat::Q8) {
+    const int64_t blocks = state_absmax_count(format, param.numel());
+    s.exp_avg_absmax = torch::zeros({blocks}, param.options().dtype(torch::kFloat).requires_grad(false));
+    s.exp_avg_sq_absmax = torch::zeros({blocks}, param.options().dtype(torch::kFloat).requires_grad(false));
+  }
+  return s;
+}
+
+AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, AdamWStates loaded,
+                               const std::string& name) {
+  torch::NoGradGuard ng;
+  AdamWStates out;
+  const torch::ScalarType want = state_dtype(format);
+  auto adopt = [&](const torch::Tensor& t, const char* key) {
+    LS_CHECK(t.defined(), "layerstream.optim: the loaded state of ", name, " has no '", key, "'");
+    LS_CHECK(t.sizes() == param.sizes(), "layerstream.optim: the loaded state '", key, "' of ", name, " has shape ",
+             t.sizes(), ", the parameter ", param.sizes());
+    if (format == StateFormat::Q8) {
+      LS_CHECK(t.scalar_type() == torch::kByte, "layerstream.optim: the loaded state '", key, "' of ", name,
+               " is ", t.scalar_type(), ", but this optimizer keeps 8-bit states (uint8 codes); load a state dict "
+               "saved with state_precision='8bit'");
+    } else {
+      LS_CHECK(t.is_floating_point(), "layerstream.optim: the loaded state '", key, "' of ", name, " is ",
+               t.scalar_type(), "; state_precision='", state_format_name(format), "' needs floating-point states");
+    }
+    torch::Tensor r = torch::empty_like(param, param.options().dtype(want), torch::MemoryFormat::Preserve);
+    r.copy_(t);
+    return r;
+  };
+  out.exp_avg = adopt(loaded.exp_avg, "exp_avg");
+  out.exp_avg_sq = adopt(loaded.exp_avg_sq, "exp_avg_sq");
+  if (format == StateFormat::Q8) {
+    const int64_t blocks = state_absmax_count(format, param.numel());
+    auto absmax = [&](const torch::Tensor& t, const char* key) {
+      LS_CHECK(t.defined() && t.numel() == blocks && t.scalar_type() == torch::kFloat, "layerstream.optim: the loaded ",
+               "state of ", name, " needs '", key, "' (float32, ", blocks, " values) for its 8-bit states");
+      return t.to(param.device()).contiguous().clone();
+    };
+    out.exp_avg_absmax = absmax(loaded.exp_avg_absmax, "exp_avg_absmax");
+    out.exp_avg_sq_absmax = absmax(loaded.exp_avg_sq_absmax, "exp_avg_sq_absmax");
+  }
+  return out;
+}
+
+void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group) {
+  LS_CHECK(params.size() == grads.size(), "internal: one gradient per parameter");
+  std::set<std::string> devices;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor& p = params[i];
+    const torch::Tensor& g = grads[i];
+    LS_CHECK(g.layout() == torch::kStrided, "layerstream.optim: parameter ", i, " of param group ", group,
+             " has a sparse gradient (", g.layout(), "); layerstream's optimizers need dense gradients "
+             "(use nn.Embedding(sparse=False), or torch.optim.SparseAdam for that parameter)");
+    LS_CHECK(g.device() == p.device(), "layerstream.optim: parameter ", i, " of param group ", group, " is on ",
+             device_str(p.device()), " but its gradient on ", device_str(g.device()));
+    LS_CHECK(g.scalar_type() == p.scalar_type(), "layerstream.optim: parameter ", i, " of param group ", group,
+             " is ", p.scalar_type(), " but its gradient ", g.scalar_type());
+    devices.insert(device_str(p.device()));
+  }
+  if (devices.size() > 1) {
+    std::ostringstream os;
+    for (const auto& d : devices) os << (os.tellp() > 0 ? ", " : "") << d;
+    LS_FAIL("layerstream.optim: the parameters of param group ", group, " are on several devices (", os.str(),
+            "); one group's parameters must be on one device: put the others in a param group of their own");
+  }
+}
+
+void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector<torch::Tensor>& params,
+                const std::vector<torch::Tensor>& grads, const std::vector<AdamWStates>& states,
+                const std::vector<int64_t>& steps, const std::vector<uint64_t>& keys, float grad_scale,
+                uint64_t seed) {
+  check_adamw(config);
+  const size_t n = params.size();
+  LS_CHECK(grads.size() == n && states.size() == n && steps.size() == n && keys.size() == n,
+           "internal: adamw_step needs one gradient, state, step and key per parameter");
+  torch::NoGradGuard ng;
+  std::vector<AdamWTensor> host;
+  std::vector<torch::Tensor> keep;  // gradients copied into their parameter's layout
+  for (size_t i = 0; i < n; ++i) {
+    const torch::Tensor& p = params[i];
+    const AdamWStates& s = states[i];
+    LS_CHECK(s.exp_avg.defined() && s.exp_avg_sq.defined(), "internal: AdamW states missing");
+    if (!p.device().is_cpu()) {
+      // Torch's own single-tensor AdamW arithmetic on the parameter's device.
+      LS_CHECK(format == StateFormat::F32, "layerstream.optim: parameters on ", device_str(p.device()),
+               " are stepped by torch's AdamW arithmetic on that device, with fp32 states only; use "
+               "state_precision='fp32' for their param group");
+      torch::Tensor g = grads[i];
+      if (grad_scale != 1.0f) g = g * grad_scale;
+      const double t = static_cast<double>(steps[i]);
+      const double bc1 = 1.0 - std::pow(config.beta1, t), bc2 = 1.0 - std::pow(config.beta2, t);
+      if (config.weight_decay != 0) p.mul_(1.0 - config.lr * config.weight_decay);
+      s.exp_avg.lerp_(g, 1.0 - config.beta1);
+      s.exp_avg_sq.mul_(config.beta2).addcmul_(g, g, 1.0 - config.beta2);
+      const torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::pow(bc2, 0.5)).add_(config.eps);
+      p.addcdiv_(s.exp_avg, denom, -(config.lr / bc1));
+      continue;
+    }
+    check_dense(p, "a parameter");
+    torch::Tensor g = in_layout_of(grads[i], p);
+    if (!g.is_same(grads[i])) keep.push_back(g);
+    LS_CHECK(same_layout(s.exp_avg, p) && same_layout(s.exp_avg_sq, p) && s.exp_avg.device().is_cpu() &&
+                 s.exp_avg_sq.device().is_cpu() && s.exp_avg.scalar_type() == state_dtype(format) &&
+                 s.exp_avg_sq.scalar_type() == state_dtype(format),
+             "layerstream.optim: the states of parameter ", i, " do not match it (layout, device or dtype for "
+             "state_precision='", state_format_name(format), "')");
+    AdamWTensor t;
+    t.param = p.data_ptr();
+    t.param_dtype = core_dtype(p, "a parameter");
+    t.grad = g.data_ptr();
+    t.grad_dtype = core_dtype(g, "a gradient");
+    t.exp_avg = s.exp_avg.data_ptr();
+    t.exp_avg_sq = s.exp_avg_sq.data_ptr();
+    if (format == StateFormat::Q8) {
+      const int64_t blocks = state_absmax_count(format, p.numel());
+      LS_CHECK(s.exp_avg_absmax.defined() && s.exp_avg_absmax.numel() == blocks &&
+                   s.exp_avg_absmax.scalar_type() == torch::kFloat && s.exp_avg_absmax.is_contiguous() &&
+                   s.exp_avg_sq_absmax.defined() && s.exp_avg_sq_absmax.numel() == blocks &&
+                   s.exp_avg_sq_absmax.scalar_type() == torch::kFloat && s.exp_avg_sq_absmax.is_contiguous(),
+               "layerstream.optim: the 8-bit states of parameter ", i, " lack their absmax values");
+      t.exp_avg_absmax = s.exp_avg_absmax.data_ptr<float>();
+      t.exp_avg_sq_absmax = s.exp_avg_sq_absmax.data_ptr<float>();
+    }
+    t.numel = p.numel();
+    t.step = steps[i];
+    t.key = keys[i];
+    host.push_back(t);
+  }
+  if (!host.empty()) optim::adamw_step(config, format, host, grad_scale, seed);
+  bump_versions(params);
+}
+
+AdafactorStates adafactor_init_states(const torch::Tensor& param, const AdafactorConfig& config) {
+  AdafactorStates s;
+  const auto f32 = param.options().dtype(torch::kFloat).requires_grad(false);
+  if (param.dim() >= 2) {
+    std::vector<int64_t> row(param.sizes().begin(), param.sizes().end() - 1);
+    std::vector<int64_t> col(param.sizes().begin(), param.sizes().end() - 2);
+    col.push_back(param.size(-1));
+    s.exp_avg_sq_row = torch::zeros(row, f32);
+    s.exp_avg_sq_col = torch::zeros(col, f32);
+  } else {
+    s.exp_avg_sq = torch::zeros(param.sizes(), f32);
+  }
+  if (config.beta1 >= 0.0) s.exp_avg = torch::zeros(param.sizes(), f32);
+  return s;
+}
+
+std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vector<torch::Tensor>& params,
+                                  const std::vector<torch::Tensor>& grads,
+                                  const std::vector<AdafactorStates>& states, const std::vector<int64_t>& steps,
+                                  const std::vector<uint64_t>& keys, float grad_scale, uint64_t seed) {
+  check_adafactor(config);
+  const size_t n = params.size();
+  LS_CHECK(grads.size() == n && states.size() == n && steps.size() == n && keys.size() == n,
+           "internal: adafactor_step needs one gradient, state, step and key per parameter");
+  torch::NoGradGuard ng;
+  std::vector<AdafactorTensor> ts(n);
+  std::vector<torch::Tensor> work_p(n), work_g(n);
+  auto contiguous_f32 = [](const torch::Tensor& t, const char* what) {
+    LS_CHECK(t.defined() && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu(),
+             "layerstream.optim: Adafactor state '", what, "' must be a contiguous float32 host tensor");
+    return t.data_ptr<float>();
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const torch::Tensor& p = params[i];
+    LS_CHECK(p.device().is_cpu(), "layerstream.optim.Adafactor steps host (CPU) parameters; parameter ", i,
+             " is on ", device_str(p.device()));
+    // Factored over the logical last two dimensions: row-major memory.
+    work_p[i] = p.is_contiguous() ? p : p.contiguous();
+    work_g[i] = grads[i].contiguous();
+    AdafactorTensor& t = ts[i];
+    t.param = work_p[i].data_ptr();
+    t.param_dtype = core_dtype(p, "a parameter");
+    t.grad = work_g[i].data_ptr();
+    t.grad_dtype = core_dtype(work_g[i], "a gradient");
+    t.factored = p.dim() >= 2;
+    if (t.factored) {
+      t.cols = p.size(-1);
+      t.rows = p.size(-2);
+      t.batch = t.rows * t.cols == 0 ? 0 : p.numel() / (t.rows * t.cols);
+      t.exp_avg_sq_row = contiguous_f32(states[i].exp_avg_sq_row, "exp_avg_sq_row");
+      t.exp_avg_sq_col = contiguous_f32(states[i].exp_avg_sq_col, "exp_avg_sq_col");
+      LS_CHECK(states[i].exp_avg_sq_row.numel() == t.batch * t.rows &&
+                   states[i].exp_avg_sq_col.numel() == t.batch * t.cols,
+               "layerstream.optim: Adafactor factored states of parameter ", i, " do not match its shape");
+    } else {
+      t.batch = 1;
+      t.rows = 1;
+      t.cols = p.numel();
+      t.exp_avg_sq = contiguous_f32(states[i].exp_avg_sq, "exp_avg_sq");
+      LS_CHECK(states[i].exp_avg_sq.numel() == p.numel(), "layerstream.optim: Adafactor state of parameter ", i,
+               " does not match its shape");
+    }
+    if (config.beta1 >= 0.0) {
+      t.exp_avg = contiguous_f32(states[i].exp_avg, "exp_avg");
+      LS_CHECK(states[i].exp_avg.numel() == p.numel(), "layerstream.optim: Adafactor exp_avg of parameter ", i,
+               " does not match its shape");
+    }
+    t.step = steps[i];
+    t.key = keys[i];
+  }
+  optim::adafactor_step(config, ts, grad_scale, seed);
+  std::vector<float> rms(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (!work_p[i].is_same(params[i])) params[i].copy_(work_p[i]);
+    rms[i] = ts[i].rms;
+  }
+  bump_versions(params);
+  return rms;
+}
+
+double grad_norm(const std::vector<torch::Tensor>& grads) {
+  torch::NoGradGuard ng;
+  std::vector<Span> host;
+  std::vector<torch::Tensor> keep;
+  double device_sum = 0;
+  for (const torch::Tensor& g : grads) {
+    LS_CHECK(g.layout() == torch::kStrided, "layerstream.optim: a sparse gradient cannot be clipped here");
+    if (g.device().is_cpu() && (g.scalar_type() == torch::kFloat || g.scalar_type() == torch::kBFloat16)) {
+      torch::Tensor d = g.is_non_overlapping_and_dense() ? g : g.contiguous();
+      keep.push_back(d);
+      host.push_back(span_of(d));
+    } else {
+      const double nrm = torch::linalg_vector_norm(g, 2, c10::nullopt, false, torch::kDouble).item<double>();
+      device_sum += nrm * nrm;
+    }
+  }
+  return std::sqrt(sum_of_squares(host) + device_sum);
+}
+
+// ---------------------------------------------------------------- AdamW
+AdamW::AdamW(std::vector<torch::Tensor> params, AdamWOptions options) {
+  add_param_group(std::move(params), std::move(options));
+}
+
+void AdamW::add_param_group(std::vector<torch::Tensor> params, AdamWOptions options) {
+  check_adamw(AdamWConfig{options.lr, options.beta1, options.beta2, options.eps, options.weight_decay});
+  if (options.max_grad_norm)
+    LS_CHECK(*options.max_grad_norm > 0.0, "max_grad_norm must be > 0, got ", *options.max_grad_norm);
+  Group g;
+  g.format = parse_state_format(options.state_precision);
+  g.options = std::move(options);
+  for (auto& p : params) {
+    for (const auto& other : groups_)
+      for (const auto& q : other.params)
+        LS_CHECK(!q.param.is_same(p), "some parameters appear in more than one parameter group");
+    core_dtype(p, "a parameter");
+    g.params.push_back(Param{p, {}, 0, next_key_++});
+  }
+  groups_.push_back(std::move(g));
+}
+
+void AdamW::step() {
+  torch::NoGradGuard ng;
+  struct Work {
+    Group* group;
+    std::vector<Param*> params;
+    std::vector<torch::Tensor> p, g;
+  };
+  std::vector<Work> work;
+  std::vector<torch::Tensor> all_grads;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Work w{&groups_[gi], {}, {}, {}};
+    for (auto& prm : groups_[gi].params) {
+      const torch::Tensor& grad = prm.param.grad();
+      if (!grad.defined()) continue;
+      w.params.push_back(&prm);
+      w.p.push_back(prm.param);
+      w.g.push_back(grad);
+    }
+    check_group(w.p, w.g, static_cast<int>(gi));
+    all_grads.insert(all_grads.end(), w.g.begin(), w.g.end());
+    work.push_back(std::move(w));
+  }
+  float coef = 1.0f;
+  const std::optional<double> max_norm = groups_.empty() ? std::nullopt : groups_[0].options.max_grad_norm;
+  if (max_norm) {
+    last_norm_ = grad_norm(all_grads);
+    coef = clip_coefficient(last_norm_, *max_norm);
+  }
+  for (auto& w : work) {
+    if (w.params.empty()) continue;
+    const AdamWOptions& o = w.group->options;
+    std::vector<AdamWStates> states;
+    std::vector<int64_t> steps;
+    std::vector<uint64_t> keys;
+    for (Param* prm : w.params) {
+      if (!prm->states.exp_avg.defined()) prm->states = adamw_init_states(prm->param, w.group->format);
+      states.push_back(prm->states);
+      steps.push_back(++prm->step);
+      keys.push_back(prm->key);
+    }
+    adamw_step(AdamWConfig{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay}, w.group->format, w.p, w.g, states,
+               steps, keys, coef, groups_[0].options.seed);
+  }
+}
+
+void AdamW::zero_grad(bool set_to_none) {
+  for (auto& g : groups_)
+    for (auto& prm : g.params) {
+      torch::Tensor& grad = prm.param.mutable_grad();
+      if (!grad.defined()) continue;
+      if (set_to_none) {
+        grad = torch::Tensor();
+      } else {
+        grad = grad.detach();
+        grad.zero_();
+      }
+    }
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t n = 0;
+  for (const auto& g : groups_)
+    for (const auto& prm : g.params)
+      for (const torch::Tensor& t : {prm.states.exp_avg, prm.states.exp_avg_sq, prm.states.exp_avg_absmax,
+                                     prm.states.exp_avg_sq_absmax})
+        if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
+  return n;
+}
+
+}  // namespace optim
+}  // namespace layerstream

@@ -1,0 +1,143 @@
+// layerstream — host optimizers over torch tensors (LibTorch glue of
+// core/optim/optim.h). Named host_optim.h, not optim.h: with csrc/ on the
+// include path, "torch/optim.h" would shadow LibTorch's own <torch/optim.h>.
+//
+// Two layers:
+//  * tensor functions: state allocation and checks, one AdamW / Adafactor
+//    step over lists of tensors, the gradient norm. The Python optimizers
+//    (python/layerstream/optim.py: torch.optim.Optimizer subclasses with
+//    param groups, schedulers, state_dict) call these through _C, and so does
+//  * layerstream::optim::AdamW, the C++ optimizer (LibTorch users, the CLI's
+//    `demo --full`):
+//
+//      auto handle = layerstream::offload(*net, opts);
+//      layerstream::optim::AdamWOptions o;  o.lr = 3e-3;  o.max_grad_norm = 1.0;
+//      layerstream::optim::AdamW opt(net->parameters(), o);
+//      loss.backward(); opt.step(); opt.zero_grad();
+//
+// Parameters must be float32 or bfloat16; the C++ kernels step those in host
+// (CPU) memory — streamed weights of an offload() handle live there.
+// Parameters on another device (resident on a GPU) are stepped by torch's own
+// AdamW arithmetic on that device (fp32 states only), and count in the
+// clipping norm like all others. All parameters of one group must be on one
+// device; sparse gradients are refused. docs/design/optim.md.
+//
+// Ownership: state tensors are ordinary torch tensors (the caller's, or
+// owned by the AdamW object). Thread safety: the functions may be called
+// from any thread (they release nothing of Python's; the bindings release
+// the GIL around them); an AdamW object is not thread-safe, like torch's
+// optimizers.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/optim/optim.h"
+
+namespace layerstream {
+namespace optim {
+
+// The core dtype of a parameter or gradient (float32 / bfloat16; any other
+// dtype throws, naming `what`).
+Dtype core_dtype(const torch::Tensor& t, const std::string& what);
+
+// ---------------------------------------------------------------- AdamW
+// The states of one parameter, as in its optimizer state dict: exp_avg and
+// exp_avg_sq (float32 / bfloat16 like the parameter's layout, or uint8 codes)
+// and, for 8-bit states, exp_avg_absmax / exp_avg_sq_absmax (float32 [blocks]).
+struct AdamWStates {
+  torch::Tensor exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax;
+};
+// Zero states for `param` (in its layout, on its device).
+AdamWStates adamw_init_states(const torch::Tensor& param, StateFormat format);
+// Checks states loaded from a state dict against `param` and `format` and
+// returns them in the layout and dtype the kernels need (float states of
+// another float dtype are converted, e.g. a torch.optim.AdamW fp32 state for
+// bf16 states; 8-bit states must match exactly). `name` names the
+// parameter in errors.
+AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, AdamWStates loaded,
+                               const std::string& name);
+
+// One AdamW step over parallel lists (steps: each tensor's step number after
+// its increment; keys: stochastic rounding streams, e.g. the positions of the
+// parameters in the optimizer). Host tensors go to the C++ kernels (on
+// ThreadPool::shared()); tensors on another device to torch's own AdamW
+// arithmetic (fp32 states). A gradient whose layout differs from its
+// parameter's is copied into the parameter's layout first.
+void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector<torch::Tensor>& params,
+                const std::vector<torch::Tensor>& grads, const std::vector<AdamWStates>& states,
+                const std::vector<int64_t>& steps, const std::vector<uint64_t>& keys, float grad_scale,
+                uint64_t seed);
+
+// ---------------------------------------------------------------- Adafactor
+struct AdafactorStates {
+  torch::Tensor exp_avg_sq_row, exp_avg_sq_col, exp_avg_sq, exp_avg;  // undefined when unused
+};
+AdafactorStates adafactor_init_states(const torch::Tensor& param, const AdafactorConfig& config);
+// One Adafactor step (host tensors only); returns each parameter's RMS
+// before the step (transformers' state["RMS"]).
+std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vector<torch::Tensor>& params,
+                                  const std::vector<torch::Tensor>& grads,
+                                  const std::vector<AdafactorStates>& states, const std::vector<int64_t>& steps,
+                                  const std::vector<uint64_t>& keys, float grad_scale, uint64_t seed);
+
+// ---------------------------------------------------------------- clipping
+// The total 2-norm of `grads` (host ones by the C++ kernels, others by
+// torch on their device, all summed in double).
+double grad_norm(const std::vector<torch::Tensor>& grads);
+// Checks what every optimizer refuses in a group: sparse gradients, and
+// parameters of one group on different devices (`group` numbers the group
+// in messages).
+void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group);
+
+// ---------------------------------------------------------------- C++ AdamW
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  // clip_grad_norm_(all parameters, max_grad_norm) before each step.
+  std::optional<double> max_grad_norm;
+  std::string state_precision = "fp32";  // "fp32", "bf16" or "8bit"
+  uint64_t seed = 0;                      // stochastic rounding
+};
+
+class AdamW {
+ public:
+  // One group; add_param_group() adds more (lr, betas, eps, weight_decay,
+  // state_precision of its own; max_grad_norm and seed are the optimizer's).
+  AdamW(std::vector<torch::Tensor> params, AdamWOptions options = {});
+  void add_param_group(std::vector<torch::Tensor> params, AdamWOptions options);
+  // Steps every parameter that has a gradient (clipping first if set).
+  void step();
+  void zero_grad(bool set_to_none = true);
+  // The total gradient norm of the last step (NaN before, or when not clipping).
+  double last_grad_norm() const { return last_norm_; }
+  size_t num_groups() const { return groups_.size(); }
+  AdamWOptions& group_options(size_t group) { return groups_.at(group).options; }
+  // Bytes of optimizer state held (for reports).
+  int64_t state_bytes() const;
+
+ private:
+  struct Param {
+    torch::Tensor param;
+    AdamWStates states;
+    int64_t step = 0;
+    uint64_t key = 0;
+  };
+  struct Group {
+    AdamWOptions options;
+    StateFormat format;
+    std::vector<Param> params;
+  };
+  std::vector<Group> groups_;
+  uint64_t next_key_ = 0;
+  double last_norm_ = std::nan("");
+};
+
+}  // namespace optim
+}  // namespace layerstream

@@ -1,0 +1,299 @@
+"""layerstream.optim: optimizers whose arithmetic is C++ on host threads.
+
+``AdamW`` and ``Adafactor`` are ``torch.optim.Optimizer`` subclasses: param
+groups, ``torch.optim.lr_scheduler`` schedulers (they change ``lr`` between
+steps), ``state_dict()`` / ``load_state_dict()`` (also across processes) and
+``zero_grad()`` work as with torch's optimizers::
+
+    opt = layerstream.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+                                  max_grad_norm=1.0, state_precision="bf16")
+    loss.backward(); opt.step(); opt.zero_grad()
+
+The step over parameters in host memory (streamed weights of an offloaded
+model, or any CPU tensor) runs in the C++ kernels of ``csrc/core/optim/``
+(vectorized, on a pool of host threads; ``csrc/torch/host_optim.h`` is the glue).
+Parameters on another device (resident on a GPU) are stepped there with
+torch's own AdamW arithmetic (fp32 states). Design and numbers:
+docs/design/optim.md.
+
+Refused with an error: sparse gradients, parameters of one param group on
+different devices, dtypes other than float32 / bfloat16.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+__all__ = ["AdamW", "Adafactor"]
+
+
+class _Keep:
+    """Carries a state tensor through ``Optimizer.load_state_dict``, which would
+    cast floating-point state to the parameter's dtype (fp32 states of a bf16
+    parameter, 8-bit codes); the optimizer adopts it afterwards."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class _HostOptimizer(torch.optim.Optimizer):
+    """What AdamW and Adafactor share: gradient collection and checks, the
+    global clip (``max_grad_norm``) and state loading."""
+
+    def __init__(self, params, defaults, max_grad_norm):
+        if max_grad_norm is not None:
+            max_grad_norm = float(max_grad_norm)
+            if not max_grad_norm > 0.0:
+                raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.max_grad_norm = max_grad_norm
+        #: The total gradient norm the last step clipped with (None when not clipping).
+        self.last_grad_norm = None
+        super().__init__(params, defaults)
+
+    def _collect(self):
+        """Per group: (group, params with a gradient, their gradients, their keys).
+        A key is the parameter's position in the optimizer (its stochastic
+        rounding stream)."""
+        work, grads, key = [], [], 0
+        for gi, group in enumerate(self.param_groups):
+            ps, gs, keys = [], [], []
+            for p in group["params"]:
+                if p.grad is not None:
+                    ps.append(p)
+                    gs.append(p.grad)
+                    keys.append(key)
+                key += 1
+            _C.optim_check_group(ps, gs, gi)
+            work.append((group, ps, gs, keys))
+            grads += gs
+        return work, grads
+
+    def _grad_scale(self, grads):
+        """clip_grad_norm_(all gradients, max_grad_norm)'s coefficient (1.0 when
+        not clipping). The gradients themselves are not modified: the kernels
+        multiply each gradient element by it as they read it."""
+        if self.max_grad_norm is None:
+            return 1.0
+        norm = _C.optim_grad_norm(grads)
+        self.last_grad_norm = norm
+        return _C.optim_clip_coefficient(norm, self.max_grad_norm)
+
+    def _group_of(self, p):
+        for group in self.param_groups:
+            for q in group["params"]:
+                if q is p:
+                    return group
+        raise KeyError("parameter not in this optimizer")
+
+    def load_state_dict(self, state_dict):
+        sd = dict(state_dict)
+        sd["state"] = {
+            k: {kk: (_Keep(vv) if isinstance(vv, torch.Tensor) and kk != "step" else vv) for kk, vv in v.items()}
+            for k, v in state_dict["state"].items()
+        }
+        super().load_state_dict(sd)
+        for group in self.param_groups:
+            # e.g. a torch.optim.AdamW state dict: its groups lack our options
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+            self._check_group_options(group)
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        for p, st in self.state.items():
+            if any(isinstance(v, _Keep) for v in st.values()):
+                loaded = {k: (v.tensor if isinstance(v, _Keep) else v) for k, v in st.items()}
+                st.clear()
+                st.update(self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}"))
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        self._check_group_options(self.param_groups[-1])
+
+
+class AdamW(_HostOptimizer):
+    """AdamW with torch.optim.AdamW's semantics, stepped by C++ kernels.
+
+    Arguments as ``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``,
+    ``weight_decay``; no ``amsgrad``, ``maximize``, ``foreach``, ``fused``),
+    plus:
+
+    * ``max_grad_norm``: the step gives the result of
+      ``torch.nn.utils.clip_grad_norm_(all params of this optimizer,
+      max_grad_norm)`` followed by the step (the norm is over every param
+      group, host and device parameters together). ``.grad`` is left
+      unscaled; ``last_grad_norm`` is the total norm.
+    * ``state_precision`` (per param group): ``"fp32"`` (default; fp32
+      parameters then get exactly torch's single-tensor AdamW arithmetic,
+      which the tests check to 1e-6 relative), ``"bf16"`` (2 + 2 bytes per
+      parameter, written by stochastic rounding) or ``"8bit"`` (1 + 1 bytes
+      per parameter plus an fp32 absmax per block of 256 per state: a
+      floating-point code per element relative to its block's absmax,
+      chosen by stochastic rounding; docs/design/optim.md).
+    * ``seed`` (per param group): the stochastic rounding seed (bf16
+      parameters are always written by stochastic rounding; fp32 parameters
+      with fp32 states use none). Results are deterministic for a seed,
+      whatever the thread count.
+
+    State per parameter: ``step`` (float32 tensor, as torch), ``exp_avg``,
+    ``exp_avg_sq`` (float32 / bfloat16, or uint8 codes with
+    ``exp_avg_absmax`` / ``exp_avg_sq_absmax``). A ``torch.optim.AdamW``
+    state dict loads into an fp32 or bf16 one (and back, for fp32).
+
+    NaN or Inf in a gradient propagate as in torch (with clipping, a NaN or
+    infinite total norm reaches every parameter, as after
+    ``clip_grad_norm_``); with 8-bit states, a non-finite moment makes its
+    whole block of 256 NaN.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 max_grad_norm=None, state_precision="fp32", seed=0):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        state_precision=state_precision, seed=int(seed))
+        super().__init__(params, defaults, max_grad_norm)
+
+    @staticmethod
+    def _check_group_options(group):
+        b1, b2 = group["betas"]
+        _C.optim_check_adamw(float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                             float(group["weight_decay"]))
+        group["state_precision"] = _C.optim_state_precision(group["state_precision"])
+
+    def _adopt(self, p, group, loaded, name):
+        fmt = group["state_precision"]
+        m, v, a1, a2 = _C.optim_adamw_adopt_states(
+            p.detach(), fmt, loaded.get("exp_avg"), loaded.get("exp_avg_sq"), loaded.get("exp_avg_absmax"),
+            loaded.get("exp_avg_sq_absmax"), name)
+        st = {"step": torch.as_tensor(loaded.get("step", 0.0), dtype=torch.float32).detach().clone().cpu(),
+              "exp_avg": m, "exp_avg_sq": v}
+        if a1 is not None:
+            st["exp_avg_absmax"], st["exp_avg_sq_absmax"] = a1, a2
+        return st
+
+    def _states(self, p, fmt):
+        st = self.state[p]
+        if len(st) == 0:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            m, v, a1, a2 = _C.optim_adamw_init_states(p.detach(), fmt)
+            st["exp_avg"], st["exp_avg_sq"] = m, v
+            if a1 is not None:
+                st["exp_avg_absmax"], st["exp_avg_sq_absmax"] = a1, a2
+        st["step"] += 1
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work, grads = self._collect()
+        scale = self._grad_scale(grads)
+        for group, ps, gs, keys in work:
+            if not ps:
+                continue
+            fmt = group["state_precision"]
+            states = [self._states(p, fmt) for p in ps]
+            b1, b2 = group["betas"]
+            _C.optim_adamw_step(
+                float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), fmt,
+                [p.detach() for p in ps], gs, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s.get("exp_avg_absmax") for s in states], [s.get("exp_avg_sq_absmax") for s in states],
+                [int(s["step"].item()) for s in states], keys, scale, int(group["seed"]))
+        return loss
+
+
+class Adafactor(_HostOptimizer):
+    """Adafactor with the semantics of ``transformers.optimization.Adafactor``
+    (Shazeer & Stern, 2018, as transformers implements it), stepped by C++
+    kernels. Same arguments and defaults::
+
+        Adafactor(params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0,
+                  decay_rate=-0.8, beta1=None, weight_decay=0.0,
+                  scale_parameter=True, relative_step=True, warmup_init=False)
+
+    Per step and parameter: ``beta2t = 1 - step ** decay_rate``; the second
+    moment of ``grad**2 + eps[0]`` is kept factored (a row and a column
+    mean over the last two dimensions) for parameters of 2 or more
+    dimensions, else whole; ``update = grad / sqrt(second moment)``, divided
+    by ``max(rms(update) / clip_threshold, 1)``; the learning rate is
+    ``lr`` or, with ``relative_step``, ``min(1e-2 (1e-6 * step with
+    warmup_init), 1 / sqrt(step))``, times ``max(eps[1], rms(param))`` with
+    ``scale_parameter``; with ``beta1`` the update is averaged (first
+    moment); ``weight_decay`` subtracts ``weight_decay * lr * param``.
+
+    Differences: bf16 parameters are written back by stochastic rounding
+    (transformers rounds to nearest), and ``max_grad_norm`` (clip over all
+    parameters first, as for AdamW) and ``seed`` are added. State per
+    parameter uses transformers' names (``step``, ``exp_avg_sq_row``,
+    ``exp_avg_sq_col`` or ``exp_avg_sq``, ``exp_avg``, ``RMS``), all fp32.
+    Host (CPU) parameters only.
+    """
+
+    def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
+                 weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False, *,
+                 max_grad_norm=None, seed=0):
+        defaults = dict(lr=lr, eps=tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+                        weight_decay=weight_decay, scale_parameter=scale_parameter, relative_step=relative_step,
+                        warmup_init=warmup_init, seed=int(seed))
+        super().__init__(params, defaults, max_grad_norm)
+
+    @staticmethod
+    def _config(group):
+        lr = group["lr"]
+        beta1 = group["beta1"]
+        return (None if lr is None else float(lr), float(group["eps"][0]), float(group["eps"][1]),
+                float(group["clip_threshold"]), float(group["decay_rate"]),
+                None if beta1 is None else float(beta1), float(group["weight_decay"]),
+                bool(group["scale_parameter"]), bool(group["relative_step"]), bool(group["warmup_init"]))
+
+    @classmethod
+    def _check_group_options(cls, group):
+        _C.optim_check_adafactor(*cls._config(group))
+
+    def _adopt(self, p, group, loaded, name):
+        row, col, v, m = _C.optim_adafactor_init_states(p.detach(), group["beta1"] is not None)
+        st = {"step": int(loaded.get("step", 0))}
+        for key, fresh in (("exp_avg_sq_row", row), ("exp_avg_sq_col", col), ("exp_avg_sq", v), ("exp_avg", m)):
+            if fresh is None:
+                continue
+            t = loaded.get(key)
+            if not isinstance(t, torch.Tensor) or t.shape != fresh.shape:
+                raise ValueError(f"layerstream.optim.Adafactor: the loaded state of {name} needs '{key}' of shape "
+                                 f"{tuple(fresh.shape)}, got {None if t is None else tuple(t.shape)}")
+            st[key] = fresh.copy_(t)
+        st["RMS"] = torch.as_tensor(loaded.get("RMS", 0.0), dtype=torch.float32).detach().clone().cpu()
+        return st
+
+    def _states(self, p, group):
+        st = self.state[p]
+        if len(st) == 0:
+            row, col, v, m = _C.optim_adafactor_init_states(p.detach(), group["beta1"] is not None)
+            st["step"] = 0
+            for key, t in (("exp_avg_sq_row", row), ("exp_avg_sq_col", col), ("exp_avg_sq", v), ("exp_avg", m)):
+                if t is not None:
+                    st[key] = t
+            st["RMS"] = torch.tensor(0.0)
+        st["step"] += 1
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work, grads = self._collect()
+        scale = self._grad_scale(grads)
+        for group, ps, gs, keys in work:
+            if not ps:
+                continue
+            states = [self._states(p, group) for p in ps]
+            rms = _C.optim_adafactor_step(
+                *self._config(group), [p.detach() for p in ps], gs, [s.get("exp_avg_sq_row") for s in states],
+                [s.get("exp_avg_sq_col") for s in states], [s.get("exp_avg_sq") for s in states],
+                [s.get("exp_avg") for s in states], [s["step"] for s in states], keys, scale, int(group["seed"]))
+            for s, r in zip(states, rms):
+                s["RMS"].fill_(r)
+        return loss

@@ -1,0 +1,621 @@
+// Tests for csrc/core/optim/: the thread pool, bf16 stochastic rounding, the
+// 8-bit state codes, AdamW (fp32 against a scalar reference written here in
+// torch's order of operations, bit for bit; bf16 and 8-bit states), the
+// gradient norm and clip coefficient, Adafactor against a scalar reference,
+// and the independence of results from thread count and instruction set.
+#include "core/optim/optim.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/optim/internal.h"
+#include "core/optim/kernels.h"
+
+namespace o = layerstream::optim;
+
+namespace {
+
+std::string throws_message(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const layerstream::Error& e) {
+    return e.message();
+  }
+  return "<no layerstream::Error thrown>";
+}
+
+std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// ---------------------------------------------------------------- thread pool
+TEST(OptimThreadPool, RunsEveryTaskOnceAndRethrowsTheFirstError) {
+  o::ThreadPool pool(3);
+  EXPECT_EQ(pool.threads(), 3);
+  std::vector<std::atomic<int>> hits(1000);
+  pool.run(1000, [&](int64_t t) { hits[static_cast<size_t>(t)]++; });
+  for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+  std::atomic<int> ran{0};
+  try {
+    pool.run(50, [&](int64_t t) {
+      ran++;
+      if (t == 7 || t == 30) throw std::runtime_error("task " + std::to_string(t));
+    });
+    FAIL() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "task 7");
+  }
+  EXPECT_EQ(ran.load(), 50);  // the other tasks still ran
+  // Still usable afterwards; a task may not run the pool again.
+  EXPECT_NE(throws_message([&] { pool.run(2, [&](int64_t) { pool.run(1, [](int64_t) {}); }); })
+                .find("from one of its own tasks"),
+            std::string::npos);
+}
+
+TEST(OptimThreadPool, ConcurrentCallersRunOneAfterAnother) {
+  o::ThreadPool pool(2);
+  std::atomic<int> active[2] = {{0}, {0}};
+  std::atomic<int> total{0};
+  std::atomic<bool> overlap{false};
+  auto job = [&](int id) {
+    for (int r = 0; r < 50; ++r)
+      pool.run(8, [&](int64_t) {
+        active[id]++;
+        if (active[1 - id].load() != 0) overlap = true;
+        std::this_thread::yield();
+        total++;
+        active[id]--;
+      });
+  };
+  std::thread a(job, 0), b(job, 1);
+  a.join();
+  b.join();
+  EXPECT_EQ(total.load(), 2 * 50 * 8);
+  EXPECT_FALSE(overlap.load());
+}
+
+// ---------------------------------------------------------------- bf16
+TEST(OptimBf16, RoundToNearestEvenAndSpecials) {
+  EXPECT_EQ(o::bf16_rne(1.0f), 0x3F80);
+  // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).
+  EXPECT_EQ(o::bf16_rne(1.0f + std::ldexp(1.0f, -8)), 0x3F80);
+  EXPECT_EQ(o::bf16_rne(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);
+  EXPECT_EQ(o::bf16_rne(std::numeric_limits<float>::infinity()), 0x7F80);
+  EXPECT_TRUE(std::isnan(o::bf16_to_f32(o::bf16_rne(std::nanf("")))));
+}
+
+TEST(OptimBf16, StochasticRoundingIsUnbiased) {
+  // x = 1 + 0.3 ulp(bf16): the mean of sr_bf16 over all 2^16 random values is
+  // exactly x (each of the 65536 offsets is one step of the dropped bits).
+  const float lo = 1.0f, ulp = std::ldexp(1.0f, -7);
+  const float x = lo + 0.3f * ulp;
+  double sum = 0;
+  for (uint32_t r = 0; r < 65536; ++r) sum += o::bf16_to_f32(o::sr_bf16(x, r));
+  EXPECT_DOUBLE_EQ(sum / 65536.0, static_cast<double>(x));
+  // Negative numbers, and a value just below a power of two.
+  for (float y : {-x, std::nextafter(2.0f, 0.0f), 3e-39f /* subnormal */}) {
+    double s = 0;
+    for (uint32_t r = 0; r < 65536; ++r) s += o::bf16_to_f32(o::sr_bf16(y, r));
+    EXPECT_DOUBLE_EQ(s / 65536.0, static_cast<double>(y)) << y;
+  }
+  // Exactly representable values never move; specials are kept.
+  for (uint32_t r : {0u, 1u, 0xFFFFu}) {
+    EXPECT_EQ(o::sr_bf16(1.5f, r), 0x3FC0);
+    EXPECT_EQ(o::sr_bf16(-std::numeric_limits<float>::infinity(), r), 0xFF80);
+    EXPECT_TRUE(std::isnan(o::bf16_to_f32(o::sr_bf16(std::nanf(""), r))));
+  }
+}
+
+// ---------------------------------------------------------------- 8-bit codes
+TEST(OptimQ8, CodesCoverTheirRangeExactlyAndUnbiased) {
+  const o::Q8Tables& T = o::q8_tables();
+  EXPECT_EQ(T.signed_e4m3[127], 1.0f);
+  EXPECT_EQ(T.signed_e4m3[255], -1.0f);
+  EXPECT_EQ(T.unsigned_e5m3[255], 1.0f);
+  EXPECT_EQ(T.signed_e4m3[0], 0.0f);
+  EXPECT_EQ(T.unsigned_e5m3[0], 0.0f);
+  // Monotone tables.
+  for (int c = 1; c < 128; ++c) EXPECT_LT(T.signed_e4m3[c - 1], T.signed_e4m3[c]);
+  for (int c = 1; c < 256; ++c) EXPECT_LT(T.unsigned_e5m3[c - 1], T.unsigned_e5m3[c]);
+  // Every code's own value encodes to itself, whatever the random bits.
+  for (int c = 0; c < 128; ++c)
+    for (uint32_t r : {0u, 12345u, 0xFFFFFu})
+      EXPECT_EQ(o::q8_code_e4m3(T.signed_e4m3[c] * o::kQ8Top, r), static_cast<uint32_t>(c)) << c;
+  for (int c = 1; c < 256; ++c)
+    for (uint32_t r : {0u, 12345u, 0xFFFFFu})
+      EXPECT_EQ(o::q8_code_e5m3(T.unsigned_e5m3[c] * o::kQ8Top, r), static_cast<uint32_t>(c)) << c;
+  // Between two codes: the mean over all 2^20 random values is the value
+  // (up to the tables' fp32 rounding), in the normal and subnormal ranges.
+  for (float y : {0.7f, 1.3f, 3e-5f, 1e-3f}) {
+    double s = 0;
+    for (uint32_t r = 0; r < (1u << 20); r += 1) s += T.signed_e4m3[o::q8_code_e4m3(y, r)];
+    EXPECT_NEAR(s / (1u << 20) * o::kQ8Top, y, 1e-6 * y) << y;
+  }
+  for (float y : {0.7f, 1e-6f, 5e-10f}) {
+    double s = 0;
+    for (uint32_t r = 0; r < (1u << 20); r += 1) s += T.unsigned_e5m3[o::q8_code_e5m3(y, r)];
+    EXPECT_NEAR(s / (1u << 20) * o::kQ8Top, y, 1e-6 * y) << y;
+  }
+  // A nonzero second moment never becomes 0; zero stays zero.
+  EXPECT_EQ(o::q8_code_e5m3(1e-30f, 0), 1u);
+  EXPECT_EQ(o::q8_code_e5m3(0.0f, 0xFFFFFu), 0u);
+  EXPECT_EQ(o::q8_code_e4m3(0.0f, 0xFFFFFu), 0u);
+}
+
+// ---------------------------------------------------------------- AdamW
+struct Problem {
+  std::vector<float> p, g, m, v;
+};
+
+Problem make_problem(size_t n, uint32_t seed) {
+  Problem pr;
+  pr.p = randn(n, seed);
+  pr.m.assign(n, 0.0f);
+  pr.v.assign(n, 0.0f);
+  return pr;
+}
+
+// torch.optim.AdamW (single tensor, decoupled weight decay), written out
+// operation by operation in fp32 with torch's Python-double scalars.
+void reference_adamw(std::vector<float>& p, const std::vector<float>& g0, std::vector<float>& m,
+                     std::vector<float>& v, const o::AdamWConfig& c, int64_t step, float grad_scale) {
+  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(step));
+  const float neg_step = static_cast<float>(-(c.lr / bc1));
+  const float bc2s = static_cast<float>(std::pow(bc2, 0.5));
+  const float w = static_cast<float>(1.0 - c.beta1);
+  for (size_t i = 0; i < p.size(); ++i) {
+    const float g = g0[i] * grad_scale;
+    if (c.weight_decay != 0) p[i] = p[i] * static_cast<float>(1.0 - c.lr * c.weight_decay);
+    m[i] = std::fabs(w) < 0.5f ? m[i] + w * (g - m[i]) : g - (g - m[i]) * (1.0f - w);
+    const float a = static_cast<float>(1.0 - c.beta2) * g;
+    v[i] = v[i] * static_cast<float>(c.beta2) + a * g;
+    const float sq = std::sqrt(v[i]);
+    const float d = sq / bc2s + static_cast<float>(c.eps);
+    const float num = neg_step * m[i];
+    p[i] = p[i] + num / d;
+  }
+}
+
+o::AdamWTensor f32_tensor(Problem& pr) {
+  o::AdamWTensor t;
+  t.param = pr.p.data();
+  t.grad = pr.g.data();
+  t.exp_avg = pr.m.data();
+  t.exp_avg_sq = pr.v.data();
+  t.numel = static_cast<int64_t>(pr.p.size());
+  return t;
+}
+
+TEST(OptimAdamW, Fp32MatchesTorchOrderBitForBit) {
+  // Sizes around the chunk size and odd tails; betas on both sides of
+  // torch's lerp switch (1 - beta1 < 0.5 and >= 0.5); weight decay on/off;
+  // clip coefficients.
+  for (double beta1 : {0.9, 0.3}) {
+    for (double wd : {0.0, 0.1}) {
+      const size_t n = 3 * 65536 + 77;
+      Problem a = make_problem(n, 1), r = make_problem(n, 1);
+      o::AdamWConfig c;
+      c.lr = 1e-2;
+      c.beta1 = beta1;
+      c.weight_decay = wd;
+      for (int64_t step = 1; step <= 5; ++step) {
+        a.g = randn(n, 100 + static_cast<uint32_t>(step));
+        const float scale = step == 3 ? 0.37f : 1.0f;
+        o::AdamWTensor t = f32_tensor(a);
+        t.step = step;
+        o::adamw_step(c, o::StateFormat::F32, {t}, scale);
+        reference_adamw(r.p, a.g, r.m, r.v, c, step, scale);
+      }
+      EXPECT_TRUE(same_bits(a.p, r.p)) << "beta1 " << beta1 << " wd " << wd;
+      EXPECT_TRUE(same_bits(a.m, r.m));
+      EXPECT_TRUE(same_bits(a.v, r.v));
+    }
+  }
+}
+
+TEST(OptimAdamW, NanAndInfPropagateLikeTorch) {
+  const size_t n = 300;
+  Problem a = make_problem(n, 2), r = make_problem(n, 2);
+  a.g = randn(n, 3);
+  a.g[5] = std::nanf("");
+  a.g[9] = std::numeric_limits<float>::infinity();
+  o::AdamWConfig c;
+  o::AdamWTensor t = f32_tensor(a);
+  o::adamw_step(c, o::StateFormat::F32, {t});
+  reference_adamw(r.p, a.g, r.m, r.v, c, 1, 1.0f);
+  for (size_t i = 0; i < n; ++i) {
+    if (std::isnan(r.p[i])) {
+      EXPECT_TRUE(std::isnan(a.p[i])) << i;
+    } else {
+      EXPECT_EQ(a.p[i], r.p[i]) << i;
+    }
+  }
+  EXPECT_TRUE(std::isnan(a.p[5]));
+  EXPECT_TRUE(std::isnan(a.p[9]));  // inf / inf
+  EXPECT_FALSE(std::isnan(a.p[0]));
+}
+
+TEST(OptimAdamW, ResultsDoNotDependOnThreadsOrInstructionSet) {
+  const size_t n = 5 * 65536 + 1000;
+  for (o::StateFormat f : {o::StateFormat::F32, o::StateFormat::BF16, o::StateFormat::Q8}) {
+    std::vector<std::vector<float>> results;
+    for (int variant = 0; variant < 3; ++variant) {
+      // bf16 parameters in one tensor, fp32 in another, to cover both.
+      std::vector<float> p32 = randn(n, 7), g32 = randn(n, 8);
+      std::vector<uint16_t> p16(n), g16(n);
+      for (size_t i = 0; i < n; ++i) {
+        p16[i] = o::bf16_rne(p32[i]);
+        g16[i] = o::bf16_rne(g32[i]);
+      }
+      const int64_t sb = o::state_bytes(f, static_cast<int64_t>(n));
+      std::vector<uint8_t> s[4];
+      for (auto& x : s) x.assign(static_cast<size_t>(sb), 0);
+      std::vector<float> ab[4];
+      for (auto& x : ab) x.assign(static_cast<size_t>(o::state_absmax_count(f, static_cast<int64_t>(n))), 0.0f);
+      o::AdamWTensor a, b;
+      a.param = p32.data();
+      a.grad = g32.data();
+      b.param = p16.data();
+      b.param_dtype = o::Dtype::BF16;
+      b.grad = g16.data();
+      b.grad_dtype = o::Dtype::BF16;
+      a.exp_avg = s[0].data(); a.exp_avg_sq = s[1].data(); a.exp_avg_absmax = ab[0].data(); a.exp_avg_sq_absmax = ab[1].data();
+      b.exp_avg = s[2].data(); b.exp_avg_sq = s[3].data(); b.exp_avg_absmax = ab[2].data(); b.exp_avg_sq_absmax = ab[3].data();
+      a.numel = b.numel = static_cast<int64_t>(n);
+      b.key = 1;
+      o::AdamWConfig c;
+      for (int64_t step = 1; step <= 3; ++step) {
+        a.step = b.step = step;
+        o::ThreadPool pool(variant == 0 ? 1 : variant == 1 ? 4 : 2);
+        o::adamw_step(c, f, {a, b}, 1.0f, 42, &pool);
+      }
+      std::vector<float> out(p32);
+      for (size_t i = 0; i < n; ++i) out.push_back(o::bf16_to_f32(p16[i]));
+      results.push_back(out);
+    }
+    EXPECT_TRUE(same_bits(results[0], results[1])) << o::state_format_name(f);
+    EXPECT_TRUE(same_bits(results[0], results[2])) << o::state_format_name(f);
+  }
+}
+
+// The generic and AVX2 loops give identical bits (when this CPU has AVX2).
+TEST(OptimAdamW, GenericAndAvx2KernelsAgree) {
+  if (std::string(o::detail::kernels().isa) != "avx2") GTEST_SKIP() << "no AVX2 on this CPU";
+  const int64_t n = 4096 + 13;
+  for (o::StateFormat f : {o::StateFormat::F32, o::StateFormat::BF16, o::StateFormat::Q8}) {
+    std::vector<std::vector<uint8_t>> outs;
+    for (const o::detail::Kernels* k : {&o::detail::generic::kKernels, &o::detail::avx2::kKernels}) {
+      std::vector<float> p = randn(static_cast<size_t>(n), 11), g = randn(static_cast<size_t>(n), 12);
+      std::vector<uint16_t> pb(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) pb[static_cast<size_t>(i)] = o::bf16_rne(p[static_cast<size_t>(i)] * 3.0f);
+      const int64_t sb = o::state_bytes(f, n);
+      std::vector<uint8_t> m(static_cast<size_t>(sb), 0), v(static_cast<size_t>(sb), 0);
+      std::vector<float> am(static_cast<size_t>(o::state_absmax_count(f, n)) + 1, 0.0f), av(am);
+      for (int64_t step = 1; step <= 3; ++step) {
+        for (int pass = 0; pass < 2; ++pass) {
+          o::AdamWTensor t;
+          t.param = pass ? static_cast<void*>(pb.data()) : static_cast<void*>(p.data());
+          t.param_dtype = pass ? o::Dtype::BF16 : o::Dtype::F32;
+          t.grad = g.data();
+          t.exp_avg = m.data();
+          t.exp_avg_sq = v.data();
+          t.exp_avg_absmax = am.data();
+          t.exp_avg_sq_absmax = av.data();
+          t.numel = n;
+          t.step = step;
+          o::detail::AdamWScalars s;
+          s.neg_step = -1e-3f * static_cast<float>(step);
+          s.bc2_sqrt = 0.5f;
+          k->adamw(t, f, s, o::detail::chunk_keys(5, 0, step, 0), 0, n);
+        }
+      }
+      std::vector<uint8_t> all(reinterpret_cast<uint8_t*>(p.data()), reinterpret_cast<uint8_t*>(p.data() + n));
+      all.insert(all.end(), reinterpret_cast<uint8_t*>(pb.data()), reinterpret_cast<uint8_t*>(pb.data() + n));
+      all.insert(all.end(), m.begin(), m.end());
+      all.insert(all.end(), v.begin(), v.end());
+      outs.push_back(all);
+    }
+    EXPECT_EQ(outs[0], outs[1]) << o::state_format_name(f);
+  }
+}
+
+// bf16 parameters: many small steps whose updates are far below one bf16 ulp
+// still move the weight on average as the fp32 computation does.
+TEST(OptimAdamW, Bf16StochasticRoundingTracksFp32OnAverage) {
+  const int64_t n = 4096;
+  std::vector<uint16_t> p(static_cast<size_t>(n), o::bf16_rne(1.0f));
+  std::vector<uint16_t> g(static_cast<size_t>(n), o::bf16_rne(1.0f));
+  std::vector<float> m(static_cast<size_t>(n), 0.0f), v(m);
+  o::AdamWConfig c;
+  c.lr = 1e-4;  // 1/78 of a bf16 ulp at 1.0 per step
+  c.weight_decay = 0;
+  const int steps = 200;
+  for (int64_t step = 1; step <= steps; ++step) {
+    o::AdamWTensor t;
+    t.param = p.data();
+    t.param_dtype = o::Dtype::BF16;
+    t.grad = g.data();
+    t.grad_dtype = o::Dtype::BF16;
+    t.exp_avg = m.data();
+    t.exp_avg_sq = v.data();
+    t.numel = n;
+    t.step = step;
+    o::adamw_step(c, o::StateFormat::F32, {t}, 1.0f, 9);
+  }
+  // The update with a constant gradient is lr * 1 / (1 + eps') per step.
+  double mean = 0;
+  for (uint16_t x : p) mean += o::bf16_to_f32(x);
+  mean /= static_cast<double>(n);
+  const double expected = 1.0 - steps * c.lr;  // 0.98
+  // Each weight is a sum of `steps` independent roundings, each with
+  // variance <= ulp^2 / 4 (ulp = 2^-7 near 1, 2^-8 below 1): the mean over
+  // n weights has a standard deviation <= 2^-7 / 2 * sqrt(steps / n) =
+  // 8.6e-4; 5 sigma is 4.3e-3. Round to nearest would leave every weight at
+  // 1.0 (an error of 0.02).
+  EXPECT_NEAR(mean, expected, 4.3e-3);
+  EXPECT_GT(std::fabs(mean - 1.0), 0.01);
+}
+
+// 8-bit states follow fp32 states closely on a quadratic problem.
+TEST(OptimAdamW, EightBitStatesStayCloseToFp32) {
+  const int64_t n = 10000;
+  std::vector<float> target = randn(static_cast<size_t>(n), 21);
+  auto run = [&](o::StateFormat f) {
+    std::vector<float> p(static_cast<size_t>(n), 0.0f), g(p);
+    const int64_t sb = o::state_bytes(f, n);
+    std::vector<uint8_t> m(static_cast<size_t>(sb), 0), v(m);
+    std::vector<float> am(static_cast<size_t>(o::state_absmax_count(f, n)), 0.0f), av(am);
+    o::AdamWConfig c;
+    c.lr = 0.05;
+    c.weight_decay = 0;
+    for (int64_t step = 1; step <= 100; ++step) {
+      for (int64_t i = 0; i < n; ++i) g[static_cast<size_t>(i)] = p[static_cast<size_t>(i)] - target[static_cast<size_t>(i)];
+      o::AdamWTensor t;
+      t.param = p.data();
+      t.grad = g.data();
+      t.exp_avg = m.data();
+      t.exp_avg_sq = v.data();
+      t.exp_avg_absmax = am.data();
+      t.exp_avg_sq_absmax = av.data();
+      t.numel = n;
+      t.step = step;
+      o::adamw_step(c, f, {t}, 1.0f, 3);
+    }
+    double loss = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double d = p[static_cast<size_t>(i)] - target[static_cast<size_t>(i)];
+      loss += d * d;
+    }
+    return loss / static_cast<double>(n);
+  };
+  const double l32 = run(o::StateFormat::F32), l16 = run(o::StateFormat::BF16), l8 = run(o::StateFormat::Q8);
+  // The start loss is 1 (unit normal targets).
+  EXPECT_LT(l32, 0.05);
+  EXPECT_LT(std::fabs(l16 - l32), 0.1 * l32 + 1e-3) << l16 << " vs " << l32;
+  EXPECT_LT(std::fabs(l8 - l32), 0.25 * l32 + 2e-3) << l8 << " vs " << l32;
+}
+
+TEST(OptimAdamW, EightBitBlockWithNanReadsAsNan) {
+  const int64_t n = 600;  // blocks [0,256) [256,512) [512,600)
+  std::vector<float> p(static_cast<size_t>(n), 1.0f), g = randn(static_cast<size_t>(n), 4);
+  g[300] = std::nanf("");
+  std::vector<uint8_t> m(static_cast<size_t>(n), 0), v(m);
+  std::vector<float> am(3, 0.0f), av(am);
+  o::AdamWTensor t;
+  t.param = p.data();
+  t.grad = g.data();
+  t.exp_avg = m.data();
+  t.exp_avg_sq = v.data();
+  t.exp_avg_absmax = am.data();
+  t.exp_avg_sq_absmax = av.data();
+  t.numel = n;
+  o::adamw_step(o::AdamWConfig{}, o::StateFormat::Q8, {t});
+  EXPECT_TRUE(std::isnan(p[300]));
+  EXPECT_FALSE(std::isnan(p[299]));  // this step used the element's own values
+  EXPECT_TRUE(std::isnan(am[1]) && std::isnan(av[1]));
+  EXPECT_FALSE(std::isnan(am[0]) || std::isnan(am[2]));
+}
+
+TEST(OptimAdamW, ArgumentRules) {
+  o::AdamWConfig c;
+  c.lr = -1;
+  EXPECT_NE(throws_message([&] { o::check_adamw(c); }).find("Invalid learning rate"), std::string::npos);
+  c = o::AdamWConfig{};
+  c.beta2 = 1.0;
+  EXPECT_NE(throws_message([&] { o::check_adamw(c); }).find("beta parameter at index 1"), std::string::npos);
+  c = o::AdamWConfig{};
+  c.eps = std::nan("");
+  EXPECT_NE(throws_message([&] { o::check_adamw(c); }).find("epsilon"), std::string::npos);
+  c = o::AdamWConfig{};
+  c.weight_decay = -0.1;
+  EXPECT_NE(throws_message([&] { o::check_adamw(c); }).find("weight_decay"), std::string::npos);
+  EXPECT_NE(throws_message([] { o::parse_state_format("int4"); }).find("'fp32', 'bf16' or '8bit'"),
+            std::string::npos);
+  EXPECT_EQ(o::parse_state_format("8bit"), o::StateFormat::Q8);
+  o::AdamWTensor t;
+  std::vector<float> x(4);
+  t.param = t.exp_avg = t.exp_avg_sq = x.data();
+  t.grad = x.data();
+  t.numel = 4;
+  t.step = 0;
+  EXPECT_NE(throws_message([&] { o::adamw_step(o::AdamWConfig{}, o::StateFormat::F32, {t}); }).find("step must be >= 1"),
+            std::string::npos);
+  EXPECT_DOUBLE_EQ(o::adamw_bytes_per_element(o::Dtype::F32, o::Dtype::F32, o::StateFormat::F32), 28.0);
+  EXPECT_DOUBLE_EQ(o::adamw_bytes_per_element(o::Dtype::BF16, o::Dtype::BF16, o::StateFormat::BF16), 14.0);
+}
+
+// ---------------------------------------------------------------- norm
+TEST(OptimNorm, SumOfSquaresAndClipCoefficient) {
+  std::vector<float> a = randn(200001, 5);
+  std::vector<uint16_t> b(1000);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = o::bf16_rne(static_cast<float>(i) * 0.01f);
+  double ref = 0;
+  for (float x : a) ref += static_cast<double>(x) * x;
+  for (uint16_t x : b) ref += static_cast<double>(o::bf16_to_f32(x)) * o::bf16_to_f32(x);
+  o::ThreadPool one(1), three(3);
+  const double s1 = o::sum_of_squares({{a.data(), o::Dtype::F32, 200001}, {b.data(), o::Dtype::BF16, 1000}}, &one);
+  const double s3 = o::sum_of_squares({{a.data(), o::Dtype::F32, 200001}, {b.data(), o::Dtype::BF16, 1000}}, &three);
+  EXPECT_EQ(s1, s3);  // same chunks, same order
+  EXPECT_NEAR(s1, ref, 1e-12 * ref);
+  a[17] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isinf(o::sum_of_squares({{a.data(), o::Dtype::F32, 200001}})));
+  a[18] = std::nanf("");
+  EXPECT_TRUE(std::isnan(o::sum_of_squares({{a.data(), o::Dtype::F32, 200001}})));
+  // torch: min(max_norm / (norm + 1e-6), 1) as reciprocal * max_norm in fp32.
+  EXPECT_EQ(o::clip_coefficient(0.5, 1.0), 1.0f);
+  EXPECT_EQ(o::clip_coefficient(4.0, 1.0), (1.0f / (4.0f + 1e-6f)) * 1.0f);
+  EXPECT_TRUE(std::isnan(o::clip_coefficient(std::nan(""), 1.0)));
+  EXPECT_EQ(o::clip_coefficient(std::numeric_limits<double>::infinity(), 1.0), 0.0f);
+}
+
+// ---------------------------------------------------------------- Adafactor
+// transformers' Adafactor.step for one fp32 tensor, written out in double
+// (the tolerance covers fp32 rounding and summation order).
+void reference_adafactor(std::vector<double>& p, const std::vector<float>& g, std::vector<double>& row,
+                         std::vector<double>& col, std::vector<double>& v, std::vector<double>& m, int64_t R,
+                         int64_t C, bool factored, const o::AdafactorConfig& c, int64_t step) {
+  const size_t n = p.size();
+  double ss = 0;
+  for (double x : p) ss += x * x;
+  const double rms = std::sqrt(ss) / std::sqrt(static_cast<double>(n));
+  double rel = c.lr;
+  if (c.relative_step) rel = std::min(c.warmup_init ? 1e-6 * step : 1e-2, 1.0 / std::sqrt(static_cast<double>(step)));
+  const double lr = (c.scale_parameter ? std::max(c.eps2, rms) : 1.0) * rel;
+  const double b2t = 1.0 - std::pow(static_cast<double>(step), c.decay_rate);
+  std::vector<double> u(n);
+  if (factored) {
+    for (int64_t r = 0; r < R; ++r) {
+      double s = 0;
+      for (int64_t k = 0; k < C; ++k) s += static_cast<double>(g[r * C + k]) * g[r * C + k] + c.eps1;
+      row[r] = row[r] * b2t + (1 - b2t) * s / C;
+    }
+    for (int64_t k = 0; k < C; ++k) {
+      double s = 0;
+      for (int64_t r = 0; r < R; ++r) s += static_cast<double>(g[r * C + k]) * g[r * C + k] + c.eps1;
+      col[k] = col[k] * b2t + (1 - b2t) * s / R;
+    }
+    double rm = 0;
+    for (int64_t r = 0; r < R; ++r) rm += row[r];
+    rm /= R;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t k = 0; k < C; ++k) u[r * C + k] = 1.0 / std::sqrt(row[r] / rm) / std::sqrt(col[k]) * g[r * C + k];
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      v[i] = v[i] * b2t + (1 - b2t) * (static_cast<double>(g[i]) * g[i] + c.eps1);
+      u[i] = g[i] / std::sqrt(v[i]);
+    }
+  }
+  double us = 0;
+  for (double x : u) us += x * x;
+  const double div = std::max(std::sqrt(us / n) / c.clip_threshold, 1.0);
+  for (size_t i = 0; i < n; ++i) {
+    double x = u[i] / div * lr;
+    if (c.beta1 >= 0) {
+      m[i] = m[i] * c.beta1 + (1 - c.beta1) * x;
+      x = m[i];
+    }
+    if (c.weight_decay != 0) p[i] += -c.weight_decay * lr * p[i];
+    p[i] -= x;
+  }
+}
+
+TEST(OptimAdafactor, MatchesAScalarReference) {
+  for (int variant = 0; variant < 3; ++variant) {
+    const bool factored = variant != 1;
+    const int64_t R = 37, C = variant == 2 ? 300 : 23;
+    const int64_t n = R * C;
+    o::AdafactorConfig c;
+    if (variant == 2) {  // manual lr, first moment, weight decay, no parameter scale
+      c.relative_step = false;
+      c.lr = 1e-2;
+      c.beta1 = 0.9;
+      c.weight_decay = 0.01;
+      c.scale_parameter = false;
+    }
+    std::vector<float> p = randn(static_cast<size_t>(n), 31), row(static_cast<size_t>(R), 0.0f),
+                       col(static_cast<size_t>(C), 0.0f), v(static_cast<size_t>(n), 0.0f), m(v);
+    std::vector<double> rp(p.begin(), p.end()), rrow(static_cast<size_t>(R), 0.0), rcol(static_cast<size_t>(C), 0.0),
+        rv(static_cast<size_t>(n), 0.0), rm(rv);
+    for (int64_t step = 1; step <= 10; ++step) {
+      std::vector<float> g = randn(static_cast<size_t>(n), 40 + static_cast<uint32_t>(step), 0.1f);
+      std::vector<o::AdafactorTensor> ts(1);
+      o::AdafactorTensor& t = ts[0];
+      t.param = p.data();
+      t.grad = g.data();
+      t.factored = factored;
+      t.rows = factored ? R : 1;
+      t.cols = factored ? C : n;
+      t.exp_avg_sq_row = row.data();
+      t.exp_avg_sq_col = col.data();
+      t.exp_avg_sq = v.data();
+      t.exp_avg = m.data();
+      t.step = step;
+      o::adafactor_step(c, ts);
+      reference_adafactor(rp, g, rrow, rcol, rv, rm, R, C, factored, c, step);
+    }
+    double err = 0, scale = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      err = std::max(err, std::fabs(p[static_cast<size_t>(i)] - rp[static_cast<size_t>(i)]));
+      scale = std::max(scale, std::fabs(rp[static_cast<size_t>(i)]));
+    }
+    EXPECT_LT(err, 2e-6 * scale) << "variant " << variant;
+  }
+}
+
+TEST(OptimAdafactor, ArgumentRules) {
+  o::AdafactorConfig c;
+  c.lr = 1e-3;  // with relative_step (default)
+  EXPECT_NE(throws_message([&] { o::check_adafactor(c); }).find("cannot combine a manual lr"), std::string::npos);
+  c = o::AdafactorConfig{};
+  c.relative_step = false;
+  EXPECT_NE(throws_message([&] { o::check_adafactor(c); }).find("lr=None needs relative_step"), std::string::npos);
+  c.lr = 1e-3;
+  c.warmup_init = true;
+  EXPECT_NE(throws_message([&] { o::check_adafactor(c); }).find("warmup_init"), std::string::npos);
+}
+
+TEST(OptimAdafactor, ThreadCountDoesNotChangeResults) {
+  const int64_t B = 3, R = 700, C = 200;  // several row chunks per matrix
+  std::vector<std::vector<float>> out;
+  for (int threads : {1, 4}) {
+    std::vector<float> p = randn(static_cast<size_t>(B * R * C), 51), g = randn(p.size(), 52);
+    std::vector<float> row(static_cast<size_t>(B * R), 0.0f), col(static_cast<size_t>(B * C), 0.0f);
+    o::ThreadPool pool(threads);
+    for (int64_t step = 1; step <= 2; ++step) {
+      std::vector<o::AdafactorTensor> ts(1);
+      ts[0].param = p.data();
+      ts[0].grad = g.data();
+      ts[0].factored = true;
+      ts[0].batch = B;
+      ts[0].rows = R;
+      ts[0].cols = C;
+      ts[0].exp_avg_sq_row = row.data();
+      ts[0].exp_avg_sq_col = col.data();
+      ts[0].step = step;
+      o::adafactor_step(o::AdafactorConfig{}, ts, 1.0f, 0, &pool);
+    }
+    out.push_back(p);
+  }
+  EXPECT_TRUE(same_bits(out[0], out[1]));
+}
+
+}  // namespace

@@ -1,0 +1,143 @@
+// layerstream::optim::AdamW (torch/host_optim.h), the C++ optimizer, on a model
+// streamed by the C++ offload() (sim device), against clip_grad_norm_ and
+// AdamW written out with torch ops in torch.optim.AdamW's order (Python's
+// single-tensor path: lerp for the first moment).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "torch/offload.h"
+#include "torch/host_optim.h"
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  layerstream::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  NetImpl() {
+    fc1 = register_module("fc1", layerstream::nn::Linear(8, 32));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
+    fc2 = register_module("fc2", layerstream::nn::Linear(32, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::tanh(norm(fc1(x)))); }
+};
+TORCH_MODULE(Net);
+
+// torch.optim.AdamW's single-tensor step with clip_grad_norm_ first.
+struct Reference {
+  std::vector<torch::Tensor> params, m, v;
+  double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 1e-2, max_norm;
+  int64_t step = 0;
+  Reference(std::vector<torch::Tensor> p, double max_norm) : params(std::move(p)), max_norm(max_norm) {
+    for (auto& t : params) {
+      m.push_back(torch::zeros_like(t));
+      v.push_back(torch::zeros_like(t));
+    }
+  }
+  double update() {
+    torch::NoGradGuard ng;
+    const double norm = torch::nn::utils::clip_grad_norm_(params, max_norm);
+    ++step;
+    const double bc1 = 1 - std::pow(b1, static_cast<double>(step)), bc2 = 1 - std::pow(b2, static_cast<double>(step));
+    for (size_t i = 0; i < params.size(); ++i) {
+      const torch::Tensor& g = params[i].grad();
+      params[i].mul_(1 - lr * wd);
+      m[i].lerp_(g, 1 - b1);
+      v[i].mul_(b2).addcmul_(g, g, 1 - b2);
+      params[i].addcdiv_(m[i], (v[i].sqrt() / std::pow(bc2, 0.5)).add_(eps), -(lr / bc1));
+    }
+    return norm;
+  }
+};
+
+TEST(TorchOptim, AdamWOnStreamedParametersMatchesTorch) {
+  torch::manual_seed(0);
+  Net model;
+  Net ref;
+  {
+    torch::NoGradGuard ng;
+    auto src = model->named_parameters();
+    for (auto& p : ref->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  layerstream::OffloadOptions o;
+  o.device = "sim";
+  auto handle = layerstream::offload(*model, o);
+  ASSERT_EQ(handle->layers().size(), 2u);
+
+  layerstream::optim::AdamWOptions opts;
+  opts.lr = 1e-2;
+  opts.max_grad_norm = 0.3;
+  layerstream::optim::AdamW opt(model->parameters(), opts);
+  Reference want(ref->parameters(), 0.3);
+  int clipped = 0;
+  for (int s = 0; s < 12; ++s) {
+    const torch::Tensor x = torch::randn({16, 8}) * (s % 2 ? 0.2 : 3.0);
+    model->forward(x).square().mean().backward();
+    ref->forward(x).square().mean().backward();
+    const double norm = want.update();
+    clipped += norm > 0.3;
+    opt.step();
+    EXPECT_NEAR(opt.last_grad_norm(), norm, 1e-6 * norm);
+    opt.zero_grad();
+    ref->zero_grad();
+    for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+  }
+  EXPECT_GT(clipped, 0);
+  EXPECT_LT(clipped, 12);
+  auto got = model->named_parameters();
+  for (const auto& p : ref->named_parameters()) {
+    const torch::Tensor a = got[p.key()], b = p.value();
+    const double scale = b.abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(a, b, 1e-6, 1e-6 * scale)) << p.key() << " max diff "
+                                                           << (a - b).abs().max().item<double>();
+  }
+  // fp32 states of 8 + 4 bytes of every parameter element.
+  int64_t numel = 0;
+  for (const auto& p : model->parameters()) numel += p.numel();
+  EXPECT_EQ(opt.state_bytes(), 8 * numel);
+  handle->detach();
+}
+
+TEST(TorchOptim, GroupsPrecisionsAndErrors) {
+  torch::manual_seed(1);
+  auto a = torch::randn({300}, torch::requires_grad());
+  auto b = torch::randn({40, 7}, torch::TensorOptions().dtype(torch::kBFloat16).requires_grad(true));
+  layerstream::optim::AdamWOptions o1, o2;
+  o2.state_precision = "8bit";
+  o2.lr = 0.0;  // a group that must not move
+  layerstream::optim::AdamW opt({a}, o1);
+  opt.add_param_group({b}, o2);
+  const auto b0 = b.detach().clone();
+  a.mutable_grad() = torch::ones_like(a);
+  b.mutable_grad() = torch::ones_like(b);
+  opt.step();
+  EXPECT_TRUE(torch::equal(b, b0));  // lr 0 (weight decay x lr = 0 too)
+  EXPECT_FALSE(torch::equal(a, torch::zeros_like(a)));
+  EXPECT_EQ(opt.state_bytes(), 300 * 8 + 280 * 2 + 2 * 4 * 2 /* two 8-bit blocks' absmax */);
+  opt.group_options(1).lr = 1e-2;  // a scheduler's change
+  opt.step();
+  EXPECT_FALSE(torch::equal(b, b0));
+
+  auto sparse = torch::randn({4, 3}, torch::requires_grad());
+  layerstream::optim::AdamW s({sparse});
+  sparse.mutable_grad() = torch::randn({4, 3}).to_sparse();
+  try {
+    s.step();
+    FAIL() << "no error for a sparse gradient";
+  } catch (const layerstream::Error& e) {
+    EXPECT_NE(e.message().find("sparse gradient"), std::string::npos) << e.message();
+  }
+  EXPECT_THROW(layerstream::optim::AdamW({a}, [] {
+                 layerstream::optim::AdamWOptions o;
+                 o.beta1 = 1.0;
+                 return o;
+               }()),
+               layerstream::Error);
+  EXPECT_THROW(opt.add_param_group({a}, o1), layerstream::Error);  // already in a group
+}
+
+}  // namespace

@@ -1,0 +1,406 @@
+"""layerstream.optim against torch and transformers (host and streamed parameters, sim device).
+
+Tolerances (stated once here):
+
+* fp32 AdamW vs ``clip_grad_norm_`` + ``torch.optim.AdamW``: every element
+  within 1e-6 relative, i.e. ``|a - b| <= 1e-6 * |b| + 1e-6 * max|b|`` (the
+  second term covers elements that cancel to ~0, where a relative error is
+  meaningless). Not bit for bit: torch's CPU ``sqrt`` (its AVX2 vector path)
+  is off by one ulp in ~15% of elements, ours is IEEE's correctly rounded one
+  (docs/design/optim.md, "Agreement with torch").
+* Adafactor vs ``transformers.optimization.Adafactor``: 1e-5 relative to the
+  tensor's scale (its sums run in another order).
+* bf16 + stochastic rounding: the mean update is unbiased to 5 standard
+  deviations of the rounding noise; on a small regression model (60 steps)
+  the loss of bf16 weights + bf16 states stays within 10% of fp32's plus
+  1e-3 (bf16's own forward/backward resolution), and so does fp32 weights +
+  8-bit states.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import layerstream
+from layerstream.optim import Adafactor, AdamW
+
+REL = 1e-6
+
+
+def assert_rel_close(a, b, rel=REL, what=""):
+    a, b = a.detach().float(), b.detach().float()
+    scale = b.abs().max().item()
+    torch.testing.assert_close(a, b, rtol=rel, atol=rel * scale, msg=lambda m: f"{what}: {m}")
+
+
+class Net(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.norm = nn.LayerNorm(d)
+        self.mid = nn.Linear(d, d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.norm(torch.tanh(self.inp(x))))))
+
+
+def _groups(model):
+    """Two param groups with different lr and weight decay (weights / the rest)."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+    return [{"params": weights, "lr": 2e-2, "weight_decay": 0.1}, {"params": rest, "lr": 5e-3, "weight_decay": 0.0}]
+
+
+def _batches(steps, k, gen):
+    # Input scales vary so that the gradient norm is above the clip on some
+    # steps and below it on others.
+    return [[torch.randn(4, 8, generator=gen) * (3.0 if s % 3 == 0 else 0.3) for _ in range(k)]
+            for s in range(steps)]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["host", "streamed"])
+def test_adamw_fp32_matches_torch(offload_sim, streamed):
+    """20 steps of 3 accumulated micro-batches, clip active on some steps, two
+    param groups, a scheduler, and a state_dict round trip into a new
+    optimizer at step 10: equal to clip_grad_norm_ + torch.optim.AdamW."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    if streamed:
+        handle = offload_sim(model)
+        assert handle.stats()["layers"] == 3
+    max_norm = 0.2  # the norms run from ~0.4 down to ~0.08 here
+    opt = AdamW(_groups(model), betas=(0.9, 0.99), max_grad_norm=max_norm)
+    ref_opt = torch.optim.AdamW(_groups(ref), betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5)
+    clipped = []
+    for step, micro in enumerate(_batches(20, 3, torch.Generator().manual_seed(1))):
+        if step == 10:  # round trip: a new optimizer and scheduler from state dicts
+            sd, ssd = copy.deepcopy(opt.state_dict()), sched.state_dict()
+            opt = AdamW(_groups(model), betas=(0.9, 0.99), max_grad_norm=max_norm)
+            opt.load_state_dict(sd)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+            sched.load_state_dict(ssd)
+        for x in micro:
+            (model(x).square().mean() / 3).backward()
+            (ref(x).square().mean() / 3).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        clipped.append(norm.item() > max_norm)
+        opt.step()
+        ref_opt.step()
+        assert opt.last_grad_norm == pytest.approx(norm.item(), rel=1e-6)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        sched.step()
+        ref_sched.step()
+        assert all(p.grad is None for p in model.parameters())
+    assert any(clipped) and not all(clipped), clipped
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_rel_close(p, q, what=n)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_rel_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], rel=1e-5, what="exp_avg_sq")
+        assert opt.state[p]["step"].item() == ref_opt.state[q]["step"].item() == 20
+
+
+def test_accumulation_over_three_micro_batches_equals_one_batch(offload_sim):
+    """Streamed: k = 3 micro-batches of 4 (loss / 3 each) give the parameters of
+    one batch of 12 (to fp32 summation order)."""
+    model = Net()
+    big = copy.deepcopy(model)
+    offload_sim(model)
+    offload_sim(big)
+    opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    opt_big = AdamW(big.parameters(), lr=1e-2, max_grad_norm=1.0)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(8):
+        x = torch.randn(12, 8, generator=gen)
+        for part in x.split(4):
+            (model(part).square().mean() / 3).backward()
+        big(x).square().mean().backward()
+        opt.step(), opt_big.step()
+        opt.zero_grad(), opt_big.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), big.parameters()):
+        assert_rel_close(p, q, rel=1e-5, what=n)
+
+
+_CONTINUE = textwrap.dedent("""
+    import sys, torch, layerstream
+    torch.set_num_threads(1)  # as conftest.py: the bf16 forward's sums in the same order
+    sys.path.insert(0, {testdir!r})
+    from test_optim import Net
+    model = Net().to(torch.bfloat16)
+    model.load_state_dict(torch.load({path!r} + ".model"))
+    opt = layerstream.optim.AdamW(model.parameters(), lr=1e-2, state_precision="8bit", max_grad_norm=1.0, seed=5)
+    opt.load_state_dict(torch.load({path!r} + ".opt"))
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 8, generator=gen) for _ in range(10)]
+    for x in batches[5:]:
+        model(x.bfloat16()).float().square().mean().backward()
+        opt.step(); opt.zero_grad()
+    torch.save(model.state_dict(), {path!r} + ".out")
+""")
+
+
+def test_state_dict_round_trip_into_a_fresh_process(tmp_path):
+    """bf16 parameters with 8-bit states (the dtypes torch's load_state_dict
+    would cast) saved after 5 steps and continued in a new process: the same
+    bits as 10 steps in one go (stochastic rounding is seeded per step)."""
+    model = Net().to(torch.bfloat16)
+    start = copy.deepcopy(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 8, generator=gen) for _ in range(10)]
+
+    def run(m, opt, xs):
+        for x in xs:
+            m(x.bfloat16()).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    opt = AdamW(model.parameters(), lr=1e-2, state_precision="8bit", max_grad_norm=1.0, seed=5)
+    run(model, opt, batches[:5])
+    st = opt.state[model.inp.weight]
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_absmax"].dtype == torch.float32
+    path = str(tmp_path / "ckpt")
+    torch.save(model.state_dict(), path + ".model")
+    torch.save(opt.state_dict(), path + ".opt")
+    run(model, opt, batches[5:])
+
+    script = tmp_path / "cont.py"
+    script.write_text(_CONTINUE.format(testdir=os.path.dirname(__file__), path=path))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(layerstream.__file__)))
+    subprocess.run([sys.executable, str(script)], check=True, env=env, timeout=120)
+    out = torch.load(path + ".out")
+    for k, v in model.state_dict().items():
+        assert torch.equal(out[k], v), k
+    assert not torch.equal(start["inp.weight"], out["inp.weight"])
+
+
+def test_torch_adamw_state_dict_loads_and_continues_equal():
+    """A torch.optim.AdamW state dict loads into the fp32 optimizer (same state
+    names) and continues like torch."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(4, 8, generator=gen) for _ in range(6)]
+    for x in xs[:3]:
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model.load_state_dict(ref.state_dict())
+    opt = AdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    for x in xs[3:]:
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_rel_close(p, q, what=n)
+
+
+# ---------------------------------------------------------------- bf16 and 8-bit
+def test_bf16_stochastic_rounding_is_unbiased():
+    """bf16 weights at 1.0, a constant gradient, an update of 1/40 of a bf16 ulp
+    per step: after 100 steps the mean weight equals the fp32 trajectory.
+    Each weight is the sum of 100 independent roundings of variance <= ulp^2/4
+    (ulp <= 2^-7 near 1), so the mean over n = 65536 weights has a standard
+    deviation <= 2^-8 * sqrt(100 / 65536) = 1.5e-4; the bound is 5 sigma.
+    Rounding to nearest (torch.optim.AdamW on bf16) never moves them."""
+    n, steps, lr = 65536, 100, 2e-4
+    p16 = nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    p32 = nn.Parameter(torch.ones(n))
+    rn = nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    opts = [AdamW([p16], lr=lr, weight_decay=0.0, seed=1), torch.optim.AdamW([p32], lr=lr, weight_decay=0.0),
+            torch.optim.AdamW([rn], lr=lr, weight_decay=0.0)]
+    for _ in range(steps):
+        for p, o in zip((p16, p32, rn), opts):
+            p.grad = torch.full_like(p, 0.5)
+            o.step()
+    mean16 = p16.detach().double().mean().item()
+    mean32 = p32.detach().double().mean().item()
+    assert mean32 < 1 - 0.019  # it moved by 100 * lr
+    assert abs(mean16 - mean32) < 5 * 1.5e-4, (mean16, mean32)
+    assert torch.all(rn == 1.0)
+
+
+def _train_loss(precision, dtype, steps=60):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).to(dtype)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 16, generator=gen)
+    y = torch.sin(x.sum(1, keepdim=True))
+    opt = AdamW(model.parameters(), lr=3e-3, state_precision=precision, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        loss = (model(x.to(dtype)).float() - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_bf16_and_8bit_states_train_like_fp32():
+    """A small regression model, 60 full-batch steps (the loss falls 20x): at
+    every step the loss of bf16 weights + bf16 states (stochastic rounding),
+    and of 8-bit states, is within 10% + 1e-3 of fp32's."""
+    ref = _train_loss("fp32", torch.float32)
+    bf16 = _train_loss("bf16", torch.bfloat16)
+    q8 = _train_loss("8bit", torch.float32)
+    assert ref[-1] < ref[0] / 15
+    for name, got in (("bf16", bf16), ("8bit", q8)):
+        for step, (a, b) in enumerate(zip(got, ref)):
+            assert abs(a - b) <= 0.1 * b + 1e-3, (name, step, a, b)
+
+
+def test_state_bytes_per_precision():
+    p = nn.Parameter(torch.zeros(1000))
+    p.grad = torch.ones(1000)
+    for precision, per_elem in (("fp32", 8), ("bf16", 4), ("8bit", 2)):
+        opt = AdamW([p], state_precision=precision)
+        opt.step()
+        st = opt.state[p]
+        nbytes = sum(t.numel() * t.element_size() for k, t in st.items() if k != "step")
+        blocks = math.ceil(1000 / layerstream._C.optim_q8_block())
+        assert nbytes == 1000 * per_elem + (8 * blocks if precision == "8bit" else 0), precision
+
+
+# ---------------------------------------------------------------- Adafactor
+@pytest.mark.parametrize("kw", [
+    {},
+    {"lr": 1e-2, "relative_step": False, "beta1": 0.9, "weight_decay": 0.01},
+    {"lr": 5e-3, "relative_step": False, "scale_parameter": False, "clip_threshold": 0.5},
+    {"warmup_init": True},
+], ids=["default", "lr-beta1-wd", "no-scale", "warmup"])
+def test_adafactor_matches_transformers(kw):
+    from transformers.optimization import Adafactor as Reference
+
+    torch.manual_seed(0)
+    params = [torch.randn(24, 40), torch.randn(40), torch.randn(3, 7, 9)]  # 2-D, 1-D, 3-D
+    ours = [nn.Parameter(p.clone()) for p in params]
+    theirs = [nn.Parameter(p.clone()) for p in params]
+    opt, ref = Adafactor(ours, **kw), Reference(theirs, **kw)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(10):
+        for a, b in zip(ours, theirs):
+            g = torch.randn(a.shape, generator=gen) * 0.1
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert_rel_close(a, b, rel=1e-5, what=f"param {i}")
+        sa, sb = opt.state[a], ref.state[b]
+        assert sa["step"] == sb["step"] == 10
+        for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"):
+            assert (key in sa) == (key in sb), key
+            if key in sa:
+                assert_rel_close(sa[key], sb[key], rel=1e-5, what=key)
+        assert float(sa["RMS"]) == pytest.approx(float(sb["RMS"]), rel=1e-6)
+
+
+def test_adafactor_state_dict_round_trip():
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(16, 8))
+    b = nn.Parameter(a.detach().clone())
+    opt_a, opt_b = Adafactor([a], beta1=0.9), Adafactor([b], beta1=0.9)
+    for step in range(6):
+        g = torch.randn(16, 8)
+        if step == 3:
+            sd = copy.deepcopy(opt_b.state_dict())
+            opt_b = Adafactor([b], beta1=0.9)
+            opt_b.load_state_dict(sd)
+        a.grad, b.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- NaN / Inf, misuse
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_nan_and_inf_gradients_behave_like_torch(max_norm):
+    """A NaN and an Inf gradient element: the same NaN pattern and the same
+    finite values as clip_grad_norm_ (optional) + torch.optim.AdamW; no error."""
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(300))
+    b = nn.Parameter(a.detach().clone())
+    opt, ref = AdamW([a], lr=1e-2, max_grad_norm=max_norm), torch.optim.AdamW([b], lr=1e-2)
+    for step in range(3):
+        g = torch.randn(300)
+        if step == 1:
+            g[5], g[9] = float("nan"), float("inf")
+        a.grad, b.grad = g.clone(), g.clone()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_([b], max_norm)
+        opt.step()
+        ref.step()
+    assert torch.equal(a.isnan(), b.isnan())
+    if max_norm is None:  # only the poisoned elements
+        assert a[5].isnan() and a[9].isnan() and a.isnan().sum() == 2
+        ok = ~b.isnan()
+        assert_rel_close(a[ok], b[ok])
+    else:  # the total norm is NaN: clip_grad_norm_ multiplies every gradient by NaN
+        assert a.isnan().all()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_nan_gradients_with_narrow_states_do_not_crash(precision):
+    p = nn.Parameter(torch.randn(600))
+    opt = AdamW([p], state_precision=precision)
+    p.grad = torch.randn(600)
+    p.grad[300] = float("nan")
+    opt.step()
+    assert p[300].isnan()
+    if precision == "8bit":
+        # the state block of the NaN (elements 256..511) reads as NaN: the next
+        # step poisons that block only
+        p.grad = torch.randn(600)
+        opt.step()
+        assert p[256:512].isnan().all() and not p[:256].isnan().any() and not p[512:].isnan().any()
+
+
+def test_sparse_gradients_are_refused():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = AdamW(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradient.*SparseAdam"):
+        opt.step()
+
+
+def test_params_on_two_devices_in_one_group_are_refused():
+    cpu = nn.Parameter(torch.zeros(3))
+    meta = nn.Parameter(torch.zeros(3, device="meta"))
+    cpu.grad = torch.ones(3)
+    meta.grad = torch.ones(3, device="meta")
+    opt = AdamW([cpu, meta])
+    with pytest.raises(RuntimeError, match=r"several devices \(cpu, meta\).*param group of their own"):
+        opt.step()
+    assert torch.equal(cpu, torch.zeros(3))  # refused before anything changed
+
+
+def test_bad_arguments_are_value_errors():
+    p = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        AdamW(p, lr=-1)
+    with pytest.raises(ValueError, match="beta parameter at index 1"):
+        AdamW(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="'fp32', 'bf16' or '8bit'"):
+        AdamW(p, state_precision="fp8")
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        AdamW(p, max_grad_norm=0)
+    with pytest.raises(ValueError, match="cannot combine a manual lr"):
+        Adafactor(p, lr=1e-3)
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        q = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        q.grad = torch.ones(2, dtype=torch.float64)
+        AdamW([q]).step()
