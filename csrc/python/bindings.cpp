@@ -167,6 +167,39 @@ void bind_optim(py::module& m) {
     auto dt = [](const std::string& s) { return s == "bfloat16" ? o::Dtype::BF16 : o::Dtype::F32; };
     return o::adamw_bytes_per_element(dt(param), dt(grad), o::parse_state_format(fmt));
   });
+  // One AdamW step overlapped with a backward (torch/host_optim.h, AdamWOverlap).
+  // groups: (lr, beta1, beta2, eps, weight_decay, state precision, seed);
+  // params: (param, exp_avg, exp_avg_sq, absmax or None, absmax or None, step, key, group).
+  using GroupT = std::tuple<double, double, double, double, double, std::string, uint64_t>;
+  using ParamT = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, OptT, OptT, torch::Tensor, uint64_t, size_t>;
+  py::class_<o::AdamWOverlap>(m, "AdamWOverlap")
+      .def(py::init([](std::shared_ptr<Engine> engine, const std::vector<GroupT>& groups,
+                       const std::vector<ParamT>& params, std::optional<double> max_norm, int64_t speculation_bytes) {
+             std::vector<o::AdamWOverlap::Group> gs;
+             for (const auto& [lr, b1, b2, eps, wd, fmt, seed] : groups)
+               gs.push_back({o::AdamWConfig{lr, b1, b2, eps, wd}, o::parse_state_format(fmt), seed});
+             std::vector<o::AdamWOverlap::Param> ps;
+             for (const auto& [p, m1, m2, a1, a2, step, key, group] : params)
+               ps.push_back({p, o::AdamWStates{m1, m2, a1.value_or(torch::Tensor()), a2.value_or(torch::Tensor())}, step,
+                             key, group});
+             return std::make_unique<o::AdamWOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm,
+                                                      speculation_bytes);
+           }),
+           py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"),
+           py::arg("speculation_bytes"))
+      .def("wait", &o::AdamWOverlap::wait, py::call_guard<py::gil_scoped_release>())
+      .def("settle",
+           [](o::AdamWOverlap& self, double other) {
+             double norm = std::nan("");
+             float coef;
+             {
+               py::gil_scoped_release nogil;
+               coef = self.settle(other, &norm);
+             }
+             return py::make_tuple(coef, norm);
+           })
+      .def("abort", &o::AdamWOverlap::abort, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("layer_params", &o::AdamWOverlap::layer_params);
   m.def("optim_q8_block", [] { return o::kQ8Block; });
   m.def("optim_kernel_isa", [] { return std::string(o::kernel_isa()); });
   m.def("optim_threads", [] { return o::ThreadPool::shared().threads(); });

@@ -125,6 +125,7 @@ EngineImpl::~EngineImpl() {
     scope.emplace(cuda_index_);
   } catch (...) {
   }
+  stop_grad_ready();  // the gradient-ready hook's thread (engine_grad_ready.cpp)
   try {
     drain_grads(kAnyTask);  // no callback can reach this engine any more
   } catch (...) {

@@ -37,6 +37,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -331,6 +332,26 @@ class Engine {
   // Quantized layers: a copy of the packed code bytes (uint8, 1-D).
   virtual torch::Tensor packed_codes(int layer) = 0;
   virtual std::string layer_format(int layer) const = 0;
+
+  // ---- Gradient-ready hook (issue 21; docs/design/optim.md, "Overlap") ----
+  // When a hook is set, a streamed Linear's or convolution's weight and bias
+  // gradients staged by a backward pass are added to .grad as soon as their
+  // copy has landed, on a host thread of the engine, instead of at the end
+  // of that backward -- for a layer whose gradient of this backward is then
+  // complete (it ran exactly once with a gradient in the forward passes
+  // since the last backward; a layer used twice, in a checkpoint's inner
+  // backward, or returning its gradients through autograd is applied at the
+  // end of backward as always). Then hook(layer) runs on that same thread:
+  // it may read .grad and write the parameters' host data (an optimizer
+  // step), and must not compute with the engine. Empty: off.
+  using GradReadyHook = std::function<void(int layer)>;
+  virtual void set_grad_ready_hook(GradReadyHook hook) = 0;
+  // Blocks until every application and hook queued so far has run; rethrows
+  // the first exception a hook threw since the last call.
+  virtual void wait_grad_ready() = 0;
+  // A Linear's or convolution's parameters as registered (bias undefined if
+  // none); undefined tensors for other layers.
+  virtual std::pair<torch::Tensor, torch::Tensor> layer_parameters(int layer) const = 0;
 
   virtual torch::Device compute_device() const = 0;
   virtual const std::string& device_name() const = 0;

@@ -55,6 +55,7 @@ void EngineImpl::push_grads(int layer_index, Lease& scratch, bool has_w, bool ha
   scheduler().release(scratch, grad_stream_);
   l.pending.push_back({has_w, has_b, torch::autograd::get_current_graph_task_id()});
   if (use == 0) pending_.push_back(layer_index);
+  queue_if_ready_locked(layer_index, l);  // the gradient-ready hook (engine_grad_ready.cpp)
 }
 
 namespace {
@@ -165,6 +166,7 @@ void EngineImpl::discard_task(int task) noexcept {
       if (!l.pending.empty()) still.push_back(i);
     }
     pending_ = std::move(still);
+    reset_forward_uses_locked(task);  // the gradient-ready hook counts from here
     if (dropped) {
       ++failed_backwards_;
       failed_backward_unreported_ = true;
@@ -206,6 +208,7 @@ void EngineImpl::ensure_backward_callback() {
       std::lock_guard<std::recursive_mutex> lock(self->mu_);
       auto& t = self->callback_tasks_;
       t.erase(std::remove(t.begin(), t.end(), guard->task), t.end());
+      self->reset_forward_uses_locked(guard->task);  // the gradient-ready hook counts from here
     }
     auto scope = self->device_scope();
     self->drain_grads(guard->task);

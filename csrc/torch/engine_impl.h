@@ -23,12 +23,15 @@
 
 #include <atomic>
 #include <climits>
+#include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <variant>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/host_store.h"
@@ -70,6 +73,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   torch::Tensor dequantized_weight(int layer) override;
   torch::Tensor packed_codes(int layer) override;
   std::string layer_format(int layer) const override;
+  void set_grad_ready_hook(GradReadyHook hook) override;
+  void wait_grad_ready() override;
+  std::pair<torch::Tensor, torch::Tensor> layer_parameters(int layer) const override;
   torch::Device compute_device() const override { return compute_device_; }
   const std::string& device_name() const override { return device_name_; }
   int num_layers() const override;
@@ -124,6 +130,17 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
   // Makes sure pending gradients are accumulated at the end of this backward.
   void ensure_backward_callback();
+  // ---- gradient-ready hook (engine_grad_ready.cpp; engine.h) ----
+  // A forward call of `l` that records an autograd node, outside any backward.
+  void note_forward_use(LayerInfo& l);
+  // After push_grads(): queues the early application of `l`'s gradients
+  // when a hook is set and this backward's uses of it are complete.
+  void queue_if_ready_locked(int layer_index, LayerInfo& l);
+  // At the end of backward `task`: the forward uses of the layers it staged
+  // count from zero again.
+  void reset_forward_uses_locked(int task);
+  // Stops the hook's thread (destructor).
+  void stop_grad_ready();
   uint64_t id() const { return id_; }
   static std::shared_ptr<EngineImpl> lookup(uint64_t id);
 
@@ -235,6 +252,11 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
       int task = -1;
     };
     std::vector<StagedUse> pending;
+    // Gradient-ready hook (engine_grad_ready.cpp): forward calls with an
+    // autograd node since the backward that last staged this layer's
+    // gradients ended, and that backward's graph task.
+    int forward_uses = 0;
+    int last_grad_task = INT_MIN;
   };
 
  private:
@@ -325,6 +347,21 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   };
   std::map<int, std::vector<ParkedStorage>> parked_;
   std::map<int, std::vector<std::pair<torch::ScalarType, DeviceParams>>> active_;
+  // Gradient-ready hook (engine_grad_ready.cpp): its thread, queue of
+  // (layer, graph task, copy done), and the first exception a hook threw.
+  void grad_ready_loop();
+  std::mutex gr_mu_;
+  std::condition_variable gr_cv_, gr_idle_cv_;
+  GradReadyHook gr_hook_;
+  std::thread gr_thread_;
+  struct GradReadyJob {
+    int layer = -1, task = -1;
+    std::shared_ptr<Event> done;  // after the layer's copy on the gradient stream
+    GradReadyHook hook;           // the hook set when the job was queued
+  };
+  std::deque<GradReadyJob> gr_queue_;
+  bool gr_busy_ = false, gr_stop_ = false;
+  std::exception_ptr gr_error_;
 };
 
 // ---- helpers the engine's files share ----

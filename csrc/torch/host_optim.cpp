@@ -300,6 +300,158 @@ double grad_norm(const std::vector<torch::Tensor>& grads) {
   return std::sqrt(sum_of_squares(host) + device_sum);
 }
 
+// ---------------------------------------------------------------- overlap
+AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
+                           std::optional<double> max_grad_norm, int64_t speculation_bytes)
+    : engine_(std::move(engine)),
+      groups_(std::move(groups)),
+      params_(std::move(params)),
+      max_norm_(max_grad_norm),
+      speculation_left_(speculation_bytes < 0 ? INT64_MAX : speculation_bytes) {
+  LS_CHECK(engine_ && !engine_->detached(), "layerstream.optim: overlap needs an attached offload() handle");
+  for (const Group& g : groups_) check_adamw(g.config);
+  const size_t n = params_.size();
+  status_.assign(n, kUntouched);
+  backup_states_.resize(n);
+  backup_params_.resize(n);
+  speculated_.assign(n, 0);
+  by_layer_.resize(static_cast<size_t>(engine_->num_layers()));
+  for (int layer = 0; layer < engine_->num_layers(); ++layer) {
+    const auto [w, b] = engine_->layer_parameters(layer);
+    for (const torch::Tensor& t : {w, b}) {
+      if (!t.defined()) continue;
+      for (size_t i = 0; i < n; ++i)
+        if (params_[i].param.is_same(t)) {
+          LS_CHECK(params_[i].group < groups_.size(), "internal: overlap parameter without its group");
+          LS_CHECK(params_[i].step.defined() && params_[i].step.numel() == 1 &&
+                       params_[i].step.scalar_type() == torch::kFloat,
+                   "internal: overlap parameter without a float32 step counter");
+          by_layer_[static_cast<size_t>(layer)].push_back(i);
+          ++covered_;
+        }
+    }
+  }
+  engine_->set_grad_ready_hook([this](int layer) { on_layer(layer); });
+  hooked_ = true;
+}
+
+AdamWOverlap::~AdamWOverlap() {
+  if (!hooked_) return;
+  try {
+    engine_->set_grad_ready_hook({});
+    engine_->wait_grad_ready();  // queued jobs still call on_layer: let them finish first
+  } catch (...) {
+  }
+}
+
+void AdamWOverlap::step_one(size_t i, float grad_scale) {
+  Param& p = params_[i];
+  const Group& g = groups_[p.group];
+  torch::NoGradGuard ng;
+  p.step.add_(1);
+  const int64_t step = static_cast<int64_t>(p.step.item<float>());
+  adamw_step(g.config, g.format, {p.param}, {p.param.grad()}, {p.states}, {step}, {p.key}, grad_scale, g.seed);
+}
+
+void AdamWOverlap::on_layer(int layer) {
+  if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return;
+  torch::NoGradGuard ng;
+  for (size_t i : by_layer_[static_cast<size_t>(layer)]) {
+    Param& p = params_[i];
+    const torch::Tensor& grad = p.param.grad();
+    if (!grad.defined()) continue;
+    bool speculate = true;
+    if (max_norm_) {
+      const double sq = grad_norm({grad});
+      std::lock_guard<std::mutex> lock(mu_);
+      sum_sq_ += sq * sq;
+      int64_t bytes = p.param.numel() * static_cast<int64_t>(p.param.element_size());
+      for (const torch::Tensor& t : {p.states.exp_avg, p.states.exp_avg_sq, p.states.exp_avg_absmax,
+                                     p.states.exp_avg_sq_absmax})
+        if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+      speculate = bytes <= speculation_left_;
+      if (speculate) speculation_left_ -= bytes;
+      status_[i] = kNormOnly;
+    }
+    if (!speculate) continue;
+    if (max_norm_) {
+      // The copy a triggered clip restores (docs/design/optim.md, "Clipping").
+      backup_params_[i] = p.param.detach().clone();
+      AdamWStates& b = backup_states_[i];
+      b.exp_avg = p.states.exp_avg.clone();
+      b.exp_avg_sq = p.states.exp_avg_sq.clone();
+      if (p.states.exp_avg_absmax.defined()) b.exp_avg_absmax = p.states.exp_avg_absmax.clone();
+      if (p.states.exp_avg_sq_absmax.defined()) b.exp_avg_sq_absmax = p.states.exp_avg_sq_absmax.clone();
+      speculated_[i] = 1;
+    }
+    step_one(i, 1.0f);
+    std::lock_guard<std::mutex> lock(mu_);
+    status_[i] = kStepped;
+  }
+}
+
+std::vector<int> AdamWOverlap::wait() {
+  if (hooked_) {
+    hooked_ = false;
+    engine_->set_grad_ready_hook({});  // no new jobs; queued ones still run on_layer
+    engine_->wait_grad_ready();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+namespace {
+void restore(const torch::Tensor& dst, const torch::Tensor& src) {
+  if (dst.defined() && src.defined()) dst.copy_(src);
+}
+}  // namespace
+
+float AdamWOverlap::settle(double other_sum_of_squares, double* total_norm) {
+  LS_CHECK(!hooked_, "internal: AdamWOverlap::settle before wait()");
+  if (!max_norm_) return 1.0f;
+  const double norm = std::sqrt(sum_sq_ + other_sum_of_squares);
+  if (total_norm) *total_norm = norm;
+  const float coef = clip_coefficient(norm, *max_norm_);
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (status_[i] == kNormOnly) {
+      step_one(i, coef);  // waited for the norm: stepped now, clipped
+      status_[i] = kStepped;
+    } else if (speculated_[i] && coef != 1.0f) {
+      Param& p = params_[i];
+      restore(p.param, backup_params_[i]);
+      restore(p.states.exp_avg, backup_states_[i].exp_avg);
+      restore(p.states.exp_avg_sq, backup_states_[i].exp_avg_sq);
+      restore(p.states.exp_avg_absmax, backup_states_[i].exp_avg_absmax);
+      restore(p.states.exp_avg_sq_absmax, backup_states_[i].exp_avg_sq_absmax);
+      p.step.sub_(1);
+      step_one(i, coef);
+    }
+    backup_params_[i] = torch::Tensor();
+    backup_states_[i] = AdamWStates{};
+  }
+  return coef;
+}
+
+void AdamWOverlap::abort() {
+  try {
+    wait();
+  } catch (...) {
+  }
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (speculated_[i]) {
+      Param& p = params_[i];
+      restore(p.param, backup_params_[i]);
+      restore(p.states.exp_avg, backup_states_[i].exp_avg);
+      restore(p.states.exp_avg_sq, backup_states_[i].exp_avg_sq);
+      restore(p.states.exp_avg_absmax, backup_states_[i].exp_avg_absmax);
+      restore(p.states.exp_avg_sq_absmax, backup_states_[i].exp_avg_sq_absmax);
+      p.step.sub_(1);
+      speculated_[i] = 0;
+    }
+}
+
 // ---------------------------------------------------------------- AdamW
 AdamW::AdamW(std::vector<torch::Tensor> params, AdamWOptions options) {
   add_param_group(std::move(params), std::move(options));

@@ -32,11 +32,14 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/optim/optim.h"
+#include "engine.h"
 
 namespace layerstream {
 namespace optim {
@@ -93,6 +96,85 @@ double grad_norm(const std::vector<torch::Tensor>& grads);
 // parameters of one group on different devices (`group` numbers the group
 // in messages).
 void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group);
+
+// ---------------------------------------------------------------- overlap
+// One AdamW step whose streamed layers are stepped during the backward that
+// completes their gradients (docs/design/optim.md, "Overlap"): installed as
+// the engine's gradient-ready hook for one backward; each layer whose
+// gradient has landed is stepped on the engine's hook thread (with the
+// kernels' thread pool) while the backward goes on. finish() waits for those
+// steps; the caller steps the parameters it did not (resident ones, tables,
+// layers used twice).
+//
+// Clipping (max_grad_norm): the global norm is known only when the backward
+// ends. Each layer's gradient sum of squares is taken when it lands; its step
+// is taken speculatively with no clipping, after saving the layer's
+// parameters and states, as long as the saved bytes stay within
+// `speculation_bytes` (later layers wait for finish()). finish() computes the
+// norm; if the clip triggers, every speculated layer is restored from its
+// copy and stepped again with the clip coefficient -- the result is the
+// reference's either way.
+//
+// Ownership: holds the tensors it was given (the caller's state tensors;
+// `step` tensors are the state dict's 0-dim float32 counters, incremented
+// here). Thread safety: on_layer() runs on the engine's hook thread;
+// finish()/abort() from the caller's thread after the backward returned.
+class AdamWOverlap {
+ public:
+  struct Group {
+    AdamWConfig config;
+    StateFormat format = StateFormat::F32;
+    uint64_t seed = 0;
+  };
+  struct Param {
+    torch::Tensor param;
+    AdamWStates states;
+    torch::Tensor step;  // 0-dim float32: the state's step counter
+    uint64_t key = 0;
+    size_t group = 0;
+  };
+  // Entry status after wait().
+  enum Status : int { kUntouched = 0, kNormOnly = 1, kStepped = 2 };
+
+  AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
+               std::optional<double> max_grad_norm, int64_t speculation_bytes);
+  ~AdamWOverlap();
+  AdamWOverlap(const AdamWOverlap&) = delete;
+  AdamWOverlap& operator=(const AdamWOverlap&) = delete;
+
+  // Waits for the hook's work and removes the hook; per parameter: whether
+  // its gradient norm was taken (kNormOnly) or it was also stepped (kStepped).
+  std::vector<int> wait();
+  // With clipping: the total norm from the layers' partial sums and
+  // `other_sum_of_squares` (the gradients not counted here), and the clip
+  // coefficient; speculated layers are re-stepped when it is not 1. Without
+  // clipping: returns 1. After wait().
+  float settle(double other_sum_of_squares, double* total_norm = nullptr);
+  // After a failed backward: waits, removes the hook and restores the
+  // speculated layers (layers stepped without clipping stay stepped).
+  void abort();
+  // Parameters of the engine's layers that this step covers (for tests).
+  size_t layer_params() const { return covered_; }
+
+ private:
+  void on_layer(int layer);
+  void step_one(size_t index, float grad_scale);
+
+  std::shared_ptr<Engine> engine_;
+  std::vector<Group> groups_;
+  std::vector<Param> params_;
+  std::optional<double> max_norm_;
+  int64_t speculation_left_;
+  std::vector<std::vector<size_t>> by_layer_;
+  size_t covered_ = 0;
+  std::mutex mu_;
+  std::vector<int> status_;
+  std::vector<AdamWStates> backup_states_;
+  std::vector<torch::Tensor> backup_params_;
+  std::vector<char> speculated_;
+  double sum_sq_ = 0;
+  bool hooked_ = false;
+};
 
 // ---------------------------------------------------------------- C++ AdamW
 struct AdamWOptions {

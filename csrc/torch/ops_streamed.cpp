@@ -496,6 +496,7 @@ torch::Tensor EngineImpl::linear(int layer_index, const torch::Tensor& x_in, boo
   // No gradient can flow (no_grad / inference, or nothing requires grad):
   // skip the autograd node entirely.
   if (!needs_node(x, l)) return streamed_forward(this, l, layer_index, x);
+  note_forward_use(l);  // the gradient-ready hook (engine_grad_ready.cpp)
   // Autograd inputs must be defined tensors: without a bias, the weight
   // stands in (the functions read the bias from the layer, never from here).
   return StreamedFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
@@ -512,6 +513,7 @@ torch::Tensor EngineImpl::conv(int layer_index, const torch::Tensor& x_in, bool 
   LS_CHECK(x.dim() == l.conv().dims + 1 || x.dim() == l.conv().dims + 2, "Conv", l.conv().dims, "d layer '", l.name,
            "' expects a ", l.conv().dims + 1, "-D or ", l.conv().dims + 2, "-D input, got ", x.dim(), "-D");
   if (!needs_node(x, l)) return streamed_forward(this, l, layer_index, x);
+  note_forward_use(l);  // the gradient-ready hook (engine_grad_ready.cpp)
   return StreamedFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
                            static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
 }

@@ -21,6 +21,8 @@ different devices, dtypes other than float32 / bfloat16.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import _C
@@ -152,6 +154,7 @@ class AdamW(_HostOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         state_precision=state_precision, seed=int(seed))
         super().__init__(params, defaults, max_grad_norm)
+        self._overlap = None  # (AdamWOverlap, its parameters) between overlap() and step()
 
     @staticmethod
     def _check_group_options(group):
@@ -171,7 +174,7 @@ class AdamW(_HostOptimizer):
             st["exp_avg_absmax"], st["exp_avg_sq_absmax"] = a1, a2
         return st
 
-    def _states(self, p, fmt):
+    def _states(self, p, fmt, count=True):
         st = self.state[p]
         if len(st) == 0:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -179,8 +182,78 @@ class AdamW(_HostOptimizer):
             st["exp_avg"], st["exp_avg_sq"] = m, v
             if a1 is not None:
                 st["exp_avg_absmax"], st["exp_avg_sq_absmax"] = a1, a2
-        st["step"] += 1
+        if count:
+            st["step"] += 1
         return st
+
+    @contextlib.contextmanager
+    def overlap(self, handle, speculation_bytes=None):
+        """Marks the backward inside as the last one of this optimizer step:
+        each streamed layer of ``handle`` (the result of ``layerstream.offload``)
+        is stepped on host threads as soon as its gradient has landed, while
+        the rest of the backward runs. ``step()`` then waits for those steps
+        and steps the other parameters. With gradient accumulation, wrap only
+        the last micro-batch's backward::
+
+            for i, batch in enumerate(micro_batches):
+                loss = model(batch).mean() / len(micro_batches)
+                if i < len(micro_batches) - 1:
+                    loss.backward()
+                else:
+                    with opt.overlap(handle):
+                        loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        Between the block and ``step()``, parameters may still be changing:
+        call ``step()`` next. With ``max_grad_norm``, layers are stepped
+        speculatively (unclipped) after a copy of their parameters and states
+        is saved, up to ``speculation_bytes`` of copies (None: no limit; 0:
+        only the norms are taken early); if the clip triggers, ``step()``
+        restores and re-steps them, so the result equals clip + step either
+        way (docs/design/optim.md, "Overlap"). If the backward raises, the
+        speculated layers are restored; layers stepped without clipping stay
+        stepped."""
+        if self._overlap is not None:
+            raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
+                               "followed by step()")
+        engine = handle._check()
+        groups, params = [], []
+        key = 0
+        for gi, group in enumerate(self.param_groups):
+            b1, b2 = group["betas"]
+            groups.append((float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                           float(group["weight_decay"]), group["state_precision"], int(group["seed"])))
+            for p in group["params"]:
+                if p.device.type == "cpu" and p.requires_grad:
+                    st = self._states(p, group["state_precision"], count=False)
+                    params.append((p, st["exp_avg"], st["exp_avg_sq"], st.get("exp_avg_absmax"),
+                                   st.get("exp_avg_sq_absmax"), st["step"], key, gi))
+                key += 1
+        plan = _C.AdamWOverlap(engine, groups, params, self.max_grad_norm,
+                               -1 if speculation_bytes is None else int(speculation_bytes))
+        try:
+            yield plan
+        except BaseException:
+            plan.abort()
+            raise
+        self._overlap = (plan, [p for p, *_ in params])
+
+    def _finish_overlap(self, work):
+        """After an overlapped backward: waits for the layers' steps and returns
+        (clip coefficient, ids of the parameters already stepped)."""
+        plan, plist = self._overlap
+        self._overlap = None
+        status = plan.wait()
+        counted = {id(p) for p, s in zip(plist, status) if s != 0}
+        other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
+        other_sq = _C.optim_grad_norm(other) ** 2 if (self.max_grad_norm is not None and other) else 0.0
+        coef, norm = plan.settle(other_sq)
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = norm
+        #: Parameters the last overlapped backward stepped (or, clipping, took the norm of) early.
+        self.last_overlap_params = len(counted)
+        return coef, counted
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -189,7 +262,12 @@ class AdamW(_HostOptimizer):
             with torch.enable_grad():
                 loss = closure()
         work, grads = self._collect()
-        scale = self._grad_scale(grads)
+        if self._overlap is not None:
+            scale, done = self._finish_overlap(work)
+            work = [(g, [p for p in ps if id(p) not in done], [x for p, x in zip(ps, gs) if id(p) not in done],
+                     [k for p, k in zip(ps, keys) if id(p) not in done]) for g, ps, gs, keys in work]
+        else:
+            scale = self._grad_scale(grads)
         for group, ps, gs, keys in work:
             if not ps:
                 continue

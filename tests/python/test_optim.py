@@ -404,3 +404,143 @@ def test_bad_arguments_are_value_errors():
         q = nn.Parameter(torch.zeros(2, dtype=torch.float64))
         q.grad = torch.ones(2, dtype=torch.float64)
         AdamW([q]).step()
+
+
+# ---------------------------------------------------------------- overlap
+class Deep(nn.Module):
+    """Four streamed Linear layers (one used twice per forward) and a resident LayerNorm."""
+
+    def __init__(self, d=16, twice=False, checkpoint=None):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+        self.norm = nn.LayerNorm(d)
+        self.twice = twice
+        self.checkpoint = checkpoint  # None, "reentrant", "nonreentrant": layers 1 and 2 in one region
+
+    def _middle(self, x):
+        for layer in self.layers[1:3]:
+            x = torch.tanh(layer(x))
+        return x
+
+    def forward(self, x):
+        x = torch.tanh(self.layers[0](x))
+        if self.checkpoint:
+            from torch.utils.checkpoint import checkpoint
+            x = checkpoint(self._middle, x, use_reentrant=self.checkpoint == "reentrant")
+        else:
+            x = torch.tanh(self.layers[1](x))
+            if self.twice:
+                x = torch.tanh(self.layers[1](x))
+            x = torch.tanh(self.layers[2](x))
+        x = torch.tanh(self.layers[3](x))
+        return self.norm(x)
+
+
+def _overlap_run(model, handle, steps, max_norm=None, overlap=True, k=3, speculation_bytes=None, seed=5):
+    opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm)
+    gen = torch.Generator().manual_seed(seed)
+    early = []
+    for step in range(steps):
+        for i in range(k):
+            x = torch.randn(4, 16, generator=gen) * (4.0 if step % 2 else 0.5)
+            loss = model(x).square().mean() / k
+            if overlap and i == k - 1:
+                with opt.overlap(handle, speculation_bytes=speculation_bytes):
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        early.append(getattr(opt, "last_overlap_params", 0))
+        opt.zero_grad()
+    return early
+
+
+def test_overlap_steps_layers_during_backward_with_the_same_result(offload_sim):
+    """No clipping: with k = 3 micro-batches, the last one's backward steps every
+    streamed layer (8 tensors) as its gradient lands; the parameters are bit for
+    bit those of the same optimizer stepped after backward."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    early = _overlap_run(model, offload_sim(model), 5)
+    _overlap_run(ref, offload_sim(ref), 5, overlap=False)
+    assert early == [8] * 5
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("speculation_bytes", [None, 0, 2000])
+def test_overlap_with_clipping_equals_clip_then_step(offload_sim, speculation_bytes):
+    """max_grad_norm under overlap (speculate unclipped, restore and re-step when
+    the clip triggers; 0 bytes: norms only; 2000 bytes: only some layers
+    speculate) gives the bits of the same optimizer clipping and stepping after
+    the backward (which test_adamw_fp32_matches_torch compares with
+    clip_grad_norm_ + torch.optim.AdamW), with the clip active on some steps.
+    (This model's saturated units have gradients near 0, which AdamW normalizes
+    to +-lr: a 1-ulp difference upstream flips them, so it is compared with the
+    same arithmetic, not with torch's.)"""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    early = _overlap_run(model, offload_sim(model), 6, max_norm=0.75, speculation_bytes=speculation_bytes)
+    ref_opt = AdamW(ref.parameters(), lr=1e-2, max_grad_norm=0.75)
+    gen = torch.Generator().manual_seed(5)
+    clipped = []
+    for step in range(6):
+        for _ in range(3):
+            x = torch.randn(4, 16, generator=gen) * (4.0 if step % 2 else 0.5)
+            (ref(x).square().mean() / 3).backward()
+        ref_opt.step()
+        clipped.append(ref_opt.last_grad_norm > 0.75)
+        ref_opt.zero_grad()
+    assert any(clipped) and not all(clipped), clipped
+    assert early == [8] * 6
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_overlap_waits_for_every_use_of_a_layer_used_twice(offload_sim):
+    """A layer called twice in the forward is complete only after its second
+    gradient of the backward: both uses are summed (in arrival order, as at
+    the end of backward) and then stepped; the result is unchanged."""
+    model = Deep(twice=True)
+    ref = copy.deepcopy(model)
+    early = _overlap_run(model, offload_sim(model), 3)
+    _overlap_run(ref, offload_sim(ref), 3, overlap=False)
+    assert early == [8] * 3
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("mode,early_tensors", [("nonreentrant", 8), ("reentrant", 4)])
+def test_overlap_under_checkpointing(offload_sim, mode, early_tensors):
+    """A checkpoint's recomputation in the backward is not a second use: with a
+    non-reentrant checkpoint every layer still steps early. A reentrant
+    checkpoint's layers run without a node in the forward and get their
+    gradients in an inner backward: they are stepped in step(). Same bits."""
+    model = Deep(checkpoint=mode)
+    ref = copy.deepcopy(model)
+    early = _overlap_run(model, offload_sim(model), 3)
+    _overlap_run(ref, offload_sim(ref), 3, overlap=False)
+    assert early == [early_tensors] * 3
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_overlap_backward_that_raises_restores_speculated_layers(offload_sim):
+    """With clipping, a backward that raises after some layers were stepped
+    speculatively leaves every parameter as it was."""
+    model = Deep()
+    handle = offload_sim(model)
+    opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))  # raises at the very end
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        with opt.overlap(handle):
+            model(x).square().mean().backward()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    assert all(s["step"].item() == 0 for s in opt.state.values())
+    opt.zero_grad()
+    model(torch.randn(4, 16)).square().mean().backward()  # usable afterwards
+    opt.step()
+    assert not torch.equal(model.layers[0].weight, before[0])

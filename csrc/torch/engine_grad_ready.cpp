@@ -1,0 +1,122 @@
+// layerstream — LibTorch glue: the gradient-ready hook (issue 21): a layer's
+// staged weight gradients applied to .grad as soon as they land, then a
+// caller's hook (an optimizer step) on the engine's host thread, during the
+// rest of the backward (engine.h; docs/design/optim.md, "Overlap";
+// docs/design/gradients.md for the staging it builds on).
+// (the engine's rooms: engine_impl.h).
+#include "engine_impl.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+
+namespace layerstream {
+
+void EngineImpl::note_forward_use(LayerInfo& l) {
+  // A forward run inside a backward (a checkpoint's recomputation) is not a
+  // use of its own: its gradient is the one the original call's node gets.
+  if (torch::autograd::get_current_graph_task_id() != -1) return;
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  ++l.forward_uses;
+}
+
+void EngineImpl::reset_forward_uses_locked(int task) {
+  // Only the layers this backward staged: an inner backward (a reentrant
+  // checkpoint's) ends before the outer one reaches the layers before it.
+  for (auto& l : layers_)
+    if (l->last_grad_task == task) l->forward_uses = 0;
+}
+
+void EngineImpl::queue_if_ready_locked(int layer_index, LayerInfo& l) {
+  const int task = torch::autograd::get_current_graph_task_id();
+  l.last_grad_task = task;
+  if (task == -1 || l.forward_uses == 0) return;
+  int uses = 0;
+  for (const auto& u : l.pending) uses += u.task == task;
+  if (uses != l.forward_uses) return;  // more uses of this backward to come, or unknown
+  GradReadyHook hook;
+  {
+    std::lock_guard<std::mutex> lock(gr_mu_);
+    if (!gr_hook_) return;
+    hook = gr_hook_;  // the job belongs to the hook set now
+  }
+  // Marks the end of this layer's copy on the gradient stream (push_grads
+  // just enqueued it): the hook's thread waits for this, not for later copies.
+  auto done = std::make_shared<Event>(backend_->create_event());
+  backend_->record(*done, grad_stream_);
+  std::lock_guard<std::mutex> lock(gr_mu_);
+  gr_queue_.push_back(GradReadyJob{layer_index, task, std::move(done), std::move(hook)});
+  gr_cv_.notify_one();
+}
+
+void EngineImpl::set_grad_ready_hook(GradReadyHook hook) {
+  std::lock_guard<std::mutex> lock(gr_mu_);
+  gr_hook_ = std::move(hook);
+  if (gr_hook_ && !gr_thread_.joinable()) gr_thread_ = std::thread([this] { grad_ready_loop(); });
+}
+
+void EngineImpl::wait_grad_ready() {
+  std::unique_lock<std::mutex> lock(gr_mu_);
+  gr_idle_cv_.wait(lock, [&] { return gr_queue_.empty() && !gr_busy_; });
+  if (gr_error_) {
+    std::exception_ptr e = gr_error_;
+    gr_error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+std::pair<torch::Tensor, torch::Tensor> EngineImpl::layer_parameters(int layer_index) const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const LayerInfo& l = *layers_.at(static_cast<size_t>(layer_index));
+  if (l.is_table() || l.is_group()) return {};
+  return {l.weight, l.bias};
+}
+
+void EngineImpl::grad_ready_loop() {
+  for (;;) {
+    GradReadyJob job;
+    {
+      std::unique_lock<std::mutex> lock(gr_mu_);
+      gr_cv_.wait(lock, [&] { return gr_stop_ || !gr_queue_.empty(); });
+      if (gr_queue_.empty()) return;  // stopping
+      job = gr_queue_.front();
+      gr_queue_.pop_front();
+      gr_busy_ = true;
+    }
+    try {
+      auto scope = device_scope();
+      // Wait for the copy without the engine's lock: the backward goes on
+      // staging other layers meanwhile.
+      backend_->synchronize(*job.done);
+      {
+        std::lock_guard<std::recursive_mutex> lock(mu_);
+        LayerInfo& l = *layers_.at(static_cast<size_t>(job.layer));
+        // (A no-op when the end of backward or synchronize() applied it first.)
+        accumulate_locked(l, job.task);
+        if (l.pending.empty()) pending_.erase(std::remove(pending_.begin(), pending_.end(), job.layer), pending_.end());
+      }
+      if (job.hook) job.hook(job.layer);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(gr_mu_);
+      if (!gr_error_) gr_error_ = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(gr_mu_);
+      gr_busy_ = false;
+      if (gr_queue_.empty()) gr_idle_cv_.notify_all();
+    }
+  }
+}
+
+void EngineImpl::stop_grad_ready() {
+  {
+    std::lock_guard<std::mutex> lock(gr_mu_);
+    gr_stop_ = true;
+    gr_hook_ = nullptr;
+  }
+  gr_cv_.notify_all();
+  if (gr_thread_.joinable()) gr_thread_.join();
+}
+
+}  // namespace layerstream
