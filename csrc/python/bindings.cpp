@@ -172,9 +172,13 @@ void bind_optim(py::module& m) {
   // params: (param, exp_avg, exp_avg_sq, absmax or None, absmax or None, step, key, group).
   using GroupT = std::tuple<double, double, double, double, double, std::string, uint64_t>;
   using ParamT = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, OptT, OptT, torch::Tensor, uint64_t, size_t>;
+  py::class_<o::OverlapBackups, std::shared_ptr<o::OverlapBackups>>(m, "OverlapBackups")
+      .def(py::init<>())
+      .def_property_readonly("bytes", &o::OverlapBackups::bytes);
   py::class_<o::AdamWOverlap>(m, "AdamWOverlap")
       .def(py::init([](std::shared_ptr<Engine> engine, const std::vector<GroupT>& groups,
-                       const std::vector<ParamT>& params, std::optional<double> max_norm, int64_t speculation_bytes) {
+                       const std::vector<ParamT>& params, std::optional<double> max_norm, int64_t speculation_bytes,
+                       std::shared_ptr<o::OverlapBackups> backups) {
              std::vector<o::AdamWOverlap::Group> gs;
              for (const auto& [lr, b1, b2, eps, wd, fmt, seed] : groups)
                gs.push_back({o::AdamWConfig{lr, b1, b2, eps, wd}, o::parse_state_format(fmt), seed});
@@ -183,10 +187,10 @@ void bind_optim(py::module& m) {
                ps.push_back({p, o::AdamWStates{m1, m2, a1.value_or(torch::Tensor()), a2.value_or(torch::Tensor())}, step,
                              key, group});
              return std::make_unique<o::AdamWOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm,
-                                                      speculation_bytes);
+                                                      speculation_bytes, std::move(backups));
            }),
            py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"),
-           py::arg("speculation_bytes"))
+           py::arg("speculation_bytes"), py::arg("backups"))
       .def("wait", &o::AdamWOverlap::wait, py::call_guard<py::gil_scoped_release>())
       .def("settle",
            [](o::AdamWOverlap& self, double other) {

@@ -337,11 +337,12 @@ class Engine {
   // When a hook is set, a streamed Linear's or convolution's weight and bias
   // gradients staged by a backward pass are added to .grad as soon as their
   // copy has landed, on a host thread of the engine, instead of at the end
-  // of that backward -- for a layer whose gradient of this backward is then
-  // complete (it ran exactly once with a gradient in the forward passes
-  // since the last backward; a layer used twice, in a checkpoint's inner
-  // backward, or returning its gradients through autograd is applied at the
-  // end of backward as always). Then hook(layer) runs on that same thread:
+  // of that backward -- once the layer's gradient of this backward is
+  // complete: as many uses staged by it as forward calls with an autograd
+  // node (outside any backward) since the backward that last staged it
+  // (a layer called twice: with its second use). A layer in a reentrant
+  // checkpoint or returning its gradients through autograd is applied at
+  // the end of backward as always. Then hook(layer) runs on that thread:
   // it may read .grad and write the parameters' host data (an optimizer
   // step), and must not compute with the engine. Empty: off.
   using GradReadyHook = std::function<void(int layer)>;

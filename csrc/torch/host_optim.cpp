@@ -301,19 +301,55 @@ double grad_norm(const std::vector<torch::Tensor>& grads) {
 }
 
 // ---------------------------------------------------------------- overlap
+namespace {
+bool same_shape(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  return !a.defined() || (a.sizes() == b.sizes() && a.strides() == b.strides() && a.scalar_type() == b.scalar_type());
+}
+torch::Tensor empty_copy_of(const torch::Tensor& t) {
+  return t.defined() ? torch::empty_like(t, torch::MemoryFormat::Preserve) : torch::Tensor();
+}
+}  // namespace
+
+OverlapBackups::Copy& OverlapBackups::for_key(uint64_t key, const torch::Tensor& param, const AdamWStates& states) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Copy& c = copies_[key];
+  if (!same_shape(c.param, param) || !same_shape(c.states.exp_avg, states.exp_avg) ||
+      !same_shape(c.states.exp_avg_sq, states.exp_avg_sq) ||
+      !same_shape(c.states.exp_avg_absmax, states.exp_avg_absmax) ||
+      !same_shape(c.states.exp_avg_sq_absmax, states.exp_avg_sq_absmax)) {
+    torch::NoGradGuard ng;
+    c.param = empty_copy_of(param.detach());
+    c.states = AdamWStates{empty_copy_of(states.exp_avg), empty_copy_of(states.exp_avg_sq),
+                           empty_copy_of(states.exp_avg_absmax), empty_copy_of(states.exp_avg_sq_absmax)};
+  }
+  return c;
+}
+
+int64_t OverlapBackups::bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& [key, c] : copies_)
+    for (const torch::Tensor& t : {c.param, c.states.exp_avg, c.states.exp_avg_sq, c.states.exp_avg_absmax,
+                                   c.states.exp_avg_sq_absmax})
+      if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
+  return n;
+}
+
 AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
-                           std::optional<double> max_grad_norm, int64_t speculation_bytes)
+                           std::optional<double> max_grad_norm, int64_t speculation_bytes,
+                           std::shared_ptr<OverlapBackups> backups)
     : engine_(std::move(engine)),
       groups_(std::move(groups)),
       params_(std::move(params)),
       max_norm_(max_grad_norm),
-      speculation_left_(speculation_bytes < 0 ? INT64_MAX : speculation_bytes) {
+      speculation_left_(speculation_bytes < 0 ? INT64_MAX : speculation_bytes),
+      backups_(backups ? std::move(backups) : std::make_shared<OverlapBackups>()) {
   LS_CHECK(engine_ && !engine_->detached(), "layerstream.optim: overlap needs an attached offload() handle");
   for (const Group& g : groups_) check_adamw(g.config);
   const size_t n = params_.size();
   status_.assign(n, kUntouched);
-  backup_states_.resize(n);
-  backup_params_.resize(n);
+  backup_.assign(n, nullptr);
   speculated_.assign(n, 0);
   by_layer_.resize(static_cast<size_t>(engine_->num_layers()));
   for (int layer = 0; layer < engine_->num_layers(); ++layer) {
@@ -376,12 +412,13 @@ void AdamWOverlap::on_layer(int layer) {
     if (!speculate) continue;
     if (max_norm_) {
       // The copy a triggered clip restores (docs/design/optim.md, "Clipping").
-      backup_params_[i] = p.param.detach().clone();
-      AdamWStates& b = backup_states_[i];
-      b.exp_avg = p.states.exp_avg.clone();
-      b.exp_avg_sq = p.states.exp_avg_sq.clone();
-      if (p.states.exp_avg_absmax.defined()) b.exp_avg_absmax = p.states.exp_avg_absmax.clone();
-      if (p.states.exp_avg_sq_absmax.defined()) b.exp_avg_sq_absmax = p.states.exp_avg_sq_absmax.clone();
+      OverlapBackups::Copy& c = backups_->for_key(p.key, p.param, p.states);
+      c.param.copy_(p.param.detach());
+      for (auto [dst, src] : {std::pair{c.states.exp_avg, p.states.exp_avg}, {c.states.exp_avg_sq, p.states.exp_avg_sq},
+                              {c.states.exp_avg_absmax, p.states.exp_avg_absmax},
+                              {c.states.exp_avg_sq_absmax, p.states.exp_avg_sq_absmax}})
+        if (dst.defined()) dst.copy_(src);
+      backup_[i] = &c;
       speculated_[i] = 1;
     }
     step_one(i, 1.0f);
@@ -418,17 +455,10 @@ float AdamWOverlap::settle(double other_sum_of_squares, double* total_norm) {
       step_one(i, coef);  // waited for the norm: stepped now, clipped
       status_[i] = kStepped;
     } else if (speculated_[i] && coef != 1.0f) {
-      Param& p = params_[i];
-      restore(p.param, backup_params_[i]);
-      restore(p.states.exp_avg, backup_states_[i].exp_avg);
-      restore(p.states.exp_avg_sq, backup_states_[i].exp_avg_sq);
-      restore(p.states.exp_avg_absmax, backup_states_[i].exp_avg_absmax);
-      restore(p.states.exp_avg_sq_absmax, backup_states_[i].exp_avg_sq_absmax);
-      p.step.sub_(1);
+      restore_one(i);
       step_one(i, coef);
     }
-    backup_params_[i] = torch::Tensor();
-    backup_states_[i] = AdamWStates{};
+    speculated_[i] = 0;
   }
   return coef;
 }
@@ -441,15 +471,21 @@ void AdamWOverlap::abort() {
   torch::NoGradGuard ng;
   for (size_t i = 0; i < params_.size(); ++i)
     if (speculated_[i]) {
-      Param& p = params_[i];
-      restore(p.param, backup_params_[i]);
-      restore(p.states.exp_avg, backup_states_[i].exp_avg);
-      restore(p.states.exp_avg_sq, backup_states_[i].exp_avg_sq);
-      restore(p.states.exp_avg_absmax, backup_states_[i].exp_avg_absmax);
-      restore(p.states.exp_avg_sq_absmax, backup_states_[i].exp_avg_sq_absmax);
-      p.step.sub_(1);
+      restore_one(i);
       speculated_[i] = 0;
     }
+}
+
+void AdamWOverlap::restore_one(size_t i) {
+  Param& p = params_[i];
+  const OverlapBackups::Copy& c = *backup_[i];
+  torch::NoGradGuard ng;
+  restore(p.param, c.param);
+  restore(p.states.exp_avg, c.states.exp_avg);
+  restore(p.states.exp_avg_sq, c.states.exp_avg_sq);
+  restore(p.states.exp_avg_absmax, c.states.exp_avg_absmax);
+  restore(p.states.exp_avg_sq_absmax, c.states.exp_avg_sq_absmax);
+  p.step.sub_(1);
 }
 
 // ---------------------------------------------------------------- AdamW

@@ -32,6 +32,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -113,12 +114,33 @@ void check_group(const std::vector<torch::Tensor>& params, const std::vector<tor
 // `speculation_bytes` (later layers wait for finish()). finish() computes the
 // norm; if the clip triggers, every speculated layer is restored from its
 // copy and stepped again with the clip coefficient -- the result is the
-// reference's either way.
+// reference's either way. The copies live in an OverlapBackups the caller
+// keeps across steps (allocated once).
 //
 // Ownership: holds the tensors it was given (the caller's state tensors;
 // `step` tensors are the state dict's 0-dim float32 counters, incremented
 // here). Thread safety: on_layer() runs on the engine's hook thread;
 // finish()/abort() from the caller's thread after the backward returned.
+// The copies a speculative step keeps (AdamWOverlap), by parameter key:
+// allocated at the first step and reused by the next ones (allocating and
+// freeing them every step costs page faults on the critical path). Held by
+// the optimizer across steps. Thread safety: internally locked.
+class OverlapBackups {
+ public:
+  struct Copy {
+    torch::Tensor param;
+    AdamWStates states;
+  };
+  // The copy of `key`, shaped like `param` and `states` (made on first use
+  // or when they changed).
+  Copy& for_key(uint64_t key, const torch::Tensor& param, const AdamWStates& states);
+  int64_t bytes() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uint64_t, Copy> copies_;
+};
+
 class AdamWOverlap {
  public:
   struct Group {
@@ -137,7 +159,8 @@ class AdamWOverlap {
   enum Status : int { kUntouched = 0, kNormOnly = 1, kStepped = 2 };
 
   AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
-               std::optional<double> max_grad_norm, int64_t speculation_bytes);
+               std::optional<double> max_grad_norm, int64_t speculation_bytes,
+               std::shared_ptr<OverlapBackups> backups = nullptr);
   ~AdamWOverlap();
   AdamWOverlap(const AdamWOverlap&) = delete;
   AdamWOverlap& operator=(const AdamWOverlap&) = delete;
@@ -159,6 +182,7 @@ class AdamWOverlap {
  private:
   void on_layer(int layer);
   void step_one(size_t index, float grad_scale);
+  void restore_one(size_t index);  // from its copy, step counter back by one
 
   std::shared_ptr<Engine> engine_;
   std::vector<Group> groups_;
@@ -169,8 +193,8 @@ class AdamWOverlap {
   size_t covered_ = 0;
   std::mutex mu_;
   std::vector<int> status_;
-  std::vector<AdamWStates> backup_states_;
-  std::vector<torch::Tensor> backup_params_;
+  std::shared_ptr<OverlapBackups> backups_;
+  std::vector<OverlapBackups::Copy*> backup_;  // per parameter, when speculated
   std::vector<char> speculated_;
   double sum_sq_ = 0;
   bool hooked_ = false;

@@ -155,6 +155,8 @@ class AdamW(_HostOptimizer):
                         state_precision=state_precision, seed=int(seed))
         super().__init__(params, defaults, max_grad_norm)
         self._overlap = None  # (AdamWOverlap, its parameters) between overlap() and step()
+        self._backups = None  # _C.OverlapBackups: the copies speculative steps keep (overlap with clipping)
+        self._last_clipped = False  # the last step's clip coefficient was below 1
 
     @staticmethod
     def _check_group_options(group):
@@ -208,8 +210,10 @@ class AdamW(_HostOptimizer):
         Between the block and ``step()``, parameters may still be changing:
         call ``step()`` next. With ``max_grad_norm``, layers are stepped
         speculatively (unclipped) after a copy of their parameters and states
-        is saved, up to ``speculation_bytes`` of copies (None: no limit; 0:
-        only the norms are taken early); if the clip triggers, ``step()``
+        is saved, up to ``speculation_bytes`` of copies (None: no limit,
+        unless the previous step clipped, then none; 0: only the norms are
+        taken early; the copies are allocated once and kept by the
+        optimizer); if the clip triggers, ``step()``
         restores and re-steps them, so the result equals clip + step either
         way (docs/design/optim.md, "Overlap"). If the backward raises, the
         speculated layers are restored; layers stepped without clipping stay
@@ -230,8 +234,13 @@ class AdamW(_HostOptimizer):
                     params.append((p, st["exp_avg"], st["exp_avg_sq"], st.get("exp_avg_absmax"),
                                    st.get("exp_avg_sq_absmax"), st["step"], key, gi))
                 key += 1
-        plan = _C.AdamWOverlap(engine, groups, params, self.max_grad_norm,
-                               -1 if speculation_bytes is None else int(speculation_bytes))
+        if self.max_grad_norm is not None and self._backups is None:
+            self._backups = _C.OverlapBackups()  # the speculation's copies, kept across steps
+        if speculation_bytes is None:
+            # Speculate unless the last step clipped: a clip that triggers now
+            # would restore and re-step every speculated layer in step().
+            speculation_bytes = 0 if self._last_clipped else -1
+        plan = _C.AdamWOverlap(engine, groups, params, self.max_grad_norm, int(speculation_bytes), self._backups)
         try:
             yield plan
         except BaseException:
@@ -268,6 +277,7 @@ class AdamW(_HostOptimizer):
                      [k for p, k in zip(ps, keys) if id(p) not in done]) for g, ps, gs, keys in work]
         else:
             scale = self._grad_scale(grads)
+        self._last_clipped = scale < 1.0
         for group, ps, gs, keys in work:
             if not ps:
                 continue

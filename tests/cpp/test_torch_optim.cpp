@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -99,6 +101,58 @@ TEST(TorchOptim, AdamWOnStreamedParametersMatchesTorch) {
   int64_t numel = 0;
   for (const auto& p : model->parameters()) numel += p.numel();
   EXPECT_EQ(opt.state_bytes(), 8 * numel);
+  handle->detach();
+}
+
+// Engine::set_grad_ready_hook (issue 21): each streamed layer's hook call
+// comes after its .grad holds this backward's gradient (equal to the
+// resident model's), during the backward (before it returns); a second
+// backward accumulates before its calls; without a hook nothing is queued.
+TEST(TorchOptim, GradReadyHookSeesCompleteGradients) {
+  torch::manual_seed(3);
+  Net model;
+  Net ref;
+  {
+    torch::NoGradGuard ng;
+    auto src = model->named_parameters();
+    for (auto& p : ref->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  layerstream::OffloadOptions o;
+  o.device = "sim";
+  auto handle = layerstream::offload(*model, o);
+  auto engine = handle->engine();
+  std::mutex mu;
+  std::vector<int> calls;
+  std::vector<torch::Tensor> seen;  // the weight gradients at hook time
+  engine->set_grad_ready_hook([&](int layer) {
+    const auto [w, b] = engine->layer_parameters(layer);
+    std::lock_guard<std::mutex> lock(mu);
+    calls.push_back(layer);
+    seen.push_back(w.grad().defined() ? w.grad().clone() : torch::Tensor());
+  });
+  for (int round = 0; round < 2; ++round) {  // the second accumulates into .grad
+    const torch::Tensor x = torch::randn({8, 8});
+    model->forward(x).square().mean().backward();
+    ref->forward(x).square().mean().backward();
+    engine->wait_grad_ready();
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_EQ(calls.size(), 2u * static_cast<size_t>(round + 1));
+    std::vector<int> last(calls.end() - 2, calls.end());
+    std::sort(last.begin(), last.end());
+    EXPECT_EQ(last, (std::vector<int>{0, 1}));
+    for (size_t k = calls.size() - 2; k < calls.size(); ++k) {
+      const torch::Tensor& want = calls[k] == 0 ? ref->fc1->weight.grad() : ref->fc2->weight.grad();
+      ASSERT_TRUE(seen[k].defined());
+      EXPECT_TRUE(torch::equal(seen[k], want)) << "layer " << calls[k] << " round " << round;
+    }
+  }
+  engine->set_grad_ready_hook({});
+  model->forward(torch::randn({8, 8})).sum().backward();
+  engine->wait_grad_ready();
+  EXPECT_EQ(calls.size(), 4u);
+  auto [w, b] = engine->layer_parameters(0);
+  EXPECT_TRUE(w.is_same(model->fc1->weight));
+  EXPECT_TRUE(b.is_same(model->fc1->bias));
   handle->detach();
 }
 

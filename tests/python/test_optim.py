@@ -436,13 +436,15 @@ class Deep(nn.Module):
         return self.norm(x)
 
 
-def _overlap_run(model, handle, steps, max_norm=None, overlap=True, k=3, speculation_bytes=None, seed=5):
-    opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm)
+def _overlap_run(model, handle, steps, max_norm=None, overlap=True, k=3, speculation_bytes=None, seed=5,
+                 precision="fp32"):
+    opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm, state_precision=precision)
+    dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
     early = []
     for step in range(steps):
         for i in range(k):
-            x = torch.randn(4, 16, generator=gen) * (4.0 if step % 2 else 0.5)
+            x = (torch.randn(4, 16, generator=gen) * (4.0 if step % 2 else 0.5)).to(dtype)
             loss = model(x).square().mean() / k
             if overlap and i == k - 1:
                 with opt.overlap(handle, speculation_bytes=speculation_bytes):
@@ -455,14 +457,17 @@ def _overlap_run(model, handle, steps, max_norm=None, overlap=True, k=3, specula
     return early
 
 
-def test_overlap_steps_layers_during_backward_with_the_same_result(offload_sim):
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                             (torch.float32, "8bit")])
+def test_overlap_steps_layers_during_backward_with_the_same_result(offload_sim, dtype, precision):
     """No clipping: with k = 3 micro-batches, the last one's backward steps every
     streamed layer (8 tensors) as its gradient lands; the parameters are bit for
-    bit those of the same optimizer stepped after backward."""
-    model = Deep()
+    bit those of the same optimizer stepped after backward (bf16 weights and
+    states, 8-bit states: the same stochastic rounding streams)."""
+    model = Deep().to(dtype)
     ref = copy.deepcopy(model)
-    early = _overlap_run(model, offload_sim(model), 5)
-    _overlap_run(ref, offload_sim(ref), 5, overlap=False)
+    early = _overlap_run(model, offload_sim(model), 5, precision=precision)
+    _overlap_run(ref, offload_sim(ref), 5, overlap=False, precision=precision)
     assert early == [8] * 5
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
