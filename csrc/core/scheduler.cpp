@@ -28,8 +28,14 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
     Layer l;
     l.spec = std::move(layers[i]);
     size_t off = 0;
+    LS_CHECK(l.spec.staged.empty() || l.spec.staged.size() == l.spec.parts.size(), "layer '", l.spec.name,
+             "' has ", l.spec.staged.size(), " staged sources for ", l.spec.parts.size(), " parts");
+    for (size_t k = 0; k < l.spec.staged.size(); ++k)
+      LS_CHECK(l.spec.staged[k].bytes == l.spec.parts[k].bytes, "layer '", l.spec.name, "' part #", k,
+               ": its staged source has ", l.spec.staged[k].bytes, " bytes, the part ", l.spec.parts[k].bytes);
     for (const BufferRef& p : l.spec.parts) {
-      LS_CHECK(p.ptr != nullptr || p.bytes == 0, "layer '", l.spec.name, "' has a null part");
+      LS_CHECK(p.ptr != nullptr || p.bytes == 0 || !l.spec.staged.empty(), "layer '", l.spec.name,
+               "' has a null part");
       LS_CHECK(p.is_host(), "layer '", l.spec.name, "' part '", p.label,
                "' must be host memory, got ", to_string(p.kind));
       l.offsets.push_back(off);
@@ -66,6 +72,13 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
   }
   loaded_.assign(layers_.size(), -1);
   copied_version_.assign(layers_.size(), 0);
+  std::vector<std::vector<StagedPart>> staged(layers_.size());
+  bool any_staged = false;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    staged[i] = layers_[i].spec.staged;
+    any_staged = any_staged || !staged[i].empty();
+  }
+  if (any_staged) stager_ = std::make_unique<Stager>(backend_, std::move(staged), opts_.staging);
   stats_.device_bytes = pool_->device_bytes();
   stats_.slot_bytes = pool_->slot_bytes();
   stats_.num_slots = opts_.num_slots;
@@ -75,6 +88,7 @@ Scheduler::~Scheduler() {
   try {
     backend_.synchronize(transfer_);
     if (post_ != transfer_) backend_.synchronize(post_);
+    if (stager_) stager_->synchronize();
   } catch (...) {
     // Shutting down: the pool's destructor waits for the slots regardless.
   }
@@ -112,7 +126,7 @@ void Scheduler::advance_trace_locked(int layer, Phase phase) {
     if (opts_.auto_step && phase == Phase::Forward && !trace_.empty() && trace_.front() == layer) {
       begin_step_locked();
     } else {
-      if (trace_.size() < opts_.max_trace_length) trace_.push_back(layer);
+      if (trace_.size() < opts_.max_trace_length) trace_.push_back(layer), trace_gen_++;
       return;
     }
   } else if (opts_.auto_step && phase == Phase::Forward && pos_ > 0 && trace_.front() == layer) {
@@ -209,12 +223,18 @@ int Scheduler::obtain_slot_locked(bool on_demand) {
 void Scheduler::issue_copy_locked(int layer, int slot) {
   Layer& l = layers_[static_cast<size_t>(layer)];
   const BufferRef& dst = pool_->slot(slot);
+  std::vector<uint64_t> src_off;
+  const BufferRef* staged = l.spec.staged.empty() ? nullptr : &copy_source_locked(layer, &src_off);
   const std::shared_ptr<double> started = trace_stream_begin(tracer_, backend_, transfer_);
   for (size_t i = 0; i < l.spec.parts.size(); ++i) {
     const BufferRef& src = l.spec.parts[i];
     if (src.bytes == 0) continue;
-    backend_.copy_async(dst, l.offsets[i], src, 0, src.bytes, transfer_);
+    if (staged)
+      backend_.copy_async(dst, l.offsets[i], *staged, src_off[i], src.bytes, transfer_);
+    else
+      backend_.copy_async(dst, l.offsets[i], src, 0, src.bytes, transfer_);
   }
+  if (staged) copies_issued_locked(layer);
   if (started)
     trace_stream_end(tracer_, backend_, transfer_, started,
                      {"transfer", "H2D " + l.spec.name, 0, 0, l.copy_bytes});
@@ -289,6 +309,7 @@ void Scheduler::prefetch_locked(int current_layer, Phase phase) {
     issue_copy_locked(l, s);
   }
   note_held_locked();
+  read_ahead_locked();
 }
 
 Lease Scheduler::make_lease_locked(int layer, int slot, bool hit) const {
@@ -330,6 +351,7 @@ Lease Scheduler::acquire_impl(int layer, Stream compute, Phase phase, const Part
   Lease lease;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    check_staging_locked();
     stats_.acquires++;
     advance_trace_locked(layer, phase);
     acquires_in_step_++;
@@ -391,13 +413,19 @@ void Scheduler::issue_partial_copy_locked(int layer, int slot, const PartialCopy
   const BufferRef& dst = pool_->slot(slot);
   SlotState& st = slots_[static_cast<size_t>(slot)];
   uint64_t bytes = 0;
+  std::vector<uint64_t> src_off;
+  const BufferRef* staged = l.spec.staged.empty() ? nullptr : &copy_source_locked(layer, &src_off);
   const std::shared_ptr<double> started = trace_stream_begin(tracer_, backend_, transfer_);
   for (size_t i = 0; i < l.spec.parts.size(); ++i)
     for (const auto& r : copy.ranges[i]) {
       if (r.second == 0) continue;
-      backend_.copy_async(dst, l.offsets[i] + r.first, l.spec.parts[i], r.first, r.second, transfer_);
+      if (staged)
+        backend_.copy_async(dst, l.offsets[i] + r.first, *staged, src_off[i] + r.first, r.second, transfer_);
+      else
+        backend_.copy_async(dst, l.offsets[i] + r.first, l.spec.parts[i], r.first, r.second, transfer_);
       bytes += r.second;
     }
+  if (staged) copies_issued_locked(layer);
   if (started)
     trace_stream_end(tracer_, backend_, transfer_, started,
                      {"transfer", "H2D " + l.spec.name + " (part)", 0, 0, bytes});
@@ -499,6 +527,7 @@ void Scheduler::begin_step_locked() {
     if (extends || (opts_.retrace_after > 0 && deviating_steps_ >= opts_.retrace_after &&
                     !observed_.empty())) {
       trace_.swap(observed_);
+      trace_gen_++;
       stats_.retraces++;
       deviating_steps_ = 0;
     }
@@ -521,11 +550,13 @@ void Scheduler::begin_step_locked() {
   acquires_in_step_ = 0;
   pos_ = 0;
   if (!opts_.content_version) drop_content_locked();
+  if (stager_) stager_->forget_memory_layers();
 }
 
 void Scheduler::begin_step() {
   std::lock_guard<std::mutex> lock(mu_);
   begin_step_locked();
+  check_staging_locked();
 }
 
 void Scheduler::quiesce() {
@@ -533,6 +564,60 @@ void Scheduler::quiesce() {
   if (post_ != transfer_) backend_.synchronize(post_);
   std::lock_guard<std::mutex> lock(mu_);
   drop_content_locked();
+  if (stager_) stager_->forget_memory_layers();
+  check_staging_locked();
+}
+
+void Scheduler::check_staging() {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_staging_locked();
+}
+
+void Scheduler::check_staging_locked() {
+  if (!stager_) return;
+  std::string err = stager_->take_error();
+  if (err.empty()) return;
+  // Every copy made from a staging entry since may hold the failed read's
+  // NaN bytes: forget them all (a later acquire reads again).
+  stager_->forget_all();
+  drop_content_locked();
+  LS_FAIL(err);
+}
+
+const BufferRef& Scheduler::copy_source_locked(int layer, std::vector<uint64_t>* src_offsets) {
+  return stager_->stage(layer, transfer_, [this](int l) { return next_use_cyclic_locked(l); }, src_offsets);
+}
+
+void Scheduler::copies_issued_locked(int layer) { stager_->copied(layer, transfer_); }
+
+int64_t Scheduler::next_use_cyclic_locked(int layer) {
+  if (recording_ || trace_.empty()) return -1;
+  if (positions_gen_ != trace_gen_) {
+    positions_.assign(layers_.size(), {});
+    for (size_t j = 0; j < trace_.size(); ++j)
+      positions_[static_cast<size_t>(trace_[j])].push_back(static_cast<uint32_t>(j));
+    positions_gen_ = trace_gen_;
+  }
+  const std::vector<uint32_t>& at = positions_[static_cast<size_t>(layer)];
+  if (at.empty()) return -1;
+  const auto it = std::lower_bound(at.begin(), at.end(), static_cast<uint32_t>(pos_));
+  if (it != at.end()) return static_cast<int64_t>(*it) - static_cast<int64_t>(pos_);
+  return static_cast<int64_t>(trace_.size() - pos_ + at.front());  // in the next step
+}
+
+void Scheduler::read_ahead_locked() {
+  if (!stager_ || recording_ || trace_.empty()) return;
+  // The next layers the trace needs that come from files, in order, one
+  // pass around the trace at most.
+  std::vector<int> upcoming;
+  const int depth = opts_.staging.read_ahead > 0 ? opts_.staging.read_ahead : opts_.prefetch_depth + 1;
+  const size_t want = std::min<size_t>(static_cast<size_t>(depth), stager_->stats().entries);
+  for (size_t j = 0; j < trace_.size() && upcoming.size() < want; ++j) {
+    const int l = trace_[(pos_ + j) % trace_.size()];
+    if (stager_->staged(l) && std::find(upcoming.begin(), upcoming.end(), l) == upcoming.end())
+      upcoming.push_back(l);
+  }
+  stager_->read_ahead(upcoming, [this](int l) { return next_use_cyclic_locked(l); });
 }
 
 std::vector<StepStats> Scheduler::step_stats() const {
@@ -560,6 +645,7 @@ SchedulerStats Scheduler::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   SchedulerStats s = stats_;
   s.recording = recording_;
+  if (stager_) s.staging = stager_->stats();
   return s;
 }
 

@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "io/stager.h"
 #include "runtime.h"
 #include "slot_pool.h"
 #include "telemetry.h"
@@ -78,6 +79,12 @@ struct LayerSpec {
   size_t workspace_bytes = 0;
   PostCopyFn post_copy;  // optional
   std::string post_copy_label = "dequant";  // its name in the timeline ("dequant <layer>")
+  // Optional, one per part: where the part's bytes come from when they are
+  // not in pinned host memory (a file range: the disk tier; pageable memory:
+  // beyond the pinned budget). The layer is then read into a host staging
+  // entry before each copy (io/stager.h), and `parts` only give the sizes
+  // (their pointers may be null).
+  std::vector<StagedPart> staged;
 };
 
 enum class Phase : uint8_t { Forward, Backward };
@@ -107,6 +114,9 @@ struct SchedulerOptions {
   // copy start while the previous layer is post-processed; default (null):
   // the transfer stream. Not owned: it must outlive the scheduler.
   Stream post_copy_stream;
+  // The host staging entries of layers with LayerSpec::staged (unused when
+  // there are none).
+  StagerOptions staging;
 };
 
 // A copy of only some bytes of a layer's parts (e.g. the experts a router
@@ -160,6 +170,7 @@ struct SchedulerStats {
   int num_slots = 0;
   int max_slots_held = 0;          // most slots held (in use or prefetched) at once
   bool recording = true;
+  StagerStats staging;             // layers read from disk or pageable memory
 };
 
 class Scheduler {
@@ -191,7 +202,12 @@ class Scheduler {
 
   void begin_step();
   // Blocks until all issued copies completed and forgets cached content.
+  // Throws a failed staging read (see check_staging()).
   void quiesce();
+  // Throws layerstream::Error when a read of a staged layer (disk tier,
+  // pageable memory) failed since the last check, forgetting every cached
+  // copy (the failed entry holds NaN bytes). acquire() and begin_step() check.
+  void check_staging();
 
   std::vector<int> trace() const;
   SchedulerStats stats() const;
@@ -236,6 +252,15 @@ class Scheduler {
   Lease make_lease_locked(int layer, int slot, bool hit) const;
   Lease acquire_impl(int layer, Stream compute, Phase phase, const PartialCopy* partial);
   void issue_partial_copy_locked(int layer, int slot, const PartialCopy& copy);
+  // Where a layer's part i is copied from: its host buffer, or (staged) the
+  // staging entry, whose read `transfer_` is made to wait for.
+  const BufferRef& copy_source_locked(int layer, std::vector<uint64_t>* src_offsets);
+  void copies_issued_locked(int layer);
+  // Cyclic distance in the trace from the current position to the layer's
+  // next use (-1: not in the trace, or no trace yet).
+  int64_t next_use_cyclic_locked(int layer);
+  void read_ahead_locked();
+  void check_staging_locked();
 
   Backend& backend_;
   Stream transfer_;
@@ -261,6 +286,10 @@ class Scheduler {
   StepStats cur_step_;
   std::deque<StepStats> steps_;  // bounded: oldest dropped in O(1)
   std::shared_ptr<TraceRecorder> tracer_;
+  std::unique_ptr<Stager> stager_;  // null without staged layers
+  uint64_t trace_gen_ = 0;           // bumped whenever trace_ changes
+  uint64_t positions_gen_ = ~uint64_t(0);
+  std::vector<std::vector<uint32_t>> positions_;  // layer -> its indices in trace_
 };
 
 }  // namespace layerstream

@@ -1,0 +1,88 @@
+#include "source_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/optim/thread_pool.h"
+
+namespace layerstream {
+
+namespace {
+int64_t mtime_of(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+}  // namespace
+
+std::shared_ptr<SourceFile> SourceFile::open(const std::string& path) {
+  std::shared_ptr<SourceFile> f(new SourceFile());
+  f->path_ = path;
+  f->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  LS_CHECK(f->fd_ >= 0, path, ": cannot open for reading: ", std::strerror(errno));
+  struct stat st {};
+  LS_CHECK(::fstat(f->fd_, &st) == 0, path, ": cannot stat: ", std::strerror(errno));
+  f->size_ = static_cast<uint64_t>(st.st_size);
+  f->mtime_ns_ = mtime_of(st);
+  f->inode_ = static_cast<uint64_t>(st.st_ino);
+  f->device_ = static_cast<uint64_t>(st.st_dev);
+  return f;
+}
+
+SourceFile::~SourceFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void SourceFile::check(const std::string& tensor) const {
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0)
+    LS_FAIL(path_, ": the file is gone (", std::strerror(errno), "); tensor '", tensor,
+            "' is read from it. Restore the file, or load the model again");
+  const bool same = static_cast<uint64_t>(st.st_size) == size_ && mtime_of(st) == mtime_ns_ &&
+                    static_cast<uint64_t>(st.st_ino) == inode_ && static_cast<uint64_t>(st.st_dev) == device_;
+  LS_CHECK(same, path_, ": the file changed after it was loaded (size ", size_, " -> ",
+           static_cast<uint64_t>(st.st_size), " bytes", mtime_of(st) != mtime_ns_ ? ", modification time differs" : "",
+           static_cast<uint64_t>(st.st_ino) != inode_ ? ", another file now has its name" : "",
+           "); tensor '", tensor, "' is read from it on every step, and layerstream does not use weights "
+           "other than those it loaded. Restore the file, or load the model again");
+}
+
+void SourceFile::read(void* dst, uint64_t offset, uint64_t bytes, const std::string& tensor,
+                      optim::ThreadPool* pool, uint64_t chunk_bytes) const {
+  check(tensor);
+  LS_CHECK(offset <= size_ && bytes <= size_ - offset, path_, ": tensor '", tensor, "' (", bytes,
+           " bytes at offset ", offset, ") lies past the end of the file (", size_, " bytes): truncated?");
+  if (bytes == 0) return;
+  chunk_bytes = std::max<uint64_t>(chunk_bytes, 1);
+  const int64_t chunks = static_cast<int64_t>((bytes + chunk_bytes - 1) / chunk_bytes);
+  char* out = static_cast<char*>(dst);
+  auto one = [&](int64_t c) {
+    uint64_t at = static_cast<uint64_t>(c) * chunk_bytes;
+    const uint64_t end = std::min(bytes, at + chunk_bytes);
+    while (at < end) {
+      const ssize_t got = ::pread(fd_, out + at, static_cast<size_t>(end - at), static_cast<off_t>(offset + at));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0)
+        LS_FAIL(path_, ": reading tensor '", tensor, "' failed at offset ", offset + at, ": ",
+                got < 0 ? std::strerror(errno) : "unexpected end of file (truncated?)");
+      at += static_cast<uint64_t>(got);
+    }
+  };
+  if (pool && chunks > 1) {
+    pool->run(chunks, one);
+  } else {
+    for (int64_t c = 0; c < chunks; ++c) one(c);
+  }
+}
+
+void SourceFile::drop_page_cache() const {
+#ifdef POSIX_FADV_DONTNEED
+  ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+#endif
+}
+
+}  // namespace layerstream

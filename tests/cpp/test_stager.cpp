@@ -1,0 +1,308 @@
+// The host tier (core/io): SourceFile reads and identity checks; the Stager
+// under the Scheduler on the sim device with the ordering checker: layers
+// read from a file (the disk tier) and from pageable memory, mixed with plain
+// pinned layers, over random schedules — every slot byte-identical to its
+// source, zero ordering errors; the cache keeps layers by farthest next use;
+// a file changed mid-run is an error, never other weights.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "backends/sim/sim_backend.h"
+#include "core/error.h"
+#include "core/host_store.h"
+#include "core/io/source_file.h"
+#include "core/optim/thread_pool.h"
+#include "core/scheduler.h"
+
+using namespace layerstream;
+
+namespace {
+
+std::string temp_path(const std::string& name) {
+  return testing::TempDir() + "/ls_stager_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::vector<unsigned char> random_bytes(size_t n, std::mt19937& rng) {
+  std::vector<unsigned char> b(n);
+  for (auto& x : b) x = static_cast<unsigned char>(rng());
+  return b;
+}
+
+void write_file(const std::string& path, const std::vector<unsigned char>& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.message();
+  }
+  return "";
+}
+
+TEST(SourceFile, ReadsInChunksOnAPoolAndChecksIdentity) {
+  std::mt19937 rng(7);
+  const std::string path = temp_path("read.bin");
+  const auto bytes = random_bytes(1 << 20, rng);
+  write_file(path, bytes);
+  auto f = SourceFile::open(path);
+  EXPECT_EQ(f->size(), bytes.size());
+  optim::ThreadPool pool(3);
+  std::vector<unsigned char> out(300000);
+  f->read(out.data(), 12345, out.size(), "t", &pool, 4096 + 17);  // many odd-sized chunks
+  EXPECT_EQ(0, std::memcmp(out.data(), bytes.data() + 12345, out.size()));
+  f->read(out.data(), 0, 1000, "t");  // calling thread only
+  EXPECT_EQ(0, std::memcmp(out.data(), bytes.data(), 1000));
+  EXPECT_NE(error_of([&] { f->read(out.data(), bytes.size() - 10, 11, "w.past"); }).find("past the end"),
+            std::string::npos);
+  // Rewritten with other content of the same size: the modification time
+  // (or inode) differs, and the message names the file and the tensor.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  auto other = bytes;
+  other[5] ^= 1;
+  write_file(path, other);
+  const std::string msg = error_of([&] { f->read(out.data(), 0, 10, "blk.3.weight"); });
+  EXPECT_NE(msg.find("changed after it was loaded"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("blk.3.weight"), std::string::npos) << msg;
+  std::remove(path.c_str());
+  EXPECT_NE(error_of([&] { f->check("x"); }).find("is gone"), std::string::npos);
+  EXPECT_NE(error_of([&] { SourceFile::open(path); }).find("cannot open"), std::string::npos);
+}
+
+// A model of `n` layers: each one part of random size, from the file (even
+// layers), from pageable memory (every third odd one) or pinned (the rest).
+struct Model {
+  std::vector<LayerSpec> specs;
+  std::vector<std::vector<unsigned char>> content;
+  std::vector<std::vector<unsigned char>> memory;  // sources of memory layers (kept alive)
+  std::shared_ptr<SourceFile> file;
+  size_t largest = 0;
+};
+
+Model make_model(Backend& be, HostStore& store, int n, std::mt19937& rng, const std::string& path,
+                 bool all_from_file = false, size_t fixed = 0) {
+  Model m;
+  std::vector<unsigned char> file_bytes;
+  std::vector<std::pair<int, size_t>> at;  // layer -> offset in the file
+  for (int l = 0; l < n; ++l) {
+    const size_t bytes = fixed ? fixed : 1 + rng() % 6000;
+    m.content.push_back(random_bytes(bytes, rng));
+    if (all_from_file || l % 2 == 0 || l % 3 == 0) m.largest = std::max(m.largest, (bytes + 255) / 256 * 256);
+  }
+  for (int l = 0; l < n; ++l) {
+    if (all_from_file || l % 2 == 0) {
+      at.push_back({l, file_bytes.size() + 13});  // unaligned offsets
+      file_bytes.resize(file_bytes.size() + 13);
+      file_bytes.insert(file_bytes.end(), m.content[l].begin(), m.content[l].end());
+    }
+  }
+  write_file(path, file_bytes);
+  m.file = SourceFile::open(path);
+  m.memory.resize(static_cast<size_t>(n));
+  for (int l = 0; l < n; ++l) {
+    LayerSpec spec;
+    spec.name = "layer" + std::to_string(l);
+    const auto& c = m.content[static_cast<size_t>(l)];
+    const bool from_file = all_from_file || l % 2 == 0;
+    if (from_file || l % 3 == 0) {
+      StagedPart p;
+      p.bytes = c.size();
+      p.tensor = spec.name + ".weight";
+      if (from_file) {
+        p.file = m.file;
+        for (auto& [k, off] : at)
+          if (k == l) p.offset = off;
+      } else {
+        m.memory[static_cast<size_t>(l)] = c;
+        p.memory = m.memory[static_cast<size_t>(l)].data();
+      }
+      spec.staged.push_back(p);
+      BufferRef size_only;
+      size_only.bytes = c.size();
+      size_only.kind = MemoryKind::HostPageable;
+      spec.parts.push_back(size_only);
+    } else {
+      spec.parts.push_back(store.buffer(store.add(c.size(), c.data(), spec.name)));
+    }
+    m.specs.push_back(spec);
+  }
+  (void)be;
+  return m;
+}
+
+bool slot_matches(const Lease& lease, const std::vector<unsigned char>& c) {
+  return std::memcmp(lease.part_ptr(0), c.data(), c.size()) == 0;
+}
+
+struct Params {
+  int prefetch, slots, entries;
+  bool async_compute;
+};
+
+class StagedSchedule : public testing::TestWithParam<Params> {};
+
+TEST_P(StagedSchedule, NoRacesBytesExact) {
+  const Params p = GetParam();
+  SimOptions o;
+  o.h2d_gbps = 0;
+  o.latency_us = 0;
+  o.jitter = 0;
+  auto sim = make_sim_backend(o);
+  std::mt19937 rng(99u + static_cast<unsigned>(p.prefetch * 7 + p.entries));
+  HostStore store(*sim);
+  const int n = 7 + static_cast<int>(rng() % 4);
+  const std::string path = temp_path("sched" + std::to_string(p.prefetch) + std::to_string(p.entries) + ".bin");
+  Model m = make_model(*sim, store, n, rng, path);
+  SchedulerOptions so;
+  so.num_slots = p.slots;
+  so.prefetch_depth = p.prefetch;
+  so.staging.cache_bytes = m.largest * static_cast<size_t>(p.entries);
+  so.staging.reader_threads = 2;
+  so.staging.chunk_bytes = 1000;  // several chunks per layer
+  Stream transfer = sim->create_stream("transfer");
+  Stream compute = p.async_compute ? sim->create_stream("compute") : sim->create_inline_stream("compute");
+  int mismatches = 0;
+  {
+    Scheduler sched(*sim, transfer, m.specs, so);
+    for (int step = 0; step < 30; ++step) {
+      std::vector<std::pair<int, Phase>> seq;
+      for (int i = 0; i < n; ++i) seq.push_back({i, Phase::Forward});
+      for (int i = n - 1; i >= 0; --i) seq.push_back({i, Phase::Backward});
+      if (step > 2 && rng() % 3 == 0) std::swap(seq[1 + rng() % (seq.size() - 2)], seq[1 + rng() % (seq.size() - 2)]);
+      for (auto [layer, phase] : seq) {
+        Lease lease = sched.acquire(layer, compute, phase);
+        const auto& c = m.content[static_cast<size_t>(layer)];
+        sim->launch_host_func(compute, [&mismatches, lease, &c] {
+          if (!slot_matches(lease, c)) ++mismatches;
+        });
+        sched.release(lease, compute);
+      }
+      sim->synchronize(compute);
+    }
+    const SchedulerStats st = sched.stats();
+    EXPECT_GT(st.staging.reads, 0u);
+    EXPECT_GT(st.staging.file_bytes, 0u);
+    EXPECT_EQ(st.staging.entries, static_cast<uint64_t>(p.entries));
+  }
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_TRUE(sim->ordering_errors().empty()) << sim->ordering_errors().front();
+  std::remove(path.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, StagedSchedule,
+                         testing::Values(Params{0, 2, 2, false}, Params{2, 4, 2, true}, Params{2, 4, 3, false},
+                                         Params{3, 5, 5, true}, Params{1, 3, 12, true}, Params{4, 6, 4, true}));
+
+// Forward-only cyclic steps over n equal layers, all from the file. With e
+// entries and read-ahead r, keeping by farthest next use reads at most
+// n - e + r layers per step; least-recently used would read all n every
+// step. With entries for all, nothing is read after the first step.
+uint64_t reads_per_step(int n, int entries) {
+  SimOptions o;
+  o.h2d_gbps = 0;
+  o.latency_us = 0;
+  auto sim = make_sim_backend(o);
+  std::mt19937 rng(5);
+  HostStore store(*sim);
+  const std::string path = temp_path("belady" + std::to_string(entries) + ".bin");
+  Model m = make_model(*sim, store, n, rng, path, /*all_from_file=*/true, /*fixed=*/1024);
+  SchedulerOptions so;
+  so.num_slots = 2;
+  so.prefetch_depth = 1;
+  so.staging.cache_bytes = 1024 * static_cast<size_t>(entries);
+  Stream transfer = sim->create_stream("transfer");
+  Stream compute = sim->create_inline_stream("compute");
+  Scheduler sched(*sim, transfer, m.specs, so);
+  uint64_t before = 0;
+  for (int step = 0; step < 6; ++step) {
+    if (step == 4) before = sched.stats().staging.reads;
+    for (int i = 0; i < n; ++i) {
+      Lease lease = sched.acquire(i, compute, Phase::Forward);
+      EXPECT_TRUE(slot_matches(lease, m.content[static_cast<size_t>(i)])) << "layer " << i;
+      sched.release(lease, compute);
+    }
+  }
+  const uint64_t per_step = (sched.stats().staging.reads - before) / 2;
+  std::remove(path.c_str());
+  return per_step;
+}
+
+TEST(StagerCache, KeepsByFarthestNextUse) {
+  // Read-ahead depth here: prefetch 1 + 1 = 2.
+  for (uint64_t e : {4u, 7u, 9u}) {
+    const uint64_t r = reads_per_step(10, static_cast<int>(e));
+    EXPECT_LE(r, 10u - e + 2u) << e << " entries";
+    EXPECT_LT(r, 10u) << e << " entries";
+  }
+  EXPECT_EQ(reads_per_step(10, 10), 0u);
+}
+
+TEST(StagerCache, TooSmallIsAClearError) {
+  auto sim = make_sim_backend(SimOptions{});
+  std::mt19937 rng(3);
+  HostStore store(*sim);
+  const std::string path = temp_path("small.bin");
+  Model m = make_model(*sim, store, 4, rng, path, true, 5000);
+  SchedulerOptions so;
+  so.staging.cache_bytes = 5120;  // one entry
+  Stream transfer = sim->create_stream("transfer");
+  const std::string msg = error_of([&] { Scheduler s(*sim, transfer, m.specs, so); });
+  EXPECT_NE(msg.find("at least two of the largest such layer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("host_budget"), std::string::npos) << msg;
+  std::remove(path.c_str());
+}
+
+// The file is rewritten between steps: the next read fails, the step raises
+// naming the file and tensor, and no slot handed out before the error holds
+// anything but the loaded bytes or NaN bytes.
+TEST(StagerFile, ChangedFileIsAnErrorNeverOtherWeights) {
+  SimOptions o;
+  o.h2d_gbps = 0;
+  o.latency_us = 0;
+  auto sim = make_sim_backend(o);
+  std::mt19937 rng(11);
+  HostStore store(*sim);
+  const std::string path = temp_path("changed.bin");
+  Model m = make_model(*sim, store, 6, rng, path, true, 2048);
+  SchedulerOptions so;
+  so.num_slots = 3;
+  so.prefetch_depth = 1;
+  so.staging.cache_bytes = 2048 * 3;
+  Stream transfer = sim->create_stream("transfer");
+  Stream compute = sim->create_inline_stream("compute");
+  Scheduler sched(*sim, transfer, m.specs, so);
+  auto run_step = [&] {
+    for (int i = 0; i < 6; ++i) {
+      Lease lease = sched.acquire(i, compute, Phase::Forward);
+      sim->synchronize(transfer);
+      const auto* b = static_cast<const unsigned char*>(lease.part_ptr(0));
+      const bool nan = std::all_of(b, b + 2048, [](unsigned char x) { return x == 0xFF; });
+      EXPECT_TRUE(nan || slot_matches(lease, m.content[static_cast<size_t>(i)])) << "layer " << i;
+      sched.release(lease, compute);
+    }
+  };
+  run_step();
+  run_step();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::ifstream in(path, std::ios::binary);
+  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)), {});
+  bytes[100] ^= 0x55;
+  write_file(path, bytes);
+  std::string msg;
+  for (int tries = 0; tries < 3 && msg.empty(); ++tries) msg = error_of([&] { run_step(); sched.quiesce(); });
+  EXPECT_NE(msg.find("changed after it was loaded"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  std::remove(path.c_str());
+}
+
+}  // namespace
