@@ -1,19 +1,24 @@
 #include "host_store.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "log.h"
 
 namespace layerstream {
 
-HostStore::HostStore(Backend& backend, bool want_pinned)
-    : backend_(backend), want_pinned_(want_pinned) {}
+HostStore::HostStore(Backend& backend, bool want_pinned, int64_t pinned_cap)
+    : backend_(backend), want_pinned_(want_pinned), pinned_cap_(pinned_cap) {}
 
 size_t HostStore::add(size_t bytes, const void* src, const std::string& name) {
   bool fell_back = false;
+  bool pin = want_pinned_;
+  if (pin && pinned_cap_ >= 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pin = stats_.pinned_bytes + bytes <= static_cast<uint64_t>(pinned_cap_);
+  }
   // Allocate outside the lock: pinning can be slow.
-  HostBuffer buf = HostBuffer::allocate(backend_, bytes == 0 ? 1 : bytes, want_pinned_, name,
-                                        &fell_back);
+  HostBuffer buf = HostBuffer::allocate(backend_, bytes == 0 ? 1 : bytes, pin, name, &fell_back);
   if (src && bytes) std::memcpy(buf.data(), src, bytes);
   std::lock_guard<std::mutex> lock(mu_);
   if (fell_back && !warned_) {
@@ -37,6 +42,25 @@ const BufferRef& HostStore::buffer(size_t index) const {
   std::lock_guard<std::mutex> lock(mu_);
   LS_CHECK(index < entries_.size(), "host store has no tensor #", index);
   return entries_[index].buf.ref();
+}
+
+size_t HostStore::add_unclaimed(size_t bytes, const std::string& name) {
+  const size_t i = add(bytes, nullptr, name);
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_[i].unclaimed = true;
+  return i;
+}
+
+int64_t HostStore::claim(const void* ptr, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = entries_.size(); i-- > 0;) {
+    Entry& e = entries_[i];
+    if (e.unclaimed && e.buf.data() == ptr && e.buf.bytes() == std::max<size_t>(bytes, 1)) {
+      e.unclaimed = false;
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
 }
 
 const std::string& HostStore::name(size_t index) const {

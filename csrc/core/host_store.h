@@ -29,7 +29,9 @@ struct HostStoreStats {
 class HostStore {
  public:
   // want_pinned=false stores everything in pageable memory (no warning).
-  explicit HostStore(Backend& backend, bool want_pinned = true);
+  // pinned_cap >= 0: at most that many bytes are pinned; tensors beyond it
+  // are pageable (no warning: the host budget asked for it).
+  explicit HostStore(Backend& backend, bool want_pinned = true, int64_t pinned_cap = -1);
   HostStore(const HostStore&) = delete;
   HostStore& operator=(const HostStore&) = delete;
 
@@ -38,6 +40,12 @@ class HostStore {
   size_t add(size_t bytes, const void* src, const std::string& name);
 
   const BufferRef& buffer(size_t index) const;
+  // Adds a tensor of `bytes` bytes for the caller to fill, to be claimed
+  // by claim() (a tensor read from a file straight into the store).
+  size_t add_unclaimed(size_t bytes, const std::string& name);
+  // The index of the unclaimed tensor (add_unclaimed) whose buffer starts at
+  // `ptr` with `bytes` bytes, now claimed; -1 if there is none.
+  int64_t claim(const void* ptr, size_t bytes);
   const std::string& name(size_t index) const;
   size_t size() const;
   HostStoreStats stats() const;
@@ -46,9 +54,11 @@ class HostStore {
   struct Entry {
     HostBuffer buf;
     std::string name;
+    bool unclaimed = false;
   };
   Backend& backend_;
   bool want_pinned_;
+  int64_t pinned_cap_;
   mutable std::mutex mu_;
   std::deque<Entry> entries_;  // deque: references stay valid as it grows
   HostStoreStats stats_;

@@ -175,6 +175,7 @@ SafetensorsHeader parse_safetensors_header(std::string_view bytes, uint64_t file
     }
     h.tensors.push_back(parse_tensor_entry(what, key, v, data_bytes));
     h.tensors.back().file = what;
+    h.tensors.back().file_offset = 8 + n + h.tensors.back().begin;
   }
 
   // Overlap check: sort non-empty tensors by offsets; each must start at or
@@ -240,6 +241,7 @@ void add_file(Checkpoint& ck, const SafetensorsHeader& h, std::map<std::string, 
     LS_CHECK(inserted, "checkpoint ", q(ck.path), ": tensor ", q(t.name), " appears in both ", q(it->second),
              " and ", q(h.path));
     ck.tensors.push_back(t);
+    ck.tensors.back().file = h.path;
   }
   for (const auto& [k, v] : h.metadata) ck.metadata.emplace(k, v);
 }

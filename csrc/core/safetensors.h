@@ -43,6 +43,7 @@ struct TensorInfo {
   uint64_t numel = 0;
   uint64_t nbytes = 0;          // == end - begin == numel * bits / 8
   std::string file;             // the .safetensors file holding it
+  uint64_t file_offset = 0;     // where its bytes start in `file` (8 + N + begin)
 };
 
 struct SafetensorsHeader {

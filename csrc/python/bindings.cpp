@@ -3,6 +3,10 @@
 #include <torch/extension.h>
 
 #include "core/gguf.h"
+#include "core/host_tier.h"
+#include "core/io/source_file.h"
+#include "core/optim/thread_pool.h"
+#include "core/safetensors.h"
 #include "core/log.h"
 #include "core/offload_policy.h"
 #include "core/options.h"
@@ -16,6 +20,12 @@ namespace py = pybind11;
 using layerstream::ConvSpec;
 using layerstream::Engine;
 using layerstream::EngineOptions;
+using layerstream::Checkpoint;
+using layerstream::FileRange;
+using layerstream::SourceFile;
+using layerstream::TensorInfo;
+namespace host_tier = layerstream::host_tier;
+namespace optim = layerstream::optim;
 
 namespace {
 
@@ -327,6 +337,61 @@ PYBIND11_MODULE(_C, m) {
     return d;
   }, py::arg("parts"));
 
+  // The host budget plan (core/host_tier.h): layers = [(name, bytes,
+  // from_file)]; budgets in bytes, -1 = unlimited.
+  m.def("host_tier_plan",
+        [](const std::vector<std::tuple<std::string, uint64_t, bool>>& layers, int64_t host_budget,
+           int64_t pinned_budget, int prefetch) {
+          std::vector<host_tier::Layer> ls;
+          for (const auto& [name, bytes, from_file] : layers) ls.push_back({name, bytes, from_file});
+          const host_tier::Plan p = host_tier::plan(ls, host_budget, pinned_budget, prefetch);
+          py::dict d;
+          d["on_disk"] = p.on_disk;
+          d["store_bytes"] = p.store_bytes;
+          d["disk_bytes"] = p.disk_bytes;
+          d["staging_bytes"] = p.staging_bytes;
+          d["staging_pinned"] = p.staging_pinned;
+          d["store_pinned_cap"] = p.store_pinned_cap;
+          d["pageable_store_bytes"] = p.pageable_store_bytes;
+          return d;
+        },
+        py::arg("layers"), py::arg("host_budget"), py::arg("pinned_budget"), py::arg("prefetch"));
+  m.def("default_host_budget", &host_tier::default_host_budget);
+  m.def("default_pinned_budget", &host_tier::default_pinned_budget);
+  // A safetensors checkpoint's headers (core/safetensors.h): {"files": [...],
+  // "tensors": [{name, dtype, shape, file, offset (in the file), nbytes}],
+  // "metadata": {...}}; never reads the weights.
+  m.def("read_checkpoint", [](const std::string& path) {
+    const Checkpoint ck = layerstream::read_checkpoint(path);
+    py::list tensors;
+    for (const TensorInfo& t : ck.tensors) {
+      py::dict d;
+      d["name"] = t.name;
+      d["dtype"] = t.dtype;
+      d["shape"] = t.shape;
+      d["file"] = t.file;
+      d["offset"] = t.file_offset;
+      d["nbytes"] = t.nbytes;
+      tensors.append(d);
+    }
+    py::dict out;
+    out["files"] = ck.files;
+    out["tensors"] = tensors;
+    out["metadata"] = ck.metadata;
+    return out;
+  }, py::arg("path"));
+  // Reads bytes of a file into a contiguous CPU tensor's memory, checked and
+  // in large chunks on reader threads (core/io/source_file.h).
+  m.def("read_file_into", [](const std::string& path, uint64_t offset, torch::Tensor dst, const std::string& tensor) {
+    LS_CHECK(dst.device().is_cpu() && dst.is_contiguous(), "read_file_into needs a contiguous CPU tensor");
+    auto f = SourceFile::open(path);
+    py::gil_scoped_release nogil;
+    f->read(dst.data_ptr(), offset, static_cast<uint64_t>(dst.numel()) * dst.element_size(), tensor,
+            &optim::ThreadPool::shared());
+  }, py::arg("path"), py::arg("offset"), py::arg("dst"), py::arg("tensor"));
+  m.def("drop_page_cache", [](const std::string& path) { SourceFile::open(path)->drop_page_cache(); },
+        py::arg("path"));
+
   // A .gguf file's header (core/gguf.h): metadata and tensor records; the
   // data is read by the caller at each record's absolute `offset`.
   m.def("gguf_read", [](const std::string& path) {
@@ -461,7 +526,21 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("cache_across_steps", &EngineOptions::cache_across_steps)
       .def_readwrite("trace", &EngineOptions::trace)
       .def_readwrite("dequant_dtype", &EngineOptions::dequant_dtype)
-      .def_readwrite("compute_dtype", &EngineOptions::compute_dtype);
+      .def_readwrite("compute_dtype", &EngineOptions::compute_dtype)
+      .def_readwrite("store_pinned_cap", &EngineOptions::store_pinned_cap)
+      .def_readwrite("staging_bytes", &EngineOptions::staging_bytes)
+      .def_readwrite("staging_pinned", &EngineOptions::staging_pinned)
+      .def_readwrite("reader_threads", &EngineOptions::reader_threads);
+
+  py::class_<FileRange>(m, "FileRange")
+      .def(py::init([](const std::string& path, uint64_t offset, uint64_t bytes, const std::string& tensor) {
+             return FileRange{path, offset, bytes, tensor};
+           }),
+           py::arg("path"), py::arg("offset"), py::arg("bytes"), py::arg("tensor"))
+      .def_readonly("path", &FileRange::path)
+      .def_readonly("offset", &FileRange::offset)
+      .def_readonly("bytes", &FileRange::bytes)
+      .def_readonly("tensor", &FileRange::tensor);
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](const EngineOptions& opts) { return Engine::create(opts); }), py::arg("options"))
@@ -476,6 +555,20 @@ PYBIND11_MODULE(_C, m) {
              return Engine::create(opts.cast<EngineOptions>());
            }),
            py::arg("options") = py::dict())
+      .def("read_file",
+           [](Engine& e, const FileRange& src, const std::vector<int64_t>& shape, py::object dtype) {
+             const torch::ScalarType t = torch::python::detail::py_object_to_dtype(dtype);
+             py::gil_scoped_release nogil;
+             return e.read_file(src, shape, t);
+           },
+           py::arg("src"), py::arg("shape"), py::arg("dtype"))
+      .def("add_linear_on_disk",
+           [](Engine& e, const std::string& name, torch::Tensor w, const FileRange& wsrc,
+              std::optional<torch::Tensor> b, std::optional<FileRange> bsrc) {
+             return e.add_linear_on_disk(name, w, wsrc, b.value_or(torch::Tensor()), bsrc);
+           },
+           py::arg("name"), py::arg("weight"), py::arg("weight_file"), py::arg("bias") = py::none(),
+           py::arg("bias_file") = py::none())
       .def("add_linear",
            [fmt](Engine& e, const std::string& name, torch::Tensor w, std::optional<torch::Tensor> b,
                  const std::string& quantize) {

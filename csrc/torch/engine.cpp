@@ -106,7 +106,7 @@ EngineImpl::EngineImpl(const EngineOptions& options) : opts_(options), id_(g_nex
   }
   auto scope = device_scope();
   if (!backend_) backend_ = cuda_glue::make_backend(cuda_index_);
-  store_ = std::make_shared<HostStore>(*backend_, opts_.pin_memory);
+  store_ = std::make_shared<HostStore>(*backend_, opts_.pin_memory, opts_.store_pinned_cap);
   {
     auto keep = std::make_shared<HostKeepAlive>();
     keep->backend = backend_;
@@ -195,10 +195,11 @@ void EngineImpl::build_scheduler_locked() {
     }
     if (l.is_group()) {
       for (const auto& e : l.parts()) s.parts.push_back(store_->buffer(e.index));
-    } else {
+    } else if (!l.on_disk()) {
       s.parts.push_back(store_->buffer(l.w_index));
       if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
     }
+    staged_sources_locked(l, s);
     const slot_layout::Layout layout = layout_of(l);
     s.workspace_bytes = layout.workspace_bytes;
     if (s.workspace_bytes) {
@@ -218,6 +219,10 @@ void EngineImpl::build_scheduler_locked() {
   so.slot_bytes = slot_bytes;
   so.post_copy_stream = dequant_stream_;
   so.prefetch_depth = opts_.prefetch;
+  so.staging.cache_bytes = opts_.staging_bytes > 0 ? static_cast<uint64_t>(opts_.staging_bytes)
+                                                   : staging_needed_locked(specs);
+  so.staging.pinned = opts_.pin_memory && opts_.staging_pinned;
+  so.staging.reader_threads = opts_.reader_threads;
   if (opts_.cache_across_steps) {
     // Opt-in: slot content stays valid across steps while the parameters'
     // version counters (bumped by in-place writes on the parameters:
@@ -315,12 +320,12 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
                "grad after offload(); a quantized weight is frozen (no gradient is computed for it). "
                "Train an adapter beside it (LoRA) or do not quantize this layer.");
   }
-  if (l.qformat == quant::Format::None)
+  if (l.qformat == quant::Format::None && !l.on_disk())
     LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
            ".cuda() or load_state_dict(assign=True)); layerstream keeps streamed weights in host "
            "memory. Call handle.detach() before moving the model, or copy new values in place.");
-  if (l.bias.defined())
+  if (l.bias.defined() && !l.b_file)
     LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "
              "layer '", l.name, "' was replaced or moved after offload(); call handle.detach() "
              "first or copy new values in place.");
@@ -352,15 +357,16 @@ void EngineImpl::detach(const std::vector<torch::Device>& devices) {
     const torch::Device dev = devices.empty() ? torch::Device(torch::kCPU) : devices[i];
     if (l.is_group()) {
       // Its tensors are its parts (below).
-    } else if (l.qformat != quant::Format::None) {
-      // The caller restores quantized weights from dequantized_weight().
+    } else if (l.qformat != quant::Format::None || l.on_disk()) {
+      // The caller restores quantized weights from dequantized_weight(), and
+      // weights on disk as the stand-ins they were.
     } else if (l.shared_weight && l.weight.data_ptr() != l.w_host) {
       // Tied: already restored by the first layer that shares it (the one that
       // adopted it, registered first), to that layer's device.
     } else {
       l.weight.set_data(l.weight.detach().clone().to(dev));
     }
-    if (l.bias.defined()) l.bias.set_data(l.bias.detach().clone().to(dev));
+    if (l.bias.defined() && !l.b_file) l.bias.set_data(l.bias.detach().clone().to(dev));
     for (const auto& e : l.parts())  // quantized parts: the caller restores them from dequantized_part()
       if (e.qformat == quant::Format::None) e.param.set_data(e.param.detach().clone().to(dev));
   }

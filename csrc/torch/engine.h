@@ -40,6 +40,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -91,6 +92,25 @@ struct EngineOptions {
   // the weight's own dtype use the weight as it is, any other dtype casts at
   // use (as without this option), so results never depend on it.
   std::string compute_dtype;
+  // The host tier (core/host_tier.h plans these; docs/design/host-tier.md).
+  // Pinned bytes the host store may take (-1: no cap); tensors beyond it are
+  // pageable and cross through the pinned staging entries.
+  int64_t store_pinned_cap = -1;
+  // Host bytes of the staging entries that layers on disk (add_linear_on_disk)
+  // and pageable store tensors are read into before each copy; 0: what they
+  // need at least (prefetch + 2 of the largest such layer, or all disk layers).
+  int64_t staging_bytes = 0;
+  bool staging_pinned = true;
+  int reader_threads = 4;  // threads reading one layer from disk
+};
+
+// A byte range of a file holding a tensor as the device uses it (e.g. a
+// tensor of a .safetensors file): the disk tier reads it on every use.
+struct FileRange {
+  std::string path;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  std::string tensor;  // its name, for error messages
 };
 
 // Counters since the engine was made (Engine::stats(): a snapshot).
@@ -111,6 +131,11 @@ struct EngineStats {
   uint64_t pinned_bytes = 0, pageable_bytes = 0;  // the host store
   uint64_t peak_device_bytes = 0;
   uint64_t ordering_errors = 0;  // sim device: races the checker found
+  // The host tier: layers read from their files on every use (disk tier),
+  // bytes read from files and from pageable memory into the staging entries,
+  // copies served by an entry that already held the layer, the entries.
+  uint64_t disk_layers = 0, disk_read_bytes = 0, staged_read_bytes = 0, staging_hits = 0;
+  uint64_t staging_entries = 0, staging_entry_bytes = 0;
 
   // Calls f(name, value) for every field, in the order above (bindings,
   // printing).
@@ -124,7 +149,9 @@ struct EngineStats {
     f("quantized_layers", quantized_layers), f("embedding_layers", embedding_layers);
     f("group_layers", group_layers), f("routed_fetches", routed_fetches), f("pinned_bytes", pinned_bytes);
     f("pageable_bytes", pageable_bytes), f("peak_device_bytes", peak_device_bytes);
-    f("ordering_errors", ordering_errors);
+    f("ordering_errors", ordering_errors), f("disk_layers", disk_layers), f("disk_read_bytes", disk_read_bytes);
+    f("staged_read_bytes", staged_read_bytes), f("staging_hits", staging_hits);
+    f("staging_entries", staging_entries), f("staging_entry_bytes", staging_entry_bytes);
   }
 };
 
@@ -169,6 +196,22 @@ class Engine {
                          quant::Format format = quant::Format::None) = 0;
   virtual int add_conv(const std::string& name, torch::Tensor weight, torch::Tensor bias,
                        const ConvSpec& spec, quant::Format format = quant::Format::None) = 0;
+  // The host tier (docs/design/host-tier.md). read_file() reads a tensor of
+  // `shape` and `dtype` (its bytes as the file holds them: contiguous) from
+  // `src` straight into the host store (pinned within store_pinned_cap) and
+  // returns a CPU tensor over it: a parameter given this tensor's data is
+  // adopted by add_linear()/add_conv() without another copy. The file is
+  // checked (size, mtime) first; errors name the file and the tensor.
+  virtual torch::Tensor read_file(const FileRange& src, const std::vector<int64_t>& shape,
+                                  torch::ScalarType dtype) = 0;
+  // A Linear whose frozen weight stays in its file (the disk tier): read on
+  // every use into a staging entry, then copied to the device. `weight` gives
+  // the shape and dtype (a meta tensor is fine; it must not require grad);
+  // `w` holds its bytes, contiguous. The bias is read from `b` too when given
+  // (frozen), else adopted into the host store like add_linear()'s (a
+  // trainable bias makes the layer's entry unkeepable across steps).
+  virtual int add_linear_on_disk(const std::string& name, const torch::Tensor& weight, const FileRange& w,
+                                 torch::Tensor bias, const std::optional<FileRange>& b) = 0;
   // A Linear whose weight is already int8 with one fp32 scale per output
   // row (e.g. from torch.quantize_per_channel with zero points 0): stored in
   // the int8 format byte for byte. `dense_dtype` is the dtype it stands for

@@ -11,6 +11,7 @@
 //                         device views of parameters (parking)
 //   engine_gradients.cpp  weight gradients: staging, accumulation, callbacks
 //   engine_telemetry.cpp  stats, timeline, per-step counters
+//   engine_host_tier.cpp  layers on disk, reads into the store, staged sources
 //   ops_streamed.cpp      Linear/conv: the autograd function (StreamedFn)
 //   ops_embedding.cpp     embedding tables: lookup and its autograd function
 // Thread safety: every member takes mu_ (recursive) unless it says _locked
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "core/host_store.h"
+#include "core/io/source_file.h"
 #include "core/runtime.h"
 #include "core/scheduler.h"
 #include "core/slot_layout.h"
@@ -54,6 +56,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   int add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes, torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols, torch::ScalarType dense_dtype) override;
   int add_embedding(const std::string& name, torch::Tensor weight, int64_t padding_idx, bool scale_grad_by_freq, bool sparse) override;
   int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors, quant::Format format, int64_t experts, const std::vector<PrepackedPart>& prepacked) override;
+  torch::Tensor read_file(const FileRange& src, const std::vector<int64_t>& shape, torch::ScalarType dtype) override;
+  int add_linear_on_disk(const std::string& name, const torch::Tensor& weight, const FileRange& w, torch::Tensor bias, const std::optional<FileRange>& b) override;
   torch::Tensor dequantized_part(int layer, int part) override;
   void requantize_part(int layer, int part, const torch::Tensor& dense) override;
   std::pair<int64_t, std::vector<torch::Tensor>> fetch(int layer, const std::vector<int64_t>& experts) override;
@@ -230,6 +234,10 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     torch::ScalarType cast_dtype = torch::kFloat;  // compute_dtype, when cast_w or cast_b
     size_t ws_b_offset = 0;
     bool packed_here = false;  // quantized by add_linear/add_conv (requantize() can repack it)
+    // The disk tier (add_linear_on_disk): the weight (and bias) read from
+    // their file on every use; the weight is then a meta stand-in.
+    std::optional<FileRange> w_file, b_file;
+    bool on_disk() const { return w_file.has_value(); }
     // watch_weight(): the module parameter's version counter and its value then.
     std::optional<c10::VariableVersion> watched;
     // ...and the parameter itself, weakly (the engine must not keep a dense
@@ -270,6 +278,12 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // shared weight (`format`), naming both layers.
   bool share_weight_locked(LayerInfo& info, quant::Format format);
   void build_scheduler_locked();
+  // The host tier (engine_host_tier.cpp): fills `s.staged` (and size-only
+  // parts) when the layer is on disk or a part of it is pageable in the store.
+  void staged_sources_locked(const LayerInfo& l, LayerSpec& s);
+  std::shared_ptr<SourceFile> file_locked(const std::string& path);
+  // Host bytes the staging entries need at least (0: no layer is staged).
+  uint64_t staging_needed_locked(const std::vector<LayerSpec>& specs) const;
   void ensure_scheduler();
   void check_host_alias(const LayerInfo& l) const;
   // Adds the staged uses of `l` that `task` may apply (its own and those of
@@ -321,6 +335,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::shared_ptr<void> keepalive_;  // held by parameters' data: store + backend
   Stream transfer_, grad_stream_, dequant_stream_, inline_compute_;
   std::map<void*, Stream> wrapped_streams_;
+  std::map<std::string, std::shared_ptr<SourceFile>> files_;  // the disk tier's, by path
 
   mutable std::recursive_mutex mu_;
   std::vector<std::unique_ptr<LayerInfo>> layers_;

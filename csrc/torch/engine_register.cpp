@@ -16,6 +16,14 @@ void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& 
   const bool keep_layout = strides && !src.is_contiguous() && src.is_non_overlapping_and_dense();
   if (!keep_layout) src = src.contiguous();
   *bytes = static_cast<size_t>(src.numel()) * src.element_size();
+  // Read from a file straight into the store (Engine::read_file): no copy.
+  const int64_t claimed = src.is_contiguous() && src.storage_offset() == 0 ? store.claim(src.data_ptr(), *bytes) : -1;
+  if (claimed >= 0) {
+    *index = static_cast<size_t>(claimed);
+    if (strides) strides->clear();
+    param.set_data(src);
+    return src.data_ptr();
+  }
   *index = store.add(*bytes, src.data_ptr(), name);
   void* ptr = store.buffer(*index).ptr;
   auto keepalive = keep;
@@ -190,6 +198,9 @@ int EngineImpl::register_layer_locked(LayerInfo info) {
     carried_.retraces += st.retraces;
     carried_.h2d_bytes += st.h2d_bytes;
     carried_.host_wait_seconds += st.host_wait_seconds;
+    carried_.staging.read_bytes += st.staging.read_bytes;
+    carried_.staging.file_bytes += st.staging.file_bytes;
+    carried_.staging.hits += st.staging.hits;
     sched_.reset();
   }
   return static_cast<int>(layers_.size()) - 1;

@@ -40,6 +40,12 @@ EngineStats EngineImpl::stats() const {
   const HostStoreStats hs = store_->stats();
   m.pinned_bytes = hs.pinned_bytes;
   m.pageable_bytes = hs.pageable_bytes;
+  for (const auto& l : layers_) m.disk_layers += l->on_disk() ? 1 : 0;
+  m.disk_read_bytes = st.staging.file_bytes + carried_.staging.file_bytes;
+  m.staged_read_bytes = st.staging.read_bytes + carried_.staging.read_bytes;
+  m.staging_hits = st.staging.hits + carried_.staging.hits;
+  m.staging_entries = st.staging.entries;
+  m.staging_entry_bytes = st.staging.entry_bytes;
   m.peak_device_bytes = backend_->memory_stats().device_bytes_peak;
   m.ordering_errors = backend_->ordering_errors().size();
   return m;

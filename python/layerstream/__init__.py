@@ -17,18 +17,22 @@ docs/design/README.md):
     _prequant   already-quantized weights, quantize=     _guards    .to() / load_state_dict()
     _packed     the stand-in of a weight offload() packed _standin  what stand-ins refuse
     _gguf       load_gguf() and GgufWeight               compat     the original API
+    _safetensors load_safetensors() (FileWeight: _file_weight; shared: _loading)
     optim       AdamW, Adafactor: host optimizers in C++ (csrc/core/optim/)
 """
 from __future__ import annotations
 
 from . import _C, optim
+from ._file_weight import FileWeight
 from ._gguf import GgufLoad, GgufWeight, load_gguf
 from ._guards import _StreamedApply  # noqa: F401 - read by tests that inject failures
 from ._handle import Handle
+from ._loading import LoadReport
 from ._offload import SIM_DEVICE_MEMORY, offload, parse_bytes
+from ._safetensors import load_safetensors
 
 __all__ = ["offload", "Handle", "LayerstreamError", "parse_bytes", "load_gguf", "GgufLoad", "GgufWeight",
-           "SIM_DEVICE_MEMORY", "optim", "__version__"]
+           "load_safetensors", "LoadReport", "FileWeight", "SIM_DEVICE_MEMORY", "optim", "__version__"]
 __version__ = "0.1.0"
 
 LayerstreamError = _C.LayerstreamError

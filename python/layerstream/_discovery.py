@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import _C
+from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._packed import _PackedWeight
 
@@ -174,7 +175,7 @@ def _check_no_meta(model: nn.Module) -> None:
     """offload() needs every weight's values: refuses data-less (meta) parameters and
     buffers with the names of the first few, before anything changes."""
     meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
-            if t.is_meta and not isinstance(t, (_PackedWeight, GgufWeight))]  # offloaded; packed bytes
+            if t.is_meta and not isinstance(t, (_PackedWeight, GgufWeight, FileWeight))]  # offloaded; bytes elsewhere
     if meta:
         raise LayerstreamError(
             f"{len(meta)} parameter(s)/buffer(s) have no data (meta tensors): "

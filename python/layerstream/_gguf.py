@@ -9,7 +9,6 @@ is loaded into the model's own parameters and buffers.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import math
 import re
 from typing import Callable, Dict, List, Mapping, Optional, Union
@@ -19,6 +18,7 @@ import torch.nn as nn
 
 from . import _C
 from ._gguf_weight import GgufWeight
+from ._loading import LoadReport, assign, check_strict, renamed, tensor_slots
 
 LayerstreamError = _C.LayerstreamError
 
@@ -28,16 +28,8 @@ _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F
 _DENSE = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclasses.dataclass
-class GgufLoad:
-    """What load_gguf() did, by parameter name."""
-    packed: List[str]         # Linear weights and tensor-group (expert) tensors kept packed (GgufWeight)
-    dense: List[str]          # loaded from plain tensors (F32, F16, BF16, ...), cast to the model's dtype
-    dequantized: List[str]    # quantized in the file, dequantized on load (not a Linear weight)
-    missing: List[str]        # parameters / persistent buffers of the model not in the file
-    unexpected: List[str]     # tensors of the file that name nothing in the model
-    metadata: Dict[str, str]  # the file's key/value metadata (arrays summarized)
-    packed_bytes: int = 0     # host bytes of the packed weights
+# load_gguf()'s report (the loaders share it).
+GgufLoad = LoadReport
 
 
 def _orig_shape(meta: Mapping[str, str], name: str) -> Optional[tuple]:
@@ -163,18 +155,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
     info = _C.gguf_read(str(path))
     meta = info["metadata"]
     # Every (owner module, key) holding each tensor, by qualified name.
-    slots: Dict[str, tuple] = {}
-    holders: Dict[int, list] = {}
-    persistent = set()
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for k, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-            if t is None:
-                continue
-            qn = f"{mname}.{k}" if mname else k
-            slots[qn] = (mod, k, t)
-            holders.setdefault(id(t), []).append((mod, k))
-            if k in mod._parameters or k not in mod._non_persistent_buffers_set:
-                persistent.add(qn)
+    slots, holders, persistent = tensor_slots(model)
 
     reorder: Dict[str, Optional[int]] = {}  # file name -> heads its rows are reordered over (llama.cpp)
     merges: Dict[str, tuple] = {}  # file name -> (k, n): the k-th of n tensors side by side along dim 1
@@ -194,12 +175,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
     loaded_by: Dict[int, tuple] = {}  # id of a model tensor -> (file name, model name) that loads it
     for rec in info["tensors"]:
         src = rec["name"]
-        if rename is None:
-            dst = src
-        elif callable(rename):
-            dst = rename(src)
-        else:
-            dst = rename.get(src, src)
+        dst = renamed(rename, src)
         if dst is None:
             continue
         rows = int(rec["shape"][0]) if rec["shape"] else 1
@@ -229,17 +205,8 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
                                    f"only {len(got)} are in it")
     seen_ids = {id(slots[d][2]) for d in seen}
     missing = sorted(n for n in persistent if id(slots[n][2]) not in seen_ids)
-    if strict and (missing or unexpected):
-        parts = []
-        if unexpected:
-            parts.append(f"{len(unexpected)} tensor(s) of the file name nothing in the model: "
-                         f"{', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}")
-        if missing:
-            parts.append(f"{len(missing)} parameter(s)/buffer(s) of the model are not in the file: "
-                         f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
-        raise LayerstreamError(f"load_gguf({path!r}): " + "; ".join(parts) +
-                               ". Map the names with rename= (a dict or a function of the file's name), "
-                               "or pass strict=False to load what matches")
+    if strict:
+        check_strict(f"load_gguf({path!r})", missing, unexpected)
     # Shapes and types, all checked before anything changes.
     for rec, dst, r0, r1, heads, merge in plan:
         if heads and (int(rec["shape"][0]) % (2 * heads) if rec["shape"] else 1):
@@ -431,15 +398,4 @@ def _row_pieces(path, src: str, value, rows: int) -> list:
 def _assign(holders, target: torch.Tensor, value: torch.Tensor) -> None:
     """Writes `value` into `target` (in place, cast), or for a meta target puts a
     new tensor of its dtype in every place that holds it (tied stay tied)."""
-    if target.is_meta or isinstance(target, GgufWeight):
-        new_t = value.to(target.dtype).clone()
-        if isinstance(target, nn.Parameter):
-            new_t = nn.Parameter(new_t, requires_grad=target.requires_grad and new_t.is_floating_point())
-        for m, k in holders:
-            if k in m._parameters:
-                m._parameters[k] = new_t
-            else:
-                m._buffers[k] = new_t
-        return
-    with torch.no_grad():
-        target.copy_(value)
+    assign(holders, target, value, replace=target.is_meta or isinstance(target, GgufWeight))

@@ -15,9 +15,11 @@ from . import _C
 from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _conv_args, _discover,
                          _group_slots, _split_tied)
 from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
+from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._guards import _RootApply, _StreamedApply, _requantize_on_load
 from ._handle import Handle, _Attached
+from ._loading import put, tensor_slots
 from ._packed import _PackedWeight
 from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _is_packed_only_format, _prequantized, _quant_for
 
@@ -64,6 +66,8 @@ def offload(
     trace: bool = False,
     experts: str = "routed",
     groups: Union[None, str, Sequence[str]] = None,
+    host_budget: Union[None, int, str] = None,
+    pinned_budget: Union[None, int, str] = None,
 ) -> Handle:
     """Streams the model's Linear, Conv1d/2d/3d, Embedding, MultiheadAttention and MoE experts
     layers from host RAM.
@@ -157,6 +161,20 @@ def offload(
         counters. Faster for inference loops and small models. Writes through
         ``.data`` or raw pointers (e.g. C++ CPU optimizers) are not detected:
         call ``handle.synchronize()`` after them, or leave this off.
+    host_budget: a hard bound on the host RAM layerstream uses for streamed
+        weights (its store and the staging entries): bytes ("48GiB", ...) or
+        None. None: unbounded, except for a model with weights still in their
+        file (load_safetensors()), where it is what this machine can give
+        (MemAvailable minus 10% of RAM, at least 2 GiB; core/host_tier.h).
+        When the streamed weights do not fit, the frozen ones loaded by
+        load_safetensors() stay in their file and are read on every use,
+        ahead of need, into staging entries that take the RAM left (kept by
+        farthest next use); trainable weights must fit in RAM (an error says
+        by how much they do not). docs/design/host-tier.md.
+    pinned_budget: a cap on the pinned (page-locked) host bytes: None is
+        unlimited on Linux and 40% of RAM under WSL, whose driver cannot pin
+        much more (core/host_tier.h). Store tensors beyond it stay pageable and
+        cross through pinned staging entries, so their copies stay overlapped.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")
@@ -200,9 +218,12 @@ def offload(
     # 2. With a budget: which layers stay resident; the slots get what is left.
     plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups)
 
-    # 3. Attach them to one engine (undone on failure); the rest moves to the device.
+    # 3. Host RAM: which weights stay in their file, what is pinned (core/host_tier.h).
+    on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts)
+
+    # 4. Attach them to one engine (undone on failure); the rest moves to the device.
     return _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names, plan,
-                   grouped, compute_device, experts == "routed")
+                   grouped, compute_device, experts == "routed", on_disk)
 
 
 def _engine_options(device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory,
@@ -270,6 +291,8 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             # dequantized into the slot's workspace after the copy.
             # GGUF tensors (load_gguf) cross as the file's blocks whatever the format.
             fmt = _quant_for(name, quantize)
+            for o, k, _ in _group_slots(module):
+                _read_in(model, o._parameters[k])
             params = [o._parameters[k] for o, k, _ in _group_slots(module)]
             packed = [p for p in params if p.dim() >= 2 and not isinstance(p, GgufWeight)]
             if fmt is not None:
@@ -308,6 +331,9 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         if fmt is not None and name in tied_names:
             tied_dense.append(f"'{name or '<root>'}'")  # one host copy, read dense by every user
             fmt = None
+        if fmt is not None or kind != "linear":  # packed here from its values; or not a Linear
+            _read_in(model, weight)
+            weight = module.weight
         if fmt is not None and weight.requires_grad:
             trainable.append(name or "<root>")
         elif fmt is not None and not bool(torch.isfinite(weight.detach()).all()):
@@ -355,6 +381,8 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
     for module in model.modules():
         if id(module) not in linear_ids:
             _materialize_gguf(module, keep=in_groups)
+            for p in list(module._parameters.values()):
+                _read_in(model, p)
     if isinstance(quantize, dict):
         # A table named explicitly (no wildcard) for a format: tables are never quantized.
         named = [f"'{name}'" for name, _, _, _, _, _, _, _ in tables
@@ -427,7 +455,7 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
 
 
 def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,
-            compute_device: torch.device, routed: bool) -> Handle:
+            compute_device: torch.device, routed: bool, on_disk: "_HostTier") -> Handle:
     """Step 3: attaches the streamed layers (in model order) to one engine and moves
     the rest to the compute device. A failure part way (e.g. a weight the format
     cannot pack, host memory) undoes what was attached, as detach() does."""
@@ -435,8 +463,10 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
     attached: List[_Attached] = []
     streamed_params = set()
     handle = Handle(engine, attached, plan)
+    handle.host_plan = on_disk.summary  # core/host_tier.h's plan, or None (no host budget)
     try:
-        _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device, routed)
+        _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device, routed,
+                       on_disk.names)
         for a in attached:
             a.module._layerstream_handle = handle
         _no_fused_encoder_path(model, attached, handle._fused_off)
@@ -479,6 +509,69 @@ def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
             m.activation_relu_or_gelu = 0
 
 
+def _read_in(model: nn.Module, p, engine=None):
+    """A FileWeight (load_safetensors) read into an ordinary parameter, put in every
+    place of the model that holds it (tied stay tied): into `engine`'s host store
+    (one copy, adopted later without another) or a new CPU tensor. Returns the new
+    parameter, or `p` itself when it is not a FileWeight."""
+    if not isinstance(p, FileWeight):
+        return p
+    r = p.file_range
+    value = engine.read_file(r, list(p.shape), p.dtype) if engine is not None else p.read()
+    new = nn.Parameter(value, requires_grad=p.requires_grad)
+    put(tensor_slots(model)[1].get(id(p), []), p, new)
+    return new
+
+
+class _HostTier(NamedTuple):
+    """offload() step 3's result: the layers on disk, and the plan as numbers."""
+    names: set
+    summary: Optional[dict]
+
+
+def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, resident_names: set, host_budget,
+               pinned_budget, opts) -> _HostTier:
+    """Step 3: the host budget plan (core/host_tier.h): which streamed Linear weights
+    still in their file (load_safetensors) stay there, how many bytes the staging
+    entries get, and what the store may pin (set in `opts`)."""
+    streamed = [t for t in layers if t.name not in resident_names] + list(tables)
+    in_file = any(isinstance(p, FileWeight) for p in model.parameters())
+    if host_budget is None:
+        host = _C.default_host_budget() if in_file else -1
+        if host >= 0:  # weights already in host RAM move into the store (and are freed there)
+            host += sum(p.numel() * p.element_size() for t in streamed for p in t.module.parameters(recurse=False)
+                        if p.device.type == "cpu" and not p.is_meta)
+    else:
+        host = parse_bytes(host_budget)
+    pinned = -1 if pinned_budget is None and not _C.default_pinned_budget() >= 0 else (
+        _C.default_pinned_budget() if pinned_budget is None else parse_bytes(pinned_budget))
+    if host < 0 and pinned < 0:
+        return _HostTier(set(), None)
+
+    def from_file(t: _Candidate) -> bool:
+        w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
+        return (t.kind == "linear" and t.fmt is None and t.pre is None and isinstance(w, FileWeight)
+                and not w.requires_grad and (b is None or (isinstance(b, FileWeight) and not b.requires_grad)))
+
+    entries = [(t.name or "<root>", t.bus_bytes if t.kind != "embedding" else
+                sum(p.numel() * p.element_size() for p in t.module.parameters(recurse=False)), from_file(t))
+               for t in streamed]
+    try:
+        p = _C.host_tier_plan(entries, host, pinned, opts.prefetch)
+    except LayerstreamError as e:
+        trainable = [n for (n, _, f), t in zip(entries, streamed) if not f and isinstance(
+            getattr(t.module, "weight", None), FileWeight)]
+        hint = (f" ({len(trainable)} layer(s) loaded from a file are trainable, e.g. '{trainable[0]}': for "
+                f"inference, freeze the model (model.requires_grad_(False)) so they can stay in their file)"
+                if trainable else "")
+        raise LayerstreamError(f"offload(): {e}{hint}") from None
+    opts.store_pinned_cap = p["store_pinned_cap"]
+    opts.staging_bytes = p["staging_bytes"]
+    opts.staging_pinned = p["staging_pinned"]
+    names = {t.name for t, disk in zip(streamed, p["on_disk"]) if disk}
+    return _HostTier(names, dict(p, host_budget=host, pinned_budget=pinned))
+
+
 def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:
     """Replaces the module's own GGUF weights (load_gguf) by dense, dequantized
     parameters (frozen), for a module that does not stream them (but not those
@@ -488,8 +581,8 @@ def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:
             module._parameters[k] = nn.Parameter(p.dequantized(), requires_grad=False)
 
 
-def _attach_layers(engine, layers, resident_names, attached, streamed_params, compute_device,
-                   routed: bool) -> None:
+def _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device,
+                   routed: bool, on_disk: set) -> None:
     """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
     appending to `attached` / `streamed_params` as it goes (what offload() undoes on
     failure)."""
@@ -497,6 +590,8 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
         if name in resident_names:  # the planner counted it dense
             for owner in (dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]):
                 _materialize_gguf(owner)
+                for p in list(owner._parameters.values()):
+                    _read_in(model, p)
             continue
         if kind == "group":
             slots = _group_slots(module)
@@ -555,7 +650,17 @@ def _attach_layers(engine, layers, resident_names, attached, streamed_params, co
             index = engine.add_embedding(name or "<root>", weight,
                                          -1 if module.padding_idx is None else module.padding_idx,
                                          module.scale_grad_by_freq, module.sparse)
+        elif kind == "linear" and name in on_disk:
+            # The disk tier: read from its file on every use (the module keeps the FileWeights).
+            index = engine.add_linear_on_disk(
+                name or "<root>", torch.empty(weight.shape, dtype=weight.dtype, device="meta"), weight.file_range,
+                None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta"),
+                bias.file_range if isinstance(bias, FileWeight) else None)
         elif kind == "linear":
+            # A weight still in its file is read straight into the host store (one copy)
+            # and adopted there without another.
+            weight = _read_in(model, weight, engine)
+            bias = _read_in(model, bias, engine)
             index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
         else:
             index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",

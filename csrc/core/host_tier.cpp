@@ -1,0 +1,90 @@
+#include "host_tier.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "error.h"
+#include "planner.h"  // format_bytes
+
+namespace layerstream::host_tier {
+
+Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_budget, int prefetch) {
+  Plan p;
+  p.on_disk.assign(layers.size(), false);
+  uint64_t total = 0, must = 0, largest_file = 0, largest = 0;
+  for (const Layer& l : layers) {
+    total += l.bytes;
+    largest = std::max(largest, l.bytes);
+    if (l.from_file) largest_file = std::max(largest_file, l.bytes);
+    else must += l.bytes;
+  }
+  const uint64_t entries_wanted = static_cast<uint64_t>(std::max(prefetch, 0)) + 2;
+  const bool fits = host_budget == kUnlimited || total <= static_cast<uint64_t>(host_budget);
+  if (fits) {
+    p.store_bytes = total;
+  } else {
+    const uint64_t budget = static_cast<uint64_t>(host_budget);
+    LS_CHECK(largest_file > 0 && must + 2 * largest_file <= budget, "the host budget of ",
+             format_bytes(budget), " cannot hold the streamed weights: ", format_bytes(must),
+             " must be in RAM (trainable, or not loaded from a file)",
+             largest_file ? ", and the disk tier needs two staging entries of " + format_bytes(largest_file) : "",
+             " (", format_bytes(total), " in all). Raise host_budget to at least ",
+             format_bytes(largest_file ? must + 2 * largest_file : total),
+             largest_file ? std::string() :
+                            std::string(", or load the model with load_safetensors()/load_gguf() on the meta "
+                                        "device so that frozen weights can stay in their file"));
+    for (size_t i = 0; i < layers.size(); ++i)
+      if (layers[i].from_file) p.on_disk[i] = true, p.disk_bytes += layers[i].bytes;
+    p.store_bytes = must;
+    // All the RAM that is left caches disk layers (at most all of them).
+    p.staging_bytes = std::min<uint64_t>(budget - must, p.disk_bytes + entries_wanted * largest_file);
+  }
+  if (pinned_budget == kUnlimited) return p;
+  const uint64_t pinned = static_cast<uint64_t>(pinned_budget);
+  if (p.store_bytes > pinned && p.staging_bytes == 0) {
+    // Pageable store tensors cross through pinned staging entries.
+    p.staging_bytes = entries_wanted * largest;
+    if (host_budget != kUnlimited && p.host_bytes() > static_cast<uint64_t>(host_budget))
+      p.staging_bytes = std::max<uint64_t>(static_cast<uint64_t>(host_budget) - p.store_bytes, 0);
+  }
+  p.staging_pinned = p.staging_bytes <= pinned;
+  const uint64_t left = p.staging_pinned ? pinned - p.staging_bytes : pinned;
+  p.store_pinned_cap = static_cast<int64_t>(left);
+  p.pageable_store_bytes = p.store_bytes > left ? p.store_bytes - left : 0;
+  return p;
+}
+
+namespace {
+// A /proc/meminfo field in bytes, or -1.
+int64_t meminfo(const std::string& key) {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.compare(0, key.size() + 1, key + ":") != 0) continue;
+    std::istringstream in(line.substr(key.size() + 1));
+    int64_t kb = -1;
+    in >> kb;
+    return kb < 0 ? -1 : kb * 1024;
+  }
+  return -1;
+}
+}  // namespace
+
+int64_t default_host_budget() {
+  const int64_t avail = meminfo("MemAvailable"), total = meminfo("MemTotal");
+  if (avail < 0 || total < 0) return kUnlimited;
+  const int64_t margin = std::max<int64_t>(total / 10, int64_t(2) << 30);
+  return std::max<int64_t>(avail - margin, 0);
+}
+
+int64_t default_pinned_budget() {
+  std::ifstream f("/proc/version");
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (text.find("microsoft") == std::string::npos) return kUnlimited;
+  const int64_t total = meminfo("MemTotal");
+  return total < 0 ? kUnlimited : total / 10 * 4;
+}
+
+}  // namespace layerstream::host_tier

@@ -1,0 +1,63 @@
+// layerstream core — the host budget plan: where each streamed weight lives
+// on the host, written once for offload() (Python and C++), the engine and
+// `layerstream plan` (docs/design/host-tier.md).
+//
+// Given each streamed layer's host bytes and whether it may stay in its file
+// (frozen, loaded by load_safetensors()/load_gguf()), a host budget and a
+// pinned budget:
+//  * When every layer fits in the host budget, all are in RAM (the store).
+//  * Otherwise every layer that may stay in its file does (the disk tier),
+//    and the RAM left after the layers that must be in RAM (trainable, or not
+//    from a file) is the staging cache: entries the disk reads go into, kept
+//    by farthest next use in the traced schedule, so what RAM there is holds
+//    the layers needed soonest. It must hold two of the largest disk layer.
+//  * Pinned memory: the staging entries are pinned first (they are what the
+//    device copies from), then the store up to what is left of the pinned
+//    budget; store tensors beyond it are pageable and cross through the
+//    staging entries (copied to a pinned entry on a host thread, then to the
+//    device), so their copies stay asynchronous.
+//
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace layerstream::host_tier {
+
+constexpr int64_t kUnlimited = -1;
+
+struct Layer {
+  std::string name;
+  uint64_t bytes = 0;     // host bytes (weight and bias as stored)
+  bool from_file = false; // may stay in its file (frozen, read-only source)
+};
+
+struct Plan {
+  std::vector<bool> on_disk;    // per layer
+  uint64_t store_bytes = 0;     // layers in RAM
+  uint64_t disk_bytes = 0;      // layers read from their files on every use
+  uint64_t staging_bytes = 0;   // the staging entries (0: none needed)
+  bool staging_pinned = true;   // the entries fit the pinned budget
+  int64_t store_pinned_cap = kUnlimited;  // pinned bytes the store may take
+  uint64_t pageable_store_bytes = 0;      // store bytes beyond that cap
+  uint64_t host_bytes() const { return store_bytes + staging_bytes; }
+};
+
+// `prefetch` is the engine's prefetch depth: the staging entries hold at
+// least prefetch + 2 of the largest staged layer when they can. Throws
+// layerstream::Error saying what to raise when the host budget cannot hold
+// the layers that must be in RAM plus two entries.
+Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_budget, int prefetch);
+
+// The default host budget: what this machine can give now (MemAvailable of
+// /proc/meminfo) minus a margin of 10% of MemTotal (at least 2 GiB) for the
+// process and the system; kUnlimited when /proc/meminfo cannot be read.
+int64_t default_host_budget();
+// The default pinned budget: unlimited on Linux; under WSL (/proc/version
+// names Microsoft), where the driver cannot pin more than about half of the
+// RAM, 40% of MemTotal.
+int64_t default_pinned_budget();
+
+}  // namespace layerstream::host_tier

@@ -1,0 +1,136 @@
+// layerstream — LibTorch glue: the host tier (docs/design/host-tier.md):
+// tensors read from a file straight into the host store, Linear layers whose
+// frozen weights stay in their file (the disk tier), and the staged sources
+// the scheduler reads such layers (and pageable store tensors) from
+// (the engine's rooms: engine_impl.h).
+#include "engine_impl.h"
+
+#include "core/optim/thread_pool.h"
+
+namespace layerstream {
+
+std::shared_ptr<SourceFile> EngineImpl::file_locked(const std::string& path) {
+  auto it = files_.find(path);
+  if (it != files_.end()) return it->second;
+  auto f = SourceFile::open(path);
+  files_.emplace(path, f);
+  return f;
+}
+
+torch::Tensor EngineImpl::read_file(const FileRange& src, const std::vector<int64_t>& shape,
+                                    torch::ScalarType dtype) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
+  const uint64_t want = static_cast<uint64_t>(numel_of(shape)) * c10::elementSize(dtype);
+  LS_CHECK(want == src.bytes, src.path, ": tensor '", src.tensor, "' has ", src.bytes, " bytes in the file; ",
+           shape_str(shape), " of ", dtype, " needs ", want);
+  std::shared_ptr<SourceFile> file = file_locked(src.path);
+  const size_t index = store_->add_unclaimed(src.bytes, src.tensor);
+  void* ptr = store_->buffer(index).ptr;
+  // Several threads, large chunks: core/io/source_file.h.
+  file->read(ptr, src.offset, src.bytes, src.tensor, opts_.reader_threads > 1 ? &optim::ThreadPool::shared() : nullptr);
+  auto keepalive = keepalive_;
+  return torch::from_blob(ptr, shape, [keepalive](void*) {}, torch::TensorOptions().dtype(dtype));
+}
+
+int EngineImpl::add_linear_on_disk(const std::string& name, const torch::Tensor& weight, const FileRange& w,
+                                   torch::Tensor bias, const std::optional<FileRange>& b) {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
+  LS_CHECK(weight.defined() && weight.is_floating_point(), "layer '", name, "': a weight on disk must be a "
+           "floating-point tensor (its shape and dtype)");
+  LS_CHECK(!weight.requires_grad(), "layer '", name, "': its weight requires grad, so it must be in host "
+           "RAM (the optimizer writes it); only frozen weights can stay in their file. Raise host_budget, "
+           "or freeze it (LoRA trains adapters beside a frozen base)");
+  LayerInfo info;
+  info.name = name;
+  info.kind = LinearKind{};
+  info.w_shape = weight.sizes().vec();
+  info.w_dtype = weight.scalar_type();
+  info.w_bytes = static_cast<size_t>(weight.numel()) * weight.element_size();
+  LS_CHECK(info.w_bytes == w.bytes, w.path, ": tensor '", w.tensor, "' has ", w.bytes, " bytes in the file; '",
+           name, ".weight' ", shape_str(info.w_shape), " of ", info.w_dtype, " needs ", info.w_bytes);
+  file_locked(w.path)->check(w.tensor);
+  info.w_file = w;
+  info.weight = meta_like(info.w_shape, info.w_dtype);
+  if (bias.defined()) {
+    LS_CHECK(bias.is_floating_point(), "layer '", name, "' has a non-float bias");
+    info.b_shape = bias.sizes().vec();
+    info.b_dtype = bias.scalar_type();
+    if (b) {
+      LS_CHECK(!bias.requires_grad(), "layer '", name, "': a bias read from its file must be frozen");
+      info.b_bytes = static_cast<size_t>(bias.numel()) * bias.element_size();
+      LS_CHECK(info.b_bytes == b->bytes, b->path, ": tensor '", b->tensor, "' has ", b->bytes,
+               " bytes in the file; '", name, ".bias' needs ", info.b_bytes);
+      file_locked(b->path)->check(b->tensor);
+      info.b_file = *b;
+      info.bias = meta_like(info.b_shape, info.b_dtype);
+    } else {
+      info.bias = bias;
+      info.b_host = adopt(*store_, keepalive_, info.bias, name + ".bias", &info.b_index, &info.b_bytes);
+    }
+  }
+  return register_layer_locked(std::move(info));
+}
+
+void EngineImpl::staged_sources_locked(const LayerInfo& l, LayerSpec& s) {
+  if (l.is_table()) return;
+  if (l.on_disk()) {
+    s.parts.clear();
+    auto from_file = [&](const FileRange& r) {
+      StagedPart p;
+      p.file = file_locked(r.path);
+      p.offset = r.offset;
+      p.bytes = r.bytes;
+      p.tensor = r.tensor;
+      s.staged.push_back(p);
+      BufferRef size_only;
+      size_only.bytes = r.bytes;
+      size_only.kind = MemoryKind::HostPageable;
+      size_only.label = r.tensor;
+      s.parts.push_back(size_only);
+    };
+    from_file(*l.w_file);
+    if (l.b_file) {
+      from_file(*l.b_file);
+    } else if (l.bias.defined()) {
+      const BufferRef& b = store_->buffer(l.b_index);
+      StagedPart p;
+      p.memory = b.ptr;
+      p.bytes = b.bytes;
+      p.tensor = l.name + ".bias";
+      s.staged.push_back(p);
+      s.parts.push_back(b);
+    }
+    return;
+  }
+  // Pinned memory was wanted but the store tensor is pageable (beyond the
+  // pinned cap, or pinning failed): it crosses through a pinned entry.
+  bool pageable = false;
+  for (const BufferRef& p : s.parts) pageable = pageable || p.kind == MemoryKind::HostPageable;
+  if (!pageable || !opts_.pin_memory || !backend_->caps().host_functions) return;
+  for (const BufferRef& p : s.parts) {
+    StagedPart sp;
+    sp.memory = p.ptr;
+    sp.bytes = p.bytes;
+    sp.tensor = p.label.empty() ? l.name : p.label;
+    s.staged.push_back(sp);
+  }
+}
+
+uint64_t EngineImpl::staging_needed_locked(const std::vector<LayerSpec>& specs) const {
+  uint64_t largest = 0, disk = 0;
+  for (const LayerSpec& s : specs) {
+    if (s.staged.empty()) continue;
+    uint64_t bytes = 0;
+    bool file = false;
+    for (const StagedPart& p : s.staged) bytes = slot_layout::align(bytes + p.bytes), file = file || p.file;
+    largest = std::max(largest, bytes);
+    if (file) disk += bytes;
+  }
+  if (largest == 0) return 0;
+  return std::max<uint64_t>(disk, static_cast<uint64_t>(opts_.prefetch + 2) * largest);
+}
+
+}  // namespace layerstream

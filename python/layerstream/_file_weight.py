@@ -1,0 +1,71 @@
+"""FileWeight: the stand-in parameter of a weight load_safetensors() leaves in
+its file until offload() (a data-less meta tensor beside where its bytes are).
+Its own room so that offload() can recognise it without importing the loader."""
+from __future__ import annotations
+
+import torch
+
+from . import _C, _standin
+
+LayerstreamError = _C.LayerstreamError
+
+
+class FileWeight(_standin.StandIn):
+    """A weight (or bias) of a Linear layer that load_safetensors() left in its
+    .safetensors file: data-less (a meta tensor of its shape and dtype, which are the
+    file's) with the file's path and byte range beside it (``file_range``, a
+    ``_C.FileRange``). offload() reads it straight into host memory, or, when the
+    host budget cannot hold it and it is frozen, streams it from the file on every
+    use (the disk tier); run the model only after offload(). ``requires_grad`` is the
+    model parameter's: a trainable one is always read into RAM. Its ``.device`` is
+    the CPU, where its bytes will be (peft then creates LoRA adapters over it in host
+    memory). ``read()`` gives its values."""
+
+    def __new__(cls, shape, dtype, file_range, name: str, requires_grad: bool = False):
+        self = cls._meta(shape, dtype)
+        self.requires_grad_(requires_grad)
+        self.file_range, self.file_name = file_range, name
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self = args[0] if args and isinstance(args[0], FileWeight) else None
+        name = getattr(func, "__name__", "")
+        if self is not None and name == "copy_":
+            raise LayerstreamError(self._refusal("writing into it"))
+        if name not in ("detach", "alias", "requires_grad_"):
+            return cls._common(func, types, args, kwargs)  # _standin.StandIn's rules
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if self is not None and name in ("detach", "alias") and isinstance(out, torch.Tensor):
+            # state_dict() holds detached aliases: they keep the type, so that saving them
+            # raises instead of writing a value-less tensor.
+            alias = torch.Tensor._make_subclass(cls, out, False)
+            alias.file_range, alias.file_name = self.file_range, self.file_name
+            return alias
+        return out
+
+    def _refusal(self, what: str) -> str:
+        r = self.file_range
+        return (f"'{self.file_name}' is still in its file ({r.path}, tensor '{r.tensor}'): load_safetensors() "
+                f"left it there for offload() to read into host memory or stream from disk, so {what} is "
+                f"not possible yet. Call layerstream.offload(model, ...) to run the model, or "
+                f"FileWeight.read() for one weight's values")
+
+    def __deepcopy__(self, memo):
+        out = FileWeight(self.shape, self.dtype, self.file_range, self.file_name, self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+    def __repr__(self):
+        r = self.file_range
+        return f"FileWeight({r.path}:{r.tensor}, shape {tuple(self.shape)}, {self.dtype}, {r.bytes} bytes)"
+
+    def read(self) -> torch.Tensor:
+        """Its values: a new CPU tensor read from the file (checked: the file must be
+        the one loaded, unchanged)."""
+        out = torch.empty(tuple(self.shape), dtype=self.dtype)
+        r = self.file_range
+        _C.read_file_into(r.path, r.offset, out, r.tensor)
+        return out

@@ -1,0 +1,299 @@
+"""The host tier (docs/design/host-tier.md): load_safetensors() into a model built
+on the meta device (files written by the safetensors library and by transformers'
+save_pretrained, sharded), offload() with host_budget / pinned_budget: weights read
+straight into the host store, or left in their file and streamed from disk through
+staging entries; outputs and gradients equal the resident model's; the error cases
+name the file and tensor and leave the model as it was."""
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+import layerstream
+from layerstream import FileWeight, LayerstreamError
+
+D, N = 64, 8
+
+
+class Net(nn.Module):
+    def __init__(self, d=D, n=N):
+        super().__init__()
+        self.emb = nn.Embedding(50, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 7, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(self.norm(x))
+
+
+def _reference(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return Net().to(dtype)
+
+
+def _meta(dtype=torch.float32):
+    with torch.device("meta"):
+        return Net().to(dtype)
+
+
+def _save(model, path):
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return str(path)
+
+
+def _ids():
+    return torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(1))
+
+
+def _layer_bytes(model):
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, nn.Linear)
+               for p in m.parameters())
+
+
+def _quarter(model):
+    """A quarter of the streamed Linear weights, plus the embedding table (in RAM:
+    looked up there)."""
+    return _layer_bytes(model) // 4 + model.emb.weight.numel() * 4
+
+
+def test_load_leaves_linear_weights_in_the_file_and_offload_reads_them_into_the_store(tmp_path):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    report = layerstream.load_safetensors(model, path)
+    assert sorted(report.in_file) == sorted(n for n, p in ref.named_parameters()
+                                            if n.startswith(("layers", "head")))
+    assert report.in_file_bytes == _layer_bytes(ref)
+    assert set(report.dense) == {"emb.weight", "norm.weight", "norm.bias"}
+    assert isinstance(model.layers[0].weight, FileWeight) and model.layers[0].weight.device.type == "cpu"
+    assert torch.equal(model.layers[3].weight.read(), ref.layers[3].weight)
+    with pytest.raises(LayerstreamError, match="still in its file"):
+        model(_ids())
+    handle = layerstream.offload(model, device="sim")
+    assert not isinstance(model.layers[0].weight, FileWeight)
+    assert torch.equal(model.layers[0].weight, ref.layers[0].weight)
+    stats = handle.stats()
+    assert stats["disk_layers"] == 0 and stats["disk_read_bytes"] == 0
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    handle.detach()
+    assert torch.equal(model.layers[5].weight, ref.layers[5].weight)
+
+
+def _lora(model, rank=4):
+    """A tiny LoRA beside every streamed Linear (frozen base), the same on any model."""
+    torch.manual_seed(3)
+    adapters = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            a = nn.Parameter(torch.randn(rank, m.in_features) * 0.1)
+            b = nn.Parameter(torch.randn(m.out_features, rank) * 0.1)
+            adapters[name] = (a, b)
+            base = m.forward
+
+            def fwd(x, base=base, a=a, b=b):
+                return base(x) + (x @ a.t()) @ b.t()
+            m.forward = fwd
+    return adapters
+
+
+@pytest.mark.parametrize("pinned_budget", [None, 0])
+def test_disk_tier_under_a_quarter_of_the_model_equals_the_resident_model(tmp_path, pinned_budget):
+    """host_budget = 1/4 of the streamed bytes: the frozen Linear weights stay in the
+    file, read on every use into staging entries; LoRA gradients and outputs over
+    several steps equal the resident model's, and the entries keep some layers."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    model.requires_grad_(False)
+    ref.requires_grad_(False)
+    budget = _quarter(ref)
+    handle = layerstream.offload(model, device="sim", host_budget=budget, pinned_budget=pinned_budget)
+    assert isinstance(model.layers[0].weight, FileWeight)  # still in the file
+    plan = handle.host_plan
+    assert plan["disk_bytes"] == _layer_bytes(ref) and plan["store_bytes"] == ref.emb.weight.numel() * 4
+    assert plan["staging_bytes"] <= budget
+    ours, theirs = _lora(model), _lora(ref)
+    for step in range(4):
+        ids = _ids()
+        out, want = model(ids), ref(ids)
+        assert torch.equal(out, want), f"step {step}"
+        out.square().mean().backward()
+        want.square().mean().backward()
+        for name in ours:
+            for p, q in zip(ours[name], theirs[name]):
+                assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
+                p.grad = q.grad = None
+    stats = handle.stats()
+    assert stats["disk_layers"] == N + 1
+    assert stats["disk_read_bytes"] > 0 and stats["staging_entries"] >= 2
+    assert stats["staging_entries"] * stats["staging_entry_bytes"] <= budget
+    assert stats["staging_hits"] > 0  # an entry still held the layer (backward after forward)
+    assert stats["ordering_errors"] == 0
+    handle.detach()
+    assert isinstance(model.layers[0].weight, FileWeight)
+
+
+def test_pinned_budget_zero_stores_pageable_and_stages_copies(tmp_path):
+    ref = _reference()
+    model = copy.deepcopy(ref)
+    handle = layerstream.offload(model, device="sim", pinned_budget=0)
+    stats = handle.stats()
+    assert stats["pinned_bytes"] == 0 and stats["pageable_bytes"] >= _layer_bytes(ref)
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    assert handle.stats()["staged_read_bytes"] >= _layer_bytes(ref)  # each layer crossed an entry
+    assert handle.stats()["ordering_errors"] == 0
+
+
+def test_sharded_checkpoint_of_transformers_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path, max_shard_size="20KB", safe_serialization=True)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    import accelerate
+    with accelerate.init_empty_weights():
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    report = layerstream.load_safetensors(model, str(tmp_path))
+    assert report.in_file and not report.missing and not report.unexpected
+    model.requires_grad_(False)
+    handle = layerstream.offload(model, device="sim", host_budget=report.in_file_bytes // 2)
+    assert handle.stats()["disk_layers"] > 0
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_errors_name_the_file_and_leave_the_model_as_it_was(tmp_path):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    before = dict(model.named_parameters())
+    # A tensor of another shape.
+    bad = dict(ref.state_dict())
+    bad["layers.2.weight"] = torch.zeros(D, D + 1)
+    save_file(bad, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(LayerstreamError, match=r"shape.safetensors: tensor 'layers.2.weight' has shape \[64, 65\]"):
+        layerstream.load_safetensors(model, str(tmp_path / "shape.safetensors"))
+    # Integer bytes for a float parameter.
+    bad["layers.2.weight"] = torch.zeros(D, D, dtype=torch.int32)
+    save_file(bad, str(tmp_path / "dtype.safetensors"))
+    with pytest.raises(LayerstreamError, match="is I32 but 'layers.2.weight' in the model is torch.float32"):
+        layerstream.load_safetensors(model, str(tmp_path / "dtype.safetensors"))
+    # A truncated file (the header's offsets run past its end).
+    data = open(path, "rb").read()
+    open(tmp_path / "cut.safetensors", "wb").write(data[: len(data) - 100])
+    with pytest.raises(LayerstreamError, match="cut.safetensors"):
+        layerstream.load_safetensors(model, str(tmp_path / "cut.safetensors"))
+    # A missing shard.
+    ref.requires_grad_(False)
+    import json
+    keys = list(ref.state_dict())
+    save_file({k: ref.state_dict()[k].contiguous() for k in keys[:5]}, str(tmp_path / "s1.safetensors"))
+    json.dump({"metadata": {}, "weight_map": {**{k: "s1.safetensors" for k in keys[:5]},
+                                              **{k: "s2.safetensors" for k in keys[5:]}}},
+              open(tmp_path / "m.safetensors.index.json", "w"))
+    with pytest.raises(LayerstreamError, match="s2.safetensors"):
+        layerstream.load_safetensors(model, str(tmp_path / "m.safetensors.index.json"))
+    # Strict: a name the model lacks.
+    with pytest.raises(LayerstreamError, match="name nothing in the model: extra"):
+        save_file({**ref.state_dict(), "extra": torch.zeros(1)}, str(tmp_path / "x.safetensors"))
+        layerstream.load_safetensors(model, str(tmp_path / "x.safetensors"))
+    assert dict(model.named_parameters()) == before and all(p.is_meta for p in model.parameters())
+
+
+def test_a_file_changed_after_loading_is_an_error_never_other_weights(tmp_path):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    model.requires_grad_(False)
+    handle = layerstream.offload(model, device="sim", host_budget=_quarter(ref))
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    time.sleep(0.02)
+    with open(path, "r+b") as f:  # same size, other bytes, new modification time
+        f.seek(os.path.getsize(path) - 8)
+        f.write(b"\x00" * 8)
+    with pytest.raises(LayerstreamError, match=r"m.safetensors: the file changed after it was loaded.*tensor '"):
+        with torch.no_grad():
+            for _ in range(3):
+                model(_ids())
+            handle.synchronize()
+    os.truncate(path, 100)  # and then truncated: still an error, at every later step
+    with pytest.raises(LayerstreamError, match="m.safetensors"):
+        with torch.no_grad():
+            for _ in range(3):
+                model(_ids())
+            handle.synchronize()
+
+
+def test_trainable_weights_must_fit_in_ram(tmp_path):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)  # parameters keep requires_grad=True
+    with pytest.raises(LayerstreamError, match=r"host budget of .* cannot hold .*freeze the model"):
+        layerstream.offload(model, device="sim", host_budget=_quarter(ref))
+    assert isinstance(model.layers[0].weight, FileWeight)  # nothing changed
+    handle = layerstream.offload(model, device="sim", host_budget=2 * _layer_bytes(ref))
+    assert model.layers[0].weight.requires_grad and handle.stats()["disk_layers"] == 0
+    model(_ids()).sum().backward()
+    assert model.layers[0].weight.grad is not None
+
+
+_RSS_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, torch.nn as nn
+    import layerstream
+    d, n, budget, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    def rss(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(n)])
+    model.requires_grad_(False)
+    base = rss("VmRSS")
+    layerstream.load_safetensors(model, path)
+    handle = layerstream.offload(model, device="sim", host_budget=budget, prefetch=1)
+    with torch.no_grad():
+        model(torch.ones(2, d))
+        model(torch.ones(2, d))
+    s = handle.stats()
+    print(json.dumps({"base": base, "peak": rss("VmHWM"), "slots": s["slots"] * s["slot_bytes"],
+                      "disk": s["disk_read_bytes"]}))
+""")
+
+
+def test_peak_rss_of_load_and_offload_stays_within_the_host_budget(tmp_path):
+    """A model 4x larger than host_budget: peak RSS (VmHWM) minus what the process
+    held before loading stays within host_budget + the sim device's slots (host
+    memory too, on the sim device) + 64 MiB."""
+    d, n = 1024, 32  # 32 x 4 MiB = 128 MiB
+    torch.manual_seed(0)
+    path = str(tmp_path / "big.safetensors")
+    save_file({f"{i}.weight": torch.randn(d, d) for i in range(n)}, path)
+    budget = d * d * 4 * n // 4
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(d), str(n), str(budget), path],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    import json
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["disk"] > 0
+    grew = r["peak"] - r["base"]
+    assert grew <= budget + r["slots"] + (64 << 20), r
