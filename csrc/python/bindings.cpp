@@ -5,7 +5,6 @@
 #include "core/gguf.h"
 #include "core/host_tier.h"
 #include "core/io/source_file.h"
-#include "core/optim/thread_pool.h"
 #include "core/safetensors.h"
 #include "core/log.h"
 #include "core/offload_policy.h"
@@ -25,7 +24,6 @@ using layerstream::FileRange;
 using layerstream::SourceFile;
 using layerstream::TensorInfo;
 namespace host_tier = layerstream::host_tier;
-namespace optim = layerstream::optim;
 
 namespace {
 
@@ -387,7 +385,7 @@ PYBIND11_MODULE(_C, m) {
     auto f = SourceFile::open(path);
     py::gil_scoped_release nogil;
     f->read(dst.data_ptr(), offset, static_cast<uint64_t>(dst.numel()) * dst.element_size(), tensor,
-            &optim::ThreadPool::shared());
+            &SourceFile::readers());
   }, py::arg("path"), py::arg("offset"), py::arg("dst"), py::arg("tensor"));
   m.def("drop_page_cache", [](const std::string& path) { SourceFile::open(path)->drop_page_cache(); },
         py::arg("path"));

@@ -5,7 +5,6 @@
 // (the engine's rooms: engine_impl.h).
 #include "engine_impl.h"
 
-#include "core/optim/thread_pool.h"
 
 namespace layerstream {
 
@@ -28,7 +27,7 @@ torch::Tensor EngineImpl::read_file(const FileRange& src, const std::vector<int6
   const size_t index = store_->add_unclaimed(src.bytes, src.tensor);
   void* ptr = store_->buffer(index).ptr;
   // Several threads, large chunks: core/io/source_file.h.
-  file->read(ptr, src.offset, src.bytes, src.tensor, opts_.reader_threads > 1 ? &optim::ThreadPool::shared() : nullptr);
+  file->read(ptr, src.offset, src.bytes, src.tensor, opts_.reader_threads > 1 ? &SourceFile::readers() : nullptr);
   auto keepalive = keepalive_;
   return torch::from_blob(ptr, shape, [keepalive](void*) {}, torch::TensorOptions().dtype(dtype));
 }

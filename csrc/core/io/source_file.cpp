@@ -57,14 +57,22 @@ void SourceFile::read(void* dst, uint64_t offset, uint64_t bytes, const std::str
   LS_CHECK(offset <= size_ && bytes <= size_ - offset, path_, ": tensor '", tensor, "' (", bytes,
            " bytes at offset ", offset, ") lies past the end of the file (", size_, " bytes): truncated?");
   if (bytes == 0) return;
-  chunk_bytes = std::max<uint64_t>(chunk_bytes, 1);
-  const int64_t chunks = static_cast<int64_t>((bytes + chunk_bytes - 1) / chunk_bytes);
+  chunk_bytes = std::max<uint64_t>(chunk_bytes, 4096);
+  // One contiguous segment per thread, each read front to back in chunks: every
+  // thread's reads are sequential (the kernel's readahead follows them), and the
+  // segments keep several requests in flight (docs/design/host-tier.md, "Reading").
+  const uint64_t min_segment = 4ull << 20;
+  const int64_t segments = pool ? static_cast<int64_t>(std::max<uint64_t>(
+                                      1, std::min<uint64_t>(pool->threads(), bytes / min_segment)))
+                                : 1;
+  const uint64_t per = (bytes + static_cast<uint64_t>(segments) - 1) / static_cast<uint64_t>(segments);
   char* out = static_cast<char*>(dst);
-  auto one = [&](int64_t c) {
-    uint64_t at = static_cast<uint64_t>(c) * chunk_bytes;
-    const uint64_t end = std::min(bytes, at + chunk_bytes);
+  auto one = [&](int64_t seg) {
+    uint64_t at = static_cast<uint64_t>(seg) * per;
+    const uint64_t end = std::min(bytes, at + per);
     while (at < end) {
-      const ssize_t got = ::pread(fd_, out + at, static_cast<size_t>(end - at), static_cast<off_t>(offset + at));
+      const size_t want = static_cast<size_t>(std::min(end - at, chunk_bytes));
+      const ssize_t got = ::pread(fd_, out + at, want, static_cast<off_t>(offset + at));
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0)
         LS_FAIL(path_, ": reading tensor '", tensor, "' failed at offset ", offset + at, ": ",
@@ -72,11 +80,22 @@ void SourceFile::read(void* dst, uint64_t offset, uint64_t bytes, const std::str
       at += static_cast<uint64_t>(got);
     }
   };
-  if (pool && chunks > 1) {
-    pool->run(chunks, one);
+  if (segments > 1) {
+    pool->run(segments, one);
   } else {
-    for (int64_t c = 0; c < chunks; ++c) one(c);
+    one(0);
   }
+}
+
+optim::ThreadPool& SourceFile::readers() {
+  static optim::ThreadPool* pool = new optim::ThreadPool(4);  // never destroyed (see thread_pool.h)
+  return *pool;
+}
+
+void SourceFile::will_need(uint64_t offset, uint64_t bytes) const {
+#ifdef POSIX_FADV_WILLNEED
+  ::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes), POSIX_FADV_WILLNEED);
+#endif
 }
 
 void SourceFile::drop_page_cache() const {

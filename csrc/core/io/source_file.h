@@ -6,9 +6,9 @@
 // or truncated after loading is an error naming the file and the tensor, never
 // other weights (docs/design/host-tier.md, "Files change").
 //
-// Reads use pread() in large chunks, spread over a reader thread pool when one
-// is given (plain read() calls into the destination beat page-faulting mmap
-// copies; docs/design/host-tier.md, "Reading").
+// Reads use pread() straight into the destination, one contiguous segment per
+// reader thread (plain reads beat page-faulting mmap copies, and several
+// sequential streams beat one; docs/design/host-tier.md, "Reading").
 //
 // Ownership: shared (std::shared_ptr); the descriptor closes with the last
 // owner. Thread safety: all methods may be called concurrently (pread has no
@@ -42,13 +42,20 @@ class SourceFile {
   // modified (size, mtime or inode differ), or gone.
   void check(const std::string& tensor) const;
 
-  // Reads [offset, offset + bytes) into `dst`: check(), then pread() in chunks
-  // of `chunk_bytes`, on `pool` when given (its workers and the calling
-  // thread), else on the calling thread. A short read or an I/O error throws
+  // Reads [offset, offset + bytes) into `dst`: check(), then pread() calls of
+  // `chunk_bytes`, front to back over one contiguous segment per thread of
+  // `pool` (segments of at least 4 MiB; its workers and the calling thread),
+  // else on the calling thread. A short read or an I/O error throws
   // layerstream::Error naming the file, the tensor and the offset.
   void read(void* dst, uint64_t offset, uint64_t bytes, const std::string& tensor,
-            optim::ThreadPool* pool = nullptr, uint64_t chunk_bytes = 8ull << 20) const;
+            optim::ThreadPool* pool = nullptr, uint64_t chunk_bytes = 1ull << 20) const;
+  // A process-wide pool of 4 reader threads (created on first use).
+  static optim::ThreadPool& readers();
 
+  // Asks the kernel to start reading [offset, offset + bytes) into the page
+  // cache now (posix_fadvise WILLNEED), without waiting: a read() of it later
+  // finds the pages there or in flight.
+  void will_need(uint64_t offset, uint64_t bytes) const;
   // Asks the kernel to drop the file's pages from the page cache
   // (posix_fadvise DONTNEED): benchmarks read it cold.
   void drop_page_cache() const;

@@ -68,7 +68,7 @@ struct StagerOptions {
   // but turns over more of the cache: a cyclic schedule of n layers with e
   // entries reads at most n - e + read_ahead of them per step.
   int read_ahead = 0;
-  uint64_t chunk_bytes = 8ull << 20;
+  uint64_t chunk_bytes = 1ull << 20;  // per pread()
 };
 
 struct StagerStats {
