@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _C
 from ._gguf_weight import GgufWeight
@@ -185,6 +186,12 @@ def _check_no_meta(model: nn.Module) -> None:
             f"model.to_empty(device='cpu') then load_state_dict()), then call offload().")
 
 
+def _is_wrapper(t: torch.Tensor) -> bool:
+    """A tensor subclass that wraps others (optimum-quanto's and torchao's quantized
+    weights): it has no storage of its own to compare."""
+    return is_traceable_wrapper_subclass(t)
+
+
 def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     """Refuses, before anything changes, streamed parameters that share memory with another
     tensor of the model (views of one flat buffer, as some trainers build): offload() moves
@@ -194,7 +201,7 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     seen = set()
     for n, t in itertools.chain(model.named_parameters(remove_duplicate=True),
                                 model.named_buffers(remove_duplicate=True)):
-        if t is None or t.is_meta or id(t) in seen or t.untyped_storage().nbytes() == 0:
+        if t is None or t.is_meta or id(t) in seen or _is_wrapper(t) or t.untyped_storage().nbytes() == 0:
             continue
         seen.add(id(t))
         owners.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(n)
@@ -202,7 +209,8 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     for name, module, kind in candidates:
         params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
                   [(k, module._parameters.get(k)) for k in ("weight", "bias")])
-        streamed += [(f"{name}.{pn}" if name else pn, p) for pn, p in params if p is not None and not p.is_meta]
+        streamed += [(f"{name}.{pn}" if name else pn, p) for pn, p in params
+                     if p is not None and not p.is_meta and not _is_wrapper(p)]
     for qn, p in streamed:
         names = owners.get((p.device, p.untyped_storage().data_ptr()), [])
         if len(names) > 1:
@@ -395,5 +403,6 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             continue
         candidates.append((name, module, kind))
     for reason, labels in resident.items():
-        _warn_resident(labels, *_RESIDENT_REASONS[reason], compute_device)
+        what, why = _RESIDENT_REASONS[reason]
+        _warn_resident(labels, what, compute_device, why)
     return candidates, grouped

@@ -301,6 +301,13 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             continue
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
+        if pre is not None and pre.library is not None:
+            raise LayerstreamError(
+                f"layer '{name or '<root>'}': its weight is a {type(weight).__module__.split('.')[0]} "
+                f"{type(weight).__name__}; offload() does not stream optimum-quanto / torchao weights: "
+                f"use layerstream.compat.MemoryManager.attach(model, device), which streams them "
+                f"packed, or dequantize the model, or keep these layers resident "
+                f"(offload(exclude=[...]))")
         if pre is not None and kind != "linear":
             raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
                                    f"Linear layers only")
