@@ -219,9 +219,10 @@ class Engine {
   virtual int add_linear_int8(const std::string& name, torch::Tensor int8_data,
                               torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype) = 0;
   // A Linear [rows, cols] whose weight arrives already packed in `format`
-  // (int8 or nf4) as its code bytes and fp32 scales, laid out as in
-  // docs/design/quant-formats.md — e.g. bitsandbytes NF4 weights (blocks of
-  // 64, high nibble first, absmax per block). Stored byte for byte; the
+  // (int8, fp8, nf4 or a GGUF format) as its code bytes and fp32 scales, laid
+  // out as in docs/design/quant-formats.md — e.g. bitsandbytes NF4 weights
+  // (blocks of 64, high nibble first, absmax per block), optimum-quanto /
+  // torchao int8 and float8_e4m3fn weights (one scale per row). Stored byte for byte; the
   // codes and scales are copied (callers may free theirs).
   virtual int add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes,
                                 torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols,

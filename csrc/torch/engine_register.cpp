@@ -266,8 +266,9 @@ int EngineImpl::add_linear_packed(const std::string& name, quant::Format format,
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
-  LS_CHECK(format == quant::Format::Int8 || format == quant::Format::NF4 || quant::is_gguf(format), "layer '",
-           name, "': pre-packed weights are supported in the int8, nf4 and GGUF formats, got ",
+  LS_CHECK(format == quant::Format::Int8 || format == quant::Format::Fp8E4M3 || format == quant::Format::NF4 ||
+               quant::is_gguf(format),
+           "layer '", name, "': pre-packed weights are supported in the int8, fp8, nf4 and GGUF formats, got ",
            quant::to_string(format));
   LS_CHECK(dense_dtype == torch::kFloat || dense_dtype == torch::kBFloat16 || dense_dtype == torch::kHalf,
            "layer '", name, "': the dense dtype of a pre-packed weight must be float32, bfloat16 or "

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _C
 from ._file_weight import FileWeight
@@ -186,6 +187,12 @@ def _check_no_meta(model: nn.Module) -> None:
             f"model.to_empty(device='cpu') then load_state_dict()), then call offload().")
 
 
+def _is_wrapper(t: torch.Tensor) -> bool:
+    """A tensor subclass that wraps others (optimum-quanto's and torchao's quantized
+    weights): it has no storage of its own to compare."""
+    return is_traceable_wrapper_subclass(t)
+
+
 def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     """Refuses, before anything changes, streamed parameters that share memory with another
     tensor of the model (views of one flat buffer, as some trainers build): offload() moves
@@ -195,7 +202,7 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     seen = set()
     for n, t in itertools.chain(model.named_parameters(remove_duplicate=True),
                                 model.named_buffers(remove_duplicate=True)):
-        if t is None or t.is_meta or id(t) in seen or t.untyped_storage().nbytes() == 0:
+        if t is None or t.is_meta or id(t) in seen or _is_wrapper(t) or t.untyped_storage().nbytes() == 0:
             continue
         seen.add(id(t))
         owners.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(n)
@@ -203,7 +210,8 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     for name, module, kind in candidates:
         params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
                   [(k, module._parameters.get(k)) for k in ("weight", "bias")])
-        streamed += [(f"{name}.{pn}" if name else pn, p) for pn, p in params if p is not None and not p.is_meta]
+        streamed += [(f"{name}.{pn}" if name else pn, p) for pn, p in params
+                     if p is not None and not p.is_meta and not _is_wrapper(p)]
     for qn, p in streamed:
         names = owners.get((p.device, p.untyped_storage().data_ptr()), [])
         if len(names) > 1:
@@ -278,12 +286,73 @@ def _conv_args(module: nn.Module) -> dict:
                 dilation=list(module.dilation), groups=int(module.groups))
 
 
+# Why offload() keeps a streamable module resident: reason -> (what, why) of the one
+# warning per reason (_warn_resident), in the order they are given.
+_RESIDENT_REASONS = {
+    "padded": ("conv layer(s) with a padding_mode other than 'zeros'",
+               "not streamed; they run their original forward"),
+    "computed": ("layer(s) whose weight is not a parameter of their own",
+                 "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
+                 "by pruning; or a plain tensor attribute"),
+    "custom": ("Linear/conv/embedding subclass layer(s) with their own forward",
+               "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
+               "would drop what it adds"),
+    "wrapped": ("layer(s) whose forward was replaced on the instance",
+                "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
+                "drop; to stream them, remove the wrapper first, e.g. "
+                "accelerate.hooks.remove_hook_from_module(model, recurse=True)"),
+    "dora": ("layer(s) of a peft DoRA adapter",
+             "DoRA reads the base and adapter weights directly at every forward to compute "
+             "the weight norm, which a streamed layer does not keep on the device; plain "
+             "LoRA (use_dora=False) streams the base layers"),
+    "renormed": ("embedding layer(s) with max_norm",
+                 "each lookup renormalizes the rows it reads in place, which a streamed lookup "
+                 "does not do"),
+}
+
+
+def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
+    """Why a module _is_streamable() calls `kind` must not stream (a key of
+    _RESIDENT_REASONS), "skip" for a table that is not floating point (left as it
+    is, no warning), None when it streams: the rule offload() and
+    layerstream.compat share (`dora`: _dora_layers() of the model)."""
+    if kind == "conv" and module.padding_mode != "zeros":
+        return "padded"
+    if not _stock_forward(module, kind):
+        return "custom"
+    if id(module) in dora:
+        return "dora"
+    if "forward" in module.__dict__:
+        return "wrapped"
+    if _computed_weight(module):
+        return "computed"
+    if kind == "embedding":
+        if not module.weight.is_floating_point():
+            return "skip"
+        if module.max_norm is not None:  # renormalizes the looked-up rows in place
+            return "renormed"
+    return None
+
+
+def _resident_label(name: str, module: nn.Module, reason: str) -> str:
+    """How a resident layer is named in its reason's warning."""
+    label = f"'{name or '<root>'}'"
+    if reason == "padded":
+        return f"{label} (padding_mode='{module.padding_mode}')"
+    if reason == "custom":
+        return f"{label} ({type(module).__qualname__})"
+    if reason == "wrapped" and hasattr(module, "_hf_hook"):
+        return f"{label} (accelerate hook)"
+    return label
+
+
 def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.device):
     """The modules offload() would stream, in model order, as (name, module, kind),
     ties aside; and the names of the modules groups= streams whole. Warns once per
     reason for the layers that stay resident (stacklevel: offload()'s caller)."""
     dora = _dora_layers(model)
-    candidates, padded, custom, computed, wrapped, under_dora, renormed = [], [], [], [], [], [], []
+    candidates = []
+    resident = {reason: [] for reason in _RESIDENT_REASONS}  # reason -> labels, warned once each
     grouped = []  # the names of modules offload(groups=...) streams whole: their descendants are theirs
     for name, module in model.named_modules():
         if any(name.startswith(g + ".") or g == "" for g in grouped):
@@ -293,7 +362,7 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
                 raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; "
                                        f"call detach() on that handle first")
             if "forward" in module.__dict__:
-                wrapped.append(f"'{name or '<root>'}'")
+                resident["wrapped"].append(f"'{name or '<root>'}'")
                 continue
             below = list(module.modules())
             rnn = [m for m in below if isinstance(m, nn.RNNBase)]
@@ -304,7 +373,7 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
                     f"(_flat_weights), not the parameters swapped in for the call, so it cannot stream "
                     f"as a tensor group; leave it out of groups= (it stays resident)")
             if any(torch.nn.utils.parametrize.is_parametrized(m) for m in below):
-                computed.append(f"'{name or '<root>'}'")
+                resident["computed"].append(f"'{name or '<root>'}'")
                 continue
             params = [p for m in below for p in m._parameters.values() if p is not None]
             if not params or not all(p.is_floating_point() for p in params):
@@ -327,45 +396,14 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             raise LayerstreamError(
                 f"module '{name}' is already offloaded by another layerstream handle; call "
                 f"detach() on that handle first")
-        if kind == "conv" and module.padding_mode != "zeros":
-            padded.append(f"'{name or '<root>'}' (padding_mode='{module.padding_mode}')")
+        reason = _resident_reason(module, kind, dora)
+        if reason == "skip":
+            continue  # not a float table: left as it is
+        if reason is not None:
+            resident[reason].append(_resident_label(name, module, reason))
             continue
-        if not _stock_forward(module, kind):
-            custom.append(f"'{name or '<root>'}' ({type(module).__qualname__})")
-            continue
-        if id(module) in dora:
-            under_dora.append(f"'{name or '<root>'}'")
-            continue
-        if "forward" in module.__dict__:
-            wrapped.append(f"'{name or '<root>'}'" + (" (accelerate hook)" if hasattr(module, "_hf_hook") else ""))
-            continue
-        if _computed_weight(module):
-            computed.append(f"'{name or '<root>'}'")
-            continue
-        if kind == "embedding":
-            if not module.weight.is_floating_point():
-                continue  # not a float table: left as it is
-            if module.max_norm is not None:  # renormalizes the looked-up rows in place
-                renormed.append(f"'{name or '<root>'}'")
-                continue
         candidates.append((name, module, kind))
-    _warn_resident(padded, "conv layer(s) with a padding_mode other than 'zeros'", compute_device,
-                   "not streamed; they run their original forward")
-    _warn_resident(computed, "layer(s) whose weight is not a parameter of their own", compute_device,
-                   "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
-                   "by pruning; or a plain tensor attribute")
-    _warn_resident(custom, "Linear/conv/embedding subclass layer(s) with their own forward", compute_device,
-                   "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
-                   "would drop what it adds")
-    _warn_resident(wrapped, "layer(s) whose forward was replaced on the instance", compute_device,
-                   "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
-                   "drop; to stream them, remove the wrapper first, e.g. "
-                   "accelerate.hooks.remove_hook_from_module(model, recurse=True)")
-    _warn_resident(under_dora, "layer(s) of a peft DoRA adapter", compute_device,
-                   "DoRA reads the base and adapter weights directly at every forward to compute "
-                   "the weight norm, which a streamed layer does not keep on the device; plain "
-                   "LoRA (use_dora=False) streams the base layers")
-    _warn_resident(renormed, "embedding layer(s) with max_norm", compute_device,
-                   "each lookup renormalizes the rows it reads in place, which a streamed lookup "
-                   "does not do")
+    for reason, labels in resident.items():
+        what, why = _RESIDENT_REASONS[reason]
+        _warn_resident(labels, what, compute_device, why)
     return candidates, grouped

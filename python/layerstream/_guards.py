@@ -64,13 +64,17 @@ class _StreamedApply:
     Other parameters, buffers and children of the module (rare on a Linear/conv)
     are converted as usual."""
 
-    __slots__ = ("_module", "_compute", "_name", "_verdicts", "_keys")
+    __slots__ = ("_module", "_compute", "_name", "_verdicts", "_keys", "_remedy")
+
+    # What the refusal tells offload() users to do instead.
+    OFFLOAD_REMEDY = "Convert the model before offload(), or call handle.detach() first."
 
     def __init__(self, module: nn.Module, compute_device: torch.device, name: str,
-                 keys: Sequence[str] = ("weight", "bias")):
+                 keys: Sequence[str] = ("weight", "bias"), remedy: str = OFFLOAD_REMEDY):
         self._module, self._compute, self._name = module, compute_device, name
         self._verdicts = None  # dtype -> allowed, shared by _RootApply during one conversion
         self._keys = tuple(keys)  # the streamed parameters (a tensor group: all of them)
+        self._remedy = remedy  # layerstream.compat names its own ways out
 
     def _allowed(self, fn, dtype: torch.dtype) -> bool:
         if self._verdicts is not None:
@@ -108,8 +112,7 @@ class _StreamedApply:
                     f"streamed layer '{self._name}' keeps its weights in host memory and computes on "
                     f"{self._compute}: model.to()/cuda() to that device is fine (the streamed layers "
                     f"stay as they are), but this conversion would move them elsewhere or change "
-                    f"their dtype ({key} is {p.dtype}). Convert the model before offload(), or call "
-                    f"handle.detach() first.")
+                    f"their dtype ({key} is {p.dtype}). {self._remedy}")
 
     def __call__(self, fn, recurse=True):
         self.check(fn)

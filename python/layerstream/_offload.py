@@ -324,6 +324,13 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             continue
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
+        if pre is not None and pre.library is not None:
+            raise LayerstreamError(
+                f"layer '{name or '<root>'}': its weight is a {type(weight).__module__.split('.')[0]} "
+                f"{type(weight).__name__}; offload() does not stream optimum-quanto / torchao weights: "
+                f"use layerstream.compat.MemoryManager.attach(model, device), which streams them "
+                f"packed, or dequantize the model, or keep these layers resident "
+                f"(offload(exclude=[...]))")
         if pre is not None and kind != "linear":
             raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
                                    f"Linear layers only")
@@ -716,14 +723,27 @@ def _resolve_budget(budget, compute_device: torch.device) -> int:
 SIM_DEVICE_MEMORY = _C.SIM_DEVICE_MEMORY
 
 
-def _move_resident(model: nn.Module, streamed_params: set, device: torch.device) -> None:
-    """Moves every non-streamed parameter and buffer to the compute device."""
+def _move_resident(model: nn.Module, streamed_params: set, device: Optional[torch.device],
+                   dtype: Optional[torch.dtype] = None, non_blocking: bool = False) -> None:
+    """Moves every non-streamed parameter and buffer to `device` (None: where it is)
+    and, given a dtype, converts the floating-point ones to it, as nn.Module.to does."""
+    def moved(t):
+        to_dtype = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
+        to_device = t.device if device is None else torch.device(device)
+        if t.dtype == to_dtype:
+            return None if t.device == to_device else t.to(to_device, non_blocking=non_blocking)
+        return t.to(to_device, to_dtype, non_blocking=non_blocking)
+
     with torch.no_grad():
         for module in model.modules():
             for pname, p in module._parameters.items():
-                if p is None or id(p) in streamed_params or p.device == device:
+                if p is None or id(p) in streamed_params:
                     continue
-                p.data = p.data.to(device)
+                new = moved(p.data)
+                if new is not None:
+                    p.data = new
             for bname, b in module._buffers.items():
-                if b is not None and b.device != device:
-                    module._buffers[bname] = b.to(device)
+                if b is not None:
+                    new = moved(b)
+                    if new is not None:
+                        module._buffers[bname] = new

@@ -35,13 +35,19 @@ def _quant_for(name: str, quantize) -> Optional[str]:
 class _Packed:
     """A weight that arrives already packed: stored byte for byte."""
 
-    __slots__ = ("format", "codes", "scales", "rows", "cols", "dense_dtype", "bnb_stats", "gguf")
+    __slots__ = ("format", "codes", "scales", "rows", "cols", "dense_dtype", "bnb_stats", "gguf",
+                 "library", "out_scale")
 
-    def __init__(self, format, codes, scales, rows, cols, dense_dtype, bnb_stats=None, gguf=False):
+    def __init__(self, format, codes, scales, rows, cols, dense_dtype, bnb_stats=None, gguf=False,
+                 library=None, out_scale=None):
         self.format, self.codes, self.scales = format, codes, scales
         self.rows, self.cols, self.dense_dtype = int(rows), int(cols), dense_dtype
         self.bnb_stats = bnb_stats  # bitsandbytes: what detach() needs to rebuild Params4bit
         self.gguf = gguf  # load_gguf()'s bytes: detach() restores the dequantized weight
+        # A library's tensor (_library_quantized): how that library computes the layer
+        # (_LIBRARY_LINEAR); the bias is then added after the product, not in it.
+        self.library = library
+        self.out_scale = out_scale  # torchao int8: fp32 [rows], applied to the product
 
 
 def _is_packed_only_format(fmt: str) -> bool:
@@ -93,9 +99,13 @@ def _bnb_nf4(name: str, w) -> Optional[_Packed]:
 def _prequantized(name: str, module: nn.Module) -> Optional[_Packed]:
     """The weight when it is already quantized: a torch quantized tensor
     (qint8, zero points 0) or an int8 tensor with a `weight_scale` attribute
-    (int8, dense float32), or a bitsandbytes nf4 Params4bit. None for float
+    (int8, dense float32), a bitsandbytes nf4 Params4bit, a GGUF weight, or an
+    optimum-quanto / torchao weight (_library_quantized). None for float
     weights."""
     w = module.weight
+    lib = _library_quantized(name, w)
+    if lib is not None:
+        return lib
     if type(w).__name__ == "Params4bit":
         return _bnb_nf4(name, w)
     if isinstance(w, GgufWeight):
@@ -129,3 +139,130 @@ def _prequantized(name: str, module: nn.Module) -> Optional[_Packed]:
         return _Packed("int8", w.detach(), torch.as_tensor(scale, dtype=torch.float32), rows,
                        w.numel() // max(rows, 1), torch.float32)
     return None
+
+
+# The quantized weight tensors of optimum-quanto and torchao that stream packed
+# (layerstream.compat): class -> (library, what it is). A weight of another class
+# from these libraries (quanto qint4/qint2, torchao int4, ...) is refused by name.
+_QUANTO_QBYTES = "WeightQBytesTensor"            # quantize(weights=qint8 / qfloat8), freeze()
+_TORCHAO_TENSORS = ("Int8Tensor", "Float8Tensor")  # Int8WeightOnlyConfig, Float8WeightOnlyConfig
+
+
+def _library_of(w) -> Optional[str]:
+    """"quanto" / "torchao" for a weight tensor of optimum-quanto or torchao (a tensor
+    subclass that holds its packed data and scales as attributes), else None."""
+    mod = type(w).__module__
+    if mod.startswith("optimum.quanto."):
+        return "quanto"
+    if mod.startswith("torchao."):
+        return "torchao"
+    return None
+
+
+def _row_scales(name: str, scale: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    """fp32 [rows] scales from one per row ([rows, 1]) or one for the tensor."""
+    if scale.numel() == 1:
+        return scale.detach().float().reshape(1).expand(rows).contiguous()
+    if scale.numel() == rows and scale.dim() <= 2 and scale.shape[0] == rows:
+        return scale.detach().float().reshape(rows).contiguous()
+    raise LayerstreamError(
+        f"layer '{name}': its {what} weight has scales of shape {tuple(scale.shape)}; layerstream "
+        f"streams one scale per output row or one per tensor (per-group or block scales are not "
+        f"supported): quantize per row, or dequantize the layer")
+
+
+def _library_quantized(name: str, w) -> Optional[_Packed]:
+    """The packed codes and scales of an optimum-quanto or torchao weight-only
+    quantized weight, None for any other tensor:
+      quanto qint8 / qfloat8 (WeightQBytesTensor, axis 0): int8 / float8_e4m3fn
+        codes, one scale per row (the model's dtype); quanto computes
+        (x @ (scale * q)^T) + bias (qbytes_mm outside its CPU int8 kernels);
+      torchao Int8Tensor (Int8WeightOnlyConfig, per row or per tensor): int8
+        codes, fp32 scales applied to the product: (x @ q^T) * scale + bias;
+        the slot holds q (unit scales) and the scale follows the product, as
+        torchao does, so the rounding is torchao's;
+      torchao Float8Tensor (Float8WeightOnlyConfig, per row or per tensor):
+        float8_e4m3fn codes, fp32 scales; torchao computes
+        (x @ dequantize(w)^T) + bias.
+    Anything else from these libraries (activation quantization, 4-bit and 2-bit
+    weights, per-group scales, other float8 kinds) is a LayerstreamError that
+    says so."""
+    library = _library_of(w)
+    if library is None:
+        return None
+    cls = type(w).__name__
+    rows = int(w.shape[0]) if w.dim() >= 1 else 0
+    cols = w.numel() // max(rows, 1)
+    dense = w.dtype
+    if dense not in _DEQUANT_DTYPES:
+        raise LayerstreamError(f"layer '{name}': {library} weight of dtype {dense}; layerstream streams "
+                               f"quantized weights of float32, bfloat16 or float16 models")
+    if w.dim() != 2:
+        raise LayerstreamError(f"layer '{name}': {library} weight of shape {tuple(w.shape)}; "
+                               f"only 2-D (Linear) weights stream")
+    if library == "quanto":
+        qtype = getattr(getattr(w, "qtype", None), "name", None)
+        if cls != _QUANTO_QBYTES or qtype not in ("qint8", "qfloat8_e4m3fn"):
+            raise LayerstreamError(
+                f"layer '{name}': optimum-quanto {cls} ({qtype}) weights are not supported; "
+                f"layerstream streams quanto qint8 and qfloat8 (e4m3fn) weights: quantize with "
+                f"weights=qint8 or qfloat8, or exclude the layer (ignore_modules=[...])")
+        if getattr(w, "activation_qtype", None) is not None or getattr(w, "axis", 0) != 0:
+            raise LayerstreamError(
+                f"layer '{name}': optimum-quanto weight with activation quantization or axis "
+                f"{getattr(w, 'axis', None)}; layerstream streams weight-only quantization along "
+                f"the output rows (quantize(model, weights=...), activations=None)")
+        data = w._data
+        fmt = "int8" if data.dtype == torch.int8 else "fp8"
+        if fmt == "fp8" and data.dtype != torch.float8_e4m3fn:
+            raise LayerstreamError(f"layer '{name}': optimum-quanto data of dtype {data.dtype}")
+        return _Packed(fmt, data.detach().view(torch.uint8 if fmt == "fp8" else torch.int8).cpu(),
+                       _row_scales(name, w._scale, rows, "quanto").cpu(), rows, cols, dense,
+                       library="quanto")
+    if cls not in _TORCHAO_TENSORS:
+        raise LayerstreamError(
+            f"layer '{name}': torchao {cls} weights are not supported; layerstream streams torchao "
+            f"int8 and float8 weight-only tensors (Int8WeightOnlyConfig, Float8WeightOnlyConfig): "
+            f"quantize with one of those, or exclude the layer (ignore_modules=[...])")
+    if (getattr(w, "act_quant_kwargs", None) is not None
+            or getattr(w, "act_pre_scale", None) is not None):
+        raise LayerstreamError(
+            f"layer '{name}': torchao {cls} with activation quantization or pre-scaling; layerstream "
+            f"streams weight-only quantization (Int8WeightOnlyConfig, Float8WeightOnlyConfig)")
+    qdata = w.qdata
+    block = list(getattr(w, "block_size", None) or [1, cols])
+    if block not in ([1, cols], [rows, cols]):
+        raise LayerstreamError(
+            f"layer '{name}': torchao {cls} with block size {block}; layerstream streams one scale "
+            f"per output row or per tensor: quantize with granularity PerRow() or PerTensor()")
+    if cls == "Int8Tensor":
+        zp = getattr(w, "zero_point", None)
+        if (zp is not None and bool(zp.detach().ne(0).any())) or qdata.dtype != torch.int8:
+            raise LayerstreamError(f"layer '{name}': torchao Int8Tensor with zero points (asymmetric); "
+                                   f"layerstream streams symmetric int8 weights")
+        scales = _row_scales(name, w.scale, rows, "torchao int8").cpu()
+        return _Packed("int8", qdata.detach().cpu(), torch.ones(rows, dtype=torch.float32), rows, cols,
+                       dense, library="torchao_int8", out_scale=scales)
+    if qdata.dtype != torch.float8_e4m3fn:
+        raise LayerstreamError(f"layer '{name}': torchao Float8Tensor of {qdata.dtype}; layerstream "
+                               f"streams float8_e4m3fn weights")
+    return _Packed("fp8", qdata.detach().view(torch.uint8).cpu(),
+                   _row_scales(name, w.scale, rows, "torchao float8").cpu(), rows, cols, dense,
+                   library="torchao_fp8")
+
+
+def _library_linear(pre: _Packed, run, x: torch.Tensor, bias, out_scale) -> torch.Tensor:
+    """A library-quantized Linear computed as its library computes it
+    (_library_quantized), `run(x)` being the streamed product x @ W^T with the
+    slot's dequantized W (no bias); `bias` / `out_scale` on the compute device."""
+    if pre.library == "torchao_fp8":
+        y = run(x)
+    else:  # quanto and torchao int8 multiply the rows of the input as one matrix
+        flat = x.reshape(-1, x.shape[-1])
+        if pre.library == "quanto":
+            flat = flat.to(pre.dense_dtype)  # quanto casts the input to its scales' dtype
+        y = run(flat)
+        if pre.library == "torchao_int8":
+            y = y * out_scale.to(y.dtype)
+        y = y.reshape(*x.shape[:-1], pre.rows)
+    return y if bias is None else y + bias

@@ -123,7 +123,7 @@ def test_prepacked_input_is_checked():
         e.add_linear_packed("b", "nf4", codes, absmax[:-1], None, 64, 128, torch.bfloat16)
     with pytest.raises(layerstream.LayerstreamError, match="NaN/Inf"):
         e.add_linear_packed("c", "nf4", codes, absmax * float("nan"), None, 64, 128, torch.bfloat16)
-    with pytest.raises(layerstream.LayerstreamError, match="int8, nf4 and GGUF formats, got int4"):
+    with pytest.raises(layerstream.LayerstreamError, match="int8, fp8, nf4 and GGUF formats, got int4"):
         e.add_linear_packed("d", "int4", codes, absmax, None, 64, 128, torch.bfloat16)
     with pytest.raises(layerstream.LayerstreamError, match="int8/uint8"):
         e.add_linear_packed("e", "nf4", codes.float(), absmax, None, 64, 128, torch.bfloat16)

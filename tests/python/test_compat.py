@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from layerstream import LayerstreamError
 from layerstream.compat import ConvLayerMemoryManager, LinearLayerMemoryManager, MemoryManager
 
 
@@ -50,17 +51,43 @@ def test_offload_percent_picks_largest_layers_deterministically():
 
 
 def test_extra_call_arguments_fall_back_to_original_forward():
+    """A streamed layer called with extra arguments runs the module's own forward
+    (nn.Linear's refuses them, as the resident layer does). A subclass whose forward
+    takes them (and may compute more) is not streamed at all: it stays resident, and
+    attaching it alone is refused rather than dropping its forward."""
     class Custom(nn.Linear):
         def forward(self, x, scale=1.0):
             return super().forward(x) * scale
 
-    m = Custom(4, 4)
+    m = nn.Linear(4, 4)
     mgr = MemoryManager(m, "cpu")
     LinearLayerMemoryManager.attach(m, mgr)
     x = torch.randn(2, 4)
-    plain = nn.functional.linear(x, m.weight, m.bias)
-    assert torch.allclose(m(x), plain)
-    assert torch.allclose(m(x, scale=3.0), 3.0 * plain)
+    with pytest.raises(TypeError):
+        m(x, 3.0)
+    model = nn.Sequential(Custom(4, 4))
+    with pytest.warns(RuntimeWarning, match="own forward"):
+        MemoryManager.attach(model, "cpu")
+    plain = nn.functional.linear(x, model[0].weight, model[0].bias)
+    assert not hasattr(model[0], "_layer_memory_manager")
+    assert torch.equal(model[0](x, scale=3.0), 3.0 * plain)
+    with pytest.raises(LayerstreamError, match="own forward"):
+        LinearLayerMemoryManager.attach(Custom(4, 4), mgr)
+
+
+def test_detach_hands_back_layers_attached_one_by_one():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(1, 1, 3))
+    ref = copy.deepcopy(m)
+    mgr = MemoryManager(m, "cpu")
+    LinearLayerMemoryManager.attach(m[0], mgr)
+    ConvLayerMemoryManager.attach(m[1], mgr)
+    MemoryManager.detach(m)
+    assert mgr.engine is None
+    for layer, r in zip(m, ref):
+        assert not {"forward", "_layer_memory_manager", "_apply"} & set(layer.__dict__)
+        assert all(torch.equal(p, q) for p, q in zip(layer.parameters(), r.parameters()))
+    x = torch.randn(2, 1, 4)
+    assert torch.equal(m(x), ref(x))
 
 
 def test_second_attach_is_a_no_op():
