@@ -14,6 +14,7 @@
 #include "commands.h"
 #include "core/error.h"
 #include "core/gguf.h"
+#include "core/host_memory.h"
 #include "core/json.h"
 #include "core/options.h"
 #include "core/planner.h"
@@ -222,6 +223,16 @@ int cmd_plan(int argc, char** argv) {
   in.training = opt.training;
   Plan plan = plan_placement(in);
 
+  // Pinned host memory cannot be swapped out: a plan that needs more than this
+  // machine has available will not run here (core/host_memory.h).
+  const HostMemory host = host_memory();
+  if (host.available_bytes > 0 && plan.host_pinned_bytes > host.available_bytes)
+    std::fprintf(stderr,
+                 "layerstream plan: warning: this plan needs %s of pinned host RAM, more than this machine "
+                 "has available (%s of %s): offload() would fail here; run it on a machine with more RAM, "
+                 "quantize (--quantize nf4), or raise the budget\n",
+                 format_bytes(plan.host_pinned_bytes).c_str(), format_bytes(host.available_bytes).c_str(),
+                 format_bytes(host.total_bytes).c_str());
   if (as_json) {
     std::string o = "{\"source\": {\"kind\": ";
     o += gguf ? "\"gguf\"" : have_checkpoint ? "\"checkpoint\"" : "\"model\"";
