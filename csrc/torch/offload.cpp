@@ -365,9 +365,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   EngineOptions engine_options = options;
   std::set<std::string> resident;
   if (options.budget_bytes >= 0) {
-    const std::optional<quant::OutDtype> dequant = options.dequant_dtype.empty() && options.compute_dtype.empty()
-        ? std::nullopt : options::check_dtypes(options.dequant_dtype, options.compute_dtype).dequant;
-    const auto compute = options::check_dtypes(options.dequant_dtype, options.compute_dtype).compute;
+    const options::Dtypes dtypes = options::check_dtypes(options.dequant_dtype, options.compute_dtype);
+    const std::optional<quant::OutDtype> dequant = dtypes.dequant, compute = dtypes.compute;
     const auto out_bytes = [](quant::OutDtype d) { return static_cast<uint64_t>(quant::out_dtype_bytes(d)); };
     const auto cast_to_compute = [&](const torch::Tensor& t) {
       return compute && t.element_size() != static_cast<int64_t>(out_bytes(*compute)) ? t.numel() * out_bytes(*compute)

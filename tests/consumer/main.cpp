@@ -1,6 +1,6 @@
 // An installed layerstream's C++ API from outside the repository: a small MLP
 // trained one step resident and one step streamed on the sim device (budget
-// smaller than its weights); the losses and gradients must be equal.
+// smaller than its 3 x 257 KiB of weights); the gradients must be equal.
 #include <layerstream/offload.h>
 
 #include <cstdio>
@@ -8,16 +8,16 @@
 struct Net : torch::nn::Module {
   layerstream::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};  // drop-in torch::nn::Linear
   Net() {
-    fc1 = register_module("fc1", layerstream::nn::Linear(64, 256));
+    fc1 = register_module("fc1", layerstream::nn::Linear(256, 256));
     fc2 = register_module("fc2", layerstream::nn::Linear(256, 256));
-    fc3 = register_module("fc3", layerstream::nn::Linear(256, 8));
+    fc3 = register_module("fc3", layerstream::nn::Linear(256, 256));
   }
   torch::Tensor forward(const torch::Tensor& x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
 };
 
 int main() {
   torch::manual_seed(0);
-  auto x = torch::randn({4, 64});
+  auto x = torch::randn({4, 256});
   auto resident = std::make_shared<Net>();
   auto streamed = std::make_shared<Net>();
   {
@@ -30,7 +30,7 @@ int main() {
 
   layerstream::OffloadOptions opts;
   opts.device = "sim";
-  opts.budget_bytes = 520 << 10;  // 2 slots of fc2 (257 KiB): the layers stream
+  opts.budget_bytes = 520 << 10;  // 2 slots of 257 KiB, not the 771 KiB of weights: they stream
   auto handle = layerstream::offload(*streamed, opts);
   streamed->forward(x).square().sum().backward();
   const auto stats = handle->stats();
