@@ -13,7 +13,7 @@
    its link time (bytes copied / --gbps); the disk floor is a cold read of the same
    file with the reader, between steps. Goal: step <= 1.15x max(floors).
 
-    .venv/bin/python bench/bench_disk.py [--mb 512] [--layers 16] [--width 2048] [--gbps 25]
+    .venv/bin/python bench/bench_disk.py [--mb 512] [--layers 16] [--width 2048] [--gbps 25] [--device sim|cuda]
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--gbps", type=float, default=25.0, help="sim link GB/s")
+    ap.add_argument("--device", default="sim", help="sim (default) or cuda: the step's device")
     ap.add_argument("--dir", default=None, help="where to write the files (default: a temp dir)")
     args = ap.parse_args()
 
@@ -97,7 +98,8 @@ def main():
     with open(model_path, "rb+") as f:
         os.fsync(f.fileno())
     weights = sum(p.numel() * p.element_size() for p in ref.parameters())
-    x = torch.randn(4, w)
+    dev = torch.device("cpu") if args.device == "sim" else torch.device(args.device)
+    x = torch.randn(4, w, device=dev)
 
     def timed(step, before=None):
         ts = []
@@ -112,12 +114,18 @@ def main():
 
     model_bytes = os.path.getsize(model_path)
     whole = torch.empty(model_bytes, dtype=torch.uint8)
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     with torch.no_grad():
-        compute = timed(lambda: ref(x))
+        ref.to(dev)
+        compute = timed(lambda: (ref(x), sync()))
+        ref.to("cpu")
         with torch.device("meta"):
             model = nn.Sequential(*[nn.Linear(w, w, bias=False) for _ in range(args.layers)]).requires_grad_(False)
         layerstream.load_safetensors(model, model_path)
-        handle = layerstream.offload(model, device="sim", host_budget=weights // 4, sim_link_gbps=args.gbps,
+        handle = layerstream.offload(model, device=args.device, host_budget=weights // 4, sim_link_gbps=args.gbps,
                                      checker=False)
         model(x)  # the first step records the trace
         handle.synchronize()
@@ -136,9 +144,9 @@ def main():
     disk_bytes = (after["disk_read_bytes"] - before["disk_read_bytes"]) / args.steps
     h2d = (after["h2d_bytes"] - before["h2d_bytes"]) / args.steps
     disk_t = disk_file * disk_bytes / model_bytes
-    link_t = h2d / (args.gbps * 1e9)
+    link_t = h2d / (args.gbps * 1e9)  # on cuda: --gbps is the link's measured pinned rate
     floor = max(compute, disk_t, link_t)
-    print(f"\nsim step, {args.layers} x Linear({w}, {w}) fp32 = {weights / 2**20:.0f} MiB, host_budget = 1/4 "
+    print(f"\n{args.device} step, {args.layers} x Linear({w}, {w}) fp32 = {weights / 2**20:.0f} MiB, host_budget = 1/4 "
           f"({after['staging_entries']} staging entries), page cache dropped before each step; medians of "
           f"{args.steps}:")
     print(f"  compute (resident)    {compute * 1e3:8.1f} ms")

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <string>
 
-#include "torch/offload.h"
+#include "layerstream/offload.h"
 
 struct MLPImpl : torch::nn::Module {
   // layerstream::nn::Linear is a drop-in torch::nn::Linear that streams once offloaded.

@@ -3,7 +3,8 @@
 # and builds layerstream into build/. Idempotent: re-running only does what is
 # needed. Used by tools/test.sh and tools/demo.sh; safe to run by hand.
 #
-# Environment: LS_WERROR=1 builds with -Werror (CI does), LS_WITH_TORCH=OFF
+# Environment: LS_WERROR=1 builds with -Werror (CI does), LS_CUDA_ARCHS="80;90"
+# (GPU architectures, default 75 80 86 89 90 100 120), LS_WITH_TORCH=OFF
 # skips the LibTorch parts (fast core-only build), LS_BUILD_DIR
 # (default build), LS_JOBS (default: nproc), LS_TARGETS (build only these
 # CMake targets, e.g. "_C test_quant"; default: everything).
@@ -47,14 +48,10 @@ export PATH="$ROOT/.venv/bin:$PATH"
 
 # 3. Configure and build.
 TORCH_PREFIX=$("$VPY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-# A CUDA build of torch needs the CUDA toolkit (nvcc + cudart) and libnvrtc,
-# which the torch wheel's nvidia packages carry.
+# The CUDA settings a CUDA build of torch needs (toolkit, the wheel's libnvrtc,
+# architectures) are found by CMake itself: cmake/layerstream_torch.cmake.
 cuda_args=()
-if [ -x /usr/local/cuda/bin/nvcc ]; then
-  cuda_args+=(-DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
-fi
-nvrtc=$(ls "$ROOT"/.venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -1 || true)
-[ -n "$nvrtc" ] && cuda_args+=(-DCUDA_nvrtc_LIBRARY="$nvrtc")
+[ -n "${LS_CUDA_ARCHS:-}" ] && cuda_args+=(-DLS_CUDA_ARCHS="$LS_CUDA_ARCHS")
 werror=OFF
 [ "${LS_WERROR:-0}" = "1" ] && werror=ON
 if [ ! -f "$BUILD_DIR/build.ninja" ] || [ "$(cat "$BUILD_DIR/.ls_werror" 2>/dev/null)" != "$werror" ]; then

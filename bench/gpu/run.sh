@@ -332,6 +332,20 @@ timeout 150 "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTD
 mrc=$?
 [ $mrc = 0 ] || { log "bench_moe_decode.py exited with $mrc (see moe_decode.log)"; fail=1; }
 
+# ---- the disk tier: cold reads and a step streamed from disk ---------------
+# bench/bench_disk.py: the reader against a plain read() of the same file (page
+# cache dropped), and a step of Linear layers loaded with load_safetensors() and
+# streamed from disk under a host budget of a quarter of the weights.
+if [ "$DRY" = 1 ]; then
+  dargs=(--mb 64 --rounds 1 --layers 4 --width 512 --steps 2)
+else
+  dargs=(--device cuda --gbps 50 --mb 2048 --rounds 3 --layers 8 --width 8192 --steps 3)
+fi
+log "disk tier: bench_disk.py ${dargs[*]}"
+timeout 120 "$PY" bench/bench_disk.py "${dargs[@]}" >"$OUTDIR/disk.txt" 2>"$OUTDIR/disk.log"
+drc=$?
+[ $drc = 0 ] || { log "bench_disk.py exited with $drc (see disk.log)"; fail=1; }
+
 # ---- comparison ------------------------------------------------------------
 cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
           --build-detail "$build_detail" --tests-json "$TESTS_JSON")

@@ -2,9 +2,10 @@
 
 #include <algorithm>
 #include <fstream>
-#include <sstream>
+#include <iterator>
 
 #include "error.h"
+#include "host_memory.h"
 #include "planner.h"  // format_bytes
 
 namespace layerstream::host_tier {
@@ -55,27 +56,11 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
   return p;
 }
 
-namespace {
-// A /proc/meminfo field in bytes, or -1.
-int64_t meminfo(const std::string& key) {
-  std::ifstream f("/proc/meminfo");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.compare(0, key.size() + 1, key + ":") != 0) continue;
-    std::istringstream in(line.substr(key.size() + 1));
-    int64_t kb = -1;
-    in >> kb;
-    return kb < 0 ? -1 : kb * 1024;
-  }
-  return -1;
-}
-}  // namespace
-
 int64_t default_host_budget() {
-  const int64_t avail = meminfo("MemAvailable"), total = meminfo("MemTotal");
-  if (avail < 0 || total < 0) return kUnlimited;
-  const int64_t margin = std::max<int64_t>(total / 10, int64_t(2) << 30);
-  return std::max<int64_t>(avail - margin, 0);
+  const HostMemory m = host_memory();
+  if (m.total_bytes == 0) return kUnlimited;
+  const int64_t margin = std::max<int64_t>(static_cast<int64_t>(m.total_bytes / 10), int64_t(2) << 30);
+  return std::max<int64_t>(static_cast<int64_t>(m.available_bytes) - margin, 0);
 }
 
 int64_t default_pinned_budget() {
@@ -83,8 +68,8 @@ int64_t default_pinned_budget() {
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
   if (text.find("microsoft") == std::string::npos) return kUnlimited;
-  const int64_t total = meminfo("MemTotal");
-  return total < 0 ? kUnlimited : total / 10 * 4;
+  const uint64_t total = host_memory().total_bytes;
+  return total == 0 ? kUnlimited : static_cast<int64_t>(total / 10 * 4);
 }
 
 }  // namespace layerstream::host_tier

@@ -78,7 +78,7 @@ int check_prefetch(int64_t prefetch) {
 
 int check_slots(int64_t slots, bool zero_is_auto) {
   LS_CHECK((zero_is_auto && slots == 0) || (slots >= 2 && slots <= kMaxSlots), "slots must be in [2, ", kMaxSlots,
-           "] (or unset: prefetch + 2, capped by the budget), got ", slots);
+           "] (or unset: prefetch + 1, at least 2, capped by the budget), got ", slots);
   return static_cast<int>(slots);
 }
 

@@ -12,7 +12,7 @@
 
 #include <optional>
 
-#include "core/quant.h"
+#include "quant.h"
 
 namespace layerstream::options {
 
@@ -21,7 +21,7 @@ namespace layerstream::options {
 // as long as the copy is shorter than a layer's compute.
 constexpr int64_t kMaxPrefetch = 64;
 // Most device slots (a slot holds one layer's weights).
-constexpr int64_t kMaxSlots = kMaxPrefetch + 2;
+constexpr int64_t kMaxSlots = kMaxPrefetch + 2;  // (prefetch + 1, and one spare for slots=)
 
 // A device budget: a byte count, or a share of the device's free memory
 // ("auto" is kAutoFraction of it).
@@ -48,6 +48,9 @@ uint64_t budget_bytes(const Budget& budget, uint64_t free_bytes);
 // uses None and passes zero_is_auto = false).
 int check_prefetch(int64_t prefetch);
 int check_slots(int64_t slots, bool zero_is_auto = true);
+// Slots when `slots` is unset: one in use and `prefetch` in flight (at least
+// 2), capped by the budget; the planner reserves as many (plan_slots_first).
+constexpr int default_slots(int prefetch) { return prefetch + 1 > 2 ? prefetch + 1 : 2; }
 // The simulated link: bandwidth in GB/s (10^9 bytes/s), finite and >= 0 (0:
 // no link model, copies take no modelled time); latency in microseconds,
 // finite and >= 0. `what` names the option in the message.

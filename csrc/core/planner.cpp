@@ -37,8 +37,11 @@ struct Candidate {
 };
 
 std::string Plan::bound() const {
-  if (!has_time) return "unknown";
-  if (num_streamed == 0 || step_time_s <= compute_time_s * (1.0 + 1e-9) + 1e-12) return "compute";
+  if (!has_time || (num_streamed > 0 && device_flops_per_s <= 0)) return "unknown";
+  // What takes longer per step: the compute or the copies. A step can stall on
+  // a few copies (the first layers, a large one) and still be compute-bound:
+  // explain() shows those stalls on their own.
+  if (num_streamed == 0 || transfer_time_s <= compute_time_s) return "compute";
   return "transfer";
 }
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "core/error.h"
+#include "error.h"
 
 #include "safetensors.h"
 
@@ -109,7 +109,10 @@ struct Plan {
   double first_step_time_s = 0.0;  // the first step, starting with empty slots
   double compute_time_s = 0.0;  // sum of compute times
   double transfer_time_s = 0.0; // sum of host->device transfer times
-  std::string bound() const;    // "compute", "transfer" or "unknown"
+  // "compute" (compute_time_s >= transfer_time_s), "transfer", or "unknown"
+  // (no link bandwidth, or layers stream and the device's FLOP/s are unknown).
+  std::string bound() const;
+  double stall_s() const { return step_time_s > compute_time_s ? step_time_s - compute_time_s : 0.0; }
 
   std::string explain() const;  // human-readable table + summary
   std::string to_json() const;  // one JSON object (schema in docs/design/planner.md)

@@ -124,7 +124,8 @@ std::string Plan::explain() const {
     std::snprintf(buf, sizeof buf, "%5zu  %-*s  %-8s  %12s  %10s  %10s  %10s\n", l.index, static_cast<int>(w),
                   name.c_str(), l.lookup ? "lookup" : l.resident ? "resident" : l.routed_bytes ? "routed" : "streamed",
                   format_bytes(l.resident ? l.resident_bytes : l.bytes).c_str(), ratio.c_str(),
-                  format_seconds(l.compute_s).c_str(), l.resident ? "-" : format_seconds(l.transfer_s).c_str());
+                  device_flops_per_s > 0 ? format_seconds(l.compute_s).c_str() : "-",
+                  l.resident || !has_time ? "-" : format_seconds(l.transfer_s).c_str());
     out += buf;
   }
   out += "\n";
@@ -150,13 +151,20 @@ std::string Plan::explain() const {
                                                                : " streams the host copy of " + other +
                                                                      " (counted once)") + "\n";
   }
-  if (has_time) {
+  if (has_time && device_flops_per_s <= 0) {
+    std::snprintf(buf, sizeof buf,
+                  "predicted copy time:      %s per step over the %g GB/s link (%s per step%s); compute not "
+                  "modelled (no device FLOP/s)\n",
+                  format_seconds(transfer_time_s).c_str(), link_bytes_per_s / 1e9,
+                  format_bytes(bus_bytes_per_step).c_str(), training ? ", training" : "");
+  } else if (has_time) {
     std::snprintf(buf, sizeof buf,
                   "predicted step time:      %s steady state (first step %s); compute %s, transfer %s "
-                  "(%s per step over the link) -> %s-bound%s\n",
+                  "(%s per step over the link), stalls %s -> %s-bound%s\n",
                   format_seconds(step_time_s).c_str(), format_seconds(first_step_time_s).c_str(),
                   format_seconds(compute_time_s).c_str(), format_seconds(transfer_time_s).c_str(),
-                  format_bytes(bus_bytes_per_step).c_str(), bound().c_str(), training ? " (training)" : "");
+                  format_bytes(bus_bytes_per_step).c_str(), format_seconds(stall_s()).c_str(), bound().c_str(),
+                  training ? " (training)" : "");
   } else {
     std::snprintf(buf, sizeof buf, "predicted step time:      unknown (no link bandwidth given)\n");
   }

@@ -47,7 +47,7 @@
 #include <cstdint>
 #include <string>
 
-#include "core/slot_layout.h"
+#include "slot_layout.h"
 
 namespace layerstream {
 namespace quant {

@@ -644,6 +644,7 @@ std::vector<int> Scheduler::trace() const {
 SchedulerStats Scheduler::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   SchedulerStats s = stats_;
+  if (acquires_in_step_ > 0) s.steps++;  // the step under way (a step ends when the next begins)
   s.recording = recording_;
   if (stager_) s.staging = stager_->stats();
   return s;

@@ -156,7 +156,7 @@ struct StepStats {
 };
 
 struct SchedulerStats {
-  uint64_t steps = 0;              // completed step boundaries
+  uint64_t steps = 0;              // steps that acquired a slot, the one under way included
   uint64_t acquires = 0;
   uint64_t hits = 0;               // prefetched / in flight / cached when acquired
   uint64_t misses = 0;             // fetched on demand

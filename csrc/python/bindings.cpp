@@ -9,11 +9,12 @@
 #include "core/log.h"
 #include "core/offload_policy.h"
 #include "core/options.h"
+#include "core/host_memory.h"
 #include "core/planner.h"
 #include "core/slot_layout.h"
 #include "backends/sim/sim_backend.h"
-#include "torch/engine.h"
-#include "torch/host_optim.h"
+#include "layerstream/engine.h"
+#include "layerstream/host_optim.h"
 
 namespace py = pybind11;
 using layerstream::ConvSpec;
@@ -65,7 +66,7 @@ options::Budget budget_of(py::handle v) {
 
 
 
-// The host optimizers (torch/host_optim.h) for python/layerstream/optim.py. Lists
+// The host optimizers (layerstream/host_optim.h) for python/layerstream/optim.py. Lists
 // are parallel, one entry per parameter; None stands for an absent tensor.
 void bind_optim(py::module& m) {
   namespace o = layerstream::optim;
@@ -175,7 +176,7 @@ void bind_optim(py::module& m) {
     auto dt = [](const std::string& s) { return s == "bfloat16" ? o::Dtype::BF16 : o::Dtype::F32; };
     return o::adamw_bytes_per_element(dt(param), dt(grad), o::parse_state_format(fmt));
   });
-  // One AdamW step overlapped with a backward (torch/host_optim.h, AdamWOverlap).
+  // One AdamW step overlapped with a backward (layerstream/host_optim.h, AdamWOverlap).
   // groups: (lr, beta1, beta2, eps, weight_decay, state precision, seed);
   // params: (param, exp_avg, exp_avg_sq, absmax or None, absmax or None, step, key, group).
   using GroupT = std::tuple<double, double, double, double, double, std::string, uint64_t>;
@@ -501,13 +502,24 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "plan_slots_first",
       [planner_input, plan_dict](uint64_t budget, const PlannedLayers& layers, uint64_t fixed, int prefetch,
-                                 int slots) {
-        return plan_dict(layerstream::plan_slots_first(planner_input(budget, layers, fixed), prefetch, slots));
+                                 int slots, double link_bytes_per_s, bool training) {
+        layerstream::PlannerInput in = planner_input(budget, layers, fixed);
+        in.link_bytes_per_s = link_bytes_per_s;  // the copy times (0: unknown)
+        in.training = training;
+        return plan_dict(layerstream::plan_slots_first(in, prefetch, slots));
       },
       py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"), py::arg("prefetch"),
-      py::arg("slots") = 0);
+      py::arg("slots") = 0, py::arg("link_bytes_per_s") = 0.0, py::arg("training") = false);
+  // This machine's memory (core/host_memory.h): {total_bytes, available_bytes}, 0 = unknown.
+  m.def("host_memory", [] {
+    const layerstream::HostMemory h = layerstream::host_memory();
+    py::dict d;
+    d["total_bytes"] = h.total_bytes;
+    d["available_bytes"] = h.available_bytes;
+    return d;
+  });
 
-  // The engine's options (torch/engine.h EngineOptions), checked when an
+  // The engine's options (layerstream/engine.h EngineOptions), checked when an
   // Engine is made.
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init<>())

@@ -242,7 +242,7 @@ void EngineImpl::build_scheduler_locked() {
       return v;
     };
   }
-  int slots = opts_.slots > 0 ? opts_.slots : opts_.prefetch + 2;
+  int slots = opts_.slots > 0 ? opts_.slots : options::default_slots(opts_.prefetch);
   if (opts_.budget_bytes >= 0) {
     const size_t budget = static_cast<size_t>(opts_.budget_bytes);
     LS_CHECK(budget >= 2 * slot_bytes, "budget of ", budget, " bytes is smaller than what the "

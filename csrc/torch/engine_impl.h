@@ -18,7 +18,7 @@
 // (the caller holds it).
 #pragma once
 
-#include "engine.h"
+#include "layerstream/engine.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 

@@ -1,5 +1,5 @@
 // Host optimizers over torch tensors: see host_optim.h and docs/design/optim.md.
-#include "host_optim.h"
+#include "layerstream/host_optim.h"
 
 #include <cmath>
 #include <set>

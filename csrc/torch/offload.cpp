@@ -1,4 +1,4 @@
-#include "offload.h"
+#include "layerstream/offload.h"
 
 #include <fnmatch.h>
 
@@ -7,6 +7,9 @@
 #include <set>
 
 #include "core/offload_policy.h"
+#include "core/options.h"
+#include "core/planner.h"
+#include "core/slot_layout.h"
 
 namespace layerstream {
 
@@ -255,9 +258,6 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   const quant::Format qformat =
       options.quantize.empty() || options.quantize == "none" ? quant::Format::None
                                                              : quant::parse_format(options.quantize);
-  auto engine = Engine::create(options);
-  handle->engine_ = engine;
-  const torch::Device dev = engine->compute_device();
   std::set<torch::TensorImpl*> streamed;
 
   auto selected = [&](const std::string& name) {
@@ -356,6 +356,80 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   }
   const std::vector<std::string>& tied = ties.resident;
   items = std::move(kept);
+  LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or Embedding module to stream");
+
+  // With a budget, the planner's rule, as Python's offload(): slots first,
+  // residency with what is left (core/planner.h plan_slots_first); the budget
+  // covers every weight on the device. Layers it keeps resident are not
+  // attached; the engine's slots get what is left.
+  EngineOptions engine_options = options;
+  std::set<std::string> resident;
+  if (options.budget_bytes >= 0) {
+    const options::Dtypes dtypes = options::check_dtypes(options.dequant_dtype, options.compute_dtype);
+    const std::optional<quant::OutDtype> dequant = dtypes.dequant, compute = dtypes.compute;
+    const auto out_bytes = [](quant::OutDtype d) { return static_cast<uint64_t>(quant::out_dtype_bytes(d)); };
+    const auto cast_to_compute = [&](const torch::Tensor& t) {
+      return compute && t.element_size() != static_cast<int64_t>(out_bytes(*compute)) ? t.numel() * out_bytes(*compute)
+                                                                                     : uint64_t{0};
+    };
+    PlannerInput in;
+    in.budget_bytes = static_cast<uint64_t>(options.budget_bytes);
+    std::set<torch::nn::Module*> planned;
+    for (const auto& it : items) {
+      if (dynamic_cast<nn::EmbeddingImpl*>(it.module.get())) continue;  // looked up in host memory
+      planned.insert(it.module.get());
+      const auto params = it.module->named_parameters(/*recurse=*/false);
+      const torch::Tensor& w = params["weight"];
+      const torch::Tensor* b = params.find("bias");
+      const bool has_bias = b && b->defined();
+      const quant::Format fmt = it.shared ? quant::Format::None : qformat;
+      const int64_t rows = w.size(0), cols = w.numel() / std::max<int64_t>(rows, 1);
+      const uint64_t dense = static_cast<uint64_t>(w.numel() * w.element_size());
+      std::vector<slot_layout::Part> parts;
+      if (fmt != quant::Format::None)  // packed on the bus; dequantized after it in the slot
+        parts.push_back({quant::layout_for(fmt, rows, cols).total_bytes(),
+                         dequant ? w.numel() * out_bytes(*dequant) : dense});
+      else
+        parts.push_back({dense, cast_to_compute(w)});
+      if (has_bias) parts.push_back({static_cast<uint64_t>(b->numel() * b->element_size()), cast_to_compute(*b)});
+      const auto layout = slot_layout::of(parts);
+      PlannerLayer l;
+      l.name = it.name;
+      l.bytes = layout.bus_bytes;
+      l.slot_bytes = layout.slot_bytes();
+      l.resident_bytes = dense + (has_bias ? static_cast<uint64_t>(b->numel() * b->element_size()) : 0);
+      l.trainable = w.requires_grad();
+      in.layers.push_back(l);
+    }
+    std::set<torch::TensorImpl*> counted;  // a tensor shared by two modules is on the device once
+    for (const auto& named : root.named_modules("", /*include_self=*/true)) {
+      if (planned.count(named.value().get()) || collected.count(named.value().get())) continue;
+      for (const auto& t : named.value()->parameters(/*recurse=*/false))
+        if (t.defined() && counted.insert(t.unsafeGetTensorImpl()).second) in.fixed_resident_bytes += t.nbytes();
+      for (const auto& t : named.value()->buffers(/*recurse=*/false))
+        if (t.defined() && counted.insert(t.unsafeGetTensorImpl()).second) in.fixed_resident_bytes += t.nbytes();
+    }
+    const Plan plan = plan_slots_first(in, options.prefetch, options.slots);
+    for (const auto& l : plan.layers)
+      if (l.resident) resident.insert(l.name);
+    // Tied weights: a layer kept resident keeps the tensor on the device, so
+    // the layers that share it stay resident too.
+    for (const auto& group : ties.groups)
+      for (const auto& n : group)
+        if (resident.count(n)) { resident.insert(group.begin(), group.end()); break; }
+    engine_options.budget_bytes = static_cast<int64_t>(
+        std::max<uint64_t>(0, plan.budget_bytes - std::min(plan.budget_bytes, plan.resident_bytes + plan.fixed_resident_bytes)));
+    handle->plan_ = plan.explain();
+    std::vector<Item> streaming;
+    for (auto& it : items) {
+      if (resident.count(it.name)) handle->resident_.push_back(it.name);
+      else streaming.push_back(std::move(it));
+    }
+    items = std::move(streaming);
+  }
+  auto engine = Engine::create(engine_options);
+  handle->engine_ = engine;
+  const torch::Device dev = engine->compute_device();
   if (!tied.empty()) {
     std::string list;
     for (const auto& t : tied) list += (list.empty() ? "" : "; ") + t;
@@ -369,7 +443,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
     TORCH_WARN("layerstream: quantize=", options.quantize, " does not apply to ", unquantized.size(),
                " layer(s) with tied weights (a shared weight streams unquantized): ", list);
   }
-  LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or Embedding module to stream");
+
 
   // A failure part way (a trainable layer to quantize, host or device
   // memory) undoes the layers attached so far, as detach() does, before it

@@ -22,17 +22,21 @@ docs/design/README.md):
 """
 from __future__ import annotations
 
-from . import _C, optim
-from ._file_weight import FileWeight
-from ._gguf import GgufLoad, GgufWeight, load_gguf
-from ._guards import _StreamedApply  # noqa: F401 - read by tests that inject failures
-from ._handle import Handle
-from ._loading import LoadReport
-from ._offload import SIM_DEVICE_MEMORY, offload, parse_bytes
-from ._safetensors import load_safetensors
+from ._torch_check import check_torch as _check_torch
+
+_check_torch()  # before _C loads: an extension built for another torch fails obscurely
+
+from . import _C, optim  # noqa: E402
+from ._file_weight import FileWeight  # noqa: E402
+from ._gguf import GgufLoad, GgufWeight, load_gguf  # noqa: E402
+from ._guards import _StreamedApply  # noqa: F401,E402 - read by tests that inject failures
+from ._handle import Handle  # noqa: E402
+from ._loading import LoadReport  # noqa: E402
+from ._offload import SIM_DEVICE_MEMORY, offload, parse_bytes  # noqa: E402
+from ._safetensors import load_safetensors  # noqa: E402
 
 __all__ = ["offload", "Handle", "LayerstreamError", "parse_bytes", "load_gguf", "GgufLoad", "GgufWeight",
            "load_safetensors", "LoadReport", "FileWeight", "SIM_DEVICE_MEMORY", "optim", "__version__"]
-__version__ = "0.1.0"
+from ._build_info import VERSION as __version__  # noqa: E402 (CMake's project version)
 
 LayerstreamError = _C.LayerstreamError

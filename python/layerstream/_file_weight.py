@@ -27,24 +27,11 @@ class FileWeight(_standin.StandIn):
         self.file_range, self.file_name = file_range, name
         return self
 
+    _CARRIED = ("file_range", "file_name")
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self = args[0] if args and isinstance(args[0], FileWeight) else None
-        name = getattr(func, "__name__", "")
-        if self is not None and name == "copy_":
-            raise LayerstreamError(self._refusal("writing into it"))
-        if name not in ("detach", "alias", "requires_grad_"):
-            return cls._common(func, types, args, kwargs)  # _standin.StandIn's rules
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if self is not None and name in ("detach", "alias") and isinstance(out, torch.Tensor):
-            # state_dict() holds detached aliases: they keep the type, so that saving them
-            # raises instead of writing a value-less tensor.
-            alias = torch.Tensor._make_subclass(cls, out, False)
-            alias.file_range, alias.file_name = self.file_range, self.file_name
-            return alias
-        return out
+        return cls._read_only(func, types, args, kwargs)  # _standin.StandIn's rules
 
     def _refusal(self, what: str) -> str:
         r = self.file_range

@@ -24,24 +24,11 @@ class GgufWeight(_standin.StandIn):
         self.gguf_format, self.gguf_bytes, self.gguf_name = fmt, data, name
         return self
 
+    _CARRIED = ("gguf_format", "gguf_bytes", "gguf_name")
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self = args[0] if args and isinstance(args[0], GgufWeight) else None
-        name = getattr(func, "__name__", "")
-        if self is not None and name == "copy_":
-            raise LayerstreamError(self._refusal("writing into it"))
-        if name not in ("detach", "alias", "requires_grad_"):
-            return cls._common(func, types, args, kwargs)  # _standin.StandIn's rules
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if self is not None and name in ("detach", "alias") and isinstance(out, torch.Tensor):
-            # state_dict() holds detached aliases: they keep the type, so that saving them
-            # raises instead of writing a value-less tensor.
-            alias = torch.Tensor._make_subclass(cls, out, False)
-            alias.gguf_format, alias.gguf_bytes, alias.gguf_name = self.gguf_format, self.gguf_bytes, self.gguf_name
-            return alias
-        return out
+        return cls._read_only(func, types, args, kwargs)  # _standin.StandIn's rules
 
     def _refusal(self, what: str) -> str:
         return (f"the weight of '{self.gguf_name}' is GGUF {self.gguf_format} bytes that load_gguf() kept "

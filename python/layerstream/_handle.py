@@ -50,6 +50,9 @@ class Handle(_RefusesCopy):
         # (module, value) of the nn.TransformerEncoderLayer whose fused inference path
         # offload() turned off (_no_fused_encoder_path), to restore in detach().
         self._fused_off = []
+        # core/host_tier.h's plan (store, disk and staging bytes, budgets) when offload()
+        # had a host or pinned budget, or weights still in their file; else None.
+        self.host_plan: Optional[dict] = None
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -73,7 +76,28 @@ class Handle(_RefusesCopy):
 
     @property
     def plan(self) -> Optional[str]:
-        """The planner's placement (printable), when offload() had a budget."""
+        """The planner's placement (printable), when offload() had a budget, and the
+        host RAM and disk (host_plan), when it had a host budget."""
+        device = self._device_plan()
+        host = self._host_text()
+        if device is None and not host:
+            return None
+        return (device or "") + host
+
+    def _host_text(self) -> str:
+        h = self.host_plan
+        if not h:
+            return ""
+        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        budget = "unbounded" if h["host_budget"] < 0 else mib(h["host_budget"])
+        pinned = "unlimited" if h["pinned_budget"] < 0 else mib(h["pinned_budget"])
+        disk = sum(1 for d in h["on_disk"] if d)
+        return (f"host RAM (budget {budget}, pinned {pinned}): {mib(h['store_bytes'])} in the store"
+                f" ({mib(h['pageable_store_bytes'])} pageable), {mib(h['staging_bytes'])} of staging entries"
+                f" ({'pinned' if h['staging_pinned'] else 'pageable'}); disk: {disk} layer(s), "
+                f"{mib(h['disk_bytes'])} read from their files on every use\n")
+
+    def _device_plan(self) -> Optional[str]:
         engine = self._check()
         if self._plan is None:
             return None

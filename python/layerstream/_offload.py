@@ -106,7 +106,7 @@ def offload(
         prefetch + 1 slots gets fewer (at least 2) and a prefetch depth of
         slots - 1.
     prefetch: layers kept in flight ahead of use, 0 to 64; slots: device
-        slots, 2 to 66 (default prefetch + 2, capped by the budget). The rules
+        slots, 2 to 66 (default prefetch + 1, at least 2, capped by the budget). The rules
         for these and the sim link options are the C++ ones
         (csrc/core/options.h): bad values raise ValueError before anything
         changes. offload() inside torch.inference_mode() is refused (the
@@ -191,6 +191,8 @@ def offload(
         dequant_dtype, compute_dtype)
     _check_quantize(quantize)
     resolved = _C.resolve_device(opts.device)
+    if device is None and resolved == "sim":
+        _warn_sim_fallback()
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
     if budget is not None:
@@ -224,6 +226,24 @@ def offload(
     # 4. Attach them to one engine (undone on failure); the rest moves to the device.
     return _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names, plan,
                    grouped, compute_device, experts == "routed", on_disk)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_sim_fallback() -> None:
+    """offload() without device= found no usable CUDA GPU: says why, once per process
+    (a broken driver would otherwise give a slow CPU simulation without a word)."""
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) is a CPU-only build"
+    else:
+        try:
+            torch.cuda.init()
+            why = ("torch sees a GPU, but this layerstream build has no CUDA support (built without the "
+                   "CUDA toolkit)")
+        except Exception as e:  # torch's own reason: no driver, no visible device, driver too old, ...
+            why = f"torch.cuda is not available: {e}"
+    warnings.warn(f"layerstream: offload() without device= runs on the simulated device (weights stream "
+                  f"through a modelled link on the CPU), because {why}. Pass device='sim' to choose it "
+                  f"(and silence this), or fix CUDA and pass device='cuda'.", RuntimeWarning, stacklevel=3)
 
 
 def _engine_options(device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory,
@@ -448,8 +468,10 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                     any(o._parameters[key].requires_grad for o, key, _ in _group_slots(t.module))
                     if t.kind == "group" else bool(t.module.weight.requires_grad))
                    for t in layers]
+        # The copy times: the sim device models its link; a GPU's is not known here.
+        link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
         plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
-                                   slots=int(slots) if slots is not None else 0)
+                                   slots=int(slots) if slots is not None else 0, link_bytes_per_s=link)
         resident_names = set(plan["resident"])
         # Tied weights: a layer kept resident keeps its tensor on the device, so the
         # layers that share it stay resident too (it is on the device once, counted once).
@@ -550,8 +572,7 @@ def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, residen
                         if p.device.type == "cpu" and not p.is_meta)
     else:
         host = parse_bytes(host_budget)
-    pinned = -1 if pinned_budget is None and not _C.default_pinned_budget() >= 0 else (
-        _C.default_pinned_budget() if pinned_budget is None else parse_bytes(pinned_budget))
+    pinned = _C.default_pinned_budget() if pinned_budget is None else parse_bytes(pinned_budget)
     if host < 0 and pinned < 0:
         return _HostTier(set(), None)
 

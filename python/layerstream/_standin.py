@@ -97,5 +97,30 @@ class StandIn(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    # Attributes a detached alias keeps (read-only stand-ins: GgufWeight, FileWeight).
+    _CARRIED: tuple = ()
+
+    @classmethod
+    def _read_only(cls, func, types, args, kwargs):
+        """The rules of a stand-in whose bytes nothing writes (a file's): ``copy_`` into
+        it is refused; ``detach`` / ``alias`` keep the type and its ``_CARRIED``
+        attributes (state_dict() holds detached aliases: saving them then raises
+        instead of writing a value-less tensor); the rest as ``_common``."""
+        kwargs = kwargs or {}
+        self = args[0] if args and isinstance(args[0], cls) else None
+        name = getattr(func, "__name__", "")
+        if self is not None and name == "copy_":
+            raise _C.LayerstreamError(self._refusal("writing into it"))
+        if name not in ("detach", "alias", "requires_grad_"):
+            return cls._common(func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if self is not None and name in ("detach", "alias") and isinstance(out, torch.Tensor):
+            alias = torch.Tensor._make_subclass(cls, out, False)
+            for attr in cls._CARRIED:
+                setattr(alias, attr, getattr(self, attr))
+            return alias
+        return out
+
     def __reduce_ex__(self, protocol):
         raise _C.LayerstreamError(self._refusal("saving (pickling) it"))

@@ -11,7 +11,7 @@ steps), ``state_dict()`` / ``load_state_dict()`` (also across processes) and
 
 The step over parameters in host memory (streamed weights of an offloaded
 model, or any CPU tensor) runs in the C++ kernels of ``csrc/core/optim/``
-(vectorized, on a pool of host threads; ``csrc/torch/host_optim.h`` is the glue).
+(vectorized, on a pool of host threads; ``csrc/layerstream/host_optim.h`` is the glue).
 Parameters on another device (resident on a GPU) are stepped there with
 torch's own AdamW arithmetic (fp32 states). Design and numbers:
 docs/design/optim.md.

@@ -152,6 +152,8 @@ TEST(Planner, TimeModel) {
   EXPECT_NEAR(p.step_time_s, 0.1, 1e-6);  // transfers hide behind compute
   EXPECT_EQ(p.bound(), "compute");
 
+  EXPECT_NEAR(p.stall_s(), 0.0, 1e-6);
+
   for (auto& l : in.layers) l.flops = 1e8;  // compute 0.1 ms, transfer 1 ms
   p = plan_placement(in);
   EXPECT_NEAR(p.step_time_s, 0.01, 1e-4);  // link-bound: one transfer after another

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/quant.h"
-#include "torch/offload.h"
+#include "layerstream/offload.h"
 
 namespace {
 
@@ -681,4 +681,65 @@ TEST(TorchOffload, QuantizedTensorGroupDequantizesIntoTheSlot) {
     EXPECT_NE(std::string(e.what()).find("a quantized tensor cannot be trained"), std::string::npos) << e.what();
   }
   engine->detach({});
+}
+
+// C++ offload() plans a budget as Python's does (plan_slots_first): a budget
+// that holds the whole model keeps every layer resident (nothing streams), and
+// a tighter one reserves prefetch + 1 slots, keeps what the rest holds
+// resident and streams the others.
+struct StackImpl : torch::nn::Module {
+  std::vector<layerstream::nn::Linear> layers;
+  StackImpl() {
+    for (int i = 0; i < 8; ++i)
+      layers.push_back(register_module("l" + std::to_string(i), layerstream::nn::Linear(64, 64)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::tanh(l(x));
+    return x;
+  }
+};
+TORCH_MODULE(Stack);
+
+TEST(TorchOffload, BudgetIsPlannedAsInPython) {
+  constexpr int64_t kLayer = 64 * 64 * 4 + 64 * 4;  // 16640 bytes resident
+  torch::manual_seed(3);
+  Stack ref;
+  const auto x = torch::randn({5, 64});
+  const auto expected = ref(x);
+  // 256 MiB holds everything: every layer resident, nothing crosses the bus.
+  Stack roomy;
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < ref->parameters().size(); ++i) roomy->parameters()[i].copy_(ref->parameters()[i]);
+  }
+  auto opts = sim_options();
+  opts.budget_bytes = 256 << 20;
+  auto h = layerstream::offload(*roomy, opts);
+  EXPECT_EQ(h->resident_layers().size(), 8u);
+  EXPECT_TRUE(h->layers().empty());
+  EXPECT_TRUE(torch::equal(roomy(x), expected));
+  EXPECT_EQ(h->stats().h2d_bytes, 0u);
+  EXPECT_NE(h->plan().find("resident"), std::string::npos) << h->plan();
+  h->detach();
+
+  // 6 layers' worth: prefetch 2 -> 3 slots reserved first, residency with the
+  // rest, the others stream.
+  Stack tight;
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < ref->parameters().size(); ++i) tight->parameters()[i].copy_(ref->parameters()[i]);
+  }
+  opts.budget_bytes = 6 * kLayer;
+  opts.prefetch = 2;
+  auto t = layerstream::offload(*tight, opts);
+  EXPECT_TRUE(torch::equal(tight(x), expected));
+  const auto s = t->stats();
+  EXPECT_EQ(s.slots, 3u);
+  const auto resident = static_cast<int64_t>(t->resident_layers().size());
+  EXPECT_GE(resident, 1);
+  EXPECT_GE(t->layers().size(), 1u);
+  EXPECT_EQ(t->layers().size() + t->resident_layers().size(), 8u);
+  EXPECT_GT(s.h2d_bytes, 0u);
+  EXPECT_LE(static_cast<int64_t>(s.slots * s.slot_bytes) + resident * kLayer, opts.budget_bytes);
+  t->detach();
 }

@@ -1,4 +1,4 @@
-// layerstream::optim::AdamW (torch/host_optim.h), the C++ optimizer, on a model
+// layerstream::optim::AdamW (layerstream/host_optim.h), the C++ optimizer, on a model
 // streamed by the C++ offload() (sim device), against clip_grad_norm_ and
 // AdamW written out with torch ops in torch.optim.AdamW's order (Python's
 // single-tensor path: lerp for the first moment).
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "core/error.h"
-#include "torch/offload.h"
-#include "torch/host_optim.h"
+#include "layerstream/offload.h"
+#include "layerstream/host_optim.h"
 
 namespace {
 

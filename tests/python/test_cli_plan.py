@@ -369,3 +369,25 @@ def test_gguf_file_plans_the_file_blocks(tmp_path):
     r = run("--checkpoint", path, "--budget", "6MiB")
     assert r.returncode == 0 and "8 weight(s) cross as the file's blocks, dequantized in the slot to BF16" in r.stdout
     assert_one_line_error(run("--checkpoint", tmp_path / "none.gguf", "--budget", "1GiB"), 1, "does not exist")
+
+
+def test_host_budget_shows_the_layers_from_disk_and_the_step_with_the_disk(st_file):
+    """--host-budget: streamed Linear weights that do not fit stay in the checkpoint
+    (core/host_tier.h, as offload(host_budget=) decides); the disk read per step
+    at --disk-gbps bounds the predicted step."""
+    all_ram = plan_json("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", "1GiB")
+    assert all_ram["host"]["disk_bytes"] == 0 and all_ram["host"]["from_disk"] == []
+    streamed = all_ram["plan"]["host_pinned_bytes"]
+    p = plan_json("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(streamed // 2),
+                  "--disk-gbps", "0.001")
+    h = p["host"]
+    assert h["from_disk"] and h["disk_bytes"] > 0
+    assert h["store_bytes"] + h["staging_bytes"] <= streamed // 2
+    assert h["disk_read_bytes_per_step"] > 0
+    assert h["step_time_s"] == pytest.approx(h["disk_read_bytes_per_step"] / 1e6, rel=1e-3)  # disk-bound
+    text = run("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(streamed // 2), "--disk-gbps",
+               "0.001")
+    assert text.returncode == 0 and "stay in the checkpoint" in text.stdout and "(disk-bound)" in text.stdout
+    # Training: every weight must be in RAM, so a small host budget is an error.
+    r = run("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(streamed // 2), "--train")
+    assert r.returncode == 1 and "cannot hold the streamed weights" in r.stderr

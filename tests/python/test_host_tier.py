@@ -125,6 +125,7 @@ def test_disk_tier_under_a_quarter_of_the_model_equals_the_resident_model(tmp_pa
     plan = handle.host_plan
     assert plan["disk_bytes"] == _layer_bytes(ref) and plan["store_bytes"] == ref.emb.weight.numel() * 4
     assert plan["staging_bytes"] <= budget
+    assert f"disk: {N + 1} layer(s)" in handle.plan and "host RAM (budget" in handle.plan
     ours, theirs = _lora(model), _lora(ref)
     for step in range(4):
         ids = _ids()

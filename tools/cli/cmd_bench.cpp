@@ -27,7 +27,7 @@
 #ifdef LS_HAVE_TORCH
 #include <torch/torch.h>
 
-#include "torch/offload.h"
+#include "layerstream/offload.h"
 #endif
 
 namespace {

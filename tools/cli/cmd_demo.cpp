@@ -30,8 +30,8 @@
 #include <random>
 #include <thread>
 
-#include "torch/offload.h"
-#include "torch/host_optim.h"
+#include "layerstream/offload.h"
+#include "layerstream/host_optim.h"
 #endif
 
 namespace {
@@ -255,7 +255,15 @@ int run_demo(const DemoOptions& o) {
   if (!std::getenv("OMP_NUM_THREADS"))
     at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2));
   // ---- device ----
-  const std::string resolved = layerstream::resolve_device(o.device);
+  std::string resolved;
+  try {
+    resolved = layerstream::resolve_device(o.device);
+  } catch (const layerstream::Error& e) {
+    if (o.device.rfind("cuda", 0) != 0) throw;
+    (void)e;  // its advice is in API terms (device='sim')
+    LS_FAIL("--device ", o.device, ": no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is false), "
+            "or this build has no CUDA support; run with --device sim for the simulated device");
+  }
   const bool sim = resolved == "sim";
   const torch::Device dev = sim ? torch::Device(torch::kCPU) : torch::Device(resolved);
   std::string device_line;

@@ -14,6 +14,8 @@
 #include "commands.h"
 #include "core/error.h"
 #include "core/gguf.h"
+#include "core/host_memory.h"
+#include "core/host_tier.h"
 #include "core/json.h"
 #include "core/options.h"
 #include "core/planner.h"
@@ -52,6 +54,11 @@ const char* kHelp =
     "                        mixture-of-experts group whose step reaches at most half of its\n"
     "                        experts copies only those (uniform routing assumed)\n"
     "  --max-prefetch N      at most N layers prefetched ahead (slots <= N+1; default 4)\n"
+    "  --host-budget SIZE    host RAM for streamed weights, as offload(host_budget=): streamed\n"
+    "                        Linear weights of a .safetensors checkpoint that do not fit stay\n"
+    "                        in the file and are read on every use (inference; with --train\n"
+    "                        or --quantize every weight must fit in RAM)\n"
+    "  --disk-gbps X         the disk's read bandwidth in GB/s for the disk tier (default 2)\n"
     "  --json                print the plan as one JSON object\n"
     "  --list-models         print the built-in model names and exit\n"
     "  -h, --help            this help\n"
@@ -95,12 +102,77 @@ int usage_error(const std::string& msg) {
   return 2;
 }
 
+// The host tier (core/host_tier.h) of a plan's streamed layers under
+// `host_budget`: which layers come from disk, the RAM it takes, and the step
+// time with the disk read (an estimate: a cyclic schedule over e staging
+// entries reads about disk bytes - staging bytes + read-ahead per pass).
+void host_disk_section(const Plan& plan, bool all_in_ram, int64_t host_budget, double disk_gbps,
+                       std::string* text, std::string* json_out) {
+  std::vector<host_tier::Layer> layers;
+  std::vector<std::string> names;
+  uint64_t largest = 0;
+  for (const auto& l : plan.layers) {
+    if (l.resident) continue;
+    layers.push_back({l.name, l.bytes, !all_in_ram && !l.lookup});
+    names.push_back(l.name);
+  }
+  const host_tier::Plan h = host_tier::plan(layers, host_budget, host_tier::kUnlimited, plan.prefetch_depth);
+  std::vector<std::string> from_disk;
+  for (size_t i = 0; i < layers.size(); ++i)
+    if (h.on_disk[i]) from_disk.push_back(names[i]), largest = std::max(largest, layers[i].bytes);
+  const uint64_t ahead = static_cast<uint64_t>(plan.prefetch_depth + 1) * largest;
+  uint64_t per_pass = h.disk_bytes > h.staging_bytes ? h.disk_bytes - h.staging_bytes + ahead : 0;
+  per_pass = std::min(per_pass, h.disk_bytes);
+  const uint64_t read = per_pass * (plan.training ? 2 : 1);
+  const double disk_s = static_cast<double>(read) / (disk_gbps * 1e9);
+  const double step_s = std::max(plan.step_time_s, disk_s);
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "\nhost:   budget %s: %s in RAM (the store), %zu layer(s) of %s stay in the checkpoint and are read "
+                "on every use through %s of staging entries\n",
+                format_bytes(static_cast<uint64_t>(host_budget)).c_str(), format_bytes(h.store_bytes).c_str(),
+                from_disk.size(), format_bytes(h.disk_bytes).c_str(), format_bytes(h.staging_bytes).c_str());
+  *text = buf;
+  if (!from_disk.empty()) {
+    std::string list;
+    for (size_t i = 0; i < from_disk.size() && i < 4; ++i) list += (i ? ", " : "") + from_disk[i];
+    if (from_disk.size() > 4) list += ", ...";
+    std::snprintf(buf, sizeof buf,
+                  "        from disk: %s\n        disk read ~%s per step at %g GB/s = %.3g s; predicted step with "
+                  "the disk: %.3g s (%s-bound)\n",
+                  list.c_str(), format_bytes(read).c_str(), disk_gbps, disk_s, step_s,
+                  disk_s > plan.step_time_s ? "disk" : plan.bound().c_str());
+    *text += buf;
+  }
+  const HostMemory host = host_memory();
+  if (host.available_bytes > 0 && h.host_bytes() > host.available_bytes) {
+    std::snprintf(buf, sizeof buf, "        warning: this needs %s of host RAM, more than this machine has "
+                  "available (%s): lower --host-budget\n", format_bytes(h.host_bytes()).c_str(),
+                  format_bytes(host.available_bytes).c_str());
+    *text += buf;
+  }
+  auto number = [](double v) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.6g", v);
+    return std::string(b);
+  };
+  std::string j = "{\"budget_bytes\": " + std::to_string(host_budget) + ", \"store_bytes\": " +
+                  std::to_string(h.store_bytes) + ", \"disk_bytes\": " + std::to_string(h.disk_bytes) +
+                  ", \"staging_bytes\": " + std::to_string(h.staging_bytes) + ", \"disk_gbps\": " +
+                  number(disk_gbps) + ", \"disk_read_bytes_per_step\": " + std::to_string(read) +
+                  ", \"step_time_s\": " + number(step_s) + ", \"from_disk\": [";
+  for (size_t i = 0; i < from_disk.size(); ++i) j += (i ? ", " : "") + json::quote(from_disk[i]);
+  *json_out = j + "]}";
+}
+
 int cmd_plan(int argc, char** argv) {
   std::string checkpoint, model, budget_s, dense_dtype = "BF16";
   bool have_checkpoint = false, have_model = false, have_budget = false, as_json = false;
   double link_gbps = 25.0, tflops = 100.0;
   LayerOptions opt;
   int max_prefetch = 4;
+  std::string host_budget_s;
+  double disk_gbps = 2.0;
   try {
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -170,6 +242,11 @@ int cmd_plan(int argc, char** argv) {
         } catch (const Error& e) {
           throw Usage{"--max-prefetch: " + e.message()};
         }
+      } else if (a == "--host-budget") {
+        host_budget_s = take();
+      } else if (a == "--disk-gbps") {
+        disk_gbps = parse_number(a, take());
+        if (disk_gbps <= 0) throw Usage{"--disk-gbps expects a positive number"};
       } else if (a == "--json") {
         no_value();
         as_json = true;
@@ -221,7 +298,28 @@ int cmd_plan(int argc, char** argv) {
   in.max_prefetch = max_prefetch;
   in.training = opt.training;
   Plan plan = plan_placement(in);
+  std::string host_text, host_json = "null";
+  if (!host_budget_s.empty()) {
+    int64_t host_budget = 0;
+    try {
+      host_budget = static_cast<int64_t>(parse_bytes(host_budget_s));
+    } catch (const Error& e) {
+      return usage_error("--host-budget: " + e.message());
+    }
+    host_disk_section(plan, gguf || !have_checkpoint || opt.training || opt.quantize != Quantization::None,
+                      host_budget, disk_gbps, &host_text, &host_json);
+  }
 
+  // Pinned host memory cannot be swapped out: a plan that needs more than this
+  // machine has available will not run here (core/host_memory.h).
+  const HostMemory host = host_memory();
+  if (host_budget_s.empty() && host.available_bytes > 0 && plan.host_pinned_bytes > host.available_bytes)
+    std::fprintf(stderr,
+                 "layerstream plan: warning: this plan needs %s of pinned host RAM, more than this machine "
+                 "has available (%s of %s): offload() would fail here; run it on a machine with more RAM, "
+                 "quantize (--quantize nf4), or raise the budget\n",
+                 format_bytes(plan.host_pinned_bytes).c_str(), format_bytes(host.available_bytes).c_str(),
+                 format_bytes(host.total_bytes).c_str());
   if (as_json) {
     std::string o = "{\"source\": {\"kind\": ";
     o += gguf ? "\"gguf\"" : have_checkpoint ? "\"checkpoint\"" : "\"model\"";
@@ -239,7 +337,7 @@ int cmd_plan(int argc, char** argv) {
          ", \"compute_dtype\": " + (opt.compute_dtype.empty() ? std::string("null") : json::quote(opt.compute_dtype)) +
          ", \"experts\": " + (opt.routed_experts ? "\"routed\"" : "\"all\"") +
          ", \"max_prefetch\": " + std::to_string(max_prefetch) + "}, ";
-    o += "\"plan\": " + plan.to_json() + "}";
+    o += "\"plan\": " + plan.to_json() + ", \"host\": " + host_json + "}";
     std::printf("%s\n", o.c_str());
   } else {
     if (gguf) {
@@ -281,6 +379,7 @@ int cmd_plan(int argc, char** argv) {
                 to_string(opt.quantize), opt.compute_dtype.empty() ? "" : ", compute dtype ",
                 opt.compute_dtype.c_str(), link_gbps, tflops);
     std::fputs(plan.explain().c_str(), stdout);
+    std::fputs(host_text.c_str(), stdout);
   }
   return 0;
 }

@@ -15,7 +15,7 @@ std::map<std::string, CommandInfo>& registry() {
 }  // namespace layerstream::cli
 
 static void usage(FILE* out) {
-  std::fprintf(out, "usage: layerstream <command> [options]\n\ncommands:\n");
+  std::fprintf(out, "usage: layerstream <command> [options]   (layerstream --version: the version)\n\ncommands:\n");
   for (const auto& [name, info] : layerstream::cli::registry())
     std::fprintf(out, "  %-8s %s\n", name.c_str(), info.summary.c_str());
   std::fprintf(out, "\nRun 'layerstream <command> --help' for a command's options.\n");
@@ -25,6 +25,10 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     usage(stderr);
     return 2;
+  }
+  if (!std::strcmp(argv[1], "--version")) {
+    std::printf("layerstream %s\n", LS_VERSION);
+    return 0;
   }
   if (!std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
     usage(stdout);

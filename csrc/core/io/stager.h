@@ -41,7 +41,7 @@
 #include <string>
 #include <vector>
 
-#include "core/runtime.h"
+#include "../runtime.h"
 #include "source_file.h"
 
 namespace layerstream {

@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <functional>
 
-#include "core/optim/kernels.h"
-#include "core/optim/thread_pool.h"
+#include "kernels.h"
+#include "thread_pool.h"
 
 namespace layerstream {
 namespace optim {

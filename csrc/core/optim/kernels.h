@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "core/optim/optim.h"
+#include "optim.h"
 
 namespace layerstream {
 namespace optim {

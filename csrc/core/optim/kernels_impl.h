@@ -16,8 +16,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "core/optim/kernels.h"
-#include "core/optim/numerics.h"
+#include "kernels.h"
+#include "numerics.h"
 
 namespace layerstream {
 namespace optim {

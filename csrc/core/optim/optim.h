@@ -5,7 +5,7 @@
 // operations) with fp32, bf16 or 8-bit block-quantized states, Adafactor
 // (transformers' Adafactor semantics), the global gradient norm and the
 // clip coefficient of torch.nn.utils.clip_grad_norm_. The torch glue
-// (torch/host_optim.h) and the Python optimizers (python/layerstream/optim.py)
+// (layerstream/host_optim.h) and the Python optimizers (python/layerstream/optim.py)
 // drive these; docs/design/optim.md has the design.
 //
 // Numbers: fp32 parameters are updated exactly as torch's single-tensor
@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "core/optim/numerics.h"
-#include "core/optim/thread_pool.h"
+#include "numerics.h"
+#include "thread_pool.h"
 
 namespace layerstream {
 namespace optim {

@@ -1,6 +1,6 @@
 // layerstream — C++ API for LibTorch users.
 //
-//   #include "torch/offload.h"
+//   #include "layerstream/offload.h"
 //   layerstream::OffloadOptions opts;          // device "auto": CUDA if visible, else sim
 //   opts.budget_bytes = 2LL << 30;
 //   auto handle = layerstream::offload(*model, opts);
@@ -34,6 +34,12 @@
 // autograd. A layer whose weight another, resident module shares (e.g. a
 // torch::nn::Embedding), or whose bias is shared, stays resident, with one
 // warning (docs/design/torch-glue.md).
+// budget_bytes (>= 0) bounds every weight on the device, with Python's rule
+// (core/planner.h plan_slots_first): the slots the prefetch depth needs
+// (prefetch + 1, or `slots`) are reserved first, then the planner keeps as many
+// layers resident as the rest holds (handle->resident_layers(), plan()); only
+// the others stream. A budget too small for 2 slots of the largest streamed
+// layer throws layerstream::BudgetTooSmall before anything changes.
 // Non-streamed parameters and buffers are moved to the compute device. After
 // offload(), model->to(<compute device>) leaves the streamed weights in host
 // memory; other devices or dtypes throw (children convert in order, so
@@ -73,7 +79,11 @@ class OffloadHandle {
   // Restores plain computation: weights back to ordinary tensors on their
   // original devices (bit-identical); swapped children are swapped back.
   void detach();
-  const std::vector<std::string>& layers() const { return names_; }
+  const std::vector<std::string>& layers() const { return names_; }  // streamed layers
+  // With a budget: the layers the planner kept resident (not streamed, moved to
+  // the compute device) and its placement as text; empty without a budget.
+  const std::vector<std::string>& resident_layers() const { return resident_; }
+  const std::string& plan() const { return plan_; }
   std::shared_ptr<Engine> engine() const;
 
  private:
@@ -85,6 +95,8 @@ class OffloadHandle {
   };
   std::shared_ptr<Engine> engine_;
   std::vector<std::string> names_;
+  std::vector<std::string> resident_;
+  std::string plan_;
   std::vector<torch::Device> devices_;
   std::vector<Swap> swaps_;
   std::vector<std::function<void()>> unbind_;

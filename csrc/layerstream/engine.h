@@ -55,10 +55,10 @@ struct EngineOptions {
   // "cuda" or "cuda:N".
   std::string device = "auto";
   // Hard bound on the device bytes of the slot arena; -1 = no bound (then
-  // `slots` or prefetch+2 slots are used).
+  // `slots` or prefetch + 1 slots are used).
   int64_t budget_bytes = -1;
   int prefetch = 2;  // layers kept in flight ahead of use
-  int slots = 0;     // 0 = prefetch + 2, capped by the budget
+  int slots = 0;     // 0 = prefetch + 1 (at least 2), capped by the budget (options::default_slots)
   // Simulated link (sim device only): PCIe 4.0 x16-like defaults.
   double sim_h2d_gbps = 25.0;
   double sim_d2h_gbps = 25.0;
