@@ -90,6 +90,12 @@ EngineImpl::EngineImpl(const EngineOptions& options) : opts_(options), id_(g_nex
   dequant_dtype_ = scalar(dtypes.dequant);
   compute_dtype_ = scalar(dtypes.compute);
   device_name_ = resolve_device(opts_.device);
+  if (opts_.device == "auto" && device_name_ == "sim")
+    warn_once("auto-device-sim",
+              "device \"auto\": LibTorch sees no CUDA device (torch::cuda::is_available() is false: no GPU, "
+              "a driver that does not load, or a CPU-only LibTorch), so layerstream runs on the simulated "
+              "device, on the CPU. Pass device \"sim\" to choose it without this warning, or fix the CUDA "
+              "setup.");
   if (device_name_ == "sim") {
     SimOptions so;
     so.h2d_gbps = opts_.sim_h2d_gbps;

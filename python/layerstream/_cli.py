@@ -15,4 +15,5 @@ def main() -> None:
     import torch  # noqa: F401  (the tool links LibTorch, whose libraries this import locates)
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     env = dict(os.environ, LD_LIBRARY_PATH=lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    env.setdefault("LS_PYTHON", sys.executable)  # `bench --plot` draws with this Python
     os.execve(exe, [exe] + sys.argv[1:], env)

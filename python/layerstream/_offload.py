@@ -193,6 +193,7 @@ def offload(
     resolved = _C.resolve_device(opts.device)
     if device is None and resolved == "sim":
         _warn_sim_fallback()
+    opts.device = resolved  # said once, here (the engine warns for "auto" itself: C++ callers)
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
     if budget is not None:

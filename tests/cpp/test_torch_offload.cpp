@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/log.h"
 #include "core/quant.h"
 #include "layerstream/offload.h"
 
@@ -742,4 +743,25 @@ TEST(TorchOffload, BudgetIsPlannedAsInPython) {
   EXPECT_GT(s.h2d_bytes, 0u);
   EXPECT_LE(static_cast<int64_t>(s.slots * s.slot_bytes) + resident * kLayer, opts.budget_bytes);
   t->detach();
+}
+
+// device "auto" without a CUDA device falls back to the simulated device and
+// says why, once per process (a broken driver would otherwise give a slow CPU
+// simulation without a word); "sim" chosen explicitly says nothing.
+TEST(TorchOffload, AutoDeviceFallingBackToSimWarnsOnceWhy) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is visible: \"auto\" picks it";
+  std::vector<std::string> warnings;
+  auto prev = layerstream::set_warning_handler([&](const std::string& w) { warnings.push_back(w); });
+  layerstream::EngineOptions sim;
+  sim.device = "sim";
+  layerstream::Engine::create(sim);
+  EXPECT_TRUE(warnings.empty());
+  layerstream::EngineOptions autod;  // device "auto" by default
+  auto engine = layerstream::Engine::create(autod);
+  layerstream::Engine::create(autod);
+  layerstream::set_warning_handler(prev);
+  EXPECT_EQ(engine->device_name(), "sim");
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("no CUDA device"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("device \"sim\""), std::string::npos) << warnings[0];
 }

@@ -248,3 +248,17 @@ def test_bench_quant_rows(bench_json):
 def test_bench_bad_option_exits_2():
     assert_one_line_usage_error(run("bench", "--bogus"), "bench")
     assert_one_line_usage_error(run("bench", "--only", "nothing"), "bench")
+
+
+def test_bench_plot_writes_a_png_and_still_prints_the_tables(tmp_path):
+    out = tmp_path / "bench.png"
+    r = run("bench", "--quick", "--only", "overlap", "--plot", out, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "== overlap (sim device)" in r.stdout and f"wrote {out}" in r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000  # axes, lines, labels
+    # A Python that cannot draw: one clear error, exit 1.
+    r = run("bench", "--quick", "--only", "overlap", "--plot", tmp_path / "x.png", timeout=300,
+            env=dict(os.environ, LS_PYTHON="/nonexistent/python"))
+    assert r.returncode == 1 and "--plot" in r.stderr and "LS_PYTHON" in r.stderr, r.stderr
+    assert not (tmp_path / "x.png").exists()

@@ -9,9 +9,14 @@
 //      tiny shapes (1 x 64) so the time is the machinery, not the matmul.
 //  (c) quant    — pack and CPU dequantize throughput of every quantized
 //      format (core/quant.h).
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -37,7 +42,7 @@ using Clock = std::chrono::steady_clock;
 namespace q = layerstream::quant;
 
 const char* kHelp =
-    "usage: layerstream bench [--quick] [--json] [--only overlap|overhead|quant]\n"
+    "usage: layerstream bench [--quick] [--json] [--only overlap|overhead|quant] [--plot FILE.png]\n"
     "\n"
     "Runs the benchmarks and prints a table (or one JSON object with keys\n"
     "\"overlap\", \"overhead\" and \"quant\", each a list):\n"
@@ -53,6 +58,9 @@ const char* kHelp =
     "  --quick         a shorter run (smaller sizes, fewer repetitions)\n"
     "  --json          print one JSON object instead of tables\n"
     "  --only NAME     run one benchmark (the others are empty lists)\n"
+    "  --plot FILE     also draw the results as a PNG (overlap ratio against prefetch depth,\n"
+    "                  per-call overhead) with Python's matplotlib (layerstream.bench_plot;\n"
+    "                  the interpreter: $LS_PYTHON, else the one layerstream was built with)\n"
     "  -h, --help      this help\n";
 
 int usage_error(const std::string& msg) {
@@ -187,9 +195,49 @@ std::vector<QuantRow> run_quant(bool quick) {
   return result;
 }
 
+// Draws `json` (this command's --json output) into `png` with
+// layerstream.bench_plot, run by Python: plotting is presentation, which the
+// Python package does (matplotlib), as for the timeline. Returns an exit status.
+int plot(const std::string& json, const std::string& png) {
+  const char* env = std::getenv("LS_PYTHON");
+#ifdef LS_PYTHON
+  const std::string python = env && *env ? env : LS_PYTHON;
+#else
+  const std::string python = env && *env ? env : "python3";
+#endif
+  char tmpl[] = "/tmp/layerstream-bench-XXXXXX";
+  const int fd = ::mkstemp(tmpl);
+  if (fd < 0 || ::write(fd, json.data(), json.size()) != static_cast<ssize_t>(json.size())) {
+    std::fprintf(stderr, "layerstream bench: error: cannot write a temporary file for --plot\n");
+    return 1;
+  }
+  ::close(fd);
+  // The source tree's package when layerstream is not installed.
+  std::string pythonpath = std::string(LS_SOURCE_DIR) + "/python";
+  if (const char* p = std::getenv("PYTHONPATH"); p && *p) pythonpath += std::string(":") + p;
+  ::setenv("PYTHONPATH", pythonpath.c_str(), 1);
+  std::vector<std::string> args = {python, "-m", "layerstream.bench_plot", tmpl, png};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  int status = 0;
+  const int rc = ::posix_spawnp(&pid, python.c_str(), nullptr, nullptr, argv.data(), environ);
+  if (rc == 0) ::waitpid(pid, &status, 0);
+  ::unlink(tmpl);
+  if (rc != 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "layerstream bench: error: --plot: '%s -m layerstream.bench_plot' failed%s; it needs a "
+                 "Python with matplotlib and layerstream (set LS_PYTHON to one)\n", python.c_str(),
+                 rc != 0 ? " to start" : "");
+    return 1;
+  }
+  std::fprintf(stderr, "wrote %s\n", png.c_str());
+  return 0;
+}
+
 int cmd_bench(int argc, char** argv) {
   bool quick = false, json = false;
-  std::string only;
+  std::string only, plot_file;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -201,6 +249,9 @@ int cmd_bench(int argc, char** argv) {
         quick = true;
       } else if (a == "--json") {
         json = true;
+      } else if (layerstream::cli::take_option(argc, argv, i, "--plot", v)) {
+        if (v.empty()) throw UsageError{"--plot needs a file name"};
+        plot_file = v;
       } else if (layerstream::cli::take_option(argc, argv, i, "--only", v)) {
         if (v != "overlap" && v != "overhead" && v != "quant")
           throw UsageError{"--only expects overlap, overhead or quant, got '" + v + "'"};
@@ -255,7 +306,7 @@ int cmd_bench(int argc, char** argv) {
     quant = run_quant(quick);
   }
 
-  if (json) {
+  if (json || !plot_file.empty()) {
     std::string s = "{\"quick\": " + std::string(quick ? "true" : "false") + ", \"overlap_config\": {\"layers\": " +
                     std::to_string(oc.layers) + ", \"compute_ms\": " + num(oc.compute_ms) +
                     ", \"layer_mib\": " + num(oc.layer_mib) + ", \"steps\": " + std::to_string(oc.steps) +
@@ -285,8 +336,14 @@ int cmd_bench(int argc, char** argv) {
            ", \"dequant_cpu_gbps_bf16_out\": " + num(r.dequant_gbps) + "}";
     }
     s += "]}";
-    std::printf("%s\n", s.c_str());
-    return 0;
+    if (!plot_file.empty()) {
+      const int rc = plot(s, plot_file);
+      if (rc != 0) return rc;
+    }
+    if (json) {
+      std::printf("%s\n", s.c_str());
+      return 0;
+    }
   }
 
   if (!overlap.empty()) {
