@@ -125,7 +125,9 @@ def main():
         with torch.device("meta"):
             model = nn.Sequential(*[nn.Linear(w, w, bias=False) for _ in range(args.layers)]).requires_grad_(False)
         layerstream.load_safetensors(model, model_path)
-        handle = layerstream.offload(model, device=args.device, host_budget=weights // 4, sim_link_gbps=args.gbps,
+        # A quarter of the weights, but at least the two staging entries the disk tier needs.
+        budget = max(weights // 4, 2 * w * w * 4)
+        handle = layerstream.offload(model, device=args.device, host_budget=budget, sim_link_gbps=args.gbps,
                                      checker=False)
         model(x)  # the first step records the trace
         handle.synchronize()
@@ -146,8 +148,8 @@ def main():
     disk_t = disk_file * disk_bytes / model_bytes
     link_t = h2d / (args.gbps * 1e9)  # on cuda: --gbps is the link's measured pinned rate
     floor = max(compute, disk_t, link_t)
-    print(f"\n{args.device} step, {args.layers} x Linear({w}, {w}) fp32 = {weights / 2**20:.0f} MiB, host_budget = 1/4 "
-          f"({after['staging_entries']} staging entries), page cache dropped before each step; medians of "
+    print(f"\n{args.device} step, {args.layers} x Linear({w}, {w}) fp32 = {weights / 2**20:.0f} MiB, host_budget = "
+          f"{budget / 2**20:.0f} MiB ({after['staging_entries']} staging entries), page cache dropped before each step; medians of "
           f"{args.steps}:")
     print(f"  compute (resident)    {compute * 1e3:8.1f} ms")
     print(f"  disk read             {disk_t * 1e3:8.1f} ms  ({disk_bytes / 2**20:.0f} MiB/step; a cold read of the "

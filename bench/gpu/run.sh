@@ -337,7 +337,7 @@ mrc=$?
 # cache dropped), and a step of Linear layers loaded with load_safetensors() and
 # streamed from disk under a host budget of a quarter of the weights.
 if [ "$DRY" = 1 ]; then
-  dargs=(--mb 64 --rounds 1 --layers 4 --width 512 --steps 2)
+  dargs=(--mb 64 --rounds 1 --layers 8 --width 512 --steps 2)
 else
   dargs=(--device cuda --gbps 50 --mb 2048 --rounds 3 --layers 8 --width 8192 --steps 3)
 fi
