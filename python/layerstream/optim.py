@@ -55,6 +55,14 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = None
         super().__init__(params, defaults)
 
+    @staticmethod
+    def _run_closure(closure):
+        """step()'s closure (torch's contract: re-evaluates the loss with grad enabled)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def _collect(self):
         """Per group: (group, params with a gradient, their gradients, their keys).
         A key is the parameter's position in the optimizer (its stochastic
@@ -266,10 +274,7 @@ class AdamW(_HostOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
         work, grads = self._collect()
         if self._overlap is not None:
             scale, done = self._finish_overlap(work)
@@ -368,10 +373,7 @@ class Adafactor(_HostOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
         work, grads = self._collect()
         scale = self._grad_scale(grads)
         for group, ps, gs, keys in work:
