@@ -210,8 +210,12 @@ class Engine {
   // `w` holds its bytes, contiguous. The bias is read from `b` too when given
   // (frozen), else adopted into the host store like add_linear()'s (a
   // trainable bias makes the layer's entry unkeepable across steps).
+  // With a quantization format, `w` holds the weight already packed in it
+  // (quant::layout_for(format, rows, cols), as core/io/quant_cache.h writes
+  // it): it crosses the bus packed and is dequantized in the slot.
   virtual int add_linear_on_disk(const std::string& name, const torch::Tensor& weight, const FileRange& w,
-                                 torch::Tensor bias, const std::optional<FileRange>& b) = 0;
+                                 torch::Tensor bias, const std::optional<FileRange>& b,
+                                 quant::Format format = quant::Format::None) = 0;
   // A Linear whose weight is already int8 with one fp32 scale per output
   // row (e.g. from torch.quantize_per_channel with zero points 0): stored in
   // the int8 format byte for byte. `dense_dtype` is the dtype it stands for

@@ -4,6 +4,7 @@
 
 #include "core/gguf.h"
 #include "core/host_tier.h"
+#include "core/io/quant_cache.h"
 #include "core/io/source_file.h"
 #include "core/safetensors.h"
 #include "core/log.h"
@@ -25,6 +26,7 @@ using layerstream::FileRange;
 using layerstream::SourceFile;
 using layerstream::TensorInfo;
 namespace host_tier = layerstream::host_tier;
+namespace quant_cache = layerstream::quant_cache;
 
 namespace {
 
@@ -390,6 +392,36 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("path"), py::arg("offset"), py::arg("dst"), py::arg("tensor"));
   m.def("drop_page_cache", [](const std::string& path) { SourceFile::open(path)->drop_page_cache(); },
         py::arg("path"));
+  // The quantization cache file of the disk tier (core/io/quant_cache.h):
+  // items are FileRanges of dense weights with their dtype and [rows, cols];
+  // returns {"path", "built", "reason", "ranges": [FileRange of the packed bytes]}.
+  m.def("quant_cache", [](const std::string& dir, const std::string& format,
+                          const std::vector<std::tuple<FileRange, py::object, int64_t, int64_t>>& items) {
+    std::vector<quant_cache::Item> in;
+    for (const auto& [r, dtype, rows, cols] : items) {
+      const torch::ScalarType t = torch::python::detail::py_object_to_dtype(dtype);
+      LS_CHECK(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf, r.path, ": tensor '", r.tensor,
+               "' is ", t, "; only float32, bfloat16 and float16 weights are packed");
+      in.push_back({r.tensor, r.path, r.offset, r.bytes,
+                    t == torch::kFloat ? quant::SrcDtype::F32 : t == torch::kBFloat16 ? quant::SrcDtype::BF16
+                                                                                      : quant::SrcDtype::F16,
+                    rows, cols});
+    }
+    quant_cache::Result res;
+    {
+      py::gil_scoped_release nogil;
+      res = quant_cache::ensure(dir, quant::parse_format(format), in);
+    }
+    py::list ranges;
+    for (size_t i = 0; i < in.size(); ++i)
+      ranges.append(FileRange{res.path, res.items[i].offset, res.items[i].bytes, in[i].tensor});
+    py::dict out;
+    out["path"] = res.path;
+    out["built"] = res.built;
+    out["reason"] = res.reason;
+    out["ranges"] = ranges;
+    return out;
+  }, py::arg("dir"), py::arg("format"), py::arg("items"));
 
   // A .gguf file's header (core/gguf.h): metadata and tensor records; the
   // data is read by the caller at each record's absolute `offset`.
@@ -573,12 +605,12 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("src"), py::arg("shape"), py::arg("dtype"))
       .def("add_linear_on_disk",
-           [](Engine& e, const std::string& name, torch::Tensor w, const FileRange& wsrc,
-              std::optional<torch::Tensor> b, std::optional<FileRange> bsrc) {
-             return e.add_linear_on_disk(name, w, wsrc, b.value_or(torch::Tensor()), bsrc);
+           [fmt](Engine& e, const std::string& name, torch::Tensor w, const FileRange& wsrc,
+              std::optional<torch::Tensor> b, std::optional<FileRange> bsrc, const std::string& quantize) {
+             return e.add_linear_on_disk(name, w, wsrc, b.value_or(torch::Tensor()), bsrc, fmt(quantize));
            },
            py::arg("name"), py::arg("weight"), py::arg("weight_file"), py::arg("bias") = py::none(),
-           py::arg("bias_file") = py::none())
+           py::arg("bias_file") = py::none(), py::arg("quantize") = "")
       .def("add_linear",
            [fmt](Engine& e, const std::string& name, torch::Tensor w, std::optional<torch::Tensor> b,
                  const std::string& quantize) {

@@ -33,7 +33,7 @@ torch::Tensor EngineImpl::read_file(const FileRange& src, const std::vector<int6
 }
 
 int EngineImpl::add_linear_on_disk(const std::string& name, const torch::Tensor& weight, const FileRange& w,
-                                   torch::Tensor bias, const std::optional<FileRange>& b) {
+                                   torch::Tensor bias, const std::optional<FileRange>& b, quant::Format format) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
@@ -48,8 +48,17 @@ int EngineImpl::add_linear_on_disk(const std::string& name, const torch::Tensor&
   info.w_shape = weight.sizes().vec();
   info.w_dtype = weight.scalar_type();
   info.w_bytes = static_cast<size_t>(weight.numel()) * weight.element_size();
+  if (format != quant::Format::None) {  // packed (core/io/quant_cache.h)
+    LS_CHECK(!quant::is_gguf(format) && weight.dim() == 2, "layer '", name, "': a weight on disk is packed only in "
+             "the formats offload() packs, and only for Linear layers");
+    info.qformat = format;
+    info.qlayout = quant::layout_for(format, info.w_shape[0], info.w_shape[1]);
+    info.w_bytes = info.qlayout.total_bytes();
+  }
   LS_CHECK(info.w_bytes == w.bytes, w.path, ": tensor '", w.tensor, "' has ", w.bytes, " bytes in the file; '",
-           name, ".weight' ", shape_str(info.w_shape), " of ", info.w_dtype, " needs ", info.w_bytes);
+           name, ".weight' ", shape_str(info.w_shape), " of ", info.w_dtype,
+           format != quant::Format::None ? std::string(" packed in ") + quant::to_string(format) : std::string(),
+           " needs ", info.w_bytes);
   file_locked(w.path)->check(w.tensor);
   info.w_file = w;
   info.weight = meta_like(info.w_shape, info.w_dtype);

@@ -57,6 +57,9 @@ void EngineImpl::requantize(int index, const torch::Tensor& dense) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; write the module's weight directly");
   LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its weight from ", l.w_file->path, " (the disk tier), "
+           "which layerstream does not write: detach(), save the new weights to a checkpoint, load it and "
+           "offload() again");
   LS_CHECK(l.packed_here, "layer '", l.name, "' was not quantized by offload() (",
            l.qformat == quant::Format::None ? "it is not quantized: write its parameter in place"
                                             : "its weight came pre-packed: detach(), load, and offload() again",
@@ -339,6 +342,8 @@ torch::Tensor EngineImpl::packed_codes(int index) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
   LS_CHECK(l.qformat != quant::Format::None, "layer '", l.name, "' is not quantized");
+  LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its packed weight from ", l.w_file->path,
+           " (the disk tier): its codes are read there on every use, not held in host memory");
   torch::Tensor out = torch::empty({static_cast<int64_t>(l.qlayout.data_bytes)}, torch::kUInt8);
   std::memcpy(out.data_ptr(), static_cast<const char*>(l.w_host) + l.qlayout.data_offset(),
               l.qlayout.data_bytes);
@@ -349,6 +354,8 @@ torch::Tensor EngineImpl::dequantized_weight(int index) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
   LS_CHECK(l.qformat != quant::Format::None, "layer '", l.name, "' is not quantized");
+  LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its packed weight from ", l.w_file->path,
+           " (the disk tier): it is not held in host memory");
   torch::Tensor dense = torch::empty(l.w_shape, torch::TensorOptions().dtype(torch::kFloat));
   quant::dequantize_cpu(l.qlayout, l.w_host, dense.data_ptr(), quant::OutDtype::F32, 0);
   return dense.to(l.w_dtype);

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from . import _C
 from ._discovery import _WHOLE_GROUPS
+from ._file_weight import FileWeight
 from ._forward import _RefusesCopy
 from ._guards import _RootApply
 
@@ -95,7 +96,8 @@ class Handle(_RefusesCopy):
         return (f"host RAM (budget {budget}, pinned {pinned}): {mib(h['store_bytes'])} in the store"
                 f" ({mib(h['pageable_store_bytes'])} pageable), {mib(h['staging_bytes'])} of staging entries"
                 f" ({'pinned' if h['staging_pinned'] else 'pageable'}); disk: {disk} layer(s), "
-                f"{mib(h['disk_bytes'])} read from their files on every use\n")
+                f"{mib(h['disk_bytes'])} read from their files on every use"
+                + "".join(f"; packed in {path}" for path in h.get("cache_files", [])) + "\n")
 
     def _device_plan(self) -> Optional[str]:
         engine = self._check()
@@ -191,7 +193,8 @@ class Handle(_RefusesCopy):
             elif a.packed_parts:
                 # A quantized tensor group: the dequantized values, per packed tensor.
                 dense[a.index] = {(o, k): engine.dequantized_part(a.index, part) for _, part, o, k in a.packed_parts}
-            elif engine.layer_format(a.index) and not a.prequantized:
+            elif engine.layer_format(a.index) and not a.prequantized and not isinstance(
+                    a.module._parameters.get("weight"), FileWeight):  # on disk: keeps its FileWeight
                 # Quantized by offload(): the dense values were not kept; restore the
                 # dequantized weights (lossy by the format's error bound).
                 dense[a.index] = engine.dequantized_weight(a.index)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import os
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
@@ -68,6 +69,7 @@ def offload(
     groups: Union[None, str, Sequence[str]] = None,
     host_budget: Union[None, int, str] = None,
     pinned_budget: Union[None, int, str] = None,
+    cache_dir: Union[None, str, os.PathLike] = None,
 ) -> Handle:
     """Streams the model's Linear, Conv1d/2d/3d, Embedding, MultiheadAttention and MoE experts
     layers from host RAM.
@@ -175,6 +177,13 @@ def offload(
         unlimited on Linux and 40% of RAM under WSL, whose driver cannot pin
         much more (core/host_tier.h). Store tensors beyond it stay pageable and
         cross through pinned staging entries, so their copies stay overlapped.
+    cache_dir: a directory for the quantization cache file: with quantize=,
+        frozen Linear weights of load_safetensors() that the host budget sends
+        to the disk tier are packed once into a .safetensors file there, and
+        every step reads their packed bytes from it (fewer bytes than dense,
+        no repacking in later runs). A cache whose sources, format, weights
+        or version differ is rebuilt (core/io/quant_cache.h). None: quantized
+        weights must fit in host RAM.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")
@@ -216,13 +225,14 @@ def offload(
             + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
     # 1. Per layer: its format and its bytes on the bus, in a slot, resident.
-    layers = _formats_and_bytes(model, candidates, tables, quantize, tied_names, dequant_dtype, compute_dtype)
+    layers = _formats_and_bytes(model, candidates, tables, quantize, tied_names, dequant_dtype, compute_dtype,
+                                defer_file_reads=cache_dir is not None)
 
     # 2. With a budget: which layers stay resident; the slots get what is left.
     plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups)
 
     # 3. Host RAM: which weights stay in their file, what is pinned (core/host_tier.h).
-    on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts)
+    on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts, cache_dir)
 
     # 4. Attach them to one engine (undone on failure); the rest moves to the device.
     return _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names, plan,
@@ -297,12 +307,14 @@ def _check_loadable(model: nn.Module) -> None:
 
 
 def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantize, tied_names: set,
-                       dequant_dtype, compute_dtype) -> List[_Candidate]:
+                       dequant_dtype, compute_dtype, defer_file_reads: bool = False) -> List[_Candidate]:
     """Step 1: per layer, the quantization format (or pre-quantized weight) and the
     bytes it takes on the bus, in a slot (core/slot_layout.h) and resident. A
     quantized layer's slot holds the packed weight and, after it, the weight
     dequantized on the device (in its dense dtype). Refuses or warns before any
-    module changes."""
+    module changes. With `defer_file_reads` (cache_dir=), a frozen Linear weight
+    still in its file that is to be quantized stays there: step 3 packs it into
+    the cache file or reads it in (_read_in_deferred)."""
     layers: List[_Candidate] = []
     unpackable, trainable, tied_dense = [], [], []
     for name, module, kind in candidates:
@@ -359,12 +371,14 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         if fmt is not None and name in tied_names:
             tied_dense.append(f"'{name or '<root>'}'")  # one host copy, read dense by every user
             fmt = None
-        if fmt is not None or kind != "linear":  # packed here from its values; or not a Linear
+        deferred = (defer_file_reads and fmt is not None and kind == "linear" and isinstance(weight, FileWeight)
+                    and not weight.requires_grad)
+        if (fmt is not None or kind != "linear") and not deferred:  # packed here from its values; or not a Linear
             _read_in(model, weight)
             weight = module.weight
         if fmt is not None and weight.requires_grad:
             trainable.append(name or "<root>")
-        elif fmt is not None and not bool(torch.isfinite(weight.detach()).all()):
+        elif fmt is not None and not deferred and not bool(torch.isfinite(weight.detach()).all()):
             # Checked before anything changes: the packer refuses it, and undoing the layers
             # quantized before this one could only restore their dequantized values.
             raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: its weight "
@@ -496,7 +510,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
     handle.host_plan = on_disk.summary  # core/host_tier.h's plan, or None (no host budget)
     try:
         _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device, routed,
-                       on_disk.names)
+                       on_disk)
         for a in attached:
             a.module._layerstream_handle = handle
         _no_fused_encoder_path(model, attached, handle._fused_off)
@@ -554,16 +568,20 @@ def _read_in(model: nn.Module, p, engine=None):
 
 
 class _HostTier(NamedTuple):
-    """offload() step 3's result: the layers on disk, and the plan as numbers."""
+    """offload() step 3's result: the layers on disk, the plan as numbers, and the
+    packed weights of quantized layers on disk (their ranges in the cache file)."""
     names: set
     summary: Optional[dict]
+    packed: Dict[str, Any]
 
 
 def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, resident_names: set, host_budget,
-               pinned_budget, opts) -> _HostTier:
+               pinned_budget, opts, cache_dir=None) -> _HostTier:
     """Step 3: the host budget plan (core/host_tier.h): which streamed Linear weights
     still in their file (load_safetensors) stay there, how many bytes the staging
-    entries get, and what the store may pin (set in `opts`)."""
+    entries get, and what the store may pin (set in `opts`). With `cache_dir`,
+    quantized ones may stay on disk too, packed in the cache file (built here,
+    core/io/quant_cache.h); those that stay in RAM are read in here."""
     streamed = [t for t in layers if t.name not in resident_names] + list(tables)
     in_file = any(isinstance(p, FileWeight) for p in model.parameters())
     if host_budget is None:
@@ -574,13 +592,17 @@ def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, residen
     else:
         host = parse_bytes(host_budget)
     pinned = _C.default_pinned_budget() if pinned_budget is None else parse_bytes(pinned_budget)
+    deferred = [t for t in layers if t.kind == "linear" and t.fmt is not None
+                and isinstance(getattr(t.module, "weight", None), FileWeight)]  # see _formats_and_bytes
     if host < 0 and pinned < 0:
-        return _HostTier(set(), None)
+        _read_in_deferred(model, deferred)
+        return _HostTier(set(), None, {})
 
     def from_file(t: _Candidate) -> bool:
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
-        return (t.kind == "linear" and t.fmt is None and t.pre is None and isinstance(w, FileWeight)
-                and not w.requires_grad and (b is None or (isinstance(b, FileWeight) and not b.requires_grad)))
+        return (t.kind == "linear" and (t.fmt is None or cache_dir is not None) and t.pre is None
+                and isinstance(w, FileWeight) and not w.requires_grad
+                and (b is None or (isinstance(b, FileWeight) and not b.requires_grad)))
 
     entries = [(t.name or "<root>", t.bus_bytes if t.kind != "embedding" else
                 sum(p.numel() * p.element_size() for p in t.module.parameters(recurse=False)), from_file(t))
@@ -593,12 +615,51 @@ def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, residen
         hint = (f" ({len(trainable)} layer(s) loaded from a file are trainable, e.g. '{trainable[0]}': for "
                 f"inference, freeze the model (model.requires_grad_(False)) so they can stay in their file)"
                 if trainable else "")
+        quantized = [t.name or "<root>" for t in streamed if t.fmt is not None]
+        if quantized and cache_dir is None:
+            hint += (f" ({len(quantized)} layer(s) are quantized, e.g. '{quantized[0]}', and quantized weights are "
+                     f"held in RAM: pass cache_dir= so that those loaded by load_safetensors() can stay on disk, "
+                     f"packed in a cache file)")
         raise LayerstreamError(f"offload(): {e}{hint}") from None
     opts.store_pinned_cap = p["store_pinned_cap"]
     opts.staging_bytes = p["staging_bytes"]
     opts.staging_pinned = p["staging_pinned"]
     names = {t.name for t, disk in zip(streamed, p["on_disk"]) if disk}
-    return _HostTier(names, dict(p, host_budget=host, pinned_budget=pinned))
+    _read_in_deferred(model, [t for t in deferred if t.name not in names])
+    packed = _quant_cache(cache_dir, [t for t in deferred if t.name in names])
+    summary = dict(p, host_budget=host, pinned_budget=pinned)
+    if packed:
+        summary["cache_files"] = sorted({r.path for r in packed.values()})
+    return _HostTier(names, summary, packed)
+
+
+def _read_in_deferred(model: nn.Module, layers: List[_Candidate]) -> None:
+    """Quantized weights step 1 left in their file (cache_dir=) that stay in RAM after
+    all: read in, checked as step 1 checks them, before anything changes."""
+    for t in layers:
+        weight = _read_in(model, t.module.weight)
+        if not bool(torch.isfinite(weight.detach()).all()):
+            raise LayerstreamError(f"cannot quantize layer '{t.name or '<root>'}' to {t.fmt}: its weight has NaN "
+                                   f"or Inf values; fix the checkpoint or do not quantize this layer "
+                                   f"(quantize={{'{t.name}': None, ...}})")
+
+
+def _quant_cache(cache_dir, layers: List[_Candidate]) -> Dict[str, Any]:
+    """The packed weights of quantized layers on disk, per layer name: their FileRange
+    in the quantization cache file under `cache_dir` (one per format; built when
+    missing or stale, core/io/quant_cache.h)."""
+    by_format: Dict[str, List[_Candidate]] = {}
+    for t in layers:
+        by_format.setdefault(t.fmt, []).append(t)
+    out: Dict[str, Any] = {}
+    for fmt, group in by_format.items():
+        items = []
+        for t in group:
+            w = t.module.weight
+            items.append((w.file_range, w.dtype, w.shape[0], w.numel() // max(w.shape[0], 1)))
+        result = _C.quant_cache(os.fspath(cache_dir), fmt, items)
+        out.update({t.name: r for t, r in zip(group, result["ranges"])})
+    return out
 
 
 def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:
@@ -611,7 +672,7 @@ def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:
 
 
 def _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device,
-                   routed: bool, on_disk: set) -> None:
+                   routed: bool, on_disk: _HostTier) -> None:
     """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
     appending to `attached` / `streamed_params` as it goes (what offload() undoes on
     failure)."""
@@ -679,12 +740,14 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
             index = engine.add_embedding(name or "<root>", weight,
                                          -1 if module.padding_idx is None else module.padding_idx,
                                          module.scale_grad_by_freq, module.sparse)
-        elif kind == "linear" and name in on_disk:
-            # The disk tier: read from its file on every use (the module keeps the FileWeights).
+        elif kind == "linear" and name in on_disk.names:
+            # The disk tier: read from its file (or the quantization cache file) on every use
+            # (the module keeps the FileWeights).
             index = engine.add_linear_on_disk(
-                name or "<root>", torch.empty(weight.shape, dtype=weight.dtype, device="meta"), weight.file_range,
+                name or "<root>", torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                on_disk.packed.get(name, weight.file_range),
                 None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta"),
-                bias.file_range if isinstance(bias, FileWeight) else None)
+                bias.file_range if isinstance(bias, FileWeight) else None, quantize=fmt or "")
         elif kind == "linear":
             # A weight still in its file is read straight into the host store (one copy)
             # and adopted there without another.
@@ -703,7 +766,9 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
                       bnb_stats=None if pre is None else pre.bnb_stats,
                       strides=None if weight.is_contiguous() else tuple(weight.stride()))
         attached.append(a)
-        if (pre is None or pre.bnb_stats is not None or pre.gguf) and engine.layer_format(index):
+        if name in on_disk.names:
+            pass  # the module keeps its FileWeights: nothing of it is in host memory to write
+        elif (pre is None or pre.bnb_stats is not None or pre.gguf) and engine.layer_format(index):
             # The weight now lives packed on the host; the module keeps a
             # data-less (meta) parameter of the same shape and dtype so the
             # dense (or the bitsandbytes) copy is freed.
@@ -711,7 +776,7 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
             dtype = pre.dense_dtype if pre is not None else module.weight.dtype
             module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>")
             del weight
-        if engine.layer_format(index):
+        if engine.layer_format(index) and name not in on_disk.names:
             # Packed on the host: an in-place write to the module's weight that
             # _PackedWeight does not turn into a re-quantization (or a pre-quantized
             # int8 weight's write) does not reach it; the engine refuses the next call.

@@ -388,6 +388,12 @@ def test_host_budget_shows_the_layers_from_disk_and_the_step_with_the_disk(st_fi
     text = run("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(streamed // 2), "--disk-gbps",
                "0.001")
     assert text.returncode == 0 and "stay in the checkpoint" in text.stdout and "(disk-bound)" in text.stdout
+    # Quantized: the layers on disk are read packed (offload(cache_dir=)'s cache file).
+    packed = plan_json("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", "1GiB", "--quantize",
+                       "int8")["plan"]["host_pinned_bytes"]
+    q = plan_json("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(packed * 2 // 3),
+                  "--quantize", "int8")["host"]
+    assert q["from_disk"] and 0 < q["disk_bytes"] < h["disk_bytes"]
     # Training: every weight must be in RAM, so a small host budget is an error.
     r = run("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(streamed // 2), "--train")
     assert r.returncode == 1 and "cannot hold the streamed weights" in r.stderr

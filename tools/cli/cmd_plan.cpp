@@ -57,7 +57,8 @@ const char* kHelp =
     "  --host-budget SIZE    host RAM for streamed weights, as offload(host_budget=): streamed\n"
     "                        Linear weights of a .safetensors checkpoint that do not fit stay\n"
     "                        in the file and are read on every use (inference; with --train\n"
-    "                        or --quantize every weight must fit in RAM)\n"
+    "                        every weight must fit in RAM; with --quantize they are read packed\n"
+    "                        from offload(cache_dir=)'s cache file)\n"
     "  --disk-gbps X         the disk's read bandwidth in GB/s for the disk tier (default 2)\n"
     "  --json                print the plan as one JSON object\n"
     "  --list-models         print the built-in model names and exit\n"
@@ -306,7 +307,7 @@ int cmd_plan(int argc, char** argv) {
     } catch (const Error& e) {
       return usage_error("--host-budget: " + e.message());
     }
-    host_disk_section(plan, gguf || !have_checkpoint || opt.training || opt.quantize != Quantization::None,
+    host_disk_section(plan, gguf || !have_checkpoint || opt.training,
                       host_budget, disk_gbps, &host_text, &host_json);
   }
 

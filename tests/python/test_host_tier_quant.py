@@ -1,0 +1,198 @@
+"""quantize= with a disk tier (docs/design/host-tier.md, "The quantization cache
+file"; core/io/quant_cache.h): frozen Linear weights of load_safetensors() that do
+not fit in host_budget are packed once into a cache file under cache_dir= and
+streamed packed from it; outputs and LoRA gradients equal the same model quantized
+in RAM; the cache is reused while valid and rebuilt when stale; a write that fails
+(no space) is a clear error that leaves nothing behind."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import layerstream
+from layerstream import FileWeight, LayerstreamError
+
+from test_host_tier import N, _ids, _layer_bytes, _lora, _meta, _quarter, _reference, _save
+
+
+def _loaded(path):
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    return model.requires_grad_(False)
+
+
+def _budget(ref):
+    """Host RAM under the packed bytes of both formats: the Linear layers go to disk."""
+    return _layer_bytes(ref) // 12 + ref.emb.weight.numel() * 4
+
+
+def _cache_file(handle):
+    files = handle.host_plan["cache_files"]
+    assert len(files) == 1
+    return files[0]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_disk_tier_streams_packed_bytes_from_the_cache_and_equals_the_model_quantized_in_ram(tmp_path, fmt):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    cache = tmp_path / "cache"
+    model, in_ram = _loaded(path), _loaded(path)
+    budget = _budget(ref)
+    handle = layerstream.offload(model, device="sim", quantize=fmt, host_budget=budget, cache_dir=cache)
+    ram = layerstream.offload(in_ram, device="sim", quantize=fmt)
+    assert isinstance(model.layers[0].weight, FileWeight)  # on disk: the module keeps its stand-in
+    assert ram.host_plan["disk_bytes"] == 0 and not isinstance(in_ram.layers[0].weight, FileWeight)
+    cache_file = _cache_file(handle)
+    assert os.path.dirname(cache_file) == str(cache) and f".{fmt}." in os.path.basename(cache_file)
+    assert "packed in " + cache_file in handle.plan
+    # The disk holds the packed bytes: fewer than dense.
+    packed = handle.host_plan["disk_bytes"]
+    assert packed < _layer_bytes(ref) * (0.4 if fmt == "int8" else 0.25)
+    ours, theirs = _lora(model), _lora(in_ram)
+    for step in range(3):
+        ids = _ids()
+        out, want = model(ids), in_ram(ids)
+        assert torch.equal(out, want), f"step {step}"
+        out.square().mean().backward()
+        want.square().mean().backward()
+        for name in ours:
+            for p, q in zip(ours[name], theirs[name]):
+                assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
+                p.grad = q.grad = None
+    stats = handle.stats()
+    assert stats["disk_layers"] == N + 1 and stats["ordering_errors"] == 0
+    assert 0 < stats["disk_read_bytes"] and stats["staging_entry_bytes"] * 2 <= budget
+    # A .safetensors file any tool reads: one U8 tensor per weight, metadata saying what it was built from.
+    with safe_open(cache_file, "pt") as f:
+        meta = f.metadata()
+        assert meta["format"] == fmt and meta["layerstream.quant_cache"] == "1"
+        assert os.path.realpath(path) in meta["sources"]
+        assert sorted(f.keys()) == sorted(n for n, _ in ref.named_parameters()
+                                          if n.endswith("weight") and not n.startswith(("emb", "norm")))
+        assert f.get_tensor("layers.0.weight").dtype == torch.uint8
+    handle.detach()
+    assert isinstance(model.layers[0].weight, FileWeight)
+
+
+def test_the_cache_is_reused_while_valid_and_rebuilt_when_stale(tmp_path):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    cache = tmp_path / "cache"
+    budget = _budget(ref)
+
+    def run(source=path, fmt="int8"):
+        model = _loaded(source)
+        handle = layerstream.offload(model, device="sim", quantize=fmt, host_budget=budget, cache_dir=cache)
+        with torch.no_grad():
+            out = model(_ids())
+        f = _cache_file(handle)
+        handle.detach()
+        return out, f, os.stat(f).st_ino
+
+    first, f, inode = run()
+    again, f2, inode2 = run()
+    assert f2 == f and inode2 == inode and torch.equal(again, first)  # reused: not rewritten
+
+    # Another format: another file; the first stays.
+    _, f_nf4, _ = run(fmt="nf4")
+    assert f_nf4 != f and os.path.exists(f)
+
+    # A cache of another version (or whose metadata differs): rebuilt, never read.
+    with safe_open(f, "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+        meta = dict(h.metadata(), **{"layerstream.quant_cache": "0"})
+    tensors["layers.0.weight"] = torch.zeros_like(tensors["layers.0.weight"])
+    save_file(tensors, f, metadata=meta)
+    tampered = os.stat(f).st_ino
+    out, _, inode3 = run()
+    assert inode3 != tampered and torch.equal(out, first)
+
+    # A truncated cache file: rebuilt.
+    with open(f, "r+b") as h:
+        h.truncate(100)
+    out, _, _ = run()
+    assert torch.equal(out, first)
+
+    # The checkpoint rewritten with other values (other size or mtime): rebuilt from the new values.
+    other = _reference(seed=5)
+    _save(other, path)
+    out, _, inode4 = run()
+    in_ram = _loaded(path)
+    h = layerstream.offload(in_ram, device="sim", quantize="int8")
+    with torch.no_grad():
+        want = in_ram(_ids())
+    h.detach()
+    assert torch.equal(out, want) and not torch.equal(out, first)
+
+
+def test_without_cache_dir_quantized_weights_must_fit_in_ram(tmp_path):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _loaded(path)
+    with pytest.raises(LayerstreamError, match="pass cache_dir="):
+        layerstream.offload(model, device="sim", quantize="int8", host_budget=_quarter(ref) // 8)
+    # With the budget for it, no cache is needed: packed in RAM, as without a host budget.
+    handle = layerstream.offload(_loaded(path), device="sim", quantize="int8", host_budget=_layer_bytes(ref),
+                                 cache_dir=tmp_path / "unused")
+    assert handle.host_plan["disk_bytes"] == 0 and "cache_files" not in handle.host_plan
+    assert not (tmp_path / "unused").exists()
+
+
+def test_a_cache_file_that_cannot_be_written_is_a_clear_error_and_leaves_nothing(tmp_path):
+    """No space (here: a file-size limit, which fails the write the same way ENOSPC
+    does, half-way): the error names the cache file and says what to change; no
+    partial file stays; the model is as it was and offload() works once there is room."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    cache = tmp_path / "cache"
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        sys.path[:0] = {sys.path!r}
+        import torch, layerstream
+        from layerstream import FileWeight, LayerstreamError
+        from test_host_tier import _meta, _reference
+        from test_host_tier_quant import _budget
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        model = _meta()
+        layerstream.load_safetensors(model, {path!r})
+        model.requires_grad_(False)
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (12000, hard))
+        try:
+            layerstream.offload(model, device="sim", quantize="int8", host_budget=_budget(_reference()),
+                                cache_dir={str(cache)!r})
+        except LayerstreamError as e:
+            print("ERROR:", e)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+        assert all(isinstance(m.weight, FileWeight) for m in model.layers), "the model changed"
+        h = layerstream.offload(model, device="sim", quantize="int8", host_budget=_budget(_reference()),
+                                cache_dir={str(cache)!r})
+        print("OK", h.stats()["disk_layers"])
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    err = next(line for line in run.stdout.splitlines() if line.startswith("ERROR:"))
+    assert "writing the quantization cache file" in err and str(cache) in err and "File too large" in err
+    assert "pass another cache_dir=" in err
+    assert f"OK {N + 1}" in run.stdout
+    leftovers = [n for n in os.listdir(cache) if ".tmp-" in n]
+    assert leftovers == []
+
+
+def test_a_weight_with_nan_is_refused_before_anything_changes(tmp_path):
+    ref = _reference()
+    with torch.no_grad():
+        ref.layers[3].weight[2, 5] = float("nan")
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _loaded(path)
+    with pytest.raises(LayerstreamError, match=r"cannot quantize 'layers\.3\.weight' of .*m\.safetensors to int8"):
+        layerstream.offload(model, device="sim", quantize="int8", host_budget=_budget(ref), cache_dir=tmp_path / "c")
+    assert all(isinstance(m.weight, FileWeight) for m in model.layers)
+    assert os.listdir(tmp_path / "c") == []
