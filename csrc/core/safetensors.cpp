@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <system_error>
 
@@ -298,6 +299,42 @@ Checkpoint read_index(const std::string& user_path, const std::string& index_pat
   return ck;
 }
 
+// A diffusers pipeline's root (model_index.json beside a folder per
+// component) is not one model's checkpoint: an error listing the component
+// folders that hold weights, with their class from model_index.json.
+void check_not_a_pipeline(const std::string& path) {
+  std::error_code ec;
+  const fs::path root(path);
+  if (!fs::exists(root / "model_index.json", ec)) return;
+  json::Value index;
+  try {
+    std::ifstream f(root / "model_index.json", std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    index = json::parse(text, (root / "model_index.json").string());
+  } catch (const Error&) {
+    // Unreadable: the folders are still listed, without classes.
+  }
+  std::vector<std::string> parts;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    if (!e.is_directory(ec)) continue;
+    bool weights = false;
+    for (const auto& f : fs::directory_iterator(e.path(), ec))
+      weights = weights || ends_with(f.path().filename().string(), ".safetensors") ||
+                ends_with(f.path().filename().string(), ".safetensors.index.json");
+    if (!weights) continue;
+    std::string part = "'" + e.path().string() + "'";
+    const json::Value* entry = index.find(e.path().filename().string());  // ["diffusers", "AutoencoderKL"]
+    if (entry && entry->is_array() && !entry->array.empty() && entry->array.back().is_string())
+      part += " (" + entry->array.back().text + ")";
+    parts.push_back(part);
+  }
+  std::sort(parts.begin(), parts.end());
+  std::string list;
+  for (const auto& p : parts) list += (list.empty() ? "" : ", ") + p;
+  LS_FAIL(q(path), " is a diffusers pipeline (it holds model_index.json), not one model's checkpoint; pass the "
+          "folder of one component: ", list.empty() ? "(none of its folders holds a .safetensors file)" : list);
+}
+
 }  // namespace
 
 Checkpoint read_checkpoint(const std::string& path) {
@@ -305,7 +342,8 @@ Checkpoint read_checkpoint(const std::string& path) {
   auto st = fs::status(path, ec);
   LS_CHECK(!ec && fs::exists(st), "checkpoint ", q(path), " does not exist");
   if (fs::is_directory(st)) {
-    std::vector<std::string> indexes, files;
+    check_not_a_pipeline(path);
+    std::vector<std::string> indexes, files, variants;
     for (const auto& e : fs::directory_iterator(path, ec)) {
       if (!e.is_regular_file(ec)) continue;
       std::string name = e.path().filename().string();
@@ -313,13 +351,23 @@ Checkpoint read_checkpoint(const std::string& path) {
         indexes.push_back(e.path().string());
       else if (ends_with(name, ".safetensors"))
         files.push_back(e.path().string());
+      else if (ends_with(name, ".json") && name.find(".safetensors.index.") != std::string::npos)
+        variants.push_back(name);  // save_pretrained(variant="fp16"): *.safetensors.index.fp16.json
     }
     LS_CHECK(!ec, "cannot list directory ", q(path), ": ", ec.message());
     std::sort(indexes.begin(), indexes.end());
     std::sort(files.begin(), files.end());
+    std::sort(variants.begin(), variants.end());
     if (indexes.size() == 1) return read_index(path, indexes[0]);
     LS_CHECK(indexes.empty(), "directory ", q(path), " holds ", indexes.size(),
              " *.safetensors.index.json files; pass the one to use");
+    if (!variants.empty()) {
+      std::string list;
+      for (const auto& v : variants) list += (list.empty() ? "" : ", ") + v;
+      LS_FAIL("directory ", q(path), " holds the index of a variant (", list, ", written by "
+              "save_pretrained(variant=...)) and no *.safetensors.index.json; pass the index to load (or one "
+              ".safetensors file)");
+    }
     LS_CHECK(!files.empty(), "directory ", q(path),
              " holds no .safetensors file and no *.safetensors.index.json");
     LS_CHECK(files.size() == 1, "directory ", q(path), " holds ", files.size(),

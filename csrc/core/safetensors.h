@@ -77,7 +77,9 @@ struct Checkpoint {
 
 // `path` is a .safetensors file, a *.safetensors.index.json (its weight_map
 // names shard files relative to the index), or a directory holding exactly
-// one index json or exactly one .safetensors file.
+// one index json or exactly one .safetensors file. A diffusers pipeline's
+// root (model_index.json) and a directory whose only index is a variant's
+// (*.safetensors.index.fp16.json) are errors saying what to pass instead.
 Checkpoint read_checkpoint(const std::string& path);
 
 }  // namespace layerstream

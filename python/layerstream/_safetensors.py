@@ -12,9 +12,6 @@ it there and streams it from disk when the host budget cannot hold it
 """
 from __future__ import annotations
 
-import json
-import os
-import re
 from typing import Dict
 
 import torch
@@ -43,49 +40,6 @@ def _stays_in_file(holders, target: torch.Tensor, dtype: torch.dtype) -> bool:
         return False
     return all(k in ("weight", "bias") and m._parameters.get(k) is target and _is_streamable(m) == "linear"
                and _stock_forward(m, "linear") for m, k in holders)
-
-
-def _holds_safetensors(folder: str) -> bool:
-    try:
-        return os.path.isdir(folder) and any(f.endswith(".safetensors") for f in os.listdir(folder))
-    except OSError:
-        return False
-
-
-def _check_directory(who: str, path: str, model: nn.Module) -> None:
-    """Directories that the reader's rule (the one ``*.safetensors.index.json``, else
-    the one ``.safetensors`` file) refuses without saying what to pass instead: a
-    diffusers pipeline (``model_index.json`` beside a folder per component), and a
-    diffusers component saved only as a variant (``save_pretrained(variant="fp16")``
-    writes ``diffusion_pytorch_model.safetensors.index.fp16.json``)."""
-    if not os.path.isdir(path):
-        return
-    names = sorted(os.listdir(path))
-    if "model_index.json" in names:
-        try:
-            with open(os.path.join(path, "model_index.json")) as f:
-                index = json.load(f)
-        except (OSError, ValueError):
-            index = {}
-        parts = [n for n in names if _holds_safetensors(os.path.join(path, n))]
-        cls = type(model).__name__
-        mine = [n for n in parts if isinstance(index, dict) and isinstance(index.get(n), list)  # [library, class]
-                and index[n][-1:] == [cls]]
-        if mine:
-            what = (f"{' or '.join(repr(os.path.join(path, n)) for n in mine)} (a {cls} in model_index.json, "
-                    f"as this model)")
-        elif parts:
-            what = f"one of {', '.join(repr(os.path.join(path, n)) for n in parts)}"
-        else:
-            what = "one (none of its folders holds a .safetensors file)"
-        raise LayerstreamError(f"{who}: {path!r} is a diffusers pipeline (it holds model_index.json), not one "
-                               f"model's checkpoint; pass the folder of this model's component: {what}")
-    if not any(n.endswith(".safetensors.index.json") for n in names):
-        variants = [n for n in names if re.fullmatch(r".+\.safetensors\.index\.[^.]+\.json", n)]
-        if variants:
-            raise LayerstreamError(f"{who}: {path!r} holds the index of a variant ({', '.join(variants)}, written "
-                                   f"by save_pretrained(variant=...)) and no *.safetensors.index.json; pass the "
-                                   f"index to load (or one .safetensors file)")
 
 
 def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename: Rename = None) -> LoadReport:
@@ -129,7 +83,6 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
         raise LayerstreamError("load_safetensors(): the model is offloaded (layerstream holds its weights); call "
                                "handle.detach() first, then load_safetensors() and offload() again")
     who = f"load_safetensors({str(path)!r})"
-    _check_directory(who, str(path), model)
     ck = _C.read_checkpoint(str(path))
     slots, holders, persistent = tensor_slots(model)
     plan = []  # (record, model name)
