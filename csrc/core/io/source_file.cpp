@@ -92,12 +92,6 @@ optim::ThreadPool& SourceFile::readers() {
   return *pool;
 }
 
-void SourceFile::will_need(uint64_t offset, uint64_t bytes) const {
-#ifdef POSIX_FADV_WILLNEED
-  ::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes), POSIX_FADV_WILLNEED);
-#endif
-}
-
 void SourceFile::drop_page_cache() const {
 #ifdef POSIX_FADV_DONTNEED
   ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);

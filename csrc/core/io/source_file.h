@@ -52,10 +52,6 @@ class SourceFile {
   // A process-wide pool of 4 reader threads (created on first use).
   static optim::ThreadPool& readers();
 
-  // Asks the kernel to start reading [offset, offset + bytes) into the page
-  // cache now (posix_fadvise WILLNEED), without waiting: a read() of it later
-  // finds the pages there or in flight.
-  void will_need(uint64_t offset, uint64_t bytes) const;
   // Asks the kernel to drop the file's pages from the page cache
   // (posix_fadvise DONTNEED): benchmarks read it cold.
   void drop_page_cache() const;

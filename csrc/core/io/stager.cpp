@@ -112,10 +112,6 @@ void Stager::issue_read(int entry, int layer, bool ahead) {
   const std::vector<StagedPart>& parts = layers_[static_cast<size_t>(layer)];
   uint64_t total = 0;
   const std::vector<uint64_t> off = part_offsets(parts, &total);
-  // The kernel starts reading now, while the staging stream works through the
-  // reads queued before this one (docs/design/host-tier.md, "Reading").
-  for (const StagedPart& p : parts)
-    if (p.file) p.file->will_need(p.offset, p.bytes);
   backend_.declare_access(e.buf.ref(), Access::Write, stage_, "staging read of '" + parts[0].tensor + "'");
   char* dst = static_cast<char*>(e.buf.data());
   optim::ThreadPool* pool = readers_.get();
