@@ -1,0 +1,575 @@
+// layerstream — lossless weights: the codec. See lossless.h and
+// docs/design/quant-formats.md ("lossless").
+#include "lossless.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <thread>
+
+#include "error.h"
+#include "optim/thread_pool.h"
+
+namespace layerstream {
+namespace lossless {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the coded format is read and written as little-endian");
+
+namespace {
+
+constexpr char kMagic[4] = {'L', 'S', 'L', 'L'};
+constexpr int kTableBits = kMaxCodeLength;  // decode table: 2^12 entries
+
+// ---- element split: symbol byte, raw byte, low 16 bits (f32 only) ----
+// join(sym(v), raw(v), low(v)) == v.
+// bf16: symbol = exponent, raw = sign | mantissa.
+struct Bf16 {
+  using T = uint16_t;
+  static uint8_t sym(T v) { return static_cast<uint8_t>(v >> 7); }
+  static uint8_t raw(T v) { return static_cast<uint8_t>(((v >> 8) & 0x80) | (v & 0x7F)); }
+  static T join(uint8_t s, uint8_t r, uint16_t) {
+    return static_cast<T>(((r & 0x80) << 8) | (s << 7) | (r & 0x7F));
+  }
+};
+// f16: symbol = high byte (sign, exponent, top 2 mantissa bits), raw = low byte.
+struct F16 {
+  using T = uint16_t;
+  static uint8_t sym(T v) { return static_cast<uint8_t>(v >> 8); }
+  static uint8_t raw(T v) { return static_cast<uint8_t>(v); }
+  static T join(uint8_t s, uint8_t r, uint16_t) { return static_cast<T>((s << 8) | r); }
+};
+// f32: the high half as bf16, the low half kept.
+struct F32 {
+  using T = uint32_t;
+  static uint8_t sym(T v) { return Bf16::sym(static_cast<uint16_t>(v >> 16)); }
+  static uint8_t raw(T v) { return Bf16::raw(static_cast<uint16_t>(v >> 16)); }
+  static uint16_t low(T v) { return static_cast<uint16_t>(v); }
+  static T join(uint8_t s, uint8_t r, uint16_t lo) { return (T{Bf16::join(s, r, 0)} << 16) | lo; }
+};
+
+// Calls fn(Split{}) with the split of dtype d.
+template <class Fn>
+void with_split(Dtype d, const Fn& fn) {
+  switch (d) {
+    case Dtype::BF16: fn(Bf16{}); return;
+    case Dtype::F16: fn(F16{}); return;
+    case Dtype::F32: fn(F32{}); return;
+  }
+  LS_FAIL("lossless: unknown dtype ", static_cast<int>(d));
+}
+
+template <class T>
+T load(const void* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class T>
+void store(void* p, T v) {
+  std::memcpy(p, &v, sizeof v);
+}
+// Element i of a source (which may be unaligned, e.g. in a mapped file).
+template <class S>
+typename S::T elem(const void* src, int64_t i) {
+  return load<typename S::T>(static_cast<const uint8_t*>(src) + sizeof(typename S::T) * size_t(i));
+}
+
+// The dtype code stored in the header.
+uint8_t dtype_code(Dtype d) { return d == Dtype::BF16 ? 1 : d == Dtype::F16 ? 2 : 3; }
+
+// ---- threads ----
+// num_threads 0: one per hardware thread, at least 2^17 elements each.
+int resolve_threads(int num_threads, int64_t numel) {
+  if (num_threads > 0) return std::min(num_threads, 1024);
+  const int64_t hw = std::max<unsigned>(1, std::thread::hardware_concurrency());
+  return static_cast<int>(std::clamp<int64_t>(numel >> 17, 1, std::min<int64_t>(hw, 256)));
+}
+
+// Runs fn(task, begin, end) over [0, units) cut into `tasks` contiguous
+// ranges, on up to `threads` threads. Exceptions: the lowest range's is rethrown.
+template <class Fn>
+void for_ranges(int64_t units, int64_t tasks, int threads, const Fn& fn) {
+  tasks = std::clamp<int64_t>(tasks, 1, std::max<int64_t>(units, 1));
+  const int64_t per = units / tasks, extra = units % tasks;
+  const auto range = [&](int64_t t) {
+    fn(t, per * t + std::min(t, extra), per * (t + 1) + std::min(t + 1, extra));
+  };
+  if (threads <= 1 || tasks == 1) {
+    for (int64_t t = 0; t < tasks; ++t) range(t);
+    return;
+  }
+  optim::ThreadPool pool(static_cast<int>(std::min<int64_t>(threads, tasks)));
+  pool.run(tasks, range);
+}
+
+// Block ranges per thread: a few each, so that a slow thread does not hold up the rest.
+int64_t block_tasks(int threads) { return threads <= 1 ? 1 : 4 * int64_t{threads}; }
+
+// ---- the code ----
+// True if the lengths are a code the format allows: no length over 12, and
+// a complete prefix code (Kraft sum 1), a single symbol of length 1, or none.
+bool valid_lengths(const uint8_t len[256]) {
+  uint32_t kraft = 0, used = 0;  // kraft in units of 2^-12
+  for (int s = 0; s < 256; ++s) {
+    if (len[s] == 0) continue;
+    if (len[s] > kMaxCodeLength) return false;
+    kraft += 1u << (kMaxCodeLength - len[s]);
+    ++used;
+  }
+  return kraft == (1u << kMaxCodeLength) || used == 0 || (used == 1 && kraft == (1u << (kMaxCodeLength - 1)));
+}
+
+// Canonical codes of DEFLATE (RFC 1951, 3.2.2): shorter codes first, within a
+// length by symbol. The lengths must be valid_lengths().
+void canonical_codes(const uint8_t len[256], uint16_t code[256]) {
+  uint32_t count[kMaxCodeLength + 1] = {}, next[kMaxCodeLength + 1] = {};
+  for (int s = 0; s < 256; ++s) ++count[len[s]];
+  count[0] = 0;
+  uint32_t c = 0;
+  for (int l = 1; l <= kMaxCodeLength; ++l) {
+    c = (c + count[l - 1]) << 1;
+    next[l] = c;
+  }
+  for (int s = 0; s < 256; ++s) code[s] = len[s] ? static_cast<uint16_t>(next[len[s]]++) : 0;
+}
+
+// Encode table: code << 4 | length per symbol (0: the symbol has no code).
+std::array<uint32_t, 256> encode_table(const uint8_t len[256]) {
+  uint16_t code[256];
+  canonical_codes(len, code);
+  std::array<uint32_t, 256> enc{};
+  for (int s = 0; s < 256; ++s) enc[size_t(s)] = uint32_t{code[s]} << 4 | len[s];
+  return enc;
+}
+
+// Decode table: the next 12 stream bits index it, and an entry decodes one or
+// two symbols: bits 0-3 the bits they take, kTwo if two, kNoCode if no code
+// starts with these bits (then it takes 0 bits), bits 8-15 the first symbol,
+// bits 16-23 the second.
+constexpr uint32_t kTwo = 1u << 4, kNoCode = 1u << 5;
+std::vector<uint32_t> decode_table(const uint8_t len[256]) {
+  uint16_t code[256];
+  canonical_codes(len, code);
+  std::vector<uint16_t> one(size_t{1} << kTableBits, 0);  // symbol << 4 | length; 0: no code
+  for (int s = 0; s < 256; ++s) {
+    if (len[s] == 0) continue;
+    const uint32_t shift = kTableBits - len[s];
+    const uint32_t first = uint32_t{code[s]} << shift;
+    std::fill(one.begin() + first, one.begin() + first + (1u << shift), static_cast<uint16_t>(s << 4 | len[s]));
+  }
+  std::vector<uint32_t> table(one.size());
+  for (uint32_t i = 0; i < one.size(); ++i) {
+    const uint32_t a = one[i], la = a & 15;
+    // The second code is known when it ends within the 12 bits (a prefix code:
+    // whatever bits follow, the lookup of the rest finds the same code).
+    const uint32_t b = one[(i << la) & (one.size() - 1)], lb = b & 15;
+    if (la == 0)
+      table[i] = kNoCode;
+    else if (lb != 0 && la + lb <= kTableBits)
+      table[i] = (b >> 4) << 16 | (a >> 4) << 8 | kTwo | (la + lb);
+    else
+      table[i] = (a >> 4) << 8 | la;
+  }
+  return table;
+}
+
+using Histogram = std::array<uint64_t, 256>;
+
+template <class S>
+Histogram histogram(const void* src, int64_t numel, int threads) {
+  std::vector<Histogram> parts(static_cast<size_t>(threads), Histogram{});
+  for_ranges(numel, threads, threads, [&](int64_t t, int64_t a, int64_t b) {
+    // Four interleaved counters: repeated symbols do not wait on each other's stores.
+    uint32_t h[4][256] = {};
+    Histogram& out = parts[static_cast<size_t>(t)];
+    int64_t i = a;
+    while (i < b) {
+      const int64_t stop = std::min(b, i + (int64_t{1} << 30));  // no uint32 overflow
+      for (; i + 4 <= stop; i += 4)
+        for (int k = 0; k < 4; ++k) ++h[k][S::sym(elem<S>(src, i + k))];
+      for (; i < stop; ++i) ++h[0][S::sym(elem<S>(src, i))];
+      for (int s = 0; s < 256; ++s) {
+        out[static_cast<size_t>(s)] += uint64_t{h[0][s]} + h[1][s] + h[2][s] + h[3][s];
+        h[0][s] = h[1][s] = h[2][s] = h[3][s] = 0;
+      }
+    }
+  });
+  Histogram total{};
+  for (const Histogram& p : parts)
+    for (int s = 0; s < 256; ++s) total[static_cast<size_t>(s)] += p[static_cast<size_t>(s)];
+  return total;
+}
+
+void check_block_elems(int64_t block_elems) {
+  LS_CHECK(block_elems >= kMinBlockElems && block_elems <= kMaxBlockElems &&
+               (block_elems & (block_elems - 1)) == 0,
+           "lossless: the block size must be a power of two in [", kMinBlockElems, ", ",
+           kMaxBlockElems, "], got ", block_elems);
+}
+
+Layout make_layout(Dtype dtype, int64_t numel, int64_t block_elems) {
+  LS_CHECK(dtype == Dtype::BF16 || dtype == Dtype::F16 || dtype == Dtype::F32, "lossless: unknown dtype ",
+           static_cast<int>(dtype));
+  LS_CHECK(numel >= 0 && numel <= kMaxNumel, "lossless: cannot code ", numel,
+           " elements (0 to 2^56 are accepted)");
+  check_block_elems(block_elems);
+  Layout L;
+  L.dtype = dtype;
+  L.numel = numel;
+  L.block_elems = block_elems;
+  L.num_blocks = (numel + block_elems - 1) / block_elems;
+  return L;
+}
+
+// Words of a block of n elements whose codes total `bits`.
+uint64_t words_for(uint64_t bits) { return (bits + 31) / 32; }
+
+// ---- one block ----
+// Codes the n elements of src into `words` (room for words_for(12 n) + 1:
+// the loop stores a word every element, the next one overwrites an unfinished
+// one), their raw bytes into raw and (f32) low halves into low. Returns the
+// number of words; sets *missing if a symbol has no code.
+template <class S>
+uint64_t encode_block(const void* src, int64_t n, const uint32_t* enc, uint8_t* raw, uint8_t* low,
+                      uint32_t* words, bool* missing) {
+  uint64_t acc = 0, w = 0;  // pending bits: the low `have` bits of acc
+  uint32_t have = 0, none = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const typename S::T v = elem<S>(src, i);
+    const uint32_t e = enc[S::sym(v)], l = e & 15;
+    none |= e == 0;
+    acc = (acc << l) | (e >> 4);
+    have += l;  // <= 31 + 12
+    words[w] = static_cast<uint32_t>(acc >> (have & 31));  // a whole word once have >= 32
+    w += have >> 5;
+    have &= 31;
+    raw[i] = S::raw(v);
+    if constexpr (sizeof(v) == 4) store(low + 2 * i, S::low(v));
+  }
+  if (have > 0) words[w++] = static_cast<uint32_t>(acc << (32 - have));
+  *missing = none != 0;
+  return w;
+}
+
+template <class S>
+void decode_block(const uint8_t* words, uint64_t num_words, const uint32_t* table, const uint8_t* len,
+                  const uint8_t* raw, const uint8_t* low, uint8_t* out, int64_t n, int64_t block) {
+  using T = typename S::T;
+  uint64_t win = 0, w = 0;  // window: the next `have` stream bits, MSB first
+  int have = 0;
+  uint32_t bad = 0;
+  const auto refill = [&] {
+    if (have < kMaxCodeLength) {
+      const uint64_t x = w < num_words ? load<uint32_t>(words + 4 * w) : 0;  // zeros past the end
+      ++w;
+      win |= x << (32 - have);
+      have += 32;
+    }
+  };
+  const auto put = [&](int64_t i, uint32_t sym) {
+    uint16_t lo = 0;
+    if constexpr (sizeof(T) == 4) lo = load<uint16_t>(low + 2 * i);
+    store(out + sizeof(T) * size_t(i), S::join(static_cast<uint8_t>(sym), raw[i], lo));
+  };
+  int64_t i = 0;
+  while (i + 1 < n) {  // one or two symbols a lookup
+    refill();
+    const uint32_t e = table[win >> (64 - kTableBits)];
+    put(i, e >> 8);
+    put(i + 1, e >> 16);  // rewritten next time if only one symbol was decoded
+    bad |= e & kNoCode;
+    win <<= e & 15;
+    have -= static_cast<int>(e & 15);
+    i += (e & kTwo) ? 2 : 1;
+  }
+  if (i < n) {  // the last symbol alone
+    refill();
+    const uint32_t e = table[win >> (64 - kTableBits)], l = (e & kNoCode) ? 0 : len[(e >> 8) & 0xFF];
+    put(i, e >> 8);
+    bad |= e & kNoCode;
+    win <<= l;
+    have -= static_cast<int>(l);
+  }
+  const uint64_t used_bits = 32 * w - static_cast<uint64_t>(have);
+  LS_CHECK(!bad, "lossless: corrupt buffer: block ", block, " holds a bit pattern that is no code");
+  LS_CHECK(words_for(used_bits) == num_words && win == 0, "lossless: corrupt buffer: block ", block,
+           " has ", num_words, " stream words but its ", n, " codes take ", used_bits,
+           " bits (or its padding bits are not zero)");
+}
+
+// ---- header ----
+void write_header(const Layout& L, const uint8_t len[256], uint8_t* dst) {
+  uint8_t h[kHeaderBytes] = {};
+  std::memcpy(h, kMagic, 4);
+  store(h + 4, static_cast<uint16_t>(kVersion));
+  h[6] = dtype_code(L.dtype);
+  h[7] = *std::max_element(len, len + 256);
+  store(h + 8, static_cast<uint64_t>(L.numel));
+  store(h + 16, static_cast<uint32_t>(L.block_elems));
+  store(h + 24, static_cast<uint64_t>(L.num_blocks));
+  store(h + 32, L.stream_words);
+  store(h + 40, static_cast<uint64_t>(L.total_bytes()));
+  for (int s = 0; s < 256; s += 2) h[64 + s / 2] = static_cast<uint8_t>(len[s] << 4 | len[s + 1]);
+  std::memcpy(dst, h, kHeaderBytes);
+}
+
+bool all_zero(const uint8_t* p, size_t n) {
+  return std::all_of(p, p + n, [](uint8_t b) { return b == 0; });
+}
+
+}  // namespace
+
+size_t element_bytes(Dtype d) { return d == Dtype::F32 ? 4 : 2; }
+
+void code_lengths(const uint64_t freq[256], uint8_t lengths[256]) {
+  std::fill(lengths, lengths + 256, uint8_t{0});
+  std::vector<int> syms;
+  uint64_t total = 0;
+  for (int s = 0; s < 256; ++s) {
+    if (freq[s] == 0) continue;
+    syms.push_back(s);
+    LS_CHECK(freq[s] <= uint64_t{kMaxNumel} - total, "lossless: symbol frequencies over 2^56 in all");
+    total += freq[s];
+  }
+  const size_t n = syms.size();
+  if (n <= 1) {
+    if (n == 1) lengths[syms[0]] = 1;  // one code, "0"
+    return;
+  }
+  std::sort(syms.begin(), syms.end(), [&](int a, int b) { return freq[a] != freq[b] ? freq[a] < freq[b] : a < b; });
+  // Package-merge (Larmore & Hirschberg 1990): level d holds the leaves and the
+  // packages (pairs) of level d + 1's list, ascending by weight. The first
+  // 2n - 2 items of level 1 are an optimal choice; each time a leaf is chosen
+  // (directly, or inside a chosen package) its code gets one bit longer.
+  struct Item {
+    uint64_t weight;
+    int leaf;  // index into syms, or -1 for a package
+  };
+  std::vector<Item> leaves(n);
+  for (size_t i = 0; i < n; ++i) leaves[i] = {freq[syms[i]], static_cast<int>(i)};
+  std::vector<std::vector<Item>> level(kMaxCodeLength);  // level[0]: depth 12, level[11]: depth 1
+  level[0] = leaves;
+  for (int d = 1; d < kMaxCodeLength; ++d) {
+    const std::vector<Item>& deeper = level[static_cast<size_t>(d - 1)];
+    std::vector<Item>& cur = level[static_cast<size_t>(d)];
+    size_t li = 0, pi = 0;
+    const size_t packages = deeper.size() / 2;
+    while (li < n || pi < packages) {
+      const uint64_t pw = pi < packages ? deeper[2 * pi].weight + deeper[2 * pi + 1].weight : 0;
+      if (pi == packages || (li < n && leaves[li].weight <= pw)) {
+        cur.push_back(leaves[li++]);
+      } else {
+        cur.push_back({pw, -1});
+        ++pi;
+      }
+    }
+  }
+  size_t take = 2 * n - 2;
+  for (int d = kMaxCodeLength - 1; d >= 0 && take > 0; --d) {
+    const std::vector<Item>& cur = level[static_cast<size_t>(d)];
+    LS_INTERNAL_CHECK(take <= cur.size());
+    size_t packages = 0;
+    for (size_t i = 0; i < take; ++i) {
+      if (cur[i].leaf >= 0)
+        ++lengths[syms[static_cast<size_t>(cur[i].leaf)]];
+      else
+        ++packages;
+    }
+    take = 2 * packages;
+  }
+}
+
+Analysis analyze(Dtype dtype, const void* src, int64_t numel, int num_threads, int64_t block_elems) {
+  Analysis A;
+  A.layout = make_layout(dtype, numel, block_elems);
+  LS_CHECK(numel == 0 || src != nullptr, "lossless: the source of ", numel, " elements is null");
+  const Layout& L = A.layout;
+  const int threads = resolve_threads(num_threads, numel);
+  A.block_offsets.assign(static_cast<size_t>(L.num_blocks) + 1, 0);
+  with_split(dtype, [&](auto split) {
+    using S = decltype(split);
+    const Histogram hist = histogram<S>(src, numel, threads);
+    code_lengths(hist.data(), A.code_lengths);
+    // Each block's size in words (stored shifted by one; the prefix sum makes offsets).
+    for_ranges(L.num_blocks, block_tasks(threads), threads, [&](int64_t, int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t i1 = std::min(numel, (b + 1) * L.block_elems);
+        uint64_t bits = 0;
+        for (int64_t i = b * L.block_elems; i < i1; ++i) bits += A.code_lengths[S::sym(elem<S>(src, i))];
+        A.block_offsets[static_cast<size_t>(b) + 1] = words_for(bits);
+      }
+    });
+  });
+  for (size_t b = 1; b < A.block_offsets.size(); ++b) A.block_offsets[b] += A.block_offsets[b - 1];
+  A.layout.stream_words = A.block_offsets.back();
+  return A;
+}
+
+void encode(const Analysis& A, const void* src, void* dst, size_t dst_bytes, int num_threads) {
+  const Layout& L = A.layout;
+  const Layout want = make_layout(L.dtype, L.numel, L.block_elems);
+  LS_CHECK(L.num_blocks == want.num_blocks && A.block_offsets.size() == size_t(L.num_blocks) + 1 &&
+               A.block_offsets[0] == 0 && A.block_offsets.back() == L.stream_words &&
+               std::is_sorted(A.block_offsets.begin(), A.block_offsets.end()),
+           "lossless: encode() needs the Analysis that analyze() returned");
+  LS_CHECK(dst_bytes >= L.total_bytes(), "lossless: the destination holds ", dst_bytes,
+           " bytes; the coded tensor needs ", L.total_bytes());
+  LS_CHECK(L.numel == 0 || src != nullptr, "lossless: the source of ", L.numel, " elements is null");
+  LS_CHECK(valid_lengths(A.code_lengths), "lossless: the Analysis holds invalid code lengths");
+  const std::array<uint32_t, 256> enc = encode_table(A.code_lengths);
+  auto* out = static_cast<uint8_t*>(dst);
+  // Header, offsets, and every padding byte; the sections' contents come next.
+  write_header(L, A.code_lengths, out);
+  std::memcpy(out + L.offsets_offset(), A.block_offsets.data(), 8 * A.block_offsets.size());
+  const size_t ends[4][2] = {{L.offsets_offset() + 8 * A.block_offsets.size(), L.raw_offset()},
+                             {L.raw_offset() + size_t(L.numel), L.low16_offset()},
+                             {L.low16_offset() + L.low16_bytes(), L.stream_offset()},
+                             {L.stream_offset() + 4 * L.stream_words, L.total_bytes()}};
+  for (const auto& gap : ends) std::memset(out + gap[0], 0, gap[1] - gap[0]);
+  const int threads = resolve_threads(num_threads, L.numel);
+  with_split(L.dtype, [&](auto split) {
+    using S = decltype(split);
+    for_ranges(L.num_blocks, block_tasks(threads), threads, [&](int64_t, int64_t b0, int64_t b1) {
+      // A block's words are made here, then copied: a changed source cannot write past them.
+      std::vector<uint32_t> words(words_for(12 * uint64_t(L.block_elems)) + 1);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t i0 = b * L.block_elems, n = std::min(L.numel, i0 + L.block_elems) - i0;
+        const uint64_t w0 = A.block_offsets[size_t(b)], w1 = A.block_offsets[size_t(b) + 1];
+        bool missing = false;
+        const uint64_t made = encode_block<S>(
+            static_cast<const uint8_t*>(src) + sizeof(typename S::T) * size_t(i0), n, enc.data(),
+            out + L.raw_offset() + i0, L.low16_bytes() ? out + L.low16_offset() + 2 * i0 : nullptr,
+            words.data(), &missing);
+        LS_CHECK(!missing && made == w1 - w0, "lossless: the source changed between analyze() and encode() (block ",
+                 b, ")");
+        std::memcpy(out + L.stream_offset() + 4 * w0, words.data(), 4 * made);
+      }
+    });
+  });
+}
+
+std::vector<uint8_t> encode(Dtype dtype, const void* src, int64_t numel, int num_threads,
+                            int64_t block_elems) {
+  const Analysis A = analyze(dtype, src, numel, num_threads, block_elems);
+  std::vector<uint8_t> out(A.total_bytes());
+  encode(A, src, out.data(), out.size(), num_threads);
+  return out;
+}
+
+Header read_header(const void* encoded, size_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(encoded);
+  LS_CHECK(p != nullptr || bytes == 0, "lossless: the coded buffer is null");
+  LS_CHECK(bytes >= kHeaderBytes, "lossless: truncated buffer: ", bytes,
+           " bytes, the header alone is ", kHeaderBytes);
+  LS_CHECK(std::memcmp(p, kMagic, 4) == 0, "lossless: not a coded tensor (the magic is not \"LSLL\")");
+  const uint16_t version = load<uint16_t>(p + 4);
+  LS_CHECK(version == kVersion, "lossless: format version ", version, " is not supported (this build reads ",
+           kVersion, ")");
+  Header H;
+  Layout& L = H.layout;
+  switch (p[6]) {
+    case 1: L.dtype = Dtype::BF16; break;
+    case 2: L.dtype = Dtype::F16; break;
+    case 3: L.dtype = Dtype::F32; break;
+    default: LS_FAIL("lossless: corrupt header: dtype code ", int(p[6]), " (1 bf16, 2 f16, 3 f32)");
+  }
+  H.max_code_length = p[7];
+  const uint64_t numel = load<uint64_t>(p + 8);
+  LS_CHECK(numel <= uint64_t{kMaxNumel}, "lossless: corrupt header: numel ", numel);
+  L.numel = static_cast<int64_t>(numel);
+  L.block_elems = load<uint32_t>(p + 16);
+  check_block_elems(L.block_elems);
+  const int64_t num_blocks = (L.numel + L.block_elems - 1) / L.block_elems;
+  LS_CHECK(load<uint64_t>(p + 24) == uint64_t(num_blocks), "lossless: corrupt header: ",
+           load<uint64_t>(p + 24), " blocks, but ", L.numel, " elements in blocks of ",
+           L.block_elems, " make ", num_blocks);
+  L.num_blocks = num_blocks;
+  L.stream_words = load<uint64_t>(p + 32);
+  // Each code has at most 12 bits; each block pads to a word.
+  LS_CHECK(L.stream_words <= (numel * kMaxCodeLength + 31) / 32 + uint64_t(num_blocks),
+           "lossless: corrupt header: ", L.stream_words, " stream words for ", numel, " elements");
+  LS_CHECK(all_zero(p + 20, 4) && all_zero(p + 48, 16) && all_zero(p + 192, kHeaderBytes - 192),
+           "lossless: corrupt header: reserved bytes are not zero");
+  int max_len = 0, used = 0;
+  for (int s = 0; s < 256; ++s) {
+    H.code_lengths[s] = static_cast<uint8_t>(s % 2 ? p[64 + s / 2] & 15 : p[64 + s / 2] >> 4);
+    max_len = std::max<int>(max_len, H.code_lengths[s]);
+    used += H.code_lengths[s] != 0;
+  }
+  LS_CHECK(max_len == H.max_code_length && (numel == 0) == (used == 0) && valid_lengths(H.code_lengths),
+           "lossless: corrupt header: the code lengths (", used, " symbols, longest ", max_len,
+           ", recorded ", H.max_code_length, ") are not a complete prefix code of at most ",
+           kMaxCodeLength, " bits");
+  const uint64_t total = load<uint64_t>(p + 40);
+  LS_CHECK(total == L.total_bytes(), "lossless: corrupt header: total size ", total, " bytes, the sections make ",
+           L.total_bytes());
+  LS_CHECK(bytes >= total, "lossless: truncated buffer: ", bytes, " bytes of a coded tensor of ", total);
+  // Offsets: from 0, ascending, to stream_words; no block longer than 12 bits a code.
+  const uint8_t* offs = p + L.offsets_offset();
+  LS_CHECK(load<uint64_t>(offs) == 0 && load<uint64_t>(offs + 8 * size_t(num_blocks)) == L.stream_words,
+           "lossless: corrupt block offsets: they must run from 0 to the ", L.stream_words, " stream words");
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint64_t w0 = load<uint64_t>(offs + 8 * size_t(b)), w1 = load<uint64_t>(offs + 8 * size_t(b) + 8);
+    const int64_t n = std::min(L.numel, (b + 1) * L.block_elems) - b * L.block_elems;
+    LS_CHECK(w0 <= w1 && w1 - w0 <= words_for(uint64_t(n) * uint64_t(max_len)),
+             "lossless: corrupt block offsets: block ", b, " spans words ", w0, " to ", w1);
+  }
+  return H;
+}
+
+void decode(const void* encoded, size_t bytes, void* dst, size_t dst_bytes, int num_threads) {
+  const Header H = read_header(encoded, bytes);
+  const Layout& L = H.layout;
+  LS_CHECK(dst_bytes >= size_t(L.numel) * element_bytes(L.dtype), "lossless: the destination holds ",
+           dst_bytes, " bytes; ", L.numel, " ", quant::to_string(L.dtype), " elements need ",
+           size_t(L.numel) * element_bytes(L.dtype));
+  LS_CHECK(L.numel == 0 || dst != nullptr, "lossless: the destination is null");
+  const std::vector<uint32_t> table = decode_table(H.code_lengths);
+  const auto* p = static_cast<const uint8_t*>(encoded);
+  auto* out = static_cast<uint8_t*>(dst);
+  const int threads = resolve_threads(num_threads, L.numel);
+  with_split(L.dtype, [&](auto split) {
+    using S = decltype(split);
+    for_ranges(L.num_blocks, block_tasks(threads), threads, [&](int64_t, int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t i0 = b * L.block_elems, n = std::min(L.numel, i0 + L.block_elems) - i0;
+        const uint64_t w0 = load<uint64_t>(p + L.offsets_offset() + 8 * size_t(b));
+        const uint64_t w1 = load<uint64_t>(p + L.offsets_offset() + 8 * size_t(b) + 8);
+        decode_block<S>(p + L.stream_offset() + 4 * w0, w1 - w0, table.data(), H.code_lengths,
+                        p + L.raw_offset() + i0,
+                        L.low16_bytes() ? p + L.low16_offset() + 2 * i0 : nullptr,
+                        out + sizeof(typename S::T) * size_t(i0), n, b);
+      }
+    });
+  });
+}
+
+size_t max_encoded_bytes(Dtype dtype, int64_t numel, int64_t block_elems) {
+  // The optimal code costs at most 8 bits a symbol (a fixed 8-bit code is one
+  // of the candidates); each block pads to at most one more word.
+  Layout L = make_layout(dtype, numel, block_elems);
+  L.stream_words = uint64_t(numel) / 4 + uint64_t(L.num_blocks);
+  return L.total_bytes();
+}
+
+size_t estimate_encoded_bytes(Dtype dtype, const void* sample, int64_t sample_numel, int64_t numel,
+                              int64_t block_elems) {
+  Layout L = make_layout(dtype, numel, block_elems);
+  LS_CHECK(sample_numel >= 1 && sample_numel <= kMaxNumel && sample != nullptr,
+           "lossless: an estimate needs a sample of at least one element, got ", sample_numel);
+  uint64_t freq[256] = {};
+  with_split(dtype, [&](auto split) {
+    using S = decltype(split);
+    for (int64_t i = 0; i < sample_numel; ++i) ++freq[S::sym(elem<S>(sample, i))];
+  });
+  uint8_t len[256];
+  code_lengths(freq, len);
+  double bits_per_elem = 0;
+  for (int s = 0; s < 256; ++s) bits_per_elem += double(freq[s]) * len[s];
+  bits_per_elem /= double(sample_numel);
+  L.stream_words = uint64_t(bits_per_elem * double(numel) / 32.0) + 1 + uint64_t(L.num_blocks);
+  return L.total_bytes();
+}
+
+}  // namespace lossless
+}  // namespace layerstream

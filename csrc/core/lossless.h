@@ -1,0 +1,127 @@
+// layerstream — lossless weights: floating-point tensors entropy-coded on the
+// host and decoded bit for bit (issue 28; torch-free, CUDA-free).
+//
+// Every element is split into a *symbol* byte, coded with a canonical Huffman
+// code of at most 12 bits per symbol, and raw bits kept as they are:
+//   bf16  symbol = the 8 exponent bits          raw byte = sign << 7 | 7-bit mantissa
+//   f16   symbol = the high byte (sign, 5 exponent bits, top 2 mantissa bits)
+//         raw byte = the low byte (low 8 mantissa bits)
+//   f32   the high half is coded as a bf16 element; the low 16 mantissa bits
+//         are kept as a uint16 (its own section)
+// Weights' exponents carry ~2.6 bits of information, so bf16 weights cost
+// ~10.6 bits per element; a tensor never costs more than its raw size plus
+// 12 bytes per block and 1300 bytes (an 8-bit fixed code is one of the codes
+// the length-limited optimum is chosen from; max_encoded_bytes()).
+//
+// The coded tensor is ONE contiguous, self-describing buffer (little-endian),
+// every section 256-byte aligned and all padding zero:
+//   [ header 256 B | block offsets | raw bytes | low16 (f32) | bit stream ]
+// The elements are cut into blocks of block_elems (a power of two); each
+// block's codes start on a 32-bit word of the stream whose index the offsets
+// section records, so blocks decode independently (CPU threads; one GPU
+// thread per block). Within a little-endian uint32 word the first code bit is
+// the most significant. docs/design/quant-formats.md ("lossless") has the
+// exact layout and the canonical code rule a GPU decoder must follow.
+//
+// Ownership: functions read and write only the caller's buffers. Thread
+// safety: all functions are pure; encode/decode may run concurrently on
+// different buffers. Output is byte-identical for every thread count.
+// Errors (bad arguments, a buffer too small, a corrupt or truncated coded
+// buffer) throw layerstream::Error naming what is wrong; decoding validates
+// everything it reads and never reads or writes outside the given buffers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "quant.h"
+
+namespace layerstream {
+namespace lossless {
+
+using Dtype = quant::SrcDtype;  // F32, BF16, F16 (16-bit ones as raw uint16_t)
+
+constexpr uint32_t kVersion = 1;
+constexpr size_t kHeaderBytes = 256;
+constexpr int kMaxCodeLength = 12;        // bits; a 4096-entry table decodes one symbol
+constexpr int64_t kDefaultBlockElems = 4096;
+constexpr int64_t kMinBlockElems = 64, kMaxBlockElems = int64_t{1} << 20;
+constexpr int64_t kMaxNumel = int64_t{1} << 56;
+// Zero bytes guaranteed after the last stream word (vector loads may run over).
+constexpr size_t kStreamTailBytes = 16;
+
+size_t element_bytes(Dtype d);
+
+// Where the sections of a coded buffer lie (byte offsets from its start).
+struct Layout {
+  Dtype dtype = Dtype::BF16;
+  int64_t numel = 0;
+  int64_t block_elems = kDefaultBlockElems;
+  int64_t num_blocks = 0;     // ceil(numel / block_elems)
+  uint64_t stream_words = 0;  // uint32 words of the bit stream
+
+  // uint64[num_blocks + 1]: block b's words are [offsets[b], offsets[b + 1]).
+  size_t offsets_offset() const { return kHeaderBytes; }
+  size_t raw_offset() const { return align(offsets_offset() + 8 * size_t(num_blocks + 1)); }
+  size_t low16_offset() const { return align(raw_offset() + size_t(numel)); }
+  size_t low16_bytes() const { return dtype == Dtype::F32 ? 2 * size_t(numel) : 0; }
+  size_t stream_offset() const { return align(low16_offset() + low16_bytes()); }
+  size_t total_bytes() const { return align(stream_offset() + 4 * stream_words + kStreamTailBytes); }
+  static size_t align(size_t v) { return quant::PackedLayout::align_up(v); }
+};
+
+// The parsed header of a coded buffer.
+struct Header {
+  Layout layout;
+  int max_code_length = 0;  // 1..12 (0 for an empty tensor)
+  uint8_t code_lengths[256] = {};  // per symbol, 0 = not used
+};
+
+// Length-limited (<= 12 bits) optimal prefix code lengths for the symbol
+// frequencies (package-merge). Unused symbols get 0; a single used symbol
+// gets length 1. Deterministic. Exposed for tests and estimates.
+void code_lengths(const uint64_t freq[256], uint8_t lengths[256]);
+
+// The analysis of one tensor: its code and where every block goes. Made by
+// analyze(), consumed by encode() with the same source.
+struct Analysis {
+  Layout layout;
+  uint8_t code_lengths[256] = {};
+  std::vector<uint64_t> block_offsets;  // num_blocks + 1 word offsets
+  size_t total_bytes() const { return layout.total_bytes(); }
+};
+
+// Histogram, code and per-block sizes of src (numel elements of dtype):
+// the exact coded size is analysis.total_bytes(). num_threads 0 = automatic.
+Analysis analyze(Dtype dtype, const void* src, int64_t numel, int num_threads = 0,
+                 int64_t block_elems = kDefaultBlockElems);
+// Writes the coded buffer of src (the source analyze() saw; throws if it
+// changed) into dst, which holds dst_bytes >= analysis.total_bytes().
+void encode(const Analysis& analysis, const void* src, void* dst, size_t dst_bytes,
+            int num_threads = 0);
+// Both steps, into a new buffer of exactly the coded size.
+std::vector<uint8_t> encode(Dtype dtype, const void* src, int64_t numel, int num_threads = 0,
+                            int64_t block_elems = kDefaultBlockElems);
+
+// Reads and validates the header and the block offsets of a coded buffer of
+// `bytes` bytes (which may exceed the coded size): throws naming the first
+// problem (magic, version, dtype, sizes, code lengths, offsets, truncation).
+Header read_header(const void* encoded, size_t bytes);
+// Decodes into dst (dst_bytes >= numel * element size): bit-identical to the
+// encoded source. Throws on any corruption (the content of dst is then
+// unspecified, nothing outside it is written).
+void decode(const void* encoded, size_t bytes, void* dst, size_t dst_bytes, int num_threads = 0);
+
+// The largest coded size of any tensor of this dtype and size (for sizing
+// buffers before the data is known, e.g. after a weight update).
+size_t max_encoded_bytes(Dtype dtype, int64_t numel, int64_t block_elems = kDefaultBlockElems);
+// Predicted coded size of a numel-element tensor from a sample of its
+// elements (sample_numel >= 1; e.g. strided elements read from a checkpoint):
+// the sample's code applied to numel elements, each block's word padding
+// counted in full (so the estimate leans high).
+size_t estimate_encoded_bytes(Dtype dtype, const void* sample, int64_t sample_numel,
+                              int64_t numel, int64_t block_elems = kDefaultBlockElems);
+
+}  // namespace lossless
+}  // namespace layerstream

@@ -1,0 +1,444 @@
+// Tests for csrc/core/lossless.{h,cpp}: the length-limited code, bit-exact
+// round trips (bf16, f16, f32; special values, all-equal tensors, odd sizes),
+// thread determinism, the coded size, and corrupt or truncated buffers.
+#include "core/lossless.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <queue>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/quant.h"
+
+namespace ll = layerstream::lossless;
+using ll::Dtype;
+
+namespace {
+
+// A tensor's elements as raw bytes (uint16_t or uint32_t bit patterns).
+struct Tensor {
+  Dtype dtype;
+  std::vector<uint8_t> bytes;
+  int64_t numel() const { return int64_t(bytes.size() / ll::element_bytes(dtype)); }
+};
+
+template <class T>
+Tensor tensor_of(Dtype d, const std::vector<T>& v) {
+  Tensor t{d, std::vector<uint8_t>(v.size() * sizeof(T))};
+  if (!v.empty()) std::memcpy(t.bytes.data(), v.data(), t.bytes.size());
+  return t;
+}
+
+Tensor random_bits(Dtype d, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Tensor t{d, std::vector<uint8_t>(size_t(n) * ll::element_bytes(d))};
+  for (auto& b : t.bytes) b = static_cast<uint8_t>(rng());
+  return t;
+}
+
+// N(0, sigma) weights rounded to the dtype (bf16 / f16 to nearest even).
+Tensor normal_weights(Dtype d, int64_t n, float sigma, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, sigma);
+  std::vector<float> f(static_cast<size_t>(n));
+  for (float& x : f) x = dist(rng);
+  if (d == Dtype::F32) return tensor_of(d, f);
+  std::vector<uint16_t> h(f.size());
+  for (size_t i = 0; i < f.size(); ++i)
+    h[i] = d == Dtype::BF16 ? layerstream::quant::float_to_bf16_bits(f[i])
+                            : layerstream::quant::float_to_f16_bits(f[i]);
+  return tensor_of(d, h);
+}
+
+std::vector<uint8_t> decode_vec(const std::vector<uint8_t>& coded, int threads = 1) {
+  const ll::Header h = ll::read_header(coded.data(), coded.size());
+  std::vector<uint8_t> out(size_t(h.layout.numel) * ll::element_bytes(h.layout.dtype), 0xCD);
+  ll::decode(coded.data(), coded.size(), out.data(), out.size(), threads);
+  return out;
+}
+
+// Encodes, checks the header and the round trip; returns the coded buffer.
+std::vector<uint8_t> round_trip(const Tensor& t, int threads = 1,
+                                int64_t block = ll::kDefaultBlockElems) {
+  const std::vector<uint8_t> coded = ll::encode(t.dtype, t.bytes.data(), t.numel(), threads, block);
+  EXPECT_EQ(coded.size() % 256, 0u);
+  EXPECT_LE(coded.size(), ll::max_encoded_bytes(t.dtype, t.numel(), block));
+  const ll::Header h = ll::read_header(coded.data(), coded.size());
+  EXPECT_EQ(h.layout.dtype, t.dtype);
+  EXPECT_EQ(h.layout.numel, t.numel());
+  EXPECT_EQ(h.layout.block_elems, block);
+  EXPECT_EQ(h.layout.total_bytes(), coded.size());
+  EXPECT_TRUE(decode_vec(coded, threads) == t.bytes) << "round trip differs";
+  return coded;
+}
+
+// Expects fn to throw layerstream::Error with `part` in its message.
+void expect_error(const std::function<void()>& fn, const std::string& part) {
+  std::string what = "no layerstream::Error";
+  try {
+    fn();
+  } catch (const layerstream::Error& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find(part), std::string::npos) << "expected an error with '" << part << "', got: " << what;
+}
+
+uint64_t cost(const uint64_t* freq, const uint8_t* len) {
+  uint64_t c = 0;
+  for (int s = 0; s < 256; ++s) c += freq[s] * len[s];
+  return c;
+}
+
+// Kraft sum in units of 2^-12.
+uint32_t kraft(const uint8_t* len) {
+  uint32_t k = 0;
+  for (int s = 0; s < 256; ++s)
+    if (len[s]) k += 1u << (12 - len[s]);
+  return k;
+}
+
+// Cost of an unlimited Huffman code (sum of the merged weights) and its depth.
+std::pair<uint64_t, int> huffman(const uint64_t* freq) {
+  using Node = std::pair<uint64_t, int>;  // weight, depth
+  std::priority_queue<Node, std::vector<Node>, std::greater<Node>> q;
+  for (int s = 0; s < 256; ++s)
+    if (freq[s]) q.push({freq[s], 0});
+  uint64_t c = 0;
+  while (q.size() > 1) {
+    const Node a = q.top();
+    q.pop();
+    const Node b = q.top();
+    q.pop();
+    c += a.first + b.first;
+    q.push({a.first + b.first, std::max(a.second, b.second) + 1});
+  }
+  return {c, q.empty() ? 0 : q.top().second};
+}
+
+const Dtype kDtypes[] = {Dtype::BF16, Dtype::F16, Dtype::F32};
+
+}  // namespace
+
+// ---------------------------------------------------------------- the code
+
+TEST(LosslessCode, OptimalWhenHuffmanFitsInTwelveBits) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    uint64_t freq[256] = {};
+    const int used = 2 + int(rng() % 255);
+    for (int i = 0; i < used; ++i) freq[rng() % 256] = 1 + rng() % (trial % 2 ? 1000000 : 50);
+    const auto [hcost, depth] = huffman(freq);
+    uint8_t len[256];
+    ll::code_lengths(freq, len);
+    EXPECT_EQ(kraft(len), 4096u) << "a complete code";
+    for (int s = 0; s < 256; ++s) EXPECT_EQ(len[s] != 0, freq[s] != 0);
+    if (depth <= 12) {
+      EXPECT_EQ(cost(freq, len), hcost) << "trial " << trial;
+    } else {
+      EXPECT_GE(cost(freq, len), hcost);
+    }
+  }
+}
+
+TEST(LosslessCode, LengthLimitHoldsForSkewedFrequencies) {
+  // Fibonacci frequencies make a Huffman code as deep as there are symbols.
+  for (int used : {13, 14, 40, 70, 256}) {
+    uint64_t freq[256] = {};
+    uint64_t a = 1, b = 1;
+    for (int s = 0; s < used; ++s) {
+      freq[(s * 37) % 256] = a;
+      if (b < (uint64_t{1} << 48)) {  // saturate: the total stays below 2^56
+        const uint64_t c = a + b;
+        a = b;
+        b = c;
+      }
+    }
+    uint8_t len[256];
+    ll::code_lengths(freq, len);
+    int longest = 0;
+    for (int s = 0; s < 256; ++s) longest = std::max<int>(longest, len[s]);
+    EXPECT_LE(longest, 12) << used << " symbols";
+    EXPECT_EQ(kraft(len), 4096u) << used << " symbols";
+    EXPECT_GE(huffman(freq).second, std::min(used - 1, 13)) << "the unlimited code is deeper";
+  }
+  // Powers of two: the same, with every symbol used.
+  uint64_t freq[256];
+  for (int s = 0; s < 256; ++s) freq[s] = uint64_t{1} << std::min(s, 40);
+  uint8_t len[256];
+  ll::code_lengths(freq, len);
+  for (int s = 0; s < 256; ++s) EXPECT_TRUE(len[s] >= 1 && len[s] <= 12) << s;
+  EXPECT_EQ(kraft(len), 4096u);
+  // A flat histogram of 256 symbols: 8 bits each.
+  std::fill(freq, freq + 256, 5);
+  ll::code_lengths(freq, len);
+  for (int s = 0; s < 256; ++s) EXPECT_EQ(len[s], 8);
+}
+
+TEST(LosslessCode, NoneOneOrTwoSymbols) {
+  uint64_t freq[256] = {};
+  uint8_t len[256];
+  ll::code_lengths(freq, len);
+  EXPECT_EQ(kraft(len), 0u);
+  freq[200] = 12345;
+  ll::code_lengths(freq, len);
+  EXPECT_EQ(len[200], 1);
+  EXPECT_EQ(kraft(len), 2048u);
+  freq[3] = 1;
+  ll::code_lengths(freq, len);
+  EXPECT_EQ(len[200], 1);
+  EXPECT_EQ(len[3], 1);
+  freq[4] = uint64_t{1} << 56;
+  expect_error([&] { ll::code_lengths(freq, len); }, "2^56");
+}
+
+// ---------------------------------------------------------------- round trips
+
+TEST(LosslessRoundTrip, RandomBitsEverySize) {
+  uint32_t seed = 1;
+  for (Dtype d : kDtypes)
+    for (int64_t n : {0, 1, 2, 3, 63, 64, 65, 4095, 4096, 4097, 3 * 4096 + 17, 100000}) {
+      SCOPED_TRACE(std::string(layerstream::quant::to_string(d)) + " n=" + std::to_string(n));
+      const std::vector<uint8_t> coded = round_trip(random_bits(d, n, seed++));
+      // Random bits do not compress, and cost at most their raw size, 12 bytes
+      // a block and 1300 bytes of header and section padding.
+      const size_t blocks = size_t(n + 4095) / 4096;
+      EXPECT_LE(coded.size(), size_t(n) * ll::element_bytes(d) + 12 * blocks + 1300);
+    }
+}
+
+TEST(LosslessRoundTrip, NormalWeightsAndRatio) {
+  const int64_t n = 1 << 20;
+  for (Dtype d : kDtypes) {
+    const Tensor t = normal_weights(d, n, 0.02f, 11);
+    const double ratio = double(round_trip(t, 2).size()) / double(t.bytes.size());
+    std::printf("[ ratio    ] %s N(0, 0.02), %lld elements: %.4f of raw\n",
+                layerstream::quant::to_string(d), static_cast<long long>(n), ratio);
+    EXPECT_LE(ratio, d == Dtype::BF16 ? 0.70 : 0.85);  // issue 28: bf16 <= 0.75
+  }
+  // Other scales and block sizes.
+  for (float sigma : {1e-4f, 1.0f, 300.0f})
+    for (int64_t block : {int64_t{64}, int64_t{1024}, int64_t{1} << 20})
+      for (Dtype d : kDtypes) round_trip(normal_weights(d, 50000, sigma, 5), 1, block);
+}
+
+TEST(LosslessRoundTrip, SpecialValues) {
+  // bf16 / f16: ±0, smallest and largest subnormals, smallest normal, max
+  // finite, ±Inf, quiet and signalling NaNs with payloads, and every pattern.
+  std::vector<uint16_t> bf16 = {0x0000, 0x8000, 0x0001, 0x807F, 0x0080, 0x7F7F, 0xFF7F,
+                                0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x7FFF, 0x3F80};
+  std::vector<uint16_t> f16 = {0x0000, 0x8000, 0x0001, 0x83FF, 0x0400, 0x7BFF, 0xFBFF,
+                               0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01, 0x7FFF, 0x3C00};
+  std::vector<uint32_t> f32 = {0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000,
+                               0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
+                               0xFFC00001, 0x7F800001, 0x7FFFFFFF, 0x3F800000};
+  round_trip(tensor_of(Dtype::BF16, bf16));
+  round_trip(tensor_of(Dtype::F16, f16));
+  round_trip(tensor_of(Dtype::F32, f32));
+  std::vector<uint16_t> all(65536);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i * 40503u);  // a permutation
+  round_trip(tensor_of(Dtype::BF16, all));
+  round_trip(tensor_of(Dtype::F16, all));
+  // Specials sprinkled into normal weights (rare symbols get long codes).
+  Tensor t = normal_weights(Dtype::BF16, 20000, 0.02f, 3);
+  for (size_t i = 0; i < bf16.size(); ++i) std::memcpy(&t.bytes[(i * 1409) % 20000 * 2], &bf16[i], 2);
+  round_trip(t);
+}
+
+TEST(LosslessRoundTrip, AllEqualTensors) {
+  for (int64_t n : {1, 5, 4096, 4097, 70000}) {
+    round_trip(tensor_of(Dtype::BF16, std::vector<uint16_t>(size_t(n), 0x3C23)));
+    round_trip(tensor_of(Dtype::F16, std::vector<uint16_t>(size_t(n), 0)));
+    round_trip(tensor_of(Dtype::F32, std::vector<uint32_t>(size_t(n), 0xFFC00000)));
+  }
+  // One symbol: 1 bit per element.
+  const std::vector<uint8_t> coded = round_trip(tensor_of(Dtype::BF16, std::vector<uint16_t>(65536, 0x3F80)));
+  const ll::Header h = ll::read_header(coded.data(), coded.size());
+  EXPECT_EQ(h.max_code_length, 1);
+  EXPECT_EQ(h.layout.stream_words, 65536u / 32);
+}
+
+TEST(LosslessRoundTrip, UnalignedBuffers) {
+  const Tensor t = normal_weights(Dtype::F32, 5000, 0.02f, 9);
+  const std::vector<uint8_t> coded = ll::encode(t.dtype, t.bytes.data(), t.numel());
+  std::vector<uint8_t> shifted(coded.size() + 3), out(t.bytes.size() + 1);
+  std::memcpy(shifted.data() + 3, coded.data(), coded.size());
+  ll::decode(shifted.data() + 3, coded.size(), out.data() + 1, t.bytes.size());
+  EXPECT_TRUE(std::equal(t.bytes.begin(), t.bytes.end(), out.begin() + 1));
+  // An unaligned source and destination for encode.
+  std::vector<uint8_t> src(t.bytes.size() + 2);
+  std::memcpy(src.data() + 2, t.bytes.data(), t.bytes.size());
+  const ll::Analysis a = ll::analyze(t.dtype, src.data() + 2, t.numel());
+  std::vector<uint8_t> dst(a.total_bytes() + 1);
+  ll::encode(a, src.data() + 2, dst.data() + 1, a.total_bytes());
+  EXPECT_TRUE(std::equal(coded.begin(), coded.end(), dst.begin() + 1));
+}
+
+// ---------------------------------------------------------------- layout, threads, sizes
+
+TEST(LosslessLayout, HeaderSectionsAndPadding) {
+  const Tensor t = normal_weights(Dtype::F32, 10000, 0.02f, 4);
+  const ll::Analysis a = ll::analyze(t.dtype, t.bytes.data(), t.numel(), 1, 1024);
+  const ll::Layout& L = a.layout;
+  EXPECT_EQ(L.num_blocks, 10);
+  EXPECT_EQ(L.offsets_offset(), 256u);
+  EXPECT_EQ(L.raw_offset(), 512u);
+  EXPECT_EQ(L.low16_offset(), 512u + 10240);
+  EXPECT_EQ(L.stream_offset(), 512u + 10240 + 20224);
+  EXPECT_EQ(L.total_bytes() % 256, 0u);
+  EXPECT_GE(L.total_bytes(), L.stream_offset() + 4 * L.stream_words + ll::kStreamTailBytes);
+  // Garbage in the destination: every byte is written (padding zero), so the
+  // bytes are a function of the input.
+  std::vector<uint8_t> dirty(a.total_bytes() + 100, 0xAB), clean(a.total_bytes(), 0);
+  ll::encode(a, t.bytes.data(), dirty.data(), dirty.size());
+  ll::encode(a, t.bytes.data(), clean.data(), clean.size());
+  EXPECT_TRUE(std::equal(clean.begin(), clean.end(), dirty.begin()));
+  EXPECT_EQ(dirty[a.total_bytes()], 0xAB) << "nothing written past the coded size";
+  EXPECT_EQ(std::memcmp(clean.data(), "LSLL", 4), 0);
+  EXPECT_EQ(clean[6], 3) << "dtype code of f32";
+  for (size_t i = L.stream_offset() + 4 * L.stream_words; i < L.total_bytes(); ++i) EXPECT_EQ(clean[i], 0);
+  // The header's code lengths (4 bits per symbol, symbol 2k high) are the analysis's.
+  const ll::Header h = ll::read_header(clean.data(), clean.size() + 0);
+  for (int s = 0; s < 256; ++s) EXPECT_EQ(h.code_lengths[s], a.code_lengths[s]);
+  EXPECT_EQ(clean[64 + 63], uint8_t(a.code_lengths[126] << 4 | a.code_lengths[127]));
+  // Raw section of f32: the bf16 split of the high half; low16: the low half.
+  uint32_t v0;
+  std::memcpy(&v0, t.bytes.data(), 4);
+  EXPECT_EQ(clean[L.raw_offset()], uint8_t((v0 >> 24 & 0x80) | (v0 >> 16 & 0x7F)));
+  uint16_t lo;
+  std::memcpy(&lo, &clean[L.low16_offset()], 2);
+  EXPECT_EQ(lo, uint16_t(v0));
+}
+
+TEST(LosslessThreads, SameBytesForEveryThreadCount) {
+  for (Dtype d : kDtypes) {
+    const Tensor t = normal_weights(d, 300001, 0.05f, 21);
+    const std::vector<uint8_t> one = ll::encode(d, t.bytes.data(), t.numel(), 1, 1024);
+    for (int threads : {0, 2, 3, 4, 7}) {
+      EXPECT_TRUE(ll::encode(d, t.bytes.data(), t.numel(), threads, 1024) == one) << threads;
+      EXPECT_TRUE(decode_vec(one, threads) == t.bytes) << threads;
+    }
+  }
+}
+
+TEST(LosslessSize, BoundAndEstimate) {
+  // The bound holds when blocks differ: rare symbols crowd into some blocks.
+  std::vector<uint16_t> v(50000);
+  std::mt19937 rng(2);
+  for (size_t i = 0; i < v.size(); ++i)
+    v[i] = static_cast<uint16_t>(i < 45000 ? 0x3F80 : rng());
+  round_trip(tensor_of(Dtype::BF16, v), 1, 64);
+  // The estimate from a 1% strided sample is within 1% of the coded size.
+  for (Dtype d : kDtypes) {
+    const Tensor t = normal_weights(d, 1 << 20, 0.02f, 8);
+    const size_t es = ll::element_bytes(d);
+    std::vector<uint8_t> sample;
+    for (int64_t i = 0; i < t.numel(); i += 97)
+      sample.insert(sample.end(), t.bytes.begin() + i * int64_t(es), t.bytes.begin() + (i + 1) * int64_t(es));
+    const size_t est = ll::estimate_encoded_bytes(d, sample.data(), int64_t(sample.size() / es), t.numel());
+    const size_t real = ll::encode(d, t.bytes.data(), t.numel()).size();
+    std::printf("[ estimate ] %s: %zu bytes predicted, %zu coded\n", layerstream::quant::to_string(d), est, real);
+    EXPECT_NEAR(double(est) / double(real), 1.0, 0.01) << layerstream::quant::to_string(d);
+  }
+  EXPECT_EQ(ll::max_encoded_bytes(Dtype::BF16, 0), 768u);
+}
+
+// ---------------------------------------------------------------- misuse and corruption
+
+TEST(LosslessErrors, BadArguments) {
+  const Tensor t = normal_weights(Dtype::BF16, 1000, 0.02f, 1);
+  expect_error([&] { ll::encode(Dtype::BF16, t.bytes.data(), 1000, 1, 100); }, "power of two");
+  expect_error([&] { ll::encode(Dtype::BF16, t.bytes.data(), -1); }, "-1 elements");
+  expect_error([&] { ll::encode(Dtype::BF16, nullptr, 10); }, "null");
+  const ll::Analysis a = ll::analyze(Dtype::BF16, t.bytes.data(), 1000);
+  std::vector<uint8_t> dst(a.total_bytes());
+  expect_error([&] { ll::encode(a, t.bytes.data(), dst.data(), dst.size() - 1); }, "needs");
+  // A source that changed after analyze(): a new symbol, or longer codes.
+  Tensor changed = t;
+  changed.bytes[1] ^= 0x40;  // flips an exponent bit of element 0
+  expect_error([&] { ll::encode(a, changed.bytes.data(), dst.data(), dst.size()); }, "source changed");
+  ll::encode(a, t.bytes.data(), dst.data(), dst.size());
+  std::vector<uint8_t> out(1999);
+  expect_error([&] { ll::decode(dst.data(), dst.size(), out.data(), out.size()); }, "2000");
+}
+
+TEST(LosslessErrors, TruncatedBuffersAreRejected) {
+  const Tensor t = normal_weights(Dtype::F16, 3000, 0.02f, 6);
+  const std::vector<uint8_t> coded = ll::encode(t.dtype, t.bytes.data(), t.numel(), 1, 256);
+  std::vector<uint8_t> out(t.bytes.size());
+  for (size_t len = 0; len < coded.size(); len += (len < 300 ? 1 : 37)) {
+    const std::vector<uint8_t> cut(coded.begin(), coded.begin() + int64_t(len));  // exact size: ASan sees overruns
+    SCOPED_TRACE(len);
+    expect_error([&] { ll::decode(cut.data(), cut.size(), out.data(), out.size()); }, "lossless:");
+  }
+  expect_error([&] { ll::read_header(coded.data(), 100); }, "truncated");
+}
+
+TEST(LosslessErrors, EveryHeaderAndOffsetBitFlipIsCaught) {
+  const Tensor t = normal_weights(Dtype::BF16, 5000, 0.02f, 12);
+  const std::vector<uint8_t> coded = ll::encode(t.dtype, t.bytes.data(), t.numel(), 1, 512);
+  const ll::Layout L = ll::read_header(coded.data(), coded.size()).layout;
+  const size_t end = L.offsets_offset() + 8 * size_t(L.num_blocks + 1);
+  std::vector<uint8_t> out(t.bytes.size());
+  int undetected = 0;
+  for (size_t byte = 0; byte < end; ++byte) {
+    if (byte >= 192 && byte < 256) continue;  // reserved tail: checked below
+    for (int bit = 0; bit < 8; ++bit) {
+      std::vector<uint8_t> bad = coded;
+      bad[byte] ^= uint8_t(1 << bit);
+      try {
+        ll::decode(bad.data(), bad.size(), out.data(), out.size());
+        // (Only a one-symbol code could take a harmless flip: a second length-1 code.)
+        ++undetected;
+        ADD_FAILURE() << "byte " << byte << " bit " << bit << " not detected; output "
+                      << (out == t.bytes ? "intact" : "differs");
+      } catch (const layerstream::Error&) {
+      }
+    }
+  }
+  EXPECT_EQ(undetected, 0);
+  std::vector<uint8_t> bad = coded;
+  bad[200] = 1;
+  expect_error([&] { ll::read_header(bad.data(), bad.size()); }, "reserved");
+  bad = coded;
+  bad[0] = 'X';
+  expect_error([&] { ll::read_header(bad.data(), bad.size()); }, "LSLL");
+}
+
+TEST(LosslessErrors, RandomCorruptionNeverCrashes) {
+  // Flips anywhere (stream bits included, which no check can always catch:
+  // there is no checksum): decode must throw or finish, in bounds (run under
+  // ASan / valgrind to see the bounds).
+  const Tensor t = normal_weights(Dtype::F32, 4000, 0.02f, 13);
+  const std::vector<uint8_t> coded = ll::encode(t.dtype, t.bytes.data(), t.numel(), 1, 128);
+  const ll::Layout L = ll::read_header(coded.data(), coded.size()).layout;
+  std::mt19937 rng(5);
+  std::vector<uint8_t> out(t.bytes.size());
+  int thrown = 0, stream_flips = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::vector<uint8_t> bad = coded;
+    const int flips = 1 + int(rng() % 3);
+    bool in_stream = false;
+    for (int f = 0; f < flips; ++f) {
+      // Half the flips land in the bit stream.
+      const size_t pos = trial % 2 ? L.stream_offset() + rng() % (4 * L.stream_words) : rng() % coded.size();
+      in_stream |= pos >= L.stream_offset() && pos < L.stream_offset() + 4 * L.stream_words;
+      bad[pos] ^= uint8_t(1u << (rng() % 8));
+    }
+    stream_flips += in_stream;
+    try {
+      ll::decode(bad.data(), bad.size(), out.data(), out.size(), 1 + trial % 3);
+    } catch (const layerstream::Error&) {
+      ++thrown;
+    }
+  }
+  std::printf("[ corrupt  ] %d of 3000 corrupted buffers rejected (%d with stream flips)\n", thrown,
+              stream_flips);
+  EXPECT_GT(thrown, 300);
+}
