@@ -128,7 +128,8 @@ int main(int argc, char** argv) {
             "\"dequant_cpu_gbps_bf16_out\": %.4g, \"dequant_cuda_s\": %.6g, "
             "\"dequant_cuda_gbps\": %.4g}",
             i ? ", " : "", r.format.c_str(), r.packed_bytes, r.pack_s,
-            r.pack_s > 0 ? f32_bytes / r.pack_s / 1e9 : 0.0, r.pack_s > 0 ? bf16_bytes / r.pack_s / 1e9 : 0.0,
+            r.pack_s > 0 && !r.source_bf16 ? f32_bytes / r.pack_s / 1e9 : 0.0,
+            r.pack_s > 0 ? bf16_bytes / r.pack_s / 1e9 : 0.0,
             r.dequant_s, bf16_bytes / r.dequant_s / 1e9, r.device_s,
             r.device_s > 0 ? (bf16_bytes + r.packed_bytes) / r.device_s / 1e9 : -1.0);
       }
@@ -136,7 +137,7 @@ int main(int argc, char** argv) {
     } else {
       std::printf("bench_quant: %lld x %lld, threads %d (0 = all), best of %d\n",
                   static_cast<long long>(rows), static_cast<long long>(cols), threads, reps);
-      std::printf("%-6s %12s %10s %14s %14s %16s %18s\n", "format", "packed MiB", "pack ms",
+      std::printf("%-8s %12s %10s %14s %14s %16s %18s\n", "format", "packed MiB", "pack ms",
                   "pack GB/s f32", "pack GB/s bf16", "cpu deq GB/s bf16", "cuda deq GB/s (r+w)");
       for (const Row& r : results) {
         char dev[32];
@@ -144,12 +145,16 @@ int main(int argc, char** argv) {
           std::snprintf(dev, sizeof dev, "%.1f", (bf16_bytes + r.packed_bytes) / r.device_s / 1e9);
         else
           std::snprintf(dev, sizeof dev, "-");
-        if (r.pack_s > 0)
-          std::printf("%-6s %12.2f %10.2f %14.2f %14.2f %16.2f %18s\n", r.format.c_str(),
+        if (r.pack_s > 0 && r.source_bf16)
+          std::printf("%-8s %12.2f %10.2f %14s %14.2f %16.2f %18s\n", r.format.c_str(),
+                      r.packed_bytes / 1048576.0, r.pack_s * 1e3, "-", bf16_bytes / r.pack_s / 1e9,
+                      bf16_bytes / r.dequant_s / 1e9, dev);
+        else if (r.pack_s > 0)
+          std::printf("%-8s %12.2f %10.2f %14.2f %14.2f %16.2f %18s\n", r.format.c_str(),
                       r.packed_bytes / 1048576.0, r.pack_s * 1e3, f32_bytes / r.pack_s / 1e9,
                       bf16_bytes / r.pack_s / 1e9, bf16_bytes / r.dequant_s / 1e9, dev);
         else
-          std::printf("%-6s %12.2f %10s %14s %14s %16.2f %18s\n", r.format.c_str(), r.packed_bytes / 1048576.0,
+          std::printf("%-8s %12.2f %10s %14s %14s %16.2f %18s\n", r.format.c_str(), r.packed_bytes / 1048576.0,
                       "-", "-", "-", bf16_bytes / r.dequant_s / 1e9, dev);
       }
     }

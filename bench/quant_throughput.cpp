@@ -1,6 +1,8 @@
 #include "quant_throughput.h"
 
+#include "core/error.h"
 #include "core/gguf_blocks.h"
+#include "core/lossless.h"
 
 #include <algorithm>
 #include <chrono>
@@ -45,6 +47,25 @@ std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps,
       q::dequantize_cpu(L, packed.data(), out.data(), q::OutDtype::BF16, threads);
     });
     if (device) r.device_s = device(L, packed);
+    results.push_back(r);
+  }
+  {
+    // Lossless (core/lossless.h) from the same weights in bf16: coding time
+    // (analysis + encode) and decoding to bf16; no device decoder yet.
+    std::vector<uint16_t> src(static_cast<size_t>(n));
+    for (size_t i = 0; i < src.size(); ++i) src[i] = q::float_to_bf16_bits(w[i]);
+    std::vector<uint8_t> coded;
+    QuantThroughput r;
+    r.format = q::to_string(q::Format::Lossless);
+    r.rows = rows;
+    r.cols = cols;
+    r.source_bf16 = true;
+    r.pack_s = best_of(reps, [&] { coded = lossless::encode(q::SrcDtype::BF16, src.data(), n, threads); });
+    r.packed_bytes = coded.size();
+    r.dequant_s = best_of(reps, [&] {
+      lossless::decode(coded.data(), coded.size(), out.data(), out.size() * sizeof(uint16_t), threads);
+    });
+    LS_CHECK(out == src, "bench: the lossless round trip changed the weights");
     results.push_back(r);
   }
   if (!gguf) return results;

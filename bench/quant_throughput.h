@@ -19,12 +19,14 @@ struct QuantThroughput {
   size_t packed_bytes = 0;
   double pack_s = 0, dequant_s = 0;
   double device_s = -1;  // device dequant time when measured, else -1
+  bool source_bf16 = false;  // packed from bf16 weights (lossless), else from fp32
 };
 
 // Optional: device dequant time (seconds) of one packed weight, -1 if none.
 using DeviceDequantFn = std::function<double(const quant::PackedLayout&, const std::vector<uint8_t>&)>;
 
-// Every format (int8, fp8, nf4, int4); threads 0 = all cores. With `gguf`
+// Every format (int8, fp8, nf4, int4, and lossless from the same weights in
+// bf16); threads 0 = all cores. With `gguf`
 // also the GGUF block formats (q8_0 .. q6_k; cols must be a multiple of 256):
 // layerstream does not pack those, so their blocks are random bytes with
 // small finite scales and pack_s is 0 (not measured).

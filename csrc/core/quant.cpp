@@ -2,6 +2,8 @@
 // scalar conversions. See quant.h and docs/design/quant-formats.md.
 #include "quant.h"
 
+#include "lossless.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -509,12 +511,19 @@ void dequant_impl(const PackedLayout& L, const uint8_t* data, const float* scale
     case Format::GgufQ4_K: gguf_rows<gguf::kQ4_K>(L, data, st, num_threads); break;
     case Format::GgufQ5_K: gguf_rows<gguf::kQ5_K>(L, data, st, num_threads); break;
     case Format::GgufQ6_K: gguf_rows<gguf::kQ6_K>(L, data, st, num_threads); break;
+    case Format::Lossless:  // decoded by dequantize_cpu(), never element by element
     case Format::None:
-      LS_INTERNAL_CHECK(false, "dequantize with Format::None");
+      LS_INTERNAL_CHECK(false, "dequantize with Format::", to_string(L.format));
   }
 }
 
 void check_layout(const PackedLayout& L) {
+  if (L.format == Format::Lossless) {  // its size is the coded buffer's: checked by the decoder
+    LS_CHECK(L.rows >= 0 && L.cols >= 0 && L.scale_bytes == 0 && L.zero_bytes == 0,
+             "inconsistent PackedLayout for lossless [", L.rows, ", ", L.cols, "]: ", describe(L),
+             "; build it with quant::lossless_layout()");
+    return;
+  }
   const PackedLayout want = layout_for(L.format, L.rows, L.cols);
   LS_CHECK(want.block_size == L.block_size && want.data_bytes == L.data_bytes &&
                want.scale_bytes == L.scale_bytes && want.zero_bytes == L.zero_bytes,
@@ -533,14 +542,15 @@ Format parse_format(const std::string& name) {
   if (s == "fp8" || s == "fp8_e4m3" || s == "e4m3" || s == "fp8e4m3") return Format::Fp8E4M3;
   if (s == "nf4") return Format::NF4;
   if (s == "int4") return Format::Int4;
+  if (s == "lossless") return Format::Lossless;
   if (s == "none") return Format::None;
   for (int id = static_cast<int>(Format::GgufQ8_0); id <= static_cast<int>(Format::GgufQ6_K); ++id)
     if (s == to_string(static_cast<Format>(id)))
       LS_FAIL("'", name, "' is a GGUF format: layerstream streams GGUF weights as they are read "
               "from a .gguf file (layerstream.load_gguf) but does not quantize to it; valid formats "
-              "for quantizing are: int8, fp8 (e4m3), nf4, int4, none");
+              "for quantizing are: int8, fp8 (e4m3), nf4, int4, lossless, none");
   LS_FAIL("unknown quantization format '", name,
-          "'; valid formats are: int8, fp8 (e4m3), nf4, int4, none");
+          "'; valid formats are: int8, fp8 (e4m3), nf4, int4, lossless, none");
 }
 
 Format parse_packed_format(const std::string& name) {
@@ -568,6 +578,7 @@ const char* to_string(Format f) {
     case Format::GgufQ4_K: return "q4_k";
     case Format::GgufQ5_K: return "q5_k";
     case Format::GgufQ6_K: return "q6_k";
+    case Format::Lossless: return "lossless";
   }
   return "unknown";
 }
@@ -609,9 +620,28 @@ std::string describe(const PackedLayout& L) {
 }
 
 // ---- layout ----
+PackedLayout lossless_layout(int64_t rows, int64_t cols, size_t coded_bytes) {
+  LS_CHECK(rows >= 0 && cols >= 0, "lossless: a weight of shape [", rows, ", ", cols, "]");
+  PackedLayout L;
+  L.format = Format::Lossless;
+  L.rows = rows;
+  L.cols = cols;
+  L.data_bytes = coded_bytes;
+  return L;
+}
+
+size_t packed_bytes(Format format, SrcDtype dtype, const void* src, int64_t rows, int64_t cols) {
+  if (format != Format::Lossless) return layout_for(format, rows, cols).total_bytes();
+  LS_CHECK(src != nullptr || rows * cols == 0, "packed_bytes: a lossless size needs the weight's values");
+  return lossless_layout(rows, cols, lossless::analyze(dtype, src, rows * cols).total_bytes()).total_bytes();
+}
+
 PackedLayout layout_for(Format format, int64_t rows, int64_t cols) {
   LS_CHECK(format != Format::None,
            "layout_for: format 'none' has no packed layout; choose int8, fp8, nf4 or int4");
+  LS_CHECK(format != Format::Lossless, "the lossless format's size depends on the weight's values "
+           "(core/lossless.h): it streams whole Linear and convolution weights, not tensor groups or "
+           "a size known from the shape alone");
   LS_CHECK(rows >= 0 && cols >= 0, "cannot quantize a weight of shape [", rows, ", ", cols,
            "] to ", to_string(format), ": dimensions must be non-negative");
   LS_CHECK(rows == 0 || cols <= std::numeric_limits<int64_t>::max() / rows,
@@ -668,6 +698,8 @@ void pack(Format format, const float* src, int64_t rows, int64_t cols, void* dst
 
 void pack(Format format, const void* src, SrcDtype src_dtype, int64_t rows, int64_t cols,
           void* dst, int num_threads) {
+  LS_CHECK(format != Format::Lossless, "pack: lossless weights are coded by lossless::analyze() and "
+           "lossless::encode() (their size depends on the values)");
   LS_CHECK(!is_gguf(format), "layerstream does not quantize to GGUF's ", to_string(format),
            " format: GGUF weights stream as they are read from a .gguf file; to quantize, use "
            "int8, fp8, nf4 or int4");
@@ -694,10 +726,25 @@ void dequantize_cpu(const PackedLayout& layout, const void* packed, void* out, O
   check_layout(layout);
   if (layout.numel() == 0) return;
   LS_CHECK(packed != nullptr && out != nullptr, "dequantize_cpu: null packed or output pointer");
+  if (layout.format == Format::Lossless) {  // bit for bit, into the weight's own dtype
+    const lossless::Header h = lossless::read_header(packed, layout.data_bytes);
+    LS_CHECK(h.layout.numel == layout.numel(), "lossless: the coded buffer holds ", h.layout.numel,
+             " elements, the weight [", layout.rows, ", ", layout.cols, "] ", layout.numel());
+    const bool same = (h.layout.dtype == SrcDtype::F32 && dtype == OutDtype::F32) ||
+                      (h.layout.dtype == SrcDtype::BF16 && dtype == OutDtype::BF16) ||
+                      (h.layout.dtype == SrcDtype::F16 && dtype == OutDtype::F16);
+    LS_CHECK(same, "lossless: a ", to_string(h.layout.dtype), " weight decodes to ", to_string(h.layout.dtype),
+             " only, not ", to_string(dtype), " (leave dequant_dtype unset)");
+    lossless::decode(packed, layout.data_bytes, out,
+                     static_cast<size_t>(layout.numel()) * lossless::element_bytes(h.layout.dtype), num_threads);
+    return;
+  }
   dequantize_rows_cpu(layout, packed, 0, layout.rows, out, dtype, num_threads);
 }
 
 RowRange row_range(const PackedLayout& L, int64_t row_begin, int64_t row_end) {
+  LS_CHECK(L.format != Format::Lossless, "rows of a lossless-coded weight cannot be fetched alone (it is coded "
+           "in blocks of elements); routed experts cannot use the lossless format");
   LS_CHECK(0 <= row_begin && row_begin <= row_end && row_end <= L.rows, "row range [", row_begin, ", ",
            row_end, ") is not inside the ", L.rows, " rows of a packed ", to_string(L.format), " tensor");
   const int64_t e0 = row_begin * L.cols, e1 = row_end * L.cols;
@@ -775,6 +822,7 @@ void dequantize_rows_cpu(const PackedLayout& layout, const void* packed, int64_t
 double error_bound(const PackedLayout& L, const void* packed, int64_t row, int64_t col, float w) {
   LS_CHECK(row >= 0 && row < L.rows && col >= 0 && col < L.cols, "error_bound: element (", row,
            ", ", col, ") is outside the [", L.rows, ", ", L.cols, "] weight");
+  if (L.format == Format::Lossless) return 0.0;
   const float* scales =
       reinterpret_cast<const float*>(static_cast<const uint8_t*>(packed) + L.scale_offset());
   double bound = 0.0;

@@ -61,6 +61,11 @@ enum class Format : uint8_t {
   None = 0, Int8 = 1, Fp8E4M3 = 2, NF4 = 3, Int4 = 4,
   GgufQ8_0 = 5, GgufQ4_0 = 6, GgufQ4_1 = 7, GgufQ5_0 = 8, GgufQ5_1 = 9,
   GgufQ2_K = 10, GgufQ3_K = 11, GgufQ4_K = 12, GgufQ5_K = 13, GgufQ6_K = 14,
+  // Lossless (core/lossless.h): entropy-coded exponents, decoded bit for bit
+  // into the weight's own dtype. Its coded size depends on the values, so its
+  // PackedLayout comes from lossless_layout() (one data section: the coded
+  // buffer), never from layout_for().
+  Lossless = 15,
 };
 
 // True for the GGUF block formats.
@@ -132,6 +137,12 @@ std::string describe(const PackedLayout& layout);
 // formats cols % block == 0) with a message naming the shape and the block
 // size. Format::None is rejected.
 PackedLayout layout_for(Format format, int64_t rows, int64_t cols);
+// The layout of a lossless-coded [rows, cols] weight: its coded buffer
+// (core/lossless.h, `coded_bytes` long) as the data section.
+PackedLayout lossless_layout(int64_t rows, int64_t cols, size_t coded_bytes);
+// Bytes a [rows, cols] weight takes packed in `format`: layout_for()'s, or
+// for lossless its exact coded size, which needs its values (`src`, of `dtype`).
+size_t packed_bytes(Format format, SrcDtype dtype, const void* src, int64_t rows, int64_t cols);
 
 // Quantizes src ([rows, cols] row-major) into dst, which must hold
 // layout_for(format, rows, cols).total_bytes() bytes. num_threads 0 = one per

@@ -5,6 +5,7 @@
 #include "core/gguf.h"
 #include "core/host_tier.h"
 #include "core/io/quant_cache.h"
+#include "core/lossless.h"
 #include "core/io/source_file.h"
 #include "core/safetensors.h"
 #include "core/log.h"
@@ -291,13 +292,49 @@ PYBIND11_MODULE(_C, m) {
   // "" when `format` can pack a rows x cols weight, else the reason.
   m.def("quant_check", [fmt](const std::string& format, int64_t rows, int64_t cols) -> std::string {
     try {
+      if (fmt(format) == quant::Format::Lossless) return "";  // any shape (its dtype: lossless_coded_bytes)
       quant::layout_for(fmt(format), rows, cols);
       return "";
     } catch (const layerstream::Error& e) {
       return e.message();
     }
   });
-  m.def("quant_formats", [] { return std::vector<std::string>{"int8", "fp8", "nf4", "int4"}; });
+  m.def("quant_formats", [] { return std::vector<std::string>{"int8", "fp8", "nf4", "int4", "lossless"}; });
+  // The lossless format (core/lossless.h) on a contiguous CPU float32 /
+  // bfloat16 / float16 tensor: its exact coded size; the coded bytes; and the
+  // decoding of coded bytes into a tensor of the source's shape and dtype.
+  auto lossless_src = [](const torch::Tensor& t) {
+    LS_CHECK(t.device().is_cpu() && t.is_contiguous(), "lossless: needs a contiguous CPU tensor");
+    const auto st = t.scalar_type();
+    LS_CHECK(st == torch::kFloat || st == torch::kBFloat16 || st == torch::kHalf, "the lossless format codes "
+             "float32, bfloat16 and float16 weights, not ", st);
+    return st == torch::kFloat ? quant::SrcDtype::F32 : st == torch::kBFloat16 ? quant::SrcDtype::BF16
+                                                                               : quant::SrcDtype::F16;
+  };
+  m.def("lossless_coded_bytes", [lossless_src](const torch::Tensor& t) {
+    const quant::SrcDtype d = lossless_src(t);
+    py::gil_scoped_release nogil;
+    return layerstream::lossless::analyze(d, t.data_ptr(), t.numel()).total_bytes();
+  }, py::arg("tensor"));
+  m.def("lossless_encode", [lossless_src](const torch::Tensor& t, int threads) {
+    const quant::SrcDtype d = lossless_src(t);
+    torch::Tensor out;
+    {
+      py::gil_scoped_release nogil;
+      const auto a = layerstream::lossless::analyze(d, t.data_ptr(), t.numel(), threads);
+      out = torch::empty({static_cast<int64_t>(a.total_bytes())}, torch::kUInt8);
+      layerstream::lossless::encode(a, t.data_ptr(), out.data_ptr(), a.total_bytes(), threads);
+    }
+    return out;
+  }, py::arg("tensor"), py::arg("threads") = 0);
+  m.def("lossless_decode", [lossless_src](const torch::Tensor& coded, torch::Tensor out, int threads) {
+    LS_CHECK(coded.device().is_cpu() && coded.is_contiguous() && coded.scalar_type() == torch::kUInt8,
+             "lossless_decode: the coded bytes are a contiguous CPU uint8 tensor");
+    lossless_src(out);
+    py::gil_scoped_release nogil;
+    layerstream::lossless::decode(coded.data_ptr(), static_cast<size_t>(coded.numel()), out.data_ptr(),
+                                  static_cast<size_t>(out.numel()) * out.element_size(), threads);
+  }, py::arg("coded"), py::arg("out"), py::arg("threads") = 0);
   m.def("nf4_codes", [] { return std::vector<float>(quant::kNF4Codes, quant::kNF4Codes + 16); });
   m.def("quant_packed_bytes", [](const std::string& format, int64_t rows, int64_t cols) {
     return quant::layout_for(quant::parse_packed_format(format), rows, cols).total_bytes();

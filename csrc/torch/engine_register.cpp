@@ -2,6 +2,8 @@
 // (the engine's rooms: engine_impl.h).
 #include "engine_impl.h"
 
+#include "core/lossless.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -60,6 +62,9 @@ void EngineImpl::requantize(int index, const torch::Tensor& dense) {
   LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its weight from ", l.w_file->path, " (the disk tier), "
            "which layerstream does not write: detach(), save the new weights to a checkpoint, load it and "
            "offload() again");
+  LS_CHECK(l.qformat != quant::Format::Lossless, "layer '", l.name, "' streams its weight lossless-coded, "
+           "whose size depends on its values: new values cannot be coded into its place. detach(), load the "
+           "weights, and offload() again");
   LS_CHECK(l.packed_here, "layer '", l.name, "' was not quantized by offload() (",
            l.qformat == quant::Format::None ? "it is not quantized: write its parameter in place"
                                             : "its weight came pre-packed: detach(), load, and offload() again",
@@ -117,12 +122,25 @@ int EngineImpl::add_layer(LayerInfo info, quant::Format format) {
     const int64_t rows = info.w_shape[0];
     const int64_t cols = rows ? src.numel() / rows : 0;
     try {
-      info.qlayout = quant::layout_for(format, rows, cols);
-      info.w_bytes = info.qlayout.total_bytes();
-      info.w_index = store_->add(info.w_bytes, nullptr, info.name + ".weight[" + quant::to_string(format) + "]");
-      info.w_host = store_->buffer(info.w_index).ptr;
-      quant::pack(format, src.data_ptr(), src_dtype_of(src.scalar_type(), info.name), rows, cols,
-                  info.w_host, 0);
+      const quant::SrcDtype dtype = src_dtype_of(src.scalar_type(), info.name);
+      if (format == quant::Format::Lossless) {
+        // Coded (core/lossless.h): its size is known after the analysis; the
+        // slot decodes it into the weight's own dtype, bit for bit.
+        LS_CHECK(!compute_device_.is_cuda(), "the lossless format has no CUDA decoder yet (issue 28): "
+                 "it streams on the sim device only; quantize this layer with another format or not at all");
+        const lossless::Analysis a = lossless::analyze(dtype, src.data_ptr(), src.numel());
+        info.qlayout = quant::lossless_layout(rows, cols, a.total_bytes());
+        info.w_bytes = info.qlayout.total_bytes();
+        info.w_index = store_->add(info.w_bytes, nullptr, info.name + ".weight[lossless]");
+        info.w_host = store_->buffer(info.w_index).ptr;
+        lossless::encode(a, src.data_ptr(), info.w_host, info.w_bytes);
+      } else {
+        info.qlayout = quant::layout_for(format, rows, cols);
+        info.w_bytes = info.qlayout.total_bytes();
+        info.w_index = store_->add(info.w_bytes, nullptr, info.name + ".weight[" + quant::to_string(format) + "]");
+        info.w_host = store_->buffer(info.w_index).ptr;
+        quant::pack(format, src.data_ptr(), dtype, rows, cols, info.w_host, 0);
+      }
     } catch (const Error& e) {
       LS_FAIL("cannot quantize layer '", info.name, "' (weight ", shape_str(info.w_shape), ") to ",
               quant::to_string(format), ": ", e.message());
@@ -178,7 +196,10 @@ bool EngineImpl::share_weight_locked(LayerInfo& info, quant::Format format) {
 }
 
 int EngineImpl::register_layer_locked(LayerInfo info) {
-  if (info.qformat != quant::Format::None) info.q_dtype = dequant_dtype_.value_or(info.w_dtype);
+  // A lossless weight decodes into its own dtype (dequant_dtype does not apply;
+  // a compute_dtype casts it at use).
+  if (info.qformat != quant::Format::None)
+    info.q_dtype = info.qformat == quant::Format::Lossless ? info.w_dtype : dequant_dtype_.value_or(info.w_dtype);
   // An embedding's output is in its weight's dtype, as torch's lookup: never cast.
   if (compute_dtype_ && !info.is_table() && !info.is_group()) {
     info.cast_dtype = *compute_dtype_;
@@ -356,6 +377,11 @@ torch::Tensor EngineImpl::dequantized_weight(int index) {
   LS_CHECK(l.qformat != quant::Format::None, "layer '", l.name, "' is not quantized");
   LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its packed weight from ", l.w_file->path,
            " (the disk tier): it is not held in host memory");
+  if (l.qformat == quant::Format::Lossless) {  // bit for bit, in its own dtype
+    torch::Tensor dense = torch::empty(l.w_shape, torch::TensorOptions().dtype(l.w_dtype));
+    quant::dequantize_cpu(l.qlayout, l.w_host, dense.data_ptr(), out_dtype_of(l.w_dtype), 0);
+    return dense;
+  }
   torch::Tensor dense = torch::empty(l.w_shape, torch::TensorOptions().dtype(torch::kFloat));
   quant::dequantize_cpu(l.qlayout, l.w_host, dense.data_ptr(), quant::OutDtype::F32, 0);
   return dense.to(l.w_dtype);

@@ -10,6 +10,7 @@
 #include "core/options.h"
 #include "core/planner.h"
 #include "core/slot_layout.h"
+#include "engine_impl.h"  // src_dtype_of
 
 namespace layerstream {
 
@@ -386,11 +387,14 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       const int64_t rows = w.size(0), cols = w.numel() / std::max<int64_t>(rows, 1);
       const uint64_t dense = static_cast<uint64_t>(w.numel() * w.element_size());
       std::vector<slot_layout::Part> parts;
-      if (fmt != quant::Format::None)  // packed on the bus; dequantized after it in the slot
-        parts.push_back({quant::layout_for(fmt, rows, cols).total_bytes(),
-                         dequant ? w.numel() * out_bytes(*dequant) : dense});
-      else
+      if (fmt != quant::Format::None) {  // packed on the bus; dequantized after it in the slot
+        const torch::Tensor src = fmt == quant::Format::Lossless ? w.detach().cpu().contiguous() : torch::Tensor();
+        parts.push_back({quant::packed_bytes(fmt, src_dtype_of(w.scalar_type(), it.name),
+                                             src.defined() ? src.data_ptr() : nullptr, rows, cols),
+                         dequant && fmt != quant::Format::Lossless ? w.numel() * out_bytes(*dequant) : dense});
+      } else {
         parts.push_back({dense, cast_to_compute(w)});
+      }
       if (has_bias) parts.push_back({static_cast<uint64_t>(b->numel() * b->element_size()), cast_to_compute(*b)});
       const auto layout = slot_layout::of(parts);
       PlannerLayer l;

@@ -114,7 +114,9 @@ def offload(
         changes. offload() inside torch.inference_mode() is refused (the
         tensors it makes could never be trained); run the model in it after.
     quantize: pack streamed weights on the host and dequantize them on the
-        device: "int8", "fp8", "nf4" or "int4" for every streamed layer (layers
+        device: "int8", "fp8", "nf4", "int4" or "lossless" (entropy-coded,
+        decoded bit for bit into the weight's own dtype; sim device only for
+        now) for every streamed layer (layers
         whose shape the format cannot pack stay dense, with one warning), or a
         dict {glob pattern: format or None} for per-layer choices (first match
         wins; an explicit format that cannot pack a layer is an error).
@@ -371,14 +373,14 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         if fmt is not None and name in tied_names:
             tied_dense.append(f"'{name or '<root>'}'")  # one host copy, read dense by every user
             fmt = None
-        deferred = (defer_file_reads and fmt is not None and kind == "linear" and isinstance(weight, FileWeight)
-                    and not weight.requires_grad)
+        deferred = (defer_file_reads and fmt not in (None, "lossless") and kind == "linear"
+                    and isinstance(weight, FileWeight) and not weight.requires_grad)
         if (fmt is not None or kind != "linear") and not deferred:  # packed here from its values; or not a Linear
             _read_in(model, weight)
             weight = module.weight
         if fmt is not None and weight.requires_grad:
             trainable.append(name or "<root>")
-        elif fmt is not None and not deferred and not bool(torch.isfinite(weight.detach()).all()):
+        elif fmt not in (None, "lossless") and not deferred and not bool(torch.isfinite(weight.detach()).all()):
             # Checked before anything changes: the packer refuses it, and undoing the layers
             # quantized before this one could only restore their dequantized values.
             raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: its weight "
@@ -400,7 +402,10 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         dense_dtype = pre.dense_dtype if pre is not None else weight.dtype
         dense_w = rows * cols * dense_dtype.itemsize
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
-        if pre is not None or fmt is not None:
+        if fmt == "lossless":  # its coded size depends on its values; decoded into its own dtype
+            w_bytes = _C.lossless_coded_bytes(weight.detach().contiguous())
+            w_written = dense_w
+        elif pre is not None or fmt is not None:
             w_bytes = _C.quant_packed_bytes(pre.format if pre is not None else fmt, rows, cols)
             w_written = dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize
         else:
@@ -600,7 +605,8 @@ def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, residen
 
     def from_file(t: _Candidate) -> bool:
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
-        return (t.kind == "linear" and (t.fmt is None or cache_dir is not None) and t.pre is None
+        return (t.kind == "linear" and (t.fmt is None or (cache_dir is not None and t.fmt != "lossless"))
+                and t.pre is None
                 and isinstance(w, FileWeight) and not w.requires_grad
                 and (b is None or (isinstance(b, FileWeight) and not b.requires_grad)))
 

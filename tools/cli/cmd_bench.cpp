@@ -172,7 +172,8 @@ struct QuantRow {
   int64_t rows = 0, cols = 0;
   size_t packed_bytes = 0;
   double pack_s = 0, dequant_s = 0;
-  double pack_gbps = 0;     // GB/s of fp32 source read
+  std::string source;       // the weights' dtype it packs from: "f32" ("bf16" for lossless)
+  double pack_gbps = 0;     // GB/s of source read
   double dequant_gbps = 0;  // GB/s of bf16 written
 };
 
@@ -188,7 +189,8 @@ std::vector<QuantRow> run_quant(bool quick) {
     r.pack_s = t.pack_s;
     r.dequant_s = t.dequant_s;
     const double n = static_cast<double>(t.rows * t.cols);
-    r.pack_gbps = n * 4 / t.pack_s / 1e9;
+    r.source = t.source_bf16 ? "bf16" : "f32";
+    r.pack_gbps = n * (t.source_bf16 ? 2 : 4) / t.pack_s / 1e9;
     r.dequant_gbps = n * 2 / t.dequant_s / 1e9;
     result.push_back(r);
   }
@@ -332,7 +334,8 @@ int cmd_bench(int argc, char** argv) {
       s += std::string(i ? ", " : "") + "{\"format\": " + layerstream::json::quote(r.format) +
            ", \"rows\": " + std::to_string(r.rows) + ", \"cols\": " + std::to_string(r.cols) +
            ", \"packed_bytes\": " + std::to_string(r.packed_bytes) + ", \"pack_s\": " + num(r.pack_s) +
-           ", \"pack_gbps_f32_src\": " + num(r.pack_gbps) + ", \"dequant_cpu_s\": " + num(r.dequant_s) +
+           ", \"source\": \"" + r.source + "\", \"pack_gbps_src\": " + num(r.pack_gbps) +
+           ", \"dequant_cpu_s\": " + num(r.dequant_s) +
            ", \"dequant_cpu_gbps_bf16_out\": " + num(r.dequant_gbps) + "}";
     }
     s += "]}";
@@ -370,12 +373,12 @@ int cmd_bench(int argc, char** argv) {
     }
   }
   if (!quant.empty()) {
-    std::printf("== quant: %lld x %lld fp32 weights, all threads, best of %d ==\n",
+    std::printf("== quant: %lld x %lld fp32 weights (lossless: the same in bf16), all threads, best of %d ==\n",
                 static_cast<long long>(quant[0].rows), static_cast<long long>(quant[0].cols), quick ? 2 : 3);
-    std::printf("%-6s %12s %10s %16s %12s %22s\n", "format", "packed MiB", "pack ms", "pack GB/s (f32)",
+    std::printf("%-8s %12s %10s %16s %12s %22s\n", "format", "packed MiB", "pack ms", "pack GB/s (src)",
                 "dequant ms", "cpu dequant GB/s bf16");
     for (const auto& r : quant)
-      std::printf("%-6s %12.2f %10.2f %16.2f %12.2f %22.2f\n", r.format.c_str(),
+      std::printf("%-8s %12.2f %10.2f %16.2f %12.2f %22.2f\n", r.format.c_str(),
                   static_cast<double>(r.packed_bytes) / 1048576.0, r.pack_s * 1e3, r.pack_gbps,
                   r.dequant_s * 1e3, r.dequant_gbps);
   }

@@ -369,6 +369,8 @@ void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, in
   // All argument checks come before the first CUDA call.
   LS_CHECK(layout.format != Format::None,
            "dequantize_cuda: format 'none' has nothing to dequantize");
+  LS_CHECK(layout.format != Format::Lossless, "the lossless format has no CUDA decoder yet (issue 28): it "
+           "streams on the sim device only; quantize this layer with another format or not at all");
   const PackedLayout want = layout_for(layout.format, layout.rows, layout.cols);
   LS_CHECK(want.block_size == layout.block_size && want.data_bytes == layout.data_bytes &&
                want.scale_bytes == layout.scale_bytes && want.zero_bytes == layout.zero_bytes,
@@ -445,6 +447,7 @@ void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, in
       err = launch_gguf<gguf::kQ6_K>(sub, d, out_dev, dtype, vec_store, stream);
       break;
     case Format::None:
+    case Format::Lossless:
       break;  // rejected above
   }
   if (err != cudaSuccess) {
