@@ -108,6 +108,22 @@ def _lora(model, rank=4):
     return adapters
 
 
+def assert_lora_steps_equal(model, ref, steps):
+    """The same LoRA over both models (_lora): outputs and adapter gradients equal,
+    bit for bit, over `steps` steps."""
+    ours, theirs = _lora(model), _lora(ref)
+    for step in range(steps):
+        ids = _ids()
+        out, want = model(ids), ref(ids)
+        assert torch.equal(out, want), f"step {step}"
+        out.square().mean().backward()
+        want.square().mean().backward()
+        for name in ours:
+            for p, q in zip(ours[name], theirs[name]):
+                assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
+                p.grad = q.grad = None
+
+
 @pytest.mark.parametrize("pinned_budget", [None, 0])
 def test_disk_tier_under_a_quarter_of_the_model_equals_the_resident_model(tmp_path, pinned_budget):
     """host_budget = 1/4 of the streamed bytes: the frozen Linear weights stay in the
@@ -126,17 +142,7 @@ def test_disk_tier_under_a_quarter_of_the_model_equals_the_resident_model(tmp_pa
     assert plan["disk_bytes"] == _layer_bytes(ref) and plan["store_bytes"] == ref.emb.weight.numel() * 4
     assert plan["staging_bytes"] <= budget
     assert f"disk: {N + 1} layer(s)" in handle.plan and "host RAM (budget" in handle.plan
-    ours, theirs = _lora(model), _lora(ref)
-    for step in range(4):
-        ids = _ids()
-        out, want = model(ids), ref(ids)
-        assert torch.equal(out, want), f"step {step}"
-        out.square().mean().backward()
-        want.square().mean().backward()
-        for name in ours:
-            for p, q in zip(ours[name], theirs[name]):
-                assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
-                p.grad = q.grad = None
+    assert_lora_steps_equal(model, ref, 4)
     stats = handle.stats()
     assert stats["disk_layers"] == N + 1
     assert stats["disk_read_bytes"] > 0 and stats["staging_entries"] >= 2

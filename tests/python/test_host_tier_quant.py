@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 import layerstream
 from layerstream import FileWeight, LayerstreamError
 
-from test_host_tier import N, _ids, _layer_bytes, _lora, _meta, _quarter, _reference, _save
+from test_host_tier import N, _ids, _layer_bytes, _meta, _quarter, _reference, _save, assert_lora_steps_equal
 
 
 def _loaded(path):
@@ -54,17 +54,7 @@ def test_disk_tier_streams_packed_bytes_from_the_cache_and_equals_the_model_quan
     # The disk holds the packed bytes: fewer than dense.
     packed = handle.host_plan["disk_bytes"]
     assert packed < _layer_bytes(ref) * (0.4 if fmt == "int8" else 0.25)
-    ours, theirs = _lora(model), _lora(in_ram)
-    for step in range(3):
-        ids = _ids()
-        out, want = model(ids), in_ram(ids)
-        assert torch.equal(out, want), f"step {step}"
-        out.square().mean().backward()
-        want.square().mean().backward()
-        for name in ours:
-            for p, q in zip(ours[name], theirs[name]):
-                assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
-                p.grad = q.grad = None
+    assert_lora_steps_equal(model, in_ram, 3)
     stats = handle.stats()
     assert stats["disk_layers"] == N + 1 and stats["ordering_errors"] == 0
     assert 0 < stats["disk_read_bytes"] and stats["staging_entry_bytes"] * 2 <= budget
