@@ -148,8 +148,11 @@ std::string format_bytes(uint64_t bytes);
 
 // ------------------------------------------------------ model descriptions
 
-enum class Quantization { None, Int8, FP8, NF4, Int4 };
-Quantization parse_quantization(const std::string& s);  // "none"|"int8"|"fp8"|"nf4"|"int4"
+// Lossless (core/lossless.h): a weight's coded size depends on its values,
+// measured from a sample of them (measure_lossless); tensor groups and GGUF
+// weights stay as stored, as offload() keeps them.
+enum class Quantization { None, Int8, FP8, NF4, Int4, Lossless };
+Quantization parse_quantization(const std::string& s);  // "none"|"int8"|"fp8"|"nf4"|"int4"|"lossless"
 const char* to_string(Quantization q);
 
 // One streamable layer: a 2-D (or higher) weight plus an optional bias.
@@ -183,6 +186,9 @@ struct ModelLayer {
   // (their dtype is the ggml type name), and group_bytes is then the dense
   // size (what a resident group holds). Empty otherwise.
   std::string dense_dtype;
+  // The weight's lossless-coded size, estimated by measure_lossless() from a
+  // sample of its elements in the checkpoint; 0: not measured.
+  uint64_t lossless_bytes = 0;
   uint64_t params() const;             // weight + bias elements
   uint64_t weight_numel() const;
   uint64_t stored_bytes() const;       // as stored (weight + bias)
@@ -204,6 +210,12 @@ struct ModelDescription {
 // well-known module names in their usual order (attention before mlp;
 // q/k/v/o_proj; gate/up/down_proj).
 ModelDescription describe_checkpoint(const Checkpoint& ck);
+
+// Sets lossless_bytes of every layer of `m` (from describe_checkpoint(ck))
+// whose weight is float32, bfloat16 or float16: the coded size predicted from
+// about 64K of its elements read from the checkpoint (16 evenly spaced runs;
+// lossless::estimate_encoded_bytes). Reads at most ~128 KiB per tensor.
+void measure_lossless(ModelDescription& m, const Checkpoint& ck);
 
 struct GgufFile;
 // A .gguf file (core/gguf.h) as load_gguf() + offload() place it: layers as

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <set>
 
@@ -16,6 +17,8 @@
 #include "gguf.h"
 #include "json.h"
 #include "quant.h"
+#include "io/source_file.h"
+#include "lossless.h"
 
 namespace layerstream {
 
@@ -27,7 +30,8 @@ Quantization parse_quantization(const std::string& s) {
   if (s == "fp8") return Quantization::FP8;
   if (s == "nf4") return Quantization::NF4;
   if (s == "int4") return Quantization::Int4;
-  LS_FAIL("unknown quantization ", json::quote(s), " (valid: none, int8, fp8, nf4, int4)");
+  if (s == "lossless") return Quantization::Lossless;
+  LS_FAIL("unknown quantization ", json::quote(s), " (valid: none, int8, fp8, nf4, int4, lossless)");
 }
 
 const char* to_string(Quantization q) {
@@ -37,6 +41,7 @@ const char* to_string(Quantization q) {
     case Quantization::FP8: return "fp8";
     case Quantization::NF4: return "nf4";
     case Quantization::Int4: return "int4";
+    case Quantization::Lossless: return "lossless";
   }
   return "?";
 }
@@ -69,8 +74,9 @@ uint64_t ModelLayer::stored_bytes() const {
 
 uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::string& dtype, Quantization q) {
   uint64_t numel = numel_of(shape);
-  if (q == Quantization::None || !safetensors_dtype_is_wide_float(dtype) || shape.empty())
-    return bytes_of(numel, dtype);
+  if (q == Quantization::None || q == Quantization::Lossless || !safetensors_dtype_is_wide_float(dtype) ||
+      shape.empty())
+    return bytes_of(numel, dtype);  // lossless: layer_specs() takes the measured size
   uint64_t rows = shape[0];
   if (rows == 0 || numel == 0) return 0;
   uint64_t in = numel / rows;
@@ -95,7 +101,8 @@ uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::s
     case Quantization::FP8: return rows * in + rows * 4 + pad;  // 1 B/param + fp32 scale per row
     case Quantization::NF4: return ceil_div(numel, 2) + ceil_div(numel, 64) * 4 + pad;  // fp32 absmax / 64
     case Quantization::Int4: return rows * ceil_div(in, 2) + rows * ceil_div(in, 128) * 8 + pad;  // scale+zero / 128
-    case Quantization::None: break;
+    case Quantization::None:
+    case Quantization::Lossless: break;
   }
   return bytes_of(numel, dtype);
 }
@@ -121,7 +128,8 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       bool gguf = false, narrow = true;  // narrow: every tensor written on the device is 2 bytes wide
       for (const auto& [shape, dtype] : l.group_tensors) {
         const uint64_t numel = numel_of(shape);
-        const bool pack = opt.quantize != Quantization::None && shape.size() >= 2 && shape.back() > 0 &&
+        const bool pack = opt.quantize != Quantization::None && opt.quantize != Quantization::Lossless &&
+                          shape.size() >= 2 && shape.back() > 0 &&
                           safetensors_dtype_is_wide_float(dtype);
         if (!l.dense_dtype.empty() && safetensors_dtype_bits(dtype) == 0) {
           // GGUF blocks (load_gguf): they cross as they are, padded as the
@@ -169,7 +177,8 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     }
     uint64_t bias = l.bias_dtype.empty() ? 0 : bytes_of(l.bias_numel, l.bias_dtype);
     const uint64_t w_stored = bytes_of(l.weight_numel(), l.weight_dtype);
-    const uint64_t w_bus = quantized_weight_bytes(l.weight_shape, l.weight_dtype, quantize);
+    const bool lossless = quantize == Quantization::Lossless && l.lossless_bytes > 0 && !l.embedding;
+    const uint64_t w_bus = lossless ? l.lossless_bytes : quantized_weight_bytes(l.weight_shape, l.weight_dtype, quantize);
     s.bytes = w_bus + bias;
     if (!l.dense_dtype.empty() && !l.embedding) {
       // GGUF blocks (load_gguf): they cross as they are (padded to 256 B, as
@@ -194,7 +203,10 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     // dtype), or a float weight / bias cast to compute_dtype.
     const std::string& cd = opt.compute_dtype;
     uint64_t w_written = 0, b_written = 0;
-    if (quantize != Quantization::None && w_bus != w_stored) {
+    if (lossless) {  // decoded into its own dtype (compute_dtype casts at use)
+      w_written = w_stored;
+      s.narrow_write = safetensors_dtype_bits(l.weight_dtype) <= 16;
+    } else if (quantize != Quantization::None && w_bus != w_stored) {
       w_written = cd.empty() ? w_stored : bytes_of(l.weight_numel(), cd);
       s.narrow_write = safetensors_dtype_bits(cd.empty() ? l.weight_dtype : cd) <= 16;
     } else if (!cd.empty() && l.weight_dtype != cd && safetensors_dtype_is_wide_float(l.weight_dtype)) {
@@ -394,6 +406,36 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
     ++m.small_tensors;
   }
   return m;
+}
+
+void measure_lossless(ModelDescription& m, const Checkpoint& ck) {
+  std::map<std::string, const TensorInfo*> by_name;
+  for (const auto& t : ck.tensors) by_name[t.name] = &t;
+  std::map<std::string, std::shared_ptr<SourceFile>> files;
+  constexpr uint64_t kRuns = 16, kRunElems = 4096;
+  std::vector<char> sample;
+  for (auto& l : m.layers) {
+    if (l.group || !l.dense_dtype.empty()) continue;
+    const auto it = by_name.find(l.name + ".weight");
+    if (it == by_name.end()) continue;
+    const TensorInfo& t = *it->second;
+    if ((t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16") || t.numel == 0) continue;
+    const lossless::Dtype d = t.dtype == "F32" ? lossless::Dtype::F32 : t.dtype == "BF16" ? lossless::Dtype::BF16
+                                                                                          : lossless::Dtype::F16;
+    const uint64_t elem = lossless::element_bytes(d);
+    auto& f = files[t.file];
+    if (!f) f = SourceFile::open(t.file);
+    // kRuns runs of kRunElems elements, evenly spaced (all of a small tensor).
+    const uint64_t runs = std::min<uint64_t>(kRuns, (t.numel + kRunElems - 1) / kRunElems);
+    const uint64_t run = std::min<uint64_t>(kRunElems, t.numel);
+    sample.resize(static_cast<size_t>(runs * run * elem));
+    for (uint64_t r = 0; r < runs; ++r) {
+      const uint64_t first = runs > 1 ? (t.numel - run) / (runs - 1) * r : 0;
+      f->read(sample.data() + r * run * elem, t.file_offset + first * elem, run * elem, t.name);
+    }
+    l.lossless_bytes = lossless::estimate_encoded_bytes(d, sample.data(), static_cast<int64_t>(runs * run),
+                                                        static_cast<int64_t>(t.numel));
+  }
 }
 
 ModelDescription describe_gguf(const GgufFile& g, const std::string& dense_dtype) {

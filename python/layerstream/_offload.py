@@ -331,7 +331,9 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             params = [o._parameters[k] for o, k, _ in _group_slots(module)]
             packed = [p for p in params if p.dim() >= 2 and not isinstance(p, GgufWeight)]
             if fmt is not None:
-                reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1]) for p in packed]
+                reasons = (["the lossless format codes whole Linear and convolution weights, not tensor groups"]
+                           if fmt == "lossless" else
+                           [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1]) for p in packed])
                 reason = next((r for r in reasons if r), "")
                 if reason and isinstance(quantize, str):
                     unpackable.append(f"{name} ({reason})")

@@ -143,6 +143,45 @@ TEST(TorchOffload, QuantizeLeavesATiedWeightUnquantized) {
   handle->detach();
 }
 
+TEST(TorchOffload, LosslessStreamsBitIdenticalAndDetachRestoresTheWeights) {
+  // quantize = "lossless" (core/lossless.h) from C++: outputs bit for bit those
+  // of the uncompressed stream, fewer bytes on the link, weights back exactly.
+  torch::manual_seed(0);
+  auto make = [] {
+    torch::nn::Sequential m(layerstream::nn::Linear(256, 256), layerstream::nn::Linear(256, 64));
+    torch::NoGradGuard ng;
+    for (auto& p : m->parameters()) {
+      p.normal_(0, 0.02);
+      p.requires_grad_(false);
+    }
+    m->to(torch::kBFloat16);
+    return m;
+  };
+  auto plain = make();
+  auto coded = make();
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < plain->parameters().size(); ++i) coded->parameters()[i].copy_(plain->parameters()[i]);
+  }
+  std::vector<torch::Tensor> before;
+  for (auto& p : coded->parameters()) before.push_back(p.detach().clone());
+  auto o = sim_options();
+  auto hp = layerstream::offload(*plain, o);
+  o.quantize = "lossless";
+  auto hc = layerstream::offload(*coded, o);
+  EXPECT_EQ(hc->engine()->layer_format(0), "lossless");
+  const auto x = torch::randn({3, 256}).to(torch::kBFloat16);
+  torch::NoGradGuard ng;
+  EXPECT_TRUE(torch::equal(coded->forward(x), plain->forward(x)));
+  hc->synchronize();
+  hp->synchronize();
+  EXPECT_LT(hc->stats().h2d_bytes, hp->stats().h2d_bytes * 3 / 4);
+  hc->detach();
+  for (size_t i = 0; i < before.size(); ++i)
+    EXPECT_TRUE(torch::equal(coded->parameters()[i].view(torch::kInt16), before[i].view(torch::kInt16))) << i;
+  hp->detach();
+}
+
 TEST(TorchOffload, EngineRefusesToQuantizeOrShareABiasOfATiedWeight) {
   auto engine = layerstream::Engine::create(sim_options());
   auto table = torch::randn({10, 4});

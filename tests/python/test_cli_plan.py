@@ -397,3 +397,27 @@ def test_host_budget_shows_the_layers_from_disk_and_the_step_with_the_disk(st_fi
     # Training: every weight must be in RAM, so a small host budget is an error.
     r = run("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(streamed // 2), "--train")
     assert r.returncode == 1 and "cannot hold the streamed weights" in r.stderr
+
+
+def test_quantize_lossless_measures_each_weights_coded_size(tmp_path):
+    """--quantize lossless: each layer's bytes on the bus are its coded size,
+    predicted from a sample of its own elements in the checkpoint (within 2% of
+    what offload() codes)."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    from layerstream import _C
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"blocks.{i}.fc.weight": (torch.randn(512, 512, generator=g) * 0.02).to(torch.bfloat16)
+               for i in range(3)}
+    tensors["blocks.3.fc.weight"] = (torch.randn(64, 64, generator=g) * 0.02).to(torch.float16)
+    path = tmp_path / "m.safetensors"
+    st.save_file(tensors, str(path))
+    layers = {l["name"]: l for l in plan_json("--checkpoint", path, "--budget", "4MiB", "--quantize",
+                                              "lossless")["plan"]["layers"]}
+    for name, t in tensors.items():
+        coded = _C.lossless_coded_bytes(t)
+        got = layers[name[:-len(".weight")]]["bytes"]
+        assert abs(got - coded) <= 0.02 * coded, (name, got, coded)
+        assert got < t.numel() * 2
+    r = run("--model", "llama-7b", "--budget", "1GiB", "--quantize", "lossless")
+    assert_one_line_error(r, 2, "--quantize lossless needs a .safetensors --checkpoint")

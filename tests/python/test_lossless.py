@@ -123,3 +123,14 @@ def test_lossless_weights_are_frozen_and_not_rewritten_in_place():
         frozen.load_state_dict(state)
     h.detach()
     frozen.load_state_dict(state)
+
+
+def test_tensor_groups_are_not_coded():
+    """A tensor group (here MultiheadAttention's) is not coded: with a format for
+    every layer it streams as it is, with a warning; named explicitly, an error."""
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(64, 4), "fc": nn.Linear(64, 64)}).requires_grad_(False)
+    with pytest.warns(RuntimeWarning, match="codes whole Linear and convolution weights, not tensor groups"):
+        h = layerstream.offload(copy.deepcopy(model), device="sim", quantize="lossless")
+    h.detach()
+    with pytest.raises(LayerstreamError, match="cannot quantize layer 'attn' to lossless"):
+        layerstream.offload(copy.deepcopy(model), device="sim", quantize={"attn": "lossless"})

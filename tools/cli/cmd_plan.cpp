@@ -46,7 +46,8 @@ const char* kHelp =
     "  --tokens N            tokens per step; FLOPs of a layer = 2 * tokens * params\n"
     "                        (default 4096)\n"
     "  --train               training step: FLOPs x3, weights cross the link twice\n"
-    "  --quantize Q          stream weights as int8|fp8|nf4|int4 (default: as stored)\n"
+    "  --quantize Q          stream weights as int8|fp8|nf4|int4|lossless (default: as stored;\n"
+    "                        lossless: the coded size measured from a sample of each weight)\n"
     "  --resident-dequantized  resident layers keep their stored (unquantized) size\n"
     "  --compute-dtype D     fp32|bf16|fp16: the activations' dtype, as offload(compute_dtype=)\n"
     "                        (slots also hold weights cast to it; quantized ones dequantize to it)\n"
@@ -258,6 +259,9 @@ int cmd_plan(int argc, char** argv) {
     if (have_checkpoint == have_model) throw Usage{"pass exactly one of --checkpoint PATH or --model NAME"};
     if (!have_budget) throw Usage{"--budget SIZE is required (e.g. --budget 12GiB)"};
     if (have_checkpoint && checkpoint.empty()) throw Usage{"--checkpoint needs a non-empty path"};
+    if (opt.quantize == Quantization::Lossless &&
+        (!have_checkpoint || (checkpoint.size() > 5 && checkpoint.compare(checkpoint.size() - 5, 5, ".gguf") == 0)))
+      throw Usage{"--quantize lossless needs a .safetensors --checkpoint: its size is measured from the weights"};
   } catch (const Usage& u) {
     return usage_error(u.message);
   } catch (const Error& e) {
@@ -281,6 +285,7 @@ int cmd_plan(int argc, char** argv) {
   } else if (have_checkpoint) {
     const Checkpoint ck = read_checkpoint(checkpoint);  // errors -> exit 1
     desc = describe_checkpoint(ck);
+    if (opt.quantize == Quantization::Lossless) measure_lossless(desc, ck);  // from the weights' own values
     // A tied lm_head is not in the checkpoint: the model's config.json beside
     // it says whether offload() will stream one from the token table.
     const std::string config = config_json_beside(checkpoint);
