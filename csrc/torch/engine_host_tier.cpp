@@ -49,8 +49,9 @@ int EngineImpl::add_linear_on_disk(const std::string& name, const torch::Tensor&
   info.w_dtype = weight.scalar_type();
   info.w_bytes = static_cast<size_t>(weight.numel()) * weight.element_size();
   if (format != quant::Format::None) {  // packed (core/io/quant_cache.h)
-    LS_CHECK(!quant::is_gguf(format) && weight.dim() == 2, "layer '", name, "': a weight on disk is packed only in "
-             "the formats offload() packs, and only for Linear layers");
+    LS_CHECK(!quant::is_gguf(format) && format != quant::Format::Lossless && weight.dim() == 2, "layer '", name,
+             "': a weight on disk is packed only in int8, fp8, nf4 or int4 (core/io/quant_cache.h), and only for "
+             "Linear layers");
     info.qformat = format;
     info.qlayout = quant::layout_for(format, info.w_shape[0], info.w_shape[1]);
     info.w_bytes = info.qlayout.total_bytes();

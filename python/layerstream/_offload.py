@@ -599,7 +599,7 @@ def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, residen
     else:
         host = parse_bytes(host_budget)
     pinned = _C.default_pinned_budget() if pinned_budget is None else parse_bytes(pinned_budget)
-    deferred = [t for t in layers if t.kind == "linear" and t.fmt is not None
+    deferred = [t for t in layers if t.kind == "linear" and t.fmt is not None and t.name not in resident_names
                 and isinstance(getattr(t.module, "weight", None), FileWeight)]  # see _formats_and_bytes
     if host < 0 and pinned < 0:
         _read_in_deferred(model, deferred)
