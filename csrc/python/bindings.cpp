@@ -31,6 +31,16 @@ namespace quant_cache = layerstream::quant_cache;
 
 namespace {
 
+// The element type of a weight the formats read: float32, bfloat16 or float16
+// (the engine's own rule: src_dtype_of in torch/engine_impl.h).
+layerstream::quant::SrcDtype float_src_dtype(torch::ScalarType t, const std::string& what) {
+  namespace quant = layerstream::quant;
+  LS_CHECK(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf, what, " is ", t,
+           "; only float32, bfloat16 and float16 weights are packed or coded");
+  return t == torch::kFloat ? quant::SrcDtype::F32 : t == torch::kBFloat16 ? quant::SrcDtype::BF16
+                                                                           : quant::SrcDtype::F16;
+}
+
 namespace options = layerstream::options;
 
 // A Python int as int64, saturated, so that a huge value reaches the option's
@@ -305,11 +315,7 @@ PYBIND11_MODULE(_C, m) {
   // decoding of coded bytes into a tensor of the source's shape and dtype.
   auto lossless_src = [](const torch::Tensor& t) {
     LS_CHECK(t.device().is_cpu() && t.is_contiguous(), "lossless: needs a contiguous CPU tensor");
-    const auto st = t.scalar_type();
-    LS_CHECK(st == torch::kFloat || st == torch::kBFloat16 || st == torch::kHalf, "the lossless format codes "
-             "float32, bfloat16 and float16 weights, not ", st);
-    return st == torch::kFloat ? quant::SrcDtype::F32 : st == torch::kBFloat16 ? quant::SrcDtype::BF16
-                                                                               : quant::SrcDtype::F16;
+    return float_src_dtype(t.scalar_type(), "lossless: the tensor");
   };
   m.def("lossless_coded_bytes", [lossless_src](const torch::Tensor& t) {
     const quant::SrcDtype d = lossless_src(t);
@@ -436,13 +442,9 @@ PYBIND11_MODULE(_C, m) {
                           const std::vector<std::tuple<FileRange, py::object, int64_t, int64_t>>& items) {
     std::vector<quant_cache::Item> in;
     for (const auto& [r, dtype, rows, cols] : items) {
-      const torch::ScalarType t = torch::python::detail::py_object_to_dtype(dtype);
-      LS_CHECK(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf, r.path, ": tensor '", r.tensor,
-               "' is ", t, "; only float32, bfloat16 and float16 weights are packed");
-      in.push_back({r.tensor, r.path, r.offset, r.bytes,
-                    t == torch::kFloat ? quant::SrcDtype::F32 : t == torch::kBFloat16 ? quant::SrcDtype::BF16
-                                                                                      : quant::SrcDtype::F16,
-                    rows, cols});
+      const quant::SrcDtype d = float_src_dtype(torch::python::detail::py_object_to_dtype(dtype),
+                                                r.path + ": tensor '" + r.tensor + "'");
+      in.push_back({r.tensor, r.path, r.offset, r.bytes, d, rows, cols});
     }
     quant_cache::Result res;
     {
