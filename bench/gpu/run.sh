@@ -16,7 +16,9 @@
 # CUDA tests (CPU-vs-CUDA dequantization bit-identity, backend) and
 # bench_quant (device dequant GB/s); bench/bench_moe_decode.py (MoE decoding,
 # every expert vs the routed ones; moe_decode.json/.md, appended to
-# results.md); then the comparison at full size (~6.4B params, bf16).
+# results.md); bench/bench_disk.py (disk.txt); bench/bench_compile.py
+# (compile.json, appended to results.md); then the comparison at full size
+# (~6.4B params, bf16).
 # Skips: on the GPU machine a skipped test fails the run unless its reason is
 # one bench/gpu/skip_policy.py lists as right on one GPU (e.g. "needs two CUDA
 # devices"); a skip because no device is usable ("no CUDA device visible": a
@@ -346,6 +348,20 @@ timeout 120 "$PY" bench/bench_disk.py "${dargs[@]}" >"$OUTDIR/disk.txt" 2>"$OUTD
 drc=$?
 [ $drc = 0 ] || { log "bench_disk.py exited with $drc (see disk.log)"; fail=1; }
 
+# ---- torch.compile: resident vs streamed, eager vs compiled ----------------
+# bench/bench_compile.py: four peers, each in its own process, on the same
+# training step (Linear stack, frozen weights). Goal: the compiled streamed
+# compute-bound step within 1.02x of the compiled resident one.
+if [ "$DRY" = 1 ]; then
+  cargs=(--layers 2 --width 64 --batch 8 --steps 2 --rounds 1 --backend aot_eager)
+else
+  cargs=(--device cuda --layers 16 --width 4096 --batch 16384 --steps 5 --rounds 1)
+fi
+log "torch.compile: bench_compile.py ${cargs[*]}"
+timeout 200 "$PY" bench/bench_compile.py "${cargs[@]}" --json >"$OUTDIR/compile.json" 2>"$OUTDIR/compile.log"
+crc=$?
+[ $crc = 0 ] || { log "bench_compile.py exited with $crc (see compile.log)"; fail=1; }
+
 # ---- comparison ------------------------------------------------------------
 cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
           --build-detail "$build_detail" --tests-json "$TESTS_JSON")
@@ -368,6 +384,9 @@ rc=$?
 if [ -f "$OUTDIR/results.md" ]; then
   { echo; echo "## MoE decoding: every expert vs the routed ones (bench/bench_moe_decode.py)"; echo
     if [ -s "$OUTDIR/moe_decode.md" ]; then cat "$OUTDIR/moe_decode.md"; else echo "not measured: exit status $mrc, see moe_decode.log"; fi
+  } >>"$OUTDIR/results.md"
+  { echo; echo "## torch.compile: streamed vs resident (bench/bench_compile.py)"; echo
+    if [ -s "$OUTDIR/compile.json" ]; then cat "$OUTDIR/compile.json"; else echo "not measured: exit status $crc, see compile.log"; fi
   } >>"$OUTDIR/results.md"
 fi
 

@@ -334,6 +334,18 @@ class Engine {
   // rows are read when it runs, so host writes to the table must wait for
   // synchronize() (detach() and the destructor wait for it).
   virtual torch::Tensor embedding(int layer, const torch::Tensor& ids) = 0;
+  // The same computations as PyTorch operators, for torch.compile and
+  // torch.export (docs/design/torch-glue.md, "Streamed layers as custom
+  // ops"): layerstream::linear(x, weight?, bias?, engine, layer),
+  // layerstream::conv(...) and layerstream::embedding(ids, weight?, engine,
+  // layer), registered with the dispatcher when the library is loaded,
+  // with autograd and autocast kernels; `engine` is id() below, `layer` an
+  // index from add_*(). weight/bias are passed only when they require grad
+  // (their gradients then come back through autograd, on the host, as
+  // with grads_via_autograd). Each call fetches, computes and releases
+  // within itself, so any order a compiler chooses keeps the slot protocol.
+  // The engine's number in this process (never reused while it runs).
+  virtual uint64_t id() const = 0;
 
   // Waits for every pending transfer and gradient, accumulates gradients
   // staged outside any autograd graph task into param.grad (a backward pass

@@ -737,6 +737,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("compute_device",
                              [](const Engine& e) { return e.compute_device().str(); })
       .def_property_readonly("num_layers", &Engine::num_layers)
+      // The `engine` argument of the torch.ops.layerstream operators (engine.h).
+      .def_property_readonly("id", &Engine::id)
       .def("layer_name", &Engine::layer_name)
       .def("layer_bytes", &Engine::layer_bytes)
       .def("layer_format", &Engine::layer_format)

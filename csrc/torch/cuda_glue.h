@@ -21,6 +21,9 @@ int device_count();
 std::shared_ptr<Backend> make_backend(int device);
 // The framework's current CUDA stream on `device` (a cudaStream_t).
 void* current_stream(int device);
+// Whether the calling thread's current stream on `device` is capturing a
+// CUDA graph (torch.cuda.graph, cudagraph trees); false without CUDA.
+bool capturing(int device);
 // Dequantizes a packed weight on `device`, enqueued on `stream` (a
 // cudaStream_t of that device); sets the current device for the launch.
 // With a row range (quant::row_range()'s rules; row_end < 0 = all rows),

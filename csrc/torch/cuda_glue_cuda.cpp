@@ -1,5 +1,6 @@
 // Compiled only when LibTorch has CUDA and the CUDA toolkit is found.
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
@@ -18,6 +19,11 @@ std::shared_ptr<Backend> make_backend(int device) {
   CudaOptions o;
   o.device = device;
   return make_cuda_backend(o);
+}
+
+bool capturing(int device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 void* current_stream(int device) {

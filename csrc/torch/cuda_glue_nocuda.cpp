@@ -11,6 +11,7 @@ std::shared_ptr<Backend> make_backend(int) {
   LS_FAIL("this layerstream build has no CUDA support (built against a CPU-only LibTorch or "
           "without the CUDA toolkit); use device='sim'");
 }
+bool capturing(int) { return false; }
 void* current_stream(int) { LS_FAIL("this layerstream build has no CUDA support"); }
 void dequantize_on(const quant::PackedLayout&, const void*, void*, quant::OutDtype, int, void*, int64_t,
                    int64_t) {

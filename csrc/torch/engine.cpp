@@ -58,6 +58,7 @@ std::string resolve_device(const std::string& device) {
 }
 
 std::shared_ptr<Engine> Engine::create(const EngineOptions& options) {
+  ops_library_linked();
   std::shared_ptr<EngineImpl> e(new EngineImpl(options));
   std::lock_guard<std::mutex> lock(g_registry_mu);
   registry()[e->id_] = e;

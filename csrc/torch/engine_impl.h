@@ -12,8 +12,10 @@
 //   engine_gradients.cpp  weight gradients: staging, accumulation, callbacks
 //   engine_telemetry.cpp  stats, timeline, per-step counters
 //   engine_host_tier.cpp  layers on disk, reads into the store, staged sources
-//   ops_streamed.cpp      Linear/conv: the autograd function (StreamedFn)
+//   ops_streamed.cpp      Linear/conv: the autograd function (StreamedFn), the
+//                         operators' kernels (op_forward/op_backward)
 //   ops_embedding.cpp     embedding tables: lookup and its autograd function
+//   ops_library.cpp       the layerstream:: operators (torch.compile/export)
 // Thread safety: every member takes mu_ (recursive) unless it says _locked
 // (the caller holds it).
 #pragma once
@@ -22,6 +24,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <array>
 #include <atomic>
 #include <climits>
 #include <condition_variable>
@@ -134,6 +137,23 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
   // Makes sure pending gradients are accumulated at the end of this backward.
   void ensure_backward_callback();
+  // ---- the custom ops' kernels (ops_library.cpp registers them; Note
+  // [Streamed layers as custom ops], ops_streamed.cpp) ----
+  // A Linear's or convolution's output without an autograd node: fetch,
+  // compute, release. With shape_only, the same call on stand-in weights of
+  // x's device and dtype (no slot, no copy): what a fake kernel returns
+  // (x may be a FakeTensor with symbolic sizes).
+  torch::Tensor op_forward(int layer, const torch::Tensor& x, const char* kind, bool shape_only);
+  // The gradients `mask` asks for (input, weight, bias; in that order, the
+  // ones asked for only) from the output gradient and the saved input; the
+  // weight's and bias's on the host in their dtypes. Fetches the weights
+  // only when they are read (the input gradient, or any conv gradient).
+  std::vector<torch::Tensor> op_backward(int layer, const torch::Tensor& grad, const torch::Tensor& x,
+                                         std::array<bool, 3> mask, bool shape_only);
+  // An embedding's lookup and its weight gradient (on the host).
+  torch::Tensor op_lookup(int layer, const torch::Tensor& ids, bool shape_only);
+  torch::Tensor op_lookup_backward(int layer, const torch::Tensor& grad, const torch::Tensor& ids,
+                                   bool shape_only);
   // ---- gradient-ready hook (engine_grad_ready.cpp; engine.h) ----
   // A forward call of `l` that records an autograd node, outside any backward.
   void note_forward_use(LayerInfo& l);
@@ -145,7 +165,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void reset_forward_uses_locked(int task);
   // Stops the hook's thread (destructor).
   void stop_grad_ready();
-  uint64_t id() const { return id_; }
+  uint64_t id() const override { return id_; }
   static std::shared_ptr<EngineImpl> lookup(uint64_t id);
 
   // Note [Layer kinds]: what a layer is decides how it is fetched and
@@ -305,6 +325,10 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // refuses tracing, and checks that layer `index` is of `kind` ("a Linear",
   // "a convolution", "an embedding").
   LayerInfo& call_layer(int index, const char* kind);
+  // Refuses a call inside a CUDA graph capture, naming `l` (ops_streamed.cpp).
+  void check_not_capturing(const LayerInfo& l) const;
+  // Refuses ids that are not integers on the compute device, naming `l`.
+  void check_ids(const LayerInfo& l, const torch::Tensor& ids) const;
   // Waits until no embedding lookup enqueued so far still reads the host store.
   void wait_lookups_locked();
   size_t grad_bytes(const LayerInfo& l) const;
@@ -440,5 +464,11 @@ void check_no_create_graph(const EngineImpl::LayerInfo& l);
 // modified in place.
 torch::autograd::variable_list saved_variables_of(torch::autograd::AutogradContext* ctx,
                                                   const EngineImpl::LayerInfo& l);
+// Defined in ops_library.cpp, which registers the layerstream:: operators:
+// Engine::create() calls it so that the linker keeps that file.
+void ops_library_linked();
+// Under torch.autocast for `device`, a float input cast to the autocast
+// dtype, as autocast casts Linear/conv inputs; else x itself.
+torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device);
 
 }  // namespace layerstream

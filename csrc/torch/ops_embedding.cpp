@@ -37,27 +37,61 @@ struct EmbeddingFn : public torch::autograd::Function<EmbeddingFn> {
     if (!go.defined() || !ctx->needs_input_grad(1)) return {torch::Tensor(), torch::Tensor(), torch::Tensor(),
                                                             torch::Tensor()};
     const torch::Tensor ids = saved_variables_of(ctx, l)[0];
-    torch::Tensor go_host = go.to(torch::kCPU);  // synchronous on CUDA: the rows, not the table
-    e->count_d2h(static_cast<uint64_t>(go_host.numel()) * go_host.element_size());
-    // CUDA's embedding backward sums a repeated id's rows in fp32 and rounds
-    // once; the CPU op (the sim device's reference) sums in the gradient's dtype.
-    if (!e->compute_device().is_cpu() && go_host.is_floating_point() && go_host.element_size() < 4)
-      go_host = go_host.to(torch::kFloat);
-    torch::Tensor gw = torch::embedding_backward(go_host, ids.to(torch::kCPU), l.w_shape[0], l.table().padding_idx,
-                                                 l.table().scale_grad_by_freq, l.table().sparse);
-    return {torch::Tensor(), gw.to(l.w_dtype), torch::Tensor(), torch::Tensor()};
+    const int layer = static_cast<int>(ctx->saved_data["layer"].toInt());
+    return {torch::Tensor(), e->op_lookup_backward(layer, go, ids, /*shape_only=*/false), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 }  // namespace
 
-torch::Tensor EngineImpl::embedding(int layer_index, const torch::Tensor& ids) {
+// The weight's gradient: torch's embedding backward on the host, from the
+// output gradient's rows copied back and the ids (EmbeddingFn, and the
+// layerstream::embedding_backward operator: Note [Streamed layers as custom
+// ops], ops_streamed.cpp).
+torch::Tensor EngineImpl::op_lookup_backward(int index, const torch::Tensor& go, const torch::Tensor& ids,
+                                             bool shape_only) {
+  LayerInfo& l = layer(index);
+  LS_CHECK(l.is_table(), "layer '", l.name, "' is not an embedding");
+  torch::Tensor go_host = go.to(torch::kCPU);  // synchronous on CUDA: the rows, not the table
+  if (!shape_only) count_d2h(static_cast<uint64_t>(go_host.numel()) * go_host.element_size());
+  // CUDA's embedding backward sums a repeated id's rows in fp32 and rounds
+  // once; the CPU op (the sim device's reference) sums in the gradient's dtype.
+  if (!compute_device_.is_cpu() && go_host.is_floating_point() && go_host.element_size() < 4)
+    go_host = go_host.to(torch::kFloat);
+  torch::Tensor gw = torch::embedding_backward(go_host, ids.to(torch::kCPU), l.w_shape[0], l.table().padding_idx,
+                                               l.table().scale_grad_by_freq, l.table().sparse);
+  return gw.to(l.w_dtype);
+}
+
+// The lookup as an operator computes it: no autograd node (the operator's
+// autograd kernel records one); shape_only: on a stand-in table of the ids'
+// device (no read).
+torch::Tensor EngineImpl::op_lookup(int index, const torch::Tensor& ids, bool shape_only) {
   auto scope = device_scope();
-  LayerInfo& l = call_layer(layer_index, "an embedding");
+  LayerInfo& l = call_layer(index, "an embedding");
+  check_ids(l, ids);
+  LS_CHECK(!l.table().sparse, "embedding layer '", l.name, "' has sparse=True: a sparse gradient cannot go "
+           "through torch.compile or torch.export; use sparse=False, or run this model eagerly");
+  if (shape_only) {
+    torch::NoGradGuard no_grad;
+    return torch::embedding(ids.new_empty(l.w_shape, ids.options().dtype(l.w_dtype)), ids);
+  }
+  check_host_alias(l);
+  return lookup(l, ids);
+}
+
+void EngineImpl::check_ids(const LayerInfo& l, const torch::Tensor& ids) const {
   LS_CHECK(ids.device() == compute_device_, "embedding layer '", l.name, "' streams to ", device_name_,
            " (tensors on ", compute_device_.str(), ") but its ids are on ", ids.device().str(),
            "; move them to ", compute_device_.str());
   LS_CHECK(ids.scalar_type() == torch::kLong || ids.scalar_type() == torch::kInt, "embedding layer '",
            l.name, "' got ", ids.scalar_type(), " ids; they must be int64 or int32");
+}
+
+torch::Tensor EngineImpl::embedding(int layer_index, const torch::Tensor& ids) {
+  auto scope = device_scope();
+  LayerInfo& l = call_layer(layer_index, "an embedding");
+  check_ids(l, ids);
   check_host_alias(l);
   if (torch::GradMode::is_enabled() && l.weight.requires_grad())
     return EmbeddingFn::apply(ids, l.weight, this, static_cast<int64_t>(layer_index));

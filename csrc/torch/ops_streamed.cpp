@@ -62,8 +62,20 @@ variable_list saved_variables_of(AutogradContext* ctx, const EngineImpl::LayerIn
 }
 
 
-namespace {
+// Under torch.autocast, Linear and convolutions run in the autocast dtype:
+// the input is cast here as autocast would cast it (differentiably, so its
+// gradient is cast back), and the weight follows the activation dtype by the
+// dtype rule (the compute_dtype copy in the slot when it matches). Without
+// this, autocast would cast the weight inside the op, outside the budget.
+torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device) {
+  if (!at::autocast::is_autocast_enabled(device)) return x;
+  const torch::ScalarType to = at::autocast::get_autocast_dtype(device);
+  const torch::ScalarType t = x.scalar_type();
+  if (!x.is_floating_point() || t == torch::kDouble || t == to) return x;
+  return x.to(to);
+}
 
+namespace {
 
 void check_input(EngineImpl& e, const EngineImpl::LayerInfo& l, const torch::Tensor& x) {
   LS_CHECK(x.device() == e.compute_device(), "layer '", l.name, "' streams to ",
@@ -441,19 +453,6 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
   }
 };
 
-// Under torch.autocast, Linear and convolutions run in the autocast dtype:
-// the input is cast here as autocast would cast it (differentiably, so its
-// gradient is cast back), and the weight follows the activation dtype by the
-// dtype rule (the compute_dtype copy in the slot when it matches). Without
-// this, autocast would cast the weight inside the op, outside the budget.
-torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device) {
-  if (!at::autocast::is_autocast_enabled(device)) return x;
-  const torch::ScalarType to = at::autocast::get_autocast_dtype(device);
-  const torch::ScalarType t = x.scalar_type();
-  if (!x.is_floating_point() || t == torch::kDouble || t == to) return x;
-  return x.to(to);
-}
-
 // torch.jit.trace (torch::jit::trace) would record the device weight of this
 // one call, a view of a slot that holds other layers later, as a constant:
 // the traced module would compute with whatever that memory holds.
@@ -461,9 +460,24 @@ void check_not_tracing(const EngineImpl::LayerInfo& l) {
   LS_CHECK(!torch::jit::tracer::isTracing(), "streamed layer '", l.name, "' cannot be recorded by "
            "torch.jit.trace: its weights are copied into reused device memory at each call, which "
            "a trace would freeze. Trace the model before offload() or after handle.detach(), or "
-           "use torch.compile (each streamed layer is a graph break).");
+           "use torch.export or torch.compile (they record each streamed layer as a layerstream operator).");
 }
 
+}  // namespace
+
+// A CUDA graph would record the kernels of one call and replay them without
+// the scheduler's host-side work (the copy into the slot, the wait for it):
+// a replay would compute on whatever the slot holds then.
+void EngineImpl::check_not_capturing(const LayerInfo& l) const {
+  LS_CHECK(cuda_index_ < 0 || !cuda_glue::capturing(cuda_index_), "streamed layer '", l.name,
+           "' cannot run inside a CUDA graph capture (torch.cuda.graph, or a CUDA graph that "
+           "torch.compile(mode=\"reduce-overhead\") records around it): its weights are copied by host-side "
+           "scheduling that a replay would skip. Under torch.compile the layerstream operators are tagged "
+           "cudagraph_unsafe, so Inductor captures only the code between them; capture by hand only code "
+           "that calls no streamed layer.");
+}
+
+namespace {
 const char* kind_of(const EngineImpl::LayerInfo& l) {
   return l.is_conv() ? "a convolution" : l.is_table() ? "an embedding" : l.is_group() ? "a tensor group" : "a Linear";
 }
@@ -482,6 +496,7 @@ EngineImpl::LayerInfo& EngineImpl::call_layer(int index, const char* kind) {
   report_failed_backward();
   LayerInfo& l = layer(index);
   check_not_tracing(l);
+  check_not_capturing(l);
   LS_CHECK(std::strcmp(kind_of(l), kind) == 0, "layer '", l.name, "' is ", kind_of(l), ", not ", kind);
   return l;
 }
@@ -503,6 +518,13 @@ torch::Tensor EngineImpl::linear(int layer_index, const torch::Tensor& x_in, boo
                            static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
 }
 
+namespace {
+void check_conv_input(const EngineImpl::LayerInfo& l, const torch::Tensor& x) {
+  LS_CHECK(x.dim() == l.conv().dims + 1 || x.dim() == l.conv().dims + 2, "Conv", l.conv().dims, "d layer '", l.name,
+           "' expects a ", l.conv().dims + 1, "-D or ", l.conv().dims + 2, "-D input, got ", x.dim(), "-D");
+}
+}  // namespace
+
 torch::Tensor EngineImpl::conv(int layer_index, const torch::Tensor& x_in, bool grads_via_autograd) {
   auto scope = device_scope();
   LayerInfo& l = call_layer(layer_index, "a convolution");
@@ -510,12 +532,136 @@ torch::Tensor EngineImpl::conv(int layer_index, const torch::Tensor& x_in, bool 
   const torch::Tensor x = autocast_input(x_in, compute_device_.type());
   check_host_alias(l);
   ensure_scheduler();
-  LS_CHECK(x.dim() == l.conv().dims + 1 || x.dim() == l.conv().dims + 2, "Conv", l.conv().dims, "d layer '", l.name,
-           "' expects a ", l.conv().dims + 1, "-D or ", l.conv().dims + 2, "-D input, got ", x.dim(), "-D");
+  check_conv_input(l, x);
   if (!needs_node(x, l)) return streamed_forward(this, l, layer_index, x);
   note_forward_use(l);  // the gradient-ready hook (engine_grad_ready.cpp)
   return StreamedFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
                            static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
+}
+
+// Note [Streamed layers as custom ops]
+// Under torch.compile and torch.export a streamed layer is a dispatcher
+// operator (layerstream::linear, ::conv, ::embedding; ops_library.cpp
+// registers them), which Dynamo records as one node of the graph instead of
+// breaking it at an opaque call. The kernels are functional and
+// self-contained: each call acquires its layer's slot, computes and
+// releases the slot before it returns, so whatever order Inductor gives the
+// nodes, no read can precede its copy and no slot is reused before its free
+// event (the scheduler's replay adopts the compiled order by retracing, as
+// for any change of order). The fake kernels are the same C++ calls on
+// stand-in weights of the input's device (shape_only), so shapes, dtypes and
+// strides have one source. The backward is an operator too
+// (layerstream::layer_backward): the input gradient from the re-fetched
+// weight, the weight's and bias's from the saved input, returned to
+// autograd on the host as with grads_via_autograd. The eager path stays
+// StreamedFn, which replays the resident module's own graph (Note [Same
+// calls as the resident module]); compiled, the resident model's calls are
+// Inductor's choice anyway, so the compiled path equals it within rounding,
+// not bit for bit.
+
+namespace {
+// What a fake kernel computes with: empty tensors shaped (and strided) as the
+// layer's device weight and bias in the activations' dtype, on x's device.
+EngineImpl::DeviceParams stand_in_params(const EngineImpl::LayerInfo& l, const torch::Tensor& x) {
+  EngineImpl::DeviceParams p;
+  p.w = l.w_strides.empty() ? x.new_empty(l.w_shape) : x.new_empty_strided(l.w_shape, l.w_strides);
+  p.w_leaf = p.w;
+  if (l.bias.defined()) p.b = p.b_leaf = x.new_empty(l.b_shape);
+  return p;
+}
+
+// The layer's gradients (input, weight, bias; undefined where not asked) on
+// the device, in the activations' dtype. p.w is read only for the input
+// gradient of a Linear and for every conv gradient.
+std::array<torch::Tensor, 3> layer_grads(const EngineImpl::LayerInfo& l, const torch::Tensor& grad,
+                                         const torch::Tensor& x, const EngineImpl::DeviceParams& p,
+                                         std::array<bool, 3> need) {
+  std::array<torch::Tensor, 3> g;
+  if (!l.is_conv()) {
+    if (need[0]) g[0] = at::matmul(grad, p.w);
+    const torch::Tensor g2 = grad.reshape({-1, l.w_shape[0]});
+    if (need[1]) g[1] = g2.t().mm(x.reshape({-1, l.w_shape[1]}));
+    if (need[2]) g[2] = g2.sum(0);
+    return g;
+  }
+  // at::convolution_backward's form: batched, symmetric padding. An
+  // unbatched input gets a batch of one; "same" padding that needs one more
+  // element on one side pads the input there first, as torch's forward does
+  // (at::_convolution_mode), and the input gradient drops that part again.
+  const ConvSpec& c = l.conv();
+  const bool unbatched = x.dim() == c.dims + 1;
+  torch::Tensor xb = unbatched ? x.unsqueeze(0) : x;
+  const torch::Tensor gb = unbatched ? grad.unsqueeze(0) : grad;
+  std::vector<int64_t> padding = c.padding, extra(2 * c.dims, 0);
+  bool padded = false;
+  if (c.same) {
+    padding.assign(c.dims, 0);
+    for (int d = 0; d < c.dims; ++d) {
+      const int64_t total = c.dilation[d] * (l.w_shape[2 + d] - 1), left = total / 2;
+      padding[d] = left;
+      extra[2 * (c.dims - 1 - d) + 1] = total - 2 * left;  // constant_pad_nd: last dim first
+      padded = padded || total != 2 * left;
+    }
+  }
+  if (padded) xb = at::constant_pad_nd(xb, extra, 0);
+  auto [gx, gw, gbias] = at::convolution_backward(
+      gb, xb, p.w, need[2] ? at::OptionalIntArrayRef(l.b_shape) : at::OptionalIntArrayRef(), c.stride, padding,
+      c.dilation, /*transposed=*/false, std::vector<int64_t>(c.dims, 0), c.groups, need);
+  if (gx.defined() && padded)
+    for (int d = 0; d < c.dims; ++d) gx = gx.narrow_symint(2 + d, 0, x.sym_size(x.dim() - c.dims + d));
+  if (gx.defined() && unbatched) gx = gx.squeeze(0);
+  g = {gx, gw, gbias};
+  return g;
+}
+}  // namespace
+
+torch::Tensor EngineImpl::op_forward(int index, const torch::Tensor& x, const char* kind, bool shape_only) {
+  torch::NoGradGuard no_grad;  // the operator's graph is its autograd kernel's
+  auto scope = device_scope();
+  LayerInfo& l = call_layer(index, kind);
+  check_input(*this, l, x);
+  if (l.is_conv()) check_conv_input(l, x);
+  if (shape_only) {
+    const DeviceParams p = stand_in_params(l, x);
+    return layer_op(l, x, p.w, p.b);
+  }
+  check_host_alias(l);
+  ensure_scheduler();
+  return streamed_forward(this, l, index, x);
+}
+
+std::vector<torch::Tensor> EngineImpl::op_backward(int index, const torch::Tensor& grad, const torch::Tensor& x,
+                                                   std::array<bool, 3> mask, bool shape_only) {
+  auto scope = device_scope();
+  LayerInfo& l = layer(index);
+  LS_CHECK(!l.is_table() && !l.is_group(), "layer '", l.name, "' is ", kind_of(l),
+           ", not a Linear or a convolution");
+  if (!shape_only) check_no_create_graph(l);
+  mask[2] = mask[2] && l.bias.defined();
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> out;
+  std::array<torch::Tensor, 3> g;
+  if (shape_only) {
+    g = layer_grads(l, grad, x, stand_in_params(l, x), mask);
+  } else {
+    Stream cs = compute_stream();
+    std::optional<SlotLease> lease;
+    DeviceParams p;
+    if (mask[0] || l.is_conv()) {  // else the gradients read no weight: nothing is fetched
+      lease.emplace(scheduler(), scheduler().acquire(index, cs, Phase::Backward), cs);
+      p = device_params(l, lease->get(), x.scalar_type());
+    }
+    auto span = trace_begin(cs);
+    g = layer_grads(l, grad, x, p, mask);
+    if (span) trace_end(cs, span, "compute", std::string("bwd ") + l.name);
+  }  // the slot goes back after the work that reads it was enqueued
+  if (mask[0]) out.push_back(g[0]);
+  for (int i = 1; i < 3; ++i) {
+    if (!mask[i]) continue;
+    const torch::ScalarType dtype = i == 1 ? l.w_dtype : l.b_dtype;
+    out.push_back(shape_only ? g[i].to(dtype).to(torch::kCPU) : grad_to_host(g[i], dtype));
+  }
+  return out;
 }
 
 }  // namespace layerstream

@@ -26,7 +26,7 @@ from ._torch_check import check_torch as _check_torch
 
 _check_torch()  # before _C loads: an extension built for another torch fails obscurely
 
-from . import _C, optim  # noqa: E402
+from . import _C, _ops, optim  # noqa: E402,F401 (_ops: the operators' fake kernels)
 from ._file_weight import FileWeight  # noqa: E402
 from ._gguf import GgufLoad, GgufWeight, load_gguf  # noqa: E402
 from ._guards import _StreamedApply  # noqa: F401,E402 - read by tests that inject failures

@@ -4,6 +4,7 @@ embedding subclass's base (_LookupBase) and a tensor group's (_GroupForward, _Gr
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Dict, List, Sequence
 
 import torch
@@ -11,6 +12,7 @@ import torch.nn as nn
 
 from . import _C
 from ._discovery import _reads_routed_experts_only
+from ._standin import StandIn
 
 LayerstreamError = _C.LayerstreamError
 
@@ -70,11 +72,17 @@ class _StreamedForward(_RefusesCopy):
     to do instead of pickle's "Can't pickle local object"."""
 
     __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
-                 "_lookup")
+                 "_lookup", "_op", "_engine_id", "_standin")
 
     def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
         self._lookup = kind == "embedding"
         self._run = {"linear": engine.linear, "conv": engine.conv, "embedding": engine.embedding}[kind]
+        # What torch.compile / torch.export record instead (Note [Streamed layers as custom ops]).
+        self._op = {"linear": torch.ops.layerstream.linear, "conv": torch.ops.layerstream.conv,
+                    "embedding": torch.ops.layerstream.embedding}[kind]
+        self._engine_id = engine.id
+        # A packed, GGUF or file stand-in is frozen, and Dynamo must not trace into it.
+        self._standin = isinstance(module.weight, StandIn)
         self._index, self._original, self._name = index, original, name
         self._weight, self._bias = module.weight, getattr(module, "bias", None)
         # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
@@ -84,14 +92,15 @@ class _StreamedForward(_RefusesCopy):
     def __call__(self, x, *args, **kwargs):
         if args or kwargs:  # an unusual call signature: use the module's own forward
             return self._original(x, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            return self._traced(x)
         params, attrs, weight, bias = self._params, self._attrs, self._weight, self._bias
         if ((params["weight"] if "weight" in params else attrs.get("weight")) is not weight or
                 (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
             raise LayerstreamError(
                 f"the parameters of streamed layer '{self._name}' were replaced after offload() (e.g. "
-                f"by load_state_dict(assign=True), assigning a new nn.Parameter, "
-                f"torch.func.functional_call, or torch.export, which cannot capture a streamed "
-                f"layer); layerstream streams the original ones. Copy new "
+                f"by load_state_dict(assign=True), assigning a new nn.Parameter, or "
+                f"torch.func.functional_call); layerstream streams the original ones. Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
         if self._lookup:  # a table's gradient goes through autograd (hooks fire)
@@ -99,6 +108,16 @@ class _StreamedForward(_RefusesCopy):
         # Gradient hooks on the parameters: hand their gradients to autograd
         # (synchronously) so that the hooks fire.
         return self._run(self._index, x, _has_grad_hooks(weight) or _has_grad_hooks(bias))
+
+    def _traced(self, x):
+        """The call as torch.compile / torch.export record it: one layerstream operator,
+        given the parameters that require grad (autograd routes their gradients)."""
+        weight, bias = self._weight, self._bias
+        w = None if self._standin or not weight.requires_grad else weight
+        if self._lookup:
+            return self._op(x, w, self._engine_id, self._index)
+        b = bias if bias is not None and bias.requires_grad else None
+        return self._op(x, w, b, self._engine_id, self._index)
 
 
 class _GroupForward(_RefusesCopy):
@@ -170,6 +189,11 @@ class _GroupForward(_RefusesCopy):
             self._engine.release(token)
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _group_eagerly(self, args, kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args, **kwargs):
         for o, k in self._slots:
             if k in getattr(o, "parametrizations", {}):
                 raise LayerstreamError(
@@ -196,6 +220,16 @@ class _GroupForward(_RefusesCopy):
         taken = set(positions)
         skeleton = [None if i in taken else a for i, a in enumerate(flat)]
         return _GroupFn.apply(self, (skeleton, spec, positions), *inputs, *self._params)
+
+
+@functools.partial(torch.compiler.disable, reason=(
+    "a streamed tensor group (a mixture-of-experts module, nn.MultiheadAttention) runs eagerly under "
+    "torch.compile, with a graph break around it; fullgraph=True needs every such module resident: "
+    "offload(exclude=[...]) names them"))
+def _group_eagerly(fwd: _GroupForward, args, kwargs):
+    """A tensor group's call under torch.compile: its module's own forward on views of a
+    fetched slot cannot be one operator, so it runs eagerly (docs/design/torch-glue.md)."""
+    return fwd._run(*args, **kwargs)
 
 
 def _rebuild(layout, tensors):

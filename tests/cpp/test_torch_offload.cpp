@@ -205,6 +205,46 @@ TEST(TorchOffload, EngineRefusesToQuantizeOrShareABiasOfATiedWeight) {
   EXPECT_EQ(engine->num_layers(), 2);
 }
 
+TEST(TorchOffload, StreamedLayersAreDispatcherOperators) {
+  // What torch.compile records (Note [Streamed layers as custom ops]): layerstream::linear
+  // called through the dispatcher gives the eager call's output, and its autograd kernel the
+  // input's gradient and, on the host, the trainable weight's and bias's.
+  torch::manual_seed(0);
+  auto engine = layerstream::Engine::create(sim_options());
+  auto w = torch::randn({6, 4}).requires_grad_(true);
+  auto b = torch::randn({6}).requires_grad_(true);
+  auto w_ref = w.detach().clone().requires_grad_(true), b_ref = b.detach().clone().requires_grad_(true);
+  const int layer = engine->add_linear("fc", w, b, layerstream::quant::Format::None);
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("layerstream::linear", "")
+                      .typed<torch::Tensor(const torch::Tensor&, const std::optional<torch::Tensor>&,
+                                           const std::optional<torch::Tensor>&, int64_t, int64_t)>();
+  auto x = torch::randn({3, 4}).requires_grad_(true);
+  auto x_ref = x.detach().clone().requires_grad_(true);
+  auto y = op.call(x, w, b, static_cast<int64_t>(engine->id()), layer);
+  auto y_ref = torch::linear(x_ref, w_ref, b_ref);
+  EXPECT_TRUE(torch::allclose(y, y_ref, 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(y, engine->linear(layer, x.detach(), false)));
+  y.square().sum().backward();
+  y_ref.square().sum().backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6));
+  ASSERT_TRUE(w.grad().defined() && b.grad().defined());
+  EXPECT_TRUE(w.grad().device().is_cpu());
+  EXPECT_TRUE(torch::allclose(w.grad(), w_ref.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(b.grad(), b_ref.grad(), 1e-5, 1e-6));
+  // Frozen parameters are not passed: only the input's gradient.
+  auto x2 = torch::randn({2, 4}).requires_grad_(true);
+  op.call(x2, std::nullopt, std::nullopt, static_cast<int64_t>(engine->id()), layer).sum().backward();
+  EXPECT_TRUE(x2.grad().defined());
+  EXPECT_EQ(engine->ordering_errors(), std::vector<std::string>{});
+  try {
+    op.call(x, std::nullopt, std::nullopt, static_cast<int64_t>(engine->id()) + 1000, layer);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("does not exist in this process"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TorchOffload, LayerUsedUnderTwoNamesIsNotATie) {
   // One module registered twice shares its parameters with itself only.
   struct TwiceImpl : torch::nn::Module {

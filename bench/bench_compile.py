@@ -1,0 +1,125 @@
+"""torch.compile with streamed layers: compile time and step time, eager vs compiled, resident
+vs streamed.
+
+Four peers, each in its own process on the same work (a stack of Linear + GELU blocks, a
+training step with frozen weights as under LoRA: forward, backward to the input):
+
+    resident-eager, resident-compiled, streamed-eager, streamed-compiled
+
+Prints, per peer, the first call (for the compiled ones: Dynamo + AOTAutograd + Inductor),
+the median step (median over --rounds rounds of fresh processes), and the streamed/resident
+ratio of each mode.
+
+    .venv/bin/python bench/bench_compile.py                       # sim device (CPU)
+    .venv/bin/python bench/bench_compile.py --device cuda --width 4096 --layers 16 --batch 4096
+    .venv/bin/python bench/bench_compile.py --json               # one JSON object
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PEERS = ["resident-eager", "resident-compiled", "streamed-eager", "streamed-compiled"]
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_peer(args) -> dict:
+    """One peer, in this process."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(args.layers):
+        blocks += [nn.Linear(args.width, args.width), nn.GELU()]
+    model = nn.Sequential(*blocks).requires_grad_(False)
+    device = "cpu" if args.device == "sim" else args.device
+    streamed = args.peer.startswith("streamed")
+    if streamed:
+        import layerstream
+
+        layerstream.offload(model, device=args.device, checker=False)
+    else:
+        model.to(device)
+    run = torch.compile(model, fullgraph=True, backend=args.backend) if args.peer.endswith("compiled") else model
+    x = torch.randn(args.batch, args.width, device=device, requires_grad=True)
+
+    def step():
+        y = run(x)
+        y.sum().backward()
+        x.grad = None
+
+    t0 = time.perf_counter()
+    step()
+    _sync(args.device)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        _sync(args.device)
+        times.append(time.perf_counter() - t0)
+    return {"peer": args.peer, "first_call_s": first, "step_ms": statistics.median(times) * 1e3}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="sim", help="sim (CPU) or cuda[:N]")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)  # a child's one peer
+    args = ap.parse_args()
+    if args.peer:
+        print(json.dumps(run_peer(args)))
+        return
+    # Rounds of the four peers in turn, each round's peers in fresh processes; per peer the
+    # median over rounds (a shared machine's noise moves whole processes).
+    runs = {peer: [] for peer in PEERS}
+    for _ in range(args.rounds):
+        for peer in PEERS:
+            cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--device", args.device,
+                   "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
+                   "--steps", str(args.steps), "--backend", args.backend]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            runs[peer].append(json.loads(out.strip().splitlines()[-1]))
+    rows = {peer: {"peer": peer, "first_call_s": statistics.median(r["first_call_s"] for r in rs),
+                   "step_ms": statistics.median(r["step_ms"] for r in rs), "rounds": [r["step_ms"] for r in rs]}
+            for peer, rs in runs.items()}
+    result = {
+        "config": {k: getattr(args, k) for k in ("device", "layers", "width", "batch", "steps", "rounds", "backend")},
+        "peers": rows,
+        "streamed_over_resident_eager": rows["streamed-eager"]["step_ms"] / rows["resident-eager"]["step_ms"],
+        "streamed_over_resident_compiled": rows["streamed-compiled"]["step_ms"] / rows["resident-compiled"]["step_ms"],
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{args.layers} x Linear({args.width}) + GELU, batch {args.batch}, frozen weights, forward + backward "
+          f"to the input; device {args.device}, backend {args.backend}")
+    print(f"{'peer':<20}{'first call s':>14}{'step ms':>10}")
+    for peer in PEERS:
+        r = rows[peer]
+        print(f"{peer:<20}{r['first_call_s']:>14.2f}{r['step_ms']:>10.2f}")
+    print(f"streamed / resident: eager {result['streamed_over_resident_eager']:.3f}x, "
+          f"compiled {result['streamed_over_resident_compiled']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+"""torch.compile and torch.export of offloaded models (Note [Streamed layers as custom ops],
+csrc/torch/ops_streamed.cpp): each streamed layer is one torch.ops.layerstream operator, so
+Dynamo traces the whole model (fullgraph=True, zero graph breaks), outputs and gradients equal
+the resident model's within fp32 rounding, shapes marked dynamic do not recompile, and the
+ordering checker (the offload_sim fixture asserts it at teardown) sees no race.
+
+Most tests compile with backend="aot_eager" (Dynamo and AOTAutograd trace exactly what
+Inductor gets, without generating C++ kernels, which takes minutes on two cores); one MLP
+and the conv net go through Inductor itself."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+import layerstream
+from conftest import assert_grads_match, clone_input, tiny_llama
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def _frames() -> int:
+    """Frames Dynamo compiled (a recompile is one more)."""
+    return counters["stats"]["unique_graphs"]
+
+
+def _mlp(bias=True):
+    return nn.Sequential(nn.Linear(16, 32, bias=bias), nn.GELU(), nn.Linear(32, 32, bias=bias), nn.Tanh(),
+                         nn.Linear(32, 8, bias=bias))
+
+
+def _ops_in(gm) -> set:
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "layerstream" in str(n.target)}
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_mlp_full_finetune_compiles_whole_and_matches_eager(offload_sim, backend):
+    """Trainable weights and biases: their gradients come back through autograd; three
+    steps of one compiled graph (no recompile), each equal to the resident model's."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    step = torch.compile(model, fullgraph=True, backend=backend)
+    for i in range(3):
+        x = torch.randn(4, 16, requires_grad=True)
+        xr = clone_input(x)
+        y, yr = step(x), ref(xr)
+        torch.testing.assert_close(y, yr, **TOL)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+        assert_grads_match(model, ref, rtol=1e-5, atol=1e-5)
+        for m in (model, ref):
+            m.zero_grad()
+    assert _graph_breaks() == 0
+    assert _frames() == 1
+    assert handle.stats()["acquires"] > 0  # the engine streamed them
+
+
+def test_the_compiled_graph_calls_one_layerstream_operator_per_streamed_layer(offload_sim):
+    model = _mlp()
+    offload_sim(model)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, fullgraph=True, backend=backend)(torch.randn(2, 16))
+    assert len(graphs) == 1
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "layerstream" in str(n.target)]
+    assert len(calls) == 3 and all(str(n.target) == "layerstream.linear" for n in calls)
+    assert torch.Tag.cudagraph_unsafe in torch.ops.layerstream.linear.default.tags
+
+
+def test_frozen_base_lora_style_gradients_and_no_weight_inputs(offload_sim):
+    """Frozen streamed weights are not operator inputs (nothing to differentiate); the
+    input gradient flows through the streamed layers to a trainable resident layer."""
+    model = nn.Sequential(nn.Linear(8, 16), _mlp())
+    for p in model[1].parameters():
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    offload_sim(model, exclude=["0"])
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 8)
+    y, yr = step(x), ref(x)
+    torch.testing.assert_close(y, yr, **TOL)
+    y.sum().backward()
+    yr.sum().backward()
+    assert_grads_match(model, ref, rtol=1e-5, atol=1e-6)
+    assert model[1][0].weight.grad is None
+    assert _graph_breaks() == 0
+
+
+def test_dynamic_batch_and_sequence_do_not_recompile(offload_sim):
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    step = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    for shape in [(2, 5, 16), (3, 7, 16), (5, 2, 16), (4, 9, 16)]:  # 0 and 1 specialize (torch)
+        x = torch.randn(shape, requires_grad=True)
+        xr = clone_input(x)
+        y, yr = step(x), ref(xr)
+        torch.testing.assert_close(y, yr, **TOL)
+        y.sum().backward()
+        yr.sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+    assert _frames() == 1
+    assert _graph_breaks() == 0
+
+
+def test_mark_dynamic_dimension_does_not_recompile(offload_sim):
+    model = _mlp()
+    offload_sim(model)
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for batch in (3, 5, 8, 2):
+        x = torch.randn(batch, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        step(x)
+    assert _frames() == 1
+
+
+def test_the_prefetch_schedule_follows_the_compiled_order(offload_sim):
+    """The scheduler's trace, recorded eagerly, gives way to the compiled order (a
+    retrace, if it differs), after which a compiled step hits and misses exactly as an
+    eager step does (its first layer: prefetches do not cross a step's end)."""
+    model = _mlp()
+    handle = offload_sim(model, prefetch=2, slots=3)
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(2):
+        model(x).sum().backward()
+    eager = handle.step_stats()[-1]
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for _ in range(4):
+        step(x).sum().backward()
+    deviations = handle.stats()["deviations"]
+    step(x).sum().backward()
+    last = handle.step_stats()[-1]
+    assert handle.stats()["deviations"] == deviations  # the compiled order is the trace now
+    assert (last["acquires"], last["hits"], last["misses"]) == (eager["acquires"], eager["hits"], eager["misses"])
+    assert last["misses"] <= 1, handle.step_stats()
+
+
+def _convnet():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding="same", dilation=2), nn.ReLU(),   # "same", even total padding
+        nn.Conv2d(8, 8, 4, padding="same"), nn.ReLU(),               # "same", odd: one side more
+        nn.Conv2d(8, 8, 3, stride=2, groups=2), nn.ReLU(),
+        nn.Flatten(), nn.LazyLinear(5))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_conv_net_training_compiles_with_inductor(offload_sim, channels_last):
+    model = _convnet()
+    model(torch.randn(2, 3, 12, 12))  # materializes the LazyLinear
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    step = torch.compile(model, fullgraph=True, backend="inductor" if channels_last else "aot_eager")
+    for _ in range(2):
+        x = torch.randn(2, 3, 12, 12, requires_grad=True)
+        if channels_last:
+            x = x.detach().to(memory_format=torch.channels_last).requires_grad_()
+        xr = clone_input(x)
+        y, yr = step(x), ref(xr)
+        torch.testing.assert_close(y, yr, **TOL)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+        assert_grads_match(model, ref, rtol=1e-4, atol=1e-5)
+        model.zero_grad()
+        ref.zero_grad()
+    assert _graph_breaks() == 0
+    assert _frames() == 1
+
+
+def test_unbatched_conv1d(offload_sim):
+    model = nn.Sequential(nn.Conv1d(4, 6, 3, padding="same"), nn.ReLU(), nn.Conv1d(6, 2, 2))
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(4, 10, requires_grad=True)  # no batch dimension
+    xr = clone_input(x)
+    y = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(y, ref(xr), **TOL)
+    y.sum().backward()
+    ref(xr).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, **TOL)
+    assert_grads_match(model, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_trainable_embedding_and_autocast(offload_sim):
+    """A streamed table (its gradient through autograd, on the host) and Linear layers
+    under torch.autocast(bfloat16): the compiled model equals the same offloaded model
+    run eagerly (which casts as the resident module's autocast does)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+            self.mlp = _mlp()
+
+        def forward(self, ids):
+            return self.mlp(self.emb(ids))
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    ids = torch.randint(0, 50, (3, 7))
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = step(ids)
+        yr = ref(ids)
+    assert y.dtype == yr.dtype == torch.bfloat16
+    torch.testing.assert_close(y, yr, rtol=2e-2, atol=2e-2)
+    y.float().sum().backward()
+    yr.float().sum().backward()
+    assert model.emb.weight.grad is not None
+    assert_grads_match(model, ref, rtol=5e-2, atol=5e-2)
+    assert _graph_breaks() == 0
+
+
+def test_torch_export_records_the_operators(offload_sim):
+    """torch.export works: the exported program calls the layerstream operators, which
+    run while the offload handle that made them lives in this process."""
+    model = _mlp().eval()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(2, 16)
+    ep = torch.export.export(model, (x,))
+    assert {"layerstream.linear.default"} == _ops_in(ep.graph_module)
+    torch.testing.assert_close(ep.module()(x), ref(x), **TOL)
+
+
+def test_an_operator_of_a_detached_engine_says_what_to_do(offload_sim):
+    model = _mlp().eval()
+    handle = offload_sim(model)
+    ep = torch.export.export(model, (torch.randn(2, 16),))
+    handle.detach()
+    del handle
+    import gc
+    gc.collect()
+    with pytest.raises(Exception, match="does not exist in this process"):
+        ep.module()(torch.randn(2, 16))
+
+
+def test_llama_lora_training_compiles_without_graph_breaks(offload_sim):
+    from peft import LoraConfig, get_peft_model
+
+    def build():
+        m = tiny_llama()
+        return get_peft_model(m, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+    model, ref = build(), build()
+    ref.load_state_dict(model.state_dict())
+    offload_sim(model)
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 64, (2, 12))
+    for _ in range(2):
+        loss = step(input_ids=ids, labels=ids).loss
+        loss_ref = ref(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, loss_ref, **TOL)
+        loss.backward()
+        loss_ref.backward()
+        lora = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        lora_ref = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+        assert lora.keys() == lora_ref.keys() and lora
+        for n in lora:
+            torch.testing.assert_close(lora[n], lora_ref[n], rtol=1e-4, atol=1e-5, msg=n)
+        model.zero_grad()
+        ref.zero_grad()
+    assert _graph_breaks() == 0
+    assert _frames() == 1
+
+
+def test_llama_generate_with_a_compiled_forward(offload_sim):
+    """generate() with a static cache and a compiled forward: the same tokens as the resident
+    model, no graph break, one graph for the prompt and one for the decode steps."""
+    model = tiny_llama().eval()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 64, (1, 6))
+    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0)
+    out = model.generate(ids, **kw)
+    want = ref.generate(ids, **kw)
+    assert torch.equal(out, want)
+    assert _graph_breaks() == 0
+    frames = _frames()
+    model.generate(ids, **kw)
+    assert _frames() == frames  # warmed up: no recompile
+
+
+def test_diffusers_flux_transformer_compiles_without_graph_breaks(offload_sim):
+    """A tiny diffusers FluxTransformer2DModel: inference and a LoRA step (diffusers'
+    add_adapter) compiled whole, equal to the resident model."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    config = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(**config)
+    model.add_adapter(LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"))
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(1, 16, 4, generator=g),
+                  encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
+                  pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), return_dict=False)
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y = step(**inputs)[0]
+    yr = ref(**inputs)[0]
+    torch.testing.assert_close(y, yr, **TOL)
+    y.square().mean().backward()
+    yr.square().mean().backward()
+    lora = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    lora_ref = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert lora.keys() == lora_ref.keys() and lora
+    for n in lora:
+        torch.testing.assert_close(lora[n], lora_ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert _graph_breaks() == 0
+
+
+@pytest.mark.parametrize("quantize", ["int8", "nf4", "lossless"])
+def test_quantized_frozen_layers_compile_to_the_eager_numbers(offload_sim, quantize):
+    """Packed weights (data-less stand-ins in the module) are never operator inputs: the
+    compiled model computes what the eager offloaded model computes."""
+    model = _mlp().requires_grad_(False)
+    offload_sim(model, quantize=quantize)
+    x = torch.randn(4, 16, requires_grad=True)
+    xe = clone_input(x)
+    y = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    ye = model(xe)
+    torch.testing.assert_close(y, ye, **TOL)
+    y.sum().backward()
+    ye.sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad, **TOL)
+    assert _graph_breaks() == 0
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.att(x, x, x, need_weights=False)[0])
+
+
+def test_a_tensor_group_runs_eagerly_between_compiled_graphs(offload_sim):
+    """A tensor group (nn.MultiheadAttention here) is the module's own forward on a fetched
+    slot, not one operator: without fullgraph it runs eagerly between the compiled parts;
+    fullgraph=True fails with the reason and what to do."""
+    model = _Attention()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    xr = clone_input(x)
+    y = torch.compile(model, backend="aot_eager")(x)
+    torch.testing.assert_close(y, ref(xr), **TOL)
+    y.sum().backward()
+    ref(xr).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, **TOL)
+    assert_grads_match(model, ref, rtol=1e-5, atol=1e-6)
+    assert _graph_breaks() >= 1
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"streamed tensor group .*offload\(exclude="):
+        torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+
+
+def test_llama_with_gradient_checkpointing_compiles_with_only_transformers_own_breaks(offload_sim):
+    """transformers' non-reentrant checkpointing with peft LoRA: transformers and peft break
+    the graph themselves (a logger call, requires_grad_ on the embeddings' output); no
+    break is layerstream's, and the numbers are the resident model's."""
+    from peft import LoraConfig, get_peft_model
+
+    def build():
+        m = tiny_llama()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        m.train()
+        return get_peft_model(m, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+    model, ref = build(), build()
+    ref.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 12))
+    inputs = dict(input_ids=ids, labels=ids, use_cache=False)
+    offload_sim(model)
+    loss = torch.compile(model, backend="aot_eager")(**inputs).loss
+    loss_ref = ref(**inputs).loss
+    reasons = list(counters["graph_break"])
+    assert reasons and all("logging.Logger" in r or "requires_grad_" in r for r in reasons), reasons
+    loss.backward()
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, **TOL)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_layerstream_adamw_steps_a_compiled_model_like_the_resident_one(offload_sim):
+    """The compiled layers' weight gradients come back through autograd; the host
+    optimizer, inside opt.overlap(handle) or not, steps them as it steps the resident
+    model's (clipping over all of them)."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    opt = layerstream.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    opt_ref = layerstream.optim.AdamW(ref.parameters(), lr=1e-2, max_grad_norm=1.0)
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for i in range(3):
+        x = torch.randn(4, 16)
+        if i % 2:
+            with opt.overlap(handle):
+                step(x).square().sum().backward()
+        else:
+            step(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().sum().backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
