@@ -92,6 +92,9 @@ struct EngineOptions {
   // the weight's own dtype use the weight as it is, any other dtype casts at
   // use (as without this option), so results never depend on it.
   std::string compute_dtype;
+  // Activation offload: saved tensors smaller than this stay on the device
+  // (a copy that small is mostly latency).
+  int64_t activation_min_bytes = 64 << 10;
   // The host tier (core/host_tier.h plans these; docs/design/host-tier.md).
   // Pinned bytes the host store may take (-1: no cap); tensors beyond it are
   // pageable and cross through the pinned staging entries.
@@ -136,6 +139,12 @@ struct EngineStats {
   // copies served by an entry that already held the layer, the entries.
   uint64_t disk_layers = 0, disk_read_bytes = 0, staged_read_bytes = 0, staging_hits = 0;
   uint64_t staging_entries = 0, staging_entry_bytes = 0;
+  // Activation offload (stash_activation): bytes copied to the host and
+  // back, and the saved-activation bytes on the device that the engine
+  // accounts for (kept, in flight to the host, or copied back and not yet
+  // released by autograd): now and at the peak.
+  uint64_t activation_d2h_bytes = 0, activation_h2d_bytes = 0;
+  uint64_t activation_device_bytes = 0, peak_activation_device_bytes = 0;
 
   // Calls f(name, value) for every field, in the order above (bindings,
   // printing).
@@ -152,6 +161,9 @@ struct EngineStats {
     f("ordering_errors", ordering_errors), f("disk_layers", disk_layers), f("disk_read_bytes", disk_read_bytes);
     f("staged_read_bytes", staged_read_bytes), f("staging_hits", staging_hits);
     f("staging_entries", staging_entries), f("staging_entry_bytes", staging_entry_bytes);
+    f("activation_d2h_bytes", activation_d2h_bytes), f("activation_h2d_bytes", activation_h2d_bytes);
+    f("activation_device_bytes", activation_device_bytes);
+    f("peak_activation_device_bytes", peak_activation_device_bytes);
   }
 };
 
@@ -347,7 +359,35 @@ class Engine {
   // The engine's number in this process (never reused while it runs).
   virtual uint64_t id() const = 0;
 
-  // Waits for every pending transfer and gradient, accumulates gradients
+  // ---- activation offload (docs/design/activations.md) ----
+  // Starts a forward pass whose saved tensors go through stash_activation():
+  // up to `device_budget` bytes of them (in saving order) stay on the
+  // device; 0: every one that can goes to the host.
+  virtual void begin_activations(uint64_t device_budget) = 0;
+  // A tensor autograd saves for backward (call it from a saved-tensors pack
+  // hook). Returns -1 when the tensor is none of the engine's business: not
+  // on the compute device, a view of a slot or of the host store, or a
+  // streamed layer's weight. Else a token for restore_activation(): the
+  // tensor stays on the device when it is smaller than
+  // activation_min_bytes, not dense, or within the device budget; otherwise
+  // it is copied to pinned host memory on the engine's device-to-host
+  // activation stream, after the work enqueued so far on the compute
+  // stream, and the engine lets the device tensor go once that copy has
+  // finished. Thread-safe.
+  virtual int64_t stash_activation(const torch::Tensor& t) = 0;
+  // The stashed tensor on the compute device (same sizes, strides and
+  // dtype), ready for work enqueued on the compute stream after the call
+  // (with order_compute=false the caller must order it: on the sim device
+  // the ordering checker reports a read before the copy lands). Starts the
+  // copy back of the next `prefetch` stashes in reverse saving order (the
+  // order backward unpacks them) on the transfer stream. May be called
+  // again for the same token (a retained graph): each call copies back.
+  virtual torch::Tensor restore_activation(int64_t token, bool order_compute = true) = 0;
+  // Releases a token (its graph was freed): the host copy goes back to the
+  // engine's pool, reusable once its copies back have finished.
+  virtual void drop_activation(int64_t token) = 0;
+
+  // Waits for every pending transfer (saved activations' included) and gradient, accumulates gradients
   // staged outside any autograd graph task into param.grad (a backward pass
   // applies its own when it finishes), and forgets the weights cached in device
   // slots (the next fetch reads the host copy: the call to make after host

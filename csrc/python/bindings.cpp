@@ -608,6 +608,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("trace", &EngineOptions::trace)
       .def_readwrite("dequant_dtype", &EngineOptions::dequant_dtype)
       .def_readwrite("compute_dtype", &EngineOptions::compute_dtype)
+      .def_readwrite("activation_min_bytes", &EngineOptions::activation_min_bytes)
       .def_readwrite("store_pinned_cap", &EngineOptions::store_pinned_cap)
       .def_readwrite("staging_bytes", &EngineOptions::staging_bytes)
       .def_readwrite("staging_pinned", &EngineOptions::staging_pinned)
@@ -739,6 +740,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_layers", &Engine::num_layers)
       // The `engine` argument of the torch.ops.layerstream operators (engine.h).
       .def_property_readonly("id", &Engine::id)
+      .def("begin_activations", &Engine::begin_activations, py::arg("device_budget"))
+      .def("stash_activation", &Engine::stash_activation, py::arg("tensor"))
+      .def("restore_activation", &Engine::restore_activation, py::arg("token"), py::arg("order_compute") = true)
+      .def("drop_activation", &Engine::drop_activation, py::arg("token"))
       .def("layer_name", &Engine::layer_name)
       .def("layer_bytes", &Engine::layer_bytes)
       .def("layer_format", &Engine::layer_format)

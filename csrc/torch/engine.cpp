@@ -124,6 +124,7 @@ EngineImpl::EngineImpl(const EngineOptions& options) : opts_(options), id_(g_nex
   transfer_ = backend_->create_stream("transfer");
   grad_stream_ = backend_->create_stream("grad");
   dequant_stream_ = backend_->create_stream("dequant");
+  act_stream_ = backend_->create_stream("activations");
 }
 
 EngineImpl::~EngineImpl() {
@@ -149,6 +150,9 @@ EngineImpl::~EngineImpl() {
   }
   try {
     backend_->synchronize(grad_stream_);
+    backend_->synchronize(act_stream_);  // saved activations' copies (their host buffers go below)
+    backend_->synchronize(transfer_);
+    backend_->destroy_stream(act_stream_);
     backend_->destroy_stream(transfer_);
     backend_->destroy_stream(dequant_stream_);
     backend_->destroy_stream(grad_stream_);
@@ -343,6 +347,9 @@ void EngineImpl::synchronize() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   drain_grads(-1);
   backend_->synchronize(grad_stream_);
+  backend_->synchronize(act_stream_);  // saved activations on their way to the host...
+  backend_->synchronize(transfer_);    // ...and back
+  release_copied_locked();
   if (sched_) sched_->quiesce();
   wait_lookups_locked();
 }

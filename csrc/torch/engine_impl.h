@@ -16,6 +16,7 @@
 //                         operators' kernels (op_forward/op_backward)
 //   ops_embedding.cpp     embedding tables: lookup and its autograd function
 //   ops_library.cpp       the layerstream:: operators (torch.compile/export)
+//   engine_activations.cpp activation offload: stash/restore saved tensors
 // Thread safety: every member takes mu_ (recursive) unless it says _locked
 // (the caller holds it).
 #pragma once
@@ -68,6 +69,10 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   torch::Tensor linear(int layer, const torch::Tensor& x, bool grads_via_autograd) override;
   torch::Tensor conv(int layer, const torch::Tensor& x, bool grads_via_autograd) override;
   torch::Tensor embedding(int layer, const torch::Tensor& ids) override;
+  void begin_activations(uint64_t device_budget) override;
+  int64_t stash_activation(const torch::Tensor& t) override;
+  torch::Tensor restore_activation(int64_t token, bool order_compute) override;
+  void drop_activation(int64_t token) override;
   void synchronize() override;
   void detach(const std::vector<torch::Device>& devices) override;
   bool detached() const override { return detached_; }
@@ -154,6 +159,17 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   torch::Tensor op_lookup(int layer, const torch::Tensor& ids, bool shape_only);
   torch::Tensor op_lookup_backward(int layer, const torch::Tensor& grad, const torch::Tensor& ids,
                                    bool shape_only);
+  // ---- activation offload (engine_activations.cpp) ----
+  // While it lives, on this thread, stash_activation() leaves these tensors'
+  // storages alone: a streamed layer's device weights (slot views and their
+  // cast copies), which its recorded graph saves and parking frees.
+  class WeightsNotActivations {
+   public:
+    explicit WeightsNotActivations(const DeviceParams& p);
+    ~WeightsNotActivations();
+    WeightsNotActivations(const WeightsNotActivations&) = delete;
+    WeightsNotActivations& operator=(const WeightsNotActivations&) = delete;
+  };
   // ---- gradient-ready hook (engine_grad_ready.cpp; engine.h) ----
   // A forward call of `l` that records an autograd node, outside any backward.
   void note_forward_use(LayerInfo& l);
@@ -386,6 +402,36 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   };
   std::map<int, std::vector<ParkedStorage>> parked_;
   std::map<int, std::vector<std::pair<torch::ScalarType, DeviceParams>>> active_;
+  // Activation offload (engine_activations.cpp): one entry per token.
+  struct Stashed {
+    torch::Tensor device;   // held while kept, or until the copy to the host has finished
+    std::vector<int64_t> sizes, strides;
+    torch::TensorOptions options;
+    size_t bytes = 0;
+    bool offloaded = false;  // false: kept on the device (never copied)
+    HostBuffer host;
+    Event to_host;           // after the copy to the host
+    BufferRef device_ref;    // the device tensor's memory, as the checker knows it
+    torch::Tensor restored;  // copied back (prefetched), not yet handed out
+    BufferRef restored_ref;
+    Event to_device;         // after the newest copy back
+    bool copying_back = false;
+    uint64_t handed_out = 0;  // bytes of copies handed out, released at drop
+  };
+  // Releases the device tensors whose copy to the host has finished.
+  void release_copied_locked();
+  // Starts copying `s` back on the transfer stream (into s.restored).
+  void copy_back_locked(Stashed& s);
+  void note_activation_bytes_locked(int64_t delta);
+  std::map<int64_t, Stashed> stashed_;
+  std::vector<int64_t> stash_order_;    // tokens of this forward, in saving order
+  std::deque<int64_t> awaiting_copy_;  // offloaded tokens still holding their device tensor
+  std::multimap<size_t, std::pair<HostBuffer, Event>> host_pool_;  // free host copies, by size
+  Stream act_stream_;                  // device-to-host copies of activations
+  int64_t next_stash_ = 1;
+  uint64_t act_budget_ = 0, act_kept_ = 0;
+  uint64_t act_d2h_bytes_ = 0, act_h2d_bytes_ = 0;
+  int64_t act_device_bytes_ = 0, act_peak_device_bytes_ = 0;
   // Gradient-ready hook (engine_grad_ready.cpp): its thread, queue of
   // (layer, graph task, copy done), and the first exception a hook threw.
   void grad_ready_loop();

@@ -37,6 +37,10 @@ EngineStats EngineImpl::stats() const {
     m.group_layers += l->is_group() ? 1 : 0;
   }
   m.routed_fetches = routed_fetches_.load();
+  m.activation_d2h_bytes = act_d2h_bytes_;
+  m.activation_h2d_bytes = act_h2d_bytes_;
+  m.activation_device_bytes = static_cast<uint64_t>(act_device_bytes_);
+  m.peak_activation_device_bytes = static_cast<uint64_t>(act_peak_device_bytes_);
   const HostStoreStats hs = store_->stats();
   m.pinned_bytes = hs.pinned_bytes;
   m.pageable_bytes = hs.pageable_bytes;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <queue>
+#include <type_traits>
 #include <unordered_map>
 
 #include "core/log.h"
@@ -198,12 +199,50 @@ class ScratchLease {
 // and bias gradients of a Linear or conv read no weight, so a backward that
 // needs no input gradient fetches nothing.
 
-// What a streamed op's forward keeps for its backward.
+// What a streamed op's forward keeps for its backward. Not the input: the
+// graph reaches it through a sink (input_with_sink), so that nothing but
+// the recorded graph's saved variables holds it (which activation offload
+// may have stashed; docs/design/activations.md).
 struct KeptGraph : torch::CustomClassHolder {
-  torch::autograd::Edge root;  // the op's output in the recorded graph
-  torch::Tensor x, w, b;       // the leaves the graph was recorded on (b may be undefined)
+  torch::autograd::Edge root;    // the op's output in the recorded graph
+  torch::autograd::Edge x_edge;  // where the input's gradient arrives (invalid: no gradient)
+  torch::Tensor w, b;            // the leaves the graph was recorded on (b may be undefined)
   torch::ScalarType dtype = torch::kFloat;  // the activations' (device_params)
 };
+
+// The input gradient's end of a kept graph: run_kept_graph and the autograd
+// engine collect the gradient arriving here; it is never run.
+struct InputSink : torch::autograd::Node {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&&) override { return {}; }
+};
+
+// A new node: Edge::function is an intrusive_ptr in recent LibTorch, a
+// shared_ptr before (both branches depend on the template arguments, so only
+// the one this LibTorch takes is compiled).
+template <class Ptr, class N = InputSink>
+Ptr make_node() {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<N>();
+  else
+    return c10::make_intrusive<N>();
+}
+
+// `x` as the kept graph's input: the same data and version counter (an
+// in-place write after the forward still fails autograd's check), no
+// autograd history; when it requires grad, its gradient edge is a sink
+// instead of a leaf's accumulator, which would hold the tensor alive.
+torch::Tensor input_with_sink(const torch::Tensor& x, torch::autograd::Edge* edge) {
+  auto impl = x.getIntrusivePtr()->shallow_copy_and_detach(x.unsafeGetTensorImpl()->version_counter(),
+                                                           /*allow_tensor_metadata_change=*/true);
+  torch::Tensor xin(std::move(impl));
+  if (x.requires_grad()) {
+    auto sink = make_node<decltype(torch::autograd::Edge::function)>();
+    sink->add_input_metadata(xin);
+    *edge = torch::autograd::Edge(std::move(sink), 0);
+    torch::autograd::impl::set_gradient_edge(xin, *edge);
+  }
+  return xin;
+}
 
 // New leaves on the memory of `p` (other storage objects, same pointers), as
 // device_params() would make them: for a forward run inside the layer's own
@@ -348,13 +387,13 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
       if (!active) lease.emplace(e->scheduler(), e->scheduler().acquire(index, cs, e->current_phase()), cs);
       auto span = e->trace_begin(cs);
       at::AutoGradMode grad_on(true);  // as the resident module's call runs
-      kept->x = x.detach();
-      if (x.requires_grad()) kept->x.requires_grad_(true);
+      const torch::Tensor xin = input_with_sink(x, &kept->x_edge);
       const EngineImpl::DeviceParams p =
           active ? alias_params(*active, kept->dtype) : e->device_params(l, lease->get(), kept->dtype);
       kept->w = p.w_leaf;
       kept->b = p.b_leaf;
-      torch::Tensor recorded = layer_op(l, kept->x, p.w, p.b);
+      const EngineImpl::WeightsNotActivations weights(p);  // what the graph saves of them stays put
+      torch::Tensor recorded = layer_op(l, xin, p.w, p.b);
       if (recorded.requires_grad()) kept->root = torch::autograd::impl::gradient_edge(recorded);
       out = recorded.detach();
       if (span) e->trace_end(cs, span, "compute", std::string("fwd ") + l.name);
@@ -386,7 +425,7 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     const variable_list none(6);
     const torch::Tensor& go = grads[0];
     if (!go.defined() || !kept->root.is_valid()) return none;
-    const bool need_x = ctx->needs_input_grad(0) && kept->x.requires_grad();
+    const bool need_x = ctx->needs_input_grad(0) && kept->x_edge.is_valid();
     const bool need_w = ctx->needs_input_grad(1) && kept->w.requires_grad() && wants_grad(l.weight);
     const bool need_b = l.bias.defined() && ctx->needs_input_grad(2) && kept->b.defined() &&
                         kept->b.requires_grad() && wants_grad(l.bias);
@@ -394,7 +433,8 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     const bool via_autograd = ctx->saved_data["via_autograd"].toBool() || !plain_backward();
     const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
     torch::autograd::edge_list wanted;
-    for (const auto& [need, leaf] : {std::pair{need_x, &kept->x}, {need_w, &kept->w}, {need_b, &kept->b}})
+    if (need_x) wanted.push_back(kept->x_edge);
+    for (const auto& [need, leaf] : {std::pair{need_w, &kept->w}, {need_b, &kept->b}})
       if (need) wanted.push_back(torch::autograd::impl::gradient_edge(*leaf));
     Stream cs = e->compute_stream();
     Scheduler& sched = e->scheduler();

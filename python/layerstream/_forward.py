@@ -232,6 +232,10 @@ def _group_eagerly(fwd: _GroupForward, args, kwargs):
     return fwd._run(*args, **kwargs)
 
 
+def _as_is(t):
+    return t
+
+
 def _rebuild(layout, tensors):
     skeleton, spec, positions = layout
     flat = list(skeleton)
@@ -284,7 +288,9 @@ class _GroupFn(torch.autograd.Function):
         # the same path (at::matmul folds by requires_grad; attention picks its kernel by
         # grad mode); the graph it records is dropped with the detached outputs.
         # (Note [Same calls as the resident module], csrc/torch/engine.cpp)
-        with torch.enable_grad(), fwd.fetched(experts=ctx.experts) as views:
+        # The recorded graph is dropped: nothing it saves is an activation to offload.
+        with torch.enable_grad(), fwd.fetched(experts=ctx.experts) as views, \
+                torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
             args, kwargs = _rebuild(layout, _leaves(inputs, [x.requires_grad for x in inputs]))
             out = fwd._original(*args, **kwargs)
             fwd.check_output(out, views)

@@ -54,6 +54,10 @@ class Handle(_RefusesCopy):
         # core/host_tier.h's plan (store, disk and staging bytes, budgets) when offload()
         # had a host or pinned budget, or weights still in their file; else None.
         self.host_plan: Optional[dict] = None
+        # offload(activations=...): the device budget of saved activations (0: all
+        # that can go to the host), None when off; the hooks detach() removes.
+        self.activation_budget: Optional[int] = None
+        self._activation_hooks = []
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -81,6 +85,10 @@ class Handle(_RefusesCopy):
         host RAM and disk (host_plan), when it had a host budget."""
         device = self._device_plan()
         host = self._host_text()
+        if self.activation_budget is not None:
+            host += ("saved activations: to pinned host memory"
+                     + (f", the first {self.activation_budget / 2**20:.2f} MiB of each forward kept on the device"
+                        if self.activation_budget else "") + "\n")
         if device is None and not host:
             return None
         return (device or "") + host
@@ -199,6 +207,9 @@ class Handle(_RefusesCopy):
                 # dequantized weights (lossy by the format's error bound).
                 dense[a.index] = engine.dequantized_weight(a.index)
         engine.detach(devices)
+        for h in self._activation_hooks:
+            h.remove()
+        self._activation_hooks = []
         for a in self._attached:
             if a.index in dense and a.bnb_stats is not None:
                 import bitsandbytes as bnb

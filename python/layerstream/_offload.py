@@ -19,6 +19,7 @@ from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._guards import _RootApply, _StreamedApply, _requantize_on_load
+from ._activations import ActivationOffload, parse_activations
 from ._handle import Handle, _Attached
 from ._loading import put, tensor_slots
 from ._packed import _PackedWeight
@@ -70,6 +71,7 @@ def offload(
     host_budget: Union[None, int, str] = None,
     pinned_budget: Union[None, int, str] = None,
     cache_dir: Union[None, str, os.PathLike] = None,
+    activations: Union[None, str, int] = None,
 ) -> Handle:
     """Streams the model's Linear, Conv1d/2d/3d, Embedding, MultiheadAttention and MoE experts
     layers from host RAM.
@@ -186,6 +188,14 @@ def offload(
         no repacking in later runs). A cache whose sources, format, weights
         or version differ is rebuilt (core/io/quant_cache.h). None: quantized
         weights must fit in host RAM.
+    activations: None (off), "host" or a size ("8GiB"): while the model's forward
+        runs, the tensors autograd saves for backward (64 KiB and larger, dense, on
+        the compute device; not parameters or the streamed weights) are copied to
+        pinned host memory on the engine's device-to-host stream, overlapped with
+        compute, and let go on the device; backward gets each back on the transfer
+        stream, the next ones (prefetch deep, in the order backward unpacks them)
+        copied back ahead of need. A size keeps that many bytes of them (the first
+        saved) on the device. docs/design/activations.md.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")
@@ -209,6 +219,7 @@ def offload(
 
     if budget is not None:
         _C.parse_budget(budget)  # checked before anything changes
+    activation_budget = None if activations is None else parse_activations(activations, parse_bytes)
     _check_loadable(model)
     candidates, grouped = _discover(model, include, exclude, groups, compute_device)
     candidates, tie_groups = _split_tied(model, candidates, compute_device)
@@ -237,8 +248,12 @@ def offload(
     on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts, cache_dir)
 
     # 4. Attach them to one engine (undone on failure); the rest moves to the device.
-    return _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names, plan,
-                   grouped, compute_device, experts == "routed", on_disk)
+    handle = _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
+                     plan, grouped, compute_device, experts == "routed", on_disk)
+    if activation_budget is not None:
+        handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
+        handle.activation_budget = activation_budget
+    return handle
 
 
 @functools.lru_cache(maxsize=None)

@@ -48,6 +48,20 @@ def _ops_in(gm) -> set:
     return {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "layerstream" in str(n.target)}
 
 
+def _step_matches(step, model, ref, x, rtol):
+    """One training step of the compiled `step` against the resident `ref`: outputs, the
+    input's gradient and every parameter's gradient agree; both zero their gradients."""
+    xr = clone_input(x)
+    y, yr = step(x), ref(xr)
+    torch.testing.assert_close(y, yr, **TOL)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, **TOL)
+    assert_grads_match(model, ref, rtol=rtol, atol=1e-5)
+    model.zero_grad()
+    ref.zero_grad()
+
+
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 def test_mlp_full_finetune_compiles_whole_and_matches_eager(offload_sim, backend):
     """Trainable weights and biases: their gradients come back through autograd; three
@@ -58,15 +72,7 @@ def test_mlp_full_finetune_compiles_whole_and_matches_eager(offload_sim, backend
     step = torch.compile(model, fullgraph=True, backend=backend)
     for i in range(3):
         x = torch.randn(4, 16, requires_grad=True)
-        xr = clone_input(x)
-        y, yr = step(x), ref(xr)
-        torch.testing.assert_close(y, yr, **TOL)
-        y.square().sum().backward()
-        yr.square().sum().backward()
-        torch.testing.assert_close(x.grad, xr.grad, **TOL)
-        assert_grads_match(model, ref, rtol=1e-5, atol=1e-5)
-        for m in (model, ref):
-            m.zero_grad()
+        _step_matches(step, model, ref, x, rtol=1e-5)
     assert _graph_breaks() == 0
     assert _frames() == 1
     assert handle.stats()["acquires"] > 0  # the engine streamed them
@@ -178,15 +184,7 @@ def test_conv_net_training_compiles_with_inductor(offload_sim, channels_last):
         x = torch.randn(2, 3, 12, 12, requires_grad=True)
         if channels_last:
             x = x.detach().to(memory_format=torch.channels_last).requires_grad_()
-        xr = clone_input(x)
-        y, yr = step(x), ref(xr)
-        torch.testing.assert_close(y, yr, **TOL)
-        y.square().sum().backward()
-        yr.square().sum().backward()
-        torch.testing.assert_close(x.grad, xr.grad, **TOL)
-        assert_grads_match(model, ref, rtol=1e-4, atol=1e-5)
-        model.zero_grad()
-        ref.zero_grad()
+        _step_matches(step, model, ref, x, rtol=1e-4)
     assert _graph_breaks() == 0
     assert _frames() == 1
 

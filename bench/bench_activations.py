@@ -1,0 +1,102 @@
+"""Activation offload on the sim device (or CUDA): peak saved-activation bytes on the device and step
+time, without and with offload(activations="host").
+
+A training step where activations dominate: blocks of Linear(width) + GELU on a large batch,
+trainable weights. Three runs, each in its own process on the same work:
+
+    off     offload() without activation offload (no hooks)
+    kept    activations="1TiB": every saved tensor goes through the engine and stays on the
+            device (the engine's count of saved-activation bytes, for the baseline peak)
+    host    activations="host"
+
+    .venv/bin/python bench/bench_activations.py [--device cuda] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = {"off": None, "kept": "1TiB", "host": "host"}
+
+
+def run_mode(args) -> dict:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import torch
+    import torch.nn as nn
+
+    import layerstream
+
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(args.layers):
+        blocks += [nn.Linear(args.width, args.width), nn.GELU()]
+    model = nn.Sequential(*blocks)
+    handle = layerstream.offload(model, device=args.device, checker=False, activations=MODES[args.mode],
+                                 **({"sim_link_gbps": args.gbps} if args.device == "sim" else {}))
+    device = handle.compute_device
+    x = torch.randn(args.batch, args.width, device=device, requires_grad=True)
+
+    def step():
+        model(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    s = handle.stats()
+    return {"mode": args.mode, "step_ms": statistics.median(times) * 1e3,
+            "peak_activation_device_bytes": s["peak_activation_device_bytes"],
+            "activation_d2h_bytes": s["activation_d2h_bytes"] // (args.steps + 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="sim")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--gbps", type=float, default=25.0, help="sim link (both directions), GB/s")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.mode:
+        print(json.dumps(run_mode(args)))
+        return
+    rows = {}
+    for mode in MODES:
+        cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--device", args.device,
+               "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
+               "--steps", str(args.steps), "--gbps", str(args.gbps)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows[mode] = json.loads(out.strip().splitlines()[-1])
+    result = {"config": {k: getattr(args, k) for k in ("device", "layers", "width", "batch", "steps", "gbps")},
+              "modes": rows,
+              "peak_host_over_kept": rows["host"]["peak_activation_device_bytes"]
+              / max(1, rows["kept"]["peak_activation_device_bytes"]),
+              "step_host_over_off": rows["host"]["step_ms"] / rows["off"]["step_ms"]}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{args.layers} x (Linear({args.width}) + GELU), batch {args.batch}, training step; device {args.device}")
+    print(f"{'mode':<6}{'step ms':>10}{'peak saved MiB':>16}{'to host MiB/step':>18}")
+    for mode, r in rows.items():
+        print(f"{mode:<6}{r['step_ms']:>10.1f}{r['peak_activation_device_bytes'] / 2**20:>16.1f}"
+              f"{r['activation_d2h_bytes'] / 2**20:>18.1f}")
+    print(f"peak saved activations, host / kept: {result['peak_host_over_kept']:.2f}; "
+          f"step time, host / off: {result['step_host_over_off']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+// layerstream — LibTorch glue: activation offload (docs/design/activations.md): tensors autograd saves go
+// to pinned host memory on the activation stream and come back on the transfer stream ahead of the
+// backward that unpacks them (the engine's rooms: engine_impl.h).
+#include "engine_impl.h"
+
+#include <algorithm>
+
+namespace layerstream {
+
+namespace {
+// The storages of the device weights the streamed layers computing on this
+// thread use (WeightsNotActivations): saved by their recorded graphs, never
+// activations.
+thread_local std::vector<const c10::StorageImpl*> t_weights;
+
+const c10::StorageImpl* storage_of(const torch::Tensor& t) {
+  return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+}
+
+bool inside(const void* p, const BufferRef& b) {
+  const char* c = static_cast<const char*>(p);
+  const char* lo = static_cast<const char*>(b.ptr);
+  return b.ptr != nullptr && c >= lo && c < lo + b.bytes;
+}
+}  // namespace
+
+EngineImpl::WeightsNotActivations::WeightsNotActivations(const DeviceParams& p) {
+  for (const torch::Tensor* t : {&p.w_leaf, &p.w, &p.b_leaf, &p.b}) t_weights.push_back(storage_of(*t));
+}
+
+EngineImpl::WeightsNotActivations::~WeightsNotActivations() { t_weights.resize(t_weights.size() - 4); }
+
+void EngineImpl::note_activation_bytes_locked(int64_t delta) {
+  act_device_bytes_ += delta;
+  act_peak_device_bytes_ = std::max(act_peak_device_bytes_, act_device_bytes_);
+}
+
+void EngineImpl::release_copied_locked() {
+  while (!awaiting_copy_.empty()) {
+    auto it = stashed_.find(awaiting_copy_.front());
+    if (it != stashed_.end() && it->second.device.defined()) {
+      if (!backend_->query(it->second.to_host)) return;  // in saving order: the later ones are later
+      it->second.device = torch::Tensor();
+      note_activation_bytes_locked(-static_cast<int64_t>(it->second.bytes));
+    }
+    awaiting_copy_.pop_front();
+  }
+}
+
+void EngineImpl::begin_activations(uint64_t device_budget) {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  act_budget_ = device_budget;
+  act_kept_ = 0;
+  release_copied_locked();
+}
+
+int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
+  if (!t.defined() || t.device() != compute_device_ || !t.has_storage()) return -1;
+  const c10::StorageImpl* st = storage_of(t);
+  if (std::find(t_weights.begin(), t_weights.end(), st) != t_weights.end()) return -1;
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; its activation offload is off");
+  const void* p = t.data_ptr();
+  if (sched_)
+    for (int i = 0; i < sched_->pool().num_slots(); ++i)
+      if (inside(p, sched_->pool().slot(i))) return -1;  // a view of a slot (weights)
+  release_copied_locked();
+  Stashed s;
+  s.bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  s.sizes = t.sizes().vec();
+  s.strides = t.strides().vec();
+  s.options = t.options();
+  // Without its autograd history: unpacking takes only the data (the saved
+  // variable restores the rest), and a tensor that is its own node's output
+  // would otherwise hold that node, whose saved variables hold the token:
+  // a cycle through this map that a forward without backward never frees.
+  s.device = t.detach();
+  const int64_t token = next_stash_++;
+  const bool small = static_cast<int64_t>(s.bytes) < opts_.activation_min_bytes;
+  const bool within_budget = act_kept_ + s.bytes <= act_budget_;
+  if (small || !t.is_non_overlapping_and_dense() || within_budget) {
+    // Kept: held here as autograd would hold it.
+    if (!small && within_budget) act_kept_ += s.bytes;
+    note_activation_bytes_locked(static_cast<int64_t>(s.bytes));
+    stashed_.emplace(token, std::move(s));
+    return token;
+  }
+  s.offloaded = true;
+  Stream cs = compute_stream();
+  s.device_ref = backend_->wrap(const_cast<void*>(p), s.bytes, MemoryKind::Device, "activation");
+  backend_->declare_access(s.device_ref, Access::Write, cs, "the computation of a saved activation");
+  Event ready = backend_->create_event();
+  backend_->record(ready, cs);
+  backend_->wait(act_stream_, ready);
+  auto pooled = host_pool_.find(s.bytes);
+  if (pooled != host_pool_.end()) {
+    s.host = std::move(pooled->second.first);
+    backend_->wait(act_stream_, pooled->second.second);  // its last copy back has read it
+    host_pool_.erase(pooled);
+  } else {
+    bool fell_back = false;
+    s.host = HostBuffer::allocate(*backend_, s.bytes, opts_.pin_memory, "saved activation", &fell_back);
+    if (fell_back)
+      warn_once("activation-pageable", "could not pin a host buffer for saved activations; using pageable "
+                                       "memory (slower copies)");
+  }
+  auto span = trace_begin(act_stream_);
+  backend_->copy_async(s.host.ref(), 0, s.device_ref, 0, s.bytes, act_stream_);
+  trace_end(act_stream_, span, "act d2h", "activation to host", s.bytes);
+  s.to_host = backend_->create_event();
+  backend_->record(s.to_host, act_stream_);
+  act_d2h_bytes_ += s.bytes;
+  note_activation_bytes_locked(static_cast<int64_t>(s.bytes));
+  stashed_.emplace(token, std::move(s));
+  awaiting_copy_.push_back(token);
+  return token;
+}
+
+void EngineImpl::copy_back_locked(Stashed& s) {
+  s.restored = at::empty_strided(s.sizes, s.strides, s.options);
+  s.restored_ref = backend_->wrap(s.restored.data_ptr(), s.bytes, MemoryKind::Device, "restored activation");
+  backend_->wait(transfer_, s.to_host);  // the host copy is complete
+  auto span = trace_begin(transfer_);
+  backend_->copy_async(s.restored_ref, 0, s.host.ref(), 0, s.bytes, transfer_);
+  trace_end(transfer_, span, "act h2d", "activation back", s.bytes);
+  if (!s.to_device) s.to_device = backend_->create_event();
+  backend_->record(s.to_device, transfer_);
+  s.copying_back = true;
+  act_h2d_bytes_ += s.bytes;
+  note_activation_bytes_locked(static_cast<int64_t>(s.bytes));
+}
+
+torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  auto it = stashed_.find(token);
+  LS_CHECK(it != stashed_.end(), "saved activation ", token, " was already released (its graph was freed); "
+           "backward through it twice needs retain_graph=True");
+  Stashed& s = it->second;
+  if (!s.offloaded) return s.device;
+  release_copied_locked();
+  if (s.device.defined()) return s.device;  // its copy to the host has not finished: still here
+  if (!s.copying_back) copy_back_locked(s);
+  Stream cs = compute_stream();
+  if (order_compute) backend_->wait(cs, s.to_device);
+  backend_->declare_access(s.restored_ref, Access::Read, cs, "the backward's read of a saved activation");
+  torch::Tensor out = std::move(s.restored);
+  s.restored = torch::Tensor();
+  s.copying_back = false;
+  s.handed_out += s.bytes;
+  // The next stashes backward will unpack (saved earlier) start coming back now.
+  int ahead = opts_.prefetch;
+  for (auto prev = std::make_reverse_iterator(it); prev != stashed_.rend() && ahead > 0; ++prev) {
+    Stashed& q = prev->second;
+    if (!q.offloaded || q.device.defined() || q.copying_back || q.handed_out) continue;
+    copy_back_locked(q);
+    --ahead;
+  }
+  return out;
+}
+
+void EngineImpl::drop_activation(int64_t token) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  auto it = stashed_.find(token);
+  if (it == stashed_.end()) return;
+  Stashed& s = it->second;
+  int64_t held = static_cast<int64_t>(s.handed_out) + (s.device.defined() ? static_cast<int64_t>(s.bytes) : 0) +
+                 (s.copying_back ? static_cast<int64_t>(s.bytes) : 0);
+  note_activation_bytes_locked(-held);
+  if (s.offloaded) {
+    // Reusable once every copy that reads or writes it has finished: the
+    // next stash into it waits for this event on the activation stream.
+    Event done = backend_->create_event();
+    if (s.copying_back || s.handed_out) {
+      backend_->record(done, transfer_);
+    } else {
+      backend_->record(done, act_stream_);
+    }
+    // The device tensors this entry holds go with it: not before the copies
+    // that read or write them have finished.
+    if (s.device.defined()) backend_->synchronize(s.to_host);
+    if (s.copying_back) backend_->synchronize(s.to_device);
+    host_pool_.emplace(s.bytes, std::make_pair(std::move(s.host), std::move(done)));
+  }
+  stashed_.erase(it);
+}
+
+}  // namespace layerstream
