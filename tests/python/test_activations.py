@@ -215,3 +215,13 @@ def test_under_torch_compile_the_compiled_regions_saved_tensors_are_offloaded(of
     assert_grads_match(model, ref, rtol=1e-5, atol=1e-5)
     assert handle.stats()["activation_d2h_bytes"] > 0
     torch._dynamo.reset()
+
+
+def test_the_trace_shows_activation_copies_on_their_own_lanes(offload_sim, tmp_path):
+    model = _mlp()
+    handle = offload_sim(model, activations="host", trace=True)
+    model(torch.randn(128, 256)).square().sum().backward()
+    path = tmp_path / "trace.json"
+    handle.export_trace(str(path))
+    text = path.read_text()
+    assert "act d2h" in text and "act h2d" in text
