@@ -16,9 +16,9 @@
 # CUDA tests (CPU-vs-CUDA dequantization bit-identity, backend) and
 # bench_quant (device dequant GB/s); bench/bench_moe_decode.py (MoE decoding,
 # every expert vs the routed ones; moe_decode.json/.md, appended to
-# results.md); bench/bench_disk.py (disk.txt); bench/bench_compile.py
-# (compile.json, appended to results.md); then the comparison at full size
-# (~6.4B params, bf16).
+# results.md); bench/bench_disk.py (disk.txt); bench/bench_compile.py and
+# bench/bench_activations.py (compile.json, activations.json, appended to
+# results.md); then the comparison at full size (~6.4B params, bf16).
 # Skips: on the GPU machine a skipped test fails the run unless its reason is
 # one bench/gpu/skip_policy.py lists as right on one GPU (e.g. "needs two CUDA
 # devices"); a skip because no device is usable ("no CUDA device visible": a
@@ -362,6 +362,20 @@ timeout 200 "$PY" bench/bench_compile.py "${cargs[@]}" --json >"$OUTDIR/compile.
 crc=$?
 [ $crc = 0 ] || { log "bench_compile.py exited with $crc (see compile.log)"; fail=1; }
 
+# ---- activation offload: peak saved activations and step time ---------------
+# bench/bench_activations.py: a training step whose saved activations dwarf the
+# weights, without and with offload(activations="host"), each in its own
+# process. Goal: >= 50% lower peak activation memory for <= 10% more step time.
+if [ "$DRY" = 1 ]; then
+  aargs=(--layers 2 --width 256 --batch 256 --steps 1)
+else
+  aargs=(--device cuda --layers 8 --width 4096 --batch 32768 --steps 5)
+fi
+log "activation offload: bench_activations.py ${aargs[*]}"
+timeout 200 "$PY" bench/bench_activations.py "${aargs[@]}" --json >"$OUTDIR/activations.json" 2>"$OUTDIR/activations.log"
+arc=$?
+[ $arc = 0 ] || { log "bench_activations.py exited with $arc (see activations.log)"; fail=1; }
+
 # ---- comparison ------------------------------------------------------------
 cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
           --build-detail "$build_detail" --tests-json "$TESTS_JSON")
@@ -384,6 +398,9 @@ rc=$?
 if [ -f "$OUTDIR/results.md" ]; then
   { echo; echo "## MoE decoding: every expert vs the routed ones (bench/bench_moe_decode.py)"; echo
     if [ -s "$OUTDIR/moe_decode.md" ]; then cat "$OUTDIR/moe_decode.md"; else echo "not measured: exit status $mrc, see moe_decode.log"; fi
+  } >>"$OUTDIR/results.md"
+  { echo; echo "## Activation offload (bench/bench_activations.py)"; echo
+    if [ -s "$OUTDIR/activations.json" ]; then cat "$OUTDIR/activations.json"; else echo "not measured: exit status $arc, see activations.log"; fi
   } >>"$OUTDIR/results.md"
   { echo; echo "## torch.compile: streamed vs resident (bench/bench_compile.py)"; echo
     if [ -s "$OUTDIR/compile.json" ]; then cat "$OUTDIR/compile.json"; else echo "not measured: exit status $crc, see compile.log"; fi

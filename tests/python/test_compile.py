@@ -5,8 +5,9 @@ the resident model's within fp32 rounding, shapes marked dynamic do not recompil
 ordering checker (the offload_sim fixture asserts it at teardown) sees no race.
 
 Most tests compile with backend="aot_eager" (Dynamo and AOTAutograd trace exactly what
-Inductor gets, without generating C++ kernels, which takes minutes on two cores); one MLP
-and the conv net go through Inductor itself."""
+Inductor gets, without generating C++ kernels, which takes long on two cores); the
+channels_last conv net goes through Inductor itself (whose kernels trust the fake kernels'
+strides)."""
 from __future__ import annotations
 
 import copy
@@ -62,14 +63,13 @@ def _step_matches(step, model, ref, x, rtol):
     ref.zero_grad()
 
 
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_mlp_full_finetune_compiles_whole_and_matches_eager(offload_sim, backend):
+def test_mlp_full_finetune_compiles_whole_and_matches_eager(offload_sim):
     """Trainable weights and biases: their gradients come back through autograd; three
     steps of one compiled graph (no recompile), each equal to the resident model's."""
     model = _mlp()
     ref = copy.deepcopy(model)
     handle = offload_sim(model)
-    step = torch.compile(model, fullgraph=True, backend=backend)
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")  # Inductor: the conv net below
     for i in range(3):
         x = torch.randn(4, 16, requires_grad=True)
         _step_matches(step, model, ref, x, rtol=1e-5)
