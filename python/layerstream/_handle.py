@@ -81,8 +81,9 @@ class Handle(_RefusesCopy):
 
     @property
     def plan(self) -> Optional[str]:
-        """The planner's placement (printable), when offload() had a budget, and the
-        host RAM and disk (host_plan), when it had a host budget."""
+        """The planner's placement (printable), when offload() had a budget; the
+        host RAM and disk (host_plan), when it had a host budget; and where saved
+        activations go, with offload(activations=...)."""
         device = self._device_plan()
         host = self._host_text()
         if self.activation_budget is not None:
