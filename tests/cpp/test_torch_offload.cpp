@@ -245,6 +245,41 @@ TEST(TorchOffload, StreamedLayersAreDispatcherOperators) {
   }
 }
 
+TEST(TorchOffload, SavedActivationsGoToTheHostAndBack) {
+  // Activation offload through the C++ API (docs/design/activations.md): a dense tensor of 64 KiB
+  // or more goes to the host and comes back bit-identical in its layout; a smaller one is kept.
+  auto engine = layerstream::Engine::create(sim_options());
+  engine->begin_activations(0);
+  auto t = torch::randn({4, 32, 16, 16}).contiguous(torch::MemoryFormat::ChannelsLast);  // 128 KiB
+  const auto want = t.clone(torch::MemoryFormat::Preserve);
+  const int64_t token = engine->stash_activation(t);
+  ASSERT_GE(token, 0);
+  t = torch::Tensor();
+  engine->synchronize();  // the copy to the host is done; the engine let the tensor go
+  EXPECT_EQ(engine->stats().activation_device_bytes, 0u);
+  const auto back = engine->restore_activation(token, true);
+  EXPECT_TRUE(torch::equal(back, want));
+  EXPECT_EQ(back.strides(), want.strides());
+  const uint64_t bytes = 4 * 32 * 16 * 16 * 4;
+  EXPECT_EQ(engine->stats().activation_d2h_bytes, bytes);
+  EXPECT_EQ(engine->stats().activation_h2d_bytes, bytes);
+  auto small = torch::randn({16});
+  const int64_t kept = engine->stash_activation(small);
+  ASSERT_GE(kept, 0);
+  EXPECT_EQ(engine->restore_activation(kept, true).data_ptr(), small.data_ptr());  // never copied
+  EXPECT_EQ(engine->stats().activation_d2h_bytes, bytes);
+  engine->drop_activation(token);
+  engine->drop_activation(kept);
+  EXPECT_EQ(engine->stats().activation_device_bytes, 0u);
+  EXPECT_EQ(engine->ordering_errors(), std::vector<std::string>{});
+  try {
+    engine->restore_activation(token, true);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("was already released"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TorchOffload, LayerUsedUnderTwoNamesIsNotATie) {
   // One module registered twice shares its parameters with itself only.
   struct TwiceImpl : torch::nn::Module {
