@@ -121,6 +121,12 @@ int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
 void EngineImpl::copy_back_locked(Stashed& s) {
   s.restored = at::empty_strided(s.sizes, s.strides, s.options);
   s.restored_ref = backend_->wrap(s.restored.data_ptr(), s.bytes, MemoryKind::Device, "restored activation");
+  // The framework's allocator hands out memory that work already enqueued on
+  // the compute stream may still use (its own stream's order makes that safe
+  // for compute, not for the transfer stream): the copy waits for that work.
+  Event allocated = backend_->create_event();
+  backend_->record(allocated, compute_stream());
+  backend_->wait(transfer_, allocated);
   backend_->wait(transfer_, s.to_host);  // the host copy is complete
   auto span = trace_begin(transfer_);
   backend_->copy_async(s.restored_ref, 0, s.host.ref(), 0, s.bytes, transfer_);
