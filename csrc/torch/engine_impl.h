@@ -424,7 +424,6 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void copy_back_locked(Stashed& s);
   void note_activation_bytes_locked(int64_t delta);
   std::map<int64_t, Stashed> stashed_;
-  std::vector<int64_t> stash_order_;    // tokens of this forward, in saving order
   std::deque<int64_t> awaiting_copy_;  // offloaded tokens still holding their device tensor
   std::multimap<size_t, std::pair<HostBuffer, Event>> host_pool_;  // free host copies, by size
   Stream act_stream_;                  // device-to-host copies of activations
