@@ -1,4 +1,4 @@
-// The host tier (core/io): SourceFile reads and identity checks; the Stager
+// The host tier (core/io) and the shared host store: SourceFile reads and identity checks; the Stager
 // under the Scheduler on the sim device with the ordering checker: layers
 // read from a file (the disk tier) and from pageable memory, mixed with plain
 // pinned layers, over random schedules — every slot byte-identical to its
@@ -306,3 +306,50 @@ TEST(StagerFile, ChangedFileIsAnErrorNeverOtherWeights) {
 }
 
 }  // namespace
+
+// The host store shared by a node's ranks (core/shared_region.h,
+// docs/design/distributed.md): two stores over one memory file, as two ranks
+// map it (here both in this process, the second through /proc/<pid>/fd like
+// another rank): same sizes in the same order give the same tensors; only the
+// writer copies; a non-shareable tensor stays private; the digest tells
+// layouts apart; the region frees nothing it did not carve.
+TEST(SharedStore, TwoStoresOverOneRegionSeeTheSameTensors) {
+  auto sim = make_sim_backend(SimOptions{});
+  Backend& backend = *sim;
+  auto region = SharedRegion::create(1 << 20, "store");
+  auto mapped = SharedRegion::open(region->pid(), region->fd(), region->capacity());
+  EXPECT_NE(static_cast<void*>(region->base()), static_cast<void*>(mapped->base()));
+  HostStore writer(backend), reader(backend);
+  writer.share(region, /*writer=*/true);
+  reader.share(mapped, /*writer=*/false);
+  std::mt19937 rng(7);
+  const auto a = random_bytes(5000, rng), b = random_bytes(123, rng), c = random_bytes(64, rng);
+  std::vector<unsigned char> other(5000, 0xEE);
+  const size_t wa = writer.add(a.size(), a.data(), "a"), ra = reader.add(other.size(), other.data(), "a");
+  const size_t wb = writer.add(b.size(), b.data(), "b"), rb = reader.add(b.size(), nullptr, "b");
+  // The reader did not copy its source: it sees the writer's bytes.
+  EXPECT_EQ(0, std::memcmp(reader.buffer(ra).ptr, a.data(), a.size()));
+  EXPECT_EQ(0, std::memcmp(reader.buffer(rb).ptr, b.data(), b.size()));
+  EXPECT_EQ(0u, reinterpret_cast<uintptr_t>(writer.buffer(wb).ptr) % SharedRegion::page_size());
+  EXPECT_EQ(writer.layout_digest(), reader.layout_digest());
+  EXPECT_TRUE(writer.shares(/*trainable=*/false));
+  EXPECT_FALSE(writer.shares(/*trainable=*/true));  // share(..., trainable=true) would
+  // A trainable tensor: this process's own memory, outside the region and the digest.
+  const size_t wc = writer.add(c.size(), c.data(), "c", /*shareable=*/false);
+  EXPECT_FALSE(writer.in_shared(writer.buffer(wc).ptr));
+  EXPECT_TRUE(writer.in_shared(writer.buffer(wa).ptr));
+  EXPECT_EQ(0, std::memcmp(writer.buffer(wc).ptr, c.data(), c.size()));
+  EXPECT_EQ(writer.layout_digest(), reader.layout_digest());
+  EXPECT_EQ(writer.stats().shared_bytes, a.size() + b.size());
+  // A write through one mapping is seen through the other.
+  static_cast<unsigned char*>(writer.buffer(wa).ptr)[17] ^= 0xFF;
+  EXPECT_EQ(static_cast<unsigned char*>(reader.buffer(ra).ptr)[17], static_cast<unsigned char>(a[17] ^ 0xFF));
+  // A different layout, a different digest.
+  reader.add(8, nullptr, "d");
+  EXPECT_NE(writer.layout_digest(), reader.layout_digest());
+  // Full: a clear error, not an overlap.
+  EXPECT_THROW(writer.add(2 << 20, nullptr, "too big"), Error);
+  // Once the creator closed its descriptor, nobody else can open the region.
+  region->close_fd();
+  EXPECT_THROW(SharedRegion::open(region->pid(), 1000000, region->capacity()), Error);
+}
