@@ -47,6 +47,11 @@
 
 #include "core/quant.h"
 #include "core/scheduler.h"  // StepStats
+#include "core/shared_region.h"
+
+namespace c10d {
+class ProcessGroup;  // torch.distributed's (torch/csrc/distributed/c10d/ProcessGroup.hpp)
+}  // namespace c10d
 
 namespace layerstream {
 
@@ -132,6 +137,8 @@ struct EngineStats {
   uint64_t layers = 0, quantized_layers = 0, embedding_layers = 0, group_layers = 0;
   uint64_t routed_fetches = 0;  // group fetches that copied some experts only
   uint64_t pinned_bytes = 0, pageable_bytes = 0;  // the host store
+  uint64_t shared_bytes = 0;  // of those, in a region shared with this node's other processes
+  uint64_t averaged_bytes = 0;  // gradient bytes all-reduced over the process group (set_gradient_group)
   uint64_t peak_device_bytes = 0;
   uint64_t ordering_errors = 0;  // sim device: races the checker found
   // The host tier: layers read from their files on every use (disk tier),
@@ -157,7 +164,8 @@ struct EngineStats {
     f("max_slots_held", max_slots_held), f("budget_bytes", budget_bytes), f("layers", layers);
     f("quantized_layers", quantized_layers), f("embedding_layers", embedding_layers);
     f("group_layers", group_layers), f("routed_fetches", routed_fetches), f("pinned_bytes", pinned_bytes);
-    f("pageable_bytes", pageable_bytes), f("peak_device_bytes", peak_device_bytes);
+    f("pageable_bytes", pageable_bytes), f("shared_bytes", shared_bytes), f("averaged_bytes", averaged_bytes);
+    f("peak_device_bytes", peak_device_bytes);
     f("ordering_errors", ordering_errors), f("disk_layers", disk_layers), f("disk_read_bytes", disk_read_bytes);
     f("staged_read_bytes", staged_read_bytes), f("staging_hits", staging_hits);
     f("staging_entries", staging_entries), f("staging_entry_bytes", staging_entry_bytes);
@@ -386,6 +394,35 @@ class Engine {
   // Releases a token (its graph was freed): the host copy goes back to the
   // engine's pool, reusable once its copies back have finished.
   virtual void drop_activation(int64_t token) = 0;
+
+  // ---- several processes (docs/design/distributed.md) ----
+  // Streamed weights' gradients are averaged over `group` as
+  // DistributedDataParallel averages the others: on the compute device,
+  // before the copy to the host (all-reduce of the gradient divided by the
+  // group's size; NCCL work is waited on by the current stream). Every rank
+  // must run the same layers' backwards in the same order. Null: none.
+  // Call before the first backward; not thread-safe against a running one.
+  virtual void set_gradient_group(c10::intrusive_ptr<c10d::ProcessGroup> group) = 0;
+  // false: the backwards of forwards run from now on keep their gradients
+  // local (DDP's no_sync()); the first synchronised backward after them
+  // averages the layers' whole .grad once it ends. Thread-safe.
+  virtual void set_gradient_sync(bool sync) = 0;
+  // Averages a gradient of `layer` computed outside the engine (a tensor
+  // group's, from Python), in place, by the rule above.
+  virtual void average_gradient(int layer, torch::Tensor& grad) = 0;
+  // Carves the host store from `region`, shared with this node's other
+  // processes that register the same layers in the same order; `writer`:
+  // this process fills it (the others only map it). `trainable`: trainable
+  // tensors are shared too (each rank's optimizer must step only its shard:
+  // layerstream.optim does), else they stay in this process's memory. Before
+  // any add_*().
+  virtual void share_host_store(std::shared_ptr<SharedRegion> region, bool writer, bool trainable) = 0;
+  // Whether a tensor that is trainable (or not) goes to the shared region
+  // (a trainable tensor read by read_file() must not land there otherwise).
+  virtual bool host_store_shared(bool trainable) const = 0;
+  // The store's layout digest (HostStore::layout_digest): equal in every
+  // process that shares one region, or they disagree.
+  virtual uint64_t host_store_digest() const = 0;
 
   // Waits for every pending transfer (saved activations' included) and gradient, accumulates gradients
   // staged outside any autograd graph task into param.grad (a backward pass

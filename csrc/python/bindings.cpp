@@ -1,6 +1,7 @@
 // pybind11 bindings of the streaming engine: layerstream._C. Stateful objects
 // only; the user-facing API lives in python/layerstream/.
 #include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "core/gguf.h"
 #include "core/host_tier.h"
@@ -624,6 +625,17 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("bytes", &FileRange::bytes)
       .def_readonly("tensor", &FileRange::tensor);
 
+  // A host region shared by the processes of one node (core/shared_region.h).
+  py::class_<layerstream::SharedRegion, std::shared_ptr<layerstream::SharedRegion>>(m, "SharedRegion")
+      .def_static("create", &layerstream::SharedRegion::create, py::arg("capacity"), py::arg("label"))
+      .def_static("open", &layerstream::SharedRegion::open, py::arg("pid"), py::arg("fd"), py::arg("capacity"))
+      .def_property_readonly("pid", &layerstream::SharedRegion::pid)
+      .def_property_readonly("fd", &layerstream::SharedRegion::fd)
+      .def_property_readonly("capacity", &layerstream::SharedRegion::capacity)
+      .def_property_readonly("used", &layerstream::SharedRegion::used)
+      .def_property_readonly("creator", &layerstream::SharedRegion::creator)
+      .def_static("page_size", &layerstream::SharedRegion::page_size)
+      .def("close_fd", &layerstream::SharedRegion::close_fd);
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](const EngineOptions& opts) { return Engine::create(opts); }), py::arg("options"))
       // {field: value} of EngineOptions (an unknown field is refused).
@@ -721,6 +733,21 @@ PYBIND11_MODULE(_C, m) {
       .def("fetch", &Engine::fetch, py::arg("layer"), py::arg("experts") = std::vector<int64_t>{})
       .def("release", &Engine::release, py::arg("token"))
       .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())
+      // A torch.distributed group by its name (ProcessGroup.group_name, in the
+      // registry torch keeps); "" for none.
+      .def("set_gradient_group",
+           [](Engine& e, const std::string& group_name) {
+             e.set_gradient_group(group_name.empty() ? c10::intrusive_ptr<c10d::ProcessGroup>()
+                                                     : c10d::resolve_process_group(group_name));
+           },
+           py::arg("group_name"))
+      .def("set_gradient_sync", &Engine::set_gradient_sync, py::arg("sync"))
+      .def("average_gradient", [](Engine& e, int layer, torch::Tensor g) { e.average_gradient(layer, g); },
+           py::arg("layer"), py::arg("grad"), py::call_guard<py::gil_scoped_release>())
+      .def("share_host_store", &Engine::share_host_store, py::arg("region"), py::arg("writer"),
+           py::arg("trainable"))
+      .def_property_readonly("host_store_digest", &Engine::host_store_digest)
+      .def("host_store_shared", &Engine::host_store_shared, py::arg("trainable"))
       .def("detach",
            [](Engine& e, const std::vector<std::string>& devices) {
              std::vector<torch::Device> d;

@@ -311,6 +311,22 @@ Phase EngineImpl::current_phase() const {
 }
 
 void EngineImpl::check_host_alias(const LayerInfo& l) const {
+  if (store_->shared() && !store_->shares(/*trainable=*/true)) {
+    // Frozen at offload(), now trainable: every rank's optimizer would step the
+    // same shared values (docs/design/distributed.md, "One host copy per node").
+    const auto check = [&](const torch::Tensor& t, const void* host, const char* what) {
+      LS_CHECK(!(t.defined() && t.requires_grad() && store_->in_shared(host)), "the ", what, " of streamed layer '",
+               l.name, "' requires grad, but it was frozen at offload() and sits in the host store this node's "
+               "ranks share, where every rank's optimizer would write the same memory. Set requires_grad before "
+               "offload() (trainable tensors get one copy per process), or offload with share_host_store=False.");
+    };
+    if (l.is_group()) {
+      for (const auto& e : l.parts()) check(e.param, e.host, "tensor");
+    } else {
+      check(l.weight, l.w_host, "weight");
+      check(l.bias, l.b_host, "bias");
+    }
+  }
   if (l.is_group()) {
     for (const auto& e : l.parts())
       LS_CHECK(e.qformat != quant::Format::None || (e.param.device().is_cpu() && e.param.data_ptr() == e.host),

@@ -32,6 +32,9 @@ void EngineImpl::queue_if_ready_locked(int layer_index, LayerInfo& l) {
   const int task = torch::autograd::get_current_graph_task_id();
   l.last_grad_task = task;
   if (task == -1 || l.forward_uses == 0) return;
+  // A gradient that is not averaged yet (no_sync(), or one averaged whole
+  // when the backward ends) is no step's business until then.
+  if (grad_group_ && (!grad_sync_ || l.grad_local)) return;
   int uses = 0;
   for (const auto& u : l.pending) uses += u.task == task;
   if (uses != l.forward_uses) return;  // more uses of this backward to come, or unknown

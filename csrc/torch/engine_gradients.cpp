@@ -212,6 +212,8 @@ void EngineImpl::ensure_backward_callback() {
     }
     auto scope = self->device_scope();
     self->drain_grads(guard->task);
+    std::lock_guard<std::recursive_mutex> lock(self->mu_);
+    self->average_local_grads_locked();  // after no_sync() backwards (engine_distributed.cpp)
   });
 }
 

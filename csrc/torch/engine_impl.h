@@ -17,6 +17,8 @@
 //   ops_embedding.cpp     embedding tables: lookup and its autograd function
 //   ops_library.cpp       the layerstream:: operators (torch.compile/export)
 //   engine_activations.cpp activation offload: stash/restore saved tensors
+//   engine_distributed.cpp gradient averaging over a process group, the
+//                         shared host store
 // Thread safety: every member takes mu_ (recursive) unless it says _locked
 // (the caller holds it).
 #pragma once
@@ -73,6 +75,12 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   int64_t stash_activation(const torch::Tensor& t) override;
   torch::Tensor restore_activation(int64_t token, bool order_compute) override;
   void drop_activation(int64_t token) override;
+  void set_gradient_group(c10::intrusive_ptr<c10d::ProcessGroup> group) override;
+  void set_gradient_sync(bool sync) override { grad_sync_ = sync; }
+  void average_gradient(int layer, torch::Tensor& grad) override;
+  void share_host_store(std::shared_ptr<SharedRegion> region, bool writer, bool trainable) override;
+  uint64_t host_store_digest() const override { return store_->layout_digest(); }
+  bool host_store_shared(bool trainable) const override { return store_->shares(trainable); }
   void synchronize() override;
   void detach(const std::vector<torch::Device>& devices) override;
   bool detached() const override { return detached_; }
@@ -296,6 +304,11 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
       int task = -1;
     };
     std::vector<StagedUse> pending;
+    // Gradient averaging (engine_distributed.cpp): .grad holds gradients of
+    // no_sync() backwards (local sums); averaged whole at the end of the next
+    // synchronised backward (average_at_end).
+    bool grad_local = false;
+    bool average_at_end = false;
     // Gradient-ready hook (engine_grad_ready.cpp): forward calls with an
     // autograd node since the backward that last staged this layer's
     // gradients ended, and that backward's graph task.
@@ -383,6 +396,15 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::vector<int> pending_;  // layers with gradients in flight
   std::vector<int> callback_tasks_;  // graph tasks whose end-of-backward callback is queued
   uint64_t failed_backwards_ = 0;      // backwards whose staged gradients were dropped
+  // Gradient averaging (engine_distributed.cpp).
+  struct GradientGroup;  // the process group, held where its header is included
+  std::shared_ptr<GradientGroup> grad_group_;
+  std::atomic<bool> grad_sync_{true};
+  std::atomic<uint64_t> averaged_bytes_{0};
+  // Averages `t` over grad_group_ in place (a device or host tensor).
+  void all_reduce_mean(torch::Tensor& t);
+  // End of a backward: averages the .grad of layers marked average_at_end.
+  void average_local_grads_locked();
   std::atomic<bool> failed_backward_unreported_{false};  // warned at the next linear()/conv()
   uint64_t d2h_bytes_ = 0;
   std::map<int64_t, Lease> fetched_;  // fetch() tokens not yet released

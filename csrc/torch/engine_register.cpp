@@ -26,7 +26,9 @@ void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& 
     param.set_data(src);
     return src.data_ptr();
   }
-  *index = store.add(*bytes, src.data_ptr(), name);
+  // A trainable tensor stays out of a shared store unless the ranks step it in
+  // shards (HostStore::share): else every rank's optimizer would write it.
+  *index = store.add(*bytes, src.data_ptr(), name, /*shareable=*/store.shares(param.requires_grad()));
   void* ptr = store.buffer(*index).ptr;
   auto keepalive = keep;
   const auto opts = torch::TensorOptions().dtype(src.scalar_type());

@@ -44,6 +44,8 @@ EngineStats EngineImpl::stats() const {
   const HostStoreStats hs = store_->stats();
   m.pinned_bytes = hs.pinned_bytes;
   m.pageable_bytes = hs.pageable_bytes;
+  m.shared_bytes = hs.shared_bytes;
+  m.averaged_bytes = averaged_bytes_.load();
   for (const auto& l : layers_) m.disk_layers += l->on_disk() ? 1 : 0;
   m.disk_read_bytes = st.staging.file_bytes + carried_.staging.file_bytes;
   m.staged_read_bytes = st.staging.read_bytes + carried_.staging.read_bytes;

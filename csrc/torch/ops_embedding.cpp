@@ -60,7 +60,13 @@ torch::Tensor EngineImpl::op_lookup_backward(int index, const torch::Tensor& go,
     go_host = go_host.to(torch::kFloat);
   torch::Tensor gw = torch::embedding_backward(go_host, ids.to(torch::kCPU), l.w_shape[0], l.table().padding_idx,
                                                l.table().scale_grad_by_freq, l.table().sparse);
-  return gw.to(l.w_dtype);
+  gw = gw.to(l.w_dtype);
+  if (!shape_only) {
+    LS_CHECK(!(grad_group_ && l.table().sparse), "embedding layer '", l.name, "' has sparse=True: its sparse "
+             "gradient cannot be averaged over the process group; use sparse=False with several processes");
+    average_gradient(index, gw);  // engine_distributed.cpp
+  }
+  return gw;
 }
 
 // The lookup as an operator computes it: no autograd node (the operator's

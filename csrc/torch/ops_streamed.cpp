@@ -467,8 +467,12 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     if (!keep_graph) kept->root = torch::autograd::Edge();
     size_t k = 0;
     const torch::Tensor gx = need_x ? got[k++] : torch::Tensor();
-    const torch::Tensor gw = need_w ? got[k++] : torch::Tensor();
-    const torch::Tensor gb = need_b ? got[k++] : torch::Tensor();
+    torch::Tensor gw = need_w ? got[k++] : torch::Tensor();
+    torch::Tensor gb = need_b ? got[k++] : torch::Tensor();
+    // Averaged over the process group, if any, before the copy to the host
+    // (engine_distributed.cpp).
+    e->average_gradient(layer, gw);
+    e->average_gradient(layer, gb);
     if ((need_w || need_b) && via_autograd) {
       // Returned to autograd (host copies, synchronous), which routes them.
       return {gx, need_w ? e->grad_to_host(gw, l.w_dtype) : torch::Tensor(),
@@ -698,6 +702,7 @@ std::vector<torch::Tensor> EngineImpl::op_backward(int index, const torch::Tenso
   if (mask[0]) out.push_back(g[0]);
   for (int i = 1; i < 3; ++i) {
     if (!mask[i]) continue;
+    if (!shape_only) average_gradient(index, g[i]);  // engine_distributed.cpp
     const torch::ScalarType dtype = i == 1 ? l.w_dtype : l.b_dtype;
     out.push_back(shape_only ? g[i].to(dtype).to(torch::kCPU) : grad_to_host(g[i], dtype));
   }

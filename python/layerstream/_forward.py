@@ -130,11 +130,13 @@ class _GroupForward(_RefusesCopy):
     _StreamedForward. Not safe for two threads calling the same module at once (the
     swap is on the module)."""
 
-    __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts")
+    __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts",
+                 "_averaged")
 
     def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
                  experts: int = 0):
         self._engine, self._index, self._original, self._module, self._name = engine, index, original, module, name
+        self._averaged = False  # gradients averaged over a process group (Handle._set_group)
         self._slots = tuple((o, k) for o, k, _ in slots)  # (owner, key) of each tensor (_group_slots)
         self._params = tuple(o._parameters[k] for o, k in self._slots)
         self._device = torch.device(engine.compute_device)
@@ -350,5 +352,11 @@ class _GroupFn(torch.autograd.Function):
         host = []
         for k, p in enumerate(fwd._params):
             g = result[n_in + k]
+            if fwd._averaged and p.requires_grad:
+                # Averaged over the process group before the copy to the host (the engine's
+                # rule, engine_distributed.cpp); every rank reduces every trainable tensor,
+                # so one that got no gradient here reduces zeros, as DDP does.
+                g = (torch.zeros(p.shape, dtype=p.dtype, device=dev) if g is None else g).to(dtype=p.dtype)
+                fwd._engine.average_gradient(fwd._index, g)
             host.append(None if g is None else g.to("cpu", p.dtype))  # returned to autograd: .grad on the host
         return (None, None, *result[:n_in], *host)

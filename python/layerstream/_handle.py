@@ -58,6 +58,13 @@ class Handle(_RefusesCopy):
         # that can go to the host), None when off; the hooks detach() removes.
         self.activation_budget: Optional[int] = None
         self._activation_hooks = []
+        # offload() in a process group (_distributed.Distributed), its forward pre-hook
+        # (whether the coming backward averages) and the model whose DDP ignore list has
+        # the streamed parameters; None without one.
+        self._group = None
+        self._sync_hook = None
+        self._group_hook = None
+        self._group_model = None
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -94,15 +101,35 @@ class Handle(_RefusesCopy):
             return None
         return (device or "") + host
 
+    def _set_group(self, group, model) -> None:
+        from ._distributed import SyncHook
+        self._group, self._group_model = group, model
+        self._sync_hook = SyncHook(self._engine, group)
+        self._group_hook = model.register_forward_pre_hook(self._sync_hook)
+        for a in self._attached:
+            if a.kind == "group":
+                a.module.forward._averaged = True
+
+    def no_sync(self):
+        """A context manager: backwards of forwards run inside it keep the streamed
+        weights' gradients local (summed into .grad on this rank), as DDP's no_sync()
+        does for the rest (which layerstream honours too); the first backward after it
+        averages the accumulated gradients. Without a process group it does nothing."""
+        import contextlib
+        if self._sync_hook is None:
+            return contextlib.nullcontext()
+        return self._sync_hook.no_sync()
+
     def _host_text(self) -> str:
         h = self.host_plan
+        text = self._group.describe() if self._group is not None else ""
         if not h:
-            return ""
+            return text
         mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
         budget = "unbounded" if h["host_budget"] < 0 else mib(h["host_budget"])
         pinned = "unlimited" if h["pinned_budget"] < 0 else mib(h["pinned_budget"])
         disk = sum(1 for d in h["on_disk"] if d)
-        return (f"host RAM (budget {budget}, pinned {pinned}): {mib(h['store_bytes'])} in the store"
+        return text + (f"host RAM (budget {budget}, pinned {pinned}): {mib(h['store_bytes'])} in the store"
                 f" ({mib(h['pageable_store_bytes'])} pageable), {mib(h['staging_bytes'])} of staging entries"
                 f" ({'pinned' if h['staging_pinned'] else 'pageable'}); disk: {disk} layer(s), "
                 f"{mib(h['disk_bytes'])} read from their files on every use"
@@ -211,6 +238,12 @@ class Handle(_RefusesCopy):
         for h in self._activation_hooks:
             h.remove()
         self._activation_hooks = []
+        if self._group_hook is not None:
+            from ._distributed import forget_ddp_ignore
+            self._group_hook.remove()
+            forget_ddp_ignore(self._group_model)
+            self._group.forget_shards()
+            self._group = self._sync_hook = self._group_hook = self._group_model = None
         for a in self._attached:
             if a.index in dense and a.bnb_stats is not None:
                 import bitsandbytes as bnb

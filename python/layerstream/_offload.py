@@ -19,6 +19,7 @@ from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._guards import _RootApply, _StreamedApply, _requantize_on_load
+from . import _distributed
 from ._activations import ActivationOffload, parse_activations
 from ._handle import Handle, _Attached
 from ._loading import put, tensor_slots
@@ -72,6 +73,8 @@ def offload(
     pinned_budget: Union[None, int, str] = None,
     cache_dir: Union[None, str, os.PathLike] = None,
     activations: Union[None, str, int] = None,
+    process_group=None,
+    share_host_store: Union[None, bool, str] = None,
 ) -> Handle:
     """Streams the model's Linear, Conv1d/2d/3d, Embedding, MultiheadAttention and MoE experts
     layers from host RAM.
@@ -196,6 +199,23 @@ def offload(
         stream, the next ones (prefetch deep, in the order backward unpacks them)
         copied back ahead of need. A size keeps that many bytes of them (the first
         saved) on the device. docs/design/activations.md.
+    process_group: with several processes (torch.distributed, e.g. torchrun): the group
+        over which streamed weights' gradients are averaged, as DistributedDataParallel
+        averages the rest (all-reduce on the compute device before the copy to the host;
+        suspended by handle.no_sync() or DDP's no_sync()). None: the world group when
+        torch.distributed is initialized with several ranks; False: none; a group given
+        is used even with one rank. Every rank must offload the same model with the same
+        options (checked). Streamed parameters are put on DDP's ignore list, so
+        DistributedDataParallel(model) needs no argument for them.
+    share_host_store: the ranks of one machine keep one host copy of the frozen streamed
+        weights (a memory file the first of them fills and the others map; freed by the
+        kernel when the last rank exits, even after a crash); trainable ones keep one copy
+        per process (each rank's optimizer steps its own). None: shared when another rank
+        of the group runs on this machine (True: the same); False: one copy per process;
+        "all": trainable
+        tensors shared too, each rank stepping its shard of every one with
+        layerstream.optim.AdamW (any other write to them is refused).
+        docs/design/distributed.md.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs a torch.nn.Module, got {type(model).__name__}")
@@ -247,9 +267,21 @@ def offload(
     # 3. Host RAM: which weights stay in their file, what is pinned (core/host_tier.h).
     on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts, cache_dir)
 
-    # 4. Attach them to one engine (undone on failure); the rest moves to the device.
+    # 4. Several processes: agree, and share the host store within a node.
+    if share_host_store not in (None, True, False, "all"):
+        raise ValueError(f'share_host_store must be None, True, False or "all", got {share_host_store!r}')
+    group = None
+    pg = _distributed.resolve_group(process_group)
+    if pg is not None:
+        settings = dict(device=compute_device.type, budget=budget, prefetch=prefetch, slots=slots, include=include,
+                        exclude=exclude, quantize=quantize, dequant_dtype=dequant_dtype, compute_dtype=compute_dtype,
+                        experts=experts, groups=groups, host_budget=host_budget, pinned_budget=pinned_budget,
+                        activations=activations, pin_memory=pin_memory, share_host_store=share_host_store)
+        group = _distributed.Distributed(pg, model, layers + tables, settings, share_host_store)
+
+    # 5. Attach them to one engine (undone on failure); the rest moves to the device.
     handle = _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
-                     plan, grouped, compute_device, experts == "routed", on_disk)
+                     plan, grouped, compute_device, experts == "routed", on_disk, group)
     if activation_budget is not None:
         handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
         handle.activation_budget = activation_budget
@@ -521,7 +553,8 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
 
 
 def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,
-            compute_device: torch.device, routed: bool, on_disk: "_HostTier") -> Handle:
+            compute_device: torch.device, routed: bool, on_disk: "_HostTier",
+            group: "Optional[_distributed.Distributed]" = None) -> Handle:
     """Step 3: attaches the streamed layers (in model order) to one engine and moves
     the rest to the compute device. A failure part way (e.g. a weight the format
     cannot pack, host memory) undoes what was attached, as detach() does."""
@@ -531,6 +564,8 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
     handle = Handle(engine, attached, plan)
     handle.host_plan = on_disk.summary  # core/host_tier.h's plan, or None (no host budget)
     try:
+        if group is not None:
+            group.share_store(engine)
         _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device, routed,
                        on_disk)
         for a in attached:
@@ -547,6 +582,10 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
         # Resident weights to the compute device (device memory can run out here; the
         # tensors already moved stay there, on the device the model was meant for).
         _move_resident(model, streamed_params, compute_device)
+        if group is not None:
+            group.finish(engine, model, [n for n, p in model.named_parameters(remove_duplicate=False)
+                                         if id(p) in streamed_params])
+            handle._set_group(group, model)
     except BaseException:
         for name in grouped:
             _WHOLE_GROUPS.discard(model.get_submodule(name))
@@ -583,7 +622,11 @@ def _read_in(model: nn.Module, p, engine=None):
     if not isinstance(p, FileWeight):
         return p
     r = p.file_range
-    value = engine.read_file(r, list(p.shape), p.dtype) if engine is not None else p.read()
+    # read_file() carves from a store the node's ranks share: a trainable weight goes there
+    # only when the ranks step it in shards (else each rank's optimizer writes its own copy).
+    into_store = engine is not None and (not p.requires_grad or engine.host_store_shared(True)
+                                         or not engine.host_store_shared(False))
+    value = engine.read_file(r, list(p.shape), p.dtype) if into_store else p.read()
     new = nn.Parameter(value, requires_grad=p.requires_grad)
     put(tensor_slots(model)[1].get(id(p), []), p, new)
     return new

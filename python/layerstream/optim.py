@@ -91,6 +91,18 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = norm
         return _C.optim_clip_coefficient(norm, self.max_grad_norm)
 
+    @staticmethod
+    def _target(p):
+        """What this rank steps of `p`: all of it, or, for a streamed tensor in a host store
+        shared by a node's ranks (offload(share_host_store="all")), its shard of the
+        elements (docs/design/distributed.md, "Sharded step")."""
+        shard = getattr(p, "_layerstream_shard", None)
+        return p.detach() if shard is None else shard.view(p.detach())
+
+    @staticmethod
+    def _shards(work):
+        return [p._layerstream_shard for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")]
+
     def _group_of(self, p):
         for group in self.param_groups:
             for q in group["params"]:
@@ -176,7 +188,7 @@ class AdamW(_HostOptimizer):
     def _adopt(self, p, group, loaded, name):
         fmt = group["state_precision"]
         m, v, a1, a2 = _C.optim_adamw_adopt_states(
-            p.detach(), fmt, loaded.get("exp_avg"), loaded.get("exp_avg_sq"), loaded.get("exp_avg_absmax"),
+            self._target(p), fmt, loaded.get("exp_avg"), loaded.get("exp_avg_sq"), loaded.get("exp_avg_absmax"),
             loaded.get("exp_avg_sq_absmax"), name)
         st = {"step": torch.as_tensor(loaded.get("step", 0.0), dtype=torch.float32).detach().clone().cpu(),
               "exp_avg": m, "exp_avg_sq": v}
@@ -188,7 +200,7 @@ class AdamW(_HostOptimizer):
         st = self.state[p]
         if len(st) == 0:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            m, v, a1, a2 = _C.optim_adamw_init_states(p.detach(), fmt)
+            m, v, a1, a2 = _C.optim_adamw_init_states(self._target(p), fmt)
             st["exp_avg"], st["exp_avg_sq"] = m, v
             if a1 is not None:
                 st["exp_avg_absmax"], st["exp_avg_sq_absmax"] = a1, a2
@@ -230,6 +242,9 @@ class AdamW(_HostOptimizer):
             raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
                                "followed by step()")
         engine = handle._check()
+        if any(hasattr(p, "_layerstream_shard") for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("layerstream.optim: overlap() does not step sharded parameters "
+                               "(offload(share_host_store=\"all\")) yet; call step() after the backward")
         groups, params = [], []
         key = 0
         for gi, group in enumerate(self.param_groups):
@@ -283,6 +298,11 @@ class AdamW(_HostOptimizer):
         else:
             scale = self._grad_scale(grads)
         self._last_clipped = scale < 1.0
+        shards = self._shards(work)
+        if shards:
+            # Sharded: every rank's backward has read the shared weights before any
+            # rank writes its shard, and every shard is written before anyone reads on.
+            shards[0].barrier()
         for group, ps, gs, keys in work:
             if not ps:
                 continue
@@ -291,10 +311,27 @@ class AdamW(_HostOptimizer):
             b1, b2 = group["betas"]
             _C.optim_adamw_step(
                 float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), fmt,
-                [p.detach() for p in ps], gs, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [self._target(p) for p in ps], [self._shard_grad(p, g) for p, g in zip(ps, gs)],
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s.get("exp_avg_absmax") for s in states], [s.get("exp_avg_sq_absmax") for s in states],
                 [int(s["step"].item()) for s in states], keys, scale, int(group["seed"]))
+        if shards:
+            shards[0].barrier()
+            for _, ps, _, _ in work:
+                for p in ps:
+                    if hasattr(p, "_layerstream_shard"):
+                        p._layerstream_shard.version = p._version
         return loss
+
+    @staticmethod
+    def _shard_grad(p, g):
+        shard = getattr(p, "_layerstream_shard", None)
+        if shard is None:
+            return g
+        if g.stride() != p.stride():
+            raise RuntimeError(f"layerstream.optim: the gradient of sharded parameter {shard.name} is laid out "
+                               f"differently from it (strides {tuple(g.stride())} vs {tuple(p.stride())})")
+        return shard.view(g)
 
 
 class Adafactor(_HostOptimizer):
@@ -360,6 +397,10 @@ class Adafactor(_HostOptimizer):
         return st
 
     def _states(self, p, group):
+        if hasattr(p, "_layerstream_shard"):
+            raise RuntimeError("layerstream.optim.Adafactor factors whole matrices and cannot step a shard of a "
+                               "parameter (offload(share_host_store=\"all\")); use layerstream.optim.AdamW, or "
+                               "share_host_store=None")
         st = self.state[p]
         if len(st) == 0:
             row, col, v, m = _C.optim_adafactor_init_states(p.detach(), group["beta1"] is not None)

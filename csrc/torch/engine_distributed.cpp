@@ -1,0 +1,93 @@
+// layerstream — LibTorch glue: several processes (torch.distributed):
+// streamed weights' gradients averaged over a process group before their copy
+// to the host, and the host store shared by the processes of one node
+// (docs/design/distributed.md; the engine's rooms: engine_impl.h).
+#include "engine_impl.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace layerstream {
+
+struct EngineImpl::GradientGroup {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+};
+
+void EngineImpl::set_gradient_group(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(pending_.empty(), "set_gradient_group: a backward's gradients are still in flight; call it "
+           "between steps");
+  if (!group) {
+    grad_group_.reset();
+  } else {  // also with one rank: a group given is used (its all-reduce runs over one)
+    grad_group_ = std::make_shared<GradientGroup>(GradientGroup{std::move(group)});
+  }
+}
+
+void EngineImpl::all_reduce_mean(torch::Tensor& t) {
+  c10d::ProcessGroup& pg = *grad_group_->pg;
+  // A host gradient on a CUDA engine (a table's) goes through the device: the
+  // group's backend (NCCL) may have no host path.
+  if (t.is_cpu() && compute_device_.is_cuda()) {
+    torch::Tensor d = t.to(compute_device_);
+    all_reduce_mean(d);
+    t.copy_(d);
+    return;
+  }
+  torch::NoGradGuard ng;
+  averaged_bytes_ += static_cast<uint64_t>(t.numel()) * t.element_size();
+  torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
+  // Divided first, as DistributedDataParallel does (no overflow in fp16).
+  c.div_(pg.getSize());
+  std::vector<at::Tensor> v{c};
+  pg.allreduce(v)->wait();
+  if (!c.is_same(t)) t.copy_(c);
+}
+
+void EngineImpl::average_gradient(int index, torch::Tensor& grad) {
+  if (!grad_group_ || !grad.defined()) return;
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    LayerInfo& l = layer(index);
+    if (!grad_sync_) {  // no_sync(): .grad holds local sums from now on
+      l.grad_local = true;
+      return;
+    }
+    if (l.grad_local) {
+      // avg(local + this) is taken once .grad holds both: when the backward ends.
+      l.average_at_end = true;
+      ensure_backward_callback();
+      return;
+    }
+  }
+  // Without the engine's lock: a collective waits for the other ranks.
+  all_reduce_mean(grad);
+}
+
+void EngineImpl::average_local_grads_locked() {
+  if (!grad_group_) return;
+  // Layer order: the same on every rank, so the collectives pair up.
+  for (auto& lp : layers_) {
+    LayerInfo& l = *lp;
+    if (!l.average_at_end) continue;
+    for (torch::Tensor* p : {&l.weight, &l.bias}) {
+      if (!p->defined()) continue;
+      torch::Tensor g = p->mutable_grad();
+      if (g.defined()) all_reduce_mean(g);
+    }
+    if (l.is_group())
+      for (auto& part : l.parts()) {
+        torch::Tensor g = part.param.mutable_grad();
+        if (g.defined()) all_reduce_mean(g);
+      }
+    l.average_at_end = false;
+    l.grad_local = false;
+  }
+}
+
+void EngineImpl::share_host_store(std::shared_ptr<SharedRegion> region, bool writer, bool trainable) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(layers_.empty(), "share_host_store must come before the first layer is added");
+  store_->share(std::move(region), writer, trainable);
+}
+
+}  // namespace layerstream

@@ -1,0 +1,284 @@
+"""offload() with several processes (torch.distributed): the process group, the
+host store shared by the ranks of one node, DistributedDataParallel's ignore
+list, and no_sync(). The engine does the work (csrc/torch/engine_distributed.cpp,
+core/shared_region.h); docs/design/distributed.md says why it is built this way."""
+import contextlib
+import hashlib
+import os
+import socket
+from typing import List
+
+import torch
+import torch.nn as nn
+
+from . import _C
+from ._guards import LayerstreamError
+
+
+def resolve_group(process_group):
+    """offload(process_group=...): None means the world group when torch.distributed is
+    initialized and has several ranks (else none), False means none; a group given
+    explicitly is used even with one rank (its all-reduce then runs over one)."""
+    if process_group is False:
+        return None
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        if process_group is not None:
+            raise LayerstreamError("offload(process_group=...) needs torch.distributed to be initialized "
+                                   "(torch.distributed.init_process_group) in every rank first")
+        return None
+    if process_group is not None:
+        return process_group
+    pg = torch.distributed.group.WORLD
+    return pg if torch.distributed.get_world_size(pg) > 1 else None
+
+
+def _node_id() -> str:
+    """What tells the processes of one machine from the others'."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _fingerprint(model: nn.Module, layers: list, settings: dict) -> List[str]:
+    """What every rank's offload() must agree on: the parameters, the streamed layers
+    and their formats, and the options that shape the store and the plan."""
+    rows = [f"{n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}" for n, p in model.named_parameters()]
+    rows += [f"stream {c.name} {c.kind} {c.fmt}" for c in layers]
+    rows += [f"option {k}={v!r}" for k, v in sorted(settings.items())]
+    return rows
+
+
+def _first_difference(a: List[str], b: List[str]) -> str:
+    for x, y in zip(a, b):
+        if x != y:
+            return f"'{x}' against '{y}'"
+    return f"{len(a)} entries against {len(b)}"
+
+
+class Distributed:
+    """One offload()'s part in a process group: made before the engine, applied to it
+    (share_store before the layers, finish after them)."""
+
+    def __init__(self, pg, model: nn.Module, layers: list, settings: dict, share_host_store):
+        dist = torch.distributed
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.size = dist.get_world_size(pg)
+        rows = _fingerprint(model, layers, settings)
+        digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, (digest, _node_id(), os.getpid()), group=pg)
+        if any(g[0] != digest for g in gathered):
+            everyone: list = [None] * self.size
+            dist.all_gather_object(everyone, rows, group=pg)
+            other = next(r for r, g in enumerate(gathered) if g[0] != gathered[0][0])
+            raise LayerstreamError(
+                f"offload() with a process group of {self.size} ranks: the ranks' models or offload() options "
+                f"differ (rank 0 and rank {other}: {_first_difference(everyone[0], everyone[other])}). Every "
+                f"rank must offload the same model with the same options (budget, quantize, include/exclude, "
+                f"...), or their collectives would not pair up.")
+        node = gathered[self.rank][1]
+        self.local = [r for r, g in enumerate(gathered) if g[1] == node]  # this node's ranks, in group order
+        # Trainable streamed tensors keep one copy per process (each rank's optimizer
+        # steps its own; HostStore::add), frozen ones are shared.
+        trainable = [f"{c.name}.{n}" if c.name else n for c in layers
+                     for n, p in c.module.named_parameters() if p.requires_grad]
+        self.share, self.why = self._decide(share_host_store, trainable)
+        # "all": trainable tensors shared too, each rank stepping its shard (layerstream.optim).
+        self.sharded = self.share and share_host_store == "all"
+        self.shards: List[torch.Tensor] = []
+        self.region = None
+        if self.share:
+            self._open_region(model, gathered)
+
+    def _decide(self, wanted, trainable: List[str]):
+        self.trainable = len(trainable)
+        if len(self.local) < 2:
+            return False, "no other rank on this node"
+        if wanted is False:
+            return False, "share_host_store=False"
+        return True, ""
+
+    def _open_region(self, model: nn.Module, gathered: list) -> None:
+        dist = torch.distributed
+        leader = self.local[0]
+        page = _C.SharedRegion.page_size()
+        # A generous bound (the file is sparse: unwritten pages cost nothing): every
+        # tensor twice (dense, or packed plus padding) plus a page of alignment each.
+        tensors = list(model.parameters()) + list(model.buffers())
+        capacity = 2 * sum(t.numel() * t.element_size() for t in tensors) + (2 * len(tensors) + 16) * page
+        if self.rank == leader:
+            self.region = _C.SharedRegion.create(capacity, "store")
+            info = (self.region.pid, self.region.fd, self.region.capacity)
+        else:
+            info = None
+        infos: list = [None] * self.size
+        dist.all_gather_object(infos, info, group=self.pg)
+        error = None
+        if self.rank != leader:
+            try:
+                self.region = _C.SharedRegion.open(*infos[leader])
+            except Exception as e:  # reported on every rank below, so that none waits forever
+                error = str(e)
+        errors: list = [None] * self.size
+        dist.all_gather_object(errors, error, group=self.pg)  # also: every rank has mapped it
+        if self.rank == leader:
+            self.region.close_fd()  # nothing outlives the ranks (core/shared_region.h)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            raise LayerstreamError(f"rank {failed[0][0]} could not map the shared host store: {failed[0][1]}")
+
+    def share_store(self, engine) -> None:
+        """Before the first layer: the engine carves its store from the shared region."""
+        if self.region is not None:
+            engine.share_host_store(self.region, self.rank == self.local[0], self.sharded)
+
+    def finish(self, engine, model: nn.Module, streamed_names: List[str]) -> None:
+        """After the layers: the ranks of a node check they laid the store out alike and
+        wait for its writer; the engine averages gradients over the group; DDP leaves the
+        streamed parameters alone."""
+        dist = torch.distributed
+        if self.region is not None:
+            digests: list = [None] * self.size
+            dist.all_gather_object(digests, engine.host_store_digest, group=self.pg)  # the writer is done
+            mine = {digests[r] for r in self.local}
+            if len(mine) != 1:
+                raise LayerstreamError("the ranks of this node laid the shared host store out differently "
+                                       "(a bug, or models that differ in ways offload() did not check); "
+                                       "pass share_host_store=False")
+        engine.set_gradient_group(self.pg.group_name)
+        ignore_streamed_in_ddp(model, streamed_names)
+        if self.sharded:
+            named = dict(model.named_parameters(remove_duplicate=False))
+            index, count = self.local.index(self.rank), len(self.local)
+            for name in dict.fromkeys(streamed_names):
+                p = named[name]
+                if p.requires_grad and not hasattr(p, "_layerstream_shard"):
+                    p._layerstream_shard = Shard(p, index, count, self.pg, name)
+                    self.shards.append(p)
+
+    def check_shards(self) -> None:
+        """Before a forward: no shared trainable tensor was written except by a sharded step."""
+        for p in self.shards:
+            if p._version != p._layerstream_shard.version:
+                raise LayerstreamError(
+                    f"streamed parameter {p._layerstream_shard.name} is in the host store this node's ranks share "
+                    f"(share_host_store=\"all\") and was written by something other than layerstream.optim's "
+                    f"sharded step (torch.optim, copy_, load_state_dict, ...): every rank writing the same memory "
+                    f"corrupts it. Step it with layerstream.optim.AdamW (each rank steps its shard), or offload "
+                    f"with share_host_store=None (trainable weights: one copy per process).")
+
+    def forget_shards(self) -> None:
+        for p in self.shards:
+            del p._layerstream_shard
+        self.shards = []
+
+    def describe(self) -> str:
+        if self.sharded:
+            where = (f"streamed weights: one host copy per node, shared by ranks {', '.join(map(str, self.local))} "
+                     f"(written by rank {self.local[0]}); {len(self.shards)} trainable tensor(s) stepped in "
+                     f"{len(self.local)} shards, one per rank (layerstream.optim)")
+        elif self.share:
+            where = (f"frozen streamed weights: one host copy per node, shared by ranks "
+                     f"{', '.join(map(str, self.local))} (written by rank {self.local[0]})")
+            if self.trainable:
+                where += (f"; {self.trainable} trainable streamed tensor(s): one copy per process (each rank's "
+                          f"optimizer steps its own)")
+        else:
+            where = f"one host copy per process ({self.why})"
+        return (f"processes: rank {self.rank} of {self.size}; streamed weights' gradients averaged over the "
+                f"group before their copy to the host; {where}\n")
+
+
+def store_pss(pid="self") -> int:
+    """The Pss bytes of a process's mappings of a shared host store (/proc/<pid>/smaps:
+    each resident page's size divided by the number of processes mapping it, so that
+    the ranks' sum is what the node holds). Linux; the tests and the benchmark use it."""
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                inside = "memfd:layerstream-store" in line
+            elif inside and first == "Pss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def ignore_streamed_in_ddp(model: nn.Module, names: List[str]) -> None:
+    """DistributedDataParallel(model) then leaves the streamed parameters to layerstream:
+    it neither broadcasts them (host copies) nor checks their device nor reduces their
+    gradients (the engine averages those). detach() takes them out again."""
+    old = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    model._ddp_params_and_buffers_to_ignore = old + [n for n in names if n not in old]
+    model._layerstream_ddp_ignored = names
+
+
+def forget_ddp_ignore(model: nn.Module) -> None:
+    names = set(model.__dict__.pop("_layerstream_ddp_ignored", []))
+    if names and hasattr(model, "_ddp_params_and_buffers_to_ignore"):
+        model._ddp_params_and_buffers_to_ignore = [n for n in model._ddp_params_and_buffers_to_ignore
+                                                   if n not in names]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill its storage range without gaps or overlaps, in some dimension order."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+class Shard:
+    """A trainable streamed tensor in a store shared by `count` ranks of a node
+    (share_host_store="all"): this rank steps elements [lo, hi) of it in memory order
+    (layerstream.optim); the others step theirs into the same memory."""
+
+    def __init__(self, p: torch.Tensor, index: int, count: int, group, name: str):
+        if not _dense(p):
+            raise LayerstreamError(f"sharded streamed tensor {name} is not dense (strides {tuple(p.stride())}); "
+                                   f"offload with share_host_store=None")
+        n = p.numel()
+        self.lo, self.hi = n * index // count, n * (index + 1) // count
+        self.group, self.name = group, name
+        self.version = p._version  # the last version a sharded step left (Distributed.check_shards)
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of `t` (the parameter, or a gradient laid out like it)."""
+        flat = t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())
+        return flat[self.lo:self.hi]
+
+    def barrier(self) -> None:
+        torch.distributed.barrier(group=self.group)
+
+
+class SyncHook:
+    """Before each forward of the model: whether the coming backward averages its
+    streamed gradients (not inside handle.no_sync() nor DDP's no_sync()), and that
+    no shared trainable tensor was written except by a sharded step."""
+
+    def __init__(self, engine, group=None):
+        self._engine = engine
+        self._group = group
+        self.local = False  # handle.no_sync()
+
+    def __call__(self, module, args):
+        if self._group is not None and self._group.shards:
+            self._group.check_shards()
+        ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        sync = not self.local and (ddp is None or ddp.require_backward_grad_sync)
+        self._engine.set_gradient_sync(sync)
+        return None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old, self.local = self.local, True
+        try:
+            yield
+        finally:
+            self.local = old

@@ -1,0 +1,104 @@
+"""One rank of the multi-process tests (test_distributed.py): gloo, the sim device.
+
+Run as: python dist_worker.py SCENARIO OUT_DIR (RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT in the environment, as torchrun sets them). Writes OUT_DIR/rank<R>.pt."""
+import datetime
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_models import BATCH, LORA_LR, batch_of, host_adamw, lora_model, make_model, train_steps  # noqa: E402
+
+import layerstream  # noqa: E402
+from layerstream._distributed import store_pss  # noqa: E402
+
+
+def main():
+    scenario, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    result = {}
+    try:
+        if scenario in ("full", "lora"):
+            model = make_model() if scenario == "full" else lora_model(wide=True)
+            # LoRA: the adapters stay resident, where DDP averages them; the frozen base streams.
+            handle = layerstream.offload(model, device="sim", exclude=None if scenario == "full" else ["*lora_*"])
+            ddp = nn.parallel.DistributedDataParallel(model)
+            # This rank's share of each step's batch: rows rank*B .. (rank+1)*B.
+            result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
+                                           accumulate_with=ddp.no_sync, lr=0.05 if scenario == "full" else LORA_LR)
+            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            result["stats"] = handle.stats()
+            result["plan"] = handle.plan
+            result["pss"] = store_pss()
+            dist.barrier()  # every rank measured before any exits
+        elif scenario == "sharded":
+            # Full fine-tuning, one shared host copy, each rank stepping its shard of every
+            # streamed tensor with layerstream.optim.AdamW.
+            model = make_model()
+            handle = layerstream.offload(model, device="sim", share_host_store="all")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
+                                           accumulate_with=ddp.no_sync, optimizer=host_adamw)
+            opt = train_steps.optimizer
+            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            result["stats"] = handle.stats()
+            result["plan"] = handle.plan
+            result["pss"] = store_pss()
+            result["state_numel"] = sum(s["exp_avg"].numel() for p, s in opt.state.items()
+                                        if hasattr(p, "_layerstream_shard"))
+            dist.barrier()
+            # torch.optim writing the shared weights (every rank the same memory) is refused.
+            sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+            ddp(batch_of(0, 0)[rank * BATCH:(rank + 1) * BATCH][0]).sum().backward()
+            sgd.step()
+            try:
+                ddp(batch_of(0, 0)[:BATCH][0])
+            except layerstream.LayerstreamError as e:
+                result["torch_optim"] = str(e)
+        elif scenario == "crash":
+            model = lora_model(wide=True)
+            handle = layerstream.offload(model, device="sim")
+            result["shared_bytes"] = handle.stats()["shared_bytes"]
+            dist.barrier()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.5)
+            w = model.base_model.model.fc1.base_layer.weight
+            w.requires_grad_(True)
+            try:
+                model(batch_of(0, 0)[:BATCH][0])
+            except layerstream.LayerstreamError as e:
+                result["unfrozen"] = str(e)
+            w.requires_grad_(False)
+            # The store outlives a crashed rank in the others: still readable.
+            with torch.no_grad():
+                result["out"] = model(batch_of(0, 0)[:BATCH][0]).sum().item()
+            torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+            os._exit(0)  # no collective with a dead rank (destroy_process_group would wait)
+        elif scenario == "mismatch":
+            model = make_model(hidden=32 if rank == 0 else 48)
+            try:
+                layerstream.offload(model, device="sim")
+            except layerstream.LayerstreamError as e:
+                result["error"] = str(e)
+            try:  # the same model, another budget
+                layerstream.offload(make_model(), device="sim", budget=None if rank == 0 else "1MiB")
+            except layerstream.LayerstreamError as e:
+                result["budget_error"] = str(e)
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        if scenario != "crash":
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

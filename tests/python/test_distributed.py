@@ -1,0 +1,163 @@
+"""offload() in several processes (torch.distributed on gloo, the sim device): the
+ranks' results equal one process on the concatenated batch, the host store is one
+copy per node, a crashed rank leaves nothing behind, and ranks that disagree are told.
+Each test starts its ranks as subprocesses (dist_worker.py) with a time limit."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_models import BATCH, LORA_LR, STEPS, batch_of, host_adamw, lora_model, make_model, train_steps
+
+import layerstream
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="this torch has no torch.distributed with gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(scenario: str, world: int, tmp_path, expect_rc=None, timeout=120):
+    """Runs `world` ranks of dist_worker.py; returns their results (rank order) and exit codes."""
+    path = [os.path.join(HERE, "..", "..", "python")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"), scenario, str(tmp_path)],
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(world)]
+    outputs, codes = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out.decode(errors="replace"))
+            codes.append(p.returncode)
+    finally:
+        for p in procs:  # bounded: nothing outlives the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (code, out) in enumerate(zip(codes, outputs)):
+        want = 0 if expect_rc is None else expect_rc[r]
+        assert code == want, f"rank {r} exited with {code}, not {want}:\n{out[-4000:]}"
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) if (tmp_path / f"rank{r}.pt").exists()
+               else None for r in range(world)]
+    return results
+
+
+def _reference(model, world, lr=0.05, optimizer=None):
+    """One process, no offload, the ranks' batches concatenated."""
+    return train_steps(model, lambda step, micro: batch_of(step, micro)[:world * BATCH], lr=lr, optimizer=optimizer)
+
+
+def _check_equal(results, model, ref_losses, world):
+    ref = dict(model.named_parameters())
+    for r, res in enumerate(results):
+        assert set(res["params"]) == set(ref)
+        for name, value in res["params"].items():
+            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"rank {r} of {world}, {name}: {m}")
+    losses = torch.tensor([res["losses"] for res in results]).mean(0)  # each rank's loss is its rows' mean
+    torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_fine_tuning_equals_one_process(world, tmp_path):
+    results = _run("full", world, tmp_path)
+    model = make_model()
+    ref_losses = _reference(model, world)
+    _check_equal(results, model, ref_losses, world)
+    streamed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("norm"))
+    for res in results:
+        # Each step all-reduced every streamed gradient once: the first micro-batch ran under
+        # no_sync() (no collective), the second averaged the accumulated .grad whole.
+        assert res["stats"]["averaged_bytes"] == STEPS * streamed
+        # Every streamed gradient went through the engine: tables, groups, Linear layers.
+        assert res["stats"]["layers"] == 4 and res["stats"]["group_layers"] == 1
+        # Every streamed tensor is trainable: one copy per process (each rank's optimizer steps its own).
+        assert res["stats"]["shared_bytes"] == 0
+        assert "9 trainable streamed tensor(s): one copy per process" in res["plan"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lora_with_ddp_shares_one_host_copy(world, tmp_path):
+    results = _run("lora", world, tmp_path)
+    model = lora_model(wide=True)
+    ref_losses = _reference(model, world, LORA_LR)
+    _check_equal(results, model, ref_losses, world)
+    assert all(res["stats"]["averaged_bytes"] == 0 for res in results)  # frozen streamed weights: DDP's work
+    shared = results[0]["stats"]["shared_bytes"]
+    assert shared > 2 * 2**20 and all(res["stats"]["shared_bytes"] == shared for res in results)
+    assert "shared by ranks " + ", ".join(map(str, range(world))) in results[0]["plan"]
+    # Summed over the ranks, the store's resident pages count once (Pss splits a shared
+    # page among its mappers): about 1x the store, not world x. Each tensor is page-aligned.
+    pss = sum(res["pss"] for res in results)
+    assert 0.95 * shared <= pss <= shared + 4096 * 16, (pss, shared)
+
+
+def test_sharded_host_step_into_one_shared_copy(tmp_path):
+    world = 2
+    results = _run("sharded", world, tmp_path)
+    model = make_model()
+    ref_losses = _reference(model, world, optimizer=host_adamw)
+    _check_equal(results, model, ref_losses, world)
+    streamed = [p for n, p in model.named_parameters() if not n.startswith("norm")]
+    numel = sum(p.numel() for p in streamed)
+    nbytes = sum(p.numel() * p.element_size() for p in streamed)
+    for res in results:
+        # Every streamed tensor, trainable ones included, in the shared store; the host
+        # optimizer's states cover this rank's half of their elements only.
+        assert res["stats"]["shared_bytes"] == nbytes
+        assert numel // 2 - len(streamed) <= res["state_numel"] <= numel // 2 + len(streamed)
+        assert "9 trainable tensor(s) stepped in 2 shards" in res["plan"]
+        assert "written by something other than layerstream.optim's sharded step" in res["torch_optim"]
+    pss = sum(res["pss"] for res in results)
+    assert 0.95 * nbytes <= pss <= nbytes + 4096 * 16, (pss, nbytes)
+
+
+def test_a_crashed_rank_leaves_no_segment(tmp_path):
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    results = _run("crash", 2, tmp_path, expect_rc=[0, -9])
+    assert results[0]["shared_bytes"] > 0 and results[1] is None
+    assert results[0]["out"] == results[0]["out"]  # the survivor still read the store (a number, not NaN)
+    # A weight frozen at offload() (so in the shared store) and unfrozen later is refused.
+    assert "frozen at offload() and sits in the host store this node's ranks share" in results[0]["unfrozen"]
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert after <= before  # no named segment to clean up: the store was an anonymous memory file
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if "memfd:layerstream-store" in f.read():
+                    holders.append(pid)
+        except OSError:
+            pass
+    assert holders == []  # the kernel freed it with its last mapper
+
+
+def test_ranks_that_disagree_are_told(tmp_path):
+    results = _run("mismatch", 2, tmp_path)
+    for res in results:
+        assert "ranks' models or offload() options differ" in res["error"]
+        assert "fc1.weight" in res["error"]
+        assert "'option budget=None' against 'option budget='1MiB''" in res["budget_error"]
+
+
+def test_single_process_needs_no_group():
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="share_host_store must be"):
+        layerstream.offload(model, device="sim", share_host_store="yes")
+    # Nothing to share with: one copy, as without the option (a script for 1..N ranks runs as is).
+    handle = layerstream.offload(model, device="sim", share_host_store="all")
+    assert handle.stats()["shared_bytes"] == 0 and handle.plan is None
+    with handle.no_sync():  # nothing to suspend: a no-op
+        model(torch.randn(2, 8)).sum().backward()
+    assert model[0].weight.grad is not None
