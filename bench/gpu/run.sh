@@ -18,7 +18,8 @@
 # every expert vs the routed ones; moe_decode.json/.md, appended to
 # results.md); bench/bench_disk.py (disk.txt); bench/bench_compile.py and
 # bench/bench_activations.py (compile.json, activations.json, appended to
-# results.md); then the comparison at full size (~6.4B params, bf16).
+# results.md); bench/gpu/nccl_one_rank.py (nccl.json: the process-group path
+# with one NCCL rank); then the comparison at full size (~6.4B params, bf16).
 # Skips: on the GPU machine a skipped test fails the run unless its reason is
 # one bench/gpu/skip_policy.py lists as right on one GPU (e.g. "needs two CUDA
 # devices"); a skip because no device is usable ("no CUDA device visible": a
@@ -376,6 +377,20 @@ timeout 200 "$PY" bench/bench_activations.py "${aargs[@]}" --json >"$OUTDIR/acti
 arc=$?
 [ $arc = 0 ] || { log "bench_activations.py exited with $arc (see activations.log)"; fail=1; }
 
+# ---- several processes: the process-group path with one rank ---------------
+# bench/gpu/nccl_one_rank.py: offload(process_group=world of one NCCL rank),
+# every streamed gradient through the engine's all-reduce, full fine-tuning
+# steps against the resident model (docs/design/distributed.md).
+if [ "$DRY" = 1 ]; then
+  nargs=(--device sim --backend gloo --layers 2 --width 64)
+else
+  nargs=(--device cuda --backend nccl --layers 8 --width 4096 --batch 4096)
+fi
+log "process group, one rank: nccl_one_rank.py ${nargs[*]}"
+timeout 120 "$PY" bench/gpu/nccl_one_rank.py "${nargs[@]}" >"$OUTDIR/nccl.json" 2>"$OUTDIR/nccl.log"
+nrc=$?
+[ $nrc = 0 ] || { log "nccl_one_rank.py exited with $nrc (see nccl.log)"; fail=1; }
+
 # ---- comparison ------------------------------------------------------------
 cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
           --build-detail "$build_detail" --tests-json "$TESTS_JSON")
@@ -401,6 +416,9 @@ if [ -f "$OUTDIR/results.md" ]; then
   } >>"$OUTDIR/results.md"
   { echo; echo "## Activation offload (bench/bench_activations.py)"; echo
     if [ -s "$OUTDIR/activations.json" ]; then cat "$OUTDIR/activations.json"; else echo "not measured: exit status $arc, see activations.log"; fi
+  } >>"$OUTDIR/results.md"
+  { echo; echo "## Process group, one NCCL rank (bench/gpu/nccl_one_rank.py)"; echo
+    if [ -s "$OUTDIR/nccl.json" ]; then cat "$OUTDIR/nccl.json"; else echo "not measured: exit status $nrc, see nccl.log"; fi
   } >>"$OUTDIR/results.md"
   { echo; echo "## torch.compile: streamed vs resident (bench/bench_compile.py)"; echo
     if [ -s "$OUTDIR/compile.json" ]; then cat "$OUTDIR/compile.json"; else echo "not measured: exit status $crc, see compile.log"; fi
