@@ -12,7 +12,8 @@ echo "== C++ tests (ctest) =="
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
 if [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== Python tests (pytest) =="
-  PYTHONPATH="$ROOT/python" python -m pytest -q tests/python
+  # Two workers (pytest-xdist), each test file on one of them in order; LS_TEST_WORKERS=0: one process.
+  PYTHONPATH="$ROOT/python" python -m pytest -q -n "${LS_TEST_WORKERS:-2}" --dist loadfile tests/python
 fi
 if [ -f bench/gpu/run.sh ]; then
   echo "== GPU proof script, CPU dry run =="
