@@ -138,8 +138,8 @@ class Distributed:
 
     def finish(self, engine, model: nn.Module, streamed_names: List[str]) -> None:
         """After the layers: the ranks of a node check they laid the store out alike and
-        wait for its writer; the engine averages gradients over the group; DDP leaves the
-        streamed parameters alone."""
+        wait for its writer; the engine averages gradients over the group; the sharded
+        tensors get their shards."""
         dist = torch.distributed
         if self.region is not None:
             digests: list = [None] * self.size
@@ -150,7 +150,6 @@ class Distributed:
                                        "(a bug, or models that differ in ways offload() did not check); "
                                        "pass share_host_store=False")
         engine.set_gradient_group(self.pg.group_name)
-        ignore_streamed_in_ddp(model, streamed_names)
         if self.sharded:
             named = dict(model.named_parameters(remove_duplicate=False))
             index, count = self.local.index(self.rank), len(self.local)

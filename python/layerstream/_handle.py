@@ -59,12 +59,12 @@ class Handle(_RefusesCopy):
         self.activation_budget: Optional[int] = None
         self._activation_hooks = []
         # offload() in a process group (_distributed.Distributed), its forward pre-hook
-        # (whether the coming backward averages) and the model whose DDP ignore list has
-        # the streamed parameters; None without one.
+        # (whether the coming backward averages) and the model it hooks; None without one.
         self._group = None
         self._sync_hook = None
         self._group_hook = None
         self._group_model = None
+        self._ddp_model = None  # the model whose DDP ignore list has the streamed parameters
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -238,10 +238,12 @@ class Handle(_RefusesCopy):
         for h in self._activation_hooks:
             h.remove()
         self._activation_hooks = []
-        if self._group_hook is not None:
+        if self._ddp_model is not None:
             from ._distributed import forget_ddp_ignore
+            forget_ddp_ignore(self._ddp_model)
+            self._ddp_model = None
+        if self._group_hook is not None:
             self._group_hook.remove()
-            forget_ddp_ignore(self._group_model)
             self._group.forget_shards()
             self._group = self._sync_hook = self._group_hook = self._group_model = None
         for a in self._attached:

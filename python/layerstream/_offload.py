@@ -205,8 +205,8 @@ def offload(
         suspended by handle.no_sync() or DDP's no_sync()). None: the world group when
         torch.distributed is initialized with several ranks; False: none; a group given
         is used even with one rank. Every rank must offload the same model with the same
-        options (checked). Streamed parameters are put on DDP's ignore list, so
-        DistributedDataParallel(model) needs no argument for them.
+        options (checked). Streamed parameters are put on DDP's ignore list (with
+        or without a group), so DistributedDataParallel(model) needs no argument for them.
     share_host_store: the ranks of one machine keep one host copy of the frozen streamed
         weights (a memory file the first of them fills and the others map; freed by the
         kernel when the last rank exits, even after a crash); trainable ones keep one copy
@@ -582,9 +582,12 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
         # Resident weights to the compute device (device memory can run out here; the
         # tensors already moved stay there, on the device the model was meant for).
         _move_resident(model, streamed_params, compute_device)
+        # On DDP's ignore list in any case (a one-GPU torchrun job wraps the model too).
+        streamed_names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in streamed_params]
+        _distributed.ignore_streamed_in_ddp(model, streamed_names)
+        handle._ddp_model = model
         if group is not None:
-            group.finish(engine, model, [n for n, p in model.named_parameters(remove_duplicate=False)
-                                         if id(p) in streamed_params])
+            group.finish(engine, model, streamed_names)
             handle._set_group(group, model)
     except BaseException:
         for name in grouped:

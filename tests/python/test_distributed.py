@@ -158,6 +158,11 @@ def test_single_process_needs_no_group():
     # Nothing to share with: one copy, as without the option (a script for 1..N ranks runs as is).
     handle = layerstream.offload(model, device="sim", share_host_store="all")
     assert handle.stats()["shared_bytes"] == 0 and handle.plan is None
+    # DDP leaves the streamed parameters to layerstream even in a one-process job
+    # (a one-GPU torchrun would otherwise refuse host and device parameters together).
+    assert model._ddp_params_and_buffers_to_ignore == ["0.weight", "0.bias"]
     with handle.no_sync():  # nothing to suspend: a no-op
         model(torch.randn(2, 8)).sum().backward()
     assert model[0].weight.grad is not None
+    handle.detach()
+    assert model._ddp_params_and_buffers_to_ignore == []
