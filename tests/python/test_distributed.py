@@ -27,7 +27,8 @@ def _free_port() -> int:
 
 
 def _run(scenario: str, world: int, tmp_path, expect_rc=None, timeout=120):
-    """Runs `world` ranks of dist_worker.py; returns their results (rank order) and exit codes."""
+    """Runs `world` ranks of dist_worker.py, checks their exit codes (0, or `expect_rc`) and
+    returns their results in rank order (None for a rank that wrote none)."""
     path = [os.path.join(HERE, "..", "..", "python")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
