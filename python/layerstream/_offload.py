@@ -22,9 +22,9 @@ from ._guards import _RootApply, _StreamedApply, _requantize_on_load
 from . import _distributed
 from ._activations import ActivationOffload, parse_activations
 from ._handle import Handle, _Attached
-from ._loading import put, tensor_slots
 from ._packed import _PackedWeight
 from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _is_packed_only_format, _prequantized, _quant_for
+from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
 
 LayerstreamError = _C.LayerstreamError
 
@@ -40,14 +40,6 @@ class _Candidate(NamedTuple):
     bus_bytes: int       # bytes that cross the bus per fetch
     slot_bytes: int      # bytes in a slot (bus + workspace)
     resident_bytes: int  # bytes on the device when kept resident
-
-
-def parse_bytes(value: Union[int, float, str]) -> int:
-    """Parses 123, 1.5e9, "500MB", "12GiB" into bytes (whole bytes: "0.5" is refused)."""
-    fraction, nbytes, _ = _C.parse_budget(value)
-    if fraction:
-        raise ValueError(f"{value!r} is a share, not a size in bytes")
-    return nbytes
 
 
 def offload(
@@ -615,120 +607,6 @@ def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
                 and any(id(getattr(m, n, None)) in streamed for n in ("self_attn", "linear1", "linear2"))):
             undo.append((m, m.activation_relu_or_gelu))
             m.activation_relu_or_gelu = 0
-
-
-def _read_in(model: nn.Module, p, engine=None):
-    """A FileWeight (load_safetensors) read into an ordinary parameter, put in every
-    place of the model that holds it (tied stay tied): into `engine`'s host store
-    (one copy, adopted later without another) or a new CPU tensor. Returns the new
-    parameter, or `p` itself when it is not a FileWeight."""
-    if not isinstance(p, FileWeight):
-        return p
-    r = p.file_range
-    # read_file() carves from a store the node's ranks share: a trainable weight goes there
-    # only when the ranks step it in shards (else each rank's optimizer writes its own copy).
-    into_store = engine is not None and (not p.requires_grad or engine.host_store_shared(True)
-                                         or not engine.host_store_shared(False))
-    value = engine.read_file(r, list(p.shape), p.dtype) if into_store else p.read()
-    new = nn.Parameter(value, requires_grad=p.requires_grad)
-    put(tensor_slots(model)[1].get(id(p), []), p, new)
-    return new
-
-
-class _HostTier(NamedTuple):
-    """offload() step 3's result: the layers on disk, the plan as numbers, and the
-    packed weights of quantized layers on disk (their ranges in the cache file)."""
-    names: set
-    summary: Optional[dict]
-    packed: Dict[str, Any]
-
-
-def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, resident_names: set, host_budget,
-               pinned_budget, opts, cache_dir=None) -> _HostTier:
-    """Step 3: the host budget plan (core/host_tier.h): which streamed Linear weights
-    still in their file (load_safetensors) stay there, how many bytes the staging
-    entries get, and what the store may pin (set in `opts`). With `cache_dir`,
-    quantized ones may stay on disk too, packed in the cache file (built here,
-    core/io/quant_cache.h); those that stay in RAM are read in here."""
-    streamed = [t for t in layers if t.name not in resident_names] + list(tables)
-    in_file = any(isinstance(p, FileWeight) for p in model.parameters())
-    if host_budget is None:
-        host = _C.default_host_budget() if in_file else -1
-        if host >= 0:  # weights already in host RAM move into the store (and are freed there)
-            host += sum(p.numel() * p.element_size() for t in streamed for p in t.module.parameters(recurse=False)
-                        if p.device.type == "cpu" and not p.is_meta)
-    else:
-        host = parse_bytes(host_budget)
-    pinned = _C.default_pinned_budget() if pinned_budget is None else parse_bytes(pinned_budget)
-    deferred = [t for t in layers if t.kind == "linear" and t.fmt is not None and t.name not in resident_names
-                and isinstance(getattr(t.module, "weight", None), FileWeight)]  # see _formats_and_bytes
-    if host < 0 and pinned < 0:
-        _read_in_deferred(model, deferred)
-        return _HostTier(set(), None, {})
-
-    def from_file(t: _Candidate) -> bool:
-        w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
-        return (t.kind == "linear" and (t.fmt is None or (cache_dir is not None and t.fmt != "lossless"))
-                and t.pre is None
-                and isinstance(w, FileWeight) and not w.requires_grad
-                and (b is None or (isinstance(b, FileWeight) and not b.requires_grad)))
-
-    entries = [(t.name or "<root>", t.bus_bytes if t.kind != "embedding" else
-                sum(p.numel() * p.element_size() for p in t.module.parameters(recurse=False)), from_file(t))
-               for t in streamed]
-    try:
-        p = _C.host_tier_plan(entries, host, pinned, opts.prefetch)
-    except LayerstreamError as e:
-        trainable = [n for (n, _, f), t in zip(entries, streamed) if not f and isinstance(
-            getattr(t.module, "weight", None), FileWeight)]
-        hint = (f" ({len(trainable)} layer(s) loaded from a file are trainable, e.g. '{trainable[0]}': for "
-                f"inference, freeze the model (model.requires_grad_(False)) so they can stay in their file)"
-                if trainable else "")
-        quantized = [t.name or "<root>" for t in streamed if t.fmt is not None]
-        if quantized and cache_dir is None:
-            hint += (f" ({len(quantized)} layer(s) are quantized, e.g. '{quantized[0]}', and quantized weights are "
-                     f"held in RAM: pass cache_dir= so that those loaded by load_safetensors() can stay on disk, "
-                     f"packed in a cache file)")
-        raise LayerstreamError(f"offload(): {e}{hint}") from None
-    opts.store_pinned_cap = p["store_pinned_cap"]
-    opts.staging_bytes = p["staging_bytes"]
-    opts.staging_pinned = p["staging_pinned"]
-    names = {t.name for t, disk in zip(streamed, p["on_disk"]) if disk}
-    _read_in_deferred(model, [t for t in deferred if t.name not in names])
-    packed = _quant_cache(cache_dir, [t for t in deferred if t.name in names])
-    summary = dict(p, host_budget=host, pinned_budget=pinned)
-    if packed:
-        summary["cache_files"] = sorted({r.path for r in packed.values()})
-    return _HostTier(names, summary, packed)
-
-
-def _read_in_deferred(model: nn.Module, layers: List[_Candidate]) -> None:
-    """Quantized weights step 1 left in their file (cache_dir=) that stay in RAM after
-    all: read in, checked as step 1 checks them, before anything changes."""
-    for t in layers:
-        weight = _read_in(model, t.module.weight)
-        if not bool(torch.isfinite(weight.detach()).all()):
-            raise LayerstreamError(f"cannot quantize layer '{t.name or '<root>'}' to {t.fmt}: its weight has NaN "
-                                   f"or Inf values; fix the checkpoint or do not quantize this layer "
-                                   f"(quantize={{'{t.name}': None, ...}})")
-
-
-def _quant_cache(cache_dir, layers: List[_Candidate]) -> Dict[str, Any]:
-    """The packed weights of quantized layers on disk, per layer name: their FileRange
-    in the quantization cache file under `cache_dir` (one per format; built when
-    missing or stale, core/io/quant_cache.h)."""
-    by_format: Dict[str, List[_Candidate]] = {}
-    for t in layers:
-        by_format.setdefault(t.fmt, []).append(t)
-    out: Dict[str, Any] = {}
-    for fmt, group in by_format.items():
-        items = []
-        for t in group:
-            w = t.module.weight
-            items.append((w.file_range, w.dtype, w.shape[0], w.numel() // max(w.shape[0], 1)))
-        result = _C.quant_cache(os.fspath(cache_dir), fmt, items)
-        out.update({t.name: r for t, r in zip(group, result["ranges"])})
-    return out
 
 
 def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:
