@@ -5,7 +5,7 @@ quantization cache (core/io/quant_cache.h), and reading a weight out of its file
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Union
+from typing import Any, Dict, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -13,9 +13,6 @@ import torch.nn as nn
 from . import _C
 from ._file_weight import FileWeight
 from ._loading import put, tensor_slots
-
-if TYPE_CHECKING:
-    from ._offload import _Candidate
 
 LayerstreamError = _C.LayerstreamError
 
@@ -54,7 +51,7 @@ class _HostTier(NamedTuple):
     packed: Dict[str, Any]
 
 
-def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, resident_names: set, host_budget,
+def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set, host_budget,
                pinned_budget, opts, cache_dir=None) -> _HostTier:
     """Step 3: the host budget plan (core/host_tier.h): which streamed Linear weights
     still in their file (load_safetensors) stay there, how many bytes the staging
@@ -77,7 +74,7 @@ def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, residen
         _read_in_deferred(model, deferred)
         return _HostTier(set(), None, {})
 
-    def from_file(t: _Candidate) -> bool:
+    def from_file(t) -> bool:  # t: an offload() _Candidate
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
         return (t.kind == "linear" and (t.fmt is None or (cache_dir is not None and t.fmt != "lossless"))
                 and t.pre is None
@@ -113,7 +110,7 @@ def _host_tier(model: nn.Module, layers: List[_Candidate], tables: list, residen
     return _HostTier(names, summary, packed)
 
 
-def _read_in_deferred(model: nn.Module, layers: List[_Candidate]) -> None:
+def _read_in_deferred(model: nn.Module, layers: list) -> None:
     """Quantized weights step 1 left in their file (cache_dir=) that stay in RAM after
     all: read in, checked as step 1 checks them, before anything changes."""
     for t in layers:
@@ -124,11 +121,11 @@ def _read_in_deferred(model: nn.Module, layers: List[_Candidate]) -> None:
                                    f"(quantize={{'{t.name}': None, ...}})")
 
 
-def _quant_cache(cache_dir, layers: List[_Candidate]) -> Dict[str, Any]:
+def _quant_cache(cache_dir, layers: list) -> Dict[str, Any]:
     """The packed weights of quantized layers on disk, per layer name: their FileRange
     in the quantization cache file under `cache_dir` (one per format; built when
     missing or stale, core/io/quant_cache.h)."""
-    by_format: Dict[str, List[_Candidate]] = {}
+    by_format: Dict[str, list] = {}
     for t in layers:
         by_format.setdefault(t.fmt, []).append(t)
     out: Dict[str, Any] = {}
