@@ -86,7 +86,8 @@ class Distributed:
         # steps its own; HostStore::add), frozen ones are shared.
         trainable = [f"{c.name}.{n}" if c.name else n for c in layers
                      for n, p in c.module.named_parameters() if p.requires_grad]
-        self.share, self.why = self._decide(share_host_store, trainable)
+        self.trainable = len(trainable)
+        self.share, self.why = self._decide(share_host_store)
         # "all": trainable tensors shared too, each rank stepping its shard (layerstream.optim).
         self.sharded = self.share and share_host_store == "all"
         self.shards: List[torch.Tensor] = []
@@ -94,8 +95,7 @@ class Distributed:
         if self.share:
             self._open_region(model, gathered)
 
-    def _decide(self, wanted, trainable: List[str]):
-        self.trainable = len(trainable)
+    def _decide(self, wanted):
         if len(self.local) < 2:
             return False, "no other rank on this node"
         if wanted is False:
