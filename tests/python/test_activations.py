@@ -22,10 +22,12 @@ def _mlp(width=256, depth=4):
     return nn.Sequential(*layers, nn.Linear(width, 8))
 
 
-def _train(model, ref, x, steps=2):
+def _train(model, ref, x, steps=2, after_forward=None):
     for _ in range(steps):
         xr = clone_input(x)
         y, yr = model(x), ref(xr)
+        if after_forward is not None:
+            after_forward()
         assert torch.equal(y, yr)
         y.square().sum().backward()
         yr.square().sum().backward()
@@ -42,7 +44,10 @@ def test_mlp_gradients_are_bit_identical_and_activations_cross_both_ways(offload
     ref = copy.deepcopy(model)
     handle = offload_sim(model, activations="host")
     x = torch.randn(128, 256, requires_grad=True)  # 128 KiB activations
-    _train(model, ref, x)
+    # Every copy to the host has finished before backward (synchronize): a stash whose
+    # copy is still running when backward wants it is handed back from the device, with
+    # no copy back, so without this the count below depends on the machine's load.
+    _train(model, ref, x, after_forward=handle.synchronize)
     s = handle.stats()
     assert s["activation_d2h_bytes"] > 0
     assert s["activation_h2d_bytes"] == s["activation_d2h_bytes"]  # each back once
