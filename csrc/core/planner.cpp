@@ -41,7 +41,7 @@ std::string Plan::bound() const {
   // What takes longer per step: the compute or the copies. A step can stall on
   // a few copies (the first layers, a large one) and still be compute-bound:
   // explain() shows those stalls on their own.
-  if (num_streamed == 0 || transfer_time_s <= compute_time_s) return "compute";
+  if ((num_streamed == 0 && activation_bytes_per_step == 0) || transfer_time_s <= compute_time_s) return "compute";
   return "transfer";
 }
 
@@ -304,6 +304,10 @@ Plan plan_placement(const PlannerInput& in) {
     p.transfer_s = p.lookup     ? transfer_seconds(in, l.lookup_bytes)
                    : p.resident ? 0.0
                                 : transfer_seconds(in, l.fetch_bytes()) * (in.training ? 2 : 1);
+    if (in.training) {  // saved activations back over the same link (and out over the other direction)
+      p.transfer_s += transfer_seconds(in, l.activation_bytes);
+      plan.activation_bytes_per_step += l.activation_bytes;
+    }
     plan.compute_time_s += p.compute_s;
     plan.transfer_time_s += p.transfer_s;
     plan.layers.push_back(std::move(p));

@@ -56,6 +56,11 @@ struct PlannerLayer {
   // the router ran: it starts when the compute before it is done.
   uint64_t routed_bytes = 0;
   uint64_t fetch_bytes() const { return routed_bytes ? routed_bytes : bytes; }
+  // Activation offload (training): bytes of saved activations this layer's
+  // forward sends to the host (device-to-host, after its compute) and its
+  // backward brings back (host-to-device, on the link the weights use,
+  // before its compute). 0: none.
+  uint64_t activation_bytes = 0;
 };
 
 struct PlannerInput {
@@ -97,6 +102,7 @@ struct Plan {
   uint64_t device_bytes = 0;          // resident + fixed + num_slots * slot_bytes  (<= budget)
   uint64_t host_pinned_bytes = 0;     // sum of streamed and looked-up layers' bytes
   uint64_t bus_bytes_per_step = 0;    // host->device bytes per step (streamed x2 when training, + lookups)
+  uint64_t activation_bytes_per_step = 0;  // saved activations to the host and back (each way)
   size_t num_resident = 0;
   size_t num_streamed = 0;
   size_t num_lookup = 0;              // tables looked up in host memory
@@ -267,6 +273,12 @@ struct LayerOptions {
   // those (PlannerLayer::routed_bytes), assuming uniform routing: a share
   // 1 - (1 - active)^tokens of the experts.
   bool routed_experts = true;
+  // As offload(activations="host") when training: each linear layer's saved
+  // input (tokens x in_features in compute_dtype, else the weight's dtype)
+  // goes to the host in the forward and back in the backward
+  // (PlannerLayer::activation_bytes). Other saved tensors (norms,
+  // nonlinearities, attention) are not counted.
+  bool activations = false;
 };
 
 // The share of a mixture-of-experts layer's experts that `tokens` tokens

@@ -114,6 +114,11 @@ double experts_reached(double active, uint64_t tokens) {
 std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOptions& opt) {
   std::vector<PlannerLayer> out;
   const double tokens = static_cast<double>(opt.tokens);
+  // LayerOptions::activations: a linear layer's saved input, tokens x in_features.
+  auto saved_input_bytes = [&](const ModelLayer& l, const std::string& dtype) -> uint64_t {
+    if (!opt.training || !opt.activations || l.weight_shape.empty() || l.weight_shape[0] == 0) return 0;
+    return bytes_of(opt.tokens * (l.weight_numel() / l.weight_shape[0]), dtype);
+  };
   for (const auto& l : m.layers) {
     PlannerLayer s;
     s.name = l.name;
@@ -195,6 +200,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       s.trainable = false;  // a GGUF weight is frozen
       s.as_stored = true;
       s.narrow_write = safetensors_dtype_bits(dense) <= 16;
+      s.activation_bytes = saved_input_bytes(l, dense);
       out.push_back(std::move(s));
       continue;
     }
@@ -223,6 +229,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     s.flops = l.embedding ? tokens * static_cast<double>(row_size) : 2.0 * tokens * static_cast<double>(l.params());
     if (opt.training) s.flops *= 3.0;
     s.trainable = opt.training && opt.quantize == Quantization::None;  // quantizing freezes the model
+    if (!l.embedding) s.activation_bytes = saved_input_bytes(l, cd.empty() ? l.weight_dtype : cd);
     if (l.embedding) {
       // As offload() does: a table is looked up in host memory (the rows a
       // step names cross the bus; a trainable one's gradient rows come back),

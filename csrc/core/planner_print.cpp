@@ -151,6 +151,13 @@ std::string Plan::explain() const {
                                                                : " streams the host copy of " + other +
                                                                      " (counted once)") + "\n";
   }
+  if (activation_bytes_per_step) {
+    std::snprintf(buf, sizeof buf,
+                  "saved activations:        %s per step to the host in the forward and back in the backward "
+                  "(device->host and host->device)\n",
+                  format_bytes(activation_bytes_per_step).c_str());
+    out += buf;
+  }
   if (has_time && device_flops_per_s <= 0) {
     std::snprintf(buf, sizeof buf,
                   "predicted copy time:      %s per step over the %g GB/s link (%s per step%s); compute not "
@@ -189,6 +196,7 @@ std::string Plan::to_json() const {
   num("prefetch_depth", static_cast<uint64_t>(prefetch_depth));
   num("host_pinned_bytes", host_pinned_bytes);
   num("bus_bytes_per_step", bus_bytes_per_step);
+  num("activation_bytes_per_step", activation_bytes_per_step);
   num("num_resident", num_resident);
   num("num_streamed", num_streamed);
   num("num_lookup", num_lookup);

@@ -42,6 +42,8 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
     double compute;
     bool streamed;
     double grad_out;  // seconds of device->host gradient copy after compute
+    double act_out = 0.0;  // forward: saved activations to the host (device->host, after compute)
+    double act_in = 0.0;   // backward: saved activations back (host->device link, before compute)
   };
   std::vector<Op> ops;
   for (size_t i = 0; i < n; ++i) {
@@ -50,6 +52,7 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
     double fwd = in.training ? c / 3.0 : c;
     if (l.lookup && !held[i]) fwd += transfer_seconds(in, l.lookup_bytes);  // rows read across the bus, on the compute stream
     ops.push_back({i, fwd, !resident[i] && !l.lookup, 0.0});
+    if (in.training) ops.back().act_out = transfer_seconds(in, l.activation_bytes);
   }
   if (in.training) {
     for (size_t r = n; r-- > 0;) {
@@ -60,11 +63,13 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
       // A trainable table's gradient rows go back synchronously, on the compute stream.
       const double rows_back = (l.lookup && !held[r] && l.trainable) ? transfer_seconds(in, l.lookup_bytes) : 0.0;
       ops.push_back({r, c * 2.0 / 3.0 + rows_back, streamed, g});
+      ops.back().act_in = transfer_seconds(in, l.activation_bytes);
     }
   }
   const int kSteps = 4;
   std::vector<double> slot_free(static_cast<size_t>(std::max(slots, 1)), 0.0);
   double link_free = 0.0, d2h_free = 0.0, compute_free = 0.0;
+  double prev_start = 0.0;  // when the previous op's compute started
   uint64_t streamed_count = 0;
   std::vector<double> step_end;
   for (int s = 0; s < kSteps; ++s) {
@@ -79,10 +84,18 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
         link_free = start + transfer_seconds(in, l.fetch_bytes());
         ready = link_free;
       }
+      if (op.act_in > 0) {
+        // Copied back when the previous op's backward unpacked its own (one
+        // layer ahead, engine_activations.cpp), in line with the weights.
+        link_free = std::max(link_free, prev_start) + op.act_in;
+        ready = std::max(ready, link_free);
+      }
       double start = std::max(compute_free, ready);
+      prev_start = start;
       compute_free = start + op.compute;
       if (op.streamed) slot_free[slot] = compute_free;
       if (op.grad_out > 0) d2h_free = std::max(d2h_free, compute_free) + op.grad_out;
+      if (op.act_out > 0) d2h_free = std::max(d2h_free, compute_free) + op.act_out;
     }
     step_end.push_back(std::max(compute_free, d2h_free));
   }

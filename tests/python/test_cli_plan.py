@@ -421,3 +421,26 @@ def test_quantize_lossless_measures_each_weights_coded_size(tmp_path):
         assert got < t.numel() * 2
     r = run("--model", "llama-7b", "--budget", "1GiB", "--quantize", "lossless")
     assert_one_line_error(r, 2, "--quantize lossless needs a .safetensors --checkpoint")
+
+
+def test_activation_offload_uses_both_directions_of_the_link(st_file):
+    """--activations host (with --train): each linear layer's saved input, tokens x
+    in_features in its dtype, goes to the host in the forward and comes back over the
+    weights' link in the backward: the plan counts the bytes, and the step takes longer
+    when the link is slow."""
+    args = ("--checkpoint", st_file, "--budget", "10MiB", "--train", "--tokens", "1000", "--link-gbps", "1")
+    off = plan_json(*args)["plan"]
+    on = plan_json(*args, "--activations", "host")["plan"]
+    per_step = 4 * 1000 * (128 + 256) * 2  # fc1 (in 128) and fc2 (in 256) of 4 blocks, fp16
+    assert off["activation_bytes_per_step"] == 0
+    assert on["activation_bytes_per_step"] == per_step
+    assert on["time"]["transfer_s"] == pytest.approx(off["time"]["transfer_s"] + per_step / 1e9)
+    # The compute is tiny: the copies back are nearly all on the step's critical path.
+    assert on["time"]["step_s"] >= off["time"]["step_s"] + 0.9 * per_step / 1e9
+    assert on["time"]["bound"] == "transfer"
+    text = run(*args, "--activations", "host").stdout
+    assert "saved activations:        2.93 MiB per step to the host in the forward and back" in text
+    r = run("--checkpoint", st_file, "--budget", "10MiB", "--activations", "host")
+    assert_one_line_error(r, code=2, contains="--activations host needs --train")
+    r = run(*args, "--activations", "disk")
+    assert_one_line_error(r, code=2, contains="--activations expects host")

@@ -46,6 +46,9 @@ const char* kHelp =
     "  --tokens N            tokens per step; FLOPs of a layer = 2 * tokens * params\n"
     "                        (default 4096)\n"
     "  --train               training step: FLOPs x3, weights cross the link twice\n"
+    "  --activations host    with --train, as offload(activations=\"host\"): each linear\n"
+    "                        layer's saved input (tokens x in_features) goes to the host in\n"
+    "                        the forward and comes back over the link in the backward\n"
     "  --quantize Q          stream weights as int8|fp8|nf4|int4|lossless (default: as stored;\n"
     "                        lossless: the coded size measured from a sample of each weight)\n"
     "  --resident-dequantized  resident layers keep their stored (unquantized) size\n"
@@ -223,6 +226,10 @@ int cmd_plan(int argc, char** argv) {
       } else if (a == "--train") {
         no_value();
         opt.training = true;
+      } else if (a == "--activations") {
+        const std::string m = take();
+        if (m != "host") throw Usage{"--activations expects host, got " + json::quote(m)};
+        opt.activations = true;
       } else if (a == "--resident-dequantized") {
         no_value();
         opt.resident_dequantized = true;
@@ -258,6 +265,8 @@ int cmd_plan(int argc, char** argv) {
     }
     if (have_checkpoint == have_model) throw Usage{"pass exactly one of --checkpoint PATH or --model NAME"};
     if (!have_budget) throw Usage{"--budget SIZE is required (e.g. --budget 12GiB)"};
+    if (opt.activations && !opt.training)
+      throw Usage{"--activations host needs --train: only a training step saves activations for a backward"};
     if (have_checkpoint && checkpoint.empty()) throw Usage{"--checkpoint needs a non-empty path"};
     if (opt.quantize == Quantization::Lossless &&
         (!have_checkpoint || (checkpoint.size() > 5 && checkpoint.compare(checkpoint.size() - 5, 5, ".gguf") == 0)))
@@ -342,6 +351,7 @@ int cmd_plan(int argc, char** argv) {
          ", \"resident_dequantized\": " + (opt.resident_dequantized ? "true" : "false") +
          ", \"compute_dtype\": " + (opt.compute_dtype.empty() ? std::string("null") : json::quote(opt.compute_dtype)) +
          ", \"experts\": " + (opt.routed_experts ? "\"routed\"" : "\"all\"") +
+         ", \"activations\": " + (opt.activations ? "\"host\"" : "null") +
          ", \"max_prefetch\": " + std::to_string(max_prefetch) + "}, ";
     o += "\"plan\": " + plan.to_json() + ", \"host\": " + host_json + "}";
     std::printf("%s\n", o.c_str());
