@@ -70,6 +70,35 @@ struct OffloadOptions : EngineOptions {
   // it is refused at the layer's next call; Engine::requantize() loads new
   // values (handle->engine()).
   std::string quantize;
+  // Activation offload (docs/design/activations.md): -1 off; else the device
+  // budget for saved activations in bytes (0: every saved tensor that can
+  // goes to the host), used by OffloadHandle::saved_activations().
+  int64_t activations = -1;
+};
+
+// While it lives, the tensors autograd saves on this thread go through the
+// handle's engine (Engine::stash_activation when saved, restore_activation
+// when backward unpacks them, drop_activation when the graph is freed); the
+// model's parameters and buffers stay as they are. Made by
+// OffloadHandle::saved_activations() around a forward. LibTorch has no
+// saved-tensor hooks of its own: the first scope installs layerstream's
+// subclass of torch's autograd engine as the process's
+// (torch::autograd::set_default_engine_stub), which differs only in
+// supplying these hooks while a scope lives; a process whose engine is
+// already another (LibTorch under Python) is refused. Scopes nest (the
+// innermost wins). Thread safety: a scope belongs to the thread that made it
+// and must end there; not copyable or movable.
+class SavedActivations {
+ public:
+  ~SavedActivations();
+  SavedActivations(const SavedActivations&) = delete;
+  SavedActivations& operator=(const SavedActivations&) = delete;
+  struct State;  // saved_activations.cpp
+
+ private:
+  friend class OffloadHandle;
+  SavedActivations(std::shared_ptr<Engine> engine, uint64_t device_budget, const std::vector<torch::Tensor>& keep);
+  std::unique_ptr<State> state_;
 };
 
 class OffloadHandle {
@@ -85,6 +114,10 @@ class OffloadHandle {
   const std::vector<std::string>& resident_layers() const { return resident_; }
   const std::string& plan() const { return plan_; }
   std::shared_ptr<Engine> engine() const;
+  // With OffloadOptions::activations: a scope to open around the forward
+  // (see SavedActivations). The offloaded module must still live. Throws
+  // without that option, or once detached.
+  SavedActivations saved_activations();
 
  private:
   friend std::shared_ptr<OffloadHandle> offload(torch::nn::Module&, const OffloadOptions&);
@@ -94,6 +127,8 @@ class OffloadHandle {
     std::shared_ptr<torch::nn::Module> original;
   };
   std::shared_ptr<Engine> engine_;
+  torch::nn::Module* root_ = nullptr;  // the offloaded module (saved_activations())
+  int64_t activations_ = -1;           // OffloadOptions::activations
   std::vector<std::string> names_;
   std::vector<std::string> resident_;
   std::string plan_;

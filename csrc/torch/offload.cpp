@@ -252,10 +252,15 @@ void OffloadHandle::detach() {
   unbind_.clear();
   swaps_.clear();
   engine_.reset();
+  root_ = nullptr;
 }
 
 std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOptions& options) {
   auto handle = std::shared_ptr<OffloadHandle>(new OffloadHandle());
+  LS_CHECK(options.activations >= -1, "OffloadOptions::activations is ", options.activations,
+           ": use -1 (off), 0 (every saved tensor that can goes to the host) or a device budget in bytes");
+  handle->root_ = &root;
+  handle->activations_ = options.activations;
   const quant::Format qformat =
       options.quantize.empty() || options.quantize == "none" ? quant::Format::None
                                                              : quant::parse_format(options.quantize);

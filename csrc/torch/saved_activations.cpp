@@ -1,0 +1,107 @@
+// layerstream — LibTorch glue: activation offload for C++ users (docs/design/activations.md, "In C++").
+// Python wraps the forward in saved_tensors_hooks; LibTorch has no such hooks of its own, but every
+// SavedVariable asks the process's autograd engine for default hooks (Engine::
+// get_default_saved_variable_hooks). While a SavedActivations scope lives on a thread, layerstream's
+// engine subclass answers with hooks that hand the saved tensor to the layerstream Engine.
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+
+#include <mutex>
+#include <set>
+
+#include "core/error.h"
+#include "layerstream/offload.h"
+
+namespace layerstream {
+
+struct SavedActivations::State {
+  std::shared_ptr<Engine> engine;
+  std::set<const c10::StorageImpl*> keep;  // the model's parameters and buffers: held by the model anyway
+  State* previous = nullptr;
+};
+
+namespace {
+
+thread_local SavedActivations::State* t_scope = nullptr;
+
+// One saved tensor: a token of the engine's, or the tensor itself when the
+// engine does not take it (a parameter, not on the compute device, ...).
+class EngineHooks final : public torch::autograd::SavedVariableHooks {
+ public:
+  explicit EngineHooks(const SavedActivations::State& s) : engine_(s.engine), keep_(&s.keep) {}
+  void call_pack_hook(const at::Tensor& t) override {
+    if (!t.has_storage() || !keep_->count(t.storage().unsafeGetStorageImpl())) token_ = engine_->stash_activation(t);
+    keep_ = nullptr;  // the scope may end before backward
+    if (token_ < 0) kept_ = t;
+  }
+  at::Tensor call_unpack_hook() override { return token_ < 0 ? kept_ : engine_->restore_activation(token_); }
+  ~EngineHooks() override {
+    if (token_ < 0) return;
+    try {
+      engine_->drop_activation(token_);
+    } catch (...) {  // a destructor: the engine's own errors are reported where they happen
+    }
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  const std::set<const c10::StorageImpl*>* keep_;
+  int64_t token_ = -1;
+  at::Tensor kept_;
+};
+
+// torch's engine, but with the hooks above while a scope lives on this thread.
+class ActivationEngine final : public torch::autograd::Engine {
+ public:
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    if (t_scope == nullptr) return nullptr;
+    return std::make_unique<EngineHooks>(*t_scope);
+  }
+};
+
+torch::autograd::Engine& activation_engine() {
+  static ActivationEngine engine;
+  return engine;
+}
+
+// Installs the engine above as the process's autograd engine (once).
+void install_engine() {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  torch::autograd::Engine& current = torch::autograd::Engine::get_default_engine();
+  if (&current == &activation_engine()) return;
+  LS_CHECK(&current == &torch::autograd::Engine::get_base_engine(),
+           "saved_activations(): this process's autograd engine is not LibTorch's own (it runs under Python?); "
+           "from Python use layerstream.offload(model, activations=...), which uses saved_tensors_hooks");
+  torch::autograd::set_default_engine_stub(&activation_engine);
+}
+
+}  // namespace
+
+SavedActivations::SavedActivations(std::shared_ptr<Engine> engine, uint64_t device_budget,
+                                   const std::vector<torch::Tensor>& keep)
+    : state_(std::make_unique<State>()) {
+  install_engine();
+  state_->engine = std::move(engine);
+  for (const torch::Tensor& t : keep)
+    if (t.defined() && t.has_storage()) state_->keep.insert(t.storage().unsafeGetStorageImpl());
+  state_->engine->begin_activations(device_budget);
+  state_->previous = t_scope;
+  t_scope = state_.get();
+}
+
+SavedActivations::~SavedActivations() {
+  if (t_scope == state_.get()) t_scope = state_->previous;
+}
+
+SavedActivations OffloadHandle::saved_activations() {
+  LS_CHECK(activations_ >= 0, "saved_activations(): this model was offloaded without activation offload; set "
+           "OffloadOptions::activations (0: every saved tensor that can goes to the host, or a device budget "
+           "in bytes)");
+  LS_CHECK(engine_ != nullptr && root_ != nullptr, "saved_activations(): this handle was detached");
+  std::vector<torch::Tensor> keep = root_->parameters(/*recurse=*/true);
+  for (const auto& b : root_->buffers(/*recurse=*/true)) keep.push_back(b);
+  return SavedActivations(engine_, static_cast<uint64_t>(activations_), keep);
+}
+
+}  // namespace layerstream
