@@ -186,3 +186,39 @@ def test_a_weight_with_nan_is_refused_before_anything_changes(tmp_path):
         layerstream.offload(model, device="sim", quantize="int8", host_budget=_budget(ref), cache_dir=tmp_path / "c")
     assert all(isinstance(m.weight, FileWeight) for m in model.layers)
     assert os.listdir(tmp_path / "c") == []
+
+
+def test_a_disk_without_room_for_the_cache_is_refused_before_writing(tmp_path):
+    """The free-space check (statvfs) before the cache file is written: on a 4 KiB
+    file system (a tmpfs mounted in a mount namespace of its own, so nothing outside
+    sees it) offload() says how much the file needs and how much is free, and writes
+    nothing. Needs root (mount); CI runs as root."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    cache = tmp_path / "small"
+    cache.mkdir()
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path[:0] = {sys.path!r}
+        import layerstream
+        from layerstream import LayerstreamError
+        from test_host_tier import _reference
+        from test_host_tier_quant import _budget, _loaded
+        try:
+            layerstream.offload(_loaded({str(path)!r}), device="sim", quantize="int8",
+                                host_budget=_budget(_reference()), cache_dir={str(cache)!r})
+        except LayerstreamError as e:
+            print("ERROR:", e)
+        print("LEFT:", os.listdir({str(cache)!r}))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
+    run = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          f"mount -t tmpfs -o size=4k tmpfs '{cache}' && exec \"$0\" -c \"$1\"", sys.executable,
+                          script], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    err = next(line for line in run.stdout.splitlines() if line.startswith("ERROR:"))
+    assert "no space for the quantization cache file" in err and "4.00 KiB free" in err, err
+    assert "pass another cache_dir=" in err
+    assert "LEFT: []" in run.stdout
