@@ -41,6 +41,9 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
     // All the RAM that is left caches disk layers (at most all of them).
     p.staging_bytes = std::min<uint64_t>(budget - must, p.disk_bytes + entries_wanted * largest_file);
   }
+  if (host_budget != kUnlimited)
+    p.spare_host_bytes = static_cast<int64_t>(static_cast<uint64_t>(host_budget) - std::min<uint64_t>(
+                                                  p.host_bytes(), static_cast<uint64_t>(host_budget)));
   if (pinned_budget == kUnlimited) return p;
   const uint64_t pinned = static_cast<uint64_t>(pinned_budget);
   if (p.store_bytes > pinned && p.staging_bytes == 0) {
@@ -53,6 +56,7 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
   const uint64_t left = p.staging_pinned ? pinned - p.staging_bytes : pinned;
   p.store_pinned_cap = static_cast<int64_t>(left);
   p.pageable_store_bytes = p.store_bytes > left ? p.store_bytes - left : 0;
+  p.spare_pinned_bytes = static_cast<int64_t>(left - std::min<uint64_t>(p.store_bytes, left));
   return p;
 }
 

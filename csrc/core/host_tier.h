@@ -42,6 +42,11 @@ struct Plan {
   bool staging_pinned = true;   // the entries fit the pinned budget
   int64_t store_pinned_cap = kUnlimited;  // pinned bytes the store may take
   uint64_t pageable_store_bytes = 0;      // store bytes beyond that cap
+  // What the budgets leave for the engine's other host buffers (the saved
+  // activations' copies, EngineOptions::activation_host_cap / _pinned_cap):
+  // kUnlimited when that budget is.
+  int64_t spare_host_bytes = kUnlimited;
+  int64_t spare_pinned_bytes = kUnlimited;
   uint64_t host_bytes() const { return store_bytes + staging_bytes; }
 };
 

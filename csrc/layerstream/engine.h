@@ -100,6 +100,14 @@ struct EngineOptions {
   // Activation offload: saved tensors smaller than this stay on the device
   // (a copy that small is mostly latency).
   int64_t activation_min_bytes = 64 << 10;
+  // Host memory the saved activations' buffers may take (-1: no cap), and how
+  // much of it may be pinned (-1: no cap). offload() sets both to what the
+  // host and pinned budgets leave after the store and the staging entries
+  // (core/host_tier.h Plan::spare_host_bytes). Beyond the first cap a saved
+  // tensor stays on the device; beyond the second its buffer is pageable
+  // (each with one warning).
+  int64_t activation_host_cap = -1;
+  int64_t activation_pinned_cap = -1;
   // The host tier (core/host_tier.h plans these; docs/design/host-tier.md).
   // Pinned bytes the host store may take (-1: no cap); tensors beyond it are
   // pageable and cross through the pinned staging entries.
@@ -152,6 +160,8 @@ struct EngineStats {
   // released by autograd): now and at the peak.
   uint64_t activation_d2h_bytes = 0, activation_h2d_bytes = 0;
   uint64_t activation_device_bytes = 0, peak_activation_device_bytes = 0;
+  // Host bytes of the saved activations' buffers (in use and pooled).
+  uint64_t activation_host_bytes = 0;
 
   // Calls f(name, value) for every field, in the order above (bindings,
   // printing).
@@ -172,6 +182,7 @@ struct EngineStats {
     f("activation_d2h_bytes", activation_d2h_bytes), f("activation_h2d_bytes", activation_h2d_bytes);
     f("activation_device_bytes", activation_device_bytes);
     f("peak_activation_device_bytes", peak_activation_device_bytes);
+    f("activation_host_bytes", activation_host_bytes);
   }
 };
 
@@ -368,20 +379,22 @@ class Engine {
   virtual uint64_t id() const = 0;
 
   // ---- activation offload (docs/design/activations.md) ----
-  // Starts a forward pass whose saved tensors go through stash_activation():
-  // up to `device_budget` bytes of them (in saving order) stay on the
-  // device; 0: every one that can goes to the host.
+  // Starts a forward pass whose saved tensors go through stash_activation()
+  // and sets the device budget: the newest `device_budget` bytes of saved
+  // tensors stay on the device (backward needs the last ones first); each
+  // older one goes to the host as newer ones push it out of that window. 0:
+  // every one that can goes to the host as it is saved.
   virtual void begin_activations(uint64_t device_budget) = 0;
   // A tensor autograd saves for backward (call it from a saved-tensors pack
   // hook). Returns -1 when the tensor is none of the engine's business: not
   // on the compute device, a view of a slot or of the host store, or a
   // streamed layer's weight. Else a token for restore_activation(): the
   // tensor stays on the device when it is smaller than
-  // activation_min_bytes, not dense, or within the device budget; otherwise
-  // it is copied to pinned host memory on the engine's device-to-host
-  // activation stream, after the work enqueued so far on the compute
-  // stream, and the engine lets the device tensor go once that copy has
-  // finished. Thread-safe.
+  // activation_min_bytes, not dense, or while it is within the device
+  // budget's window (or the host cap is reached); otherwise it is copied to
+  // pinned host memory on the engine's device-to-host activation stream,
+  // after the work enqueued so far on the compute stream, and the engine
+  // lets the device tensor go once that copy has finished. Thread-safe.
   virtual int64_t stash_activation(const torch::Tensor& t) = 0;
   // The stashed tensor on the compute device (same sizes, strides and
   // dtype), ready for work enqueued on the compute stream after the call
@@ -392,8 +405,10 @@ class Engine {
   // again for the same token (a retained graph): each call copies back.
   virtual torch::Tensor restore_activation(int64_t token, bool order_compute = true) = 0;
   // Releases a token (its graph was freed): the host copy goes back to the
-  // engine's pool, reusable once its copies back have finished.
-  virtual void drop_activation(int64_t token) = 0;
+  // engine's pool, reusable once its copies back have finished (with
+  // order_reuse=false the next stash into it is not ordered after them: on
+  // the sim device the checker reports the race; for tests of the checker).
+  virtual void drop_activation(int64_t token, bool order_reuse = true) = 0;
 
   // ---- several processes (docs/design/distributed.md) ----
   // Streamed weights' gradients are averaged over `group` as

@@ -398,6 +398,8 @@ PYBIND11_MODULE(_C, m) {
           d["staging_pinned"] = p.staging_pinned;
           d["store_pinned_cap"] = p.store_pinned_cap;
           d["pageable_store_bytes"] = p.pageable_store_bytes;
+          d["spare_host_bytes"] = p.spare_host_bytes;
+          d["spare_pinned_bytes"] = p.spare_pinned_bytes;
           return d;
         },
         py::arg("layers"), py::arg("host_budget"), py::arg("pinned_budget"), py::arg("prefetch"));
@@ -610,6 +612,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("dequant_dtype", &EngineOptions::dequant_dtype)
       .def_readwrite("compute_dtype", &EngineOptions::compute_dtype)
       .def_readwrite("activation_min_bytes", &EngineOptions::activation_min_bytes)
+      .def_readwrite("activation_host_cap", &EngineOptions::activation_host_cap)
+      .def_readwrite("activation_pinned_cap", &EngineOptions::activation_pinned_cap)
       .def_readwrite("store_pinned_cap", &EngineOptions::store_pinned_cap)
       .def_readwrite("staging_bytes", &EngineOptions::staging_bytes)
       .def_readwrite("staging_pinned", &EngineOptions::staging_pinned)
@@ -770,7 +774,7 @@ PYBIND11_MODULE(_C, m) {
       .def("begin_activations", &Engine::begin_activations, py::arg("device_budget"))
       .def("stash_activation", &Engine::stash_activation, py::arg("tensor"))
       .def("restore_activation", &Engine::restore_activation, py::arg("token"), py::arg("order_compute") = true)
-      .def("drop_activation", &Engine::drop_activation, py::arg("token"))
+      .def("drop_activation", &Engine::drop_activation, py::arg("token"), py::arg("order_reuse") = true)
       .def("layer_name", &Engine::layer_name)
       .def("layer_bytes", &Engine::layer_bytes)
       .def("layer_format", &Engine::layer_format)

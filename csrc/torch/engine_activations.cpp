@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "core/planner.h"  // format_bytes
+
 namespace layerstream {
 
 namespace {
@@ -51,7 +53,6 @@ void EngineImpl::begin_activations(uint64_t device_budget) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   act_budget_ = device_budget;
-  act_kept_ = 0;
   release_copied_locked();
 }
 
@@ -78,44 +79,75 @@ int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
   // a cycle through this map that a forward without backward never frees.
   s.device = t.detach();
   const int64_t token = next_stash_++;
-  const bool small = static_cast<int64_t>(s.bytes) < opts_.activation_min_bytes;
-  const bool within_budget = act_kept_ + s.bytes <= act_budget_;
-  if (small || !t.is_non_overlapping_and_dense() || within_budget) {
-    // Kept: held here as autograd would hold it.
-    if (!small && within_budget) act_kept_ += s.bytes;
-    note_activation_bytes_locked(static_cast<int64_t>(s.bytes));
-    stashed_.emplace(token, std::move(s));
-    return token;
+  // Held here as autograd would hold it; a large dense one enters the device
+  // budget's window, and the oldest ones beyond the budget leave it for the
+  // host (docs/design/activations.md, "The device budget keeps the newest").
+  const bool movable = static_cast<int64_t>(s.bytes) >= opts_.activation_min_bytes && t.is_non_overlapping_and_dense();
+  s.in_window = movable;
+  note_activation_bytes_locked(static_cast<int64_t>(s.bytes));
+  Stashed& entry = stashed_.emplace(token, std::move(s)).first->second;
+  if (movable) {
+    act_kept_ += entry.bytes;
+    window_.push_back(token);
   }
-  s.offloaded = true;
+  while (act_kept_ > act_budget_ && !window_.empty()) {
+    const int64_t oldest = window_.front();
+    window_.pop_front();
+    auto it = stashed_.find(oldest);
+    if (it == stashed_.end() || !it->second.in_window) continue;  // released: already subtracted
+    it->second.in_window = false;
+    act_kept_ -= it->second.bytes;
+    offload_locked(oldest, it->second);
+  }
+  return token;
+}
+
+bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
+  auto pooled = host_pool_.find(s.bytes);
+  if (pooled == host_pool_.end() && opts_.activation_host_cap >= 0 &&
+      act_host_bytes_ + s.bytes > static_cast<uint64_t>(opts_.activation_host_cap)) {
+    warn_once("activation-host-cap",
+              "saved activations: the host budget leaves " + format_bytes(opts_.activation_host_cap) +
+                  " for their host copies and they need more; the rest stay on the device (raise host_budget, "
+                  "or keep fewer on the host with activations=<device budget>)");
+    return false;
+  }
   Stream cs = compute_stream();
-  s.device_ref = backend_->wrap(const_cast<void*>(p), s.bytes, MemoryKind::Device, "activation");
+  s.device_ref = backend_->wrap(const_cast<void*>(s.device.data_ptr()), s.bytes, MemoryKind::Device, "activation");
   backend_->declare_access(s.device_ref, Access::Write, cs, "the computation of a saved activation");
   Event ready = backend_->create_event();
   backend_->record(ready, cs);
   backend_->wait(act_stream_, ready);
-  auto pooled = host_pool_.find(s.bytes);
   if (pooled != host_pool_.end()) {
     s.host = std::move(pooled->second.first);
     backend_->wait(act_stream_, pooled->second.second);  // its last copy back has read it
     host_pool_.erase(pooled);
   } else {
+    const bool pin = opts_.pin_memory && (opts_.activation_pinned_cap < 0 ||
+                                          act_pinned_bytes_ + s.bytes <=
+                                              static_cast<uint64_t>(opts_.activation_pinned_cap));
+    if (opts_.pin_memory && !pin)
+      warn_once("activation-pinned-cap",
+                "saved activations: the pinned budget leaves " + format_bytes(opts_.activation_pinned_cap) +
+                    " for their host copies and they need more; the rest use pageable memory (slower copies; "
+                    "raise pinned_budget)");
     bool fell_back = false;
-    s.host = HostBuffer::allocate(*backend_, s.bytes, opts_.pin_memory, "saved activation", &fell_back);
+    s.host = HostBuffer::allocate(*backend_, s.bytes, pin, "saved activation", &fell_back);
     if (fell_back)
       warn_once("activation-pageable", "could not pin a host buffer for saved activations; using pageable "
                                        "memory (slower copies)");
+    act_host_bytes_ += s.bytes;
+    if (s.host.kind() == MemoryKind::HostPinned) act_pinned_bytes_ += s.bytes;
   }
+  s.offloaded = true;
   auto span = trace_begin(act_stream_);
   backend_->copy_async(s.host.ref(), 0, s.device_ref, 0, s.bytes, act_stream_);
   trace_end(act_stream_, span, "act d2h", "activation to host", s.bytes);
   s.to_host = backend_->create_event();
   backend_->record(s.to_host, act_stream_);
   act_d2h_bytes_ += s.bytes;
-  note_activation_bytes_locked(static_cast<int64_t>(s.bytes));
-  stashed_.emplace(token, std::move(s));
   awaiting_copy_.push_back(token);
-  return token;
+  return true;
 }
 
 void EngineImpl::copy_back_locked(Stashed& s) {
@@ -167,7 +199,7 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   return out;
 }
 
-void EngineImpl::drop_activation(int64_t token) {
+void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   auto it = stashed_.find(token);
   if (it == stashed_.end()) return;
@@ -175,11 +207,12 @@ void EngineImpl::drop_activation(int64_t token) {
   int64_t held = static_cast<int64_t>(s.handed_out) + (s.device.defined() ? static_cast<int64_t>(s.bytes) : 0) +
                  (s.copying_back ? static_cast<int64_t>(s.bytes) : 0);
   note_activation_bytes_locked(-held);
+  if (s.in_window) act_kept_ -= s.bytes;  // its token leaves window_ when next met there
   if (s.offloaded) {
     // Reusable once every copy that reads or writes it has finished: the
     // next stash into it waits for this event on the activation stream.
     Event done = backend_->create_event();
-    if (s.copying_back || s.handed_out) {
+    if ((s.copying_back || s.handed_out) && order_reuse) {
       backend_->record(done, transfer_);
     } else {
       backend_->record(done, act_stream_);

@@ -74,7 +74,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void begin_activations(uint64_t device_budget) override;
   int64_t stash_activation(const torch::Tensor& t) override;
   torch::Tensor restore_activation(int64_t token, bool order_compute) override;
-  void drop_activation(int64_t token) override;
+  void drop_activation(int64_t token, bool order_reuse) override;
   void set_gradient_group(c10::intrusive_ptr<c10d::ProcessGroup> group) override;
   void set_gradient_sync(bool sync) override { grad_sync_ = sync; }
   void average_gradient(int layer, torch::Tensor& grad) override;
@@ -430,7 +430,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     std::vector<int64_t> sizes, strides;
     torch::TensorOptions options;
     size_t bytes = 0;
-    bool offloaded = false;  // false: kept on the device (never copied)
+    bool offloaded = false;  // false: kept on the device (so far)
+    bool in_window = false;  // among the newest saved tensors the device budget keeps
     HostBuffer host;
     Event to_host;           // after the copy to the host
     BufferRef device_ref;    // the device tensor's memory, as the checker knows it
@@ -442,15 +443,20 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   };
   // Releases the device tensors whose copy to the host has finished.
   void release_copied_locked();
+  // Starts copying a kept entry to the host (it leaves the device budget's
+  // window); false when the host cap leaves no room (it stays kept).
+  bool offload_locked(int64_t token, Stashed& s);
   // Starts copying `s` back on the transfer stream (into s.restored).
   void copy_back_locked(Stashed& s);
   void note_activation_bytes_locked(int64_t delta);
   std::map<int64_t, Stashed> stashed_;
   std::deque<int64_t> awaiting_copy_;  // offloaded tokens still holding their device tensor
+  std::deque<int64_t> window_;         // kept tokens within the device budget, oldest first
   std::multimap<size_t, std::pair<HostBuffer, Event>> host_pool_;  // free host copies, by size
   Stream act_stream_;                  // device-to-host copies of activations
   int64_t next_stash_ = 1;
-  uint64_t act_budget_ = 0, act_kept_ = 0;
+  uint64_t act_budget_ = 0, act_kept_ = 0;  // act_kept_: bytes of the window's entries
+  uint64_t act_host_bytes_ = 0, act_pinned_bytes_ = 0;  // host buffers allocated (pooled or in use)
   uint64_t act_d2h_bytes_ = 0, act_h2d_bytes_ = 0;
   int64_t act_device_bytes_ = 0, act_peak_device_bytes_ = 0;
   // Gradient-ready hook (engine_grad_ready.cpp): its thread, queue of

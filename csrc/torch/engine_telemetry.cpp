@@ -41,6 +41,7 @@ EngineStats EngineImpl::stats() const {
   m.activation_h2d_bytes = act_h2d_bytes_;
   m.activation_device_bytes = static_cast<uint64_t>(act_device_bytes_);
   m.peak_activation_device_bytes = static_cast<uint64_t>(act_peak_device_bytes_);
+  m.activation_host_bytes = act_host_bytes_;
   const HostStoreStats hs = store_->stats();
   m.pinned_bytes = hs.pinned_bytes;
   m.pageable_bytes = hs.pageable_bytes;

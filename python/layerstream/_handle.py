@@ -94,9 +94,13 @@ class Handle(_RefusesCopy):
         device = self._device_plan()
         host = self._host_text()
         if self.activation_budget is not None:
-            host += ("saved activations: to pinned host memory"
-                     + (f", the first {self.activation_budget / 2**20:.2f} MiB of each forward kept on the device"
-                        if self.activation_budget else "") + "\n")
+            line = "saved activations: to pinned host memory"
+            if self.activation_budget:
+                line += f", the newest {self.activation_budget / 2**20:.2f} MiB kept on the device"
+            spare = (self.host_plan or {}).get("spare_host_bytes", -1)
+            if spare >= 0:
+                line += f"; the host budget leaves {spare / 2**20:.2f} MiB for their host copies"
+            host += line + "\n"
         if device is None and not host:
             return None
         return (device or "") + host

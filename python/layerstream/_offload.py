@@ -189,8 +189,9 @@ def offload(
         pinned host memory on the engine's device-to-host stream, overlapped with
         compute, and let go on the device; backward gets each back on the transfer
         stream, the next ones (prefetch deep, in the order backward unpacks them)
-        copied back ahead of need. A size keeps that many bytes of them (the first
-        saved) on the device. docs/design/activations.md.
+        copied back ahead of need. A size keeps that many bytes of them on the
+        device: the newest saved, which backward needs first. Their host buffers
+        count against host_budget / pinned_budget. docs/design/activations.md.
     process_group: with several processes (torch.distributed, e.g. torchrun): the group
         over which streamed weights' gradients are averaged, as DistributedDataParallel
         averages the rest (all-reduce on the compute device before the copy to the host;

@@ -39,6 +39,14 @@ def _train(model, ref, x, steps=2, after_forward=None):
         ref.zero_grad()
 
 
+def _after_forward(handle, seen):
+    """_train(after_forward=...): every copy of the forward finished, then the stats."""
+    def snapshot():
+        handle.synchronize()
+        seen.append(handle.stats())
+    return snapshot
+
+
 def test_mlp_gradients_are_bit_identical_and_activations_cross_both_ways(offload_sim):
     model = _mlp()
     ref = copy.deepcopy(model)
@@ -81,16 +89,134 @@ def test_device_activation_bytes_drop(offload_sim):
     assert seen["host"][2] == seen["1TiB"][2] == 0, seen  # all released by the backward
 
 
-def test_a_device_budget_keeps_the_first_saved_tensors(offload_sim):
+def test_a_device_budget_keeps_the_newest_saved_tensors(offload_sim):
+    """13 saved tensors of 128 KiB (6 x Linear+GELU and the last Linear's input) and a
+    device budget of 4 of them: 4 stay, the 9 others go to the host and only those come
+    back, and the gradients do not change. (That the 4 are the newest: the next test.)"""
     model = _mlp(depth=6)
     ref = copy.deepcopy(model)
-    handle = offload_sim(model, activations=512 << 10)
+    one = 128 * 256 * 4
+    handle = offload_sim(model, activations=4 * one)
+    seen = []
     x = torch.randn(128, 256, requires_grad=True)
-    _train(model, ref, x, steps=1)
+    _train(model, ref, x, steps=1, after_forward=_after_forward(handle, seen))
     s = handle.stats()
-    assert 0 < s["activation_d2h_bytes"]
-    assert s["peak_activation_device_bytes"] >= 512 << 10
-    assert "the first 0.50 MiB of each forward kept on the device" in handle.plan
+    assert seen[0]["activation_device_bytes"] == 4 * one, seen
+    assert seen[0]["activation_d2h_bytes"] == 9 * one, seen
+    assert s["activation_h2d_bytes"] == 9 * one, s
+    assert "the newest 0.50 MiB kept on the device" in handle.plan
+
+
+def test_the_window_is_the_newest_tensors_through_the_engine_api():
+    handle = layerstream.offload(_mlp(), device="sim", activations="host")
+    engine = handle._engine
+    nbytes = 256 * 256 * 4
+    engine.begin_activations(2 * nbytes)
+    ts = [torch.randn(256, 256) for _ in range(5)]
+    tokens = [engine.stash_activation(t) for t in ts]
+    engine.synchronize()
+    s = handle.stats()
+    assert s["activation_d2h_bytes"] == 3 * nbytes and s["activation_device_bytes"] == 2 * nbytes, s
+    for i in (4, 3):  # kept: handed back without a copy
+        assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
+    assert handle.stats()["activation_h2d_bytes"] == 0
+    for i in (2, 1, 0):
+        assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
+    engine.synchronize()
+    assert handle.stats()["activation_h2d_bytes"] == 3 * nbytes
+    for t in tokens:
+        engine.drop_activation(t)
+    assert not handle.ordering_errors()
+    handle.detach()
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_host_buffer_reused_before_its_copy_back_ends_is_an_ordering_error(ordered):
+    """The checker's view of the pool: a host buffer handed to a new stash must be
+    ordered after the copy back that reads it. The restore does not order the compute
+    stream (order_compute=False: a read error of its own, on the restored tensor), so
+    only the pool's event orders the reuse; drop_activation(order_reuse=False) leaves
+    it out and the checker reports the host buffer."""
+    handle = layerstream.offload(_mlp(), device="sim", activations="host")
+    engine = handle._engine
+    engine.begin_activations(0)
+    t = torch.randn(256, 256)
+    token = engine.stash_activation(t)
+    engine.synchronize()
+    restored = engine.restore_activation(token, order_compute=False)
+    engine.drop_activation(token, order_reuse=ordered)
+    t2 = torch.randn(256, 256)
+    token2 = engine.stash_activation(t2)  # into the pooled buffer the copy back reads
+    errors = handle.ordering_errors()
+    assert any("on buffer 'restored activation'" in e for e in errors), errors  # the planted read
+    reuse = [e for e in errors if "on buffer 'saved activation'" in e]
+    if ordered:
+        assert not reuse, reuse
+    else:
+        assert reuse and "stream 'activations' writes it" in reuse[0], errors
+    engine.synchronize()
+    if ordered:  # unordered, the copy back may really have read t2's bytes: the race is real
+        assert torch.equal(restored, t) and torch.equal(engine.restore_activation(token2), t2)
+    engine.drop_activation(token2)
+    handle.detach()
+
+
+def test_the_host_budget_bounds_the_host_copies(offload_sim):
+    """host_budget= covers the saved activations' host buffers: what the store leaves
+    (3 buffers of 128 KiB here) is all they get; the rest stay on the device, with a
+    warning, and the numbers do not change."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    one = 128 * 256 * 4
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.warns(RuntimeWarning, match="saved activations: the host budget leaves .* for their host copies"):
+        handle = offload_sim(model, activations="host", host_budget=weights + 3 * one + one // 2)
+        assert handle.host_plan["spare_host_bytes"] // one == 3  # the store takes the weights (aligned)
+        seen = []
+        x = torch.randn(128, 256, requires_grad=True)
+        _train(model, ref, x, after_forward=_after_forward(handle, seen))
+    assert seen[0]["activation_d2h_bytes"] == 3 * one, seen
+    assert seen[0]["activation_device_bytes"] == 6 * one, seen  # 9 saved, 3 on the host
+    assert handle.stats()["activation_host_bytes"] == 3 * one
+    assert f"the host budget leaves {handle.host_plan['spare_host_bytes'] / 2**20:.2f} MiB for their host copies" \
+        in handle.plan
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_blocks_inputs_are_offloaded(offload_sim, reentrant):
+    """Gradient checkpointing saves only each block's input (both forms keep it through
+    the saved-tensor hooks: the reentrant form's save_for_backward, the non-reentrant
+    form's saved inputs); those go to the host and come back for the recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+
+        def forward(self, x):
+            return x + self.b(torch.tanh(self.a(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=reentrant)
+            return x
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, activations="host")
+    seen = []
+    x = torch.randn(128, 256, requires_grad=True)
+    _train(model, ref, x, after_forward=_after_forward(handle, seen))
+    one = 128 * 256 * 4
+    assert seen[0]["activation_d2h_bytes"] == 4 * one, seen  # the 4 blocks' inputs
+    assert seen[0]["activation_device_bytes"] == 0, seen
+    assert handle.stats()["activation_h2d_bytes"] == 2 * 4 * one  # each back once per step
 
 
 @pytest.mark.parametrize("ckpt", [None, "reentrant", "non-reentrant"])
