@@ -15,6 +15,11 @@
 //      layerstream::optim::AdamW opt(net->parameters(), o);
 //      loss.backward(); opt.step(); opt.zero_grad();
 //
+//    or, stepping each streamed layer while the backward still runs:
+//
+//      { auto overlap = opt.overlap(handle->engine()); loss.backward(); }
+//      opt.step(); opt.zero_grad();
+//
 // Parameters must be float32 or bfloat16; the C++ kernels step those in host
 // (CPU) memory — streamed weights of an offload() handle live there.
 // Parameters on another device (resident on a GPU) are stepped by torch's own
@@ -200,6 +205,54 @@ class AdamWOverlap {
   bool hooked_ = false;
 };
 
+// One Adafactor step overlapped with a backward, as AdamWOverlap: each
+// streamed layer whose gradient has landed is stepped on the engine's hook
+// thread. With max_grad_norm, only the layer's gradient norm is taken then
+// (no speculation: Adafactor's factored states are not worth copying here)
+// and settle() steps those layers with the clip coefficient. The caller
+// steps the parameters it did not, and counts the stepped ones' steps
+// (`step` is the number this step uses). Ownership and threads as
+// AdamWOverlap.
+class AdafactorOverlap {
+ public:
+  struct Group {
+    AdafactorConfig config;
+    uint64_t seed = 0;
+  };
+  struct Param {
+    torch::Tensor param;
+    AdafactorStates states;
+    int64_t step = 0;   // this step's number (the state's count + 1)
+    torch::Tensor rms;  // 0-dim float32: the parameter's RMS before the step, written here
+    uint64_t key = 0;
+    size_t group = 0;
+  };
+  AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
+                   std::optional<double> max_grad_norm);
+  ~AdafactorOverlap();
+  AdafactorOverlap(const AdafactorOverlap&) = delete;
+  AdafactorOverlap& operator=(const AdafactorOverlap&) = delete;
+  // As AdamWOverlap's (kNormOnly, kStepped); settle() steps the kNormOnly ones.
+  std::vector<int> wait();
+  float settle(double other_sum_of_squares, double* total_norm = nullptr);
+  // After a failed backward: waits and removes the hook (stepped layers stay stepped).
+  void abort();
+
+ private:
+  void on_layer(int layer);
+  void step_one(size_t index, float grad_scale);
+
+  std::shared_ptr<Engine> engine_;
+  std::vector<Group> groups_;
+  std::vector<Param> params_;
+  std::optional<double> max_norm_;
+  std::vector<std::vector<size_t>> by_layer_;
+  std::mutex mu_;
+  std::vector<int> status_;
+  double sum_sq_ = 0;
+  bool hooked_ = false;
+};
+
 // ---------------------------------------------------------------- C++ AdamW
 struct AdamWOptions {
   double lr = 1e-3;
@@ -214,6 +267,7 @@ struct AdamWOptions {
 
 class AdamW {
  public:
+  class Overlap;
   // One group; add_param_group() adds more (lr, betas, eps, weight_decay,
   // state_precision of its own; max_grad_norm and seed are the optimizer's).
   AdamW(std::vector<torch::Tensor> params, AdamWOptions options = {});
@@ -221,6 +275,24 @@ class AdamW {
   // Steps every parameter that has a gradient (clipping first if set).
   void step();
   void zero_grad(bool set_to_none = true);
+  // The overlapped step (docs/design/optim.md, "Overlap"), as Python's
+  // opt.overlap(handle): while the returned scope lives, `engine`'s streamed
+  // layers are stepped on host threads as soon as their gradient lands; the
+  // backward run inside must be the last one of this optimizer step (wrap
+  // only the last micro-batch's). step() must come next: it waits for those
+  // steps and steps the other parameters, with the result of the plain
+  // step. With max_grad_norm, layers are stepped speculatively (unclipped)
+  // within `speculation_bytes` of copies of their parameters and states
+  // (nullopt: no limit unless the previous step clipped, then none) and
+  // re-stepped in step() when the clip triggers. A scope left by an
+  // exception restores the speculated layers (layers stepped without
+  // clipping stay stepped; zero the gradients, as after any failed
+  // backward), and step() is then the plain step. Parameters must not be
+  // written while the scope lives.
+  Overlap overlap(std::shared_ptr<Engine> engine, std::optional<int64_t> speculation_bytes = std::nullopt);
+  // Parameters the last overlapped step stepped (or, clipping, took the norm
+  // of) during the backward.
+  size_t last_overlap_params() const { return last_overlap_params_; }
   // The total gradient norm of the last step (NaN before, or when not clipping).
   double last_grad_norm() const { return last_norm_; }
   size_t num_groups() const { return groups_.size(); }
@@ -243,6 +315,37 @@ class AdamW {
   std::vector<Group> groups_;
   uint64_t next_key_ = 0;
   double last_norm_ = std::nan("");
+  // An overlapped backward's plan, from the scope's end to step(): the
+  // parameters it covers and their step counters (0-dim float32, as
+  // AdamWOverlap counts them).
+  struct Pending {
+    std::unique_ptr<AdamWOverlap> plan;
+    std::vector<Param*> params;
+    std::vector<torch::Tensor> steps;
+  };
+  std::unique_ptr<Pending> pending_;
+  std::shared_ptr<OverlapBackups> backups_;  // the speculation's copies, kept across steps
+  bool last_clipped_ = false;
+  size_t last_overlap_params_ = 0;
+  // Copies the overlapped layers' step counters back; returns per parameter
+  // of pending_ whether the plan counted it.
+  std::vector<int> finish_pending(const std::vector<torch::Tensor>& other_grads, float* coef);
+};
+
+// The scope AdamW::overlap() returns. Not copyable; movable.
+class AdamW::Overlap {
+ public:
+  Overlap(Overlap&& o) noexcept;
+  Overlap& operator=(Overlap&&) = delete;
+  Overlap(const Overlap&) = delete;
+  ~Overlap();
+
+ private:
+  friend class AdamW;
+  Overlap(AdamW* opt, std::unique_ptr<Pending> pending);
+  AdamW* opt_;
+  std::unique_ptr<Pending> pending_;
+  int exceptions_;  // std::uncaught_exceptions() when it began
 };
 
 }  // namespace optim

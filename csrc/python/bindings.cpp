@@ -78,7 +78,17 @@ options::Budget budget_of(py::handle v) {
   return b;
 }
 
-
+// AdamWOverlap / AdafactorOverlap::settle for Python: (clip coefficient, total norm).
+template <class Overlap>
+py::tuple settle_overlap(Overlap& self, double other_sum_of_squares) {
+  double norm = std::nan("");
+  float coef;
+  {
+    py::gil_scoped_release nogil;
+    coef = self.settle(other_sum_of_squares, &norm);
+  }
+  return py::make_tuple(coef, norm);
+}
 
 // The host optimizers (layerstream/host_optim.h) for python/layerstream/optim.py. Lists
 // are parallel, one entry per parameter; None stands for an absent tensor.
@@ -215,18 +225,37 @@ void bind_optim(py::module& m) {
            py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"),
            py::arg("speculation_bytes"), py::arg("backups"))
       .def("wait", &o::AdamWOverlap::wait, py::call_guard<py::gil_scoped_release>())
-      .def("settle",
-           [](o::AdamWOverlap& self, double other) {
-             double norm = std::nan("");
-             float coef;
-             {
-               py::gil_scoped_release nogil;
-               coef = self.settle(other, &norm);
-             }
-             return py::make_tuple(coef, norm);
-           })
+      .def("settle", &settle_overlap<o::AdamWOverlap>)
       .def("abort", &o::AdamWOverlap::abort, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layer_params", &o::AdamWOverlap::layer_params);
+  // One Adafactor step overlapped with a backward (AdafactorOverlap). groups: (config,
+  // seed) with config the 10 values optim_adafactor_step starts with; params: (param,
+  // exp_avg_sq_row, exp_avg_sq_col, exp_avg_sq, exp_avg (each or None), step, RMS tensor,
+  // key, group).
+  using AfParamT = std::tuple<torch::Tensor, OptT, OptT, OptT, OptT, int64_t, torch::Tensor, uint64_t, size_t>;
+  py::class_<o::AdafactorOverlap>(m, "AdafactorOverlap")
+      .def(py::init([af_config](std::shared_ptr<Engine> engine, const std::vector<std::pair<py::tuple, uint64_t>>& groups,
+                                const std::vector<AfParamT>& params, std::optional<double> max_norm) {
+             std::vector<o::AdafactorOverlap::Group> gs;
+             for (const auto& [c, seed] : groups) {
+               LS_CHECK(c.size() == 10, "internal: an Adafactor config has 10 values");
+               gs.push_back({af_config(c[0], c[1].cast<double>(), c[2].cast<double>(), c[3].cast<double>(),
+                                       c[4].cast<double>(), c[5], c[6].cast<double>(), c[7].cast<bool>(),
+                                       c[8].cast<bool>(), c[9].cast<bool>()),
+                             seed});
+             }
+             std::vector<o::AdafactorOverlap::Param> ps;
+             for (const auto& [p, row, col, v, m1, step, rms, key, group] : params)
+               ps.push_back({p,
+                             o::AdafactorStates{row.value_or(torch::Tensor()), col.value_or(torch::Tensor()),
+                                                v.value_or(torch::Tensor()), m1.value_or(torch::Tensor())},
+                             step, rms, key, group});
+             return std::make_unique<o::AdafactorOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm);
+           }),
+           py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"))
+      .def("wait", &o::AdafactorOverlap::wait, py::call_guard<py::gil_scoped_release>())
+      .def("settle", &settle_overlap<o::AdafactorOverlap>)
+      .def("abort", &o::AdafactorOverlap::abort, py::call_guard<py::gil_scoped_release>());
   m.def("optim_q8_block", [] { return o::kQ8Block; });
   m.def("optim_kernel_isa", [] { return std::string(o::kernel_isa()); });
   m.def("optim_threads", [] { return o::ThreadPool::shared().threads(); });

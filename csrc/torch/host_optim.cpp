@@ -2,6 +2,7 @@
 #include "layerstream/host_optim.h"
 
 #include <cmath>
+#include <exception>
 #include <set>
 #include <sstream>
 
@@ -336,6 +337,34 @@ int64_t OverlapBackups::bytes() const {
   return n;
 }
 
+namespace {
+// Per engine layer, the indices of `params` that are its weight or bias
+// (*covered: how many in all).
+template <class P>
+std::vector<std::vector<size_t>> params_by_layer(Engine& engine, const std::vector<P>& params, size_t* covered) {
+  std::vector<std::vector<size_t>> by_layer(static_cast<size_t>(engine.num_layers()));
+  for (int layer = 0; layer < engine.num_layers(); ++layer) {
+    const auto [w, b] = engine.layer_parameters(layer);
+    for (const torch::Tensor& t : {w, b}) {
+      if (!t.defined()) continue;
+      for (size_t i = 0; i < params.size(); ++i)
+        if (params[i].param.is_same(t)) {
+          by_layer[static_cast<size_t>(layer)].push_back(i);
+          ++*covered;
+        }
+    }
+  }
+  return by_layer;
+}
+
+// Removes the engine's gradient-ready hook and waits for the jobs already
+// queued (they still run the old hook).
+void unhook(Engine& engine) {
+  engine.set_grad_ready_hook({});
+  engine.wait_grad_ready();
+}
+}  // namespace
+
 AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
                            std::optional<double> max_grad_norm, int64_t speculation_bytes,
                            std::shared_ptr<OverlapBackups> backups)
@@ -351,22 +380,12 @@ AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> gr
   status_.assign(n, kUntouched);
   backup_.assign(n, nullptr);
   speculated_.assign(n, 0);
-  by_layer_.resize(static_cast<size_t>(engine_->num_layers()));
-  for (int layer = 0; layer < engine_->num_layers(); ++layer) {
-    const auto [w, b] = engine_->layer_parameters(layer);
-    for (const torch::Tensor& t : {w, b}) {
-      if (!t.defined()) continue;
-      for (size_t i = 0; i < n; ++i)
-        if (params_[i].param.is_same(t)) {
-          LS_CHECK(params_[i].group < groups_.size(), "internal: overlap parameter without its group");
-          LS_CHECK(params_[i].step.defined() && params_[i].step.numel() == 1 &&
-                       params_[i].step.scalar_type() == torch::kFloat,
-                   "internal: overlap parameter without a float32 step counter");
-          by_layer_[static_cast<size_t>(layer)].push_back(i);
-          ++covered_;
-        }
-    }
+  for (const Param& p : params_) {
+    LS_CHECK(p.group < groups_.size(), "internal: overlap parameter without its group");
+    LS_CHECK(p.step.defined() && p.step.numel() == 1 && p.step.scalar_type() == torch::kFloat,
+             "internal: overlap parameter without a float32 step counter");
   }
+  by_layer_ = params_by_layer(*engine_, params_, &covered_);
   engine_->set_grad_ready_hook([this](int layer) { on_layer(layer); });
   hooked_ = true;
 }
@@ -374,8 +393,7 @@ AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> gr
 AdamWOverlap::~AdamWOverlap() {
   if (!hooked_) return;
   try {
-    engine_->set_grad_ready_hook({});
-    engine_->wait_grad_ready();  // queued jobs still call on_layer: let them finish first
+    unhook(*engine_);  // queued jobs still call on_layer: let them finish first
   } catch (...) {
   }
 }
@@ -430,11 +448,94 @@ void AdamWOverlap::on_layer(int layer) {
 std::vector<int> AdamWOverlap::wait() {
   if (hooked_) {
     hooked_ = false;
-    engine_->set_grad_ready_hook({});  // no new jobs; queued ones still run on_layer
-    engine_->wait_grad_ready();
+    unhook(*engine_);  // no new jobs; queued ones still run on_layer
   }
   std::lock_guard<std::mutex> lock(mu_);
   return status_;
+}
+
+// ---------------------------------------------------------------- AdafactorOverlap
+
+AdafactorOverlap::AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups,
+                                   std::vector<Param> params, std::optional<double> max_grad_norm)
+    : engine_(std::move(engine)), groups_(std::move(groups)), params_(std::move(params)), max_norm_(max_grad_norm) {
+  LS_CHECK(engine_ && !engine_->detached(), "layerstream.optim: overlap needs an attached offload() handle");
+  for (const Group& g : groups_) check_adafactor(g.config);
+  for (const Param& p : params_) {
+    LS_CHECK(p.group < groups_.size(), "internal: overlap parameter without its group");
+    LS_CHECK(p.rms.defined() && p.rms.numel() == 1, "internal: overlap parameter without its RMS tensor");
+  }
+  status_.assign(params_.size(), AdamWOverlap::kUntouched);
+  size_t covered = 0;
+  by_layer_ = params_by_layer(*engine_, params_, &covered);
+  engine_->set_grad_ready_hook([this](int layer) { on_layer(layer); });
+  hooked_ = true;
+}
+
+AdafactorOverlap::~AdafactorOverlap() {
+  if (!hooked_) return;
+  try {
+    unhook(*engine_);
+  } catch (...) {
+  }
+}
+
+void AdafactorOverlap::step_one(size_t i, float grad_scale) {
+  Param& p = params_[i];
+  const Group& g = groups_[p.group];
+  torch::NoGradGuard ng;
+  const std::vector<float> rms =
+      adafactor_step(g.config, {p.param}, {p.param.grad()}, {p.states}, {p.step}, {p.key}, grad_scale, g.seed);
+  p.rms.fill_(rms.at(0));
+}
+
+void AdafactorOverlap::on_layer(int layer) {
+  if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return;
+  torch::NoGradGuard ng;
+  for (size_t i : by_layer_[static_cast<size_t>(layer)]) {
+    const torch::Tensor& grad = params_[i].param.grad();
+    if (!grad.defined()) continue;
+    if (max_norm_) {  // the norm now; the step when settle() knows the clip coefficient
+      const double sq = grad_norm({grad});
+      std::lock_guard<std::mutex> lock(mu_);
+      sum_sq_ += sq * sq;
+      status_[i] = AdamWOverlap::kNormOnly;
+      continue;
+    }
+    step_one(i, 1.0f);
+    std::lock_guard<std::mutex> lock(mu_);
+    status_[i] = AdamWOverlap::kStepped;
+  }
+}
+
+std::vector<int> AdafactorOverlap::wait() {
+  if (hooked_) {
+    hooked_ = false;
+    unhook(*engine_);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+float AdafactorOverlap::settle(double other_sum_of_squares, double* total_norm) {
+  LS_CHECK(!hooked_, "internal: AdafactorOverlap::settle before wait()");
+  if (!max_norm_) return 1.0f;
+  const double norm = std::sqrt(sum_sq_ + other_sum_of_squares);
+  if (total_norm) *total_norm = norm;
+  const float coef = clip_coefficient(norm, *max_norm_);
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (status_[i] == AdamWOverlap::kNormOnly) {
+      step_one(i, coef);
+      status_[i] = AdamWOverlap::kStepped;
+    }
+  return coef;
+}
+
+void AdafactorOverlap::abort() {
+  try {
+    wait();
+  } catch (...) {
+  }
 }
 
 namespace {
@@ -510,8 +611,65 @@ void AdamW::add_param_group(std::vector<torch::Tensor> params, AdamWOptions opti
   groups_.push_back(std::move(g));
 }
 
+AdamW::Overlap AdamW::overlap(std::shared_ptr<Engine> engine, std::optional<int64_t> speculation_bytes) {
+  LS_CHECK(!pending_, "layerstream::optim::AdamW: overlap() while a previous overlapped backward has not been "
+           "followed by step()");
+  LS_CHECK(engine != nullptr, "layerstream::optim::AdamW: overlap() needs an offload() handle's engine");
+  auto pending = std::make_unique<Pending>();
+  std::vector<AdamWOverlap::Group> groups;
+  std::vector<AdamWOverlap::Param> params;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = groups_[gi];
+    const AdamWOptions& o = g.options;
+    groups.push_back({AdamWConfig{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay}, g.format, groups_[0].options.seed});
+    for (Param& prm : g.params) {
+      if (!prm.param.device().is_cpu() || !prm.param.requires_grad()) continue;  // streamed weights are host tensors
+      if (!prm.states.exp_avg.defined()) prm.states = adamw_init_states(prm.param, g.format);
+      pending->params.push_back(&prm);
+      pending->steps.push_back(torch::full({}, static_cast<float>(prm.step), torch::kFloat));
+      params.push_back({prm.param, prm.states, pending->steps.back(), prm.key, gi});
+    }
+  }
+  if (!groups_.empty() && groups_[0].options.max_grad_norm && !backups_)
+    backups_ = std::make_shared<OverlapBackups>();
+  // Speculate unless the last step clipped: a clip that triggers now would
+  // restore and re-step every speculated layer in step().
+  const int64_t speculation = speculation_bytes ? *speculation_bytes : (last_clipped_ ? 0 : -1);
+  pending->plan = std::make_unique<AdamWOverlap>(std::move(engine), std::move(groups), std::move(params),
+                                                 groups_.empty() ? std::nullopt : groups_[0].options.max_grad_norm,
+                                                 speculation, backups_);
+  return Overlap(this, std::move(pending));
+}
+
+AdamW::Overlap::Overlap(AdamW* opt, std::unique_ptr<Pending> pending)
+    : opt_(opt), pending_(std::move(pending)), exceptions_(std::uncaught_exceptions()) {}
+
+AdamW::Overlap::Overlap(Overlap&& o) noexcept
+    : opt_(o.opt_), pending_(std::move(o.pending_)), exceptions_(o.exceptions_) {}
+
+AdamW::Overlap::~Overlap() {
+  if (!pending_) return;
+  if (std::uncaught_exceptions() > exceptions_) {
+    // The backward failed: the speculated layers are restored; the counters
+    // of layers stepped without clipping stay counted.
+    pending_->plan->abort();
+    for (size_t i = 0; i < pending_->params.size(); ++i)
+      pending_->params[i]->step = static_cast<int64_t>(pending_->steps[i].item<float>());
+    return;
+  }
+  opt_->pending_ = std::move(pending_);
+}
+
 void AdamW::step() {
   torch::NoGradGuard ng;
+  // An overlapped backward: what its plan covered (stepped, or its norm taken).
+  std::unique_ptr<Pending> pending = std::move(pending_);
+  std::set<const Param*> covered;
+  if (pending) {
+    const std::vector<int> status = pending->plan->wait();
+    for (size_t i = 0; i < status.size(); ++i)
+      if (status[i] != AdamWOverlap::kUntouched) covered.insert(pending->params[i]);
+  }
   struct Work {
     Group* group;
     std::vector<Param*> params;
@@ -523,7 +681,7 @@ void AdamW::step() {
     Work w{&groups_[gi], {}, {}, {}};
     for (auto& prm : groups_[gi].params) {
       const torch::Tensor& grad = prm.param.grad();
-      if (!grad.defined()) continue;
+      if (!grad.defined() || covered.count(&prm)) continue;
       w.params.push_back(&prm);
       w.p.push_back(prm.param);
       w.g.push_back(grad);
@@ -534,10 +692,20 @@ void AdamW::step() {
   }
   float coef = 1.0f;
   const std::optional<double> max_norm = groups_.empty() ? std::nullopt : groups_[0].options.max_grad_norm;
-  if (max_norm) {
+  if (pending) {
+    double other = 0.0;
+    if (max_norm && !all_grads.empty()) other = std::pow(grad_norm(all_grads), 2);
+    double total = std::nan("");
+    coef = pending->plan->settle(other, &total);
+    if (max_norm) last_norm_ = total;
+    for (size_t i = 0; i < pending->params.size(); ++i)
+      pending->params[i]->step = static_cast<int64_t>(pending->steps[i].item<float>());
+    last_overlap_params_ = covered.size();
+  } else if (max_norm) {
     last_norm_ = grad_norm(all_grads);
     coef = clip_coefficient(last_norm_, *max_norm);
   }
+  last_clipped_ = coef < 1.0f;
   for (auto& w : work) {
     if (w.params.empty()) continue;
     const AdamWOptions& o = w.group->options;

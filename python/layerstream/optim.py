@@ -53,6 +53,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         #: The total gradient norm the last step clipped with (None when not clipping).
         self.last_grad_norm = None
+        self._overlap = None  # (the _C overlap plan, its parameters) between overlap() and step()
         super().__init__(params, defaults)
 
     @staticmethod
@@ -133,6 +134,80 @@ class _HostOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._check_group_options(self.param_groups[-1])
 
+    @contextlib.contextmanager
+    def overlap(self, handle, speculation_bytes=None):
+        """Marks the backward inside as the last one of this optimizer step:
+        each streamed layer of ``handle`` (the result of ``layerstream.offload``)
+        is stepped on host threads as soon as its gradient has landed, while
+        the rest of the backward runs. ``step()`` then waits for those steps
+        and steps the other parameters. With gradient accumulation, wrap only
+        the last micro-batch's backward::
+
+            for i, batch in enumerate(micro_batches):
+                loss = model(batch).mean() / len(micro_batches)
+                if i < len(micro_batches) - 1:
+                    loss.backward()
+                else:
+                    with opt.overlap(handle):
+                        loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        Between the block and ``step()``, parameters may still be changing:
+        call ``step()`` next. With ``max_grad_norm``, layers are stepped
+        speculatively (unclipped) after a copy of their parameters and states
+        is saved, up to ``speculation_bytes`` of copies (None: no limit,
+        unless the previous step clipped, then none; 0: only the norms are
+        taken early; the copies are allocated once and kept by the
+        optimizer); if the clip triggers, ``step()``
+        restores and re-steps them, so the result equals clip + step either
+        way (docs/design/optim.md, "Overlap"). If the backward raises, the
+        speculated layers are restored; layers stepped without clipping stay
+        stepped. ``Adafactor``: with ``max_grad_norm`` only the norms are
+        taken during the backward (no speculation, ``speculation_bytes`` is
+        ignored) and ``step()`` steps those layers; without it, as AdamW."""
+        if self._overlap is not None:
+            raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
+                               "followed by step()")
+        engine = handle._check()
+        if any(hasattr(p, "_layerstream_shard") for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("layerstream.optim: overlap() does not step sharded parameters "
+                               "(offload(share_host_store=\"all\")) yet; call step() after the backward")
+        plan, plist = self._overlap_plan(engine, speculation_bytes)
+        try:
+            yield plan
+        except BaseException:
+            plan.abort()
+            raise
+        self._overlap = (plan, plist)
+
+    def _scale_and_rest(self, work, grads):
+        """step()'s clip coefficient and what it has left to step: after an overlapped
+        backward, the parameters its plan did not cover (and the ones it stepped);
+        else everything (and none)."""
+        if self._overlap is None:
+            return self._grad_scale(grads), work, []
+        scale, done, stepped = self._finish_overlap(work)
+        rest = [(g, [p for p in ps if id(p) not in done], [x for p, x in zip(ps, gs) if id(p) not in done],
+                 [k for p, k in zip(ps, keys) if id(p) not in done]) for g, ps, gs, keys in work]
+        return scale, rest, stepped
+
+    def _finish_overlap(self, work):
+        """After an overlapped backward: waits for the layers' steps and returns
+        (clip coefficient, ids of the parameters already stepped, those parameters)."""
+        plan, plist = self._overlap
+        self._overlap = None
+        status = plan.wait()
+        counted = {id(p) for p, s in zip(plist, status) if s != 0}
+        other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
+        other_sq = _C.optim_grad_norm(other) ** 2 if (self.max_grad_norm is not None and other) else 0.0
+        coef, norm = plan.settle(other_sq)
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = norm
+        #: Parameters the last overlapped backward stepped (or, clipping, took the norm of) early.
+        self.last_overlap_params = len(counted)
+        return coef, counted, [p for p in plist if id(p) in counted]
+
 
 class AdamW(_HostOptimizer):
     """AdamW with torch.optim.AdamW's semantics, stepped by C++ kernels.
@@ -174,7 +249,6 @@ class AdamW(_HostOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         state_precision=state_precision, seed=int(seed))
         super().__init__(params, defaults, max_grad_norm)
-        self._overlap = None  # (AdamWOverlap, its parameters) between overlap() and step()
         self._backups = None  # _C.OverlapBackups: the copies speculative steps keep (overlap with clipping)
         self._last_clipped = False  # the last step's clip coefficient was below 1
 
@@ -208,43 +282,7 @@ class AdamW(_HostOptimizer):
             st["step"] += 1
         return st
 
-    @contextlib.contextmanager
-    def overlap(self, handle, speculation_bytes=None):
-        """Marks the backward inside as the last one of this optimizer step:
-        each streamed layer of ``handle`` (the result of ``layerstream.offload``)
-        is stepped on host threads as soon as its gradient has landed, while
-        the rest of the backward runs. ``step()`` then waits for those steps
-        and steps the other parameters. With gradient accumulation, wrap only
-        the last micro-batch's backward::
-
-            for i, batch in enumerate(micro_batches):
-                loss = model(batch).mean() / len(micro_batches)
-                if i < len(micro_batches) - 1:
-                    loss.backward()
-                else:
-                    with opt.overlap(handle):
-                        loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-        Between the block and ``step()``, parameters may still be changing:
-        call ``step()`` next. With ``max_grad_norm``, layers are stepped
-        speculatively (unclipped) after a copy of their parameters and states
-        is saved, up to ``speculation_bytes`` of copies (None: no limit,
-        unless the previous step clipped, then none; 0: only the norms are
-        taken early; the copies are allocated once and kept by the
-        optimizer); if the clip triggers, ``step()``
-        restores and re-steps them, so the result equals clip + step either
-        way (docs/design/optim.md, "Overlap"). If the backward raises, the
-        speculated layers are restored; layers stepped without clipping stay
-        stepped."""
-        if self._overlap is not None:
-            raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
-                               "followed by step()")
-        engine = handle._check()
-        if any(hasattr(p, "_layerstream_shard") for g in self.param_groups for p in g["params"]):
-            raise RuntimeError("layerstream.optim: overlap() does not step sharded parameters "
-                               "(offload(share_host_store=\"all\")) yet; call step() after the backward")
+    def _overlap_plan(self, engine, speculation_bytes):
         groups, params = [], []
         key = 0
         for gi, group in enumerate(self.param_groups):
@@ -264,39 +302,13 @@ class AdamW(_HostOptimizer):
             # would restore and re-step every speculated layer in step().
             speculation_bytes = 0 if self._last_clipped else -1
         plan = _C.AdamWOverlap(engine, groups, params, self.max_grad_norm, int(speculation_bytes), self._backups)
-        try:
-            yield plan
-        except BaseException:
-            plan.abort()
-            raise
-        self._overlap = (plan, [p for p, *_ in params])
-
-    def _finish_overlap(self, work):
-        """After an overlapped backward: waits for the layers' steps and returns
-        (clip coefficient, ids of the parameters already stepped)."""
-        plan, plist = self._overlap
-        self._overlap = None
-        status = plan.wait()
-        counted = {id(p) for p, s in zip(plist, status) if s != 0}
-        other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
-        other_sq = _C.optim_grad_norm(other) ** 2 if (self.max_grad_norm is not None and other) else 0.0
-        coef, norm = plan.settle(other_sq)
-        if self.max_grad_norm is not None:
-            self.last_grad_norm = norm
-        #: Parameters the last overlapped backward stepped (or, clipping, took the norm of) early.
-        self.last_overlap_params = len(counted)
-        return coef, counted
+        return plan, [p for p, *_ in params]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
         work, grads = self._collect()
-        if self._overlap is not None:
-            scale, done = self._finish_overlap(work)
-            work = [(g, [p for p in ps if id(p) not in done], [x for p, x in zip(ps, gs) if id(p) not in done],
-                     [k for p, k in zip(ps, keys) if id(p) not in done]) for g, ps, gs, keys in work]
-        else:
-            scale = self._grad_scale(grads)
+        scale, work, _ = self._scale_and_rest(work, grads)
         self._last_clipped = scale < 1.0
         shards = self._shards(work)
         if shards:
@@ -396,7 +408,7 @@ class Adafactor(_HostOptimizer):
         st["RMS"] = torch.as_tensor(loaded.get("RMS", 0.0), dtype=torch.float32).detach().clone().cpu()
         return st
 
-    def _states(self, p, group):
+    def _states(self, p, group, count=True):
         if hasattr(p, "_layerstream_shard"):
             raise RuntimeError("layerstream.optim.Adafactor factors whole matrices and cannot step a shard of a "
                                "parameter (offload(share_host_store=\"all\")); use layerstream.optim.AdamW, or "
@@ -409,14 +421,31 @@ class Adafactor(_HostOptimizer):
                 if t is not None:
                     st[key] = t
             st["RMS"] = torch.tensor(0.0)
-        st["step"] += 1
+        if count:
+            st["step"] += 1
         return st
+
+    def _overlap_plan(self, engine, speculation_bytes):
+        groups, params = [], []
+        key = 0
+        for gi, group in enumerate(self.param_groups):
+            groups.append((self._config(group), int(group["seed"])))
+            for p in group["params"]:
+                if p.device.type == "cpu" and p.requires_grad:
+                    st = self._states(p, group, count=False)
+                    params.append((p, st.get("exp_avg_sq_row"), st.get("exp_avg_sq_col"), st.get("exp_avg_sq"),
+                                   st.get("exp_avg"), st["step"] + 1, st["RMS"], key, gi))
+                key += 1
+        plan = _C.AdafactorOverlap(engine, groups, params, self.max_grad_norm)
+        return plan, [p for p, *_ in params]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
         work, grads = self._collect()
-        scale = self._grad_scale(grads)
+        scale, work, stepped = self._scale_and_rest(work, grads)
+        for p in stepped:  # stepped during the backward with the state's count + 1
+            self.state[p]["step"] += 1
         for group, ps, gs, keys in work:
             if not ps:
                 continue

@@ -195,3 +195,82 @@ TEST(TorchOptim, GroupsPrecisionsAndErrors) {
 }
 
 }  // namespace
+
+namespace {
+
+// Two identical offloaded models, one stepped plainly and one with AdamW::overlap() around
+// the last micro-batch's backward; `speculation` as AdamW::overlap() takes it.
+void expect_overlap_equals_plain_step(std::optional<int64_t> speculation) {
+  Net plain, overlapped;
+  {
+    torch::NoGradGuard ng;
+    auto src = plain->named_parameters();
+    for (auto& p : overlapped->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  layerstream::OffloadOptions o;
+  o.device = "sim";
+  auto ha = layerstream::offload(*plain, o);
+  auto hb = layerstream::offload(*overlapped, o);
+  layerstream::optim::AdamWOptions opts;
+  opts.lr = 1e-2;
+  opts.max_grad_norm = 0.3;
+  layerstream::optim::AdamW a(plain->parameters(), opts), b(overlapped->parameters(), opts);
+  int clipped = 0;
+  for (int s = 0; s < 8; ++s) {
+    for (int micro = 0; micro < 2; ++micro) {  // accumulation: only the last backward steps layers early
+      const torch::Tensor x = torch::randn({16, 8});
+      const double weight = s % 3 ? 0.01 : 10.0;  // the gradients' scale: the clip triggers on some steps
+      (plain->forward(x).square().mean() * weight).backward();
+      torch::Tensor loss = overlapped->forward(x).square().mean() * weight;
+      if (micro == 0) {
+        loss.backward();
+      } else {
+        auto scope = b.overlap(hb->engine(), speculation);
+        loss.backward();
+      }
+    }
+    a.step();
+    b.step();
+    EXPECT_EQ(b.last_overlap_params(), 4u) << "fc1 and fc2, weight and bias, during the backward";
+    EXPECT_NEAR(b.last_grad_norm(), a.last_grad_norm(), 1e-6 * a.last_grad_norm());
+    clipped += a.last_grad_norm() > 0.3;
+    a.zero_grad();
+    b.zero_grad();
+  }
+  EXPECT_GT(clipped, 0);
+  EXPECT_LT(clipped, 8);
+  auto got = overlapped->named_parameters();
+  for (const auto& p : plain->named_parameters()) {
+    const torch::Tensor x = got[p.key()], y = p.value();
+    EXPECT_TRUE(torch::allclose(x, y, 1e-6, 1e-6 * y.abs().max().item<double>()))
+        << p.key() << " max diff " << (x - y).abs().max().item<double>();
+  }
+}
+
+}  // namespace
+
+// AdamW::overlap() (issue 21, point 6: the overlap in C++ too): streamed layers stepped
+// during the last backward, with clipping active on some steps, speculating without a
+// bound, with none (norms only), and by the default rule; equal to the plain step.
+TEST(TorchOptim, OverlappedStepEqualsThePlainStep) {
+  torch::manual_seed(1);
+  expect_overlap_equals_plain_step(std::nullopt);
+  expect_overlap_equals_plain_step(-1);
+  expect_overlap_equals_plain_step(0);
+}
+
+TEST(TorchOptim, OverlapTwiceWithoutStepIsAnError) {
+  Net model;
+  layerstream::OffloadOptions o;
+  o.device = "sim";
+  auto handle = layerstream::offload(*model, o);
+  layerstream::optim::AdamW opt(model->parameters());
+  { auto scope = opt.overlap(handle->engine()); }
+  try {
+    auto again = opt.overlap(handle->engine());
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("has not been followed by step()"), std::string::npos) << e.what();
+  }
+  opt.step();
+}

@@ -437,8 +437,9 @@ class Deep(nn.Module):
 
 
 def _overlap_run(model, handle, steps, max_norm=None, overlap=True, k=3, speculation_bytes=None, seed=5,
-                 precision="fp32"):
-    opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm, state_precision=precision)
+                 precision="fp32", opt=None):
+    if opt is None:
+        opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm, state_precision=precision)
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
     early = []
@@ -528,6 +529,29 @@ def test_overlap_under_checkpointing(offload_sim, mode, early_tensors):
     assert early == [early_tensors] * 3
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.75])
+def test_adafactor_overlap_equals_the_step_after_backward(offload_sim, max_norm):
+    """Adafactor under overlap: without clipping each streamed layer is stepped as
+    its gradient lands; with max_grad_norm only the norms are taken then and step()
+    steps those layers, clipped. The same bits as stepping after the backward, and
+    the same state (step counts, RMS)."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (Adafactor(m.parameters(), max_grad_norm=max_norm) for m in (model, ref))
+    early = _overlap_run(model, offload_sim(model), 4, opt=opt)
+    _overlap_run(ref, offload_sim(ref), 4, overlap=False, opt=ref_opt)
+    assert early == [8] * 4
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k]["step"] == want[k]["step"] == 4
+        assert torch.equal(got[k]["RMS"], want[k]["RMS"])
+    if max_norm is not None:
+        assert opt.last_grad_norm == pytest.approx(ref_opt.last_grad_norm, rel=1e-6)
 
 
 def test_overlap_backward_that_raises_restores_speculated_layers(offload_sim):
