@@ -256,6 +256,7 @@ void bind_optim(py::module& m) {
       .def("wait", &o::AdafactorOverlap::wait, py::call_guard<py::gil_scoped_release>())
       .def("settle", &settle_overlap<o::AdafactorOverlap>)
       .def("abort", &o::AdafactorOverlap::abort, py::call_guard<py::gil_scoped_release>());
+  m.attr("OVERLAP_STEPPED") = static_cast<int>(o::AdamWOverlap::kStepped);  // a plan's wait() status
   m.def("optim_q8_block", [] { return o::kQ8Block; });
   m.def("optim_kernel_isa", [] { return std::string(o::kernel_isa()); });
   m.def("optim_threads", [] { return o::ThreadPool::shared().threads(); });

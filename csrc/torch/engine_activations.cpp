@@ -4,6 +4,7 @@
 #include "engine_impl.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "core/planner.h"  // format_bytes
 
@@ -94,7 +95,7 @@ int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
     const int64_t oldest = window_.front();
     window_.pop_front();
     auto it = stashed_.find(oldest);
-    if (it == stashed_.end() || !it->second.in_window) continue;  // released: already subtracted
+    if (it == stashed_.end() || !it->second.in_window) continue;
     it->second.in_window = false;
     act_kept_ -= it->second.bytes;
     offload_locked(oldest, it->second);
@@ -207,7 +208,12 @@ void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
   int64_t held = static_cast<int64_t>(s.handed_out) + (s.device.defined() ? static_cast<int64_t>(s.bytes) : 0) +
                  (s.copying_back ? static_cast<int64_t>(s.bytes) : 0);
   note_activation_bytes_locked(-held);
-  if (s.in_window) act_kept_ -= s.bytes;  // its token leaves window_ when next met there
+  if (s.in_window) {
+    act_kept_ -= s.bytes;
+    // Backward frees the newest first: the token is usually at the back.
+    auto w = std::find(window_.rbegin(), window_.rend(), token);
+    if (w != window_.rend()) window_.erase(std::next(w).base());
+  }
   if (s.offloaded) {
     // Reusable once every copy that reads or writes it has finished: the
     // next stash into it waits for this event on the activation stream.

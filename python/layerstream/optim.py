@@ -178,8 +178,13 @@ class _HostOptimizer(torch.optim.Optimizer):
             yield plan
         except BaseException:
             plan.abort()
+            self._aborted(plan, plist)
             raise
         self._overlap = (plan, plist)
+
+    def _aborted(self, plan, plist):
+        """After overlap()'s backward raised and plan.abort(): the bookkeeping of the
+        layers that stay stepped (AdamW's step counters are the plan's own)."""
 
     def _scale_and_rest(self, work, grads):
         """step()'s clip coefficient and what it has left to step: after an overlapped
@@ -424,6 +429,11 @@ class Adafactor(_HostOptimizer):
         if count:
             st["step"] += 1
         return st
+
+    def _aborted(self, plan, plist):
+        for p, status in zip(plist, plan.wait()):  # wait() after abort(): the plan's final status
+            if status == _C.OVERLAP_STEPPED:  # stepped without clipping: it stays stepped, counted
+                self.state[p]["step"] += 1
 
     def _overlap_plan(self, engine, speculation_bytes):
         groups, params = [], []

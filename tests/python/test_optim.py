@@ -554,6 +554,34 @@ def test_adafactor_overlap_equals_the_step_after_backward(offload_sim, max_norm)
         assert opt.last_grad_norm == pytest.approx(ref_opt.last_grad_norm, rel=1e-6)
 
 
+def test_adafactor_overlap_backward_that_raises_counts_the_layers_it_stepped(offload_sim):
+    """Without clipping, layers stepped before the backward raised stay stepped and their
+    state counts that step; the others count none. Which layers the hook thread reached
+    before the engine dropped the failed backward's gradients depends on timing: the
+    test checks the invariant (changed <=> counted), then the bookkeeping with a plan
+    whose status is given."""
+    model = Deep()
+    handle = offload_sim(model)
+    opt = Adafactor(model.parameters())
+    x = torch.randn(4, 16, requires_grad=True)
+    x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))  # raises at the very end
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        with opt.overlap(handle):
+            model(x).square().mean().backward()
+    for p, b in zip(model.parameters(), before):
+        assert (opt.state[p].get("step", 0) == 1) == (not torch.equal(p, b))
+
+    class Plan:  # what AdafactorOverlap.wait() reports after abort()
+        def wait(self):
+            return [layerstream._C.OVERLAP_STEPPED, 0]
+
+    a, b = model.layers[0].weight, model.layers[0].bias
+    steps = [opt.state[a]["step"], opt.state[b]["step"]]
+    opt._aborted(Plan(), [a, b])
+    assert [opt.state[a]["step"], opt.state[b]["step"]] == [steps[0] + 1, steps[1]]
+
+
 def test_overlap_backward_that_raises_restores_speculated_layers(offload_sim):
     """With clipping, a backward that raises after some layers were stepped
     speculatively leaves every parameter as it was."""
