@@ -91,7 +91,13 @@ SavedActivations::SavedActivations(std::shared_ptr<Engine> engine, uint64_t devi
 }
 
 SavedActivations::~SavedActivations() {
-  if (t_scope == state_.get()) t_scope = state_->previous;
+  // Unlinked from this thread's chain wherever it is (scopes that end out of
+  // order leave no dangling link).
+  for (State** link = &t_scope; *link != nullptr; link = &(*link)->previous)
+    if (*link == state_.get()) {
+      *link = state_->previous;
+      break;
+    }
 }
 
 SavedActivations OffloadHandle::saved_activations() {
