@@ -208,8 +208,9 @@ class AdamWOverlap {
 // One Adafactor step overlapped with a backward, as AdamWOverlap: each
 // streamed layer whose gradient has landed is stepped on the engine's hook
 // thread. With max_grad_norm, only the layer's gradient norm is taken then
-// (no speculation: Adafactor's factored states are not worth copying here)
-// and settle() steps those layers with the clip coefficient. The caller
+// (no speculation: its roll-back would need a copy of each parameter, and
+// Adafactor is chosen to save memory) and settle() steps those layers with
+// the clip coefficient. The caller
 // steps the parameters it did not, and counts the stepped ones' steps
 // (`step` is the number this step uses). Ownership and threads as
 // AdamWOverlap.
