@@ -34,9 +34,12 @@ class ActivationOffload:
         self.engine, self.device_budget = engine, device_budget
         self._depth = 0
         self._context = None
+        self._held = set()  # storages of the model's parameters and buffers, per forward
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter):  # held by the module anyway
+        # Held by the model anyway (a resident weight, or a view of it such as the
+        # transposed weight a linear saves): a copy would free nothing.
+        if isinstance(t, nn.Parameter) or (t.device.type != "meta" and t.untyped_storage().data_ptr() in self._held):
             return t
         token = self.engine.stash_activation(t)
         return t if token < 0 else _Saved(self.engine, token)
@@ -47,6 +50,8 @@ class ActivationOffload:
     def _enter(self, module, args):
         if self._depth == 0:
             self.engine.begin_activations(self.device_budget)
+            self._held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+                          if t.device.type != "meta"}
             self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._context.__enter__()
         self._depth += 1
@@ -55,6 +60,7 @@ class ActivationOffload:
         self._depth -= 1
         if self._depth == 0:
             context, self._context = self._context, None
+            self._held = set()
             context.__exit__(None, None, None)
 
     def install(self, model: nn.Module) -> List:

@@ -309,6 +309,21 @@ def test_a_read_before_the_copy_back_lands_is_an_ordering_error():
     handle.detach()
 
 
+def test_a_resident_layers_weight_is_not_copied(offload_sim):
+    """A resident Linear's backward needs its weight (torch saves the transposed view,
+    not the parameter): held by the model anyway, it stays put. Saved and moved: x,
+    the GELU's input and the streamed layer's input, 128 KiB each; not the 256 KiB
+    weight."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, activations="host", exclude=["0"])
+    assert handle.layers == ["2"]
+    seen = []
+    x = torch.randn(128, 256, requires_grad=True)
+    _train(model, ref, x, steps=1, after_forward=_after_forward(handle, seen))
+    assert seen[0]["activation_d2h_bytes"] == 3 * 128 * 256 * 4, seen
+
+
 def test_bad_activations_values_say_what_is_accepted():
     with pytest.raises(ValueError, match="use None \\(off\\), 'host', or a device budget"):
         layerstream.offload(_mlp(), device="sim", activations="disk")
