@@ -182,6 +182,24 @@ def test_the_host_budget_bounds_the_host_copies(offload_sim):
         in handle.plan
 
 
+def test_the_pinned_budget_bounds_the_pinned_host_copies(offload_sim):
+    """pinned_budget= leaves 2 buffers' worth of pinned memory for the saved
+    activations: the others still go to the host, in pageable buffers, with a warning;
+    the numbers do not change."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    one = 128 * 256 * 4
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.warns(RuntimeWarning, match="saved activations: the pinned budget leaves .* use pageable memory"):
+        handle = offload_sim(model, activations="host", pinned_budget=weights + 2 * one + one // 2)
+        assert handle.host_plan["spare_pinned_bytes"] // one == 2
+        seen = []
+        x = torch.randn(128, 256, requires_grad=True)
+        _train(model, ref, x, after_forward=_after_forward(handle, seen))
+    assert seen[0]["activation_d2h_bytes"] == 9 * one and seen[0]["activation_device_bytes"] == 0, seen
+    assert handle.stats()["activation_host_bytes"] == 9 * one
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpointed_blocks_inputs_are_offloaded(offload_sim, reentrant):
     """Gradient checkpointing saves only each block's input (both forms keep it through
