@@ -13,25 +13,28 @@ namespace layerstream::host_tier {
 Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_budget, int prefetch) {
   Plan p;
   p.on_disk.assign(layers.size(), false);
-  uint64_t total = 0, must = 0, largest_file = 0, largest = 0;
+  uint64_t total = 0, must = 0, largest_file = 0, largest = 0, grads = 0;
   for (const Layer& l : layers) {
     total += l.bytes;
+    grads += l.grad_bytes;
     largest = std::max(largest, l.bytes);
     if (l.from_file) largest_file = std::max(largest_file, l.bytes);
     else must += l.bytes;
   }
   const uint64_t entries_wanted = static_cast<uint64_t>(std::max(prefetch, 0)) + 2;
-  const bool fits = host_budget == kUnlimited || total <= static_cast<uint64_t>(host_budget);
+  p.grad_staging_bytes = grads;  // always in RAM: the device copies each gradient there
+  const bool fits = host_budget == kUnlimited || total + grads <= static_cast<uint64_t>(host_budget);
   if (fits) {
     p.store_bytes = total;
   } else {
     const uint64_t budget = static_cast<uint64_t>(host_budget);
-    LS_CHECK(largest_file > 0 && must + 2 * largest_file <= budget, "the host budget of ",
+    LS_CHECK(largest_file > 0 && must + grads + 2 * largest_file <= budget, "the host budget of ",
              format_bytes(budget), " cannot hold the streamed weights: ", format_bytes(must),
              " must be in RAM (trainable, or not loaded from a file)",
+             grads ? ", " + format_bytes(grads) + " for the staging buffers of their gradients" : "",
              largest_file ? ", and the disk tier needs two staging entries of " + format_bytes(largest_file) : "",
-             " (", format_bytes(total), " in all). Raise host_budget to at least ",
-             format_bytes(largest_file ? must + 2 * largest_file : total),
+             " (", format_bytes(total + grads), " in all). Raise host_budget to at least ",
+             format_bytes(largest_file ? must + grads + 2 * largest_file : total + grads),
              largest_file ? std::string() :
                             std::string(", or load the model with load_safetensors()/load_gguf() on the meta "
                                         "device so that frozen weights can stay in their file"));
@@ -39,7 +42,7 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
       if (layers[i].from_file) p.on_disk[i] = true, p.disk_bytes += layers[i].bytes;
     p.store_bytes = must;
     // All the RAM that is left caches disk layers (at most all of them).
-    p.staging_bytes = std::min<uint64_t>(budget - must, p.disk_bytes + entries_wanted * largest_file);
+    p.staging_bytes = std::min<uint64_t>(budget - must - grads, p.disk_bytes + entries_wanted * largest_file);
   }
   if (host_budget != kUnlimited)
     p.spare_host_bytes = static_cast<int64_t>(static_cast<uint64_t>(host_budget) - std::min<uint64_t>(
@@ -49,11 +52,16 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
   if (p.store_bytes > pinned && p.staging_bytes == 0) {
     // Pageable store tensors cross through pinned staging entries.
     p.staging_bytes = entries_wanted * largest;
-    if (host_budget != kUnlimited && p.host_bytes() > static_cast<uint64_t>(host_budget))
-      p.staging_bytes = std::max<uint64_t>(static_cast<uint64_t>(host_budget) - p.store_bytes, 0);
+    if (host_budget != kUnlimited && p.host_bytes() > static_cast<uint64_t>(host_budget)) {
+      const uint64_t budget = static_cast<uint64_t>(host_budget), taken = p.store_bytes + p.grad_staging_bytes;
+      p.staging_bytes = budget > taken ? budget - taken : 0;
+    }
   }
   p.staging_pinned = p.staging_bytes <= pinned;
-  const uint64_t left = p.staging_pinned ? pinned - p.staging_bytes : pinned;
+  uint64_t left = p.staging_pinned ? pinned - p.staging_bytes : pinned;
+  // The gradients' buffers are pinned next (the device copies into them); the
+  // store gets what is left.
+  left -= std::min(left, p.grad_staging_bytes);
   p.store_pinned_cap = static_cast<int64_t>(left);
   p.pageable_store_bytes = p.store_bytes > left ? p.store_bytes - left : 0;
   p.spare_pinned_bytes = static_cast<int64_t>(left - std::min<uint64_t>(p.store_bytes, left));

@@ -6,9 +6,11 @@
 // (frozen, loaded by load_safetensors()/load_gguf()), a host budget and a
 // pinned budget:
 //  * When every layer fits in the host budget, all are in RAM (the store).
+//  * The gradients' staging buffers (training) are always in RAM and count
+//    first.
 //  * Otherwise every layer that may stay in its file does (the disk tier),
 //    and the RAM left after the layers that must be in RAM (trainable, or not
-//    from a file) is the staging cache: entries the disk reads go into, kept
+//    from a file) and the gradients' buffers is the staging cache: entries the disk reads go into, kept
 //    by farthest next use in the traced schedule, so what RAM there is holds
 //    the layers needed soonest. It must hold two of the largest disk layer.
 //  * Pinned memory: the staging entries are pinned first (they are what the
@@ -32,6 +34,10 @@ struct Layer {
   std::string name;
   uint64_t bytes = 0;     // host bytes (weight and bias as stored)
   bool from_file = false; // may stay in its file (frozen, read-only source)
+  // Training: the host bytes of its gradient's staging buffer (the engine's
+  // copy target for the gradient, one per use in a backward;
+  // slot_layout::gradient_bytes), 0 when it gets no gradient. Always in RAM.
+  uint64_t grad_bytes = 0;
 };
 
 struct Plan {
@@ -39,6 +45,7 @@ struct Plan {
   uint64_t store_bytes = 0;     // layers in RAM
   uint64_t disk_bytes = 0;      // layers read from their files on every use
   uint64_t staging_bytes = 0;   // the staging entries (0: none needed)
+  uint64_t grad_staging_bytes = 0;  // the gradients' staging buffers (Layer::grad_bytes, one use each)
   bool staging_pinned = true;   // the entries fit the pinned budget
   int64_t store_pinned_cap = kUnlimited;  // pinned bytes the store may take
   uint64_t pageable_store_bytes = 0;      // store bytes beyond that cap
@@ -47,7 +54,7 @@ struct Plan {
   // kUnlimited when that budget is.
   int64_t spare_host_bytes = kUnlimited;
   int64_t spare_pinned_bytes = kUnlimited;
-  uint64_t host_bytes() const { return store_bytes + staging_bytes; }
+  uint64_t host_bytes() const { return store_bytes + staging_bytes + grad_staging_bytes; }
 };
 
 // `prefetch` is the engine's prefetch depth: the staging entries hold at

@@ -413,18 +413,19 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("parts"));
 
   // The host budget plan (core/host_tier.h): layers = [(name, bytes,
-  // from_file)]; budgets in bytes, -1 = unlimited.
+  // from_file, grad_bytes)]; budgets in bytes, -1 = unlimited.
   m.def("host_tier_plan",
-        [](const std::vector<std::tuple<std::string, uint64_t, bool>>& layers, int64_t host_budget,
+        [](const std::vector<std::tuple<std::string, uint64_t, bool, uint64_t>>& layers, int64_t host_budget,
            int64_t pinned_budget, int prefetch) {
           std::vector<host_tier::Layer> ls;
-          for (const auto& [name, bytes, from_file] : layers) ls.push_back({name, bytes, from_file});
+          for (const auto& [name, bytes, from_file, grad] : layers) ls.push_back({name, bytes, from_file, grad});
           const host_tier::Plan p = host_tier::plan(ls, host_budget, pinned_budget, prefetch);
           py::dict d;
           d["on_disk"] = p.on_disk;
           d["store_bytes"] = p.store_bytes;
           d["disk_bytes"] = p.disk_bytes;
           d["staging_bytes"] = p.staging_bytes;
+          d["grad_staging_bytes"] = p.grad_staging_bytes;
           d["staging_pinned"] = p.staging_pinned;
           d["store_pinned_cap"] = p.store_pinned_cap;
           d["pageable_store_bytes"] = p.pageable_store_bytes;
@@ -433,6 +434,9 @@ PYBIND11_MODULE(_C, m) {
           return d;
         },
         py::arg("layers"), py::arg("host_budget"), py::arg("pinned_budget"), py::arg("prefetch"));
+  // The host bytes of a layer's gradient staging buffer (core/slot_layout.h).
+  m.def("gradient_staging_bytes", &layerstream::slot_layout::gradient_bytes, py::arg("weight_bytes"),
+        py::arg("bias_bytes"));
   m.def("default_host_budget", &host_tier::default_host_budget);
   m.def("default_pinned_budget", &host_tier::default_pinned_budget);
   // A safetensors checkpoint's headers (core/safetensors.h): {"files": [...],

@@ -135,7 +135,9 @@ class Handle(_RefusesCopy):
         disk = sum(1 for d in h["on_disk"] if d)
         return text + (f"host RAM (budget {budget}, pinned {pinned}): {mib(h['store_bytes'])} in the store"
                 f" ({mib(h['pageable_store_bytes'])} pageable), {mib(h['staging_bytes'])} of staging entries"
-                f" ({'pinned' if h['staging_pinned'] else 'pageable'}); disk: {disk} layer(s), "
+                f" ({'pinned' if h['staging_pinned'] else 'pageable'})"
+                + (f", {mib(h['grad_staging_bytes'])} of gradient staging buffers" if h["grad_staging_bytes"] else "")
+                + f"; disk: {disk} layer(s), "
                 f"{mib(h['disk_bytes'])} read from their files on every use"
                 + "".join(f"; packed in {path}" for path in h.get("cache_files", [])) + "\n")
 

@@ -81,13 +81,22 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
                 and isinstance(w, FileWeight) and not w.requires_grad
                 and (b is None or (isinstance(b, FileWeight) and not b.requires_grad)))
 
+    def grad_bytes(t) -> int:  # its gradient's host staging buffer (training), as the engine sizes it
+        w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
+        if t.kind not in ("linear", "conv") or t.fmt is not None or w is None:
+            return 0
+        if not (w.requires_grad or (b is not None and b.requires_grad)):
+            return 0
+        return _C.gradient_staging_bytes(w.numel() * w.element_size(), 0 if b is None else b.numel() * b.element_size())
+
     entries = [(t.name or "<root>", t.bus_bytes if t.kind != "embedding" else
-                sum(p.numel() * p.element_size() for p in t.module.parameters(recurse=False)), from_file(t))
+                sum(p.numel() * p.element_size() for p in t.module.parameters(recurse=False)), from_file(t),
+                grad_bytes(t))
                for t in streamed]
     try:
         p = _C.host_tier_plan(entries, host, pinned, opts.prefetch)
     except LayerstreamError as e:
-        trainable = [n for (n, _, f), t in zip(entries, streamed) if not f and isinstance(
+        trainable = [n for (n, _, f, _), t in zip(entries, streamed) if not f and isinstance(
             getattr(t.module, "weight", None), FileWeight)]
         hint = (f" ({len(trainable)} layer(s) loaded from a file are trainable, e.g. '{trainable[0]}': for "
                 f"inference, freeze the model (model.requires_grad_(False)) so they can stay in their file)"

@@ -444,3 +444,15 @@ def test_activation_offload_uses_both_directions_of_the_link(st_file):
     assert_one_line_error(r, code=2, contains="--activations host needs --train")
     r = run(*args, "--activations", "disk")
     assert_one_line_error(r, code=2, contains="--activations expects host")
+
+
+def test_training_counts_the_gradients_staging_buffers_in_the_host_budget(st_file):
+    """--train --host-budget: each streamed trainable layer's gradient staging buffer is
+    host RAM too (as offload() plans it)."""
+    j = plan_json("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", "100MiB", "--train")
+    streamed = sum(l["bytes"] for l in j["plan"]["layers"] if l["placement"] == "streamed")
+    assert streamed > 0 and j["host"]["grad_staging_bytes"] == streamed
+    text = run("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", "100MiB", "--train").stdout
+    assert "of gradient staging buffers (training)" in text
+    assert plan_json("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", "100MiB")["host"][
+        "grad_staging_bytes"] == 0

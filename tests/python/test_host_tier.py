@@ -258,10 +258,37 @@ def test_trainable_weights_must_fit_in_ram(tmp_path):
     with pytest.raises(LayerstreamError, match=r"host budget of .* cannot hold .*freeze the model"):
         layerstream.offload(model, device="sim", host_budget=_quarter(ref))
     assert isinstance(model.layers[0].weight, FileWeight)  # nothing changed
-    handle = layerstream.offload(model, device="sim", host_budget=2 * _layer_bytes(ref))
+    handle = layerstream.offload(model, device="sim", host_budget=2 * _layer_bytes(ref) + ref.emb.weight.numel() * 4)
     assert model.layers[0].weight.requires_grad and handle.stats()["disk_layers"] == 0
     model(_ids()).sum().backward()
     assert model.layers[0].weight.grad is not None
+
+
+def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):
+    """Training: each trainable streamed layer's gradient is copied from the device into
+    a host staging buffer the engine keeps; those count against host_budget next to the
+    store. A budget that holds the weights but not their gradients' buffers is an error
+    that says so; with room for both, the plan shows them."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    weights = _layer_bytes(ref) + ref.emb.weight.numel() * 4
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    with pytest.raises(LayerstreamError, match=r"must be in RAM \(trainable, or not loaded from a file\), "
+                                               r".* for the staging buffers of their gradients"):
+        layerstream.offload(model, device="sim", host_budget=weights + _layer_bytes(ref) // 2)
+    handle = layerstream.offload(model, device="sim", host_budget=weights + _layer_bytes(ref))
+    grads = handle.host_plan["grad_staging_bytes"]
+    assert grads == _layer_bytes(ref)  # weight + bias per layer; the weights' sizes are 256-byte multiples
+    assert "of gradient staging buffers" in handle.plan
+    assert handle.host_plan["spare_host_bytes"] == 0
+    model(_ids()).sum().backward()
+    assert all(m.weight.grad is not None for m in model.layers)
+    # Frozen (inference, or a LoRA base): no gradient, no buffer.
+    frozen = _meta()
+    layerstream.load_safetensors(frozen, path)
+    frozen.requires_grad_(False)
+    assert layerstream.offload(frozen, device="sim", host_budget=weights).host_plan["grad_staging_bytes"] == 0
 
 
 _RSS_SCRIPT = textwrap.dedent("""

@@ -111,14 +111,16 @@ int usage_error(const std::string& msg) {
 // `host_budget`: which layers come from disk, the RAM it takes, and the step
 // time with the disk read (an estimate: a cyclic schedule over e staging
 // entries reads about disk bytes - staging bytes + read-ahead per pass).
-void host_disk_section(const Plan& plan, bool all_in_ram, int64_t host_budget, double disk_gbps,
-                       std::string* text, std::string* json_out) {
+void host_disk_section(const Plan& plan, const std::vector<PlannerLayer>& specs, bool all_in_ram,
+                       int64_t host_budget, double disk_gbps, std::string* text, std::string* json_out) {
   std::vector<host_tier::Layer> layers;
   std::vector<std::string> names;
   uint64_t largest = 0;
   for (const auto& l : plan.layers) {
     if (l.resident) continue;
-    layers.push_back({l.name, l.bytes, !all_in_ram && !l.lookup});
+    // Training: a trainable streamed layer's gradient is staged on the host (its bytes).
+    const bool grad = specs[l.index].trainable && !l.lookup;
+    layers.push_back({l.name, l.bytes, !all_in_ram && !l.lookup, grad ? l.bytes : 0});
     names.push_back(l.name);
   }
   const host_tier::Plan h = host_tier::plan(layers, host_budget, host_tier::kUnlimited, plan.prefetch_depth);
@@ -138,6 +140,11 @@ void host_disk_section(const Plan& plan, bool all_in_ram, int64_t host_budget, d
                 format_bytes(static_cast<uint64_t>(host_budget)).c_str(), format_bytes(h.store_bytes).c_str(),
                 from_disk.size(), format_bytes(h.disk_bytes).c_str(), format_bytes(h.staging_bytes).c_str());
   *text = buf;
+  if (h.grad_staging_bytes) {
+    std::snprintf(buf, sizeof buf, "        and %s of gradient staging buffers (training)\n",
+                  format_bytes(h.grad_staging_bytes).c_str());
+    *text += buf;
+  }
   if (!from_disk.empty()) {
     std::string list;
     for (size_t i = 0; i < from_disk.size() && i < 4; ++i) list += (i ? ", " : "") + from_disk[i];
@@ -163,7 +170,8 @@ void host_disk_section(const Plan& plan, bool all_in_ram, int64_t host_budget, d
   };
   std::string j = "{\"budget_bytes\": " + std::to_string(host_budget) + ", \"store_bytes\": " +
                   std::to_string(h.store_bytes) + ", \"disk_bytes\": " + std::to_string(h.disk_bytes) +
-                  ", \"staging_bytes\": " + std::to_string(h.staging_bytes) + ", \"disk_gbps\": " +
+                  ", \"staging_bytes\": " + std::to_string(h.staging_bytes) +
+                  ", \"grad_staging_bytes\": " + std::to_string(h.grad_staging_bytes) + ", \"disk_gbps\": " +
                   number(disk_gbps) + ", \"disk_read_bytes_per_step\": " + std::to_string(read) +
                   ", \"step_time_s\": " + number(step_s) + ", \"from_disk\": [";
   for (size_t i = 0; i < from_disk.size(); ++i) j += (i ? ", " : "") + json::quote(from_disk[i]);
@@ -321,7 +329,7 @@ int cmd_plan(int argc, char** argv) {
     } catch (const Error& e) {
       return usage_error("--host-budget: " + e.message());
     }
-    host_disk_section(plan, gguf || !have_checkpoint || opt.training,
+    host_disk_section(plan, in.layers, gguf || !have_checkpoint || opt.training,
                       host_budget, disk_gbps, &host_text, &host_json);
   }
 
