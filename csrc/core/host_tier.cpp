@@ -49,8 +49,9 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
                                                   p.host_bytes(), static_cast<uint64_t>(host_budget)));
   if (pinned_budget == kUnlimited) return p;
   const uint64_t pinned = static_cast<uint64_t>(pinned_budget);
-  if (p.store_bytes > pinned && p.staging_bytes == 0) {
-    // Pageable store tensors cross through pinned staging entries.
+  if (p.store_bytes + p.grad_staging_bytes > pinned && p.staging_bytes == 0) {
+    // Pageable store tensors (the gradients' buffers are pinned first) cross
+    // through pinned staging entries.
     p.staging_bytes = entries_wanted * largest;
     if (host_budget != kUnlimited && p.host_bytes() > static_cast<uint64_t>(host_budget)) {
       const uint64_t budget = static_cast<uint64_t>(host_budget), taken = p.store_bytes + p.grad_staging_bytes;

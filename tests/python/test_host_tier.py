@@ -264,6 +264,12 @@ def test_trainable_weights_must_fit_in_ram(tmp_path):
     assert model.layers[0].weight.grad is not None
 
 
+def _loaded_trainable(path):
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    return model
+
+
 def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):
     """Training: each trainable streamed layer's gradient is copied from the device into
     a host staging buffer the engine keeps; those count against host_budget next to the
@@ -284,6 +290,10 @@ def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):
     assert handle.host_plan["spare_host_bytes"] == 0
     model(_ids()).sum().backward()
     assert all(m.weight.grad is not None for m in model.layers)
+    # A pinned budget that holds the weights but not their gradients' buffers too: the
+    # store is partly pageable, so the plan has the staging entries it crosses through.
+    pinned = layerstream.offload(_loaded_trainable(path), device="sim", pinned_budget=weights).host_plan
+    assert pinned["pageable_store_bytes"] > 0 and pinned["staging_bytes"] > 0, pinned
     # Frozen (inference, or a LoRA base): no gradient, no buffer.
     frozen = _meta()
     layerstream.load_safetensors(frozen, path)
