@@ -161,23 +161,32 @@ def test_a_host_buffer_reused_before_its_copy_back_ends_is_an_ordering_error(ord
     handle.detach()
 
 
-def test_the_host_budget_bounds_the_host_copies(offload_sim):
-    """host_budget= covers the saved activations' host buffers: what the store and the
-    gradients' staging buffers leave (3 buffers of 128 KiB here) is all they get; the rest stay on the device, with a
-    warning, and the numbers do not change."""
+def _budget_step(offload_sim, warning, budget):
+    """One training step of _mlp() (9 saved tensors of 128 KiB) offloaded with
+    activations="host" and `budget(weights, one)` as offload() keywords, which must
+    warn `warning`: (handle, the stats after the forward, one buffer's bytes). The
+    store takes the weights (aligned), the gradients' staging buffers as many bytes again."""
     model = _mlp()
     ref = copy.deepcopy(model)
     one = 128 * 256 * 4
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    with pytest.warns(RuntimeWarning, match="saved activations: the host budget leaves .* for their host copies"):
-        # The store takes the weights (aligned), the gradients' staging buffers as many bytes again.
-        handle = offload_sim(model, activations="host", host_budget=2 * weights + 3 * one + one // 2)
-        assert handle.host_plan["spare_host_bytes"] // one == 3
-        seen = []
+    seen = []
+    with pytest.warns(RuntimeWarning, match=warning):
+        handle = offload_sim(model, activations="host", **budget(weights, one))
         x = torch.randn(128, 256, requires_grad=True)
         _train(model, ref, x, after_forward=_after_forward(handle, seen))
-    assert seen[0]["activation_d2h_bytes"] == 3 * one, seen
-    assert seen[0]["activation_device_bytes"] == 6 * one, seen  # 9 saved, 3 on the host
+    return handle, seen[0], one
+
+
+def test_the_host_budget_bounds_the_host_copies(offload_sim):
+    """host_budget= covers the saved activations' host buffers: what the store and the
+    gradients' staging buffers leave (3 buffers of 128 KiB here) is all they get; the
+    rest stay on the device, with a warning, and the numbers do not change."""
+    handle, after, one = _budget_step(offload_sim, "saved activations: the host budget leaves .* for their host copies",
+                                      lambda w, one: dict(host_budget=2 * w + 3 * one + one // 2))
+    assert handle.host_plan["spare_host_bytes"] // one == 3
+    assert after["activation_d2h_bytes"] == 3 * one, after
+    assert after["activation_device_bytes"] == 6 * one, after  # 9 saved, 3 on the host
     assert handle.stats()["activation_host_bytes"] == 3 * one
     assert f"the host budget leaves {handle.host_plan['spare_host_bytes'] / 2**20:.2f} MiB for their host copies" \
         in handle.plan
@@ -187,17 +196,10 @@ def test_the_pinned_budget_bounds_the_pinned_host_copies(offload_sim):
     """pinned_budget= leaves 2 buffers' worth of pinned memory for the saved
     activations: the others still go to the host, in pageable buffers, with a warning;
     the numbers do not change."""
-    model = _mlp()
-    ref = copy.deepcopy(model)
-    one = 128 * 256 * 4
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    with pytest.warns(RuntimeWarning, match="saved activations: the pinned budget leaves .* use pageable memory"):
-        handle = offload_sim(model, activations="host", pinned_budget=2 * weights + 2 * one + one // 2)
-        assert handle.host_plan["spare_pinned_bytes"] // one == 2
-        seen = []
-        x = torch.randn(128, 256, requires_grad=True)
-        _train(model, ref, x, after_forward=_after_forward(handle, seen))
-    assert seen[0]["activation_d2h_bytes"] == 9 * one and seen[0]["activation_device_bytes"] == 0, seen
+    handle, after, one = _budget_step(offload_sim, "saved activations: the pinned budget leaves .* use pageable memory",
+                                      lambda w, one: dict(pinned_budget=2 * w + 2 * one + one // 2))
+    assert handle.host_plan["spare_pinned_bytes"] // one == 2
+    assert after["activation_d2h_bytes"] == 9 * one and after["activation_device_bytes"] == 0, after
     assert handle.stats()["activation_host_bytes"] == 9 * one
 
 

@@ -554,6 +554,18 @@ def test_adafactor_overlap_equals_the_step_after_backward(offload_sim, max_norm)
         assert opt.last_grad_norm == pytest.approx(ref_opt.last_grad_norm, rel=1e-6)
 
 
+def _overlapped_backward_that_raises(model, handle, opt):
+    """A backward under opt.overlap(handle) that raises at its very end (a hook on the
+    input); returns the parameters as they were before it."""
+    x = torch.randn(4, 16, requires_grad=True)
+    x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        with opt.overlap(handle):
+            model(x).square().mean().backward()
+    return before
+
+
 def test_adafactor_overlap_backward_that_raises_counts_the_layers_it_stepped(offload_sim):
     """Without clipping, layers stepped before the backward raised stay stepped and their
     state counts that step; the others count none. Which layers the hook thread reached
@@ -563,12 +575,7 @@ def test_adafactor_overlap_backward_that_raises_counts_the_layers_it_stepped(off
     model = Deep()
     handle = offload_sim(model)
     opt = Adafactor(model.parameters())
-    x = torch.randn(4, 16, requires_grad=True)
-    x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))  # raises at the very end
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="boom"):
-        with opt.overlap(handle):
-            model(x).square().mean().backward()
+    before = _overlapped_backward_that_raises(model, handle, opt)
     for p, b in zip(model.parameters(), before):
         assert (opt.state[p].get("step", 0) == 1) == (not torch.equal(p, b))
 
@@ -588,12 +595,7 @@ def test_overlap_backward_that_raises_restores_speculated_layers(offload_sim):
     model = Deep()
     handle = offload_sim(model)
     opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
-    x = torch.randn(4, 16, requires_grad=True)
-    x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))  # raises at the very end
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="boom"):
-        with opt.overlap(handle):
-            model(x).square().mean().backward()
+    before = _overlapped_backward_that_raises(model, handle, opt)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)
     assert all(s["step"].item() == 0 for s in opt.state.values())
