@@ -10,6 +10,8 @@ back. Per variant, the median of --steps steps (after --warmup):
   no optimizer   forward + backward only (the floor)
   step after     forward + backward, then opt.step() (layerstream AdamW)
   overlapped     forward + backward inside opt.overlap(handle), then opt.step()
+                 (each layer's gradient consumed in one fused pass, no .grad)
+  overlap+grads  the same with keep_grads=True (.grad written, as before fusion)
   torch fused    forward + backward, then torch.optim.AdamW(fused=True).step()
 
 and the ratio to "no optimizer" (goal for "overlapped": <= 1.15). One model
@@ -41,7 +43,7 @@ def build(layers, width, seed=0):
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
 
 
-VARIANTS = ("no optimizer", "step after", "overlapped", "torch fused")
+VARIANTS = ("no optimizer", "step after", "overlapped", "overlap+grads", "torch fused")
 
 
 def run(args):
@@ -53,22 +55,22 @@ def run(args):
     fused = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     gen = torch.Generator().manual_seed(1)
     times = {v: {"step": [], "backward": [], "after": []} for v in VARIANTS}
-    clipped = {"step after": 0, "overlapped": 0}
+    clipped = {"step after": 0, "overlapped": 0, "overlap+grads": 0}
     for i in range(args.warmup + args.steps):
         for variant in VARIANTS:
             x = torch.randn(args.batch, args.width, generator=gen)
             t0 = time.perf_counter()
             loss = model(x).square().mean()
             t1 = time.perf_counter()
-            if variant == "overlapped":
-                with ls.overlap(handle):
+            if variant in ("overlapped", "overlap+grads"):
+                with ls.overlap(handle, keep_grads=variant == "overlap+grads"):
                     loss.backward()
             else:
                 loss.backward()
                 if variant == "torch fused" and args.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             t2 = time.perf_counter()
-            if variant in ("step after", "overlapped"):
+            if variant in ("step after", "overlapped", "overlap+grads"):
                 ls.step()
                 if args.max_grad_norm is not None and i >= args.warmup:
                     clipped[variant] += ls.last_grad_norm > args.max_grad_norm
@@ -112,8 +114,8 @@ def main():
               f"{r['after'] * 1e3:18.1f}")
     o = rows["overlapped"]
     if args.max_grad_norm is not None:
-        print(f"the clip triggered on {clipped['step after']} of {args.steps} 'step after' steps and "
-              f"{clipped['overlapped']} of {args.steps} 'overlapped' steps")
+        print(f"the clip triggered on {clipped['step after']} of {args.steps} 'step after' steps, "
+              f"{clipped['overlapped']} 'overlapped' and {clipped['overlap+grads']} 'overlap+grads' steps")
     print(f"overlapped / no optimizer = {o['step'] / floor:.3f} (goal <= 1.15); the rest: "
           f"{o['after'] * 1e3:.1f} ms in step() after the backward, backward "
           f"{(o['backward'] - rows['no optimizer']['backward']) * 1e3:+.1f} ms against the floor's")

@@ -499,6 +499,21 @@ class Engine {
   // step), and must not compute with the engine. Empty: off.
   using GradReadyHook = std::function<void(int layer)>;
   virtual void set_grad_ready_hook(GradReadyHook hook) = 0;
+  // The consuming form (the fused optimizer step, docs/design/optim.md,
+  // "Fusion"): a layer whose gradient of this backward is one staged use
+  // (called once in the forward) and whose parameters are contiguous is NOT
+  // added to .grad: hook(layer, &landed) gets the staged gradients instead --
+  // host tensors in the parameters' shape and dtype (undefined: none),
+  // views of the engine's staging buffers, readable during the call only --
+  // and takes over their accumulation (what the hook does with .grad is its
+  // business; the engine never adds them). Other layers are applied to
+  // .grad first and get hook(layer, nullptr), as set_grad_ready_hook's.
+  // Setting either form replaces the other.
+  struct LandedGradients {
+    torch::Tensor weight, bias;
+  };
+  using GradConsumeHook = std::function<void(int layer, const LandedGradients* landed)>;
+  virtual void set_grad_consume_hook(GradConsumeHook hook) = 0;
   // Blocks until every application and hook queued so far has run; rethrows
   // the first exception a hook threw since the last call.
   virtual void wait_grad_ready() = 0;

@@ -37,6 +37,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -122,14 +123,25 @@ void check_group(const std::vector<torch::Tensor>& params, const std::vector<tor
 // reference's either way. The copies live in an OverlapBackups the caller
 // keeps across steps (allocated once).
 //
+// Fusion (docs/design/optim.md, "Fusion"): the hook consumes a layer's
+// landed gradient (Engine::set_grad_consume_hook) and one pass over each
+// parameter's host memory assembles its gradient (what .grad held plus the
+// landed one), takes the norm, saves the copy and steps it. With
+// keep_grads, .grad is materialized as the plain step would leave it; else
+// a stepped parameter's .grad is left undefined (with clipping, the
+// gradient step() may still need is kept in the OverlapBackups instead).
+// Layers the engine applies to .grad first (a layer called twice) are read
+// from .grad, as without fusion.
+//
 // Ownership: holds the tensors it was given (the caller's state tensors;
 // `step` tensors are the state dict's 0-dim float32 counters, incremented
 // here). Thread safety: on_layer() runs on the engine's hook thread;
 // finish()/abort() from the caller's thread after the backward returned.
-// The copies a speculative step keeps (AdamWOverlap), by parameter key:
-// allocated at the first step and reused by the next ones (allocating and
-// freeing them every step costs page faults on the critical path). Held by
-// the optimizer across steps. Thread safety: internally locked.
+// The copies a speculative step keeps (AdamWOverlap), by parameter key,
+// and the gradients a clipped overlapped step keeps for step() when .grad
+// is not kept: allocated at the first step and reused by the next ones
+// (allocating and freeing them every step costs page faults on the critical
+// path). Held by the optimizer across steps. Thread safety: internally locked.
 class OverlapBackups {
  public:
   struct Copy {
@@ -139,11 +151,14 @@ class OverlapBackups {
   // The copy of `key`, shaped like `param` and `states` (made on first use
   // or when they changed).
   Copy& for_key(uint64_t key, const torch::Tensor& param, const AdamWStates& states);
+  // The gradient buffer of `key`, contiguous, shaped like `param`.
+  torch::Tensor grad_for_key(uint64_t key, const torch::Tensor& param);
   int64_t bytes() const;
 
  private:
   mutable std::mutex mu_;
   std::map<uint64_t, Copy> copies_;
+  std::map<uint64_t, torch::Tensor> grads_;
 };
 
 class AdamWOverlap {
@@ -165,7 +180,7 @@ class AdamWOverlap {
 
   AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
                std::optional<double> max_grad_norm, int64_t speculation_bytes,
-               std::shared_ptr<OverlapBackups> backups = nullptr);
+               std::shared_ptr<OverlapBackups> backups = nullptr, bool keep_grads = false);
   ~AdamWOverlap();
   AdamWOverlap(const AdamWOverlap&) = delete;
   AdamWOverlap& operator=(const AdamWOverlap&) = delete;
@@ -183,23 +198,39 @@ class AdamWOverlap {
   void abort();
   // Parameters of the engine's layers that this step covers (for tests).
   size_t layer_params() const { return covered_; }
+  // Parameters whose landed gradient the fused pass consumed (for tests).
+  size_t fused_params() const { return fused_; }
+
+  // Per engine layer: the indices of a plan's parameters that are its weight
+  // (bias false) or bias.
+  struct LayerParam {
+    size_t index;
+    bool bias;
+  };
 
  private:
-  void on_layer(int layer);
-  void step_one(size_t index, float grad_scale);
+  void on_layer(int layer, const Engine::LandedGradients* landed);
+  void fused_one(size_t index, const torch::Tensor& landed);
+  // Speculates on `index` (clipping): within the bound, reserves its copy's bytes.
+  bool may_speculate(size_t index);
+  void step_one(size_t index, const torch::Tensor& grad, float grad_scale);
   void restore_one(size_t index);  // from its copy, step counter back by one
+  // The gradient step() steps `index` with: the one the fused pass kept, else .grad.
+  torch::Tensor grad_of(size_t index) const;
 
   std::shared_ptr<Engine> engine_;
   std::vector<Group> groups_;
   std::vector<Param> params_;
   std::optional<double> max_norm_;
   int64_t speculation_left_;
-  std::vector<std::vector<size_t>> by_layer_;
-  size_t covered_ = 0;
+  bool keep_grads_;
+  std::vector<std::vector<LayerParam>> by_layer_;
+  size_t covered_ = 0, fused_ = 0;
   std::mutex mu_;
   std::vector<int> status_;
   std::shared_ptr<OverlapBackups> backups_;
   std::vector<OverlapBackups::Copy*> backup_;  // per parameter, when speculated
+  std::vector<torch::Tensor> kept_;            // per parameter: the gradient kept for settle()
   std::vector<char> speculated_;
   double sum_sq_ = 0;
   bool hooked_ = false;
@@ -212,8 +243,12 @@ class AdamWOverlap {
 // Adafactor is chosen to save memory) and settle() steps those layers with
 // the clip coefficient. The caller
 // steps the parameters it did not, and counts the stepped ones' steps
-// (`step` is the number this step uses). Ownership and threads as
-// AdamWOverlap.
+// (`step` is the number this step uses). Fusion: without clipping, a layer
+// called once is stepped from its landed gradient (the engine's staging
+// buffer) with no .grad written; with keep_grads, or with clipping (settle()
+// needs the gradient), it is added to .grad as the engine would, and
+// without keep_grads that .grad is dropped once stepped. Ownership and
+// threads as AdamWOverlap.
 class AdafactorOverlap {
  public:
   struct Group {
@@ -229,7 +264,7 @@ class AdafactorOverlap {
     size_t group = 0;
   };
   AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
-                   std::optional<double> max_grad_norm);
+                   std::optional<double> max_grad_norm, bool keep_grads = false);
   ~AdafactorOverlap();
   AdafactorOverlap(const AdafactorOverlap&) = delete;
   AdafactorOverlap& operator=(const AdafactorOverlap&) = delete;
@@ -240,14 +275,15 @@ class AdafactorOverlap {
   void abort();
 
  private:
-  void on_layer(int layer);
-  void step_one(size_t index, float grad_scale);
+  void on_layer(int layer, const Engine::LandedGradients* landed);
+  void step_one(size_t index, const torch::Tensor& grad, float grad_scale);
 
   std::shared_ptr<Engine> engine_;
   std::vector<Group> groups_;
   std::vector<Param> params_;
   std::optional<double> max_norm_;
-  std::vector<std::vector<size_t>> by_layer_;
+  bool keep_grads_;
+  std::vector<std::vector<AdamWOverlap::LayerParam>> by_layer_;
   std::mutex mu_;
   std::vector<int> status_;
   double sum_sq_ = 0;
@@ -289,8 +325,13 @@ class AdamW {
   // exception restores the speculated layers (layers stepped without
   // clipping stay stepped; zero the gradients, as after any failed
   // backward), and step() is then the plain step. Parameters must not be
-  // written while the scope lives.
-  Overlap overlap(std::shared_ptr<Engine> engine, std::optional<int64_t> speculation_bytes = std::nullopt);
+  // written while the scope lives. The scope's end waits until every
+  // layer's gradient has been consumed; the layers' gradients are consumed
+  // in one pass with their update (AdamWOverlap, "Fusion"): their .grad is
+  // left undefined unless `keep_grads` (then it holds the gradient as
+  // after a plain backward, at the cost of writing it).
+  Overlap overlap(std::shared_ptr<Engine> engine, std::optional<int64_t> speculation_bytes = std::nullopt,
+                  bool keep_grads = false);
   // Parameters the last overlapped step stepped (or, clipping, took the norm
   // of) during the backward.
   size_t last_overlap_params() const { return last_overlap_params_; }
@@ -323,11 +364,15 @@ class AdamW {
     std::unique_ptr<AdamWOverlap> plan;
     std::vector<Param*> params;
     std::vector<torch::Tensor> steps;
+    std::exception_ptr error;  // what the plan's thread threw (step() rethrows it)
   };
   std::unique_ptr<Pending> pending_;
   std::shared_ptr<OverlapBackups> backups_;  // the speculation's copies, kept across steps
   bool last_clipped_ = false;
   size_t last_overlap_params_ = 0;
+  // After a failed overlapped backward: restores the speculated layers and
+  // copies the step counters of those that stay stepped.
+  static void abort_pending(Pending& pending);
   // Copies the overlapped layers' step counters back; returns per parameter
   // of pending_ whether the plan counted it.
   std::vector<int> finish_pending(const std::vector<torch::Tensor>& other_grads, float* coef);

@@ -211,7 +211,7 @@ void bind_optim(py::module& m) {
   py::class_<o::AdamWOverlap>(m, "AdamWOverlap")
       .def(py::init([](std::shared_ptr<Engine> engine, const std::vector<GroupT>& groups,
                        const std::vector<ParamT>& params, std::optional<double> max_norm, int64_t speculation_bytes,
-                       std::shared_ptr<o::OverlapBackups> backups) {
+                       std::shared_ptr<o::OverlapBackups> backups, bool keep_grads) {
              std::vector<o::AdamWOverlap::Group> gs;
              for (const auto& [lr, b1, b2, eps, wd, fmt, seed] : groups)
                gs.push_back({o::AdamWConfig{lr, b1, b2, eps, wd}, o::parse_state_format(fmt), seed});
@@ -220,14 +220,15 @@ void bind_optim(py::module& m) {
                ps.push_back({p, o::AdamWStates{m1, m2, a1.value_or(torch::Tensor()), a2.value_or(torch::Tensor())}, step,
                              key, group});
              return std::make_unique<o::AdamWOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm,
-                                                      speculation_bytes, std::move(backups));
+                                                      speculation_bytes, std::move(backups), keep_grads);
            }),
            py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"),
-           py::arg("speculation_bytes"), py::arg("backups"))
+           py::arg("speculation_bytes"), py::arg("backups"), py::arg("keep_grads") = false)
       .def("wait", &o::AdamWOverlap::wait, py::call_guard<py::gil_scoped_release>())
       .def("settle", &settle_overlap<o::AdamWOverlap>)
       .def("abort", &o::AdamWOverlap::abort, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("layer_params", &o::AdamWOverlap::layer_params);
+      .def_property_readonly("layer_params", &o::AdamWOverlap::layer_params)
+      .def_property_readonly("fused_params", &o::AdamWOverlap::fused_params);
   // One Adafactor step overlapped with a backward (AdafactorOverlap). groups: (config,
   // seed) with config the 10 values optim_adafactor_step starts with; params: (param,
   // exp_avg_sq_row, exp_avg_sq_col, exp_avg_sq, exp_avg (each or None), step, RMS tensor,
@@ -235,7 +236,8 @@ void bind_optim(py::module& m) {
   using AfParamT = std::tuple<torch::Tensor, OptT, OptT, OptT, OptT, int64_t, torch::Tensor, uint64_t, size_t>;
   py::class_<o::AdafactorOverlap>(m, "AdafactorOverlap")
       .def(py::init([af_config](std::shared_ptr<Engine> engine, const std::vector<std::pair<py::tuple, uint64_t>>& groups,
-                                const std::vector<AfParamT>& params, std::optional<double> max_norm) {
+                                const std::vector<AfParamT>& params, std::optional<double> max_norm,
+                                bool keep_grads) {
              std::vector<o::AdafactorOverlap::Group> gs;
              for (const auto& [c, seed] : groups) {
                LS_CHECK(c.size() == 10, "internal: an Adafactor config has 10 values");
@@ -250,9 +252,11 @@ void bind_optim(py::module& m) {
                              o::AdafactorStates{row.value_or(torch::Tensor()), col.value_or(torch::Tensor()),
                                                 v.value_or(torch::Tensor()), m1.value_or(torch::Tensor())},
                              step, rms, key, group});
-             return std::make_unique<o::AdafactorOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm);
+             return std::make_unique<o::AdafactorOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm,
+                                                          keep_grads);
            }),
-           py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"))
+           py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"),
+           py::arg("keep_grads") = false)
       .def("wait", &o::AdafactorOverlap::wait, py::call_guard<py::gil_scoped_release>())
       .def("settle", &settle_overlap<o::AdafactorOverlap>)
       .def("abort", &o::AdafactorOverlap::abort, py::call_guard<py::gil_scoped_release>());

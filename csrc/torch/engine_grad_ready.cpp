@@ -38,24 +38,41 @@ void EngineImpl::queue_if_ready_locked(int layer_index, LayerInfo& l) {
   int uses = 0;
   for (const auto& u : l.pending) uses += u.task == task;
   if (uses != l.forward_uses) return;  // more uses of this backward to come, or unknown
-  GradReadyHook hook;
+  GradConsumeHook hook;
+  bool consume = false;
   {
     std::lock_guard<std::mutex> lock(gr_mu_);
     if (!gr_hook_) return;
     hook = gr_hook_;  // the job belongs to the hook set now
+    consume = gr_consume_;
   }
+  // A consuming hook takes a single use (engine_gradients.cpp): claimed now,
+  // so that the end of backward, which may come first, leaves it to the job.
+  if (consume && uses == 1 && consumable(l))
+    for (auto& u : l.pending)
+      if (u.task == task) u.claimed = true;
   // Marks the end of this layer's copy on the gradient stream (push_grads
   // just enqueued it): the hook's thread waits for this, not for later copies.
   auto done = std::make_shared<Event>(backend_->create_event());
   backend_->record(*done, grad_stream_);
   std::lock_guard<std::mutex> lock(gr_mu_);
-  gr_queue_.push_back(GradReadyJob{layer_index, task, std::move(done), std::move(hook)});
+  gr_queue_.push_back(GradReadyJob{layer_index, task, std::move(done), std::move(hook), consume});
   gr_cv_.notify_one();
 }
 
 void EngineImpl::set_grad_ready_hook(GradReadyHook hook) {
+  GradConsumeHook h;
+  if (hook) h = [hook = std::move(hook)](int layer, const LandedGradients*) { hook(layer); };
+  std::lock_guard<std::mutex> lock(gr_mu_);
+  gr_hook_ = std::move(h);
+  gr_consume_ = false;
+  if (gr_hook_ && !gr_thread_.joinable()) gr_thread_ = std::thread([this] { grad_ready_loop(); });
+}
+
+void EngineImpl::set_grad_consume_hook(GradConsumeHook hook) {
   std::lock_guard<std::mutex> lock(gr_mu_);
   gr_hook_ = std::move(hook);
+  gr_consume_ = static_cast<bool>(gr_hook_);
   if (gr_hook_ && !gr_thread_.joinable()) gr_thread_ = std::thread([this] { grad_ready_loop(); });
 }
 
@@ -92,14 +109,30 @@ void EngineImpl::grad_ready_loop() {
       // Wait for the copy without the engine's lock: the backward goes on
       // staging other layers meanwhile.
       backend_->synchronize(*job.done);
+      LandedGradients landed;
+      HostBuffer held;  // the staging buffer a consuming hook reads, out of reuse meanwhile
+      bool taken = false;
       {
         std::lock_guard<std::recursive_mutex> lock(mu_);
         LayerInfo& l = *layers_.at(static_cast<size_t>(job.layer));
-        // (A no-op when the end of backward or synchronize() applied it first.)
-        accumulate_locked(l, job.task);
+        // (Both are no-ops when the end of backward or synchronize() applied it first.)
+        taken = job.consume && take_staged_locked(l, job.task, &landed, &held);
+        if (!taken) accumulate_locked(l, job.task);
         if (l.pending.empty()) pending_.erase(std::remove(pending_.begin(), pending_.end(), job.layer), pending_.end());
       }
-      if (job.hook) job.hook(job.layer);
+      struct GiveBack {  // also when the hook throws
+        EngineImpl* self;
+        int layer;
+        LandedGradients* landed;
+        HostBuffer* held;
+        ~GiveBack() {
+          if (!held->data()) return;
+          *landed = LandedGradients{};
+          std::lock_guard<std::recursive_mutex> lock(self->mu_);
+          self->return_staging_locked(*self->layers_.at(static_cast<size_t>(layer)), std::move(*held));
+        }
+      } give_back{this, job.layer, &landed, &held};
+      if (job.hook) job.hook(job.layer, taken ? &landed : nullptr);
     } catch (...) {
       std::lock_guard<std::mutex> lock(gr_mu_);
       if (!gr_error_) gr_error_ = std::current_exception();

@@ -92,7 +92,8 @@ void drop_front_uses(EngineImpl::LayerInfo& l, size_t n) {
 
 void EngineImpl::accumulate_locked(LayerInfo& l, int task) {
   const size_t n = partition_uses(l, [task](const LayerInfo::StagedUse& u) {
-    return task == kAnyTask || u.task == task || u.task == -1;
+    // A use claimed by a consuming hook's job is that job's (unless nothing can run it any more).
+    return task == kAnyTask || ((u.task == task || u.task == -1) && !u.claimed);
   });
   if (n == 0) return;
   backend_->synchronize(l.grad_done);
@@ -138,6 +139,42 @@ void EngineImpl::accumulate_locked(LayerInfo& l, int task) {
   acc(l.weight, true, 0, l.w_shape, l.w_dtype);
   if (l.bias.defined()) acc(l.bias, false, l.grad_b_offset, l.b_shape, l.b_dtype);
   drop_front_uses(l, n);
+}
+
+bool EngineImpl::consumable(const LayerInfo& l) {
+  return !l.is_table() && !l.is_group() && l.weight.is_contiguous() && (!l.bias.defined() || l.bias.is_contiguous());
+}
+
+bool EngineImpl::take_staged_locked(LayerInfo& l, int task, LandedGradients* landed, HostBuffer* held) {
+  if (!consumable(l)) return false;
+  const size_t n = partition_uses(l, [task](const LayerInfo::StagedUse& u) { return u.task == task || u.task == -1; });
+  if (n != 1) {  // uses of no graph task besides: all are summed into .grad first
+    for (size_t u = 0; u < n; ++u) l.pending[u].claimed = false;
+    return false;
+  }
+  backend_->synchronize(l.grad_done);
+  HostBuffer& staging = l.grad_staging[0];
+  if (backend_->caps().ordering_checker)
+    backend_->declare_host_access(staging.ref(), Access::Read, "host optimizer reads gradients of '" + l.name + "'");
+  char* base = static_cast<char*>(staging.data());
+  const LayerInfo::StagedUse use = l.pending[0];
+  *landed = LandedGradients{};
+  if (use.w) landed->weight = torch::from_blob(base, l.w_shape, torch::TensorOptions().dtype(l.w_dtype));
+  if (use.b && l.bias.defined())
+    landed->bias = torch::from_blob(base + l.grad_b_offset, l.b_shape, torch::TensorOptions().dtype(l.b_dtype));
+  drop_front_uses(l, 1);  // its buffer goes to the back: take it from there
+  *held = std::move(l.grad_staging.back());
+  return true;
+}
+
+void EngineImpl::return_staging_locked(LayerInfo& l, HostBuffer held) {
+  // Its empty entry, unless push_grads filled it with a new buffer meanwhile
+  // (then `held` is not needed and is freed).
+  for (HostBuffer& b : l.grad_staging)
+    if (!b.data()) {
+      b = std::move(held);
+      return;
+    }
 }
 
 void EngineImpl::drain_grads(int task) {

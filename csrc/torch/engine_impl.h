@@ -94,6 +94,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   torch::Tensor packed_codes(int layer) override;
   std::string layer_format(int layer) const override;
   void set_grad_ready_hook(GradReadyHook hook) override;
+  void set_grad_consume_hook(GradConsumeHook hook) override;
   void wait_grad_ready() override;
   std::pair<torch::Tensor, torch::Tensor> layer_parameters(int layer) const override;
   torch::Device compute_device() const override { return compute_device_; }
@@ -302,6 +303,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     struct StagedUse {
       bool w = false, b = false;
       int task = -1;
+      // A consuming gradient-ready hook's job will take it
+      // (engine_grad_ready.cpp): the end of backward leaves it to the job.
+      bool claimed = false;
     };
     std::vector<StagedUse> pending;
     // Gradient averaging (engine_distributed.cpp): .grad holds gradients of
@@ -339,6 +343,16 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // no graph task; every use for kAnyTask) to .grad; the others stay staged.
   static constexpr int kAnyTask = INT_MIN;
   void accumulate_locked(LayerInfo& l, int task);
+  // The consuming gradient-ready hook (engine_grad_ready.cpp): when `task`'s
+  // staged gradient of `l` is a single use and its parameters are
+  // contiguous, hands it over instead of adding it to .grad: views of its
+  // staging buffer in *landed, the buffer itself moved to *held (out of
+  // reuse until return_staging_locked), the use dropped. False: nothing taken.
+  bool take_staged_locked(LayerInfo& l, int task, LandedGradients* landed, HostBuffer* held);
+  // Whether a consuming hook may take `l`'s staged gradients (its
+  // parameters are contiguous: the staging buffer has their layout).
+  static bool consumable(const LayerInfo& l);
+  void return_staging_locked(LayerInfo& l, HostBuffer held);
   // At the end of backward `task` (its final callback): applies that task's
   // staged gradients. synchronize() passes -1: only uses staged outside any
   // graph task, since a running backward applies its own when it finishes.
@@ -464,12 +478,14 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void grad_ready_loop();
   std::mutex gr_mu_;
   std::condition_variable gr_cv_, gr_idle_cv_;
-  GradReadyHook gr_hook_;
+  GradConsumeHook gr_hook_;
+  bool gr_consume_ = false;  // gr_hook_ takes single-use layers' staged gradients
   std::thread gr_thread_;
   struct GradReadyJob {
     int layer = -1, task = -1;
     std::shared_ptr<Event> done;  // after the layer's copy on the gradient stream
-    GradReadyHook hook;           // the hook set when the job was queued
+    GradConsumeHook hook;         // the hook set when the job was queued
+    bool consume = false;
   };
   std::deque<GradReadyJob> gr_queue_;
   bool gr_busy_ = false, gr_stop_ = false;

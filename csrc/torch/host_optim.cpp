@@ -55,6 +55,37 @@ Span span_of(const torch::Tensor& t) {
   return Span{t.data_ptr(), core_dtype(t, "gradient"), t.numel()};
 }
 
+// The kernels' view of host parameter `p` (the i-th of a step) and its
+// states, after checking they match; the gradient is the caller's to set.
+AdamWTensor host_tensor(const torch::Tensor& p, const AdamWStates& s, StateFormat format, size_t i, int64_t step,
+                        uint64_t key) {
+  check_dense(p, "a parameter");
+  LS_CHECK(same_layout(s.exp_avg, p) && same_layout(s.exp_avg_sq, p) && s.exp_avg.device().is_cpu() &&
+               s.exp_avg_sq.device().is_cpu() && s.exp_avg.scalar_type() == state_dtype(format) &&
+               s.exp_avg_sq.scalar_type() == state_dtype(format),
+           "layerstream.optim: the states of parameter ", i, " do not match it (layout, device or dtype for "
+           "state_precision='", state_format_name(format), "')");
+  AdamWTensor t;
+  t.param = p.data_ptr();
+  t.param_dtype = core_dtype(p, "a parameter");
+  t.exp_avg = s.exp_avg.data_ptr();
+  t.exp_avg_sq = s.exp_avg_sq.data_ptr();
+  if (format == StateFormat::Q8) {
+    const int64_t blocks = state_absmax_count(format, p.numel());
+    LS_CHECK(s.exp_avg_absmax.defined() && s.exp_avg_absmax.numel() == blocks &&
+                 s.exp_avg_absmax.scalar_type() == torch::kFloat && s.exp_avg_absmax.is_contiguous() &&
+                 s.exp_avg_sq_absmax.defined() && s.exp_avg_sq_absmax.numel() == blocks &&
+                 s.exp_avg_sq_absmax.scalar_type() == torch::kFloat && s.exp_avg_sq_absmax.is_contiguous(),
+             "layerstream.optim: the 8-bit states of parameter ", i, " lack their absmax values");
+    t.exp_avg_absmax = s.exp_avg_absmax.data_ptr<float>();
+    t.exp_avg_sq_absmax = s.exp_avg_sq_absmax.data_ptr<float>();
+  }
+  t.numel = p.numel();
+  t.step = step;
+  t.key = key;
+  return t;
+}
+
 }  // namespace
 
 Dtype core_dtype(const torch::Tensor& t, const std::string& what) {
@@ -168,34 +199,11 @@ void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector
       p.addcdiv_(s.exp_avg, denom, -(config.lr / bc1));
       continue;
     }
-    check_dense(p, "a parameter");
     torch::Tensor g = in_layout_of(grads[i], p);
     if (!g.is_same(grads[i])) keep.push_back(g);
-    LS_CHECK(same_layout(s.exp_avg, p) && same_layout(s.exp_avg_sq, p) && s.exp_avg.device().is_cpu() &&
-                 s.exp_avg_sq.device().is_cpu() && s.exp_avg.scalar_type() == state_dtype(format) &&
-                 s.exp_avg_sq.scalar_type() == state_dtype(format),
-             "layerstream.optim: the states of parameter ", i, " do not match it (layout, device or dtype for "
-             "state_precision='", state_format_name(format), "')");
-    AdamWTensor t;
-    t.param = p.data_ptr();
-    t.param_dtype = core_dtype(p, "a parameter");
+    AdamWTensor t = host_tensor(p, s, format, i, steps[i], keys[i]);
     t.grad = g.data_ptr();
     t.grad_dtype = core_dtype(g, "a gradient");
-    t.exp_avg = s.exp_avg.data_ptr();
-    t.exp_avg_sq = s.exp_avg_sq.data_ptr();
-    if (format == StateFormat::Q8) {
-      const int64_t blocks = state_absmax_count(format, p.numel());
-      LS_CHECK(s.exp_avg_absmax.defined() && s.exp_avg_absmax.numel() == blocks &&
-                   s.exp_avg_absmax.scalar_type() == torch::kFloat && s.exp_avg_absmax.is_contiguous() &&
-                   s.exp_avg_sq_absmax.defined() && s.exp_avg_sq_absmax.numel() == blocks &&
-                   s.exp_avg_sq_absmax.scalar_type() == torch::kFloat && s.exp_avg_sq_absmax.is_contiguous(),
-               "layerstream.optim: the 8-bit states of parameter ", i, " lack their absmax values");
-      t.exp_avg_absmax = s.exp_avg_absmax.data_ptr<float>();
-      t.exp_avg_sq_absmax = s.exp_avg_sq_absmax.data_ptr<float>();
-    }
-    t.numel = p.numel();
-    t.step = steps[i];
-    t.key = keys[i];
     host.push_back(t);
   }
   if (!host.empty()) optim::adamw_step(config, format, host, grad_scale, seed);
@@ -327,9 +335,20 @@ OverlapBackups::Copy& OverlapBackups::for_key(uint64_t key, const torch::Tensor&
   return c;
 }
 
+torch::Tensor OverlapBackups::grad_for_key(uint64_t key, const torch::Tensor& param) {
+  std::lock_guard<std::mutex> lock(mu_);
+  torch::Tensor& g = grads_[key];
+  if (!g.defined() || g.sizes() != param.sizes() || g.scalar_type() != param.scalar_type()) {
+    torch::NoGradGuard ng;
+    g = torch::empty(param.sizes(), param.options().requires_grad(false));
+  }
+  return g;
+}
+
 int64_t OverlapBackups::bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t n = 0;
+  for (const auto& [key, g] : grads_) n += g.numel() * static_cast<int64_t>(g.element_size());
   for (const auto& [key, c] : copies_)
     for (const torch::Tensor& t : {c.param, c.states.exp_avg, c.states.exp_avg_sq, c.states.exp_avg_absmax,
                                    c.states.exp_avg_sq_absmax})
@@ -341,21 +360,46 @@ namespace {
 // Per engine layer, the indices of `params` that are its weight or bias
 // (*covered: how many in all).
 template <class P>
-std::vector<std::vector<size_t>> params_by_layer(Engine& engine, const std::vector<P>& params, size_t* covered) {
-  std::vector<std::vector<size_t>> by_layer(static_cast<size_t>(engine.num_layers()));
+std::vector<std::vector<AdamWOverlap::LayerParam>> params_by_layer(Engine& engine, const std::vector<P>& params,
+                                                                   size_t* covered) {
+  std::vector<std::vector<AdamWOverlap::LayerParam>> by_layer(static_cast<size_t>(engine.num_layers()));
   for (int layer = 0; layer < engine.num_layers(); ++layer) {
     const auto [w, b] = engine.layer_parameters(layer);
-    for (const torch::Tensor& t : {w, b}) {
+    for (const bool bias : {false, true}) {
+      const torch::Tensor& t = bias ? b : w;
       if (!t.defined()) continue;
       for (size_t i = 0; i < params.size(); ++i)
         if (params[i].param.is_same(t)) {
-          by_layer[static_cast<size_t>(layer)].push_back(i);
+          by_layer[static_cast<size_t>(layer)].push_back({i, bias});
           ++*covered;
         }
     }
   }
   return by_layer;
 }
+
+// A parameter's share of a layer's landed gradients (undefined: none landed).
+torch::Tensor landed_of(const Engine::LandedGradients* landed, const AdamWOverlap::LayerParam& lp) {
+  if (!landed) return {};
+  return lp.bias ? landed->bias : landed->weight;
+}
+
+// Adds `landed` to param's .grad as the engine's end of backward does
+// (allocating it on first use); returns the .grad.
+torch::Tensor accumulate_into_grad(const torch::Tensor& param, const torch::Tensor& landed) {
+  torch::NoGradGuard ng;
+  torch::Tensor& grad = param.mutable_grad();
+  if (grad.defined()) {
+    grad.add_(landed);
+  } else {
+    grad = torch::empty_like(param, torch::MemoryFormat::Preserve);
+    grad.copy_(landed);
+  }
+  return grad;
+}
+
+// Drops param's .grad (the gradient was consumed by the step).
+void drop_grad(const torch::Tensor& param) { param.mutable_grad().reset(); }
 
 // Removes the engine's gradient-ready hook and waits for the jobs already
 // queued (they still run the old hook).
@@ -367,18 +411,20 @@ void unhook(Engine& engine) {
 
 AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
                            std::optional<double> max_grad_norm, int64_t speculation_bytes,
-                           std::shared_ptr<OverlapBackups> backups)
+                           std::shared_ptr<OverlapBackups> backups, bool keep_grads)
     : engine_(std::move(engine)),
       groups_(std::move(groups)),
       params_(std::move(params)),
       max_norm_(max_grad_norm),
       speculation_left_(speculation_bytes < 0 ? INT64_MAX : speculation_bytes),
+      keep_grads_(keep_grads),
       backups_(backups ? std::move(backups) : std::make_shared<OverlapBackups>()) {
   LS_CHECK(engine_ && !engine_->detached(), "layerstream.optim: overlap needs an attached offload() handle");
   for (const Group& g : groups_) check_adamw(g.config);
   const size_t n = params_.size();
   status_.assign(n, kUntouched);
   backup_.assign(n, nullptr);
+  kept_.assign(n, torch::Tensor());
   speculated_.assign(n, 0);
   for (const Param& p : params_) {
     LS_CHECK(p.group < groups_.size(), "internal: overlap parameter without its group");
@@ -386,7 +432,7 @@ AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> gr
              "internal: overlap parameter without a float32 step counter");
   }
   by_layer_ = params_by_layer(*engine_, params_, &covered_);
-  engine_->set_grad_ready_hook([this](int layer) { on_layer(layer); });
+  engine_->set_grad_consume_hook([this](int layer, const Engine::LandedGradients* landed) { on_layer(layer, landed); });
   hooked_ = true;
 }
 
@@ -398,34 +444,104 @@ AdamWOverlap::~AdamWOverlap() {
   }
 }
 
-void AdamWOverlap::step_one(size_t i, float grad_scale) {
+void AdamWOverlap::step_one(size_t i, const torch::Tensor& grad, float grad_scale) {
   Param& p = params_[i];
   const Group& g = groups_[p.group];
   torch::NoGradGuard ng;
   p.step.add_(1);
   const int64_t step = static_cast<int64_t>(p.step.item<float>());
-  adamw_step(g.config, g.format, {p.param}, {p.param.grad()}, {p.states}, {step}, {p.key}, grad_scale, g.seed);
+  adamw_step(g.config, g.format, {p.param}, {grad}, {p.states}, {step}, {p.key}, grad_scale, g.seed);
 }
 
-void AdamWOverlap::on_layer(int layer) {
+torch::Tensor AdamWOverlap::grad_of(size_t i) const { return kept_[i].defined() ? kept_[i] : params_[i].param.grad(); }
+
+bool AdamWOverlap::may_speculate(size_t i) {
+  const Param& p = params_[i];
+  int64_t bytes = p.param.numel() * static_cast<int64_t>(p.param.element_size());
+  for (const torch::Tensor& t : {p.states.exp_avg, p.states.exp_avg_sq, p.states.exp_avg_absmax,
+                                 p.states.exp_avg_sq_absmax})
+    if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes > speculation_left_) return false;
+  speculation_left_ -= bytes;
+  return true;
+}
+
+void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed) {
+  Param& p = params_[i];
+  const Group& g = groups_[p.group];
+  torch::NoGradGuard ng;
+  const torch::Tensor prior = p.param.grad();
+  const bool clip = max_norm_.has_value();
+  const bool speculate = !clip || may_speculate(i);
+  // Where the gradient goes: .grad when the user keeps it (in place when it
+  // holds earlier micro-batches'); the optimizer's buffer when clipping may
+  // need it in step() (a restore and re-step, or the clipped step); else
+  // nowhere: the pass reads the landed buffer (plus .grad).
+  torch::Tensor out;
+  if (keep_grads_) {
+    out = prior.defined() ? prior : torch::empty_like(p.param, torch::MemoryFormat::Contiguous);
+    if (!prior.defined()) p.param.mutable_grad() = out;
+  } else if (clip) {
+    out = backups_->grad_for_key(p.key, p.param);
+  }
+  AdamWFused src;
+  src.landed = landed.data_ptr();
+  src.prior = prior.defined() ? prior.data_ptr() : nullptr;
+  src.out = out.defined() ? out.data_ptr() : nullptr;
+  OverlapBackups::Copy* copy = nullptr;
+  if (clip && speculate) {  // the copy a triggered clip restores (docs/design/optim.md, "Clipping")
+    copy = &backups_->for_key(p.key, p.param, p.states);
+    src.copy_param = copy->param.data_ptr();
+    src.copy_exp_avg = copy->states.exp_avg.data_ptr();
+    src.copy_exp_avg_sq = copy->states.exp_avg_sq.data_ptr();
+    if (copy->states.exp_avg_absmax.defined()) {
+      src.copy_exp_avg_absmax = copy->states.exp_avg_absmax.data_ptr<float>();
+      src.copy_exp_avg_sq_absmax = copy->states.exp_avg_sq_absmax.data_ptr<float>();
+    }
+  }
+  if (speculate) p.step.add_(1);
+  AdamWTensor t = host_tensor(p.param, p.states, g.format, i, static_cast<int64_t>(p.step.item<float>()), p.key);
+  t.grad_dtype = core_dtype(landed, "a gradient");
+  const double sq = adamw_fused(g.config, g.format, {t}, {src}, FusedWork{clip, speculate}, 1.0f, g.seed).at(0);
+  if (speculate) bump_versions({p.param});
+  if (!keep_grads_ && prior.defined()) drop_grad(p.param);  // consumed: not left half-summed
+  std::lock_guard<std::mutex> lock(mu_);
+  ++fused_;
+  kept_[i] = clip ? out : torch::Tensor();
+  if (clip) sum_sq_ += sq;
+  if (copy) {
+    backup_[i] = copy;
+    speculated_[i] = 1;
+  }
+  status_[i] = speculate ? kStepped : kNormOnly;
+}
+
+void AdamWOverlap::on_layer(int layer, const Engine::LandedGradients* landed) {
   if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return;
   torch::NoGradGuard ng;
-  for (size_t i : by_layer_[static_cast<size_t>(layer)]) {
+  for (const LayerParam& lp : by_layer_[static_cast<size_t>(layer)]) {
+    const size_t i = lp.index;
     Param& p = params_[i];
-    const torch::Tensor& grad = p.param.grad();
+    const torch::Tensor mine = landed_of(landed, lp);
+    const torch::Tensor& prior = p.param.grad();
+    if (mine.defined() && (!prior.defined() || (prior.is_contiguous() && prior.scalar_type() == mine.scalar_type()))) {
+      fused_one(i, mine);
+      continue;
+    }
+    // Not consumed (a layer used twice: the engine summed its uses into
+    // .grad), or an unusual .grad: separate passes over .grad.
+    const torch::Tensor grad = mine.defined() ? accumulate_into_grad(p.param, mine) : prior;
     if (!grad.defined()) continue;
     bool speculate = true;
     if (max_norm_) {
       const double sq = grad_norm({grad});
-      std::lock_guard<std::mutex> lock(mu_);
-      sum_sq_ += sq * sq;
-      int64_t bytes = p.param.numel() * static_cast<int64_t>(p.param.element_size());
-      for (const torch::Tensor& t : {p.states.exp_avg, p.states.exp_avg_sq, p.states.exp_avg_absmax,
-                                     p.states.exp_avg_sq_absmax})
-        if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
-      speculate = bytes <= speculation_left_;
-      if (speculate) speculation_left_ -= bytes;
-      status_[i] = kNormOnly;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        sum_sq_ += sq * sq;
+        status_[i] = kNormOnly;
+      }
+      speculate = may_speculate(i);
     }
     if (!speculate) continue;
     if (max_norm_) {
@@ -439,7 +555,7 @@ void AdamWOverlap::on_layer(int layer) {
       backup_[i] = &c;
       speculated_[i] = 1;
     }
-    step_one(i, 1.0f);
+    step_one(i, grad, 1.0f);
     std::lock_guard<std::mutex> lock(mu_);
     status_[i] = kStepped;
   }
@@ -457,8 +573,12 @@ std::vector<int> AdamWOverlap::wait() {
 // ---------------------------------------------------------------- AdafactorOverlap
 
 AdafactorOverlap::AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups,
-                                   std::vector<Param> params, std::optional<double> max_grad_norm)
-    : engine_(std::move(engine)), groups_(std::move(groups)), params_(std::move(params)), max_norm_(max_grad_norm) {
+                                   std::vector<Param> params, std::optional<double> max_grad_norm, bool keep_grads)
+    : engine_(std::move(engine)),
+      groups_(std::move(groups)),
+      params_(std::move(params)),
+      max_norm_(max_grad_norm),
+      keep_grads_(keep_grads) {
   LS_CHECK(engine_ && !engine_->detached(), "layerstream.optim: overlap needs an attached offload() handle");
   for (const Group& g : groups_) check_adafactor(g.config);
   for (const Param& p : params_) {
@@ -468,7 +588,7 @@ AdafactorOverlap::AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<G
   status_.assign(params_.size(), AdamWOverlap::kUntouched);
   size_t covered = 0;
   by_layer_ = params_by_layer(*engine_, params_, &covered);
-  engine_->set_grad_ready_hook([this](int layer) { on_layer(layer); });
+  engine_->set_grad_consume_hook([this](int layer, const Engine::LandedGradients* landed) { on_layer(layer, landed); });
   hooked_ = true;
 }
 
@@ -480,20 +600,27 @@ AdafactorOverlap::~AdafactorOverlap() {
   }
 }
 
-void AdafactorOverlap::step_one(size_t i, float grad_scale) {
+void AdafactorOverlap::step_one(size_t i, const torch::Tensor& grad, float grad_scale) {
   Param& p = params_[i];
   const Group& g = groups_[p.group];
   torch::NoGradGuard ng;
   const std::vector<float> rms =
-      adafactor_step(g.config, {p.param}, {p.param.grad()}, {p.states}, {p.step}, {p.key}, grad_scale, g.seed);
+      adafactor_step(g.config, {p.param}, {grad}, {p.states}, {p.step}, {p.key}, grad_scale, g.seed);
   p.rms.fill_(rms.at(0));
 }
 
-void AdafactorOverlap::on_layer(int layer) {
+void AdafactorOverlap::on_layer(int layer, const Engine::LandedGradients* landed) {
   if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return;
   torch::NoGradGuard ng;
-  for (size_t i : by_layer_[static_cast<size_t>(layer)]) {
-    const torch::Tensor& grad = params_[i].param.grad();
+  for (const AdamWOverlap::LayerParam& lp : by_layer_[static_cast<size_t>(layer)]) {
+    const size_t i = lp.index;
+    const torch::Tensor& param = params_[i].param;
+    const torch::Tensor mine = landed_of(landed, lp);
+    // The gradient to step with: the landed buffer itself when nothing else
+    // needs it (no .grad to add to, none kept, no settle() to come), else
+    // added to .grad as the engine would.
+    const bool direct = mine.defined() && !param.grad().defined() && !keep_grads_ && !max_norm_;
+    const torch::Tensor grad = direct ? mine : mine.defined() ? accumulate_into_grad(param, mine) : param.grad();
     if (!grad.defined()) continue;
     if (max_norm_) {  // the norm now; the step when settle() knows the clip coefficient
       const double sq = grad_norm({grad});
@@ -502,7 +629,8 @@ void AdafactorOverlap::on_layer(int layer) {
       status_[i] = AdamWOverlap::kNormOnly;
       continue;
     }
-    step_one(i, 1.0f);
+    step_one(i, grad, 1.0f);
+    if (!keep_grads_ && !direct) drop_grad(param);
     std::lock_guard<std::mutex> lock(mu_);
     status_[i] = AdamWOverlap::kStepped;
   }
@@ -519,15 +647,20 @@ std::vector<int> AdafactorOverlap::wait() {
 
 float AdafactorOverlap::settle(double other_sum_of_squares, double* total_norm) {
   LS_CHECK(!hooked_, "internal: AdafactorOverlap::settle before wait()");
-  if (!max_norm_) return 1.0f;
-  const double norm = std::sqrt(sum_sq_ + other_sum_of_squares);
-  if (total_norm) *total_norm = norm;
-  const float coef = clip_coefficient(norm, *max_norm_);
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (status_[i] == AdamWOverlap::kNormOnly) {
-      step_one(i, coef);
-      status_[i] = AdamWOverlap::kStepped;
-    }
+  float coef = 1.0f;
+  if (max_norm_) {
+    const double norm = std::sqrt(sum_sq_ + other_sum_of_squares);
+    if (total_norm) *total_norm = norm;
+    coef = clip_coefficient(norm, *max_norm_);
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (status_[i] == AdamWOverlap::kNormOnly) {
+        step_one(i, params_[i].param.grad(), coef);
+        status_[i] = AdamWOverlap::kStepped;
+      }
+  }
+  if (!keep_grads_)  // as AdamWOverlap::settle
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (status_[i] != AdamWOverlap::kUntouched) drop_grad(params_[i].param);
   return coef;
 }
 
@@ -546,20 +679,28 @@ void restore(const torch::Tensor& dst, const torch::Tensor& src) {
 
 float AdamWOverlap::settle(double other_sum_of_squares, double* total_norm) {
   LS_CHECK(!hooked_, "internal: AdamWOverlap::settle before wait()");
-  if (!max_norm_) return 1.0f;
-  const double norm = std::sqrt(sum_sq_ + other_sum_of_squares);
-  if (total_norm) *total_norm = norm;
-  const float coef = clip_coefficient(norm, *max_norm_);
   torch::NoGradGuard ng;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (status_[i] == kNormOnly) {
-      step_one(i, coef);  // waited for the norm: stepped now, clipped
-      status_[i] = kStepped;
-    } else if (speculated_[i] && coef != 1.0f) {
-      restore_one(i);
-      step_one(i, coef);
+  float coef = 1.0f;
+  if (max_norm_) {
+    const double norm = std::sqrt(sum_sq_ + other_sum_of_squares);
+    if (total_norm) *total_norm = norm;
+    coef = clip_coefficient(norm, *max_norm_);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (status_[i] == kNormOnly) {
+        step_one(i, grad_of(i), coef);  // waited for the norm: stepped now, clipped
+        status_[i] = kStepped;
+      } else if (speculated_[i] && coef != 1.0f) {
+        restore_one(i);
+        step_one(i, grad_of(i), coef);
+      }
+      speculated_[i] = 0;
     }
-    speculated_[i] = 0;
+  }
+  // Without keep_grads, what this step covered leaves no .grad behind (the
+  // fused pass wrote none; layers the engine applied first had one).
+  for (size_t i = 0; i < params_.size(); ++i) {
+    kept_[i] = torch::Tensor();
+    if (!keep_grads_ && status_[i] != kUntouched) drop_grad(params_[i].param);
   }
   return coef;
 }
@@ -611,7 +752,8 @@ void AdamW::add_param_group(std::vector<torch::Tensor> params, AdamWOptions opti
   groups_.push_back(std::move(g));
 }
 
-AdamW::Overlap AdamW::overlap(std::shared_ptr<Engine> engine, std::optional<int64_t> speculation_bytes) {
+AdamW::Overlap AdamW::overlap(std::shared_ptr<Engine> engine, std::optional<int64_t> speculation_bytes,
+                              bool keep_grads) {
   LS_CHECK(!pending_, "layerstream::optim::AdamW: overlap() while a previous overlapped backward has not been "
            "followed by step()");
   LS_CHECK(engine != nullptr, "layerstream::optim::AdamW: overlap() needs an offload() handle's engine");
@@ -637,7 +779,7 @@ AdamW::Overlap AdamW::overlap(std::shared_ptr<Engine> engine, std::optional<int6
   const int64_t speculation = speculation_bytes ? *speculation_bytes : (last_clipped_ ? 0 : -1);
   pending->plan = std::make_unique<AdamWOverlap>(std::move(engine), std::move(groups), std::move(params),
                                                  groups_.empty() ? std::nullopt : groups_[0].options.max_grad_norm,
-                                                 speculation, backups_);
+                                                 speculation, backups_, keep_grads);
   return Overlap(this, std::move(pending));
 }
 
@@ -647,15 +789,26 @@ AdamW::Overlap::Overlap(AdamW* opt, std::unique_ptr<Pending> pending)
 AdamW::Overlap::Overlap(Overlap&& o) noexcept
     : opt_(o.opt_), pending_(std::move(o.pending_)), exceptions_(o.exceptions_) {}
 
+void AdamW::abort_pending(Pending& pending) {
+  // The speculated layers are restored; the counters of layers stepped
+  // without clipping stay counted.
+  pending.plan->abort();
+  for (size_t i = 0; i < pending.params.size(); ++i)
+    pending.params[i]->step = static_cast<int64_t>(pending.steps[i].item<float>());
+}
+
 AdamW::Overlap::~Overlap() {
   if (!pending_) return;
-  if (std::uncaught_exceptions() > exceptions_) {
-    // The backward failed: the speculated layers are restored; the counters
-    // of layers stepped without clipping stay counted.
-    pending_->plan->abort();
-    for (size_t i = 0; i < pending_->params.size(); ++i)
-      pending_->params[i]->step = static_cast<int64_t>(pending_->steps[i].item<float>());
+  if (std::uncaught_exceptions() > exceptions_) {  // the backward failed
+    abort_pending(*pending_);
     return;
+  }
+  // Every layer's gradient consumed (keep_grads: in .grad) when the scope
+  // ends; what the plan's thread threw surfaces in step().
+  try {
+    pending_->plan->wait();
+  } catch (...) {
+    pending_->error = std::current_exception();
   }
   opt_->pending_ = std::move(pending_);
 }
@@ -664,6 +817,10 @@ void AdamW::step() {
   torch::NoGradGuard ng;
   // An overlapped backward: what its plan covered (stepped, or its norm taken).
   std::unique_ptr<Pending> pending = std::move(pending_);
+  if (pending && pending->error) {  // as a failed backward: nothing more is stepped
+    abort_pending(*pending);
+    std::rethrow_exception(pending->error);
+  }
   std::set<const Param*> covered;
   if (pending) {
     const std::vector<int> status = pending->plan->wait();

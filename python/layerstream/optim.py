@@ -135,7 +135,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self._check_group_options(self.param_groups[-1])
 
     @contextlib.contextmanager
-    def overlap(self, handle, speculation_bytes=None):
+    def overlap(self, handle, speculation_bytes=None, keep_grads=False):
         """Marks the backward inside as the last one of this optimizer step:
         each streamed layer of ``handle`` (the result of ``layerstream.offload``)
         is stepped on host threads as soon as its gradient has landed, while
@@ -153,8 +153,9 @@ class _HostOptimizer(torch.optim.Optimizer):
             opt.step()
             opt.zero_grad()
 
-        Between the block and ``step()``, parameters may still be changing:
-        call ``step()`` next. With ``max_grad_norm``, layers are stepped
+        When the block ends, every layer it stepped is done (an error on the
+        stepping thread is raised there, as a failed backward). Call
+        ``step()`` next. With ``max_grad_norm``, layers are stepped
         speculatively (unclipped) after a copy of their parameters and states
         is saved, up to ``speculation_bytes`` of copies (None: no limit,
         unless the previous step clipped, then none; 0: only the norms are
@@ -165,7 +166,15 @@ class _HostOptimizer(torch.optim.Optimizer):
         speculated layers are restored; layers stepped without clipping stay
         stepped. ``Adafactor``: with ``max_grad_norm`` only the norms are
         taken during the backward (no speculation, ``speculation_bytes`` is
-        ignored) and ``step()`` steps those layers; without it, as AdamW."""
+        ignored) and ``step()`` steps those layers; without it, as AdamW.
+
+        Gradients: a layer's gradient is consumed where it lands, in one pass
+        with its update (AdamW; docs/design/optim.md, "Fusion"), and is not
+        written to ``.grad``: after ``step()`` the parameters this block
+        stepped have ``.grad`` None (as after ``zero_grad()``). Pass
+        ``keep_grads=True`` to read them (logging, a custom clip): ``.grad``
+        then holds what a plain backward leaves there, at the cost of writing
+        it."""
         if self._overlap is not None:
             raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
                                "followed by step()")
@@ -173,9 +182,10 @@ class _HostOptimizer(torch.optim.Optimizer):
         if any(hasattr(p, "_layerstream_shard") for g in self.param_groups for p in g["params"]):
             raise RuntimeError("layerstream.optim: overlap() does not step sharded parameters "
                                "(offload(share_host_store=\"all\")) yet; call step() after the backward")
-        plan, plist = self._overlap_plan(engine, speculation_bytes)
+        plan, plist = self._overlap_plan(engine, speculation_bytes, bool(keep_grads))
         try:
             yield plan
+            plan.wait()  # the block ends when every layer's gradient is consumed (keep_grads: in .grad)
         except BaseException:
             plan.abort()
             self._aborted(plan, plist)
@@ -287,7 +297,7 @@ class AdamW(_HostOptimizer):
             st["step"] += 1
         return st
 
-    def _overlap_plan(self, engine, speculation_bytes):
+    def _overlap_plan(self, engine, speculation_bytes, keep_grads):
         groups, params = [], []
         key = 0
         for gi, group in enumerate(self.param_groups):
@@ -306,7 +316,8 @@ class AdamW(_HostOptimizer):
             # Speculate unless the last step clipped: a clip that triggers now
             # would restore and re-step every speculated layer in step().
             speculation_bytes = 0 if self._last_clipped else -1
-        plan = _C.AdamWOverlap(engine, groups, params, self.max_grad_norm, int(speculation_bytes), self._backups)
+        plan = _C.AdamWOverlap(engine, groups, params, self.max_grad_norm, int(speculation_bytes), self._backups,
+                               keep_grads)
         return plan, [p for p, *_ in params]
 
     @torch.no_grad()
@@ -435,7 +446,7 @@ class Adafactor(_HostOptimizer):
             if status == _C.OVERLAP_STEPPED:  # stepped without clipping: it stays stepped, counted
                 self.state[p]["step"] += 1
 
-    def _overlap_plan(self, engine, speculation_bytes):
+    def _overlap_plan(self, engine, speculation_bytes, keep_grads):
         groups, params = [], []
         key = 0
         for gi, group in enumerate(self.param_groups):
@@ -446,7 +457,7 @@ class Adafactor(_HostOptimizer):
                     params.append((p, st.get("exp_avg_sq_row"), st.get("exp_avg_sq_col"), st.get("exp_avg_sq"),
                                    st.get("exp_avg"), st["step"] + 1, st["RMS"], key, gi))
                 key += 1
-        plan = _C.AdafactorOverlap(engine, groups, params, self.max_grad_norm)
+        plan = _C.AdafactorOverlap(engine, groups, params, self.max_grad_norm, keep_grads)
         return plan, [p for p, *_ in params]
 
     @torch.no_grad()

@@ -325,7 +325,7 @@ TEST(OptimAdamW, GenericAndAvx2KernelsAgree) {
           o::detail::AdamWScalars s;
           s.neg_step = -1e-3f * static_cast<float>(step);
           s.bc2_sqrt = 0.5f;
-          k->adamw(t, f, s, o::detail::chunk_keys(5, 0, step, 0), 0, n);
+          k->adamw(t, nullptr, f, s, o::detail::chunk_keys(5, 0, step, 0), 0, n);
         }
       }
       std::vector<uint8_t> all(reinterpret_cast<uint8_t*>(p.data()), reinterpret_cast<uint8_t*>(p.data() + n));
@@ -336,6 +336,152 @@ TEST(OptimAdamW, GenericAndAvx2KernelsAgree) {
     }
     EXPECT_EQ(outs[0], outs[1]) << o::state_format_name(f);
   }
+}
+
+// The fused pass (the overlapped step's, docs/design/optim.md "Fusion") gives
+// the bits of the separate passes it replaces: the gradient assembled as
+// torch adds it (prior + landed), its sum of squares, the copy of parameter and
+// states, and the step -- for fp32 and bf16 parameters, every state format,
+// with and without a prior gradient, kept or not, several chunks and a tail.
+TEST(OptimAdamW, FusedPassEqualsTheSeparatePasses) {
+  const int64_t n = 2 * 65536 + 300;
+  const size_t un = static_cast<size_t>(n);
+  for (o::StateFormat f : {o::StateFormat::F32, o::StateFormat::BF16, o::StateFormat::Q8}) {
+    for (bool bf16 : {false, true}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        const bool has_prior = variant & 1, keep = variant & 2;
+        const int64_t es = bf16 ? 2 : 4, sb = o::state_bytes(f, n);
+        const size_t blocks = static_cast<size_t>(o::state_absmax_count(f, n));
+        // Two identical problems: [0] fused, [1] separate passes.
+        std::vector<uint8_t> p[2], prior[2], m[2], v[2], landed(un * es);
+        std::vector<float> am[2], av[2];
+        const std::vector<float> p0 = randn(un, 21), g0 = randn(un, 22), h0 = randn(un, 23, 0.5f);
+        for (int k = 0; k < 2; ++k) {
+          p[k].resize(un * es);
+          prior[k].resize(un * es);
+          m[k].assign(static_cast<size_t>(sb), 0);
+          v[k].assign(static_cast<size_t>(sb), 0);
+          am[k].assign(blocks, 0.0f);
+          av[k].assign(blocks, 0.0f);
+        }
+        for (size_t i = 0; i < un; ++i)
+          for (int k = 0; k < 2; ++k) {
+            if (bf16) {
+              reinterpret_cast<uint16_t*>(p[k].data())[i] = o::bf16_rne(p0[i]);
+              reinterpret_cast<uint16_t*>(prior[k].data())[i] = o::bf16_rne(h0[i]);
+              reinterpret_cast<uint16_t*>(landed.data())[i] = o::bf16_rne(g0[i]);
+            } else {
+              reinterpret_cast<float*>(p[k].data())[i] = p0[i];
+              reinterpret_cast<float*>(prior[k].data())[i] = h0[i];
+              reinterpret_cast<float*>(landed.data())[i] = g0[i];
+            }
+          }
+        auto tensor = [&](int k) {
+          o::AdamWTensor t;
+          t.param = p[k].data();
+          t.param_dtype = t.grad_dtype = bf16 ? o::Dtype::BF16 : o::Dtype::F32;
+          t.exp_avg = m[k].data();
+          t.exp_avg_sq = v[k].data();
+          t.exp_avg_absmax = am[k].data();
+          t.exp_avg_sq_absmax = av[k].data();
+          t.numel = n;
+          t.key = 3;
+          return t;
+        };
+        o::AdamWConfig c;
+        c.lr = 1e-2;
+        std::vector<uint8_t> out(un * es), copy_p(un * es), copy_m(static_cast<size_t>(sb)), copy_v(copy_m);
+        std::vector<float> copy_am(blocks), copy_av(blocks);
+        for (int64_t step = 1; step <= 2; ++step) {
+          // Fused.
+          o::AdamWTensor t = tensor(0);
+          t.step = step;
+          o::AdamWFused src;
+          src.landed = landed.data();
+          src.prior = has_prior ? prior[0].data() : nullptr;
+          src.out = keep ? (has_prior ? prior[0].data() : out.data()) : nullptr;
+          src.copy_param = copy_p.data();
+          src.copy_exp_avg = copy_m.data();
+          src.copy_exp_avg_sq = copy_v.data();
+          src.copy_exp_avg_absmax = copy_am.data();
+          src.copy_exp_avg_sq_absmax = copy_av.data();
+          o::ThreadPool pool(step == 1 ? 3 : 1);
+          const double sum = o::adamw_fused(c, f, {t}, {src}, o::FusedWork{true, true}, 0.5f, 9, &pool).at(0);
+          // Separate: the gradient, its norm, the copy, the step.
+          std::vector<uint8_t> g(landed);
+          if (has_prior)
+            for (size_t i = 0; i < un; ++i) {
+              if (bf16) {
+                auto* gp = reinterpret_cast<uint16_t*>(g.data());
+                const auto* hp = reinterpret_cast<const uint16_t*>(prior[1].data());
+                gp[i] = o::bf16_rne(o::bf16_to_f32(hp[i]) + o::bf16_to_f32(gp[i]));
+              } else {
+                reinterpret_cast<float*>(g.data())[i] += reinterpret_cast<const float*>(prior[1].data())[i];
+              }
+            }
+          if (has_prior && keep) prior[1] = g;  // accumulated in place
+          const double want = o::sum_of_squares({o::Span{g.data(), t.grad_dtype, n}});
+          EXPECT_EQ(sum, want);
+          EXPECT_EQ(copy_p, p[1]);
+          EXPECT_EQ(copy_m, m[1]);
+          EXPECT_EQ(copy_v, v[1]);
+          if (f == o::StateFormat::Q8) {
+            EXPECT_TRUE(same_bits(copy_am, am[1]));
+          }
+          o::AdamWTensor r = tensor(1);
+          r.grad = g.data();
+          r.step = step;
+          o::adamw_step(c, f, {r}, 0.5f, 9);
+          if (keep) {
+            EXPECT_EQ(has_prior ? prior[0] : out, g);
+          } else {
+            EXPECT_EQ(prior[0], prior[1]);  // the prior is only read
+          }
+        }
+        const std::string what = std::string(o::state_format_name(f)) + (bf16 ? " bf16" : " fp32") +
+                                 (has_prior ? " prior" : "") + (keep ? " keep" : "");
+        EXPECT_EQ(p[0], p[1]) << what;
+        EXPECT_EQ(m[0], m[1]) << what;
+        EXPECT_EQ(v[0], v[1]) << what;
+        EXPECT_TRUE(same_bits(am[0], am[1])) << what;
+        // Without the update: only the gradient and its sum.
+        o::AdamWTensor t = tensor(0);
+        o::AdamWFused src;
+        src.landed = landed.data();
+        std::vector<uint8_t> before = p[0];
+        const double sum = o::adamw_fused(c, f, {t}, {src}, o::FusedWork{true, false}).at(0);
+        EXPECT_EQ(sum, o::sum_of_squares({o::Span{landed.data(), t.grad_dtype, n}})) << what;
+        EXPECT_EQ(p[0], before) << what;
+      }
+    }
+  }
+}
+
+// The generic and AVX2 gradient additions agree (when this CPU has AVX2).
+TEST(OptimAdamW, GenericAndAvx2GradientAdditionAgree) {
+  if (std::string(o::detail::kernels().isa) != "avx2") GTEST_SKIP() << "no AVX2 on this CPU";
+  const size_t n = 1000 + 7;
+  std::vector<float> a = randn(n, 31), b = randn(n, 32);
+  a[3] = std::nanf("");
+  b[4] = std::numeric_limits<float>::infinity();
+  std::vector<uint16_t> a16(n), b16(n);
+  for (size_t i = 0; i < n; ++i) {
+    a16[i] = o::bf16_rne(a[i]);
+    b16[i] = o::bf16_rne(b[i]);
+  }
+  std::vector<float> out[2];
+  std::vector<uint16_t> out16[2];
+  int k = 0;
+  for (const o::detail::Kernels* ks : {&o::detail::generic::kKernels, &o::detail::avx2::kKernels}) {
+    out[k].resize(n);
+    out16[k].resize(n);
+    ks->grad_add(out[k].data(), a.data(), b.data(), o::Dtype::F32, static_cast<int64_t>(n));
+    ks->grad_add(out16[k].data(), a16.data(), b16.data(), o::Dtype::BF16, static_cast<int64_t>(n));
+    ++k;
+  }
+  EXPECT_TRUE(same_bits(out[0], out[1]));
+  EXPECT_EQ(out16[0], out16[1]);
+  EXPECT_EQ(out[0][10], a[10] + b[10]);
 }
 
 // bf16 parameters: many small steps whose updates are far below one bf16 ulp

@@ -29,6 +29,22 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
+// A resident Net with `model`'s parameter values (the reference).
+Net twin_of(Net& model) {
+  Net ref;
+  torch::NoGradGuard ng;
+  auto src = model->named_parameters();
+  for (auto& p : ref->named_parameters()) p.value().copy_(src[p.key()]);
+  return ref;
+}
+
+// `model` streamed by the C++ offload() on the sim device.
+auto offload_sim(Net& model) {
+  layerstream::OffloadOptions o;
+  o.device = "sim";
+  return layerstream::offload(*model, o);
+}
+
 // torch.optim.AdamW's single-tensor step with clip_grad_norm_ first.
 struct Reference {
   std::vector<torch::Tensor> params, m, v;
@@ -59,15 +75,8 @@ struct Reference {
 TEST(TorchOptim, AdamWOnStreamedParametersMatchesTorch) {
   torch::manual_seed(0);
   Net model;
-  Net ref;
-  {
-    torch::NoGradGuard ng;
-    auto src = model->named_parameters();
-    for (auto& p : ref->named_parameters()) p.value().copy_(src[p.key()]);
-  }
-  layerstream::OffloadOptions o;
-  o.device = "sim";
-  auto handle = layerstream::offload(*model, o);
+  Net ref = twin_of(model);
+  auto handle = offload_sim(model);
   ASSERT_EQ(handle->layers().size(), 2u);
 
   layerstream::optim::AdamWOptions opts;
@@ -111,15 +120,8 @@ TEST(TorchOptim, AdamWOnStreamedParametersMatchesTorch) {
 TEST(TorchOptim, GradReadyHookSeesCompleteGradients) {
   torch::manual_seed(3);
   Net model;
-  Net ref;
-  {
-    torch::NoGradGuard ng;
-    auto src = model->named_parameters();
-    for (auto& p : ref->named_parameters()) p.value().copy_(src[p.key()]);
-  }
-  layerstream::OffloadOptions o;
-  o.device = "sim";
-  auto handle = layerstream::offload(*model, o);
+  Net ref = twin_of(model);
+  auto handle = offload_sim(model);
   auto engine = handle->engine();
   std::mutex mu;
   std::vector<int> calls;
@@ -153,6 +155,46 @@ TEST(TorchOptim, GradReadyHookSeesCompleteGradients) {
   auto [w, b] = engine->layer_parameters(0);
   EXPECT_TRUE(w.is_same(model->fc1->weight));
   EXPECT_TRUE(b.is_same(model->fc1->bias));
+  handle->detach();
+}
+
+// Engine::set_grad_consume_hook (issue 21, fusion): a layer called once is
+// handed over with its landed gradients (equal to the resident model's) and
+// the engine never adds them to .grad, in this backward or at its end.
+TEST(TorchOptim, GradConsumeHookTakesTheLandedGradients) {
+  torch::manual_seed(4);
+  Net model;
+  Net ref = twin_of(model);
+  auto handle = offload_sim(model);
+  auto engine = handle->engine();
+  std::mutex mu;
+  std::vector<int> calls;
+  std::vector<torch::Tensor> weights, biases;  // copies of the landed gradients
+  engine->set_grad_consume_hook([&](int layer, const layerstream::Engine::LandedGradients* landed) {
+    std::lock_guard<std::mutex> lock(mu);
+    calls.push_back(layer);
+    ASSERT_NE(landed, nullptr);
+    weights.push_back(landed->weight.clone());
+    biases.push_back(landed->bias.clone());
+  });
+  const torch::Tensor x = torch::randn({8, 8});
+  model->forward(x).square().mean().backward();
+  ref->forward(x).square().mean().backward();
+  engine->wait_grad_ready();
+  engine->set_grad_consume_hook({});
+  ASSERT_EQ(calls.size(), 2u);
+  for (size_t k = 0; k < 2; ++k) {
+    const auto& lin = calls[k] == 0 ? ref->fc1 : ref->fc2;
+    EXPECT_TRUE(torch::equal(weights[k], lin->weight.grad())) << "layer " << calls[k];
+    EXPECT_TRUE(torch::equal(biases[k], lin->bias.grad())) << "layer " << calls[k];
+  }
+  handle->synchronize();
+  EXPECT_FALSE(model->fc1->weight.grad().defined());
+  EXPECT_FALSE(model->fc2->bias.grad().defined());
+  EXPECT_TRUE(model->norm->weight.grad().defined());  // resident: autograd's own
+  // Without a hook, the next backward applies them to .grad again.
+  model->forward(x).square().mean().backward();
+  EXPECT_TRUE(torch::equal(model->fc1->weight.grad(), ref->fc1->weight.grad()));
   handle->detach();
 }
 
@@ -201,16 +243,10 @@ namespace {
 // Two identical offloaded models, one stepped plainly and one with AdamW::overlap() around
 // the last micro-batch's backward; `speculation` as AdamW::overlap() takes it.
 void expect_overlap_equals_plain_step(std::optional<int64_t> speculation) {
-  Net plain, overlapped;
-  {
-    torch::NoGradGuard ng;
-    auto src = plain->named_parameters();
-    for (auto& p : overlapped->named_parameters()) p.value().copy_(src[p.key()]);
-  }
-  layerstream::OffloadOptions o;
-  o.device = "sim";
-  auto ha = layerstream::offload(*plain, o);
-  auto hb = layerstream::offload(*overlapped, o);
+  Net plain;
+  Net overlapped = twin_of(plain);
+  auto ha = offload_sim(plain);
+  auto hb = offload_sim(overlapped);
   layerstream::optim::AdamWOptions opts;
   opts.lr = 1e-2;
   opts.max_grad_norm = 0.3;
@@ -261,9 +297,7 @@ TEST(TorchOptim, OverlappedStepEqualsThePlainStep) {
 
 TEST(TorchOptim, OverlapTwiceWithoutStepIsAnError) {
   Net model;
-  layerstream::OffloadOptions o;
-  o.device = "sim";
-  auto handle = layerstream::offload(*model, o);
+  auto handle = offload_sim(model);
   layerstream::optim::AdamW opt(model->parameters());
   { auto scope = opt.overlap(handle->engine()); }
   try {

@@ -437,7 +437,11 @@ class Deep(nn.Module):
 
 
 def _overlap_run(model, handle, steps, max_norm=None, overlap=True, k=3, speculation_bytes=None, seed=5,
-                 precision="fp32", opt=None):
+                 precision="fp32", opt=None, keep_grads=False, fused=None, grads=None):
+    """`steps` optimizer steps of `k` micro-batches each, the last backward under
+    opt.overlap(handle) when `overlap`; returns per step the parameters the plan
+    covered. `fused` collects the plan's fused_params, `grads` the .grad of every
+    parameter after each step()."""
     if opt is None:
         opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm, state_precision=precision)
     dtype = next(model.parameters()).dtype
@@ -448,30 +452,64 @@ def _overlap_run(model, handle, steps, max_norm=None, overlap=True, k=3, specula
             x = (torch.randn(4, 16, generator=gen) * (4.0 if step % 2 else 0.5)).to(dtype)
             loss = model(x).square().mean() / k
             if overlap and i == k - 1:
-                with opt.overlap(handle, speculation_bytes=speculation_bytes):
+                with opt.overlap(handle, speculation_bytes=speculation_bytes, keep_grads=keep_grads) as plan:
                     loss.backward()
             else:
                 loss.backward()
         opt.step()
         early.append(getattr(opt, "last_overlap_params", 0))
+        if fused is not None:
+            fused.append(plan.fused_params)
+        if grads is not None:
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
         opt.zero_grad()
     return early
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
                                              (torch.float32, "8bit")])
-def test_overlap_steps_layers_during_backward_with_the_same_result(offload_sim, dtype, precision):
-    """No clipping: with k = 3 micro-batches, the last one's backward steps every
-    streamed layer (8 tensors) as its gradient lands; the parameters are bit for
-    bit those of the same optimizer stepped after backward (bf16 weights and
-    states, 8-bit states: the same stochastic rounding streams)."""
+@pytest.mark.parametrize("k", [1, 3])
+def test_overlap_steps_layers_during_backward_with_the_same_result(offload_sim, dtype, precision, k):
+    """No clipping: the last backward of k micro-batches steps every streamed
+    layer (8 tensors) as its gradient lands, each in one fused pass over the
+    landed gradient (plus .grad's earlier micro-batches when k = 3); the
+    parameters are bit for bit those of the same optimizer stepped after
+    backward (bf16 weights and states, 8-bit states: the same stochastic
+    rounding streams; bf16 accumulation rounded as torch's add)."""
     model = Deep().to(dtype)
     ref = copy.deepcopy(model)
-    early = _overlap_run(model, offload_sim(model), 5, precision=precision)
-    _overlap_run(ref, offload_sim(ref), 5, overlap=False, precision=precision)
+    fused = []
+    early = _overlap_run(model, offload_sim(model), 5, precision=precision, k=k, fused=fused)
+    _overlap_run(ref, offload_sim(ref), 5, overlap=False, precision=precision, k=k)
     assert early == [8] * 5
+    assert fused == [8] * 5
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.75])
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("k", [1, 3])
+def test_overlap_consumes_gradients_unless_kept(offload_sim, max_norm, keep_grads, k):
+    """The fused pass writes no .grad: after step() the streamed parameters the
+    block stepped have none (the resident LayerNorm keeps its own), also when
+    .grad held earlier micro-batches (it is not left half-summed). With
+    keep_grads=True every .grad equals the plain backward's, bit for bit. The
+    parameters are the plain step's either way."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    got, want = [], []
+    _overlap_run(model, offload_sim(model), 4, max_norm=max_norm, k=k, keep_grads=keep_grads, grads=got)
+    _overlap_run(ref, offload_sim(ref), 4, max_norm=max_norm, k=k, overlap=False, grads=want)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    names = [n for n, _ in model.named_parameters()]
+    for step_got, step_want in zip(got, want):
+        for n, g, w in zip(names, step_got, step_want):
+            if n.startswith("layers.") and not keep_grads:
+                assert g is None, n
+            else:
+                assert torch.equal(g, w), n
 
 
 @pytest.mark.parametrize("speculation_bytes", [None, 0, 2000])
@@ -486,7 +524,10 @@ def test_overlap_with_clipping_equals_clip_then_step(offload_sim, speculation_by
     same arithmetic, not with torch's.)"""
     model = Deep()
     ref = copy.deepcopy(model)
-    early = _overlap_run(model, offload_sim(model), 6, max_norm=0.75, speculation_bytes=speculation_bytes)
+    fused = []
+    early = _overlap_run(model, offload_sim(model), 6, max_norm=0.75, speculation_bytes=speculation_bytes,
+                         fused=fused)
+    assert fused == [8] * 6
     ref_opt = AdamW(ref.parameters(), lr=1e-2, max_grad_norm=0.75)
     gen = torch.Generator().manual_seed(5)
     clipped = []
@@ -503,15 +544,40 @@ def test_overlap_with_clipping_equals_clip_then_step(offload_sim, speculation_by
         assert torch.equal(p, q), n
 
 
+def test_overlap_block_ends_with_every_layer_done(offload_sim):
+    """The end of backward no longer waits for layers the hook consumes; the
+    block's end does: right after it (before step()), with keep_grads=True,
+    every streamed .grad holds the plain backward's gradient and every
+    streamed parameter has been stepped."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    offload_sim(ref)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 16)
+    before = [p.detach().clone() for p in model.layers.parameters()]
+    with opt.overlap(handle, keep_grads=True):
+        model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    for (n, p), q, b in zip(model.layers.named_parameters(), ref.layers.parameters(), before):
+        assert torch.equal(p.grad, q.grad), n
+        assert not torch.equal(p.detach(), b), n
+    opt.step()
+    assert opt.last_overlap_params == 8
+
+
 def test_overlap_waits_for_every_use_of_a_layer_used_twice(offload_sim):
     """A layer called twice in the forward is complete only after its second
     gradient of the backward: both uses are summed (in arrival order, as at
-    the end of backward) and then stepped; the result is unchanged."""
+    the end of backward) into .grad by the engine and then stepped from there
+    (its two tensors are not fused; the other six are); the result is unchanged."""
     model = Deep(twice=True)
     ref = copy.deepcopy(model)
-    early = _overlap_run(model, offload_sim(model), 3)
+    fused = []
+    early = _overlap_run(model, offload_sim(model), 3, fused=fused)
     _overlap_run(ref, offload_sim(ref), 3, overlap=False)
     assert early == [8] * 3
+    assert fused == [6] * 3
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
 

@@ -50,9 +50,14 @@ struct AdafactorScalars {
 
 struct Kernels {
   const char* isa;
-  // AdamW over elements [begin, end) of `t` (begin a multiple of kQ8Block).
-  void (*adamw)(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t begin,
-                int64_t end);
+  // AdamW over elements [begin, end) of `t` (begin a multiple of kQ8Block);
+  // the gradient is read from `grad_chunk` (its element `begin`) when given,
+  // else from t.grad.
+  void (*adamw)(const AdamWTensor& t, const void* grad_chunk, StateFormat f, const AdamWScalars& s, const Keys& k,
+                int64_t begin, int64_t end);
+  // out[i] = a[i] + b[i] for i < n, rounded to `dt` as torch's add is (bf16:
+  // the fp32 sum rounded to nearest even); `out` may be `a`.
+  void (*grad_add)(void* out, const void* a, const void* b, Dtype dt, int64_t n);
   // Sum of squares of elements [begin, end), in double.
   double (*sumsq)(const Span& s, int64_t begin, int64_t end);
   // Adafactor, factored: rows [r0, r1) of matrix `b` of `t`: row sums of

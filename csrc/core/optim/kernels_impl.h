@@ -174,10 +174,10 @@ void adamw_q8(P* __restrict p, const G* __restrict g, uint8_t* __restrict mc, ui
 }
 
 template <class P, class G, bool kSmallW>
-void adamw_states(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b,
-                  int64_t e) {
+void adamw_states(const AdamWTensor& t, const void* gc, StateFormat f, const AdamWScalars& s, const Keys& k,
+                  int64_t b, int64_t e) {
   P* p = static_cast<P*>(t.param) + b;
-  const G* g = static_cast<const G*>(t.grad) + b;
+  const G* g = gc ? static_cast<const G*>(gc) : static_cast<const G*>(t.grad) + b;
   const uint32_t n = static_cast<uint32_t>(e - b);
   switch (f) {
     case StateFormat::F32:
@@ -196,19 +196,36 @@ void adamw_states(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, co
 }
 
 template <class P, class G>
-void adamw_pg(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b, int64_t e) {
+void adamw_pg(const AdamWTensor& t, const void* gc, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b,
+              int64_t e) {
   if (s.small_w1)
-    adamw_states<P, G, true>(t, f, s, k, b, e);
+    adamw_states<P, G, true>(t, gc, f, s, k, b, e);
   else
-    adamw_states<P, G, false>(t, f, s, k, b, e);
+    adamw_states<P, G, false>(t, gc, f, s, k, b, e);
 }
 
-void adamw(const AdamWTensor& t, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b, int64_t e) {
+void adamw(const AdamWTensor& t, const void* gc, StateFormat f, const AdamWScalars& s, const Keys& k, int64_t b,
+           int64_t e) {
   const bool pb = t.param_dtype == Dtype::BF16, gb = t.grad_dtype == Dtype::BF16;
-  if (!pb && !gb) adamw_pg<float, float>(t, f, s, k, b, e);
-  else if (!pb && gb) adamw_pg<float, uint16_t>(t, f, s, k, b, e);
-  else if (pb && !gb) adamw_pg<uint16_t, float>(t, f, s, k, b, e);
-  else adamw_pg<uint16_t, uint16_t>(t, f, s, k, b, e);
+  if (!pb && !gb) adamw_pg<float, float>(t, gc, f, s, k, b, e);
+  else if (!pb && gb) adamw_pg<float, uint16_t>(t, gc, f, s, k, b, e);
+  else if (pb && !gb) adamw_pg<uint16_t, float>(t, gc, f, s, k, b, e);
+  else adamw_pg<uint16_t, uint16_t>(t, gc, f, s, k, b, e);
+}
+
+// ---------------------------------------------------------------- gradient accumulation
+// `out` may alias `a` (accumulation in place): no restrict on those two.
+void grad_add_f32(float* out, const float* a, const float* __restrict b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+void grad_add_bf16(uint16_t* out, const uint16_t* a, const uint16_t* __restrict b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_rne(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+void grad_add(void* out, const void* a, const void* b, Dtype dt, int64_t n) {
+  if (dt == Dtype::BF16)
+    grad_add_bf16(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), n);
+  else
+    grad_add_f32(static_cast<float*>(out), static_cast<const float*>(a), static_cast<const float*>(b), n);
 }
 
 // ---------------------------------------------------------------- sums
@@ -397,7 +414,7 @@ void af_apply(const AdafactorTensor& t, const AdafactorScalars& s, const float* 
 }  // namespace
 
 extern const Kernels kKernels;
-const Kernels kKernels = {LS_OPTIM_ISA_NAME, &adamw, &sumsq, &af_stats, &af_update_sumsq, &af_apply};
+const Kernels kKernels = {LS_OPTIM_ISA_NAME, &adamw, &grad_add, &sumsq, &af_stats, &af_update_sumsq, &af_apply};
 
 }  // namespace LS_OPTIM_ISA
 }  // namespace detail

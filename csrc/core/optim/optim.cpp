@@ -132,6 +132,16 @@ const char* kernel_isa() { return detail::kernels().isa; }
 
 namespace {
 
+// A task of the kernels: elements [begin, end) of tensor (or span) `tensor`.
+struct ChunkTask {
+  size_t tensor;
+  int64_t begin, end;
+};
+// Tensor i's elements in tasks of kChunk (fixed: results do not depend on threads).
+void add_chunks(std::vector<ChunkTask>& tasks, size_t i, int64_t numel) {
+  for (int64_t b = 0; b < numel; b += detail::kChunk) tasks.push_back({i, b, std::min<int64_t>(numel, b + detail::kChunk)});
+}
+
 void check_tensor(const AdamWTensor& t, StateFormat f, size_t index) {
   LS_CHECK(t.numel >= 0, "AdamW tensor ", index, ": negative element count");
   if (t.numel == 0) return;
@@ -171,46 +181,106 @@ detail::AdamWScalars adamw_scalars(const AdamWConfig& c, int64_t step, float gra
 void adamw_step(const AdamWConfig& config, StateFormat states, const std::vector<AdamWTensor>& tensors,
                 float grad_scale, uint64_t seed, ThreadPool* pool) {
   check_adamw(config);
-  struct Task {
-    size_t tensor;
-    int64_t begin, end;
-  };
-  std::vector<Task> tasks;
+  std::vector<ChunkTask> tasks;
   std::vector<detail::AdamWScalars> scalars(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const AdamWTensor& t = tensors[i];
     check_tensor(t, states, i);
     if (t.numel == 0) continue;
     scalars[i] = adamw_scalars(config, t.step, grad_scale);
-    for (int64_t b = 0; b < t.numel; b += detail::kChunk)
-      tasks.push_back({i, b, std::min<int64_t>(t.numel, b + detail::kChunk)});
+    add_chunks(tasks, i, t.numel);
   }
   const detail::Kernels& k = detail::kernels();
   detail::run_tasks(pool, static_cast<int64_t>(tasks.size()), [&](int64_t n) {
-    const Task& task = tasks[static_cast<size_t>(n)];
+    const ChunkTask& task = tasks[static_cast<size_t>(n)];
     const AdamWTensor& t = tensors[task.tensor];
-    k.adamw(t, states, scalars[task.tensor], detail::chunk_keys(seed, t.key, t.step, task.begin), task.begin,
-            task.end);
+    k.adamw(t, nullptr, states, scalars[task.tensor], detail::chunk_keys(seed, t.key, t.step, task.begin),
+            task.begin, task.end);
   });
 }
 
-double sum_of_squares(const std::vector<Span>& spans, ThreadPool* pool) {
-  struct Task {
-    size_t span;
-    int64_t begin, end;
-  };
-  std::vector<Task> tasks;
-  for (size_t i = 0; i < spans.size(); ++i) {
-    LS_CHECK(spans[i].numel >= 0 && (spans[i].numel == 0 || spans[i].data), "sum_of_squares: span ", i,
-             " has no data");
-    for (int64_t b = 0; b < spans[i].numel; b += detail::kChunk)
-      tasks.push_back({i, b, std::min<int64_t>(spans[i].numel, b + detail::kChunk)});
+namespace {
+int64_t dtype_size(Dtype d) { return d == Dtype::BF16 ? 2 : 4; }
+
+// Copies elements [b, e) of `src` to `dst` (`size` bytes each); nothing when dst is null.
+void copy_range(void* dst, const void* src, int64_t size, int64_t b, int64_t e) {
+  if (dst && e > b)
+    std::memcpy(static_cast<char*>(dst) + b * size, static_cast<const char*>(src) + b * size,
+                static_cast<size_t>((e - b) * size));
+}
+}  // namespace
+
+std::vector<double> adamw_fused(const AdamWConfig& config, StateFormat states, const std::vector<AdamWTensor>& tensors,
+                                const std::vector<AdamWFused>& sources, FusedWork work, float grad_scale, uint64_t seed,
+                                ThreadPool* pool) {
+  check_adamw(config);
+  LS_CHECK(sources.size() == tensors.size(), "adamw_fused: one gradient source per tensor");
+  std::vector<ChunkTask> tasks;
+  std::vector<detail::AdamWScalars> scalars(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const AdamWTensor& t = tensors[i];
+    const AdamWFused& src = sources[i];
+    if (t.numel == 0) continue;
+    LS_CHECK(src.landed, "AdamW tensor ", i, ": a fused pass needs the landed gradient");
+    if (work.update) {
+      AdamWTensor checked = t;
+      checked.grad = src.landed;
+      check_tensor(checked, states, i);
+      scalars[i] = adamw_scalars(config, t.step, grad_scale);
+    }
+    add_chunks(tasks, i, t.numel);
   }
   std::vector<double> part(tasks.size(), 0.0);
   const detail::Kernels& k = detail::kernels();
   detail::run_tasks(pool, static_cast<int64_t>(tasks.size()), [&](int64_t n) {
-    const Task& t = tasks[static_cast<size_t>(n)];
-    part[static_cast<size_t>(n)] = k.sumsq(spans[t.span], t.begin, t.end);
+    const ChunkTask& task = tasks[static_cast<size_t>(n)];
+    const AdamWTensor& t = tensors[task.tensor];
+    const AdamWFused& src = sources[task.tensor];
+    const int64_t b = task.begin, e = task.end, gs = dtype_size(t.grad_dtype);
+    // 1. The gradient of this chunk: landed, or prior + landed.
+    const char* g = static_cast<const char*>(src.landed) + b * gs;
+    if (src.prior) {
+      // The chunk's sum when it is not kept: a per-thread scratch that stays in cache.
+      thread_local std::vector<float> scratch;
+      if (!src.out) scratch.resize(static_cast<size_t>(detail::kChunk));
+      char* dst = src.out ? static_cast<char*>(src.out) + b * gs : reinterpret_cast<char*>(scratch.data());
+      k.grad_add(dst, static_cast<const char*>(src.prior) + b * gs, g, t.grad_dtype, e - b);
+      g = dst;
+    } else if (src.out) {
+      copy_range(src.out, src.landed, gs, b, e);
+    }
+    // 2. Its sum of squares (sum_of_squares()'s chunks: the same partial sums).
+    if (work.sum_squares) part[static_cast<size_t>(n)] = k.sumsq(Span{g, t.grad_dtype, e - b}, 0, e - b);
+    if (!work.update) return;
+    // 3. The copy a speculative step keeps, then 4. the update.
+    copy_range(src.copy_param, t.param, dtype_size(t.param_dtype), b, e);
+    const int64_t ss = state_bytes(states, 1);
+    copy_range(src.copy_exp_avg, t.exp_avg, ss, b, e);
+    copy_range(src.copy_exp_avg_sq, t.exp_avg_sq, ss, b, e);
+    if (states == StateFormat::Q8) {
+      const int64_t b0 = b / kQ8Block, b1 = q8_blocks(e);
+      copy_range(src.copy_exp_avg_absmax, t.exp_avg_absmax, sizeof(float), b0, b1);
+      copy_range(src.copy_exp_avg_sq_absmax, t.exp_avg_sq_absmax, sizeof(float), b0, b1);
+    }
+    k.adamw(t, g, states, scalars[task.tensor], detail::chunk_keys(seed, t.key, t.step, b), b, e);
+  });
+  std::vector<double> sums(tensors.size(), 0.0);
+  for (size_t n = 0; n < tasks.size(); ++n) sums[tasks[n].tensor] += part[n];
+  return sums;
+}
+
+double sum_of_squares(const std::vector<Span>& spans, ThreadPool* pool) {
+  std::vector<ChunkTask> tasks;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    LS_CHECK(spans[i].numel >= 0 && (spans[i].numel == 0 || spans[i].data), "sum_of_squares: span ", i,
+             " has no data");
+    add_chunks(tasks, i, spans[i].numel);
+  }
+  std::vector<double> part(tasks.size(), 0.0);
+  const detail::Kernels& k = detail::kernels();
+  detail::run_tasks(pool, static_cast<int64_t>(tasks.size()), [&](int64_t n) {
+    const ChunkTask& t = tasks[static_cast<size_t>(n)];
+    part[static_cast<size_t>(n)] = k.sumsq(spans[t.tensor], t.begin, t.end);
   });
   double total = 0;
   for (double p : part) total += p;

@@ -100,6 +100,45 @@ struct AdamWTensor {
 void adamw_step(const AdamWConfig& config, StateFormat states, const std::vector<AdamWTensor>& tensors,
                 float grad_scale = 1.0f, uint64_t seed = 0, ThreadPool* pool = nullptr);
 
+// ---------------------------------------------------------------- fused AdamW
+// The overlapped step's fusion (docs/design/optim.md, "Fusion"): one pass
+// over a tensor's host memory that assembles its gradient, takes its sum of
+// squares, saves a copy of the parameter and states, and steps it. Where
+// the gradient comes from, per tensor:
+struct AdamWFused {
+  // This backward's gradient (the engine's staging buffer), in grad_dtype.
+  const void* landed = nullptr;
+  // What earlier backward passes accumulated (.grad), or null: the gradient
+  // is prior + landed, rounded to grad_dtype as torch's `grad += landed` is.
+  const void* prior = nullptr;
+  // Where the gradient is written (may be `prior`: accumulation in place), or
+  // null: not kept (the pass reads it from `landed`, or from a per-thread
+  // scratch chunk when there is a prior).
+  void* out = nullptr;
+  // A copy of the parameter, states and absmax values (same layout) taken
+  // before the update (the speculation's backup), or all null.
+  void* copy_param = nullptr;
+  void* copy_exp_avg = nullptr;
+  void* copy_exp_avg_sq = nullptr;
+  float* copy_exp_avg_absmax = nullptr;
+  float* copy_exp_avg_sq_absmax = nullptr;
+};
+// What a fused pass does besides assembling the gradient.
+struct FusedWork {
+  bool sum_squares = false;  // return each gradient's sum of squares
+  bool update = true;        // copy (if asked) and step; false: only assemble and sum
+};
+// A fused pass over `tensors` (their `grad` is ignored: `sources` gives it;
+// `grad_dtype` is its dtype), chunk by chunk: each chunk of gradient,
+// parameter and states comes from memory once and the later phases (sum,
+// copy, update) find it in cache. The results are bit for bit those of the
+// separate passes: the add, sum_of_squares() of the gradient, the copy, and
+// adamw_step() with the same config, grad_scale and seed. Returns each
+// tensor's gradient sum of squares (0 unless work.sum_squares).
+std::vector<double> adamw_fused(const AdamWConfig& config, StateFormat states, const std::vector<AdamWTensor>& tensors,
+                                const std::vector<AdamWFused>& sources, FusedWork work, float grad_scale = 1.0f,
+                                uint64_t seed = 0, ThreadPool* pool = nullptr);
+
 // ---------------------------------------------------------------- norms
 struct Span {
   const void* data = nullptr;
