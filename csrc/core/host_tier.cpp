@@ -62,6 +62,7 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
   uint64_t left = p.staging_pinned ? pinned - p.staging_bytes : pinned;
   // The gradients' buffers are pinned next (the device copies into them); the
   // store gets what is left.
+  p.grad_pinned_cap = static_cast<int64_t>(std::min(left, p.grad_staging_bytes));
   left -= std::min(left, p.grad_staging_bytes);
   p.store_pinned_cap = static_cast<int64_t>(left);
   p.pageable_store_bytes = p.store_bytes > left ? p.store_bytes - left : 0;

@@ -54,6 +54,9 @@ struct Plan {
   // kUnlimited when that budget is.
   int64_t spare_host_bytes = kUnlimited;
   int64_t spare_pinned_bytes = kUnlimited;
+  // Pinned bytes the gradients' staging buffers may take (they are pinned
+  // after the staging entries, before the store); beyond: pageable.
+  int64_t grad_pinned_cap = kUnlimited;
   uint64_t host_bytes() const { return store_bytes + staging_bytes + grad_staging_bytes; }
 };
 

@@ -108,6 +108,12 @@ struct EngineOptions {
   // (each with one warning).
   int64_t activation_host_cap = -1;
   int64_t activation_pinned_cap = -1;
+  // Pinned bytes the gradients' host staging buffers may take (-1: no cap;
+  // offload() sets core/host_tier.h Plan::grad_pinned_cap). Buffers beyond it
+  // are pageable (one warning): their device-to-host copies still land
+  // before the gradient is read, but on CUDA they block the thread that
+  // issues them (the backward's) instead of running beside it.
+  int64_t grad_staging_pinned_cap = -1;
   // The host tier (core/host_tier.h plans these; docs/design/host-tier.md).
   // Pinned bytes the host store may take (-1: no cap); tensors beyond it are
   // pageable and cross through the pinned staging entries.
@@ -162,6 +168,8 @@ struct EngineStats {
   uint64_t activation_device_bytes = 0, peak_activation_device_bytes = 0;
   // Host bytes of the saved activations' buffers (in use and pooled).
   uint64_t activation_host_bytes = 0;
+  // Host bytes of the gradients' staging buffers, pinned and pageable.
+  uint64_t grad_staging_pinned_bytes = 0, grad_staging_pageable_bytes = 0;
 
   // Calls f(name, value) for every field, in the order above (bindings,
   // printing).
@@ -183,6 +191,8 @@ struct EngineStats {
     f("activation_device_bytes", activation_device_bytes);
     f("peak_activation_device_bytes", peak_activation_device_bytes);
     f("activation_host_bytes", activation_host_bytes);
+    f("grad_staging_pinned_bytes", grad_staging_pinned_bytes);
+    f("grad_staging_pageable_bytes", grad_staging_pageable_bytes);
   }
 };
 

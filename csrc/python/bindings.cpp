@@ -435,6 +435,7 @@ PYBIND11_MODULE(_C, m) {
           d["pageable_store_bytes"] = p.pageable_store_bytes;
           d["spare_host_bytes"] = p.spare_host_bytes;
           d["spare_pinned_bytes"] = p.spare_pinned_bytes;
+          d["grad_pinned_cap"] = p.grad_pinned_cap;
           return d;
         },
         py::arg("layers"), py::arg("host_budget"), py::arg("pinned_budget"), py::arg("prefetch"));
@@ -652,6 +653,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("activation_min_bytes", &EngineOptions::activation_min_bytes)
       .def_readwrite("activation_host_cap", &EngineOptions::activation_host_cap)
       .def_readwrite("activation_pinned_cap", &EngineOptions::activation_pinned_cap)
+      .def_readwrite("grad_staging_pinned_cap", &EngineOptions::grad_staging_pinned_cap)
       .def_readwrite("store_pinned_cap", &EngineOptions::store_pinned_cap)
       .def_readwrite("staging_bytes", &EngineOptions::staging_bytes)
       .def_readwrite("staging_pinned", &EngineOptions::staging_pinned)

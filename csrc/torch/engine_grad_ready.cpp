@@ -111,10 +111,13 @@ void EngineImpl::grad_ready_loop() {
       backend_->synchronize(*job.done);
       LandedGradients landed;
       HostBuffer held;  // the staging buffer a consuming hook reads, out of reuse meanwhile
-      bool taken = false;
+      bool taken = false, dropped = false;
       {
         std::lock_guard<std::recursive_mutex> lock(mu_);
         LayerInfo& l = *layers_.at(static_cast<size_t>(job.layer));
+        // The backward failed and its gradients were dropped before this job ran:
+        // nothing of it is stepped (.grad may hold earlier micro-batches only).
+        dropped = l.dropped_task == job.task;
         // (Both are no-ops when the end of backward or synchronize() applied it first.)
         taken = job.consume && take_staged_locked(l, job.task, &landed, &held);
         if (!taken) accumulate_locked(l, job.task);
@@ -132,7 +135,7 @@ void EngineImpl::grad_ready_loop() {
           self->return_staging_locked(*self->layers_.at(static_cast<size_t>(layer)), std::move(*held));
         }
       } give_back{this, job.layer, &landed, &held};
-      if (job.hook) job.hook(job.layer, taken ? &landed : nullptr);
+      if (job.hook && !dropped) job.hook(job.layer, taken ? &landed : nullptr);
     } catch (...) {
       std::lock_guard<std::mutex> lock(gr_mu_);
       if (!gr_error_) gr_error_ = std::current_exception();

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/log.h"
+#include "core/planner.h"  // format_bytes
 
 namespace layerstream {
 
@@ -26,14 +27,24 @@ void EngineImpl::push_grads(int layer_index, Lease& scratch, bool has_w, bool ha
   if (l.grad_staging.size() <= use) l.grad_staging.resize(use + 1);
   HostBuffer& staging = l.grad_staging[use];
   if (!staging.data()) {
+    const uint64_t bytes = grad_bytes(l);
+    // Pinned within the pinned budget's share for them (EngineOptions::grad_staging_pinned_cap).
+    const int64_t cap = opts_.grad_staging_pinned_cap;
+    const bool pin = opts_.pin_memory && (cap < 0 || grad_pinned_bytes_ + bytes <= static_cast<uint64_t>(cap));
+    if (opts_.pin_memory && !pin)
+      warn_once("grad-staging-pinned-cap",
+                "gradients: the pinned budget leaves " + format_bytes(static_cast<uint64_t>(cap)) +
+                    " for their host staging buffers and they need more; the rest use pageable memory (on CUDA "
+                    "their copies block the backward's thread; raise pinned_budget)");
     bool fell_back = false;
-    staging = HostBuffer::allocate(*backend_, grad_bytes(l), opts_.pin_memory,
+    staging = HostBuffer::allocate(*backend_, bytes, pin,
                                    l.name + ".grad-staging" + (use ? "." + std::to_string(use) : ""),
                                    &fell_back);
     l.grad_b_offset = slot_layout::gradient_bias_offset(l.w_bytes);
     if (fell_back)
       warn_once("grad-staging-pageable", "could not pin the gradient staging buffer of '" + l.name +
                                              "'; using pageable memory (slower gradient copies)");
+    (staging.kind() == MemoryKind::HostPinned ? grad_pinned_bytes_ : grad_pageable_bytes_) += bytes;
   }
   Event computed = backend_->create_event();
   backend_->record(computed, cs);
@@ -199,6 +210,7 @@ void EngineImpl::discard_task(int task) noexcept {
       LayerInfo& l = *layers_.at(static_cast<size_t>(i));
       const size_t n = partition_uses(l, [task](const LayerInfo::StagedUse& u) { return u.task == task; });
       drop_front_uses(l, n);
+      if (n > 0) l.dropped_task = task;
       dropped = dropped || n > 0;
       if (!l.pending.empty()) still.push_back(i);
     }

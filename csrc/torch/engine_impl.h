@@ -318,6 +318,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     // gradients ended, and that backward's graph task.
     int forward_uses = 0;
     int last_grad_task = INT_MIN;
+    // The last graph task whose staged uses of this layer discard_task()
+    // dropped: a hook job of that task finds no gradient and is skipped.
+    int dropped_task = INT_MIN;
   };
 
  private:
@@ -471,6 +474,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   int64_t next_stash_ = 1;
   uint64_t act_budget_ = 0, act_kept_ = 0;  // act_kept_: bytes of the window's entries
   uint64_t act_host_bytes_ = 0, act_pinned_bytes_ = 0;  // host buffers allocated (pooled or in use)
+  // The gradients' staging buffers allocated (engine_gradients.cpp), by kind.
+  uint64_t grad_pinned_bytes_ = 0, grad_pageable_bytes_ = 0;
   uint64_t act_d2h_bytes_ = 0, act_h2d_bytes_ = 0;
   int64_t act_device_bytes_ = 0, act_peak_device_bytes_ = 0;
   // Gradient-ready hook (engine_grad_ready.cpp): its thread, queue of

@@ -42,6 +42,8 @@ EngineStats EngineImpl::stats() const {
   m.activation_device_bytes = static_cast<uint64_t>(act_device_bytes_);
   m.peak_activation_device_bytes = static_cast<uint64_t>(act_peak_device_bytes_);
   m.activation_host_bytes = act_host_bytes_;
+  m.grad_staging_pinned_bytes = grad_pinned_bytes_;
+  m.grad_staging_pageable_bytes = grad_pageable_bytes_;
   const HostStoreStats hs = store_->stats();
   m.pinned_bytes = hs.pinned_bytes;
   m.pageable_bytes = hs.pageable_bytes;

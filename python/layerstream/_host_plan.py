@@ -112,6 +112,7 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
     opts.staging_pinned = p["staging_pinned"]
     opts.activation_host_cap = p["spare_host_bytes"]  # what the budgets leave for saved activations
     opts.activation_pinned_cap = p["spare_pinned_bytes"]
+    opts.grad_staging_pinned_cap = p["grad_pinned_cap"]  # beyond it, the gradients' buffers are pageable
     names = {t.name for t, disk in zip(streamed, p["on_disk"]) if disk}
     _read_in_deferred(model, [t for t in deferred if t.name not in names])
     packed = _quant_cache(cache_dir, [t for t in deferred if t.name in names])

@@ -294,11 +294,40 @@ def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):
     # store is partly pageable, so the plan has the staging entries it crosses through.
     pinned = layerstream.offload(_loaded_trainable(path), device="sim", pinned_budget=weights).host_plan
     assert pinned["pageable_store_bytes"] > 0 and pinned["staging_bytes"] > 0, pinned
+    assert pinned["staging_pinned"]  # the entries first, then the gradients' buffers, then the store
+    assert pinned["grad_pinned_cap"] == min(weights - pinned["staging_bytes"], pinned["grad_staging_bytes"])
     # Frozen (inference, or a LoRA base): no gradient, no buffer.
     frozen = _meta()
     layerstream.load_safetensors(frozen, path)
     frozen.requires_grad_(False)
     assert layerstream.offload(frozen, device="sim", host_budget=weights).host_plan["grad_staging_bytes"] == 0
+
+
+def test_gradient_staging_buffers_beyond_the_pinned_budget_are_pageable():
+    """The gradients' staging buffers are pinned within what the pinned budget leaves
+    after the staging entries (host_plan["grad_pinned_cap"]); beyond it they are
+    pageable, with a warning, and the gradients are the same. Without a pinned
+    budget every buffer is pinned."""
+    ref = _reference()
+    grads, staged = {}, _layer_bytes(ref)  # a weight and a bias per layer (256-byte multiples)
+    for pinned_budget in (0, None):
+        model = copy.deepcopy(ref)
+        handle = layerstream.offload(model, device="sim", pinned_budget=pinned_budget)
+        if pinned_budget == 0:
+            assert handle.host_plan["grad_pinned_cap"] == 0
+            assert handle.host_plan["grad_staging_bytes"] == staged
+            with pytest.warns(RuntimeWarning, match="the pinned budget leaves 0 B for their host staging buffers"):
+                model(_ids()).sum().backward()
+        else:
+            assert handle.host_plan is None  # no budget: nothing planned
+            model(_ids()).sum().backward()
+        stats = handle.stats()
+        assert (stats["grad_staging_pinned_bytes"], stats["grad_staging_pageable_bytes"]) == (
+            (0, staged) if pinned_budget == 0 else (staged, 0))
+        grads[pinned_budget] = [p.grad for p in model.parameters()]
+        handle.detach()
+    for a, b in zip(grads[0], grads[None]):
+        assert torch.equal(a, b)
 
 
 _RSS_SCRIPT = textwrap.dedent("""

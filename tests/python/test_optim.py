@@ -544,6 +544,20 @@ def test_overlap_with_clipping_equals_clip_then_step(offload_sim, speculation_by
         assert torch.equal(p, q), n
 
 
+def test_overlap_with_a_frozen_weight_and_a_trainable_bias(offload_sim):
+    """A streamed layer whose weight is frozen stages only its bias's gradient: the
+    fused pass steps the bias from it (7 tensors in all), with the plain step's bits."""
+    model = Deep()
+    model.layers[2].weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    fused = []
+    early = _overlap_run(model, offload_sim(model), 3, fused=fused)
+    _overlap_run(ref, offload_sim(ref), 3, overlap=False)
+    assert early == [7] * 3 and fused == [7] * 3
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
 def test_overlap_block_ends_with_every_layer_done(offload_sim):
     """The end of backward no longer waits for layers the hook consumes; the
     block's end does: right after it (before step()), with keep_grads=True,
