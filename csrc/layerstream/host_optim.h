@@ -210,7 +210,9 @@ class AdamWOverlap {
 
  private:
   void on_layer(int layer, const Engine::LandedGradients* landed);
-  void fused_one(size_t index, const torch::Tensor& landed);
+  // One fused pass over `index`: its gradient is `landed` (+ `prior`, the
+  // .grad of earlier micro-batches); in_grad: `landed` is .grad itself.
+  void fused_one(size_t index, const torch::Tensor& landed, const torch::Tensor& prior, bool in_grad);
   // Speculates on `index` (clipping): within the bound, reserves its copy's bytes.
   bool may_speculate(size_t index);
   void step_one(size_t index, const torch::Tensor& grad, float grad_scale);

@@ -29,14 +29,6 @@ bool same_layout(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() && (a.numel() <= 1 || a.strides() == b.strides());
 }
 
-// `g` in the layout of `like` (a copy when it differs).
-torch::Tensor in_layout_of(const torch::Tensor& g, const torch::Tensor& like) {
-  if (same_layout(g, like)) return g;
-  torch::Tensor out = torch::empty_like(like, g.options());
-  out.copy_(g);
-  return out;
-}
-
 torch::ScalarType state_dtype(StateFormat f) {
   switch (f) {
     case StateFormat::F32: return torch::kFloat;
@@ -51,6 +43,13 @@ Span span_of(const torch::Tensor& t) {
 }
 
 }  // namespace
+
+torch::Tensor in_layout_of(const torch::Tensor& g, const torch::Tensor& like) {
+  if (same_layout(g, like)) return g;
+  torch::Tensor out = torch::empty_like(like, g.options());
+  out.copy_(g);
+  return out;
+}
 
 void bump_versions(const std::vector<torch::Tensor>& params) {
   for (const torch::Tensor& p : params)

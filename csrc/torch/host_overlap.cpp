@@ -169,22 +169,22 @@ bool AdamWOverlap::may_speculate(size_t i) {
   return true;
 }
 
-void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed) {
+void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch::Tensor& prior, bool in_grad) {
   Param& p = params_[i];
   const Group& g = groups_[p.group];
   torch::NoGradGuard ng;
-  const torch::Tensor prior = p.param.grad();
   const bool clip = max_norm_.has_value();
   const bool speculate = !clip || may_speculate(i);
-  // Where the gradient goes: .grad when the user keeps it (in place when it
-  // holds earlier micro-batches'); the optimizer's buffer when clipping may
-  // need it in step() (a restore and re-step, or the clipped step); else
-  // nowhere: the pass reads the landed buffer (plus .grad).
+  // Where the gradient goes: nowhere when it is .grad already; .grad when
+  // the user keeps it (in place when it holds earlier micro-batches'); the
+  // optimizer's buffer when clipping may need it in step() (a restore and
+  // re-step, or the clipped step); else nowhere: the pass reads the landed
+  // buffer (plus .grad).
   torch::Tensor out;
-  if (keep_grads_) {
+  if (!in_grad && keep_grads_) {
     out = prior.defined() ? prior : torch::empty_like(p.param, torch::MemoryFormat::Contiguous);
     if (!prior.defined()) p.param.mutable_grad() = out;
-  } else if (clip) {
+  } else if (!in_grad && clip) {
     out = backups_->grad_for_key(p.key, p.param);
   }
   AdamWFused src;
@@ -209,8 +209,8 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed) {
   if (speculate) bump_versions({p.param});
   if (!keep_grads_ && prior.defined()) drop_grad(p.param);  // consumed: not left half-summed
   std::lock_guard<std::mutex> lock(mu_);
-  ++fused_;
-  kept_[i] = clip ? out : torch::Tensor();
+  fused_ += !in_grad;
+  kept_[i] = clip ? out : torch::Tensor();  // undefined: step() reads .grad
   if (clip) sum_sq_ += sq;
   if (copy) {
     backup_[i] = copy;
@@ -226,40 +226,16 @@ void AdamWOverlap::on_layer(int layer, const Engine::LandedGradients* landed) {
     const size_t i = lp.index;
     Param& p = params_[i];
     const torch::Tensor mine = landed_of(landed, lp);
-    const torch::Tensor& prior = p.param.grad();
+    const torch::Tensor prior = p.param.grad();  // a handle: fused_one may set a new .grad
     if (mine.defined() && (!prior.defined() || (prior.is_contiguous() && prior.scalar_type() == mine.scalar_type()))) {
-      fused_one(i, mine);
+      fused_one(i, mine, prior, false);
       continue;
     }
     // Not consumed (a layer used twice: the engine summed its uses into
-    // .grad), or an unusual .grad: separate passes over .grad.
+    // .grad), or an unusual .grad: the same pass reads .grad (in the
+    // parameter's layout).
     const torch::Tensor grad = mine.defined() ? accumulate_into_grad(p.param, mine) : prior;
-    if (!grad.defined()) continue;
-    bool speculate = true;
-    if (max_norm_) {
-      const double sq = grad_norm({grad});
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        sum_sq_ += sq * sq;
-        status_[i] = kNormOnly;
-      }
-      speculate = may_speculate(i);
-    }
-    if (!speculate) continue;
-    if (max_norm_) {
-      // The copy a triggered clip restores (docs/design/optim.md, "Clipping").
-      OverlapBackups::Copy& c = backups_->for_key(p.key, p.param, p.states);
-      c.param.copy_(p.param.detach());
-      for (auto [dst, src] : {std::pair{c.states.exp_avg, p.states.exp_avg}, {c.states.exp_avg_sq, p.states.exp_avg_sq},
-                              {c.states.exp_avg_absmax, p.states.exp_avg_absmax},
-                              {c.states.exp_avg_sq_absmax, p.states.exp_avg_sq_absmax}})
-        if (dst.defined()) dst.copy_(src);
-      backup_[i] = &c;
-      speculated_[i] = 1;
-    }
-    step_one(i, grad, 1.0f);
-    std::lock_guard<std::mutex> lock(mu_);
-    status_[i] = kStepped;
+    if (grad.defined()) fused_one(i, in_layout_of(grad, p.param), torch::Tensor(), true);
   }
 }
 
