@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/dequant.h"
+#include "kernels/cuda/lossless.h"
 #endif
 
 namespace q = layerstream::quant;
@@ -53,12 +54,22 @@ double device_dequant(const q::PackedLayout& L, const std::vector<uint8_t>& pack
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  q::dequantize_cuda(L, dp, dout, q::OutDtype::BF16, s);  // warm-up
+  // Lossless: the header is read on the host, as the engine does once per weight.
+  const bool coded = L.format == q::Format::Lossless;
+  const layerstream::lossless::Header h =
+      coded ? layerstream::lossless::read_header(packed.data(), packed.size()) : layerstream::lossless::Header{};
+  const auto run = [&] {
+    if (coded)
+      layerstream::lossless::decode_cuda(h, dp, packed.size(), dout, s);
+    else
+      q::dequantize_cuda(L, dp, dout, q::OutDtype::BF16, s);
+  };
+  run();  // warm-up
   cudaStreamSynchronize(s);
   double best = 1e300;
   for (int i = 0; i < std::max(reps, 10); ++i) {
     cudaEventRecord(a, s);
-    q::dequantize_cuda(L, dp, dout, q::OutDtype::BF16, s);
+    run();
     cudaEventRecord(b, s);
     cudaEventSynchronize(b);
     float ms = 0;

@@ -51,7 +51,7 @@ std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps,
   }
   {
     // Lossless (core/lossless.h) from the same weights in bf16: coding time
-    // (analysis + encode) and decoding to bf16; no device decoder yet.
+    // (analysis + encode) and decoding to bf16, on the CPU and the device.
     std::vector<uint16_t> src(static_cast<size_t>(n));
     for (size_t i = 0; i < src.size(); ++i) src[i] = q::float_to_bf16_bits(w[i]);
     std::vector<uint8_t> coded;
@@ -66,6 +66,7 @@ std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps,
       lossless::decode(coded.data(), coded.size(), out.data(), out.size() * sizeof(uint16_t), threads);
     });
     LS_CHECK(out == src, "bench: the lossless round trip changed the weights");
+    if (device) r.device_s = device(q::lossless_layout(rows, cols, coded.size()), coded);
     results.push_back(r);
   }
   if (!gguf) return results;

@@ -157,7 +157,7 @@ EOF
   if [ $cfg_rc = 0 ]; then
     grep -E "layerstream: (CUDA|LibTorch)" "$OUTDIR/build.log" | sed 's/^/[gpu-proof]   /'
     targets=(_C bench_quant)
-    [ $cpp_tests_built = 1 ] && targets+=(test_cuda_dequant test_cuda_backend)
+    [ $cpp_tests_built = 1 ] && targets+=(test_cuda_dequant test_cuda_lossless test_cuda_backend)
     log "building ${targets[*]} ($(nproc) jobs)"
     if cmake --build build-gpu --target "${targets[@]}" -j "$(nproc)" >>"$OUTDIR/build.log" 2>&1; then
       build_status=ok
@@ -242,7 +242,9 @@ fi
 
 # ---- C++ CUDA tests and device dequant throughput ----------------------------
 # test_cuda_dequant: dequantize_cuda bit-identical to dequantize_cpu (every
-# format x output dtype x shape); test_cuda_backend: streams, events, copies,
+# format x output dtype x shape); test_cuda_lossless: the lossless decoder
+# bit-identical to its source (every dtype, edge values, block sizes; it prints
+# its GB/s); test_cuda_backend: streams, events, copies,
 # host functions on the device; bench_quant: pack, CPU and device dequant GB/s.
 # The dry run runs the same binaries from the local build (they skip without
 # a GPU) to check the plumbing.
@@ -254,7 +256,7 @@ if [ "$NO_CUDA" = 1 ] || [ "$build_status" = failed ]; then
   cpp_state="not run"
 else
   cpp_state=ran
-  for t in test_cuda_dequant test_cuda_backend; do
+  for t in test_cuda_dequant test_cuda_lossless test_cuda_backend; do
     exe="$bdir/tests/cpp/$t"
     if [ ! -x "$exe" ]; then cpp_results+=("$t|not built|0"); continue; fi
     log "C++: $t"

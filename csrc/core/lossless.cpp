@@ -1,6 +1,7 @@
 // layerstream — lossless weights: the codec. See lossless.h and
 // docs/design/quant-formats.md ("lossless").
 #include "lossless.h"
+#include "lossless_device.h"
 
 #include <algorithm>
 #include <array>
@@ -20,32 +21,10 @@ namespace {
 constexpr char kMagic[4] = {'L', 'S', 'L', 'L'};
 constexpr int kTableBits = kMaxCodeLength;  // decode table: 2^12 entries
 
-// ---- element split: symbol byte, raw byte, low 16 bits (f32 only) ----
-// join(sym(v), raw(v), low(v)) == v.
-// bf16: symbol = exponent, raw = sign | mantissa.
-struct Bf16 {
-  using T = uint16_t;
-  static uint8_t sym(T v) { return static_cast<uint8_t>(v >> 7); }
-  static uint8_t raw(T v) { return static_cast<uint8_t>(((v >> 8) & 0x80) | (v & 0x7F)); }
-  static T join(uint8_t s, uint8_t r, uint16_t) {
-    return static_cast<T>(((r & 0x80) << 8) | (s << 7) | (r & 0x7F));
-  }
-};
-// f16: symbol = high byte (sign, exponent, top 2 mantissa bits), raw = low byte.
-struct F16 {
-  using T = uint16_t;
-  static uint8_t sym(T v) { return static_cast<uint8_t>(v >> 8); }
-  static uint8_t raw(T v) { return static_cast<uint8_t>(v); }
-  static T join(uint8_t s, uint8_t r, uint16_t) { return static_cast<T>((s << 8) | r); }
-};
-// f32: the high half as bf16, the low half kept.
-struct F32 {
-  using T = uint32_t;
-  static uint8_t sym(T v) { return Bf16::sym(static_cast<uint16_t>(v >> 16)); }
-  static uint8_t raw(T v) { return Bf16::raw(static_cast<uint16_t>(v >> 16)); }
-  static uint16_t low(T v) { return static_cast<uint16_t>(v); }
-  static T join(uint8_t s, uint8_t r, uint16_t lo) { return (T{Bf16::join(s, r, 0)} << 16) | lo; }
-};
+// ---- element split (lossless_device.h, shared with the GPU decoder) ----
+using device::Bf16;
+using device::F16;
+using device::F32;
 
 // Calls fn(Split{}) with the split of dtype d.
 template <class Fn>

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "core/lossless.h"
 #include "core/quant.h"
 #include "core/runtime.h"
 
@@ -31,6 +32,10 @@ bool capturing(int device);
 void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* out,
                    quant::OutDtype dtype, int device, void* stream, int64_t row_begin = 0,
                    int64_t row_end = -1);
+// Decodes a lossless-coded weight on `device`, enqueued on `stream`
+// (lossless::decode_cuda: `header` read on the host from the same bytes).
+void lossless_decode_on(const lossless::Header& header, const void* coded, size_t coded_bytes, void* out,
+                        int device, void* stream);
 // Casts `numel` contiguous elements on `device`, enqueued on `stream`, as
 // torch's Tensor::to(dtype) does (same kernel, same rounding); sets the
 // current device and stream for the launch. No allocation.

@@ -8,6 +8,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "kernels/cuda/dequant.h"
+#include "kernels/cuda/lossless.h"
 #include "cuda_glue.h"
 
 namespace layerstream::cuda_glue {
@@ -37,6 +38,12 @@ void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* 
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   quant::dequantize_rows_cuda(layout, packed, row_begin, row_end < 0 ? layout.rows : row_end, out, dtype,
                               stream);
+}
+
+void lossless_decode_on(const lossless::Header& header, const void* coded, size_t coded_bytes, void* out,
+                        int device, void* stream) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  lossless::decode_cuda(header, coded, coded_bytes, out, stream);
 }
 
 void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t numel,

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/log.h"
+#include "core/lossless.h"
 
 namespace layerstream {
 
@@ -56,6 +57,12 @@ PostCopyFn EngineImpl::make_post_copy(const LayerInfo& l, size_t workspace_part)
   const bool on_cpu = compute_device_.is_cpu();
   const int device = compute_device_.index();
   const std::string what = (quantized ? "dequantize '" : "cast '") + l.name + "'";
+  // Lossless on CUDA: the kernel takes the code and layout from the header,
+  // read here once from the host copy (the bytes the slot receives).
+  std::shared_ptr<const lossless::Header> coded;
+  if (l.qformat == quant::Format::Lossless && !on_cpu)
+    coded = std::make_shared<const lossless::Header>(
+        lossless::read_header(static_cast<const char*>(l.w_host) + layout.data_offset(), layout.data_bytes));
   return [=](const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
     char* base = static_cast<char*>(slot.ptr);
     char* ws = base + off.at(workspace_part);
@@ -73,7 +80,10 @@ PostCopyFn EngineImpl::make_post_copy(const LayerInfo& l, size_t workspace_part)
         if (cast_b) cast_cpu(b_src, b_dtype, ws + ws_b, to, b_numel);
       });
     } else {
-      if (quantized) cuda_glue::dequantize_on(layout, w_src, ws, qdtype, device, s.native());
+      if (coded)
+        cuda_glue::lossless_decode_on(*coded, w_src, layout.data_bytes, ws, device, s.native());
+      else if (quantized)
+        cuda_glue::dequantize_on(layout, w_src, ws, qdtype, device, s.native());
       if (cast_w) cuda_glue::cast_on(w_src, w_dtype, ws, to, w_numel, device, s.native());
       if (cast_b) cuda_glue::cast_on(b_src, b_dtype, ws + ws_b, to, b_numel, device, s.native());
     }

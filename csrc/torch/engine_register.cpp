@@ -128,8 +128,6 @@ int EngineImpl::add_layer(LayerInfo info, quant::Format format) {
       if (format == quant::Format::Lossless) {
         // Coded (core/lossless.h): its size is known after the analysis; the
         // slot decodes it into the weight's own dtype, bit for bit.
-        LS_CHECK(!compute_device_.is_cuda(), "the lossless format has no CUDA decoder yet (issue 28): "
-                 "it streams on the sim device only; quantize this layer with another format or not at all");
         const lossless::Analysis a = lossless::analyze(dtype, src.data_ptr(), src.numel());
         info.qlayout = quant::lossless_layout(rows, cols, a.total_bytes());
         info.w_bytes = info.qlayout.total_bytes();

@@ -112,8 +112,8 @@ def offload(
         tensors it makes could never be trained); run the model in it after.
     quantize: pack streamed weights on the host and dequantize them on the
         device: "int8", "fp8", "nf4", "int4" or "lossless" (entropy-coded,
-        decoded bit for bit into the weight's own dtype; sim device only for
-        now) for every streamed layer (layers
+        decoded bit for bit into the weight's own dtype) for every streamed
+        layer (layers
         whose shape the format cannot pack stay dense, with one warning), or a
         dict {glob pattern: format or None} for per-layer choices (first match
         wins; an explicit format that cannot pack a layer is an error).

@@ -2,6 +2,7 @@
 // round trips (bf16, f16, f32; special values, all-equal tensors, odd sizes),
 // thread determinism, the coded size, and corrupt or truncated buffers.
 #include "core/lossless.h"
+#include "core/lossless_device.h"
 
 #include <gtest/gtest.h>
 
@@ -64,6 +65,38 @@ std::vector<uint8_t> decode_vec(const std::vector<uint8_t>& coded, int threads =
   return out;
 }
 
+// The GPU decoder's code (core/lossless_device.h) run on the CPU as the
+// kernel runs it (kernels/cuda/lossless.cu): the table from canonical() and
+// table_entry() at every index, then decode_block_at() for every block.
+// *ok: every block decoded cleanly. Buffers are 16-byte aligned as on the
+// device (malloc's alignment).
+std::vector<uint8_t> device_decode_on_host(const std::vector<uint8_t>& coded, bool* ok = nullptr) {
+  namespace dv = ll::device;
+  const ll::Header h = ll::read_header(coded.data(), coded.size());
+  const ll::Layout& L = h.layout;
+  dv::Canonical canon;
+  dv::canonical(h.code_lengths, &canon);
+  std::vector<uint32_t> table(dv::kTableSize);
+  for (uint32_t i = 0; i < dv::kTableSize; ++i) table[i] = dv::table_entry(canon, i);
+  const size_t bytes = size_t(L.numel) * ll::element_bytes(L.dtype);
+  std::vector<uint32_t> out((bytes + 3) / 4 + 4, 0xCDCDCDCDu);  // 4-byte elements, aligned
+  const dv::Sections sec = dv::sections_of(L, coded.data());
+  bool all = true;
+  for (int64_t b = 0; b < L.num_blocks; ++b) {
+    if (L.dtype == Dtype::BF16)
+      all &= dv::decode_block_at<dv::Bf16>(sec, table.data(), h.code_lengths, b, reinterpret_cast<uint16_t*>(out.data()));
+    else if (L.dtype == Dtype::F16)
+      all &= dv::decode_block_at<dv::F16>(sec, table.data(), h.code_lengths, b, reinterpret_cast<uint16_t*>(out.data()));
+    else
+      all &= dv::decode_block_at<dv::F32>(sec, table.data(), h.code_lengths, b, out.data());
+  }
+  if (ok) *ok = all;
+  // Nothing written past the tensor.
+  const uint8_t* o = reinterpret_cast<const uint8_t*>(out.data());
+  for (size_t i = bytes; i < out.size() * 4; ++i) EXPECT_EQ(o[i], 0xCD) << "the device decoder wrote past the tensor";
+  return std::vector<uint8_t>(o, o + bytes);
+}
+
 // Encodes, checks the header and the round trip; returns the coded buffer.
 std::vector<uint8_t> round_trip(const Tensor& t, int threads = 1,
                                 int64_t block = ll::kDefaultBlockElems) {
@@ -76,6 +109,9 @@ std::vector<uint8_t> round_trip(const Tensor& t, int threads = 1,
   EXPECT_EQ(h.layout.block_elems, block);
   EXPECT_EQ(h.layout.total_bytes(), coded.size());
   EXPECT_TRUE(decode_vec(coded, threads) == t.bytes) << "round trip differs";
+  bool ok = false;
+  EXPECT_TRUE(device_decode_on_host(coded, &ok) == t.bytes) << "the GPU decoder's code differs";
+  EXPECT_TRUE(ok) << "the GPU decoder's code reports a clean buffer as corrupt";
   return coded;
 }
 
@@ -441,4 +477,61 @@ TEST(LosslessErrors, RandomCorruptionNeverCrashes) {
   std::printf("[ corrupt  ] %d of 3000 corrupted buffers rejected (%d with stream flips)\n", thrown,
               stream_flips);
   EXPECT_GT(thrown, 300);
+}
+
+// ---------------------------------------------------------------- the GPU decoder's code on the CPU
+
+TEST(LosslessDeviceCode, FlagsTheStreamCorruptionTheReferenceRejects) {
+  // Stream flips leave the header valid: the reference throws exactly when
+  // the device code reports a block as corrupt, and otherwise both give the
+  // same (wrong) values.
+  for (Dtype d : kDtypes) {
+    const Tensor t = normal_weights(d, 3000, 0.02f, 21);
+    const std::vector<uint8_t> coded = ll::encode(t.dtype, t.bytes.data(), t.numel(), 1, 256);
+    const ll::Layout L = ll::read_header(coded.data(), coded.size()).layout;
+    std::mt19937 rng(7);
+    int rejected = 0;
+    for (int trial = 0; trial < 400; ++trial) {
+      std::vector<uint8_t> bad = coded;
+      bad[L.stream_offset() + rng() % (4 * L.stream_words)] ^= uint8_t(1u << (rng() % 8));
+      bool ok = false;
+      const std::vector<uint8_t> dev = device_decode_on_host(bad, &ok);
+      bool thrown = false;
+      std::vector<uint8_t> ref;
+      try {
+        ref = decode_vec(bad);
+      } catch (const layerstream::Error&) {
+        thrown = true;
+      }
+      ASSERT_EQ(ok, !thrown) << "trial " << trial;
+      if (!thrown) {
+        EXPECT_TRUE(dev == ref);
+      }
+      rejected += thrown;
+    }
+    EXPECT_GT(rejected, 20);  // 40-60 of 400 per dtype
+  }
+}
+
+TEST(LosslessDeviceCode, OffsetsOutsideTheStreamReadNothing) {
+  // The kernel trusts the host-validated header; should the device copy's
+  // offsets be wrong, a block reads no words rather than outside the buffer
+  // (ASan / valgrind see the bounds) and reports itself corrupt.
+  namespace dv = ll::device;
+  const Tensor t = normal_weights(Dtype::BF16, 1000, 0.02f, 3);
+  std::vector<uint8_t> coded = ll::encode(t.dtype, t.bytes.data(), t.numel(), 1, 256);
+  const ll::Header h = ll::read_header(coded.data(), coded.size());
+  const uint64_t far = uint64_t{1} << 40;
+  std::memcpy(coded.data() + h.layout.offsets_offset() + 8 * 2, &far, 8);  // block 1 ends, block 2 starts, far away
+  dv::Canonical canon;
+  dv::canonical(h.code_lengths, &canon);
+  std::vector<uint32_t> table(dv::kTableSize);
+  for (uint32_t i = 0; i < dv::kTableSize; ++i) table[i] = dv::table_entry(canon, i);
+  std::vector<uint16_t> out(size_t(t.numel()) + 8);
+  const dv::Sections sec = dv::sections_of(h.layout, coded.data());
+  EXPECT_TRUE(dv::decode_block_at<dv::Bf16>(sec, table.data(), h.code_lengths, 0, out.data()));
+  EXPECT_FALSE(dv::decode_block_at<dv::Bf16>(sec, table.data(), h.code_lengths, 1, out.data()));
+  EXPECT_FALSE(dv::decode_block_at<dv::Bf16>(sec, table.data(), h.code_lengths, 2, out.data()));
+  EXPECT_TRUE(dv::decode_block_at<dv::Bf16>(sec, table.data(), h.code_lengths, 3, out.data()));
+  EXPECT_EQ(std::memcmp(out.data(), t.bytes.data(), 2 * 256), 0);
 }

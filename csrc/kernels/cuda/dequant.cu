@@ -30,6 +30,7 @@
 
 #include "core/error.h"
 #include "core/gguf_blocks.h"
+#include "kernels/cuda/stream_device.cuh"
 
 namespace layerstream {
 namespace quant {
@@ -224,71 +225,6 @@ __global__ void __launch_bounds__(kThreads)
   store_chunk<kOut, kVecStore>(out + c * kChunk, v);
 }
 
-// Clears the calling thread's last-error slot if it holds `err`, so that a
-// reported error does not leak into a later, unrelated cudaGetLastError().
-void clear_error(cudaError_t err) {
-  if (err != cudaSuccess && cudaPeekAtLastError() == err) (void)cudaGetLastError();
-}
-
-bool is_per_device_default_stream(cudaStream_t s) {
-  return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
-}
-
-// A kernel must be launched with its stream's device current. Callers may be
-// on a thread where another device is current (a framework thread, a device
-// other than 0), so select the stream's device for the launch and restore the
-// caller's afterwards. A default-stream handle names a stream of whichever
-// device is current; for it the device is the output buffer's (torch hands
-// out nullptr for "the default stream of cuda:N"), or the current one when
-// the output is not device memory.
-class StreamDeviceGuard {
- public:
-  StreamDeviceGuard(cudaStream_t stream, const void* out_dev) {
-    int dev = -1;
-    cudaError_t e = cudaSuccess;
-    if (is_per_device_default_stream(stream)) {
-      cudaPointerAttributes attr{};
-      e = cudaPointerGetAttributes(&attr, out_dev);
-      if (e != cudaSuccess) {
-        clear_error(e);
-        return;
-      }
-      if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) return;
-      if (attr.device < 0) return;
-      dev = attr.device;
-    } else {
-      e = cudaStreamGetDevice(stream, &dev);
-      if (e != cudaSuccess) {
-        clear_error(e);
-        LS_FAIL("dequantize_cuda: cannot query the device of the CUDA stream (cudaStreamGetDevice: ",
-                cudaGetErrorString(e), "); pass a live cudaStream_t");
-      }
-    }
-    int cur = -1;
-    e = cudaGetDevice(&cur);
-    if (e != cudaSuccess) {
-      clear_error(e);
-      cur = -1;
-    }
-    if (cur == dev) return;
-    e = cudaSetDevice(dev);
-    if (e != cudaSuccess) {
-      clear_error(e);
-      LS_FAIL("dequantize_cuda: cannot select CUDA device ", dev, " of the stream (cudaSetDevice: ",
-              cudaGetErrorString(e), ")");
-    }
-    prev_ = cur;
-  }
-  ~StreamDeviceGuard() {
-    if (prev_ >= 0) clear_error(cudaSetDevice(prev_));
-  }
-  StreamDeviceGuard(const StreamDeviceGuard&) = delete;
-  StreamDeviceGuard& operator=(const StreamDeviceGuard&) = delete;
-
- private:
-  int prev_ = -1;
-};
-
 // Returns the launch's own error (cudaLaunchKernelEx reports it directly, so
 // an unrelated error left in the thread's last-error slot is not blamed on it).
 // L: the layout of what is dequantized (for a row range, layout_for() of the
@@ -369,8 +305,8 @@ void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, in
   // All argument checks come before the first CUDA call.
   LS_CHECK(layout.format != Format::None,
            "dequantize_cuda: format 'none' has nothing to dequantize");
-  LS_CHECK(layout.format != Format::Lossless, "the lossless format has no CUDA decoder yet (issue 28): it "
-           "streams on the sim device only; quantize this layer with another format or not at all");
+  LS_CHECK(layout.format != Format::Lossless, "dequantize_cuda: a lossless-coded tensor is decoded by "
+           "lossless::decode_cuda (kernels/cuda/lossless.h), which needs the coded buffer's header");
   const PackedLayout want = layout_for(layout.format, layout.rows, layout.cols);
   LS_CHECK(want.block_size == layout.block_size && want.data_bytes == layout.data_bytes &&
                want.scale_bytes == layout.scale_bytes && want.zero_bytes == layout.zero_bytes,
@@ -401,7 +337,7 @@ void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, in
   const float* z = reinterpret_cast<const float*>(base + r.zero_begin);
   cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
 
-  StreamDeviceGuard guard(stream, out_dev);
+  cuda_detail::StreamDeviceGuard guard(stream, out_dev, "dequantize_cuda");
   cudaError_t err = cudaSuccess;
   switch (layout.format) {
     case Format::Int8:
@@ -451,7 +387,7 @@ void dequantize_rows_cuda(const PackedLayout& layout, const void* packed_dev, in
       break;  // rejected above
   }
   if (err != cudaSuccess) {
-    clear_error(err);
+    cuda_detail::clear_error(err);
     LS_FAIL("dequantize_cuda: kernel launch for rows [", row_begin, ", ", row_end, ") of ", describe(layout),
             " to ", to_string(dtype), " failed: ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ")");
   }
