@@ -8,7 +8,11 @@ dequant stream, one CPU thread), each in its own process, alternating, medians o
 output on this machine, so the step falls only where the link is slower than that
 (the GPU decoder is the one meant to hide behind the copy).
 
-    .venv/bin/python bench/bench_lossless.py [--layers 8] [--width 2048] [--gbps 0.5] [--steps 5]
+With --train, a full fine-tuning step instead (trainable weights, forward, backward
+and torch's SGD): the lossless weights are re-coded after every step (Note
+[Trainable coded weights]); the re-coding's host time per step is reported.
+
+    .venv/bin/python bench/bench_lossless.py [--layers 8] [--width 2048] [--gbps 0.5] [--steps 5] [--train]
 """
 from __future__ import annotations
 
@@ -34,21 +38,32 @@ def one(args, fmt):
     with torch.no_grad():
         for m in model:
             m.weight.normal_(0, 0.02)
-    model = model.to(torch.bfloat16).requires_grad_(False)
+    model = model.to(torch.bfloat16).requires_grad_(args.train)
     h = layerstream.offload(model, device="sim", sim_link_gbps=args.gbps, checker=False,
                             quantize=None if fmt == "bf16" else fmt)
     x = torch.randn(4, args.width, dtype=torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3) if args.train else None
     ts = []
-    with torch.no_grad():
-        for i in range(args.steps + 1):
-            t0 = time.perf_counter()
+    recode = []
+    for i in range(args.steps + 1):
+        before = h.stats()["recode_seconds"]
+        t0 = time.perf_counter()
+        if opt is None:
+            with torch.no_grad():
+                y = model(x)
+        else:
             y = model(x)
-            h.synchronize()
-            if i:
-                ts.append(time.perf_counter() - t0)
+            y.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        h.synchronize()
+        if i:
+            ts.append(time.perf_counter() - t0)
+            recode.append(h.stats()["recode_seconds"] - before)
     s = h.stats()
     return {"step_s": statistics.median(ts), "h2d_bytes_per_step": s["h2d_bytes"] / (args.steps + 1),
-            "out": y.float().sum().item(), "out_bits": y.view(torch.int16).long().sum().item()}
+            "recode_s": statistics.median(recode), "recoded_bytes": s["recoded_bytes"],
+            "out": y.float().sum().item(), "out_bits": y.detach().view(torch.int16).long().sum().item()}
 
 
 def main():
@@ -58,6 +73,7 @@ def main():
     ap.add_argument("--gbps", type=float, default=0.5, help="sim link GB/s")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="processes per configuration, alternating")
+    ap.add_argument("--train", action="store_true", help="a full fine-tuning step (trainable weights, SGD)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -67,7 +83,7 @@ def main():
     for _ in range(args.rounds):
         for fmt in res:
             cmd = [sys.executable, __file__, "--one", fmt, "--layers", str(args.layers), "--width", str(args.width),
-                   "--gbps", str(args.gbps), "--steps", str(args.steps)]
+                   "--gbps", str(args.gbps), "--steps", str(args.steps)] + (["--train"] if args.train else [])
             res[fmt].append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True)
                                        .stdout.strip().splitlines()[-1]))
     plain, coded = res["bf16"], res["lossless"]
@@ -75,11 +91,18 @@ def main():
     p = statistics.median(r["step_s"] for r in plain)
     c = statistics.median(r["step_s"] for r in coded)
     bp, bc = plain[0]["h2d_bytes_per_step"], coded[0]["h2d_bytes_per_step"]
-    print(f"sim, {args.layers} x Linear({args.width}) bf16, link {args.gbps} GB/s, medians of {args.steps} steps x "
-          f"{args.rounds} processes each:")
+    kind = "training (forward, backward, SGD)" if args.train else "inference"
+    print(f"sim, {args.layers} x Linear({args.width}) bf16, {kind}, link {args.gbps} GB/s, medians of {args.steps} "
+          f"steps x {args.rounds} processes each:")
     print(f"  plain bf16    {p * 1e3:8.1f} ms   {bp / 2**20:8.2f} MiB/step on the link")
     print(f"  lossless      {c * 1e3:8.1f} ms   {bc / 2**20:8.2f} MiB/step ({bc / bp:.3f} of bf16)   "
-          f"step {c / p:.2f}x of plain (goal <= 0.75x); outputs {'bit-identical' if same else 'DIFFER'}")
+          f"step {c / p:.2f}x of plain{'' if args.train else ' (goal <= 0.75x)'}; outputs "
+          f"{'bit-identical' if same else 'DIFFER'}")
+    if args.train:
+        dense = args.layers * args.width * args.width * 2
+        print(f"  re-coding     {statistics.median(r['recode_s'] for r in coded) * 1e3:8.1f} ms/step of host time for "
+              f"{dense / 2**20:.0f} MiB of weights ({dense / 1e9 / statistics.median(r['recode_s'] for r in coded):.2f} "
+              f"GB/s), on the thread that issues the copies")
     if not same:
         sys.exit(1)
 

@@ -550,5 +550,28 @@ size_t estimate_encoded_bytes(Dtype dtype, const void* sample, int64_t sample_nu
   return L.total_bytes();
 }
 
+uint64_t sample_fingerprint(const void* data, size_t bytes, size_t samples) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  const size_t words = bytes / 8;
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ bytes;
+  const auto mix = [&h](uint64_t v) {  // splitmix64 of the running hash and the word
+    h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+    h ^= h >> 31;
+  };
+  if (words > 0) {
+    const size_t n = samples == 0 ? 1 : std::min(samples, words);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t w = n == words ? k : static_cast<size_t>((static_cast<unsigned __int128>(k) * (words - 1)) / (n - 1 ? n - 1 : 1));
+      mix(load<uint64_t>(p + 8 * w) ^ w);
+    }
+  }
+  uint64_t tail = 0;
+  if (bytes % 8) std::memcpy(&tail, p + 8 * words, bytes % 8);
+  mix(tail);
+  return h;
+}
+
 }  // namespace lossless
 }  // namespace layerstream

@@ -116,6 +116,11 @@ void decode(const void* encoded, size_t bytes, void* dst, size_t dst_bytes, int 
 // The largest coded size of any tensor of this dtype and size (for sizing
 // buffers before the data is known, e.g. after a weight update).
 size_t max_encoded_bytes(Dtype dtype, int64_t numel, int64_t block_elems = kDefaultBlockElems);
+// A cheap sign that a buffer's bytes changed: a hash of its size and of up
+// to `samples` 8-byte words spread evenly over it (every word of a buffer of
+// at most 8 * samples bytes; a partial last word included). A change that
+// touches none of the sampled words goes unseen. Pure; any alignment.
+uint64_t sample_fingerprint(const void* data, size_t bytes, size_t samples = 1024);
 // Predicted coded size of a numel-element tensor from a sample of its
 // elements (sample_numel >= 1; e.g. strided elements read from a checkpoint):
 // the sample's code applied to numel elements, each block's word padding

@@ -26,6 +26,7 @@ struct Candidate {
   uint64_t resident_bytes = 0;
   uint64_t device_bytes = 0;
   uint64_t streamed_bytes = 0;
+  uint64_t streamed_host_bytes = 0;  // what the streamed layers hold on the host
   size_t num_streamed = 0;
   uint64_t fetched_bytes = 0;     // what the streamed layers copy per pass (routed groups: some experts)
   uint64_t lookup_bytes = 0;      // tables looked up in host memory (pinned)
@@ -119,6 +120,7 @@ Plan plan_placement(const PlannerInput& in) {
       } else {
         c.slot_bytes = std::max(c.slot_bytes, in.layers[i].streamed_slot_bytes());
         c.streamed_bytes += in.layers[i].bytes;
+        c.streamed_host_bytes += in.layers[i].host_bytes ? in.layers[i].host_bytes : in.layers[i].bytes;
         c.fetched_bytes += in.layers[i].fetch_bytes();
         if (in.layers[i].tied_table >= 0) c.shared_host_bytes += in.layers[i].bytes;
         ++c.num_streamed;
@@ -276,7 +278,7 @@ Plan plan_placement(const PlannerInput& in) {
   plan.prefetch_depth = best.slots > 0 ? best.slots - 1 : 0;
   plan.device_bytes = best.device_bytes;
   plan.resident_bytes = best.resident_bytes - in.fixed_resident_bytes;
-  plan.host_pinned_bytes = best.streamed_bytes + best.lookup_bytes - best.shared_host_bytes;
+  plan.host_pinned_bytes = best.streamed_host_bytes + best.lookup_bytes - best.shared_host_bytes;
   plan.bus_bytes_per_step = best.fetched_bytes * (in.training ? 2 : 1) + best.lookup_bus_bytes;
   plan.num_streamed = best.num_streamed;
   plan.num_lookup = best.num_lookup;

@@ -28,6 +28,9 @@ struct PlannerLayer {
                                 // (quantized: packed + dequantized workspace); 0 = `bytes`
   uint64_t streamed_slot_bytes() const { return slot_bytes > bytes ? slot_bytes : bytes; }
   uint64_t resident_bytes = 0;  // bytes it occupies on the device if kept resident
+  // Host bytes when streamed, if not `bytes` (a trainable lossless weight:
+  // the dense weight and its coded copy at its largest size); 0 = `bytes`.
+  uint64_t host_bytes = 0;
   double flops = 0.0;           // FLOPs per step (0 = unknown)
   bool trainable = false;       // training: its gradient is offloaded to the host when streamed
   // An embedding table looked up in host memory (what offload() does with a

@@ -63,6 +63,10 @@ uint64_t bytes_of(uint64_t numel, const std::string& dtype) {
   return (numel * bits + 7) / 8;
 }
 uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+// A safetensors float dtype ("F32", "BF16", "F16") as the lossless coder's.
+lossless::Dtype lossless_dtype(const std::string& dtype) {
+  return dtype == "F32" ? lossless::Dtype::F32 : dtype == "BF16" ? lossless::Dtype::BF16 : lossless::Dtype::F16;
+}
 }  // namespace
 
 uint64_t ModelLayer::weight_numel() const { return numel_of(weight_shape); }
@@ -183,6 +187,11 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     uint64_t bias = l.bias_dtype.empty() ? 0 : bytes_of(l.bias_numel, l.bias_dtype);
     const uint64_t w_stored = bytes_of(l.weight_numel(), l.weight_dtype);
     const bool lossless = quantize == Quantization::Lossless && l.lossless_bytes > 0 && !l.embedding;
+    // Trained, a lossless weight stays dense on the host and its slot holds
+    // its largest coded size (Note [Trainable coded weights], engine_coded.cpp).
+    const uint64_t coded_max = lossless && opt.training ? lossless::max_encoded_bytes(lossless_dtype(l.weight_dtype),
+                                                                                      int64_t(l.weight_numel()))
+                                                        : 0;
     const uint64_t w_bus = lossless ? l.lossless_bytes : quantized_weight_bytes(l.weight_shape, l.weight_dtype, quantize);
     s.bytes = w_bus + bias;
     if (!l.dense_dtype.empty() && !l.embedding) {
@@ -222,13 +231,15 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     if (!cd.empty() && !l.bias_dtype.empty() && l.bias_dtype != cd && safetensors_dtype_is_wide_float(l.bias_dtype))
       b_written = bytes_of(l.bias_numel, cd);
     if (w_written || b_written)  // else 0: the bus bytes
-      s.slot_bytes = slot_layout::of({{w_bus, w_written}, {bias, b_written}}).slot_bytes();
+      s.slot_bytes = slot_layout::of({{coded_max ? coded_max : w_bus, w_written}, {bias, b_written}}).slot_bytes();
+    if (coded_max) s.host_bytes = w_stored + coded_max + bias;
     s.resident_bytes = opt.resident_dequantized ? l.stored_bytes() : s.bytes;
     uint64_t rows = l.weight_shape.empty() ? 0 : l.weight_shape[0];
     uint64_t row_size = rows ? l.weight_numel() / rows : 0;
     s.flops = l.embedding ? tokens * static_cast<double>(row_size) : 2.0 * tokens * static_cast<double>(l.params());
     if (opt.training) s.flops *= 3.0;
-    s.trainable = opt.training && opt.quantize == Quantization::None;  // quantizing freezes the model
+    // Quantizing freezes the model, but for lossless (trainable weights stay dense on the host).
+    s.trainable = opt.training && (opt.quantize == Quantization::None || opt.quantize == Quantization::Lossless);
     if (!l.embedding) s.activation_bytes = saved_input_bytes(l, cd.empty() ? l.weight_dtype : cd);
     if (l.embedding) {
       // As offload() does: a table is looked up in host memory (the rows a
@@ -427,8 +438,7 @@ void measure_lossless(ModelDescription& m, const Checkpoint& ck) {
     if (it == by_name.end()) continue;
     const TensorInfo& t = *it->second;
     if ((t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16") || t.numel == 0) continue;
-    const lossless::Dtype d = t.dtype == "F32" ? lossless::Dtype::F32 : t.dtype == "BF16" ? lossless::Dtype::BF16
-                                                                                          : lossless::Dtype::F16;
+    const lossless::Dtype d = lossless_dtype(t.dtype);
     const uint64_t elem = lossless::element_bytes(d);
     auto& f = files[t.file];
     if (!f) f = SourceFile::open(t.file);

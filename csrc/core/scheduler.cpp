@@ -18,6 +18,8 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
   post_ = opts_.post_copy_stream ? opts_.post_copy_stream : transfer_;
   LS_CHECK(post_.backend() == &backend_, "the post-copy stream belongs to another backend");
   LS_CHECK(opts_.num_slots >= 1, "num_slots must be at least 1, got ", opts_.num_slots);
+  LS_CHECK(bool(opts_.parts_stale) == bool(opts_.refresh_parts),
+           "SchedulerOptions: parts_stale and refresh_parts go together (one is set, the other is not)");
   LS_CHECK(opts_.prefetch_depth >= 0, "prefetch depth must be >= 0, got ", opts_.prefetch_depth);
   LS_CHECK(!layers.empty(), "the scheduler needs at least one layer");
 
@@ -41,6 +43,7 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
       l.offsets.push_back(off);
       off = align_up(off + p.bytes);
       l.copy_bytes += p.bytes;
+      l.part_copy.push_back(p.bytes);
     }
     if (l.spec.workspace_bytes > 0) {
       l.offsets.push_back(off);
@@ -222,17 +225,38 @@ int Scheduler::obtain_slot_locked(bool on_demand) {
 
 void Scheduler::issue_copy_locked(int layer, int slot) {
   Layer& l = layers_[static_cast<size_t>(layer)];
+  if (opts_.parts_stale && opts_.parts_stale(layer)) {
+    LS_CHECK(l.spec.staged.empty(), "layer '", l.spec.name, "' is staged: its host bytes cannot be remade");
+    if (l.copied_once) backend_.synchronize(l.last_copy);  // earlier copies have read the old bytes
+    std::vector<size_t> bytes = l.part_copy;
+    opts_.refresh_parts(layer, bytes);
+    LS_CHECK(bytes.size() == l.spec.parts.size(), "refresh_parts of layer '", l.spec.name, "' gave ",
+             bytes.size(), " sizes for ", l.spec.parts.size(), " parts");
+    l.copy_bytes = 0;
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      LS_CHECK(bytes[i] <= l.spec.parts[i].bytes, "refresh_parts of layer '", l.spec.name, "': part #", i,
+               " needs ", bytes[i], " bytes, more than its ", l.spec.parts[i].bytes, " in a slot");
+      l.copy_bytes += bytes[i];
+    }
+    l.part_copy = std::move(bytes);
+  }
   const BufferRef& dst = pool_->slot(slot);
   std::vector<uint64_t> src_off;
   const BufferRef* staged = l.spec.staged.empty() ? nullptr : &copy_source_locked(layer, &src_off);
   const std::shared_ptr<double> started = trace_stream_begin(tracer_, backend_, transfer_);
   for (size_t i = 0; i < l.spec.parts.size(); ++i) {
     const BufferRef& src = l.spec.parts[i];
-    if (src.bytes == 0) continue;
+    const size_t n = l.part_copy[i];
+    if (n == 0) continue;
     if (staged)
-      backend_.copy_async(dst, l.offsets[i], *staged, src_off[i], src.bytes, transfer_);
+      backend_.copy_async(dst, l.offsets[i], *staged, src_off[i], n, transfer_);
     else
-      backend_.copy_async(dst, l.offsets[i], src, 0, src.bytes, transfer_);
+      backend_.copy_async(dst, l.offsets[i], src, 0, n, transfer_);
+  }
+  if (opts_.refresh_parts) {
+    if (!l.copied_once) l.last_copy = backend_.create_event();
+    backend_.record(l.last_copy, transfer_);
+    l.copied_once = true;
   }
   if (staged) copies_issued_locked(layer);
   if (started)

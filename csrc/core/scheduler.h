@@ -117,6 +117,19 @@ struct SchedulerOptions {
   // The host staging entries of layers with LayerSpec::staged (unused when
   // there are none).
   StagerOptions staging;
+  // Optional, both or neither: layers whose host bytes are made just before
+  // a copy (the engine: a trainable weight that crosses the bus
+  // lossless-coded, re-coded after an optimizer step changed it; Note
+  // [Trainable coded weights] in engine_coded.cpp). Before each full copy of
+  // a layer, under the scheduler's lock, parts_stale(layer) says whether its
+  // parts' host bytes must be remade; if so the scheduler waits (on the host)
+  // until its earlier copies of the layer have read them, then calls
+  // refresh_parts(layer, copy_bytes), which rewrites them and sets how many
+  // bytes of each part to copy from now on (copy_bytes holds the current
+  // counts; each at most the part's LayerSpec size, which sizes the slot).
+  // Such layers must not be staged. Neither may call back into the scheduler.
+  std::function<bool(int layer)> parts_stale;
+  std::function<void(int layer, std::vector<size_t>& copy_bytes)> refresh_parts;
 };
 
 // A copy of only some bytes of a layer's parts (e.g. the experts a router
@@ -227,6 +240,9 @@ class Scheduler {
     std::vector<size_t> offsets;
     size_t bytes = 0;  // slot bytes used (with alignment)
     size_t copy_bytes = 0;
+    std::vector<size_t> part_copy;  // bytes copied of each part (refresh_parts may lower them)
+    Event last_copy;                // after its latest copy (with refresh_parts only)
+    bool copied_once = false;
     bool prefetch = true;  // set_prefetch()
   };
   enum class Use : uint8_t { Free, Prefetched, InUse };

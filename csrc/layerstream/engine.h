@@ -170,6 +170,11 @@ struct EngineStats {
   uint64_t activation_host_bytes = 0;
   // Host bytes of the gradients' staging buffers, pinned and pageable.
   uint64_t grad_staging_pinned_bytes = 0, grad_staging_pageable_bytes = 0;
+  // Trainable weights that cross the bus lossless-coded, the dense bytes
+  // re-coded after they changed, and the host time that took (on the thread
+  // that issued their copies).
+  uint64_t coded_layers = 0, recoded_bytes = 0;
+  double recode_seconds = 0;
 
   // Calls f(name, value) for every field, in the order above (bindings,
   // printing).
@@ -193,6 +198,7 @@ struct EngineStats {
     f("activation_host_bytes", activation_host_bytes);
     f("grad_staging_pinned_bytes", grad_staging_pinned_bytes);
     f("grad_staging_pageable_bytes", grad_staging_pageable_bytes);
+    f("coded_layers", coded_layers), f("recoded_bytes", recoded_bytes), f("recode_seconds", recode_seconds);
   }
 };
 

@@ -357,6 +357,11 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     return layerstream::lossless::analyze(d, t.data_ptr(), t.numel()).total_bytes();
   }, py::arg("tensor"));
+  // The most bytes its coded form can take, whatever its values: what a
+  // trainable coded weight reserves (Note [Trainable coded weights]).
+  m.def("lossless_max_bytes", [lossless_src](const torch::Tensor& t) {
+    return layerstream::lossless::max_encoded_bytes(lossless_src(t), t.numel());
+  });
   m.def("lossless_encode", [lossless_src](const torch::Tensor& t, int threads) {
     const quant::SrcDtype d = lossless_src(t);
     torch::Tensor out;

@@ -207,7 +207,7 @@ void EngineImpl::build_scheduler_locked() {
     if (l.is_group()) {
       for (const auto& e : l.parts()) s.parts.push_back(store_->buffer(e.index));
     } else if (!l.on_disk()) {
-      s.parts.push_back(store_->buffer(l.w_index));
+      s.parts.push_back(store_->buffer(l.coded ? l.coded->index : l.w_index));
       if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
     }
     staged_sources_locked(l, s);
@@ -228,6 +228,17 @@ void EngineImpl::build_scheduler_locked() {
   const size_t slot_bytes = std::max(largest, largest_grad);
   SchedulerOptions so;
   so.slot_bytes = slot_bytes;
+  bool any_coded = false;
+  for (const auto& l : layers_) {
+    if (!l->coded) continue;
+    any_coded = true;
+    std::lock_guard<std::mutex> g(l->coded->mu);
+    l->coded->announced = false;  // this scheduler starts from the slot's size
+  }
+  if (any_coded) {  // Note [Trainable coded weights] (engine_coded.cpp)
+    so.parts_stale = [this](int layer) { return coded_stale(layer); };
+    so.refresh_parts = [this](int layer, std::vector<size_t>& bytes) { refresh_coded(layer, bytes); };
+  }
   so.post_copy_stream = dequant_stream_;
   so.prefetch_depth = opts_.prefetch;
   so.staging.cache_bytes = opts_.staging_bytes > 0 ? static_cast<uint64_t>(opts_.staging_bytes)

@@ -20,7 +20,7 @@ void cast_cpu(const void* src, torch::ScalarType from, void* dst, torch::ScalarT
 }  // namespace
 
 size_t EngineImpl::dense_weight_bytes(const LayerInfo& l) {
-  const torch::ScalarType t = l.qformat != quant::Format::None ? l.q_dtype : l.cast_dtype;
+  const torch::ScalarType t = l.qformat != quant::Format::None ? l.q_dtype : l.coded ? l.w_dtype : l.cast_dtype;
   return static_cast<size_t>(numel_of(l.w_shape)) * c10::elementSize(t);
 }
 
@@ -33,8 +33,8 @@ slot_layout::Layout EngineImpl::layout_of(const LayerInfo& l) {
                                     : 0});
     return slot_layout::of(parts);
   }
-  const bool weight_in_ws = l.qformat != quant::Format::None || l.cast_w;
-  parts.push_back({l.w_bytes, weight_in_ws ? dense_weight_bytes(l) : 0});
+  const bool weight_in_ws = l.qformat != quant::Format::None || l.cast_w || l.coded;
+  parts.push_back({l.coded ? l.coded->capacity : l.w_bytes, weight_in_ws ? dense_weight_bytes(l) : 0});
   if (l.bias.defined())
     parts.push_back({l.b_bytes, l.cast_b ? static_cast<uint64_t>(numel_of(l.b_shape)) * c10::elementSize(l.cast_dtype)
                                          : 0});
@@ -63,6 +63,10 @@ PostCopyFn EngineImpl::make_post_copy(const LayerInfo& l, size_t workspace_part)
   if (l.qformat == quant::Format::Lossless && !on_cpu)
     coded = std::make_shared<const lossless::Header>(
         lossless::read_header(static_cast<const char*>(l.w_host) + layout.data_offset(), layout.data_bytes));
+  // A trainable coded weight (engine_coded.cpp): its header changes when it
+  // is re-coded, which happens before the copy this step follows.
+  const std::shared_ptr<CodedWeight> trainable_coded = l.coded;
+  const size_t dense_bytes = dense_weight_bytes(l);
   return [=](const BufferRef& slot, const std::vector<size_t>& off, Stream s) {
     char* base = static_cast<char*>(slot.ptr);
     char* ws = base + off.at(workspace_part);
@@ -76,10 +80,19 @@ PostCopyFn EngineImpl::make_post_copy(const LayerInfo& l, size_t workspace_part)
       // The sim device: CPU reference code, in order on the stream.
       be->launch_host_func(s, [=] {
         if (quantized) quant::dequantize_cpu(layout, w_src, ws, qdtype, 1);
+        if (trainable_coded) lossless::decode(w_src, trainable_coded->capacity, ws, dense_bytes, 1);
         if (cast_w) cast_cpu(w_src, w_dtype, ws, to, w_numel);
         if (cast_b) cast_cpu(b_src, b_dtype, ws + ws_b, to, b_numel);
       });
     } else {
+      if (trainable_coded) {
+        lossless::Header h;
+        {
+          std::lock_guard<std::mutex> g(trainable_coded->mu);
+          h = trainable_coded->header;
+        }
+        cuda_glue::lossless_decode_on(h, w_src, trainable_coded->capacity, ws, device, s.native());
+      }
       if (coded)
         cuda_glue::lossless_decode_on(*coded, w_src, layout.data_bytes, ws, device, s.native());
       else if (quantized)
@@ -120,10 +133,11 @@ EngineImpl::DeviceParams EngineImpl::device_params(const LayerInfo& l, const Lea
     p.w_leaf = torch::from_blob(lease.part_ptr(ws_part), l.w_shape, on_device.dtype(l.q_dtype));
   } else {
     // The copy cast to compute_dtype after the transfer (element by element,
-    // so in the same memory order), or the copied weight itself.
+    // so in the same memory order), the weight decoded from its coded copy
+    // (engine_coded.cpp), or the copied weight itself.
     const bool cast = l.cast_w && dtype == l.cast_dtype;
     const auto opts = on_device.dtype(cast ? l.cast_dtype : l.w_dtype);
-    void* ptr = lease.part_ptr(cast ? ws_part : 0);
+    void* ptr = lease.part_ptr(cast || l.coded ? ws_part : 0);
     p.w_leaf = l.w_strides.empty() ? torch::from_blob(ptr, l.w_shape, opts)
                                    : torch::from_blob(ptr, l.w_shape, l.w_strides, opts);
     if (l.weight.requires_grad()) p.w_leaf.set_requires_grad(true);

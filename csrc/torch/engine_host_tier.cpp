@@ -115,7 +115,10 @@ void EngineImpl::staged_sources_locked(const LayerInfo& l, LayerSpec& s) {
     return;
   }
   // Pinned memory was wanted but the store tensor is pageable (beyond the
-  // pinned cap, or pinning failed): it crosses through a pinned entry.
+  // pinned cap, or pinning failed): it crosses through a pinned entry. Not a
+  // trainable coded weight, whose bytes are remade just before each copy
+  // (engine_coded.cpp): it is copied from where it is.
+  if (l.coded) return;
   bool pageable = false;
   for (const BufferRef& p : s.parts) pageable = pageable || p.kind == MemoryKind::HostPageable;
   if (!pageable || !opts_.pin_memory || !backend_->caps().host_functions) return;

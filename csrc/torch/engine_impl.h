@@ -6,6 +6,7 @@
 //   engine.cpp            construction, devices, the scheduler and budget,
 //                         synchronize/detach
 //   engine_register.cpp   layer registration, host adoption, ties, requantize
+//   engine_coded.cpp      trainable weights coded on the bus (re-coding)
 //   engine_groups.cpp     tensor groups, expert-routed fetch
 //   engine_device.cpp     the slot's post-copy step (dequant/cast) and the
 //                         device views of parameters (parking)
@@ -20,7 +21,8 @@
 //   engine_distributed.cpp gradient averaging over a process group, the
 //                         shared host store
 // Thread safety: every member takes mu_ (recursive) unless it says _locked
-// (the caller holds it).
+// (the caller holds it); coded_stale/refresh_coded are called by the
+// scheduler under its lock and take only CodedWeight::mu.
 #pragma once
 
 #include "layerstream/engine.h"
@@ -42,6 +44,7 @@
 #include <vector>
 
 #include "core/host_store.h"
+#include "core/lossless.h"
 #include "core/io/source_file.h"
 #include "core/runtime.h"
 #include "core/scheduler.h"
@@ -237,6 +240,26 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     size_t workspace_bytes = 0; // the dequantized parts, in the workspace
   };
 
+  // A trainable weight that crosses the bus lossless-coded (quantize=
+  // "lossless" on a weight that requires grad; Note [Trainable coded
+  // weights] in engine_coded.cpp). The parameter stays dense in the host
+  // store, where backward and the optimizer write it (the layer is a dense
+  // one, qformat None); `buffer` (a store entry of `capacity` =
+  // lossless::max_encoded_bytes, so any values fit) holds its coded copy,
+  // remade before the next copy once the parameter changed. Shared by the
+  // scheduler's hooks and the CUDA post-copy step, which may run on another
+  // thread than the one holding the engine's lock: `mu` guards the fields.
+  struct CodedWeight {
+    std::mutex mu;
+    size_t index = 0;  // host store index of the coded buffer
+    void* buffer = nullptr;
+    size_t capacity = 0;
+    lossless::Header header;  // of the bytes in `buffer`
+    uint32_t version = 0;     // the parameter's version counter when coded
+    uint64_t sample = 0;      // lossless::sample_fingerprint() of the dense bytes when coded
+    bool announced = false;   // the current scheduler was told the coded size
+  };
+
   struct LayerInfo {
     std::string name;
     std::variant<LinearKind, ConvKind, TableKind, GroupKind> kind;
@@ -279,6 +302,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     torch::ScalarType cast_dtype = torch::kFloat;  // compute_dtype, when cast_w or cast_b
     size_t ws_b_offset = 0;
     bool packed_here = false;  // quantized by add_linear/add_conv (requantize() can repack it)
+    // Trainable and lossless-coded on the bus (engine_coded.cpp); null otherwise.
+    std::shared_ptr<CodedWeight> coded;
     // The disk tier (add_linear_on_disk): the weight (and bias) read from
     // their file on every use; the weight is then a meta stand-in.
     std::optional<FileRange> w_file, b_file;
@@ -385,6 +410,11 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // post-copy step.
   static slot_layout::Layout layout_of(const LayerInfo& l);
   PostCopyFn make_post_copy(const LayerInfo& l, size_t workspace_part);
+  // Trainable coded weights (engine_coded.cpp): codes `info`'s adopted dense
+  // weight into a new store entry; the scheduler's hooks.
+  void make_coded_locked(LayerInfo& info);
+  bool coded_stale(int layer) const;
+  void refresh_coded(int layer, std::vector<size_t>& copy_bytes);
   // A group's: dequantizes its packed parts into the workspace.
   // With `runs` (half-open ranges of experts), only those experts' rows of
   // the expert-indexed packed parts.
@@ -476,6 +506,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   uint64_t act_host_bytes_ = 0, act_pinned_bytes_ = 0;  // host buffers allocated (pooled or in use)
   // The gradients' staging buffers allocated (engine_gradients.cpp), by kind.
   uint64_t grad_pinned_bytes_ = 0, grad_pageable_bytes_ = 0;
+  std::atomic<uint64_t> recoded_bytes_{0};  // dense bytes re-coded (engine_coded.cpp)
+  std::atomic<uint64_t> recode_ns_{0};
   uint64_t act_d2h_bytes_ = 0, act_h2d_bytes_ = 0;
   int64_t act_device_bytes_ = 0, act_peak_device_bytes_ = 0;
   // Gradient-ready hook (engine_grad_ready.cpp): its thread, queue of

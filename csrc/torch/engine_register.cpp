@@ -112,9 +112,12 @@ int EngineImpl::add_layer(LayerInfo info, quant::Format format) {
   info.w_dtype = info.weight.scalar_type();
   if (share_weight_locked(info, format)) {
     // Tied: the other layer's host copy is this layer's too.
-  } else if (format == quant::Format::None) {
+  } else if (format == quant::Format::None ||
+             (format == quant::Format::Lossless && info.weight.requires_grad())) {
     info.w_host = adopt(*store_, keepalive_, info.weight, info.name + ".weight", &info.w_index, &info.w_bytes,
                         &info.w_strides);
+    // Trainable and lossless: dense here, coded on the bus (engine_coded.cpp).
+    if (format == quant::Format::Lossless) make_coded_locked(info);
   } else {
     LS_CHECK(!info.weight.requires_grad(), "layer '", info.name, "': a quantized weight cannot be "
              "trained; freeze it first (weight.requires_grad_(False), as QLoRA does with the base "
@@ -203,7 +206,8 @@ int EngineImpl::register_layer_locked(LayerInfo info) {
   // An embedding's output is in its weight's dtype, as torch's lookup: never cast.
   if (compute_dtype_ && !info.is_table() && !info.is_group()) {
     info.cast_dtype = *compute_dtype_;
-    info.cast_w = info.qformat == quant::Format::None && info.w_dtype != *compute_dtype_;
+    // A coded weight is decoded into its own dtype (cast at use).
+    info.cast_w = info.qformat == quant::Format::None && !info.coded && info.w_dtype != *compute_dtype_;
     info.cast_b = info.bias.defined() && info.b_dtype != *compute_dtype_;
   }
   // The bias copy goes after the device weight in the workspace (if any).
@@ -390,7 +394,7 @@ torch::Tensor EngineImpl::dequantized_weight(int index) {
 std::string EngineImpl::layer_format(int index) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
-  return l.qformat == quant::Format::None ? "" : quant::to_string(l.qformat);
+  return l.qformat == quant::Format::None ? "" : quant::to_string(l.qformat);  // a coded dense weight: ""
 }
 
 }  // namespace layerstream

@@ -33,6 +33,7 @@ EngineStats EngineImpl::stats() const {
     bool packed = l->qformat != quant::Format::None;
     for (const auto& e : l->parts()) packed = packed || e.qformat != quant::Format::None;
     m.quantized_layers += packed ? 1 : 0;
+    m.coded_layers += l->coded ? 1 : 0;
     m.embedding_layers += l->is_table() ? 1 : 0;
     m.group_layers += l->is_group() ? 1 : 0;
   }
@@ -43,6 +44,8 @@ EngineStats EngineImpl::stats() const {
   m.peak_activation_device_bytes = static_cast<uint64_t>(act_peak_device_bytes_);
   m.activation_host_bytes = act_host_bytes_;
   m.grad_staging_pinned_bytes = grad_pinned_bytes_;
+  m.recoded_bytes = recoded_bytes_.load();
+  m.recode_seconds = static_cast<double>(recode_ns_.load()) * 1e-9;
   m.grad_staging_pageable_bytes = grad_pageable_bytes_;
   const HostStoreStats hs = store_->stats();
   m.pinned_bytes = hs.pinned_bytes;

@@ -392,7 +392,17 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       const int64_t rows = w.size(0), cols = w.numel() / std::max<int64_t>(rows, 1);
       const uint64_t dense = static_cast<uint64_t>(w.numel() * w.element_size());
       std::vector<slot_layout::Part> parts;
-      if (fmt != quant::Format::None) {  // packed on the bus; dequantized after it in the slot
+      // A trainable lossless weight (Note [Trainable coded weights]): the slot
+      // holds its largest coded size, the bus its coded size.
+      const bool coded = fmt == quant::Format::Lossless && w.requires_grad();
+      uint64_t coded_gap = 0;
+      if (coded) {
+        const quant::SrcDtype d = src_dtype_of(w.scalar_type(), it.name);
+        const uint64_t cap = lossless::max_encoded_bytes(d, w.numel());
+        coded_gap = slot_layout::align(cap) -
+                    slot_layout::align(quant::packed_bytes(fmt, d, w.detach().cpu().contiguous().data_ptr(), rows, cols));
+        parts.push_back({cap, dense});
+      } else if (fmt != quant::Format::None) {  // packed on the bus; dequantized after it in the slot
         const torch::Tensor src = fmt == quant::Format::Lossless ? w.detach().cpu().contiguous() : torch::Tensor();
         parts.push_back({quant::packed_bytes(fmt, src_dtype_of(w.scalar_type(), it.name),
                                              src.defined() ? src.data_ptr() : nullptr, rows, cols),
@@ -404,7 +414,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       const auto layout = slot_layout::of(parts);
       PlannerLayer l;
       l.name = it.name;
-      l.bytes = layout.bus_bytes;
+      l.bytes = layout.bus_bytes - coded_gap;
       l.slot_bytes = layout.slot_bytes();
       l.resident_bytes = dense + (has_bias ? static_cast<uint64_t>(b->numel() * b->element_size()) : 0);
       l.trainable = w.requires_grad();

@@ -83,13 +83,14 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
 
     def grad_bytes(t) -> int:  # its gradient's host staging buffer (training), as the engine sizes it
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
-        if t.kind not in ("linear", "conv") or t.fmt is not None or w is None:
+        if t.kind not in ("linear", "conv") or t.fmt not in (None, "lossless") or w is None:
             return 0
         if not (w.requires_grad or (b is not None and b.requires_grad)):
             return 0
         return _C.gradient_staging_bytes(w.numel() * w.element_size(), 0 if b is None else b.numel() * b.element_size())
 
-    entries = [(t.name or "<root>", t.bus_bytes if t.kind != "embedding" else
+    entries = [(t.name or "<root>", t.host_bytes if t.host_bytes is not None else t.bus_bytes
+                if t.kind != "embedding" else
                 sum(p.numel() * p.element_size() for p in t.module.parameters(recurse=False)), from_file(t),
                 grad_bytes(t))
                for t in streamed]

@@ -40,6 +40,7 @@ class _Candidate(NamedTuple):
     bus_bytes: int       # bytes that cross the bus per fetch
     slot_bytes: int      # bytes in a slot (bus + workspace)
     resident_bytes: int  # bytes on the device when kept resident
+    host_bytes: Optional[int] = None  # bytes in the host store when not bus_bytes (a trainable coded weight)
 
 
 def offload(
@@ -117,7 +118,11 @@ def offload(
         whose shape the format cannot pack stay dense, with one warning), or a
         dict {glob pattern: format or None} for per-layer choices (first match
         wins; an explicit format that cannot pack a layer is an error).
-        Quantized weights must be frozen (requires_grad False). Each quantized
+        Quantized weights must be frozen (requires_grad False), except with
+        "lossless": a trainable weight stays a dense parameter on the host
+        (backward and the optimizer write it) and crosses the bus coded,
+        re-coded before its next copy after it changed (host RAM: the weight
+        plus its largest coded size; docs/design/quant-formats.md). Each quantized
         layer's slot holds the packed weight and, written on the device right
         after the copy, the dequantized weight. The module keeps a data-less
         (meta) weight: load_state_dict() and weight.copy_() re-quantize new
@@ -420,7 +425,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         if (fmt is not None or kind != "linear") and not deferred:  # packed here from its values; or not a Linear
             _read_in(model, weight)
             weight = module.weight
-        if fmt is not None and weight.requires_grad:
+        if fmt not in (None, "lossless") and weight.requires_grad:  # lossless: dense on the host, coded on the bus
             trainable.append(name or "<root>")
         elif fmt not in (None, "lossless") and not deferred and not bool(torch.isfinite(weight.detach()).all()):
             # Checked before anything changes: the packer refuses it, and undoing the layers
@@ -444,9 +449,13 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         dense_dtype = pre.dense_dtype if pre is not None else weight.dtype
         dense_w = rows * cols * dense_dtype.itemsize
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
+        host_bytes = None  # what the host store holds: the bus bytes unless said here
         if fmt == "lossless":  # its coded size depends on its values; decoded into its own dtype
             w_bytes = _C.lossless_coded_bytes(weight.detach().contiguous())
             w_written = dense_w
+            if weight.requires_grad:  # dense in the store; coded copy and slot part at their largest size
+                w_cap = _C.lossless_max_bytes(weight.detach().contiguous())
+                host_bytes = dense_w + w_cap + b_bytes
         elif pre is not None or fmt is not None:
             w_bytes = _C.quant_packed_bytes(pre.format if pre is not None else fmt, rows, cols)
             w_written = dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize
@@ -460,8 +469,11 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             cast_b = compute_dtype is not None and bias.dtype != compute_dtype
             parts.append((b_bytes, bias.numel() * compute_dtype.itemsize if cast_b else 0))
         layout = _C.slot_layout(parts)
-        layers.append(_Candidate(name, module, kind, fmt, pre, layout["bus_bytes"], layout["slot_bytes"],
-                                 dense_w + b_bytes))
+        bus = layout["bus_bytes"]
+        if host_bytes is not None:  # Note [Trainable coded weights] (engine_coded.cpp)
+            layout = _C.slot_layout([(w_cap, w_written)] + parts[1:])
+        layers.append(_Candidate(name, module, kind, fmt, pre, bus, layout["slot_bytes"],
+                                 dense_w + b_bytes, host_bytes))
     # GGUF weights (load_gguf) of layers that stream neither as Linear layers nor in a tensor
     # group (excluded, a subclass with its own forward, ...) stay resident: dense, dequantized
     # here so that the planner counts them (not undone if offload() fails: the values are the same).
@@ -474,7 +486,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
                 _read_in(model, p)
     if isinstance(quantize, dict):
         # A table named explicitly (no wildcard) for a format: tables are never quantized.
-        named = [f"'{name}'" for name, _, _, _, _, _, _, _ in tables
+        named = [f"'{name}'" for name, *_ in tables
                  if any(not any(c in pattern for c in "*?[") and fnmatch.fnmatchcase(name, pattern) and fmt
                         for pattern, fmt in quantize.items())]
         if named:
@@ -624,7 +636,7 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
     """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
     appending to `attached` / `streamed_params` as it goes (what offload() undoes on
     failure)."""
-    for name, module, kind, fmt, pre, _, _, _ in layers:
+    for name, module, kind, fmt, pre, *_ in layers:
         if name in resident_names:  # the planner counted it dense
             for owner in (dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]):
                 _materialize_gguf(owner)

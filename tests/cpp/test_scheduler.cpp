@@ -467,6 +467,70 @@ TEST_F(SchedulerTest, PartialAcquireCopiesOnlyItsRangesAndIsNeverReused) {
   EXPECT_TRUE(sim->ordering_errors().empty());
 }
 
+// parts_stale / refresh_parts (the engine's trainable coded weights): a
+// stale layer's host bytes are remade before its copy, after its earlier
+// copies have read them (the checker sees the host write ordered after
+// them), and only the bytes refresh_parts names cross the bus.
+TEST_F(SchedulerTest, StaleHostBytesAreRemadeAfterEarlierCopiesAndTheirNewSizeIsCopied) {
+  SimOptions o;
+  o.h2d_gbps = 0.05;  // slow copies: a refresh that did not wait would overlap one
+  o.latency_us = 0;
+  auto slow = make_sim_backend(o);
+  HostStore st(*slow);
+  Stream xfer = slow->create_stream("transfer"), comp = slow->create_inline_stream("compute");
+  constexpr size_t kBytes = 64 << 10;
+  std::vector<LayerSpec> specs(5);
+  std::vector<size_t> idx;
+  for (int l = 0; l < 5; ++l) {
+    std::vector<unsigned char> bytes(kBytes, static_cast<unsigned char>(l));
+    idx.push_back(st.add(bytes.size(), bytes.data(), "coded" + std::to_string(l)));
+    specs[size_t(l)].name = "layer" + std::to_string(l);
+    specs[size_t(l)].parts.push_back(st.buffer(idx.back()));
+  }
+  std::vector<uint64_t> version(5, 0), coded(5, 0);
+  std::vector<int> refreshed(5, 0);
+  std::vector<size_t> size(5, kBytes);
+  SchedulerOptions so = options(2, 1);
+  // Content survives step boundaries and prefetching wraps into the next
+  // step: layer 0 is copied again while the last layer computes.
+  so.content_version = [&](int l) { return version[size_t(l)]; };
+  so.parts_stale = [&](int l) { return coded[size_t(l)] != version[size_t(l)]; };
+  so.refresh_parts = [&](int l, std::vector<size_t>& bytes) {
+    const BufferRef& b = st.buffer(idx[size_t(l)]);
+    slow->declare_host_access(b, Access::Write, "re-code layer" + std::to_string(l));
+    std::memset(b.ptr, 100 + refreshed[size_t(l)]++, size[size_t(l)]);
+    bytes.at(0) = size[size_t(l)];
+    coded[size_t(l)] = version[size_t(l)];
+  };
+  Scheduler sched(*slow, xfer, specs, so);
+  const std::vector<int> order = {0, 1, 2, 3, 4};
+  for (int step = 0; step < 2; ++step) run_step(sched, comp, order, 5);
+  EXPECT_EQ(refreshed, (std::vector<int>{0, 0, 0, 0, 0}));
+  // "An optimizer step" while the next step's first layer may still be
+  // copying: every layer changes and now takes fewer bytes.
+  size = {1000, 2000, 3000, 4000, 5000};
+  version = {1, 1, 1, 1, 1};
+  const uint64_t before = sched.stats().h2d_bytes;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int l = order[i];
+    Lease x = sched.acquire(l, comp);
+    const auto* got = static_cast<const unsigned char*>(x.part_ptr(0));
+    EXPECT_EQ(got[0], 100) << "layer " << l << " holds bytes copied before they were remade";
+    EXPECT_EQ(got[size[size_t(l)] - 1], 100);
+    sched.release(x, comp);
+  }
+  EXPECT_EQ(refreshed, (std::vector<int>{1, 1, 1, 1, 1})) << "each layer is remade once";
+  // Each layer's new bytes once, and the next step's layer 0, prefetched by now.
+  EXPECT_EQ(sched.stats().h2d_bytes - before, 1000u + 2000 + 3000 + 4000 + 5000 + 1000);
+  slow->synchronize(xfer);
+  const auto errors = slow->ordering_errors();
+  EXPECT_TRUE(errors.empty()) << errors.size() << " ordering errors, first: " << errors.front();
+  // One of the pair without the other is refused.
+  SchedulerOptions half = options(2, 1);
+  half.parts_stale = so.parts_stale;
+  EXPECT_THROW(Scheduler(*slow, xfer, specs, half), Error);
+}
+
 // set_prefetch(layer, false): replay passes over the layer (it is fetched on
 // demand) and prefetches the layers after it instead.
 TEST_F(SchedulerTest, ALayerWithoutPrefetchIsFetchedOnDemandAndSkipped) {

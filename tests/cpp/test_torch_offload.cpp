@@ -182,6 +182,54 @@ TEST(TorchOffload, LosslessStreamsBitIdenticalAndDetachRestoresTheWeights) {
   hp->detach();
 }
 
+TEST(TorchOffload, TrainableLosslessWeightsTrainLikePlainOnesAndAreRecodedAfterEachStep) {
+  // Full fine-tuning with quantize = "lossless" from C++ (Note [Trainable
+  // coded weights]): the parameters stay dense, the optimizer writes them,
+  // the next copy re-codes them; every step bit for bit the plain stream's.
+  torch::manual_seed(0);
+  auto make = [] {
+    torch::nn::Sequential m(layerstream::nn::Linear(256, 256), layerstream::nn::Linear(256, 64));
+    torch::NoGradGuard ng;
+    for (auto& p : m->parameters()) p.normal_(0, 0.02);
+    m->to(torch::kBFloat16);
+    return m;
+  };
+  auto plain = make();
+  auto coded = make();
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < plain->parameters().size(); ++i) coded->parameters()[i].copy_(plain->parameters()[i]);
+  }
+  auto o = sim_options();
+  auto hp = layerstream::offload(*plain, o);
+  o.quantize = "lossless";
+  auto hc = layerstream::offload(*coded, o);
+  EXPECT_EQ(hc->stats().coded_layers, 2u);
+  EXPECT_EQ(hc->engine()->layer_format(0), "");  // a dense parameter; only the bus is coded
+  torch::optim::SGD sp(plain->parameters(), 0.1), sc(coded->parameters(), 0.1);
+  const uint64_t dense = (256 * 256 + 256 * 64) * 2;
+  for (int step = 0; step < 3; ++step) {
+    const auto x = torch::randn({3, 256}).to(torch::kBFloat16);
+    const auto yp = plain->forward(x), yc = coded->forward(x);
+    EXPECT_TRUE(torch::equal(yc, yp)) << "step " << step;
+    yp.to(torch::kFloat).square().mean().backward();
+    yc.to(torch::kFloat).square().mean().backward();
+    sp.step();
+    sc.step();
+    sp.zero_grad();
+    sc.zero_grad();
+    for (size_t i = 0; i < plain->parameters().size(); ++i)
+      EXPECT_TRUE(torch::equal(coded->parameters()[i], plain->parameters()[i])) << "step " << step << " #" << i;
+    EXPECT_EQ(hc->stats().recoded_bytes, static_cast<uint64_t>(step) * dense) << "step " << step;
+  }
+  hc->synchronize();
+  hp->synchronize();
+  EXPECT_LT(hc->stats().h2d_bytes, hp->stats().h2d_bytes * 3 / 4);
+  EXPECT_EQ(hc->stats().ordering_errors, 0u);
+  hc->detach();
+  hp->detach();
+}
+
 TEST(TorchOffload, EngineRefusesToQuantizeOrShareABiasOfATiedWeight) {
   auto engine = layerstream::Engine::create(sim_options());
   auto table = torch::randn({10, 4});

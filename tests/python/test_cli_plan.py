@@ -419,6 +419,20 @@ def test_quantize_lossless_measures_each_weights_coded_size(tmp_path):
         got = layers[name[:-len(".weight")]]["bytes"]
         assert abs(got - coded) <= 0.02 * coded, (name, got, coded)
         assert got < t.numel() * 2
+    # Trained (full fine-tuning), a weight stays dense on the host next to its coded copy at its
+    # largest size, and a slot holds that size and the decoded weight; the bus still carries the
+    # coded bytes (Note [Trainable coded weights]).
+    deep = {f"blocks.{i}.fc.weight": (torch.randn(512, 512, generator=g) * 0.02).to(torch.bfloat16)
+            for i in range(8)}
+    st.save_file(deep, str(tmp_path / "deep.safetensors"))
+    args = ("--checkpoint", tmp_path / "deep.safetensors", "--budget", "2500KiB", "--quantize", "lossless")
+    infer, train = plan_json(*args)["plan"], plan_json(*args, "--train")["plan"]
+    streamed = [l["name"] + ".weight" for l in train["layers"] if l["placement"] == "streamed"]
+    assert len(streamed) >= 6
+    assert [l["bytes"] for l in train["layers"]] == [l["bytes"] for l in infer["layers"]]
+    assert train["host_pinned_bytes"] == sum(deep[n].numel() * 2 + _C.lossless_max_bytes(deep[n]) for n in streamed)
+    big = deep["blocks.0.fc.weight"]
+    assert train["slot_bytes"] >= _C.lossless_max_bytes(big) + big.numel() * 2 > infer["slot_bytes"]
     r = run("--model", "llama-7b", "--budget", "1GiB", "--quantize", "lossless")
     assert_one_line_error(r, 2, "--quantize lossless needs a .safetensors --checkpoint")
 
