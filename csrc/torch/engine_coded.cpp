@@ -44,7 +44,8 @@ void EngineImpl::make_coded_locked(LayerInfo& info) {
            " bytes (a view with gaps), so it cannot be coded; make it contiguous or do not quantize this layer");
   auto c = std::make_shared<CodedWeight>();
   c->capacity = lossless::max_encoded_bytes(dtype, numel);
-  c->index = store_->add(c->capacity, nullptr, info.name + ".weight[lossless]");
+  // Private to this process in a shared store: each rank codes its own copy.
+  c->index = store_->add(c->capacity, nullptr, info.name + ".weight[lossless]", /*shareable=*/false);
   c->buffer = store_->buffer(c->index).ptr;
   c->version = info.weight._version();
   const lossless::Analysis a = lossless::analyze(dtype, info.w_host, numel);

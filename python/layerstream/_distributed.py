@@ -158,6 +158,7 @@ class Distributed:
                 if p.requires_grad and not hasattr(p, "_layerstream_shard"):
                     p._layerstream_shard = Shard(p, index, count, self.pg, name)
                     self.shards.append(p)
+            Shard.assign_owners(self.shards, count)
 
     def check_shards(self) -> None:
         """Before a forward: no shared trainable tensor was written except by a sharded step."""
@@ -235,8 +236,10 @@ def _dense(t: torch.Tensor) -> bool:
 
 class Shard:
     """A trainable streamed tensor in a store shared by `count` ranks of a node
-    (share_host_store="all"): this rank steps elements [lo, hi) of it in memory order
-    (layerstream.optim); the others step theirs into the same memory."""
+    (share_host_store="all"). layerstream.optim.AdamW: this rank steps elements [lo, hi)
+    of it in memory order; the others step theirs into the same memory. Adafactor,
+    whose statistics span whole matrices: the tensor's `owner` (a local rank index,
+    assign_owners()) steps all of it (docs/design/distributed.md, "Sharded step")."""
 
     def __init__(self, p: torch.Tensor, index: int, count: int, group, name: str):
         if not _dense(p):
@@ -245,7 +248,24 @@ class Shard:
         n = p.numel()
         self.lo, self.hi = n * index // count, n * (index + 1) // count
         self.group, self.name = group, name
+        self.index, self.owner = index, None
         self.version = p._version  # the last version a sharded step left (Distributed.check_shards)
+
+    @property
+    def owned(self) -> bool:
+        """Whether this rank steps the whole tensor (Adafactor)."""
+        return self.owner == self.index
+
+    @staticmethod
+    def assign_owners(params: List[torch.Tensor], count: int) -> None:
+        """Whole tensors to ranks, largest first, each to the rank with the fewest
+        elements so far (ties: the lower rank), as torch's ZeroRedundancyOptimizer
+        partitions parameters; the same on every rank (the same model, in order)."""
+        loads = [0] * count
+        for p in sorted(params, key=lambda q: -q.numel()):  # stable: equal sizes keep model order
+            r = min(range(count), key=lambda i: (loads[i], i))
+            p._layerstream_shard.owner = r
+            loads[r] += p.numel()
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's elements of `t` (the parameter, or a gradient laid out like it)."""

@@ -425,10 +425,6 @@ class Adafactor(_HostOptimizer):
         return st
 
     def _states(self, p, group, count=True):
-        if hasattr(p, "_layerstream_shard"):
-            raise RuntimeError("layerstream.optim.Adafactor factors whole matrices and cannot step a shard of a "
-                               "parameter (offload(share_host_store=\"all\")); use layerstream.optim.AdamW, or "
-                               "share_host_store=None")
         st = self.state[p]
         if len(st) == 0:
             row, col, v, m = _C.optim_adafactor_init_states(p.detach(), group["beta1"] is not None)
@@ -467,6 +463,16 @@ class Adafactor(_HostOptimizer):
         scale, work, stepped = self._scale_and_rest(work, grads)
         for p in stepped:  # stepped during the backward with the state's count + 1
             self.state[p]["step"] += 1
+        sharded = [p for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")]
+        if sharded:
+            # Sharded (offload(share_host_store="all")): whole tensors, each stepped by the
+            # rank that owns it (Shard.assign_owners), after every rank's backward has read
+            # the shared weights; every tensor is written before anyone reads on.
+            sharded[0]._layerstream_shard.barrier()
+            mine = [[i for i, p in enumerate(ps) if not hasattr(p, "_layerstream_shard")
+                     or p._layerstream_shard.owned] for _, ps, _, _ in work]
+            work = [(group, [ps[i] for i in m], [gs[i] for i in m], [keys[i] for i in m])
+                    for (group, ps, gs, keys), m in zip(work, mine)]
         for group, ps, gs, keys in work:
             if not ps:
                 continue
@@ -477,4 +483,8 @@ class Adafactor(_HostOptimizer):
                 [s.get("exp_avg") for s in states], [s["step"] for s in states], keys, scale, int(group["seed"]))
             for s, r in zip(states, rms):
                 s["RMS"].fill_(r)
+        if sharded:
+            sharded[0]._layerstream_shard.barrier()
+            for p in sharded:
+                p._layerstream_shard.version = p._version
         return loss

@@ -91,3 +91,12 @@ def host_adamw(params):
     the single process's different roundings of ~0 into opposite lr-sized updates."""
     import layerstream.optim
     return layerstream.optim.AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.01)
+
+
+def host_adafactor(params):
+    """The sharded Adafactor scenario's optimizer: layerstream's Adafactor with a fixed
+    lr. eps[0] (added to the squared gradient) is large enough that a gradient at
+    rounding level is not normalized into a full-size step (see host_adamw)."""
+    import layerstream.optim
+    return layerstream.optim.Adafactor(params, lr=1e-3, eps=(1e-6, 1e-3), relative_step=False,
+                                       scale_parameter=False)

@@ -7,13 +7,15 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_models import BATCH, LORA_LR, batch_of, host_adamw, lora_model, make_model, train_steps  # noqa: E402
+from dist_models import (BATCH, LORA_LR, batch_of, host_adafactor, host_adamw, lora_model, make_model,  # noqa: E402
+                         train_steps)
 
 import layerstream  # noqa: E402
 from layerstream._distributed import store_pss  # noqa: E402
@@ -62,6 +64,24 @@ def main():
                 ddp(batch_of(0, 0)[:BATCH][0])
             except layerstream.LayerstreamError as e:
                 result["torch_optim"] = str(e)
+        elif scenario == "sharded_adafactor":
+            # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
+            # owner rank), and the Linear weights crossing the bus lossless-coded.
+            model = make_model()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the attention group is not coded
+                handle = layerstream.offload(model, device="sim", share_host_store="all", quantize="lossless")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
+                                           accumulate_with=ddp.no_sync, optimizer=host_adafactor)
+            opt = train_steps.optimizer
+            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            result["stats"] = handle.stats()
+            result["owned"] = sorted(n for n, p in model.named_parameters()
+                                     if hasattr(p, "_layerstream_shard") and len(opt.state[p]) > 0)
+            result["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "_layerstream_shard"))
+            result["owned_numel"] = sum(p.numel() for n, p in model.named_parameters() if n in result["owned"])
+            dist.barrier()
         elif scenario == "crash":
             model = lora_model(wide=True)
             handle = layerstream.offload(model, device="sim")

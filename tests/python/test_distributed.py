@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_models import BATCH, LORA_LR, STEPS, batch_of, host_adamw, lora_model, make_model, train_steps
+from dist_models import (BATCH, LORA_LR, STEPS, batch_of, host_adafactor, host_adamw, lora_model, make_model,
+                         train_steps)
 
 import layerstream
 
@@ -122,6 +123,27 @@ def test_sharded_host_step_into_one_shared_copy(tmp_path):
         assert "written by something other than layerstream.optim's sharded step" in res["torch_optim"]
     pss = sum(res["pss"] for res in results)
     assert 0.95 * nbytes <= pss <= nbytes + 4096 * 16, (pss, nbytes)
+
+
+def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
+    """layerstream.optim.Adafactor on a shared host copy: each trainable streamed tensor
+    is stepped whole by one rank (largest first to the least-loaded rank), the results
+    equal one process with the same optimizer, and the Linear weights, lossless-coded on
+    the bus, are re-coded by every rank after their owner's write."""
+    world = 2
+    results = _run("sharded_adafactor", world, tmp_path)
+    model = make_model()
+    ref_losses = _reference(model, world, optimizer=host_adafactor)
+    _check_equal(results, model, ref_losses, world)
+    sharded = results[0]["sharded"]
+    owned = [set(res["owned"]) for res in results]
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == set(sharded)
+    total = sum(res["owned_numel"] for res in results)
+    largest = max(p.numel() for n, p in model.named_parameters() if n in sharded)
+    assert max(res["owned_numel"] for res in results) <= max(total / 2 + largest / 2, largest)
+    for res in results:
+        s = res["stats"]
+        assert s["coded_layers"] >= 1 and s["recoded_bytes"] > 0  # every rank re-codes its own copy
 
 
 def test_a_crashed_rank_leaves_no_segment(tmp_path):
