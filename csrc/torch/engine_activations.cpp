@@ -107,7 +107,7 @@ bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
   auto pooled = host_pool_.find(s.bytes);
   if (pooled == host_pool_.end() && opts_.activation_host_cap >= 0 &&
       act_host_bytes_ + s.bytes > static_cast<uint64_t>(opts_.activation_host_cap)) {
-    warn_once("activation-host-cap",
+    warn_once("activation-host-cap-" + std::to_string(id_),
               "saved activations: the host budget leaves " + format_bytes(opts_.activation_host_cap) +
                   " for their host copies and they need more; the rest stay on the device (raise host_budget, "
                   "or keep fewer on the host with activations=<device budget>)");
@@ -128,7 +128,7 @@ bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
                                           act_pinned_bytes_ + s.bytes <=
                                               static_cast<uint64_t>(opts_.activation_pinned_cap));
     if (opts_.pin_memory && !pin)
-      warn_once("activation-pinned-cap",
+      warn_once("activation-pinned-cap-" + std::to_string(id_),
                 "saved activations: the pinned budget leaves " + format_bytes(opts_.activation_pinned_cap) +
                     " for their host copies and they need more; the rest use pageable memory (slower copies; "
                     "raise pinned_budget)");

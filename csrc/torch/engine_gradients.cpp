@@ -32,7 +32,7 @@ void EngineImpl::push_grads(int layer_index, Lease& scratch, bool has_w, bool ha
     const int64_t cap = opts_.grad_staging_pinned_cap;
     const bool pin = opts_.pin_memory && (cap < 0 || grad_pinned_bytes_ + bytes <= static_cast<uint64_t>(cap));
     if (opts_.pin_memory && !pin)
-      warn_once("grad-staging-pinned-cap",
+      warn_once("grad-staging-pinned-cap-" + std::to_string(id_),
                 "gradients: the pinned budget leaves " + format_bytes(static_cast<uint64_t>(cap)) +
                     " for their host staging buffers and they need more; the rest use pageable memory (on CUDA "
                     "their copies block the backward's thread; raise pinned_budget)");
