@@ -46,6 +46,18 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// The optimizer loops this CPU runs: the generic ones first, then AVX2 and
+// AVX-512 where the CPU has them.
+std::vector<const o::detail::Kernels*> instruction_sets() {
+  std::vector<const o::detail::Kernels*> v{&o::detail::generic::kKernels};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) v.push_back(&o::detail::avx2::kKernels);
+  if (o::detail::avx512_usable()) v.push_back(&o::detail::avx512::kKernels);
+#endif
+  return v;
+}
+
 // ---------------------------------------------------------------- thread pool
 TEST(OptimThreadPool, RunsEveryTaskOnceAndRethrowsTheFirstError) {
   o::ThreadPool pool(3);
@@ -297,13 +309,15 @@ TEST(OptimAdamW, ResultsDoNotDependOnThreadsOrInstructionSet) {
   }
 }
 
-// The generic and AVX2 loops give identical bits (when this CPU has AVX2).
-TEST(OptimAdamW, GenericAndAvx2KernelsAgree) {
-  if (std::string(o::detail::kernels().isa) != "avx2") GTEST_SKIP() << "no AVX2 on this CPU";
+// The generic loops and every wider copy this CPU runs (AVX2, AVX-512) give
+// identical bits.
+TEST(OptimAdamW, EveryInstructionSetGivesTheSameBits) {
+  const std::vector<const o::detail::Kernels*> isas = instruction_sets();
+  if (isas.size() < 2) GTEST_SKIP() << "this CPU runs only the generic loops";
   const int64_t n = 4096 + 13;
   for (o::StateFormat f : {o::StateFormat::F32, o::StateFormat::BF16, o::StateFormat::Q8}) {
     std::vector<std::vector<uint8_t>> outs;
-    for (const o::detail::Kernels* k : {&o::detail::generic::kKernels, &o::detail::avx2::kKernels}) {
+    for (const o::detail::Kernels* k : isas) {
       std::vector<float> p = randn(static_cast<size_t>(n), 11), g = randn(static_cast<size_t>(n), 12);
       std::vector<uint16_t> pb(static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) pb[static_cast<size_t>(i)] = o::bf16_rne(p[static_cast<size_t>(i)] * 3.0f);
@@ -334,7 +348,7 @@ TEST(OptimAdamW, GenericAndAvx2KernelsAgree) {
       all.insert(all.end(), v.begin(), v.end());
       outs.push_back(all);
     }
-    EXPECT_EQ(outs[0], outs[1]) << o::state_format_name(f);
+    for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(outs[0], outs[i]) << o::state_format_name(f) << " " << isas[i]->isa;
   }
 }
 
@@ -457,9 +471,10 @@ TEST(OptimAdamW, FusedPassEqualsTheSeparatePasses) {
   }
 }
 
-// The generic and AVX2 gradient additions agree (when this CPU has AVX2).
-TEST(OptimAdamW, GenericAndAvx2GradientAdditionAgree) {
-  if (std::string(o::detail::kernels().isa) != "avx2") GTEST_SKIP() << "no AVX2 on this CPU";
+// The gradient additions of every instruction set this CPU runs agree.
+TEST(OptimAdamW, EveryInstructionSetAddsGradientsAlike) {
+  const std::vector<const o::detail::Kernels*> isas = instruction_sets();
+  if (isas.size() < 2) GTEST_SKIP() << "this CPU runs only the generic loops";
   const size_t n = 1000 + 7;
   std::vector<float> a = randn(n, 31), b = randn(n, 32);
   a[3] = std::nanf("");
@@ -469,19 +484,77 @@ TEST(OptimAdamW, GenericAndAvx2GradientAdditionAgree) {
     a16[i] = o::bf16_rne(a[i]);
     b16[i] = o::bf16_rne(b[i]);
   }
-  std::vector<float> out[2];
-  std::vector<uint16_t> out16[2];
-  int k = 0;
-  for (const o::detail::Kernels* ks : {&o::detail::generic::kKernels, &o::detail::avx2::kKernels}) {
-    out[k].resize(n);
-    out16[k].resize(n);
-    ks->grad_add(out[k].data(), a.data(), b.data(), o::Dtype::F32, static_cast<int64_t>(n));
-    ks->grad_add(out16[k].data(), a16.data(), b16.data(), o::Dtype::BF16, static_cast<int64_t>(n));
-    ++k;
+  std::vector<std::vector<float>> out(isas.size(), std::vector<float>(n));
+  std::vector<std::vector<uint16_t>> out16(isas.size(), std::vector<uint16_t>(n));
+  for (size_t k = 0; k < isas.size(); ++k) {
+    isas[k]->grad_add(out[k].data(), a.data(), b.data(), o::Dtype::F32, static_cast<int64_t>(n));
+    isas[k]->grad_add(out16[k].data(), a16.data(), b16.data(), o::Dtype::BF16, static_cast<int64_t>(n));
   }
-  EXPECT_TRUE(same_bits(out[0], out[1]));
-  EXPECT_EQ(out16[0], out16[1]);
+  for (size_t k = 1; k < isas.size(); ++k) {
+    EXPECT_TRUE(same_bits(out[0], out[k])) << isas[k]->isa;
+    EXPECT_EQ(out16[0], out16[k]) << isas[k]->isa;
+  }
   EXPECT_EQ(out[0][10], a[10] + b[10]);
+}
+
+// Adafactor's loops (row/column statistics, the update's sum of squares, the
+// update) give identical bits on every instruction set this CPU runs, for
+// fp32 and bf16 parameters, factored or not, with a first moment and weight
+// decay, on sizes that leave tails.
+TEST(OptimAdafactor, EveryInstructionSetGivesTheSameBits) {
+  const std::vector<const o::detail::Kernels*> isas = instruction_sets();
+  if (isas.size() < 2) GTEST_SKIP() << "this CPU runs only the generic loops";
+  const int64_t R = 19, C = 77, n = R * C;
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool factored = variant % 2 == 0, bf16 = variant >= 2;
+    std::vector<std::vector<uint8_t>> outs;
+    for (const o::detail::Kernels* k : isas) {
+      std::vector<float> p = randn(static_cast<size_t>(n), 5), g = randn(static_cast<size_t>(n), 6, 0.1f);
+      std::vector<uint16_t> pb(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) pb[static_cast<size_t>(i)] = o::bf16_rne(p[static_cast<size_t>(i)]);
+      std::vector<float> v(static_cast<size_t>(n), 0.01f), m(static_cast<size_t>(n), 0.0f);
+      o::AdafactorTensor t;
+      t.param = bf16 ? static_cast<void*>(pb.data()) : static_cast<void*>(p.data());
+      t.param_dtype = bf16 ? o::Dtype::BF16 : o::Dtype::F32;
+      t.grad = g.data();
+      t.factored = factored;
+      t.rows = factored ? R : 1;
+      t.cols = factored ? C : n;
+      t.exp_avg_sq = v.data();
+      t.exp_avg = m.data();
+      o::detail::AdafactorScalars s;
+      s.grad_scale = 0.5f;
+      s.b2t = 0.9f;
+      s.om_b2t = 0.1f;
+      s.clip_div = 1.25f;
+      s.lr = 1e-2f;
+      s.first_moment = true;
+      s.beta1 = 0.9f;
+      s.om_beta1 = 0.1f;
+      s.weight_decay = true;
+      s.neg_wd_lr = -1e-4f;
+      std::vector<double> rows(static_cast<size_t>(R), 0.0), cols(static_cast<size_t>(C), 0.0);
+      if (factored) k->af_stats(t, s, 0, 0, R, rows.data(), cols.data());
+      std::vector<float> rf(static_cast<size_t>(R)), cf(static_cast<size_t>(C));
+      for (int64_t r = 0; r < R; ++r) rf[static_cast<size_t>(r)] = 1.0f / (1.0f + static_cast<float>(r) * 0.01f);
+      for (int64_t c = 0; c < C; ++c) cf[static_cast<size_t>(c)] = 1.0f + static_cast<float>(c) * 0.003f;
+      const double ss = k->af_update_sumsq(t, s, rf.data(), cf.data(), 0, n);
+      k->af_apply(t, s, rf.data(), cf.data(), o::detail::chunk_keys(9, 1, 1, 0), 0, n);
+      std::vector<uint8_t> all;
+      const auto put = [&all](const void* d, size_t bytes) {
+        all.insert(all.end(), static_cast<const uint8_t*>(d), static_cast<const uint8_t*>(d) + bytes);
+      };
+      put(rows.data(), rows.size() * 8);
+      put(cols.data(), cols.size() * 8);
+      put(&ss, 8);
+      put(p.data(), p.size() * 4);
+      put(pb.data(), pb.size() * 2);
+      put(v.data(), v.size() * 4);
+      put(m.data(), m.size() * 4);
+      outs.push_back(all);
+    }
+    for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(outs[0], outs[i]) << "variant " << variant << " " << isas[i]->isa;
+  }
 }
 
 // bf16 parameters: many small steps whose updates are far below one bf16 ulp

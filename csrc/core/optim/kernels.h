@@ -1,9 +1,11 @@
 // layerstream — internal: the per-chunk loops of the host optimizers, compiled
 // once per instruction set (kernels_generic.cpp: the compiler's baseline;
-// kernels_avx2.cpp: AVX2) from kernels_impl.h, and the table the dispatcher
-// picks at first use. Both variants compute the same IEEE operations in the
-// same order (no fused multiply-add: -ffp-contract=off), so they give
-// bit-identical results; only the vector width differs.
+// kernels_avx2.cpp: AVX2; kernels_avx512.cpp: AVX-512 F/BW/VL/DQ with 512-bit
+// vectors) from kernels_impl.h, and the table the dispatcher picks at first
+// use (the widest the CPU runs; LS_OPTIM_ISA=generic or avx2 forces one).
+// All variants compute the same IEEE operations in the same order (no fused
+// multiply-add: -ffp-contract=off; reductions into 8 fixed accumulators), so
+// they give bit-identical results; only the vector width differs.
 #pragma once
 
 #include <cstdint>
@@ -81,6 +83,11 @@ extern const Kernels kKernels;
 namespace avx2 {
 extern const Kernels kKernels;
 }
+namespace avx512 {
+extern const Kernels kKernels;
+}
+// Whether this CPU (and OS) runs the AVX-512 loops (F, BW, VL, DQ).
+bool avx512_usable();
 
 }  // namespace detail
 }  // namespace optim

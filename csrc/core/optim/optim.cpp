@@ -73,12 +73,23 @@ void check_adamw(const AdamWConfig& c) {
 
 namespace detail {
 
+bool avx512_usable() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
 const Kernels& kernels() {
   static const Kernels* k = [] {
     const char* force = std::getenv("LS_OPTIM_ISA");
     if (force && std::string(force) == "generic") return &generic::kKernels;
 #if defined(__x86_64__)
     __builtin_cpu_init();
+    if (avx512_usable() && !(force && std::string(force) == "avx2")) return &avx512::kKernels;
     if (__builtin_cpu_supports("avx2")) return &avx2::kKernels;
 #endif
     return &generic::kKernels;
