@@ -143,26 +143,30 @@ TEST(TorchOffload, QuantizeLeavesATiedWeightUnquantized) {
   handle->detach();
 }
 
-TEST(TorchOffload, LosslessStreamsBitIdenticalAndDetachRestoresTheWeights) {
-  // quantize = "lossless" (core/lossless.h) from C++: outputs bit for bit those
-  // of the uncompressed stream, fewer bytes on the link, weights back exactly.
-  torch::manual_seed(0);
-  auto make = [] {
+// Two equal Linear(256, 256) + Linear(256, 64) bf16 models, N(0, 0.02) weights.
+std::pair<torch::nn::Sequential, torch::nn::Sequential> two_equal_bf16_mlps(bool trainable) {
+  auto make = [trainable] {
     torch::nn::Sequential m(layerstream::nn::Linear(256, 256), layerstream::nn::Linear(256, 64));
     torch::NoGradGuard ng;
     for (auto& p : m->parameters()) {
       p.normal_(0, 0.02);
-      p.requires_grad_(false);
+      p.requires_grad_(trainable);
     }
     m->to(torch::kBFloat16);
     return m;
   };
-  auto plain = make();
-  auto coded = make();
-  {
-    torch::NoGradGuard ng;
-    for (size_t i = 0; i < plain->parameters().size(); ++i) coded->parameters()[i].copy_(plain->parameters()[i]);
-  }
+  auto a = make();
+  auto b = make();
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  return {a, b};
+}
+
+TEST(TorchOffload, LosslessStreamsBitIdenticalAndDetachRestoresTheWeights) {
+  // quantize = "lossless" (core/lossless.h) from C++: outputs bit for bit those
+  // of the uncompressed stream, fewer bytes on the link, weights back exactly.
+  torch::manual_seed(0);
+  auto [plain, coded] = two_equal_bf16_mlps(/*trainable=*/false);
   std::vector<torch::Tensor> before;
   for (auto& p : coded->parameters()) before.push_back(p.detach().clone());
   auto o = sim_options();
@@ -187,19 +191,7 @@ TEST(TorchOffload, TrainableLosslessWeightsTrainLikePlainOnesAndAreRecodedAfterE
   // coded weights]): the parameters stay dense, the optimizer writes them,
   // the next copy re-codes them; every step bit for bit the plain stream's.
   torch::manual_seed(0);
-  auto make = [] {
-    torch::nn::Sequential m(layerstream::nn::Linear(256, 256), layerstream::nn::Linear(256, 64));
-    torch::NoGradGuard ng;
-    for (auto& p : m->parameters()) p.normal_(0, 0.02);
-    m->to(torch::kBFloat16);
-    return m;
-  };
-  auto plain = make();
-  auto coded = make();
-  {
-    torch::NoGradGuard ng;
-    for (size_t i = 0; i < plain->parameters().size(); ++i) coded->parameters()[i].copy_(plain->parameters()[i]);
-  }
+  auto [plain, coded] = two_equal_bf16_mlps(/*trainable=*/true);
   auto o = sim_options();
   auto hp = layerstream::offload(*plain, o);
   o.quantize = "lossless";

@@ -21,6 +21,20 @@ import layerstream  # noqa: E402
 from layerstream._distributed import store_pss  # noqa: E402
 
 
+def _train_shared(rank, result, optimizer, **offload_kw):
+    """Full fine-tuning under DDP with one host copy shared by the node's ranks
+    (share_host_store="all"), stepped by `optimizer` (layerstream.optim, sharded);
+    fills result's losses, params and stats. Returns (model, ddp, handle, optimizer)."""
+    model = make_model()
+    handle = layerstream.offload(model, device="sim", share_host_store="all", **offload_kw)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
+                                   accumulate_with=ddp.no_sync, optimizer=optimizer)
+    result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result["stats"] = handle.stats()
+    return model, ddp, handle, train_steps.optimizer
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -43,14 +57,7 @@ def main():
         elif scenario == "sharded":
             # Full fine-tuning, one shared host copy, each rank stepping its shard of every
             # streamed tensor with layerstream.optim.AdamW.
-            model = make_model()
-            handle = layerstream.offload(model, device="sim", share_host_store="all")
-            ddp = nn.parallel.DistributedDataParallel(model)
-            result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
-                                           accumulate_with=ddp.no_sync, optimizer=host_adamw)
-            opt = train_steps.optimizer
-            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-            result["stats"] = handle.stats()
+            model, ddp, handle, opt = _train_shared(rank, result, host_adamw)
             result["plan"] = handle.plan
             result["pss"] = store_pss()
             result["state_numel"] = sum(s["exp_avg"].numel() for p, s in opt.state.items()
@@ -67,16 +74,9 @@ def main():
         elif scenario == "sharded_adafactor":
             # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
             # owner rank), and the Linear weights crossing the bus lossless-coded.
-            model = make_model()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the attention group is not coded
-                handle = layerstream.offload(model, device="sim", share_host_store="all", quantize="lossless")
-            ddp = nn.parallel.DistributedDataParallel(model)
-            result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
-                                           accumulate_with=ddp.no_sync, optimizer=host_adafactor)
-            opt = train_steps.optimizer
-            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-            result["stats"] = handle.stats()
+                model, _, _, opt = _train_shared(rank, result, host_adafactor, quantize="lossless")
             result["owned"] = sorted(n for n, p in model.named_parameters()
                                      if hasattr(p, "_layerstream_shard") and len(opt.state[p]) > 0)
             result["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "_layerstream_shard"))

@@ -1103,6 +1103,11 @@ def test_gguf_moe_experts_stream_their_file_bytes(tmp_path, offload_dev, compute
                        ref.model.layers[1].mlp.experts.down_proj.cpu())
 
 
+def _int_bits(t):
+    """A float tensor's bits (on the CPU), to compare NaN payloads and -0 too."""
+    return t.detach().cpu().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_lossless_weights_decode_on_the_device_bit_for_bit(offload_dev, compute_device, dtype):
     """quantize="lossless": each frozen weight crosses the bus entropy-coded and is decoded
@@ -1120,9 +1125,6 @@ def test_lossless_weights_decode_on_the_device_bit_for_bit(offload_dev, compute_
     handle = offload_dev(model, quantize="lossless")
     plain_handle = offload_dev(plain)
 
-    def bits(t):
-        return t.detach().cpu().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
     for step in range(3):
         x = torch.randn(5, 300, dtype=dtype, device=compute_device, requires_grad=True)
         x2 = clone_input(x)
@@ -1130,13 +1132,13 @@ def test_lossless_weights_decode_on_the_device_bit_for_bit(offload_dev, compute_
         g = torch.randn_like(y)
         y.backward(g)
         y2.backward(g)
-        assert torch.equal(bits(y), bits(y2)), step
-        assert torch.equal(bits(x.grad), bits(x2.grad)), step
+        assert torch.equal(_int_bits(y), _int_bits(y2)), step
+        assert torch.equal(_int_bits(x.grad), _int_bits(x2.grad)), step
     s = handle.stats()
     assert s["quantized_layers"] == 3 and s["h2d_bytes"] < plain_handle.stats()["h2d_bytes"]
     handle.detach()
     for a, b in zip(model.parameters(), plain.parameters()):
-        assert torch.equal(bits(a), bits(b))
+        assert torch.equal(_int_bits(a), _int_bits(b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -1155,20 +1157,17 @@ def test_trainable_lossless_weights_step_like_plain_ones(offload_dev, compute_de
     offload_dev(plain)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, plain)]
 
-    def bits(t):
-        return t.detach().cpu().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-
     for step in range(3):
         x = torch.randn(6, 256, dtype=dtype, device=compute_device, requires_grad=True)
         x2 = clone_input(x)
         y, y2 = model(x), plain(x2)
         y.float().square().mean().backward()
         y2.float().square().mean().backward()
-        assert torch.equal(bits(y), bits(y2)) and torch.equal(bits(x.grad), bits(x2.grad)), step
+        assert torch.equal(_int_bits(y), _int_bits(y2)) and torch.equal(_int_bits(x.grad), _int_bits(x2.grad)), step
         for opt in opts:
             opt.step()
             opt.zero_grad()
         for a, b in zip(model.parameters(), plain.parameters()):
-            assert torch.equal(bits(a), bits(b)), step
+            assert torch.equal(_int_bits(a), _int_bits(b)), step
     s = handle.stats()
     assert s["coded_layers"] == 2 and s["recoded_bytes"] > 0
