@@ -215,7 +215,7 @@ void EngineImpl::build_scheduler_locked() {
     s.workspace_bytes = layout.workspace_bytes;
     if (s.workspace_bytes) {
       s.post_copy = l.is_group() ? make_group_post_copy(l, s.parts.size()) : make_post_copy(l, s.parts.size());
-      s.post_copy_label = l.is_group() || l.qformat != quant::Format::None ? "dequant" : "cast";
+      s.post_copy_label = l.is_group() || l.qformat != quant::Format::None || l.coded ? "dequant" : "cast";
     }
     const size_t bytes = layout.slot_bytes();
     if (bytes > largest) {

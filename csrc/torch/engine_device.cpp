@@ -56,7 +56,7 @@ PostCopyFn EngineImpl::make_post_copy(const LayerInfo& l, size_t workspace_part)
   const size_t ws_b = l.ws_b_offset;
   const bool on_cpu = compute_device_.is_cpu();
   const int device = compute_device_.index();
-  const std::string what = (quantized ? "dequantize '" : "cast '") + l.name + "'";
+  const std::string what = (quantized || l.coded ? "dequantize '" : "cast '") + l.name + "'";
   // Lossless on CUDA: the kernel takes the code and layout from the header,
   // read here once from the host copy (the bytes the slot receives).
   std::shared_ptr<const lossless::Header> coded;
