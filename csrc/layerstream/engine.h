@@ -231,7 +231,9 @@ class Engine {
   // into one .grad as it does for a resident tied weight. A bias shared
   // with another layer is refused.
   // With a quantization format the weight is packed on the host (it must be
-  // frozen: requires_grad false) and crosses the bus packed; right after the
+  // frozen: requires_grad false; with Format::Lossless a trainable weight is
+  // adopted dense and only its copy is coded, re-coded after it changes:
+  // Note [Trainable coded weights]) and crosses the bus packed; right after the
   // copy, a dequantization on the engine's dequant stream writes the weight
   // in its dense dtype into the same slot (the slot holds both, inside the
   // budget), and compute waits only for that (cast to the activation dtype

@@ -64,11 +64,15 @@ struct OffloadOptions : EngineOptions {
   // Glob patterns (* and ?) on qualified module names; empty include = all.
   std::vector<std::string> include;
   std::vector<std::string> exclude;
-  // "", "int8", "fp8", "nf4" or "int4": pack every streamed weight (they must
-  // be frozen). In C++ the module's dense parameter is left as it is (the
-  // engine does not use it; free it yourself if host RAM matters). A write to
-  // it is refused at the layer's next call; Engine::requantize() loads new
-  // values (handle->engine()).
+  // "", "int8", "fp8", "nf4", "int4" or "lossless": pack every streamed
+  // weight (they must be frozen, but for "lossless"). In C++ the module's
+  // dense parameter is left as it is (the engine does not use it; free it
+  // yourself if host RAM matters). A write to it is refused at the layer's
+  // next call; Engine::requantize() loads new values (handle->engine()).
+  // A trainable weight with "lossless" stays the dense parameter, adopted
+  // into the host store like an unquantized one, and only its copy to the
+  // device is coded (re-coded after it changes; Note [Trainable coded
+  // weights], engine_coded.cpp).
   std::string quantize;
   // Activation offload (docs/design/activations.md): -1 off; else the device
   // budget for saved activations in bytes (0: every saved tensor that can
