@@ -103,9 +103,12 @@ struct EngineOptions {
   // Host memory the saved activations' buffers may take (-1: no cap), and how
   // much of it may be pinned (-1: no cap). offload() sets both to what the
   // host and pinned budgets leave after the store and the staging entries
-  // (core/host_tier.h Plan::spare_host_bytes). Beyond the first cap a saved
-  // tensor stays on the device; beyond the second its buffer is pageable
-  // (each with one warning).
+  // (core/host_tier.h Plan::spare_host_bytes); the gradient staging buffers
+  // of a layer used more than once in a backward (beyond the one per layer
+  // the plan counts) take from the first too. Beyond the first cap a saved
+  // tensor stays on the device (an extra gradient buffer is still made, with
+  // a warning saying by how much host_budget is exceeded); beyond the second
+  // its buffer is pageable (each with one warning).
   int64_t activation_host_cap = -1;
   int64_t activation_pinned_cap = -1;
   // Pinned bytes the gradients' host staging buffers may take (-1: no cap;

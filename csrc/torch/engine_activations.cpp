@@ -106,7 +106,7 @@ int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
 bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
   auto pooled = host_pool_.find(s.bytes);
   if (pooled == host_pool_.end() && opts_.activation_host_cap >= 0 &&
-      act_host_bytes_ + s.bytes > static_cast<uint64_t>(opts_.activation_host_cap)) {
+      act_host_bytes_ + grad_extra_bytes_ + s.bytes > static_cast<uint64_t>(opts_.activation_host_cap)) {
     warn_once("activation-host-cap-" + std::to_string(id_),
               "saved activations: the host budget leaves " + format_bytes(opts_.activation_host_cap) +
                   " for their host copies and they need more; the rest stay on the device (raise host_budget, "

@@ -45,6 +45,19 @@ void EngineImpl::push_grads(int layer_index, Lease& scratch, bool has_w, bool ha
       warn_once("grad-staging-pageable", "could not pin the gradient staging buffer of '" + l.name +
                                              "'; using pageable memory (slower gradient copies)");
     (staging.kind() == MemoryKind::HostPinned ? grad_pinned_bytes_ : grad_pageable_bytes_) += bytes;
+    if (use > 0) {
+      // The plan counts one buffer per layer; another takes what the host
+      // budget leaves, shared with saved activations' buffers.
+      grad_extra_bytes_ += bytes;
+      const int64_t spare = opts_.activation_host_cap;
+      if (spare >= 0 && act_host_bytes_ + grad_extra_bytes_ > static_cast<uint64_t>(spare))
+        warn_once("grad-staging-extra-" + std::to_string(id_),
+                  "gradients: layer '" + l.name + "' is used more than once in one backward, and its extra "
+                  "host staging buffer (" + format_bytes(bytes) + ") does not fit in what the host budget leaves (" +
+                  format_bytes(static_cast<uint64_t>(spare)) + "): host memory goes over host_budget by " +
+                  format_bytes(act_host_bytes_ + grad_extra_bytes_ - static_cast<uint64_t>(spare)) +
+                  " (raise host_budget by that much)");
+    }
   }
   Event computed = backend_->create_event();
   backend_->record(computed, cs);

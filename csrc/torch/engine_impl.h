@@ -504,6 +504,10 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   int64_t next_stash_ = 1;
   uint64_t act_budget_ = 0, act_kept_ = 0;  // act_kept_: bytes of the window's entries
   uint64_t act_host_bytes_ = 0, act_pinned_bytes_ = 0;  // host buffers allocated (pooled or in use)
+  // Gradient staging buffers beyond one per layer (a layer used more than once
+  // in a backward): they take what the host budget leaves, with the saved
+  // activations' buffers (EngineOptions::activation_host_cap).
+  uint64_t grad_extra_bytes_ = 0;
   // The gradients' staging buffers allocated (engine_gradients.cpp), by kind.
   uint64_t grad_pinned_bytes_ = 0, grad_pageable_bytes_ = 0;
   std::atomic<uint64_t> recoded_bytes_{0};  // dense bytes re-coded (engine_coded.cpp)

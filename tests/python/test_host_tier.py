@@ -330,6 +330,50 @@ def test_gradient_staging_buffers_beyond_the_pinned_budget_are_pageable():
         assert torch.equal(a, b)
 
 
+class _Twice(nn.Module):
+    """Layer `a` runs twice per forward: two gradients per backward, summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
+
+
+def test_a_layer_used_twice_takes_its_extra_gradient_buffer_from_what_the_budget_leaves():
+    """A layer called twice in one backward needs a second gradient staging buffer (its
+    uses are summed in autograd's order) that the plan, made before any step, does not
+    count: it takes what the host budget leaves (with saved activations' buffers). With
+    room for it, no warning; with none, a warning says by how much host memory goes over
+    host_budget. The gradients equal the resident model's either way."""
+    import warnings
+    from layerstream import _C
+    torch.manual_seed(0)
+    ref = _Twice()
+    x = torch.randn(3, D)
+    ref(x).sum().backward()
+    probe = layerstream.offload(copy.deepcopy(ref), device="sim", host_budget="1GiB")
+    needed = probe.host_plan["host_budget"] - probe.host_plan["spare_host_bytes"]
+    probe.detach()
+    extra = _C.gradient_staging_bytes(D * D * 4, D * 4)
+    for budget, over in ((needed + extra, False), (needed + extra - 1, True)):
+        model = copy.deepcopy(ref)
+        for p in model.parameters():
+            p.grad = None
+        h = layerstream.offload(model, device="sim", host_budget=budget)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).sum().backward()
+        said = [str(w.message) for w in caught if "used more than once in one backward" in str(w.message)]
+        assert len(said) == (1 if over else 0), said
+        if over:
+            assert "layer 'a'" in said[0] and "goes over host_budget by 1 B" in said[0]
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+        h.detach()
+
+
 _RSS_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.nn as nn
     import layerstream
