@@ -10,7 +10,10 @@
 // slot's post-copy step decodes it into the workspace, where the layer's
 // device weight lives (and gradients flow as for a dense weight).
 //
-// When: the coded copy is remade before the layer's next copy once the
+// When: the first coding is made before the layer's first copy, not at
+// offload(): in a store the node's ranks share, another rank may still be
+// writing the dense bytes then (it is done before any forward). The coded
+// copy is remade before the layer's next copy once the
 // parameter changed since it was coded, i.e. its version counter moved (every
 // in-place write through the parameter: optimizers, load_state_dict, copy_)
 // or a sample of its bytes differs (lossless::sample_fingerprint: 1024 words,
@@ -47,12 +50,7 @@ void EngineImpl::make_coded_locked(LayerInfo& info) {
   // Private to this process in a shared store: each rank codes its own copy.
   c->index = store_->add(c->capacity, nullptr, info.name + ".weight[lossless]", /*shareable=*/false);
   c->buffer = store_->buffer(c->index).ptr;
-  c->version = info.weight._version();
-  const lossless::Analysis a = lossless::analyze(dtype, info.w_host, numel);
-  lossless::encode(a, info.w_host, c->buffer, c->capacity);
-  c->header = lossless::read_header(c->buffer, c->capacity);
-  c->sample = lossless::sample_fingerprint(info.w_host, info.w_bytes);
-  info.coded = std::move(c);
+  info.coded = std::move(c);  // coded before the first copy (refresh_coded), not now: see the note
 }
 
 bool EngineImpl::coded_stale(int layer) const {
@@ -61,7 +59,7 @@ bool EngineImpl::coded_stale(int layer) const {
   CodedWeight& c = *l.coded;
   std::lock_guard<std::mutex> g(c.mu);
   // A new scheduler starts from the slot's size: tell it the coded size.
-  return !c.announced || l.weight._version() != c.version ||
+  return !c.announced || !c.coded || l.weight._version() != c.version ||
          lossless::sample_fingerprint(l.w_host, l.w_bytes) != c.sample;
 }
 
@@ -71,7 +69,8 @@ void EngineImpl::refresh_coded(int layer, std::vector<size_t>& copy_bytes) {
   std::lock_guard<std::mutex> g(c.mu);
   const uint32_t version = l.weight._version();  // read before the values
   const uint64_t sample = lossless::sample_fingerprint(l.w_host, l.w_bytes);
-  if (version != c.version || sample != c.sample) {
+  if (!c.coded || version != c.version || sample != c.sample) {
+    const bool first = !c.coded;
     const auto t0 = std::chrono::steady_clock::now();
     backend_->declare_host_access(store_->buffer(c.index), Access::Write, "re-code '" + l.name + "'");
     const quant::SrcDtype dtype = src_dtype_of(l.w_dtype, l.name);
@@ -80,11 +79,14 @@ void EngineImpl::refresh_coded(int layer, std::vector<size_t>& copy_bytes) {
     LS_INTERNAL_CHECK(a.total_bytes() <= c.capacity, "coded size over max_encoded_bytes");
     lossless::encode(a, l.w_host, c.buffer, c.capacity);
     c.header = lossless::read_header(c.buffer, c.capacity);
+    c.coded = true;
     c.version = version;
     c.sample = sample;
-    recoded_bytes_ += l.w_bytes;
-    recode_ns_ += static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    if (!first) {  // the stats count re-codes: changes after offload()
+      recoded_bytes_ += l.w_bytes;
+      recode_ns_ += static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    }
   }
   c.announced = true;
   copy_bytes.at(0) = c.header.layout.total_bytes();

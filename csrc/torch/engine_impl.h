@@ -255,6 +255,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     void* buffer = nullptr;
     size_t capacity = 0;
     lossless::Header header;  // of the bytes in `buffer`
+    bool coded = false;       // `buffer` holds a coding (the first is made before the first copy)
     uint32_t version = 0;     // the parameter's version counter when coded
     uint64_t sample = 0;      // lossless::sample_fingerprint() of the dense bytes when coded
     bool announced = false;   // the current scheduler was told the coded size

@@ -47,9 +47,9 @@ def _run(scenario: str, world: int, tmp_path, expect_rc=None, timeout=120):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for r, (code, out) in enumerate(zip(codes, outputs)):
-        want = 0 if expect_rc is None else expect_rc[r]
-        assert code == want, f"rank {r} exited with {code}, not {want}:\n{out[-4000:]}"
+    wrong = [f"rank {r} exited with {code}, not {want}:\n{out[-4000:]}"
+             for r, (code, out, want) in enumerate(zip(codes, outputs, expect_rc or [0] * world)) if code != want]
+    assert not wrong, "\n".join(wrong)  # every failed rank's output: the first to fail is not always rank 0
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) if (tmp_path / f"rank{r}.pt").exists()
                else None for r in range(world)]
     return results
