@@ -71,9 +71,9 @@ MUTATIONS = [
          P + "test_attention.py::test_quantized_attention_streams_packed"],
         "quantized tensor groups packed from half the weights", survived_before=True),
     Mutation(
-        "group-recompute-ignores-autocast", "python/layerstream/_forward.py",
-        "torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0])",
-        "torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=False)",
+        "group-recompute-ignores-autocast", "python/layerstream/_group_op.py",
+        "torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0])",
+        "torch.autocast(dev.type, dtype=autocast[1], enabled=False)",
         [P + "test_groups.py::test_group_under_autocast_recomputes_in_the_autocast_dtype"],
         "a group's recompute in backward ignores autocast", survived_before=True),
     Mutation(
@@ -133,17 +133,29 @@ MUTATIONS = [
         [P + "test_blas_calls.py"],
         "a tensor group's fetched views do not require grad as their parameters do"),
     Mutation(
-        "group-forward-without-grad-mode", "python/layerstream/_forward.py",
-        "        with torch.enable_grad(), fwd.fetched(experts=ctx.experts) as views:\n",
-        "        with fwd.fetched(experts=ctx.experts) as views:\n",
+        "group-forward-without-grad-mode", "python/layerstream/_group_op.py",
+        "    with torch.enable_grad(), fwd.fetched(experts=experts) as views, \\\n",
+        "    with fwd.fetched(experts=experts) as views, \\\n",
         [P + "test_blas_calls.py"],
         "a tensor group's forward runs without grad mode (eval attention takes its fused path)"),
     Mutation(
-        "group-inputs-lose-identity", "python/layerstream/_forward.py",
+        "group-inputs-lose-identity", "python/layerstream/_group_op.py",
         "    return [seen[id(t)] for t in tensors]\n",
         "    return [t.detach().requires_grad_(bool(r)) for t, r in zip(tensors, requires_grad)]\n",
         [P + "test_blas_calls.py"],
         "a tensor passed twice to a group becomes two tensors (attention: query is not key)"),
+    Mutation(
+        "group-op-kernel-below-autograd", "python/layerstream/_group_op.py",
+        "    with _as_eager():\n        single, outs",
+        "    if True:\n        single, outs",
+        [P + "test_blas_calls.py::test_attention_group_issues_the_resident_calls"],
+        "the compiled group operator runs the module below autograd (other GEMMs than the resident module)"),
+    Mutation(
+        "group-op-forward-without-grad", "python/layerstream/_group_op.py",
+        "        if c.grad:\n",
+        "        if False:\n",
+        [P + "test_blas_calls.py::test_attention_group_issues_the_resident_calls"],
+        "the compiled group operator runs the module's forward without grad mode when a gradient is needed"),
     # ---- plausible bugs the suite already caught in the audit ----
     Mutation(
         "int8-scale-128", "csrc/core/quant.cpp",
@@ -152,9 +164,9 @@ MUTATIONS = [
         ["gtest:test_quant:*", P + "test_quant_offload.py::test_streamed_values_equal_the_reference_dequantization"],
         "int8 packing with the wrong scale"),
     Mutation(
-        "group-recompute-other-dropout-mask", "python/layerstream/_forward.py",
-        "            torch.set_rng_state(cpu_rng)\n",
-        "            pass\n",
+        "group-recompute-other-dropout-mask", "python/layerstream/_group_op.py",
+        "        torch.set_rng_state(cpu_rng)\n",
+        "        pass\n",
         [P + "test_groups.py::test_named_modules_stream_whole_and_train_exactly"],
         "a group's recompute does not restore the RNG (other dropout masks)"),
     Mutation(

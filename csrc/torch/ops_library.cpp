@@ -177,6 +177,13 @@ TORCH_LIBRARY(layerstream, m) {
   m.def("layer_backward(Tensor grad, Tensor x, int engine, int layer, bool[3] mask) -> Tensor[]", tags);
   m.def("embedding(Tensor ids, Tensor? weight, int engine, int layer) -> Tensor", tags);
   m.def("embedding_backward(Tensor grad, Tensor ids, int engine, int layer) -> Tensor", tags);
+  // A streamed tensor group's call (its module's own forward, which is Python code) and its
+  // backward: kernels, fake kernels and autograd in layerstream/_group_op.py
+  // (Note [A tensor group as an operator]). `call` describes the non-tensor arguments.
+  m.def("group(Tensor[] inputs, Tensor[] params, int engine, int layer, str call) -> Tensor[]", tags);
+  m.def("group_backward(Tensor[] grads, Tensor[] inputs, Tensor rng, int engine, int layer, str call, "
+        "bool[] mask) -> Tensor[]",
+        tags);
   m.def("linear_shape(Tensor x, int engine, int layer) -> Tensor", &layer_shape<kLinear>);
   m.def("conv_shape(Tensor x, int engine, int layer) -> Tensor", &layer_shape<kConv>);
   m.def("layer_backward_shape(Tensor grad, Tensor x, int engine, int layer, bool[3] mask) -> Tensor[]",

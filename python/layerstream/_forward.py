@@ -10,8 +10,8 @@ from typing import Dict, List, Sequence
 import torch
 import torch.nn as nn
 
-from . import _C
-from ._discovery import _reads_routed_experts_only
+from . import _C, _group_op
+from ._discovery import _is_experts, _reads_routed_experts_only
 from ._standin import StandIn
 
 LayerstreamError = _C.LayerstreamError
@@ -131,7 +131,7 @@ class _GroupForward(_RefusesCopy):
     swap is on the module)."""
 
     __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts",
-                 "_averaged")
+                 "_averaged", "_experts_module", "__weakref__")
 
     def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
                  experts: int = 0):
@@ -141,6 +141,8 @@ class _GroupForward(_RefusesCopy):
         self._params = tuple(o._parameters[k] for o, k in self._slots)
         self._device = torch.device(engine.compute_device)
         self._experts = experts  # > 0: the group was added indexed by expert (offload(experts="routed"))
+        self._experts_module = _is_experts(module)
+        _group_op.register(self)  # reachable from its operator (Note [A tensor group as an operator])
 
     def routed_experts(self, args, kwargs) -> List[int]:
         """The experts this call reads (its routing ids), when fewer than all of them may
@@ -192,6 +194,8 @@ class _GroupForward(_RefusesCopy):
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
+            if _group_op.describable(args, kwargs):
+                return _group_op.traced(self, args, kwargs)
             return _group_eagerly(self, args, kwargs)
         return self._run(*args, **kwargs)
 
@@ -225,17 +229,15 @@ class _GroupForward(_RefusesCopy):
 
 
 @functools.partial(torch.compiler.disable, reason=(
-    "a streamed tensor group (a mixture-of-experts module, nn.MultiheadAttention) runs eagerly under "
-    "torch.compile, with a graph break around it; fullgraph=True needs every such module resident: "
-    "offload(exclude=[...]) names them"))
+    "a streamed tensor group (a mixture-of-experts module, nn.MultiheadAttention) called with arguments "
+    "other than tensors and plain constants (None, bool, int, float, str) runs eagerly under "
+    "torch.compile, with a graph break around it; pass such arguments as tensors or constants, or "
+    "keep the module resident: offload(exclude=[...])"))
 def _group_eagerly(fwd: _GroupForward, args, kwargs):
-    """A tensor group's call under torch.compile: its module's own forward on views of a
-    fetched slot cannot be one operator, so it runs eagerly (docs/design/torch-glue.md)."""
+    """A tensor group's call under torch.compile that cannot be one operator (its arguments
+    do not fit layerstream::group's description, _group_op.describable): it runs eagerly
+    (Note [A tensor group as an operator], _group_op.py)."""
     return fwd._run(*args, **kwargs)
-
-
-def _as_is(t):
-    return t
 
 
 def _rebuild(layout, tensors):
@@ -246,28 +248,18 @@ def _rebuild(layout, tensors):
     return torch.utils._pytree.tree_unflatten(flat, spec)
 
 
-def _leaves(tensors, requires_grad) -> list:
-    """Detached copies of `tensors` (no data copied) with the given requires_grad, one per
-    distinct tensor: a tensor passed twice stays one object (nn.MultiheadAttention takes
-    another path when query is key is value)."""
-    seen = {}
-    for t, r in zip(tensors, requires_grad):
-        if id(t) not in seen:
-            seen[id(t)] = t.detach().requires_grad_(bool(r))
-    return [seen[id(t)] for t in tensors]
-
-
 # What autograd's version check says (torch/csrc/autograd/saved_variable.cpp); its other
 # errors on unpacking (a graph already freed, ...) are passed on as they are.
 _INPLACE_ERROR = "modified by an inplace operation"
 
 
 class _GroupFn(torch.autograd.Function):
-    """A tensor group's computation when a gradient is needed: forward without a
+    """A tensor group's computation when a gradient is needed, eagerly: forward without a
     graph (the slot is released right after); backward fetches the tensors again,
     re-runs the module's forward with the saved inputs (same RNG and autocast state)
-    and differentiates it. Gradients of trainable group tensors are copied to the
-    host and returned to autograd, which accumulates them into .grad."""
+    and differentiates it (_group_op.forward_without_graph / recompute_gradients, which
+    the compiled path's operators share). Gradients of trainable group tensors are
+    copied to the host and returned to autograd, which accumulates them into .grad."""
 
     @staticmethod
     def forward(ctx, fwd, layout, *tensors):
@@ -275,7 +267,7 @@ class _GroupFn(torch.autograd.Function):
         inputs = tensors[:n_in]
         ctx.fwd, ctx.layout = fwd, layout
         dev = fwd._device
-        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+        ctx.rng = _group_op.rng_state(dev)
         kind = dev.type
         ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         # The parameters are saved too (no copy: host tensors, or the packed ones' stand-ins,
@@ -285,26 +277,9 @@ class _GroupFn(torch.autograd.Function):
         ctx.save_for_backward(*inputs, *fwd._params)
         args, kwargs = _rebuild(layout, inputs)
         ctx.experts = fwd.routed_experts(args, kwargs)  # the recompute reads the same ones
-        # Run as the resident module runs: grad mode on, inputs and parameters with their
-        # requires_grad (the fetched views have their parameters'), so that every op takes
-        # the same path (at::matmul folds by requires_grad; attention picks its kernel by
-        # grad mode); the graph it records is dropped with the detached outputs.
-        # (Note [Same calls as the resident module], csrc/torch/engine.cpp)
-        # The recorded graph is dropped: nothing it saves is an activation to offload.
-        with torch.enable_grad(), fwd.fetched(experts=ctx.experts) as views, \
-                torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
-            args, kwargs = _rebuild(layout, _leaves(inputs, [x.requires_grad for x in inputs]))
-            out = fwd._original(*args, **kwargs)
-            fwd.check_output(out, views)
-            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
-        if isinstance(out, torch.Tensor):
-            ctx.single = True
-            return out
-        if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
-            ctx.single = False  # None entries: nn.MultiheadAttention without attention weights
-            return tuple(out)
-        raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__}; a streamed "
-                               f"tensor group must return a tensor or a tuple of tensors (or None)")
+        out = _group_op.forward_without_graph(fwd, functools.partial(_rebuild, layout), inputs, ctx.experts)
+        ctx.single, outs = _group_op.check_outputs(fwd, out)
+        return outs[0] if ctx.single else outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -323,40 +298,7 @@ class _GroupFn(torch.autograd.Function):
                                    f"optimizer step before this backward); autograd raises the same for a "
                                    f"resident module. {e}") from None
         n_in = len(ctx.layout[2])
-        saved = saved[:n_in]
-        needs = ctx.needs_input_grad[2:]
-        inputs = _leaves(saved, needs)
-        args, kwargs = _rebuild(ctx.layout, inputs)
-        dev = fwd._device
-        cpu_rng, dev_rng = ctx.rng
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.set_rng_state(cpu_rng)
-            if dev_rng is not None:
-                torch.cuda.set_rng_state(dev_rng, dev)
-            with torch.enable_grad(), torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]), \
-                    fwd.fetched(needs[n_in:], ctx.experts) as views:
-                out = fwd._original(*args, **kwargs)
-                outs = (out,) if ctx.single else tuple(out)
-                pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
-                wanted = [t for t in inputs + views if t.requires_grad]
-                got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                               allow_unused=True)
-                           if pairs and wanted else [None] * len(wanted))
-                result = [next(got) if t.requires_grad else None for t in inputs + views]
-                # A tensor passed at several positions is one leaf here: its whole gradient
-                # goes to its first position (autograd sums the positions' gradients).
-                first = {}
-                for i, t in enumerate(inputs):
-                    if first.setdefault(id(t), i) != i:
-                        result[i] = None
-        host = []
-        for k, p in enumerate(fwd._params):
-            g = result[n_in + k]
-            if fwd._averaged and p.requires_grad:
-                # Averaged over the process group before the copy to the host (the engine's
-                # rule, engine_distributed.cpp); every rank reduces every trainable tensor,
-                # so one that got no gradient here reduces zeros, as DDP does.
-                g = (torch.zeros(p.shape, dtype=p.dtype, device=dev) if g is None else g).to(dtype=p.dtype)
-                fwd._engine.average_gradient(fwd._index, g)
-            host.append(None if g is None else g.to("cpu", p.dtype))  # returned to autograd: .grad on the host
-        return (None, None, *result[:n_in], *host)
+        ins, host = _group_op.recompute_gradients(
+            fwd, functools.partial(_rebuild, ctx.layout), saved[:n_in], ctx.needs_input_grad[2:], ctx.rng,
+            ctx.autocast, ctx.experts, ctx.single, grads)
+        return (None, None, *ins, *host)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loading the extension registers the operators)
+from . import _group_op
 
 _ops = torch.ops.layerstream
 
@@ -35,3 +36,9 @@ def _embedding(ids, weight, engine, layer):
 @torch.library.register_fake("layerstream::embedding_backward")
 def _embedding_backward(grad, ids, engine, layer):
     return _ops.embedding_backward_shape(grad, ids, engine, layer)
+
+
+# A tensor group's call (Note [A tensor group as an operator], _group_op.py): the module's
+# own forward on stand-ins of its tensors.
+torch.library.register_fake("layerstream::group")(_group_op.fake)
+torch.library.register_fake("layerstream::group_backward")(_group_op.backward_fake)

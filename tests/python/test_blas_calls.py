@@ -62,9 +62,10 @@ class _ComputeOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _recorded(capfd, work) -> tuple:
+def _recorded(capfd, work, dispatch=True) -> tuple:
     """(BLAS calls, compute ops, result) of work(); the BLAS log is read from file
-    descriptor 1."""
+    descriptor 1. dispatch=False: no compute ops ([]), for compiled work (Dynamo would
+    not compile under a dispatch mode, and ops inside an operator's kernel run below it)."""
     _LIBC.fflush(None)
     capfd.readouterr()
     ops = _ComputeOps()
@@ -73,13 +74,14 @@ def _recorded(capfd, work) -> tuple:
             stack.enter_context(torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON))
         if _DNNL:
             stack.enter_context(torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON))
-        stack.enter_context(ops)
+        if dispatch:
+            stack.enter_context(ops)
         result = work()
     _LIBC.fflush(None)
     return _normalized(capfd.readouterr().out), ops.ops, result
 
 
-def _run(capfd, model, x, grad_mode):
+def _run(capfd, model, x, grad_mode, dispatch=True):
     """(forward record, backward record, results): the output, the input's gradient
     and the parameters' gradients, for the same-bits check; backward with a fixed
     output gradient when training."""
@@ -94,41 +96,56 @@ def _run(capfd, model, x, grad_mode):
                 return model(x)
         return model(x)
 
-    *fwd, out = _recorded(capfd, forward)
+    *fwd, out = _recorded(capfd, forward, dispatch)
     out = out[0] if isinstance(out, tuple) else out
     bwd = ([], [])
     if grad_mode == "train":
         g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
-        *bwd, _ = _recorded(capfd, lambda: out.backward(g))
+        *bwd, _ = _recorded(capfd, lambda: out.backward(g), dispatch)
     results = (out.detach(), None if x.grad is None else x.grad,
-               {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+               {n.removeprefix("_orig_mod."): p.grad.clone()  # a compiled module's names
+                for n, p in model.named_parameters() if p.grad is not None})
     return fwd, bwd, results
 
 
-def _compare(capfd, model, x, grad_mode="train", recomputed=False, prepare_resident=None, **kw):
+def _compare(capfd, model, x, grad_mode="train", recomputed=False, prepare_resident=None, compiled=False, **kw):
     """The streamed copy's records equal the resident module's: forward to forward,
     backward to backward (a tensor group, `recomputed`, runs its forward again at the
-    start of its backward: there, to the resident forward then backward)."""
+    start of its backward: there, to the resident forward then backward). `compiled`:
+    the streamed copy runs under torch.compile(fullgraph=True), whose graphs must hold
+    nothing but layerstream operators (so the resident eager calls are what they must
+    issue); only the BLAS calls are compared."""
     resident = copy.deepcopy(model)
     streamed = copy.deepcopy(model)
     if prepare_resident is not None:
         prepare_resident(resident)
     handle = layerstream.offload(streamed, device="sim", **kw)
+    run, graphs = streamed, []
+    if compiled:
+        def backend(gm, example_inputs):
+            graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+            return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+        torch._dynamo.reset()
+        run = torch.compile(streamed, fullgraph=True, backend=backend)
     try:
         want_fwd, want_bwd, want = _run(capfd, resident, x, grad_mode)
-        got_fwd, got_bwd, got = _run(capfd, streamed, x, grad_mode)
+        got_fwd, got_bwd, got = _run(capfd, run, x, grad_mode, not compiled)
         # Again: the second step runs on prefetched slots (another code path in the engine).
-        got_fwd2, got_bwd2, _ = _run(capfd, streamed, x, grad_mode)
+        got_fwd2, got_bwd2, _ = _run(capfd, run, x, grad_mode, not compiled)
         assert handle.ordering_errors() == []
     finally:
         handle.detach()
     if recomputed and grad_mode == "train":
         want_bwd = tuple(f + b for f, b in zip(want_fwd, want_bwd))
+    if compiled:
+        assert len(graphs) == 1 and all(t.startswith(("layerstream.", "<built-in function getitem>"))
+                                        for t in graphs[0]), graphs
+        assert want_fwd[0], "the resident step made no BLAS call: the compiled case tests nothing"
     for what, w, g, g2 in (("forward", want_fwd, got_fwd, got_fwd2), ("backward", want_bwd, got_bwd, got_bwd2)):
         blas_w, ops_w = w
         if what == "forward":
             assert ops_w, "the resident step ran no matrix or convolution op: the case tests nothing"
-        assert g[1] == ops_w and g2[1] == ops_w, "\n".join(
+        assert compiled or (g[1] == ops_w and g2[1] == ops_w), "\n".join(
             [f"{what} ops, resident:"] + [str(o) for o in ops_w] + ["streamed:"] + [str(o) for o in g[1]])
         assert g[0] == blas_w and g2[0] == blas_w, "\n".join(
             [f"{what} BLAS calls, resident:"] + blas_w + ["streamed:"] + g[0])
@@ -205,11 +222,13 @@ def test_conv_issues_the_resident_calls(capfd, case):
     _compare(capfd, model, x)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("module_mode", ["train", "eval"])
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
-def test_attention_group_issues_the_resident_calls(capfd, batch_first, module_mode):
+def test_attention_group_issues_the_resident_calls(capfd, batch_first, module_mode, compiled):
     """In eval mode, nn.MultiheadAttention takes its fused path only without grad mode:
-    a streamed group's forward must run under grad mode as the resident one does."""
+    a streamed group's forward must run under grad mode as the resident one does, also
+    inside the layerstream::group operator that torch.compile records."""
     torch.manual_seed(0)
     model = nn.MultiheadAttention(64, 4, batch_first=batch_first).train(module_mode == "train")
 
@@ -222,7 +241,7 @@ def test_attention_group_issues_the_resident_calls(capfd, batch_first, module_mo
             return self.attn(x, x, x, need_weights=False)[0]
 
     x = torch.randn(3, 10, 64) if batch_first else torch.randn(10, 3, 64)
-    _compare(capfd, SelfAttention(), x.requires_grad_(True), recomputed=True)
+    _compare(capfd, SelfAttention(), x.requires_grad_(True), recomputed=True, compiled=compiled)
 
 
 def test_transformer_encoder_inference_issues_the_resident_calls(capfd):

@@ -243,6 +243,15 @@ def test_torch_export_records_the_operators(offload_sim):
     ep = torch.export.export(model, (x,))
     assert {"layerstream.linear.default"} == _ops_in(ep.graph_module)
     torch.testing.assert_close(ep.module()(x), ref(x), **TOL)
+    # A tensor group (nn.MultiheadAttention) is its layerstream::group operator there.
+    model = _Attention().eval()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(2, 5, 16)
+    ep = torch.export.export(model, (x,))
+    assert {"layerstream.group.default", "layerstream.linear.default"} == _ops_in(ep.graph_module)
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), ref(x), **TOL)
 
 
 def test_an_operator_of_a_detached_engine_says_what_to_do(offload_sim):
@@ -354,19 +363,121 @@ def test_quantized_frozen_layers_compile_to_the_eager_numbers(offload_sim, quant
 
 
 class _Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, dropout=0.0):
         super().__init__()
-        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True, dropout=dropout)
         self.fc = nn.Linear(16, 4)
 
-    def forward(self, x):
-        return self.fc(self.att(x, x, x, need_weights=False)[0])
+    def forward(self, x, mask=None):
+        return self.fc(self.att(x, x, x, need_weights=False, attn_mask=mask)[0])
 
 
-def test_a_tensor_group_runs_eagerly_between_compiled_graphs(offload_sim):
-    """A tensor group (nn.MultiheadAttention here) is the module's own forward on a fetched
-    slot, not one operator: without fullgraph it runs eagerly between the compiled parts;
-    fullgraph=True fails with the reason and what to do."""
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_a_tensor_group_is_one_operator_under_fullgraph(offload_sim, dropout):
+    """A tensor group (nn.MultiheadAttention, trainable: full fine-tuning) compiles with
+    fullgraph=True as one layerstream::group operator and its backward as one
+    group_backward: outputs and every gradient equal the resident model's, over three
+    steps of one graph; with dropout, the recompute in backward draws the forward's masks
+    (the RNG state is the operator's last output). The ordering checker runs throughout."""
+    model = _Attention(dropout)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(_ops_in(gm))
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    step = torch.compile(model, fullgraph=True, backend=backend)
+    for i in range(3):
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        torch.manual_seed(i)
+        y = step(x)
+        xr = clone_input(x)
+        torch.manual_seed(i)
+        yr = ref(xr)
+        torch.testing.assert_close(y, yr, **TOL)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **TOL)
+        assert_grads_match(model, ref, rtol=1e-5, atol=1e-6)
+        model.zero_grad()
+        ref.zero_grad()
+    assert _graph_breaks() == 0
+    assert _frames() == 1
+    assert seen == [{"layerstream.group", "layerstream.linear"}]
+    assert handle.stats()["acquires"] >= 3 * 3  # forward, backward's recompute, fc
+
+
+def test_a_tensor_group_under_inductor_with_dynamic_sequence_and_autocast(offload_sim):
+    """Inductor compiles around the group operator; a sequence length marked dynamic does
+    not recompile, a mask tensor argument is passed through, and autocast entered inside
+    the compiled function reaches the group's kernel (which computes in bf16 what the
+    eager offloaded model computes)."""
+    model = _Attention().requires_grad_(False)
+    offload_sim(model)
+
+    def fn(x, mask):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x, mask)
+
+    step = torch.compile(fn, fullgraph=True, dynamic=False)
+    for n in (5, 7, 9):
+        x = torch.randn(2, n, 16)
+        mask = torch.triu(torch.full((n, n), float("-inf")), 1)
+        torch._dynamo.mark_dynamic(x, 1)
+        torch._dynamo.mark_dynamic(mask, 0)
+        torch._dynamo.mark_dynamic(mask, 1)
+        y = step(x, mask)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, fn(x, mask), rtol=2e-2, atol=2e-2)  # Inductor fuses the rest in bf16
+    assert _graph_breaks() == 0
+    assert _frames() == 1
+
+
+def test_transformers_experts_compile_whole_with_lora(offload_sim):
+    """A transformers mixture-of-experts model (Qwen3-MoE, eager experts implementation,
+    whose loop over the experts hit is data-dependent) with frozen streamed experts and
+    LoRA on its Linear layers: fullgraph compile, the experts calls are layerstream::group
+    operators, loss and LoRA gradients equal the resident model's."""
+    from peft import LoraConfig, get_peft_model
+    from test_experts import _qwen3_moe
+
+    def build():
+        return get_peft_model(_qwen3_moe(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       lora_dropout=0.0))
+
+    model, ref = build(), build()
+    ref.load_state_dict(model.state_dict())
+    offload_sim(model)
+    assert any(type(m).__name__.endswith("Experts") for m in model.modules())
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(_ops_in(gm))
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    loss = torch.compile(lambda i: model(input_ids=i, labels=i).loss, fullgraph=True, backend=backend)(ids)
+    assert seen == [{"layerstream.group", "layerstream.embedding", "layerstream.linear"}]
+    loss_r = ref(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, loss_r, **TOL)
+    loss.backward()
+    loss_r.backward()
+    assert_grads_match(model, ref, rtol=1e-4, atol=1e-6)
+    assert _graph_breaks() == 0
+
+
+def test_a_group_call_that_is_not_one_operator_runs_eagerly(offload_sim, monkeypatch):
+    """A call whose arguments the operator cannot describe (here: forced) runs eagerly
+    between compiled graphs, exactly; fullgraph=True then fails naming the reason and
+    what to do."""
+    from layerstream import _group_op
+
+    assert _group_op.describable((torch.ones(1), None, True, 2, 0.5, "x"), {"k": False})
+    assert not _group_op.describable(([torch.ones(1)],), {})
+    assert not _group_op.describable((torch.float16,), {})
+    monkeypatch.setattr(_group_op, "describable", lambda args, kwargs: False)
     model = _Attention()
     ref = copy.deepcopy(model)
     offload_sim(model)

@@ -1,0 +1,374 @@
+"""A streamed tensor group's call as operators: torch.ops.layerstream.group and
+group_backward (schemas in csrc/torch/ops_library.cpp), what torch.compile and
+torch.export record for a tensor group instead of breaking the graph, and the forward
+and backward work that the eager path (_forward._GroupFn) shares with them.
+
+Note [A tensor group as an operator]
+A group runs its module's own forward (Python: transformers' experts implementations,
+nn.MultiheadAttention) on views of a fetched slot. Inductor must neither see those views
+(it could keep one past the slot's release, or move a read before the copy into the
+slot) nor reorder the fetch and the release around the reads. So the whole call is one
+operator: fetch, the module's forward, release, inside one kernel, whose outputs are
+new tensors (check_output). The backward is a second operator that fetches again and
+recomputes, as _GroupFn does eagerly. Both are opaque to Inductor, which fuses the code
+around them; the slot protocol never leaves the kernel, so no compiled order can break
+it (the sim device's ordering checker runs under the compile tests).
+
+What the kernel needs besides tensors (the positions of the tensors among the call's
+arguments, constant arguments such as need_weights=False, whether a gradient is
+needed, which inputs require one, the autocast state) is the `call` string: a Python
+literal that Dynamo computes once at trace time (assume_constant_result) and that the
+kernel parses (cached). The autocast state is passed, not read from the thread at run
+time: inside a compiled region autocast is already applied to the traced code, and
+the kernel must compute what the fake kernel promised. The RNG state at the forward
+is the operator's last output, so that the backward's recompute draws the same
+dropout masks.
+
+A call whose constant arguments are not plain literals (None, bool, int, float, str)
+or that nests tensors in containers is not one operator: it runs eagerly with a graph
+break (_forward._group_eagerly), exact as well.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import weakref
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from . import _C
+
+LayerstreamError = _C.LayerstreamError
+
+_ops = torch.ops.layerstream
+
+# (engine id, layer) -> the group's _GroupForward (weak: detach() or a freed model ends it).
+_GROUPS: Dict[Tuple[int, int], "weakref.ref"] = {}
+# (engine id, layer, call) -> (single, which outputs are None): how the operator's list of
+# tensors maps back onto what the module returns; set by the kernels (fake and real).
+_PATTERNS: Dict[Tuple[int, int, str], Tuple[bool, Tuple[bool, ...]]] = {}
+
+
+def register(fwd) -> None:
+    """Make a group's forward reachable from its operator (by engine id and layer)."""
+    _GROUPS[(fwd._engine.id, fwd._index)] = weakref.ref(fwd)
+
+
+def _group(engine: int, layer: int):
+    ref = _GROUPS.get((engine, layer))
+    fwd = ref() if ref is not None else None
+    if fwd is None:
+        raise LayerstreamError(
+            f"layerstream::group: engine {engine} has no tensor group {layer} in this process (the "
+            f"offload handle that recorded this graph was detached or freed, or the graph was exported "
+            f"from another process); run the program where its offload() handle lives")
+    return fwd
+
+
+# ---- the work, shared with the eager path (_forward._GroupFn) ----
+
+def _as_is(t):
+    return t
+
+
+def leaves(tensors: Sequence[torch.Tensor], requires_grad: Sequence[bool]) -> list:
+    """Detached copies of `tensors` (no data copied) with the given requires_grad, one per
+    distinct tensor: a tensor passed twice stays one object (nn.MultiheadAttention takes
+    another path when query is key is value)."""
+    seen = {}
+    for t, r in zip(tensors, requires_grad):
+        if id(t) not in seen:
+            seen[id(t)] = t.detach().requires_grad_(bool(r))
+    return [seen[id(t)] for t in tensors]
+
+
+def rng_state(dev: torch.device) -> tuple:
+    """The CPU and (on CUDA) device RNG states a recompute restores."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+
+
+def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor], experts: Sequence[int]):
+    """The module's forward on the fetched slot as the resident module runs it when a
+    gradient is needed: grad mode on, inputs and parameters with their requires_grad
+    (the fetched views have their parameters'), so that every op takes the same path
+    (at::matmul folds by requires_grad; attention picks its kernel by grad mode). The
+    graph it records is dropped with the detached outputs, and nothing it saves is an
+    activation to offload. (Note [Same calls as the resident module], csrc/torch/engine.cpp)"""
+    with torch.enable_grad(), fwd.fetched(experts=experts) as views, \
+            torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+        args, kwargs = rebuild(leaves(inputs, [x.requires_grad for x in inputs]))
+        out = fwd._original(*args, **kwargs)
+        fwd.check_output(out, views)
+        return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+
+def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], needs: Sequence[bool], rng: tuple,
+                        autocast: tuple, experts: Sequence[int], single: bool, grads: Sequence) -> Tuple[list, list]:
+    """Backward of a group call: fetch again, re-run the forward with the saved inputs
+    (RNG and autocast state as at the forward) and differentiate it. `needs`: per
+    input, then per group tensor. Returns the inputs' gradients (a tensor passed at
+    several positions gets its whole gradient at the first) and the group tensors'
+    gradients on the host in their dtypes (averaged over the process group first when
+    the engine averages)."""
+    n_in = len(saved)
+    inputs = leaves(saved, needs[:n_in])
+    args, kwargs = rebuild(inputs)
+    dev = fwd._device
+    cpu_rng, dev_rng = rng
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.set_rng_state(cpu_rng)
+        if dev_rng is not None:
+            torch.cuda.set_rng_state(dev_rng, dev)
+        with torch.enable_grad(), torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), \
+                fwd.fetched(needs[n_in:], experts) as views:
+            out = fwd._original(*args, **kwargs)
+            outs = (out,) if single else tuple(out)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
+            wanted = [t for t in inputs + views if t.requires_grad]
+            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                       if pairs and wanted else [None] * len(wanted))
+            result = [next(got) if t.requires_grad else None for t in inputs + views]
+            first = {}
+            for i, t in enumerate(inputs):
+                if first.setdefault(id(t), i) != i:
+                    result[i] = None
+    host = []
+    for k, p in enumerate(fwd._params):
+        g = result[n_in + k]
+        if fwd._averaged and p.requires_grad:
+            # Averaged over the process group before the copy to the host (the engine's
+            # rule, engine_distributed.cpp); every rank reduces every trainable tensor,
+            # so one that got no gradient here reduces zeros, as DDP does.
+            g = (torch.zeros(p.shape, dtype=p.dtype, device=dev) if g is None else g).to(dtype=p.dtype)
+            fwd._engine.average_gradient(fwd._index, g)
+        host.append(None if g is None else g.to("cpu", p.dtype))  # returned to autograd: .grad on the host
+    return result[:n_in], host
+
+
+def check_outputs(fwd, out) -> Tuple[bool, tuple]:
+    """(single tensor?, the outputs as a tuple) of what a group's module returned;
+    anything but a tensor or a tuple of tensors and Nones is refused."""
+    if isinstance(out, torch.Tensor):
+        return True, (out,)
+    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        return False, tuple(out)  # None entries: nn.MultiheadAttention without attention weights
+    raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__}; a streamed "
+                           f"tensor group must return a tensor or a tuple of tensors (or None)")
+
+
+# ---- the call description ----
+
+class _Call(NamedTuple):
+    nargs: int
+    names: Tuple[str, ...]
+    consts: tuple  # per argument: ("t", index into the tensors) or ("v", value)
+    grad: bool  # a gradient is needed (the forward runs as _GroupFn's)
+    grad_mode: bool  # torch.is_grad_enabled() at the call
+    requires_grad: Tuple[bool, ...]  # per tensor
+    trainable: Tuple[bool, ...]  # per group tensor: passed as a `params` input (requires grad)
+    autocast: Tuple[bool, Optional[torch.dtype]]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]):
+        vals = [tensors[v] if kind == "t" else v for kind, v in self.consts]
+        return vals[:self.nargs], dict(zip(self.names, vals[self.nargs:]))
+
+
+_LITERALS = (type(None), bool, int, float, str)
+
+
+@torch.compiler.assume_constant_result
+def _describe(nargs, names, consts, grad, grad_mode, requires_grad, trainable, autocast_on, autocast_dtype) -> str:
+    return repr((nargs, names, consts, grad, grad_mode, requires_grad, trainable, autocast_on,
+                 str(autocast_dtype).replace("torch.", "")))
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(call: str) -> _Call:
+    nargs, names, consts, grad, grad_mode, req, trainable, on, dtype = ast.literal_eval(call)
+    return _Call(nargs, tuple(names), tuple(consts), grad, grad_mode, tuple(req), tuple(trainable),
+                 (on, getattr(torch, dtype)))
+
+
+@torch.compiler.assume_constant_result
+def _pattern(engine: int, layer: int, call: str):
+    return _PATTERNS[(engine, layer, call)]
+
+
+def describable(args, kwargs) -> bool:
+    """Whether a call's arguments fit the operator: tensors, or plain literals."""
+    return all(isinstance(v, torch.Tensor) or (isinstance(v, _LITERALS) and not isinstance(v, torch.SymInt))
+               for v in (*args, *kwargs.values()))
+
+
+def traced(fwd, args, kwargs):
+    """A group's call as torch.compile records it: one layerstream::group operator."""
+    names = tuple(kwargs.keys())
+    tensors: List[torch.Tensor] = []
+    consts = []
+    for v in (*args, *(kwargs[k] for k in names)):
+        if isinstance(v, torch.Tensor):
+            for j, t in enumerate(tensors):
+                if t is v:
+                    break
+            else:
+                j = len(tensors)
+                tensors.append(v)
+            consts.append(("t", j))
+        else:
+            consts.append(("v", v))
+    req = tuple(t.requires_grad for t in tensors)
+    trainable = tuple(p.requires_grad for p in fwd._params)
+    params = [p for p in fwd._params if p.requires_grad]
+    grad_mode = torch.is_grad_enabled()
+    grad = grad_mode and (any(req) or len(params) > 0)
+    kind = fwd._device.type
+    call = _describe(len(args), names, tuple(consts), grad, grad_mode, req, trainable,
+                     torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+    engine = fwd._engine.id
+    outs = _ops.group(tensors, params, engine, fwd._index, call)
+    single, nones = _pattern(engine, fwd._index, call)
+    if single:
+        return outs[0]
+    it = iter(outs)
+    return tuple(None if n else next(it) for n in nones)
+
+
+# ---- the kernels ----
+
+# The dispatch state of an eager call (taken at import, in eager code). A compiled graph
+# calls an operator's kernel below autograd, functionalization and autocast (those are
+# already applied to the traced code), but the group's kernels run a module's eager
+# forward, which must see what the resident module sees: autograd (at::matmul folds by
+# a weight view's requires_grad; the recompute differentiates), autocast as entered.
+_EAGER_DISPATCH = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+def _as_eager():
+    return torch._C._ForceDispatchKeyGuard(*_EAGER_DISPATCH)
+
+
+def _rng_tensor(dev: torch.device) -> torch.Tensor:
+    cpu, cuda = rng_state(dev)
+    return cpu if cuda is None else torch.cat([cpu, cuda])
+
+
+def _split_rng(rng: torch.Tensor, dev: torch.device) -> tuple:
+    n = torch.get_rng_state().numel()
+    return rng[:n].clone(), (rng[n:].clone() if dev.type == "cuda" else None)
+
+
+def _run(fwd, c: _Call, inputs: Sequence[torch.Tensor]):
+    def rebuild(ts):
+        return c.rebuild(ts)
+    args, kwargs = c.rebuild(inputs)
+    experts = fwd.routed_experts(args, kwargs)
+    with torch.autocast(fwd._device.type, dtype=c.autocast[1], enabled=c.autocast[0]):
+        if c.grad:
+            inputs = [t.detach().requires_grad_(r) for t, r in zip(inputs, c.requires_grad)]
+            return forward_without_graph(fwd, rebuild, inputs, experts)
+        with torch.set_grad_enabled(c.grad_mode), fwd.fetched(experts=experts) as views:
+            out = fwd._original(*args, **kwargs)
+            fwd.check_output(out, views)
+            return out
+
+
+def _group_kernel(inputs, params, engine, layer, call):
+    fwd, c = _group(engine, layer), _parse(call)
+    rng = _rng_tensor(fwd._device)
+    with _as_eager():
+        single, outs = check_outputs(fwd, _run(fwd, c, inputs))
+    pattern = (single, tuple(o is None for o in outs))
+    expected = _PATTERNS.get((engine, layer, call))
+    if expected is not None and expected != pattern:
+        raise LayerstreamError(f"streamed layer '{fwd._name}' returned {len(outs)} outputs (None at "
+                               f"{pattern[1]}) where the traced call returned None at {expected[1]}; a "
+                               f"compiled tensor group must return the same structure on every call")
+    _PATTERNS[(engine, layer, call)] = pattern
+    return [o for o in outs if o is not None] + [rng]
+
+
+# The errors fake tensors raise when a forward's shapes depend on the data (transformers'
+# eager experts loop over the experts a batch hits).
+_DATA_DEPENDENT = (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                   torch._subclasses.fake_tensor.DataDependentOutputException,
+                   torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
+
+
+def fake(inputs, params, engine, layer, call):
+    """The module's own forward on stand-ins of the group's tensors (empty tensors of the
+    fetched views' shapes and dtypes on the inputs' device), so the shapes come from the
+    module's code. An experts module whose shapes depend on the routing (the eager
+    implementation) returns its first input's shape and dtype, as transformers' experts
+    do; the real kernel checks it."""
+    fwd, c = _group(engine, layer), _parse(call)
+    dev = inputs[0].device if inputs else fwd._device
+    # As the kernel runs it: grad mode and requires_grad decide paths (and what
+    # nn.MultiheadAttention returns in eval mode).
+    args, kwargs = c.rebuild([t.detach().requires_grad_(r and c.grad) for t, r in zip(inputs, c.requires_grad)])
+    try:
+        for (o, k), p in zip(fwd._slots, fwd._params):
+            o._parameters[k] = torch.empty(p.shape, dtype=p.dtype, device=dev).requires_grad_(p.requires_grad)
+        with torch.set_grad_enabled(c.grad_mode), torch.autocast(dev.type, dtype=c.autocast[1], enabled=c.autocast[0]):
+            out = fwd._original(*args, **kwargs)
+    except _DATA_DEPENDENT:
+        if not fwd._experts_module or not inputs:
+            raise
+        out = torch.empty_like(args[0] if args else inputs[0])
+    finally:
+        for (o, k), p in zip(fwd._slots, fwd._params):
+            o._parameters[k] = p
+    single, outs = check_outputs(fwd, out)
+    _PATTERNS[(engine, layer, call)] = (single, tuple(o is None for o in outs))
+    return [torch.empty_like(o, requires_grad=False) for o in outs if o is not None] + \
+        [torch.empty(_rng_tensor(fwd._device).shape, dtype=torch.uint8)]
+
+
+def _group_backward_kernel(grads, inputs, rng, engine, layer, call, mask):
+    """`mask`: per input, then per group tensor (False for a frozen one); returns the
+    gradients the mask asks for, in that order (the group tensors' on the host)."""
+    fwd, c = _group(engine, layer), _parse(call)
+    args, kwargs = c.rebuild(inputs)
+    experts = fwd.routed_experts(args, kwargs)
+    single, nones = _PATTERNS[(engine, layer, call)]
+    it = iter(grads)
+    full = [None if n else next(it) for n in nones]
+    with _as_eager():
+        ins, host = recompute_gradients(fwd, c.rebuild, inputs, list(mask), _split_rng(rng, fwd._device),
+                                        c.autocast, experts, single, full)
+    n_in = len(inputs)
+    out = [g if g is not None else torch.zeros_like(t) for g, t, m in zip(ins, inputs, mask[:n_in]) if m]
+    return out + [g if g is not None else torch.zeros(p.shape, dtype=p.dtype)
+                  for g, p, m in zip(host, fwd._params, mask[n_in:]) if m]
+
+
+def backward_fake(grads, inputs, rng, engine, layer, call, mask):
+    fwd = _group(engine, layer)
+    n_in = len(inputs)
+    out = [torch.empty_like(t) for t, m in zip(inputs, mask[:n_in]) if m]
+    return out + [torch.empty(p.shape, dtype=p.dtype, device="cpu") for p, m in zip(fwd._params, mask[n_in:]) if m]
+
+
+def _setup(ctx, inputs, output):
+    tensors, params, engine, layer, call = inputs
+    ctx.save_for_backward(*tensors, output[-1])
+    ctx.meta = (engine, layer, call, len(tensors))
+    ctx.mark_non_differentiable(output[-1])
+
+
+def _backward(ctx, grads):
+    engine, layer, call, n_in = ctx.meta
+    saved = ctx.saved_tensors
+    needs_in, needs_params = list(ctx.needs_input_grad[0]), list(ctx.needs_input_grad[1])
+    it = iter(needs_params)  # one per trainable group tensor (the `params` input)
+    per_tensor = [bool(next(it)) if t else False for t in _parse(call).trainable]
+    got = iter(_ops.group_backward(list(grads[:-1]), list(saved[:n_in]), saved[n_in], engine, layer, call,
+                                   [bool(m) for m in needs_in] + per_tensor))
+    return ([next(got) if m else None for m in needs_in], [next(got) if m else None for m in needs_params],
+            None, None, None)
+
+
+# The fake kernels are registered by layerstream._ops, the operators' Python module.
+torch.library.impl("layerstream::group", "CompositeExplicitAutograd")(_group_kernel)
+torch.library.impl("layerstream::group_backward", "CompositeExplicitAutograd")(_group_backward_kernel)
+torch.library.register_autograd("layerstream::group", _backward, setup_context=_setup)
