@@ -336,10 +336,20 @@ def _group_backward_kernel(grads, inputs, rng, engine, layer, call, mask):
     with _as_eager():
         ins, host = recompute_gradients(fwd, c.rebuild, inputs, list(mask), _split_rng(rng, fwd._device),
                                         c.autocast, experts, single, full)
+    # In the layouts backward_fake promises (Inductor's code relies on them): an input's
+    # gradient laid out like the input, a group tensor's contiguous.
     n_in = len(inputs)
-    out = [g if g is not None else torch.zeros_like(t) for g, t, m in zip(ins, inputs, mask[:n_in]) if m]
-    return out + [g if g is not None else torch.zeros(p.shape, dtype=p.dtype)
+    out = [_like(g, t) for g, t, m in zip(ins, inputs, mask[:n_in]) if m]
+    return out + [g.contiguous() if g is not None else torch.zeros(p.shape, dtype=p.dtype)
                   for g, p, m in zip(host, fwd._params, mask[n_in:]) if m]
+
+
+def _like(g: Optional[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """g (None: zeros) in the layout torch.empty_like(t) has."""
+    out = torch.empty_like(t)
+    if g is None:
+        return out.zero_()
+    return g if g.stride() == out.stride() else out.copy_(g)
 
 
 def backward_fake(grads, inputs, rng, engine, layer, call, mask):

@@ -413,9 +413,18 @@ def test_a_tensor_group_under_inductor_with_dynamic_sequence_and_autocast(offloa
     """Inductor compiles around the group operator; a sequence length marked dynamic does
     not recompile, a mask tensor argument is passed through, and autocast entered inside
     the compiled function reaches the group's kernel (which computes in bf16 what the
-    eager offloaded model computes)."""
+    eager offloaded model computes). A backward to the input through Inductor: the
+    gradient of batch-first attention's input comes back in the input's layout, which
+    Inductor's code asserts (as the fake kernel promised)."""
     model = _Attention().requires_grad_(False)
     offload_sim(model)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    xr = clone_input(x)
+    torch.compile(model, fullgraph=True)(x).square().sum().backward()
+    model(xr).square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, **TOL)
+    torch._dynamo.reset()
+    counters.clear()
 
     def fn(x, mask):
         with torch.autocast("cpu", dtype=torch.bfloat16):
