@@ -1,8 +1,10 @@
 """torch.compile with streamed layers: compile time and step time, eager vs compiled, resident
 vs streamed.
 
-Four peers, each in its own process on the same work (a stack of Linear + GELU blocks, a
-training step with frozen weights as under LoRA: forward, backward to the input):
+Four peers, each in its own process on the same work (a stack of Linear + GELU blocks, or
+with --model attention of nn.MultiheadAttention + Linear blocks, whose attention streams as
+a tensor group: the layerstream::group operator; a training step with frozen weights as
+under LoRA: forward, backward to the input):
 
     resident-eager, resident-compiled, streamed-eager, streamed-compiled
 
@@ -13,6 +15,7 @@ ratio of each mode.
     .venv/bin/python bench/bench_compile.py                       # sim device (CPU)
     .venv/bin/python bench/bench_compile.py --device cuda --width 4096 --layers 16 --batch 4096
     .venv/bin/python bench/bench_compile.py --json               # one JSON object
+    .venv/bin/python bench/bench_compile.py --model attention --width 256 --batch 8 --seq 64
 """
 from __future__ import annotations
 
@@ -41,10 +44,24 @@ def run_peer(args) -> dict:
     import torch.nn as nn
 
     torch.manual_seed(0)
-    blocks = []
-    for _ in range(args.layers):
-        blocks += [nn.Linear(args.width, args.width), nn.GELU()]
-    model = nn.Sequential(*blocks).requires_grad_(False)
+    if args.model == "attention":
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.att = nn.MultiheadAttention(args.width, 8, batch_first=True)
+                self.fc = nn.Linear(args.width, args.width)
+
+            def forward(self, x):
+                return x + self.fc(self.att(x, x, x, need_weights=False)[0])
+
+        model = nn.Sequential(*[Block() for _ in range(args.layers)]).requires_grad_(False)
+        shape = (args.batch, args.seq, args.width)
+    else:
+        blocks = []
+        for _ in range(args.layers):
+            blocks += [nn.Linear(args.width, args.width), nn.GELU()]
+        model = nn.Sequential(*blocks).requires_grad_(False)
+        shape = (args.batch, args.width)
     device = "cpu" if args.device == "sim" else args.device
     streamed = args.peer.startswith("streamed")
     if streamed:
@@ -54,7 +71,7 @@ def run_peer(args) -> dict:
     else:
         model.to(device)
     run = torch.compile(model, fullgraph=True, backend=args.backend) if args.peer.endswith("compiled") else model
-    x = torch.randn(args.batch, args.width, device=device, requires_grad=True)
+    x = torch.randn(*shape, device=device, requires_grad=True)
 
     def step():
         y = run(x)
@@ -77,6 +94,8 @@ def run_peer(args) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="sim", help="sim (CPU) or cuda[:N]")
+    ap.add_argument("--model", choices=["mlp", "attention"], default="mlp")
+    ap.add_argument("--seq", type=int, default=64, help="sequence length (--model attention)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=256)
@@ -95,6 +114,7 @@ def main():
     for _ in range(args.rounds):
         for peer in PEERS:
             cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--device", args.device,
+                   "--model", args.model, "--seq", str(args.seq),
                    "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
                    "--steps", str(args.steps), "--backend", args.backend]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -103,7 +123,8 @@ def main():
                    "step_ms": statistics.median(r["step_ms"] for r in rs), "rounds": [r["step_ms"] for r in rs]}
             for peer, rs in runs.items()}
     result = {
-        "config": {k: getattr(args, k) for k in ("device", "layers", "width", "batch", "steps", "rounds", "backend")},
+        "config": {k: getattr(args, k)
+                   for k in ("device", "model", "layers", "width", "batch", "seq", "steps", "rounds", "backend")},
         "peers": rows,
         "streamed_over_resident_eager": rows["streamed-eager"]["step_ms"] / rows["resident-eager"]["step_ms"],
         "streamed_over_resident_compiled": rows["streamed-compiled"]["step_ms"] / rows["resident-compiled"]["step_ms"],
@@ -111,8 +132,10 @@ def main():
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{args.layers} x Linear({args.width}) + GELU, batch {args.batch}, frozen weights, forward + backward "
-          f"to the input; device {args.device}, backend {args.backend}")
+    what = (f"MultiheadAttention({args.width}, 8) + Linear, batch {args.batch} x {args.seq}"
+            if args.model == "attention" else f"Linear({args.width}) + GELU, batch {args.batch}")
+    print(f"{args.layers} x {what}, frozen weights, forward + backward to the input; device {args.device}, "
+          f"backend {args.backend}")
     print(f"{'peer':<20}{'first call s':>14}{'step ms':>10}")
     for peer in PEERS:
         r = rows[peer]

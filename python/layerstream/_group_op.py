@@ -285,7 +285,7 @@ def _group_kernel(inputs, params, engine, layer, call):
                                f"{pattern[1]}) where the traced call returned None at {expected[1]}; a "
                                f"compiled tensor group must return the same structure on every call")
     _PATTERNS[(engine, layer, call)] = pattern
-    return [o for o in outs if o is not None] + [rng]
+    return [_like(o, o) for o in outs if o is not None] + [rng]  # in fake's layouts: torch.empty_like
 
 
 # The errors fake tensors raise when a forward's shapes depend on the data (transformers'
