@@ -131,7 +131,7 @@ class _GroupForward(_RefusesCopy):
     swap is on the module)."""
 
     __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts",
-                 "_averaged", "_experts_module", "__weakref__")
+                 "_averaged", "_experts_module", "_dense", "__weakref__")
 
     def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
                  experts: int = 0):
@@ -142,6 +142,8 @@ class _GroupForward(_RefusesCopy):
         self._device = torch.device(engine.compute_device)
         self._experts = experts  # > 0: the group was added indexed by expert (offload(experts="routed"))
         self._experts_module = _is_experts(module)
+        # Which tensors are parameters, not packed stand-ins (frozen; Dynamo must not trace them).
+        self._dense = tuple(i for i, p in enumerate(self._params) if not isinstance(p, StandIn))
         _group_op.register(self)  # reachable from its operator (Note [A tensor group as an operator])
 
     def routed_experts(self, args, kwargs) -> List[int]:

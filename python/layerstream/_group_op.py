@@ -218,8 +218,14 @@ def traced(fwd, args, kwargs):
         else:
             consts.append(("v", v))
     req = tuple(t.requires_grad for t in tensors)
-    trainable = tuple(p.requires_grad for p in fwd._params)
-    params = [p for p in fwd._params if p.requires_grad]
+    trainable = [False] * len(fwd._params)
+    params = []
+    for i in fwd._dense:  # packed stand-ins are frozen, and never graph inputs
+        p = fwd._params[i]
+        if p.requires_grad:
+            trainable[i] = True
+            params.append(p)
+    trainable = tuple(trainable)
     grad_mode = torch.is_grad_enabled()
     grad = grad_mode and (any(req) or len(params) > 0)
     kind = fwd._device.type
