@@ -264,6 +264,14 @@ def test_an_operator_of_a_detached_engine_says_what_to_do(offload_sim):
     gc.collect()
     with pytest.raises(Exception, match="does not exist in this process"):
         ep.module()(torch.randn(2, 16))
+    model = _Attention().eval()
+    handle = offload_sim(model)
+    ep = torch.export.export(model, (torch.randn(2, 5, 16),))
+    handle.detach()
+    del handle
+    gc.collect()
+    with pytest.raises(Exception, match="has no tensor group 0 in this process"):
+        ep.module()(torch.randn(2, 5, 16))
 
 
 def test_llama_lora_training_compiles_without_graph_breaks(offload_sim):
