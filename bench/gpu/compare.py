@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""GPU proof: layerstream against a resident model, the seed system and accelerate.
+"""GPU proof: layerstream against a resident model, the seed system, accelerate, RamTorch and
+diffusers' group offloading.
 
 A synthetic transformer stack of bf16 Linear layers (default: 32 blocks of
 d=4096 with q, k, v, o 4096x4096 and a 4x MLP, about 6.4B parameters, 12.9 GB)
@@ -20,6 +21,15 @@ Systems:
   seed         the original system (--seed-impl PATH, imported from that path),
                LinearLayerMemoryManager attached to every Linear
   accelerate   accelerate.cpu_offload(model, execution_device)
+  ramtorch     RamTorch 1.11 as its README shows it: ramtorch.helpers.replace_linear_with_ramtorch
+               (every Linear a CPU-bouncing Linear that copies its weight in for the forward and
+               again for the backward) and the rest moved to the device
+  diffusers-group  diffusers' group offloading, block level, with streams:
+               apply_group_offloading(model, onload_device, offload_type="block_level",
+               num_blocks_per_group=1, use_stream=True) on the stack (its blocks a ModuleList)
+  (RamTorch and diffusers are not dependencies of layerstream: bench/gpu/fetch_peers.sh puts
+  their wheels in .whl/, and run.sh installs them on the GPU machine; a peer that is not
+  importable is a skipped row that says so.)
   engine-only  diagnostic, compute-bound rows only: layerstream's engine with one
                slot per layer and cache_across_steps, so after the first step
                nothing is copied; what it loses to `resident` is the engine's
@@ -57,7 +67,13 @@ from pathlib import Path
 MARK = "LSBENCH_JSON "
 REPO = Path(__file__).resolve().parents[2]
 # engine-only last: it is the one a tight --deadline-s should drop, never the seed.
-SYSTEMS = ("resident", "layerstream", "layerstream-nf4", "layerstream-lossless", "seed", "accelerate", "engine-only")
+SYSTEMS = ("resident", "layerstream", "layerstream-nf4", "layerstream-lossless", "seed", "accelerate", "ramtorch",
+           "diffusers-group", "engine-only")
+# The peers' Python packages (import name, the version the comparison was written against).
+PEER_PACKAGES = {"accelerate": ("accelerate", None), "ramtorch": ("ramtorch", "1.11.0"),
+                 "diffusers-group": ("diffusers", "0.42.1")}
+# Peers whose copies layerstream's rows are compared with ("faster than ...").
+PEERS = ("seed", "accelerate", "ramtorch", "diffusers-group")
 # The rows each system runs (default: all); engine-only is a diagnostic of the
 # compute-bound rows and costs GPU time, so it runs only those.
 SYSTEM_ROWS = {"engine-only": (("compute", "infer"), ("compute", "train"))}
@@ -245,6 +261,23 @@ def run_child(system: str, cfg: dict, rows: list) -> int:
 
             model = accelerate.cpu_offload(model, execution_device=dev)
             extra = {"accelerate_version": accelerate.__version__}
+        elif system == "ramtorch":
+            import ramtorch
+            from ramtorch.helpers import move_model_to_device, replace_linear_with_ramtorch
+
+            replace_linear_with_ramtorch(model, device=str(dev))
+            move_model_to_device(model, dev)
+            # The helper keeps the model's own weight tensors (pageable unless the model was
+            # built pinned): recorded, as it decides its copy speed.
+            first = next(m for m in model.modules() if getattr(m, "is_ramtorch", False))
+            extra = {"ramtorch_version": ramtorch.__version__, "weights_pinned": bool(first.weight.is_pinned())}
+        elif system == "diffusers-group":
+            import diffusers
+            from diffusers.hooks import apply_group_offloading
+
+            apply_group_offloading(model, onload_device=dev, offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=True)
+            extra = {"diffusers_version": diffusers.__version__}
     except Exception as e:  # noqa: BLE001 - reported, the parent decides
         emit({"kind": "fatal", "system": system, "error": f"{type(e).__name__}: {e}",
               "traceback": traceback.format_exc()[-4000:]})
@@ -567,8 +600,12 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
                 "forward + backward reload)" if passes == 2 else "forward)")
             if dry:
                 b, src = 0, "computed (CPU path: no transfers)"
-        elif sysname == "accelerate":
+        elif sysname in ("accelerate", "diffusers-group"):
             b, src = wbytes, "computed (1x weight bytes: forward; autograd keeps the copies for backward)"
+        elif sysname == "ramtorch":
+            passes = 2 if mode == "train" else 1
+            b, src = wbytes * passes if wbytes else None, (
+                f"computed ({passes}x weight bytes: forward" + (" + backward's copy)" if passes == 2 else ")"))
         else:
             b, src = 0, "none (weights resident)"
         r["bytes_per_step"], r["bytes_source"] = b, src
@@ -622,12 +659,13 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
                 v = r["step_ms"] / plain["step_ms"]
                 checks.append({"name": f"<= {T_LOSSLESS_VS_PLAIN:.2f}x layerstream", "value": v,
                                "pass": None if dry else v <= T_LOSSLESS_VS_PLAIN})
-        seed = by.get(("seed", regime, mode))
-        if seed and seed.get("status") == "ok":
-            # In a dry run the seed takes its CPU path (no transfers at all) while
-            # layerstream waits for its modelled link: the comparison means nothing.
-            checks.append({"name": "faster than seed", "value": seed["step_ms"],
-                           "pass": None if dry else r["step_ms"] < seed["step_ms"]})
+        for peer in PEERS:
+            other = by.get((peer, regime, mode))
+            if other and other.get("status") == "ok":
+                # In a dry run the seed takes its CPU path (no transfers at all) while
+                # layerstream waits for its modelled link: the comparison means nothing.
+                checks.append({"name": f"faster than {peer}", "value": other["step_ms"],
+                               "pass": None if dry else r["step_ms"] < other["step_ms"]})
         r["checks"] = checks
         decided = [c["pass"] for c in checks if c["pass"] is not None]
         r["verdict"] = "—" if not decided else ("PASS" if all(decided) else "FAIL")
@@ -710,12 +748,13 @@ def write_md(res: dict, path: Path) -> None:
     L.append("")
     L.append("Columns: step ms = median over the timed steps (CUDA events on the compute stream; perf_counter "
              "on CPU/sim); × ideal = step / max(resident step, bytes streamed per step / H2D peak); GB/s = bytes "
-             "streamed per step / step time (layerstream: measured h2d bytes; seed/accelerate: computed); peak "
+             "streamed per step / step time (layerstream: measured h2d bytes; the peers': computed); peak "
              "device mem = torch.cuda.max_memory_allocated + layerstream's slot arena (streamed_device_bytes, "
              "allocated outside torch; the weights its planner keeps resident are torch tensors, counted once). Targets (goals, not the exit status): compute-bound training ≤ "
              f"{T_COMPUTE_TRAIN_VS_RESIDENT:.2f}× resident; transfer-bound ≥ {T_TRANSFER_PCT_OF_PINNED:.0%} of the "
              "pinned peak; engine peak ≤ budget; total peak ≤ budget + the resident run's activations "
-             f"(+{MEM_TOLERANCE_BYTES >> 20} MiB); faster than the seed.")
+             f"(+{MEM_TOLERANCE_BYTES >> 20} MiB); faster than each peer that ran (seed, accelerate, RamTorch, "
+             "diffusers group offloading).")
     if res.get("regime_check"):
         L.append("")
         L.append("Regime check (resident step vs the time to stream the weights once per pass at the H2D peak):")
@@ -859,12 +898,14 @@ def main(argv=None) -> int:
             reason = "--seed-impl not given (the seed is never in the repo; pass the path of seed_layer.py)"
         elif s == "seed" and not Path(cfg["seed_impl"]).is_file():
             reason = f"--seed-impl {cfg['seed_impl']} does not exist"
-        elif s == "accelerate":
+        elif s in PEER_PACKAGES:
+            pkg, version = PEER_PACKAGES[s]
             if dry:
-                reason = ("dry run: no CUDA device, and cpu_offload with the CPU as execution device "
-                          "streams nothing")
-            elif importlib.util.find_spec("accelerate") is None:
-                reason = "accelerate is not importable in this python"
+                reason = "dry run: no CUDA device, and a peer offloading to the CPU from the CPU streams nothing"
+            elif importlib.util.find_spec(pkg) is None:
+                reason = (f"{pkg} is not importable in this python" +
+                          (f" (bench/gpu/fetch_peers.sh puts {pkg}=={version}'s wheel in .whl/, which run.sh "
+                           f"installs; carry .whl)" if version else ""))
         if not dry and probe.get("device") != "cuda":
             reason = reason or "no CUDA device"
         if reason:

@@ -394,6 +394,16 @@ nrc=$?
 [ $nrc = 0 ] || { log "nccl_one_rank.py exited with $nrc (see nccl.log)"; fail=1; }
 
 # ---- comparison ------------------------------------------------------------
+# The peers' wheels (bench/gpu/fetch_peers.sh puts them in .whl/; carry it): the GPU
+# machine reaches no package index, so they are installed from there, without their
+# dependencies (that machine has torch, numpy, huggingface_hub, ... already).
+if [ "$DRY" = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
+  if "$PY" -m pip install --no-deps --no-index .whl/*.whl >"$OUTDIR/peers.log" 2>&1; then
+    log "peers installed from .whl: $(cd .whl && ls *.whl | tr '\n' ' ')"
+  else
+    log "the peers' wheels did not install (see peers.log): their rows will say they are not importable"
+  fi
+fi
 cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
           --build-detail "$build_detail" --tests-json "$TESTS_JSON")
 # One torch thread: on 2 shared cores, intra-op threads spin against each other
