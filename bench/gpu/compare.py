@@ -12,6 +12,9 @@ grad, so activation gradients flow through every layer).
 Systems:
   resident     the model on the device (upper bound on speed)
   layerstream  layerstream.offload(model, device=..., budget=~10% of the weight bytes)
+  layerstream-all-streamed  layerstream without a budget: every layer streams through its
+               slots (nothing kept resident), so it moves the bytes the seed and RamTorch
+               move: the engines compared on equal work (issue 27, item 3)
   layerstream-nf4  the same with quantize="nf4": packed weights cross the bus
                (0.28x the bytes) and are dequantized to bf16 on the device, on
                the transfer path; same budget (an extra row, not a target)
@@ -67,7 +70,7 @@ from pathlib import Path
 MARK = "LSBENCH_JSON "
 REPO = Path(__file__).resolve().parents[2]
 # engine-only last: it is the one a tight --deadline-s should drop, never the seed.
-SYSTEMS = ("resident", "layerstream", "layerstream-nf4", "layerstream-lossless", "seed", "accelerate", "ramtorch",
+SYSTEMS = ("resident", "layerstream", "layerstream-all-streamed", "layerstream-nf4", "layerstream-lossless", "seed", "accelerate", "ramtorch",
            "diffusers-group", "engine-only")
 # The peers' Python packages (import name, the version the comparison was written against).
 PEER_PACKAGES = {"accelerate": ("accelerate", None), "ramtorch": ("ramtorch", "1.11.0"),
@@ -231,7 +234,8 @@ def run_child(system: str, cfg: dict, rows: list) -> int:
             import layerstream
 
             quantize = {"layerstream-nf4": "nf4", "layerstream-lossless": "lossless"}.get(system)
-            budget = budget_for(cfg, wbytes, largest, 1.75 if quantize == "lossless" else 1.0)
+            budget = (None if system == "layerstream-all-streamed" else
+                      budget_for(cfg, wbytes, largest, 1.75 if quantize == "lossless" else 1.0))
             handle = layerstream.offload(model, device="cuda" if cuda else "sim", budget=budget,
                                          prefetch=cfg["prefetch"], sim_link_gbps=cfg["sim_link_gbps"],
                                          quantize=quantize)
