@@ -18,7 +18,8 @@
 # every expert vs the routed ones; moe_decode.json/.md, appended to
 # results.md); bench/bench_disk.py (disk.txt); bench/bench_compile.py and
 # bench/bench_activations.py (compile.json, activations.json, appended to
-# results.md); bench/gpu/nccl_one_rank.py (nccl.json: the process-group path
+# results.md); bench/bench_llama.py (llama.json: a Llama-3-8B-shaped model,
+# resident vs streamed at 8 GiB); bench/gpu/nccl_one_rank.py (nccl.json: the process-group path
 # with one NCCL rank); then the comparison at full size (~6.4B params, bf16).
 # Skips: on the GPU machine a skipped test fails the run unless its reason is
 # one bench/gpu/skip_policy.py lists as right on one GPU (e.g. "needs two CUDA
@@ -29,7 +30,7 @@
 # module does not import), device "sim", tiny sizes; the parity tests are
 # collected and a few of them run on sim under the skip policy (no skip
 # allowed there; tools/test.sh runs them all), and the skip policy checks its
-# own rules (--self-test); < 2 minutes on 2 CPU cores.
+# own rules (--self-test); about 3.5 minutes on 2 CPU cores (211 s on 2026-12-03).
 # --seed-impl: the seed's seed_layer.py (never in the repo). When not given,
 # .shared/seed_layer.py (an ignored folder of the checkout) is used if present.
 set -uo pipefail
@@ -379,6 +380,19 @@ timeout 200 "$PY" bench/bench_activations.py "${aargs[@]}" --json >"$OUTDIR/acti
 arc=$?
 [ $arc = 0 ] || { log "bench_activations.py exited with $arc (see activations.log)"; fail=1; }
 
+# ---- a real model shape: Llama-3-8B's, LoRA training and greedy decoding ------
+# bench/bench_llama.py: random bf16 weights built from the config, resident vs
+# layerstream under an 8 GiB budget, each in its own process (issue 27, item 2).
+if [ "$DRY" = 1 ]; then
+  largs=(--device sim --tiny --seq 64 --steps 1 --new-tokens 4 --budget 400000)
+else
+  largs=(--device cuda --seq 1024 --steps 2 --new-tokens 8)
+fi
+log "Llama-8B shape: bench_llama.py ${largs[*]}"
+timeout 300 "$PY" bench/bench_llama.py "${largs[@]}" --json >"$OUTDIR/llama.json" 2>"$OUTDIR/llama.log"
+lrc=$?
+[ $lrc = 0 ] || { log "bench_llama.py exited with $lrc (see llama.log)"; fail=1; }
+
 # ---- several processes: the process-group path with one rank ---------------
 # bench/gpu/nccl_one_rank.py: offload(process_group=world of one NCCL rank),
 # every streamed gradient through the engine's all-reduce, full fine-tuning
@@ -428,6 +442,9 @@ if [ -f "$OUTDIR/results.md" ]; then
   } >>"$OUTDIR/results.md"
   { echo; echo "## Activation offload (bench/bench_activations.py)"; echo
     if [ -s "$OUTDIR/activations.json" ]; then cat "$OUTDIR/activations.json"; else echo "not measured: exit status $arc, see activations.log"; fi
+  } >>"$OUTDIR/results.md"
+  { echo; echo "## Llama-3-8B shape, LoRA training and greedy decoding (bench/bench_llama.py)"; echo
+    if [ -s "$OUTDIR/llama.json" ]; then cat "$OUTDIR/llama.json"; else echo "not measured: exit status $lrc, see llama.log"; fi
   } >>"$OUTDIR/results.md"
   { echo; echo "## Process group, one NCCL rank (bench/gpu/nccl_one_rank.py)"; echo
     if [ -s "$OUTDIR/nccl.json" ]; then cat "$OUTDIR/nccl.json"; else echo "not measured: exit status $nrc, see nccl.log"; fi
