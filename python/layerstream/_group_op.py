@@ -31,6 +31,7 @@ break (_forward._group_eagerly), exact as well.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -48,6 +49,9 @@ _GROUPS: Dict[Tuple[int, int], "weakref.ref"] = {}
 # (engine id, layer, call) -> (single, which outputs are None): how the operator's list of
 # tensors maps back onto what the module returns; set by the kernels (fake and real).
 _PATTERNS: Dict[Tuple[int, int, str], Tuple[bool, Tuple[bool, ...]]] = {}
+# The calls whose fake kernel could not run the module (shapes that depend on the routing)
+# and promised the first input's shape and dtype instead: the real kernel checks them.
+_LIKE_FIRST_INPUT: set = set()
 
 
 def register(fwd) -> None:
@@ -291,11 +295,21 @@ def _group_kernel(inputs, params, engine, layer, call):
                                f"{pattern[1]}) where the traced call returned None at {expected[1]}; a "
                                f"compiled tensor group must return the same structure on every call")
     _PATTERNS[(engine, layer, call)] = pattern
+    if (engine, layer, call) in _LIKE_FIRST_INPUT:
+        args, _ = c.rebuild(inputs)
+        first = args[0] if args else inputs[0]
+        if not single or outs[0].shape != first.shape or outs[0].dtype != first.dtype:
+            raise LayerstreamError(
+                f"streamed layer '{fwd._name}' returned {[tuple(o.shape) for o in outs if o is not None]} where its "
+                f"compiled call promised one tensor shaped like its first input {tuple(first.shape)} "
+                f"({first.dtype}): its shapes depend on the data, so the fake kernel could not run it. Keep this "
+                f"module resident (offload(exclude=[...])), or do not compile it (torch.compiler.disable)")
     return [_like(o, o) for o in outs if o is not None] + [rng]  # in fake's layouts: torch.empty_like
 
 
 # The errors fake tensors raise when a forward's shapes depend on the data (transformers'
 # eager experts loop over the experts a batch hits).
+_free_unbacked_symbols = torch.fx.experimental.symbolic_shapes.free_unbacked_symbols
 _DATA_DEPENDENT = (torch._subclasses.fake_tensor.DynamicOutputShapeException,
                    torch._subclasses.fake_tensor.DataDependentOutputException,
                    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
@@ -312,15 +326,24 @@ def fake(inputs, params, engine, layer, call):
     # As the kernel runs it: grad mode and requires_grad decide paths (and what
     # nn.MultiheadAttention returns in eval mode).
     args, kwargs = c.rebuild([t.detach().requires_grad_(r and c.grad) for t, r in zip(inputs, c.requires_grad)])
+    # Sizes the forward computes from data (torch.unique, nonzero) are symbols that no output
+    # returns: let the trial make them; an output sized by one counts as data-dependent.
+    env = getattr(torch._guards.detect_fake_mode(inputs), "shape_env", None)
     try:
         for (o, k), p in zip(fwd._slots, fwd._params):
             o._parameters[k] = torch.empty(p.shape, dtype=p.dtype, device=dev).requires_grad_(p.requires_grad)
-        with torch.set_grad_enabled(c.grad_mode), torch.autocast(dev.type, dtype=c.autocast[1], enabled=c.autocast[0]):
+        fresh = env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
+        with torch.set_grad_enabled(c.grad_mode), fresh, \
+                torch.autocast(dev.type, dtype=c.autocast[1], enabled=c.autocast[0]):
             out = fwd._original(*args, **kwargs)
+        if any(isinstance(t, torch.Tensor) and _free_unbacked_symbols(t.shape)
+               for t in torch.utils._pytree.tree_leaves(out)):
+            raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.layerstream.group.default)
     except _DATA_DEPENDENT:
         if not fwd._experts_module or not inputs:
             raise
         out = torch.empty_like(args[0] if args else inputs[0])
+        _LIKE_FIRST_INPUT.add((engine, layer, call))
     finally:
         for (o, k), p in zip(fwd._slots, fwd._params):
             o._parameters[k] = p

@@ -516,6 +516,43 @@ def test_transformers_experts_full_finetune_and_packed_compile_whole(offload_sim
     assert _frames() == 1
 
 
+class _DataDependentExperts(nn.Module):
+    """An experts module (transformers' markers, 3-D weights) whose forward loops over the
+    experts a batch hits by their values (.tolist()): fake tensors cannot run it."""
+    has_gate, is_transposed = False, False
+
+    def __init__(self, twice=False):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 16, 16) * 0.1)
+        self.twice = twice
+
+    def forward(self, x, ids):
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            rows = ids == e
+            out[rows] = x[rows] @ self.w[e]
+        return torch.cat([out, out]) if self.twice else out
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["like-its-input", "other-shape"])
+def test_a_group_whose_shapes_depend_on_the_data_is_checked(offload_sim, twice):
+    """The fake kernel cannot run a forward whose shapes depend on the data; for an
+    experts module it promises the first input's shape and dtype (what transformers'
+    experts return), and the real kernel checks the promise: kept, the compiled result
+    is the eager one; broken, a clear error, not a wrong shape downstream."""
+    model = nn.Sequential()
+    model.experts = _DataDependentExperts(twice).requires_grad_(False)
+    offload_sim(model)
+    x, ids = torch.randn(6, 16), torch.tensor([0, 2, 2, 1, 0, 3])
+    step = torch.compile(lambda x, ids: model.experts(x, ids) * 2, fullgraph=True, backend="aot_eager")
+    if twice:
+        with pytest.raises(Exception, match="promised one tensor shaped like its first input"):
+            step(x, ids)
+        return
+    torch.testing.assert_close(step(x, ids), model.experts(x, ids) * 2, **TOL)
+    assert _graph_breaks() == 0
+
+
 def test_a_group_call_that_is_not_one_operator_runs_eagerly(offload_sim, monkeypatch):
     """A call whose arguments the operator cannot describe (here: forced) runs eagerly
     between compiled graphs, exactly; fullgraph=True then fails naming the reason and
