@@ -59,8 +59,8 @@ MUTATIONS = [
     # ---- the four that survived the audit of issue 29 ----
     Mutation(
         "bf16-weight-grad-1pct", "csrc/torch/ops_streamed.cpp",
-        "dopts.dtype(l.w_dtype)).copy_(gw);",
-        "dopts.dtype(l.w_dtype)).copy_(l.w_dtype == torch::kBFloat16 ? gw * 1.01 : gw);",
+        "dopts.dtype(l.w_dtype)).copy_(gw));",
+        "dopts.dtype(l.w_dtype)).copy_(l.w_dtype == torch::kBFloat16 ? gw * 1.01 : gw));",
         [P + "test_parity_layers.py::test_linear_bf16"],
         "bf16 Linear weight gradients 1% too large", survived_before=True),
     Mutation(
@@ -82,6 +82,19 @@ MUTATIONS = [
         "static_cast<double>(max_slots_held) / (num_slots + 1) : 0.0;",
         [P + "test_telemetry.py"],
         "slot_utilisation divided by one slot too many", survived_before=True),
+    Mutation(
+        "allreduce-blocks-the-backward", "csrc/torch/engine_distributed.cpp",
+        "    backend_->launch_host_func(grad_stream_, [works = std::move(works)] {\n"
+        "      for (const auto& w : works) w->wait();\n    });",
+        "    for (const auto& w : works) w->wait();",
+        [P + "test_distributed.py::test_averaging_overlaps_the_backward"],
+        "a streamed gradient's all-reduce waited for on the backward's thread (no overlap)"),
+    Mutation(
+        "busy-slots-not-last", "csrc/core/scheduler.cpp",
+        "return cost >= 0 && busy ? cost + 2 : cost;",
+        "return cost;",
+        [P + "test_distributed.py::test_averaging_overlaps_the_backward"],
+        "a scratch slot still busy with an all-reduce taken before an idle one (the backward waits)"),
     # ---- other holes named by issue 29, now covered ----
     Mutation(
         "planner-keeps-nothing-resident", "csrc/core/planner.cpp",

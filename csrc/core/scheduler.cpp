@@ -172,14 +172,26 @@ int Scheduler::next_use_distance_locked(int layer, size_t window) const {
   return -1;
 }
 
+namespace {
+// Note [Busy slots last]
+// A free slot whose last users' work still runs (a gradient's all-reduce and
+// copy to the host in the scratch slot, a compute that read it) makes its new
+// writer wait: a stream stalls behind that work (the transfer stream's FIFO,
+// all the copies queued after), and an inline compute stream blocks the
+// host. So a busy slot costs 2 more than an idle one of the same content:
+// empty idle, then idle content not needed soon, then the busy ones, and
+// the window's content last.
+int64_t with_busy(int64_t cost, bool busy) { return cost >= 0 && busy ? cost + 2 : cost; }
+}  // namespace
+
 int Scheduler::obtain_slot_locked(bool on_demand) {
   const size_t window = static_cast<size_t>(opts_.prefetch_depth) + 1;
-  auto cost = [&](int64_t tag) -> int64_t {
-    if (tag == SlotPool::kNoTag) return 0;
+  auto cost = [&](int64_t tag, bool busy) -> int64_t {
+    if (tag == SlotPool::kNoTag) return with_busy(0, busy);
     const int d = next_use_distance_locked(static_cast<int>(tag), window);
-    if (d < 0) return 1;                  // cached content not needed soon
-    if (!on_demand) return -1;            // never evict what the window needs
-    return 1000000 - d;                   // evict the one needed last
+    if (d < 0) return with_busy(1, busy);  // cached content not needed soon
+    if (!on_demand) return -1;             // never evict what the window needs
+    return with_busy(1000000 - d, busy);   // evict the one needed last
   };
   std::optional<int> got = pool_->acquire(transfer_, cost);
   if (got) {
@@ -486,10 +498,10 @@ Lease Scheduler::acquire_scratch(Stream user) {
   // Take a slot without a pending copy if possible; the pool orders `user`
   // after the slot's previous users.
   const size_t window = static_cast<size_t>(opts_.prefetch_depth) + 1;
-  auto cost = [&](int64_t tag) -> int64_t {
-    if (tag == SlotPool::kNoTag) return 0;
+  auto cost = [&](int64_t tag, bool busy) -> int64_t {  // Note [Busy slots last]
+    if (tag == SlotPool::kNoTag) return with_busy(0, busy);
     const int d = next_use_distance_locked(static_cast<int>(tag), window);
-    return d < 0 ? 1 : 1000000 - d;
+    return with_busy(d < 0 ? 1 : 1000000 - d, busy);
   };
   std::optional<int> got = pool_->acquire(user, cost);
   int s;

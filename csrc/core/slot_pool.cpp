@@ -39,14 +39,19 @@ int SlotPool::num_free() const {
   return n;
 }
 
+bool SlotPool::busy(int i) const {
+  const Slot& s = slots_.at(static_cast<size_t>(i));
+  return s.recorded && !backend_.query(s.free_event);
+}
+
 std::optional<int> SlotPool::acquire(Stream writer,
-                                     const std::function<int64_t(int64_t tag)>& cost) {
+                                     const std::function<int64_t(int64_t tag, bool busy)>& cost) {
   int best = -1;
   int64_t best_cost = 0;
   for (int i = 0; i < num_slots(); ++i) {
     const Slot& s = slots_[static_cast<size_t>(i)];
     if (s.held) continue;
-    const int64_t c = cost ? cost(s.tag) : 0;
+    const int64_t c = cost ? cost(s.tag, busy(i)) : 0;
     if (c < 0) continue;
     if (best < 0 || c < best_cost) {
       best = i;

@@ -13,7 +13,7 @@
 // by the last release), so a slot is only ever reused after the work that
 // read it completed, without blocking the host. Each free slot remembers a
 // `tag` (what it holds: e.g. a layer index) so a caller can find still-valid
-// content; acquire() picks the free slot with the lowest cost(tag).
+// content; acquire() picks the free slot with the lowest cost(tag, busy).
 //
 // Thread safety: NOT internally synchronised; the owner (the Scheduler)
 // serialises calls.
@@ -47,9 +47,14 @@ class SlotPool {
   int64_t tag(int i) const { return slots_.at(i).tag; }
   int num_free() const;
 
-  // Takes the free slot with the lowest cost(tag) (cost < 0 = not eligible)
-  // and makes `writer` wait for its free event. nullopt if none is eligible.
-  std::optional<int> acquire(Stream writer, const std::function<int64_t(int64_t tag)>& cost);
+  // Takes the free slot with the lowest cost(tag, busy) (cost < 0 = not
+  // eligible; `busy`: the work before its last release has not completed,
+  // so `writer` would wait for it) and makes `writer` wait for its free
+  // event. nullopt if none is eligible.
+  std::optional<int> acquire(Stream writer, const std::function<int64_t(int64_t tag, bool busy)>& cost);
+  // Whether the work before slot i's last release is still running (a
+  // query, never blocks).
+  bool busy(int i) const;
   // Takes a specific free slot (e.g. to reuse its content).
   void acquire_slot(int i, Stream writer);
   // Marks a held slot as holding `tag` (content description) while held.

@@ -7,6 +7,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/lossless.h"
@@ -41,6 +42,11 @@ void lossless_decode_on(const lossless::Header& header, const void* coded, size_
 // current device and stream for the launch. No allocation.
 void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t numel,
              int device, void* stream);
+
+// Runs fn with `stream` (a cudaStream_t of `device`) as the calling thread's
+// current CUDA stream on `device`: what c10d's Work::wait() makes wait for a
+// collective (engine_distributed.cpp).
+void with_current_stream(int device, void* stream, const std::function<void()>& fn);
 
 // Makes `device` the calling thread's current CUDA device the way torch's own
 // device guards do: exchange_device returns the previous device (-1 when

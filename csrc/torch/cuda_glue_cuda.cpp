@@ -57,6 +57,14 @@ void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType t
   out.copy_(torch::from_blob(const_cast<void*>(src), {numel}, opts.dtype(from)));
 }
 
+void with_current_stream(int device, void* stream, const std::function<void()>& fn) {
+  const auto index = static_cast<c10::DeviceIndex>(device);
+  c10::cuda::CUDAGuard guard(index);
+  c10::cuda::CUDAStreamGuard stream_guard(
+      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), index));
+  fn();
+}
+
 int exchange_device(int device) {
   const auto prev = c10::cuda::ExchangeDevice(static_cast<c10::DeviceIndex>(device));
   return prev == device ? -1 : static_cast<int>(prev);

@@ -23,6 +23,9 @@ void lossless_decode_on(const lossless::Header&, const void*, size_t, void*, int
 void cast_on(const void*, c10::ScalarType, void*, c10::ScalarType, int64_t, int, void*) {
   LS_FAIL("this layerstream build has no CUDA support");
 }
+void with_current_stream(int, void*, const std::function<void()>&) {
+  LS_FAIL("this layerstream build has no CUDA support");
+}
 int exchange_device(int) { return -1; }
 void restore_device(int) {}
 

@@ -43,24 +43,61 @@ void EngineImpl::all_reduce_mean(torch::Tensor& t) {
   if (!c.is_same(t)) t.copy_(c);
 }
 
-void EngineImpl::average_gradient(int index, torch::Tensor& grad) {
-  if (!grad_group_ || !grad.defined()) return;
-  {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    LayerInfo& l = layer(index);
-    if (!grad_sync_) {  // no_sync(): .grad holds local sums from now on
-      l.grad_local = true;
-      return;
-    }
-    if (l.grad_local) {
-      // avg(local + this) is taken once .grad holds both: when the backward ends.
-      l.average_at_end = true;
-      ensure_backward_callback();
-      return;
-    }
+bool EngineImpl::averages_now(int index) {
+  if (!grad_group_) return false;
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LayerInfo& l = layer(index);
+  if (!grad_sync_) {  // no_sync(): .grad holds local sums from now on
+    l.grad_local = true;
+    return false;
   }
+  if (l.grad_local) {
+    // avg(local + this) is taken once .grad holds both: when the backward ends.
+    l.average_at_end = true;
+    ensure_backward_callback();
+    return false;
+  }
+  return true;
+}
+
+void EngineImpl::average_gradient(int index, torch::Tensor& grad) {
+  if (!grad.defined() || !averages_now(index)) return;
   // Without the engine's lock: a collective waits for the other ranks.
   all_reduce_mean(grad);
+}
+
+void EngineImpl::average_before_copy(const std::vector<torch::Tensor>& parts) {
+  // Note [Averaging overlapped with the backward]
+  // The collectives are issued here, on the backward's thread, so that every
+  // rank issues them in the same order (its backward's), interleaved the same
+  // way with the other collectives of that thread (DDP's buckets, a tensor
+  // group's average); they run on the group's own stream (NCCL) or threads
+  // (gloo) while this thread goes on with the next layers' backward. Only the
+  // gradient stream waits for them, before its copy to the host: on CUDA
+  // Work::wait() makes the current stream wait, so the gradient stream is made
+  // current for it; elsewhere (gloo, the sim device) wait() blocks, so it runs
+  // as a host function on the gradient stream. The scratch slot the parts live
+  // in goes back after that copy (push_grads), so nothing reuses it while the
+  // collective still reads or writes it.
+  c10d::ProcessGroup& pg = *grad_group_->pg;
+  torch::NoGradGuard ng;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const torch::Tensor& t : parts) {
+    averaged_bytes_ += static_cast<uint64_t>(t.numel()) * t.element_size();
+    torch::Tensor c = t;
+    c.div_(pg.getSize());  // divided first, as DistributedDataParallel does
+    std::vector<at::Tensor> v{c};
+    works.push_back(pg.allreduce(v));
+  }
+  if (cuda_index_ >= 0) {
+    cuda_glue::with_current_stream(cuda_index_, grad_stream_.native(), [&] {
+      for (auto& w : works) w->wait();
+    });
+  } else {
+    backend_->launch_host_func(grad_stream_, [works = std::move(works)] {
+      for (const auto& w : works) w->wait();
+    });
+  }
 }
 
 void EngineImpl::average_local_grads_locked() {

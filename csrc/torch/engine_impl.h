@@ -150,6 +150,19 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // Copies weight/bias gradients (already computed into `scratch` on the
   // compute stream) to the host and schedules their accumulation.
   void push_grads(int layer, Lease& scratch, bool has_w, bool has_b);
+  // Gradient averaging over the process group (engine_distributed.cpp).
+  // Averages `t` over grad_group_ in place (a device or host tensor).
+  void all_reduce_mean(torch::Tensor& t);
+  // Whether a gradient of layer `index` computed now is averaged at once: not
+  // under no_sync(), nor when .grad already holds local sums (then marks the
+  // layer average_at_end). Takes mu_.
+  bool averages_now(int index);
+  // Averages the parts of a plain backward's gradients (views of the scratch
+  // slot, contiguous, on the compute device) over grad_group_, overlapped
+  // with the rest of the backward: the gradient stream waits for the
+  // collectives; call it just before push_grads(). Without mu_ (Note
+  // [Averaging overlapped with the backward], engine_distributed.cpp).
+  void average_before_copy(const std::vector<torch::Tensor>& parts);
   // A gradient computed on the device, as a host tensor of `dtype` (blocking).
   torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
   // Makes sure pending gradients are accumulated at the end of this backward.
@@ -449,8 +462,6 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::shared_ptr<GradientGroup> grad_group_;
   std::atomic<bool> grad_sync_{true};
   std::atomic<uint64_t> averaged_bytes_{0};
-  // Averages `t` over grad_group_ in place (a device or host tensor).
-  void all_reduce_mean(torch::Tensor& t);
   // End of a backward: averages the .grad of layers marked average_at_end.
   void average_local_grads_locked();
   std::atomic<bool> failed_backward_unreported_{false};  // warned at the next linear()/conv()

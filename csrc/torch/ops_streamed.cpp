@@ -470,10 +470,13 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     torch::Tensor gw = need_w ? got[k++] : torch::Tensor();
     torch::Tensor gb = need_b ? got[k++] : torch::Tensor();
     // Averaged over the process group, if any, before the copy to the host
-    // (engine_distributed.cpp).
-    e->average_gradient(layer, gw);
-    e->average_gradient(layer, gb);
+    // (engine_distributed.cpp): at once when autograd takes them, overlapped
+    // with the rest of the backward when the gradient stream copies them.
+    const bool average = (need_w || need_b) && e->averages_now(layer);
     if ((need_w || need_b) && via_autograd) {
+      if (average)
+        for (torch::Tensor* g : {&gw, &gb})
+          if (g->defined()) e->all_reduce_mean(*g);
       // Returned to autograd (host copies, synchronous), which routes them.
       return {gx, need_w ? e->grad_to_host(gw, l.w_dtype) : torch::Tensor(),
               need_b ? e->grad_to_host(gb, l.b_dtype) : torch::Tensor(), torch::Tensor(), torch::Tensor(),
@@ -484,11 +487,15 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
       // back would), then to the host on the gradient stream.
       ScratchLease scratch(sched, cs);
       const auto dopts = torch::TensorOptions().device(e->compute_device());
-      if (need_w) torch::from_blob(scratch.get().part_ptr(0), l.w_shape, dopts.dtype(l.w_dtype)).copy_(gw);
+      std::vector<torch::Tensor> parts;
+      if (need_w)
+        parts.push_back(torch::from_blob(scratch.get().part_ptr(0), l.w_shape, dopts.dtype(l.w_dtype)).copy_(gw));
       if (need_b)
-        torch::from_blob(static_cast<char*>(scratch.get().slot_buf.ptr) + slot_layout::gradient_bias_offset(l.w_bytes),
-                         l.b_shape, dopts.dtype(l.b_dtype))
-            .copy_(gb);
+        parts.push_back(torch::from_blob(static_cast<char*>(scratch.get().slot_buf.ptr) +
+                                             slot_layout::gradient_bias_offset(l.w_bytes),
+                                         l.b_shape, dopts.dtype(l.b_dtype))
+                            .copy_(gb));
+      if (average) e->average_before_copy(parts);
       e->push_grads(layer, scratch.get(), need_w, need_b);
       scratch.handed_on();
       e->ensure_backward_callback();

@@ -82,6 +82,30 @@ def main():
             result["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "_layerstream_shard"))
             result["owned_numel"] = sum(p.numel() for n, p in model.named_parameters() if n in result["owned"])
             dist.barrier()
+        elif scenario == "overlap":
+            # Rank 1 starts its backward only once rank 0's backward has computed every
+            # layer (a hook on the input's gradient writes a file): rank 0 must not wait
+            # for rank 1 in any layer's all-reduce before that (the all-reduces run
+            # beside the backward, the gradient stream waits for them; Note [Averaging
+            # overlapped with the backward]). A blocking all-reduce would hold rank 0 in
+            # the last layer's backward: rank 1 would give up waiting and say so.
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+            # Slots for 4 layers' gradients in flight, a layer's weights and its gradients.
+            handle = layerstream.offload(model, device="sim", slots=6)
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+            marker = os.path.join(out, "rank0-backward-computed")
+            if rank == 0:
+                x.register_hook(lambda g: open(marker, "w").close())
+            loss = model(x).square().mean()
+            if rank == 1:
+                deadline = time.monotonic() + 30
+                while not os.path.exists(marker) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                result["saw_marker"] = os.path.exists(marker)
+            loss.backward()
+            result["grads"] = [p.grad.clone() for p in model.parameters()]
+            result["stats"] = handle.stats()
         elif scenario == "crash":
             model = lora_model(wide=True)
             handle = layerstream.offload(model, device="sim")

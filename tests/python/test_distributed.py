@@ -189,3 +189,21 @@ def test_single_process_needs_no_group():
     assert model[0].weight.grad is not None
     handle.detach()
     assert model._ddp_params_and_buffers_to_ignore == []
+
+
+def test_averaging_overlaps_the_backward(tmp_path):
+    """Rank 0's backward computes every streamed layer before rank 1 starts its own:
+    the all-reduces do not hold the backward (dist_worker.py, "overlap"); both ranks
+    end with the same averaged gradients."""
+    results = _run("overlap", 2, tmp_path)
+    assert results[1]["saw_marker"], "rank 0's backward waited for rank 1 inside an all-reduce"
+    for g0, g1 in zip(results[0]["grads"], results[1]["grads"]):
+        torch.testing.assert_close(g0, g1, rtol=0, atol=0)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    for r in range(2):  # the reference: each rank's gradients, averaged
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(r))
+        (model(x).square().mean() / 2).backward()
+    for p, g in zip(model.parameters(), results[0]["grads"]):
+        torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
+    assert results[0]["stats"]["averaged_bytes"] == sum(p.numel() * 4 for p in model.parameters())
