@@ -70,8 +70,8 @@ from pathlib import Path
 MARK = "LSBENCH_JSON "
 REPO = Path(__file__).resolve().parents[2]
 # engine-only last: it is the one a tight --deadline-s should drop, never the seed.
-SYSTEMS = ("resident", "layerstream", "layerstream-all-streamed", "layerstream-nf4", "layerstream-lossless", "seed", "accelerate", "ramtorch",
-           "diffusers-group", "engine-only")
+SYSTEMS = ("resident", "layerstream", "layerstream-all-streamed", "layerstream-nf4", "layerstream-lossless", "seed",
+           "accelerate", "ramtorch", "diffusers-group", "engine-only")
 # The peers' Python packages (import name, the version the comparison was written against).
 PEER_PACKAGES = {"accelerate": ("accelerate", None), "ramtorch": ("ramtorch", "1.11.0"),
                  "diffusers-group": ("diffusers", "0.42.1")}
