@@ -95,6 +95,18 @@ MUTATIONS = [
         "return cost;",
         [P + "test_distributed.py::test_averaging_overlaps_the_backward"],
         "a scratch slot still busy with an all-reduce taken before an idle one (the backward waits)"),
+    Mutation(
+        "overlap-shard-prior-unsliced", "csrc/torch/host_overlap.cpp",
+        "src.prior = prior.defined() ? part(p, prior).data_ptr() : nullptr;",
+        "src.prior = prior.defined() ? prior.data_ptr() : nullptr;",
+        [P + "test_distributed.py::test_sharded_step_overlapped_with_the_backward"],
+        "an overlapped shard step reads the earlier micro-batches' gradient from the tensor's start"),
+    Mutation(
+        "sharded-clip-norm-not-summed", "python/layerstream/optim.py",
+        "            plan.sum_of_squares = total.item() / shard.nodes",
+        "            pass",
+        [P + "test_distributed.py::test_sharded_step_overlapped_with_the_backward"],
+        "an overlapped sharded step clips by its own shards' norm, not the ranks' sum"),
     # ---- other holes named by issue 29, now covered ----
     Mutation(
         "planner-keeps-nothing-resident", "csrc/core/planner.cpp",

@@ -174,6 +174,13 @@ class AdamWOverlap {
     torch::Tensor step;  // 0-dim float32: the state's step counter
     uint64_t key = 0;
     size_t group = 0;
+    // Only elements [lo, hi) of a contiguous `param` (in memory order) are
+    // stepped, and `states` cover those (a shard of a tensor that a node's
+    // ranks share: offload(share_host_store="all"), each rank stepping its
+    // own; docs/design/distributed.md, "Sharded step"). hi < 0: all of it.
+    // The gradient norm for clipping then covers the shard only:
+    // sum_of_squares() is this rank's part, the caller sums the ranks'.
+    int64_t lo = 0, hi = -1;
   };
   // Entry status after wait().
   enum Status : int { kUntouched = 0, kNormOnly = 1, kStepped = 2 };
@@ -193,6 +200,11 @@ class AdamWOverlap {
   // coefficient; speculated layers are re-stepped when it is not 1. Without
   // clipping: returns 1. After wait().
   float settle(double other_sum_of_squares, double* total_norm = nullptr);
+  // With clipping, after wait(): the sum of squares of the gradients this
+  // plan counted (sharded parameters: of their shards), and its replacement
+  // (by the sum over the ranks that share the shards) before settle().
+  double sum_of_squares() const { return sum_sq_; }
+  void set_sum_of_squares(double s) { sum_sq_ = s; }
   // After a failed backward: waits, removes the hook and restores the
   // speculated layers (layers stepped without clipping stay stepped).
   void abort();

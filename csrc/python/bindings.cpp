@@ -202,9 +202,11 @@ void bind_optim(py::module& m) {
   });
   // One AdamW step overlapped with a backward (layerstream/host_optim.h, AdamWOverlap).
   // groups: (lr, beta1, beta2, eps, weight_decay, state precision, seed);
-  // params: (param, exp_avg, exp_avg_sq, absmax or None, absmax or None, step, key, group).
+  // params: (param, exp_avg, exp_avg_sq, absmax or None, absmax or None, step, key, group,
+  // lo, hi) with [lo, hi) the elements stepped (hi < 0: all).
   using GroupT = std::tuple<double, double, double, double, double, std::string, uint64_t>;
-  using ParamT = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, OptT, OptT, torch::Tensor, uint64_t, size_t>;
+  using ParamT = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, OptT, OptT, torch::Tensor, uint64_t, size_t,
+                            int64_t, int64_t>;
   py::class_<o::OverlapBackups, std::shared_ptr<o::OverlapBackups>>(m, "OverlapBackups")
       .def(py::init<>())
       .def_property_readonly("bytes", &o::OverlapBackups::bytes);
@@ -216,9 +218,9 @@ void bind_optim(py::module& m) {
              for (const auto& [lr, b1, b2, eps, wd, fmt, seed] : groups)
                gs.push_back({o::AdamWConfig{lr, b1, b2, eps, wd}, o::parse_state_format(fmt), seed});
              std::vector<o::AdamWOverlap::Param> ps;
-             for (const auto& [p, m1, m2, a1, a2, step, key, group] : params)
+             for (const auto& [p, m1, m2, a1, a2, step, key, group, lo, hi] : params)
                ps.push_back({p, o::AdamWStates{m1, m2, a1.value_or(torch::Tensor()), a2.value_or(torch::Tensor())}, step,
-                             key, group});
+                             key, group, lo, hi});
              return std::make_unique<o::AdamWOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm,
                                                       speculation_bytes, std::move(backups), keep_grads);
            }),
@@ -226,6 +228,7 @@ void bind_optim(py::module& m) {
            py::arg("speculation_bytes"), py::arg("backups"), py::arg("keep_grads") = false)
       .def("wait", &o::AdamWOverlap::wait, py::call_guard<py::gil_scoped_release>())
       .def("settle", &settle_overlap<o::AdamWOverlap>)
+      .def_property("sum_of_squares", &o::AdamWOverlap::sum_of_squares, &o::AdamWOverlap::set_sum_of_squares)
       .def("abort", &o::AdamWOverlap::abort, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layer_params", &o::AdamWOverlap::layer_params)
       .def_property_readonly("fused_params", &o::AdamWOverlap::fused_params);

@@ -20,6 +20,12 @@ bool same_shape(const torch::Tensor& a, const torch::Tensor& b) {
 torch::Tensor empty_copy_of(const torch::Tensor& t) {
   return t.defined() ? torch::empty_like(t, torch::MemoryFormat::Preserve) : torch::Tensor();
 }
+// What a plan steps of `t` (the parameter, or a contiguous tensor of its
+// shape: a gradient): elements [lo, hi), or all of it.
+torch::Tensor part(const AdamWOverlap::Param& p, const torch::Tensor& t) {
+  if (p.hi < 0 || !t.defined()) return t;
+  return t.view(-1).slice(0, p.lo, p.hi);
+}
 }  // namespace
 
 OverlapBackups::Copy& OverlapBackups::for_key(uint64_t key, const torch::Tensor& param, const AdamWStates& states) {
@@ -132,6 +138,15 @@ AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> gr
     LS_CHECK(p.group < groups_.size(), "internal: overlap parameter without its group");
     LS_CHECK(p.step.defined() && p.step.numel() == 1 && p.step.scalar_type() == torch::kFloat,
              "internal: overlap parameter without a float32 step counter");
+    if (p.hi >= 0) {
+      LS_CHECK(p.param.is_contiguous(), "layerstream.optim: overlap() steps a shard of a shared parameter only "
+               "when it is contiguous (shape ", p.param.sizes(), ", strides ", p.param.strides(), ")");
+      LS_CHECK(0 <= p.lo && p.lo <= p.hi && p.hi <= p.param.numel(), "internal: overlap shard [", p.lo, ", ",
+               p.hi, ") outside a parameter of ", p.param.numel(), " elements");
+      LS_CHECK(!keep_grads_, "layerstream.optim: overlap(keep_grads=True) is not available for sharded "
+               "parameters (offload(share_host_store=\"all\")): each rank's pass reads only its shard of the "
+               "gradient; call step() after the backward to keep .grad");
+    }
   }
   by_layer_ = params_by_layer(*engine_, params_, &covered_);
   engine_->set_grad_consume_hook([this](int layer, const Engine::LandedGradients* landed) { on_layer(layer, landed); });
@@ -152,14 +167,16 @@ void AdamWOverlap::step_one(size_t i, const torch::Tensor& grad, float grad_scal
   torch::NoGradGuard ng;
   p.step.add_(1);
   const int64_t step = static_cast<int64_t>(p.step.item<float>());
-  adamw_step(g.config, g.format, {p.param}, {grad}, {p.states}, {step}, {p.key}, grad_scale, g.seed);
+  adamw_step(g.config, g.format, {part(p, p.param)}, {grad}, {p.states}, {step}, {p.key}, grad_scale, g.seed);
 }
 
-torch::Tensor AdamWOverlap::grad_of(size_t i) const { return kept_[i].defined() ? kept_[i] : params_[i].param.grad(); }
+torch::Tensor AdamWOverlap::grad_of(size_t i) const {
+  return kept_[i].defined() ? kept_[i] : part(params_[i], params_[i].param.grad());
+}
 
 bool AdamWOverlap::may_speculate(size_t i) {
   const Param& p = params_[i];
-  int64_t bytes = p.param.numel() * static_cast<int64_t>(p.param.element_size());
+  int64_t bytes = part(p, p.param).numel() * static_cast<int64_t>(p.param.element_size());
   for (const torch::Tensor& t : {p.states.exp_avg, p.states.exp_avg_sq, p.states.exp_avg_absmax,
                                  p.states.exp_avg_sq_absmax})
     if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
@@ -180,20 +197,23 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch:
   // optimizer's buffer when clipping may need it in step() (a restore and
   // re-step, or the clipped step); else nowhere: the pass reads the landed
   // buffer (plus .grad).
+  // A shard (Param::lo/hi): the pass reads and writes its elements only.
+  const torch::Tensor target = part(p, p.param);
   torch::Tensor out;
   if (!in_grad && keep_grads_) {
     out = prior.defined() ? prior : torch::empty_like(p.param, torch::MemoryFormat::Contiguous);
     if (!prior.defined()) p.param.mutable_grad() = out;
   } else if (!in_grad && clip) {
-    out = backups_->grad_for_key(p.key, p.param);
+    out = backups_->grad_for_key(p.key, target);
   }
+  LS_CHECK(p.hi < 0 || landed.is_contiguous(), "internal: a sharded parameter's landed gradient is not contiguous");
   AdamWFused src;
-  src.landed = landed.data_ptr();
-  src.prior = prior.defined() ? prior.data_ptr() : nullptr;
+  src.landed = part(p, landed).data_ptr();
+  src.prior = prior.defined() ? part(p, prior).data_ptr() : nullptr;
   src.out = out.defined() ? out.data_ptr() : nullptr;
   OverlapBackups::Copy* copy = nullptr;
   if (clip && speculate) {  // the copy a triggered clip restores (docs/design/optim.md, "Clipping")
-    copy = &backups_->for_key(p.key, p.param, p.states);
+    copy = &backups_->for_key(p.key, target, p.states);
     src.copy_param = copy->param.data_ptr();
     src.copy_exp_avg = copy->states.exp_avg.data_ptr();
     src.copy_exp_avg_sq = copy->states.exp_avg_sq.data_ptr();
@@ -203,7 +223,7 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch:
     }
   }
   if (speculate) p.step.add_(1);
-  AdamWTensor t = host_tensor(p.param, p.states, g.format, i, static_cast<int64_t>(p.step.item<float>()), p.key);
+  AdamWTensor t = host_tensor(target, p.states, g.format, i, static_cast<int64_t>(p.step.item<float>()), p.key);
   t.grad_dtype = core_dtype(landed, "a gradient");
   const double sq = adamw_fused(g.config, g.format, {t}, {src}, FusedWork{clip, speculate}, 1.0f, g.seed).at(0);
   if (speculate) bump_versions({p.param});
@@ -400,7 +420,7 @@ void AdamWOverlap::restore_one(size_t i) {
   Param& p = params_[i];
   const OverlapBackups::Copy& c = *backup_[i];
   torch::NoGradGuard ng;
-  restore(p.param, c.param);
+  restore(part(p, p.param), c.param);
   restore(p.states.exp_avg, c.states.exp_avg);
   restore(p.states.exp_avg_sq, c.states.exp_avg_sq);
   restore(p.states.exp_avg_absmax, c.states.exp_avg_absmax);

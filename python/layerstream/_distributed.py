@@ -82,6 +82,7 @@ class Distributed:
                 f"...), or their collectives would not pair up.")
         node = gathered[self.rank][1]
         self.local = [r for r, g in enumerate(gathered) if g[1] == node]  # this node's ranks, in group order
+        self.nodes = len({g[1] for g in gathered})
         # Trainable streamed tensors keep one copy per process (each rank's optimizer
         # steps its own; HostStore::add), frozen ones are shared.
         trainable = [f"{c.name}.{n}" if c.name else n for c in layers
@@ -156,7 +157,7 @@ class Distributed:
             for name in dict.fromkeys(streamed_names):
                 p = named[name]
                 if p.requires_grad and not hasattr(p, "_layerstream_shard"):
-                    p._layerstream_shard = Shard(p, index, count, self.pg, name)
+                    p._layerstream_shard = Shard(p, index, count, self.pg, name, self.nodes)
                     self.shards.append(p)
             Shard.assign_owners(self.shards, count)
 
@@ -241,13 +242,14 @@ class Shard:
     whose statistics span whole matrices: the tensor's `owner` (a local rank index,
     assign_owners()) steps all of it (docs/design/distributed.md, "Sharded step")."""
 
-    def __init__(self, p: torch.Tensor, index: int, count: int, group, name: str):
+    def __init__(self, p: torch.Tensor, index: int, count: int, group, name: str, nodes: int = 1):
         if not _dense(p):
             raise LayerstreamError(f"sharded streamed tensor {name} is not dense (strides {tuple(p.stride())}); "
                                    f"offload with share_host_store=None")
         n = p.numel()
         self.lo, self.hi = n * index // count, n * (index + 1) // count
         self.group, self.name = group, name
+        self.nodes = nodes  # nodes in the group: each covers the tensor once with its ranks' shards
         self.index, self.owner = index, None
         self.version = p._version  # the last version a sharded step left (Distributed.check_shards)
 

@@ -179,9 +179,6 @@ class _HostOptimizer(torch.optim.Optimizer):
             raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
                                "followed by step()")
         engine = handle._check()
-        if any(hasattr(p, "_layerstream_shard") for g in self.param_groups for p in g["params"]):
-            raise RuntimeError("layerstream.optim: overlap() does not step sharded parameters "
-                               "(offload(share_host_store=\"all\")) yet; call step() after the backward")
         plan, plist = self._overlap_plan(engine, speculation_bytes, bool(keep_grads))
         try:
             yield plan
@@ -216,6 +213,13 @@ class _HostOptimizer(torch.optim.Optimizer):
         counted = {id(p) for p, s in zip(plist, status) if s != 0}
         other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
         other_sq = _C.optim_grad_norm(other) ** 2 if (self.max_grad_norm is not None and other) else 0.0
+        shard = next((p._layerstream_shard for p in plist if hasattr(p, "_layerstream_shard")), None)
+        if self.max_grad_norm is not None and shard is not None:
+            # Sharded (AdamW): each rank's passes took the norm of its shards; every node's
+            # ranks cover each tensor once, so the sum over the group counts it once per node.
+            total = torch.tensor([plan.sum_of_squares], dtype=torch.float64)
+            torch.distributed.all_reduce(total, group=shard.group)
+            plan.sum_of_squares = total.item() / shard.nodes
         coef, norm = plan.settle(other_sq)
         if self.max_grad_norm is not None:
             self.last_grad_norm = norm
@@ -307,8 +311,10 @@ class AdamW(_HostOptimizer):
             for p in group["params"]:
                 if p.device.type == "cpu" and p.requires_grad:
                     st = self._states(p, group["state_precision"], count=False)
+                    shard = getattr(p, "_layerstream_shard", None)  # its elements only ("Sharded step")
                     params.append((p, st["exp_avg"], st["exp_avg_sq"], st.get("exp_avg_absmax"),
-                                   st.get("exp_avg_sq_absmax"), st["step"], key, gi))
+                                   st.get("exp_avg_sq_absmax"), st["step"], key, gi,
+                                   shard.lo if shard else 0, shard.hi if shard else -1))
                 key += 1
         if self.max_grad_norm is not None and self._backups is None:
             self._backups = _C.OverlapBackups()  # the speculation's copies, kept across steps
@@ -324,9 +330,13 @@ class AdamW(_HostOptimizer):
     def step(self, closure=None):
         loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
         work, grads = self._collect()
-        scale, work, _ = self._scale_and_rest(work, grads)
+        scale, work, stepped = self._scale_and_rest(work, grads)
         self._last_clipped = scale < 1.0
         shards = self._shards(work)
+        # Stepped during the backward: a layer's shard once its averaged gradient
+        # landed, i.e. after every rank's backward of that layer (their all-reduces
+        # pair), so after their last read of its weights.
+        early = [p for p in stepped if hasattr(p, "_layerstream_shard")]
         if shards:
             # Sharded: every rank's backward has read the shared weights before any
             # rank writes its shard, and every shard is written before anyone reads on.
@@ -343,12 +353,11 @@ class AdamW(_HostOptimizer):
                 [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s.get("exp_avg_absmax") for s in states], [s.get("exp_avg_sq_absmax") for s in states],
                 [int(s["step"].item()) for s in states], keys, scale, int(group["seed"]))
-        if shards:
-            shards[0].barrier()
-            for _, ps, _, _ in work:
-                for p in ps:
-                    if hasattr(p, "_layerstream_shard"):
-                        p._layerstream_shard.version = p._version
+        if shards or early:
+            (shards or [p._layerstream_shard for p in early])[0].barrier()
+            for p in early + [p for _, ps, _, _ in work for p in ps]:
+                if hasattr(p, "_layerstream_shard"):
+                    p._layerstream_shard.version = p._version
         return loss
 
     @staticmethod
@@ -443,6 +452,10 @@ class Adafactor(_HostOptimizer):
                 self.state[p]["step"] += 1
 
     def _overlap_plan(self, engine, speculation_bytes, keep_grads):
+        if any(hasattr(p, "_layerstream_shard") for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("layerstream.optim: Adafactor's overlap() does not step sharded parameters "
+                               "(offload(share_host_store=\"all\")), whose tensors it steps whole on one rank "
+                               "each; call step() after the backward (AdamW's overlap() steps them)")
         groups, params = [], []
         key = 0
         for gi, group in enumerate(self.param_groups):

@@ -93,6 +93,13 @@ def host_adamw(params):
     return layerstream.optim.AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.01)
 
 
+def host_adamw_clipped(params):
+    """host_adamw with a global clip that triggers at every step (the overlapped sharded
+    scenario: speculated layers restored and re-stepped, then norm-only passes)."""
+    import layerstream.optim
+    return layerstream.optim.AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.01, max_grad_norm=1e-3)
+
+
 def host_adafactor(params):
     """The sharded Adafactor scenario's optimizer: layerstream's Adafactor with a fixed
     lr. eps[0] (added to the squared gradient) is large enough that a gradient at

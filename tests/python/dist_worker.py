@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_models import (BATCH, LORA_LR, batch_of, host_adafactor, host_adamw, lora_model, make_model,  # noqa: E402
-                         train_steps)
+from dist_models import (BATCH, LORA_LR, MICRO, STEPS, batch_of, host_adafactor, host_adamw,  # noqa: E402
+                         host_adamw_clipped, lora_model, make_model, train_steps)
 
 import layerstream  # noqa: E402
 from layerstream._distributed import store_pss  # noqa: E402
@@ -71,6 +71,40 @@ def main():
                 ddp(batch_of(0, 0)[:BATCH][0])
             except layerstream.LayerstreamError as e:
                 result["torch_optim"] = str(e)
+        elif scenario in ("sharded_overlap", "sharded_overlap_clip"):
+            # The sharded AdamW step overlapped with the backward: each rank steps its shard
+            # of a layer as soon as that layer's averaged gradient lands (the last
+            # micro-batch's backward inside opt.overlap(handle); the first one plain).
+            model = make_model()
+            handle = layerstream.offload(model, device="sim", share_host_store="all")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            factory = host_adamw_clipped if scenario.endswith("clip") else host_adamw
+            opt = factory([p for p in model.parameters() if p.requires_grad])
+            result["losses"], result["early"] = [], []
+            for step in range(STEPS):
+                total = 0.0
+                for micro in range(MICRO):
+                    ids, target = batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH]
+                    loss = nn.functional.mse_loss(ddp(ids), target) / MICRO
+                    if micro < MICRO - 1:
+                        loss.backward()
+                    else:
+                        with opt.overlap(handle):
+                            loss.backward()
+                    total += loss.item()
+                opt.step()
+                result["early"].append(opt.last_overlap_params)
+                opt.zero_grad()
+                result["losses"].append(total)
+            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            for name, make, kw in [("keep_grads", lambda: opt, {"keep_grads": True}),
+                                   ("adafactor", lambda: host_adafactor(list(model.parameters())), {})]:
+                try:  # refused before any backward: nothing to pair up between the ranks
+                    with make().overlap(handle, **kw):
+                        pass
+                except RuntimeError as e:
+                    result[f"{name}_error"] = str(e)
+            dist.barrier()
         elif scenario == "sharded_adafactor":
             # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
             # owner rank), and the Linear weights crossing the bus lossless-coded.

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_models import (BATCH, LORA_LR, STEPS, batch_of, host_adafactor, host_adamw, lora_model, make_model,
-                         train_steps)
+from dist_models import (BATCH, LORA_LR, STEPS, batch_of, host_adafactor, host_adamw, host_adamw_clipped, lora_model,
+                         make_model, train_steps)
 
 import layerstream
 
@@ -123,6 +123,22 @@ def test_sharded_host_step_into_one_shared_copy(tmp_path):
         assert "written by something other than layerstream.optim's sharded step" in res["torch_optim"]
     pss = sum(res["pss"] for res in results)
     assert 0.95 * nbytes <= pss <= nbytes + 4096 * 16, (pss, nbytes)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_sharded_step_overlapped_with_the_backward(clip, tmp_path):
+    """layerstream.optim.AdamW's overlap() on a shared host copy: each rank steps its shard
+    of a streamed layer during the backward; the results equal one process (with a clip
+    that triggers at every step: the norm summed over the ranks' shards)."""
+    world = 2
+    results = _run("sharded_overlap_clip" if clip else "sharded_overlap", world, tmp_path)
+    model = make_model()
+    ref_losses = _reference(model, world, optimizer=host_adamw_clipped if clip else host_adamw)
+    _check_equal(results, model, ref_losses, world)
+    for res in results:  # the Linear layers' weights and biases, every step
+        assert min(res["early"]) >= 4, res["early"]
+        assert "not available for sharded parameters" in res["keep_grads_error"]
+        assert "Adafactor's overlap() does not step sharded parameters" in res["adafactor_error"]
 
 
 def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
