@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -592,6 +593,60 @@ TEST(OptimAdamW, Bf16StochasticRoundingTracksFp32OnAverage) {
   // 1.0 (an error of 0.02).
   EXPECT_NEAR(mean, expected, 4.3e-3);
   EXPECT_GT(std::fabs(mean - 1.0), 0.01);
+}
+
+// Equal elements get their own rounding bits: every element of a tensor
+// holds the same value and gradient, so before rounding the parameter,
+// exp_avg and exp_avg_sq are the same everywhere (x); each element rounds x
+// up with probability (low 16 bits of x) / 2^16, independently of the other
+// elements. The loops run in blocks of 64 elements: a block reusing another's
+// bits would repeat its up/down pattern. For each array and instruction set:
+// the share rounded up is within 5 sigma of that probability, and no two
+// 64-element blocks have the same pattern (fractions in [0.3, 0.7]: below
+// 0.58^64 = 1e-15 per pair).
+TEST(OptimAdamW, Bf16RoundingBitsDifferAcrossElements) {
+  const int64_t n = 64 * 64 + 5;
+  o::detail::AdamWScalars s;
+  s.neg_step_bc2 = -3e-3f;  // fractions 0.57 (p), 0.55 (m), 0.55 (v)
+  s.eps_bc2 = 1e-8f;
+  const float g0 = 0.37f;
+  // The values before rounding, as the kernel computes them.
+  const float mx = 0.0f + s.w1 * (g0 - 0.0f);
+  const float vx = 0.0f * s.beta2 + s.omb2 * g0 * g0;
+  const float px = 1.0f * s.decay + s.neg_step_bc2 * mx / (std::sqrt(vx) + s.eps_bc2);
+  for (const o::detail::Kernels* k : instruction_sets()) {
+    std::vector<uint16_t> p(static_cast<size_t>(n), o::bf16_rne(1.0f));
+    std::vector<float> g(static_cast<size_t>(n), g0);
+    std::vector<uint16_t> m(static_cast<size_t>(n), 0), v(m);
+    o::AdamWTensor t;
+    t.param = p.data();
+    t.param_dtype = o::Dtype::BF16;
+    t.grad = g.data();
+    t.exp_avg = m.data();
+    t.exp_avg_sq = v.data();
+    t.numel = n;
+    k->adamw(t, nullptr, o::StateFormat::BF16, s, o::detail::chunk_keys(3, 0, 1, 0), 0, n);
+    const std::pair<const std::vector<uint16_t>*, float> arrays[] = {{&p, px}, {&m, mx}, {&v, vx}};
+    for (const auto& [a, x] : arrays) {
+      const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+      const uint16_t lo = static_cast<uint16_t>(bits >> 16);
+      const double f = (bits & 0xFFFFu) / 65536.0;
+      ASSERT_GT(f, 0.3);
+      ASSERT_LT(f, 0.7);
+      int64_t up = 0;
+      for (uint16_t y : *a) {
+        ASSERT_TRUE(y == lo || y == lo + 1) << k->isa;
+        up += y != lo;
+      }
+      const double share = static_cast<double>(up) / static_cast<double>(n);
+      EXPECT_NEAR(share, f, 5 * std::sqrt(f * (1 - f) / static_cast<double>(n))) << k->isa;
+      std::vector<std::vector<uint16_t>> blocks;
+      for (int64_t b = 0; b + 64 <= n; b += 64) blocks.emplace_back(a->begin() + b, a->begin() + b + 64);
+      std::sort(blocks.begin(), blocks.end());
+      EXPECT_EQ(std::adjacent_find(blocks.begin(), blocks.end()), blocks.end())
+          << k->isa << ": two blocks rounded alike";
+    }
+  }
 }
 
 // 8-bit states follow fp32 states closely on a quadratic problem.

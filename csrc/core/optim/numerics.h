@@ -76,10 +76,6 @@ static inline uint32_t hash32(uint32_t x, uint32_t key) {
   return x;
 }
 
-// 16 more random bits from a hash value (a further multiply): for a third
-// rounding of the same element.
-static inline uint32_t rehash16(uint32_t h) { return (h * 0x9E3779B1u) >> 16; }
-
 // A 64-bit mix for deriving keys (not per element).
 static inline uint64_t mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
