@@ -138,33 +138,55 @@ TEST(OptimBf16, StochasticRoundingIsUnbiased) {
 }
 
 // ---------------------------------------------------------------- 8-bit codes
+// The codes' values by their definition (numerics.h), in double, rounded once.
+static float q8_reference(int c, bool is_signed) {
+  const int bias = is_signed ? 15 : 31;
+  const int mag_bits = is_signed ? (c & 127) : c;
+  const int e = mag_bits >> 3, m = mag_bits & 7;
+  const double mag = e == 0 ? (m / 8.0) * std::ldexp(1.0, 1 - bias) : (1.0 + m / 8.0) * std::ldexp(1.0, e - bias);
+  const double v = mag / static_cast<double>(o::kQ8Top);
+  return static_cast<float>(is_signed && (c & 128) ? -v : v);
+}
+
+TEST(OptimQ8, DecodingIsTheCodesValueOverTheTop) {
+  for (int c = 0; c < 256; ++c) {
+    const float s = o::q8_value_e4m3(static_cast<uint32_t>(c)), u = o::q8_value_e5m3(static_cast<uint32_t>(c));
+    EXPECT_EQ(__builtin_bit_cast(uint32_t, s), __builtin_bit_cast(uint32_t, q8_reference(c, true))) << c;
+    EXPECT_EQ(__builtin_bit_cast(uint32_t, u), __builtin_bit_cast(uint32_t, q8_reference(c, false))) << c;
+  }
+}
+
 TEST(OptimQ8, CodesCoverTheirRangeExactlyAndUnbiased) {
-  const o::Q8Tables& T = o::q8_tables();
-  EXPECT_EQ(T.signed_e4m3[127], 1.0f);
-  EXPECT_EQ(T.signed_e4m3[255], -1.0f);
-  EXPECT_EQ(T.unsigned_e5m3[255], 1.0f);
-  EXPECT_EQ(T.signed_e4m3[0], 0.0f);
-  EXPECT_EQ(T.unsigned_e5m3[0], 0.0f);
-  // Monotone tables.
-  for (int c = 1; c < 128; ++c) EXPECT_LT(T.signed_e4m3[c - 1], T.signed_e4m3[c]);
-  for (int c = 1; c < 256; ++c) EXPECT_LT(T.unsigned_e5m3[c - 1], T.unsigned_e5m3[c]);
+  float signed_e4m3[256], unsigned_e5m3[256];
+  for (uint32_t c = 0; c < 256; ++c) {
+    signed_e4m3[c] = o::q8_value_e4m3(c);
+    unsigned_e5m3[c] = o::q8_value_e5m3(c);
+  }
+  EXPECT_EQ(signed_e4m3[127], 1.0f);
+  EXPECT_EQ(signed_e4m3[255], -1.0f);
+  EXPECT_EQ(unsigned_e5m3[255], 1.0f);
+  EXPECT_EQ(signed_e4m3[0], 0.0f);
+  EXPECT_EQ(unsigned_e5m3[0], 0.0f);
+  // Monotone.
+  for (int c = 1; c < 128; ++c) EXPECT_LT(signed_e4m3[c - 1], signed_e4m3[c]);
+  for (int c = 1; c < 256; ++c) EXPECT_LT(unsigned_e5m3[c - 1], unsigned_e5m3[c]);
   // Every code's own value encodes to itself, whatever the random bits.
   for (int c = 0; c < 128; ++c)
     for (uint32_t r : {0u, 12345u, 0xFFFFFu})
-      EXPECT_EQ(o::q8_code_e4m3(T.signed_e4m3[c] * o::kQ8Top, r), static_cast<uint32_t>(c)) << c;
+      EXPECT_EQ(o::q8_code_e4m3(signed_e4m3[c] * o::kQ8Top, r), static_cast<uint32_t>(c)) << c;
   for (int c = 1; c < 256; ++c)
     for (uint32_t r : {0u, 12345u, 0xFFFFFu})
-      EXPECT_EQ(o::q8_code_e5m3(T.unsigned_e5m3[c] * o::kQ8Top, r), static_cast<uint32_t>(c)) << c;
+      EXPECT_EQ(o::q8_code_e5m3(unsigned_e5m3[c] * o::kQ8Top, r), static_cast<uint32_t>(c)) << c;
   // Between two codes: the mean over all 2^20 random values is the value
-  // (up to the tables' fp32 rounding), in the normal and subnormal ranges.
+  // (up to the codes' fp32 rounding), in the normal and subnormal ranges.
   for (float y : {0.7f, 1.3f, 3e-5f, 1e-3f}) {
     double s = 0;
-    for (uint32_t r = 0; r < (1u << 20); r += 1) s += T.signed_e4m3[o::q8_code_e4m3(y, r)];
+    for (uint32_t r = 0; r < (1u << 20); r += 1) s += signed_e4m3[o::q8_code_e4m3(y, r)];
     EXPECT_NEAR(s / (1u << 20) * o::kQ8Top, y, 1e-6 * y) << y;
   }
   for (float y : {0.7f, 1e-6f, 5e-10f}) {
     double s = 0;
-    for (uint32_t r = 0; r < (1u << 20); r += 1) s += T.unsigned_e5m3[o::q8_code_e5m3(y, r)];
+    for (uint32_t r = 0; r < (1u << 20); r += 1) s += unsigned_e5m3[o::q8_code_e5m3(y, r)];
     EXPECT_NEAR(s / (1u << 20) * o::kQ8Top, y, 1e-6 * y) << y;
   }
   // A nonzero second moment never becomes 0; zero stays zero.
@@ -646,6 +668,80 @@ TEST(OptimAdamW, Bf16RoundingBitsDifferAcrossElements) {
       EXPECT_EQ(std::adjacent_find(blocks.begin(), blocks.end()), blocks.end())
           << k->isa << ": two blocks rounded alike";
     }
+  }
+}
+
+// The same for 8-bit states: in each 256-element block the first element's
+// gradient (1) sets the absmax and the others are equal (g0), so before
+// encoding their exp_avg and exp_avg_sq are one value y (relative to the
+// absmax, times kQ8Top) everywhere; each element's code rounds y up with
+// probability (the 20 bits the code drops) / 2^20. bf16 parameters as
+// above. Per instruction set: shares within 5 sigma, no two blocks' patterns
+// alike (255 elements, fractions in [0.3, 0.7]).
+TEST(OptimAdamW, EightBitRoundingBitsDifferAcrossElements) {
+  const int64_t blocks = 48, n = blocks * o::kQ8Block;
+  o::detail::AdamWScalars s;
+  s.neg_step_bc2 = -3e-3f;
+  s.eps_bc2 = 1e-8f;
+  const float g0 = 0.418f;  // fractions 0.54 (m), 0.48 (v), 0.57 (p)
+  const float mx = 0.0f + s.w1 * (g0 - 0.0f), mtop = 0.0f + s.w1 * (1.0f - 0.0f);
+  const float vx = 0.0f * s.beta2 + s.omb2 * g0 * g0, vtop = 0.0f * s.beta2 + s.omb2 * 1.0f * 1.0f;
+  const float ym = mx * (o::kQ8Top / mtop), yv = vx * (o::kQ8Top / vtop);
+  const float px = 1.0f * s.decay + s.neg_step_bc2 * mx / (std::sqrt(vx) + s.eps_bc2);
+  struct Expect {
+    uint32_t lo;
+    double f;
+  };
+  const auto frac = [](float y, uint32_t bits) {
+    return (__builtin_bit_cast(uint32_t, y) & ((1u << bits) - 1)) / static_cast<double>(1u << bits);
+  };
+  const Expect em{o::q8_code_e4m3(ym, 0), frac(ym, 20)}, ev{o::q8_code_e5m3(yv, 0), frac(yv, 20)},
+      ep{static_cast<uint32_t>(__builtin_bit_cast(uint32_t, px) >> 16), frac(px, 16)};
+  for (const Expect& x : {em, ev, ep}) {
+    ASSERT_GT(x.f, 0.3);
+    ASSERT_LT(x.f, 0.7);
+  }
+  for (const o::detail::Kernels* k : instruction_sets()) {
+    std::vector<uint16_t> p(static_cast<size_t>(n), o::bf16_rne(1.0f));
+    std::vector<float> g(static_cast<size_t>(n), g0);
+    for (int64_t b = 0; b < n; b += o::kQ8Block) g[static_cast<size_t>(b)] = 1.0f;
+    std::vector<uint8_t> m(static_cast<size_t>(n), 0), v(m);
+    std::vector<float> ma(static_cast<size_t>(blocks), 0.0f), va(ma);
+    o::AdamWTensor t;
+    t.param = p.data();
+    t.param_dtype = o::Dtype::BF16;
+    t.grad = g.data();
+    t.exp_avg = m.data();
+    t.exp_avg_sq = v.data();
+    t.exp_avg_absmax = ma.data();
+    t.exp_avg_sq_absmax = va.data();
+    t.numel = n;
+    k->adamw(t, nullptr, o::StateFormat::Q8, s, o::detail::chunk_keys(3, 0, 1, 0), 0, n);
+    ASSERT_EQ(ma[0], mtop);
+    ASSERT_EQ(va[0], vtop);
+    const auto check = [&](const auto& a, const Expect& x, const char* what) {
+      int64_t up = 0, count = 0;
+      std::vector<std::vector<uint32_t>> patterns;
+      for (int64_t b = 0; b < n; b += o::kQ8Block) {
+        std::vector<uint32_t> pat;
+        for (int64_t i = b + 1; i < b + o::kQ8Block; ++i) {
+          const uint32_t y = a[static_cast<size_t>(i)];
+          ASSERT_TRUE(y == x.lo || y == x.lo + 1) << k->isa << " " << what << " " << i;
+          up += y != x.lo;
+          ++count;
+          pat.push_back(y);
+        }
+        patterns.push_back(pat);
+      }
+      const double share = static_cast<double>(up) / static_cast<double>(count);
+      EXPECT_NEAR(share, x.f, 5 * std::sqrt(x.f * (1 - x.f) / static_cast<double>(count))) << k->isa << " " << what;
+      std::sort(patterns.begin(), patterns.end());
+      EXPECT_EQ(std::adjacent_find(patterns.begin(), patterns.end()), patterns.end())
+          << k->isa << " " << what << ": two blocks rounded alike";
+    };
+    check(m, em, "exp_avg");
+    check(v, ev, "exp_avg_sq");
+    check(p, ep, "param");
   }
 }
 

@@ -32,9 +32,10 @@ struct AdamWScalars {
   float eps_bc2 = 1e-8f;        // eps * sqrt(1 - beta2^t)
 };
 
-// Random-stream keys of one chunk (32-bit element counters).
+// Random-stream keys of one chunk (32-bit element counters): the
+// parameter's (and the bf16 states') rounding bits, and the 8-bit states'.
 struct Keys {
-  uint32_t param = 0, m = 0, v = 0;
+  uint32_t param = 0, q8 = 0;
 };
 
 // Adafactor's per-tensor scalars.

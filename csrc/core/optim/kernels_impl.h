@@ -78,22 +78,22 @@ constexpr uint32_t kBlock = 64, kPfAhead = 2048;
 // always_inline: GCC's analysis sees no side effect in a function that only
 // prefetches (a prefetch changes no value) and drops calls to it that it has
 // not inlined yet -- measured: no prefetch instruction left in the object.
-template <int kWrite, class T>
+template <int kWrite, uint32_t kCount, class T>
 __attribute__((always_inline)) inline void prefetch_ahead(const T* x) {
   const char* c = reinterpret_cast<const char*>(x + kPfAhead);
-  for (uint32_t o = 0; o < kBlock * sizeof(T); o += 64) __builtin_prefetch(c + o, kWrite);
+  for (uint32_t o = 0; o < kCount * sizeof(T); o += 64) __builtin_prefetch(c + o, kWrite);
 }
 
-// Before the block at `b` of arrays of n elements: the block kPfAhead ahead
-// (the gradient for reading, the rest for writing).
-template <class P, class G, class S>
+// Before the block at `b` (kCount elements) of arrays of n elements: the
+// block kPfAhead ahead (the gradient for reading, the rest for writing).
+template <uint32_t kCount = kBlock, class P, class G, class S>
 __attribute__((always_inline)) inline void prefetch_block(const P* p, const G* g, const S* m, const S* v, uint32_t b,
                                                           uint32_t n) {
-  if (b + kPfAhead + kBlock > n) return;
-  prefetch_ahead<1>(p + b);
-  prefetch_ahead<0>(g + b);
-  prefetch_ahead<1>(m + b);
-  prefetch_ahead<1>(v + b);
+  if (b + kPfAhead + kCount > n) return;
+  prefetch_ahead<1, kCount>(p + b);
+  prefetch_ahead<0, kCount>(g + b);
+  prefetch_ahead<1, kCount>(m + b);
+  prefetch_ahead<1, kCount>(v + b);
 }
 
 // Element counters are 32-bit and relative to the chunk (the chunk's key
@@ -177,21 +177,25 @@ void adamw_dense(P* __restrict p, const G* __restrict g, S* __restrict m, S* __r
 
 inline float abs_f(float x) { return f32_from_bits(bits_from_f32(x) & 0x7FFFFFFFu); }
 
-// 8-bit states: block by block, decode, step, new absmax, encode. The
-// pointers start at the chunk (a whole number of blocks); ma/va at its
-// first block.
+// 8-bit states: block by block, decode, step, new absmax, encode (three
+// passes over L1; docs/design/optim.md, "8-bit block states"). The update
+// takes the one-division form for fp32 weights too (an ulp against the
+// states' 3-bit mantissas), and one hash gives both codes their 20 random
+// bits (exp_avg the low, exp_avg_sq the high: each uniform, which is all
+// that unbiasedness needs). The pointers start at the chunk (a whole number
+// of blocks); ma/va at its first block.
 template <class P, class G, bool kSmallW>
 void adamw_q8(P* __restrict p, const G* __restrict g, uint8_t* __restrict mc, uint8_t* __restrict vc,
               float* __restrict ma, float* __restrict va, uint32_t e, const AdamWScalars& scalars,
               const Keys& keys) {
   const AdamWScalars s = scalars;
   const Keys k = keys;
-  const Q8Tables& T = q8_tables();
   alignas(64) float mm[kQ8Block];
   alignas(64) float vv[kQ8Block];
   for (uint32_t b0 = 0; b0 < e; b0 += kQ8Block) {
     const uint32_t n = e - b0 < kQ8Block ? e - b0 : static_cast<uint32_t>(kQ8Block);
     const uint32_t j = b0 / kQ8Block;
+    prefetch_block<static_cast<uint32_t>(kQ8Block)>(p, g, mc, vc, b0, e);
     // This block's elements (pointer offsets keep the inner indices simple
     // for the vectorizer).
     P* __restrict pb = p + b0;
@@ -200,15 +204,15 @@ void adamw_q8(P* __restrict p, const G* __restrict g, uint8_t* __restrict mc, ui
     uint8_t* __restrict vcb = vc + b0;
     const float am = ma[j], av = va[j];
     for (uint32_t t = 0; t < n; ++t) {
-      mm[t] = T.signed_e4m3[mcb[t]] * am;
-      vv[t] = T.unsigned_e5m3[vcb[t]] * av;
+      mm[t] = q8_value_e4m3(mcb[t]) * am;
+      vv[t] = q8_value_e5m3(vcb[t]) * av;
     }
     // The absmax as the bits of |x| (non-negative floats order as their
     // bits; an integer max vectorizes, and NaN/Inf show as >= 0x7F800000).
     uint32_t amax_m = 0, amax_v = 0;
     for (uint32_t t = 0; t < n; ++t) {
       float pp = ld(pb, t), m1 = mm[t], v1 = vv[t];
-      adam_math<kSmallW>(pp, m1, v1, ld(gb, t), s);
+      adam_math_1div<kSmallW>(pp, m1, v1, ld(gb, t), s);
       if constexpr (std::is_same_v<P, float>) {
         pb[t] = pp;
       } else {
@@ -228,8 +232,9 @@ void adamw_q8(P* __restrict p, const G* __restrict g, uint8_t* __restrict mc, ui
     for (uint32_t t = 0; t < n; ++t) {
       const uint32_t i = b0 + t;
       const uint32_t sign = (bits_from_f32(mm[t]) >> 31) << 7;
-      mcb[t] = static_cast<uint8_t>(q8_code_e4m3(abs_f(mm[t]) * sm, hash32(i, k.m)) | sign);
-      vcb[t] = static_cast<uint8_t>(q8_code_e5m3(vv[t] * sv, hash32(i, k.v)));
+      const uint32_t h = hash32(i, k.q8);
+      mcb[t] = static_cast<uint8_t>(q8_code_e4m3(abs_f(mm[t]) * sm, h) | sign);
+      vcb[t] = static_cast<uint8_t>(q8_code_e5m3(vv[t] * sv, h >> 12));
     }
     ma[j] = new_m;
     va[j] = new_v;

@@ -109,8 +109,7 @@ uint32_t derive_key(uint64_t seed, uint64_t tensor_key, int64_t step, uint32_t p
 Keys chunk_keys(uint64_t seed, uint64_t tensor_key, int64_t step, int64_t begin) {
   Keys k;
   k.param = derive_key(seed, tensor_key, step, 1, begin);
-  k.m = derive_key(seed, tensor_key, step, 2, begin);
-  k.v = derive_key(seed, tensor_key, step, 3, begin);
+  k.q8 = derive_key(seed, tensor_key, step, 2, begin);
   return k;
 }
 
@@ -119,25 +118,6 @@ void run_tasks(ThreadPool* pool, int64_t n, const std::function<void(int64_t)>& 
 }
 
 }  // namespace detail
-
-const Q8Tables& q8_tables() {
-  static const Q8Tables t = [] {
-    Q8Tables q{};
-    for (int c = 0; c < 256; ++c) {
-      // signed e4m3 (bias 15): s eeee mmm
-      const int e4 = (c >> 3) & 15, m4 = c & 7;
-      const double mag4 = e4 == 0 ? (m4 / 8.0) * std::ldexp(1.0, -14) : (1.0 + m4 / 8.0) * std::ldexp(1.0, e4 - 15);
-      const double v4 = mag4 / static_cast<double>(kQ8Top);
-      q.signed_e4m3[c] = static_cast<float>((c & 128) ? -v4 : v4);
-      // unsigned e5m3 (bias 31): eeeee mmm
-      const int e5 = c >> 3, m5 = c & 7;
-      const double mag5 = e5 == 0 ? (m5 / 8.0) * std::ldexp(1.0, -30) : (1.0 + m5 / 8.0) * std::ldexp(1.0, e5 - 31);
-      q.unsigned_e5m3[c] = static_cast<float>(mag5 / static_cast<double>(kQ8Top));
-    }
-    return q;
-  }();
-  return t;
-}
 
 const char* kernel_isa() { return detail::kernels().isa; }
 
