@@ -617,15 +617,64 @@ TEST(OptimAdamW, Bf16StochasticRoundingTracksFp32OnAverage) {
   EXPECT_GT(std::fabs(mean - 1.0), 0.01);
 }
 
+// Stochastic rounding of equal values x to codes: `patterns` are the codes
+// of blocks of elements; every code is `lo` or `lo + 1`, the share rounded
+// up is within 5 sigma of the probability `f` (the dropped bits of x), and
+// no two blocks have the same up/down pattern (a block reusing another's
+// random bits would repeat it; with f in [0.3, 0.7] a chance repeat of 64
+// elements has probability below 0.58^64 = 1e-15 per pair).
+void expect_own_rounding_bits(std::vector<std::vector<uint32_t>> patterns, uint32_t lo, double f,
+                              const std::string& what) {
+  ASSERT_GT(f, 0.3) << what;
+  ASSERT_LT(f, 0.7) << what;
+  int64_t up = 0, count = 0;
+  for (const auto& pat : patterns)
+    for (uint32_t y : pat) {
+      ASSERT_TRUE(y == lo || y == lo + 1) << what << ": " << y << " from " << lo;
+      up += y != lo;
+      ++count;
+    }
+  const double share = static_cast<double>(up) / static_cast<double>(count);
+  EXPECT_NEAR(share, f, 5 * std::sqrt(f * (1 - f) / static_cast<double>(count))) << what;
+  std::sort(patterns.begin(), patterns.end());
+  EXPECT_EQ(std::adjacent_find(patterns.begin(), patterns.end()), patterns.end()) << what << ": two blocks rounded alike";
+}
+
+// Elements [b + skip, b + len) of each block of `len` elements (the last may
+// be shorter).
+template <class T>
+std::vector<std::vector<uint32_t>> blocks_of(const std::vector<T>& a, size_t len, size_t skip) {
+  std::vector<std::vector<uint32_t>> out;
+  for (size_t b = 0; b < a.size(); b += len)
+    out.emplace_back(a.begin() + static_cast<std::ptrdiff_t>(b + skip),
+                     a.begin() + static_cast<std::ptrdiff_t>(std::min(a.size(), b + len)));
+  return out;
+}
+
+// A bf16 parameter of n elements (all 1.0) with fp32 gradient `g` and state
+// buffers m, v (absmax arrays for 8-bit states), at step 0.
+o::AdamWTensor bf16_param_tensor(std::vector<uint16_t>& p, std::vector<float>& g, void* m, void* v) {
+  o::AdamWTensor t;
+  t.param = p.data();
+  t.param_dtype = o::Dtype::BF16;
+  t.grad = g.data();
+  t.exp_avg = m;
+  t.exp_avg_sq = v;
+  t.numel = static_cast<int64_t>(p.size());
+  return t;
+}
+
+uint32_t high16(float x) { return __builtin_bit_cast(uint32_t, x) >> 16; }
+double dropped_fraction(float x, int bits) {
+  return (__builtin_bit_cast(uint32_t, x) & ((1u << bits) - 1)) / static_cast<double>(1u << bits);
+}
+
 // Equal elements get their own rounding bits: every element of a tensor
 // holds the same value and gradient, so before rounding the parameter,
 // exp_avg and exp_avg_sq are the same everywhere (x); each element rounds x
 // up with probability (low 16 bits of x) / 2^16, independently of the other
-// elements. The loops run in blocks of 64 elements: a block reusing another's
-// bits would repeat its up/down pattern. For each array and instruction set:
-// the share rounded up is within 5 sigma of that probability, and no two
-// 64-element blocks have the same pattern (fractions in [0.3, 0.7]: below
-// 0.58^64 = 1e-15 per pair).
+// elements. The loops run in blocks of 64 elements, checked as above for
+// each array and instruction set.
 TEST(OptimAdamW, Bf16RoundingBitsDifferAcrossElements) {
   const int64_t n = 64 * 64 + 5;
   o::detail::AdamWScalars s;
@@ -640,34 +689,12 @@ TEST(OptimAdamW, Bf16RoundingBitsDifferAcrossElements) {
     std::vector<uint16_t> p(static_cast<size_t>(n), o::bf16_rne(1.0f));
     std::vector<float> g(static_cast<size_t>(n), g0);
     std::vector<uint16_t> m(static_cast<size_t>(n), 0), v(m);
-    o::AdamWTensor t;
-    t.param = p.data();
-    t.param_dtype = o::Dtype::BF16;
-    t.grad = g.data();
-    t.exp_avg = m.data();
-    t.exp_avg_sq = v.data();
-    t.numel = n;
-    k->adamw(t, nullptr, o::StateFormat::BF16, s, o::detail::chunk_keys(3, 0, 1, 0), 0, n);
-    const std::pair<const std::vector<uint16_t>*, float> arrays[] = {{&p, px}, {&m, mx}, {&v, vx}};
-    for (const auto& [a, x] : arrays) {
-      const uint32_t bits = __builtin_bit_cast(uint32_t, x);
-      const uint16_t lo = static_cast<uint16_t>(bits >> 16);
-      const double f = (bits & 0xFFFFu) / 65536.0;
-      ASSERT_GT(f, 0.3);
-      ASSERT_LT(f, 0.7);
-      int64_t up = 0;
-      for (uint16_t y : *a) {
-        ASSERT_TRUE(y == lo || y == lo + 1) << k->isa;
-        up += y != lo;
-      }
-      const double share = static_cast<double>(up) / static_cast<double>(n);
-      EXPECT_NEAR(share, f, 5 * std::sqrt(f * (1 - f) / static_cast<double>(n))) << k->isa;
-      std::vector<std::vector<uint16_t>> blocks;
-      for (int64_t b = 0; b + 64 <= n; b += 64) blocks.emplace_back(a->begin() + b, a->begin() + b + 64);
-      std::sort(blocks.begin(), blocks.end());
-      EXPECT_EQ(std::adjacent_find(blocks.begin(), blocks.end()), blocks.end())
-          << k->isa << ": two blocks rounded alike";
-    }
+    k->adamw(bf16_param_tensor(p, g, m.data(), v.data()), nullptr, o::StateFormat::BF16, s,
+             o::detail::chunk_keys(3, 0, 1, 0), 0, n);
+    const std::string isa = k->isa;
+    expect_own_rounding_bits(blocks_of(p, 64, 0), high16(px), dropped_fraction(px, 16), isa + " param");
+    expect_own_rounding_bits(blocks_of(m, 64, 0), high16(mx), dropped_fraction(mx, 16), isa + " exp_avg");
+    expect_own_rounding_bits(blocks_of(v, 64, 0), high16(vx), dropped_fraction(vx, 16), isa + " exp_avg_sq");
   }
 }
 
@@ -675,9 +702,7 @@ TEST(OptimAdamW, Bf16RoundingBitsDifferAcrossElements) {
 // gradient (1) sets the absmax and the others are equal (g0), so before
 // encoding their exp_avg and exp_avg_sq are one value y (relative to the
 // absmax, times kQ8Top) everywhere; each element's code rounds y up with
-// probability (the 20 bits the code drops) / 2^20. bf16 parameters as
-// above. Per instruction set: shares within 5 sigma, no two blocks' patterns
-// alike (255 elements, fractions in [0.3, 0.7]).
+// probability (the 20 bits the code drops) / 2^20. bf16 parameters as above.
 TEST(OptimAdamW, EightBitRoundingBitsDifferAcrossElements) {
   const int64_t blocks = 48, n = blocks * o::kQ8Block;
   o::detail::AdamWScalars s;
@@ -688,60 +713,24 @@ TEST(OptimAdamW, EightBitRoundingBitsDifferAcrossElements) {
   const float vx = 0.0f * s.beta2 + s.omb2 * g0 * g0, vtop = 0.0f * s.beta2 + s.omb2 * 1.0f * 1.0f;
   const float ym = mx * (o::kQ8Top / mtop), yv = vx * (o::kQ8Top / vtop);
   const float px = 1.0f * s.decay + s.neg_step_bc2 * mx / (std::sqrt(vx) + s.eps_bc2);
-  struct Expect {
-    uint32_t lo;
-    double f;
-  };
-  const auto frac = [](float y, uint32_t bits) {
-    return (__builtin_bit_cast(uint32_t, y) & ((1u << bits) - 1)) / static_cast<double>(1u << bits);
-  };
-  const Expect em{o::q8_code_e4m3(ym, 0), frac(ym, 20)}, ev{o::q8_code_e5m3(yv, 0), frac(yv, 20)},
-      ep{static_cast<uint32_t>(__builtin_bit_cast(uint32_t, px) >> 16), frac(px, 16)};
-  for (const Expect& x : {em, ev, ep}) {
-    ASSERT_GT(x.f, 0.3);
-    ASSERT_LT(x.f, 0.7);
-  }
   for (const o::detail::Kernels* k : instruction_sets()) {
     std::vector<uint16_t> p(static_cast<size_t>(n), o::bf16_rne(1.0f));
     std::vector<float> g(static_cast<size_t>(n), g0);
     for (int64_t b = 0; b < n; b += o::kQ8Block) g[static_cast<size_t>(b)] = 1.0f;
     std::vector<uint8_t> m(static_cast<size_t>(n), 0), v(m);
     std::vector<float> ma(static_cast<size_t>(blocks), 0.0f), va(ma);
-    o::AdamWTensor t;
-    t.param = p.data();
-    t.param_dtype = o::Dtype::BF16;
-    t.grad = g.data();
-    t.exp_avg = m.data();
-    t.exp_avg_sq = v.data();
+    o::AdamWTensor t = bf16_param_tensor(p, g, m.data(), v.data());
     t.exp_avg_absmax = ma.data();
     t.exp_avg_sq_absmax = va.data();
-    t.numel = n;
     k->adamw(t, nullptr, o::StateFormat::Q8, s, o::detail::chunk_keys(3, 0, 1, 0), 0, n);
     ASSERT_EQ(ma[0], mtop);
     ASSERT_EQ(va[0], vtop);
-    const auto check = [&](const auto& a, const Expect& x, const char* what) {
-      int64_t up = 0, count = 0;
-      std::vector<std::vector<uint32_t>> patterns;
-      for (int64_t b = 0; b < n; b += o::kQ8Block) {
-        std::vector<uint32_t> pat;
-        for (int64_t i = b + 1; i < b + o::kQ8Block; ++i) {
-          const uint32_t y = a[static_cast<size_t>(i)];
-          ASSERT_TRUE(y == x.lo || y == x.lo + 1) << k->isa << " " << what << " " << i;
-          up += y != x.lo;
-          ++count;
-          pat.push_back(y);
-        }
-        patterns.push_back(pat);
-      }
-      const double share = static_cast<double>(up) / static_cast<double>(count);
-      EXPECT_NEAR(share, x.f, 5 * std::sqrt(x.f * (1 - x.f) / static_cast<double>(count))) << k->isa << " " << what;
-      std::sort(patterns.begin(), patterns.end());
-      EXPECT_EQ(std::adjacent_find(patterns.begin(), patterns.end()), patterns.end())
-          << k->isa << " " << what << ": two blocks rounded alike";
-    };
-    check(m, em, "exp_avg");
-    check(v, ev, "exp_avg_sq");
-    check(p, ep, "param");
+    const std::string isa = k->isa;
+    const size_t len = static_cast<size_t>(o::kQ8Block);
+    expect_own_rounding_bits(blocks_of(m, len, 1), o::q8_code_e4m3(ym, 0), dropped_fraction(ym, 20), isa + " exp_avg");
+    expect_own_rounding_bits(blocks_of(v, len, 1), o::q8_code_e5m3(yv, 0), dropped_fraction(yv, 20),
+                             isa + " exp_avg_sq");
+    expect_own_rounding_bits(blocks_of(p, len, 1), high16(px), dropped_fraction(px, 16), isa + " param");
   }
 }
 
