@@ -1,4 +1,5 @@
-"""Host AdamW throughput: layerstream.optim.AdamW vs torch.optim.AdamW vs DeepSpeedCPUAdam.
+"""Host optimizer throughput: layerstream.optim.AdamW vs torch.optim.AdamW vs DeepSpeedCPUAdam,
+and layerstream.optim.Adafactor vs transformers' Adafactor.
 
 Every optimizer ("peer") runs in a process of its own on the same work: the
 same number of parameters (default 100M, split into --tensors equal tensors,
@@ -11,7 +12,10 @@ every peer with the same model of the bytes an AdamW step must move per
 parameter: parameter read + write, gradient read, both states read + write
 (fp32: 28 B; bf16 weights + bf16 states: 14 B; 8-bit states: 2 + 2 B + the
 block absmax; the count comes from the C++ core, optim_bytes_per_element).
-Temporaries a peer makes (torch's foreach path) are not counted.
+Temporaries a peer makes (torch's foreach path) are not counted. Adafactor
+peers (a fixed lr, as trainers set it: ADAFACTOR below) count the parameter
+read and written and the gradient read; tensors are matrices of COLS columns
+so that Adafactor factors them.
 
     .venv/bin/python bench/bench_optim.py [--params 100e6] [--tensors 50] [--threads N] [--json]
 
@@ -50,7 +54,17 @@ PEERS = {
     "ls-8bit": ("layerstream", "float32", "8bit", "layerstream AdamW, fp32 weights, 8-bit states"),
     "ls-bf16": ("layerstream", "bfloat16", "bf16", "layerstream AdamW, bf16 weights (SR), bf16 states"),
     "ls-bf16-8bit": ("layerstream", "bfloat16", "8bit", "layerstream AdamW, bf16 weights (SR), 8-bit states"),
+    "hf-adafactor": ("transformers", "float32", "adafactor", "transformers Adafactor, fp32 weights"),
+    "hf-adafactor-bf16": ("transformers", "bfloat16", "adafactor", "transformers Adafactor, bf16 weights (RNE)"),
+    "ls-adafactor": ("layerstream", "float32", "adafactor", "layerstream Adafactor, fp32 weights"),
+    "ls-adafactor-bf16": ("layerstream", "bfloat16", "adafactor", "layerstream Adafactor, bf16 weights (SR)"),
 }
+# Adafactor's settings in every Adafactor peer: a fixed learning rate, as
+# trainers set it (transformers' defaults would scale it by each step).
+ADAFACTOR = dict(lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
+# Tensors are matrices of this many columns when their size allows (Adafactor
+# factors the second moment of matrices); AdamW does not care.
+COLS = 1000
 
 
 def worker(args):
@@ -75,14 +89,23 @@ def worker(args):
     gen = torch.Generator().manual_seed(0)
     params = []
     for _ in range(args.tensors):
-        p = torch.nn.Parameter(torch.randn(per, generator=gen).to(dtype))
-        p.grad = (torch.randn(per, generator=gen) * 1e-2).to(dtype)
+        shape = (per // COLS, COLS) if per % COLS == 0 else (per,)
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+        p.grad = (torch.randn(shape, generator=gen) * 1e-2).to(dtype)
         params.append(p)
     import layerstream
 
     if args.threads:
         layerstream._C.optim_set_threads(args.threads)
-    if kind == "torch":
+    if variant == "adafactor":
+        if kind == "transformers":
+            from transformers.optimization import Adafactor
+        else:
+            Adafactor = layerstream.optim.Adafactor
+            out["threads"] = layerstream._C.optim_threads()
+            out["isa"] = layerstream._C.optim_kernel_isa()
+        opt = Adafactor(params, **ADAFACTOR)
+    elif kind == "torch":
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=variant == "foreach", fused=variant == "fused" or None)
     elif kind == "deepspeed":
         t0 = time.perf_counter()
@@ -97,8 +120,13 @@ def worker(args):
         opt = layerstream.optim.AdamW(params, lr=1e-4, state_precision=variant)
         out["threads"] = layerstream._C.optim_threads()
         out["isa"] = layerstream._C.optim_kernel_isa()
-    fmt = "fp32" if kind != "layerstream" else variant
-    bpp = layerstream._C.optim_bytes_per_element(dtype_name, dtype_name, fmt)
+    if variant == "adafactor":
+        # The parameter read and written, the gradient read (the factored
+        # state is a row and a column per matrix).
+        bpp = 3 * params[0].element_size()
+    else:
+        fmt = "fp32" if kind != "layerstream" else variant
+        bpp = layerstream._C.optim_bytes_per_element(dtype_name, dtype_name, fmt)
     for _ in range(args.warmup):
         opt.step()
     times = []
@@ -179,7 +207,7 @@ def main():
     if args.json:
         print(json.dumps(info, indent=1))
         return
-    print(f"AdamW step, {args.params / 1e6:.0f}M parameters in {args.tensors} tensors, median of {args.steps} steps, "
+    print(f"Optimizer step, {args.params / 1e6:.0f}M parameters in {args.tensors} tensors, median of {args.steps} steps, "
           f"best of {args.rounds} rounds, threads {args.threads or 'default'}; {info['cpu']}, {info['cores']} cores; load average "
           f"{load_before[0]:.2f} before, {info['load_after'][0]:.2f} after")
     print(f"{'peer':<14} {'s/step':>8} {'Mparam/s':>9} {'GB/s':>6} {'B/param':>8} {'vs fused':>9}  what")
@@ -196,6 +224,10 @@ def main():
             if r:
                 verdict = "met" if r["vs_torch_fused"] >= goal else "NOT met"
                 print(f"goal {peer} >= {goal:.1f}x torch fused fp32: {r['vs_torch_fused']:.2f}x ({verdict})")
+    for ours, theirs in (("ls-adafactor", "hf-adafactor"), ("ls-adafactor-bf16", "hf-adafactor-bf16")):
+        a, b = (next((x for x in rows if x["peer"] == n and "error" not in x), None) for n in (ours, theirs))
+        if a and b:
+            print(f"{ours}: {a['mparams_per_s'] / b['mparams_per_s']:.2f}x {theirs}")
 
 
 if __name__ == "__main__":

@@ -651,13 +651,21 @@ std::vector<std::vector<uint32_t>> blocks_of(const std::vector<T>& a, size_t len
   return out;
 }
 
-// A bf16 parameter of n elements (all 1.0) with fp32 gradient `g` and state
-// buffers m, v (absmax arrays for 8-bit states), at step 0.
-o::AdamWTensor bf16_param_tensor(std::vector<uint16_t>& p, std::vector<float>& g, void* m, void* v) {
-  o::AdamWTensor t;
+// An optimizer tensor (AdamWTensor, AdafactorTensor) of bf16 parameter `p`
+// with fp32 gradient `g`.
+template <class T>
+T bf16_with_grad(std::vector<uint16_t>& p, std::vector<float>& g) {
+  T t;
   t.param = p.data();
   t.param_dtype = o::Dtype::BF16;
   t.grad = g.data();
+  return t;
+}
+
+// An AdamW tensor of it with state buffers m, v (absmax arrays for 8-bit
+// states), at step 0.
+o::AdamWTensor bf16_param_tensor(std::vector<uint16_t>& p, std::vector<float>& g, void* m, void* v) {
+  o::AdamWTensor t = bf16_with_grad<o::AdamWTensor>(p, g);
   t.exp_avg = m;
   t.exp_avg_sq = v;
   t.numel = static_cast<int64_t>(p.size());
@@ -731,6 +739,28 @@ TEST(OptimAdamW, EightBitRoundingBitsDifferAcrossElements) {
     expect_own_rounding_bits(blocks_of(v, len, 1), o::q8_code_e5m3(yv, 0), dropped_fraction(yv, 20),
                              isa + " exp_avg_sq");
     expect_own_rounding_bits(blocks_of(p, len, 1), high16(px), dropped_fraction(px, 16), isa + " param");
+  }
+}
+
+// Adafactor's bf16 parameters too: equal gradients and factors give every
+// element the same update, so the same value before rounding; its loop runs
+// per row in tiles of 256 elements (rows of 1000 here), and the checks above
+// apply to 64-element blocks of the flat array.
+TEST(OptimAdafactor, Bf16RoundingBitsDifferAcrossElements) {
+  const int64_t R = 8, C = 1000, n = R * C;
+  o::detail::AdafactorScalars s;
+  s.lr = 1.0f;
+  const float g0 = 0.0017f;  // fraction 0.56
+  const float px = 1.0f + -(((1.0f * 1.0f) * (g0 * s.grad_scale)) / s.clip_div * s.lr);
+  for (const o::detail::Kernels* k : instruction_sets()) {
+    std::vector<uint16_t> p(static_cast<size_t>(n), o::bf16_rne(1.0f));
+    std::vector<float> g(static_cast<size_t>(n), g0), rf(static_cast<size_t>(R), 1.0f), cf(static_cast<size_t>(C), 1.0f);
+    o::AdafactorTensor t = bf16_with_grad<o::AdafactorTensor>(p, g);
+    t.factored = true;
+    t.rows = R;
+    t.cols = C;
+    k->af_apply(t, s, rf.data(), cf.data(), o::detail::chunk_keys(5, 2, 1, 0), 0, n);
+    expect_own_rounding_bits(blocks_of(p, 64, 0), high16(px), dropped_fraction(px, 16), std::string(k->isa) + " param");
   }
 }
 

@@ -4,7 +4,7 @@
 // vectors) from kernels_impl.h, and the table the dispatcher picks at first
 // use (the widest the CPU runs; LS_OPTIM_ISA=generic or avx2 forces one).
 // All variants compute the same IEEE operations in the same order (no fused
-// multiply-add: -ffp-contract=off; reductions into 8 fixed accumulators), so
+// multiply-add: -ffp-contract=off; reductions into fixed accumulators), so
 // they give bit-identical results; only the vector width differs.
 #pragma once
 
