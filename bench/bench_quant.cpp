@@ -1,6 +1,7 @@
 // bench_quant — pack / dequantize throughput for every quantized format.
 //
 //   bench_quant [--rows R] [--cols C] [--threads N] [--reps K] [--json]
+//   bench_quant --lossless [--rows R] [--cols C] [--threads N] [--reps K]
 //
 // For each format: CPU pack throughput (GB/s of fp32 source read, and the
 // same time expressed as bf16-source GB/s), CPU dequant-to-bf16 throughput
@@ -9,9 +10,12 @@
 // Times are the best of K repetitions. GGUF's block formats (q8_0 .. q6_k,
 // when cols is a multiple of 256) follow, dequantization only (layerstream
 // reads them from .gguf files, it does not pack them: pack columns "-", 0 in
-// JSON).
+// JSON). --lossless instead prints the lossless codec alone for each dtype it
+// codes (bf16, f16, f32; N(0, 0.02) weights): encode (analyze() + encode())
+// and CPU decode, GB/s of raw tensor bytes.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +24,7 @@
 
 #include "bench/quant_throughput.h"
 #include "core/error.h"
+#include "core/lossless.h"
 #include "core/quant.h"
 
 #ifdef LS_HAVE_CUDA
@@ -85,9 +90,55 @@ double device_dequant(const q::PackedLayout& L, const std::vector<uint8_t>& pack
 }
 #endif
 
+// The lossless codec per dtype: encode and CPU decode GB/s of raw bytes, best of reps.
+void lossless_table(int64_t n, int threads, int reps) {
+  namespace ll = layerstream::lossless;
+  std::vector<float> f(static_cast<size_t>(n));
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  for (float& x : f) {  // N(0, 0.02) by Box-Muller from a 64-bit LCG
+    const auto uniform = [&] {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return (static_cast<double>(state >> 11) + 0.5) * 0x1p-53;
+    };
+    x = static_cast<float>(0.02 * std::sqrt(-2 * std::log(uniform())) * std::cos(6.283185307179586 * uniform()));
+  }
+  std::vector<uint16_t> bf(f.size()), hf(f.size());
+  for (size_t i = 0; i < f.size(); ++i) {
+    bf[i] = q::float_to_bf16_bits(f[i]);
+    hf[i] = q::float_to_f16_bits(f[i]);
+  }
+  std::printf("lossless codec: %lld elements, threads %d (0 = all), best of %d, GB/s of raw bytes\n",
+              static_cast<long long>(n), threads, reps);
+  std::printf("%-6s %8s %12s %12s\n", "dtype", "ratio", "encode GB/s", "decode GB/s");
+  const struct {
+    const char* name;
+    ll::Dtype dtype;
+    const void* src;
+  } cases[] = {{"bf16", ll::Dtype::BF16, bf.data()}, {"f16", ll::Dtype::F16, hf.data()}, {"f32", ll::Dtype::F32, f.data()}};
+  for (const auto& c : cases) {
+    const size_t raw = static_cast<size_t>(n) * ll::element_bytes(c.dtype);
+    std::vector<uint8_t> coded(ll::max_encoded_bytes(c.dtype, n)), back(raw);
+    double enc = 1e300, dec = 1e300;
+    size_t bytes = 0;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const ll::Analysis a = ll::analyze(c.dtype, c.src, n, threads);
+      ll::encode(a, c.src, coded.data(), coded.size(), threads);
+      const auto t1 = std::chrono::steady_clock::now();
+      ll::decode(coded.data(), coded.size(), back.data(), back.size(), threads);
+      const auto t2 = std::chrono::steady_clock::now();
+      enc = std::min(enc, std::chrono::duration<double>(t1 - t0).count());
+      dec = std::min(dec, std::chrono::duration<double>(t2 - t1).count());
+      bytes = a.total_bytes();
+    }
+    if (std::memcmp(back.data(), c.src, raw) != 0) LS_FAIL("bench_quant: lossless ", c.name, " did not round-trip");
+    std::printf("%-6s %8.4f %12.2f %12.2f\n", c.name, double(bytes) / double(raw), raw / enc / 1e9, raw / dec / 1e9);
+  }
+}
+
 void usage() {
   std::fprintf(stderr,
-               "usage: bench_quant [--rows R] [--cols C] [--threads N] [--reps K] [--json]\n"
+               "usage: bench_quant [--lossless] [--rows R] [--cols C] [--threads N] [--reps K] [--json]\n"
                "  defaults: 4096 x 4096, threads 0 (= all hardware threads), reps 5\n");
 }
 
@@ -96,7 +147,7 @@ void usage() {
 int main(int argc, char** argv) {
   int64_t rows = 4096, cols = 4096;
   int threads = 0, reps = 5;
-  bool json = false;
+  bool json = false, lossless = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -111,6 +162,7 @@ int main(int argc, char** argv) {
     else if (a == "--threads") threads = std::atoi(next());
     else if (a == "--reps") reps = std::max(1, std::atoi(next()));
     else if (a == "--json") json = true;
+    else if (a == "--lossless") lossless = true;
     else {
       usage();
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -118,6 +170,10 @@ int main(int argc, char** argv) {
   }
   try {
     const int64_t n = rows * cols;
+    if (lossless) {
+      lossless_table(n, threads, reps);
+      return 0;
+    }
     layerstream::bench::DeviceDequantFn device;
 #ifdef LS_HAVE_CUDA
     device = [reps](const q::PackedLayout& L, const std::vector<uint8_t>& packed) {

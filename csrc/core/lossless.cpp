@@ -154,29 +154,61 @@ std::vector<uint32_t> decode_table(const uint8_t len[256]) {
 
 using Histogram = std::array<uint64_t, 256>;
 
+// Four interleaved tables of symbol counts: repeated symbols do not wait on
+// each other's stores.
+using Counts = uint32_t[4][256];
+
+// Adds the symbols of the n elements at src to h (n < 2^32 per table).
 template <class S>
-Histogram histogram(const void* src, int64_t numel, int threads) {
-  std::vector<Histogram> parts(static_cast<size_t>(threads), Histogram{});
-  for_ranges(numel, threads, threads, [&](int64_t t, int64_t a, int64_t b) {
-    // Four interleaved counters: repeated symbols do not wait on each other's stores.
-    uint32_t h[4][256] = {};
-    Histogram& out = parts[static_cast<size_t>(t)];
-    int64_t i = a;
-    while (i < b) {
-      const int64_t stop = std::min(b, i + (int64_t{1} << 30));  // no uint32 overflow
-      for (; i + 4 <= stop; i += 4)
-        for (int k = 0; k < 4; ++k) ++h[k][S::sym(elem<S>(src, i + k))];
-      for (; i < stop; ++i) ++h[0][S::sym(elem<S>(src, i))];
+void count_symbols(const uint8_t* src, int64_t n, Counts& h) {
+  using T = typename S::T;
+  int64_t i = 0;
+  if constexpr (sizeof(T) == 2) {  // four elements a load
+    for (; i + 4 <= n; i += 4) {
+      const uint64_t x = load<uint64_t>(src + 2 * i);
+      ++h[0][S::sym(static_cast<T>(x))];
+      ++h[1][S::sym(static_cast<T>(x >> 16))];
+      ++h[2][S::sym(static_cast<T>(x >> 32))];
+      ++h[3][S::sym(static_cast<T>(x >> 48))];
+    }
+  } else {
+    for (; i + 4 <= n; i += 4) {
+      const uint64_t x = load<uint64_t>(src + 4 * i), y = load<uint64_t>(src + 4 * i + 8);
+      ++h[0][S::sym(static_cast<T>(x))];
+      ++h[1][S::sym(static_cast<T>(x >> 32))];
+      ++h[2][S::sym(static_cast<T>(y))];
+      ++h[3][S::sym(static_cast<T>(y >> 32))];
+    }
+  }
+  for (; i < n; ++i) ++h[0][S::sym(elem<S>(src, i))];
+}
+
+// Each block's symbol counts (C: uint16_t when a block has at most 2^15
+// elements, else uint32_t) and, into `total`, the tensor's.
+template <class S, class C>
+std::vector<C> block_histograms(const void* src, const Layout& L, int threads, Histogram& total) {
+  std::vector<C> counts(static_cast<size_t>(L.num_blocks) * 256);
+  const int64_t tasks = block_tasks(threads);
+  std::vector<Histogram> parts(static_cast<size_t>(std::max<int64_t>(tasks, 1)), Histogram{});
+  for_ranges(L.num_blocks, tasks, threads, [&](int64_t t, int64_t b0, int64_t b1) {
+    Counts h;
+    Histogram& part = parts[static_cast<size_t>(t)];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t i0 = b * L.block_elems, n = std::min(L.numel, i0 + L.block_elems) - i0;
+      std::memset(h, 0, sizeof h);
+      count_symbols<S>(static_cast<const uint8_t*>(src) + sizeof(typename S::T) * size_t(i0), n, h);
+      C* out = counts.data() + 256 * size_t(b);
       for (int s = 0; s < 256; ++s) {
-        out[static_cast<size_t>(s)] += uint64_t{h[0][s]} + h[1][s] + h[2][s] + h[3][s];
-        h[0][s] = h[1][s] = h[2][s] = h[3][s] = 0;
+        const uint32_t c = h[0][s] + h[1][s] + h[2][s] + h[3][s];
+        out[s] = static_cast<C>(c);
+        part[static_cast<size_t>(s)] += c;
       }
     }
   });
-  Histogram total{};
+  total = Histogram{};
   for (const Histogram& p : parts)
     for (int s = 0; s < 256; ++s) total[static_cast<size_t>(s)] += p[static_cast<size_t>(s)];
-  return total;
+  return counts;
 }
 
 void check_block_elems(int64_t block_elems) {
@@ -204,29 +236,46 @@ Layout make_layout(Dtype dtype, int64_t numel, int64_t block_elems) {
 uint64_t words_for(uint64_t bits) { return (bits + 31) / 32; }
 
 // ---- one block ----
-// Codes the n elements of src into `words` (room for words_for(12 n) + 1:
-// the loop stores a word every element, the next one overwrites an unfinished
-// one), their raw bytes into raw and (f32) low halves into low. Returns the
-// number of words; sets *missing if a symbol has no code.
+// Codes the n elements of src into `words` (room for words[-1] to
+// words[words_for(12 n)]: see the loop), their raw bytes into raw and (f32)
+// low halves into low.
+// Returns the number of words; sets *missing if a symbol has no code.
 template <class S>
-uint64_t encode_block(const void* src, int64_t n, const uint32_t* enc, uint8_t* raw, uint8_t* low,
+uint64_t encode_block(const uint8_t* src, int64_t n, const uint32_t* enc, uint8_t* raw, uint8_t* low,
                       uint32_t* words, bool* missing) {
-  uint64_t acc = 0, w = 0;  // pending bits: the low `have` bits of acc
-  uint32_t have = 0, none = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const typename S::T v = elem<S>(src, i);
-    const uint32_t e = enc[S::sym(v)], l = e & 15;
-    none |= e == 0;
-    acc = (acc << l) | (e >> 4);
-    have += l;  // <= 31 + 12
-    words[w] = static_cast<uint32_t>(acc >> (have & 31));  // a whole word once have >= 32
-    w += have >> 5;
-    have &= 31;
-    raw[i] = S::raw(v);
-    if constexpr (sizeof(v) == 4) store(low + 2 * i, S::low(v));
+  // acc holds the last 64 bits written, pos counts them all. After each
+  // append the word that ends at the last 32-bit boundary is stored again
+  // (the same value unless the append crossed it): no branch, no carry of
+  // pending bits. words[-1] takes the stores before the first boundary.
+  uint64_t acc = 0, pos = 0;
+  uint32_t none = 0;
+  const auto put = [&](uint64_t code, uint32_t bits) {  // bits <= 32
+    acc = (acc << bits) | code;
+    pos += bits;
+    words[static_cast<int64_t>(pos >> 5) - 1] = static_cast<uint32_t>(acc >> (pos & 31));
+  };
+  // Two codes at a time (at most 24 bits): half the serial shifts. An entry
+  // is 0 only for a symbol without a code, so (e - 1) sets bit 31 for those.
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const uint32_t e0 = enc[S::sym(elem<S>(src, i))], e1 = enc[S::sym(elem<S>(src, i + 1))];
+    none |= (e0 - 1) | (e1 - 1);
+    const uint32_t l1 = e1 & 15;
+    put(uint64_t{e0 >> 4} << l1 | (e1 >> 4), (e0 & 15) + l1);
   }
-  if (have > 0) words[w++] = static_cast<uint32_t>(acc << (32 - have));
-  *missing = none != 0;
+  if (i < n) {
+    const uint32_t e = enc[S::sym(elem<S>(src, i))];
+    none |= e - 1;
+    put(e >> 4, e & 15);
+  }
+  const uint32_t have = pos & 31;
+  if (have > 0) words[pos >> 5] = static_cast<uint32_t>(acc << (32 - have));
+  const uint64_t w = (pos + 31) >> 5;
+  // The raw sections apart from the serial loop, where they vectorize.
+  for (int64_t k = 0; k < n; ++k) raw[k] = S::raw(elem<S>(src, k));
+  if constexpr (sizeof(typename S::T) == 4)
+    for (int64_t k = 0; k < n; ++k) store(low + 2 * k, S::low(elem<S>(src, k)));
+  *missing = (none >> 31) != 0;
   return w;
 }
 
@@ -367,17 +416,25 @@ Analysis analyze(Dtype dtype, const void* src, int64_t numel, int num_threads, i
   A.block_offsets.assign(static_cast<size_t>(L.num_blocks) + 1, 0);
   with_split(dtype, [&](auto split) {
     using S = decltype(split);
-    const Histogram hist = histogram<S>(src, numel, threads);
-    code_lengths(hist.data(), A.code_lengths);
-    // Each block's size in words (stored shifted by one; the prefix sum makes offsets).
-    for_ranges(L.num_blocks, block_tasks(threads), threads, [&](int64_t, int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t i1 = std::min(numel, (b + 1) * L.block_elems);
-        uint64_t bits = 0;
-        for (int64_t i = b * L.block_elems; i < i1; ++i) bits += A.code_lengths[S::sym(elem<S>(src, i))];
-        A.block_offsets[static_cast<size_t>(b) + 1] = words_for(bits);
-      }
-    });
+    // One pass over the source: each block's counts, then its size under the code.
+    const auto sizes = [&](auto counts_type) {
+      using C = decltype(counts_type);
+      Histogram hist;
+      const std::vector<C> counts = block_histograms<S, C>(src, L, threads, hist);
+      code_lengths(hist.data(), A.code_lengths);
+      for_ranges(L.num_blocks, block_tasks(threads), threads, [&](int64_t, int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const C* c = counts.data() + 256 * size_t(b);
+          uint64_t bits = 0;
+          for (int s = 0; s < 256; ++s) bits += uint32_t{c[s]} * A.code_lengths[s];
+          A.block_offsets[static_cast<size_t>(b) + 1] = words_for(bits);  // shifted by one: see below
+        }
+      });
+    };
+    if (L.block_elems <= (int64_t{1} << 15))
+      sizes(uint16_t{});
+    else
+      sizes(uint32_t{});
   });
   for (size_t b = 1; b < A.block_offsets.size(); ++b) A.block_offsets[b] += A.block_offsets[b - 1];
   A.layout.stream_words = A.block_offsets.back();
@@ -410,7 +467,8 @@ void encode(const Analysis& A, const void* src, void* dst, size_t dst_bytes, int
     using S = decltype(split);
     for_ranges(L.num_blocks, block_tasks(threads), threads, [&](int64_t, int64_t b0, int64_t b1) {
       // A block's words are made here, then copied: a changed source cannot write past them.
-      std::vector<uint32_t> words(words_for(12 * uint64_t(L.block_elems)) + 1);
+      std::vector<uint32_t> scratch(words_for(12 * uint64_t(L.block_elems)) + 2);
+      uint32_t* const words = scratch.data() + 1;  // encode_block writes words[-1] too
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * L.block_elems, n = std::min(L.numel, i0 + L.block_elems) - i0;
         const uint64_t w0 = A.block_offsets[size_t(b)], w1 = A.block_offsets[size_t(b) + 1];
@@ -418,10 +476,10 @@ void encode(const Analysis& A, const void* src, void* dst, size_t dst_bytes, int
         const uint64_t made = encode_block<S>(
             static_cast<const uint8_t*>(src) + sizeof(typename S::T) * size_t(i0), n, enc.data(),
             out + L.raw_offset() + i0, L.low16_bytes() ? out + L.low16_offset() + 2 * i0 : nullptr,
-            words.data(), &missing);
+            words, &missing);
         LS_CHECK(!missing && made == w1 - w0, "lossless: the source changed between analyze() and encode() (block ",
                  b, ")");
-        std::memcpy(out + L.stream_offset() + 4 * w0, words.data(), 4 * made);
+        std::memcpy(out + L.stream_offset() + 4 * w0, words, 4 * made);
       }
     });
   });

@@ -24,7 +24,7 @@
 // refresh_parts re-codes them, so no copy reads a half-written buffer.
 //
 // Cost: one analysis + encode of the weight per change (the dense bytes at
-// the encoder's speed, docs/design/quant-formats.md: ~0.5 GB/s per thread
+// the encoder's speed, docs/design/quant-formats.md: ~1.2 GB/s per thread
 // for bf16, on every hardware thread), on the thread that issues the copy
 // (the forward's, for the first layers of a step); stats recoded_bytes and
 // recode_seconds. Memory: the store holds the dense weight and the coded

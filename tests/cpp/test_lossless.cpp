@@ -399,6 +399,17 @@ TEST(LosslessErrors, BadArguments) {
   Tensor changed = t;
   changed.bytes[1] ^= 0x40;  // flips an exponent bit of element 0
   expect_error([&] { ll::encode(a, changed.bytes.data(), dst.data(), dst.size()); }, "source changed");
+  // A symbol without a code, in a block whose size did not change: 1.0 (100
+  // times, a 1-bit code), 2.0 and 4.0 (50 each, 2 bits); then one 1.0 becomes
+  // 8.0 (no code: 1 bit fewer) and another 2.0 (1 bit more).
+  std::vector<uint16_t> three(200, 0x3F80);
+  std::fill(three.begin() + 100, three.begin() + 150, uint16_t{0x4000});
+  std::fill(three.begin() + 150, three.end(), uint16_t{0x4080});
+  const ll::Analysis a3 = ll::analyze(Dtype::BF16, three.data(), 200);
+  std::vector<uint8_t> dst3(a3.total_bytes());
+  three[0] = 0x4100;
+  three[1] = 0x4000;
+  expect_error([&] { ll::encode(a3, three.data(), dst3.data(), dst3.size()); }, "source changed");
   ll::encode(a, t.bytes.data(), dst.data(), dst.size());
   std::vector<uint8_t> out(1999);
   expect_error([&] { ll::decode(dst.data(), dst.size(), out.data(), out.size()); }, "2000");
