@@ -10,13 +10,17 @@ output on this machine, so the step falls only where the link is slower than tha
 
 With --train, a full fine-tuning step instead (trainable weights, forward, backward
 and torch's SGD): the lossless weights are re-coded after every step (Note
-[Trainable coded weights]); the re-coding's host time per step is reported.
+[Trainable coded weights]), before their next copy; the re-coding's host time per
+step is reported. With --train --overlap, layerstream.optim.AdamW steps each layer
+during the backward (`with opt.overlap(handle)`) and the weight is re-coded right
+after its step, behind the rest of the backward.
 
-    .venv/bin/python bench/bench_lossless.py [--layers 8] [--width 2048] [--gbps 0.5] [--steps 5] [--train]
+    .venv/bin/python bench/bench_lossless.py [--layers 8] [--width 2048] [--gbps 0.5] [--steps 5] [--train [--overlap]]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -42,7 +46,12 @@ def one(args, fmt):
     h = layerstream.offload(model, device="sim", sim_link_gbps=args.gbps, checker=False,
                             quantize=None if fmt == "bf16" else fmt)
     x = torch.randn(4, args.width, dtype=torch.bfloat16)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3) if args.train else None
+    if not args.train:
+        opt = None
+    elif args.overlap:
+        opt = layerstream.optim.AdamW(model.parameters(), lr=1e-5)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ts = []
     recode = []
     for i in range(args.steps + 1):
@@ -53,7 +62,8 @@ def one(args, fmt):
                 y = model(x)
         else:
             y = model(x)
-            y.float().square().mean().backward()
+            with opt.overlap(h) if args.overlap else contextlib.nullcontext():
+                y.float().square().mean().backward()
             opt.step()
             opt.zero_grad()
         h.synchronize()
@@ -74,8 +84,12 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="processes per configuration, alternating")
     ap.add_argument("--train", action="store_true", help="a full fine-tuning step (trainable weights, SGD)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --train: layerstream.optim.AdamW stepping each layer during the backward")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.overlap and not args.train:
+        ap.error("--overlap goes with --train")
     if args.one:
         print(json.dumps(one(args, args.one)))
         return
@@ -83,7 +97,8 @@ def main():
     for _ in range(args.rounds):
         for fmt in res:
             cmd = [sys.executable, __file__, "--one", fmt, "--layers", str(args.layers), "--width", str(args.width),
-                   "--gbps", str(args.gbps), "--steps", str(args.steps)] + (["--train"] if args.train else [])
+                   "--gbps", str(args.gbps), "--steps", str(args.steps)] + (["--train"] if args.train else []) + \
+                (["--overlap"] if args.overlap else [])
             res[fmt].append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True)
                                        .stdout.strip().splitlines()[-1]))
     plain, coded = res["bf16"], res["lossless"]
@@ -91,7 +106,8 @@ def main():
     p = statistics.median(r["step_s"] for r in plain)
     c = statistics.median(r["step_s"] for r in coded)
     bp, bc = plain[0]["h2d_bytes_per_step"], coded[0]["h2d_bytes_per_step"]
-    kind = "training (forward, backward, SGD)" if args.train else "inference"
+    kind = ("training (forward, backward overlapped with layerstream.optim.AdamW)" if args.overlap else
+            "training (forward, backward, SGD)") if args.train else "inference"
     print(f"sim, {args.layers} x Linear({args.width}) bf16, {kind}, link {args.gbps} GB/s, medians of {args.steps} "
           f"steps x {args.rounds} processes each:")
     print(f"  plain bf16    {p * 1e3:8.1f} ms   {bp / 2**20:8.2f} MiB/step on the link")
@@ -102,7 +118,7 @@ def main():
         dense = args.layers * args.width * args.width * 2
         print(f"  re-coding     {statistics.median(r['recode_s'] for r in coded) * 1e3:8.1f} ms/step of host time for "
               f"{dense / 2**20:.0f} MiB of weights ({dense / 1e9 / statistics.median(r['recode_s'] for r in coded):.2f} "
-              f"GB/s), on the thread that issues the copies")
+              f"GB/s), {'on the stepping thread during the backward' if args.overlap else 'on the thread that issues the copies'}")
     if not same:
         sys.exit(1)
 

@@ -493,6 +493,14 @@ void Scheduler::set_prefetch(int layer, bool allowed) {
   layers_[static_cast<size_t>(layer)].prefetch = allowed;
 }
 
+void Scheduler::wait_copies_read(int layer) {
+  LS_CHECK(layer >= 0 && layer < num_layers(), "no streamed layer #", layer, " (there are ",
+           num_layers(), ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  const Layer& l = layers_[static_cast<size_t>(layer)];
+  if (opts_.refresh_parts && l.copied_once) backend_.synchronize(l.last_copy);
+}
+
 Lease Scheduler::acquire_scratch(Stream user) {
   std::lock_guard<std::mutex> lock(mu_);
   // Take a slot without a pending copy if possible; the pool orders `user`

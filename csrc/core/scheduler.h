@@ -208,6 +208,12 @@ class Scheduler {
   // Whether replay prefetches `layer` (default true). A layer that is mostly
   // fetched partially is better not prefetched whole: the caller turns it off.
   void set_prefetch(int layer, bool allowed);
+  // Blocks until every copy of `layer` issued so far has read its host bytes
+  // (with SchedulerOptions::refresh_parts; without, returns at once). For an
+  // owner that remakes a layer's bytes itself ahead of its next copy (then
+  // parts_stale must still say so if the copy sizes changed): call this after
+  // the change that makes them stale, then write.
+  void wait_copies_read(int layer);
   // A whole slot as scratch space (e.g. for staging gradients), ordered
   // after the slot's previous users on `user`. Released with release().
   Lease acquire_scratch(Stream user);

@@ -174,8 +174,9 @@ struct EngineStats {
   // Host bytes of the gradients' staging buffers, pinned and pageable.
   uint64_t grad_staging_pinned_bytes = 0, grad_staging_pageable_bytes = 0;
   // Trainable weights that cross the bus lossless-coded, the dense bytes
-  // re-coded after they changed, and the host time that took (on the thread
-  // that issued their copies).
+  // re-coded after they changed, and the host time that took (on the
+  // gradient-ready hook's thread after a step there, else on the thread that
+  // issued their copies).
   uint64_t coded_layers = 0, recoded_bytes = 0;
   double recode_seconds = 0;
 
@@ -517,7 +518,9 @@ class Engine {
   // checkpoint or returning its gradients through autograd is applied at
   // the end of backward as always. Then hook(layer) runs on that thread:
   // it may read .grad and write the parameters' host data (an optimizer
-  // step), and must not compute with the engine. Empty: off.
+  // step), and must not compute with the engine. After it returns, a weight
+  // streamed lossless-coded that it changed is re-coded on that thread.
+  // Empty: off.
   using GradReadyHook = std::function<void(int layer)>;
   virtual void set_grad_ready_hook(GradReadyHook hook) = 0;
   // The consuming form (the fused optimizer step, docs/design/optim.md,

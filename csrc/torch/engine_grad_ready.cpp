@@ -104,6 +104,7 @@ void EngineImpl::grad_ready_loop() {
       gr_queue_.pop_front();
       gr_busy_ = true;
     }
+    bool stepped = false;
     try {
       auto scope = device_scope();
       // Wait for the copy without the engine's lock: the backward goes on
@@ -135,10 +136,24 @@ void EngineImpl::grad_ready_loop() {
           self->return_staging_locked(*self->layers_.at(static_cast<size_t>(layer)), std::move(*held));
         }
       } give_back{this, job.layer, &landed, &held};
-      if (job.hook && !dropped) job.hook(job.layer, taken ? &landed : nullptr);
+      if (job.hook && !dropped) {
+        job.hook(job.layer, taken ? &landed : nullptr);
+        stepped = true;
+      }
     } catch (...) {
       std::lock_guard<std::mutex> lock(gr_mu_);
       if (!gr_error_) gr_error_ = std::current_exception();
+    }
+    // A coded weight the step changed, re-coded now (engine_coded.cpp), once
+    // the staging buffer went back to the backward.
+    if (stepped) {
+      try {
+        auto scope = device_scope();
+        recode_ahead(job.layer);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(gr_mu_);
+        if (!gr_error_) gr_error_ = std::current_exception();
+      }
     }
     {
       std::lock_guard<std::mutex> lock(gr_mu_);

@@ -22,7 +22,9 @@
 //                         shared host store
 // Thread safety: every member takes mu_ (recursive) unless it says _locked
 // (the caller holds it); coded_stale/refresh_coded are called by the
-// scheduler under its lock and take only CodedWeight::mu.
+// scheduler under its lock and take only CodedWeight::mu; recode_ahead
+// (the gradient-ready thread) takes mu_ and the scheduler's lock, releases
+// them, then takes only CodedWeight::mu.
 #pragma once
 
 #include "layerstream/engine.h"
@@ -429,6 +431,14 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void make_coded_locked(LayerInfo& info);
   bool coded_stale(int layer) const;
   void refresh_coded(int layer, std::vector<size_t>& copy_bytes);
+  // After `layer`'s gradient-ready hook (an optimizer step during the
+  // backward): re-codes its weight now if the hook changed it (Note
+  // [Trainable coded weights], "Ahead"). Takes mu_ (and the scheduler's lock)
+  // briefly, then codes holding only CodedWeight::mu.
+  void recode_ahead(int layer);
+  // Codes l's weight into c unless c holds its current coding (the caller
+  // holds c.mu); true if it coded.
+  bool code_if_changed(const LayerInfo& l, CodedWeight& c);
   // A group's: dequantizes its packed parts into the workspace.
   // With `runs` (half-open ranges of experts), only those experts' rows of
   // the expert-indexed packed parts.

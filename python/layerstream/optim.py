@@ -41,6 +41,29 @@ class _Keep:
         self.tensor = tensor
 
 
+class _EnterOrWarn:
+    """A context manager that warns when it is dropped without being entered:
+    ``opt.overlap(handle)`` on its own line is a no-op that looks like a setting."""
+
+    __slots__ = ("_cm", "_entered")
+
+    def __init__(self, cm):
+        self._cm, self._entered = cm, False
+
+    def __enter__(self):
+        self._entered = True
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+    def __del__(self):
+        if not self._entered:
+            import warnings
+            warnings.warn("layerstream.optim: overlap() was called but not entered, so it does nothing: "
+                          "write `with opt.overlap(handle): loss.backward()`", RuntimeWarning, stacklevel=2)
+
+
 class _HostOptimizer(torch.optim.Optimizer):
     """What AdamW and Adafactor share: gradient collection and checks, the
     global clip (``max_grad_norm``) and state loading."""
@@ -134,7 +157,6 @@ class _HostOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._check_group_options(self.param_groups[-1])
 
-    @contextlib.contextmanager
     def overlap(self, handle, speculation_bytes=None, keep_grads=False):
         """Marks the backward inside as the last one of this optimizer step:
         each streamed layer of ``handle`` (the result of ``layerstream.offload``)
@@ -174,7 +196,11 @@ class _HostOptimizer(torch.optim.Optimizer):
         stepped have ``.grad`` None (as after ``zero_grad()``). Pass
         ``keep_grads=True`` to read them (logging, a custom clip): ``.grad``
         then holds what a plain backward leaves there, at the cost of writing
-        it."""
+        it. Called without ``with``, it does nothing and warns."""
+        return _EnterOrWarn(self._overlap_block(handle, speculation_bytes, keep_grads))
+
+    @contextlib.contextmanager
+    def _overlap_block(self, handle, speculation_bytes, keep_grads):
         if self._overlap is not None:
             raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
                                "followed by step()")

@@ -531,6 +531,44 @@ TEST_F(SchedulerTest, StaleHostBytesAreRemadeAfterEarlierCopiesAndTheirNewSizeIs
   EXPECT_THROW(Scheduler(*slow, xfer, specs, half), Error);
 }
 
+// wait_copies_read(layer): an owner that remakes a layer's host bytes itself
+// (the engine's re-code after an optimizer step during the backward) may
+// write them once it returns, although a prefetch of the layer is in flight;
+// writing without it is the race the checker reports.
+TEST_F(SchedulerTest, WaitCopiesReadOrdersAnOwnersWriteAfterACopyInFlight) {
+  const auto errors_after_write = [](bool wait) {
+    SimOptions o;
+    o.h2d_gbps = 0.05;  // slow copies: the prefetch is still reading
+    o.latency_us = 0;
+    auto slow = make_sim_backend(o);
+    HostStore st(*slow);
+    Stream xfer = slow->create_stream("transfer"), comp = slow->create_inline_stream("compute");
+    std::vector<LayerSpec> specs(3);
+    std::vector<size_t> idx;
+    for (int l = 0; l < 3; ++l) {
+      std::vector<unsigned char> bytes(64 << 10, static_cast<unsigned char>(l));
+      idx.push_back(st.add(bytes.size(), bytes.data(), "coded" + std::to_string(l)));
+      specs[size_t(l)].name = "layer" + std::to_string(l);
+      specs[size_t(l)].parts.push_back(st.buffer(idx.back()));
+    }
+    SchedulerOptions so = options(2, 1);
+    so.parts_stale = [](int) { return false; };
+    so.refresh_parts = [](int, std::vector<size_t>&) {};
+    Scheduler sched(*slow, xfer, specs, so);
+    run_step(sched, comp, {0, 1, 2}, 3);  // records the trace
+    Lease x = sched.acquire(0, comp);     // replay: prefetches layer 1
+    sched.release(x, comp);
+    if (wait) sched.wait_copies_read(1);
+    const BufferRef& b = st.buffer(idx[1]);
+    slow->declare_host_access(b, Access::Write, "owner's re-code of layer1");
+    std::memset(b.ptr, 7, b.bytes);
+    slow->synchronize(xfer);
+    return slow->ordering_errors().size();
+  };
+  EXPECT_GT(errors_after_write(false), 0u) << "the prefetch was not in flight: the test shows nothing";
+  EXPECT_EQ(errors_after_write(true), 0u);
+}
+
 // set_prefetch(layer, false): replay passes over the layer (it is fetched on
 // demand) and prefetches the layers after it instead.
 TEST_F(SchedulerTest, ALayerWithoutPrefetchIsFetchedOnDemandAndSkipped) {

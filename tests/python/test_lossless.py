@@ -5,6 +5,7 @@ model streamed uncompressed, for bf16 / fp16 / fp32, Linear and convolution
 layers, NaN / Inf / subnormal weights included; detach() gives the weights back
 bit for bit; bytes on the link per parameter of realistic bf16 weights <= 0.75 of
 bf16."""
+import contextlib
 import copy
 
 import pytest
@@ -147,11 +148,13 @@ def _full_finetune_pair(dtype):
     return ours, plain, h, p
 
 
-def _step_both(models, opts, x):
+def _step_both(models, opts, x, handles=None):
+    """A step of each model; with `handles`, its backward inside opt.overlap(handle)."""
     outs = []
-    for model, opt in zip(models, opts):
+    for k, (model, opt) in enumerate(zip(models, opts)):
         y = model(x)
-        y.float().square().mean().backward()
+        with opt.overlap(handles[k]) if handles else contextlib.nullcontext():
+            y.float().square().mean().backward()
         if opt is not None:
             opt.step()
             opt.zero_grad()
@@ -165,8 +168,9 @@ def test_trainable_lossless_weights_train_like_plain_streamed_ones(dtype, optimi
     """Full fine-tuning with quantize="lossless": the weights stay dense parameters on
     the host (the optimizer writes them), cross the bus coded and are re-coded after
     each step. Outputs and every parameter after each step are bit-identical to the
-    same model streamed uncompressed; each weight is re-coded once per step; the link
-    carries fewer bytes."""
+    same model streamed uncompressed; each weight is re-coded once per step (with the
+    step overlapped, on the stepping thread during the backward: done before step()
+    returns); the link carries fewer bytes."""
     ours, plain, h, p = _full_finetune_pair(dtype)
     n_coded = 4  # conv + 3 Linear
     assert h.stats()["coded_layers"] == n_coded and p.stats()["coded_layers"] == 0
@@ -175,19 +179,18 @@ def test_trainable_lossless_weights_train_like_plain_streamed_ones(dtype, optimi
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, plain)]
     else:
         opts = [layerstream.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, plain)]
-        if optimizer == "layerstream-overlap":
-            opts[0].overlap(h)
-            opts[1].overlap(p)
+    ahead = optimizer == "layerstream-overlap"
     dense = sum(m.weight.numel() * m.weight.element_size() for m in [ours.conv, *ours.mlp])
     torch.manual_seed(1)
     for step in range(3):
         x = torch.randn(4, 3, 8, 8, dtype=dtype)
-        y, y2 = _step_both((ours, plain), opts, x)
+        y, y2 = _step_both((ours, plain), opts, x, (h, p) if ahead else None)
         assert torch.equal(_bits(y), _bits(y2)), step
         for (n, a), b in zip(ours.named_parameters(), plain.parameters()):
             assert torch.equal(_bits(a.detach()), _bits(b.detach())), (step, n)
-        # Coded once at offload(); re-coded before the first copy after each step.
-        assert h.stats()["recoded_bytes"] == step * dense, step
+        # Coded before the first copy; re-coded after each step: right after it when
+        # it was overlapped, else before the next copy.
+        assert h.stats()["recoded_bytes"] == (step + ahead) * dense, step
     s, q = h.stats(), p.stats()
     assert s["h2d_bytes"] < q["h2d_bytes"] and s["ordering_errors"] == 0
     assert s["recode_seconds"] > 0
@@ -239,21 +242,25 @@ def test_trainable_lossless_plans_the_dense_weight_and_its_largest_coded_size():
     assert h.stats()["slot_bytes"] >= cap + dense > frozen.stats()["slot_bytes"]
 
 
-@pytest.mark.parametrize("variant", ["cache_across_steps", "pinned_budget=0", "accumulate", "compiled"])
+@pytest.mark.parametrize("variant", ["cache_across_steps", "cache_across_steps+overlap", "pinned_budget=0",
+                                     "accumulate", "compiled"])
 def test_trainable_lossless_weights_with_cached_slots_pageable_buffers_accumulation_and_compile(variant):
     """The same bit-for-bit equality with plain streamed weights when slot content is
     kept across steps (prefetching wraps into the next step, so re-coding must wait for
-    a copy in flight), when the coded buffers are pageable (pinned_budget=0: copied from
-    where they are, never staged), over micro-batches (nothing re-coded until the
-    optimizer writes), and under torch.compile (fullgraph, the layerstream operators)."""
+    a copy in flight; also when the step runs during the backward and re-codes there),
+    when the coded buffers are pageable (pinned_budget=0: copied from where they are,
+    never staged), over micro-batches (nothing re-coded until the optimizer writes),
+    and under torch.compile (fullgraph, the layerstream operators)."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 96), nn.ReLU(), nn.Linear(96, 32))
-    kw = {"cache_across_steps": True} if variant == "cache_across_steps" else \
+    kw = {"cache_across_steps": True} if variant.startswith("cache_across_steps") else \
         {"pinned_budget": 0} if variant == "pinned_budget=0" else {}
     ours, plain = copy.deepcopy(ref), copy.deepcopy(ref)
     h = layerstream.offload(ours, device="sim", quantize="lossless", **kw)
     p = layerstream.offload(plain, device="sim", **kw)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, plain)]
+    ahead = variant.endswith("+overlap")
+    opts = [layerstream.optim.AdamW(m.parameters(), lr=1e-2) if ahead else torch.optim.SGD(m.parameters(), lr=0.1)
+            for m in (ours, plain)]
     run = [torch.compile(m, fullgraph=True, backend="aot_eager") for m in (ours, plain)] \
         if variant == "compiled" else [ours, plain]
     micro = 3 if variant == "accumulate" else 1
@@ -263,9 +270,11 @@ def test_trainable_lossless_weights_with_cached_slots_pageable_buffers_accumulat
             x = torch.randn(5, 64)
             y, y2 = run[0](x), run[1](x)
             assert torch.equal(_bits(y.detach()), _bits(y2.detach())), (step, k)
-            y.square().mean().backward()
-            y2.square().mean().backward()
-            assert h.stats()["recoded_bytes"] == step * dense, (step, k)  # once per optimizer step
+            for out, opt, handle in ((y, opts[0], h), (y2, opts[1], p)):
+                with opt.overlap(handle) if ahead else contextlib.nullcontext():
+                    out.square().mean().backward()
+            # Once per optimizer step: during its backward when overlapped, else at the next copy.
+            assert h.stats()["recoded_bytes"] == (step + ahead) * dense, (step, k)
         for opt in opts:
             opt.step()
             opt.zero_grad()

@@ -580,6 +580,19 @@ def test_overlap_block_ends_with_every_layer_done(offload_sim):
     assert opt.last_overlap_params == 8
 
 
+def test_overlap_without_with_warns_and_steps_nothing_early(offload_sim):
+    """opt.overlap(handle) on a line of its own reads like a setting but does
+    nothing: it warns, and the backward after it steps no layer early."""
+    model = Deep()
+    handle = offload_sim(model)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    with pytest.warns(RuntimeWarning, match="not entered"):
+        opt.overlap(handle)
+    before = [p.detach().clone() for p in model.layers.parameters()]
+    model(torch.randn(4, 16)).square().mean().backward()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.layers.parameters(), before))
+
+
 def test_overlap_waits_for_every_use_of_a_layer_used_twice(offload_sim):
     """A layer called twice in the forward is complete only after its second
     gradient of the backward: both uses are summed (in arrival order, as at
