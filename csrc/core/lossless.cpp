@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <thread>
 
 #include "error.h"
@@ -65,7 +68,9 @@ int resolve_threads(int num_threads, int64_t numel) {
 }
 
 // Runs fn(task, begin, end) over [0, units) cut into `tasks` contiguous
-// ranges, on up to `threads` threads. Exceptions: the lowest range's is rethrown.
+// ranges, on up to `threads` threads of the process-wide pool (persistent
+// workers: a weight re-coded every step does not start threads every time).
+// Exceptions: the lowest range's is rethrown.
 template <class Fn>
 void for_ranges(int64_t units, int64_t tasks, int threads, const Fn& fn) {
   tasks = std::clamp<int64_t>(tasks, 1, std::max<int64_t>(units, 1));
@@ -73,12 +78,31 @@ void for_ranges(int64_t units, int64_t tasks, int threads, const Fn& fn) {
   const auto range = [&](int64_t t) {
     fn(t, per * t + std::min(t, extra), per * (t + 1) + std::min(t + 1, extra));
   };
-  if (threads <= 1 || tasks == 1) {
+  optim::ThreadPool& pool = optim::ThreadPool::shared();
+  const int64_t lanes = std::min<int64_t>({threads, tasks, pool.threads()});
+  if (lanes <= 1) {
     for (int64_t t = 0; t < tasks; ++t) range(t);
     return;
   }
-  optim::ThreadPool pool(static_cast<int>(std::min<int64_t>(threads, tasks)));
-  pool.run(tasks, range);
+  // `lanes` pool tasks take ranges in turn, so that at most `threads` run at once.
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  int64_t failed = tasks;
+  std::exception_ptr error;
+  pool.run(lanes, [&](int64_t) {
+    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
+      try {
+        range(t);
+      } catch (...) {
+        std::lock_guard<std::mutex> g(mu);
+        if (t < failed) {
+          failed = t;
+          error = std::current_exception();
+        }
+      }
+    }
+  });
+  if (error) std::rethrow_exception(error);
 }
 
 // Block ranges per thread: a few each, so that a slow thread does not hold up the rest.

@@ -26,6 +26,9 @@
 // Ownership: functions read and write only the caller's buffers. Thread
 // safety: all functions are pure; encode/decode may run concurrently on
 // different buffers. Output is byte-identical for every thread count.
+// Threads: num_threads (0: one per hardware thread, at least 2^17 elements
+// each) of the process-wide pool, optim::ThreadPool::shared(), at most its
+// size; concurrent calls take turns on it. Do not call from one of its tasks.
 // Errors (bad arguments, a buffer too small, a corrupt or truncated coded
 // buffer) throw layerstream::Error naming what is wrong; decoding validates
 // everything it reads and never reads or writes outside the given buffers.

@@ -458,6 +458,28 @@ TEST(LosslessErrors, EveryHeaderAndOffsetBitFlipIsCaught) {
   expect_error([&] { ll::read_header(bad.data(), bad.size()); }, "LSLL");
 }
 
+// Two corrupt blocks far apart, decoded on threads: the error names the
+// first one, whichever thread met its block first.
+TEST(LosslessErrors, TheFirstCorruptBlockIsTheOneReported) {
+  const Tensor t = normal_weights(Dtype::BF16, 64 * 256, 0.02f, 21);
+  std::vector<uint8_t> coded = ll::encode(t.dtype, t.bytes.data(), t.numel(), 4, 256);
+  const ll::Header h = ll::read_header(coded.data(), coded.size());
+  const auto offset = [&](int64_t b) {
+    uint64_t w;
+    std::memcpy(&w, coded.data() + h.layout.offsets_offset() + 8 * size_t(b), 8);
+    return w;
+  };
+  for (const int64_t b : {60, 5}) {  // the last word of the block: its padding bits set
+    const size_t last = h.layout.stream_offset() + 4 * size_t(offset(b + 1) - 1);
+    coded[last] = 0xFF;
+  }
+  std::vector<uint8_t> out(t.bytes.size());
+  for (int threads : {1, 2, 4, 7}) {
+    SCOPED_TRACE(threads);
+    expect_error([&] { ll::decode(coded.data(), coded.size(), out.data(), out.size(), threads); }, "block 5 ");
+  }
+}
+
 TEST(LosslessErrors, RandomCorruptionNeverCrashes) {
   // Flips anywhere (stream bits included, which no check can always catch:
   // there is no checksum): decode must throw or finish, in bounds (run under
