@@ -332,18 +332,31 @@ TEST(OptimAdamW, ResultsDoNotDependOnThreadsOrInstructionSet) {
   }
 }
 
-// The generic loops and every wider copy this CPU runs (AVX2, AVX-512) give
-// identical bits.
+// The generic loops and every wider copy this CPU runs (AVX2, AVX-512; the
+// AVX2 bf16 block by hand, kernels_avx2_sr.h) give identical bits: fp32 and
+// bf16 gradients, both of torch's lerp formulas, NaN and Inf among the values.
 TEST(OptimAdamW, EveryInstructionSetGivesTheSameBits) {
   const std::vector<const o::detail::Kernels*> isas = instruction_sets();
   if (isas.size() < 2) GTEST_SKIP() << "this CPU runs only the generic loops";
   const int64_t n = 4096 + 13;
+  for (int variant = 0; variant < 3; ++variant)
   for (o::StateFormat f : {o::StateFormat::F32, o::StateFormat::BF16, o::StateFormat::Q8}) {
+    const bool bf16_grad = variant >= 1, small_w1 = variant != 2;
     std::vector<std::vector<uint8_t>> outs;
     for (const o::detail::Kernels* k : isas) {
       std::vector<float> p = randn(static_cast<size_t>(n), 11), g = randn(static_cast<size_t>(n), 12);
-      std::vector<uint16_t> pb(static_cast<size_t>(n));
+      // Non-finite values: NaN and infinite gradients, a NaN and an infinite
+      // parameter. The NaN of payload all ones reaches the states (fp32
+      // gradients): a stochastic rounding that added bits to it would carry
+      // into the sign and turn it into -0.
+      g[100] = NAN;
+      g[777] = INFINITY;
+      g[3000] = o::f32_from_bits(0x7FFFFFFFu);
+      p[1500] = NAN;
+      p[2222] = -INFINITY;
+      std::vector<uint16_t> pb(static_cast<size_t>(n)), gb(static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) pb[static_cast<size_t>(i)] = o::bf16_rne(p[static_cast<size_t>(i)] * 3.0f);
+      for (int64_t i = 0; i < n; ++i) gb[static_cast<size_t>(i)] = o::bf16_rne(g[static_cast<size_t>(i)]);
       const int64_t sb = o::state_bytes(f, n);
       std::vector<uint8_t> m(static_cast<size_t>(sb), 0), v(static_cast<size_t>(sb), 0);
       std::vector<float> am(static_cast<size_t>(o::state_absmax_count(f, n)) + 1, 0.0f), av(am);
@@ -352,7 +365,8 @@ TEST(OptimAdamW, EveryInstructionSetGivesTheSameBits) {
           o::AdamWTensor t;
           t.param = pass ? static_cast<void*>(pb.data()) : static_cast<void*>(p.data());
           t.param_dtype = pass ? o::Dtype::BF16 : o::Dtype::F32;
-          t.grad = g.data();
+          t.grad = bf16_grad ? static_cast<const void*>(gb.data()) : static_cast<const void*>(g.data());
+          t.grad_dtype = bf16_grad ? o::Dtype::BF16 : o::Dtype::F32;
           t.exp_avg = m.data();
           t.exp_avg_sq = v.data();
           t.exp_avg_absmax = am.data();
@@ -361,7 +375,13 @@ TEST(OptimAdamW, EveryInstructionSetGivesTheSameBits) {
           t.step = step;
           o::detail::AdamWScalars s;
           s.neg_step = -1e-3f * static_cast<float>(step);
+          s.neg_step_bc2 = -0.7e-3f * static_cast<float>(step);
           s.bc2_sqrt = 0.5f;
+          if (!small_w1) {  // beta1 0.4: torch's lerp with a weight >= 0.5
+            s.small_w1 = false;
+            s.w1 = 0.6f;
+            s.one_minus_w1 = 0.4f;
+          }
           k->adamw(t, nullptr, f, s, o::detail::chunk_keys(5, 0, step, 0), 0, n);
         }
       }
@@ -371,7 +391,8 @@ TEST(OptimAdamW, EveryInstructionSetGivesTheSameBits) {
       all.insert(all.end(), v.begin(), v.end());
       outs.push_back(all);
     }
-    for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(outs[0], outs[i]) << o::state_format_name(f) << " " << isas[i]->isa;
+    for (size_t i = 1; i < outs.size(); ++i)
+      EXPECT_EQ(outs[0], outs[i]) << o::state_format_name(f) << " " << isas[i]->isa << " variant " << variant;
   }
 }
 

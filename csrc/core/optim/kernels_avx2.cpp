@@ -3,5 +3,6 @@
 #if defined(__x86_64__) && defined(__AVX2__)
 #define LS_OPTIM_ISA avx2
 #define LS_OPTIM_ISA_NAME "avx2"
+#define LS_OPTIM_AVX2_SR  // bf16 parameters and states: the block by hand (kernels_avx2_sr.h)
 #include "core/optim/kernels_impl.h"
 #endif

@@ -17,6 +17,9 @@
 #include <type_traits>
 
 #include "kernels.h"
+#ifdef LS_OPTIM_AVX2_SR
+#include <immintrin.h>
+#endif
 #include "numerics.h"
 
 namespace layerstream {
@@ -158,6 +161,10 @@ inline void adamw_sr_elems(P* __restrict p, const G* __restrict g, S* __restrict
   }
 }
 
+#ifdef LS_OPTIM_AVX2_SR
+#include "kernels_avx2_sr.h"
+#endif
+
 template <class P, class G, class S, bool kSmallW>
 void adamw_dense(P* __restrict p, const G* __restrict g, S* __restrict m, S* __restrict v, uint32_t n,
                  const AdamWScalars& scalars, const Keys& keys) {
@@ -169,6 +176,12 @@ void adamw_dense(P* __restrict p, const G* __restrict g, S* __restrict m, S* __r
     uint32_t b = 0;
     for (; b + kBlock <= n; b += kBlock) {
       prefetch_block(p, g, m, v, b, n);
+#ifdef LS_OPTIM_AVX2_SR
+      if constexpr (std::is_same_v<P, uint16_t> && std::is_same_v<S, uint16_t>) {
+        adamw_bf16_block_avx2<G, kSmallW>(p + b, g + b, m + b, v + b, s, key + b);
+        continue;
+      }
+#endif
       adamw_sr_elems<P, G, S, kSmallW>(p + b, g + b, m + b, v + b, kBlock, s, key + b);
     }
     adamw_sr_elems<P, G, S, kSmallW>(p + b, g + b, m + b, v + b, n - b, s, key + b);
