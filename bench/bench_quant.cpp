@@ -1,7 +1,7 @@
 // bench_quant — pack / dequantize throughput for every quantized format.
 //
 //   bench_quant [--rows R] [--cols C] [--threads N] [--reps K] [--json]
-//   bench_quant --lossless [--rows R] [--cols C] [--threads N] [--reps K]
+//   bench_quant --lossless [--rows R] [--cols C] [--threads N] [--reps K]   (a table; no --json)
 //
 // For each format: CPU pack throughput (GB/s of fp32 source read, and the
 // same time expressed as bf16-source GB/s), CPU dequant-to-bf16 throughput
@@ -171,6 +171,10 @@ int main(int argc, char** argv) {
   try {
     const int64_t n = rows * cols;
     if (lossless) {
+      if (json) {
+        std::fprintf(stderr, "bench_quant: --lossless prints a table only (no --json)\n");
+        return 2;
+      }
       lossless_table(n, threads, reps);
       return 0;
     }

@@ -41,10 +41,11 @@
 // the encoder's speed, docs/design/quant-formats.md: ~1.2 GB/s per thread
 // for bf16, on every hardware thread), on the gradient-ready thread (Ahead)
 // or else on the thread that issues the copy (the forward's, for the first
-// layers of a step); stats recoded_bytes and recode_seconds count both. Memory: the store holds the dense weight and the coded
-// buffer at its largest possible size (max_encoded_bytes: a little over the
-// raw size, so that any new values fit), and the slot's part is that size
-// too, next to the decoded weight. What crosses the bus is the coded size.
+// layers of a step); stats recoded_bytes and recode_seconds count both.
+// Memory: the store holds the dense weight and the coded buffer at its
+// largest possible size (max_encoded_bytes: a little over the raw size, so
+// that any new values fit), and the slot's part is that size too, next to
+// the decoded weight. What crosses the bus is the coded size.
 #include "engine_impl.h"
 
 #include <chrono>
