@@ -18,7 +18,8 @@
 # every expert vs the routed ones; moe_decode.json/.md, appended to
 # results.md); bench/bench_disk.py (disk.txt); bench/bench_compile.py and
 # bench/bench_activations.py (compile.json, activations.json, appended to
-# results.md); bench/bench_llama.py (llama.json: a Llama-3-8B-shaped model,
+# results.md); bench/bench_full_ft.py (full_ft.json: full fine-tuning with the
+# host optimizer against the resident model); bench/bench_llama.py (llama.json: a Llama-3-8B-shaped model,
 # resident vs streamed at 8 GiB); bench/gpu/nccl_one_rank.py (nccl.json: the process-group path
 # with one NCCL rank); then the comparison at full size (~6.4B params, bf16).
 # Skips: on the GPU machine a skipped test fails the run unless its reason is
@@ -380,6 +381,21 @@ timeout 200 "$PY" bench/bench_activations.py "${aargs[@]}" --json >"$OUTDIR/acti
 arc=$?
 [ $arc = 0 ] || { log "bench_activations.py exited with $arc (see activations.log)"; fail=1; }
 
+# ---- full fine-tuning: the host optimizer against the resident model --------
+# bench/bench_full_ft.py: resident + torch fused AdamW on the GPU (the reference),
+# torch's AdamW on the host copy, layerstream.optim.AdamW after the backward and
+# overlapped with it, and overlapped with lossless-coded weights (issues 21, 28);
+# step time, backward, the optimizer time visible after the backward, peak memory.
+if [ "$DRY" = 1 ]; then
+  fargs=(--layers 8 --width 128 --batch 8 --steps 2)
+else
+  fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3)
+fi
+log "full fine-tuning: bench_full_ft.py ${fargs[*]}"
+timeout 150 "$PY" bench/bench_full_ft.py "${fargs[@]}" --json >"$OUTDIR/full_ft.json" 2>"$OUTDIR/full_ft.log"
+frc=$?
+[ $frc = 0 ] || { log "bench_full_ft.py exited with $frc (see full_ft.log)"; fail=1; }
+
 # ---- several processes: the process-group path with one rank ---------------
 # bench/gpu/nccl_one_rank.py: offload(process_group=world of one NCCL rank),
 # every streamed gradient through the engine's all-reduce, full fine-tuning
@@ -449,6 +465,9 @@ if [ -f "$OUTDIR/results.md" ]; then
   } >>"$OUTDIR/results.md"
   { echo; echo "## Activation offload (bench/bench_activations.py)"; echo
     if [ -s "$OUTDIR/activations.json" ]; then cat "$OUTDIR/activations.json"; else echo "not measured: exit status $arc, see activations.log"; fi
+  } >>"$OUTDIR/results.md"
+  { echo; echo "## Full fine-tuning, host optimizer vs resident (bench/bench_full_ft.py)"; echo
+    if [ -s "$OUTDIR/full_ft.json" ]; then cat "$OUTDIR/full_ft.json"; else echo "not measured: exit status $frc, see full_ft.log"; fi
   } >>"$OUTDIR/results.md"
   { echo; echo "## Llama-3-8B shape, LoRA training and greedy decoding (bench/bench_llama.py)"; echo
     if [ -s "$OUTDIR/llama.json" ]; then cat "$OUTDIR/llama.json"; else echo "not measured: exit status $lrc, see llama.log"; fi
