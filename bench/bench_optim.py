@@ -53,6 +53,7 @@ PEERS = {
     "ls-fp32": ("layerstream", "float32", "fp32", "layerstream AdamW, fp32 weights, fp32 states"),
     "ls-8bit": ("layerstream", "float32", "8bit", "layerstream AdamW, fp32 weights, 8-bit states"),
     "ls-bf16": ("layerstream", "bfloat16", "bf16", "layerstream AdamW, bf16 weights (SR), bf16 states"),
+    "ls-bf16-fp32": ("layerstream", "bfloat16", "fp32", "layerstream AdamW, bf16 weights (SR), fp32 states (default)"),
     "ls-bf16-8bit": ("layerstream", "bfloat16", "8bit", "layerstream AdamW, bf16 weights (SR), 8-bit states"),
     "hf-adafactor": ("transformers", "float32", "adafactor", "transformers Adafactor, fp32 weights"),
     "hf-adafactor-bf16": ("transformers", "bfloat16", "adafactor", "transformers Adafactor, bf16 weights (RNE)"),
