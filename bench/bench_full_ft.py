@@ -128,10 +128,8 @@ def main():
         return
     rows = {}
     for peer in PEERS:
-        cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--device", args.device,
-               "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
-               "--dtype", args.dtype, "--steps", str(args.steps), "--budget", str(args.budget),
-               "--gbps", str(args.gbps)]
+        # The child gets this command line (its settings) and its peer.
+        cmd = [sys.executable, os.path.abspath(__file__), *(a for a in sys.argv[1:] if a != "--json"), "--peer", peer]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             rows[peer] = {"peer": peer, "error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
