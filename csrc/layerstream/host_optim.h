@@ -183,7 +183,9 @@ class AdamWOverlap {
     int64_t lo = 0, hi = -1;
   };
   // Entry status after wait().
-  enum Status : int { kUntouched = 0, kNormOnly = 1, kStepped = 2 };
+  // kOtherRank (AdafactorOverlap only): a tensor another rank steps (sharded
+  // by whole tensors): its gradient was consumed, nothing stepped or counted.
+  enum Status : int { kUntouched = 0, kNormOnly = 1, kStepped = 2, kOtherRank = 3 };
 
   AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
                std::optional<double> max_grad_norm, int64_t speculation_bytes,
@@ -276,15 +278,23 @@ class AdafactorOverlap {
     torch::Tensor rms;  // 0-dim float32: the parameter's RMS before the step, written here
     uint64_t key = 0;
     size_t group = 0;
+    // false: a tensor another rank of the node steps (offload(share_host_store=
+    // "all") shards Adafactor by whole tensors): this rank drops its gradient
+    // (keeps it in .grad with keep_grads) and leaves its norm to the owner;
+    // states may be undefined.
+    bool owned = true;
   };
   AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
                    std::optional<double> max_grad_norm, bool keep_grads = false);
   ~AdafactorOverlap();
   AdafactorOverlap(const AdafactorOverlap&) = delete;
   AdafactorOverlap& operator=(const AdafactorOverlap&) = delete;
-  // As AdamWOverlap's (kNormOnly, kStepped); settle() steps the kNormOnly ones.
+  // As AdamWOverlap's (kNormOnly, kStepped, kOtherRank); settle() steps the kNormOnly ones.
   std::vector<int> wait();
   float settle(double other_sum_of_squares, double* total_norm = nullptr);
+  // As AdamWOverlap's: the norms' sum so far (sharded: of the tensors this rank owns).
+  double sum_of_squares() const { return sum_sq_; }
+  void set_sum_of_squares(double s) { sum_sq_ = s; }
   // After a failed backward: waits and removes the hook (stepped layers stay stepped).
   void abort();
 

@@ -235,8 +235,8 @@ void bind_optim(py::module& m) {
   // One Adafactor step overlapped with a backward (AdafactorOverlap). groups: (config,
   // seed) with config the 10 values optim_adafactor_step starts with; params: (param,
   // exp_avg_sq_row, exp_avg_sq_col, exp_avg_sq, exp_avg (each or None), step, RMS tensor,
-  // key, group).
-  using AfParamT = std::tuple<torch::Tensor, OptT, OptT, OptT, OptT, int64_t, torch::Tensor, uint64_t, size_t>;
+  // key, group, owned).
+  using AfParamT = std::tuple<torch::Tensor, OptT, OptT, OptT, OptT, int64_t, torch::Tensor, uint64_t, size_t, bool>;
   py::class_<o::AdafactorOverlap>(m, "AdafactorOverlap")
       .def(py::init([af_config](std::shared_ptr<Engine> engine, const std::vector<std::pair<py::tuple, uint64_t>>& groups,
                                 const std::vector<AfParamT>& params, std::optional<double> max_norm,
@@ -250,20 +250,22 @@ void bind_optim(py::module& m) {
                              seed});
              }
              std::vector<o::AdafactorOverlap::Param> ps;
-             for (const auto& [p, row, col, v, m1, step, rms, key, group] : params)
+             for (const auto& [p, row, col, v, m1, step, rms, key, group, owned] : params)
                ps.push_back({p,
                              o::AdafactorStates{row.value_or(torch::Tensor()), col.value_or(torch::Tensor()),
                                                 v.value_or(torch::Tensor()), m1.value_or(torch::Tensor())},
-                             step, rms, key, group});
+                             step, rms, key, group, owned});
              return std::make_unique<o::AdafactorOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm,
                                                           keep_grads);
            }),
            py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"),
            py::arg("keep_grads") = false)
       .def("wait", &o::AdafactorOverlap::wait, py::call_guard<py::gil_scoped_release>())
+      .def_property("sum_of_squares", &o::AdafactorOverlap::sum_of_squares, &o::AdafactorOverlap::set_sum_of_squares)
       .def("settle", &settle_overlap<o::AdafactorOverlap>)
       .def("abort", &o::AdafactorOverlap::abort, py::call_guard<py::gil_scoped_release>());
   m.attr("OVERLAP_STEPPED") = static_cast<int>(o::AdamWOverlap::kStepped);  // a plan's wait() status
+  m.attr("OVERLAP_OTHER_RANK") = static_cast<int>(o::AdamWOverlap::kOtherRank);
   m.def("optim_q8_block", [] { return o::kQ8Block; });
   m.def("optim_kernel_isa", [] { return std::string(o::kernel_isa()); });
   m.def("optim_threads", [] { return o::ThreadPool::shared().threads(); });

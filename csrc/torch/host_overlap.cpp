@@ -314,6 +314,15 @@ void AdafactorOverlap::on_layer(int layer, const Engine::LandedGradients* landed
     const size_t i = lp.index;
     const torch::Tensor& param = params_[i].param;
     const torch::Tensor mine = landed_of(landed, lp);
+    if (!params_[i].owned) {  // another rank steps it and counts its norm
+      if (keep_grads_ && mine.defined())
+        accumulate_into_grad(param, mine);
+      else if (!keep_grads_)
+        drop_grad(param);  // earlier micro-batches' share too: this rank never steps it
+      std::lock_guard<std::mutex> lock(mu_);
+      status_[i] = AdamWOverlap::kOtherRank;
+      continue;
+    }
     // The gradient to step with: the landed buffer itself when nothing else
     // needs it (no .grad to add to, none kept, no settle() to come), else
     // added to .grad as the engine would.

@@ -189,6 +189,9 @@ class _HostOptimizer(torch.optim.Optimizer):
         stepped. ``Adafactor``: with ``max_grad_norm`` only the norms are
         taken during the backward (no speculation, ``speculation_bytes`` is
         ignored) and ``step()`` steps those layers; without it, as AdamW.
+        Sharded tensors (``offload(share_host_store="all")``): AdamW steps
+        this rank's shard of each, Adafactor the tensors this rank owns (the
+        others' gradients are dropped here).
 
         Gradients: a layer's gradient is consumed where it lands, in one pass
         with its update (AdamW; docs/design/optim.md, "Fusion"), and is not
@@ -240,18 +243,22 @@ class _HostOptimizer(torch.optim.Optimizer):
         other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
         other_sq = _C.optim_grad_norm(other) ** 2 if (self.max_grad_norm is not None and other) else 0.0
         shard = next((p._layerstream_shard for p in plist if hasattr(p, "_layerstream_shard")), None)
+        #: Whether the plan covered sharded parameters (the same on every rank: step() ends with a barrier).
+        self._overlap_sharded = shard is not None
         if self.max_grad_norm is not None and shard is not None:
-            # Sharded (AdamW): each rank's passes took the norm of its shards; every node's
-            # ranks cover each tensor once, so the sum over the group counts it once per node.
+            # Sharded: each rank's passes took the norm of its shards (AdamW) or of the
+            # tensors it owns (Adafactor); every node's ranks cover each tensor once, so the
+            # sum over the group counts it once per node.
             total = torch.tensor([plan.sum_of_squares], dtype=torch.float64)
             torch.distributed.all_reduce(total, group=shard.group)
             plan.sum_of_squares = total.item() / shard.nodes
         coef, norm = plan.settle(other_sq)
         if self.max_grad_norm is not None:
             self.last_grad_norm = norm
+        mine = [p for p, s in zip(plist, status) if s not in (0, _C.OVERLAP_OTHER_RANK)]
         #: Parameters the last overlapped backward stepped (or, clipping, took the norm of) early.
-        self.last_overlap_params = len(counted)
-        return coef, counted, [p for p in plist if id(p) in counted]
+        self.last_overlap_params = len(mine)
+        return coef, counted, mine
 
 
 class AdamW(_HostOptimizer):
@@ -478,19 +485,20 @@ class Adafactor(_HostOptimizer):
                 self.state[p]["step"] += 1
 
     def _overlap_plan(self, engine, speculation_bytes, keep_grads):
-        if any(hasattr(p, "_layerstream_shard") for g in self.param_groups for p in g["params"]):
-            raise RuntimeError("layerstream.optim: Adafactor's overlap() does not step sharded parameters "
-                               "(offload(share_host_store=\"all\")), whose tensors it steps whole on one rank "
-                               "each; call step() after the backward (AdamW's overlap() steps them)")
         groups, params = [], []
         key = 0
         for gi, group in enumerate(self.param_groups):
             groups.append((self._config(group), int(group["seed"])))
             for p in group["params"]:
-                if p.device.type == "cpu" and p.requires_grad:
+                if p.device.type != "cpu" or not p.requires_grad:
+                    pass
+                elif hasattr(p, "_layerstream_shard") and not p._layerstream_shard.owned:
+                    # Sharded by whole tensors: another rank steps it (and counts its norm).
+                    params.append((p, None, None, None, None, 1, torch.tensor(0.0), key, gi, False))
+                else:
                     st = self._states(p, group, count=False)
                     params.append((p, st.get("exp_avg_sq_row"), st.get("exp_avg_sq_col"), st.get("exp_avg_sq"),
-                                   st.get("exp_avg"), st["step"] + 1, st["RMS"], key, gi))
+                                   st.get("exp_avg"), st["step"] + 1, st["RMS"], key, gi, True))
                 key += 1
         plan = _C.AdafactorOverlap(engine, groups, params, self.max_grad_norm, keep_grads)
         return plan, [p for p, *_ in params]
@@ -503,6 +511,12 @@ class Adafactor(_HostOptimizer):
         for p in stepped:  # stepped during the backward with the state's count + 1
             self.state[p]["step"] += 1
         sharded = [p for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")]
+        # An overlapped backward stepped sharded tensors already (each on its owner, once
+        # every rank's backward of its layer was done: no barrier before); the one after
+        # the step still orders those writes before any rank's next forward.
+        early = getattr(self, "_overlap_sharded", False) and [p for g in self.param_groups for p in g["params"]
+                                                             if hasattr(p, "_layerstream_shard")]
+        self._overlap_sharded = False
         if sharded:
             # Sharded (offload(share_host_store="all")): whole tensors, each stepped by the
             # rank that owns it (Shard.assign_owners), after every rank's backward has read
@@ -522,8 +536,10 @@ class Adafactor(_HostOptimizer):
                 [s.get("exp_avg") for s in states], [s["step"] for s in states], keys, scale, int(group["seed"]))
             for s, r in zip(states, rms):
                 s["RMS"].fill_(r)
-        if sharded:
-            sharded[0]._layerstream_shard.barrier()
-            for p in sharded:
+        if sharded or early:
+            seen = {id(p) for p in sharded}
+            done = sharded + [p for p in (early or []) if id(p) not in seen]
+            done[0]._layerstream_shard.barrier()
+            for p in done:
                 p._layerstream_shard.version = p._version
         return loss

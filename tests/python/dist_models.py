@@ -107,3 +107,11 @@ def host_adafactor(params):
     import layerstream.optim
     return layerstream.optim.Adafactor(params, lr=1e-3, eps=(1e-6, 1e-3), relative_step=False,
                                        scale_parameter=False)
+
+
+def host_adafactor_clipped(params):
+    """host_adafactor with a global clip that triggers at every step (the overlapped sharded
+    scenario: each rank takes the norms of the tensors it owns, the ranks' sums add up)."""
+    import layerstream.optim
+    return layerstream.optim.Adafactor(params, lr=1e-3, eps=(1e-6, 1e-3), relative_step=False,
+                                       scale_parameter=False, max_grad_norm=1e-3)

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_models import (BATCH, LORA_LR, MICRO, STEPS, batch_of, host_adafactor, host_adamw,  # noqa: E402
-                         host_adamw_clipped, lora_model, make_model, train_steps)
+from dist_models import (BATCH, LORA_LR, MICRO, STEPS, batch_of, host_adafactor, host_adafactor_clipped,  # noqa: E402
+                         host_adamw, host_adamw_clipped, lora_model, make_model, train_steps)
 
 import layerstream  # noqa: E402
 from layerstream._distributed import store_pss  # noqa: E402
@@ -71,19 +71,24 @@ def main():
                 ddp(batch_of(0, 0)[:BATCH][0])
             except layerstream.LayerstreamError as e:
                 result["torch_optim"] = str(e)
-        elif scenario in ("sharded_overlap", "sharded_overlap_clip"):
-            # The sharded AdamW step overlapped with the backward: each rank steps its shard
-            # of a layer as soon as that layer's averaged gradient lands (the last
-            # micro-batch's backward inside opt.overlap(handle); the first one plain).
-            # Without the clip, the Linear weights cross the bus lossless-coded: each rank
-            # re-codes its own copy once every rank wrote its shard (not during the backward).
+        elif scenario in ("sharded_overlap", "sharded_overlap_clip", "sharded_adafactor_overlap",
+                          "sharded_adafactor_overlap_clip"):
+            # The sharded step overlapped with the backward: each rank steps its shard of a
+            # layer (AdamW) or the layer's tensors it owns (Adafactor) as soon as that
+            # layer's averaged gradient lands (the last micro-batch's backward inside
+            # opt.overlap(handle); the first one plain). AdamW without the clip: the Linear
+            # weights cross the bus lossless-coded: each rank re-codes its own copy once
+            # every rank wrote its shard (not during the backward).
+            adafactor = "adafactor" in scenario
+            clip = scenario.endswith("clip")
             model = make_model()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the attention group is not coded
                 handle = layerstream.offload(model, device="sim", share_host_store="all",
-                                             quantize=None if scenario.endswith("clip") else "lossless")
+                                             quantize="lossless" if not clip and not adafactor else None)
             ddp = nn.parallel.DistributedDataParallel(model)
-            factory = host_adamw_clipped if scenario.endswith("clip") else host_adamw
+            factory = {(False, False): host_adamw, (False, True): host_adamw_clipped,
+                       (True, False): host_adafactor, (True, True): host_adafactor_clipped}[adafactor, clip]
             opt = factory([p for p in model.parameters() if p.requires_grad])
             result["losses"], result["early"] = [], []
             for step in range(STEPS):
@@ -103,13 +108,12 @@ def main():
                 result["losses"].append(total)
             result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
             result["stats"] = handle.stats()
-            for name, make, kw in [("keep_grads", lambda: opt, {"keep_grads": True}),
-                                   ("adafactor", lambda: host_adafactor(list(model.parameters())), {})]:
+            if not adafactor:
                 try:  # refused before any backward: nothing to pair up between the ranks
-                    with make().overlap(handle, **kw):
+                    with opt.overlap(handle, keep_grads=True):
                         pass
                 except RuntimeError as e:
-                    result[f"{name}_error"] = str(e)
+                    result["keep_grads_error"] = str(e)
             dist.barrier()
         elif scenario == "sharded_adafactor":
             # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
