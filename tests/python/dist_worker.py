@@ -168,6 +168,11 @@ def main():
             # The store outlives a crashed rank in the others: still readable.
             with torch.no_grad():
                 result["out"] = model(batch_of(0, 0)[:BATCH][0]).sum().item()
+            # The store's memory file (device, inode): the test looks for its mappers by it,
+            # not by name (other layerstream processes on the machine map files of that name).
+            with open("/proc/self/maps") as f:
+                result["store_files"] = sorted({tuple(line.split()[3:5]) for line in f
+                                                if "memfd:layerstream-store" in line})
             torch.save(result, os.path.join(out, f"rank{rank}.pt"))
             os._exit(0)  # no collective with a dead rank (destroy_process_group would wait)
         elif scenario == "mismatch":
