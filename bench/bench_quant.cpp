@@ -15,7 +15,6 @@
 // and CPU decode, GB/s of raw tensor bytes.
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -24,7 +23,6 @@
 
 #include "bench/quant_throughput.h"
 #include "core/error.h"
-#include "core/lossless.h"
 #include "core/quant.h"
 
 #ifdef LS_HAVE_CUDA
@@ -90,50 +88,14 @@ double device_dequant(const q::PackedLayout& L, const std::vector<uint8_t>& pack
 }
 #endif
 
-// The lossless codec per dtype: encode and CPU decode GB/s of raw bytes, best of reps.
+// The lossless codec per dtype: encode and CPU decode GB/s of raw bytes.
 void lossless_table(int64_t n, int threads, int reps) {
-  namespace ll = layerstream::lossless;
-  std::vector<float> f(static_cast<size_t>(n));
-  uint64_t state = 0x9E3779B97F4A7C15ull;
-  for (float& x : f) {  // N(0, 0.02) by Box-Muller from a 64-bit LCG
-    const auto uniform = [&] {
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      return (static_cast<double>(state >> 11) + 0.5) * 0x1p-53;
-    };
-    x = static_cast<float>(0.02 * std::sqrt(-2 * std::log(uniform())) * std::cos(6.283185307179586 * uniform()));
-  }
-  std::vector<uint16_t> bf(f.size()), hf(f.size());
-  for (size_t i = 0; i < f.size(); ++i) {
-    bf[i] = q::float_to_bf16_bits(f[i]);
-    hf[i] = q::float_to_f16_bits(f[i]);
-  }
   std::printf("lossless codec: %lld elements, threads %d (0 = all), best of %d, GB/s of raw bytes\n",
               static_cast<long long>(n), threads, reps);
   std::printf("%-6s %8s %12s %12s\n", "dtype", "ratio", "encode GB/s", "decode GB/s");
-  const struct {
-    const char* name;
-    ll::Dtype dtype;
-    const void* src;
-  } cases[] = {{"bf16", ll::Dtype::BF16, bf.data()}, {"f16", ll::Dtype::F16, hf.data()}, {"f32", ll::Dtype::F32, f.data()}};
-  for (const auto& c : cases) {
-    const size_t raw = static_cast<size_t>(n) * ll::element_bytes(c.dtype);
-    std::vector<uint8_t> coded(ll::max_encoded_bytes(c.dtype, n)), back(raw);
-    double enc = 1e300, dec = 1e300;
-    size_t bytes = 0;
-    for (int r = 0; r < reps; ++r) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const ll::Analysis a = ll::analyze(c.dtype, c.src, n, threads);
-      ll::encode(a, c.src, coded.data(), coded.size(), threads);
-      const auto t1 = std::chrono::steady_clock::now();
-      ll::decode(coded.data(), coded.size(), back.data(), back.size(), threads);
-      const auto t2 = std::chrono::steady_clock::now();
-      enc = std::min(enc, std::chrono::duration<double>(t1 - t0).count());
-      dec = std::min(dec, std::chrono::duration<double>(t2 - t1).count());
-      bytes = a.total_bytes();
-    }
-    if (std::memcmp(back.data(), c.src, raw) != 0) LS_FAIL("bench_quant: lossless ", c.name, " did not round-trip");
-    std::printf("%-6s %8.4f %12.2f %12.2f\n", c.name, double(bytes) / double(raw), raw / enc / 1e9, raw / dec / 1e9);
-  }
+  for (const auto& r : layerstream::bench::measure_lossless(n, reps, threads))
+    std::printf("%-6s %8.4f %12.2f %12.2f\n", r.dtype.c_str(), double(r.coded_bytes) / double(r.raw_bytes),
+                r.raw_bytes / r.encode_s / 1e9, r.raw_bytes / r.decode_s / 1e9);
 }
 
 void usage() {

@@ -22,16 +22,22 @@ double best_of(int reps, const Fn& fn) {
   }
   return best;
 }
+
+// N(0, 0.02) fp32 weights, the measurements' source.
+std::vector<float> normal_weights(int64_t n, std::mt19937& rng) {
+  std::vector<float> w(static_cast<size_t>(n));
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  for (auto& v : w) v = nd(rng);
+  return w;
+}
 }  // namespace
 
 std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps, int threads,
                                            const DeviceDequantFn& device, bool gguf) {
   namespace q = layerstream::quant;
   const int64_t n = rows * cols;
-  std::vector<float> w(static_cast<size_t>(n));
   std::mt19937 rng(42);
-  std::normal_distribution<float> nd(0.0f, 0.02f);
-  for (auto& v : w) v = nd(rng);
+  const std::vector<float> w = normal_weights(n, rng);
   std::vector<uint16_t> out(static_cast<size_t>(n));
   std::vector<QuantThroughput> results;
   for (q::Format f : {q::Format::Int8, q::Format::Fp8E4M3, q::Format::NF4, q::Format::Int4}) {
@@ -94,6 +100,38 @@ std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps,
       q::dequantize_cpu(L, packed.data(), out.data(), q::OutDtype::BF16, threads);
     });
     if (device) r.device_s = device(L, packed);
+    results.push_back(r);
+  }
+  return results;
+}
+
+std::vector<LosslessThroughput> measure_lossless(int64_t n, int reps, int threads) {
+  namespace q = layerstream::quant;
+  std::mt19937 rng(42);
+  const std::vector<float> f32 = normal_weights(n, rng);
+  std::vector<uint16_t> bf16(f32.size()), f16(f32.size());
+  for (size_t i = 0; i < f32.size(); ++i) {
+    bf16[i] = q::float_to_bf16_bits(f32[i]);
+    f16[i] = q::float_to_f16_bits(f32[i]);
+  }
+  const struct {
+    lossless::Dtype dtype;
+    const void* src;
+  } cases[] = {{q::SrcDtype::BF16, bf16.data()}, {q::SrcDtype::F16, f16.data()}, {q::SrcDtype::F32, f32.data()}};
+  std::vector<LosslessThroughput> results;
+  for (const auto& c : cases) {
+    LosslessThroughput r;
+    r.dtype = q::to_string(c.dtype);
+    r.raw_bytes = static_cast<size_t>(n) * lossless::element_bytes(c.dtype);
+    std::vector<uint8_t> coded(lossless::max_encoded_bytes(c.dtype, n)), back(r.raw_bytes);
+    r.encode_s = best_of(reps, [&] {
+      const lossless::Analysis a = lossless::analyze(c.dtype, c.src, n, threads);
+      lossless::encode(a, c.src, coded.data(), coded.size(), threads);
+      r.coded_bytes = a.total_bytes();
+    });
+    r.decode_s = best_of(reps, [&] { lossless::decode(coded.data(), coded.size(), back.data(), back.size(), threads); });
+    LS_CHECK(std::equal(back.begin(), back.end(), static_cast<const uint8_t*>(c.src)),
+             "bench: the lossless round trip of ", r.dtype, " changed the weights");
     results.push_back(r);
   }
   return results;

@@ -33,4 +33,14 @@ using DeviceDequantFn = std::function<double(const quant::PackedLayout&, const s
 std::vector<QuantThroughput> measure_quant(int64_t rows, int64_t cols, int reps, int threads,
                                            const DeviceDequantFn& device = {}, bool gguf = false);
 
+// The lossless codec alone, per dtype it codes (bf16, f16, f32) of the same
+// N(0, 0.02) weights: coded bytes, encode (analyze() + encode()) and CPU
+// decode seconds, best of `reps` each; threads 0 = all cores.
+struct LosslessThroughput {
+  std::string dtype;
+  size_t raw_bytes = 0, coded_bytes = 0;
+  double encode_s = 0, decode_s = 0;
+};
+std::vector<LosslessThroughput> measure_lossless(int64_t n, int reps, int threads);
+
 }  // namespace layerstream::bench

@@ -77,6 +77,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         #: The total gradient norm the last step clipped with (None when not clipping).
         self.last_grad_norm = None
         self._overlap = None  # (the _C overlap plan, its parameters) between overlap() and step()
+        self._overlap_sharded = False  # that plan covered sharded parameters (set by _finish_overlap)
         super().__init__(params, defaults)
 
     @staticmethod
@@ -243,8 +244,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
         other_sq = _C.optim_grad_norm(other) ** 2 if (self.max_grad_norm is not None and other) else 0.0
         shard = next((p._layerstream_shard for p in plist if hasattr(p, "_layerstream_shard")), None)
-        #: Whether the plan covered sharded parameters (the same on every rank: step() ends with a barrier).
-        self._overlap_sharded = shard is not None
+        self._overlap_sharded = shard is not None  # the same on every rank: step() ends with a barrier
         if self.max_grad_norm is not None and shard is not None:
             # Sharded: each rank's passes took the norm of its shards (AdamW) or of the
             # tensors it owns (Adafactor); every node's ranks cover each tensor once, so the
@@ -514,8 +514,8 @@ class Adafactor(_HostOptimizer):
         # An overlapped backward stepped sharded tensors already (each on its owner, once
         # every rank's backward of its layer was done: no barrier before); the one after
         # the step still orders those writes before any rank's next forward.
-        early = getattr(self, "_overlap_sharded", False) and [p for g in self.param_groups for p in g["params"]
-                                                             if hasattr(p, "_layerstream_shard")]
+        early = ([p for g in self.param_groups for p in g["params"] if hasattr(p, "_layerstream_shard")]
+                 if self._overlap_sharded else [])
         self._overlap_sharded = False
         if sharded:
             # Sharded (offload(share_host_store="all")): whole tensors, each stepped by the
@@ -538,7 +538,7 @@ class Adafactor(_HostOptimizer):
                 s["RMS"].fill_(r)
         if sharded or early:
             seen = {id(p) for p in sharded}
-            done = sharded + [p for p in (early or []) if id(p) not in seen]
+            done = sharded + [p for p in early if id(p) not in seen]
             done[0]._layerstream_shard.barrier()
             for p in done:
                 p._layerstream_shard.version = p._version
