@@ -124,4 +124,10 @@ Dtypes check_dtypes(const std::string& dequant_dtype, const std::string& compute
   return d;
 }
 
+void check_group_alive(bool alive, const std::string& group_name) {
+  LS_CHECK(alive, "the process group '", group_name, "' that offload() works over was destroyed "
+           "(torch.distributed.destroy_process_group()); train before destroying it, or offload() again "
+           "with the new group");
+}
+
 }  // namespace layerstream::options

@@ -68,4 +68,8 @@ struct Dtypes {
 };
 Dtypes check_dtypes(const std::string& dequant_dtype, const std::string& compute_dtype);
 
+// process_group: the group offload() works over (held weakly, in C++ and in
+// Python) must still exist when it is used; `alive` false fails, naming it.
+void check_group_alive(bool alive, const std::string& group_name);
+
 }  // namespace layerstream::options

@@ -438,6 +438,8 @@ class Engine {
   // before the copy to the host (all-reduce of the gradient divided by the
   // group's size; NCCL work is waited on by the current stream). Every rank
   // must run the same layers' backwards in the same order. Null: none.
+  // Ownership: held weakly (torch's registry owns the group until
+  // destroy_process_group(); an averaging after that is an error that says so).
   // Call before the first backward; not thread-safe against a running one.
   virtual void set_gradient_group(c10::intrusive_ptr<c10d::ProcessGroup> group) = 0;
   // false: the backwards of forwards run from now on keep their gradients

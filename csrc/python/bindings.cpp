@@ -324,6 +324,7 @@ PYBIND11_MODULE(_C, m) {
       throw py::value_error(e.message());
     }
   }, py::arg("dequant_dtype"), py::arg("compute_dtype"));
+  m.def("check_group_alive", &options::check_group_alive, py::arg("alive"), py::arg("group_name"));
   m.def("check_prefetch", [](py::handle v) { LS_VALUE_ERRORS(options::check_prefetch(int_arg(v, "prefetch"))) });
   m.def("check_slots", [](py::handle v) { LS_VALUE_ERRORS(options::check_slots(int_arg(v, "slots"), false)) });
   m.def("check_link_gbps", [](py::handle v) {

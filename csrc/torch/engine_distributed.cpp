@@ -6,10 +6,25 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "core/options.h"
+
 namespace layerstream {
 
+// Held weakly: torch keeps a group alive while it is registered (until
+// destroy_process_group()); an engine that held it strongly would keep its
+// backend's threads running past destroy_process_group() into the
+// interpreter's shutdown, where gloo's worker, releasing a finished
+// collective, takes the GIL and aborts the process (the gloo threads are
+// joined only when the group's last reference goes).
 struct EngineImpl::GradientGroup {
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> weak;
+  std::string name;
+
+  c10::intrusive_ptr<c10d::ProcessGroup> get() const {
+    c10::intrusive_ptr<c10d::ProcessGroup> pg = weak.lock();
+    options::check_group_alive(static_cast<bool>(pg), name);
+    return pg;
+  }
 };
 
 void EngineImpl::set_gradient_group(c10::intrusive_ptr<c10d::ProcessGroup> group) {
@@ -19,12 +34,14 @@ void EngineImpl::set_gradient_group(c10::intrusive_ptr<c10d::ProcessGroup> group
   if (!group) {
     grad_group_.reset();
   } else {  // also with one rank: a group given is used (its all-reduce runs over one)
-    grad_group_ = std::make_shared<GradientGroup>(GradientGroup{std::move(group)});
+    grad_group_ = std::make_shared<GradientGroup>(
+        GradientGroup{c10::weak_intrusive_ptr<c10d::ProcessGroup>(group), group->getGroupName()});
   }
 }
 
 void EngineImpl::all_reduce_mean(torch::Tensor& t) {
-  c10d::ProcessGroup& pg = *grad_group_->pg;
+  const c10::intrusive_ptr<c10d::ProcessGroup> hold = grad_group_->get();
+  c10d::ProcessGroup& pg = *hold;
   // A host gradient on a CUDA engine (a table's) goes through the device: the
   // group's backend (NCCL) may have no host path.
   if (t.is_cpu() && compute_device_.is_cuda()) {
@@ -79,7 +96,8 @@ void EngineImpl::average_before_copy(const std::vector<torch::Tensor>& parts) {
   // as a host function on the gradient stream. The scratch slot the parts live
   // in goes back after that copy (push_grads), so nothing reuses it while the
   // collective still reads or writes it.
-  c10d::ProcessGroup& pg = *grad_group_->pg;
+  const c10::intrusive_ptr<c10d::ProcessGroup> hold = grad_group_->get();
+  c10d::ProcessGroup& pg = *hold;
   torch::NoGradGuard ng;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (const torch::Tensor& t : parts) {

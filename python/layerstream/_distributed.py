@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import socket
+import weakref
 from typing import List
 
 import torch
@@ -30,6 +31,20 @@ def resolve_group(process_group):
         return process_group
     pg = torch.distributed.group.WORLD
     return pg if torch.distributed.get_world_size(pg) > 1 else None
+
+
+class _WeakGroup:
+    """A process group held weakly, as the engine holds it (engine_distributed.cpp,
+    GradientGroup): torch owns a group until destroy_process_group(); a reference
+    kept here would keep its backend's threads alive into the interpreter's shutdown."""
+
+    def __init__(self, pg):
+        self._ref, self._name = weakref.ref(pg), pg.group_name
+
+    def get(self):
+        pg = self._ref()
+        _C.check_group_alive(pg is not None, self._name)
+        return pg
 
 
 def _node_id() -> str:
@@ -64,7 +79,7 @@ class Distributed:
 
     def __init__(self, pg, model: nn.Module, layers: list, settings: dict, share_host_store):
         dist = torch.distributed
-        self.pg = pg
+        self._pg = _WeakGroup(pg)
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
         rows = _fingerprint(model, layers, settings)
@@ -102,6 +117,10 @@ class Distributed:
         if wanted is False:
             return False, "share_host_store=False"
         return True, ""
+
+    @property
+    def pg(self):
+        return self._pg.get()
 
     def _open_region(self, model: nn.Module, gathered: list) -> None:
         dist = torch.distributed
@@ -248,10 +267,14 @@ class Shard:
                                    f"offload with share_host_store=None")
         n = p.numel()
         self.lo, self.hi = n * index // count, n * (index + 1) // count
-        self.group, self.name = group, name
+        self._group, self.name = _WeakGroup(group), name
         self.nodes = nodes  # nodes in the group: each covers the tensor once with its ranks' shards
         self.index, self.owner = index, None
         self.version = p._version  # the last version a sharded step left (Distributed.check_shards)
+
+    @property
+    def group(self):
+        return self._group.get()
 
     @property
     def owned(self) -> bool:

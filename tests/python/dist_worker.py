@@ -3,6 +3,7 @@
 Run as: python dist_worker.py SCENARIO OUT_DIR (RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT in the environment, as torchrun sets them). Writes OUT_DIR/rank<R>.pt."""
 import datetime
+import gc
 import os
 import signal
 import sys
@@ -35,162 +36,208 @@ def _train_shared(rank, result, optimizer, **offload_kw):
     return model, ddp, handle, train_steps.optimizer
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def run(scenario, out, rank, result):
+    """The scenario's work; its objects (DDP, which holds the group, among them) die when
+    it returns, before main() destroys the process group."""
+    if scenario in ("full", "lora"):
+        model = make_model() if scenario == "full" else lora_model(wide=True)
+        # LoRA: the adapters stay resident, where DDP averages them; the frozen base streams.
+        handle = layerstream.offload(model, device="sim", exclude=None if scenario == "full" else ["*lora_*"])
+        ddp = nn.parallel.DistributedDataParallel(model)
+        # This rank's share of each step's batch: rows rank*B .. (rank+1)*B.
+        result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
+                                       accumulate_with=ddp.no_sync, lr=0.05 if scenario == "full" else LORA_LR)
+        result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        result["stats"] = handle.stats()
+        result["plan"] = handle.plan
+        result["pss"] = store_pss()
+        dist.barrier()  # every rank measured before any exits
+    elif scenario == "sharded":
+        # Full fine-tuning, one shared host copy, each rank stepping its shard of every
+        # streamed tensor with layerstream.optim.AdamW.
+        model, ddp, handle, opt = _train_shared(rank, result, host_adamw)
+        result["plan"] = handle.plan
+        result["pss"] = store_pss()
+        result["state_numel"] = sum(s["exp_avg"].numel() for p, s in opt.state.items()
+                                    if hasattr(p, "_layerstream_shard"))
+        dist.barrier()
+        # torch.optim writing the shared weights (every rank the same memory) is refused.
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp(batch_of(0, 0)[rank * BATCH:(rank + 1) * BATCH][0]).sum().backward()
+        sgd.step()
+        try:
+            ddp(batch_of(0, 0)[:BATCH][0])
+        except layerstream.LayerstreamError as e:
+            result["torch_optim"] = str(e)
+    elif scenario in ("sharded_overlap", "sharded_overlap_clip", "sharded_adafactor_overlap",
+                      "sharded_adafactor_overlap_clip"):
+        # The sharded step overlapped with the backward: each rank steps its shard of a
+        # layer (AdamW) or the layer's tensors it owns (Adafactor) as soon as that
+        # layer's averaged gradient lands (the last micro-batch's backward inside
+        # opt.overlap(handle); the first one plain). AdamW without the clip: the Linear
+        # weights cross the bus lossless-coded: each rank re-codes its own copy once
+        # every rank wrote its shard (not during the backward).
+        adafactor = "adafactor" in scenario
+        clip = scenario.endswith("clip")
+        model = make_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the attention group is not coded
+            handle = layerstream.offload(model, device="sim", share_host_store="all",
+                                         quantize="lossless" if not clip and not adafactor else None)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        factory = {(False, False): host_adamw, (False, True): host_adamw_clipped,
+                   (True, False): host_adafactor, (True, True): host_adafactor_clipped}[adafactor, clip]
+        opt = factory([p for p in model.parameters() if p.requires_grad])
+        result["losses"], result["early"] = [], []
+        for step in range(STEPS):
+            total = 0.0
+            for micro in range(MICRO):
+                ids, target = batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH]
+                loss = nn.functional.mse_loss(ddp(ids), target) / MICRO
+                if micro < MICRO - 1:
+                    loss.backward()
+                else:
+                    with opt.overlap(handle):
+                        loss.backward()
+                total += loss.item()
+            opt.step()
+            result["early"].append(opt.last_overlap_params)
+            opt.zero_grad()
+            result["losses"].append(total)
+        result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        result["stats"] = handle.stats()
+        if not adafactor:
+            try:  # refused before any backward: nothing to pair up between the ranks
+                with opt.overlap(handle, keep_grads=True):
+                    pass
+            except RuntimeError as e:
+                result["keep_grads_error"] = str(e)
+        dist.barrier()
+    elif scenario == "sharded_adafactor":
+        # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
+        # owner rank), and the Linear weights crossing the bus lossless-coded.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the attention group is not coded
+            model, _, _, opt = _train_shared(rank, result, host_adafactor, quantize="lossless")
+        result["owned"] = sorted(n for n, p in model.named_parameters()
+                                 if hasattr(p, "_layerstream_shard") and len(opt.state[p]) > 0)
+        result["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "_layerstream_shard"))
+        result["owned_numel"] = sum(p.numel() for n, p in model.named_parameters() if n in result["owned"])
+        dist.barrier()
+    elif scenario == "overlap":
+        # Rank 1 starts its backward only once rank 0's backward has computed every
+        # layer (a hook on the input's gradient writes a file): rank 0 must not wait
+        # for rank 1 in any layer's all-reduce before that (the all-reduces run
+        # beside the backward, the gradient stream waits for them; Note [Averaging
+        # overlapped with the backward]). A blocking all-reduce would hold rank 0 in
+        # the last layer's backward: rank 1 would give up waiting and say so.
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        # Slots for 4 layers' gradients in flight, a layer's weights and its gradients.
+        handle = layerstream.offload(model, device="sim", slots=6)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        marker = os.path.join(out, "rank0-backward-computed")
+        if rank == 0:
+            x.register_hook(lambda g: open(marker, "w").close())
+        loss = model(x).square().mean()
+        if rank == 1:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            result["saw_marker"] = os.path.exists(marker)
+        loss.backward()
+        result["grads"] = [p.grad.clone() for p in model.parameters()]
+        result["stats"] = handle.stats()
+    elif scenario == "crash":
+        model = lora_model(wide=True)
+        handle = layerstream.offload(model, device="sim")
+        result["shared_bytes"] = handle.stats()["shared_bytes"]
+        dist.barrier()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        w = model.base_model.model.fc1.base_layer.weight
+        w.requires_grad_(True)
+        try:
+            model(batch_of(0, 0)[:BATCH][0])
+        except layerstream.LayerstreamError as e:
+            result["unfrozen"] = str(e)
+        w.requires_grad_(False)
+        # The store outlives a crashed rank in the others: still readable.
+        with torch.no_grad():
+            result["out"] = model(batch_of(0, 0)[:BATCH][0]).sum().item()
+        # The store's memory file (device, inode): the test looks for its mappers by it,
+        # not by name (other layerstream processes on the machine map files of that name).
+        with open("/proc/self/maps") as f:
+            result["store_files"] = sorted({tuple(line.split()[3:5]) for line in f
+                                            if "memfd:layerstream-store" in line})
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        os._exit(0)  # no collective with a dead rank (destroy_process_group would wait)
+    elif scenario == "group_destroyed":
+        # The model, its handle and its optimizer outlive destroy_process_group() (a
+        # script's module-level objects): offload() holds the group weakly, so destroying
+        # it joins gloo's threads at once; a use of the group after that says it is gone.
+        model = make_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the attention group is not coded
+            layerstream.offload(model, device="sim", share_host_store="all")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = host_adafactor(params)
+        ids, target = batch_of(0, 0)[rank * BATCH:(rank + 1) * BATCH]
+        nn.functional.mse_loss(model(ids), target).backward()
+        opt.step()
+        opt.zero_grad()
+        before = _threads()
+        dist.destroy_process_group()
+        result["threads_joined"] = before - _threads()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the failed backward's dropped gradients
+                nn.functional.mse_loss(model(ids), target).backward()
+        except RuntimeError as e:
+            result["backward_error"] = str(e)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        try:
+            opt.step()
+        except layerstream.LayerstreamError as e:
+            result["step_error"] = str(e)
+    elif scenario == "mismatch":
+        model = make_model(hidden=32 if rank == 0 else 48)
+        try:
+            layerstream.offload(model, device="sim")
+        except layerstream.LayerstreamError as e:
+            result["error"] = str(e)
+        try:  # the same model, another budget
+            layerstream.offload(make_model(), device="sim", budget=None if rank == 0 else "1MiB")
+        except layerstream.LayerstreamError as e:
+            result["budget_error"] = str(e)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
+    result = {"threads_at_start": _threads()}
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    result["threads_at_init"] = _threads()
     rank = dist.get_rank()
-    result = {}
     try:
-        if scenario in ("full", "lora"):
-            model = make_model() if scenario == "full" else lora_model(wide=True)
-            # LoRA: the adapters stay resident, where DDP averages them; the frozen base streams.
-            handle = layerstream.offload(model, device="sim", exclude=None if scenario == "full" else ["*lora_*"])
-            ddp = nn.parallel.DistributedDataParallel(model)
-            # This rank's share of each step's batch: rows rank*B .. (rank+1)*B.
-            result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
-                                           accumulate_with=ddp.no_sync, lr=0.05 if scenario == "full" else LORA_LR)
-            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-            result["stats"] = handle.stats()
-            result["plan"] = handle.plan
-            result["pss"] = store_pss()
-            dist.barrier()  # every rank measured before any exits
-        elif scenario == "sharded":
-            # Full fine-tuning, one shared host copy, each rank stepping its shard of every
-            # streamed tensor with layerstream.optim.AdamW.
-            model, ddp, handle, opt = _train_shared(rank, result, host_adamw)
-            result["plan"] = handle.plan
-            result["pss"] = store_pss()
-            result["state_numel"] = sum(s["exp_avg"].numel() for p, s in opt.state.items()
-                                        if hasattr(p, "_layerstream_shard"))
-            dist.barrier()
-            # torch.optim writing the shared weights (every rank the same memory) is refused.
-            sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-            ddp(batch_of(0, 0)[rank * BATCH:(rank + 1) * BATCH][0]).sum().backward()
-            sgd.step()
-            try:
-                ddp(batch_of(0, 0)[:BATCH][0])
-            except layerstream.LayerstreamError as e:
-                result["torch_optim"] = str(e)
-        elif scenario in ("sharded_overlap", "sharded_overlap_clip", "sharded_adafactor_overlap",
-                          "sharded_adafactor_overlap_clip"):
-            # The sharded step overlapped with the backward: each rank steps its shard of a
-            # layer (AdamW) or the layer's tensors it owns (Adafactor) as soon as that
-            # layer's averaged gradient lands (the last micro-batch's backward inside
-            # opt.overlap(handle); the first one plain). AdamW without the clip: the Linear
-            # weights cross the bus lossless-coded: each rank re-codes its own copy once
-            # every rank wrote its shard (not during the backward).
-            adafactor = "adafactor" in scenario
-            clip = scenario.endswith("clip")
-            model = make_model()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the attention group is not coded
-                handle = layerstream.offload(model, device="sim", share_host_store="all",
-                                             quantize="lossless" if not clip and not adafactor else None)
-            ddp = nn.parallel.DistributedDataParallel(model)
-            factory = {(False, False): host_adamw, (False, True): host_adamw_clipped,
-                       (True, False): host_adafactor, (True, True): host_adafactor_clipped}[adafactor, clip]
-            opt = factory([p for p in model.parameters() if p.requires_grad])
-            result["losses"], result["early"] = [], []
-            for step in range(STEPS):
-                total = 0.0
-                for micro in range(MICRO):
-                    ids, target = batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH]
-                    loss = nn.functional.mse_loss(ddp(ids), target) / MICRO
-                    if micro < MICRO - 1:
-                        loss.backward()
-                    else:
-                        with opt.overlap(handle):
-                            loss.backward()
-                    total += loss.item()
-                opt.step()
-                result["early"].append(opt.last_overlap_params)
-                opt.zero_grad()
-                result["losses"].append(total)
-            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-            result["stats"] = handle.stats()
-            if not adafactor:
-                try:  # refused before any backward: nothing to pair up between the ranks
-                    with opt.overlap(handle, keep_grads=True):
-                        pass
-                except RuntimeError as e:
-                    result["keep_grads_error"] = str(e)
-            dist.barrier()
-        elif scenario == "sharded_adafactor":
-            # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
-            # owner rank), and the Linear weights crossing the bus lossless-coded.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the attention group is not coded
-                model, _, _, opt = _train_shared(rank, result, host_adafactor, quantize="lossless")
-            result["owned"] = sorted(n for n, p in model.named_parameters()
-                                     if hasattr(p, "_layerstream_shard") and len(opt.state[p]) > 0)
-            result["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "_layerstream_shard"))
-            result["owned_numel"] = sum(p.numel() for n, p in model.named_parameters() if n in result["owned"])
-            dist.barrier()
-        elif scenario == "overlap":
-            # Rank 1 starts its backward only once rank 0's backward has computed every
-            # layer (a hook on the input's gradient writes a file): rank 0 must not wait
-            # for rank 1 in any layer's all-reduce before that (the all-reduces run
-            # beside the backward, the gradient stream waits for them; Note [Averaging
-            # overlapped with the backward]). A blocking all-reduce would hold rank 0 in
-            # the last layer's backward: rank 1 would give up waiting and say so.
-            torch.manual_seed(0)
-            model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-            # Slots for 4 layers' gradients in flight, a layer's weights and its gradients.
-            handle = layerstream.offload(model, device="sim", slots=6)
-            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-            marker = os.path.join(out, "rank0-backward-computed")
-            if rank == 0:
-                x.register_hook(lambda g: open(marker, "w").close())
-            loss = model(x).square().mean()
-            if rank == 1:
-                deadline = time.monotonic() + 30
-                while not os.path.exists(marker) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                result["saw_marker"] = os.path.exists(marker)
-            loss.backward()
-            result["grads"] = [p.grad.clone() for p in model.parameters()]
-            result["stats"] = handle.stats()
-        elif scenario == "crash":
-            model = lora_model(wide=True)
-            handle = layerstream.offload(model, device="sim")
-            result["shared_bytes"] = handle.stats()["shared_bytes"]
-            dist.barrier()
-            if rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(0.5)
-            w = model.base_model.model.fc1.base_layer.weight
-            w.requires_grad_(True)
-            try:
-                model(batch_of(0, 0)[:BATCH][0])
-            except layerstream.LayerstreamError as e:
-                result["unfrozen"] = str(e)
-            w.requires_grad_(False)
-            # The store outlives a crashed rank in the others: still readable.
-            with torch.no_grad():
-                result["out"] = model(batch_of(0, 0)[:BATCH][0]).sum().item()
-            # The store's memory file (device, inode): the test looks for its mappers by it,
-            # not by name (other layerstream processes on the machine map files of that name).
-            with open("/proc/self/maps") as f:
-                result["store_files"] = sorted({tuple(line.split()[3:5]) for line in f
-                                                if "memfd:layerstream-store" in line})
-            torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-            os._exit(0)  # no collective with a dead rank (destroy_process_group would wait)
-        elif scenario == "mismatch":
-            model = make_model(hidden=32 if rank == 0 else 48)
-            try:
-                layerstream.offload(model, device="sim")
-            except layerstream.LayerstreamError as e:
-                result["error"] = str(e)
-            try:  # the same model, another budget
-                layerstream.offload(make_model(), device="sim", budget=None if rank == 0 else "1MiB")
-            except layerstream.LayerstreamError as e:
-                result["budget_error"] = str(e)
-        else:
-            raise SystemExit(f"unknown scenario {scenario}")
-        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        run(scenario, out, rank, result)
+        # Nothing left holds the group but torch's registry (offload() holds it weakly;
+        # DDP died with run()'s frame; a cycle it is part of goes now): destroying it
+        # joins gloo's threads here. A group that outlived this into the interpreter's
+        # shutdown could abort it: a gloo thread releasing a finished collective takes
+        # the GIL there.
+        gc.collect()
     finally:
-        if scenario != "crash":
+        if scenario != "crash" and dist.is_initialized():
             dist.destroy_process_group()
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

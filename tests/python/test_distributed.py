@@ -203,6 +203,19 @@ def test_a_crashed_rank_leaves_no_segment(tmp_path):
     assert holders == []
 
 
+def test_destroying_the_group_is_not_held_up_by_offload(tmp_path):
+    """offload() holds its process group weakly (C++ and Python): with the model, its
+    handle and its optimizer still alive, destroy_process_group() joins gloo's threads at
+    once (a group kept alive into the interpreter's shutdown could abort it there); a use
+    of the group after that is an error that says so."""
+    results = _run("group_destroyed", 2, tmp_path)
+    for res in results:
+        gloo = res["threads_at_init"] - res["threads_at_start"]  # what init_process_group started
+        assert gloo >= 2 and res["threads_joined"] == gloo
+        for key in ("backward_error", "step_error"):
+            assert "was destroyed (torch.distributed.destroy_process_group())" in res[key]
+
+
 def test_ranks_that_disagree_are_told(tmp_path):
     results = _run("mismatch", 2, tmp_path)
     for res in results:
