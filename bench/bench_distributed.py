@@ -22,6 +22,7 @@ node; the optimizer column is CPU time (one optimizer thread per rank), the work
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -101,6 +102,10 @@ def worker(args) -> None:
     dist.barrier()  # every rank measured its Pss while the others still map the store
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # DDP holds the group: gone first, destroying the group joins gloo's threads now, not
+    # in the interpreter's shutdown (docs/design/distributed.md, "The group is torch's").
+    del net
+    gc.collect()
     dist.destroy_process_group()
 
 

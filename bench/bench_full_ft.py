@@ -15,6 +15,17 @@ process on the same model and inputs:
                        stepped on host threads as its gradient lands
     ls-lossless        ls-overlap with quantize="lossless": weights cross the bus
                        entropy-coded and are re-coded right after their step
+    ds-zero2-offload   DeepSpeed ZeRO-Offload: ZeRO stage 2 with offload_optimizer to the
+                       host (DeepSpeedCPUAdam on fp32 master weights), bf16 weights on the device
+    ds-zero3-offload   DeepSpeed ZeRO-3 with offload_param and offload_optimizer to the host:
+                       the weights live on the host too, as with layerstream
+
+The DeepSpeed peers import `deepspeed` installed, or from --deepspeed-path (default
+build/bench-deps; not a project dependency: bench/bench_optim.py says how to put it there,
+bench/gpu/fetch_peers.sh fetches it for the GPU machine); without it their rows are skipped
+and say why. Their first run compiles DeepSpeedCPUAdam (minutes; torch caches it). Each runs
+as one rank of a process group of one (DeepSpeed needs one), on CUDA, or on DeepSpeed's CPU
+accelerator in a sim dry run (its timings are then the CPU's, as the others').
 
 Per peer: the median step (forward + backward + step), the backward, and the optimizer time
 visible after the backward (step()'s own time: what overlap hides), peak device memory (CUDA),
@@ -35,7 +46,76 @@ import subprocess
 import sys
 import time
 
-PEERS = ("resident", "torch-host", "ls-after", "ls-overlap", "ls-lossless")
+PEERS = ("resident", "torch-host", "ls-after", "ls-overlap", "ls-lossless", "ds-zero2-offload", "ds-zero3-offload")
+DS_PEERS = ("ds-zero2-offload", "ds-zero3-offload")
+
+
+def deepspeed_or_reason(path):
+    """(deepspeed, None), or (None, why it is not importable)."""
+    sys.path.append(path)  # after site-packages: an installed deepspeed wins
+    try:
+        import deepspeed
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401 - the import is the check
+        return deepspeed, None
+    except Exception as e:  # noqa: BLE001 - any failure is the row's reason
+        return None, f"deepspeed is not importable (installed, or from {path}): {type(e).__name__}: {e}"
+
+
+def run_deepspeed(args, model, xs, device_type) -> dict:
+    """A DeepSpeed peer: ZeRO-2 or ZeRO-3, the optimizer (and for ZeRO-3 the weights) on the host."""
+    import socket
+
+    import torch
+
+    deepspeed, reason = deepspeed_or_reason(args.deepspeed_path)
+    if deepspeed is None:
+        return {"peer": args.peer, "skipped": reason}
+    with socket.socket() as s:  # a group of one rank: any free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    zero = {"stage": 2 if args.peer == "ds-zero2-offload" else 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": device_type == "cuda"}}
+    if zero["stage"] == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device_type == "cuda"}
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": args.dtype == "bf16"}, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}}}
+    t0 = time.perf_counter()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    init_seconds = time.perf_counter() - t0
+    device = engine.device
+    xs = [x.to(device) for x in xs]
+
+    def sync():
+        if device_type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times = {"step": [], "backward": [], "after": []}
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i, x in enumerate(xs):
+        sync()
+        t0 = time.perf_counter()
+        engine.backward(engine(x).float().square().mean())
+        sync()
+        t1 = time.perf_counter()
+        engine.step()
+        sync()
+        t2 = time.perf_counter()
+        if i:
+            times["step"].append(t2 - t0)
+            times["backward"].append(t1 - t0)
+            times["after"].append(t2 - t1)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params), torch.no_grad():  # ZeRO-3: whole again for the sum
+        checksum = sum(float(p.detach().float().double().sum()) for p in params)
+    row = {"peer": args.peer, **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()},
+           "checksum": checksum, "init_seconds": init_seconds,
+           "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None}
+    engine.destroy()
+    torch.distributed.destroy_process_group()
+    return row
 
 
 def run_peer(args) -> dict:
@@ -54,6 +134,10 @@ def run_peer(args) -> dict:
     model = model.to(dtype)
     peer = args.peer
     handle = None
+    if peer in DS_PEERS:
+        gen = torch.Generator().manual_seed(1)
+        xs = [torch.randn(args.batch, args.width, generator=gen).to(dtype) for _ in range(args.steps + 1)]
+        return run_deepspeed(args, model, xs, "cuda" if args.device == "cuda" else "cpu")
     if peer == "resident":
         device = torch.device("cuda") if args.device == "cuda" else torch.device("cpu")
         model = model.to(device)
@@ -120,6 +204,10 @@ def main():
     ap.add_argument("--budget", type=float, default=0.6,
                     help="offload()'s device budget for the layerstream peers, as a fraction of the weights' bytes")
     ap.add_argument("--gbps", type=float, default=2.0, help="sim link (both directions), GB/s")
+    ap.add_argument("--deepspeed-path", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                             "build", "bench-deps"),
+                    help="where the DeepSpeed peers import deepspeed from when it is not installed")
+    ap.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer's process may take")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -130,7 +218,11 @@ def main():
     for peer in PEERS:
         # The child gets this command line (its settings) and its peer.
         cmd = [sys.executable, os.path.abspath(__file__), *(a for a in sys.argv[1:] if a != "--json"), "--peer", peer]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+        except subprocess.TimeoutExpired:
+            rows[peer] = {"peer": peer, "error": f"did not finish in {args.peer_timeout:.0f} s (--peer-timeout)"}
+            continue
         if done.returncode != 0:
             rows[peer] = {"peer": peer, "error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
             continue
@@ -147,13 +239,16 @@ def main():
     else:
         print(f"{args.layers} x Linear({args.width}) {args.dtype}, {result['params'] / 1e6:.1f}M parameters, batch "
               f"{args.batch}, AdamW; device {args.device}; medians of {args.steps} steps")
-        print(f"{'peer':<12}{'step ms':>10}{'vs resident':>13}{'backward ms':>13}{'after bwd ms':>14}{'peak MiB':>10}")
+        print(f"{'peer':<18}{'step ms':>10}{'vs resident':>13}{'backward ms':>13}{'after bwd ms':>14}{'peak MiB':>10}")
         for peer, r in rows.items():
+            if "skipped" in r:
+                print(f"{peer:<18}  skipped: {r['skipped']}")
+                continue
             if "error" in r:
-                print(f"{peer:<12}  failed: {r['error']}")
+                print(f"{peer:<18}  failed: {r['error']}")
                 continue
             peak = f"{r['peak_device_bytes'] / 2**20:.0f}" if r["peak_device_bytes"] is not None else "-"
-            print(f"{peer:<12}{r['step_ms']:>10.1f}{r.get('step_vs_resident', float('nan')):>13.2f}"
+            print(f"{peer:<18}{r['step_ms']:>10.1f}{r.get('step_vs_resident', float('nan')):>13.2f}"
                   f"{r['backward_ms']:>13.1f}{r['after_ms']:>14.1f}{peak:>10}")
     if any("error" in r for r in rows.values()):
         sys.exit(1)

@@ -381,10 +381,23 @@ timeout 200 "$PY" bench/bench_activations.py "${aargs[@]}" --json >"$OUTDIR/acti
 arc=$?
 [ $arc = 0 ] || { log "bench_activations.py exited with $arc (see activations.log)"; fail=1; }
 
+# The peers' wheels (bench/gpu/fetch_peers.sh puts them in .whl/; carry it): the GPU
+# machine reaches no package index, so they are installed from there, without their
+# dependencies (that machine has torch, numpy, huggingface_hub, ... already).
+if [ "$DRY" = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
+  if "$PY" -m pip install --no-deps --no-index .whl/*.whl >"$OUTDIR/peers.log" 2>&1; then
+    log "peers installed from .whl: $(cd .whl && ls *.whl | tr '\n' ' ')"
+  else
+    log "the peers' wheels did not install (see peers.log): their rows will say they are not importable"
+  fi
+fi
+
 # ---- full fine-tuning: the host optimizer against the resident model --------
 # bench/bench_full_ft.py: resident + torch fused AdamW on the GPU (the reference),
 # torch's AdamW on the host copy, layerstream.optim.AdamW after the backward and
 # overlapped with it, and overlapped with lossless-coded weights (issues 21, 28);
+# DeepSpeed ZeRO-Offload (stage 2) and ZeRO-3 offload when deepspeed installed from
+# .whl (its CPU Adam compiles on first use: the first DeepSpeed peer's time);
 # step time, backward, the optimizer time visible after the backward, peak memory.
 if [ "$DRY" = 1 ]; then
   fargs=(--layers 8 --width 128 --batch 8 --steps 2)
@@ -392,7 +405,7 @@ else
   fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3)
 fi
 log "full fine-tuning: bench_full_ft.py ${fargs[*]}"
-timeout 150 "$PY" bench/bench_full_ft.py "${fargs[@]}" --json >"$OUTDIR/full_ft.json" 2>"$OUTDIR/full_ft.log"
+timeout 330 "$PY" bench/bench_full_ft.py "${fargs[@]}" --peer-timeout 150 --json >"$OUTDIR/full_ft.json" 2>"$OUTDIR/full_ft.log"
 frc=$?
 [ $frc = 0 ] || { log "bench_full_ft.py exited with $frc (see full_ft.log)"; fail=1; }
 
@@ -411,16 +424,6 @@ nrc=$?
 [ $nrc = 0 ] || { log "nccl_one_rank.py exited with $nrc (see nccl.log)"; fail=1; }
 
 # ---- comparison ------------------------------------------------------------
-# The peers' wheels (bench/gpu/fetch_peers.sh puts them in .whl/; carry it): the GPU
-# machine reaches no package index, so they are installed from there, without their
-# dependencies (that machine has torch, numpy, huggingface_hub, ... already).
-if [ "$DRY" = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
-  if "$PY" -m pip install --no-deps --no-index .whl/*.whl >"$OUTDIR/peers.log" 2>&1; then
-    log "peers installed from .whl: $(cd .whl && ls *.whl | tr '\n' ' ')"
-  else
-    log "the peers' wheels did not install (see peers.log): their rows will say they are not importable"
-  fi
-fi
 cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
           --build-detail "$build_detail" --tests-json "$TESTS_JSON")
 # One torch thread: on 2 shared cores, intra-op threads spin against each other
