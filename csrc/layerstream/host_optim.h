@@ -88,12 +88,25 @@ struct AdafactorStates {
   torch::Tensor exp_avg_sq_row, exp_avg_sq_col, exp_avg_sq, exp_avg;  // undefined when unused
 };
 AdafactorStates adafactor_init_states(const torch::Tensor& param, const AdafactorConfig& config);
-// One Adafactor step (host tensors only); returns each parameter's RMS
-// before the step (transformers' state["RMS"]).
+// One Adafactor step; returns each parameter's RMS before the step
+// (transformers' state["RMS"]). Host tensors go to the C++ kernels, tensors on
+// another device to adafactor_step_torch.
 std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vector<torch::Tensor>& params,
                                   const std::vector<torch::Tensor>& grads,
                                   const std::vector<AdafactorStates>& states, const std::vector<int64_t>& steps,
                                   const std::vector<uint64_t>& keys, float grad_scale, uint64_t seed);
+
+// One parameter stepped by torch's own tensor arithmetic on its device: what
+// adamw_step and adafactor_step do for parameters off the host (resident
+// layers on a GPU). AdamW as torch.optim.AdamW's single-tensor path (fp32
+// states); Adafactor as transformers' Adafactor (a bf16/fp16 parameter through
+// an fp32 copy, rounded to nearest; returns its RMS before the step). The
+// gradient is scaled by grad_scale (clipping). Any device, the host included
+// (where the tests compare them with torch's and transformers' classes).
+void adamw_step_torch(const AdamWConfig& config, const torch::Tensor& param, const torch::Tensor& grad,
+                      const AdamWStates& states, int64_t step, float grad_scale);
+float adafactor_step_torch(const AdafactorConfig& config, const torch::Tensor& param, const torch::Tensor& grad,
+                           const AdafactorStates& states, int64_t step, float grad_scale);
 
 // ---------------------------------------------------------------- clipping
 // The total 2-norm of `grads` (host ones by the C++ kernels, others by

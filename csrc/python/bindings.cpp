@@ -192,6 +192,28 @@ void bind_optim(py::module& m) {
         py::gil_scoped_release nogil;
         return o::adafactor_step(c, params, grads, states, steps, keys, grad_scale, seed);
       });
+  // The arithmetic parameters off the host get (resident layers on a GPU), callable on any
+  // device: the tests compare it with torch's and transformers' classes on the host.
+  m.def(
+      "optim_adafactor_step_torch",
+      [af_config](py::object lr, double eps1, double eps2, double clip, double decay, py::object beta1, double wd,
+                  bool sp, bool rs, bool wi, const torch::Tensor& param, const torch::Tensor& grad, OptT row, OptT col,
+                  OptT v, OptT m, int64_t step, float grad_scale) {
+        const o::AdafactorConfig c = af_config(lr, eps1, eps2, clip, decay, beta1, wd, sp, rs, wi);
+        const o::AdafactorStates st{row.value_or(torch::Tensor()), col.value_or(torch::Tensor()),
+                                    v.value_or(torch::Tensor()), m.value_or(torch::Tensor())};
+        py::gil_scoped_release nogil;
+        return o::adafactor_step_torch(c, param, grad, st, step, grad_scale);
+      });
+  m.def(
+      "optim_adamw_step_torch",
+      [](double lr, double beta1, double beta2, double eps, double wd, const torch::Tensor& param,
+         const torch::Tensor& grad, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq, int64_t step,
+         float grad_scale) {
+        py::gil_scoped_release nogil;
+        o::adamw_step_torch(o::AdamWConfig{lr, beta1, beta2, eps, wd}, param, grad,
+                            o::AdamWStates{exp_avg, exp_avg_sq, {}, {}}, step, grad_scale);
+      });
   m.def("optim_grad_norm", &o::grad_norm, py::call_guard<py::gil_scoped_release>(),
         "the total 2-norm of the gradients (host ones by the C++ kernels), as a Python float");
   m.def("optim_clip_coefficient", &o::clip_coefficient, py::arg("total_norm"), py::arg("max_norm"));

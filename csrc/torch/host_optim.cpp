@@ -181,19 +181,10 @@ void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector
     const AdamWStates& s = states[i];
     LS_CHECK(s.exp_avg.defined() && s.exp_avg_sq.defined(), "internal: AdamW states missing");
     if (!p.device().is_cpu()) {
-      // Torch's own single-tensor AdamW arithmetic on the parameter's device.
       LS_CHECK(format == StateFormat::F32, "layerstream.optim: parameters on ", device_str(p.device()),
                " are stepped by torch's AdamW arithmetic on that device, with fp32 states only; use "
                "state_precision='fp32' for their param group");
-      torch::Tensor g = grads[i];
-      if (grad_scale != 1.0f) g = g * grad_scale;
-      const double t = static_cast<double>(steps[i]);
-      const double bc1 = 1.0 - std::pow(config.beta1, t), bc2 = 1.0 - std::pow(config.beta2, t);
-      if (config.weight_decay != 0) p.mul_(1.0 - config.lr * config.weight_decay);
-      s.exp_avg.lerp_(g, 1.0 - config.beta1);
-      s.exp_avg_sq.mul_(config.beta2).addcmul_(g, g, 1.0 - config.beta2);
-      const torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::pow(bc2, 0.5)).add_(config.eps);
-      p.addcdiv_(s.exp_avg, denom, -(config.lr / bc1));
+      adamw_step_torch(config, p, grads[i], s, steps[i], grad_scale);
       continue;
     }
     torch::Tensor g = in_layout_of(grads[i], p);
@@ -205,6 +196,62 @@ void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector
   }
   if (!host.empty()) optim::adamw_step(config, format, host, grad_scale, seed);
   bump_versions(params);
+}
+
+void adamw_step_torch(const AdamWConfig& config, const torch::Tensor& p, const torch::Tensor& grad,
+                      const AdamWStates& s, int64_t step, float grad_scale) {
+  torch::NoGradGuard ng;
+  torch::Tensor g = grad_scale != 1.0f ? grad * grad_scale : grad;
+  const double t = static_cast<double>(step);
+  const double bc1 = 1.0 - std::pow(config.beta1, t), bc2 = 1.0 - std::pow(config.beta2, t);
+  if (config.weight_decay != 0) p.mul_(1.0 - config.lr * config.weight_decay);
+  s.exp_avg.lerp_(g, 1.0 - config.beta1);
+  s.exp_avg_sq.mul_(config.beta2).addcmul_(g, g, 1.0 - config.beta2);
+  const torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::pow(bc2, 0.5)).add_(config.eps);
+  p.addcdiv_(s.exp_avg, denom, -(config.lr / bc1));
+}
+
+float adafactor_step_torch(const AdafactorConfig& c, const torch::Tensor& p, const torch::Tensor& grad,
+                           const AdafactorStates& s, int64_t step, float grad_scale) {
+  torch::NoGradGuard ng;
+  check_adafactor(c);
+  LS_CHECK(step >= 1, "layerstream.optim: Adafactor step must be >= 1, got ", step);
+  if (p.numel() == 0) return 0.0f;
+  torch::Tensor g = grad.scalar_type() == torch::kFloat ? grad : grad.to(torch::kFloat);
+  if (grad_scale != 1.0f) g = g * grad_scale;
+  const bool low = p.scalar_type() != torch::kFloat;
+  torch::Tensor pf = low ? p.to(torch::kFloat) : p;
+  const double root_n = std::pow(static_cast<double>(p.numel()), 0.5);
+  // _rms(t) = t.norm(2) / numel ** 0.5, fp32; the learning rate needs it on the host.
+  const float rms = (pf.norm(2) / root_n).item<float>();
+  bool lr_fp32 = false;
+  const double lr = optim::adafactor_lr(c, step, rms, &lr_fp32);
+  const double beta2t = 1.0 - std::pow(static_cast<double>(step), c.decay_rate);
+  torch::Tensor update = g.square().add_(c.eps1);
+  if (p.dim() >= 2) {
+    s.exp_avg_sq_row.mul_(beta2t).add_(update.mean(-1), 1.0 - beta2t);
+    s.exp_avg_sq_col.mul_(beta2t).add_(update.mean(-2), 1.0 - beta2t);
+    const torch::Tensor r = (s.exp_avg_sq_row / s.exp_avg_sq_row.mean(-1, true)).rsqrt_().unsqueeze(-1);
+    const torch::Tensor col = s.exp_avg_sq_col.unsqueeze(-2).rsqrt();
+    update = torch::mul(r, col).mul_(g);
+  } else {
+    s.exp_avg_sq.mul_(beta2t).add_(update, 1.0 - beta2t);
+    update = s.exp_avg_sq.rsqrt().mul_(g);
+  }
+  update.div_((update.norm(2) / root_n / c.clip_threshold).clamp_(1.0));
+  update.mul_(lr_fp32 ? static_cast<double>(static_cast<float>(lr)) : lr);
+  if (c.beta1 >= 0.0) {
+    s.exp_avg.mul_(c.beta1).add_(update, 1.0 - c.beta1);
+    update = s.exp_avg;
+  }
+  if (c.weight_decay != 0.0) {
+    const double alpha = lr_fp32 ? static_cast<double>(static_cast<float>(-c.weight_decay) * static_cast<float>(lr))
+                                 : -c.weight_decay * lr;
+    pf.add_(pf, alpha);
+  }
+  pf.sub_(update);
+  if (low) p.copy_(pf);
+  return rms;
 }
 
 AdafactorStates adafactor_init_states(const torch::Tensor& param, const AdafactorConfig& config) {
@@ -232,21 +279,35 @@ std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vect
   LS_CHECK(grads.size() == n && states.size() == n && steps.size() == n && keys.size() == n,
            "internal: adafactor_step needs one gradient, state, step and key per parameter");
   torch::NoGradGuard ng;
-  std::vector<AdafactorTensor> ts(n);
+  std::vector<AdafactorTensor> ts;  // the host parameters'
+  std::vector<size_t> host;         // their indices
+  std::vector<float> rms(n, 0.0f);
   std::vector<torch::Tensor> work_p(n), work_g(n);
   auto contiguous_f32 = [](const torch::Tensor& t, const char* what) {
     LS_CHECK(t.defined() && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu(),
              "layerstream.optim: Adafactor state '", what, "' must be a contiguous float32 host tensor");
     return t.data_ptr<float>();
   };
+  std::vector<size_t> elsewhere;  // parameters on another device: torch's arithmetic there
   for (size_t i = 0; i < n; ++i) {
     const torch::Tensor& p = params[i];
-    LS_CHECK(p.device().is_cpu(), "layerstream.optim.Adafactor steps host (CPU) parameters; parameter ", i,
-             " is on ", device_str(p.device()));
+    if (!p.device().is_cpu()) {
+      const AdafactorStates& st = states[i];
+      std::vector<const torch::Tensor*> need{&st.exp_avg_sq};
+      if (p.dim() >= 2) need = {&st.exp_avg_sq_row, &st.exp_avg_sq_col};
+      if (config.beta1 >= 0.0) need.push_back(&st.exp_avg);
+      for (const torch::Tensor* t : need)
+        LS_CHECK(t->defined() && t->scalar_type() == torch::kFloat && t->device() == p.device(),
+                 "layerstream.optim: the Adafactor states of parameter ", i, " must be float32 tensors on its "
+                 "device, ", device_str(p.device()));
+      elsewhere.push_back(i);
+      continue;
+    }
     // Factored over the logical last two dimensions: row-major memory.
     work_p[i] = p.is_contiguous() ? p : p.contiguous();
     work_g[i] = grads[i].contiguous();
-    AdafactorTensor& t = ts[i];
+    host.push_back(i);
+    AdafactorTensor& t = ts.emplace_back();
     t.param = work_p[i].data_ptr();
     t.param_dtype = core_dtype(p, "a parameter");
     t.grad = work_g[i].data_ptr();
@@ -278,11 +339,12 @@ std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vect
     t.key = keys[i];
   }
   optim::adafactor_step(config, ts, grad_scale, seed);
-  std::vector<float> rms(n);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t k = 0; k < host.size(); ++k) {
+    const size_t i = host[k];
     if (!work_p[i].is_same(params[i])) params[i].copy_(work_p[i]);
-    rms[i] = ts[i].rms;
+    rms[i] = ts[k].rms;
   }
+  for (size_t i : elsewhere) rms[i] = adafactor_step_torch(config, params[i], grads[i], states[i], steps[i], grad_scale);
   bump_versions(params);
   return rms;
 }

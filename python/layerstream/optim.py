@@ -13,7 +13,8 @@ The step over parameters in host memory (streamed weights of an offloaded
 model, or any CPU tensor) runs in the C++ kernels of ``csrc/core/optim/``
 (vectorized, on a pool of host threads; ``csrc/layerstream/host_optim.h`` is the glue).
 Parameters on another device (resident on a GPU) are stepped there with
-torch's own AdamW arithmetic (fp32 states). Design and numbers:
+torch's own tensor arithmetic (AdamW's with fp32 states; Adafactor's as
+transformers'). Design and numbers:
 docs/design/optim.md.
 
 Refused with an error: sparse gradients, parameters of one param group on

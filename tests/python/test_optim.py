@@ -309,6 +309,69 @@ def test_adafactor_matches_transformers(kw):
         assert float(sa["RMS"]) == pytest.approx(float(sb["RMS"]), rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [
+    {},
+    {"lr": 1e-2, "relative_step": False, "beta1": 0.9, "weight_decay": 0.01},
+    {"lr": 5e-3, "relative_step": False, "scale_parameter": False, "clip_threshold": 0.5, "weight_decay": 0.1},
+], ids=["default", "lr-beta1-wd", "no-scale-wd"])
+def test_adafactor_off_the_host_matches_transformers(kw, dtype):
+    """Parameters off the host (resident layers on a GPU) are stepped by torch's tensor
+    arithmetic on their device (optim_adafactor_step_torch); run here on the host, it
+    equals transformers' Adafactor, bf16 parameters rounded to nearest as transformers
+    rounds them, and a clip's gradient scale as gradients scaled before the step."""
+    from transformers.optimization import Adafactor as Reference
+
+    torch.manual_seed(0)
+    params = [torch.randn(24, 40).to(dtype), torch.randn(40).to(dtype), torch.randn(3, 7, 9).to(dtype)]
+    ours = [p.clone() for p in params]
+    theirs = [nn.Parameter(p.clone()) for p in params]
+    ref = Reference(theirs, **kw)
+    cfg = Adafactor._config(Adafactor([nn.Parameter(torch.zeros(1))], **kw).param_groups[0])
+    first = ref.defaults["beta1"] is not None
+    states = [layerstream._C.optim_adafactor_init_states(p, first) for p in ours]
+    gen = torch.Generator().manual_seed(9)
+    for step in range(1, 11):
+        scale = 0.5 if step % 3 == 0 else 1.0  # a clip on some steps
+        rms = []
+        for a, b, st in zip(ours, theirs, states):
+            g = (torch.randn(a.shape, generator=gen) * 0.1).to(dtype)
+            b.grad = (g.float() * scale).to(dtype) if scale != 1.0 else g.clone()
+            rms.append(layerstream._C.optim_adafactor_step_torch(*cfg, a, g, *st, step, scale))
+        ref.step()
+        for r, b in zip(rms, theirs):
+            assert r == pytest.approx(float(ref.state[b]["RMS"]), rel=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: within a rounding of each other
+    for i, (a, b, st) in enumerate(zip(ours, theirs, states)):
+        assert a.dtype == dtype
+        assert_rel_close(a.float(), b.detach().float(), rel=tol, what=f"param {i}")
+        names = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg")
+        for key, t in zip(names, st):
+            assert (t is not None) == (key in ref.state[b]), key
+            if t is not None:
+                assert_rel_close(t, ref.state[b][key], rel=1e-4 if dtype == torch.bfloat16 else 1e-5, what=key)
+
+
+def test_adamw_off_the_host_matches_torch():
+    """AdamW's arithmetic for parameters off the host (optim_adamw_step_torch), run on
+    the host: torch.optim.AdamW's single-tensor path, a clip's scale included."""
+    torch.manual_seed(0)
+    p = torch.randn(30, 20)
+    ref_p = nn.Parameter(p.clone())
+    ref = torch.optim.AdamW([ref_p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, foreach=False)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 8):
+        scale = 0.25 if step % 2 == 0 else 1.0
+        g = torch.randn(p.shape, generator=gen)
+        ref_p.grad = g * scale
+        ref.step()
+        layerstream._C.optim_adamw_step_torch(1e-2, 0.9, 0.99, 1e-8, 0.05, p, g, m, v, step, scale)
+    assert_rel_close(p, ref_p.detach(), rel=1e-6, what="param")
+    assert_rel_close(m, ref.state[ref_p]["exp_avg"], rel=1e-6, what="exp_avg")
+    assert_rel_close(v, ref.state[ref_p]["exp_avg_sq"], rel=1e-6, what="exp_avg_sq")
+
+
 def test_adafactor_state_dict_round_trip():
     torch.manual_seed(0)
     a = nn.Parameter(torch.randn(16, 8))

@@ -59,9 +59,11 @@ float rms_of(double sumsq, int64_t n) {
 
 }  // namespace
 
-double adafactor_lr(const AdafactorConfig& c, int64_t step, float param_rms) {
-  bool fp32 = false;
-  return lr_for(c, step, param_rms, &fp32);
+double adafactor_lr(const AdafactorConfig& c, int64_t step, float param_rms, bool* fp32) {
+  bool f = false;
+  const double lr = lr_for(c, step, param_rms, &f);
+  if (fp32) *fp32 = f;
+  return lr;
 }
 
 void adafactor_step(const AdafactorConfig& c, std::vector<AdafactorTensor>& tensors, float grad_scale,

@@ -194,8 +194,10 @@ struct AdafactorTensor {
 };
 // The learning rate transformers' Adafactor uses for a step (its _get_lr):
 // relative step min(1e-2 or 1e-6 * step with warmup_init, 1/sqrt(step)) or
-// the manual lr, times max(eps2, param_rms) with scale_parameter.
-double adafactor_lr(const AdafactorConfig& c, int64_t step, float param_rms);
+// the manual lr, times max(eps2, param_rms) with scale_parameter. `fp32`
+// (optional) tells whether transformers holds it as an fp32 tensor (scaled by
+// the RMS): the weight decay factor is then formed in fp32 too.
+double adafactor_lr(const AdafactorConfig& c, int64_t step, float param_rms, bool* fp32 = nullptr);
 // One Adafactor step over `tensors` (updates rms of each).
 void adafactor_step(const AdafactorConfig& config, std::vector<AdafactorTensor>& tensors,
                     float grad_scale = 1.0f, uint64_t seed = 0, ThreadPool* pool = nullptr);
