@@ -98,11 +98,12 @@ std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vect
 
 // One parameter stepped by torch's own tensor arithmetic on its device: what
 // adamw_step and adafactor_step do for parameters off the host (resident
-// layers on a GPU). AdamW as torch.optim.AdamW's single-tensor path (fp32
-// states); Adafactor as transformers' Adafactor (a bf16/fp16 parameter through
-// an fp32 copy, rounded to nearest; returns its RMS before the step). The
-// gradient is scaled by grad_scale (clipping). Any device, the host included
-// (where the tests compare them with torch's and transformers' classes).
+// layers on a GPU). AdamW as torch.optim.AdamW's single-tensor path in the
+// states' dtype (fp32); Adafactor as transformers' Adafactor (returns the RMS
+// before the step). A bf16/fp16 parameter goes through an fp32 copy, rounded
+// to nearest. The gradient is scaled by grad_scale (clipping). Any device,
+// the host included (where the tests compare them with torch's and
+// transformers' classes).
 void adamw_step_torch(const AdamWConfig& config, const torch::Tensor& param, const torch::Tensor& grad,
                       const AdamWStates& states, int64_t step, float grad_scale);
 float adafactor_step_torch(const AdafactorConfig& config, const torch::Tensor& param, const torch::Tensor& grad,
@@ -112,9 +113,10 @@ float adafactor_step_torch(const AdafactorConfig& config, const torch::Tensor& p
 // The total 2-norm of `grads` (host ones by the C++ kernels, others by
 // torch on their device, all summed in double).
 double grad_norm(const std::vector<torch::Tensor>& grads);
-// Checks what every optimizer refuses in a group: sparse gradients, and
-// parameters of one group on different devices (`group` numbers the group
-// in messages).
+// Checks what every optimizer refuses in a group: sparse gradients, a
+// gradient on another device or of another dtype than its parameter, and
+// parameters on two devices besides the host (optim::check_group_devices;
+// `group` numbers the group in messages).
 void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group);
 
 // ---------------------------------------------------------------- overlap

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <exception>
 #include <set>
-#include <sstream>
 
 #include "core/error.h"
 #include "host_optim_internal.h"
@@ -144,7 +143,7 @@ AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, A
 
 void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group) {
   LS_CHECK(params.size() == grads.size(), "internal: one gradient per parameter");
-  std::set<std::string> devices;
+  std::vector<std::string> devices;
   for (size_t i = 0; i < params.size(); ++i) {
     const torch::Tensor& p = params[i];
     const torch::Tensor& g = grads[i];
@@ -155,14 +154,9 @@ void check_group(const std::vector<torch::Tensor>& params, const std::vector<tor
              device_str(p.device()), " but its gradient on ", device_str(g.device()));
     LS_CHECK(g.scalar_type() == p.scalar_type(), "layerstream.optim: parameter ", i, " of param group ", group,
              " is ", p.scalar_type(), " but its gradient ", g.scalar_type());
-    devices.insert(device_str(p.device()));
+    devices.push_back(device_str(p.device()));
   }
-  if (devices.size() > 1) {
-    std::ostringstream os;
-    for (const auto& d : devices) os << (os.tellp() > 0 ? ", " : "") << d;
-    LS_FAIL("layerstream.optim: the parameters of param group ", group, " are on several devices (", os.str(),
-            "); one group's parameters must be on one device: put the others in a param group of their own");
-  }
+  optim::check_group_devices(devices, group);
 }
 
 void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector<torch::Tensor>& params,
@@ -201,14 +195,20 @@ void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector
 void adamw_step_torch(const AdamWConfig& config, const torch::Tensor& p, const torch::Tensor& grad,
                       const AdamWStates& s, int64_t step, float grad_scale) {
   torch::NoGradGuard ng;
-  torch::Tensor g = grad_scale != 1.0f ? grad * grad_scale : grad;
+  // In the states' dtype (fp32): a bf16 parameter through an fp32 copy, rounded to nearest.
+  const auto dt = s.exp_avg.scalar_type();
+  torch::Tensor g = grad.scalar_type() == dt ? grad : grad.to(dt);
+  if (grad_scale != 1.0f) g = g * grad_scale;
+  const bool low = p.scalar_type() != dt;
+  torch::Tensor w = low ? p.to(dt) : p;
   const double t = static_cast<double>(step);
   const double bc1 = 1.0 - std::pow(config.beta1, t), bc2 = 1.0 - std::pow(config.beta2, t);
-  if (config.weight_decay != 0) p.mul_(1.0 - config.lr * config.weight_decay);
+  if (config.weight_decay != 0) w.mul_(1.0 - config.lr * config.weight_decay);
   s.exp_avg.lerp_(g, 1.0 - config.beta1);
   s.exp_avg_sq.mul_(config.beta2).addcmul_(g, g, 1.0 - config.beta2);
   const torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::pow(bc2, 0.5)).add_(config.eps);
-  p.addcdiv_(s.exp_avg, denom, -(config.lr / bc1));
+  w.addcdiv_(s.exp_avg, denom, -(config.lr / bc1));
+  if (low) p.copy_(w);
 }
 
 float adafactor_step_torch(const AdafactorConfig& c, const torch::Tensor& p, const torch::Tensor& grad,

@@ -17,8 +17,10 @@ torch's own tensor arithmetic (AdamW's with fp32 states; Adafactor's as
 transformers'). Design and numbers:
 docs/design/optim.md.
 
-Refused with an error: sparse gradients, parameters of one param group on
-different devices, dtypes other than float32 / bfloat16.
+One param group may hold parameters on the host and on one device (an
+offloaded model's streamed and resident parameters). Refused with an error:
+sparse gradients, one group's parameters on two devices besides the host,
+dtypes other than float32 / bfloat16.
 """
 from __future__ import annotations
 

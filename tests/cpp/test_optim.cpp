@@ -106,6 +106,21 @@ TEST(OptimThreadPool, ConcurrentCallersRunOneAfterAnother) {
 }
 
 // ---------------------------------------------------------------- bf16
+// A param group: the host and one device (an offloaded model's split), not two devices.
+TEST(OptimGroups, TheHostAndOneDeviceShareAGroupTwoDevicesDoNot) {
+  EXPECT_NO_THROW(o::check_group_devices({"cpu", "cuda:0", "cpu", "cuda:0"}, 0));
+  EXPECT_NO_THROW(o::check_group_devices({"cuda:1"}, 0));
+  EXPECT_NO_THROW(o::check_group_devices({}, 0));
+  try {
+    o::check_group_devices({"cuda:1", "cpu", "cuda:0"}, 2);
+    FAIL() << "two devices besides the host were accepted";
+  } catch (const layerstream::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("param group 2 are on several devices besides the host (cuda:0, cuda:1)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(OptimBf16, RoundToNearestEvenAndSpecials) {
   EXPECT_EQ(o::bf16_rne(1.0f), 0x3F80);
   // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).

@@ -71,6 +71,19 @@ void check_adamw(const AdamWConfig& c) {
            " (AdamW needs weight_decay >= 0)");
 }
 
+void check_group_devices(const std::vector<std::string>& devices, int group) {
+  std::vector<std::string> others;
+  for (const std::string& d : devices)
+    if (d != "cpu" && std::find(others.begin(), others.end(), d) == others.end()) others.push_back(d);
+  if (others.size() <= 1) return;
+  std::sort(others.begin(), others.end());
+  std::string list;
+  for (const std::string& d : others) list += (list.empty() ? "" : ", ") + d;
+  LS_FAIL("layerstream.optim: the parameters of param group ", group, " are on several devices besides the host (",
+          list, "); one group's parameters must be on the host and one device at most: put the others in a "
+          "param group of their own");
+}
+
 namespace detail {
 
 bool avx512_usable() {

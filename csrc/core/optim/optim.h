@@ -170,6 +170,12 @@ struct AdafactorConfig {
 // warmup_init needs relative_step, ...): throws layerstream::Error.
 void check_adafactor(const AdafactorConfig& c);
 
+// The devices of one param group's parameters ("cpu", "cuda:0", ...): the host
+// and at most one other device, as an offloaded model has them (streamed
+// weights on the host, resident layers on its GPU); two devices besides the
+// host are refused (`group` numbers the group in the message).
+void check_group_devices(const std::vector<std::string>& devices, int group);
+
 // One parameter tensor of an Adafactor step. A parameter with two or more
 // dimensions is factored: viewed as `batch` matrices of rows x cols (its
 // last two dimensions), its second moment is kept as exp_avg_sq_row
