@@ -3,6 +3,7 @@
 // host_overlap.cpp). docs/design/optim.md.
 #include "layerstream/host_optim.h"
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <set>
@@ -353,18 +354,25 @@ double grad_norm(const std::vector<torch::Tensor>& grads) {
   torch::NoGradGuard ng;
   std::vector<Span> host;
   std::vector<torch::Tensor> keep;
-  double device_sum = 0;
+  std::vector<torch::Tensor> device_sums;  // one per device, in double: one sync each
   for (const torch::Tensor& g : grads) {
     LS_CHECK(g.layout() == torch::kStrided, "layerstream.optim: a sparse gradient cannot be clipped here");
     if (g.device().is_cpu() && (g.scalar_type() == torch::kFloat || g.scalar_type() == torch::kBFloat16)) {
       torch::Tensor d = g.is_non_overlapping_and_dense() ? g : g.contiguous();
       keep.push_back(d);
       host.push_back(span_of(d));
-    } else {
-      const double nrm = torch::linalg_vector_norm(g, 2, c10::nullopt, false, torch::kDouble).item<double>();
-      device_sum += nrm * nrm;
+      continue;
     }
+    const torch::Tensor sq = torch::linalg_vector_norm(g, 2, c10::nullopt, false, torch::kDouble).square();
+    auto it = std::find_if(device_sums.begin(), device_sums.end(),
+                           [&](const torch::Tensor& t) { return t.device() == g.device(); });
+    if (it == device_sums.end())
+      device_sums.push_back(sq);
+    else
+      it->add_(sq);
   }
+  double device_sum = 0;
+  for (const torch::Tensor& t : device_sums) device_sum += t.item<double>();
   return std::sqrt(sum_of_squares(host) + device_sum);
 }
 

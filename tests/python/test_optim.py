@@ -444,6 +444,16 @@ def test_sparse_gradients_are_refused():
         opt.step()
 
 
+def test_grad_norm_sums_the_kernels_and_torch_parts():
+    """The clip norm: fp32/bf16 host gradients by the kernels, the others (fp16 here, a
+    device's on a GPU) by torch, summed per device in double: clip_grad_norm_'s total."""
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(300, generator=gen), torch.randn(7, 9, generator=gen).half(),
+             torch.randn(50, generator=gen).bfloat16(), torch.randn(33, generator=gen).half()]
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+    assert layerstream._C.optim_grad_norm(grads) == pytest.approx(float(want), rel=1e-12)
+
+
 def test_the_host_and_one_device_share_a_param_group():
     """An offloaded model's parameters in one group: streamed ones on the host, resident
     ones on its device ("meta" stands in for a GPU: torch's arithmetic runs there, without
