@@ -593,12 +593,13 @@ PYBIND11_MODULE(_C, m) {
   // The placement planner (core/planner.h): which layers stay resident.
   // layers: (name, bus bytes, slot bytes (0 = bus bytes), resident bytes,
   // FLOPs, trainable) in execution order.
-  using PlannedLayers = std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool>>;
+  // (name, bus bytes, slot bytes, resident bytes, flops, trainable, narrow write: PlannerLayer's fields)
+  using PlannedLayers = std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool, bool>>;
   auto planner_input = [](uint64_t budget, const PlannedLayers& layers, uint64_t fixed) {
     layerstream::PlannerInput in;
     in.budget_bytes = budget;
     in.fixed_resident_bytes = fixed;
-    for (const auto& [name, bytes, slot_bytes, resident, flops, trainable] : layers) {
+    for (const auto& [name, bytes, slot_bytes, resident, flops, trainable, narrow_write] : layers) {
       layerstream::PlannerLayer l;
       l.name = name;
       l.bytes = bytes;
@@ -606,6 +607,7 @@ PYBIND11_MODULE(_C, m) {
       l.resident_bytes = resident;
       l.flops = flops;
       l.trainable = trainable;
+      l.narrow_write = narrow_write;
       in.layers.push_back(l);
     }
     return in;

@@ -41,6 +41,10 @@ class _Candidate(NamedTuple):
     slot_bytes: int      # bytes in a slot (bus + workspace)
     resident_bytes: int  # bytes on the device when kept resident
     host_bytes: Optional[int] = None  # bytes in the host store when not bus_bytes (a trainable coded weight)
+    # What the device writes into the slot is 2 bytes per element already, or cannot be
+    # narrower (lossless: its own dtype): a "budget too small" error suggests no narrower
+    # dequant_dtype / compute_dtype (core/planner.h, PlannerLayer::narrow_write).
+    narrow_write: bool = False
 
 
 def offload(
@@ -402,7 +406,8 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
                     parts.append((p.numel() * p.element_size(), 0))
             layout = _C.slot_layout(parts)
             layers.append(_Candidate(name, module, kind, fmt, None, layout["bus_bytes"], layout["slot_bytes"],
-                                     sum(p.numel() * p.element_size() for p in params)))
+                                     sum(p.numel() * p.element_size() for p in params),
+                                     narrow_write=all((dequant_dtype or p.dtype).itemsize <= 2 for p in params)))
             continue
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
@@ -450,6 +455,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         dense_w = rows * cols * dense_dtype.itemsize
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()
         host_bytes = None  # what the host store holds: the bus bytes unless said here
+        narrow = True
         if fmt == "lossless":  # its coded size depends on its values; decoded into its own dtype
             w_bytes = _C.lossless_coded_bytes(weight.detach().contiguous())
             w_written = dense_w
@@ -459,10 +465,12 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         elif pre is not None or fmt is not None:
             w_bytes = _C.quant_packed_bytes(pre.format if pre is not None else fmt, rows, cols)
             w_written = dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize
+            narrow = (dequant_dtype or dense_dtype).itemsize <= 2
         else:
             w_bytes = dense_w
             cast_w = compute_dtype is not None and dense_dtype != compute_dtype
             w_written = rows * cols * compute_dtype.itemsize if cast_w else 0
+            narrow = not cast_w or compute_dtype.itemsize <= 2
         parts = [(w_bytes, w_written)]
         if bias is not None:
             # A bias cast to compute_dtype follows the device weight in the workspace.
@@ -473,7 +481,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         if host_bytes is not None:  # Note [Trainable coded weights] (engine_coded.cpp)
             layout = _C.slot_layout([(w_cap, w_written)] + parts[1:])
         layers.append(_Candidate(name, module, kind, fmt, pre, bus, layout["slot_bytes"],
-                                 dense_w + b_bytes, host_bytes))
+                                 dense_w + b_bytes, host_bytes, narrow))
     # GGUF weights (load_gguf) of layers that stream neither as Linear layers nor in a tensor
     # group (excluded, a subclass with its own forward, ...) stay resident: dense, dequantized
     # here so that the planner counts them (not undone if offload() fails: the values are the same).
@@ -540,7 +548,7 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
         # Slots first, residency with what is left (core/planner.h plan_slots_first).
         planned = [(t.name, t.bus_bytes, t.slot_bytes, t.resident_bytes, 0.0,
                     any(o._parameters[key].requires_grad for o, key, _ in _group_slots(t.module))
-                    if t.kind == "group" else bool(t.module.weight.requires_grad))
+                    if t.kind == "group" else bool(t.module.weight.requires_grad), t.narrow_write)
                    for t in layers]
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0

@@ -601,3 +601,18 @@ def test_in_place_write_to_a_prequantized_int8_weight_is_an_error(offload_sim):
         lin.weight.add_(1)
     with pytest.raises(layerstream.LayerstreamError, match="written in place"):
         lin(x)
+
+
+def test_a_budget_too_small_suggests_a_narrower_write_only_where_there_is_one():
+    """offload()'s "budget too small" error: fp32 weights packed to int8 are dequantized to
+    fp32 in the slot, so it suggests having the device write bf16; with dequant_dtype
+    bfloat16, or lossless bf16 weights (decoded into their own dtype), it does not."""
+    def message(dtype, **kw):
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).to(dtype).requires_grad_(False)
+        with pytest.raises(layerstream.LayerstreamError, match="is too small: the largest layer") as e:
+            layerstream.offload(model, device="sim", budget="100KiB", **kw)
+        return str(e.value)
+
+    assert "have the device write a narrower dtype" in message(torch.float32, quantize="int8")
+    assert "narrower dtype" not in message(torch.float32, quantize="int8", dequant_dtype="bfloat16")
+    assert "narrower dtype" not in message(torch.bfloat16, quantize="lossless")
