@@ -23,9 +23,11 @@
 // Parameters must be float32 or bfloat16; the C++ kernels step those in host
 // (CPU) memory — streamed weights of an offload() handle live there.
 // Parameters on another device (resident on a GPU) are stepped by torch's own
-// AdamW arithmetic on that device (fp32 states only), and count in the
-// clipping norm like all others. All parameters of one group must be on one
-// device; sparse gradients are refused. docs/design/optim.md.
+// arithmetic on that device (adamw_step_torch, adafactor_step_torch; AdamW
+// with fp32 or bf16 states), and count in the clipping norm like all others.
+// One group's parameters may be on the host and one device
+// (optim::check_group_devices); sparse gradients are refused.
+// docs/design/optim.md.
 //
 // Ownership: state tensors are ordinary torch tensors (the caller's, or
 // owned by the AdamW object). Thread safety: the functions may be called
@@ -76,7 +78,7 @@ AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, A
 // its increment; keys: stochastic rounding streams, e.g. the positions of the
 // parameters in the optimizer). Host tensors go to the C++ kernels (on
 // ThreadPool::shared()); tensors on another device to torch's own AdamW
-// arithmetic (fp32 states). A gradient whose layout differs from its
+// arithmetic (adamw_step_torch; fp32 or bf16 states, not 8-bit). A gradient whose layout differs from its
 // parameter's is copied into the parameter's layout first.
 void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector<torch::Tensor>& params,
                 const std::vector<torch::Tensor>& grads, const std::vector<AdamWStates>& states,
@@ -98,10 +100,10 @@ std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vect
 
 // One parameter stepped by torch's own tensor arithmetic on its device: what
 // adamw_step and adafactor_step do for parameters off the host (resident
-// layers on a GPU). AdamW as torch.optim.AdamW's single-tensor path in the
-// states' dtype (fp32); Adafactor as transformers' Adafactor (returns the RMS
-// before the step). A bf16/fp16 parameter goes through an fp32 copy, rounded
-// to nearest. The gradient is scaled by grad_scale (clipping). Any device,
+// layers on a GPU). AdamW as torch.optim.AdamW's single-tensor path in fp32
+// (fp32 or bf16 states); Adafactor as transformers' Adafactor (returns the RMS
+// before the step). A bf16/fp16 parameter or bf16 state goes through an fp32
+// copy, rounded to nearest. The gradient is scaled by grad_scale (clipping). Any device,
 // the host included (where the tests compare them with torch's and
 // transformers' classes).
 void adamw_step_torch(const AdamWConfig& config, const torch::Tensor& param, const torch::Tensor& grad,

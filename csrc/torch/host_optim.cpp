@@ -176,9 +176,10 @@ void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector
     const AdamWStates& s = states[i];
     LS_CHECK(s.exp_avg.defined() && s.exp_avg_sq.defined(), "internal: AdamW states missing");
     if (!p.device().is_cpu()) {
-      LS_CHECK(format == StateFormat::F32, "layerstream.optim: parameters on ", device_str(p.device()),
-               " are stepped by torch's AdamW arithmetic on that device, with fp32 states only; use "
-               "state_precision='fp32' for their param group");
+      LS_CHECK(format != StateFormat::Q8, "layerstream.optim: parameters on ", device_str(p.device()),
+               " are stepped by torch's AdamW arithmetic on that device, with fp32 or bf16 states; 8-bit "
+               "states are the host kernels' only: put them in a param group of their own with "
+               "state_precision='fp32' or 'bf16' (e.g. [p for p in model.parameters() if not p.is_cpu])");
       adamw_step_torch(config, p, grads[i], s, steps[i], grad_scale);
       continue;
     }
@@ -196,20 +197,20 @@ void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector
 void adamw_step_torch(const AdamWConfig& config, const torch::Tensor& p, const torch::Tensor& grad,
                       const AdamWStates& s, int64_t step, float grad_scale) {
   torch::NoGradGuard ng;
-  // In the states' dtype (fp32): a bf16 parameter through an fp32 copy, rounded to nearest.
-  const auto dt = s.exp_avg.scalar_type();
-  torch::Tensor g = grad.scalar_type() == dt ? grad : grad.to(dt);
+  // In fp32: a bf16 parameter or bf16 states through fp32 copies, rounded to nearest.
+  const auto f32 = [](const torch::Tensor& t) { return t.scalar_type() == torch::kFloat ? t : t.to(torch::kFloat); };
+  torch::Tensor g = f32(grad);
   if (grad_scale != 1.0f) g = g * grad_scale;
-  const bool low = p.scalar_type() != dt;
-  torch::Tensor w = low ? p.to(dt) : p;
+  torch::Tensor w = f32(p), m = f32(s.exp_avg), v = f32(s.exp_avg_sq);
   const double t = static_cast<double>(step);
   const double bc1 = 1.0 - std::pow(config.beta1, t), bc2 = 1.0 - std::pow(config.beta2, t);
   if (config.weight_decay != 0) w.mul_(1.0 - config.lr * config.weight_decay);
-  s.exp_avg.lerp_(g, 1.0 - config.beta1);
-  s.exp_avg_sq.mul_(config.beta2).addcmul_(g, g, 1.0 - config.beta2);
-  const torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::pow(bc2, 0.5)).add_(config.eps);
-  w.addcdiv_(s.exp_avg, denom, -(config.lr / bc1));
-  if (low) p.copy_(w);
+  m.lerp_(g, 1.0 - config.beta1);
+  v.mul_(config.beta2).addcmul_(g, g, 1.0 - config.beta2);
+  const torch::Tensor denom = (v.sqrt() / std::pow(bc2, 0.5)).add_(config.eps);
+  w.addcdiv_(m, denom, -(config.lr / bc1));
+  for (auto [dst, src] : {std::pair{p, w}, std::pair{s.exp_avg, m}, std::pair{s.exp_avg_sq, v}})
+    if (!src.is_same(dst)) dst.copy_(src);
 }
 
 float adafactor_step_torch(const AdafactorConfig& c, const torch::Tensor& p, const torch::Tensor& grad,

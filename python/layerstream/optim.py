@@ -13,8 +13,8 @@ The step over parameters in host memory (streamed weights of an offloaded
 model, or any CPU tensor) runs in the C++ kernels of ``csrc/core/optim/``
 (vectorized, on a pool of host threads; ``csrc/layerstream/host_optim.h`` is the glue).
 Parameters on another device (resident on a GPU) are stepped there with
-torch's own tensor arithmetic (AdamW's with fp32 states; Adafactor's as
-transformers'). Design and numbers:
+torch's own tensor arithmetic (AdamW's with fp32 or bf16 states; Adafactor's
+as transformers'). Design and numbers:
 docs/design/optim.md.
 
 One param group may hold parameters on the host and on one device (an

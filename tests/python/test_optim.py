@@ -352,17 +352,18 @@ def test_adafactor_off_the_host_matches_transformers(kw, dtype):
                 assert_rel_close(t, ref.state[b][key], rel=1e-4 if dtype == torch.bfloat16 else 1e-5, what=key)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_adamw_off_the_host_matches_torch(dtype):
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_adamw_off_the_host_matches_torch(dtype, state_dtype):
     """AdamW's arithmetic for parameters off the host (optim_adamw_step_torch), run on
-    the host: torch.optim.AdamW's single-tensor path, a clip's scale included, in fp32
-    states; a bf16 parameter (and gradient) through an fp32 copy, rounded to nearest
-    each step (torch's reference keeps an fp32 parameter here)."""
+    the host: torch.optim.AdamW's single-tensor path, a clip's scale included, in fp32;
+    a bf16 parameter (and gradient) and bf16 states through fp32 copies, rounded to
+    nearest each step (torch's reference keeps everything in fp32 here)."""
     torch.manual_seed(0)
     p = torch.randn(30, 20).to(dtype)
     ref_p = nn.Parameter(p.float())
     ref = torch.optim.AdamW([ref_p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, foreach=False)
-    m, v = torch.zeros(p.shape), torch.zeros(p.shape)
+    m, v = torch.zeros(p.shape, dtype=state_dtype), torch.zeros(p.shape, dtype=state_dtype)
     gen = torch.Generator().manual_seed(3)
     for step in range(1, 8):
         scale = 0.25 if step % 2 == 0 else 1.0
@@ -370,11 +371,13 @@ def test_adamw_off_the_host_matches_torch(dtype):
         ref_p.grad = g.float() * scale
         ref.step()
         layerstream._C.optim_adamw_step_torch(1e-2, 0.9, 0.99, 1e-8, 0.05, p, g, m, v, step, scale)
-    assert p.dtype == dtype
-    assert_rel_close(p.float(), ref_p.detach(), rel=1e-6 if dtype == torch.float32 else 1e-2, what="param")
-    assert_rel_close(m, ref.state[ref_p]["exp_avg"], rel=1e-6, what="exp_avg")
-    assert_rel_close(v, ref.state[ref_p]["exp_avg_sq"], rel=1e-6, what="exp_avg_sq")
-
+    assert p.dtype == dtype and m.dtype == v.dtype == state_dtype
+    exact = dtype == state_dtype == torch.float32
+    assert_rel_close(p.float(), ref_p.detach(), rel=1e-6 if exact else 1e-2, what="param")
+    st = ref.state[ref_p]
+    assert_rel_close(m.float(), st["exp_avg"], rel=1e-6 if state_dtype == torch.float32 else 1e-2, what="exp_avg")
+    assert_rel_close(v.float(), st["exp_avg_sq"], rel=1e-6 if state_dtype == torch.float32 else 1e-2,
+                     what="exp_avg_sq")
 
 def test_adafactor_state_dict_round_trip():
     torch.manual_seed(0)
@@ -467,6 +470,9 @@ def test_the_host_and_one_device_share_a_param_group():
     opt.step()
     torch.testing.assert_close(cpu.detach(), torch.full((3,), -0.1))  # AdamW's first step: -lr * sign(g)
     assert opt.state[meta]["exp_avg"].device.type == "meta" and opt.state[meta]["step"] == 1
+    AdamW([meta], state_precision="bf16").step()  # bf16 states there too (through fp32)
+    with pytest.raises(RuntimeError, match="8-bit states are the host kernels' only: put them in a param group"):
+        AdamW([meta], state_precision="8bit").step()
 
 def test_bad_arguments_are_value_errors():
     p = [nn.Parameter(torch.zeros(2))]
