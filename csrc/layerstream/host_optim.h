@@ -78,8 +78,9 @@ AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, A
 // its increment; keys: stochastic rounding streams, e.g. the positions of the
 // parameters in the optimizer). Host tensors go to the C++ kernels (on
 // ThreadPool::shared()); tensors on another device to torch's own AdamW
-// arithmetic (adamw_step_torch; fp32 or bf16 states, not 8-bit). A gradient whose layout differs from its
-// parameter's is copied into the parameter's layout first.
+// arithmetic (adamw_step_torch; fp32 or bf16 states, not 8-bit). A gradient
+// whose layout differs from its parameter's is copied into the parameter's
+// layout first.
 void adamw_step(const AdamWConfig& config, StateFormat format, const std::vector<torch::Tensor>& params,
                 const std::vector<torch::Tensor>& grads, const std::vector<AdamWStates>& states,
                 const std::vector<int64_t>& steps, const std::vector<uint64_t>& keys, float grad_scale,
@@ -103,9 +104,10 @@ std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vect
 // layers on a GPU). AdamW as torch.optim.AdamW's single-tensor path in fp32
 // (fp32 or bf16 states); Adafactor as transformers' Adafactor (returns the RMS
 // before the step). A bf16/fp16 parameter or bf16 state goes through an fp32
-// copy, rounded to nearest. The gradient is scaled by grad_scale (clipping). Any device,
-// the host included (where the tests compare them with torch's and
-// transformers' classes).
+// copy, rounded to nearest. The gradient is scaled by grad_scale (clipping).
+// Any device, the host included (where the tests compare them with torch's
+// and transformers' classes). Runs on the caller's thread and, on a GPU, its
+// current stream.
 void adamw_step_torch(const AdamWConfig& config, const torch::Tensor& param, const torch::Tensor& grad,
                       const AdamWStates& states, int64_t step, float grad_scale);
 float adafactor_step_torch(const AdafactorConfig& config, const torch::Tensor& param, const torch::Tensor& grad,
