@@ -42,9 +42,10 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from peer_process import run_peer_process
 
 PEERS = ("resident", "torch-host", "ls-after", "ls-overlap", "ls-lossless", "ds-zero2-offload", "ds-zero3-offload")
 DS_PEERS = ("ds-zero2-offload", "ds-zero3-offload")
@@ -218,15 +219,7 @@ def main():
     for peer in PEERS:
         # The child gets this command line (its settings) and its peer.
         cmd = [sys.executable, os.path.abspath(__file__), *(a for a in sys.argv[1:] if a != "--json"), "--peer", peer]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
-        except subprocess.TimeoutExpired:
-            rows[peer] = {"peer": peer, "error": f"did not finish in {args.peer_timeout:.0f} s (--peer-timeout)"}
-            continue
-        if done.returncode != 0:
-            rows[peer] = {"peer": peer, "error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
-            continue
-        rows[peer] = json.loads(done.stdout.strip().splitlines()[-1])
+        rows[peer] = run_peer_process(cmd, peer, timeout=args.peer_timeout)
     ref = rows["resident"].get("step_ms")
     for r in rows.values():
         if ref and "step_ms" in r:
@@ -245,7 +238,7 @@ def main():
                 print(f"{peer:<18}  skipped: {r['skipped']}")
                 continue
             if "error" in r:
-                print(f"{peer:<18}  failed: {r['error']}")
+                print(f"{peer:<18}  failed: {r['error'].splitlines()[-1]}")
                 continue
             peak = f"{r['peak_device_bytes'] / 2**20:.0f}" if r["peak_device_bytes"] is not None else "-"
             print(f"{peer:<18}{r['step_ms']:>10.1f}{r.get('step_vs_resident', float('nan')):>13.2f}"

@@ -23,9 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from peer_process import run_peer_process
 
 PEERS = ["resident", "layerstream"]
 # Llama-3-8B's shape (config.json of meta-llama/Meta-Llama-3-8B), and a tiny one for CPU checks.
@@ -148,11 +149,7 @@ def main():
                "--budget", str(args.budget), "--batch", str(args.batch), "--seq", str(args.seq),
                "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
                "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            rows[peer] = {"peer": peer, "error": done.stderr[-2000:]}
-            continue
-        rows[peer] = json.loads(done.stdout.strip().splitlines()[-1])
+        rows[peer] = run_peer_process(cmd, peer)
     ok = all("error" not in r for r in rows.values())
     result = {"config": {k: getattr(args, k) for k in ("device", "tiny", "budget", "batch", "seq", "prompt_tokens",
                                                        "new_tokens", "steps")},

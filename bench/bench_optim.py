@@ -37,9 +37,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+
+from peer_process import run_peer_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -185,13 +186,7 @@ def main():
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--params", str(args.params),
                    "--tensors", str(args.tensors), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--deepspeed-path", args.deepspeed_path, "--threads", str(args.threads)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-            if r.returncode != 0 or not lines:
-                row = {"peer": name, "what": PEERS[name][3],
-                       "error": f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-400:]}"}
-            else:
-                row = json.loads(lines[-1])
+            row = run_peer_process(cmd, name, what=PEERS[name][3])
             old = best.get(name)
             if old is None or ("error" in old and "error" not in row) or (
                     "error" not in row and row["mparams_per_s"] > old["mparams_per_s"]):
