@@ -5,7 +5,8 @@
 # (build, tests, a system that errors); the speed targets are reported, not
 # enforced.
 #
-#   bash bench/gpu/run.sh [--dry-run] OUTDIR [--seed-impl PATH] [--no-build] [-- compare.py args...]
+#   bash bench/gpu/run.sh [--dry-run] OUTDIR [--seed-impl PATH] [--no-build]
+#                         [--stages LIST] [--deadline-s N] [-- compare.py args...]
 #
 # Real run (a machine with CUDA-enabled PyTorch 2.x and nvcc): uses .venv/bin/python
 # when present, else python3; configures build-gpu/ against that python's torch
@@ -31,21 +32,34 @@
 # module does not import), device "sim", tiny sizes; the parity tests are
 # collected and a few of them run on sim under the skip policy (no skip
 # allowed there; tools/test.sh runs them all), and the skip policy checks its
-# own rules (--self-test); about 3.5 minutes on 2 CPU cores (211 s on 2026-12-03).
+# own rules (--self-test); 1.5 to 3.5 minutes on 2 CPU cores (98 s on 2026-12-04, 211 s
+# on 2026-12-03 on a loaded machine).
 # --seed-impl: the seed's seed_layer.py (never in the repo). When not given,
 # .shared/seed_layer.py (an ignored folder of the checkout) is used if present.
+# --stages: a comma-separated subset of the stages after the build (default: all,
+# always run in this order): tests,cpp,compare,llama,full_ft,compile,activations,
+# disk,nccl,moe_decode. --deadline-s: the whole run's wall time from its start
+# (default 540 on the GPU, none in the dry run): each stage gets at most what is
+# left, one that cannot start is "not run" (a failure). stages.tsv and the
+# "stages" of results.json/results.md record every stage (bench/gpu/stages.py).
+# bench/gpu/device.sh is the command for the device machine (it packs OUTDIR).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"; exit 2; }
-DRY=0; OUTDIR=""; SEED=""; BUILD=1; EXTRA=()
+ALL_STAGES=(tests cpp compare llama full_ft compile activations disk nccl moe_decode)
+DRY=0; OUTDIR=""; SEED=""; BUILD=1; EXTRA=(); STAGE_LIST=""; DEADLINE=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --seed-impl) [ $# -ge 2 ] || usage; SEED=$2; shift ;;
     --seed-impl=*) SEED=${1#*=} ;;
     --no-build) BUILD=0 ;;
+    --stages) [ $# -ge 2 ] || usage; STAGE_LIST=$2; shift ;;
+    --stages=*) STAGE_LIST=${1#*=} ;;
+    --deadline-s) [ $# -ge 2 ] || usage; DEADLINE=$2; shift ;;
+    --deadline-s=*) DEADLINE=${1#*=} ;;
     -h|--help) usage ;;
     --) shift; EXTRA=("$@"); break ;;
     -*) echo "run.sh: unknown option $1" >&2; usage ;;
@@ -54,6 +68,11 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ -n "$OUTDIR" ] || usage
+[ -n "$DEADLINE" ] || { [ "$DRY" = 1 ] && DEADLINE=0 || DEADLINE=540; }
+[[ "$DEADLINE" =~ ^[0-9]+$ ]] || { echo "run.sh: --deadline-s wants whole seconds (0: none), not $DEADLINE" >&2; exit 2; }
+for s in ${STAGE_LIST//,/ }; do
+  [[ " ${ALL_STAGES[*]} " == *" $s "* ]] || { echo "run.sh: unknown stage $s (stages: ${ALL_STAGES[*]})" >&2; exit 2; }
+done
 mkdir -p "$OUTDIR" || exit 1
 OUTDIR=$(cd "$OUTDIR" && pwd)
 T0=$(date +%s)
@@ -178,26 +197,83 @@ fi
 build_s=$(( $(date +%s) - tb ))
 log "build: $build_status ($build_s s) $build_detail"
 
+"$PY" - "$OUTDIR/build.json" "$build_status" "$build_s" "$build_detail" <<'PYEOF'
+import json, sys
+json.dump(dict(zip(("status", "seconds", "detail"), sys.argv[2:5])), open(sys.argv[1], "w"), indent=2)
+PYEOF
+
+# The peers' wheels (bench/gpu/fetch_peers.sh puts them in .whl/; carry it): the GPU
+# machine reaches no package index, so they are installed from there, without their
+# dependencies (that machine has torch, numpy, huggingface_hub, ... already).
+if [ "$DRY" = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
+  if "$PY" -m pip install --no-deps --no-index .whl/*.whl >"$OUTDIR/peers.log" 2>&1; then
+    log "peers installed from .whl: $(cd .whl && ls *.whl | tr '\n' ' ')"
+  else
+    log "the peers' wheels did not install (see peers.log): their rows will say they are not importable"
+  fi
+fi
+
+# ---- stages ------------------------------------------------------------------
+# Every step after the build is a stage, run in the order of ALL_STAGES when
+# --stages selects it, for at most min(its cap, what is left of --deadline-s);
+# under MIN_STAGE_S left it is "not run" (a failure). Each is recorded in
+# stages.tsv; bench/gpu/stages.py turns the record into results.json/.md.
+STAGES_TSV="$OUTDIR/stages.tsv"; : >"$STAGES_TSV"
+MIN_STAGE_S=30
+selected() { [ -z "$STAGE_LIST" ] || [[ ",$STAGE_LIST," == *",$1,"* ]]; }
+left_s() { if [ "$DEADLINE" -gt 0 ]; then echo $(( DEADLINE - ($(date +%s) - T0) )); else echo 100000; fi; }
+# within CAP: CAP, or what is left of the deadline when less (at least 1: "timeout 0" never stops).
+within() { local l; l=$(left_s); [ "$l" -lt 1 ] && l=1; echo $(( l < $1 ? l : $1 )); }
+record() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
+# stage_begin NAME CAP FILE: 0 and STAGE_T (its timeout) when NAME runs now; 1 (recorded) when it does not.
+stage_begin() {
+  STAGE_NAME=$1; STAGE_FILE=$3; STAGE_START=$(date +%s)
+  if ! selected "$1"; then record "$1" "not selected" 0 0 "" ""; return 1; fi
+  local left; left=$(left_s)
+  if [ "$left" -lt $MIN_STAGE_S ]; then
+    record "$1" "not run" 0 0 "$3" "$left s left of --deadline-s $DEADLINE (needs $MIN_STAGE_S)"
+    log "stage $1: not run ($left s left of --deadline-s $DEADLINE)"; fail=1; return 1
+  fi
+  STAGE_T=$(within "$2")
+}
+# stage_end RC [DETAIL]: records the stage begun last.
+stage_end() {
+  local status=ok
+  case "$1" in 0) ;; 124|137) status="timed out" ;; *) status=failed ;; esac
+  [ "$status" = ok ] || { fail=1; log "stage $STAGE_NAME: $status (exit $1, see $STAGE_NAME.log)"; }
+  record "$STAGE_NAME" "$status" $(( $(date +%s) - STAGE_START )) "$STAGE_T" "$STAGE_FILE" "${2:-exit $1}"
+}
+# bench_stage NAME CAP FILE CMD...: CMD's stdout into FILE, its stderr into NAME.log.
+bench_stage() {
+  local name=$1 cap=$2 file=$3; shift 3
+  stage_begin "$name" "$cap" "$file" || return 0
+  log "stage $name: ${*/#"$PY"/python} (timeout $STAGE_T s)"
+  timeout "$STAGE_T" "$@" >"$OUTDIR/$file" 2>"$OUTDIR/$name.log"
+  stage_end $?
+}
+
 # ---- GPU test subset ---------------------------------------------------------
 TESTS_JSON="$OUTDIR/tests.json"
 PARITY=tests/python/test_parity_layers.py
 write_tests() { # status detail rc env_supported
-  "$PY" - "$TESTS_JSON" "$1" "$2" "$3" "$4" "$PARITY" <<'EOF'
+  "$PY" - "$TESTS_JSON" "$1" "$2" "$3" "$4" "$PARITY" <<'PYEOF'
 import json, sys
 path, status, detail, rc, env, f = sys.argv[1:7]
 json.dump({"status": status, "detail": detail, "rc": int(rc), "file": f,
            "ls_test_device_supported": env == "1"}, open(path, "w"), indent=2)
-EOF
+PYEOF
 }
-if [ "$NO_CUDA" = 1 ]; then
-  write_tests "not run" "no CUDA device" 0 0
-elif [ ! -f "$PARITY" ]; then
-  log "tests: $PARITY does not exist yet: recorded as missing"
-  write_tests missing "$PARITY does not exist in this checkout" 0 0
-elif ! "$PY" -c 'import pytest' >/dev/null 2>&1; then
-  write_tests failed "pytest is not importable" 1 0; fail=1
-else
-  env_ok=0; grep -q LS_TEST_DEVICE "$PARITY" && env_ok=1
+run_tests() {
+  if [ "$NO_CUDA" = 1 ]; then
+    write_tests "not run" "no CUDA device" 0 0; return 0
+  elif [ ! -f "$PARITY" ]; then
+    log "tests: $PARITY does not exist yet: recorded as missing"
+    write_tests missing "$PARITY does not exist in this checkout" 0 0; return 0
+  elif ! "$PY" -c 'import pytest' >/dev/null 2>&1; then
+    write_tests failed "pytest is not importable" 1 0; return 1
+  fi
+  local env_ok=0 rc summary pol spc
+  grep -q LS_TEST_DEVICE "$PARITY" && env_ok=1
   if [ "$DRY" = 1 ]; then
     # tools/test.sh already runs the whole Python suite on sim; here check that the
     # file collects (what the real run depends on), the skip policy's own rules, and
@@ -206,6 +282,7 @@ else
     LS_TEST_DEVICE=sim timeout 90 "$PY" -m pytest -q --collect-only -k parity "$PARITY" >"$OUTDIR/tests.log" 2>&1
     rc=$?
     summary=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
+    local prc src ssum
     "$PY" bench/gpu/skip_policy.py --self-test >"$OUTDIR/skip_policy.log" 2>&1; prc=$?
     [ $prc = 0 ] || { log "skip policy self-test FAILED (see skip_policy.log)"; cat "$OUTDIR/skip_policy.log"; }
     LS_TEST_DEVICE=sim timeout 120 "$PY" -m pytest -q -rs --junitxml="$OUTDIR/tests.xml" \
@@ -215,31 +292,35 @@ else
     ssum=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
     "$PY" bench/gpu/skip_policy.py --mode sim "$OUTDIR/tests.xml" >>"$OUTDIR/skip_policy.log" 2>&1; spc=$?
     pol=$(tail -1 "$OUTDIR/skip_policy.log")
+    log "tests: $summary; subset: $ssum; $pol"
     if [ $rc = 0 ] && [ $prc = 0 ] && [ $src = 0 ] && [ $spc = 0 ]; then
       write_tests collected "dry run: $summary; subset on sim: $ssum; $pol; skip policy self-test passed" 0 $env_ok
-    else
-      write_tests failed "dry run: collect rc $rc ($summary); subset on sim rc $src ($ssum); skip policy rc $spc ($pol); self-test rc $prc" 1 $env_ok
-      fail=1; tail -20 "$OUTDIR/tests.log"; cat "$OUTDIR/skip_policy.log"
+      return 0
     fi
-    summary="$summary; subset: $ssum; $pol"
-  else
-    log "tests: LS_TEST_DEVICE=cuda pytest -k parity $PARITY"
-    LS_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -rs --junitxml="$OUTDIR/tests.xml" -k parity "$PARITY" \
-      >"$OUTDIR/tests.log" 2>&1
-    rc=$?
-    # last non-blank line: the pytest summary, or its "ERROR: ..." usage error
-    summary=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
-    if [ $env_ok = 1 ]; then note=" (on cuda: LS_TEST_DEVICE=cuda)"
-    else note=" (the file does not read LS_TEST_DEVICE: its own default device was used)"; fi
-    # A skipped parity test is not a pass on the GPU machine (bench/gpu/skip_policy.py).
-    "$PY" bench/gpu/skip_policy.py --mode gpu "$OUTDIR/tests.xml" >"$OUTDIR/skip_policy.log" 2>&1; spc=$?
-    pol=$(tail -1 "$OUTDIR/skip_policy.log")
-    if [ $rc = 0 ] && [ $spc = 0 ]; then write_tests passed "$summary$note; $pol" 0 $env_ok
-    elif [ $rc = 0 ]; then
-      write_tests failed "unexpected skips: $summary$note; $pol" 1 $env_ok; fail=1; cat "$OUTDIR/skip_policy.log"
-    else write_tests failed "rc $rc: $summary$note; $pol" $rc $env_ok; fail=1; tail -30 "$OUTDIR/tests.log"; fi
+    write_tests failed "dry run: collect rc $rc ($summary); subset on sim rc $src ($ssum); skip policy rc $spc ($pol); self-test rc $prc" 1 $env_ok
+    tail -20 "$OUTDIR/tests.log"; cat "$OUTDIR/skip_policy.log"; return 1
   fi
+  log "tests: LS_TEST_DEVICE=cuda pytest -k parity $PARITY (timeout $STAGE_T s)"
+  LS_TEST_DEVICE=cuda timeout "$STAGE_T" "$PY" -m pytest -q -rs --junitxml="$OUTDIR/tests.xml" -k parity "$PARITY" \
+    >"$OUTDIR/tests.log" 2>&1
+  rc=$?
+  # last non-blank line: the pytest summary, or its "ERROR: ..." usage error
+  summary=$(grep -v '^[[:space:]]*$' "$OUTDIR/tests.log" | tail -1)
   log "tests: $summary"
+  local note=" (on cuda: LS_TEST_DEVICE=cuda)"
+  [ $env_ok = 1 ] || note=" (the file does not read LS_TEST_DEVICE: its own default device was used)"
+  # A skipped parity test is not a pass on the GPU machine (bench/gpu/skip_policy.py).
+  "$PY" bench/gpu/skip_policy.py --mode gpu "$OUTDIR/tests.xml" >"$OUTDIR/skip_policy.log" 2>&1; spc=$?
+  pol=$(tail -1 "$OUTDIR/skip_policy.log")
+  if [ $rc = 0 ] && [ $spc = 0 ]; then write_tests passed "$summary$note; $pol" 0 $env_ok; return 0; fi
+  if [ $rc = 0 ]; then
+    write_tests failed "unexpected skips: $summary$note; $pol" 1 $env_ok; cat "$OUTDIR/skip_policy.log"; return 1
+  fi
+  write_tests failed "rc $rc: $summary$note; $pol" $rc $env_ok; tail -30 "$OUTDIR/tests.log"; return $rc
+}
+if stage_begin tests 150 tests.json; then
+  run_tests; trc=$?
+  stage_end $trc "$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("detail", ""))' "$TESTS_JSON" 2>/dev/null)"
 fi
 
 # ---- C++ CUDA tests and device dequant throughput ----------------------------
@@ -252,44 +333,44 @@ fi
 # a GPU) to check the plumbing.
 CPP_JSON="$OUTDIR/cpp_tests.json"
 bdir=build-gpu; [ "$DRY" = 1 ] && bdir=${LS_BUILD_DIR:-build}
-: >"$OUTDIR/cpp_tests.log"
-cpp_results=()
-if [ "$NO_CUDA" = 1 ] || [ "$build_status" = failed ]; then
-  cpp_state="not run"
-else
-  cpp_state=ran
-  for t in test_cuda_dequant test_cuda_lossless test_cuda_backend; do
-    exe="$bdir/tests/cpp/$t"
-    if [ ! -x "$exe" ]; then cpp_results+=("$t|not built|0"); continue; fi
-    log "C++: $t"
-    rm -f "$OUTDIR/$t.xml"
-    timeout 100 "$exe" --gtest_brief=1 --gtest_output="xml:$OUTDIR/$t.xml" >"$OUTDIR/$t.log" 2>&1; rc=$?
-    cat "$OUTDIR/$t.log" >>"$OUTDIR/cpp_tests.log"
-    sum=$(grep -E '^\[ +(PASSED|SKIPPED|FAILED) +\] [0-9]+ test' "$OUTDIR/$t.log" \
-          | sed -E 's/^\[ +([A-Z]+) +\] ([0-9]+).*/\2 \1/' | tr 'A-Z\n' 'a-z,' | sed 's/,$//;s/,/, /g')
-    # On the GPU machine a skip is a pass only for the reasons skip_policy.py lists
-    # (a "no CUDA device" skip of every test would otherwise report success). The
-    # dry run has no GPU: its CUDA binaries skip for lack of a device, as they should.
-    if [ "$DRY" = 0 ] && [ $rc = 0 ]; then
-      "$PY" bench/gpu/skip_policy.py --mode gpu "$OUTDIR/$t.xml" >>"$OUTDIR/skip_policy.log" 2>&1 \
-        || { rc=1; sum="${sum:-no summary}, unexpected skips: $(grep -c 'UNEXPECTED SKIP' "$OUTDIR/skip_policy.log")"; \
-             grep 'UNEXPECTED SKIP' "$OUTDIR/skip_policy.log" | head -5; }
-    fi
-    cpp_results+=("$t|${sum:-no summary}|$rc")
-    [ $rc = 0 ] || { fail=1; grep -E "FAILED|Failure" "$OUTDIR/$t.log" | head -20; }
-  done
-  qexe="$bdir/bench/bench_quant"
-  if [ -x "$qexe" ]; then
-    qargs=(--json --rows 16384 --cols 4096); [ "$DRY" = 1 ] && qargs=(--json --rows 256 --cols 1024 --reps 1)
-    log "C++: bench_quant ${qargs[*]}"
-    timeout 60 "$qexe" "${qargs[@]}" >"$OUTDIR/bench_quant.json" 2>>"$OUTDIR/cpp_tests.log"; rc=$?
-    cpp_results+=("bench_quant|rc $rc|$rc")
-    [ $rc = 0 ] || fail=1
+run_cpp() {
+  : >"$OUTDIR/cpp.log"
+  local cpp_results=() cpp_state=ran t exe rc sum qexe qargs
+  if [ "$NO_CUDA" = 1 ] || [ "$build_status" = failed ]; then
+    cpp_state="not run"
   else
-    cpp_results+=("bench_quant|not built|0")
+    for t in test_cuda_dequant test_cuda_lossless test_cuda_backend; do
+      exe="$bdir/tests/cpp/$t"
+      if [ ! -x "$exe" ]; then cpp_results+=("$t|not built|0"); continue; fi
+      log "C++: $t"
+      rm -f "$OUTDIR/$t.xml"
+      timeout "$(within 100)" "$exe" --gtest_brief=1 --gtest_output="xml:$OUTDIR/$t.xml" \
+        >"$OUTDIR/$t.log" 2>&1; rc=$?
+      cat "$OUTDIR/$t.log" >>"$OUTDIR/cpp.log"
+      sum=$(grep -E '^\[ +(PASSED|SKIPPED|FAILED) +\] [0-9]+ test' "$OUTDIR/$t.log" \
+            | sed -E 's/^\[ +([A-Z]+) +\] ([0-9]+).*/\2 \1/' | tr 'A-Z\n' 'a-z,' | sed 's/,$//;s/,/, /g')
+      # On the GPU machine a skip is a pass only for the reasons skip_policy.py lists
+      # (a "no CUDA device" skip of every test would otherwise report success). The
+      # dry run has no GPU: its CUDA binaries skip for lack of a device, as they should.
+      if [ "$DRY" = 0 ] && [ $rc = 0 ]; then
+        "$PY" bench/gpu/skip_policy.py --mode gpu "$OUTDIR/$t.xml" >>"$OUTDIR/skip_policy.log" 2>&1 \
+          || { rc=1; sum="${sum:-no summary}, unexpected skips: $(grep -c 'UNEXPECTED SKIP' "$OUTDIR/skip_policy.log")"; \
+               grep 'UNEXPECTED SKIP' "$OUTDIR/skip_policy.log" | head -5; }
+      fi
+      cpp_results+=("$t|${sum:-no summary}|$rc")
+      [ $rc = 0 ] || grep -E "FAILED|Failure" "$OUTDIR/$t.log" | head -20
+    done
+    qexe="$bdir/bench/bench_quant"
+    if [ -x "$qexe" ]; then
+      qargs=(--json --rows 16384 --cols 4096); [ "$DRY" = 1 ] && qargs=(--json --rows 256 --cols 1024 --reps 1)
+      log "C++: bench_quant ${qargs[*]}"
+      timeout "$(within 60)" "$qexe" "${qargs[@]}" >"$OUTDIR/bench_quant.json" 2>>"$OUTDIR/cpp.log"; rc=$?
+      cpp_results+=("bench_quant|rc $rc|$rc")
+    else
+      cpp_results+=("bench_quant|not built|0")
+    fi
   fi
-fi
-"$PY" - "$CPP_JSON" "$TESTS_JSON" "$OUTDIR/bench_quant.json" "$cpp_state" "$DRY" "${cpp_results[@]}" <<'EOF'
+  "$PY" - "$CPP_JSON" "$TESTS_JSON" "$OUTDIR/bench_quant.json" "$cpp_state" "$DRY" "${cpp_results[@]}" <<'PYEOF'
 import json, sys
 out, tests_path, quant_path, state, dry = sys.argv[1:6]
 entries = []
@@ -316,83 +397,49 @@ json.dump(cpp, open(out, "w"), indent=2)
 try:
     tests = json.load(open(tests_path))
 except (OSError, ValueError):
-    tests = {"status": "unknown"}
+    tests = {"status": "not run"}
 tests["cpp"] = cpp
 json.dump(tests, open(tests_path, "w"), indent=2)
 print(f"[gpu-proof] C++ CUDA tests: {cpp['status']}" + (f" — {cpp['detail']}" if cpp.get("detail") else ""))
 sys.exit(1 if cpp["status"] == "failed" else 0)
-EOF
-[ $? = 0 ] || fail=1
+PYEOF
+}
+if stage_begin cpp 360 cpp_tests.json; then
+  run_cpp; crc=$?
+  stage_end $crc "$("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["status"], "—", d.get("detail", ""))' "$CPP_JSON" 2>/dev/null)"
+fi
 
-# ---- MoE decoding: every expert vs only the routed ones ---------------------
-# bench/bench_moe_decode.py: greedy decoding of a small Qwen3-MoE (128 experts,
-# 8 per token) with offload(experts="all") and experts="routed"; fails when
-# either's logits differ from the resident model's by more than 0.05.
+# ---- the comparison ----------------------------------------------------------
+# bench/gpu/compare.py: the synthetic stack in every system (bench/gpu/README.md),
+# with what is left of --deadline-s (it skips, as a failure, a system it cannot
+# start in time).
+cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
+          --build-detail "$build_detail" --tests-json "$TESTS_JSON")
+# One torch thread: on 2 shared cores, intra-op threads spin against each other
+# and make the tiny bf16 matmuls ~50x slower.
+[ "$DRY" = 1 ] && cmp_args+=(--dry-run --threads 1)
+cmd_str="bash bench/gpu/run.sh$([ "$DRY" = 1 ] && echo ' --dry-run') OUTDIR${SEED:+ --seed-impl $SEED}${STAGE_LIST:+ --stages $STAGE_LIST}"
+if stage_begin compare 3600 results.json; then
+  [ "$DEADLINE" -gt 0 ] && cmp_args+=(--deadline-s $(( STAGE_T - 10 )))
+  log "stage compare: compare.py ${cmp_args[*]} ${EXTRA[*]}"
+  "$PY" bench/gpu/compare.py "${cmp_args[@]}" --command "$cmd_str" "${EXTRA[@]}"
+  rc=$?
+  [ -f "$OUTDIR/results.json" ] && [ -f "$OUTDIR/results.md" ] || { log "results.json/results.md missing"; rc=1; }
+  stage_end $rc "$("$PY" -c 'import json, sys; d = json.load(open(sys.argv[1])); s = d["summary"]
+print("%d/%d layerstream rows PASS, %d failure(s), %s s" % (s["pass"], s["layerstream_rows"], len(d["failures"]), s["compare_seconds"]))' "$OUTDIR/results.json" 2>/dev/null)"
+fi
+
+# ---- the other rows, each a script in its own process -------------------------
+# bench/bench_llama.py: a Llama-3-8B-shaped transformers model with random bf16
+# weights, LoRA training step and greedy decoding, resident vs layerstream under an
+# 8 GiB budget, each in its own process (issue 27, item 2).
 if [ "$DRY" = 1 ]; then
-  margs=(--tokens 4)
+  largs=(--device sim --tiny --seq 64 --steps 1 --new-tokens 4 --budget 400000)
 else
-  margs=(--device cuda --layers 4 --hidden 1024 --expert-inter 512 --tokens 16)
+  largs=(--device cuda --seq 1024 --steps 2 --new-tokens 8)
 fi
-log "MoE decode: bench_moe_decode.py ${margs[*]}"
-timeout 150 "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTDIR/moe_decode.md" \
-  >"$OUTDIR/moe_decode.json" 2>"$OUTDIR/moe_decode.log"
-mrc=$?
-[ $mrc = 0 ] || { log "bench_moe_decode.py exited with $mrc (see moe_decode.log)"; fail=1; }
+bench_stage llama 300 llama.json "$PY" bench/bench_llama.py "${largs[@]}" --json
 
-# ---- the disk tier: cold reads and a step streamed from disk ---------------
-# bench/bench_disk.py: the reader against a plain read() of the same file (page
-# cache dropped), and a step of Linear layers loaded with load_safetensors() and
-# streamed from disk under a host budget of a quarter of the weights.
-if [ "$DRY" = 1 ]; then
-  dargs=(--mb 64 --rounds 1 --layers 8 --width 512 --steps 2)
-else
-  dargs=(--device cuda --gbps 50 --mb 2048 --rounds 3 --layers 8 --width 8192 --steps 3)
-fi
-log "disk tier: bench_disk.py ${dargs[*]}"
-timeout 120 "$PY" bench/bench_disk.py "${dargs[@]}" >"$OUTDIR/disk.txt" 2>"$OUTDIR/disk.log"
-drc=$?
-[ $drc = 0 ] || { log "bench_disk.py exited with $drc (see disk.log)"; fail=1; }
-
-# ---- torch.compile: resident vs streamed, eager vs compiled ----------------
-# bench/bench_compile.py: four peers, each in its own process, on the same
-# training step (Linear stack, frozen weights). Goal: the compiled streamed
-# compute-bound step within 1.02x of the compiled resident one.
-if [ "$DRY" = 1 ]; then
-  cargs=(--layers 2 --width 64 --batch 8 --steps 2 --rounds 1 --backend aot_eager)
-else
-  cargs=(--device cuda --layers 16 --width 4096 --batch 16384 --steps 5 --rounds 1)
-fi
-log "torch.compile: bench_compile.py ${cargs[*]}"
-timeout 200 "$PY" bench/bench_compile.py "${cargs[@]}" --json >"$OUTDIR/compile.json" 2>"$OUTDIR/compile.log"
-crc=$?
-[ $crc = 0 ] || { log "bench_compile.py exited with $crc (see compile.log)"; fail=1; }
-
-# ---- activation offload: peak saved activations and step time ---------------
-# bench/bench_activations.py: a training step whose saved activations dwarf the
-# weights, without and with offload(activations="host"), each in its own
-# process. Goal: >= 50% lower peak activation memory for <= 10% more step time.
-if [ "$DRY" = 1 ]; then
-  aargs=(--layers 2 --width 256 --batch 256 --steps 1)
-else
-  aargs=(--device cuda --layers 8 --width 4096 --batch 32768 --steps 5)
-fi
-log "activation offload: bench_activations.py ${aargs[*]}"
-timeout 200 "$PY" bench/bench_activations.py "${aargs[@]}" --json >"$OUTDIR/activations.json" 2>"$OUTDIR/activations.log"
-arc=$?
-[ $arc = 0 ] || { log "bench_activations.py exited with $arc (see activations.log)"; fail=1; }
-
-# The peers' wheels (bench/gpu/fetch_peers.sh puts them in .whl/; carry it): the GPU
-# machine reaches no package index, so they are installed from there, without their
-# dependencies (that machine has torch, numpy, huggingface_hub, ... already).
-if [ "$DRY" = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
-  if "$PY" -m pip install --no-deps --no-index .whl/*.whl >"$OUTDIR/peers.log" 2>&1; then
-    log "peers installed from .whl: $(cd .whl && ls *.whl | tr '\n' ' ')"
-  else
-    log "the peers' wheels did not install (see peers.log): their rows will say they are not importable"
-  fi
-fi
-
-# ---- full fine-tuning: the host optimizer against the resident model --------
 # bench/bench_full_ft.py: resident + torch fused AdamW on the GPU (the reference),
 # torch's AdamW on the host copy, layerstream.optim.AdamW after the backward and
 # overlapped with it, and overlapped with lossless-coded weights (issues 21, 28);
@@ -402,14 +449,40 @@ fi
 if [ "$DRY" = 1 ]; then
   fargs=(--layers 8 --width 128 --batch 8 --steps 2)
 else
-  fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3)
+  fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3 --peer-timeout 150)
 fi
-log "full fine-tuning: bench_full_ft.py ${fargs[*]}"
-timeout 330 "$PY" bench/bench_full_ft.py "${fargs[@]}" --peer-timeout 150 --json >"$OUTDIR/full_ft.json" 2>"$OUTDIR/full_ft.log"
-frc=$?
-[ $frc = 0 ] || { log "bench_full_ft.py exited with $frc (see full_ft.log)"; fail=1; }
+bench_stage full_ft 330 full_ft.json "$PY" bench/bench_full_ft.py "${fargs[@]}" --json
 
-# ---- several processes: the process-group path with one rank ---------------
+# bench/bench_compile.py: four peers, each in its own process, on the same
+# training step (Linear stack, frozen weights). Goal: the compiled streamed
+# compute-bound step within 1.02x of the compiled resident one.
+if [ "$DRY" = 1 ]; then
+  cargs=(--layers 2 --width 64 --batch 8 --steps 2 --rounds 1 --backend aot_eager)
+else
+  cargs=(--device cuda --layers 16 --width 4096 --batch 16384 --steps 5 --rounds 1)
+fi
+bench_stage compile 200 compile.json "$PY" bench/bench_compile.py "${cargs[@]}" --json
+
+# bench/bench_activations.py: a training step whose saved activations dwarf the
+# weights, without and with offload(activations="host"), each in its own
+# process. Goal: >= 50% lower peak activation memory for <= 10% more step time.
+if [ "$DRY" = 1 ]; then
+  aargs=(--layers 2 --width 256 --batch 256 --steps 1)
+else
+  aargs=(--device cuda --layers 8 --width 4096 --batch 32768 --steps 5)
+fi
+bench_stage activations 200 activations.json "$PY" bench/bench_activations.py "${aargs[@]}" --json
+
+# bench/bench_disk.py: the reader against a plain read() of the same file (page
+# cache dropped), and a step of Linear layers loaded with load_safetensors() and
+# streamed from disk under a host budget of a quarter of the weights.
+if [ "$DRY" = 1 ]; then
+  dargs=(--mb 64 --rounds 1 --layers 8 --width 512 --steps 2)
+else
+  dargs=(--device cuda --gbps 50 --mb 2048 --rounds 3 --layers 8 --width 8192 --steps 3)
+fi
+bench_stage disk 120 disk.txt "$PY" bench/bench_disk.py "${dargs[@]}"
+
 # bench/gpu/nccl_one_rank.py: offload(process_group=world of one NCCL rank),
 # every streamed gradient through the engine's all-reduce, full fine-tuning
 # steps against the resident model (docs/design/distributed.md).
@@ -418,70 +491,19 @@ if [ "$DRY" = 1 ]; then
 else
   nargs=(--device cuda --backend nccl --layers 8 --width 4096 --batch 4096)
 fi
-log "process group, one rank: nccl_one_rank.py ${nargs[*]}"
-timeout 120 "$PY" bench/gpu/nccl_one_rank.py "${nargs[@]}" >"$OUTDIR/nccl.json" 2>"$OUTDIR/nccl.log"
-nrc=$?
-[ $nrc = 0 ] || { log "nccl_one_rank.py exited with $nrc (see nccl.log)"; fail=1; }
+bench_stage nccl 120 nccl.json "$PY" bench/gpu/nccl_one_rank.py "${nargs[@]}"
 
-# ---- comparison ------------------------------------------------------------
-cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --build-seconds "$build_s"
-          --build-detail "$build_detail" --tests-json "$TESTS_JSON")
-# One torch thread: on 2 shared cores, intra-op threads spin against each other
-# and make the tiny bf16 matmuls ~50x slower.
-[ "$DRY" = 1 ] && cmp_args+=(--dry-run --threads 1)
-# The whole real run must fit in 8 minutes: the comparison gets what is left
-# of ~460 s (at least 180 s); a system that cannot start in time is skipped
-# and counted as a failure.
-if [ "$DRY" = 0 ]; then
-  left=$(( 460 - ($(date +%s) - T0) )); [ $left -lt 180 ] && left=180
-  cmp_args+=(--deadline-s "$left")
-fi
-cmd_str="bash bench/gpu/run.sh$([ "$DRY" = 1 ] && echo ' --dry-run') OUTDIR${SEED:+ --seed-impl $SEED}"
-log "comparison: compare.py ${cmp_args[*]} ${EXTRA[*]}"
-"$PY" bench/gpu/compare.py "${cmp_args[@]}" --command "$cmd_str" "${EXTRA[@]}"
-rc=$?
-[ $rc = 0 ] || { log "compare.py exited with $rc"; fail=1; }
-[ -f "$OUTDIR/results.json" ] && [ -f "$OUTDIR/results.md" ] || { log "results.json/results.md missing"; fail=1; }
-
-# ---- a real model shape: Llama-3-8B's, LoRA training and greedy decoding ------
-# bench/bench_llama.py: random bf16 weights built from the config, resident vs
-# layerstream under an 8 GiB budget, each in its own process (issue 27, item 2).
+# bench/bench_moe_decode.py: greedy decoding of a small Qwen3-MoE (128 experts,
+# 8 per token) with offload(experts="all") and experts="routed"; fails when
+# either's logits differ from the resident model's by more than 0.05.
 if [ "$DRY" = 1 ]; then
-  largs=(--device sim --tiny --seq 64 --steps 1 --new-tokens 4 --budget 400000)
+  margs=(--tokens 4)
 else
-  largs=(--device cuda --seq 1024 --steps 2 --new-tokens 8)
+  margs=(--device cuda --layers 4 --hidden 1024 --expert-inter 512 --tokens 16)
 fi
-# After the comparison, in what is left of ~560 s (a command runs 10 minutes at most).
-lleft=$(( 560 - ($(date +%s) - T0) )); [ "$DRY" = 1 ] && lleft=300
-if [ $lleft -lt 60 ]; then
-  lrc="skipped: $lleft s left of the run's 560 s"; log "bench_llama.py $lrc (reported, not a failure)"
-else
-  log "Llama-8B shape: bench_llama.py ${largs[*]} (timeout $lleft s)"
-  timeout $lleft "$PY" bench/bench_llama.py "${largs[@]}" --json >"$OUTDIR/llama.json" 2>"$OUTDIR/llama.log"
-  lrc=$?
-  [ $lrc = 0 ] || { log "bench_llama.py exited with $lrc (see llama.log)"; fail=1; }
-fi
+bench_stage moe_decode 150 moe_decode.json "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTDIR/moe_decode.md"
 
-if [ -f "$OUTDIR/results.md" ]; then
-  { echo; echo "## MoE decoding: every expert vs the routed ones (bench/bench_moe_decode.py)"; echo
-    if [ -s "$OUTDIR/moe_decode.md" ]; then cat "$OUTDIR/moe_decode.md"; else echo "not measured: exit status $mrc, see moe_decode.log"; fi
-  } >>"$OUTDIR/results.md"
-  { echo; echo "## Activation offload (bench/bench_activations.py)"; echo
-    if [ -s "$OUTDIR/activations.json" ]; then cat "$OUTDIR/activations.json"; else echo "not measured: exit status $arc, see activations.log"; fi
-  } >>"$OUTDIR/results.md"
-  { echo; echo "## Full fine-tuning, host optimizer vs resident (bench/bench_full_ft.py)"; echo
-    if [ -s "$OUTDIR/full_ft.json" ]; then cat "$OUTDIR/full_ft.json"; else echo "not measured: exit status $frc, see full_ft.log"; fi
-  } >>"$OUTDIR/results.md"
-  { echo; echo "## Llama-3-8B shape, LoRA training and greedy decoding (bench/bench_llama.py)"; echo
-    if [ -s "$OUTDIR/llama.json" ]; then cat "$OUTDIR/llama.json"; else echo "not measured: exit status $lrc, see llama.log"; fi
-  } >>"$OUTDIR/results.md"
-  { echo; echo "## Process group, one NCCL rank (bench/gpu/nccl_one_rank.py)"; echo
-    if [ -s "$OUTDIR/nccl.json" ]; then cat "$OUTDIR/nccl.json"; else echo "not measured: exit status $nrc, see nccl.log"; fi
-  } >>"$OUTDIR/results.md"
-  { echo; echo "## torch.compile: streamed vs resident (bench/bench_compile.py)"; echo
-    if [ -s "$OUTDIR/compile.json" ]; then cat "$OUTDIR/compile.json"; else echo "not measured: exit status $crc, see compile.log"; fi
-  } >>"$OUTDIR/results.md"
-fi
-
+# ---- the record ---------------------------------------------------------------
+"$PY" bench/gpu/stages.py "$OUTDIR" --build-json "$OUTDIR/build.json" --command "$cmd_str" || fail=1
 log "done in $(( $(date +%s) - T0 )) s: $OUTDIR/results.md ($([ $fail = 0 ] && echo OK || echo FAILED))"
 exit $fail

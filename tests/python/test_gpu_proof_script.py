@@ -1,0 +1,122 @@
+"""The GPU proof's plumbing on the CPU: stages, the deadline, the record, the packing.
+
+bench/gpu/run.sh runs its steps as stages under a deadline, bench/gpu/stages.py
+writes the record, bench/gpu/device.sh packs a run for the device tool (which
+returns at most 8 files). tools/test.sh runs the whole dry run; these tests pin
+the behaviour a GPU session depends on and a dry run that succeeds cannot show:
+a stage out of time is a failure that is recorded, not a silent omission.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "bench" / "gpu"
+
+
+def load_stages():
+    spec = importlib.util.spec_from_file_location("ls_gpu_stages", GPU / "stages.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_sh(script, *args, env=None, timeout=240):
+    e = dict(os.environ, PYTHONPATH=str(ROOT / "python"), **(env or {}))
+    return subprocess.run(["bash", str(GPU / script), *map(str, args)], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_record_without_the_comparison(tmp_path):
+    stages = load_stages()
+    (tmp_path / "stages.tsv").write_text(
+        "tests\tok\t10\t150\ttests.json\t3 passed\n"
+        "compare\tnot selected\t0\t0\t\t\n"
+        "full_ft\tok\t5\t100\tfull_ft.json\texit 0\n"
+        "disk\ttimed out\t60\t60\tdisk.txt\texit 124\n"
+        "nccl\tnot run\t0\t0\tnccl.json\t12 s left of --deadline-s 540 (needs 30)\n")
+    (tmp_path / "full_ft.json").write_text('{"rows": [1]}\n')
+    (tmp_path / "disk.txt").write_text("partial output\n")
+    (tmp_path / "tests.json").write_text('{"status": "passed", "detail": "3 passed"}\n')
+    rc = stages.summarize(tmp_path, {"status": "ok", "seconds": "3", "detail": "x"}, "run.sh OUT")
+    assert rc == 1  # a stage that timed out or could not start fails the run
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [s["name"] for s in res["stages"]] == ["tests", "compare", "full_ft", "disk", "nccl"]
+    assert [f.split(":")[0] for f in res["stage_failures"]] == ["disk", "nccl"]
+    assert res["build"]["status"] == "ok" and res["tests"]["status"] == "passed"
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("# GPU proof (bench/gpu/run.sh): the comparison did not run")
+    assert "- GPU tests: passed — 3 passed" in md
+    assert "| nccl | not run | 0 | 0 | 12 s left of --deadline-s 540 (needs 30) |" in md
+    assert '{"rows": [1]}' in md and "partial output" in md  # each stage's output in its section
+    assert "timed out: exit 124 (see disk.log)" in md
+    assert stages.TITLES["compare"] not in md  # a stage not selected has no section
+
+
+def test_record_appends_to_the_comparisons_results(tmp_path):
+    stages = load_stages()
+    (tmp_path / "results.json").write_text('{"schema": 1, "rows": [{"system": "resident"}], "failures": []}\n')
+    (tmp_path / "results.md").write_text("# compare.py's table\n")
+    (tmp_path / "stages.tsv").write_text("compare\tok\t20\t500\tresults.json\t8/8\n"
+                                         "llama\tok\t30\t300\tllama.json\texit 0\n")
+    (tmp_path / "llama.json").write_text('{"lora_step_ms": 1.0}\n')
+    assert stages.summarize(tmp_path, {}, "c") == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["rows"] == [{"system": "resident"}] and res["stage_failures"] == []
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("# compare.py's table\n") and '"lora_step_ms": 1.0' in md
+
+
+def test_unknown_stage_is_refused_before_anything_runs(tmp_path):
+    p = run_sh("run.sh", "--dry-run", tmp_path / "o", "--stages", "tests,nope")
+    assert p.returncode == 2 and "unknown stage nope" in p.stderr
+    assert not (tmp_path / "o" / "build.log").exists()
+
+
+def test_a_stage_past_the_deadline_is_not_run_and_fails_the_run(tmp_path):
+    out = tmp_path / "o"
+    p = run_sh("run.sh", "--dry-run", out, "--stages", "nccl,disk", "--deadline-s", "1")
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = [line.split("\t") for line in (out / "stages.tsv").read_text().splitlines()]
+    by = {r[0]: r for r in rows}
+    assert [r[0] for r in rows] == ["tests", "cpp", "compare", "llama", "full_ft", "compile", "activations",
+                                    "disk", "nccl", "moe_decode"]
+    assert by["tests"][1] == "not selected" and by["compare"][1] == "not selected"
+    assert by["nccl"][1] == "not run" and "--deadline-s 1" in by["nccl"][5]
+    assert by["disk"][1] == "not run"
+    assert not (out / "nccl.json").exists()
+
+
+def test_device_script_packs_the_run_into_four_files(tmp_path):
+    out = tmp_path / "OUT"
+    p = run_sh("device.sh", "--deadline-s", "120", "--dry-run", "--stages", "nccl", env={"OUT": str(out)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(os.listdir(out)) == ["proof.tgz", "results.json", "results.md", "run.log"]
+    with tarfile.open(out / "proof.tgz") as t:
+        names = {Path(n).name for n in t.getnames()}
+        tsv = t.extractfile(next(m for m in t.getmembers() if m.name.endswith("stages.tsv"))).read().decode()
+    assert {"nccl.json", "nccl.log", "stages.tsv", "build.json", "run.log"} <= names
+    assert "nccl\tok\t" in tsv
+    res = json.loads((out / "results.json").read_text())
+    nccl = next(s for s in res["stages"] if s["name"] == "nccl")
+    assert nccl["status"] == "ok" and nccl["timeout_s"] <= 120
+    assert json.loads((tmp_path / "OUT" / "results.json").read_text())["stage_failures"] == []
+
+
+@pytest.mark.parametrize("bad", ["0", "ten"])
+def test_device_script_wants_a_positive_deadline(tmp_path, bad):
+    p = run_sh("device.sh", "--deadline-s", bad, env={"OUT": str(tmp_path)})
+    assert p.returncode == 2 and "whole seconds" in p.stderr
+    assert os.listdir(tmp_path) == []
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
