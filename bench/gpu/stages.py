@@ -55,7 +55,7 @@ def read_tsv(path: Path) -> list[dict]:
 
 
 def section(out: Path, st: dict) -> list[str]:
-    """One stage's section: its markdown (NAME.md) if it wrote one, else its output file fenced."""
+    """One stage's section: the markdown it wrote (e.g. moe_decode.md), else its output file fenced."""
     L = ["", f"## {TITLES.get(st['name'], st['name'])}", ""]
     md = out / f"{st['name']}.md"
     f = out / st["file"] if st["file"] else None
