@@ -78,7 +78,10 @@ Plan plan_placement(const PlannerInput& in) {
   LS_CHECK(std::isfinite(in.device_flops_per_s) && in.device_flops_per_s >= 0,
            "planner: device throughput must be a non-negative number of FLOP/s");
   const size_t n = in.layers.size();
-  uint64_t total_resident = in.fixed_resident_bytes;  // every layer that can be resident
+  LS_CHECK(in.fixed_train_bytes <= UINT64_MAX - in.fixed_resident_bytes, "planner: fixed bytes overflow");
+  // The always-resident small tensors, with their gradients and states when they train.
+  const uint64_t fixed = in.fixed_resident_bytes + in.fixed_train_bytes;
+  uint64_t total_resident = fixed;  // every layer that can be resident
   bool total_overflow = false;
   for (const auto& l : in.layers) {
     LS_CHECK(std::isfinite(l.flops) && l.flops >= 0, "planner: layer ", json::quote(l.name),
@@ -88,13 +91,17 @@ Plan plan_placement(const PlannerInput& in) {
              "planner: layer ", json::quote(l.name), " is tied to layer #", l.tied_table,
              ", which is not a lookup table");
     if (l.lookup) continue;
-    if (total_resident > UINT64_MAX - l.resident_bytes) total_overflow = true;
-    else total_resident += l.resident_bytes;
+    if (l.train_bytes > UINT64_MAX - l.resident_bytes || total_resident > UINT64_MAX - l.resident_cost())
+      total_overflow = true;
+    else
+      total_resident += l.resident_cost();
   }
-  LS_CHECK(in.fixed_resident_bytes <= in.budget_bytes, "budget ", format_bytes(in.budget_bytes), " (",
-           in.budget_bytes, " bytes) cannot even hold the always-resident small tensors (",
-           format_bytes(in.fixed_resident_bytes), "); raise the budget to at least ",
-           format_bytes(in.fixed_resident_bytes));
+  LS_CHECK(fixed <= in.budget_bytes, "budget ", format_bytes(in.budget_bytes), " (", in.budget_bytes,
+           " bytes) cannot even hold the always-resident small tensors (", format_bytes(fixed),
+           in.fixed_train_bytes ? ", of which " + format_bytes(in.fixed_train_bytes) +
+                                      " their gradients and optimizer states (train=)"
+                                : std::string(),
+           "); raise the budget to at least ", format_bytes(fixed));
 
   Plan plan;
   plan.budget_bytes = in.budget_bytes;
@@ -108,7 +115,7 @@ Plan plan_placement(const PlannerInput& in) {
     Candidate c;
     c.resident = resident;
     c.held = tables_held(in, resident);
-    c.resident_bytes = in.fixed_resident_bytes;
+    c.resident_bytes = fixed;
     for (size_t i = 0; i < n; ++i) {
       if (c.held[i]) continue;  // on the device in its tied layer's resident bytes
       if (in.layers[i].lookup) {
@@ -116,7 +123,7 @@ Plan plan_placement(const PlannerInput& in) {
         c.lookup_bus_bytes += in.layers[i].lookup_bytes;
         ++c.num_lookup;
       } else if (resident[i]) {
-        c.resident_bytes += in.layers[i].resident_bytes;
+        c.resident_bytes += in.layers[i].resident_cost();
       } else {
         c.slot_bytes = std::max(c.slot_bytes, in.layers[i].streamed_slot_bytes());
         c.streamed_bytes += in.layers[i].bytes;
@@ -157,7 +164,7 @@ Plan plan_placement(const PlannerInput& in) {
     // either: that case was handled above). Also the least device memory any
     // plan with k slots needs, and its forced prefix.
     auto forced_prefix = [&](uint64_t k, long double* least = nullptr, size_t* least_p = nullptr) -> size_t {
-      long double res = static_cast<long double>(in.fixed_resident_bytes);
+      long double res = static_cast<long double>(fixed);
       size_t found = n + 1;
       for (size_t p = 0; p < by_slot.size(); ++p) {
         const long double need = res + static_cast<long double>(k) *
@@ -170,7 +177,7 @@ Plan plan_placement(const PlannerInput& in) {
           found = p;
           if (!least) break;
         }
-        res += static_cast<long double>(in.layers[by_slot[p]].resident_bytes);
+        res += static_cast<long double>(in.layers[by_slot[p]].resident_cost());
       }
       return found;
     };
@@ -197,8 +204,9 @@ Plan plan_placement(const PlannerInput& in) {
               L_slot > L.bytes ? ": " + format_bytes(L.bytes) + " copied + the weight written on the device, "
                                  "dequantized or cast" : std::string(),
               ") and streaming needs ", in.min_slots, " slots of it",
-              in.fixed_resident_bytes ? " plus " + format_bytes(in.fixed_resident_bytes) + " of small resident tensors"
-                                      : std::string(),
+              fixed ? " plus " + format_bytes(fixed) + " of small resident tensors" +
+                          (in.fixed_train_bytes ? " (with their gradients and optimizer states)" : "")
+                    : std::string(),
               "; a budget of at least ", format_bytes(needed_b), " (", needed_b,
               " bytes) is needed", resident_note,
               L_slot > L.bytes && !L.narrow_write
@@ -230,23 +238,23 @@ Plan plan_placement(const PlannerInput& in) {
       if (forced > n) break;  // no plan holds k slots (nor more)
       std::vector<char> resident(n, 0);
       std::multiset<uint64_t> streamed;  // slot sizes of the streamed layers
-      uint64_t res = in.fixed_resident_bytes;
+      uint64_t res = fixed;
       for (size_t p = 0; p < forced; ++p) {
         resident[by_slot[p]] = 1;
-        res += in.layers[by_slot[p]].resident_bytes;
+        res += in.layers[by_slot[p]].resident_cost();
       }
       for (size_t i = 0; i < n; ++i)
         if (!resident[i] && !in.layers[i].lookup) streamed.insert(in.layers[i].streamed_slot_bytes());
       for (size_t i : order) {
         if (resident[i] || in.layers[i].lookup) continue;
         const PlannerLayer& l = in.layers[i];
-        if (l.resident_bytes > in.budget_bytes - res) continue;
+        if (l.resident_cost() > in.budget_bytes - res) continue;
         auto it = streamed.find(l.streamed_slot_bytes());
         LS_INTERNAL_CHECK(it != streamed.end());
         streamed.erase(it);
         uint64_t slot = streamed.empty() ? 0 : *streamed.rbegin();
         uint64_t slots = static_cast<uint64_t>(effective_slots(k, in.min_slots, streamed.size()));
-        uint64_t new_res = res + l.resident_bytes;
+        uint64_t new_res = res + l.resident_cost();
         bool fits = slot == 0 || slots <= (in.budget_bytes - new_res) / slot;
         if (fits) {
           resident[i] = 1;
@@ -277,7 +285,10 @@ Plan plan_placement(const PlannerInput& in) {
   plan.num_slots = best.slots;
   plan.prefetch_depth = best.slots > 0 ? best.slots - 1 : 0;
   plan.device_bytes = best.device_bytes;
-  plan.resident_bytes = best.resident_bytes - in.fixed_resident_bytes;
+  plan.train_bytes = in.fixed_train_bytes;
+  for (size_t i = 0; i < n; ++i)
+    if (best.resident[i] && !best.held[i] && !in.layers[i].lookup) plan.train_bytes += in.layers[i].train_bytes;
+  plan.resident_bytes = best.resident_bytes - fixed - (plan.train_bytes - in.fixed_train_bytes);
   plan.host_pinned_bytes = best.streamed_host_bytes + best.lookup_bytes - best.shared_host_bytes;
   plan.bus_bytes_per_step = best.fetched_bytes * (in.training ? 2 : 1) + best.lookup_bus_bytes;
   plan.num_streamed = best.num_streamed;
@@ -301,6 +312,7 @@ Plan plan_placement(const PlannerInput& in) {
     p.bytes = l.bytes;
     p.routed_bytes = l.routed_bytes;
     p.resident_bytes = held ? 0 : l.resident_bytes;
+    p.train_bytes = p.resident && !held ? l.train_bytes : 0;
     p.flops = l.flops;
     p.compute_s = compute_seconds(in, l);
     p.transfer_s = p.lookup     ? transfer_seconds(in, l.lookup_bytes)

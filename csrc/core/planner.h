@@ -28,6 +28,12 @@ struct PlannerLayer {
                                 // (quantized: packed + dequantized workspace); 0 = `bytes`
   uint64_t streamed_slot_bytes() const { return slot_bytes > bytes ? slot_bytes : bytes; }
   uint64_t resident_bytes = 0;  // bytes it occupies on the device if kept resident
+  // Training (offload(train=...), docs/design/planner.md "Training"): what its
+  // trainable weights' gradients and optimizer states take on the device
+  // when it is kept resident (optim::train_bytes); 0: frozen, or not counted.
+  // Streamed, its gradient goes to the host and its states live there.
+  uint64_t train_bytes = 0;
+  uint64_t resident_cost() const { return resident_bytes + train_bytes; }
   // Host bytes when streamed, if not `bytes` (a trainable lossless weight:
   // the dense weight and its coded copy at its largest size); 0 = `bytes`.
   uint64_t host_bytes = 0;
@@ -70,6 +76,7 @@ struct PlannerInput {
   uint64_t budget_bytes = 0;
   std::vector<PlannerLayer> layers;       // in execution order
   uint64_t fixed_resident_bytes = 0;   // small tensors that are always resident (norms, biases, ...)
+  uint64_t fixed_train_bytes = 0;      // their gradients and optimizer states (PlannerLayer::train_bytes)
   double link_bytes_per_s = 0.0;       // host->device bandwidth (0 = unknown: no time prediction)
   double device_flops_per_s = 0.0;     // device throughput (0 = unknown: compute time 0)
   int min_slots = 2;                   // at least 2 (one in use + one being filled)
@@ -89,6 +96,7 @@ struct LayerPlacement {
   uint64_t bytes = 0;
   uint64_t routed_bytes = 0;  // PlannerLayer::routed_bytes (0: copied whole)
   uint64_t resident_bytes = 0;
+  uint64_t train_bytes = 0;  // PlannerLayer::train_bytes when resident, else 0
   double flops = 0.0;
   double compute_s = 0.0;   // per step
   double transfer_s = 0.0;  // per step (0 when resident)
@@ -99,10 +107,13 @@ struct Plan {
   uint64_t budget_bytes = 0;
   uint64_t resident_bytes = 0;        // resident layers (their resident_bytes)
   uint64_t fixed_resident_bytes = 0;  // small always-resident tensors
+  // Gradients and optimizer states of the resident trainable weights (layers
+  // and small tensors; PlannerLayer::train_bytes, PlannerInput::fixed_train_bytes).
+  uint64_t train_bytes = 0;
   uint64_t slot_bytes = 0;            // largest streamed layer's slot (0 when nothing streams)
   int num_slots = 0;                  // 0 when nothing streams, else >= 2
   int prefetch_depth = 0;             // num_slots - 1 (0 when nothing streams)
-  uint64_t device_bytes = 0;          // resident + fixed + num_slots * slot_bytes  (<= budget)
+  uint64_t device_bytes = 0;          // resident + fixed + train + num_slots * slot_bytes  (<= budget)
   uint64_t host_pinned_bytes = 0;     // sum of streamed and looked-up layers' bytes
   uint64_t bus_bytes_per_step = 0;    // host->device bytes per step (streamed x2 when training, + lookups)
   uint64_t activation_bytes_per_step = 0;  // saved activations to the host and back (each way)
@@ -208,6 +219,7 @@ struct ModelDescription {
   std::vector<ModelLayer> layers;  // execution order
   uint64_t small_bytes = 0;        // tensors that are not part of a layer (always resident)
   size_t small_tensors = 0;
+  std::vector<std::pair<std::vector<uint64_t>, std::string>> small_shapes;  // each one's (shape, dtype)
   std::vector<std::string> files;  // checkpoint files (empty for built-ins)
 };
 
@@ -282,6 +294,10 @@ struct LayerOptions {
   // (PlannerLayer::activation_bytes). Other saved tensors (norms,
   // nonlinearities, attention) are not counted.
   bool activations = false;
+  // With training: what a trainable weight kept resident takes on the device
+  // beside itself (its gradient, optimizer states), as offload(train=...):
+  // optim::parse_train_spec's text, "grads" by default (PlannerLayer::train_bytes).
+  std::string train = "grads";
 };
 
 // The share of a mixture-of-experts layer's experts that `tokens` tokens
@@ -297,5 +313,8 @@ double experts_reached(double active, uint64_t tokens);
 uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::string& dtype, Quantization q);
 
 std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOptions& opt);
+// With training, the small tensors' gradients and optimizer states (LayerOptions::train;
+// PlannerInput::fixed_train_bytes): every float small tensor trains.
+uint64_t small_train_bytes(const ModelDescription& m, const LayerOptions& opt);
 
 }  // namespace layerstream

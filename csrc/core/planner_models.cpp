@@ -1,6 +1,7 @@
 // layerstream core — the placement planner: model descriptions (checkpoints, GGUF files, built-in models) and each layer's bytes as offload() would stream it
 // (planner.h; the files: docs/design/README.md).
 #include "planner.h"
+#include "optim/optim.h"
 #include "planner_impl.h"
 #include <algorithm>
 #include <cctype>
@@ -115,7 +116,27 @@ double experts_reached(double active, uint64_t tokens) {
   return 1.0 - std::pow(1.0 - active, static_cast<double>(tokens));
 }
 
+namespace {
+// A float tensor's gradient and optimizer-state bytes (optim::train_bytes); 0
+// for a packed one (GGUF blocks: frozen).
+uint64_t tensor_train_bytes(const optim::TrainSpec& train, const std::vector<uint64_t>& shape,
+                            const std::string& dtype) {
+  const unsigned bits = safetensors_dtype_bits(dtype);
+  if (bits == 0 || bits % 8) return 0;
+  return optim::train_bytes(train, std::vector<int64_t>(shape.begin(), shape.end()), bits / 8);
+}
+}  // namespace
+
+uint64_t small_train_bytes(const ModelDescription& m, const LayerOptions& opt) {
+  if (!opt.training) return 0;
+  const optim::TrainSpec train = optim::parse_train_spec(opt.train);
+  uint64_t total = 0;
+  for (const auto& [shape, dtype] : m.small_shapes) total += tensor_train_bytes(train, shape, dtype);
+  return total;
+}
+
 std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOptions& opt) {
+  const optim::TrainSpec train = optim::parse_train_spec(opt.training ? opt.train : "");
   std::vector<PlannerLayer> out;
   const double tokens = static_cast<double>(opt.tokens);
   // LayerOptions::activations: a linear layer's saved input, tokens x in_features.
@@ -167,6 +188,8 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       s.resident_bytes = opt.resident_dequantized || gguf ? l.group_bytes : bus;
       s.flops = 2.0 * tokens * static_cast<double>(l.group_params) * l.active * (opt.training ? 3.0 : 1.0);
       s.trainable = opt.training && opt.quantize == Quantization::None && !gguf;  // GGUF tensors are frozen
+      if (s.trainable)
+        for (const auto& [shape, dtype] : l.group_tensors) s.train_bytes += tensor_train_bytes(train, shape, dtype);
       s.as_stored = gguf || (opt.quantize != Quantization::None && bus == l.group_bytes);  // nothing to pack
       if (opt.routed_experts && l.active < 1.0) {
         const double share = experts_reached(l.active, opt.tokens);
@@ -240,6 +263,9 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     if (opt.training) s.flops *= 3.0;
     // Quantizing freezes the model, but for lossless (trainable weights stay dense on the host).
     s.trainable = opt.training && (opt.quantize == Quantization::None || opt.quantize == Quantization::Lossless);
+    if (s.trainable && !l.embedding)  // a table is looked up on the host: its gradient is there
+      s.train_bytes = tensor_train_bytes(train, l.weight_shape, l.weight_dtype) +
+                      (l.bias_dtype.empty() ? 0 : tensor_train_bytes(train, {l.bias_numel}, l.bias_dtype));
     if (!l.embedding) s.activation_bytes = saved_input_bytes(l, cd.empty() ? l.weight_dtype : cd);
     if (l.embedding) {
       // As offload() does: a table is looked up in host memory (the rows a
@@ -422,6 +448,7 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
     if (used.count(t.name)) continue;
     m.small_bytes += t.nbytes;
     ++m.small_tensors;
+    m.small_shapes.emplace_back(t.shape, t.dtype);
   }
   return m;
 }
@@ -614,6 +641,7 @@ struct Builder {
   void small(uint64_t numel, int count = 1) {
     m.small_bytes += bytes_of(numel, dtype) * static_cast<uint64_t>(count);
     m.small_tensors += static_cast<size_t>(count);
+    for (int i = 0; i < count; ++i) m.small_shapes.push_back({{numel}, dtype});
   }
 };
 

@@ -130,12 +130,13 @@ std::string Plan::explain() const {
   }
   out += "\n";
   double pct = budget_bytes ? 100.0 * static_cast<double>(device_bytes) / static_cast<double>(budget_bytes) : 0.0;
+  const std::string train = train_bytes ? " + gradients and optimizer states " + format_bytes(train_bytes) : "";
   std::snprintf(buf, sizeof buf,
-                "device memory:            %s = resident layers %s + small tensors %s + %d slots x %s "
+                "device memory:            %s = resident layers %s + small tensors %s%s + %d slots x %s "
                 "(%.1f%% of budget %s)\n",
                 format_bytes(device_bytes).c_str(), format_bytes(resident_bytes).c_str(),
-                format_bytes(fixed_resident_bytes).c_str(), num_slots, format_bytes(slot_bytes).c_str(), pct,
-                format_bytes(budget_bytes).c_str());
+                format_bytes(fixed_resident_bytes).c_str(), train.c_str(), num_slots, format_bytes(slot_bytes).c_str(),
+                pct, format_bytes(budget_bytes).c_str());
   out += buf;
   const std::string tables = num_lookup ? " + " + std::to_string(num_lookup) + " looked-up tables" : "";
   std::snprintf(buf, sizeof buf, "host RAM needed (pinned): %s (%zu streamed layers%s)\n",
@@ -191,6 +192,7 @@ std::string Plan::to_json() const {
   num("device_bytes", device_bytes);
   num("resident_bytes", resident_bytes);
   num("small_resident_bytes", fixed_resident_bytes);
+  num("train_bytes", train_bytes);
   num("slot_bytes", slot_bytes);
   num("num_slots", static_cast<uint64_t>(num_slots));
   num("prefetch_depth", static_cast<uint64_t>(prefetch_depth));
@@ -223,6 +225,7 @@ std::string Plan::to_json() const {
     num("bytes", l.bytes);
     if (l.routed_bytes) num("routed_bytes", l.routed_bytes);
     num("resident_bytes", l.resident_bytes);
+    if (l.train_bytes) num("train_bytes", l.train_bytes);
     dbl("flops", l.flops);
     dbl("compute_s", l.compute_s);
     dbl("transfer_s", l.transfer_s, false);

@@ -78,6 +78,12 @@ struct OffloadOptions : EngineOptions {
   // budget for saved activations in bytes (0: every saved tensor that can
   // goes to the host), used by OffloadHandle::saved_activations().
   int64_t activations = -1;
+  // With a budget: what the trainable weights kept resident take on the
+  // device beside themselves while they train, which the budget then covers
+  // too (docs/design/planner.md, "Training"): "" counts the weights only;
+  // "grads", "adamw", "adamw-bf16", "adamw-8bit", "adafactor", or a number of
+  // optimizer-state bytes per parameter (core/optim/optim.h parse_train_spec).
+  std::string train;
 };
 
 // While it lives, the tensors autograd saves on this thread go through the

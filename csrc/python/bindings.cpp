@@ -112,6 +112,13 @@ void bind_optim(py::module& m) {
     value_error([&] { out = o::state_format_name(o::parse_state_format(name)); });
     return out;
   }, "the canonical name ('fp32', 'bf16', '8bit') of a state precision");
+  m.def("optim_train_bytes", [value_error](const std::string& spec, const std::vector<int64_t>& shape,
+                                           uint64_t elem_bytes) {
+    uint64_t out = 0;
+    value_error([&] { out = o::train_bytes(o::parse_train_spec(spec), shape, elem_bytes); });
+    return out;
+  }, "offload(train=spec): the gradient and optimizer-state bytes of a trainable tensor kept on the device "
+     "(core/optim/optim.h train_bytes); ValueError for an unknown spec");
   m.def("optim_adamw_init_states", [opt](const torch::Tensor& p, const std::string& fmt) {
     const o::AdamWStates s = o::adamw_init_states(p, o::parse_state_format(fmt));
     return py::make_tuple(s.exp_avg, s.exp_avg_sq, opt(s.exp_avg_absmax), opt(s.exp_avg_sq_absmax));
@@ -591,15 +598,16 @@ PYBIND11_MODULE(_C, m) {
   });
 
   // The placement planner (core/planner.h): which layers stay resident.
-  // layers: (name, bus bytes, slot bytes (0 = bus bytes), resident bytes,
-  // FLOPs, trainable) in execution order.
-  // (name, bus bytes, slot bytes, resident bytes, flops, trainable, narrow write: PlannerLayer's fields)
-  using PlannedLayers = std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool, bool>>;
-  auto planner_input = [](uint64_t budget, const PlannedLayers& layers, uint64_t fixed) {
+  // layers, in execution order: (name, bus bytes, slot bytes (0 = bus bytes),
+  // resident bytes, FLOPs, trainable, narrow write, train bytes): PlannerLayer's fields.
+  using PlannedLayers =
+      std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool, bool, uint64_t>>;
+  auto planner_input = [](uint64_t budget, const PlannedLayers& layers, uint64_t fixed, uint64_t fixed_train) {
     layerstream::PlannerInput in;
     in.budget_bytes = budget;
     in.fixed_resident_bytes = fixed;
-    for (const auto& [name, bytes, slot_bytes, resident, flops, trainable, narrow_write] : layers) {
+    in.fixed_train_bytes = fixed_train;
+    for (const auto& [name, bytes, slot_bytes, resident, flops, trainable, narrow_write, train] : layers) {
       layerstream::PlannerLayer l;
       l.name = name;
       l.bytes = bytes;
@@ -608,6 +616,7 @@ PYBIND11_MODULE(_C, m) {
       l.flops = flops;
       l.trainable = trainable;
       l.narrow_write = narrow_write;
+      l.train_bytes = train;
       in.layers.push_back(l);
     }
     return in;
@@ -623,6 +632,7 @@ PYBIND11_MODULE(_C, m) {
     d["slot_bytes"] = plan.slot_bytes;
     d["resident_bytes"] = plan.resident_bytes;
     d["fixed_resident_bytes"] = plan.fixed_resident_bytes;
+    d["train_bytes"] = plan.train_bytes;
     d["device_bytes"] = plan.device_bytes;
     d["budget_bytes"] = plan.budget_bytes;
     d["explain"] = plan.explain();
@@ -634,8 +644,8 @@ PYBIND11_MODULE(_C, m) {
       "plan",
       [planner_input, plan_dict](uint64_t budget, const PlannedLayers& layers, uint64_t fixed,
                                  double link_bytes_per_s, double flops_per_s, bool training, int max_prefetch,
-                                 int min_slots) {
-        layerstream::PlannerInput in = planner_input(budget, layers, fixed);
+                                 int min_slots, uint64_t fixed_train) {
+        layerstream::PlannerInput in = planner_input(budget, layers, fixed, fixed_train);
         in.link_bytes_per_s = link_bytes_per_s;
         in.device_flops_per_s = flops_per_s;
         in.training = training;
@@ -645,19 +655,21 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"),
       py::arg("link_bytes_per_s") = 0.0, py::arg("device_flops_per_s") = 0.0,
-      py::arg("training") = false, py::arg("max_prefetch") = 4, py::arg("min_slots") = 2);
+      py::arg("training") = false, py::arg("max_prefetch") = 4, py::arg("min_slots") = 2,
+      py::arg("fixed_train_bytes") = 0);
   // offload()'s rule: slots first, residency with what is left (plan_slots_first).
   m.def(
       "plan_slots_first",
       [planner_input, plan_dict](uint64_t budget, const PlannedLayers& layers, uint64_t fixed, int prefetch,
-                                 int slots, double link_bytes_per_s, bool training) {
-        layerstream::PlannerInput in = planner_input(budget, layers, fixed);
+                                 int slots, double link_bytes_per_s, bool training, uint64_t fixed_train) {
+        layerstream::PlannerInput in = planner_input(budget, layers, fixed, fixed_train);
         in.link_bytes_per_s = link_bytes_per_s;  // the copy times (0: unknown)
         in.training = training;
         return plan_dict(layerstream::plan_slots_first(in, prefetch, slots));
       },
       py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"), py::arg("prefetch"),
-      py::arg("slots") = 0, py::arg("link_bytes_per_s") = 0.0, py::arg("training") = false);
+      py::arg("slots") = 0, py::arg("link_bytes_per_s") = 0.0, py::arg("training") = false,
+      py::arg("fixed_train_bytes") = 0);
   // This machine's memory (core/host_memory.h): {total_bytes, available_bytes}, 0 = unknown.
   m.def("host_memory", [] {
     const layerstream::HostMemory h = layerstream::host_memory();

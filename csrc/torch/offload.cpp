@@ -7,6 +7,7 @@
 #include <set>
 
 #include "core/offload_policy.h"
+#include "core/optim/optim.h"
 #include "core/options.h"
 #include "core/planner.h"
 #include "core/slot_layout.h"
@@ -259,6 +260,10 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   auto handle = std::shared_ptr<OffloadHandle>(new OffloadHandle());
   LS_CHECK(options.activations >= -1, "OffloadOptions::activations is ", options.activations,
            ": use -1 (off), 0 (every saved tensor that can goes to the host) or a device budget in bytes");
+  optim::parse_train_spec(options.train);  // an unknown spec throws before anything changes
+  LS_CHECK(options.train.empty() || options.train == "none" || options.budget_bytes >= 0, "OffloadOptions::train '",
+           options.train, "' sizes what the budget covers; it needs budget_bytes too (without a budget nothing is "
+           "kept resident for it)");
   handle->root_ = &root;
   handle->activations_ = options.activations;
   const quant::Format qformat =
@@ -378,6 +383,12 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       return compute && t.element_size() != static_cast<int64_t>(out_bytes(*compute)) ? t.numel() * out_bytes(*compute)
                                                                                      : uint64_t{0};
     };
+    const optim::TrainSpec train = optim::parse_train_spec(options.train);
+    const auto train_bytes = [&](const torch::Tensor& t) {
+      return t.defined() && t.requires_grad()
+                 ? optim::train_bytes(train, t.sizes().vec(), static_cast<uint64_t>(t.element_size()))
+                 : uint64_t{0};
+    };
     PlannerInput in;
     in.budget_bytes = static_cast<uint64_t>(options.budget_bytes);
     std::set<torch::nn::Module*> planned;
@@ -418,13 +429,17 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       l.slot_bytes = layout.slot_bytes();
       l.resident_bytes = dense + (has_bias ? static_cast<uint64_t>(b->numel() * b->element_size()) : 0);
       l.trainable = w.requires_grad();
+      l.train_bytes = train_bytes(w) + (has_bias ? train_bytes(*b) : 0);
       in.layers.push_back(l);
     }
     std::set<torch::TensorImpl*> counted;  // a tensor shared by two modules is on the device once
     for (const auto& named : root.named_modules("", /*include_self=*/true)) {
       if (planned.count(named.value().get()) || collected.count(named.value().get())) continue;
       for (const auto& t : named.value()->parameters(/*recurse=*/false))
-        if (t.defined() && counted.insert(t.unsafeGetTensorImpl()).second) in.fixed_resident_bytes += t.nbytes();
+        if (t.defined() && counted.insert(t.unsafeGetTensorImpl()).second) {
+          in.fixed_resident_bytes += t.nbytes();
+          in.fixed_train_bytes += train_bytes(t);
+        }
       for (const auto& t : named.value()->buffers(/*recurse=*/false))
         if (t.defined() && counted.insert(t.unsafeGetTensorImpl()).second) in.fixed_resident_bytes += t.nbytes();
     }
@@ -437,7 +452,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       for (const auto& n : group)
         if (resident.count(n)) { resident.insert(group.begin(), group.end()); break; }
     engine_options.budget_bytes = static_cast<int64_t>(
-        std::max<uint64_t>(0, plan.budget_bytes - std::min(plan.budget_bytes, plan.resident_bytes + plan.fixed_resident_bytes)));
+        plan.budget_bytes -
+        std::min(plan.budget_bytes, plan.resident_bytes + plan.fixed_resident_bytes + plan.train_bytes));
     handle->plan_ = plan.explain();
     std::vector<Item> streaming;
     for (auto& it : items) {

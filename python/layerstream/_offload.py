@@ -72,6 +72,7 @@ def offload(
     activations: Union[None, str, int] = None,
     process_group=None,
     share_host_store: Union[None, bool, str] = None,
+    train: Union[None, bool, str, float] = None,
 ) -> Handle:
     """Streams the model's Linear, Conv1d/2d/3d, Embedding, MultiheadAttention and MoE experts
     layers from host RAM.
@@ -109,6 +110,16 @@ def offload(
         many layers resident as the rest holds; a budget too small for
         prefetch + 1 slots gets fewer (at least 2) and a prefetch depth of
         slots - 1.
+    train: with a budget, what the trainable weights kept on the device take
+        there beside themselves while they train, which the budget then covers
+        too (the planner keeps fewer layers resident): None (default) counts
+        the weights only; True or "grads" their gradients; "adamw", "adamw-bf16",
+        "adamw-8bit" or "adafactor" their gradients and the states
+        layerstream.optim keeps on the device (AdamW's state_precision;
+        Adafactor with beta1=None); a number: the gradients plus that many bytes
+        of optimizer state per parameter (8 for torch.optim.AdamW on float32
+        weights, 4 on bfloat16). Streamed weights' gradients and states are on
+        the host. handle.plan shows the bytes. docs/design/planner.md, "Training".
     prefetch: layers kept in flight ahead of use, 0 to 64; slots: device
         slots, 2 to 66 (default prefetch + 1, at least 2, capped by the budget). The rules
         for these and the sim link options are the C++ ones
@@ -241,6 +252,7 @@ def offload(
 
     if budget is not None:
         _C.parse_budget(budget)  # checked before anything changes
+    train_spec = _train_spec(train, budget)
     activation_budget = None if activations is None else parse_activations(activations, parse_bytes)
     _check_loadable(model)
     candidates, grouped = _discover(model, include, exclude, groups, compute_device)
@@ -264,7 +276,7 @@ def offload(
                                 defer_file_reads=cache_dir is not None)
 
     # 2. With a budget: which layers stay resident; the slots get what is left.
-    plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups)
+    plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups, train_spec)
 
     # 3. Host RAM: which weights stay in their file, what is pinned (core/host_tier.h).
     on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts, cache_dir)
@@ -278,7 +290,8 @@ def offload(
         settings = dict(device=compute_device.type, budget=budget, prefetch=prefetch, slots=slots, include=include,
                         exclude=exclude, quantize=quantize, dequant_dtype=dequant_dtype, compute_dtype=compute_dtype,
                         experts=experts, groups=groups, host_budget=host_budget, pinned_budget=pinned_budget,
-                        activations=activations, pin_memory=pin_memory, share_host_store=share_host_store)
+                        activations=activations, pin_memory=pin_memory, share_host_store=share_host_store,
+                        train=train_spec)
         group = _distributed.Distributed(pg, model, layers + tables, settings, share_host_store)
 
     # 5. Attach them to one engine (undone on failure); the rest moves to the device.
@@ -523,17 +536,36 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
     return layers
 
 
+def _train_spec(train, budget) -> str:
+    """offload(train=...) as core/optim/optim.h parse_train_spec's text, checked there."""
+    if train is None or train is False:
+        return ""
+    if budget is None:
+        raise ValueError(f"train={train!r} sizes what the budget covers; it needs budget= too (without a "
+                         "budget nothing is kept resident for it)")
+    spec = "grads" if train is True else repr(float(train)) if isinstance(train, (int, float)) else str(train)
+    _C.optim_train_bytes(spec, [1], 1)  # ValueError naming the choices, before anything changes
+    return spec
+
+
+def _train_bytes(spec: str, tensors) -> int:
+    """Gradient and optimizer-state bytes of the trainable tensors among `tensors` (train=spec)."""
+    return sum(_C.optim_train_bytes(spec, list(p.shape), p.element_size())
+               for p in tensors if spec and p is not None and p.requires_grad)
+
+
 def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, compute_device: torch.device,
-          opts, slots, tie_groups: list):
+          opts, slots, tie_groups: list, train_spec: str = ""):
     """Step 2: with a budget, the planner decides which layers stay resident; the
     slots get what is left (opts.budget_bytes). The budget covers every weight on
-    the device. Returns (plan or None, resident layer names)."""
+    the device (and with train=, the resident trainable weights' gradients and
+    optimizer states). Returns (plan or None, resident layer names)."""
     plan = None
     resident_names = set()
     if budget is not None:
         budget_bytes = _resolve_budget(budget, compute_device)
         layer_ids = {id(t.module) for t in layers + tables}  # tables take no device memory
-        fixed = 0
+        fixed = fixed_train = 0
         counted = set()  # a tensor shared by two modules (tied weights) is on the device once
         for t in layers:  # a tensor group's tensors held by a child (an attention's out_proj)
             if t.kind == "group":
@@ -545,22 +577,29 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                 if t is not None and not t.is_meta and id(t) not in counted:
                     counted.add(id(t))
                     fixed += t.numel() * t.element_size()
+                    if isinstance(t, nn.Parameter):
+                        fixed_train += _train_bytes(train_spec, [t])
         # Slots first, residency with what is left (core/planner.h plan_slots_first).
-        planned = [(t.name, t.bus_bytes, t.slot_bytes, t.resident_bytes, 0.0,
-                    any(o._parameters[key].requires_grad for o, key, _ in _group_slots(t.module))
-                    if t.kind == "group" else bool(t.module.weight.requires_grad), t.narrow_write)
-                   for t in layers]
+        planned = []
+        for t in layers:
+            tensors = ([o._parameters[key] for o, key, _ in _group_slots(t.module)] if t.kind == "group"
+                       else [t.module.weight, getattr(t.module, "bias", None)])
+            trainable = any(p is not None and p.requires_grad for p in tensors)
+            planned.append((t.name, t.bus_bytes, t.slot_bytes, t.resident_bytes, 0.0, trainable, t.narrow_write,
+                            _train_bytes(train_spec, tensors)))
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
         plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
-                                   slots=int(slots) if slots is not None else 0, link_bytes_per_s=link)
+                                   slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
+                                   fixed_train_bytes=fixed_train)
         resident_names = set(plan["resident"])
         # Tied weights: a layer kept resident keeps its tensor on the device, so the
         # layers that share it stay resident too (it is on the device once, counted once).
         for group in tie_groups:
             if resident_names.intersection(group):
                 resident_names.update(group)
-        opts.budget_bytes = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"])
+        opts.budget_bytes = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"]
+                                - plan["train_bytes"])
 
     return plan, resident_names
 

@@ -121,6 +121,37 @@ TEST(OptimGroups, TheHostAndOneDeviceShareAGroupTwoDevicesDoNot) {
   }
 }
 
+// offload(train=...): a trainable weight's gradient and states on the device.
+// The sizes are checked against the tensors layerstream.optim allocates in
+// tests/python/test_optim.py::test_train_bytes_are_what_the_optimizers_allocate.
+TEST(OptimTrainSpec, GradientAndStateBytesPerSpec) {
+  const std::vector<int64_t> w{6, 10};  // 60 elements
+  auto bytes = [&](const std::string& spec, const std::vector<int64_t>& shape, uint64_t elem) {
+    return o::train_bytes(o::parse_train_spec(spec), shape, elem);
+  };
+  EXPECT_EQ(bytes("", w, 2), 0u);
+  EXPECT_EQ(bytes("none", w, 2), 0u);
+  EXPECT_EQ(bytes("grads", w, 2), 120u);
+  EXPECT_EQ(bytes("adamw", w, 4), 240u + 2 * 240u);
+  EXPECT_EQ(bytes("adamw-fp32", w, 2), 120u + 2 * 240u);
+  EXPECT_EQ(bytes("adamw-bf16", w, 2), 120u + 2 * 120u);
+  EXPECT_EQ(bytes("adamw-8bit", w, 2), 120u + 2 * (60u + 4u));  // codes + one fp32 absmax per block of 256
+  EXPECT_EQ(bytes("adafactor", w, 2), 120u + 4u * (6 + 10));      // row and column second moments, fp32
+  EXPECT_EQ(bytes("adafactor", {3, 6, 10}, 4), 720u + 4u * (18 + 30));
+  EXPECT_EQ(bytes("adafactor", {10}, 4), 40u + 40u);  // 1-D: the full second moment
+  EXPECT_EQ(bytes("8", w, 4), 240u + 480u);
+  EXPECT_EQ(bytes("2.5", {3}, 2), 6u + 8u);  // rounded up
+  EXPECT_EQ(bytes("adamw", {0, 10}, 4), 0u);
+  for (const char* bad : {"sgd", "adamw-fp16", "-1", "8 bytes", "nan"}) {
+    try {
+      o::parse_train_spec(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const layerstream::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'grads' (gradients only), 'adamw'"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(OptimBf16, RoundToNearestEvenAndSpecials) {
   EXPECT_EQ(o::bf16_rne(1.0f), 0x3F80);
   // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).

@@ -95,6 +95,40 @@ TEST(Planner, EverythingResidentWhenItFits) {
   EXPECT_EQ(p.host_pinned_bytes, 0u);
 }
 
+TEST(Planner, TrainingBytesOfResidentWeightsCountInTheBudget) {
+  // Four 100 MiB trainable layers and 600 MiB: resident as weights alone; with
+  // their gradients and AdamW states (train_bytes, 3x the weight here) only
+  // two stay resident beside 2 slots, and the plan says what is what.
+  PlannerInput in;
+  in.budget_bytes = 600 * MiB;
+  for (int i = 0; i < 4; ++i) in.layers.push_back(layer("l" + std::to_string(i), 100 * MiB));
+  Plan weights_only = plan_placement(in);
+  EXPECT_EQ(weights_only.num_resident, 4u);
+  EXPECT_EQ(weights_only.train_bytes, 0u);
+  for (auto& l : in.layers) l.train_bytes = 300 * MiB;
+  in.layers[3].train_bytes = 0;  // frozen
+  in.fixed_resident_bytes = 10 * MiB;
+  in.fixed_train_bytes = 30 * MiB;
+  Plan p = plan_placement(in);
+  EXPECT_EQ(p.num_resident, 1u);  // the frozen one: 100 MiB; a trainable one would need 400
+  EXPECT_TRUE(p.layers[3].resident);
+  EXPECT_EQ(p.layers[3].train_bytes, 0u);
+  EXPECT_EQ(p.layers[0].train_bytes, 0u);  // streamed: its gradient and states are on the host
+  EXPECT_EQ(p.train_bytes, 30 * MiB);
+  EXPECT_EQ(p.device_bytes, 100 * MiB + 40 * MiB + 2 * 100 * MiB);
+  in.budget_bytes = 1000 * MiB;
+  p = plan_placement(in);
+  EXPECT_EQ(p.num_resident, 2u);  // 140 fixed + 100 frozen + 400 trainable + 2 slots x 100 <= 1000
+  EXPECT_EQ(p.train_bytes, 330 * MiB);
+  EXPECT_EQ(p.resident_bytes, 200 * MiB);
+  EXPECT_LE(p.device_bytes, in.budget_bytes);
+  EXPECT_HAS(p.explain(), "+ gradients and optimizer states 330.00 MiB +");
+  EXPECT_HAS(p.to_json(), "\"train_bytes\": 346030080");
+  in.budget_bytes = 35 * MiB;
+  EXPECT_HAS(error_of([&] { plan_placement(in); }),
+             "small tensors (40.00 MiB, of which 30.00 MiB their gradients and optimizer states (train=))");
+}
+
 TEST(Planner, TooSmallBudgetErrorNamesLargestLayer) {
   PlannerInput in;
   in.budget_bytes = 100 * MiB;
@@ -225,10 +259,10 @@ long double least_with_min_slots(const PlannerInput& in) {
   std::stable_sort(by_slot.begin(), by_slot.end(), [](const PlannerLayer* a, const PlannerLayer* b) {
     return a->streamed_slot_bytes() > b->streamed_slot_bytes();
   });
-  long double best = INFINITY, res = static_cast<long double>(in.fixed_resident_bytes);
+  long double best = INFINITY, res = static_cast<long double>(in.fixed_resident_bytes + in.fixed_train_bytes);
   for (const PlannerLayer* l : by_slot) {
     best = std::min(best, res + static_cast<long double>(in.min_slots) * static_cast<long double>(l->streamed_slot_bytes()));
-    res += static_cast<long double>(l->resident_bytes);
+    res += static_cast<long double>(l->resident_bytes + l->train_bytes);
   }
   return best;
 }
@@ -558,7 +592,7 @@ TEST(Planner, OutlierLayerIsKeptResidentSoSlotsShrink) {
 
 TEST(Planner, RandomLayerSetsNeverExceedBudget) {
   std::mt19937_64 rng(2024);
-  int planned = 0, rejected = 0, outlier_plans = 0, tied_streamed = 0, tied_resident = 0;
+  int planned = 0, rejected = 0, outlier_plans = 0, tied_streamed = 0, tied_resident = 0, trained = 0;
   for (int iter = 0; iter < 600; ++iter) {
     PlannerInput in;
     size_t n = 1 + rng() % 80;
@@ -585,13 +619,17 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
         untied_table = -1;
       }
       if (l.lookup) untied_table = static_cast<int>(i);
+      // Training (offload(train=...)): its gradient and states when resident.
+      if (!l.lookup && l.trainable && rng() % 2 == 0) l.train_bytes = l.resident_bytes * (1 + rng() % 5);
       in.layers.push_back(l);
       if (l.lookup) continue;
-      total += l.resident_bytes;
+      total += l.resident_cost();
       largest = std::max(largest, l.streamed_slot_bytes());
     }
     in.fixed_resident_bytes = rng() % 3 == 0 ? rng() % (largest + 1) : 0;
-    in.budget_bytes = static_cast<uint64_t>(static_cast<double>(total + in.fixed_resident_bytes) *
+    in.fixed_train_bytes = rng() % 4 == 0 ? in.fixed_resident_bytes * (1 + rng() % 4) : 0;
+    const uint64_t fixed = in.fixed_resident_bytes + in.fixed_train_bytes;
+    in.budget_bytes = static_cast<uint64_t>(static_cast<double>(total + fixed) *
                                             (static_cast<double>(rng() % 1300) / 1000.0));
     in.link_bytes_per_s = rng() % 5 == 0 ? 0.0 : 1e9 * (1 + rng() % 50);
     in.device_flops_per_s = rng() % 5 == 0 ? 0.0 : 1e12 * (1 + rng() % 500);
@@ -607,20 +645,19 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       // Only when it genuinely cannot fit: not everything resident, and for no
       // set of the largest layers kept resident do min_slots slots of the
       // largest other one fit beside them.
-      bool all_fit = total + in.fixed_resident_bytes <= in.budget_bytes;
+      bool all_fit = total + fixed <= in.budget_bytes;
       EXPECT_FALSE(all_fit) << e.message();
-      EXPECT_GT(in.fixed_resident_bytes + static_cast<uint64_t>(in.min_slots) * largest, in.budget_bytes) << e.message();
+      EXPECT_GT(fixed + static_cast<uint64_t>(in.min_slots) * largest, in.budget_bytes) << e.message();
       EXPECT_GT(least_with_min_slots(in), static_cast<long double>(in.budget_bytes)) << e.message();
       continue;
     }
     // Planned although the largest layer's slots alone would not fit: it kept
     // the largest layers resident (an outlier such as an LM head).
-    if (in.fixed_resident_bytes + static_cast<uint64_t>(in.min_slots) * largest > in.budget_bytes &&
-        total + in.fixed_resident_bytes > in.budget_bytes)
+    if (fixed + static_cast<uint64_t>(in.min_slots) * largest > in.budget_bytes && total + fixed > in.budget_bytes)
       ++outlier_plans;
     ++planned;
     EXPECT_LE(p.device_bytes, in.budget_bytes);
-    uint64_t res = 0, streamed = 0, slot = 0, looked = 0, shared = 0;
+    uint64_t res = 0, train = 0, streamed = 0, slot = 0, looked = 0, shared = 0;
     size_t ns = 0, nl = 0;
     std::vector<char> held(n, 0);  // tables on the device with their resident tied layer
     for (size_t i = 0; i < n; ++i) {
@@ -636,6 +673,7 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       EXPECT_EQ(l.index, i);
       EXPECT_EQ(l.name, in.layers[i].name);
       EXPECT_EQ(l.lookup, in.layers[i].lookup && !held[i]);
+      EXPECT_EQ(l.train_bytes, l.resident && !held[i] ? in.layers[i].train_bytes : 0u);
       if (held[i]) {
         EXPECT_TRUE(l.resident);
         EXPECT_EQ(l.resident_bytes, 0u);
@@ -645,6 +683,7 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
         ++nl;
       } else if (l.resident) {
         res += l.resident_bytes;
+        train += l.train_bytes;
       } else {
         streamed += l.bytes;
         if (in.layers[i].tied_table >= 0) shared += l.bytes;  // the table's host copy
@@ -653,11 +692,13 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
       }
     }
     EXPECT_EQ(p.resident_bytes, res);
+    EXPECT_EQ(p.train_bytes, train + in.fixed_train_bytes);
+    if (train) ++trained;
     EXPECT_EQ(p.host_pinned_bytes, streamed + looked - shared);
     EXPECT_EQ(p.num_lookup, nl);
     EXPECT_EQ(p.slot_bytes, slot);
     EXPECT_EQ(p.num_streamed, ns);
-    EXPECT_EQ(p.device_bytes, res + in.fixed_resident_bytes + static_cast<uint64_t>(p.num_slots) * slot);
+    EXPECT_EQ(p.device_bytes, res + train + fixed + static_cast<uint64_t>(p.num_slots) * slot);
     if (ns > 0) {
       EXPECT_GE(p.num_slots, in.min_slots);
       EXPECT_LE(p.num_slots, std::max(in.min_slots, in.max_prefetch + 1));
@@ -678,6 +719,7 @@ TEST(Planner, RandomLayerSetsNeverExceedBudget) {
   EXPECT_GT(outlier_plans, 5);
   EXPECT_GT(tied_streamed, 5);
   EXPECT_GT(tied_resident, 5);
+  EXPECT_GT(trained, 20);  // plans that keep a training layer's gradient and states on the device
 }
 
 TEST(Planner, SlotHoldsPackedAndDequantizedWeight) {

@@ -899,6 +899,41 @@ TEST(TorchOffload, BudgetIsPlannedAsInPython) {
   t->detach();
 }
 
+// OffloadOptions::train: the budget covers the resident trainable weights'
+// gradients and optimizer states too, with Python's rule (optim::train_bytes).
+TEST(TorchOffload, TrainFootprintKeepsFewerTrainableLayersResident) {
+  constexpr int64_t kLayer = 64 * 64 * 4 + 64 * 4;  // 16640 bytes resident, 3x that trained with AdamW
+  auto opts = sim_options();
+  opts.budget_bytes = 8 * kLayer;  // the whole stack as weights
+  Stack weights_only, trained;
+  auto a = layerstream::offload(*weights_only, opts);
+  EXPECT_EQ(a->resident_layers().size(), 8u);
+  opts.train = "adamw";
+  auto b = layerstream::offload(*trained, opts);
+  // 3 slots of 16640 + 1 resident layer at 4 x 16640 (weights, gradients, two
+  // fp32 states) = 7 x 16640 <= 8 x 16640; 2 would not fit.
+  EXPECT_EQ(b->resident_layers().size(), 1u) << b->plan();
+  EXPECT_NE(b->plan().find("+ gradients and optimizer states 48.75 KiB"), std::string::npos) << b->plan();
+  a->detach();
+  b->detach();
+  Stack other;
+  auto bad = sim_options();
+  bad.train = "adamw";  // no budget
+  EXPECT_THROW(
+      {
+        try {
+          layerstream::offload(*other, bad);
+        } catch (const layerstream::Error& e) {
+          EXPECT_NE(e.message().find("needs budget_bytes too"), std::string::npos) << e.message();
+          throw;
+        }
+      },
+      layerstream::Error);
+  bad.budget_bytes = 8 * kLayer;
+  bad.train = "sgd";
+  EXPECT_THROW(layerstream::offload(*other, bad), layerstream::Error);
+}
+
 // device "auto" without a CUDA device falls back to the simulated device and
 // says why, once per process (a broken driver would otherwise give a slow CPU
 // simulation without a word); "sim" chosen explicitly says nothing.

@@ -5,6 +5,7 @@ Checkpoints are written with safetensors.torch.save_file and with
 transformers' save_pretrained (sharded, with an index json).
 """
 import json
+import math
 import os
 import struct
 import subprocess
@@ -470,3 +471,28 @@ def test_training_counts_the_gradients_staging_buffers_in_the_host_budget(st_fil
     assert "of gradient staging buffers (training)" in text
     assert plan_json("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", "100MiB")["host"][
         "grad_staging_bytes"] == 0
+
+
+@pytest.mark.parametrize("spec,per_elem_states", [(None, 0), ("grads", 0), ("adamw", 8), ("adamw-bf16", 4), ("6", 6)])
+def test_training_budget_holds_the_resident_weights_gradients_and_states(st_file, spec, per_elem_states):
+    """--train[=SPEC], as offload(train=SPEC): a resident trainable weight also needs its
+    gradient (its own dtype) and its optimizer states on the device; the plan counts them
+    per layer and for the small tensors, and keeps the total within the budget."""
+    flag = "--train" if spec is None else f"--train={spec}"
+    j = plan_json("--checkpoint", st_file, "--budget", "600KiB", flag)
+    plan = j["plan"]
+    assert j["options"]["train"] == (spec or "grads")
+    shapes = {"fc1": [(256, 128), (256,)], "fc2": [(128, 256)]}  # float16
+    resident = [l for l in plan["layers"] if l["placement"] == "resident"]
+    assert resident and any(l["placement"] == "streamed" for l in plan["layers"])
+    for l in resident:
+        numel = sum(math.prod(s) for s in shapes[l["name"].split(".")[-1]])
+        assert l["train_bytes"] == numel * (2 + per_elem_states), l
+    small = 4 * 128 * (4 + per_elem_states)  # the fp32 norms
+    assert plan["train_bytes"] == sum(l["train_bytes"] for l in resident) + small
+    assert plan["device_bytes"] == (plan["resident_bytes"] + plan["small_resident_bytes"] + plan["train_bytes"]
+                                    + plan["num_slots"] * plan["slot_bytes"]) <= 600 * 1024
+    assert all("train_bytes" not in l for l in plan["layers"] if l["placement"] != "resident")
+    assert plan_json("--checkpoint", st_file, "--budget", "600KiB")["plan"]["train_bytes"] == 0
+    assert_one_line_error(run("--checkpoint", st_file, "--budget", "600KiB", "--train=sgd"), 2,
+                          "train='sgd' is not a training footprint")

@@ -276,6 +276,91 @@ def test_state_bytes_per_precision():
         assert nbytes == 1000 * per_elem + (8 * blocks if precision == "8bit" else 0), precision
 
 
+@pytest.mark.parametrize("spec,make", [
+    ("adamw", lambda ps: AdamW(ps)), ("adamw-bf16", lambda ps: AdamW(ps, state_precision="bf16")),
+    ("adamw-8bit", lambda ps: AdamW(ps, state_precision="8bit")), ("adafactor", lambda ps: Adafactor(ps)),
+    ("8", lambda ps: torch.optim.AdamW(ps)), ("grads", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_train_bytes_are_what_the_optimizers_allocate(spec, make, dtype):
+    """offload(train=spec) budgets, per trainable tensor, what its gradient and its
+    optimizer's states take (core/optim/optim.h train_bytes); here measured on the
+    tensors the optimizers hold after a step, for 1-D to 3-D shapes ("8": torch's
+    AdamW on fp32 weights; its states take the weight's dtype, so 4 on bf16)."""
+    if spec == "8" and dtype == torch.bfloat16:
+        spec = "4"
+    ps = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in ((300,), (7, 40), (3, 5, 20))]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt = make(ps)
+    opt.step()
+    for p in ps:
+        held = sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k not in ("step", "RMS"))
+        grad = p.grad.numel() * p.grad.element_size()
+        assert layerstream._C.optim_train_bytes(spec, list(p.shape), p.element_size()) == grad + held, (spec, p.shape)
+
+
+class _NormedStack(nn.Module):
+    """Six Linear(256, 256) fp32 layers (257 KiB each) and a LayerNorm (always resident)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+        self.norm = nn.LayerNorm(256)
+
+    def forward(self, x):
+        return self.norm(self.layers(x))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_budget_covers_the_resident_weights_gradients_and_states(offload_sim, precision):
+    """offload(budget, train="adamw"): 3 MiB holds all six layers as weights, but
+    with their gradients and AdamW states (4x the weight in fp32) only two stay
+    resident beside the 3 slots; after full fine-tuning steps, the gradients and
+    states layerstream.optim holds for the resident parameters are the plan's
+    train_bytes, and everything the plan counts stays within the budget."""
+    torch.manual_seed(0)
+    frozen_plan = offload_sim(_NormedStack(), budget="3MiB")._plan
+    assert len(frozen_plan["resident"]) == 6 and frozen_plan["train_bytes"] == 0
+    model = _NormedStack()
+    spec = "adamw" if precision == "fp32" else "adamw-bf16"
+    handle = offload_sim(model, budget="3MiB", train=spec)
+    plan = handle._plan
+    assert plan["resident"] == ["layers.0", "layers.1"], plan["explain"]
+    opt = AdamW(model.parameters(), lr=1e-3, state_precision=precision)
+    for _ in range(2):
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+    streamed = {id(p) for a in handle._attached for p in a.module.parameters()}
+    on_device = [p for p in model.parameters() if id(p) not in streamed]
+    assert len(on_device) == 2 * 2 + 2  # two resident layers' weight and bias, the norm's
+    held = sum(p.grad.numel() * p.grad.element_size()
+               + sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
+               for p in on_device)
+    assert held == plan["train_bytes"]
+    assert plan["device_bytes"] == (plan["resident_bytes"] + plan["fixed_resident_bytes"] + plan["train_bytes"]
+                                    + plan["num_slots"] * plan["slot_bytes"])
+    assert plan["device_bytes"] <= 3 * 2**20
+    assert "+ gradients and optimizer states " in handle.plan
+    assert "gradients" not in frozen_plan["explain"]
+
+
+def test_train_needs_a_budget_and_a_known_footprint():
+    model = _NormedStack()
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match="needs budget= too"):
+        layerstream.offload(model, device="sim", train="adamw")
+    with pytest.raises(ValueError, match="train='sgd' is not a training footprint: use 'grads'"):
+        layerstream.offload(model, device="sim", budget="3MiB", train="sgd")
+    assert [p.data_ptr() for p in model.parameters()] == before  # nothing changed
+    assert not any(hasattr(m, "_layerstream_handle") for m in model.modules())
+    # True: gradients only; a number: gradients and that many state bytes per parameter.
+    grads = layerstream.offload(_NormedStack(), device="sim", budget="3MiB", train=True)._plan
+    eight = layerstream.offload(_NormedStack(), device="sim", budget="3MiB", train=8)._plan
+    adamw = layerstream.offload(_NormedStack(), device="sim", budget="3MiB", train="adamw")._plan
+    assert len(grads["resident"]) > len(adamw["resident"]) and eight["train_bytes"] == adamw["train_bytes"]
+
+
 # ---------------------------------------------------------------- Adafactor
 @pytest.mark.parametrize("kw", [
     {},

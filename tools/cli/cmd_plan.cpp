@@ -18,6 +18,7 @@
 #include "core/host_tier.h"
 #include "core/json.h"
 #include "core/options.h"
+#include "core/optim/optim.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
 
@@ -45,7 +46,10 @@ const char* kHelp =
     "  --tflops X            device throughput in TFLOP/s (default 100; 0 = unknown)\n"
     "  --tokens N            tokens per step; FLOPs of a layer = 2 * tokens * params\n"
     "                        (default 4096)\n"
-    "  --train               training step: FLOPs x3, weights cross the link twice\n"
+    "  --train[=SPEC]        full fine-tuning step: FLOPs x3, weights cross the link twice, and\n"
+    "                        the budget also holds what resident weights need to train, as\n"
+    "                        offload(train=SPEC): grads (default), adamw, adamw-bf16, adamw-8bit,\n"
+    "                        adafactor, or optimizer-state bytes per parameter (e.g. 8)\n"
     "  --activations host    with --train, as offload(activations=\"host\"): each linear\n"
     "                        layer's saved input (tokens x in_features) goes to the host in\n"
     "                        the forward and comes back over the link in the backward\n"
@@ -232,8 +236,11 @@ int cmd_plan(int argc, char** argv) {
       } else if (a == "--quantize") {
         opt.quantize = parse_quantization(take());
       } else if (a == "--train") {
-        no_value();
         opt.training = true;
+        if (inline_value) {
+          optim::parse_train_spec(value);  // an unknown spec: exit 2, naming the choices
+          opt.train = value;
+        }
       } else if (a == "--activations") {
         const std::string m = take();
         if (m != "host") throw Usage{"--activations expects host, got " + json::quote(m)};
@@ -316,6 +323,7 @@ int cmd_plan(int argc, char** argv) {
   }
   in.layers = layer_specs(desc, opt);
   in.fixed_resident_bytes = desc.small_bytes;
+  in.fixed_train_bytes = small_train_bytes(desc, opt);
   in.link_bytes_per_s = link_gbps * 1e9;
   in.device_flops_per_s = tflops * 1e12;
   in.max_prefetch = max_prefetch;
@@ -356,6 +364,7 @@ int cmd_plan(int argc, char** argv) {
          ", \"small_tensors\": " + std::to_string(desc.small_tensors) + "}, ";
     o += "\"options\": {\"tokens\": " + std::to_string(opt.tokens) + ", \"quantize\": \"" +
          to_string(opt.quantize) + "\", \"training\": " + (opt.training ? "true" : "false") +
+         ", \"train\": " + (opt.training ? json::quote(opt.train) : std::string("null")) +
          ", \"resident_dequantized\": " + (opt.resident_dequantized ? "true" : "false") +
          ", \"compute_dtype\": " + (opt.compute_dtype.empty() ? std::string("null") : json::quote(opt.compute_dtype)) +
          ", \"experts\": " + (opt.routed_experts ? "\"routed\"" : "\"all\"") +

@@ -56,6 +56,59 @@ double adamw_bytes_per_element(Dtype param, Dtype grad, StateFormat states) {
   return 2 * p + g + 2 * 2 * s;
 }
 
+TrainSpec parse_train_spec(const std::string& s) {
+  TrainSpec t;
+  if (s.empty() || s == "none") return t;
+  t.enabled = true;
+  if (s == "grads") return t;
+  if (s == "adamw" || s == "adamw-fp32" || s == "adamw-bf16" || s == "adamw-8bit") {
+    t.states = TrainSpec::States::AdamW;
+    t.adamw = s == "adamw" ? StateFormat::F32 : parse_state_format(s.substr(6));
+    return t;
+  }
+  if (s == "adafactor") {
+    t.states = TrainSpec::States::Adafactor;
+    return t;
+  }
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  LS_CHECK(end && *end == '\0' && end != s.c_str() && v >= 0 && v <= 1e6,
+           "train='", s, "' is not a training footprint: use 'grads' (gradients only), 'adamw', "
+           "'adamw-bf16', 'adamw-8bit', 'adafactor' (layerstream.optim's states), or the optimizer's state bytes "
+           "per parameter as a number (e.g. 8 for torch.optim.AdamW on float32 weights, 4 on bfloat16)");
+  t.states = TrainSpec::States::PerParam;
+  t.bytes_per_param = v;
+  return t;
+}
+
+uint64_t train_bytes(const TrainSpec& spec, const std::vector<int64_t>& shape, uint64_t elem_bytes) {
+  if (!spec.enabled) return 0;
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const auto n = static_cast<uint64_t>(numel);
+  uint64_t states = 0;
+  switch (spec.states) {
+    case TrainSpec::States::None: break;
+    case TrainSpec::States::AdamW:
+      states = 2 * static_cast<uint64_t>(state_bytes(spec.adamw, numel) + 4 * state_absmax_count(spec.adamw, numel));
+      break;
+    case TrainSpec::States::Adafactor:  // factored second moment (rows + columns) for 2-D and up, fp32
+      if (shape.size() >= 2) {
+        uint64_t lead = 1;  // the dimensions before the last two
+        for (size_t i = 0; i + 2 < shape.size(); ++i) lead *= static_cast<uint64_t>(shape[i]);
+        const auto r = static_cast<uint64_t>(shape[shape.size() - 2]), c = static_cast<uint64_t>(shape.back());
+        states = 4 * (lead * r + lead * c);  // exp_avg_sq_row [..., r], exp_avg_sq_col [..., c]
+      } else {
+        states = 4 * n;
+      }
+      break;
+    case TrainSpec::States::PerParam:
+      states = static_cast<uint64_t>(std::ceil(spec.bytes_per_param * static_cast<double>(n)));
+      break;
+  }
+  return n * elem_bytes + states;
+}
+
 namespace {
 bool is_nan(double x) { return x != x; }
 }  // namespace
