@@ -8,9 +8,11 @@ process on the same model and inputs:
 
     resident           the model on the device, torch.optim.AdamW(fused=True) on the device
                        (the reference: what a GPU with room for everything does)
-    torch-host         offload(model) and torch.optim.AdamW (its default, foreach) on the host
+    torch-host         offload(model, train=2 x the dtype's bytes) and torch.optim.AdamW (its
+                       default, foreach; states in the weights' dtype) on the host
                        copy after backward (what a user of offloading does without us)
-    ls-after           offload(model) and layerstream.optim.AdamW, step() after backward
+    ls-after           offload(model, train="adamw") and layerstream.optim.AdamW, step() after
+                       backward (train=: the budget holds resident weights' gradients and states)
     ls-overlap         the same with the backward inside opt.overlap(handle): each layer
                        stepped on host threads as its gradient lands
     ls-lossless        ls-overlap with quantize="lossless": weights cross the bus
@@ -146,8 +148,11 @@ def run_peer(args) -> dict:
     else:
         kw = {"sim_link_gbps": args.gbps, "checker": False} if args.device == "sim" else {}
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # The budget holds what resident weights need to train, as a user sizes it: layerstream's
+        # AdamW keeps fp32 states; torch's AdamW keeps them in the weight's dtype (2 x its size).
+        train = 2 * dtype.itemsize if peer == "torch-host" else "adamw"
         handle = layerstream.offload(model, device=args.device, budget=int(args.budget * weight_bytes),
-                                     quantize="lossless" if peer == "ls-lossless" else None, **kw)
+                                     quantize="lossless" if peer == "ls-lossless" else None, train=train, **kw)
         device = handle.compute_device
         if peer == "torch-host":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
@@ -189,7 +194,8 @@ def run_peer(args) -> dict:
            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     if handle is not None:
         s = handle.stats()
-        row.update({"h2d_bytes_per_step": s["h2d_bytes"] // len(xs), "recode_seconds": s["recode_seconds"]})
+        row.update({"h2d_bytes_per_step": s["h2d_bytes"] // len(xs), "recode_seconds": s["recode_seconds"],
+                    "resident_layers": s.get("resident_layers", 0), "plan_train_bytes": handle._plan["train_bytes"]})
         handle.detach()
     return row
 

@@ -538,7 +538,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
 
 def _train_spec(train, budget) -> str:
     """offload(train=...) as core/optim/optim.h parse_train_spec's text, checked there."""
-    if train is None or train is False:
+    if train is None or train is False or train == "none":
         return ""
     if budget is None:
         raise ValueError(f"train={train!r} sizes what the budget covers; it needs budget= too (without a "

@@ -355,6 +355,7 @@ int run_demo(const DemoOptions& o) {
   layerstream::OffloadOptions opts;
   opts.device = o.device;
   opts.budget_bytes = budget;
+  if (o.full) opts.train = "adamw";  // the budget holds resident weights' gradients and AdamW states too
   opts.trace = true;  // timeline -> overlap fraction per step
   // sim link defaults of EngineOptions: 25 GB/s each way, 5 us latency.
   auto handle = layerstream::offload(*streamed, opts);
