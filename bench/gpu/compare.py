@@ -69,9 +69,12 @@ from pathlib import Path
 
 MARK = "LSBENCH_JSON "
 REPO = Path(__file__).resolve().parents[2]
-# engine-only last: it is the one a tight --deadline-s should drop, never the seed.
-SYSTEMS = ("resident", "layerstream", "layerstream-all-streamed", "layerstream-nf4", "layerstream-lossless", "seed",
-           "accelerate", "ramtorch", "diffusers-group", "engine-only")
+# The order they run in, which a tight --deadline-s cuts from the end: the references and
+# the equal-work row first, then the peers not yet measured on a GPU (RamTorch, diffusers),
+# the seed, the other layerstream formats, accelerate (the slowest, measured in the first
+# proof), and engine-only last (an optional diagnostic).
+SYSTEMS = ("resident", "layerstream", "layerstream-all-streamed", "ramtorch", "diffusers-group", "seed",
+           "layerstream-lossless", "layerstream-nf4", "accelerate", "engine-only")
 # The peers' Python packages (import name, the version the comparison was written against).
 PEER_PACKAGES = {"accelerate": ("accelerate", None), "ramtorch": ("ramtorch", "1.11.0"),
                  "diffusers-group": ("diffusers", "0.42.1")}
