@@ -26,6 +26,7 @@ done
 [[ "$N" =~ ^[0-9]+$ ]] && [ "$N" -gt 0 ] || { echo "device.sh: --deadline-s wants whole seconds > 0, not $N" >&2; exit 2; }
 OUT=${OUT:-/tmp/ls-proof-out}
 mkdir -p "$OUT" && WORK=$(mktemp -d /tmp/ls-proof.XXXXXX) || exit 1
+rm -f "$OUT/results.md" "$OUT/results.json" "$OUT/run.log" "$OUT/proof.tgz"  # none left from an earlier run
 export PYTHONUNBUFFERED=1
 timeout -k 10 $(( N + 30 )) bash bench/gpu/run.sh "$WORK" --deadline-s "$N" "${ARGS[@]}" 2>&1 | tee "$WORK/run.log"
 rc=${PIPESTATUS[0]}

@@ -108,7 +108,20 @@ def test_device_script_packs_the_run_into_four_files(tmp_path):
     res = json.loads((out / "results.json").read_text())
     nccl = next(s for s in res["stages"] if s["name"] == "nccl")
     assert nccl["status"] == "ok" and nccl["timeout_s"] <= 120
-    assert json.loads((tmp_path / "OUT" / "results.json").read_text())["stage_failures"] == []
+    assert res["stage_failures"] == []
+
+
+def test_device_script_returns_no_results_of_an_earlier_run(tmp_path):
+    """run.sh stops before writing results (here a bad --stages): OUT holds its log and
+    the packed folder, not the results an earlier run left there."""
+    out = tmp_path / "OUT"
+    out.mkdir()
+    for name in ("results.md", "results.json"):
+        (out / name).write_text("from an earlier run\n")
+    p = run_sh("device.sh", "--dry-run", "--stages", "nope", env={"OUT": str(out)})
+    assert p.returncode == 2
+    assert sorted(os.listdir(out)) == ["proof.tgz", "run.log"]
+    assert "unknown stage nope" in (out / "run.log").read_text()
 
 
 @pytest.mark.parametrize("bad", ["0", "ten"])
