@@ -131,5 +131,14 @@ def test_device_script_wants_a_positive_deadline(tmp_path, bad):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("args,message", [(["--seed"], "unknown argument --seed"),
+                                          (["--seed-impl", "/nonexistent/seed_layer.py"], "does not exist")])
+def test_prepare_script_refuses_bad_arguments_before_changing_anything(args, message):
+    before = sorted(os.listdir(ROOT))
+    p = run_sh("prepare.sh", *args, "--no-fetch")
+    assert p.returncode == 2 and message in p.stderr
+    assert sorted(os.listdir(ROOT)) == before
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

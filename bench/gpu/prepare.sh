@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Prepares this checkout for the GPU proof's device calls (run it here, where pip reaches
+# PyPI; the GPU machine reaches nothing):
+#
+#   bash bench/gpu/prepare.sh --seed-impl PATH/seed_layer.py [--no-fetch]
+#
+# puts the peers' wheels into .whl/ (bench/gpu/fetch_peers.sh; --no-fetch keeps what is
+# there), the seed's file into .shared/seed_layer.py and GoogleTest's sources (from
+# /usr/src/googletest, for the C++ CUDA tests) into .shared/googletest (both folders are
+# ignored by git), checks that what a device call sends stays under the tool's 64 MiB,
+# and prints the calls (docs/benchmarks.md, "Running it on the GPU machine").
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+SEED=""; FETCH=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --seed-impl) [ $# -ge 2 ] || { echo "prepare.sh: --seed-impl needs a path" >&2; exit 2; }; SEED=$2; shift ;;
+    --no-fetch) FETCH=0 ;;
+    *) echo "prepare.sh: unknown argument $1 (--seed-impl PATH, --no-fetch)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ -z "$SEED" ] || [ -f "$SEED" ] || { echo "prepare.sh: $SEED does not exist" >&2; exit 2; }
+mkdir -p .shared
+[ -z "$SEED" ] || cp "$SEED" .shared/seed_layer.py
+[ -f .shared/seed_layer.py ] || echo "prepare.sh: no .shared/seed_layer.py: the 'seed' rows will be skipped (give --seed-impl)"
+if [ ! -f .shared/googletest/CMakeLists.txt ]; then
+  if [ -f /usr/src/googletest/CMakeLists.txt ]; then
+    rm -rf .shared/googletest && cp -r /usr/src/googletest .shared/googletest
+  else
+    echo "prepare.sh: no /usr/src/googletest (apt-get install googletest): the C++ CUDA tests will be 'not built'"
+  fi
+fi
+[ "$FETCH" = 0 ] || bash bench/gpu/fetch_peers.sh >/dev/null
+# What a call sends: tracked files, untracked files git does not ignore, the carried folders.
+sent=$( { git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1;
+          du -sb .whl .shared 2>/dev/null | cut -f1; } | awk '{ s += $1 } END { print s + 0 }')
+echo "what a device call sends: $(( sent / 1048576 )) MiB of the 64 MiB allowed"
+[ "$sent" -lt $(( 64 * 1048576 )) ] || { echo "prepare.sh: over the device tool's 64 MiB" >&2; exit 1; }
+cat <<'CALLS'
+device calls (carry: [".whl", ".shared"]), the second at once while the machine is warm:
+  1. timeout_s 600:  bash bench/gpu/device.sh --stages tests,cpp,compare,llama
+  2. timeout_s LEFT: bash bench/gpu/device.sh --deadline-s $((LEFT - 60)) --no-build --stages full_ft,compile,activations,disk,nccl,moe_decode
+A later session: the stages its record (results.md, "Stages") shows "not run", without --no-build.
+CALLS
