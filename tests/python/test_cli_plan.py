@@ -496,3 +496,26 @@ def test_training_budget_holds_the_resident_weights_gradients_and_states(st_file
     assert plan_json("--checkpoint", st_file, "--budget", "600KiB")["plan"]["train_bytes"] == 0
     assert_one_line_error(run("--checkpoint", st_file, "--budget", "600KiB", "--train=sgd"), 2,
                           "train='sgd' is not a training footprint")
+
+
+@pytest.mark.parametrize("spec", ["grads", "adamw", "adamw-bf16", "adafactor", "6"])
+def test_cli_and_offload_count_the_same_training_bytes(tmp_path, spec):
+    """The same checkpoint planned by `layerstream plan --train=SPEC` and by
+    offload(train=SPEC) on the model it was saved from, under a budget that holds
+    everything: the same layers resident with the same gradient and state bytes each,
+    and the same total with the small tensors (a LayerNorm's)."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    import layerstream
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96),
+                                torch.nn.Linear(96, 32, bias=False), torch.nn.Linear(32, 48)).to(torch.bfloat16)
+    path = tmp_path / "m.safetensors"
+    st.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    cli = plan_json("--checkpoint", path, "--budget", "1MiB", f"--train={spec}")["plan"]
+    py = json.loads(layerstream.offload(model, device="sim", budget="1MiB", train=spec)._plan["json"])
+    for plan in (cli, py):
+        assert all(l["placement"] == "resident" for l in plan["layers"]), plan
+    assert ({l["name"]: l["train_bytes"] for l in cli["layers"]}
+            == {l["name"]: l["train_bytes"] for l in py["layers"]})
+    assert cli["train_bytes"] == py["train_bytes"] > sum(l["train_bytes"] for l in py["layers"])
