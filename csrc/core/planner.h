@@ -314,7 +314,7 @@ uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::s
 
 std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOptions& opt);
 // With training, the small tensors' gradients and optimizer states (LayerOptions::train;
-// PlannerInput::fixed_train_bytes): every float small tensor trains.
+// PlannerInput::fixed_train_bytes): every small tensor of a float dtype of 16+ bits trains.
 uint64_t small_train_bytes(const ModelDescription& m, const LayerOptions& opt);
 
 }  // namespace layerstream

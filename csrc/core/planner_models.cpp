@@ -118,12 +118,12 @@ double experts_reached(double active, uint64_t tokens) {
 
 namespace {
 // A float tensor's gradient and optimizer-state bytes (optim::train_bytes); 0
-// for a packed one (GGUF blocks: frozen).
+// for any other (integers, 8-bit floats, GGUF blocks: they do not train).
 uint64_t tensor_train_bytes(const optim::TrainSpec& train, const std::vector<uint64_t>& shape,
                             const std::string& dtype) {
-  const unsigned bits = safetensors_dtype_bits(dtype);
-  if (bits == 0 || bits % 8) return 0;
-  return optim::train_bytes(train, std::vector<int64_t>(shape.begin(), shape.end()), bits / 8);
+  if (!safetensors_dtype_is_wide_float(dtype)) return 0;
+  return optim::train_bytes(train, std::vector<int64_t>(shape.begin(), shape.end()),
+                            safetensors_dtype_bits(dtype) / 8);
 }
 }  // namespace
 

@@ -503,13 +503,14 @@ def test_cli_and_offload_count_the_same_training_bytes(tmp_path, spec):
     """The same checkpoint planned by `layerstream plan --train=SPEC` and by
     offload(train=SPEC) on the model it was saved from, under a budget that holds
     everything: the same layers resident with the same gradient and state bytes each,
-    and the same total with the small tensors (a LayerNorm's)."""
+    and the same total with the small tensors (a LayerNorm's; not an int64 buffer's)."""
     torch = pytest.importorskip("torch")
     st = pytest.importorskip("safetensors.torch")
     import layerstream
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96),
                                 torch.nn.Linear(96, 32, bias=False), torch.nn.Linear(32, 48)).to(torch.bfloat16)
+    model.register_buffer("position_ids", torch.arange(128))  # an int64 small tensor: it does not train
     path = tmp_path / "m.safetensors"
     st.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     cli = plan_json("--checkpoint", path, "--budget", "1MiB", f"--train={spec}")["plan"]
