@@ -81,8 +81,9 @@ struct OffloadOptions : EngineOptions {
   // With a budget: what the trainable weights kept resident take on the
   // device beside themselves while they train, which the budget then covers
   // too (docs/design/planner.md, "Training"): "" counts the weights only;
-  // "grads", "adamw", "adamw-bf16", "adamw-8bit", "adafactor", or a number of
-  // optimizer-state bytes per parameter (core/optim/optim.h parse_train_spec).
+  // "grads", "adamw", "adamw-bf16", "adamw-8bit", "adafactor",
+  // "adafactor-beta1", or a number of optimizer-state bytes per parameter
+  // (core/optim/optim.h parse_train_spec).
   std::string train;
 };
 

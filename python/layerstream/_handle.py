@@ -58,6 +58,9 @@ class Handle(_RefusesCopy):
         # that can go to the host), None when off; the hooks detach() removes.
         self.activation_budget: Optional[int] = None
         self._activation_hooks = []
+        # A budget that did not count training (offload() without train=): the note
+        # layerstream.optim reads, ended by detach() (_offload._note_uncounted_training).
+        self._uncounted = None
         # offload() in a process group (_distributed.Distributed), its forward pre-hook
         # (whether the coming backward averages) and the model it hooks; None without one.
         self._group = None
@@ -244,6 +247,8 @@ class Handle(_RefusesCopy):
         for h in self._activation_hooks:
             h.remove()
         self._activation_hooks = []
+        if self._uncounted is not None:
+            self._uncounted.live = False
         if self._ddp_model is not None:
             from ._distributed import forget_ddp_ignore
             forget_ddp_ignore(self._ddp_model)

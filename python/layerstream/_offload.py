@@ -114,9 +114,9 @@ def offload(
         there beside themselves while they train, which the budget then covers
         too (the planner keeps fewer layers resident): None (default) counts
         the weights only; True or "grads" their gradients; "adamw", "adamw-bf16",
-        "adamw-8bit" or "adafactor" their gradients and the states
-        layerstream.optim keeps on the device (AdamW's state_precision;
-        Adafactor with beta1=None); a number: the gradients plus that many bytes
+        "adamw-8bit", "adafactor" or "adafactor-beta1" their gradients and the
+        states layerstream.optim keeps on the device (AdamW's state_precision;
+        Adafactor without / with beta1); a number: the gradients plus that many bytes
         of optimizer state per parameter (8 for torch.optim.AdamW on float32
         weights, 4 on bfloat16). Streamed weights' gradients and states are on
         the host. handle.plan shows the bytes. docs/design/planner.md, "Training".
@@ -300,7 +300,38 @@ def offload(
     if activation_budget is not None:
         handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
         handle.activation_budget = activation_budget
+    if plan is not None and not train_spec:
+        _note_uncounted_training(model, handle)
     return handle
+
+
+# Trainable parameters a budget kept on the device without train=: their gradients and
+# optimizer states are beyond it, which layerstream.optim says once (uncounted_training).
+# Keyed weakly by parameter; the value holds no reference back to the model or handle.
+_UNCOUNTED = torch.utils.weak.WeakIdKeyDictionary()
+
+
+class _Uncounted:
+    __slots__ = ("live",)  # False once the handle is detached
+
+    def __init__(self):
+        self.live = True
+
+
+def _note_uncounted_training(model: nn.Module, handle: Handle) -> None:
+    streamed = {id(p) for a in handle._attached for p in a.module.parameters()}
+    handle._uncounted = note = _Uncounted()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in streamed:
+            _UNCOUNTED[p] = note
+
+
+def uncounted_training(p: torch.Tensor) -> bool:
+    """p is on the device under a budget that did not count its training and whose
+    handle is not detached (offload(budget=...) without train=; docs/design/planner.md,
+    "Training")."""
+    note = _UNCOUNTED.get(p)
+    return note is not None and note.live
 
 
 @functools.lru_cache(maxsize=None)

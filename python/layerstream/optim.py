@@ -81,6 +81,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = None
         self._overlap = None  # (the _C overlap plan, its parameters) between overlap() and step()
         self._overlap_sharded = False  # that plan covered sharded parameters (set by _finish_overlap)
+        self._budget_checked = False  # _warn_uncounted_training ran (at the first step)
         super().__init__(params, defaults)
 
     @staticmethod
@@ -107,7 +108,29 @@ class _HostOptimizer(torch.optim.Optimizer):
             _C.optim_check_group(ps, gs, gi)
             work.append((group, ps, gs, keys))
             grads += gs
+        if not self._budget_checked:
+            self._budget_checked = True
+            self._warn_uncounted_training(work)
         return work, grads
+
+    def _warn_uncounted_training(self, work):
+        """Once: parameters an offload() budget kept on the device train there, and
+        their gradients and states were not counted in it (offload(train=...))."""
+        from ._offload import uncounted_training
+        n, nbytes, spec = 0, 0, None
+        for group, ps, _, _ in work:
+            for p in ps:
+                if uncounted_training(p):
+                    spec = self._train_spec(group)
+                    n += 1
+                    nbytes += _C.optim_train_bytes(spec, list(p.shape), p.element_size())
+        if n:
+            import warnings
+            warnings.warn(
+                f"layerstream.optim: {n} parameter(s) that offload(budget=...) kept on the device train there: "
+                f"their gradients and optimizer states take {nbytes / 2**20:.2f} MiB beyond the budget, which "
+                f"counted their weights only; offload(..., train={spec!r}) makes the budget hold them "
+                "(docs/design/planner.md, \"Training\")", RuntimeWarning, stacklevel=4)
 
     def _grad_scale(self, grads):
         """clip_grad_norm_(all gradients, max_grad_norm)'s coefficient (1.0 when
@@ -325,6 +348,11 @@ class AdamW(_HostOptimizer):
             st["exp_avg_absmax"], st["exp_avg_sq_absmax"] = a1, a2
         return st
 
+    @staticmethod
+    def _train_spec(group):
+        """offload(train=...)'s name for what this group keeps per parameter."""
+        return {"fp32": "adamw", "bf16": "adamw-bf16", "8bit": "adamw-8bit"}[group["state_precision"]]
+
     def _states(self, p, fmt, count=True):
         st = self.state[p]
         if len(st) == 0:
@@ -454,6 +482,11 @@ class Adafactor(_HostOptimizer):
     @classmethod
     def _check_group_options(cls, group):
         _C.optim_check_adafactor(*cls._config(group))
+
+    @staticmethod
+    def _train_spec(group):
+        """offload(train=...)'s name for what this group keeps per parameter."""
+        return "adafactor" if group["beta1"] is None else "adafactor-beta1"
 
     def _adopt(self, p, group, loaded, name):
         row, col, v, m = _C.optim_adafactor_init_states(p.detach(), group["beta1"] is not None)

@@ -139,6 +139,7 @@ TEST(OptimTrainSpec, GradientAndStateBytesPerSpec) {
   EXPECT_EQ(bytes("adafactor", w, 2), 120u + 4u * (6 + 10));      // row and column second moments, fp32
   EXPECT_EQ(bytes("adafactor", {3, 6, 10}, 4), 720u + 4u * (18 + 30));
   EXPECT_EQ(bytes("adafactor", {10}, 4), 40u + 40u);  // 1-D: the full second moment
+  EXPECT_EQ(bytes("adafactor-beta1", w, 2), 120u + 4u * (6 + 10) + 240u);  // and the first moment, fp32
   EXPECT_EQ(bytes("8", w, 4), 240u + 480u);
   EXPECT_EQ(bytes("2.5", {3}, 2), 6u + 8u);  // rounded up
   EXPECT_EQ(bytes("adamw", {0, 10}, 4), 0u);

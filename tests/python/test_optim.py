@@ -279,6 +279,7 @@ def test_state_bytes_per_precision():
 @pytest.mark.parametrize("spec,make", [
     ("adamw", lambda ps: AdamW(ps)), ("adamw-bf16", lambda ps: AdamW(ps, state_precision="bf16")),
     ("adamw-8bit", lambda ps: AdamW(ps, state_precision="8bit")), ("adafactor", lambda ps: Adafactor(ps)),
+    ("adafactor-beta1", lambda ps: Adafactor(ps, beta1=0.9)),
     ("8", lambda ps: torch.optim.AdamW(ps)), ("grads", lambda ps: torch.optim.SGD(ps, lr=0.1)),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -343,6 +344,49 @@ def test_train_budget_covers_the_resident_weights_gradients_and_states(offload_s
     assert plan["device_bytes"] <= 3 * 2**20
     assert "+ gradients and optimizer states " in handle.plan
     assert "gradients" not in frozen_plan["explain"]
+
+
+@pytest.mark.parametrize("make,spec", [(lambda ps: AdamW(ps), "adamw"),
+                                       (lambda ps: AdamW(ps, state_precision="bf16"), "adamw-bf16"),
+                                       (lambda ps: Adafactor(ps, beta1=0.9), "adafactor-beta1")])
+def test_a_budget_that_did_not_count_training_is_named_once(make, spec):
+    """offload(budget=...) without train= kept trainable layers on the device: the
+    optimizer's first step says once how much their gradients and states take beyond
+    the budget and what to pass; with train=, after detach(), or for frozen layers, nothing."""
+    import warnings
+
+    def first_steps(model, opt):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model(torch.randn(4, 256)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return [str(x.message) for x in w if "beyond the budget" in str(x.message)]
+
+    model = _NormedStack()
+    handle = layerstream.offload(model, device="sim", budget="3MiB")  # every layer resident
+    opt = make(list(model.parameters()))
+    said = first_steps(model, opt)
+    assert len(said) == 1, said
+    held = sum(p.grad.numel() * p.grad.element_size() if p.grad is not None else p.numel() * p.element_size()
+               for p in model.parameters())
+    held += sum(t.numel() * t.element_size() for p in model.parameters()
+                for k, t in opt.state[p].items() if k not in ("step", "RMS"))
+    assert f"{len(list(model.parameters()))} parameter(s)" in said[0]
+    assert f"take {held / 2**20:.2f} MiB beyond the budget" in said[0]
+    assert f"offload(..., train={spec!r})" in said[0]
+    handle.detach()
+    assert first_steps(model, make(list(model.parameters()))) == []  # detached: no budget any more
+    counted = _NormedStack()
+    layerstream.offload(counted, device="sim", budget="3MiB", train=spec)
+    assert first_steps(counted, make(list(counted.parameters()))) == []
+    frozen = _NormedStack()
+    frozen.layers.requires_grad_(False)
+    layerstream.offload(frozen, device="sim", budget="3MiB")  # the handle dropped: the plan still holds
+    from layerstream._offload import uncounted_training
+    assert not any(uncounted_training(p) for p in frozen.layers.parameters())  # frozen: nothing to train
+    assert len(first_steps(frozen, make(list(frozen.norm.parameters())))) == 1  # the norm trains on the device
 
 
 def test_train_needs_a_budget_and_a_known_footprint():

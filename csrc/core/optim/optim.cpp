@@ -66,15 +66,16 @@ TrainSpec parse_train_spec(const std::string& s) {
     t.adamw = s == "adamw" ? StateFormat::F32 : parse_state_format(s.substr(6));
     return t;
   }
-  if (s == "adafactor") {
+  if (s == "adafactor" || s == "adafactor-beta1") {
     t.states = TrainSpec::States::Adafactor;
+    t.adafactor_beta1 = s == "adafactor-beta1";
     return t;
   }
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
   LS_CHECK(end && *end == '\0' && end != s.c_str() && v >= 0 && v <= 1e6,
            "train='", s, "' is not a training footprint: use 'grads' (gradients only), 'adamw', "
-           "'adamw-bf16', 'adamw-8bit', 'adafactor' (layerstream.optim's states), or the optimizer's state bytes "
+           "'adamw-bf16', 'adamw-8bit', 'adafactor', 'adafactor-beta1' (layerstream.optim's states), or the optimizer's state bytes "
            "per parameter as a number (e.g. 8 for torch.optim.AdamW on float32 weights, 4 on bfloat16)");
   t.states = TrainSpec::States::PerParam;
   t.bytes_per_param = v;
@@ -101,6 +102,7 @@ uint64_t train_bytes(const TrainSpec& spec, const std::vector<int64_t>& shape, u
       } else {
         states = 4 * n;
       }
+      if (spec.adafactor_beta1) states += 4 * n;  // exp_avg
       break;
     case TrainSpec::States::PerParam:
       states = static_cast<uint64_t>(std::ceil(spec.bytes_per_param * static_cast<double>(n)));

@@ -60,18 +60,19 @@ double adamw_bytes_per_element(Dtype param, Dtype grad, StateFormat states);
 // resident takes on its device beside itself while it trains: its gradient
 // (in the weight's dtype) and the states an optimizer keeps for it there.
 // For layerstream.optim the states are exactly what adamw_init_states /
-// adafactor_init_states allocate (layerstream/host_optim.h; Adafactor as
-// constructed by default: beta1=None, no first moment).
+// adafactor_init_states allocate (layerstream/host_optim.h).
 struct TrainSpec {
   enum class States : uint8_t { None, AdamW, Adafactor, PerParam };
   bool enabled = false;  // false: the budget covers the weights only
   States states = States::None;
   StateFormat adamw = StateFormat::F32;  // States::AdamW
+  bool adafactor_beta1 = false;          // States::Adafactor with a first moment (fp32, full size)
   double bytes_per_param = 0.0;          // States::PerParam (e.g. 8 for torch's AdamW on fp32 weights)
 };
 // "" or "none": off; "grads": gradients only; "adamw" (fp32 states), "adamw-bf16",
-// "adamw-8bit", "adafactor"; a number >= 0: gradients plus that many bytes of
-// state per parameter. Anything else throws, naming the choices.
+// "adamw-8bit", "adafactor" (beta1=None), "adafactor-beta1"; a number >= 0:
+// gradients plus that many bytes of state per parameter. Anything else throws,
+// naming the choices.
 TrainSpec parse_train_spec(const std::string& s);
 // Gradient and state bytes of one trainable tensor of `shape`, `elem_bytes` per element.
 uint64_t train_bytes(const TrainSpec& spec, const std::vector<int64_t>& shape, uint64_t elem_bytes);
