@@ -449,9 +449,9 @@ bench_stage llama 300 llama.json "$PY" bench/bench_llama.py "${largs[@]}" --json
 if [ "$DRY" = 1 ]; then
   fargs=(--layers 8 --width 128 --batch 8 --steps 2)
 else
-  fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3 --peer-timeout 150)
+  fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3)
 fi
-bench_stage full_ft 330 full_ft.json "$PY" bench/bench_full_ft.py "${fargs[@]}" --json
+bench_stage full_ft 330 full_ft.json "$PY" bench/bench_full_ft.py "${fargs[@]}" --peer-timeout 150 --json
 
 # bench/bench_compile.py: four peers, each in its own process, on the same
 # training step (Linear stack, frozen weights). Goal: the compiled streamed
