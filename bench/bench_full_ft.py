@@ -25,9 +25,13 @@ process on the same model and inputs:
 The DeepSpeed peers import `deepspeed` installed, or from --deepspeed-path (default
 build/bench-deps; not a project dependency: bench/bench_optim.py says how to put it there,
 bench/gpu/fetch_peers.sh fetches it for the GPU machine); without it their rows are skipped
-and say why. Their first run compiles DeepSpeedCPUAdam (minutes; torch caches it). Each runs
+and say why. DeepSpeedCPUAdam compiles at first use (minutes; torch caches it): a step of its
+own builds it before them (--ds-build-timeout; if it fails, they are skipped saying so). Each runs
 as one rank of a process group of one (DeepSpeed needs one), on CUDA, or on DeepSpeed's CPU
 accelerator in a sim dry run (its timings are then the CPU's, as the others').
+
+--deadline-s (default $LS_STAGE_DEADLINE_S, set by bench/gpu/run.sh's stages): a peer that cannot
+start in time is a row skipped with that reason, so the rows are printed before the stage ends.
 
 Per peer: the median step (forward + backward + step), the backward, and the optimizer time
 visible after the backward (step()'s own time: what overlap hides), peak device memory (CUDA),
@@ -62,6 +66,21 @@ def deepspeed_or_reason(path):
         return deepspeed, None
     except Exception as e:  # noqa: BLE001 - any failure is the row's reason
         return None, f"deepspeed is not importable (installed, or from {path}): {type(e).__name__}: {e}"
+
+
+def build_deepspeed_adam(args) -> dict:
+    """The hidden "ds-build" step: DeepSpeedCPUAdam's op compiled (or loaded from torch's
+    extension cache) in a process of its own before the DeepSpeed peers, so that a build
+    slower than a peer's timeout skips them with that reason instead of killing one
+    mid-build (a killed build leaves torch's lock file, and the next load waits on it)."""
+    deepspeed, reason = deepspeed_or_reason(args.deepspeed_path)
+    if deepspeed is None:
+        return {"peer": "ds-build", "skipped": reason}
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    t0 = time.perf_counter()
+    CPUAdamBuilder().load()
+    return {"peer": "ds-build", "build_seconds": time.perf_counter() - t0}
 
 
 def run_deepspeed(args, model, xs, device_type) -> dict:
@@ -215,24 +234,51 @@ def main():
                                                              "build", "bench-deps"),
                     help="where the DeepSpeed peers import deepspeed from when it is not installed")
     ap.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer's process may take")
+    ap.add_argument("--ds-build-timeout", type=float, default=300,
+                    help="seconds DeepSpeedCPUAdam's build may take before the DeepSpeed peers (else they are skipped)")
+    ap.add_argument("--deadline-s", type=float, default=float(os.environ.get("LS_STAGE_DEADLINE_S", 0)),
+                    help="the whole run's seconds (default: $LS_STAGE_DEADLINE_S, which bench/gpu/run.sh sets; "
+                         "0: none): a peer that cannot start in time is skipped with that reason")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)
+    ap.add_argument("--peer", choices=PEERS + ("ds-build",), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.peer == "ds-build":
+        print(json.dumps(build_deepspeed_adam(args)))
+        return
     if args.peer:
         print(json.dumps(run_peer(args)))
         return
-    rows = {}
-    for peer in PEERS:
+    t_start = time.perf_counter()
+
+    def timeout(cap):  # the cap, or what is left of --deadline-s; None: no time left
+        if not args.deadline_s:
+            return cap
+        left = args.deadline_s - (time.perf_counter() - t_start)
+        return min(cap, left) if left >= 10 else None
+
+    def run(peer, cap):
         # The child gets this command line (its settings) and its peer.
         cmd = [sys.executable, os.path.abspath(__file__), *(a for a in sys.argv[1:] if a != "--json"), "--peer", peer]
-        rows[peer] = run_peer_process(cmd, peer, timeout=args.peer_timeout)
+        t = timeout(cap)
+        if t is None:
+            return {"peer": peer, "skipped": f"no time left of --deadline-s {args.deadline_s:.0f}"}
+        return run_peer_process(cmd, peer, timeout=t)
+
+    rows, ds_build = {}, None
+    for peer in PEERS:
+        if peer in DS_PEERS and ds_build is None:
+            ds_build = run("ds-build", args.ds_build_timeout)
+        if peer in DS_PEERS and "error" in ds_build:
+            rows[peer] = {"peer": peer, "skipped": f"DeepSpeedCPUAdam did not build: {ds_build['error']}"}
+            continue
+        rows[peer] = run(peer, args.peer_timeout)
     ref = rows["resident"].get("step_ms")
     for r in rows.values():
         if ref and "step_ms" in r:
             r["step_vs_resident"] = r["step_ms"] / ref
     result = {"config": {k: getattr(args, k) for k in ("device", "layers", "width", "batch", "dtype", "steps",
                                                         "budget", "gbps")},
-              "params": args.layers * args.width * args.width, "peers": rows}
+              "params": args.layers * args.width * args.width, "peers": rows, "ds_build": ds_build}
     if args.json:
         print(json.dumps(result))
     else:

@@ -140,5 +140,19 @@ def test_prepare_script_refuses_bad_arguments_before_changing_anything(args, mes
     assert sorted(os.listdir(ROOT)) == before
 
 
+def test_full_ft_skips_peers_past_the_stage_deadline_and_still_prints_its_rows():
+    """bench/gpu/run.sh gives a stage's script LS_STAGE_DEADLINE_S: bench_full_ft.py
+    skips the peers it cannot start in time, with that reason, and prints every row
+    (killed by the stage's timeout instead, it would print none)."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT / "python"), LS_STAGE_DEADLINE_S="5")
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_full_ft.py"), "--json"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)["peers"]
+    assert list(rows) == ["resident", "torch-host", "ls-after", "ls-overlap", "ls-lossless", "ds-zero2-offload",
+                          "ds-zero3-offload"]
+    assert all(r["skipped"] == "no time left of --deadline-s 5" for r in rows.values())
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
