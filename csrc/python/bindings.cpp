@@ -639,24 +639,6 @@ PYBIND11_MODULE(_C, m) {
     d["json"] = plan.to_json();
     return d;
   };
-  // min_slots: slots reserved before any layer is made resident.
-  m.def(
-      "plan",
-      [planner_input, plan_dict](uint64_t budget, const PlannedLayers& layers, uint64_t fixed,
-                                 double link_bytes_per_s, double flops_per_s, bool training, int max_prefetch,
-                                 int min_slots, uint64_t fixed_train) {
-        layerstream::PlannerInput in = planner_input(budget, layers, fixed, fixed_train);
-        in.link_bytes_per_s = link_bytes_per_s;
-        in.device_flops_per_s = flops_per_s;
-        in.training = training;
-        in.max_prefetch = std::max(1, max_prefetch);
-        in.min_slots = min_slots;
-        return plan_dict(layerstream::plan_placement(in));
-      },
-      py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"),
-      py::arg("link_bytes_per_s") = 0.0, py::arg("device_flops_per_s") = 0.0,
-      py::arg("training") = false, py::arg("max_prefetch") = 4, py::arg("min_slots") = 2,
-      py::arg("fixed_train_bytes") = 0);
   // offload()'s rule: slots first, residency with what is left (plan_slots_first).
   m.def(
       "plan_slots_first",

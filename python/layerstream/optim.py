@@ -351,7 +351,7 @@ class AdamW(_HostOptimizer):
     @staticmethod
     def _train_spec(group):
         """offload(train=...)'s name for what this group keeps per parameter."""
-        return {"fp32": "adamw", "bf16": "adamw-bf16", "8bit": "adamw-8bit"}[group["state_precision"]]
+        return "adamw-" + group["state_precision"]  # the canonical names: fp32, bf16, 8bit
 
     def _states(self, p, fmt, count=True):
         st = self.state[p]

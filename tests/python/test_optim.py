@@ -346,7 +346,7 @@ def test_train_budget_covers_the_resident_weights_gradients_and_states(offload_s
     assert "gradients" not in frozen_plan["explain"]
 
 
-@pytest.mark.parametrize("make,spec", [(lambda ps: AdamW(ps), "adamw"),
+@pytest.mark.parametrize("make,spec", [(lambda ps: AdamW(ps), "adamw-fp32"),
                                        (lambda ps: AdamW(ps, state_precision="bf16"), "adamw-bf16"),
                                        (lambda ps: Adafactor(ps, beta1=0.9), "adafactor-beta1")])
 def test_a_budget_that_did_not_count_training_is_named_once(make, spec):
