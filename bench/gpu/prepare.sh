@@ -40,6 +40,6 @@ echo "what a device call sends: $(( sent / 1048576 )) MiB of the 64 MiB allowed"
 cat <<'CALLS'
 device calls (carry: [".whl", ".shared"]), the second at once while the machine is warm:
   1. timeout_s 600:  bash bench/gpu/device.sh --stages tests,cpp,compare,llama
-  2. timeout_s LEFT: bash bench/gpu/device.sh --deadline-s $((LEFT - 60)) --no-build --stages full_ft,compile,activations,disk,nccl,moe_decode
+  2. timeout_s LEFT: bash bench/gpu/device.sh --deadline-s $((LEFT - 60)) --no-build --stages full_ft,compile,activations,disk,nccl,moe_decode,sanitize
 A later session: the stages its record (results.md, "Stages") shows "not run", without --no-build.
 CALLS

@@ -22,7 +22,9 @@
 # results.md); bench/bench_full_ft.py (full_ft.json: full fine-tuning with the
 # host optimizer against the resident model); bench/bench_llama.py (llama.json: a Llama-3-8B-shaped model,
 # resident vs streamed at 8 GiB); bench/gpu/nccl_one_rank.py (nccl.json: the process-group path
-# with one NCCL rank); then the comparison at full size (~6.4B params, bf16).
+# with one NCCL rank); bench/gpu/sanitize.py (sanitize.json/.md: compute-sanitizer
+# memcheck, racecheck, synccheck over the C++ CUDA tests and a streamed training
+# step of the parity tests); then the comparison at full size (~6.4B params, bf16).
 # Skips: on the GPU machine a skipped test fails the run unless its reason is
 # one bench/gpu/skip_policy.py lists as right on one GPU (e.g. "needs two CUDA
 # devices"); a skip because no device is usable ("no CUDA device visible": a
@@ -38,7 +40,7 @@
 # .shared/seed_layer.py (an ignored folder of the checkout) is used if present.
 # --stages: a comma-separated subset of the stages after the build (default: all,
 # always run in this order): tests,cpp,compare,llama,full_ft,compile,activations,
-# disk,nccl,moe_decode. --deadline-s: the whole run's wall time from its start
+# disk,nccl,moe_decode,sanitize. --deadline-s: the whole run's wall time from its start
 # (default 540 on the GPU, none in the dry run): each stage gets at most what is
 # left, one that cannot start is "not run" (a failure). stages.tsv and the
 # "stages" of results.json/results.md record every stage (bench/gpu/stages.py).
@@ -48,7 +50,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"; exit 2; }
-ALL_STAGES=(tests cpp compare llama full_ft compile activations disk nccl moe_decode)
+ALL_STAGES=(tests cpp compare llama full_ft compile activations disk nccl moe_decode sanitize)
 DRY=0; OUTDIR=""; SEED=""; BUILD=1; EXTRA=(); STAGE_LIST=""; DEADLINE=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -505,6 +507,14 @@ else
   margs=(--device cuda --layers 4 --hidden 1024 --expert-inter 512 --tokens 16)
 fi
 bench_stage moe_decode 150 moe_decode.json "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTDIR/moe_decode.md"
+
+# bench/gpu/sanitize.py: compute-sanitizer (memcheck, racecheck, synccheck) over the
+# C++ CUDA tests and a streamed training step of the parity tests; every run must
+# report 0 errors (issue 27). The dry run has no compute-sanitizer: the targets run
+# bare on sim (plumbing).
+sargs=(--build-dir "$bdir" --logs "$OUTDIR/sanitize" --out-md "$OUTDIR/sanitize.md")
+[ "$DRY" = 1 ] && sargs+=(--dry-run)
+bench_stage sanitize 300 sanitize.json "$PY" bench/gpu/sanitize.py "${sargs[@]}"
 
 # ---- the record ---------------------------------------------------------------
 "$PY" bench/gpu/stages.py "$OUTDIR" --build-json "$OUTDIR/build.json" --command "$cmd_str" || fail=1

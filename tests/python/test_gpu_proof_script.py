@@ -88,7 +88,7 @@ def test_a_stage_past_the_deadline_is_not_run_and_fails_the_run(tmp_path):
     rows = [line.split("\t") for line in (out / "stages.tsv").read_text().splitlines()]
     by = {r[0]: r for r in rows}
     assert [r[0] for r in rows] == ["tests", "cpp", "compare", "llama", "full_ft", "compile", "activations",
-                                    "disk", "nccl", "moe_decode"]
+                                    "disk", "nccl", "moe_decode", "sanitize"]
     assert by["tests"][1] == "not selected" and by["compare"][1] == "not selected"
     assert by["nccl"][1] == "not run" and "--deadline-s 1" in by["nccl"][5]
     assert by["disk"][1] == "not run"
@@ -153,6 +153,99 @@ def test_full_ft_skips_peers_past_the_stage_deadline_and_still_prints_its_rows()
                           "ds-zero3-offload"]
     assert all(r["skipped"] == "no time left of --deadline-s 5" for r in rows.values())
 
+
+# A stand-in for compute-sanitizer: records its arguments and environment, runs the
+# target, then reports as FAKE_SAN tells it (the GPU machine's tool prints the same
+# summary lines).
+FAKE_SANITIZER = r"""#!/usr/bin/env bash
+[ "$1" = --version ] && { echo "NVIDIA (R) Compute Sanitizer"; echo "Version 2099.1.0 (fake)"; exit 0; }
+tool=""; args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tool) tool=$2; args+=("$1" "$2"); shift 2 ;;
+    --error-exitcode|--leak-check|--kernel-name) args+=("$1" "$2"); shift 2 ;;
+    *) break ;;
+  esac
+done
+echo "${args[*]} | nocache=${PYTORCH_NO_CUDA_MEMORY_CACHING:-} | $1" >>"$FAKE_SAN_CALLS"
+if [ "$FAKE_SAN" = unsupported ]; then echo "========= Error: Device not supported"; exit 1; fi
+"$@"; rc=$?
+n=0; [ "$FAKE_SAN" = errors ] && [ "$tool" = memcheck ] && { echo "========= Invalid __global__ read of size 4 bytes"; n=2; }
+if [ "$tool" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+else echo "========= ERROR SUMMARY: $n errors"; fi
+[ $n -gt 0 ] && exit 99
+exit $rc
+"""
+
+
+def sanitize(tmp_path, mode, *args):
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    e = dict(os.environ, PYTHONPATH=str(ROOT / "python"), FAKE_SAN=mode, FAKE_SAN_CALLS=str(calls))
+    p = subprocess.run([sys.executable, str(GPU / "sanitize.py"), "--build-dir", str(ROOT / "build"),
+                        "--logs", str(tmp_path / "logs"), "--out-md", str(tmp_path / "s.md"),
+                        "--sanitizer", str(fake), *args], cwd=ROOT, env=e, capture_output=True, text=True,
+                       timeout=180)
+    rec = json.loads(p.stdout) if p.stdout.strip() else None
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return p, rec, lines
+
+
+def test_sanitize_runs_every_tool_over_every_target_with_its_options(tmp_path):
+    """Each tool over the C++ CUDA tests and the parity training step (on sim in a dry
+    run): memcheck leak-checks the C++ tests and sees torch's allocations one by one;
+    racecheck and synccheck look at layerstream's kernels in the Python step."""
+    p, rec, calls = sanitize(tmp_path, "clean", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert rec["status"] == "passed" and rec["version"] == "Version 2099.1.0 (fake)"
+    assert [(r["tool"], r["status"]) for r in rec["runs"]] == [
+        (t, "clean") for t in ("memcheck", "racecheck", "synccheck") for _ in range(4)]
+    assert len(calls) == 12
+    mem_cpp, mem_py = calls[0], calls[3]
+    assert "--leak-check full" in mem_cpp and "test_cuda_dequant" in mem_cpp
+    assert "nocache=1" in mem_py and "--kernel-name" not in mem_py
+    assert all("--kernel-name kns=layerstream" in c and "nocache= " in c for c in (calls[7], calls[11]))
+    assert all("--error-exitcode 99" in c for c in calls)
+    assert "| synccheck | parity training step | clean | 0 |" in (tmp_path / "s.md").read_text()
+
+
+def test_sanitize_reports_errors_and_fails(tmp_path):
+    p, rec, _ = sanitize(tmp_path, "errors", "--dry-run", "--targets", "cpp", "--tools", "memcheck,synccheck")
+    assert p.returncode == 1
+    assert rec["status"] == "failed"
+    assert [r["errors"] for r in rec["runs"]] == [2, 2, 2, 0, 0, 0]
+    assert "memcheck test_cuda_dequant: errors (2 errors)" in rec["detail"]
+    assert "Invalid __global__ read" in (tmp_path / "logs" / "memcheck-test_cuda_dequant.log").read_text()
+
+
+def test_sanitize_on_a_device_the_tool_refuses_proves_nothing_and_says_so(tmp_path):
+    p, rec, calls = sanitize(tmp_path, "unsupported", "--dry-run", "--targets", "cpp")
+    assert p.returncode == 1 and len(calls) == 1  # the runs after the first refusal are not tried
+    assert rec["status"] == "unavailable" and "Device not supported" in rec["detail"]
+    assert [r["status"] for r in rec["runs"]][:2] == ["unavailable", "not run"]
+
+
+def test_sanitize_counts_a_test_skipped_under_the_tool_as_a_failure(tmp_path):
+    """Not a dry run: the C++ CUDA tests skip here ("no CUDA device available"), as they
+    would if the tool hid the GPU: a clean report over skipped tests proves nothing."""
+    p, rec, _ = sanitize(tmp_path, "clean", "--targets", "cpp", "--tools", "memcheck")
+    assert p.returncode == 1
+    assert {r["status"] for r in rec["runs"]} == {"unexpected skips"}
+    assert "no CUDA device" in rec["runs"][0]["detail"]
+
+
+def test_sanitize_without_the_tool_on_the_gpu_machine_fails_clearly(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(GPU))
+    spec = importlib.util.spec_from_file_location("ls_gpu_sanitize", GPU / "sanitize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "find_sanitizer", lambda: None)  # whatever this machine has
+    rc = mod.main(["--build-dir", str(ROOT / "build"), "--logs", str(tmp_path / "logs")])
+    rec = json.loads(capsys.readouterr().out)
+    assert rc == 1 and rec["status"] == "unavailable" and rec["runs"] == []
+    assert "compute-sanitizer not found" in rec["detail"] and "--sanitizer PATH" in rec["detail"]
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
