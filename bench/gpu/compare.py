@@ -92,8 +92,10 @@ REGIMES = ("transfer", "compute")
 MODES = ("infer", "train")
 
 # Targets (goals: reported per row, never the exit status).
-T_COMPUTE_TRAIN_VS_RESIDENT = 1.10   # compute-bound training: layerstream <= 1.10x resident
-T_TRANSFER_PCT_OF_PINNED = 0.85      # transfer-bound: >= 85% of measured pinned H2D peak
+# The second proof (issue 27) tightened the first's (1.10x, 85%): runs 3 and 4 measured
+# 1.00-1.01x resident and 99% of the peak.
+T_COMPUTE_VS_RESIDENT = 1.05         # compute-bound, training and inference: layerstream <= 1.05x resident
+T_TRANSFER_PCT_OF_PINNED = 0.90      # transfer-bound: >= 90% of measured pinned H2D peak
 T_LOSSLESS_VS_PLAIN = 0.72           # transfer-bound: lossless step <= 0.72x plain layerstream (issue 28)
 MEM_TOLERANCE_BYTES = 64 << 20       # allocator / cuBLAS-workspace slack for the memory check
 
@@ -639,14 +641,15 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
             r["checks"], r["verdict"] = checks, ("—" if r.get("status") == "ok" else r.get("status", "?"))
             continue
         regime, mode = r["regime"], r["mode"]
-        if regime == "compute" and mode == "train":
+        # A dry run's timings (the sim device on CPU cores) judge nothing: its speed checks are n/a.
+        if regime == "compute":
             v = r.get("ratio_to_resident")
-            checks.append({"name": f"<= {T_COMPUTE_TRAIN_VS_RESIDENT:.2f}x resident",
-                           "value": v, "pass": None if v is None else v <= T_COMPUTE_TRAIN_VS_RESIDENT})
+            checks.append({"name": f"<= {T_COMPUTE_VS_RESIDENT:.2f}x resident",
+                           "value": v, "pass": None if v is None or dry else v <= T_COMPUTE_VS_RESIDENT})
         if regime == "transfer":
             v = r.get("pct_pinned_peak")
             checks.append({"name": f">= {T_TRANSFER_PCT_OF_PINNED:.0%} pinned peak",
-                           "value": v, "pass": None if v is None else v >= T_TRANSFER_PCT_OF_PINNED})
+                           "value": v, "pass": None if v is None or dry else v >= T_TRANSFER_PCT_OF_PINNED})
         budget = metas.get(r["system"], {}).get("budget_bytes")
         eng = r.get("peak_device_bytes_engine")
         if budget is not None and eng is not None:
@@ -676,6 +679,44 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
         r["checks"] = checks
         decided = [c["pass"] for c in checks if c["pass"] is not None]
         r["verdict"] = "—" if not decided else ("PASS" if all(decided) else "FAIL")
+
+
+# layerstream's rows judged against the peers: the plain one (each system uses the budget
+# as its users would) and the equal-work one (every layer streams, as the peers do).
+JUDGED = ("layerstream", "layerstream-all-streamed")
+
+
+def not_ahead(rows: list, dry: bool) -> list[dict]:
+    """Every (layerstream row, peer) where the peer's step was as fast or faster, with the
+    reason the numbers give: the peer moved fewer bytes, or it used the link (transfer-
+    bound) or the GPU (compute-bound) better. A first reading for the person who writes
+    the statement into docs/benchmarks.md, not a verdict. Empty in a dry run."""
+    if dry:
+        return []
+    by = {(r["system"], r["regime"], r["mode"]): r for r in rows if r.get("status") == "ok"}
+    out = []
+    for (sysname, regime, mode), r in by.items():
+        if sysname not in JUDGED:
+            continue
+        for peer in PEERS:
+            o = by.get((peer, regime, mode))
+            if not o or o["step_ms"] > r["step_ms"]:
+                continue
+            lb, pb = r.get("bytes_per_step"), o.get("bytes_per_step")
+            if lb and pb is not None and pb < 0.97 * lb:
+                why = (f"{peer} moved fewer bytes per step ({fmt_bytes(pb)} against {fmt_bytes(lb)}): "
+                       "not equal work")
+            elif regime == "transfer":
+                why = (f"as many bytes, but {peer} used the link better ({fmt(o.get('pct_pinned_peak'), '.0%')} "
+                       f"of the pinned peak against {fmt(r.get('pct_pinned_peak'), '.0%')}): see the engine line "
+                       "(misses, deviations)")
+            else:
+                why = (f"compute-bound: {peer} at {fmt(o.get('ratio_to_resident'))}x resident against "
+                       f"{fmt(r.get('ratio_to_resident'))}x: layerstream's per-layer cost (see engine-only)")
+            out.append({"system": sysname, "regime": regime, "mode": mode, "peer": peer,
+                        "step_ms": r["step_ms"], "peer_step_ms": o["step_ms"],
+                        "ratio": r["step_ms"] / o["step_ms"], "reason": why})
+    return out
 
 
 def cell(text) -> str:
@@ -757,8 +798,8 @@ def write_md(res: dict, path: Path) -> None:
              "on CPU/sim); × ideal = step / max(resident step, bytes streamed per step / H2D peak); GB/s = bytes "
              "streamed per step / step time (layerstream: measured h2d bytes; the peers': computed); peak "
              "device mem = torch.cuda.max_memory_allocated + layerstream's slot arena (streamed_device_bytes, "
-             "allocated outside torch; the weights its planner keeps resident are torch tensors, counted once). Targets (goals, not the exit status): compute-bound training ≤ "
-             f"{T_COMPUTE_TRAIN_VS_RESIDENT:.2f}× resident; transfer-bound ≥ {T_TRANSFER_PCT_OF_PINNED:.0%} of the "
+             "allocated outside torch; the weights its planner keeps resident are torch tensors, counted once). Targets (goals, not the exit status): compute-bound ≤ "
+             f"{T_COMPUTE_VS_RESIDENT:.2f}× resident; transfer-bound ≥ {T_TRANSFER_PCT_OF_PINNED:.0%} of the "
              "pinned peak; engine peak ≤ budget; total peak ≤ budget + the resident run's activations "
              f"(+{MEM_TOLERANCE_BYTES >> 20} MiB); faster than each peer that ran (seed, accelerate, RamTorch, "
              "diffusers group offloading).")
@@ -778,6 +819,14 @@ def write_md(res: dict, path: Path) -> None:
             L.append(f"- {r['system']} {r['regime']}/{r['mode']}: hits {fmt(e.get('hits_per_step'), '.1f')}, "
                      f"misses {fmt(e.get('misses_per_step'), '.1f')}, deviations "
                      f"{fmt(e.get('deviations_per_step'), '.1f')}; {e.get('slots')} slots")
+    behind = res.get("not_ahead")
+    if behind:
+        L.append("")
+        L.append("Where layerstream is not ahead (the reason the numbers give; the statement in "
+                 "docs/benchmarks.md confirms or corrects it):")
+        for n in behind:
+            L.append(f"- {n['system']} {n['regime']}/{n['mode']}: {n['step_ms']:.2f} ms against {n['peer']} "
+                     f"{n['peer_step_ms']:.2f} ms ({n['ratio']:.3f}x): {n['reason']}")
     skipped = [f"- {s}: {v['reason']}" for s, v in res["systems"].items() if v.get("status") == "skipped"]
     if skipped:
         L.append("")
@@ -1017,7 +1066,8 @@ def main(argv=None) -> int:
         "metas": metas,
         "rows": rows,
         "regime_check": regime_check,
-        "targets": {"compute_train_vs_resident_max": T_COMPUTE_TRAIN_VS_RESIDENT,
+        "not_ahead": not_ahead(rows, dry),
+        "targets": {"compute_vs_resident_max": T_COMPUTE_VS_RESIDENT,
                     "transfer_pct_of_pinned_min": T_TRANSFER_PCT_OF_PINNED,
                     "memory_tolerance_bytes": MEM_TOLERANCE_BYTES},
         "summary": {"layerstream_rows": len(verdicts), "pass": verdicts.count("PASS"),

@@ -247,5 +247,53 @@ def test_sanitize_without_the_tool_on_the_gpu_machine_fails_clearly(tmp_path, mo
     assert rc == 1 and rec["status"] == "unavailable" and rec["runs"] == []
     assert "compute-sanitizer not found" in rec["detail"] and "--sanitizer PATH" in rec["detail"]
 
+def load_compare():
+    spec = importlib.util.spec_from_file_location("ls_gpu_compare", GPU / "compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(system, regime, mode, ms, **kw):
+    return {"system": system, "regime": regime, "mode": mode, "tokens": 512, "status": "ok", "step_ms": ms, **kw}
+
+
+def test_compare_judges_rows_by_the_second_proofs_targets_and_names_the_peers_ahead():
+    """Issue 27: compute-bound <= 1.05x resident (training and inference), transfer-bound
+    >= 90% of the pinned peak, and for every peer as fast or faster a reason from the
+    numbers: fewer bytes moved, or the link used better."""
+    cmp = load_compare()
+    W = 10 << 30  # weight bytes
+    rows = [_row("resident", "compute", "infer", 100.0), _row("layerstream", "compute", "infer", 104.0,
+                                                               h2d_bytes_per_step=W),
+            _row("resident", "compute", "train", 200.0), _row("layerstream", "compute", "train", 212.0,
+                                                               h2d_bytes_per_step=2 * W),
+            _row("resident", "transfer", "train", 10.0),
+            _row("layerstream", "transfer", "train", 500.0, h2d_bytes_per_step=2 * W),   # 2W in 0.5 s
+            _row("layerstream-all-streamed", "transfer", "train", 520.0, h2d_bytes_per_step=2 * W),
+            _row("ramtorch", "transfer", "train", 505.0),     # 2W: as many bytes, a little slower
+            _row("seed", "transfer", "train", 450.0),         # 2W: as many bytes, faster
+            _row("diffusers-group", "transfer", "train", 300.0)]  # 1W: fewer bytes
+    metas = {s: {"weight_bytes": W} for s in ("ramtorch", "seed", "diffusers-group")}
+    peak = 2 * W / 0.5 / 1e9 / 0.92  # layerstream at 92% of the peak
+    cmp.derive(rows, {"pinned_peak_gbps": peak}, metas, dry=False)
+    by = {(r["system"], r["regime"], r["mode"]): r for r in rows}
+    checks = {k: {c["name"]: c["pass"] for c in r["checks"]} for k, r in by.items() if r["system"] == "layerstream"}
+    assert checks[("layerstream", "compute", "infer")]["<= 1.05x resident"] is True
+    assert checks[("layerstream", "compute", "train")]["<= 1.05x resident"] is False  # 1.06x
+    assert checks[("layerstream", "transfer", "train")][">= 90% pinned peak"] is True
+    assert checks[("layerstream", "transfer", "train")]["faster than ramtorch"] is True
+    behind = {(n["system"], n["peer"]): n["reason"] for n in cmp.not_ahead(rows, dry=False)}
+    assert set(behind) == {("layerstream", "seed"), ("layerstream", "diffusers-group"),
+                           ("layerstream-all-streamed", "seed"), ("layerstream-all-streamed", "diffusers-group"),
+                           ("layerstream-all-streamed", "ramtorch")}
+    assert "fewer bytes" in behind[("layerstream", "diffusers-group")]
+    assert "used the link better" in behind[("layerstream", "seed")]
+    assert cmp.not_ahead(rows, dry=True) == []  # a dry run's timings compare nothing
+    cmp.derive(rows, {"pinned_peak_gbps": peak}, metas, dry=True)
+    assert {c["pass"] for r in rows if r["system"] == "layerstream" for c in r["checks"]
+            if "resident" in c["name"] or "peak" in c["name"] or "faster" in c["name"]} == {None}
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
