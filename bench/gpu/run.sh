@@ -398,6 +398,16 @@ try:
         cpp["detail"] = cpp.get("detail", "") + "; bench_quant measured no device dequantization"
 except (OSError, ValueError, KeyError):
     pass
+# test_cuda_lossless prints the decoder's speed on a 16384 x 4096 bf16 weight (issue 28).
+import os, re
+try:
+    m = re.search(r"\[ lossless \] decode (\d+) x (\d+) bf16 on the device: ([\d.]+) ms, ([\d.]+) GB/s of output "
+                  r"\(coded ([\d.]+) of raw\)", open(os.path.join(os.path.dirname(quant_path), "test_cuda_lossless.log")).read())
+    if m:
+        cpp["lossless_decode"] = {"rows": int(m[1]), "cols": int(m[2]), "ms": float(m[3]),
+                                  "output_gbps": float(m[4]), "coded_ratio": float(m[5])}
+except OSError:
+    pass
 json.dump(cpp, open(out, "w"), indent=2)
 try:
     tests = json.load(open(tests_path))

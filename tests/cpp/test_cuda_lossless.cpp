@@ -182,6 +182,7 @@ TEST_F(CudaLossless, ThroughputOfALargeWeight) {
   std::vector<uint8_t> back(src.size());
   CUDA_OK(cudaMemcpy(back.data(), dout, back.size(), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(back == src);
+  // bench/gpu/run.sh (the cpp stage) reads this line into results.md: keep its format.
   std::printf("[ lossless ] decode 16384 x 4096 bf16 on the device: %.3f ms, %.1f GB/s of output (coded %.3f of raw)\n",
               best, double(src.size()) / (best * 1e-3) / 1e9, double(coded.size()) / double(src.size()));
   CUDA_OK(cudaEventDestroy(a));
