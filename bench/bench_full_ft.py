@@ -26,7 +26,10 @@ The DeepSpeed peers import `deepspeed` installed, or from --deepspeed-path (defa
 build/bench-deps; not a project dependency: bench/bench_optim.py says how to put it there,
 bench/gpu/fetch_peers.sh fetches it for the GPU machine); without it their rows are skipped
 and say why. DeepSpeedCPUAdam compiles at first use (minutes; torch caches it): a step of its
-own builds it before them (--ds-build-timeout; if it fails, they are skipped saying so). Each runs
+own builds it before them (--ds-build-timeout; if it fails, they are skipped saying so; one past
+its timeout is killed with its compilers, and the lock file torch's loader left in the build folder
+is removed, so that a later run builds instead of waiting on it). The build goes to
+$TORCH_EXTENSIONS_DIR (default build/torch_extensions, kept between calls on a warm machine). Each runs
 as one rank of a process group of one (DeepSpeed needs one), on CUDA, or on DeepSpeed's CPU
 accelerator in a sim dry run (its timings are then the CPU's, as the others').
 
@@ -53,6 +56,7 @@ import time
 
 from peer_process import run_peer_process
 
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PEERS = ("resident", "torch-host", "ls-after", "ls-overlap", "ls-lossless", "ds-zero2-offload", "ds-zero3-offload")
 DS_PEERS = ("ds-zero2-offload", "ds-zero3-offload")
 
@@ -230,8 +234,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0.6,
                     help="offload()'s device budget for the layerstream peers, as a fraction of the weights' bytes")
     ap.add_argument("--gbps", type=float, default=2.0, help="sim link (both directions), GB/s")
-    ap.add_argument("--deepspeed-path", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                                             "build", "bench-deps"),
+    ap.add_argument("--deepspeed-path", default=os.path.join(REPO, "build", "bench-deps"),
                     help="where the DeepSpeed peers import deepspeed from when it is not installed")
     ap.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer's process may take")
     ap.add_argument("--ds-build-timeout", type=float, default=300,
@@ -265,9 +268,16 @@ def main():
         return run_peer_process(cmd, peer, timeout=t)
 
     rows, ds_build = {}, None
+    # torch's extension loader builds DeepSpeedCPUAdam here (the peers inherit it) and holds
+    # NAME/lock in it while it builds.
+    ext_dir = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, "build", "torch_extensions"))
     for peer in PEERS:
         if peer in DS_PEERS and ds_build is None:
             ds_build = run("ds-build", args.ds_build_timeout)
+            lock = os.path.join(ext_dir, "cpu_adam", "lock")  # CPUAdamBuilder.NAME
+            if ds_build.get("timed_out") and os.path.exists(lock):
+                os.remove(lock)
+                ds_build["error"] += f"; removed the build's lock file {lock}"
         if peer in DS_PEERS and "error" in ds_build:
             rows[peer] = {"peer": peer, "skipped": f"DeepSpeedCPUAdam did not build: {ds_build['error']}"}
             continue

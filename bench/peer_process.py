@@ -1,21 +1,34 @@
 """One peer of a benchmark in its own process (the benchmarks' rule: each peer runs as
 its users run it, in a process of its own): runs the command and returns the JSON object
 its last JSON line printed, or a row {"peer": ..., "error": why} (exit status, the end of
-its stderr, or the timeout)."""
+its stderr, or the timeout).
+
+The peer runs in a session of its own, and a peer past its timeout is killed with every
+process it started (a compiler that torch's extension loader or DeepSpeed launched, a
+compile worker), so that nothing it left running holds a lock or the CPU for the next."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 
 
 def run_peer_process(cmd: list, peer: str, timeout: float | None = None, **row) -> dict:
     """`row`: fields an error row carries besides peer and error (e.g. a description)."""
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"peer": peer, **row, "error": f"did not finish in {timeout:.0f} s"}
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr or done.stdout).strip()[-2000:]
-        return {"peer": peer, **row, "error": f"exit {done.returncode}: {tail}"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.communicate()
+            return {"peer": peer, **row, "error": f"did not finish in {timeout:.0f} s", "timed_out": True}
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (err or out).strip()[-2000:]
+        return {"peer": peer, **row, "error": f"exit {p.returncode}: {tail}"}
     return json.loads(lines[-1])

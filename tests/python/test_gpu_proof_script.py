@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,35 @@ def test_compare_judges_rows_by_the_second_proofs_targets_and_names_the_peers_ah
     cmp.derive(rows, {"pinned_peak_gbps": peak}, metas, dry=True)
     assert {c["pass"] for r in rows if r["system"] == "layerstream" for c in r["checks"]
             if "resident" in c["name"] or "peak" in c["name"] or "faster" in c["name"]} == {None}
+
+
+def test_a_peer_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
+    """bench/peer_process.py: a peer that started a compiler (here a sleep standing in for
+    it) and hangs is killed with it, so that nothing it left holds a lock or a core."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from peer_process import run_peer_process
+    finally:
+        sys.path.pop(0)
+    pidfile = tmp_path / "child.pid"
+    script = ("import subprocess, time\n"
+              f"p = subprocess.Popen(['sleep', '60']); open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+              "time.sleep(60)\n")
+    row = run_peer_process([sys.executable, "-c", script], "hang", timeout=3)
+    assert row == {"peer": "hang", "error": "did not finish in 3 s", "timed_out": True}
+    pid = int(pidfile.read_text())
+    for _ in range(50):  # the kill is delivered; the zombie is reaped by init
+        try:
+            os.kill(pid, 0)
+            state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+            if state == "Z":
+                break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the peer's child {pid} is still running")
+    assert run_peer_process([sys.executable, "-c", "import json; print(json.dumps({'x': 1}))"], "ok") == {"x": 1}
 
 
 if __name__ == "__main__":
