@@ -339,8 +339,13 @@ def fake(inputs, params, engine, layer, call):
         if any(isinstance(t, torch.Tensor) and _free_unbacked_symbols(t.shape)
                for t in torch.utils._pytree.tree_leaves(out)):
             raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.layerstream.group.default)
-    except _DATA_DEPENDENT:
-        if not fwd._experts_module or not inputs:
+    except Exception as e:  # noqa: BLE001 - experts modules: see below; others re-raise
+        # An experts module whose trial cannot run on fake tensors: shapes that depend on
+        # the routing (_DATA_DEPENDENT), or a kernel path fake tensors refuse (transformers
+        # picks grouped_mm unless Dynamo traces its own frame, which a fake kernel is not;
+        # torch 2.11's meta grouped_mm accepts bf16 only). It returns its first input's
+        # shape and dtype, which the real kernel checks.
+        if not fwd._experts_module or not inputs or not isinstance(e, (*_DATA_DEPENDENT, RuntimeError)):
             raise
         out = torch.empty_like(args[0] if args else inputs[0])
         _LIKE_FIRST_INPUT.add((engine, layer, call))

@@ -534,14 +534,28 @@ class _DataDependentExperts(nn.Module):
         return torch.cat([out, out]) if self.twice else out
 
 
-@pytest.mark.parametrize("twice", [False, True], ids=["like-its-input", "other-shape"])
-def test_a_group_whose_shapes_depend_on_the_data_is_checked(offload_sim, twice):
-    """The fake kernel cannot run a forward whose shapes depend on the data; for an
-    experts module it promises the first input's shape and dtype (what transformers'
-    experts return), and the real kernel checks the promise: kept, the compiled result
-    is the eager one; broken, a clear error, not a wrong shape downstream."""
+class _FakeRefusedExperts(_DataDependentExperts):
+    """An experts module whose kernel path fake tensors refuse: transformers picks
+    grouped_mm inside a fake kernel (Dynamo is not tracing its frame there), and torch
+    2.11's meta grouped_mm refuses fp32."""
+
+    def forward(self, x, ids):
+        if isinstance(x, torch._subclasses.FakeTensor):
+            raise RuntimeError("Expected inputs of BF16 type but got mat_a.dtype=torch.float32")
+        return super().forward(x, ids)
+
+
+@pytest.mark.parametrize("kind", ["like-its-input", "other-shape", "fake-refused"])
+def test_a_group_whose_shapes_depend_on_the_data_is_checked(offload_sim, kind):
+    """The fake kernel cannot run a forward whose shapes depend on the data (or whose
+    path fake tensors refuse); for an experts module it promises the first input's shape
+    and dtype (what transformers' experts return), and the real kernel checks the
+    promise: kept, the compiled result is the eager one; broken, a clear error, not a
+    wrong shape downstream."""
+    twice = kind == "other-shape"
     model = nn.Sequential()
-    model.experts = _DataDependentExperts(twice).requires_grad_(False)
+    model.experts = (_FakeRefusedExperts() if kind == "fake-refused"
+                     else _DataDependentExperts(twice)).requires_grad_(False)
     offload_sim(model)
     x, ids = torch.randn(6, 16), torch.tensor([0, 2, 2, 1, 0, 3])
     step = torch.compile(lambda x, ids: model.experts(x, ids) * 2, fullgraph=True, backend="aot_eager")
