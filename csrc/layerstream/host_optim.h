@@ -38,6 +38,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <map>
@@ -112,6 +113,20 @@ void adamw_step_torch(const AdamWConfig& config, const torch::Tensor& param, con
                       const AdamWStates& states, int64_t step, float grad_scale);
 float adafactor_step_torch(const AdafactorConfig& config, const torch::Tensor& param, const torch::Tensor& grad,
                            const AdafactorStates& states, int64_t step, float grad_scale);
+
+// ---------------------------------------------------------------- budget
+// Trainable parameters that an offload() budget kept on the compute device
+// while OffloadOptions::train was empty (Python: offload(budget=...) without
+// train=): the budget counted their weights, not the gradients and optimizer
+// states they take there while training (docs/design/planner.md,
+// "Training"). offload() notes them for as long as its handle is attached
+// (the flag returned here: the handle sets it false when it detaches); the
+// optimizers (C++ AdamW; Python's AdamW and Adafactor) warn once, at their
+// first step, when some of their parameters are noted. One registry for
+// both languages. Thread safety: process-wide, guarded by a mutex.
+// Ownership: parameters are held weakly (a freed one is forgotten).
+std::shared_ptr<std::atomic<bool>> note_uncounted_training(const std::vector<torch::Tensor>& params);
+bool uncounted_training(const torch::Tensor& param);
 
 // ---------------------------------------------------------------- clipping
 // The total 2-norm of `grads` (host ones by the C++ kernels, others by
@@ -412,6 +427,8 @@ class AdamW {
   std::unique_ptr<Pending> pending_;
   std::shared_ptr<OverlapBackups> backups_;  // the speculation's copies, kept across steps
   bool last_clipped_ = false;
+  bool budget_checked_ = false;  // warn_uncounted_training() ran (at the first step)
+  void warn_uncounted_training() const;
   size_t last_overlap_params_ = 0;
   // After a failed overlapped backward: restores the speculated layers and
   // copies the step counters of those that stay stepped.

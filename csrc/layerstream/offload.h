@@ -50,6 +50,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <optional>
@@ -146,6 +147,9 @@ class OffloadHandle {
   std::vector<torch::Device> devices_;
   std::vector<Swap> swaps_;
   std::vector<std::function<void()>> unbind_;
+  // Trainable parameters the budget kept on the device without
+  // OffloadOptions::train (optim::note_uncounted_training); false once detached.
+  std::shared_ptr<std::atomic<bool>> uncounted_;
 };
 
 std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOptions& options = {});

@@ -119,6 +119,13 @@ void bind_optim(py::module& m) {
     return out;
   }, "offload(train=spec): the gradient and optimizer-state bytes of a trainable tensor kept on the device "
      "(core/optim/optim.h train_bytes); ValueError for an unknown spec");
+  // optim::note_uncounted_training: offload() notes the parameters; the note's end()
+  // is its handle's detach; the optimizers ask optim_uncounted at their first step.
+  py::class_<std::atomic<bool>, std::shared_ptr<std::atomic<bool>>>(m, "UncountedNote")
+      .def("end", [](std::atomic<bool>& live) { live = false; });
+  m.def("optim_note_uncounted", &o::note_uncounted_training,
+        "notes trainable parameters an offload() budget kept on the device without train=");
+  m.def("optim_uncounted", &o::uncounted_training, "a parameter optim_note_uncounted noted, not yet detached");
   m.def("optim_adamw_init_states", [opt](const torch::Tensor& p, const std::string& fmt) {
     const o::AdamWStates s = o::adamw_init_states(p, o::parse_state_format(fmt));
     return py::make_tuple(s.exp_avg, s.exp_avg_sq, opt(s.exp_avg_absmax), opt(s.exp_avg_sq_absmax));

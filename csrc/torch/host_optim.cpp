@@ -5,10 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <exception>
+#include <mutex>
 #include <set>
+#include <unordered_map>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "host_optim_internal.h"
 
 namespace layerstream {
@@ -377,7 +381,56 @@ double grad_norm(const std::vector<torch::Tensor>& grads) {
   return std::sqrt(sum_of_squares(host) + device_sum);
 }
 
+// ---------------------------------------------------------------- budget
+namespace {
+struct Noted {
+  c10::weak_intrusive_ptr<c10::TensorImpl> param;
+  std::shared_ptr<std::atomic<bool>> live;
+};
+std::mutex g_uncounted_mu;
+std::unordered_map<const c10::TensorImpl*, Noted> g_uncounted;
+}  // namespace
+
+std::shared_ptr<std::atomic<bool>> note_uncounted_training(const std::vector<torch::Tensor>& params) {
+  auto live = std::make_shared<std::atomic<bool>>(true);
+  std::lock_guard<std::mutex> lock(g_uncounted_mu);
+  for (auto it = g_uncounted.begin(); it != g_uncounted.end();)  // forget freed or detached ones
+    it = it->second.param.expired() || !*it->second.live ? g_uncounted.erase(it) : std::next(it);
+  for (const auto& p : params)
+    g_uncounted.insert_or_assign(p.unsafeGetTensorImpl(),
+                                 Noted{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), live});
+  return live;
+}
+
+bool uncounted_training(const torch::Tensor& param) {
+  std::lock_guard<std::mutex> lock(g_uncounted_mu);
+  auto it = g_uncounted.find(param.unsafeGetTensorImpl());
+  // The same tensor, not a new one at a freed one's address.
+  return it != g_uncounted.end() && *it->second.live && it->second.param.lock().get() == param.unsafeGetTensorImpl();
+}
+
 // ---------------------------------------------------------------- AdamW
+void AdamW::warn_uncounted_training() const {
+  size_t n = 0;
+  uint64_t bytes = 0;
+  std::string spec;
+  for (const Group& g : groups_)
+    for (const Param& p : g.params)
+      if (uncounted_training(p.param)) {
+        spec = "adamw-" + g.options.state_precision;
+        ++n;
+        bytes += train_bytes(parse_train_spec(spec), p.param.sizes().vec(),
+                             static_cast<uint64_t>(p.param.element_size()));
+      }
+  if (n == 0) return;
+  char mib[32];
+  std::snprintf(mib, sizeof mib, "%.2f", static_cast<double>(bytes) / (1 << 20));
+  warn("layerstream::optim::AdamW: " + std::to_string(n) + " parameter(s) that offload() kept on the device "
+       "under OffloadOptions::budget_bytes train there: their gradients and optimizer states take " + mib +
+       " MiB beyond the budget, which counted their weights only; OffloadOptions::train = \"" + spec +
+       "\" makes the budget hold them (docs/design/planner.md, \"Training\")");
+}
+
 AdamW::AdamW(std::vector<torch::Tensor> params, AdamWOptions options) {
   add_param_group(std::move(params), std::move(options));
 }
@@ -462,6 +515,10 @@ AdamW::Overlap::~Overlap() {
 
 void AdamW::step() {
   torch::NoGradGuard ng;
+  if (!budget_checked_) {
+    budget_checked_ = true;
+    warn_uncounted_training();
+  }
   // An overlapped backward: what its plan covered (stepped, or its norm taken).
   std::unique_ptr<Pending> pending = std::move(pending_);
   if (pending && pending->error) {  // as a failed backward: nothing more is stepped

@@ -12,6 +12,7 @@
 #include "core/planner.h"
 #include "core/slot_layout.h"
 #include "engine_impl.h"  // src_dtype_of
+#include "layerstream/host_optim.h"
 
 namespace layerstream {
 
@@ -254,6 +255,7 @@ void OffloadHandle::detach() {
   swaps_.clear();
   engine_.reset();
   root_ = nullptr;
+  if (uncounted_) *uncounted_ = false;
 }
 
 std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOptions& options) {
@@ -559,6 +561,12 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   }
   for (auto& b : root.buffers(/*recurse=*/true)) {
     if (b.device() != dev) b.set_data(b.data().to(dev));
+  }
+  if (options.budget_bytes >= 0 && (options.train.empty() || options.train == "none")) {
+    std::vector<torch::Tensor> kept;  // trainable, on the device, beyond what the budget counted
+    for (auto& p : root.parameters(/*recurse=*/true))
+      if (p.requires_grad() && !streamed.count(p.unsafeGetTensorImpl())) kept.push_back(p);
+    handle->uncounted_ = optim::note_uncounted_training(kept);
   }
   undo.armed = false;
   return handle;

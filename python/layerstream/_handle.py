@@ -248,7 +248,7 @@ class Handle(_RefusesCopy):
             h.remove()
         self._activation_hooks = []
         if self._uncounted is not None:
-            self._uncounted.live = False
+            self._uncounted.end()
         if self._ddp_model is not None:
             from ._distributed import forget_ddp_ignore
             forget_ddp_ignore(self._ddp_model)

@@ -305,33 +305,14 @@ def offload(
     return handle
 
 
-# Trainable parameters a budget kept on the device without train=: their gradients and
-# optimizer states are beyond it, which layerstream.optim says once (uncounted_training).
-# Keyed weakly by parameter; the value holds no reference back to the model or handle.
-_UNCOUNTED = torch.utils.weak.WeakIdKeyDictionary()
-
-
-class _Uncounted:
-    __slots__ = ("live",)  # False once the handle is detached
-
-    def __init__(self):
-        self.live = True
-
-
 def _note_uncounted_training(model: nn.Module, handle: Handle) -> None:
+    """Trainable parameters a budget kept on the device without train=: their gradients
+    and optimizer states are beyond it, which layerstream.optim says once. The registry
+    is C++'s (optim::note_uncounted_training, shared with the C++ offload()); detach()
+    ends the note."""
     streamed = {id(p) for a in handle._attached for p in a.module.parameters()}
-    handle._uncounted = note = _Uncounted()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in streamed:
-            _UNCOUNTED[p] = note
-
-
-def uncounted_training(p: torch.Tensor) -> bool:
-    """p is on the device under a budget that did not count its training and whose
-    handle is not detached (offload(budget=...) without train=; docs/design/planner.md,
-    "Training")."""
-    note = _UNCOUNTED.get(p)
-    return note is not None and note.live
+    handle._uncounted = _C.optim_note_uncounted(
+        [p for p in model.parameters() if p.requires_grad and id(p) not in streamed])
 
 
 @functools.lru_cache(maxsize=None)

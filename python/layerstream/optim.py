@@ -116,11 +116,10 @@ class _HostOptimizer(torch.optim.Optimizer):
     def _warn_uncounted_training(self, work):
         """Once: parameters an offload() budget kept on the device train there, and
         their gradients and states were not counted in it (offload(train=...))."""
-        from ._offload import uncounted_training
         n, nbytes, spec = 0, 0, None
         for group, ps, _, _ in work:
             for p in ps:
-                if uncounted_training(p):
+                if _C.optim_uncounted(p):
                     spec = self._train_spec(group)
                     n += 1
                     nbytes += _C.optim_train_bytes(spec, list(p.shape), p.element_size())

@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "layerstream/offload.h"
 #include "layerstream/host_optim.h"
 
@@ -307,4 +309,60 @@ TEST(TorchOptim, OverlapTwiceWithoutStepIsAnError) {
     EXPECT_NE(std::string(e.what()).find("has not been followed by step()"), std::string::npos) << e.what();
   }
   opt.step();
+}
+
+// A budget without OffloadOptions::train kept trainable layers on the device:
+// the first step says once what their gradients and states take beyond it
+// (optim::note_uncounted_training, the registry Python's optimizers read too);
+// with train set, after detach(), or for frozen layers, nothing.
+TEST(TorchOptim, ABudgetThatDidNotCountTrainingIsNamedOnce) {
+  auto said = [](auto& model, const torch::Tensor& x) {
+    std::vector<std::string> warnings;
+    auto prev = layerstream::set_warning_handler([&](const std::string& w) { warnings.push_back(w); });
+    layerstream::optim::AdamWOptions o;
+    o.state_precision = "bf16";
+    layerstream::optim::AdamW opt(model->parameters(), o);
+    for (int i = 0; i < 2; ++i) {
+      model->forward(x).square().mean().backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    layerstream::set_warning_handler(prev);
+    return warnings;
+  };
+  auto budgeted = [](torch::nn::Module& model, const std::string& train) {
+    layerstream::OffloadOptions o;
+    o.device = "sim";
+    o.budget_bytes = 4 << 20;  // every layer resident
+    o.train = train;
+    return layerstream::offload(model, o);
+  };
+  auto stack = [] {
+    return torch::nn::Sequential(layerstream::nn::Linear(256, 256), torch::nn::Tanh(), layerstream::nn::Linear(256, 256));
+  };
+  const torch::Tensor x = torch::randn({4, 256});
+  auto model = stack();
+  auto handle = budgeted(*model, "");
+  EXPECT_EQ(handle->resident_layers().size(), 2u) << handle->plan();
+  const auto w = said(model, x);
+  ASSERT_EQ(w.size(), 1u);
+  // 4 fp32 parameters of 2 x (256 x 256 + 256) elements: an fp32 gradient and two bf16 states each.
+  char mib[32];
+  std::snprintf(mib, sizeof mib, "%.2f", 2.0 * (256 * 256 + 256) * (4 + 2 + 2) / (1 << 20));
+  EXPECT_NE(w[0].find("4 parameter(s)"), std::string::npos) << w[0];
+  EXPECT_NE(w[0].find(std::string("take ") + mib + " MiB beyond the budget"), std::string::npos) << w[0];
+  EXPECT_NE(w[0].find("OffloadOptions::train = \"adamw-bf16\""), std::string::npos) << w[0];
+  handle->detach();
+  EXPECT_TRUE(said(model, x).empty());  // detached: no budget any more
+  auto counted = stack();
+  auto h2 = budgeted(*counted, "adamw-bf16");
+  EXPECT_TRUE(said(counted, x).empty());
+  Net frozen;  // its Linear layers frozen: only the norm trains on the device
+  for (auto& p : frozen->fc1->parameters()) p.requires_grad_(false);
+  for (auto& p : frozen->fc2->parameters()) p.requires_grad_(false);
+  auto h3 = budgeted(*frozen, "");
+  for (auto& p : frozen->fc1->parameters()) EXPECT_FALSE(layerstream::optim::uncounted_training(p));
+  const auto w3 = said(frozen, torch::randn({4, 8}));
+  ASSERT_EQ(w3.size(), 1u);
+  EXPECT_NE(w3[0].find("2 parameter(s)"), std::string::npos) << w3[0];
 }
