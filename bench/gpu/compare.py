@@ -44,6 +44,13 @@ Children print one JSON line per row (prefix LSBENCH_JSON); the parent collects
 them, adds the derived columns and target checks, and writes results.json and
 results.md into --out.
 
+--merge FILE (repeatable): the rows of systems not run now come from FILE, the
+results.json of an earlier call with the same model, tokens and steps (checked), and
+are judged with this call's (ratios, "faster than", the reasons where a peer is
+ahead); results.md names them. The ten systems take longer than one device call
+(~60 s each), so a session runs them in two (docs/benchmarks.md); bench/gpu/device.sh
+keeps each call's results.json at build-gpu/proof/last-results.json for the next.
+
 --dry-run: tiny sizes, layerstream on its simulated device "sim", the resident
 model and the seed's CPU path on the CPU, accelerate skipped. It checks the
 script end to end; its timings mean nothing for a GPU.
@@ -793,13 +800,14 @@ def write_md(res: dict, path: Path) -> None:
              "| peak device mem | verdict | checks |")
     L.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for r in res["rows"]:
+        name = r["system"] + (" (earlier call)" if r.get("merged_from") else "")
         if r.get("status") != "ok":
-            L.append(f"| {r['system']} | {r.get('regime', '—')} | {r.get('mode', '—')} | {r.get('tokens', '')} "
+            L.append(f"| {name} | {r.get('regime', '—')} | {r.get('mode', '—')} | {r.get('tokens', '')} "
                      f"| {r.get('status')} | | | | | | {r.get('status')} | {cell(r.get('reason') or r.get('error', ''))} |")
             continue
         pct = r.get("pct_pinned_peak")
         L.append(
-            f"| {r['system']} | {r['regime']} | {r['mode']} | {r['tokens']} | {r['step_ms']:.2f} "
+            f"| {name} | {r['regime']} | {r['mode']} | {r['tokens']} | {r['step_ms']:.2f} "
             f"| {fmt(r.get('ratio_to_resident'))} | {fmt(r.get('ratio_to_ideal'))} | {fmt(r.get('gbps'), '.3g')} "
             f"| {fmt(None if pct is None else pct * 100, '.0f')}{'%' if pct is not None else ''} "
             f"| {fmt_bytes(r.get('peak_device_bytes_total'))} | {r.get('verdict')} | {check_str(r)} |")
@@ -837,6 +845,11 @@ def write_md(res: dict, path: Path) -> None:
         for n in behind:
             L.append(f"- {n['system']} {n['regime']}/{n['mode']}: {n['step_ms']:.2f} ms against {n['peer']} "
                      f"{n['peer_step_ms']:.2f} ms ({n['ratio']:.3f}x): {n['reason']}")
+    merged = [f"- {s}: {v['merged_from']}" for s, v in res["systems"].items() if v.get("merged_from")]
+    if merged:
+        L.append("")
+        L.append("Rows measured by an earlier call (--merge; same model and work), judged with this call's:")
+        L.extend(merged)
     skipped = [f"- {s}: {v['reason']}" for s, v in res["systems"].items() if v.get("status") == "skipped"]
     if skipped:
         L.append("")
@@ -851,6 +864,54 @@ def write_md(res: dict, path: Path) -> None:
         L.append("Optional diagnostics not run or failed (not counted as failures):")
         L.extend(f"- {f}" for f in res["optional_problems"])
     path.write_text("\n".join(L) + "\n")
+
+
+# What must be equal for rows of two calls to be judged together.
+SAME_WORK = ("dry_run", "blocks", "dim", "mlp_mult", "bias", "tokens", "steps", "warmup", "budget_frac",
+             "prefetch", "weight_bytes", "budget_bytes")
+
+
+def load_merges(paths: list, cfg: dict) -> list:
+    """[(path, its results)] of each --merge FILE, checked (load_merges_from)."""
+    read = []
+    for p in paths:
+        try:
+            read.append((p, json.loads(Path(p).read_text())))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--merge {p}: cannot read it ({e})") from None
+    return load_merges_from(read, cfg)
+
+
+def load_merges_from(read: list, cfg: dict) -> list:
+    """The (path, results) pairs, checked against this call's model and work; raises
+    ValueError naming what differs."""
+    out = []
+    for p, res in read:
+        if not res.get("rows") or not res.get("config"):
+            raise ValueError(f"--merge {p}: no comparison rows in it (its call did not run the compare stage)")
+        diff = [k for k in SAME_WORK if res["config"].get(k) != cfg.get(k)]
+        if diff:
+            what = ", ".join(f"{k}: {res['config'].get(k)} there, {cfg.get(k)} here" for k in diff)
+            raise ValueError(f"--merge {p}: another model or work ({what})")
+        out.append((p, res))
+    return out
+
+
+def merge_rows(merges: list, wanted: list, systems: dict, metas: dict, rows: list) -> None:
+    """Adds the merged calls' measured rows of the systems not run now (the latest file
+    wins), without their derived columns (derive() judges them again with this call's)."""
+    derived = {"checks", "verdict", "bytes_per_step", "bytes_source", "gbps", "pct_pinned_peak",
+               "peak_device_bytes_total", "ratio_to_resident", "ideal_ms", "ratio_to_ideal", "activation_bytes_est"}
+    taken = set(wanted)
+    for path, res in reversed(merges):
+        mine = {r["system"] for r in res["rows"] if r.get("status") == "ok"} - taken
+        for sname in sorted(mine, key=SYSTEMS.index):
+            rows.extend({**{k: v for k, v in r.items() if k not in derived}, "merged_from": res.get("date")}
+                        for r in res["rows"] if r["system"] == sname and r.get("status") == "ok")
+            systems[sname] = {**res["systems"].get(sname, {}), "merged_from": f"{path} ({res.get('date')})"}
+            if sname in res.get("metas", {}):
+                metas[sname] = res["metas"][sname]
+        taken |= mine
 
 
 def main(argv=None) -> int:
@@ -886,6 +947,8 @@ def main(argv=None) -> int:
     ap.add_argument("--build-seconds", default=None)
     ap.add_argument("--build-detail", default="")
     ap.add_argument("--tests-json", default=None, help="JSON file from run.sh's test step")
+    ap.add_argument("--merge", action="append", default=[], metavar="FILE",
+                    help="an earlier call's results.json: its rows of systems not run now join this one's")
     ap.add_argument("--command", default=None, help="the command line to record")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-cfg", default=None, help=argparse.SUPPRESS)
@@ -930,6 +993,10 @@ def main(argv=None) -> int:
             return timeout
         return max(5.0, min(timeout, a.deadline_s - (time.perf_counter() - t_start)))
 
+    try:
+        merges = load_merges(a.merge, cfg)
+    except ValueError as e:
+        ap.error(str(e))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "compare.log", "w")
@@ -1032,6 +1099,7 @@ def main(argv=None) -> int:
                 systems[s]["status"] = "error"
                 systems[s].setdefault("error", f"subprocess {why}")
 
+    merge_rows(merges, wanted, systems, metas, rows)
     derive(rows, probe, metas, dry)
     order = {s: i for i, s in enumerate(SYSTEMS)}
     rows.sort(key=lambda r: (REGIMES.index(r["regime"]), MODES.index(r["mode"]), order[r["system"]]))

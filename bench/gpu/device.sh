@@ -9,6 +9,9 @@
 # and a margin fit in the rest); run.sh is stopped at N + 30 s whatever it does,
 # and the packing still happens. Other arguments go to run.sh (--stages, --no-build,
 # -- compare.py args). OUT unset (not on the device machine): OUT=/tmp/ls-proof-out.
+# A call whose run compared systems keeps its results.json in
+# build-gpu/proof/last-results.json (ignored, kept on a warm machine; LS_PROOF_KEEP
+# names another folder) for the next call's -- --merge.
 # The wheels of the peers (.whl) and .shared (seed_layer.py, googletest) travel in
 # the call's carry; docs/benchmarks.md, "Running it on the GPU machine".
 set -uo pipefail
@@ -32,6 +35,12 @@ timeout -k 10 $(( N + 30 )) bash bench/gpu/run.sh "$WORK" --deadline-s "$N" "${A
 rc=${PIPESTATUS[0]}
 [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "[gpu-proof] device.sh: run.sh stopped at $(( N + 30 )) s" | tee -a "$WORK/run.log"
 for f in results.md results.json run.log; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"; done
+# A call that ran the comparison leaves its results for the next call on this (warm)
+# machine: -- --merge build-gpu/proof/last-results.json (compare.py, --merge).
+KEEP=${LS_PROOF_KEEP:-build-gpu/proof}
+if [ -f "$WORK/compare.log" ] && [ -f "$WORK/results.json" ]; then
+  mkdir -p "$KEEP" && cp "$WORK/results.json" "$KEEP/last-results.json"
+fi
 tar czf "$OUT/proof.tgz" -C "$WORK" . && rm -rf "$WORK"
 echo "[gpu-proof] device.sh: run.sh exit $rc; packed into $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 exit "$rc"

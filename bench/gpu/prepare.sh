@@ -38,8 +38,11 @@ sent=$( { git ls-files -z --cached --others --exclude-standard | du -cb --files0
 echo "what a device call sends: $(( sent / 1048576 )) MiB of the 64 MiB allowed"
 [ "$sent" -lt $(( 64 * 1048576 )) ] || { echo "prepare.sh: over the device tool's 64 MiB" >&2; exit 1; }
 cat <<'CALLS'
-device calls (carry: [".whl", ".shared"]), the second at once while the machine is warm:
-  1. timeout_s 600:  bash bench/gpu/device.sh --stages tests,cpp,compare,llama
-  2. timeout_s LEFT: bash bench/gpu/device.sh --deadline-s $((LEFT - 60)) --no-build --stages full_ft,compile,activations,disk,nccl,moe_decode,sanitize
-A later session: the stages its record (results.md, "Stages") shows "not run", without --no-build.
+device calls (carry: [".whl", ".shared"]), LEFT = device time left - 60 s, the second call of a
+session at once while the machine is warm; one session per pair (docs/benchmarks.md):
+  A1 timeout_s 600:  bash bench/gpu/device.sh --stages tests,cpp,full_ft,compile,activations,disk,nccl
+  A2 timeout_s LEFT: bash bench/gpu/device.sh --deadline-s LEFT --no-build --stages moe_decode,sanitize
+  B1 timeout_s 600:  bash bench/gpu/device.sh --stages compare -- --systems resident,layerstream,layerstream-all-streamed,ramtorch,diffusers-group,seed
+  B2 timeout_s LEFT: bash bench/gpu/device.sh --deadline-s LEFT --no-build --stages compare -- --systems layerstream-lossless,layerstream-nf4,accelerate --merge build-gpu/proof/last-results.json
+  C: --stages llama, and the stages the records (results.md, "Stages") show "not run", without --no-build.
 CALLS

@@ -325,5 +325,44 @@ def test_a_peer_past_its_timeout_is_killed_with_the_processes_it_started(tmp_pat
     assert run_peer_process([sys.executable, "-c", "import json; print(json.dumps({'x': 1}))"], "ok") == {"x": 1}
 
 
+def test_compare_judges_an_earlier_calls_rows_with_this_ones():
+    """--merge: the comparison over two device calls. Rows of systems not run now come
+    from the earlier call's results (the same model and work, else a clear error) and
+    are judged again with this call's: layerstream measured in the first call against
+    the seed measured in the second."""
+    cmp = load_compare()
+    cfg = {k: 1 for k in cmp.SAME_WORK}
+    first = {"date": "d1", "config": dict(cfg), "metas": {"layerstream": {"budget_bytes": None}},
+             "systems": {"resident": {"status": "ok"}, "layerstream": {"status": "ok"}},
+             "rows": [_row("resident", "transfer", "train", 10.0, verdict="old"),
+                      _row("layerstream", "transfer", "train", 500.0, h2d_bytes_per_step=2 << 30, checks=["old"]),
+                      {"system": "ramtorch", "regime": "transfer", "mode": "train", "status": "skipped"}]}
+    with pytest.raises(ValueError, match="another model or work \\(dim: 2 there, 1 here\\)"):
+        cmp.load_merges_from([("f.json", {**first, "config": {**cfg, "dim": 2}})], cfg)
+    with pytest.raises(ValueError, match="no comparison rows"):
+        cmp.load_merges_from([("f.json", {"stages": []})], cfg)
+    merges = cmp.load_merges_from([("f.json", first)], cfg)
+    systems, metas = {"seed": {"status": "ok"}}, {"seed": {"weight_bytes": 1 << 30}}
+    rows = [_row("seed", "transfer", "train", 600.0)]
+    cmp.merge_rows(merges, ["seed"], systems, metas, rows)
+    assert [r["system"] for r in rows] == ["seed", "resident", "layerstream"]  # not the skipped ramtorch
+    assert systems["layerstream"]["merged_from"] == "f.json (d1)" and "budget_bytes" in metas["layerstream"]
+    cmp.derive(rows, {"pinned_peak_gbps": 5.0}, metas, dry=False)
+    ls = rows[2]
+    assert ls["merged_from"] == "d1" and "old" not in ls["checks"]
+    assert {c["name"]: c["pass"] for c in ls["checks"]}["faster than seed"] is True
+    assert rows[1]["verdict"] == "—"  # judged again, not the earlier call's
+
+
+def test_device_script_keeps_a_comparing_calls_results_for_the_next(tmp_path):
+    out, keep = tmp_path / "OUT", tmp_path / "keep"
+    p = run_sh("device.sh", "--deadline-s", "200", "--dry-run", "--stages", "compare", "--", "--systems",
+               "resident", env={"OUT": str(out), "LS_PROOF_KEEP": str(keep)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    kept = json.loads((keep / "last-results.json").read_text())
+    assert kept == json.loads((out / "results.json").read_text())
+    assert {r["system"] for r in kept["rows"]} == {"resident"}
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
