@@ -19,9 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from peer_process import StageClock, stage_deadline
 
 MODES = {"off": None, "kept": "1TiB", "host": "host", "window": "quarter"}
 
@@ -73,27 +74,31 @@ def main():
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--gbps", type=float, default=25.0, help="sim link (both directions), GB/s")
+    ap.add_argument("--deadline-s", type=float, default=stage_deadline(),
+                    help="the whole run's seconds (default: $LS_STAGE_DEADLINE_S, which bench/gpu/run.sh sets; "
+                         "0: none): a mode that cannot start in time is a row that says so")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
         print(json.dumps(run_mode(args)))
         return
-    rows = {}
+    rows, clock = {}, StageClock(args.deadline_s)
     for mode in MODES:
         cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--device", args.device,
                "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
                "--steps", str(args.steps), "--gbps", str(args.gbps)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows[mode] = json.loads(out.strip().splitlines()[-1])
+        rows[mode] = clock.run(cmd, mode)  # a row, or one with its stderr's end / the timeout / no time left
+    failed = {m: r.get("error") or r["skipped"] for m, r in rows.items() if "error" in r or "skipped" in r}
+    ok = lambda *ms: not any(m in failed for m in ms)  # noqa: E731
     result = {"config": {k: getattr(args, k) for k in ("device", "layers", "width", "batch", "steps", "gbps")},
-              "modes": rows,
+              "modes": rows, "failed": failed,
               "peak_host_over_kept": rows["host"]["peak_activation_device_bytes"]
-              / max(1, rows["kept"]["peak_activation_device_bytes"]),
-              "step_host_over_off": rows["host"]["step_ms"] / rows["off"]["step_ms"]}
-    if args.json:
+              / max(1, rows["kept"]["peak_activation_device_bytes"]) if ok("host", "kept") else None,
+              "step_host_over_off": rows["host"]["step_ms"] / rows["off"]["step_ms"] if ok("host", "off") else None}
+    if args.json or failed:
         print(json.dumps(result))
-        return
+        sys.exit(1 if failed else 0)
     print(f"{args.layers} x (Linear({args.width}) + GELU), batch {args.batch}, training step; device {args.device}")
     print(f"{'mode':<6}{'step ms':>10}{'peak saved MiB':>16}{'to host MiB/step':>18}")
     for mode, r in rows.items():

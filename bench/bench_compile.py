@@ -23,9 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from peer_process import StageClock, stage_deadline
 
 PEERS = ["resident-eager", "resident-compiled", "streamed-eager", "streamed-compiled"]
 
@@ -102,6 +103,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--deadline-s", type=float, default=stage_deadline(),
+                    help="the whole run's seconds (default: $LS_STAGE_DEADLINE_S, which bench/gpu/run.sh sets; "
+                         "0: none): a peer that cannot start in time is a row that says so")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)  # a child's one peer
     args = ap.parse_args()
@@ -110,28 +114,37 @@ def main():
         return
     # Rounds of the four peers in turn, each round's peers in fresh processes; per peer the
     # median over rounds (a shared machine's noise moves whole processes).
-    runs = {peer: [] for peer in PEERS}
+    runs, failed = {peer: [] for peer in PEERS}, {}
+    clock = StageClock(args.deadline_s)
     for _ in range(args.rounds):
         for peer in PEERS:
             cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--device", args.device,
                    "--model", args.model, "--seq", str(args.seq),
                    "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
                    "--steps", str(args.steps), "--backend", args.backend]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs[peer].append(json.loads(out.strip().splitlines()[-1]))
-    rows = {peer: {"peer": peer, "first_call_s": statistics.median(r["first_call_s"] for r in rs),
-                   "step_ms": statistics.median(r["step_ms"] for r in rs), "rounds": [r["step_ms"] for r in rs]}
-            for peer, rs in runs.items()}
+            r = clock.run(cmd, peer)
+            if "error" in r or "skipped" in r:  # its stderr's end, a timeout, or no time left
+                failed.setdefault(peer, r)
+            else:
+                runs[peer].append(r)
+    rows = {peer: ({"peer": peer, "first_call_s": statistics.median(r["first_call_s"] for r in rs),
+                    "step_ms": statistics.median(r["step_ms"] for r in rs), "rounds": [r["step_ms"] for r in rs]}
+                   if rs else failed[peer]) for peer, rs in runs.items()}
+
+    def ratio(a, b):
+        return rows[a]["step_ms"] / rows[b]["step_ms"] if "step_ms" in rows[a] and "step_ms" in rows[b] else None
+
     result = {
         "config": {k: getattr(args, k)
                    for k in ("device", "model", "layers", "width", "batch", "seq", "steps", "rounds", "backend")},
         "peers": rows,
-        "streamed_over_resident_eager": rows["streamed-eager"]["step_ms"] / rows["resident-eager"]["step_ms"],
-        "streamed_over_resident_compiled": rows["streamed-compiled"]["step_ms"] / rows["resident-compiled"]["step_ms"],
+        "streamed_over_resident_eager": ratio("streamed-eager", "resident-eager"),
+        "streamed_over_resident_compiled": ratio("streamed-compiled", "resident-compiled"),
+        "failed": {peer: r.get("error") or r.get("skipped") for peer, r in failed.items()},
     }
     if args.json:
         print(json.dumps(result))
-        return
+        sys.exit(1 if failed else 0)
     what = (f"MultiheadAttention({args.width}, 8) + Linear, batch {args.batch} x {args.seq}"
             if args.model == "attention" else f"Linear({args.width}) + GELU, batch {args.batch}")
     print(f"{args.layers} x {what}, frozen weights, forward + backward to the input; device {args.device}, "
@@ -139,9 +152,14 @@ def main():
     print(f"{'peer':<20}{'first call s':>14}{'step ms':>10}")
     for peer in PEERS:
         r = rows[peer]
+        if peer in failed:
+            print(f"{peer:<20}  failed: {result['failed'][peer][-300:]}")
+            continue
         print(f"{peer:<20}{r['first_call_s']:>14.2f}{r['step_ms']:>10.2f}")
-    print(f"streamed / resident: eager {result['streamed_over_resident_eager']:.3f}x, "
-          f"compiled {result['streamed_over_resident_compiled']:.3f}x")
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}x"  # noqa: E731
+    print(f"streamed / resident: eager {fmt(result['streamed_over_resident_eager'])}, "
+          f"compiled {fmt(result['streamed_over_resident_compiled'])}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

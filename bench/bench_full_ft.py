@@ -54,7 +54,7 @@ import statistics
 import sys
 import time
 
-from peer_process import run_peer_process
+from peer_process import StageClock, stage_deadline
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PEERS = ("resident", "torch-host", "ls-after", "ls-overlap", "ls-lossless", "ds-zero2-offload", "ds-zero3-offload")
@@ -239,7 +239,7 @@ def main():
     ap.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer's process may take")
     ap.add_argument("--ds-build-timeout", type=float, default=300,
                     help="seconds DeepSpeedCPUAdam's build may take before the DeepSpeed peers (else they are skipped)")
-    ap.add_argument("--deadline-s", type=float, default=float(os.environ.get("LS_STAGE_DEADLINE_S", 0)),
+    ap.add_argument("--deadline-s", type=float, default=stage_deadline(),
                     help="the whole run's seconds (default: $LS_STAGE_DEADLINE_S, which bench/gpu/run.sh sets; "
                          "0: none): a peer that cannot start in time is skipped with that reason")
     ap.add_argument("--json", action="store_true")
@@ -251,21 +251,12 @@ def main():
     if args.peer:
         print(json.dumps(run_peer(args)))
         return
-    t_start = time.perf_counter()
-
-    def timeout(cap):  # the cap, or what is left of --deadline-s; None: no time left
-        if not args.deadline_s:
-            return cap
-        left = args.deadline_s - (time.perf_counter() - t_start)
-        return min(cap, left) if left >= 10 else None
+    clock = StageClock(args.deadline_s)
 
     def run(peer, cap):
         # The child gets this command line (its settings) and its peer.
         cmd = [sys.executable, os.path.abspath(__file__), *(a for a in sys.argv[1:] if a != "--json"), "--peer", peer]
-        t = timeout(cap)
-        if t is None:
-            return {"peer": peer, "skipped": f"no time left of --deadline-s {args.deadline_s:.0f}"}
-        return run_peer_process(cmd, peer, timeout=t)
+        return clock.run(cmd, peer, cap)
 
     rows, ds_build = {}, None
     # torch's extension loader builds DeepSpeedCPUAdam here (the peers inherit it) and holds

@@ -97,8 +97,13 @@ def run_peer(args) -> dict:
 
     # LoRA training steps.
     model.train()
+    # peft creates each adapter beside its base weight: a streamed layer's is in host
+    # memory, so .to(device) moves the adapters (the streamed weights stay; README).
     lora = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj",
                                                                                  "o_proj"], lora_dropout=0.0))
+    lora.to(device)
+    off = [n for n, p in lora.named_parameters() if p.requires_grad and p.device != device]
+    assert not off, f"trainable parameters off the compute device {device}: {off[:3]}"
     opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
 
     def step():

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 
 def run_peer_process(cmd: list, peer: str, timeout: float | None = None, **row) -> dict:
@@ -32,3 +33,28 @@ def run_peer_process(cmd: list, peer: str, timeout: float | None = None, **row) 
         tail = (err or out).strip()[-2000:]
         return {"peer": peer, **row, "error": f"exit {p.returncode}: {tail}"}
     return json.loads(lines[-1])
+
+
+def stage_deadline() -> float:
+    """--deadline-s's default: LS_STAGE_DEADLINE_S, which bench/gpu/run.sh sets 15 s
+    inside a stage's timeout (0: none)."""
+    return float(os.environ.get("LS_STAGE_DEADLINE_S") or 0)
+
+
+class StageClock:
+    """The wall time a benchmark's peers share (deadline_s from now; 0: none). run()
+    starts a peer with what is left (at most `cap`), or returns a row skipped for lack
+    of time, so that the script prints the rows it has instead of being killed by the
+    stage's timeout with none."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline_s, self.t0 = deadline_s, time.perf_counter()
+
+    def run(self, cmd: list, peer: str, cap: float | None = None, **row) -> dict:
+        t = cap
+        if self.deadline_s:
+            left = self.deadline_s - (time.perf_counter() - self.t0)
+            if left < 10:
+                return {"peer": peer, **row, "skipped": f"no time left of --deadline-s {self.deadline_s:.0f}"}
+            t = left if cap is None else min(cap, left)
+        return run_peer_process(cmd, peer, timeout=t, **row)

@@ -537,9 +537,18 @@ void Scheduler::release(Lease& lease, Stream last_user) {
   SlotState& st = slots_.at(static_cast<size_t>(lease.slot));
   LS_INTERNAL_CHECK(st.use == Use::InUse && st.refs > 0, "release of slot ", lease.slot,
                     " that is not in use");
+  // Leases of one slot may be released on different streams: each release but
+  // the last records its stream's point, chained into the next releaser's stream,
+  // so the free event the last one records follows every releaser's reads.
+  if (st.others_recorded) backend_.wait(last_user, st.others);
   if (--st.refs == 0) {
+    st.others_recorded = false;
     st.use = Use::Free;
     pool_->release(lease.slot, last_user);
+  } else {
+    if (!st.others) st.others = backend_.create_event();
+    backend_.record(st.others, last_user);
+    st.others_recorded = true;
   }
   const int layer = lease.layer;
   lease = Lease{};

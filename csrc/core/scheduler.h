@@ -35,7 +35,10 @@
 // Stream semantics: acquire(layer, compute) makes `compute` wait for the
 // layer's copy (and its post-copy work, if any) and declares a read of the
 // slot on `compute` (ordering checker). release(lease, s) records the slot's free event on `s`: every
-// access to the slot must be enqueued on `s` (or ordered before it) by then.
+// access to the slot through that lease must be enqueued on `s` (or ordered before it) by then.
+// Leases that share a slot (a layer held twice) may be released on different streams: the
+// free event follows every releaser's stream (each earlier release's point is waited for
+// on the next releaser's stream).
 //
 // Ownership: the scheduler does not own the host buffers in LayerSpec; they
 // must outlive it. It owns the device slots. Thread safety: all methods are
@@ -257,6 +260,10 @@ class Scheduler {
     int refs = 0;
     Event ready;   // copy (and post-copy work) done
     Event copied;  // copy done (post-copy work waits on it)
+    // A lease released while another still holds the slot: its stream's reads,
+    // which the last release's free event must follow (recorded when set).
+    Event others;
+    bool others_recorded = false;
   };
 
   void begin_step_locked();

@@ -569,6 +569,31 @@ TEST_F(SchedulerTest, WaitCopiesReadOrdersAnOwnersWriteAfterACopyInFlight) {
   EXPECT_EQ(errors_after_write(true), 0u);
 }
 
+// A layer held twice (two leases of one slot) on two streams, released on each: the
+// slot is reused only after both streams' reads of it, not only the last releaser's.
+TEST_F(SchedulerTest, ASlotHeldOnTwoStreamsIsReusedAfterBothReleasersReads) {
+  const auto errors = [&](bool swap_releases) {
+    sim->clear_ordering_errors();
+    Stream a = sim->create_stream("compute-a"), b = sim->create_stream("compute-b");
+    Scheduler sched(*sim, transfer, model.specs, options(2, 0));
+    Lease first = sched.acquire(0, a);
+    Lease second = sched.acquire(0, b);  // the same slot; b waits for its copy too
+    EXPECT_EQ(first.slot, second.slot);
+    sim->declare_access(first.slot_buf, Access::Read, a, "stream a reads layer 0");
+    sim->declare_access(second.slot_buf, Access::Read, b, "stream b reads layer 0");
+    sched.release(swap_releases ? second : first, swap_releases ? b : a);
+    sched.release(swap_releases ? first : second, swap_releases ? a : b);
+    for (int l = 1; l < 5; ++l) {  // two slots: layer 0's is refilled
+      Lease x = sched.acquire(l, b);
+      sched.release(x, b);
+    }
+    sim->synchronize(transfer);
+    return sim->ordering_errors().size();
+  };
+  EXPECT_EQ(errors(false), 0u);
+  EXPECT_EQ(errors(true), 0u);
+}
+
 // set_prefetch(layer, false): replay passes over the layer (it is fetched on
 // demand) and prefetches the layers after it instead.
 TEST_F(SchedulerTest, ALayerWithoutPrefetchIsFetchedOnDemandAndSkipped) {
