@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from peer_process import run_peer_process
+from peer_process import StageClock, stage_deadline
 
 PEERS = ["resident", "layerstream"]
 # Llama-3-8B's shape (config.json of meta-llama/Meta-Llama-3-8B), and a tiny one for CPU checks.
@@ -142,20 +142,23 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--deadline-s", type=float, default=stage_deadline(),
+                    help="the whole run's seconds (default: $LS_STAGE_DEADLINE_S, which bench/gpu/run.sh sets; "
+                         "0: none): a peer that cannot start in time is a row that says so")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)  # a child's one peer
     args = ap.parse_args()
     if args.peer:
         print(json.dumps(run_peer(args)))
         return
-    rows = {}
+    rows, clock = {}, StageClock(args.deadline_s)
     for peer in PEERS:
         cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--device", args.device,
                "--budget", str(args.budget), "--batch", str(args.batch), "--seq", str(args.seq),
                "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
                "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
-        rows[peer] = run_peer_process(cmd, peer)
-    ok = all("error" not in r for r in rows.values())
+        rows[peer] = clock.run(cmd, peer)
+    ok = all("error" not in r and "skipped" not in r for r in rows.values())
     result = {"config": {k: getattr(args, k) for k in ("device", "tiny", "budget", "batch", "seq", "prompt_tokens",
                                                        "new_tokens", "steps")},
               "peers": rows}
@@ -168,8 +171,8 @@ def main():
         print(json.dumps(result))
     else:
         for peer, r in rows.items():
-            if "error" in r:
-                print(f"{peer}: failed\n{r['error']}")
+            if "error" in r or "skipped" in r:
+                print(f"{peer}: failed\n{r.get('error') or r['skipped']}")
                 continue
             print(f"{peer:<12} {r['params'] / 1e9:.3f}B params  train step {r['train_step_ms']:.1f} ms  "
                   f"decode {r['decode_tokens_per_s']:.2f} tokens/s  peak (torch) {r['peak_device_bytes_torch']}")
