@@ -38,9 +38,9 @@
 # on 2026-12-03 on a loaded machine).
 # --seed-impl: the seed's seed_layer.py (never in the repo). When not given,
 # .shared/seed_layer.py (an ignored folder of the checkout) is used if present.
-# --stages: a comma-separated subset of the stages after the build (default: all,
-# always run in this order): tests,cpp,compare,llama,full_ft,compile,activations,
-# disk,nccl,moe_decode,sanitize. --deadline-s: the whole run's wall time from its start
+# --stages: a comma-separated subset of the stages after the build, run in the order
+# listed (default: all, in this order): tests,cpp,compare,llama,full_ft,compile,
+# activations,disk,nccl,moe_decode,sanitize. --deadline-s: the whole run's wall time from its start
 # (default 540 on the GPU, none in the dry run): each stage gets at most what is
 # left, one that cannot start is "not run" (a failure). stages.tsv and the
 # "stages" of results.json/results.md record every stage (bench/gpu/stages.py).
@@ -72,8 +72,11 @@ done
 [ -n "$OUTDIR" ] || usage
 [ -n "$DEADLINE" ] || { [ "$DRY" = 1 ] && DEADLINE=0 || DEADLINE=540; }
 [[ "$DEADLINE" =~ ^[0-9]+$ ]] || { echo "run.sh: --deadline-s wants whole seconds (0: none), not $DEADLINE" >&2; exit 2; }
+seen=" "
 for s in ${STAGE_LIST//,/ }; do
   [[ " ${ALL_STAGES[*]} " == *" $s "* ]] || { echo "run.sh: unknown stage $s (stages: ${ALL_STAGES[*]})" >&2; exit 2; }
+  [[ "$seen" == *" $s "* ]] && { echo "run.sh: stage $s listed twice in --stages" >&2; exit 2; }
+  seen+="$s "
 done
 mkdir -p "$OUTDIR" || exit 1
 OUTDIR=$(cd "$OUTDIR" && pwd)
@@ -216,8 +219,8 @@ if [ "$DRY" = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 # ---- stages ------------------------------------------------------------------
-# Every step after the build is a stage, run in the order of ALL_STAGES when
-# --stages selects it, for at most min(its cap, what is left of --deadline-s);
+# Every step after the build is a stage (a function stage_NAME), run in the order
+# --stages lists (default ALL_STAGES'), for at most min(its cap, what is left of --deadline-s);
 # under MIN_STAGE_S left it is "not run" (a failure). Each is recorded in
 # stages.tsv; bench/gpu/stages.py turns the record into results.json/.md.
 STAGES_TSV="$OUTDIR/stages.tsv"; : >"$STAGES_TSV"
@@ -323,10 +326,11 @@ run_tests() {
   fi
   write_tests failed "rc $rc: $summary$note; $pol" $rc $env_ok; tail -30 "$OUTDIR/tests.log"; return $rc
 }
-if stage_begin tests 150 tests.json; then
+stage_tests() {
+  stage_begin tests 150 tests.json || return 0
   run_tests; trc=$?
   stage_end $trc "$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("detail", ""))' "$TESTS_JSON" 2>/dev/null)"
-fi
+}
 
 # ---- C++ CUDA tests and device dequant throughput ----------------------------
 # test_cuda_dequant: dequantize_cuda bit-identical to dequantize_cpu (every
@@ -419,10 +423,11 @@ print(f"[gpu-proof] C++ CUDA tests: {cpp['status']}" + (f" — {cpp['detail']}" 
 sys.exit(1 if cpp["status"] == "failed" else 0)
 PYEOF
 }
-if stage_begin cpp 360 cpp_tests.json; then
+stage_cpp() {
+  stage_begin cpp 360 cpp_tests.json || return 0
   run_cpp; crc=$?
   stage_end $crc "$("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["status"], "—", d.get("detail", ""))' "$CPP_JSON" 2>/dev/null)"
-fi
+}
 
 # ---- the comparison ----------------------------------------------------------
 # bench/gpu/compare.py: the synthetic stack in every system (bench/gpu/README.md),
@@ -434,7 +439,8 @@ cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --bui
 # and make the tiny bf16 matmuls ~50x slower.
 [ "$DRY" = 1 ] && cmp_args+=(--dry-run --threads 1)
 cmd_str="bash bench/gpu/run.sh$([ "$DRY" = 1 ] && echo ' --dry-run') OUTDIR${SEED:+ --seed-impl $SEED}${STAGE_LIST:+ --stages $STAGE_LIST}"
-if stage_begin compare 3600 results.json; then
+stage_compare() {
+  stage_begin compare 3600 results.json || return 0
   [ "$DEADLINE" -gt 0 ] && cmp_args+=(--deadline-s $(( STAGE_T - 10 )))
   log "stage compare: compare.py ${cmp_args[*]} ${EXTRA[*]}"
   "$PY" bench/gpu/compare.py "${cmp_args[@]}" --command "$cmd_str" "${EXTRA[@]}"
@@ -442,18 +448,20 @@ if stage_begin compare 3600 results.json; then
   [ -f "$OUTDIR/results.json" ] && [ -f "$OUTDIR/results.md" ] || { log "results.json/results.md missing"; rc=1; }
   stage_end $rc "$("$PY" -c 'import json, sys; d = json.load(open(sys.argv[1])); s = d["summary"]
 print("%d/%d layerstream rows PASS, %d failure(s), %s s" % (s["pass"], s["layerstream_rows"], len(d["failures"]), s["compare_seconds"]))' "$OUTDIR/results.json" 2>/dev/null)"
-fi
+}
 
 # ---- the other rows, each a script in its own process -------------------------
 # bench/bench_llama.py: a Llama-3-8B-shaped transformers model with random bf16
 # weights, LoRA training step and greedy decoding, resident vs layerstream under an
 # 8 GiB budget, each in its own process (issue 27, item 2).
-if [ "$DRY" = 1 ]; then
-  largs=(--device sim --tiny --seq 64 --steps 1 --new-tokens 4 --budget 400000)
-else
-  largs=(--device cuda --seq 1024 --steps 2 --new-tokens 8)
-fi
-bench_stage llama 300 llama.json "$PY" bench/bench_llama.py "${largs[@]}" --json
+stage_llama() {
+  if [ "$DRY" = 1 ]; then
+    largs=(--device sim --tiny --seq 64 --steps 1 --new-tokens 4 --budget 400000)
+  else
+    largs=(--device cuda --seq 1024 --steps 2 --new-tokens 8)
+  fi
+  bench_stage llama 300 llama.json "$PY" bench/bench_llama.py "${largs[@]}" --json
+}
 
 # bench/bench_full_ft.py: resident + torch fused AdamW on the GPU (the reference),
 # torch's AdamW on the host copy, layerstream.optim.AdamW after the backward and
@@ -461,70 +469,92 @@ bench_stage llama 300 llama.json "$PY" bench/bench_llama.py "${largs[@]}" --json
 # DeepSpeed ZeRO-Offload (stage 2) and ZeRO-3 offload when deepspeed installed from
 # .whl (its CPU Adam compiles on first use: the first DeepSpeed peer's time);
 # step time, backward, the optimizer time visible after the backward, peak memory.
-if [ "$DRY" = 1 ]; then
-  fargs=(--layers 8 --width 128 --batch 8 --steps 2)
-else
-  fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3)
-fi
-bench_stage full_ft 330 full_ft.json "$PY" bench/bench_full_ft.py "${fargs[@]}" --peer-timeout 150 --json
+stage_full_ft() {
+  if [ "$DRY" = 1 ]; then
+    fargs=(--layers 8 --width 128 --batch 8 --steps 2)
+  else
+    fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3)
+  fi
+  bench_stage full_ft 330 full_ft.json "$PY" bench/bench_full_ft.py "${fargs[@]}" --peer-timeout 150 --json
+}
 
 # bench/bench_compile.py: four peers, each in its own process, on the same
 # training step (Linear stack, frozen weights). Goal: the compiled streamed
 # compute-bound step within 1.02x of the compiled resident one.
-if [ "$DRY" = 1 ]; then
-  cargs=(--layers 2 --width 64 --batch 8 --steps 2 --rounds 1 --backend aot_eager)
-else
-  cargs=(--device cuda --layers 16 --width 4096 --batch 16384 --steps 5 --rounds 1)
-fi
-bench_stage compile 200 compile.json "$PY" bench/bench_compile.py "${cargs[@]}" --json
+stage_compile() {
+  if [ "$DRY" = 1 ]; then
+    cargs=(--layers 2 --width 64 --batch 8 --steps 2 --rounds 1 --backend aot_eager)
+  else
+    cargs=(--device cuda --layers 16 --width 4096 --batch 16384 --steps 5 --rounds 1)
+  fi
+  bench_stage compile 200 compile.json "$PY" bench/bench_compile.py "${cargs[@]}" --json
+}
 
 # bench/bench_activations.py: a training step whose saved activations dwarf the
 # weights, without and with offload(activations="host"), each in its own
 # process. Goal: >= 50% lower peak activation memory for <= 10% more step time.
-if [ "$DRY" = 1 ]; then
-  aargs=(--layers 2 --width 256 --batch 256 --steps 1)
-else
-  aargs=(--device cuda --layers 8 --width 4096 --batch 32768 --steps 5)
-fi
-bench_stage activations 200 activations.json "$PY" bench/bench_activations.py "${aargs[@]}" --json
+stage_activations() {
+  if [ "$DRY" = 1 ]; then
+    aargs=(--layers 2 --width 256 --batch 256 --steps 1)
+  else
+    aargs=(--device cuda --layers 8 --width 4096 --batch 32768 --steps 5)
+  fi
+  bench_stage activations 200 activations.json "$PY" bench/bench_activations.py "${aargs[@]}" --json
+}
 
 # bench/bench_disk.py: the reader against a plain read() of the same file (page
 # cache dropped), and a step of Linear layers loaded with load_safetensors() and
 # streamed from disk under a host budget of a quarter of the weights.
-if [ "$DRY" = 1 ]; then
-  dargs=(--mb 64 --rounds 1 --layers 8 --width 512 --steps 2)
-else
-  dargs=(--device cuda --gbps 50 --mb 2048 --rounds 3 --layers 8 --width 8192 --steps 3)
-fi
-bench_stage disk 120 disk.txt "$PY" bench/bench_disk.py "${dargs[@]}"
+stage_disk() {
+  if [ "$DRY" = 1 ]; then
+    dargs=(--mb 64 --rounds 1 --layers 8 --width 512 --steps 2)
+  else
+    dargs=(--device cuda --gbps 50 --mb 2048 --rounds 3 --layers 8 --width 8192 --steps 3)
+  fi
+  bench_stage disk 120 disk.txt "$PY" bench/bench_disk.py "${dargs[@]}"
+}
 
 # bench/gpu/nccl_one_rank.py: offload(process_group=world of one NCCL rank),
 # every streamed gradient through the engine's all-reduce, full fine-tuning
 # steps against the resident model (docs/design/distributed.md).
-if [ "$DRY" = 1 ]; then
-  nargs=(--device sim --backend gloo --layers 2 --width 64)
-else
-  nargs=(--device cuda --backend nccl --layers 8 --width 4096 --batch 4096)
-fi
-bench_stage nccl 120 nccl.json "$PY" bench/gpu/nccl_one_rank.py "${nargs[@]}"
+stage_nccl() {
+  if [ "$DRY" = 1 ]; then
+    nargs=(--device sim --backend gloo --layers 2 --width 64)
+  else
+    nargs=(--device cuda --backend nccl --layers 8 --width 4096 --batch 4096)
+  fi
+  bench_stage nccl 120 nccl.json "$PY" bench/gpu/nccl_one_rank.py "${nargs[@]}"
+}
 
 # bench/bench_moe_decode.py: greedy decoding of a small Qwen3-MoE (128 experts,
 # 8 per token) with offload(experts="all") and experts="routed"; fails when
 # either's logits differ from the resident model's by more than 0.05.
-if [ "$DRY" = 1 ]; then
-  margs=(--tokens 4)
-else
-  margs=(--device cuda --layers 4 --hidden 1024 --expert-inter 512 --tokens 16)
-fi
-bench_stage moe_decode 150 moe_decode.json "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTDIR/moe_decode.md"
+stage_moe_decode() {
+  if [ "$DRY" = 1 ]; then
+    margs=(--tokens 4)
+  else
+    margs=(--device cuda --layers 4 --hidden 1024 --expert-inter 512 --tokens 16)
+  fi
+  bench_stage moe_decode 150 moe_decode.json "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTDIR/moe_decode.md"
+}
 
 # bench/gpu/sanitize.py: compute-sanitizer (memcheck, racecheck, synccheck) over the
 # C++ CUDA tests and a streamed training step of the parity tests; every run must
 # report 0 errors (issue 27). The dry run has no compute-sanitizer: the targets run
 # bare on sim (plumbing).
-sargs=(--build-dir "$bdir" --logs "$OUTDIR/sanitize" --out-md "$OUTDIR/sanitize.md")
-[ "$DRY" = 1 ] && sargs+=(--dry-run)
-bench_stage sanitize 300 sanitize.json "$PY" bench/gpu/sanitize.py "${sargs[@]}"
+stage_sanitize() {
+  sargs=(--build-dir "$bdir" --logs "$OUTDIR/sanitize" --out-md "$OUTDIR/sanitize.md")
+  [ "$DRY" = 1 ] && sargs+=(--dry-run)
+  bench_stage sanitize 300 sanitize.json "$PY" bench/gpu/sanitize.py "${sargs[@]}"
+}
+
+# ---- the run: the stages --stages lists, in its order (default: ALL_STAGES'), then
+# the others, which stage_begin records "not selected".
+order=()
+for st in ${STAGE_LIST//,/ }; do order+=("$st"); done
+[ ${#order[@]} -gt 0 ] || order=("${ALL_STAGES[@]}")
+for st in "${ALL_STAGES[@]}"; do [[ " ${order[*]} " == *" $st "* ]] || order+=("$st"); done
+for st in "${order[@]}"; do "stage_$st"; done
 
 # ---- the record ---------------------------------------------------------------
 "$PY" bench/gpu/stages.py "$OUTDIR" --build-json "$OUTDIR/build.json" --command "$cmd_str" || fail=1

@@ -79,6 +79,9 @@ def test_record_appends_to_the_comparisons_results(tmp_path):
 def test_unknown_stage_is_refused_before_anything_runs(tmp_path):
     p = run_sh("run.sh", "--dry-run", tmp_path / "o", "--stages", "tests,nope")
     assert p.returncode == 2 and "unknown stage nope" in p.stderr
+    p = run_sh("run.sh", "--dry-run", tmp_path / "o", "--stages", "nccl,tests,nccl")
+    assert p.returncode == 2 and "stage nccl listed twice" in p.stderr
+    assert not (tmp_path / "o").exists()
     assert not (tmp_path / "o" / "build.log").exists()
 
 
@@ -88,8 +91,9 @@ def test_a_stage_past_the_deadline_is_not_run_and_fails_the_run(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     rows = [line.split("\t") for line in (out / "stages.tsv").read_text().splitlines()]
     by = {r[0]: r for r in rows}
-    assert [r[0] for r in rows] == ["tests", "cpp", "compare", "llama", "full_ft", "compile", "activations",
-                                    "disk", "nccl", "moe_decode", "sanitize"]
+    # --stages' order first (the cheaper stages of a lease can go first), then the others
+    assert [r[0] for r in rows] == ["nccl", "disk", "tests", "cpp", "compare", "llama", "full_ft", "compile",
+                                    "activations", "moe_decode", "sanitize"]
     assert by["tests"][1] == "not selected" and by["compare"][1] == "not selected"
     assert by["nccl"][1] == "not run" and "--deadline-s 1" in by["nccl"][5]
     assert by["disk"][1] == "not run"
