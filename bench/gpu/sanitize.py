@@ -166,7 +166,6 @@ def main(argv=None) -> int:
     which = [t for t in a.targets.split(",") if t]
     if bad or not set(which) <= {"cpp", "python"}:
         ap.error(f"tools are {', '.join(TOOLS)}; targets are cpp, python")
-    t0 = time.monotonic()
     a.logs.mkdir(parents=True, exist_ok=True)
     san = a.sanitizer or find_sanitizer()
     bare = san is None and a.dry_run
@@ -178,16 +177,28 @@ def main(argv=None) -> int:
         return finish(rec, a)
     if san:
         try:
-            v = subprocess.run([san, "--version"], capture_output=True, text=True, timeout=30)
-            rec["version"] = next((ln.strip() for ln in v.stdout.splitlines() if "Version" in ln or "version" in ln),
-                                  v.stdout.strip().splitlines()[-1] if v.stdout.strip() else None)
+            rec["version"] = version_of(san)
         except (OSError, subprocess.SubprocessError) as e:
             rec.update(status="unavailable", detail=f"{san} --version failed: {e}")
             return finish(rec, a)
-    device = "sim" if a.dry_run else "cuda"
-    runs, unavailable = rec["runs"], None
+    rec["runs"], unavailable = run_all(a, san, tools, which)
+    conclude(rec, unavailable)
+    return finish(rec, a)
+
+
+def version_of(san: str) -> str | None:
+    v = subprocess.run([san, "--version"], capture_output=True, text=True, timeout=30)
+    lines = v.stdout.strip().splitlines()
+    return next((ln.strip() for ln in lines if "ersion" in ln), lines[-1] if lines else None)
+
+
+def run_all(a, san: str | None, tools: list, which: list) -> tuple[list, str | None]:
+    """Every tool over every target (once, bare, without a sanitizer): the runs, and why
+    the tool is unavailable when it refused the device (the runs after are not tried)."""
+    t0, bare = time.monotonic(), san is None
+    runs, unavailable = [], None
     for tool in ([None] if bare else tools):
-        for t in targets(a.build_dir, which, device, a.logs / "report.xml"):
+        for t in targets(a.build_dir, which, "sim" if a.dry_run else "cuda", a.logs / "report.xml"):
             r = {"tool": tool or "none", "target": t["name"]}
             runs.append(r)
             left = a.deadline_s - (time.monotonic() - t0) if a.deadline_s > 0 else 1e9
@@ -219,10 +230,15 @@ def main(argv=None) -> int:
             if r["status"] == "unavailable":
                 unavailable = next((ln.strip("= ").strip() for ln in text.splitlines() if UNSUPPORTED.search(ln)),
                                    "refused")
-    good = {"ran bare"} if bare else {"clean"}
-    not_good = [r for r in runs if r["status"] not in good]
+    return runs, unavailable
+
+
+def conclude(rec: dict, unavailable: str | None) -> None:
+    """The stage's status and detail from its runs."""
+    runs, bare = rec["runs"], rec["sanitizer"] is None
+    not_good = [r for r in runs if r["status"] != ("ran bare" if bare else "clean")]
     if unavailable:
-        rec["status"], rec["detail"] = "unavailable", f"{san}: {unavailable}: nothing proven on this machine"
+        rec["status"], rec["detail"] = "unavailable", f"{rec['sanitizer']}: {unavailable}: nothing proven on this machine"
     elif not_good:
         rec["status"] = "failed"
         rec["detail"] = "; ".join(f"{r['tool']} {r['target']}: {r['status']}"
@@ -231,7 +247,6 @@ def main(argv=None) -> int:
         rec["status"] = "dry run" if bare else "passed"
         rec["detail"] = (f"{len(runs)} targets ran bare on sim (plumbing only; the tools run on the GPU machine)"
                          if bare else f"{len(runs)} runs, 0 errors")
-    return finish(rec, a)
 
 
 def finish(rec: dict, a) -> int:
