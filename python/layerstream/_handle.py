@@ -51,6 +51,9 @@ class Handle(_RefusesCopy):
         # (module, value) of the nn.TransformerEncoderLayer whose fused inference path
         # offload() turned off (_no_fused_encoder_path), to restore in detach().
         self._fused_off = []
+        # Modules whose class offload() swapped so that their `device` property reports
+        # the compute device (_report_compute_device), to restore in detach().
+        self._device_reported = []
         # core/host_tier.h's plan (store, disk and staging bytes, budgets) when offload()
         # had a host or pinned budget, or weights still in their file; else None.
         self.host_plan: Optional[dict] = None
@@ -305,6 +308,10 @@ class Handle(_RefusesCopy):
         for layer, value in self._fused_off:
             layer.activation_relu_or_gelu = value
         self._fused_off = []
+        for m in self._device_reported:
+            m.__class__ = type(m).__dict__["_layerstream_reports_device_of"]
+            m.__dict__.pop("_layerstream_device", None)
+        self._device_reported = []
         self._root = None
         self._engine = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import inspect
 import os
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
@@ -635,6 +636,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
         for a in attached:
             a.module._layerstream_handle = handle
         _no_fused_encoder_path(model, attached, handle._fused_off)
+        _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
         streamed_ids = {id(a.module) for a in attached}
         for name in grouped:  # a groups= module kept resident is an ordinary module again
             module = model.get_submodule(name)
@@ -679,6 +681,40 @@ def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
                 and any(id(getattr(m, n, None)) in streamed for n in ("self_attn", "linear1", "linear2"))):
             undo.append((m, m.activation_relu_or_gelu))
             m.activation_relu_or_gelu = 0
+
+
+# (original class) -> its subclass whose `device` is the compute device (same name).
+_DEVICE_CLASSES: Dict[type, type] = {}
+
+
+def _compute_device_of(module: nn.Module) -> torch.device:
+    return module.__dict__["_layerstream_device"]
+
+
+def _report_compute_device(model: nn.Module, streamed_params: set, compute_device: torch.device,
+                           undo: list) -> None:
+    """transformers' and diffusers' models have a `device` property: their first
+    parameter's device, which for a module with streamed layers is the host (a language
+    model's embedding table comes first). Callers put inputs there: transformers'
+    generate() moves every decode step's inputs to `model.device`, which the streamed
+    lookup then refuses on a GPU. A module with such a property and streamed parameters
+    below it reports the compute device instead: its class becomes a subclass (one per
+    class, same name, as _with_streamed_lookup) whose `device` is that; detach() restores
+    the class."""
+    for m in model.modules():
+        cls = type(m)
+        if not isinstance(inspect.getattr_static(cls, "device", None), property) or \
+                not any(id(p) in streamed_params for p in m.parameters()):
+            continue
+        if cls not in _DEVICE_CLASSES:
+            _DEVICE_CLASSES[cls] = type(cls.__name__, (cls,), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "_layerstream_reports_device_of": cls,
+                "device": property(_compute_device_of, doc="layerstream: the compute device of the offloaded "
+                                   "model (its streamed weights are in host memory)")})
+        m.__dict__["_layerstream_device"] = compute_device
+        m.__class__ = _DEVICE_CLASSES[cls]
+        undo.append(m)
 
 
 def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:

@@ -917,3 +917,32 @@ def test_parameter_outlives_engine():
     r = subprocess.run([sys.executable, "-c", _LIFETIME_SCRIPT], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 0 and "OK" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_a_models_device_property_reports_the_compute_device(offload_sim):
+    """transformers' `model.device` is its first parameter's device: the host, once the
+    embedding table streams. generate() moves every decode step's inputs to it
+    (prepare_inputs_for_generation), which the streamed lookup refuses on a GPU. offload()
+    makes each module with such a property and streamed weights below it report the
+    compute device (the class swapped for a subclass of the same name); detach() restores
+    the class. On sim both devices are the CPU: the property is shown to follow the
+    engine's device, not the parameters', by pointing it elsewhere."""
+    from transformers import LlamaForCausalLM, LlamaModel
+
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    assert isinstance(model, LlamaForCausalLM) and type(model).__name__ == "LlamaForCausalLM"
+    assert type(model) is not LlamaForCausalLM and isinstance(model.model, LlamaModel)
+    assert model.device == model.model.device == handle.compute_device
+    model.__dict__["_layerstream_device"] = torch.device("meta")
+    assert model.device == torch.device("meta") and next(model.parameters()).device.type == "cpu"
+    model.__dict__["_layerstream_device"] = handle.compute_device
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        out_r = ref.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, out_r)
+    handle.detach()
+    assert type(model) is LlamaForCausalLM and type(model.model) is LlamaModel
+    assert "_layerstream_device" not in model.__dict__
