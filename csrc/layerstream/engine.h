@@ -558,8 +558,9 @@ class Engine {
   Engine() = default;
 };
 
-// Resolves a device string for the engine; throws a clear error for unknown
-// devices or "cuda" without a visible GPU.
+// Resolves a device string for the engine ("auto" and "cuda": the current CUDA
+// device, as in PyTorch); throws a clear error for unknown devices or "cuda"
+// without a visible GPU.
 std::string resolve_device(const std::string& device);
 
 }  // namespace layerstream

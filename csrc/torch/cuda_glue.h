@@ -19,6 +19,8 @@ namespace layerstream::cuda_glue {
 // True when this build supports CUDA and PyTorch sees at least one GPU.
 bool available();
 int device_count();
+// The calling thread's current CUDA device (torch.cuda.current_device(); 0 without CUDA).
+int current_device();
 // A CUDA backend on `device` (throws a clear error without CUDA support).
 std::shared_ptr<Backend> make_backend(int device);
 // The framework's current CUDA stream on `device` (a cudaStream_t).

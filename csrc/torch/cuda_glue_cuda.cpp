@@ -15,6 +15,7 @@ namespace layerstream::cuda_glue {
 
 bool available() { return torch::cuda::is_available(); }
 int device_count() { return static_cast<int>(torch::cuda::device_count()); }
+int current_device() { return static_cast<int>(c10::cuda::current_device()); }
 
 std::shared_ptr<Backend> make_backend(int device) {
   CudaOptions o;

@@ -7,6 +7,7 @@ namespace layerstream::cuda_glue {
 
 bool available() { return false; }
 int device_count() { return 0; }
+int current_device() { return 0; }
 std::shared_ptr<Backend> make_backend(int) {
   LS_FAIL("this layerstream build has no CUDA support (built against a CPU-only LibTorch or "
           "without the CUDA toolkit); use device='sim'");

@@ -31,12 +31,14 @@ struct HostKeepAlive {
 
 std::string resolve_device(const std::string& device) {
   if (device == "sim") return "sim";
-  if (device == "auto") return cuda_glue::available() ? "cuda:0" : "sim";
+  // "auto" and "cuda" name the current CUDA device, as in PyTorch (under torchrun,
+  // torch.cuda.set_device(local_rank) makes each rank's its own GPU).
+  if (device == "auto") return cuda_glue::available() ? "cuda:" + std::to_string(cuda_glue::current_device()) : "sim";
   if (device == "cpu")
     LS_FAIL("device 'cpu' cannot be a streaming target: weights already live on the CPU. Use "
             "device='sim' for the simulated GPU, or 'cuda'.");
   if (device.rfind("cuda", 0) == 0) {
-    int index = 0;
+    int index = -1;
     if (device.size() > 4) {
       LS_CHECK(device[4] == ':' && device.size() > 5, "bad device '", device,
                "': use 'cuda' or 'cuda:N'");
@@ -50,6 +52,7 @@ std::string resolve_device(const std::string& device) {
              "' was requested but no CUDA GPU is visible to PyTorch (torch.cuda.is_available() "
              "is False, or this layerstream build has no CUDA support); use device='sim' to run "
              "on the simulated device.");
+    if (index < 0 && device.size() == 4) index = cuda_glue::current_device();
     LS_CHECK(index >= 0 && index < cuda_glue::device_count(), "device '", device,
              "' does not exist: PyTorch sees ", cuda_glue::device_count(), " CUDA device(s)");
     return "cuda:" + std::to_string(index);

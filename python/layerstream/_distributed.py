@@ -326,3 +326,11 @@ class SyncHook:
             yield
         finally:
             self.local = old
+
+
+def collective_device(group) -> torch.device:
+    """Where a tensor of a collective on `group` must be: this rank's current GPU for
+    NCCL (which takes CUDA tensors only), the host for gloo."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -317,12 +317,13 @@ _DATA_DEPENDENT = (torch._subclasses.fake_tensor.DynamicOutputShapeException,
 
 def fake(inputs, params, engine, layer, call):
     """The module's own forward on stand-ins of the group's tensors (empty tensors of the
-    fetched views' shapes and dtypes on the inputs' device), so the shapes come from the
+    fetched views' shapes and dtypes on the compute device, where the real kernel's views
+    are: not the first input's, which may be a host tensor such as lengths), so the shapes come from the
     module's code. An experts module whose shapes depend on the routing (the eager
     implementation) returns its first input's shape and dtype, as transformers' experts
     do; the real kernel checks it."""
     fwd, c = _group(engine, layer), _parse(call)
-    dev = inputs[0].device if inputs else fwd._device
+    dev = fwd._device
     # As the kernel runs it: grad mode and requires_grad decide paths (and what
     # nn.MultiheadAttention returns in eval mode).
     args, kwargs = c.rebuild([t.detach().requires_grad_(r and c.grad) for t, r in zip(inputs, c.requires_grad)])

@@ -274,7 +274,8 @@ class _HostOptimizer(torch.optim.Optimizer):
             # Sharded: each rank's passes took the norm of its shards (AdamW) or of the
             # tensors it owns (Adafactor); every node's ranks cover each tensor once, so the
             # sum over the group counts it once per node.
-            total = torch.tensor([plan.sum_of_squares], dtype=torch.float64)
+            from ._distributed import collective_device
+            total = torch.tensor([plan.sum_of_squares], dtype=torch.float64, device=collective_device(shard.group))
             torch.distributed.all_reduce(total, group=shard.group)
             plan.sum_of_squares = total.item() / shard.nodes
         coef, norm = plan.settle(other_sq)
