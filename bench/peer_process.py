@@ -5,7 +5,9 @@ its stderr, or the timeout).
 
 The peer runs in a session of its own, and a peer past its timeout is killed with every
 process it started (a compiler that torch's extension loader or DeepSpeed launched, a
-compile worker), so that nothing it left running holds a lock or the CPU for the next."""
+compile worker), so that nothing it left running holds a lock or the CPU for the next.
+Being in another session, a peer would outlive a SIGTERM sent to this process (run.sh's
+stage timeout): this process then kills the running peers' sessions before it ends."""
 from __future__ import annotations
 
 import json
@@ -15,19 +17,38 @@ import subprocess
 import time
 
 
+_RUNNING: set = set()  # the sessions (= pids) of the peers running now
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _on_sigterm(signum, frame):
+    for pid in list(_RUNNING):
+        _kill_session(pid)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def run_peer_process(cmd: list, peer: str, timeout: float | None = None, **row) -> dict:
     """`row`: fields an error row carries besides peer and error (e.g. a description)."""
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        signal.signal(signal.SIGTERM, _on_sigterm)  # the main thread: where the benchmarks call this
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as p:
+        _RUNNING.add(p.pid)
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_session(p.pid)
             p.communicate()
             return {"peer": peer, **row, "error": f"did not finish in {timeout:.0f} s", "timed_out": True}
+        finally:
+            _RUNNING.discard(p.pid)
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = (err or out).strip()[-2000:]

@@ -301,6 +301,26 @@ def test_compare_judges_rows_by_the_second_proofs_targets_and_names_the_peers_ah
             if "resident" in c["name"] or "peak" in c["name"] or "faster" in c["name"]} == {None}
 
 
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    """pid has ended (or is a zombie waiting for init to reap it) within wait_s."""
+    for _ in range(int(wait_s * 10)):
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z":
+                return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _hanging_peer(pidfile) -> str:
+    """A peer that starts a child (a compiler, say), records its pid and hangs."""
+    return ("import subprocess, time\n"
+            f"p = subprocess.Popen(['sleep', '60']); open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+            "time.sleep(60)\n")
+
+
 def test_a_peer_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
     """bench/peer_process.py: a peer that started a compiler (here a sleep standing in for
     it) and hangs is killed with it, so that nothing it left holds a lock or a core."""
@@ -310,24 +330,27 @@ def test_a_peer_past_its_timeout_is_killed_with_the_processes_it_started(tmp_pat
     finally:
         sys.path.pop(0)
     pidfile = tmp_path / "child.pid"
-    script = ("import subprocess, time\n"
-              f"p = subprocess.Popen(['sleep', '60']); open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
-              "time.sleep(60)\n")
-    row = run_peer_process([sys.executable, "-c", script], "hang", timeout=3)
+    row = run_peer_process([sys.executable, "-c", _hanging_peer(pidfile)], "hang", timeout=3)
     assert row == {"peer": "hang", "error": "did not finish in 3 s", "timed_out": True}
-    pid = int(pidfile.read_text())
-    for _ in range(50):  # the kill is delivered; the zombie is reaped by init
-        try:
-            os.kill(pid, 0)
-            state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
-            if state == "Z":
-                break
-        except (ProcessLookupError, FileNotFoundError):
+    assert _gone(int(pidfile.read_text())), "the peer's child is still running"
+    assert run_peer_process([sys.executable, "-c", "import json; print(json.dumps({'x': 1}))"], "ok") == {"x": 1}
+
+
+def test_a_benchmark_stopped_by_sigterm_takes_its_running_peers_with_it(tmp_path):
+    """A peer runs in a session of its own, so a stage timeout's SIGTERM to the benchmark
+    does not reach it: the benchmark kills its running peers' sessions before it ends."""
+    pidfile = tmp_path / "child.pid"
+    bench = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
+             "from peer_process import run_peer_process\n"
+             f"run_peer_process([sys.executable, '-c', {_hanging_peer(pidfile)!r}], 'hang', timeout=60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", bench])
+    for _ in range(200):
+        if pidfile.exists() and pidfile.read_text():
             break
         time.sleep(0.1)
-    else:
-        pytest.fail(f"the peer's child {pid} is still running")
-    assert run_peer_process([sys.executable, "-c", "import json; print(json.dumps({'x': 1}))"], "ok") == {"x": 1}
+    parent.terminate()
+    assert parent.wait(timeout=20) == -15
+    assert _gone(int(pidfile.read_text())), "the peer's child outlived the benchmark"
 
 
 def test_compare_judges_an_earlier_calls_rows_with_this_ones():
