@@ -899,14 +899,12 @@ def load_merges_from(read: list, cfg: dict) -> list:
 
 def merge_rows(merges: list, wanted: list, systems: dict, metas: dict, rows: list) -> None:
     """Adds the merged calls' measured rows of the systems not run now (the latest file
-    wins), without their derived columns (derive() judges them again with this call's)."""
-    derived = {"checks", "verdict", "bytes_per_step", "bytes_source", "gbps", "pct_pinned_peak",
-               "peak_device_bytes_total", "ratio_to_resident", "ideal_ms", "ratio_to_ideal", "activation_bytes_est"}
+    wins); derive() then writes their derived columns again, judged with this call's."""
     taken = set(wanted)
     for path, res in reversed(merges):
         mine = {r["system"] for r in res["rows"] if r.get("status") == "ok"} - taken
         for sname in sorted(mine, key=SYSTEMS.index):
-            rows.extend({**{k: v for k, v in r.items() if k not in derived}, "merged_from": res.get("date")}
+            rows.extend({**r, "merged_from": res.get("date")}
                         for r in res["rows"] if r["system"] == sname and r.get("status") == "ok")
             systems[sname] = {**res["systems"].get(sname, {}), "merged_from": f"{path} ({res.get('date')})"}
             if sname in res.get("metas", {}):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU proof's command on the device machine: runs run.sh into a work folder,
-# then packs what it wrote into $OUT, which the device tool returns (at most 8
+# then packs what it wrote into $OUT, which the remote GPU runner returns (at most 8
 # files): results.md, results.json, run.log and proof.tgz (every file of the run).
 #
 #   bash bench/gpu/device.sh [--deadline-s N] [run.sh args...]

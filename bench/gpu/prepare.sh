@@ -7,7 +7,7 @@
 # puts the peers' wheels into .whl/ (bench/gpu/fetch_peers.sh; --no-fetch keeps what is
 # there), the seed's file into .shared/seed_layer.py and GoogleTest's sources (from
 # /usr/src/googletest, for the C++ CUDA tests) into .shared/googletest (both folders are
-# ignored by git), checks that what a device call sends stays under the tool's 64 MiB,
+# ignored by git), checks that what a device call sends stays under the runner's 64 MiB,
 # and prints the calls (docs/benchmarks.md, "Running it on the GPU machine").
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -36,7 +36,7 @@ fi
 sent=$( { git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1;
           du -sb .whl .shared 2>/dev/null | cut -f1; } | awk '{ s += $1 } END { print s + 0 }')
 echo "what a device call sends: $(( sent / 1048576 )) MiB of the 64 MiB allowed"
-[ "$sent" -lt $(( 64 * 1048576 )) ] || { echo "prepare.sh: over the device tool's 64 MiB" >&2; exit 1; }
+[ "$sent" -lt $(( 64 * 1048576 )) ] || { echo "prepare.sh: over the remote GPU runner's 64 MiB a call" >&2; exit 1; }
 cat <<'CALLS'
 device calls (carry: [".whl", ".shared"]), LEFT = device time left - 60 s, the second call of a
 session at once while the machine is warm; one session per pair (docs/benchmarks.md):

@@ -32,7 +32,7 @@ A run is "clean" (the tool's summary reports 0 errors and the target exited 0),
 target exited non-zero: a test failed under the tool), "unexpected skips" (a
 test skipped under the tool for a reason bench/gpu/skip_policy.py does not accept on
 one GPU, e.g. "no CUDA device": nothing was checked), "unavailable" (the tool
-refused the device, e.g. "Device not supported" on a gVisor runtime: nothing is
+refused the device, e.g. "Device not supported" in a sandboxed container: nothing is
 proven, the runs left are not tried), "no report" (no summary line), "timed out" or
 "not run" (too little of --deadline-s left). The stage passes only when every run
 is clean.

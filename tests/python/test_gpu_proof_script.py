@@ -1,7 +1,7 @@
 """The GPU proof's plumbing on the CPU: stages, the deadline, the record, the packing.
 
 bench/gpu/run.sh runs its steps as stages under a deadline, bench/gpu/stages.py
-writes the record, bench/gpu/device.sh packs a run for the device tool (which
+writes the record, bench/gpu/device.sh packs a run for the remote GPU runner (which
 returns at most 8 files). tools/test.sh runs the whole dry run; these tests pin
 the behaviour a GPU session depends on and a dry run that succeeds cannot show:
 a stage out of time is a failure that is recorded, not a silent omission.
