@@ -11,6 +11,9 @@ trainable weights. Three runs, each in its own process on the same work:
     window  activations=<a quarter of what the step saves>: the newest saved tensors stay on
             the device (backward needs them first), the older ones go to the host
 
+On CUDA each mode also reports torch's peak device memory of one more step (allocated and
+reserved, above what was there before it); host / off of those is the GPU row's measure.
+
     .venv/bin/python bench/bench_activations.py [--device cuda] [--json]
 """
 from __future__ import annotations
@@ -61,9 +64,20 @@ def run_mode(args) -> dict:
         step()
         times.append(time.perf_counter() - t0)
     s = handle.stats()
-    return {"mode": args.mode, "step_ms": statistics.median(times) * 1e3,
-            "peak_activation_device_bytes": s["peak_activation_device_bytes"],
-            "activation_d2h_bytes": s["activation_d2h_bytes"] // (args.steps + 1)}
+    row = {"mode": args.mode, "step_ms": statistics.median(times) * 1e3,
+           "peak_activation_device_bytes": s["peak_activation_device_bytes"],
+           "activation_d2h_bytes": s["activation_d2h_bytes"] // (args.steps + 1)}
+    if device.type == "cuda":
+        # torch's own count of one more step (not timed): what the step adds to the memory
+        # allocated before it, and to the memory its allocator reserves from the device (this
+        # one also holds the blocks whose copy to the host is still running).
+        torch.cuda.empty_cache()
+        alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        row["peak_step_allocated_bytes"] = torch.cuda.max_memory_allocated() - alloc0
+        row["peak_step_reserved_bytes"] = torch.cuda.max_memory_reserved() - reserved0
+    return row
 
 
 def main():
@@ -96,6 +110,11 @@ def main():
               "peak_host_over_kept": rows["host"]["peak_activation_device_bytes"]
               / max(1, rows["kept"]["peak_activation_device_bytes"]) if ok("host", "kept") else None,
               "step_host_over_off": rows["host"]["step_ms"] / rows["off"]["step_ms"] if ok("host", "off") else None}
+    # On a GPU, the issue's measure: the step's peak device memory (torch's), host / off.
+    for key in ("allocated", "reserved"):
+        col = f"peak_step_{key}_bytes"
+        if ok("host", "off") and col in rows["off"]:
+            result[f"peak_{key}_host_over_off"] = rows["host"][col] / max(1, rows["off"][col])
     if args.json or failed:
         print(json.dumps(result))
         sys.exit(1 if failed else 0)
@@ -106,6 +125,9 @@ def main():
               f"{r['activation_d2h_bytes'] / 2**20:>18.1f}")
     print(f"peak saved activations, host / kept: {result['peak_host_over_kept']:.2f}; "
           f"step time, host / off: {result['step_host_over_off']:.3f}x")
+    if "peak_allocated_host_over_off" in result:
+        print(f"step's peak device memory (torch), host / off: allocated "
+              f"{result['peak_allocated_host_over_off']:.2f}, reserved {result['peak_reserved_host_over_off']:.2f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 // toolkit) or cuda_glue_nocuda.cpp (otherwise).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -49,6 +50,15 @@ void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType t
 // current CUDA stream on `device`: what c10d's Work::wait() makes wait for a
 // collective (engine_distributed.cpp).
 void with_current_stream(int device, void* stream, const std::function<void()>& fn);
+
+// Hands `t`'s memory to torch's CUDA caching allocator with `stream` (a
+// cudaStream_t of `device`) recorded as a user, as Tensor.record_stream does:
+// once every reference to it is gone, its block is not reused before the
+// work enqueued on `stream` until then has finished. True when the allocator
+// took it; false (nothing done) when `t`'s memory is not the allocator's (a
+// tensor from from_blob, another allocator): then the caller must hold `t`
+// until that work has finished. docs/design/activations.md, "Streams".
+bool record_stream(const at::Tensor& t, int device, void* stream);
 
 // Makes `device` the calling thread's current CUDA device the way torch's own
 // device guards do: exchange_device returns the previous device (-1 when

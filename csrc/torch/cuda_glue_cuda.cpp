@@ -1,4 +1,5 @@
 // Compiled only when LibTorch has CUDA and the CUDA toolkit is found.
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -64,6 +65,18 @@ void with_current_stream(int device, void* stream, const std::function<void()>& 
   c10::cuda::CUDAStreamGuard stream_guard(
       c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), index));
   fn();
+}
+
+bool record_stream(const at::Tensor& t, int device, void* stream) {
+  if (!t.defined() || !t.has_storage() || !t.is_cuda()) return false;
+  c10::cuda::CUDACachingAllocator::CUDAAllocator* allocator = c10::cuda::CUDACachingAllocator::get();
+  const c10::DataPtr& data = t.storage().data_ptr();
+  // The allocator skips memory that is not its own without a word: checked
+  // here, so that the caller knows whether it may let go of the tensor.
+  if (allocator == nullptr || data.get() == nullptr || data.get_deleter() != allocator->raw_deleter()) return false;
+  const auto index = static_cast<c10::DeviceIndex>(device);
+  allocator->recordStream(data, c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), index));
+  return true;
 }
 
 int exchange_device(int device) {

@@ -27,6 +27,7 @@ void cast_on(const void*, c10::ScalarType, void*, c10::ScalarType, int64_t, int,
 void with_current_stream(int, void*, const std::function<void()>&) {
   LS_FAIL("this layerstream build has no CUDA support");
 }
+bool record_stream(const at::Tensor&, int, void*) { return false; }
 int exchange_device(int) { return -1; }
 void restore_device(int) {}
 

@@ -147,6 +147,15 @@ bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
   s.to_host = backend_->create_event();
   backend_->record(s.to_host, act_stream_);
   act_d2h_bytes_ += s.bytes;
+  // On a GPU the forward runs ahead of the device: a check at the next stash
+  // would find no copy finished, and every tensor would stay until backward.
+  // torch's allocator orders the reuse after the copy instead, and the
+  // tensor goes now (docs/design/activations.md, "Streams").
+  if (cuda_index_ >= 0 && cuda_glue::record_stream(s.device, cuda_index_, act_stream_.native())) {
+    s.device = torch::Tensor();
+    note_activation_bytes_locked(-static_cast<int64_t>(s.bytes));
+    return true;
+  }
   awaiting_copy_.push_back(token);
   return true;
 }
