@@ -38,8 +38,11 @@ def run_peer_process(cmd: list, peer: str, timeout: float | None = None, **row) 
     """`row`: fields an error row carries besides peer and error (e.g. a description)."""
     if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
         signal.signal(signal.SIGTERM, _on_sigterm)  # the main thread: where the benchmarks call this
+    # A peer killed by a signal (SIGSEGV) prints where it was (faulthandler) into the stderr
+    # its error row quotes: the H200 run of 2026-12-04 had only "exit -11".
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as p:
+                          start_new_session=True, env=env) as p:
         _RUNNING.add(p.pid)
         try:
             out, err = p.communicate(timeout=timeout)

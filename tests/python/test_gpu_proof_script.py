@@ -336,6 +336,21 @@ def test_a_peer_past_its_timeout_is_killed_with_the_processes_it_started(tmp_pat
     assert run_peer_process([sys.executable, "-c", "import json; print(json.dumps({'x': 1}))"], "ok") == {"x": 1}
 
 
+def test_a_peer_that_crashes_says_where_in_its_error_row(tmp_path):
+    """A peer killed by SIGSEGV: its error row quotes the Python stack faulthandler printed
+    (the file and line of the call that crashed), not only the exit status."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from peer_process import run_peer_process
+    finally:
+        sys.path.pop(0)
+    script = tmp_path / "crashing_peer.py"
+    script.write_text("import ctypes\n\ndef crash():\n    ctypes.string_at(0)\n\ncrash()\n")
+    row = run_peer_process([sys.executable, str(script)], "crash")
+    assert row["peer"] == "crash" and row["error"].startswith("exit -11: "), row
+    assert "Segmentation fault" in row["error"] and f'File "{script}", line 4 in crash' in row["error"], row
+
+
 def test_a_benchmark_stopped_by_sigterm_takes_its_running_peers_with_it(tmp_path):
     """A peer runs in a session of its own, so a stage timeout's SIGTERM to the benchmark
     does not reach it: the benchmark kills its running peers' sessions before it ends."""
