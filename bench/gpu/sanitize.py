@@ -35,7 +35,9 @@ one GPU, e.g. "no CUDA device": nothing was checked), "unavailable" (the tool
 refused the device, e.g. "Device not supported" in a sandboxed container: nothing is
 proven, the runs left are not tried), "no report" (no summary line), "timed out" or
 "not run" (too little of --deadline-s left). The stage passes only when every run
-is clean.
+is clean. A run where the tool "failed to handle a hardware exception" (a kernel
+faulted; the tool does not say which) is run once more with CUDA_LAUNCH_BLOCKING=1,
+a row of its own, so that its log's traceback names the launch that faulted.
 
     python bench/gpu/sanitize.py --build-dir build-gpu --logs OUTDIR/sanitize \\
         [--out-md OUTDIR/sanitize.md] [--sanitizer PATH] [--tools memcheck,...] \\
@@ -78,6 +80,8 @@ MIN_RUN_S = 10
 SUMMARY = re.compile(r"(?:ERROR|RACECHECK) SUMMARY:.*?(\d+) errors?")
 WARNINGS = re.compile(r"RACECHECK SUMMARY:.*?(\d+) warnings?")
 UNSUPPORTED = re.compile(r"not supported|Unable to find injection library|unsupported", re.I)
+# What racecheck printed on the H200 (run 5, 2026-12-04) when a kernel faulted under it.
+HW_EXCEPTION = re.compile(r"failed to handle a hardware exception")
 
 
 def find_sanitizer() -> str | None:
@@ -218,23 +222,43 @@ def run_all(a, san: str | None, tools: list, which: list) -> tuple[list, str | N
             env = dict(t["env"])
             if tool == "memcheck" and t["kind"] == "python":
                 env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-            cmd = t["argv"] if bare else [san, *tool_args(tool, t["kind"]), *t["argv"]]
-            log = a.logs / f"{tool or 'bare'}-{t['name'].replace(' ', '_')}.log"
-            (a.logs / "report.xml").unlink(missing_ok=True)
-            rc, text, secs = run_one(cmd, env, min(CAP_S[t["kind"]], left), log)
-            r.update(rc=rc, seconds=round(secs, 1), log=log.name)
-            if bare:
-                r["status"] = "ran bare" if rc == 0 else ("timed out" if rc == 124 else "target failed")
-                continue
-            r["status"], r["errors"], r["warnings"] = verdict(rc, text)
-            if r["status"] == "clean" and not a.dry_run:
-                skipped = unexpected_skips(a.logs / "report.xml")
-                if skipped:
-                    r.update(status="unexpected skips", detail="; ".join(skipped[:3]))
+            text = run_under(a, san, tool, t, env, left, r)
             if r["status"] == "unavailable":
                 unavailable = next((ln.strip("= ").strip() for ln in text.splitlines() if UNSUPPORTED.search(ln)),
                                    "refused")
+            if HW_EXCEPTION.search(text):
+                # Which kernel faulted, the tool does not say: with every launch waited for,
+                # the error surfaces at the launch that faulted, named in the test's traceback.
+                r["detail"] = ("the tool failed to handle a hardware exception (an illegal access in a kernel); "
+                               "the next row runs it again with CUDA_LAUNCH_BLOCKING=1")
+                again = {"tool": tool, "target": f"{t['name']} (CUDA_LAUNCH_BLOCKING=1)"}
+                runs.append(again)
+                left = a.deadline_s - (time.monotonic() - t0) if a.deadline_s > 0 else 1e9
+                if left < MIN_RUN_S:
+                    again.update(status="not run", detail=f"{left:.0f} s left of --deadline-s {a.deadline_s:.0f}")
+                else:
+                    run_under(a, san, tool, t, {**env, "CUDA_LAUNCH_BLOCKING": "1"}, left, again)
     return runs, unavailable
+
+
+def run_under(a, san: str | None, tool: str | None, t: dict, env: dict, left: float, r: dict) -> str:
+    """One target under one tool (bare without a sanitizer): fills the row `r` (status,
+    errors, warnings, rc, seconds, log) and returns the run's output."""
+    cmd = t["argv"] if san is None else [san, *tool_args(tool, t["kind"]), *t["argv"]]
+    blocking = "-launch_blocking" if env.get("CUDA_LAUNCH_BLOCKING") else ""
+    log = a.logs / f"{tool or 'bare'}-{t['name'].replace(' ', '_')}{blocking}.log"
+    (a.logs / "report.xml").unlink(missing_ok=True)
+    rc, text, secs = run_one(cmd, env, min(CAP_S[t["kind"]], left), log)
+    r.update(rc=rc, seconds=round(secs, 1), log=log.name)
+    if san is None:
+        r["status"] = "ran bare" if rc == 0 else ("timed out" if rc == 124 else "target failed")
+        return text
+    r["status"], r["errors"], r["warnings"] = verdict(rc, text)
+    if r["status"] == "clean" and not a.dry_run:
+        skipped = unexpected_skips(a.logs / "report.xml")
+        if skipped:
+            r.update(status="unexpected skips", detail="; ".join(skipped[:3]))
+    return text
 
 
 def conclude(rec: dict, unavailable: str | None) -> None:

@@ -172,11 +172,15 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-echo "${args[*]} | nocache=${PYTORCH_NO_CUDA_MEMORY_CACHING:-} | $1" >>"$FAKE_SAN_CALLS"
+echo "${args[*]} | nocache=${PYTORCH_NO_CUDA_MEMORY_CACHING:-} | $1 | blocking=${CUDA_LAUNCH_BLOCKING:-}" >>"$FAKE_SAN_CALLS"
 if [ "$FAKE_SAN" = unsupported ]; then echo "========= Error: Device not supported"; exit 1; fi
 "$@"; rc=$?
 n=0; [ "$FAKE_SAN" = errors ] && [ "$tool" = memcheck ] && { echo "========= Invalid __global__ read of size 4 bytes"; n=2; }
-if [ "$tool" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+# hwexc: racecheck meets a kernel fault in the Python step, unless every launch is waited for.
+if [ "$FAKE_SAN" = hwexc ] && [ "$tool" = racecheck ] && [ "$1" != "${1%python*}" ] && [ -z "${CUDA_LAUNCH_BLOCKING:-}" ]; then
+  echo "========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception."; n=1
+fi
+if [ "$tool" = racecheck ]; then echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"
 else echo "========= ERROR SUMMARY: $n errors"; fi
 [ $n -gt 0 ] && exit 99
 exit $rc
@@ -224,6 +228,21 @@ def test_sanitize_reports_errors_and_fails(tmp_path):
     assert [r["errors"] for r in rec["runs"]] == [2, 2, 2, 0, 0, 0]
     assert "memcheck test_cuda_dequant: errors (2 errors)" in rec["detail"]
     assert "Invalid __global__ read" in (tmp_path / "logs" / "memcheck-test_cuda_dequant.log").read_text()
+
+
+def test_sanitize_runs_a_faulting_target_again_with_blocking_launches(tmp_path):
+    """racecheck "failed to handle a hardware exception" in the Python step (as on the
+    H200, run 5): the step runs once more under racecheck with CUDA_LAUNCH_BLOCKING=1, a
+    row of its own; the first row stays an error, so the stage still fails."""
+    p, rec, calls = sanitize(tmp_path, "hwexc", "--dry-run", "--targets", "python", "--tools", "racecheck")
+    assert p.returncode == 1, p.stderr
+    assert [(r["target"], r["status"]) for r in rec["runs"]] == [
+        ("parity training step", "errors"), ("parity training step (CUDA_LAUNCH_BLOCKING=1)", "clean")]
+    assert "hardware exception" in rec["runs"][0]["detail"]
+    assert [c.rsplit("| blocking=", 1)[1] for c in calls] == ["", "1"]
+    assert rec["runs"][1]["log"] == "racecheck-parity_training_step-launch_blocking.log"
+    assert (tmp_path / "logs" / rec["runs"][1]["log"]).is_file()
+    assert rec["detail"] == "racecheck parity training step: errors (1 errors)"
 
 
 def test_sanitize_on_a_device_the_tool_refuses_proves_nothing_and_says_so(tmp_path):
