@@ -495,7 +495,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::map<int, std::vector<std::pair<torch::ScalarType, DeviceParams>>> active_;
   // Activation offload (engine_activations.cpp): one entry per token.
   struct Stashed {
-    torch::Tensor device;   // held while kept, or until the copy to the host has finished
+    // Held while kept. Offloaded: until its copy to the host has finished (sim;
+    // memory not torch's caching allocator's), else given to the allocator at once.
+    torch::Tensor device;
     std::vector<int64_t> sizes, strides;
     torch::TensorOptions options;
     size_t bytes = 0;
