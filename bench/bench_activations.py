@@ -80,6 +80,25 @@ def run_mode(args) -> dict:
     return row
 
 
+def summarize(config: dict, rows: dict) -> dict:
+    """The run's record from its modes' rows: the ratios, and on a GPU (rows with torch's
+    peaks) issue 26's goal, judged on the memory the device gave (reserved)."""
+    failed = {m: r.get("error") or r["skipped"] for m, r in rows.items() if "error" in r or "skipped" in r}
+    ok = lambda *ms: not any(m in failed for m in ms)  # noqa: E731
+    result = {"config": config, "modes": rows, "failed": failed,
+              "peak_host_over_kept": rows["host"]["peak_activation_device_bytes"]
+              / max(1, rows["kept"]["peak_activation_device_bytes"]) if ok("host", "kept") else None,
+              "step_host_over_off": rows["host"]["step_ms"] / rows["off"]["step_ms"] if ok("host", "off") else None}
+    for key in ("allocated", "reserved"):
+        col = f"peak_step_{key}_bytes"
+        if ok("host", "off") and col in rows["off"]:
+            result[f"peak_{key}_host_over_off"] = rows["host"][col] / max(1, rows["off"][col])
+    if "peak_reserved_host_over_off" in result:
+        met = result["peak_reserved_host_over_off"] <= 0.5 and result["step_host_over_off"] <= 1.10
+        result["goal"] = ("met" if met else "missed") + " (host / off: reserved peak <= 0.5, step time <= 1.10x)"
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="sim")
@@ -103,18 +122,8 @@ def main():
                "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
                "--steps", str(args.steps), "--gbps", str(args.gbps)]
         rows[mode] = clock.run(cmd, mode)  # a row, or one with its stderr's end / the timeout / no time left
-    failed = {m: r.get("error") or r["skipped"] for m, r in rows.items() if "error" in r or "skipped" in r}
-    ok = lambda *ms: not any(m in failed for m in ms)  # noqa: E731
-    result = {"config": {k: getattr(args, k) for k in ("device", "layers", "width", "batch", "steps", "gbps")},
-              "modes": rows, "failed": failed,
-              "peak_host_over_kept": rows["host"]["peak_activation_device_bytes"]
-              / max(1, rows["kept"]["peak_activation_device_bytes"]) if ok("host", "kept") else None,
-              "step_host_over_off": rows["host"]["step_ms"] / rows["off"]["step_ms"] if ok("host", "off") else None}
-    # On a GPU, the issue's measure: the step's peak device memory (torch's), host / off.
-    for key in ("allocated", "reserved"):
-        col = f"peak_step_{key}_bytes"
-        if ok("host", "off") and col in rows["off"]:
-            result[f"peak_{key}_host_over_off"] = rows["host"][col] / max(1, rows["off"][col])
+    result = summarize({k: getattr(args, k) for k in ("device", "layers", "width", "batch", "steps", "gbps")}, rows)
+    failed = result["failed"]
     if args.json or failed:
         print(json.dumps(result))
         sys.exit(1 if failed else 0)
@@ -127,7 +136,8 @@ def main():
           f"step time, host / off: {result['step_host_over_off']:.3f}x")
     if "peak_allocated_host_over_off" in result:
         print(f"step's peak device memory (torch), host / off: allocated "
-              f"{result['peak_allocated_host_over_off']:.2f}, reserved {result['peak_reserved_host_over_off']:.2f}")
+              f"{result['peak_allocated_host_over_off']:.2f}, reserved {result['peak_reserved_host_over_off']:.2f}; "
+              f"goal {result['goal']}")
 
 
 if __name__ == "__main__":
