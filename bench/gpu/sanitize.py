@@ -209,20 +209,16 @@ def run_all(a, san: str | None, tools: list, which: list) -> tuple[list, str | N
         for t in targets(a.build_dir, which, "sim" if a.dry_run else "cuda", a.logs / "report.xml"):
             r = {"tool": tool or "none", "target": t["name"]}
             runs.append(r)
-            left = a.deadline_s - (time.monotonic() - t0) if a.deadline_s > 0 else 1e9
             if t["exe"] is not None and not t["exe"].is_file():
                 r.update(status="not built", detail=f"{t['exe']} does not exist (GoogleTest missing at the build?)")
                 continue
             if unavailable:
                 r.update(status="not run", detail=f"the tool is unavailable here ({unavailable})")
                 continue
-            if left < MIN_RUN_S:
-                r.update(status="not run", detail=f"{left:.0f} s left of --deadline-s {a.deadline_s:.0f}")
-                continue
             env = dict(t["env"])
             if tool == "memcheck" and t["kind"] == "python":
                 env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-            text = run_under(a, san, tool, t, env, left, r)
+            text = run_under(a, san, tool, t, env, t0, r)
             if r["status"] == "unavailable":
                 unavailable = next((ln.strip("= ").strip() for ln in text.splitlines() if UNSUPPORTED.search(ln)),
                                    "refused")
@@ -233,17 +229,18 @@ def run_all(a, san: str | None, tools: list, which: list) -> tuple[list, str | N
                                "the next row runs it again with CUDA_LAUNCH_BLOCKING=1")
                 again = {"tool": tool, "target": f"{t['name']} (CUDA_LAUNCH_BLOCKING=1)"}
                 runs.append(again)
-                left = a.deadline_s - (time.monotonic() - t0) if a.deadline_s > 0 else 1e9
-                if left < MIN_RUN_S:
-                    again.update(status="not run", detail=f"{left:.0f} s left of --deadline-s {a.deadline_s:.0f}")
-                else:
-                    run_under(a, san, tool, t, {**env, "CUDA_LAUNCH_BLOCKING": "1"}, left, again)
+                run_under(a, san, tool, t, {**env, "CUDA_LAUNCH_BLOCKING": "1"}, t0, again)
     return runs, unavailable
 
 
-def run_under(a, san: str | None, tool: str | None, t: dict, env: dict, left: float, r: dict) -> str:
-    """One target under one tool (bare without a sanitizer): fills the row `r` (status,
-    errors, warnings, rc, seconds, log) and returns the run's output."""
+def run_under(a, san: str | None, tool: str | None, t: dict, env: dict, t0: float, r: dict) -> str:
+    """One target under one tool (bare without a sanitizer), if enough of --deadline-s
+    (counted from t0) is left: fills the row `r` (status, errors, warnings, rc, seconds,
+    log) and returns the run's output ("" when not run)."""
+    left = a.deadline_s - (time.monotonic() - t0) if a.deadline_s > 0 else 1e9
+    if left < MIN_RUN_S:
+        r.update(status="not run", detail=f"{left:.0f} s left of --deadline-s {a.deadline_s:.0f}")
+        return ""
     cmd = t["argv"] if san is None else [san, *tool_args(tool, t["kind"]), *t["argv"]]
     blocking = "-launch_blocking" if env.get("CUDA_LAUNCH_BLOCKING") else ""
     log = a.logs / f"{tool or 'bare'}-{t['name'].replace(' ', '_')}{blocking}.log"

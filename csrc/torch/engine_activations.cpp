@@ -154,9 +154,9 @@ bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
   if (cuda_index_ >= 0 && cuda_glue::record_stream(s.device, cuda_index_, act_stream_.native())) {
     s.device = torch::Tensor();
     note_activation_bytes_locked(-static_cast<int64_t>(s.bytes));
-    return true;
+  } else {
+    awaiting_copy_.push_back(token);  // let go by release_copied_locked once its copy finished
   }
-  awaiting_copy_.push_back(token);
   return true;
 }
 

@@ -245,6 +245,16 @@ def test_sanitize_runs_a_faulting_target_again_with_blocking_launches(tmp_path):
     assert rec["detail"] == "racecheck parity training step: errors (1 errors)"
 
 
+def test_sanitize_starts_no_run_past_its_deadline(tmp_path):
+    """Less of --deadline-s left than a run needs: each run is "not run" (a failure), and
+    the tool is never started."""
+    p, rec, calls = sanitize(tmp_path, "clean", "--dry-run", "--targets", "cpp", "--tools", "memcheck",
+                             "--deadline-s", "5")
+    assert p.returncode == 1 and calls == []
+    assert [r["status"] for r in rec["runs"]] == ["not run"] * 3
+    assert rec["runs"][0]["detail"].endswith("s left of --deadline-s 5")
+
+
 def test_sanitize_on_a_device_the_tool_refuses_proves_nothing_and_says_so(tmp_path):
     p, rec, calls = sanitize(tmp_path, "unsupported", "--dry-run", "--targets", "cpp")
     assert p.returncode == 1 and len(calls) == 1  # the runs after the first refusal are not tried
