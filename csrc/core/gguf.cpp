@@ -1,12 +1,14 @@
 // layerstream — GGUF file reader. See gguf.h.
 #include "gguf.h"
 
+#include <optional>
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <system_error>
 
 #include "error.h"
@@ -309,12 +311,15 @@ GgufFile read_gguf(const std::string& path) {
     f.read(buf.data() + have, static_cast<std::streamsize>(want - have));
     LS_CHECK(static_cast<uint64_t>(f.gcount()) == want - have, "cannot read '", path,
              "' (file changed while reading?)");
+    std::optional<GgufFile> parsed;  // the return outside the try: planner.cpp, Note [No exceptions for the retry]
     try {
-      return parse_gguf(buf, file_bytes, path);
+      parsed.emplace(parse_gguf(buf, file_bytes, path));
     } catch (const NeedMore&) {
       LS_INTERNAL_CHECK(want < file_bytes);
       want = std::min<uint64_t>(file_bytes, want * 4);
+      continue;
     }
+    return std::move(*parsed);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "error.h"
@@ -46,6 +47,25 @@ std::string Plan::bound() const {
   return "transfer";
 }
 
+// plan_placement() without its throw: no plan when the budget is too small,
+// and *too_small says why. The slots-first retry below asks this way, so that
+// no exception is thrown and caught on the way to a plan (Note [No exceptions
+// for the retry]).
+static std::optional<Plan> place(const PlannerInput& in, std::string* too_small);
+
+Plan plan_placement(const PlannerInput& in) {
+  std::string why;
+  std::optional<Plan> plan = place(in, &why);
+  if (!plan) throw BudgetTooSmall(why, __FILE__, __LINE__);
+  return std::move(*plan);
+}
+
+// Note [No exceptions for the retry]: a budget too small for prefetch + 1
+// slots is common for a large model, so trying fewer slots is ordinary
+// control flow, not a BudgetTooSmall thrown and caught around a return in a
+// loop. That shape was where a benchmark peer died with SIGSEGV on the H200
+// run of 2026-12-04 (GCC 13.3; GCC 12 builds run it cleanly under ASan/UBSan
+// and valgrind): docs/benchmarks.md, run 5.
 Plan plan_slots_first(PlannerInput in, int prefetch, int slots) {
   std::vector<int> wanted;
   if (slots > 0) {
@@ -53,23 +73,21 @@ Plan plan_slots_first(PlannerInput in, int prefetch, int slots) {
   } else {
     for (int k = std::max(2, prefetch + 1); k >= 2; --k) wanted.push_back(k);
   }
-  for (size_t i = 0;; ++i) {
-    in.min_slots = wanted[i];
-    in.max_prefetch = std::max({1, prefetch, wanted[i] - 1});
-    try {
-      return plan_placement(in);
-    } catch (const BudgetTooSmall& e) {
-      if (i + 1 < wanted.size()) continue;  // fewer slots may fit (prefetch becomes slots - 1)
-      if (slots > 0)
-        throw BudgetTooSmall("slots=" + std::to_string(slots) + " do not fit in the budget: " + e.message() +
-                                 "; or ask for fewer slots (at least 2)",
-                             __FILE__, __LINE__);
-      throw;
-    }
+  std::string why;
+  for (int k : wanted) {  // fewer slots may fit (prefetch becomes slots - 1)
+    in.min_slots = k;
+    in.max_prefetch = std::max({1, prefetch, k - 1});
+    std::optional<Plan> plan = place(in, &why);
+    if (plan) return std::move(*plan);
   }
+  if (slots > 0)
+    throw BudgetTooSmall("slots=" + std::to_string(slots) + " do not fit in the budget: " + why +
+                             "; or ask for fewer slots (at least 2)",
+                         __FILE__, __LINE__);
+  throw BudgetTooSmall(why, __FILE__, __LINE__);
 }
 
-Plan plan_placement(const PlannerInput& in) {
+static std::optional<Plan> place(const PlannerInput& in, std::string* too_small) {
   LS_CHECK(in.min_slots >= 2, "planner: min_slots must be at least 2 (got ", in.min_slots, ")");
   LS_CHECK(in.max_prefetch >= 1 && in.max_prefetch <= 64, "planner: max_prefetch must be in [1, 64] (got ",
            in.max_prefetch, ")");
@@ -198,7 +216,7 @@ Plan plan_placement(const PlannerInput& in) {
                         format_bytes(S.streamed_slot_bytes()) + ")";
       }
       const uint64_t needed_b = least >= 18446744073709551615.0L ? UINT64_MAX : static_cast<uint64_t>(least);
-      throw BudgetTooSmall(detail::compose("budget ", format_bytes(in.budget_bytes), " (", in.budget_bytes,
+      *too_small = detail::compose("budget ", format_bytes(in.budget_bytes), " (", in.budget_bytes,
               " bytes) is too small: the largest layer ", json::quote(L.name),
               L_slot > L.bytes ? " needs a slot of " : " is ", format_bytes(L_slot), " (", L_slot, " bytes",
               L_slot > L.bytes ? ": " + format_bytes(L.bytes) + " copied + the weight written on the device, "
@@ -214,7 +232,8 @@ Plan plan_placement(const PlannerInput& in) {
                     "slot holds that weight too)"
               : L.as_stored ? " (it streams as stored: quantization does not apply to it)"
               : L_slot > L.bytes ? ""
-                                 : " (or quantize the weights, e.g. to nf4)"), __FILE__, __LINE__);
+                                 : " (or quantize the weights, e.g. to nf4)");
+      return std::nullopt;
     }
 
     // Residency priority: lowest FLOPs per streamed byte first (its transfer
