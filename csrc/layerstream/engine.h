@@ -415,8 +415,12 @@ class Engine {
   // activation_min_bytes, not dense, or while it is within the device
   // budget's window (or the host cap is reached); otherwise it is copied to
   // pinned host memory on the engine's device-to-host activation stream,
-  // after the work enqueued so far on the compute stream, and the engine
-  // lets the device tensor go once that copy has finished. Thread-safe.
+  // after the work enqueued so far on the compute stream. The engine lets the
+  // device tensor go when the copy is enqueued if torch's caching allocator
+  // owns it (a GPU: the allocator reuses it after the copy), else once the
+  // copy has finished. Copies in flight hold at most prefetch + 1 times the
+  // largest tensor offloaded so far (always the newest one): past that, the
+  // call blocks until the oldest have finished. Thread-safe.
   virtual int64_t stash_activation(const torch::Tensor& t) = 0;
   // The stashed tensor on the compute device (same sizes, strides and
   // dtype), ready for work enqueued on the compute stream after the call

@@ -848,7 +848,9 @@ PYBIND11_MODULE(_C, m) {
       // The `engine` argument of the torch.ops.layerstream operators (engine.h).
       .def_property_readonly("id", &Engine::id)
       .def("begin_activations", &Engine::begin_activations, py::arg("device_budget"))
-      .def("stash_activation", &Engine::stash_activation, py::arg("tensor"))
+      // It may wait for earlier copies to the host (Note [Copies in flight]): without the GIL.
+      .def("stash_activation", &Engine::stash_activation, py::arg("tensor"),
+           py::call_guard<py::gil_scoped_release>())
       .def("restore_activation", &Engine::restore_activation, py::arg("token"), py::arg("order_compute") = true)
       .def("drop_activation", &Engine::drop_activation, py::arg("token"), py::arg("order_reuse") = true)
       .def("layer_name", &Engine::layer_name)

@@ -62,7 +62,17 @@ int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
   const c10::StorageImpl* st = storage_of(t);
   if (std::find(t_weights.begin(), t_weights.end(), st) != t_weights.end()) return -1;
   auto scope = device_scope();
-  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Event wait;  // Note [Copies in flight]: waited for after the lock is released
+  int64_t token;
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    token = stash_locked(t, &wait);
+  }
+  if (wait) backend_->synchronize(wait);
+  return token;
+}
+
+int64_t EngineImpl::stash_locked(const torch::Tensor& t, Event* wait) {
   LS_CHECK(!detached_, "this layerstream handle was detached; its activation offload is off");
   const void* p = t.data_ptr();
   if (sched_)
@@ -100,7 +110,32 @@ int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
     act_kept_ -= it->second.bytes;
     offload_locked(oldest, it->second);
   }
+  limit_in_flight_locked(wait);
   return token;
+}
+
+// Note [Copies in flight]
+// The copies to the host run on the activation stream while the forward goes
+// on; on a GPU the forward is enqueued far ahead of the device, so without a
+// bound every offloaded tensor would still be waiting for its copy when the
+// last one is saved, and the device would hold them all (torch's allocator
+// reuses a block only after its copy ran: "Streams" in
+// docs/design/activations.md). So at most prefetch + 1 times the largest
+// tensor offloaded so far is in flight (always the newest copy): past that, the
+// forward waits for the oldest copies to finish, as the weights' prefetch
+// depth bounds their slots. The device is not starved by the wait: what the
+// forward enqueued after those copies' tensors is still queued ahead of it.
+void EngineImpl::limit_in_flight_locked(Event* wait) {
+  while (!in_flight_.empty() && backend_->query(in_flight_.front().first)) {
+    in_flight_bytes_ -= in_flight_.front().second;
+    in_flight_.pop_front();
+  }
+  const uint64_t cap = static_cast<uint64_t>(std::max(opts_.prefetch, 0) + 1) * act_largest_;
+  while (in_flight_.size() > 1 && in_flight_bytes_ > cap) {
+    *wait = std::move(in_flight_.front().first);  // in stream order: the newest one waited for covers the rest
+    in_flight_bytes_ -= in_flight_.front().second;
+    in_flight_.pop_front();
+  }
 }
 
 bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
@@ -147,6 +182,11 @@ bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
   s.to_host = backend_->create_event();
   backend_->record(s.to_host, act_stream_);
   act_d2h_bytes_ += s.bytes;
+  Event copied = backend_->create_event();  // Note [Copies in flight]
+  backend_->record(copied, act_stream_);
+  in_flight_.emplace_back(std::move(copied), s.bytes);
+  in_flight_bytes_ += s.bytes;
+  act_largest_ = std::max<uint64_t>(act_largest_, s.bytes);
   // On a GPU the forward runs ahead of the device: a check at the next stash
   // would find no copy finished, and every tensor would stay until backward.
   // torch's allocator orders the reuse after the copy instead, and the

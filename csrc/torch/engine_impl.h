@@ -522,6 +522,16 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void note_activation_bytes_locked(int64_t delta);
   std::map<int64_t, Stashed> stashed_;
   std::deque<int64_t> awaiting_copy_;  // offloaded tokens still holding their device tensor
+  // Copies to the host not seen finished (an event after each, its bytes),
+  // oldest first, and the largest tensor offloaded: Note [Copies in flight].
+  std::deque<std::pair<Event, uint64_t>> in_flight_;
+  uint64_t in_flight_bytes_ = 0, act_largest_ = 0;
+  // Drops the finished copies from in_flight_; while more than the cap is in
+  // flight, moves out the oldest copies' events, the newest of them into
+  // *wait, which the caller waits for once it let go of the lock.
+  void limit_in_flight_locked(Event* wait);
+  // stash_activation() under the lock; *wait: limit_in_flight_locked's.
+  int64_t stash_locked(const torch::Tensor& t, Event* wait);
   std::deque<int64_t> window_;         // kept tokens within the device budget, oldest first
   std::multimap<size_t, std::pair<HostBuffer, Event>> host_pool_;  // free host copies, by size
   Stream act_stream_;                  // device-to-host copies of activations

@@ -208,9 +208,10 @@ def offload(
         runs, the tensors autograd saves for backward (64 KiB and larger, dense, on
         the compute device; not parameters or the streamed weights) are copied to
         pinned host memory on the engine's device-to-host stream, overlapped with
-        compute, and let go on the device; backward gets each back on the transfer
-        stream, the next ones (prefetch deep, in the order backward unpacks them)
-        copied back ahead of need. A size keeps that many bytes of them on the
+        compute, and let go on the device (the forward waits when the copies in
+        flight hold more than prefetch + 1 times the largest); backward gets each
+        back on the transfer stream, the next ones (prefetch deep, in the order
+        backward unpacks them) copied back ahead of need. A size keeps that many bytes of them on the
         device: the newest saved, which backward needs first. Their host buffers
         count against host_budget / pinned_budget. docs/design/activations.md.
     process_group: with several processes (torch.distributed, e.g. torchrun): the group

@@ -1252,6 +1252,50 @@ def test_offloaded_activations_give_the_same_gradients_and_leave_the_device(offl
     assert s["activation_device_bytes"] == 0, s
 
 
+def test_copies_to_the_host_in_flight_are_bounded(offload_dev, compute_device):
+    """activations="host" against keeping every saved tensor ("1TiB"), on a forward whose
+    copies to the host are slower than its compute: depth x (Linear + GELU), 2 x depth
+    saved tensors of one size. Without a bound the forward runs ahead of the copies and every tensor
+    waits on the device for its own (the H200 run of 2026-12-04: host mode's reserved peak
+    equal to keeping them all). With it (Note [Copies in flight]: at most prefetch + 1 of
+    them in flight) the device holds a few. On CUDA: torch's peak reserved memory during
+    the forward (its allocator holds a tensor until its copy ran), host at most half of
+    kept; on sim: the engine's peak, at most prefetch + 2 tensors (one more: a finished
+    copy's tensor goes at the next stash; without the bound it is all 16)."""
+    cuda = compute_device.type == "cuda"
+    # sim: weights of 16 KiB, saved tensors of 2 MiB on a link of 50 MB/s (40 ms a copy),
+    # so the forward's compute and weights outrun the copies, as a GPU's forward does.
+    width, batch, depth = (1024, 2048, 16) if cuda else (64, 8192, 8)
+    one = batch * width * 4
+    kw = {} if cuda else {"sim_link_gbps": 0.05}
+    peaks = {}
+    for mode in ("1TiB", "host"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())])
+        handle = offload_dev(model, activations=mode, prefetch=2, **kw)
+        x = _randn((batch, width), compute_device).requires_grad_()
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+        y = model(x)
+        if cuda:
+            torch.cuda.synchronize()
+            peaks[mode] = torch.cuda.max_memory_reserved() - base
+        else:
+            peaks[mode] = handle.stats()["peak_activation_device_bytes"]
+        y.square().sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+        del x, y
+        handle.detach()
+    if cuda:
+        assert peaks["1TiB"] >= 2 * depth * one, peaks
+        assert peaks["host"] <= 0.5 * peaks["1TiB"], peaks
+    else:
+        assert peaks["1TiB"] == 2 * depth * one, peaks
+        assert 0 < peaks["host"] <= 4 * one, peaks
+
+
 @pytest.mark.parametrize("quantize", [None, "lossless"], ids=["dense", "lossless"])
 def test_a_budget_too_small_is_an_error_and_fewer_slots_are_tried_first(offload_dev, compute_device, quantize):
     """offload()'s planner tries prefetch + 1 slots, and on a budget too small for them
