@@ -26,9 +26,15 @@ Systems:
   seed         the original system (--seed-impl PATH, imported from that path),
                LinearLayerMemoryManager attached to every Linear
   accelerate   accelerate.cpu_offload(model, execution_device)
-  ramtorch     RamTorch 1.11 as its README shows it: ramtorch.helpers.replace_linear_with_ramtorch
-               (every Linear a CPU-bouncing Linear that copies its weight in for the forward and
-               again for the backward) and the rest moved to the device
+  ramtorch     RamTorch 1.11 as its README's quick start shows one-GPU streaming:
+               ramtorch.OffloadModel(chunks, device, window=2, pin=0, keep_activations=True),
+               the stack's blocks as the chunks (its defaults: a window of 2 slots, nothing
+               pinned, so it streams every block, the equal work; keep_activations=True is
+               the mode it calls fastest, and layerstream keeps activations too); training
+               through its step(x, grad_outputs=...). A parameterless first chunk makes it
+               compute block 0's input gradient, which the other systems compute (x.grad)
+               and its step() skips for its first chunk. (Its per-Linear
+               replace_linear_with_ramtorch is deprecated in 1.11.)
   diffusers-group  diffusers' group offloading, block level, with streams:
                apply_group_offloading(model, onload_device, offload_type="block_level",
                num_blocks_per_group=1, use_stream=True) on the stack (its blocks a ModuleList)
@@ -89,6 +95,9 @@ PEER_PACKAGES = {"accelerate": ("accelerate", None), "ramtorch": ("ramtorch", "1
                  "diffusers-group": ("diffusers", "0.42.1")}
 # Peers whose copies layerstream's rows are compared with ("faster than ...").
 PEERS = ("seed", "accelerate", "ramtorch", "diffusers-group")
+# Peers that run on the CPU too (RamTorch's OffloadModel: "CPU is supported for tests,
+# copies degrade to clones"): the dry run runs them when importable, to try their code.
+DRY_PEERS = {"ramtorch"}
 # The rows each system runs (default: all); engine-only is a diagnostic of the
 # compute-bound rows and costs GPU time, so it runs only those.
 SYSTEM_ROWS = {"engine-only": (("compute", "infer"), ("compute", "train"))}
@@ -278,14 +287,18 @@ def run_child(system: str, cfg: dict, rows: list) -> int:
             extra = {"accelerate_version": accelerate.__version__}
         elif system == "ramtorch":
             import ramtorch
-            from ramtorch.helpers import move_model_to_device, replace_linear_with_ramtorch
 
-            replace_linear_with_ramtorch(model, device=str(dev))
-            move_model_to_device(model, dev)
-            # The helper keeps the model's own weight tensors (pageable unless the model was
-            # built pinned): recorded, as it decides its copy speed.
-            first = next(m for m in model.modules() if getattr(m, "is_ramtorch", False))
-            extra = {"ramtorch_version": ramtorch.__version__, "weights_pinned": bool(first.weight.is_pinned())}
+            class Entry(torch.nn.Module):
+                """No weights: its step() computes the input gradient of every chunk but the
+                first, so block 0's is computed as the other systems compute x.grad."""
+
+                def forward(self, h):
+                    return h * 1
+
+            model = ramtorch.OffloadModel([Entry(), *model.blocks], device=dev, window=2, pin=0,
+                                          keep_activations=True)
+            extra = {"ramtorch_version": ramtorch.__version__,
+                     "ramtorch_api": "OffloadModel(window=2, pin=0, keep_activations=True)"}
         elif system == "diffusers-group":
             import diffusers
             from diffusers.hooks import apply_group_offloading
@@ -344,6 +357,8 @@ def measure(system, model, handle, dev, cuda, tokens, d, mode, cfg, n) -> dict:
             with torch.no_grad():
                 y = model(x)
             del y
+        elif system == "ramtorch":  # its training entry point: forward and backward of its chunks
+            model.step(x, grad_outputs=gout)
         else:
             x.grad = None
             y = model(x)
@@ -413,10 +428,13 @@ def measure(system, model, handle, dev, cuda, tokens, d, mode, cfg, n) -> dict:
     # compute the same bits (layerstream-lossless against layerstream-all-streamed): a digest.
     import hashlib
     x.grad = None
-    with torch.no_grad() if mode == "infer" else contextlib.nullcontext():
-        y = model(x)
-    if mode == "train":
-        y.backward(gout)
+    if system == "ramtorch" and mode == "train":
+        y = model.step(x, grad_outputs=gout).output  # its input gradients stay inside its step
+    else:
+        with torch.no_grad() if mode == "infer" else contextlib.nullcontext():
+            y = model(x)
+        if mode == "train":
+            y.backward(gout)
     h = hashlib.sha1(y.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     if x.grad is not None:
         h.update(x.grad.contiguous().view(torch.uint8).cpu().numpy().tobytes())
@@ -620,7 +638,9 @@ def derive(rows: list, probe: dict, metas: dict, dry: bool) -> None:
         elif sysname == "ramtorch":
             passes = 2 if mode == "train" else 1
             b, src = wbytes * passes if wbytes else None, (
-                f"computed ({passes}x weight bytes: forward" + (" + backward's copy)" if passes == 2 else ")"))
+                f"computed ({passes}x weight bytes: forward" + (" + backward's copy; its window keeps the last "
+                                                                "2 blocks for the backward, a few % fewer)"
+                                                                if passes == 2 else ")"))
         else:
             b, src = 0, "none (weights resident)"
         r["bytes_per_step"], r["bytes_source"] = b, src
@@ -1031,9 +1051,12 @@ def main(argv=None) -> int:
             reason = f"--seed-impl {cfg['seed_impl']} does not exist"
         elif s in PEER_PACKAGES:
             pkg, version = PEER_PACKAGES[s]
-            if dry:
+            importable = importlib.util.find_spec(pkg) is not None
+            if dry and s not in DRY_PEERS:
                 reason = "dry run: no CUDA device, and a peer offloading to the CPU from the CPU streams nothing"
-            elif importlib.util.find_spec(pkg) is None:
+            elif dry and not importable:
+                reason = f"dry run: {pkg} is not importable in this python (run.sh installs it on the GPU machine)"
+            elif not importable:
                 reason = (f"{pkg} is not importable in this python" +
                           (f" (bench/gpu/fetch_peers.sh puts {pkg}=={version}'s wheel in .whl/, which run.sh "
                            f"installs; carry .whl)" if version else ""))
