@@ -1,7 +1,6 @@
 // layerstream — GGUF file reader. See gguf.h.
 #include "gguf.h"
 
-#include <optional>
 #include <algorithm>
 #include <cerrno>
 #include <cstring>

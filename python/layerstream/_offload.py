@@ -211,9 +211,10 @@ def offload(
         compute, and let go on the device (the forward waits when the copies in
         flight hold more than prefetch + 1 times the largest); backward gets each
         back on the transfer stream, the next ones (prefetch deep, in the order
-        backward unpacks them) copied back ahead of need. A size keeps that many bytes of them on the
-        device: the newest saved, which backward needs first. Their host buffers
-        count against host_budget / pinned_budget. docs/design/activations.md.
+        backward unpacks them) copied back ahead of need. A size keeps that many
+        bytes of them on the device: the newest saved, which backward needs first.
+        Their host buffers count against host_budget / pinned_budget.
+        docs/design/activations.md.
     process_group: with several processes (torch.distributed, e.g. torchrun): the group
         over which streamed weights' gradients are averaged, as DistributedDataParallel
         averages the rest (all-reduce on the compute device before the copy to the host;

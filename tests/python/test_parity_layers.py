@@ -1255,10 +1255,10 @@ def test_offloaded_activations_give_the_same_gradients_and_leave_the_device(offl
 def test_copies_to_the_host_in_flight_are_bounded(offload_dev, compute_device):
     """activations="host" against keeping every saved tensor ("1TiB"), on a forward whose
     copies to the host are slower than its compute: depth x (Linear + GELU), 2 x depth
-    saved tensors of one size. Without a bound the forward runs ahead of the copies and every tensor
-    waits on the device for its own (the H200 run of 2026-12-04: host mode's reserved peak
-    equal to keeping them all). With it (Note [Copies in flight]: at most prefetch + 1 of
-    them in flight) the device holds a few. On CUDA: torch's peak reserved memory during
+    saved tensors of one size. Without a bound the forward runs ahead of the copies and
+    every tensor waits on the device for its own (the H200 run of 2026-12-04: host mode's
+    peak equal to keeping them all). With it (Note [Copies in flight]: at most
+    prefetch + 1 of them in flight) the device holds a few. On CUDA: torch's peak reserved memory during
     the forward (its allocator holds a tensor until its copy ran), host at most half of
     kept; on sim: the engine's peak, at most prefetch + 2 tensors (one more: a finished
     copy's tensor goes at the next stash; without the bound it is all 16)."""
@@ -1300,8 +1300,8 @@ def test_copies_to_the_host_in_flight_are_bounded(offload_dev, compute_device):
 def test_a_budget_too_small_is_an_error_and_fewer_slots_are_tried_first(offload_dev, compute_device, quantize):
     """offload()'s planner tries prefetch + 1 slots, and on a budget too small for them
     fewer (without an exception: planner.cpp, Note [No exceptions for the retry]); with
-    none that fits, the error reaches Python as a LayerstreamError naming the budget needed. Four trainable
-    bf16 Linear(256, 256) layers, train="adamw", prefetch=2, as bench/bench_full_ft.py's
+    none that fits, the error reaches Python as a LayerstreamError naming the budget
+    needed. Four trainable bf16 Linear(256, 256) layers, train="adamw", prefetch=2, as bench/bench_full_ft.py's
     lossless peer (whose offload() died with SIGSEGV on the H200 run of 2026-12-04 in
     this planner call, where the first try's error was then thrown and caught)."""
     import re
