@@ -815,6 +815,11 @@ def write_md(res: dict, path: Path) -> None:
                      "of raw" + ("" if need is None else
                                  f"; the link delivers {need:.1f} GB/s of output at the pinned peak: decoding "
                                  + ("hidden behind the copy" if ld["output_gbps"] >= need else "NOT hidden (slower)")))
+        for shape in sorted({(r["rows"], r["cols"]) for r in cpp.get("lossless_sweep", [])}):
+            runs = [r for r in cpp["lossless_sweep"] if (r["rows"], r["cols"]) == shape]
+            L.append(f"- lossless decode by block size, {shape[0]}×{shape[1]} bf16: " + "; ".join(
+                f"{r['block']}{' (default)' if r['default'] else ''} {r['ms']:.3f} ms ({r['coded_ratio']:.4f} of raw)"
+                for r in runs))
     L.append("")
     L.append("| system | regime | mode | tokens | step ms | × resident | × ideal | GB/s | % pinned peak "
              "| peak device mem | verdict | checks |")

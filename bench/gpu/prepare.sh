@@ -40,7 +40,7 @@ echo "what a device call sends: $(( sent / 1048576 )) MiB of the 64 MiB allowed"
 cat <<'CALLS'
 device calls (carry: [".whl", ".shared"]), LEFT = device time left - 60 s, the second call of a
 session at once while the machine is warm; one session per pair (docs/benchmarks.md):
-  A1 timeout_s 600:  bash bench/gpu/device.sh --stages tests,activations,compare -- --systems resident,layerstream-all-streamed,layerstream-lossless
+  A1 timeout_s 600:  bash bench/gpu/device.sh --stages tests,cpp,activations,compare -- --systems resident,layerstream-all-streamed,layerstream-lossless
   A2 timeout_s LEFT: bash bench/gpu/device.sh --deadline-s LEFT --no-build --stages full_ft,sanitize
   B1 timeout_s 600:  bash bench/gpu/device.sh --stages compare -- --systems resident,layerstream,layerstream-all-streamed,ramtorch,diffusers-group,seed
   B2 timeout_s LEFT: bash bench/gpu/device.sh --deadline-s LEFT --no-build --stages compare -- --systems layerstream-lossless,layerstream-nf4,accelerate --merge build-gpu/proof/last-results.json

@@ -410,6 +410,14 @@ try:
     if m:
         cpp["lossless_decode"] = {"rows": int(m[1]), "cols": int(m[2]), "ms": float(m[3]),
                                   "output_gbps": float(m[4]), "coded_ratio": float(m[5])}
+    # ... and at each block size (the default block size's rule, lossless::default_block_elems).
+    sweep = re.findall(r"\[ lossless sweep \] (\d+) x (\d+) bf16, blocks of (\d+)( \(default\))?: ([\d.]+) ms, "
+                       r"([\d.]+) GB/s of output \(coded ([\d.]+) of raw\)",
+                       open(os.path.join(os.path.dirname(quant_path), "test_cuda_lossless.log")).read())
+    if sweep:
+        cpp["lossless_sweep"] = [{"rows": int(r), "cols": int(c), "block": int(b), "default": bool(d),
+                                  "ms": float(ms), "output_gbps": float(g), "coded_ratio": float(q)}
+                                 for r, c, b, d, ms, g, q in sweep]
 except OSError:
     pass
 json.dump(cpp, open(out, "w"), indent=2)

@@ -235,6 +235,16 @@ std::vector<C> block_histograms(const void* src, const Layout& L, int threads, H
   return counts;
 }
 
+}  // namespace
+
+int64_t default_block_elems(int64_t numel) {
+  int64_t b = kDefaultBlockElemsMin;
+  while (b < kDefaultBlockElemsMax && 2 * b <= numel / 32768) b *= 2;
+  return b;
+}
+
+namespace {
+
 void check_block_elems(int64_t block_elems) {
   LS_CHECK(block_elems >= kMinBlockElems && block_elems <= kMaxBlockElems &&
                (block_elems & (block_elems - 1)) == 0,
@@ -242,11 +252,13 @@ void check_block_elems(int64_t block_elems) {
            kMaxBlockElems, "], got ", block_elems);
 }
 
+// block_elems 0: default_block_elems(numel).
 Layout make_layout(Dtype dtype, int64_t numel, int64_t block_elems) {
   LS_CHECK(dtype == Dtype::BF16 || dtype == Dtype::F16 || dtype == Dtype::F32, "lossless: unknown dtype ",
            static_cast<int>(dtype));
   LS_CHECK(numel >= 0 && numel <= kMaxNumel, "lossless: cannot code ", numel,
            " elements (0 to 2^56 are accepted)");
+  if (block_elems == 0) block_elems = default_block_elems(numel);
   check_block_elems(block_elems);
   Layout L;
   L.dtype = dtype;

@@ -48,8 +48,18 @@ using Dtype = quant::SrcDtype;  // F32, BF16, F16 (16-bit ones as raw uint16_t)
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 256;
 constexpr int kMaxCodeLength = 12;        // bits; a 4096-entry table decodes one symbol
-constexpr int64_t kDefaultBlockElems = 4096;
 constexpr int64_t kMinBlockElems = 64, kMaxBlockElems = int64_t{1} << 20;
+// The block size when none is given (block_elems 0 below): the power of two
+// nearest below numel / 32768, within [512, 4096], so that a tensor of 16M
+// elements or more has some 32768 blocks. The CUDA decoder walks a block on
+// one thread, and a thread's time grows with its block, not with the tensor:
+// on the H200 a 16384 x 4096 weight in 4096-element blocks took 1.37 ms
+// (run 5), and a 4096 x 4096 one would take about as long while its coded
+// copy takes 0.4 ms. Smaller blocks cost offsets and padding (bf16: 0.6634
+// of raw at 4096, 0.6670 at 1024, 0.6719 at 512). docs/design/quant-formats.md,
+// "The CUDA decoder".
+constexpr int64_t kDefaultBlockElemsMin = 512, kDefaultBlockElemsMax = 4096;
+int64_t default_block_elems(int64_t numel);
 constexpr int64_t kMaxNumel = int64_t{1} << 56;
 // Zero bytes guaranteed after the last stream word (vector loads may run over).
 constexpr size_t kStreamTailBytes = 16;
@@ -60,7 +70,7 @@ size_t element_bytes(Dtype d);
 struct Layout {
   Dtype dtype = Dtype::BF16;
   int64_t numel = 0;
-  int64_t block_elems = kDefaultBlockElems;
+  int64_t block_elems = 0;    // a power of two in [kMinBlockElems, kMaxBlockElems]
   int64_t num_blocks = 0;     // ceil(numel / block_elems)
   uint64_t stream_words = 0;  // uint32 words of the bit stream
 
@@ -96,18 +106,20 @@ struct Analysis {
 };
 
 // Histogram, code and per-block sizes of src (numel elements of dtype):
-// the exact coded size is analysis.total_bytes(). num_threads 0 = automatic.
-// One pass over src; temporary memory: 256 counts per block (512 bytes per
-// default block, 1/16 of a bf16 tensor's bytes), freed on return.
+// the exact coded size is analysis.total_bytes(). num_threads 0 = automatic;
+// block_elems 0 = default_block_elems(numel), here and below.
+// One pass over src; temporary memory: 256 counts per block (2 bytes each up
+// to 2^15 elements a block: a bf16 tensor's bytes times 256 / block_elems),
+// freed on return.
 Analysis analyze(Dtype dtype, const void* src, int64_t numel, int num_threads = 0,
-                 int64_t block_elems = kDefaultBlockElems);
+                 int64_t block_elems = 0);
 // Writes the coded buffer of src (the source analyze() saw; throws if it
 // changed) into dst, which holds dst_bytes >= analysis.total_bytes().
 void encode(const Analysis& analysis, const void* src, void* dst, size_t dst_bytes,
             int num_threads = 0);
 // Both steps, into a new buffer of exactly the coded size.
 std::vector<uint8_t> encode(Dtype dtype, const void* src, int64_t numel, int num_threads = 0,
-                            int64_t block_elems = kDefaultBlockElems);
+                            int64_t block_elems = 0);
 
 // Reads and validates the header and the block offsets of a coded buffer of
 // `bytes` bytes (which may exceed the coded size): throws naming the first
@@ -120,7 +132,7 @@ void decode(const void* encoded, size_t bytes, void* dst, size_t dst_bytes, int 
 
 // The largest coded size of any tensor of this dtype and size (for sizing
 // buffers before the data is known, e.g. after a weight update).
-size_t max_encoded_bytes(Dtype dtype, int64_t numel, int64_t block_elems = kDefaultBlockElems);
+size_t max_encoded_bytes(Dtype dtype, int64_t numel, int64_t block_elems = 0);
 // A cheap sign that a buffer's bytes changed: a hash of its size and of up
 // to `samples` 8-byte words spread evenly over it (every word of a buffer of
 // at most 8 * samples bytes; a partial last word included). A change that
@@ -131,7 +143,7 @@ uint64_t sample_fingerprint(const void* data, size_t bytes, size_t samples = 102
 // the sample's code applied to numel elements, each block's word padding
 // counted in full (so the estimate leans high).
 size_t estimate_encoded_bytes(Dtype dtype, const void* sample, int64_t sample_numel,
-                              int64_t numel, int64_t block_elems = kDefaultBlockElems);
+                              int64_t numel, int64_t block_elems = 0);
 
 }  // namespace lossless
 }  // namespace layerstream

@@ -293,6 +293,27 @@ def _row(system, regime, mode, ms, **kw):
     return {"system": system, "regime": regime, "mode": mode, "tokens": 512, "status": "ok", "step_ms": ms, **kw}
 
 
+def test_results_md_shows_the_lossless_decode_by_block_size(tmp_path):
+    """run.sh's cpp stage reads test_cuda_lossless's "[ lossless sweep ]" lines (the
+    decoder's time per block size, checking lossless::default_block_elems' rule on a
+    GPU); results.md shows them per weight shape. On run 4's record (which has none)."""
+    cmp = load_compare()
+    res = json.loads((GPU / "results" / "2026-11-30-h200-run4" / "results.json").read_text())
+    cpp = res["tests"]["cpp"]
+    cpp["lossless_sweep"] = [
+        {"rows": 4096, "cols": 4096, "block": 512, "default": True, "ms": 0.2, "output_gbps": 168.0,
+         "coded_ratio": 0.672},
+        {"rows": 4096, "cols": 4096, "block": 4096, "default": False, "ms": 1.3, "output_gbps": 25.8,
+         "coded_ratio": 0.6635}]
+    cmp.write_md(res, tmp_path / "r.md")
+    md = (tmp_path / "r.md").read_text()
+    assert ("- lossless decode by block size, 4096×4096 bf16: 512 (default) 0.200 ms (0.6720 of raw); "
+            "4096 1.300 ms (0.6635 of raw)") in md
+    del cpp["lossless_sweep"]
+    cmp.write_md(res, tmp_path / "r.md")
+    assert "by block size" not in (tmp_path / "r.md").read_text()
+
+
 def test_compare_judges_rows_by_the_second_proofs_targets_and_names_the_peers_ahead():
     """Issue 27: compute-bound <= 1.05x resident (training and inference), transfer-bound
     >= 90% of the pinned peak, and for every peer as fast or faster a reason from the
