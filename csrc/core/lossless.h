@@ -55,9 +55,9 @@ constexpr int64_t kMinBlockElems = 64, kMaxBlockElems = int64_t{1} << 20;
 // one thread, and a thread's time grows with its block, not with the tensor:
 // on the H200 a 16384 x 4096 weight in 4096-element blocks took 1.37 ms
 // (run 5), and a 4096 x 4096 one would take about as long while its coded
-// copy takes 0.4 ms. Smaller blocks cost offsets and padding (bf16: 0.6634
-// of raw at 4096, 0.6670 at 1024, 0.6719 at 512). docs/design/quant-formats.md,
-// "The CUDA decoder".
+// copy takes 0.4 ms. Smaller blocks cost offsets and padding (bf16 N(0, 0.02):
+// 0.6635 of raw at 4096, 0.6720 at 512). docs/design/quant-formats.md, "The
+// CUDA decoder".
 constexpr int64_t kDefaultBlockElemsMin = 512, kDefaultBlockElemsMax = 4096;
 int64_t default_block_elems(int64_t numel);
 constexpr int64_t kMaxNumel = int64_t{1} << 56;
@@ -108,9 +108,9 @@ struct Analysis {
 // Histogram, code and per-block sizes of src (numel elements of dtype):
 // the exact coded size is analysis.total_bytes(). num_threads 0 = automatic;
 // block_elems 0 = default_block_elems(numel), here and below.
-// One pass over src; temporary memory: 256 counts per block (2 bytes each up
-// to 2^15 elements a block: a bf16 tensor's bytes times 256 / block_elems),
-// freed on return.
+// One pass over src; temporary memory: 256 counts per block, freed on return
+// (512 bytes a block of up to 2^15 elements: half a bf16 tensor's bytes at
+// 512-element blocks, 1/16 at 4096).
 Analysis analyze(Dtype dtype, const void* src, int64_t numel, int num_threads = 0,
                  int64_t block_elems = 0);
 // Writes the coded buffer of src (the source analyze() saw; throws if it
