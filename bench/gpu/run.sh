@@ -405,15 +405,15 @@ except (OSError, ValueError, KeyError):
 # test_cuda_lossless prints the decoder's speed on a 16384 x 4096 bf16 weight (issue 28).
 import os, re
 try:
+    log = open(os.path.join(os.path.dirname(quant_path), "test_cuda_lossless.log")).read()
     m = re.search(r"\[ lossless \] decode (\d+) x (\d+) bf16 on the device: ([\d.]+) ms, ([\d.]+) GB/s of output "
-                  r"\(coded ([\d.]+) of raw\)", open(os.path.join(os.path.dirname(quant_path), "test_cuda_lossless.log")).read())
+                  r"\(coded ([\d.]+) of raw\)", log)
     if m:
         cpp["lossless_decode"] = {"rows": int(m[1]), "cols": int(m[2]), "ms": float(m[3]),
                                   "output_gbps": float(m[4]), "coded_ratio": float(m[5])}
     # ... and at each block size (the default block size's rule, lossless::default_block_elems).
     sweep = re.findall(r"\[ lossless sweep \] (\d+) x (\d+) bf16, blocks of (\d+)( \(default\))?: ([\d.]+) ms, "
-                       r"([\d.]+) GB/s of output \(coded ([\d.]+) of raw\)",
-                       open(os.path.join(os.path.dirname(quant_path), "test_cuda_lossless.log")).read())
+                       r"([\d.]+) GB/s of output \(coded ([\d.]+) of raw\)", log)
     if sweep:
         cpp["lossless_sweep"] = [{"rows": int(r), "cols": int(c), "block": int(b), "default": bool(d),
                                   "ms": float(ms), "output_gbps": float(g), "coded_ratio": float(q)}
