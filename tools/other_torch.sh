@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Builds and tests this working tree against another PyTorch release, by default
-# the GPU machine's (torch 2.11.0+cu130, torchvision 0.26.0), before a device
+# the GPU machine's (bench/gpu/build_lib.sh: LS_GPU_TORCH, LS_GPU_TORCHVISION), before a device
 # call spends GPU time on an incompatibility: LibTorch API changes break the
 # build, Python API and meta-kernel changes break tests (on 2026-12-04, three
 # compile tests and a timing-dependent one failed under 2.11 and passed under
 # the pinned 2.14.1).
 #
-#   bash tools/other_torch.sh [--torch 2.11.0] [--torchvision 0.26.0]
+#   bash tools/other_torch.sh [--torch VERSION] [--torchvision VERSION]
 #
 # Leaves .venv and build/ alone: everything lives in build-torch-VERSION/ (ignored):
 #   venv/  that torch and torchvision only (pip --no-deps, from the package index);
@@ -19,7 +19,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-TORCH=2.11.0; VISION=0.26.0
+. bench/gpu/build_lib.sh  # the GPU machine's versions
+TORCH=$LS_GPU_TORCH; VISION=$LS_GPU_TORCHVISION
 while [ $# -gt 0 ]; do
   case "$1" in
     --torch) TORCH=$2; shift ;;
@@ -50,4 +51,4 @@ ln -sfn "$DIR/venv" "$DIR/src/.venv"
 sha256sum requirements.txt | cut -d' ' -f1 >"$DIR/venv/.requirements.sha"
 echo "[other_torch] $("$DIR/venv/bin/python" -c 'import torch; print("torch", torch.__version__)'): tools/test.sh in $DIR/src"
 cd "$DIR/src"
-LS_CUDA_ARCHS=${LS_CUDA_ARCHS:-90} LS_DEBUG_INFO=${LS_DEBUG_INFO:-0} bash tools/test.sh
+LS_CUDA_ARCHS=${LS_CUDA_ARCHS:-$LS_GPU_CUDA_ARCH} LS_DEBUG_INFO=${LS_DEBUG_INFO:-0} bash tools/test.sh

@@ -12,8 +12,9 @@
 # A call whose run compared systems keeps its results.json in
 # build-gpu/proof/last-results.json (ignored, kept on a warm machine; LS_PROOF_KEEP
 # names another folder) for the next call's -- --merge.
-# The wheels of the peers (.whl) and .shared (seed_layer.py, googletest) travel in
-# the call's carry; docs/benchmarks.md, "Running it on the GPU machine".
+# The wheels of the peers (.whl), .shared (seed_layer.py, googletest) and .prebuilt
+# (the build, made ahead) travel in the call's carry; docs/benchmarks.md, "Running it
+# on the GPU machine".
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"

@@ -12,7 +12,9 @@
 # when present, else python3; configures build-gpu/ against that python's torch
 # and builds the _C target (it lands in python/layerstream/), bench_quant and
 # the C++ CUDA tests (GoogleTest: installed, or sources in .shared/googletest
-# or /usr/src/googletest; without it those tests are reported "not built");
+# or /usr/src/googletest; without it those tests are reported "not built")
+# (bench/gpu/build_lib.sh), or takes that build from .prebuilt/ when its stamp
+# matches (bench/gpu/prebuild.sh made it ahead of the call);
 # runs tests/python/test_parity_layers.py with LS_TEST_DEVICE=cuda, the C++
 # CUDA tests (CPU-vs-CUDA dequantization bit-identity, backend) and
 # bench_quant (device dequant GB/s); bench/bench_moe_decode.py (MoE decoding,
@@ -121,6 +123,7 @@ if [ "$DRY" = 0 ] && ! "$PY" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_a
 fi
 
 # ---- build -----------------------------------------------------------------
+. bench/gpu/build_lib.sh
 build_status=skipped; build_detail=""; build_s=0
 tb=$(date +%s)
 if [ "$DRY" = 1 ]; then
@@ -139,68 +142,15 @@ elif [ "$NO_CUDA" = 1 ]; then
   build_status=skipped; build_detail="not run: no CUDA device"
 elif [ "$BUILD" = 0 ]; then
   build_status=skipped; build_detail="--no-build: using the module already in python/layerstream/"
+elif gpu_use_prebuilt "$PY" "$OUTDIR/build.log"; then
+  build_status=ok; build_detail="prebuilt (bench/gpu/prebuild.sh, carried as .prebuilt/): $(cat .prebuilt/stamp)"
 else
-  pyinc=$("$PY" -c 'import sysconfig;print(sysconfig.get_paths()["include"])')
-  [ -f "$pyinc/Python.h" ] || log "warning: $pyinc/Python.h not found: the Python module may not build"
-  TORCH_PREFIX=$("$PY" -c 'import torch.utils;print(torch.utils.cmake_prefix_path)')
-  cuda_args=()
-  if [ -x /usr/local/cuda/bin/nvcc ]; then
-    cuda_args+=(-DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
-  fi
-  # A CUDA torch wheel's config wants libnvrtc; take the one its nvidia packages carry.
-  nvrtc=$("$PY" - <<'EOF'
-import glob, os, site
-roots = list(site.getsitepackages()) + [site.getusersitepackages()]
-for r in roots:
-    for pat in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*"):
-        hits = sorted(glob.glob(os.path.join(r, pat)))
-        hits = [h for h in hits if "builtins" not in h and "alt" not in os.path.basename(h)]
-        if hits:
-            print(hits[0]); raise SystemExit
-EOF
-)
-  [ -n "$nvrtc" ] && cuda_args+=(-DCUDA_nvrtc_LIBRARY="$nvrtc")
-  gen=(); command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
-  [ -f build-gpu/CMakeCache.txt ] && ! grep -q "^CMAKE_GENERATOR:INTERNAL=Ninja" build-gpu/CMakeCache.txt && gen=()
-  # GoogleTest for the C++ CUDA tests: installed, or built from sources.
-  gtest_args=()
-  for g in "$ROOT/.shared/googletest" /usr/src/googletest; do
-    if [ -f "$g/CMakeLists.txt" ]; then gtest_args=(-DLS_GTEST_SOURCE_DIR="$g"); break; fi
-  done
-  configure() {
-    cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 -DLS_WITH_TORCH=ON "${cuda_args[@]}" "$@"
-  }
-  log "configuring build-gpu"
-  cpp_tests_built=1
-  configure -DLS_BUILD_TESTS=ON "${gtest_args[@]}" >"$OUTDIR/build.log" 2>&1; cfg_rc=$?
-  if [ $cfg_rc != 0 ] && grep -q "GoogleTest not found" "$OUTDIR/build.log"; then
-    log "GoogleTest not found: configuring without the C++ tests (carry /usr/src/googletest as .shared/googletest)"
-    cpp_tests_built=0
-    configure -DLS_BUILD_TESTS=OFF >>"$OUTDIR/build.log" 2>&1; cfg_rc=$?
-  fi
-  if [ $cfg_rc = 0 ]; then
-    grep -E "layerstream: (CUDA|LibTorch)" "$OUTDIR/build.log" | sed 's/^/[gpu-proof]   /'
-    targets=(_C bench_quant)
-    [ $cpp_tests_built = 1 ] && targets+=(test_cuda_dequant test_cuda_lossless test_cuda_backend)
-    log "building ${targets[*]} ($(nproc) jobs)"
-    if cmake --build build-gpu --target "${targets[@]}" -j "$(nproc)" >>"$OUTDIR/build.log" 2>&1; then
-      build_status=ok
-      build_detail="cmake Release, build-gpu, targets ${targets[*]}, CUDA arch 90; $(grep -E 'layerstream: (CUDA|LibTorch)' "$OUTDIR/build.log" | sed 's/.*layerstream: //' | tr '\n' ';' | sed 's/;$//')"
-    else
-      build_status=failed; build_detail="cmake --build failed (see build.log)"; fail=1
-    fi
-  else
-    build_status=failed; build_detail="cmake configure failed (see build.log)"; fail=1
-  fi
-  [ "$build_status" = failed ] && tail -40 "$OUTDIR/build.log"
-  if [ "$build_status" = ok ] && ! "$PY" -c 'import layerstream, torch; e = layerstream._C' 2>>"$OUTDIR/build.log"; then
-    build_status=failed; build_detail="built, but 'import layerstream' fails (see build.log)"; fail=1
-  fi
+  gpu_build "$PY" "$OUTDIR/build.log"
+  [ "$build_status" = ok ] || fail=1
 fi
 build_s=$(( $(date +%s) - tb ))
 log "build: $build_status ($build_s s) $build_detail"
+[ "$DRY" = 1 ] || [ "$NO_CUDA" = 1 ] || gpu_runtime_path "$PY"  # the C++ binaries, prebuilt or not
 
 "$PY" - "$OUTDIR/build.json" "$build_status" "$build_s" "$build_detail" <<'PYEOF'
 import json, sys

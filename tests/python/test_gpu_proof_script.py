@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
 from pathlib import Path
@@ -459,3 +461,80 @@ def test_device_script_keeps_a_comparing_calls_results_for_the_next(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def _checkout_copy(dest: Path) -> Path:
+    """The working tree as a device call sends it: tracked files and untracked ones git
+    does not ignore (no build outputs, no .prebuilt/)."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, names):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def _build_lib(tree: Path, script: str, *args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(["bash", "-c", f". bench/gpu/build_lib.sh && {script}", "build_lib", *map(str, args)],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_prebuilt_build_serves_only_the_sources_and_python_it_was_made_for(tmp_path):
+    """bench/gpu/prebuild.sh packs a build into .prebuilt/ with a stamp; run.sh uses it
+    (gpu_use_prebuilt) only when the checkout's C++ sources, the Python minor version and
+    torch are the ones it was made for, and leaves nothing of it in place otherwise."""
+    import torch
+
+    tree = _checkout_copy(tmp_path / "tree")
+    py = sys.executable
+    outs = _build_lib(tree, 'gpu_build_outputs "$1"', py).stdout.split()
+    assert f"python/layerstream/_C{sysconfig.get_config_var('EXT_SUFFIX')}" in outs
+    assert "build-gpu/tests/cpp/test_cuda_backend" in outs
+    pre = tree / ".prebuilt"
+    for o in outs:
+        (pre / o).parent.mkdir(parents=True, exist_ok=True)
+        if o.startswith("python/"):  # the module this checkout built, for this python and torch
+            shutil.copy2(ROOT / o, pre / o)
+        else:  # stands in for a C++ binary (it only has to start)
+            (pre / o).write_text("#!/bin/sh\nexit 0\n")
+            (pre / o).chmod(0o755)
+    stamp = _build_lib(tree, 'gpu_build_stamp "$1"', py).stdout.strip()
+    assert stamp.endswith(f"python {sys.version_info[0]}.{sys.version_info[1]}; torch {torch.__version__}; "
+                          f"CUDA arch 90"), stamp
+    (pre / "stamp").write_text(stamp + "\n")
+
+    def use():
+        p = _build_lib(tree, 'gpu_use_prebuilt "$1" "$2"', py, tmp_path / "build.log")
+        placed = [o for o in outs if (tree / o).exists()]
+        for o in placed:
+            (tree / o).unlink()
+        return p, placed
+
+    p, placed = use()
+    assert p.returncode == 0 and placed == outs, p.stdout + p.stderr
+    # Python files are not compiled: the same build serves.
+    for name in ("python/layerstream/_offload.py", "bench/bench_full_ft.py"):
+        (tree / name).write_text((tree / name).read_text() + "#\n")
+    p, placed = use()
+    assert p.returncode == 0 and placed == outs, p.stdout + p.stderr
+    # A C++ source changed since: the stamp differs, nothing is placed, the run builds.
+    planner = tree / "csrc/core/planner.cpp"
+    planner.write_text(planner.read_text() + "// changed\n")
+    p, placed = use()
+    assert p.returncode == 1 and "prebuilt not used: it was made for" in p.stdout and placed == []
+    shutil.copy2(ROOT / "csrc/core/planner.cpp", planner)
+    # A module that does not load: taken out again.
+    (pre / outs[0]).write_bytes(b"not a shared object")
+    p, placed = use()
+    assert p.returncode == 1 and "does not load here" in p.stdout and placed == [], p.stdout
+
+
+def test_prebuild_wants_the_gpu_machines_python(tmp_path):
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho 3.9\n")
+    fake.chmod(0o755)
+    p = run_sh("prebuild.sh", "--python", fake)
+    assert p.returncode == 2 and "is Python 3.9; the GPU machine runs 3.12" in p.stderr, p.stderr
+    assert not (ROOT / ".prebuilt.new").exists()
