@@ -77,10 +77,26 @@ PostCopyFn EngineImpl::make_post_copy(const LayerInfo& l, size_t workspace_part)
       be->declare_access(slot, Access::Write, s, what + " (writes the workspace)");
     }
     if (on_cpu) {
-      // The sim device: CPU reference code, in order on the stream.
+      // The sim device: CPU reference code, in order on the stream. A trainable
+      // coded weight's header is taken now, as the CUDA launch below takes it,
+      // and must be the one of the bytes the slot holds when the step runs.
+      std::shared_ptr<const lossless::Header> taken;
+      if (trainable_coded) {
+        std::lock_guard<std::mutex> g(trainable_coded->mu);
+        taken = std::make_shared<const lossless::Header>(trainable_coded->header);
+      }
       be->launch_host_func(s, [=] {
         if (quantized) quant::dequantize_cpu(layout, w_src, ws, qdtype, 1);
-        if (trainable_coded) lossless::decode(w_src, trainable_coded->capacity, ws, dense_bytes, 1);
+        if (trainable_coded) {
+          const lossless::Header in_slot = lossless::read_header(w_src, trainable_coded->capacity);
+          const lossless::Layout &a = in_slot.layout, &b = taken->layout;
+          LS_INTERNAL_CHECK(a.dtype == b.dtype && a.numel == b.numel && a.block_elems == b.block_elems &&
+                                a.stream_words == b.stream_words &&
+                                std::memcmp(in_slot.code_lengths, taken->code_lengths, 256) == 0,
+                            "(", what, ": the coded header taken when the decode was issued is not the one of "
+                            "the bytes in the slot)");
+          lossless::decode(w_src, trainable_coded->capacity, ws, dense_bytes, 1);
+        }
         if (cast_w) cast_cpu(w_src, w_dtype, ws, to, w_numel);
         if (cast_b) cast_cpu(b_src, b_dtype, ws + ws_b, to, b_numel);
       });
