@@ -38,9 +38,10 @@ Systems:
   diffusers-group  diffusers' group offloading, block level, with streams:
                apply_group_offloading(model, onload_device, offload_type="block_level",
                num_blocks_per_group=1, use_stream=True) on the stack (its blocks a ModuleList)
-  (RamTorch and diffusers are not dependencies of layerstream: bench/gpu/fetch_peers.sh puts
-  their wheels in .whl/, and run.sh installs them on the GPU machine; a peer that is not
-  importable is a skipped row that says so.)
+  (RamTorch and diffusers are not dependencies of the library; requirements.txt pins them
+  for the tests and the dry run. bench/gpu/fetch_peers.sh puts their wheels in .whl/, and
+  run.sh installs them on the GPU machine; a peer that is not importable is a skipped row
+  that says so.)
   engine-only  diagnostic, compute-bound rows only: layerstream's engine with one
                slot per layer and cache_across_steps, so after the first step
                nothing is copied; what it loses to `resident` is the engine's
@@ -60,7 +61,8 @@ ahead); results.md names them. The ten systems take longer than one device call
 keeps each call's results.json at build-gpu/proof/last-results.json for the next.
 
 --dry-run: tiny sizes, layerstream on its simulated device "sim", the resident
-model and the seed's CPU path on the CPU, accelerate skipped. It checks the
+model, the seed's CPU path, RamTorch and diffusers (without streams: they need a GPU)
+on the CPU, accelerate skipped. It checks the
 script end to end; its timings mean nothing for a GPU.
 """
 from __future__ import annotations
@@ -96,8 +98,9 @@ PEER_PACKAGES = {"accelerate": ("accelerate", None), "ramtorch": ("ramtorch", "1
 # Peers whose copies layerstream's rows are compared with ("faster than ...").
 PEERS = ("seed", "accelerate", "ramtorch", "diffusers-group")
 # Peers that run on the CPU too (RamTorch's OffloadModel: "CPU is supported for tests,
-# copies degrade to clones"): the dry run runs them when importable, to try their code.
-DRY_PEERS = {"ramtorch"}
+# copies degrade to clones"; diffusers' group offloading, without streams, which need a
+# GPU): the dry run runs them when importable, to try their code.
+DRY_PEERS = {"ramtorch", "diffusers-group"}
 # The rows each system runs (default: all); engine-only is a diagnostic of the
 # compute-bound rows and costs GPU time, so it runs only those.
 SYSTEM_ROWS = {"engine-only": (("compute", "infer"), ("compute", "train"))}
@@ -303,9 +306,10 @@ def run_child(system: str, cfg: dict, rows: list) -> int:
             import diffusers
             from diffusers.hooks import apply_group_offloading
 
+            # Streams as its users run it on a GPU; diffusers refuses them without one (dry run).
             apply_group_offloading(model, onload_device=dev, offload_device=torch.device("cpu"),
-                                   offload_type="block_level", num_blocks_per_group=1, use_stream=True)
-            extra = {"diffusers_version": diffusers.__version__}
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=cuda)
+            extra = {"diffusers_version": diffusers.__version__, "use_stream": cuda}
     except Exception as e:  # noqa: BLE001 - reported, the parent decides
         emit({"kind": "fatal", "system": system, "error": f"{type(e).__name__}: {e}",
               "traceback": traceback.format_exc()[-4000:]})
