@@ -42,7 +42,7 @@ elif [ -f .prebuilt/stamp ]; then
   if [ -x build-prebuilt/venv/bin/python ] && [ "$(gpu_build_stamp build-prebuilt/venv/bin/python)" = "$(cat .prebuilt/stamp)" ]; then
     echo "prepare.sh: .prebuilt/ matches this checkout: $(cat .prebuilt/stamp)"
   else
-    echo "prepare.sh: .prebuilt/ is stale (a C++ file changed since): a call would build; give --python PATH"
+    echo "prepare.sh: .prebuilt/ is stale (a C++ source or build_lib.sh changed since): a call would build; give --python PATH"
   fi
 fi
 carry='".whl", ".shared"'; [ -d .prebuilt ] && carry='".whl", ".shared", ".prebuilt"'

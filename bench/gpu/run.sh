@@ -12,9 +12,9 @@
 # when present, else python3; configures build-gpu/ against that python's torch
 # and builds the _C target (it lands in python/layerstream/), bench_quant and
 # the C++ CUDA tests (GoogleTest: installed, or sources in .shared/googletest
-# or /usr/src/googletest; without it those tests are reported "not built")
-# (bench/gpu/build_lib.sh), or takes that build from .prebuilt/ when its stamp
-# matches (bench/gpu/prebuild.sh made it ahead of the call);
+# or /usr/src/googletest; without it those tests are reported "not built"):
+# bench/gpu/build_lib.sh's gpu_build; or copies that build from .prebuilt/ when
+# its stamp matches (bench/gpu/prebuild.sh made it here ahead of the call);
 # runs tests/python/test_parity_layers.py with LS_TEST_DEVICE=cuda, the C++
 # CUDA tests (CPU-vs-CUDA dequantization bit-identity, backend) and
 # bench_quant (device dequant GB/s); bench/bench_moe_decode.py (MoE decoding,
