@@ -464,13 +464,14 @@ if __name__ == "__main__":
 
 
 def _checkout_copy(dest: Path) -> Path:
-    """The working tree as a device call sends it: tracked files and untracked ones git
-    does not ignore (no build outputs, no .prebuilt/)."""
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, names):
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+    """What the build stamp reads and the module needs, copied without build outputs (the
+    checkout may be a copy without git, as tools/other_torch.sh makes)."""
+    skip = shutil.ignore_patterns("__pycache__", "_C*.so", "_build_info.py", "results")
+    for name in ("CMakeLists.txt", "cmake", "csrc", "bench", "tests/cpp", "tools/cli", "examples", "python"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=skip)
+        else:
+            dest.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, dest / name)
     return dest
 
