@@ -13,7 +13,8 @@
 #          every other package, and the CUDA libraries torch links, come from .venv
 #          (a .pth file and a link to its nvidia/ folder), so nothing else downloads;
 #   src/   a copy of the working tree (tracked files and untracked ones git does not
-#          ignore) with .venv pointing at venv/, where tools/test.sh runs: the build
+#          ignore; bench/gpu/build_lib.sh's gpu_sync_tree, so the build there stays
+#          incremental) with .venv pointing at venv/, where tools/test.sh runs: the build
 #          (CUDA for sm_90 only, no debug info), ctest, pytest and the GPU proof's dry run.
 # Exit status: tools/test.sh's. Needs .venv (tools/setup.sh makes it).
 set -euo pipefail
@@ -44,8 +45,7 @@ fi
 echo "$SITE" >"$VSITE/zz_layerstream_venv.pth"  # after its own site-packages: its torch wins
 [ -e "$VSITE/nvidia" ] || ln -s "$SITE/nvidia" "$VSITE/nvidia"
 # The working tree, as a device call would send it.
-mkdir -p "$DIR/src"
-git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$DIR/src"
+gpu_sync_tree "$DIR/src"
 ln -sfn "$DIR/venv" "$DIR/src/.venv"
 # tools/setup.sh installs requirements.txt when its stamp differs: this venv keeps its torch.
 sha256sum requirements.txt | cut -d' ' -f1 >"$DIR/venv/.requirements.sha"

@@ -136,3 +136,27 @@ gpu_runtime_path() {
   [ -n "$dirs" ] || dirs=/usr/local/cuda/lib64
   case ":${LD_LIBRARY_PATH:-}:" in *":$dirs:"*) ;; *) export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
 }
+
+# gpu_sync_tree DEST: the working tree as a device call sends it (tracked files and
+# untracked ones git does not ignore) into DEST, kept between runs so that a build
+# there is incremental: a file whose content differs is copied with a new time (the
+# build remakes what uses it, also when it went back to an older version, which a
+# copy keeping times would hide), a file gone from the tree goes from DEST too (CMake's
+# globs would still compile it). DEST/.tree-files lists what was copied.
+gpu_sync_tree() {
+  local dest=$1 f
+  mkdir -p "$dest"
+  git ls-files -z --cached --others --exclude-standard | LC_ALL=C sort -z >"$dest/.tree-files.new"
+  while IFS= read -r -d '' f; do
+    [ -f "$f" ] || continue  # listed but deleted in the working tree
+    if ! cmp -s "$f" "$dest/$f"; then
+      mkdir -p "$dest/$(dirname "$f")" && rm -f "$dest/$f" && cp -P "$f" "$dest/$f"
+    fi
+  done <"$dest/.tree-files.new"
+  if [ -f "$dest/.tree-files" ]; then
+    LC_ALL=C comm -z -23 "$dest/.tree-files" "$dest/.tree-files.new" | while IFS= read -r -d '' f; do
+      rm -f "$dest/$f"
+    done
+  fi
+  mv "$dest/.tree-files.new" "$dest/.tree-files"
+}

@@ -12,7 +12,8 @@
 #   venv/  torch==LS_GPU_TORCH (pip --no-deps) and its pure-Python dependencies at the
 #          versions .venv has; the CUDA libraries torch loads come from .venv (a link
 #          to its nvidia/ folder), so nothing large downloads twice;
-#   src/   a copy of the working tree (as a device call sends it), where gpu_build runs.
+#   src/   a copy of the working tree (as a device call sends it; gpu_sync_tree, so the
+#          build there stays incremental), where gpu_build runs.
 # .prebuilt/ then holds the outputs at their paths in the checkout (gpu_build_outputs)
 # and the stamp. Checked here: the module imports with that torch, the C++ test
 # binaries start. A change to a C++ source afterwards changes the stamp: the call
@@ -53,10 +54,10 @@ SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purel
 VSITE=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 [ -e "$VSITE/nvidia" ] || ln -s "$SITE/nvidia" "$VSITE/nvidia"
 export PATH="$ROOT/.venv/bin:$PATH"  # cmake, ninja
-mkdir -p "$DIR/src"
-git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$DIR/src"
-[ -f .shared/googletest/CMakeLists.txt ] && rm -rf "$DIR/src/.shared" && mkdir -p "$DIR/src/.shared" \
-  && cp -r .shared/googletest "$DIR/src/.shared/"
+gpu_sync_tree "$DIR/src"
+if [ -f .shared/googletest/CMakeLists.txt ] && [ ! -f "$DIR/src/.shared/googletest/CMakeLists.txt" ]; then
+  mkdir -p "$DIR/src/.shared" && cp -rp .shared/googletest "$DIR/src/.shared/"
+fi
 cd "$DIR/src"
 echo "[prebuild] $("$VPY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)'): gpu_build in $DIR/src"
 t0=$(date +%s)

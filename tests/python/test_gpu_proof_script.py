@@ -539,3 +539,34 @@ def test_prebuild_wants_the_gpu_machines_python(tmp_path):
     p = run_sh("prebuild.sh", "--python", fake)
     assert p.returncode == 2 and "is Python 3.9; the GPU machine runs 3.12" in p.stderr, p.stderr
     assert not (ROOT / ".prebuilt.new").exists()
+
+
+def test_the_tree_copy_remakes_what_changed_even_to_an_older_version(tmp_path):
+    """gpu_sync_tree (prebuild.sh, tools/other_torch.sh): DEST keeps its build between runs,
+    so a file whose content changed must look newer than the build, also when it went back
+    to older content with an older time; a file gone from the tree goes from DEST."""
+    repo, dest = tmp_path / "repo", tmp_path / "dest"
+    (repo / "csrc").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "csrc" / "a.cpp").write_text("int a = 1;\n")
+    (repo / "csrc" / "b.cpp").write_text("int b = 1;\n")
+    (repo / ".gitignore").write_text("/build/\n")
+    (repo / "build").mkdir()
+    (repo / "build" / "out.o").write_text("ignored\n")
+    sync = [str(Path(GPU / "build_lib.sh")), str(dest)]
+
+    def run():
+        subprocess.run(["bash", "-c", '. "$1" && gpu_sync_tree "$2"', "sync", *sync], cwd=repo, check=True,
+                       timeout=60)
+
+    run()
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
+        ".gitignore", ".tree-files", "csrc/a.cpp", "csrc/b.cpp"]
+    built = time.time()
+    (repo / "csrc" / "a.cpp").write_text("int a = 0;\n")  # back to "an older version" ...
+    os.utime(repo / "csrc" / "a.cpp", (built - 1000, built - 1000))  # ... with its older time
+    (repo / "csrc" / "b.cpp").unlink()
+    run()
+    assert (dest / "csrc" / "a.cpp").read_text() == "int a = 0;\n"
+    assert (dest / "csrc" / "a.cpp").stat().st_mtime >= built - 1  # newer than what was built from it
+    assert not (dest / "csrc" / "b.cpp").exists()
