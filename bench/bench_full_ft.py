@@ -35,6 +35,7 @@ accelerator in a sim dry run (its timings are then the CPU's, as the others').
 
 --deadline-s (default $LS_STAGE_DEADLINE_S, set by bench/gpu/run.sh's stages): a peer that cannot
 start in time is a row skipped with that reason, so the rows are printed before the stage ends.
+--peers: a subset, run in the order above (resident, the reference, always runs).
 
 Per peer: the median step (forward + backward + step), the backward, and the optimizer time
 visible after the backward (step()'s own time: what overlap hides), peak device memory (CUDA),
@@ -242,6 +243,8 @@ def main():
     ap.add_argument("--deadline-s", type=float, default=stage_deadline(),
                     help="the whole run's seconds (default: $LS_STAGE_DEADLINE_S, which bench/gpu/run.sh sets; "
                          "0: none): a peer that cannot start in time is skipped with that reason")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help="comma-separated subset of " + ", ".join(PEERS) + " (resident always runs)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--peer", choices=PEERS + ("ds-build",), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -251,6 +254,11 @@ def main():
     if args.peer:
         print(json.dumps(run_peer(args)))
         return
+    wanted = {p for p in args.peers.split(",") if p}
+    unknown = sorted(wanted - set(PEERS))
+    if unknown:
+        ap.error(f"--peers: unknown {', '.join(unknown)} (peers: {', '.join(PEERS)})")
+    peers = [p for p in PEERS if p in wanted or p == "resident"]
     clock = StageClock(args.deadline_s)
 
     def run(peer, cap):
@@ -262,7 +270,7 @@ def main():
     # torch's extension loader builds DeepSpeedCPUAdam here (the peers inherit it) and holds
     # NAME/lock in it while it builds.
     ext_dir = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, "build", "torch_extensions"))
-    for peer in PEERS:
+    for peer in peers:
         if peer in DS_PEERS and ds_build is None:
             ds_build = run("ds-build", args.ds_build_timeout)
             lock = os.path.join(ext_dir, "cpu_adam", "lock")  # CPUAdamBuilder.NAME

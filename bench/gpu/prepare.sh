@@ -55,8 +55,8 @@ echo "device calls (carry: [$carry]), LEFT = device time left - 60 s, the second
 cat <<'CALLS'
 session at once while the machine is warm; one session per pair (docs/benchmarks.md):
   A1 timeout_s 600:  bash bench/gpu/device.sh --stages tests,cpp,activations,compare -- --systems resident,layerstream-all-streamed,layerstream-lossless
-  A2 timeout_s LEFT: bash bench/gpu/device.sh --deadline-s LEFT --no-build --stages full_ft,sanitize
+  A2 timeout_s LEFT: bash bench/gpu/device.sh --deadline-s LEFT --no-build --stages full_ft,sanitize,llama --full-ft-peers ls-overlap,ls-lossless
   B1 timeout_s 600:  bash bench/gpu/device.sh --stages compare -- --systems resident,layerstream,layerstream-all-streamed,ramtorch,diffusers-group,seed
   B2 timeout_s LEFT: bash bench/gpu/device.sh --deadline-s LEFT --no-build --stages compare -- --systems layerstream-lossless,layerstream-nf4,accelerate --merge build-gpu/proof/last-results.json
-  C: --stages llama,moe_decode, and the stages the records (results.md, "Stages") show "not run", without --no-build.
+  C: --stages moe_decode, and the stages the records (results.md, "Stages") show "not run", without --no-build.
 CALLS

@@ -6,7 +6,8 @@
 # enforced.
 #
 #   bash bench/gpu/run.sh [--dry-run] OUTDIR [--seed-impl PATH] [--no-build]
-#                         [--stages LIST] [--deadline-s N] [-- compare.py args...]
+#                         [--stages LIST] [--deadline-s N] [--full-ft-peers LIST]
+#                         [-- compare.py args...]
 #
 # Real run (a machine with CUDA-enabled PyTorch 2.x and nvcc): uses .venv/bin/python
 # when present, else python3; configures build-gpu/ against that python's torch
@@ -46,6 +47,8 @@
 # (default 540 on the GPU, none in the dry run): each stage gets at most what is
 # left, one that cannot start is "not run" (a failure). stages.tsv and the
 # "stages" of results.json/results.md record every stage (bench/gpu/stages.py).
+# --full-ft-peers: bench_full_ft.py's --peers (a subset: the full_ft stage takes 171 s
+# with all seven on an H200, most of it DeepSpeed's).
 # bench/gpu/device.sh is the command for the device machine (it packs OUTDIR).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -53,7 +56,7 @@ cd "$ROOT"
 
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"; exit 2; }
 ALL_STAGES=(tests cpp compare llama full_ft compile activations disk nccl moe_decode sanitize)
-DRY=0; OUTDIR=""; SEED=""; BUILD=1; EXTRA=(); STAGE_LIST=""; DEADLINE=""
+DRY=0; OUTDIR=""; SEED=""; BUILD=1; EXTRA=(); STAGE_LIST=""; DEADLINE=""; FULL_FT_PEERS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -64,6 +67,8 @@ while [ $# -gt 0 ]; do
     --stages=*) STAGE_LIST=${1#*=} ;;
     --deadline-s) [ $# -ge 2 ] || usage; DEADLINE=$2; shift ;;
     --deadline-s=*) DEADLINE=${1#*=} ;;
+    --full-ft-peers) [ $# -ge 2 ] || usage; FULL_FT_PEERS=$2; shift ;;
+    --full-ft-peers=*) FULL_FT_PEERS=${1#*=} ;;
     -h|--help) usage ;;
     --) shift; EXTRA=("$@"); break ;;
     -*) echo "run.sh: unknown option $1" >&2; usage ;;
@@ -396,7 +401,7 @@ cmp_args=(--out "$OUTDIR" "${seed_args[@]}" --build-status "$build_status" --bui
 # One torch thread: on 2 shared cores, intra-op threads spin against each other
 # and make the tiny bf16 matmuls ~50x slower.
 [ "$DRY" = 1 ] && cmp_args+=(--dry-run --threads 1)
-cmd_str="bash bench/gpu/run.sh$([ "$DRY" = 1 ] && echo ' --dry-run') OUTDIR${SEED:+ --seed-impl $SEED}${STAGE_LIST:+ --stages $STAGE_LIST}"
+cmd_str="bash bench/gpu/run.sh$([ "$DRY" = 1 ] && echo ' --dry-run') OUTDIR${SEED:+ --seed-impl $SEED}${STAGE_LIST:+ --stages $STAGE_LIST}${FULL_FT_PEERS:+ --full-ft-peers $FULL_FT_PEERS}"
 stage_compare() {
   stage_begin compare 3600 results.json || return 0
   [ "$DEADLINE" -gt 0 ] && cmp_args+=(--deadline-s $(( STAGE_T - 10 )))
@@ -433,6 +438,7 @@ stage_full_ft() {
   else
     fargs=(--device cuda --layers 16 --width 4096 --batch 2048 --steps 5 --budget 0.3)
   fi
+  [ -n "$FULL_FT_PEERS" ] && fargs+=(--peers "$FULL_FT_PEERS")
   bench_stage full_ft 330 full_ft.json "$PY" bench/bench_full_ft.py "${fargs[@]}" --peer-timeout 150 --json
 }
 

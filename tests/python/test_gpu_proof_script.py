@@ -161,6 +161,20 @@ def test_full_ft_skips_peers_past_the_stage_deadline_and_still_prints_its_rows()
     assert all(r["skipped"] == "no time left of --deadline-s 5" for r in rows.values())
 
 
+def test_full_ft_runs_the_peers_asked_for_with_the_reference(tmp_path):
+    """run.sh --full-ft-peers LIST: bench_full_ft.py runs those and the resident reference
+    (a session short of device time skips DeepSpeed's 100 s); an unknown peer is refused."""
+    out = tmp_path / "o"
+    p = run_sh("run.sh", "--dry-run", out, "--stages", "full_ft", "--full-ft-peers", "ls-after")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads((out / "full_ft.json").read_text())["peers"]
+    assert list(rows) == ["resident", "ls-after"] and all("step_ms" in r for r in rows.values())
+    assert "--full-ft-peers ls-after" in (out / "results.md").read_text()
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_full_ft.py"), "--peers", "ls-after,zero9"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--peers: unknown zero9" in p.stderr
+
+
 # A stand-in for compute-sanitizer: records its arguments and environment, runs the
 # target, then reports as FAKE_SAN tells it (the GPU machine's tool prints the same
 # summary lines).
