@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 
@@ -38,9 +39,10 @@ def run_peer_process(cmd: list, peer: str, timeout: float | None = None, **row) 
     """`row`: fields an error row carries besides peer and error (e.g. a description)."""
     if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
         signal.signal(signal.SIGTERM, _on_sigterm)  # the main thread: where the benchmarks call this
-    # A peer killed by a signal (SIGSEGV) prints where it was (faulthandler) into the stderr
-    # its error row quotes: the H200 run of 2026-12-04 had only "exit -11".
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    # A peer killed by a signal (SIGSEGV) prints where it was into the stderr its error row
+    # quotes (the H200 run of 2026-12-04 had only "exit -11"): the native stack
+    # (core/crash_report.h), then faulthandler's Python one.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "LS_NATIVE_BACKTRACE": "1"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True, env=env) as p:
         _RUNNING.add(p.pid)
@@ -55,6 +57,8 @@ def run_peer_process(cmd: list, peer: str, timeout: float | None = None, **row) 
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = (err or out).strip()[-2000:]
+        # The row keeps the tail; the whole of it goes to this process's stderr (a stage's log).
+        sys.stderr.write(f"[{peer}] exit {p.returncode}; its stderr:\n{err}\n")
         return {"peer": peer, **row, "error": f"exit {p.returncode}: {tail}"}
     return json.loads(lines[-1])
 

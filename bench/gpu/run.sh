@@ -121,6 +121,8 @@ else
 fi
 log "python: $PY ($("$PY" -c 'import torch,sys;print("torch",torch.__version__,"python",sys.version.split()[0])'))"
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+# A process that crashes prints its native stack, then its Python one (core/crash_report.h).
+export LS_NATIVE_BACKTRACE=1 PYTHONFAULTHANDLER=1
 NO_CUDA=0
 if [ "$DRY" = 0 ] && ! "$PY" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   log "ERROR: torch sees no CUDA device (use --dry-run on a machine without a GPU); build and tests not run"

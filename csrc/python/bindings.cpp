@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "core/crash_report.h"
 #include "core/gguf.h"
 #include "core/host_tier.h"
 #include "core/io/quant_cache.h"
@@ -320,6 +321,11 @@ PYBIND11_MODULE(_C, m) {
       py::set_error(exc, e.message().c_str());
     }
   });
+
+  // LS_NATIVE_BACKTRACE=1: a crash prints its native stack before faulthandler's
+  // Python one (core/crash_report.h).
+  if (const char* v = std::getenv("LS_NATIVE_BACKTRACE"); v != nullptr && std::string(v) == "1")
+    layerstream::install_crash_report();
 
   // Route library warnings to Python's warnings module.
   layerstream::set_warning_handler([](const std::string& msg) {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -402,19 +403,25 @@ def test_a_peer_past_its_timeout_is_killed_with_the_processes_it_started(tmp_pat
     assert run_peer_process([sys.executable, "-c", "import json; print(json.dumps({'x': 1}))"], "ok") == {"x": 1}
 
 
-def test_a_peer_that_crashes_says_where_in_its_error_row(tmp_path):
+def test_a_peer_that_crashes_says_where_in_its_error_row(tmp_path, capsys):
     """A peer killed by SIGSEGV: its error row quotes the Python stack faulthandler printed
-    (the file and line of the call that crashed), not only the exit status."""
+    (the file and line of the call that crashed), not only the exit status; the benchmark's
+    stderr (its stage's log) has the whole of the peer's, with the native stack that
+    layerstream's module printed first (core/crash_report.h: LS_NATIVE_BACKTRACE=1)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from peer_process import run_peer_process
     finally:
         sys.path.pop(0)
     script = tmp_path / "crashing_peer.py"
-    script.write_text("import ctypes\n\ndef crash():\n    ctypes.string_at(0)\n\ncrash()\n")
+    script.write_text("import ctypes\nimport layerstream\n\ndef crash():\n    ctypes.string_at(0)\n\ncrash()\n")
     row = run_peer_process([sys.executable, str(script)], "crash")
     assert row["peer"] == "crash" and row["error"].startswith("exit -11: "), row
-    assert "Segmentation fault" in row["error"] and f'File "{script}", line 4 in crash' in row["error"], row
+    assert "Segmentation fault" in row["error"] and f'File "{script}", line 5 in crash' in row["error"], row
+    err = capsys.readouterr().err
+    native = err.index("layerstream: fatal signal 11 (SIGSEGV) at address 0x0; native stack")
+    assert native < err.index("Fatal Python error: Segmentation fault"), err
+    assert re.search(r"^  #\d+ \S*libc\.so\.6\+0x[0-9a-f]+", err, re.M), err  # a frame of the crash
 
 
 def test_a_benchmark_stopped_by_sigterm_takes_its_running_peers_with_it(tmp_path):
