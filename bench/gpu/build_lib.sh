@@ -11,8 +11,9 @@ LS_GPU_TORCH_ARCH=9.0      # torch's (TORCH_CUDA_ARCH_LIST)
 
 # What a build for the GPU depends on, as one line: the contents of every file CMake
 # reads for the targets gpu_build makes and of this file (its flags), the Python minor
-# version, torch's version and the CUDA architecture. Equal lines on two machines: a build made on one serves the
-# other (bench/gpu/prebuild.sh, run.sh). Needs no git (the device's copy has none).
+# version, torch's version and the CUDA architecture. Equal lines on two machines: a
+# build made on one serves the other (bench/gpu/prebuild.sh, run.sh). Needs no git (the
+# device's copy has none).
 gpu_build_stamp() {  # PY
   local src
   src=$(find CMakeLists.txt cmake csrc bench tests/cpp tools/cli examples python/layerstream/_build_info.py.in \

@@ -16,8 +16,9 @@
 #          build there stays incremental), where gpu_build runs.
 # .prebuilt/ then holds the outputs at their paths in the checkout (gpu_build_outputs)
 # and the stamp. Checked here: the module imports with that torch, the C++ test
-# binaries start. A change to a C++ source afterwards changes the stamp: the call
-# builds as before (run.sh says why), so a stale .prebuilt/ costs time, never results.
+# binaries start. A change to a C++ source (or to build_lib.sh) afterwards changes the
+# stamp: the call builds as before (run.sh says why), so a stale .prebuilt/ costs time,
+# never results.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
