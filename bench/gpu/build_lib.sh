@@ -95,10 +95,14 @@ EOF
     build_status=failed; build_detail="cmake configure failed (see build.log)"
   fi
   [ "$build_status" = failed ] && tail -40 "$LOG"
-  if [ "$build_status" = ok ] && ! PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
-       "$PY" -c 'import layerstream, torch; e = layerstream._C' 2>>"$LOG"; then
+  if [ "$build_status" = ok ] && ! gpu_module_loads "$PY" 2>>"$LOG"; then
     build_status=failed; build_detail="built, but 'import layerstream' fails (see build.log)"
   fi
+}
+
+# gpu_module_loads PY: status 0 when the checkout's layerstream imports with its _C.
+gpu_module_loads() {
+  PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$1" -c 'import layerstream, torch; e = layerstream._C'
 }
 
 # gpu_use_prebuilt PY LOG: a build made ahead of the call (bench/gpu/prebuild.sh,
@@ -118,8 +122,7 @@ gpu_use_prebuilt() {
   done
   for f in $outs; do mkdir -p "$(dirname "$f")" && cp -p ".prebuilt/$f" "$f"; done
   gpu_runtime_path "$PY"
-  if PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c 'import layerstream, torch; e = layerstream._C' \
-       >"$LOG" 2>&1 && build-gpu/tests/cpp/test_cuda_backend --gtest_list_tests >>"$LOG" 2>&1; then
+  if gpu_module_loads "$PY" >"$LOG" 2>&1 && build-gpu/tests/cpp/test_cuda_backend --gtest_list_tests >>"$LOG" 2>&1; then
     return 0
   fi
   echo "[gpu-proof] prebuilt not used: it does not load here (see build.log); building"
@@ -130,9 +133,11 @@ gpu_use_prebuilt() {
 # gpu_runtime_path PY: puts the CUDA runtime torch loads (its nvidia/*/lib folders; the
 # toolkit's lib64 when torch has none) on LD_LIBRARY_PATH, for the C++ binaries: their
 # run path names the runtime where they were built, which a prebuilt one's machine may
-# not have. The Python processes load the same libraries as without it.
+# not have. The Python processes load the same libraries as without it. Once a run.
 gpu_runtime_path() {
   local dirs
+  [ -z "${_gpu_runtime_path_set:-}" ] || return 0
+  _gpu_runtime_path_set=1
   dirs=$("$1" -c 'import glob, os, torch; print(":".join(sorted({os.path.dirname(p) for p in glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so.*"))})))')
   [ -n "$dirs" ] || dirs=/usr/local/cuda/lib64
   case ":${LD_LIBRARY_PATH:-}:" in *":$dirs:"*) ;; *) export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
