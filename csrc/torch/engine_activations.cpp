@@ -238,12 +238,14 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   s.restored = torch::Tensor();
   s.copying_back = false;
   s.handed_out += s.bytes;
-  // The next stashes backward will unpack (saved earlier) start coming back now.
+  // The next `prefetch` offloaded stashes backward will unpack (saved
+  // earlier) are coming back from now on; those already coming back count,
+  // so that the copies back stay `prefetch` ahead and do not run further.
   int ahead = opts_.prefetch;
   for (auto prev = std::make_reverse_iterator(it); prev != stashed_.rend() && ahead > 0; ++prev) {
     Stashed& q = prev->second;
-    if (!q.offloaded || q.device.defined() || q.copying_back || q.handed_out) continue;
-    copy_back_locked(q);
+    if (!q.offloaded || q.device.defined() || q.handed_out) continue;
+    if (!q.copying_back) copy_back_locked(q);
     --ahead;
   }
   return out;

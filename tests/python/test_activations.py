@@ -134,6 +134,28 @@ def test_the_window_is_the_newest_tensors_through_the_engine_api():
     handle.detach()
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_copies_back_start_ahead_of_the_backward(prefetch):
+    """Restoring a saved tensor also starts the copies back of the `prefetch` saved
+    just before it (the backward unpacks them next), each once."""
+    handle = layerstream.offload(_mlp(), device="sim", activations="host", prefetch=prefetch)
+    engine = handle._engine
+    nbytes = 256 * 256 * 4
+    engine.begin_activations(0)
+    ts = [torch.randn(256, 256) for _ in range(5)]
+    tokens = [engine.stash_activation(t) for t in ts]
+    engine.synchronize()
+    for n, i in enumerate(reversed(range(5))):
+        assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
+        ahead = min(prefetch, i)  # the earlier ones copying back too
+        assert handle.stats()["activation_h2d_bytes"] == (n + 1 + ahead) * nbytes, (i, handle.stats())
+    engine.synchronize()
+    for t in tokens:
+        engine.drop_activation(t)
+    assert not handle.ordering_errors()
+    handle.detach()
+
+
 @pytest.mark.parametrize("ordered", [True, False])
 def test_a_host_buffer_reused_before_its_copy_back_ends_is_an_ordering_error(ordered):
     """The checker's view of the pool: a host buffer handed to a new stash must be
