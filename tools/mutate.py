@@ -11,8 +11,6 @@ and prints a table:
 
     caught     some listed test failed (what we want)
     survived   every listed test passed: a hole in the suite
-    survived (known hole)   the same, for an entry whose known_hole says why no
-               CPU test can see it (reported, not counted as a failure)
     stale      the anchor is not in the file any more (the code moved: update
                the entry); never counted as caught
     ambiguous  the anchor occurs more than once
@@ -53,7 +51,6 @@ class Mutation:
     tests: list          # "py:tests/python/x.py::test_y" or "gtest:binary:Filter.*"
     why: str             # the bug it plants, and the issue item it stands for
     survived_before: bool = False  # survived the audit of issue 29 (before its tests)
-    known_hole: str = ""  # why no CPU test can catch it: reported, not counted as a failure
     extra_targets: list = field(default_factory=list)
 
 
@@ -241,12 +238,8 @@ MUTATIONS = [
         "activation-copy-back-before-host-copy", "csrc/torch/engine_activations.cpp",
         "  backend_->wait(transfer_, s.to_host);  // the host copy is complete\n",
         "",
-        [P + "test_activations.py::test_mlp_gradients_are_bit_identical_and_activations_cross_both_ways",
-         P + "test_activations.py::test_llama_training_with_and_without_gradient_checkpointing"],
-        "a saved activation's copy back does not wait for its copy to the host",
-        known_hole="on the sim a saved tensor leaves the device only once the host saw its copy to the host "
-                   "finish, so no copy back can start before it; on CUDA (the tensor let go at once, "
-                   "record_stream) this wait alone orders them"),
+        [P + "test_activations.py::test_a_restore_before_the_copy_to_the_host_finished_copies_back_after_it"],
+        "a saved activation's copy back does not wait for its copy to the host"),
     Mutation(
         "activation-in-flight-unbounded", "csrc/torch/engine_activations.cpp",
         "  while (in_flight_.size() > 1 && in_flight_bytes_ > cap) {",
@@ -463,20 +456,16 @@ def main() -> int:
             finally:
                 path.write_text(original)  # a new mtime: the next build of its targets recompiles it
         secs = time.time() - t0
-        if result == "survived" and m.known_hole:
-            result = "survived (known hole)"
         rows.append((m, result, secs))
         print(f"[mutate] {m.name:36} {result:9} ({secs:.0f} s)", flush=True)
     total = time.time() - t_start
     lines = ["| mutation | file | planted bug | survived the issue-29 audit | result | tests run | s |",
              "|---|---|---|---|---|---|---:|"]
     for m, result, secs in rows:
-        shown = result + (" (control: must survive)" if m.name in CONTROL else "") + \
-            (f": {m.known_hole}" if result == "survived (known hole)" else "")
+        shown = result + (" (control: must survive)" if m.name in CONTROL else "")
         lines.append(f"| `{m.name}` | `{m.file}` | {m.why} | {'yes' if m.survived_before else 'no'} | "
                      f"{shown} | {'<br>'.join(f'`{t}`' for t in m.tests)} | {secs:.0f} |")
-    good = all((r == "survived") if m.name in CONTROL else r.startswith("caught") or r == "survived (known hole)"
-               for m, r, _ in rows)
+    good = all((r == "survived") if m.name in CONTROL else r.startswith("caught") for m, r, _ in rows)
     summary = (f"{sum(r.startswith('caught') for m, r, _ in rows if m.name not in CONTROL)} caught of "
                f"{sum(m.name not in CONTROL for m, _, _ in rows)} mutations (plus {len(CONTROL & {m.name for m, _, _ in rows})} "
                f"control); total {total / 60:.1f} min")

@@ -156,6 +156,26 @@ def test_copies_back_start_ahead_of_the_backward(prefetch):
     handle.detach()
 
 
+def test_a_restore_before_the_copy_to_the_host_finished_copies_back_after_it():
+    """As on a GPU, the sim lets a saved tensor go when its copy to the host is issued
+    (its memory held by the activation stream until the copy has read it). A restore
+    before that copy finished (here: 200 ms per copy) copies back, ordered after the copy
+    to the host (the checker sees it), with the saved values."""
+    handle = layerstream.offload(_mlp(), device="sim", activations="host", sim_latency_us=200_000)
+    engine = handle._engine
+    engine.begin_activations(0)
+    t = torch.randn(256, 256)
+    token = engine.stash_activation(t)
+    restored = engine.restore_activation(token)
+    s = handle.stats()
+    assert s["activation_d2h_bytes"] == s["activation_h2d_bytes"] == t.numel() * 4, s
+    engine.synchronize()
+    assert torch.equal(restored, t)
+    assert not handle.ordering_errors(), handle.ordering_errors()
+    engine.drop_activation(token)
+    handle.detach()
+
+
 @pytest.mark.parametrize("ordered", [True, False])
 def test_a_host_buffer_reused_before_its_copy_back_ends_is_an_ordering_error(ordered):
     """The checker's view of the pool: a host buffer handed to a new stash must be
