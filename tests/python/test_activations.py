@@ -157,10 +157,10 @@ def test_copies_back_start_ahead_of_the_backward(prefetch):
 
 
 def test_a_restore_before_the_copy_to_the_host_finished_copies_back_after_it():
-    """As on a GPU, the sim lets a saved tensor go when its copy to the host is issued
-    (its memory held by the activation stream until the copy has read it). A restore
-    before that copy finished (here: 200 ms per copy) copies back, ordered after the copy
-    to the host (the checker sees it), with the saved values."""
+    """On a GPU the allocator takes a saved tensor when its copy to the host is issued,
+    so a restore before that copy finished copies back, ordered after it. The sim still
+    holds the tensor then but copies back as well, so that the checker sees that order:
+    here a restore during a 200 ms copy, with the saved values."""
     handle = layerstream.offload(_mlp(), device="sim", activations="host", sim_latency_us=200_000)
     engine = handle._engine
     engine.begin_activations(0)
