@@ -9,6 +9,7 @@ through torch._weight_int8pack_mm, a fused kernel that rounds differently from
 quanto's own default path (scale * codes, then the matmul, as on CUDA), which
 is the one layerstream follows; there the output equals quanto's default path
 (its own qbytes_mm function) exactly and the CPU kernel's to its rounding."""
+import types
 import warnings
 
 import pytest
@@ -141,9 +142,15 @@ def test_quantized_layers_train_a_lora_wrapper_like_the_resident_model():
         assert torch.equal(a.lora_up.weight.grad, b.lora_up.weight.grad)
 
 
-def test_unsupported_quantization_stays_resident_with_a_warning():
+def test_unsupported_quantization_stays_resident_with_a_warning(monkeypatch):
     """Layers layerstream cannot stream packed (quanto qint4, a quanto model not frozen,
     torchao per-group int8) run their own forward, resident, named in a warning."""
+    # quanto unpacks qint4 on the CPU with a C++ extension it compiles at first use
+    # (80 s on CI's fresh venv); its default (Python) kernel unpacks the same bits.
+    default = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    ext = pytest.importorskip("optimum.quanto.library.extensions").get_extension("quanto_cpp")
+    monkeypatch.setattr(ext, "_lib", types.SimpleNamespace(
+        unpack=lambda t, bits: torch.ops.quanto.unpack.default.redispatch(default, t, bits)))
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
     quanto.quantize(m, weights=quanto.qint4, include="0")
