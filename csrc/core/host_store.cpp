@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "align.h"
 #include "error.h"
 #include "log.h"
 
@@ -36,7 +37,7 @@ BufferRef HostStore::carve_locked(size_t bytes, bool pin, const std::string& nam
   r.ptr = region_->base() + off;
   r.bytes = bytes == 0 ? 1 : bytes;
   const size_t page = SharedRegion::page_size();
-  r.kind = pin && backend_.pin_existing(r.ptr, (r.bytes + page - 1) / page * page) ? MemoryKind::HostPinned
+  r.kind = pin && backend_.pin_existing(r.ptr, round_up(r.bytes, page)) ? MemoryKind::HostPinned
                                                                                    : MemoryKind::HostPageable;
   r.id = next_buffer_id();
   r.label = name;

@@ -126,7 +126,7 @@ struct PackedLayout {
   // back to back and every section stays aligned).
   size_t total_bytes() const { return align_up(zero_offset() + zero_bytes); }
 
-  static size_t align_up(size_t v) { return (v + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
+  static size_t align_up(size_t v) { return round_up(v, kSectionAlign); }
 };
 
 // One-line human description, e.g. "nf4 [4096, 4096] block 64: data 8388608 B

@@ -4,11 +4,13 @@
 #include <chrono>
 #include <sstream>
 
+#include "align.h"
+
 namespace layerstream {
 
 namespace {
 constexpr size_t kAlign = 256;
-size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+size_t align_up(size_t v) { return round_up(v, kAlign); }
 }  // namespace
 
 Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> layers,

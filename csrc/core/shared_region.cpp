@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "align.h"
 #include "error.h"
 
 #if defined(__linux__)
@@ -22,10 +23,6 @@ size_t SharedRegion::page_size() {
   return 4096;
 #endif
 }
-
-namespace {
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-}  // namespace
 
 #if defined(__linux__)
 std::shared_ptr<SharedRegion> SharedRegion::create(size_t capacity, const std::string& label) {

@@ -16,13 +16,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "align.h"
+
 namespace layerstream::slot_layout {
 
 // Every part of a slot starts on this boundary (also the packed formats'
 // section alignment, quant::kSectionAlign, which is defined from it).
 constexpr uint64_t kAlign = 256;
 
-constexpr uint64_t align(uint64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+constexpr uint64_t align(uint64_t bytes) { return round_up(bytes, kAlign); }
 
 // One tensor of a layer: the bytes that cross the bus (as stored on the
 // host) and the bytes the post-copy step writes into the workspace for it

@@ -1,10 +1,8 @@
 #include "slot_pool.h"
 
-namespace layerstream {
+#include "align.h"
 
-namespace {
-size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-}  // namespace
+namespace layerstream {
 
 SlotPool::SlotPool(Backend& backend, size_t slot_bytes, int num_slots, size_t budget_bytes)
     : backend_(backend), slot_bytes_(round_up(slot_bytes == 0 ? 1 : slot_bytes, 256)) {

@@ -4,6 +4,7 @@
 #include "backends/cuda/cuda_backend.h"
 
 #include "backends/cuda/arena_allocator.h"
+#include "core/align.h"
 
 #include <cuda_runtime.h>
 
@@ -319,7 +320,7 @@ BufferRef CudaBackend::alloc_device(size_t bytes, const std::string& label) {
   void* ptr = nullptr;
   if (st.arena_base) {
     LS_CHECK(bytes <= SIZE_MAX - kArenaAlign, "alloc_device: ", bytes, " bytes is too large");
-    size_t rounded = (std::max<size_t>(bytes, 1) + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+    size_t rounded = round_up(std::max<size_t>(bytes, 1), kArenaAlign);
     std::lock_guard<std::mutex> lock(st.mu);
     size_t offset = 0;
     LS_CHECK(st.arena.allocate(rounded, &offset), "CUDA device arena out of memory: cannot allocate ",
@@ -374,7 +375,7 @@ BufferRef CudaBackend::alloc_host(size_t bytes, bool pinned, const std::string& 
   } else {
     a.kind = MemoryKind::HostPageable;
     LS_CHECK(bytes <= SIZE_MAX - kHostAlign, "alloc_host: ", bytes, " bytes is too large");
-    size_t rounded = (std::max<size_t>(bytes, 1) + kHostAlign - 1) / kHostAlign * kHostAlign;
+    size_t rounded = round_up(std::max<size_t>(bytes, 1), kHostAlign);
     ptr = std::aligned_alloc(kHostAlign, rounded);
     LS_CHECK(ptr != nullptr, "out of host memory: cannot allocate ", bytes,
              " bytes of pageable host memory for ", quoted(label));

@@ -32,6 +32,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "core/align.h"
+
 namespace layerstream {
 namespace {
 
@@ -551,7 +553,7 @@ SimStats SimBackend::stats() const {
 // ---------------------------------------------------------------- memory
 
 static void* aligned_alloc_or_null(std::size_t bytes) {
-  std::size_t rounded = (std::max<std::size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+  std::size_t rounded = round_up(std::max<std::size_t>(bytes, 1), kAlign);
   return ::operator new(rounded, std::align_val_t(kAlign), std::nothrow);
 }
 

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 
+#include "core/align.h"
 #include "core/error.h"
 #include "core/json.h"
 #include "core/planner.h"
@@ -203,7 +204,7 @@ Result ensure(const std::string& dir, quant::Format format, const std::vector<It
   }
   header += "}";
   // Trailing spaces (allowed in the header) align the data start.
-  const uint64_t data_start = (8 + header.size() + kDataAlign - 1) / kDataAlign * kDataAlign;
+  const uint64_t data_start = round_up(8 + header.size(), kDataAlign);
   header.append(static_cast<size_t>(data_start - 8 - header.size()), ' ');
   const uint64_t total = data_start + data_bytes;
   struct statvfs vfs {};
