@@ -229,12 +229,11 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   Stashed& s = it->second;
   if (!s.offloaded) return s.device;
   release_copied_locked();
-  // Its copy to the host has not finished and the tensor is still here (memory
-  // not torch's allocator's): handed back as it is. Not on the sim device,
-  // which copies it back as a GPU must (there the allocator took the tensor
-  // when the copy was issued), so that the checker sees that path's order:
-  // the copy back after the copy to the host (copy_back_locked).
-  if (s.device.defined() && cuda_index_ >= 0) return s.device;
+  // Its copy to the host has not finished and the tensor is still here:
+  // handed back as it is (kept_until_copied). The sim copies it back, so that
+  // the checker sees that path's order: the copy back after the copy to the
+  // host (copy_back_locked).
+  if (kept_until_copied(s)) return s.device;
   if (!s.copying_back) copy_back_locked(s);
   Stream cs = compute_stream();
   if (order_compute) backend_->wait(cs, s.to_device);
@@ -249,7 +248,7 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   int ahead = opts_.prefetch;
   for (auto prev = std::make_reverse_iterator(it); prev != stashed_.rend() && ahead > 0; ++prev) {
     Stashed& q = prev->second;
-    if (!q.offloaded || (q.device.defined() && cuda_index_ >= 0) || q.handed_out) continue;
+    if (!q.offloaded || kept_until_copied(q) || q.handed_out) continue;
     if (!q.copying_back) copy_back_locked(q);
     --ahead;
   }

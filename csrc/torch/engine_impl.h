@@ -519,6 +519,11 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   bool offload_locked(int64_t token, Stashed& s);
   // Starts copying `s` back on the transfer stream (into s.restored).
   void copy_back_locked(Stashed& s);
+  // On a GPU, an entry whose copy to the host has not finished still holds its
+  // tensor (memory not torch's allocator's): restore hands that back as it is,
+  // and prefetch skips it. The sim copies it back, as a GPU must for the
+  // allocator's memory, so that its checker sees that order (restore_activation).
+  bool kept_until_copied(const Stashed& s) const { return s.device.defined() && cuda_index_ >= 0; }
   void note_activation_bytes_locked(int64_t delta);
   std::map<int64_t, Stashed> stashed_;
   std::deque<int64_t> awaiting_copy_;  // offloaded tokens still holding their device tensor
