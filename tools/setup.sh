@@ -4,7 +4,9 @@
 # needed. Used by tools/test.sh and tools/demo.sh; safe to run by hand.
 #
 # Environment: LS_WERROR=1 builds with -Werror (CI does), LS_DEBUG_INFO=0 builds
-# without -g (CI does), LS_CUDA_ARCHS="80;90"
+# without -g (CI does), LS_UNITY_BUILD=1 compiles core and the LibTorch glue as
+# unity sources (CI does: a build from scratch takes less time, a rebuild after
+# an edit more), LS_CUDA_ARCHS="80;90"
 # (GPU architectures, default 75 80 86 89 90 100 120), LS_WITH_TORCH=OFF
 # skips the LibTorch parts (fast core-only build), LS_BUILD_DIR
 # (default build), LS_JOBS (default: nproc), LS_TARGETS (build only these
@@ -59,12 +61,15 @@ cuda_args=()
                                                -DCMAKE_CUDA_FLAGS_RELWITHDEBINFO="-O2 -DNDEBUG")
 werror=OFF
 [ "${LS_WERROR:-0}" = "1" ] && werror=ON
-if [ ! -f "$BUILD_DIR/build.ninja" ] || [ "$(cat "$BUILD_DIR/.ls_werror" 2>/dev/null)" != "$werror" ]; then
-  log "configuring $BUILD_DIR (LS_WERROR=$werror)"
+unity=OFF
+[ "${LS_UNITY_BUILD:-0}" = "1" ] && unity=ON
+config="LS_WERROR=$werror LS_UNITY_BUILD=$unity"
+if [ ! -f "$BUILD_DIR/build.ninja" ] || [ "$(cat "$BUILD_DIR/.ls_config" 2>/dev/null)" != "$config" ]; then
+  log "configuring $BUILD_DIR ($config)"
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$VPY" \
-    -DLS_WERROR=$werror -DLS_WITH_TORCH=${LS_WITH_TORCH:-ON} "${cuda_args[@]}" >"$BUILD_DIR.configure.log" 2>&1 || { cat "$BUILD_DIR.configure.log"; exit 1; }
-  echo "$werror" > "$BUILD_DIR/.ls_werror"
+    -DLS_WERROR=$werror -DLS_UNITY_BUILD=$unity -DLS_WITH_TORCH=${LS_WITH_TORCH:-ON} "${cuda_args[@]}" >"$BUILD_DIR.configure.log" 2>&1 || { cat "$BUILD_DIR.configure.log"; exit 1; }
+  echo "$config" > "$BUILD_DIR/.ls_config"
 fi
 targets=()
 [ -n "${LS_TARGETS:-}" ] && targets=(--target ${LS_TARGETS})
