@@ -20,7 +20,11 @@ gpu_build_stamp() {  # PY
           -type f \( ! -path 'bench/gpu/*' -o -path bench/gpu/build_lib.sh \) ! -name '*.py' ! -name '*.md' \
           ! -path '*/__pycache__/*' -print0 \
         | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
-  echo "sources $src; $("$1" -c 'import sys, torch; print(f"python {sys.version_info[0]}.{sys.version_info[1]}; torch {torch.__version__}")'); CUDA arch $LS_GPU_CUDA_ARCH"
+  # torch's version as torch.__version__ says it, read from torch/version.py: importing
+  # torch takes seconds, and this runs several times a proof run.
+  echo "sources $src; $("$1" -c 'import importlib.util, os, runpy, sys
+v = runpy.run_path(os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0], "version.py"))
+print("python %d.%d; torch %s" % (sys.version_info[0], sys.version_info[1], v["__version__"]))'); CUDA arch $LS_GPU_CUDA_ARCH"
 }
 
 # The files a build leaves that the proof uses, relative to the checkout: the Python
@@ -138,7 +142,7 @@ gpu_runtime_path() {
   local dirs
   [ -z "${_gpu_runtime_path_set:-}" ] || return 0
   _gpu_runtime_path_set=1
-  dirs=$("$1" -c 'import glob, os, torch; print(":".join(sorted({os.path.dirname(p) for p in glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so.*"))})))')
+  dirs=$("$1" -c 'import glob, importlib.util, os; torch = importlib.util.find_spec("torch").submodule_search_locations[0]; print(":".join(sorted({os.path.dirname(p) for p in glob.glob(os.path.join(torch, "..", "nvidia", "*", "lib", "libcudart.so.*"))})))')
   [ -n "$dirs" ] || dirs=/usr/local/cuda/lib64
   case ":${LD_LIBRARY_PATH:-}:" in *":$dirs:"*) ;; *) export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
 }

@@ -107,19 +107,21 @@ else
 fi
 
 # ---- python ----------------------------------------------------------------
-if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+# Versions of a python with torch (empty when it has none): one import of torch.
+py_torch() { "$1" -c 'import torch,sys;print("torch",torch.__version__,"python",sys.version.split()[0])' 2>/dev/null; }
+if [ -x .venv/bin/python ] && versions=$(py_torch .venv/bin/python); then
   PY="$ROOT/.venv/bin/python"
 elif [ "$DRY" = 1 ]; then
   log "no .venv: running tools/setup.sh"
   bash tools/setup.sh || exit 1
-  PY="$ROOT/.venv/bin/python"
-elif python3 -c 'import torch' >/dev/null 2>&1; then
+  PY="$ROOT/.venv/bin/python"; versions=$(py_torch "$PY")
+elif versions=$(py_torch python3); then
   PY=$(command -v python3)
 else
   echo "run.sh: no python with torch (.venv/bin/python or python3)" >&2
   exit 1
 fi
-log "python: $PY ($("$PY" -c 'import torch,sys;print("torch",torch.__version__,"python",sys.version.split()[0])'))"
+log "python: $PY ($versions)"
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 # A process that crashes prints its native stack, then its Python one (core/crash_report.h).
 export LS_NATIVE_BACKTRACE=1 PYTHONFAULTHANDLER=1
