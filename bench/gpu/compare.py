@@ -60,10 +60,10 @@ ahead); results.md names them. The ten systems take longer than one device call
 (~60 s each), so a session runs them in two (docs/benchmarks.md); bench/gpu/device.sh
 keeps each call's results.json at build-gpu/proof/last-results.json for the next.
 
---dry-run: tiny sizes, layerstream on its simulated device "sim", the resident
-model, the seed's CPU path, RamTorch and diffusers (without streams: they need a GPU)
-on the CPU, accelerate skipped. It checks the
-script end to end; its timings mean nothing for a GPU.
+--dry-run: tiny sizes (4 blocks, d=64; 8 / 512 tokens; 3 timed steps), layerstream on
+its simulated device "sim", the resident model, the seed's CPU path, RamTorch and
+diffusers (without streams: they need a GPU) on the CPU, accelerate skipped. It checks
+the script end to end; its timings mean nothing for a GPU.
 """
 from __future__ import annotations
 
@@ -992,7 +992,7 @@ def main(argv=None) -> int:
     if not a.out:
         ap.error("--out is required")
     dry = a.dry_run
-    dflt = dict(blocks=4, dim=64, tt=8, tc=2048, steps=5, steps_c=5, warmup=2, timeout=60) if dry else \
+    dflt = dict(blocks=4, dim=64, tt=8, tc=512, steps=3, steps_c=3, warmup=2, timeout=60) if dry else \
         dict(blocks=32, dim=4096, tt=512, tc=32768, steps=5, steps_c=9, warmup=2, timeout=150)
     cfg = {
         "dry_run": dry,
