@@ -6,8 +6,8 @@
 
 namespace layerstream {
 
-// `v` rounded up to a multiple of `to` (> 0). The caller keeps `v + to - 1`
-// from overflowing (sizes checked against SIZE_MAX - to where they come in).
+// `v` rounded up to a multiple of `to` (> 0); `v + to - 1` must not overflow
+// (a size from outside is checked first, as the CUDA backend's allocations do).
 constexpr uint64_t round_up(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
 
 }  // namespace layerstream
