@@ -4,14 +4,9 @@
 #include <chrono>
 #include <sstream>
 
-#include "align.h"
+#include "slot_layout.h"
 
 namespace layerstream {
-
-namespace {
-constexpr size_t kAlign = 256;
-size_t align_up(size_t v) { return round_up(v, kAlign); }
-}  // namespace
 
 Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> layers,
                      SchedulerOptions options)
@@ -43,13 +38,13 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
       LS_CHECK(p.is_host(), "layer '", l.spec.name, "' part '", p.label,
                "' must be host memory, got ", to_string(p.kind));
       l.offsets.push_back(off);
-      off = align_up(off + p.bytes);
+      off = slot_layout::align(off + p.bytes);
       l.copy_bytes += p.bytes;
       l.part_copy.push_back(p.bytes);
     }
     if (l.spec.workspace_bytes > 0) {
       l.offsets.push_back(off);
-      off = align_up(off + l.spec.workspace_bytes);
+      off = slot_layout::align(off + l.spec.workspace_bytes);
     }
     l.bytes = off;
     if (l.bytes > largest) {
@@ -58,8 +53,8 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
     }
     layers_.push_back(std::move(l));
   }
-  size_t slot_bytes = opts_.slot_bytes ? align_up(opts_.slot_bytes) : largest;
-  if (slot_bytes == 0) slot_bytes = kAlign;
+  size_t slot_bytes = opts_.slot_bytes ? slot_layout::align(opts_.slot_bytes) : largest;
+  if (slot_bytes == 0) slot_bytes = slot_layout::kAlign;
   LS_CHECK(slot_bytes >= largest, "slot size ", slot_bytes, " bytes is smaller than layer '",
            layers_[largest_index].spec.name, "' (", largest, " bytes)");
   const size_t need = slot_bytes * static_cast<size_t>(opts_.num_slots);

@@ -1,11 +1,11 @@
 #include "slot_pool.h"
 
-#include "align.h"
+#include "slot_layout.h"
 
 namespace layerstream {
 
 SlotPool::SlotPool(Backend& backend, size_t slot_bytes, int num_slots, size_t budget_bytes)
-    : backend_(backend), slot_bytes_(round_up(slot_bytes == 0 ? 1 : slot_bytes, 256)) {
+    : backend_(backend), slot_bytes_(slot_layout::align(slot_bytes == 0 ? 1 : slot_bytes)) {
   LS_CHECK(num_slots >= 1, "slot pool needs at least 1 slot, got ", num_slots);
   const size_t need = slot_bytes_ * static_cast<size_t>(num_slots);
   LS_CHECK(need <= budget_bytes, "device budget of ", budget_bytes, " bytes cannot hold ", num_slots,

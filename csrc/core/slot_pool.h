@@ -1,7 +1,7 @@
 // layerstream — device slot pool.
 //
 // One device arena, allocated once, carved into `num_slots` equal slots of
-// `slot_bytes` (rounded up to 256 bytes). The arena never grows, so the
+// `slot_bytes` (rounded up to slot_layout::kAlign). The arena never grows, so the
 // pool's device footprint is constant and checked against the budget at
 // construction: num_slots * slot_bytes <= budget_bytes, or a clear error.
 // (A fixed-size-slot design rather than a ring allocator: streamed layers of
