@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence
 import torch
 import torch.nn as nn
 
-from . import _C, _group_op
+from . import _C, _dynamo_marks, _group_op
 from ._discovery import _is_experts, _reads_routed_experts_only
 from ._standin import StandIn
 
@@ -230,7 +230,7 @@ class _GroupForward(_RefusesCopy):
         return _GroupFn.apply(self, (skeleton, spec, positions), *inputs, *self._params)
 
 
-@functools.partial(torch.compiler.disable, reason=(
+@_dynamo_marks.disable(reason=(
     "a streamed tensor group (a mixture-of-experts module, nn.MultiheadAttention) called with arguments "
     "other than tensors and plain constants (None, bool, int, float, str) runs eagerly under "
     "torch.compile, with a graph break around it; pass such arguments as tensors or constants, or "

@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C
+from . import _C, _dynamo_marks
 
 LayerstreamError = _C.LayerstreamError
 
@@ -181,7 +181,7 @@ class _Call(NamedTuple):
 _LITERALS = (type(None), bool, int, float, str)
 
 
-@torch.compiler.assume_constant_result
+@_dynamo_marks.assume_constant_result
 def _describe(nargs, names, consts, grad, grad_mode, requires_grad, trainable, autocast_on, autocast_dtype) -> str:
     return repr((nargs, names, consts, grad, grad_mode, requires_grad, trainable, autocast_on,
                  str(autocast_dtype).replace("torch.", "")))
@@ -194,7 +194,7 @@ def _parse(call: str) -> _Call:
                  (on, getattr(torch, dtype)))
 
 
-@torch.compiler.assume_constant_result
+@_dynamo_marks.assume_constant_result
 def _pattern(engine: int, layer: int, call: str):
     return _PATTERNS[(engine, layer, call)]
 
@@ -307,12 +307,16 @@ def _group_kernel(inputs, params, engine, layer, call):
     return [_like(o, o) for o in outs if o is not None] + [rng]  # in fake's layouts: torch.empty_like
 
 
-# The errors fake tensors raise when a forward's shapes depend on the data (transformers'
-# eager experts loop over the experts a batch hits).
-_free_unbacked_symbols = torch.fx.experimental.symbolic_shapes.free_unbacked_symbols
-_DATA_DEPENDENT = (torch._subclasses.fake_tensor.DynamicOutputShapeException,
-                   torch._subclasses.fake_tensor.DataDependentOutputException,
-                   torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
+def _data_dependent():
+    """The errors fake tensors raise when a forward's shapes depend on the data
+    (transformers' eager experts loop over the experts a batch hits), and the test for a
+    size computed from data. Imported here: symbolic_shapes (and sympy with it) loads
+    with torch.compile, not with layerstream (Note [Compile marks without importing
+    dynamo], _dynamo_marks.py)."""
+    from torch.fx.experimental import symbolic_shapes
+    return ((torch._subclasses.fake_tensor.DynamicOutputShapeException,
+             torch._subclasses.fake_tensor.DataDependentOutputException,
+             symbolic_shapes.GuardOnDataDependentSymNode), symbolic_shapes.free_unbacked_symbols)
 
 
 def fake(inputs, params, engine, layer, call):
@@ -330,6 +334,7 @@ def fake(inputs, params, engine, layer, call):
     # Sizes the forward computes from data (torch.unique, nonzero) are symbols that no output
     # returns: let the trial make them; an output sized by one counts as data-dependent.
     env = getattr(torch._guards.detect_fake_mode(inputs), "shape_env", None)
+    data_dependent, free_unbacked_symbols = _data_dependent()
     try:
         for (o, k), p in zip(fwd._slots, fwd._params):
             o._parameters[k] = torch.empty(p.shape, dtype=p.dtype, device=dev).requires_grad_(p.requires_grad)
@@ -337,16 +342,16 @@ def fake(inputs, params, engine, layer, call):
         with torch.set_grad_enabled(c.grad_mode), fresh, \
                 torch.autocast(dev.type, dtype=c.autocast[1], enabled=c.autocast[0]):
             out = fwd._original(*args, **kwargs)
-        if any(isinstance(t, torch.Tensor) and _free_unbacked_symbols(t.shape)
+        if any(isinstance(t, torch.Tensor) and free_unbacked_symbols(t.shape)
                for t in torch.utils._pytree.tree_leaves(out)):
             raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.layerstream.group.default)
     except Exception as e:  # noqa: BLE001 - experts modules: see below; others re-raise
         # An experts module whose trial cannot run on fake tensors: shapes that depend on
-        # the routing (_DATA_DEPENDENT), or a kernel path fake tensors refuse (transformers
+        # the routing (data_dependent), or a kernel path fake tensors refuse (transformers
         # picks grouped_mm unless Dynamo traces its own frame, which a fake kernel is not;
         # torch 2.11's meta grouped_mm accepts bf16 only). It returns its first input's
         # shape and dtype, which the real kernel checks.
-        if not fwd._experts_module or not inputs or not isinstance(e, (*_DATA_DEPENDENT, RuntimeError)):
+        if not fwd._experts_module or not inputs or not isinstance(e, (*data_dependent, RuntimeError)):
             raise
         out = torch.empty_like(args[0] if args else inputs[0])
         _LIKE_FIRST_INPUT.add((engine, layer, call))

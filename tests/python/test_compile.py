@@ -417,6 +417,74 @@ def test_a_tensor_group_is_one_operator_under_fullgraph(offload_sim, dropout):
     assert handle.stats()["acquires"] >= 3 * 3  # forward, backward's recompute, fc
 
 
+_MARKS_IN_A_FRESH_PROCESS = r"""
+import copy, json, sys
+import torch, torch.nn as nn
+if sys.argv[1] == "dynamo-first":
+    import torch._dynamo
+import layerstream
+from layerstream import _forward, _group_op
+
+def loaded():
+    return [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
+
+def marks():
+    return [bool(getattr(_group_op._describe, "_dynamo_marked_constant", False)),
+            bool(getattr(_group_op._pattern, "_dynamo_marked_constant", False)),
+            bool(getattr(_forward._group_eagerly, "_torchdynamo_disable", False))]
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 4)
+    def forward(self, x):
+        return self.fc(self.att(x, x, x, need_weights=False)[0])
+
+torch.manual_seed(0)
+model = Attention()
+ref = copy.deepcopy(model)
+out = dict(after_import=loaded(), marks_after_import=marks())
+layerstream.offload(model, device="sim", checker=True)
+x = torch.randn(2, 5, 16)
+model(x).sum().backward()  # an eager training step
+out["after_eager_step"] = [m for m in loaded() if m == "torch._dynamo"]  # torch.autograd.grad loads sympy
+import torch._dynamo
+from torch._dynamo.utils import counters
+out["marks_after_dynamo"] = marks()
+y = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+torch.testing.assert_close(y, ref(x), rtol=1e-5, atol=1e-5)
+out["graph_breaks"] = sum(counters["graph_break"].values())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("first", ["layerstream-first", "dynamo-first"])
+def test_compile_marks_are_on_before_dynamo_traces_and_eager_runs_do_not_import_it(first):
+    """Note [Compile marks without importing dynamo] (_dynamo_marks.py), in a fresh
+    process: `import layerstream` loads neither torch._dynamo nor sympy, an eager training
+    step no torch._dynamo (torch.autograd.grad loads sympy itself); once torch._dynamo is imported (before or after layerstream), the group
+    operator's functions carry their marks and a tensor group compiles with fullgraph=True
+    to the resident model's output."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-c", _MARKS_IN_A_FRESH_PROCESS, first], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if first == "layerstream-first":
+        assert out["after_import"] == [] and out["after_eager_step"] == [], out
+        assert out["marks_after_import"] == [False, False, False], out
+    else:
+        assert out["marks_after_import"] == [True, True, True], out
+    assert out["marks_after_dynamo"] == [True, True, True], out
+    assert out["graph_breaks"] == 0, out
+
+
 def test_a_tensor_group_under_inductor_with_dynamic_sequence_and_autocast(offload_sim):
     """Inductor compiles around the group operator; a sequence length marked dynamic does
     not recompile, a mask tensor argument is passed through, and autocast entered inside
