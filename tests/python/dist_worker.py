@@ -11,6 +11,7 @@ import time
 import warnings
 
 import torch
+import torch._dynamo  # noqa: F401 - before init_process_group: see main()
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -221,6 +222,10 @@ def run(scenario, out, rank, result):
 
 
 def main():
+    # torch._dynamo is imported above, before the group exists: imported after it (as
+    # torch.optim does on an optimizer's first parameter group), torch 2.14 itself keeps
+    # the group alive past destroy_process_group(), and "group_destroyed" could not tell
+    # whether offload() holds it.
     scenario, out = sys.argv[1], sys.argv[2]
     result = {"threads_at_start": _threads()}
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
