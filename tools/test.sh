@@ -2,16 +2,13 @@
 # Runs every test: installs/builds what is missing (tools/setup.sh), then the
 # C++ tests (ctest), the Python tests (pytest, sim device, ordering checker
 # on), and the GPU proof script's CPU dry run. The dry run (one process at a
-# time, mostly one core) runs beside pytest; its output follows pytest's.
+# time, mostly one core) runs beside ctest and pytest; its output follows theirs.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 bash tools/setup.sh
 export PATH="$ROOT/.venv/bin:$PATH"
 BUILD_DIR=${LS_BUILD_DIR:-build}
-echo "== C++ tests (ctest) =="
-ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
-
 dry_pid=""
 kill_tree() {  # PID: the process and everything it started (read from /proc: no procps needed)
   local f s child
@@ -30,6 +27,10 @@ if [ -f bench/gpu/run.sh ]; then
   dry_pid=$!
 fi
 
+echo "== C++ tests (ctest) =="
+ct_rc=0
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2 || ct_rc=$?
+
 py_rc=0
 if [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== Python tests (pytest) =="
@@ -40,9 +41,10 @@ dry_rc=0
 if [ -n "$dry_pid" ]; then
   wait "$dry_pid" || dry_rc=$?
   dry_pid=""
-  echo "== GPU proof script, CPU dry run (ran beside pytest; $BUILD_DIR/gpu-dry-run.log) =="
+  echo "== GPU proof script, CPU dry run (ran beside ctest and pytest; $BUILD_DIR/gpu-dry-run.log) =="
   cat "$BUILD_DIR/gpu-dry-run.log"
 fi
+[ "$ct_rc" = 0 ] || echo "ctest failed (exit $ct_rc)" >&2
 [ "$py_rc" = 0 ] || echo "pytest failed (exit $py_rc)" >&2
 [ "$dry_rc" = 0 ] || echo "the GPU proof script's dry run failed (exit $dry_rc)" >&2
-[ "$py_rc" = 0 ] && [ "$dry_rc" = 0 ]
+[ "$ct_rc" = 0 ] && [ "$py_rc" = 0 ] && [ "$dry_rc" = 0 ]
