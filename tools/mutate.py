@@ -181,6 +181,13 @@ MUTATIONS = [
         "        if False:\n",
         [P + "test_blas_calls.py::test_attention_group_issues_the_resident_calls"],
         "the compiled group operator runs the module's forward without grad mode when a gradient is needed"),
+    Mutation(
+        "compile-marks-never-applied", "python/layerstream/_dynamo_marks.py",
+        "        setattr(mod, name, mark(dynamo, getattr(mod, name)))\n",
+        "        pass\n",
+        [P + "test_compile.py::test_compile_marks_are_on_before_dynamo_traces_and_eager_runs_do_not_import_it",
+         P + "test_compile.py::test_a_group_call_that_is_not_one_operator_runs_eagerly"],
+        "torch.compile's marks are never put on when torch._dynamo is imported after layerstream"),
     # ---- plausible bugs the suite already caught in the audit ----
     Mutation(
         "int8-scale-128", "csrc/core/quant.cpp",
