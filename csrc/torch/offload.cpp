@@ -334,7 +334,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                          dynamic_cast<torch::nn::Conv3dImpl*>(m.get());
       const bool ours = dynamic_cast<nn::StreamedBase*>(m.get()) != nullptr;
       if ((!plain && !ours) || !selected(name)) continue;
-      if (const auto* w = m->named_parameters(/*recurse=*/false).find("weight"); w && w->numel() == 0)
+      const auto own = m->named_parameters(/*recurse=*/false);  // kept: find() points into it
+      if (const torch::Tensor* w = own.find("weight"); w && w->numel() == 0)
         continue;  // zero elements (e.g. Linear(0, n)): nothing to stream
       if (!collected.insert(m.get()).second) continue;  // one module under two names
       LS_CHECK(!(plain && is_container), "cannot stream '", name, "': it is a torch::nn module "
@@ -499,7 +500,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   for (auto& it : items) {
     torch::nn::Module* m = it.module.get();
     const quant::Format fmt = it.shared ? quant::Format::None : qformat;
-    const torch::Tensor* w0 = m->named_parameters(/*recurse=*/false).find("weight");
+    const auto own = m->named_parameters(/*recurse=*/false);  // kept: find() points into it
+    const torch::Tensor* w0 = own.find("weight");
     const torch::Device before = w0 ? w0->device() : torch::Device(torch::kCPU);
     if (auto* l = dynamic_cast<nn::LinearImpl*>(m)) {
       const int idx = engine->add_linear(it.name, l->weight, l->bias, fmt);

@@ -44,7 +44,7 @@ std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // The optimizer loops this CPU runs: the generic ones first, then AVX2 and
