@@ -327,7 +327,8 @@ int EngineImpl::add_linear_packed(const std::string& name, quant::Format format,
   char* dst = static_cast<char*>(info.w_host);
   std::memset(dst, 0, info.w_bytes);
   std::memcpy(dst + layout.data_offset(), d.data_ptr(), layout.data_bytes);
-  std::memcpy(dst + layout.scale_offset(), sc.data_ptr(), layout.scale_bytes);
+  if (layout.scale_bytes != 0)  // GGUF blocks carry their scales: `sc` is empty (no data pointer)
+    std::memcpy(dst + layout.scale_offset(), sc.data_ptr(), layout.scale_bytes);
   if (format == quant::Format::NF4 && layout.numel() % 2 == 1) {
     // The last byte's low nibble is padding: zero, as pack() writes it.
     auto* last = reinterpret_cast<uint8_t*>(dst + layout.data_offset() + layout.data_bytes - 1);
