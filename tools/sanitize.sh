@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds this working tree with AddressSanitizer + UBSan (CMake's LS_SANITIZE; no CUDA
 # code: nvcc takes no -fsanitize) and runs the C++ tests and the Python tests under
-# them, the sanitizers' runtimes loaded into Python with LD_PRELOAD. Not part of CI (a
+# them, the sanitizers' runtimes loaded into Python with LD_PRELOAD; and the core
+# (scheduler, sim device, thread pools, readers; no LibTorch, whose own code is not
+# instrumented) with ThreadSanitizer, its C++ tests. Not part of CI (a
 # build of its own: 9.7 minutes with every test from an empty build-sanitize/ on a
 # 2-core AMD EPYC VM, 2026-12-05); run it after changing C++ code: a read of freed
 # memory that still holds the right bytes passes every ordinary test (2026-12-05:
@@ -13,7 +15,8 @@
 #   src/        a copy of the working tree (the Python extension is written into its
 #               python/ folder, so build/'s stays; bench/gpu/build_lib.sh's
 #               gpu_sync_tree: later runs rebuild only what changed), src/.venv -> .venv
-#   src/build/  the build (-O1 with line tables, for readable reports)
+#   src/build/  the build (-O1 with line tables, for readable reports);
+#   src/build-tsan/ the core's
 # Leaks are checked in the C++ tests, not under Python (the interpreter's own). The
 # install_consumer test is left out: it links a program of its own against the
 # installed library without the sanitizers' runtimes. A report stops the process
@@ -42,6 +45,16 @@ echo "== C++ tests under ASan + UBSan =="
 ct_rc=0
 ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 ctest --test-dir build --output-on-failure -j 2 -E '^install_consumer$' ||
   ct_rc=$?
+echo "== C++ tests of the core (no LibTorch) under ThreadSanitizer =="
+if [ ! -f build-tsan/build.ninja ]; then
+  cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+    -DCMAKE_CXX_FLAGS=-fsanitize=thread -DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread \
+    -DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread -DLS_WITH_TORCH=OFF -DLS_WITH_CUDA=OFF >build-tsan.configure.log 2>&1 ||
+    { cat build-tsan.configure.log; exit 1; }
+fi
+cmake --build build-tsan -j "${LS_JOBS:-$(nproc)}"
+ts_rc=0
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --output-on-failure -j 2 || ts_rc=$?
 echo "== Python tests under ASan + UBSan =="
 # test_gpu_proof_script.py is left out: it checks the GPU scripts against the CUDA
 # tests of a build with CUDA, which this one has not.
@@ -52,5 +65,6 @@ LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.s
   ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 PYTHONPATH="$PWD/python" \
   timeout "${LS_SANITIZE_TIMEOUT:-3600}" python -m pytest -q -p no:cacheprovider "$@" || py_rc=$?
 [ "$ct_rc" = 0 ] || echo "C++ tests failed under the sanitizers (exit $ct_rc)" >&2
+[ "$ts_rc" = 0 ] || echo "C++ tests of the core failed under ThreadSanitizer (exit $ts_rc)" >&2
 [ "$py_rc" = 0 ] || echo "Python tests failed under the sanitizers (exit $py_rc)" >&2
-[ "$ct_rc" = 0 ] && [ "$py_rc" = 0 ]
+[ "$ct_rc" = 0 ] && [ "$ts_rc" = 0 ] && [ "$py_rc" = 0 ]

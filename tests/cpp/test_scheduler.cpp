@@ -565,7 +565,9 @@ TEST_F(SchedulerTest, WaitCopiesReadOrdersAnOwnersWriteAfterACopyInFlight) {
     slow->synchronize(xfer);
     return slow->ordering_errors().size();
   };
+#if !defined(__SANITIZE_THREAD__)  // the race is real: ThreadSanitizer reports it (tools/sanitize.sh)
   EXPECT_GT(errors_after_write(false), 0u) << "the prefetch was not in flight: the test shows nothing";
+#endif
   EXPECT_EQ(errors_after_write(true), 0u);
 }
 
