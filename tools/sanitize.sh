@@ -33,26 +33,24 @@ gpu_sync_tree "$DIR/src"
 ln -sfn "$ROOT/.venv" "$DIR/src/.venv"
 cd "$DIR/src"
 export PATH="$ROOT/.venv/bin:$PATH"
-if [ ! -f build/build.ninja ]; then
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-    -DCMAKE_PREFIX_PATH="$(python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" \
-    -DPython3_EXECUTABLE="$ROOT/.venv/bin/python" -DLS_SANITIZE=ON -DLS_WITH_CUDA=OFF >build.configure.log 2>&1 ||
-    { cat build.configure.log; exit 1; }
-fi
-cmake --build build -j "${LS_JOBS:-$(nproc)}"
+build() {  # DIR CMAKE_ARGS...: configured once (no CUDA, -O1 with line tables), then built
+  local dir=$1; shift
+  if [ ! -f "$dir/build.ninja" ]; then
+    cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+      -DLS_WITH_CUDA=OFF "$@" >"$dir.configure.log" 2>&1 || { cat "$dir.configure.log"; exit 1; }
+  fi
+  cmake --build "$dir" -j "${LS_JOBS:-$(nproc)}"
+}
+build build -DLS_SANITIZE=ON -DPython3_EXECUTABLE="$ROOT/.venv/bin/python" \
+  -DCMAKE_PREFIX_PATH="$(python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 echo "== C++ tests under ASan + UBSan =="
 ct_rc=0
 ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 ctest --test-dir build --output-on-failure -j 2 -E '^install_consumer$' ||
   ct_rc=$?
 echo "== C++ tests of the core (no LibTorch) under ThreadSanitizer =="
-if [ ! -f build-tsan/build.ninja ]; then
-  cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-    -DCMAKE_CXX_FLAGS=-fsanitize=thread -DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread \
-    -DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread -DLS_WITH_TORCH=OFF -DLS_WITH_CUDA=OFF >build-tsan.configure.log 2>&1 ||
-    { cat build-tsan.configure.log; exit 1; }
-fi
-cmake --build build-tsan -j "${LS_JOBS:-$(nproc)}"
+build build-tsan -DLS_WITH_TORCH=OFF -DCMAKE_CXX_FLAGS=-fsanitize=thread \
+  -DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread -DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread
 ts_rc=0
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --output-on-failure -j 2 || ts_rc=$?
 echo "== Python tests under ASan + UBSan =="
