@@ -262,11 +262,9 @@ void Scheduler::issue_copy_locked(int layer, int slot) {
     else
       backend_.copy_async(dst, l.offsets[i], src, 0, n, transfer_);
   }
-  if (opts_.refresh_parts) {
-    if (!l.copied_once) l.last_copy = backend_.create_event();
-    backend_.record(l.last_copy, transfer_);
-    l.copied_once = true;
-  }
+  if (!l.copied_once) l.last_copy = backend_.create_event();
+  backend_.record(l.last_copy, transfer_);
+  l.copied_once = true;
   if (staged) copies_issued_locked(layer);
   if (started)
     trace_stream_end(tracer_, backend_, transfer_, started,
@@ -495,7 +493,28 @@ void Scheduler::wait_copies_read(int layer) {
            num_layers(), ")");
   std::lock_guard<std::mutex> lock(mu_);
   const Layer& l = layers_[static_cast<size_t>(layer)];
-  if (opts_.refresh_parts && l.copied_once) backend_.synchronize(l.last_copy);
+  if (l.copied_once) backend_.synchronize(l.last_copy);
+}
+
+// Note [No copy in flight at a step's end]
+// Without content_version the host may write weights between steps (the
+// optimizer, load_state_dict) and nothing checks a copy that read them
+// meanwhile; replay keeps its prefetches inside the trace, so every copy is
+// taken, and waited for, before the step ends. Two cases escape: while
+// recording, the backward guesses the next layer by index, and the first
+// layer's backward (its input needs no gradient) reads no weight, so its
+// guessed copy is never taken; a step that leaves the trace can leave its
+// prefetches too. Their content is dropped at the next boundary, so no
+// result reads it, but the copy itself reads host memory that the
+// optimizer then writes: a data race (ThreadSanitizer saw it on the sim
+// device; a DMA on CUDA). The engine calls wait_unused_prefetches() when a
+// backward ends, before any optimizer runs: it waits only when such a copy
+// exists, i.e. in those rare steps.
+void Scheduler::wait_unused_prefetches() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (opts_.content_version) return;
+  for (const SlotState& st : slots_)
+    if (st.use == Use::Prefetched) backend_.synchronize(st.ready);
 }
 
 Lease Scheduler::acquire_scratch(Stream user) {

@@ -10,7 +10,8 @@
 //    next `prefetch_depth` trace entries loaded or in flight, as far as free
 //    slots allow. Prefetches never cross the end of the trace (the step
 //    boundary), so no copy of step N+1 reads host weights the optimizer of
-//    step N is still writing.
+//    step N is still writing; a guess that no one took is waited for when the
+//    backward ends (wait_unused_prefetches()).
 //  * When the actual order deviates (unknown layer, skipped layer, different
 //    order) it fetches on demand, resynchronises its position in the trace,
 //    and counts a deviation. A step that ran the whole trace and went on
@@ -211,12 +212,25 @@ class Scheduler {
   // Whether replay prefetches `layer` (default true). A layer that is mostly
   // fetched partially is better not prefetched whole: the caller turns it off.
   void set_prefetch(int layer, bool allowed);
-  // Blocks until every copy of `layer` issued so far has read its host bytes
-  // (with SchedulerOptions::refresh_parts; without, returns at once). For an
-  // owner that remakes a layer's bytes itself ahead of its next copy (then
-  // parts_stale must still say so if the copy sizes changed): call this after
-  // the change that makes them stale, then write.
+  // Blocks until every copy of `layer` issued so far has read its host bytes.
+  // For an owner that writes a layer's host bytes while copies of it may be
+  // in flight (an optimizer step during the backward; a layer that remakes
+  // its bytes ahead of its next copy, then parts_stale must still say so if
+  // the copy sizes changed): call this after the change that makes them
+  // stale, then write.
   void wait_copies_read(int layer);
+  // Blocks until the copies into slots prefetched and not acquired since have
+  // read their host bytes; their content stays until the step boundary drops
+  // it. Without content_version, replay never prefetches past the end of the
+  // trace, but a guess while recording (neighbours by index: a layer whose
+  // backward reads no weight, such as the first layer of a network, is
+  // guessed and never taken) or a step that left the trace can leave such a
+  // copy in flight when the step ends: an owner calls this before the host
+  // may write weights (the engine: when a backward ends), so no copy reads
+  // them while they change (Note [No copy in flight at a step's end] in
+  // scheduler.cpp). Returns at once when nothing was left (every traced
+  // step) and with content_version (such copies are checked by version).
+  void wait_unused_prefetches();
   // A whole slot as scratch space (e.g. for staging gradients), ordered
   // after the slot's previous users on `user`. Released with release().
   Lease acquire_scratch(Stream user);
@@ -250,7 +264,7 @@ class Scheduler {
     size_t bytes = 0;  // slot bytes used (with alignment)
     size_t copy_bytes = 0;
     std::vector<size_t> part_copy;  // bytes copied of each part (refresh_parts may lower them)
-    Event last_copy;                // after its latest copy (with refresh_parts only)
+    Event last_copy;                // after its latest full copy
     bool copied_once = false;
     bool prefetch = true;  // set_prefetch()
   };

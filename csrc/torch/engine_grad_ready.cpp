@@ -93,6 +93,20 @@ std::pair<torch::Tensor, torch::Tensor> EngineImpl::layer_parameters(int layer_i
   return {l.weight, l.bias};
 }
 
+// Note [No copy in flight at a step's end] (core/scheduler.cpp), for a hook
+// that steps the layer during the backward: a copy of it still in flight must
+// have read its host weights first. Defensive: while recording (where guesses
+// go unused) the hook does not run during the backward, and in the steps tried
+// (tests/python/test_optim.py) a replayed prefetch of the layer was either
+// taken or its slot handed to the layer's gradient, which waits for it; the
+// declared write lets the checker say so. With cache_across_steps such a copy
+// is checked by version instead, as for any host write.
+void EngineImpl::wait_copies_before_host_write(int layer) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (sched_ && !sched_->options().content_version) sched_->wait_copies_read(layer);
+  declare_weight_writes_locked(*layers_.at(static_cast<size_t>(layer)), "during the backward");
+}
+
 void EngineImpl::grad_ready_loop() {
   for (;;) {
     GradReadyJob job;
@@ -137,6 +151,7 @@ void EngineImpl::grad_ready_loop() {
         }
       } give_back{this, job.layer, &landed, &held};
       if (job.hook && !dropped) {
+        wait_copies_before_host_write(job.layer);  // the hook may step the layer's host weights
         job.hook(job.layer, taken ? &landed : nullptr);
         stepped = true;
       }

@@ -238,6 +238,20 @@ void EngineImpl::discard_task(int task) noexcept {
   }
 }
 
+void EngineImpl::declare_weight_writes_locked(const LayerInfo& l, const std::string& when) {
+  // With cache_across_steps a copy may read the weights while they change, by
+  // design: its content is checked by version (scheduler.h, content_version).
+  if (!backend_->caps().ordering_checker || opts_.cache_across_steps || l.is_table()) return;
+  const std::string what = "the host may write the weights of '" + l.name + "' " + when + " (an optimizer step)";
+  if (l.weight.defined() && l.weight.requires_grad() && !l.on_disk() && l.qformat == quant::Format::None)
+    backend_->declare_host_access(store_->buffer(l.w_index), Access::Write, what);
+  if (l.bias.defined() && l.bias.requires_grad() && !l.b_file)
+    backend_->declare_host_access(store_->buffer(l.b_index), Access::Write, what);
+  for (const auto& p : l.parts())
+    if (p.param.requires_grad() && p.qformat == quant::Format::None)
+      backend_->declare_host_access(store_->buffer(p.index), Access::Write, what);
+}
+
 void EngineImpl::ensure_backward_callback() {
   const int task = torch::autograd::get_current_graph_task_id();
   if (task == -1) return;
@@ -275,6 +289,10 @@ void EngineImpl::ensure_backward_callback() {
     auto scope = self->device_scope();
     self->drain_grads(guard->task);
     std::lock_guard<std::recursive_mutex> lock(self->mu_);
+    // Before an optimizer may write weights: Note [No copy in flight at a
+    // step's end] (core/scheduler.cpp).
+    if (self->sched_) self->sched_->wait_unused_prefetches();
+    for (const auto& l : self->layers_) self->declare_weight_writes_locked(*l, "after the backward");
     self->average_local_grads_locked();  // after no_sync() backwards (engine_distributed.cpp)
   });
 }

@@ -436,6 +436,14 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // [Trainable coded weights], "Ahead"). Takes mu_ (and the scheduler's lock)
   // briefly, then codes holding only CodedWeight::mu.
   void recode_ahead(int layer);
+  // Blocks until the copies of `layer` issued so far have read its host
+  // weights, unless cache_across_steps (engine_grad_ready.cpp). Takes mu_.
+  void wait_copies_before_host_write(int layer);
+  // The sim device's checker: declares host writes of `l`'s trainable weights
+  // (what an optimizer step does), so a copy still reading them is an
+  // ordering error. Not with cache_across_steps (copies are checked by
+  // version there) nor for tables. `when` ends the message. Holds mu_.
+  void declare_weight_writes_locked(const LayerInfo& l, const std::string& when);
   // Codes l's weight into c unless c holds its current coding (the caller
   // holds c.mu); true if it coded.
   bool code_if_changed(const LayerInfo& l, CodedWeight& c);

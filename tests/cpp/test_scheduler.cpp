@@ -551,10 +551,7 @@ TEST_F(SchedulerTest, WaitCopiesReadOrdersAnOwnersWriteAfterACopyInFlight) {
       specs[size_t(l)].name = "layer" + std::to_string(l);
       specs[size_t(l)].parts.push_back(st.buffer(idx.back()));
     }
-    SchedulerOptions so = options(2, 1);
-    so.parts_stale = [](int) { return false; };
-    so.refresh_parts = [](int, std::vector<size_t>&) {};
-    Scheduler sched(*slow, xfer, specs, so);
+    Scheduler sched(*slow, xfer, specs, options(2, 1));
     run_step(sched, comp, {0, 1, 2}, 3);  // records the trace
     Lease x = sched.acquire(0, comp);     // replay: prefetches layer 1
     sched.release(x, comp);
@@ -569,6 +566,46 @@ TEST_F(SchedulerTest, WaitCopiesReadOrdersAnOwnersWriteAfterACopyInFlight) {
   EXPECT_GT(errors_after_write(false), 0u) << "the prefetch was not in flight: the test shows nothing";
 #endif
   EXPECT_EQ(errors_after_write(true), 0u);
+}
+
+// Note [No copy in flight at a step's end]: while recording, the backward guesses
+// the next layer by index; the first layer's backward reads no weight, so its
+// guessed copy is never taken. wait_unused_prefetches() (the engine calls it when
+// a backward ends) orders the optimizer's write of that layer after the copy.
+TEST_F(SchedulerTest, NoGuessedPrefetchReadsHostWeightsAfterTheBackwardEnds) {
+  const auto errors_after_step = [](bool wait, bool versioned) {
+    SimOptions o;
+    o.h2d_gbps = 0.05;  // slow copies: the guessed prefetch is still reading
+    o.latency_us = 0;
+    auto slow = make_sim_backend(o);
+    HostStore st(*slow);
+    Stream xfer = slow->create_stream("transfer"), comp = slow->create_inline_stream("compute");
+    std::vector<LayerSpec> specs(3);
+    std::vector<size_t> idx;
+    for (int l = 0; l < 3; ++l) {
+      std::vector<unsigned char> bytes(64 << 10, static_cast<unsigned char>(l));
+      idx.push_back(st.add(bytes.size(), bytes.data(), "weight" + std::to_string(l)));
+      specs[size_t(l)].name = "layer" + std::to_string(l);
+      specs[size_t(l)].parts.push_back(st.buffer(idx.back()));
+    }
+    SchedulerOptions so = options(2, 1);
+    if (versioned) so.content_version = [](int) { return uint64_t{0}; };
+    Scheduler sched(*slow, xfer, specs, so);
+    run_step(sched, comp, {0, 1, 2, 2, 1}, 3);  // layer 0's backward reads no weight
+    if (wait) sched.wait_unused_prefetches();
+    const BufferRef& b = st.buffer(idx[0]);
+    slow->declare_host_access(b, Access::Write, "optimizer step of layer0");
+    std::memset(b.ptr, 7, b.bytes);
+    slow->synchronize(xfer);
+    EXPECT_EQ(sched.trace(), (std::vector<int>{0, 1, 2, 2, 1}));
+    return slow->ordering_errors().size();
+  };
+#if !defined(__SANITIZE_THREAD__)  // the race is real: ThreadSanitizer reports it (tools/sanitize.sh)
+  EXPECT_GT(errors_after_step(false, false), 0u) << "layer 0 was not guessed: the test shows nothing";
+  // With content_version such a copy is checked by version, by design: no wait.
+  EXPECT_GT(errors_after_step(true, true), 0u);
+#endif
+  EXPECT_EQ(errors_after_step(true, false), 0u);
 }
 
 // A layer held twice (two leases of one slot) on two streams, released on each: the

@@ -18,6 +18,7 @@ Tolerances (stated once here):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -697,6 +698,32 @@ def test_overlap_steps_layers_during_backward_with_the_same_result(offload_sim, 
     _overlap_run(ref, offload_sim(ref), 5, overlap=False, precision=precision, k=k)
     assert early == [8] * 5
     assert fused == [8] * 5
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("slots", [2, 3, 5])
+def test_overlapped_steps_that_leave_the_trace_write_no_weight_a_copy_reads(offload_sim, slots):
+    """Note [No copy in flight at a step's end] (csrc/core/scheduler.cpp): the first two
+    steps' input needs a gradient, so the trace has the first layer's backward fetch;
+    the later ones' does not, so they leave the trace there and a replayed prefetch of
+    that layer may go untaken. The steps during the backward declare their writes to
+    the checker (offload_sim asserts it saw no race), and so does the end of each
+    backward; the parameters equal those of the same steps after the backward."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    handles = [offload_sim(m, slots=slots, sim_link_gbps=0.05) for m in (model, ref)]
+    opts = [AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        x = torch.randn(4, 16, generator=gen)
+        for m, h, opt, overlap in zip((model, ref), handles, opts, (True, False)):
+            xi = x.clone().requires_grad_(step < 2)
+            with opt.overlap(h) if overlap else contextlib.nullcontext():
+                m(xi).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert opts[0].last_overlap_params == 8
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
 
