@@ -188,6 +188,20 @@ MUTATIONS = [
         [P + "test_compile.py::test_compile_marks_are_on_before_dynamo_traces_and_eager_runs_do_not_import_it",
          P + "test_compile.py::test_a_group_call_that_is_not_one_operator_runs_eagerly"],
         "torch.compile's marks are never put on when torch._dynamo is imported after layerstream"),
+    # ---- Note [No copy in flight at a step's end] (csrc/core/scheduler.cpp) ----
+    Mutation(
+        "backward-end-leaves-guessed-prefetch", "csrc/torch/engine_gradients.cpp",
+        "    if (self->sched_) self->sched_->wait_unused_prefetches();\n",
+        "",
+        [P + "test_optim.py::test_accumulation_over_three_micro_batches_equals_one_batch",
+         P + "test_optim.py::test_overlapped_steps_that_leave_the_trace_write_no_weight_a_copy_reads"],
+        "a prefetch guessed while recording still reads weights when the backward ends and the optimizer writes"),
+    Mutation(
+        "scheduler-never-waits-for-unused-prefetches", "csrc/core/scheduler.cpp",
+        "    if (st.use == Use::Prefetched) backend_.synchronize(st.ready);\n",
+        "    (void)st;\n",
+        ["gtest:test_scheduler:*NoGuessedPrefetch*"],
+        "wait_unused_prefetches() returns with the untaken copies still reading host bytes"),
     # ---- plausible bugs the suite already caught in the audit ----
     Mutation(
         "int8-scale-128", "csrc/core/quant.cpp",

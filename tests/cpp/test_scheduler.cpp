@@ -531,36 +531,52 @@ TEST_F(SchedulerTest, StaleHostBytesAreRemadeAfterEarlierCopiesAndTheirNewSizeIs
   EXPECT_THROW(Scheduler(*slow, xfer, specs, half), Error);
 }
 
+// Three layers of 64 KiB on a slow sim link (0.05 GB/s: a copy is still reading
+// its host bytes when the host writes them next), ordering checker on.
+struct SlowLink {
+  std::shared_ptr<SimBackend> sim = make_sim_backend([] {
+    SimOptions o;
+    o.h2d_gbps = 0.05;
+    o.latency_us = 0;
+    return o;
+  }());
+  HostStore store{*sim};
+  Stream xfer = sim->create_stream("transfer"), comp = sim->create_inline_stream("compute");
+  std::vector<LayerSpec> specs;
+  std::vector<size_t> idx;
+  SlowLink() {
+    for (int l = 0; l < 3; ++l) {
+      std::vector<unsigned char> bytes(64 << 10, static_cast<unsigned char>(l));
+      idx.push_back(store.add(bytes.size(), bytes.data(), "weight" + std::to_string(l)));
+      specs.emplace_back();
+      specs.back().name = "layer" + std::to_string(l);
+      specs.back().parts.push_back(store.buffer(idx.back()));
+    }
+  }
+  // The host writes layer `l`'s bytes (declared as `what`); the checker's errors after
+  // every copy ended.
+  size_t errors_after_host_write(int l, const std::string& what) {
+    const BufferRef& b = store.buffer(idx[static_cast<size_t>(l)]);
+    sim->declare_host_access(b, Access::Write, what);
+    std::memset(b.ptr, 7, b.bytes);
+    sim->synchronize(xfer);
+    return sim->ordering_errors().size();
+  }
+};
+
 // wait_copies_read(layer): an owner that remakes a layer's host bytes itself
 // (the engine's re-code after an optimizer step during the backward) may
 // write them once it returns, although a prefetch of the layer is in flight;
 // writing without it is the race the checker reports.
 TEST_F(SchedulerTest, WaitCopiesReadOrdersAnOwnersWriteAfterACopyInFlight) {
   const auto errors_after_write = [](bool wait) {
-    SimOptions o;
-    o.h2d_gbps = 0.05;  // slow copies: the prefetch is still reading
-    o.latency_us = 0;
-    auto slow = make_sim_backend(o);
-    HostStore st(*slow);
-    Stream xfer = slow->create_stream("transfer"), comp = slow->create_inline_stream("compute");
-    std::vector<LayerSpec> specs(3);
-    std::vector<size_t> idx;
-    for (int l = 0; l < 3; ++l) {
-      std::vector<unsigned char> bytes(64 << 10, static_cast<unsigned char>(l));
-      idx.push_back(st.add(bytes.size(), bytes.data(), "coded" + std::to_string(l)));
-      specs[size_t(l)].name = "layer" + std::to_string(l);
-      specs[size_t(l)].parts.push_back(st.buffer(idx.back()));
-    }
-    Scheduler sched(*slow, xfer, specs, options(2, 1));
-    run_step(sched, comp, {0, 1, 2}, 3);  // records the trace
-    Lease x = sched.acquire(0, comp);     // replay: prefetches layer 1
-    sched.release(x, comp);
+    SlowLink m;
+    Scheduler sched(*m.sim, m.xfer, m.specs, options(2, 1));
+    run_step(sched, m.comp, {0, 1, 2}, 3);  // records the trace
+    Lease x = sched.acquire(0, m.comp);     // replay: prefetches layer 1
+    sched.release(x, m.comp);
     if (wait) sched.wait_copies_read(1);
-    const BufferRef& b = st.buffer(idx[1]);
-    slow->declare_host_access(b, Access::Write, "owner's re-code of layer1");
-    std::memset(b.ptr, 7, b.bytes);
-    slow->synchronize(xfer);
-    return slow->ordering_errors().size();
+    return m.errors_after_host_write(1, "owner's re-code of layer1");
   };
 #if !defined(__SANITIZE_THREAD__)  // the race is real: ThreadSanitizer reports it (tools/sanitize.sh)
   EXPECT_GT(errors_after_write(false), 0u) << "the prefetch was not in flight: the test shows nothing";
@@ -574,31 +590,14 @@ TEST_F(SchedulerTest, WaitCopiesReadOrdersAnOwnersWriteAfterACopyInFlight) {
 // a backward ends) orders the optimizer's write of that layer after the copy.
 TEST_F(SchedulerTest, NoGuessedPrefetchReadsHostWeightsAfterTheBackwardEnds) {
   const auto errors_after_step = [](bool wait, bool versioned) {
-    SimOptions o;
-    o.h2d_gbps = 0.05;  // slow copies: the guessed prefetch is still reading
-    o.latency_us = 0;
-    auto slow = make_sim_backend(o);
-    HostStore st(*slow);
-    Stream xfer = slow->create_stream("transfer"), comp = slow->create_inline_stream("compute");
-    std::vector<LayerSpec> specs(3);
-    std::vector<size_t> idx;
-    for (int l = 0; l < 3; ++l) {
-      std::vector<unsigned char> bytes(64 << 10, static_cast<unsigned char>(l));
-      idx.push_back(st.add(bytes.size(), bytes.data(), "weight" + std::to_string(l)));
-      specs[size_t(l)].name = "layer" + std::to_string(l);
-      specs[size_t(l)].parts.push_back(st.buffer(idx.back()));
-    }
+    SlowLink m;
     SchedulerOptions so = options(2, 1);
     if (versioned) so.content_version = [](int) { return uint64_t{0}; };
-    Scheduler sched(*slow, xfer, specs, so);
-    run_step(sched, comp, {0, 1, 2, 2, 1}, 3);  // layer 0's backward reads no weight
-    if (wait) sched.wait_unused_prefetches();
-    const BufferRef& b = st.buffer(idx[0]);
-    slow->declare_host_access(b, Access::Write, "optimizer step of layer0");
-    std::memset(b.ptr, 7, b.bytes);
-    slow->synchronize(xfer);
+    Scheduler sched(*m.sim, m.xfer, m.specs, so);
+    run_step(sched, m.comp, {0, 1, 2, 2, 1}, 3);  // layer 0's backward reads no weight
     EXPECT_EQ(sched.trace(), (std::vector<int>{0, 1, 2, 2, 1}));
-    return slow->ordering_errors().size();
+    if (wait) sched.wait_unused_prefetches();
+    return m.errors_after_host_write(0, "optimizer step of layer0");
   };
 #if !defined(__SANITIZE_THREAD__)  // the race is real: ThreadSanitizer reports it (tools/sanitize.sh)
   EXPECT_GT(errors_after_step(false, false), 0u) << "layer 0 was not guessed: the test shows nothing";
