@@ -367,10 +367,24 @@ TEST(SimChecker, FreeDropsTracking) {
   sim->declare_access(buf, Access::Write, a, "a writes scratch");
   sim->declare_access(sub, Access::Write, a, "a writes scratch.hi");
   sim->synchronize(a);
-  sim->declare_access(sub, Access::Write, a, "a writes scratch.hi again");
   sim->free(buf);  // forgets buf and its sub-region
   sim->declare_host_access(sub, Access::Write, "host reuses the address range");
   expect_no_errors(*sim);
+}
+
+// A free is a host write of the buffer and of the regions inside it: a stream that
+// may still read one of them (a copy in flight) makes it an error, named.
+TEST(SimChecker, FreeWhileAStreamMayStillReadItIsAnError) {
+  auto sim = make_sim_backend(instant());
+  Stream a = sim->create_stream("a");
+  BufferRef buf = sim->alloc_device(128, "scratch");
+  BufferRef sub = sim->subregion(buf, 64, 64, "scratch.hi");
+  sim->declare_access(buf, Access::Write, a, "a writes scratch");
+  sim->synchronize(a);
+  sim->declare_access(sub, Access::Read, a, "a reads scratch.hi");
+  sim->free(buf);
+  expect_error_naming(*sim, {"free of 'scratch.hi'", "stream 'a' may still read it", "a reads scratch.hi"});
+  sim->synchronize(a);
 }
 
 TEST(SimChecker, ClearAndDisable) {

@@ -96,7 +96,7 @@ def _checked_offload(device: str):
     asserts at teardown that the ordering checker saw no race."""
     expected = torch_device_for(device)
     handles = []
-    seen_before_detach = []  # (handle, errors read right before detach)
+    seen_at_detach = []  # (handle, errors read right after detach: its frees are checked too)
 
     def _offload(model, **kw):
         kw.setdefault("checker", True)
@@ -107,10 +107,12 @@ def _checked_offload(device: str):
         original_detach = handle.detach
 
         def detach_checked():
-            errs = _ordering_errors_or_none(handle)
-            if errs is not None:
-                seen_before_detach.append((handle, errs))
-            return original_detach()
+            engine = handle._engine  # None once detached; outlives the handle's detach
+            try:
+                return original_detach()
+            finally:
+                if engine is not None:
+                    seen_at_detach.append((handle, list(engine.ordering_errors())))
 
         handle.detach = detach_checked
         handles.append(handle)
@@ -119,23 +121,17 @@ def _checked_offload(device: str):
     yield _offload
 
     problems = []
-    for handle, errs in seen_before_detach:
-        if errs:
-            problems.append((repr(handle), errs))
-    live = []
-    for handle in handles:
-        errs = _ordering_errors_or_none(handle)
-        if errs is not None:
-            live.append(handle)
-        if errs:
-            problems.append((repr(handle), errs))
     # Detach what the test left attached, so every parameter is an ordinary
     # tensor again before the engines are destroyed. (A parameter that
     # outlives its engine currently crashes the interpreter -- see
     # test_training.py::test_parameter_outlives_engine -- and one test's
     # leftovers must not take the rest of the suite down.)
-    for handle in live:
-        handle.detach()
+    for handle in handles:
+        if _ordering_errors_or_none(handle) is not None:
+            handle.detach()
+    for handle, errs in seen_at_detach:
+        if errs:
+            problems.append((repr(handle), errs))
     assert problems == [], f"ordering checker reported races: {problems}"
 
 

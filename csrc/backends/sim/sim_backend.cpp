@@ -456,14 +456,27 @@ struct SimBackend::Impl {
     if (st.worker.joinable()) st.worker.join();
   }
 
+  // A free is a host write of the buffer and of every tracked region that
+  // starts inside it: an access not ordered before it (a copy that may still
+  // read the memory) is an ordering error. Then the regions are forgotten.
   void forget_memory(uintptr_t begin, std::size_t bytes) {
     if (!opts.checker) return;
     std::lock_guard<std::mutex> l(ck_mu);
+    auto covered = [&](const AccessRec& a) { return a.agent == kHostAgent || host_clock.get(a.agent) >= a.clock; };
     for (auto it = regions.begin(); it != regions.end();) {
-      if (it->second.begin >= begin && it->second.begin < begin + std::max<std::size_t>(bytes, 1))
+      if (it->second.begin >= begin && it->second.begin < begin + std::max<std::size_t>(bytes, 1)) {
+        const RegionState& r = it->second;
+        const AccessRec* open = r.has_write && !covered(r.last_write) ? &r.last_write : nullptr;
+        for (const AccessRec& rd : r.reads)
+          if (!open && !covered(rd)) open = &rd;
+        if (open)
+          errors.push_back("free of '" + r.label + "' while " + open->who + " may still " +
+                           (open->access == Access::Write ? "write" : "read") + " it (" + open->what +
+                           "): the host must wait for that work (synchronize its event) before freeing");
         it = regions.erase(it);
-      else
+      } else {
         ++it;
+      }
     }
   }
 };

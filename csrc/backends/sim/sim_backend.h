@@ -80,6 +80,9 @@ class SimBackend final : public Backend {
   BufferRef alloc_host(size_t bytes, bool pinned, const std::string& label = {}) override;
   bool pin_existing(void* ptr, size_t bytes) override;
   void unpin_existing(void* ptr) override;
+  // With the checker, a free is a host write of the buffer and of every
+  // tracked region inside it: an access not ordered before it (a copy that
+  // may still read it) is an ordering error. Then they are forgotten.
   void free(const BufferRef& buf) override;
 
   Stream create_stream(const std::string& name) override;
