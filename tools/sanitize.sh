@@ -11,10 +11,10 @@
 #     tools/tsan.supp (reports with a frame in torch) keep its invisible
 #     synchronisation from reading as races; tests whose race is planted or by design, or that measure what TSan
 #     changes, are left out (LS_TSAN_DESELECT below says which and why).
-# Not part of CI (builds of its own: about 18 minutes with every test from an empty
-# build-sanitize/, 9 with nothing to rebuild, on a 2-core AMD EPYC VM, 2026-12-05:
-# stages 1-2 9.7 min, stage 3 about 4 to build and 4.4 for its tests); run it after
-# changing C++ code:
+# Not part of CI (builds of its own: about 20 minutes with every test from an empty
+# build-sanitize/, 12.8 after a change to the sim device, on a 2-core AMD EPYC VM,
+# 2026-12-05: stages 1-2 9.7 min from empty, stage 3 about 4 to build and 6.2 for its
+# tests); run it after changing C++ code:
 # a read of freed memory that still holds the right bytes passes every ordinary test
 # (2026-12-05: C++ offload() read a weight through a pointer into a dict it had already
 # freed), and so does a copy that reads weights while the optimizer writes them (the
