@@ -202,6 +202,31 @@ MUTATIONS = [
         "    (void)st;\n",
         ["gtest:test_scheduler:*NoGuessedPrefetch*"],
         "wait_unused_prefetches() returns with the untaken copies still reading host bytes"),
+    # ---- lossless-coded tensor groups: a coded piece per expert ----
+    Mutation(
+        "lossless-routed-decodes-first-piece", "csrc/torch/engine_groups.cpp",
+        "for (int64_t x = run.first; x < run.second; ++x) add(static_cast<size_t>(x));",
+        "for (int64_t x = run.first; x < run.second; ++x) add(static_cast<size_t>(run.first));",
+        [P + "test_experts.py::test_lossless_experts_route_and_decode_bit_for_bit"],
+        "a routed call decodes its run's first expert into every expert's place"),
+    Mutation(
+        "lossless-experts-one-piece", "csrc/core/lossless.cpp",
+        "  return piece_out % 16 == 0 ? experts : 1;\n",
+        "  return piece_out % 16 == 0 ? 1 : 1;\n",
+        [P + "test_experts.py::test_lossless_experts_route_and_decode_bit_for_bit"],
+        "expert tensors coded whole, so a routed call copies every expert"),
+    Mutation(
+        "planner-lossless-groups-raw-bytes", "csrc/core/planner_models.cpp",
+        "        } else if (coded) {  // decoded into its own dtype",
+        "        } else if (false && coded) {  // decoded into its own dtype",
+        [P + "test_cli_plan.py::test_quantize_lossless_codes_moe_groups_per_expert"],
+        "the planner counts a lossless tensor group's raw bytes, not its measured coded size"),
+    Mutation(
+        "lossless-group-part-refreshed-in-place", "csrc/torch/engine_groups.cpp",
+        "  LS_CHECK(e.qformat != quant::Format::Lossless, \"tensor #\", part, \" of group '\", l.name, \"' streams \"",
+        "  LS_CHECK(true, \"tensor #\", part, \" of group '\", l.name, \"' streams \"",
+        [P + "test_experts.py::test_lossless_experts_under_lora_train_exactly"],
+        "new values are 'packed' into a lossless-coded group tensor (pack() refuses with another message)"),
     # ---- plausible bugs the suite already caught in the audit ----
     Mutation(
         "int8-scale-128", "csrc/core/quant.cpp",

@@ -644,6 +644,39 @@ size_t estimate_encoded_bytes(Dtype dtype, const void* sample, int64_t sample_nu
   return L.total_bytes();
 }
 
+int64_t expert_pieces(Dtype dtype, int64_t numel, int64_t dim0, int64_t experts) {
+  if (experts <= 1 || dim0 != experts || numel <= 0 || numel % experts != 0) return 1;
+  const uint64_t piece_out = static_cast<uint64_t>(numel / experts) * element_bytes(dtype);
+  return piece_out % 16 == 0 ? experts : 1;
+}
+
+PiecesAnalysis analyze_pieces(Dtype dtype, const void* src, int64_t numel, int64_t count, int num_threads) {
+  LS_CHECK(count >= 1 && numel >= 0 && numel % count == 0, "lossless: ", numel, " elements cannot be cut into ",
+           count, " equal pieces");
+  const int64_t n = numel / count;
+  const size_t esz = element_bytes(dtype);
+  PiecesAnalysis P;
+  P.pieces.reserve(static_cast<size_t>(count));
+  P.offsets.reserve(static_cast<size_t>(count) + 1);
+  P.offsets.push_back(0);
+  for (int64_t k = 0; k < count; ++k) {
+    P.pieces.push_back(analyze(dtype, static_cast<const char*>(src) + static_cast<size_t>(k * n) * esz, n,
+                               num_threads));
+    P.offsets.push_back(P.offsets.back() + P.pieces.back().total_bytes());
+  }
+  return P;
+}
+
+void encode_pieces(const PiecesAnalysis& P, const void* src, void* dst, size_t dst_bytes, int num_threads) {
+  LS_CHECK(dst_bytes >= P.total_bytes(), "lossless: ", P.total_bytes(), " coded bytes do not fit in ", dst_bytes);
+  for (size_t k = 0; k < P.pieces.size(); ++k) {
+    const Analysis& A = P.pieces[k];
+    const size_t in = static_cast<size_t>(A.layout.numel) * element_bytes(A.layout.dtype);
+    encode(A, static_cast<const char*>(src) + k * in, static_cast<char*>(dst) + P.offsets[k], A.total_bytes(),
+           num_threads);
+  }
+}
+
 uint64_t sample_fingerprint(const void* data, size_t bytes, size_t samples) {
   const auto* p = static_cast<const uint8_t*>(data);
   const size_t words = bytes / 8;

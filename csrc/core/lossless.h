@@ -145,5 +145,32 @@ uint64_t sample_fingerprint(const void* data, size_t bytes, size_t samples = 102
 size_t estimate_encoded_bytes(Dtype dtype, const void* sample, int64_t sample_numel,
                               int64_t numel, int64_t block_elems = 0);
 
+// ---- pieces: one tensor coded as several buffers ----
+// A mixture-of-experts tensor [experts, ...] is coded one expert at a time,
+// so that the experts a router chose cross the bus and decode alone: its
+// `count` pieces of numel / count elements are coded each with its own code
+// and block offsets, their buffers back to back (each a multiple of 256
+// bytes long, so every piece starts as aligned as the first).
+// docs/design/quant-formats.md, "Pieces".
+//
+// How many pieces a tensor of `numel` elements whose dim 0 is `dim0` is
+// coded in when streamed with `experts` experts: `experts` when dim 0 is the
+// experts (dim0 == experts > 1, numel a multiple of it) and each piece's
+// decoded bytes are a multiple of 16 (the CUDA decoder writes 16 bytes at a
+// time, so every piece's output must start 16-byte aligned); else 1 (the
+// whole tensor, which is then fetched whole).
+int64_t expert_pieces(Dtype dtype, int64_t numel, int64_t dim0, int64_t experts);
+// The analyses of the `count` pieces of src (count >= 1 divides numel) and
+// where each piece's buffer starts: offsets[k], offsets[count] = the total.
+struct PiecesAnalysis {
+  std::vector<Analysis> pieces;
+  std::vector<size_t> offsets;
+  size_t total_bytes() const { return offsets.empty() ? 0 : offsets.back(); }
+};
+PiecesAnalysis analyze_pieces(Dtype dtype, const void* src, int64_t numel, int64_t count, int num_threads = 0);
+// Writes every piece (encode() of each) into dst (dst_bytes >= the total).
+void encode_pieces(const PiecesAnalysis& analysis, const void* src, void* dst, size_t dst_bytes,
+                   int num_threads = 0);
+
 }  // namespace lossless
 }  // namespace layerstream

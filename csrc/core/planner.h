@@ -169,8 +169,8 @@ std::string format_bytes(uint64_t bytes);
 // ------------------------------------------------------ model descriptions
 
 // Lossless (core/lossless.h): a weight's coded size depends on its values,
-// measured from a sample of them (measure_lossless); tensor groups and GGUF
-// weights stay as stored, as offload() keeps them.
+// measured from a sample of them (measure_lossless); GGUF weights, and
+// tensor groups when training, stay as stored, as offload() keeps them.
 enum class Quantization { None, Int8, FP8, NF4, Int4, Lossless };
 Quantization parse_quantization(const std::string& s);  // "none"|"int8"|"fp8"|"nf4"|"int4"|"lossless"
 const char* to_string(Quantization q);
@@ -199,6 +199,11 @@ struct ModelLayer {
   // Its tensors (shape, dtype): with --quantize each of 2+ dimensions is
   // packed as a matrix of its last dimension's columns, as offload() does.
   std::vector<std::pair<std::vector<uint64_t>, std::string>> group_tensors;
+  // Their names in the checkpoint (empty for a built-in model), and each
+  // one's lossless-coded size from measure_lossless() (0: not measured or
+  // not coded, e.g. a bias), as offload() codes a group's tensor.
+  std::vector<std::string> group_tensor_names;
+  std::vector<uint64_t> group_lossless_bytes;
   // A weight stored in a GGUF block format that offload() streams as it is
   // (load_gguf(); weight_dtype is the ggml type name, e.g. "Q4_K"): the dtype
   // the device dequantizes it to, the model's parameter dtype ("BF16", ...).
@@ -233,9 +238,12 @@ struct ModelDescription {
 ModelDescription describe_checkpoint(const Checkpoint& ck);
 
 // Sets lossless_bytes of every layer of `m` (from describe_checkpoint(ck))
-// whose weight is float32, bfloat16 or float16: the coded size predicted from
-// about 64K of its elements read from the checkpoint (16 evenly spaced runs;
-// lossless::estimate_encoded_bytes). Reads at most ~128 KiB per tensor.
+// whose weight is float32, bfloat16 or float16, and group_lossless_bytes of
+// every tensor group's tensors of 2+ dimensions: the coded size predicted
+// from about 64K of its elements read from the checkpoint (16 evenly spaced
+// runs; lossless::estimate_encoded_bytes), a fused expert tensor in one
+// piece per expert (lossless::expert_pieces). Reads at most ~128 KiB per
+// tensor.
 void measure_lossless(ModelDescription& m, const Checkpoint& ck);
 
 struct GgufFile;

@@ -156,11 +156,17 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       std::vector<slot_layout::Part> parts;
       uint64_t bus = 0, workspace = 0;
       bool gguf = false, narrow = true;  // narrow: every tensor written on the device is 2 bytes wide
-      for (const auto& [shape, dtype] : l.group_tensors) {
+      for (size_t k = 0; k < l.group_tensors.size(); ++k) {
+        const auto& [shape, dtype] = l.group_tensors[k];
         const uint64_t numel = numel_of(shape);
         const bool pack = opt.quantize != Quantization::None && opt.quantize != Quantization::Lossless &&
                           shape.size() >= 2 && shape.back() > 0 &&
                           safetensors_dtype_is_wide_float(dtype);
+        // Lossless: frozen groups only (offload() streams a trainable one dense).
+        const uint64_t coded = opt.quantize == Quantization::Lossless && !opt.training &&
+                                       k < l.group_lossless_bytes.size()
+                                   ? l.group_lossless_bytes[k]
+                                   : 0;
         if (!l.dense_dtype.empty() && safetensors_dtype_bits(dtype) == 0) {
           // GGUF blocks (load_gguf): they cross as they are, padded as the
           // engine stores them, and are dequantized into the workspace.
@@ -168,6 +174,9 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
           const std::string& written = opt.compute_dtype.empty() ? l.dense_dtype : opt.compute_dtype;
           parts.push_back({slot_layout::align(bytes_of(numel, dtype)), bytes_of(numel, written)});
           narrow = narrow && safetensors_dtype_bits(written) <= 16;
+        } else if (coded) {  // decoded into its own dtype
+          parts.push_back({coded, bytes_of(numel, dtype)});
+          narrow = narrow && safetensors_dtype_bits(dtype) <= 16;
         } else if (pack) {
           const std::string& written = opt.compute_dtype.empty() ? dtype : opt.compute_dtype;
           parts.push_back({quantized_weight_bytes({numel / shape.back(), shape.back()}, dtype, opt.quantize),
@@ -187,7 +196,9 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       // Resident, a group with GGUF tensors is dense (group_bytes: dequantized).
       s.resident_bytes = opt.resident_dequantized || gguf ? l.group_bytes : bus;
       s.flops = 2.0 * tokens * static_cast<double>(l.group_params) * l.active * (opt.training ? 3.0 : 1.0);
-      s.trainable = opt.training && opt.quantize == Quantization::None && !gguf;  // GGUF tensors are frozen
+      // GGUF tensors are frozen; with lossless a trained group streams dense.
+      s.trainable = opt.training && (opt.quantize == Quantization::None || opt.quantize == Quantization::Lossless) &&
+                    !gguf;
       if (s.trainable)
         for (const auto& [shape, dtype] : l.group_tensors) s.train_bytes += tensor_train_bytes(train, shape, dtype);
       s.as_stored = gguf || (opt.quantize != Quantization::None && bus == l.group_bytes);  // nothing to pack
@@ -389,6 +400,7 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
     g.group_bytes += t.nbytes;
     g.group_params += t.numel;
     g.group_tensors.emplace_back(t.shape, t.dtype);
+    g.group_tensor_names.push_back(t.name);
     used.insert(t.name);
   }
   // torch's nn.MultiheadAttention ("<prefix>.in_proj_weight", or separate
@@ -414,6 +426,7 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
       g.group_bytes += it->second->nbytes;
       g.group_params += it->second->numel;
       g.group_tensors.emplace_back(it->second->shape, it->second->dtype);
+      g.group_tensor_names.push_back(it->first);
       used.insert(it->first);
     }
     groups[prefix] = std::move(g);
@@ -459,14 +472,19 @@ void measure_lossless(ModelDescription& m, const Checkpoint& ck) {
   std::map<std::string, std::shared_ptr<SourceFile>> files;
   constexpr uint64_t kRuns = 16, kRunElems = 4096;
   std::vector<char> sample;
-  for (auto& l : m.layers) {
-    if (l.group || !l.dense_dtype.empty()) continue;
-    const auto it = by_name.find(l.name + ".weight");
-    if (it == by_name.end()) continue;
+  // The coded size of tensor `name` (with `by_expert`, a 3-D one in a piece
+  // per expert, lossless::expert_pieces); 0 when it is not in the checkpoint
+  // or not coded (dtype, no elements).
+  auto estimate = [&](const std::string& name, bool by_expert) -> uint64_t {
+    const auto it = by_name.find(name);
+    if (it == by_name.end()) return 0;
     const TensorInfo& t = *it->second;
-    if ((t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16") || t.numel == 0) continue;
+    if ((t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16") || t.numel == 0) return 0;
     const lossless::Dtype d = lossless_dtype(t.dtype);
     const uint64_t elem = lossless::element_bytes(d);
+    const int64_t pieces = by_expert && t.shape.size() >= 3
+                               ? lossless::expert_pieces(d, int64_t(t.numel), int64_t(t.shape[0]), int64_t(t.shape[0]))
+                               : 1;
     auto& f = files[t.file];
     if (!f) f = SourceFile::open(t.file);
     // kRuns runs of kRunElems elements, evenly spaced (all of a small tensor).
@@ -477,8 +495,22 @@ void measure_lossless(ModelDescription& m, const Checkpoint& ck) {
       const uint64_t first = runs > 1 ? (t.numel - run) / (runs - 1) * r : 0;
       f->read(sample.data() + r * run * elem, t.file_offset + first * elem, run * elem, t.name);
     }
-    l.lossless_bytes = lossless::estimate_encoded_bytes(d, sample.data(), static_cast<int64_t>(runs * run),
-                                                        static_cast<int64_t>(t.numel));
+    return lossless::estimate_encoded_bytes(d, sample.data(), static_cast<int64_t>(runs * run),
+                                            static_cast<int64_t>(t.numel) / pieces) *
+           static_cast<uint64_t>(pieces);
+  };
+  for (auto& l : m.layers) {
+    if (!l.dense_dtype.empty()) continue;  // GGUF blocks cross as they are
+    if (!l.group) {
+      l.lossless_bytes = estimate(l.name + ".weight", false);
+      continue;
+    }
+    // A group's tensors of 2+ dimensions; a fused expert tensor (dim 0 the
+    // experts) in a piece per expert, as offload(experts="routed") codes it.
+    l.group_lossless_bytes.assign(l.group_tensors.size(), 0);
+    for (size_t k = 0; k < l.group_tensors.size() && k < l.group_tensor_names.size(); ++k)
+      if (l.group_tensors[k].first.size() >= 2)
+        l.group_lossless_bytes[k] = estimate(l.group_tensor_names[k], true);
   }
 }
 

@@ -640,8 +640,7 @@ PackedLayout layout_for(Format format, int64_t rows, int64_t cols) {
   LS_CHECK(format != Format::None,
            "layout_for: format 'none' has no packed layout; choose int8, fp8, nf4 or int4");
   LS_CHECK(format != Format::Lossless, "the lossless format's size depends on the weight's values "
-           "(core/lossless.h): it streams whole Linear and convolution weights, not tensor groups or "
-           "a size known from the shape alone");
+           "(core/lossless.h), not on its shape alone: build its layout with lossless_layout()");
   LS_CHECK(rows >= 0 && cols >= 0, "cannot quantize a weight of shape [", rows, ", ", cols,
            "] to ", to_string(format), ": dimensions must be non-negative");
   LS_CHECK(rows == 0 || cols <= std::numeric_limits<int64_t>::max() / rows,
@@ -744,7 +743,7 @@ void dequantize_cpu(const PackedLayout& layout, const void* packed, void* out, O
 
 RowRange row_range(const PackedLayout& L, int64_t row_begin, int64_t row_end) {
   LS_CHECK(L.format != Format::Lossless, "rows of a lossless-coded weight cannot be fetched alone (it is coded "
-           "in blocks of elements); routed experts cannot use the lossless format");
+           "in blocks of elements); code each row range as its own piece (lossless::analyze_pieces)");
   LS_CHECK(0 <= row_begin && row_begin <= row_end && row_end <= L.rows, "row range [", row_begin, ", ",
            row_end, ") is not inside the ", L.rows, " rows of a packed ", to_string(L.format), " tensor");
   const int64_t e0 = row_begin * L.cols, e1 = row_end * L.cols;

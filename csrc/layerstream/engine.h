@@ -319,13 +319,17 @@ class Engine {
   // the engine keeps no reference to the dense values, so callers replace
   // the parameters by data-less stand-ins) and dequantized into the slot
   // after the copy, to its dtype or dequant_dtype; fetch() returns the
-  // dequantized views. 1-D tensors (biases) stay as they are.
+  // dequantized views. 1-D tensors (biases) stay as they are. Lossless
+  // (quant::Format::Lossless): coded bit for bit (float32, bfloat16,
+  // float16), decoded into its own dtype; an expert-indexed tensor is coded
+  // one expert at a time (lossless::analyze_pieces); requantize_part refuses.
   //
   // experts > 0: the group's tensors are indexed by expert along dim 0 (a
   // mixture-of-experts module's), and fetch() may be given the experts a
   // router chose, to copy only theirs. A tensor whose dim 0 is not `experts`,
   // or whose dim-0 slices are not contiguous in memory (or, quantized, do
-  // not start on whole nf4 blocks / 16 bytes of codes), is copied whole.
+  // not start on whole nf4 blocks / 16 bytes of codes; lossless: decode to
+  // a multiple of 16 bytes, lossless::expert_pieces), is copied whole.
   //
   // prepacked (empty, or one entry per tensor): a tensor whose entry has a
   // format arrives already packed, e.g. a GGUF file's blocks (load_gguf):
@@ -344,8 +348,9 @@ class Engine {
                         quant::Format format = quant::Format::None, int64_t experts = 0,
                         const std::vector<PrepackedPart>& prepacked = {}) = 0;
   // Group layers quantized by add_group: tensor `part` dequantized on the
-  // host (what detach() restores; lossy), and new values packed into it in
-  // place of the old ones (as requantize() for a layer).
+  // host (what detach() restores; lossy, but bit for bit when lossless), and
+  // new values packed into it in place of the old ones (as requantize() for
+  // a layer; not for lossless, whose coded size depends on the values).
   virtual torch::Tensor dequantized_part(int layer, int part) = 0;
   virtual void requantize_part(int layer, int part, const torch::Tensor& dense) = 0;
   // Group layers: acquires the layer's slot for the compute stream (waiting

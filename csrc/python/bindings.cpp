@@ -382,16 +382,22 @@ PYBIND11_MODULE(_C, m) {
   auto fmt = [](const std::string& f) {
     return f.empty() || f == "none" ? quant::Format::None : quant::parse_format(f);
   };
-  // "" when `format` can pack a rows x cols weight, else the reason.
-  m.def("quant_check", [fmt](const std::string& format, int64_t rows, int64_t cols) -> std::string {
+  // "" when `format` can pack a rows x cols weight, else the reason; lossless
+  // codes any shape, of the dtypes float_src_dtype takes (checked when `dtype`,
+  // a torch dtype, is given).
+  m.def("quant_check", [fmt](const std::string& format, int64_t rows, int64_t cols,
+                             const py::object& dtype) -> std::string {
     try {
-      if (fmt(format) == quant::Format::Lossless) return "";  // any shape (its dtype: lossless_coded_bytes)
+      if (fmt(format) == quant::Format::Lossless) {
+        if (!dtype.is_none()) float_src_dtype(torch::python::detail::py_object_to_dtype(dtype), "the tensor");
+        return "";
+      }
       quant::layout_for(fmt(format), rows, cols);
       return "";
     } catch (const layerstream::Error& e) {
       return e.message();
     }
-  });
+  }, py::arg("format"), py::arg("rows"), py::arg("cols"), py::arg("dtype") = py::none());
   m.def("quant_formats", [] { return std::vector<std::string>{"int8", "fp8", "nf4", "int4", "lossless"}; });
   // The lossless format (core/lossless.h) on a contiguous CPU float32 /
   // bfloat16 / float16 tensor: its exact coded size; the coded bytes; and the
@@ -405,6 +411,15 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     return layerstream::lossless::analyze(d, t.data_ptr(), t.numel()).total_bytes();
   }, py::arg("tensor"));
+  // A tensor group's tensor streamed with `experts` experts (0: not indexed
+  // by expert): its coded bytes as add_group() codes it, in pieces
+  // (lossless::expert_pieces), the bytes it takes in the host store and on the bus.
+  m.def("lossless_group_part_bytes", [lossless_src](const torch::Tensor& t, int64_t experts) {
+    const quant::SrcDtype d = lossless_src(t);
+    const int64_t count = layerstream::lossless::expert_pieces(d, t.numel(), t.dim() ? t.size(0) : 0, experts);
+    py::gil_scoped_release nogil;
+    return layerstream::lossless::analyze_pieces(d, t.data_ptr(), t.numel(), count).total_bytes();
+  }, py::arg("tensor"), py::arg("experts"));
   // The most bytes its coded form can take, whatever its values: what a
   // trainable coded weight reserves (Note [Trainable coded weights]).
   m.def("lossless_max_bytes", [lossless_src](const torch::Tensor& t) {

@@ -86,24 +86,45 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
         torch::NoGradGuard ng;
         const torch::Tensor src = e.param.detach().to(torch::kCPU).contiguous();
         try {
-          e.qlayout = quant::layout_for(f, rows, cols);
-          e.bytes = e.qlayout.total_bytes();
-          e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(f) + "]");
-          e.host = store_->buffer(e.index).ptr;
-          quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows, cols, e.host, 0);
+          const quant::SrcDtype d = src_dtype_of(src.scalar_type(), name);
+          if (f == quant::Format::Lossless) {
+            // Coded bit for bit, per expert when indexed by expert (Piece).
+            const int64_t count = lossless::expert_pieces(d, src.numel(), e.shape[0], experts);
+            const lossless::PiecesAnalysis P = lossless::analyze_pieces(d, src.data_ptr(), src.numel(), count);
+            e.bytes = P.total_bytes();
+            e.qlayout = quant::lossless_layout(rows, cols, e.bytes);
+            e.index = store_->add(e.bytes, nullptr, label + "[lossless]");
+            e.host = store_->buffer(e.index).ptr;
+            lossless::encode_pieces(P, src.data_ptr(), e.host, e.bytes);
+            for (size_t p = 0; p < P.pieces.size(); ++p)
+              e.pieces.push_back({P.offsets[p], P.pieces[p].total_bytes(),
+                                  lossless::read_header(static_cast<const char*>(e.host) + P.offsets[p],
+                                                        P.pieces[p].total_bytes())});
+          } else {
+            e.qlayout = quant::layout_for(f, rows, cols);
+            e.bytes = e.qlayout.total_bytes();
+            e.index = store_->add(e.bytes, nullptr, label + "[" + quant::to_string(f) + "]");
+            e.host = store_->buffer(e.index).ptr;
+            quant::pack(f, src.data_ptr(), d, rows, cols, e.host, 0);
+          }
         } catch (const Error& err) {
           LS_FAIL("cannot quantize tensor #", k, " of group '", name, "' (", shape_str(e.shape), ") to ",
                   quant::to_string(f), ": ", err.message());
         }
       }
       e.qformat = f;
-      e.q_dtype = dequant_dtype_.value_or(e.dtype);
+      // Lossless decodes into its own dtype (dequant_dtype does not apply).
+      e.q_dtype = f == quant::Format::Lossless ? e.dtype : dequant_dtype_.value_or(e.dtype);
       e.param = meta_like(e.shape, e.dtype);  // the engine keeps no dense copy
       // An expert's rows start on whole blocks: GGUF rows always do; for our
       // formats, an expert's element count must be a multiple of 64 (whole nf4
-      // blocks and 16 bytes of codes, what the device kernel loads at once).
-      if (experts > 0 && e.shape[0] == experts && rows % experts == 0 &&
-          (quant::is_gguf(f) || (rows / experts * cols) % 64 == 0)) {
+      // blocks and 16 bytes of codes, what the device kernel loads at once);
+      // lossless: one coded piece per expert.
+      if (f == quant::Format::Lossless) {
+        e.by_expert = e.pieces.size() > 1;
+        e.expert_rows = e.by_expert ? rows / experts : 0;
+      } else if (experts > 0 && e.shape[0] == experts && rows % experts == 0 &&
+                 (quant::is_gguf(f) || (rows / experts * cols) % 64 == 0)) {
         e.by_expert = true;
         e.expert_rows = rows / experts;
       }
@@ -139,6 +160,14 @@ torch::Tensor EngineImpl::dequantized_part(int index, int part) {
   LayerInfo::Part& e = group_part(*layers_.at(static_cast<size_t>(index)), part);
   LS_CHECK(e.qformat != quant::Format::None, "tensor #", part, " of group '", layers_[static_cast<size_t>(index)]->name,
            "' is not quantized");
+  if (e.qformat == quant::Format::Lossless) {  // bit for bit, in its own dtype
+    torch::Tensor dense = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+    const size_t piece_out = dense.nbytes() / e.pieces.size();
+    for (size_t p = 0; p < e.pieces.size(); ++p)
+      lossless::decode(static_cast<const char*>(e.host) + e.pieces[p].offset, e.pieces[p].bytes,
+                       static_cast<char*>(dense.data_ptr()) + p * piece_out, piece_out, 0);
+    return dense;
+  }
   torch::Tensor dense = torch::empty(e.shape, torch::TensorOptions().dtype(torch::kFloat));
   quant::dequantize_cpu(e.qlayout, e.host, dense.data_ptr(), quant::OutDtype::F32, 0);
   return dense.to(e.dtype);
@@ -152,6 +181,9 @@ void EngineImpl::requantize_part(int index, int part, const torch::Tensor& dense
   LayerInfo::Part& e = group_part(l, part);
   LS_CHECK(e.qformat != quant::Format::None, "tensor #", part, " of group '", l.name,
            "' is not quantized: write its parameter in place");
+  LS_CHECK(e.qformat != quant::Format::Lossless, "tensor #", part, " of group '", l.name, "' streams "
+           "lossless-coded, whose size depends on its values: new values cannot be coded into its place. "
+           "detach(), load the weights, and offload() again");
   LS_CHECK(dense.defined() && dense.sizes().vec() == e.shape, "group '", l.name, "': new tensor #", part,
            " of shape ", dense.defined() ? shape_str(dense.sizes().vec()) : "(undefined)", " does not match ",
            shape_str(e.shape));
@@ -211,6 +243,12 @@ std::pair<int64_t, std::vector<torch::Tensor>> EngineImpl::fetch(int layer_index
         for (const auto& run : runs)
           r.push_back({static_cast<size_t>(run.first) * e.expert_bytes,
                        static_cast<size_t>(run.second - run.first) * e.expert_bytes});
+      } else if (e.qformat == quant::Format::Lossless) {  // the runs' pieces lie back to back
+        for (const auto& run : runs) {
+          const auto& first = e.pieces[static_cast<size_t>(run.first)];
+          const auto& last = e.pieces[static_cast<size_t>(run.second - 1)];
+          r.push_back({first.offset, last.offset + last.bytes - first.offset});
+        }
       } else {
         for (const auto& run : runs) {
           const quant::RowRange q = quant::row_range(e.qlayout, run.first * e.expert_rows, run.second * e.expert_rows);
@@ -274,9 +312,30 @@ PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace
     int64_t row_begin, row_end;
   };
   std::vector<Job> jobs;
+  // Lossless pieces (GroupPart::Piece): each decoded alone, at its place.
+  struct Decode {
+    size_t part, offset, bytes;  // the piece, in the part's bytes
+    size_t ws_offset, out_bytes;
+    std::shared_ptr<const lossless::Header> header;
+  };
+  std::vector<Decode> decodes;
   for (size_t k = 0; k < l.parts().size(); ++k) {
     const LayerInfo::Part& e = l.parts()[k];
     if (e.qformat == quant::Format::None) continue;
+    if (e.qformat == quant::Format::Lossless) {
+      const size_t piece_out = static_cast<size_t>(e.param.numel()) * c10::elementSize(e.dtype) / e.pieces.size();
+      auto add = [&](size_t p) {
+        decodes.push_back({k, e.pieces[p].offset, e.pieces[p].bytes, e.ws_offset + p * piece_out, piece_out,
+                           std::make_shared<const lossless::Header>(e.pieces[p].header)});
+      };
+      if (!runs || !e.by_expert) {
+        for (size_t p = 0; p < e.pieces.size(); ++p) add(p);
+      } else {
+        for (const auto& run : *runs)
+          for (int64_t x = run.first; x < run.second; ++x) add(static_cast<size_t>(x));
+      }
+      continue;
+    }
     const quant::OutDtype out = out_dtype_of(e.q_dtype);
     if (!runs || !e.by_expert) {
       jobs.push_back({k, e.qlayout, out, e.ws_offset, 0, e.qlayout.rows});
@@ -307,6 +366,14 @@ PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace
             s, [=] { quant::dequantize_rows_cpu(j.layout, src, j.row_begin, j.row_end, dst, j.out, 1); });
       else
         cuda_glue::dequantize_on(j.layout, src, dst, j.out, device, s.native(), j.row_begin, j.row_end);
+    }
+    for (const Decode& d : decodes) {
+      const char* src = base + off.at(d.part) + d.offset;
+      char* dst = ws + d.ws_offset;
+      if (on_cpu)
+        be->launch_host_func(s, [=] { lossless::decode(src, d.bytes, dst, d.out_bytes, 1); });
+      else
+        cuda_glue::lossless_decode_on(*d.header, src, d.bytes, dst, device, s.native());
     }
   };
 }

@@ -248,6 +248,15 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     bool by_expert = false;
     size_t expert_bytes = 0;
     int64_t expert_rows = 0;
+    // Lossless (qformat Lossless): the host bytes are coded pieces
+    // (lossless::analyze_pieces), one per expert when by_expert, else one;
+    // piece k decodes to elements [k * numel / count, (k + 1) * numel / count).
+    // Each header is read once here, for the CUDA launch.
+    struct Piece {
+      size_t offset = 0, bytes = 0;  // in the part's buffer
+      lossless::Header header;
+    };
+    std::vector<Piece> pieces;
   };
   struct GroupKind {
     std::vector<GroupPart> parts;

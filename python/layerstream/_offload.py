@@ -276,7 +276,7 @@ def offload(
 
     # 1. Per layer: its format and its bytes on the bus, in a slot, resident.
     layers = _formats_and_bytes(model, candidates, tables, quantize, tied_names, dequant_dtype, compute_dtype,
-                                defer_file_reads=cache_dir is not None)
+                                defer_file_reads=cache_dir is not None, routed=experts == "routed")
 
     # 2. With a budget: which layers stay resident; the slots get what is left.
     plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups, train_spec)
@@ -385,8 +385,16 @@ def _check_loadable(model: nn.Module) -> None:
             f"train an adapter over them (LoRA), or load a dense checkpoint to train these weights.")
 
 
+def _group_experts(module: nn.Module, routed: bool) -> int:
+    """The experts a tensor group is indexed by (add_group's `experts`): a mixture-of-experts
+    module's num_experts when calls may fetch some experts only, else 0."""
+    n = getattr(module, "num_experts", 0) if routed else 0
+    return n if isinstance(n, int) and n > 1 else 0
+
+
 def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantize, tied_names: set,
-                       dequant_dtype, compute_dtype, defer_file_reads: bool = False) -> List[_Candidate]:
+                       dequant_dtype, compute_dtype, defer_file_reads: bool = False,
+                       routed: bool = True) -> List[_Candidate]:
     """Step 1: per layer, the quantization format (or pre-quantized weight) and the
     bytes it takes on the bus, in a slot (core/slot_layout.h) and resident. A
     quantized layer's slot holds the packed weight and, after it, the weight
@@ -408,9 +416,11 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             params = [o._parameters[k] for o, k, _ in _group_slots(module)]
             packed = [p for p in params if p.dim() >= 2 and not isinstance(p, GgufWeight)]
             if fmt is not None:
-                reasons = (["the lossless format codes whole Linear and convolution weights, not tensor groups"]
-                           if fmt == "lossless" else
-                           [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1]) for p in packed])
+                if fmt == "lossless" and any(p.requires_grad for p in packed):
+                    reasons = ["a tensor requires grad, and lossless-coded tensor groups are frozen (Linear and "
+                               "convolution weights train coded)"]
+                else:
+                    reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1], p.dtype) for p in packed]
                 reason = next((r for r in reasons if r), "")
                 if reason and isinstance(quantize, str):
                     unpackable.append(f"{name} ({reason})")
@@ -419,7 +429,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
                     raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
             if fmt is not None and any(p.requires_grad for p in packed):
                 trainable.append(name or "<root>")
-            elif fmt is not None and not all(bool(torch.isfinite(p.detach()).all()) for p in packed):
+            elif fmt not in (None, "lossless") and not all(bool(torch.isfinite(p.detach()).all()) for p in packed):
                 raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: a tensor has "
                                        f"NaN or Inf values; fix the checkpoint or do not quantize this layer "
                                        f"(quantize={{'{name}': None, ...}})")
@@ -427,6 +437,9 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             for p in params:
                 if isinstance(p, GgufWeight):
                     parts.append((p.gguf_bytes.numel(), p.numel() * (dequant_dtype or p.dtype).itemsize))
+                elif fmt == "lossless" and p.dim() >= 2:  # coded per expert when routed; its own dtype
+                    coded = _C.lossless_group_part_bytes(p.detach().contiguous(), _group_experts(module, routed))
+                    parts.append((coded, p.numel() * p.element_size()))
                 elif fmt is not None and p.dim() >= 2:
                     parts.append((_C.quant_packed_bytes(fmt, p.numel() // p.shape[-1], p.shape[-1]),
                                   p.numel() * (dequant_dtype or p.dtype).itemsize))
@@ -435,7 +448,8 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             layout = _C.slot_layout(parts)
             layers.append(_Candidate(name, module, kind, fmt, None, layout["bus_bytes"], layout["slot_bytes"],
                                      sum(p.numel() * p.element_size() for p in params),
-                                     narrow_write=all((dequant_dtype or p.dtype).itemsize <= 2 for p in params)))
+                                     narrow_write=all(((None if fmt == "lossless" else dequant_dtype) or p.dtype)
+                                                      .itemsize <= 2 for p in params)))
             continue
         weight, bias = module.weight, module.bias
         pre = _prequantized(name, module)
@@ -472,7 +486,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             rows = weight.shape[0]
             cols = weight.numel() // max(rows, 1)
         if fmt is not None:
-            reason = _C.quant_check(fmt, rows, cols)
+            reason = _C.quant_check(fmt, rows, cols, weight.dtype)
             if reason:
                 if isinstance(quantize, str):
                     unpackable.append(f"{name} ({reason})")
@@ -744,8 +758,7 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
             slots = _group_slots(module)
             params = [o._parameters[k] for o, k, _ in slots]
             devices = [str(params[0].device)]
-            n_experts = getattr(module, "num_experts", 0) if routed else 0
-            n_experts = n_experts if isinstance(n_experts, int) and n_experts > 1 else 0
+            n_experts = _group_experts(module, routed)
             gguf = [(p.gguf_format, p.gguf_bytes) if isinstance(p, GgufWeight) else None for p in params]
             index = engine.add_group(name or "<root>", params, fmt or "", n_experts,
                                      gguf if any(gguf) else [])

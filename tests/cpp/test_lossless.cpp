@@ -374,6 +374,54 @@ TEST(LosslessLayout, HeaderSectionsAndPadding) {
   EXPECT_EQ(lo, uint16_t(v0));
 }
 
+// Pieces (a mixture-of-experts tensor coded one expert at a time): when a
+// tensor is cut, each piece decodes alone, from its own offset, to its own
+// elements, and the pieces lie back to back, each 256-byte aligned.
+TEST(LosslessPieces, OnePerExpertWhenEachOutputStays16ByteAligned) {
+  EXPECT_EQ(ll::expert_pieces(Dtype::BF16, 8 * 64, 8, 8), 8);    // 64 elements: 128 bytes each
+  EXPECT_EQ(ll::expert_pieces(Dtype::F32, 8 * 4, 8, 8), 8);      // 16 bytes each
+  EXPECT_EQ(ll::expert_pieces(Dtype::BF16, 8 * 12, 8, 8), 1);    // 24 bytes: not aligned
+  EXPECT_EQ(ll::expert_pieces(Dtype::F16, 8 * 64, 4, 8), 1);     // dim 0 is not the experts
+  EXPECT_EQ(ll::expert_pieces(Dtype::BF16, 8 * 64, 8, 0), 1);    // not indexed by expert
+  EXPECT_EQ(ll::expert_pieces(Dtype::BF16, 64, 1, 1), 1);
+  EXPECT_EQ(ll::expert_pieces(Dtype::BF16, 0, 8, 8), 1);
+}
+
+TEST(LosslessPieces, EachPieceDecodesAloneToItsElements) {
+  for (Dtype d : kDtypes) {
+    const int64_t count = 6, per = 1000;
+    Tensor t = normal_weights(d, count * per, 0.02f, 21);
+    // A piece of its own kind: piece 2 all one value, piece 4 random bits.
+    const size_t esz = ll::element_bytes(d);
+    std::fill(t.bytes.begin() + 2 * per * esz, t.bytes.begin() + 3 * per * esz, uint8_t{0x3C});
+    const Tensor noise = random_bits(d, per, 4);
+    std::copy(noise.bytes.begin(), noise.bytes.end(), t.bytes.begin() + 4 * per * esz);
+    const ll::PiecesAnalysis P = ll::analyze_pieces(d, t.bytes.data(), t.numel(), count, 2);
+    ASSERT_EQ(P.pieces.size(), size_t(count));
+    ASSERT_EQ(P.offsets.size(), size_t(count) + 1);
+    std::vector<uint8_t> coded(P.total_bytes() + 64, 0xEE);
+    ll::encode_pieces(P, t.bytes.data(), coded.data(), P.total_bytes(), 2);
+    EXPECT_TRUE(std::all_of(coded.begin() + P.total_bytes(), coded.end(), [](uint8_t b) { return b == 0xEE; }))
+        << "wrote past the pieces";
+    for (int64_t k = 0; k < count; ++k) {
+      const size_t at = P.offsets[k], bytes = P.offsets[k + 1] - at;
+      EXPECT_EQ(at % 256, 0u);
+      EXPECT_EQ(bytes, P.pieces[k].total_bytes());
+      const std::vector<uint8_t> piece(coded.begin() + at, coded.begin() + at + bytes);
+      // The same bytes as coding the piece as a tensor of its own.
+      const std::vector<uint8_t> alone =
+          ll::encode(d, t.bytes.data() + k * per * esz, per, 1);
+      EXPECT_TRUE(piece == alone) << "piece " << k;
+      const std::vector<uint8_t> want(t.bytes.begin() + k * per * esz, t.bytes.begin() + (k + 1) * per * esz);
+      EXPECT_TRUE(decode_vec(piece) == want) << "piece " << k;
+      EXPECT_TRUE(device_decode_on_host(piece) == want) << "piece " << k << ", the GPU decoder's code";
+    }
+    EXPECT_GT(P.offsets[5] - P.offsets[4], P.offsets[3] - P.offsets[2]);  // noise codes larger than one value
+  }
+  EXPECT_THROW(ll::analyze_pieces(Dtype::BF16, nullptr, 10, 3), layerstream::Error);
+  EXPECT_THROW(ll::analyze_pieces(Dtype::BF16, nullptr, 10, 0), layerstream::Error);
+}
+
 TEST(LosslessThreads, SameBytesForEveryThreadCount) {
   for (Dtype d : kDtypes) {
     const Tensor t = normal_weights(d, 300001, 0.05f, 21);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/log.h"
+#include "core/lossless.h"
 #include "core/quant.h"
 #include "layerstream/offload.h"
 
@@ -673,9 +674,11 @@ TEST(TorchOffload, RoutedFetchCopiesOnlyTheNamedExperts) {
   // add_group(..., experts): fetch(layer, experts) with at most half of the
   // experts copies only their slices of the expert-indexed tensors (dense
   // and packed: theirs dequantized), the other tensors whole; more than half
-  // fetch the whole group. Bad ids and a group not indexed by expert are
-  // clear errors.
-  for (auto format : {layerstream::quant::Format::None, layerstream::quant::Format::NF4}) {
+  // fetch the whole group. Lossless: each expert is a coded piece of its
+  // own, copied and decoded alone, bit for bit. Bad ids and a group not
+  // indexed by expert are clear errors.
+  for (auto format : {layerstream::quant::Format::None, layerstream::quant::Format::NF4,
+                      layerstream::quant::Format::Lossless}) {
     SCOPED_TRACE(layerstream::quant::to_string(format));
     auto engine = layerstream::Engine::create(sim_options());
     torch::manual_seed(0);
@@ -707,6 +710,16 @@ TEST(TorchOffload, RoutedFetchCopiesOnlyTheNamedExperts) {
     if (format == layerstream::quant::Format::None) {
       EXPECT_EQ(routed, 3.0 / 8.0 * (8 * 4 * 32 + 8 * 64) * 4 + 5 * 4);
       EXPECT_EQ(whole, (8 * 4 * 32 + 8 * 64 + 5) * 4);
+    } else if (format == layerstream::quant::Format::Lossless) {  // 3 experts' pieces of a and b
+      EXPECT_TRUE(torch::equal(want_a, a0) && torch::equal(want_b, b0));
+      namespace ll = layerstream::lossless;
+      auto coded = [](const torch::Tensor& t) {
+        return double(ll::analyze(ll::Dtype::F32, t.contiguous().data_ptr(), t.numel()).total_bytes());
+      };
+      double pieces = 0;
+      for (int64_t x : {1, 2, 6}) pieces += coded(a0[x]) + coded(b0[x]);
+      EXPECT_EQ(routed, pieces + 5 * 4);
+      EXPECT_LT(routed, whole * 0.45);
     } else {  // 3 experts' codes (2 per byte) and block scales (one fp32 per 64)
       EXPECT_EQ(routed, 3 * (4 * 32 / 2 + 4 * 32 / 64 * 4 + 64 / 2 + 64 / 64 * 4) + 5 * 4);
       EXPECT_LT(routed, whole * 0.3);

@@ -279,17 +279,19 @@ def test_tied_lm_head_from_config(tmp_path):
     assert "lm_head" not in [l["name"] for l in j["plan"]["layers"]]
 
 
-def _save_tiny_qwen3_moe(path):
-    """A 2-layer transformers Qwen3-MoE checkpoint (8 experts, 2 per token; per-expert tensors,
-    as transformers saves them) with its config.json, in `path`."""
+def _save_tiny_qwen3_moe(path, dtype=None, **over):
+    """A 2-layer transformers Qwen3-MoE checkpoint (8 experts, 2 per token, unless `over`
+    says otherwise; per-expert tensors, as transformers saves them) with its config.json,
+    in `path`; in `dtype` when given."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
+    cfg = transformers.Qwen3MoeConfig(**{**dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=64)
+        max_position_embeddings=64), **over})
     torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    (model.to(dtype) if dtype else model).save_pretrained(str(path), safe_serialization=True)
 
 
 def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
@@ -312,6 +314,33 @@ def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
     assert ("2 mixture-of-experts group(s), one slot each; a token runs 25% of the experts (config.json), "
             "4096 tokens reach ~100%: more than half, so each group crosses whole") in r.stdout
     assert j["options"]["experts"] == "routed" and "routed_bytes" not in g
+
+
+def test_quantize_lossless_codes_moe_groups_per_expert(tmp_path):
+    """--quantize lossless on a mixture-of-experts checkpoint: each experts group's bytes
+    are its tensors' coded size, within 5% of what offload(quantize="lossless") codes
+    (it codes the fused tensors transformers loads one piece per expert; the plan measures
+    the checkpoint's per-expert tensors one by one) and below the dense size. Trained, the
+    groups stream dense, as offload() streams trainable ones."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import layerstream
+    _save_tiny_qwen3_moe(tmp_path, torch.bfloat16, hidden_size=128, intermediate_size=128,
+                         moe_intermediate_size=128, head_dim=64, num_experts=4)
+    args = ("--checkpoint", tmp_path, "--budget", "1MiB", "--quantize", "lossless")
+    planned = {l["name"]: l for l in plan_json(*args)["plan"]["layers"]}
+    trained = {l["name"]: l for l in plan_json(*args, "--train")["plan"]["layers"]}
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    handle = layerstream.offload(model.requires_grad_(False), device="sim", quantize="lossless")
+    index = {a.name: a.index for a in handle._attached}
+    dense = 4 * 3 * 128 * 128 * 2
+    for i in range(2):
+        name = f"model.layers.{i}.mlp.experts"
+        coded, got = handle._engine.layer_bytes(index[name]), planned[name]["bytes"]
+        assert abs(got - coded) <= 0.05 * coded, (name, got, coded)
+        assert got < 0.75 * dense
+        assert trained[name]["bytes"] == dense
+    handle.detach()
 
 
 def test_moe_decoding_plans_the_routed_experts_only(tmp_path):

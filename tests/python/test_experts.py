@@ -430,3 +430,83 @@ def test_lora_on_expert_parameters_is_a_clear_error(offload_sim):
     offload_sim(model)
     with pytest.raises(LayerstreamError, match=r"'gate_up_proj' is parametrized during the call .*target_parameters"):
         model(input_ids=_ids())
+
+
+# ---- lossless-coded experts: one coded piece per expert ----
+
+def _bits(t):
+    return t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_lossless_experts_route_and_decode_bit_for_bit(offload_sim, dtype):
+    """quantize="lossless" codes each expert tensor one expert at a time (a coded piece
+    per expert, lossless::expert_pieces), so a routed call copies only its experts' coded
+    bytes and decodes them alone: the logits equal the resident model's bit for bit,
+    routed or fetched whole; fewer bytes cross than with the dense experts routed the same
+    way, and the host holds fewer; detach() restores every expert tensor bit for bit."""
+    model = _many_experts(hidden_size=64, moe_intermediate_size=32, head_dim=32).to(dtype)
+    model.requires_grad_(False)
+    ref, whole, dense, original = (copy.deepcopy(model) for _ in range(4))
+    handle = offload_sim(model, quantize={"*experts": "lossless"})
+    h_all = offload_sim(whole, quantize={"*experts": "lossless"}, experts="all")
+    h_dense = offload_sim(dense)
+    assert handle.stats()["quantized_layers"] == 2 and handle.stats()["group_layers"] == 2
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.is_meta  # the engine holds the coded bytes only
+    token = torch.tensor([[9]])
+    with torch.no_grad():
+        for step in range(3):
+            before = [h.stats()["h2d_bytes"] for h in (handle, h_all, h_dense)]
+            out = model(input_ids=token + step).logits
+            assert torch.equal(out, ref(input_ids=token + step).logits), f"step {step}"
+            assert torch.equal(out, whole(input_ids=token + step).logits), f"step {step}"
+            assert torch.equal(out, dense(input_ids=token + step).logits), f"step {step}"
+            moved, moved_all, moved_dense = (h.stats()["h2d_bytes"] - b for h, b in zip((handle, h_all, h_dense),
+                                                                                        before))
+    # The last step: routed copies of the coded experts, fewer bytes than the coded
+    # experts fetched whole and than the dense experts routed the same way.
+    assert handle.stats()["routed_fetches"] >= 4 and h_all.stats()["routed_fetches"] == 0
+    assert moved < moved_all * 0.8
+    assert moved < moved_dense
+    assert handle.stats()["pinned_bytes"] < h_dense.stats()["pinned_bytes"]
+    handle.detach()
+    assert not experts.gate_up_proj.is_meta
+    restored = dict(model.named_parameters())
+    for n, p in original.named_parameters():
+        assert torch.equal(_bits(restored[n]), _bits(p)), n
+
+
+def test_lossless_experts_under_lora_train_exactly(offload_sim):
+    """LoRA on attention over lossless-coded frozen experts (and coded frozen Linear
+    layers): loss and the adapters' gradients equal the resident model's bit for bit; new
+    values cannot be coded into a coded expert tensor's place (clear error)."""
+    model = _lora_moe()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, quantize={"*lora_*": None, "*": "lossless"})
+    assert handle.stats()["quantized_layers"] >= 2
+    ids = _ids()
+    loss, want = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    assert torch.equal(loss, want)
+    loss.backward(), want.backward()
+    grads = dict(ref.named_parameters())
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained
+    for n, p in trained:
+        assert torch.equal(p.grad, grads[n].grad), n
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    with pytest.raises(LayerstreamError, match="lossless-coded, whose size depends on its values"):
+        with torch.no_grad():
+            experts.down_proj.copy_(torch.zeros(experts.down_proj.shape))
+
+
+def test_lossless_on_trainable_experts_streams_them_dense_or_refuses(offload_sim):
+    """Trainable expert tensors are not coded (a coded group is frozen): quantize="lossless"
+    streams them dense with a warning that says why (the Linear layers train coded), and a
+    dict that names them is an error."""
+    model = _qwen3_moe()
+    with pytest.warns(RuntimeWarning, match=r"cannot pack 2 layer\(s\).*mlp.experts \(a tensor requires grad"):
+        handle = offload_sim(model, quantize="lossless")
+    assert handle.stats()["coded_layers"] > 0  # the trainable Linear layers
+    with pytest.raises(LayerstreamError, match=r"cannot quantize layer 'model.layers.0.mlp.experts' to lossless"):
+        offload_sim(_qwen3_moe(), quantize={"*experts": "lossless"})

@@ -130,6 +130,55 @@ def test_quantized_group_module(offload_sim, fmt):
         assert torch.equal(model(x), got)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_lossless_group_modules_compute_bit_for_bit(offload_sim, dtype):
+    """quantize="lossless" codes a frozen group's matrices (a groups= module's and an
+    nn.MultiheadAttention's; biases stay dense): outputs and the input's gradient equal the
+    resident model's bit for bit, and detach() restores every tensor bit for bit. (Their
+    bytes: tests/python/test_experts.py; these 16 x 16 matrices code larger than dense,
+    a coded buffer's header and sections take 256 bytes each.)"""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.attn = _model(), nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x):
+            h = self.body(x)
+            return self.attn(h, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = Net().to(dtype).requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, groups=["body.0", "body.2"], quantize="lossless")
+    assert handle.stats()["group_layers"] == 3 and handle.stats()["quantized_layers"] == 4  # 3 groups, body.1
+    assert model.body[0].w.is_meta and model.attn.in_proj_weight.is_meta and not model.attn.in_proj_bias.is_meta
+    for step in range(2):
+        x, xr = (torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(step)).to(dtype).requires_grad_()
+                 for _ in range(2))
+        y, yr = model(x), ref(xr)
+        assert torch.equal(y, yr), f"step {step}"
+        y.float().square().sum().backward()
+        yr.float().square().sum().backward()
+        assert torch.equal(x.grad, xr.grad), f"step {step}"
+    handle.detach()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert not p.is_meta and torch.equal(p, q), n
+
+
+def test_lossless_group_of_another_dtype_streams_dense(offload_sim):
+    """A float64 group (or Linear) is not coded: quantize="lossless" streams it dense and
+    says why (was: the Linear layers' coding raised from inside offload()); a dict naming
+    it is an error."""
+    model = _model().double().requires_grad_(False)
+    with pytest.warns(RuntimeWarning, match=r"cannot pack 3 layer.*: 0 \(the tensor is Double; only float32, "
+                                            r"bfloat16 and float16 .*; 1 \(the tensor is Double"):
+        handle = offload_sim(model, groups=["0"], quantize="lossless")
+    assert not model[0].w.is_meta and handle.stats()["quantized_layers"] == 0
+    handle.detach()
+    with pytest.raises(LayerstreamError, match="cannot quantize layer '0' to lossless: the tensor is Double"):
+        offload_sim(_model().double().requires_grad_(False), groups=["0"], quantize={"0": "lossless"})
+
+
 @pytest.mark.parametrize("module", ["custom", "attention"])
 def test_group_under_autocast_recomputes_in_the_autocast_dtype(offload_sim, module):
     """A tensor group's forward runs under bf16 autocast, and backward (called outside the

@@ -124,15 +124,29 @@ def test_frozen_lossless_weights_are_not_rewritten_in_place():
     frozen.load_state_dict(state)
 
 
-def test_tensor_groups_are_not_coded():
-    """A tensor group (here MultiheadAttention's) is not coded: with a format for
-    every layer it streams as it is, with a warning; named explicitly, an error."""
-    model = nn.ModuleDict({"attn": nn.MultiheadAttention(64, 4), "fc": nn.Linear(64, 64)}).requires_grad_(False)
-    with pytest.warns(RuntimeWarning, match="codes whole Linear and convolution weights, not tensor groups"):
-        h = layerstream.offload(copy.deepcopy(model), device="sim", quantize="lossless")
-    h.detach()
-    with pytest.raises(LayerstreamError, match="cannot quantize layer 'attn' to lossless"):
-        layerstream.offload(copy.deepcopy(model), device="sim", quantize={"attn": "lossless"})
+def test_tensor_groups_are_coded():
+    """A tensor group (here MultiheadAttention's) is coded like a Linear weight: its
+    matrices cross coded (fewer host bytes than dense), the outputs are bit-identical to
+    the resident module's, and detach() restores it bit for bit."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(256, 4), "fc": nn.Linear(256, 256)})
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    ref, dense = copy.deepcopy(model), copy.deepcopy(model)
+    h = layerstream.offload(model, device="sim", quantize="lossless")
+    h_dense = layerstream.offload(dense, device="sim")
+    assert h.stats()["group_layers"] == 1 and h.stats()["quantized_layers"] == 2
+    assert model["attn"].in_proj_weight.is_meta
+    attn_bytes = sum(p.numel() * 2 for p in ref["attn"].parameters())
+    assert h.stats()["pinned_bytes"] < h_dense.stats()["pinned_bytes"] - 0.25 * attn_bytes
+    x = torch.randn(5, 2, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model["attn"](x, x, x)[0], ref["attn"](x, x, x)[0])
+    h.detach(), h_dense.detach()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), n
 
 
 def _full_finetune_pair(dtype):

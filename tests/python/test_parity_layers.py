@@ -901,13 +901,14 @@ def test_quantized_moe_experts_compute_their_dequantized_values(offload_dev, com
 
 
 @pytest.mark.parametrize("impl", ["eager", "batched_mm"])
-@pytest.mark.parametrize("fmt", [None, "nf4"])
+@pytest.mark.parametrize("fmt", [None, "nf4", "lossless"])
 def test_routed_moe_experts_copy_only_the_chosen_ones(offload_dev, compute_device, impl, fmt):
     """Decoding one token reads 2 of 16 experts per layer: only their slices cross the bus
-    (packed ones dequantized row range by row range on the device). The logits match those
-    of the same model fetching every expert (experts="all") and the resident model's
-    (packed: resident with the experts' reference dequantization, quant_ref.py); bit for
-    bit on the sim device; fewer bytes cross."""
+    (packed ones dequantized row range by row range on the device, lossless-coded ones
+    decoded piece by piece, a piece per expert). The logits match those of the same model
+    fetching every expert (experts="all") and the resident model's (packed: resident with
+    the experts' reference dequantization, quant_ref.py; lossless: the model itself); bit
+    for bit on the sim device; fewer bytes cross."""
     from quant_ref import packed_names, with_reference_values
 
     model = _tiny_qwen3_moe(hidden=64, experts_inter=64, experts=16, impl=impl).requires_grad_(False)
@@ -916,9 +917,10 @@ def test_routed_moe_experts_copy_only_the_chosen_ones(offload_dev, compute_devic
     quantize = {"*experts": fmt} if fmt else None
     handle = offload_dev(model, quantize=quantize)
     h_all = offload_dev(whole, quantize=quantize, experts="all")
-    if fmt:  # resident with the experts' reference dequantization (quant_ref.py)
+    if fmt:
         packed = packed_names(model)
         assert len(packed) == 4
+    if fmt and fmt != "lossless":  # resident with the experts' reference dequantization (quant_ref.py)
         ref = with_reference_values(ref, fmt, packed)
     _decode_routed_and_all(model, handle, whole, h_all, ref.to(compute_device), compute_device)
 
