@@ -4,8 +4,9 @@ A transformers Qwen3-MoE shaped like Qwen3-30B-A3B in miniature (bf16, 128
 experts, 8 per token: 1/16 of the experts read per token), every layer
 streamed with layerstream on the sim device over a modelled PCIe link. The same
 greedy decode runs with offload(experts="all") (each step moves every expert
-of every layer) and experts="routed" (only the experts the router chose),
-side by side in one run; prints bytes moved and time per generated token, and
+of every layer), experts="routed" (only the experts the router chose) and
+routed with quantize="lossless" (the chosen experts' coded pieces, decoded bit
+for bit on the device), side by side in one run; prints bytes moved and time per generated token, and
 checks the logits against the resident model's, every system fed the resident
 model's greedy tokens (exit status 1 beyond --tolerance). On the sim device the time per token is mostly the CPU's own compute;
 `--device cuda` measures the real link (bench/gpu/run.sh runs it so).
@@ -42,7 +43,7 @@ def build(args):
         num_experts_per_tok=args.top_k, max_position_embeddings=256)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    return transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    return transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
 
 
 def decode(model, prompt, tokens, forced=None):
@@ -116,10 +117,11 @@ def main():
     resident_ms, resident_min, resident_max = _spread(resident_runs)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "experts" in n)
     rows = []
-    for mode in ("all", "routed"):
+    for label, mode, quantize in (("all", "all", None), ("routed", "routed", None),
+                                  ("routed, lossless", "routed", "lossless")):
         model = copy.deepcopy(base)
-        handle = layerstream.offload(model, device=args.device, experts=mode, sim_link_gbps=args.link_gbps,
-                                     sim_latency_us=5.0)
+        handle = layerstream.offload(model, device=args.device, experts=mode, quantize=quantize,
+                                     sim_link_gbps=args.link_gbps, sim_latency_us=5.0)
         with torch.no_grad():
             decode(model, prompt, 2)  # warm-up: traces the steps (timed_decodes repeats it)
             before = handle.stats()
@@ -132,7 +134,9 @@ def main():
         calls = args.repeats * args.tokens + 2
         ms, ms_min, ms_max = _spread(runs)
         rows.append({
+            "system": label,
             "experts": mode,
+            "quantize": quantize,
             "ms_per_token": ms,
             "ms_per_token_min": ms_min,
             "ms_per_token_max": ms_max,
@@ -154,17 +158,19 @@ def main():
         f"every system warmed up, then {args.repeats} timed runs (median, min-max); "
         f"resident: {resident_ms:.1f} ms / token ({resident_min:.1f}-{resident_max:.1f})",
         "",
-        "| experts= | ms / token (median) | min-max | MiB on the bus / call | routed fetches | "
+        "| offload() | ms / token (median) | min-max | MiB on the bus / call | routed fetches | "
         "max abs logit diff vs resident | same greedy tokens |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['experts']} | {r['ms_per_token']:.1f} | {r['ms_per_token_min']:.1f}-"
+        lines.append(f"| {r['system']} | {r['ms_per_token']:.1f} | {r['ms_per_token_min']:.1f}-"
                      f"{r['ms_per_token_max']:.1f} | {r['mib_per_call']:.1f} | {r['routed_fetches']} | "
                      f"{r['max_abs_logit_diff']:.3g}{'' if r['matches_resident'] else ' (over tolerance)'} | "
                      f"{'yes' if r['same_tokens_as_resident'] else 'no'} |")
     lines += ["", f"routed / all: {rows[1]['ms_per_token'] / rows[0]['ms_per_token']:.3f} of the time, "
-                  f"{rows[1]['mib_per_call'] / rows[0]['mib_per_call']:.3f} of the bytes"]
+                  f"{rows[1]['mib_per_call'] / rows[0]['mib_per_call']:.3f} of the bytes; "
+                  f"lossless / plain, routed: {rows[2]['ms_per_token'] / rows[1]['ms_per_token']:.3f} of the time, "
+                  f"{rows[2]['mib_per_call'] / rows[1]['mib_per_call']:.3f} of the bytes"]
     if args.out_md:
         with open(args.out_md, "w") as f:
             f.write("\n".join(lines) + "\n")

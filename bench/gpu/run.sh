@@ -495,15 +495,16 @@ stage_nccl() {
 }
 
 # bench/bench_moe_decode.py: greedy decoding of a small Qwen3-MoE (128 experts,
-# 8 per token) with offload(experts="all") and experts="routed"; fails when
-# either's logits differ from the resident model's by more than 0.05.
+# 8 per token) with offload(experts="all"), experts="routed" and routed with
+# quantize="lossless" (a third system since 2026-12-05: 200 s, was 150); fails
+# when a system's logits differ from the resident model's by more than 0.05.
 stage_moe_decode() {
   if [ "$DRY" = 1 ]; then
     margs=(--tokens 4)
   else
     margs=(--device cuda --layers 4 --hidden 1024 --expert-inter 512 --tokens 16)
   fi
-  bench_stage moe_decode 150 moe_decode.json "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTDIR/moe_decode.md"
+  bench_stage moe_decode 200 moe_decode.json "$PY" bench/bench_moe_decode.py "${margs[@]}" --json --out-md "$OUTDIR/moe_decode.md"
 }
 
 # bench/gpu/sanitize.py: compute-sanitizer (memcheck, racecheck, synccheck) over the

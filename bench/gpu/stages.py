@@ -35,7 +35,7 @@ TITLES = {
     "activations": "Activation offload (bench/bench_activations.py)",
     "disk": "The disk tier (bench/bench_disk.py)",
     "nccl": "Process group, one NCCL rank (bench/gpu/nccl_one_rank.py)",
-    "moe_decode": "MoE decoding: every expert vs the routed ones (bench/bench_moe_decode.py)",
+    "moe_decode": "MoE decoding: every expert vs the routed ones, plain and lossless (bench/bench_moe_decode.py)",
     "sanitize": "compute-sanitizer over the C++ CUDA tests and a streamed training step (bench/gpu/sanitize.py)",
 }
 # Stages whose results are already in results.md (compare.py writes it; the

@@ -371,9 +371,9 @@ void write_header(const Layout& L, const uint8_t len[256], uint8_t* dst) {
   store(h + 8, static_cast<uint64_t>(L.numel));
   store(h + 16, static_cast<uint32_t>(L.block_elems));
   store(h + 24, static_cast<uint64_t>(L.num_blocks));
-  store(h + 32, L.stream_words);
+  store(h + kHeaderStreamWordsAt, L.stream_words);
   store(h + 40, static_cast<uint64_t>(L.total_bytes()));
-  for (int s = 0; s < 256; s += 2) h[64 + s / 2] = static_cast<uint8_t>(len[s] << 4 | len[s + 1]);
+  for (int s = 0; s < 256; s += 2) h[kHeaderCodeLengthsAt + s / 2] = static_cast<uint8_t>(len[s] << 4 | len[s + 1]);
   std::memcpy(dst, h, kHeaderBytes);
 }
 
@@ -557,7 +557,7 @@ Header read_header(const void* encoded, size_t bytes) {
            load<uint64_t>(p + 24), " blocks, but ", L.numel, " elements in blocks of ",
            L.block_elems, " make ", num_blocks);
   L.num_blocks = num_blocks;
-  L.stream_words = load<uint64_t>(p + 32);
+  L.stream_words = load<uint64_t>(p + kHeaderStreamWordsAt);
   // Each code has at most 12 bits; each block pads to a word.
   LS_CHECK(L.stream_words <= (numel * kMaxCodeLength + 31) / 32 + uint64_t(num_blocks),
            "lossless: corrupt header: ", L.stream_words, " stream words for ", numel, " elements");
@@ -565,7 +565,7 @@ Header read_header(const void* encoded, size_t bytes) {
            "lossless: corrupt header: reserved bytes are not zero");
   int max_len = 0, used = 0;
   for (int s = 0; s < 256; ++s) {
-    H.code_lengths[s] = static_cast<uint8_t>(s % 2 ? p[64 + s / 2] & 15 : p[64 + s / 2] >> 4);
+    H.code_lengths[s] = device::code_length_at(p, s);
     max_len = std::max<int>(max_len, H.code_lengths[s]);
     used += H.code_lengths[s] != 0;
   }

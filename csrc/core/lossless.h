@@ -63,6 +63,10 @@ int64_t default_block_elems(int64_t numel);
 constexpr int64_t kMaxNumel = int64_t{1} << 56;
 // Zero bytes guaranteed after the last stream word (vector loads may run over).
 constexpr size_t kStreamTailBytes = 16;
+// Where two header fields lie (docs/design/quant-formats.md, the header
+// table), which the GPU decoder of pieces also reads from the device copy:
+// stream_words (uint64) and the code lengths (4 bits per symbol).
+constexpr size_t kHeaderStreamWordsAt = 32, kHeaderCodeLengthsAt = 64;
 
 size_t element_bytes(Dtype d);
 

@@ -10,7 +10,10 @@
 // How the kernel uses it: one thread per coded block. A thread block builds
 // the 4096-entry decode table in shared memory (canonical() by one thread,
 // then table_entry() for every index, in parallel), then each thread calls
-// decode_block_at() for its block. Thread safety: all functions are pure.
+// decode_block_at() for its block. The kernel of pieces (decode_pieces_cuda)
+// first reads a piece's code lengths (code_length_at) and sections
+// (piece_sections) from its header in device memory. Thread safety: all
+// functions are pure.
 #pragma once
 
 #include <cstdint>
@@ -235,6 +238,31 @@ inline Sections sections_of(const Layout& L, const void* base) {
   s.numel = L.numel;
   s.block_elems = L.block_elems;
   s.num_blocks = L.num_blocks;
+  return s;
+}
+
+// ---- pieces (analyze_pieces): what the GPU reads from each piece's header ----
+// Code length of symbol s from a header's 4-bit fields (symbol 2k in the high
+// nibble of byte k); read_header() reads them so too.
+LS_LL_FN uint8_t code_length_at(const uint8_t* header, int s) {
+  const uint8_t b = header[kHeaderCodeLengthsAt + s / 2];
+  return static_cast<uint8_t>(s % 2 ? b & 15 : b >> 4);
+}
+
+// One piece to decode: where its coded buffer starts in the coded bytes and
+// where its elements go in the output (byte offsets; both 16-byte aligned).
+struct PieceJob {
+  uint64_t coded_offset = 0, out_offset = 0;
+};
+
+// The sections of the piece at `piece` (its header, 16-byte aligned), from
+// `shared`: sections_of() any piece of the same tensor with base nullptr.
+// Pieces with equal element counts share every section offset; only the
+// stream's length differs, read here from the piece's header.
+LS_LL_FN Sections piece_sections(const Sections& shared, const uint8_t* piece) {
+  Sections s = shared;
+  s.base = piece;
+  s.stream_words = load_u64(piece + kHeaderStreamWordsAt);
   return s;
 }
 

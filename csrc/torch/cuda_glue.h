@@ -10,8 +10,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "core/lossless.h"
+#include "core/lossless_device.h"
 #include "core/quant.h"
 #include "core/runtime.h"
 
@@ -40,6 +42,11 @@ void dequantize_on(const quant::PackedLayout& layout, const void* packed, void* 
 // (lossless::decode_cuda: `header` read on the host from the same bytes).
 void lossless_decode_on(const lossless::Header& header, const void* coded, size_t coded_bytes, void* out,
                         int device, void* stream);
+// Decodes pieces of one coded tensor on `device`, enqueued on `stream`
+// (lossless::decode_pieces_cuda: `shared` is any piece's layout).
+void lossless_decode_pieces_on(const lossless::Layout& shared, const void* coded,
+                               const std::vector<lossless::device::PieceJob>& jobs, void* out, int device,
+                               void* stream);
 // Casts `numel` contiguous elements on `device`, enqueued on `stream`, as
 // torch's Tensor::to(dtype) does (same kernel, same rounding); sets the
 // current device and stream for the launch. No allocation.

@@ -48,6 +48,13 @@ void lossless_decode_on(const lossless::Header& header, const void* coded, size_
   lossless::decode_cuda(header, coded, coded_bytes, out, stream);
 }
 
+void lossless_decode_pieces_on(const lossless::Layout& shared, const void* coded,
+                               const std::vector<lossless::device::PieceJob>& jobs, void* out, int device,
+                               void* stream) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  lossless::decode_pieces_cuda(shared, coded, jobs.data(), jobs.size(), out, stream);
+}
+
 void cast_on(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t numel,
              int device, void* stream) {
   const auto index = static_cast<c10::DeviceIndex>(device);

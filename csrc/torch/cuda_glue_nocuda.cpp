@@ -21,6 +21,10 @@ void dequantize_on(const quant::PackedLayout&, const void*, void*, quant::OutDty
 void lossless_decode_on(const lossless::Header&, const void*, size_t, void*, int, void*) {
   LS_FAIL("this layerstream build has no CUDA support");
 }
+void lossless_decode_pieces_on(const lossless::Layout&, const void*, const std::vector<lossless::device::PieceJob>&,
+                               void*, int, void*) {
+  LS_FAIL("this layerstream build has no CUDA support");
+}
 void cast_on(const void*, c10::ScalarType, void*, c10::ScalarType, int64_t, int, void*) {
   LS_FAIL("this layerstream build has no CUDA support");
 }

@@ -96,10 +96,16 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
             e.index = store_->add(e.bytes, nullptr, label + "[lossless]");
             e.host = store_->buffer(e.index).ptr;
             lossless::encode_pieces(P, src.data_ptr(), e.host, e.bytes);
-            for (size_t p = 0; p < P.pieces.size(); ++p)
+            for (size_t p = 0; p < P.pieces.size(); ++p) {
               e.pieces.push_back({P.offsets[p], P.pieces[p].total_bytes(),
                                   lossless::read_header(static_cast<const char*>(e.host) + P.offsets[p],
                                                         P.pieces[p].total_bytes())});
+              // One layout for all (decode_pieces_cuda reads only the code and the stream's length).
+              const lossless::Layout &a = e.pieces[p].header.layout, &b = e.pieces.front().header.layout;
+              LS_INTERNAL_CHECK(a.dtype == b.dtype && a.numel == b.numel && a.block_elems == b.block_elems &&
+                                    a.num_blocks == b.num_blocks,
+                                "(lossless pieces of '", name, "' with different layouts)");
+            }
           } else {
             e.qlayout = quant::layout_for(f, rows, cols);
             e.bytes = e.qlayout.total_bytes();
@@ -312,21 +318,27 @@ PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace
     int64_t row_begin, row_end;
   };
   std::vector<Job> jobs;
-  // Lossless pieces (GroupPart::Piece): each decoded alone, at its place.
+  // Lossless parts (GroupPart::Piece): the pieces to decode, each into its
+  // place in the workspace; on CUDA one call per part (decode_pieces_cuda).
   struct Decode {
-    size_t part, offset, bytes;  // the piece, in the part's bytes
-    size_t ws_offset, out_bytes;
-    std::shared_ptr<const lossless::Header> header;
+    size_t part;
+    lossless::Layout shared;                         // every piece's (equal sizes)
+    std::vector<lossless::device::PieceJob> jobs;  // in the part's bytes; in the workspace
+    std::vector<size_t> coded_bytes;                 // each job's
+    size_t out_bytes = 0;                            // each piece's
   };
   std::vector<Decode> decodes;
   for (size_t k = 0; k < l.parts().size(); ++k) {
     const LayerInfo::Part& e = l.parts()[k];
     if (e.qformat == quant::Format::None) continue;
     if (e.qformat == quant::Format::Lossless) {
-      const size_t piece_out = static_cast<size_t>(e.param.numel()) * c10::elementSize(e.dtype) / e.pieces.size();
+      Decode d;
+      d.part = k;
+      d.shared = e.pieces.front().header.layout;
+      d.out_bytes = static_cast<size_t>(e.param.numel()) * c10::elementSize(e.dtype) / e.pieces.size();
       auto add = [&](size_t p) {
-        decodes.push_back({k, e.pieces[p].offset, e.pieces[p].bytes, e.ws_offset + p * piece_out, piece_out,
-                           std::make_shared<const lossless::Header>(e.pieces[p].header)});
+        d.jobs.push_back({e.pieces[p].offset, e.ws_offset + p * d.out_bytes});
+        d.coded_bytes.push_back(e.pieces[p].bytes);
       };
       if (!runs || !e.by_expert) {
         for (size_t p = 0; p < e.pieces.size(); ++p) add(p);
@@ -334,6 +346,7 @@ PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace
         for (const auto& run : *runs)
           for (int64_t x = run.first; x < run.second; ++x) add(static_cast<size_t>(x));
       }
+      decodes.push_back(std::move(d));
       continue;
     }
     const quant::OutDtype out = out_dtype_of(e.q_dtype);
@@ -368,12 +381,16 @@ PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace
         cuda_glue::dequantize_on(j.layout, src, dst, j.out, device, s.native(), j.row_begin, j.row_end);
     }
     for (const Decode& d : decodes) {
-      const char* src = base + off.at(d.part) + d.offset;
-      char* dst = ws + d.ws_offset;
-      if (on_cpu)
-        be->launch_host_func(s, [=] { lossless::decode(src, d.bytes, dst, d.out_bytes, 1); });
-      else
-        cuda_glue::lossless_decode_on(*d.header, src, d.bytes, dst, device, s.native());
+      const char* coded = base + off.at(d.part);
+      if (on_cpu) {  // the reference decoder, piece by piece
+        be->launch_host_func(s, [=] {
+          for (size_t j = 0; j < d.jobs.size(); ++j)
+            lossless::decode(coded + d.jobs[j].coded_offset, d.coded_bytes[j], ws + d.jobs[j].out_offset,
+                             d.out_bytes, 1);
+        });
+      } else {
+        cuda_glue::lossless_decode_pieces_on(d.shared, coded, d.jobs, ws, device, s.native());
+      }
     }
   };
 }

@@ -251,7 +251,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     // Lossless (qformat Lossless): the host bytes are coded pieces
     // (lossless::analyze_pieces), one per expert when by_expert, else one;
     // piece k decodes to elements [k * numel / count, (k + 1) * numel / count).
-    // Each header is read once here, for the CUDA launch.
+    // Each header is read once here (validated); all share one layout.
     struct Piece {
       size_t offset = 0, bytes = 0;  // in the part's buffer
       lossless::Header header;

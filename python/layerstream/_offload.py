@@ -417,8 +417,8 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             packed = [p for p in params if p.dim() >= 2 and not isinstance(p, GgufWeight)]
             if fmt is not None:
                 if fmt == "lossless" and any(p.requires_grad for p in packed):
-                    reasons = ["a tensor requires grad, and lossless-coded tensor groups are frozen (Linear and "
-                               "convolution weights train coded)"]
+                    reasons = ["a tensor requires grad: lossless-coded tensor groups are frozen (Linear and "
+                               "convolution weights train coded); for inference, requires_grad_(False) codes it"]
                 else:
                     reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1], p.dtype) for p in packed]
                 reason = next((r for r in reasons if r), "")

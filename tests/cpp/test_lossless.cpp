@@ -417,6 +417,44 @@ TEST(LosslessPieces, EachPieceDecodesAloneToItsElements) {
       EXPECT_TRUE(device_decode_on_host(piece) == want) << "piece " << k << ", the GPU decoder's code";
     }
     EXPECT_GT(P.offsets[5] - P.offsets[4], P.offsets[3] - P.offsets[2]);  // noise codes larger than one value
+    // The GPU's kernel of pieces, run on the CPU as it runs: pieces 1, 2 and
+    // 4 (a routed call's), each with its code and stream length read from its
+    // header bytes, into their places; piece 0, 3 and 5's places untouched.
+    const ll::device::Sections shared = ll::device::sections_of(ll::read_header(coded.data(), coded.size()).layout,
+                                                                nullptr);
+    std::vector<uint32_t> out(t.bytes.size() / 4 + 1, 0xCDCDCDCDu);
+    char* out_base = reinterpret_cast<char*>(out.data());
+    for (int64_t k : {1, 2, 4}) {
+      const ll::device::PieceJob job{P.offsets[k], uint64_t(k * per) * esz};
+      const uint8_t* piece = coded.data() + job.coded_offset;
+      uint8_t len[256];
+      for (int s = 0; s < 256; ++s) len[s] = ll::device::code_length_at(piece, s);
+      ll::device::Canonical canon;
+      ll::device::canonical(len, &canon);
+      std::vector<uint32_t> table(ll::device::kTableSize);
+      for (uint32_t i = 0; i < ll::device::kTableSize; ++i) table[i] = ll::device::table_entry(canon, i);
+      const ll::device::Sections sec = ll::device::piece_sections(shared, piece);
+      for (int64_t b = 0; b < sec.num_blocks; ++b) {
+        bool ok = false;
+        if (d == Dtype::F32)
+          ok = ll::device::decode_block_at<ll::device::F32>(sec, table.data(), len, b,
+                                                            reinterpret_cast<uint32_t*>(out_base + job.out_offset));
+        else if (d == Dtype::BF16)
+          ok = ll::device::decode_block_at<ll::device::Bf16>(sec, table.data(), len, b,
+                                                             reinterpret_cast<uint16_t*>(out_base + job.out_offset));
+        else
+          ok = ll::device::decode_block_at<ll::device::F16>(sec, table.data(), len, b,
+                                                            reinterpret_cast<uint16_t*>(out_base + job.out_offset));
+        EXPECT_TRUE(ok) << "piece " << k << " block " << b;
+      }
+    }
+    for (int64_t k = 0; k < count; ++k) {
+      const uint8_t* got = reinterpret_cast<const uint8_t*>(out_base) + k * per * esz;
+      if (k == 1 || k == 2 || k == 4)
+        EXPECT_EQ(std::memcmp(got, t.bytes.data() + k * per * esz, per * esz), 0) << "piece " << k;
+      else
+        EXPECT_TRUE(std::all_of(got, got + per * esz, [](uint8_t b) { return b == 0xCD; })) << "piece " << k;
+    }
   }
   EXPECT_THROW(ll::analyze_pieces(Dtype::BF16, nullptr, 10, 3), layerstream::Error);
   EXPECT_THROW(ll::analyze_pieces(Dtype::BF16, nullptr, 10, 0), layerstream::Error);

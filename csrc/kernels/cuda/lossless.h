@@ -7,6 +7,7 @@
 #include <cstddef>
 
 #include "core/lossless.h"
+#include "core/lossless_device.h"
 
 namespace layerstream {
 namespace lossless {
@@ -28,6 +29,18 @@ namespace lossless {
 // or a launch error (with cudaGetErrorString's text).
 void decode_cuda(const Header& header, const void* coded_dev, size_t coded_bytes, void* out_dev,
                  void* cuda_stream);
+
+// Decodes pieces of one tensor (analyze_pieces: equal element counts, so one
+// layout, `shared`, the Layout of any of them; their codes and stream lengths
+// differ and are read by the kernel from each piece's header in the device
+// copy, which read_header() validated in the host copy). jobs[k]: piece k's
+// coded buffer at coded_dev + coded_offset, its elements to out_dev +
+// out_offset (both 16-byte aligned; pieces start on 256 bytes). One launch
+// per 128 pieces (a thread block per 64 coded blocks of a piece), instead of
+// one per piece: a routed call decodes its experts together. Same stream,
+// device, trust and error rules as decode_cuda.
+void decode_pieces_cuda(const Layout& shared, const void* coded_dev, const device::PieceJob* jobs,
+                        size_t num_jobs, void* out_dev, void* cuda_stream);
 
 }  // namespace lossless
 }  // namespace layerstream
