@@ -625,6 +625,8 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
 
+  // Bytes as the planner prints them (1536 -> "1.50 KiB").
+  m.def("format_bytes", [](uint64_t bytes) { return layerstream::format_bytes(bytes); }, py::arg("bytes"));
   // The placement planner (core/planner.h): which layers stay resident.
   // layers, in execution order: (name, bus bytes, slot bytes (0 = bus bytes),
   // resident bytes, FLOPs, trainable, narrow write, train bytes): PlannerLayer's fields.

@@ -404,6 +404,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
     the cache file or reads it in (_read_in_deferred)."""
     layers: List[_Candidate] = []
     unpackable, trainable, tied_dense = [], [], []
+    coded_trainable = [0, 0, 0]  # lossless weights that require grad: count, host bytes, host bytes if frozen
     for name, module, kind in candidates:
         if kind == "group":
             # One slot holds every tensor; with a format, each tensor of 2+ dimensions
@@ -504,6 +505,8 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             if weight.requires_grad:  # dense in the store; coded copy and slot part at their largest size
                 w_cap = _C.lossless_max_bytes(weight.detach().contiguous())
                 host_bytes = dense_w + w_cap + b_bytes
+                coded_trainable = [coded_trainable[0] + 1, coded_trainable[1] + host_bytes,
+                                   coded_trainable[2] + w_bytes + b_bytes]
         elif pre is not None or fmt is not None:
             w_bytes = _C.quant_packed_bytes(pre.format if pre is not None else fmt, rows, cols)
             w_written = dense_w if dequant_dtype is None else rows * cols * dequant_dtype.itemsize
@@ -561,6 +564,14 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
                       f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
                       stacklevel=3)
+    if coded_trainable[0]:
+        # Said once: a model that only runs (inference) rarely means to pay this.
+        n, held, frozen = coded_trainable
+        warnings.warn(f"layerstream: quantize={quantize!r}: {n} lossless layer(s) require grad, so each keeps "
+                      f"its dense weight on the host next to its coded copy (re-coded after each change): "
+                      f"{_C.format_bytes(held)} of host memory where frozen weights would take "
+                      f"{_C.format_bytes(frozen)}. Expected for full fine-tuning; to only run the model, "
+                      f"freeze it first (model.requires_grad_(False))", RuntimeWarning, stacklevel=3)
 
     return layers
 

@@ -7,6 +7,7 @@ bit for bit; bytes on the link per parameter of realistic bf16 weights <= 0.75 o
 bf16."""
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -246,8 +247,15 @@ def test_trainable_lossless_plans_the_dense_weight_and_its_largest_coded_size():
     dense = 512 * 512 * 2
     assert coded < 0.75 * dense < dense < cap
     a, b = copy.deepcopy(lin), copy.deepcopy(lin).requires_grad_(False)
-    h = layerstream.offload(a, device="sim", quantize="lossless", host_budget="1GiB")
-    frozen = layerstream.offload(b, device="sim", quantize="lossless", host_budget="1GiB")
+    # Said at offload(), with both sizes: an inference user rarely means to pay it.
+    coded_both = sum(_C.lossless_coded_bytes(m.weight.detach()) for m in lin)
+    want = (f"2 lossless layer\\(s\\) require grad, .* {_C.format_bytes(2 * (dense + cap))} of host memory "
+            f"where frozen weights would take {_C.format_bytes(coded_both)}\\. .*model.requires_grad_\\(False\\)")
+    with pytest.warns(RuntimeWarning, match=want):
+        h = layerstream.offload(a, device="sim", quantize="lossless", host_budget="1GiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # frozen: nothing to say
+        frozen = layerstream.offload(b, device="sim", quantize="lossless", host_budget="1GiB")
     hp, fp = h.host_plan, frozen.host_plan
     assert hp["store_bytes"] - fp["store_bytes"] >= 2 * (dense + cap - coded) - 2 * 4096
     with torch.no_grad():  # the slots exist once the scheduler is built
