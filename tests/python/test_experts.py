@@ -510,3 +510,23 @@ def test_lossless_on_trainable_experts_streams_them_dense_or_refuses(offload_sim
     assert handle.stats()["coded_layers"] > 0  # the trainable Linear layers
     with pytest.raises(LayerstreamError, match=r"cannot quantize layer 'model.layers.0.mlp.experts' to lossless"):
         offload_sim(_qwen3_moe(), quantize={"*experts": "lossless"})
+
+
+def test_lossless_expert_tensor_of_unaligned_experts_is_coded_whole(offload_sim):
+    """An expert tensor whose experts decode to a size that is not a multiple of 16 bytes
+    (down_proj [16, 28, 7] in bf16: 392 bytes each) is one coded piece, copied whole by a
+    routed call, while gate_up_proj ([16, 14, 28]: 784 bytes) is coded per expert; the
+    logits equal the resident model's bit for bit and detach() restores every tensor."""
+    model = _qwen3_moe(hidden_size=28, moe_intermediate_size=7, num_experts=16).to(torch.bfloat16)
+    model.config._experts_implementation = "eager"  # grouped_mm needs 16-byte strides
+    model.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, quantize={"*experts": "lossless"})
+    with torch.no_grad():
+        for step in range(3):
+            token = torch.tensor([[5 + step]])
+            assert torch.equal(model(input_ids=token).logits, ref(input_ids=token).logits), f"step {step}"
+    assert handle.stats()["routed_fetches"] >= 4
+    handle.detach()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), n
