@@ -553,22 +553,24 @@ def test_transformers_experts_compile_whole_with_lora(offload_sim):
     assert _graph_breaks() == 0
 
 
-@pytest.mark.parametrize("case", ["gpt-oss-full-finetune", "qwen3-moe-int8-frozen"])
+@pytest.mark.parametrize("case", ["gpt-oss-full-finetune", "qwen3-moe-int8-frozen", "qwen3-moe-lossless-frozen"])
 def test_transformers_experts_full_finetune_and_packed_compile_whole(offload_sim, case):
     """Trainable experts (GPT-OSS, with expert biases and `router_indices` passed by
     keyword): their gradients come back through the group operator's backward, two steps
-    of one graph equal the resident model's. Packed (int8) frozen experts: their
-    stand-ins are never graph inputs, and the compiled loss is the eager offloaded one."""
+    of one graph equal the resident model's. Packed (int8) or lossless-coded frozen
+    experts: their stand-ins are never graph inputs, and the compiled loss is the eager
+    offloaded one."""
     from test_experts import _gpt_oss, _ids, _qwen3_moe
 
     model = _gpt_oss() if case.startswith("gpt") else _qwen3_moe().requires_grad_(False)
     ref = copy.deepcopy(model)
-    offload_sim(model, **({"quantize": "int8"} if "int8" in case else {}))
+    fmt = next((f for f in ("int8", "lossless") if f in case), None)
+    offload_sim(model, **({"quantize": fmt} if fmt else {}))
     step = torch.compile(lambda i: model(input_ids=i, labels=i).loss, fullgraph=True, backend="aot_eager")
     for s in range(2):
         ids = _ids(s)
         loss = step(ids)
-        if "int8" in case:
+        if fmt:
             with torch.no_grad():
                 torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss, **TOL)
             continue
