@@ -6,10 +6,12 @@ streamed with layerstream on the sim device over a modelled PCIe link. The same
 greedy decode runs with offload(experts="all") (each step moves every expert
 of every layer), experts="routed" (only the experts the router chose) and
 routed with quantize="lossless" (the chosen experts' coded pieces, decoded bit
-for bit on the device), side by side in one run; prints bytes moved and time per generated token, and
-checks the logits against the resident model's, every system fed the resident
-model's greedy tokens (exit status 1 beyond --tolerance). On the sim device the time per token is mostly the CPU's own compute;
-`--device cuda` measures the real link (bench/gpu/run.sh runs it so).
+for bit on the device), side by side in one run; prints bytes moved and time
+per generated token, and checks the logits against the resident model's, every
+system fed the resident model's greedy tokens (exit status 1 beyond
+--tolerance). On the sim device the time per token is mostly the CPU's own
+compute (and its one-thread decoder); `--device cuda` measures the real link
+(bench/gpu/run.sh runs it so).
 
     .venv/bin/python bench/bench_moe_decode.py [--device sim|cuda] [--tokens 16] [--link-gbps 25] [--repeats 3] [--json]
 
