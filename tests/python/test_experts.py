@@ -530,3 +530,25 @@ def test_lossless_expert_tensor_of_unaligned_experts_is_coded_whole(offload_sim)
     handle.detach()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_routed_lossless_experts_under_training_recompute_exactly(offload_sim):
+    """Training on a few tokens with frozen lossless-coded experts and everything else
+    trainable: the forward and the backward's recompute each copy and decode only the
+    routed experts' pieces; the loss and every gradient equal the resident model's."""
+    model = _many_experts()
+    for n, p in model.named_parameters():
+        if ".experts." in n:
+            p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, quantize={"*experts": "lossless"})
+    for step in range(3):
+        ids = torch.tensor([[3 + step, 7]])
+        loss, want = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        assert torch.equal(loss, want), f"step {step}"
+        loss.backward(), want.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), n
+    assert handle.stats()["routed_fetches"] >= 2 * 2 * 2 and handle.stats()["quantized_layers"] == 2
