@@ -96,12 +96,11 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
             e.index = store_->add(e.bytes, nullptr, label + "[lossless]");
             e.host = store_->buffer(e.index).ptr;
             lossless::encode_pieces(P, src.data_ptr(), e.host, e.bytes);
+            e.piece_layout = P.pieces.front().layout;
             for (size_t p = 0; p < P.pieces.size(); ++p) {
-              e.pieces.push_back({P.offsets[p], P.pieces[p].total_bytes(),
-                                  lossless::read_header(static_cast<const char*>(e.host) + P.offsets[p],
-                                                        P.pieces[p].total_bytes())});
+              e.pieces.push_back({P.offsets[p], P.pieces[p].total_bytes()});
               // One layout for all (decode_pieces_cuda reads only the code and the stream's length).
-              const lossless::Layout &a = e.pieces[p].header.layout, &b = e.pieces.front().header.layout;
+              const lossless::Layout &a = P.pieces[p].layout, &b = e.piece_layout;
               LS_INTERNAL_CHECK(a.dtype == b.dtype && a.numel == b.numel && a.block_elems == b.block_elems &&
                                     a.num_blocks == b.num_blocks,
                                 "(lossless pieces of '", name, "' with different layouts)");
@@ -334,7 +333,7 @@ PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace
     if (e.qformat == quant::Format::Lossless) {
       Decode d;
       d.part = k;
-      d.shared = e.pieces.front().header.layout;
+      d.shared = e.piece_layout;
       d.out_bytes = static_cast<size_t>(e.param.numel()) * c10::elementSize(e.dtype) / e.pieces.size();
       auto add = [&](size_t p) {
         d.jobs.push_back({e.pieces[p].offset, e.ws_offset + p * d.out_bytes});

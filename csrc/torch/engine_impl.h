@@ -251,12 +251,13 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     // Lossless (qformat Lossless): the host bytes are coded pieces
     // (lossless::analyze_pieces), one per expert when by_expert, else one;
     // piece k decodes to elements [k * numel / count, (k + 1) * numel / count).
-    // Each header is read once here (validated); all share one layout.
+    // All share `piece_layout` (taken from the analysis: in a store the node's
+    // ranks share, the bytes are not read before the final all-gather).
     struct Piece {
       size_t offset = 0, bytes = 0;  // in the part's buffer
-      lossless::Header header;
     };
     std::vector<Piece> pieces;
+    lossless::Layout piece_layout;
   };
   struct GroupKind {
     std::vector<GroupPart> parts;
