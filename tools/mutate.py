@@ -227,6 +227,24 @@ MUTATIONS = [
         "  LS_CHECK(true, \"tensor #\", part, \" of group '\", l.name, \"' streams \"",
         [P + "test_experts.py::test_lossless_experts_under_lora_train_exactly"],
         "new values are 'packed' into a lossless-coded group tensor (pack() refuses with another message)"),
+    Mutation(
+        "peft-adapter-not-applied", "python/layerstream/_peft_params.py",
+        "    with fwd.adapted(slot, fn, tensors):\n        yield\n",
+        "    yield\n",
+        [P + "test_experts.py::test_lora_on_expert_parameters_trains_exactly"],
+        "peft's adapter on an expert tensor is dropped: the streamed group computes the base weights"),
+    Mutation(
+        "peft-adapter-gradients-dropped", "python/layerstream/_group_op.py",
+        "    return result[:n_in], result[n_in:n_in + n_ex], host\n",
+        "    return result[:n_in], [None] * n_ex, host\n",
+        [P + "test_experts.py::test_lora_on_expert_parameters_trains_exactly"],
+        "the adapters' factors get no gradient through a streamed group"),
+    Mutation(
+        "peft-adapters-streamed", "python/layerstream/_discovery.py",
+        "        if id(module) in adapters:\n            continue\n",
+        "",
+        [P + "test_experts.py::test_lora_on_expert_parameters_trains_exactly"],
+        "the Linear modules of a ParamWrapper (read directly, not called) stream"),
     # ---- plausible bugs the suite already caught in the audit ----
     Mutation(
         "int8-scale-128", "csrc/core/quant.cpp",

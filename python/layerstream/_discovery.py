@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import _C
+from . import _C, _peft_params
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._packed import _PackedWeight
@@ -292,8 +292,9 @@ _RESIDENT_REASONS = {
     "padded": ("conv layer(s) with a padding_mode other than 'zeros'",
                "not streamed; they run their original forward"),
     "computed": ("layer(s) whose weight is not a parameter of their own",
-                 "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or "
-                 "by pruning; or a plain tensor attribute"),
+                 "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or peft's "
+                 "LoRA on parameters (target_parameters) outside mixture-of-experts tensors, or by "
+                 "pruning; or a plain tensor attribute"),
     "custom": ("Linear/conv/embedding subclass layer(s) with their own forward",
                "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
                "would drop what it adds"),
@@ -351,6 +352,11 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
     ties aside; and the names of the modules groups= streams whole. Warns once per
     reason for the layers that stay resident (stacklevel: offload()'s caller)."""
     dora = _dora_layers(model)
+    # peft's LoRA on parameters (_peft_params.py): the wrapper reads its adapters'
+    # weights directly (they stay on the device, as the trained part: no warning), and
+    # parametrizes its base's tensor during each call, which a streamed tensor group
+    # supports and a streamed Linear/conv/table does not.
+    adapters, wrapped = _peft_params.adapter_modules(model), _peft_params.wrapped_bases(model)
     candidates = []
     resident = {reason: [] for reason in _RESIDENT_REASONS}  # reason -> labels, warned once each
     grouped = []  # the names of modules offload(groups=...) streams whole: their descendants are theirs
@@ -396,7 +402,9 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             raise LayerstreamError(
                 f"module '{name}' is already offloaded by another layerstream handle; call "
                 f"detach() on that handle first")
-        reason = _resident_reason(module, kind, dora)
+        if id(module) in adapters:
+            continue
+        reason = "computed" if id(module) in wrapped and kind != "group" else _resident_reason(module, kind, dora)
         if reason == "skip":
             continue  # not a float table: left as it is
         if reason is not None:

@@ -131,7 +131,7 @@ class _GroupForward(_RefusesCopy):
     swap is on the module)."""
 
     __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts",
-                 "_averaged", "_experts_module", "_dense", "__weakref__")
+                 "_averaged", "_experts_module", "_dense", "_adapted", "__weakref__")
 
     def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
                  experts: int = 0):
@@ -144,6 +144,9 @@ class _GroupForward(_RefusesCopy):
         self._experts_module = _is_experts(module)
         # Which tensors are parameters, not packed stand-ins (frozen; Dynamo must not trace them).
         self._dense = tuple(i for i, p in enumerate(self._params) if not isinstance(p, StandIn))
+        # Adapters active for the call (Note [Adapters on a streamed group's tensors],
+        # _peft_params.py): (tensor index, function, its tensors), innermost last.
+        self._adapted: List[tuple] = []
         _group_op.register(self)  # reachable from its operator (Note [A tensor group as an operator])
 
     def routed_experts(self, args, kwargs) -> List[int]:
@@ -174,18 +177,40 @@ class _GroupForward(_RefusesCopy):
                     f"tensor group's parameters are views of a device slot that the next layers reuse. "
                     f"Return a copy (e.g. .clone()), or keep this module resident (offload(exclude=[...])).")
 
+    def slot_index(self, owner: nn.Module, key: str) -> int:
+        """The index of `owner`'s tensor `key` among the group's tensors."""
+        for i, (o, k) in enumerate(self._slots):
+            if o is owner and k == key:
+                return i
+        raise LayerstreamError(f"streamed layer '{self._name}' holds no tensor '{key}' of that module")
+
     @contextlib.contextmanager
-    def fetched(self, requires_grad=None, experts: Sequence[int] = ()):
+    def adapted(self, slot: int, fn, tensors: Sequence[torch.Tensor]):
+        """While the block runs, the module's forward sees fn(fetched tensor #slot,
+        *tensors) for that tensor (an adapter, _peft_params.py)."""
+        self._adapted.append((slot, fn, tuple(tensors)))
+        try:
+            yield
+        finally:
+            self._adapted.pop()
+
+    @contextlib.contextmanager
+    def fetched(self, requires_grad=None, experts: Sequence[int] = (), adapters: Sequence[tuple] = ()):
         """The module's parameters swapped for views of the fetched slot while the
         block runs (work on them must be enqueued inside it); `requires_grad`: per
         tensor, whether the view is a leaf that requires grad (backward's recompute);
-        `experts`: the only experts the block reads (routed_experts), [] = all."""
+        `experts`: the only experts the block reads (routed_experts), [] = all;
+        `adapters`: (tensor index, function, tensors): the module sees the function of
+        the view instead (its result; the views yielded stay the fetched tensors)."""
         token, views = self._engine.fetch(self._index, list(experts))
         try:
             if requires_grad is not None:
                 views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
+            seen = list(views)
+            for slot, fn, tensors in adapters:
+                seen[slot] = fn(seen[slot], *tensors)
             try:
-                for (o, k), v in zip(self._slots, views):
+                for (o, k), v in zip(self._slots, seen):
                     o._parameters[k] = v
                 yield views
             finally:
@@ -196,6 +221,8 @@ class _GroupForward(_RefusesCopy):
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
+            if self._adapted:
+                return _group_adapted_eagerly(self, args, kwargs)
             if _group_op.describable(args, kwargs):
                 return _group_op.traced(self, args, kwargs)
             return _group_eagerly(self, args, kwargs)
@@ -206,11 +233,10 @@ class _GroupForward(_RefusesCopy):
             if k in getattr(o, "parametrizations", {}):
                 raise LayerstreamError(
                     f"streamed layer '{self._name}': its tensor '{k}' is parametrized during the call "
-                    f"(torch.nn.utils.parametrize; e.g. peft's LoRA on expert parameters, "
-                    f"LoraConfig(target_parameters=...)), so its value is computed from the tensor by "
-                    f"code layerstream cannot stream, and whose gradients it could not return. Put the "
-                    f"adapters on Linear layers (target_modules), or keep this module resident "
-                    f"(offload(exclude=[...])).")
+                    f"(torch.nn.utils.parametrize), so its value is computed from the tensor by code "
+                    f"layerstream cannot stream, and whose gradients it could not return. peft's LoRA on "
+                    f"expert parameters (LoraConfig(target_parameters=...)) is supported; for another "
+                    f"parametrization keep this module resident (offload(exclude=[...])).")
         if any(o._parameters.get(k) is not p for (o, k), p in zip(self._slots, self._params)):
             raise LayerstreamError(
                 f"the parameters of streamed layer '{self._name}' were replaced after offload(); "
@@ -219,15 +245,19 @@ class _GroupForward(_RefusesCopy):
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         inputs = [flat[i] for i in positions]
+        adapters = tuple(self._adapted)
+        extras = [t for _, _, ts in adapters for t in ts]
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or
-                                                any(p.requires_grad for p in self._params)):
-            with self.fetched(experts=self.routed_experts(args, kwargs)) as views:
+                                                any(p.requires_grad for p in self._params) or
+                                                any(t.requires_grad for t in extras)):
+            with self.fetched(experts=self.routed_experts(args, kwargs), adapters=adapters) as views:
                 out = self._original(*args, **kwargs)
                 self.check_output(out, views)
                 return out
         taken = set(positions)
         skeleton = [None if i in taken else a for i, a in enumerate(flat)]
-        return _GroupFn.apply(self, (skeleton, spec, positions), *inputs, *self._params)
+        shape = tuple((slot, fn, len(ts)) for slot, fn, ts in adapters)
+        return _GroupFn.apply(self, (skeleton, spec, positions), shape, *inputs, *extras, *self._params)
 
 
 @_dynamo_marks.disable(reason=(
@@ -239,6 +269,15 @@ def _group_eagerly(fwd: _GroupForward, args, kwargs):
     """A tensor group's call under torch.compile that cannot be one operator (its arguments
     do not fit layerstream::group's description, _group_op.describable): it runs eagerly
     (Note [A tensor group as an operator], _group_op.py)."""
+    return fwd._run(*args, **kwargs)
+
+
+@_dynamo_marks.disable(reason=(
+    "a streamed tensor group with a peft LoRA adapter on its tensors (LoraConfig(target_parameters=...)) "
+    "runs eagerly under torch.compile, with a graph break around it (Note [Adapters on a streamed "
+    "group's tensors])"))
+def _group_adapted_eagerly(fwd: _GroupForward, args, kwargs):
+    """A tensor group's call under torch.compile while an adapter is active on its tensors."""
     return fwd._run(*args, **kwargs)
 
 
@@ -264,10 +303,12 @@ class _GroupFn(torch.autograd.Function):
     copied to the host and returned to autograd, which accumulates them into .grad."""
 
     @staticmethod
-    def forward(ctx, fwd, layout, *tensors):
-        n_in = len(layout[2])
-        inputs = tensors[:n_in]
-        ctx.fwd, ctx.layout = fwd, layout
+    def forward(ctx, fwd, layout, adapters, *tensors):
+        # tensors: the call's, then the adapters' (`adapters`: (tensor index, function,
+        # how many of them) each, _GroupForward.adapted), then the group's.
+        n_in, n_ex = len(layout[2]), sum(n for _, _, n in adapters)
+        inputs, extras = tensors[:n_in], tensors[n_in:n_in + n_ex]
+        ctx.fwd, ctx.layout, ctx.adapters = fwd, layout, adapters
         dev = fwd._device
         ctx.rng = _group_op.rng_state(dev)
         kind = dev.type
@@ -276,10 +317,11 @@ class _GroupFn(torch.autograd.Function):
         # whose version a re-quantization bumps), so that a write between forward and
         # backward raises autograd's version error, as for a resident module, instead of
         # recomputing with other values.
-        ctx.save_for_backward(*inputs, *fwd._params)
+        ctx.save_for_backward(*inputs, *extras, *fwd._params)
         args, kwargs = _rebuild(layout, inputs)
         ctx.experts = fwd.routed_experts(args, kwargs)  # the recompute reads the same ones
-        out = _group_op.forward_without_graph(fwd, functools.partial(_rebuild, layout), inputs, ctx.experts)
+        out = _group_op.forward_without_graph(fwd, functools.partial(_rebuild, layout), inputs, ctx.experts,
+                                              adapters, extras)
         ctx.single, outs = _group_op.check_outputs(fwd, out)
         return outs[0] if ctx.single else outs
 
@@ -300,7 +342,8 @@ class _GroupFn(torch.autograd.Function):
                                    f"optimizer step before this backward); autograd raises the same for a "
                                    f"resident module. {e}") from None
         n_in = len(ctx.layout[2])
-        ins, host = _group_op.recompute_gradients(
-            fwd, functools.partial(_rebuild, ctx.layout), saved[:n_in], ctx.needs_input_grad[2:], ctx.rng,
-            ctx.autocast, ctx.experts, ctx.single, grads)
-        return (None, None, *ins, *host)
+        n_ex = sum(n for _, _, n in ctx.adapters)
+        ins, ex, host = _group_op.recompute_gradients(
+            fwd, functools.partial(_rebuild, ctx.layout), saved[:n_in], ctx.needs_input_grad[3:], ctx.rng,
+            ctx.autocast, ctx.experts, ctx.single, grads, ctx.adapters, saved[n_in:n_in + n_ex])
+        return (None, None, None, *ins, *ex, *host)

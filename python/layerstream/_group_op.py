@@ -92,14 +92,27 @@ def rng_state(dev: torch.device) -> tuple:
     return torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
 
 
-def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor], experts: Sequence[int]):
+def bind(adapters: Sequence[tuple], tensors: Sequence[torch.Tensor]) -> list:
+    """(tensor index, function, tensors) per adapter from `adapters`' (index, function,
+    count) and their tensors in order (_GroupForward.fetched's `adapters`)."""
+    out, at = [], 0
+    for slot, fn, n in adapters:
+        out.append((slot, fn, tuple(tensors[at:at + n])))
+        at += n
+    return out
+
+
+def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor], experts: Sequence[int],
+                          adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = ()):
     """The module's forward on the fetched slot as the resident module runs it when a
     gradient is needed: grad mode on, inputs and parameters with their requires_grad
     (the fetched views have their parameters'), so that every op takes the same path
     (at::matmul folds by requires_grad; attention picks its kernel by grad mode). The
     graph it records is dropped with the detached outputs, and nothing it saves is an
-    activation to offload. (Note [Same calls as the resident module], csrc/torch/engine.cpp)"""
-    with torch.enable_grad(), fwd.fetched(experts=experts) as views, \
+    activation to offload. `adapters` / `extras`: as recompute_gradients'.
+    (Note [Same calls as the resident module], csrc/torch/engine.cpp)"""
+    bound = bind(adapters, leaves(extras, [t.requires_grad for t in extras]))
+    with torch.enable_grad(), fwd.fetched(experts=experts, adapters=bound) as views, \
             torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
         args, kwargs = rebuild(leaves(inputs, [x.requires_grad for x in inputs]))
         out = fwd._original(*args, **kwargs)
@@ -108,15 +121,19 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
 
 
 def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], needs: Sequence[bool], rng: tuple,
-                        autocast: tuple, experts: Sequence[int], single: bool, grads: Sequence) -> Tuple[list, list]:
+                        autocast: tuple, experts: Sequence[int], single: bool, grads: Sequence,
+                        adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = ()) -> Tuple[list, list, list]:
     """Backward of a group call: fetch again, re-run the forward with the saved inputs
     (RNG and autocast state as at the forward) and differentiate it. `needs`: per
-    input, then per group tensor. Returns the inputs' gradients (a tensor passed at
-    several positions gets its whole gradient at the first) and the group tensors'
-    gradients on the host in their dtypes (averaged over the process group first when
-    the engine averages)."""
-    n_in = len(saved)
+    input, per adapter tensor, then per group tensor; `adapters`: (tensor index,
+    function, count) of the adapters active at the forward, `extras` their tensors
+    (Note [Adapters on a streamed group's tensors], _peft_params.py). Returns the
+    inputs' gradients (a tensor passed at several positions gets its whole gradient at
+    the first), the adapter tensors' and the group tensors' gradients on the host in
+    their dtypes (averaged over the process group first when the engine averages)."""
+    n_in, n_ex = len(saved), len(extras)
     inputs = leaves(saved, needs[:n_in])
+    ex = leaves(extras, needs[n_in:n_in + n_ex])
     args, kwargs = rebuild(inputs)
     dev = fwd._device
     cpu_rng, dev_rng = rng
@@ -125,21 +142,21 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
         if dev_rng is not None:
             torch.cuda.set_rng_state(dev_rng, dev)
         with torch.enable_grad(), torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), \
-                fwd.fetched(needs[n_in:], experts) as views:
+                fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:
             out = fwd._original(*args, **kwargs)
             outs = (out,) if single else tuple(out)
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
-            wanted = [t for t in inputs + views if t.requires_grad]
+            wanted = [t for t in inputs + ex + views if t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
                        if pairs and wanted else [None] * len(wanted))
-            result = [next(got) if t.requires_grad else None for t in inputs + views]
+            result = [next(got) if t.requires_grad else None for t in inputs + ex + views]
             first = {}
             for i, t in enumerate(inputs):
                 if first.setdefault(id(t), i) != i:
                     result[i] = None
     host = []
     for k, p in enumerate(fwd._params):
-        g = result[n_in + k]
+        g = result[n_in + n_ex + k]
         if fwd._averaged and p.requires_grad:
             # Averaged over the process group before the copy to the host (the engine's
             # rule, engine_distributed.cpp); every rank reduces every trainable tensor,
@@ -147,7 +164,7 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
             g = (torch.zeros(p.shape, dtype=p.dtype, device=dev) if g is None else g).to(dtype=p.dtype)
             fwd._engine.average_gradient(fwd._index, g)
         host.append(None if g is None else g.to("cpu", p.dtype))  # returned to autograd: .grad on the host
-    return result[:n_in], host
+    return result[:n_in], result[n_in:n_in + n_ex], host
 
 
 def check_outputs(fwd, out) -> Tuple[bool, tuple]:
@@ -374,8 +391,8 @@ def _group_backward_kernel(grads, inputs, rng, engine, layer, call, mask):
     it = iter(grads)
     full = [None if n else next(it) for n in nones]
     with _as_eager():
-        ins, host = recompute_gradients(fwd, c.rebuild, inputs, list(mask), _split_rng(rng, fwd._device),
-                                        c.autocast, experts, single, full)
+        ins, _, host = recompute_gradients(fwd, c.rebuild, inputs, list(mask), _split_rng(rng, fwd._device),
+                                           c.autocast, experts, single, full)
     # In the layouts backward_fake promises (Inductor's code relies on them): an input's
     # gradient laid out like the input, a group tensor's contiguous.
     n_in = len(inputs)

@@ -61,6 +61,9 @@ class Handle(_RefusesCopy):
         # that can go to the host), None when off; the hooks detach() removes.
         self.activation_budget: Optional[int] = None
         self._activation_hooks = []
+        # peft wrappers patched over streamed groups and the hooks that patch later ones
+        # (_peft_params.Installed), removed by detach(); None without any.
+        self._peft = None
         # A budget that did not count training (offload() without train=): the note
         # layerstream.optim reads, ended by detach() (_offload._note_uncounted_training).
         self._uncounted = None
@@ -250,6 +253,9 @@ class Handle(_RefusesCopy):
         for h in self._activation_hooks:
             h.remove()
         self._activation_hooks = []
+        if self._peft is not None:
+            self._peft.remove()
+            self._peft = None
         if self._uncounted is not None:
             self._uncounted.end()
         if self._ddp_model is not None:

@@ -19,7 +19,7 @@ from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._guards import _RootApply, _StreamedApply, _requantize_on_load
-from . import _distributed
+from . import _distributed, _peft_params
 from ._activations import ActivationOffload, parse_activations
 from ._handle import Handle, _Attached
 from ._packed import _PackedWeight
@@ -282,6 +282,8 @@ def offload(
     # 5. Attach them to one engine (undone on failure); the rest moves to the device.
     handle = _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
                      plan, grouped, compute_device, experts == "routed", on_disk, group)
+    handle._peft = _peft_params.install(model, {id(a.module): a.module.forward for a in handle._attached
+                                                if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
     if activation_budget is not None:
         handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
         handle.activation_budget = activation_budget

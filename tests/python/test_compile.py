@@ -553,6 +553,29 @@ def test_transformers_experts_compile_whole_with_lora(offload_sim):
     assert _graph_breaks() == 0
 
 
+def test_lora_on_expert_parameters_runs_the_group_eagerly_under_compile(offload_sim):
+    """peft's LoRA on the experts' tensors (target_parameters) under torch.compile: the
+    group call runs eagerly between graphs (the adapter is applied on the fetched tensor,
+    Note [Adapters on a streamed group's tensors]); loss and every adapter gradient as
+    the eager resident model's; fullgraph=True fails naming the reason."""
+    from test_experts import _ids, _param_lora, _qwen3_moe
+
+    model = _param_lora(_qwen3_moe())
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    loss = torch.compile(lambda i: model(input_ids=i, labels=i).loss, backend="aot_eager")(_ids())
+    loss_r = ref(input_ids=_ids(), labels=_ids()).loss
+    torch.testing.assert_close(loss, loss_r, **TOL)
+    loss.backward()
+    loss_r.backward()
+    assert_grads_match(model, ref, rtol=1e-4, atol=1e-6)
+    assert model.base_model.model.model.layers[0].mlp.experts.lora_A["default"].weight.grad is not None
+    assert _graph_breaks() >= 1
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"target_parameters"):
+        torch.compile(lambda i: model(input_ids=i).logits, fullgraph=True, backend="aot_eager")(_ids())
+
+
 @pytest.mark.parametrize("case", ["gpt-oss-full-finetune", "qwen3-moe-int8-frozen", "qwen3-moe-lossless-frozen"])
 def test_transformers_experts_full_finetune_and_packed_compile_whole(offload_sim, case):
     """Trainable experts (GPT-OSS, with expert biases and `router_indices` passed by

@@ -420,15 +420,143 @@ def test_generate_with_routed_experts_matches_resident(offload_sim):
     assert handle.stats()["routed_fetches"] >= 2 * 5
 
 
-def test_lora_on_expert_parameters_is_a_clear_error(offload_sim):
-    """peft's LoRA on expert parameters (target_parameters) parametrizes the 3-D tensor
-    around each call: its value and its adapters' gradients would come from code outside
-    the stream. The first call says so (instead of running without the adapters)."""
+# ---- peft's LoRA on expert parameters (target_parameters) ----
+
+def _param_lora(model, params=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), seed=1, **kw):
+    """peft's LoRA on the experts' 3-D tensors (ParamWrapper, nested: one per tensor) and
+    on q_proj; random B factors (peft's default zeros would make every delta zero)."""
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(_qwen3_moe(), peft.LoraConfig(r=2, target_modules=[],
-                                                              target_parameters=["mlp.experts.gate_up_proj"]))
+    torch.manual_seed(seed)
+    return peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=list(params),
+                                                      init_lora_weights=False, **kw))
+
+
+def _wrappers(model):
+    return [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+
+
+@pytest.mark.parametrize("make", [_qwen3_moe, _gpt_oss], ids=["qwen3-moe", "gpt-oss-biases"])
+def test_lora_on_expert_parameters_trains_exactly(offload_sim, recwarn, make):
+    """peft's LoRA on expert tensors (LoraConfig(target_parameters=...)) over streamed
+    experts: each call's adapted tensors are computed on the compute device from the
+    fetched ones (Note [Adapters on a streamed group's tensors]); logits, every gradient
+    (the adapters' factors' through the backward's recompute) and the logits after AdamW
+    equal the resident peft model's bit for bit. The adapters' own Linear modules stay on
+    the device, unwarned (the wrapper reads their weights directly); detach() restores
+    peft's wrappers."""
+    model = _param_lora(make())
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    assert not [w for w in recwarn if "layerstream" in str(w.message)]
+    assert sum(n.endswith("experts.base_layer.base_layer") for n in handle.layers) == 2
+    assert not [n for n in handle.layers if "experts.lora_" in n or "base_layer.lora_" in n]
+    assert all("_activate_lora" in w.__dict__ for w in _wrappers(model))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_ids()).logits, ref(input_ids=_ids()).logits)
+    _train_compare(model, ref)
+    lora = [n for n, p in model.named_parameters() if "lora" in n and "experts" in n and p.grad is not None]
+    assert len(lora) == 2 * 2 * 2  # layers x tensors x (A, B)
+    handle.detach()
+    assert not [w for w in _wrappers(model) if "_activate_lora" in w.__dict__]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_ids(5)).logits, ref(input_ids=_ids(5)).logits)
+
+
+def test_lora_on_expert_parameters_added_after_offload(offload_sim):
+    """Adapters added after offload() (get_peft_model on the streamed model, as for Linear
+    adapters) are taken over at the first call of the block that holds them; routed calls
+    (16 experts, one token) copy only their experts and still match the resident model,
+    with gradient checkpointing in training."""
+    base = _many_experts()
+    ref = _param_lora(copy.deepcopy(base))
+    handle = offload_sim(base)
+    model = _param_lora(base)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable()
+        m.train()
+    with torch.no_grad():
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(p, q), n
+        for token in (5, 9, 17):  # the first call's groups come whole (prefetched)
+            one = torch.tensor([[token]])
+            assert torch.equal(model(input_ids=one).logits, ref(input_ids=one).logits)
+    assert handle.stats()["routed_fetches"] >= 2 * 2
+    assert all("_activate_lora" in w.__dict__ for w in _wrappers(model))
+    _train_compare(model, ref)
+
+
+def test_lora_on_expert_parameters_with_two_adapters_adds_their_deltas(offload_sim):
+    """Two active adapters on one expert tensor: peft adds the sum of their deltas (not
+    the factors' baddbmm); the same here, bit for bit, gradients included."""
+    model = _param_lora(_qwen3_moe(), params=("mlp.experts.gate_up_proj",))
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(2)
+    model.add_adapter("second", peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                target_parameters=["mlp.experts.gate_up_proj"], init_lora_weights=False))
+    model.base_model.set_adapter(["default", "second"])
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora" in n)
+    ref = copy.deepcopy(model)
     offload_sim(model)
-    with pytest.raises(LayerstreamError, match=r"'gate_up_proj' is parametrized during the call .*target_parameters"):
+    _train_compare(model, ref, steps=1)
+    assert model.base_model.model.model.layers[0].mlp.experts.lora_B["second"].weight.grad is not None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "lossless"])
+def test_lora_on_packed_expert_parameters(offload_sim, fmt):
+    """QLoRA on the experts' own tensors: packed (int8) or lossless-coded frozen experts
+    with peft's adapters on them; the adapter applies to the dequantized / decoded tensor
+    in the slot. Loss and adapter gradients equal, bit for bit, the resident model's with
+    the experts replaced by their reference dequantization (int8, quant_ref.py) or
+    unchanged (lossless)."""
+    from quant_ref import packed_names, with_reference_values
+
+    model = _param_lora(_qwen3_moe())
+    original = copy.deepcopy(model)
+    handle = offload_sim(model, quantize={"*lora_*": None, "*": fmt})
+    assert handle.stats()["group_layers"] == 2
+    experts = model.base_model.model.model.layers[0].mlp.experts.base_layer.base_layer
+    assert type(experts.gate_up_proj).__name__ == "_PackedWeight"
+    ref = original if fmt == "lossless" else with_reference_values(original, fmt, packed_names(model))
+    ids = _ids()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert torch.equal(loss, want)
+    grads = dict(ref.named_parameters())
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sum("experts" in n for n in trained) == 2 * 2 * 2
+    for n in trained:
+        assert torch.equal(dict(model.named_parameters())[n].grad, grads[n].grad), n
+
+
+def test_lora_on_a_linear_weight_parameter_keeps_the_layer_resident(offload_sim):
+    """target_parameters on a Linear's weight (peft parametrizes it during each call):
+    a streamed Linear computes from its own weight, so that layer stays resident with the
+    "computed" warning, and the numbers hold."""
+    model = _param_lora(_qwen3_moe(), params=("self_attn.o_proj.weight",))
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"not a parameter of their own .*o_proj"):
+        handle = offload_sim(model)
+    assert not [n for n in handle.layers if "o_proj" in n]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_ids()).logits, ref(input_ids=_ids()).logits)
+
+
+def test_other_parametrizations_of_expert_tensors_are_a_clear_error(offload_sim):
+    """A parametrization layerstream does not know (registered on the streamed module
+    itself) would compute from the host tensor: the call says so."""
+    model = _qwen3_moe()
+    offload_sim(model)
+    experts = model.model.layers[0].mlp.experts
+
+    class Twice(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.nn.utils.parametrize.register_parametrization(experts, "gate_up_proj", Twice())
+    with pytest.raises(LayerstreamError, match=r"'gate_up_proj' is parametrized during the call .*exclude"):
         model(input_ids=_ids())
 
 

@@ -861,6 +861,50 @@ def test_moe_experts_stream_as_a_group(offload_dev, compute_device):
         _close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_lora_on_moe_expert_parameters(offload_dev, compute_device, when):
+    """peft's LoRA on the experts' 3-D tensors (LoraConfig(target_parameters=...)) added
+    before offload() or after it (then moved to the device with the model): peft would
+    register a parametrization computed from the host copy (on CUDA a device mismatch);
+    the streamed group applies the adapter to the fetched tensor on the device instead
+    (Note [Adapters on a streamed group's tensors]). Routed one-token decoding and a
+    training step (the adapters' gradients from the backward's recompute) match the
+    resident peft model."""
+    peft = pytest.importorskip("peft")
+
+    def lora(m):
+        torch.manual_seed(1)
+        return peft.get_peft_model(m, peft.LoraConfig(
+            r=2, target_modules=[], init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+
+    base = _tiny_qwen3_moe(hidden=32, experts_inter=16, experts=16)
+    ref = lora(copy.deepcopy(base)).to(compute_device)
+    if when == "before":
+        model = lora(base)
+        handle = offload_dev(model)
+    else:
+        handle = offload_dev(base)
+        model = lora(base).to(compute_device)
+    tol = _exact_on_cpu(compute_device)
+    with torch.no_grad():
+        for step in range(3):
+            token = torch.tensor([[5 + step]], device=compute_device)
+            _close(model(input_ids=token).logits, ref(input_ids=token).logits, **tol)
+    assert handle.stats()["routed_fetches"] >= 4
+    ids = torch.randint(0, 64, (2, 9), device=compute_device)
+    loss, want = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    _close(loss, want, **tol)
+    loss.backward()
+    want.backward()
+    trained = [(n, p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+               if p.requires_grad]
+    assert len(trained) == 2 * 2 * 2  # layers x tensors x (A, B)
+    for n, p, q in trained:
+        _close(p.grad, q.grad, **(tol if compute_device.type == "cpu" else dict(rtol=1e-4, atol=1e-5)),
+               msg=lambda m: f"{n}: {m}")
+
+
 def _exact_on_cpu(dev):
     """Bit for bit on the sim device (the CPU runs the same ops on the same values); on
     CUDA the fp32 tolerance (other kernels for the reference's ops)."""
