@@ -58,6 +58,22 @@ def _train_compare(model, ref, steps=2):
         assert torch.equal(model(input_ids=_ids(9)).logits, ref(input_ids=_ids(9)).logits)
 
 
+def _one_step_equal(model, ref):
+    """One loss and backward on each: the losses and the gradients of every trainable
+    parameter equal bit for bit; returns the trainable parameters' names."""
+    ids = _ids()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert torch.equal(loss, want)
+    grads = dict(ref.named_parameters())
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    for n in trained:
+        assert torch.equal(dict(model.named_parameters())[n].grad, grads[n].grad), n
+    return trained
+
+
 @pytest.mark.parametrize("make", [_qwen3_moe, _gpt_oss], ids=["qwen3-moe", "gpt-oss-biases"])
 def test_experts_stream_as_groups_and_train_exactly(offload_sim, recwarn, make):
     """Every experts module streams (one group layer each, no warning); inference and
@@ -186,18 +202,8 @@ def test_quantized_experts_stream_packed(offload_sim, fmt):
     assert stats["quantized_layers"] == len([n for n in handle.layers if "lora_" not in n]) - 1
     # The experts take ~27% (int8) / ~14% (nf4) of their fp32 bytes on the host.
     assert stats["pinned_bytes"] < pinned_dense - experts_bytes * (0.7 if fmt == "int8" else 0.85)
-    ref = with_reference_values(original, fmt, packed)
-    ids = _ids()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    want = ref(input_ids=ids, labels=ids).loss
-    want.backward()
-    assert torch.equal(loss, want)
-    grads = dict(ref.named_parameters())
-    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    trained = _one_step_equal(model, with_reference_values(original, fmt, packed))
     assert trained and all("lora_" in n for n in trained)
-    for n in trained:
-        assert torch.equal(dict(model.named_parameters())[n].grad, grads[n].grad), n
     handle.detach()
     assert experts.gate_up_proj.device.type == "cpu" and not experts.gate_up_proj.is_meta
     restored, before = dict(model.named_parameters()), dict(original.named_parameters())
@@ -518,17 +524,8 @@ def test_lora_on_packed_expert_parameters(offload_sim, fmt):
     experts = model.base_model.model.model.layers[0].mlp.experts.base_layer.base_layer
     assert type(experts.gate_up_proj).__name__ == "_PackedWeight"
     ref = original if fmt == "lossless" else with_reference_values(original, fmt, packed_names(model))
-    ids = _ids()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    want = ref(input_ids=ids, labels=ids).loss
-    want.backward()
-    assert torch.equal(loss, want)
-    grads = dict(ref.named_parameters())
-    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    trained = _one_step_equal(model, ref)
     assert sum("experts" in n for n in trained) == 2 * 2 * 2
-    for n in trained:
-        assert torch.equal(dict(model.named_parameters())[n].grad, grads[n].grad), n
 
 
 def test_lora_on_a_linear_weight_parameter_keeps_the_layer_resident(offload_sim):
