@@ -67,7 +67,7 @@ from typing import Iterable, List, Optional
 import torch
 import torch.nn as nn
 
-from . import _C
+from . import _C, _peft_params
 from ._discovery import (_conv_args, _dora_layers, _is_streamable, _resident_label, _resident_reason,
                          _warn_resident)
 from ._guards import _RootApply, _StreamedApply
@@ -199,9 +199,12 @@ class MemoryManager:
 
         # Which layers can stream, decided before anything changes.
         dora = _dora_layers(module)
+        # peft's LoRA on parameters reads its adapters' weights directly and
+        # parametrizes its base's weight during each call (as offload()'s _discover).
+        adapters, wrapped = _peft_params.adapter_modules(module), _peft_params.wrapped_bases(module)
         layers, resident = [], {}
         for name, sub in module.named_modules():
-            if id(sub) in ignored_modules:
+            if id(sub) in ignored_modules or id(sub) in adapters:
                 continue
             kind = _is_streamable(sub)
             if kind not in ("linear", "conv"):
@@ -215,7 +218,7 @@ class MemoryManager:
                 raise LayerstreamError(
                     f"MemoryManager.attach: layer '{name}' is already attached to another "
                     f"MemoryManager; detach that model first (MemoryManager.detach(model))")
-            why = _why_resident(sub, kind, dora)
+            why = _REASON_TEXT["computed"] if id(sub) in wrapped else _why_resident(sub, kind, dora)
             pre = None
             if why is None and kind == "linear":
                 try:

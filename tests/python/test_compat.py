@@ -132,3 +132,29 @@ def test_conv_manager_streams_conv2d():
 def test_unsupported_device_is_a_clear_error():
     with pytest.raises(ValueError, match="unsupported device"):
         MemoryManager(nn.Linear(2, 2), "meta")
+
+
+def test_peft_lora_on_a_weight_parameter_keeps_its_layer_and_adapters_resident():
+    """peft's LoRA on a Linear's weight (LoraConfig(target_parameters=...)) parametrizes
+    the weight during each call and reads its adapters' weights directly: attach() leaves
+    that Linear and the adapters' Linear modules resident (the wrapped one with a
+    warning), streams the rest, and the outputs and adapter gradients equal the
+    resident model's."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=[], target_parameters=["0.weight"],
+                                                      init_lora_weights=False))
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match="computed"):
+        MemoryManager.attach(model, "cpu")
+    managed = [n for n, m in model.named_modules() if hasattr(m, "_layer_memory_manager")]
+    assert managed == ["base_model.model.2"]
+    x = torch.randn(3, 16)
+    y, yr = model(x), ref(x)
+    assert torch.equal(y, yr)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), n
