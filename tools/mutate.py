@@ -245,6 +245,22 @@ MUTATIONS = [
         "",
         [P + "test_experts.py::test_lora_on_expert_parameters_trains_exactly"],
         "the Linear modules of a ParamWrapper (read directly, not called) stream"),
+    Mutation(
+        "lossless-trainable-group-routed-no-recode", "csrc/torch/engine_groups.cpp",
+        "    recode_for_fetch(layer_index);\n",
+        "",
+        ["gtest:test_torch_offload:*TrainableLosslessGroup*",
+         P + "test_experts.py::test_routed_lossless_trainable_experts_recode_between_steps"],
+        "a routed fetch of a trainable coded group copies the pieces coded before the last optimizer step"),
+    Mutation(
+        "scheduler-partial-copy-not-awaited", "csrc/core/scheduler.cpp",
+        "  // wait_copies_read() waits for this one too (a re-code of the bytes it reads).\n"
+        "  if (!l.copied_once) l.last_copy = backend_.create_event();\n"
+        "  backend_.record(l.last_copy, transfer_);\n"
+        "  l.copied_once = true;\n",
+        "",
+        ["gtest:test_scheduler:*PartialCopyInFlight*"],
+        "a re-code of a group's coded pieces does not wait for the routed copies still reading them"),
     # ---- plausible bugs the suite already caught in the audit ----
     Mutation(
         "int8-scale-128", "csrc/core/quant.cpp",

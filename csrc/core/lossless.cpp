@@ -667,6 +667,12 @@ PiecesAnalysis analyze_pieces(Dtype dtype, const void* src, int64_t numel, int64
   return P;
 }
 
+size_t max_pieces_bytes(Dtype dtype, int64_t numel, int64_t count) {
+  LS_CHECK(count >= 1 && numel >= 0 && numel % count == 0, "lossless: ", numel, " elements cannot be cut into ",
+           count, " equal pieces");
+  return static_cast<size_t>(count) * max_encoded_bytes(dtype, numel / count);
+}
+
 void encode_pieces(const PiecesAnalysis& P, const void* src, void* dst, size_t dst_bytes, int num_threads) {
   LS_CHECK(dst_bytes >= P.total_bytes(), "lossless: ", P.total_bytes(), " coded bytes do not fit in ", dst_bytes);
   for (size_t k = 0; k < P.pieces.size(); ++k) {

@@ -172,6 +172,10 @@ struct PiecesAnalysis {
   size_t total_bytes() const { return offsets.empty() ? 0 : offsets.back(); }
 };
 PiecesAnalysis analyze_pieces(Dtype dtype, const void* src, int64_t numel, int64_t count, int num_threads = 0);
+// The largest total of `count` pieces (count >= 1 divides numel): each
+// piece's max_encoded_bytes, back to back (a trainable group tensor's coded
+// buffer, whose values change).
+size_t max_pieces_bytes(Dtype dtype, int64_t numel, int64_t count);
 // Writes every piece (encode() of each) into dst (dst_bytes >= the total).
 void encode_pieces(const PiecesAnalysis& analysis, const void* src, void* dst, size_t dst_bytes,
                    int num_threads = 0);

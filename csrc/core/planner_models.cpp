@@ -154,6 +154,10 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       // as stored), as offload() does. Never cast otherwise. Only the active
       // experts compute.
       std::vector<slot_layout::Part> parts;
+      // Trained, a coded tensor's slot part holds its largest coding, and the
+      // host its dense copy too (Note [Trainable coded weights], engine_coded.cpp).
+      std::vector<slot_layout::Part> slot_parts;
+      uint64_t host = 0;
       uint64_t bus = 0, workspace = 0;
       bool gguf = false, narrow = true;  // narrow: every tensor written on the device is 2 bytes wide
       for (size_t k = 0; k < l.group_tensors.size(); ++k) {
@@ -162,9 +166,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
         const bool pack = opt.quantize != Quantization::None && opt.quantize != Quantization::Lossless &&
                           shape.size() >= 2 && shape.back() > 0 &&
                           safetensors_dtype_is_wide_float(dtype);
-        // Lossless: frozen groups only (offload() streams a trainable one dense).
-        const uint64_t coded = opt.quantize == Quantization::Lossless && !opt.training &&
-                                       k < l.group_lossless_bytes.size()
+        const uint64_t coded = opt.quantize == Quantization::Lossless && k < l.group_lossless_bytes.size()
                                    ? l.group_lossless_bytes[k]
                                    : 0;
         if (!l.dense_dtype.empty() && safetensors_dtype_bits(dtype) == 0) {
@@ -186,17 +188,28 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
           parts.push_back({bytes_of(numel, dtype), 0});
         }
         bus += parts.back().bus;
+        slot_parts.push_back(parts.back());
+        host += parts.back().bus;
+        if (coded && opt.training) {  // the pieces as the measure cut them (one per expert of dim 0)
+          const lossless::Dtype d = lossless_dtype(dtype);
+          const int64_t n = static_cast<int64_t>(numel);
+          const int64_t count =
+              shape.size() >= 3 ? lossless::expert_pieces(d, n, int64_t(shape[0]), int64_t(shape[0])) : 1;
+          slot_parts.back().bus = lossless::max_pieces_bytes(d, n, count);
+          host += bytes_of(numel, dtype) + slot_parts.back().bus - coded;
+        }
       }
       const slot_layout::Layout layout = slot_layout::of(parts);
       workspace = layout.workspace_bytes;
       if (l.group_tensors.empty()) bus = l.group_bytes;
       s.bytes = bus;
-      if (workspace) s.slot_bytes = layout.slot_bytes();  // else 0: the bus bytes
+      if (workspace) s.slot_bytes = slot_layout::of(slot_parts).slot_bytes();  // else 0: the bus bytes
+      if (host != bus && !l.group_tensors.empty()) s.host_bytes = host;
       s.narrow_write = workspace && narrow;
       // Resident, a group with GGUF tensors is dense (group_bytes: dequantized).
       s.resident_bytes = opt.resident_dequantized || gguf ? l.group_bytes : bus;
       s.flops = 2.0 * tokens * static_cast<double>(l.group_params) * l.active * (opt.training ? 3.0 : 1.0);
-      // GGUF tensors are frozen; with lossless a trained group streams dense.
+      // GGUF tensors are frozen; a lossless group trains coded.
       s.trainable = opt.training && (opt.quantize == Quantization::None || opt.quantize == Quantization::Lossless) &&
                     !gguf;
       if (s.trainable)

@@ -440,7 +440,7 @@ Lease Scheduler::acquire_impl(int layer, Stream compute, Phase phase, const Part
 }
 
 void Scheduler::issue_partial_copy_locked(int layer, int slot, const PartialCopy& copy) {
-  const Layer& l = layers_[static_cast<size_t>(layer)];
+  Layer& l = layers_[static_cast<size_t>(layer)];
   const BufferRef& dst = pool_->slot(slot);
   SlotState& st = slots_[static_cast<size_t>(slot)];
   uint64_t bytes = 0;
@@ -456,6 +456,10 @@ void Scheduler::issue_partial_copy_locked(int layer, int slot, const PartialCopy
         backend_.copy_async(dst, l.offsets[i] + r.first, l.spec.parts[i], r.first, r.second, transfer_);
       bytes += r.second;
     }
+  // wait_copies_read() waits for this one too (a re-code of the bytes it reads).
+  if (!l.copied_once) l.last_copy = backend_.create_event();
+  backend_.record(l.last_copy, transfer_);
+  l.copied_once = true;
   if (staged) copies_issued_locked(layer);
   if (started)
     trace_stream_end(tracer_, backend_, transfer_, started,

@@ -264,7 +264,7 @@ class Scheduler {
     size_t bytes = 0;  // slot bytes used (with alignment)
     size_t copy_bytes = 0;
     std::vector<size_t> part_copy;  // bytes copied of each part (refresh_parts may lower them)
-    Event last_copy;                // after its latest full copy
+    Event last_copy;                // after its latest copy (full or partial)
     bool copied_once = false;
     bool prefetch = true;  // set_prefetch()
   };

@@ -191,10 +191,13 @@ PYBIND11_MODULE(_C, m) {
     return layerstream::lossless::analyze_pieces(d, t.data_ptr(), t.numel(), count).total_bytes();
   }, py::arg("tensor"), py::arg("experts"));
   // The most bytes its coded form can take, whatever its values: what a
-  // trainable coded weight reserves (Note [Trainable coded weights]).
-  m.def("lossless_max_bytes", [lossless_src](const torch::Tensor& t) {
-    return layerstream::lossless::max_encoded_bytes(lossless_src(t), t.numel());
-  });
+  // trainable coded weight reserves (Note [Trainable coded weights]); a
+  // group's tensor with `experts` experts: its pieces' (as add_group()).
+  m.def("lossless_max_bytes", [lossless_src](const torch::Tensor& t, int64_t experts) {
+    const quant::SrcDtype d = lossless_src(t);
+    const int64_t count = layerstream::lossless::expert_pieces(d, t.numel(), t.dim() ? t.size(0) : 0, experts);
+    return layerstream::lossless::max_pieces_bytes(d, t.numel(), count);
+  }, py::arg("tensor"), py::arg("experts") = 0);
   m.def("lossless_encode", [lossless_src](const torch::Tensor& t, int threads) {
     const quant::SrcDtype d = lossless_src(t);
     torch::Tensor out;

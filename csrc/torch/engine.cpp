@@ -208,7 +208,7 @@ void EngineImpl::build_scheduler_locked() {
       continue;
     }
     if (l.is_group()) {
-      for (const auto& e : l.parts()) s.parts.push_back(store_->buffer(e.index));
+      for (const auto& e : l.parts()) s.parts.push_back(store_->buffer(e.coded ? e.coded->index : e.index));
     } else if (!l.on_disk()) {
       s.parts.push_back(store_->buffer(l.coded ? l.coded->index : l.w_index));
       if (l.bias.defined()) s.parts.push_back(store_->buffer(l.b_index));
@@ -232,12 +232,12 @@ void EngineImpl::build_scheduler_locked() {
   SchedulerOptions so;
   so.slot_bytes = slot_bytes;
   bool any_coded = false;
-  for (const auto& l : layers_) {
-    if (!l->coded) continue;
-    any_coded = true;
-    std::lock_guard<std::mutex> g(l->coded->mu);
-    l->coded->announced = false;  // this scheduler starts from the slot's size
-  }
+  for (const auto& l : layers_)
+    for_each_coded(*l, [&](const CodedTensor& t) {
+      any_coded = true;
+      std::lock_guard<std::mutex> g(t.c.mu);
+      t.c.announced = false;  // this scheduler starts from the slot's size
+    });
   if (any_coded) {  // Note [Trainable coded weights] (engine_coded.cpp)
     so.parts_stale = [this](int layer) { return coded_stale(layer); };
     so.refresh_parts = [this](int layer, std::vector<size_t>& bytes) { refresh_coded(layer, bytes); };

@@ -46,6 +46,17 @@
 // largest possible size (max_encoded_bytes: a little over the raw size, so
 // that any new values fit), and the slot's part is that size too, next to
 // the decoded weight. What crosses the bus is the coded size.
+//
+// Group tensors (add_group with Format::Lossless, a tensor that requires
+// grad): the same, in pieces (one per expert when indexed by expert;
+// CodedWeight::piece_count), the buffer sized max_pieces_bytes, the pieces of
+// a coding back to back from its start (their offsets move when it is
+// remade). A whole copy refreshes through the scheduler's hooks as above; a
+// routed fetch copies byte ranges of the current pieces, so it re-codes first
+// (recode_for_fetch: after the layer's copies so far, routed ones included,
+// have read the old bytes), and its post-copy step, like the whole copy's,
+// takes the pieces' places when it is issued. Groups are stepped in step(),
+// never during the backward: no re-code ahead.
 #include "engine_impl.h"
 
 #include <chrono>
@@ -68,34 +79,59 @@ void EngineImpl::make_coded_locked(LayerInfo& info) {
   info.coded = std::move(c);  // coded before the first copy (refresh_coded), not now: see the note
 }
 
-bool EngineImpl::coded_stale(int layer) const {
-  const LayerInfo& l = *layers_[static_cast<size_t>(layer)];
-  if (!l.coded) return false;
-  CodedWeight& c = *l.coded;
-  std::lock_guard<std::mutex> g(c.mu);
-  // A new scheduler starts from the slot's size: tell it the coded size.
-  return !c.announced || !c.coded || l.weight._version() != c.version ||
-         lossless::sample_fingerprint(l.w_host, l.w_bytes) != c.sample;
+void EngineImpl::for_each_coded(const LayerInfo& l, const std::function<void(const CodedTensor&)>& f) {
+  if (l.coded) f({l.weight, l.w_host, 0, *l.coded});
+  const auto& parts = l.parts();
+  for (size_t k = 0; k < parts.size(); ++k)
+    if (parts[k].coded) f({parts[k].param, parts[k].host, k, *parts[k].coded});
 }
 
-bool EngineImpl::code_if_changed(const LayerInfo& l, CodedWeight& c) {
-  const uint32_t version = l.weight._version();  // read before the values
-  const uint64_t sample = lossless::sample_fingerprint(l.w_host, l.w_bytes);
+namespace {
+// The tensor changed since it was coded (or was never coded); the caller holds c.mu.
+bool changed(const torch::Tensor& param, const void* host, const EngineImpl::CodedWeight& c) {
+  return !c.coded || param._version() != c.version || lossless::sample_fingerprint(host, param.nbytes()) != c.sample;
+}
+}  // namespace
+
+bool EngineImpl::coded_stale(int layer) const {
+  bool stale = false;
+  // A new scheduler starts from the slot's size: tell it the coded size.
+  for_each_coded(*layers_[static_cast<size_t>(layer)], [&](const CodedTensor& t) {
+    std::lock_guard<std::mutex> g(t.c.mu);
+    stale = stale || !t.c.announced || changed(t.param, t.host, t.c);
+  });
+  return stale;
+}
+
+bool EngineImpl::code_if_changed(const std::string& name, const CodedTensor& t) {
+  CodedWeight& c = t.c;
+  const uint32_t version = t.param._version();  // read before the values
+  const size_t dense = t.param.nbytes();
+  const uint64_t sample = lossless::sample_fingerprint(t.host, dense);
   if (c.coded && version == c.version && sample == c.sample) return false;
   const bool first = !c.coded;
   const auto t0 = std::chrono::steady_clock::now();
-  backend_->declare_host_access(store_->buffer(c.index), Access::Write, "re-code '" + l.name + "'");
-  const quant::SrcDtype dtype = src_dtype_of(l.w_dtype, l.name);
-  const int64_t numel = numel_of(l.w_shape);
-  const lossless::Analysis a = lossless::analyze(dtype, l.w_host, numel);
-  LS_INTERNAL_CHECK(a.total_bytes() <= c.capacity, "coded size over max_encoded_bytes");
-  lossless::encode(a, l.w_host, c.buffer, c.capacity);
-  c.header = lossless::read_header(c.buffer, c.capacity);
+  backend_->declare_host_access(store_->buffer(c.index), Access::Write, "re-code '" + name + "'");
+  const quant::SrcDtype dtype = src_dtype_of(t.param.scalar_type(), name);
+  const int64_t numel = t.param.numel();
+  if (c.piece_count) {  // a group tensor: a piece per expert
+    const lossless::PiecesAnalysis P = lossless::analyze_pieces(dtype, t.host, numel, c.piece_count);
+    LS_INTERNAL_CHECK(P.total_bytes() <= c.capacity, "coded pieces over max_pieces_bytes");
+    lossless::encode_pieces(P, t.host, c.buffer, c.capacity);
+    c.pieces.clear();
+    for (size_t p = 0; p < P.pieces.size(); ++p) c.pieces.push_back({P.offsets[p], P.pieces[p].total_bytes()});
+    c.piece_layout = P.pieces.front().layout;
+  } else {
+    const lossless::Analysis a = lossless::analyze(dtype, t.host, numel);
+    LS_INTERNAL_CHECK(a.total_bytes() <= c.capacity, "coded size over max_encoded_bytes");
+    lossless::encode(a, t.host, c.buffer, c.capacity);
+    c.header = lossless::read_header(c.buffer, c.capacity);
+  }
   c.coded = true;
   c.version = version;
   c.sample = sample;
   if (!first) {  // the stats count re-codes: changes after offload()
-    recoded_bytes_ += l.w_bytes;
+    recoded_bytes_ += dense;
     recode_ns_ += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
   }
@@ -104,11 +140,27 @@ bool EngineImpl::code_if_changed(const LayerInfo& l, CodedWeight& c) {
 
 void EngineImpl::refresh_coded(int layer, std::vector<size_t>& copy_bytes) {
   const LayerInfo& l = *layers_[static_cast<size_t>(layer)];
-  CodedWeight& c = *l.coded;
-  std::lock_guard<std::mutex> g(c.mu);
-  code_if_changed(l, c);
-  c.announced = true;
-  copy_bytes.at(0) = c.header.layout.total_bytes();
+  for_each_coded(l, [&](const CodedTensor& t) {
+    std::lock_guard<std::mutex> g(t.c.mu);
+    code_if_changed(l.name, t);
+    t.c.announced = true;
+    copy_bytes.at(t.part) = t.c.coded_bytes();
+  });
+}
+
+void EngineImpl::recode_for_fetch(int layer) {
+  const LayerInfo& l = *layers_[static_cast<size_t>(layer)];
+  bool any = false;
+  for_each_coded(l, [&](const CodedTensor& t) {
+    std::lock_guard<std::mutex> g(t.c.mu);
+    any = any || changed(t.param, t.host, t.c);
+  });
+  if (!any) return;  // decoding (frozen values): no wait
+  scheduler().wait_copies_read(layer);  // whole and routed copies that read the old bytes
+  for_each_coded(l, [&](const CodedTensor& t) {
+    std::lock_guard<std::mutex> g(t.c.mu);
+    if (code_if_changed(l.name, t)) t.c.announced = false;  // the next whole copy moves the new size
+  });
 }
 
 void EngineImpl::recode_ahead(int layer) {
@@ -130,7 +182,7 @@ void EngineImpl::recode_ahead(int layer) {
   CodedWeight& c = *coded;
   std::lock_guard<std::mutex> g(c.mu);
   if (!c.coded) return;  // the first coding waits for the first copy (see the note)
-  if (code_if_changed(*l, c)) c.announced = false;  // the next copy moves the new size
+  if (code_if_changed(l->name, {l->weight, l->w_host, 0, c})) c.announced = false;  // the next copy moves the new size
 }
 
 }  // namespace layerstream

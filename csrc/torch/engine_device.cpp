@@ -28,9 +28,10 @@ slot_layout::Layout EngineImpl::layout_of(const LayerInfo& l) {
   std::vector<slot_layout::Part> parts;
   if (l.is_group()) {
     for (const auto& e : l.parts())
-      parts.push_back({e.bytes, e.qformat != quant::Format::None
-                                    ? static_cast<uint64_t>(e.param.numel()) * c10::elementSize(e.q_dtype)
-                                    : 0});
+      parts.push_back({e.coded ? e.coded->capacity : e.bytes,
+                       e.qformat != quant::Format::None || e.coded
+                           ? static_cast<uint64_t>(e.param.numel()) * c10::elementSize(e.q_dtype)
+                           : 0});
     return slot_layout::of(parts);
   }
   const bool weight_in_ws = l.qformat != quant::Format::None || l.cast_w || l.coded;

@@ -31,7 +31,8 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
     for (size_t j = 0; j < k; ++j)
       LS_CHECK(!tensors[j].is_same(t), "tensor group '", name, "' lists one tensor twice");
     const bool pre = k < prepacked.size() && prepacked[k].format != quant::Format::None;
-    if ((format != quant::Format::None && t.dim() >= 2) || pre)
+    // Lossless trains coded (Note [Trainable coded weights], engine_coded.cpp).
+    if ((format != quant::Format::None && format != quant::Format::Lossless && t.dim() >= 2) || pre)
       LS_CHECK(!t.requires_grad(), "tensor group '", name, "': tensor #", k, " requires grad, but a quantized "
                "tensor cannot be trained; freeze it (requires_grad_(False)) or do not quantize this group");
     if (pre) {
@@ -54,7 +55,8 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
     e.dtype = e.param.scalar_type();
     const std::string label = name + "#" + std::to_string(k);
     const bool pre = !prepacked.empty() && prepacked[k].format != quant::Format::None;
-    if (pre || (format != quant::Format::None && e.param.dim() >= 2)) {
+    const bool trainable_coded = format == quant::Format::Lossless && e.param.dim() >= 2 && e.param.requires_grad();
+    if (pre || (format != quant::Format::None && e.param.dim() >= 2 && !trainable_coded)) {
       // Packed as a matrix of the last dimension's columns (an expert's rows
       // follow each other), dequantized into the workspace after the copy.
       const quant::Format f = pre ? prepacked[k].format : format;
@@ -142,6 +144,24 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
           (e.strides.empty() || e.strides[0] * experts == n)) {
         e.by_expert = true;
         e.expert_bytes = e.bytes / static_cast<size_t>(experts);
+      }
+      if (trainable_coded) {
+        // Dense here, where backward and the optimizer write it; coded on the
+        // bus, one piece per expert when by expert, re-coded before a copy
+        // once it changed (Note [Trainable coded weights], engine_coded.cpp).
+        LS_CHECK(e.strides.empty(), "tensor group '", name, "': tensor #", k, " ", shape_str(e.shape),
+                 " is not contiguous, so it cannot be lossless-coded; make it contiguous or do not quantize "
+                 "this group");
+        const quant::SrcDtype d = src_dtype_of(e.dtype, name);
+        auto c = std::make_shared<CodedWeight>();
+        c->piece_count = lossless::expert_pieces(d, n, e.shape[0], experts);
+        c->capacity = lossless::max_pieces_bytes(d, n, c->piece_count);
+        // Private to this process in a shared store: each rank codes its own copy.
+        c->index = store_->add(c->capacity, nullptr, label + "[lossless]", /*shareable=*/false);
+        c->buffer = store_->buffer(c->index).ptr;
+        e.coded = std::move(c);
+        e.q_dtype = e.dtype;  // decoded into its own dtype
+        e.by_expert = e.coded->piece_count > 1;
       }
     }
     info.group().parts.push_back(std::move(e));
@@ -237,12 +257,25 @@ std::pair<int64_t, std::vector<torch::Tensor>> EngineImpl::fetch(int layer_index
       else
         runs.push_back({x, x + 1});
     }
+    recode_for_fetch(layer_index);
     PartialCopy copy;
     copy.ranges.resize(l.parts().size());
     for (size_t k = 0; k < l.parts().size(); ++k) {
       const LayerInfo::Part& e = l.parts()[k];
       auto& r = copy.ranges[k];
-      if (!e.by_expert) {
+      if (e.coded) {  // trainable coded (recode_for_fetch above): its current pieces
+        std::lock_guard<std::mutex> g(e.coded->mu);
+        const auto& pieces = e.coded->pieces;
+        if (!e.by_expert) {
+          r.push_back({0, e.coded->coded_bytes()});
+        } else {
+          for (const auto& run : runs) {
+            const auto& first = pieces[static_cast<size_t>(run.first)];
+            const auto& last = pieces[static_cast<size_t>(run.second - 1)];
+            r.push_back({first.offset, last.offset + last.bytes - first.offset});
+          }
+        }
+      } else if (!e.by_expert) {
         r.push_back({0, e.bytes});
       } else if (e.qformat == quant::Format::None) {
         for (const auto& run : runs)
@@ -280,7 +313,7 @@ std::pair<int64_t, std::vector<torch::Tensor>> EngineImpl::fetch(int layer_index
   };
   for (size_t k = 0; k < l.parts().size(); ++k) {
     const LayerInfo::Part& e = l.parts()[k];
-    if (e.qformat != quant::Format::None)  // its dequantized copy in the workspace
+    if (e.qformat != quant::Format::None || e.coded)  // its dequantized (decoded) copy in the workspace
       view(static_cast<char*>(lease.part_ptr(l.parts().size())) + e.ws_offset, e.shape, {}, e.q_dtype);
     else
       view(lease.part_ptr(k), e.shape, e.strides, e.dtype);
@@ -304,6 +337,40 @@ void EngineImpl::release(int64_t token) {
   scheduler().release(lease, compute_stream());
 }
 
+namespace {
+// A lossless part's pieces to decode (GroupPart::Piece), each into its place
+// in the workspace; on CUDA one call per part (decode_pieces_cuda).
+struct PiecesDecode {
+  size_t part;
+  lossless::Layout shared;                       // every piece's (equal sizes)
+  std::vector<lossless::device::PieceJob> jobs;  // in the part's bytes; in the workspace
+  std::vector<size_t> coded_bytes;               // each job's
+  size_t out_bytes = 0;                          // each piece's
+};
+
+// Every piece, or with `runs` the runs' experts' pieces (by expert).
+PiecesDecode pieces_decode(size_t part, const lossless::Layout& shared,
+                           const std::vector<EngineImpl::CodedPiece>& pieces, size_t ws_offset, size_t out_total,
+                           const std::vector<std::pair<int64_t, int64_t>>* runs) {
+  LS_INTERNAL_CHECK(!pieces.empty(), "(a coded group tensor decoded before its first coding)");
+  PiecesDecode d;
+  d.part = part;
+  d.shared = shared;
+  d.out_bytes = out_total / pieces.size();
+  auto add = [&](size_t p) {
+    d.jobs.push_back({pieces[p].offset, ws_offset + p * d.out_bytes});
+    d.coded_bytes.push_back(pieces[p].bytes);
+  };
+  if (!runs) {
+    for (size_t p = 0; p < pieces.size(); ++p) add(p);
+  } else {
+    for (const auto& run : *runs)
+      for (int64_t x = run.first; x < run.second; ++x) add(static_cast<size_t>(x));
+  }
+  return d;
+}
+}  // namespace
+
 PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace_part,
                                         const std::vector<std::pair<int64_t, int64_t>>* runs) {
   // Runs on the dequant stream right after the group's bytes landed in the
@@ -317,35 +384,29 @@ PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace
     int64_t row_begin, row_end;
   };
   std::vector<Job> jobs;
-  // Lossless parts (GroupPart::Piece): the pieces to decode, each into its
-  // place in the workspace; on CUDA one call per part (decode_pieces_cuda).
-  struct Decode {
+  std::vector<PiecesDecode> decodes;
+  // Trainable coded parts: their pieces move when re-coded, so the decode is
+  // built when the step is issued (right after the copy, under the
+  // scheduler's lock: the coding the copy read).
+  struct Coded {
     size_t part;
-    lossless::Layout shared;                         // every piece's (equal sizes)
-    std::vector<lossless::device::PieceJob> jobs;  // in the part's bytes; in the workspace
-    std::vector<size_t> coded_bytes;                 // each job's
-    size_t out_bytes = 0;                            // each piece's
+    std::shared_ptr<CodedWeight> c;
+    size_t ws_offset, out_total;
+    bool routed;  // only the runs' experts
   };
-  std::vector<Decode> decodes;
+  std::vector<Coded> coded;
+  const std::vector<std::pair<int64_t, int64_t>> run_list = runs ? *runs : std::vector<std::pair<int64_t, int64_t>>{};
   for (size_t k = 0; k < l.parts().size(); ++k) {
     const LayerInfo::Part& e = l.parts()[k];
+    const size_t out_total = static_cast<size_t>(e.param.numel()) * c10::elementSize(e.dtype);
+    if (e.coded) {
+      coded.push_back({k, e.coded, e.ws_offset, out_total, runs && e.by_expert});
+      continue;
+    }
     if (e.qformat == quant::Format::None) continue;
     if (e.qformat == quant::Format::Lossless) {
-      Decode d;
-      d.part = k;
-      d.shared = e.piece_layout;
-      d.out_bytes = static_cast<size_t>(e.param.numel()) * c10::elementSize(e.dtype) / e.pieces.size();
-      auto add = [&](size_t p) {
-        d.jobs.push_back({e.pieces[p].offset, e.ws_offset + p * d.out_bytes});
-        d.coded_bytes.push_back(e.pieces[p].bytes);
-      };
-      if (!runs || !e.by_expert) {
-        for (size_t p = 0; p < e.pieces.size(); ++p) add(p);
-      } else {
-        for (const auto& run : *runs)
-          for (int64_t x = run.first; x < run.second; ++x) add(static_cast<size_t>(x));
-      }
-      decodes.push_back(std::move(d));
+      decodes.push_back(pieces_decode(k, e.piece_layout, e.pieces, e.ws_offset, out_total,
+                                      runs && e.by_expert ? runs : nullptr));
       continue;
     }
     const quant::OutDtype out = out_dtype_of(e.q_dtype);
@@ -379,16 +440,22 @@ PostCopyFn EngineImpl::make_group_post_copy(const LayerInfo& l, size_t workspace
       else
         cuda_glue::dequantize_on(j.layout, src, dst, j.out, device, s.native(), j.row_begin, j.row_end);
     }
-    for (const Decode& d : decodes) {
-      const char* coded = base + off.at(d.part);
+    std::vector<PiecesDecode> now = decodes;
+    for (const Coded& c : coded) {
+      std::lock_guard<std::mutex> g(c.c->mu);
+      now.push_back(pieces_decode(c.part, c.c->piece_layout, c.c->pieces, c.ws_offset, c.out_total,
+                                  c.routed ? &run_list : nullptr));
+    }
+    for (const PiecesDecode& d : now) {
+      const char* src = base + off.at(d.part);
       if (on_cpu) {  // the reference decoder, piece by piece
         be->launch_host_func(s, [=] {
           for (size_t j = 0; j < d.jobs.size(); ++j)
-            lossless::decode(coded + d.jobs[j].coded_offset, d.coded_bytes[j], ws + d.jobs[j].out_offset,
+            lossless::decode(src + d.jobs[j].coded_offset, d.coded_bytes[j], ws + d.jobs[j].out_offset,
                              d.out_bytes, 1);
         });
       } else {
-        cuda_glue::lossless_decode_pieces_on(d.shared, coded, d.jobs, ws, device, s.native());
+        cuda_glue::lossless_decode_pieces_on(d.shared, src, d.jobs, ws, device, s.native());
       }
     }
   };

@@ -24,7 +24,8 @@
 // (the caller holds it); coded_stale/refresh_coded are called by the
 // scheduler under its lock and take only CodedWeight::mu; recode_ahead
 // (the gradient-ready thread) takes mu_ and the scheduler's lock, releases
-// them, then takes only CodedWeight::mu.
+// them, then takes only CodedWeight::mu; recode_for_fetch (a routed fetch)
+// takes the scheduler's lock briefly, then CodedWeight::mu.
 #pragma once
 
 #include "layerstream/engine.h"
@@ -36,6 +37,7 @@
 #include <climits>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -226,6 +228,43 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     int64_t padding_idx = -1;       // as nn.Embedding (its row gets no gradient)
     bool scale_grad_by_freq = false, sparse = false;  // as nn.Embedding
   };
+  // Where a coded piece lies in a buffer of pieces (lossless::analyze_pieces).
+  struct CodedPiece {
+    size_t offset = 0, bytes = 0;
+  };
+  // A trainable tensor that crosses the bus lossless-coded (quantize=
+  // "lossless" on a weight or a group tensor that requires grad; Note
+  // [Trainable coded weights] in engine_coded.cpp). The parameter stays dense
+  // in the host store, where backward and the optimizer write it (the layer
+  // or part is a dense one, qformat None); `buffer` (a store entry of
+  // `capacity` = lossless::max_encoded_bytes, or max_pieces_bytes, so any
+  // values fit) holds its coded copy, remade before the next copy once the
+  // parameter changed. Shared by the scheduler's hooks and the post-copy
+  // step, which may run on another thread than the one holding the engine's
+  // lock: `mu` guards the fields.
+  struct CodedWeight {
+    std::mutex mu;
+    size_t index = 0;  // host store index of the coded buffer
+    void* buffer = nullptr;
+    size_t capacity = 0;
+    lossless::Header header;  // of the bytes in `buffer` (a weight: one piece)
+    // A group tensor (piece_count >= 1): coded in pieces, one per expert when
+    // by expert, back to back from the buffer's start; `pieces` and their
+    // shared layout are the current coding's (their offsets move when it is
+    // remade).
+    int64_t piece_count = 0;
+    std::vector<CodedPiece> pieces;
+    lossless::Layout piece_layout;
+    bool coded = false;       // `buffer` holds a coding (the first is made before the first copy)
+    uint32_t version = 0;     // the parameter's version counter when coded
+    uint64_t sample = 0;      // lossless::sample_fingerprint() of the dense bytes when coded
+    bool announced = false;   // the current scheduler was told the coded size
+    size_t coded_bytes() const {  // up to the end of the current coding
+      if (!piece_count) return header.layout.total_bytes();
+      return pieces.empty() ? 0 : pieces.back().offset + pieces.back().bytes;
+    }
+  };
+
   // add_group(): all its tensors are `parts` (the layer's `weight` and `bias`
   // stay undefined); fetched whole into one slot by fetch(), computed by the
   // caller. A quantized part crosses the bus packed and is dequantized into
@@ -253,37 +292,18 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     // piece k decodes to elements [k * numel / count, (k + 1) * numel / count).
     // All share `piece_layout` (taken from the analysis: in a store the node's
     // ranks share, the bytes are not read before the final all-gather).
-    struct Piece {
-      size_t offset = 0, bytes = 0;  // in the part's buffer
-    };
+    using Piece = CodedPiece;  // in the part's buffer
     std::vector<Piece> pieces;
     lossless::Layout piece_layout;
+    // A trainable tensor coded on the bus (qformat None: `param`, `host`,
+    // `index` and `bytes` are its dense copy's): copied from coded->buffer,
+    // decoded into the workspace at `ws_offset`.
+    std::shared_ptr<CodedWeight> coded;
   };
   struct GroupKind {
     std::vector<GroupPart> parts;
     int64_t experts = 0;        // add_group(experts): dim 0 of the expert-indexed parts
     size_t workspace_bytes = 0; // the dequantized parts, in the workspace
-  };
-
-  // A trainable weight that crosses the bus lossless-coded (quantize=
-  // "lossless" on a weight that requires grad; Note [Trainable coded
-  // weights] in engine_coded.cpp). The parameter stays dense in the host
-  // store, where backward and the optimizer write it (the layer is a dense
-  // one, qformat None); `buffer` (a store entry of `capacity` =
-  // lossless::max_encoded_bytes, so any values fit) holds its coded copy,
-  // remade before the next copy once the parameter changed. Shared by the
-  // scheduler's hooks and the CUDA post-copy step, which may run on another
-  // thread than the one holding the engine's lock: `mu` guards the fields.
-  struct CodedWeight {
-    std::mutex mu;
-    size_t index = 0;  // host store index of the coded buffer
-    void* buffer = nullptr;
-    size_t capacity = 0;
-    lossless::Header header;  // of the bytes in `buffer`
-    bool coded = false;       // `buffer` holds a coding (the first is made before the first copy)
-    uint32_t version = 0;     // the parameter's version counter when coded
-    uint64_t sample = 0;      // lossless::sample_fingerprint() of the dense bytes when coded
-    bool announced = false;   // the current scheduler was told the coded size
   };
 
   struct LayerInfo {
@@ -454,9 +474,24 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // ordering error. Not with cache_across_steps (copies are checked by
   // version there) nor for tables. `when` ends the message. Holds mu_.
   void declare_weight_writes_locked(const LayerInfo& l, const std::string& when);
-  // Codes l's weight into c unless c holds its current coding (the caller
-  // holds c.mu); true if it coded.
-  bool code_if_changed(const LayerInfo& l, CodedWeight& c);
+  // A trainable coded tensor of a layer: its weight, or a group tensor
+  // (`part` its index; 0 for a weight).
+  struct CodedTensor {
+    const torch::Tensor& param;
+    const void* host;  // the dense copy
+    size_t part;
+    CodedWeight& c;
+  };
+  // Calls f for each of l's trainable coded tensors.
+  static void for_each_coded(const LayerInfo& l, const std::function<void(const CodedTensor&)>& f);
+  // Codes t into t.c unless it holds its current coding (the caller holds
+  // t.c.mu); true if it coded.
+  bool code_if_changed(const std::string& name, const CodedTensor& t);
+  // Before a routed fetch of group `layer` (engine_groups.cpp): its coded
+  // tensors whose values changed are re-coded once the copies that read
+  // their old bytes are done (whole copies re-code in refresh_coded). Takes
+  // the scheduler's lock briefly, then CodedWeight::mu.
+  void recode_for_fetch(int layer);
   // A group's: dequantizes its packed parts into the workspace.
   // With `runs` (half-open ranges of experts), only those experts' rows of
   // the expert-indexed packed parts.

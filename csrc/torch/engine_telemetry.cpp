@@ -33,7 +33,9 @@ EngineStats EngineImpl::stats() const {
     bool packed = l->qformat != quant::Format::None;
     for (const auto& e : l->parts()) packed = packed || e.qformat != quant::Format::None;
     m.quantized_layers += packed ? 1 : 0;
-    m.coded_layers += l->coded ? 1 : 0;
+    bool coded = false;
+    for_each_coded(*l, [&](const CodedTensor&) { coded = true; });
+    m.coded_layers += coded ? 1 : 0;
     m.embedding_layers += l->is_table() ? 1 : 0;
     m.group_layers += l->is_group() ? 1 : 0;
   }

@@ -72,38 +72,54 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             params = [o._parameters[k] for o, k, _ in _group_slots(module)]
             packed = [p for p in params if p.dim() >= 2 and not isinstance(p, GgufWeight)]
             if fmt is not None:
-                if fmt == "lossless" and any(p.requires_grad for p in packed):
-                    reasons = ["a tensor requires grad: lossless-coded tensor groups are frozen (Linear and "
-                               "convolution weights train coded); for inference, requires_grad_(False) codes it"]
-                else:
-                    reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1], p.dtype) for p in packed]
+                reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1], p.dtype) for p in packed]
+                if fmt == "lossless" and not all(p.is_contiguous() for p in packed if p.requires_grad):
+                    reasons.append("a tensor that requires grad is not contiguous (a lossless-coded trainable "
+                                   "tensor is coded from its dense bytes in order)")
                 reason = next((r for r in reasons if r), "")
                 if reason and isinstance(quantize, str):
                     unpackable.append(f"{name} ({reason})")
                     fmt = None
                 elif reason:
                     raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
-            if fmt is not None and any(p.requires_grad for p in packed):
+            if fmt not in (None, "lossless") and any(p.requires_grad for p in packed):
                 trainable.append(name or "<root>")
             elif fmt not in (None, "lossless") and not all(bool(torch.isfinite(p.detach()).all()) for p in packed):
                 raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: a tensor has "
                                        f"NaN or Inf values; fix the checkpoint or do not quantize this layer "
                                        f"(quantize={{'{name}': None, ...}})")
             parts = []  # (bus, written) per tensor, as the engine lays them out in a slot
+            slot_parts = []  # the same with a trainable coded tensor's largest coding, as its slot part is
+            host = []  # per tensor, its bytes in the host store
+            coded_dense = coded_frozen = 0  # trainable coded tensors: host bytes; host bytes if frozen
             for p in params:
                 if isinstance(p, GgufWeight):
                     parts.append((p.gguf_bytes.numel(), p.numel() * (dequant_dtype or p.dtype).itemsize))
                 elif fmt == "lossless" and p.dim() >= 2:  # coded per expert when routed; its own dtype
-                    coded = _C.lossless_group_part_bytes(p.detach().contiguous(), _group_experts(module, routed))
+                    n_experts = _group_experts(module, routed)
+                    coded = _C.lossless_group_part_bytes(p.detach().contiguous(), n_experts)
                     parts.append((coded, p.numel() * p.element_size()))
+                    if p.requires_grad:  # dense in the store, re-coded (Note [Trainable coded weights])
+                        cap = _C.lossless_max_bytes(p.detach(), n_experts)
+                        slot_parts.append((cap, parts[-1][1]))
+                        host.append(p.numel() * p.element_size() + cap)
+                        coded_dense, coded_frozen = coded_dense + host[-1], coded_frozen + coded
+                        continue
                 elif fmt is not None and p.dim() >= 2:
                     parts.append((_C.quant_packed_bytes(fmt, p.numel() // p.shape[-1], p.shape[-1]),
                                   p.numel() * (dequant_dtype or p.dtype).itemsize))
                 else:
                     parts.append((p.numel() * p.element_size(), 0))
+                slot_parts.append(parts[-1])
+                host.append(parts[-1][0])
+            if coded_dense:
+                coded_trainable = [coded_trainable[0] + 1, coded_trainable[1] + coded_dense,
+                                   coded_trainable[2] + coded_frozen]
             layout = _C.slot_layout(parts)
-            layers.append(_Candidate(name, module, kind, fmt, None, layout["bus_bytes"], layout["slot_bytes"],
+            layers.append(_Candidate(name, module, kind, fmt, None, layout["bus_bytes"],
+                                     _C.slot_layout(slot_parts)["slot_bytes"],
                                      sum(p.numel() * p.element_size() for p in params),
+                                     sum(host) if coded_dense else None,
                                      narrow_write=all(((None if fmt == "lossless" else dequant_dtype) or p.dtype)
                                                       .itemsize <= 2 for p in params)))
             continue

@@ -565,8 +565,11 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
                 # Packed on the host: the module keeps data-less stand-ins (the dense
                 # tensors, or a GGUF file's bytes, are freed); copy_ / load_state_dict()
                 # re-quantize into them (not into GGUF parts: the engine refuses).
+                # A trainable lossless-coded tensor stays the parameter it is (dense on the
+                # host, coded on the bus: Note [Trainable coded weights], engine_coded.cpp).
                 a.packed_parts = [(qn, part, o, k) for part, ((o, k, qn), p) in enumerate(zip(slots, params))
-                                  if p.dim() >= 2 and (fmt is not None or gguf[part])]
+                                  if p.dim() >= 2 and (fmt is not None or gguf[part])
+                                  and not (fmt == "lossless" and p.requires_grad)]
                 for qn, part, o, k in a.packed_parts:
                     p = o._parameters[k]
                     o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,

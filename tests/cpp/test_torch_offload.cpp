@@ -737,6 +737,50 @@ TEST(TorchOffload, RoutedFetchCopiesOnlyTheNamedExperts) {
   }
 }
 
+TEST(TorchOffload, TrainableLosslessGroupTensorsCrossCodedAndFollowWrites) {
+  // A group tensor that requires grad with Format::Lossless stays the dense
+  // parameter (written in place, as an optimizer does) and crosses coded, a
+  // piece per expert (Note [Trainable coded weights]): routed and whole
+  // fetches give its current values bit for bit after each write, the routed
+  // copy moves the chosen experts' current pieces, and stats count the
+  // re-codes. Two writes between fetches: the second one's values.
+  namespace ll = layerstream::lossless;
+  auto engine = layerstream::Engine::create(sim_options());
+  torch::manual_seed(0);
+  auto a = torch::randn({8, 4, 32}).to(torch::kBFloat16).requires_grad_(true);
+  auto c = torch::randn({5}).requires_grad_(true);
+  const int g = engine->add_group("experts", {a, c}, layerstream::quant::Format::Lossless, 8);
+  EXPECT_EQ(engine->stats().coded_layers, 1u);
+  auto coded = [](const torch::Tensor& t) {
+    return double(ll::analyze(ll::Dtype::BF16, t.contiguous().data_ptr(), t.numel()).total_bytes());
+  };
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    if (step > 0) {
+      torch::NoGradGuard ng;
+      a.mul_(1.5).add_(0.25);  // in place, as an optimizer step
+      if (step == 2) a.sub_(0.125);
+    }
+    const double before = engine->stats().h2d_bytes;
+    {
+      auto [token, views] = engine->fetch(g, {6, 1, 2});
+      for (int64_t x : {1, 2, 6}) EXPECT_TRUE(torch::equal(views[0][x], a.detach()[x])) << "expert " << x;
+      EXPECT_TRUE(torch::equal(views[1], c.detach()));
+      engine->release(token);
+    }
+    double pieces = 0;
+    for (int64_t x : {1, 2, 6}) pieces += coded(a.detach()[x]);
+    EXPECT_EQ(engine->stats().h2d_bytes - before, pieces + 5 * 4);
+    {
+      auto [token, views] = engine->fetch(g, {});
+      EXPECT_TRUE(torch::equal(views[0], a.detach()));
+      engine->release(token);
+    }
+  }
+  EXPECT_EQ(engine->stats().recoded_bytes, 2u * 8 * 4 * 32 * 2);
+  EXPECT_EQ(engine->ordering_errors().size(), 0u);
+}
+
 TEST(TorchOffload, PrepackedGgufGroupPartsStreamAsTheirBytes) {
   // add_group(..., prepacked): a GGUF tensor's bytes (Q8_0 blocks here) are
   // stored as they are and dequantized into the slot (what quant::

@@ -5,6 +5,7 @@ Checkpoints are written with safetensors.torch.save_file and with
 transformers' save_pretrained (sharded, with an index json).
 """
 import json
+import re
 import math
 import os
 import struct
@@ -321,7 +322,10 @@ def test_quantize_lossless_codes_moe_groups_per_expert(tmp_path):
     are its tensors' coded size, within 5% of what offload(quantize="lossless") codes
     (it codes the fused tensors transformers loads one piece per expert; the plan measures
     the checkpoint's per-expert tensors one by one) and below the dense size. Trained, the
-    groups stream dense, as offload() streams trainable ones."""
+    groups cross coded too, and their slot holds each tensor's largest coding and its
+    decoded copy, as offload() sizes the trainable group's slot (Note [Trainable coded
+    weights]; the plan's, of the checkpoint's per-expert tensors, leans high by their
+    headers: within 1%): both say so when the budget is too small."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import layerstream
@@ -329,7 +333,7 @@ def test_quantize_lossless_codes_moe_groups_per_expert(tmp_path):
                          moe_intermediate_size=128, head_dim=64, num_experts=4)
     args = ("--checkpoint", tmp_path, "--budget", "1MiB", "--quantize", "lossless")
     planned = {l["name"]: l for l in plan_json(*args)["plan"]["layers"]}
-    trained = {l["name"]: l for l in plan_json(*args, "--train")["plan"]["layers"]}
+    trained = {l["name"]: l for l in plan_json(*args[:2], "--budget", "4MiB", *args[4:], "--train")["plan"]["layers"]}
     model = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     handle = layerstream.offload(model.requires_grad_(False), device="sim", quantize="lossless")
     index = {a.name: a.index for a in handle._attached}
@@ -339,8 +343,17 @@ def test_quantize_lossless_codes_moe_groups_per_expert(tmp_path):
         coded, got = handle._engine.layer_bytes(index[name]), planned[name]["bytes"]
         assert abs(got - coded) <= 0.05 * coded, (name, got, coded)
         assert got < 0.75 * dense
-        assert trained[name]["bytes"] == dense
+        assert trained[name]["bytes"] == got
     handle.detach()
+    experts = model.requires_grad_(True).model.layers[0].mlp.experts
+    slot = layerstream._C.slot_layout([(layerstream._C.lossless_max_bytes(p.detach(), 4), p.numel() * 2)
+                                       for p in (experts.gate_up_proj, experts.down_proj)])["slot_bytes"]
+    r = run("--checkpoint", tmp_path, "--budget", "1MiB", "--quantize", "lossless", "--train")
+    assert_one_line_error(r, contains=f'"model.layers.0.mlp.experts" needs a slot of')
+    with pytest.raises(layerstream.LayerstreamError, match=rf"needs a slot of .* \({slot} bytes"):
+        layerstream.offload(model, device="sim", quantize="lossless", budget="900KiB")
+    planned_slot = int(re.search(r"needs a slot of [^(]*\((\d+) bytes", r.stderr).group(1))
+    assert slot <= planned_slot <= 1.01 * slot, (slot, planned_slot)
 
 
 def test_moe_decoding_plans_the_routed_experts_only(tmp_path):

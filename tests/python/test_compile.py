@@ -576,13 +576,14 @@ def test_lora_on_expert_parameters_runs_the_group_eagerly_under_compile(offload_
         torch.compile(lambda i: model(input_ids=i).logits, fullgraph=True, backend="aot_eager")(_ids())
 
 
-@pytest.mark.parametrize("case", ["gpt-oss-full-finetune", "qwen3-moe-int8-frozen", "qwen3-moe-lossless-frozen"])
+@pytest.mark.parametrize("case", ["gpt-oss-full-finetune", "gpt-oss-full-finetune-lossless",
+                                  "qwen3-moe-int8-frozen", "qwen3-moe-lossless-frozen"])
 def test_transformers_experts_full_finetune_and_packed_compile_whole(offload_sim, case):
     """Trainable experts (GPT-OSS, with expert biases and `router_indices` passed by
-    keyword): their gradients come back through the group operator's backward, two steps
-    of one graph equal the resident model's. Packed (int8) or lossless-coded frozen
-    experts: their stand-ins are never graph inputs, and the compiled loss is the eager
-    offloaded one."""
+    keyword; dense, or lossless-coded on the bus): their gradients come back through the
+    group operator's backward, two steps of one graph equal the resident model's. Packed
+    (int8) or lossless-coded frozen experts: their stand-ins are never graph inputs, and
+    the compiled loss is the eager offloaded one."""
     from test_experts import _gpt_oss, _ids, _qwen3_moe
 
     model = _gpt_oss() if case.startswith("gpt") else _qwen3_moe().requires_grad_(False)
@@ -593,7 +594,7 @@ def test_transformers_experts_full_finetune_and_packed_compile_whole(offload_sim
     for s in range(2):
         ids = _ids(s)
         loss = step(ids)
-        if fmt:
+        if "frozen" in case:
             with torch.no_grad():
                 torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss, **TOL)
             continue

@@ -625,16 +625,74 @@ def test_lossless_experts_under_lora_train_exactly(offload_sim):
             experts.down_proj.copy_(torch.zeros(experts.down_proj.shape))
 
 
-def test_lossless_on_trainable_experts_streams_them_dense_or_refuses(offload_sim):
-    """Trainable expert tensors are not coded (a coded group is frozen): quantize="lossless"
-    streams them dense with a warning that says why (the Linear layers train coded), and a
-    dict that names them is an error."""
-    model = _qwen3_moe()
-    with pytest.warns(RuntimeWarning, match=r"cannot pack 2 layer\(s\).*mlp.experts \(a tensor requires grad"):
-        handle = offload_sim(model, quantize="lossless")
-    assert handle.stats()["coded_layers"] > 0  # the trainable Linear layers
+def _wide_qwen3_moe():
+    """Experts of 128 x 128: coded, a piece is smaller than dense (a header and 256-byte
+    sections make a tiny expert larger)."""
+    return _qwen3_moe(hidden_size=128, moe_intermediate_size=128, head_dim=64)
+
+
+@pytest.mark.parametrize("make", [_wide_qwen3_moe, _gpt_oss], ids=["qwen3-moe", "gpt-oss-biases"])
+def test_lossless_trainable_experts_train_coded_exactly(offload_sim, recwarn, make):
+    """Full fine-tuning with quantize="lossless": the trainable expert tensors stay dense
+    parameters on the host (backward and the optimizer write them) and cross the bus
+    coded, one piece per expert, re-coded before the next copy after each optimizer step
+    (Note [Trainable coded weights]). Losses, every gradient and the logits after AdamW
+    equal the resident model's bit for bit; fewer bytes cross than dense; the host
+    warning says what the dense copies cost; detach() gives back the trained values."""
+    model = make().to(torch.bfloat16)
+    ref, dense, dense_ref = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    handle = offload_sim(model, quantize={"*experts": "lossless"})
+    h_dense = offload_sim(dense)
+    warned = [str(w.message) for w in recwarn if "require grad, so each keeps" in str(w.message)]
+    assert len(warned) == 1 and warned[0].count("2 lossless layer(s)") == 1, warned
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts.gate_up_proj) is nn.Parameter and experts.gate_up_proj.requires_grad
+    assert handle.stats()["coded_layers"] == 2
+    _train_compare(model, ref)
+    _train_compare(dense, dense_ref)  # the same work, dense, for the bytes below
+    stats = handle.stats()
+    assert stats["recoded_bytes"] >= sum(p.numel() * 2 for n, p in model.named_parameters()
+                                         if "experts" in n and p.dim() >= 2)
+    if make is _wide_qwen3_moe:
+        assert stats["h2d_bytes"] < h_dense.stats()["h2d_bytes"] * 0.85
+    handle.detach()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(_bits(p), _bits(q)), n
+
+
+def test_routed_lossless_trainable_experts_recode_between_steps(offload_sim):
+    """Routed calls of trainable coded experts (16 experts, one token per call) copy the
+    chosen experts' current pieces: after each optimizer step the pieces are re-coded
+    (their offsets move) before the next routed copy, and the loss, the gradients and the
+    next logits stay equal to the resident model's, bit for bit."""
+    model = _many_experts(hidden_size=64, moe_intermediate_size=32, head_dim=32).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, quantize={"*experts": "lossless"})
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    for step in range(3):
+        token = torch.tensor([[3 + step]])
+        loss, want = (m(input_ids=token, labels=token).logits.float().square().mean() for m in (model, ref))
+        assert torch.equal(loss, want), step
+        loss.backward(), want.backward()
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    stats = handle.stats()
+    assert stats["routed_fetches"] >= 4 and stats["recoded_bytes"] > 0
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=torch.tensor([[11]])).logits, ref(input_ids=torch.tensor([[11]])).logits)
+
+
+def test_lossless_on_other_dtypes_of_experts_streams_them_dense_or_refuses(offload_sim):
+    """An expert tensor the format cannot code (float64) streams dense with a warning
+    that says why, and a dict that names it is an error."""
+    model = _qwen3_moe().to(torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"cannot pack .*mlp.experts \("):
+        offload_sim(model, quantize="lossless")
     with pytest.raises(LayerstreamError, match=r"cannot quantize layer 'model.layers.0.mlp.experts' to lossless"):
-        offload_sim(_qwen3_moe(), quantize={"*experts": "lossless"})
+        offload_sim(_qwen3_moe().to(torch.float64), quantize={"*experts": "lossless"})
 
 
 def test_lossless_expert_tensor_of_unaligned_experts_is_coded_whole(offload_sim):

@@ -839,6 +839,17 @@ def _tiny_qwen3_moe(hidden: int, experts_inter: int, experts: int = 4, impl: str
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
+def _lm_step_close(model, ref, ids, tol, grad_tol, what):
+    """One language-model loss and backward on each (gradients accumulate): the losses
+    within `tol`, every gradient within `grad_tol`."""
+    loss, want = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    _close(loss, want, **tol)
+    loss.backward()
+    want.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        _close(p.grad, q.grad, **grad_tol, msg=lambda m: f"{what}, {n}: {m}")
+
+
 def test_moe_experts_stream_as_a_group(offload_dev, compute_device):
     """A mixture-of-experts model (transformers' Qwen3-MoE, experts as 3-D parameters):
     each experts module streams as one tensor group, its own forward (transformers' default
@@ -852,13 +863,8 @@ def test_moe_experts_stream_as_a_group(offload_dev, compute_device):
     ids = torch.randint(0, 64, (2, 9), device=compute_device)
     with torch.no_grad():
         _close(model(input_ids=ids).logits, ref(input_ids=ids).logits, **FP32_TOL)
-    for _ in range(2):
-        loss, want = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
-        _close(loss, want, **FP32_TOL)
-        loss.backward()
-        want.backward()
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        _close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    for step in range(2):
+        _lm_step_close(model, ref, ids, FP32_TOL, dict(rtol=1e-4, atol=1e-5), f"backward {step}")
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -903,6 +909,34 @@ def test_lora_on_moe_expert_parameters(offload_dev, compute_device, when):
     for n, p, q in trained:
         _close(p.grad, q.grad, **(tol if compute_device.type == "cpu" else dict(rtol=1e-4, atol=1e-5)),
                msg=lambda m: f"{n}: {m}")
+
+
+def test_trainable_lossless_moe_experts(offload_dev, compute_device):
+    """Full fine-tuning with quantize="lossless" on the experts: they stay dense on the
+    host (the optimizer steps them there) and cross coded, a piece per expert, re-coded
+    after each step (Note [Trainable coded weights]); the CUDA kernel of pieces decodes
+    them whole, then routed (one token). Losses, gradients and the logits after two SGD
+    steps match the resident model (bit for bit on the sim device)."""
+    model = _tiny_qwen3_moe(hidden=64, experts_inter=64, experts=16)
+    ref = copy.deepcopy(model).to(compute_device)
+    handle = offload_dev(model, quantize={"*experts": "lossless"})
+    assert handle.stats()["coded_layers"] == 2
+    exact = compute_device.type == "cpu"
+    tol = _exact_on_cpu(compute_device)
+    grad_tol = tol if exact else dict(rtol=1e-4, atol=1e-5)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0)).to(compute_device)
+    for step in range(2):
+        _lm_step_close(model, ref, ids, tol, grad_tol, f"step {step}")
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert handle.stats()["recoded_bytes"] > 0
+    with torch.no_grad():
+        for token in (5, 6, 7):
+            one = torch.tensor([[token]], device=compute_device)
+            _close(model(input_ids=one).logits, ref(input_ids=one).logits, **grad_tol)
+    assert handle.stats()["routed_fetches"] >= 2
 
 
 def _exact_on_cpu(dev):
