@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -70,6 +71,27 @@ def test_pip_build_builds_no_tests_and_declares_torch():
     assert "-DLS_BUILD_TESTS=OFF" in setup
     assert '"--target", "_C", "layerstream"' in setup  # the wheel carries the command
     assert 'layerstream = "layerstream._cli:main"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_a_build_without_cuda_configures_again(tmp_path):
+    """A build without the CUDA backend (LS_WITH_CUDA=OFF, as tools/sanitize.sh's) whose
+    configuration runs again (a source file added, CMakeLists.txt changed) still
+    configures: the CUDA compiler torch's CMake enabled and cached then may be a wrapper
+    script outside the toolkit (/usr/local/bin/nvcc on these machines), whose folder is
+    not the toolkit's root (cmake/layerstream_torch.cmake)."""
+    bin_dir = Path(sys.executable).parent
+    cmake = shutil.which("cmake", path=str(bin_dir)) or shutil.which("cmake")
+    if cmake is None or not (shutil.which("ninja", path=str(bin_dir)) or shutil.which("ninja")):
+        pytest.skip("cmake and ninja are needed")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    build = tmp_path / "build"
+    first = subprocess.run([cmake, "-S", str(REPO), "-B", str(build), "-G", "Ninja", "-DLS_WITH_CUDA=OFF",
+                            "-DLS_BUILD_TESTS=OFF", f"-DPython3_EXECUTABLE={sys.executable}",
+                            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    again = subprocess.run([cmake, str(build)], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
 
 
 # ------------------------------------------------------------- command line
