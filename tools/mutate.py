@@ -334,6 +334,18 @@ MUTATIONS = [
          P + "test_activations.py::test_the_window_is_the_newest_tensors_through_the_engine_api"],
         "the device budget for saved activations sends the newest to the host, not the oldest"),
     Mutation(
+        "activation-interrupted-scope-kept", "python/layerstream/_activations.py",
+        "        if self._depth and not self._entering_call_running():",
+        "        if False:",
+        [P + "test_activations.py::test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open"],
+        "a forward interrupted by Ctrl-C leaves the saved-tensor hooks entered: the next call nests in it"),
+    Mutation(
+        "activation-detach-keeps-scope", "python/layerstream/_activations.py",
+        "(close()).\"\"\"\n        self.close()",
+        "(close()).\"\"\"\n        pass",
+        [P + "test_activations.py::test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open"],
+        "detach() leaves an interrupted forward's saved-tensor hooks entered (autograd then fails)"),
+    Mutation(
         "activation-no-prefetch", "csrc/torch/engine_activations.cpp",
         "  int ahead = opts_.prefetch;",
         "  int ahead = 0;",

@@ -4,6 +4,9 @@ memory on the device-to-host stream, or kept on the device), and come back when 
 unpacks them (Engine.restore_activation, which also starts the next ones back)."""
 from __future__ import annotations
 
+import sys
+import threading
+import warnings
 from typing import List
 
 import torch
@@ -35,6 +38,7 @@ class ActivationOffload:
         self._depth = 0
         self._context = None
         self._held = set()  # storages of the model's parameters and buffers, per forward
+        self._caller = None  # (thread id, frame) of the call that opened the scope
 
     def pack(self, t: torch.Tensor):
         # Held by the model anyway (a resident weight, or a view of it such as the
@@ -48,7 +52,10 @@ class ActivationOffload:
         return saved if isinstance(saved, torch.Tensor) else self.engine.restore_activation(saved.token)
 
     def _enter(self, module, args):
+        if self._depth and not self._entering_call_running():
+            self.close()  # Note [An interrupted forward's scope]
         if self._depth == 0:
+            self._caller = (threading.get_ident(), sys._getframe(1))
             self.engine.begin_activations(self.device_budget)
             self._held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
                           if t.device.type != "meta"}
@@ -57,16 +64,58 @@ class ActivationOffload:
         self._depth += 1
 
     def _exit(self, module, args, output):
+        if self._depth == 0:  # its scope was closed as interrupted (close())
+            return
         self._depth -= 1
         if self._depth == 0:
-            context, self._context = self._context, None
+            context, self._context, self._caller = self._context, None, None
             self._held = set()
             context.__exit__(None, None, None)
 
+    def _entering_call_running(self) -> bool:
+        """Whether the call of the model that opened the scope is still on this thread's
+        stack (a call of the model inside its own forward), rather than unwound."""
+        thread, frame = self._caller
+        if thread != threading.get_ident():
+            return True  # another thread's call: not this one's to judge
+        f = sys._getframe(2)
+        while f is not None and f is not frame:
+            f = f.f_back
+        return f is not None
+
+    def close(self) -> None:
+        """Closes a scope whose forward never reached the forward hook (also detach()).
+
+        Note [An interrupted forward's scope]
+        torch runs a module's always-called forward hooks when its forward raises an
+        Exception, not a KeyboardInterrupt (Ctrl-C in a notebook) or another
+        BaseException, so such a forward leaves the saved-tensor hooks entered: every
+        tensor autograd saves in this thread, in any model, would still go through this
+        engine, and after detach() fail. The next call of the model sees the scope of a
+        call no longer on the stack and closes it first; detach() closes it too. Until
+        then other saves are offloaded (their values unchanged). torch keeps the hooks
+        as a stack: the scope is popped only when it is on top, else it is left there
+        with a warning (a scope pushed after it was not closed either)."""
+        context, self._context, self._caller = self._context, None, None
+        self._depth, self._held = 0, set()
+        if context is None:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == self.pack:
+            context.__exit__(None, None, None)
+        else:
+            warnings.warn("layerstream: the activation offload of an interrupted forward is under another "
+                          "saved_tensors_hooks scope that was not closed either; it stays installed until "
+                          "that one is closed", RuntimeWarning, stacklevel=3)
+
+    def remove(self) -> None:
+        """As a hook handle: detach() closes a scope left open (close())."""
+        self.close()
+
     def install(self, model: nn.Module) -> List:
-        """The hook handles (removed by Handle.detach())."""
+        """The hook handles, and this object as one (removed by Handle.detach())."""
         return [model.register_forward_pre_hook(self._enter),
-                model.register_forward_hook(self._exit, always_call=True)]
+                model.register_forward_hook(self._exit, always_call=True), self]
 
 
 def parse_activations(value, parse_bytes) -> int:

@@ -438,3 +438,44 @@ def test_the_trace_shows_activation_copies_on_their_own_lanes(offload_sim, tmp_p
     handle.export_trace(str(path))
     text = path.read_text()
     assert "act d2h" in text and "act h2d" in text
+
+
+class _Interrupt(nn.Module):
+    """Raises KeyboardInterrupt (Ctrl-C) once when armed: torch skips always-called
+    forward hooks for anything that is not an Exception."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return x
+
+
+def test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open(offload_sim):
+    """Note [An interrupted forward's scope]: after a forward interrupted by
+    KeyboardInterrupt, the next call closes the left-over scope (training goes on bit for
+    bit, and a computation outside the model saves its tensors in place again), and so
+    does detach() (autograd outside the model works after it)."""
+    stop = _Interrupt()
+    model = nn.Sequential(*_mlp()[:4], stop, *_mlp()[4:])
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, activations="host")
+    x = torch.randn(128, 256)
+    stop.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    _train(model, ref, x, after_forward=handle.synchronize)
+    other = nn.Linear(256, 256)
+    crossed = handle.stats()["activation_d2h_bytes"]
+    other(torch.randn(128, 256, requires_grad=True)).tanh().sum().backward()
+    assert handle.stats()["activation_d2h_bytes"] == crossed
+    stop.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    handle.detach()
+    other(torch.randn(128, 256, requires_grad=True)).tanh().sum().backward()  # no engine involved
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
