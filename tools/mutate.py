@@ -334,6 +334,12 @@ MUTATIONS = [
          P + "test_activations.py::test_the_window_is_the_newest_tensors_through_the_engine_api"],
         "the device budget for saved activations sends the newest to the host, not the oldest"),
     Mutation(
+        "conv-weight-grad-without-fetch", "csrc/torch/ops_streamed.cpp",
+        "    if (!need_x && !l.is_conv()) {",
+        "    if (!need_x) {",
+        [P + "test_parity_layers.py::test_a_conv_whose_input_and_weight_layouts_differ_trains_exactly"],
+        "a conv's weight-only backward runs on the parked weight (ATen copies it into the input's layout)"),
+    Mutation(
         "activation-interrupted-scope-kept", "python/layerstream/_activations.py",
         "        if self._depth and not self._entering_call_running():",
         "        if False:",

@@ -195,9 +195,14 @@ class ScratchLease {
 // graph: under a non-reentrant checkpoint the graph's saved tensors are the
 // ones its recompute made, which the backward of the layer must point at the
 // fetched weights too; a recompute run inside the layer's own backward
-// computes on that backward's weights (EngineImpl::active_params). The weight
-// and bias gradients of a Linear or conv read no weight, so a backward that
-// needs no input gradient fetches nothing.
+// computes on that backward's weights (EngineImpl::active_params). A
+// Linear's weight and bias gradients read no weight, so its backward that
+// needs no input gradient fetches nothing. A convolution's backward may read
+// it even then: ATen makes the weight contiguous in the memory format it
+// picks from the input and the weight (a channels_last input with a
+// contiguous weight, e.g. peft's lora_A conv in a channels_last model: a
+// copy), and a parked storage's null data pointer read by a copy kernel is
+// a crash, not an error. So a conv always fetches (as op_backward does).
 
 // What a streamed op's forward keeps for its backward. Not the input: the
 // graph reaches it through a sink (input_with_sink), so that nothing but
@@ -449,11 +454,10 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
                                                                   /*accumulate_grad=*/false, wanted);
     };
     variable_list got;
-    if (!need_x) {
-      // The weight and bias gradients of a Linear or convolution are functions
-      // of the input and the output gradient only: the graph reads no weight
-      // (a read of a parked storage would raise, not return garbage), so the
-      // weights are not fetched again.
+    if (!need_x && !l.is_conv()) {
+      // A Linear's weight and bias gradients are functions of the input and the
+      // output gradient only: the graph reads no weight, so it is not fetched
+      // again (a conv's may: Note [Same calls as the resident module]).
       got = run();
     } else {
       SlotLease lease(sched, sched.acquire(layer, cs, Phase::Backward), cs);
@@ -698,7 +702,7 @@ std::vector<torch::Tensor> EngineImpl::op_backward(int index, const torch::Tenso
     Stream cs = compute_stream();
     std::optional<SlotLease> lease;
     DeviceParams p;
-    if (mask[0] || l.is_conv()) {  // else the gradients read no weight: nothing is fetched
+    if (mask[0] || l.is_conv()) {  // else a Linear's gradients read no weight: nothing is fetched
       lease.emplace(scheduler(), scheduler().acquire(index, cs, Phase::Backward), cs);
       p = device_params(l, lease->get(), x.scalar_type());
     }

@@ -582,6 +582,43 @@ def test_weight_memory_layout_is_kept(offload_dev, compute_device):
     assert {n: p.stride() for n, p in model.named_parameters()} == strides
 
 
+@pytest.mark.parametrize("case", ["channels-last-input", "channels-last-weight", "lora-conv"])
+def test_a_conv_whose_input_and_weight_layouts_differ_trains_exactly(offload_dev, compute_device, case):
+    """A conv whose input needs no gradient, its weight one, and whose input and weight
+    are laid out differently (a channels_last input into a contiguous weight, the reverse;
+    peft's lora_A conv added to a channels_last model): ATen's backward makes the weight
+    contiguous in the input's memory format, a read of the weight although only its
+    gradient is computed. It used to read the parked (null) storage: a segmentation
+    fault. Gradients equal the resident model's (bit for bit on the sim device)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3))
+    x = _randn((2, 8, 10, 10), compute_device)
+    if case == "channels-last-weight":
+        model = model.to(memory_format=torch.channels_last)
+    else:
+        x = x.to(memory_format=torch.channels_last)
+    if case == "lora-conv":
+        peft = pytest.importorskip("peft")
+        model = model.to(memory_format=torch.channels_last)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0", "2"],
+                                                           init_lora_weights="gaussian"))
+    ref = copy.deepcopy(model).to(compute_device)
+    handle = offload_dev(model)
+    assert any("lora_A" in n for n in handle.layers) == (case == "lora-conv")
+    exact = compute_device.type == "cpu"
+    for _ in range(2):
+        y, yr = model(x), ref(x)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained
+    for n in trained:
+        g, gr = dict(model.named_parameters())[n].grad, dict(ref.named_parameters())[n].grad
+        if exact:
+            assert _equal(g, gr), n
+        _close(g, gr, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("act_dtype", [
     pytest.param(torch.bfloat16, id="bf16"),
     pytest.param(torch.float16, id="fp16", marks=_FP16_SKIP),
