@@ -334,6 +334,18 @@ MUTATIONS = [
          P + "test_activations.py::test_the_window_is_the_newest_tensors_through_the_engine_api"],
         "the device budget for saved activations sends the newest to the host, not the oldest"),
     Mutation(
+        "layout-size1-strides-dropped", "csrc/torch/engine_register.cpp",
+        "  const bool keep_layout = strides && own_strides(src) && src.is_non_overlapping_and_dense();",
+        "  const bool keep_layout = strides && !src.is_contiguous() && src.is_non_overlapping_and_dense();",
+        [P + "test_parity_layers.py::test_a_channels_last_1x1_conv_keeps_its_strides"],
+        "the host store makes a channels_last 1x1 conv weight's strides the contiguous ones"),
+    Mutation(
+        "layout-quantized-detach-size1-strides", "python/layerstream/_offload.py",
+        "                      strides=tuple(weight.stride()))",
+        "                      strides=None if weight.is_contiguous() else tuple(weight.stride()))",
+        [P + "test_parity_layers.py::test_a_channels_last_1x1_conv_keeps_its_strides"],
+        "detach() gives a quantized channels_last 1x1 conv weight the contiguous strides"),
+    Mutation(
         "conv-weight-grad-without-fetch", "csrc/torch/ops_streamed.cpp",
         "    if (!need_x && !l.is_conv()) {",
         "    if (!need_x) {",

@@ -149,7 +149,7 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
         // Dense here, where backward and the optimizer write it; coded on the
         // bus, one piece per expert when by expert, re-coded before a copy
         // once it changed (Note [Trainable coded weights], engine_coded.cpp).
-        LS_CHECK(e.strides.empty(), "tensor group '", name, "': tensor #", k, " ", shape_str(e.shape),
+        LS_CHECK(e.param.is_contiguous(), "tensor group '", name, "': tensor #", k, " ", shape_str(e.shape),
                  " is not contiguous, so it cannot be lossless-coded; make it contiguous or do not quantize "
                  "this group");
         const quant::SrcDtype d = src_dtype_of(e.dtype, name);

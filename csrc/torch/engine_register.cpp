@@ -11,18 +11,34 @@
 
 namespace layerstream {
 
+namespace {
+// Strides other than the row-major ones of its sizes. Not !is_contiguous():
+// that ignores the strides of size-1 dims, and a conv picks its memory format
+// from them (a channels_last 1x1 conv weight [o, i, 1, 1] has strides
+// (i, 1, i, i); given (i, 1, 1, 1) the conv computes in another format,
+// other numbers).
+bool own_strides(const torch::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.stride(d) != expected) return true;
+    expected *= std::max<int64_t>(t.size(d), 1);
+  }
+  return false;
+}
+}  // namespace
+
 void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& param,
             const std::string& name, size_t* index, size_t* bytes, std::vector<int64_t>* strides) {
   torch::NoGradGuard ng;
   torch::Tensor src = param.detach().to(torch::kCPU);
-  const bool keep_layout = strides && !src.is_contiguous() && src.is_non_overlapping_and_dense();
+  const bool keep_layout = strides && own_strides(src) && src.is_non_overlapping_and_dense();
   if (!keep_layout) src = src.contiguous();
   *bytes = static_cast<size_t>(src.numel()) * src.element_size();
+  if (strides) *strides = keep_layout ? src.strides().vec() : std::vector<int64_t>{};
   // Read from a file straight into the store (Engine::read_file): no copy.
   const int64_t claimed = src.is_contiguous() && src.storage_offset() == 0 ? store.claim(src.data_ptr(), *bytes) : -1;
   if (claimed >= 0) {
     *index = static_cast<size_t>(claimed);
-    if (strides) strides->clear();
     param.set_data(src);
     return src.data_ptr();
   }
@@ -34,7 +50,6 @@ void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& 
   const auto opts = torch::TensorOptions().dtype(src.scalar_type());
   torch::Tensor alias = keep_layout ? torch::from_blob(ptr, src.sizes(), src.strides(), [keepalive](void*) {}, opts)
                                     : torch::from_blob(ptr, src.sizes(), [keepalive](void*) {}, opts);
-  if (strides) *strides = keep_layout ? src.strides().vec() : std::vector<int64_t>{};
   param.set_data(alias);
   return ptr;
 }

@@ -29,8 +29,9 @@ class _Attached:
         self.prequantized = prequantized
         self.bnb_stats = bnb_stats
         self.hooks = list(hooks)
-        # A weight quantized by offload() whose memory layout was not the contiguous one
-        # (channels_last): detach() restores its dequantized values in that layout.
+        # The weight's strides at offload(): detach() restores a weight that offload()
+        # quantized in that layout (channels_last, also a 1x1 conv's, whose strides
+        # differ from the contiguous ones only in size-1 dims).
         self.strides = strides
         # A tensor group quantized by offload(): (parameter name, part, owner module, key)
         # of its packed tensors (the name relative to the module: "out_proj.weight").
@@ -280,7 +281,7 @@ class Handle(_RefusesCopy):
                     o._parameters[k] = nn.Parameter(value.to(a.devices[0]), requires_grad=False)
             elif a.index in dense:
                 w = dense[a.index]
-                if a.strides is not None:  # the layout it had before offload() (e.g. channels_last)
+                if a.strides is not None:  # the strides it had before offload() (e.g. channels_last)
                     w = torch.empty_strided(w.shape, a.strides, dtype=w.dtype).copy_(w)
                 a.module.weight = nn.Parameter(w.to(a.devices[0]), requires_grad=False)
         for a in self._attached:

@@ -632,7 +632,7 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
         a = _Attached(name, module, kind, index, had_forward, old_forward, devices,
                       prequantized=pre is not None and not pre.gguf,
                       bnb_stats=None if pre is None else pre.bnb_stats,
-                      strides=None if weight.is_contiguous() else tuple(weight.stride()))
+                      strides=tuple(weight.stride()))
         attached.append(a)
         if name in on_disk.names:
             pass  # the module keeps its FileWeights: nothing of it is in host memory to write

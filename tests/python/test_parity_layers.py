@@ -582,6 +582,40 @@ def test_weight_memory_layout_is_kept(offload_dev, compute_device):
     assert {n: p.stride() for n, p in model.named_parameters()} == strides
 
 
+def test_a_channels_last_1x1_conv_keeps_its_strides(offload_dev, compute_device):
+    """A channels_last 1x1 conv weight [o, i, 1, 1] has strides (i, 1, i, i): contiguous
+    as far as is_contiguous() goes (size-1 dims do not count), but the conv picks its
+    memory format from those strides (its output is channels_last). The host store used
+    to make them (i, 1, 1, 1): the streamed conv computed in the contiguous format, to
+    other numbers than the resident model's (2e-7 off in a diffusers UNet's proj_out) and
+    in another output layout. The strides now stay: in the store, the slot, and after
+    detach(), also of a weight offload() quantized."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 4, 1)).to(memory_format=torch.channels_last)
+    quantized = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(compute_device)
+    strides = [p.stride() for p in model.parameters()]
+    assert strides[0] == (8, 1, 8, 8)
+    handle = offload_dev(model)
+    assert [p.stride() for p in model.parameters()] == strides
+    exact = compute_device.type == "cpu"
+    x = _randn((2, 8, 5, 5), compute_device)  # contiguous: the weights decide the format
+    y, yr = model(x), ref(x)
+    assert y.stride() == yr.stride() != y.contiguous().stride()
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if exact:
+            assert _equal(p.grad, q.grad), n
+        _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+    if exact:
+        assert _equal(y, yr)
+    handle.detach()
+    assert [p.stride() for p in model.parameters()] == strides
+    offload_dev(quantized.requires_grad_(False), quantize="int8").detach()
+    assert [p.stride() for p in quantized.parameters()] == strides
+
+
 @pytest.mark.parametrize("case", ["channels-last-input", "channels-last-weight", "lora-conv"])
 def test_a_conv_whose_input_and_weight_layouts_differ_trains_exactly(offload_dev, compute_device, case):
     """A conv whose input needs no gradient, its weight one, and whose input and weight
