@@ -346,6 +346,12 @@ MUTATIONS = [
         [P + "test_parity_layers.py::test_a_channels_last_1x1_conv_keeps_its_strides"],
         "detach() gives a quantized channels_last 1x1 conv weight the contiguous strides"),
     Mutation(
+        "lossless-codes-row-major", "csrc/torch/engine_register.cpp",
+        "    if (format == quant::Format::Lossless && own_strides(src) && src.is_non_overlapping_and_dense())",
+        "    if (false)",
+        [P + "test_parity_layers.py::test_lossless_conv_weights_keep_their_layout"],
+        "lossless codes a channels_last conv weight in row-major order (the conv computes contiguous)"),
+    Mutation(
         "conv-weight-grad-without-fetch", "csrc/torch/ops_streamed.cpp",
         "    if (!need_x && !l.is_conv()) {",
         "    if (!need_x) {",

@@ -146,8 +146,11 @@ EngineImpl::DeviceParams EngineImpl::device_params(const LayerInfo& l, const Lea
   const size_t ws_part = l.bias.defined() ? 2 : 1;  // the workspace follows the copied parts
   const auto on_device = torch::TensorOptions().device(compute_device_);
   if (l.qformat != quant::Format::None) {
-    // The dequantized copy in the workspace (frozen: never requires grad).
-    p.w_leaf = torch::from_blob(lease.part_ptr(ws_part), l.w_shape, on_device.dtype(l.q_dtype));
+    // The dequantized copy in the workspace (frozen: never requires grad);
+    // a lossless one in the weight's own memory order (add_layer).
+    const auto opts = on_device.dtype(l.q_dtype);
+    p.w_leaf = l.w_strides.empty() ? torch::from_blob(lease.part_ptr(ws_part), l.w_shape, opts)
+                                   : torch::from_blob(lease.part_ptr(ws_part), l.w_shape, l.w_strides, opts);
   } else {
     // The copy cast to compute_dtype after the transfer (element by element,
     // so in the same memory order), the weight decoded from its coded copy

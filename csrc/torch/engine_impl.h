@@ -329,9 +329,10 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     torch::Tensor weight;  // the parameter (data aliases the host store); a meta stand-in if quantized
     torch::Tensor bias;    // may be undefined
     std::vector<int64_t> w_shape, b_shape;
-    // A dense weight's strides when its layout is not the contiguous one
-    // (channels_last, transposed): kept in the host store, the slot and
-    // on the device. Empty: contiguous (always for quantized weights).
+    // A dense or lossless-coded weight's strides when they are not the
+    // row-major ones (channels_last, transposed): kept in the host store (a
+    // coded one codes its bytes in that order), the slot and on the device.
+    // Empty: row-major (always for the other quantized formats).
     std::vector<int64_t> w_strides;
     torch::ScalarType w_dtype = torch::kFloat, b_dtype = torch::kFloat;
     size_t w_index = 0, b_index = 0;  // host store indices

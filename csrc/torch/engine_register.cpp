@@ -138,7 +138,15 @@ int EngineImpl::add_layer(LayerInfo info, quant::Format format) {
              "trained; freeze it first (weight.requires_grad_(False), as QLoRA does with the base "
              "model) or do not quantize this layer");
     torch::NoGradGuard ng;
-    torch::Tensor src = info.weight.detach().to(torch::kCPU).contiguous();
+    torch::Tensor src = info.weight.detach().to(torch::kCPU);
+    // Lossless codes element by element: in the weight's own memory order
+    // (channels_last), so that the decoded weight is viewed with its strides
+    // and the conv computes as the resident one. The other formats pack rows
+    // of the logical (row-major) order.
+    if (format == quant::Format::Lossless && own_strides(src) && src.is_non_overlapping_and_dense())
+      info.w_strides = src.strides().vec();
+    else
+      src = src.contiguous();
     const int64_t rows = info.w_shape[0];
     const int64_t cols = rows ? src.numel() / rows : 0;
     try {
@@ -397,8 +405,10 @@ torch::Tensor EngineImpl::dequantized_weight(int index) {
   LS_CHECK(l.qformat != quant::Format::None, "layer '", l.name, "' is not quantized");
   LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its packed weight from ", l.w_file->path,
            " (the disk tier): it is not held in host memory");
-  if (l.qformat == quant::Format::Lossless) {  // bit for bit, in its own dtype
-    torch::Tensor dense = torch::empty(l.w_shape, torch::TensorOptions().dtype(l.w_dtype));
+  if (l.qformat == quant::Format::Lossless) {  // bit for bit, in its own dtype and strides
+    const auto opts = torch::TensorOptions().dtype(l.w_dtype);
+    torch::Tensor dense = l.w_strides.empty() ? torch::empty(l.w_shape, opts)
+                                              : torch::empty_strided(l.w_shape, l.w_strides, opts);
     quant::dequantize_cpu(l.qlayout, l.w_host, dense.data_ptr(), out_dtype_of(l.w_dtype), 0);
     return dense;
   }

@@ -616,6 +616,31 @@ def test_a_channels_last_1x1_conv_keeps_its_strides(offload_dev, compute_device)
     assert [p.stride() for p in quantized.parameters()] == strides
 
 
+def test_lossless_conv_weights_keep_their_layout(offload_dev, compute_device):
+    """quantize="lossless" codes a weight in its own memory order and decodes it into the
+    slot with its strides: a channels_last conv net computes as the resident model (bit
+    for bit on the sim device). The row-major coding made the convs compute in the
+    contiguous format (a bf16 diffusers UNet: 4e-6 off at its first coded conv).
+    detach() gives the weights back bit for bit, in their strides."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 4, 1))
+    model = model.to(memory_format=torch.channels_last).requires_grad_(False)
+    ref = copy.deepcopy(model).to(compute_device)
+    strides = [p.stride() for p in model.parameters()]
+    handle = offload_dev(model, quantize="lossless")
+    assert handle.stats()["quantized_layers"] == 2
+    x = _randn((2, 8, 6, 6), compute_device)
+    y, yr = model(x), ref(x)
+    assert y.stride() == yr.stride() != y.contiguous().stride()
+    if compute_device.type == "cpu":
+        assert _equal(y, yr)
+    _close(y, yr, **FP32_TOL)
+    handle.detach()
+    assert [p.stride() for p in model.parameters()] == strides
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert _equal(p, q.cpu())
+
+
 @pytest.mark.parametrize("case", ["channels-last-input", "channels-last-weight", "lora-conv"])
 def test_a_conv_whose_input_and_weight_layouts_differ_trains_exactly(offload_dev, compute_device, case):
     """A conv whose input needs no gradient, its weight one, and whose input and weight
