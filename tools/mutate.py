@@ -335,8 +335,8 @@ MUTATIONS = [
         "the device budget for saved activations sends the newest to the host, not the oldest"),
     Mutation(
         "layout-size1-strides-dropped", "csrc/torch/engine_register.cpp",
-        "  const bool keep_layout = strides && own_strides(src) && src.is_non_overlapping_and_dense();",
-        "  const bool keep_layout = strides && !src.is_contiguous() && src.is_non_overlapping_and_dense();",
+        "  std::vector<int64_t> kept = strides ? strides_to_keep(src) : std::vector<int64_t>{};",
+        "  std::vector<int64_t> kept = strides && !src.is_contiguous() ? strides_to_keep(src) : std::vector<int64_t>{};",
         [P + "test_parity_layers.py::test_a_channels_last_1x1_conv_keeps_its_strides"],
         "the host store makes a channels_last 1x1 conv weight's strides the contiguous ones"),
     Mutation(
@@ -347,8 +347,8 @@ MUTATIONS = [
         "detach() gives a quantized channels_last 1x1 conv weight the contiguous strides"),
     Mutation(
         "lossless-codes-row-major", "csrc/torch/engine_register.cpp",
-        "    if (format == quant::Format::Lossless && own_strides(src) && src.is_non_overlapping_and_dense())",
-        "    if (false)",
+        "    if (format == quant::Format::Lossless) info.w_strides = strides_to_keep(src);",
+        "",
         [P + "test_parity_layers.py::test_lossless_conv_weights_keep_their_layout"],
         "lossless codes a channels_last conv weight in row-major order (the conv computes contiguous)"),
     Mutation(

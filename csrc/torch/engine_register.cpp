@@ -4,6 +4,8 @@
 
 #include "core/lossless.h"
 
+#include <c10/util/strides.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -12,18 +14,16 @@
 namespace layerstream {
 
 namespace {
-// Strides other than the row-major ones of its sizes. Not !is_contiguous():
-// that ignores the strides of size-1 dims, and a conv picks its memory format
-// from them (a channels_last 1x1 conv weight [o, i, 1, 1] has strides
-// (i, 1, i, i); given (i, 1, 1, 1) the conv computes in another format,
-// other numbers).
-bool own_strides(const torch::Tensor& t) {
-  int64_t expected = 1;
-  for (int64_t d = t.dim() - 1; d >= 0; --d) {
-    if (t.stride(d) != expected) return true;
-    expected *= std::max<int64_t>(t.size(d), 1);
-  }
-  return false;
+// The strides a weight keeps in the host store and its slot: its own when they
+// are not the row-major ones of its sizes and it is dense; else none (made
+// row-major). Not !is_contiguous(): that ignores the strides of size-1 dims,
+// and a conv picks its memory format from them (a channels_last 1x1 conv
+// weight [o, i, 1, 1] has strides (i, 1, i, i); given (i, 1, 1, 1) the conv
+// computes in another format, other numbers).
+std::vector<int64_t> strides_to_keep(const torch::Tensor& t) {
+  if (t.strides() == c10::IntArrayRef(c10::contiguous_strides(t.sizes())) || !t.is_non_overlapping_and_dense())
+    return {};
+  return t.strides().vec();
 }
 }  // namespace
 
@@ -31,10 +31,11 @@ void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& 
             const std::string& name, size_t* index, size_t* bytes, std::vector<int64_t>* strides) {
   torch::NoGradGuard ng;
   torch::Tensor src = param.detach().to(torch::kCPU);
-  const bool keep_layout = strides && own_strides(src) && src.is_non_overlapping_and_dense();
+  std::vector<int64_t> kept = strides ? strides_to_keep(src) : std::vector<int64_t>{};
+  const bool keep_layout = !kept.empty();
   if (!keep_layout) src = src.contiguous();
   *bytes = static_cast<size_t>(src.numel()) * src.element_size();
-  if (strides) *strides = keep_layout ? src.strides().vec() : std::vector<int64_t>{};
+  if (strides) *strides = std::move(kept);
   // Read from a file straight into the store (Engine::read_file): no copy.
   const int64_t claimed = src.is_contiguous() && src.storage_offset() == 0 ? store.claim(src.data_ptr(), *bytes) : -1;
   if (claimed >= 0) {
@@ -143,10 +144,8 @@ int EngineImpl::add_layer(LayerInfo info, quant::Format format) {
     // (channels_last), so that the decoded weight is viewed with its strides
     // and the conv computes as the resident one. The other formats pack rows
     // of the logical (row-major) order.
-    if (format == quant::Format::Lossless && own_strides(src) && src.is_non_overlapping_and_dense())
-      info.w_strides = src.strides().vec();
-    else
-      src = src.contiguous();
+    if (format == quant::Format::Lossless) info.w_strides = strides_to_keep(src);
+    if (info.w_strides.empty()) src = src.contiguous();
     const int64_t rows = info.w_shape[0];
     const int64_t cols = rows ? src.numel() / rows : 0;
     try {
