@@ -370,6 +370,36 @@ MUTATIONS = [
         [P + "test_activations.py::test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open"],
         "detach() leaves an interrupted forward's saved-tensor hooks entered (autograd then fails)"),
     Mutation(
+        "scaler-speculates-scaled", "csrc/torch/host_overlap.cpp",
+        "FusedWork{settle, speculate}, loss_mult_, g.seed)",
+        "FusedWork{settle, speculate}, 1.0f, g.seed)",
+        [P + "test_optim.py::test_overlap_with_a_grad_scaler_equals_the_step_after_backward"],
+        "an overlapped step under a GradScaler steps with the gradient still multiplied by the loss scale"),
+    Mutation(
+        "scaler-skip-keeps-speculation", "csrc/torch/host_overlap.cpp",
+        "        if (speculated_[i]) restore_one(i);",
+        "        (void)0;",
+        [P + "test_optim.py::test_overlap_tells_the_scaler_of_an_overflow_it_cannot_see"],
+        "a skipped loss-scaled step leaves the layers stepped during the backward stepped (NaN weights)"),
+    Mutation(
+        "scaler-not-told", "python/layerstream/optim.py",
+        "            self._report_to_scaler(scaler, skipped and not found)",
+        "            pass",
+        [P + "test_optim.py::test_overlap_tells_the_scaler_of_an_overflow_it_cannot_see"],
+        "the scaler never hears of an overflow in the gradients an overlapped backward consumed"),
+    Mutation(
+        "scaler-found-inf-ignored", "python/layerstream/optim.py",
+        "        return inv, bool(fi.item() if isinstance(fi, torch.Tensor) else fi)",
+        "        return inv, False",
+        [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
+        "a step whose gradients GradScaler found Inf/NaN in is taken anyway"),
+    Mutation(
+        "scaler-not-unscaled", "python/layerstream/optim.py",
+        "keys, scale * inv, int(group[\"seed\"]))",
+        "keys, scale, int(group[\"seed\"]))",
+        [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
+        "AdamW under a GradScaler steps with the scaled gradients"),
+    Mutation(
         "activation-no-prefetch", "csrc/torch/engine_activations.cpp",
         "  int ahead = opts_.prefetch;",
         "  int ahead = 0;",

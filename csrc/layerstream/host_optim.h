@@ -221,9 +221,15 @@ class AdamWOverlap {
   // by whole tensors): its gradient was consumed, nothing stepped or counted.
   enum Status : int { kUntouched = 0, kNormOnly = 1, kStepped = 2, kOtherRank = 3 };
 
+  // loss_scale: the backward's gradients are the loss's times this (a
+  // torch.amp.GradScaler's scale; docs/design/optim.md, "Loss scaling"):
+  // each step multiplies them by its reciprocal as it reads them, and the
+  // layers are stepped speculatively as with clipping, so that settle() can
+  // take the whole step back when a gradient is not finite.
   AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
                std::optional<double> max_grad_norm, int64_t speculation_bytes,
-               std::shared_ptr<OverlapBackups> backups = nullptr, bool keep_grads = false);
+               std::shared_ptr<OverlapBackups> backups = nullptr, bool keep_grads = false,
+               std::optional<double> loss_scale = std::nullopt);
   ~AdamWOverlap();
   AdamWOverlap(const AdamWOverlap&) = delete;
   AdamWOverlap& operator=(const AdamWOverlap&) = delete;
@@ -232,13 +238,18 @@ class AdamWOverlap {
   // its gradient norm was taken (kNormOnly) or it was also stepped (kStepped).
   std::vector<int> wait();
   // With clipping: the total norm from the layers' partial sums and
-  // `other_sum_of_squares` (the gradients not counted here), and the clip
-  // coefficient; speculated layers are re-stepped when it is not 1. Without
-  // clipping: returns 1. After wait().
-  float settle(double other_sum_of_squares, double* total_norm = nullptr);
-  // With clipping, after wait(): the sum of squares of the gradients this
-  // plan counted (sharded parameters: of their shards), and its replacement
-  // (by the sum over the ranks that share the shards) before settle().
+  // `other_sum_of_squares` (the gradients not counted here, unscaled), and
+  // the clip coefficient; speculated layers are re-stepped when it is not 1.
+  // Without clipping: returns 1. With a loss scale, the step is skipped
+  // (speculated layers restored, nothing else stepped) when `skip` (the
+  // caller found a non-finite gradient among the others) or when a gradient
+  // counted here is not finite; skipped() tells. After wait().
+  float settle(double other_sum_of_squares, double* total_norm = nullptr, bool skip = false);
+  bool skipped() const { return skipped_; }
+  // With clipping or a loss scale, after wait(): the sum of squares of the
+  // gradients this plan counted, as they landed (scaled; sharded parameters:
+  // of their shards), and its replacement (by the sum over the ranks that
+  // share the shards) before settle().
   double sum_of_squares() const { return sum_sq_; }
   void set_sum_of_squares(double s) { sum_sq_ = s; }
   // After a failed backward: waits, removes the hook and restores the
@@ -271,9 +282,15 @@ class AdamWOverlap {
   std::shared_ptr<Engine> engine_;
   std::vector<Group> groups_;
   std::vector<Param> params_;
+  // Whether settle() has work: clipping, or a loss scale to check.
+  bool settles() const { return max_norm_.has_value() || scaled_; }
+
   std::optional<double> max_norm_;
   int64_t speculation_left_;
   bool keep_grads_;
+  bool scaled_ = false;    // a loss scale was given
+  float loss_mult_ = 1.f;  // its reciprocal, rounded as GradScaler rounds it
+  bool skipped_ = false;
   std::vector<std::vector<LayerParam>> by_layer_;
   size_t covered_ = 0, fused_ = 0;
   std::mutex mu_;
@@ -318,14 +335,18 @@ class AdafactorOverlap {
     // states may be undefined.
     bool owned = true;
   };
+  // loss_scale: as AdamWOverlap's; the layers' norms are taken and settle()
+  // steps them (no speculation), or skips the step.
   AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
-                   std::optional<double> max_grad_norm, bool keep_grads = false);
+                   std::optional<double> max_grad_norm, bool keep_grads = false,
+                   std::optional<double> loss_scale = std::nullopt);
   ~AdafactorOverlap();
   AdafactorOverlap(const AdafactorOverlap&) = delete;
   AdafactorOverlap& operator=(const AdafactorOverlap&) = delete;
   // As AdamWOverlap's (kNormOnly, kStepped, kOtherRank); settle() steps the kNormOnly ones.
   std::vector<int> wait();
-  float settle(double other_sum_of_squares, double* total_norm = nullptr);
+  float settle(double other_sum_of_squares, double* total_norm = nullptr, bool skip = false);
+  bool skipped() const { return skipped_; }
   // As AdamWOverlap's: the norms' sum so far (sharded: of the tensors this rank owns).
   double sum_of_squares() const { return sum_sq_; }
   void set_sum_of_squares(double s) { sum_sq_ = s; }
@@ -339,8 +360,13 @@ class AdafactorOverlap {
   std::shared_ptr<Engine> engine_;
   std::vector<Group> groups_;
   std::vector<Param> params_;
+  bool settles() const { return max_norm_.has_value() || scaled_; }
+
   std::optional<double> max_norm_;
   bool keep_grads_;
+  bool scaled_ = false;
+  float loss_mult_ = 1.f;
+  bool skipped_ = false;
   std::vector<std::vector<AdamWOverlap::LayerParam>> by_layer_;
   std::mutex mu_;
   std::vector<int> status_;

@@ -18,16 +18,17 @@ using layerstream::Engine;
 namespace layerstream_bindings {
 namespace {
 
-// AdamWOverlap / AdafactorOverlap::settle for Python: (clip coefficient, total norm).
+// AdamWOverlap / AdafactorOverlap::settle for Python: (clip coefficient, total norm,
+// whether the loss-scaled step was skipped).
 template <class Overlap>
-py::tuple settle_overlap(Overlap& self, double other_sum_of_squares) {
+py::tuple settle_overlap(Overlap& self, double other_sum_of_squares, bool skip) {
   double norm = std::nan("");
   float coef;
   {
     py::gil_scoped_release nogil;
-    coef = self.settle(other_sum_of_squares, &norm);
+    coef = self.settle(other_sum_of_squares, &norm, skip);
   }
-  return py::make_tuple(coef, norm);
+  return py::make_tuple(coef, norm, self.skipped());
 }
 
 }  // namespace
@@ -190,7 +191,8 @@ void bind_optim(py::module& m) {
   py::class_<o::AdamWOverlap>(m, "AdamWOverlap")
       .def(py::init([](std::shared_ptr<Engine> engine, const std::vector<GroupT>& groups,
                        const std::vector<ParamT>& params, std::optional<double> max_norm, int64_t speculation_bytes,
-                       std::shared_ptr<o::OverlapBackups> backups, bool keep_grads) {
+                       std::shared_ptr<o::OverlapBackups> backups, bool keep_grads,
+                       std::optional<double> loss_scale) {
              std::vector<o::AdamWOverlap::Group> gs;
              for (const auto& [lr, b1, b2, eps, wd, fmt, seed] : groups)
                gs.push_back({o::AdamWConfig{lr, b1, b2, eps, wd}, o::parse_state_format(fmt), seed});
@@ -199,12 +201,13 @@ void bind_optim(py::module& m) {
                ps.push_back({p, o::AdamWStates{m1, m2, a1.value_or(torch::Tensor()), a2.value_or(torch::Tensor())}, step,
                              key, group, lo, hi});
              return std::make_unique<o::AdamWOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm,
-                                                      speculation_bytes, std::move(backups), keep_grads);
+                                                      speculation_bytes, std::move(backups), keep_grads, loss_scale);
            }),
            py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"),
-           py::arg("speculation_bytes"), py::arg("backups"), py::arg("keep_grads") = false)
+           py::arg("speculation_bytes"), py::arg("backups"), py::arg("keep_grads") = false,
+           py::arg("loss_scale") = py::none())
       .def("wait", &o::AdamWOverlap::wait, py::call_guard<py::gil_scoped_release>())
-      .def("settle", &settle_overlap<o::AdamWOverlap>)
+      .def("settle", &settle_overlap<o::AdamWOverlap>, py::arg("other_sum_of_squares"), py::arg("skip") = false)
       .def_property("sum_of_squares", &o::AdamWOverlap::sum_of_squares, &o::AdamWOverlap::set_sum_of_squares)
       .def("abort", &o::AdamWOverlap::abort, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("layer_params", &o::AdamWOverlap::layer_params)
@@ -217,7 +220,7 @@ void bind_optim(py::module& m) {
   py::class_<o::AdafactorOverlap>(m, "AdafactorOverlap")
       .def(py::init([af_config](std::shared_ptr<Engine> engine, const std::vector<std::pair<py::tuple, uint64_t>>& groups,
                                 const std::vector<AfParamT>& params, std::optional<double> max_norm,
-                                bool keep_grads) {
+                                bool keep_grads, std::optional<double> loss_scale) {
              std::vector<o::AdafactorOverlap::Group> gs;
              for (const auto& [c, seed] : groups) {
                LS_CHECK(c.size() == 10, "internal: an Adafactor config has 10 values");
@@ -233,13 +236,13 @@ void bind_optim(py::module& m) {
                                                 v.value_or(torch::Tensor()), m1.value_or(torch::Tensor())},
                              step, rms, key, group, owned});
              return std::make_unique<o::AdafactorOverlap>(std::move(engine), std::move(gs), std::move(ps), max_norm,
-                                                          keep_grads);
+                                                          keep_grads, loss_scale);
            }),
            py::arg("engine"), py::arg("groups"), py::arg("params"), py::arg("max_grad_norm"),
-           py::arg("keep_grads") = false)
+           py::arg("keep_grads") = false, py::arg("loss_scale") = py::none())
       .def("wait", &o::AdafactorOverlap::wait, py::call_guard<py::gil_scoped_release>())
       .def_property("sum_of_squares", &o::AdafactorOverlap::sum_of_squares, &o::AdafactorOverlap::set_sum_of_squares)
-      .def("settle", &settle_overlap<o::AdafactorOverlap>)
+      .def("settle", &settle_overlap<o::AdafactorOverlap>, py::arg("other_sum_of_squares"), py::arg("skip") = false)
       .def("abort", &o::AdafactorOverlap::abort, py::call_guard<py::gil_scoped_release>());
   m.attr("OVERLAP_STEPPED") = static_cast<int>(o::AdamWOverlap::kStepped);  // a plan's wait() status
   m.attr("OVERLAP_OTHER_RANK") = static_cast<int>(o::AdamWOverlap::kOtherRank);

@@ -109,6 +109,17 @@ torch::Tensor accumulate_into_grad(const torch::Tensor& param, const torch::Tens
 // Drops param's .grad (the gradient was consumed by the step).
 void drop_grad(const torch::Tensor& param) { param.mutable_grad().reset(); }
 
+// What a step multiplies a gradient by to unscale it: the reciprocal of the
+// loss scale in double, rounded to float, as GradScaler.unscale_() computes
+// it (1 without a scale). A GradScaler's scales are powers of two, so the
+// product is exact and equals the gradient GradScaler would have unscaled.
+float loss_multiplier(std::optional<double> scale) {
+  if (!scale) return 1.f;
+  LS_CHECK(std::isfinite(*scale) && *scale > 0, "layerstream.optim: a loss scale must be finite and > 0, got ",
+           *scale);
+  return static_cast<float>(1.0 / *scale);
+}
+
 // Removes the engine's gradient-ready hook and waits for the jobs already
 // queued (they still run the old hook).
 void unhook(Engine& engine) {
@@ -119,13 +130,16 @@ void unhook(Engine& engine) {
 
 AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
                            std::optional<double> max_grad_norm, int64_t speculation_bytes,
-                           std::shared_ptr<OverlapBackups> backups, bool keep_grads)
+                           std::shared_ptr<OverlapBackups> backups, bool keep_grads,
+                           std::optional<double> loss_scale)
     : engine_(std::move(engine)),
       groups_(std::move(groups)),
       params_(std::move(params)),
       max_norm_(max_grad_norm),
       speculation_left_(speculation_bytes < 0 ? INT64_MAX : speculation_bytes),
       keep_grads_(keep_grads),
+      scaled_(loss_scale.has_value()),
+      loss_mult_(loss_multiplier(loss_scale)),
       backups_(backups ? std::move(backups) : std::make_shared<OverlapBackups>()) {
   LS_CHECK(engine_ && !engine_->detached(), "layerstream.optim: overlap needs an attached offload() handle");
   for (const Group& g : groups_) check_adamw(g.config);
@@ -190,20 +204,21 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch:
   Param& p = params_[i];
   const Group& g = groups_[p.group];
   torch::NoGradGuard ng;
-  const bool clip = max_norm_.has_value();
-  const bool speculate = !clip || may_speculate(i);
+  // settle: clipping or a loss scale, whose step() may take this step back.
+  const bool settle = settles();
+  const bool speculate = !settle || may_speculate(i);
   // Where the gradient goes: nowhere when it is .grad already; .grad when
   // the user keeps it (in place when it holds earlier micro-batches'); the
-  // optimizer's buffer when clipping may need it in step() (a restore and
-  // re-step, or the clipped step); else nowhere: the pass reads the landed
-  // buffer (plus .grad).
+  // optimizer's buffer when step() may need it (a restore and re-step, or
+  // the clipped step); else nowhere: the pass reads the landed buffer (plus
+  // .grad).
   // A shard (Param::lo/hi): the pass reads and writes its elements only.
   const torch::Tensor target = part(p, p.param);
   torch::Tensor out;
   if (!in_grad && keep_grads_) {
     out = prior.defined() ? prior : torch::empty_like(p.param, torch::MemoryFormat::Contiguous);
     if (!prior.defined()) p.param.mutable_grad() = out;
-  } else if (!in_grad && clip) {
+  } else if (!in_grad && settle) {
     out = backups_->grad_for_key(p.key, target);
   }
   LS_CHECK(p.hi < 0 || landed.is_contiguous(), "internal: a sharded parameter's landed gradient is not contiguous");
@@ -212,7 +227,7 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch:
   src.prior = prior.defined() ? part(p, prior).data_ptr() : nullptr;
   src.out = out.defined() ? out.data_ptr() : nullptr;
   OverlapBackups::Copy* copy = nullptr;
-  if (clip && speculate) {  // the copy a triggered clip restores (docs/design/optim.md, "Clipping")
+  if (settle && speculate) {  // the copy a triggered clip or a skip restores (docs/design/optim.md, "Clipping")
     copy = &backups_->for_key(p.key, target, p.states);
     src.copy_param = copy->param.data_ptr();
     src.copy_exp_avg = copy->states.exp_avg.data_ptr();
@@ -225,13 +240,14 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch:
   if (speculate) p.step.add_(1);
   AdamWTensor t = host_tensor(target, p.states, g.format, i, static_cast<int64_t>(p.step.item<float>()), p.key);
   t.grad_dtype = core_dtype(landed, "a gradient");
-  const double sq = adamw_fused(g.config, g.format, {t}, {src}, FusedWork{clip, speculate}, 1.0f, g.seed).at(0);
+  const double sq =
+      adamw_fused(g.config, g.format, {t}, {src}, FusedWork{settle, speculate}, loss_mult_, g.seed).at(0);
   if (speculate) bump_versions({p.param});
   if (!keep_grads_ && prior.defined()) drop_grad(p.param);  // consumed: not left half-summed
   std::lock_guard<std::mutex> lock(mu_);
   fused_ += !in_grad;
-  kept_[i] = clip ? out : torch::Tensor();  // undefined: step() reads .grad
-  if (clip) sum_sq_ += sq;
+  kept_[i] = settle ? out : torch::Tensor();  // undefined: step() reads .grad
+  if (settle) sum_sq_ += sq;
   if (copy) {
     backup_[i] = copy;
     speculated_[i] = 1;
@@ -271,12 +287,15 @@ std::vector<int> AdamWOverlap::wait() {
 // ---------------------------------------------------------------- AdafactorOverlap
 
 AdafactorOverlap::AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups,
-                                   std::vector<Param> params, std::optional<double> max_grad_norm, bool keep_grads)
+                                   std::vector<Param> params, std::optional<double> max_grad_norm, bool keep_grads,
+                                   std::optional<double> loss_scale)
     : engine_(std::move(engine)),
       groups_(std::move(groups)),
       params_(std::move(params)),
       max_norm_(max_grad_norm),
-      keep_grads_(keep_grads) {
+      keep_grads_(keep_grads),
+      scaled_(loss_scale.has_value()),
+      loss_mult_(loss_multiplier(loss_scale)) {
   LS_CHECK(engine_ && !engine_->detached(), "layerstream.optim: overlap needs an attached offload() handle");
   for (const Group& g : groups_) check_adafactor(g.config);
   for (const Param& p : params_) {
@@ -326,10 +345,10 @@ void AdafactorOverlap::on_layer(int layer, const Engine::LandedGradients* landed
     // The gradient to step with: the landed buffer itself when nothing else
     // needs it (no .grad to add to, none kept, no settle() to come), else
     // added to .grad as the engine would.
-    const bool direct = mine.defined() && !param.grad().defined() && !keep_grads_ && !max_norm_;
+    const bool direct = mine.defined() && !param.grad().defined() && !keep_grads_ && !settles();
     const torch::Tensor grad = direct ? mine : mine.defined() ? accumulate_into_grad(param, mine) : param.grad();
     if (!grad.defined()) continue;
-    if (max_norm_) {  // the norm now; the step when settle() knows the clip coefficient
+    if (settles()) {  // the norm now; the step when settle() knows the clip coefficient (or skips)
       const double sq = grad_norm({grad});
       std::lock_guard<std::mutex> lock(mu_);
       sum_sq_ += sq * sq;
@@ -352,18 +371,22 @@ std::vector<int> AdafactorOverlap::wait() {
   return status_;
 }
 
-float AdafactorOverlap::settle(double other_sum_of_squares, double* total_norm) {
+float AdafactorOverlap::settle(double other_sum_of_squares, double* total_norm, bool skip) {
   LS_CHECK(!hooked_, "internal: AdafactorOverlap::settle before wait()");
   float coef = 1.0f;
-  if (max_norm_) {
-    const double norm = std::sqrt(sum_sq_ + other_sum_of_squares);
+  if (settles()) {
+    const double mult = loss_mult_;
+    const double total_sq = sum_sq_ * mult * mult + other_sum_of_squares;
+    const double norm = std::sqrt(total_sq);
     if (total_norm) *total_norm = norm;
-    coef = clip_coefficient(norm, *max_norm_);
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (status_[i] == AdamWOverlap::kNormOnly) {
-        step_one(i, params_[i].param.grad(), coef);
-        status_[i] = AdamWOverlap::kStepped;
-      }
+    skipped_ = scaled_ && (skip || !std::isfinite(total_sq));
+    if (max_norm_) coef = clip_coefficient(norm, *max_norm_);
+    if (!skipped_)
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (status_[i] == AdamWOverlap::kNormOnly) {
+          step_one(i, params_[i].param.grad(), coef * loss_mult_);
+          status_[i] = AdamWOverlap::kStepped;
+        }
   }
   if (!keep_grads_)  // as AdamWOverlap::settle
     for (size_t i = 0; i < params_.size(); ++i)
@@ -384,21 +407,30 @@ void restore(const torch::Tensor& dst, const torch::Tensor& src) {
 }
 }  // namespace
 
-float AdamWOverlap::settle(double other_sum_of_squares, double* total_norm) {
+float AdamWOverlap::settle(double other_sum_of_squares, double* total_norm, bool skip) {
   LS_CHECK(!hooked_, "internal: AdamWOverlap::settle before wait()");
   torch::NoGradGuard ng;
   float coef = 1.0f;
-  if (max_norm_) {
-    const double norm = std::sqrt(sum_sq_ + other_sum_of_squares);
+  if (settles()) {
+    // The landed gradients carry the loss scale: their sum of squares by its
+    // reciprocal squared (exact for a power of two).
+    const double mult = loss_mult_;
+    const double total_sq = sum_sq_ * mult * mult + other_sum_of_squares;
+    const double norm = std::sqrt(total_sq);
     if (total_norm) *total_norm = norm;
-    coef = clip_coefficient(norm, *max_norm_);
+    // A loss-scaled step with a non-finite gradient is skipped, as
+    // GradScaler.step() skips it: every speculated layer goes back.
+    skipped_ = scaled_ && (skip || !std::isfinite(total_sq));
+    if (max_norm_) coef = clip_coefficient(norm, *max_norm_);
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (status_[i] == kNormOnly) {
-        step_one(i, grad_of(i), coef);  // waited for the norm: stepped now, clipped
+      if (skipped_) {
+        if (speculated_[i]) restore_one(i);
+      } else if (status_[i] == kNormOnly) {
+        step_one(i, grad_of(i), coef * loss_mult_);  // waited for the norm: stepped now, clipped
         status_[i] = kStepped;
       } else if (speculated_[i] && coef != 1.0f) {
         restore_one(i);
-        step_one(i, grad_of(i), coef);
+        step_one(i, grad_of(i), coef * loss_mult_);
       }
       speculated_[i] = 0;
     }

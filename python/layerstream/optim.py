@@ -17,6 +17,10 @@ torch's own tensor arithmetic (AdamW's with fp32 or bf16 states; Adafactor's
 as transformers'). Design and numbers:
 docs/design/optim.md.
 
+Mixed precision: ``torch.amp.GradScaler`` hands ``step()`` its scale and inf
+check (``scaler.step(opt)`` skips a step with Inf/NaN gradients, as for
+torch's optimizers); with ``overlap()``, pass it (``grad_scaler=scaler``).
+
 One param group may hold parameters on the host and on one device (an
 offloaded model's streamed and resident parameters). Refused with an error:
 sparse gradients, one group's parameters on two devices besides the host,
@@ -69,7 +73,13 @@ class _EnterOrWarn:
 
 class _HostOptimizer(torch.optim.Optimizer):
     """What AdamW and Adafactor share: gradient collection and checks, the
-    global clip (``max_grad_norm``) and state loading."""
+    global clip (``max_grad_norm``), loss scaling and state loading."""
+
+    # torch.amp.GradScaler.step() then hands step() the scale the gradients carry
+    # and its inf check (as the attributes ``grad_scale`` and ``found_inf``) instead
+    # of unscaling ``.grad`` first: step() unscales as the kernels read and skips a
+    # step with a non-finite gradient (docs/design/optim.md, "Loss scaling").
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults, max_grad_norm):
         if max_grad_norm is not None:
@@ -81,6 +91,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = None
         self._overlap = None  # (the _C overlap plan, its parameters) between overlap() and step()
         self._overlap_sharded = False  # that plan covered sharded parameters (set by _finish_overlap)
+        self._overlap_scaler = None  # the GradScaler that plan was given (overlap(grad_scaler=))
         self._budget_checked = False  # _warn_uncounted_training ran (at the first step)
         super().__init__(params, defaults)
 
@@ -131,15 +142,62 @@ class _HostOptimizer(torch.optim.Optimizer):
                 f"counted their weights only; offload(..., train={spec!r}) makes the budget hold them "
                 "(docs/design/planner.md, \"Training\")", RuntimeWarning, stacklevel=4)
 
-    def _grad_scale(self, grads):
-        """clip_grad_norm_(all gradients, max_grad_norm)'s coefficient (1.0 when
-        not clipping). The gradients themselves are not modified: the kernels
-        multiply each gradient element by it as they read it."""
+    def _grad_scale(self, grads, inv):
+        """clip_grad_norm_(all gradients / loss scale, max_grad_norm)'s coefficient
+        (1.0 when not clipping); `inv`: the loss scale's reciprocal. The gradients
+        themselves are not modified: the kernels multiply each gradient element
+        by coefficient * inv as they read it."""
         if self.max_grad_norm is None:
             return 1.0
-        norm = _C.optim_grad_norm(grads)
+        norm = _C.optim_grad_norm(grads) * inv
         self.last_grad_norm = norm
         return _C.optim_clip_coefficient(norm, self.max_grad_norm)
+
+    def _loss_scaling(self):
+        """What a torch.amp.GradScaler driving this step says: (the reciprocal of
+        the scale the gradients in .grad still carry, whether it found a
+        non-finite one); (1.0, False) without a scaler. Checks that an
+        overlapped backward was told about the scaler (and only then)."""
+        driven = hasattr(self, "found_inf")  # set by GradScaler.step() (_step_supports_amp_scaling)
+        told = self._overlap is not None and self._overlap_scaler is not None
+        if self._overlap is not None and driven != told:
+            plan, plist = self._overlap
+            self._overlap, self._overlap_scaler = None, None
+            plan.abort()  # speculated layers are taken back
+            self._aborted(plan, plist)
+            if driven:
+                raise RuntimeError(
+                    "layerstream.optim: scaler.step(optimizer) after an overlapped backward that was not given the "
+                    "GradScaler: the layers it stepped during the backward used gradients still multiplied by the "
+                    "loss scale, and a step with Inf/NaN gradients could not be skipped (layers stepped with "
+                    "clipping's speculation are taken back; others keep that step). Pass the scaler: "
+                    "`with opt.overlap(handle, grad_scaler=scaler): scaler.scale(loss).backward()`")
+            raise RuntimeError(
+                "layerstream.optim: overlap(grad_scaler=...) was given, so step through the scaler: "
+                "scaler.step(optimizer), then scaler.update() (the overlapped backward's step was taken back)")
+        if not driven:
+            return 1.0, False
+        gs = getattr(self, "grad_scale", None)  # None: scaler.unscale_(optimizer) ran already
+        inv = 1.0 if gs is None else float(torch.as_tensor(gs).double().reciprocal().float())  # as unscale_()
+        fi = self.found_inf
+        return inv, bool(fi.item() if isinstance(fi, torch.Tensor) else fi)
+
+    def _report_to_scaler(self, scaler, found):
+        """Adds the inf check of the gradients an overlapped backward consumed
+        (GradScaler never saw them in .grad) to the scaler's record for this
+        optimizer, which update() reads to back off the scale (and needs at least
+        one of: an all-streamed model leaves no .grad to check). That record is
+        GradScaler's own state, the same through torch 2.x."""
+        try:
+            per_device = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
+        except (AttributeError, KeyError, TypeError) as e:
+            raise RuntimeError(
+                "layerstream.optim: overlap(grad_scaler=...) reports Inf/NaN gradients into the scaler's "
+                f"per-optimizer record, which this GradScaler ({type(scaler).__name__}) does not have ({e!r}); "
+                "step without overlap() under this scaler") from None
+        cpu = torch.device("cpu")
+        mark = torch.full((), 1.0 if found else 0.0, dtype=torch.float32)
+        per_device[cpu] = per_device[cpu] + mark if cpu in per_device else mark
 
     @staticmethod
     def _target(p):
@@ -183,7 +241,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._check_group_options(self.param_groups[-1])
 
-    def overlap(self, handle, speculation_bytes=None, keep_grads=False):
+    def overlap(self, handle, speculation_bytes=None, keep_grads=False, grad_scaler=None):
         """Marks the backward inside as the last one of this optimizer step:
         each streamed layer of ``handle`` (the result of ``layerstream.offload``)
         is stepped on host threads as soon as its gradient has landed, while
@@ -225,16 +283,28 @@ class _HostOptimizer(torch.optim.Optimizer):
         stepped have ``.grad`` None (as after ``zero_grad()``). Pass
         ``keep_grads=True`` to read them (logging, a custom clip): ``.grad``
         then holds what a plain backward leaves there, at the cost of writing
-        it. Called without ``with``, it does nothing and warns."""
-        return _EnterOrWarn(self._overlap_block(handle, speculation_bytes, keep_grads))
+        it.
+
+        Mixed precision with ``torch.amp.GradScaler``: pass it
+        (``grad_scaler=scaler``; the backward is ``scaler.scale(loss).backward()``,
+        then ``scaler.step(opt)`` and ``scaler.update()``). Each layer is then
+        stepped with its gradient divided by the scale, speculatively (as with
+        clipping, within ``speculation_bytes``), and ``step()`` takes the whole
+        step back when any gradient is Inf or NaN, as the scaler skips it, and
+        tells the scaler. Without it, a scaler's step after this block is an
+        error. Called without ``with``, it does nothing and warns."""
+        return _EnterOrWarn(self._overlap_block(handle, speculation_bytes, keep_grads, grad_scaler))
 
     @contextlib.contextmanager
-    def _overlap_block(self, handle, speculation_bytes, keep_grads):
+    def _overlap_block(self, handle, speculation_bytes, keep_grads, grad_scaler):
         if self._overlap is not None:
             raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
-                               "followed by step()")
+                               "followed by step() (or scaler.step())")
         engine = handle._check()
-        plan, plist = self._overlap_plan(engine, speculation_bytes, bool(keep_grads))
+        if grad_scaler is not None and not grad_scaler.is_enabled():
+            grad_scaler = None  # GradScaler(enabled=False): steps as without one
+        loss_scale = None if grad_scaler is None else float(grad_scaler.get_scale())
+        plan, plist = self._overlap_plan(engine, speculation_bytes, bool(keep_grads), loss_scale)
         try:
             yield plan
             plan.wait()  # the block ends when every layer's gradient is consumed (keep_grads: in .grad)
@@ -242,35 +312,43 @@ class _HostOptimizer(torch.optim.Optimizer):
             plan.abort()
             self._aborted(plan, plist)
             raise
-        self._overlap = (plan, plist)
+        self._overlap, self._overlap_scaler = (plan, plist), grad_scaler
 
     def _aborted(self, plan, plist):
         """After overlap()'s backward raised and plan.abort(): the bookkeeping of the
         layers that stay stepped (AdamW's step counters are the plan's own)."""
 
     def _scale_and_rest(self, work, grads):
-        """step()'s clip coefficient and what it has left to step: after an overlapped
-        backward, the parameters its plan did not cover (and the ones it stepped);
-        else everything (and none)."""
+        """What step() does: (clip coefficient, the loss scale's reciprocal for the
+        gradients in .grad, what it has left to step, the parameters an overlapped
+        backward stepped, whether the step is skipped). The rest: after an
+        overlapped backward, the parameters its plan did not cover; else
+        everything. Skipped (a GradScaler found a non-finite gradient): nothing."""
+        inv, found = self._loss_scaling()
         if self._overlap is None:
-            return self._grad_scale(grads), work, []
-        scale, done, stepped = self._finish_overlap(work)
-        rest = [(g, [p for p in ps if id(p) not in done], [x for p, x in zip(ps, gs) if id(p) not in done],
-                 [k for p, k in zip(ps, keys) if id(p) not in done]) for g, ps, gs, keys in work]
-        return scale, rest, stepped
+            if found:
+                return 1.0, inv, [], [], True
+            return self._grad_scale(grads, inv), inv, work, [], False
+        scale, done, stepped, skipped = self._finish_overlap(work, inv, found)
+        rest = [] if skipped else [
+            (g, [p for p in ps if id(p) not in done], [x for p, x in zip(ps, gs) if id(p) not in done],
+             [k for p, k in zip(ps, keys) if id(p) not in done]) for g, ps, gs, keys in work]
+        return scale, inv, rest, stepped, skipped
 
-    def _finish_overlap(self, work):
+    def _finish_overlap(self, work, inv, found):
         """After an overlapped backward: waits for the layers' steps and returns
-        (clip coefficient, ids of the parameters already stepped, those parameters)."""
+        (clip coefficient, ids of the parameters already stepped, those parameters,
+        whether the loss-scaled step is skipped)."""
         plan, plist = self._overlap
-        self._overlap = None
+        scaler = self._overlap_scaler
+        self._overlap, self._overlap_scaler = None, None
         status = plan.wait()
         counted = {id(p) for p, s in zip(plist, status) if s != 0}
         other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
-        other_sq = _C.optim_grad_norm(other) ** 2 if (self.max_grad_norm is not None and other) else 0.0
+        other_sq = (_C.optim_grad_norm(other) * inv) ** 2 if (self.max_grad_norm is not None and other) else 0.0
         shard = next((p._layerstream_shard for p in plist if hasattr(p, "_layerstream_shard")), None)
         self._overlap_sharded = shard is not None  # the same on every rank: step() ends with a barrier
-        if self.max_grad_norm is not None and shard is not None:
+        if (self.max_grad_norm is not None or scaler is not None) and shard is not None:
             # Sharded: each rank's passes took the norm of its shards (AdamW) or of the
             # tensors it owns (Adafactor); every node's ranks cover each tensor once, so the
             # sum over the group counts it once per node.
@@ -278,13 +356,15 @@ class _HostOptimizer(torch.optim.Optimizer):
             total = torch.tensor([plan.sum_of_squares], dtype=torch.float64, device=collective_device(shard.group))
             torch.distributed.all_reduce(total, group=shard.group)
             plan.sum_of_squares = total.item() / shard.nodes
-        coef, norm = plan.settle(other_sq)
+        coef, norm, skipped = plan.settle(other_sq, found)
         if self.max_grad_norm is not None:
             self.last_grad_norm = norm
+        if scaler is not None:
+            self._report_to_scaler(scaler, skipped and not found)
         mine = [p for p, s in zip(plist, status) if s not in (0, _C.OVERLAP_OTHER_RANK)]
         #: Parameters the last overlapped backward stepped (or, clipping, took the norm of) early.
         self.last_overlap_params = len(mine)
-        return coef, counted, mine
+        return coef, counted, mine, skipped
 
 
 class AdamW(_HostOptimizer):
@@ -365,7 +445,7 @@ class AdamW(_HostOptimizer):
             st["step"] += 1
         return st
 
-    def _overlap_plan(self, engine, speculation_bytes, keep_grads):
+    def _overlap_plan(self, engine, speculation_bytes, keep_grads, loss_scale):
         groups, params = [], []
         key = 0
         for gi, group in enumerate(self.param_groups):
@@ -380,22 +460,23 @@ class AdamW(_HostOptimizer):
                                    st.get("exp_avg_sq_absmax"), st["step"], key, gi,
                                    shard.lo if shard else 0, shard.hi if shard else -1))
                 key += 1
-        if self.max_grad_norm is not None and self._backups is None:
+        if (self.max_grad_norm is not None or loss_scale is not None) and self._backups is None:
             self._backups = _C.OverlapBackups()  # the speculation's copies, kept across steps
         if speculation_bytes is None:
             # Speculate unless the last step clipped: a clip that triggers now
             # would restore and re-step every speculated layer in step().
             speculation_bytes = 0 if self._last_clipped else -1
         plan = _C.AdamWOverlap(engine, groups, params, self.max_grad_norm, int(speculation_bytes), self._backups,
-                               keep_grads)
+                               keep_grads, loss_scale)
         return plan, [p for p, *_ in params]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
         work, grads = self._collect()
-        scale, work, stepped = self._scale_and_rest(work, grads)
-        self._last_clipped = scale < 1.0
+        scale, inv, work, stepped, skipped = self._scale_and_rest(work, grads)
+        if not skipped:
+            self._last_clipped = scale < 1.0
         shards = self._shards(work)
         # Stepped during the backward: a layer's shard once its averaged gradient
         # landed, i.e. after every rank's backward of that layer (their all-reduces
@@ -416,7 +497,7 @@ class AdamW(_HostOptimizer):
                 [self._target(p) for p in ps], [self._shard_grad(p, g) for p, g in zip(ps, gs)],
                 [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s.get("exp_avg_absmax") for s in states], [s.get("exp_avg_sq_absmax") for s in states],
-                [int(s["step"].item()) for s in states], keys, scale, int(group["seed"]))
+                [int(s["step"].item()) for s in states], keys, scale * inv, int(group["seed"]))
         if shards or early:
             (shards or [p._layerstream_shard for p in early])[0].barrier()
             for p in early + [p for _, ps, _, _ in work for p in ps]:
@@ -520,7 +601,7 @@ class Adafactor(_HostOptimizer):
             if status == _C.OVERLAP_STEPPED:  # stepped without clipping: it stays stepped, counted
                 self.state[p]["step"] += 1
 
-    def _overlap_plan(self, engine, speculation_bytes, keep_grads):
+    def _overlap_plan(self, engine, speculation_bytes, keep_grads, loss_scale):
         groups, params = [], []
         key = 0
         for gi, group in enumerate(self.param_groups):
@@ -536,15 +617,15 @@ class Adafactor(_HostOptimizer):
                     params.append((p, st.get("exp_avg_sq_row"), st.get("exp_avg_sq_col"), st.get("exp_avg_sq"),
                                    st.get("exp_avg"), st["step"] + 1, st["RMS"], key, gi, True))
                 key += 1
-        plan = _C.AdafactorOverlap(engine, groups, params, self.max_grad_norm, keep_grads)
+        plan = _C.AdafactorOverlap(engine, groups, params, self.max_grad_norm, keep_grads, loss_scale)
         return plan, [p for p, *_ in params]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
         work, grads = self._collect()
-        scale, work, stepped = self._scale_and_rest(work, grads)
-        for p in stepped:  # stepped during the backward with the state's count + 1
+        scale, inv, work, stepped, skipped = self._scale_and_rest(work, grads)
+        for p in [] if skipped else stepped:  # stepped during the backward with the state's count + 1
             self.state[p]["step"] += 1
         sharded = [p for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")]
         # An overlapped backward stepped sharded tensors already (each on its owner, once
@@ -569,7 +650,8 @@ class Adafactor(_HostOptimizer):
             rms = _C.optim_adafactor_step(
                 *self._config(group), [p.detach() for p in ps], gs, [s.get("exp_avg_sq_row") for s in states],
                 [s.get("exp_avg_sq_col") for s in states], [s.get("exp_avg_sq") for s in states],
-                [s.get("exp_avg") for s in states], [s["step"] for s in states], keys, scale, int(group["seed"]))
+                [s.get("exp_avg") for s in states], [s["step"] for s in states], keys, scale * inv,
+                int(group["seed"]))
             for s, r in zip(states, rms):
                 s["RMS"].fill_(r)
         if sharded or early:

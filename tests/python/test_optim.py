@@ -937,3 +937,123 @@ def test_overlap_backward_that_raises_restores_speculated_layers(offload_sim):
     model(torch.randn(4, 16)).square().mean().backward()  # usable afterwards
     opt.step()
     assert not torch.equal(model.layers[0].weight, before[0])
+
+
+# ---------------------------------------------------------------- loss scaling (torch.amp.GradScaler)
+def _scaled_run(model, opt, steps=8, handle=None, init_scale=2.0 ** 20, k=2, unscale_and_clip=None, din=16):
+    """fp16 autocast with a GradScaler: `steps` steps of `k` micro-batches, the
+    last backward under opt.overlap(handle, grad_scaler=) when a handle is given.
+    The first steps overflow fp16 at this scale (skipped, the scale backs off),
+    later ones do not. Returns the scale after each step."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+    gen = torch.Generator().manual_seed(11)
+    scales = []
+    for step in range(steps):
+        for i in range(k):
+            x = torch.randn(4, din, generator=gen) * (8.0 if step % 3 == 1 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean() / k
+            if handle is not None and i == k - 1:
+                with opt.overlap(handle, grad_scaler=scaler):
+                    scaler.scale(loss).backward()
+            else:
+                scaler.scale(loss).backward()
+        if unscale_and_clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), unscale_and_clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps(offload_sim):
+    """GradScaler hands the host optimizer its scale (_step_supports_amp_scaling):
+    the kernels unscale as they read, a step with an Inf/NaN gradient is
+    skipped, and the scale backs off and grows as with torch.optim.AdamW on the
+    resident model; the weights agree to AdamW's rounding. Also after the
+    user's own scaler.unscale_() and clip_grad_norm_."""
+    for clip in (None, 0.5):
+        model, ref = Net(), Net()
+        ref.load_state_dict(model.state_dict())
+        before = [p.detach().clone() for p in model.parameters()]
+        offload_sim(model)
+        scales = _scaled_run(model, AdamW(model.parameters(), lr=1e-3), unscale_and_clip=clip, din=8)
+        ref_scales = _scaled_run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), unscale_and_clip=clip, din=8)
+        assert scales == ref_scales
+        assert min(scales) < 2.0 ** 20 and scales[-1] > min(scales), scales  # skipped steps, then stepped ones
+        for (n, p), q, b in zip(model.named_parameters(), ref.parameters(), before):
+            assert not torch.equal(p, b), n
+            assert_rel_close(p, q, what=f"clip={clip} {n}")
+
+
+@pytest.mark.parametrize("opt_kind,max_norm,speculation_bytes", [
+    ("adamw", None, None), ("adamw", 0.75, None), ("adamw", None, 0), ("adamw", 0.75, 2000),
+    ("adafactor", None, None), ("adafactor", 0.75, None)])
+def test_overlap_with_a_grad_scaler_equals_the_step_after_backward(offload_sim, opt_kind, max_norm,
+                                                                   speculation_bytes):
+    """opt.overlap(handle, grad_scaler=scaler): layers stepped during the backward
+    with their gradient unscaled (speculatively, taken back when a gradient
+    overflowed), or only their norm taken (0 bytes; Adafactor): the same bits
+    and the same scales as the step after the backward."""
+    def make(m):
+        if opt_kind == "adafactor":
+            return Adafactor(m.parameters(), lr=1e-2, relative_step=False, max_grad_norm=max_norm)
+        return AdamW(m.parameters(), lr=1e-2, max_grad_norm=max_norm)
+    model, ref = Deep(), Deep()
+    ref.load_state_dict(model.state_dict())
+    handle = offload_sim(model)
+    offload_sim(ref)
+    opt = make(model)
+    if speculation_bytes is not None:
+        real = opt.overlap
+        opt.overlap = lambda h, **kw: real(h, speculation_bytes=speculation_bytes, **kw)
+    scales = _scaled_run(model, opt, handle=handle)
+    assert scales == _scaled_run(ref, make(ref))
+    assert min(scales) < 2.0 ** 20 and scales[-1] > min(scales), scales
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    for p in model.parameters():
+        assert p.grad is None
+
+
+def test_overlap_tells_the_scaler_of_an_overflow_it_cannot_see(offload_sim):
+    """A model whose every parameter streams leaves no .grad for GradScaler to
+    check (the overlapped step consumes them): the plan's own check reaches the
+    scaler, which backs off; the overflowing steps change nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    before = [p.detach().clone() for p in model.parameters()]
+    handle = offload_sim(model)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    scales = _scaled_run(model, opt, steps=3, handle=handle, init_scale=2.0 ** 60)
+    assert scales == [2.0 ** 59, 2.0 ** 58, 2.0 ** 57]
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    assert all(s["step"].item() == 0 for s in opt.state.values())
+    assert _scaled_run(model, opt, steps=1, handle=handle, init_scale=2.0 ** 8) == [2.0 ** 8]
+    assert not torch.equal(model[0].weight, before[0])
+
+
+def test_a_scaler_and_an_overlap_that_do_not_know_each_other_are_errors(offload_sim):
+    """scaler.step() after an overlap() not given the scaler (its layers were
+    stepped with scaled gradients), and opt.step() after one given a scaler:
+    errors that say what to write."""
+    model = Deep()
+    handle = offload_sim(model)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with opt.overlap(handle):
+        scaler.scale(model(torch.randn(4, 16)).square().mean()).backward()
+    with pytest.raises(RuntimeError, match=r"opt.overlap\(handle, grad_scaler=scaler\)"):
+        scaler.step(opt)
+    del opt.grad_scale, opt.found_inf  # GradScaler.step() leaves them when the step raises
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    with opt.overlap(handle, grad_scaler=scaler):
+        scaler.scale(model(torch.randn(4, 16)).square().mean()).backward()
+    with pytest.raises(RuntimeError, match=r"scaler.step\(optimizer\)"):
+        opt.step()
+    for p, b in zip(model.parameters(), before):  # the speculated step was taken back
+        assert torch.equal(p, b)
