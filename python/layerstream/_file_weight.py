@@ -25,9 +25,10 @@ class FileWeight(_standin.StandIn):
         self = cls._meta(shape, dtype)
         self.requires_grad_(requires_grad)
         self.file_range, self.file_name = file_range, name
+        self._disk_tier = False  # set while an offload() streams it from its file (the disk tier)
         return self
 
-    _CARRIED = ("file_range", "file_name")
+    _CARRIED = ("file_range", "file_name", "_disk_tier")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -35,6 +36,12 @@ class FileWeight(_standin.StandIn):
 
     def _refusal(self, what: str) -> str:
         r = self.file_range
+        if getattr(self, "_disk_tier", False):
+            return (f"'{self.file_name}' streams from its file ({r.path}, tensor '{r.tensor}') on every use: "
+                    f"offload(host_budget=...) left this frozen weight there (the disk tier), so {what} is not "
+                    "possible; the file holds its values unchanged. FileWeight.read() gives them (for a state "
+                    "dict to save: {k: v.read() if isinstance(v, layerstream.FileWeight) else v for k, v in "
+                    "sd.items()}, or save only the trainable tensors, as peft's save_pretrained() does)")
         return (f"'{self.file_name}' is still in its file ({r.path}, tensor '{r.tensor}'): load_safetensors() "
                 f"left it there for offload() to read into host memory or stream from disk, so {what} is "
                 f"not possible yet. Call layerstream.offload(model, ...) to run the model, or "

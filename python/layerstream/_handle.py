@@ -287,6 +287,9 @@ class Handle(_RefusesCopy):
         for a in self._attached:
             for h in a.hooks:
                 h.remove()
+            for t in a.module._parameters.values():
+                if isinstance(t, FileWeight):
+                    t._disk_tier = False  # in its file again, waiting for an offload()
             a.module.__dict__.pop("_apply", None)
             _WHOLE_GROUPS.discard(a.module)
             for o in a.owners:

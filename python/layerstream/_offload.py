@@ -610,7 +610,10 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
                                          module.scale_grad_by_freq, module.sparse)
         elif kind == "linear" and name in on_disk.names:
             # The disk tier: read from its file (or the quantization cache file) on every use
-            # (the module keeps the FileWeights).
+            # (the module keeps the FileWeights; their refusals say so until detach()).
+            for t in (weight, bias):
+                if isinstance(t, FileWeight):
+                    t._disk_tier = True
             index = engine.add_linear_on_disk(
                 name or "<root>", torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
                 on_disk.packed.get(name, weight.file_range),

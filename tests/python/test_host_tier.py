@@ -153,6 +153,30 @@ def test_disk_tier_under_a_quarter_of_the_model_equals_the_resident_model(tmp_pa
     assert isinstance(model.layers[0].weight, FileWeight)
 
 
+def test_saving_a_weight_the_disk_tier_streams_says_how(tmp_path):
+    """A state dict of a model whose frozen weights stream from their file cannot be
+    pickled as it is (no values in memory): the refusal says the weight streams from
+    its file (not "call offload()", which already ran) and how to save; the way it
+    names gives the file's values. After detach() the weight waits for an offload()
+    again, and the refusal says that."""
+    import io
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    model.requires_grad_(False)
+    handle = layerstream.offload(model, device="sim", host_budget=_quarter(ref))
+    sd = model.state_dict()
+    with pytest.raises(LayerstreamError, match=r"streams from its file .*\(the disk tier\).*FileWeight.read"):
+        torch.save(sd, io.BytesIO())
+    saved = {k: v.read() if isinstance(v, layerstream.FileWeight) else v for k, v in sd.items()}
+    for k, v in ref.state_dict().items():
+        assert torch.equal(saved[k].cpu(), v), k
+    handle.detach()
+    with pytest.raises(LayerstreamError, match="still in its file.*Call layerstream.offload"):
+        torch.save(model.state_dict(), io.BytesIO())
+
+
 def test_pinned_budget_zero_stores_pageable_and_stages_copies(tmp_path):
     ref = _reference()
     model = copy.deepcopy(ref)
