@@ -414,4 +414,23 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
     for reason, labels in resident.items():
         what, why = _RESIDENT_REASONS[reason]
         _warn_resident(labels, what, compute_device, why)
+    _warn_unmatched(model, include=include, groups=groups)
     return candidates, grouped
+
+
+def _warn_unmatched(model: nn.Module, **options) -> None:
+    """A pattern of include= or groups= that names no module is most likely a typo: the
+    modules the user meant then stream otherwise (or not at all), so say so. (exclude=
+    patterns are often written for several architectures at once, e.g. "lm_head": not
+    warned.)"""
+    names = [n for n, _ in model.named_modules() if n]
+    for option, patterns in options.items():
+        if patterns is None:
+            continue
+        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names + [""])]
+        if unmatched:
+            warnings.warn(f"layerstream: offload({option}=...): {', '.join(repr(p) for p in unmatched)} "
+                          f"match{'es' if len(unmatched) == 1 else ''} no module name (glob patterns on names "
+                          f"such as {', '.join(repr(n) for n in names[:3])}; model.named_modules() lists them)",
+                          RuntimeWarning, stacklevel=4)
