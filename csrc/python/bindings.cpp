@@ -113,6 +113,24 @@ PYBIND11_MODULE(_C, m) {
   } catch (const layerstream::Error& e) {       \
     throw py::value_error(e.message());         \
   }
+  // A size in bytes (host_budget=, pinned_budget=, an activation budget): whole
+  // bytes, no shares; errors name the option (`what`).
+  m.def("parse_size", [](py::handle v, const std::string& what) {
+    try {
+      if (py::isinstance<py::str>(v)) return layerstream::parse_bytes(v.cast<std::string>());
+      const char* expected = "expected a whole number of bytes in [0, 2^63), e.g. 16 * 2**30, 1.5e9 or '16GiB'";
+      if (py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v)) {
+        const int64_t n = int_arg(v, "it");  // saturates at the int64 limits
+        LS_CHECK(n >= 0 && n < INT64_MAX, expected);
+        return static_cast<uint64_t>(n);
+      }
+      const double d = float_arg(v, "it");
+      LS_CHECK(std::isfinite(d) && d >= 0 && d < 9223372036854775808.0 && std::floor(d) == d, expected);
+      return static_cast<uint64_t>(d);
+    } catch (const layerstream::Error& e) {
+      throw py::value_error(what + "=" + py::str(py::repr(v)).cast<std::string>() + ": " + e.message());
+    }
+  }, py::arg("value"), py::arg("what") = "size", "a size in bytes given as a number or a size text");
   m.def("parse_budget", [](py::handle v) {
     try {
       const options::Budget b = budget_of(v);

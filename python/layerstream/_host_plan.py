@@ -17,12 +17,10 @@ from ._loading import put, tensor_slots
 LayerstreamError = _C.LayerstreamError
 
 
-def parse_bytes(value: Union[int, float, str]) -> int:
-    """Parses 123, 1.5e9, "500MB", "12GiB" into bytes (whole bytes: "0.5" is refused)."""
-    fraction, nbytes, _ = _C.parse_budget(value)
-    if fraction:
-        raise ValueError(f"{value!r} is a share, not a size in bytes")
-    return nbytes
+def parse_bytes(value: Union[int, float, str], what: str = "size") -> int:
+    """Parses 123, 1.5e9, "500MB", "12GiB" into bytes (whole bytes: "0.5" is refused);
+    `what` names the option in errors (e.g. "host_budget")."""
+    return _C.parse_size(value, what)
 
 
 def _read_in(model: nn.Module, p, engine=None):
@@ -66,8 +64,8 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
             host += sum(p.numel() * p.element_size() for t in streamed for p in t.module.parameters(recurse=False)
                         if p.device.type == "cpu" and not p.is_meta)
     else:
-        host = parse_bytes(host_budget)
-    pinned = _C.default_pinned_budget() if pinned_budget is None else parse_bytes(pinned_budget)
+        host = parse_bytes(host_budget, "host_budget")
+    pinned = _C.default_pinned_budget() if pinned_budget is None else parse_bytes(pinned_budget, "pinned_budget")
     deferred = [t for t in layers if t.kind == "linear" and t.fmt is not None and t.name not in resident_names
                 and isinstance(getattr(t.module, "weight", None), FileWeight)]  # see _formats_and_bytes
     if host < 0 and pinned < 0:

@@ -197,6 +197,10 @@ def test_in_place_write_before_backward_names_the_layer():
     (dict(sim_link_gbps=float("nan")), r"sim_link_gbps must be a finite bandwidth"),
     (dict(sim_link_gbps=-1), r"sim_link_gbps must be a finite bandwidth"),
     (dict(sim_latency_us=float("inf")), r"sim_latency_us must be a finite latency"),
+    (dict(host_budget="40%"), r"host_budget='40%': invalid size .*unknown unit"),
+    (dict(pinned_budget="-1"), r"pinned_budget='-1': invalid size"),
+    (dict(host_budget=2**70), r"host_budget=1180591620717411303424: expected a whole number of bytes"),
+    (dict(pinned_budget=0.5), r"pinned_budget=0.5: expected a whole number of bytes"),
 ])
 def test_bad_arguments_are_one_clear_error(kw, match):
     model = _mlp()
@@ -225,6 +229,23 @@ def test_a_budget_share_and_prefetch_64_work():
     model = _mlp()
     handle = layerstream.offload(model, device="sim", budget=0.5, prefetch=64)
     assert handle.stats()["budget_bytes"] == layerstream.SIM_DEVICE_MEMORY // 2
+    handle.detach()
+
+
+def test_an_include_or_groups_pattern_that_names_no_module_is_warned():
+    """A typo in include= or groups= would stream the intended modules otherwise, or not at
+    all: one warning names the patterns that matched nothing (exclude= patterns are often
+    written for several architectures at once: none)."""
+    model = _mlp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = layerstream.offload(model, device="sim", include=["0", "nothing*"], groups=["grup"],
+                                     exclude=["lm_head"])
+    texts = [str(w.message) for w in caught if "matches no module" in str(w.message) or "match no" in str(w.message)]
+    assert len(texts) == 2, texts
+    assert "offload(include=...): 'nothing*' matches no module name" in texts[0]
+    assert "offload(groups=...): 'grup' matches no module name" in texts[1]
+    assert {w.filename for w in caught if "matches no module" in str(w.message)} == {__file__}
     handle.detach()
 
 
