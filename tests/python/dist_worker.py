@@ -118,6 +118,36 @@ def run(scenario, out, rank, result):
             except RuntimeError as e:
                 result["keep_grads_error"] = str(e)
         dist.barrier()
+    elif scenario == "sharded_overlap_scaled":
+        # fp16 autocast with a GradScaler: twice from the same weights, the
+        # step after the backward, then overlapped (opt.overlap(handle, grad_scaler=)).
+        # The scale starts high enough that the first steps overflow: every rank skips
+        # them alike (the plan's inf check summed over the ranks' shards).
+        from layerstream.optim import AdamW
+        for mode in ("plain", "overlap"):
+            model = make_model()
+            handle = layerstream.offload(model, device="sim", share_host_store="all")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opt = AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 18, growth_interval=2)
+            scales = []
+            for step in range(8):
+                ids, target = batch_of(step % STEPS, 0)[rank * BATCH:(rank + 1) * BATCH]
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(ddp(ids).float(), target)
+                if mode == "overlap":
+                    with opt.overlap(handle, grad_scaler=scaler):
+                        scaler.scale(loss).backward()
+                else:
+                    scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                scales.append(scaler.get_scale())
+            result[mode] = {"scales": scales, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            del ddp
+            dist.barrier()
+            handle.detach()
     elif scenario == "sharded_adafactor":
         # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
         # owner rank), and the Linear weights crossing the bus lossless-coded.

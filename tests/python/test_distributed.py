@@ -157,6 +157,24 @@ def test_sharded_adafactor_overlapped_with_the_backward(clip, tmp_path):
     assert all(min(res["early"]) >= 1 for res in results), [res["early"] for res in results]
 
 
+def test_sharded_overlap_under_a_grad_scaler_equals_the_step_after_backward(tmp_path):
+    """fp16 autocast with torch.amp.GradScaler on a shared host copy (each rank stepping its
+    shards): overlapped steps (opt.overlap(handle, grad_scaler=)) give the same weights and
+    the same scales as the step after the backward, on both ranks, over steps that
+    overflow (skipped by every rank) and steps that do not."""
+    results = _run("sharded_overlap_scaled", 2, tmp_path)
+    plain, overlap = results[0]["plain"], results[0]["overlap"]
+    steps = list(zip([2.0 ** 18] + plain["scales"], plain["scales"]))
+    assert any(b < a for a, b in steps) and any(b > a for a, b in steps), plain["scales"]  # skipped, and stepped
+    for res in results:
+        for mode in ("plain", "overlap"):
+            assert res[mode]["scales"] == plain["scales"]
+            for n, p in res[mode]["params"].items():
+                assert torch.equal(p, plain["params"][n]), (mode, n)
+    model = make_model()
+    assert any(not torch.equal(p, overlap["params"][n]) for n, p in model.named_parameters())
+
+
 def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
     """layerstream.optim.Adafactor on a shared host copy: each trainable streamed tensor
     is stepped whole by one rank (largest first to the least-loaded rank), the results
