@@ -118,7 +118,8 @@ class OffloadHandle {
   EngineStats stats() const;
   void synchronize();
   // Restores plain computation: weights back to ordinary tensors on their
-  // original devices (bit-identical); swapped children are swapped back.
+  // original devices (bit-identical); swapped children are swapped back
+  // (into the parents that still live: the handle may outlive the model).
   void detach();
   const std::vector<std::string>& layers() const { return names_; }  // streamed layers
   // With a budget: the layers the planner kept resident (not streamed, moved to
@@ -133,13 +134,16 @@ class OffloadHandle {
 
  private:
   friend std::shared_ptr<OffloadHandle> offload(torch::nn::Module&, const OffloadOptions&);
+  // Weak references to the modules of the offloaded tree: the handle may outlive
+  // them (detach() then has nothing to swap back into; saved_activations()
+  // throws), and keeps nothing of the user's model alive.
   struct Swap {
-    torch::nn::Module* parent;
+    std::weak_ptr<torch::nn::Module> parent;
     std::string child;
     std::shared_ptr<torch::nn::Module> original;
   };
   std::shared_ptr<Engine> engine_;
-  torch::nn::Module* root_ = nullptr;  // the offloaded module (saved_activations())
+  std::weak_ptr<torch::nn::Module> root_;  // the offloaded module (saved_activations())
   int64_t activations_ = -1;           // OffloadOptions::activations
   std::vector<std::string> names_;
   std::vector<std::string> resident_;

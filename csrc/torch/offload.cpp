@@ -250,11 +250,12 @@ void OffloadHandle::detach() {
   auto e = engine();
   e->detach(devices_);
   for (auto& u : unbind_) u();
-  for (auto& s : swaps_) s.parent->replace_module(s.child, s.original);
+  for (auto& s : swaps_)
+    if (auto parent = s.parent.lock()) parent->replace_module(s.child, s.original);
   unbind_.clear();
   swaps_.clear();
   engine_.reset();
-  root_ = nullptr;
+  root_.reset();
   if (uncounted_) *uncounted_ = false;
 }
 
@@ -266,7 +267,6 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   LS_CHECK(options.train.empty() || options.train == "none" || options.budget_bytes >= 0, "OffloadOptions::train '",
            options.train, "' sizes what the budget covers; it needs budget_bytes too (without a budget nothing is "
            "kept resident for it)");
-  handle->root_ = &root;
   handle->activations_ = options.activations;
   const quant::Format qformat =
       options.quantize.empty() || options.quantize == "none" ? quant::Format::None
@@ -291,6 +291,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   struct Item {
     std::string name;
     torch::nn::Module* parent;
+    std::weak_ptr<torch::nn::Module> parent_ref;  // what the handle keeps (Swap)
     std::string child;
     std::shared_ptr<torch::nn::Module> module;
     bool shared = false;  // its weight is tied to another streamed layer's
@@ -313,6 +314,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   }
   // Pass 1: the modules offload() would stream, ties aside.
   for (const auto& named : root.named_modules("", /*include_self=*/true)) {
+    if (named.key().empty()) handle->root_ = named.value();  // named_modules needs it in a shared_ptr
     torch::nn::Module* parent = named.value().get();
     const bool is_container = dynamic_cast<torch::nn::SequentialImpl*>(parent) ||
                               dynamic_cast<torch::nn::ModuleListImpl*>(parent) ||
@@ -345,7 +347,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
         LS_CHECK(!dynamic_cast<nn::StreamedBase*>(m.get())->attached(), "module '", name,
                  "' is already offloaded by another layerstream handle; detach it first");
       }
-      items.push_back(Item{name, parent, child.key(), m});
+      items.push_back(Item{name, parent, named.value(), child.key(), m});
     }
   }
   // Pass 2: ties.
@@ -519,7 +521,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       const int idx = engine->add_linear(it.name, s->weight, s->bias, fmt);
       s->bind(engine, idx);
       it.parent->replace_module(it.child, s);
-      handle->swaps_.push_back({it.parent, it.child, it.module});
+      handle->swaps_.push_back({it.parent_ref, it.child, it.module});
       record(it.name, s->weight, s->bias, before);
     } else {
       auto swap_conv = [&](auto* conv, auto dim_tag) -> bool {
@@ -532,7 +534,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
         const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec(), fmt);
         s->bind(engine, idx);
         it.parent->replace_module(it.child, s);
-        handle->swaps_.push_back({it.parent, it.child, it.module});
+        handle->swaps_.push_back({it.parent_ref, it.child, it.module});
         record(it.name, s->weight, s->bias, before);
         return true;
       };

@@ -104,9 +104,11 @@ SavedActivations OffloadHandle::saved_activations() {
   LS_CHECK(activations_ >= 0, "saved_activations(): this model was offloaded without activation offload; set "
            "OffloadOptions::activations (0: every saved tensor that can goes to the host, or a device budget "
            "in bytes)");
-  LS_CHECK(engine_ != nullptr && root_ != nullptr, "saved_activations(): this handle was detached");
-  std::vector<torch::Tensor> keep = root_->parameters(/*recurse=*/true);
-  for (const auto& b : root_->buffers(/*recurse=*/true)) keep.push_back(b);
+  LS_CHECK(engine_ != nullptr, "saved_activations(): this handle was detached");
+  const auto root = root_.lock();
+  LS_CHECK(root != nullptr, "saved_activations(): the offloaded module no longer exists");
+  std::vector<torch::Tensor> keep = root->parameters(/*recurse=*/true);
+  for (const auto& b : root->buffers(/*recurse=*/true)) keep.push_back(b);
   return SavedActivations(engine_, static_cast<uint64_t>(activations_), keep);
 }
 

@@ -386,6 +386,39 @@ TEST(TorchOffload, WriteToQuantizedWeightIsRefusedUntilRequantized) {
   fresh_handle->detach();
 }
 
+// A handle that outlives its model: detach() and saved_activations() must not
+// touch the dead modules (the handle kept raw pointers: detach() swapped a
+// torch::nn::Linear back into a freed parent, a heap corruption).
+struct SwappedImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  layerstream::nn::Linear ours{nullptr};
+  SwappedImpl() {
+    fc = register_module("fc", torch::nn::Linear(8, 8));
+    ours = register_module("ours", layerstream::nn::Linear(8, 8));
+  }
+};
+TORCH_MODULE(Swapped);
+
+TEST(TorchOffload, HandleOutlivingItsModelDetachesWithoutTouchingIt) {
+  auto o = sim_options();
+  o.activations = 0;
+  std::shared_ptr<layerstream::OffloadHandle> handle;
+  std::weak_ptr<SwappedImpl> gone;
+  {
+    Swapped net;
+    handle = layerstream::offload(*net, o);
+    gone = net.ptr();
+  }
+  EXPECT_TRUE(gone.expired());  // the handle keeps nothing of the model alive
+  try {
+    handle->saved_activations();
+    FAIL() << "saved_activations() of a dead model did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("no longer exists"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(handle->detach());
+}
+
 TEST(TorchOffload, ToComputeDeviceKeepsStreamedWeightsOnTheHost) {
   // model->to(<compute device>) after offload() (the sim device computes on
   // the CPU) leaves the streamed weights where the engine reads them; a dtype
