@@ -543,7 +543,10 @@ class Engine {
   // and takes over their accumulation (what the hook does with .grad is its
   // business; the engine never adds them). Other layers are applied to
   // .grad first and get hook(layer, nullptr), as set_grad_ready_hook's.
-  // Setting either form replaces the other.
+  // The hook takes over every landed gradient of the layer, its parameters'
+  // that it does not step too (AdamWOverlap puts those in .grad). One hook at
+  // a time, of either form: setting one while one is set throws; an empty
+  // hook removes it.
   struct LandedGradients {
     torch::Tensor weight, bias;
   };

@@ -64,13 +64,21 @@ void EngineImpl::set_grad_ready_hook(GradReadyHook hook) {
   GradConsumeHook h;
   if (hook) h = [hook = std::move(hook)](int layer, const LandedGradients*) { hook(layer); };
   std::lock_guard<std::mutex> lock(gr_mu_);
+  check_one_hook_locked(static_cast<bool>(h));
   gr_hook_ = std::move(h);
   gr_consume_ = false;
   if (gr_hook_ && !gr_thread_.joinable()) gr_thread_ = std::thread([this] { grad_ready_loop(); });
 }
 
+void EngineImpl::check_one_hook_locked(bool setting) const {
+  LS_CHECK(!setting || !gr_hook_, "an overlapped optimizer step (opt.overlap(handle)) is already active on this "
+           "offload() handle: one optimizer's overlap() per backward. Step the other optimizers after the "
+           "backward (the gradients of the layers the overlapping one does not step are left in .grad)");
+}
+
 void EngineImpl::set_grad_consume_hook(GradConsumeHook hook) {
   std::lock_guard<std::mutex> lock(gr_mu_);
+  check_one_hook_locked(static_cast<bool>(hook));
   gr_hook_ = std::move(hook);
   gr_consume_ = static_cast<bool>(gr_hook_);
   if (gr_hook_ && !gr_thread_.joinable()) gr_thread_ = std::thread([this] { grad_ready_loop(); });

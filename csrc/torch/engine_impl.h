@@ -102,6 +102,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::string layer_format(int layer) const override;
   void set_grad_ready_hook(GradReadyHook hook) override;
   void set_grad_consume_hook(GradConsumeHook hook) override;
+  // Setting a hook while one is set throws (one overlapped optimizer at a time).
+  void check_one_hook_locked(bool setting) const;
   void wait_grad_ready() override;
   std::pair<torch::Tensor, torch::Tensor> layer_parameters(int layer) const override;
   torch::Device compute_device() const override { return compute_device_; }

@@ -106,6 +106,22 @@ torch::Tensor accumulate_into_grad(const torch::Tensor& param, const torch::Tens
   return grad;
 }
 
+// The landed gradients of a layer's parameters that this plan does not step
+// (another optimizer's, or none's) go to .grad, as the engine would have put
+// them: the consuming hook takes every landed gradient of the layers it is
+// handed, and a gradient it dropped would be lost (before, a second optimizer's
+// streamed layers lost their gradient in an overlapped backward).
+void keep_uncovered(Engine& engine, int layer, const Engine::LandedGradients* landed,
+                    const std::vector<AdamWOverlap::LayerParam>& covered) {
+  if (!landed) return;  // not consumed: the engine applied it to .grad
+  bool weight = false, bias = false;
+  for (const AdamWOverlap::LayerParam& lp : covered) (lp.bias ? bias : weight) = true;
+  if ((weight || !landed->weight.defined()) && (bias || !landed->bias.defined())) return;
+  const auto [w, b] = engine.layer_parameters(layer);
+  if (!weight && landed->weight.defined()) accumulate_into_grad(w, landed->weight);
+  if (!bias && landed->bias.defined()) accumulate_into_grad(b, landed->bias);
+}
+
 // Drops param's .grad (the gradient was consumed by the step).
 void drop_grad(const torch::Tensor& param) { param.mutable_grad().reset(); }
 
@@ -256,8 +272,9 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch:
 }
 
 void AdamWOverlap::on_layer(int layer, const Engine::LandedGradients* landed) {
-  if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return;
   torch::NoGradGuard ng;
+  if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return keep_uncovered(*engine_, layer, landed, {});
+  keep_uncovered(*engine_, layer, landed, by_layer_[static_cast<size_t>(layer)]);
   for (const LayerParam& lp : by_layer_[static_cast<size_t>(layer)]) {
     const size_t i = lp.index;
     Param& p = params_[i];
@@ -327,8 +344,9 @@ void AdafactorOverlap::step_one(size_t i, const torch::Tensor& grad, float grad_
 }
 
 void AdafactorOverlap::on_layer(int layer, const Engine::LandedGradients* landed) {
-  if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return;
   torch::NoGradGuard ng;
+  if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return keep_uncovered(*engine_, layer, landed, {});
+  keep_uncovered(*engine_, layer, landed, by_layer_[static_cast<size_t>(layer)]);
   for (const AdamWOverlap::LayerParam& lp : by_layer_[static_cast<size_t>(layer)]) {
     const size_t i = lp.index;
     const torch::Tensor& param = params_[i].param;

@@ -1057,3 +1057,49 @@ def test_a_scaler_and_an_overlap_that_do_not_know_each_other_are_errors(offload_
         opt.step()
     for p, b in zip(model.parameters(), before):  # the speculated step was taken back
         assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adafactor"])
+def test_overlap_leaves_the_gradients_of_layers_it_does_not_step_in_grad(offload_sim, kind):
+    """Two optimizers over one offloaded model, the overlapped one stepping layers 0-2
+    but not layer 2's bias, the other (torch's) layer 3 and that bias: the landed
+    gradients the plan does not step go to .grad, where the other optimizer finds
+    them (before, the overlapped backward dropped them: the other optimizer stepped
+    nothing). Same bits as both stepping after the backward."""
+    def optimizers(m):
+        mine = [p for layer in m.layers[:2] for p in layer.parameters()] + [m.layers[2].weight]
+        other = list(m.layers[3].parameters()) + [m.layers[2].bias] + list(m.norm.parameters())
+        host = (Adafactor(mine, lr=1e-2, relative_step=False) if kind == "adafactor" else AdamW(mine, lr=1e-2))
+        return host, torch.optim.AdamW(other, lr=1e-2)
+    model, ref = Deep(), Deep()
+    ref.load_state_dict(model.state_dict())
+    handle = offload_sim(model)
+    offload_sim(ref)
+    (a, b), (ra, rb) = optimizers(model), optimizers(ref)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(4, 16, generator=gen)
+        with a.overlap(handle):
+            model(x).square().mean().backward()
+        assert model.layers[3].weight.grad is not None and model.layers[2].bias.grad is not None
+        a.step(), b.step(), a.zero_grad(), b.zero_grad()
+        ref(x).square().mean().backward()
+        ra.step(), rb.step(), ra.zero_grad(), rb.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_a_second_overlap_on_one_handle_is_an_error(offload_sim):
+    """Two optimizers' overlap() around one backward: the second is refused (it would
+    replace the first one's hook), saying what to do; the first still works."""
+    model = Deep()
+    handle = offload_sim(model)
+    a = AdamW(list(model.layers[:2].parameters()), lr=1e-2)
+    b = AdamW(list(model.layers[2:].parameters()), lr=1e-2)
+    with a.overlap(handle):
+        with pytest.raises(RuntimeError, match=r"already active on this offload\(\) handle.*Step the other"):
+            with b.overlap(handle):
+                pass
+        model(torch.randn(4, 16)).square().mean().backward()
+    a.step(), b.step()
+    assert all(s["step"].item() == 1 for s in a.state.values()) and len(b.state) == 4
