@@ -400,6 +400,18 @@ MUTATIONS = [
         [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
         "AdamW under a GradScaler steps with the scaled gradients"),
     Mutation(
+        "overlap-drops-uncovered-grads", "csrc/torch/host_overlap.cpp",
+        "  if (!landed) return;  // not consumed: the engine applied it to .grad",
+        "  return;",
+        [P + "test_optim.py::test_overlap_leaves_the_gradients_of_layers_it_does_not_step_in_grad"],
+        "an overlapped backward drops the landed gradients of layers its optimizer does not step"),
+    Mutation(
+        "overlap-second-hook-replaces", "csrc/torch/engine_grad_ready.cpp",
+        "  LS_CHECK(!setting || !gr_hook_,",
+        "  LS_CHECK(true || !gr_hook_,",
+        [P + "test_optim.py::test_a_second_overlap_on_one_handle_is_an_error"],
+        "a second optimizer's overlap() silently replaces the first one's hook"),
+    Mutation(
         "activation-no-prefetch", "csrc/torch/engine_activations.cpp",
         "  int ahead = opts_.prefetch;",
         "  int ahead = 0;",
