@@ -153,6 +153,17 @@ def test_disk_tier_under_a_quarter_of_the_model_equals_the_resident_model(tmp_pa
     assert isinstance(model.layers[0].weight, FileWeight)
 
 
+def _frozen_on_disk(tmp_path):
+    """A saved reference, its file, and a frozen model loaded from it and offloaded with a
+    quarter of its bytes as the host budget (the disk tier): (ref, path, model, handle)."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    model.requires_grad_(False)
+    return ref, path, model, layerstream.offload(model, device="sim", host_budget=_quarter(ref))
+
+
 def test_saving_a_weight_the_disk_tier_streams_says_how(tmp_path):
     """A state dict of a model whose frozen weights stream from their file cannot be
     pickled as it is (no values in memory): the refusal says the weight streams from
@@ -160,12 +171,7 @@ def test_saving_a_weight_the_disk_tier_streams_says_how(tmp_path):
     names gives the file's values. After detach() the weight waits for an offload()
     again, and the refusal says that."""
     import io
-    ref = _reference()
-    path = _save(ref, tmp_path / "m.safetensors")
-    model = _meta()
-    layerstream.load_safetensors(model, path)
-    model.requires_grad_(False)
-    handle = layerstream.offload(model, device="sim", host_budget=_quarter(ref))
+    ref, path, model, handle = _frozen_on_disk(tmp_path)
     sd = model.state_dict()
     with pytest.raises(LayerstreamError, match=r"streams from its file .*\(the disk tier\).*FileWeight.read"):
         torch.save(sd, io.BytesIO())
@@ -249,12 +255,7 @@ def test_errors_name_the_file_and_leave_the_model_as_it_was(tmp_path):
 
 
 def test_a_file_changed_after_loading_is_an_error_never_other_weights(tmp_path):
-    ref = _reference()
-    path = _save(ref, tmp_path / "m.safetensors")
-    model = _meta()
-    layerstream.load_safetensors(model, path)
-    model.requires_grad_(False)
-    handle = layerstream.offload(model, device="sim", host_budget=_quarter(ref))
+    ref, path, model, handle = _frozen_on_disk(tmp_path)
     with torch.no_grad():
         assert torch.equal(model(_ids()), ref(_ids()))
     time.sleep(0.02)
