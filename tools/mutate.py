@@ -400,6 +400,12 @@ MUTATIONS = [
         [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
         "AdamW under a GradScaler steps with the scaled gradients"),
     Mutation(
+        "scaler-check-not-summed-over-ranks", "python/layerstream/optim.py",
+        "if (self.max_grad_norm is not None or scaler is not None) and shard is not None:",
+        "if self.max_grad_norm is not None and shard is not None:",
+        [P + "test_distributed.py::test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan"],
+        "a rank whose shards are finite steps while the rank that holds the NaN skips"),
+    Mutation(
         "overlap-drops-uncovered-grads", "csrc/torch/host_overlap.cpp",
         "  if (!landed) return;  // not consumed: the engine applied it to .grad",
         "  return;",

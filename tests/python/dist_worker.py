@@ -37,6 +37,71 @@ def _train_shared(rank, result, optimizer, **offload_kw):
     return model, ddp, handle, train_steps.optimizer
 
 
+class _NanInColumn0(torch.autograd.Function):
+    """Identity; its backward puts NaN in the gradient's last-dimension column 0."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g[..., 0] = float("nan")
+        return g
+
+
+class _NanToZero(torch.autograd.Function):
+    """Identity; its backward turns NaN into 0 (the layers below get finite gradients)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.nan_to_num(g, nan=0.0)
+
+
+def _scaled_modes(rank, result, init_scale, poison_step=None):
+    """fp16 autocast with a GradScaler on a shared host copy (each rank stepping its
+    shards): twice from the same weights, the step after the backward ("plain"), then
+    overlapped (opt.overlap(handle, grad_scaler=)); result[mode] has the scales and
+    weights. poison_step: that step's gradient of fc1 (its weight's row 0, bias[0]) is
+    NaN, and nothing else's."""
+    from layerstream.optim import AdamW
+    for mode in ("plain", "overlap"):
+        model = make_model()
+        handle = layerstream.offload(model, device="sim", share_host_store="all")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+        scales = []
+        for step in range(8):
+            hooks = []
+            if step == poison_step:
+                hooks = [model.fc1.register_forward_pre_hook(lambda m, args: (_NanToZero.apply(args[0]),)),
+                         model.fc1.register_forward_hook(lambda m, args, out: _NanInColumn0.apply(out))]
+            ids, target = batch_of(step % STEPS, 0)[rank * BATCH:(rank + 1) * BATCH]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(ddp(ids).float(), target)
+            if mode == "overlap":
+                with opt.overlap(handle, grad_scaler=scaler):
+                    scaler.scale(loss).backward()
+            else:
+                scaler.scale(loss).backward()
+            for h in hooks:
+                h.remove()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+        result[mode] = {"scales": scales, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        del ddp
+        dist.barrier()
+        handle.detach()
+
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -119,35 +184,13 @@ def run(scenario, out, rank, result):
                 result["keep_grads_error"] = str(e)
         dist.barrier()
     elif scenario == "sharded_overlap_scaled":
-        # fp16 autocast with a GradScaler: twice from the same weights, the
-        # step after the backward, then overlapped (opt.overlap(handle, grad_scaler=)).
         # The scale starts high enough that the first steps overflow: every rank skips
         # them alike (the plan's inf check summed over the ranks' shards).
-        from layerstream.optim import AdamW
-        for mode in ("plain", "overlap"):
-            model = make_model()
-            handle = layerstream.offload(model, device="sim", share_host_store="all")
-            ddp = nn.parallel.DistributedDataParallel(model)
-            opt = AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 18, growth_interval=2)
-            scales = []
-            for step in range(8):
-                ids, target = batch_of(step % STEPS, 0)[rank * BATCH:(rank + 1) * BATCH]
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = nn.functional.mse_loss(ddp(ids).float(), target)
-                if mode == "overlap":
-                    with opt.overlap(handle, grad_scaler=scaler):
-                        scaler.scale(loss).backward()
-                else:
-                    scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad()
-                scales.append(scaler.get_scale())
-            result[mode] = {"scales": scales, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-            del ddp
-            dist.barrier()
-            handle.detach()
+        _scaled_modes(rank, result, init_scale=2.0 ** 18)
+    elif scenario == "sharded_overlap_scaled_one_shard":
+        # No overflow, but step 3's gradient has NaN in fc1's row 0 and bias[0] alone:
+        # elements of rank 0's shards, so rank 1's see none and skip only if told.
+        _scaled_modes(rank, result, init_scale=2.0 ** 8, poison_step=3)
     elif scenario == "sharded_adafactor":
         # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
         # owner rank), and the Linear weights crossing the bus lossless-coded.

@@ -175,6 +175,22 @@ def test_sharded_overlap_under_a_grad_scaler_equals_the_step_after_backward(tmp_
     assert any(not torch.equal(p, overlap["params"][n]) for n, p in model.named_parameters())
 
 
+
+def test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan(tmp_path):
+    """The same, with one step's NaN only in elements of rank 0's shards (fc1's weight row
+    0 and bias[0]): rank 1, whose shards are finite, skips that step too (the inf check
+    is summed over the ranks), in both modes; the scale backs off once, there."""
+    results = _run("sharded_overlap_scaled_one_shard", 2, tmp_path)
+    plain = results[0]["plain"]
+    scales = [2.0 ** 8] + plain["scales"]
+    assert [b < a for a, b in zip(scales, scales[1:])] == [i == 3 for i in range(8)], plain["scales"]
+    for res in results:
+        for mode in ("plain", "overlap"):
+            assert res[mode]["scales"] == plain["scales"]
+            for n, p in res[mode]["params"].items():
+                assert torch.isfinite(p).all(), (mode, n)
+                assert torch.equal(p, plain["params"][n]), (mode, n)
+
 def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
     """layerstream.optim.Adafactor on a shared host copy: each trainable streamed tensor
     is stepped whole by one rank (largest first to the least-loaded rank), the results
