@@ -180,6 +180,9 @@ class StreamedBase {
   // Returns false when not attached (convert as torch does).
   bool keep_streamed(const torch::Tensor& weight, std::optional<torch::Device> device,
                      std::optional<torch::Dtype> dtype) const;
+  // clone() once attached throws: the copy would keep this binding, streaming (and
+  // training) the original's weights instead of its own.
+  void refuse_clone() const;
   std::shared_ptr<Engine> engine_;
   int index_ = -1;
 };
@@ -193,7 +196,9 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public StreamedBase 
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x);
   void pretty_print(std::ostream& stream) const override;
-  // Once attached: see StreamedBase::keep_streamed.
+  // Once attached: see StreamedBase::keep_streamed and refuse_clone (a parent's
+  // clone() clones its children with it).
+  std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt) const override;
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
@@ -212,7 +217,9 @@ class ConvImpl : public torch::nn::Cloneable<ConvImpl<D>>, public StreamedBase {
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x);
   ConvSpec spec() const;
-  // Once attached: see StreamedBase::keep_streamed.
+  // Once attached: see StreamedBase::keep_streamed and refuse_clone (a parent's
+  // clone() clones its children with it).
+  std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt) const override;
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
@@ -233,7 +240,9 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Streame
   void reset() override;
   torch::Tensor forward(const torch::Tensor& ids);
   void pretty_print(std::ostream& stream) const override;
-  // Once attached: see StreamedBase::keep_streamed.
+  // Once attached: see StreamedBase::keep_streamed and refuse_clone (a parent's
+  // clone() clones its children with it).
+  std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt) const override;
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;

@@ -73,6 +73,27 @@ bool StreamedBase::keep_streamed(const torch::Tensor& weight, std::optional<torc
   return true;
 }
 
+void StreamedBase::refuse_clone() const {
+  LS_CHECK(!engine_, "streamed layer '", engine_ ? engine_->layer_name(index_) : std::string(),
+           "' cannot be cloned: its weights live in layerstream's host store, and a copy would "
+           "still stream (and train) the original's. Clone the model before offload(), or call "
+           "detach() first.");
+}
+
+std::shared_ptr<torch::nn::Module> LinearImpl::clone(const std::optional<torch::Device>& device) const {
+  refuse_clone();
+  return torch::nn::Cloneable<LinearImpl>::clone(device);
+}
+template <size_t D>
+std::shared_ptr<torch::nn::Module> ConvImpl<D>::clone(const std::optional<torch::Device>& device) const {
+  this->refuse_clone();
+  return torch::nn::Cloneable<ConvImpl<D>>::clone(device);
+}
+std::shared_ptr<torch::nn::Module> EmbeddingImpl::clone(const std::optional<torch::Device>& device) const {
+  refuse_clone();
+  return torch::nn::Cloneable<EmbeddingImpl>::clone(device);
+}
+
 void LinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   if (!keep_streamed(weight, device, dtype)) torch::nn::Module::to(device, dtype, non_blocking);
 }

@@ -419,6 +419,56 @@ TEST(TorchOffload, HandleOutlivingItsModelDetachesWithoutTouchingIt) {
   EXPECT_NO_THROW(handle->detach());
 }
 
+// clone() of an offloaded model: a streamed child's copy kept the engine binding, so
+// the clone streamed (and trained: its own weights got no gradient) the original's
+// weights. It throws, also for a swapped torch::nn::Linear (torch's own message said
+// "a different type"); after detach() it clones like torch.
+struct CloneNetImpl : torch::nn::Cloneable<CloneNetImpl> {
+  torch::nn::Linear fc{nullptr};
+  layerstream::nn::Linear ours{nullptr};
+  layerstream::nn::Embedding table{nullptr};
+  CloneNetImpl() { reset(); }
+  void reset() override {
+    table = register_module("table", layerstream::nn::Embedding(10, 8));
+    fc = register_module("fc", torch::nn::Linear(8, 8));
+    ours = register_module("ours", layerstream::nn::Linear(8, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return ours(torch::relu(fc(table(ids)))); }
+};
+TORCH_MODULE(CloneNet);
+
+TEST(TorchOffload, CloneOfAnOffloadedModelThrowsAndWorksAfterDetach) {
+  torch::manual_seed(0);
+  CloneNet net;
+  const auto ids = torch::randint(0, 10, {3, 5});
+  const auto expected = net->forward(ids);
+  auto handle = layerstream::offload(*net, sim_options());
+  ASSERT_EQ(handle->layers().size(), 3u);
+  try {
+    net->clone();
+    FAIL() << "clone() of an offloaded model did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be cloned"), std::string::npos) << e.what();
+  }
+  try {
+    net->ours->clone();
+    FAIL() << "clone() of a streamed layer did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("streamed layer 'ours' cannot be cloned"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(torch::equal(net->forward(ids), expected));  // the model is untouched
+  handle->detach();
+  auto copy = std::dynamic_pointer_cast<CloneNetImpl>(net->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_TRUE(torch::equal(copy->forward(ids), expected));
+  copy->forward(ids).sum().backward();
+  EXPECT_TRUE(copy->ours->weight.grad().defined());
+  EXPECT_TRUE(copy->table->weight.grad().defined());
+  EXPECT_FALSE(net->ours->weight.grad().defined());  // the copy's own parameters
+  EXPECT_NE(copy->ours->weight.data_ptr(), net->ours->weight.data_ptr());
+}
+
 TEST(TorchOffload, ToComputeDeviceKeepsStreamedWeightsOnTheHost) {
   // model->to(<compute device>) after offload() (the sim device computes on
   // the CPU) leaves the streamed weights where the engine reads them; a dtype
