@@ -520,6 +520,13 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       }
     }
   } undo{handle.get()};
+  // The model may die before the handle: detach() then has nothing to unbind (a
+  // raw pointer here was a write into freed memory; HandleOutlivingItsModel...).
+  auto unbind_later = [&handle](const std::shared_ptr<torch::nn::Module>& module) {
+    handle->unbind_.push_back([weak = std::weak_ptr<torch::nn::Module>(module)] {
+      if (auto alive = weak.lock()) dynamic_cast<nn::StreamedBase&>(*alive).unbind();
+    });
+  };
   for (auto& it : items) {
     torch::nn::Module* m = it.module.get();
     const quant::Format fmt = it.shared ? quant::Format::None : qformat;
@@ -529,13 +536,13 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
     if (auto* l = dynamic_cast<nn::LinearImpl*>(m)) {
       const int idx = engine->add_linear(it.name, l->weight, l->bias, fmt);
       l->bind(engine, idx);
-      handle->unbind_.push_back([l] { l->unbind(); });
+      unbind_later(it.module);
       record(it.name, l->weight, l->bias, before);
     } else if (auto* e = dynamic_cast<nn::EmbeddingImpl*>(m)) {
       const int idx = engine->add_embedding(it.name, e->weight, e->options.padding_idx().value_or(-1),
                                             e->options.scale_grad_by_freq(), e->options.sparse());
       e->bind(engine, idx);
-      handle->unbind_.push_back([e] { e->unbind(); });
+      unbind_later(it.module);
       record(it.name, e->weight, torch::Tensor(), before);
     } else if (auto* tl = dynamic_cast<torch::nn::LinearImpl*>(m)) {
       auto s = std::make_shared<nn::LinearImpl>(tl->options, tl->weight, tl->bias);
@@ -563,7 +570,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
         if (!conv) return false;
         const int idx = engine->add_conv(it.name, conv->weight, conv->bias, conv->spec(), fmt);
         conv->bind(engine, idx);
-        handle->unbind_.push_back([conv] { conv->unbind(); });
+        unbind_later(it.module);
         record(it.name, conv->weight, conv->bias, before);
         return true;
       };

@@ -388,7 +388,9 @@ TEST(TorchOffload, WriteToQuantizedWeightIsRefusedUntilRequantized) {
 
 // A handle that outlives its model: detach() and saved_activations() must not
 // touch the dead modules (the handle kept raw pointers: detach() swapped a
-// torch::nn::Linear back into a freed parent, a heap corruption).
+// torch::nn::Linear back into a freed parent, a heap corruption, and unbound a
+// freed layerstream::nn::Linear: a write into freed memory that only
+// tools/sanitize.sh's AddressSanitizer sees).
 struct SwappedImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
   layerstream::nn::Linear ours{nullptr};
