@@ -406,6 +406,18 @@ MUTATIONS = [
         [P + "test_distributed.py::test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan"],
         "a rank whose shards are finite steps while the rank that holds the NaN skips"),
     Mutation(
+        "checkpoint-step-not-restored", "csrc/torch/host_optim.cpp",
+        "      prm.step = loaded[gi].params[i].first;",
+        "      (void)0;",
+        ["gtest:test_torch_optim:*CheckpointResumesBitIdentically*"],
+        "a C++ AdamW resumed from a checkpoint restarts its bias correction at step 1"),
+    Mutation(
+        "clone-keeps-binding", "csrc/torch/offload.cpp",
+        "std::shared_ptr<torch::nn::Module> LinearImpl::clone(const std::optional<torch::Device>& device) const {\n  refuse_clone();",
+        "std::shared_ptr<torch::nn::Module> LinearImpl::clone(const std::optional<torch::Device>& device) const {",
+        ["gtest:test_torch_offload:*CloneOfAnOffloadedModel*"],
+        "a clone of an offloaded layerstream::nn::Linear streams and trains the original's weights"),
+    Mutation(
         "overlap-drops-uncovered-grads", "csrc/torch/host_overlap.cpp",
         "  if (!landed) return;  // not consumed: the engine applied it to .grad",
         "  return;",

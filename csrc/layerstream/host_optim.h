@@ -425,6 +425,17 @@ class AdamW {
   AdamWOptions& group_options(size_t group) { return groups_.at(group).options; }
   // Bytes of optimizer state held (for reports).
   int64_t state_bytes() const;
+  // Checkpoints, as torch::optim's save()/load() (torch::save(opt, path) and
+  // torch::load(opt, path) call them): each group's lr, betas, eps and
+  // weight_decay, and each parameter's step count and states, by position.
+  // load() needs an optimizer built over parameters of the same shapes in the
+  // same groups; it restores those options (as torch does) and keeps each
+  // group's state_precision: fp32 states load into a bf16 group and back
+  // (rounded to nearest), 8-bit ones only into an 8-bit group (as
+  // adamw_adopt_states). A mismatch throws before anything changes. Neither
+  // between overlap()'s scope and step().
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
 
  private:
   struct Param {
@@ -463,6 +474,10 @@ class AdamW {
   // of pending_ whether the plan counted it.
   std::vector<int> finish_pending(const std::vector<torch::Tensor>& other_grads, float* coef);
 };
+
+// torch::save(opt, path) / torch::load(opt, path) (found by argument-dependent lookup).
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const AdamW& opt);
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, AdamW& opt);
 
 // The scope AdamW::overlap() returns. Not copyable; movable.
 class AdamW::Overlap {

@@ -608,5 +608,126 @@ int64_t AdamW::state_bytes() const {
   return n;
 }
 
+// Checkpoint keys: "adamw_version", "adamw_groups", "group<g>_<option>",
+// "group<g>_params", "group<g>_param<i>_<shape|step|exp_avg|...>". Version 1.
+namespace {
+constexpr int64_t kCheckpointVersion = 1;
+const char* const kStateKeys[] = {"exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"};
+torch::Tensor* state_slot(AdamWStates& s, int k) {
+  torch::Tensor* slots[] = {&s.exp_avg, &s.exp_avg_sq, &s.exp_avg_absmax, &s.exp_avg_sq_absmax};
+  return slots[k];
+}
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue v;
+  LS_CHECK(archive.try_read(key, v), "layerstream::optim::AdamW::load: the archive has no '", key,
+           "' (not saved by AdamW::save(), or by another version)");
+  return v;
+}
+}  // namespace
+
+void AdamW::save(torch::serialize::OutputArchive& archive) const {
+  LS_CHECK(!pending_, "layerstream::optim::AdamW::save() between an overlapped backward and step(): step first");
+  archive.write("adamw_version", c10::IValue(kCheckpointVersion));
+  archive.write("adamw_groups", c10::IValue(static_cast<int64_t>(groups_.size())));
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& g = groups_[gi];
+    const std::string k = "group" + std::to_string(gi) + "_";
+    const AdamWOptions& o = g.options;
+    for (const auto& [name, value] : {std::pair<const char*, double>{"lr", o.lr}, {"beta1", o.beta1},
+                                      {"beta2", o.beta2}, {"eps", o.eps}, {"weight_decay", o.weight_decay}})
+      archive.write(k + name, c10::IValue(value));
+    archive.write(k + "state_precision", c10::IValue(o.state_precision));
+    archive.write(k + "params", c10::IValue(static_cast<int64_t>(g.params.size())));
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const Param& prm = g.params[i];
+      const std::string pk = k + "param" + std::to_string(i) + "_";
+      archive.write(pk + "shape", c10::IValue(prm.param.sizes().vec()));
+      archive.write(pk + "step", c10::IValue(prm.step));
+      AdamWStates states = prm.states;
+      for (int s = 0; s < 4; ++s)
+        if (state_slot(states, s)->defined()) archive.write(pk + kStateKeys[s], *state_slot(states, s));
+    }
+  }
+}
+
+void AdamW::load(torch::serialize::InputArchive& archive) {
+  LS_CHECK(!pending_, "layerstream::optim::AdamW::load() between an overlapped backward and step(): step first");
+  const int64_t version = read_value(archive, "adamw_version").toInt();
+  LS_CHECK(version == kCheckpointVersion, "layerstream::optim::AdamW::load: checkpoint version ", version,
+           ", this build reads version ", kCheckpointVersion);
+  const int64_t groups = read_value(archive, "adamw_groups").toInt();
+  LS_CHECK(groups == static_cast<int64_t>(groups_.size()), "layerstream::optim::AdamW::load: the checkpoint has ",
+           groups, " parameter group(s), this optimizer ", groups_.size(),
+           "; build it over the same parameters in the same groups");
+  // Everything is read and checked first: a mismatch changes nothing.
+  struct Loaded {
+    AdamWOptions options;
+    std::vector<std::pair<int64_t, AdamWStates>> params;
+  };
+  std::vector<Loaded> loaded;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& g = groups_[gi];
+    const std::string k = "group" + std::to_string(gi) + "_";
+    Loaded l{g.options, {}};
+    l.options.lr = read_value(archive, k + "lr").toDouble();
+    l.options.beta1 = read_value(archive, k + "beta1").toDouble();
+    l.options.beta2 = read_value(archive, k + "beta2").toDouble();
+    l.options.eps = read_value(archive, k + "eps").toDouble();
+    l.options.weight_decay = read_value(archive, k + "weight_decay").toDouble();
+    check_adamw(AdamWConfig{l.options.lr, l.options.beta1, l.options.beta2, l.options.eps, l.options.weight_decay});
+    const std::string saved_precision = read_value(archive, k + "state_precision").toStringRef();
+    const int64_t n = read_value(archive, k + "params").toInt();
+    LS_CHECK(n == static_cast<int64_t>(g.params.size()), "layerstream::optim::AdamW::load: group ", gi,
+             " of the checkpoint has ", n, " parameter(s), this optimizer's ", g.params.size());
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const Param& prm = g.params[i];
+      const std::string pk = k + "param" + std::to_string(i) + "_";
+      const std::string name = "parameter " + std::to_string(i) + " of group " + std::to_string(gi);
+      const std::vector<int64_t> shape = read_value(archive, pk + "shape").toIntVector();
+      LS_CHECK(c10::IntArrayRef(shape) == prm.param.sizes(), "layerstream::optim::AdamW::load: ", name,
+               " was saved with shape ", c10::IntArrayRef(shape), ", this optimizer's is ", prm.param.sizes());
+      const int64_t step = read_value(archive, pk + "step").toInt();
+      AdamWStates states;
+      for (int s = 0; s < 4; ++s) {
+        torch::Tensor t;
+        if (archive.try_read(pk + kStateKeys[s], t)) *state_slot(states, s) = t;
+      }
+      if (states.exp_avg.defined() || states.exp_avg_sq.defined()) {
+        try {
+          states = adamw_adopt_states(prm.param, g.format, states, name);
+        } catch (const std::exception& e) {
+          LS_CHECK(false, e.what(), " (saved with state_precision \"", saved_precision, "\", this group keeps \"",
+                   g.options.state_precision, "\")");
+        }
+      }
+      l.params.emplace_back(step, std::move(states));
+    }
+    loaded.push_back(std::move(l));
+  }
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    AdamWOptions& o = groups_[gi].options;
+    o.lr = loaded[gi].options.lr;
+    o.beta1 = loaded[gi].options.beta1;
+    o.beta2 = loaded[gi].options.beta2;
+    o.eps = loaded[gi].options.eps;
+    o.weight_decay = loaded[gi].options.weight_decay;
+    for (size_t i = 0; i < groups_[gi].params.size(); ++i) {
+      Param& prm = groups_[gi].params[i];
+      prm.step = loaded[gi].params[i].first;
+      prm.states = std::move(loaded[gi].params[i].second);
+    }
+  }
+}
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const AdamW& opt) {
+  opt.save(archive);
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, AdamW& opt) {
+  opt.load(archive);
+  return archive;
+}
+
 }  // namespace optim
 }  // namespace layerstream

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <unistd.h>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -365,4 +367,114 @@ TEST(TorchOptim, ABudgetThatDidNotCountTrainingIsNamedOnce) {
   const auto w3 = said(frozen, torch::randn({4, 8}));
   ASSERT_EQ(w3.size(), 1u);
   EXPECT_NE(w3[0].find("2 parameter(s)"), std::string::npos) << w3[0];
+}
+
+namespace {
+
+// The optimizer of `model` in the checkpoint test: fc1 with fp32 states, fc2 with 8-bit
+// ones, the resident LayerNorm with bf16 ones (`precision` overrides the first group's).
+layerstream::optim::AdamW checkpoint_optimizer(Net& model, double lr, const std::string& precision = "fp32") {
+  layerstream::optim::AdamWOptions o;
+  o.lr = lr;
+  o.max_grad_norm = 1.0;
+  o.state_precision = precision;
+  layerstream::optim::AdamW opt(model->fc1->parameters(), o);
+  o.state_precision = "8bit";
+  opt.add_param_group(model->fc2->parameters(), o);
+  o.state_precision = "bf16";
+  opt.add_param_group(model->norm->parameters(), o);
+  return opt;
+}
+
+std::string temp_path(const char* name) {
+  return (std::filesystem::temp_directory_path() / (std::string(name) + "-" + std::to_string(::getpid()))).string();
+}
+
+}  // namespace
+
+// A C++ training run checkpoints its optimizer and resumes it (torch::save(opt, path),
+// torch::load(opt, path)): the resumed run's weights equal the uninterrupted run's, bit for
+// bit, with the learning rate restored; a checkpoint that does not fit the optimizer is
+// refused before anything changes.
+TEST(TorchOptim, CheckpointResumesBitIdentically) {
+  torch::manual_seed(3);
+  std::vector<torch::Tensor> xs;
+  for (int s = 0; s < 6; ++s) xs.push_back(torch::randn({16, 8}) * (s % 2 ? 0.3 : 3.0));
+  auto train = [&](Net& model, layerstream::optim::AdamW& opt, int from, int to) {
+    for (int s = from; s < to; ++s) {
+      model->forward(xs[s]).square().mean().backward();
+      opt.step();
+      opt.zero_grad();
+    }
+  };
+  Net run;
+  Net resumed = twin_of(run);  // re-filled from the checkpoint below
+  auto h_run = offload_sim(run);
+  auto opt = checkpoint_optimizer(run, 1e-2);
+  train(run, opt, 0, 3);
+  const std::string path = temp_path("ls-adamw-checkpoint");
+  torch::save(opt, path);
+  {
+    torch::NoGradGuard ng;
+    auto src = run->named_parameters();
+    for (auto& p : resumed->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  opt.group_options(0).lr = 5e-3;  // a scheduler's change after the checkpoint: not in it
+  train(run, opt, 3, 6);
+
+  auto h_resumed = offload_sim(resumed);
+  auto opt2 = checkpoint_optimizer(resumed, 0.5);  // lr comes from the checkpoint
+  torch::load(opt2, path);
+  EXPECT_EQ(opt2.group_options(1).lr, 1e-2);
+  EXPECT_EQ(opt2.state_bytes(), opt.state_bytes());
+  opt2.group_options(0).lr = 5e-3;
+  train(resumed, opt2, 3, 6);
+  auto got = resumed->named_parameters();
+  for (const auto& p : run->named_parameters())
+    EXPECT_TRUE(torch::equal(got[p.key()], p.value())) << p.key();
+
+  // Refusals: another group structure, another shape, 8-bit states into an fp32 group.
+  auto expect_refused = [&](layerstream::optim::AdamW& o, const std::string& words) {
+    const int64_t before = o.state_bytes();
+    try {
+      torch::load(o, path);
+      FAIL() << "loaded a checkpoint that does not fit (" << words << ")";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(o.state_bytes(), before);  // nothing changed
+  };
+  Net other;
+  layerstream::optim::AdamW one_group(other->parameters());
+  expect_refused(one_group, "parameter group(s)");
+  auto transposed = checkpoint_optimizer(other, 1e-2);
+  {
+    torch::NoGradGuard ng;
+    other->fc1->weight.set_(torch::zeros({8, 32}));  // (in, out) instead of (out, in)
+  }
+  expect_refused(transposed, "shape");
+  Net swapped;
+  layerstream::optim::AdamWOptions o;
+  o.state_precision = "fp32";
+  layerstream::optim::AdamW fp32_fc2(swapped->fc1->parameters(), o);
+  fp32_fc2.add_param_group(swapped->fc2->parameters(), o);  // the checkpoint's fc2 states are 8-bit
+  fp32_fc2.add_param_group(swapped->norm->parameters(), o);
+  expect_refused(fp32_fc2, "state_precision");
+  // fp32 states load into a bf16 group (rounded to nearest).
+  Net narrow;
+  auto bf16_fc1 = checkpoint_optimizer(narrow, 1e-2, "bf16");
+  torch::load(bf16_fc1, path);
+  EXPECT_GT(bf16_fc1.state_bytes(), 0);
+  EXPECT_LT(bf16_fc1.state_bytes(), opt.state_bytes());
+
+  // Not between an overlapped backward and its step.
+  resumed->forward(xs[0]).square().mean().backward();
+  {
+    auto scope = opt2.overlap(h_resumed->engine());
+  }
+  EXPECT_THROW(torch::save(opt2, path), layerstream::Error);
+  opt2.step();
+  std::remove(path.c_str());
+  h_run->detach();
+  h_resumed->detach();
 }
