@@ -426,8 +426,9 @@ class AdamW {
   // Bytes of optimizer state held (for reports).
   int64_t state_bytes() const;
   // Checkpoints, as torch::optim's save()/load() (torch::save(opt, path) and
-  // torch::load(opt, path) call them): each group's lr, betas, eps and
-  // weight_decay, and each parameter's step count and states, by position.
+  // torch::load(opt, path) call them): each group's lr, betas, eps,
+  // weight_decay, seed and max_grad_norm, and each parameter's step count and
+  // states, by position.
   // load() needs an optimizer built over parameters of the same shapes in the
   // same groups; it restores those options (as torch does) and keeps each
   // group's state_precision: fp32 states load into a bf16 group and back

@@ -637,6 +637,8 @@ void AdamW::save(torch::serialize::OutputArchive& archive) const {
                                       {"beta2", o.beta2}, {"eps", o.eps}, {"weight_decay", o.weight_decay}})
       archive.write(k + name, c10::IValue(value));
     archive.write(k + "state_precision", c10::IValue(o.state_precision));
+    archive.write(k + "seed", c10::IValue(static_cast<int64_t>(o.seed)));
+    archive.write(k + "max_grad_norm", o.max_grad_norm ? c10::IValue(*o.max_grad_norm) : c10::IValue());
     archive.write(k + "params", c10::IValue(static_cast<int64_t>(g.params.size())));
     for (size_t i = 0; i < g.params.size(); ++i) {
       const Param& prm = g.params[i];
@@ -675,6 +677,9 @@ void AdamW::load(torch::serialize::InputArchive& archive) {
     l.options.eps = read_value(archive, k + "eps").toDouble();
     l.options.weight_decay = read_value(archive, k + "weight_decay").toDouble();
     check_adamw(AdamWConfig{l.options.lr, l.options.beta1, l.options.beta2, l.options.eps, l.options.weight_decay});
+    l.options.seed = static_cast<uint64_t>(read_value(archive, k + "seed").toInt());
+    const c10::IValue max_norm = read_value(archive, k + "max_grad_norm");
+    l.options.max_grad_norm = max_norm.isNone() ? std::nullopt : std::optional<double>(max_norm.toDouble());
     const std::string saved_precision = read_value(archive, k + "state_precision").toStringRef();
     const int64_t n = read_value(archive, k + "params").toInt();
     LS_CHECK(n == static_cast<int64_t>(g.params.size()), "layerstream::optim::AdamW::load: group ", gi,
@@ -711,6 +716,8 @@ void AdamW::load(torch::serialize::InputArchive& archive) {
     o.beta2 = loaded[gi].options.beta2;
     o.eps = loaded[gi].options.eps;
     o.weight_decay = loaded[gi].options.weight_decay;
+    o.seed = loaded[gi].options.seed;
+    o.max_grad_norm = loaded[gi].options.max_grad_norm;
     for (size_t i = 0; i < groups_[gi].params.size(); ++i) {
       Param& prm = groups_[gi].params[i];
       prm.step = loaded[gi].params[i].first;

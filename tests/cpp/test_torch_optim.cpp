@@ -424,8 +424,10 @@ TEST(TorchOptim, CheckpointResumesBitIdentically) {
 
   auto h_resumed = offload_sim(resumed);
   auto opt2 = checkpoint_optimizer(resumed, 0.5);  // lr comes from the checkpoint
+  opt2.group_options(0).max_grad_norm = std::nullopt;  // and so does the clipping
   torch::load(opt2, path);
   EXPECT_EQ(opt2.group_options(1).lr, 1e-2);
+  EXPECT_EQ(opt2.group_options(0).max_grad_norm, std::optional<double>(1.0));
   EXPECT_EQ(opt2.state_bytes(), opt.state_bytes());
   opt2.group_options(0).lr = 5e-3;
   train(resumed, opt2, 3, 6);
