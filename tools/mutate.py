@@ -418,6 +418,12 @@ MUTATIONS = [
         ["gtest:test_torch_offload:*CloneOfAnOffloadedModel*"],
         "a clone of an offloaded layerstream::nn::Linear streams and trains the original's weights"),
     Mutation(
+        "sharded-state-loads-anywhere", "python/layerstream/optim.py",
+        "        if saved == mine or not state_dict.get(\"state\"):",
+        "        if True:",
+        [P + "test_distributed.py::test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks"],
+        "rank 0's sharded optimizer state dict loads on rank 1, which steps its elements with rank 0's moments"),
+    Mutation(
         "overlap-drops-uncovered-grads", "csrc/torch/host_overlap.cpp",
         "  if (!landed) return;  // not consumed: the engine applied it to .grad",
         "  return;",

@@ -269,7 +269,7 @@ class Shard:
         self.lo, self.hi = n * index // count, n * (index + 1) // count
         self._group, self.name = _WeakGroup(group), name
         self.nodes = nodes  # nodes in the group: each covers the tensor once with its ranks' shards
-        self.index, self.owner = index, None
+        self.index, self.count, self.owner = index, count, None
         self.version = p._version  # the last version a sharded step left (Distributed.check_shards)
 
     @property

@@ -218,8 +218,43 @@ class _HostOptimizer(torch.optim.Optimizer):
                     return group
         raise KeyError("parameter not in this optimizer")
 
+    # The state dict's record of whose shard it holds (offload(share_host_store="all")):
+    # {"rank": this rank's index among its node's ranks, "ranks": their number}.
+    _SHARD_KEY = "layerstream_shard"
+
+    def _shard_identity(self):
+        shard = next((p._layerstream_shard for g in self.param_groups for p in g["params"]
+                      if hasattr(p, "_layerstream_shard")), None)
+        return None if shard is None else {"rank": shard.index, "ranks": shard.count}
+
+    def state_dict(self):
+        sd = super().state_dict()
+        identity = self._shard_identity()
+        if identity is not None:
+            sd[self._SHARD_KEY] = dict(identity)
+        return sd
+
+    def _check_shard_identity(self, state_dict):
+        """A sharded optimizer's state dict holds one rank's shard of the states
+        (AdamW: its elements of each tensor; Adafactor: the tensors it owns): it loads
+        into that rank of the same number of ranks per node, and nowhere else (another
+        rank's would step this rank's elements with its moments, silently)."""
+        saved, mine = state_dict.get(self._SHARD_KEY), self._shard_identity()
+        if saved == mine or not state_dict.get("state"):
+            return
+        def who(i):
+            return (f"rank {i['rank']} of {i['ranks']} sharing a node's host store" if i is not None
+                    else "an unsharded optimizer (the states of whole tensors)")
+        raise RuntimeError(
+            f"layerstream.optim: this state dict holds the optimizer states of {who(saved)}; this optimizer "
+            f"is {who(mine)}. Under offload(share_host_store=\"all\") each rank steps and saves its own shard: "
+            f"save and load one state dict per rank (e.g. f\"optimizer-rank{{rank}}.pt\"), with the same "
+            f"number of ranks per node (docs/design/distributed.md, \"Sharded step\")")
+
     def load_state_dict(self, state_dict):
+        self._check_shard_identity(state_dict)
         sd = dict(state_dict)
+        sd.pop(self._SHARD_KEY, None)
         sd["state"] = {
             k: {kk: (_Keep(vv) if isinstance(vv, torch.Tensor) and kk != "step" else vv) for kk, vv in v.items()}
             for k, v in state_dict["state"].items()

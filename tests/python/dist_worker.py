@@ -191,6 +191,49 @@ def run(scenario, out, rank, result):
         # No overflow, but step 3's gradient has NaN in fc1's row 0 and bias[0] alone:
         # elements of rank 0's shards, so rank 1's see none and skip only if told.
         _scaled_modes(rank, result, init_scale=2.0 ** 8, poison_step=3)
+    elif scenario == "sharded_checkpoint":
+        # Each optimizer (AdamW: element shards; Adafactor: whole tensors by owner) trains
+        # 6 steps straight, and 3 + 3 resumed from each rank's own checkpoint (weights
+        # loaded before offload(), the rank's optimizer state dict after). Then rank 0's
+        # state dict offered to every rank.
+        import copy
+        from layerstream.optim import Adafactor, AdamW
+        makers = {"adamw": lambda ps: AdamW(ps, lr=1e-2), "adafactor": lambda ps: Adafactor(ps, lr=1e-2, relative_step=False)}
+
+        def train(make_opt, steps, weights=None, opt_state=None):
+            model = make_model()
+            if weights is not None:
+                model.load_state_dict(weights)
+            handle = layerstream.offload(model, device="sim", share_host_store="all")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opt = make_opt([p for p in model.parameters() if p.requires_grad])
+            error = None
+            try:
+                if opt_state is not None:
+                    opt.load_state_dict(opt_state)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                error = f"{type(e).__name__}: {e}"
+            for step in steps if error is None else []:
+                ids, target = batch_of(step % STEPS, 0)[rank * BATCH:(rank + 1) * BATCH]
+                nn.functional.mse_loss(ddp(ids), target).backward()
+                opt.step()
+                opt.zero_grad()
+            out = ({n: t.detach().clone() for n, t in model.state_dict().items()},
+                   copy.deepcopy(opt.state_dict()), error)
+            del ddp
+            dist.barrier()
+            handle.detach()
+            return out
+
+        for name, make_opt in makers.items():
+            straight, _, _ = train(make_opt, range(6))
+            weights, opt_state, _ = train(make_opt, range(3))
+            resumed, _, error = train(make_opt, range(3, 6), weights, opt_state)
+            assert error is None, error
+            offered = [opt_state]
+            dist.broadcast_object_list(offered, src=0)
+            _, _, wrong = train(make_opt, [], weights, offered[0])
+            result[name] = {"straight": straight, "resumed": resumed, "wrong_rank_error": wrong}
     elif scenario == "sharded_adafactor":
         # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
         # owner rank), and the Linear weights crossing the bus lossless-coded.

@@ -191,6 +191,23 @@ def test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan(tmp_pa
                 assert torch.isfinite(p).all(), (mode, n)
                 assert torch.equal(p, plain["params"][n]), (mode, n)
 
+
+def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks(tmp_path):
+    """share_host_store="all": each rank's optimizer state dict holds its shard (AdamW) or
+    the tensors it owns (Adafactor). Resumed from each rank's own (weights loaded before
+    offload()), 3 + 3 steps equal 6 straight, bit for bit; rank 0's state dict loaded on
+    rank 1 (a pattern of replicated optimizers: save on rank 0, load everywhere) is refused
+    with what to do, not stepped with rank 0's moments."""
+    results = _run("sharded_checkpoint", 2, tmp_path)
+    for name in ("adamw", "adafactor"):
+        for rank, res in enumerate(results):
+            r = res[name]
+            for n, t in r["straight"].items():
+                assert torch.equal(r["resumed"][n], t), (name, rank, n)
+        assert results[0][name]["wrong_rank_error"] is None, name  # its own
+        error = results[1][name]["wrong_rank_error"]
+        assert error is not None and "rank 0 of 2" in error and "rank 1 of 2" in error, (name, error)
+
 def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
     """layerstream.optim.Adafactor on a shared host copy: each trainable streamed tensor
     is stepped whole by one rank (largest first to the least-loaded rank), the results
