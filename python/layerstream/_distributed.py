@@ -188,8 +188,9 @@ class Distributed:
                     f"streamed parameter {p._layerstream_shard.name} is in the host store this node's ranks share "
                     f"(share_host_store=\"all\") and was written by something other than layerstream.optim's "
                     f"sharded step (torch.optim, copy_, load_state_dict, ...): every rank writing the same memory "
-                    f"corrupts it. Step it with layerstream.optim.AdamW (each rank steps its shard), or offload "
-                    f"with share_host_store=None (trainable weights: one copy per process).")
+                    f"corrupts it. Step it with layerstream.optim.AdamW (each rank steps its shard), load a "
+                    f"checkpoint's weights before offload(), or offload with share_host_store=None (trainable "
+                    f"weights: one copy per process).")
 
     def forget_shards(self) -> None:
         for p in self.shards:
