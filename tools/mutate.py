@@ -424,6 +424,12 @@ MUTATIONS = [
         [P + "test_distributed.py::test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks"],
         "rank 0's sharded optimizer state dict loads on rank 1, which steps its elements with rank 0's moments"),
     Mutation(
+        "whole-state-wrong-shard", "python/layerstream/optim.py",
+        "                out[key] = p._layerstream_shard.view(laid).clone()",
+        "                out[key] = p._layerstream_shard.flat(laid)[:p._layerstream_shard.hi - p._layerstream_shard.lo].clone()",
+        [P + "test_distributed.py::test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks"],
+        "every rank takes the first elements of a whole AdamW state dict, not its own shard"),
+    Mutation(
         "overlap-drops-uncovered-grads", "csrc/torch/host_overlap.cpp",
         "  if (!landed) return;  // not consumed: the engine applied it to .grad",
         "  return;",

@@ -266,7 +266,7 @@ class Shard:
         if not _dense(p):
             raise LayerstreamError(f"sharded streamed tensor {name} is not dense (strides {tuple(p.stride())}); "
                                    f"offload with share_host_store=None")
-        n = p.numel()
+        n = self.numel = p.numel()
         self.lo, self.hi = n * index // count, n * (index + 1) // count
         self._group, self.name = _WeakGroup(group), name
         self.nodes = nodes  # nodes in the group: each covers the tensor once with its ranks' shards
@@ -293,10 +293,18 @@ class Shard:
             p._layerstream_shard.owner = r
             loads[r] += p.numel()
 
+    @staticmethod
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        """The elements of a dense `t` in memory order, as one dimension (a view)."""
+        return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+    def bounds(self, index: int):
+        """[lo, hi) of the local rank `index`'s shard of this tensor."""
+        return self.numel * index // self.count, self.numel * (index + 1) // self.count
+
     def view(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's elements of `t` (the parameter, or a gradient laid out like it)."""
-        flat = t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())
-        return flat[self.lo:self.hi]
+        return self.flat(t)[self.lo:self.hi]
 
     def barrier(self) -> None:
         torch.distributed.barrier(group=self.group)

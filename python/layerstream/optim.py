@@ -2,8 +2,9 @@
 
 ``AdamW`` and ``Adafactor`` are ``torch.optim.Optimizer`` subclasses: param
 groups, ``torch.optim.lr_scheduler`` schedulers (they change ``lr`` between
-steps), ``state_dict()`` / ``load_state_dict()`` (also across processes) and
-``zero_grad()`` work as with torch's optimizers::
+steps), ``state_dict()`` / ``load_state_dict()`` (also across processes; a
+sharded step's: ``consolidate_state_dict()``) and ``zero_grad()`` work as with
+torch's optimizers::
 
     opt = layerstream.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
                                   max_grad_norm=1.0, state_precision="bf16")
@@ -93,6 +94,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self._overlap_sharded = False  # that plan covered sharded parameters (set by _finish_overlap)
         self._overlap_scaler = None  # the GradScaler that plan was given (overlap(grad_scaler=))
         self._budget_checked = False  # _warn_uncounted_training ran (at the first step)
+        self._consolidated = None  # consolidate_state_dict()'s whole states, by state-dict index, until a step
         super().__init__(params, defaults)
 
     @staticmethod
@@ -222,13 +224,57 @@ class _HostOptimizer(torch.optim.Optimizer):
     # {"rank": this rank's index among its node's ranks, "ranks": their number}.
     _SHARD_KEY = "layerstream_shard"
 
+    def _sharded_params(self):
+        """(index in the state dict, parameter) of the sharded parameters."""
+        every = [p for g in self.param_groups for p in g["params"]]
+        return [(i, p) for i, p in enumerate(every) if hasattr(p, "_layerstream_shard")]
+
     def _shard_identity(self):
-        shard = next((p._layerstream_shard for g in self.param_groups for p in g["params"]
-                      if hasattr(p, "_layerstream_shard")), None)
-        return None if shard is None else {"rank": shard.index, "ranks": shard.count}
+        sharded = self._sharded_params()
+        if not sharded:
+            return None
+        shard = sharded[0][1]._layerstream_shard
+        return {"rank": shard.index, "ranks": shard.count}
+
+    def consolidate_state_dict(self, to=0):
+        """Sharded (``offload(share_host_store="all")``): gathers the node's ranks'
+        shards of the optimizer states on its rank ``to`` (an index among the node's
+        ranks; each node gathers its own), whose next ``state_dict()`` then holds the
+        states of whole tensors, as one process's: a checkpoint that loads into any
+        number of ranks, or into one process. Call it on every rank of the node after
+        a step, and ``state_dict()`` before the next one (as torch's
+        ``ZeroRedundancyOptimizer.consolidate_state_dict``). The other ranks' state
+        dicts stay their shards. Without sharding it does nothing."""
+        self._consolidated = None
+        sharded = self._sharded_params()
+        if not sharded:
+            return
+        if self._overlap is not None:
+            raise RuntimeError("layerstream.optim: consolidate_state_dict() between overlap() and step(); step first")
+        shard = sharded[0][1]._layerstream_shard
+        if not 0 <= to < shard.count:
+            raise ValueError(f"consolidate_state_dict(to={to}): `to` is an index among the node's "
+                             f"{shard.count} ranks")
+        self._check_whole_states(sharded)
+        mine = {i: dict(self.state[p]) for i, p in sharded if len(self.state.get(p, {})) > 0}
+        pieces = [None] * shard.count if shard.index == to else None
+        torch.distributed.gather_object(mine, pieces, dst=torch.distributed.get_global_rank(shard.group, to),
+                                        group=shard.group)
+        if pieces is not None:
+            self._consolidated = {i: self._whole_state(p, [piece.get(i) for piece in pieces]) for i, p in sharded}
+
+    def _check_whole_states(self, sharded):
+        """Refuses what cannot be consolidated (AdamW: 8-bit states)."""
 
     def state_dict(self):
         sd = super().state_dict()
+        if self._consolidated is not None:
+            for i, st in self._consolidated.items():
+                if st:
+                    sd["state"][i] = st
+                else:
+                    sd["state"].pop(i, None)
+            return sd
         identity = self._shard_identity()
         if identity is not None:
             sd[self._SHARD_KEY] = dict(identity)
@@ -238,10 +284,15 @@ class _HostOptimizer(torch.optim.Optimizer):
         """A sharded optimizer's state dict holds one rank's shard of the states
         (AdamW: its elements of each tensor; Adafactor: the tensors it owns): it loads
         into that rank of the same number of ranks per node, and nowhere else (another
-        rank's would step this rank's elements with its moments, silently)."""
+        rank's would step this rank's elements with its moments, silently). A whole
+        one (one process's, or consolidate_state_dict()'s) loads anywhere: a sharded
+        optimizer takes its shard of it. Returns whether to take shards."""
         saved, mine = state_dict.get(self._SHARD_KEY), self._shard_identity()
         if saved == mine or not state_dict.get("state"):
-            return
+            return False
+        if saved is None:
+            self._check_splittable(state_dict, self._sharded_params())
+            return True
         def who(i):
             return (f"rank {i['rank']} of {i['ranks']} sharing a node's host store" if i is not None
                     else "an unsharded optimizer (the states of whole tensors)")
@@ -249,10 +300,15 @@ class _HostOptimizer(torch.optim.Optimizer):
             f"layerstream.optim: this state dict holds the optimizer states of {who(saved)}; this optimizer "
             f"is {who(mine)}. Under offload(share_host_store=\"all\") each rank steps and saves its own shard: "
             f"save and load one state dict per rank (e.g. f\"optimizer-rank{{rank}}.pt\"), with the same "
-            f"number of ranks per node (docs/design/distributed.md, \"Sharded step\")")
+            f"number of ranks per node, or save a whole one (opt.consolidate_state_dict() on every rank, then "
+            f"opt.state_dict() on rank 0), which loads anywhere (docs/design/distributed.md, \"Sharded step\")")
+
+    def _check_splittable(self, state_dict, sharded):
+        """Refuses a whole state dict this sharded optimizer cannot take its shards of."""
 
     def load_state_dict(self, state_dict):
-        self._check_shard_identity(state_dict)
+        split = self._check_shard_identity(state_dict)
+        self._consolidated = None
         sd = dict(state_dict)
         sd.pop(self._SHARD_KEY, None)
         sd["state"] = {
@@ -266,10 +322,14 @@ class _HostOptimizer(torch.optim.Optimizer):
                 group.setdefault(k, v)
             self._check_group_options(group)
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        for p, st in self.state.items():
+        for p, st in list(self.state.items()):
             if any(isinstance(v, _Keep) for v in st.values()):
                 loaded = {k: (v.tensor if isinstance(v, _Keep) else v) for k, v in st.items()}
                 st.clear()
+                if split and hasattr(p, "_layerstream_shard"):
+                    loaded = self._shard_of_state(p, loaded)
+                    if loaded is None:  # another rank's to step
+                        continue
                 st.update(self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}"))
 
     def add_param_group(self, param_group):
@@ -359,6 +419,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         backward stepped, whether the step is skipped). The rest: after an
         overlapped backward, the parameters its plan did not cover; else
         everything. Skipped (a GradScaler found a non-finite gradient): nothing."""
+        self._consolidated = None  # consolidate_state_dict()'s gathering is of the previous step
         inv, found = self._loss_scaling()
         if self._overlap is None:
             if found:
@@ -467,6 +528,58 @@ class AdamW(_HostOptimizer):
     def _train_spec(group):
         """offload(train=...)'s name for what this group keeps per parameter."""
         return "adamw-" + group["state_precision"]  # the canonical names: fp32, bf16, 8bit
+
+    # Sharded checkpoints: a rank's states are its elements [lo, hi) of each tensor in
+    # memory order (docs/design/distributed.md, "Sharded step").
+    _NO_8BIT = ("layerstream.optim.AdamW: 8-bit states (state_precision='8bit') of a sharded step {what}: "
+                "their blocks of 256 start at each rank's shard, so they do not line up with whole tensors'. "
+                "Save one state dict per rank, or train with state_precision='fp32' or 'bf16'")
+
+    def _check_whole_states(self, sharded):
+        ids = {id(p) for _, p in sharded}
+        if any(g["state_precision"] == "8bit" and any(id(p) in ids for p in g["params"]) for g in self.param_groups):
+            raise RuntimeError(self._NO_8BIT.format(what="cannot be consolidated"))
+
+    def _whole_state(self, p, pieces):
+        if all(piece is None for piece in pieces):
+            return {}
+        shard = p._layerstream_shard
+        if any(piece is None for piece in pieces):
+            raise RuntimeError(f"layerstream.optim: consolidate_state_dict(): some ranks hold no optimizer state for "
+                               f"{shard.name} and others do (every rank steps its shard of each tensor)")
+        whole = {k: v for k, v in pieces[0].items() if k not in ("exp_avg", "exp_avg_sq")}
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = torch.empty_like(p.detach(), dtype=pieces[0][key].dtype, device="cpu")  # p's layout
+            flat = shard.flat(t)
+            for index, piece in enumerate(pieces):
+                lo, hi = shard.bounds(index)
+                flat[lo:hi].copy_(piece[key])
+            whole[key] = t
+        return whole
+
+    def _check_splittable(self, state_dict, sharded):
+        states = state_dict["state"]
+        for i, p in sharded:
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = states.get(i, {}).get(key)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if t.dtype == torch.uint8:
+                    raise RuntimeError(self._NO_8BIT.format(what="cannot be taken from a whole state dict"))
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"layerstream.optim.AdamW: the loaded state '{key}' of parameter "
+                                     f"{p._layerstream_shard.name} has shape {tuple(t.shape)}, the parameter "
+                                     f"{tuple(p.shape)}")
+
+    @staticmethod
+    def _shard_of_state(p, loaded):
+        out = dict(loaded)
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = loaded.get(key)
+            if isinstance(t, torch.Tensor):
+                laid = torch.empty_like(p.detach(), dtype=t.dtype, device="cpu").copy_(t)  # p's memory order
+                out[key] = p._layerstream_shard.view(laid).clone()
+        return out
 
     def _states(self, p, fmt, count=True):
         st = self.state[p]
@@ -603,6 +716,15 @@ class Adafactor(_HostOptimizer):
     def _train_spec(group):
         """offload(train=...)'s name for what this group keeps per parameter."""
         return "adafactor" if group["beta1"] is None else "adafactor-beta1"
+
+    # Sharded checkpoints: a rank holds the whole states of the tensors it owns.
+    @staticmethod
+    def _whole_state(p, pieces):
+        return next((piece for piece in pieces if piece), {})
+
+    @staticmethod
+    def _shard_of_state(p, loaded):
+        return loaded if p._layerstream_shard.owned else None
 
     def _adopt(self, p, group, loaded, name):
         row, col, v, m = _C.optim_adafactor_init_states(p.detach(), group["beta1"] is not None)

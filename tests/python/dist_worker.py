@@ -200,7 +200,7 @@ def run(scenario, out, rank, result):
         from layerstream.optim import Adafactor, AdamW
         makers = {"adamw": lambda ps: AdamW(ps, lr=1e-2), "adafactor": lambda ps: Adafactor(ps, lr=1e-2, relative_step=False)}
 
-        def train(make_opt, steps, weights=None, opt_state=None):
+        def train(make_opt, steps, weights=None, opt_state=None, consolidate=False):
             model = make_model()
             if weights is not None:
                 model.load_state_dict(weights)
@@ -218,6 +218,8 @@ def run(scenario, out, rank, result):
                 nn.functional.mse_loss(ddp(ids), target).backward()
                 opt.step()
                 opt.zero_grad()
+            if consolidate:
+                opt.consolidate_state_dict()  # on rank 0: the states of whole tensors
             out = ({n: t.detach().clone() for n, t in model.state_dict().items()},
                    copy.deepcopy(opt.state_dict()), error)
             del ddp
@@ -233,7 +235,30 @@ def run(scenario, out, rank, result):
             offered = [opt_state]
             dist.broadcast_object_list(offered, src=0)
             _, _, wrong = train(make_opt, [], weights, offered[0])
-            result[name] = {"straight": straight, "resumed": resumed, "wrong_rank_error": wrong}
+            # A whole state dict (consolidated on rank 0), loaded by every rank (each
+            # takes its shard) and by one process.
+            _, whole, _ = train(make_opt, range(3), consolidate=True)
+            offered = [whole]
+            dist.broadcast_object_list(offered, src=0)
+            whole = offered[0]
+            from_whole, _, error = train(make_opt, range(3, 6), weights, whole)
+            assert error is None, error
+            single = make_model()
+            single_opt = make_opt([p for p in single.parameters() if p.requires_grad])
+            single_opt.load_state_dict(whole)
+            if name == "adamw":  # 8-bit states do not line up with whole tensors' blocks
+                model = make_model()
+                handle = layerstream.offload(model, device="sim", share_host_store="all")
+                try:
+                    AdamW([p for p in model.parameters() if p.requires_grad], state_precision="8bit")\
+                        .consolidate_state_dict()
+                except RuntimeError as e:
+                    result["eightbit_error"] = str(e)
+                dist.barrier()
+                handle.detach()
+            result[name] = {"straight": straight, "resumed": resumed, "wrong_rank_error": wrong,
+                            "from_whole": from_whole, "whole": whole,
+                            "single_state": copy.deepcopy(single_opt.state_dict())}
     elif scenario == "sharded_adafactor":
         # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
         # owner rank), and the Linear weights crossing the bus lossless-coded.

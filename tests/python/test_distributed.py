@@ -197,16 +197,39 @@ def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_anot
     the tensors it owns (Adafactor). Resumed from each rank's own (weights loaded before
     offload()), 3 + 3 steps equal 6 straight, bit for bit; rank 0's state dict loaded on
     rank 1 (a pattern of replicated optimizers: save on rank 0, load everywhere) is refused
-    with what to do, not stepped with rank 0's moments."""
+    with what to do, not stepped with rank 0's moments. A whole state dict
+    (opt.consolidate_state_dict(), then rank 0's state_dict()) loads into every rank (each
+    takes its shard: the same 6 steps) and into one process; 8-bit states are refused."""
     results = _run("sharded_checkpoint", 2, tmp_path)
+    model = make_model()
     for name in ("adamw", "adafactor"):
         for rank, res in enumerate(results):
             r = res[name]
             for n, t in r["straight"].items():
                 assert torch.equal(r["resumed"][n], t), (name, rank, n)
+                assert torch.equal(r["from_whole"][n], t), (name, rank, n)
         assert results[0][name]["wrong_rank_error"] is None, name  # its own
         error = results[1][name]["wrong_rank_error"]
         assert error is not None and "rank 0 of 2" in error and "rank 1 of 2" in error, (name, error)
+        # consolidate_state_dict(): whole tensors' states, every trainable tensor's, as
+        # one process keeps them (and one process loads them back unchanged).
+        whole = results[0][name]["whole"]
+        assert "layerstream_shard" not in whole
+        params = [p for p in model.parameters() if p.requires_grad]
+        assert sorted(whole["state"]) == list(range(len(params))), name
+        key = "exp_avg" if name == "adamw" else "exp_avg_sq_row"
+        for i, p in enumerate(params):
+            st = whole["state"][i]
+            assert st["step"] == 3 or float(st["step"]) == 3.0, (name, i)
+            if name == "adamw":
+                assert st[key].shape == p.shape, (name, i)
+        single = results[0][name]["single_state"]["state"]
+        for i in whole["state"]:
+            for k, t in whole["state"][i].items():
+                if isinstance(t, torch.Tensor) and k != "step":
+                    assert torch.equal(single[i][k], t), (name, i, k)
+    for res in results:
+        assert "8-bit states" in res.get("eightbit_error", ""), res.get("eightbit_error")
 
 def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
     """layerstream.optim.Adafactor on a shared host copy: each trainable streamed tensor
