@@ -3,6 +3,7 @@
 Run as: python dist_worker.py SCENARIO OUT_DIR (RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT in the environment, as torchrun sets them). Writes OUT_DIR/rank<R>.pt."""
 import datetime
+import functools
 import gc
 import os
 import signal
@@ -37,30 +38,23 @@ def _train_shared(rank, result, optimizer, **offload_kw):
     return model, ddp, handle, train_steps.optimizer
 
 
-class _NanInColumn0(torch.autograd.Function):
-    """Identity; its backward puts NaN in the gradient's last-dimension column 0."""
+class _EditGrad(torch.autograd.Function):
+    """Identity; its backward returns edit(gradient) instead."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, edit):
+        ctx.edit = edit
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        g = g.clone()
-        g[..., 0] = float("nan")
-        return g
+        return ctx.edit(g), None
 
 
-class _NanToZero(torch.autograd.Function):
-    """Identity; its backward turns NaN into 0 (the layers below get finite gradients)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.nan_to_num(g, nan=0.0)
+def _nan_in_column0(g):
+    g = g.clone()
+    g[..., 0] = float("nan")
+    return g
 
 
 def _scaled_modes(rank, result, init_scale, poison_step=None):
@@ -80,8 +74,11 @@ def _scaled_modes(rank, result, init_scale, poison_step=None):
         for step in range(8):
             hooks = []
             if step == poison_step:
-                hooks = [model.fc1.register_forward_pre_hook(lambda m, args: (_NanToZero.apply(args[0]),)),
-                         model.fc1.register_forward_hook(lambda m, args, out: _NanInColumn0.apply(out))]
+                # NaN in fc1's output gradient column 0; turned to 0 below fc1 (the layers
+                # below get finite gradients).
+                zero_nan = functools.partial(torch.nan_to_num, nan=0.0)
+                hooks = [model.fc1.register_forward_pre_hook(lambda m, args: (_EditGrad.apply(args[0], zero_nan),)),
+                         model.fc1.register_forward_hook(lambda m, args, out: _EditGrad.apply(out, _nan_in_column0))]
             ids, target = batch_of(step % STEPS, 0)[rank * BATCH:(rank + 1) * BATCH]
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = nn.functional.mse_loss(ddp(ids).float(), target)
