@@ -237,14 +237,13 @@ class _HostOptimizer(torch.optim.Optimizer):
         return {"rank": shard.index, "ranks": shard.count}
 
     def consolidate_state_dict(self, to=0):
-        """Sharded (``offload(share_host_store="all")``): gathers the node's ranks'
-        shards of the optimizer states on its rank ``to`` (an index among the node's
-        ranks; each node gathers its own), whose next ``state_dict()`` then holds the
-        states of whole tensors, as one process's: a checkpoint that loads into any
-        number of ranks, or into one process. Call it on every rank of the node after
-        a step, and ``state_dict()`` before the next one (as torch's
-        ``ZeroRedundancyOptimizer.consolidate_state_dict``). The other ranks' state
-        dicts stay their shards. Without sharding it does nothing."""
+        """Sharded (``offload(share_host_store="all")``): gathers the ranks' shards of
+        the optimizer states on rank ``to`` (of offload()'s process group), whose next
+        ``state_dict()`` then holds the states of whole tensors, as one process's: a
+        checkpoint that loads into any number of ranks, or into one process. Call it
+        on every rank after a step, and ``state_dict()`` before the next one (as
+        torch's ``ZeroRedundancyOptimizer.consolidate_state_dict``). The other ranks'
+        state dicts stay their shards. Without sharding it does nothing."""
         self._consolidated = None
         sharded = self._sharded_params()
         if not sharded:
@@ -252,16 +251,23 @@ class _HostOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             raise RuntimeError("layerstream.optim: consolidate_state_dict() between overlap() and step(); step first")
         shard = sharded[0][1]._layerstream_shard
-        if not 0 <= to < shard.count:
-            raise ValueError(f"consolidate_state_dict(to={to}): `to` is an index among the node's "
-                             f"{shard.count} ranks")
+        dist, group = torch.distributed, shard.group
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        if not 0 <= to < size:
+            raise ValueError(f"consolidate_state_dict(to={to}): `to` is a rank of the {size} in the group")
         self._check_whole_states(sharded)
         mine = {i: dict(self.state[p]) for i, p in sharded if len(self.state.get(p, {})) > 0}
-        pieces = [None] * shard.count if shard.index == to else None
-        torch.distributed.gather_object(mine, pieces, dst=torch.distributed.get_global_rank(shard.group, to),
-                                        group=shard.group)
+        # (index among the node's ranks, its states): every node's ranks hold the same
+        # shards (the gradients are averaged over all of them); one of each index is kept.
+        pieces = [None] * size if me == to else None
+        dist.gather_object((shard.index, mine), pieces, dst=to if group is None else dist.get_global_rank(group, to),
+                           group=group)
         if pieces is not None:
-            self._consolidated = {i: self._whole_state(p, [piece.get(i) for piece in pieces]) for i, p in sharded}
+            by_index = {}
+            for index, piece in pieces:
+                by_index.setdefault(index, piece)
+            ordered = [by_index[index] for index in range(shard.count)]
+            self._consolidated = {i: self._whole_state(p, [piece.get(i) for piece in ordered]) for i, p in sharded}
 
     def _check_whole_states(self, sharded):
         """Refuses what cannot be consolidated (AdamW: 8-bit states)."""

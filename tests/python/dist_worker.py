@@ -211,7 +211,7 @@ def run(scenario, out, rank, result):
             except Exception as e:  # noqa: BLE001 - reported to the test
                 error = f"{type(e).__name__}: {e}"
             for step in steps if error is None else []:
-                ids, target = batch_of(step % STEPS, 0)[rank * BATCH:(rank + 1) * BATCH]
+                ids, target = batch_of(step % STEPS, 0, ranks=dist.get_world_size())[rank * BATCH:(rank + 1) * BATCH]
                 nn.functional.mse_loss(ddp(ids), target).backward()
                 opt.step()
                 opt.zero_grad()
@@ -369,6 +369,10 @@ def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     result["threads_at_init"] = _threads()
     rank = dist.get_rank()
+    if scenario.endswith("@2nodes"):  # the ranks as two machines' (one host store per half)
+        scenario = scenario[:-len("@2nodes")]
+        import layerstream._distributed as ls_dist
+        ls_dist._node_id = lambda: f"node{rank * 2 // dist.get_world_size()}"
     try:
         run(scenario, out, rank, result)
         # Nothing left holds the group but torch's registry (offload() holds it weakly;

@@ -192,15 +192,18 @@ def test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan(tmp_pa
                 assert torch.equal(p, plain["params"][n]), (mode, n)
 
 
-def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks(tmp_path):
+@pytest.mark.parametrize("world,suffix", [(2, ""), (4, "@2nodes")], ids=["1-node", "2-nodes"])
+def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks(tmp_path, world, suffix):
     """share_host_store="all": each rank's optimizer state dict holds its shard (AdamW) or
     the tensors it owns (Adafactor). Resumed from each rank's own (weights loaded before
     offload()), 3 + 3 steps equal 6 straight, bit for bit; rank 0's state dict loaded on
     rank 1 (a pattern of replicated optimizers: save on rank 0, load everywhere) is refused
     with what to do, not stepped with rank 0's moments. A whole state dict
     (opt.consolidate_state_dict(), then rank 0's state_dict()) loads into every rank (each
-    takes its shard: the same 6 steps) and into one process; 8-bit states are refused."""
-    results = _run("sharded_checkpoint", 2, tmp_path)
+    takes its shard: the same 6 steps) and into one process; 8-bit states are refused. Also
+    as two machines of 2 ranks (each its own host store): rank 2, the second machine's
+    first, loads rank 0's state dict (the same shard)."""
+    results = _run("sharded_checkpoint" + suffix, world, tmp_path)
     model = make_model()
     for name in ("adamw", "adafactor"):
         for rank, res in enumerate(results):
@@ -208,9 +211,12 @@ def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_anot
             for n, t in r["straight"].items():
                 assert torch.equal(r["resumed"][n], t), (name, rank, n)
                 assert torch.equal(r["from_whole"][n], t), (name, rank, n)
-        assert results[0][name]["wrong_rank_error"] is None, name  # its own
-        error = results[1][name]["wrong_rank_error"]
-        assert error is not None and "rank 0 of 2" in error and "rank 1 of 2" in error, (name, error)
+        for rank, res in enumerate(results):
+            error = res[name]["wrong_rank_error"]
+            if rank % 2 == 0:  # rank 0's own shard (rank 2: the same, on its machine)
+                assert error is None, (name, rank, error)
+            else:
+                assert error is not None and "rank 0 of 2" in error and "rank 1 of 2" in error, (name, rank, error)
         # consolidate_state_dict(): whole tensors' states, every trainable tensor's, as
         # one process keeps them (and one process loads them back unchanged).
         whole = results[0][name]["whole"]
