@@ -79,7 +79,7 @@ def _scaled_modes(rank, result, init_scale, poison_step=None):
                 zero_nan = functools.partial(torch.nan_to_num, nan=0.0)
                 hooks = [model.fc1.register_forward_pre_hook(lambda m, args: (_EditGrad.apply(args[0], zero_nan),)),
                          model.fc1.register_forward_hook(lambda m, args, out: _EditGrad.apply(out, _nan_in_column0))]
-            ids, target = batch_of(step % STEPS, 0)[rank * BATCH:(rank + 1) * BATCH]
+            ids, target = batch_of(step % STEPS, 0, ranks=dist.get_world_size())[rank * BATCH:(rank + 1) * BATCH]
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = nn.functional.mse_loss(ddp(ids).float(), target)
             if mode == "overlap":

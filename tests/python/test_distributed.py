@@ -176,11 +176,13 @@ def test_sharded_overlap_under_a_grad_scaler_equals_the_step_after_backward(tmp_
 
 
 
-def test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan(tmp_path):
+@pytest.mark.parametrize("world,suffix", [(2, ""), (4, "@2nodes")], ids=["1-node", "2-nodes"])
+def test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan(tmp_path, world, suffix):
     """The same, with one step's NaN only in elements of rank 0's shards (fc1's weight row
     0 and bias[0]): rank 1, whose shards are finite, skips that step too (the inf check
-    is summed over the ranks), in both modes; the scale backs off once, there."""
-    results = _run("sharded_overlap_scaled_one_shard", 2, tmp_path)
+    is summed over the ranks), in both modes; the scale backs off once, there. Also as
+    two machines of 2 ranks (the NaN in each machine's first rank's shards)."""
+    results = _run("sharded_overlap_scaled_one_shard" + suffix, world, tmp_path)
     plain = results[0]["plain"]
     scales = [2.0 ** 8] + plain["scales"]
     assert [b < a for a, b in zip(scales, scales[1:])] == [i == 3 for i in range(8)], plain["scales"]
