@@ -95,6 +95,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self._overlap_scaler = None  # the GradScaler that plan was given (overlap(grad_scaler=))
         self._budget_checked = False  # _warn_uncounted_training ran (at the first step)
         self._consolidated = None  # consolidate_state_dict()'s whole states, by state-dict index, until a step
+        self._shard_seen = None  # _shard_identity() of the states while they are a sharded step's
         super().__init__(params, defaults)
 
     @staticmethod
@@ -230,11 +231,23 @@ class _HostOptimizer(torch.optim.Optimizer):
         return [(i, p) for i, p in enumerate(every) if hasattr(p, "_layerstream_shard")]
 
     def _shard_identity(self):
+        """Whose shards this optimizer's states are; still after handle.detach() (the
+        states stay shards while the parameters are whole again)."""
         sharded = self._sharded_params()
-        if not sharded:
-            return None
-        shard = sharded[0][1]._layerstream_shard
-        return {"rank": shard.index, "ranks": shard.count}
+        if sharded:
+            shard = sharded[0][1]._layerstream_shard
+            self._shard_seen = {"rank": shard.index, "ranks": shard.count}
+        return self._shard_seen
+
+    def _check_still_sharded(self):
+        if self._shard_seen is not None and not self._sharded_params():
+            who = self._shard_seen
+            raise RuntimeError(
+                f"layerstream.optim: this optimizer's states are rank {who['rank']} of {who['ranks']}'s shards of a "
+                f"sharded step (offload(share_host_store=\"all\")), and its model was detached (handle.detach()): "
+                f"the parameters are whole again. Save the optimizer before detach() (opt.consolidate_state_dict() "
+                f"on every rank, then rank 0's opt.state_dict(): whole tensors' states) and load that into a new "
+                f"optimizer of the detached model")
 
     def consolidate_state_dict(self, to=0):
         """Sharded (``offload(share_host_store="all")``): gathers the ranks' shards of
@@ -337,6 +350,8 @@ class _HostOptimizer(torch.optim.Optimizer):
                     if loaded is None:  # another rank's to step
                         continue
                 st.update(self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}"))
+        self._shard_seen = None
+        self._shard_identity()  # the loaded states are this rank's shards, or whole ones
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -426,6 +441,8 @@ class _HostOptimizer(torch.optim.Optimizer):
         overlapped backward, the parameters its plan did not cover; else
         everything. Skipped (a GradScaler found a non-finite gradient): nothing."""
         self._consolidated = None  # consolidate_state_dict()'s gathering is of the previous step
+        self._check_still_sharded()
+        self._shard_identity()  # noted while sharded: the states stay shards after detach()
         inv, found = self._loss_scaling()
         if self._overlap is None:
             if found:

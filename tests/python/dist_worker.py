@@ -197,7 +197,7 @@ def run(scenario, out, rank, result):
         from layerstream.optim import Adafactor, AdamW
         makers = {"adamw": lambda ps: AdamW(ps, lr=1e-2), "adafactor": lambda ps: Adafactor(ps, lr=1e-2, relative_step=False)}
 
-        def train(make_opt, steps, weights=None, opt_state=None, consolidate=False):
+        def train(make_opt, steps, weights=None, opt_state=None, consolidate=False, detach_first=False):
             model = make_model()
             if weights is not None:
                 model.load_state_dict(weights)
@@ -217,6 +217,16 @@ def run(scenario, out, rank, result):
                 opt.zero_grad()
             if consolidate:
                 opt.consolidate_state_dict()  # on rank 0: the states of whole tensors
+            if detach_first:  # the states stay this rank's shards; a step is refused
+                del ddp
+                dist.barrier()
+                handle.detach()
+                try:
+                    model(batch_of(0, 0)[:BATCH][0]).sum().backward()
+                    opt.step()
+                except RuntimeError as e:
+                    error = str(e)
+                return None, copy.deepcopy(opt.state_dict()), error
             out = ({n: t.detach().clone() for n, t in model.state_dict().items()},
                    copy.deepcopy(opt.state_dict()), error)
             del ddp
@@ -253,6 +263,8 @@ def run(scenario, out, rank, result):
                     result["eightbit_error"] = str(e)
                 dist.barrier()
                 handle.detach()
+            _, detached_state, detached_error = train(make_opt, range(1), detach_first=True)
+            result[name + "_detached"] = {"shard": detached_state.get("layerstream_shard"), "error": detached_error}
             result[name] = {"straight": straight, "resumed": resumed, "wrong_rank_error": wrong,
                             "from_whole": from_whole, "whole": whole,
                             "single_state": copy.deepcopy(single_opt.state_dict())}

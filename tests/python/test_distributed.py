@@ -204,7 +204,8 @@ def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_anot
     (opt.consolidate_state_dict(), then rank 0's state_dict()) loads into every rank (each
     takes its shard: the same 6 steps) and into one process; 8-bit states are refused. Also
     as two machines of 2 ranks (each its own host store): rank 2, the second machine's
-    first, loads rank 0's state dict (the same shard)."""
+    first, loads rank 0's state dict (the same shard). After handle.detach() the state dict
+    still says whose shards it holds, and a step is refused (the parameters are whole)."""
     results = _run("sharded_checkpoint" + suffix, world, tmp_path)
     model = make_model()
     for name in ("adamw", "adafactor"):
@@ -236,8 +237,12 @@ def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_anot
             for k, t in whole["state"][i].items():
                 if isinstance(t, torch.Tensor) and k != "step":
                     assert torch.equal(single[i][k], t), (name, i, k)
-    for res in results:
+    for rank, res in enumerate(results):
         assert "8-bit states" in res.get("eightbit_error", ""), res.get("eightbit_error")
+        for name in ("adamw", "adafactor"):  # after handle.detach(): still this rank's shards
+            detached = res[name + "_detached"]
+            assert detached["shard"] == {"rank": rank % 2, "ranks": 2}, (name, rank, detached)
+            assert "model was detached" in (detached["error"] or ""), (name, rank, detached["error"])
 
 def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
     """layerstream.optim.Adafactor on a shared host copy: each trainable streamed tensor
