@@ -261,8 +261,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         sharded = self._sharded_params()
         if not sharded:
             return
-        if self._overlap is not None:
-            raise RuntimeError("layerstream.optim: consolidate_state_dict() between overlap() and step(); step first")
+        self._check_not_pending("consolidate_state_dict()")
         shard = sharded[0][1]._layerstream_shard
         dist, group = torch.distributed, shard.group
         size, me = dist.get_world_size(group), dist.get_rank(group)
@@ -285,7 +284,15 @@ class _HostOptimizer(torch.optim.Optimizer):
     def _check_whole_states(self, sharded):
         """Refuses what cannot be consolidated (AdamW: 8-bit states)."""
 
+    def _check_not_pending(self, what):
+        if self._overlap is not None:
+            raise RuntimeError(
+                f"layerstream.optim: {what} between an overlapped backward and step(): the layers stepped during "
+                f"the backward are a step ahead of the others (their states and weights), and the others' "
+                f"gradients are not in the state; call step() first")
+
     def state_dict(self):
+        self._check_not_pending("state_dict()")
         sd = super().state_dict()
         if self._consolidated is not None:
             for i, st in self._consolidated.items():
@@ -326,6 +333,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         """Refuses a whole state dict this sharded optimizer cannot take its shards of."""
 
     def load_state_dict(self, state_dict):
+        self._check_not_pending("load_state_dict()")
         split = self._check_shard_identity(state_dict)
         self._consolidated = None
         sd = dict(state_dict)

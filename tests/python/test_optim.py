@@ -1103,3 +1103,25 @@ def test_a_second_overlap_on_one_handle_is_an_error(offload_sim):
         model(torch.randn(4, 16)).square().mean().backward()
     a.step(), b.step()
     assert all(s["step"].item() == 1 for s in a.state.values()) and len(b.state) == 4
+
+
+@pytest.mark.parametrize("make", [lambda ps: AdamW(ps, lr=1e-2), lambda ps: Adafactor(ps, lr=1e-2, relative_step=False)],
+                         ids=["adamw", "adafactor"])
+def test_state_dict_between_an_overlapped_backward_and_its_step_is_an_error(offload_sim, make):
+    """Between overlap()'s backward and step() the layers stepped during the backward are
+    a step ahead of the others: a state dict then (saved, or loaded into the plan's
+    states) would be half a step. Refused, saying to step first; step() then works and
+    the state dict after it is whole."""
+    model = Deep()
+    handle = offload_sim(model)
+    opt = make(list(model.parameters()))
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step(), opt.zero_grad()
+    before = copy.deepcopy(opt.state_dict())
+    with opt.overlap(handle):
+        model(torch.randn(4, 16)).square().mean().backward()
+    for call in (opt.state_dict, lambda: opt.load_state_dict(before)):
+        with pytest.raises(RuntimeError, match=r"between an overlapped backward and step\(\).*call step\(\) first"):
+            call()
+    opt.step()
+    assert {float(s["step"]) for s in opt.state_dict()["state"].values()} == {2.0}
