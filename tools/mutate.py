@@ -418,7 +418,7 @@ MUTATIONS = [
         ["gtest:test_torch_offload:*CloneOfAnOffloadedModel*"],
         "a clone of an offloaded layerstream::nn::Linear streams and trains the original's weights"),
     Mutation(
-        "sharded-state-loads-anywhere", "python/layerstream/optim.py",
+        "sharded-state-loads-anywhere", "python/layerstream/_optim_state.py",
         "        if saved == mine or not state_dict.get(\"state\"):",
         "        if True:",
         [P + "test_distributed.py::test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks"],

@@ -1,0 +1,171 @@
+"""State dicts of layerstream.optim's optimizers: loading states torch would cast, and
+the checkpoints of a sharded step (offload(share_host_store="all"): each rank's state
+dict holds its shard and says whose; consolidate_state_dict() gathers whole tensors'
+states). docs/design/optim.md, "The Python optimizer"; docs/design/distributed.md,
+"Sharded step"."""
+import torch
+
+
+class _Keep:
+    """Carries a state tensor through ``Optimizer.load_state_dict``, which would
+    cast floating-point state to the parameter's dtype (fp32 states of a bf16
+    parameter, 8-bit codes); the optimizer adopts it afterwards."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class _StateDicts:
+    """state_dict(), load_state_dict() and consolidate_state_dict() of _HostOptimizer (a
+    torch.optim.Optimizer). The optimizer provides _adopt(p, group, loaded, name) (a
+    loaded state in the layout its kernels need), _group_of(p), _check_group_options
+    and, for sharded parameters, _whole_state(p, pieces), _shard_of_state(p, loaded),
+    _check_whole_states(sharded) and _check_splittable(state_dict, sharded), and its
+    ``_overlap`` (an overlapped backward not yet stepped)."""
+
+    def _init_state_dicts(self):
+        self._consolidated = None  # consolidate_state_dict()'s whole states, by state-dict index, until a step
+        self._shard_seen = None  # _shard_identity() of the states while they are a sharded step's
+
+    # The state dict's record of whose shard it holds (offload(share_host_store="all")):
+    # {"rank": this rank's index among its node's ranks, "ranks": their number}.
+    _SHARD_KEY = "layerstream_shard"
+
+    def _sharded_params(self):
+        """(index in the state dict, parameter) of the sharded parameters."""
+        every = [p for g in self.param_groups for p in g["params"]]
+        return [(i, p) for i, p in enumerate(every) if hasattr(p, "_layerstream_shard")]
+
+    def _shard_identity(self):
+        """Whose shards this optimizer's states are; still after handle.detach() (the
+        states stay shards while the parameters are whole again)."""
+        sharded = self._sharded_params()
+        if sharded:
+            shard = sharded[0][1]._layerstream_shard
+            self._shard_seen = {"rank": shard.index, "ranks": shard.count}
+        return self._shard_seen
+
+    def _check_still_sharded(self):
+        if self._shard_seen is not None and not self._sharded_params():
+            who = self._shard_seen
+            raise RuntimeError(
+                f"layerstream.optim: this optimizer's states are rank {who['rank']} of {who['ranks']}'s shards of a "
+                f"sharded step (offload(share_host_store=\"all\")), and its model was detached (handle.detach()): "
+                f"the parameters are whole again. Save the optimizer before detach() (opt.consolidate_state_dict() "
+                f"on every rank, then rank 0's opt.state_dict(): whole tensors' states) and load that into a new "
+                f"optimizer of the detached model")
+
+    def consolidate_state_dict(self, to=0):
+        """Sharded (``offload(share_host_store="all")``): gathers the ranks' shards of
+        the optimizer states on rank ``to`` (of offload()'s process group), whose next
+        ``state_dict()`` then holds the states of whole tensors, as one process's: a
+        checkpoint that loads into any number of ranks, or into one process. Call it
+        on every rank after a step, and ``state_dict()`` before the next one (as
+        torch's ``ZeroRedundancyOptimizer.consolidate_state_dict``). The other ranks'
+        state dicts stay their shards. Without sharding it does nothing."""
+        self._consolidated = None
+        sharded = self._sharded_params()
+        if not sharded:
+            return
+        self._check_not_pending("consolidate_state_dict()")
+        shard = sharded[0][1]._layerstream_shard
+        dist, group = torch.distributed, shard.group
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        if not 0 <= to < size:
+            raise ValueError(f"consolidate_state_dict(to={to}): `to` is a rank of the {size} in the group")
+        self._check_whole_states(sharded)
+        mine = {i: dict(self.state[p]) for i, p in sharded if len(self.state.get(p, {})) > 0}
+        # (index among the node's ranks, its states): every node's ranks hold the same
+        # shards (the gradients are averaged over all of them); one of each index is kept.
+        pieces = [None] * size if me == to else None
+        dist.gather_object((shard.index, mine), pieces, dst=to if group is None else dist.get_global_rank(group, to),
+                           group=group)
+        if pieces is not None:
+            by_index = {}
+            for index, piece in pieces:
+                by_index.setdefault(index, piece)
+            ordered = [by_index[index] for index in range(shard.count)]
+            self._consolidated = {i: self._whole_state(p, [piece.get(i) for piece in ordered]) for i, p in sharded}
+
+    def _check_whole_states(self, sharded):
+        """Refuses what cannot be consolidated (AdamW: 8-bit states)."""
+
+    def _check_not_pending(self, what):
+        if self._overlap is not None:
+            raise RuntimeError(
+                f"layerstream.optim: {what} between an overlapped backward and step(): the layers stepped during "
+                f"the backward are a step ahead of the others (their states and weights), and the others' "
+                f"gradients are not in the state; call step() first")
+
+    def state_dict(self):
+        self._check_not_pending("state_dict()")
+        sd = super().state_dict()
+        if self._consolidated is not None:
+            for i, st in self._consolidated.items():
+                if st:
+                    sd["state"][i] = st
+                else:
+                    sd["state"].pop(i, None)
+            return sd
+        identity = self._shard_identity()
+        if identity is not None:
+            sd[self._SHARD_KEY] = dict(identity)
+        return sd
+
+    def _check_shard_identity(self, state_dict):
+        """A sharded optimizer's state dict holds one rank's shard of the states
+        (AdamW: its elements of each tensor; Adafactor: the tensors it owns): it loads
+        into that rank of the same number of ranks per node, and nowhere else (another
+        rank's would step this rank's elements with its moments, silently). A whole
+        one (one process's, or consolidate_state_dict()'s) loads anywhere: a sharded
+        optimizer takes its shard of it. Returns whether to take shards."""
+        saved, mine = state_dict.get(self._SHARD_KEY), self._shard_identity()
+        if saved == mine or not state_dict.get("state"):
+            return False
+        if saved is None:
+            self._check_splittable(state_dict, self._sharded_params())
+            return True
+        def who(i):
+            return (f"rank {i['rank']} of {i['ranks']} sharing a node's host store" if i is not None
+                    else "an unsharded optimizer (the states of whole tensors)")
+        raise RuntimeError(
+            f"layerstream.optim: this state dict holds the optimizer states of {who(saved)}; this optimizer "
+            f"is {who(mine)}. Under offload(share_host_store=\"all\") each rank steps and saves its own shard: "
+            f"save and load one state dict per rank (e.g. f\"optimizer-rank{{rank}}.pt\"), with the same "
+            f"number of ranks per node, or save a whole one (opt.consolidate_state_dict() on every rank, then "
+            f"opt.state_dict() on rank 0), which loads anywhere (docs/design/distributed.md, \"Sharded step\")")
+
+    def _check_splittable(self, state_dict, sharded):
+        """Refuses a whole state dict this sharded optimizer cannot take its shards of."""
+
+    def load_state_dict(self, state_dict):
+        self._check_not_pending("load_state_dict()")
+        split = self._check_shard_identity(state_dict)
+        self._consolidated = None
+        sd = dict(state_dict)
+        sd.pop(self._SHARD_KEY, None)
+        sd["state"] = {
+            k: {kk: (_Keep(vv) if isinstance(vv, torch.Tensor) and kk != "step" else vv) for kk, vv in v.items()}
+            for k, v in state_dict["state"].items()
+        }
+        super().load_state_dict(sd)
+        for group in self.param_groups:
+            # e.g. a torch.optim.AdamW state dict: its groups lack our options
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+            self._check_group_options(group)
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        for p, st in list(self.state.items()):
+            if any(isinstance(v, _Keep) for v in st.values()):
+                loaded = {k: (v.tensor if isinstance(v, _Keep) else v) for k, v in st.items()}
+                st.clear()
+                if split and hasattr(p, "_layerstream_shard"):
+                    loaded = self._shard_of_state(p, loaded)
+                    if loaded is None:  # another rank's to step
+                        continue
+                st.update(self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}"))
+        self._shard_seen = None
+        self._shard_identity()  # the loaded states are this rank's shards, or whole ones
+
