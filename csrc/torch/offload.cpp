@@ -548,6 +548,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       auto s = std::make_shared<nn::LinearImpl>(tl->options, tl->weight, tl->bias);
       const int idx = engine->add_linear(it.name, s->weight, s->bias, fmt);
       s->bind(engine, idx);
+      unbind_later(s);  // a reference the caller kept computes as a plain layer after detach()
       it.parent->replace_module(it.child, s);
       handle->swaps_.push_back({it.parent_ref, it.child, it.module});
       record(it.name, s->weight, s->bias, before);
@@ -561,6 +562,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
         auto s = std::make_shared<nn::ConvImpl<D>>(opts, conv->weight, conv->bias);
         const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec(), fmt);
         s->bind(engine, idx);
+        unbind_later(s);
         it.parent->replace_module(it.child, s);
         handle->swaps_.push_back({it.parent_ref, it.child, it.module});
         record(it.name, s->weight, s->bias, before);

@@ -460,7 +460,12 @@ TEST(TorchOffload, CloneOfAnOffloadedModelThrowsAndWorksAfterDetach) {
         << e.what();
   }
   EXPECT_TRUE(torch::equal(net->forward(ids), expected));  // the model is untouched
+  // The swapped-in layer, kept by the caller past detach(): a plain layer again.
+  const auto swapped = std::dynamic_pointer_cast<layerstream::nn::LinearImpl>(net->named_children()["fc"]);
+  ASSERT_TRUE(swapped && swapped->attached());
   handle->detach();
+  EXPECT_FALSE(swapped->attached());
+  EXPECT_NO_THROW(swapped->clone());
   auto copy = std::dynamic_pointer_cast<CloneNetImpl>(net->clone());
   ASSERT_TRUE(copy);
   EXPECT_TRUE(torch::equal(copy->forward(ids), expected));
