@@ -710,14 +710,7 @@ void AdamW::load(torch::serialize::InputArchive& archive) {
     loaded.push_back(std::move(l));
   }
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    AdamWOptions& o = groups_[gi].options;
-    o.lr = loaded[gi].options.lr;
-    o.beta1 = loaded[gi].options.beta1;
-    o.beta2 = loaded[gi].options.beta2;
-    o.eps = loaded[gi].options.eps;
-    o.weight_decay = loaded[gi].options.weight_decay;
-    o.seed = loaded[gi].options.seed;
-    o.max_grad_norm = loaded[gi].options.max_grad_norm;
+    groups_[gi].options = loaded[gi].options;  // this group's state_precision, the checkpoint's rest
     for (size_t i = 0; i < groups_[gi].params.size(); ++i) {
       Param& prm = groups_[gi].params[i];
       prm.step = loaded[gi].params[i].first;

@@ -114,12 +114,12 @@ torch::Tensor accumulate_into_grad(const torch::Tensor& param, const torch::Tens
 void keep_uncovered(Engine& engine, int layer, const Engine::LandedGradients* landed,
                     const std::vector<AdamWOverlap::LayerParam>& covered) {
   if (!landed) return;  // not consumed: the engine applied it to .grad
-  bool weight = false, bias = false;
-  for (const AdamWOverlap::LayerParam& lp : covered) (lp.bias ? bias : weight) = true;
-  if ((weight || !landed->weight.defined()) && (bias || !landed->bias.defined())) return;
+  bool weight = landed->weight.defined(), bias = landed->bias.defined();  // landed and not stepped here
+  for (const AdamWOverlap::LayerParam& lp : covered) (lp.bias ? bias : weight) = false;
+  if (!weight && !bias) return;
   const auto [w, b] = engine.layer_parameters(layer);
-  if (!weight && landed->weight.defined()) accumulate_into_grad(w, landed->weight);
-  if (!bias && landed->bias.defined()) accumulate_into_grad(b, landed->bias);
+  if (weight) accumulate_into_grad(w, landed->weight);
+  if (bias) accumulate_into_grad(b, landed->bias);
 }
 
 // Drops param's .grad (the gradient was consumed by the step).

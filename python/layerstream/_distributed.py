@@ -266,11 +266,10 @@ class Shard:
         if not _dense(p):
             raise LayerstreamError(f"sharded streamed tensor {name} is not dense (strides {tuple(p.stride())}); "
                                    f"offload with share_host_store=None")
-        n = self.numel = p.numel()
-        self.lo, self.hi = n * index // count, n * (index + 1) // count
+        self.numel, self.index, self.count, self.owner = p.numel(), index, count, None
+        self.lo, self.hi = self.bounds(index)
         self._group, self.name = _WeakGroup(group), name
         self.nodes = nodes  # nodes in the group: each covers the tensor once with its ranks' shards
-        self.index, self.count, self.owner = index, count, None
         self.version = p._version  # the last version a sharded step left (Distributed.check_shards)
 
     @property

@@ -38,17 +38,22 @@ class _StateDicts:
         every = [p for g in self.param_groups for p in g["params"]]
         return [(i, p) for i, p in enumerate(every) if hasattr(p, "_layerstream_shard")]
 
-    def _shard_identity(self):
+    def _shard_identity(self, sharded=None):
         """Whose shards this optimizer's states are; still after handle.detach() (the
         states stay shards while the parameters are whole again)."""
-        sharded = self._sharded_params()
+        sharded = self._sharded_params() if sharded is None else sharded
         if sharded:
             shard = sharded[0][1]._layerstream_shard
             self._shard_seen = {"rank": shard.index, "ranks": shard.count}
         return self._shard_seen
 
     def _check_still_sharded(self):
-        if self._shard_seen is not None and not self._sharded_params():
+        """Before a step: notes whose shards the states are, and refuses to step shard
+        states whose parameters handle.detach() made whole again."""
+        sharded = self._sharded_params()
+        if sharded or self._shard_seen is None:
+            self._shard_identity(sharded)
+        else:
             who = self._shard_seen
             raise RuntimeError(
                 f"layerstream.optim: this optimizer's states are rank {who['rank']} of {who['ranks']}'s shards of a "

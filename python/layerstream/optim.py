@@ -299,7 +299,6 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         everything. Skipped (a GradScaler found a non-finite gradient): nothing."""
         self._consolidated = None  # consolidate_state_dict()'s gathering is of the previous step
         self._check_still_sharded()
-        self._shard_identity()  # noted while sharded: the states stay shards after detach()
         inv, found = self._loss_scaling()
         if self._overlap is None:
             if found:
