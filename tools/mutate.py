@@ -497,6 +497,25 @@ MUTATIONS = [
         [P + "test_distributed.py::test_full_fine_tuning_equals_one_process"],
         "a gradient accumulated under no_sync() is summed over the ranks instead of averaged"),
     Mutation(
+        "suspend-keeps-the-slots", "csrc/torch/engine.cpp",
+        "  retire_scheduler_locked();\n  suspended_ = true;",
+        "  suspended_ = true;",
+        [P + "test_parity_layers.py::test_parity_suspend_frees_the_device_and_resume_continues_exactly",
+         "gtest:test_torch_offload:*SuspendFreesTheSlots*"],
+        "suspend() keeps the slot arena allocated (no device memory comes back)"),
+    Mutation(
+        "resume-forgets-the-trace", "csrc/torch/engine.cpp",
+        "  so.trace = suspended_trace_;",
+        "  // (mutated: the learnt order is not given)",
+        [P + "test_parity_layers.py::test_parity_suspend_frees_the_device_and_resume_continues_exactly"],
+        "the scheduler rebuilt by resume() records the fetch order again (the first step guesses)"),
+    Mutation(
+        "suspend-leaves-gradients-on-the-device", "python/layerstream/_handle.py",
+        "                if p.grad is not None and p.grad.device == device:\n                    p.grad = move(p.grad)",
+        "                pass",
+        [P + "test_misuse.py::test_suspend_moves_each_device_tensor_once_with_its_gradient"],
+        "suspend() moves a resident parameter to the host and leaves its gradient on the device"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

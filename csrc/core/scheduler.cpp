@@ -82,6 +82,13 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
   stats_.device_bytes = pool_->device_bytes();
   stats_.slot_bytes = pool_->slot_bytes();
   stats_.num_slots = opts_.num_slots;
+  if (!opts_.trace.empty()) {
+    for (int layer : opts_.trace)
+      LS_CHECK(layer >= 0 && layer < num_layers(), "SchedulerOptions::trace names layer #", layer, " (there are ",
+               num_layers(), ")");
+    trace_ = opts_.trace;
+    recording_ = false;
+  }
 }
 
 Scheduler::~Scheduler() {

@@ -134,6 +134,10 @@ struct SchedulerOptions {
   // Such layers must not be staged. Neither may call back into the scheduler.
   std::function<bool(int layer)> parts_stale;
   std::function<void(int layer, std::vector<size_t>& copy_bytes)> refresh_parts;
+  // A fetch order learnt by an earlier scheduler of the same layers (the
+  // engine's, rebuilt after suspend()): replayed from the first step instead
+  // of recorded. Empty: record the first step.
+  std::vector<int> trace;
 };
 
 // A copy of only some bytes of a layer's parts (e.g. the experts a router

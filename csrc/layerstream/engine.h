@@ -157,6 +157,7 @@ struct EngineStats {
   uint64_t shared_bytes = 0;  // of those, in a region shared with this node's other processes
   uint64_t averaged_bytes = 0;  // gradient bytes all-reduced over the process group (set_gradient_group)
   uint64_t peak_device_bytes = 0;
+  uint64_t device_bytes = 0;  // the engine's device memory now (0 while suspended)
   uint64_t ordering_errors = 0;  // sim device: races the checker found
   // The host tier: layers read from their files on every use (disk tier),
   // bytes read from files and from pageable memory into the staging entries,
@@ -192,7 +193,7 @@ struct EngineStats {
     f("quantized_layers", quantized_layers), f("embedding_layers", embedding_layers);
     f("group_layers", group_layers), f("routed_fetches", routed_fetches), f("pinned_bytes", pinned_bytes);
     f("pageable_bytes", pageable_bytes), f("shared_bytes", shared_bytes), f("averaged_bytes", averaged_bytes);
-    f("peak_device_bytes", peak_device_bytes);
+    f("peak_device_bytes", peak_device_bytes), f("device_bytes", device_bytes);
     f("ordering_errors", ordering_errors), f("disk_layers", disk_layers), f("disk_read_bytes", disk_read_bytes);
     f("staged_read_bytes", staged_read_bytes), f("staging_hits", staging_hits);
     f("staging_entries", staging_entries), f("staging_entry_bytes", staging_entry_bytes);
@@ -482,6 +483,18 @@ class Engine {
   // (bit-identical data) and disables the engine.
   virtual void detach(const std::vector<torch::Device>& devices) = 0;
   virtual bool detached() const = 0;
+  // Frees the engine's device memory (the slot arena) for a while, e.g. for
+  // another model, a VAE decode, sampling (docs/design/streaming-core.md,
+  // "Suspend"): waits like synchronize(), then frees it; the learnt fetch
+  // order is kept. Until resume() every fetch throws (a forward, a backward
+  // of a graph recorded before, fetch()). Throws, changing nothing, while a
+  // layer is fetched (a fetch() token not released, a layer computing on
+  // another thread). resume() allocates the arena again (throws, still
+  // suspended, when the device cannot hold it). Both return at once when
+  // there is nothing to do. Thread-safe.
+  virtual void suspend() = 0;
+  virtual void resume() = 0;
+  virtual bool suspended() const = 0;
 
   // Telemetry (EngineStats).
   virtual EngineStats stats() const = 0;

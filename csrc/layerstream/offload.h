@@ -121,6 +121,19 @@ class OffloadHandle {
   // original devices (bit-identical); swapped children are swapped back
   // (into the parents that still live: the handle may outlive the model).
   void detach();
+  // Frees the device memory the offloaded model holds, for a while (another
+  // model, a VAE decode, sampling): Engine::suspend() (the streaming slots),
+  // and every parameter (with its grad) and buffer of the model on the
+  // compute device goes to host memory (set_data: the same tensors). Until
+  // resume() the model must not be called: its streamed layers throw, and
+  // resident ones would compute on the host copies. resume() moves them back
+  // and allocates the slots again (throws, still suspended, when the device
+  // cannot hold them; a retry redoes both). Nothing to do when already
+  // suspended / not suspended; detach() of a suspended handle moves them back
+  // and allocates no slots. Call them between steps, not while the model runs.
+  void suspend();
+  void resume();
+  bool suspended() const { return engine()->suspended(); }
   const std::vector<std::string>& layers() const { return names_; }  // streamed layers
   // With a budget: the layers the planner kept resident (not streamed, moved to
   // the compute device) and its placement as text; empty without a budget.
@@ -150,6 +163,9 @@ class OffloadHandle {
   std::string plan_;
   std::vector<torch::Device> devices_;
   std::vector<Swap> swaps_;
+  // suspend(): the tensors it moved to host memory and where they were.
+  std::vector<std::pair<torch::Tensor, torch::Device>> moved_;
+  void move_back();  // moves them back (again: a no-op for those already there)
   std::vector<std::function<void()>> unbind_;
   // Trainable parameters the budget kept on the device without
   // OffloadOptions::train (optim::note_uncounted_training); false once detached.

@@ -293,15 +293,81 @@ void EngineImpl::build_scheduler_locked() {
   slots = std::max(slots, 2);
   so.num_slots = slots;
   so.prefetch_depth = std::min(opts_.prefetch, slots - 1);
+  so.trace = suspended_trace_;  // resume(): the order learnt before suspend()
   sched_ = std::make_unique<Scheduler>(*backend_, transfer_, std::move(specs), so);
+  suspended_trace_.clear();
   if (tracer_) sched_->set_trace(tracer_);
+}
+
+void EngineImpl::retire_scheduler_locked() {
+  if (!sched_) return;
+  sched_->quiesce();
+  const SchedulerStats st = sched_->stats();
+  carried_.steps += st.steps;
+  carried_.acquires += st.acquires;
+  carried_.hits += st.hits;
+  carried_.misses += st.misses;
+  carried_.deviations += st.deviations;
+  carried_.retraces += st.retraces;
+  carried_.h2d_bytes += st.h2d_bytes;
+  carried_.host_wait_seconds += st.host_wait_seconds;
+  carried_.staging.read_bytes += st.staging.read_bytes;
+  carried_.staging.file_bytes += st.staging.file_bytes;
+  carried_.staging.hits += st.staging.hits;
+  sched_.reset();
 }
 
 void EngineImpl::ensure_scheduler() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; its layers run their original "
            "forward now. Call offload() again to stream them.");
+  LS_CHECK(!suspended_, "this layerstream handle is suspended (handle.suspend(): its device memory was "
+           "freed); call handle.resume() (C++: OffloadHandle::resume()) before running the model. A "
+           "backward of a graph recorded before suspend() needs resume() too.");
   if (!sched_) build_scheduler_locked();
+}
+
+// Note [Suspend] (docs/design/streaming-core.md, "Suspend"): the slot arena is
+// the engine's only device memory (everything else it computes with comes from
+// the framework's allocator), and the scheduler owns it, so suspending is
+// retiring the scheduler as a new layer does, keeping its trace for the next one.
+void EngineImpl::suspend() {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; there is nothing to suspend");
+  if (suspended_) return;
+  LS_CHECK(fetched_.empty(), "suspend(): ", fetched_.size(), " fetch() token(s) of streamed layers are "
+           "not released yet; release them first (their views would point into freed memory)");
+  synchronize();  // gradients accumulated, copies done, cached content dropped
+  if (sched_) {
+    const SlotPool& pool = sched_->pool();
+    LS_CHECK(pool.num_free() == pool.num_slots(), "suspend(): ", pool.num_slots() - pool.num_free(),
+             " device slot(s) are in use: a streamed layer is computing (on another thread?); suspend "
+             "after the forward or backward that uses them returns");
+    suspended_trace_ = sched_->trace();
+  }
+  retire_scheduler_locked();
+  suspended_ = true;
+}
+
+void EngineImpl::resume() {
+  auto scope = device_scope();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  LS_CHECK(!detached_, "this layerstream handle was detached; call offload() again to stream the model");
+  if (!suspended_) return;
+  suspended_ = false;
+  if (layers_.empty()) return;
+  try {
+    build_scheduler_locked();  // now, so that a device without room says so here
+  } catch (...) {
+    suspended_ = true;
+    throw;
+  }
+}
+
+bool EngineImpl::suspended() const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  return suspended_;
 }
 
 Scheduler& EngineImpl::scheduler() {

@@ -91,6 +91,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void synchronize() override;
   void detach(const std::vector<torch::Device>& devices) override;
   bool detached() const override { return detached_; }
+  void suspend() override;
+  void resume() override;
+  bool suspended() const override;
   EngineStats stats() const override;
   std::vector<std::string> ordering_errors() const override;
   std::vector<std::pair<StepStats, double>> step_stats() const override;
@@ -408,6 +411,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // shared weight (`format`), naming both layers.
   bool share_weight_locked(LayerInfo& info, quant::Format format);
   void build_scheduler_locked();
+  // Quiesces and drops the scheduler (its slot arena), carrying its counters
+  // over; the next ensure_scheduler() builds a new one.
+  void retire_scheduler_locked();
   // The host tier (engine_host_tier.cpp): fills `s.staged` (and size-only
   // parts) when the layer is on disk or a part of it is pageable in the store.
   void staged_sources_locked(const LayerInfo& l, LayerSpec& s);
@@ -541,6 +547,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::shared_ptr<TraceRecorder> tracer_;
   // counters carried over scheduler rebuilds
   SchedulerStats carried_;
+  // suspend(): no scheduler until resume(), which replays this fetch order.
+  bool suspended_ = false;
+  std::vector<int> suspended_trace_;
   // register_storages() / unpark() / park(): per layer.
   struct ParkedStorage {
     int role;                 // 0 weight leaf, 1 its cast, 2 bias leaf, 3 its cast

@@ -237,22 +237,8 @@ int EngineImpl::register_layer_locked(LayerInfo info) {
   info.grad_done = backend_->create_event();
   layers_.push_back(std::make_unique<LayerInfo>(std::move(info)));
   // A new layer invalidates the scheduler (its slot size and trace).
-  if (sched_) {
-    sched_->quiesce();
-    const SchedulerStats st = sched_->stats();
-    carried_.steps += st.steps;
-    carried_.acquires += st.acquires;
-    carried_.hits += st.hits;
-    carried_.misses += st.misses;
-    carried_.deviations += st.deviations;
-    carried_.retraces += st.retraces;
-    carried_.h2d_bytes += st.h2d_bytes;
-    carried_.host_wait_seconds += st.host_wait_seconds;
-    carried_.staging.read_bytes += st.staging.read_bytes;
-    carried_.staging.file_bytes += st.staging.file_bytes;
-    carried_.staging.hits += st.staging.hits;
-    sched_.reset();
-  }
+  retire_scheduler_locked();
+  suspended_trace_.clear();
   return static_cast<int>(layers_.size()) - 1;
 }
 

@@ -61,6 +61,7 @@ EngineStats EngineImpl::stats() const {
   m.staging_entries = st.staging.entries;
   m.staging_entry_bytes = st.staging.entry_bytes;
   m.peak_device_bytes = backend_->memory_stats().device_bytes_peak;
+  m.device_bytes = backend_->memory_stats().device_bytes_in_use;
   m.ordering_errors = backend_->ordering_errors().size();
   return m;
 }

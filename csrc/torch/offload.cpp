@@ -69,7 +69,8 @@ bool StreamedBase::keep_streamed(const torch::Tensor& weight, std::optional<torc
            engine_->layer_name(index_), "' keeps its weights in host memory and computes on ",
            compute.str(), ": to() that device is fine (the streamed weights stay as they are), but "
            "this conversion would move them elsewhere or change their dtype (weight is ",
-           weight.scalar_type(), "). Convert the model before offload(), or call detach() first.");
+           weight.scalar_type(), "). Convert the model before offload(), or call detach() first (to free the "
+           "device memory for a while: suspend(), then resume()).");
   return true;
 }
 
@@ -267,8 +268,47 @@ EngineStats OffloadHandle::stats() const { return engine()->stats(); }
 
 void OffloadHandle::synchronize() { engine()->synchronize(); }
 
+// Note [Suspend] (engine.cpp): the engine frees its slots; the model's tensors on
+// the compute device are the handle's to move (as the Python Handle does).
+void OffloadHandle::suspend() {
+  auto e = engine();
+  if (e->suspended()) return;
+  e->suspend();  // first: it refuses while a layer computes
+  const torch::Device dev = e->compute_device();
+  auto root = root_.lock();
+  if (!root || dev.is_cpu()) return;  // the sim device computes on the host: nothing to move
+  torch::NoGradGuard ng;
+  std::set<torch::TensorImpl*> seen;
+  auto off = [&](torch::Tensor t) {
+    if (!t.defined() || t.device() != dev || !seen.insert(t.unsafeGetTensorImpl()).second) return;
+    t.set_data(t.data().to(torch::kCPU));
+    if (t.grad().defined() && t.grad().device() == dev) t.mutable_grad() = t.grad().to(torch::kCPU);
+    moved_.emplace_back(t, dev);
+  };
+  for (auto& p : root->parameters(/*recurse=*/true)) off(p);
+  for (auto& b : root->buffers(/*recurse=*/true)) off(b);
+}
+
+void OffloadHandle::move_back() {
+  torch::NoGradGuard ng;
+  for (auto& [t, dev] : moved_) {
+    if (t.device() != dev) t.set_data(t.data().to(dev));
+    if (t.grad().defined() && t.grad().device() != dev) t.mutable_grad() = t.grad().to(dev);
+  }
+}
+
+void OffloadHandle::resume() {
+  auto e = engine();
+  if (!e->suspended()) return;
+  move_back();  // before the slots: a retry after an error redoes both
+  e->resume();
+  moved_.clear();
+}
+
 void OffloadHandle::detach() {
   auto e = engine();
+  move_back();  // a suspended model's tensors; no slots for detach
+  moved_.clear();
   e->detach(devices_);
   for (auto& u : unbind_) u();
   for (auto& s : swaps_)

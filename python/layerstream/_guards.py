@@ -67,7 +67,8 @@ class _StreamedApply:
     __slots__ = ("_module", "_compute", "_name", "_verdicts", "_keys", "_remedy")
 
     # What the refusal tells offload() users to do instead.
-    OFFLOAD_REMEDY = "Convert the model before offload(), or call handle.detach() first."
+    OFFLOAD_REMEDY = ("Convert the model before offload(), or call handle.detach() first (to free "
+                      "the device memory for a while: handle.suspend(), then handle.resume()).")
 
     def __init__(self, module: nn.Module, compute_device: torch.device, name: str,
                  keys: Sequence[str] = ("weight", "bias"), remedy: str = OFFLOAD_REMEDY):

@@ -75,6 +75,10 @@ class Handle(_RefusesCopy):
         self._group_hook = None
         self._group_model = None
         self._ddp_model = None  # the model whose DDP ignore list has the streamed parameters
+        self._model = None  # the model offload() was given
+        # suspend(): what it moved to host memory, to move back in resume(), and the
+        # forward pre-hook that refuses calls meanwhile; None when not suspended.
+        self._suspended = None
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -177,7 +181,8 @@ class Handle(_RefusesCopy):
 
     def stats(self) -> Dict[str, float]:
         """Counters since offload(): peak_device_bytes (streaming slots plus the
-        weights the planner kept resident), h2d_bytes, d2h_bytes, steps, ..."""
+        weights the planner kept resident), device_bytes (the streaming slots now:
+        0 while suspended), h2d_bytes, d2h_bytes, steps, ..."""
         s = dict(self._check().stats())
         s["streamed_device_bytes"] = s["peak_device_bytes"]
         s["resident_bytes"] = 0
@@ -231,10 +236,59 @@ class Handle(_RefusesCopy):
         (through ``.data``, or a raw pointer as C++ CPU optimizers do)."""
         self._check().synchronize()
 
+    # -- suspend / resume (docs/design/streaming-core.md, "Suspend") ---------
+    @property
+    def suspended(self) -> bool:
+        return self._suspended is not None
+
+    def suspend(self) -> None:
+        """Frees the device memory the offloaded model holds, for a while (another
+        model, a VAE decode, sampling): the streaming slots, and every parameter
+        (with its ``.grad``) and buffer of the model on the compute device (layers
+        kept resident, norms, adapters) goes to host memory; the streamed weights
+        are there already. Until ``resume()``, calling the model is an error.
+        Optimizer states stay where they are: step after ``resume()``. Refused,
+        changing nothing, while a streamed layer is computing. Nothing to do when
+        already suspended."""
+        engine = self._check()
+        if self._suspended is not None:
+            return
+        engine.suspend()  # first: it refuses while a layer computes
+        moved, hook = [], None
+        if self._model is not None:
+            compute = self.compute_device
+            if compute.type != "cpu":  # the sim device computes on the host: nothing to move
+                moved = _moved_off(self._model, compute, lambda t: t.to("cpu"))
+            hook = self._model.register_forward_pre_hook(_refuse_while_suspended, prepend=True)
+        self._suspended = (moved, hook)
+
+    def resume(self) -> None:
+        """Undoes ``suspend()``: allocates the streaming slots again (an error,
+        still suspended, when the device cannot hold them) and moves what
+        ``suspend()`` moved back to the device it was on. The first step
+        prefetches in the order learnt before. Nothing to do when not
+        suspended."""
+        engine = self._check()
+        if self._suspended is None:
+            return
+        _move_back(self._suspended[0])  # before the slots: a retry after an error redoes both
+        engine.resume()
+        self._end_suspension()
+
+    def _end_suspension(self) -> None:
+        moved, hook = self._suspended
+        _move_back(moved)
+        if hook is not None:
+            hook.remove()
+        self._suspended = None
+
     def detach(self) -> None:
         """Restores the modules: original forward, weights as ordinary tensors
-        on their original devices, bit-identical."""
+        on their original devices, bit-identical (a suspended model's resident
+        parts are moved back first)."""
         engine = self._check()
+        if self._suspended is not None:  # the resident parts back; no slots for detach
+            self._end_suspension()
         devices = []
         dense = {}
         for a in self._attached:
@@ -329,3 +383,53 @@ class Handle(_RefusesCopy):
         if self._engine is None:
             return "<layerstream.Handle (detached)>"
         return f"<layerstream.Handle device={self.device} layers={len(self._attached)}>"
+
+
+def _refuse_while_suspended(module, args):
+    raise LayerstreamError(
+        "this model's layerstream handle is suspended (handle.suspend() freed its device memory); "
+        "call handle.resume() before running it")
+
+
+def _moved_off(model: nn.Module, device: torch.device, move) -> list:
+    """Moves every parameter (and its .grad) and buffer of `model` that lives on
+    `device` by `move` (tensor -> its copy in host memory), keeping the
+    parameters' identities (their .data changes, as nn.Module.to does); a tensor
+    registered twice moves once. Returns what moved, for _move_back."""
+    moved = []
+    done = {}  # id(old buffer) -> its host copy
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is None or id(p) in done or p.device != device:
+                    continue
+                done[id(p)] = p
+                p.data = move(p.data)
+                if p.grad is not None and p.grad.device == device:
+                    p.grad = move(p.grad)
+                moved.append((p, None, None, device))
+            for name, b in module._buffers.items():
+                if b is None or (b.device != device and id(b) not in done):
+                    continue
+                if id(b) not in done:
+                    done[id(b)] = move(b)
+                module._buffers[name] = done[id(b)]
+                moved.append((done[id(b)], module, name, device))
+    return moved
+
+
+def _move_back(moved: list) -> None:
+    """Undoes _moved_off: each parameter (and .grad) and buffer to the device it
+    was on (a buffer registered twice, once). A buffer replaced meanwhile is
+    left as it is."""
+    done = {}
+    with torch.no_grad():
+        for t, module, name, device in moved:
+            if module is None:
+                t.data = t.data.to(device)
+                if t.grad is not None and t.grad.device.type == "cpu":
+                    t.grad = t.grad.to(device)
+            elif module._buffers.get(name) is t:
+                if id(t) not in done:
+                    done[id(t)] = t.to(device)
+                module._buffers[name] = done[id(t)]

@@ -447,6 +447,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
     attached: List[_Attached] = []
     streamed_params = set()
     handle = Handle(engine, attached, plan)
+    handle._model = model
     handle.host_plan = on_disk.summary  # core/host_tier.h's plan, or None (no host budget)
     try:
         if group is not None:

@@ -306,6 +306,30 @@ TEST_F(SchedulerTest, TraceIsRecordedThenReplayedWithHits) {
   EXPECT_TRUE(sim->ordering_errors().empty());
 }
 
+TEST_F(SchedulerTest, AGivenTraceIsReplayedFromTheFirstStep) {
+  // The engine's scheduler rebuilt after suspend() gets the order the old one
+  // learnt: its first step prefetches by it, where recording would guess the
+  // next layer by index (wrong for this order) and miss.
+  const std::vector<int> order = {3, 1, 4, 0, 2};
+  Scheduler recorded(*sim, transfer, model.specs, options(3, 2));
+  run_step(recorded, compute, order, order.size());
+  EXPECT_LT(recorded.stats().hits, order.size() - 1);  // guesses by index: some miss
+
+  SchedulerOptions so = options(3, 2);
+  so.trace = order;
+  Scheduler replayed(*sim, transfer, model.specs, so);
+  run_step(replayed, compute, order, order.size());
+  const SchedulerStats st = replayed.stats();
+  EXPECT_FALSE(st.recording);
+  EXPECT_EQ(replayed.trace(), order);
+  EXPECT_EQ(st.deviations, 0u);
+  EXPECT_EQ(st.hits, order.size() - 1);  // all but the first fetch were prefetched
+  EXPECT_TRUE(sim->ordering_errors().empty());
+
+  so.trace = {0, 5};
+  EXPECT_THROW(Scheduler(*sim, transfer, model.specs, so), Error);  // no layer #5
+}
+
 TEST_F(SchedulerTest, DeviationFetchesOnDemandAndResyncs) {
   SchedulerOptions so;
   so.num_slots = 2;

@@ -476,6 +476,45 @@ TEST(TorchOffload, CloneOfAnOffloadedModelThrowsAndWorksAfterDetach) {
   EXPECT_NE(copy->ours->weight.data_ptr(), net->ours->weight.data_ptr());
 }
 
+TEST(TorchOffload, SuspendFreesTheSlotsAndResumeContinuesExactly) {
+  // suspend() frees the engine's device memory (the sim device computes on the
+  // host, so no parameter moves here); a forward throws until resume(); after
+  // it, training goes on as before (the same gradients as the model never
+  // suspended, bit for bit); detach() of a suspended handle allocates nothing.
+  torch::manual_seed(0);
+  CloneNet net;
+  auto twin = std::dynamic_pointer_cast<CloneNetImpl>(net->clone());
+  const auto ids = torch::randint(0, 10, {3, 5});
+  auto handle = layerstream::offload(*net, sim_options());
+  net->forward(ids).sum().backward();
+  twin->forward(ids).sum().backward();
+  const uint64_t slots = handle->stats().device_bytes;
+  ASSERT_GT(slots, 0u);
+  handle->suspend();
+  EXPECT_TRUE(handle->suspended());
+  EXPECT_EQ(handle->stats().device_bytes, 0u);
+  try {
+    net->forward(ids);
+    FAIL() << "a forward of a suspended model did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("suspended"), std::string::npos) << e.what();
+  }
+  handle->suspend();  // nothing to do
+  handle->resume();
+  EXPECT_FALSE(handle->suspended());
+  EXPECT_EQ(handle->stats().device_bytes, slots);
+  net->forward(ids).sum().backward();
+  twin->forward(ids).sum().backward();
+  handle->synchronize();
+  for (const auto& p : net->named_parameters())
+    EXPECT_TRUE(torch::equal(p.value().grad(), twin->named_parameters()[p.key()].grad())) << p.key();
+  handle->suspend();
+  const auto engine = handle->engine();
+  handle->detach();
+  EXPECT_EQ(engine->stats().device_bytes, 0u);
+  EXPECT_TRUE(torch::equal(net->forward(ids), twin->forward(ids)));
+}
+
 TEST(TorchOffload, ToComputeDeviceKeepsStreamedWeightsOnTheHost) {
   // model->to(<compute device>) after offload() (the sim device computes on
   // the CPU) leaves the streamed weights where the engine reads them; a dtype

@@ -296,3 +296,106 @@ def test_offload_warnings_name_the_callers_line():
     assert any("cannot pack" in t for t in texts), texts
     assert set(texts.values()) == {__file__}, texts
     handle.detach()
+
+
+def test_suspend_is_refused_while_a_fetched_group_is_held_and_fetches_are_refused_until_resume():
+    """Engine.suspend() frees the slot arena: not while a fetch() token still points
+    into it (refused, nothing changed), and no fetch until resume(), which brings the
+    same bytes back."""
+    e = layerstream._C.Engine({"device": "sim"})
+    w = torch.randn(4, 8)
+    want = w.clone()
+    i = e.add_group("experts", [w])
+    token, views = e.fetch(i)
+    with pytest.raises(LayerstreamError, match=r"1 fetch\(\) token.*release them first"):
+        e.suspend()
+    assert not e.suspended and e.stats()["device_bytes"] > 0
+    e.release(token)
+    e.suspend()
+    assert e.suspended and e.stats()["device_bytes"] == 0
+    with pytest.raises(LayerstreamError, match=r"suspended.*resume\(\)"):
+        e.fetch(i)
+    e.resume()
+    token, views = e.fetch(i)
+    assert torch.equal(views[0], want)
+    e.release(token)
+    assert e.ordering_errors() == []
+
+
+def test_a_backward_after_suspend_is_an_error_and_training_goes_on_after_resume():
+    """A graph recorded before suspend() cannot run its backward (the streamed
+    layers' weights would come back into freed slots): an error naming resume(); no
+    streamed gradient reaches .grad. After resume(), a new step trains as the
+    resident model does."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    handle = layerstream.offload(model, device="sim")
+    x = torch.randn(3, 32)
+    y = model(x).square().sum()
+    handle.suspend()
+    with pytest.raises(RuntimeError, match=r"suspended.*resume\(\)"):  # through autograd's engine
+        y.backward()
+    assert all(p.grad is None for p in model.parameters())
+    handle.resume()
+    model.zero_grad()
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    assert handle.ordering_errors() == []
+
+
+def test_detach_of_a_suspended_model_restores_it_without_allocating_the_slots():
+    """detach() while suspended: the model comes back whole (weights bit-identical,
+    its own forward), and the engine did not allocate the slots again for it."""
+    model = _mlp()
+    before = _state(model)
+    handle = layerstream.offload(model, device="sim")
+    engine = handle._engine
+    handle.suspend()
+    handle.detach()
+    assert engine.stats()["device_bytes"] == 0
+    after = _state(model)
+    for n, (*_, values) in before.items():
+        assert torch.equal(after[n][-1], values), n
+    x = torch.randn(3, 32)
+    assert torch.equal(model(x), copy.deepcopy(model)(x))
+    with pytest.raises(LayerstreamError, match="detached"):
+        handle.resume()
+
+
+def test_moving_an_offloaded_model_to_the_host_names_suspend():
+    """model.to("cpu") on a model that computes elsewhere is refused (the streamed
+    layers cannot compute on the host); the message names suspend() for freeing the
+    device memory for a while. Checked on the guard itself: on this machine the sim
+    device computes on the host, where that move is allowed."""
+    from layerstream._guards import _StreamedApply
+    layer = nn.Linear(4, 4)
+    guard = _StreamedApply(layer, torch.device("meta"), "proj")
+    with pytest.raises(LayerstreamError, match=r"proj.*handle\.suspend\(\), then handle\.resume\(\)"):
+        guard(lambda t: t.to("cpu"))
+
+
+def test_suspend_moves_each_device_tensor_once_with_its_gradient():
+    """What suspend() moves off the compute device (_moved_off), seen on this
+    machine (one device) with a copy in place of the move: every parameter there
+    (the same object, new data, its .grad too) and buffer, a shared buffer once
+    (both modules then hold the one copy), nothing that lives elsewhere."""
+    from layerstream._handle import _moved_off
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    model[2].running_mean = model[1].running_mean  # registered twice
+    elsewhere = torch.zeros(4, device="meta")
+    model[0].register_buffer("elsewhere", elsewhere)
+    model(torch.randn(3, 4)).sum().backward()
+    params = list(model.parameters())
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    old = {id(p): (ptr(p), ptr(p.grad)) for p in params}
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    moved = _moved_off(model, torch.device("cpu"), lambda t: t.clone())
+    assert all(p is q for p, q in zip(model.parameters(), params))
+    for n, p in model.named_parameters():
+        assert ptr(p) != old[id(p)][0] and ptr(p.grad) != old[id(p)][1], n
+    for n, b in model.named_buffers(remove_duplicate=False):
+        assert b is elsewhere if n == "0.elsewhere" else b is not buffers[n] and torch.equal(b, buffers[n]), n
+    assert model[2].running_mean is model[1].running_mean
+    assert len([m for m in moved if m[1] is None]) == len(params)  # each parameter once

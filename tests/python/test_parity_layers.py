@@ -316,6 +316,104 @@ def test_resident_and_streamed_layers_in_one_model(offload_dev, compute_device):
     assert handle.stats()["h2d_bytes"] >= 3 * 4 * layer  # the streamed four crossed every step
 
 
+class _OutOfOrder(nn.Module):
+    """Linear layers called in another order than they are registered (so the
+    fetch order is not the index order a first step guesses), and a BatchNorm
+    (parameters and buffers that stay on the compute device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(32, 32) for _ in range(4))
+        self.norm = nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        h = torch.tanh(self.c(x))
+        h = self.norm(torch.tanh(self.a(h)))
+        return self.b(torch.tanh(self.d(h)))
+
+
+def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_dev, compute_device):
+    """handle.suspend() between training steps frees the streaming slots and moves
+    what lives on the compute device (the layer the budget kept resident, the
+    BatchNorm's parameters and running statistics, their gradients) to host
+    memory; calls are refused until handle.resume(), which puts everything back.
+    The steps after it equal the resident model's (bit for bit on the sim device)
+    and the first one prefetches by the fetch order learnt before (as many hits
+    as the step before suspend())."""
+    from conftest import slot_bytes
+    from layerstream import LayerstreamError
+
+    torch.manual_seed(0)
+    dev = compute_device
+    model = _OutOfOrder()
+    ref = copy.deepcopy(model).to(dev)
+    layer = 32 * 32 * 4 + 32 * 4
+    norm = 4 * 32 * 4 + 8  # weight, bias, running mean and variance, the batch count
+    handle = offload_dev(model, budget=2 * slot_bytes(model.a) + layer + norm, prefetch=1)
+    assert handle.stats()["resident_layers"] == 1 and len(handle.layers) == 3, handle.stats()
+    [resident] = [n for n in "abcd" if n not in handle.layers]
+    exact = dev.type == "cpu"
+
+    def same(a, b, what):
+        if exact:
+            assert _equal(a, b), what
+        else:
+            _close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+    opt, opt_r = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def step(i):
+        hits = handle.stats()["hits"]
+        x = _randn((5, 32), dev).requires_grad_()
+        xr = clone_input(x)
+        opt.zero_grad()
+        opt_r.zero_grad()
+        y, yr = model(x), ref(xr)
+        same(y, yr, f"step {i}: output")
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        same(x.grad, xr.grad, f"step {i}: input grad")
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            same(p.grad, q.grad, f"step {i}: {n}.grad")
+        opt.step()
+        opt_r.step()
+        return handle.stats()["hits"] - hits
+
+    hits = [step(0), step(1)]
+    tensors = lambda: {**dict(model.named_parameters()), **dict(model.named_buffers())}  # noqa: E731
+    on_device = {n for n, t in tensors().items() if t.device == dev}
+    assert {f"{resident}.weight", "norm.weight", "norm.running_mean"} <= on_device
+    slots = handle.stats()["device_bytes"]
+    assert slots >= 2 * layer
+    allocated = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+
+    handle.suspend()
+    assert handle.suspended and handle.stats()["device_bytes"] == 0
+    for n, t in tensors().items():
+        assert t.device.type == "cpu", n
+    assert model.norm.weight.grad.device.type == "cpu"
+    if dev.type == "cuda":  # the slots, the resident layer (with its gradient) and the norm left
+        assert allocated - torch.cuda.memory_allocated(dev) >= slots + 2 * layer
+    x = _randn((5, 32), dev)
+    with pytest.raises(LayerstreamError, match=r"suspended.*handle\.resume\(\)"):
+        model(x)
+    with pytest.raises(LayerstreamError, match=r"suspended.*handle\.resume\(\)"):
+        getattr(model, handle.layers[0])(x)  # a streamed layer called alone
+    handle.suspend()  # already suspended: nothing to do
+
+    handle.resume()
+    assert not handle.suspended and handle.stats()["device_bytes"] == slots
+    assert {n for n, t in tensors().items() if t.device == dev} == on_device
+    assert model.norm.weight.grad.device == dev
+    hits.append(step(2))
+    step(3)
+    assert hits[2] == hits[1], hits  # the first step after resume() prefetched as before
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        same(p, q, n)
+    for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
+        same(b, c, n)
+
+
 # ---------------------------------------------------------------- Conv
 def _conv_param(dims, cin, cout, k, x_hw, ident, **kw):
     return pytest.param(dims, cin, cout, k, x_hw, kw, id=ident)
