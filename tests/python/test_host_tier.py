@@ -439,3 +439,24 @@ def test_peak_rss_of_load_and_offload_stays_within_the_host_budget(tmp_path):
     assert r["disk"] > 0
     grew = r["peak"] - r["base"]
     assert grew <= budget + r["slots"] + (64 << 20), r
+
+
+def test_suspend_and_resume_with_the_disk_tier(tmp_path):
+    """suspend() between calls frees the slots (the staging entries go with the
+    scheduler that owns them); after resume() the layers are read from the file
+    again, into new entries, with the same outputs."""
+    ref, path, model, handle = _frozen_on_disk(tmp_path)
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids)
+        assert torch.equal(model(ids), want)
+        read = handle.stats()["disk_read_bytes"]
+        handle.suspend()
+        assert handle.stats()["device_bytes"] == 0
+        handle.resume()
+        assert torch.equal(model(ids), want)
+    stats = handle.stats()
+    assert stats["disk_read_bytes"] > read and stats["device_bytes"] > 0
+    assert stats["ordering_errors"] == 0
+    handle.detach()
+    assert isinstance(model.layers[0].weight, FileWeight)
