@@ -3,7 +3,8 @@
 """
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -68,7 +69,8 @@ class _StreamedApply:
 
     # What the refusal tells offload() users to do instead.
     OFFLOAD_REMEDY = ("Convert the model before offload(), or call handle.detach() first (to free "
-                      "the device memory for a while: handle.suspend(), then handle.resume()).")
+                      "the device memory for a while: model.to('cpu') on the whole model, or "
+                      "handle.suspend(); then model.to(<compute device>) or handle.resume()).")
 
     def __init__(self, module: nn.Module, compute_device: torch.device, name: str,
                  keys: Sequence[str] = ("weight", "bias"), remedy: str = OFFLOAD_REMEDY):
@@ -137,18 +139,56 @@ class _StreamedApply:
         return module
 
 
+def _pure_move(fn) -> Optional[torch.device]:
+    """The device a conversion moves tensors to when that is all it does (the
+    floating-point dtypes kept), else None (a dtype change, or no move at all:
+    ``.float()`` keeps a meta tensor where it is)."""
+    try:
+        out = fn(torch.empty(0, device="meta"))
+        if isinstance(out, torch.Tensor) and out.is_meta:
+            return None
+    except Exception:  # noqa: BLE001 - a move: meta tensors cannot be copied out
+        pass
+    device = None
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        try:
+            out = fn(torch.empty(0, dtype=dtype))
+        except Exception:  # noqa: BLE001 - e.g. .cuda() without a GPU
+            return None
+        if not isinstance(out, torch.Tensor) or out.dtype != dtype:
+            return None
+        device = out.device
+    return device
+
+
 class _RootApply:
     """The ``_apply`` offload() installs on the model it was given: checks every
     streamed layer first, so that a refused conversion (``model.half()``) raises
     before any part of the model changed, then converts as nn.Module does (the
-    streamed layers' own _StreamedApply keeps their weights as they are)."""
+    streamed layers' own _StreamedApply keeps their weights as they are).
 
-    __slots__ = ("_model", "_layers")
+    With the offload() handle (a weak reference): a move of the whole model to
+    the host while it computes on another device (``model.to("cpu")``, what
+    accelerate's and diffusers' CPU offload hooks and training scripts do to free
+    device memory) suspends the handle instead, and a move back to the compute
+    device resumes it (docs/design/streaming-core.md, "Suspend")."""
 
-    def __init__(self, model: nn.Module, layers: list):
+    __slots__ = ("_model", "_layers", "_handle", "_compute")
+
+    def __init__(self, model: nn.Module, layers: list, handle=None, compute: Optional[torch.device] = None):
         self._model, self._layers = model, layers
+        self._handle = weakref.ref(handle) if handle is not None else None
+        self._compute = compute
 
     def __call__(self, fn, recurse=True):
+        handle = self._handle() if self._handle is not None else None
+        if handle is not None and handle._engine is not None and self._compute.type != "cpu":
+            target = _pure_move(fn)
+            if target is not None and target.type == "cpu":
+                handle.suspend()
+                return self._model
+            if target == self._compute and handle.suspended:
+                handle.resume()  # then converts as below (nothing left to move)
         # The verdict depends on the conversion and the dtype only: probe each
         # dtype once for all layers (their own _apply then finds it too).
         verdicts = {}

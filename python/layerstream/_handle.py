@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional
 
 import torch
@@ -259,7 +260,8 @@ class Handle(_RefusesCopy):
             compute = self.compute_device
             if compute.type != "cpu":  # the sim device computes on the host: nothing to move
                 moved = _moved_off(self._model, compute, lambda t: t.to("cpu"))
-            hook = self._model.register_forward_pre_hook(_refuse_while_suspended, prepend=True)
+            hook = self._model.register_forward_pre_hook(
+                functools.partial(_refuse_while_suspended, str(self.compute_device)), prepend=True)
         self._suspended = (moved, hook)
 
     def resume(self) -> None:
@@ -385,10 +387,11 @@ class Handle(_RefusesCopy):
         return f"<layerstream.Handle device={self.device} layers={len(self._attached)}>"
 
 
-def _refuse_while_suspended(module, args):
+def _refuse_while_suspended(compute: str, module, args):
     raise LayerstreamError(
-        "this model's layerstream handle is suspended (handle.suspend() freed its device memory); "
-        "call handle.resume() before running it")
+        f"this model's layerstream handle is suspended (handle.suspend() or model.to('cpu') freed its "
+        f"device memory); call handle.resume() or model.to('{compute}') before running it (to compute "
+        f"on the host, handle.detach() first)")
 
 
 def _moved_off(model: nn.Module, device: torch.device, move) -> list:

@@ -464,7 +464,8 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
             if id(module) not in streamed_ids:
                 _WHOLE_GROUPS.discard(module)
         if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
-            model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
+            model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners],
+                                      handle, compute_device)
             handle._root = model
         # Resident weights to the compute device (device memory can run out here; the
         # tensors already moved stay there, on the device the model was meant for).

@@ -364,16 +364,38 @@ def test_detach_of_a_suspended_model_restores_it_without_allocating_the_slots():
         handle.resume()
 
 
-def test_moving_an_offloaded_model_to_the_host_names_suspend():
-    """model.to("cpu") on a model that computes elsewhere is refused (the streamed
-    layers cannot compute on the host); the message names suspend() for freeing the
-    device memory for a while. Checked on the guard itself: on this machine the sim
-    device computes on the host, where that move is allowed."""
-    from layerstream._guards import _StreamedApply
-    layer = nn.Linear(4, 4)
-    guard = _StreamedApply(layer, torch.device("meta"), "proj")
-    with pytest.raises(LayerstreamError, match=r"proj.*handle\.suspend\(\), then handle\.resume\(\)"):
-        guard(lambda t: t.to("cpu"))
+def test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_resumes():
+    """What accelerate's and diffusers' CPU offload hooks (and training scripts
+    freeing memory for sampling) do: model.to("cpu"), later model.to(<compute
+    device>). On a model computing elsewhere the first suspends the handle, the
+    second resumes it; a submodule's move or a dtype change with the move stays
+    refused, naming both ways. The sim device computes on the host, where
+    to("cpu") moves nothing: the guards are told another compute device (meta;
+    no tensor moves there without being refused, so the way back is resume() here,
+    and model.to(<compute device>) in the parity test on a GPU)."""
+    model = _mlp()
+    handle = layerstream.offload(model, device="sim")
+    x = torch.randn(3, 32)
+    want = model(x)
+    fake = torch.device("meta")
+    model._apply._compute = fake
+    for guard in model._apply._layers:
+        guard._compute = fake
+    assert model.to("cpu") is model
+    assert handle.suspended and handle.stats()["device_bytes"] == 0
+    with pytest.raises(LayerstreamError, match=r"suspended.*handle\.resume\(\) or model\.to\("):
+        model(x)
+    assert model.cpu() is model and model.float() is model and handle.suspended
+    with pytest.raises(LayerstreamError, match=r"would move them elsewhere or change their dtype.*"
+                                               r"model\.to\('cpu'\) on the whole model.*handle\.resume\(\)"):
+        model.to("cpu", torch.float16)
+    with pytest.raises(LayerstreamError, match=r"streamed layer '0'.*handle\.suspend\(\)"):
+        model[0].to("cpu")  # a part of the model
+    assert handle.suspended
+    handle.resume()
+    assert not handle.suspended and handle.stats()["device_bytes"] > 0
+    assert torch.equal(model(x), want)
+    handle.detach()
 
 
 def test_suspend_moves_each_device_tensor_once_with_its_gradient():

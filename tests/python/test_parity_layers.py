@@ -333,10 +333,12 @@ class _OutOfOrder(nn.Module):
 
 
 def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_dev, compute_device):
-    """handle.suspend() between training steps frees the streaming slots and moves
+    """handle.suspend() (on CUDA: model.to("cpu")) between training steps frees the
+    streaming slots and moves
     what lives on the compute device (the layer the budget kept resident, the
     BatchNorm's parameters and running statistics, their gradients) to host
-    memory; calls are refused until handle.resume(), which puts everything back.
+    memory; calls are refused until handle.resume() (model.to(<compute device>)),
+    which puts everything back.
     The steps after it equal the resident model's (bit for bit on the sim device)
     and the first one prefetches by the fetch order learnt before (as many hits
     as the step before suspend())."""
@@ -387,7 +389,10 @@ def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_de
     assert slots >= 2 * layer
     allocated = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
 
-    handle.suspend()
+    if dev.type == "cuda":  # as accelerate's and diffusers' CPU offload hooks do
+        assert model.to("cpu") is model
+    else:  # the sim device computes on the host: to("cpu") is no move there
+        handle.suspend()
     assert handle.suspended and handle.stats()["device_bytes"] == 0
     for n, t in tensors().items():
         assert t.device.type == "cpu", n
@@ -401,7 +406,10 @@ def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_de
         getattr(model, handle.layers[0])(x)  # a streamed layer called alone
     handle.suspend()  # already suspended: nothing to do
 
-    handle.resume()
+    if dev.type == "cuda":
+        assert model.to(dev) is model
+    else:
+        handle.resume()
     assert not handle.suspended and handle.stats()["device_bytes"] == slots
     assert {n for n, t in tensors().items() if t.device == dev} == on_device
     assert model.norm.weight.grad.device == dev
