@@ -299,9 +299,16 @@ void EngineImpl::build_scheduler_locked() {
   if (tracer_) sched_->set_trace(tracer_);
 }
 
-void EngineImpl::retire_scheduler_locked() {
+void EngineImpl::retire_scheduler_locked(std::vector<int>* trace) {
   if (!sched_) return;
   sched_->quiesce();
+  sched_->begin_step();  // the step under way ends here: its counters join the history
+  for (StepStats s : sched_->step_stats()) {
+    s.step += carried_.steps;  // numbered on from the schedulers before
+    carried_steps_.push_back(s);
+  }
+  while (carried_steps_.size() > 4096) carried_steps_.pop_front();  // as the scheduler's own
+  if (trace) *trace = sched_->trace();
   const SchedulerStats st = sched_->stats();
   carried_.steps += st.steps;
   carried_.acquires += st.acquires;
@@ -344,9 +351,8 @@ void EngineImpl::suspend() {
     LS_CHECK(pool.num_free() == pool.num_slots(), "suspend(): ", pool.num_slots() - pool.num_free(),
              " device slot(s) are in use: a streamed layer is computing (on another thread?); suspend "
              "after the forward or backward that uses them returns");
-    suspended_trace_ = sched_->trace();
   }
-  retire_scheduler_locked();
+  retire_scheduler_locked(&suspended_trace_);
   suspended_ = true;
 }
 

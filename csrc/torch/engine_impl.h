@@ -412,8 +412,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   bool share_weight_locked(LayerInfo& info, quant::Format format);
   void build_scheduler_locked();
   // Quiesces and drops the scheduler (its slot arena), carrying its counters
-  // over; the next ensure_scheduler() builds a new one.
-  void retire_scheduler_locked();
+  // and per-step history over (the step under way ends); the next
+  // ensure_scheduler() builds a new one. `trace`: receives its fetch order.
+  void retire_scheduler_locked(std::vector<int>* trace = nullptr);
   // The host tier (engine_host_tier.cpp): fills `s.staged` (and size-only
   // parts) when the layer is on disk or a part of it is pageable in the store.
   void staged_sources_locked(const LayerInfo& l, LayerSpec& s);
@@ -545,8 +546,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::atomic<bool> cast_warned_{false};
   bool detached_ = false;
   std::shared_ptr<TraceRecorder> tracer_;
-  // counters carried over scheduler rebuilds
+  // counters and completed steps carried over scheduler rebuilds
   SchedulerStats carried_;
+  std::deque<StepStats> carried_steps_;
   // suspend(): no scheduler until resume(), which replays this fetch order.
   bool suspended_ = false;
   std::vector<int> suspended_trace_;

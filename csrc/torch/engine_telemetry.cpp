@@ -80,12 +80,18 @@ void EngineImpl::trace_end(Stream s, const std::shared_ptr<double>& start, const
 std::vector<std::pair<StepStats, double>> EngineImpl::step_stats() const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   std::vector<std::pair<StepStats, double>> out;
-  if (!sched_) return out;
-  for (const StepStats& st : sched_->step_stats()) {
+  auto add = [&](const StepStats& st) {
     const double overlap = tracer_ ? tracer_->overlap_fraction("transfer", "compute", st.start_us, st.end_us)
                                    : std::numeric_limits<double>::quiet_NaN();
     out.emplace_back(st, overlap);
-  }
+  };
+  for (const StepStats& st : carried_steps_) add(st);  // schedulers before this one (suspend(), new layers)
+  if (sched_)
+    for (StepStats st : sched_->step_stats()) {
+      st.step += carried_.steps;
+      add(st);
+    }
+  if (out.size() > 4096) out.erase(out.begin(), out.end() - 4096);
   return out;
 }
 

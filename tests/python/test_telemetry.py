@@ -34,6 +34,25 @@ def test_step_stats_count_bytes_stall_and_overlap():
     assert h.ordering_errors() == []
 
 
+def test_step_stats_go_on_across_suspend_and_resume():
+    """suspend() ends the step under way and resume() starts a new scheduler: the
+    per-step history keeps every step, numbered on, and the timeline keeps its
+    overlap figures for the steps before."""
+    m, h = run_steps(steps=2)
+    h.suspend()
+    h.resume()
+    x = torch.randn(16, 256, requires_grad=True)
+    for _ in range(2):
+        m(x).sum().backward()
+    steps = h.step_stats()
+    assert [s["step"] for s in steps] == [0, 1, 2]  # the fourth ends at the next boundary
+    assert h.stats()["steps"] == 4
+    layer_bytes = 256 * 256 * 4 + 256 * 4
+    for s in steps:
+        assert s["d2h_bytes"] == 6 * layer_bytes and 0.0 <= s["overlap_fraction"] <= 1.0
+    assert h.ordering_errors() == []
+
+
 def test_trace_export_is_valid_chrome_json_with_lanes_and_slices(tmp_path):
     m, h = run_steps()
     path = tmp_path / "trace.json"
