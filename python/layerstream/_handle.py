@@ -257,12 +257,12 @@ class Handle(_RefusesCopy):
         engine.suspend()  # first: it refuses while a layer computes
         moved, hook = [], None
         if self._model is not None:
-            compute = self.compute_device
-            if compute.type != "cpu":  # the sim device computes on the host: nothing to move
-                moved = _moved_off(self._model, compute, lambda t: t.to("cpu"))
             hook = self._model.register_forward_pre_hook(
                 functools.partial(_refuse_while_suspended, str(self.compute_device)), prepend=True)
-        self._suspended = (moved, hook)
+        self._suspended = (moved, hook)  # before moving: resume() undoes a move that raised half-way
+        compute = self.compute_device
+        if self._model is not None and compute.type != "cpu":  # the sim device computes on the host
+            _moved_off(self._model, compute, lambda t: t.to("cpu"), moved)
 
     def resume(self) -> None:
         """Undoes ``suspend()``: allocates the streaming slots again (an error,
@@ -394,12 +394,12 @@ def _refuse_while_suspended(compute: str, module, args):
         f"on the host, handle.detach() first)")
 
 
-def _moved_off(model: nn.Module, device: torch.device, move) -> list:
+def _moved_off(model: nn.Module, device: torch.device, move, moved: list) -> list:
     """Moves every parameter (and its .grad) and buffer of `model` that lives on
     `device` by `move` (tensor -> its copy in host memory), keeping the
     parameters' identities (their .data changes, as nn.Module.to does); a tensor
-    registered twice moves once. Returns what moved, for _move_back."""
-    moved = []
+    registered twice moves once. Appends what moved to `moved` as it goes (for
+    _move_back) and returns it."""
     done = {}  # id(old buffer) -> its host copy
     with torch.no_grad():
         for module in model.modules():

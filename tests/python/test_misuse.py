@@ -413,7 +413,7 @@ def test_suspend_moves_each_device_tensor_once_with_its_gradient():
     ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     old = {id(p): (ptr(p), ptr(p.grad)) for p in params}
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    moved = _moved_off(model, torch.device("cpu"), lambda t: t.clone())
+    moved = _moved_off(model, torch.device("cpu"), lambda t: t.clone(), [])
     assert all(p is q for p, q in zip(model.parameters(), params))
     for n, p in model.named_parameters():
         assert ptr(p) != old[id(p)][0] and ptr(p.grad) != old[id(p)][1], n
