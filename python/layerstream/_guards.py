@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -139,56 +139,18 @@ class _StreamedApply:
         return module
 
 
-def _pure_move(fn) -> Optional[torch.device]:
-    """The device a conversion moves tensors to when that is all it does (the
-    floating-point dtypes kept), else None (a dtype change, or no move at all:
-    ``.float()`` keeps a meta tensor where it is)."""
-    try:
-        out = fn(torch.empty(0, device="meta"))
-        if isinstance(out, torch.Tensor) and out.is_meta:
-            return None
-    except Exception:  # noqa: BLE001 - a move: meta tensors cannot be copied out
-        pass
-    device = None
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        try:
-            out = fn(torch.empty(0, dtype=dtype))
-        except Exception:  # noqa: BLE001 - e.g. .cuda() without a GPU
-            return None
-        if not isinstance(out, torch.Tensor) or out.dtype != dtype:
-            return None
-        device = out.device
-    return device
-
-
 class _RootApply:
     """The ``_apply`` offload() installs on the model it was given: checks every
     streamed layer first, so that a refused conversion (``model.half()``) raises
     before any part of the model changed, then converts as nn.Module does (the
-    streamed layers' own _StreamedApply keeps their weights as they are).
+    streamed layers' own _StreamedApply keeps their weights as they are)."""
 
-    With the offload() handle (a weak reference): a move of the whole model to
-    the host while it computes on another device (``model.to("cpu")``, what
-    accelerate's and diffusers' CPU offload hooks and training scripts do to free
-    device memory) suspends the handle instead, and a move back to the compute
-    device resumes it (docs/design/streaming-core.md, "Suspend")."""
+    __slots__ = ("_model", "_layers")
 
-    __slots__ = ("_model", "_layers", "_handle", "_compute")
-
-    def __init__(self, model: nn.Module, layers: list, handle=None, compute: Optional[torch.device] = None):
+    def __init__(self, model: nn.Module, layers: list):
         self._model, self._layers = model, layers
-        self._handle = weakref.ref(handle) if handle is not None else None
-        self._compute = compute
 
     def __call__(self, fn, recurse=True):
-        handle = self._handle() if self._handle is not None else None
-        if handle is not None and handle._engine is not None and self._compute.type != "cpu":
-            target = _pure_move(fn)
-            if target is not None and target.type == "cpu":
-                handle.suspend()
-                return self._model
-            if target == self._compute and handle.suspended:
-                handle.resume()  # then converts as below (nothing left to move)
         # The verdict depends on the conversion and the dtype only: probe each
         # dtype once for all layers (their own _apply then finds it too).
         verdicts = {}
@@ -201,3 +163,48 @@ class _RootApply:
         finally:
             for layer in self._layers:
                 layer._verdicts = None
+
+
+def _requested_move(kind: str, args, kwargs) -> Tuple[Optional[torch.device], bool]:
+    """What ``model.<kind>(*args, **kwargs)`` asks for (kind: "to", "cpu" or
+    "cuda"): the device it moves to (None: none), and whether it changes nothing
+    else (no dtype, tensor or memory format given)."""
+    if kind == "cpu":
+        return torch.device("cpu"), not args and not kwargs
+    if kind == "cuda":
+        index = args[0] if args else kwargs.get("device")
+        if isinstance(index, torch.device):
+            return index, len(args) + len(kwargs) <= 1
+        return torch.device("cuda") if index is None else torch.device("cuda", index), len(args) + len(kwargs) <= 1
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype is None and memory_format is None
+
+
+class _HostMove:
+    """``model.to`` / ``.cpu`` / ``.cuda`` of a model offload() streams on another
+    device than the host (instance attributes; docs/design/streaming-core.md,
+    "Suspend"): a plain move of the whole model to the host (what accelerate's and
+    diffusers' CPU offload hooks and training scripts freeing memory for sampling
+    call) suspends the handle, and a plain move to the compute device resumes it,
+    then converts as usual; anything else is the class's own method (whose
+    refusals stand)."""
+
+    __slots__ = ("_kind", "_model", "_handle", "_compute")
+
+    def __init__(self, kind: str, model: nn.Module, handle, compute: torch.device):
+        self._kind = kind
+        self._model = weakref.ref(model)
+        self._handle = weakref.ref(handle)
+        self._compute = compute
+
+    def __call__(self, *args, **kwargs):
+        model, handle = self._model(), self._handle()
+        if handle is not None and handle._engine is not None:
+            device, plain = _requested_move(self._kind, args, kwargs)
+            if plain and device is not None and device.type == "cpu":
+                handle.suspend()
+                return model
+            if plain and device is not None and device.type == self._compute.type and \
+                    device.index in (None, self._compute.index) and handle.suspended:
+                handle.resume()
+        return getattr(type(model), self._kind)(model, *args, **kwargs)

@@ -12,7 +12,7 @@ from . import _C
 from ._discovery import _WHOLE_GROUPS
 from ._file_weight import FileWeight
 from ._forward import _RefusesCopy
-from ._guards import _RootApply
+from ._guards import _HostMove, _RootApply
 
 LayerstreamError = _C.LayerstreamError
 
@@ -77,6 +77,8 @@ class Handle(_RefusesCopy):
         self._group_model = None
         self._ddp_model = None  # the model whose DDP ignore list has the streamed parameters
         self._model = None  # the model offload() was given
+        # The names of the _HostMove methods offload() set on it ("to", "cpu", "cuda").
+        self._host_moves = []
         # suspend(): what it moved to host memory, to move back in resume(), and the
         # forward pre-hook that refuses calls meanwhile; None when not suspended.
         self._suspended = None
@@ -371,6 +373,10 @@ class Handle(_RefusesCopy):
                 del a.module._layerstream_handle
         if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
             del self._root.__dict__["_apply"]
+        for kind in self._host_moves:
+            if self._root is not None and isinstance(self._root.__dict__.get(kind), _HostMove):
+                del self._root.__dict__[kind]
+        self._host_moves = []
         for layer, value in self._fused_off:
             layer.activation_relu_or_gelu = value
         self._fused_off = []

@@ -18,7 +18,7 @@ from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage
 from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
-from ._guards import _RootApply, _StreamedApply, _requantize_on_load
+from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load
 from . import _distributed, _peft_params
 from ._activations import ActivationOffload, parse_activations
 from ._handle import Handle, _Attached
@@ -464,9 +464,13 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
             if id(module) not in streamed_ids:
                 _WHOLE_GROUPS.discard(module)
         if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
-            model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners],
-                                      handle, compute_device)
+            model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
             handle._root = model
+            if compute_device.type != "cpu":  # model.to("cpu") suspends (the sim device computes on the host)
+                for kind in ("to", "cpu", "cuda"):
+                    if kind not in model.__dict__:
+                        setattr(model, kind, _HostMove(kind, model, handle, compute_device))
+                        handle._host_moves.append(kind)
         # Resident weights to the compute device (device memory can run out here; the
         # tensors already moved stay there, on the device the model was meant for).
         _move_resident(model, streamed_params, compute_device)

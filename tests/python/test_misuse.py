@@ -367,35 +367,57 @@ def test_detach_of_a_suspended_model_restores_it_without_allocating_the_slots():
 def test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_resumes():
     """What accelerate's and diffusers' CPU offload hooks (and training scripts
     freeing memory for sampling) do: model.to("cpu"), later model.to(<compute
-    device>). On a model computing elsewhere the first suspends the handle, the
-    second resumes it; a submodule's move or a dtype change with the move stays
-    refused, naming both ways. The sim device computes on the host, where
-    to("cpu") moves nothing: the guards are told another compute device (meta;
-    no tensor moves there without being refused, so the way back is resume() here,
-    and model.to(<compute device>) in the parity test on a GPU)."""
+    device>). On a model computing on a GPU, offload() makes the first suspend the
+    handle and the second resume it; anything more than a plain move stays the
+    class's own conversion (refused as before, naming both ways). The sim device
+    computes on the host, so offload() leaves its model's methods alone; here they
+    are installed as for a model computing on another device (meta), and the parity
+    test runs the real thing on a GPU."""
+    from layerstream._guards import _HostMove
     model = _mlp()
     handle = layerstream.offload(model, device="sim")
+    assert "to" not in model.__dict__  # computes on the host: nothing installed
     x = torch.randn(3, 32)
     want = model(x)
     fake = torch.device("meta")
-    model._apply._compute = fake
-    for guard in model._apply._layers:
-        guard._compute = fake
+    for kind in ("to", "cpu", "cuda"):
+        setattr(model, kind, _HostMove(kind, model, handle, fake))
+    handle._host_moves = ["to", "cpu", "cuda"]
     assert model.to("cpu") is model
     assert handle.suspended and handle.stats()["device_bytes"] == 0
     with pytest.raises(LayerstreamError, match=r"suspended.*handle\.resume\(\) or model\.to\("):
         model(x)
-    assert model.cpu() is model and model.float() is model and handle.suspended
+    assert model.cpu() is model and model.to(device="cpu") is model and handle.suspended
+    assert model.share_memory() is model and handle.suspended  # not a move
     with pytest.raises(LayerstreamError, match=r"would move them elsewhere or change their dtype.*"
                                                r"model\.to\('cpu'\) on the whole model.*handle\.resume\(\)"):
-        model.to("cpu", torch.float16)
-    with pytest.raises(LayerstreamError, match=r"streamed layer '0'.*handle\.suspend\(\)"):
-        model[0].to("cpu")  # a part of the model
+        model.to("cpu", torch.float16)  # more than a move: the class's own
     assert handle.suspended
-    handle.resume()
+    # A plain move to the compute device resumes, then converts as nn.Module does:
+    # refused here, where the streamed layers compute on the host, not on meta.
+    with pytest.raises(LayerstreamError, match="would move them elsewhere"):
+        model.to("meta")
     assert not handle.suspended and handle.stats()["device_bytes"] > 0
     assert torch.equal(model(x), want)
     handle.detach()
+    assert not {"to", "cpu", "cuda"} & set(model.__dict__)
+
+
+def test_requested_moves_are_read_as_torch_reads_them():
+    """_HostMove's reading of model.to/cpu/cuda arguments: the device, and whether
+    the call asks for nothing else."""
+    from layerstream._guards import _requested_move
+    cpu, cuda, cuda1 = torch.device("cpu"), torch.device("cuda"), torch.device("cuda", 1)
+    assert _requested_move("to", ("cpu",), {}) == (cpu, True)
+    assert _requested_move("to", (), {"device": "cuda:1"}) == (cuda1, True)
+    assert _requested_move("to", ("cpu", torch.float16), {}) == (cpu, False)
+    assert _requested_move("to", (torch.bfloat16,), {}) == (None, False)
+    assert _requested_move("to", (), {"memory_format": torch.channels_last}) == (None, False)
+    assert _requested_move("to", ("cuda",), {"non_blocking": True}) == (cuda, True)
+    assert _requested_move("cpu", (), {}) == (cpu, True)
+    assert _requested_move("cuda", (), {}) == (cuda, True)
+    assert _requested_move("cuda", (1,), {}) == (cuda1, True)
+    assert _requested_move("cuda", (), {"device": cuda1}) == (cuda1, True)
 
 
 def test_suspend_moves_each_device_tensor_once_with_its_gradient():
