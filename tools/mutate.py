@@ -516,6 +516,18 @@ MUTATIONS = [
         [P + "test_misuse.py::test_suspend_moves_each_device_tensor_once_with_its_gradient"],
         "suspend() moves a resident parameter to the host and leaves its gradient on the device"),
     Mutation(
+        "to-cpu-does-not-suspend", "python/layerstream/_guards.py",
+        "                handle.suspend()\n                return model",
+        "                pass",
+        [P + "test_misuse.py::test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_resumes"],
+        "model.to('cpu') of a model streamed to a GPU keeps its device memory (or is refused)"),
+    Mutation(
+        "to-compute-does-not-resume", "python/layerstream/_guards.py",
+        "                handle.resume()\n        return getattr",
+        "                pass\n        return getattr",
+        [P + "test_misuse.py::test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_resumes"],
+        "model.to(<compute device>) after model.to('cpu') leaves the model suspended"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -397,8 +397,8 @@ def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_de
     for n, t in tensors().items():
         assert t.device.type == "cpu", n
     assert model.norm.weight.grad.device.type == "cpu"
-    if dev.type == "cuda":  # the slots, the resident layer (with its gradient) and the norm left
-        assert allocated - torch.cuda.memory_allocated(dev) >= slots + 2 * layer
+    if dev.type == "cuda":  # torch's allocator: the resident layer (with its gradient) and the norm left
+        assert allocated - torch.cuda.memory_allocated(dev) >= 2 * layer  # (the slots are the engine's own)
     x = _randn((5, 32), dev)
     with pytest.raises(LayerstreamError, match=r"suspended.*handle\.resume\(\)"):
         model(x)
