@@ -528,6 +528,12 @@ MUTATIONS = [
         [P + "test_misuse.py::test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_resumes"],
         "model.to(<compute device>) after model.to('cpu') leaves the model suspended"),
     Mutation(
+        "compat-to-cpu-keeps-the-slots", "python/layerstream/compat.py",
+        "            if device.type == \"cpu\":  # the original kept no device memory there: free the slots too\n                self.engine.suspend()",
+        "            if device.type == \"cpu\":  # the original kept no device memory there: free the slots too\n                pass",
+        [P + "test_compat_aitoolkit.py::test_to_the_cpu_frees_the_slots_and_back_to_the_gpu_resumes"],
+        "compat: model.to('cpu') of a model attached for a GPU keeps the engine's slots"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -328,9 +328,10 @@ void EngineImpl::ensure_scheduler() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; its layers run their original "
            "forward now. Call offload() again to stream them.");
-  LS_CHECK(!suspended_, "this layerstream handle is suspended (handle.suspend(): its device memory was "
-           "freed); call handle.resume() (C++: OffloadHandle::resume()) before running the model. A "
-           "backward of a graph recorded before suspend() needs resume() too.");
+  LS_CHECK(!suspended_, "this layerstream handle is suspended: its device memory was freed (handle.suspend(), "
+           "or model.to('cpu') of a model streamed to a GPU); resume it (handle.resume(), or model.to(<compute "
+           "device>); C++: OffloadHandle::resume()) before running the model. A backward of a graph recorded "
+           "before the suspension needs it too.");
   if (!sched_) build_scheduler_locked();
 }
 

@@ -336,7 +336,9 @@ class MemoryManager:
 
     def memory_managed_to(self, *args, **kwargs):
         """``module.to(...)`` after attach, as the original's: a device moves what is not
-        streamed (streamed weights stay in host memory); a dtype converts everything,
+        streamed (streamed weights stay in host memory; a move to the CPU of a model
+        attached for a GPU also frees the engine's slots until a move back to that
+        GPU, and the model cannot run meanwhile); a dtype converts everything,
         the streamed layers too, which are then streamed again in that dtype (while
         that runs, their weights are held twice in host memory). Quantized streamed
         layers keep their dtype (their libraries refuse to change it): a dtype other
@@ -375,6 +377,12 @@ class MemoryManager:
             if self._root_apply is not None:
                 self._root_apply = _RootApply(self.module, [lm.module._apply for lm in self._layers])
                 self.module._apply = self._root_apply
+        compute = torch.device(self.engine.compute_device)
+        if device is not None and compute.type != "cpu":  # docs/design/streaming-core.md, "Suspend"
+            if device.type == "cpu":  # the original kept no device memory there: free the slots too
+                self.engine.suspend()
+            elif device.type == compute.type and device.index in (None, compute.index):
+                self.engine.resume()
         _move_resident(self.module, self._streamed_ids(), device, dtype=dtype, non_blocking=non_blocking)
         return self.module
 

@@ -203,6 +203,42 @@ def test_to_a_device_moves_what_is_not_streamed_only():
         assert torch.equal(model(x_input()), ref(x_input()))
 
 
+def test_to_the_cpu_frees_the_slots_and_back_to_the_gpu_resumes():
+    """ai-toolkit's low-VRAM sampling moves models to the CPU and back: on a model
+    attached for a GPU, model.to("cpu") also suspends the engine (its slots freed;
+    the original kept no device memory there) and a move back to that device
+    resumes it. Here the engine computes on the host (sim), so it is made to report
+    another compute device (meta)."""
+    model, ref = toy(), toy()
+    mgr = MemoryManager.attach(model, "cpu")
+
+    class Elsewhere:  # the engine, reporting a compute device other than the host
+        compute_device = "meta"
+
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+    engine = mgr.engine
+    mgr.engine = Elsewhere(engine)
+    assert model.to("cpu") is model
+    assert engine.suspended and engine.stats()["device_bytes"] == 0
+    with pytest.raises(LayerstreamError, match=r"suspended.*model\.to\(<compute device>\)"):
+        with torch.no_grad():
+            model(x_input())
+    # Back to the compute device: resumed first, then the rest moves (which torch
+    # refuses here: a CPU parameter's data cannot become a meta tensor).
+    with pytest.raises(RuntimeError, match="incompatible tensor type"):
+        model.to("meta")
+    assert not engine.suspended and engine.stats()["device_bytes"] > 0
+    mgr.engine = engine
+    with torch.no_grad():
+        assert torch.equal(model(x_input()), ref(x_input()))
+    MemoryManager.detach(model)
+
+
 def test_detach_undoes_attach_and_a_new_attach_works():
     model, ref = toy(), toy()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
