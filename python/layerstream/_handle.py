@@ -280,8 +280,7 @@ class Handle(_RefusesCopy):
         self._end_suspension()
 
     def _end_suspension(self) -> None:
-        moved, hook = self._suspended
-        _move_back(moved)
+        hook = self._suspended[1]
         if hook is not None:
             hook.remove()
         self._suspended = None
@@ -292,6 +291,7 @@ class Handle(_RefusesCopy):
         parts are moved back first)."""
         engine = self._check()
         if self._suspended is not None:  # the resident parts back; no slots for detach
+            _move_back(self._suspended[0])
             self._end_suspension()
         devices = []
         dense = {}
