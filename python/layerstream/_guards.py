@@ -1,5 +1,6 @@
 """What keeps an offloaded model consistent: model.to()/.half() on streamed layers
-(_StreamedApply, _RootApply) and load_state_dict() into packed weights.
+(_StreamedApply, _RootApply), model.to("cpu") and back as suspend and resume
+(_HostMove) and load_state_dict() into packed weights.
 """
 from __future__ import annotations
 
