@@ -390,7 +390,8 @@ class Handle(_RefusesCopy):
     def __repr__(self):
         if self._engine is None:
             return "<layerstream.Handle (detached)>"
-        return f"<layerstream.Handle device={self.device} layers={len(self._attached)}>"
+        return (f"<layerstream.Handle device={self.device} layers={len(self._attached)}"
+                f"{' (suspended)' if self.suspended else ''}>")
 
 
 def _refuse_while_suspended(compute: str, module, args):

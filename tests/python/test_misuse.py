@@ -384,7 +384,7 @@ def test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_res
         setattr(model, kind, _HostMove(kind, model, handle, fake))
     handle._host_moves = ["to", "cpu", "cuda"]
     assert model.to("cpu") is model
-    assert handle.suspended and handle.stats()["device_bytes"] == 0
+    assert handle.suspended and handle.stats()["device_bytes"] == 0 and "(suspended)" in repr(handle)
     with pytest.raises(LayerstreamError, match=r"suspended.*handle\.resume\(\) or model\.to\("):
         model(x)
     assert model.cpu() is model and model.to(device="cpu") is model and handle.suspended
