@@ -70,8 +70,9 @@ class _StreamedApply:
 
     # What the refusal tells offload() users to do instead.
     OFFLOAD_REMEDY = ("Convert the model before offload(), or call handle.detach() first (to free "
-                      "the device memory for a while: model.to('cpu') on the whole model, or "
-                      "handle.suspend(); then model.to(<compute device>) or handle.resume()).")
+                      "the device memory for a while: model.to('cpu') on the model given to offload() "
+                      "(not a part of it, nor a torch.compile wrapper), or handle.suspend(); then "
+                      "model.to(<compute device>) or handle.resume()).")
 
     def __init__(self, module: nn.Module, compute_device: torch.device, name: str,
                  keys: Sequence[str] = ("weight", "bias"), remedy: str = OFFLOAD_REMEDY):
