@@ -71,7 +71,8 @@ class _StreamedApply:
     # What the refusal tells offload() users to do instead.
     OFFLOAD_REMEDY = ("Convert the model before offload(), or call handle.detach() first (to free "
                       "the device memory for a while: model.to('cpu') on the model given to offload() "
-                      "(not a part of it, nor a torch.compile wrapper), or handle.suspend(); then "
+                      "(not a part of it, nor a module made around it later: torch.compile, peft), or "
+                      "handle.suspend(); then "
                       "model.to(<compute device>) or handle.resume()).")
 
     def __init__(self, module: nn.Module, compute_device: torch.device, name: str,
