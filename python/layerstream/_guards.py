@@ -183,6 +183,12 @@ def _requested_move(kind: str, args, kwargs) -> Tuple[Optional[torch.device], bo
     return device, dtype is None and memory_format is None
 
 
+def _is_compute(device: torch.device, compute: torch.device) -> bool:
+    """Whether a requested device is the compute device (a CUDA device named
+    without an index is taken as it)."""
+    return device.type == compute.type and device.index in (None, compute.index)
+
+
 class _HostMove:
     """``model.to`` / ``.cpu`` / ``.cuda`` of a model offload() streams on another
     device than the host (instance attributes; docs/design/streaming-core.md,
@@ -207,7 +213,6 @@ class _HostMove:
             if plain and device is not None and device.type == "cpu":
                 handle.suspend()
                 return model
-            if plain and device is not None and device.type == self._compute.type and \
-                    device.index in (None, self._compute.index) and handle.suspended:
+            if plain and device is not None and _is_compute(device, self._compute) and handle.suspended:
                 handle.resume()
         return getattr(type(model), self._kind)(model, *args, **kwargs)

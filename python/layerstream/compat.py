@@ -70,7 +70,7 @@ import torch.nn as nn
 from . import _C, _peft_params
 from ._discovery import (_conv_args, _dora_layers, _is_streamable, _resident_label, _resident_reason,
                          _warn_resident)
-from ._guards import _RootApply, _StreamedApply
+from ._guards import _RootApply, _StreamedApply, _is_compute
 from ._offload import _move_resident
 from ._prequant import _library_linear, _prequantized
 
@@ -381,7 +381,7 @@ class MemoryManager:
         if device is not None and compute.type != "cpu":  # docs/design/streaming-core.md, "Suspend"
             if device.type == "cpu":  # the original kept no device memory there: free the slots too
                 self.engine.suspend()
-            elif device.type == compute.type and device.index in (None, compute.index):
+            elif _is_compute(device, compute):
                 self.engine.resume()
         _move_resident(self.module, self._streamed_ids(), device, dtype=dtype, non_blocking=non_blocking)
         return self.module
