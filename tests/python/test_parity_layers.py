@@ -265,6 +265,35 @@ def test_linear_frozen_params_input_grad_only(offload_dev, compute_device):
     assert mod.weight.grad is None and mod.bias.grad is None
 
 
+def _same_or_close(exact: bool):
+    """same(a, b, what): bit for bit when exact (the sim device), else within what an
+    optimizer step on the host against one on the GPU allows."""
+    def same(a, b, what):
+        if exact:
+            assert _equal(a, b), what
+        else:
+            _close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    return same
+
+
+def _sgd_step_both(model, ref, opts, dev, same, label):
+    """One SGD step of the streamed model and its resident reference on the same
+    input: outputs, input gradients and every parameter's gradient compared."""
+    x = _randn((5, 32), dev).requires_grad_()
+    xr = clone_input(x)
+    for opt in opts:
+        opt.zero_grad()
+    y, yr = model(x), ref(xr)
+    same(y, yr, f"{label}: output")
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    same(x.grad, xr.grad, f"{label}: input grad")
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        same(p.grad, q.grad, f"{label}: {n}.grad")
+    for opt in opts:
+        opt.step()
+
+
 def test_resident_and_streamed_layers_in_one_model(offload_dev, compute_device):
     """A budget that holds two slots and two layers: the planner keeps two of the six
     Linear layers resident (the user's own modules on the compute device) and streams the
@@ -288,29 +317,10 @@ def test_resident_and_streamed_layers_in_one_model(offload_dev, compute_device):
     assert len(resident) == 2
     for n in resident:
         assert model.get_submodule(n).weight.device == dev  # resident: the user's module, moved
-    exact = dev.type == "cpu"
-
-    def same(a, b, what):
-        if exact:
-            assert _equal(a, b), what
-        else:
-            _close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
-
-    opt, opt_r = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    same = _same_or_close(dev.type == "cpu")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
     for step in range(3):
-        x = _randn((5, 32), dev).requires_grad_()
-        xr = clone_input(x)
-        opt.zero_grad()
-        opt_r.zero_grad()
-        y, yr = model(x), ref(xr)
-        same(y, yr, f"step {step}: output")
-        y.square().sum().backward()
-        yr.square().sum().backward()
-        same(x.grad, xr.grad, f"step {step}: input grad")
-        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            same(p.grad, q.grad, f"step {step}: {n}.grad")
-        opt.step()
-        opt_r.step()
+        _sgd_step_both(model, ref, opts, dev, same, f"step {step}")
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         same(p, q, n)
     assert handle.stats()["h2d_bytes"] >= 3 * 4 * layer  # the streamed four crossed every step
@@ -354,31 +364,12 @@ def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_de
     handle = offload_dev(model, budget=2 * slot_bytes(model.a) + layer + norm, prefetch=1)
     assert handle.stats()["resident_layers"] == 1 and len(handle.layers) == 3, handle.stats()
     [resident] = [n for n in "abcd" if n not in handle.layers]
-    exact = dev.type == "cpu"
-
-    def same(a, b, what):
-        if exact:
-            assert _equal(a, b), what
-        else:
-            _close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
-
-    opt, opt_r = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    same = _same_or_close(dev.type == "cpu")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
 
     def step(i):
         hits = handle.stats()["hits"]
-        x = _randn((5, 32), dev).requires_grad_()
-        xr = clone_input(x)
-        opt.zero_grad()
-        opt_r.zero_grad()
-        y, yr = model(x), ref(xr)
-        same(y, yr, f"step {i}: output")
-        y.square().sum().backward()
-        yr.square().sum().backward()
-        same(x.grad, xr.grad, f"step {i}: input grad")
-        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            same(p.grad, q.grad, f"step {i}: {n}.grad")
-        opt.step()
-        opt_r.step()
+        _sgd_step_both(model, ref, opts, dev, same, f"step {i}")
         return handle.stats()["hits"] - hits
 
     hits = [step(0), step(1)]
