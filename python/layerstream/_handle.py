@@ -248,9 +248,10 @@ class Handle(_RefusesCopy):
         """Frees the device memory the offloaded model holds, for a while (another
         model, a VAE decode, sampling): the streaming slots, and every parameter
         (with its ``.grad``) and buffer of the model on the compute device (layers
-        kept resident, norms, adapters) goes to host memory; the streamed weights
-        are there already. Until ``resume()``, calling the model is an error.
-        Optimizer states stay where they are: step after ``resume()``. Refused,
+        kept resident, norms, adapters) goes to host memory, with the states
+        ``layerstream.optim`` keeps for those parameters (torch's optimizers'
+        states stay where they are: step after ``resume()``); the streamed weights
+        are there already. Until ``resume()``, calling the model is an error. Refused,
         changing nothing, while a streamed layer is computing. Nothing to do when
         already suspended."""
         engine = self._check()
@@ -261,10 +262,13 @@ class Handle(_RefusesCopy):
         if self._model is not None:
             hook = self._model.register_forward_pre_hook(
                 functools.partial(_refuse_while_suspended, str(self.compute_device)), prepend=True)
-        self._suspended = (moved, hook)  # before moving: resume() undoes a move that raised half-way
+        states = []  # layerstream.optim's states of the moved parameters
+        self._suspended = (moved, hook, states)  # before moving: resume() undoes a move that raised half-way
         compute = self.compute_device
         if self._model is not None and compute.type != "cpu":  # the sim device computes on the host
-            _moved_off(self._model, compute, lambda t: t.to("cpu"), moved)
+            from .optim import _move_states_of
+            _moved_off(self._model, compute, _to_host, moved)
+            _move_states_of([t for t, owner, _, _ in moved if owner is None], compute, _to_host, states)
 
     def resume(self) -> None:
         """Undoes ``suspend()``: allocates the streaming slots again (an error,
@@ -275,9 +279,14 @@ class Handle(_RefusesCopy):
         engine = self._check()
         if self._suspended is None:
             return
-        _move_back(self._suspended[0])  # before the slots: a retry after an error redoes both
+        self._move_back()  # before the slots: a retry after an error redoes both
         engine.resume()
         self._end_suspension()
+
+    def _move_back(self) -> None:
+        from .optim import _move_states_back
+        _move_back(self._suspended[0])
+        _move_states_back(self._suspended[2])
 
     def _end_suspension(self) -> None:
         hook = self._suspended[1]
@@ -291,7 +300,7 @@ class Handle(_RefusesCopy):
         parts are moved back first)."""
         engine = self._check()
         if self._suspended is not None:  # the resident parts back; no slots for detach
-            _move_back(self._suspended[0])
+            self._move_back()
             self._end_suspension()
         devices = []
         dense = {}
@@ -392,6 +401,10 @@ class Handle(_RefusesCopy):
             return "<layerstream.Handle (detached)>"
         return (f"<layerstream.Handle device={self.device} layers={len(self._attached)}"
                 f"{' (suspended)' if self.suspended else ''}>")
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu")
 
 
 def _refuse_while_suspended(compute: str, module, args):

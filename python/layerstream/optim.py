@@ -30,6 +30,7 @@ dtypes other than float32 / bfloat16.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -62,6 +63,35 @@ class _EnterOrWarn:
                           "write `with opt.overlap(handle): loss.backward()`", RuntimeWarning, stacklevel=2)
 
 
+# Every live AdamW / Adafactor: Handle.suspend() moves their states of the parameters
+# it moves off the device (_move_states_of).
+_LIVE = weakref.WeakSet()
+
+
+def _move_states_of(params, device: torch.device, move, moved: list) -> list:
+    """Moves the state tensors on `device` that the live layerstream optimizers keep
+    for `params` by `move` (tensor -> its copy elsewhere), as Handle.suspend()
+    moves the parameters. Appends (state dict, key, device) to `moved` as it goes
+    (for _move_states_back) and returns it. torch's own optimizers are not seen."""
+    for opt in list(_LIVE):
+        for p in params:
+            st = opt.state.get(p)
+            for key, t in (st or {}).items():
+                if isinstance(t, torch.Tensor) and t.device == device:
+                    st[key] = move(t)
+                    moved.append((st, key, device))
+    return moved
+
+
+def _move_states_back(moved: list) -> None:
+    """Undoes _move_states_of: each of those states to the device it was on (also one
+    load_state_dict() put there meanwhile, beside its parameter then on the host)."""
+    for st, key, device in moved:
+        t = st.get(key)
+        if isinstance(t, torch.Tensor) and t.device != device:
+            st[key] = t.to(device)
+
+
 class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
     """What AdamW and Adafactor share: gradient collection and checks, the
     global clip (``max_grad_norm``), loss scaling and state loading."""
@@ -86,6 +116,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         self._budget_checked = False  # _warn_uncounted_training ran (at the first step)
         self._init_state_dicts()
         super().__init__(params, defaults)
+        _LIVE.add(self)
 
     @staticmethod
     def _run_closure(closure):

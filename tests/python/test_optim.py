@@ -1125,3 +1125,26 @@ def test_state_dict_between_an_overlapped_backward_and_its_step_is_an_error(offl
             call()
     opt.step()
     assert {float(s["step"]) for s in opt.state_dict()["state"].values()} == {2.0}
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "Adafactor"])
+def test_suspend_moves_the_states_of_the_moved_parameters(cls):
+    """What Handle.suspend() does to optimizer states (_move_states_of), seen on this
+    machine (one device) with a copy in place of the move: every state tensor a live
+    layerstream optimizer keeps on that device for the given parameters is replaced
+    (same values), the other parameters' and torch's optimizers' are not."""
+    from layerstream.optim import _move_states_of
+    a, b = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6))
+    opt = layerstream.optim.AdamW([a, b], lr=0.1) if cls == "AdamW" else layerstream.optim.Adafactor([a, b])
+    theirs = torch.optim.AdamW([a, b], lr=0.1)
+    (a.square().sum() + b.square().sum()).backward()
+    opt.step()
+    theirs.step()
+    mine_a, mine_b, their_a = dict(opt.state[a]), dict(opt.state[b]), dict(theirs.state[a])
+    moved = _move_states_of([a], torch.device("cpu"), lambda t: t.clone(), [])
+    tensors = {k for k, v in mine_a.items() if isinstance(v, torch.Tensor)}
+    assert {k for _, k, _ in moved} == tensors and len(tensors) >= 2
+    for k in tensors:
+        assert opt.state[a][k] is not mine_a[k] and torch.equal(opt.state[a][k], mine_a[k]), k
+    assert all(opt.state[b][k] is v for k, v in mine_b.items())
+    assert all(theirs.state[a][k] is v for k, v in their_a.items())

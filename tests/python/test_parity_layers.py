@@ -346,12 +346,13 @@ def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_de
     """handle.suspend() (on CUDA: model.to("cpu")) between training steps frees the
     streaming slots and moves
     what lives on the compute device (the layer the budget kept resident, the
-    BatchNorm's parameters and running statistics, their gradients) to host
-    memory; calls are refused until handle.resume() (model.to(<compute device>)),
+    BatchNorm's parameters and running statistics, their gradients and a
+    layerstream optimizer's states) to host memory; calls are refused until handle.resume() (model.to(<compute device>)),
     which puts everything back.
     The steps after it equal the resident model's (bit for bit on the sim device)
     and the first one prefetches by the fetch order learnt before (as many hits
     as the step before suspend())."""
+    import layerstream.optim
     from conftest import slot_bytes
     from layerstream import LayerstreamError
 
@@ -373,6 +374,11 @@ def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_de
         return handle.stats()["hits"] - hits
 
     hits = [step(0), step(1)]
+    # A layerstream optimizer's states follow their parameter (lr 0: the parity stands).
+    follower = layerstream.optim.AdamW([model.norm.weight], lr=0.0, weight_decay=0.0)
+    with pytest.warns(RuntimeWarning, match="beyond the budget"):  # offload() had no train=
+        follower.step()
+    exp_avg = lambda: follower.state[model.norm.weight]["exp_avg"]  # noqa: E731
     tensors = lambda: {**dict(model.named_parameters()), **dict(model.named_buffers())}  # noqa: E731
     on_device = {n for n, t in tensors().items() if t.device == dev}
     assert {f"{resident}.weight", "norm.weight", "norm.running_mean"} <= on_device
@@ -387,7 +393,7 @@ def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_de
     assert handle.suspended and handle.stats()["device_bytes"] == 0
     for n, t in tensors().items():
         assert t.device.type == "cpu", n
-    assert model.norm.weight.grad.device.type == "cpu"
+    assert model.norm.weight.grad.device.type == "cpu" and exp_avg().device.type == "cpu"
     if dev.type == "cuda":  # torch's allocator: the resident layer (with its gradient) and the norm left
         assert allocated - torch.cuda.memory_allocated(dev) >= 2 * layer  # (the slots are the engine's own)
     x = _randn((5, 32), dev)
@@ -403,7 +409,8 @@ def test_parity_suspend_frees_the_device_and_resume_continues_exactly(offload_de
         handle.resume()
     assert not handle.suspended and handle.stats()["device_bytes"] == slots
     assert {n for n, t in tensors().items() if t.device == dev} == on_device
-    assert model.norm.weight.grad.device == dev
+    assert model.norm.weight.grad.device == dev and exp_avg().device == dev
+    follower.step()
     hits.append(step(2))
     step(3)
     assert hits[2] == hits[1], hits  # the first step after resume() prefetched as before
