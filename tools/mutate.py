@@ -534,6 +534,12 @@ MUTATIONS = [
         [P + "test_compat_aitoolkit.py::test_to_the_cpu_frees_the_slots_and_back_to_the_gpu_resumes"],
         "compat: model.to('cpu') of a model attached for a GPU keeps the engine's slots"),
     Mutation(
+        "suspend-leaves-optimizer-states", "python/layerstream/optim.py",
+        "                    st[key] = move(t)\n",
+        "                    pass\n",
+        [P + "test_optim.py::test_suspend_moves_the_states_of_the_moved_parameters"],
+        "suspend() leaves layerstream.optim's states of the moved parameters on the device"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
