@@ -168,19 +168,19 @@ class _RootApply:
                 layer._verdicts = None
 
 
-def _requested_move(kind: str, args, kwargs) -> Tuple[Optional[torch.device], bool]:
+def _requested_move(kind: str, args, kwargs) -> Tuple[Optional[torch.device], Optional[torch.dtype], bool]:
     """What ``model.<kind>(*args, **kwargs)`` asks for (kind: "to", "cpu" or
-    "cuda"): the device it moves to (None: none), and whether it changes nothing
-    else (no dtype, tensor or memory format given)."""
+    "cuda"): the device it moves to (None: none), the dtype (None: none), and
+    whether it asks for a memory format too."""
     if kind == "cpu":
-        return torch.device("cpu"), not args and not kwargs
+        return torch.device("cpu"), None, False
     if kind == "cuda":
         index = args[0] if args else kwargs.get("device")
         if isinstance(index, torch.device):
-            return index, len(args) + len(kwargs) <= 1
-        return torch.device("cuda") if index is None else torch.device("cuda", index), len(args) + len(kwargs) <= 1
+            return index, None, False
+        return (torch.device("cuda") if index is None else torch.device("cuda", index)), None, False
     device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-    return device, dtype is None and memory_format is None
+    return device, dtype, memory_format is not None
 
 
 def _is_compute(device: torch.device, compute: torch.device) -> bool:
@@ -192,11 +192,12 @@ def _is_compute(device: torch.device, compute: torch.device) -> bool:
 class _HostMove:
     """``model.to`` / ``.cpu`` / ``.cuda`` of a model offload() streams on another
     device than the host (instance attributes; docs/design/streaming-core.md,
-    "Suspend"): a plain move of the whole model to the host (what accelerate's and
-    diffusers' CPU offload hooks and training scripts freeing memory for sampling
-    call) suspends the handle, and a plain move to the compute device resumes it,
-    then converts as usual; anything else is the class's own method (whose
-    refusals stand)."""
+    "Suspend"): a move of the whole model to the host that converts nothing else
+    (no dtype but the one every floating-point parameter has, no memory format;
+    what accelerate's and diffusers' CPU offload hooks and training scripts
+    freeing memory for sampling call) suspends the handle; a move to the compute
+    device resumes it, then converts as usual (``pipe.to("cuda", torch.bfloat16)``);
+    anything else is the class's own method (whose refusals stand)."""
 
     __slots__ = ("_kind", "_model", "_handle", "_compute")
 
@@ -209,10 +210,11 @@ class _HostMove:
     def __call__(self, *args, **kwargs):
         model, handle = self._model(), self._handle()
         if handle is not None and handle._engine is not None:
-            device, plain = _requested_move(self._kind, args, kwargs)
-            if plain and device is not None and device.type == "cpu":
+            device, dtype, memory_format = _requested_move(self._kind, args, kwargs)
+            if device is not None and device.type == "cpu" and not memory_format and (
+                    dtype is None or all(p.dtype == dtype for p in model.parameters() if p.is_floating_point())):
                 handle.suspend()
                 return model
-            if plain and device is not None and _is_compute(device, self._compute) and handle.suspended:
+            if device is not None and _is_compute(device, self._compute) and handle.suspended:
                 handle.resume()
         return getattr(type(model), self._kind)(model, *args, **kwargs)

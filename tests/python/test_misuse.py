@@ -388,15 +388,17 @@ def test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_res
     with pytest.raises(LayerstreamError, match=r"suspended.*handle\.resume\(\) or model\.to\("):
         model(x)
     assert model.cpu() is model and model.to(device="cpu") is model and handle.suspended
+    assert model.to("cpu", torch.float32) is model and handle.suspended  # the model's own dtype: a move
     assert model.share_memory() is model and handle.suspended  # not a move
     with pytest.raises(LayerstreamError, match=r"would move them elsewhere or change their dtype.*"
                                                r"model\.to\('cpu'\) on the model given to offload\(\).*handle\.resume\(\)"):
         model.to("cpu", torch.float16)  # more than a move: the class's own
     assert handle.suspended
-    # A plain move to the compute device resumes, then converts as nn.Module does:
-    # refused here, where the streamed layers compute on the host, not on meta.
+    # A move to the compute device resumes (with a dtype too: pipe.to("cuda",
+    # torch.bfloat16)), then converts as nn.Module does: refused here, where the
+    # streamed layers compute on the host, not on meta.
     with pytest.raises(LayerstreamError, match="would move them elsewhere"):
-        model.to("meta")
+        model.to("meta", torch.float32)
     assert not handle.suspended and handle.stats()["device_bytes"] > 0
     assert torch.equal(model(x), want)
     handle.detach()
@@ -404,20 +406,20 @@ def test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_res
 
 
 def test_requested_moves_are_read_as_torch_reads_them():
-    """_HostMove's reading of model.to/cpu/cuda arguments: the device, and whether
-    the call asks for nothing else."""
+    """_HostMove's reading of model.to/cpu/cuda arguments: the device, the dtype and
+    whether a memory format is asked for."""
     from layerstream._guards import _requested_move
     cpu, cuda, cuda1 = torch.device("cpu"), torch.device("cuda"), torch.device("cuda", 1)
-    assert _requested_move("to", ("cpu",), {}) == (cpu, True)
-    assert _requested_move("to", (), {"device": "cuda:1"}) == (cuda1, True)
-    assert _requested_move("to", ("cpu", torch.float16), {}) == (cpu, False)
-    assert _requested_move("to", (torch.bfloat16,), {}) == (None, False)
-    assert _requested_move("to", (), {"memory_format": torch.channels_last}) == (None, False)
-    assert _requested_move("to", ("cuda",), {"non_blocking": True}) == (cuda, True)
-    assert _requested_move("cpu", (), {}) == (cpu, True)
-    assert _requested_move("cuda", (), {}) == (cuda, True)
-    assert _requested_move("cuda", (1,), {}) == (cuda1, True)
-    assert _requested_move("cuda", (), {"device": cuda1}) == (cuda1, True)
+    assert _requested_move("to", ("cpu",), {}) == (cpu, None, False)
+    assert _requested_move("to", (), {"device": "cuda:1"}) == (cuda1, None, False)
+    assert _requested_move("to", ("cpu", torch.float16), {}) == (cpu, torch.float16, False)
+    assert _requested_move("to", (torch.bfloat16,), {}) == (None, torch.bfloat16, False)
+    assert _requested_move("to", (), {"memory_format": torch.channels_last}) == (None, None, True)
+    assert _requested_move("to", ("cuda",), {"non_blocking": True}) == (cuda, None, False)
+    assert _requested_move("cpu", (), {}) == (cpu, None, False)
+    assert _requested_move("cuda", (), {}) == (cuda, None, False)
+    assert _requested_move("cuda", (1,), {}) == (cuda1, None, False)
+    assert _requested_move("cuda", (), {"device": cuda1}) == (cuda1, None, False)
 
 
 def test_suspend_moves_each_device_tensor_once_with_its_gradient():
