@@ -258,13 +258,13 @@ class Handle(_RefusesCopy):
         if self._suspended is not None:
             return
         engine.suspend()  # first: it refuses while a layer computes
+        compute = self.compute_device
         moved, hook = [], None
         if self._model is not None:
             hook = self._model.register_forward_pre_hook(
-                functools.partial(_refuse_while_suspended, str(self.compute_device)), prepend=True)
+                functools.partial(_refuse_while_suspended, str(compute)), prepend=True)
         states = []  # layerstream.optim's states of the moved parameters
         self._suspended = (moved, hook, states)  # before moving: resume() undoes a move that raised half-way
-        compute = self.compute_device
         if self._model is not None and compute.type != "cpu":  # the sim device computes on the host
             from .optim import _move_states_of
             _moved_off(self._model, compute, _to_host, moved)
