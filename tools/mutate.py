@@ -540,6 +540,36 @@ MUTATIONS = [
         [P + "test_optim.py::test_suspend_moves_the_states_of_the_moved_parameters"],
         "suspend() leaves layerstream.optim's states of the moved parameters on the device"),
     Mutation(
+        "backward-end-begins-no-step", "csrc/core/scheduler.cpp",
+        "  wait_unused_prefetches();\n  begin_call();",
+        "  wait_unused_prefetches();",
+        [P + "test_training.py::test_steps_that_skip_the_first_layer_read_the_weights_the_optimizer_wrote",
+         P + "test_training.py::test_peft_merge_and_unload_after_training_computes_with_the_merged_weights",
+         "gtest:test_scheduler:*AfterABackwardTheNextForward*"],
+        "the forward after a backward continues the step when it skips the trace's first layer: "
+        "slots serve the weights from before the optimizer step"),
+    Mutation(
+        "a-call-begins-no-step", "python/layerstream/_handle.py",
+        "        if not torch.compiler.is_compiling():\n            self._engine.begin_call()",
+        "        pass",
+        [P + "test_training.py::test_a_data_write_between_calls_that_skip_the_first_layer_is_seen"],
+        "a call of the offloaded model that skips the trace's first layer shares the step (and the "
+        "cached weights) of the call before"),
+    Mutation(
+        "unexpected-refetch-begins-no-step", "csrc/core/scheduler.cpp",
+        " ||\n              (fetched_in_[static_cast<size_t>(layer)] == step_serial_ && !expected_later_locked(layer))",
+        "",
+        [P + "test_training.py::test_peft_merge_and_unload_after_training_computes_with_the_merged_weights",
+         "gtest:test_scheduler:*AFetchTheTraceDoesNotExpectAgain*"],
+        "an inner module called again (peft's unwrapped model after merge_and_unload) shares the step "
+        "of the call before and reads its cached weights"),
+    Mutation(
+        "write-version-unchecked", "csrc/core/scheduler.cpp",
+        "  const auto& version = opts_.content_version ? opts_.content_version : opts_.write_version;",
+        "  const auto& version = opts_.content_version;",
+        ["gtest:test_scheduler:*WriteVersionRefuses*"],
+        "cached content is reused within a step after an in-place (version-counted) write"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -72,6 +72,8 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
   }
   loaded_.assign(layers_.size(), -1);
   copied_version_.assign(layers_.size(), 0);
+  fetched_in_.assign(layers_.size(), 0);
+  if (opts_.content_version) opts_.write_version = nullptr;  // content_version checks every reuse
   std::vector<std::vector<StagedPart>> staged(layers_.size());
   bool any_staged = false;
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -128,17 +130,50 @@ void Scheduler::note_held_locked() {
   cur_step_.max_slots_held = std::max(cur_step_.max_slots_held, held);
 }
 
+// Note [When a step begins]
+// A step is one call of the model (its forward and, in training, the
+// backward that follows); nothing tells the scheduler when a call begins, so
+// it reads that from the fetches (auto_step). Content cached in slots is
+// dropped at a step boundary, because the host weights may change between
+// calls (an optimizer step, a merged LoRA, a user's write through `.data`),
+// so a missed boundary is not only a miscounted step: it serves a later call
+// the weights of an earlier one. The trace's first layer fetched again in the
+// forward phase is the common sign, but a call may skip that layer (a
+// conditional first block, a LoRA module that peft's merge_and_unload()
+// removed, an adapter disabled), and then the boundary never came: the
+// weights an optimizer had changed were read from the slots of the step
+// before. So the next forward fetch also begins a step
+//  * after the owner said a call begins (begin_call(): the engine's Python
+//    layer calls it from a forward pre-hook on the offloaded model), and
+//  * after a backward ended (backward_ended(), called before an optimizer
+//    may run), whichever layer it is; both are exact for what they see.
+// Replaying, a forward fetch of a layer already fetched in this step that the
+// rest of the trace does not expect begins one too (the next call of an inner
+// module the owner does not see, or a forward after one the trace did not
+// describe); a layer the trace fetches several times in a step (a shared
+// block in a loop) is expected, so such models keep their steps. Calls that
+// none of these separate (an inner module called again while the first step
+// is still being recorded) share a step: SchedulerOptions::write_version
+// then still catches in-place writes between them, not writes through
+// `.data` (which is why handle.synchronize() exists).
 void Scheduler::advance_trace_locked(int layer, Phase phase) {
+  const bool forward = opts_.auto_step && phase == Phase::Forward;
   if (recording_) {
-    if (opts_.auto_step && phase == Phase::Forward && !trace_.empty() && trace_.front() == layer) {
+    if (forward && !trace_.empty() && (trace_.front() == layer || boundary_due_)) {
       begin_step_locked();
     } else {
       if (trace_.size() < opts_.max_trace_length) trace_.push_back(layer), trace_gen_++;
+      if (forward) boundary_due_ = false;  // the first fetch of all
+      fetched_in_[static_cast<size_t>(layer)] = step_serial_;
       return;
     }
-  } else if (opts_.auto_step && phase == Phase::Forward && pos_ > 0 && trace_.front() == layer) {
+  } else if (forward && acquires_in_step_ > 0 &&
+             (boundary_due_ || (pos_ > 0 && trace_.front() == layer) ||
+              (fetched_in_[static_cast<size_t>(layer)] == step_serial_ && !expected_later_locked(layer)))) {
     begin_step_locked();
   }
+  if (forward) boundary_due_ = false;  // this fetch is the call's first, in any case
+  fetched_in_[static_cast<size_t>(layer)] = step_serial_;
   if (recording_) {  // first step just ended above
     return;
   }
@@ -162,6 +197,11 @@ void Scheduler::advance_trace_locked(int layer, Phase phase) {
     }
   }
   // Unknown layer: keep the position.
+}
+
+bool Scheduler::expected_later_locked(int layer) {
+  const int64_t d = next_use_cyclic_locked(layer);
+  return d >= 0 && static_cast<size_t>(d) < trace_.size() - std::min(pos_, trace_.size());
 }
 
 int Scheduler::next_use_distance_locked(int layer, size_t window) const {
@@ -291,7 +331,10 @@ void Scheduler::issue_copy_locked(int layer, int slot) {
   } else {
     backend_.record(st.ready, transfer_);
   }
-  if (opts_.content_version) copied_version_[static_cast<size_t>(layer)] = opts_.content_version(layer);
+  if (opts_.content_version)
+    copied_version_[static_cast<size_t>(layer)] = opts_.content_version(layer);
+  else if (opts_.write_version)
+    copied_version_[static_cast<size_t>(layer)] = opts_.write_version(layer);
   pool_->set_tag(slot, layer);
   loaded_[static_cast<size_t>(layer)] = slot;
   stats_.copies++;
@@ -304,9 +347,8 @@ void Scheduler::issue_copy_locked(int layer, int slot) {
 bool Scheduler::loaded_valid_locked(int layer) {
   const int s = loaded_[static_cast<size_t>(layer)];
   if (s < 0) return false;
-  if (!opts_.content_version ||
-      opts_.content_version(layer) == copied_version_[static_cast<size_t>(layer)])
-    return true;
+  const auto& version = opts_.content_version ? opts_.content_version : opts_.write_version;
+  if (!version || version(layer) == copied_version_[static_cast<size_t>(layer)]) return true;
   SlotState& st = slots_[static_cast<size_t>(s)];
   loaded_[static_cast<size_t>(layer)] = -1;
   if (st.use == Use::InUse) return false;  // its holder keeps reading the old copy
@@ -528,6 +570,16 @@ void Scheduler::wait_unused_prefetches() {
     if (st.use == Use::Prefetched) backend_.synchronize(st.ready);
 }
 
+void Scheduler::backward_ended() {
+  wait_unused_prefetches();
+  begin_call();
+}
+
+void Scheduler::begin_call() {
+  std::lock_guard<std::mutex> lock(mu_);
+  boundary_due_ = true;
+}
+
 Lease Scheduler::acquire_scratch(Stream user) {
   std::lock_guard<std::mutex> lock(mu_);
   // Take a slot without a pending copy if possible; the pool orders `user`
@@ -628,6 +680,8 @@ void Scheduler::begin_step_locked() {
     if (tracer_) cur_step_.start_us = tracer_->now_us();
   }
   acquires_in_step_ = 0;
+  boundary_due_ = false;
+  ++step_serial_;
   pos_ = 0;
   if (!opts_.content_version) drop_content_locked();
   if (stager_) stager_->forget_memory_layers();

@@ -11,7 +11,7 @@
 //    slots allow. Prefetches never cross the end of the trace (the step
 //    boundary), so no copy of step N+1 reads host weights the optimizer of
 //    step N is still writing; a guess that no one took is waited for when the
-//    backward ends (wait_unused_prefetches()).
+//    backward ends (backward_ended()).
 //  * When the actual order deviates (unknown layer, skipped layer, different
 //    order) it fetches on demand, resynchronises its position in the trace,
 //    and counts a deviation. A step that ran the whole trace and went on
@@ -28,10 +28,16 @@
 //    the transfer stream wait on the slot's free event. If every slot is held
 //    by a caller, acquire throws (it cannot wait without deadlocking the
 //    caller).
-//  * A new step starts at begin_step(), or automatically (auto_step) when the
-//    first layer of the trace is fetched again in the forward phase. At a step
-//    boundary, content cached in slots is forgotten (weights may have
-//    changed) unless SchedulerOptions::content_version tells when they did.
+//  * A new step starts at begin_step(), or automatically (auto_step) at a
+//    forward fetch that begins a new call of the model: the first forward
+//    fetch after the owner said so (begin_call()) or a backward ended
+//    (backward_ended()), a fetch of the trace's first layer, or (replaying) a
+//    fetch of a layer already fetched in this step that the trace does not
+//    expect again in it. At a step boundary,
+//    content cached in slots is forgotten (weights may have changed) unless
+//    SchedulerOptions::content_version tells when they did; between
+//    boundaries, SchedulerOptions::write_version (when given) guards each
+//    reuse. Note [When a step begins] in scheduler.cpp.
 //
 // Stream semantics: acquire(layer, compute) makes `compute` wait for the
 // layer's copy (and its post-copy work, if any) and declares a read of the
@@ -114,6 +120,13 @@ struct SchedulerOptions {
   // end of the trace. Called under the scheduler's lock: must be cheap and
   // must not call back into the scheduler.
   std::function<uint64_t(int layer)> content_version;
+  // Optional, the same kind of version (ignored when content_version is
+  // given): checks each reuse of cached content within a step (a layer
+  // fetched again while its slot still holds it), without the cross-step
+  // reuse content_version brings, so an in-place write between two calls of
+  // the model that the step boundary missed is not served stale. Called
+  // under the scheduler's lock, like content_version.
+  std::function<uint64_t(int layer)> write_version;
   // Where LayerSpec::post_copy work runs. A stream of its own lets the next
   // copy start while the previous layer is post-processed; default (null):
   // the transfer stream. Not owned: it must outlive the scheduler.
@@ -235,6 +248,14 @@ class Scheduler {
   // scheduler.cpp). Returns at once when nothing was left (every traced
   // step) and with content_version (such copies are checked by version).
   void wait_unused_prefetches();
+  // The owner's backward pass ended (the engine: once per autograd graph
+  // task that ran streamed layers, before an optimizer may run): waits as
+  // wait_unused_prefetches() does, and makes the next forward fetch begin a
+  // new step, whichever layer it names (Note [When a step begins]).
+  void backward_ended();
+  // The owner's model is called again (not from a backward): the next
+  // forward fetch begins a new step, as after backward_ended().
+  void begin_call();
   // A whole slot as scratch space (e.g. for staging gradients), ordered
   // after the slot's previous users on `user`. Released with release().
   Lease acquire_scratch(Stream user);
@@ -288,6 +309,8 @@ class Scheduler {
   void drop_content_locked();
   void advance_trace_locked(int layer, Phase phase);
   int next_use_distance_locked(int layer, size_t window) const;
+  // Whether the trace names `layer` again between the current position and its end.
+  bool expected_later_locked(int layer);
   int obtain_slot_locked(bool on_demand);
   void issue_copy_locked(int layer, int slot);
   void prefetch_locked(int current_layer, Phase phase);
@@ -328,6 +351,9 @@ class Scheduler {
   bool recording_ = true;
   size_t pos_ = 0;  // next expected trace index
   uint64_t acquires_in_step_ = 0;
+  bool boundary_due_ = false;           // backward_ended() or begin_call() since the step began
+  uint64_t step_serial_ = 1;            // bumped at every begin_step_locked()
+  std::vector<uint64_t> fetched_in_;    // layer -> step_serial_ of its last fetch
   Phase last_phase_ = Phase::Forward;
   SchedulerStats stats_;
   StepStats cur_step_;

@@ -479,6 +479,12 @@ class Engine {
   // slots (the next fetch reads the host copy: the call to make after host
   // writes the version counters cannot see, with cache_across_steps).
   virtual void synchronize() = 0;
+  // A call of the model begins (Python: offload()'s forward pre-hook on the
+  // model calls it): its first fetch begins a new step, so a call that skips
+  // the layers that began the steps before still drops the weights cached
+  // by the last one (Note [When a step begins], core/scheduler.cpp).
+  // Ignored inside a backward (a checkpoint's recompute). Cheap; thread-safe.
+  virtual void begin_call() = 0;
   // Restores every layer's parameters to ordinary tensors on `device`
   // (bit-identical data) and disables the engine.
   virtual void detach(const std::vector<torch::Device>& devices) = 0;

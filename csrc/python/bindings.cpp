@@ -627,6 +627,7 @@ PYBIND11_MODULE(_C, m) {
       .def("fetch", &Engine::fetch, py::arg("layer"), py::arg("experts") = std::vector<int64_t>{})
       .def("release", &Engine::release, py::arg("token"))
       .def("synchronize", &Engine::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("begin_call", &Engine::begin_call, py::call_guard<py::gil_scoped_release>())
       .def("suspend", &Engine::suspend, py::call_guard<py::gil_scoped_release>())
       .def("resume", &Engine::resume, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("suspended", &Engine::suspended)

@@ -248,24 +248,30 @@ void EngineImpl::build_scheduler_locked() {
                                                    : staging_needed_locked(specs);
   so.staging.pinned = opts_.pin_memory && opts_.staging_pinned;
   so.staging.reader_threads = opts_.reader_threads;
-  if (opts_.cache_across_steps) {
-    // Opt-in: slot content stays valid across steps while the parameters'
-    // version counters (bumped by in-place writes on the parameters:
-    // optimizers, load_state_dict, copy_) do not change, and prefetching runs
-    // across step boundaries. Writes through `.data` do not bump the counter
-    // and would go unnoticed: that is why this is not the default.
+  {
+    // The parameters' version counters (bumped by in-place writes on the
+    // parameters: optimizers, load_state_dict, copy_) check every reuse of a
+    // slot's content within a step (Note [When a step begins] in
+    // core/scheduler.cpp). Opt-in (cache_across_steps): content stays valid
+    // across steps too, and prefetching runs across step boundaries. Writes
+    // through `.data` do not bump the counter and would go unnoticed there:
+    // that is why that is not the default.
     std::vector<std::vector<torch::Tensor>> params;
     for (const auto& l : layers_) {
       params.push_back({l->weight, l->bias});
       for (const auto& e : l->parts()) params.back().push_back(e.param);
     }
-    so.content_version = [params = std::move(params)](int layer) -> uint64_t {
+    auto version = [params = std::move(params)](int layer) -> uint64_t {
       // Any in-place write bumps one of the counters, which only grow.
       uint64_t v = 0;
       for (const auto& t : params[static_cast<size_t>(layer)])
         if (t.defined()) v = v * 1000003u + static_cast<uint64_t>(t._version());
       return v;
     };
+    if (opts_.cache_across_steps)
+      so.content_version = std::move(version);
+    else
+      so.write_version = std::move(version);
   }
   int slots = opts_.slots > 0 ? opts_.slots : options::default_slots(opts_.prefetch);
   if (opts_.budget_bytes >= 0) {
@@ -443,6 +449,12 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
     LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "
              "layer '", l.name, "' was replaced or moved after offload(); call handle.detach() "
              "first or copy new values in place.");
+}
+
+void EngineImpl::begin_call() {
+  if (torch::autograd::get_current_graph_task_id() != -1) return;  // a recompute in a backward
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (sched_) sched_->begin_call();  // none yet (or suspended): the next one starts a step anyway
 }
 
 void EngineImpl::synchronize() {

@@ -290,8 +290,9 @@ void EngineImpl::ensure_backward_callback() {
     self->drain_grads(guard->task);
     std::lock_guard<std::recursive_mutex> lock(self->mu_);
     // Before an optimizer may write weights: Note [No copy in flight at a
-    // step's end] (core/scheduler.cpp).
-    if (self->sched_) self->sched_->wait_unused_prefetches();
+    // step's end]; the next forward begins a step: Note [When a step begins]
+    // (core/scheduler.cpp).
+    if (self->sched_) self->sched_->backward_ended();
     for (const auto& l : self->layers_) self->declare_weight_writes_locked(*l, "after the backward");
     self->average_local_grads_locked();  // after no_sync() backwards (engine_distributed.cpp)
   });

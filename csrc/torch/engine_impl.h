@@ -89,6 +89,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   uint64_t host_store_digest() const override { return store_->layout_digest(); }
   bool host_store_shared(bool trainable) const override { return store_->shares(trainable); }
   void synchronize() override;
+  void begin_call() override;
   void detach(const std::vector<torch::Device>& devices) override;
   bool detached() const override { return detached_; }
   void suspend() override;

@@ -79,6 +79,8 @@ class Handle(_RefusesCopy):
         self._model = None  # the model offload() was given
         # The names of the _HostMove methods offload() set on it ("to", "cpu", "cuda").
         self._host_moves = []
+        # The forward pre-hook that tells the engine a call of the model begins (_CallBegins).
+        self._call_hook = None
         # suspend(): what it moved to host memory, to move back in resume(), and the
         # forward pre-hook that refuses calls meanwhile; None when not suspended.
         self._suspended = None
@@ -318,6 +320,9 @@ class Handle(_RefusesCopy):
                 # dequantized weights (lossy by the format's error bound).
                 dense[a.index] = engine.dequantized_weight(a.index)
         engine.detach(devices)
+        if self._call_hook is not None:
+            self._call_hook.remove()
+            self._call_hook = None
         for h in self._activation_hooks:
             h.remove()
         self._activation_hooks = []
@@ -401,6 +406,24 @@ class Handle(_RefusesCopy):
             return "<layerstream.Handle (detached)>"
         return (f"<layerstream.Handle device={self.device} layers={len(self._attached)}"
                 f"{' (suspended)' if self.suspended else ''}>")
+
+
+class _CallBegins(_RefusesCopy):
+    """offload()'s forward pre-hook on the model: each call begins a step in the engine
+    (Engine::begin_call), so weights cached in slots by the call before are not served
+    to this one even when it skips the layer that began the steps before (Note [When a
+    step begins] in core/scheduler.cpp). Traced by torch.compile, it does nothing (the
+    engine's own signs apply). Copying or pickling the model is refused with the message
+    of its streamed modules."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __call__(self, module, args):
+        if not torch.compiler.is_compiling():
+            self._engine.begin_call()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -435,6 +435,109 @@ TEST_F(SchedulerTest, AlternatingStepKindsDoNotThrashTheTrace) {
   EXPECT_TRUE(sim->ordering_errors().empty());
 }
 
+// Note [When a step begins] (scheduler.cpp): weights cached in slots by one call
+// of the model must not be served to the next once the host bytes changed, also
+// when the next call skips the layer that began the steps before. With 6 slots
+// every layer of the fixture stays cached, so a missed boundary serves the old
+// bytes. `changed` rewrites a layer's host bytes (an optimizer step, a merged
+// LoRA), after the copies that read them.
+class StepBoundaryTest : public SchedulerTest {
+ protected:
+  void change(Scheduler& sched, int layer) {
+    sim->synchronize(transfer);
+    sched.wait_copies_read(layer);
+    const BufferRef& part = model.specs[static_cast<size_t>(layer)].parts[0];
+    auto* bytes = static_cast<unsigned char*>(part.ptr);
+    for (size_t i = 0; i < part.bytes; ++i) bytes[i] = static_cast<unsigned char>(bytes[i] + 1);
+  }
+  // Fetches `layer` in `phase`; true when the slot holds its current host bytes.
+  bool fetch_current(Scheduler& sched, int layer, Phase phase = Phase::Forward) {
+    Lease x = sched.acquire(layer, compute, phase);
+    const bool ok = slot_matches(x, model.specs[static_cast<size_t>(layer)]);
+    sched.release(x, compute);
+    return ok;
+  }
+};
+
+TEST_F(StepBoundaryTest, AfterABackwardTheNextForwardBeginsAStepWhicheverLayerItFetches) {
+  // A conditional first block: the first step ran layer 0, the next ones skip it.
+  Scheduler sched(*sim, transfer, model.specs, options(6, 2));
+  run_step(sched, compute, kTrain, 5);
+  sched.backward_ended();
+  change(sched, 1);  // the optimizer step
+  EXPECT_TRUE(fetch_current(sched, 1)) << "the first step's copy of layer 1 was served";
+  EXPECT_EQ(sched.stats().steps, 2u);
+  for (int l : {2, 3, 4}) fetch_current(sched, l);
+  for (int l : {4, 3, 2, 1}) fetch_current(sched, l, Phase::Backward);
+  sched.backward_ended();
+  change(sched, 3);
+  for (int l : {1, 2}) fetch_current(sched, l);
+  EXPECT_TRUE(fetch_current(sched, 3));
+  EXPECT_EQ(sched.stats().steps, 3u);
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
+TEST_F(StepBoundaryTest, ACallTheOwnerAnnouncesBeginsAStepEvenWhileTheFirstIsRecorded) {
+  Scheduler sched(*sim, transfer, model.specs, options(6, 2));
+  run_step(sched, compute, kInfer, 5);  // recording: the next fetch of layer 0 would end it
+  sched.begin_call();
+  change(sched, 2);  // e.g. peft's merge_and_unload() through `.data`
+  for (int l : {1, 2}) EXPECT_TRUE(fetch_current(sched, l)) << "layer " << l;
+  EXPECT_EQ(sched.trace(), kInfer) << "the first call alone is the first step";
+  EXPECT_EQ(sched.stats().steps, 2u);
+
+  // Announced before its first fetch (and a backward's end too), a call is one step.
+  Scheduler announced(*sim, transfer, model.specs, options(6, 2));
+  for (int i = 0; i < 3; ++i) {
+    announced.begin_call();
+    run_step(announced, compute, kTrain, 5);
+    announced.backward_ended();
+  }
+  EXPECT_EQ(announced.stats().steps, 3u);
+  for (const StepStats& st : announced.step_stats()) EXPECT_EQ(st.acquires, kTrain.size());
+}
+
+TEST_F(StepBoundaryTest, AFetchTheTraceDoesNotExpectAgainBeginsAStepALoopedLayerDoesNot) {
+  Scheduler sched(*sim, transfer, model.specs, options(6, 2));
+  run_step(sched, compute, kInfer, 5);
+  run_step(sched, compute, kInfer, 5);
+  run_step(sched, compute, {1, 2, 3, 4}, 4);  // an inner module's call: no layer 0, no announcement
+  change(sched, 2);
+  EXPECT_TRUE(fetch_current(sched, 1));
+  EXPECT_TRUE(fetch_current(sched, 2)) << "the call before's copy of layer 2 was served";
+  EXPECT_EQ(sched.stats().steps, 4u);
+
+  // A block called several times per step where the trace expects it keeps
+  // the step (and its cached content: hits).
+  Scheduler looped(*sim, transfer, model.specs, options(6, 2));
+  const std::vector<int> loop = {0, 1, 1, 1, 2};
+  for (int i = 0; i < 3; ++i) run_step(looped, compute, loop, loop.size());
+  EXPECT_EQ(looped.stats().steps, 3u);
+  EXPECT_EQ(looped.trace(), loop);
+  const std::vector<StepStats> steps = looped.step_stats();
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_EQ(steps[1].hits, loop.size() - 1);
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
+TEST_F(StepBoundaryTest, WriteVersionRefusesCachedContentAfterAnInPlaceWriteWithinAStep) {
+  // Two calls the signs cannot separate (an inner module, while the first
+  // step is still recorded); an in-place write between them is version-counted.
+  std::vector<uint64_t> version(model.specs.size(), 0);
+  const auto served_current = [&](bool versioned) {
+    SchedulerOptions so = options(6, 2);
+    if (versioned) so.write_version = [&](int l) { return version[static_cast<size_t>(l)]; };
+    Scheduler sched(*sim, transfer, model.specs, so);
+    run_step(sched, compute, {1, 2, 3}, 3);
+    change(sched, 2);
+    version[2]++;
+    return fetch_current(sched, 2);  // the next call begins at layer 2 (not the trace's first)
+  };
+  EXPECT_FALSE(served_current(false)) << "without the version the old copy is served: the test shows nothing";
+  EXPECT_TRUE(served_current(true));
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
 TEST_F(SchedulerTest, RetraceCanBeSwitchedOff) {
   SchedulerOptions so = options(3, 2);
   so.retrace_after = 0;

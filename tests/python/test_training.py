@@ -578,6 +578,97 @@ def test_data_writes_with_cache_across_steps_need_synchronize(offload_sim):
         assert torch.equal(model(x), ref(x)), "after synchronize() the new weight is read"
 
 
+# ---------------------------------------------------------------- step boundaries
+class _FirstLayerSometimes(nn.Module):
+    """A first layer that only some calls run (a conditioning embedder, an optional
+    stage): the calls that skip it never fetch the layer the first step began with."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.pre = nn.Linear(d, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, first=False):
+        if first:
+            x = self.pre(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_steps_that_skip_the_first_layer_read_the_weights_the_optimizer_wrote(offload_sim):
+    """Note [When a step begins] (core/scheduler.cpp): a step used to begin only when
+    the trace's first layer was fetched again; after a first step that ran `pre`, no
+    later one began, and the layers still in a slot were served with their weights
+    from before the optimizer step (the loss left the resident model's at step 2)."""
+    torch.manual_seed(0)
+    model = _FirstLayerSometimes()
+    ref = copy.deepcopy(model)
+    h = offload_sim(model, slots=2, prefetch=1)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(6):
+        x = torch.randn(8, 64)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x, first=step == 0).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        _assert_params_close(model, ref, exact=True, what=f"step {step}:")
+    assert h.stats()["steps"] == 6
+
+
+def test_a_data_write_between_calls_that_skip_the_first_layer_is_seen(offload_sim):
+    """A write through `.data` (peft's merge_adapter(), an EMA swap) between two
+    inference calls: no version counter sees it, and the calls skip the layer the
+    steps began with, so only the call itself (offload()'s forward pre-hook) says
+    that a step begins and the weights cached in the slots are old."""
+    torch.manual_seed(0)
+    model = _FirstLayerSometimes()
+    ref = copy.deepcopy(model)
+    h = offload_sim(model, slots=6)  # every layer stays in its slot
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x, first=True), ref(x, first=True))
+        for step in range(3):
+            for m in (model, ref):
+                m.layers[1].weight.data.mul_(0.5)
+            assert torch.equal(model(x), ref(x)), f"call {step + 1}"
+    assert h.stats()["steps"] == 4
+
+
+def test_peft_merge_and_unload_after_training_computes_with_the_merged_weights(offload_sim):
+    """LoRA training, then peft's merge_and_unload() (writes through `.data`) and
+    inference with the unwrapped model, which offload()'s hook on the peft model does
+    not see. The first streamed layer is a LoRA module, gone after the merge: the
+    first fetch after the backward begins a step, the next call's first fetch of a
+    layer the trace does not expect again begins one (Note [When a step begins])."""
+    from peft import LoraConfig, get_peft_model
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, target_modules=[f"layers.{i}" for i in range(4)], init_lora_weights=False)
+    ref = get_peft_model(Stack(), cfg)
+    model = copy.deepcopy(ref)
+    h = offload_sim(model, exclude=["*layers.0.base_layer"], slots=11)  # every streamed layer stays cached
+    assert h.layers[0].endswith("layers.0.lora_A.default")
+    _train_exactly(model, ref, steps=2, d_in=64)
+    merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        for call in range(2):
+            assert torch.equal(merged(x), ref_merged(x)), f"call {call}"
+            for m in (merged, ref_merged):  # merge another update, as a second adapter would
+                m.layers[2].weight.data.add_(0.25)
+
+
 def test_clip_grad_norm_right_after_backward(offload_sim):
     model = Net()
     ref = copy.deepcopy(model)
