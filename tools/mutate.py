@@ -570,6 +570,12 @@ MUTATIONS = [
         ["gtest:test_scheduler:*WriteVersionRefuses*"],
         "cached content is reused within a step after an in-place (version-counted) write"),
     Mutation(
+        "staging-entry-unversioned", "csrc/core/scheduler.cpp",
+        "    if (v != staged_version_[static_cast<size_t>(layer)]) stager_->forget_memory_layer(layer);\n",
+        "",
+        ["gtest:test_stager:*AnInPlaceWriteToALayerReadFromMemory*"],
+        "a layer read from pageable memory is served from its staging entry after an in-place write"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -73,6 +73,7 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
   loaded_.assign(layers_.size(), -1);
   copied_version_.assign(layers_.size(), 0);
   fetched_in_.assign(layers_.size(), 0);
+  staged_version_.assign(layers_.size(), 0);
   if (opts_.content_version) opts_.write_version = nullptr;  // content_version checks every reuse
   std::vector<std::vector<StagedPart>> staged(layers_.size());
   bool any_staged = false;
@@ -719,6 +720,14 @@ void Scheduler::check_staging_locked() {
 }
 
 const BufferRef& Scheduler::copy_source_locked(int layer, std::vector<uint64_t>* src_offsets) {
+  // A staging entry is a cached copy too: read a layer from memory again
+  // after an in-place write to it (the version), as a slot's copy is.
+  const auto& version = opts_.content_version ? opts_.content_version : opts_.write_version;
+  if (version) {
+    const uint64_t v = version(layer);
+    if (v != staged_version_[static_cast<size_t>(layer)]) stager_->forget_memory_layer(layer);
+    staged_version_[static_cast<size_t>(layer)] = v;
+  }
   return stager_->stage(layer, transfer_, [this](int l) { return next_use_cyclic_locked(l); }, src_offsets);
 }
 

@@ -341,6 +341,7 @@ class Scheduler {
   std::vector<SlotState> slots_;
   std::vector<int> loaded_;  // layer -> slot holding (or loading) it, -1 if none
   std::vector<uint64_t> copied_version_;  // layer -> content version of its last copy
+  std::vector<uint64_t> staged_version_;  // layer -> version when last copied from its staging entry
   bool loaded_valid_locked(int layer);
 
   mutable std::mutex mu_;

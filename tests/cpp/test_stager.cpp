@@ -262,6 +262,66 @@ TEST(StagerCache, TooSmallIsAClearError) {
   std::remove(path.c_str());
 }
 
+// A layer read from pageable memory keeps its bytes in a staging entry for the
+// rest of the step. An in-place write to its host tensor within the step (two
+// calls that share one; Note [When a step begins] in scheduler.cpp) bumps its
+// version: the next fetch reads the memory again rather than serve the entry
+// (the slot's own copy was evicted, so only the entry could serve it).
+TEST(StagerCache, AnInPlaceWriteToALayerReadFromMemoryIsReadAgainWithinAStep) {
+  SimOptions o;
+  o.h2d_gbps = 0;
+  o.latency_us = 0;
+  auto sim = make_sim_backend(o);
+  constexpr size_t kBytes = 512;
+  std::vector<std::vector<unsigned char>> bytes(4, std::vector<unsigned char>(kBytes));
+  std::vector<LayerSpec> specs;
+  for (int l = 0; l < 4; ++l) {
+    for (size_t i = 0; i < kBytes; ++i) bytes[l][i] = static_cast<unsigned char>(l * 31 + i);
+    LayerSpec spec;
+    spec.name = "layer" + std::to_string(l);
+    StagedPart p;
+    p.bytes = kBytes;
+    p.memory = bytes[l].data();
+    p.tensor = spec.name + ".weight";
+    spec.staged.push_back(p);
+    BufferRef size_only;
+    size_only.bytes = kBytes;
+    size_only.kind = MemoryKind::HostPageable;
+    spec.parts.push_back(size_only);
+    specs.push_back(spec);
+  }
+  std::vector<uint64_t> version(4, 0);
+  const auto served_current = [&](bool versioned) {
+    SchedulerOptions so;
+    so.num_slots = 2;
+    so.prefetch_depth = 0;
+    so.staging.cache_bytes = 4 * kBytes;  // every layer keeps its entry
+    if (versioned) so.write_version = [&](int l) { return version[static_cast<size_t>(l)]; };
+    Stream transfer = sim->create_stream("transfer");
+    Stream compute = sim->create_inline_stream("compute");
+    Scheduler sched(*sim, transfer, specs, so);
+    for (int l : {0, 1, 2, 3}) {
+      Lease x = sched.acquire(l, compute);
+      sched.release(x, compute);
+    }
+    sim->synchronize(transfer);
+    for (auto& b : bytes[0]) b = static_cast<unsigned char>(b ^ 0x5a);  // e.g. param.mul_() under no_grad
+    version[0]++;
+    const uint64_t entry_hits = sched.stats().staging.hits;
+    Lease x = sched.acquire(0, compute, Phase::Backward);  // the same step
+    const bool current = std::memcmp(x.part_ptr(0), bytes[0].data(), kBytes) == 0;
+    sched.release(x, compute);
+    EXPECT_EQ(sched.stats().misses, 5u) << "layer 0's slot was not evicted: the entry is not what is tested";
+    if (!versioned) {
+      EXPECT_EQ(sched.stats().staging.hits, entry_hits + 1);
+    }
+    return current;
+  };
+  EXPECT_FALSE(served_current(false)) << "without the version the entry's old bytes are served: the test shows nothing";
+  EXPECT_TRUE(served_current(true));
+  EXPECT_TRUE(sim->ordering_errors().empty());
+}
+
 // The file is rewritten between steps: the next read fails, the step raises
 // naming the file and tensor, and no slot handed out before the error holds
 // anything but the loaded bytes or NaN bytes.

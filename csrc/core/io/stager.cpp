@@ -188,6 +188,13 @@ void Stager::forget_memory_layers() {
   }
 }
 
+void Stager::forget_memory_layer(int layer) {
+  const int e = entry_of_[static_cast<size_t>(layer)];
+  if (e < 0 || from_files(layer)) return;
+  entry_of_[static_cast<size_t>(layer)] = -1;
+  entries_[static_cast<size_t>(e)].layer = -1;
+}
+
 void Stager::forget_all() {
   for (Entry& e : entries_) {
     if (e.layer >= 0) entry_of_[static_cast<size_t>(e.layer)] = -1;

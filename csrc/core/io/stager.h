@@ -104,6 +104,9 @@ class Stager {
   void read_ahead(const std::vector<int>& upcoming, const NextUse& next_use);
   // Forgets the entries of layers read from memory (at a step boundary).
   void forget_memory_layers();
+  // Forgets `layer`'s entry when the layer is read from memory (its source
+  // was written: the next stage() reads it again).
+  void forget_memory_layer(int layer);
   // Forgets every entry's content (after a failed read).
   void forget_all();
   // The first failed read's message since the last call ("" if none); clears it.
