@@ -576,6 +576,13 @@ MUTATIONS = [
         ["gtest:test_stager:*AnInPlaceWriteToALayerReadFromMemory*"],
         "a layer read from pageable memory is served from its staging entry after an in-place write"),
     Mutation(
+        "synchronize-does-not-recode", "csrc/torch/engine.cpp",
+        "  wait_all_locked();\n  force_recode_locked();",
+        "  wait_all_locked();",
+        [P + "test_lossless.py::test_a_write_to_a_few_elements_through_data_is_seen_after_synchronize"],
+        "handle.synchronize() leaves a trainable lossless weight's coding as it is after a `.data` "
+        "write the sample missed"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -475,9 +475,11 @@ class Engine {
 
   // Waits for every pending transfer (saved activations' included) and gradient, accumulates gradients
   // staged outside any autograd graph task into param.grad (a backward pass
-  // applies its own when it finishes), and forgets the weights cached in device
-  // slots (the next fetch reads the host copy: the call to make after host
-  // writes the version counters cannot see, with cache_across_steps).
+  // applies its own when it finishes), forgets the weights cached in device
+  // slots (the next fetch reads the host copy) and re-codes trainable
+  // lossless weights before their next copy: the call to make after host
+  // writes the version counters cannot see (with cache_across_steps; a few
+  // elements of a trainable lossless weight).
   virtual void synchronize() = 0;
   // A call of the model begins (Python: offload()'s forward pre-hook on the
   // model calls it): its first fetch begins a new step, so a call that skips

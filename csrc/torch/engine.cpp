@@ -352,7 +352,7 @@ void EngineImpl::suspend() {
   if (suspended_) return;
   LS_CHECK(fetched_.empty(), "suspend(): ", fetched_.size(), " fetch() token(s) of streamed layers are "
            "not released yet; release them first (their views would point into freed memory)");
-  synchronize();  // gradients accumulated, copies done, cached content dropped
+  wait_all_locked();  // gradients accumulated, copies done, cached content dropped
   if (sched_) {
     const SlotPool& pool = sched_->pool();
     LS_CHECK(pool.num_free() == pool.num_slots(), "suspend(): ", pool.num_slots() - pool.num_free(),
@@ -460,6 +460,11 @@ void EngineImpl::begin_call() {
 void EngineImpl::synchronize() {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
+  wait_all_locked();
+  force_recode_locked();  // trainable lossless weights: a `.data` write the sample missed
+}
+
+void EngineImpl::wait_all_locked() {
   drain_grads(-1);
   backend_->synchronize(grad_stream_);
   backend_->synchronize(act_stream_);  // saved activations on their way to the host...
@@ -478,7 +483,7 @@ void EngineImpl::detach(const std::vector<torch::Device>& devices) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was already detached");
-  synchronize();
+  wait_all_locked();
   LS_CHECK(devices.empty() || devices.size() == layers_.size(), "detach needs one device per layer");
   torch::NoGradGuard ng;
   for (size_t i = 0; i < layers_.size(); ++i) {

@@ -18,7 +18,9 @@
 // in-place write through the parameter: optimizers, load_state_dict, copy_)
 // or a sample of its bytes differs (lossless::sample_fingerprint: 1024 words,
 // which catches a bulk write through `.data`, which bumps no counter; a
-// `.data` write that touches few elements can go unseen). The scheduler asks
+// `.data` write that touches few elements can go unseen, and synchronize(),
+// the call for writes no counter sees, makes the next copy re-code it: see
+// force_recode_locked()). The scheduler asks
 // before every copy (SchedulerOptions::parts_stale) and, for a stale layer,
 // waits until its earlier copies have read the old bytes before
 // refresh_parts re-codes them, so no copy reads a half-written buffer.
@@ -89,7 +91,8 @@ void EngineImpl::for_each_coded(const LayerInfo& l, const std::function<void(con
 namespace {
 // The tensor changed since it was coded (or was never coded); the caller holds c.mu.
 bool changed(const torch::Tensor& param, const void* host, const EngineImpl::CodedWeight& c) {
-  return !c.coded || param._version() != c.version || lossless::sample_fingerprint(host, param.nbytes()) != c.sample;
+  return !c.coded || c.forced || param._version() != c.version ||
+         lossless::sample_fingerprint(host, param.nbytes()) != c.sample;
 }
 }  // namespace
 
@@ -108,7 +111,7 @@ bool EngineImpl::code_if_changed(const std::string& name, const CodedTensor& t) 
   const uint32_t version = t.param._version();  // read before the values
   const size_t dense = t.param.nbytes();
   const uint64_t sample = lossless::sample_fingerprint(t.host, dense);
-  if (c.coded && version == c.version && sample == c.sample) return false;
+  if (c.coded && !c.forced && version == c.version && sample == c.sample) return false;
   const bool first = !c.coded;
   const auto t0 = std::chrono::steady_clock::now();
   backend_->declare_host_access(store_->buffer(c.index), Access::Write, "re-code '" + name + "'");
@@ -128,6 +131,7 @@ bool EngineImpl::code_if_changed(const std::string& name, const CodedTensor& t) 
     c.header = lossless::read_header(c.buffer, c.capacity);
   }
   c.coded = true;
+  c.forced = false;
   c.version = version;
   c.sample = sample;
   if (!first) {  // the stats count re-codes: changes after offload()
@@ -146,6 +150,14 @@ void EngineImpl::refresh_coded(int layer, std::vector<size_t>& copy_bytes) {
     t.c.announced = true;
     copy_bytes.at(t.part) = t.c.coded_bytes();
   });
+}
+
+void EngineImpl::force_recode_locked() {
+  for (const auto& l : layers_)
+    for_each_coded(*l, [](const CodedTensor& t) {
+      std::lock_guard<std::mutex> g(t.c.mu);
+      if (t.c.coded) t.c.forced = true;
+    });
 }
 
 void EngineImpl::recode_for_fetch(int layer) {

@@ -225,7 +225,7 @@ void EngineImpl::requantize_part(int index, int part, const torch::Tensor& dense
     LS_FAIL("cannot quantize the new tensor #", part, " of group '", l.name, "' to ", quant::to_string(e.qformat),
             ": ", err.message(), " (the old values are kept)");
   }
-  synchronize();  // no copy may read the host buffer while it changes; forgets cached slots
+  wait_all_locked();  // no copy may read the host buffer while it changes; forgets cached slots
   std::memcpy(e.host, packed.data(), e.bytes);
 }
 

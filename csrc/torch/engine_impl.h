@@ -265,6 +265,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     uint32_t version = 0;     // the parameter's version counter when coded
     uint64_t sample = 0;      // lossless::sample_fingerprint() of the dense bytes when coded
     bool announced = false;   // the current scheduler was told the coded size
+    bool forced = false;      // synchronize(): re-code before the next copy whatever the checks say
     size_t coded_bytes() const {  // up to the end of the current coding
       if (!piece_count) return header.layout.total_bytes();
       return pieces.empty() ? 0 : pieces.back().offset + pieces.back().bytes;
@@ -503,6 +504,12 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // their old bytes are done (whole copies re-code in refresh_coded). Takes
   // the scheduler's lock briefly, then CodedWeight::mu.
   void recode_for_fetch(int layer);
+  // synchronize(): every trainable coded tensor is re-coded before its next
+  // copy (a write through `.data` to a few elements escapes the sample).
+  void force_recode_locked();
+  // synchronize() without that: gradients drained, every copy done, cached
+  // slots forgotten (suspend(), detach() and the engine's own host writes).
+  void wait_all_locked();
   // A group's: dequantizes its packed parts into the workspace.
   // With `runs` (half-open ranges of experts), only those experts' rows of
   // the expert-indexed packed parts.

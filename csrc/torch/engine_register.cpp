@@ -106,7 +106,7 @@ void EngineImpl::requantize(int index, const torch::Tensor& dense) {
     LS_FAIL("cannot quantize the new weight of layer '", l.name, "' to ", quant::to_string(l.qformat),
             ": ", e.message(), " (the old weight is kept)");
   }
-  synchronize();  // no copy may read the host buffer while it changes; forgets cached slots
+  wait_all_locked();  // no copy may read the host buffer while it changes; forgets cached slots
   std::memcpy(l.w_host, packed.data(), l.w_bytes);
   // A write, as far as autograd's version checks go: a backward whose forward
   // used the old values raises (see saved_variables_of()).

@@ -236,9 +236,11 @@ class Handle(_RefusesCopy):
     def synchronize(self) -> None:
         """Waits for every transfer and gradient copy; param.grad is then complete.
         It also forgets every weight cached on the device, so the next fetch
-        reads the host copy again: with cache_across_steps=True, call it after
-        writing streamed weights in a way their version counter does not see
-        (through ``.data``, or a raw pointer as C++ CPU optimizers do)."""
+        reads the host copy again, and re-codes trainable lossless weights
+        before their next copy: call it after writing streamed weights in a
+        way their version counter does not see (through ``.data``, or a raw
+        pointer as C++ CPU optimizers do) with cache_across_steps=True, or to a
+        few elements of a trainable lossless weight."""
         self._check().synchronize()
 
     # -- suspend / resume (docs/design/streaming-core.md, "Suspend") ---------

@@ -234,6 +234,24 @@ def test_a_write_through_data_is_seen_and_an_unchanged_weight_is_not_recoded():
     assert h.stats()["recoded_bytes"] == w.numel() * w.element_size()
 
 
+def test_a_write_to_a_few_elements_through_data_is_seen_after_synchronize():
+    """A `.data` write to one element escapes both the version counter and the sample
+    of 1024 words (element 3 of a 1 MiB weight is in an unsampled word): the next copy
+    still moves the old coding. handle.synchronize(), the documented call after writes
+    no counter sees, makes the next copy re-code every trainable coded weight."""
+    ours, plain, h, p = _full_finetune_pair(torch.float32)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(ours(x), plain(x))
+        for m in (ours, plain):
+            m.mlp[0].weight.data[0, 3] = 4.0
+        assert not torch.equal(ours(x), plain(x)), "the sample saw the write: the test shows nothing"
+        h.synchronize()
+        assert torch.equal(ours(x), plain(x))
+    dense = sum(m.weight.numel() * m.weight.element_size() for m in [ours.conv, *ours.mlp])
+    assert h.stats()["recoded_bytes"] == dense  # every trainable coded weight, once
+
+
 def test_trainable_lossless_plans_the_dense_weight_and_its_largest_coded_size():
     """The host plan counts the dense weight, its coded buffer at its largest size and
     the gradient's staging buffer; the slot holds the largest coded size and the
