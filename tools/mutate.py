@@ -583,6 +583,13 @@ MUTATIONS = [
         "handle.synchronize() leaves a trainable lossless weight's coding as it is after a `.data` "
         "write the sample missed"),
     Mutation(
+        "compat-call-begins-no-step", "python/layerstream/compat.py",
+        "        self._call_hook = module.register_forward_pre_hook(_CallBegins(lambda: self.engine))",
+        "        pass",
+        [P + "test_compat_aitoolkit.py::test_a_call_that_skips_the_first_streamed_layer_still_begins_a_step"],
+        "compat: a call of the attached model that skips the trace's first layer reuses the weights "
+        "the call before cached"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

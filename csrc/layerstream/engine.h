@@ -481,11 +481,12 @@ class Engine {
   // writes the version counters cannot see (with cache_across_steps; a few
   // elements of a trainable lossless weight).
   virtual void synchronize() = 0;
-  // A call of the model begins (Python: offload()'s forward pre-hook on the
-  // model calls it): its first fetch begins a new step, so a call that skips
-  // the layers that began the steps before still drops the weights cached
-  // by the last one (Note [When a step begins], core/scheduler.cpp).
-  // Ignored inside a backward (a checkpoint's recompute). Cheap; thread-safe.
+  // A call of the model begins (Python: the forward pre-hook offload() and
+  // compat's attach() put on the model calls it): its first fetch begins a
+  // new step, so a call that skips the layers that began the steps before
+  // still drops the weights cached by the last one (Note [When a step
+  // begins], core/scheduler.cpp). Ignored inside a backward (a checkpoint's
+  // recompute). Cheap; thread-safe.
   virtual void begin_call() = 0;
   // Restores every layer's parameters to ordinary tensors on `device`
   // (bit-identical data) and disables the engine.

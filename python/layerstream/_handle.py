@@ -411,21 +411,24 @@ class Handle(_RefusesCopy):
 
 
 class _CallBegins(_RefusesCopy):
-    """offload()'s forward pre-hook on the model: each call begins a step in the engine
-    (Engine::begin_call), so weights cached in slots by the call before are not served
-    to this one even when it skips the layer that began the steps before (Note [When a
-    step begins] in core/scheduler.cpp). Traced by torch.compile, it does nothing (the
-    engine's own signs apply). Copying or pickling the model is refused with the message
-    of its streamed modules."""
+    """The forward pre-hook offload() (and compat's attach()) puts on the model: each
+    call begins a step in the engine `engine_of()` returns (Engine::begin_call), so
+    weights cached in slots by the call before are not served to this one even when it
+    skips the layer that began the steps before (Note [When a step begins] in
+    core/scheduler.cpp). Traced by torch.compile, it does nothing (the engine's own
+    signs apply). Copying or pickling the model is refused with the message of its
+    streamed modules."""
 
-    __slots__ = ("_engine",)
+    __slots__ = ("_engine_of",)
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, engine_of):
+        self._engine_of = engine_of
 
     def __call__(self, module, args):
         if not torch.compiler.is_compiling():
-            self._engine.begin_call()
+            engine = self._engine_of()
+            if engine is not None:
+                engine.begin_call()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -456,7 +456,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                        on_disk)
         for a in attached:
             a.module._layerstream_handle = handle
-        handle._call_hook = model.register_forward_pre_hook(_CallBegins(engine))
+        handle._call_hook = model.register_forward_pre_hook(_CallBegins(lambda: engine))
         _no_fused_encoder_path(model, attached, handle._fused_off)
         _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
         streamed_ids = {id(a.module) for a in attached}

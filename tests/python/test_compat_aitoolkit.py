@@ -278,3 +278,39 @@ def test_detach_keeps_an_adapter_applied_before_attach():
     assert model.proj_out.forward == lora.forward and lora.org_forward.__func__ is nn.Linear.forward
     with torch.no_grad():
         assert torch.equal(model(x_input()), ref(x_input()))
+
+
+def test_a_call_that_skips_the_first_streamed_layer_still_begins_a_step():
+    """As with offload() (test_training.py): attach() hooks the model, so a call that
+    skips the layer the steps began with (a conditional first block) does not reuse the
+    weights the call before left in the slots; a write through `.data` between two
+    inference calls (what ai-toolkit's EMA or a merged adapter does) is seen."""
+    import copy
+
+    class FirstLayerSometimes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Linear(32, 32)
+            self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+
+        def forward(self, x, first=False):
+            if first:
+                x = self.pre(x)
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    model = FirstLayerSometimes()
+    ref = copy.deepcopy(model)
+    mgr = MemoryManager.attach(model, torch.device("cpu"), slots=6)  # every layer stays in its slot
+    x = x_input()
+    with torch.no_grad():
+        assert torch.equal(model(x, first=True), ref(x, first=True))
+        for call in range(3):
+            for m in (model, ref):
+                m.layers[0].weight.data.mul_(0.5)
+            assert torch.equal(model(x), ref(x)), f"call {call + 1}"
+    assert mgr.stats()["steps"] == 4
+    MemoryManager.detach(model)
+    assert not model._forward_pre_hooks
