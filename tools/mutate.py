@@ -590,6 +590,14 @@ MUTATIONS = [
         "compat: a call of the attached model that skips the trace's first layer reuses the weights "
         "the call before cached"),
     Mutation(
+        "refetch-rule-ignores-phases", "csrc/core/scheduler.cpp",
+        "    if (trace_fwd_[*it]) return true;",
+        "    return true;",
+        [P + "test_training.py::test_an_inner_module_called_on_its_own_after_training_reads_each_write",
+         "gtest:test_scheduler:*AFetchTheTraceDoesNotExpectAgain*"],
+        "an inner module called again after training shares the step of the call before: the trace "
+        "names it again in its backward"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

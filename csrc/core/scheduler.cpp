@@ -89,7 +89,11 @@ Scheduler::Scheduler(Backend& backend, Stream transfer, std::vector<LayerSpec> l
     for (int layer : opts_.trace)
       LS_CHECK(layer >= 0 && layer < num_layers(), "SchedulerOptions::trace names layer #", layer, " (there are ",
                num_layers(), ")");
+    LS_CHECK(opts_.trace_forward.empty() || opts_.trace_forward.size() == opts_.trace.size(),
+             "SchedulerOptions::trace_forward has ", opts_.trace_forward.size(), " entries for a trace of ",
+             opts_.trace.size());
     trace_ = opts_.trace;
+    trace_fwd_ = opts_.trace_forward.empty() ? std::vector<bool>(trace_.size(), true) : opts_.trace_forward;
     recording_ = false;
   }
 }
@@ -149,10 +153,12 @@ void Scheduler::note_held_locked() {
 //  * after a backward ended (backward_ended(), called before an optimizer
 //    may run), whichever layer it is; both are exact for what they see.
 // Replaying, a forward fetch of a layer already fetched in this step that the
-// rest of the trace does not expect begins one too (the next call of an inner
-// module the owner does not see, or a forward after one the trace did not
-// describe); a layer the trace fetches several times in a step (a shared
-// block in a loop) is expected, so such models keep their steps. Calls that
+// rest of the trace does not expect as a forward fetch begins one too (the
+// next call of an inner module the owner does not see, or a forward after
+// one the trace did not describe; under a training trace every layer comes
+// again in the backward, hence the phase of each entry, trace_fwd_); a layer
+// the trace fetches several times in a forward (a shared block in a loop) is
+// expected, so such models keep their steps. Calls that
 // none of these separate (an inner module called again while the first step
 // is still being recorded) share a step: SchedulerOptions::write_version
 // then still catches in-place writes between them, not writes through
@@ -163,7 +169,11 @@ void Scheduler::advance_trace_locked(int layer, Phase phase) {
     if (forward && !trace_.empty() && (trace_.front() == layer || boundary_due_)) {
       begin_step_locked();
     } else {
-      if (trace_.size() < opts_.max_trace_length) trace_.push_back(layer), trace_gen_++;
+      if (trace_.size() < opts_.max_trace_length) {
+        trace_.push_back(layer);
+        trace_fwd_.push_back(phase == Phase::Forward);
+        trace_gen_++;
+      }
       if (forward) boundary_due_ = false;  // the first fetch of all
       fetched_in_[static_cast<size_t>(layer)] = step_serial_;
       return;
@@ -178,7 +188,10 @@ void Scheduler::advance_trace_locked(int layer, Phase phase) {
   if (recording_) {  // first step just ended above
     return;
   }
-  if (observed_.size() < opts_.max_trace_length) observed_.push_back(layer);
+  if (observed_.size() < opts_.max_trace_length) {
+    observed_.push_back(layer);
+    observed_fwd_.push_back(phase == Phase::Forward);
+  }
   if (pos_ < trace_.size() && trace_[pos_] == layer) {
     ++pos_;
     return;
@@ -201,8 +214,11 @@ void Scheduler::advance_trace_locked(int layer, Phase phase) {
 }
 
 bool Scheduler::expected_later_locked(int layer) {
-  const int64_t d = next_use_cyclic_locked(layer);
-  return d >= 0 && static_cast<size_t>(d) < trace_.size() - std::min(pos_, trace_.size());
+  if (next_use_cyclic_locked(layer) < 0) return false;  // not in the trace (and positions_ current)
+  const std::vector<uint32_t>& at = positions_[static_cast<size_t>(layer)];
+  for (auto it = std::lower_bound(at.begin(), at.end(), static_cast<uint32_t>(pos_)); it != at.end(); ++it)
+    if (trace_fwd_[*it]) return true;
+  return false;  // later only in the backward (or not at all): a new call
 }
 
 int Scheduler::next_use_distance_locked(int layer, size_t window) const {
@@ -660,12 +676,14 @@ void Scheduler::begin_step_locked() {
     if (extends || (opts_.retrace_after > 0 && deviating_steps_ >= opts_.retrace_after &&
                     !observed_.empty())) {
       trace_.swap(observed_);
+      trace_fwd_.swap(observed_fwd_);
       trace_gen_++;
       stats_.retraces++;
       deviating_steps_ = 0;
     }
   }
   observed_.clear();
+  observed_fwd_.clear();
   step_deviations_ = 0;
   if (acquires_in_step_ > 0) {
     cur_step_.step = stats_.steps;
@@ -782,6 +800,11 @@ void Scheduler::set_trace(std::shared_ptr<TraceRecorder> trace) {
 std::vector<int> Scheduler::trace() const {
   std::lock_guard<std::mutex> lock(mu_);
   return trace_;
+}
+
+std::vector<bool> Scheduler::trace_forward() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return trace_fwd_;
 }
 
 SchedulerStats Scheduler::stats() const {

@@ -33,7 +33,7 @@
 //    fetch after the owner said so (begin_call()) or a backward ended
 //    (backward_ended()), a fetch of the trace's first layer, or (replaying) a
 //    fetch of a layer already fetched in this step that the trace does not
-//    expect again in it. At a step boundary,
+//    expect again in it as a forward fetch. At a step boundary,
 //    content cached in slots is forgotten (weights may have changed) unless
 //    SchedulerOptions::content_version tells when they did; between
 //    boundaries, SchedulerOptions::write_version (when given) guards each
@@ -151,6 +151,9 @@ struct SchedulerOptions {
   // engine's, rebuilt after suspend()): replayed from the first step instead
   // of recorded. Empty: record the first step.
   std::vector<int> trace;
+  // With `trace`: which of its fetches were in the forward phase (that
+  // scheduler's trace_forward()); empty: unknown, each read as forward.
+  std::vector<bool> trace_forward;
 };
 
 // A copy of only some bytes of a layer's parts (e.g. the experts a router
@@ -271,6 +274,8 @@ class Scheduler {
   void check_staging();
 
   std::vector<int> trace() const;
+  // Per trace() entry: whether that fetch was in the forward phase.
+  std::vector<bool> trace_forward() const;
   SchedulerStats stats() const;
   // Completed steps' counters (the most recent 4096), oldest first.
   std::vector<StepStats> step_stats() const;
@@ -309,7 +314,8 @@ class Scheduler {
   void drop_content_locked();
   void advance_trace_locked(int layer, Phase phase);
   int next_use_distance_locked(int layer, size_t window) const;
-  // Whether the trace names `layer` again between the current position and its end.
+  // Whether the trace names `layer` again as a forward fetch between the
+  // current position and its end.
   bool expected_later_locked(int layer);
   int obtain_slot_locked(bool on_demand);
   void issue_copy_locked(int layer, int slot);
@@ -347,6 +353,7 @@ class Scheduler {
   mutable std::mutex mu_;
   std::vector<int> trace_;
   std::vector<int> observed_;  // this step's actual order (replay only)
+  std::vector<bool> trace_fwd_, observed_fwd_;  // per entry of trace_ / observed_: a forward fetch
   uint64_t step_deviations_ = 0;
   int deviating_steps_ = 0;    // consecutive steps with deviations
   bool recording_ = true;

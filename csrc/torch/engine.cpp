@@ -300,12 +300,14 @@ void EngineImpl::build_scheduler_locked() {
   so.num_slots = slots;
   so.prefetch_depth = std::min(opts_.prefetch, slots - 1);
   so.trace = suspended_trace_;  // resume(): the order learnt before suspend()
+  so.trace_forward = suspended_trace_forward_;
   sched_ = std::make_unique<Scheduler>(*backend_, transfer_, std::move(specs), so);
   suspended_trace_.clear();
+  suspended_trace_forward_.clear();
   if (tracer_) sched_->set_trace(tracer_);
 }
 
-void EngineImpl::retire_scheduler_locked(std::vector<int>* trace) {
+void EngineImpl::retire_scheduler_locked(std::vector<int>* trace, std::vector<bool>* trace_forward) {
   if (!sched_) return;
   sched_->quiesce();
   sched_->begin_step();  // the step under way ends here: its counters join the history
@@ -315,6 +317,7 @@ void EngineImpl::retire_scheduler_locked(std::vector<int>* trace) {
   }
   while (carried_steps_.size() > 4096) carried_steps_.pop_front();  // as the scheduler's own
   if (trace) *trace = sched_->trace();
+  if (trace_forward) *trace_forward = sched_->trace_forward();
   const SchedulerStats st = sched_->stats();
   carried_.steps += st.steps;
   carried_.acquires += st.acquires;
@@ -359,7 +362,7 @@ void EngineImpl::suspend() {
              " device slot(s) are in use: a streamed layer is computing (on another thread?); suspend "
              "after the forward or backward that uses them returns");
   }
-  retire_scheduler_locked(&suspended_trace_);
+  retire_scheduler_locked(&suspended_trace_, &suspended_trace_forward_);
   suspended_ = true;
 }
 

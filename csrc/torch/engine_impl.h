@@ -416,7 +416,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // Quiesces and drops the scheduler (its slot arena), carrying its counters
   // and per-step history over (the step under way ends); the next
   // ensure_scheduler() builds a new one. `trace`: receives its fetch order.
-  void retire_scheduler_locked(std::vector<int>* trace = nullptr);
+  void retire_scheduler_locked(std::vector<int>* trace = nullptr, std::vector<bool>* trace_forward = nullptr);
   // The host tier (engine_host_tier.cpp): fills `s.staged` (and size-only
   // parts) when the layer is on disk or a part of it is pageable in the store.
   void staged_sources_locked(const LayerInfo& l, LayerSpec& s);
@@ -560,6 +560,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // suspend(): no scheduler until resume(), which replays this fetch order.
   bool suspended_ = false;
   std::vector<int> suspended_trace_;
+  std::vector<bool> suspended_trace_forward_;  // its entries' phases (Scheduler::trace_forward)
   // register_storages() / unpark() / park(): per layer.
   struct ParkedStorage {
     int role;                 // 0 weight leaf, 1 its cast, 2 bias leaf, 3 its cast

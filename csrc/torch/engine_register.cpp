@@ -239,6 +239,7 @@ int EngineImpl::register_layer_locked(LayerInfo info) {
   // A new layer invalidates the scheduler (its slot size and trace).
   retire_scheduler_locked();
   suspended_trace_.clear();
+  suspended_trace_forward_.clear();
   return static_cast<int>(layers_.size()) - 1;
 }
 

@@ -328,6 +328,11 @@ TEST_F(SchedulerTest, AGivenTraceIsReplayedFromTheFirstStep) {
 
   so.trace = {0, 5};
   EXPECT_THROW(Scheduler(*sim, transfer, model.specs, so), Error);  // no layer #5
+  so.trace = order;
+  so.trace_forward = {true, false};
+  EXPECT_THROW(Scheduler(*sim, transfer, model.specs, so), Error);  // phases of another trace
+  so.trace_forward = recorded.trace_forward();
+  EXPECT_EQ(Scheduler(*sim, transfer, model.specs, so).trace_forward(), so.trace_forward);
 }
 
 TEST_F(SchedulerTest, DeviationFetchesOnDemandAndResyncs) {
@@ -506,6 +511,20 @@ TEST_F(StepBoundaryTest, AFetchTheTraceDoesNotExpectAgainBeginsAStepALoopedLayer
   EXPECT_TRUE(fetch_current(sched, 1));
   EXPECT_TRUE(fetch_current(sched, 2)) << "the call before's copy of layer 2 was served";
   EXPECT_EQ(sched.stats().steps, 4u);
+
+  // Under a training trace every layer comes again in the backward; only a
+  // forward fetch the trace expects keeps the step: an inner module called
+  // on its own, twice, gets the weights written between the calls.
+  Scheduler trained(*sim, transfer, model.specs, options(6, 2));
+  run_step(trained, compute, kTrain, 5);
+  run_step(trained, compute, kTrain, 5);
+  EXPECT_EQ(trained.trace_forward(), (std::vector<bool>{true, true, true, true, true, false, false, false, false,
+                                                        false}));
+  for (int call = 0; call < 3; ++call) {
+    EXPECT_TRUE(fetch_current(trained, 2)) << "call " << call;
+    change(trained, 2);
+  }
+  EXPECT_EQ(trained.stats().steps, 5u);
 
   // A block called several times per step where the trace expects it keeps
   // the step (and its cached content: hits).

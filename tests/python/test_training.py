@@ -635,6 +635,26 @@ def test_a_data_write_between_calls_that_skip_the_first_layer_is_seen(offload_si
     assert h.stats()["steps"] == 4
 
 
+def test_an_inner_module_called_on_its_own_after_training_reads_each_write(offload_sim):
+    """After training, the trace names every layer again in its backward: an inner
+    module called on its own (no hook sees that call) begins a step only if a forward
+    fetch the trace does not expect in the forward does (Note [When a step begins]).
+    Writes through `.data` between such calls are then seen."""
+    torch.manual_seed(0)
+    model = _FirstLayerSometimes()
+    ref = copy.deepcopy(model)
+    offload_sim(model, slots=6)  # every layer stays in its slot
+    x = torch.randn(8, 64, requires_grad=True)
+    for _ in range(2):
+        for m in (model, ref):
+            m(x, first=True).square().sum().backward()
+    with torch.no_grad():
+        for call in range(3):
+            assert torch.equal(model.layers[1](x), ref.layers[1](x)), f"call {call}"
+            for m in (model, ref):
+                m.layers[1].weight.data.add_(0.25)
+
+
 def test_peft_merge_and_unload_after_training_computes_with_the_merged_weights(offload_sim):
     """LoRA training, then peft's merge_and_unload() (writes through `.data`) and
     inference with the unwrapped model, which offload()'s hook on the peft model does
