@@ -320,3 +320,32 @@ def write_gguf(path, tensors, metadata=None, alignment=None, version=3):
     with open(path, "wb") as f:
         f.write(out)
     return path
+
+
+class FirstLayerSometimes(torch.nn.Module):
+    """A first layer that only some calls run (a conditioning embedder, an optional
+    stage): the calls that skip it never fetch the layer the first step began with
+    (Note [When a step begins] in csrc/core/scheduler.cpp)."""
+
+    def __init__(self, d=64, n=4):
+        super().__init__()
+        self.pre = torch.nn.Linear(d, d)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x, first=False):
+        if first:
+            x = self.pre(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def assert_data_writes_between_calls_are_seen(model, ref, x, layer=1, calls=3):
+    """A call that runs `pre`, then `calls` that skip it, each after the same write
+    through `.data` to model.layers[layer] and ref's: outputs equal ref's each time."""
+    with torch.no_grad():
+        assert torch.equal(model(x, first=True), ref(x, first=True))
+        for call in range(calls):
+            for m in (model, ref):
+                m.layers[layer].weight.data.mul_(0.5)
+            assert torch.equal(model(x), ref(x)), f"call {call + 1}"

@@ -287,30 +287,13 @@ def test_a_call_that_skips_the_first_streamed_layer_still_begins_a_step():
     inference calls (what ai-toolkit's EMA or a merged adapter does) is seen."""
     import copy
 
-    class FirstLayerSometimes(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pre = nn.Linear(32, 32)
-            self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
-
-        def forward(self, x, first=False):
-            if first:
-                x = self.pre(x)
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return x
+    from conftest import FirstLayerSometimes, assert_data_writes_between_calls_are_seen
 
     torch.manual_seed(0)
-    model = FirstLayerSometimes()
+    model = FirstLayerSometimes(d=32, n=3)
     ref = copy.deepcopy(model)
     mgr = MemoryManager.attach(model, torch.device("cpu"), slots=6)  # every layer stays in its slot
-    x = x_input()
-    with torch.no_grad():
-        assert torch.equal(model(x, first=True), ref(x, first=True))
-        for call in range(3):
-            for m in (model, ref):
-                m.layers[0].weight.data.mul_(0.5)
-            assert torch.equal(model(x), ref(x)), f"call {call + 1}"
+    assert_data_writes_between_calls_are_seen(model, ref, x_input(), layer=0)
     assert mgr.stats()["steps"] == 4
     MemoryManager.detach(model)
     assert not model._forward_pre_hooks

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
 
-from conftest import CastCounter, clone_input, tiny_llama
+from conftest import (CastCounter, FirstLayerSometimes, assert_data_writes_between_calls_are_seen, clone_input,
+                      tiny_llama)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -579,30 +580,13 @@ def test_data_writes_with_cache_across_steps_need_synchronize(offload_sim):
 
 
 # ---------------------------------------------------------------- step boundaries
-class _FirstLayerSometimes(nn.Module):
-    """A first layer that only some calls run (a conditioning embedder, an optional
-    stage): the calls that skip it never fetch the layer the first step began with."""
-
-    def __init__(self, d=64):
-        super().__init__()
-        self.pre = nn.Linear(d, d)
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x, first=False):
-        if first:
-            x = self.pre(x)
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 def test_steps_that_skip_the_first_layer_read_the_weights_the_optimizer_wrote(offload_sim):
     """Note [When a step begins] (core/scheduler.cpp): a step used to begin only when
     the trace's first layer was fetched again; after a first step that ran `pre`, no
     later one began, and the layers still in a slot were served with their weights
     from before the optimizer step (the loss left the resident model's at step 2)."""
     torch.manual_seed(0)
-    model = _FirstLayerSometimes()
+    model = FirstLayerSometimes()
     ref = copy.deepcopy(model)
     h = offload_sim(model, slots=2, prefetch=1)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -622,16 +606,10 @@ def test_a_data_write_between_calls_that_skip_the_first_layer_is_seen(offload_si
     steps began with, so only the call itself (offload()'s forward pre-hook) says
     that a step begins and the weights cached in the slots are old."""
     torch.manual_seed(0)
-    model = _FirstLayerSometimes()
+    model = FirstLayerSometimes()
     ref = copy.deepcopy(model)
     h = offload_sim(model, slots=6)  # every layer stays in its slot
-    x = torch.randn(8, 64)
-    with torch.no_grad():
-        assert torch.equal(model(x, first=True), ref(x, first=True))
-        for step in range(3):
-            for m in (model, ref):
-                m.layers[1].weight.data.mul_(0.5)
-            assert torch.equal(model(x), ref(x)), f"call {step + 1}"
+    assert_data_writes_between_calls_are_seen(model, ref, torch.randn(8, 64))
     assert h.stats()["steps"] == 4
 
 
@@ -641,7 +619,7 @@ def test_an_inner_module_called_on_its_own_after_training_reads_each_write(offlo
     fetch the trace does not expect in the forward does (Note [When a step begins]).
     Writes through `.data` between such calls are then seen."""
     torch.manual_seed(0)
-    model = _FirstLayerSometimes()
+    model = FirstLayerSometimes()
     ref = copy.deepcopy(model)
     offload_sim(model, slots=6)  # every layer stays in its slot
     x = torch.randn(8, 64, requires_grad=True)
