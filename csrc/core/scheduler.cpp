@@ -158,11 +158,11 @@ void Scheduler::note_held_locked() {
 // one the trace did not describe; under a training trace every layer comes
 // again in the backward, hence the phase of each entry, trace_fwd_); a layer
 // the trace fetches several times in a forward (a shared block in a loop) is
-// expected, so such models keep their steps. Calls that
-// none of these separate (an inner module called again while the first step
-// is still being recorded) share a step: SchedulerOptions::write_version
-// then still catches in-place writes between them, not writes through
-// `.data` (which is why handle.synchronize() exists).
+// expected, so such models keep their steps. Calls that none of these
+// separate (an inner module called again while the first step is still being
+// recorded) share a step: SchedulerOptions::write_version then still catches
+// in-place writes between them, not writes through `.data` (which is why
+// handle.synchronize() exists).
 void Scheduler::advance_trace_locked(int layer, Phase phase) {
   const bool forward = opts_.auto_step && phase == Phase::Forward;
   if (recording_) {

@@ -33,8 +33,8 @@
 //    fetch after the owner said so (begin_call()) or a backward ended
 //    (backward_ended()), a fetch of the trace's first layer, or (replaying) a
 //    fetch of a layer already fetched in this step that the trace does not
-//    expect again in it as a forward fetch. At a step boundary,
-//    content cached in slots is forgotten (weights may have changed) unless
+//    expect again in it as a forward fetch. At a step boundary, content
+//    cached in slots is forgotten (weights may have changed) unless
 //    SchedulerOptions::content_version tells when they did; between
 //    boundaries, SchedulerOptions::write_version (when given) guards each
 //    reuse. Note [When a step begins] in scheduler.cpp.
