@@ -614,10 +614,11 @@ def test_a_data_write_between_calls_that_skip_the_first_layer_is_seen(offload_si
 
 
 def test_an_inner_module_called_on_its_own_after_training_reads_each_write(offload_sim):
-    """After training, the trace names every layer again in its backward: an inner
-    module called on its own (no hook sees that call) begins a step only if a forward
-    fetch the trace does not expect in the forward does (Note [When a step begins]).
-    Writes through `.data` between such calls are then seen."""
+    """After training, the trace names every layer again in its backward. An inner
+    module called on its own (no hook sees that call) still begins a step each time:
+    the trace does not expect its layer again as a forward fetch (each entry keeps its
+    phase; Note [When a step begins]). Writes through `.data` between the calls are
+    seen."""
     torch.manual_seed(0)
     model = FirstLayerSometimes()
     ref = copy.deepcopy(model)
