@@ -65,8 +65,8 @@ MUTATIONS = [
         "bf16 Linear weight gradients 1% too large", survived_before=True),
     Mutation(
         "group-packed-from-half-the-rows", "csrc/torch/engine_groups.cpp",
-        "quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows, cols, e.host, 0);",
-        "quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), name), rows / 2, cols, e.host, 0);",
+        "            quant::pack(f, src.data_ptr(), d, rows, cols, e.host, 0);",
+        "            quant::pack(f, src.data_ptr(), d, rows / 2, cols, e.host, 0);",
         [P + "test_groups.py::test_quantized_group_module",
          P + "test_attention.py::test_quantized_attention_streams_packed"],
         "quantized tensor groups packed from half the weights", survived_before=True),
@@ -159,8 +159,8 @@ MUTATIONS = [
         "a tensor group's fetched views do not require grad as their parameters do"),
     Mutation(
         "group-forward-without-grad-mode", "python/layerstream/_group_op.py",
-        "    with torch.enable_grad(), fwd.fetched(experts=experts) as views, \\\n",
-        "    with fwd.fetched(experts=experts) as views, \\\n",
+        "    with torch.enable_grad(), fwd.fetched(experts=experts, adapters=bound) as views, \\\n",
+        "    with fwd.fetched(experts=experts, adapters=bound) as views, \\\n",
         [P + "test_blas_calls.py"],
         "a tensor group's forward runs without grad mode (eval attention takes its fused path)"),
     Mutation(
@@ -190,9 +190,9 @@ MUTATIONS = [
         "torch.compile's marks are never put on when torch._dynamo is imported after layerstream"),
     # ---- Note [No copy in flight at a step's end] (csrc/core/scheduler.cpp) ----
     Mutation(
-        "backward-end-leaves-guessed-prefetch", "csrc/torch/engine_gradients.cpp",
-        "    if (self->sched_) self->sched_->wait_unused_prefetches();\n",
-        "",
+        "backward-end-leaves-guessed-prefetch", "csrc/core/scheduler.cpp",
+        "void Scheduler::backward_ended() {\n  wait_unused_prefetches();\n",
+        "void Scheduler::backward_ended() {\n",
         [P + "test_optim.py::test_accumulation_over_three_micro_batches_equals_one_batch",
          P + "test_optim.py::test_overlapped_steps_that_leave_the_trace_write_no_weight_a_copy_reads"],
         "a prefetch guessed while recording still reads weights when the backward ends and the optimizer writes"),
@@ -291,8 +291,8 @@ MUTATIONS = [
     # ---- issues 20-28: host optimizer, disk tier, distributed, activations, lossless ----
     Mutation(
         "lossless-recode-ignores-changes", "csrc/torch/engine_coded.cpp",
-        "  if (c.coded && version == c.version && sample == c.sample) return false;",
-        "  if (c.coded) return false;",
+        "  if (c.coded && !c.forced && version == c.version && sample == c.sample) return false;",
+        "  if (c.coded && !c.forced) return false;",
         [P + "test_lossless.py::test_trainable_lossless_weights_train_like_plain_streamed_ones"],
         "a trainable lossless weight changed by the optimizer crosses the bus with its old coding"),
     Mutation(
@@ -498,7 +498,7 @@ MUTATIONS = [
         "a gradient accumulated under no_sync() is summed over the ranks instead of averaged"),
     Mutation(
         "suspend-keeps-the-slots", "csrc/torch/engine.cpp",
-        "  retire_scheduler_locked();\n  suspended_ = true;",
+        "  retire_scheduler_locked(&suspended_trace_, &suspended_trace_forward_);\n  suspended_ = true;",
         "  suspended_ = true;",
         [P + "test_parity_layers.py::test_parity_suspend_frees_the_device_and_resume_continues_exactly",
          "gtest:test_torch_offload:*SuspendFreesTheSlots*"],
@@ -550,8 +550,8 @@ MUTATIONS = [
         "slots serve the weights from before the optimizer step"),
     Mutation(
         "a-call-begins-no-step", "python/layerstream/_handle.py",
-        "        if not torch.compiler.is_compiling():\n            self._engine.begin_call()",
-        "        pass",
+        "            engine = self._engine_of()\n            if engine is not None:\n                engine.begin_call()",
+        "            pass",
         [P + "test_training.py::test_a_data_write_between_calls_that_skip_the_first_layer_is_seen"],
         "a call of the offloaded model that skips the trace's first layer shares the step (and the "
         "cached weights) of the call before"),
@@ -565,8 +565,8 @@ MUTATIONS = [
         "of the call before and reads its cached weights"),
     Mutation(
         "write-version-unchecked", "csrc/core/scheduler.cpp",
-        "  const auto& version = opts_.content_version ? opts_.content_version : opts_.write_version;",
-        "  const auto& version = opts_.content_version;",
+        "  const auto& version = opts_.content_version ? opts_.content_version : opts_.write_version;\n  if (!version",
+        "  const auto& version = opts_.content_version;\n  if (!version",
         ["gtest:test_scheduler:*WriteVersionRefuses*"],
         "cached content is reused within a step after an in-place (version-counted) write"),
     Mutation(

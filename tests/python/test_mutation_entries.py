@@ -1,0 +1,59 @@
+"""tools/mutate.py's entries stay in step with the code: an entry whose anchor moved
+away reports "stale" only when someone runs the audit, and until then the bug it stands
+for is audited by nothing (on 2026-12-05 seven entries had drifted that way). Each
+anchor occurs exactly once in its file, and each test (or script) an entry runs exists."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _mutations():
+    spec = importlib.util.spec_from_file_location("layerstream_mutate", ROOT / "tools" / "mutate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module.MUTATIONS
+
+
+def test_every_anchor_occurs_once_in_its_file():
+    mutations = _mutations()
+    assert len(mutations) > 50
+    bad = []
+    for m in mutations:
+        n = (ROOT / m.file).read_text().count(m.anchor)
+        if n != 1:
+            bad.append(f"{m.name}: its anchor occurs {n} times in {m.file}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_listed_test_exists():
+    bad = []
+    for m in _mutations():
+        for t in m.tests:
+            kind, _, what = t.partition(":")
+            if kind == "py":
+                path, _, func = what.partition("::")
+                text = (ROOT / path).read_text() if (ROOT / path).exists() else None
+                if text is None or (func and not re.search(rf"^def {re.escape(func.split('[')[0])}\(", text, re.M)):
+                    bad.append(f"{m.name}: {t}")
+            elif kind == "gtest":
+                binary, _, pattern = what.partition(":")
+                source = ROOT / "tests" / "cpp" / f"{binary}.cpp"
+                name = pattern.strip("*").split(".")[-1].strip("*")
+                if not source.exists() or (name and name not in source.read_text()):
+                    bad.append(f"{m.name}: {t}")
+            elif kind == "cmd":  # a command: the script it runs exists
+                scripts = [w for w in what.split() if w.endswith((".py", ".sh"))]
+                if not scripts or not all((ROOT / w).exists() for w in scripts):
+                    bad.append(f"{m.name}: {t}")
+            else:
+                bad.append(f"{m.name}: {t} (not py:, gtest: or cmd:)")
+    assert not bad, "\n".join(bad)
