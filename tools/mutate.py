@@ -598,6 +598,14 @@ MUTATIONS = [
         "an inner module called again after training shares the step of the call before: the trace "
         "names it again in its backward"),
     Mutation(
+        "forward-after-backward-fetch-begins-no-step", "csrc/core/scheduler.cpp",
+        "  if (forward && backward_in_step_) boundary_due_ = true;  // a forward after this step's backward\n",
+        "",
+        [P + "test_compile.py::test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact",
+         "gtest:test_scheduler:*AForwardAfterABackwardFetchBeginsAStep*"],
+        "under torch.compile (no call hook, no backward_ended()) steps that skip the trace's first layer "
+        "share one step: inference calls after them read weights cached before a `.data` write"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

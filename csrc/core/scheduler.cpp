@@ -151,7 +151,9 @@ void Scheduler::note_held_locked() {
 //  * after the owner said a call begins (begin_call(): the engine's Python
 //    layer calls it from a forward pre-hook on the offloaded model), and
 //  * after a backward ended (backward_ended(), called before an optimizer
-//    may run), whichever layer it is; both are exact for what they see.
+//    may run), or after any backward fetch of this step (the backward of a
+//    torch.compile graph calls no backward_ended()), whichever layer it is;
+//    these are exact for what they see.
 // Replaying, a forward fetch of a layer already fetched in this step that the
 // rest of the trace does not expect as a forward fetch begins one too (the
 // next call of an inner module the owner does not see, or a forward after
@@ -165,6 +167,8 @@ void Scheduler::note_held_locked() {
 // handle.synchronize() exists).
 void Scheduler::advance_trace_locked(int layer, Phase phase) {
   const bool forward = opts_.auto_step && phase == Phase::Forward;
+  if (forward && backward_in_step_) boundary_due_ = true;  // a forward after this step's backward
+  if (phase == Phase::Backward) backward_in_step_ = true;
   if (recording_) {
     if (forward && !trace_.empty() && (trace_.front() == layer || boundary_due_)) {
       begin_step_locked();
@@ -700,6 +704,7 @@ void Scheduler::begin_step_locked() {
   }
   acquires_in_step_ = 0;
   boundary_due_ = false;
+  backward_in_step_ = false;
   ++step_serial_;
   pos_ = 0;
   if (!opts_.content_version) drop_content_locked();

@@ -31,7 +31,7 @@
 //  * A new step starts at begin_step(), or automatically (auto_step) at a
 //    forward fetch that begins a new call of the model: the first forward
 //    fetch after the owner said so (begin_call()) or a backward ended
-//    (backward_ended()), a fetch of the trace's first layer, or (replaying) a
+//    (backward_ended(); or fetched), a fetch of the trace's first layer, or (replaying) a
 //    fetch of a layer already fetched in this step that the trace does not
 //    expect again in it as a forward fetch. At a step boundary, content
 //    cached in slots is forgotten (weights may have changed) unless
@@ -360,6 +360,7 @@ class Scheduler {
   size_t pos_ = 0;  // next expected trace index
   uint64_t acquires_in_step_ = 0;
   bool boundary_due_ = false;           // backward_ended() or begin_call() since the step began
+  bool backward_in_step_ = false;       // a backward fetch in this step
   uint64_t step_serial_ = 1;            // bumped at every begin_step_locked()
   std::vector<uint64_t> fetched_in_;    // layer -> step_serial_ of its last fetch
   Phase last_phase_ = Phase::Forward;

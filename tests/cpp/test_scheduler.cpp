@@ -482,6 +482,16 @@ TEST_F(StepBoundaryTest, AfterABackwardTheNextForwardBeginsAStepWhicheverLayerIt
   EXPECT_TRUE(sim->ordering_errors().empty());
 }
 
+TEST_F(StepBoundaryTest, AForwardAfterABackwardFetchBeginsAStepWithoutBackwardEnded) {
+  // A torch.compile graph's backward calls no backward_ended(): its fetches say it.
+  Scheduler sched(*sim, transfer, model.specs, options(6, 2));
+  run_step(sched, compute, kTrain, 5);
+  change(sched, 1);
+  EXPECT_TRUE(fetch_current(sched, 1)) << "the first step's copy of layer 1 was served";
+  EXPECT_EQ(sched.stats().steps, 2u);
+  EXPECT_EQ(sched.trace(), kTrain);
+}
+
 TEST_F(StepBoundaryTest, ACallTheOwnerAnnouncesBeginsAStepEvenWhileTheFirstIsRecorded) {
   Scheduler sched(*sim, transfer, model.specs, options(6, 2));
   run_step(sched, compute, kInfer, 5);  // recording: the next fetch of layer 0 would end it

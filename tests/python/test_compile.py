@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import layerstream
-from conftest import assert_grads_match, clone_input, tiny_llama
+from conftest import FirstLayerSometimes, assert_grads_match, clone_input, tiny_llama
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -76,6 +76,33 @@ def test_mlp_full_finetune_compiles_whole_and_matches_eager(offload_sim):
     assert _graph_breaks() == 0
     assert _frames() == 1
     assert handle.stats()["acquires"] > 0  # the engine streamed them
+
+
+def test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact(offload_sim):
+    """Under torch.compile offload()'s call hook does nothing and the compiled backward
+    calls no backward_ended(): a forward fetch after a backward fetch begins the step
+    (Note [When a step begins]). Before that, training steps that skip the first layer
+    shared one step forever, and `.data` writes between later inference calls were
+    not seen."""
+    torch.manual_seed(0)
+    model = FirstLayerSometimes()
+    ref = copy.deepcopy(model)
+    h = offload_sim(model, slots=6)  # every layer stays in its slot
+    compiled = torch.compile(model, backend="aot_eager")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for step in range(3):
+        x = torch.randn(8, 64)
+        for m, o in zip((compiled, ref), opts):
+            m(x, first=step == 0).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        for call in range(3):
+            for m in (model, ref):
+                m.layers[1].weight.data.mul_(0.5)
+            assert torch.equal(compiled(x), ref(x)), f"call {call}"
+    assert h.stats()["steps"] == 6
 
 
 def test_the_compiled_graph_calls_one_layerstream_operator_per_streamed_layer(offload_sim):
