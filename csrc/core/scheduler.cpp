@@ -218,8 +218,7 @@ void Scheduler::advance_trace_locked(int layer, Phase phase) {
 }
 
 bool Scheduler::expected_later_locked(int layer) {
-  if (next_use_cyclic_locked(layer) < 0) return false;  // not in the trace (and positions_ current)
-  const std::vector<uint32_t>& at = positions_[static_cast<size_t>(layer)];
+  const std::vector<uint32_t>& at = positions_locked(layer);
   for (auto it = std::lower_bound(at.begin(), at.end(), static_cast<uint32_t>(pos_)); it != at.end(); ++it)
     if (trace_fwd_[*it]) return true;
   return false;  // later only in the backward (or not at all): a new call
@@ -756,15 +755,19 @@ const BufferRef& Scheduler::copy_source_locked(int layer, std::vector<uint64_t>*
 
 void Scheduler::copies_issued_locked(int layer) { stager_->copied(layer, transfer_); }
 
-int64_t Scheduler::next_use_cyclic_locked(int layer) {
-  if (recording_ || trace_.empty()) return -1;
+const std::vector<uint32_t>& Scheduler::positions_locked(int layer) {
   if (positions_gen_ != trace_gen_) {
     positions_.assign(layers_.size(), {});
     for (size_t j = 0; j < trace_.size(); ++j)
       positions_[static_cast<size_t>(trace_[j])].push_back(static_cast<uint32_t>(j));
     positions_gen_ = trace_gen_;
   }
-  const std::vector<uint32_t>& at = positions_[static_cast<size_t>(layer)];
+  return positions_[static_cast<size_t>(layer)];
+}
+
+int64_t Scheduler::next_use_cyclic_locked(int layer) {
+  if (recording_ || trace_.empty()) return -1;
+  const std::vector<uint32_t>& at = positions_locked(layer);
   if (at.empty()) return -1;
   const auto it = std::lower_bound(at.begin(), at.end(), static_cast<uint32_t>(pos_));
   if (it != at.end()) return static_cast<int64_t>(*it) - static_cast<int64_t>(pos_);

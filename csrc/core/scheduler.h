@@ -335,6 +335,8 @@ class Scheduler {
   // Cyclic distance in the trace from the current position to the layer's
   // next use (-1: not in the trace, or no trace yet).
   int64_t next_use_cyclic_locked(int layer);
+  // `layer`'s indices in trace_, ascending (rebuilt when the trace changed).
+  const std::vector<uint32_t>& positions_locked(int layer);
   void read_ahead_locked();
   void check_staging_locked();
 
