@@ -276,8 +276,8 @@ MUTATIONS = [
         "a group's recompute does not restore the RNG (other dropout masks)"),
     Mutation(
         "linear-bias-grad-dropped", "csrc/torch/ops_streamed.cpp",
-        "                            .copy_(gb));",
-        "                            .zero_());",
+        "                        .copy_(gb));",
+        "                        .zero_());",
         [P + "test_parity_layers.py::test_linear_fp32_bit_exact"],
         "streamed Linear bias gradient lost"),
     Mutation(
@@ -605,6 +605,34 @@ MUTATIONS = [
          "gtest:test_scheduler:*AForwardAfterABackwardFetchBeginsAStep*"],
         "under torch.compile (no call hook, no backward_ended()) steps that skip the trace's first layer "
         "share one step: inference calls after them read weights cached before a `.data` write"),
+    # ---- Note [Compiled weight gradients are staged] (csrc/torch/ops_streamed.cpp) ----
+    Mutation(
+        "compiled-grads-never-staged", "csrc/torch/ops_library.cpp",
+        "    const bool stage = mask[0] && (mask[1] || mask[2]) &&\n",
+        "    const bool stage = false && (mask[1] || mask[2]) &&\n",
+        [P + "test_compile.py::test_compiled_weight_gradients_are_staged_and_stepped_during_the_backward",
+         P + "test_compile.py::test_compiled_gradient_hooks_fire_and_late_ones_are_refused"],
+        "compiled weight gradients go back to autograd after a blocking copy each: opt.overlap() steps "
+        "nothing during a compiled backward"),
+    Mutation(
+        "compiled-forward-uses-not-counted", "csrc/torch/ops_streamed.cpp",
+        "  if (trained) note_forward_use(l);",
+        "",
+        [P + "test_compile.py::test_compiled_weight_gradients_are_staged_and_stepped_during_the_backward"],
+        "a compiled call given trainable parameters is not counted: the gradient-ready hook never "
+        "finds a staged layer complete"),
+    Mutation(
+        "compiled-late-hook-ignored", "csrc/torch/ops_streamed.cpp",
+        "        LS_CHECK(!has_grad_hooks(p), \"a gradient hook was registered on the \"",
+        "        LS_CHECK(true || !has_grad_hooks(p), \"a gradient hook was registered on the \"",
+        [P + "test_compile.py::test_compiled_gradient_hooks_fire_and_late_ones_are_refused"],
+        "a gradient hook registered after torch.compile traced the model silently never fires"),
+    Mutation(
+        "compiled-unasked-grads-staged", "csrc/torch/ops_streamed.cpp",
+        "        g[i] = torch::Tensor();  // not asked for: autograd would drop it too\n",
+        "",
+        [P + "test_compile.py::test_compiled_autograd_grad_for_the_input_leaves_weight_grads_alone"],
+        "torch.autograd.grad(loss, x) through a compiled model adds the weights' gradients to .grad"),
     Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",

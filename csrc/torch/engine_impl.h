@@ -173,6 +173,16 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // collectives; call it just before push_grads(). Without mu_ (Note
   // [Averaging overlapped with the backward], engine_distributed.cpp).
   void average_before_copy(const std::vector<torch::Tensor>& parts);
+  // A layer's weight and bias gradients (either may be undefined), computed
+  // on the device: averaged over the process group, if any, copied into a
+  // scratch slot in the parameters' dtypes and from there to the host on the
+  // gradient stream (push_grads); applied to .grad when this backward ends.
+  void stage_grads(int layer, const torch::Tensor& gw, const torch::Tensor& gb);
+  // Whether a compiled graph's backward of this layer may stage its weight
+  // gradients instead of returning them to autograd (Note [Compiled weight
+  // gradients are staged], ops_streamed.cpp): not for a weight another layer
+  // shares, nor for parameters with gradient hooks.
+  bool stages_compiled_grads(int layer);
   // A gradient computed on the device, as a host tensor of `dtype` (blocking).
   torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
   // Makes sure pending gradients are accumulated at the end of this backward.
@@ -183,13 +193,18 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // compute, release. With shape_only, the same call on stand-in weights of
   // x's device and dtype (no slot, no copy): what a fake kernel returns
   // (x may be a FakeTensor with symbolic sizes).
-  torch::Tensor op_forward(int layer, const torch::Tensor& x, const char* kind, bool shape_only);
+  // `trained`: the call was given parameters to differentiate (a compiled
+  // training step), so its backward will follow (counted for the
+  // gradient-ready hook).
+  torch::Tensor op_forward(int layer, const torch::Tensor& x, const char* kind, bool trained, bool shape_only);
   // The gradients `mask` asks for (input, weight, bias; in that order, the
   // ones asked for only) from the output gradient and the saved input; the
   // weight's and bias's on the host in their dtypes. Fetches the weights
-  // only when they are read (the input gradient, or any conv gradient).
+  // only when they are read (the input gradient, or any conv gradient). With
+  // `stage`, the weight's and bias's are staged (stage_grads) and only the
+  // input's is returned.
   std::vector<torch::Tensor> op_backward(int layer, const torch::Tensor& grad, const torch::Tensor& x,
-                                         std::array<bool, 3> mask, bool shape_only);
+                                         std::array<bool, 3> mask, bool stage, bool shape_only);
   // An embedding's lookup and its weight gradient (on the host).
   torch::Tensor op_lookup(int layer, const torch::Tensor& ids, bool shape_only);
   torch::Tensor op_lookup_backward(int layer, const torch::Tensor& grad, const torch::Tensor& ids,

@@ -6,7 +6,7 @@
 //   linear(Tensor x, Tensor? weight, Tensor? bias, int engine, int layer) -> Tensor
 //   conv(Tensor x, Tensor? weight, Tensor? bias, int engine, int layer) -> Tensor
 //   embedding(Tensor ids, Tensor? weight, int engine, int layer) -> Tensor
-//   layer_backward(Tensor grad, Tensor x, int engine, int layer, bool[3] mask) -> Tensor[]
+//   layer_backward(Tensor grad, Tensor x, int engine, int layer, bool[3] mask, bool stage) -> Tensor[]
 //   embedding_backward(Tensor grad, Tensor ids, int engine, int layer) -> Tensor
 // weight/bias are the module's parameters, passed only when they require grad (autograd then
 // routes their gradients); the kernels read the weights from the engine. Thread safety: the
@@ -37,13 +37,14 @@ constexpr char kConv[] = "a convolution";
 
 // ---- backend kernels (CPU: the sim device; CUDA) ----
 template <const char* Kind>
-torch::Tensor layer_kernel(const torch::Tensor& x, const std::optional<torch::Tensor>&,
-                           const std::optional<torch::Tensor>&, int64_t engine, int64_t layer) {
-  return engine_of(engine)->op_forward(static_cast<int>(layer), x, Kind, /*shape_only=*/false);
+torch::Tensor layer_kernel(const torch::Tensor& x, const std::optional<torch::Tensor>& w,
+                           const std::optional<torch::Tensor>& b, int64_t engine, int64_t layer) {
+  const bool trained = (w.has_value() && w->defined()) || (b.has_value() && b->defined());
+  return engine_of(engine)->op_forward(static_cast<int>(layer), x, Kind, trained, /*shape_only=*/false);
 }
 std::vector<torch::Tensor> backward_kernel(const torch::Tensor& grad, const torch::Tensor& x, int64_t engine,
-                                           int64_t layer, std::array<bool, 3> mask) {
-  return engine_of(engine)->op_backward(static_cast<int>(layer), grad, x, mask, /*shape_only=*/false);
+                                           int64_t layer, std::array<bool, 3> mask, bool stage) {
+  return engine_of(engine)->op_backward(static_cast<int>(layer), grad, x, mask, stage, /*shape_only=*/false);
 }
 torch::Tensor lookup_kernel(const torch::Tensor& ids, const std::optional<torch::Tensor>&, int64_t engine,
                             int64_t layer) {
@@ -57,11 +58,11 @@ torch::Tensor lookup_backward_kernel(const torch::Tensor& grad, const torch::Ten
 // ---- shape-only operators (composite: they run on whatever tensors they get, FakeTensors included) ----
 template <const char* Kind>
 torch::Tensor layer_shape(const torch::Tensor& x, int64_t engine, int64_t layer) {
-  return engine_of(engine)->op_forward(static_cast<int>(layer), x, Kind, /*shape_only=*/true);
+  return engine_of(engine)->op_forward(static_cast<int>(layer), x, Kind, /*trained=*/false, /*shape_only=*/true);
 }
 std::vector<torch::Tensor> backward_shape(const torch::Tensor& grad, const torch::Tensor& x, int64_t engine,
-                                          int64_t layer, std::array<bool, 3> mask) {
-  return engine_of(engine)->op_backward(static_cast<int>(layer), grad, x, mask, /*shape_only=*/true);
+                                          int64_t layer, std::array<bool, 3> mask, bool stage) {
+  return engine_of(engine)->op_backward(static_cast<int>(layer), grad, x, mask, stage, /*shape_only=*/true);
 }
 torch::Tensor lookup_shape(const torch::Tensor& ids, int64_t engine, int64_t layer) {
   return engine_of(engine)->op_lookup(static_cast<int>(layer), ids, /*shape_only=*/true);
@@ -104,13 +105,18 @@ struct LayerOpFn : public torch::autograd::Function<LayerOpFn> {
     if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2])) return out;
     check_no_create_graph(engine_of(engine)->layer(static_cast<int>(layer)));
     const torch::Tensor x = ctx->get_saved_variables()[0];
+    // Decided here, when the graph is traced (Note [Compiled weight gradients
+    // are staged], ops_streamed.cpp): only beside an input gradient, whose
+    // use keeps the operator in the graph.
+    const bool stage = mask[0] && (mask[1] || mask[2]) &&
+                       engine_of(engine)->stages_compiled_grads(static_cast<int>(layer));
     static const auto bwd =
         op("layerstream::layer_backward")
             .typed<std::vector<torch::Tensor>(const torch::Tensor&, const torch::Tensor&, int64_t, int64_t,
-                                              std::array<bool, 3>)>();
-    const std::vector<torch::Tensor> got = bwd.call(grads[0], x, engine, layer, mask);
+                                              std::array<bool, 3>, bool)>();
+    const std::vector<torch::Tensor> got = bwd.call(grads[0], x, engine, layer, mask, stage);
     size_t k = 0;
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < (stage ? 1 : 3); ++i)
       if (mask[i]) out[i] = got[k++];
     return out;
   }
@@ -174,7 +180,7 @@ TORCH_LIBRARY(layerstream, m) {
   const std::vector<at::Tag> tags{at::Tag::cudagraph_unsafe};
   m.def("linear(Tensor x, Tensor? weight, Tensor? bias, int engine, int layer) -> Tensor", tags);
   m.def("conv(Tensor x, Tensor? weight, Tensor? bias, int engine, int layer) -> Tensor", tags);
-  m.def("layer_backward(Tensor grad, Tensor x, int engine, int layer, bool[3] mask) -> Tensor[]", tags);
+  m.def("layer_backward(Tensor grad, Tensor x, int engine, int layer, bool[3] mask, bool stage) -> Tensor[]", tags);
   m.def("embedding(Tensor ids, Tensor? weight, int engine, int layer) -> Tensor", tags);
   m.def("embedding_backward(Tensor grad, Tensor ids, int engine, int layer) -> Tensor", tags);
   // A streamed tensor group's call (its module's own forward, which is Python code) and its
@@ -186,7 +192,7 @@ TORCH_LIBRARY(layerstream, m) {
         tags);
   m.def("linear_shape(Tensor x, int engine, int layer) -> Tensor", &layer_shape<kLinear>);
   m.def("conv_shape(Tensor x, int engine, int layer) -> Tensor", &layer_shape<kConv>);
-  m.def("layer_backward_shape(Tensor grad, Tensor x, int engine, int layer, bool[3] mask) -> Tensor[]",
+  m.def("layer_backward_shape(Tensor grad, Tensor x, int engine, int layer, bool[3] mask, bool stage) -> Tensor[]",
         &backward_shape);
   m.def("embedding_shape(Tensor ids, int engine, int layer) -> Tensor", &lookup_shape);
   m.def("embedding_backward_shape(Tensor grad, Tensor ids, int engine, int layer) -> Tensor",

@@ -99,6 +99,26 @@ bool plain_backward() {
   return info == nullptr || info->empty();
 }
 
+// Under torch.autograd.grad / backward(inputs=...): whether the caller asked
+// for leaf p's gradient (its accumulator runs, or its gradient is captured).
+// In a plain backward every leaf's is.
+bool asked_for(const torch::Tensor& p) {
+  const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  if (info == nullptr || info->empty()) return true;
+  const auto acc = torch::autograd::impl::try_get_grad_accumulator(p);
+  if (!acc) return false;
+  const auto it = info->find(acc.get());
+  return it != info->end() && it->second.should_execute();
+}
+
+// Gradient hooks on a parameter (Python's register_hook or
+// register_post_accumulate_grad_hook among them): they fire only when
+// autograd accumulates its gradient.
+bool has_grad_hooks(const torch::Tensor& p) {
+  return p.defined() &&
+         (!torch::autograd::impl::hooks(p).empty() || torch::autograd::impl::post_acc_grad_hooks(p) != nullptr);
+}
+
 
 
 // A slot held for the compute stream `cs`, released when this goes out of
@@ -473,41 +493,52 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     const torch::Tensor gx = need_x ? got[k++] : torch::Tensor();
     torch::Tensor gw = need_w ? got[k++] : torch::Tensor();
     torch::Tensor gb = need_b ? got[k++] : torch::Tensor();
-    // Averaged over the process group, if any, before the copy to the host
-    // (engine_distributed.cpp): at once when autograd takes them, overlapped
-    // with the rest of the backward when the gradient stream copies them.
-    const bool average = (need_w || need_b) && e->averages_now(layer);
     if ((need_w || need_b) && via_autograd) {
-      if (average)
-        for (torch::Tensor* g : {&gw, &gb})
-          if (g->defined()) e->all_reduce_mean(*g);
       // Returned to autograd (host copies, synchronous), which routes them.
+      e->average_gradient(layer, gw);  // engine_distributed.cpp
+      e->average_gradient(layer, gb);
       return {gx, need_w ? e->grad_to_host(gw, l.w_dtype) : torch::Tensor(),
               need_b ? e->grad_to_host(gb, l.b_dtype) : torch::Tensor(), torch::Tensor(), torch::Tensor(),
               torch::Tensor()};
     }
-    if (need_w || need_b) {
-      // Into the scratch slot in the parameters' dtypes (as autograd's cast
-      // back would), then to the host on the gradient stream.
-      ScratchLease scratch(sched, cs);
-      const auto dopts = torch::TensorOptions().device(e->compute_device());
-      std::vector<torch::Tensor> parts;
-      if (need_w)
-        parts.push_back(torch::from_blob(scratch.get().part_ptr(0), l.w_shape, dopts.dtype(l.w_dtype)).copy_(gw));
-      if (need_b)
-        parts.push_back(torch::from_blob(static_cast<char*>(scratch.get().slot_buf.ptr) +
-                                             slot_layout::gradient_bias_offset(l.w_bytes),
-                                         l.b_shape, dopts.dtype(l.b_dtype))
-                            .copy_(gb));
-      if (average) e->average_before_copy(parts);
-      e->push_grads(layer, scratch.get(), need_w, need_b);
-      scratch.handed_on();
-      e->ensure_backward_callback();
-    }
+    if (need_w || need_b) e->stage_grads(layer, gw, gb);
     return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
+}  // namespace
+
+void EngineImpl::stage_grads(int layer_index, const torch::Tensor& gw, const torch::Tensor& gb) {
+  const LayerInfo& l = layer(layer_index);
+  const bool has_w = gw.defined(), has_b = gb.defined();
+  // Averaged over the process group, if any, before the copy to the host
+  // (engine_distributed.cpp), overlapped with the rest of the backward.
+  const bool average = averages_now(layer_index);
+  // Into the scratch slot in the parameters' dtypes (as autograd's cast back
+  // would), then to the host on the gradient stream.
+  Stream cs = compute_stream();
+  ScratchLease scratch(scheduler(), cs);
+  const auto dopts = torch::TensorOptions().device(compute_device());
+  std::vector<torch::Tensor> parts;
+  if (has_w)
+    parts.push_back(torch::from_blob(scratch.get().part_ptr(0), l.w_shape, dopts.dtype(l.w_dtype)).copy_(gw));
+  if (has_b)
+    parts.push_back(torch::from_blob(static_cast<char*>(scratch.get().slot_buf.ptr) +
+                                         slot_layout::gradient_bias_offset(l.w_bytes),
+                                     l.b_shape, dopts.dtype(l.b_dtype))
+                        .copy_(gb));
+  if (average) average_before_copy(parts);
+  push_grads(layer_index, scratch.get(), has_w, has_b);
+  scratch.handed_on();
+  ensure_backward_callback();
+}
+
+bool EngineImpl::stages_compiled_grads(int layer_index) {
+  const LayerInfo& l = layer(layer_index);
+  return !l.shared_weight && !has_grad_hooks(l.weight) && !has_grad_hooks(l.bias);
+}
+
+namespace {
 // torch.jit.trace (torch::jit::trace) would record the device weight of this
 // one call, a view of a slot that holds other layers later, as a constant:
 // the traced module would compute with whatever that memory holds.
@@ -607,12 +638,39 @@ torch::Tensor EngineImpl::conv(int layer_index, const torch::Tensor& x_in, bool 
 // stand-in weights of the input's device (shape_only), so shapes, dtypes and
 // strides have one source. The backward is an operator too
 // (layerstream::layer_backward): the input gradient from the re-fetched
-// weight, the weight's and bias's from the saved input, returned to
-// autograd on the host as with grads_via_autograd. The eager path stays
+// weight, the weight's and bias's from the saved input, staged as the eager
+// path stages them or returned to autograd (Note [Compiled weight gradients
+// are staged]). The eager path stays
 // StreamedFn, which replays the resident module's own graph (Note [Same
 // calls as the resident module]); compiled, the resident model's calls are
 // Inductor's choice anyway, so the compiled path equals it within rounding,
 // not bit for bit.
+//
+// Note [Compiled weight gradients are staged]
+// Returned to autograd, a weight gradient must be a finished host tensor:
+// a blocking copy per layer (the device idles meanwhile), and no layer is
+// complete before the whole backward ends, so opt.overlap() stepped nothing
+// under compile. So layer_backward stages them as the eager path does
+// (stage_grads: the gradient stream copies them while the backward goes on,
+// the end-of-backward callback adds them to .grad, the gradient-ready hook
+// counts the forward calls given parameters; docs/design/gradients.md) and
+// returns only the input gradient; autograd gets no gradient for the
+// parameters. Whether it stages is decided when the graph is traced
+// (LayerOpFn::backward, ops_library.cpp), so it cannot depend on the call:
+//  * only beside an input gradient: an operator whose outputs nothing reads
+//    could be dropped from the graph, and its staging with it (the first
+//    layer of a network, whose input needs no gradient, returns its
+//    gradients to autograd);
+//  * not for a weight another layer shares (autograd sums the uses, as in
+//    eager) nor for a parameter with gradient hooks then (they fire only
+//    when autograd accumulates); a hook registered later raises at the
+//    backward, since it would silently not fire;
+//  * torch.autograd.grad / backward(inputs=...): a parameter's gradient not
+//    asked for is dropped, as autograd drops it; one asked for raises (it
+//    can only be returned by the autograd path).
+// Every compiled backward queues the end-of-backward callback, staged or not:
+// its end is a step's (Note [No copy in flight at a step's end] and Note
+// [When a step begins], core/scheduler.cpp).
 
 namespace {
 // What a fake kernel computes with: empty tensors shaped (and strided) as the
@@ -670,7 +728,8 @@ std::array<torch::Tensor, 3> layer_grads(const EngineImpl::LayerInfo& l, const t
 }
 }  // namespace
 
-torch::Tensor EngineImpl::op_forward(int index, const torch::Tensor& x, const char* kind, bool shape_only) {
+torch::Tensor EngineImpl::op_forward(int index, const torch::Tensor& x, const char* kind, bool trained,
+                                     bool shape_only) {
   torch::NoGradGuard no_grad;  // the operator's graph is its autograd kernel's
   auto scope = device_scope();
   LayerInfo& l = call_layer(index, kind);
@@ -682,11 +741,12 @@ torch::Tensor EngineImpl::op_forward(int index, const torch::Tensor& x, const ch
   }
   check_host_alias(l);
   ensure_scheduler();
+  if (trained) note_forward_use(l);  // the gradient-ready hook (engine_grad_ready.cpp)
   return streamed_forward(this, l, index, x);
 }
 
 std::vector<torch::Tensor> EngineImpl::op_backward(int index, const torch::Tensor& grad, const torch::Tensor& x,
-                                                   std::array<bool, 3> mask, bool shape_only) {
+                                                   std::array<bool, 3> mask, bool stage, bool shape_only) {
   auto scope = device_scope();
   LayerInfo& l = layer(index);
   LS_CHECK(!l.is_table() && !l.is_group(), "layer '", l.name, "' is ", kind_of(l),
@@ -711,6 +771,33 @@ std::vector<torch::Tensor> EngineImpl::op_backward(int index, const torch::Tenso
     if (span) trace_end(cs, span, "compute", std::string("bwd ") + l.name);
   }  // the slot goes back after the work that reads it was enqueued
   if (mask[0]) out.push_back(g[0]);
+  if (shape_only) {
+    if (stage) return out;
+  } else {
+    // Also when nothing is staged: the end of this backward is a step's
+    // (Note [No copy in flight at a step's end], core/scheduler.cpp).
+    ensure_backward_callback();
+    if (stage) {  // Note [Compiled weight gradients are staged]
+      const bool plain = plain_backward();
+      for (int i = 1; i < 3; ++i) {
+        if (!g[i].defined()) continue;
+        const torch::Tensor& p = i == 1 ? l.weight : l.bias;
+        LS_CHECK(!has_grad_hooks(p), "a gradient hook was registered on the ", i == 1 ? "weight" : "bias",
+                 " of streamed layer '", l.name, "' after torch.compile traced it: the compiled graph hands "
+                 "that gradient to layerstream, not to autograd, so the hook would not fire. Register "
+                 "gradient hooks before the first compiled call, or call torch._dynamo.reset() after "
+                 "registering them");
+        if (plain) continue;
+        LS_CHECK(!asked_for(p), "torch.autograd.grad / backward(inputs=...) asked for the ",
+                 i == 1 ? "weight" : "bias", " gradient of streamed layer '", l.name, "' through a compiled "
+                 "graph, which hands it to layerstream's own accumulation into .grad: use loss.backward() "
+                 "and read .grad, or call the model uncompiled for this");
+        g[i] = torch::Tensor();  // not asked for: autograd would drop it too
+      }
+      if (g[1].defined() || g[2].defined()) stage_grads(index, g[1], g[2]);
+      return out;
+    }
+  }
   for (int i = 1; i < 3; ++i) {
     if (!mask[i]) continue;
     if (!shape_only) average_gradient(index, g[i]);  // engine_distributed.cpp

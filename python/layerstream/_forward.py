@@ -111,12 +111,14 @@ class _StreamedForward(_RefusesCopy):
 
     def _traced(self, x):
         """The call as torch.compile / torch.export record it: one layerstream operator,
-        given the parameters that require grad (autograd routes their gradients)."""
+        given the parameters that require grad when a gradient is recorded (their
+        gradients' edges; Note [Compiled weight gradients are staged], ops_streamed.cpp)."""
         weight, bias = self._weight, self._bias
-        w = None if self._standin or not weight.requires_grad else weight
+        grad = torch.is_grad_enabled()
+        w = None if self._standin or not (grad and weight.requires_grad) else weight
         if self._lookup:
             return self._op(x, w, self._engine_id, self._index)
-        b = bias if bias is not None and bias.requires_grad else None
+        b = bias if grad and bias is not None and bias.requires_grad else None
         return self._op(x, w, b, self._engine_id, self._index)
 
 

@@ -24,8 +24,8 @@ def _conv(x, weight, bias, engine, layer):
 
 
 @torch.library.register_fake("layerstream::layer_backward")
-def _layer_backward(grad, x, engine, layer, mask):
-    return _ops.layer_backward_shape(grad, x, engine, layer, mask)
+def _layer_backward(grad, x, engine, layer, mask, stage):
+    return _ops.layer_backward_shape(grad, x, engine, layer, mask, stage)
 
 
 @torch.library.register_fake("layerstream::embedding")

@@ -768,3 +768,120 @@ def test_layerstream_adamw_steps_a_compiled_model_like_the_resident_one(offload_
         opt_ref.zero_grad()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+class _Stack(nn.Module):
+    """Four streamed Linear layers, the second one called twice per forward."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        x = torch.tanh(self.layers[0](x))
+        for i in (1, 1, 2, 3):
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+def test_compiled_weight_gradients_are_staged_and_stepped_during_the_backward(offload_sim):
+    """Note [Compiled weight gradients are staged] (csrc/torch/ops_streamed.cpp): a
+    compiled layer whose input gradient is computed stages its weight gradients as the
+    eager path does (copied to the host on the gradient stream, added to .grad when
+    the backward ends), so opt.overlap() steps those layers during the backward (it
+    stepped none under torch.compile before: each gradient went to autograd after a
+    blocking copy). The first layer (its input needs no gradient) returns its own to
+    autograd. Parameters equal the resident model's after each step."""
+    model = _Stack()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, sim_link_gbps=0.05)  # copies still in flight when backwards end
+    opts = [layerstream.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for i in range(4):
+        x = torch.randn(4, 16)
+        for m, opt in zip((step, ref), opts):
+            loss = m(x).square().mean()
+            if m is step and i % 2:
+                with opt.overlap(handle):
+                    loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+            if m is step and i % 2:
+                assert opts[0].last_overlap_params == 6  # layers 1-3, weight and bias
+            opt.zero_grad()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    assert handle.stats()["grad_staging_pinned_bytes"] == 3 * (16 * 16 + 16) * 4 + (16 * 16 + 16) * 4  # layer 1: 2 uses
+    assert _graph_breaks() == 0
+
+
+def test_compiled_gradient_hooks_fire_and_late_ones_are_refused(offload_sim):
+    """A parameter with a gradient hook when the graph is traced keeps the autograd
+    path under compile (the hook fires, as eager); one registered after tracing would
+    not fire on the staged path: the backward says so instead of skipping it."""
+    model = _Stack()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    seen = []
+    model.layers[2].weight.register_hook(lambda g: seen.append("pre") or g * 2)
+    model.layers[3].bias.register_post_accumulate_grad_hook(lambda p: seen.append("post"))
+    ref.layers[2].weight.register_hook(lambda g: g * 2)
+    step = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 16)
+    step(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    assert seen == ["post", "pre"]
+    assert_grads_match(model, ref, rtol=1e-5, atol=1e-6)
+    model.layers[1].weight.register_hook(lambda g: g)
+    with pytest.raises(RuntimeError, match=r"hook was registered on the weight of streamed layer 'layers\.1' "
+                                           r"after torch\.compile traced it.*torch\._dynamo\.reset\(\)"):
+        step(x).square().mean().backward()
+
+
+def test_compiled_autograd_grad_for_the_input_leaves_weight_grads_alone(offload_sim):
+    """torch.autograd.grad(loss, x) through a compiled model with trainable streamed
+    weights: the input's gradient is the resident model's and no .grad is written, as
+    autograd does; asking for a staged weight's gradient there is a clear error."""
+    model = _Stack()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    step = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    step(x).square().mean().backward()  # traced with every weight trainable
+    model.zero_grad()
+    (gx,) = torch.autograd.grad(step(x).square().mean(), x)
+    (gr,) = torch.autograd.grad(ref(xr).square().mean(), xr)
+    torch.testing.assert_close(gx, gr, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"asked for the weight gradient of streamed layer 'layers\.\d' through "
+                                           r"a compiled graph.*loss\.backward\(\)"):
+        torch.autograd.grad(step(x).square().mean(), model.layers[2].weight)
+
+
+def test_a_compiled_backward_waits_for_unused_copies_before_the_optimizer_writes(offload_sim):
+    """Note [No copy in flight at a step's end] (csrc/core/scheduler.cpp) under compile:
+    the first layer's backward reads no weight (its input needs no gradient), so the copy
+    of it the backward guessed is never taken; only that layer trains and returns its
+    gradient to autograd, so nothing is staged. The compiled backward still ends as a
+    step (its operator queues the engine's end-of-backward callback): the copy is waited
+    for and the optimizer's writes are declared to the checker (offload_sim asserts it saw
+    no race; without the wait it sees one). Before, the compiled backward declared
+    nothing and waited for nothing (ThreadSanitizer's stage of tools/sanitize.sh sees that
+    race between the copy and layerstream.optim's step)."""
+    model = _Stack()
+    for layer in model.layers[1:]:
+        layer.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    offload_sim(model, slots=2, sim_link_gbps=0.05)
+    opts = [layerstream.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref)]
+    step = torch.compile(model, backend="aot_eager")
+    for i in range(4):
+        x = torch.randn(4, 16)
+        for m, opt in zip((step, ref), opts):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
