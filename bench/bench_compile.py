@@ -4,7 +4,8 @@ vs streamed.
 Four peers, each in its own process on the same work (a stack of Linear + GELU blocks, or
 with --model attention of nn.MultiheadAttention + Linear blocks, whose attention streams as
 a tensor group: the layerstream::group operator; a training step with frozen weights as
-under LoRA: forward, backward to the input):
+under LoRA: forward, backward to the input; with --train full the weights train too and the
+step ends with every weight gradient in .grad, on the host for streamed layers):
 
     resident-eager, resident-compiled, streamed-eager, streamed-compiled
 
@@ -16,6 +17,7 @@ ratio of each mode.
     .venv/bin/python bench/bench_compile.py --device cuda --width 4096 --layers 16 --batch 4096
     .venv/bin/python bench/bench_compile.py --json               # one JSON object
     .venv/bin/python bench/bench_compile.py --model attention --width 256 --batch 8 --seq 64
+    .venv/bin/python bench/bench_compile.py --train full          # full fine-tuning's backward
 """
 from __future__ import annotations
 
@@ -55,13 +57,13 @@ def run_peer(args) -> dict:
             def forward(self, x):
                 return x + self.fc(self.att(x, x, x, need_weights=False)[0])
 
-        model = nn.Sequential(*[Block() for _ in range(args.layers)]).requires_grad_(False)
+        model = nn.Sequential(*[Block() for _ in range(args.layers)]).requires_grad_(args.train == "full")
         shape = (args.batch, args.seq, args.width)
     else:
         blocks = []
         for _ in range(args.layers):
             blocks += [nn.Linear(args.width, args.width), nn.GELU()]
-        model = nn.Sequential(*blocks).requires_grad_(False)
+        model = nn.Sequential(*blocks).requires_grad_(args.train == "full")
         shape = (args.batch, args.width)
     device = "cpu" if args.device == "sim" else args.device
     streamed = args.peer.startswith("streamed")
@@ -76,8 +78,9 @@ def run_peer(args) -> dict:
 
     def step():
         y = run(x)
-        y.sum().backward()
+        y.sum().backward()  # streamed weights' .grad complete on the host when it returns
         x.grad = None
+        model.zero_grad(set_to_none=True)
 
     t0 = time.perf_counter()
     step()
@@ -103,6 +106,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--train", choices=["frozen", "full"], default="frozen",
+                    help="frozen weights (backward to the input only) or full fine-tuning's backward")
     ap.add_argument("--deadline-s", type=float, default=stage_deadline(),
                     help="the whole run's seconds (default: $LS_STAGE_DEADLINE_S, which bench/gpu/run.sh sets; "
                          "0: none): a peer that cannot start in time is a row that says so")
@@ -121,7 +126,7 @@ def main():
             cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--device", args.device,
                    "--model", args.model, "--seq", str(args.seq),
                    "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
-                   "--steps", str(args.steps), "--backend", args.backend]
+                   "--steps", str(args.steps), "--backend", args.backend, "--train", args.train]
             r = clock.run(cmd, peer)
             if "error" in r or "skipped" in r:  # its stderr's end, a timeout, or no time left
                 failed.setdefault(peer, r)
@@ -136,7 +141,8 @@ def main():
 
     result = {
         "config": {k: getattr(args, k)
-                   for k in ("device", "model", "layers", "width", "batch", "seq", "steps", "rounds", "backend")},
+                   for k in ("device", "model", "layers", "width", "batch", "seq", "steps", "rounds", "backend",
+                             "train")},
         "peers": rows,
         "streamed_over_resident_eager": ratio("streamed-eager", "resident-eager"),
         "streamed_over_resident_compiled": ratio("streamed-compiled", "resident-compiled"),
@@ -147,8 +153,9 @@ def main():
         sys.exit(1 if failed else 0)
     what = (f"MultiheadAttention({args.width}, 8) + Linear, batch {args.batch} x {args.seq}"
             if args.model == "attention" else f"Linear({args.width}) + GELU, batch {args.batch}")
-    print(f"{args.layers} x {what}, frozen weights, forward + backward to the input; device {args.device}, "
-          f"backend {args.backend}")
+    trained = ("frozen weights, forward + backward to the input" if args.train == "frozen" else
+               "trainable weights, forward + backward with every weight gradient in .grad")
+    print(f"{args.layers} x {what}, {trained}; device {args.device}, backend {args.backend}")
     print(f"{'peer':<20}{'first call s':>14}{'step ms':>10}")
     for peer in PEERS:
         r = rows[peer]
