@@ -634,6 +634,12 @@ MUTATIONS = [
         [P + "test_compile.py::test_compiled_autograd_grad_for_the_input_leaves_weight_grads_alone"],
         "torch.autograd.grad(loss, x) through a compiled model adds the weights' gradients to .grad"),
     Mutation(
+        "compiled-bias-standin-traced", "python/layerstream/_forward.py",
+        "        b = None if self._bias_standin or not (",
+        "        b = None if not (",
+        [P + "test_host_tier.py::test_a_compiled_model_whose_weights_and_biases_stay_in_the_file"],
+        "torch.compile hands a bias left in its file (the disk tier) to Dynamo: tracing fails"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -72,7 +72,7 @@ class _StreamedForward(_RefusesCopy):
     to do instead of pickle's "Can't pickle local object"."""
 
     __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
-                 "_lookup", "_op", "_engine_id", "_standin")
+                 "_lookup", "_op", "_engine_id", "_standin", "_bias_standin")
 
     def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
         self._lookup = kind == "embedding"
@@ -83,6 +83,7 @@ class _StreamedForward(_RefusesCopy):
         self._engine_id = engine.id
         # A packed, GGUF or file stand-in is frozen, and Dynamo must not trace into it.
         self._standin = isinstance(module.weight, StandIn)
+        self._bias_standin = isinstance(getattr(module, "bias", None), StandIn)  # e.g. a bias left in its file
         self._index, self._original, self._name = index, original, name
         self._weight, self._bias = module.weight, getattr(module, "bias", None)
         # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
@@ -118,7 +119,7 @@ class _StreamedForward(_RefusesCopy):
         w = None if self._standin or not (grad and weight.requires_grad) else weight
         if self._lookup:
             return self._op(x, w, self._engine_id, self._index)
-        b = bias if grad and bias is not None and bias.requires_grad else None
+        b = None if self._bias_standin or not (grad and bias is not None and bias.requires_grad) else bias
         return self._op(x, w, b, self._engine_id, self._index)
 
 

@@ -164,6 +164,38 @@ def _frozen_on_disk(tmp_path):
     return ref, path, model, layerstream.offload(model, device="sim", host_budget=_quarter(ref))
 
 
+def test_a_compiled_model_whose_weights_and_biases_stay_in_the_file(tmp_path):
+    """torch.compile over the disk tier: the biases stay in the file too (FileWeight
+    stand-ins), which the compiled call must not hand to Dynamo (it failed tracing the
+    first call: "computing with it (is_conj()) is not possible"). Outputs and input
+    gradients equal the resident model's within rounding, and the graph has no break."""
+    from torch._dynamo.utils import counters
+
+    ref, _, model, handle = _frozen_on_disk(tmp_path)
+    assert isinstance(model.layers[0].bias, FileWeight)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def body(m, x):
+        for layer in m.layers:
+            x = torch.relu(layer(x))
+        return x
+    compiled_body = torch.compile(lambda x: body(model, x), backend="aot_eager")
+    for _ in range(2):
+        ids = _ids()
+        torch.testing.assert_close(compiled(ids), ref(ids), rtol=1e-5, atol=1e-6)
+        x, xr = model.emb(ids).detach().requires_grad_(True), ref.emb(ids).detach().requires_grad_(True)
+        out, want = compiled_body(x), body(ref, xr)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    assert sum(counters["graph_break"].values()) == 0
+    assert handle.stats()["disk_read_bytes"] > 0
+    torch._dynamo.reset()
+
+
 def test_saving_a_weight_the_disk_tier_streams_says_how(tmp_path):
     """A state dict of a model whose frozen weights stream from their file cannot be
     pickled as it is (no values in memory): the refusal says the weight streams from
