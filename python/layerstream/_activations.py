@@ -12,6 +12,8 @@ from typing import List
 import torch
 import torch.nn as nn
 
+from . import _dynamo_marks
+
 
 class _Saved:
     """A saved tensor the engine holds for autograd (kept or on the host): released with
@@ -27,6 +29,16 @@ class _Saved:
             self.engine.drop_activation(self.token)
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
             pass
+
+
+@_dynamo_marks.disable(reason=(
+    "offload(activations=...) opens a saved-tensor hooks scope around the model's call, which "
+    "torch.compile cannot trace: the graph breaks at the model's start and end (the compiled regions' "
+    "saved tensors still go through the hooks). With fullgraph=True compile the model's blocks instead "
+    "of the whole model, or drop fullgraph=True"))
+def _scope_outside_graphs():
+    """Marks the activation scope's hooks as eager under torch.compile (a graph break there,
+    with the reason above, instead of one inside them at a call Dynamo cannot trace)."""
 
 
 class ActivationOffload:
@@ -52,6 +64,8 @@ class ActivationOffload:
         return saved if isinstance(saved, torch.Tensor) else self.engine.restore_activation(saved.token)
 
     def _enter(self, module, args):
+        if torch.compiler.is_compiling():
+            _scope_outside_graphs()
         if self._depth and not self._entering_call_running():
             self.close()  # Note [An interrupted forward's scope]
         if self._depth == 0:
@@ -64,6 +78,8 @@ class ActivationOffload:
         self._depth += 1
 
     def _exit(self, module, args, output):
+        if torch.compiler.is_compiling():
+            _scope_outside_graphs()
         if self._depth == 0:  # its scope was closed as interrupted (close())
             return
         self._depth -= 1

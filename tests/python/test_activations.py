@@ -430,6 +430,33 @@ def test_under_torch_compile_the_compiled_regions_saved_tensors_are_offloaded(of
     torch._dynamo.reset()
 
 
+def test_fullgraph_compile_with_activation_offload_says_why_and_what_to_do(offload_sim):
+    """fullgraph=True cannot hold the hooks' scope: Dynamo's error gives the reason
+    layerstream attached (compile the blocks, or drop fullgraph), not a failure deep in the
+    hooks ("Attempted to call function marked as skipped: _thread.get_ident"). Compiling
+    each block with fullgraph=True works, with the blocks' saved tensors offloaded."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, activations="host")
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match=r"saved-tensor hooks scope.*compile the model's blocks instead"):
+        torch.compile(model, fullgraph=True, backend="aot_eager")(torch.randn(128, 256))
+    torch._dynamo.reset()
+    for i, block in enumerate(model):  # the model's own call (its hooks), each block compiled whole
+        model[i] = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = torch.randn(128, 256, requires_grad=True)
+    xr = clone_input(x)
+    y = model(x)
+    yr = ref(xr)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    assert handle.stats()["activation_d2h_bytes"] > 0
+    torch._dynamo.reset()
+
+
 def test_the_trace_shows_activation_copies_on_their_own_lanes(offload_sim, tmp_path):
     model = _mlp()
     handle = offload_sim(model, activations="host", trace=True)
