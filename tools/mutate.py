@@ -634,6 +634,12 @@ MUTATIONS = [
         [P + "test_compile.py::test_compiled_autograd_grad_for_the_input_leaves_weight_grads_alone"],
         "torch.autograd.grad(loss, x) through a compiled model adds the weights' gradients to .grad"),
     Mutation(
+        "compiled-autograd-loses-staged-grads", "python/layerstream/_ops.py",
+        "    if stage:\n        _refuse_compiled_autograd()\n",
+        "",
+        [P + "test_compile.py::test_compiled_autograd_is_refused_for_staged_gradients_and_runs_frozen_layers"],
+        "torch._dynamo's compiled autograd traces a staged backward: the weight gradients are never applied"),
+    Mutation(
         "compiled-bias-standin-traced", "python/layerstream/_forward.py",
         "        b = None if self._bias_standin or not (",
         "        b = None if not (",

@@ -668,6 +668,10 @@ torch::Tensor EngineImpl::conv(int layer_index, const torch::Tensor& x_in, bool 
 //  * torch.autograd.grad / backward(inputs=...): a parameter's gradient not
 //    asked for is dropped, as autograd drops it; one asked for raises (it
 //    can only be returned by the autograd path).
+//  * torch._dynamo's compiled autograd runs the backward as a graph of its
+//    own and never ends the autograd engine's backward (no callback runs):
+//    staged gradients would be lost, so the fake kernel refuses to be traced
+//    into such a graph (python/layerstream/_ops.py).
 // Every compiled backward queues the end-of-backward callback, staged or not:
 // its end is a step's (Note [No copy in flight at a step's end] and Note
 // [When a step begins], core/scheduler.cpp).

@@ -5,6 +5,8 @@ dtypes and strides are decided in one place (Note [Streamed layers as custom ops
 csrc/torch/ops_streamed.cpp)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import _C  # noqa: F401  (loading the extension registers the operators)
@@ -25,7 +27,24 @@ def _conv(x, weight, bias, engine, layer):
 
 @torch.library.register_fake("layerstream::layer_backward")
 def _layer_backward(grad, x, engine, layer, mask, stage):
+    if stage:
+        _refuse_compiled_autograd()
     return _ops.layer_backward_shape(grad, x, engine, layer, mask, stage)
+
+
+def _refuse_compiled_autograd():
+    """A staged backward (Note [Compiled weight gradients are staged],
+    csrc/torch/ops_streamed.cpp) hands its weight gradients to the engine, which adds them
+    to .grad when the autograd engine's backward ends; torch._dynamo's compiled autograd
+    runs the backward as a graph of its own and never ends it that way, so they would be
+    lost: refused while it compiles that graph (in_compiled_autograd_region)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is not None and getattr(ca, "in_compiled_autograd_region", False):
+        raise _C.LayerstreamError(
+            "torch._dynamo's compiled autograd cannot trace the backward of a compiled model whose streamed "
+            "weights train: layerstream applies their gradients when the autograd engine's backward ends, "
+            "which compiled autograd does not run. Run the backward without compiled autograd (the forward "
+            "may stay compiled), or keep those weights frozen (LoRA).")
 
 
 @torch.library.register_fake("layerstream::embedding")

@@ -885,3 +885,30 @@ def test_a_compiled_backward_waits_for_unused_copies_before_the_optimizer_writes
             opt.zero_grad()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_compiled_autograd_is_refused_for_staged_gradients_and_runs_frozen_layers(offload_sim):
+    """torch._dynamo's compiled autograd runs the backward as a graph of its own and never
+    ends the autograd engine's backward, so staged weight gradients were lost (`.grad`
+    stayed as it was: found on 2026-12-06). Compiling that backward now fails with what to
+    do; frozen streamed layers (LoRA) train under it, equal to the resident model."""
+    from torch._dynamo import compiled_autograd
+
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    model = _Stack()
+    frozen_ref = copy.deepcopy(model).requires_grad_(False)
+    handle = offload_sim(model)
+    step = torch.compile(model, backend="aot_eager")
+    with pytest.raises(Exception, match=r"compiled autograd cannot trace the backward of a compiled model whose "
+                                         r"streamed weights train.*without compiled autograd"):
+        with enable(torch.compile(backend="aot_eager")):
+            step(torch.randn(4, 16)).square().mean().backward()
+    torch._dynamo.reset()
+    model.requires_grad_(False)
+    x = torch.randn(4, 16, requires_grad=True)
+    xr = clone_input(x)
+    with enable(torch.compile(backend="aot_eager")):
+        torch.compile(model, backend="aot_eager")(x).square().mean().backward()
+    frozen_ref(xr).square().mean().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    assert handle.stats()["acquires"] > 0
