@@ -8,8 +8,9 @@
 //   embedding(Tensor ids, Tensor? weight, int engine, int layer) -> Tensor
 //   layer_backward(Tensor grad, Tensor x, int engine, int layer, bool[3] mask, bool stage) -> Tensor[]
 //   embedding_backward(Tensor grad, Tensor ids, int engine, int layer) -> Tensor
-// weight/bias are the module's parameters, passed only when they require grad (autograd then
-// routes their gradients); the kernels read the weights from the engine. Thread safety: the
+// weight/bias are the module's parameters, passed only when they require grad (the node's edges
+// for their gradients, which the backward stages or returns: Note [Compiled weight gradients are
+// staged], ops_streamed.cpp); the kernels read the weights from the engine. Thread safety: the
 // engine's (each kernel takes its lock where it needs it).
 #include "engine_impl.h"
 
