@@ -151,8 +151,10 @@ void Scheduler::note_held_locked() {
 //  * after the owner said a call begins (begin_call(): the engine's Python
 //    layer calls it from a forward pre-hook on the offloaded model), and
 //  * after a backward ended (backward_ended(), called before an optimizer
-//    may run), or after any backward fetch of this step (the backward of a
-//    torch.compile graph calls no backward_ended()), whichever layer it is;
+//    may run; the engine's end of a backward that computed weight
+//    gradients), or after any backward fetch of this step (a backward of
+//    frozen layers, or of a compiled tensor group, calls no
+//    backward_ended()), whichever layer it is;
 //    these are exact for what they see.
 // Replaying, a forward fetch of a layer already fetched in this step that the
 // rest of the trace does not expect as a forward fetch begins one too (the

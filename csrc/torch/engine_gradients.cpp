@@ -310,6 +310,10 @@ void EngineImpl::report_failed_backward() {
 }
 
 torch::Tensor EngineImpl::grad_to_host(const torch::Tensor& g, torch::ScalarType dtype) {
+  // An optimizer may write the weight once this backward ends: its end is a
+  // step's (Note [No copy in flight at a step's end], core/scheduler.cpp), as
+  // for staged gradients.
+  ensure_backward_callback();
   torch::Tensor h = g.to(dtype).to(torch::kCPU);  // synchronous on CUDA
   const uint64_t bytes = static_cast<uint64_t>(h.numel()) * h.element_size();
   {

@@ -183,7 +183,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // gradients are staged], ops_streamed.cpp): not for a weight another layer
   // shares, nor for parameters with gradient hooks.
   bool stages_compiled_grads(int layer);
-  // A gradient computed on the device, as a host tensor of `dtype` (blocking).
+  // A gradient computed on the device, as a host tensor of `dtype` (blocking),
+  // for autograd; queues the end-of-backward callback as stage_grads does.
   torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
   // Makes sure pending gradients are accumulated at the end of this backward.
   void ensure_backward_callback();

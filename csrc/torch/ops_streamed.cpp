@@ -672,9 +672,10 @@ torch::Tensor EngineImpl::conv(int layer_index, const torch::Tensor& x_in, bool 
 //    own and never ends the autograd engine's backward (no callback runs):
 //    staged gradients would be lost, so the fake kernel refuses to be traced
 //    into such a graph (python/layerstream/_ops.py).
-// Every compiled backward queues the end-of-backward callback, staged or not:
-// its end is a step's (Note [No copy in flight at a step's end] and Note
-// [When a step begins], core/scheduler.cpp).
+// Staged or returned, a weight gradient queues the end-of-backward callback
+// (stage_grads, grad_to_host), as in eager: that backward's end is a step's
+// (Note [No copy in flight at a step's end] and Note [When a step begins],
+// core/scheduler.cpp).
 
 namespace {
 // What a fake kernel computes with: empty tensors shaped (and strided) as the
@@ -778,9 +779,6 @@ std::vector<torch::Tensor> EngineImpl::op_backward(int index, const torch::Tenso
   if (shape_only) {
     if (stage) return out;
   } else {
-    // Also when nothing is staged: the end of this backward is a step's
-    // (Note [No copy in flight at a step's end], core/scheduler.cpp).
-    ensure_backward_callback();
     if (stage) {  // Note [Compiled weight gradients are staged]
       const bool plain = plain_backward();
       for (int i = 1; i < 3; ++i) {

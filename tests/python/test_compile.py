@@ -79,11 +79,11 @@ def test_mlp_full_finetune_compiles_whole_and_matches_eager(offload_sim):
 
 
 def test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact(offload_sim):
-    """Under torch.compile offload()'s call hook does nothing and the compiled backward
-    calls no backward_ended(): a forward fetch after a backward fetch begins the step
-    (Note [When a step begins]). Before that, training steps that skip the first layer
-    shared one step forever, and `.data` writes between later inference calls were
-    not seen."""
+    """Under torch.compile offload()'s call hook does nothing: the step begins after the
+    compiled backward (the end-of-backward callback its weight gradients queue, and a
+    forward fetch after a backward fetch; Note [When a step begins]). Before those,
+    training steps that skip the first layer shared one step forever, and `.data`
+    writes between later inference calls were not seen."""
     torch.manual_seed(0)
     model = FirstLayerSometimes()
     ref = copy.deepcopy(model)
