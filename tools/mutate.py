@@ -640,6 +640,14 @@ MUTATIONS = [
         [P + "test_compile.py::test_compiled_autograd_is_refused_for_staged_gradients_and_runs_frozen_layers"],
         "torch._dynamo's compiled autograd traces a staged backward: the weight gradients are never applied"),
     Mutation(
+        "eager-layer-lets-compiled-autograd-hash-its-graph", "csrc/torch/ops_streamed.cpp",
+        "template <>\nvoid CppNode<layerstream::StreamedFn>::compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) "
+        "const {\n",
+        "template <class Unused>  // LibTorch's own compiled_args then\n"
+        "void never_called(const CppNode<layerstream::StreamedFn>& node) {\n  const auto& ctx_ = node.ctx_;\n",
+        [P + "test_compile.py::test_compiled_autograd_over_an_eager_streamed_backward_says_what_to_do"],
+        "compiled autograd collects an eagerly called streamed layer: torch's opaque 'unhashable Capsule' error"),
+    Mutation(
         "compiled-bias-standin-traced", "python/layerstream/_forward.py",
         "        b = None if self._bias_standin or not (",
         "        b = None if not (",

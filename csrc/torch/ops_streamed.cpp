@@ -507,6 +507,37 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
 };
 
 }  // namespace
+}  // namespace layerstream
+
+// Note [An eager streamed layer refuses compiled autograd]
+// torch._dynamo's compiled autograd captures the whole backward as a graph:
+// each custom autograd node offers what it saved (compiled_args) and is
+// either traced or called opaquely. StreamedFn's backward cannot be either:
+// it runs the graph its forward recorded on the streamed weights (saved as a
+// capsule, which compiled autograd cannot even hash: torch said only
+// "unhashable type: 'Capsule'"), and the gradients it stages are added when
+// the autograd engine ends its backward, which a compiled backward never
+// does (the compiled model's operators are refused the same way for trainable
+// weights: _refuse_compiled_autograd, python/layerstream/_ops.py). So it is
+// refused when compiled autograd collects it, before anything ran, naming the
+// layer and what to do. This specializes LibTorch's CppNode<T>::compiled_args
+// for StreamedFn alone (it must precede the first StreamedFn::apply).
+namespace torch::autograd {
+template <>
+void CppNode<layerstream::StreamedFn>::compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const {
+  std::string name = "?";
+  const auto engine = ctx_.saved_data.find("engine"), layer = ctx_.saved_data.find("layer");
+  if (engine != ctx_.saved_data.end() && layer != ctx_.saved_data.end())
+    if (auto e = layerstream::EngineImpl::lookup(static_cast<uint64_t>(engine->second.toInt())))
+      name = e->layer(static_cast<int>(layer->second.toInt())).name;
+  LS_FAIL("compiled autograd (torch._dynamo.compiled_autograd) cannot run the backward of streamed layer '", name,
+          "' called eagerly: that backward runs a graph of its own on the streamed weights. Run this backward "
+          "without compiled autograd, or torch.compile the model first (its streamed layers then are operators, "
+          "which compiled autograd runs while their weights are frozen, e.g. for LoRA)");
+}
+}  // namespace torch::autograd
+
+namespace layerstream {
 
 void EngineImpl::stage_grads(int layer_index, const torch::Tensor& gw, const torch::Tensor& gb) {
   const LayerInfo& l = layer(layer_index);

@@ -912,3 +912,30 @@ def test_compiled_autograd_is_refused_for_staged_gradients_and_runs_frozen_layer
     frozen_ref(xr).square().mean().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
     assert handle.stats()["acquires"] > 0
+
+
+def test_compiled_autograd_over_an_eager_streamed_backward_says_what_to_do(offload_sim):
+    """Note [An eager streamed layer refuses compiled autograd] (ops_streamed.cpp): an
+    eagerly called streamed layer's backward runs a graph of its own, which compiled
+    autograd can neither trace nor call (torch said only "unhashable type: 'Capsule'").
+    It is refused before anything ran, naming the layer and what to do; the same
+    backward then runs without compiled autograd, equal to the resident model's."""
+    from torch._dynamo import compiled_autograd
+
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    model = _Stack()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    xr = clone_input(x)
+    loss = model(x).square().mean()
+    with pytest.raises(RuntimeError, match=r"compiled autograd \(torch._dynamo.compiled_autograd\) cannot run the "
+                                           r"backward of streamed layer 'layers.3' called eagerly.*without compiled "
+                                           r"autograd, or torch.compile the model first"):
+        with enable(torch.compile(backend="aot_eager")):
+            loss.backward(retain_graph=True)
+    assert all(p.grad is None for p in model.parameters())
+    loss.backward()
+    ref(xr).square().mean().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    assert_grads_match(model, ref, rtol=1e-5, atol=1e-6)
