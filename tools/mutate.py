@@ -648,6 +648,20 @@ MUTATIONS = [
         [P + "test_compile.py::test_compiled_autograd_over_an_eager_streamed_backward_says_what_to_do"],
         "compiled autograd collects an eagerly called streamed layer: torch's opaque 'unhashable Capsule' error"),
     Mutation(
+        "op-spec-names-the-kind-only", "csrc/torch/ops_streamed.cpp",
+        "  s << \" w=\";\n  put_dims(s, l.w_shape, 'x');\n",
+        "  return s.str();  // the kind only\n",
+        [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],
+        "an operator call's spec names the kind only: Inductor's cache serves one width's or padding's graph to "
+        "another"),
+    Mutation(
+        "group-call-names-no-layout", "python/layerstream/_group_op.py",
+        "torch.get_autocast_dtype(kind), fwd._layout)",
+        "torch.get_autocast_dtype(kind), \"\")",
+        [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],
+        "a tensor group's call leaves its module's layout out: Inductor's cache serves one head count's graph to "
+        "another"),
+    Mutation(
         "compiled-bias-standin-traced", "python/layerstream/_forward.py",
         "        b = None if self._bias_standin or not (",
         "        b = None if not (",
@@ -711,8 +725,14 @@ def targets_for(m: Mutation):
 
 def run_tests(m: Mutation, tree: Path, build: Path, log, timeout: int) -> bool:
     """True when every listed test passes."""
+    # Inductor's on-disk cache keys a graph by its code, not by what our operators'
+    # fake kernels said of their outputs (strides): shared with other runs, a mutated
+    # fake kernel's compiled graph could serve a later unmutated run (or the reverse,
+    # hiding the mutation). So every run compiles into a cache of its own, emptied first.
+    cache = tree.parent / "inductor-cache"
+    shutil.rmtree(cache, ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=str(tree / "python"), LS_BUILD_DIR=str(build),
-               PATH=f"{tree / '.venv' / 'bin'}:{os.environ['PATH']}")
+               PATH=f"{tree / '.venv' / 'bin'}:{os.environ['PATH']}", TORCHINDUCTOR_CACHE_DIR=str(cache))
     py = [t.partition(":")[2] for t in m.tests if t.startswith("py:")]
     ok = True
     if py:

@@ -395,9 +395,9 @@ class Engine {
   virtual torch::Tensor embedding(int layer, const torch::Tensor& ids) = 0;
   // The same computations as PyTorch operators, for torch.compile and
   // torch.export (docs/design/torch-glue.md, "Streamed layers as custom
-  // ops"): layerstream::linear(x, weight?, bias?, engine, layer),
+  // ops"): layerstream::linear(x, weight?, bias?, engine, layer, spec),
   // layerstream::conv(...) and layerstream::embedding(ids, weight?, engine,
-  // layer), registered with the dispatcher when the library is loaded,
+  // layer, spec), registered with the dispatcher when the library is loaded,
   // with autograd and autocast kernels; `engine` is id() below, `layer` an
   // index from add_*(). weight/bias are passed only when they require grad
   // (their gradients then come back through autograd, on the host, as
@@ -405,6 +405,14 @@ class Engine {
   // within itself, so any order a compiler chooses keeps the slot protocol.
   // The engine's number in this process (never reused while it runs).
   virtual uint64_t id() const = 0;
+  // What each operator call names besides (engine, layer): the facts its
+  // outputs' shapes, strides and dtypes follow from (the kind; the weight's
+  // and bias's shapes, strides and dtypes; a convolution's stride, padding,
+  // dilation and groups; a table's options), e.g. "linear w=64x16 float
+  // b=64 float". The kernels refuse a call whose spec is not the layer's
+  // (Note [An operator call names its layer's layout], ops_streamed.cpp).
+  // Thread-safe.
+  virtual std::string op_spec(int layer) const = 0;
 
   // ---- activation offload (docs/design/activations.md) ----
   // Starts a forward pass whose saved tensors go through stash_activation()

@@ -665,6 +665,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_layers", &Engine::num_layers)
       // The `engine` argument of the torch.ops.layerstream operators (engine.h).
       .def_property_readonly("id", &Engine::id)
+      .def("op_spec", &Engine::op_spec, py::arg("layer"))
       .def("begin_activations", &Engine::begin_activations, py::arg("device_budget"))
       // It may wait for earlier copies to the host (Note [Copies in flight]): without the GIL.
       .def("stash_activation", &Engine::stash_activation, py::arg("tensor"),

@@ -233,6 +233,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // Stops the hook's thread (destructor).
   void stop_grad_ready();
   uint64_t id() const override { return id_; }
+  std::string op_spec(int layer) const override;  // ops_streamed.cpp
+  // Raises unless `spec` is op_spec(layer) (Note [An operator call names its layer's layout]).
+  void check_op_spec(int layer, const std::string& spec) const;
   static std::shared_ptr<EngineImpl> lookup(uint64_t id);
 
   // Note [Layer kinds]: what a layer is decides how it is fetched and

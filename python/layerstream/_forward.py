@@ -72,7 +72,7 @@ class _StreamedForward(_RefusesCopy):
     to do instead of pickle's "Can't pickle local object"."""
 
     __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
-                 "_lookup", "_op", "_engine_id", "_standin", "_bias_standin")
+                 "_lookup", "_op", "_engine_id", "_spec", "_standin", "_bias_standin")
 
     def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
         self._lookup = kind == "embedding"
@@ -81,6 +81,7 @@ class _StreamedForward(_RefusesCopy):
         self._op = {"linear": torch.ops.layerstream.linear, "conv": torch.ops.layerstream.conv,
                     "embedding": torch.ops.layerstream.embedding}[kind]
         self._engine_id = engine.id
+        self._spec = engine.op_spec(index)  # Note [An operator call names its layer's layout], ops_streamed.cpp
         # A packed, GGUF or file stand-in is frozen, and Dynamo must not trace into it.
         self._standin = isinstance(module.weight, StandIn)
         self._bias_standin = isinstance(getattr(module, "bias", None), StandIn)  # e.g. a bias left in its file
@@ -118,9 +119,9 @@ class _StreamedForward(_RefusesCopy):
         grad = torch.is_grad_enabled()
         w = None if self._standin or not (grad and weight.requires_grad) else weight
         if self._lookup:
-            return self._op(x, w, self._engine_id, self._index)
+            return self._op(x, w, self._engine_id, self._index, self._spec)
         b = None if self._bias_standin or not (grad and bias is not None and bias.requires_grad) else bias
-        return self._op(x, w, b, self._engine_id, self._index)
+        return self._op(x, w, b, self._engine_id, self._index, self._spec)
 
 
 class _GroupForward(_RefusesCopy):
@@ -134,7 +135,7 @@ class _GroupForward(_RefusesCopy):
     swap is on the module)."""
 
     __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts",
-                 "_averaged", "_experts_module", "_dense", "_adapted", "__weakref__")
+                 "_averaged", "_experts_module", "_dense", "_adapted", "_layout", "__weakref__")
 
     def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
                  experts: int = 0):
@@ -150,6 +151,7 @@ class _GroupForward(_RefusesCopy):
         # Adapters active for the call (Note [Adapters on a streamed group's tensors],
         # _peft_params.py): (tensor index, function, its tensors), innermost last.
         self._adapted: List[tuple] = []
+        self._layout = _group_op.layout(module, self._params)  # named by its operator's calls
         _group_op.register(self)  # reachable from its operator (Note [A tensor group as an operator])
 
     def routed_experts(self, args, kwargs) -> List[int]:

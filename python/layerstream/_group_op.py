@@ -199,14 +199,15 @@ _LITERALS = (type(None), bool, int, float, str)
 
 
 @_dynamo_marks.assume_constant_result
-def _describe(nargs, names, consts, grad, grad_mode, requires_grad, trainable, autocast_on, autocast_dtype) -> str:
+def _describe(nargs, names, consts, grad, grad_mode, requires_grad, trainable, autocast_on, autocast_dtype,
+              layout) -> str:
     return repr((nargs, names, consts, grad, grad_mode, requires_grad, trainable, autocast_on,
-                 str(autocast_dtype).replace("torch.", "")))
+                 str(autocast_dtype).replace("torch.", ""), layout))
 
 
 @functools.lru_cache(maxsize=None)
 def _parse(call: str) -> _Call:
-    nargs, names, consts, grad, grad_mode, req, trainable, on, dtype = ast.literal_eval(call)
+    nargs, names, consts, grad, grad_mode, req, trainable, on, dtype, _layout = ast.literal_eval(call)
     return _Call(nargs, tuple(names), tuple(consts), grad, grad_mode, tuple(req), tuple(trainable),
                  (on, getattr(torch, dtype)))
 
@@ -214,6 +215,23 @@ def _parse(call: str) -> _Call:
 @_dynamo_marks.assume_constant_result
 def _pattern(engine: int, layer: int, call: str):
     return _PATTERNS[(engine, layer, call)]
+
+
+def _plain(v) -> bool:
+    return isinstance(v, _LITERALS) or (isinstance(v, (tuple, list)) and all(isinstance(e, _LITERALS) for e in v))
+
+
+def layout(module: torch.nn.Module, tensors: Sequence[torch.Tensor]) -> str:
+    """What a group's outputs' shapes may follow from besides its call's arguments: the
+    classes of its module tree, their plain settings (num_heads, batch_first, ...) and its
+    tensors' shapes, strides and dtypes (frozen ones are no inputs of the call). The call
+    names it, so that Inductor's cache, shared by processes that number engines and layers
+    alike, keys on it (Note [An operator call names its layer's layout], ops_streamed.cpp)."""
+    parts = [f"{name}:{type(m).__qualname__}" + repr(sorted((k, v) for k, v in vars(m).items()
+                                                             if k != "training" and _plain(v)))
+             for name, m in module.named_modules()]
+    parts += [f"{tuple(t.shape)}/{tuple(t.stride())}/{t.dtype}" for t in tensors]
+    return ";".join(parts)
 
 
 def describable(args, kwargs) -> bool:
@@ -251,7 +269,7 @@ def traced(fwd, args, kwargs):
     grad = grad_mode and (any(req) or len(params) > 0)
     kind = fwd._device.type
     call = _describe(len(args), names, tuple(consts), grad, grad_mode, req, trainable,
-                     torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                     torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), fwd._layout)
     engine = fwd._engine.id
     outs = _ops.group(tensors, params, engine, fwd._index, call)
     single, nones = _pattern(engine, fwd._index, call)

@@ -16,20 +16,20 @@ _ops = torch.ops.layerstream
 
 
 @torch.library.register_fake("layerstream::linear")
-def _linear(x, weight, bias, engine, layer):
-    return _ops.linear_shape(x, engine, layer)
+def _linear(x, weight, bias, engine, layer, spec):
+    return _ops.linear_shape(x, engine, layer, spec)
 
 
 @torch.library.register_fake("layerstream::conv")
-def _conv(x, weight, bias, engine, layer):
-    return _ops.conv_shape(x, engine, layer)
+def _conv(x, weight, bias, engine, layer, spec):
+    return _ops.conv_shape(x, engine, layer, spec)
 
 
 @torch.library.register_fake("layerstream::layer_backward")
-def _layer_backward(grad, x, engine, layer, mask, stage):
+def _layer_backward(grad, x, engine, layer, spec, mask, stage):
     if stage:
         _refuse_compiled_autograd()
-    return _ops.layer_backward_shape(grad, x, engine, layer, mask, stage)
+    return _ops.layer_backward_shape(grad, x, engine, layer, spec, mask, stage)
 
 
 def _refuse_compiled_autograd():
@@ -48,13 +48,13 @@ def _refuse_compiled_autograd():
 
 
 @torch.library.register_fake("layerstream::embedding")
-def _embedding(ids, weight, engine, layer):
-    return _ops.embedding_shape(ids, engine, layer)
+def _embedding(ids, weight, engine, layer, spec):
+    return _ops.embedding_shape(ids, engine, layer, spec)
 
 
 @torch.library.register_fake("layerstream::embedding_backward")
-def _embedding_backward(grad, ids, engine, layer):
-    return _ops.embedding_backward_shape(grad, ids, engine, layer)
+def _embedding_backward(grad, ids, engine, layer, spec):
+    return _ops.embedding_backward_shape(grad, ids, engine, layer, spec)
 
 
 # A tensor group's call (Note [A tensor group as an operator], _group_op.py): the module's

@@ -259,10 +259,14 @@ TEST(TorchOffload, StreamedLayersAreDispatcherOperators) {
   const auto op = c10::Dispatcher::singleton()
                       .findSchemaOrThrow("layerstream::linear", "")
                       .typed<torch::Tensor(const torch::Tensor&, const std::optional<torch::Tensor>&,
-                                           const std::optional<torch::Tensor>&, int64_t, int64_t)>();
+                                           const std::optional<torch::Tensor>&, int64_t, int64_t,
+                                           c10::string_view)>();
+  // Each call names its layer's layout (Note [An operator call names its layer's layout]).
+  const std::string spec = engine->op_spec(layer);
+  EXPECT_EQ(spec, "linear w=6x4 Float b=6 Float");
   auto x = torch::randn({3, 4}).requires_grad_(true);
   auto x_ref = x.detach().clone().requires_grad_(true);
-  auto y = op.call(x, w, b, static_cast<int64_t>(engine->id()), layer);
+  auto y = op.call(x, w, b, static_cast<int64_t>(engine->id()), layer, spec);
   auto y_ref = torch::linear(x_ref, w_ref, b_ref);
   EXPECT_TRUE(torch::allclose(y, y_ref, 1e-6, 1e-6));
   EXPECT_TRUE(torch::allclose(y, engine->linear(layer, x.detach(), false)));
@@ -275,14 +279,21 @@ TEST(TorchOffload, StreamedLayersAreDispatcherOperators) {
   EXPECT_TRUE(torch::allclose(b.grad(), b_ref.grad(), 1e-5, 1e-6));
   // Frozen parameters are not passed: only the input's gradient.
   auto x2 = torch::randn({2, 4}).requires_grad_(true);
-  op.call(x2, std::nullopt, std::nullopt, static_cast<int64_t>(engine->id()), layer).sum().backward();
+  op.call(x2, std::nullopt, std::nullopt, static_cast<int64_t>(engine->id()), layer, spec).sum().backward();
   EXPECT_TRUE(x2.grad().defined());
   EXPECT_EQ(engine->ordering_errors(), std::vector<std::string>{});
   try {
-    op.call(x, std::nullopt, std::nullopt, static_cast<int64_t>(engine->id()) + 1000, layer);
+    op.call(x, std::nullopt, std::nullopt, static_cast<int64_t>(engine->id()) + 1000, layer, spec);
     FAIL() << "expected an error";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("does not exist in this process"), std::string::npos) << e.what();
+  }
+  try {
+    op.call(x, std::nullopt, std::nullopt, static_cast<int64_t>(engine->id()), layer, "linear w=6x5 Float b=6 Float");
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("was traced for a layer of another layout (linear w=6x5"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -939,3 +939,88 @@ def test_compiled_autograd_over_an_eager_streamed_backward_says_what_to_do(offlo
     ref(xr).square().mean().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
     assert_grads_match(model, ref, rtol=1e-5, atol=1e-6)
+
+
+_ANOTHER_LAYOUT_IN_A_FRESH_PROCESS = r"""
+import copy, json, sys
+import torch, torch.nn as nn
+import layerstream
+from torch._dynamo.utils import counters
+
+width, padding = int(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+mlp = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 8)).requires_grad_(False)
+conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=padding), nn.Tanh()).requires_grad_(False)
+
+
+class Heads(nn.Module):  # a tensor group: nn.MultiheadAttention's weights per head
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2 if width == 32 else 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=True, average_attn_weights=False)[1]
+
+
+heads = Heads().requires_grad_(False)
+refs = [copy.deepcopy(m) for m in (mlp, conv, heads)]
+for m in (mlp, conv, heads):
+    layerstream.offload(m, device="sim")
+x, img, seq = torch.randn(4, 16), torch.randn(2, 3, 12, 12), torch.randn(2, 5, 16)
+out = {}
+for name, model, ref, inp in (("mlp", mlp, refs[0], x), ("conv", conv, refs[1], img), ("heads", heads, refs[2], seq)):
+    y, yr = torch.compile(model, backend="inductor")(inp), ref(inp)
+    out[name] = list(y.shape) == list(yr.shape) and torch.allclose(y, yr, rtol=1e-5, atol=1e-5)
+out["cache_hits"] = counters["inductor"]["fxgraph_cache_hit"]
+print(json.dumps(out))
+"""
+
+
+def test_inductors_cache_serves_no_graph_of_another_layout_to_another_process(tmp_path):
+    """Note [An operator call names its layer's layout] (ops_streamed.cpp): Inductor's
+    on-disk cache is shared by processes, and every process numbers its engines and
+    layers from the start. Before, a frozen Linear stack of another width, a conv of
+    another padding or a multi-head attention (a tensor group) of another head count was
+    served the graph compiled for the first (Inductor's size assertion failed: "incorrect
+    fake kernel"); now each gets its own, equal to its resident model, and the same
+    models again still find their graphs in the cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run(width, padding):
+        r = subprocess.run([sys.executable, "-c", _ANOTHER_LAYOUT_IN_A_FRESH_PROCESS, str(width), str(padding)],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    assert run(32, 1) == {"mlp": True, "conv": True, "heads": True, "cache_hits": 0}
+    assert run(64, 0) == {"mlp": True, "conv": True, "heads": True, "cache_hits": 0}
+    assert run(32, 1) == {"mlp": True, "conv": True, "heads": True, "cache_hits": 3}
+
+
+def test_an_operator_call_of_another_layout_is_refused(offload_sim):
+    """Every kernel of the operators, the fake ones too, checks the call's spec against
+    the layer's (Engine::op_spec): a graph traced for another layout cannot compute."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding="same"), nn.Flatten(), nn.Linear(8 * 36, 4, bias=False))
+    handle = offload_sim(model)
+    engine = handle._engine
+    conv_spec, linear_spec = engine.op_spec(0), engine.op_spec(1)
+    assert conv_spec == "conv2d w=8x3x3x3 Float b=8 Float stride=1,1 padding=same dilation=1,1 groups=1"
+    assert linear_spec == "linear w=4x288 Float"
+    x = torch.randn(2, 3, 6, 6)
+    y = torch.ops.layerstream.conv(x, None, None, engine.id, 0, conv_spec)
+    torch.testing.assert_close(y, model[0](x), rtol=0, atol=0)
+    wrong = r"this call of streamed layer '0' was traced for a layer of another layout \(conv2d w=8x3x3x3 Float b=8 " \
+            r"Float stride=1,1 padding=0,0 .*; this one is conv2d .* padding=same .*Compile or export the model again"
+    with pytest.raises(layerstream.LayerstreamError, match=wrong):
+        torch.ops.layerstream.conv(x, None, None, engine.id, 0, conv_spec.replace("same", "0,0"))
+    with pytest.raises(layerstream.LayerstreamError, match=r"streamed layer '2' was traced for a layer of another "
+                                                           r"layout \(linear w=4x300 Float"):
+        torch.ops.layerstream.linear_shape(torch.randn(2, 288), engine.id, 1, "linear w=4x300 Float")
+    with pytest.raises(layerstream.LayerstreamError, match="another layout"):
+        torch.ops.layerstream.layer_backward(torch.randn(2, 4), torch.randn(2, 288), engine.id, 1, "linear",
+                                             [True, False, False], False)
