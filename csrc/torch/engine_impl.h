@@ -44,6 +44,7 @@
 #include <optional>
 #include <variant>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -235,7 +236,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   uint64_t id() const override { return id_; }
   std::string op_spec(int layer) const override;  // ops_streamed.cpp
   // Raises unless `spec` is op_spec(layer) (Note [An operator call names its layer's layout]).
-  void check_op_spec(int layer, const std::string& spec) const;
+  void check_op_spec(int layer, std::string_view spec) const;
   static std::shared_ptr<EngineImpl> lookup(uint64_t id);
 
   // Note [Layer kinds]: what a layer is decides how it is fetched and
@@ -360,6 +361,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     // coded one codes its bytes in that order), the slot and on the device.
     // Empty: row-major (always for the other quantized formats).
     std::vector<int64_t> w_strides;
+    // op_spec(), built at its first call: nothing it names changes after add_*().
+    mutable std::string spec;
     torch::ScalarType w_dtype = torch::kFloat, b_dtype = torch::kFloat;
     size_t w_index = 0, b_index = 0;  // host store indices
     void* w_host = nullptr;

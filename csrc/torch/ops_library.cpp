@@ -36,7 +36,7 @@ std::shared_ptr<EngineImpl> engine_of(int64_t id) {
 // The engine, after checking that the call's spec is its layer's.
 std::shared_ptr<EngineImpl> engine_for(int64_t id, int64_t layer, c10::string_view spec) {
   auto e = engine_of(id);
-  e->check_op_spec(static_cast<int>(layer), std::string(spec.data(), spec.size()));
+  e->check_op_spec(static_cast<int>(layer), std::string_view(spec.data(), spec.size()));
   return e;
 }
 

@@ -627,6 +627,7 @@ void put_dims(std::ostringstream& s, const std::vector<int64_t>& v, char sep) {
 std::string EngineImpl::op_spec(int index) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  if (!l.spec.empty()) return l.spec;  // per call of a compiled graph: built once
   std::ostringstream s;
   if (l.is_conv())
     s << "conv" << l.conv().dims << "d";
@@ -661,10 +662,11 @@ std::string EngineImpl::op_spec(int index) const {
   if (l.is_table())
     s << " padding_idx=" << l.table().padding_idx << " scale_grad_by_freq=" << l.table().scale_grad_by_freq
       << " sparse=" << l.table().sparse;
-  return s.str();
+  l.spec = s.str();
+  return l.spec;
 }
 
-void EngineImpl::check_op_spec(int index, const std::string& spec) const {
+void EngineImpl::check_op_spec(int index, std::string_view spec) const {
   const std::string mine = op_spec(index);
   LS_CHECK(spec == mine, "layerstream operator: this call of streamed layer '", layer_name(index), "' was traced for "
            "a layer of another layout (", spec, "; this one is ", mine, "): the graph was made for "
