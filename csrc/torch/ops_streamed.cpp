@@ -894,7 +894,9 @@ std::vector<torch::Tensor> EngineImpl::op_backward(int index, const torch::Tenso
                  " of streamed layer '", l.name, "' after torch.compile traced it: the compiled graph hands "
                  "that gradient to layerstream, not to autograd, so the hook would not fire. Register "
                  "gradient hooks before the first compiled call, or call torch._dynamo.reset() after "
-                 "registering them");
+                 "registering them. (Registered before: then torch.compile's on-disk autograd cache served "
+                 "a graph traced in another process without that hook; set TORCHINDUCTOR_AUTOGRAD_CACHE=0 "
+                 "or torch._functorch.config.enable_autograd_cache = False for this model)");
         if (plain) continue;
         LS_CHECK(!asked_for(p), "torch.autograd.grad / backward(inputs=...) asked for the ",
                  i == 1 ? "weight" : "bias", " gradient of streamed layer '", l.name, "' through a compiled "
