@@ -408,8 +408,8 @@ class Engine {
   // What each operator call names besides (engine, layer): the facts its
   // outputs' shapes, strides and dtypes follow from (the kind; the weight's
   // and bias's shapes, strides and dtypes; a convolution's stride, padding,
-  // dilation and groups; a table's options), e.g. "linear w=64x16 float
-  // b=64 float". The kernels refuse a call whose spec is not the layer's
+  // dilation and groups; a table's options), e.g. "linear w=64x16 Float
+  // b=64 Float". The kernels refuse a call whose spec is not the layer's
   // (Note [An operator call names its layer's layout], ops_streamed.cpp).
   // Thread-safe.
   virtual std::string op_spec(int layer) const = 0;

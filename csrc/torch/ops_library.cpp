@@ -54,7 +54,8 @@ torch::Tensor layer_kernel(const torch::Tensor& x, const std::optional<torch::Te
 std::vector<torch::Tensor> backward_kernel(const torch::Tensor& grad, const torch::Tensor& x, int64_t engine,
                                            int64_t layer, c10::string_view spec, std::array<bool, 3> mask,
                                            bool stage) {
-  return engine_for(engine, layer, spec)->op_backward(static_cast<int>(layer), grad, x, mask, stage, /*shape_only=*/false);
+  return engine_for(engine, layer, spec)
+      ->op_backward(static_cast<int>(layer), grad, x, mask, stage, /*shape_only=*/false);
 }
 torch::Tensor lookup_kernel(const torch::Tensor& ids, const std::optional<torch::Tensor>&, int64_t engine,
                             int64_t layer, c10::string_view spec) {
@@ -68,12 +69,14 @@ torch::Tensor lookup_backward_kernel(const torch::Tensor& grad, const torch::Ten
 // ---- shape-only operators (composite: they run on whatever tensors they get, FakeTensors included) ----
 template <const char* Kind>
 torch::Tensor layer_shape(const torch::Tensor& x, int64_t engine, int64_t layer, c10::string_view spec) {
-  return engine_for(engine, layer, spec)->op_forward(static_cast<int>(layer), x, Kind, /*trained=*/false, /*shape_only=*/true);
+  return engine_for(engine, layer, spec)
+      ->op_forward(static_cast<int>(layer), x, Kind, /*trained=*/false, /*shape_only=*/true);
 }
 std::vector<torch::Tensor> backward_shape(const torch::Tensor& grad, const torch::Tensor& x, int64_t engine,
                                           int64_t layer, c10::string_view spec, std::array<bool, 3> mask,
                                           bool stage) {
-  return engine_for(engine, layer, spec)->op_backward(static_cast<int>(layer), grad, x, mask, stage, /*shape_only=*/true);
+  return engine_for(engine, layer, spec)
+      ->op_backward(static_cast<int>(layer), grad, x, mask, stage, /*shape_only=*/true);
 }
 torch::Tensor lookup_shape(const torch::Tensor& ids, int64_t engine, int64_t layer, c10::string_view spec) {
   return engine_for(engine, layer, spec)->op_lookup(static_cast<int>(layer), ids, /*shape_only=*/true);

@@ -953,7 +953,7 @@ mlp = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 8)).requir
 conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=padding), nn.Tanh()).requires_grad_(False)
 
 
-class Heads(nn.Module):  # a tensor group: nn.MultiheadAttention's weights per head
+class Heads(nn.Module):  # nn.MultiheadAttention streams as a tensor group; per-head attention weights out
     def __init__(self):
         super().__init__()
         self.attn = nn.MultiheadAttention(16, 2 if width == 32 else 4, batch_first=True)
