@@ -648,7 +648,7 @@ MUTATIONS = [
         [P + "test_compile.py::test_compiled_autograd_over_an_eager_streamed_backward_says_what_to_do"],
         "compiled autograd collects an eagerly called streamed layer: torch's opaque 'unhashable Capsule' error"),
     Mutation(
-        "op-spec-names-the-kind-only", "csrc/torch/ops_streamed.cpp",
+        "op-spec-names-the-kind-only", "csrc/torch/ops_spec.cpp",
         "  s << \" w=\";\n  put_dims(s, l.w_shape, 'x');\n",
         "  return s.str();  // the kind only\n",
         [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],

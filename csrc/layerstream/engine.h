@@ -410,7 +410,7 @@ class Engine {
   // and bias's shapes, strides and dtypes; a convolution's stride, padding,
   // dilation and groups; a table's options), e.g. "linear w=64x16 Float
   // b=64 Float". The kernels refuse a call whose spec is not the layer's
-  // (Note [An operator call names its layer's layout], ops_streamed.cpp).
+  // (Note [An operator call names its layer's layout], ops_spec.cpp).
   // Thread-safe.
   virtual std::string op_spec(int layer) const = 0;
 

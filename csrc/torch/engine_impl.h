@@ -17,6 +17,7 @@
 //                         operators' kernels (op_forward/op_backward)
 //   ops_embedding.cpp     embedding tables: lookup and its autograd function
 //   ops_library.cpp       the layerstream:: operators (torch.compile/export)
+//   ops_spec.cpp          what an operator call names of its layer's layout (op_spec)
 //   engine_activations.cpp activation offload: stash/restore saved tensors
 //   engine_distributed.cpp gradient averaging over a process group, the
 //                         shared host store
@@ -234,7 +235,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // Stops the hook's thread (destructor).
   void stop_grad_ready();
   uint64_t id() const override { return id_; }
-  std::string op_spec(int layer) const override;  // ops_streamed.cpp
+  std::string op_spec(int layer) const override;  // ops_spec.cpp
   // Raises unless `spec` is op_spec(layer) (Note [An operator call names its layer's layout]).
   void check_op_spec(int layer, std::string_view spec) const;
   static std::shared_ptr<EngineImpl> lookup(uint64_t id);

@@ -3,7 +3,7 @@
 // operators that the fake kernels (python/layerstream/_ops.py) call.
 //
 // Operators (namespace layerstream; `engine` is Engine::id(), `layer` an index from add_*(), `spec`
-// Engine::op_spec(layer): Note [An operator call names its layer's layout], ops_streamed.cpp):
+// Engine::op_spec(layer): Note [An operator call names its layer's layout], ops_spec.cpp):
 //   linear(Tensor x, Tensor? weight, Tensor? bias, int engine, int layer, str spec) -> Tensor
 //   conv(Tensor x, Tensor? weight, Tensor? bias, int engine, int layer, str spec) -> Tensor
 //   embedding(Tensor ids, Tensor? weight, int engine, int layer, str spec) -> Tensor

@@ -81,7 +81,7 @@ class _StreamedForward(_RefusesCopy):
         self._op = {"linear": torch.ops.layerstream.linear, "conv": torch.ops.layerstream.conv,
                     "embedding": torch.ops.layerstream.embedding}[kind]
         self._engine_id = engine.id
-        self._spec = engine.op_spec(index)  # Note [An operator call names its layer's layout], ops_streamed.cpp
+        self._spec = engine.op_spec(index)  # Note [An operator call names its layer's layout], ops_spec.cpp
         # A packed, GGUF or file stand-in is frozen, and Dynamo must not trace into it.
         self._standin = isinstance(module.weight, StandIn)
         self._bias_standin = isinstance(getattr(module, "bias", None), StandIn)  # e.g. a bias left in its file

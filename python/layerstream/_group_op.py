@@ -226,7 +226,7 @@ def layout(module: torch.nn.Module, tensors: Sequence[torch.Tensor]) -> str:
     classes of its module tree, their plain settings (num_heads, batch_first, ...) and its
     tensors' shapes, strides and dtypes (frozen ones are no inputs of the call). The call
     names it, so that Inductor's cache, shared by processes that number engines and layers
-    alike, keys on it (Note [An operator call names its layer's layout], ops_streamed.cpp)."""
+    alike, keys on it (Note [An operator call names its layer's layout], ops_spec.cpp)."""
     parts = [f"{name}:{type(m).__qualname__}" + repr(sorted((k, v) for k, v in vars(m).items()
                                                              if k != "training" and _plain(v)))
              for name, m in module.named_modules()]

@@ -977,7 +977,7 @@ print(json.dumps(out))
 
 
 def test_inductors_cache_serves_no_graph_of_another_layout_to_another_process(tmp_path):
-    """Note [An operator call names its layer's layout] (ops_streamed.cpp): Inductor's
+    """Note [An operator call names its layer's layout] (ops_spec.cpp): Inductor's
     on-disk cache is shared by processes, and every process numbers its engines and
     layers from the start. Before, a frozen Linear stack of another width, a conv of
     another padding or a multi-head attention (a tensor group) of another head count was
