@@ -608,8 +608,8 @@ MUTATIONS = [
     # ---- Note [Compiled weight gradients are staged] (csrc/torch/ops_streamed.cpp) ----
     Mutation(
         "compiled-grads-never-staged", "csrc/torch/ops_library.cpp",
-        "    const bool stage = mask[0] && (mask[1] || mask[2]) &&\n",
-        "    const bool stage = false && (mask[1] || mask[2]) &&\n",
+        "    const bool stage = mask[0] && (mask[1] || mask[2]) && !EngineImpl::grads_to_autograd(spec) &&\n",
+        "    const bool stage = false && (mask[1] || mask[2]) && !EngineImpl::grads_to_autograd(spec) &&\n",
         [P + "test_compile.py::test_compiled_weight_gradients_are_staged_and_stepped_during_the_backward",
          P + "test_compile.py::test_compiled_gradient_hooks_fire_and_late_ones_are_refused"],
         "compiled weight gradients go back to autograd after a blocking copy each: opt.overlap() steps "
@@ -650,10 +650,17 @@ MUTATIONS = [
     Mutation(
         "op-spec-names-the-kind-only", "csrc/torch/ops_spec.cpp",
         "  s << \" w=\";\n  put_dims(s, l.w_shape, 'x');\n",
-        "  return s.str();  // the kind only\n",
+        "  l.spec = s.str();  // the kind only\n  return l.spec;\n",
         [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],
         "an operator call's spec names the kind only: Inductor's cache serves one width's or padding's graph to "
         "another"),
+    Mutation(
+        "op-spec-names-no-gradient-route", "csrc/torch/ops_spec.cpp",
+        "  return op_layout(l) + (linear_or_conv && !stages_compiled_grads(index)",
+        "  return op_layout(l) + (false && !stages_compiled_grads(index)",
+        [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],
+        "a Linear's spec leaves out where its weight gradients go: torch's autograd cache serves a process whose "
+        "weight has a gradient hook the staged backward of one without"),
     Mutation(
         "group-call-names-no-layout", "python/layerstream/_group_op.py",
         "torch.get_autocast_dtype(kind), fwd._layout)",

@@ -400,18 +400,22 @@ class Engine {
   // layer, spec), registered with the dispatcher when the library is loaded,
   // with autograd and autocast kernels; `engine` is id() below, `layer` an
   // index from add_*(). weight/bias are passed only when they require grad
-  // (their gradients then come back through autograd, on the host, as
-  // with grads_via_autograd). Each call fetches, computes and releases
-  // within itself, so any order a compiler chooses keeps the slot protocol.
+  // (their gradients then are staged as in eager, or come back through
+  // autograd, on the host, as with grads_via_autograd: as op_spec() says).
+  // Each call fetches, computes and releases within itself, so any order a
+  // compiler chooses keeps the slot protocol.
   // The engine's number in this process (never reused while it runs).
   virtual uint64_t id() const = 0;
   // What each operator call names besides (engine, layer): the facts its
   // outputs' shapes, strides and dtypes follow from (the kind; the weight's
   // and bias's shapes, strides and dtypes; a convolution's stride, padding,
   // dilation and groups; a table's options), e.g. "linear w=64x16 Float
-  // b=64 Float". The kernels refuse a call whose spec is not the layer's
-  // (Note [An operator call names its layer's layout], ops_spec.cpp).
-  // Thread-safe.
+  // b=64 Float", and, for a Linear or convolution whose weight gradients
+  // go back to autograd rather than being staged when a graph is traced
+  // now (a weight another layer shares, gradient hooks), " grads=autograd".
+  // Ask for it when tracing. The kernels refuse a call whose spec names
+  // another layout (Note [An operator call names its layer's layout],
+  // ops_spec.cpp). Thread-safe.
   virtual std::string op_spec(int layer) const = 0;
 
   // ---- activation offload (docs/design/activations.md) ----

@@ -3,6 +3,7 @@
 #include "engine_impl.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "backends/sim/sim_backend.h"
 #include "core/log.h"
@@ -173,18 +174,22 @@ int EngineImpl::num_layers() const {
 
 std::string EngineImpl::layer_name(int i) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  return layers_.at(static_cast<size_t>(i))->name;
+  return layer(i).name;
 }
 
 int64_t EngineImpl::layer_bytes(int i) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  const auto& l = *layers_.at(static_cast<size_t>(i));
+  const LayerInfo& l = layer(i);
   size_t bytes = l.w_bytes + l.b_bytes;
   for (const auto& e : l.parts()) bytes += e.bytes;
   return static_cast<int64_t>(bytes);
 }
 
 EngineImpl::LayerInfo& EngineImpl::layer(int i) {
+  return const_cast<LayerInfo&>(std::as_const(*this).layer(i));
+}
+
+const EngineImpl::LayerInfo& EngineImpl::layer(int i) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(i >= 0 && i < static_cast<int>(layers_.size()), "no streamed layer #", i);
   return *layers_[static_cast<size_t>(i)];

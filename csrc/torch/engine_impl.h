@@ -128,7 +128,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // a no-op on sim) for the returned scope's lifetime. See cuda_glue.h.
   cuda_glue::DeviceScope device_scope() const { return cuda_glue::DeviceScope(cuda_index_); }
   struct LayerInfo;
+  // Layer `i`, or an error naming the index.
   LayerInfo& layer(int i);
+  const LayerInfo& layer(int i) const;
   // An embedding layer's lookup itself (no autograd node), on the compute stream.
   torch::Tensor lookup(LayerInfo& l, const torch::Tensor& ids);
   // Counts device-to-host bytes copied outside the gradient stream (d2h_bytes).
@@ -184,7 +186,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // gradients instead of returning them to autograd (Note [Compiled weight
   // gradients are staged], ops_streamed.cpp): not for a weight another layer
   // shares, nor for parameters with gradient hooks.
-  bool stages_compiled_grads(int layer);
+  bool stages_compiled_grads(int layer) const;
   // A gradient computed on the device, as a host tensor of `dtype` (blocking),
   // for autograd; queues the end-of-backward callback as stage_grads does.
   torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);
@@ -236,8 +238,12 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void stop_grad_ready();
   uint64_t id() const override { return id_; }
   std::string op_spec(int layer) const override;  // ops_spec.cpp
-  // Raises unless `spec` is op_spec(layer) (Note [An operator call names its layer's layout]).
+  // Raises unless `spec` names this layer's layout (Note [An operator call
+  // names its layer's layout]); where the gradients go may be either.
   void check_op_spec(int layer, std::string_view spec) const;
+  // Whether a Linear's or convolution's `spec` (op_spec) was traced to
+  // return its weight gradients to autograd rather than stage them.
+  static bool grads_to_autograd(std::string_view spec);
   static std::shared_ptr<EngineImpl> lookup(uint64_t id);
 
   // Note [Layer kinds]: what a layer is decides how it is fetched and
@@ -362,7 +368,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     // coded one codes its bytes in that order), the slot and on the device.
     // Empty: row-major (always for the other quantized formats).
     std::vector<int64_t> w_strides;
-    // op_spec(), built at its first call: nothing it names changes after add_*().
+    // op_layout(), built at its first call: nothing it names changes after add_*().
     mutable std::string spec;
     torch::ScalarType w_dtype = torch::kFloat, b_dtype = torch::kFloat;
     size_t w_index = 0, b_index = 0;  // host store indices
@@ -448,6 +454,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   uint64_t staging_needed_locked(const std::vector<LayerSpec>& specs) const;
   void ensure_scheduler();
   void check_host_alias(const LayerInfo& l) const;
+  // What op_spec() names of `l`'s layout (ops_spec.cpp); mu_ held.
+  const std::string& op_layout(const LayerInfo& l) const;
   // Adds the staged uses of `l` that `task` may apply (its own and those of
   // no graph task; every use for kAnyTask) to .grad; the others stay staged.
   static constexpr int kAnyTask = INT_MIN;

@@ -67,7 +67,7 @@ void watch(EngineImpl::LayerInfo& l, const torch::Tensor& param) {
 
 void EngineImpl::watch_weight(int index, const torch::Tensor& param) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LayerInfo& l = layer(index);
   LS_CHECK(param.defined(), "watch_weight: layer '", l.name, "': undefined tensor");
   watch(l, param);
 }
@@ -76,7 +76,7 @@ void EngineImpl::requantize(int index, const torch::Tensor& dense) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; write the module's weight directly");
-  LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  LayerInfo& l = layer(index);
   LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its weight from ", l.w_file->path, " (the disk tier), "
            "which layerstream does not write: detach(), save the new weights to a checkpoint, load it and "
            "offload() again");
@@ -375,7 +375,7 @@ int EngineImpl::add_conv(const std::string& name, torch::Tensor weight, torch::T
 
 torch::Tensor EngineImpl::packed_codes(int index) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  const LayerInfo& l = layer(index);
   LS_CHECK(l.qformat != quant::Format::None, "layer '", l.name, "' is not quantized");
   LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its packed weight from ", l.w_file->path,
            " (the disk tier): its codes are read there on every use, not held in host memory");
@@ -387,7 +387,7 @@ torch::Tensor EngineImpl::packed_codes(int index) {
 
 torch::Tensor EngineImpl::dequantized_weight(int index) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  const LayerInfo& l = layer(index);
   LS_CHECK(l.qformat != quant::Format::None, "layer '", l.name, "' is not quantized");
   LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its packed weight from ", l.w_file->path,
            " (the disk tier): it is not held in host memory");
@@ -405,7 +405,7 @@ torch::Tensor EngineImpl::dequantized_weight(int index) {
 
 std::string EngineImpl::layer_format(int index) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
+  const LayerInfo& l = layer(index);
   return l.qformat == quant::Format::None ? "" : quant::to_string(l.qformat);  // a coded dense weight: ""
 }
 

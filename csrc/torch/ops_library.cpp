@@ -122,16 +122,17 @@ struct LayerOpFn : public torch::autograd::Function<LayerOpFn> {
     if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2])) return out;
     check_no_create_graph(engine_of(engine)->layer(static_cast<int>(layer)));
     const torch::Tensor x = ctx->get_saved_variables()[0];
+    const std::string spec = ctx->saved_data["spec"].toStringRef();
     // Decided here, when the graph is traced (Note [Compiled weight gradients
     // are staged], ops_streamed.cpp): only beside an input gradient, whose
-    // use keeps the operator in the graph.
-    const bool stage = mask[0] && (mask[1] || mask[2]) &&
+    // use keeps the operator in the graph, and as the call's spec names it
+    // (Note [An operator call names its layer's layout], ops_spec.cpp).
+    const bool stage = mask[0] && (mask[1] || mask[2]) && !EngineImpl::grads_to_autograd(spec) &&
                        engine_of(engine)->stages_compiled_grads(static_cast<int>(layer));
     static const auto bwd =
         op("layerstream::layer_backward")
             .typed<std::vector<torch::Tensor>(const torch::Tensor&, const torch::Tensor&, int64_t, int64_t,
                                               c10::string_view, std::array<bool, 3>, bool)>();
-    const std::string spec = ctx->saved_data["spec"].toStringRef();
     const std::vector<torch::Tensor> got = bwd.call(grads[0], x, engine, layer, spec, mask, stage);
     size_t k = 0;
     for (int i = 0; i < (stage ? 1 : 3); ++i)

@@ -25,16 +25,39 @@ namespace layerstream {
 // cached graph cannot compute with another layout. A tensor group's call
 // names its module's classes, settings and tensors in `call` likewise
 // (_group_op.layout, python/layerstream/_group_op.py).
+//
+// A Linear's or convolution's spec also names where its weight gradients go
+// when the graph is traced: staged by the backward operator, or, for a
+// weight another layer shares or a parameter with gradient hooks, returned
+// to autograd (" grads=autograd"; Note [Compiled weight gradients are
+// staged], ops_streamed.cpp). The backward is traced with the forward and
+// torch's on-disk autograd cache keys both by the forward graph: without
+// the name, a process whose weight has a hook was served the staged
+// backward of a process without one (found on 2026-12-06; the hook check
+// raised). Python asks for the spec when Dynamo traces the call
+// (_forward._call_spec), so the graph names the state it was traced in.
 namespace {
 void put_dims(std::ostringstream& s, const std::vector<int64_t>& v, char sep) {
   for (size_t i = 0; i < v.size(); ++i) s << (i ? std::string(1, sep) : std::string()) << v[i];
 }
+
+constexpr std::string_view kGradsToAutograd = " grads=autograd";
 }  // namespace
 
 std::string EngineImpl::op_spec(int index) const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  const LayerInfo& l = *layers_.at(static_cast<size_t>(index));
-  if (!l.spec.empty()) return l.spec;  // per call of a compiled graph: built once
+  const LayerInfo& l = layer(index);
+  const bool linear_or_conv = !l.is_table() && !l.is_group();
+  return op_layout(l) + (linear_or_conv && !stages_compiled_grads(index) ? std::string(kGradsToAutograd) : "");
+}
+
+bool EngineImpl::grads_to_autograd(std::string_view spec) {
+  return spec.size() >= kGradsToAutograd.size() &&
+         spec.substr(spec.size() - kGradsToAutograd.size()) == kGradsToAutograd;
+}
+
+const std::string& EngineImpl::op_layout(const LayerInfo& l) const {
+  if (!l.spec.empty()) return l.spec;  // per traced call: built once
   std::ostringstream s;
   if (l.is_conv())
     s << "conv" << l.conv().dims << "d";
@@ -74,7 +97,11 @@ std::string EngineImpl::op_spec(int index) const {
 }
 
 void EngineImpl::check_op_spec(int index, std::string_view spec) const {
-  const std::string mine = op_spec(index);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const LayerInfo& l = layer(index);
+  const std::string& mine = op_layout(l);
+  // Where the gradients go is the trace's choice, not part of the layout.
+  if (!l.is_table() && !l.is_group() && grads_to_autograd(spec)) spec.remove_suffix(kGradsToAutograd.size());
   LS_CHECK(spec == mine, "layerstream operator: this call of streamed layer '", layer_name(index), "' was traced for "
            "a layer of another layout (", spec, "; this one is ", mine, "): the graph was made for "
            "another model or before the layer changed, e.g. an exported program of another offload, or a "

@@ -113,9 +113,10 @@ bool asked_for(const torch::Tensor& p) {
 
 // Gradient hooks on a parameter (Python's register_hook or
 // register_post_accumulate_grad_hook among them): they fire only when
-// autograd accumulates its gradient.
+// autograd accumulates its gradient. A tensor without autograd metadata
+// (a quantized weight's stand-in) has none.
 bool has_grad_hooks(const torch::Tensor& p) {
-  return p.defined() &&
+  return p.defined() && torch::autograd::impl::get_autograd_meta(p) != nullptr &&
          (!torch::autograd::impl::hooks(p).empty() || torch::autograd::impl::post_acc_grad_hooks(p) != nullptr);
 }
 
@@ -564,7 +565,7 @@ void EngineImpl::stage_grads(int layer_index, const torch::Tensor& gw, const tor
   ensure_backward_callback();
 }
 
-bool EngineImpl::stages_compiled_grads(int layer_index) {
+bool EngineImpl::stages_compiled_grads(int layer_index) const {
   const LayerInfo& l = layer(layer_index);
   return !l.shared_weight && !has_grad_hooks(l.weight) && !has_grad_hooks(l.bias);
 }
@@ -687,7 +688,9 @@ torch::Tensor EngineImpl::conv(int layer_index, const torch::Tensor& x_in, bool 
 // counts the forward calls given parameters; docs/design/gradients.md) and
 // returns only the input gradient; autograd gets no gradient for the
 // parameters. Whether it stages is decided when the graph is traced
-// (LayerOpFn::backward, ops_library.cpp), so it cannot depend on the call:
+// (LayerOpFn::backward, ops_library.cpp), as the forward call's spec names
+// it (Note [An operator call names its layer's layout], ops_spec.cpp), so it
+// cannot depend on the call:
 //  * only beside an input gradient: an operator whose outputs nothing reads
 //    could be dropped from the graph, and its staging with it (the first
 //    layer of a network, whose input needs no gradient, returns its
@@ -819,9 +822,7 @@ std::vector<torch::Tensor> EngineImpl::op_backward(int index, const torch::Tenso
                  " of streamed layer '", l.name, "' after torch.compile traced it: the compiled graph hands "
                  "that gradient to layerstream, not to autograd, so the hook would not fire. Register "
                  "gradient hooks before the first compiled call, or call torch._dynamo.reset() after "
-                 "registering them. (Registered before: then torch.compile's on-disk autograd cache served "
-                 "a graph traced in another process without that hook; set TORCHINDUCTOR_AUTOGRAD_CACHE=0 "
-                 "or torch._functorch.config.enable_autograd_cache = False for this model)");
+                 "registering them.");
         if (plain) continue;
         LS_CHECK(!asked_for(p), "torch.autograd.grad / backward(inputs=...) asked for the ",
                  i == 1 ? "weight" : "bias", " gradient of streamed layer '", l.name, "' through a compiled "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Dict, List, Sequence
 
 import torch
@@ -64,6 +65,20 @@ def _has_grad_hooks(p) -> bool:
     return p is not None and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
+# "engine id:layer" -> the layer's _StreamedForward (weak), for _call_spec.
+_STREAMED: Dict[str, "weakref.ref"] = {}
+
+
+@_dynamo_marks.assume_constant_result
+def _call_spec(key: str) -> str:
+    """What a traced call of the layer's operator names besides (engine, layer):
+    Engine::op_spec, asked when Dynamo traces the call (a constant of the graph, so
+    torch's caches key on it), since it names where the weight gradients go then
+    (Note [An operator call names its layer's layout], ops_spec.cpp)."""
+    fwd = _STREAMED[key]()
+    return fwd._op_spec(fwd._index)
+
+
 class _StreamedForward(_RefusesCopy):
     """The forward offload() installs on a streamed module (an instance attribute).
 
@@ -72,7 +87,7 @@ class _StreamedForward(_RefusesCopy):
     to do instead of pickle's "Can't pickle local object"."""
 
     __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
-                 "_lookup", "_op", "_engine_id", "_spec", "_standin", "_bias_standin")
+                 "_lookup", "_op", "_engine_id", "_op_spec", "_key", "_standin", "_bias_standin", "__weakref__")
 
     def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
         self._lookup = kind == "embedding"
@@ -81,7 +96,8 @@ class _StreamedForward(_RefusesCopy):
         self._op = {"linear": torch.ops.layerstream.linear, "conv": torch.ops.layerstream.conv,
                     "embedding": torch.ops.layerstream.embedding}[kind]
         self._engine_id = engine.id
-        self._spec = engine.op_spec(index)  # Note [An operator call names its layer's layout], ops_spec.cpp
+        self._op_spec, self._key = engine.op_spec, f"{engine.id}:{index}"
+        _STREAMED[self._key] = weakref.ref(self)
         # A packed, GGUF or file stand-in is frozen, and Dynamo must not trace into it.
         self._standin = isinstance(module.weight, StandIn)
         self._bias_standin = isinstance(getattr(module, "bias", None), StandIn)  # e.g. a bias left in its file
@@ -118,10 +134,11 @@ class _StreamedForward(_RefusesCopy):
         weight, bias = self._weight, self._bias
         grad = torch.is_grad_enabled()
         w = None if self._standin or not (grad and weight.requires_grad) else weight
+        spec = _call_spec(self._key)
         if self._lookup:
-            return self._op(x, w, self._engine_id, self._index, self._spec)
+            return self._op(x, w, self._engine_id, self._index, spec)
         b = None if self._bias_standin or not (grad and bias is not None and bias.requires_grad) else bias
-        return self._op(x, w, b, self._engine_id, self._index, self._spec)
+        return self._op(x, w, b, self._engine_id, self._index, spec)
 
 
 class _GroupForward(_RefusesCopy):

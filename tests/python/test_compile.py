@@ -963,8 +963,9 @@ class Heads(nn.Module):  # nn.MultiheadAttention streams as a tensor group; per-
 
 
 heads = Heads().requires_grad_(False)
-refs = [copy.deepcopy(m) for m in (mlp, conv, heads)]
-for m in (mlp, conv, heads):
+trained = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8))
+refs = [copy.deepcopy(m) for m in (mlp, conv, heads, trained)]
+for m in (mlp, conv, heads, trained):
     layerstream.offload(m, device="sim")
 x, img, seq = torch.randn(4, 16), torch.randn(2, 3, 12, 12), torch.randn(2, 5, 16)
 out = {}
@@ -972,6 +973,18 @@ for name, model, ref, inp in (("mlp", mlp, refs[0], x), ("conv", conv, refs[1], 
     y, yr = torch.compile(model, backend="inductor")(inp), ref(inp)
     out[name] = list(y.shape) == list(yr.shape) and torch.allclose(y, yr, rtol=1e-5, atol=1e-5)
 out["cache_hits"] = counters["inductor"]["fxgraph_cache_hit"]
+# Trained, with a gradient hook on one weight in the processes of width 64: its backward
+# returns that gradient to autograd, the others' stage it (same layout, other graph).
+fired, before = [], counters["aot_autograd"]["autograd_cache_hit"]
+if width == 64:
+    trained[2].weight.register_hook(lambda g: fired.append(1) or g * 2)
+    refs[3][2].weight.register_hook(lambda g: g * 2)
+torch.compile(trained, backend="inductor")(x).square().mean().backward()
+refs[3](x).square().mean().backward()
+out["trained"] = all(torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+                     for p, q in zip(trained.parameters(), refs[3].parameters()))
+out["hook_fired"] = len(fired)
+out["trained_cache_hits"] = counters["aot_autograd"]["autograd_cache_hit"] - before
 print(json.dumps(out))
 """
 
@@ -982,8 +995,9 @@ def test_inductors_cache_serves_no_graph_of_another_layout_to_another_process(tm
     layers from the start. Before, a frozen Linear stack of another width, a conv of
     another padding or a multi-head attention (a tensor group) of another head count was
     served the graph compiled for the first (Inductor's size assertion failed: "incorrect
-    fake kernel"); now each gets its own, equal to its resident model, and the same
-    models again still find their graphs in the cache."""
+    fake kernel"), and a trained stack with a gradient hook the backward traced without
+    it (the hook check raised); now each gets its own, equal to its resident model, and
+    the same models again still find their graphs in the cache."""
     import json
     import os
     import subprocess
@@ -997,9 +1011,10 @@ def test_inductors_cache_serves_no_graph_of_another_layout_to_another_process(tm
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    assert run(32, 1) == {"mlp": True, "conv": True, "heads": True, "cache_hits": 0}
-    assert run(64, 0) == {"mlp": True, "conv": True, "heads": True, "cache_hits": 0}
-    assert run(32, 1) == {"mlp": True, "conv": True, "heads": True, "cache_hits": 3}
+    same = {"mlp": True, "conv": True, "heads": True, "trained": True}
+    assert run(32, 1) == dict(same, cache_hits=0, hook_fired=0, trained_cache_hits=0)
+    assert run(64, 0) == dict(same, cache_hits=0, hook_fired=1, trained_cache_hits=0)
+    assert run(32, 1) == dict(same, cache_hits=3, hook_fired=0, trained_cache_hits=1)
 
 
 def test_an_operator_call_of_another_layout_is_refused(offload_sim):
@@ -1024,3 +1039,12 @@ def test_an_operator_call_of_another_layout_is_refused(offload_sim):
     with pytest.raises(layerstream.LayerstreamError, match="another layout"):
         torch.ops.layerstream.layer_backward(torch.randn(2, 4), torch.randn(2, 288), engine.id, 1, "linear",
                                              [True, False, False], False)
+    # Where the weight gradients go is named too (a hooked weight's go back to
+    # autograd), and is no layout: both routes are accepted.
+    model[2].weight.register_hook(lambda g: g)
+    assert engine.op_spec(1) == linear_spec + " grads=autograd" and engine.op_spec(0) == conv_spec
+    for spec in (linear_spec, linear_spec + " grads=autograd"):
+        assert torch.ops.layerstream.linear_shape(torch.randn(2, 288), engine.id, 1, spec).shape == (2, 4)
+    for ask in (engine.op_spec, engine.layer_name, engine.layer_format):
+        with pytest.raises(layerstream.LayerstreamError, match="no streamed layer #7"):
+            ask(7)
