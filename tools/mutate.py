@@ -605,7 +605,7 @@ MUTATIONS = [
          "gtest:test_scheduler:*AForwardAfterABackwardFetchBeginsAStep*"],
         "under torch.compile (no call hook, no backward_ended()) steps that skip the trace's first layer "
         "share one step: inference calls after them read weights cached before a `.data` write"),
-    # ---- Note [Compiled weight gradients are staged] (csrc/torch/ops_streamed.cpp) ----
+    # ---- Note [Compiled weight gradients are staged] (csrc/torch/ops_compiled.cpp) ----
     Mutation(
         "compiled-grads-never-staged", "csrc/torch/ops_library.cpp",
         "    const bool stage = mask[0] && (mask[1] || mask[2]) && !EngineImpl::grads_to_autograd(spec) &&\n",
@@ -615,20 +615,20 @@ MUTATIONS = [
         "compiled weight gradients go back to autograd after a blocking copy each: opt.overlap() steps "
         "nothing during a compiled backward"),
     Mutation(
-        "compiled-forward-uses-not-counted", "csrc/torch/ops_streamed.cpp",
+        "compiled-forward-uses-not-counted", "csrc/torch/ops_compiled.cpp",
         "  if (trained) note_forward_use(l);",
         "",
         [P + "test_compile.py::test_compiled_weight_gradients_are_staged_and_stepped_during_the_backward"],
         "a compiled call given trainable parameters is not counted: the gradient-ready hook never "
         "finds a staged layer complete"),
     Mutation(
-        "compiled-late-hook-ignored", "csrc/torch/ops_streamed.cpp",
+        "compiled-late-hook-ignored", "csrc/torch/ops_compiled.cpp",
         "        LS_CHECK(!has_grad_hooks(p), \"a gradient hook was registered on the \"",
         "        LS_CHECK(true || !has_grad_hooks(p), \"a gradient hook was registered on the \"",
         [P + "test_compile.py::test_compiled_gradient_hooks_fire_and_late_ones_are_refused"],
         "a gradient hook registered after torch.compile traced the model silently never fires"),
     Mutation(
-        "compiled-unasked-grads-staged", "csrc/torch/ops_streamed.cpp",
+        "compiled-unasked-grads-staged", "csrc/torch/ops_compiled.cpp",
         "        g[i] = torch::Tensor();  // not asked for: autograd would drop it too\n",
         "",
         [P + "test_compile.py::test_compiled_autograd_grad_for_the_input_leaves_weight_grads_alone"],

@@ -13,8 +13,10 @@
 //   engine_gradients.cpp  weight gradients: staging, accumulation, callbacks
 //   engine_telemetry.cpp  stats, timeline, per-step counters
 //   engine_host_tier.cpp  layers on disk, reads into the store, staged sources
-//   ops_streamed.cpp      Linear/conv: the autograd function (StreamedFn), the
-//                         operators' kernels (op_forward/op_backward)
+//   ops_streamed.cpp      Linear/conv: the autograd function (StreamedFn) and
+//                         what the autograd functions share
+//   ops_compiled.cpp      Linear/conv: the operators' kernels (op_forward,
+//                         op_backward) and where their weight gradients go
 //   ops_embedding.cpp     embedding tables: lookup and its autograd function
 //   ops_library.cpp       the layerstream:: operators (torch.compile/export)
 //   ops_spec.cpp          what an operator call names of its layer's layout (op_spec)
@@ -184,7 +186,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   void stage_grads(int layer, const torch::Tensor& gw, const torch::Tensor& gb);
   // Whether a compiled graph's backward of this layer may stage its weight
   // gradients instead of returning them to autograd (Note [Compiled weight
-  // gradients are staged], ops_streamed.cpp): not for a weight another layer
+  // gradients are staged], ops_compiled.cpp): not for a weight another layer
   // shares, nor for parameters with gradient hooks.
   bool stages_compiled_grads(int layer) const;
   // A gradient computed on the device, as a host tensor of `dtype` (blocking),
@@ -193,7 +195,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // Makes sure pending gradients are accumulated at the end of this backward.
   void ensure_backward_callback();
   // ---- the custom ops' kernels (ops_library.cpp registers them; Note
-  // [Streamed layers as custom ops], ops_streamed.cpp) ----
+  // [Streamed layers as custom ops], ops_compiled.cpp) ----
   // A Linear's or convolution's output without an autograd node: fetch,
   // compute, release. With shape_only, the same call on stand-in weights of
   // x's device and dtype (no slot, no copy): what a fake kernel returns
@@ -731,7 +733,7 @@ inline torch::Tensor meta_like(const std::vector<int64_t>& shape, torch::ScalarT
 void* adopt(HostStore& store, const std::shared_ptr<void>& keep, torch::Tensor& param,
             const std::string& name, size_t* index, size_t* bytes, std::vector<int64_t>* strides = nullptr);
 
-// ---- shared by the autograd functions (ops_*.cpp; defined in ops_streamed.cpp) ----
+// ---- shared by the autograd functions (ops_*.cpp; defined in ops_streamed.cpp unless said) ----
 // The engine a graph's node belongs to (saved by id: the graph may outlive it).
 std::shared_ptr<EngineImpl> engine_from(torch::autograd::AutogradContext* ctx);
 // Refuses backward(create_graph=True) through a streamed layer.
@@ -746,5 +748,49 @@ void ops_library_linked();
 // Under torch.autocast for `device`, a float input cast to the autocast
 // dtype, as autocast casts Linear/conv inputs; else x itself.
 torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device);
+// Refuses an input on another device or of a non-float dtype, naming the layer.
+void check_input(EngineImpl& e, const EngineImpl::LayerInfo& l, const torch::Tensor& x);
+// Refuses a conv input of the wrong rank (neither batched nor unbatched).
+void check_conv_input(const EngineImpl::LayerInfo& l, const torch::Tensor& x);
+// "a Linear", "a convolution", "an embedding" or "a tensor group".
+const char* kind_of(const EngineImpl::LayerInfo& l);
+// Whether the running backward is a plain loss.backward() (no exec_info:
+// autograd accumulates every leaf's .grad), not torch.autograd.grad /
+// backward(inputs=...).
+bool plain_backward();
+// Under torch.autograd.grad / backward(inputs=...): whether leaf p's gradient
+// was asked for (in a plain backward every leaf's is).
+bool asked_for(const torch::Tensor& p);
+// Whether p has gradient hooks (register_hook, register_post_accumulate_grad_hook).
+bool has_grad_hooks(const torch::Tensor& p);
+// The resident module's own call on weights w, b (Note [Same calls as the
+// resident module], ops_streamed.cpp).
+torch::Tensor layer_op(const EngineImpl::LayerInfo& l, const torch::Tensor& x, const torch::Tensor& w,
+                       const torch::Tensor& b);
+// The layer's computation without an autograd node of its own: fetch,
+// compute under the caller's grad mode, release (compute stream).
+torch::Tensor streamed_forward(EngineImpl* e, EngineImpl::LayerInfo& l, int layer, const torch::Tensor& x);
+
+// A slot held for the compute stream `cs`, released when this goes out of
+// scope: after the work that reads it was enqueued, or when that work threw.
+class SlotLease {
+ public:
+  SlotLease(Scheduler& sched, Lease lease, Stream cs) : sched_(sched), lease_(std::move(lease)), cs_(cs) {}
+  SlotLease(const SlotLease&) = delete;
+  SlotLease& operator=(const SlotLease&) = delete;
+  ~SlotLease() {
+    try {
+      sched_.release(lease_, cs_);
+    } catch (const std::exception& err) {  // a destructor must not throw; nothing can be undone here
+      warn(std::string("layerstream: releasing a slot failed: ") + err.what());
+    }
+  }
+  const Lease& get() const { return lease_; }
+
+ private:
+  Scheduler& sched_;
+  Lease lease_;
+  Stream cs_;
+};
 
 }  // namespace layerstream

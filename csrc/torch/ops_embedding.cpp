@@ -47,7 +47,7 @@ struct EmbeddingFn : public torch::autograd::Function<EmbeddingFn> {
 // The weight's gradient: torch's embedding backward on the host, from the
 // output gradient's rows copied back and the ids (EmbeddingFn, and the
 // layerstream::embedding_backward operator: Note [Streamed layers as custom
-// ops], ops_streamed.cpp).
+// ops], ops_compiled.cpp).
 torch::Tensor EngineImpl::op_lookup_backward(int index, const torch::Tensor& go, const torch::Tensor& ids,
                                              bool shape_only) {
   LayerInfo& l = layer(index);

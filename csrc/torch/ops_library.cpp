@@ -1,5 +1,5 @@
 // layerstream — LibTorch glue: the streamed layers as PyTorch operators (Note [Streamed layers as custom
-// ops], ops_streamed.cpp): their schemas, backend, autograd and autocast kernels, and the shape-only
+// ops], ops_compiled.cpp): their schemas, backend, autograd and autocast kernels, and the shape-only
 // operators that the fake kernels (python/layerstream/_ops.py) call.
 //
 // Operators (namespace layerstream; `engine` is Engine::id(), `layer` an index from add_*(), `spec`
@@ -11,7 +11,7 @@
 //   embedding_backward(Tensor grad, Tensor ids, int engine, int layer, str spec) -> Tensor
 // weight/bias are the module's parameters, passed only when they require grad (the node's edges
 // for their gradients, which the backward stages or returns: Note [Compiled weight gradients are
-// staged], ops_streamed.cpp); the kernels read the weights from the engine. Thread safety: the
+// staged], ops_compiled.cpp); the kernels read the weights from the engine. Thread safety: the
 // engine's (each kernel takes its lock where it needs it).
 #include "engine_impl.h"
 
@@ -124,7 +124,7 @@ struct LayerOpFn : public torch::autograd::Function<LayerOpFn> {
     const torch::Tensor x = ctx->get_saved_variables()[0];
     const std::string spec = ctx->saved_data["spec"].toStringRef();
     // Decided here, when the graph is traced (Note [Compiled weight gradients
-    // are staged], ops_streamed.cpp): only beside an input gradient, whose
+    // are staged], ops_compiled.cpp): only beside an input gradient, whose
     // use keeps the operator in the graph, and as the call's spec names it
     // (Note [An operator call names its layer's layout], ops_spec.cpp).
     const bool stage = mask[0] && (mask[1] || mask[2]) && !EngineImpl::grads_to_autograd(spec) &&

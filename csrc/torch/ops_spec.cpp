@@ -30,7 +30,7 @@ namespace layerstream {
 // when the graph is traced: staged by the backward operator, or, for a
 // weight another layer shares or a parameter with gradient hooks, returned
 // to autograd (" grads=autograd"; Note [Compiled weight gradients are
-// staged], ops_streamed.cpp). The backward is traced with the forward and
+// staged], ops_compiled.cpp). The backward is traced with the forward and
 // torch's on-disk autograd cache keys both by the forward graph: without
 // the name, a process whose weight has a hook was served the staged
 // backward of a process without one (found on 2026-12-06; the hook check

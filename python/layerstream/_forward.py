@@ -130,7 +130,7 @@ class _StreamedForward(_RefusesCopy):
     def _traced(self, x):
         """The call as torch.compile / torch.export record it: one layerstream operator,
         given the parameters that require grad when a gradient is recorded (their
-        gradients' edges; Note [Compiled weight gradients are staged], ops_streamed.cpp)."""
+        gradients' edges; Note [Compiled weight gradients are staged], ops_compiled.cpp)."""
         weight, bias = self._weight, self._bias
         grad = torch.is_grad_enabled()
         w = None if self._standin or not (grad and weight.requires_grad) else weight

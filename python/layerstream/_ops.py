@@ -2,7 +2,7 @@
 torch.compile and torch.export trace instead of calling the engine. Each calls the
 operator's shape-only twin, the same C++ computation on stand-in weights, so shapes,
 dtypes and strides are decided in one place (Note [Streamed layers as custom ops],
-csrc/torch/ops_streamed.cpp)."""
+csrc/torch/ops_compiled.cpp)."""
 from __future__ import annotations
 
 import sys
@@ -34,7 +34,7 @@ def _layer_backward(grad, x, engine, layer, spec, mask, stage):
 
 def _refuse_compiled_autograd():
     """A staged backward (Note [Compiled weight gradients are staged],
-    csrc/torch/ops_streamed.cpp) hands its weight gradients to the engine, which adds them
+    csrc/torch/ops_compiled.cpp) hands its weight gradients to the engine, which adds them
     to .grad when the autograd engine's backward ends; torch._dynamo's compiled autograd
     runs the backward as a graph of its own and never ends it that way, so they would be
     lost: refused while it compiles that graph (in_compiled_autograd_region)."""

@@ -1,5 +1,5 @@
 """torch.compile and torch.export of offloaded models (Note [Streamed layers as custom ops],
-csrc/torch/ops_streamed.cpp): each streamed layer is one torch.ops.layerstream operator, so
+csrc/torch/ops_compiled.cpp): each streamed layer is one torch.ops.layerstream operator, so
 Dynamo traces the whole model (fullgraph=True, zero graph breaks), outputs and gradients equal
 the resident model's within fp32 rounding, shapes marked dynamic do not recompile, and the
 ordering checker (the offload_sim fixture asserts it at teardown) sees no race.
@@ -785,7 +785,7 @@ class _Stack(nn.Module):
 
 
 def test_compiled_weight_gradients_are_staged_and_stepped_during_the_backward(offload_sim):
-    """Note [Compiled weight gradients are staged] (csrc/torch/ops_streamed.cpp): a
+    """Note [Compiled weight gradients are staged] (csrc/torch/ops_compiled.cpp): a
     compiled layer whose input gradient is computed stages its weight gradients as the
     eager path does (copied to the host on the gradient stream, added to .grad when
     the backward ends), so opt.overlap() steps those layers during the backward (it
