@@ -65,7 +65,7 @@ def _has_grad_hooks(p) -> bool:
     return p is not None and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
-# "engine id:layer" -> the layer's _StreamedForward (weak), for _call_spec.
+# "engine id:layer" -> the layer's _StreamedForward, for _call_spec (weak: the entry goes with it).
 _STREAMED: Dict[str, "weakref.ref"] = {}
 
 
@@ -97,7 +97,7 @@ class _StreamedForward(_RefusesCopy):
                     "embedding": torch.ops.layerstream.embedding}[kind]
         self._engine_id = engine.id
         self._op_spec, self._key = engine.op_spec, f"{engine.id}:{index}"
-        _STREAMED[self._key] = weakref.ref(self)
+        _STREAMED[self._key] = weakref.ref(self, lambda _, key=self._key: _STREAMED.pop(key, None))
         # A packed, GGUF or file stand-in is frozen, and Dynamo must not trace into it.
         self._standin = isinstance(module.weight, StandIn)
         self._bias_standin = isinstance(getattr(module, "bias", None), StandIn)  # e.g. a bias left in its file

@@ -44,7 +44,7 @@ LayerstreamError = _C.LayerstreamError
 
 _ops = torch.ops.layerstream
 
-# (engine id, layer) -> the group's _GroupForward (weak: detach() or a freed model ends it).
+# (engine id, layer) -> the group's _GroupForward (weak: detach() or a freed model ends it and its entry).
 _GROUPS: Dict[Tuple[int, int], "weakref.ref"] = {}
 # (engine id, layer, call) -> (single, which outputs are None): how the operator's list of
 # tensors maps back onto what the module returns; set by the kernels (fake and real).
@@ -56,7 +56,8 @@ _LIKE_FIRST_INPUT: set = set()
 
 def register(fwd) -> None:
     """Make a group's forward reachable from its operator (by engine id and layer)."""
-    _GROUPS[(fwd._engine.id, fwd._index)] = weakref.ref(fwd)
+    key = (fwd._engine.id, fwd._index)
+    _GROUPS[key] = weakref.ref(fwd, lambda _: _GROUPS.pop(key, None))
 
 
 def _group(engine: int, layer: int):

@@ -282,23 +282,31 @@ def test_torch_export_records_the_operators(offload_sim):
 
 
 def test_an_operator_of_a_detached_engine_says_what_to_do(offload_sim):
+    """...and the registries the traced calls look layers up in keep no entry of it."""
+    from layerstream import _forward, _group_op
     model = _mlp().eval()
     handle = offload_sim(model)
+    engine = handle._engine.id
     ep = torch.export.export(model, (torch.randn(2, 16),))
+    assert f"{engine}:0" in _forward._STREAMED
     handle.detach()
     del handle
     import gc
     gc.collect()
     with pytest.raises(Exception, match="does not exist in this process"):
         ep.module()(torch.randn(2, 16))
+    assert not [k for k in _forward._STREAMED if k.startswith(f"{engine}:")]
     model = _Attention().eval()
     handle = offload_sim(model)
+    engine = handle._engine.id
     ep = torch.export.export(model, (torch.randn(2, 5, 16),))
+    assert (engine, 0) in _group_op._GROUPS
     handle.detach()
     del handle
     gc.collect()
     with pytest.raises(Exception, match="has no tensor group 0 in this process"):
         ep.module()(torch.randn(2, 5, 16))
+    assert (engine, 0) not in _group_op._GROUPS
 
 
 def test_llama_lora_training_compiles_without_graph_breaks(offload_sim):
