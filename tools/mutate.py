@@ -656,11 +656,18 @@ MUTATIONS = [
         "another"),
     Mutation(
         "op-spec-names-no-gradient-route", "csrc/torch/ops_spec.cpp",
-        "  return op_layout(l) + (linear_or_conv && !stages_compiled_grads(index)",
-        "  return op_layout(l) + (false && !stages_compiled_grads(index)",
+        "  if (linear_or_conv && !stages_grads(index)) spec += kGradsToAutograd;",
+        "  if (false && !stages_grads(index)) spec += kGradsToAutograd;",
         [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],
         "a Linear's spec leaves out where its weight gradients go: torch's autograd cache serves a process whose "
         "weight has a gradient hook the staged backward of one without"),
+    Mutation(
+        "removed-hook-still-a-hook", "csrc/torch/ops_streamed.cpp",
+        "    if (!probe.pre || probe.pre(*h)) return true;",
+        "    return true;",
+        [P + "test_compile.py::test_a_removed_gradient_hook_is_no_hook"],
+        "a parameter's emptied hook object counts as a hook: a compiled backward raises 'registered after "
+        "torch.compile traced it' for a hook registered and removed again"),
     Mutation(
         "group-call-names-no-layout", "python/layerstream/_group_op.py",
         "torch.get_autocast_dtype(kind), fwd._layout)",

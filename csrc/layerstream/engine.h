@@ -36,6 +36,7 @@
 #pragma once
 
 #include <torch/torch.h>
+#include <torch/csrc/autograd/function_hook.h>
 
 #include <functional>
 #include <map>
@@ -377,9 +378,11 @@ class Engine {
 
   // The streamed computations (differentiable). Weight gradients normally
   // go back asynchronously and are accumulated into .grad by the engine; with
-  // grads_via_autograd (e.g. the parameter has hooks) — and always under
-  // torch.autograd.grad / backward(inputs=...) — they are copied to the host
-  // synchronously and returned to autograd, which routes them. Under
+  // grads_via_autograd — and always for a weight another layer shares, for
+  // parameters with gradient hooks (they fire only when autograd
+  // accumulates), and under torch.autograd.grad / backward(inputs=...) —
+  // they are copied to the host synchronously and returned to autograd,
+  // which routes them. Under
   // torch.autocast for the compute device's type, a float input is first
   // cast to the autocast dtype (as autocast casts Linear/conv inputs), so
   // the weight is used in that dtype (compute_dtype's copy when it matches).
@@ -603,6 +606,19 @@ class Engine {
  protected:
   Engine() = default;
 };
+
+// Whether a parameter has gradient hooks decides where a streamed layer's
+// weight gradients go (hooks fire only when autograd accumulates). torch
+// keeps a tensor's hook object registered after its hooks are removed: a C++
+// one keeps a list with holes, which the engine reads; Python's keeps a dict,
+// which only the Python bindings can read. They set this probe (once, at
+// import): given a hook object the engine cannot read, whether it still
+// holds a hook. Without a probe such an object counts as a hook. Thread-safe.
+struct GradHookProbe {
+  bool (*pre)(const torch::autograd::FunctionPreHook& hook) = nullptr;
+  bool (*post_accumulate)(const torch::autograd::PostAccumulateGradHook& hook) = nullptr;
+};
+void set_grad_hook_probe(GradHookProbe probe);
 
 // Resolves a device string for the engine ("auto" and "cuda": the current CUDA
 // device, as in PyTorch); throws a clear error for unknown devices or "cuda"

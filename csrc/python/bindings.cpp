@@ -1,7 +1,11 @@
 // pybind11 bindings of the streaming engine: layerstream._C. Stateful objects
 // only; the user-facing API lives in python/layerstream/.
 #include <torch/extension.h>
+#include <torch/csrc/autograd/python_hook.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+#include <cstring>
+#include <typeinfo>
 
 #include "core/crash_report.h"
 #include "core/gguf.h"
@@ -91,6 +95,22 @@ PYBIND11_MODULE(_C, m) {
       py::set_error(exc, e.message().c_str());
     }
   });
+
+  // Python's hook objects stay registered on a tensor, their dicts emptied, after
+  // handle.remove(): the engine asks whether one still holds a hook (engine.h).
+  // torch exports no type_info of these classes: the object's type name says
+  // which it is (Itanium ABI); any other object is a hook.
+  layerstream::set_grad_hook_probe(
+      {[](const torch::autograd::FunctionPreHook& h) {
+         if (std::strcmp(typeid(h).name(), "N5torch8autograd23PyFunctionTensorPreHookE") != 0) return true;
+         py::gil_scoped_acquire gil;
+         return PyDict_Size(static_cast<const torch::autograd::PyFunctionTensorPreHook&>(h).dict) > 0;
+       },
+       [](const torch::autograd::PostAccumulateGradHook& h) {
+         if (std::strcmp(typeid(h).name(), "N5torch8autograd32PyFunctionTensorPostAccGradHooksE") != 0) return true;
+         py::gil_scoped_acquire gil;
+         return PyDict_Size(static_cast<const torch::autograd::PyFunctionTensorPostAccGradHooks&>(h).dict) > 0;
+       }});
 
   // LS_NATIVE_BACKTRACE=1: a crash prints its native stack before faulthandler's
   // Python one (core/crash_report.h).

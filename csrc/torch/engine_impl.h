@@ -184,11 +184,12 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // scratch slot in the parameters' dtypes and from there to the host on the
   // gradient stream (push_grads); applied to .grad when this backward ends.
   void stage_grads(int layer, const torch::Tensor& gw, const torch::Tensor& gb);
-  // Whether a compiled graph's backward of this layer may stage its weight
-  // gradients instead of returning them to autograd (Note [Compiled weight
+  // Whether this layer's weight gradients may be staged instead of returned
+  // to autograd, eagerly (StreamedFn) or compiled (Note [Compiled weight
   // gradients are staged], ops_compiled.cpp): not for a weight another layer
-  // shares, nor for parameters with gradient hooks.
-  bool stages_compiled_grads(int layer) const;
+  // shares (autograd sums the uses), nor for parameters with gradient hooks
+  // (they fire only when autograd accumulates). ops_streamed.cpp.
+  bool stages_grads(int layer) const;
   // A gradient computed on the device, as a host tensor of `dtype` (blocking),
   // for autograd; queues the end-of-backward callback as stage_grads does.
   torch::Tensor grad_to_host(const torch::Tensor& g, torch::ScalarType dtype);

@@ -63,11 +63,6 @@ namespace layerstream {
 // (Note [No copy in flight at a step's end] and Note [When a step begins],
 // core/scheduler.cpp).
 
-bool EngineImpl::stages_compiled_grads(int layer_index) const {
-  const LayerInfo& l = layer(layer_index);
-  return !l.shared_weight && !has_grad_hooks(l.weight) && !has_grad_hooks(l.bias);
-}
-
 namespace {
 // What a fake kernel computes with: empty tensors shaped (and strided) as the
 // layer's device weight and bias in the activations' dtype, on x's device.

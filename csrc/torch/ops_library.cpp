@@ -128,7 +128,7 @@ struct LayerOpFn : public torch::autograd::Function<LayerOpFn> {
     // use keeps the operator in the graph, and as the call's spec names it
     // (Note [An operator call names its layer's layout], ops_spec.cpp).
     const bool stage = mask[0] && (mask[1] || mask[2]) && !EngineImpl::grads_to_autograd(spec) &&
-                       engine_of(engine)->stages_compiled_grads(static_cast<int>(layer));
+                       engine_of(engine)->stages_grads(static_cast<int>(layer));
     static const auto bwd =
         op("layerstream::layer_backward")
             .typed<std::vector<torch::Tensor>(const torch::Tensor&, const torch::Tensor&, int64_t, int64_t,

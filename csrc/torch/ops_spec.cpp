@@ -45,10 +45,17 @@ constexpr std::string_view kGradsToAutograd = " grads=autograd";
 }  // namespace
 
 std::string EngineImpl::op_spec(int index) const {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  const LayerInfo& l = layer(index);
-  const bool linear_or_conv = !l.is_table() && !l.is_group();
-  return op_layout(l) + (linear_or_conv && !stages_compiled_grads(index) ? std::string(kGradsToAutograd) : "");
+  std::string spec;
+  bool linear_or_conv = false;
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const LayerInfo& l = layer(index);
+    spec = op_layout(l);
+    linear_or_conv = !l.is_table() && !l.is_group();
+  }
+  // Without mu_: reading a Python hook takes the GIL (set_grad_hook_probe).
+  if (linear_or_conv && !stages_grads(index)) spec += kGradsToAutograd;
+  return spec;
 }
 
 bool EngineImpl::grads_to_autograd(std::string_view spec) {

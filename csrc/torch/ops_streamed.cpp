@@ -3,6 +3,7 @@
 #include "engine_impl.h"
 
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/cpp_hook.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/jit/frontend/tracer.h>
@@ -10,8 +11,10 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <queue>
 #include <type_traits>
+#include <typeinfo>
 #include <unordered_map>
 
 #include "core/log.h"
@@ -104,13 +107,50 @@ bool asked_for(const torch::Tensor& p) {
   return it != info->end() && it->second.should_execute();
 }
 
+namespace {
+std::mutex probe_mu;
+GradHookProbe grad_hook_probe;  // probe_mu; set by the Python bindings
+}  // namespace
+
+bool EngineImpl::stages_grads(int layer_index) const {
+  const LayerInfo& l = layer(layer_index);
+  return !l.shared_weight && !has_grad_hooks(l.weight) && !has_grad_hooks(l.bias);
+}
+
+void set_grad_hook_probe(GradHookProbe probe) {
+  std::lock_guard<std::mutex> lock(probe_mu);
+  grad_hook_probe = probe;
+}
+
 // Gradient hooks on a parameter (Python's register_hook or
 // register_post_accumulate_grad_hook among them): they fire only when
-// autograd accumulates its gradient. A tensor without autograd metadata
-// (a quantized weight's stand-in) has none.
+// autograd accumulates its gradient. A hook object whose hooks were all
+// removed stays registered (set_grad_hook_probe, engine.h) and is none: it
+// counted as one, and a compiled backward then raised "registered after
+// torch.compile traced it" for a hook registered and removed again (found on
+// 2026-12-06). A tensor without autograd metadata (a quantized weight's
+// stand-in) has none.
 bool has_grad_hooks(const torch::Tensor& p) {
-  return p.defined() && torch::autograd::impl::get_autograd_meta(p) != nullptr &&
-         (!torch::autograd::impl::hooks(p).empty() || torch::autograd::impl::post_acc_grad_hooks(p) != nullptr);
+  namespace ag = torch::autograd;
+  if (!p.defined() || ag::impl::get_autograd_meta(p) == nullptr) return false;
+  GradHookProbe probe;
+  {
+    std::lock_guard<std::mutex> lock(probe_mu);
+    probe = grad_hook_probe;
+  }
+  for (const auto& h : ag::impl::hooks(p)) {
+    if (!h) continue;
+    // LibTorch exports no type_info of its hook classes (no dynamic_cast):
+    // the object's own type name says which it is (Itanium ABI).
+    if (std::strcmp(typeid(*h).name(), "N5torch8autograd24CppFunctionTensorPreHookE") == 0) {
+      const auto& list = *static_cast<const ag::CppFunctionTensorPreHook&>(*h).hooks_;
+      if (std::any_of(list.begin(), list.end(), [](const auto& f) { return static_cast<bool>(f); })) return true;
+      continue;
+    }
+    if (!probe.pre || probe.pre(*h)) return true;
+  }
+  const auto& post = ag::impl::post_acc_grad_hooks(p);
+  return post != nullptr && (!probe.post_accumulate || probe.post_accumulate(*post));
 }
 
 namespace {
@@ -605,7 +645,7 @@ torch::Tensor EngineImpl::linear(int layer_index, const torch::Tensor& x_in, boo
   // Autograd inputs must be defined tensors: without a bias, the weight
   // stands in (the functions read the bias from the layer, never from here).
   return StreamedFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
-                           static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
+                           static_cast<int64_t>(layer_index), grads_via_autograd || !stages_grads(layer_index));
 }
 
 void check_conv_input(const EngineImpl::LayerInfo& l, const torch::Tensor& x) {
@@ -624,7 +664,7 @@ torch::Tensor EngineImpl::conv(int layer_index, const torch::Tensor& x_in, bool 
   if (!needs_node(x, l)) return streamed_forward(this, l, layer_index, x);
   note_forward_use(l);  // the gradient-ready hook (engine_grad_ready.cpp)
   return StreamedFn::apply(x, l.weight, l.bias.defined() ? l.bias : l.weight, this,
-                           static_cast<int64_t>(layer_index), grads_via_autograd || l.shared_weight);
+                           static_cast<int64_t>(layer_index), grads_via_autograd || !stages_grads(layer_index));
 }
 
 }  // namespace layerstream

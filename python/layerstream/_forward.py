@@ -61,10 +61,6 @@ def _with_streamed_lookup(cls: type) -> type:
     return _LOOKUP_CLASSES[cls]
 
 
-def _has_grad_hooks(p) -> bool:
-    return p is not None and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
-
-
 # "engine id:layer" -> the layer's _StreamedForward, for _call_spec (weak: the entry goes with it).
 _STREAMED: Dict[str, "weakref.ref"] = {}
 
@@ -121,11 +117,9 @@ class _StreamedForward(_RefusesCopy):
                 f"torch.func.functional_call); layerstream streams the original ones. Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
-        if self._lookup:  # a table's gradient goes through autograd (hooks fire)
-            return self._run(self._index, x)
-        # Gradient hooks on the parameters: hand their gradients to autograd
-        # (synchronously) so that the hooks fire.
-        return self._run(self._index, x, _has_grad_hooks(weight) or _has_grad_hooks(bias))
+        # A parameter with gradient hooks gets its gradient through autograd
+        # (synchronously) so that the hooks fire: the engine checks (EngineImpl::stages_grads).
+        return self._run(self._index, x)
 
     def _traced(self, x):
         """The call as torch.compile / torch.export record it: one layerstream operator,

@@ -295,6 +295,19 @@ TEST(TorchOffload, StreamedLayersAreDispatcherOperators) {
     EXPECT_NE(std::string(e.what()).find("was traced for a layer of another layout (linear w=6x5"), std::string::npos)
         << e.what();
   }
+  // A hooked weight's gradients go back to autograd, and the spec says so; a removed
+  // hook (torch keeps its list, with a hole) is none.
+  // An eager call fires it too, without being told (grads_via_autograd).
+  int fired = 0;
+  const unsigned hook = w.register_hook([&fired](const torch::Tensor& g) {
+    ++fired;
+    return g;
+  });
+  EXPECT_EQ(engine->op_spec(layer), spec + " grads=autograd");
+  engine->linear(layer, torch::randn({2, 4}), false).sum().backward();
+  EXPECT_EQ(fired, 1);
+  w.remove_hook(hook);
+  EXPECT_EQ(engine->op_spec(layer), spec);
 }
 
 TEST(TorchOffload, SavedActivationsGoToTheHostAndBack) {

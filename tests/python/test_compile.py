@@ -847,6 +847,31 @@ def test_compiled_gradient_hooks_fire_and_late_ones_are_refused(offload_sim):
         step(x).square().mean().backward()
 
 
+def test_a_removed_gradient_hook_is_no_hook(offload_sim):
+    """torch keeps a parameter's hook object registered, its dict emptied, after
+    handle.remove(); it holds no hook (set_grad_hook_probe, engine.h). Before, a compiled
+    backward raised "registered after torch.compile traced it" for a hook registered and
+    removed again, and a layer once hooked sent its gradients through autograd for good."""
+    model = _Stack()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    engine = handle._engine
+    step = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 16)
+    step(x).square().mean().backward()
+    weight, bias = model.layers[3].weight, model.layers[3].bias
+    for p, register in ((weight, lambda p: p.register_hook(lambda g: g)),
+                        (bias, lambda p: p.register_post_accumulate_grad_hook(lambda q: None))):
+        hook = register(p)
+        assert engine.op_spec(3).endswith(" grads=autograd")
+        hook.remove()
+        assert engine.op_spec(3) == "linear w=16x16 Float b=16 Float"
+    step(x).square().mean().backward()  # the staged backward traced first, without raising
+    for _ in range(2):
+        ref(x).square().mean().backward()
+    assert_grads_match(model, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_autograd_grad_for_the_input_leaves_weight_grads_alone(offload_sim):
     """torch.autograd.grad(loss, x) through a compiled model with trainable streamed
     weights: the input's gradient is the resident model's and no .grad is written, as
