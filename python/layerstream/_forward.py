@@ -128,6 +128,8 @@ class _StreamedForward(_RefusesCopy):
         weight, bias = self._weight, self._bias
         grad = torch.is_grad_enabled()
         w = None if self._standin or not (grad and weight.requires_grad) else weight
+        # A str key: Dynamo cannot hand assume_constant_result an int attribute (torch 2.14 keeps
+        # it a lazy constant; blocks compiled one by one make the layer index a SymInt).
         spec = _call_spec(self._key)
         if self._lookup:
             return self._op(x, w, self._engine_id, self._index, spec)
