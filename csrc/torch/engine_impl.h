@@ -762,7 +762,8 @@ bool plain_backward();
 // Under torch.autograd.grad / backward(inputs=...): whether leaf p's gradient
 // was asked for (in a plain backward every leaf's is).
 bool asked_for(const torch::Tensor& p);
-// Whether p has gradient hooks (register_hook, register_post_accumulate_grad_hook).
+// Whether p holds gradient hooks (register_hook, register_post_accumulate_grad_hook;
+// a hook object emptied by removing its hooks holds none: set_grad_hook_probe, engine.h).
 bool has_grad_hooks(const torch::Tensor& p);
 // The resident module's own call on weights w, b (Note [Same calls as the
 // resident module], ops_streamed.cpp).
