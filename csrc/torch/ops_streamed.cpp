@@ -9,9 +9,9 @@
 #include <torch/csrc/jit/frontend/tracer.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
-#include <mutex>
 #include <queue>
 #include <type_traits>
 #include <typeinfo>
@@ -108,8 +108,9 @@ bool asked_for(const torch::Tensor& p) {
 }
 
 namespace {
-std::mutex probe_mu;
-GradHookProbe grad_hook_probe;  // probe_mu; set by the Python bindings
+// Set by the Python bindings at import; read at every streamed call (no lock).
+std::atomic<decltype(GradHookProbe::pre)> probe_pre{nullptr};
+std::atomic<decltype(GradHookProbe::post_accumulate)> probe_post{nullptr};
 }  // namespace
 
 bool EngineImpl::stages_grads(int layer_index) const {
@@ -118,8 +119,8 @@ bool EngineImpl::stages_grads(int layer_index) const {
 }
 
 void set_grad_hook_probe(GradHookProbe probe) {
-  std::lock_guard<std::mutex> lock(probe_mu);
-  grad_hook_probe = probe;
+  probe_pre.store(probe.pre);
+  probe_post.store(probe.post_accumulate);
 }
 
 // Gradient hooks on a parameter (Python's register_hook or
@@ -133,11 +134,6 @@ void set_grad_hook_probe(GradHookProbe probe) {
 bool has_grad_hooks(const torch::Tensor& p) {
   namespace ag = torch::autograd;
   if (!p.defined() || ag::impl::get_autograd_meta(p) == nullptr) return false;
-  GradHookProbe probe;
-  {
-    std::lock_guard<std::mutex> lock(probe_mu);
-    probe = grad_hook_probe;
-  }
   for (const auto& h : ag::impl::hooks(p)) {
     if (!h) continue;
     // LibTorch exports no type_info of its hook classes (no dynamic_cast):
@@ -147,10 +143,13 @@ bool has_grad_hooks(const torch::Tensor& p) {
       if (std::any_of(list.begin(), list.end(), [](const auto& f) { return static_cast<bool>(f); })) return true;
       continue;
     }
-    if (!probe.pre || probe.pre(*h)) return true;
+    const auto pre = probe_pre.load();
+    if (!pre || pre(*h)) return true;
   }
   const auto& post = ag::impl::post_acc_grad_hooks(p);
-  return post != nullptr && (!probe.post_accumulate || probe.post_accumulate(*post));
+  if (post == nullptr) return false;
+  const auto post_probe = probe_post.load();
+  return !post_probe || post_probe(*post);
 }
 
 namespace {
