@@ -669,6 +669,13 @@ MUTATIONS = [
         "a parameter's emptied hook object counts as a hook: a compiled backward raises 'registered after "
         "torch.compile traced it' for a hook registered and removed again"),
     Mutation(
+        "layerwise-casting-wrapper-not-replaced", "python/layerstream/_discovery.py",
+        "    if wrapper is None or not isinstance(hooks, dict) or list(hooks) != [\"layerwise_casting\"]:",
+        "    if True:",
+        [P + "test_parity_layers.py::test_diffusers_layerwise_casting_streams_the_storage_dtype_with_the_hooks_numbers"],
+        "diffusers' layerwise casting counts as any wrapper: its layers stay resident (a model stored in float8 "
+        "for a small GPU does not stream at all)"),
+    Mutation(
         "group-call-names-no-layout", "python/layerstream/_group_op.py",
         "torch.get_autocast_dtype(kind), fwd._layout)",
         "torch.get_autocast_dtype(kind), \"\")",

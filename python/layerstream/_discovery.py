@@ -302,6 +302,10 @@ _RESIDENT_REASONS = {
                 "e.g. by accelerate's hooks or other wrapping, which a streamed forward would "
                 "drop; to stream them, remove the wrapper first, e.g. "
                 "accelerate.hooks.remove_hook_from_module(model, recurse=True)"),
+    "cast_trainable": ("trainable layer(s) under diffusers' layerwise casting",
+                       "diffusers keeps such a weight in its storage dtype and gives it a gradient "
+                       "in the compute dtype, which a streamed layer does not reproduce; frozen "
+                       "ones stream (freeze them, e.g. for LoRA training, before offload())"),
     "dora": ("layer(s) of a peft DoRA adapter",
              "DoRA reads the base and adapter weights directly at every forward to compute "
              "the weight norm, which a streamed layer does not keep on the device; plain "
@@ -310,6 +314,32 @@ _RESIDENT_REASONS = {
                  "each lookup renormalizes the rows it reads in place, which a streamed lookup "
                  "does not do"),
 }
+
+
+def layerwise_casting(module: nn.Module) -> Optional[torch.dtype]:
+    """The compute dtype of diffusers' layerwise casting (``enable_layerwise_casting``,
+    ``apply_layerwise_casting``) when it is the only wrapper of this layer's stock
+    forward, else None. Its hook casts the layer's weights (kept in the storage
+    dtype, e.g. float8) to the compute dtype before each call and back after it:
+    what a streamed layer computes from the same storage-dtype weights (cast to the
+    activations' dtype in the slot or at use, exactly, since float8 -> bfloat16 ->
+    any wider float is exact), so such a layer streams its storage-dtype bytes and
+    offload() replaces the wrapper (detach() puts it back; docs/design/torch-glue.md,
+    "A wrapper that streams"). Read by its attributes,
+    as diffusers 0.3x-0.4x lay them out (HookRegistry.hooks, the hook's fn_ref and
+    compute_dtype); any other shape of wrapper is not this one."""
+    registry, wrapper = module.__dict__.get("_diffusers_hook"), module.__dict__.get("forward")
+    hooks = getattr(registry, "hooks", None)
+    if wrapper is None or not isinstance(hooks, dict) or list(hooks) != ["layerwise_casting"]:
+        return None
+    hook = hooks["layerwise_casting"]
+    inner = getattr(getattr(hook, "fn_ref", None), "forward", None)  # what the wrapper calls
+    if (type(hook).__name__ != "LayerwiseCastingHook" or getattr(wrapper, "__wrapped__", None) is not inner
+            or getattr(inner, "__self__", None) is not module
+            or getattr(inner, "__func__", None) is not type(module).forward):
+        return None
+    dtype = getattr(hook, "compute_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
@@ -324,7 +354,10 @@ def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
     if id(module) in dora:
         return "dora"
     if "forward" in module.__dict__:
-        return "wrapped"
+        if kind not in ("linear", "conv") or layerwise_casting(module) is None:
+            return "wrapped"  # a table's lookup would not cast its rows as the hook does
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            return "cast_trainable"
     if _computed_weight(module):
         return "computed"
     if kind == "embedding":

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from . import _C
 from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _conv_args, _discover,
-                         _group_slots, _split_tied)
+                         _group_slots, _split_tied, layerwise_casting)
 from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
@@ -138,7 +138,9 @@ def offload(
         weights are dequantized to it (it implies dequant_dtype). Weights
         still cross the bus in their own dtype, and numbers do not change:
         the cast is the one used at use, and activations of another dtype
-        still use the original weight. None = cast at use.
+        still use the original weight. None = cast at use, or the compute
+        dtype of diffusers' layerwise casting when the streamed layers have
+        its hooks (docs/design/torch-glue.md, "A wrapper that streams").
     trace: record a timeline (copies, layer computations, stalls) for
         Handle.export_trace() / plot_timeline() and per-step overlap.
     experts: how a mixture-of-experts module's weights cross the bus.
@@ -241,6 +243,8 @@ def offload(
     activation_budget = None if activations is None else parse_activations(activations, parse_bytes)
     _check_loadable(model)
     candidates, grouped = _discover(model, include, exclude, groups, compute_device)
+    if compute_dtype is None and (cast := _layerwise_compute_dtype(candidates, dequant_dtype)) is not None:
+        dequant_dtype, compute_dtype = _set_dtypes(opts, dequant_dtype, cast)
     candidates, tie_groups = _split_tied(model, candidates, compute_device)
     _check_no_shared_storage(model, candidates)
     tied_names = {n for g in tie_groups for n in g}
@@ -336,11 +340,29 @@ def _engine_options(device, prefetch, slots, sim_link_gbps, sim_latency_us, chec
     opts.cache_across_steps = bool(cache_across_steps)
     opts.trace = bool(trace)
     # budget_bytes stays -1 (none) unless a budget is given: set from the plan below.
+    return (opts, *_set_dtypes(opts, dequant_dtype, compute_dtype))
+
+
+def _set_dtypes(opts, dequant_dtype, compute_dtype):
+    """Sets opts' dequant and compute dtypes (checked by C++'s rule, check_dtypes) and
+    returns the effective ones as torch dtypes."""
     names = [_DEQUANT_DTYPES.get(dt, str(dt)) if dt is not None else "" for dt in (dequant_dtype, compute_dtype)]
     effective = _C.check_dtypes(*names)
     opts.dequant_dtype, opts.compute_dtype = names
-    dequant_dtype, compute_dtype = (_CORE_DTYPES[n] if n else None for n in effective)
-    return opts, dequant_dtype, compute_dtype
+    return tuple(_CORE_DTYPES[n] if n else None for n in effective)
+
+
+def _layerwise_compute_dtype(candidates, dequant_dtype) -> Optional[torch.dtype]:
+    """The compute dtype of diffusers' layerwise casting on the streamed layers
+    (_discovery.layerwise_casting) when they all name the same one and nothing else
+    decided it: offload()'s compute_dtype then, so their storage-dtype weights are
+    cast once per copy, inside the slot, rather than at every use (the numbers are
+    the same either way)."""
+    found = {layerwise_casting(m) for _, m, kind in candidates if kind in ("linear", "conv")} - {None}
+    if len(found) != 1:
+        return None
+    dtype = found.pop()
+    return dtype if dtype in _DEQUANT_DTYPES and dequant_dtype in (None, dtype) else None
 
 
 def _check_quantize(quantize) -> None:

@@ -124,6 +124,7 @@ _REASON_TEXT = {
     "custom": "a Linear/conv subclass with its own forward, which a streamed layer would drop",
     "wrapped": "its forward was replaced on the instance (a wrapper the streamed forward would drop)",
     "dora": "a layer of a peft DoRA adapter (DoRA reads the weights directly)",
+    "cast_trainable": "a trainable layer under diffusers' layerwise casting (frozen ones stream)",
 }
 
 

@@ -917,6 +917,92 @@ def test_compute_dtype_recasts_after_optimizer_steps(offload_dev, compute_device
         assert _equal(p, q), f"{n} diverged"
 
 
+def _layerwise_cast_net(dev):
+    """A conv and two Linears stored in float8 by diffusers' layerwise casting (compute
+    bf16, frozen, as under LoRA training), then a trainable bf16 Linear it skips."""
+    from diffusers.hooks import apply_layerwise_casting
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 64),
+                        nn.GELU(), nn.Linear(64, 32), nn.Linear(32, 8)).to(dev, torch.bfloat16)
+    net[:6].requires_grad_(False)
+    apply_layerwise_casting(net, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
+                            skip_modules_pattern=("^6$",))
+    return net
+
+
+def test_diffusers_layerwise_casting_streams_the_storage_dtype_with_the_hooks_numbers(offload_dev, compute_device):
+    """diffusers' layerwise casting keeps weights in float8 and casts them to bf16 around
+    each call, in a hook that replaces the layer's forward. offload() streams those layers
+    as the hook computes (float8 bytes on the bus; compute_dtype taken from the hook, so the
+    cast is in the slot, with no warning), gradients of what trains beside them included,
+    and detach() gives each layer its hook back."""
+    import warnings
+    dev = compute_device
+    model, ref = _layerwise_cast_net(dev), _layerwise_cast_net(dev)
+    hooked = [model[i].__dict__["forward"] for i in (0, 3, 5)]
+    x = _randn((2, 3, 6, 6), dev, torch.bfloat16).requires_grad_()
+    xr = clone_input(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = offload_dev(model)
+        with torch.no_grad():
+            model(x)
+        moved = handle.stats()["h2d_bytes"]
+        y = model(x)
+    assert [str(w.message) for w in caught if "layerstream" in str(w.message)] == []
+    assert handle.layers == ["0", "3", "5", "6"]
+    assert model[0].weight.dtype == torch.float8_e4m3fn
+    # A forward moves each layer's weight and bias in its stored dtype: float8, bf16 for the last.
+    assert moved == sum(p.numel() * p.element_size() for p in model.parameters())
+    yr = ref(xr)
+    g = _randn(y.shape, dev, torch.bfloat16)
+    y.backward(g)
+    yr.backward(g)
+    same = _equal if _bf16_exact(dev) else (lambda u, v: _close(u, v, **BF16_TOL) or True)
+    assert same(y, yr), "forward differs from the hooked resident model"
+    assert same(x.grad, xr.grad), "input grad differs"
+    for n in ("weight", "bias"):
+        assert same(getattr(model[6], n).grad, getattr(ref[6], n).grad), f"6.{n}.grad differs"
+    handle.detach()
+    assert [model[i].__dict__["forward"] for i in (0, 3, 5)] == hooked
+    with torch.no_grad():
+        assert same(model(x), ref(xr)), "after detach() the hooks compute again"
+
+
+def test_trainable_layers_and_tables_under_layerwise_casting_stay_resident(offload_dev, compute_device):
+    """A trainable layer under the hook (diffusers gives its float8 weight a bf16 gradient)
+    stays resident and says why; so does a table (the hook's lookup gives compute-dtype rows,
+    a streamed one the table's dtype), computing as before."""
+    import warnings
+    from diffusers.hooks import apply_layerwise_casting
+    dev = compute_device
+    model = _layerwise_cast_net(dev)
+    model[3].requires_grad_(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = offload_dev(model)
+    said = [str(w.message) for w in caught if "layerwise casting" in str(w.message)]
+    assert len(said) == 1 and "'3'" in said[0] and "frozen ones stream" in said[0], said
+    assert "3" not in handle.layers and "0" in handle.layers
+    assert model[3].__dict__["forward"] is not None and model[3].weight.dtype == torch.float8_e4m3fn
+    torch.manual_seed(0)
+    lm = nn.Sequential(nn.Embedding(16, 256), nn.Linear(256, 256)).to(dev, torch.bfloat16).requires_grad_(False)
+    apply_layerwise_casting(lm, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
+                            skip_modules_pattern=())
+    ids = torch.tensor([[1, 5, 9]], device=dev)
+    expected = lm(ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = offload_dev(lm)
+    assert any("replaced on the instance" in str(w.message) and "'0'" in str(w.message) for w in caught)
+    assert handle.layers == ["1"]
+    out = lm(ids)
+    assert out.dtype == torch.bfloat16
+    if _bf16_exact(dev):
+        assert _equal(out, expected)
+    _close(out, expected, **BF16_TOL)
+
+
 # ---------------------------------------------------------------- embeddings
 class _Embedded(nn.Module):
     """A frozen token table feeding a trainable Linear (a LoRA-style language model's
