@@ -190,16 +190,15 @@ PYBIND11_MODULE(_C, m) {
   auto fmt = [](const std::string& f) {
     return f.empty() || f == "none" ? quant::Format::None : quant::parse_format(f);
   };
-  // "" when `format` can pack a rows x cols weight, else the reason; lossless
-  // codes any shape, of the dtypes float_src_dtype takes (checked when `dtype`,
-  // a torch dtype, is given).
+  // "" when `format` can pack a rows x cols weight, else the reason: every
+  // format reads the dtypes float_src_dtype takes (checked when `dtype`, a
+  // torch dtype, is given: a float8 weight streams as it is); lossless codes
+  // any shape.
   m.def("quant_check", [fmt](const std::string& format, int64_t rows, int64_t cols,
                              const py::object& dtype) -> std::string {
     try {
-      if (fmt(format) == quant::Format::Lossless) {
-        if (!dtype.is_none()) float_src_dtype(torch::python::detail::py_object_to_dtype(dtype), "the tensor");
-        return "";
-      }
+      if (!dtype.is_none()) float_src_dtype(torch::python::detail::py_object_to_dtype(dtype), "the tensor");
+      if (fmt(format) == quant::Format::Lossless) return "";
       quant::layout_for(fmt(format), rows, cols);
       return "";
     } catch (const layerstream::Error& e) {

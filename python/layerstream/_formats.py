@@ -144,6 +144,19 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         if (fmt is not None or kind != "linear") and not deferred:  # packed here from its values; or not a Linear
             _read_in(model, weight)
             weight = module.weight
+        if pre is not None:
+            rows, cols = pre.rows, pre.cols
+        else:
+            rows = weight.shape[0]
+            cols = weight.numel() // max(rows, 1)
+        if fmt is not None:  # first: a weight the format cannot pack (e.g. float8) is not read for it
+            reason = _C.quant_check(fmt, rows, cols, weight.dtype)
+            if reason:
+                if isinstance(quantize, str):
+                    unpackable.append(f"{name} ({reason})")
+                    fmt = None
+                else:
+                    raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
         if fmt not in (None, "lossless") and weight.requires_grad:  # lossless: dense on the host, coded on the bus
             trainable.append(name or "<root>")
         elif fmt not in (None, "lossless") and not deferred and not bool(torch.isfinite(weight.detach()).all()):
@@ -152,19 +165,6 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
             raise LayerstreamError(f"cannot quantize layer '{name or '<root>'}' to {fmt}: its weight "
                                    f"has NaN or Inf values; fix the checkpoint or do not quantize "
                                    f"this layer (quantize={{'{name}': None, ...}})")
-        if pre is not None:
-            rows, cols = pre.rows, pre.cols
-        else:
-            rows = weight.shape[0]
-            cols = weight.numel() // max(rows, 1)
-        if fmt is not None:
-            reason = _C.quant_check(fmt, rows, cols, weight.dtype)
-            if reason:
-                if isinstance(quantize, str):
-                    unpackable.append(f"{name} ({reason})")
-                    fmt = None
-                else:
-                    raise LayerstreamError(f"cannot quantize layer '{name}' to {fmt}: {reason}")
         dense_dtype = pre.dense_dtype if pre is not None else weight.dtype
         dense_w = rows * cols * dense_dtype.itemsize
         b_bytes = 0 if bias is None else bias.numel() * bias.element_size()

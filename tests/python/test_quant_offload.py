@@ -151,6 +151,27 @@ def test_nan_weight_is_a_clear_error():
         layerstream.offload(m, device="sim", quantize="fp8")
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
+def test_a_float8_weight_streams_as_stored_or_is_refused_by_name(fmt):
+    """A weight stored in float8 (e.g. by diffusers' layerwise casting) is not packed by any
+    format: quantize=fmt streams it as it is stored, saying why; naming it in a dict is an
+    error naming its dtype (was: torch's "isfinite not implemented for Float8_e4m3fn" from
+    inside offload())."""
+    m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).requires_grad_(False)
+    m[0].to(torch.float8_e4m3fn)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    streamed = copy.deepcopy(m)
+    with pytest.warns(RuntimeWarning, match=r"cannot pack 1 layer.*0 \(the tensor is Float8_e4m3fn; only float32"):
+        h = layerstream.offload(streamed, device="sim", quantize=fmt, compute_dtype=torch.bfloat16)
+    assert h.stats()["quantized_layers"] == 1 and h.layers == ["0", "1"]
+    with torch.no_grad():
+        first = streamed[0](x)
+    assert streamed[0].weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(first, nn.functional.linear(x, m[0].weight.to(torch.bfloat16), m[0].bias.to(torch.bfloat16)))
+    with pytest.raises(layerstream.LayerstreamError, match=f"cannot quantize layer '0' to {fmt}: the tensor is Float8"):
+        layerstream.offload(copy.deepcopy(m), device="sim", quantize={"0": fmt})
+
+
 def test_int4_shape_not_divisible_stays_dense_with_warning_or_errors_when_explicit():
     m = nn.Sequential(nn.Linear(100, 64), nn.Linear(64, 128))  # 100 is not a multiple of 128
     m.requires_grad_(False)
