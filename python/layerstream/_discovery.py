@@ -342,6 +342,27 @@ def layerwise_casting(module: nn.Module) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
+# diffusers' group offloading's hook names (hooks/group_offloading.py): its hooks move the
+# weights between the host and the device themselves.
+_GROUP_OFFLOADING_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")
+
+
+def check_no_group_offloading(model: nn.Module) -> None:
+    """offload() refuses a model under diffusers' group offloading (enable_group_offload,
+    apply_group_offloading): its hooks assign the weights' .data to the device and back
+    around each group's call, the same tensors layerstream holds in host memory and
+    streams, so the two would fight over them (on CUDA the next streamed call would find
+    its weights moved). Checked before anything changes."""
+    for name, module in model.named_modules():
+        hooks = getattr(module.__dict__.get("_diffusers_hook"), "hooks", None)
+        if isinstance(hooks, dict) and any(h in hooks for h in _GROUP_OFFLOADING_HOOKS):
+            raise LayerstreamError(
+                f"module '{name or '<root>'}' is under diffusers' group offloading (enable_group_offload / "
+                f"apply_group_offloading), which moves its weights between host and device itself; "
+                f"layerstream does that job: load the model without enable_group_offload() and call "
+                f"offload() on it (diffusers' layerwise casting may stay: it streams)")
+
+
 def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
     """Why a module _is_streamable() calls `kind` must not stream (a key of
     _RESIDENT_REASONS), "skip" for a table that is not floating point (left as it

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from . import _C
 from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _conv_args, _discover,
-                         _group_slots, _split_tied, layerwise_casting)
+                         _group_slots, _split_tied, check_no_group_offloading,
+                         layerwise_casting)
 from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
@@ -380,8 +381,10 @@ def _check_quantize(quantize) -> None:
 
 
 def _check_loadable(model: nn.Module) -> None:
-    """Refusals before anything changes: meta tensors, trainable GGUF weights."""
+    """Refusals before anything changes: meta tensors, trainable GGUF weights, diffusers'
+    group offloading."""
     _check_no_meta(model)
+    check_no_group_offloading(model)
     trainable_gguf = [n for n, p in model.named_parameters() if isinstance(p, GgufWeight) and p.requires_grad]
     if trainable_gguf:
         raise LayerstreamError(

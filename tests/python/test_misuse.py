@@ -148,6 +148,27 @@ def test_compat_attach_refuses_an_offloaded_model():
     handle.detach()
 
 
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_diffusers_group_offloading_is_refused_before_anything_changes(offload_type):
+    """diffusers' group offloading moves the weights between host and device in its own hooks,
+    the tensors layerstream would hold and stream: offload() says to use one of the two, and
+    the model keeps computing under diffusers' hooks."""
+    from diffusers.hooks import apply_group_offloading
+    model = nn.Sequential(_mlp(), _mlp(1))
+    cpu = torch.device("cpu")
+    apply_group_offloading(model, onload_device=cpu, offload_device=cpu, offload_type=offload_type,
+                           num_blocks_per_group=1)
+    x = torch.randn(4, 32)
+    expected = model(x)
+    before = _state(model)
+    with pytest.raises(LayerstreamError, match=r"is under diffusers' group offloading .*load the model without "
+                                               r"enable_group_offload\(\) and call offload\(\)"):
+        layerstream.offload(model, device="sim")
+    _assert_unchanged(before, model)
+    assert not any(hasattr(m, "_layerstream_handle") for m in model.modules())
+    assert torch.equal(model(x), expected)
+
+
 # ---------------------------------------------------------------- backward errors
 
 def test_second_backward_gives_torchs_own_message():
