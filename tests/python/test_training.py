@@ -958,6 +958,52 @@ def test_autocast_bf16_mixed_precision_training(offload_sim, compute_dtype):
         assert torch.equal(p.grad, q.grad), f"{n}.grad differs"
 
 
+@pytest.mark.parametrize("optimizer", ["torch", "layerstream"])
+def test_an_accelerate_training_loop_equals_the_resident_one(offload_sim, optimizer):
+    """The loop of diffusers', kohya's and ai-toolkit's training scripts: accelerate's
+    Accelerator (bf16 mixed precision, gradient accumulation over 2 micro-batches)
+    prepares the offloaded model and its optimizer (torch's AdamW or layerstream's),
+    then accumulate(), backward(), clip_grad_norm_() at each sync, step(). Losses and
+    the unwrapped model's weights are bit-identical to the same loop on the resident model."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    import layerstream.optim
+
+    def run(streamed):
+        acc = Accelerator(mixed_precision="bf16", cpu=True, gradient_accumulation_steps=2)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8))
+        if streamed:
+            offload_sim(model, compute_dtype=torch.bfloat16)
+        cls = layerstream.optim.AdamW if optimizer == "layerstream" else torch.optim.AdamW
+        model, opt = acc.prepare(model, cls(model.parameters(), lr=1e-2))
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(6):
+            with acc.accumulate(model):
+                loss = model(torch.randn(16, 64)).float().square().mean()
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+    try:
+        (want, ref), (got, out) = run(False), run(True)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert got == want
+    assert ref.keys() == out.keys() and all(torch.equal(out[k], ref[k]) for k in ref)
+    assert not torch.equal(out["0.weight"], _initial_first_weight()), "the loop trained"
+
+
+def _initial_first_weight():
+    torch.manual_seed(0)
+    return nn.Linear(64, 128).weight.detach()
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_torch_compile_of_an_offloaded_model_trains_exactly(offload_sim, backend):
     """torch.compile(model) after offload(): each streamed layer is one layerstream
