@@ -999,6 +999,40 @@ def test_an_accelerate_training_loop_equals_the_resident_one(offload_sim, optimi
     assert not torch.equal(out["0.weight"], _initial_first_weight()), "the loop trained"
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_hf_trainer_trains_an_offloaded_llama_like_the_resident_one(offload_sim, tmp_path, bf16):
+    """transformers' Trainer (its own AdamW, gradient accumulation, max_grad_norm, linear
+    schedule; bf16 autocast or not) over an offloaded Llama: the logged losses and the
+    trained weights are the resident model's, bit for bit."""
+    import transformers
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    def run(streamed):
+        model = tiny_llama()
+        if streamed:
+            offload_sim(model)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"run{int(streamed)}"), per_device_train_batch_size=4, max_steps=4,
+            gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-3, bf16=bf16, use_cpu=True,
+            report_to=[], save_strategy="no", logging_steps=1, seed=3, dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    (want, ref), (got, out) = run(False), run(True)
+    assert len(got) == 4 and got == want
+    assert ref.keys() == out.keys() and all(torch.equal(out[k], ref[k]) for k in ref)
+    assert not torch.equal(out["lm_head.weight"], tiny_llama().lm_head.weight.detach()), "it trained"
+
+
 def _initial_first_weight():
     torch.manual_seed(0)
     return nn.Linear(64, 128).weight.detach()
