@@ -127,6 +127,8 @@ const char* dtype_name(torch::ScalarType t) {
     case torch::kBFloat16: return "bfloat16";
     case torch::kHalf: return "float16";
     case torch::kDouble: return "float64";
+    case torch::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case torch::kFloat8_e5m2: return "float8_e5m2";
     default: return c10::toString(t);
   }
 }

@@ -969,6 +969,30 @@ def test_diffusers_layerwise_casting_streams_the_storage_dtype_with_the_hooks_nu
         assert same(model(x), ref(xr)), "after detach() the hooks compute again"
 
 
+def test_float8_weights_under_autocast_stream_their_float8_bytes(offload_dev, compute_device):
+    """kohya's fp8_base: frozen Linear weights stored in float8, run under bf16 autocast
+    (which casts them up at each call), a trainable head after them. Streamed, they move
+    their float8 bytes and compute as autocast does."""
+    dev = compute_device
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256),
+                          nn.Linear(256, 8)).to(dev)
+    model[:5].requires_grad_(False).to(torch.float8_e4m3fn)
+    ref = copy.deepcopy(model)
+    handle = offload_dev(model, budget=150000)  # 2 slots of a float8 layer, not 3 float8 layers
+    assert handle.layers == ["0", "2", "4"]
+    x = _randn((4, 256), dev).requires_grad_()
+    xr = clone_input(x)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        y, yr = model(x), ref(xr)
+    y.float().square().sum().backward()
+    yr.float().square().sum().backward()
+    same = _equal if _bf16_exact(dev) else (lambda u, v: _close(u, v, **BF16_TOL) or True)
+    assert y.dtype == yr.dtype == torch.bfloat16 and same(y, yr)
+    assert same(x.grad, xr.grad) and same(model[5].weight.grad, ref[5].weight.grad)
+    assert handle.stats()["h2d_bytes"] % (256 * 256 + 256) == 0  # whole float8 layers, bias included
+
+
 def test_trainable_layers_and_tables_under_layerwise_casting_stay_resident(offload_dev, compute_device):
     """A trainable layer under the hook (diffusers gives its float8 weight a bf16 gradient)
     stays resident and says why; so does a table (the hook's lookup gives compute-dtype rows,
