@@ -676,6 +676,13 @@ MUTATIONS = [
         "diffusers' layerwise casting counts as any wrapper: its layers stay resident (a model stored in float8 "
         "for a small GPU does not stream at all)"),
     Mutation(
+        "added-tensors-stay-on-the-host", "python/layerstream/_handle.py",
+        "                if t is None or id(t) in skip_params or id(t) in seen or t.is_meta or t.device == device:",
+        "                if True:",
+        [P + "test_training.py::test_tensors_added_after_offload_are_moved_by_the_next_call"],
+        "tensors added to an offloaded model (peft adapters, in host memory beside their streamed base) are "
+        "never moved to the compute device: on a GPU the adapter meets device activations"),
+    Mutation(
         "group-call-names-no-layout", "python/layerstream/_group_op.py",
         "torch.get_autocast_dtype(kind), fwd._layout)",
         "torch.get_autocast_dtype(kind), \"\")",

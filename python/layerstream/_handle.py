@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -415,20 +416,99 @@ class _CallBegins(_RefusesCopy):
     call begins a step in the engine `engine_of()` returns (Engine::begin_call), so
     weights cached in slots by the call before are not served to this one even when it
     skips the layer that began the steps before (Note [When a step begins] in
-    core/scheduler.cpp). Traced by torch.compile, it does nothing (the engine's own
-    signs apply). Copying or pickling the model is refused with the message of its
-    streamed modules."""
+    core/scheduler.cpp); then `follow` (offload()'s _AddedTensorsFollow), if given, runs.
+    Traced by torch.compile, it does nothing (the engine's own signs apply). Copying or
+    pickling the model is refused with the message of its streamed modules."""
 
-    __slots__ = ("_engine_of",)
+    __slots__ = ("_engine_of", "_follow")
 
-    def __init__(self, engine_of):
-        self._engine_of = engine_of
+    def __init__(self, engine_of, follow=None):
+        self._engine_of, self._follow = engine_of, follow
 
     def __call__(self, module, args):
         if not torch.compiler.is_compiling():
             engine = self._engine_of()
             if engine is not None:
                 engine.begin_call()
+            if self._follow is not None:
+                self._follow()
+
+
+# Note [Tensors added after offload() follow to the compute device]
+# offload() moves what it does not stream to the compute device. A module added to the
+# model later is created where its code puts it: peft's get_peft_model() and diffusers'
+# load_lora_weights() create each adapter beside its base weight, which for a streamed
+# layer is in host memory, so on a GPU the adapter would meet device activations and
+# fail with torch's device-mismatch error. torch's global registration hooks count every
+# parameter and buffer registered in this process; a call of the offloaded model that
+# finds the count changed since it last looked moves the tensors of modules that are not
+# streamed and not on the compute device there, as offload() moved the model's resident
+# ones (parameters keep their identity, as with model.to()). Never a streamed module's
+# own tensors (a parameter replaced there is refused by its layer), not while suspended
+# (that call is refused; the next one looks), not in a call torch.compile traces (move
+# what you add before compiling, model.to(device)).
+_REGISTERED = [0]  # parameters and buffers registered on any module since import
+
+
+def _count_registration(*_):
+    _REGISTERED[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+
+
+def _added_tensors(model: nn.Module, skip_modules: set, skip_params: set, device: torch.device) -> list:
+    """(module, "param" or "buffer", name) of each tensor of `model` that a module not in
+    `skip_modules` (ids) holds, that is not in `skip_params` (ids), has data and is not on
+    `device`: what Note [Tensors added after offload() follow to the compute device] moves."""
+    found, seen = [], set()
+    for module in model.modules():
+        if id(module) in skip_modules:
+            continue
+        for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
+            for name, t in tensors.items():
+                if t is None or id(t) in skip_params or id(t) in seen or t.is_meta or t.device == device:
+                    continue
+                seen.add(id(t))
+                found.append((module, kind, name))
+    return found
+
+
+class _AddedTensorsFollow:
+    """offload()'s `follow` of _CallBegins: Note [Tensors added after offload() follow to
+    the compute device]."""
+
+    __slots__ = ("_model", "_handle", "_skip_modules", "_skip_params", "_device", "_seen")
+
+    def __init__(self, model: nn.Module, handle: "Handle", skip_modules: set, skip_params: set,
+                 device: torch.device):
+        self._model, self._handle = model, weakref.ref(handle)
+        self._skip_modules, self._skip_params, self._device = skip_modules, skip_params, device
+        self._seen = _REGISTERED[0]
+
+    def __call__(self):
+        if _REGISTERED[0] == self._seen:
+            return
+        handle = self._handle()
+        if handle is None or handle.suspended:
+            return
+        self._seen = _REGISTERED[0]
+        for module, kind, name in _added_tensors(self._model, self._skip_modules, self._skip_params, self._device):
+            _move_to(module, kind, name, self._device)
+
+
+def _move_to(module: nn.Module, kind: str, name: str, device: torch.device) -> None:
+    """Moves one of `module`'s tensors (_added_tensors' entry) to `device`; a parameter
+    keeps its identity and takes its .grad along."""
+    with torch.no_grad():
+        if kind == "buffer":
+            module._buffers[name] = module._buffers[name].to(device)
+            return
+        p = module._parameters[name]
+        p.data = p.data.to(device)
+        if p.grad is not None:
+            p.grad = p.grad.to(device)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -782,6 +782,34 @@ def test_a_conv_whose_input_and_weight_layouts_differ_trains_exactly(offload_dev
         _close(g, gr, **FP32_TOL, msg=lambda m: f"{n}: {m}")
 
 
+def test_adapters_added_after_offload_follow_to_the_compute_device(offload_dev, compute_device):
+    """peft's get_peft_model() after offload() creates each adapter beside its base weight,
+    in host memory for a streamed layer; the next call moves them to the compute device (no
+    model.to() needed), and a step trains them as on the resident model."""
+    peft = pytest.importorskip("peft")
+    dev = compute_device
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8), nn.LayerNorm(8)).to(dev)
+    ref = copy.deepcopy(model)
+    offload_dev(model)
+    config = peft.LoraConfig(r=2, target_modules=["0", "2"], init_lora_weights="gaussian")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, config)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(ref, copy.deepcopy(config))
+    adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert adapters and all(p.device.type == "cpu" for p in adapters.values())  # where peft made them
+    x = _randn((4, 16), dev)
+    y, yr = model(x), ref(x)
+    assert all(p.device == dev for p in adapters.values())
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    same = _equal if dev.type == "cpu" else (lambda u, v: _close(u, v, **FP32_TOL) or True)
+    assert same(y, yr)
+    for n, p in adapters.items():
+        assert p.grad is not None and p.grad.device == dev and same(p.grad, dict(ref.named_parameters())[n].grad), n
+
+
 @pytest.mark.parametrize("act_dtype", [
     pytest.param(torch.bfloat16, id="bf16"),
     pytest.param(torch.float16, id="fp16", marks=_FP16_SKIP),

@@ -672,6 +672,50 @@ def test_random_calls_writes_and_inner_modules_stay_exact(offload_sim, slots):
     _assert_params_close(model, ref, exact=True)
 
 
+def test_tensors_added_after_offload_are_moved_by_the_next_call(offload_sim, monkeypatch):
+    """Note [Tensors added after offload() follow to the compute device], on the sim device
+    (its compute device is the host, where added tensors already are: the follower is told
+    the device is another, meta, and its moves are recorded). Each call looks; it moves
+    exactly what was added, not a streamed layer's tensors nor a parameter replaced on a
+    streamed layer, nothing while suspended, and only after something was registered
+    since it last looked."""
+    import layerstream._handle as handle_module
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    handle = offload_sim(model)
+    hook = model._forward_pre_hooks[handle._call_hook.id]
+    follow = hook._follow
+    calls = []
+    hook._follow = lambda: calls.append(1)
+    model(torch.randn(2, 8))
+    assert calls == [1], "each call looks"
+    moved = []
+    monkeypatch.setattr(handle_module, "_move_to", lambda module, kind, name, device: moved.append(
+        (module, kind, name, device)))
+    follow._device = torch.device("meta")
+    follow()  # whatever offload() itself registered
+    assert moved == []
+    model.add_module("extra", nn.BatchNorm1d(8))  # registers 2 parameters and 3 buffers
+    handle.suspend()
+    follow()
+    assert moved == [], "not while suspended"
+    handle.resume()
+    follow()
+    assert [(m, kind, name) for m, kind, name, _ in moved] == [
+        (model.extra, "param", "weight"), (model.extra, "param", "bias"), (model.extra, "buffer", "running_mean"),
+        (model.extra, "buffer", "running_var"), (model.extra, "buffer", "num_batches_tracked")]
+    assert all(device.type == "meta" for *_, device in moved)
+    moved.clear()
+    model[0].weight = nn.Parameter(torch.zeros(8, 8))  # refused by the layer at its next call
+    follow()
+    assert [(m, name) for m, _, name, _ in moved] == [(model.extra, "weight"), (model.extra, "bias"),
+                                                      (model.extra, "running_mean"), (model.extra, "running_var"),
+                                                      (model.extra, "num_batches_tracked")]
+    moved.clear()
+    model.extra.weight.data = torch.zeros(8)  # no registration: not looked at again
+    follow()
+    assert moved == []
+
+
 def test_peft_merge_and_unload_after_training_computes_with_the_merged_weights(offload_sim):
     """LoRA training, then peft's merge_and_unload() (writes through `.data`) and
     inference with the unwrapped model, which offload()'s hook on the peft model does
