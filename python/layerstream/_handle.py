@@ -345,11 +345,14 @@ class Handle(_RefusesCopy):
         for a in self._attached:
             if a.index in dense and a.bnb_stats is not None:
                 import bitsandbytes as bnb
+                from ._prequant import _BNB_STORAGE
                 dev = torch.device(a.devices[0])
+                stats = dict(a.bnb_stats)
+                codes = dense[a.index].view(stats.pop(_BNB_STORAGE, torch.uint8))  # its container again
                 a.module.weight = bnb.nn.Params4bit.from_prequantized(
-                    data=dense[a.index].reshape(-1, 1).to(dev),
+                    data=codes.reshape(-1, 1).to(dev),
                     # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
-                    quantized_stats=dict(a.bnb_stats),
+                    quantized_stats=stats,
                     requires_grad=False, device=dev, module=a.module)
             elif a.index in dense and a.packed_parts:
                 for (o, k), value in dense[a.index].items():

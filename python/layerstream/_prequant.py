@@ -92,8 +92,17 @@ def _bnb_nf4(name: str, w) -> Optional[_Packed]:
     rows, cols = int(qs.shape[0]), int(qs.shape[1])
     stats = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
              for k, v in qs.as_dict(packed=True).items()}
-    return _Packed("nf4", w.detach().reshape(-1).cpu(), absmax.detach().float().cpu(), rows, cols,
-                   qs.dtype, stats)
+    # The codes' container (bnb_4bit_quant_storage, e.g. bfloat16 for FSDP-QLoRA) holds
+    # the same bytes: taken as bytes, given back in it by detach().
+    codes = w.detach().reshape(-1)
+    stats[_BNB_STORAGE] = codes.dtype
+    if codes.dtype != torch.uint8:
+        codes = codes.view(torch.uint8)
+    return _Packed("nf4", codes.cpu(), absmax.detach().float().cpu(), rows, cols, qs.dtype, stats)
+
+
+# bnb_stats' entry (not bitsandbytes'): the dtype a Params4bit's codes were stored in.
+_BNB_STORAGE = "layerstream.quant_storage"
 
 
 def _prequantized(name: str, module: nn.Module) -> Optional[_Packed]:
