@@ -295,6 +295,12 @@ _RESIDENT_REASONS = {
                  "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or peft's "
                  "LoRA on parameters (target_parameters) outside mixture-of-experts tensors, or by "
                  "pruning; or a plain tensor attribute"),
+    "diffusers_gguf": ("diffusers GGUF layer(s) (GGUFQuantizationConfig)",
+                       "their forward dequantizes the file's blocks with diffusers' own code; to stream "
+                       "a GGUF checkpoint, build the model without quantization_config (on the meta "
+                       "device: accelerate.init_empty_weights()) and load the file with "
+                       "layerstream.load_gguf(model, path), rename= mapping an original checkpoint's "
+                       "names: offload() then streams its blocks and the device dequantizes them"),
     "custom": ("Linear/conv/embedding subclass layer(s) with their own forward",
                "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
                "would drop what it adds"),
@@ -371,7 +377,8 @@ def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
     if kind == "conv" and module.padding_mode != "zeros":
         return "padded"
     if not _stock_forward(module, kind):
-        return "custom"
+        weight = module._parameters.get("weight")
+        return "diffusers_gguf" if type(weight).__name__ == "GGUFParameter" else "custom"
     if id(module) in dora:
         return "dora"
     if "forward" in module.__dict__:

@@ -125,6 +125,7 @@ _REASON_TEXT = {
     "wrapped": "its forward was replaced on the instance (a wrapper the streamed forward would drop)",
     "dora": "a layer of a peft DoRA adapter (DoRA reads the weights directly)",
     "cast_trainable": "a trainable layer under diffusers' layerwise casting (frozen ones stream)",
+    "diffusers_gguf": "a diffusers GGUF layer (load the file with layerstream.load_gguf() instead)",
 }
 
 

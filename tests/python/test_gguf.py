@@ -383,6 +383,26 @@ def test_meta_tied_parameters_stay_tied(tmp_path):
     assert m[1].weight is m[0].weight and torch.equal(m[0].weight, table.float())
 
 
+def test_a_diffusers_gguf_layer_stays_resident_and_says_to_use_load_gguf():
+    """diffusers' GGUFQuantizationConfig gives GGUFLinear modules (their own forward, the
+    file's blocks in a GGUFParameter): they stay resident, computing as before, and the
+    warning says how to stream such a checkpoint instead."""
+    import warnings
+    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
+    layer = GGUFLinear(64, 32, bias=True, compute_dtype=torch.bfloat16)
+    layer.weight = GGUFParameter(gguf_random_blocks("Q8_0", 32, 64).reshape(32, -1), quant_type=8)
+    model = nn.Sequential(layer, nn.Linear(32, 8))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    expected = layer(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = layerstream.offload(model, device="sim")
+    said = [str(w.message) for w in caught if "GGUF" in str(w.message)]
+    assert len(said) == 1 and "diffusers GGUF layer(s)" in said[0] and "layerstream.load_gguf(model, path)" in said[0]
+    assert "'0'" in said[0] and handle.layers == ["1"]
+    assert torch.equal(model[0](x), expected)
+
+
 def test_quantize_names_a_gguf_format_is_refused():
     model = Net()
     with pytest.raises(ValueError, match="'q4_k' is a GGUF format: .*load_gguf.*int8, fp8"):
