@@ -91,10 +91,22 @@ def _is_mha(module: nn.Module) -> bool:
             and all(o._parameters[k].is_floating_point() for o, k, _ in _group_slots(module)))
 
 
+def _is_transformers_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2 and the models built like it: c_attn, c_proj, c_fc): a
+    Linear whose weight is stored [in, out] and applied by its own forward (addmm), with no
+    nn.Linear to swap; it streams as a tensor group (its own forward on the fetched
+    tensors), as nn.MultiheadAttention does. Exactly that class (a subclass may compute
+    something else)."""
+    cls = type(module)
+    return (cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+            and isinstance(module._parameters.get("weight"), torch.Tensor)
+            and all(p.is_floating_point() for p in module._parameters.values() if p is not None))
+
+
 def _is_streamable(module: nn.Module) -> Optional[str]:
     """Returns 'linear', 'conv', 'embedding', 'group' (mixture-of-experts weights,
-    nn.MultiheadAttention) or None."""
-    if _is_experts(module):
+    nn.MultiheadAttention, transformers' Conv1D) or None."""
+    if _is_experts(module) or _is_transformers_conv1d(module):
         return "group"
     if isinstance(module, nn.MultiheadAttention):
         return "group" if _is_mha(module) else None

@@ -72,6 +72,43 @@ def test_named_modules_stream_whole_and_train_exactly(offload_sim, p):
     assert handle.layers == ["0.inner", "1", "2.inner"]
 
 
+def test_transformers_conv1d_streams_as_a_tensor_group(offload_sim):
+    """GPT-2's layers are transformers' Conv1D (weight [in, out], its own addmm), not
+    nn.Linear: they used to stay resident without a word, only the embeddings and the head
+    streaming. Each streams as a tensor group: logits and every gradient (a peft LoRA over
+    c_attn and c_fc, fan_in_fan_out) equal the resident model's bit for bit, and greedy
+    decoding gives its tokens."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+    def make():
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg).requires_grad_(False)
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
+                                                          init_lora_weights="gaussian"))
+
+    model, ref = make(), make()
+    handle = offload_sim(model)
+    conv1d = [n for n in handle.layers if n.endswith(("c_attn.base_layer", "attn.c_proj", "c_fc.base_layer",
+                                                        "mlp.c_proj"))]
+    assert len(conv1d) == 8 and handle.stats()["group_layers"] == 8, handle.layers
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert torch.equal(out.logits, want.logits)
+    out.loss.backward()
+    want.loss.backward()
+    trained = [(n, p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()) if q.grad is not None]
+    assert len(trained) == 2 * 2 * 2 and all(torch.equal(p.grad, q.grad) for _, p, q in trained)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(model.generate(input_ids=ids[:1, :4], max_new_tokens=6, do_sample=False),
+                           ref.generate(input_ids=ids[:1, :4], max_new_tokens=6, do_sample=False))
+
+
 def test_groups_errors(offload_sim):
     """A module that returns a view of its parameter, an RNN (cached weight references),
     a module without parameters: clear errors. A group excluded by exclude= is not one
