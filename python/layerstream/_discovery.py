@@ -488,7 +488,45 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
         what, why = _RESIDENT_REASONS[reason]
         _warn_resident(labels, what, compute_device, why)
     _warn_unmatched(model, include=include, groups=groups)
+    _warn_unstreamable(model, grouped, compute_device)
     return candidates, grouped
+
+
+# _warn_unstreamable's thresholds: weights in modules of no kind layerstream streams that
+# are this much of the model say so (norms, biases and small custom tensors stay below).
+_UNSTREAMABLE_MIN_BYTES = 1 << 20
+_UNSTREAMABLE_MIN_SHARE = 0.25
+
+
+def _warn_unstreamable(model: nn.Module, grouped: list, compute_device: torch.device) -> None:
+    """Parameters held by modules of no kind layerstream streams (not a Linear, conv,
+    table, attention, experts or Conv1D; e.g. a custom attention's own nn.Parameter
+    projections) stay on the device without any other word; when they are a large
+    part of the model (a quarter, and 1 MiB or more), say which modules hold them and
+    that offload(groups=...) streams such modules whole."""
+    seen, total, held = set(), 0, {}
+    for name, module in model.named_modules():
+        mine = 0
+        for p in module._parameters.values():
+            if p is None or id(p) in seen or p.is_meta or not p.is_floating_point():
+                continue
+            seen.add(id(p))
+            nbytes = p.numel() * p.element_size()
+            total += nbytes
+            mine += nbytes
+        if mine and _is_streamable(module) is None and not any(
+                name == g or name.startswith(g + ".") or g == "" for g in grouped):
+            held[name] = (mine, type(module).__name__)
+    unstreamed = sum(b for b, _ in held.values())
+    if unstreamed < _UNSTREAMABLE_MIN_BYTES or unstreamed < _UNSTREAMABLE_MIN_SHARE * total:
+        return
+    top = sorted(held.items(), key=lambda kv: -kv[1][0])[:5]
+    names = "; ".join(f"'{n or '<root>'}' ({cls}, {b / 2**20:.1f} MiB)" for n, (b, cls) in top)
+    warnings.warn(
+        f"layerstream: {unstreamed / 2**20:.1f} MiB of this model's weights ({100 * unstreamed / total:.0f}%) are "
+        f"parameters of {len(held)} module(s) of no kind layerstream streams (their own forward reads them): "
+        f"they stay resident on {compute_device}. The largest: {names}. offload(groups=[pattern, ...]) streams "
+        f"such modules whole (their own forward runs on the fetched tensors).", RuntimeWarning, stacklevel=4)
 
 
 def _warn_unmatched(model: nn.Module, **options) -> None:

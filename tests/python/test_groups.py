@@ -109,6 +109,39 @@ def test_transformers_conv1d_streams_as_a_tensor_group(offload_sim):
                            ref.generate(input_ids=ids[:1, :4], max_new_tokens=6, do_sample=False))
 
 
+def test_weights_of_modules_of_no_streamed_kind_are_named_when_they_are_many(offload_sim):
+    """A custom attention that keeps its projection as its own nn.Parameter streams
+    nothing of it: when such weights are a large part of the model (a quarter, 1 MiB or
+    more) offload() names the modules and says groups= streams them; with groups= naming
+    them, or when they are few (norms), nothing is said."""
+    import warnings
+
+    class Attention(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.qkv = nn.Parameter(torch.randn(3 * d, d) * 0.02)
+            self.out = nn.Linear(d, d)
+
+        def forward(self, x):
+            q, k, v = (x @ self.qkv.t()).chunk(3, -1)
+            return self.out(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+    def said(model, **kw):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = offload_sim(model, **kw)
+        return handle, [str(w.message) for w in caught if "of no kind layerstream streams" in str(w.message)]
+
+    make = lambda: nn.Sequential(*(nn.Sequential(Attention(256), nn.Linear(256, 256)) for _ in range(4)))  # noqa: E731
+    _, got = said(make())
+    assert len(got) == 1 and "3.0 MiB of this model's weights (60%)" in got[0] and "4 module(s)" in got[0], got
+    assert "'0.0' (Attention, 0.8 MiB)" in got[0] and "offload(groups=" in got[0]
+    handle, got = said(make(), groups=["*.0"])
+    assert got == [] and handle.stats()["group_layers"] == 4
+    _, got = said(nn.Sequential(*(nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 256)) for _ in range(8))))
+    assert got == []
+
+
 def test_groups_errors(offload_sim):
     """A module that returns a view of its parameter, an RNN (cached weight references),
     a module without parameters: clear errors. A group excluded by exclude= is not one
