@@ -503,8 +503,9 @@ class _AddedTensorsFollow:
 
 def _move_to(module: nn.Module, kind: str, name: str, device: torch.device) -> None:
     """Moves one of `module`'s tensors (_added_tensors' entry) to `device`; a parameter
-    keeps its identity and takes its .grad along."""
-    with torch.no_grad():
+    keeps its identity and takes its .grad along. Not as an inference tensor when the
+    call runs under torch.inference_mode() (a later training step could not use it)."""
+    with torch.inference_mode(False), torch.no_grad():
         if kind == "buffer":
             module._buffers[name] = module._buffers[name].to(device)
             return

@@ -785,7 +785,8 @@ def test_a_conv_whose_input_and_weight_layouts_differ_trains_exactly(offload_dev
 def test_adapters_added_after_offload_follow_to_the_compute_device(offload_dev, compute_device):
     """peft's get_peft_model() after offload() creates each adapter beside its base weight,
     in host memory for a streamed layer; the next call moves them to the compute device (no
-    model.to() needed), and a step trains them as on the resident model."""
+    model.to() needed; under inference_mode too, as tensors a later step can train), and a
+    step trains them as on the resident model."""
     peft = pytest.importorskip("peft")
     dev = compute_device
     torch.manual_seed(0)
@@ -800,8 +801,10 @@ def test_adapters_added_after_offload_follow_to_the_compute_device(offload_dev, 
     adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert adapters and all(p.device.type == "cpu" for p in adapters.values())  # where peft made them
     x = _randn((4, 16), dev)
+    with torch.inference_mode():  # the first call moves them: not as inference tensors
+        model(x)
+    assert all(p.device == dev and not p.is_inference() for p in adapters.values())
     y, yr = model(x), ref(x)
-    assert all(p.device == dev for p in adapters.values())
     y.square().sum().backward()
     yr.square().sum().backward()
     same = _equal if dev.type == "cpu" else (lambda u, v: _close(u, v, **FP32_TOL) or True)
