@@ -584,11 +584,25 @@ MUTATIONS = [
         "write the sample missed"),
     Mutation(
         "compat-call-begins-no-step", "python/layerstream/compat.py",
-        "        self._call_hook = module.register_forward_pre_hook(_CallBegins(lambda: self.engine))",
+        "        self._call_hook = CallHooks(module, lambda: self.engine)",
         "        pass",
         [P + "test_compat_aitoolkit.py::test_a_call_that_skips_the_first_streamed_layer_still_begins_a_step"],
         "compat: a call of the attached model that skips the trace's first layer reuses the weights "
         "the call before cached"),
+    Mutation(
+        "calls-do-not-take-turns", "python/layerstream/_handle.py",
+        "            self._turns.enter()",
+        "            pass",
+        [P + "test_threads.py::test_threads_calling_one_offloaded_model_get_the_resident_models_outputs"],
+        "two threads calling one offloaded model at once interleave their calls: they run out of "
+        "slots or meet each other's swapped group parameters"),
+    Mutation(
+        "group-swap-without-lock", "python/layerstream/_forward.py",
+        "        with self._swap_lock:",
+        "        with contextlib.nullcontext():",
+        [P + "test_threads.py::test_threads_calling_one_streamed_group_directly_take_turns_on_it"],
+        "two threads calling one streamed tensor group each find the other's views in place of "
+        "the parameters"),
     Mutation(
         "refetch-rule-ignores-phases", "csrc/core/scheduler.cpp",
         "    if (trace_fwd_[*it]) return true;",

@@ -45,7 +45,11 @@
 // memory; other devices or dtypes throw (children convert in order, so
 // modules before the first streamed one may already be converted then).
 //
-// Thread safety: like torch modules; the handle's methods are thread-safe.
+// Thread safety: the handle's methods are thread-safe. Calls of the offloaded
+// module: one thread at a time (a mutex around forward when several threads
+// serve it): concurrent calls share the slots and the traced step, and may
+// run out of slots. Python's offload() makes its calls take turns itself
+// (docs/design/torch-glue.md, "Calls from several threads").
 #pragma once
 
 #include <torch/torch.h>

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from typing import Dict, List, Sequence
 
@@ -144,11 +145,12 @@ class _GroupForward(_RefusesCopy):
     release). When a gradient is needed, _GroupFn runs it without a graph and runs it
     again in backward on the fetched weights (as activation checkpointing does), so no
     slot memory is saved for backward. A callable object for the reasons given in
-    _StreamedForward. Not safe for two threads calling the same module at once (the
-    swap is on the module)."""
+    _StreamedForward. Two threads calling the same module take turns: the swap is on
+    the module, so it is held under the group's lock (Note [Two threads and one tensor
+    group])."""
 
     __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts",
-                 "_averaged", "_experts_module", "_dense", "_adapted", "_layout", "__weakref__")
+                 "_averaged", "_experts_module", "_dense", "_adapted", "_layout", "_swap_lock", "__weakref__")
 
     def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
                  experts: int = 0):
@@ -165,6 +167,7 @@ class _GroupForward(_RefusesCopy):
         # _peft_params.py): (tensor index, function, its tensors), innermost last.
         self._adapted: List[tuple] = []
         self._layout = _group_op.layout(module, self._params)  # named by its operator's calls
+        self._swap_lock = threading.RLock()  # held while the module holds the fetched views
         _group_op.register(self)  # reachable from its operator (Note [A tensor group as an operator])
 
     def routed_experts(self, args, kwargs) -> List[int]:
@@ -220,22 +223,40 @@ class _GroupForward(_RefusesCopy):
         `experts`: the only experts the block reads (routed_experts), [] = all;
         `adapters`: (tensor index, function, tensors): the module sees the function of
         the view instead (its result; the views yielded stay the fetched tensors)."""
-        token, views = self._engine.fetch(self._index, list(experts))
-        try:
-            if requires_grad is not None:
-                views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
-            seen = list(views)
-            for slot, fn, tensors in adapters:
-                seen[slot] = fn(seen[slot], *tensors)
+        # Note [Two threads and one tensor group]
+        # The module's own forward reads its parameters from the module, so for the
+        # call they are swapped there for views of the slot: state every caller of this
+        # module shares. Two threads calling it at once (two requests served by one
+        # model) would each find the other's views in place of the parameters, and
+        # whichever restored first would pull them from under the other. So the swap,
+        # and the check that the parameters are still offload()'s, are held under one
+        # lock per group: the calls take turns on this module (the layers around it
+        # run in parallel, as a resident model's would). Reentrant: the same thread
+        # entering again meets the check below, not a deadlock. The lock is taken
+        # eagerly only (under torch.compile inside the group's operator, whose body
+        # Dynamo does not trace).
+        with self._swap_lock:
+            if any(o._parameters.get(k) is not p for (o, k), p in zip(self._slots, self._params)):
+                raise LayerstreamError(
+                    f"the parameters of streamed layer '{self._name}' were replaced after offload(); "
+                    f"layerstream streams the original ones. Copy new values in place, or call "
+                    f"handle.detach() first.")
+            token, views = self._engine.fetch(self._index, list(experts))
             try:
-                for (o, k), v in zip(self._slots, seen):
-                    o._parameters[k] = v
-                yield views
+                if requires_grad is not None:
+                    views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
+                seen = list(views)
+                for slot, fn, tensors in adapters:
+                    seen[slot] = fn(seen[slot], *tensors)
+                try:
+                    for (o, k), v in zip(self._slots, seen):
+                        o._parameters[k] = v
+                    yield views
+                finally:
+                    for (o, k), p in zip(self._slots, self._params):
+                        o._parameters[k] = p
             finally:
-                for (o, k), p in zip(self._slots, self._params):
-                    o._parameters[k] = p
-        finally:
-            self._engine.release(token)
+                self._engine.release(token)
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -255,11 +276,6 @@ class _GroupForward(_RefusesCopy):
                     f"layerstream cannot stream, and whose gradients it could not return. peft's LoRA on "
                     f"expert parameters (LoraConfig(target_parameters=...)) is supported; for another "
                     f"parametrization keep this module resident (offload(exclude=[...])).")
-        if any(o._parameters.get(k) is not p for (o, k), p in zip(self._slots, self._params)):
-            raise LayerstreamError(
-                f"the parameters of streamed layer '{self._name}' were replaced after offload(); "
-                f"layerstream streams the original ones. Copy new values in place, or call "
-                f"handle.detach() first.")
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         inputs = [flat[i] for i in positions]

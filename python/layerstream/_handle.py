@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import threading
+import warnings
 import weakref
 from typing import Dict, List, Optional
 
@@ -80,7 +82,7 @@ class Handle(_RefusesCopy):
         self._model = None  # the model offload() was given
         # The names of the _HostMove methods offload() set on it ("to", "cpu", "cuda").
         self._host_moves = []
-        # The forward pre-hook that tells the engine a call of the model begins (_CallBegins).
+        # The hooks on the model's calls: a call waits for its turn and begins a step (CallHooks).
         self._call_hook = None
         # suspend(): what it moved to host memory, to move back in resume(), and the
         # forward pre-hook that refuses calls meanwhile; None when not suspended.
@@ -414,27 +416,111 @@ class Handle(_RefusesCopy):
                 f"{' (suspended)' if self.suspended else ''}>")
 
 
+# Note [Calls of one offloaded model take turns]
+# A resident model may be called from several threads at once (a web server's worker
+# threads, each serving a request). An offloaded one shares state between its calls: the
+# engine's step (Engine::begin_call), the slots its layers hold while they run (a tensor
+# group holds one while its module's own forward runs, and its parameters are swapped on
+# the module), the prefetch schedule that follows the traced order of one call. Two calls
+# interleaved ran out of slots ("all N device slots are held at once") or met each other's
+# swapped parameters. So a call of the model waits until another thread's call of it has
+# returned (or raised): the calls take turns, as calls queued on one GPU do anyway. The
+# thread that holds the turn may call the model again inside its call. Not covered: a
+# backward running while another thread calls the model, and calls that torch.compile
+# traced (the hooks do nothing there). A call ended by an exception that is not an
+# Exception (KeyboardInterrupt) skips torch's always-called hooks and keeps its turn: the
+# same thread calls on, another would wait, so a wait of a minute warns with the holder.
+class _CallTurns:
+    """Whose turn it is to call the model (the note above). Thread-safe."""
+
+    __slots__ = ("_cond", "_owner", "_depth")
+    WARN_AFTER_S = 60.0
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner, self._depth = None, 0
+
+    def enter(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return
+            warned = False
+            while self._owner is not None:
+                if not self._cond.wait(timeout=self.WARN_AFTER_S) and not warned and self._owner is not None:
+                    warned = True
+                    holder = next((t.name for t in threading.enumerate() if t.ident == self._owner), "ended")
+                    warnings.warn(
+                        f"a call of an offloaded model has waited {self.WARN_AFTER_S:.0f} s for the call of "
+                        f"thread '{holder}' to end: the calls of one offloaded model take turns. If that "
+                        f"call was interrupted (KeyboardInterrupt), its thread still holds the turn; call "
+                        f"handle.detach() and offload() again", stacklevel=4)
+            self._owner, self._depth = me, 1
+
+    def leave(self) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                return  # a call whose pre-hook did not run (one registered before it raised)
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify()
+
+
 class _CallBegins(_RefusesCopy):
-    """The forward pre-hook offload() (and compat's attach()) puts on the model: each
-    call begins a step in the engine `engine_of()` returns (Engine::begin_call), so
-    weights cached in slots by the call before are not served to this one even when it
-    skips the layer that began the steps before (Note [When a step begins] in
-    core/scheduler.cpp); then `follow` (offload()'s _AddedTensorsFollow), if given, runs.
-    Traced by torch.compile, it does nothing (the engine's own signs apply). Copying or
-    pickling the model is refused with the message of its streamed modules."""
+    """The forward pre-hook offload() (and compat's attach()) puts on the model: the call
+    waits for its turn (Note [Calls of one offloaded model take turns]), then begins a
+    step in the engine `engine_of()` returns (Engine::begin_call), so weights cached in
+    slots by the call before are not served to this one even when it skips the layer that
+    began the steps before (Note [When a step begins] in core/scheduler.cpp); then
+    `follow` (offload()'s _AddedTensorsFollow), if given, runs. Traced by torch.compile,
+    it does nothing (the engine's own signs apply). Copying or pickling the model is
+    refused with the message of its streamed modules."""
 
-    __slots__ = ("_engine_of", "_follow")
+    __slots__ = ("_engine_of", "_follow", "_turns")
 
-    def __init__(self, engine_of, follow=None):
-        self._engine_of, self._follow = engine_of, follow
+    def __init__(self, engine_of, turns: _CallTurns, follow=None):
+        self._engine_of, self._turns, self._follow = engine_of, turns, follow
 
     def __call__(self, module, args):
         if not torch.compiler.is_compiling():
+            self._turns.enter()
             engine = self._engine_of()
             if engine is not None:
                 engine.begin_call()
             if self._follow is not None:
                 self._follow()
+
+
+class _CallEnds(_RefusesCopy):
+    """The forward hook beside _CallBegins, called by torch when the call returns or
+    raises (always_call): the turn passes on."""
+
+    __slots__ = ("_turns",)
+
+    def __init__(self, turns: _CallTurns):
+        self._turns = turns
+
+    def __call__(self, module, args, output):
+        if not torch.compiler.is_compiling():
+            self._turns.leave()
+
+
+class CallHooks:
+    """The two hooks on the model's calls (_CallBegins, _CallEnds); remove() takes both off."""
+
+    __slots__ = ("begins", "_handles")
+
+    def __init__(self, model: nn.Module, engine_of, follow=None):
+        turns = _CallTurns()
+        self.begins = _CallBegins(engine_of, turns, follow)
+        self._handles = (model.register_forward_pre_hook(self.begins),
+                         model.register_forward_hook(_CallEnds(turns), always_call=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
 
 
 # Note [Tensors added after offload() follow to the compute device]

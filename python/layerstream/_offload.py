@@ -22,7 +22,7 @@ from ._gguf_weight import GgufWeight
 from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load
 from . import _distributed, _peft_params
 from ._activations import ActivationOffload, parse_activations
-from ._handle import Handle, _AddedTensorsFollow, _Attached, _CallBegins
+from ._handle import CallHooks, Handle, _AddedTensorsFollow, _Attached
 from ._packed import _PackedWeight
 from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _is_packed_only_format
 from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
@@ -483,7 +483,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
             a.module._layerstream_handle = handle
         follow = _AddedTensorsFollow(model, handle, {id(m) for a in attached for m in [a.module] + a.owners},
                                      streamed_params, compute_device)
-        handle._call_hook = model.register_forward_pre_hook(_CallBegins(lambda: engine, follow))
+        handle._call_hook = CallHooks(model, lambda: engine, follow)
         _no_fused_encoder_path(model, attached, handle._fused_off)
         _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
         streamed_ids = {id(a.module) for a in attached}

@@ -71,7 +71,7 @@ from . import _C, _peft_params
 from ._discovery import (_conv_args, _dora_layers, _is_streamable, _resident_label, _resident_reason,
                          _warn_resident)
 from ._guards import _RootApply, _StreamedApply, _is_compute
-from ._handle import _CallBegins
+from ._handle import CallHooks
 from ._offload import _move_resident
 from ._prequant import _library_linear, _prequantized
 
@@ -173,7 +173,7 @@ class MemoryManager:
         # layers offload_percent did not pick, layers that cannot stream).
         self.unmanaged_modules: list = []
         self._root_apply = None  # what attach installs on the model (_install_root)
-        self._call_hook = None  # its forward pre-hook: a call begins a step (_CallBegins)
+        self._call_hook = None  # the hooks on its calls (_handle.CallHooks): a call begins a step
         self._had_to, self._old_to = False, None
 
     # ------------------------------------------------------------------ attach
@@ -284,7 +284,7 @@ class MemoryManager:
         runs on the process device (adapters of streamed layers included)."""
         module = self.module
         module._memory_manager = self
-        self._call_hook = module.register_forward_pre_hook(_CallBegins(lambda: self.engine))
+        self._call_hook = CallHooks(module, lambda: self.engine)
         if not isinstance(module.__dict__.get("_apply"), _StreamedApply):
             self._root_apply = _RootApply(module, [lm.module._apply for lm in self._layers])
             module._apply = self._root_apply

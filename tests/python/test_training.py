@@ -682,7 +682,7 @@ def test_tensors_added_after_offload_are_moved_by_the_next_call(offload_sim, mon
     import layerstream._handle as handle_module
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     handle = offload_sim(model)
-    hook = model._forward_pre_hooks[handle._call_hook.id]
+    hook = handle._call_hook.begins
     follow = hook._follow
     calls = []
     hook._follow = lambda: calls.append(1)

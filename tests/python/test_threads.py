@@ -1,0 +1,179 @@
+"""Calls of one offloaded model from several threads (a server's worker threads):
+Note [Calls of one offloaded model take turns] (_handle.py) and Note [Two threads and
+one tensor group] (_forward.py)."""
+import copy
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from layerstream import _handle
+
+THREADS, ROUNDS = 4, 3
+
+
+class Mix(nn.Module):
+    """A module of its own streamed as a tensor group (offload(groups=...)): its
+    parameters are swapped on the module for the call. It gives the other threads the
+    interpreter while it holds them, so that, without turns, their calls begin inside."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.b = nn.Parameter(torch.randn(d) / d ** 0.5)
+
+    def forward(self, x):
+        time.sleep(0.002)
+        return torch.tanh(x @ self.a) * self.b
+
+
+class Block(nn.Module):
+    """An nn.MultiheadAttention and a Mix (tensor groups) and a Linear."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.att = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.mix = Mix(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.out(self.mix(self.att(x, x, x, need_weights=False)[0]))
+
+
+def _in_threads(fn, n=THREADS, timeout=120):
+    """fn(i) in n threads started together; their exceptions, re-raised here."""
+    start, errors = threading.Barrier(n), []
+
+    threads_per_op = torch.get_num_threads()
+
+    def run(i):
+        try:
+            # A new thread's CPU kernels would split their work over OpenMP's default
+            # number of threads (not conftest's) and so round otherwise than this one's.
+            torch.set_num_threads(threads_per_op)
+            start.wait()
+            fn(i)
+        except BaseException as e:  # noqa: B902 - reported to the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"worker-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a call never returned"
+    if errors:
+        raise errors[0]
+
+
+def test_threads_calling_one_offloaded_model_get_the_resident_models_outputs(offload_dev, compute_device):
+    """Four threads call a model of streamed tensor groups and Linears at once, pausing
+    inside the groups' calls: every output is the resident model's, bit for bit. (Before
+    the turns: 'all 2 device slots are held at once', or one thread found the other's
+    swapped parameters.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(3)]).eval().requires_grad_(False)
+    ref = copy.deepcopy(model).to(compute_device)
+    handle = offload_dev(model, budget=2 * 4 * 4 * 32 * 32 + 4096, prefetch=1, groups="*.mix")
+    assert handle.stats()["layers"] == 9
+    xs = [torch.randn(2, 5, 32, device=compute_device) for _ in range(THREADS)]
+    got = {}
+
+    def work(i):
+        for r in range(ROUNDS):
+            with torch.no_grad():
+                got[i, r] = model(xs[i])
+
+    _in_threads(work)
+    assert len(got) == THREADS * ROUNDS
+    with torch.no_grad():
+        for (i, _), y in got.items():
+            assert torch.equal(y, ref(xs[i]))
+
+
+def test_threads_calling_one_streamed_group_directly_take_turns_on_it(offload_sim):
+    """Note [Two threads and one tensor group]: calls of a streamed group module itself
+    (not through the model, so without the model's turns) from two threads at once wait
+    for each other's swap; both get the resident module's output. (Before: the second
+    found the first's views in place of the parameters, 'were replaced after offload()'.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    offload_sim(model, groups="*.mix")
+    x = torch.randn(2, 5, 32)
+    got = []
+
+    def work(i):
+        with torch.no_grad():
+            got.append(model[0].mix(x))
+
+    _in_threads(work, n=2)
+    with torch.no_grad():
+        assert len(got) == 2 and all(torch.equal(y, ref[0].mix(x)) for y in got)
+
+
+def test_a_call_that_raises_passes_the_turn_on(offload_sim):
+    """A call that raises (here: inside the model, after its first layer) ends its turn:
+    the other threads' calls run, and the raising thread calls again afterwards."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    fail = threading.local()
+
+    def maybe_raise(module, args):
+        if getattr(fail, "on", False):
+            raise RuntimeError("planted")
+
+    model[1].register_forward_pre_hook(maybe_raise)
+    x = torch.randn(2, 8)
+
+    def work(i):
+        if i == 0:
+            fail.on = True
+            with pytest.raises(RuntimeError, match="planted"):
+                model(x)
+            fail.on = False
+        assert torch.equal(model(x), ref(x))
+
+    _in_threads(work)
+
+
+def test_a_thread_that_waits_long_for_its_turn_is_told_who_holds_it(offload_sim, monkeypatch):
+    """A turn never given back (a call ended by KeyboardInterrupt skips torch's
+    always-called hooks) would leave another thread waiting in silence: after
+    WARN_AFTER_S it is warned, with the holder's thread, and runs once the turn is free.
+    The thread holding the turn calls on meanwhile."""
+    monkeypatch.setattr(_handle._CallTurns, "WARN_AFTER_S", 0.2)
+    model = nn.Sequential(nn.Linear(8, 8))
+    handle = offload_sim(model)
+    x = torch.randn(2, 8)
+    turns = handle._call_hook.begins._turns
+    turns.enter()  # this thread holds the turn, as an interrupted call would
+    model(x)  # the holder calls on
+    caught, done = [], threading.Event()
+
+    def other():
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            model(x)
+        caught.extend(str(m.message) for m in w)
+        done.set()
+
+    t = threading.Thread(target=other, name="other")
+    t.start()
+    assert not done.wait(0.6), "the other thread's call ran while this one held the turn"
+    turns.leave()
+    t.join(60)
+    assert done.is_set()
+    assert len(caught) == 1 and "thread 'MainThread'" in caught[0] and "take turns" in caught[0]
+
+
+def test_detach_removes_both_call_hooks(offload_sim):
+    model = nn.Sequential(nn.Linear(8, 8))
+    handle = offload_sim(model)
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    handle.detach()
+    assert not model._forward_pre_hooks and not model._forward_hooks
