@@ -604,6 +604,26 @@ MUTATIONS = [
         "two threads calling one streamed tensor group each find the other's views in place of "
         "the parameters"),
     Mutation(
+        "forked-child-not-refused", "csrc/torch/engine.cpp",
+        "  if (g_forks.load(std::memory_order_relaxed) == forks_at_creation_) return;",
+        "  return;",
+        [P + "test_fork.py::test_a_forked_child_calling_the_model_is_refused_and_the_parent_goes_on"],
+        "a forked child calling an offloaded model waits forever on the parent's streams"),
+    Mutation(
+        "forked-child-frees-the-engine", "csrc/torch/engine.cpp",
+        "    if (auto e = entry.second.lock()) new std::shared_ptr<EngineImpl>(std::move(e));",
+        "    (void)entry;",
+        [P + "test_fork.py::test_a_forked_child_may_drop_the_model",
+         "gtest:test_torch_offload:*AChildForkedAfterOffload*"],
+        "a forked child that drops the model destroys the parent's engine: it joins threads that "
+        "are not there"),
+    Mutation(
+        "turn-of-a-gone-thread-kept", "python/layerstream/_handle.py",
+        "                    break  # its thread is gone: the turn is free",
+        "                    pass",
+        [P + "test_threads.py::test_a_turn_whose_thread_is_gone_is_taken_over"],
+        "a thread that ended inside a call keeps the model's turn: every other call waits"),
+    Mutation(
         "refetch-rule-ignores-phases", "csrc/core/scheduler.cpp",
         "    if (trace_fwd_[*it]) return true;",
         "    return true;",

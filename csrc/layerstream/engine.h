@@ -30,7 +30,10 @@
 // they are copied back.
 //
 // Thread safety: an Engine may be used from the autograd engine's threads and
-// the Python thread; its methods are internally synchronised. Ownership: the
+// the Python thread; its methods are internally synchronised. Processes: an
+// Engine belongs to the process that created it; in a child forked after that,
+// every method that streams throws (its threads and device memory stayed in
+// the parent) and the Engine is never destroyed there. Ownership: the
 // Engine is shared (std::shared_ptr); parameters keep the host memory alive
 // even after the Engine is gone.
 #pragma once

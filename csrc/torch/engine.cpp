@@ -2,7 +2,10 @@
 // (the engine's rooms: engine_impl.h).
 #include "engine_impl.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <mutex>
 #include <utility>
 
 #include "backends/sim/sim_backend.h"
@@ -19,6 +22,31 @@ std::map<uint64_t, std::weak_ptr<EngineImpl>>& registry() {
   return r;
 }
 std::atomic<uint64_t> g_next_id{1};
+
+// Note [An engine belongs to the process that made it]
+// fork() copies a process's memory but only the thread that called it. An engine's
+// streams (the sim device's worker threads, the gradient-ready thread), its CUDA
+// context and its pinned buffers stay behind in the parent, so a forked child (a
+// DataLoader worker, multiprocessing's "fork" start method, os.fork()) that called an
+// offloaded model waited forever on copies no thread would make. So fork() is counted
+// (pthread_atfork), each engine remembers the count it was made at, and every entry
+// point (EngineImpl::device_scope, begin_call) of an engine made before the fork
+// throws in the child, before taking any of its locks (a parent's thread may have
+// held them at the fork). In the child the engines are kept alive for good: their
+// destruction would join threads that are not there (and free the parent's device
+// memory). The registry's lock is held across fork() so the child finds it free.
+std::atomic<uint64_t> g_forks{0};
+std::once_flag g_fork_handlers;
+
+void registry_lock_before_fork() { g_registry_mu.lock(); }
+void registry_unlock_in_parent() { g_registry_mu.unlock(); }
+void forked_child() {
+  g_forks.fetch_add(1);
+  for (auto& entry : registry()) {
+    if (auto e = entry.second.lock()) new std::shared_ptr<EngineImpl>(std::move(e));  // never freed, on purpose
+  }
+  g_registry_mu.unlock();
+}
 
 
 // What a parameter's data needs alive after the Engine is gone: the host
@@ -63,6 +91,9 @@ std::string resolve_device(const std::string& device) {
 
 std::shared_ptr<Engine> Engine::create(const EngineOptions& options) {
   ops_library_linked();
+  std::call_once(g_fork_handlers, [] {
+    pthread_atfork(registry_lock_before_fork, registry_unlock_in_parent, forked_child);
+  });
   std::shared_ptr<EngineImpl> e(new EngineImpl(options));
   std::lock_guard<std::mutex> lock(g_registry_mu);
   registry()[e->id_] = e;
@@ -75,7 +106,8 @@ std::shared_ptr<EngineImpl> EngineImpl::lookup(uint64_t id) {
   return it == registry().end() ? nullptr : it->second.lock();
 }
 
-EngineImpl::EngineImpl(const EngineOptions& options) : opts_(options), id_(g_next_id++) {
+EngineImpl::EngineImpl(const EngineOptions& options)
+    : opts_(options), id_(g_next_id++), forks_at_creation_(g_forks.load()) {
   options::check_prefetch(opts_.prefetch);
   options::check_slots(opts_.slots);
   options::check_budget_bytes(opts_.budget_bytes);
@@ -459,7 +491,17 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
              "first or copy new values in place.");
 }
 
+void EngineImpl::check_process() const {
+  if (g_forks.load(std::memory_order_relaxed) == forks_at_creation_) return;
+  LS_FAIL("this process was forked from the one that offloaded the model (os.fork(), a DataLoader "
+          "worker, multiprocessing's 'fork' start method): the engine's threads, streams and device "
+          "memory stayed in the parent, so the model cannot run here. Offload it in this process "
+          "(call offload() on a model the child builds or loads), or start the process with 'spawn' "
+          "(DataLoader(..., multiprocessing_context='spawn'), multiprocessing.get_context('spawn')).");
+}
+
 void EngineImpl::begin_call() {
+  check_process();
   if (torch::autograd::get_current_graph_task_id() != -1) return;  // a recompute in a backward
   std::lock_guard<std::recursive_mutex> lock(mu_);
   if (sched_) sched_->begin_call();  // none yet (or suspended): the next one starts a step anyway

@@ -127,8 +127,15 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
                  const std::string& name, uint64_t bytes = 0);
   // ---- used by the autograd functions ----
   // Makes the engine's CUDA device current for the calling thread (torch's way;
-  // a no-op on sim) for the returned scope's lifetime. See cuda_glue.h.
-  cuda_glue::DeviceScope device_scope() const { return cuda_glue::DeviceScope(cuda_index_); }
+  // a no-op on sim) for the returned scope's lifetime. See cuda_glue.h. Every
+  // entry point begins here, so here a forked child is refused (check_process).
+  cuda_glue::DeviceScope device_scope() const {
+    check_process();
+    return cuda_glue::DeviceScope(cuda_index_);
+  }
+  // Throws in a process forked after this engine was made (Note [An engine belongs
+  // to the process that made it], engine.cpp). Cheap: one atomic load.
+  void check_process() const;
   struct LayerInfo;
   // Layer `i`, or an error naming the index.
   LayerInfo& layer(int i);
@@ -556,6 +563,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::optional<torch::ScalarType> dequant_dtype_;  // from opts_.dequant_dtype (or compute_dtype)
   std::optional<torch::ScalarType> compute_dtype_;  // from opts_.compute_dtype
   uint64_t id_;
+  uint64_t forks_at_creation_;  // the process's fork count when this engine was made (check_process)
   std::string device_name_;
   torch::Device compute_device_{torch::kCPU};
   int cuda_index_ = -1;  // compute_device_'s index on CUDA, -1 on sim

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Dict, List, Optional
@@ -422,23 +424,37 @@ class Handle(_RefusesCopy):
 # engine's step (Engine::begin_call), the slots its layers hold while they run (a tensor
 # group holds one while its module's own forward runs, and its parameters are swapped on
 # the module), the prefetch schedule that follows the traced order of one call. Two calls
-# interleaved ran out of slots ("all N device slots are held at once") or met each other's
+# interleaved ran out of slots ("all 2 device slots are held at once") or met each other's
 # swapped parameters. So a call of the model waits until another thread's call of it has
 # returned (or raised): the calls take turns, as calls queued on one GPU do anyway. The
 # thread that holds the turn may call the model again inside its call. Not covered: a
 # backward running while another thread calls the model, and calls that torch.compile
-# traced (the hooks do nothing there). A call ended by an exception that is not an
-# Exception (KeyboardInterrupt) skips torch's always-called hooks and keeps its turn: the
-# same thread calls on, another would wait, so a wait of a minute warns with the holder.
+# traced (the hooks do nothing there). A turn whose thread is gone (it ended inside a
+# call, by SystemExit) is taken over; a fork()ed child starts with every turn free (the
+# threads that held them stayed in the parent; its call is then refused by the engine,
+# Note [An engine belongs to the process that made it] in csrc/torch/engine.cpp). A call
+# ended by an exception that is not an Exception (KeyboardInterrupt) skips torch's
+# always-called hooks and keeps its turn: the same thread calls on, another would wait,
+# so a wait of a minute warns with the holder.
 class _CallTurns:
     """Whose turn it is to call the model (the note above). Thread-safe."""
 
-    __slots__ = ("_cond", "_owner", "_depth")
+    __slots__ = ("_cond", "_owner", "_depth", "__weakref__")
     WARN_AFTER_S = 60.0
+    _ALL: "weakref.WeakSet[_CallTurns]" = weakref.WeakSet()
 
     def __init__(self):
+        self._free()
+        _CallTurns._ALL.add(self)
+
+    def _free(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._owner, self._depth = None, 0
+
+    @classmethod
+    def after_fork_in_child(cls) -> None:
+        for turns in list(cls._ALL):
+            turns._free()  # a fresh lock too: a parent's thread may have held the old one
 
     def enter(self) -> None:
         me = threading.get_ident()
@@ -446,11 +462,15 @@ class _CallTurns:
             if self._owner == me:
                 self._depth += 1
                 return
-            warned = False
+            began, warned = time.monotonic(), False
             while self._owner is not None:
-                if not self._cond.wait(timeout=self.WARN_AFTER_S) and not warned and self._owner is not None:
+                if self._cond.wait(timeout=min(1.0, self.WARN_AFTER_S)) or self._owner is None:
+                    continue
+                holder = next((t.name for t in threading.enumerate() if t.ident == self._owner), None)
+                if holder is None:
+                    break  # its thread is gone: the turn is free
+                if not warned and time.monotonic() - began >= self.WARN_AFTER_S:
                     warned = True
-                    holder = next((t.name for t in threading.enumerate() if t.ident == self._owner), "ended")
                     warnings.warn(
                         f"a call of an offloaded model has waited {self.WARN_AFTER_S:.0f} s for the call of "
                         f"thread '{holder}' to end: the calls of one offloaded model take turns. If that "
@@ -466,6 +486,9 @@ class _CallTurns:
             if self._depth == 0:
                 self._owner = None
                 self._cond.notify()
+
+
+os.register_at_fork(after_in_child=_CallTurns.after_fork_in_child)
 
 
 class _CallBegins(_RefusesCopy):

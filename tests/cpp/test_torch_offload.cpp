@@ -1,7 +1,9 @@
 // layerstream::offload() for LibTorch modules, on the sim device (tensors
 // compute on the CPU, so results compare bit for bit with the resident model).
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <string>
@@ -1234,4 +1236,38 @@ TEST(TorchOffload, SavedActivationsOfAnOffloadedModelGoToTheHost) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("set OffloadOptions::activations"), std::string::npos) << e.what();
   }
+}
+
+TEST(TorchOffload, AChildForkedAfterOffloadIsRefusedAndDropsNothingOfTheParents) {
+  // Note [An engine belongs to the process that made it] (csrc/torch/engine.cpp):
+  // fork() leaves the engine's threads in the parent, so a child's call would wait
+  // for copies nobody makes; it throws instead, and the child may drop the model.
+  torch::manual_seed(0);
+  auto model = torch::nn::Sequential(layerstream::nn::Linear(64, 64), layerstream::nn::Linear(64, 64));
+  auto x = torch::randn({4, 64});
+  const auto want = model->forward(x);
+  auto handle = layerstream::offload(*model, sim_options());
+  ASSERT_GT(handle->stats().layers, 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    alarm(30);  // a hang ends the child by SIGALRM: the parent sees a signal, not an exit code
+    int code = 3;
+    try {
+      model->forward(x);
+      code = 1;
+    } catch (const std::exception& e) {
+      code = std::string(e.what()).find("forked") != std::string::npos ? 0 : 2;
+    }
+    if (code == 0) {
+      handle.reset();
+      model = torch::nn::Sequential();  // the last references: the engine is not destroyed here
+    }
+    _exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was ended by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: the call ran, 2: another error, 3: not an std::exception";
+  EXPECT_TRUE(torch::equal(model->forward(x), want));
 }

@@ -177,3 +177,29 @@ def test_detach_removes_both_call_hooks(offload_sim):
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
     handle.detach()
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_turn_whose_thread_is_gone_is_taken_over(offload_sim):
+    """A thread that ended inside a call (SystemExit skips torch's always-called hooks)
+    left its turn held: the next call takes it over, without the wait's warning."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    t = threading.Thread(target=handle._call_hook.begins._turns.enter, name="gone")
+    t.start()
+    t.join()
+    x = torch.randn(2, 8)
+    got = []
+
+    def call():
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got.append(torch.equal(model(x), ref(x)))
+        got.extend(str(m.message) for m in w)
+
+    caller = threading.Thread(target=call, daemon=True)  # daemon: a failure here must not hang the run
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "the call still waits for the turn of a thread that is gone"
+    assert got == [True]
+
