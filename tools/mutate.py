@@ -591,7 +591,7 @@ MUTATIONS = [
         "the call before cached"),
     Mutation(
         "calls-do-not-take-turns", "python/layerstream/_handle.py",
-        "            self._turns.enter()",
+        "            self._turns.enter(sys._getframe(1))",
         "            pass",
         [P + "test_threads.py::test_threads_calling_one_offloaded_model_get_the_resident_models_outputs"],
         "two threads calling one offloaded model at once interleave their calls: they run out of "
@@ -618,11 +618,26 @@ MUTATIONS = [
         "a forked child that drops the model destroys the parent's engine: it joins threads that "
         "are not there"),
     Mutation(
-        "turn-of-a-gone-thread-kept", "python/layerstream/_handle.py",
-        "                    break  # its thread is gone: the turn is free",
-        "                    pass",
-        [P + "test_threads.py::test_a_turn_whose_thread_is_gone_is_taken_over"],
-        "a thread that ended inside a call keeps the model's turn: every other call waits"),
+        "forked-child-keeps-the-pool", "csrc/core/optim/thread_pool.cpp",
+        "  g_shared = nullptr;\n  g_shared_mu.unlock();",
+        "  g_shared_mu.unlock();",
+        [P + "test_fork.py::test_a_host_optimizer_steps_in_a_forked_child"],
+        "a forked child's optimizer step runs on the parent's pool, whose workers are not in the "
+        "child: it waits forever"),
+    Mutation(
+        "turn-kept-when-its-call-is-gone", "python/layerstream/_handle.py",
+        "            f = f.f_back\n        return False",
+        "            f = f.f_back\n        return True",
+        [P + "test_threads.py::test_a_call_ended_by_keyboard_interrupt_gives_its_turn_to_the_next_call",
+         P + "test_threads.py::test_a_turn_whose_thread_is_gone_is_taken_over"],
+        "a call ended by KeyboardInterrupt (or a thread that ended inside a call) keeps the model's "
+        "turn: every other thread's call waits for ever"),
+    Mutation(
+        "turn-taken-from-a-call-under-way", "python/layerstream/_handle.py",
+        "            if f is self._frame:\n                return True",
+        "            if f is self._frame:\n                return False",
+        [P + "test_threads.py::test_a_waiting_call_does_not_take_the_turn_of_a_call_under_way"],
+        "a waiting call takes the turn of a call still under way"),
     Mutation(
         "refetch-rule-ignores-phases", "csrc/core/scheduler.cpp",
         "    if (trace_fwd_[*it]) return true;",

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
-import time
-import warnings
 import weakref
 from typing import Dict, List, Optional
 
@@ -429,18 +428,20 @@ class Handle(_RefusesCopy):
 # returned (or raised): the calls take turns, as calls queued on one GPU do anyway. The
 # thread that holds the turn may call the model again inside its call. Not covered: a
 # backward running while another thread calls the model, and calls that torch.compile
-# traced (the hooks do nothing there). A turn whose thread is gone (it ended inside a
-# call, by SystemExit) is taken over; a fork()ed child starts with every turn free (the
-# threads that held them stayed in the parent; its call is then refused by the engine,
-# Note [An engine belongs to the process that made it] in csrc/torch/engine.cpp). A call
-# ended by an exception that is not an Exception (KeyboardInterrupt) skips torch's
-# always-called hooks and keeps its turn: the same thread calls on, another would wait,
-# so a wait of a minute warns with the holder.
+# traced (the hooks do nothing there).
+# A turn is the holder's while its call is under way, which is known without its help:
+# the frame that called the pre-hook (torch's Module call) is on the holder's stack until
+# the call ends. A call ended by an exception that is not an Exception (KeyboardInterrupt
+# in a notebook, SystemExit) skips torch's always-called hooks and never gives its turn
+# back; the next call, of that thread or a waiting one, finds the frame gone from the
+# holder's stack (or the holder's thread gone) and takes the turn. A fork()ed child starts
+# with every turn free (the holders stayed in the parent; its call is then refused by the
+# engine, Note [An engine belongs to the process that made it] in csrc/torch/engine.cpp).
 class _CallTurns:
     """Whose turn it is to call the model (the note above). Thread-safe."""
 
-    __slots__ = ("_cond", "_owner", "_depth", "__weakref__")
-    WARN_AFTER_S = 60.0
+    __slots__ = ("_cond", "_owner", "_depth", "_frame", "__weakref__")
+    POLL_S = 1.0  # how often a waiting call looks whether the holder's call is still under way
     _ALL: "weakref.WeakSet[_CallTurns]" = weakref.WeakSet()
 
     def __init__(self):
@@ -449,34 +450,32 @@ class _CallTurns:
 
     def _free(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._owner, self._depth = None, 0
+        self._owner, self._depth, self._frame = None, 0, None
 
     @classmethod
     def after_fork_in_child(cls) -> None:
         for turns in list(cls._ALL):
             turns._free()  # a fresh lock too: a parent's thread may have held the old one
 
-    def enter(self) -> None:
+    def _held(self) -> bool:
+        """Whether the holder's call is under way: its call frame is on its thread's stack."""
+        f = sys._current_frames().get(self._owner)
+        while f is not None:
+            if f is self._frame:
+                return True
+            f = f.f_back
+        return False
+
+    def enter(self, frame) -> None:
+        """Waits for the turn; `frame`: the frame of the call (the pre-hook's caller)."""
         me = threading.get_ident()
         with self._cond:
-            if self._owner == me:
-                self._depth += 1
+            if self._owner == me and self._held():
+                self._depth += 1  # this thread's call calls the model again
                 return
-            began, warned = time.monotonic(), False
-            while self._owner is not None:
-                if self._cond.wait(timeout=min(1.0, self.WARN_AFTER_S)) or self._owner is None:
-                    continue
-                holder = next((t.name for t in threading.enumerate() if t.ident == self._owner), None)
-                if holder is None:
-                    break  # its thread is gone: the turn is free
-                if not warned and time.monotonic() - began >= self.WARN_AFTER_S:
-                    warned = True
-                    warnings.warn(
-                        f"a call of an offloaded model has waited {self.WARN_AFTER_S:.0f} s for the call of "
-                        f"thread '{holder}' to end: the calls of one offloaded model take turns. If that "
-                        f"call was interrupted (KeyboardInterrupt), its thread still holds the turn; call "
-                        f"handle.detach() and offload() again", stacklevel=4)
-            self._owner, self._depth = me, 1
+            while self._owner is not None and self._held():
+                self._cond.wait(timeout=self.POLL_S)
+            self._owner, self._depth, self._frame = me, 1, frame
 
     def leave(self) -> None:
         with self._cond:
@@ -484,7 +483,7 @@ class _CallTurns:
                 return  # a call whose pre-hook did not run (one registered before it raised)
             self._depth -= 1
             if self._depth == 0:
-                self._owner = None
+                self._owner, self._frame = None, None
                 self._cond.notify()
 
 
@@ -508,7 +507,7 @@ class _CallBegins(_RefusesCopy):
 
     def __call__(self, module, args):
         if not torch.compiler.is_compiling():
-            self._turns.enter()
+            self._turns.enter(sys._getframe(1))
             engine = self._engine_of()
             if engine is not None:
                 engine.begin_call()

@@ -158,3 +158,23 @@ def test_offload_in_the_child_works(offload_sim):
         return "ok" if ok else "differs"
 
     assert _in_child(own) == "ok"
+
+
+def test_a_host_optimizer_steps_in_a_forked_child():
+    """Note [A forked child gets a pool of its own] (csrc/core/optim/thread_pool.cpp):
+    after the parent's steps started the optimizers' thread pool, a child's step ran on
+    the parent's workers, which are not in the child, and waited forever. The child's
+    step gives the parent's numbers."""
+    import hashlib
+
+    import layerstream.optim as lo
+
+    def stepped():
+        torch.manual_seed(1)
+        p = nn.Parameter(torch.randn(1 << 20))  # many tasks of the pool
+        p.grad = torch.randn(1 << 20)
+        lo.AdamW([p], lr=1e-2).step()
+        return hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+
+    here = stepped()  # starts the pool in this process
+    assert _in_child(stepped) == here

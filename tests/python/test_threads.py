@@ -2,9 +2,9 @@
 Note [Calls of one offloaded model take turns] (_handle.py) and Note [Two threads and
 one tensor group] (_forward.py)."""
 import copy
+import sys
 import threading
 import time
-import warnings
 
 import pytest
 import torch
@@ -141,34 +141,75 @@ def test_a_call_that_raises_passes_the_turn_on(offload_sim):
     _in_threads(work)
 
 
-def test_a_thread_that_waits_long_for_its_turn_is_told_who_holds_it(offload_sim, monkeypatch):
-    """A turn never given back (a call ended by KeyboardInterrupt skips torch's
-    always-called hooks) would leave another thread waiting in silence: after
-    WARN_AFTER_S it is warned, with the holder's thread, and runs once the turn is free.
-    The thread holding the turn calls on meanwhile."""
-    monkeypatch.setattr(_handle._CallTurns, "WARN_AFTER_S", 0.2)
-    model = nn.Sequential(nn.Linear(8, 8))
-    handle = offload_sim(model)
-    x = torch.randn(2, 8)
-    turns = handle._call_hook.begins._turns
-    turns.enter()  # this thread holds the turn, as an interrupted call would
-    model(x)  # the holder calls on
-    caught, done = [], threading.Event()
-
-    def other():
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            model(x)
-        caught.extend(str(m.message) for m in w)
-        done.set()
-
-    t = threading.Thread(target=other, name="other")
+def _call_in_thread(model, x, ref, timeout=30):
+    """model(x) == ref(x) in a new (daemon) thread; fails when the call has not returned
+    within `timeout` (daemon: a call that waits for ever must not hang the run)."""
+    got = []
+    t = threading.Thread(target=lambda: got.append(torch.equal(model(x), ref(x))), daemon=True)
     t.start()
-    assert not done.wait(0.6), "the other thread's call ran while this one held the turn"
-    turns.leave()
-    t.join(60)
-    assert done.is_set()
-    assert len(caught) == 1 and "thread 'MainThread'" in caught[0] and "take turns" in caught[0]
+    t.join(timeout)
+    assert not t.is_alive(), "the call still waits for a turn nobody holds"
+    assert got == [True]
+
+
+def test_a_call_ended_by_keyboard_interrupt_gives_its_turn_to_the_next_call(offload_sim):
+    """KeyboardInterrupt (a notebook's interrupt) skips torch's always-called hooks: the
+    interrupted call never gives its turn back. Its frame is gone from the stack, so the
+    next call takes the turn, another thread's as well as this one's."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    interrupt = [True]
+
+    def maybe_interrupt(module, args):
+        if interrupt[0]:
+            raise KeyboardInterrupt
+
+    model[1].register_forward_pre_hook(maybe_interrupt)
+    x = torch.randn(2, 8)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    interrupt[0] = False
+    _call_in_thread(model, x, ref)
+    with pytest.raises(KeyboardInterrupt):
+        interrupt[0] = True
+        model(x)
+    interrupt[0] = False
+    assert torch.equal(model(x), ref(x))  # this thread's next call
+    _call_in_thread(model, x, ref)  # and the turn was given back after it
+
+
+def test_a_waiting_call_does_not_take_the_turn_of_a_call_under_way(offload_sim, monkeypatch):
+    """The look at the holder's stack must not take a turn whose call is still running
+    (here: held inside a layer for many of the waiter's looks)."""
+    monkeypatch.setattr(_handle._CallTurns, "POLL_S", 0.02)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    inside, go_on, events = threading.Event(), threading.Event(), []
+
+    def hold(module, args):
+        if threading.current_thread().name == "holder":
+            events.append("holder inside")
+            inside.set()
+            go_on.wait(30)
+            events.append("holder leaves")
+
+    model[1].register_forward_pre_hook(hold)
+    model[0].register_forward_pre_hook(
+        lambda m, a: events.append("waiter runs") if threading.current_thread().name == "waiter" else None)
+    x = torch.randn(2, 8)
+    holder = threading.Thread(target=lambda: model(x), name="holder")
+    holder.start()
+    assert inside.wait(30)
+    waiter = threading.Thread(target=lambda: events.append(torch.equal(model(x), ref(x))), name="waiter")
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and events == ["holder inside"]
+    go_on.set()
+    holder.join(30)
+    waiter.join(30)
+    assert events == ["holder inside", "holder leaves", "waiter runs", True]
 
 
 def test_detach_removes_both_call_hooks(offload_sim):
@@ -181,25 +222,11 @@ def test_detach_removes_both_call_hooks(offload_sim):
 
 def test_a_turn_whose_thread_is_gone_is_taken_over(offload_sim):
     """A thread that ended inside a call (SystemExit skips torch's always-called hooks)
-    left its turn held: the next call takes it over, without the wait's warning."""
+    left its turn held: the next call takes it over."""
     model = nn.Sequential(nn.Linear(8, 8))
     ref = copy.deepcopy(model)
     handle = offload_sim(model)
-    t = threading.Thread(target=handle._call_hook.begins._turns.enter, name="gone")
+    t = threading.Thread(target=lambda: handle._call_hook.begins._turns.enter(sys._getframe()), name="gone")
     t.start()
     t.join()
-    x = torch.randn(2, 8)
-    got = []
-
-    def call():
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            got.append(torch.equal(model(x), ref(x)))
-        got.extend(str(m.message) for m in w)
-
-    caller = threading.Thread(target=call, daemon=True)  # daemon: a failure here must not hang the run
-    caller.start()
-    caller.join(30)
-    assert not caller.is_alive(), "the call still waits for the turn of a thread that is gone"
-    assert got == [True]
-
+    _call_in_thread(model, torch.randn(2, 8), ref)

@@ -1,5 +1,7 @@
 #include "core/optim/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 
 #include "core/error.h"
@@ -14,6 +16,20 @@ thread_local const ThreadPool* t_inside = nullptr;
 std::mutex g_shared_mu;
 ThreadPool* g_shared = nullptr;
 int g_shared_threads = 0;  // 0: hardware_concurrency()
+
+// Note [A forked child gets a pool of its own]
+// fork() copies the pool but not its workers: a child's run() (an optimizer step,
+// lossless coding in a child that offloads its own model) would wait forever for
+// them. So in the child the parent's pool is forgotten (leaked: joining it would wait
+// for the same absent threads) and shared() makes a new one on first use. The lock
+// is held across fork() so the child finds it free and g_shared consistent.
+std::once_flag g_fork_handlers;
+void lock_before_fork() { g_shared_mu.lock(); }
+void unlock_in_parent() { g_shared_mu.unlock(); }
+void forget_in_child() {
+  g_shared = nullptr;
+  g_shared_mu.unlock();
+}
 }  // namespace
 
 ThreadPool::ThreadPool(int threads) {
@@ -112,6 +128,7 @@ void ThreadPool::run(int64_t tasks, const std::function<void(int64_t)>& fn) {
 }
 
 ThreadPool& ThreadPool::shared() {
+  std::call_once(g_fork_handlers, [] { pthread_atfork(lock_before_fork, unlock_in_parent, forget_in_child); });
   std::lock_guard<std::mutex> lock(g_shared_mu);
   if (!g_shared) {
     int n = g_shared_threads;

@@ -10,7 +10,8 @@
 // Ownership: a ThreadPool owns its worker threads and joins them in its
 // destructor. shared() is one process-wide pool, created on first use and
 // never destroyed (it is leaked on purpose so that no worker is joined during
-// static destruction).
+// static destruction); a child forked after that gets a new one on first use
+// (the parent's workers are not in the child).
 // Thread safety: run() may be called from any thread; concurrent calls run
 // one after another (each takes the whole pool). run() must not be called
 // from inside a task of the same pool (it would wait for itself; this is
