@@ -230,3 +230,25 @@ def test_a_turn_whose_thread_is_gone_is_taken_over(offload_sim):
     t.start()
     t.join()
     _call_in_thread(model, torch.randn(2, 8), ref)
+
+
+def test_transformers_generate_from_several_threads_gives_the_resident_tokens(offload_sim):
+    """Three threads each run generate() on one offloaded Llama (a chat server's
+    workers): each gets the tokens the resident model gives its prompt."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, budget="700KiB")
+    assert handle.stats()["layers"] > 0
+    prompts = [torch.randint(0, 256, (1, 5 + i)) for i in range(3)]
+    want = [ref.generate(p, max_new_tokens=8, do_sample=False) for p in prompts]
+    got = {}
+
+    def work(i):
+        got[i] = model.generate(prompts[i], max_new_tokens=8, do_sample=False)
+
+    _in_threads(work, n=3)
+    assert all(torch.equal(got[i], want[i]) for i in range(3))
