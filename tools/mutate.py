@@ -633,6 +633,13 @@ MUTATIONS = [
         "a call ended by KeyboardInterrupt (or a thread that ended inside a call) keeps the model's "
         "turn: every other thread's call waits for ever"),
     Mutation(
+        "suspend-detach-do-not-wait", "python/layerstream/_handle.py",
+        "        turns.enter(frame)\n        try:\n            yield\n        finally:\n            turns.leave()",
+        "        yield",
+        [P + "test_threads.py::test_suspend_and_detach_wait_for_another_threads_call"],
+        "suspend() or detach() from one thread pulls slots and weights from under another "
+        "thread's call"),
+    Mutation(
         "turn-taken-from-a-call-under-way", "python/layerstream/_handle.py",
         "            if f is self._frame:\n                return True",
         "            if f is self._frame:\n                return False",

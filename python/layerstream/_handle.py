@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -247,6 +248,21 @@ class Handle(_RefusesCopy):
         few elements of a trainable lossless weight."""
         self._check().synchronize()
 
+    @contextlib.contextmanager
+    def _in_turn(self, frame):
+        """suspend(), resume() and detach() take a turn of the model's calls (Note [Calls of
+        one offloaded model take turns]): they wait for another thread's call to end
+        instead of pulling slots or weights from under it. `frame`: the method's own."""
+        turns = self._call_hook.begins._turns if self._call_hook is not None else None
+        if turns is None:
+            yield
+            return
+        turns.enter(frame)
+        try:
+            yield
+        finally:
+            turns.leave()
+
     # -- suspend / resume (docs/design/streaming-core.md, "Suspend") ---------
     @property
     def suspended(self) -> bool:
@@ -259,9 +275,14 @@ class Handle(_RefusesCopy):
         kept resident, norms, adapters) goes to host memory, with the states
         ``layerstream.optim`` keeps for those parameters (torch's optimizers'
         states stay where they are: step after ``resume()``); the streamed weights
-        are there already. Until ``resume()``, calling the model is an error. Refused,
-        changing nothing, while a streamed layer is computing. Nothing to do when
-        already suspended."""
+        are there already. Until ``resume()``, calling the model is an error. Called
+        while another thread's call of the model runs, it waits for that call to end
+        (as resume() and detach() do); inside a call, refused, changing nothing, while
+        a streamed layer is computing. Nothing to do when already suspended."""
+        with self._in_turn(sys._getframe()):
+            self._suspend()
+
+    def _suspend(self) -> None:
         engine = self._check()
         if self._suspended is not None:
             return
@@ -284,6 +305,10 @@ class Handle(_RefusesCopy):
         ``suspend()`` moved back to the device it was on. The first step
         prefetches in the order learnt before. Nothing to do when not
         suspended."""
+        with self._in_turn(sys._getframe()):
+            self._resume()
+
+    def _resume(self) -> None:
         engine = self._check()
         if self._suspended is None:
             return
@@ -306,6 +331,10 @@ class Handle(_RefusesCopy):
         """Restores the modules: original forward, weights as ordinary tensors
         on their original devices, bit-identical (a suspended model's resident
         parts are moved back first)."""
+        with self._in_turn(sys._getframe()):
+            self._detach()
+
+    def _detach(self) -> None:
         engine = self._check()
         if self._suspended is not None:  # the resident parts back; no slots for detach
             self._move_back()

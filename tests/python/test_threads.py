@@ -252,3 +252,41 @@ def test_transformers_generate_from_several_threads_gives_the_resident_tokens(of
 
     _in_threads(work, n=3)
     assert all(torch.equal(got[i], want[i]) for i in range(3))
+
+
+@pytest.mark.parametrize("what", ["suspend", "detach"])
+def test_suspend_and_detach_wait_for_another_threads_call(offload_sim, what):
+    """suspend() or detach() from one thread while another thread's call is under way
+    waits for that call to end (before: the call lost its slots or weights half-way, an
+    error or worse), then does its work."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    inside, go_on, events = threading.Event(), threading.Event(), []
+
+    def hold(module, args):
+        if threading.current_thread().name == "holder":
+            inside.set()
+            go_on.wait(30)
+            events.append("call leaves the layer")
+
+    model[1].register_forward_pre_hook(hold)
+    x = torch.randn(2, 8)
+    holder = threading.Thread(target=lambda: events.append(torch.equal(model(x), ref(x))), name="holder")
+    holder.start()
+    assert inside.wait(30)
+    other = threading.Thread(target=lambda: (getattr(handle, what)(), events.append(what)), daemon=True)
+    other.start()
+    other.join(0.3)
+    assert other.is_alive() and events == []
+    go_on.set()
+    holder.join(30)
+    other.join(30)
+    assert not other.is_alive()
+    # the call's result (True: the resident output) and the method's end in either order:
+    # the turn passes on as the call returns, before its thread compares
+    assert events[0] == "call leaves the layer" and sorted(map(str, events[1:])) == sorted(["True", what])
+    if what == "suspend":
+        assert handle.suspended
+        handle.resume()
+        assert torch.equal(model(x), ref(x))
