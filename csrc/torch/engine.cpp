@@ -29,10 +29,10 @@ std::atomic<uint64_t> g_next_id{1};
 // context and its pinned buffers stay behind in the parent, so a forked child (a
 // DataLoader worker, multiprocessing's "fork" start method, os.fork()) that called an
 // offloaded model waited forever on copies no thread would make. So fork() is counted
-// (pthread_atfork), each engine remembers the count it was made at, and every entry
-// point (EngineImpl::device_scope, begin_call) of an engine made before the fork
-// throws in the child, before taking any of its locks (a parent's thread may have
-// held them at the fork). In the child the engines are kept alive for good: their
+// (pthread_atfork), each engine remembers the count it was made at, and the entry
+// points that stream or touch the device (EngineImpl::device_scope, begin_call) of an
+// engine made before the fork throw in the child, before taking any of its locks (a
+// parent's thread may have held them at the fork). In the child the engines are kept alive for good: their
 // destruction would join threads that are not there (and free the parent's device
 // memory). The registry's lock is held across fork() so the child finds it free.
 std::atomic<uint64_t> g_forks{0};

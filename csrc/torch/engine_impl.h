@@ -127,8 +127,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
                  const std::string& name, uint64_t bytes = 0);
   // ---- used by the autograd functions ----
   // Makes the engine's CUDA device current for the calling thread (torch's way;
-  // a no-op on sim) for the returned scope's lifetime. See cuda_glue.h. Every
-  // entry point begins here, so here a forked child is refused (check_process).
+  // a no-op on sim) for the returned scope's lifetime. See cuda_glue.h. The entry
+  // points that stream or touch the device begin here, so here a forked child is
+  // refused (check_process).
   cuda_glue::DeviceScope device_scope() const {
     check_process();
     return cuda_glue::DeviceScope(cuda_index_);
