@@ -640,6 +640,13 @@ MUTATIONS = [
         "suspend() or detach() from one thread pulls slots and weights from under another "
         "thread's call"),
     Mutation(
+        "compiled-group-takes-the-fused-attention", "python/layerstream/_group_op.py",
+        "        with torch.set_grad_enabled(c.grad_mode), fresh, _unfused_attention(fwd), \\",
+        "        with torch.set_grad_enabled(c.grad_mode), fresh, \\",
+        [P + "test_compile.py::test_a_compiled_eval_without_gradients_streams_attention_groups"],
+        "the fake kernel of a compiled eval of a streamed nn.MultiheadAttention takes torch's fused "
+        "path, whose meta kernel promises a weights tensor the real kernel never returns"),
+    Mutation(
         "turn-taken-from-a-call-under-way", "python/layerstream/_handle.py",
         "            if f is self._frame:\n                return True",
         "            if f is self._frame:\n                return False",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import threading
 import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -304,6 +305,44 @@ def _split_rng(rng: torch.Tensor, dev: torch.device) -> tuple:
     return rng[:n].clone(), (rng[n:].clone() if dev.type == "cuda" else None)
 
 
+# Note [MultiheadAttention's fast path in a compiled group]
+# nn.MultiheadAttention takes a fused kernel (torch._native_multi_head_attention) in eval
+# mode without gradients. Its real kernel returns no weights (None) under
+# need_weights=False, as the unfused path does, but its fake (meta) kernel returns an
+# empty weights tensor: the group's fake kernel, running the module's forward on fake
+# tensors, promised a second output the real kernel never returned, and a compiled eval of
+# a model with a streamed MultiheadAttention (torchvision's ViT) failed with "returned 2
+# outputs (None at (False, True)) where the traced call returned None at (False, False)".
+# So while the fake kernel runs a MultiheadAttention, torch's switch of that path
+# (torch.backends.mha, one for the process) is off: the unfused path's fake gives the
+# structure both real paths return. The real kernels keep the path the eager module takes
+# (the fused one there: the eager resident model's numbers). The switch is counted, so
+# that overlapping fake kernels of two threads restore it once, after the last; an eager
+# MultiheadAttention running meanwhile in another thread (only while a graph is traced)
+# takes the unfused path: the same function, rounded otherwise.
+_UNFUSED = {"depth": 0, "was": True}
+_UNFUSED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _unfused_attention(fwd):
+    if not isinstance(fwd._module, torch.nn.MultiheadAttention):
+        yield
+        return
+    with _UNFUSED_LOCK:
+        if _UNFUSED["depth"] == 0:
+            _UNFUSED["was"] = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+        _UNFUSED["depth"] += 1
+    try:
+        yield
+    finally:
+        with _UNFUSED_LOCK:
+            _UNFUSED["depth"] -= 1
+            if _UNFUSED["depth"] == 0:
+                torch.backends.mha.set_fastpath_enabled(_UNFUSED["was"])
+
+
 def _run(fwd, c: _Call, inputs: Sequence[torch.Tensor]):
     def rebuild(ts):
         return c.rebuild(ts)
@@ -375,7 +414,7 @@ def fake(inputs, params, engine, layer, call):
         for (o, k), p in zip(fwd._slots, fwd._params):
             o._parameters[k] = torch.empty(p.shape, dtype=p.dtype, device=dev).requires_grad_(p.requires_grad)
         fresh = env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
-        with torch.set_grad_enabled(c.grad_mode), fresh, \
+        with torch.set_grad_enabled(c.grad_mode), fresh, _unfused_attention(fwd), \
                 torch.autocast(dev.type, dtype=c.autocast[1], enabled=c.autocast[0]):
             out = fwd._original(*args, **kwargs)
         if any(isinstance(t, torch.Tensor) and free_unbacked_symbols(t.shape)

@@ -470,6 +470,32 @@ def test_a_tensor_group_is_one_operator_under_fullgraph(offload_sim, dropout):
     assert handle.stats()["acquires"] >= 3 * 3  # forward, backward's recompute, fc
 
 
+def test_a_compiled_eval_without_gradients_streams_attention_groups(offload_sim):
+    """Note [MultiheadAttention's fast path in a compiled group] (_group_op.py): torchvision's
+    ViT in eval mode without gradients, compiled with fullgraph=True, its attention
+    streamed as tensor groups. Before, the group's fake kernel took torch's fused attention
+    path, whose meta kernel promises a weights tensor the real one never returns
+    ("returned 2 outputs (None at (False, True)) where the traced call returned None at
+    (False, False)"). Now two calls give the resident model's outputs (to rounding: the
+    compiled graph around the groups is aot_eager's), and torch's switch of that path is on
+    again after tracing."""
+    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
+    torch.manual_seed(0)
+    model = vision_transformer.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                 hidden_dim=32, mlp_dim=64, num_classes=10).eval()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, budget=60000)
+    assert handle.stats()["group_layers"] == 2
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.backends.mha.get_fastpath_enabled()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 3, 32, 32)
+            torch.testing.assert_close(step(x), ref(x), **TOL)
+    assert torch.backends.mha.get_fastpath_enabled()
+    assert _graph_breaks() == 0
+
+
 _MARKS_IN_A_FRESH_PROCESS = r"""
 import copy, json, sys
 import torch, torch.nn as nn
