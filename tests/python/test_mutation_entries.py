@@ -1,4 +1,4 @@
-"""tools/mutate.py's entries stay in step with the code: an entry whose anchor moved
+"""tools/mutations.py's entries (the audit tools/mutate.py runs) stay in step with the code: an entry whose anchor moved
 away reports "stale" only when someone runs the audit, and until then the bug it stands
 for is audited by nothing (on 2026-12-05 seven entries had drifted that way). Each
 anchor occurs exactly once in its file, and each test (or script) an entry runs exists."""
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _mutations():
-    spec = importlib.util.spec_from_file_location("layerstream_mutate", ROOT / "tools" / "mutate.py")
+    spec = importlib.util.spec_from_file_location("layerstream_mutations", ROOT / "tools" / "mutations.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     try:
