@@ -550,7 +550,7 @@ MUTATIONS = [
         "write the sample missed"),
     Mutation(
         "compat-call-begins-no-step", "python/layerstream/compat.py",
-        "        self._call_hook = CallHooks(module, lambda: self.engine)",
+        "        self._call_hook = CallHooks(module, lambda: self.engine, self._streamed_ids())",
         "        pass",
         [P + "test_compat_aitoolkit.py::test_a_call_that_skips_the_first_streamed_layer_still_begins_a_step"],
         "compat: a call of the attached model that skips the trace's first layer reuses the weights "
@@ -618,6 +618,53 @@ MUTATIONS = [
         "            if f is self._frame:\n                return False",
         [P + "test_threads.py::test_a_waiting_call_does_not_take_the_turn_of_a_call_under_way"],
         "a waiting call takes the turn of a call still under way"),
+    # ---- Note [An optimizer step is a write] (python/layerstream/_handle.py) ----
+    Mutation(
+        "optimizer-step-not-a-write", "python/layerstream/_handle.py",
+        "        torch.autograd.graph.increment_version(written)",
+        "        pass",
+        [P + "test_training.py::test_an_optimizer_step_writing_behind_the_version_counters_is_seen"],
+        "with cache_across_steps an optimizer step that writes through .data elements the next step's "
+        "sample skips (a bf16 step whose updates mostly round away) leaves them stale in the slots"),
+    Mutation(
+        "optimizer-step-writes-frozen-weights", "python/layerstream/_handle.py",
+        "               if p.grad is not None and any(id(p) in ids for ids in live)",
+        "               if any(id(p) in ids for ids in live)",
+        [P + "test_training.py::test_an_optimizer_step_writing_behind_the_version_counters_is_seen"],
+        "an optimizer step counts the frozen weights it was given as written: with cache_across_steps "
+        "they are copied again every step (a LoRA run loses the cache)"),
+    Mutation(
+        "own-optimizer-step-written-twice", "python/layerstream/_handle.py",
+        '    if not live or getattr(optimizer, "_layerstream_moves_versions", False):',
+        "    if not live:",
+        [P + "test_distributed.py::test_sharded_host_step_into_one_shared_copy"],
+        "the post-hook moves the counters layerstream.optim's sharded step recorded: the next call "
+        "refuses the parameters as written by another optimizer"),
+    # ---- Note [Writes through .data between steps] (csrc/torch/engine.cpp) ----
+    Mutation(
+        "data-writes-not-sampled", "csrc/core/scheduler.cpp",
+        "  else if (opts_.step_begins) opts_.step_begins();\n",
+        "",
+        [P + "test_training.py::test_data_writes_between_calls_with_cache_across_steps_are_seen",
+         P + "test_training.py::test_peft_merge_unmerge_and_unload_between_calls_match_the_resident_model",
+         P + "test_compile.py::test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact",
+         "gtest:test_torch_offload:*WriteThroughDataBeforeACallIsSeen*"],
+        "with cache_across_steps a write through .data between steps (peft's merge_adapter(), "
+        "diffusers' fuse_lora()) leaves the old weight in its slot"),
+    Mutation(
+        "data-writes-sample-skips-the-bias", "csrc/torch/engine.cpp",
+        "    if (!l.b_file && l.b_host != nullptr && l.b_bytes > 0) src.emplace_back(l.b_host, l.b_bytes);\n",
+        "",
+        [P + "test_training.py::test_data_writes_between_calls_with_cache_across_steps_are_seen",
+         "gtest:test_torch_offload:*WriteThroughDataBeforeACallIsSeen*"],
+        "a bias written through .data between steps is not sampled: its old value stays cached"),
+    Mutation(
+        "data-writes-not-in-the-version", "csrc/torch/engine.cpp",
+        "uint64_t v = samples->empty() ? 0 : (*samples)[static_cast<size_t>(layer)].writes;",
+        "uint64_t v = 0;",
+        [P + "test_training.py::test_data_writes_between_calls_with_cache_across_steps_are_seen",
+         "gtest:test_torch_offload:*WriteThroughDataBeforeACallIsSeen*"],
+        "a write seen in the sample is counted but the content version does not fold it in"),
     Mutation(
         "refetch-rule-ignores-phases", "csrc/core/scheduler.cpp",
         "    if (trace_fwd_[*it]) return true;",

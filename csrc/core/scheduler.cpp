@@ -709,6 +709,7 @@ void Scheduler::begin_step_locked() {
   ++step_serial_;
   pos_ = 0;
   if (!opts_.content_version) drop_content_locked();
+  else if (opts_.step_begins) opts_.step_begins();
   if (stager_) stager_->forget_memory_layers();
 }
 

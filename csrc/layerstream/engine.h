@@ -76,10 +76,13 @@ struct EngineOptions {
   bool abort_on_ordering_error = false; // sim device: throw at the racy access
   bool pin_memory = true;
   // Keep slot content and prefetch across step boundaries, trusting the
-  // parameters' version counters to detect weight updates. Writes through
-  // `.data` (e.g. some LoRA merge code) are not detected, so this is opt-in;
-  // safe for inference loops and for optimizers that update parameters in
-  // place. Default: content is dropped and prefetching stops at each step
+  // parameters' version counters to detect weight updates, and, when a step
+  // begins, a sample of each layer's host bytes (bulk writes through `.data`,
+  // e.g. a LoRA merge: Note [Writes through .data between steps] in
+  // torch/engine.cpp). A `.data` write to a few elements, or one within a
+  // step, is not detected (synchronize() after it), so this is opt-in; safe
+  // for inference loops and for optimizers that update parameters in place.
+  // Default: content is dropped and prefetching stops at each step
   // boundary (the first layers of every step are fetched on demand).
   bool cache_across_steps = false;
   // Record a timeline (copies, layer computations, stalls) for

@@ -232,6 +232,52 @@ size_t EngineImpl::grad_bytes(const LayerInfo& l) const {
   return slot_layout::gradient_bytes(l.w_bytes, l.b_bytes);
 }
 
+// Note [Writes through .data between steps]
+// With cache_across_steps a weight stays in its slot while its parameter's
+// version counter stands still, and a write through `.data` moves no counter:
+// peft's merge_adapter() and diffusers' fuse_lora() add the LoRA product to
+// the base weight that way (`weight.data += delta`), and the next calls ran
+// with the unmerged weight still in the slot. So when a step begins
+// (SchedulerOptions::step_begins: a call of the model, a forward after a
+// backward, an inner module called again; before the step's first fetch
+// looks for cached content), each layer's dense host bytes are sampled
+// (lossless::sample_fingerprint, 64 words spread over each tensor: a bulk
+// write changes them), and a sample that changed since the last look counts
+// as a write, which the content version folds in: the next use copies the
+// layer again. The first look is when the scheduler is built, before its
+// first copy. Cost: 64 reads per tensor per step, under the scheduler's
+// lock. Not seen: a write that misses every sampled word (a few elements),
+// or one between two fetches of a step; handle.synchronize() forgets every
+// cached weight. Quantized, disk-tier and GGUF weights have no dense host
+// bytes here (their stand-ins refuse such writes); a trainable lossless
+// weight's dense copy is sampled (re-coded: Note [Trainable coded weights]).
+void EngineImpl::DataSample::look() {
+  constexpr size_t kWords = 64;
+  uint64_t now = 0;
+  for (const auto& [host, bytes] : sources)
+    now = now * 1000003u + lossless::sample_fingerprint(host, bytes, kWords);
+  if (now != print) {
+    print = now;
+    ++writes;
+  }
+}
+
+std::vector<EngineImpl::DataSample> EngineImpl::data_samples_locked() const {
+  std::vector<DataSample> out(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const LayerInfo& l = *layers_[i];
+    auto& src = out[i].sources;
+    if (l.qformat == quant::Format::None && !l.on_disk() && l.w_host != nullptr && l.w_bytes > 0)
+      src.emplace_back(l.w_host, l.w_bytes);
+    if (!l.b_file && l.b_host != nullptr && l.b_bytes > 0) src.emplace_back(l.b_host, l.b_bytes);
+    for (const auto& e : l.parts())
+      if (e.qformat == quant::Format::None && e.host != nullptr && e.bytes > 0) src.emplace_back(e.host, e.bytes);
+    out[i].look();
+    out[i].writes = 0;
+  }
+  return out;
+}
+
 void EngineImpl::build_scheduler_locked() {
   std::vector<LayerSpec> specs;
   size_t largest = 0, largest_grad = 0;
@@ -291,24 +337,35 @@ void EngineImpl::build_scheduler_locked() {
     // slot's content within a step (Note [When a step begins] in
     // core/scheduler.cpp). Opt-in (cache_across_steps): content stays valid
     // across steps too, and prefetching runs across step boundaries. Writes
-    // through `.data` do not bump the counter and would go unnoticed there:
-    // that is why that is not the default.
+    // through `.data` do not bump the counter: a torch optimizer's step
+    // moves the counters of what it wrote (Note [An optimizer step is a
+    // write] in python/layerstream/_handle.py), a step that begins samples
+    // the host bytes (Note [Writes through .data between steps]); what both
+    // miss would go unnoticed across steps: that is why this is not the
+    // default.
     std::vector<std::vector<torch::Tensor>> params;
     for (const auto& l : layers_) {
       params.push_back({l->weight, l->bias});
       for (const auto& e : l->parts()) params.back().push_back(e.param);
     }
-    auto version = [params = std::move(params)](int layer) -> uint64_t {
-      // Any in-place write bumps one of the counters, which only grow.
-      uint64_t v = 0;
+    auto samples = std::make_shared<std::vector<DataSample>>();
+    if (opts_.cache_across_steps) *samples = data_samples_locked();
+    auto version = [params = std::move(params), samples](int layer) -> uint64_t {
+      // Any in-place write bumps one of the counters, which only grow; so
+      // does a change of the sampled bytes (`writes`, content_version only).
+      uint64_t v = samples->empty() ? 0 : (*samples)[static_cast<size_t>(layer)].writes;
       for (const auto& t : params[static_cast<size_t>(layer)])
         if (t.defined()) v = v * 1000003u + static_cast<uint64_t>(t._version());
       return v;
     };
-    if (opts_.cache_across_steps)
+    if (opts_.cache_across_steps) {
       so.content_version = std::move(version);
-    else
+      so.step_begins = [samples] {
+        for (auto& s : *samples) s.look();
+      };
+    } else {
       so.write_version = std::move(version);
+    }
   }
   int slots = opts_.slots > 0 ? opts_.slots : options::default_slots(opts_.prefetch);
   if (opts_.budget_bytes >= 0) {

@@ -549,6 +549,16 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // synchronize(): every trainable coded tensor is re-coded before its next
   // copy (a write through `.data` to a few elements escapes the sample).
   void force_recode_locked();
+  // Note [Writes through .data between steps] (engine.cpp): one layer's
+  // sampled host bytes (`sources`), their fingerprint at the last look, and
+  // how many looks found it changed (folded into the content version).
+  struct DataSample {
+    std::vector<std::pair<const void*, size_t>> sources;
+    uint64_t print = 0, writes = 0;
+    void look();
+  };
+  // A DataSample per layer, looked at once (cache_across_steps).
+  std::vector<DataSample> data_samples_locked() const;
   // synchronize() without that: gradients drained, every copy done, cached
   // slots forgotten (suspend(), detach() and the engine's own host writes).
   void wait_all_locked();

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
 from ._discovery import _WHOLE_GROUPS
@@ -243,9 +244,11 @@ class Handle(_RefusesCopy):
         It also forgets every weight cached on the device, so the next fetch
         reads the host copy again, and re-codes trainable lossless weights
         before their next copy: call it after writing streamed weights in a
-        way their version counter does not see (through ``.data``, or a raw
-        pointer as C++ CPU optimizers do) with cache_across_steps=True, or to a
-        few elements of a trainable lossless weight."""
+        way neither their version counter nor the sample a step takes sees
+        (through ``.data`` to a few elements, or inside a step; Note [Writes
+        through .data between steps] in csrc/torch/engine.cpp) with
+        cache_across_steps=True, or to a few elements of a trainable lossless
+        weight."""
         self._check().synchronize()
 
     @contextlib.contextmanager
@@ -559,19 +562,58 @@ class _CallEnds(_RefusesCopy):
 
 
 class CallHooks:
-    """The two hooks on the model's calls (_CallBegins, _CallEnds); remove() takes both off."""
+    """The two hooks on the model's calls (_CallBegins, _CallEnds), and the model's
+    streamed parameters (ids, `streamed`: a set the caller may still add to) that an
+    optimizer step writes (Note [An optimizer step is a write]); remove() ends both."""
 
-    __slots__ = ("begins", "_handles")
+    __slots__ = ("begins", "_handles", "streamed", "__weakref__")
 
-    def __init__(self, model: nn.Module, engine_of, follow=None):
+    def __init__(self, model: nn.Module, engine_of, streamed: set, follow=None):
         turns = _CallTurns()
         self.begins = _CallBegins(engine_of, turns, follow)
+        self.streamed = streamed
         self._handles = (model.register_forward_pre_hook(self.begins),
                          model.register_forward_hook(_CallEnds(turns), always_call=True))
+        _STEP_WRITES.add(self)
 
     def remove(self) -> None:
+        _STEP_WRITES.discard(self)
         for h in self._handles:
             h.remove()
+
+
+# Note [An optimizer step is a write]
+# A weight cached in a device slot is reused only while the parameter's version counter
+# has not moved (every reuse with cache_across_steps=True, a reuse within a step without
+# it; csrc/torch/engine.cpp). An optimizer that writes through `.data` (Prodigy, and others
+# older than torch.no_grad) or a raw pointer (bitsandbytes' 8-bit optimizers, DeepSpeed's
+# CPU Adam) moves no counter: with cache_across_steps=True every later step computed
+# with the weights from before the step, silently. The sample of the host bytes a step
+# takes when it begins (Note [Writes through .data between steps] in csrc/torch/engine.cpp)
+# sees bulk writes, not a step that changed a few elements (bf16 updates that mostly round
+# away). So every torch.optim.Optimizer's step() also runs our global step post-hook, which
+# moves the counter of each streamed parameter that step had a gradient for (what an
+# optimizer writes; frozen weights keep their cached copy): the next use copies it again
+# (and re-codes a trainable lossless weight, Note [Trainable coded weights] in
+# csrc/torch/engine_coded.cpp). Not after layerstream.optim's steps: their C++ step moves
+# the counters itself, and a sharded one records each counter it left
+# (_distributed.check_shards refuses a parameter moved since, as written by another
+# optimizer on memory the node's ranks share).
+_STEP_WRITES: "weakref.WeakSet[CallHooks]" = weakref.WeakSet()
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    """torch's global optimizer step post-hook: Note [An optimizer step is a write]."""
+    live = [hooks.streamed for hooks in list(_STEP_WRITES)]
+    if not live or getattr(optimizer, "_layerstream_moves_versions", False):
+        return
+    written = [p for group in optimizer.param_groups for p in group["params"]
+               if p.grad is not None and any(id(p) in ids for ids in live) and not p.is_inference()]
+    if written:
+        torch.autograd.graph.increment_version(written)
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 # Note [Tensors added after offload() follow to the compute device]

@@ -165,9 +165,13 @@ def offload(
         parameter outside it, and return no view of a parameter (an error says so).
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
-        counters. Faster for inference loops and small models. Writes through
-        ``.data`` or raw pointers (e.g. C++ CPU optimizers) are not detected:
-        call ``handle.synchronize()`` after them, or leave this off.
+        counters. Faster for inference loops and small models. A
+        torch.optim.Optimizer's step counts as a write of the streamed
+        parameters it had gradients for, however it writes them, and a step
+        that begins samples the host bytes for bulk writes through ``.data``
+        (a LoRA merge); a write through ``.data`` to a few elements, or inside
+        a step, is not detected: call ``handle.synchronize()`` after it, or
+        leave this off.
     host_budget: a hard bound on the host RAM layerstream uses for streamed
         weights (its store and the staging entries): bytes ("48GiB", ...) or
         None. None: unbounded, except for a model with weights still in their
@@ -483,7 +487,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
             a.module._layerstream_handle = handle
         follow = _AddedTensorsFollow(model, handle, {id(m) for a in attached for m in [a.module] + a.owners},
                                      streamed_params, compute_device)
-        handle._call_hook = CallHooks(model, lambda: engine, follow)
+        handle._call_hook = CallHooks(model, lambda: engine, streamed_params, follow)
         _no_fused_encoder_path(model, attached, handle._fused_off)
         _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
         streamed_ids = {id(a.module) for a in attached}

@@ -284,7 +284,7 @@ class MemoryManager:
         runs on the process device (adapters of streamed layers included)."""
         module = self.module
         module._memory_manager = self
-        self._call_hook = CallHooks(module, lambda: self.engine)
+        self._call_hook = CallHooks(module, lambda: self.engine, self._streamed_ids())
         if not isinstance(module.__dict__.get("_apply"), _StreamedApply):
             self._root_apply = _RootApply(module, [lm.module._apply for lm in self._layers])
             module._apply = self._root_apply

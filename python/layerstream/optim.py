@@ -101,6 +101,10 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
     # of unscaling ``.grad`` first: step() unscales as the kernels read and skips a
     # step with a non-finite gradient (docs/design/optim.md, "Loss scaling").
     _step_supports_amp_scaling = True
+    # Its C++ step moves the version counters of what it writes (host_optim.cpp), and
+    # a sharded step records them: _handle's step post-hook leaves them alone (Note
+    # [An optimizer step is a write]).
+    _layerstream_moves_versions = True
 
     def __init__(self, params, defaults, max_grad_norm):
         if max_grad_norm is not None:

@@ -225,6 +225,36 @@ TEST(TorchOffload, TrainableLosslessWeightsTrainLikePlainOnesAndAreRecodedAfterE
   hp->detach();
 }
 
+TEST(TorchOffload, WithCacheAcrossStepsAWriteThroughDataBeforeACallIsSeen) {
+  // Note [Writes through .data between steps] (engine.cpp): the slots keep both
+  // layers across calls; a write through .data() (a LoRA merge's) moves no version
+  // counter, and the step that begins at the next call's first fetch sees it in the
+  // sampled host bytes: that use copies the layer again.
+  torch::manual_seed(0);
+  auto o = sim_options();
+  o.cache_across_steps = true;
+  auto engine = layerstream::Engine::create(o);
+  auto w0 = torch::randn({64, 64}), b0 = torch::randn({64});
+  auto w1 = torch::randn({64, 64}), b1 = torch::randn({64});
+  const int l0 = engine->add_linear("a", w0, b0, layerstream::quant::Format::None);
+  const int l1 = engine->add_linear("b", w1, b1, layerstream::quant::Format::None);
+  const auto x = torch::randn({3, 64});
+  auto run = [&] {
+    engine->begin_call();
+    return engine->linear(l1, engine->linear(l0, x, false), false);
+  };
+  auto ref = [&] { return torch::linear(torch::linear(x, w0, b0), w1, b1); };
+  for (int call = 0; call < 3; ++call) EXPECT_TRUE(torch::equal(run(), ref())) << "call " << call;
+  const uint64_t copied = engine->stats().h2d_bytes;
+  EXPECT_TRUE(torch::equal(run(), ref()));
+  EXPECT_EQ(engine->stats().h2d_bytes, copied) << "both layers stay cached across calls";
+  w1.data().mul_(2);  // no version counter moves
+  b0.data().add_(1);
+  EXPECT_TRUE(torch::equal(run(), ref())) << "the writes through .data() are seen";
+  EXPECT_GT(engine->stats().h2d_bytes, copied);
+  EXPECT_EQ(engine->ordering_errors(), std::vector<std::string>{});
+}
+
 TEST(TorchOffload, EngineRefusesToQuantizeOrShareABiasOfATiedWeight) {
   auto engine = layerstream::Engine::create(sim_options());
   auto table = torch::randn({10, 4});

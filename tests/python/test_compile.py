@@ -78,16 +78,19 @@ def test_mlp_full_finetune_compiles_whole_and_matches_eager(offload_sim):
     assert handle.stats()["acquires"] > 0  # the engine streamed them
 
 
-def test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact(offload_sim):
+@pytest.mark.parametrize("cache", [False, True], ids=["per-step", "cache_across_steps"])
+def test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact(offload_sim, cache):
     """Under torch.compile offload()'s call hook does nothing: the step begins after the
     compiled backward (the end-of-backward callback its weight gradients queue, and a
     forward fetch after a backward fetch; Note [When a step begins]). Before those,
     training steps that skip the first layer shared one step forever, and `.data`
-    writes between later inference calls were not seen."""
+    writes between later inference calls were not seen. With cache_across_steps the
+    weights stay in their slots across steps, and each step that begins samples the
+    host bytes (Note [Writes through .data between steps] in csrc/torch/engine.cpp)."""
     torch.manual_seed(0)
     model = FirstLayerSometimes()
     ref = copy.deepcopy(model)
-    h = offload_sim(model, slots=6)  # every layer stays in its slot
+    h = offload_sim(model, slots=6, cache_across_steps=cache)  # every layer stays in its slot
     compiled = torch.compile(model, backend="aot_eager")
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
     for step in range(3):

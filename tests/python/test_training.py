@@ -559,24 +559,156 @@ def test_in_place_weight_edit_between_forwards_is_seen(offload_sim, cache):
     assert torch.equal(lin(x), ref(x))
 
 
-def test_data_writes_with_cache_across_steps_need_synchronize(offload_sim):
-    """A write through .data (as C++ CPU optimizers write through raw pointers)
-    does not bump the version counter: with cache_across_steps the cached copy
-    is still used (the documented limit), and handle.synchronize() makes the
-    next forward read the host copy again."""
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+def test_data_writes_between_calls_with_cache_across_steps_are_seen(offload_sim):
+    """Note [Writes through .data between steps] (csrc/torch/engine.cpp): a write through
+    .data moves no version counter; with cache_across_steps the next call used the
+    weight cached in its slot. Now a step that begins samples the host bytes, and a
+    bulk write (a merge, a scale) is seen. A write that misses every sampled word (one
+    element here: the 64 sampled words of this weight skip word 1) is the documented
+    limit, which handle.synchronize() covers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
     ref = copy.deepcopy(model)
     h = offload_sim(model, cache_across_steps=True)
-    x = torch.randn(2, 4)
+    x = torch.randn(2, 256)
     with torch.no_grad():
-        before = model(x)
-        assert torch.equal(before, ref(x))
+        assert torch.equal(model(x), ref(x))
         model(x)  # second step: both layers now cached across the boundary
         for m in (model, ref):
             m[1].weight.data.mul_(2)
-        assert torch.equal(model(x), before), "the cached (old) weight is used: the limit"
+            m[0].bias.data.add_(1)
+        assert torch.equal(model(x), ref(x)), "a bulk write through .data is seen at the next call"
+        before = model(x)
+        for m in (model, ref):
+            m[1].weight.data[0, 2] += 1  # word 1 of the weight: not sampled
+        assert torch.equal(model(x), before), "the documented limit: a write no sampled word sees"
         h.synchronize()
         assert torch.equal(model(x), ref(x)), "after synchronize() the new weight is read"
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["per-step", "cache_across_steps"])
+def test_peft_merge_unmerge_and_unload_between_calls_match_the_resident_model(offload_sim, cache):
+    """peft's merge_adapter() / unmerge_adapter() / merge_and_unload() (and diffusers'
+    fuse_lora(), which calls them) add the LoRA product to the base weight through
+    .data. With cache_across_steps the first call after a merge ran with the unmerged
+    weight still in its slot (off by 0.97 here), and so did every call of the unwrapped
+    model merge_and_unload() returns (an inner module: no call hook, its steps begin at
+    its first layer). Each call now equals the resident model's."""
+    from peft import LoraConfig, get_peft_model
+
+    def make():
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        return get_peft_model(base.requires_grad_(False),
+                              LoraConfig(r=4, target_modules=["0", "2", "4"], init_lora_weights=False))
+
+    ref, model = make(), make()
+    offload_sim(model, cache_across_steps=cache, slots=4)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        for what in ("plain", "merged", "unmerged", "merged again", "unmerged again", "unloaded"):
+            for m in (ref, model):
+                if what.startswith("merged"):
+                    m.merge_adapter()
+                elif what.startswith("unmerged"):
+                    m.unmerge_adapter()
+            if what == "unloaded":
+                ref, model = ref.merge_and_unload(), model.merge_and_unload()
+            for call in range(2):
+                assert torch.equal(model(x), ref(x)), f"{what}, call {call}"
+                if what == "unmerged":
+                    with ref.disable_adapter(), model.disable_adapter():
+                        assert torch.equal(model(x), ref(x)), f"{what}, adapter disabled"
+
+
+class _DataWritingSGD(torch.optim.Optimizer):
+    """SGD that writes the way optimizers torch's version counters never see write:
+    through ``.data`` (Prodigy, older optimizers) or through the raw pointer (as
+    bitsandbytes' and DeepSpeed's C++/CUDA kernels do). ".data, one element" changes
+    only the element(s) in the weight's second 8-byte word, which the sample a step
+    takes skips (Note [Writes through .data between steps]): as a bf16 step whose
+    updates mostly round away leaves most of a weight as it was."""
+
+    def __init__(self, params, how, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+        self.how = how
+
+    @torch.no_grad()
+    def step(self):
+        import ctypes
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if self.how == ".data":
+                    p.data.add_(p.grad, alpha=-group["lr"])
+                elif self.how == ".data, one element":
+                    k = 8 // p.element_size()
+                    p.data.view(-1)[k:k + 1].add_(p.grad.view(-1)[k:k + 1], alpha=-group["lr"])
+                else:
+                    new = (p.detach() - group["lr"] * p.grad).contiguous()
+                    ctypes.memmove(p.data_ptr(), new.data_ptr(), new.numel() * new.element_size())
+
+
+@pytest.mark.parametrize("quantize", [None, "lossless"])
+@pytest.mark.parametrize("how", [".data", "pointer", ".data, one element"])
+def test_an_optimizer_step_writing_behind_the_version_counters_is_seen(offload_sim, how, quantize):
+    """Note [An optimizer step is a write] (_handle.py): with cache_across_steps every
+    layer stays in its own slot across steps, and an optimizer step that wrote the
+    trainable weights through .data or a raw pointer used to leave the old weights
+    there: every later loss differed from the resident model's. The step's own writes
+    are now seen, also those the sample of a step's beginning misses, and only what it
+    wrote is copied again: the frozen layers (in the optimizer too, without gradients)
+    stay cached."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if quantize else torch.float32  # lossless codes bf16 weights
+    # No bias: a bias is sampled whole, and its change would make the step copy its layer again.
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False, dtype=dtype) for _ in range(4)])
+    for layer in model[:2]:
+        layer.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    h = offload_sim(model, cache_across_steps=True, slots=5, quantize=quantize)
+    opt, ref_opt = _DataWritingSGD(model.parameters(), how), _DataWritingSGD(ref.parameters(), how)
+    trainable = sum(p.numel() * p.element_size() for layer in model[2:] for p in layer.parameters())
+    for step in range(4):
+        x = torch.randn(8, 32, dtype=dtype)
+        before = h.stats()["h2d_bytes"]
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+        _assert_params_close(model[2:], ref[2:], exact=True, what=f"step {step}:")  # frozen lossless: stand-ins
+        copied = h.stats()["h2d_bytes"] - before
+        if step > 1 and quantize is None:  # from the third step on (the coded size varies with the values)
+            assert copied == trainable, f"step {step}: {copied} bytes copied, the trainable layers are {trainable}"
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_bitsandbytes_adamw8bit_with_cache_across_steps_trains_like_the_resident_model(offload_sim):
+    """bitsandbytes' 8-bit AdamW writes the weights in its own kernel, which moves no
+    version counter: with cache_across_steps the losses left the resident model's at
+    the second step (0.0250 vs 0.0222 here). Now its step counts as a write (Note [An
+    optimizer step is a write]), and the next step's sample sees the bytes change too
+    (Note [Writes through .data between steps])."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    ref = copy.deepcopy(model)
+    offload_sim(model, cache_across_steps=True, slots=5)
+    opts = [bnb.optim.AdamW8bit(m.parameters(), lr=1e-2, min_8bit_size=1) for m in (model, ref)]
+    for step in range(4):
+        x = torch.randn(4, 256)
+        losses = []
+        for m, o in zip((model, ref), opts):
+            loss = m(x).square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss)
+        assert torch.equal(*losses), f"step {step}: {losses[0].item()} vs {losses[1].item()}"
+    _assert_params_close(model, ref, exact=True)
 
 
 # ---------------------------------------------------------------- step boundaries
