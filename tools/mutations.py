@@ -640,6 +640,15 @@ MUTATIONS = [
         [P + "test_distributed.py::test_sharded_host_step_into_one_shared_copy"],
         "the post-hook moves the counters layerstream.optim's sharded step recorded: the next call "
         "refuses the parameters as written by another optimizer"),
+    Mutation(
+        "stand-in-bytes-read-at-zero", "python/layerstream/_standin.py",
+        '"storage_offset",\n    "untyped_storage",',
+        '"storage_offset", "data_ptr",\n    "untyped_storage",',
+        [P + "test_quant_offload.py::test_writes_to_a_quantized_weight_requantize_or_are_refused",
+         P + "test_gguf.py::test_gguf_weights_refuse_writes_and_saving_but_deep_copy",
+         P + "test_host_tier.py::test_saving_a_weight_the_disk_tier_streams_says_how"],
+        "safetensors' save_file of an offloaded model's state dict reads a stand-in's bytes at its "
+        "data_ptr(), 0, and fails with an error that names no tensor"),
     # ---- Note [Writes through .data between steps] (csrc/torch/engine.cpp) ----
     Mutation(
         "data-writes-not-sampled", "csrc/core/scheduler.cpp",

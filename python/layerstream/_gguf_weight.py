@@ -37,8 +37,8 @@ class GgufWeight(_standin.StandIn):
                 f"there); handle.detach() afterwards leaves dense, dequantized weights, and "
                 f"GgufWeight.dequantized() gives one weight's values")
 
-    def __reduce_ex__(self, protocol):
-        raise LayerstreamError(self._refusal("saving (pickling) it") + "; save the .gguf file's path instead")
+    def _save_refusal(self) -> str:
+        return self._refusal("saving it (torch.save, safetensors' save_file)") + "; save the .gguf file's path instead"
 
     def __deepcopy__(self, memo):
         # The copy shares the file's bytes (nothing writes them).

@@ -118,11 +118,10 @@ class _PackedWeight(_standin.StandIn):
                 f"otherwise (e.g. merge a LoRA adapter into it) or move the model, call "
                 f"handle.detach() first (it restores the dense, dequantized weight)")
 
-    def __reduce_ex__(self, protocol):
-        raise LayerstreamError(self._msg(self._ls, "it cannot be saved (pickled)") +
-                               "; state_dict() of an offloaded model has no values for it: save "
-                               "only the trainable parameters (peft's save_pretrained does), or "
-                               "detach() first")
+    def _save_refusal(self) -> str:
+        return (self._msg(self._ls, "it cannot be saved (torch.save, safetensors' save_file)") +
+                "; state_dict() of an offloaded model has no values for it: save only the trainable "
+                "parameters (peft's save_pretrained does), or detach() first")
 
     def __deepcopy__(self, memo):
         raise LayerstreamError(self._msg(self._ls, "it cannot be deep-copied"))

@@ -27,7 +27,7 @@ _VIEW_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 # Methods that read metadata only.
 _METADATA = frozenset({
     "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "is_contiguous",
-    "is_floating_point", "is_complex", "is_signed", "is_inference", "storage_offset", "data_ptr",
+    "is_floating_point", "is_complex", "is_signed", "is_inference", "storage_offset",
     "untyped_storage", "_typed_storage", "get_device", "is_pinned", "_is_view", "has_names",
     "__len__", "__repr__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__", "__getstate__",
     "__setstate__", "_is_zerotensor",
@@ -92,6 +92,10 @@ class StandIn(nn.Parameter):
             return HOST  # where the bytes are; is_meta stays True
         other = first_standin(types, args, kwargs, cls)
         if other is not None and not reads_metadata_only(func):
+            if getattr(func, "__name__", "") == "data_ptr":
+                # A meta tensor's is 0, and a writer that reads the bytes there to save
+                # them (safetensors' save_file) failed with an error naming no tensor.
+                raise _C.LayerstreamError(other._save_refusal())
             # A meta tensor has no values, and torch would return uninitialised memory.
             raise _C.LayerstreamError(other._refusal(computing_message(func)))
         with torch._C.DisableTorchFunctionSubclass():
@@ -122,5 +126,10 @@ class StandIn(nn.Parameter):
             return alias
         return out
 
+    def _save_refusal(self) -> str:
+        """The message that refuses saving it: pickling (torch.save), or a writer reading
+        its bytes (data_ptr(): safetensors' save_file)."""
+        return self._refusal("saving it (torch.save, safetensors' save_file)")
+
     def __reduce_ex__(self, protocol):
-        raise _C.LayerstreamError(self._refusal("saving (pickling) it"))
+        raise _C.LayerstreamError(self._save_refusal())
