@@ -652,12 +652,13 @@ MUTATIONS = [
     # ---- Note [Writes through .data between steps] (csrc/torch/engine.cpp) ----
     Mutation(
         "data-writes-not-sampled", "csrc/core/scheduler.cpp",
-        "  else if (opts_.step_begins) opts_.step_begins();\n",
-        "",
+        "      if (loaded_[l] >= 0) opts_.step_begins(static_cast<int>(l));",
+        "      if (false) opts_.step_begins(static_cast<int>(l));",
         [P + "test_training.py::test_data_writes_between_calls_with_cache_across_steps_are_seen",
          P + "test_training.py::test_peft_merge_unmerge_and_unload_between_calls_match_the_resident_model",
          P + "test_compile.py::test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact",
-         "gtest:test_torch_offload:*WriteThroughDataBeforeACallIsSeen*"],
+         "gtest:test_torch_offload:*WriteThroughDataBeforeACallIsSeen*",
+         "gtest:test_scheduler:*StepBeginsLooksAtEachCachedLayer*"],
         "with cache_across_steps a write through .data between steps (peft's merge_adapter(), "
         "diffusers' fuse_lora()) leaves the old weight in its slot"),
     Mutation(

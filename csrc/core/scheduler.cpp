@@ -709,7 +709,9 @@ void Scheduler::begin_step_locked() {
   ++step_serial_;
   pos_ = 0;
   if (!opts_.content_version) drop_content_locked();
-  else if (opts_.step_begins) opts_.step_begins();
+  else if (opts_.step_begins)
+    for (size_t l = 0; l < loaded_.size(); ++l)
+      if (loaded_[l] >= 0) opts_.step_begins(static_cast<int>(l));
   if (stager_) stager_->forget_memory_layers();
 }
 

@@ -121,11 +121,12 @@ struct SchedulerOptions {
   // must not call back into the scheduler.
   std::function<uint64_t(int layer)> content_version;
   // Optional, with content_version: called when a step begins, before the
-  // step's first fetch looks for cached content, so the owner can move
-  // versions for writes no counter saw (the torch glue: Note [Writes through
-  // .data between steps] in torch/engine.cpp). Called under the scheduler's
-  // lock, like content_version.
-  std::function<void()> step_begins;
+  // step's first fetch looks for cached content, for each layer whose content
+  // a slot holds (copied or in flight), so the owner can move its version for
+  // writes no counter saw (the torch glue: Note [Writes through .data between
+  // steps] in torch/engine.cpp). Called under the scheduler's lock, like
+  // content_version.
+  std::function<void(int layer)> step_begins;
   // Optional, the same kind of version (ignored when content_version is
   // given): checks each reuse of cached content within a step (a layer
   // fetched again while its slot still holds it), without the cross-step

@@ -240,15 +240,18 @@ size_t EngineImpl::grad_bytes(const LayerInfo& l) const {
 // with the unmerged weight still in the slot. So when a step begins
 // (SchedulerOptions::step_begins: a call of the model, a forward after a
 // backward, an inner module called again; before the step's first fetch
-// looks for cached content), each layer's dense host bytes are sampled
-// (lossless::sample_fingerprint, 64 words spread over each tensor: a bulk
-// write changes them), and a sample that changed since the last look counts
-// as a write, which the content version folds in: the next use copies the
-// layer again. The first look is when the scheduler is built, before its
-// first copy. Cost: 64 reads per tensor per step, under the scheduler's
-// lock. Not seen: a write that misses every sampled word (a few elements),
-// or one between two fetches of a step; handle.synchronize() forgets every
-// cached weight. Quantized, disk-tier and GGUF weights have no dense host
+// looks for cached content), the dense host bytes of each layer a slot still
+// holds are sampled (lossless::sample_fingerprint, 64 words spread over each
+// tensor: a bulk write changes them; the other layers are copied afresh
+// anyway), and a sample that changed since the last look counts as a write,
+// which the content version folds in: the next use copies the layer again.
+// The first look is when the scheduler is built, before its first copy; a
+// layer that was not in a slot at a look may count a write at the next one
+// that its copy already had (one copy too many). Cost: 64 reads of memory
+// no CPU cache holds, per cached tensor per step, under the scheduler's lock
+// (the loads are independent: they overlap). Not seen: a write that misses
+// every sampled word (a few elements), or one between two fetches of a step;
+// handle.synchronize() forgets every cached weight. Quantized, disk-tier and GGUF weights have no dense host
 // bytes here (their stand-ins refuse such writes); a trainable lossless
 // weight's dense copy is sampled (re-coded: Note [Trainable coded weights]).
 void EngineImpl::DataSample::look() {
@@ -360,9 +363,7 @@ void EngineImpl::build_scheduler_locked() {
     };
     if (opts_.cache_across_steps) {
       so.content_version = std::move(version);
-      so.step_begins = [samples] {
-        for (auto& s : *samples) s.look();
-      };
+      so.step_begins = [samples](int layer) { (*samples)[static_cast<size_t>(layer)].look(); };
     } else {
       so.write_version = std::move(version);
     }

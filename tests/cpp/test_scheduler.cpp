@@ -6,6 +6,7 @@
 // dequantization) on the transfer stream or on a stream of its own.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -291,6 +292,38 @@ SchedulerOptions options(int slots, int depth) {
   so.num_slots = slots;
   so.prefetch_depth = depth;
   return so;
+}
+
+TEST_F(SchedulerTest, StepBeginsLooksAtEachCachedLayerBeforeTheStepsFirstReuse) {
+  // SchedulerOptions::step_begins (the torch glue samples host bytes there: Note
+  // [Writes through .data between steps]): called once per step for each layer a slot
+  // holds, before any fetch of the step looks for cached content, so a version it
+  // moves makes that step copy the layer again, and only that layer.
+  std::vector<uint64_t> version(5, 0);
+  std::vector<int> looked;
+  int written = -1;
+  SchedulerOptions so = options(6, 1);  // every layer keeps a slot
+  so.content_version = [&](int l) { return version[size_t(l)]; };
+  so.step_begins = [&](int l) {
+    looked.push_back(l);
+    if (l == written) version[size_t(l)]++;
+  };
+  Scheduler sched(*sim, transfer, model.specs, so);
+  for (int step = 0; step < 3; ++step) run_step(sched, compute, kInfer, 5);
+  looked.clear();
+  uint64_t before = sched.stats().h2d_bytes;
+  run_step(sched, compute, kInfer, 5);
+  std::sort(looked.begin(), looked.end());
+  EXPECT_EQ(looked, (std::vector<int>{0, 1, 2, 3, 4})) << "one look per cached layer";
+  EXPECT_EQ(sched.stats().h2d_bytes, before) << "nothing moved: every layer a hit";
+  written = 2;
+  before = sched.stats().h2d_bytes;
+  run_step(sched, compute, kInfer, 5);
+  size_t bytes = 0;
+  for (const auto& part : model.specs[2].parts) bytes += part.bytes;
+  EXPECT_EQ(sched.stats().h2d_bytes - before, bytes) << "layer 2 copied again, in the step that found it written";
+  sched.quiesce();
+  EXPECT_TRUE(sim->ordering_errors().empty());
 }
 
 TEST_F(SchedulerTest, TraceIsRecordedThenReplayedWithHits) {
