@@ -298,7 +298,9 @@ int Scheduler::obtain_slot_locked(bool on_demand) {
   }
   LS_FAIL("all ", pool_->num_slots(), " device slots are held at once (", held.str(),
           "): more layers are in use simultaneously than there are slots. Increase the number "
-          "of slots (and the budget) or release leases earlier.");
+          "of slots (and the budget) or release leases earlier; if several threads run the "
+          "model at once where its calls do not take turns (a torch.compile'd model, C++), "
+          "let one thread call it at a time (a lock around the call).");
 }
 
 void Scheduler::issue_copy_locked(int layer, int slot) {

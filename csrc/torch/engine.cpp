@@ -541,7 +541,7 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
   if (l.qformat == quant::Format::None && !l.on_disk())
     LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
-           ".cuda() or load_state_dict(assign=True)); layerstream keeps streamed weights in host "
+           ".cuda(), `param.data = ...` or load_state_dict(assign=True)); layerstream keeps streamed weights in host "
            "memory. Call handle.detach() before moving the model, or copy new values in place.");
   if (l.bias.defined() && !l.b_file)
     LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "

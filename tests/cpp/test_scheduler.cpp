@@ -294,6 +294,25 @@ SchedulerOptions options(int slots, int depth) {
   return so;
 }
 
+TEST_F(SchedulerTest, MoreLayersHeldThanSlotsNamesThemAndTheThreadsThatMayHoldThem) {
+  // What two threads running one compiled model at once meet (their calls do not take
+  // turns): every slot held. The message names the layers and says what to change.
+  Scheduler sched(*sim, transfer, model.specs, options(2, 1));
+  Lease a = sched.acquire(0, compute), b = sched.acquire(1, compute);
+  try {
+    sched.acquire(2, compute);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("all 2 device slots are held at once (layer0, layer1)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("several threads run the model at once"), std::string::npos) << msg;
+  }
+  sched.release(b, compute);
+  sched.release(a, compute);
+  Lease c = sched.acquire(2, compute);  // free again: the scheduler goes on
+  sched.release(c, compute);
+}
+
 TEST_F(SchedulerTest, StepBeginsLooksAtEachCachedLayerBeforeTheStepsFirstReuse) {
   // SchedulerOptions::step_begins (the torch glue samples host bytes there: Note
   // [Writes through .data between steps]): called once per step for each layer a slot
