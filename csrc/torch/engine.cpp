@@ -251,9 +251,10 @@ size_t EngineImpl::grad_bytes(const LayerInfo& l) const {
 // no CPU cache holds, per cached tensor per step, under the scheduler's lock
 // (the loads are independent: they overlap). Not seen: a write that misses
 // every sampled word (a few elements), or one between two fetches of a step;
-// handle.synchronize() forgets every cached weight. Quantized, disk-tier and GGUF weights have no dense host
-// bytes here (their stand-ins refuse such writes); a trainable lossless
-// weight's dense copy is sampled (re-coded: Note [Trainable coded weights]).
+// handle.synchronize() forgets every cached weight. Quantized, disk-tier and
+// GGUF weights have no dense host bytes here (their stand-ins refuse such
+// writes); a trainable lossless weight's dense copy is sampled (re-coded:
+// Note [Trainable coded weights]).
 void EngineImpl::DataSample::look() {
   constexpr size_t kWords = 64;
   uint64_t now = 0;
@@ -541,8 +542,9 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
   if (l.qformat == quant::Format::None && !l.on_disk())
     LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
-           ".cuda(), `param.data = ...` or load_state_dict(assign=True)); layerstream keeps streamed weights in host "
-           "memory. Call handle.detach() before moving the model, or copy new values in place.");
+           ".cuda(), `param.data = ...` or load_state_dict(assign=True)); layerstream keeps "
+           "streamed weights in host memory. Call handle.detach() before moving the model, or "
+           "copy new values in place.");
   if (l.bias.defined() && !l.b_file)
     LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "
              "layer '", l.name, "' was replaced or moved after offload(); call handle.detach() "
