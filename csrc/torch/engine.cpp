@@ -32,9 +32,10 @@ std::atomic<uint64_t> g_next_id{1};
 // (pthread_atfork), each engine remembers the count it was made at, and the entry
 // points that stream or touch the device (EngineImpl::device_scope, begin_call) of an
 // engine made before the fork throw in the child, before taking any of its locks (a
-// parent's thread may have held them at the fork). In the child the engines are kept alive for good: their
-// destruction would join threads that are not there (and free the parent's device
-// memory). The registry's lock is held across fork() so the child finds it free.
+// parent's thread may have held them at the fork). In the child the engines are kept
+// alive for good: their destruction would join threads that are not there (and free the
+// parent's device memory). The registry's lock is held across fork() so the child finds
+// it free.
 std::atomic<uint64_t> g_forks{0};
 std::once_flag g_fork_handlers;
 
@@ -47,7 +48,6 @@ void forked_child() {
   }
   g_registry_mu.unlock();
 }
-
 
 // What a parameter's data needs alive after the Engine is gone: the host
 // store and the backend that frees its buffers, released in that order.

@@ -608,7 +608,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
     if not live or getattr(optimizer, "_layerstream_moves_versions", False):
         return
     written = [p for group in optimizer.param_groups for p in group["params"]
-               if p.grad is not None and any(id(p) in ids for ids in live) and not p.is_inference()]
+               if p.grad is not None and any(id(p) in ids for ids in live)]
     if written:
         torch.autograd.graph.increment_version(written)
 
