@@ -782,6 +782,20 @@ MUTATIONS = [
         [P + "test_host_tier.py::test_a_compiled_model_whose_weights_and_biases_stay_in_the_file"],
         "torch.compile hands a bias left in its file (the disk tier) to Dynamo: tracing fails"),
     Mutation(
+        "cast-as-read-chunks-from-the-start", "csrc/torch/engine_host_tier.cpp",
+        "      file->read(tmp.data_ptr(), src.offset + static_cast<uint64_t>(i) * c10::elementSize(from),",
+        "      file->read(tmp.data_ptr(), src.offset,",
+        [P + "test_host_tier.py::test_a_weight_cast_as_read_crosses_the_chunks_of_the_temporary"],
+        "a weight cast as it is read (the file holds another dtype) reads every chunk of the temporary from the "
+        "tensor's start: values past the first 64 MiB are the first chunk's again"),
+    Mutation(
+        "cast-as-read-streams-the-files-bytes", "python/layerstream/_host_plan.py",
+        "    return isinstance(p, FileWeight) and not p.requires_grad and p.file_dtype == p.dtype",
+        "    return isinstance(p, FileWeight) and not p.requires_grad",
+        [P + "test_host_tier.py::test_a_checkpoint_in_another_float_dtype_is_cast_as_offload_reads_it"],
+        "a frozen weight whose file holds another dtype is left on the disk tier, which streams the file's bytes "
+        "as they are (a wrong size, or another dtype's bits)"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -30,7 +30,7 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
     const uint64_t budget = static_cast<uint64_t>(host_budget);
     LS_CHECK(largest_file > 0 && must + grads + 2 * largest_file <= budget, "the host budget of ",
              format_bytes(budget), " cannot hold the streamed weights: ", format_bytes(must),
-             " must be in RAM (trainable, or not loaded from a file)",
+             " must be in RAM (trainable, cast as read, or not loaded from a file)",
              grads ? ", " + format_bytes(grads) + " for the staging buffers of their gradients" : "",
              largest_file ? ", and the disk tier needs two staging entries of " + format_bytes(largest_file) : "",
              " (", format_bytes(total + grads), " in all). Raise host_budget to at least ",

@@ -261,10 +261,15 @@ class Engine {
   // `shape` and `dtype` (its bytes as the file holds them: contiguous) from
   // `src` straight into the host store (pinned within store_pinned_cap) and
   // returns a CPU tensor over it: a parameter given this tensor's data is
-  // adopted by add_linear()/add_conv() without another copy. The file is
-  // checked (size, mtime) first; errors name the file and the tensor.
+  // adopted by add_linear()/add_conv() without another copy. With a
+  // `file_dtype` other than `dtype` (both floating point) the file holds that
+  // dtype and each value is cast as it is read (torch's rounding, as
+  // Tensor.to(dtype)), through a temporary of at most 64 MiB ("Cast as read"
+  // in the design note). The file is checked (size, mtime) first; errors name
+  // the file and the tensor.
   virtual torch::Tensor read_file(const FileRange& src, const std::vector<int64_t>& shape,
-                                  torch::ScalarType dtype) = 0;
+                                  torch::ScalarType dtype,
+                                  std::optional<torch::ScalarType> file_dtype = std::nullopt) = 0;
   // A Linear whose frozen weight stays in its file (the disk tier): read on
   // every use into a staging entry, then copied to the device. `weight` gives
   // the shape and dtype (a meta tensor is fine; it must not require grad);

@@ -563,12 +563,15 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("options") = py::dict())
       .def("read_file",
-           [](Engine& e, const FileRange& src, const std::vector<int64_t>& shape, py::object dtype) {
+           [](Engine& e, const FileRange& src, const std::vector<int64_t>& shape, py::object dtype,
+              py::object file_dtype) {
              const torch::ScalarType t = torch::python::detail::py_object_to_dtype(dtype);
+             std::optional<torch::ScalarType> f;
+             if (!file_dtype.is_none()) f = torch::python::detail::py_object_to_dtype(file_dtype);
              py::gil_scoped_release nogil;
-             return e.read_file(src, shape, t);
+             return e.read_file(src, shape, t, f);
            },
-           py::arg("src"), py::arg("shape"), py::arg("dtype"))
+           py::arg("src"), py::arg("shape"), py::arg("dtype"), py::arg("file_dtype") = py::none())
       .def("add_linear_on_disk",
            [fmt](Engine& e, const std::string& name, torch::Tensor w, const FileRange& wsrc,
               std::optional<torch::Tensor> b, std::optional<FileRange> bsrc, const std::string& quantize) {

@@ -4,7 +4,14 @@
 // the scheduler reads such layers (and pageable store tensors) from
 // (the engine's rooms: engine_impl.h).
 #include "engine_impl.h"
+#include "core/planner.h"  // format_bytes
 
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <memory>
 
 namespace layerstream {
 
@@ -17,17 +24,43 @@ std::shared_ptr<SourceFile> EngineImpl::file_locked(const std::string& path) {
 }
 
 torch::Tensor EngineImpl::read_file(const FileRange& src, const std::vector<int64_t>& shape,
-                                    torch::ScalarType dtype) {
+                                    torch::ScalarType dtype, std::optional<torch::ScalarType> file_dtype) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
-  const uint64_t want = static_cast<uint64_t>(numel_of(shape)) * c10::elementSize(dtype);
+  const torch::ScalarType from = file_dtype.value_or(dtype);
+  LS_CHECK(from == dtype || (c10::isFloatingType(from) && c10::isFloatingType(dtype)), src.path, ": tensor '",
+           src.tensor, "' is ", from, " in the file; only floating-point tensors are cast as read (to ", dtype, ")");
+  const int64_t numel = numel_of(shape);
+  const uint64_t want = static_cast<uint64_t>(numel) * c10::elementSize(from);
   LS_CHECK(want == src.bytes, src.path, ": tensor '", src.tensor, "' has ", src.bytes, " bytes in the file; ",
-           shape_str(shape), " of ", dtype, " needs ", want);
+           shape_str(shape), " of ", from, " needs ", want);
   std::shared_ptr<SourceFile> file = file_locked(src.path);
-  const size_t index = store_->add_unclaimed(src.bytes, src.tensor);
+  const size_t index = store_->add_unclaimed(static_cast<uint64_t>(numel) * c10::elementSize(dtype), src.tensor);
   void* ptr = store_->buffer(index).ptr;
   // Several threads, large chunks: core/io/source_file.h.
-  file->read(ptr, src.offset, src.bytes, src.tensor, opts_.reader_threads > 1 ? &SourceFile::readers() : nullptr);
+  optim::ThreadPool* readers = opts_.reader_threads > 1 ? &SourceFile::readers() : nullptr;
+  if (from == dtype) {
+    file->read(ptr, src.offset, src.bytes, src.tensor, readers);
+  } else {  // Cast as read (docs/design/host-tier.md): a bounded temporary, never the whole tensor twice
+    const int64_t chunk = std::min<int64_t>(
+        numel, std::max<int64_t>(1, (int64_t{64} << 20) / static_cast<int64_t>(c10::elementSize(from))));
+    // Mapped on its own, not taken from malloc: between the store's buffers, the
+    // heap kept each freed temporary's hole (an fp32 file into a bf16 model took
+    // twice the model's RSS; test_host_tier.py measures it).
+    const size_t tmp_bytes = static_cast<size_t>(chunk) * c10::elementSize(from);
+    void* raw = ::mmap(nullptr, tmp_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    LS_CHECK(raw != MAP_FAILED, "cannot map ", format_bytes(tmp_bytes), " to cast '", src.tensor,
+             "' as it is read: ", std::strerror(errno));
+    std::unique_ptr<void, std::function<void(void*)>> unmap(raw, [tmp_bytes](void* p) { ::munmap(p, tmp_bytes); });
+    torch::Tensor out = torch::from_blob(ptr, {numel}, torch::TensorOptions().dtype(dtype));
+    torch::Tensor tmp = torch::from_blob(raw, {chunk}, torch::TensorOptions().dtype(from));
+    for (int64_t i = 0; i < numel; i += chunk) {
+      const int64_t n = std::min(chunk, numel - i);
+      file->read(tmp.data_ptr(), src.offset + static_cast<uint64_t>(i) * c10::elementSize(from),
+                 static_cast<uint64_t>(n) * c10::elementSize(from), src.tensor, readers);
+      out.narrow(0, i, n).copy_(tmp.narrow(0, 0, n));
+    }
+  }
   auto keepalive = keepalive_;
   return torch::from_blob(ptr, shape, [keepalive](void*) {}, torch::TensorOptions().dtype(dtype));
 }

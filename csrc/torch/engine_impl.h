@@ -73,7 +73,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   int add_linear_packed(const std::string& name, quant::Format format, torch::Tensor codes, torch::Tensor scales, torch::Tensor bias, int64_t rows, int64_t cols, torch::ScalarType dense_dtype) override;
   int add_embedding(const std::string& name, torch::Tensor weight, int64_t padding_idx, bool scale_grad_by_freq, bool sparse) override;
   int add_group(const std::string& name, const std::vector<torch::Tensor>& tensors, quant::Format format, int64_t experts, const std::vector<PrepackedPart>& prepacked) override;
-  torch::Tensor read_file(const FileRange& src, const std::vector<int64_t>& shape, torch::ScalarType dtype) override;
+  torch::Tensor read_file(const FileRange& src, const std::vector<int64_t>& shape, torch::ScalarType dtype,
+                          std::optional<torch::ScalarType> file_dtype = std::nullopt) override;
   int add_linear_on_disk(const std::string& name, const torch::Tensor& weight, const FileRange& w, torch::Tensor bias, const std::optional<FileRange>& b, quant::Format format) override;
   torch::Tensor dequantized_part(int layer, int part) override;
   void requantize_part(int layer, int part, const torch::Tensor& dense) override;

@@ -12,23 +12,25 @@ LayerstreamError = _C.LayerstreamError
 
 class FileWeight(_standin.StandIn):
     """A weight (or bias) of a Linear layer that load_safetensors() left in its
-    .safetensors file: data-less (a meta tensor of its shape and dtype, which are the
-    file's) with the file's path and byte range beside it (``file_range``, a
-    ``_C.FileRange``). offload() reads it straight into host memory, or, when the
+    .safetensors file: data-less (a meta tensor of the model parameter's shape and
+    dtype) with the file's path and byte range beside it (``file_range``, a
+    ``_C.FileRange``) and the dtype the file holds (``file_dtype``: another floating
+    dtype is cast as read, and such a weight is always read into RAM). offload() reads it straight into host memory, or, when the
     host budget cannot hold it and it is frozen, streams it from the file on every
     use (the disk tier); run the model only after offload(). ``requires_grad`` is the
     model parameter's: a trainable one is always read into RAM. Its ``.device`` is
     the CPU, where its bytes will be (peft then creates LoRA adapters over it in host
     memory). ``read()`` gives its values."""
 
-    def __new__(cls, shape, dtype, file_range, name: str, requires_grad: bool = False):
+    def __new__(cls, shape, dtype, file_range, name: str, requires_grad: bool = False, file_dtype=None):
         self = cls._meta(shape, dtype)
         self.requires_grad_(requires_grad)
         self.file_range, self.file_name = file_range, name
+        self.file_dtype = dtype if file_dtype is None else file_dtype
         self._disk_tier = False  # set while an offload() streams it from its file (the disk tier)
         return self
 
-    _CARRIED = ("file_range", "file_name", "_disk_tier")
+    _CARRIED = ("file_range", "file_name", "file_dtype", "_disk_tier")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -48,18 +50,20 @@ class FileWeight(_standin.StandIn):
                 f"FileWeight.read() for one weight's values")
 
     def __deepcopy__(self, memo):
-        out = FileWeight(self.shape, self.dtype, self.file_range, self.file_name, self.requires_grad)
+        out = FileWeight(self.shape, self.dtype, self.file_range, self.file_name, self.requires_grad,
+                         self.file_dtype)
         memo[id(self)] = out
         return out
 
     def __repr__(self):
         r = self.file_range
-        return f"FileWeight({r.path}:{r.tensor}, shape {tuple(self.shape)}, {self.dtype}, {r.bytes} bytes)"
+        cast = "" if self.file_dtype == self.dtype else f" (read from {self.file_dtype})"
+        return f"FileWeight({r.path}:{r.tensor}, shape {tuple(self.shape)}, {self.dtype}{cast}, {r.bytes} bytes)"
 
     def read(self) -> torch.Tensor:
         """Its values: a new CPU tensor read from the file (checked: the file must be
-        the one loaded, unchanged)."""
-        out = torch.empty(tuple(self.shape), dtype=self.dtype)
+        the one loaded, unchanged), in its dtype (cast from ``file_dtype``)."""
+        out = torch.empty(tuple(self.shape), dtype=self.file_dtype)
         r = self.file_range
         _C.read_file_into(r.path, r.offset, out, r.tensor)
-        return out
+        return out.to(self.dtype)

@@ -35,10 +35,16 @@ def _read_in(model: nn.Module, p, engine=None):
     # only when the ranks step it in shards (else each rank's optimizer writes its own copy).
     into_store = engine is not None and (not p.requires_grad or engine.host_store_shared(True)
                                          or not engine.host_store_shared(False))
-    value = engine.read_file(r, list(p.shape), p.dtype) if into_store else p.read()
+    value = engine.read_file(r, list(p.shape), p.dtype, p.file_dtype) if into_store else p.read()
     new = nn.Parameter(value, requires_grad=p.requires_grad)
     put(tensor_slots(model)[1].get(id(p), []), p, new)
     return new
+
+
+def _as_in_file(p) -> bool:
+    """Whether a weight can stream from its file on every use: a frozen FileWeight whose
+    file holds its dtype (a cast one is read into RAM: docs/design/host-tier.md)."""
+    return isinstance(p, FileWeight) and not p.requires_grad and p.file_dtype == p.dtype
 
 
 class _HostTier(NamedTuple):
@@ -75,9 +81,7 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
     def from_file(t) -> bool:  # t: an offload() _Candidate
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
         return (t.kind == "linear" and (t.fmt is None or (cache_dir is not None and t.fmt != "lossless"))
-                and t.pre is None
-                and isinstance(w, FileWeight) and not w.requires_grad
-                and (b is None or (isinstance(b, FileWeight) and not b.requires_grad)))
+                and t.pre is None and _as_in_file(w) and (b is None or _as_in_file(b)))
 
     def grad_bytes(t) -> int:  # its gradient's host staging buffer (training), as the engine sizes it
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
@@ -96,10 +100,17 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
         p = _C.host_tier_plan(entries, host, pinned, opts.prefetch)
     except LayerstreamError as e:
         trainable = [n for (n, _, f, _), t in zip(entries, streamed) if not f and isinstance(
-            getattr(t.module, "weight", None), FileWeight)]
+            getattr(t.module, "weight", None), FileWeight) and t.module.weight.requires_grad]
         hint = (f" ({len(trainable)} layer(s) loaded from a file are trainable, e.g. '{trainable[0]}': for "
                 f"inference, freeze the model (model.requires_grad_(False)) so they can stay in their file)"
                 if trainable else "")
+        cast = [t for t in streamed if isinstance(getattr(t.module, "weight", None), FileWeight)
+                and t.module.weight.file_dtype != t.module.weight.dtype]
+        if cast:
+            w = cast[0].module.weight
+            hint += (f" ({len(cast)} layer(s) loaded from a file are cast as read, e.g. '{cast[0].name}' from the "
+                     f"file's {w.file_dtype} to the model's {w.dtype}, so they must be in RAM: build the model in "
+                     f"the file's dtype so that frozen ones can stay in their file)")
         quantized = [t.name or "<root>" for t in streamed if t.fmt is not None]
         if quantized and cache_dir is None:
             hint += (f" ({len(quantized)} layer(s) are quantized, e.g. '{quantized[0]}', and quantized weights are "

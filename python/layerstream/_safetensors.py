@@ -31,12 +31,12 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 def _stays_in_file(holders, target: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a tensor can stay in its file until offload(): the weight or bias of
-    Linear layers that offload() streams as such (torch's own forward), in the
-    file's dtype, held by nothing else."""
+    Linear layers that offload() streams as such (torch's own forward), floating point
+    in the file and in the model (another dtype is cast as read), held by nothing else."""
     from ._discovery import _is_streamable, _stock_forward
     if not isinstance(target, nn.Parameter) or not (target.is_meta or isinstance(target, FileWeight)):
         return False
-    if target.dtype != dtype or not dtype.is_floating_point:
+    if not (dtype.is_floating_point and target.dtype.is_floating_point):
         return False
     return all(k in ("weight", "bias") and m._parameters.get(k) is target and _is_streamable(m) == "linear"
                and _stock_forward(m, "linear") for m, k in holders)
@@ -53,14 +53,16 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
 
     * The weights and biases of ``nn.Linear`` layers that offload() streams, when the
       model is built without weights (``accelerate.init_empty_weights()`` or
-      ``torch.device("meta")``) in the file's dtype, are not read: each becomes a
-      ``FileWeight`` (data-less, its file range beside it, ``requires_grad`` as the
-      parameter had it). offload() reads it straight into its host store (pinned
-      where allowed; one copy, no dense model copy ever), or, when ``host_budget``
-      cannot hold it and it is frozen, streams it from the file on every use. Run
-      the model after offload().
-    * Everything else (norms, embeddings, convolutions, buffers, tensors of another
-      dtype than the model's, and every tensor of a model that has real weights) is
+      ``torch.device("meta")``), are not read: each becomes a ``FileWeight``
+      (data-less, its file range beside it, ``requires_grad`` as the parameter had
+      it). offload() reads it straight into its host store (pinned where allowed;
+      one copy, no dense model copy ever), or, when ``host_budget`` cannot hold it,
+      it is frozen and the file holds the model's dtype, streams it from the file
+      on every use. A file in another floating dtype (an fp32 checkpoint for a bf16
+      model) is cast as offload() reads it, as ``Tensor.to()`` rounds. Run the
+      model after offload().
+    * Everything else (norms, embeddings, convolutions, buffers, and every tensor
+      of a model that has real weights) is
       read into the model: a meta tensor gets a new tensor (tied stay tied; tie
       them before loading, e.g. transformers' ``model.tie_weights()``), a real one is
       written in place, cast to its dtype.
@@ -137,7 +139,7 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
             continue
         fr = _C.FileRange(rec["file"], rec["offset"], rec["nbytes"], rec["name"])
         put(holders[id(target)], target, FileWeight(tuple(target.shape), target.dtype, fr, dst,
-                                                    requires_grad=target.requires_grad))
+                                                    requires_grad=target.requires_grad, file_dtype=dtype))
         out.in_file.append(dst)
         out.in_file_bytes += rec["nbytes"]
     return out

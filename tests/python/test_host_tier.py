@@ -97,8 +97,8 @@ def _lora(model, rank=4):
     adapters = {}
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            a = nn.Parameter(torch.randn(rank, m.in_features) * 0.1)
-            b = nn.Parameter(torch.randn(m.out_features, rank) * 0.1)
+            a = nn.Parameter((torch.randn(rank, m.in_features) * 0.1).to(m.weight.dtype))
+            b = nn.Parameter((torch.randn(m.out_features, rank) * 0.1).to(m.weight.dtype))
             adapters[name] = (a, b)
             base = m.forward
 
@@ -338,7 +338,7 @@ def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):
     weights = _layer_bytes(ref) + ref.emb.weight.numel() * 4
     model = _meta()
     layerstream.load_safetensors(model, path)
-    with pytest.raises(LayerstreamError, match=r"must be in RAM \(trainable, or not loaded from a file\), "
+    with pytest.raises(LayerstreamError, match=r"must be in RAM \(trainable, cast as read, or not loaded from a file\), "
                                                r".* for the staging buffers of their gradients"):
         layerstream.offload(model, device="sim", host_budget=weights + _layer_bytes(ref) // 2)
     handle = layerstream.offload(model, device="sim", host_budget=weights + _layer_bytes(ref))
@@ -436,19 +436,20 @@ _RSS_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.nn as nn
     import layerstream
     d, n, budget, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    dtype = getattr(torch, sys.argv[5]) if len(sys.argv) > 5 else torch.float32  # the model's
     def rss(key):
         for line in open("/proc/self/status"):
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
     with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(n)])
+        model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(n)]).to(dtype)
     model.requires_grad_(False)
     base = rss("VmRSS")
     layerstream.load_safetensors(model, path)
-    handle = layerstream.offload(model, device="sim", host_budget=budget, prefetch=1)
+    handle = layerstream.offload(model, device="sim", host_budget=budget if budget > 0 else None, prefetch=1)
     with torch.no_grad():
-        model(torch.ones(2, d))
-        model(torch.ones(2, d))
+        model(torch.ones(2, d, dtype=dtype))
+        model(torch.ones(2, d, dtype=dtype))
     s = handle.stats()
     print(json.dumps({"base": base, "peak": rss("VmHWM"), "slots": s["slots"] * s["slot_bytes"],
                       "disk": s["disk_read_bytes"]}))
@@ -472,6 +473,72 @@ def test_peak_rss_of_load_and_offload_stays_within_the_host_budget(tmp_path):
     assert r["disk"] > 0
     grew = r["peak"] - r["base"]
     assert grew <= budget + r["slots"] + (64 << 20), r
+
+
+@pytest.mark.parametrize("file_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.float16)])
+def test_a_checkpoint_in_another_float_dtype_is_cast_as_offload_reads_it(tmp_path, file_dtype, dtype):
+    """An fp32 checkpoint for a bf16 model (and the other way): the Linear weights
+    still stay in the file until offload() (never a dense copy in the file's dtype),
+    which casts them as it reads them into the host store, rounded as Tensor.to()
+    rounds: weights, outputs and LoRA gradients equal the resident model cast to that
+    dtype, bit for bit. They cannot stream from the file (its bytes are not the
+    model's): a host budget that cannot hold them is an error that says why."""
+    ref = _reference(file_dtype)
+    path = _save(ref, tmp_path / "m.safetensors")
+    ref = ref.to(dtype)
+    model = _meta(dtype)
+    report = layerstream.load_safetensors(model, path)
+    assert sorted(report.in_file) == sorted(n for n, p in ref.named_parameters() if n.startswith(("layers", "head")))
+    w = model.layers[2].weight
+    assert isinstance(w, FileWeight) and w.dtype == dtype and w.file_dtype == file_dtype
+    assert f"read from {file_dtype}" in repr(w)
+    assert torch.equal(w.read(), ref.layers[2].weight)
+    model.requires_grad_(False)
+    with pytest.raises(LayerstreamError, match=rf"cast as read, e.g. 'layers.0' from the file's {file_dtype} to "
+                                               rf"the model's {dtype}, so they must be in RAM"):
+        layerstream.offload(model, device="sim", host_budget=_quarter(model))
+    assert isinstance(model.layers[0].weight, FileWeight)  # the refusal changed nothing
+    handle = layerstream.offload(model, device="sim", budget=3 * D * D * dtype.itemsize + 4096)
+    assert handle.stats()["layers"] > 0 and handle.stats()["disk_layers"] == 0
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.dtype == dtype and torch.equal(p, q), n
+    ref.requires_grad_(False)
+    assert_lora_steps_equal(model, ref, 2)
+    handle.detach()
+
+
+def test_a_weight_cast_as_read_crosses_the_chunks_of_the_temporary(tmp_path):
+    """The cast goes through a temporary of at most 64 MiB of the file's dtype: a
+    weight larger than that (16.8M fp32 values) comes out equal to Tensor.to()'s."""
+    torch.manual_seed(0)
+    big = nn.Linear(4096, 4100, bias=False)
+    path = str(tmp_path / "big.safetensors")
+    save_file({"weight": big.weight.detach()}, path)
+    with torch.device("meta"):
+        model = nn.Linear(4096, 4100, bias=False).to(torch.bfloat16)
+    model.requires_grad_(False)
+    assert layerstream.load_safetensors(model, path).in_file == ["weight"]
+    handle = layerstream.offload(model, device="sim")
+    assert torch.equal(model.weight, big.weight.detach().to(torch.bfloat16))
+    handle.detach()
+
+
+def test_peak_rss_of_a_checkpoint_cast_as_read_stays_near_the_models_size(tmp_path):
+    """An fp32 file (128 MiB) into a bf16 model (64 MiB), all in RAM: peak RSS
+    growth stays within the model's bytes + the slots + 48 MiB (reading the file
+    dense first, then casting, would take 192 MiB)."""
+    d, n = 1024, 32
+    torch.manual_seed(0)
+    path = str(tmp_path / "fp32.safetensors")
+    save_file({f"{i}.weight": torch.randn(d, d) for i in range(n)}, path)
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(d), str(n), "0", path, "bfloat16"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    import json
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["disk"] == 0
+    assert r["peak"] - r["base"] <= d * d * 2 * n + r["slots"] + (48 << 20), r
 
 
 def test_suspend_and_resume_with_the_disk_tier(tmp_path):
