@@ -796,6 +796,20 @@ MUTATIONS = [
         "a frozen weight whose file holds another dtype is left on the disk tier, which streams the file's bytes "
         "as they are (a wrong size, or another dtype's bits)"),
     Mutation(
+        "plan-disk-takes-cast-layers", "tools/cli/cmd_plan.cpp",
+        "!opt.training && !l.group && !l.cast &&",
+        "!opt.training && !l.group &&",
+        [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
+        "`layerstream plan --dense-dtype` plans layers cast from the checkpoint's dtype on the disk tier, which "
+        "offload() reads into RAM"),
+    Mutation(
+        "plan-disk-takes-convolutions", "tools/cli/cmd_plan.cpp",
+        "                        l.weight_shape.size() == 2 && opt.quantize != Quantization::Lossless);",
+        "                        opt.quantize != Quantization::Lossless);",
+        [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
+        "`layerstream plan --host-budget` plans convolutions on the disk tier; load_safetensors() leaves only "
+        "Linear weights in the file"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

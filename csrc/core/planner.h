@@ -214,6 +214,9 @@ struct ModelLayer {
   // The weight's lossless-coded size, estimated by measure_lossless() from a
   // sample of its elements in the checkpoint; 0: not measured.
   uint64_t lossless_bytes = 0;
+  // cast_to_dtype() changed the dtype of one of its tensors: offload() reads
+  // it cast into RAM, so it never streams from disk.
+  bool cast = false;
   uint64_t params() const;             // weight + bias elements
   uint64_t weight_numel() const;
   uint64_t stored_bytes() const;       // as stored (weight + bias)
@@ -236,6 +239,13 @@ struct ModelDescription {
 // well-known module names in their usual order (attention before mlp;
 // q/k/v/o_proj; gate/up/down_proj).
 ModelDescription describe_checkpoint(const Checkpoint& ck);
+
+// The model's parameter dtype where the checkpoint holds another (a safetensors
+// dtype name, e.g. "BF16"): every floating-point tensor of `m` (F64, F32, F16,
+// BF16, F8_E4M3, F8_E5M2) of another dtype becomes `dtype`, as load_safetensors()
+// and offload() cast them (docs/design/host-tier.md "Cast as read"); each layer
+// with such a tensor is marked `cast`. Returns how many tensors changed.
+size_t cast_to_dtype(ModelDescription& m, const std::string& dtype);
 
 // Sets lossless_bytes of every layer of `m` (from describe_checkpoint(ck))
 // whose weight is float32, bfloat16 or float16, and group_lossless_bytes of

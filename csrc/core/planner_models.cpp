@@ -479,6 +479,38 @@ ModelDescription describe_checkpoint(const Checkpoint& ck) {
   return m;
 }
 
+size_t cast_to_dtype(ModelDescription& m, const std::string& dtype) {
+  auto floating = [](const std::string& d) {
+    return d == "F64" || d == "F32" || d == "F16" || d == "BF16" || d == "F8_E4M3" || d == "F8_E5M2";
+  };
+  LS_CHECK(floating(dtype), "cast_to_dtype: ", json::quote(dtype), " is not a floating-point dtype");
+  size_t changed = 0;
+  auto cast = [&](std::string& d) {
+    if (d.empty() || d == dtype || !floating(d)) return false;
+    d = dtype;
+    ++changed;
+    return true;
+  };
+  for (ModelLayer& l : m.layers) {
+    if (l.group) {
+      l.group_bytes = 0;
+      for (auto& [shape, d] : l.group_tensors) {
+        l.cast = cast(d) || l.cast;
+        l.group_bytes += bytes_of(numel_of(shape), d);
+      }
+    } else {
+      l.cast = cast(l.weight_dtype) || l.cast;
+      l.cast = cast(l.bias_dtype) || l.cast;
+    }
+  }
+  m.small_bytes = 0;
+  for (auto& [shape, d] : m.small_shapes) {
+    cast(d);
+    m.small_bytes += bytes_of(numel_of(shape), d);
+  }
+  return changed;
+}
+
 void measure_lossless(ModelDescription& m, const Checkpoint& ck) {
   std::map<std::string, const TensorInfo*> by_name;
   for (const auto& t : ck.tensors) by_name[t.name] = &t;

@@ -562,3 +562,55 @@ def test_cli_and_offload_count_the_same_training_bytes(tmp_path, spec):
     assert ({l["name"]: l["train_bytes"] for l in cli["layers"]}
             == {l["name"]: l["train_bytes"] for l in py["layers"]})
     assert cli["train_bytes"] == py["train_bytes"] > sum(l["train_bytes"] for l in py["layers"])
+
+
+def test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it(tmp_path):
+    """An fp32 checkpoint for a bf16 model: `--dense-dtype bf16` plans each layer at
+    the bytes offload() holds after load_safetensors() casts it, and never on disk
+    (offload() reads cast weights into RAM), where the fp32 plan puts layers on disk.
+    (The CLI's planner picks its own prefetch depth, so placements may differ.)
+    Convolutions and lossless layers stay off the disk tier too (offload() reads them
+    into RAM); lossless with a cast is a usage error."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    import layerstream
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)])
+    path = tmp_path / "fp32.safetensors"
+    st.save_file(model.state_dict(), str(path))
+    args = ("--checkpoint", path, "--budget", "140KiB", "--host-budget", "250KiB")
+    fp32 = plan_json(*args)
+    assert fp32["source"]["cast_layers"] == 0 and len(fp32["host"]["from_disk"]) == 6
+    cli = plan_json(*args, "--dense-dtype", "bf16")
+    assert cli["source"]["cast_layers"] == 6 and cli["host"]["from_disk"] == [] and cli["host"]["disk_bytes"] == 0
+    assert "6 layer(s) cast to BF16 as offload() reads them" in run(*args, "--dense-dtype", "bf16").stdout
+    # A host budget below the cast layers' bytes: an error, as offload() says, not a plan from disk.
+    assert plan_json("--checkpoint", path, "--budget", "140KiB", "--host-budget", "130KiB")["host"]["from_disk"]
+    r = run("--checkpoint", path, "--budget", "70KiB", "--host-budget", "130KiB", "--dense-dtype", "bf16")
+    assert r.returncode == 1 and "cannot hold the streamed weights" in r.stderr, r.stderr
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)]).to(torch.bfloat16)
+    meta.requires_grad_(False)
+    layerstream.load_safetensors(meta, str(path))
+    with pytest.raises(layerstream.LayerstreamError, match="cast as read"):
+        layerstream.offload(meta, device="sim", budget="70KiB", host_budget="130KiB")
+    handle = layerstream.offload(meta, device="sim", budget="140KiB", host_budget="250KiB")
+    py = json.loads(handle._plan["json"])
+    assert ({l["name"]: l["bytes"] for l in cli["plan"]["layers"]}
+            == {l["name"]: l["bytes"] for l in py["layers"]} == {str(i): 128 * 129 * 2 for i in range(6)})
+    for plan, store in ((cli["plan"], cli["host"]["store_bytes"]), (py, handle.host_plan["store_bytes"])):
+        assert store == sum(l["bytes"] for l in plan["layers"] if l["placement"] == "streamed") > 0
+    assert handle.stats()["disk_layers"] == 0
+    handle.detach()
+
+    conv = {"conv.weight": torch.randn(64, 64, 3, 3), **{f"fc{i}.weight": torch.randn(64, 576) for i in range(3)}}
+    st.save_file(conv, str(tmp_path / "conv.safetensors"))  # 144 KiB each, all streamed; 576 KiB in RAM
+    c = plan_json("--checkpoint", tmp_path / "conv.safetensors", "--budget", "300KiB", "--host-budget", "450KiB")
+    assert c["host"]["from_disk"] and "conv" not in c["host"]["from_disk"], c["host"]
+    assert_one_line_error(run(*args, "--dense-dtype", "bf16", "--quantize", "lossless"), 2,
+                          "--quantize lossless measures the checkpoint's own weights")
+    # Lossless layers are read into RAM (offload() codes them there): a host budget
+    # below their coded bytes is an error, not a plan from disk.
+    r = run("--checkpoint", path, "--budget", "250KiB", "--host-budget", "250KiB", "--quantize", "lossless")
+    assert r.returncode == 1 and "cannot hold the streamed weights" in r.stderr, r.stderr

@@ -37,8 +37,10 @@ const char* kHelp =
     "                        a config.json beside it tells whether lm_head is tied),\n"
     "                        or a .gguf file (its Q8_0..Q6_K weights cross as they are,\n"
     "                        as load_gguf() + offload() stream them)\n"
-    "  --dense-dtype D       .gguf: the model's parameter dtype, fp32|bf16|fp16, that\n"
-    "                        GGUF weights are dequantized to in their slot (default bf16)\n"
+    "  --dense-dtype D       the model's parameter dtype, fp32|bf16|fp16: .gguf weights are\n"
+    "                        dequantized to it in their slot (default bf16); a .safetensors\n"
+    "                        checkpoint's floating-point tensors of another dtype are cast to\n"
+    "                        it as offload() reads them (default: as stored)\n"
     "  --model NAME          a built-in model description (--list-models)\n"
     "  --budget SIZE         device memory for weights, e.g. 12GiB, 500MB, 1.5e9\n"
     "  --link-gbps X         host->device bandwidth in GB/s (10^9 bytes/s; default 25;\n"
@@ -67,7 +69,8 @@ const char* kHelp =
     "                        Linear weights of a .safetensors checkpoint that do not fit stay\n"
     "                        in the file and are read on every use (inference; with --train\n"
     "                        every weight must fit in RAM; with --quantize they are read packed\n"
-    "                        from offload(cache_dir=)'s cache file)\n"
+    "                        from offload(cache_dir=)'s cache file; cast ones, convolutions,\n"
+    "                        tensor groups and lossless ones are read into RAM)\n"
     "  --disk-gbps X         the disk's read bandwidth in GB/s for the disk tier (default 2)\n"
     "  --json                print the plan as one JSON object\n"
     "  --list-models         print the built-in model names and exit\n"
@@ -116,7 +119,7 @@ int usage_error(const std::string& msg) {
 // `host_budget`: which layers come from disk, the RAM it takes, and the step
 // time with the disk read (an estimate: a cyclic schedule over e staging
 // entries reads about disk bytes - staging bytes + read-ahead per pass).
-void host_disk_section(const Plan& plan, const std::vector<PlannerLayer>& specs, bool all_in_ram,
+void host_disk_section(const Plan& plan, const std::vector<PlannerLayer>& specs, const std::vector<bool>& disk_ok,
                        int64_t host_budget, double disk_gbps, std::string* text, std::string* json_out) {
   std::vector<host_tier::Layer> layers;
   std::vector<std::string> names;
@@ -125,7 +128,7 @@ void host_disk_section(const Plan& plan, const std::vector<PlannerLayer>& specs,
     if (l.resident) continue;
     // Training: a trainable streamed layer's gradient is staged on the host (its bytes).
     const bool grad = specs[l.index].trainable && !l.lookup;
-    layers.push_back({l.name, l.bytes, !all_in_ram && !l.lookup, grad ? l.bytes : 0});
+    layers.push_back({l.name, l.bytes, disk_ok[l.index] && !l.lookup, grad ? l.bytes : 0});
     names.push_back(l.name);
   }
   const host_tier::Plan h = host_tier::plan(layers, host_budget, host_tier::kUnlimited, plan.prefetch_depth);
@@ -185,7 +188,7 @@ void host_disk_section(const Plan& plan, const std::vector<PlannerLayer>& specs,
 
 int cmd_plan(int argc, char** argv) {
   std::string checkpoint, model, budget_s, dense_dtype = "BF16";
-  bool have_checkpoint = false, have_model = false, have_budget = false, as_json = false;
+  bool have_checkpoint = false, have_model = false, have_budget = false, as_json = false, have_dense_dtype = false;
   double link_gbps = 25.0, tflops = 100.0;
   LayerOptions opt;
   int max_prefetch = 4;
@@ -252,6 +255,7 @@ int cmd_plan(int argc, char** argv) {
       } else if (a == "--compute-dtype" || a == "--dense-dtype") {
         const std::string d = take();
         std::string& to = a == "--compute-dtype" ? opt.compute_dtype : dense_dtype;
+        have_dense_dtype = have_dense_dtype || a == "--dense-dtype";
         if (d == "fp32" || d == "float32" || d == "F32") to = "F32";
         else if (d == "bf16" || d == "bfloat16" || d == "BF16") to = "BF16";
         else if (d == "fp16" || d == "float16" || d == "F16") to = "F16";
@@ -310,6 +314,11 @@ int cmd_plan(int argc, char** argv) {
   } else if (have_checkpoint) {
     const Checkpoint ck = read_checkpoint(checkpoint);  // errors -> exit 1
     desc = describe_checkpoint(ck);
+    const size_t cast = have_dense_dtype ? cast_to_dtype(desc, dense_dtype) : 0;  // as offload() reads them
+    if (cast && opt.quantize == Quantization::Lossless)
+      return usage_error("--quantize lossless measures the checkpoint's own weights, and --dense-dtype " +
+                         dense_dtype + " casts " + std::to_string(cast) +
+                         " of its tensors: plan with a checkpoint in the model's dtype");
     if (opt.quantize == Quantization::Lossless) measure_lossless(desc, ck);  // from the weights' own values
     // A tied lm_head is not in the checkpoint: the model's config.json beside
     // it says whether offload() will stream one from the token table.
@@ -338,8 +347,14 @@ int cmd_plan(int argc, char** argv) {
     } catch (const Error& e) {
       return usage_error("--host-budget: " + e.message());
     }
-    host_disk_section(plan, in.layers, gguf || !have_checkpoint || opt.training,
-                      host_budget, disk_gbps, &host_text, &host_json);
+    // What offload() may leave in the file: frozen Linear weights that
+    // load_safetensors() read as they are (not cast; not convolutions or
+    // tensor groups; packed in the cache file if quantized, but not lossless).
+    std::vector<bool> disk_ok;
+    for (const auto& l : desc.layers)
+      disk_ok.push_back(have_checkpoint && !gguf && !opt.training && !l.group && !l.cast &&
+                        l.weight_shape.size() == 2 && opt.quantize != Quantization::Lossless);
+    host_disk_section(plan, in.layers, disk_ok, host_budget, disk_gbps, &host_text, &host_json);
   }
 
   // Pinned host memory cannot be swapped out: a plan that needs more than this
@@ -361,8 +376,11 @@ int cmd_plan(int argc, char** argv) {
     for (const auto& l : desc.layers)
       if (!l.tied_to.empty()) tied_to = l.tied_to;
     o += "], \"tied_lm_head\": " + (tied_to.empty() ? std::string("null") : json::quote(tied_to));
+    size_t cast = 0;  // layers with a tensor cast to --dense-dtype (cast_to_dtype)
+    for (const auto& l : desc.layers) cast += l.cast ? 1 : 0;
     o += ", \"layers\": " + std::to_string(desc.layers.size()) +
-         ", \"small_tensors\": " + std::to_string(desc.small_tensors) + "}, ";
+         ", \"small_tensors\": " + std::to_string(desc.small_tensors) +
+         ", \"cast_layers\": " + std::to_string(cast) + "}, ";
     o += "\"options\": {\"tokens\": " + std::to_string(opt.tokens) + ", \"quantize\": \"" +
          to_string(opt.quantize) + "\", \"training\": " + (opt.training ? "true" : "false") +
          ", \"train\": " + (opt.training ? json::quote(opt.train) : std::string("null")) +
@@ -380,9 +398,14 @@ int cmd_plan(int argc, char** argv) {
       std::printf("source: GGUF file %s: %zu weight(s) cross as the file's blocks, dequantized in the slot "
                   "to %s\n", checkpoint.c_str(), packed,
                   (opt.compute_dtype.empty() ? dense_dtype : opt.compute_dtype).c_str());
-    } else if (have_checkpoint)
-      std::printf("source: checkpoint %s (%zu file%s)\n", checkpoint.c_str(), desc.files.size(),
+    } else if (have_checkpoint) {
+      size_t cast = 0;
+      for (const auto& l : desc.layers) cast += l.cast ? 1 : 0;
+      std::printf("source: checkpoint %s (%zu file%s)", checkpoint.c_str(), desc.files.size(),
                   desc.files.size() == 1 ? "" : "s");
+      if (have_dense_dtype) std::printf("; %zu layer(s) cast to %s as offload() reads them", cast, dense_dtype.c_str());
+      std::printf("\n");
+    }
     else
       std::printf("source: built-in model %s\n", model.c_str());
     std::printf("model:  %zu layers + %zu small tensors (%s, always resident)\n", desc.layers.size(),
