@@ -810,6 +810,26 @@ MUTATIONS = [
         "`layerstream plan --host-budget` plans convolutions on the disk tier; load_safetensors() leaves only "
         "Linear weights in the file"),
     Mutation(
+        "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
+        "    LS_CHECK(t.defined() && (t.is_floating_point() || !t.requires_grad()), \"tensor group '\", name,",
+        "    LS_CHECK(t.defined() && t.is_floating_point(), \"tensor group '\", name,",
+        ["gtest:test_torch_offload:TorchOffload.AGroupsRawBytesCrossAsTheyAreEvenWithAFormat",
+         P + "test_gguf.py::test_diffusers_gguf_layers_stream_their_blocks_and_compute_what_diffusers_computes"],
+        "a tensor group refuses a tensor that is not floating point: diffusers' GGUF layers cannot stream"),
+    Mutation(
+        "group-raw-bytes-quantized", "csrc/torch/engine_groups.cpp",
+        "    if (pre || (format != quant::Format::None && e.param.dim() >= 2 && e.param.is_floating_point() &&",
+        "    if (pre || (format != quant::Format::None && e.param.dim() >= 2 &&",
+        ["gtest:test_torch_offload:TorchOffload.AGroupsRawBytesCrossAsTheyAreEvenWithAFormat"],
+        "quantize= packs a group's raw bytes (diffusers' GGUF blocks) as if they were weights"),
+    Mutation(
+        "gguf-view-loses-its-quant-type", "python/layerstream/_discovery.py",
+        "        return type(p)(t, requires_grad=False, quant_type=p.quant_type)",
+        "        return t",
+        [P + "test_gguf.py::test_diffusers_gguf_layers_stream_their_blocks_and_compute_what_diffusers_computes"],
+        "the slot's view of diffusers' GGUF blocks is handed to its forward as a plain uint8 tensor, which "
+        "diffusers' dequantize passes through undecoded"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

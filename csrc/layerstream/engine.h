@@ -326,8 +326,10 @@ class Engine {
   // offload() runs the module's own forward on them and recomputes it in
   // backward; docs/design/torch-glue.md "Tensor groups"). Gradients are the
   // caller's (it returns them to autograd). Tensors already streamed by
-  // another layer are refused.
-  // With a format, every tensor of 2 or more dimensions is packed on the
+  // another layer are refused. A tensor that is not floating point (raw
+  // bytes a module's forward decodes itself: diffusers' GGUF blocks) must
+  // not require grad; it crosses as it is, never quantized or coded.
+  // With a format, every floating-point tensor of 2 or more dimensions is packed on the
   // host as a matrix of its last dimension's columns (it must be frozen;
   // the engine keeps no reference to the dense values, so callers replace
   // the parameters by data-less stand-ins) and dequantized into the slot

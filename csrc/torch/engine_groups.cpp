@@ -20,8 +20,10 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
            experts);
   for (size_t k = 0; k < tensors.size(); ++k) {
     const torch::Tensor& t = tensors[k];
-    LS_CHECK(t.defined() && t.is_floating_point(), "tensor group '", name, "': tensor #", k,
-             " is not a floating-point tensor; only those can be streamed");
+    // Raw bytes (diffusers' GGUF blocks, which the module's own forward decodes)
+    // stream as they are: frozen, never quantized or cast.
+    LS_CHECK(t.defined() && (t.is_floating_point() || !t.requires_grad()), "tensor group '", name,
+             "': tensor #", k, " is not a floating-point tensor and requires grad");
     for (const auto& l : layers_) {
       bool taken = l->weight.is_same(t) || (l->bias.defined() && l->bias.is_same(t));
       for (const auto& e : l->parts()) taken = taken || e.param.is_same(t);
@@ -32,7 +34,8 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
       LS_CHECK(!tensors[j].is_same(t), "tensor group '", name, "' lists one tensor twice");
     const bool pre = k < prepacked.size() && prepacked[k].format != quant::Format::None;
     // Lossless trains coded (Note [Trainable coded weights], engine_coded.cpp).
-    if ((format != quant::Format::None && format != quant::Format::Lossless && t.dim() >= 2) || pre)
+    if ((format != quant::Format::None && format != quant::Format::Lossless && t.dim() >= 2 && t.is_floating_point()) ||
+        pre)
       LS_CHECK(!t.requires_grad(), "tensor group '", name, "': tensor #", k, " requires grad, but a quantized "
                "tensor cannot be trained; freeze it (requires_grad_(False)) or do not quantize this group");
     if (pre) {
@@ -56,7 +59,8 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
     const std::string label = name + "#" + std::to_string(k);
     const bool pre = !prepacked.empty() && prepacked[k].format != quant::Format::None;
     const bool trainable_coded = format == quant::Format::Lossless && e.param.dim() >= 2 && e.param.requires_grad();
-    if (pre || (format != quant::Format::None && e.param.dim() >= 2 && !trainable_coded)) {
+    if (pre || (format != quant::Format::None && e.param.dim() >= 2 && e.param.is_floating_point() &&
+                !trainable_coded)) {
       // Packed as a matrix of the last dimension's columns (an expert's rows
       // follow each other), dequantized into the workspace after the copy.
       const quant::Format f = pre ? prepacked[k].format : format;

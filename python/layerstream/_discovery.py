@@ -103,10 +103,52 @@ def _is_transformers_conv1d(module: nn.Module) -> bool:
             and all(p.is_floating_point() for p in module._parameters.values() if p is not None))
 
 
+# Note [diffusers' GGUF layers stream as groups]
+# diffusers' GGUFQuantizationConfig (from_single_file / from_pretrained of a .gguf)
+# gives GGUFLinear modules whose weight is a GGUFParameter: the file's blocks as uint8
+# with their quant_type; their forward dequantizes them with diffusers' own torch code
+# (fp16 arithmetic for most formats, then compute_dtype) and calls linear. Streaming
+# them as our GGUF Linear (load_gguf's path) would dequantize with gguf-py's float32
+# arithmetic instead: other numbers than diffusers'. So such a module streams as a
+# tensor group: its blocks (and bias) cross the bus as they are, the slot's view of
+# the blocks is made a GGUFParameter again (as_held: same memory, its quant_type), and
+# diffusers' forward runs on it, computing what diffusers computes on the device. The
+# dequantized weight its forward makes is a temporary outside the budget, as it is in
+# diffusers without offloading. Under torch.compile the group's shape trial gets a
+# fake tensor of the dequantized shape instead (a fake tensor cannot become a
+# GGUFParameter), which diffusers' dequantize passes through.
+
+
+def _is_diffusers_gguf(module: nn.Module) -> bool:
+    """diffusers' GGUFLinear with its blocks in a GGUFParameter: it streams as a tensor
+    group (Note [diffusers' GGUF layers stream as groups])."""
+    cls = type(module)
+    return (cls.__name__ == "GGUFLinear" and cls.__module__ == "diffusers.quantizers.gguf.utils"
+            and type(module._parameters.get("weight")).__name__ == "GGUFParameter")
+
+
+def as_held(p: torch.Tensor, t: torch.Tensor, trial: bool = False) -> torch.Tensor:
+    """`t` (a fetched view of group tensor `p`) as the module's own forward must find
+    it: a diffusers GGUFParameter keeps its quant_type, by which that forward
+    dequantizes (no copy: a subclass over the same memory). `trial`: `t` is a fake
+    tensor for torch.compile's shape trial, which cannot become a GGUFParameter; the
+    module then gets one of the dequantized weight's shape and dtype (diffusers'
+    dequantize, run on the meta device), which that dequantize passes through."""
+    if type(p).__name__ != "GGUFParameter":
+        return t
+    if not trial:
+        return type(p)(t, requires_grad=False, quant_type=p.quant_type)
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        dense = dequantize_gguf_tensor(type(p)(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                               quant_type=p.quant_type))
+    return torch.empty(dense.shape, dtype=dense.dtype, device=t.device)
+
+
 def _is_streamable(module: nn.Module) -> Optional[str]:
     """Returns 'linear', 'conv', 'embedding', 'group' (mixture-of-experts weights,
-    nn.MultiheadAttention, transformers' Conv1D) or None."""
-    if _is_experts(module) or _is_transformers_conv1d(module):
+    nn.MultiheadAttention, transformers' Conv1D, diffusers' GGUFLinear) or None."""
+    if _is_experts(module) or _is_transformers_conv1d(module) or _is_diffusers_gguf(module):
         return "group"
     if isinstance(module, nn.MultiheadAttention):
         return "group" if _is_mha(module) else None
@@ -307,12 +349,6 @@ _RESIDENT_REASONS = {
                  "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or peft's "
                  "LoRA on parameters (target_parameters) outside mixture-of-experts tensors, or by "
                  "pruning; or a plain tensor attribute"),
-    "diffusers_gguf": ("diffusers GGUF layer(s) (GGUFQuantizationConfig)",
-                       "their forward dequantizes the file's blocks with diffusers' own code; to stream "
-                       "a GGUF checkpoint, build the model without quantization_config (on the meta "
-                       "device: accelerate.init_empty_weights()) and load the file with "
-                       "layerstream.load_gguf(model, path), rename= mapping an original checkpoint's "
-                       "names: offload() then streams its blocks and the device dequantizes them"),
     "custom": ("Linear/conv/embedding subclass layer(s) with their own forward",
                "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
                "would drop what it adds"),
@@ -389,8 +425,7 @@ def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
     if kind == "conv" and module.padding_mode != "zeros":
         return "padded"
     if not _stock_forward(module, kind):
-        weight = module._parameters.get("weight")
-        return "diffusers_gguf" if type(weight).__name__ == "GGUFParameter" else "custom"
+        return "custom"
     if id(module) in dora:
         return "dora"
     if "forward" in module.__dict__:

@@ -15,12 +15,13 @@ class FileWeight(_standin.StandIn):
     .safetensors file: data-less (a meta tensor of the model parameter's shape and
     dtype) with the file's path and byte range beside it (``file_range``, a
     ``_C.FileRange``) and the dtype the file holds (``file_dtype``: another floating
-    dtype is cast as read, and such a weight is always read into RAM). offload() reads it straight into host memory, or, when the
-    host budget cannot hold it and it is frozen, streams it from the file on every
-    use (the disk tier); run the model only after offload(). ``requires_grad`` is the
-    model parameter's: a trainable one is always read into RAM. Its ``.device`` is
-    the CPU, where its bytes will be (peft then creates LoRA adapters over it in host
-    memory). ``read()`` gives its values."""
+    dtype is cast as read, and such a weight is always read into RAM). offload()
+    reads it straight into host memory, or, when the host budget cannot hold it and
+    it is frozen, streams it from the file on every use (the disk tier); run the
+    model only after offload(). ``requires_grad`` is the model parameter's: a
+    trainable one is always read into RAM. Its ``.device`` is the CPU, where its
+    bytes will be (peft then creates LoRA adapters over it in host memory).
+    ``read()`` gives its values."""
 
     def __new__(cls, shape, dtype, file_range, name: str, requires_grad: bool = False, file_dtype=None):
         self = cls._meta(shape, dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from . import _C, _dynamo_marks, _group_op
-from ._discovery import _is_experts, _reads_routed_experts_only
+from ._discovery import _is_experts, _reads_routed_experts_only, as_held
 from ._standin import StandIn
 
 LayerstreamError = _C.LayerstreamError
@@ -249,8 +249,8 @@ class _GroupForward(_RefusesCopy):
                 for slot, fn, tensors in adapters:
                     seen[slot] = fn(seen[slot], *tensors)
                 try:
-                    for (o, k), v in zip(self._slots, seen):
-                        o._parameters[k] = v
+                    for (o, k), p, v in zip(self._slots, self._params, seen):
+                        o._parameters[k] = as_held(p, v)
                     yield views
                 finally:
                     for (o, k), p in zip(self._slots, self._params):

@@ -40,6 +40,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import _C, _dynamo_marks
+from ._discovery import as_held
 
 LayerstreamError = _C.LayerstreamError
 
@@ -412,7 +413,8 @@ def fake(inputs, params, engine, layer, call):
     data_dependent, free_unbacked_symbols = _data_dependent()
     try:
         for (o, k), p in zip(fwd._slots, fwd._params):
-            o._parameters[k] = torch.empty(p.shape, dtype=p.dtype, device=dev).requires_grad_(p.requires_grad)
+            o._parameters[k] = as_held(p, torch.empty(p.shape, dtype=p.dtype, device=dev).requires_grad_(
+                p.requires_grad), trial=True)
         fresh = env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
         with torch.set_grad_enabled(c.grad_mode), fresh, _unfused_attention(fwd), \
                 torch.autocast(dev.type, dtype=c.autocast[1], enabled=c.autocast[0]):

@@ -68,8 +68,8 @@ import torch
 import torch.nn as nn
 
 from . import _C, _peft_params
-from ._discovery import (_conv_args, _dora_layers, _is_streamable, _resident_label, _resident_reason,
-                         _warn_resident)
+from ._discovery import (_conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable, _resident_label,
+                         _resident_reason, _warn_resident)
 from ._guards import _RootApply, _StreamedApply, _is_compute
 from ._handle import CallHooks
 from ._offload import _move_resident
@@ -125,7 +125,7 @@ _REASON_TEXT = {
     "wrapped": "its forward was replaced on the instance (a wrapper the streamed forward would drop)",
     "dora": "a layer of a peft DoRA adapter (DoRA reads the weights directly)",
     "cast_trainable": "a trainable layer under diffusers' layerwise casting (frozen ones stream)",
-    "diffusers_gguf": "a diffusers GGUF layer (load the file with layerstream.load_gguf() instead)",
+    "diffusers_gguf": "a diffusers GGUF layer (layerstream.offload() streams it, as a tensor group)",
 }
 
 
@@ -211,6 +211,9 @@ class MemoryManager:
             if id(sub) in ignored_modules or id(sub) in adapters:
                 continue
             kind = _is_streamable(sub)
+            if kind == "group" and _is_diffusers_gguf(sub) and id(sub) not in ignored_modules:
+                resident.setdefault(_REASON_TEXT["diffusers_gguf"], []).append(_resident_label(name, sub, "custom"))
+                continue
             if kind not in ("linear", "conv"):
                 continue
             if any(id(p) in ignored_params for p in sub.parameters(recurse=False)):

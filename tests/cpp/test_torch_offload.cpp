@@ -855,6 +855,27 @@ TEST(TorchOffload, TensorGroupIsFetchedWholeIntoOneSlot) {
   EXPECT_TRUE(torch::equal(a, a0) && torch::equal(b, b0) && torch::equal(c, c0));
 }
 
+TEST(TorchOffload, AGroupsRawBytesCrossAsTheyAreEvenWithAFormat) {
+  // A non-floating group tensor (diffusers' GGUF blocks, which the module's own
+  // forward decodes): it crosses as it is, and a quantization format packs only
+  // the floating-point tensors beside it (here none of 2+ dimensions).
+  for (const auto format : {layerstream::quant::Format::None, layerstream::quant::Format::Int8}) {
+    auto engine = layerstream::Engine::create(sim_options());
+    torch::manual_seed(0);
+    auto blocks = torch::randint(0, 256, {16, 34}, torch::kUInt8), bias = torch::randn({16});
+    const auto blocks0 = blocks.clone(), bias0 = bias.clone();
+    const int g = engine->add_group("gguf", {blocks, bias}, format);
+    EXPECT_EQ(engine->layer_bytes(g), 16 * 34 + 16 * 4);
+    auto [token, views] = engine->fetch(g);
+    ASSERT_EQ(views.size(), 2u);
+    EXPECT_EQ(views[0].scalar_type(), torch::kUInt8);
+    EXPECT_TRUE(torch::equal(views[0], blocks0) && torch::equal(views[1], bias0));
+    engine->release(token);
+    engine->detach({});
+    EXPECT_TRUE(torch::equal(blocks, blocks0) && torch::equal(bias, bias0));
+  }
+}
+
 TEST(TorchOffload, RoutedFetchCopiesOnlyTheNamedExperts) {
   // add_group(..., experts): fetch(layer, experts) with at most half of the
   // experts copies only their slices of the expert-indexed tensors (dense

@@ -386,24 +386,109 @@ def test_meta_tied_parameters_stay_tied(tmp_path):
     assert m[1].weight is m[0].weight and torch.equal(m[0].weight, table.float())
 
 
-def test_a_diffusers_gguf_layer_stays_resident_and_says_to_use_load_gguf():
-    """diffusers' GGUFQuantizationConfig gives GGUFLinear modules (their own forward, the
-    file's blocks in a GGUFParameter): they stay resident, computing as before, and the
-    warning says how to stream such a checkpoint instead."""
+class _DiffusersGgufNet(nn.Module):
+    """Four diffusers GGUFLinear layers (Q8_0, Q4_0, Q4_K, Q6_K blocks in GGUFParameters,
+    bf16 compute and biases) and a dense bf16 head, as GGUFQuantizationConfig builds them."""
+
+    TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+    SCALES = {"Q8_0": 0.004, "Q4_0": 0.01, "Q4_K": 0.00005, "Q6_K": 0.0001}
+
+    def __init__(self):
+        super().__init__()
+        from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
+        self.blocks = nn.ModuleList()
+        for i, t in enumerate(self.TYPES):
+            layer = GGUFLinear(256, 256, bias=True, compute_dtype=torch.bfloat16)
+            blocks = gguf_random_blocks(t, 256, 256, seed=i, scale=self.SCALES[t])  # outputs near the inputs' scale
+            layer.weight = GGUFParameter(blocks.reshape(256, -1), quant_type=int(T[t]))
+            layer.bias = nn.Parameter(torch.randn(256, generator=torch.Generator().manual_seed(9 + i)).to(
+                torch.bfloat16), requires_grad=False)
+            self.blocks.append(layer)
+        self.head = nn.Linear(256, 8).to(torch.bfloat16)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(8, 256, generator=torch.Generator().manual_seed(7)) * 0.05)
+            self.head.bias.zero_()
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.nn.functional.gelu(b(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_diffusers_gguf_layers_stream_their_blocks_and_compute_what_diffusers_computes(offload_sim, cache):
+    """diffusers' GGUFLinear layers (GGUFQuantizationConfig) stream as tensor groups: the
+    file's blocks cross the bus as they are and diffusers' own forward dequantizes them
+    on the device, so outputs, input gradients and the head's gradients equal the
+    resident diffusers model's bit for bit over training steps (Note [diffusers' GGUF
+    layers stream as groups]); a compiled model equals the eager one within bf16
+    rounding; detach() gives back the GGUFParameters."""
+    model, ref = _DiffusersGgufNet(), _DiffusersGgufNet()
+    blocks = [m.weight for m in model.blocks]
+    packed = sum(w.numel() for w in blocks) + 4 * 256 * 2  # the blocks and the bf16 biases
+    handle = offload_sim(model, budget="150KiB", slots=2, cache_across_steps=cache)  # 2 slots of Q8_0's
+    assert handle.stats()["group_layers"] == 4 and "blocks.0" in handle.layers
+    opt, ref_opt = torch.optim.SGD(model.head.parameters(), lr=0.1), torch.optim.SGD(ref.head.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 256, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        before = handle.stats()["h2d_bytes"]
+        out, want = model(xs), ref(xr)
+        assert torch.equal(out, want), step
+        if not cache:  # every group's blocks cross once in the forward (the head is resident)
+            assert handle.stats()["h2d_bytes"] - before == packed
+        out.float().square().mean().backward()
+        want.float().square().mean().backward()
+        assert torch.equal(xs.grad, xr.grad) and torch.equal(model.head.weight.grad, ref.head.weight.grad), step
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    eager = model(x)
+    compiled = torch.compile(model)(x)
+    assert torch.allclose(compiled.float(), eager.float(), rtol=0.02, atol=0.02)
+    handle.detach()
+    assert [type(m.weight).__name__ for m in model.blocks] == ["GGUFParameter"] * 4
+    assert [m.weight.quant_type for m in model.blocks] == [int(T[t]) for t in _DiffusersGgufNet.TYPES]
+    assert all(torch.equal(m.weight, w) for m, w in zip(model.blocks, blocks))
+    assert torch.equal(model(x), ref(x))
+
+
+def test_peft_lora_over_diffusers_gguf_layers_streams_and_matches(offload_sim):
+    """peft's LoRA over streamed diffusers GGUFLinear layers: outputs and adapter
+    gradients of one step equal the resident model's bit for bit."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, target_modules=[f"blocks.{i}" for i in range(4)], init_lora_weights=False)
+
+    def lora():
+        torch.manual_seed(1)
+        return peft.get_peft_model(_DiffusersGgufNet(), cfg)
+    model, ref = lora(), lora()
+    handle = offload_sim(model, budget="180KiB", slots=2, exclude=["*lora_*"])
+    assert handle.stats()["group_layers"] == 4
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out, want = model(x), ref(x)
+    assert torch.equal(out, want)
+    out.float().square().mean().backward()
+    want.float().square().mean().backward()
+    grads = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if p.requires_grad]
+    assert len(grads) == 8 and all(torch.equal(a, b) for _, a, b in grads), [n for n, a, b in grads
+                                                                                if not torch.equal(a, b)]
+
+
+def test_the_original_systems_api_leaves_diffusers_gguf_layers_resident_and_says_offload_streams_them():
+    """layerstream.compat streams Linear and conv layers only (as the original system):
+    a diffusers GGUFLinear stays resident there, computing as before, and the warning
+    names offload(), which streams it."""
     import warnings
-    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
-    layer = GGUFLinear(64, 32, bias=True, compute_dtype=torch.bfloat16)
-    layer.weight = GGUFParameter(gguf_random_blocks("Q8_0", 32, 64).reshape(32, -1), quant_type=8)
-    model = nn.Sequential(layer, nn.Linear(32, 8))
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
-    expected = layer(x)
+    from layerstream.compat import MemoryManager
+    model, ref = _DiffusersGgufNet(), _DiffusersGgufNet()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        handle = layerstream.offload(model, device="sim")
+        MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
     said = [str(w.message) for w in caught if "GGUF" in str(w.message)]
-    assert len(said) == 1 and "diffusers GGUF layer(s)" in said[0] and "layerstream.load_gguf(model, path)" in said[0]
-    assert "'0'" in said[0] and handle.layers == ["1"]
-    assert torch.equal(model[0](x), expected)
+    assert len(said) == 1 and "layerstream.offload() streams it" in said[0] and "'blocks.3'" in said[0], said
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    assert torch.equal(model(x), ref(x))
+    MemoryManager.detach(model)
 
 
 def test_quantize_names_a_gguf_format_is_refused():
