@@ -810,6 +810,13 @@ MUTATIONS = [
         "`layerstream plan --host-budget` plans convolutions on the disk tier; load_safetensors() leaves only "
         "Linear weights in the file"),
     Mutation(
+        "lossless-measure-ignores-the-cast", "csrc/core/planner_models.cpp",
+        "    const lossless::Dtype d = codable(as_dtype) ? lossless_dtype(as_dtype) : stored;  // what offload() codes",
+        "    const lossless::Dtype d = stored;",
+        [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
+        "`layerstream plan --dense-dtype bf16 --quantize lossless` measures the coded size of the file's fp32 "
+        "values, not of the bf16 ones offload() codes"),
+    Mutation(
         "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
         "    LS_CHECK(t.defined() && (t.is_floating_point() || !t.requires_grad()), \"tensor group '\", name,",
         "    LS_CHECK(t.defined() && t.is_floating_point(), \"tensor group '\", name,",

@@ -254,7 +254,10 @@ size_t cast_to_dtype(ModelDescription& m, const std::string& dtype);
 // runs; lossless::estimate_encoded_bytes), a fused expert tensor in one
 // piece per expert (lossless::expert_pieces). Reads at most ~128 KiB per
 // tensor.
-void measure_lossless(ModelDescription& m, const Checkpoint& ck);
+// `as_dtype` ("F32", "BF16", "F16"; empty: as stored): the tensors of another of
+// those dtypes are measured cast to it (round to nearest even, as cast_to_dtype()
+// plans them and offload() codes them after load_safetensors() casts them).
+void measure_lossless(ModelDescription& m, const Checkpoint& ck, const std::string& as_dtype = "");
 
 struct GgufFile;
 // A .gguf file (core/gguf.h) as load_gguf() + offload() place it: layers as

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -511,12 +512,12 @@ size_t cast_to_dtype(ModelDescription& m, const std::string& dtype) {
   return changed;
 }
 
-void measure_lossless(ModelDescription& m, const Checkpoint& ck) {
+void measure_lossless(ModelDescription& m, const Checkpoint& ck, const std::string& as_dtype) {
   std::map<std::string, const TensorInfo*> by_name;
   for (const auto& t : ck.tensors) by_name[t.name] = &t;
   std::map<std::string, std::shared_ptr<SourceFile>> files;
   constexpr uint64_t kRuns = 16, kRunElems = 4096;
-  std::vector<char> sample;
+  std::vector<char> sample, cast;
   // The coded size of tensor `name` (with `by_expert`, a 3-D one in a piece
   // per expert, lossless::expert_pieces); 0 when it is not in the checkpoint
   // or not coded (dtype, no elements).
@@ -524,9 +525,11 @@ void measure_lossless(ModelDescription& m, const Checkpoint& ck) {
     const auto it = by_name.find(name);
     if (it == by_name.end()) return 0;
     const TensorInfo& t = *it->second;
-    if ((t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16") || t.numel == 0) return 0;
-    const lossless::Dtype d = lossless_dtype(t.dtype);
-    const uint64_t elem = lossless::element_bytes(d);
+    auto codable = [](const std::string& d) { return d == "F32" || d == "BF16" || d == "F16"; };
+    if (!codable(t.dtype) || t.numel == 0) return 0;
+    const lossless::Dtype stored = lossless_dtype(t.dtype);
+    const lossless::Dtype d = codable(as_dtype) ? lossless_dtype(as_dtype) : stored;  // what offload() codes
+    const uint64_t elem = lossless::element_bytes(stored);
     const int64_t pieces = by_expert && t.shape.size() >= 3
                                ? lossless::expert_pieces(d, int64_t(t.numel), int64_t(t.shape[0]), int64_t(t.shape[0]))
                                : 1;
@@ -540,7 +543,27 @@ void measure_lossless(ModelDescription& m, const Checkpoint& ck) {
       const uint64_t first = runs > 1 ? (t.numel - run) / (runs - 1) * r : 0;
       f->read(sample.data() + r * run * elem, t.file_offset + first * elem, run * elem, t.name);
     }
-    return lossless::estimate_encoded_bytes(d, sample.data(), static_cast<int64_t>(runs * run),
+    const char* values = sample.data();
+    if (d != stored) {  // the sample cast to the model's dtype, as load_safetensors() casts it
+      const uint64_t n = runs * run;
+      cast.resize(static_cast<size_t>(n * lossless::element_bytes(d)));
+      for (uint64_t i = 0; i < n; ++i) {
+        float v = 0;
+        if (stored == lossless::Dtype::F32) std::memcpy(&v, sample.data() + i * 4, 4);
+        uint16_t h = 0;
+        if (stored != lossless::Dtype::F32) std::memcpy(&h, sample.data() + i * 2, 2);
+        if (stored == lossless::Dtype::BF16) v = quant::bf16_bits_to_float(h);
+        if (stored == lossless::Dtype::F16) v = quant::f16_bits_to_float(h);
+        if (d == lossless::Dtype::F32) {
+          std::memcpy(cast.data() + i * 4, &v, 4);
+        } else {
+          h = d == lossless::Dtype::BF16 ? quant::float_to_bf16_bits(v) : quant::float_to_f16_bits(v);
+          std::memcpy(cast.data() + i * 2, &h, 2);
+        }
+      }
+      values = cast.data();
+    }
+    return lossless::estimate_encoded_bytes(d, values, static_cast<int64_t>(runs * run),
                                             static_cast<int64_t>(t.numel) / pieces) *
            static_cast<uint64_t>(pieces);
   };

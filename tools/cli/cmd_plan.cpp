@@ -314,12 +314,9 @@ int cmd_plan(int argc, char** argv) {
   } else if (have_checkpoint) {
     const Checkpoint ck = read_checkpoint(checkpoint);  // errors -> exit 1
     desc = describe_checkpoint(ck);
-    const size_t cast = have_dense_dtype ? cast_to_dtype(desc, dense_dtype) : 0;  // as offload() reads them
-    if (cast && opt.quantize == Quantization::Lossless)
-      return usage_error("--quantize lossless measures the checkpoint's own weights, and --dense-dtype " +
-                         dense_dtype + " casts " + std::to_string(cast) +
-                         " of its tensors: plan with a checkpoint in the model's dtype");
-    if (opt.quantize == Quantization::Lossless) measure_lossless(desc, ck);  // from the weights' own values
+    if (have_dense_dtype) cast_to_dtype(desc, dense_dtype);  // as offload() reads them
+    if (opt.quantize == Quantization::Lossless)  // from the weights' own values (cast as they will be)
+      measure_lossless(desc, ck, have_dense_dtype ? dense_dtype : std::string());
     // A tied lm_head is not in the checkpoint: the model's config.json beside
     // it says whether offload() will stream one from the token table.
     const std::string config = config_json_beside(checkpoint);
