@@ -23,7 +23,7 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
     // Raw bytes (diffusers' GGUF blocks, which the module's own forward decodes)
     // stream as they are: frozen, never quantized or cast.
     LS_CHECK(t.defined() && (t.is_floating_point() || !t.requires_grad()), "tensor group '", name,
-             "': tensor #", k, " is not a floating-point tensor and requires grad");
+             "': tensor #", k, " is undefined, or requires grad and is not a floating-point tensor");
     for (const auto& l : layers_) {
       bool taken = l->weight.is_same(t) || (l->bias.defined() && l->bias.is_same(t));
       for (const auto& e : l->parts()) taken = taken || e.param.is_same(t);

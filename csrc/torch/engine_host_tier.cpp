@@ -39,7 +39,7 @@ torch::Tensor EngineImpl::read_file(const FileRange& src, const std::vector<int6
   void* ptr = store_->buffer(index).ptr;
   // Several threads, large chunks: core/io/source_file.h.
   optim::ThreadPool* readers = opts_.reader_threads > 1 ? &SourceFile::readers() : nullptr;
-  if (from == dtype) {
+  if (from == dtype || numel == 0) {
     file->read(ptr, src.offset, src.bytes, src.tensor, readers);
   } else {  // Cast as read (docs/design/host-tier.md): a bounded temporary, never the whole tensor twice
     const int64_t chunk = std::min<int64_t>(

@@ -585,6 +585,10 @@ def test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it(tmp_path):
     cli = plan_json(*args, "--dense-dtype", "bf16")
     assert cli["source"]["cast_layers"] == 6 and cli["host"]["from_disk"] == [] and cli["host"]["disk_bytes"] == 0
     assert "6 layer(s) cast to BF16 as offload() reads them" in run(*args, "--dense-dtype", "bf16").stdout
+    # A built-in model too: its bf16 weights planned as fp32.
+    bf16, fp32 = (plan_json("--model", "llama-7b", "--budget", "4GiB", *a)["plan"]
+                  for a in ((), ("--dense-dtype", "fp32")))
+    assert fp32["layers"][1]["bytes"] == 2 * bf16["layers"][1]["bytes"]
     # A host budget below the cast layers' bytes: an error, as offload() says, not a plan from disk.
     assert plan_json("--checkpoint", path, "--budget", "140KiB", "--host-budget", "130KiB")["host"]["from_disk"]
     r = run("--checkpoint", path, "--budget", "70KiB", "--host-budget", "130KiB", "--dense-dtype", "bf16")

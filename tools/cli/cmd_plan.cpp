@@ -39,8 +39,9 @@ const char* kHelp =
     "                        as load_gguf() + offload() stream them)\n"
     "  --dense-dtype D       the model's parameter dtype, fp32|bf16|fp16: .gguf weights are\n"
     "                        dequantized to it in their slot (default bf16); a .safetensors\n"
-    "                        checkpoint's floating-point tensors of another dtype are cast to\n"
-    "                        it as offload() reads them (default: as stored)\n"
+    "                        checkpoint's (or a built-in model's) floating-point tensors of\n"
+    "                        another dtype are cast to it as offload() reads them (default:\n"
+    "                        as stored)\n"
     "  --model NAME          a built-in model description (--list-models)\n"
     "  --budget SIZE         device memory for weights, e.g. 12GiB, 500MB, 1.5e9\n"
     "  --link-gbps X         host->device bandwidth in GB/s (10^9 bytes/s; default 25;\n"
@@ -302,6 +303,7 @@ int cmd_plan(int argc, char** argv) {
   try {
     in.budget_bytes = parse_bytes(budget_s);
     if (have_model) desc = builtin_model(model);
+    if (have_model && have_dense_dtype) cast_to_dtype(desc, dense_dtype);
   } catch (const Error& e) {
     return usage_error(e.message());
   }
