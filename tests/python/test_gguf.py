@@ -424,7 +424,7 @@ def test_diffusers_gguf_layers_stream_their_blocks_and_compute_what_diffusers_co
     layers stream as groups]); a compiled model equals the eager one within bf16
     rounding; detach() gives back the GGUFParameters."""
     model, ref = _DiffusersGgufNet(), _DiffusersGgufNet()
-    blocks = [m.weight for m in model.blocks]
+    blocks = [m.weight.detach().clone() for m in model.blocks]  # the bytes, to compare after detach()
     packed = sum(w.numel() for w in blocks) + 4 * 256 * 2  # the blocks and the bf16 biases
     handle = offload_sim(model, budget="150KiB", slots=2, cache_across_steps=cache)  # 2 slots of Q8_0's
     assert handle.stats()["group_layers"] == 4 and "blocks.0" in handle.layers
