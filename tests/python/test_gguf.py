@@ -486,6 +486,8 @@ def test_the_original_systems_api_leaves_diffusers_gguf_layers_resident_and_says
         MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
     said = [str(w.message) for w in caught if "GGUF" in str(w.message)]
     assert len(said) == 1 and "layerstream.offload() streams it" in said[0] and "'blocks.3'" in said[0], said
+    assert hasattr(model.head, "_layer_memory_manager")  # the head streams
+    assert not any(hasattr(b, "_layer_memory_manager") for b in model.blocks)
     x = torch.randn(2, 256).to(torch.bfloat16)
     assert torch.equal(model(x), ref(x))
     MemoryManager.detach(model)
