@@ -489,11 +489,11 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             if any(torch.nn.utils.parametrize.is_parametrized(m) for m in below):
                 resident["computed"].append(f"'{name or '<root>'}'")
                 continue
-            params = [p for m in below for p in m._parameters.values() if p is not None]
-            if not params or not all(p.is_floating_point() for p in params):
+            # Parameters that are not floating point (raw bytes its forward decodes, e.g.
+            # diffusers' GGUF blocks) cross as they are, frozen (engine.h, add_group).
+            if not any(p is not None for m in below for p in m._parameters.values()):
                 raise LayerstreamError(
-                    f"offload(groups=...) names module '{name or '<root>'}', which has "
-                    f"{'no parameters' if not params else 'non-floating-point parameters'} to stream")
+                    f"offload(groups=...) names module '{name or '<root>'}', which has no parameters to stream")
             grouped.append(name)
             _WHOLE_GROUPS.add(module)
             candidates.append((name, module, "group"))

@@ -474,6 +474,37 @@ def test_peft_lora_over_diffusers_gguf_layers_streams_and_matches(offload_sim):
                                                                                 if not torch.equal(a, b)]
 
 
+class _Pair(nn.Module):
+    """A custom block around two GGUFLinear layers, streamed whole with offload(groups=...)."""
+
+    def __init__(self, a, b):
+        super().__init__()
+        self.a, self.b = a, b
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.b(torch.nn.functional.gelu(self.a(x))))
+
+
+def test_a_custom_group_holding_diffusers_gguf_layers_streams_their_blocks(offload_sim):
+    """offload(groups=...) on a module whose parameters include GGUF blocks (uint8): they
+    cross as they are inside the group's slot and the layers' own forwards decode them;
+    outputs and input gradients equal the resident model's."""
+    def build():
+        n, k = _DiffusersGgufNet(), _DiffusersGgufNet()
+        return nn.Sequential(_Pair(n.blocks[0], n.blocks[1]), _Pair(n.blocks[2], n.blocks[3]),
+                             _Pair(k.blocks[0], k.blocks[1]), _Pair(k.blocks[2], k.blocks[3]), n.head)
+    model, ref = build(), build()
+    handle = offload_sim(model, budget="220KiB", slots=2, groups=["0", "1", "2", "3"])
+    assert handle.stats()["group_layers"] == 4 and handle.layers == ["0", "1", "2", "3"]
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = model(xs), ref(xr)
+    assert torch.equal(out, want)
+    out.float().square().mean().backward()
+    want.float().square().mean().backward()
+    assert torch.equal(xs.grad, xr.grad)
+
+
 def test_the_original_systems_api_leaves_diffusers_gguf_layers_resident_and_says_offload_streams_them():
     """layerstream.compat streams Linear and conv layers only (as the original system):
     a diffusers GGUFLinear stays resident there, computing as before, and the warning
