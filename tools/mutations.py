@@ -837,6 +837,12 @@ MUTATIONS = [
         "the slot's view of diffusers' GGUF blocks is handed to its forward as a plain uint8 tensor, which "
         "diffusers' dequantize passes through undecoded"),
     Mutation(
+        "custom-group-refuses-raw-bytes", "python/layerstream/_discovery.py",
+        "            if not any(p is not None for m in below for p in m._parameters.values()):",
+        "            if not all(p.is_floating_point() for m in below for p in m._parameters.values() if p is not None):",
+        [P + "test_gguf.py::test_a_custom_group_holding_diffusers_gguf_layers_streams_their_blocks"],
+        "offload(groups=...) refuses a module holding diffusers' GGUF blocks (non-float parameters)"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
