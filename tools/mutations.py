@@ -789,23 +789,24 @@ MUTATIONS = [
         "a weight cast as it is read (the file holds another dtype) reads every chunk of the temporary from the "
         "tensor's start: values past the first 64 MiB are the first chunk's again"),
     Mutation(
-        "cast-as-read-streams-the-files-bytes", "python/layerstream/_host_plan.py",
-        "    return isinstance(p, FileWeight) and not p.requires_grad and p.file_dtype == p.dtype",
-        "    return isinstance(p, FileWeight) and not p.requires_grad",
-        [P + "test_host_tier.py::test_a_checkpoint_in_another_float_dtype_is_cast_as_offload_reads_it"],
+        "cast-as-read-streams-the-files-bytes", "csrc/core/host_tier.cpp",
+        "  return linear && frozen && as_stored && (dense || (cache_dir && format != \"lossless\"));",
+        "  return linear && frozen && (dense || (cache_dir && format != \"lossless\"));",
+        [P + "test_host_tier.py::test_a_checkpoint_in_another_float_dtype_is_cast_as_offload_reads_it",
+         P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
         "a frozen weight whose file holds another dtype is left on the disk tier, which streams the file's bytes "
-        "as they are (a wrong size, or another dtype's bits)"),
+        "as they are (a wrong size, or another dtype's bits); `layerstream plan --dense-dtype` plans it there"),
     Mutation(
         "plan-disk-takes-cast-layers", "tools/cli/cmd_plan.cpp",
-        "!opt.training && !l.group && !l.cast &&",
-        "!opt.training && !l.group &&",
+        "                                                    !l.cast, to_string(opt.quantize), true));",
+        "                                                    true, to_string(opt.quantize), true));",
         [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
         "`layerstream plan --dense-dtype` plans layers cast from the checkpoint's dtype on the disk tier, which "
         "offload() reads into RAM"),
     Mutation(
         "plan-disk-takes-convolutions", "tools/cli/cmd_plan.cpp",
-        "                        l.weight_shape.size() == 2 && opt.quantize != Quantization::Lossless);",
-        "                        opt.quantize != Quantization::Lossless);",
+        "host_tier::may_stay_in_file(!l.group && l.weight_shape.size() == 2, !opt.training,",
+        "host_tier::may_stay_in_file(!l.group, !opt.training,",
         [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
         "`layerstream plan --host-budget` plans convolutions on the disk tier; load_safetensors() leaves only "
         "Linear weights in the file"),

@@ -70,6 +70,11 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
   return p;
 }
 
+bool may_stay_in_file(bool linear, bool frozen, bool as_stored, const std::string& format, bool cache_dir) {
+  const bool dense = format.empty() || format == "none";
+  return linear && frozen && as_stored && (dense || (cache_dir && format != "lossless"));
+}
+
 int64_t default_host_budget() {
   const HostMemory m = host_memory();
   if (m.total_bytes == 0) return kUnlimited;

@@ -66,6 +66,15 @@ struct Plan {
 // the layers that must be in RAM plus two entries.
 Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_budget, int prefetch);
 
+// Whether a streamed layer may stay in its file (Layer::from_file): the rule
+// offload() and `layerstream plan --host-budget` share. A frozen Linear weight
+// (and bias) that the file holds in the model's dtype (`as_stored`: not cast
+// as read, docs/design/host-tier.md "Cast as read"), streamed as it is or,
+// with a cache directory, packed in the quantization cache
+// (core/io/quant_cache.h); never lossless, which is coded in RAM. `format`:
+// "" or "none" for none, else the quantization format's name.
+bool may_stay_in_file(bool linear, bool frozen, bool as_stored, const std::string& format, bool cache_dir);
+
 // The default host budget: what this machine can give now (MemAvailable of
 // /proc/meminfo) minus a margin of 10% of MemTotal (at least 2 GiB) for the
 // process and the system; kUnlimited when /proc/meminfo cannot be read.

@@ -294,6 +294,8 @@ PYBIND11_MODULE(_C, m) {
     return d;
   }, py::arg("parts"));
 
+  m.def("may_stay_in_file", &host_tier::may_stay_in_file, py::arg("linear"), py::arg("frozen"),
+        py::arg("as_stored"), py::arg("format"), py::arg("cache_dir"));  // core/host_tier.h
   // The host budget plan (core/host_tier.h): layers = [(name, bytes,
   // from_file, grad_bytes)]; budgets in bytes, -1 = unlimited.
   m.def("host_tier_plan",

@@ -41,12 +41,6 @@ def _read_in(model: nn.Module, p, engine=None):
     return new
 
 
-def _as_in_file(p) -> bool:
-    """Whether a weight can stream from its file on every use: a frozen FileWeight whose
-    file holds its dtype (a cast one is read into RAM: docs/design/host-tier.md)."""
-    return isinstance(p, FileWeight) and not p.requires_grad and p.file_dtype == p.dtype
-
-
 class _HostTier(NamedTuple):
     """offload() step 3's result: the layers on disk, the plan as numbers, and the
     packed weights of quantized layers on disk (their ranges in the cache file)."""
@@ -78,10 +72,13 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
         _read_in_deferred(model, deferred)
         return _HostTier(set(), None, {})
 
-    def from_file(t) -> bool:  # t: an offload() _Candidate
+    def from_file(t) -> bool:  # t: an offload() _Candidate; the rule: core/host_tier.h
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
-        return (t.kind == "linear" and (t.fmt is None or (cache_dir is not None and t.fmt != "lossless"))
-                and t.pre is None and _as_in_file(w) and (b is None or _as_in_file(b)))
+        files = [p for p in (w, b) if p is not None]
+        if t.pre is not None or not isinstance(w, FileWeight) or not all(isinstance(p, FileWeight) for p in files):
+            return False
+        return _C.may_stay_in_file(t.kind == "linear", not any(p.requires_grad for p in files),
+                                   all(p.file_dtype == p.dtype for p in files), t.fmt or "", cache_dir is not None)
 
     def grad_bytes(t) -> int:  # its gradient's host staging buffer (training), as the engine sizes it
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)

@@ -211,7 +211,7 @@ class MemoryManager:
             if id(sub) in ignored_modules or id(sub) in adapters:
                 continue
             kind = _is_streamable(sub)
-            if kind == "group" and _is_diffusers_gguf(sub) and id(sub) not in ignored_modules:
+            if kind == "group" and _is_diffusers_gguf(sub):
                 resident.setdefault(_REASON_TEXT["diffusers_gguf"], []).append(_resident_label(name, sub, "custom"))
                 continue
             if kind not in ("linear", "conv"):

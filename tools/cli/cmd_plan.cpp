@@ -346,13 +346,14 @@ int cmd_plan(int argc, char** argv) {
     } catch (const Error& e) {
       return usage_error("--host-budget: " + e.message());
     }
-    // What offload() may leave in the file: frozen Linear weights that
-    // load_safetensors() read as they are (not cast; not convolutions or
-    // tensor groups; packed in the cache file if quantized, but not lossless).
+    // What offload() may leave in the file (the rule: core/host_tier.h), a
+    // Linear taken as a 2-D weight outside a group; quantized ones are planned
+    // packed in offload(cache_dir=)'s cache file.
     std::vector<bool> disk_ok;
     for (const auto& l : desc.layers)
-      disk_ok.push_back(have_checkpoint && !gguf && !opt.training && !l.group && !l.cast &&
-                        l.weight_shape.size() == 2 && opt.quantize != Quantization::Lossless);
+      disk_ok.push_back(have_checkpoint && !gguf &&
+                        host_tier::may_stay_in_file(!l.group && l.weight_shape.size() == 2, !opt.training,
+                                                    !l.cast, to_string(opt.quantize), true));
     host_disk_section(plan, in.layers, disk_ok, host_budget, disk_gbps, &host_text, &host_json);
   }
 
