@@ -844,6 +844,13 @@ MUTATIONS = [
         [P + "test_gguf.py::test_a_custom_group_holding_diffusers_gguf_layers_streams_their_blocks"],
         "offload(groups=...) refuses a module holding diffusers' GGUF blocks (non-float parameters)"),
     Mutation(
+        "cpp-swap-ignores-held-children", "csrc/torch/offload.cpp",
+        "      if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 2)",
+        "      if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 1000)",
+        ["gtest:test_torch_offload:TorchOffload.ATorchLinearHeldOutsideTheRegistryIsRefusedNamingTheFix"],
+        "C++ offload() swaps a torch::nn::Linear its parent calls through a member: the old module goes on "
+        "computing unstreamed"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

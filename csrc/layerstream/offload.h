@@ -17,16 +17,19 @@
 // offload(root, options) walks root's module tree and
 //  * attaches every layerstream::nn::* module (an Embedding only without
 //    max_norm), and
-//  * swaps every registered torch::nn::Linear / Conv*d child for a streamed
+//  * swaps a registered torch::nn::Linear / Conv*d child for a streamed
 //    module sharing the same parameters (same named_parameters() names) via
-//    Module::replace_module. LibTorch limitation: a parent that calls a child
-//    through its own ModuleHolder member (`fc->forward(x)`) keeps calling the
-//    old module; such code should declare the member as layerstream::nn::Linear
-//    (or re-read the child from the registry). Children of Sequential /
-//    ModuleList / ModuleDict cannot be swapped (their element lists are
-//    private): offload() throws naming them, so nothing runs unstreamed
-//    silently. torch::nn::Embedding is never swapped (it stays resident):
-//    declare the member as layerstream::nn::Embedding to stream a table.
+//    Module::replace_module, when nothing but its parent's registry holds it
+//    (a parent that re-reads its children from the registry). A child held
+//    elsewhere, by a ModuleHolder member (`torch::nn::Linear fc{nullptr}`: how
+//    C++ modules usually call their children) or a variable of the caller's,
+//    would go on being called unswapped: offload() throws naming it, before
+//    anything changes; declare the member as layerstream::nn::Linear / Conv*d,
+//    or exclude it. Children of Sequential / ModuleList / ModuleDict cannot be
+//    swapped either (their element lists are private): offload() throws
+//    naming them, so nothing runs unstreamed silently. torch::nn::Embedding
+//    is never swapped (it stays resident): declare the member as
+//    layerstream::nn::Embedding to stream a table.
 // Tied weights (one weight parameter of several modules, e.g. an output
 // projection sharing a layerstream::nn::Embedding's table) stream when every
 // module that has it streams: they read one host copy, unquantized (with a

@@ -448,10 +448,9 @@ TEST(TorchOffload, WriteToQuantizedWeightIsRefusedUntilRequantized) {
 // freed layerstream::nn::Linear: a write into freed memory that only
 // tools/sanitize.sh's AddressSanitizer sees).
 struct SwappedImpl : torch::nn::Module {
-  torch::nn::Linear fc{nullptr};
   layerstream::nn::Linear ours{nullptr};
   SwappedImpl() {
-    fc = register_module("fc", torch::nn::Linear(8, 8));
+    register_module("fc", torch::nn::Linear(8, 8));  // held by the registry only: swapped
     ours = register_module("ours", layerstream::nn::Linear(8, 8));
   }
 };
@@ -481,17 +480,27 @@ TEST(TorchOffload, HandleOutlivingItsModelDetachesWithoutTouchingIt) {
 // the clone streamed (and trained: its own weights got no gradient) the original's
 // weights. It throws, also for a swapped torch::nn::Linear (torch's own message said
 // "a different type"); after detach() it clones like torch.
+// Calls a torch::nn::Linear child through its parent's registry, whichever module
+// is there now: the one way such a child streams (a ModuleHolder member would keep
+// calling the module offload() swapped out).
+torch::Tensor call_registered(torch::nn::Module& parent, const std::string& name, const torch::Tensor& x) {
+  const auto m = parent.named_children()[name];
+  if (const auto s = std::dynamic_pointer_cast<layerstream::nn::LinearImpl>(m)) return s->forward(x);
+  return std::dynamic_pointer_cast<torch::nn::LinearImpl>(m)->forward(x);
+}
+
 struct CloneNetImpl : torch::nn::Cloneable<CloneNetImpl> {
-  torch::nn::Linear fc{nullptr};
   layerstream::nn::Linear ours{nullptr};
   layerstream::nn::Embedding table{nullptr};
   CloneNetImpl() { reset(); }
   void reset() override {
     table = register_module("table", layerstream::nn::Embedding(10, 8));
-    fc = register_module("fc", torch::nn::Linear(8, 8));
+    register_module("fc", torch::nn::Linear(8, 8));  // no member: offload() swaps it
     ours = register_module("ours", layerstream::nn::Linear(8, 4));
   }
-  torch::Tensor forward(const torch::Tensor& ids) { return ours(torch::relu(fc(table(ids)))); }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    return ours(torch::relu(call_registered(*this, "fc", table(ids))));
+  }
 };
 TORCH_MODULE(CloneNet);
 
@@ -530,6 +539,66 @@ TEST(TorchOffload, CloneOfAnOffloadedModelThrowsAndWorksAfterDetach) {
   EXPECT_TRUE(copy->table->weight.grad().defined());
   EXPECT_FALSE(net->ours->weight.grad().defined());  // the copy's own parameters
   EXPECT_NE(copy->ours->weight.data_ptr(), net->ours->weight.data_ptr());
+}
+
+// A torch::nn::Linear held outside its parent's registry (a ModuleHolder member,
+// the usual way a C++ module calls a child, or a variable of the caller's) went on
+// being called after offload() swapped it: on the sim device it computed unstreamed
+// and outside the budget with no error, on CUDA it met a device mismatch. offload()
+// refuses it, naming it and the fix, before anything changes.
+struct HeldImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  layerstream::nn::Linear ours{nullptr};
+  HeldImpl() {
+    fc = register_module("fc", torch::nn::Linear(16, 16));
+    ours = register_module("ours", layerstream::nn::Linear(16, 16));
+    register_module("free", torch::nn::Linear(16, 16));  // held by the registry only
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return ours(torch::relu(fc(x))) + call_registered(*this, "free", x); }
+};
+TORCH_MODULE(Held);
+
+TEST(TorchOffload, ATorchLinearHeldOutsideTheRegistryIsRefusedNamingTheFix) {
+  torch::manual_seed(0);
+  Held net;
+  const auto x = torch::randn({4, 16});
+  const auto expected = net->forward(x);
+  const void* weight = net->fc->weight.data_ptr();
+  try {
+    layerstream::offload(*net, sim_options());
+    FAIL() << "offload() swapped a torch::nn::Linear its parent calls through a member";
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("cannot stream 'fc':"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("layerstream::nn::Linear"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("'free'"), std::string::npos) << msg;  // the registry alone holds it
+  }
+  // Nothing changed: the same weights in place, nothing attached or swapped.
+  EXPECT_EQ(net->fc->weight.data_ptr(), weight);
+  EXPECT_FALSE(net->ours->attached());
+  EXPECT_TRUE(std::dynamic_pointer_cast<torch::nn::LinearImpl>(net->named_children()["free"]));
+  EXPECT_TRUE(torch::equal(net->forward(x), expected));
+
+  // A variable of the caller's holds a child as a member does.
+  auto keep = net->named_children()["free"];
+  auto o = sim_options();
+  o.exclude = {"fc"};
+  try {
+    layerstream::offload(*net, o);
+    FAIL() << "offload() swapped a torch::nn::Linear the caller still holds";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot stream 'free':"), std::string::npos) << e.what();
+  }
+  keep.reset();
+  // Excluded, the held one stays resident; the others stream (the swapped one too).
+  auto handle = layerstream::offload(*net, o);
+  EXPECT_EQ(handle->layers(), (std::vector<std::string>{"ours", "free"}));
+  const auto before = handle->stats().h2d_bytes;
+  const auto got = net->forward(x);
+  EXPECT_TRUE(torch::equal(got, expected)) << (got - expected).abs().max();
+  const uint64_t streamed = 2 * (16 * 16 + 16) * sizeof(float);
+  EXPECT_EQ(handle->stats().h2d_bytes - before, streamed);
+  handle->detach();
 }
 
 TEST(TorchOffload, SuspendFreesTheSlotsAndResumeContinuesExactly) {
