@@ -851,6 +851,19 @@ MUTATIONS = [
         "C++ offload() swaps a torch::nn::Linear its parent calls through a member: the old module goes on "
         "computing unstreamed"),
     Mutation(
+        "cpp-torch-load-replaces-streamed-tensors", "csrc/torch/offload.cpp",
+        "  if (!engine_) return false;\n  const std::string name = engine_->layer_name(index_);",
+        "  if (engine_ || !engine_) return false;\n  const std::string name = engine_->layer_name(index_);",
+        ["gtest:test_torch_offload:TorchOffload.TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace"],
+        "torch::load() into an offloaded C++ model replaces the streamed tensors (LibTorch's set_)"),
+    Mutation(
+        "cpp-torch-load-leaves-the-watch-stale", "csrc/torch/offload.cpp",
+        "    if (w.packed) engine_->watch_weight(index_, w.param);",
+        "",
+        ["gtest:test_torch_offload:TorchOffload.TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace"],
+        "torch::load() into a quantized streamed layer: its write to the dense parameter is refused at the "
+        "next call"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -206,6 +206,14 @@ class StreamedBase {
   // clone() once attached throws: the copy would keep this binding, streaming (and
   // training) the original's weights instead of its own.
   void refuse_clone() const;
+  // torch::load() into the module once attached (each module's load() override):
+  // LibTorch's archive replaces every tensor (set_), which the engine would refuse
+  // at the next call; instead the values are read first (a missing tensor or a
+  // shape that differs throws, nothing written), then written in place, cast to
+  // the parameter's dtype: a weight quantized by offload() is packed again
+  // (Engine::requantize). Not concurrently with a call of the model. Returns
+  // false when not attached (torch's load then runs).
+  bool load_in_place(torch::nn::Module& self, torch::serialize::InputArchive& archive);
   std::shared_ptr<Engine> engine_;
   int index_ = -1;
 };
@@ -225,6 +233,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public StreamedBase 
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
+  void load(torch::serialize::InputArchive& archive) override;  // see StreamedBase::load_in_place
 
   torch::nn::LinearOptions options;
   torch::Tensor weight, bias;
@@ -246,6 +255,7 @@ class ConvImpl : public torch::nn::Cloneable<ConvImpl<D>>, public StreamedBase {
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
+  void load(torch::serialize::InputArchive& archive) override;  // see StreamedBase::load_in_place
 
   torch::nn::ConvOptions<D> options;
   torch::Tensor weight, bias;
@@ -269,6 +279,7 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Streame
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
+  void load(torch::serialize::InputArchive& archive) override;  // see StreamedBase::load_in_place
 
   torch::nn::EmbeddingOptions options;  // padding_idx normalized to a row index
   torch::Tensor weight;

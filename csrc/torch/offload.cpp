@@ -81,6 +81,50 @@ void StreamedBase::refuse_clone() const {
            "detach() first.");
 }
 
+bool StreamedBase::load_in_place(torch::nn::Module& self, torch::serialize::InputArchive& archive) {
+  if (!engine_) return false;
+  const std::string name = engine_->layer_name(index_);
+  const std::string format = engine_->layer_format(index_);
+  // Read everything first: an archive without a tensor, or with another shape,
+  // leaves the layer as it was.
+  struct Write {
+    torch::Tensor param, value;
+    bool packed;  // a weight offload() quantized: its host copy is packed again
+  };
+  std::vector<Write> writes;
+  for (const auto& p : self.named_parameters(/*recurse=*/false)) {
+    torch::Tensor value;
+    LS_CHECK(archive.try_read(p.key(), value), "torch::load() into streamed layer '", name, "': the archive has "
+             "no '", p.key(), "'");
+    const bool packed = p.key() == "weight" && !format.empty();  // "": dense, or coded from dense
+    // A packed weight's dense parameter may have been freed (offload.h): its shape
+    // is checked by requantize().
+    LS_CHECK(packed || value.sizes() == p.value().sizes(), "torch::load() into streamed layer '", name, "': '",
+             p.key(), "' has shape ", value.sizes(), " in the archive but ", p.value().sizes(), " in the model");
+    writes.push_back({p.value(), value, packed});
+  }
+  torch::NoGradGuard ng;
+  for (const auto& w : writes)  // first: it refuses (lossless-coded, pre-packed) before anything changes
+    if (w.packed) engine_->requantize(index_, w.value);
+  for (const auto& w : writes) {
+    if (w.packed && w.param.sizes() != w.value.sizes()) continue;  // freed: the packed copy is the weight
+    w.param.copy_(w.value);
+    if (w.packed) engine_->watch_weight(index_, w.param);  // this write is the one just packed
+  }
+  return true;
+}
+
+void LinearImpl::load(torch::serialize::InputArchive& archive) {
+  if (!load_in_place(*this, archive)) torch::nn::Module::load(archive);
+}
+template <size_t D>
+void ConvImpl<D>::load(torch::serialize::InputArchive& archive) {
+  if (!this->load_in_place(*this, archive)) torch::nn::Module::load(archive);
+}
+void EmbeddingImpl::load(torch::serialize::InputArchive& archive) {
+  if (!load_in_place(*this, archive)) torch::nn::Module::load(archive);
+}
+
 std::shared_ptr<torch::nn::Module> LinearImpl::clone(const std::optional<torch::Device>& device) const {
   refuse_clone();
   return torch::nn::Cloneable<LinearImpl>::clone(device);

@@ -5,7 +5,9 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -440,6 +442,118 @@ TEST(TorchOffload, WriteToQuantizedWeightIsRefusedUntilRequantized) {
   EXPECT_THROW(handle->engine()->requantize(0, torch::zeros({32, 63})), std::exception);
   handle->detach();
   fresh_handle->detach();
+}
+
+// torch::load() into an offloaded model: LibTorch's archive replaced each tensor
+// (set_), so the next call refused the model ("replaced or moved after
+// offload()"). The streamed modules read the values and write them in place.
+struct LoadNetImpl : torch::nn::Module {
+  layerstream::nn::Embedding table{nullptr};
+  layerstream::nn::Conv1d conv{nullptr};
+  layerstream::nn::Linear fc{nullptr}, head{nullptr};
+  LoadNetImpl() {
+    table = register_module("table", layerstream::nn::Embedding(20, 16));
+    conv = register_module("conv", layerstream::nn::Conv1d(torch::nn::Conv1dOptions(16, 16, 3).padding(1)));
+    fc = register_module("fc", layerstream::nn::Linear(16, 64));
+    head = register_module("head", layerstream::nn::Linear(64, 8));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto h = conv(table(ids).transpose(1, 2)).transpose(1, 2);
+    return head(torch::relu(fc(torch::relu(h))));
+  }
+};
+TORCH_MODULE(LoadNet);
+
+std::string temp_path(const std::string& leaf) {
+  return (std::filesystem::temp_directory_path() / (std::to_string(getpid()) + "-" + leaf)).string();
+}
+
+TEST(TorchOffload, TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace) {
+  torch::manual_seed(0);
+  LoadNet saved, model;
+  const std::string path = temp_path("loadnet.pt");
+  torch::save(saved, path);
+  const auto ids = torch::randint(0, 20, {2, 7});
+  const auto want = saved->forward(ids);
+  auto o = sim_options();
+  o.budget_bytes = 9000;  // two slots of the largest layer (fc, 4.25 KiB) and no more: every layer streams
+  auto handle = layerstream::offload(*model, o);
+  ASSERT_EQ(handle->layers().size(), 4u) << handle->plan();
+  EXPECT_FALSE(torch::equal(model->forward(ids), want));
+  std::vector<const void*> where;
+  for (const auto& p : model->parameters()) where.push_back(p.data_ptr());
+  torch::load(model, path);
+  for (size_t i = 0; i < where.size(); ++i) EXPECT_EQ(model->parameters()[i].data_ptr(), where[i]) << i;
+  EXPECT_TRUE(torch::equal(model->forward(ids), want));
+  model->forward(ids).sum().backward();  // trains on as before
+  EXPECT_TRUE(model->fc->weight.grad().defined());
+
+  // An archive of another shape: an error naming it, nothing written.
+  struct Small : torch::nn::Module {
+    layerstream::nn::Linear fc{nullptr};
+    Small() { fc = register_module("fc", layerstream::nn::Linear(16, 16)); }
+  };
+  auto other = std::make_shared<Small>();
+  const std::string small = temp_path("small.pt");
+  torch::save(other, small);
+  try {
+    torch::load(model->fc, small);
+    FAIL() << "torch::load() of another shape into a streamed layer did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("the archive has no 'weight'"), std::string::npos) << e.what();
+  }
+  torch::serialize::OutputArchive bad;
+  bad.write("weight", torch::zeros({32, 15}));
+  bad.write("bias", torch::zeros({64}));
+  bad.save_to(small);
+  try {
+    torch::load(model->fc, small);
+    FAIL() << "torch::load() of another shape into a streamed layer did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("'weight' has shape [32, 15] in the archive but [64, 16]"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(torch::equal(model->forward(ids), want));
+  handle->detach();
+  std::remove(small.c_str());
+
+  // Quantized: the packed host copy is packed again from the loaded values, and
+  // the write to the dense parameter is not refused at the next call.
+  LoadNet frozen, reference;
+  torch::load(reference, path);
+  for (auto* m : {&frozen, &reference})
+    for (auto& p : (*m)->parameters()) p.requires_grad_(false);
+  o.quantize = "int8";
+  o.budget_bytes = -1;  // no plan: every layer streams
+  auto qh = layerstream::offload(*frozen, o);
+  auto rh = layerstream::offload(*reference, o);
+  EXPECT_FALSE(torch::equal(frozen->forward(ids), reference->forward(ids)));
+  torch::load(frozen, path);
+  EXPECT_TRUE(torch::equal(frozen->forward(ids), reference->forward(ids)));
+  qh->detach();
+  rh->detach();
+
+  // Lossless-coded frozen weights cannot take new values in place: an error
+  // before anything is written.
+  LoadNet coded;
+  for (auto& p : coded->parameters()) p.requires_grad_(false);
+  const auto coded_before = coded->forward(ids);
+  o.quantize = "lossless";
+  auto ch = layerstream::offload(*coded, o);
+  torch::serialize::OutputArchive fc_values;
+  fc_values.write("weight", saved->fc->weight.detach());
+  fc_values.write("bias", saved->fc->bias.detach());
+  fc_values.save_to(small);
+  try {
+    torch::load(coded->fc, small);
+    FAIL() << "torch::load() into a lossless-coded frozen layer did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("lossless-coded"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(torch::equal(coded->forward(ids), coded_before));
+  ch->detach();
+  std::remove(small.c_str());
+  std::remove(path.c_str());
 }
 
 // A handle that outlives its model: detach() and saved_activations() must not
