@@ -23,9 +23,9 @@
 //    (a parent that re-reads its children from the registry). A child held
 //    elsewhere, by a ModuleHolder member (`torch::nn::Linear fc{nullptr}`: how
 //    C++ modules usually call their children) or a variable of the caller's,
-//    would go on being called unswapped: offload() throws naming it, before
-//    anything changes; declare the member as layerstream::nn::Linear / Conv*d,
-//    or exclude it. Children of Sequential / ModuleList / ModuleDict cannot be
+//    would go on being called unswapped: when the plan streams it, offload()
+//    throws naming it, before anything changes; declare the member as
+//    layerstream::nn::Linear / Conv*d, or exclude it. Children of Sequential / ModuleList / ModuleDict cannot be
 //    swapped either (their element lists are private): offload() throws
 //    naming them, so nothing runs unstreamed silently. torch::nn::Embedding
 //    is never swapped (it stays resident): declare the member as

@@ -455,24 +455,6 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       items.push_back(Item{name, parent, named.value(), child.key(), m});
     }
   }
-  // A torch::nn::Linear / Conv*d is swapped in its parent's registry only. Anyone
-  // else who holds it would go on calling the old module on weights moved to the
-  // host: unstreamed and outside the budget on the sim device (no error at all), a
-  // device mismatch on CUDA. C++ modules call their children through ModuleHolder
-  // members (`torch::nn::Linear fc{nullptr}`), which hold them, so this is the usual
-  // case. Owners now: the registry, `items`, and whoever else (use_count()).
-  {
-    std::string held;
-    for (const auto& it : items)
-      if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 2)
-        held += (held.empty() ? "'" : ", '") + it.name + "'";
-    LS_CHECK(held.empty(), "cannot stream ", held, ": torch::nn modules that are held outside their parent's "
-             "registry (a member `torch::nn::Linear fc{nullptr}` through which the parent calls it, or a "
-             "variable of yours). offload() can swap a torch::nn::Linear/Conv*d child only in the registry, "
-             "so such a holder would go on calling the old module on weights moved to host memory. Declare "
-             "the members as layerstream::nn::Linear / Conv1d / Conv2d / Conv3d (drop-in replacements: same "
-             "options and parameter names), or exclude them (OffloadOptions::exclude); nothing was changed");
-  }
   // Pass 2: ties.
   std::vector<policy::TieCandidate> described;
   for (const auto& it : items) {
@@ -589,6 +571,26 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       else streaming.push_back(std::move(it));
     }
     items = std::move(streaming);
+  }
+  // A torch::nn::Linear / Conv*d is swapped in its parent's registry only. Anyone
+  // else who holds it would go on calling the old module on weights moved to the
+  // host: unstreamed and outside the budget on the sim device (no error at all), a
+  // device mismatch on CUDA. C++ modules call their children through ModuleHolder
+  // members (`torch::nn::Linear fc{nullptr}`), which hold them, so this is the usual
+  // case. Layers the plan keeps resident are not swapped: they may be held. Owners
+  // now: the registry, `items`, and whoever else (use_count()).
+  {
+    std::string held;
+    for (const auto& it : items)
+      if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 2)
+        held += (held.empty() ? "'" : ", '") + it.name + "'";
+    LS_CHECK(held.empty(), "cannot stream ", held, ": torch::nn modules that are held outside their parent's "
+             "registry (a member `torch::nn::Linear fc{nullptr}` through which the parent calls it, or a "
+             "variable of yours). offload() can swap a torch::nn::Linear/Conv*d child only in the registry, "
+             "so such a holder would go on calling the old module on weights moved to host memory. Declare "
+             "the members as layerstream::nn::Linear / Conv1d / Conv2d / Conv3d (drop-in replacements: same "
+             "options and parameter names), or exclude them (OffloadOptions::exclude: they stay resident, as a budget that holds them keeps "
+             "them); nothing was changed");
   }
   auto engine = Engine::create(engine_options);
   handle->engine_ = engine;

@@ -659,7 +659,7 @@ TEST(TorchOffload, CloneOfAnOffloadedModelThrowsAndWorksAfterDetach) {
 // the usual way a C++ module calls a child, or a variable of the caller's) went on
 // being called after offload() swapped it: on the sim device it computed unstreamed
 // and outside the budget with no error, on CUDA it met a device mismatch. offload()
-// refuses it, naming it and the fix, before anything changes.
+// refuses it when the plan streams it, naming it and the fix, before anything changes.
 struct HeldImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
   layerstream::nn::Linear ours{nullptr};
@@ -693,9 +693,20 @@ TEST(TorchOffload, ATorchLinearHeldOutsideTheRegistryIsRefusedNamingTheFix) {
   EXPECT_TRUE(std::dynamic_pointer_cast<torch::nn::LinearImpl>(net->named_children()["free"]));
   EXPECT_TRUE(torch::equal(net->forward(x), expected));
 
+  // A budget that holds every layer keeps them resident: nothing is swapped.
+  auto o = sim_options();
+  o.budget_bytes = 1 << 20;
+  {
+    auto handle = layerstream::offload(*net, o);
+    EXPECT_TRUE(handle->layers().empty());
+    EXPECT_EQ(handle->resident_layers(), (std::vector<std::string>{"fc", "ours", "free"}));
+    EXPECT_TRUE(torch::equal(net->forward(x), expected));
+    handle->detach();
+  }
+  o.budget_bytes = -1;
+
   // A variable of the caller's holds a child as a member does.
   auto keep = net->named_children()["free"];
-  auto o = sim_options();
   o.exclude = {"fc"};
   try {
     layerstream::offload(*net, o);
