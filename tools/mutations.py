@@ -864,6 +864,19 @@ MUTATIONS = [
         "torch::load() into a quantized streamed layer: its write to the dense parameter is refused at the "
         "next call"),
     Mutation(
+        "cpp-conv-padding-mode-ignored", "csrc/torch/offload.cpp",
+        "  if (engine_) return engine_->conv(index_, in);",
+        "  if (engine_) return engine_->conv(index_, x);",
+        ["gtest:test_torch_offload:TorchOffload.ConvPaddingModesPadTheInputAsTheTorchModuleDoes"],
+        "an attached layerstream::nn::Conv with padding_mode reflect/replicate/circular convolves the unpadded "
+        "input"),
+    Mutation(
+        "conv-padding-mode-ignored", "python/layerstream/_forward.py",
+        "        return x if self._pad is None else torch.nn.functional.pad(x, self._pad[0], mode=self._pad[1])",
+        "        return x",
+        [P + "test_parity_layers.py::test_conv_padding_modes_stream_padding_the_input_as_torch_does"],
+        "a streamed conv with padding_mode reflect/replicate/circular convolves the unpadded input"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

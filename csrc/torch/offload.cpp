@@ -24,6 +24,42 @@ bool glob_any(const std::vector<std::string>& patterns, const std::string& name)
   return false;
 }
 
+// A padding_mode other than zeros pads the input (F::pad) and convolves without
+// padding, as torch::nn::ConvNdImpl does: the pads, last dimension first as F::pad
+// takes them (its _reversed_padding_repeated_twice). Empty for zero padding.
+template <size_t D>
+std::vector<int64_t> mode_pads(const torch::nn::ConvOptions<D>& o) {
+  if (std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) return {};
+  std::vector<int64_t> pads(2 * D, 0);
+  const auto& pad = o.padding();
+  if (std::holds_alternative<torch::enumtype::kSame>(pad)) {
+    // LibTorch's ConvNdImpl::reset() fills these in dimension order, unlike torch.nn's
+    // Python module (which reverses them): the same here, so that the layer computes
+    // what the torch::nn module computes.
+    for (size_t i = 0; i < D; ++i) {
+      const int64_t total = (*o.dilation())[i] * ((*o.kernel_size())[i] - 1);
+      pads[2 * i] = total / 2;
+      pads[2 * i + 1] = total - total / 2;
+    }
+  } else if (!std::holds_alternative<torch::enumtype::kValid>(pad)) {
+    const auto& arr = std::get<torch::ExpandingArray<D>>(pad);
+    for (size_t i = 0; i < D; ++i) pads[2 * i] = pads[2 * i + 1] = (*arr)[D - 1 - i];
+  }
+  return pads;
+}
+
+template <size_t D>
+torch::Tensor pad_for_mode(const torch::nn::ConvOptions<D>& o, const torch::Tensor& x) {
+  const std::vector<int64_t> pads = mode_pads<D>(o);
+  if (pads.empty()) return x;
+  namespace F = torch::nn::functional;
+  const auto& m = o.padding_mode();
+  F::PadFuncOptions::mode_t mode = torch::kCircular;
+  if (std::holds_alternative<torch::enumtype::kReflect>(m)) mode = torch::kReflect;
+  else if (std::holds_alternative<torch::enumtype::kReplicate>(m)) mode = torch::kReplicate;
+  return F::pad(x, F::PadFuncOptions(pads).mode(mode));
+}
+
 template <size_t D, typename Opt>
 ConvSpec spec_from(const Opt& o) {
   ConvSpec s;
@@ -32,7 +68,9 @@ ConvSpec spec_from(const Opt& o) {
   s.dilation = std::vector<int64_t>(o.dilation()->begin(), o.dilation()->end());
   s.groups = o.groups();
   const auto& pad = o.padding();
-  if (std::holds_alternative<torch::enumtype::kSame>(pad)) {
+  if (!std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
+    s.padding.assign(D, 0);  // the input comes padded (pad_for_mode)
+  } else if (std::holds_alternative<torch::enumtype::kSame>(pad)) {
     s.same = true;
   } else if (std::holds_alternative<torch::enumtype::kValid>(pad)) {
     s.padding.assign(D, 0);
@@ -232,14 +270,13 @@ ConvSpec ConvImpl<D>::spec() const {
 
 template <size_t D>
 torch::Tensor ConvImpl<D>::forward(const torch::Tensor& x) {
-  if (engine_) return engine_->conv(index_, x);
+  const torch::Tensor in = pad_for_mode<D>(options, x);
+  if (engine_) return engine_->conv(index_, in);
   const ConvSpec s = spec();
-  LS_CHECK(std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode()),
-           "layerstream::nn::Conv supports only zero padding");
   if (s.same) {
-    return torch::_convolution_mode(x, weight, bias, s.stride, "same", s.dilation, s.groups);
+    return torch::_convolution_mode(in, weight, bias, s.stride, "same", s.dilation, s.groups);
   }
-  return torch::convolution(x, weight, bias, s.stride, s.padding, s.dilation, false,
+  return torch::convolution(in, weight, bias, s.stride, s.padding, s.dilation, false,
                             std::vector<int64_t>(D, 0), s.groups);
 }
 
@@ -660,8 +697,6 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       auto swap_conv = [&](auto* conv, auto dim_tag) -> bool {
         if (!conv) return false;
         constexpr size_t D = decltype(dim_tag)::value;
-        LS_CHECK(std::holds_alternative<torch::enumtype::kZeros>(conv->options.padding_mode()),
-                 "cannot stream conv '", it.name, "': only zero padding_mode is streamed; exclude it");
         auto opts = conv_options_from<D>(conv->options);
         auto s = std::make_shared<nn::ConvImpl<D>>(opts, conv->weight, conv->bias);
         const int idx = engine->add_conv(it.name, s->weight, s->bias, s->spec(), fmt);

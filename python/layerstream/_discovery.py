@@ -8,10 +8,11 @@ import fnmatch
 import itertools
 import warnings
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _C, _peft_params
@@ -329,7 +330,9 @@ def _conv_args(module: nn.Module) -> dict:
     dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[next(t for t in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, t))]
     pad = module.padding
     same = False
-    if isinstance(pad, str):
+    if module.padding_mode != "zeros":  # the input comes padded (_StreamedForward), as torch's _conv_forward does
+        pad = (0,) * dims
+    elif isinstance(pad, str):
         if pad == "same":
             same, pad = True, (0,) * dims
         elif pad == "valid":
@@ -340,11 +343,23 @@ def _conv_args(module: nn.Module) -> dict:
                 dilation=list(module.dilation), groups=int(module.groups))
 
 
+def _mode_padding(module: nn.Module) -> Optional[Tuple[Tuple[int, ...], str]]:
+    """A conv with a padding_mode other than 'zeros' convolves its input padded by
+    F.pad, with no padding of its own (_conv_args gives the engine 0), as torch's
+    _conv_forward does: (F.pad's pads, mode); None for zero padding."""
+    if getattr(module, "padding_mode", "zeros") == "zeros":
+        return None
+    return tuple(module._reversed_padding_repeated_twice), module.padding_mode
+
+
+def _pad_for_mode(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    pad = _mode_padding(module)
+    return x if pad is None else F.pad(x, pad[0], mode=pad[1])
+
+
 # Why offload() keeps a streamable module resident: reason -> (what, why) of the one
 # warning per reason (_warn_resident), in the order they are given.
 _RESIDENT_REASONS = {
-    "padded": ("conv layer(s) with a padding_mode other than 'zeros'",
-               "not streamed; they run their original forward"),
     "computed": ("layer(s) whose weight is not a parameter of their own",
                  "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or peft's "
                  "LoRA on parameters (target_parameters) outside mixture-of-experts tensors, or by "
@@ -422,8 +437,6 @@ def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
     _RESIDENT_REASONS), "skip" for a table that is not floating point (left as it
     is, no warning), None when it streams: the rule offload() and
     layerstream.compat share (`dora`: _dora_layers() of the model)."""
-    if kind == "conv" and module.padding_mode != "zeros":
-        return "padded"
     if not _stock_forward(module, kind):
         return "custom"
     if id(module) in dora:
@@ -446,8 +459,6 @@ def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
 def _resident_label(name: str, module: nn.Module, reason: str) -> str:
     """How a resident layer is named in its reason's warning."""
     label = f"'{name or '<root>'}'"
-    if reason == "padded":
-        return f"{label} (padding_mode='{module.padding_mode}')"
     if reason == "custom":
         return f"{label} ({type(module).__qualname__})"
     if reason == "wrapped" and hasattr(module, "_hf_hook"):

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from . import _C, _dynamo_marks, _group_op
-from ._discovery import _is_experts, _reads_routed_experts_only, as_held
+from ._discovery import _is_experts, _mode_padding, _reads_routed_experts_only, as_held
 from ._standin import StandIn
 
 LayerstreamError = _C.LayerstreamError
@@ -84,7 +84,8 @@ class _StreamedForward(_RefusesCopy):
     to do instead of pickle's "Can't pickle local object"."""
 
     __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
-                 "_lookup", "_op", "_engine_id", "_op_spec", "_key", "_standin", "_bias_standin", "__weakref__")
+                 "_lookup", "_op", "_engine_id", "_op_spec", "_key", "_standin", "_bias_standin", "_pad",
+                 "__weakref__")
 
     def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
         self._lookup = kind == "embedding"
@@ -103,6 +104,7 @@ class _StreamedForward(_RefusesCopy):
         # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
         # not a Parameter (e.g. a torch quantized tensor) lives in the instance dict.
         self._params, self._attrs = module._parameters, module.__dict__
+        self._pad = _mode_padding(module) if kind == "conv" else None  # padded as torch's _conv_forward pads
 
     def __call__(self, x, *args, **kwargs):
         if args or kwargs:  # an unusual call signature: use the module's own forward
@@ -118,9 +120,13 @@ class _StreamedForward(_RefusesCopy):
                 f"torch.func.functional_call); layerstream streams the original ones. Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
+        x = self._padded(x)
         # A parameter with gradient hooks gets its gradient through autograd
         # (synchronously) so that the hooks fire: the engine checks (EngineImpl::stages_grads).
         return self._run(self._index, x)
+
+    def _padded(self, x):
+        return x if self._pad is None else torch.nn.functional.pad(x, self._pad[0], mode=self._pad[1])
 
     def _traced(self, x):
         """The call as torch.compile / torch.export record it: one layerstream operator,
@@ -132,6 +138,7 @@ class _StreamedForward(_RefusesCopy):
         # A str key: Dynamo cannot hand assume_constant_result an int attribute (torch 2.14 keeps
         # it a lazy constant; blocks compiled one by one make the layer index a SymInt).
         spec = _call_spec(self._key)
+        x = self._padded(x)
         if self._lookup:
             return self._op(x, w, self._engine_id, self._index, spec)
         b = None if self._bias_standin or not (grad and bias is not None and bias.requires_grad) else bias

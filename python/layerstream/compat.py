@@ -68,8 +68,8 @@ import torch
 import torch.nn as nn
 
 from . import _C, _peft_params
-from ._discovery import (_conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable, _resident_label,
-                         _resident_reason, _warn_resident)
+from ._discovery import (_conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable, _pad_for_mode,
+                         _resident_label, _resident_reason, _warn_resident)
 from ._guards import _RootApply, _StreamedApply, _is_compute
 from ._handle import CallHooks
 from ._offload import _move_resident
@@ -119,7 +119,6 @@ def _is_quanto_qlinear(module: nn.Module) -> bool:
 
 # The reasons _resident_reason() gives, as the sentence compat's warning shows.
 _REASON_TEXT = {
-    "padded": "a padding_mode other than 'zeros'",
     "computed": "its weight is computed (parametrize, pruning) or a plain tensor attribute",
     "custom": "a Linear/conv subclass with its own forward, which a streamed layer would drop",
     "wrapped": "its forward was replaced on the instance (a wrapper the streamed forward would drop)",
@@ -540,12 +539,8 @@ class ConvLayerMemoryManager(BaseLayerMemoryManager):
     kind = "conv"
 
     def _register(self) -> int:
-        if self.module.padding_mode != "zeros":
-            raise ValueError(
-                f"layerstream.compat: conv '{self.name}' uses padding_mode="
-                f"'{self.module.padding_mode}'; only zero padding can be streamed")
         return self.manager.engine.add_conv(self.name, self.module.weight, self.module.bias,
                                             **_conv_args(self.module))
 
     def _run(self, index, x):
-        return self.manager.engine.conv(index, x)
+        return self.manager.engine.conv(index, _pad_for_mode(self.module, x))

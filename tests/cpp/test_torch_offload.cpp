@@ -556,6 +556,59 @@ TEST(TorchOffload, TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace) {
   std::remove(path.c_str());
 }
 
+// A padding_mode other than zeros: layerstream::nn::Conv*d threw before offload()
+// and, attached, convolved with zero padding (other numbers, no error). It pads the
+// input as torch::nn::ConvNdImpl does, then streams a convolution without padding.
+template <typename TorchConv, typename Conv, typename Options>
+void expect_conv_like_torch(const char* what, const Options& options, const torch::Tensor& x) {
+  SCOPED_TRACE(what);
+  torch::manual_seed(0);
+  TorchConv ref(options);
+  struct Holder : torch::nn::Module {
+    Conv conv{nullptr};
+    explicit Holder(const Options& o) { conv = register_module("conv", Conv(o)); }
+  };
+  auto net = std::make_shared<Holder>(options);
+  {
+    torch::NoGradGuard ng;
+    net->conv->weight.copy_(ref->weight);
+    net->conv->bias.copy_(ref->bias);
+  }
+  const auto want = ref->forward(x);
+  EXPECT_TRUE(torch::equal(net->conv->forward(x), want));  // not attached: computes as torch's
+  auto handle = layerstream::offload(*net, sim_options());
+  auto xr = x.clone().requires_grad_(), xs = x.clone().requires_grad_();
+  const auto yr = ref->forward(xr), ys = net->conv->forward(xs);
+  EXPECT_TRUE(torch::equal(ys, yr));
+  yr.square().sum().backward();
+  ys.square().sum().backward();
+  EXPECT_TRUE(torch::equal(xs.grad(), xr.grad()));
+  EXPECT_TRUE(torch::equal(net->conv->weight.grad(), ref->weight.grad()));
+  EXPECT_TRUE(torch::equal(net->conv->bias.grad(), ref->bias.grad()));
+  EXPECT_GT(handle->stats().h2d_bytes, 0);
+  handle->detach();
+}
+
+TEST(TorchOffload, ConvPaddingModesPadTheInputAsTheTorchModuleDoes) {
+  using O1 = torch::nn::Conv1dOptions;
+  using O2 = torch::nn::Conv2dOptions;
+  using O3 = torch::nn::Conv3dOptions;
+  const auto x2 = torch::randn({2, 8, 13, 11});
+  expect_conv_like_torch<torch::nn::Conv2d, layerstream::nn::Conv2d>(
+      "reflect", O2(8, 16, 3).padding(1).padding_mode(torch::kReflect), x2);
+  expect_conv_like_torch<torch::nn::Conv2d, layerstream::nn::Conv2d>(
+      "replicate, uneven padding, stride 2", O2(8, 16, 3).padding({2, 1}).stride(2).padding_mode(torch::kReplicate),
+      x2);
+  expect_conv_like_torch<torch::nn::Conv2d, layerstream::nn::Conv2d>(
+      "circular", O2(8, 16, 3).padding(1).padding_mode(torch::kCircular), x2);
+  expect_conv_like_torch<torch::nn::Conv2d, layerstream::nn::Conv2d>(
+      "reflect, same, a 3x5 kernel", O2(8, 16, {3, 5}).padding(torch::kSame).padding_mode(torch::kReflect), x2);
+  expect_conv_like_torch<torch::nn::Conv1d, layerstream::nn::Conv1d>(
+      "1-D reflect", O1(8, 4, 3).padding(1).padding_mode(torch::kReflect), torch::randn({2, 8, 17}));
+  expect_conv_like_torch<torch::nn::Conv3d, layerstream::nn::Conv3d>(
+      "3-D replicate", O3(4, 6, 3).padding({0, 1, 1}).padding_mode(torch::kReplicate), torch::randn({1, 4, 5, 6, 7}));
+}
+
 // A handle that outlives its model: detach() and saved_activations() must not
 // touch the dead modules (the handle kept raw pointers: detach() swapped a
 // torch::nn::Linear back into a freed parent, a heap corruption, and unbound a

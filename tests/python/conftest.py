@@ -204,8 +204,7 @@ def streamable_modules(model: torch.nn.Module):
     kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.MultiheadAttention)
     skip = torch.nn.modules.linear.NonDynamicallyQuantizableLinear
     return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, kinds) and not isinstance(m, skip)
-            and getattr(m, "padding_mode", "zeros") == "zeros"]
+            if isinstance(m, kinds) and not isinstance(m, skip)]
 
 
 def largest_streamable_bytes(model: torch.nn.Module) -> int:

@@ -119,8 +119,9 @@ def test_ara_lora_ref_gets_its_org_forward_replaced():
     assert mgr.stats()["acquires"] == 1  # it went through the streamed path
 
 
-def test_conv_manager_streams_conv2d():
-    conv = nn.Conv2d(3, 8, 3, padding=1)
+@pytest.mark.parametrize("mode", ["zeros", "reflect"])
+def test_conv_manager_streams_conv2d(mode):
+    conv = nn.Conv2d(3, 8, 3, padding=1, padding_mode=mode)  # reflect: the input is padded first
     ref = copy.deepcopy(conv)
     mgr = MemoryManager(conv, "cpu")
     ConvLayerMemoryManager.attach(conv, mgr)

@@ -498,26 +498,25 @@ def test_conv_unbatched_input(offload_dev, compute_device):
     _check_same_module(mod, ref, (3, 6, 6), torch.float32, FP32_TOL, compute_device, offload_dev)
 
 
-def test_conv_padding_mode_reflect_stays_resident(offload_dev, compute_device):
-    """Non-zero padding modes are not streamed (warning), stay resident on the
-    compute device and still compute correctly."""
-    dev = compute_device
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.Conv2d(4, 2, 3))
-    ref = copy.deepcopy(model).to(dev)
-    with pytest.warns(RuntimeWarning, match="padding_mode='reflect'"):
-        handle = offload_dev(model)
-    assert handle.layers == ["1"]
-    assert model[0].weight.device == dev, "offload() moves resident layers to the compute device"
-    x = _randn((1, 3, 6, 6), dev).requires_grad_()
-    xr = clone_input(x)
-    y, yr = model(x), ref(xr)
-    assert y.device == dev
-    y.sum().backward()
-    yr.sum().backward()
-    _close(y, yr, **FP32_TOL)
-    _close(x.grad, xr.grad, **FP32_TOL)
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        _close(p.grad, q.grad, **FP32_TOL, msg=lambda m: f"{n}: {m}")
+@pytest.mark.parametrize("make,x_shape", [
+    (lambda: nn.Conv2d(8, 16, 3, padding=1, padding_mode="reflect"), (2, 8, 13, 11)),
+    (lambda: nn.Conv2d(8, 16, 3, padding=(2, 1), stride=2, padding_mode="replicate"), (2, 8, 13, 11)),
+    (lambda: nn.Conv2d(8, 16, 3, padding=1, padding_mode="circular"), (2, 8, 13, 11)),
+    (lambda: nn.Conv2d(8, 16, (3, 5), padding="same", padding_mode="reflect"), (2, 8, 13, 11)),
+    (lambda: nn.Conv1d(8, 4, 3, padding=1, padding_mode="reflect"), (2, 8, 17)),
+    (lambda: nn.Conv3d(4, 6, 3, padding=(0, 1, 1), padding_mode="replicate"), (1, 4, 5, 6, 7)),
+    (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (3, 6, 6)),  # unbatched
+], ids=["reflect", "replicate-uneven-stride2", "circular", "reflect-same-3x5", "1d-reflect", "3d-replicate",
+        "unbatched-reflect"])
+def test_conv_padding_modes_stream_padding_the_input_as_torch_does(make, x_shape, offload_dev, compute_device):
+    """A padding_mode other than 'zeros' streams: the input is padded (F.pad, the
+    module's own pads) and the streamed convolution has no padding, as torch's
+    _conv_forward computes it (such layers used to stay resident)."""
+    torch.manual_seed(0)
+    mod = make()
+    ref = copy.deepcopy(mod)
+    _check_same_module(mod, ref, x_shape, torch.float32, FP32_TOL, compute_device, offload_dev,
+                       exact=compute_device.type == "cpu")
 
 
 # ---------------------------------------------------------------- repeated use
