@@ -514,7 +514,11 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   }
   const std::vector<std::string>& tied = ties.resident;
   items = std::move(kept);
-  LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or Embedding module to stream");
+  LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or Embedding module to stream: it streams "
+           "layerstream::nn::Linear / Conv*d / Embedding (a table without max_norm) and registered "
+           "torch::nn::Linear / Conv*d children outside Sequential/ModuleList/ModuleDict, never "
+           "torch::nn::Embedding, and keeps layers whose weights are tied to a resident module resident (a "
+           "warning names them); include/exclude select among them");
 
   // With a budget, the planner's rule, as Python's offload(): slots first,
   // residency with what is left (core/planner.h plan_slots_first); the budget
