@@ -229,7 +229,15 @@ def _dora_layers(model: nn.Module) -> set:
 
 def _check_no_meta(model: nn.Module) -> None:
     """offload() needs every weight's values: refuses data-less (meta) parameters and
-    buffers with the names of the first few, before anything changes."""
+    buffers with the names of the first few, before anything changes; so are a lazy
+    module's parameters not yet initialized (nn.LazyLinear before its first call)."""
+    lazy = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise LayerstreamError(
+            f"{len(lazy)} parameter(s)/buffer(s) are not initialized yet (lazy modules such as nn.LazyLinear "
+            f"take their shapes from their first call): {', '.join(lazy[:5])}{', ...' if len(lazy) > 5 else ''}. "
+            f"Run the model once on a batch of the real input shape, then call offload().")
     meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
             if t.is_meta and not isinstance(t, (_PackedWeight, GgufWeight, FileWeight))]  # offloaded; bytes elsewhere
     if meta:

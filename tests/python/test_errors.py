@@ -584,6 +584,22 @@ def test_weight_written_between_forward_and_backward_raises_like_autograd(offloa
         assert torch.equal(p.grad, q.grad), n
 
 
+def test_a_lazy_module_not_yet_called_is_refused_naming_what_to_do(offload_sim):
+    """nn.LazyLinear / LazyConv2d before their first call have no shapes: torch's own
+    error came from deep inside offload(); it is refused first, naming the parameters,
+    and after one call the model streams."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 8))
+    with pytest.raises(LayerstreamError, match=r"2 parameter\(s\)/buffer\(s\) are not initialized yet .*"
+                                               r"0\.weight, 0\.bias\. Run the model once"):
+        offload_sim(model)
+    x = torch.randn(4, 16)
+    want = model(x)  # the model is as it was; this call initializes it
+    handle = offload_sim(model)
+    assert handle.layers == ["0", "2"]
+    assert torch.equal(model(x), want)
+
+
 # ---------------------------------------------------------------- weights replaced after offload
 def test_module_to_other_dtype_after_offload(offload_sim):
     """model.half() after offload() is refused before any part of the model changed (it
