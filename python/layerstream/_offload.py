@@ -235,7 +235,7 @@ def offload(
     opts, dequant_dtype, compute_dtype = _engine_options(
         device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory, cache_across_steps, trace,
         dequant_dtype, compute_dtype)
-    _check_quantize(quantize)
+    quantize = _check_quantize(quantize)
     resolved = _C.resolve_device(opts.device)
     if device is None and resolved == "sim":
         _warn_sim_fallback()
@@ -370,8 +370,13 @@ def _layerwise_compute_dtype(candidates, dequant_dtype) -> Optional[torch.dtype]
     return dtype if dtype in _DEQUANT_DTYPES and dequant_dtype in (None, dtype) else None
 
 
-def _check_quantize(quantize) -> None:
-    """quantize= names formats offload() can pack (ValueError otherwise)."""
+def _check_quantize(quantize):
+    """quantize= names formats offload() can pack (ValueError otherwise). Returns it with
+    the names in lower case: the engine reads them so (quant::parse_format), "INT8" too."""
+    if isinstance(quantize, str):
+        quantize = quantize.lower()
+    elif isinstance(quantize, dict):
+        quantize = {k: v.lower() if isinstance(v, str) else v for k, v in quantize.items()}
     formats = ([quantize] if isinstance(quantize, str) else
                list(quantize.values()) if isinstance(quantize, dict) else [])
     for fmt in formats:
@@ -382,6 +387,7 @@ def _check_quantize(quantize) -> None:
         if fmt is not None and fmt not in _C.quant_formats():
             raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
                              f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
+    return quantize
 
 
 def _check_loadable(model: nn.Module) -> None:

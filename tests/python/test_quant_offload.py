@@ -248,6 +248,23 @@ def test_unknown_format_is_a_clear_error():
         layerstream.offload(m, device="sim", quantize="int3")
 
 
+def test_format_names_are_read_in_any_case_as_the_engine_reads_them():
+    """quantize="INT8" was refused as "a GGUF format" (C++ OffloadOptions::quantize and
+    layerstream plan read names in any case): it is int8, as a dict's values are."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 64)
+    outputs = []
+    for quantize in ("int8", "INT8", {"*": "Int8"}):
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+        m.requires_grad_(False)
+        h = layerstream.offload(m, device="sim", quantize=quantize)
+        assert h.stats()["quantized_layers"] == 2
+        outputs.append(m(x))
+        h.detach()
+    assert all(torch.equal(o, outputs[0]) for o in outputs)
+
+
 def test_prequantized_torch_qint8_weight_streams_exactly():
     lin = nn.Linear(64, 32)
     w = lin.weight.detach()
