@@ -877,6 +877,24 @@ MUTATIONS = [
         [P + "test_parity_layers.py::test_conv_padding_modes_stream_padding_the_input_as_torch_does"],
         "a streamed conv with padding_mode reflect/replicate/circular convolves the unpadded input"),
     Mutation(
+        "adamw-ignores-torch-only-options", "python/layerstream/optim.py",
+        '        on = [k for k in ("amsgrad", "maximize") if group.get(k)]',
+        "        on = []",
+        [P + "test_optim.py::test_a_torch_state_dict_with_options_it_lacks_is_refused_before_anything_loads"],
+        "a torch.optim.AdamW state dict with maximize=True / amsgrad=True loads and the step ignores them"),
+    Mutation(
+        "adafactor-steps-empty-parameters", "csrc/torch/host_optim.cpp",
+        "    if (p.numel() == 0) continue;  // nothing to step (transformers' Adafactor leaves it as it is too)",
+        "",
+        [P + "test_optim.py::test_adafactor_leaves_a_parameter_of_zero_elements_as_transformers_does"],
+        "Adafactor raises on a parameter of zero elements"),
+    Mutation(
+        "cpp-conv-unattached-refuses-unbatched", "csrc/torch/offload.cpp",
+        "  const bool unbatched = in.dim() == static_cast<int64_t>(D) + 1;",
+        "  const bool unbatched = false;",
+        ["gtest:test_torch_offload:TorchOffload.ConvTakesAnUnbatchedInputAttachedOrNot"],
+        "an unattached layerstream::nn::Conv (kept resident by the plan, or detached) refuses an unbatched input"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

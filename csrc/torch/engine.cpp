@@ -522,8 +522,8 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
   if (l.is_group()) {
     for (const auto& e : l.parts())
       LS_CHECK(e.qformat != quant::Format::None || (e.param.device().is_cpu() && e.param.data_ptr() == e.host),
-               "a tensor of streamed layer '", l.name, "' was replaced or moved after offload(); call "
-               "handle.detach() first or copy new values in place.");
+               "a tensor of streamed layer '", l.name, "' was replaced or moved after offload(); "
+               "detach() the offload handle first, or copy new values in place.");
     return;
   }
   if (l.watched)
@@ -531,7 +531,8 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
              l.name, "' was written in place after offload() (copy_, an in-place op or "
              "load_state_dict into the parameter); layerstream holds it packed on the host and "
              "that write did not reach it. Load new values with load_state_dict() on the offloaded "
-             "model (it re-quantizes them; C++: EngineImpl::requantize()), or detach(), write the "
+             "model (it re-quantizes them; C++: torch::load() into the module, or Engine::requantize()), "
+             "or detach(), write the "
              "weight, and offload() again.");
   if (l.qformat != quant::Format::None) {
     if (auto p = l.watched_param.lock())
@@ -542,13 +543,13 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
   if (l.qformat == quant::Format::None && !l.on_disk())
     LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
            "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
-           ".cuda(), `param.data = ...` or load_state_dict(assign=True)); layerstream keeps "
-           "streamed weights in host memory. Call handle.detach() before moving the model, or "
-           "copy new values in place.");
+           ".cuda(), `param.data = ...` or load_state_dict(assign=True); in C++ set_data() or set_()); "
+           "layerstream keeps streamed weights in host memory. detach() the offload handle before "
+           "moving the model, or copy new values in place.");
   if (l.bias.defined() && !l.b_file)
     LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "
-             "layer '", l.name, "' was replaced or moved after offload(); call handle.detach() "
-             "first or copy new values in place.");
+             "layer '", l.name, "' was replaced or moved after offload(); detach() the offload "
+             "handle first, or copy new values in place.");
 }
 
 void EngineImpl::check_process() const {

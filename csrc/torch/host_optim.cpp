@@ -309,6 +309,7 @@ std::vector<float> adafactor_step(const AdafactorConfig& config, const std::vect
       elsewhere.push_back(i);
       continue;
     }
+    if (p.numel() == 0) continue;  // nothing to step (transformers' Adafactor leaves it as it is too)
     // Factored over the logical last two dimensions: row-major memory.
     work_p[i] = p.is_contiguous() ? p : p.contiguous();
     work_g[i] = grads[i].contiguous();

@@ -272,12 +272,16 @@ template <size_t D>
 torch::Tensor ConvImpl<D>::forward(const torch::Tensor& x) {
   const torch::Tensor in = pad_for_mode<D>(options, x);
   if (engine_) return engine_->conv(index_, in);
+  // Unattached (before offload(), after detach(), or kept resident by the plan):
+  // as torch::nn::Conv*d, an unbatched input (no batch dimension) too.
+  const bool unbatched = in.dim() == static_cast<int64_t>(D) + 1;
+  const torch::Tensor batched = unbatched ? in.unsqueeze(0) : in;
   const ConvSpec s = spec();
-  if (s.same) {
-    return torch::_convolution_mode(in, weight, bias, s.stride, "same", s.dilation, s.groups);
-  }
-  return torch::convolution(in, weight, bias, s.stride, s.padding, s.dilation, false,
-                            std::vector<int64_t>(D, 0), s.groups);
+  const torch::Tensor out =
+      s.same ? torch::_convolution_mode(batched, weight, bias, s.stride, "same", s.dilation, s.groups)
+             : torch::convolution(batched, weight, bias, s.stride, s.padding, s.dilation, false,
+                                  std::vector<int64_t>(D, 0), s.groups);
+  return unbatched ? out.squeeze(0) : out;
 }
 
 EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options_) : options(options_) { reset(); }
@@ -518,7 +522,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
            "layerstream::nn::Linear / Conv*d / Embedding (a table without max_norm) and registered "
            "torch::nn::Linear / Conv*d children outside Sequential/ModuleList/ModuleDict, never "
            "torch::nn::Embedding, and keeps layers whose weights are tied to a resident module resident (a "
-           "warning names them); include/exclude select among them");
+           "warning names them); a layer of zero elements has nothing to stream; include/exclude select "
+           "among them");
 
   // With a budget, the planner's rule, as Python's offload(): slots first,
   // residency with what is left (core/planner.h plan_slots_first); the budget

@@ -43,7 +43,8 @@ std::shared_ptr<EngineImpl> engine_from(AutogradContext* ctx) {
 void check_no_create_graph(const EngineImpl::LayerInfo& l) {
   LS_CHECK(!torch::GradMode::is_enabled(), "layer '", l.name, "': backward with create_graph=True "
            "(double backward, e.g. a gradient penalty) is not supported through a streamed layer; "
-           "keep the layers it must differentiate through resident (offload(exclude=[...])) or "
+           "keep the layers it must differentiate through resident (offload(exclude=[...]); C++: "
+           "OffloadOptions::exclude) or "
            "compute that gradient without create_graph");
 }
 

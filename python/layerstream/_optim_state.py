@@ -147,6 +147,8 @@ class _StateDicts:
 
     def load_state_dict(self, state_dict):
         self._check_not_pending("load_state_dict()")
+        for i, group in enumerate(state_dict.get("param_groups", [])):  # before anything loads
+            self._check_foreign_options(group, f"param group {i} of the state dict")
         split = self._check_shard_identity(state_dict)
         self._consolidated = None
         sd = dict(state_dict)

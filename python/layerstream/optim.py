@@ -246,8 +246,15 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         raise KeyError("parameter not in this optimizer")
 
     def add_param_group(self, param_group):
+        self._check_foreign_options(param_group, f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
         self._check_group_options(self.param_groups[-1])
+
+    @staticmethod
+    def _check_foreign_options(group, where):
+        """Options of torch's optimizers that change the numbers and that this one does
+        not implement, in a param group given as a dict or in a state dict's group
+        (e.g. torch.optim.AdamW's): refused, not ignored."""
 
     def overlap(self, handle, speculation_bytes=None, keep_grads=False, grad_scaler=None):
         """Marks the backward inside as the last one of this optimizer step:
@@ -390,8 +397,11 @@ class AdamW(_HostOptimizer):
       group, host and device parameters together). ``.grad`` is left
       unscaled; ``last_grad_norm`` is the total norm.
     * ``state_precision`` (per param group): ``"fp32"`` (default; fp32
-      parameters then get exactly torch's single-tensor AdamW arithmetic,
-      which the tests check to 1e-6 relative), ``"bf16"`` (2 + 2 bytes per
+      parameters then get torch's single-tensor AdamW arithmetic operation for
+      operation, each rounded to fp32, without fused multiply-adds and with a
+      correctly rounded sqrt, so the same on every CPU; torch's own CPU
+      kernels fuse lerp and round sqrt otherwise: the two agree to about 1 ulp
+      per step, which the tests check to 1e-6 relative), ``"bf16"`` (2 + 2 bytes per
       parameter, written by stochastic rounding) or ``"8bit"`` (1 + 1 bytes
       per parameter plus an fp32 absmax per block of 256 per state: a
       floating-point code per element relative to its block's absmax,
@@ -419,6 +429,17 @@ class AdamW(_HostOptimizer):
         super().__init__(params, defaults, max_grad_norm)
         self._backups = None  # _C.OverlapBackups: the copies speculative steps keep (overlap with clipping)
         self._last_clipped = False  # the last step's clip coefficient was below 1
+
+    @staticmethod
+    def _check_foreign_options(group, where):
+        on = [k for k in ("amsgrad", "maximize") if group.get(k)]
+        if group.get("decoupled_weight_decay") is False and group.get("weight_decay"):
+            on.append("decoupled_weight_decay=False (torch.optim.Adam's weight decay, added to the gradient)")
+        if on:
+            raise ValueError(
+                f"layerstream.optim.AdamW: {where} turns on {', '.join(on)}, which this optimizer does not "
+                f"implement (it would step without them): leave them off, or keep torch's optimizer for this "
+                f"run (a torch.optim.AdamW state dict without them loads)")
 
     @staticmethod
     def _check_group_options(group):

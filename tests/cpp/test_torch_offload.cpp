@@ -609,6 +609,40 @@ TEST(TorchOffload, ConvPaddingModesPadTheInputAsTheTorchModuleDoes) {
       "3-D replicate", O3(4, 6, 3).padding({0, 1, 1}).padding_mode(torch::kReplicate), torch::randn({1, 4, 5, 6, 7}));
 }
 
+// An unbatched input ((C, H, W) for a Conv2d), which torch::nn::Conv*d accepts:
+// an attached layer took it, an unattached one threw (before offload(), after
+// detach(), or kept resident by the plan), so a model worked or not by its budget.
+TEST(TorchOffload, ConvTakesAnUnbatchedInputAttachedOrNot) {
+  struct Net : torch::nn::Module {
+    layerstream::nn::Conv2d a{nullptr}, b{nullptr};
+    layerstream::nn::Conv1d c{nullptr};
+    Net() {
+      a = register_module("a", layerstream::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+      b = register_module("b", layerstream::nn::Conv2d(
+                                   torch::nn::Conv2dOptions(8, 64, 3).padding(1).padding_mode(torch::kReflect)));
+      c = register_module("c", layerstream::nn::Conv1d(torch::nn::Conv1dOptions(64, 4, 3).padding(torch::kSame)));
+    }
+    torch::Tensor forward(const torch::Tensor& x) {
+      const auto h = b(torch::relu(a(x)));
+      return c(h.flatten(-2));
+    }
+  };
+  torch::manual_seed(0);
+  const auto x = torch::randn({3, 6, 7});
+  auto net = std::make_shared<Net>();
+  const auto want = net->forward(x.unsqueeze(0)).squeeze(0);  // the batched computation
+  EXPECT_TRUE(torch::equal(net->forward(x), want));           // unattached
+  for (const int64_t budget : {int64_t{-1}, int64_t{1} << 20}) {  // every layer streams; every layer resident
+    auto o = sim_options();
+    o.budget_bytes = budget;
+    auto handle = layerstream::offload(*net, o);
+    EXPECT_EQ(handle->layers().empty(), budget > 0);
+    EXPECT_TRUE(torch::equal(net->forward(x), want)) << "budget " << budget;
+    handle->detach();
+    EXPECT_TRUE(torch::equal(net->forward(x), want)) << "after detach, budget " << budget;
+  }
+}
+
 // A handle that outlives its model: detach() and saved_activations() must not
 // touch the dead modules (the handle kept raw pointers: detach() swapped a
 // torch::nn::Linear back into a freed parent, a heap corruption, and unbound a

@@ -210,6 +210,32 @@ def test_torch_adamw_state_dict_loads_and_continues_equal():
         assert_rel_close(p, q, what=n)
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),  # L2 added to the gradient, not AdamW's
+], ids=["maximize", "amsgrad", "adam-coupled-weight-decay"])
+def test_a_torch_state_dict_with_options_it_lacks_is_refused_before_anything_loads(make):
+    """maximize / amsgrad / Adam's coupled weight decay in a loaded state dict (or a
+    param-group dict) were kept in the group and ignored by the step: the run went on
+    minimizing (maximize) or without the max of the second moments, with no word."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(8))
+    ref = make([p])
+    p.grad = torch.randn(8)
+    ref.step()
+    q = nn.Parameter(p.detach().clone())
+    opt = AdamW([q], lr=1e-3)
+    with pytest.raises(ValueError, match=r"param group 0 of the state dict turns on .*does not implement"):
+        opt.load_state_dict(ref.state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-3 and "maximize" not in opt.param_groups[0] and not opt.state
+    with pytest.raises(ValueError, match=r"param group 1 turns on maximize"):
+        AdamW([{"params": [q]}, {"params": [nn.Parameter(torch.randn(2))], "maximize": True}])
+    plain = torch.optim.Adam([p], lr=1e-2)  # no weight decay: the same step as AdamW's without it
+    plain.step()
+    AdamW([q]).load_state_dict(plain.state_dict())
+
+
 # ---------------------------------------------------------------- bf16 and 8-bit
 def test_bf16_stochastic_rounding_is_unbiased():
     """bf16 weights at 1.0, a constant gradient, an update of 1/40 of a bf16 ulp
@@ -436,6 +462,28 @@ def test_adafactor_matches_transformers(kw):
             if key in sa:
                 assert_rel_close(sa[key], sb[key], rel=1e-5, what=key)
         assert float(sa["RMS"]) == pytest.approx(float(sb["RMS"]), rel=1e-6)
+
+
+def test_adafactor_leaves_a_parameter_of_zero_elements_as_transformers_does():
+    """A (0, 4) parameter beside others: the step raised "factored states ... do not
+    match its shape" (transformers' Adafactor steps past it)."""
+    from transformers.optimization import Adafactor as Reference
+
+    torch.manual_seed(0)
+    params = [torch.zeros(0, 4), torch.zeros(0), torch.randn(6, 5), torch.randn(3)]
+    ours = [nn.Parameter(p.clone()) for p in params]
+    theirs = [nn.Parameter(p.clone()) for p in params]
+    opt, ref = Adafactor(ours, lr=1e-2, relative_step=False), Reference(theirs, lr=1e-2, relative_step=False)
+    for _ in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref.step()
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape
+        if a.numel():
+            assert_rel_close(a, b, rel=1e-5, what=f"param {i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

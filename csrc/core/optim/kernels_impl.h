@@ -32,7 +32,8 @@ inline float ld(const float* p, int64_t i) { return p[i]; }
 inline float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 
 // One element of torch's single-tensor AdamW (torch/optim/adam.py with
-// decoupled weight decay), operation for operation:
+// decoupled weight decay), operation for operation, each rounded (torch's
+// vectorized CPU kernels fuse some: ~1 ulp apart, docs/design/optim.md):
 //   param.mul_(1 - lr * wd); exp_avg.lerp_(grad, 1 - beta1);
 //   exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2);
 //   denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps);

@@ -8,9 +8,11 @@
 // (layerstream/host_optim.h) and the Python optimizers (python/layerstream/optim.py)
 // drive these; docs/design/optim.md has the design.
 //
-// Numbers: fp32 parameters are updated exactly as torch's single-tensor
-// AdamW does (same operations in the same order, each rounded to fp32; no
-// fused multiply-add, so results do not depend on the CPU), bf16 parameters
+// Numbers: fp32 parameters are updated with torch's single-tensor AdamW
+// operations in the same order, each rounded to fp32 (no fused multiply-add,
+// a correctly rounded sqrt: results do not depend on the CPU; torch's own CPU
+// kernels fuse lerp and round sqrt otherwise, so the two agree to ~1 ulp per
+// step: docs/design/optim.md, "Agreement with torch"), bf16 parameters
 // are updated in fp32 and written back by stochastic rounding (numerics.h).
 // Results never depend on the number of threads: work is cut into chunks of
 // a fixed size, sums are combined in chunk order.
