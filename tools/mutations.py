@@ -895,6 +895,13 @@ MUTATIONS = [
         ["gtest:test_torch_offload:TorchOffload.ConvTakesAnUnbatchedInputAttachedOrNot"],
         "an unattached layerstream::nn::Conv (kept resident by the plan, or detached) refuses an unbatched input"),
     Mutation(
+        "streamed-layer-copy-refused", "python/layerstream/_offload.py",
+        '            a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module',
+        "",
+        [P + "test_training.py::test_a_copy_of_one_streamed_layer_is_a_plain_module_so_peft_modules_to_save_trains"],
+        "copy.deepcopy() of one streamed layer (peft's modules_to_save) raises \"an offloaded model cannot be "
+        "deep-copied\""),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

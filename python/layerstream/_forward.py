@@ -39,6 +39,58 @@ class _RefusesCopy:
         raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
 
 
+class _PlainCopy:
+    """``copy.deepcopy()`` of one streamed module (an instance attribute offload()
+    installs): a plain copy, as detach() would leave the module, with its values
+    (dense, on the host) and none of layerstream's attachments; added to the model,
+    it is a resident module like any other added after offload(). peft's
+    ``modules_to_save`` (a classification head, ``lm_head``) copies modules so. A
+    whole offloaded model still refuses (its call hooks do). Weights layerstream holds
+    packed or in a file (quantize=, GGUF, the disk tier) have no dense values here:
+    refused, naming what to do."""
+
+    __slots__ = ("_attached",)
+
+    def __init__(self, attached):
+        self._attached = attached  # _handle._Attached
+
+    def __call__(self, memo):
+        import copy
+
+        a = self._attached
+        module = a.module
+        held = [n for n, p in module.named_parameters() if isinstance(p, StandIn)]
+        if held:
+            raise LayerstreamError(
+                f"streamed layer '{a.name}' cannot be copied (copy.deepcopy, e.g. by peft's modules_to_save): "
+                f"layerstream holds {', '.join(held)} packed or in a file (quantize=, GGUF, the disk tier), "
+                f"with no dense values to copy. Keep this layer dense (e.g. quantize={{'{a.name}': None, "
+                f"'*': ...}}), or copy it before offload()")
+        gone = object()  # what layerstream put on the module (and a group's owners): left out of the copy
+        for m in [module] + list(a.owners):
+            for key in ("__deepcopy__", "forward", "_apply", "_layerstream_handle"):
+                obj = m.__dict__.get(key)
+                if obj is not None and (key != "forward" or m is module):
+                    memo[id(obj)] = gone
+        rv = module.__reduce_ex__(4)
+        clone = copy._reconstruct(module, memo, *rv)
+        for sub in clone.modules():
+            for key in [k for k, v in sub.__dict__.items() if v is gone]:
+                del sub.__dict__[key]
+        if a.had_forward:  # a forward of its own before offload() (e.g. diffusers' layerwise casting)
+            clone.__dict__["forward"] = copy.deepcopy(a.old_forward, memo)
+        original = type(clone).__dict__.get("_layerstream_original_class")
+        if original is not None:  # an Embedding subclass that looked up through super()
+            clone.__class__ = original
+            clone.__dict__.pop("_layerstream_lookup", None)
+        ids = {h.id for h in a.hooks}
+        for name, hooks in list(clone.__dict__.items()):
+            if name.endswith("_hooks") and isinstance(hooks, dict):
+                for i in ids & set(hooks):
+                    del hooks[i]
+        return clone
+
+
 class _LookupBase(_RefusesCopy, nn.Embedding):
     """The base offload() slides under a streamed Embedding subclass that calls
     super().forward (see _lookup_through_super): its forward is the streamed

@@ -426,6 +426,7 @@ class Handle(_RefusesCopy):
                     del p._is_memory_managed
             if getattr(a.module, "_layerstream_handle", None) is not None:
                 del a.module._layerstream_handle
+            a.module.__dict__.pop("__deepcopy__", None)
         if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
             del self._root.__dict__["_apply"]
         for kind in self._host_moves:

@@ -16,7 +16,7 @@ from . import _C
 from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _conv_args, _discover,
                          _group_slots, _split_tied, check_no_group_offloading,
                          layerwise_casting)
-from ._forward import _GroupForward, _StreamedForward, _with_streamed_lookup
+from ._forward import _GroupForward, _PlainCopy, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load
@@ -491,6 +491,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                        on_disk)
         for a in attached:
             a.module._layerstream_handle = handle
+            a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module
         follow = _AddedTensorsFollow(model, handle, {id(m) for a in attached for m in [a.module] + a.owners},
                                      streamed_params, compute_device)
         handle._call_hook = CallHooks(model, lambda: engine, streamed_params, follow)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
+from layerstream import LayerstreamError
 
 from conftest import (CastCounter, FirstLayerSometimes, assert_data_writes_between_calls_are_seen, clone_input,
                       tiny_llama)
@@ -584,6 +585,65 @@ def test_data_writes_between_calls_with_cache_across_steps_are_seen(offload_sim)
         assert torch.equal(model(x), before), "the documented limit: a write no sampled word sees"
         h.synchronize()
         assert torch.equal(model(x), ref(x)), "after synchronize() the new weight is read"
+
+
+def test_a_copy_of_one_streamed_layer_is_a_plain_module_so_peft_modules_to_save_trains(offload_sim):
+    """peft's modules_to_save deep-copies the module it wraps (task_type="SEQ_CLS" wraps
+    the classification head itself): on a streamed layer that raised "an offloaded model
+    cannot be deep-copied". A copy of one streamed layer is now a plain module with its
+    values (resident, trained as peft trains it); the original still streams; a whole
+    offloaded model still refuses; a layer held packed (quantize=) refuses naming why."""
+    import warnings
+
+    import peft
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+
+    def train(offloaded):
+        torch.manual_seed(0)
+        model = transformers.LlamaForSequenceClassification(cfg)
+        handle = offload_sim(model) if offloaded else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=4,
+                                                               target_modules=["q_proj", "v_proj"]))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(1, 128, (2, 8), generator=gen)
+            loss = model(input_ids=ids, labels=torch.randint(0, 3, (2,), generator=gen)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, model, handle
+
+    want, _, _ = train(False)
+    got, model, handle = train(True)
+    assert got == want
+    assert "score" in handle.layers  # the original head streams (peft's disabled-adapter path)
+    head = model.base_model.model.score.modules_to_save["default"]
+    assert type(head) is nn.Linear
+    assert not {"forward", "_apply", "__deepcopy__", "_layerstream_handle"} & set(head.__dict__)
+
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
+    twin = copy.deepcopy(layer)
+    assert torch.equal(twin.weight, layer.weight) and twin.weight.data_ptr() != layer.weight.data_ptr()
+    with torch.no_grad():
+        twin.weight.add_(1.0)  # its own storage
+    assert not torch.equal(twin.weight, layer.weight)
+    with pytest.raises(LayerstreamError, match="an offloaded model cannot be deep-copied"):
+        copy.deepcopy(model)
+
+    torch.manual_seed(0)
+    frozen = transformers.LlamaForSequenceClassification(cfg).requires_grad_(False)
+    offload_sim(frozen, quantize="int8")
+    with pytest.raises(LayerstreamError, match=r"streamed layer 'score' cannot be copied .*modules_to_save.*"
+                                               r"quantize=\{'score': None"):
+        copy.deepcopy(frozen.score)
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["per-step", "cache_across_steps"])
