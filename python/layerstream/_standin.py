@@ -63,6 +63,8 @@ def computing_message(func) -> str:
         name = f".{getattr(owner, '__name__', '?')}"
     elif not name.startswith("__"):
         name += "()"
+    if name == "contiguous()":  # what savers call first (diffusers' save_pretrained, safetensors)
+        return "computing with it (contiguous(); e.g. saving it: save_pretrained, safetensors' save_file)"
     return f"computing with it ({name})"
 
 
