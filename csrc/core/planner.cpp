@@ -43,7 +43,9 @@ std::string Plan::bound() const {
   // What takes longer per step: the compute or the copies. A step can stall on
   // a few copies (the first layers, a large one) and still be compute-bound:
   // explain() shows those stalls on their own.
-  if ((num_streamed == 0 && activation_bytes_per_step == 0) || transfer_time_s <= compute_time_s) return "compute";
+  // Nothing streamed: the copies left are tables' lookups (and saved activations),
+  // which can still take longer than the compute.
+  if (transfer_time_s <= compute_time_s) return "compute";
   return "transfer";
 }
 

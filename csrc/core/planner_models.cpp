@@ -352,7 +352,10 @@ int component_rank(const std::string& c) {
   static const std::map<std::string, int> kRank = {
       {"self_attn", 0}, {"attn", 0},    {"attention", 0}, {"cross_attn", 1},   {"mlp", 2},
       {"ffn", 2},       {"feed_forward", 2}, {"q_proj", 10}, {"k_proj", 11}, {"v_proj", 12},
-      {"o_proj", 13},   {"gate_proj", 20}, {"up_proj", 21},  {"down_proj", 22}};
+      {"o_proj", 13},   {"gate_proj", 20}, {"up_proj", 21},  {"down_proj", 22},
+      // A mixture-of-experts block: its router, the experts it routes to, then a shared
+      // expert (Qwen2/3-MoE `mlp.gate`, Mixtral `block_sparse_moe.gate`, GPT-OSS `mlp.router`).
+      {"gate", 15},     {"router", 15},    {"experts", 16},  {"shared_expert", 17}, {"shared_expert_gate", 18}};
   auto it = kRank.find(c);
   return it == kRank.end() ? -1 : it->second;
 }

@@ -94,8 +94,10 @@ std::string format_seconds(double s) {
     std::snprintf(buf, sizeof buf, "%.1f us", s * 1e6);
   else if (s < 1.0)
     std::snprintf(buf, sizeof buf, "%.2f ms", s * 1e3);
-  else
+  else if (s < 1e6)
     std::snprintf(buf, sizeof buf, "%.3f s", s);
+  else  // a day and a half or more (an absurd --link-gbps): the unit must survive the buffer
+    std::snprintf(buf, sizeof buf, "%.3g s", s);
   return buf;
 }
 

@@ -158,6 +158,25 @@ def test_demo_bad_option_exits_2(args):
     assert_one_line_usage_error(r, "demo")
 
 
+def test_demo_prints_the_prefetch_depth_its_slots_allow(demo_run):
+    """It printed the requested depth (2) beside 2 slots, which allow 1."""
+    line = next(l for l in demo_run.stdout.splitlines() if l.startswith("slots "))
+    slots, depth = int(line.split()[1]), int(line.split("prefetch ")[1])
+    assert depth == min(2, slots - 1), line
+
+
+@pytest.mark.parametrize("chars", [0, 64])
+def test_demo_text_shorter_than_a_window_exits_2(tmp_path, chars):
+    """A --text file of at most the context length (64) crashed the demo (SIGSEGV)."""
+    if not built_with_torch():
+        pytest.skip("layerstream was built without LibTorch: no demo")
+    text = tmp_path / "short.txt"
+    text.write_text("a" * chars)
+    r = run("demo", "--steps", "1", "--device", "sim", "--text", str(text))
+    line = assert_one_line_usage_error(r, "demo")
+    assert f"has {chars} characters" in line and "windows of 65" in line
+
+
 def test_demo_budget_too_small_exits_2():
     if not built_with_torch():
         pytest.skip("layerstream was built without LibTorch: no demo")

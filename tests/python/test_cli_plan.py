@@ -159,6 +159,40 @@ def write(path, data):
     return path
 
 
+def test_a_plan_with_nothing_streamed_is_transfer_bound_when_its_lookups_take_longer(tmp_path):
+    """Every layer resident, the table's lookups on the link took longer than the compute,
+    and the plan said compute-bound (planner.md: transfer when the copies take longer)."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    path = tmp_path / "lookup.safetensors"
+    st.save_file({"model.embed_tokens.weight": torch.zeros(1000, 128, dtype=torch.bfloat16),
+                  "model.layers.0.mlp.up_proj.weight": torch.zeros(256, 128, dtype=torch.bfloat16)}, str(path))
+    p = plan_json("--checkpoint", path, "--budget", "1GiB", "--tokens", "4096")["plan"]
+    t = p["time"]
+    assert p["num_streamed"] == 0 and p["num_lookup"] == 1 and t["transfer_s"] > t["compute_s"] > 0
+    assert t["bound"] == "transfer"
+
+
+@pytest.mark.parametrize("args,contains", [
+    (["--link-gbps", "1e308"], "--link-gbps 1e+308 is too large"),
+    (["--tflops", "1e308"], "--tflops 1e+308 is too large"),
+    (["--train="], "--train= needs a spec"),
+])
+def test_values_that_overflow_or_say_nothing_are_usage_errors(args, contains):
+    """--link-gbps 1e308 (finite, infinite once in bytes/s) failed in the planner with exit 1
+    and a message calling it negative; --train= planned no gradients while saying
+    "(training)"."""
+    assert_one_line_error(run("--model", "llama-7b", "--budget", "8GiB", *args), code=2, contains=contains)
+
+
+def test_a_step_time_of_many_days_keeps_its_unit():
+    """The time was cut at 31 characters: 9130999807999926608506360991311, no unit."""
+    r = run("--model", "llama-7b", "--budget", "4GiB", "--link-gbps", "1e-300")
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if l.startswith("predicted step time:"))
+    assert re.search(r"predicted step time: +[0-9.]+e\+[0-9]+ s steady state", line), line
+
+
 def test_truncated_file(tmp_path, st_file):
     data = st_file.read_bytes()
     p = write(tmp_path / "t.safetensors", data[:5])
@@ -315,6 +349,19 @@ def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
     assert ("2 mixture-of-experts group(s), one slot each; a token runs 25% of the experts (config.json), "
             "4096 tokens reach ~100%: more than half, so each group crosses whole") in r.stdout
     assert j["options"]["experts"] == "routed" and "routed_bytes" not in g
+
+
+def test_moe_checkpoint_plans_the_router_before_its_experts(tmp_path):
+    """The order heuristic ranked neither `gate` (the router) nor `experts`: alphabetical,
+    the experts came first, and their routed copy was timed against the layer before
+    the router (planner.md: it starts after the router's compute)."""
+    _save_tiny_qwen3_moe(tmp_path)
+    names = [l["name"] for l in plan_json("--checkpoint", tmp_path, "--budget", "200KB", "--tokens", "1")
+             ["plan"]["layers"]]
+    for i in range(2):
+        block = [n for n in names if n.startswith(f"model.layers.{i}.")]
+        assert block.index(f"model.layers.{i}.mlp.gate") + 1 == block.index(f"model.layers.{i}.mlp.experts"), block
+        assert block.index(f"model.layers.{i}.self_attn.o_proj") < block.index(f"model.layers.{i}.mlp.gate"), block
 
 
 def test_quantize_lossless_codes_moe_groups_per_expert(tmp_path):

@@ -221,6 +221,10 @@ std::string load_text(const std::string& requested, std::string& source) {
   std::string text;
   if (!requested.empty()) {
     if (!read_file(requested, text)) throw UsageError{"cannot read --text file '" + requested + "'"};
+    if (text.size() <= static_cast<size_t>(kContext))  // the batches are windows of kContext + 1 characters
+      throw UsageError{"--text file '" + requested + "' has " + std::to_string(text.size()) +
+                       " characters; the demo trains on windows of " + std::to_string(kContext + 1) +
+                       ": give a longer text"};
     source = requested;
     return text;
   }
@@ -338,7 +342,7 @@ int run_demo(const DemoOptions& o) {
   std::printf("streamed %d Linear layers, %s of weights (largest '%s': one slot = %s)\n", size.layers,
               mib(static_cast<double>(size.bytes)).c_str(), size.largest.c_str(),
               mib(static_cast<double>(size.slot_bytes)).c_str());
-  std::printf("budget   %s = %lld bytes (%.1fx smaller than the streamed weights; %lld slots fit)\n",
+  std::printf("budget   %s = %lld bytes (%.1fx smaller than the streamed weights; the size of %lld slots)\n",
               mib(static_cast<double>(budget)).c_str(), static_cast<long long>(budget),
               static_cast<double>(size.bytes) / static_cast<double>(budget),
               static_cast<long long>(budget / static_cast<int64_t>(size.slot_bytes)));
@@ -424,8 +428,10 @@ int run_demo(const DemoOptions& o) {
   std::printf("peak device bytes    %.0f (%s) vs budget %lld (%s): %s\n", peak, mib(peak).c_str(),
               static_cast<long long>(budget), mib(static_cast<double>(budget)).c_str(),
               peak <= static_cast<double>(budget) ? "within budget" : "OVER BUDGET");
-  std::printf("slots                %.0f x %s, prefetch %d\n", static_cast<double>(st.slots), mib(static_cast<double>(st.slot_bytes)).c_str(),
-              opts.prefetch);
+  // The depth the engine ran with: a slot per layer in flight beside the one in use.
+  const long long depth = std::min<long long>(opts.prefetch, static_cast<long long>(st.slots) - 1);
+  std::printf("slots                %.0f x %s, prefetch %lld\n", static_cast<double>(st.slots),
+              mib(static_cast<double>(st.slot_bytes)).c_str(), depth);
   std::printf("host->device         %s per step (%.0f bytes in %d steps)\n", mib(static_cast<double>(st.h2d_bytes) / steps).c_str(),
               static_cast<double>(st.h2d_bytes), o.steps);
   std::printf("device->host         %s per step (weight gradients)\n", mib(static_cast<double>(st.d2h_bytes) / steps).c_str());

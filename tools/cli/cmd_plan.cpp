@@ -191,6 +191,11 @@ int cmd_plan(int argc, char** argv) {
   std::string checkpoint, model, budget_s, dense_dtype = "BF16";
   bool have_checkpoint = false, have_model = false, have_budget = false, as_json = false, have_dense_dtype = false;
   double link_gbps = 25.0, tflops = 100.0;
+  const auto too_large = [](const std::string& flag, double v) {  // finite, but not once in bytes or FLOPs
+    char b[96];
+    std::snprintf(b, sizeof b, "%s %g is too large", flag.c_str(), v);
+    return Usage{b};
+  };
   LayerOptions opt;
   int max_prefetch = 4;
   std::string host_budget_s;
@@ -234,14 +239,19 @@ int cmd_plan(int argc, char** argv) {
         have_budget = true;
       } else if (a == "--link-gbps") {
         link_gbps = options::check_link_gbps(parse_number(a, take()), "--link-gbps");
+        if (!std::isfinite(link_gbps * 1e9)) throw too_large(a, link_gbps);
       } else if (a == "--tflops") {
         tflops = parse_number(a, take());
+        if (!std::isfinite(tflops * 1e12)) throw too_large(a, tflops);
       } else if (a == "--tokens") {
         opt.tokens = parse_count(a, take());
       } else if (a == "--quantize") {
         opt.quantize = parse_quantization(take());
       } else if (a == "--train") {
         opt.training = true;
+        if (inline_value && value.empty())
+          throw Usage{"--train= needs a spec after '=' (grads, adamw, adamw-bf16, adamw-8bit, adafactor, "
+                      "adafactor-beta1 or state bytes per parameter), or plain --train"};
         if (inline_value) {
           optim::parse_train_spec(value);  // an unknown spec: exit 2, naming the choices
           opt.train = value;
