@@ -613,6 +613,9 @@ ModelDescription describe_gguf(const GgufFile& g, const std::string& dense_dtype
     ck.tensors.push_back(std::move(i));
   }
   ModelDescription m = describe_checkpoint(ck);
+  // Plain F32/F16/BF16 tensors: load_gguf() casts them to the model's dtype (the
+  // packed ones are not floating types here: left to the loop below).
+  cast_to_dtype(m, dense_dtype);
   const auto packed = [](const std::string& dtype) { return safetensors_dtype_bits(dtype) == 0; };
   // The share of experts one token runs, from the file (<arch>.expert_used_count / expert_count).
   double active = 1.0;

@@ -897,7 +897,8 @@ TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
   // What load_gguf() + offload() do: a Q4_K / Q8_0 Linear weight crosses as
   // the file's blocks (padded to 256 B) and is dequantized in its slot to the
   // model's dtype; resident it is dense; a Q6_K token table is dequantized on
-  // load (dense, looked up in host memory); F32 tensors are as stored.
+  // load (dense, looked up in host memory); F32 tensors are cast to the model's
+  // dtype, as load_gguf() reads them.
   GgufFile g;
   g.path = "m.gguf";
   g.tensors = {gguf_tensor("token_embd.weight", {1000, 512}, 14), gguf_tensor("blk.0.q.weight", {1024, 512}, 12),
@@ -908,7 +909,7 @@ TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
   EXPECT_EQ(m.layers[0].name, "token_embd");
   EXPECT_TRUE(m.layers[0].embedding);
   EXPECT_EQ(m.layers[0].weight_dtype, "BF16");
-  EXPECT_EQ(m.small_bytes, 512u * 4);
+  EXPECT_EQ(m.small_bytes, 512u * 2);
   const ModelLayer* q = nullptr;
   for (const auto& l : m.layers)
     if (l.name == "blk.0.q") q = &l;
@@ -921,9 +922,9 @@ TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
   for (const auto& s : specs) {
     if (s.name == "blk.0.q") {
       const uint64_t packed = 1024u * 512 / 256 * 144;  // 294912, a multiple of 256
-      EXPECT_EQ(s.bytes, packed + 1024 * 4);
+      EXPECT_EQ(s.bytes, packed + 1024 * 2);  // the bias in bf16
       EXPECT_EQ(s.slot_bytes, s.bytes + 1024u * 512 * 2);  // aligned parts (core/slot_layout.h)
-      EXPECT_EQ(s.resident_bytes, 1024u * 512 * 2 + 1024 * 4);
+      EXPECT_EQ(s.resident_bytes, 1024u * 512 * 2 + 1024 * 2);
       EXPECT_FALSE(s.trainable);
     } else if (s.name == "blk.0.up") {
       EXPECT_EQ(s.bytes, (100u * 512 / 32 * 34 + 255) / 256 * 256);  // 54400 -> 54528
@@ -941,7 +942,7 @@ TEST(Models, GgufFilePlansItsBlocksOnTheBusAndDenseWeightsInTheSlot) {
   opt.compute_dtype = "F32";  // offload(compute_dtype=) dequantizes to it
   for (const auto& s : layer_specs(m, opt)) {
     if (s.name == "blk.0.q") {
-      EXPECT_EQ(s.resident_bytes, 1024u * 512 * 4 + 1024 * 4);
+      EXPECT_EQ(s.resident_bytes, 1024u * 512 * 4 + 1024 * 2);  // the bias stays the model's bf16
       EXPECT_FALSE(s.narrow_write);
     }
   }

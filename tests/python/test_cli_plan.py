@@ -461,6 +461,23 @@ def test_gguf_file_plans_the_file_blocks(tmp_path):
     assert_one_line_error(run("--checkpoint", tmp_path / "none.gguf", "--budget", "1GiB"), 1, "does not exist")
 
 
+def test_gguf_plain_float_tensors_are_planned_in_the_models_dtype(tmp_path):
+    """load_gguf() casts a GGUF's F32/F16 tensors to the model's dtype; the plan kept
+    their file dtype whatever --dense-dtype said (an all-F32 file planned at twice its
+    bf16 size)."""
+    torch = pytest.importorskip("torch")
+    from conftest import write_gguf
+
+    path = write_gguf(tmp_path / "plain.gguf", [
+        ("blk.0.attn_q.weight", (64, 64), "F16", torch.zeros(64 * 64 * 2, dtype=torch.uint8)),
+        ("blk.0.ffn_up.weight", (64, 64), "F32", torch.zeros(64 * 64 * 4, dtype=torch.uint8))])
+    for dtype, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
+        args = ["--checkpoint", path, "--budget", "1MiB"]
+        layers = plan_json(*args, "--dense-dtype", dtype)["plan"]["layers"]
+        assert [l["bytes"] for l in layers] == [64 * 64 * size] * 2, (dtype, layers)
+    assert [l["bytes"] for l in plan_json("--checkpoint", path, "--budget", "1MiB")["plan"]["layers"]] == [8192] * 2
+
+
 def test_host_budget_shows_the_layers_from_disk_and_the_step_with_the_disk(st_file):
     """--host-budget: streamed Linear weights that do not fit stay in the checkpoint
     (core/host_tier.h, as offload(host_budget=) decides); the disk read per step
