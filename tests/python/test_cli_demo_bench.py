@@ -177,6 +177,16 @@ def test_demo_text_shorter_than_a_window_exits_2(tmp_path, chars):
     assert f"has {chars} characters" in line and "windows of 65" in line
 
 
+@pytest.mark.parametrize("path,says", [("/nonexistent/dir/x.png", "cannot write into /nonexistent/dir"),
+                                        ("out.txt", "must end in .png, .pdf or .svg")])
+def test_bench_plot_path_is_checked_before_the_benchmark_runs(path, says):
+    """A --plot path matplotlib cannot write failed after the whole benchmark, with a
+    traceback and advice about the Python setup."""
+    r = run("bench", "--quick", "--only", "quant", "--plot", path, timeout=30)
+    line = assert_one_line_usage_error(r, "bench")
+    assert says in line and "running" not in r.stdout
+
+
 def test_demo_budget_too_small_exits_2():
     if not built_with_torch():
         pytest.skip("layerstream was built without LibTorch: no demo")

@@ -14,9 +14,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -58,7 +60,7 @@ const char* kHelp =
     "  --quick         a shorter run (smaller sizes, fewer repetitions)\n"
     "  --json          print one JSON object instead of tables\n"
     "  --only NAME     run one benchmark (the others are empty lists)\n"
-    "  --plot FILE     also draw the results as a PNG (overlap ratio against prefetch depth,\n"
+    "  --plot FILE     also draw the results (.png, .pdf or .svg: overlap ratio against prefetch depth,\n"
     "                  per-call overhead) with Python's matplotlib (layerstream.bench_plot;\n"
     "                  the interpreter: $LS_PYTHON, else the one layerstream was built with)\n"
     "  -h, --help      this help\n";
@@ -253,6 +255,15 @@ int cmd_bench(int argc, char** argv) {
         json = true;
       } else if (layerstream::cli::take_option(argc, argv, i, "--plot", v)) {
         if (v.empty()) throw UsageError{"--plot needs a file name"};
+        // Checked before the benchmark runs (matplotlib would refuse them only after it).
+        const size_t dot = v.rfind('.'), slash = v.rfind('/');
+        const std::string ext = dot == std::string::npos || (slash != std::string::npos && dot < slash)
+                                    ? std::string() : v.substr(dot + 1);
+        if (ext != "png" && ext != "pdf" && ext != "svg")
+          throw UsageError{"--plot " + v + ": the file name must end in .png, .pdf or .svg"};
+        const std::string dir = slash == std::string::npos ? "." : v.substr(0, std::max<size_t>(slash, 1));
+        if (access(dir.c_str(), W_OK) != 0)
+          throw UsageError{"--plot " + v + ": cannot write into " + dir + " (" + std::strerror(errno) + ")"};
         plot_file = v;
       } else if (layerstream::cli::take_option(argc, argv, i, "--only", v)) {
         if (v != "overlap" && v != "overhead" && v != "quant")
