@@ -20,7 +20,9 @@
 //  * swaps a registered torch::nn::Linear / Conv*d child for a streamed
 //    module sharing the same parameters (same named_parameters() names) via
 //    Module::replace_module, when nothing but its parent's registry holds it
-//    (a parent that re-reads its children from the registry). A child held
+//    (a parent that re-reads its children from the registry, as the streamed
+//    type: the swapped-in module is a layerstream::nn::LinearImpl / ConvImpl, not
+//    a torch::nn::LinearImpl, so `as<torch::nn::Linear>()` gives null). A child held
 //    elsewhere, by a ModuleHolder member (`torch::nn::Linear fc{nullptr}`: how
 //    C++ modules usually call their children) or a variable of the caller's,
 //    would go on being called unswapped: when the plan streams it, offload()
