@@ -902,6 +902,30 @@ MUTATIONS = [
         "copy.deepcopy() of one streamed layer (peft's modules_to_save) raises \"an offloaded model cannot be "
         "deep-copied\""),
     Mutation(
+        "activation-stash-takes-conj-views", "csrc/torch/engine_activations.cpp",
+        "  if (t.layout() != torch::kStrided || t.is_conj() || t.is_neg() || t._is_zerotensor()) return -1;",
+        "  if (t.layout() != torch::kStrided) return -1;",
+        [P + "test_activations.py::test_conjugate_and_negative_views_are_saved_with_their_bit"],
+        "a saved conjugate / negative view crosses as bytes and comes back without its bit"),
+    Mutation(
+        "activation-restore-skips-the-version-check", "csrc/torch/engine_activations.cpp",
+        "  check_saved_version(s.version, s.saved_version, s.sizes);\n  if (!s.offloaded) return s.device;",
+        "  if (!s.offloaded) return s.device;",
+        [P + "test_activations.py::test_a_write_in_place_between_forward_and_backward_is_still_caught"],
+        "a saved activation written in place after the forward is restored without autograd's version check"),
+    Mutation(
+        "activation-kept-skips-the-version-check", "python/layerstream/_activations.py",
+        "        if self.version is not None:\n            _C.check_saved_version(self.tensor, self.version)",
+        "        pass",
+        [P + "test_activations.py::test_a_write_in_place_between_forward_and_backward_is_still_caught"],
+        "a kept saved tensor (a weight) written in place after the forward passes autograd's version check"),
+    Mutation(
+        "activation-pack-reads-sparse-storage", "python/layerstream/_activations.py",
+        "        if (isinstance(t, nn.Parameter) or t.layout != torch.strided or t.is_nested",
+        "        if (isinstance(t, nn.Parameter) or t.is_nested",
+        [P + "test_activations.py::test_sparse_and_wrapper_saved_tensors_stay_as_they_are"],
+        "the pack hook reads the storage of a sparse saved tensor (NotImplementedError)"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -455,6 +455,8 @@ class Engine {
   // copy has finished. Copies in flight hold at most prefetch + 1 times the
   // largest tensor offloaded so far (always the newest one): past that, the
   // call blocks until the oldest have finished. Thread-safe.
+  // Conjugate, negative and zero views (their bit is not in the bytes), and
+  // tensors without strided storage, are none of its business either.
   virtual int64_t stash_activation(const torch::Tensor& t) = 0;
   // The stashed tensor on the compute device (same sizes, strides and
   // dtype), ready for work enqueued on the compute stream after the call
@@ -463,6 +465,9 @@ class Engine {
   // copy back of the next `prefetch` stashes in reverse saving order (the
   // order backward unpacks them) on the transfer stream. May be called
   // again for the same token (a retained graph): each call copies back.
+  // Autograd's version check, which its saved-tensor hooks turn off: a tensor
+  // written in place since it was saved throws autograd's "modified by an
+  // inplace operation" (check_saved_version, below).
   virtual torch::Tensor restore_activation(int64_t token, bool order_compute = true) = 0;
   // Releases a token (its graph was freed): the host copy goes back to the
   // engine's pool, reusable once its copies back have finished (with
@@ -637,5 +642,15 @@ void set_grad_hook_probe(GradHookProbe probe);
 // device, as in PyTorch); throws a clear error for unknown devices or "cuda"
 // without a visible GPU.
 std::string resolve_device(const std::string& device);
+
+// Autograd's check of a saved tensor at unpack, for saved-tensor hooks (under
+// them torch skips it): throws its "modified by an inplace operation" error when
+// `version` (the tensor's counter, or none for an inference tensor) moved from
+// `saved` (its value when autograd saved the tensor). Restore paths of the
+// engine, Python's and C++'s activation scopes call it.
+void check_saved_version(const std::optional<c10::VariableVersion>& version, uint32_t saved,
+                         c10::IntArrayRef sizes);
+// The counter of `t` when it has one (not an inference tensor).
+std::optional<c10::VariableVersion> version_of(const torch::Tensor& t);
 
 }  // namespace layerstream

@@ -294,6 +294,12 @@ PYBIND11_MODULE(_C, m) {
     return d;
   }, py::arg("parts"));
 
+  m.def(
+      "check_saved_version",
+      [](const torch::Tensor& t, uint32_t saved) {
+        layerstream::check_saved_version(layerstream::version_of(t), saved, t.sizes());
+      },
+      py::arg("tensor"), py::arg("saved_version"));
   m.def("may_stay_in_file", &host_tier::may_stay_in_file, py::arg("linear"), py::arg("frozen"),
         py::arg("as_stored"), py::arg("format"), py::arg("cache_dir"));  // core/host_tier.h
   // The host budget plan (core/host_tier.h): layers = [(name, bytes,

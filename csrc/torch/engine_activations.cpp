@@ -57,8 +57,26 @@ void EngineImpl::begin_activations(uint64_t device_budget) {
   release_copied_locked();
 }
 
+std::optional<c10::VariableVersion> version_of(const torch::Tensor& t) {
+  const c10::VariableVersion& v = t.unsafeGetTensorImpl()->version_counter();
+  if (!v.enabled()) return std::nullopt;
+  return v;
+}
+
+void check_saved_version(const std::optional<c10::VariableVersion>& version, uint32_t saved,
+                         c10::IntArrayRef sizes) {
+  if (!version || version->current_version() == saved) return;
+  LS_FAIL("one of the variables needed for gradient computation has been modified by an inplace operation: "
+          "a saved tensor of shape ", sizes, " is at version ", version->current_version(), "; expected version ",
+          saved, " instead (autograd's check, which offload(activations=...) keeps: write it after backward, "
+          "or clone it before the in-place write)");
+}
+
 int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
   if (!t.defined() || t.device() != compute_device_ || !t.has_storage()) return -1;
+  // Not bytes alone: a conjugate or negative view's bit, or a zero tensor, would be
+  // lost in the copy (the copy back is an empty_strided of its sizes and strides).
+  if (t.layout() != torch::kStrided || t.is_conj() || t.is_neg() || t._is_zerotensor()) return -1;
   const c10::StorageImpl* st = storage_of(t);
   if (std::find(t_weights.begin(), t_weights.end(), st) != t_weights.end()) return -1;
   auto scope = device_scope();
@@ -89,6 +107,8 @@ int64_t EngineImpl::stash_locked(const torch::Tensor& t, Event* wait) {
   // would otherwise hold that node, whose saved variables hold the token:
   // a cycle through this map that a forward without backward never frees.
   s.device = t.detach();
+  s.version = version_of(t);
+  if (s.version) s.saved_version = s.version->current_version();
   const int64_t token = next_stash_++;
   // Held here as autograd would hold it; a large dense one enters the device
   // budget's window, and the oldest ones beyond the budget leave it for the
@@ -227,6 +247,7 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   LS_CHECK(it != stashed_.end(), "saved activation ", token, " was already released (its graph was freed); "
            "backward through it twice needs retain_graph=True");
   Stashed& s = it->second;
+  check_saved_version(s.version, s.saved_version, s.sizes);
   if (!s.offloaded) return s.device;
   release_copied_locked();
   // Its copy to the host has not finished and the tensor is still here:

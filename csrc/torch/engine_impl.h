@@ -641,6 +641,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     Event to_device;         // after the newest copy back
     bool copying_back = false;
     uint64_t handed_out = 0;  // bytes of copies handed out, released at drop
+    std::optional<c10::VariableVersion> version;  // the saved tensor's counter (check_saved_version)
+    uint32_t saved_version = 0;
   };
   // Releases the device tensors whose copy to the host has finished.
   void release_copied_locked();

@@ -32,9 +32,17 @@ class EngineHooks final : public torch::autograd::SavedVariableHooks {
   void call_pack_hook(const at::Tensor& t) override {
     if (!t.has_storage() || !keep_->count(t.storage().unsafeGetStorageImpl())) token_ = engine_->stash_activation(t);
     keep_ = nullptr;  // the scope may end before backward
-    if (token_ < 0) kept_ = t;
+    if (token_ < 0) {
+      kept_ = t;
+      version_ = version_of(t);
+      if (version_) saved_version_ = version_->current_version();
+    }
   }
-  at::Tensor call_unpack_hook() override { return token_ < 0 ? kept_ : engine_->restore_activation(token_); }
+  at::Tensor call_unpack_hook() override {
+    if (token_ >= 0) return engine_->restore_activation(token_);
+    check_saved_version(version_, saved_version_, kept_.sizes());
+    return kept_;
+  }
   ~EngineHooks() override {
     if (token_ < 0) return;
     try {
@@ -48,6 +56,8 @@ class EngineHooks final : public torch::autograd::SavedVariableHooks {
   const std::set<const c10::StorageImpl*>* keep_;
   int64_t token_ = -1;
   at::Tensor kept_;
+  std::optional<c10::VariableVersion> version_;  // kept_'s (autograd's check, check_saved_version)
+  uint32_t saved_version_ = 0;
 };
 
 // torch's engine, but with the hooks above while a scope lives on this thread.

@@ -11,8 +11,29 @@ from typing import List
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import _dynamo_marks
+from . import _C, _dynamo_marks
+
+
+class _Kept:
+    """A saved tensor the engine does not take (a parameter, a view of one, not dense),
+    with its version when saved: unpacking runs autograd's check, which torch skips
+    under saved-tensor hooks (_C.check_saved_version)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        try:
+            self.version = t._version
+        except RuntimeError:  # an inference tensor has no version counter
+            self.version = None
+
+    def unpack(self) -> torch.Tensor:
+        if self.version is not None:
+            _C.check_saved_version(self.tensor, self.version)
+        return self.tensor
 
 
 class _Saved:
@@ -54,14 +75,19 @@ class ActivationOffload:
 
     def pack(self, t: torch.Tensor):
         # Held by the model anyway (a resident weight, or a view of it such as the
-        # transposed weight a linear saves): a copy would free nothing.
-        if isinstance(t, nn.Parameter) or (t.device.type != "meta" and t.untyped_storage().data_ptr() in self._held):
-            return t
+        # transposed weight a linear saves): a copy would free nothing. Not dense
+        # (sparse, nested, a wrapper subclass such as DTensor): left as it is.
+        if (isinstance(t, nn.Parameter) or t.layout != torch.strided or t.is_nested
+                or is_traceable_wrapper_subclass(t) or t.device.type == "meta"
+                or t.untyped_storage().data_ptr() in self._held):
+            return _Kept(t)
         token = self.engine.stash_activation(t)
-        return t if token < 0 else _Saved(self.engine, token)
+        return _Kept(t) if token < 0 else _Saved(self.engine, token)
 
     def unpack(self, saved):
-        return saved if isinstance(saved, torch.Tensor) else self.engine.restore_activation(saved.token)
+        # Under saved-tensor hooks torch skips its version check: the engine's restore
+        # and _Kept keep it (check_saved_version).
+        return saved.unpack() if isinstance(saved, _Kept) else self.engine.restore_activation(saved.token)
 
     def _enter(self, module, args):
         if torch.compiler.is_compiling():

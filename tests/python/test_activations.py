@@ -506,3 +506,85 @@ def test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open(offload_s
     handle.detach()
     other(torch.randn(128, 256, requires_grad=True)).tanh().sum().backward()  # no engine involved
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+class _ConjNeg(nn.Module):
+    """Saves a conjugate view (z * z.conj() saves the lazy conj) and a negative view."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        h = self.lin(x)
+        z = torch.complex(h, h.flip(1))
+        r = z * z.conj()
+        return self.out(r.real + r.imag + h * torch._neg_view(h * 2))
+
+
+@pytest.mark.parametrize("activations", ["host", "1KiB"])
+def test_conjugate_and_negative_views_are_saved_with_their_bit(offload_sim, activations):
+    """A conj/neg view's bit is not in its bytes: it crossed as bytes and came back plain
+    (gradients off by hundreds, no ordering error). Such views stay on the device."""
+    torch.manual_seed(0)
+    model = _ConjNeg()
+    ref = copy.deepcopy(model)
+    offload_sim(model, slots=2, activations=activations)
+    _train(model, ref, torch.randn(256, 256), steps=2)
+
+
+@pytest.mark.parametrize("activations", ["host", "1MiB"])
+def test_a_write_in_place_between_forward_and_backward_is_still_caught(offload_sim, activations):
+    """torch skips its saved-tensor version check under saved-tensor hooks: with activation
+    offload an in-place write after the forward (an optimizer step before backward, an
+    edit of a saved output) went unnoticed and backward used the new values. The engine
+    and the kept tensors check as autograd does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    offload_sim(model, slots=2, activations=activations)
+    x = torch.randn(256, 256, requires_grad=True)
+    loss = model(x).square().sum()
+    with torch.no_grad():
+        model[2].weight.mul_(2)  # a streamed weight its backward needs
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: a saved tensor of shape "
+                                           r"\[256, 256\] is at version \d+; expected version \d+"):
+        loss.backward()
+
+    class SavesItsOutput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
+
+        def forward(self, x):
+            return self.lin(x).exp()  # exp saves its output
+
+    torch.manual_seed(0)
+    model = SavesItsOutput()
+    offload_sim(model, slots=2, activations=activations)
+    y = model(torch.randn(256, 256))
+    with torch.no_grad():
+        y.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_sparse_and_wrapper_saved_tensors_stay_as_they_are(offload_sim):
+    """A sparse matrix saved by torch.sparse.mm (a graph network's adjacency) crashed the
+    pack hook (it read the storage of every saved tensor); it stays where it is."""
+
+    class Gcn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(1)
+            idx = torch.randint(0, 256, (2, 4000), generator=g)
+            self.adj = torch.sparse_coo_tensor(idx, torch.rand(4000, generator=g), (256, 256)).coalesce()
+            self.l1, self.l2 = nn.Linear(256, 256), nn.Linear(256, 256)
+
+        def forward(self, x):
+            return self.l2(torch.sparse.mm(self.adj, self.l1(x)).relu())
+
+    torch.manual_seed(0)
+    model = Gcn()
+    ref = copy.deepcopy(model)
+    offload_sim(model, slots=2, activations="host")
+    _train(model, ref, torch.randn(256, 256), steps=2)
