@@ -344,6 +344,54 @@ TEST(TorchOffload, StreamedLayersAreDispatcherOperators) {
   EXPECT_EQ(engine->op_spec(layer), spec);
 }
 
+// Saved-tensor hooks turn autograd's version check off: the engine and the C++
+// scope's kept tensors check as autograd does; views whose conj/neg bit is not in
+// their bytes are not taken.
+TEST(TorchOffload, SavedActivationsKeepAutogradsVersionCheckAndConjugateViews) {
+  auto engine = layerstream::Engine::create(sim_options());
+  engine->begin_activations(0);
+  auto t = torch::randn({256, 256});
+  const int64_t token = engine->stash_activation(t);
+  ASSERT_GE(token, 0);
+  t.mul_(2);  // written in place after it was saved
+  try {
+    engine->restore_activation(token, true);
+    FAIL() << "a saved tensor written in place was restored";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("modified by an inplace operation: a saved tensor of shape [256, 256] "
+                                         "is at version 1; expected version 0"),
+              std::string::npos)
+        << e.what();
+  }
+  engine->drop_activation(token);
+  const auto z = torch::complex(torch::randn({256, 256}), torch::randn({256, 256}));
+  EXPECT_LT(engine->stash_activation(z.conj()), 0);
+  EXPECT_LT(engine->stash_activation(torch::_neg_view(torch::randn({256, 256}))), 0);
+
+  struct Net : torch::nn::Module {
+    layerstream::nn::Linear a{nullptr}, b{nullptr};
+    Net() {
+      a = register_module("a", layerstream::nn::Linear(256, 256));
+      b = register_module("b", layerstream::nn::Linear(256, 256));
+    }
+  };
+  auto net = std::make_shared<Net>();
+  auto o = sim_options();
+  o.activations = 0;
+  auto handle = layerstream::offload(*net, o);
+  torch::Tensor loss;
+  {
+    auto saved = handle->saved_activations();
+    loss = net->b(torch::gelu(net->a(torch::randn({256, 256})))).square().sum();
+  }
+  {
+    torch::NoGradGuard ng;
+    net->b->weight.mul_(2);  // e.g. an optimizer step before backward
+  }
+  EXPECT_THROW(loss.backward(), std::exception);
+  handle->detach();
+}
+
 TEST(TorchOffload, SavedActivationsGoToTheHostAndBack) {
   // Activation offload through the C++ API (docs/design/activations.md): a dense tensor of 64 KiB
   // or more goes to the host and comes back bit-identical in its layout; a smaller one is kept.
