@@ -21,17 +21,18 @@
 //    module sharing the same parameters (same named_parameters() names) via
 //    Module::replace_module, when nothing but its parent's registry holds it
 //    (a parent that re-reads its children from the registry, as the streamed
-//    type: the swapped-in module is a layerstream::nn::LinearImpl / ConvImpl, not
-//    a torch::nn::LinearImpl, so `as<torch::nn::Linear>()` gives null). A child held
-//    elsewhere, by a ModuleHolder member (`torch::nn::Linear fc{nullptr}`: how
-//    C++ modules usually call their children) or a variable of the caller's,
-//    would go on being called unswapped: when the plan streams it, offload()
-//    throws naming it, before anything changes; declare the member as
-//    layerstream::nn::Linear / Conv*d, or exclude it. Children of Sequential / ModuleList / ModuleDict cannot be
-//    swapped either (their element lists are private): offload() throws
-//    naming them, so nothing runs unstreamed silently. torch::nn::Embedding
-//    is never swapped (it stays resident): declare the member as
-//    layerstream::nn::Embedding to stream a table.
+//    type: the swapped-in module is a layerstream::nn::LinearImpl / ConvImpl,
+//    not a torch::nn::LinearImpl, so `as<torch::nn::Linear>()` gives null). A
+//    child held elsewhere, by a ModuleHolder member (`torch::nn::Linear
+//    fc{nullptr}`: how C++ modules usually call their children) or a variable
+//    of the caller's, would go on being called unswapped: when the plan
+//    streams it, offload() throws naming it, before anything changes; declare
+//    the member as layerstream::nn::Linear / Conv*d, or exclude it. Children
+//    of Sequential / ModuleList / ModuleDict cannot be swapped either (their
+//    element lists are private): offload() throws naming them, so nothing runs
+//    unstreamed silently. torch::nn::Embedding is never swapped (it stays
+//    resident): declare the member as layerstream::nn::Embedding to stream a
+//    table.
 // Tied weights (one weight parameter of several modules, e.g. an output
 // projection sharing a layerstream::nn::Embedding's table) stream when every
 // module that has it streams: they read one host copy, unquantized (with a

@@ -635,8 +635,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
              "variable of yours). offload() can swap a torch::nn::Linear/Conv*d child only in the registry, "
              "so such a holder would go on calling the old module on weights moved to host memory. Declare "
              "the members as layerstream::nn::Linear / Conv1d / Conv2d / Conv3d (drop-in replacements: same "
-             "options and parameter names), or exclude them (OffloadOptions::exclude: they stay resident, as a budget that holds them keeps "
-             "them); nothing was changed");
+             "options and parameter names), or exclude them (OffloadOptions::exclude: they stay resident, "
+             "as a budget that holds them keeps them); nothing was changed");
   }
   auto engine = Engine::create(engine_options);
   handle->engine_ = engine;

@@ -4,6 +4,7 @@ embedding subclass's base (_LookupBase) and a tensor group's (_GroupForward, _Gr
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 import weakref
@@ -55,8 +56,6 @@ class _PlainCopy:
         self._attached = attached  # _handle._Attached
 
     def __call__(self, memo):
-        import copy
-
         a = self._attached
         module = a.module
         held = [n for n, p in module.named_parameters() if isinstance(p, StandIn)]
@@ -72,6 +71,8 @@ class _PlainCopy:
                 obj = m.__dict__.get(key)
                 if obj is not None and (key != "forward" or m is module):
                     memo[id(obj)] = gone
+        # What copy.deepcopy() does for an object without __deepcopy__ (the module's
+        # class, its __dict__ copied through memo), since this one has one.
         rv = module.__reduce_ex__(4)
         clone = copy._reconstruct(module, memo, *rv)
         for sub in clone.modules():
