@@ -624,7 +624,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   // device mismatch on CUDA. C++ modules call their children through ModuleHolder
   // members (`torch::nn::Linear fc{nullptr}`), which hold them, so this is the usual
   // case. Layers the plan keeps resident are not swapped: they may be held. Owners
-  // now: the registry, `items`, and whoever else (use_count()).
+  // now: the registry, `items`, and whoever else (use_count()). docs/design/torch-glue.md.
   {
     std::string held;
     for (const auto& it : items)

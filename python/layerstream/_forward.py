@@ -48,7 +48,8 @@ class _PlainCopy:
     ``modules_to_save`` (a classification head, ``lm_head``) copies modules so. A
     whole offloaded model still refuses (its call hooks do). Weights layerstream holds
     packed or in a file (quantize=, GGUF, the disk tier) have no dense values here:
-    refused, naming what to do."""
+    refused, naming what to do (docs/design/torch-glue.md, "A copy of one streamed
+    layer")."""
 
     __slots__ = ("_attached",)
 
