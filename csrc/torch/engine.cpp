@@ -432,7 +432,8 @@ void EngineImpl::retire_scheduler_locked(std::vector<int>* trace, std::vector<bo
 void EngineImpl::ensure_scheduler() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; its layers run their original "
-           "forward now. Call offload() again to stream them.");
+           "forward now. Call offload() again to stream them (a graph recorded before detach(), such as "
+           "a backward not run yet, cannot run on either: run it before detach(), or run the forward again).");
   LS_CHECK(!suspended_, "this layerstream handle is suspended: its device memory was freed (handle.suspend(), "
            "or model.to('cpu') of a model streamed to a GPU); resume it (handle.resume(), or model.to(<compute "
            "device>); C++: OffloadHandle::resume()) before running the model. A backward of a graph recorded "
