@@ -926,6 +926,13 @@ MUTATIONS = [
         [P + "test_activations.py::test_sparse_and_wrapper_saved_tensors_stay_as_they_are"],
         "the pack hook reads the storage of a sparse saved tensor (NotImplementedError)"),
     Mutation(
+        "sim-unwrap-keeps-the-region", "csrc/backends/sim/sim_backend.cpp",
+        "  std::lock_guard<std::mutex> l(impl_->ck_mu);\n  impl_->regions.erase(buf.id);",
+        "  return;",
+        ["gtest:test_sim_checker:SimChecker.UnwrapDropsTracking"],
+        "the sim checker keeps what it knew of a wrapped buffer after unwrap() (a region per saved activation, "
+        "for the backend's life)"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

@@ -170,6 +170,11 @@ class Backend {
   // Wraps memory the backend did not allocate (e.g. a framework tensor) so
   // that it can be used in copies and tracked. Not owned; do not free it.
   virtual BufferRef wrap(void* ptr, size_t bytes, MemoryKind kind, const std::string& label = {});
+  // Forgets a buffer from wrap() once its owner is done with it (the framework
+  // frees or reuses the memory): a checking backend drops what it recorded about
+  // it, which otherwise stays for the backend's life. The caller guarantees that
+  // no pending work still uses it. No-op by default.
+  virtual void unwrap(const BufferRef& buf) { (void)buf; }
 
   // ---- streams ----
   virtual Stream create_stream(const std::string& name) = 0;

@@ -44,6 +44,8 @@ void EngineImpl::release_copied_locked() {
     if (it != stashed_.end() && it->second.device.defined()) {
       if (!backend_->query(it->second.to_host)) return;  // in saving order: the later ones are later
       it->second.device = torch::Tensor();
+      backend_->unwrap(it->second.device_ref);  // torch's memory again (the checker forgets it)
+      it->second.device_ref = BufferRef();
       note_activation_bytes_locked(-static_cast<int64_t>(it->second.bytes));
     }
     awaiting_copy_.pop_front();
@@ -259,6 +261,8 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   Stream cs = compute_stream();
   if (order_compute) backend_->wait(cs, s.to_device);
   backend_->declare_access(s.restored_ref, Access::Read, cs, "the backward's read of a saved activation");
+  backend_->unwrap(s.restored_ref);  // handed to autograd: the engine never touches it again
+  s.restored_ref = BufferRef();
   torch::Tensor out = std::move(s.restored);
   s.restored = torch::Tensor();
   s.copying_back = false;
@@ -305,6 +309,9 @@ void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
     if (s.copying_back) backend_->synchronize(s.to_device);
     host_pool_.emplace(s.bytes, std::make_pair(std::move(s.host), std::move(done)));
   }
+  // What the checker still knows of this entry's device memory (wrapped): torch's again.
+  if (s.device_ref.id) backend_->unwrap(s.device_ref);
+  if (s.restored_ref.id) backend_->unwrap(s.restored_ref);
   stashed_.erase(it);
 }
 

@@ -372,6 +372,25 @@ TEST(SimChecker, FreeDropsTracking) {
   expect_no_errors(*sim);
 }
 
+// unwrap() forgets a wrapped buffer (the framework's memory again): what the checker
+// knew of it goes (it had kept a region per wrapped buffer for the backend's life,
+// one per saved activation and copy back), so its next user starts fresh.
+TEST(SimChecker, UnwrapDropsTracking) {
+  auto sim = make_sim_backend(instant());
+  Stream a = sim->create_stream("a");
+  std::vector<char> memory(128);
+  BufferRef wrapped = sim->wrap(memory.data(), memory.size(), MemoryKind::Device, "framework tensor");
+  sim->declare_access(wrapped, Access::Write, a, "a writes the tensor");
+  BufferRef kept = sim->wrap(memory.data(), memory.size(), MemoryKind::Device, "still wrapped");
+  sim->declare_access(kept, Access::Write, a, "a writes it too");
+  sim->unwrap(wrapped);
+  sim->declare_host_access(wrapped, Access::Write, "the framework reuses the memory");
+  expect_no_errors(*sim);
+  sim->declare_host_access(kept, Access::Write, "the host writes a buffer a stream may still write");
+  EXPECT_EQ(sim->ordering_errors().size(), 1u);
+  sim->synchronize(a);
+}
+
 // A free is a host write of the buffer and of the regions inside it: a stream that
 // may still read one of them (a copy in flight) makes it an error, named.
 TEST(SimChecker, FreeWhileAStreamMayStillReadItIsAnError) {

@@ -632,6 +632,12 @@ void SimBackend::free(const BufferRef& buf) {
   ::operator delete(buf.ptr, std::align_val_t(kAlign));
 }
 
+void SimBackend::unwrap(const BufferRef& buf) {
+  if (!impl_->opts.checker || buf.id == 0) return;
+  std::lock_guard<std::mutex> l(impl_->ck_mu);
+  impl_->regions.erase(buf.id);
+}
+
 // ---------------------------------------------------------------- streams
 
 Stream SimBackend::create_stream(const std::string& name) {

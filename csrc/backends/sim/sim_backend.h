@@ -84,6 +84,7 @@ class SimBackend final : public Backend {
   // tracked region inside it: an access not ordered before it (a copy that
   // may still read it) is an ordering error. Then they are forgotten.
   void free(const BufferRef& buf) override;
+  void unwrap(const BufferRef& buf) override;  // the checker forgets its region
 
   Stream create_stream(const std::string& name) override;
   Stream create_inline_stream(const std::string& name) override;
