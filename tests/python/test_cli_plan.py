@@ -193,6 +193,17 @@ def test_a_step_time_of_many_days_keeps_its_unit():
     assert re.search(r"predicted step time: +[0-9.]+e\+[0-9]+ s steady state", line), line
 
 
+def test_a_checkpoint_without_tensors_is_an_error(tmp_path):
+    """A safetensors header of {} (or a GGUF with no tensors) planned "0 layers" with exit 0."""
+    from conftest import write_gguf
+
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(struct.pack("<Q", 2) + b"{}")
+    assert_one_line_error(run("--checkpoint", empty, "--budget", "1GiB"), 1, "holds no tensors: nothing to plan")
+    gguf = write_gguf(tmp_path / "empty.gguf", [])
+    assert_one_line_error(run("--checkpoint", gguf, "--budget", "1GiB"), 1, "holds no tensors: nothing to plan")
+
+
 def test_truncated_file(tmp_path, st_file):
     data = st_file.read_bytes()
     p = write(tmp_path / "t.safetensors", data[:5])

@@ -322,9 +322,12 @@ int cmd_plan(int argc, char** argv) {
   const bool gguf = have_checkpoint && checkpoint.size() > 5 &&
                     checkpoint.compare(checkpoint.size() - 5, 5, ".gguf") == 0;
   if (gguf) {
-    desc = describe_gguf(read_gguf(checkpoint), dense_dtype);  // errors -> exit 1
+    const GgufFile g = read_gguf(checkpoint);  // errors -> exit 1
+    LS_CHECK(!g.tensors.empty(), checkpoint, " holds no tensors: nothing to plan");
+    desc = describe_gguf(g, dense_dtype);
   } else if (have_checkpoint) {
     const Checkpoint ck = read_checkpoint(checkpoint);  // errors -> exit 1
+    LS_CHECK(!ck.tensors.empty(), checkpoint, " holds no tensors: nothing to plan");
     desc = describe_checkpoint(ck);
     if (have_dense_dtype) cast_to_dtype(desc, dense_dtype);  // as offload() reads them
     if (opt.quantize == Quantization::Lossless)  // from the weights' own values (cast as they will be)
