@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Mutation audit: do the tests fail when the code is wrong?
 
-Each entry of MUTATIONS (tools/mutations.py, the catalogue) plants one plausible
+Each entry of MUTATIONS (tools/mutations/, the catalogue) plants one plausible
 bug: an exact, distinctive source snippet (the anchor) in one file is replaced.
 For each mutation the harness copies the working tree into a scratch folder
 (once; later runs only copy what changed), applies the mutation there, rebuilds

@@ -1,4 +1,4 @@
-"""tools/mutations.py's entries (the audit tools/mutate.py runs) stay in step with the code: an entry whose anchor moved
+"""tools/mutations/'s entries (the audit tools/mutate.py runs) stay in step with the code: an entry whose anchor moved
 away reports "stale" only when someone runs the audit, and until then the bug it stands
 for is audited by nothing (on 2026-12-05 seven entries had drifted that way). Each
 anchor occurs exactly once in its file, and each test (or script) an entry runs exists."""
@@ -13,13 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _mutations():
-    spec = importlib.util.spec_from_file_location("layerstream_mutations", ROOT / "tools" / "mutations.py")
+    package = ROOT / "tools" / "mutations"
+    spec = importlib.util.spec_from_file_location("layerstream_mutations", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.modules[spec.name] = module  # dataclasses look their module up; its parts import from it
     try:
         spec.loader.exec_module(module)
     finally:
-        sys.modules.pop(spec.name, None)
+        for name in [n for n in sys.modules if n == spec.name or n.startswith(spec.name + ".")]:
+            sys.modules.pop(name, None)
     return module.MUTATIONS
 
 

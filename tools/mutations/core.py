@@ -1,0 +1,234 @@
+"""Bugs planted in the core (csrc/core: scheduler, planner, host store and tier, formats,
+optimizer kernels), the sim backend, the command-line tool and the GPU script's helpers."""
+from __future__ import annotations
+
+from .base import P, Mutation
+
+MUTATIONS = [
+    Mutation(
+        "slot-utilisation-denominator", "csrc/core/scheduler.h",
+        "static_cast<double>(max_slots_held) / num_slots : 0.0;",
+        "static_cast<double>(max_slots_held) / (num_slots + 1) : 0.0;",
+        [P + "test_telemetry.py"],
+        "slot_utilisation divided by one slot too many", survived_before=True),
+    Mutation(
+        "busy-slots-not-last", "csrc/core/scheduler.cpp",
+        "return cost >= 0 && busy ? cost + 2 : cost;",
+        "return cost;",
+        [P + "test_distributed.py::test_averaging_overlaps_the_backward"],
+        "a scratch slot still busy with an all-reduce taken before an idle one (the backward waits)"),
+    Mutation(
+        "planner-keeps-nothing-resident", "csrc/core/planner.cpp",
+        "    best = build(all_resident, in.min_slots);",
+        "    best = build(std::vector<char>(n, 0), in.min_slots);",
+        [P + "test_errors.py::test_budget_that_fits_everything_keeps_layers_resident"],
+        "a budget that holds the whole model keeps nothing resident (streams everything)"),
+    Mutation(
+        "planner-greedy-fill-keeps-nothing", "csrc/core/planner.cpp",
+        "        if (fits) {\n          resident[i] = 1;",
+        "        if (false) {\n          resident[i] = 1;",
+        [P + "test_parity_layers.py::test_resident_and_streamed_layers_in_one_model"],
+        "a budget with room for some layers beside the slots keeps none of them resident"),
+    Mutation(
+        "sim-destructor-leaks-buffers", "csrc/backends/sim/sim_backend.cpp",
+        "  for (auto& kv : impl_->allocs) ::operator delete(kv.first, std::align_val_t(kAlign));\n",
+        "",
+        ["gtest:test_sim_backend:SimMemory.*"],
+        "the sim backend's destructor no longer frees buffers never freed"),
+    Mutation(
+        "json-no-depth-limit", "csrc/core/json.cpp",
+        "    if (depth >= kMaxDepth) fail(",
+        "    if (false) fail(",
+        ["gtest:test_safetensors:Safetensors.*Replay"],
+        "the header parser recurses without a depth limit (a hostile file's stack)"),
+    Mutation(
+        "scheduler-slots-held-off-by-one", "csrc/core/scheduler.cpp",
+        "  const int held = pool_->num_slots() - pool_->num_free();",
+        "  const int held = pool_->num_slots() - pool_->num_free() - 1;",
+        [P + "test_telemetry.py::test_step_stats_of_a_constructed_schedule"],
+        "slot utilisation's numerator (most slots held) one too small"),
+    Mutation(
+        "skip-policy-accepts-no-device", "bench/gpu/skip_policy.py",
+        '        if NO_DEVICE.search(reason) and mode == "gpu":',
+        '        if False:',
+        ["cmd:python bench/gpu/skip_policy.py --self-test"],
+        "the GPU script's skip policy no longer names a no-device skip as a failure"),
+    Mutation(
+        "backward-end-leaves-guessed-prefetch", "csrc/core/scheduler.cpp",
+        "void Scheduler::backward_ended() {\n  wait_unused_prefetches();\n",
+        "void Scheduler::backward_ended() {\n",
+        [P + "test_optim.py::test_accumulation_over_three_micro_batches_equals_one_batch",
+         P + "test_optim.py::test_overlapped_steps_that_leave_the_trace_write_no_weight_a_copy_reads"],
+        "a prefetch guessed while recording still reads weights when the backward ends and the optimizer writes"),
+    Mutation(
+        "scheduler-never-waits-for-unused-prefetches", "csrc/core/scheduler.cpp",
+        "    if (st.use == Use::Prefetched) backend_.synchronize(st.ready);\n",
+        "    (void)st;\n",
+        ["gtest:test_scheduler:*NoGuessedPrefetch*"],
+        "wait_unused_prefetches() returns with the untaken copies still reading host bytes"),
+    Mutation(
+        "lossless-experts-one-piece", "csrc/core/lossless.cpp",
+        "  return piece_out % 16 == 0 ? experts : 1;\n",
+        "  return piece_out % 16 == 0 ? 1 : 1;\n",
+        [P + "test_experts.py::test_lossless_experts_route_and_decode_bit_for_bit"],
+        "expert tensors coded whole, so a routed call copies every expert"),
+    Mutation(
+        "planner-lossless-groups-raw-bytes", "csrc/core/planner_models.cpp",
+        "        } else if (coded) {  // decoded into its own dtype",
+        "        } else if (false && coded) {  // decoded into its own dtype",
+        [P + "test_cli_plan.py::test_quantize_lossless_codes_moe_groups_per_expert"],
+        "the planner counts a lossless tensor group's raw bytes, not its measured coded size"),
+    Mutation(
+        "scheduler-partial-copy-not-awaited", "csrc/core/scheduler.cpp",
+        "  // wait_copies_read() waits for this one too (a re-code of the bytes it reads).\n"
+        "  if (!l.copied_once) l.last_copy = backend_.create_event();\n"
+        "  backend_.record(l.last_copy, transfer_);\n"
+        "  l.copied_once = true;\n",
+        "",
+        ["gtest:test_scheduler:*PartialCopyInFlight*"],
+        "a re-code of a group's coded pieces does not wait for the routed copies still reading them"),
+    Mutation(
+        "int8-scale-128", "csrc/core/quant.cpp",
+        "    const float scale = absmax / 127.0f;",
+        "    const float scale = absmax / 128.0f;",
+        ["gtest:test_quant:*", P + "test_quant_offload.py::test_streamed_values_equal_the_reference_dequantization"],
+        "int8 packing with the wrong scale"),
+    Mutation(
+        "sim-device-bytes-miscounted", "csrc/backends/sim/sim_backend.cpp",
+        "BufferRef SimBackend::alloc_device(size_t bytes, const std::string& label) {\n"
+        "  std::lock_guard<std::mutex> l(impl_->mem_mu);",
+        "BufferRef SimBackend::alloc_device(size_t bytes, const std::string& label) {\n"
+        "  bytes += 64;\n  std::lock_guard<std::mutex> l(impl_->mem_mu);",
+        ["gtest:test_sim_backend:SimMemory.*"],
+        "the sim device counts more memory than a buffer asks for"),
+    Mutation(
+        "lossless-last-symbol-pair", "csrc/core/lossless_device.h",
+        "    if (two && i + 1 == n) {  // the last symbol alone",
+        "    if (false) {  // the last symbol alone",
+        ["gtest:test_lossless:*"],
+        "the block decoder takes a table entry's second symbol past the block's last element"),
+    Mutation(
+        "planner-lossless-raw-bytes", "csrc/core/planner_models.cpp",
+        "    const uint64_t w_bus = lossless ? l.lossless_bytes : quantized_weight_bytes(",
+        "    const uint64_t w_bus = false ? l.lossless_bytes : quantized_weight_bytes(",
+        [P + "test_cli_plan.py::test_quantize_lossless_measures_each_weights_coded_size"],
+        "the planner counts a lossless weight's raw bytes on the bus, not its measured coded size"),
+    Mutation(
+        "adamw-bf16-bias-correction", "csrc/core/optim/optim.cpp",
+        "  s.neg_step_bc2 = static_cast<float>(-step_size * bc2_sqrt);",
+        "  s.neg_step_bc2 = static_cast<float>(-step_size * bc2);",
+        ["gtest:test_optim:*"],
+        "the host AdamW of bf16 parameters folds 1 - beta2^t into its step, not its square root"),
+    Mutation(
+        "disk-tier-file-change-unseen", "csrc/core/io/source_file.cpp",
+        "  LS_CHECK(same, path_, \": the file changed after it was loaded",
+        "  LS_CHECK(same || true, path_, \": the file changed after it was loaded",
+        [P + "test_host_tier.py::test_a_file_changed_after_loading_is_an_error_never_other_weights"],
+        "a checkpoint file rewritten after loading is read as if it were the same weights"),
+    Mutation(
+        "host-store-pins-past-its-cap", "csrc/core/host_store.cpp",
+        "    pin = stats_.pinned_bytes + bytes <= static_cast<uint64_t>(pinned_cap_);",
+        "    pin = true;",
+        [P + "test_host_tier.py::test_pinned_budget_zero_stores_pageable_and_stages_copies",
+         P + "test_host_tier.py::test_disk_tier_under_a_quarter_of_the_model_equals_the_resident_model"],
+        "the host store pins weights past pinned_budget"),
+    Mutation(
+        "backward-end-begins-no-step", "csrc/core/scheduler.cpp",
+        "  wait_unused_prefetches();\n  begin_call();",
+        "  wait_unused_prefetches();",
+        [P + "test_training.py::test_steps_that_skip_the_first_layer_read_the_weights_the_optimizer_wrote",
+         P + "test_training.py::test_peft_merge_and_unload_after_training_computes_with_the_merged_weights",
+         "gtest:test_scheduler:*AfterABackwardTheNextForward*"],
+        "the forward after a backward continues the step when it skips the trace's first layer: "
+        "slots serve the weights from before the optimizer step"),
+    Mutation(
+        "unexpected-refetch-begins-no-step", "csrc/core/scheduler.cpp",
+        " ||\n              (fetched_in_[static_cast<size_t>(layer)] == step_serial_ && !expected_later_locked(layer))",
+        "",
+        [P + "test_training.py::test_peft_merge_and_unload_after_training_computes_with_the_merged_weights",
+         "gtest:test_scheduler:*AFetchTheTraceDoesNotExpectAgain*"],
+        "an inner module called again (peft's unwrapped model after merge_and_unload) shares the step "
+        "of the call before and reads its cached weights"),
+    Mutation(
+        "write-version-unchecked", "csrc/core/scheduler.cpp",
+        "  const auto& version = opts_.content_version ? opts_.content_version : opts_.write_version;\n  if (!version",
+        "  const auto& version = opts_.content_version;\n  if (!version",
+        ["gtest:test_scheduler:*WriteVersionRefuses*"],
+        "cached content is reused within a step after an in-place (version-counted) write"),
+    Mutation(
+        "staging-entry-unversioned", "csrc/core/scheduler.cpp",
+        "    if (v != staged_version_[static_cast<size_t>(layer)]) stager_->forget_memory_layer(layer);\n",
+        "",
+        ["gtest:test_stager:*AnInPlaceWriteToALayerReadFromMemory*"],
+        "a layer read from pageable memory is served from its staging entry after an in-place write"),
+    Mutation(
+        "forked-child-keeps-the-pool", "csrc/core/optim/thread_pool.cpp",
+        "  g_shared = nullptr;\n  g_shared_mu.unlock();",
+        "  g_shared_mu.unlock();",
+        [P + "test_fork.py::test_a_host_optimizer_steps_in_a_forked_child"],
+        "a forked child's optimizer step runs on the parent's pool, whose workers are not in the "
+        "child: it waits forever"),
+    Mutation(
+        "data-writes-not-sampled", "csrc/core/scheduler.cpp",
+        "      if (loaded_[l] >= 0) opts_.step_begins(static_cast<int>(l));",
+        "      if (false) opts_.step_begins(static_cast<int>(l));",
+        [P + "test_training.py::test_data_writes_between_calls_with_cache_across_steps_are_seen",
+         P + "test_training.py::test_peft_merge_unmerge_and_unload_between_calls_match_the_resident_model",
+         P + "test_compile.py::test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact",
+         "gtest:test_torch_offload:*WriteThroughDataBeforeACallIsSeen*",
+         "gtest:test_scheduler:*StepBeginsLooksAtEachCachedLayer*"],
+        "with cache_across_steps a write through .data between steps (peft's merge_adapter(), "
+        "diffusers' fuse_lora()) leaves the old weight in its slot"),
+    Mutation(
+        "refetch-rule-ignores-phases", "csrc/core/scheduler.cpp",
+        "    if (trace_fwd_[*it]) return true;",
+        "    return true;",
+        [P + "test_training.py::test_an_inner_module_called_on_its_own_after_training_reads_each_write",
+         "gtest:test_scheduler:*AFetchTheTraceDoesNotExpectAgain*"],
+        "an inner module called again after training shares the step of the call before: the trace "
+        "names it again in its backward"),
+    Mutation(
+        "forward-after-backward-fetch-begins-no-step", "csrc/core/scheduler.cpp",
+        "  if (forward && backward_in_step_) boundary_due_ = true;  // a forward after this step's backward\n",
+        "",
+        [P + "test_compile.py::test_compiled_steps_that_skip_the_first_layer_and_data_writes_after_them_stay_exact",
+         "gtest:test_scheduler:*AForwardAfterABackwardFetchBeginsAStep*"],
+        "under torch.compile (no call hook, no backward_ended()) steps that skip the trace's first layer "
+        "share one step: inference calls after them read weights cached before a `.data` write"),
+    Mutation(
+        "cast-as-read-streams-the-files-bytes", "csrc/core/host_tier.cpp",
+        "  return linear && frozen && as_stored && (dense || (cache_dir && format != \"lossless\"));",
+        "  return linear && frozen && (dense || (cache_dir && format != \"lossless\"));",
+        [P + "test_host_tier.py::test_a_checkpoint_in_another_float_dtype_is_cast_as_offload_reads_it",
+         P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
+        "a frozen weight whose file holds another dtype is left on the disk tier, which streams the file's bytes "
+        "as they are (a wrong size, or another dtype's bits); `layerstream plan --dense-dtype` plans it there"),
+    Mutation(
+        "plan-disk-takes-cast-layers", "tools/cli/cmd_plan.cpp",
+        "                                                    !l.cast, to_string(opt.quantize), true));",
+        "                                                    true, to_string(opt.quantize), true));",
+        [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
+        "`layerstream plan --dense-dtype` plans layers cast from the checkpoint's dtype on the disk tier, which "
+        "offload() reads into RAM"),
+    Mutation(
+        "plan-disk-takes-convolutions", "tools/cli/cmd_plan.cpp",
+        "host_tier::may_stay_in_file(!l.group && l.weight_shape.size() == 2, !opt.training,",
+        "host_tier::may_stay_in_file(!l.group, !opt.training,",
+        [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
+        "`layerstream plan --host-budget` plans convolutions on the disk tier; load_safetensors() leaves only "
+        "Linear weights in the file"),
+    Mutation(
+        "lossless-measure-ignores-the-cast", "csrc/core/planner_models.cpp",
+        "    const lossless::Dtype d = codable(as_dtype) ? lossless_dtype(as_dtype) : stored;  // what offload() codes",
+        "    const lossless::Dtype d = stored;",
+        [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
+        "`layerstream plan --dense-dtype bf16 --quantize lossless` measures the coded size of the file's fp32 "
+        "values, not of the bf16 ones offload() codes"),
+    Mutation(
+        "sim-unwrap-keeps-the-region", "csrc/backends/sim/sim_backend.cpp",
+        "  std::lock_guard<std::mutex> l(impl_->ck_mu);\n  impl_->regions.erase(buf.id);",
+        "  return;",
+        ["gtest:test_sim_checker:SimChecker.UnwrapDropsTracking"],
+        "the sim checker keeps what it knew of a wrapped buffer after unwrap() (a region per saved activation, "
+        "for the backend's life)"),
+]

@@ -1,0 +1,328 @@
+"""Bugs planted in the Python layer (python/layerstream: module surgery, forwards,
+activation scopes, optimizers, loaders, compat), and the harness's control entry."""
+from __future__ import annotations
+
+from .base import P, Mutation
+
+MUTATIONS = [
+    Mutation(
+        "group-recompute-ignores-autocast", "python/layerstream/_group_op.py",
+        "torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0])",
+        "torch.autocast(dev.type, dtype=autocast[1], enabled=False)",
+        [P + "test_groups.py::test_group_under_autocast_recomputes_in_the_autocast_dtype"],
+        "a group's recompute in backward ignores autocast", survived_before=True),
+    Mutation(
+        "sharded-clip-norm-not-summed", "python/layerstream/optim.py",
+        "            plan.sum_of_squares = total.item() / shard.nodes",
+        "            pass",
+        [P + "test_distributed.py::test_sharded_step_overlapped_with_the_backward"],
+        "an overlapped sharded step clips by its own shards' norm, not the ranks' sum"),
+    Mutation(
+        "group-forward-without-grad-mode", "python/layerstream/_group_op.py",
+        "    with torch.enable_grad(), fwd.fetched(experts=experts, adapters=bound) as views, \\\n",
+        "    with fwd.fetched(experts=experts, adapters=bound) as views, \\\n",
+        [P + "test_blas_calls.py"],
+        "a tensor group's forward runs without grad mode (eval attention takes its fused path)"),
+    Mutation(
+        "group-inputs-lose-identity", "python/layerstream/_group_op.py",
+        "    return [seen[id(t)] for t in tensors]\n",
+        "    return [t.detach().requires_grad_(bool(r)) for t, r in zip(tensors, requires_grad)]\n",
+        [P + "test_blas_calls.py"],
+        "a tensor passed twice to a group becomes two tensors (attention: query is not key)"),
+    Mutation(
+        "group-op-kernel-below-autograd", "python/layerstream/_group_op.py",
+        "    with _as_eager():\n        single, outs",
+        "    if True:\n        single, outs",
+        [P + "test_blas_calls.py::test_attention_group_issues_the_resident_calls"],
+        "the compiled group operator runs the module below autograd (other GEMMs than the resident module)"),
+    Mutation(
+        "group-op-forward-without-grad", "python/layerstream/_group_op.py",
+        "        if c.grad:\n",
+        "        if False:\n",
+        [P + "test_blas_calls.py::test_attention_group_issues_the_resident_calls"],
+        "the compiled group operator runs the module's forward without grad mode when a gradient is needed"),
+    Mutation(
+        "compile-marks-never-applied", "python/layerstream/_dynamo_marks.py",
+        "        setattr(mod, name, mark(dynamo, getattr(mod, name)))\n",
+        "        pass\n",
+        [P + "test_compile.py::test_compile_marks_are_on_before_dynamo_traces_and_eager_runs_do_not_import_it",
+         P + "test_compile.py::test_a_group_call_that_is_not_one_operator_runs_eagerly"],
+        "torch.compile's marks are never put on when torch._dynamo is imported after layerstream"),
+    Mutation(
+        "peft-adapter-not-applied", "python/layerstream/_peft_params.py",
+        "    with fwd.adapted(slot, fn, tensors):\n        yield\n",
+        "    yield\n",
+        [P + "test_experts.py::test_lora_on_expert_parameters_trains_exactly"],
+        "peft's adapter on an expert tensor is dropped: the streamed group computes the base weights"),
+    Mutation(
+        "peft-adapter-gradients-dropped", "python/layerstream/_group_op.py",
+        "    return result[:n_in], result[n_in:n_in + n_ex], host\n",
+        "    return result[:n_in], [None] * n_ex, host\n",
+        [P + "test_experts.py::test_lora_on_expert_parameters_trains_exactly"],
+        "the adapters' factors get no gradient through a streamed group"),
+    Mutation(
+        "peft-adapters-streamed", "python/layerstream/_discovery.py",
+        "        if id(module) in adapters:\n            continue\n",
+        "",
+        [P + "test_experts.py::test_lora_on_expert_parameters_trains_exactly"],
+        "the Linear modules of a ParamWrapper (read directly, not called) stream"),
+    Mutation(
+        "group-recompute-other-dropout-mask", "python/layerstream/_group_op.py",
+        "        torch.set_rng_state(cpu_rng)\n",
+        "        pass\n",
+        [P + "test_groups.py::test_named_modules_stream_whole_and_train_exactly"],
+        "a group's recompute does not restore the RNG (other dropout masks)"),
+    Mutation(
+        "layout-quantized-detach-size1-strides", "python/layerstream/_offload.py",
+        "                      strides=tuple(weight.stride()))",
+        "                      strides=None if weight.is_contiguous() else tuple(weight.stride()))",
+        [P + "test_parity_layers.py::test_a_channels_last_1x1_conv_keeps_its_strides"],
+        "detach() gives a quantized channels_last 1x1 conv weight the contiguous strides"),
+    Mutation(
+        "activation-interrupted-scope-kept", "python/layerstream/_activations.py",
+        "        if self._depth and not self._entering_call_running():",
+        "        if False:",
+        [P + "test_activations.py::test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open"],
+        "a forward interrupted by Ctrl-C leaves the saved-tensor hooks entered: the next call nests in it"),
+    Mutation(
+        "activation-detach-keeps-scope", "python/layerstream/_activations.py",
+        "(close()).\"\"\"\n        self.close()",
+        "(close()).\"\"\"\n        pass",
+        [P + "test_activations.py::test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open"],
+        "detach() leaves an interrupted forward's saved-tensor hooks entered (autograd then fails)"),
+    Mutation(
+        "scaler-not-told", "python/layerstream/optim.py",
+        "            self._report_to_scaler(scaler, skipped and not found)",
+        "            pass",
+        [P + "test_optim.py::test_overlap_tells_the_scaler_of_an_overflow_it_cannot_see"],
+        "the scaler never hears of an overflow in the gradients an overlapped backward consumed"),
+    Mutation(
+        "scaler-found-inf-ignored", "python/layerstream/optim.py",
+        "        return inv, bool(fi.item() if isinstance(fi, torch.Tensor) else fi)",
+        "        return inv, False",
+        [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
+        "a step whose gradients GradScaler found Inf/NaN in is taken anyway"),
+    Mutation(
+        "scaler-not-unscaled", "python/layerstream/optim.py",
+        "keys, scale * inv, int(group[\"seed\"]))",
+        "keys, scale, int(group[\"seed\"]))",
+        [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
+        "AdamW under a GradScaler steps with the scaled gradients"),
+    Mutation(
+        "scaler-check-not-summed-over-ranks", "python/layerstream/optim.py",
+        "if (self.max_grad_norm is not None or scaler is not None) and shard is not None:",
+        "if self.max_grad_norm is not None and shard is not None:",
+        [P + "test_distributed.py::test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan"],
+        "a rank whose shards are finite steps while the rank that holds the NaN skips"),
+    Mutation(
+        "sharded-state-loads-anywhere", "python/layerstream/_optim_state.py",
+        "        if saved == mine or not state_dict.get(\"state\"):",
+        "        if True:",
+        [P + "test_distributed.py::test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks"],
+        "rank 0's sharded optimizer state dict loads on rank 1, which steps its elements with rank 0's moments"),
+    Mutation(
+        "whole-state-wrong-shard", "python/layerstream/optim.py",
+        "                out[key] = p._layerstream_shard.view(laid).clone()",
+        "                out[key] = p._layerstream_shard.flat(laid)[:p._layerstream_shard.hi - p._layerstream_shard.lo].clone()",
+        [P + "test_distributed.py::test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks"],
+        "every rank takes the first elements of a whole AdamW state dict, not its own shard"),
+    Mutation(
+        "suspend-leaves-gradients-on-the-device", "python/layerstream/_handle.py",
+        "                if p.grad is not None and p.grad.device == device:\n                    p.grad = move(p.grad)",
+        "                pass",
+        [P + "test_misuse.py::test_suspend_moves_each_device_tensor_once_with_its_gradient"],
+        "suspend() moves a resident parameter to the host and leaves its gradient on the device"),
+    Mutation(
+        "to-cpu-does-not-suspend", "python/layerstream/_guards.py",
+        "                handle.suspend()\n                return model",
+        "                pass",
+        [P + "test_misuse.py::test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_resumes"],
+        "model.to('cpu') of a model streamed to a GPU keeps its device memory (or is refused)"),
+    Mutation(
+        "to-compute-does-not-resume", "python/layerstream/_guards.py",
+        "                handle.resume()\n        return getattr",
+        "                pass\n        return getattr",
+        [P + "test_misuse.py::test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_resumes"],
+        "model.to(<compute device>) after model.to('cpu') leaves the model suspended"),
+    Mutation(
+        "compat-to-cpu-keeps-the-slots", "python/layerstream/compat.py",
+        "            if device.type == \"cpu\":  # the original kept no device memory there: free the slots too\n                self.engine.suspend()",
+        "            if device.type == \"cpu\":  # the original kept no device memory there: free the slots too\n                pass",
+        [P + "test_compat_aitoolkit.py::test_to_the_cpu_frees_the_slots_and_back_to_the_gpu_resumes"],
+        "compat: model.to('cpu') of a model attached for a GPU keeps the engine's slots"),
+    Mutation(
+        "suspend-leaves-optimizer-states", "python/layerstream/optim.py",
+        "                    st[key] = move(t)\n",
+        "                    pass\n",
+        [P + "test_optim.py::test_suspend_moves_the_states_of_the_moved_parameters"],
+        "suspend() leaves layerstream.optim's states of the moved parameters on the device"),
+    Mutation(
+        "a-call-begins-no-step", "python/layerstream/_handle.py",
+        "            engine = self._engine_of()\n            if engine is not None:\n                engine.begin_call()",
+        "            pass",
+        [P + "test_training.py::test_a_data_write_between_calls_that_skip_the_first_layer_is_seen"],
+        "a call of the offloaded model that skips the trace's first layer shares the step (and the "
+        "cached weights) of the call before"),
+    Mutation(
+        "compat-call-begins-no-step", "python/layerstream/compat.py",
+        "        self._call_hook = CallHooks(module, lambda: self.engine, self._streamed_ids())",
+        "        pass",
+        [P + "test_compat_aitoolkit.py::test_a_call_that_skips_the_first_streamed_layer_still_begins_a_step"],
+        "compat: a call of the attached model that skips the trace's first layer reuses the weights "
+        "the call before cached"),
+    Mutation(
+        "calls-do-not-take-turns", "python/layerstream/_handle.py",
+        "            self._turns.enter(sys._getframe(1))",
+        "            pass",
+        [P + "test_threads.py::test_threads_calling_one_offloaded_model_get_the_resident_models_outputs"],
+        "two threads calling one offloaded model at once interleave their calls: they run out of "
+        "slots or meet each other's swapped group parameters"),
+    Mutation(
+        "group-swap-without-lock", "python/layerstream/_forward.py",
+        "        with self._swap_lock:",
+        "        with contextlib.nullcontext():",
+        [P + "test_threads.py::test_threads_calling_one_streamed_group_directly_take_turns_on_it"],
+        "two threads calling one streamed tensor group each find the other's views in place of "
+        "the parameters"),
+    Mutation(
+        "turn-kept-when-its-call-is-gone", "python/layerstream/_handle.py",
+        "            f = f.f_back\n        return False",
+        "            f = f.f_back\n        return True",
+        [P + "test_threads.py::test_a_call_ended_by_keyboard_interrupt_gives_its_turn_to_the_next_call",
+         P + "test_threads.py::test_a_turn_whose_thread_is_gone_is_taken_over"],
+        "a call ended by KeyboardInterrupt (or a thread that ended inside a call) keeps the model's "
+        "turn: every other thread's call waits for ever"),
+    Mutation(
+        "suspend-detach-do-not-wait", "python/layerstream/_handle.py",
+        "        turns.enter(frame)\n        try:\n            yield\n        finally:\n            turns.leave()",
+        "        yield",
+        [P + "test_threads.py::test_suspend_and_detach_wait_for_another_threads_call"],
+        "suspend() or detach() from one thread pulls slots and weights from under another "
+        "thread's call"),
+    Mutation(
+        "compiled-group-takes-the-fused-attention", "python/layerstream/_group_op.py",
+        "        with torch.set_grad_enabled(c.grad_mode), fresh, _unfused_attention(fwd), \\",
+        "        with torch.set_grad_enabled(c.grad_mode), fresh, \\",
+        [P + "test_compile.py::test_a_compiled_eval_without_gradients_streams_attention_groups"],
+        "the fake kernel of a compiled eval of a streamed nn.MultiheadAttention takes torch's fused "
+        "path, whose meta kernel promises a weights tensor the real kernel never returns"),
+    Mutation(
+        "turn-taken-from-a-call-under-way", "python/layerstream/_handle.py",
+        "            if f is self._frame:\n                return True",
+        "            if f is self._frame:\n                return False",
+        [P + "test_threads.py::test_a_waiting_call_does_not_take_the_turn_of_a_call_under_way"],
+        "a waiting call takes the turn of a call still under way"),
+    Mutation(
+        "optimizer-step-not-a-write", "python/layerstream/_handle.py",
+        "        torch.autograd.graph.increment_version(written)",
+        "        pass",
+        [P + "test_training.py::test_an_optimizer_step_writing_behind_the_version_counters_is_seen"],
+        "with cache_across_steps an optimizer step that writes through .data elements the next step's "
+        "sample skips (a bf16 step whose updates mostly round away) leaves them stale in the slots"),
+    Mutation(
+        "optimizer-step-writes-frozen-weights", "python/layerstream/_handle.py",
+        "               if p.grad is not None and any(id(p) in ids for ids in live)",
+        "               if any(id(p) in ids for ids in live)",
+        [P + "test_training.py::test_an_optimizer_step_writing_behind_the_version_counters_is_seen"],
+        "an optimizer step counts the frozen weights it was given as written: with cache_across_steps "
+        "they are copied again every step (a LoRA run loses the cache)"),
+    Mutation(
+        "own-optimizer-step-written-twice", "python/layerstream/_handle.py",
+        '    if not live or getattr(optimizer, "_layerstream_moves_versions", False):',
+        "    if not live:",
+        [P + "test_distributed.py::test_sharded_host_step_into_one_shared_copy"],
+        "the post-hook moves the counters layerstream.optim's sharded step recorded: the next call "
+        "refuses the parameters as written by another optimizer"),
+    Mutation(
+        "stand-in-bytes-read-at-zero", "python/layerstream/_standin.py",
+        '"storage_offset",\n    "untyped_storage",',
+        '"storage_offset", "data_ptr",\n    "untyped_storage",',
+        [P + "test_quant_offload.py::test_writes_to_a_quantized_weight_requantize_or_are_refused",
+         P + "test_gguf.py::test_gguf_weights_refuse_writes_and_saving_but_deep_copy",
+         P + "test_host_tier.py::test_saving_a_weight_the_disk_tier_streams_says_how"],
+        "safetensors' save_file of an offloaded model's state dict reads a stand-in's bytes at its "
+        "data_ptr(), 0, and fails with an error that names no tensor"),
+    Mutation(
+        "compiled-autograd-loses-staged-grads", "python/layerstream/_ops.py",
+        "    if stage:\n        _refuse_compiled_autograd()\n",
+        "",
+        [P + "test_compile.py::test_compiled_autograd_is_refused_for_staged_gradients_and_runs_frozen_layers"],
+        "torch._dynamo's compiled autograd traces a staged backward: the weight gradients are never applied"),
+    Mutation(
+        "layerwise-casting-wrapper-not-replaced", "python/layerstream/_discovery.py",
+        "    if wrapper is None or not isinstance(hooks, dict) or list(hooks) != [\"layerwise_casting\"]:",
+        "    if True:",
+        [P + "test_parity_layers.py::test_diffusers_layerwise_casting_streams_the_storage_dtype_with_the_hooks_numbers"],
+        "diffusers' layerwise casting counts as any wrapper: its layers stay resident (a model stored in float8 "
+        "for a small GPU does not stream at all)"),
+    Mutation(
+        "added-tensors-stay-on-the-host", "python/layerstream/_handle.py",
+        "                if t is None or id(t) in skip_params or id(t) in seen or t.is_meta or t.device == device:",
+        "                if True:",
+        [P + "test_training.py::test_tensors_added_after_offload_are_moved_by_the_next_call"],
+        "tensors added to an offloaded model (peft adapters, in host memory beside their streamed base) are "
+        "never moved to the compute device: on a GPU the adapter meets device activations"),
+    Mutation(
+        "group-call-names-no-layout", "python/layerstream/_group_op.py",
+        "torch.get_autocast_dtype(kind), fwd._layout)",
+        "torch.get_autocast_dtype(kind), \"\")",
+        [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],
+        "a tensor group's call leaves its module's layout out: Inductor's cache serves one head count's graph to "
+        "another"),
+    Mutation(
+        "compiled-bias-standin-traced", "python/layerstream/_forward.py",
+        "        b = None if self._bias_standin or not (",
+        "        b = None if not (",
+        [P + "test_host_tier.py::test_a_compiled_model_whose_weights_and_biases_stay_in_the_file"],
+        "torch.compile hands a bias left in its file (the disk tier) to Dynamo: tracing fails"),
+    Mutation(
+        "gguf-view-loses-its-quant-type", "python/layerstream/_discovery.py",
+        "        return type(p)(t, requires_grad=False, quant_type=p.quant_type)",
+        "        return t",
+        [P + "test_gguf.py::test_diffusers_gguf_layers_stream_their_blocks_and_compute_what_diffusers_computes"],
+        "the slot's view of diffusers' GGUF blocks is handed to its forward as a plain uint8 tensor, which "
+        "diffusers' dequantize passes through undecoded"),
+    Mutation(
+        "custom-group-refuses-raw-bytes", "python/layerstream/_discovery.py",
+        "            if not any(p is not None for m in below for p in m._parameters.values()):",
+        "            if not all(p.is_floating_point() for m in below for p in m._parameters.values() if p is not None):",
+        [P + "test_gguf.py::test_a_custom_group_holding_diffusers_gguf_layers_streams_their_blocks"],
+        "offload(groups=...) refuses a module holding diffusers' GGUF blocks (non-float parameters)"),
+    Mutation(
+        "conv-padding-mode-ignored", "python/layerstream/_forward.py",
+        "        return x if self._pad is None else torch.nn.functional.pad(x, self._pad[0], mode=self._pad[1])",
+        "        return x",
+        [P + "test_parity_layers.py::test_conv_padding_modes_stream_padding_the_input_as_torch_does"],
+        "a streamed conv with padding_mode reflect/replicate/circular convolves the unpadded input"),
+    Mutation(
+        "adamw-ignores-torch-only-options", "python/layerstream/optim.py",
+        '        on = [k for k in ("amsgrad", "maximize") if group.get(k)]',
+        "        on = []",
+        [P + "test_optim.py::test_a_torch_state_dict_with_options_it_lacks_is_refused_before_anything_loads"],
+        "a torch.optim.AdamW state dict with maximize=True / amsgrad=True loads and the step ignores them"),
+    Mutation(
+        "streamed-layer-copy-refused", "python/layerstream/_offload.py",
+        '            a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module',
+        "",
+        [P + "test_training.py::test_a_copy_of_one_streamed_layer_is_a_plain_module_so_peft_modules_to_save_trains"],
+        "copy.deepcopy() of one streamed layer (peft's modules_to_save) raises \"an offloaded model cannot be "
+        "deep-copied\""),
+    Mutation(
+        "activation-kept-skips-the-version-check", "python/layerstream/_activations.py",
+        "        if self.version is not None:\n            _C.check_saved_version(self.tensor, self.version)",
+        "        pass",
+        [P + "test_activations.py::test_a_write_in_place_between_forward_and_backward_is_still_caught"],
+        "a kept saved tensor (a weight) written in place after the forward passes autograd's version check"),
+    Mutation(
+        "activation-pack-reads-sparse-storage", "python/layerstream/_activations.py",
+        "        if (isinstance(t, nn.Parameter) or t.layout != torch.strided or t.is_nested",
+        "        if (isinstance(t, nn.Parameter) or t.is_nested",
+        [P + "test_activations.py::test_sparse_and_wrapper_saved_tensors_stay_as_they_are"],
+        "the pack hook reads the storage of a sparse saved tensor (NotImplementedError)"),
+    Mutation(
+        "control-harmless-comment", "python/layerstream/_forward.py",
+        "class _GroupFn(torch.autograd.Function):",
+        "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
+        [P + "test_groups.py::test_quantized_group_module"],
+        "control: a harmless edit must survive (checks the harness itself)"),
+]

@@ -1,0 +1,368 @@
+"""Bugs planted in the LibTorch glue (csrc/torch: the engine, its autograd functions and
+custom ops, the C++ modules and offload(), the host optimizer's glue) and the Python bindings."""
+from __future__ import annotations
+
+from .base import P, Mutation
+
+MUTATIONS = [
+    Mutation(
+        "bf16-weight-grad-1pct", "csrc/torch/ops_streamed.cpp",
+        "dopts.dtype(l.w_dtype)).copy_(gw));",
+        "dopts.dtype(l.w_dtype)).copy_(l.w_dtype == torch::kBFloat16 ? gw * 1.01 : gw));",
+        [P + "test_parity_layers.py::test_linear_bf16"],
+        "bf16 Linear weight gradients 1% too large", survived_before=True),
+    Mutation(
+        "group-packed-from-half-the-rows", "csrc/torch/engine_groups.cpp",
+        "            quant::pack(f, src.data_ptr(), d, rows, cols, e.host, 0);",
+        "            quant::pack(f, src.data_ptr(), d, rows / 2, cols, e.host, 0);",
+        [P + "test_groups.py::test_quantized_group_module",
+         P + "test_attention.py::test_quantized_attention_streams_packed"],
+        "quantized tensor groups packed from half the weights", survived_before=True),
+    Mutation(
+        "allreduce-blocks-the-backward", "csrc/torch/engine_distributed.cpp",
+        "    backend_->launch_host_func(grad_stream_, [works = std::move(works)] {\n"
+        "      for (const auto& w : works) w->wait();\n    });",
+        "    for (const auto& w : works) w->wait();",
+        [P + "test_distributed.py::test_averaging_overlaps_the_backward"],
+        "a streamed gradient's all-reduce waited for on the backward's thread (no overlap)"),
+    Mutation(
+        "overlap-shard-prior-unsliced", "csrc/torch/host_overlap.cpp",
+        "src.prior = prior.defined() ? part(p, prior).data_ptr() : nullptr;",
+        "src.prior = prior.defined() ? prior.data_ptr() : nullptr;",
+        [P + "test_distributed.py::test_sharded_step_overlapped_with_the_backward"],
+        "an overlapped shard step reads the earlier micro-batches' gradient from the tensor's start"),
+    Mutation(
+        "device-view-drops-requires-grad", "csrc/torch/engine_device.cpp",
+        "    if (l.weight.requires_grad()) p.w_leaf.set_requires_grad(true);\n",
+        "",
+        [P + "test_blas_calls.py"],
+        "the slot view of a trainable weight does not require grad (at::matmul takes another path)"),
+    Mutation(
+        "group-views-drop-requires-grad", "csrc/torch/engine_groups.cpp",
+        "    if (l.parts()[views.size() - 1].param.requires_grad()) views.back().set_requires_grad(true);\n",
+        "",
+        [P + "test_blas_calls.py"],
+        "a tensor group's fetched views do not require grad as their parameters do"),
+    Mutation(
+        "lossless-routed-decodes-first-piece", "csrc/torch/engine_groups.cpp",
+        "for (int64_t x = run.first; x < run.second; ++x) add(static_cast<size_t>(x));",
+        "for (int64_t x = run.first; x < run.second; ++x) add(static_cast<size_t>(run.first));",
+        [P + "test_experts.py::test_lossless_experts_route_and_decode_bit_for_bit"],
+        "a routed call decodes its run's first expert into every expert's place"),
+    Mutation(
+        "lossless-group-part-refreshed-in-place", "csrc/torch/engine_groups.cpp",
+        "  LS_CHECK(e.qformat != quant::Format::Lossless, \"tensor #\", part, \" of group '\", l.name, \"' streams \"",
+        "  LS_CHECK(true, \"tensor #\", part, \" of group '\", l.name, \"' streams \"",
+        [P + "test_experts.py::test_lossless_experts_under_lora_train_exactly"],
+        "new values are 'packed' into a lossless-coded group tensor (pack() refuses with another message)"),
+    Mutation(
+        "lossless-trainable-group-routed-no-recode", "csrc/torch/engine_groups.cpp",
+        "    recode_for_fetch(layer_index);\n",
+        "",
+        ["gtest:test_torch_offload:*TrainableLosslessGroup*",
+         P + "test_experts.py::test_routed_lossless_trainable_experts_recode_between_steps"],
+        "a routed fetch of a trainable coded group copies the pieces coded before the last optimizer step"),
+    Mutation(
+        "linear-bias-grad-dropped", "csrc/torch/ops_streamed.cpp",
+        "                        .copy_(gb));",
+        "                        .zero_());",
+        [P + "test_parity_layers.py::test_linear_fp32_bit_exact"],
+        "streamed Linear bias gradient lost"),
+    Mutation(
+        "lossless-recode-ignores-changes", "csrc/torch/engine_coded.cpp",
+        "  if (c.coded && !c.forced && version == c.version && sample == c.sample) return false;",
+        "  if (c.coded && !c.forced) return false;",
+        [P + "test_lossless.py::test_trainable_lossless_weights_train_like_plain_streamed_ones"],
+        "a trainable lossless weight changed by the optimizer crosses the bus with its old coding"),
+    Mutation(
+        "lossless-recode-ahead-skips-wait", "csrc/torch/engine_coded.cpp",
+        "    sched_->wait_copies_read(layer);\n",
+        "",
+        [P + "test_lossless.py::test_trainable_lossless_weights_train_like_plain_streamed_ones",
+         P + "test_lossless.py::test_trainable_lossless_weights_with_cached_slots_pageable_buffers_accumulation_and_compile"],
+        "the overlapped re-code rewrites a coded buffer that an issued copy may still read"),
+    Mutation(
+        "activation-copy-back-before-host-copy", "csrc/torch/engine_activations.cpp",
+        "  backend_->wait(transfer_, s.to_host);  // the host copy is complete\n",
+        "",
+        [P + "test_activations.py::test_a_restore_before_the_copy_to_the_host_finished_copies_back_after_it"],
+        "a saved activation's copy back does not wait for its copy to the host"),
+    Mutation(
+        "activation-in-flight-unbounded", "csrc/torch/engine_activations.cpp",
+        "  while (in_flight_.size() > 1 && in_flight_bytes_ > cap) {",
+        "  while (false && in_flight_.size() > 1 && in_flight_bytes_ > cap) {",
+        [P + "test_parity_layers.py::test_copies_to_the_host_in_flight_are_bounded"],
+        "copies of saved activations to the host are not bounded (the device keeps them all)"),
+    Mutation(
+        "activation-budget-evicts-newest", "csrc/torch/engine_activations.cpp",
+        "    const int64_t oldest = window_.front();\n    window_.pop_front();",
+        "    const int64_t oldest = window_.back();\n    window_.pop_back();",
+        [P + "test_activations.py::test_a_device_budget_keeps_the_newest_saved_tensors",
+         P + "test_activations.py::test_the_window_is_the_newest_tensors_through_the_engine_api"],
+        "the device budget for saved activations sends the newest to the host, not the oldest"),
+    Mutation(
+        "layout-size1-strides-dropped", "csrc/torch/engine_register.cpp",
+        "  std::vector<int64_t> kept = strides ? strides_to_keep(src) : std::vector<int64_t>{};",
+        "  std::vector<int64_t> kept = strides && !src.is_contiguous() ? strides_to_keep(src) : std::vector<int64_t>{};",
+        [P + "test_parity_layers.py::test_a_channels_last_1x1_conv_keeps_its_strides"],
+        "the host store makes a channels_last 1x1 conv weight's strides the contiguous ones"),
+    Mutation(
+        "lossless-codes-row-major", "csrc/torch/engine_register.cpp",
+        "    if (format == quant::Format::Lossless) info.w_strides = strides_to_keep(src);",
+        "",
+        [P + "test_parity_layers.py::test_lossless_conv_weights_keep_their_layout"],
+        "lossless codes a channels_last conv weight in row-major order (the conv computes contiguous)"),
+    Mutation(
+        "conv-weight-grad-without-fetch", "csrc/torch/ops_streamed.cpp",
+        "    if (!need_x && !l.is_conv()) {",
+        "    if (!need_x) {",
+        [P + "test_parity_layers.py::test_a_conv_whose_input_and_weight_layouts_differ_trains_exactly"],
+        "a conv's weight-only backward runs on the parked weight (ATen copies it into the input's layout)"),
+    Mutation(
+        "scaler-speculates-scaled", "csrc/torch/host_overlap.cpp",
+        "FusedWork{settle, speculate}, loss_mult_, g.seed)",
+        "FusedWork{settle, speculate}, 1.0f, g.seed)",
+        [P + "test_optim.py::test_overlap_with_a_grad_scaler_equals_the_step_after_backward"],
+        "an overlapped step under a GradScaler steps with the gradient still multiplied by the loss scale"),
+    Mutation(
+        "scaler-skip-keeps-speculation", "csrc/torch/host_overlap.cpp",
+        "        if (speculated_[i]) restore_one(i);",
+        "        (void)0;",
+        [P + "test_optim.py::test_overlap_tells_the_scaler_of_an_overflow_it_cannot_see"],
+        "a skipped loss-scaled step leaves the layers stepped during the backward stepped (NaN weights)"),
+    Mutation(
+        "checkpoint-step-not-restored", "csrc/torch/host_optim.cpp",
+        "      prm.step = loaded[gi].params[i].first;",
+        "      (void)0;",
+        ["gtest:test_torch_optim:*CheckpointResumesBitIdentically*"],
+        "a C++ AdamW resumed from a checkpoint restarts its bias correction at step 1"),
+    Mutation(
+        "clone-keeps-binding", "csrc/torch/offload.cpp",
+        "std::shared_ptr<torch::nn::Module> LinearImpl::clone(const std::optional<torch::Device>& device) const {\n  refuse_clone();",
+        "std::shared_ptr<torch::nn::Module> LinearImpl::clone(const std::optional<torch::Device>& device) const {",
+        ["gtest:test_torch_offload:*CloneOfAnOffloadedModel*"],
+        "a clone of an offloaded layerstream::nn::Linear streams and trains the original's weights"),
+    Mutation(
+        "overlap-drops-uncovered-grads", "csrc/torch/host_overlap.cpp",
+        "  if (!landed) return;  // not consumed: the engine applied it to .grad",
+        "  return;",
+        [P + "test_optim.py::test_overlap_leaves_the_gradients_of_layers_it_does_not_step_in_grad"],
+        "an overlapped backward drops the landed gradients of layers its optimizer does not step"),
+    Mutation(
+        "overlap-second-hook-replaces", "csrc/torch/engine_grad_ready.cpp",
+        "  LS_CHECK(!setting || !gr_hook_,",
+        "  LS_CHECK(true || !gr_hook_,",
+        [P + "test_optim.py::test_a_second_overlap_on_one_handle_is_an_error"],
+        "a second optimizer's overlap() silently replaces the first one's hook"),
+    Mutation(
+        "activation-no-prefetch", "csrc/torch/engine_activations.cpp",
+        "  int ahead = opts_.prefetch;",
+        "  int ahead = 0;",
+        [P + "test_activations.py::test_copies_back_start_ahead_of_the_backward"],
+        "saved activations come back only when the backward asks for them (nothing ahead)"),
+    Mutation(
+        "activation-prefetch-runs-ahead", "csrc/torch/engine_activations.cpp",
+        "    if (!q.copying_back) copy_back_locked(q);\n    --ahead;",
+        "    if (q.copying_back) continue;\n    copy_back_locked(q);\n    --ahead;",
+        [P + "test_activations.py::test_copies_back_start_ahead_of_the_backward"],
+        "each restore starts `prefetch` more copies back, so they run ever further ahead (fixed 2026-12-04)"),
+    Mutation(
+        "activation-h2d-uncounted", "csrc/torch/engine_activations.cpp",
+        "  act_h2d_bytes_ += s.bytes;\n",
+        "",
+        [P + "test_activations.py::test_mlp_gradients_are_bit_identical_and_activations_cross_both_ways"],
+        "stats() does not count saved activations' bytes back to the device"),
+    Mutation(
+        "overlap-steps-before-every-use", "csrc/torch/engine_grad_ready.cpp",
+        "  if (uses != l.forward_uses) return;",
+        "  if (uses < 1) return;",
+        [P + "test_optim.py::test_overlap_waits_for_every_use_of_a_layer_used_twice"],
+        "the overlapped host step of a layer used twice runs after its first gradient"),
+    Mutation(
+        "ddp-gradients-summed-not-averaged", "csrc/torch/engine_distributed.cpp",
+        "    c.div_(pg.getSize());  // divided first, as DistributedDataParallel does",
+        "    // (mutated: not divided)",
+        [P + "test_distributed.py::test_averaging_overlaps_the_backward"],
+        "a streamed gradient is summed over the ranks instead of averaged"),
+    Mutation(
+        "ddp-accumulated-gradients-summed", "csrc/torch/engine_distributed.cpp",
+        "  c.div_(pg.getSize());\n  std::vector<at::Tensor> v{c};\n  pg.allreduce(v)->wait();",
+        "  std::vector<at::Tensor> v{c};\n  pg.allreduce(v)->wait();",
+        [P + "test_distributed.py::test_full_fine_tuning_equals_one_process"],
+        "a gradient accumulated under no_sync() is summed over the ranks instead of averaged"),
+    Mutation(
+        "suspend-keeps-the-slots", "csrc/torch/engine.cpp",
+        "  retire_scheduler_locked(&suspended_trace_, &suspended_trace_forward_);\n  suspended_ = true;",
+        "  suspended_ = true;",
+        [P + "test_parity_layers.py::test_parity_suspend_frees_the_device_and_resume_continues_exactly",
+         "gtest:test_torch_offload:*SuspendFreesTheSlots*"],
+        "suspend() keeps the slot arena allocated (no device memory comes back)"),
+    Mutation(
+        "resume-forgets-the-trace", "csrc/torch/engine.cpp",
+        "  so.trace = suspended_trace_;",
+        "  // (mutated: the learnt order is not given)",
+        [P + "test_parity_layers.py::test_parity_suspend_frees_the_device_and_resume_continues_exactly"],
+        "the scheduler rebuilt by resume() records the fetch order again (the first step guesses)"),
+    Mutation(
+        "synchronize-does-not-recode", "csrc/torch/engine.cpp",
+        "  wait_all_locked();\n  force_recode_locked();",
+        "  wait_all_locked();",
+        [P + "test_lossless.py::test_a_write_to_a_few_elements_through_data_is_seen_after_synchronize"],
+        "handle.synchronize() leaves a trainable lossless weight's coding as it is after a `.data` "
+        "write the sample missed"),
+    Mutation(
+        "forked-child-not-refused", "csrc/torch/engine.cpp",
+        "  if (g_forks.load(std::memory_order_relaxed) == forks_at_creation_) return;",
+        "  return;",
+        [P + "test_fork.py::test_a_forked_child_calling_the_model_is_refused_and_the_parent_goes_on"],
+        "a forked child calling an offloaded model waits forever on the parent's streams"),
+    Mutation(
+        "forked-child-frees-the-engine", "csrc/torch/engine.cpp",
+        "    if (auto e = entry.second.lock()) new std::shared_ptr<EngineImpl>(std::move(e));",
+        "    (void)entry;",
+        [P + "test_fork.py::test_a_forked_child_may_drop_the_model",
+         "gtest:test_torch_offload:*AChildForkedAfterOffload*"],
+        "a forked child that drops the model destroys the parent's engine: it joins threads that "
+        "are not there"),
+    Mutation(
+        "data-writes-sample-skips-the-bias", "csrc/torch/engine.cpp",
+        "    if (!l.b_file && l.b_host != nullptr && l.b_bytes > 0) src.emplace_back(l.b_host, l.b_bytes);\n",
+        "",
+        [P + "test_training.py::test_data_writes_between_calls_with_cache_across_steps_are_seen",
+         "gtest:test_torch_offload:*WriteThroughDataBeforeACallIsSeen*"],
+        "a bias written through .data between steps is not sampled: its old value stays cached"),
+    Mutation(
+        "data-writes-not-in-the-version", "csrc/torch/engine.cpp",
+        "uint64_t v = samples->empty() ? 0 : (*samples)[static_cast<size_t>(layer)].writes;",
+        "uint64_t v = 0;",
+        [P + "test_training.py::test_data_writes_between_calls_with_cache_across_steps_are_seen",
+         "gtest:test_torch_offload:*WriteThroughDataBeforeACallIsSeen*"],
+        "a write seen in the sample is counted but the content version does not fold it in"),
+    Mutation(
+        "compiled-grads-never-staged", "csrc/torch/ops_library.cpp",
+        "    const bool stage = mask[0] && (mask[1] || mask[2]) && !EngineImpl::grads_to_autograd(spec) &&\n",
+        "    const bool stage = false && (mask[1] || mask[2]) && !EngineImpl::grads_to_autograd(spec) &&\n",
+        [P + "test_compile.py::test_compiled_weight_gradients_are_staged_and_stepped_during_the_backward",
+         P + "test_compile.py::test_compiled_gradient_hooks_fire_and_late_ones_are_refused"],
+        "compiled weight gradients go back to autograd after a blocking copy each: opt.overlap() steps "
+        "nothing during a compiled backward"),
+    Mutation(
+        "compiled-forward-uses-not-counted", "csrc/torch/ops_compiled.cpp",
+        "  if (trained) note_forward_use(l);",
+        "",
+        [P + "test_compile.py::test_compiled_weight_gradients_are_staged_and_stepped_during_the_backward"],
+        "a compiled call given trainable parameters is not counted: the gradient-ready hook never "
+        "finds a staged layer complete"),
+    Mutation(
+        "compiled-late-hook-ignored", "csrc/torch/ops_compiled.cpp",
+        "        LS_CHECK(!has_grad_hooks(p), \"a gradient hook was registered on the \"",
+        "        LS_CHECK(true || !has_grad_hooks(p), \"a gradient hook was registered on the \"",
+        [P + "test_compile.py::test_compiled_gradient_hooks_fire_and_late_ones_are_refused"],
+        "a gradient hook registered after torch.compile traced the model silently never fires"),
+    Mutation(
+        "compiled-unasked-grads-staged", "csrc/torch/ops_compiled.cpp",
+        "        g[i] = torch::Tensor();  // not asked for: autograd would drop it too\n",
+        "",
+        [P + "test_compile.py::test_compiled_autograd_grad_for_the_input_leaves_weight_grads_alone"],
+        "torch.autograd.grad(loss, x) through a compiled model adds the weights' gradients to .grad"),
+    Mutation(
+        "eager-layer-lets-compiled-autograd-hash-its-graph", "csrc/torch/ops_streamed.cpp",
+        "template <>\nvoid CppNode<layerstream::StreamedFn>::compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) "
+        "const {\n",
+        "template <class Unused>  // LibTorch's own compiled_args then\n"
+        "void never_called(const CppNode<layerstream::StreamedFn>& node) {\n  const auto& ctx_ = node.ctx_;\n",
+        [P + "test_compile.py::test_compiled_autograd_over_an_eager_streamed_backward_says_what_to_do"],
+        "compiled autograd collects an eagerly called streamed layer: torch's opaque 'unhashable Capsule' error"),
+    Mutation(
+        "op-spec-names-the-kind-only", "csrc/torch/ops_spec.cpp",
+        "  s << \" w=\";\n  put_dims(s, l.w_shape, 'x');\n",
+        "  l.spec = s.str();  // the kind only\n  return l.spec;\n",
+        [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],
+        "an operator call's spec names the kind only: Inductor's cache serves one width's or padding's graph to "
+        "another"),
+    Mutation(
+        "op-spec-names-no-gradient-route", "csrc/torch/ops_spec.cpp",
+        "  if (linear_or_conv && !stages_grads(index)) spec += kGradsToAutograd;",
+        "  if (false && !stages_grads(index)) spec += kGradsToAutograd;",
+        [P + "test_compile.py::test_inductors_cache_serves_no_graph_of_another_layout_to_another_process"],
+        "a Linear's spec leaves out where its weight gradients go: torch's autograd cache serves a process whose "
+        "weight has a gradient hook the staged backward of one without"),
+    Mutation(
+        "removed-hook-still-a-hook", "csrc/torch/ops_streamed.cpp",
+        "    if (!pre || pre(*h)) return true;",
+        "    return true;",
+        [P + "test_compile.py::test_a_removed_gradient_hook_is_no_hook"],
+        "a parameter's emptied hook object counts as a hook: a compiled backward raises 'registered after "
+        "torch.compile traced it' for a hook registered and removed again"),
+    Mutation(
+        "cast-as-read-chunks-from-the-start", "csrc/torch/engine_host_tier.cpp",
+        "      file->read(tmp.data_ptr(), src.offset + static_cast<uint64_t>(i) * c10::elementSize(from),",
+        "      file->read(tmp.data_ptr(), src.offset,",
+        [P + "test_host_tier.py::test_a_weight_cast_as_read_crosses_the_chunks_of_the_temporary"],
+        "a weight cast as it is read (the file holds another dtype) reads every chunk of the temporary from the "
+        "tensor's start: values past the first 64 MiB are the first chunk's again"),
+    Mutation(
+        "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
+        "    LS_CHECK(t.defined() && (t.is_floating_point() || !t.requires_grad()), \"tensor group '\", name,",
+        "    LS_CHECK(t.defined() && t.is_floating_point(), \"tensor group '\", name,",
+        ["gtest:test_torch_offload:TorchOffload.AGroupsRawBytesCrossAsTheyAreEvenWithAFormat",
+         P + "test_gguf.py::test_diffusers_gguf_layers_stream_their_blocks_and_compute_what_diffusers_computes"],
+        "a tensor group refuses a tensor that is not floating point: diffusers' GGUF layers cannot stream"),
+    Mutation(
+        "group-raw-bytes-quantized", "csrc/torch/engine_groups.cpp",
+        "    if (pre || (format != quant::Format::None && e.param.dim() >= 2 && e.param.is_floating_point() &&",
+        "    if (pre || (format != quant::Format::None && e.param.dim() >= 2 &&",
+        ["gtest:test_torch_offload:TorchOffload.AGroupsRawBytesCrossAsTheyAreEvenWithAFormat"],
+        "quantize= packs a group's raw bytes (diffusers' GGUF blocks) as if they were weights"),
+    Mutation(
+        "cpp-swap-ignores-held-children", "csrc/torch/offload.cpp",
+        "      if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 2)",
+        "      if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 1000)",
+        ["gtest:test_torch_offload:TorchOffload.ATorchLinearHeldOutsideTheRegistryIsRefusedNamingTheFix"],
+        "C++ offload() swaps a torch::nn::Linear its parent calls through a member: the old module goes on "
+        "computing unstreamed"),
+    Mutation(
+        "cpp-torch-load-replaces-streamed-tensors", "csrc/torch/offload.cpp",
+        "  if (!engine_) return false;\n  const std::string name = engine_->layer_name(index_);",
+        "  if (engine_ || !engine_) return false;\n  const std::string name = engine_->layer_name(index_);",
+        ["gtest:test_torch_offload:TorchOffload.TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace"],
+        "torch::load() into an offloaded C++ model replaces the streamed tensors (LibTorch's set_)"),
+    Mutation(
+        "cpp-torch-load-leaves-the-watch-stale", "csrc/torch/offload.cpp",
+        "    if (w.packed) engine_->watch_weight(index_, w.param);",
+        "",
+        ["gtest:test_torch_offload:TorchOffload.TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace"],
+        "torch::load() into a quantized streamed layer: its write to the dense parameter is refused at the "
+        "next call"),
+    Mutation(
+        "cpp-conv-padding-mode-ignored", "csrc/torch/offload.cpp",
+        "  if (engine_) return engine_->conv(index_, in);",
+        "  if (engine_) return engine_->conv(index_, x);",
+        ["gtest:test_torch_offload:TorchOffload.ConvPaddingModesPadTheInputAsTheTorchModuleDoes"],
+        "an attached layerstream::nn::Conv with padding_mode reflect/replicate/circular convolves the unpadded "
+        "input"),
+    Mutation(
+        "adafactor-steps-empty-parameters", "csrc/torch/host_optim.cpp",
+        "    if (p.numel() == 0) continue;  // nothing to step (transformers' Adafactor leaves it as it is too)",
+        "",
+        [P + "test_optim.py::test_adafactor_leaves_a_parameter_of_zero_elements_as_transformers_does"],
+        "Adafactor raises on a parameter of zero elements"),
+    Mutation(
+        "cpp-conv-unattached-refuses-unbatched", "csrc/torch/offload.cpp",
+        "  const bool unbatched = in.dim() == static_cast<int64_t>(D) + 1;",
+        "  const bool unbatched = false;",
+        ["gtest:test_torch_offload:TorchOffload.ConvTakesAnUnbatchedInputAttachedOrNot"],
+        "an unattached layerstream::nn::Conv (kept resident by the plan, or detached) refuses an unbatched input"),
+    Mutation(
+        "activation-stash-takes-conj-views", "csrc/torch/engine_activations.cpp",
+        "  if (t.layout() != torch::kStrided || t.is_conj() || t.is_neg() || t._is_zerotensor()) return -1;",
+        "  if (t.layout() != torch::kStrided) return -1;",
+        [P + "test_activations.py::test_conjugate_and_negative_views_are_saved_with_their_bit"],
+        "a saved conjugate / negative view crosses as bytes and comes back without its bit"),
+    Mutation(
+        "activation-restore-skips-the-version-check", "csrc/torch/engine_activations.cpp",
+        "  check_saved_version(s.version, s.saved_version, s.sizes);\n  if (!s.offloaded) return s.device;",
+        "  if (!s.offloaded) return s.device;",
+        [P + "test_activations.py::test_a_write_in_place_between_forward_and_backward_is_still_caught"],
+        "a saved activation written in place after the forward is restored without autograd's version check"),
+]
