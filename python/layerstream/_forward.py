@@ -174,12 +174,14 @@ class _StreamedForward(_RefusesCopy):
                 f"torch.func.functional_call); layerstream streams the original ones. Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
-        x = self._padded(x)
+        if self._pad is not None:  # the hot path: no call for the usual zero padding
+            x = self._padded(x)
         # A parameter with gradient hooks gets its gradient through autograd
         # (synchronously) so that the hooks fire: the engine checks (EngineImpl::stages_grads).
         return self._run(self._index, x)
 
     def _padded(self, x):
+        """The input of a conv whose padding_mode is not zeros, padded as torch pads it."""
         return x if self._pad is None else torch.nn.functional.pad(x, self._pad[0], mode=self._pad[1])
 
     def _traced(self, x):
