@@ -31,9 +31,9 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():
-        os.environ.setdefault(k, v)
-    dist.init_process_group(args.backend)
+    # One rank: an in-process store, no port. With MASTER_PORT 29533 this stage failed a CI dry
+    # run (exit 1, log not kept); a listener on that port gives exactly that (EADDRINUSE).
+    dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
     resident = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
     streamed = copy.deepcopy(resident)

@@ -204,7 +204,10 @@ stage_begin() {
 stage_end() {
   local status=ok
   case "$1" in 0) ;; 124|137) status="timed out" ;; *) status=failed ;; esac
-  [ "$status" = ok ] || { fail=1; log "stage $STAGE_NAME: $status (exit $1, see $STAGE_NAME.log)"; }
+  if [ "$status" != ok ]; then
+    fail=1; log "stage $STAGE_NAME: $status (exit $1, see $STAGE_NAME.log); its last lines:"
+    if [ -f "$OUTDIR/$STAGE_NAME.log" ]; then tail -15 "$OUTDIR/$STAGE_NAME.log" | sed 's/^/    /'; fi
+  fi
   record "$STAGE_NAME" "$status" $(( $(date +%s) - STAGE_START )) "$STAGE_T" "$STAGE_FILE" "${2:-exit $1}"
 }
 # bench_stage NAME CAP FILE CMD...: CMD's stdout into FILE, its stderr into NAME.log.
