@@ -137,7 +137,7 @@ MUTATIONS = [
         ["gtest:test_torch_optim:*CheckpointResumesBitIdentically*"],
         "a C++ AdamW resumed from a checkpoint restarts its bias correction at step 1"),
     Mutation(
-        "clone-keeps-binding", "csrc/torch/offload.cpp",
+        "clone-keeps-binding", "csrc/torch/nn_modules.cpp",
         "std::shared_ptr<torch::nn::Module> LinearImpl::clone(const std::optional<torch::Device>& device) const {\n  refuse_clone();",
         "std::shared_ptr<torch::nn::Module> LinearImpl::clone(const std::optional<torch::Device>& device) const {",
         ["gtest:test_torch_offload:*CloneOfAnOffloadedModel*"],
@@ -316,26 +316,26 @@ MUTATIONS = [
         "quantize= packs a group's raw bytes (diffusers' GGUF blocks) as if they were weights"),
     Mutation(
         "cpp-swap-ignores-held-children", "csrc/torch/offload.cpp",
-        "      if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 2)",
-        "      if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 1000)",
+        "    if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 2)",
+        "    if (!dynamic_cast<nn::StreamedBase*>(it.module.get()) && it.module.use_count() > 1000)",
         ["gtest:test_torch_offload:TorchOffload.ATorchLinearHeldOutsideTheRegistryIsRefusedNamingTheFix"],
         "C++ offload() swaps a torch::nn::Linear its parent calls through a member: the old module goes on "
         "computing unstreamed"),
     Mutation(
-        "cpp-torch-load-replaces-streamed-tensors", "csrc/torch/offload.cpp",
+        "cpp-torch-load-replaces-streamed-tensors", "csrc/torch/nn_modules.cpp",
         "  if (!engine_) return false;\n  const std::string name = engine_->layer_name(index_);",
         "  if (engine_ || !engine_) return false;\n  const std::string name = engine_->layer_name(index_);",
         ["gtest:test_torch_offload:TorchOffload.TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace"],
         "torch::load() into an offloaded C++ model replaces the streamed tensors (LibTorch's set_)"),
     Mutation(
-        "cpp-torch-load-leaves-the-watch-stale", "csrc/torch/offload.cpp",
+        "cpp-torch-load-leaves-the-watch-stale", "csrc/torch/nn_modules.cpp",
         "    if (w.packed) engine_->watch_weight(index_, w.param);",
         "",
         ["gtest:test_torch_offload:TorchOffload.TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace"],
         "torch::load() into a quantized streamed layer: its write to the dense parameter is refused at the "
         "next call"),
     Mutation(
-        "cpp-conv-padding-mode-ignored", "csrc/torch/offload.cpp",
+        "cpp-conv-padding-mode-ignored", "csrc/torch/nn_modules.cpp",
         "  if (engine_) return engine_->conv(index_, in);",
         "  if (engine_) return engine_->conv(index_, x);",
         ["gtest:test_torch_offload:TorchOffload.ConvPaddingModesPadTheInputAsTheTorchModuleDoes"],
@@ -348,7 +348,7 @@ MUTATIONS = [
         [P + "test_optim.py::test_adafactor_leaves_a_parameter_of_zero_elements_as_transformers_does"],
         "Adafactor raises on a parameter of zero elements"),
     Mutation(
-        "cpp-conv-unattached-refuses-unbatched", "csrc/torch/offload.cpp",
+        "cpp-conv-unattached-refuses-unbatched", "csrc/torch/nn_modules.cpp",
         "  const bool unbatched = in.dim() == static_cast<int64_t>(D) + 1;",
         "  const bool unbatched = false;",
         ["gtest:test_torch_offload:TorchOffload.ConvTakesAnUnbatchedInputAttachedOrNot"],
