@@ -40,6 +40,17 @@ from ._optim_state import _StateDicts
 __all__ = ["AdamW", "Adafactor"]
 
 
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel, called in the function that warns, for the first frame
+    outside layerstream and torch: the user's step() call, also through torch.no_grad's
+    wrapper or a GradScaler."""
+    import sys
+    level, f = 1, sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__", "").partition(".")[0] in ("layerstream", "torch"):
+        f, level = f.f_back, level + 1
+    return level
+
+
 class _EnterOrWarn:
     """A context manager that warns when it is dropped without being entered:
     ``opt.overlap(handle)`` on its own line is a no-op that looks like a setting."""
@@ -117,6 +128,10 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         self._overlap = None  # (the _C overlap plan, its parameters) between overlap() and step()
         self._overlap_sharded = False  # that plan covered sharded parameters (set by _finish_overlap)
         self._overlap_scaler = None  # the GradScaler that plan was given (overlap(grad_scaler=))
+        # What that plan stepped with and left (checked by step(): _check_overlap_inputs):
+        # {group index: its hyperparameters} and, with keep_grads, (param, .grad, its version).
+        self._overlap_hyper = {}
+        self._overlap_grads = []
         self._budget_checked = False  # _warn_uncounted_training ran (at the first step)
         self._init_state_dicts()
         super().__init__(params, defaults)
@@ -167,7 +182,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
                 f"layerstream.optim: {n} parameter(s) that offload(budget=...) kept on the device train there: "
                 f"their gradients and optimizer states take {nbytes / 2**20:.2f} MiB beyond the budget, which "
                 f"counted their weights only; offload(..., train={spec!r}) makes the budget hold them "
-                "(docs/design/planner.md, \"Training\")", RuntimeWarning, stacklevel=4)
+                "(docs/design/planner.md, \"Training\")", RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _grad_scale(self, grads, inv):
         """clip_grad_norm_(all gradients / loss scale, max_grad_norm)'s coefficient
@@ -188,8 +203,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         driven = hasattr(self, "found_inf")  # set by GradScaler.step() (_step_supports_amp_scaling)
         told = self._overlap is not None and self._overlap_scaler is not None
         if self._overlap is not None and driven != told:
-            plan, plist = self._overlap
-            self._overlap, self._overlap_scaler = None, None
+            plan, plist, _ = self._take_overlap()
             plan.abort()  # speculated layers are taken back
             self._aborted(plan, plist)
             if driven:
@@ -295,10 +309,16 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         Gradients: a layer's gradient is consumed where it lands, in one pass
         with its update (AdamW; docs/design/optim.md, "Fusion"), and is not
         written to ``.grad``: after ``step()`` the parameters this block
-        stepped have ``.grad`` None (as after ``zero_grad()``). Pass
-        ``keep_grads=True`` to read them (logging, a custom clip): ``.grad``
+        stepped have ``.grad`` None (as after ``zero_grad()``), so
+        ``clip_grad_norm_(model.parameters(), ...)`` after the block sees only
+        the other parameters: clip with ``max_grad_norm``. Pass
+        ``keep_grads=True`` to read them (logging, a norm): ``.grad``
         then holds what a plain backward leaves there, at the cost of writing
-        it.
+        it. The layers were stepped with those gradients and with the groups'
+        hyperparameters of when the block was entered: ``step()`` refuses a
+        kept ``.grad`` written since (a custom clip) or a hyperparameter set
+        since (set ``lr`` before the block), which would reach only the other
+        parameters.
 
         Mixed precision with ``torch.amp.GradScaler``: pass it
         (``grad_scaler=scaler``; the backward is ``scaler.scale(loss).backward()``,
@@ -314,12 +334,17 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
     def _overlap_block(self, handle, speculation_bytes, keep_grads, grad_scaler):
         if self._overlap is not None:
             raise RuntimeError("layerstream.optim: overlap() while a previous overlapped backward has not been "
-                               "followed by step() (or scaler.step())")
+                               "followed by step() (or scaler.step()); that backward already stepped its streamed "
+                               "layers with the gradients it had. Call step() after each overlapped backward; with "
+                               "gradient accumulation, wrap only the last micro-batch's backward in overlap()")
         engine = handle._check()
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None  # GradScaler(enabled=False): steps as without one
         loss_scale = None if grad_scaler is None else float(grad_scaler.get_scale())
         plan, plist = self._overlap_plan(engine, speculation_bytes, bool(keep_grads), loss_scale)
+        ids = {id(p) for p in plist}
+        hyper = {gi: self._hyperparameters(g) for gi, g in enumerate(self.param_groups)
+                 if any(id(p) in ids for p in g["params"])}
         try:
             yield plan
             plan.wait()  # the block ends when every layer's gradient is consumed (keep_grads: in .grad)
@@ -328,6 +353,61 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
             self._aborted(plan, plist)
             raise
         self._overlap, self._overlap_scaler = (plan, plist), grad_scaler
+        self._overlap_hyper = hyper
+        self._overlap_grads = [(p, p.grad, p.grad._version) for p in plist if p.grad is not None] if keep_grads else []
+
+    def _take_overlap(self):
+        """The pending overlapped backward's (plan, its parameters, its GradScaler), forgotten here."""
+        (plan, plist), scaler = self._overlap, self._overlap_scaler
+        self._overlap, self._overlap_scaler, self._overlap_hyper, self._overlap_grads = None, None, {}, []
+        return plan, plist, scaler
+
+    # The group entries an overlap plan steps with, per optimizer (_hyperparameters).
+    _PLAN_KEYS = ()
+
+    def _hyperparameters(self, group):
+        """A group's entries that an overlapped backward's steps used, as plain values."""
+        def plain(v):
+            if isinstance(v, torch.Tensor):
+                return v.item()
+            return tuple(plain(x) for x in v) if isinstance(v, (tuple, list)) else v
+        return {k: plain(group[k]) for k in self._PLAN_KEYS}
+
+    def _check_overlap_inputs(self):
+        """step() after an overlapped backward: the streamed layers were stepped during
+        that backward with the hyperparameters of when the block was entered and the
+        gradients as they landed. A change since then (a scheduler or warmup setting
+        lr between the block and step(); a custom clip of kept .grad) would reach the
+        other parameters only, silently: refused, the block's step taken back as far
+        as it can be (as a scaler mismatch is; docs/design/optim.md, "Overlap")."""
+        changed = []
+        for gi, before in self._overlap_hyper.items():
+            now = self._hyperparameters(self.param_groups[gi]) if gi < len(self.param_groups) else {}
+            changed += [f"param group {gi}'s {k} from {v!r} to {now.get(k)!r}" for k, v in before.items()
+                        if now.get(k) != v]
+        # GradScaler.unscale_() does not move the version counters (torch's amp kernel): unscaling
+        # kept gradients is not an edit, a clip after it is (test_optim.py checks both).
+        edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or g._version != v)
+        if not changed and not edited:
+            return
+        plan, plist, _ = self._take_overlap()
+        plan.abort()  # speculated layers are taken back
+        self._aborted(plan, plist)
+        taken = ("(layers stepped with clipping's or a scaler's speculation are taken back; the others keep the "
+                 "step the backward gave them, and the rest of the model was not stepped)")
+        if changed:
+            raise RuntimeError(
+                "layerstream.optim: " + "; ".join(changed) + " after `with opt.overlap(...)` was entered: the "
+                "streamed layers were stepped during the backward with the values of then, and the rest would be "
+                "stepped with the new ones. Set hyperparameters before the block (a scheduler's step() after "
+                "opt.step(), a warmup's lr before the overlapped backward) " + taken)
+        raise RuntimeError(
+            f"layerstream.optim: the .grad of {edited} parameter(s) kept by overlap(keep_grads=True) changed "
+            "(written in place or replaced: a custom clip such as clip_grad_norm_, or zero_grad) between the "
+            "overlapped backward and step(): the streamed layers were already stepped with the gradients as they "
+            "landed. Clip with the optimizer's max_grad_norm= (the result of clip + step, also with overlap), read "
+            "gradients without writing them (torch.nn.utils.get_total_norm, or last_grad_norm), or drop overlap() "
+            + taken)
 
     def _aborted(self, plan, plist):
         """After overlap()'s backward raised and plan.abort(): the bookkeeping of the
@@ -340,6 +420,8 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         overlapped backward, the parameters its plan did not cover; else
         everything. Skipped (a GradScaler found a non-finite gradient): nothing."""
         self._consolidated = None  # consolidate_state_dict()'s gathering is of the previous step
+        if self._overlap is not None:
+            self._check_overlap_inputs()
         self._check_still_sharded()
         inv, found = self._loss_scaling()
         if self._overlap is None:
@@ -356,9 +438,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         """After an overlapped backward: waits for the layers' steps and returns
         (clip coefficient, ids of the parameters already stepped, those parameters,
         whether the loss-scaled step is skipped)."""
-        plan, plist = self._overlap
-        scaler = self._overlap_scaler
-        self._overlap, self._overlap_scaler = None, None
+        plan, plist, scaler = self._take_overlap()
         status = plan.wait()
         counted = {id(p) for p, s in zip(plist, status) if s != 0}
         other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
@@ -421,6 +501,8 @@ class AdamW(_HostOptimizer):
     ``clip_grad_norm_``); with 8-bit states, a non-finite moment makes its
     whole block of 256 NaN.
     """
+
+    _PLAN_KEYS = ("lr", "betas", "eps", "weight_decay", "state_precision", "seed")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  max_grad_norm=None, state_precision="fp32", seed=0):
@@ -623,8 +705,12 @@ class Adafactor(_HostOptimizer):
     parameters first, as for AdamW) and ``seed`` are added. State per
     parameter uses transformers' names (``step``, ``exp_avg_sq_row``,
     ``exp_avg_sq_col`` or ``exp_avg_sq``, ``exp_avg``, ``RMS``), all fp32.
-    Host (CPU) parameters only.
+    Host parameters are stepped by the C++ kernels; parameters on a GPU (layers
+    a budget keeps resident) by torch's tensor arithmetic, as transformers'.
     """
+
+    _PLAN_KEYS = ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay", "scale_parameter",
+                  "relative_step", "warmup_init", "seed")
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
                  weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False, *,

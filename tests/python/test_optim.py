@@ -801,6 +801,94 @@ def test_overlap_consumes_gradients_unless_kept(offload_sim, max_norm, keep_grad
                 assert torch.equal(g, w), n
 
 
+_MAKERS = {"adamw": lambda ps: AdamW(ps, lr=1e-2),
+           "adafactor": lambda ps: Adafactor(ps, lr=1e-2, relative_step=False, scale_parameter=False)}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+@pytest.mark.parametrize("key", ["lr", "weight_decay"])
+def test_a_hyperparameter_set_between_an_overlapped_backward_and_step_is_refused(offload_sim, name, key):
+    """The streamed layers step during the backward with their groups' values of when
+    the block was entered: a warmup setting lr (or anything those steps read) after the
+    block would reach the resident parameters only. Set before the block, the step
+    equals the plain one bit for bit; set after it, step() refuses, naming the group and
+    both values, and the next overlapped step works."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    handle, _ = offload_sim(model), offload_sim(ref)
+    opt, ropt = _MAKERS[name](list(model.parameters())), _MAKERS[name](list(ref.parameters()))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    for o in (opt, ropt):
+        o.param_groups[0][key] = 0.005
+    with opt.overlap(handle):
+        model(x).square().mean().backward()
+    opt.step()
+    ref(x).square().mean().backward()
+    ropt.step()
+    assert opt.last_overlap_params == 8
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    opt.zero_grad()
+    with opt.overlap(handle):
+        model(x).square().mean().backward()
+    opt.param_groups[0][key] = 0.0025
+    with pytest.raises(RuntimeError, match=rf"param group 0's {key} from 0.005 to 0.0025 after `with opt.overlap"):
+        opt.step()
+    opt.zero_grad()
+    with opt.overlap(handle):
+        model(x).square().mean().backward()
+    opt.step()
+    assert opt.last_overlap_params == 8
+
+
+def test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refused(offload_sim):
+    """keep_grads=True lets a user read .grad after an overlapped backward, but the
+    streamed layers were stepped with the gradients as they landed: a custom clip
+    (clip_grad_norm_ writes every .grad in place, also when it does not clip) would
+    reach the resident ones only. step() refuses it; reading (get_total_norm) and
+    GradScaler.unscale_ (which torch's amp kernel does without moving the version
+    counters) step as without overlap."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    handle, _ = offload_sim(model), offload_sim(ref)
+    opt, ropt = AdamW(model.parameters(), lr=1e-2), AdamW(ref.parameters(), lr=1e-2)
+    scaler, rscaler = (torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    with opt.overlap(handle, keep_grads=True, grad_scaler=scaler):
+        scaler.scale(model(x).square().mean()).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    scaler.step(opt)
+    scaler.update()
+    rscaler.scale(ref(x).square().mean()).backward()
+    rscaler.unscale_(ropt)
+    assert torch.equal(norm, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    rscaler.step(ropt)
+    rscaler.update()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    opt.zero_grad()
+    with opt.overlap(handle, keep_grads=True):
+        model(x).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # writes .grad (times 1.0)
+    with pytest.raises(RuntimeError, match=r"the \.grad of 10 parameter\(s\) kept by overlap\(keep_grads=True\) "
+                                           r"changed .* max_grad_norm="):
+        opt.step()
+
+
+def test_the_uncounted_training_warning_points_at_the_users_step(offload_sim):
+    """The once-per-optimizer warning about trainable parameters a budget kept on the
+    device names the line that called step() (through torch.no_grad's wrapper)."""
+    model = Deep()
+    handle = offload_sim(model, budget="5KiB")
+    assert handle.stats()["resident_layers"] == 4
+    opt = AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 16)).square().mean().backward()
+    with pytest.warns(RuntimeWarning, match="kept on the device train there") as record:
+        opt.step()
+    assert [os.path.basename(w.filename) for w in record] == ["test_optim.py"]
+
+
 @pytest.mark.parametrize("speculation_bytes", [None, 0, 2000])
 def test_overlap_with_clipping_equals_clip_then_step(offload_sim, speculation_bytes):
     """max_grad_norm under overlap (speculate unclipped, restore and re-step when

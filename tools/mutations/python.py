@@ -320,6 +320,24 @@ MUTATIONS = [
         [P + "test_activations.py::test_sparse_and_wrapper_saved_tensors_stay_as_they_are"],
         "the pack hook reads the storage of a sparse saved tensor (NotImplementedError)"),
     Mutation(
+        "overlap-ignores-late-hyperparameters", "python/layerstream/optim.py",
+        "                        if now.get(k) != v]",
+        "                        if False]",
+        [P + "test_optim.py::test_a_hyperparameter_set_between_an_overlapped_backward_and_step_is_refused"],
+        "an lr set between an overlapped backward and step() reaches the resident parameters only"),
+    Mutation(
+        "overlap-ignores-edited-kept-grads", "python/layerstream/optim.py",
+        "        edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or g._version != v)",
+        "        edited = 0",
+        [P + "test_optim.py::test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refused"],
+        "a custom clip of kept gradients after an overlapped backward reaches the resident parameters only"),
+    Mutation(
+        "uncounted-training-warning-points-into-torch", "python/layerstream/optim.py",
+        "RuntimeWarning, stacklevel=_user_stacklevel())",
+        "RuntimeWarning, stacklevel=4)",
+        [P + "test_optim.py::test_the_uncounted_training_warning_points_at_the_users_step"],
+        "the uncounted-training warning names torch's no_grad wrapper instead of the user's step() line"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
