@@ -17,7 +17,10 @@
 //    device copies from), then the store up to what is left of the pinned
 //    budget; store tensors beyond it are pageable and cross through the
 //    staging entries (copied to a pinned entry on a host thread, then to the
-//    device), so their copies stay asynchronous.
+//    device), so their copies stay asynchronous. Those entries are as many as
+//    the pinned budget holds (two at least; all pageable below two), and two
+//    at least: a host budget without room for them beside the store sends the
+//    layers that may stay in their file to the disk tier, or is an error.
 //
 // Pure functions; thread-safe.
 #pragma once

@@ -139,7 +139,7 @@ class _StreamedForward(_RefusesCopy):
 
     __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
                  "_lookup", "_op", "_engine_id", "_op_spec", "_key", "_standin", "_bias_standin", "_pad",
-                 "__weakref__")
+                 "_frozen", "__weakref__")
 
     def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
         self._lookup = kind == "embedding"
@@ -153,6 +153,8 @@ class _StreamedForward(_RefusesCopy):
         # A packed, GGUF or file stand-in is frozen, and Dynamo must not trace into it.
         self._standin = isinstance(module.weight, StandIn)
         self._bias_standin = isinstance(getattr(module, "bias", None), StandIn)  # e.g. a bias left in its file
+        # The stand-ins, which no gradient reaches: unfreezing one after offload() is an error (_unfrozen).
+        self._frozen = tuple(p for p in (module.weight, getattr(module, "bias", None)) if isinstance(p, StandIn))
         self._index, self._original, self._name = index, original, name
         self._weight, self._bias = module.weight, getattr(module, "bias", None)
         # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
@@ -174,11 +176,33 @@ class _StreamedForward(_RefusesCopy):
                 f"torch.func.functional_call); layerstream streams the original ones. Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
+        if self._frozen:  # only layers with stand-ins pay for the check (the disk tier, GGUF)
+            self._unfrozen()
         if self._pad is not None:  # the hot path: no call for the usual zero padding
             x = self._padded(x)
         # A parameter with gradient hooks gets its gradient through autograd
         # (synchronously) so that the hooks fire: the engine checks (EngineImpl::stages_grads).
         return self._run(self._index, x)
+
+    def _unfrozen(self) -> None:
+        """Raises when a stand-in of this layer (a weight the disk tier streams from its
+        file, a GGUF weight) was unfrozen after offload(): no gradient can reach it, and
+        torch would leave its .grad None (or fail with "element 0 of tensors does not
+        require grad") without saying why."""
+        for p in self._frozen:
+            if not p.requires_grad:
+                continue
+            which = f"'{self._name}.{'weight' if p is self._weight else 'bias'}'"
+            if getattr(p, "_disk_tier", False):
+                raise LayerstreamError(
+                    f"{which} requires grad, but offload() left it frozen in its file ({p.file_range.path}): the "
+                    f"disk tier streams it from there and no gradient reaches it. To train it, unfreeze it before "
+                    f"offload() (handle.detach(), requires_grad_(True), offload() again), so that it is read into "
+                    f"RAM (host_budget must hold it); or keep it frozen (requires_grad_(False)), e.g. to train "
+                    f"LoRA adapters over it")
+            raise LayerstreamError(
+                f"{which} requires grad, but layerstream holds it as a frozen stand-in ({type(p).__name__}) that no "
+                f"gradient reaches; keep it frozen (requires_grad_(False)), or train an adapter over it (LoRA)")
 
     def _padded(self, x):
         """The input of a conv whose padding_mode is not zeros, padded as torch pads it."""

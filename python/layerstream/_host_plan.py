@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from . import _C
 from ._file_weight import FileWeight
+from ._gguf_weight import GgufWeight
 from ._loading import put, tensor_slots
 
 LayerstreamError = _C.LayerstreamError
@@ -108,11 +109,25 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
             hint += (f" ({len(cast)} layer(s) loaded from a file are cast as read, e.g. '{cast[0].name}' from the "
                      f"file's {w.file_dtype} to the model's {w.dtype}, so they must be in RAM: build the model in "
                      f"the file's dtype so that frozen ones can stay in their file)")
-        quantized = [t.name or "<root>" for t in streamed if t.fmt is not None]
+        quantized = [t.name or "<root>" for t in streamed if t.fmt not in (None, "lossless")]
         if quantized and cache_dir is None:
             hint += (f" ({len(quantized)} layer(s) are quantized, e.g. '{quantized[0]}', and quantized weights are "
                      f"held in RAM: pass cache_dir= so that those loaded by load_safetensors() can stay on disk, "
                      f"packed in a cache file)")
+        lossless = [t.name or "<root>" for t in streamed if t.fmt == "lossless"]
+        if lossless:  # coded in RAM, never on disk: cache_dir= cannot help (core/host_tier.h may_stay_in_file)
+            hint += (f" ({len(lossless)} layer(s) are quantized losslessly, e.g. '{lossless[0]}': lossless weights "
+                     f"are coded in RAM and cannot stay on disk, with cache_dir= or without; for frozen ones loaded "
+                     f"by load_safetensors() to stream from their file, quantize them otherwise (int8, fp8, nf4, "
+                     f"int4, with cache_dir=) or not at all)")
+        gguf = [t.name or "<root>" for t in streamed
+                if isinstance(getattr(t.module, "weight", None), GgufWeight)]
+        if gguf:
+            hint += (f" ({len(gguf)} layer(s) were loaded by load_gguf(), e.g. '{gguf[0]}': GGUF weights are read "
+                     f"into RAM; only .safetensors files loaded by load_safetensors() can keep weights on disk)")
+        elif not in_file:
+            hint += (" (this model's weights are all in memory already: to keep frozen Linear weights in their "
+                     "file, build the model on the meta device and load it with load_safetensors())")
         raise LayerstreamError(f"offload(): {e}{hint}") from None
     opts.store_pinned_cap = p["store_pinned_cap"]
     opts.staging_bytes = p["staging_bytes"]

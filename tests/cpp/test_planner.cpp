@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/json.h"
 #include "core/gguf.h"
+#include "core/host_tier.h"
 #include "core/planner.h"
 #include "core/slot_layout.h"
 
@@ -993,4 +994,112 @@ TEST(Models, GgufExpertTensorsPlanAsOneGroupOfTheFilesBlocks) {
     EXPECT_EQ(s.routed_bytes, static_cast<uint64_t>(std::ceil(3.0 * blocks * 0.25)));
   }
   EXPECT_TRUE(seen);
+}
+
+// ------------------------------------------------------------ host_tier::plan
+
+namespace {
+
+// Six frozen layers of `bytes` that may stay in their file (load_safetensors()), or not.
+std::vector<host_tier::Layer> tier_layers(uint64_t bytes, bool from_file) {
+  std::vector<host_tier::Layer> out;
+  for (int i = 0; i < 6; ++i) {
+    host_tier::Layer l;
+    l.name = std::to_string(i);
+    l.bytes = bytes;
+    l.from_file = from_file;
+    out.push_back(l);
+  }
+  return out;
+}
+
+}  // namespace
+
+// A pinned budget below the store makes store tensors pageable, and those cross
+// through staging entries: the stager needs two of the largest layer
+// (core/io/stager.cpp). Whatever RAM the host budget leaves, the plan stages
+// either nothing or two entries at least, within host_budget: a host budget that
+// cannot hold the entries beside the store sends file layers to the disk tier
+// (host_budget of store + 1.5 entries staged 1.5 entries, and the first forward
+// failed), and without file layers it is an error saying what to raise.
+TEST(HostTierPlan, StagesTwoEntriesOrNoneWhateverTheBudgets) {
+  constexpr uint64_t L = 1000;
+  for (bool from_file : {true, false}) {
+    for (uint64_t budget = 6 * L; budget <= 12 * L; budget += L / 4) {
+      for (uint64_t pinned : {uint64_t{0}, 3 * L, 6 * L}) {
+        host_tier::Plan p;
+        try {
+          p = host_tier::plan(tier_layers(L, from_file), static_cast<int64_t>(budget), static_cast<int64_t>(pinned), 1);
+        } catch (const Error& e) {
+          EXPECT_FALSE(from_file) << budget << " " << pinned << ": " << e.message();
+          EXPECT_LT(budget, 8 * L) << e.message();
+          EXPECT_HAS(e.message(), "Raise host_budget to at least 7.81 KiB, or pinned_budget to at least 5.86 KiB");
+          continue;
+        }
+        const bool staged = p.pageable_store_bytes > 0 || p.disk_bytes > 0;
+        EXPECT_TRUE(staged ? p.staging_bytes >= 2 * L : p.staging_bytes == 0) << budget << " " << pinned;
+        EXPECT_LE(p.host_bytes(), budget) << budget << " " << pinned;
+      }
+    }
+  }
+  // store + 1.5 entries: the disk tier, entries in whole ones.
+  const host_tier::Plan p = host_tier::plan(tier_layers(L, true), 7 * L + L / 2, 0, 1);
+  EXPECT_EQ(p.disk_bytes, 6 * L);
+  EXPECT_EQ(p.store_bytes, 0u);
+  EXPECT_EQ(p.staging_bytes, 7 * L);
+}
+
+// What the plan leaves of host_budget (the saved activations' host cap) is
+// counted after the staging entries the pinned budget adds: it was counted
+// before them, so store + staging + spare exceeded host_budget.
+TEST(HostTierPlan, SpareHostBytesCountEveryStagingEntry) {
+  constexpr uint64_t L = 1000;
+  for (uint64_t budget : {11 * L, 8 * L, 3 * L}) {
+    for (int64_t pinned : {int64_t{0}, static_cast<int64_t>(2 * L), host_tier::kUnlimited}) {
+      const host_tier::Plan p = host_tier::plan(tier_layers(L, true), static_cast<int64_t>(budget), pinned, 1);
+      EXPECT_EQ(p.host_bytes() + static_cast<uint64_t>(p.spare_host_bytes), budget) << budget << " " << pinned;
+    }
+  }
+  const host_tier::Plan p = host_tier::plan(tier_layers(L, true), 11 * L, 0, 1);
+  EXPECT_EQ(p.staging_bytes, 3 * L);
+  EXPECT_EQ(p.spare_host_bytes, 2 * L);
+}
+
+// The staging entries are pinned first. All in RAM, they only make pageable
+// copies asynchronous, which a pageable entry cannot: a pinned budget below the
+// entries wanted (prefetch + 2) holds as many as fit, at least two. A disk
+// tier's cache is in whole entries, so one that fits the pinned budget is pinned.
+TEST(HostTierPlan, PinsAsManyStagingEntriesAsFit) {
+  constexpr uint64_t L = 1000;
+  host_tier::Plan p = host_tier::plan(tier_layers(L, true), host_tier::kUnlimited, 2 * L, 1);
+  EXPECT_EQ(p.staging_bytes, 2 * L);
+  EXPECT_TRUE(p.staging_pinned);
+  EXPECT_EQ(p.store_pinned_cap, 0);
+  p = host_tier::plan(tier_layers(L, true), host_tier::kUnlimited, 3 * L, 1);
+  EXPECT_EQ(p.staging_bytes, 3 * L);
+  EXPECT_TRUE(p.staging_pinned);
+  p = host_tier::plan(tier_layers(L, true), host_tier::kUnlimited, L, 1);  // not even two: pageable
+  EXPECT_EQ(p.staging_bytes, 3 * L);
+  EXPECT_FALSE(p.staging_pinned);
+  EXPECT_EQ(p.store_pinned_cap, static_cast<int64_t>(L));
+  p = host_tier::plan(tier_layers(L, true), 2 * L + L / 3, 2 * L, 1);  // the disk tier
+  EXPECT_EQ(p.disk_bytes, 6 * L);
+  EXPECT_EQ(p.staging_bytes, 2 * L);
+  EXPECT_TRUE(p.staging_pinned);
+}
+
+// The error of a host budget too small says what the numbers are: two entries of
+// X each, the model's weights in all; the advice to load with load_safetensors()
+// is not given as if it applied to every model (GGUF weights are read into RAM).
+TEST(HostTierPlan, TooSmallSaysWhatEachFigureIs) {
+  constexpr uint64_t L = 1024;
+  std::vector<host_tier::Layer> layers = tier_layers(L, true);
+  layers[0].from_file = false;
+  std::string m = error_of([&] { host_tier::plan(layers, 2 * L, host_tier::kUnlimited, 1); });
+  EXPECT_HAS(m, "the disk tier needs two staging entries of 1.00 KiB each (2.00 KiB); the streamed weights are "
+                "6.00 KiB in all. Raise host_budget to at least 3.00 KiB");
+  m = error_of([&] { host_tier::plan(tier_layers(L, false), 2 * L, host_tier::kUnlimited, 1); });
+  EXPECT_HAS(m, "Raise host_budget to at least 6.00 KiB, or let frozen weights stay in their file: only frozen "
+                "Linear weights that load_safetensors() left in a .safetensors file can, and none here can");
+  EXPECT_EQ(m.find("load_gguf"), std::string::npos) << m;
 }

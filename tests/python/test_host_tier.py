@@ -322,6 +322,65 @@ def test_trainable_weights_must_fit_in_ram(tmp_path):
     assert model.layers[0].weight.grad is not None
 
 
+
+def test_unfreezing_a_weight_the_disk_tier_streams_is_an_error_at_the_next_forward(tmp_path):
+    """A weight offload() left in its file (frozen) and unfrozen afterwards gets no
+    gradient and never changes: the next forward is an error naming the layer and what
+    to do (unfreeze before offload(), or keep it frozen). Frozen again, it runs; unfrozen
+    before another offload(), it is read into RAM and trains."""
+    ref, path, model, handle = _frozen_on_disk(tmp_path)
+    model.layers[2].weight.requires_grad_(True)
+    with pytest.raises(LayerstreamError, match=r"'layers.2.weight' requires grad, but offload\(\) left it frozen in "
+                                               r"its file .*unfreeze it before offload\(\).*or keep it frozen"):
+        model(_ids())
+    model.requires_grad_(True)  # every weight: the first streamed one is named
+    with pytest.raises(LayerstreamError, match="'layers.0.weight' requires grad"):
+        with torch.no_grad():
+            model(_ids())
+    model.requires_grad_(False)
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    handle.detach()
+    model.layers[2].requires_grad_(True)
+    layerstream.offload(model, device="sim")
+    model(_ids()).sum().backward()
+    assert model.layers[2].weight.grad is not None and model.layers[1].weight.grad is None
+
+
+def test_a_pinned_budget_below_the_store_never_plans_less_than_two_staging_entries(tmp_path):
+    """host_budget holds the weights and one and a half layers, pinned_budget nothing:
+    store tensors would be pageable and cross through staging entries, and one and a
+    half entries failed at the first forward (a larger host_budget than the weights
+    alone failed where that one worked). The weights go to the disk tier instead, and
+    the plan stays within host_budget with what it leaves for activations. Weights not
+    from a file have no disk to go to: an error at offload() saying what to raise."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    layer = D * D * 4 + D * 4
+    budget = _layer_bytes(ref) + ref.emb.weight.numel() * 4 + layer * 3 // 2
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    model.requires_grad_(False)
+    handle = layerstream.offload(model, device="sim", host_budget=budget, pinned_budget=0)
+    plan = handle.host_plan
+    assert plan["disk_bytes"] > 0 and plan["staging_bytes"] >= 2 * layer, plan
+    assert plan["store_bytes"] + plan["staging_bytes"] + plan["grad_staging_bytes"] + plan["spare_host_bytes"] == budget
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    with pytest.raises(LayerstreamError, match=r"but not the staging entries the pinned budget of 0 B needs.*Raise "
+                                               r"host_budget to at least .*, or pinned_budget to at least"):
+        layerstream.offload(copy.deepcopy(ref).requires_grad_(False), device="sim", host_budget=budget, pinned_budget=0)
+
+
+def test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file():
+    """A model whose weights are all in memory cannot use the disk tier: the error says
+    how to load it so that it can, and gives the sizes unambiguously."""
+    ref = _reference().requires_grad_(False)
+    with pytest.raises(LayerstreamError, match=r"this model's weights are all in memory already: .* load it with "
+                                               r"load_safetensors\(\)") as e:
+        layerstream.offload(ref, device="sim", host_budget=_quarter(ref))
+    assert "load_gguf" not in str(e.value) and "in all. Raise host_budget" in str(e.value)
+
 def _loaded_trainable(path):
     model = _meta()
     layerstream.load_safetensors(model, path)

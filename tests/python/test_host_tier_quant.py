@@ -134,6 +134,19 @@ def test_without_cache_dir_quantized_weights_must_fit_in_ram(tmp_path):
     assert not (tmp_path / "unused").exists()
 
 
+
+def test_lossless_weights_cannot_stay_on_disk_and_the_error_does_not_offer_cache_dir(tmp_path):
+    """quantize="lossless" codes weights in RAM, so cache_dir= cannot keep them on disk:
+    the error says so rather than suggest cache_dir=, with it or without it."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    for cache_dir in (None, tmp_path / "cache"):
+        with pytest.raises(LayerstreamError, match="are quantized losslessly, e.g. 'layers.0': lossless weights are "
+                                                   "coded in RAM and cannot stay on disk") as e:
+            layerstream.offload(_loaded(path), device="sim", quantize="lossless", host_budget=_quarter(ref),
+                                cache_dir=cache_dir)
+        assert "pass cache_dir=" not in str(e.value), e.value
+
 def test_a_cache_file_that_cannot_be_written_is_a_clear_error_and_leaves_nothing(tmp_path):
     """No space (here: a file-size limit, which fails the write the same way ENOSPC
     does, half-way): the error names the cache file and says what to change; no

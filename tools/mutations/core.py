@@ -231,4 +231,33 @@ MUTATIONS = [
         ["gtest:test_sim_checker:SimChecker.UnwrapDropsTracking"],
         "the sim checker keeps what it knew of a wrapped buffer after unwrap() (a region per saved activation, "
         "for the backend's life)"),
+    Mutation(
+        "host-plan-stages-under-two-entries", "csrc/core/host_tier.cpp",
+        "  if (total + grads + (crosses ? 2 * largest : 0) <= budget) {",
+        "  if (total + grads <= budget) {",
+        ["gtest:test_planner:HostTierPlan.StagesTwoEntriesOrNoneWhateverTheBudgets",
+         P + "test_host_tier.py::test_a_pinned_budget_below_the_store_never_plans_less_than_two_staging_entries"],
+        "a pinned_budget below the store stages whatever host_budget leaves, fewer than the two entries the "
+        "stager needs (offload() accepts it, the first forward fails)"),
+    Mutation(
+        "host-plan-spare-before-staging", "csrc/core/host_tier.cpp",
+        "  if (limited) p.spare_host_bytes = static_cast<int64_t>(budget - std::min(p.host_bytes(), budget));",
+        "  if (limited) p.spare_host_bytes = static_cast<int64_t>(budget - std::min(p.store_bytes + "
+        "p.grad_staging_bytes, budget));",
+        ["gtest:test_planner:HostTierPlan.SpareHostBytesCountEveryStagingEntry",
+         P + "test_host_tier.py::test_a_pinned_budget_below_the_store_never_plans_less_than_two_staging_entries"],
+        "spare_host_bytes (the saved activations' host cap) leaves out the staging entries: the plan exceeds "
+        "host_budget"),
+    Mutation(
+        "host-plan-pins-no-entry-below-the-wanted", "csrc/core/host_tier.cpp",
+        "      if (p.staging_bytes > pinned && pinned >= 2 * largest) p.staging_bytes = pinned / largest * largest;",
+        "",
+        ["gtest:test_planner:HostTierPlan.PinsAsManyStagingEntriesAsFit"],
+        "a pinned budget below the prefetch + 2 entries wanted pins no staging entry, though two or more fit"),
+    Mutation(
+        "host-plan-entries-read-as-the-total", "csrc/core/host_tier.cpp",
+        "                                  \" each (\" + format_bytes(2 * largest_file) + \")\" : \"\",",
+        "                                  \"\" : \"\",",
+        ["gtest:test_planner:HostTierPlan.TooSmallSaysWhatEachFigureIs"],
+        "the host-budget error's two staging entries read as if they totalled the model's bytes"),
 ]

@@ -343,4 +343,23 @@ MUTATIONS = [
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
         [P + "test_groups.py::test_quantized_group_module"],
         "control: a harmless edit must survive (checks the harness itself)"),
+    Mutation(
+        "unfrozen-disk-weight-unchecked", "python/layerstream/_forward.py",
+        "        if self._frozen:  # only layers with stand-ins pay for the check (the disk tier, GGUF)\n"
+        "            self._unfrozen()\n",
+        "",
+        [P + "test_host_tier.py::test_unfreezing_a_weight_the_disk_tier_streams_is_an_error_at_the_next_forward"],
+        "a weight the disk tier streams, unfrozen after offload(), is silently never trained (grad None)"),
+    Mutation(
+        "lossless-hint-offers-cache-dir", "python/layerstream/_host_plan.py",
+        "t.fmt not in (None, \"lossless\")]\n        if quantized and cache_dir is None:",
+        "t.fmt is not None]\n        if quantized and cache_dir is None:",
+        [P + "test_host_tier_quant.py::test_lossless_weights_cannot_stay_on_disk_and_the_error_does_not_offer_cache_dir"],
+        "the host-budget error of lossless weights suggests cache_dir=, which cannot keep them on disk"),
+    Mutation(
+        "in-memory-model-hint-missing", "python/layerstream/_host_plan.py",
+        "        elif not in_file:\n",
+        "        elif False:\n",
+        [P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
+        "the host-budget error of a model in memory no longer says to load it with load_safetensors()"),
 ]
