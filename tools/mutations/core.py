@@ -121,8 +121,8 @@ MUTATIONS = [
         "the host AdamW of bf16 parameters folds 1 - beta2^t into its step, not its square root"),
     Mutation(
         "disk-tier-file-change-unseen", "csrc/core/io/source_file.cpp",
-        "  LS_CHECK(same, path_, \": the file changed after it was loaded",
-        "  LS_CHECK(same || true, path_, \": the file changed after it was loaded",
+        "  if (now == identity_ && opened_ == identity_) return;",
+        "  if (true) return;",
         [P + "test_host_tier.py::test_a_file_changed_after_loading_is_an_error_never_other_weights"],
         "a checkpoint file rewritten after loading is read as if it were the same weights"),
     Mutation(
