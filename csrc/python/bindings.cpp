@@ -387,7 +387,7 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& [r, dtype, rows, cols] : items) {
       const quant::SrcDtype d = float_src_dtype(torch::python::detail::py_object_to_dtype(dtype),
                                                 r.path + ": tensor '" + r.tensor + "'");
-      in.push_back({r.tensor, r.path, r.offset, r.bytes, d, rows, cols});
+      in.push_back({r.tensor, r.path, r.offset, r.bytes, d, rows, cols, r.identity});
     }
     quant_cache::Result res;
     {
@@ -396,7 +396,8 @@ PYBIND11_MODULE(_C, m) {
     }
     py::list ranges;
     for (size_t i = 0; i < in.size(); ++i)
-      ranges.append(FileRange{res.path, res.items[i].offset, res.items[i].bytes, in[i].tensor});
+      ranges.append(FileRange{res.path, res.items[i].offset, res.items[i].bytes, in[i].tensor, res.identity,
+                              SourceFile::Kind::QuantCache});
     py::dict out;
     out["path"] = res.path;
     out["built"] = res.built;
