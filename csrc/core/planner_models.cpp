@@ -537,7 +537,7 @@ void measure_lossless(ModelDescription& m, const Checkpoint& ck, const std::stri
                                ? lossless::expert_pieces(d, int64_t(t.numel), int64_t(t.shape[0]), int64_t(t.shape[0]))
                                : 1;
     auto& f = files[t.file];
-    if (!f) f = SourceFile::open(t.file);
+    if (!f) f = SourceFile::open(t.file, t.identity);
     // kRuns runs of kRunElems elements, evenly spaced (all of a small tensor).
     const uint64_t runs = std::min<uint64_t>(kRuns, (t.numel + kRunElems - 1) / kRunElems);
     const uint64_t run = std::min<uint64_t>(kRunElems, t.numel);

@@ -1,6 +1,9 @@
 #include "safetensors.h"
 
 #include <algorithm>
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -203,28 +206,40 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   auto st = fs::status(path, ec);
   LS_CHECK(!ec && fs::exists(st), "safetensors file ", q(path), " does not exist");
   LS_CHECK(!fs::is_directory(st), q(path), " is a directory, not a safetensors file");
-  std::ifstream f(path, std::ios::binary);
-  LS_CHECK(f.good(), "cannot open safetensors file ", q(path), ": ", std::strerror(errno));
-  f.seekg(0, std::ios::end);
-  std::streamoff size = f.tellg();
-  LS_CHECK(size >= 0, "cannot determine the size of ", q(path));
-  f.seekg(0, std::ios::beg);
-  const uint64_t file_bytes = static_cast<uint64_t>(size);
-
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  LS_CHECK(fd >= 0, "cannot open safetensors file ", q(path), ": ", std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  // The identity of the file whose header this is: later reads check that the
+  // path still names it (core/io/source_file.h).
+  const FileIdentity identity = FileIdentity::of(fd, path);
+  const uint64_t file_bytes = identity.size;
+  auto read_at = [&](char* dst, uint64_t bytes, uint64_t at) {
+    uint64_t done = 0;
+    while (done < bytes) {
+      const ssize_t n = ::pread(fd, dst + done, static_cast<size_t>(bytes - done), static_cast<off_t>(at + done));
+      if (n < 0 && errno == EINTR) continue;
+      LS_CHECK(n > 0, "cannot read the header of ", q(path), ": ",
+               n < 0 ? std::strerror(errno) : "the file ended early (file changed while reading?)");
+      done += static_cast<uint64_t>(n);
+    }
+  };
   std::string buf(static_cast<size_t>(std::min<uint64_t>(file_bytes, 8)), '\0');
-  if (!buf.empty()) f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-  LS_CHECK(f.good() || buf.empty(), "cannot read ", q(path));
+  read_at(buf.data(), buf.size(), 0);
   if (buf.size() == 8) {
     uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(buf[static_cast<size_t>(i)]);
     if (n <= kMaxHeaderBytes && n <= file_bytes - 8) {
       buf.resize(8 + static_cast<size_t>(n));
-      f.read(buf.data() + 8, static_cast<std::streamsize>(n));
-      LS_CHECK(static_cast<uint64_t>(f.gcount()) == n, "cannot read the header of ", q(path),
-               " (file changed while reading?)");
+      read_at(buf.data() + 8, n, 8);
     }
   }
-  return parse_safetensors_header(buf, file_bytes, path);
+  SafetensorsHeader h = parse_safetensors_header(buf, file_bytes, path);
+  h.identity = identity;
+  for (TensorInfo& t : h.tensors) t.identity = identity;
+  return h;
 }
 
 uint64_t Checkpoint::total_bytes() const {
@@ -243,6 +258,7 @@ void add_file(Checkpoint& ck, const SafetensorsHeader& h, std::map<std::string, 
              " and ", q(h.path));
     ck.tensors.push_back(t);
     ck.tensors.back().file = h.path;
+    ck.tensors.back().identity = h.identity;
   }
   for (const auto& [k, v] : h.metadata) ck.metadata.emplace(k, v);
 }
@@ -337,8 +353,11 @@ void check_not_a_pipeline(const std::string& path) {
 
 }  // namespace
 
-Checkpoint read_checkpoint(const std::string& path) {
+Checkpoint read_checkpoint(const std::string& named) {
   std::error_code ec;
+  // Absolute: the files are read again later, after the working directory may have changed.
+  const std::string path = named.empty() ? named : fs::absolute(named, ec).string();
+  LS_CHECK(!ec, "checkpoint ", q(named), ": cannot make the path absolute: ", ec.message());
   auto st = fs::status(path, ec);
   LS_CHECK(!ec && fs::exists(st), "checkpoint ", q(path), " does not exist");
   if (fs::is_directory(st)) {
@@ -358,7 +377,7 @@ Checkpoint read_checkpoint(const std::string& path) {
     std::sort(indexes.begin(), indexes.end());
     std::sort(files.begin(), files.end());
     std::sort(variants.begin(), variants.end());
-    if (indexes.size() == 1) return read_index(path, indexes[0]);
+    if (indexes.size() == 1) return read_index(named, indexes[0]);
     LS_CHECK(indexes.empty(), "directory ", q(path), " holds ", indexes.size(),
              " *.safetensors.index.json files; pass the one to use");
     if (!variants.empty()) {
@@ -373,14 +392,14 @@ Checkpoint read_checkpoint(const std::string& path) {
     LS_CHECK(files.size() == 1, "directory ", q(path), " holds ", files.size(),
              " .safetensors files and no index json; pass one file or a *.safetensors.index.json");
     Checkpoint ck;
-    ck.path = path;
+    ck.path = named;
     std::map<std::string, std::string> owner;
     add_file(ck, read_safetensors_header(files[0]), owner);
     return ck;
   }
-  if (ends_with(path, ".json")) return read_index(path, path);
+  if (ends_with(path, ".json")) return read_index(named, path);
   Checkpoint ck;
-  ck.path = path;
+  ck.path = named;
   std::map<std::string, std::string> owner;
   add_file(ck, read_safetensors_header(path), owner);
   return ck;

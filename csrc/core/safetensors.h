@@ -19,6 +19,8 @@
 #include <string_view>
 #include <vector>
 
+#include "io/source_file.h"  // FileIdentity
+
 namespace layerstream {
 
 // Headers larger than this are rejected as absurd (the format allows up to
@@ -44,6 +46,7 @@ struct TensorInfo {
   uint64_t nbytes = 0;          // == end - begin == numel * bits / 8
   std::string file;             // the .safetensors file holding it
   uint64_t file_offset = 0;     // where its bytes start in `file` (8 + N + begin)
+  FileIdentity identity;        // `file` as its header was read (not recorded by parse_safetensors_header)
 };
 
 struct SafetensorsHeader {
@@ -53,9 +56,11 @@ struct SafetensorsHeader {
   uint64_t data_offset = 0;       // 8 + N: where the data buffer starts
   std::vector<TensorInfo> tensors;  // in header order
   std::map<std::string, std::string> metadata;
+  FileIdentity identity;  // the file as its header was read (read_safetensors_header)
 };
 
-// Reads and validates the header of one .safetensors file.
+// Reads and validates the header of one .safetensors file, recording the
+// file's identity (every later read of its tensors checks it).
 SafetensorsHeader read_safetensors_header(const std::string& path);
 
 // The same validation on an in-memory file image (`bytes` must hold at least

@@ -49,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/io/source_file.h"  // FileIdentity
 #include "core/quant.h"
 #include "core/scheduler.h"  // StepStats
 #include "core/shared_region.h"
@@ -143,6 +144,10 @@ struct FileRange {
   uint64_t offset = 0;
   uint64_t bytes = 0;
   std::string tensor;  // its name, for error messages
+  // The file as its header was read (read_checkpoint; not recorded: as the
+  // engine first opens it): every read checks that the file is still that one.
+  FileIdentity identity;
+  SourceFile::Kind kind = SourceFile::Kind::Checkpoint;  // whose file it is (what errors advise)
 };
 
 // Counters since the engine was made (Engine::stats(): a snapshot).
@@ -265,8 +270,8 @@ class Engine {
   // `file_dtype` other than `dtype` (both floating point) the file holds that
   // dtype and each value is cast as it is read (torch's rounding, as
   // Tensor.to(dtype)), through a temporary of at most 64 MiB ("Cast as read"
-  // in the design note). The file is checked (size, mtime) first; errors name
-  // the file and the tensor.
+  // in the design note). The file is checked (size, mtime, inode, against
+  // src.identity when recorded) first; errors name the file and the tensor.
   virtual torch::Tensor read_file(const FileRange& src, const std::vector<int64_t>& shape,
                                   torch::ScalarType dtype,
                                   std::optional<torch::ScalarType> file_dtype = std::nullopt) = 0;

@@ -330,9 +330,20 @@ PYBIND11_MODULE(_C, m) {
         py::arg("bias_bytes"));
   m.def("default_host_budget", &host_tier::default_host_budget);
   m.def("default_pinned_budget", &host_tier::default_pinned_budget);
+  // A file's identity as recorded when its header was read (read_checkpoint's
+  // "identity"); Python only passes it on: the comparison is SourceFile's.
+  py::class_<layerstream::FileIdentity>(m, "FileIdentity")
+      .def(py::init<>())
+      .def_readonly("size", &layerstream::FileIdentity::size)
+      .def_readonly("mtime_ns", &layerstream::FileIdentity::mtime_ns)
+      .def_readonly("inode", &layerstream::FileIdentity::inode)
+      .def_readonly("device", &layerstream::FileIdentity::device)
+      .def("recorded", &layerstream::FileIdentity::recorded)
+      .def("__eq__", &layerstream::FileIdentity::operator==);
   // A safetensors checkpoint's headers (core/safetensors.h): {"files": [...],
-  // "tensors": [{name, dtype, shape, file, offset (in the file), nbytes}],
-  // "metadata": {...}}; never reads the weights.
+  // "tensors": [{name, dtype, shape, file (absolute), offset (in the file), nbytes,
+  // identity (FileIdentity: the file as its header was read)}], "metadata": {...}};
+  // never reads the weights.
   m.def("read_checkpoint", [](const std::string& path) {
     const Checkpoint ck = layerstream::read_checkpoint(path);
     py::list tensors;
@@ -344,6 +355,7 @@ PYBIND11_MODULE(_C, m) {
       d["file"] = t.file;
       d["offset"] = t.file_offset;
       d["nbytes"] = t.nbytes;
+      d["identity"] = t.identity;
       tensors.append(d);
     }
     py::dict out;
@@ -352,15 +364,18 @@ PYBIND11_MODULE(_C, m) {
     out["metadata"] = ck.metadata;
     return out;
   }, py::arg("path"));
-  // Reads bytes of a file into a contiguous CPU tensor's memory, checked and
-  // in large chunks on reader threads (core/io/source_file.h).
-  m.def("read_file_into", [](const std::string& path, uint64_t offset, torch::Tensor dst, const std::string& tensor) {
+  // Reads bytes of a file into a contiguous CPU tensor's memory, checked (against
+  // `identity` when recorded) and in large chunks on reader threads
+  // (core/io/source_file.h).
+  m.def("read_file_into", [](const std::string& path, uint64_t offset, torch::Tensor dst, const std::string& tensor,
+                             const layerstream::FileIdentity& identity) {
     LS_CHECK(dst.device().is_cpu() && dst.is_contiguous(), "read_file_into needs a contiguous CPU tensor");
-    auto f = SourceFile::open(path);
+    auto f = SourceFile::open(path, identity);
     py::gil_scoped_release nogil;
     f->read(dst.data_ptr(), offset, static_cast<uint64_t>(dst.numel()) * dst.element_size(), tensor,
             &SourceFile::readers());
-  }, py::arg("path"), py::arg("offset"), py::arg("dst"), py::arg("tensor"));
+  }, py::arg("path"), py::arg("offset"), py::arg("dst"), py::arg("tensor"),
+     py::arg("identity") = layerstream::FileIdentity());
   m.def("drop_page_cache", [](const std::string& path) { SourceFile::open(path)->drop_page_cache(); },
         py::arg("path"));
   // The quantization cache file of the disk tier (core/io/quant_cache.h):
@@ -372,7 +387,7 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& [r, dtype, rows, cols] : items) {
       const quant::SrcDtype d = float_src_dtype(torch::python::detail::py_object_to_dtype(dtype),
                                                 r.path + ": tensor '" + r.tensor + "'");
-      in.push_back({r.tensor, r.path, r.offset, r.bytes, d, rows, cols});
+      in.push_back({r.tensor, r.path, r.offset, r.bytes, d, rows, cols, r.identity});
     }
     quant_cache::Result res;
     {
@@ -381,7 +396,8 @@ PYBIND11_MODULE(_C, m) {
     }
     py::list ranges;
     for (size_t i = 0; i < in.size(); ++i)
-      ranges.append(FileRange{res.path, res.items[i].offset, res.items[i].bytes, in[i].tensor});
+      ranges.append(FileRange{res.path, res.items[i].offset, res.items[i].bytes, in[i].tensor, res.identity,
+                              SourceFile::Kind::QuantCache});
     py::dict out;
     out["path"] = res.path;
     out["built"] = res.built;
@@ -537,14 +553,17 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("reader_threads", &EngineOptions::reader_threads);
 
   py::class_<FileRange>(m, "FileRange")
-      .def(py::init([](const std::string& path, uint64_t offset, uint64_t bytes, const std::string& tensor) {
-             return FileRange{path, offset, bytes, tensor};
+      .def(py::init([](const std::string& path, uint64_t offset, uint64_t bytes, const std::string& tensor,
+                       const layerstream::FileIdentity& identity) {
+             return FileRange{path, offset, bytes, tensor, identity};
            }),
-           py::arg("path"), py::arg("offset"), py::arg("bytes"), py::arg("tensor"))
+           py::arg("path"), py::arg("offset"), py::arg("bytes"), py::arg("tensor"),
+           py::arg("identity") = layerstream::FileIdentity())
       .def_readonly("path", &FileRange::path)
       .def_readonly("offset", &FileRange::offset)
       .def_readonly("bytes", &FileRange::bytes)
-      .def_readonly("tensor", &FileRange::tensor);
+      .def_readonly("tensor", &FileRange::tensor)
+      .def_readonly("identity", &FileRange::identity);
 
   // A host region shared by the processes of one node (core/shared_region.h).
   py::class_<layerstream::SharedRegion, std::shared_ptr<layerstream::SharedRegion>>(m, "SharedRegion")

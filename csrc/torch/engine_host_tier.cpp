@@ -15,11 +15,13 @@
 
 namespace layerstream {
 
-std::shared_ptr<SourceFile> EngineImpl::file_locked(const std::string& path) {
-  auto it = files_.find(path);
-  if (it != files_.end()) return it->second;
-  auto f = SourceFile::open(path);
-  files_.emplace(path, f);
+std::shared_ptr<SourceFile> EngineImpl::file_locked(const FileRange& r) {
+  auto it = files_.find(r.path);
+  if (it != files_.end() && (!r.identity.recorded() || it->second->identity() == r.identity)) return it->second;
+  // Not open yet, or open as another version of the file (a range recorded
+  // before or after a change): this range's version, checked at every read.
+  auto f = SourceFile::open(r.path, r.identity, r.kind);
+  files_[r.path] = f;
   return f;
 }
 
@@ -34,7 +36,7 @@ torch::Tensor EngineImpl::read_file(const FileRange& src, const std::vector<int6
   const uint64_t want = static_cast<uint64_t>(numel) * c10::elementSize(from);
   LS_CHECK(want == src.bytes, src.path, ": tensor '", src.tensor, "' has ", src.bytes, " bytes in the file; ",
            shape_str(shape), " of ", from, " needs ", want);
-  std::shared_ptr<SourceFile> file = file_locked(src.path);
+  std::shared_ptr<SourceFile> file = file_locked(src);
   const size_t index = store_->add_unclaimed(static_cast<uint64_t>(numel) * c10::elementSize(dtype), src.tensor);
   void* ptr = store_->buffer(index).ptr;
   // Several threads, large chunks: core/io/source_file.h.
@@ -93,7 +95,7 @@ int EngineImpl::add_linear_on_disk(const std::string& name, const torch::Tensor&
            name, ".weight' ", shape_str(info.w_shape), " of ", info.w_dtype,
            format != quant::Format::None ? std::string(" packed in ") + quant::to_string(format) : std::string(),
            " needs ", info.w_bytes);
-  file_locked(w.path)->check(w.tensor);
+  file_locked(w)->check(w.tensor);
   info.w_file = w;
   info.weight = meta_like(info.w_shape, info.w_dtype);
   if (bias.defined()) {
@@ -105,7 +107,7 @@ int EngineImpl::add_linear_on_disk(const std::string& name, const torch::Tensor&
       info.b_bytes = static_cast<size_t>(bias.numel()) * bias.element_size();
       LS_CHECK(info.b_bytes == b->bytes, b->path, ": tensor '", b->tensor, "' has ", b->bytes,
                " bytes in the file; '", name, ".bias' needs ", info.b_bytes);
-      file_locked(b->path)->check(b->tensor);
+      file_locked(*b)->check(b->tensor);
       info.b_file = *b;
       info.bias = meta_like(info.b_shape, info.b_dtype);
     } else {
@@ -122,7 +124,7 @@ void EngineImpl::staged_sources_locked(const LayerInfo& l, LayerSpec& s) {
     s.parts.clear();
     auto from_file = [&](const FileRange& r) {
       StagedPart p;
-      p.file = file_locked(r.path);
+      p.file = file_locked(r);
       p.offset = r.offset;
       p.bytes = r.bytes;
       p.tensor = r.tensor;

@@ -461,7 +461,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // The host tier (engine_host_tier.cpp): fills `s.staged` (and size-only
   // parts) when the layer is on disk or a part of it is pageable in the store.
   void staged_sources_locked(const LayerInfo& l, LayerSpec& s);
-  std::shared_ptr<SourceFile> file_locked(const std::string& path);
+  std::shared_ptr<SourceFile> file_locked(const FileRange& r);
   // Host bytes the staging entries need at least (0: no layer is staged).
   uint64_t staging_needed_locked(const std::vector<LayerSpec>& specs) const;
   void ensure_scheduler();

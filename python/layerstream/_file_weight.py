@@ -66,5 +66,5 @@ class FileWeight(_standin.StandIn):
         the one loaded, unchanged), in its dtype (cast from ``file_dtype``)."""
         out = torch.empty(tuple(self.shape), dtype=self.file_dtype)
         r = self.file_range
-        _C.read_file_into(r.path, r.offset, out, r.tensor)
+        _C.read_file_into(r.path, r.offset, out, r.tensor, r.identity)
         return out.to(self.dtype)

@@ -73,8 +73,9 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
     persistent buffers the file lacks; with ``strict=False`` those are listed in the
     result. Shapes must match. Every check (headers, shards, names, shapes, dtypes)
     and every read happens before the model changes: an error leaves it as it was.
-    The files must not change while the model uses them: every later read checks
-    their size and modification time and raises instead of using other bytes.
+    The files must not change while the model uses them: every later read (offload()
+    included) checks that each is the file whose header was read here (size,
+    modification time, inode) and raises instead of using other bytes.
 
     Returns a ``LoadReport`` (the type load_gguf() returns): ``dense`` (read into the
     model), ``in_file`` (left in the file) and its bytes, ``missing``,
@@ -128,7 +129,7 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
         if _stays_in_file(holders[id(target)], target, dtype):
             continue
         value = torch.empty(tuple(rec["shape"]), dtype=dtype)
-        _C.read_file_into(rec["file"], rec["offset"], value, rec["name"])
+        _C.read_file_into(rec["file"], rec["offset"], value, rec["name"], rec["identity"])
         values[dst] = value
     for rec, dst in plan:
         _, _, target = slots[dst]
@@ -137,7 +138,7 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
                    replace=target.is_meta or isinstance(target, FileWeight), fresh=True)
             out.dense.append(dst)
             continue
-        fr = _C.FileRange(rec["file"], rec["offset"], rec["nbytes"], rec["name"])
+        fr = _C.FileRange(rec["file"], rec["offset"], rec["nbytes"], rec["name"], rec["identity"])
         put(holders[id(target)], target, FileWeight(tuple(target.shape), target.dtype, fr, dst,
                                                     requires_grad=target.requires_grad, file_dtype=dtype))
         out.in_file.append(dst)

@@ -4,6 +4,7 @@
 // pinned layers, over random schedules — every slot byte-identical to its
 // source, zero ordering errors; the cache keeps layers by farthest next use;
 // a file changed mid-run is an error, never other weights.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -77,6 +78,38 @@ TEST(SourceFile, ReadsInChunksOnAPoolAndChecksIdentity) {
   std::remove(path.c_str());
   EXPECT_NE(error_of([&] { f->check("x"); }).find("is gone"), std::string::npos);
   EXPECT_NE(error_of([&] { SourceFile::open(path); }).find("cannot open"), std::string::npos);
+}
+
+TEST(SourceFile, ARecordedIdentityIsCheckedByAFileOpenedLater) {
+  std::mt19937 rng(8);
+  const std::string path = temp_path("recorded.bin");
+  const auto bytes = random_bytes(4096, rng);
+  write_file(path, bytes);
+  FileIdentity recorded;
+  {
+    auto first = SourceFile::open(path);  // e.g. when its header was read
+    recorded = first->identity();
+  }
+  EXPECT_TRUE(recorded.recorded());
+  std::vector<unsigned char> out(16);
+  SourceFile::open(path, recorded)->read(out.data(), 0, out.size(), "t");  // unchanged: reads
+  auto other = bytes;
+  other[5] ^= 1;
+  write_file(path, other);
+  struct timespec times[2] = {{0, UTIME_OMIT}, {static_cast<time_t>(recorded.mtime_ns / 1000000000 + 1), 0}};
+  ASSERT_EQ(0, ::utimensat(AT_FDCWD, path.c_str(), times, 0));  // a later modification time, without waiting
+  // Opened only now, after the change: the recorded identity, not the one at open, decides.
+  auto later = SourceFile::open(path, recorded);
+  const std::string msg = error_of([&] { later->read(out.data(), 0, out.size(), "blk.0.weight"); });
+  EXPECT_NE(msg.find("changed after it was loaded"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Restore the file"), std::string::npos) << msg;
+  // Layerstream's own cache file says so, and what to do.
+  const std::string cache = error_of([&] {
+    SourceFile::open(path, recorded, SourceFile::Kind::QuantCache)->check("blk.0.weight");
+  });
+  EXPECT_NE(cache.find("quantization cache file"), std::string::npos) << cache;
+  EXPECT_NE(cache.find("offload() again"), std::string::npos) << cache;
+  std::remove(path.c_str());
 }
 
 // A model of `n` layers: each one part of random size, from the file (even

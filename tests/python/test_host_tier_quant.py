@@ -121,6 +121,84 @@ def test_the_cache_is_reused_while_valid_and_rebuilt_when_stale(tmp_path):
     assert torch.equal(out, want) and not torch.equal(out, first)
 
 
+def test_a_relative_cache_dir_is_taken_from_the_working_directory_of_offload(tmp_path, monkeypatch):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    monkeypatch.chdir(tmp_path)
+    model = _loaded(path)
+    handle = layerstream.offload(model, device="sim", quantize="int8", host_budget=_budget(ref), cache_dir="cache")
+    assert os.path.dirname(_cache_file(handle)) == str(tmp_path / "cache")
+    with torch.no_grad():
+        first = model(_ids())
+        monkeypatch.chdir(tmp_path.parent)
+        assert torch.equal(model(_ids()), first)
+
+
+def test_the_checkpoints_own_directory_is_refused_as_cache_dir(tmp_path):
+    """A cache file beside the checkpoint would make load_safetensors() of that
+    directory find two .safetensors files; the error says what to pass instead."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _loaded(str(tmp_path))
+    with pytest.raises(LayerstreamError, match=r"is the directory of the checkpoint .*cache_dir=.*layerstream-cache"):
+        layerstream.offload(model, device="sim", quantize="int8", host_budget=_budget(ref), cache_dir=tmp_path)
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+    layerstream.offload(model, device="sim", quantize="int8", host_budget=_budget(ref),
+                        cache_dir=tmp_path / "layerstream-cache")
+    layerstream.load_safetensors(_meta(), str(tmp_path))  # the directory still loads
+
+
+def test_temporaries_of_builds_whose_process_is_gone_are_removed(tmp_path):
+    """A build killed (SIGTERM) leaves <cache>.tmp-<pid>-<n>: the next build of that
+    cache removes those of processes that are gone, not those of live ones."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    cache = tmp_path / "cache"
+    handle = layerstream.offload(_loaded(path), device="sim", quantize="int8", host_budget=_budget(ref),
+                                 cache_dir=cache)
+    f = _cache_file(handle)
+    handle.detach()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead, alive = f"{f}.tmp-{gone.pid}-0", f"{f}.tmp-{os.getppid()}-0"
+    for name in (dead, alive):
+        open(name, "wb").write(b"partial")
+    os.remove(f)  # rebuilt
+    layerstream.offload(_loaded(path), device="sim", quantize="int8", host_budget=_budget(ref), cache_dir=cache)
+    assert os.path.exists(f) and not os.path.exists(dead) and os.path.exists(alive)
+
+
+def test_two_models_with_other_weights_on_disk_keep_their_own_cache_files(tmp_path):
+    """Two handles over one checkpoint and one cache_dir with other sets of weights on
+    disk: the second gets its own file and never replaces the one the first streams."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    cache = tmp_path / "cache"
+    a, b = _loaded(path), _loaded(path)
+    ha = layerstream.offload(a, device="sim", quantize="int8", host_budget=_budget(ref), cache_dir=cache)
+    with torch.no_grad():
+        first = a(_ids())
+    hb = layerstream.offload(b, device="sim", quantize="int8", host_budget=_budget(ref), cache_dir=cache,
+                             exclude=["layers.0"])
+    assert _cache_file(hb) != _cache_file(ha)
+    with torch.no_grad():
+        b(_ids())
+        assert torch.equal(a(_ids()), first)
+
+
+def test_a_cache_file_changed_under_a_reader_is_named_as_layerstreams_cache(tmp_path):
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _loaded(path)
+    handle = layerstream.offload(model, device="sim", quantize="int8", host_budget=_budget(ref),
+                                 cache_dir=tmp_path / "cache")
+    os.truncate(_cache_file(handle), 100)
+    with pytest.raises(LayerstreamError, match=r"layerstream's quantization cache file \(cache_dir=\).*offload\(\) again"):
+        with torch.no_grad():
+            model(_ids())
+            handle.synchronize()
+
+
 def test_without_cache_dir_quantized_weights_must_fit_in_ram(tmp_path):
     ref = _reference()
     path = _save(ref, tmp_path / "m.safetensors")

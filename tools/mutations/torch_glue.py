@@ -365,4 +365,11 @@ MUTATIONS = [
         "  if (!s.offloaded) return s.device;",
         [P + "test_activations.py::test_a_write_in_place_between_forward_and_backward_is_still_caught"],
         "a saved activation written in place after the forward is restored without autograd's version check"),
+    Mutation(
+        "quant-cache-change-blames-the-user", "csrc/python/bindings.cpp",
+        "res.identity,\n                              SourceFile::Kind::QuantCache});",
+        "res.identity});",
+        [P + "test_host_tier_quant.py::test_a_cache_file_changed_under_a_reader_is_named_as_layerstreams_cache"],
+        "a changed quantization cache file is reported as the user's checkpoint (\"Restore the file\"), not as "
+        "layerstream's cache to rebuild with offload()"),
 ]

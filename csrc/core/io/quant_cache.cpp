@@ -1,11 +1,14 @@
 #include "quant_cache.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -36,6 +39,22 @@ std::string real_path(const std::string& path) {
 uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
+}
+
+// `dir` as an absolute path (from the working directory now): the cache file
+// is opened again on every step, after the process may have changed it.
+std::string absolute_dir(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  if (dir.empty() || dir.front() == '/') return dir;
+  char cwd[PATH_MAX];
+  LS_CHECK(::getcwd(cwd, sizeof cwd) != nullptr, "cannot resolve cache_dir=", dir,
+           " (the working directory): ", std::strerror(errno));
+  return std::string(cwd) + "/" + dir;
+}
+
+std::string parent_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == 0 ? "/" : path.substr(0, slash);
 }
 
 std::string base_stem(const std::string& path) {
@@ -83,7 +102,7 @@ Expected expected(quant::Format format, const std::vector<Item>& items) {
 
 // "" when `path` is a valid cache for `want` (and fills `placed`), else why not.
 std::string stale(const std::string& path, const Expected& want, const std::vector<Item>& items,
-                  const std::vector<uint64_t>& packed, std::vector<Placed>* placed) {
+                  const std::vector<uint64_t>& packed, std::vector<Placed>* placed, FileIdentity* identity) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return "missing";
   SafetensorsHeader h;
@@ -109,7 +128,28 @@ std::string stale(const std::string& path, const Expected& want, const std::vect
       return "tensor '" + items[i].tensor + "' missing or of another size";
     placed->push_back({it->second->file_offset, it->second->nbytes});
   }
+  *identity = h.identity;  // the file checked: readers check that it stays this one
   return "";
+}
+
+// Removes the temporaries of `cache_path` (<name>.tmp-<pid>[-<n>]) whose
+// process is gone: a build killed before it could remove its own.
+void remove_dead_temporaries(const std::string& cache_path) {
+  const std::string dir = parent_of(cache_path);
+  const std::string prefix = cache_path.substr(cache_path.find_last_of('/') + 1) + ".tmp-";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const char* digits = name.c_str() + prefix.size();
+    char* end = nullptr;
+    const long pid = std::strtol(digits, &end, 10);
+    if (end == digits || pid <= 0 || (*end != '\0' && *end != '-') || pid == ::getpid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (EPERM: someone else's)
+    ::unlink((dir + "/" + name).c_str());
+  }
+  ::closedir(d);
 }
 
 // A file descriptor of a temporary file that is removed unless kept.
@@ -148,19 +188,29 @@ void write_all(TempFile& f, const void* data, uint64_t bytes, uint64_t at, const
 std::string path_for(const std::string& dir, quant::Format format, const std::vector<Item>& items) {
   LS_CHECK(!items.empty(), "quant_cache: no weights to cache");
   std::vector<std::string> sources;
-  for (const Item& it : items) sources.push_back(real_path(it.path));
+  uint64_t h = fnv1a(quant::to_string(format));
+  // The set of weights (each by name, file, dtype and shape; not by where it
+  // lies, so a rewritten checkpoint rewrites this file): a model with other
+  // weights on disk gets its own file, never replacing one another uses.
+  std::map<std::string, std::string> real_of;
+  for (const Item& it : items) {
+    auto r = real_of.find(it.path);
+    if (r == real_of.end()) r = real_of.emplace(it.path, real_path(it.path)).first;
+    sources.push_back(r->second);
+    h = fnv1a(it.tensor + '\n' + r->second + '\n' + quant::to_string(it.dtype) + '\n' + std::to_string(it.rows) +
+                  'x' + std::to_string(it.cols) + '\n',
+              h);
+  }
   std::sort(sources.begin(), sources.end());
   sources.erase(std::unique(sources.begin(), sources.end()), sources.end());
-  uint64_t h = fnv1a(quant::to_string(format));
   for (const std::string& s : sources) h = fnv1a(s + '\n', h);
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-  std::string d = dir;
-  while (d.size() > 1 && d.back() == '/') d.pop_back();
-  return d + "/" + base_stem(sources.front()) + "." + quant::to_string(format) + "." + hex + ".safetensors";
+  return absolute_dir(dir) + "/" + base_stem(sources.front()) + "." + quant::to_string(format) + "." + hex +
+         ".safetensors";
 }
 
-Result ensure(const std::string& dir, quant::Format format, const std::vector<Item>& items, int threads) {
+Result ensure(const std::string& cache_dir, quant::Format format, const std::vector<Item>& items, int threads) {
   LS_CHECK(format != quant::Format::None && !quant::is_gguf(format), "quant_cache: format ",
            quant::to_string(format), " is not one offload() packs");
   {
@@ -168,9 +218,28 @@ Result ensure(const std::string& dir, quant::Format format, const std::vector<It
     for (const Item& it : items)
       LS_CHECK(seen[it.tensor]++ == 0, "quant_cache: tensor '", it.tensor, "' named twice");
   }
+  // The sources must be the files whose headers were read (a checkpoint
+  // changed since loading is an error, even when a cache of the new one exists).
+  std::map<std::string, std::shared_ptr<SourceFile>> open;
+  for (const Item& it : items) {
+    if (!it.identity.recorded() || open.count(it.path)) continue;
+    auto f = SourceFile::open(it.path, it.identity);
+    f->check(it.tensor);
+    open[it.path] = f;
+  }
+  const std::string dir = absolute_dir(cache_dir);
   Result r;
   r.path = path_for(dir, format, items);
   const Expected want = expected(format, items);
+  // Not beside a checkpoint: load_safetensors() of that directory would find
+  // the cache file as a second .safetensors file there and refuse it.
+  char real_dir[PATH_MAX];
+  if (::realpath(dir.c_str(), real_dir) != nullptr) {
+    for (const std::string& src : want.real)
+      LS_CHECK(parent_of(src) != real_dir, "cache_dir=", cache_dir, " is the directory of the checkpoint ", src,
+               ": a cache file there would make load_safetensors() of that directory find two .safetensors files. "
+               "Pass a directory of its own, e.g. cache_dir=", dir, "/layerstream-cache");
+  }
   std::vector<uint64_t> packed;
   for (const Item& it : items) {
     packed.push_back(quant::layout_for(format, it.rows, it.cols).total_bytes());
@@ -179,9 +248,10 @@ Result ensure(const std::string& dir, quant::Format format, const std::vector<It
              ": tensor '", it.tensor, "' has ", it.bytes, " bytes; [", it.rows, ", ", it.cols, "] of ",
              quant::to_string(it.dtype), " needs ", static_cast<uint64_t>(it.rows) * it.cols * elem);
   }
-  r.reason = stale(r.path, want, items, packed, &r.items);
+  r.reason = stale(r.path, want, items, packed, &r.items, &r.identity);
   if (r.reason.empty()) return r;
   r.built = true;
+  remove_dead_temporaries(r.path);
 
   // The directory, and room for the file.
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
@@ -215,8 +285,9 @@ Result ensure(const std::string& dir, quant::Format format, const std::vector<It
              " free. Free space there, or pass another cache_dir= (a disk with room for the packed weights)");
   }
 
+  static std::atomic<uint64_t> serial{0};  // threads of one process build their own temporaries
   TempFile tmp;
-  tmp.path = r.path + ".tmp-" + std::to_string(::getpid());
+  tmp.path = r.path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
   tmp.fd = ::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   LS_CHECK(tmp.fd >= 0, "cannot write the quantization cache file in ", dir, " (cache_dir=): ", std::strerror(errno));
   const uint64_t n = header.size();
@@ -227,13 +298,12 @@ Result ensure(const std::string& dir, quant::Format format, const std::vector<It
 
   // One weight at a time: read it dense (checked: the source is the one
   // described in the metadata), pack it, write it.
-  std::map<std::string, std::shared_ptr<SourceFile>> open;
   std::vector<char> dense, out;
   r.items.clear();
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
-    auto& f = open[want.real[i]];
-    if (!f) f = SourceFile::open(want.real[i]);
+    auto& f = open[it.path];
+    if (!f) f = SourceFile::open(it.path, it.identity);
     dense.resize(static_cast<size_t>(it.bytes));
     out.assign(static_cast<size_t>(packed[i]), 0);
     f->read(dense.data(), it.offset, it.bytes, it.tensor, &SourceFile::readers());
@@ -250,6 +320,19 @@ Result ensure(const std::string& dir, quant::Format format, const std::vector<It
            "cache file ", r.path, " was built from it; run again when it no longer changes");
   LS_CHECK(::fsync(tmp.fd) == 0, "writing the quantization cache file ", r.path, " failed: ", std::strerror(errno),
            ". Free space there, or pass another cache_dir=");
+  r.identity = FileIdentity::of(tmp.fd, tmp.path);  // link() and rename() keep it
+  // Published without replacing a valid file another reader may use: link()
+  // fails when the name exists (the temporary is then removed).
+  if (::link(tmp.path.c_str(), r.path.c_str()) == 0) return r;
+  const int err = errno;
+  if (err == EEXIST) {
+    // Built meanwhile by another process (or thread): use it when valid.
+    Result theirs = r;
+    theirs.built = false;
+    theirs.reason = stale(r.path, want, items, packed, &theirs.items, &theirs.identity);
+    if (theirs.reason.empty()) return theirs;
+  }
+  // A stale file (or a file system without hard links): replaced atomically.
   LS_CHECK(::rename(tmp.path.c_str(), r.path.c_str()) == 0, "cannot put the quantization cache file in place (",
            r.path, "): ", std::strerror(errno));
   tmp.keep = true;

@@ -16,20 +16,26 @@
 // offset, bytes, dtype, shape). A file whose metadata differs from what is
 // asked now (a source rewritten, another format, another set of weights,
 // another version) is stale and rebuilt; nothing is ever read from a stale
-// one. One cache file per (format, set of source files): its name hashes
-// them, so a changed set of weights rewrites the same file instead of
-// leaving old ones behind.
+// one. One cache file per (format, source files, set of weights): its name
+// hashes them (each weight by name, dtype and shape), so two models over one
+// checkpoint with other weights on disk get two files, and a rewritten
+// checkpoint rewrites the same file instead of leaving old ones behind.
 //
-// Building writes a temporary file in the same directory and renames it into
-// place (atomic: a reader sees the old file or the complete new one, never a
-// partial one); free space is checked first (statvfs), and any failure
-// removes the temporary file and throws layerstream::Error naming the cache
-// file, the tensor and what to change. While building it holds one weight
-// dense and packed in RAM at a time.
+// Building writes a temporary file (<name>.tmp-<pid>-<n>) in the same
+// directory and publishes it without replacing a valid file: link() to the
+// cache name, then the temporary is removed; when the name exists already
+// (another process built it meanwhile) that file is checked and used when
+// valid, and only a stale one is replaced (rename). A reader never sees a
+// partial file, and a valid cache file is never replaced under one.
+// Temporaries of the same name left by processes that are gone (killed while
+// building) are removed. Free space is checked first (statvfs), and any
+// failure removes the temporary file and throws layerstream::Error naming the
+// cache file, the tensor and what to change. While building it holds one
+// weight dense and packed in RAM at a time.
 //
-// Thread safety: ensure() may run concurrently in several processes on the
-// same directory (each writes its own temporary file; the last rename wins,
-// with identical content). Ownership: plain values.
+// Thread safety: ensure() may run concurrently in several processes (and
+// threads) on the same directory: each writes its own temporary file, the
+// first to publish wins and the others use its file. Ownership: plain values.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +43,7 @@
 #include <vector>
 
 #include "../quant.h"
+#include "source_file.h"  // FileIdentity
 
 namespace layerstream::quant_cache {
 
@@ -51,6 +58,7 @@ struct Item {
   uint64_t offset = 0, bytes = 0;  // where its dense bytes are there
   quant::SrcDtype dtype = quant::SrcDtype::F32;
   int64_t rows = 0, cols = 0;    // the weight as a matrix (quant::layout_for)
+  FileIdentity identity;         // `path` as its header was read, when recorded: checked first
 };
 
 // Where one item's packed bytes lie in the cache file.
@@ -63,14 +71,17 @@ struct Result {
   bool built = false;        // written by this call (else found valid and reused)
   std::string reason;        // why it was built ("" when reused): missing, or what was stale
   std::vector<Placed> items;  // per item, in the order given
+  FileIdentity identity;      // the cache file as checked or written (readers check it)
 };
 
 // Returns where the packed bytes of `items` (all in `format`) lie in their
 // cache file under `dir` (created if missing), building the file first when it
-// is missing or stale. `threads`: for packing (0 = one per hardware thread).
-// Throws layerstream::Error when the directory cannot be written, a source
-// cannot be read (or changed since it was opened), a weight cannot be packed
-// (its shape, NaN/Inf), or there is no space for the file.
+// is missing or stale. `dir` relative is taken from the working directory now;
+// it must not be the directory of a source (see ensure()'s message).
+// `threads`: for packing (0 = one per hardware thread). Throws
+// layerstream::Error when the directory cannot be written, a source cannot be
+// read (or changed since its identity was recorded or it was opened), a
+// weight cannot be packed (its shape, NaN/Inf), or there is no space for the file.
 Result ensure(const std::string& dir, quant::Format format, const std::vector<Item>& items, int threads = 0);
 
 // The cache file ensure() uses for these items under `dir`.

@@ -14,22 +14,40 @@
 namespace layerstream {
 
 namespace {
-int64_t mtime_of(const struct stat& st) {
-  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+FileIdentity identity_of(const struct stat& st) {
+  FileIdentity id;
+  id.size = static_cast<uint64_t>(st.st_size);
+  id.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  id.inode = static_cast<uint64_t>(st.st_ino);
+  id.device = static_cast<uint64_t>(st.st_dev);
+  return id;
+}
+
+// What a user does about a changed or missing file of this kind.
+const char* remedy(SourceFile::Kind kind) {
+  return kind == SourceFile::Kind::QuantCache
+             ? " layerstream's quantization cache file (cache_dir=) is not the one offload() checked: another "
+               "offload() rebuilt it for a changed checkpoint, or something else wrote or removed it. Leave the "
+               "files of cache_dir alone while a model uses them, and offload() again (it rebuilds the cache)"
+             : " layerstream does not use weights other than those it loaded. Restore the file, or load the "
+               "model again";
 }
 }  // namespace
 
-std::shared_ptr<SourceFile> SourceFile::open(const std::string& path) {
+FileIdentity FileIdentity::of(int fd, const std::string& path) {
+  struct stat st {};
+  LS_CHECK(::fstat(fd, &st) == 0, path, ": cannot stat: ", std::strerror(errno));
+  return identity_of(st);
+}
+
+std::shared_ptr<SourceFile> SourceFile::open(const std::string& path, const FileIdentity& recorded, Kind kind) {
   std::shared_ptr<SourceFile> f(new SourceFile());
   f->path_ = path;
+  f->kind_ = kind;
   f->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   LS_CHECK(f->fd_ >= 0, path, ": cannot open for reading: ", std::strerror(errno));
-  struct stat st {};
-  LS_CHECK(::fstat(f->fd_, &st) == 0, path, ": cannot stat: ", std::strerror(errno));
-  f->size_ = static_cast<uint64_t>(st.st_size);
-  f->mtime_ns_ = mtime_of(st);
-  f->inode_ = static_cast<uint64_t>(st.st_ino);
-  f->device_ = static_cast<uint64_t>(st.st_dev);
+  f->opened_ = FileIdentity::of(f->fd_, path);
+  f->identity_ = recorded.recorded() ? recorded : f->opened_;
   return f;
 }
 
@@ -40,22 +58,23 @@ SourceFile::~SourceFile() {
 void SourceFile::check(const std::string& tensor) const {
   struct stat st {};
   if (::stat(path_.c_str(), &st) != 0)
-    LS_FAIL(path_, ": the file is gone (", std::strerror(errno), "); tensor '", tensor,
-            "' is read from it. Restore the file, or load the model again");
-  const bool same = static_cast<uint64_t>(st.st_size) == size_ && mtime_of(st) == mtime_ns_ &&
-                    static_cast<uint64_t>(st.st_ino) == inode_ && static_cast<uint64_t>(st.st_dev) == device_;
-  LS_CHECK(same, path_, ": the file changed after it was loaded (size ", size_, " -> ",
-           static_cast<uint64_t>(st.st_size), " bytes", mtime_of(st) != mtime_ns_ ? ", modification time differs" : "",
-           static_cast<uint64_t>(st.st_ino) != inode_ ? ", another file now has its name" : "",
-           "); tensor '", tensor, "' is read from it on every step, and layerstream does not use weights "
-           "other than those it loaded. Restore the file, or load the model again");
+    LS_FAIL(path_, ": the file is gone (", std::strerror(errno), "); tensor '", tensor, "' is read from it.",
+            remedy(kind_));
+  const FileIdentity now = identity_of(st);
+  if (now == identity_ && opened_ == identity_) return;
+  const FileIdentity& seen = now != identity_ ? now : opened_;  // the one that differs
+  LS_FAIL(path_, ": the file changed after it was loaded (size ", identity_.size, " -> ", seen.size, " bytes",
+          seen.mtime_ns != identity_.mtime_ns ? ", modification time differs" : "",
+          seen.inode != identity_.inode || seen.device != identity_.device ? ", another file now has its name" : "",
+          "); tensor '", tensor, "' is read from it on every use.", remedy(kind_));
 }
 
 void SourceFile::read(void* dst, uint64_t offset, uint64_t bytes, const std::string& tensor,
                       optim::ThreadPool* pool, uint64_t chunk_bytes) const {
   check(tensor);
-  LS_CHECK(offset <= size_ && bytes <= size_ - offset, path_, ": tensor '", tensor, "' (", bytes,
-           " bytes at offset ", offset, ") lies past the end of the file (", size_, " bytes): truncated?");
+  const uint64_t size = identity_.size;
+  LS_CHECK(offset <= size && bytes <= size - offset, path_, ": tensor '", tensor, "' (", bytes,
+           " bytes at offset ", offset, ") lies past the end of the file (", size, " bytes): truncated?");
   if (bytes == 0) return;
   chunk_bytes = std::max<uint64_t>(chunk_bytes, 4096);
   // One contiguous segment per thread, each read front to back in chunks: every
