@@ -658,4 +658,13 @@ void check_saved_version(const std::optional<c10::VariableVersion>& version, uin
 // The counter of `t` when it has one (not an inference tensor).
 std::optional<c10::VariableVersion> version_of(const torch::Tensor& t);
 
+// The values `weight` computes with when it streams quantized in `format`
+// (int8, fp8, nf4 or int4; viewed as [rows, cols]): packed, then dequantized to
+// `dequant` or its own dtype as the device does, in `weight`'s shape and dtype,
+// on the CPU. offload() gives them to a layer its budget keeps resident, so
+// that the budget does not change the numbers (docs/design/planner.md,
+// "Quantized layers kept resident"). Throws on NaN/Inf, as the packer does.
+torch::Tensor quantized_values(const torch::Tensor& weight, int64_t rows, int64_t cols, const std::string& format,
+                               std::optional<torch::ScalarType> dequant = std::nullopt);
+
 }  // namespace layerstream

@@ -300,6 +300,9 @@ PYBIND11_MODULE(_C, m) {
         layerstream::check_saved_version(layerstream::version_of(t), saved, t.sizes());
       },
       py::arg("tensor"), py::arg("saved_version"));
+  m.def("quantized_values", &layerstream::quantized_values, py::arg("weight"), py::arg("rows"), py::arg("cols"),
+        py::arg("format"), py::arg("dequant") = std::nullopt,
+        py::call_guard<py::gil_scoped_release>());  // layerstream/engine.h
   m.def("may_stay_in_file", &host_tier::may_stay_in_file, py::arg("linear"), py::arg("frozen"),
         py::arg("as_stored"), py::arg("format"), py::arg("cache_dir"));  // core/host_tier.h
   // The host budget plan (core/host_tier.h): layers = [(name, bytes,

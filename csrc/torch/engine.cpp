@@ -115,17 +115,8 @@ EngineImpl::EngineImpl(const EngineOptions& options)
   options::check_link_gbps(opts_.sim_d2h_gbps, "sim_d2h_gbps");
   options::check_latency_us(opts_.sim_latency_us);
   const options::Dtypes dtypes = options::check_dtypes(opts_.dequant_dtype, opts_.compute_dtype);
-  auto scalar = [](std::optional<quant::OutDtype> d) -> std::optional<torch::ScalarType> {
-    if (!d) return std::nullopt;
-    switch (*d) {
-      case quant::OutDtype::F32: return torch::kFloat;
-      case quant::OutDtype::BF16: return torch::kBFloat16;
-      case quant::OutDtype::F16: return torch::kHalf;
-    }
-    return std::nullopt;
-  };
-  dequant_dtype_ = scalar(dtypes.dequant);
-  compute_dtype_ = scalar(dtypes.compute);
+  dequant_dtype_ = scalar_type_of(dtypes.dequant);
+  compute_dtype_ = scalar_type_of(dtypes.compute);
   device_name_ = resolve_device(opts_.device);
   if (opts_.device == "auto" && device_name_ == "sim")
     warn_once("auto-device-sim",

@@ -731,6 +731,16 @@ inline quant::SrcDtype src_dtype_of(torch::ScalarType t, const std::string& name
   }
 }
 
+inline std::optional<torch::ScalarType> scalar_type_of(std::optional<quant::OutDtype> d) {
+  if (!d) return std::nullopt;
+  switch (*d) {
+    case quant::OutDtype::F32: return torch::kFloat;
+    case quant::OutDtype::BF16: return torch::kBFloat16;
+    case quant::OutDtype::F16: return torch::kHalf;
+  }
+  return std::nullopt;
+}
+
 inline quant::OutDtype out_dtype_of(torch::ScalarType t) {
   switch (t) {
     case torch::kFloat: return quant::OutDtype::F32;

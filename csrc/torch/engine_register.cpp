@@ -72,6 +72,23 @@ void EngineImpl::watch_weight(int index, const torch::Tensor& param) {
   watch(l, param);
 }
 
+torch::Tensor quantized_values(const torch::Tensor& weight, int64_t rows, int64_t cols, const std::string& format,
+                               std::optional<torch::ScalarType> dequant) {
+  const quant::Format f = quant::parse_format(format);
+  LS_CHECK(f != quant::Format::None && f != quant::Format::Lossless && !quant::is_gguf(f), "quantized_values: ",
+           format, " is not a format offload() quantizes to with a loss (int8, fp8, nf4, int4)");
+  LS_CHECK(rows * cols == weight.numel(), "quantized_values: a [", rows, ", ", cols, "] view of a weight of ",
+           weight.numel(), " elements");
+  const torch::Tensor src = weight.detach().to(torch::kCPU).contiguous();
+  const quant::PackedLayout layout = quant::layout_for(f, rows, cols);
+  std::vector<uint8_t> packed(layout.total_bytes());
+  quant::pack(f, src.data_ptr(), src_dtype_of(src.scalar_type(), "weight"), rows, cols, packed.data(), 0);
+  const torch::ScalarType to = dequant.value_or(src.scalar_type());
+  torch::Tensor out = torch::empty({rows, cols}, src.options().dtype(to));
+  quant::dequantize_cpu(layout, packed.data(), out.data_ptr(), out_dtype_of(to), 0);
+  return out.reshape(weight.sizes()).to(weight.scalar_type());
+}
+
 void EngineImpl::requantize(int index, const torch::Tensor& dense) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);

@@ -372,14 +372,28 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
            "warning names them); a layer of zero elements has nothing to stream; include/exclude select "
            "among them");
   EngineOptions engine_options = options;
+  // A quantized layer the plan keeps resident computes with the values it would
+  // stream with (the budget must not change the numbers): computed here, before
+  // anything changes (NaN/Inf throw), written once every layer is attached.
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> quantized_resident;
   if (options.budget_bytes >= 0) {
     const Residency r = plan_residency(root, items, found.collected, options, qformat, ties.groups);
     engine_options.budget_bytes = r.engine_budget;
     handle->plan_ = r.plan;
     std::vector<Item> streaming;
     for (auto& it : items) {
-      if (r.resident.count(it.name)) handle->resident_.push_back(it.name);
-      else streaming.push_back(std::move(it));
+      if (!r.resident.count(it.name)) {
+        streaming.push_back(std::move(it));
+        continue;
+      }
+      handle->resident_.push_back(it.name);
+      if (it.shared || qformat == quant::Format::None || qformat == quant::Format::Lossless ||
+          dynamic_cast<nn::EmbeddingImpl*>(it.module.get()))
+        continue;
+      torch::Tensor w = it.module->named_parameters(/*recurse=*/false)["weight"];
+      const auto dequant = scalar_type_of(options::check_dtypes(options.dequant_dtype, options.compute_dtype).dequant);
+      quantized_resident.emplace_back(w, quantized_values(w, w.size(0), w.numel() / std::max<int64_t>(w.size(0), 1),
+                                                          options.quantize, dequant));
     }
     items = std::move(streaming);
   }
@@ -501,6 +515,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       if (p.requires_grad() && !streamed.count(p.unsafeGetTensorImpl())) kept.push_back(p);
     handle->uncounted_ = optim::note_uncounted_training(kept);
   }
+  for (auto& [w, values] : quantized_resident) w.copy_(values);
   undo.armed = false;
   return handle;
 }

@@ -487,8 +487,9 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
     try:
         if group is not None:
             group.share_store(engine)
+        dequant = _C.check_dtypes(opts.dequant_dtype, opts.compute_dtype)[0]
         _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device, routed,
-                       on_disk)
+                       on_disk, _CORE_DTYPES[dequant] if dequant else None)
         for a in attached:
             a.module._layerstream_handle = handle
             a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module
@@ -583,16 +584,28 @@ def _report_compute_device(model: nn.Module, streamed_params: set, compute_devic
 
 
 def _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device,
-                   routed: bool, on_disk: _HostTier) -> None:
+                   routed: bool, on_disk: _HostTier, dequant_dtype: Optional[torch.dtype]) -> None:
     """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
     appending to `attached` / `streamed_params` as it goes (what offload() undoes on
-    failure)."""
+    failure). A layer the plan keeps resident is read in; quantized, it gets the values
+    it would stream with (written after every layer is attached)."""
+    quantized_resident = []  # (parameter, the values it streams with): written once all is attached
     for name, module, kind, fmt, pre, *_ in layers:
         if name in resident_names:  # the planner counted it dense
-            for owner in (dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]):
+            owners = dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]
+            # Streamed, a GGUF tensor crosses as its blocks whatever `fmt`: dequantized here, nothing more.
+            packed = [] if fmt in (None, "lossless") or pre is not None else [
+                (o, k) for o, k, _ in (_group_slots(module) if kind == "group" else [(module, "weight", None)])
+                if not isinstance(o._parameters[k], GgufWeight) and (kind != "group" or o._parameters[k].dim() >= 2)]
+            for owner in owners:
                 _materialize_gguf(owner)
                 for p in list(owner._parameters.values()):
                     _read_in(model, p)
+            for o, k in packed:  # the values it would stream with (the budget must not change the numbers)
+                p = o._parameters[k]
+                rows = p.numel() // p.shape[-1] if kind == "group" else p.shape[0]
+                quantized_resident.append((p, _C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt,
+                                                                  dequant_dtype)))
             continue
         if kind == "group":
             slots = _group_slots(module)
@@ -713,6 +726,9 @@ def _attach_layers(model, engine, layers, resident_names, attached, streamed_par
         for p in module.parameters(recurse=False):
             p._is_memory_managed = True
             streamed_params.add(id(p))
+    with torch.no_grad():
+        for p, values in quantized_resident:
+            p.copy_(values)
 
 
 def _resolve_budget(budget, compute_device: torch.device) -> int:

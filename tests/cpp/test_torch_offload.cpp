@@ -1491,6 +1491,39 @@ TEST(TorchOffload, BudgetIsPlannedAsInPython) {
   t->detach();
 }
 
+// quantize with a budget: a layer the plan keeps resident holds the values it
+// would stream with (layerstream::quantized_values), so the output is the
+// all-streamed model's, whatever the budget.
+TEST(TorchOffload, AQuantizedLayerKeptResidentComputesWithTheStreamedValues) {
+  torch::manual_seed(5);
+  Stack streamed, tight;
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < streamed->parameters().size(); ++i) tight->parameters()[i].copy_(streamed->parameters()[i]);
+  }
+  for (auto* m : {&streamed, &tight})
+    for (auto& p : (*m)->parameters()) p.requires_grad_(false);
+  std::vector<torch::Tensor> original;
+  for (auto& l : tight->layers) original.push_back(l->weight.detach().clone());
+  auto opts = sim_options();
+  opts.quantize = "int8";
+  auto all = layerstream::offload(*streamed, opts);
+  opts.budget_bytes = 8 * 64 * 64 * 4;  // prefetch + 1 slots, and some layers resident
+  auto some = layerstream::offload(*tight, opts);
+  ASSERT_FALSE(some->resident_layers().empty());
+  ASSERT_FALSE(some->layers().empty());
+  const auto x = torch::randn({5, 64});
+  EXPECT_TRUE(torch::equal(tight(x), streamed(x)));
+  for (const auto& name : some->resident_layers()) {
+    const size_t i = std::stoul(name.substr(1));
+    EXPECT_TRUE(torch::equal(tight->layers[i]->weight, layerstream::quantized_values(original[i], 64, 64, "int8")))
+        << name;
+    EXPECT_FALSE(torch::equal(tight->layers[i]->weight, original[i])) << name;
+  }
+  some->detach();
+  all->detach();
+}
+
 // OffloadOptions::train: the budget covers the resident trainable weights'
 // gradients and optimizer states too, with Python's rule (optim::train_bytes).
 TEST(TorchOffload, TrainFootprintKeepsFewerTrainableLayersResident) {

@@ -214,6 +214,45 @@ def test_per_layer_overrides_and_detach_restores_dequantized():
     assert ((m[0].weight - before[0]).abs() <= scale / 2 + 1e-7).all()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("dequant", [None, torch.bfloat16], ids=["own", "bf16"])
+def test_a_quantized_layer_the_budget_keeps_resident_computes_with_the_streamed_values(fmt, dequant):
+    """quantize= with a budget: a layer the planner keeps resident holds the values it
+    would stream with (the reference dequantization, to dequant_dtype), so the budget does
+    not change the numbers; its bias and the output equal the all-streamed model's, and
+    detach() leaves those values too. A model with NaN in such a layer is refused before
+    anything changes."""
+    from quant_ref import ref_dequantize
+
+    base = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).requires_grad_(False)
+    x = torch.randn(2, 256)
+    outs, kept = [], []
+    for budget in (None, "1200KiB"):
+        m = copy.deepcopy(base)
+        h = layerstream.offload(m, device="sim", quantize=fmt, budget=budget, prefetch=1, dequant_dtype=dequant)
+        with torch.no_grad():
+            outs.append(m(x))
+        resident = [i for i in range(6) if not m[i].weight.is_meta]
+        want = {i: ref_dequantize(fmt, base[i].weight.float()) for i in resident}
+        if dequant is not None:
+            want = {i: w.to(dequant).float() for i, w in want.items()}
+        for i in resident:
+            assert torch.equal(m[i].weight, want[i]) and torch.equal(m[i].bias, base[i].bias), i
+        h.detach()
+        for i in resident:
+            assert torch.equal(m[i].weight, want[i]), i
+        kept.append(len(resident))
+    assert kept[0] == 0 and kept[1] > 0  # some layers resident with the budget
+    assert torch.equal(outs[0], outs[1])
+    bad = copy.deepcopy(base)
+    with torch.no_grad():
+        bad[0].weight[0, 0] = float("nan")
+    before = bad[0].weight.detach().clone()
+    with pytest.raises(layerstream.LayerstreamError, match="NaN or Inf"):
+        layerstream.offload(bad, device="sim", quantize=fmt, budget="1200KiB", prefetch=1)
+    assert torch.equal(bad[0].weight.isnan(), before.isnan()) and bad[0].weight.nan_to_num().equal(before.nan_to_num())
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):

@@ -338,6 +338,12 @@ MUTATIONS = [
         [P + "test_optim.py::test_the_uncounted_training_warning_points_at_the_users_step"],
         "the uncounted-training warning names torch's no_grad wrapper instead of the user's step() line"),
     Mutation(
+        "resident-quantized-keeps-original-values", "python/layerstream/_offload.py",
+        "        for p, values in quantized_resident:\n            p.copy_(values)",
+        "        for p, values in quantized_resident:\n            pass",
+        [P + "test_quant_offload.py::test_a_quantized_layer_the_budget_keeps_resident_computes_with_the_streamed_values"],
+        "with quantize= and a budget, a layer the planner keeps resident computes with its unquantized weight"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",

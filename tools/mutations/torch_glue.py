@@ -372,4 +372,10 @@ MUTATIONS = [
         [P + "test_host_tier_quant.py::test_a_cache_file_changed_under_a_reader_is_named_as_layerstreams_cache"],
         "a changed quantization cache file is reported as the user's checkpoint (\"Restore the file\"), not as "
         "layerstream's cache to rebuild with offload()"),
+    Mutation(
+        "cpp-resident-quantized-keeps-original-values", "csrc/torch/offload.cpp",
+        "  for (auto& [w, values] : quantized_resident) w.copy_(values);",
+        "",
+        ["gtest:test_torch_offload:TorchOffload.AQuantizedLayerKeptResidentComputesWithTheStreamedValues"],
+        "C++ offload() with quantize and a budget: a layer the plan keeps resident computes unquantized"),
 ]
