@@ -586,8 +586,18 @@ void EngineImpl::detach(const std::vector<torch::Device>& devices) {
   auto scope = device_scope();
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was already detached");
-  wait_all_locked();
   LS_CHECK(devices.empty() || devices.size() == layers_.size(), "detach needs one device per layer");
+  // As suspend(): a layer computing (a forward or backward on another thread)
+  // holds a slot of the scheduler detach() frees; nothing changes.
+  LS_CHECK(fetched_.empty(), "detach(): ", fetched_.size(), " fetch() token(s) of streamed layers are not "
+           "released yet (a forward or backward under way, on another thread?); detach after it returns");
+  wait_all_locked();
+  if (sched_) {
+    const SlotPool& pool = sched_->pool();
+    LS_CHECK(pool.num_free() == pool.num_slots(), "detach(): ", pool.num_slots() - pool.num_free(),
+             " device slot(s) are in use: a streamed layer is computing (a forward or backward on another "
+             "thread?); detach after it returns. Nothing was changed");
+  }
   torch::NoGradGuard ng;
   for (size_t i = 0; i < layers_.size(); ++i) {
     LayerInfo& l = *layers_[i];

@@ -19,6 +19,7 @@ from ._discovery import _WHOLE_GROUPS
 from ._file_weight import FileWeight
 from ._forward import _RefusesCopy
 from ._guards import _HostMove, _RootApply
+from ._interrupts import held_interrupts
 
 LayerstreamError = _C.LayerstreamError
 
@@ -282,7 +283,7 @@ class Handle(_RefusesCopy):
         while another thread's call of the model runs, it waits for that call to end
         (as resume() and detach() do); inside a call, refused, changing nothing, while
         a streamed layer is computing. Nothing to do when already suspended."""
-        with self._in_turn(sys._getframe()):
+        with self._in_turn(sys._getframe()), held_interrupts():  # Ctrl-C after it, not half way
             self._suspend()
 
     def _suspend(self) -> None:
@@ -308,7 +309,7 @@ class Handle(_RefusesCopy):
         ``suspend()`` moved back to the device it was on. The first step
         prefetches in the order learnt before. Nothing to do when not
         suspended."""
-        with self._in_turn(sys._getframe()):
+        with self._in_turn(sys._getframe()), held_interrupts():  # Ctrl-C after it, not half way
             self._resume()
 
     def _resume(self) -> None:
@@ -334,7 +335,7 @@ class Handle(_RefusesCopy):
         """Restores the modules: original forward, weights as ordinary tensors
         on their original devices, bit-identical (a suspended model's resident
         parts are moved back first)."""
-        with self._in_turn(sys._getframe()):
+        with self._in_turn(sys._getframe()), held_interrupts():  # Ctrl-C after it, not half way
             self._detach()
 
     def _detach(self) -> None:

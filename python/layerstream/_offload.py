@@ -23,6 +23,7 @@ from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load
 from . import _distributed, _peft_params
 from ._activations import ActivationOffload, parse_activations
 from ._handle import CallHooks, Handle, _AddedTensorsFollow, _Attached
+from ._interrupts import held_interrupts
 from ._packed import _PackedWeight
 from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _is_packed_only_format
 from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
@@ -289,16 +290,17 @@ def offload(
         group = _distributed.Distributed(pg, model, layers + tables, settings, share_host_store)
 
     # 5. Attach them to one engine (undone on failure); the rest moves to the device.
-    handle = _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
-                     plan, grouped, compute_device, experts == "routed", on_disk, group)
-    handle._peft = _peft_params.install(model, {id(a.module): a.module.forward for a in handle._attached
-                                                if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
-    if activation_budget is not None:
-        handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
-        handle.activation_budget = activation_budget
-    if plan is not None and not train_spec:
-        _note_uncounted_training(model, handle)
-    return handle
+    def finish(handle: Handle) -> None:  # inside _attach's undo: a failure here detaches too
+        handle._peft = _peft_params.install(model, {id(a.module): a.module.forward for a in handle._attached
+                                                    if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
+        if activation_budget is not None:
+            handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
+            handle.activation_budget = activation_budget
+        if plan is not None and not train_spec:
+            _note_uncounted_training(model, handle)
+
+    return _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
+                   plan, grouped, compute_device, experts == "routed", on_disk, group, finish)
 
 
 def _note_uncounted_training(model: nn.Module, handle: Handle) -> None:
@@ -474,10 +476,12 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
 
 def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,
             compute_device: torch.device, routed: bool, on_disk: "_HostTier",
-            group: "Optional[_distributed.Distributed]" = None) -> Handle:
-    """Step 3: attaches the streamed layers (in model order) to one engine and moves
-    the rest to the compute device. A failure part way (e.g. a weight the format
-    cannot pack, host memory) undoes what was attached, as detach() does."""
+            group: "Optional[_distributed.Distributed]" = None, finish=None) -> Handle:
+    """Step 3: attaches the streamed layers (in model order) to one engine, moves
+    the rest to the compute device and calls `finish(handle)`. A failure part way
+    (e.g. a weight the format cannot pack, host memory, Ctrl-C) undoes what was
+    attached, as detach() does: a KeyboardInterrupt is held back while a layer is
+    attached and over the steps after the last one (_interrupts.py)."""
     engine = _C.Engine(opts)
     attached: List[_Attached] = []
     streamed_params = set()
@@ -488,39 +492,15 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
         if group is not None:
             group.share_store(engine)
         dequant = _C.check_dtypes(opts.dequant_dtype, opts.compute_dtype)[0]
-        _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device, routed,
-                       on_disk, _CORE_DTYPES[dequant] if dequant else None)
-        for a in attached:
-            a.module._layerstream_handle = handle
-            a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module
-        follow = _AddedTensorsFollow(model, handle, {id(m) for a in attached for m in [a.module] + a.owners},
-                                     streamed_params, compute_device)
-        handle._call_hook = CallHooks(model, lambda: engine, streamed_params, follow)
-        _no_fused_encoder_path(model, attached, handle._fused_off)
-        _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
-        streamed_ids = {id(a.module) for a in attached}
-        for name in grouped:  # a groups= module kept resident is an ordinary module again
-            module = model.get_submodule(name)
-            if id(module) not in streamed_ids:
-                _WHOLE_GROUPS.discard(module)
-        if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
-            model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
-            handle._root = model
-            if compute_device.type != "cpu":  # model.to("cpu") suspends (the sim device computes on the host)
-                for kind in ("to", "cpu", "cuda"):
-                    if kind not in model.__dict__:
-                        setattr(model, kind, _HostMove(kind, model, handle, compute_device))
-                        handle._host_moves.append(kind)
-        # Resident weights to the compute device (device memory can run out here; the
-        # tensors already moved stay there, on the device the model was meant for).
-        _move_resident(model, streamed_params, compute_device)
-        # On DDP's ignore list in any case (a one-GPU torchrun job wraps the model too).
-        streamed_names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in streamed_params]
-        _distributed.ignore_streamed_in_ddp(model, streamed_names)
-        handle._ddp_model = model
-        if group is not None:
-            group.finish(engine, model, streamed_names)
-            handle._set_group(group, model)
+        quantized_resident = _attach_layers(model, engine, layers, resident_names, attached, streamed_params,
+                                            compute_device, routed, on_disk, _CORE_DTYPES[dequant] if dequant else None)
+        with held_interrupts():
+            _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group)
+            if finish is not None:
+                finish(handle)
+            with torch.no_grad():  # last: nothing after it can fail, which would leave them changed
+                for p, values in quantized_resident:
+                    p.copy_(values)
     except BaseException:
         for name in grouped:
             _WHOLE_GROUPS.discard(model.get_submodule(name))
@@ -531,6 +511,42 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                           RuntimeWarning, stacklevel=3)
         raise
     return handle
+
+
+def _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group) -> None:
+    """The rest of step 3, once every layer is attached: the modules' marks and hooks,
+    the model's device and moves, the resident weights on the compute device, DDP."""
+    for a in attached:
+        a.module._layerstream_handle = handle
+        a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module
+    follow = _AddedTensorsFollow(model, handle, {id(m) for a in attached for m in [a.module] + a.owners},
+                                 streamed_params, compute_device)
+    handle._call_hook = CallHooks(model, lambda: engine, streamed_params, follow)
+    _no_fused_encoder_path(model, attached, handle._fused_off)
+    _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
+    streamed_ids = {id(a.module) for a in attached}
+    for name in grouped:  # a groups= module kept resident is an ordinary module again
+        module = model.get_submodule(name)
+        if id(module) not in streamed_ids:
+            _WHOLE_GROUPS.discard(module)
+    if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
+        model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
+        handle._root = model
+        if compute_device.type != "cpu":  # model.to("cpu") suspends (the sim device computes on the host)
+            for kind in ("to", "cpu", "cuda"):
+                if kind not in model.__dict__:
+                    setattr(model, kind, _HostMove(kind, model, handle, compute_device))
+                    handle._host_moves.append(kind)
+    # Resident weights to the compute device (device memory can run out here; the
+    # tensors already moved stay there, on the device the model was meant for).
+    _move_resident(model, streamed_params, compute_device)
+    # On DDP's ignore list in any case (a one-GPU torchrun job wraps the model too).
+    streamed_names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in streamed_params]
+    _distributed.ignore_streamed_in_ddp(model, streamed_names)
+    handle._ddp_model = model
+    if group is not None:
+        group.finish(engine, model, streamed_names)
+        handle._set_group(group, model)
 
 
 def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
@@ -584,152 +600,159 @@ def _report_compute_device(model: nn.Module, streamed_params: set, compute_devic
 
 
 def _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device,
-                   routed: bool, on_disk: _HostTier, dequant_dtype: Optional[torch.dtype]) -> None:
+                   routed: bool, on_disk: _HostTier, dequant_dtype: Optional[torch.dtype]) -> list:
     """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
     appending to `attached` / `streamed_params` as it goes (what offload() undoes on
     failure). A layer the plan keeps resident is read in; quantized, it gets the values
-    it would stream with (written after every layer is attached)."""
-    quantized_resident = []  # (parameter, the values it streams with): written once all is attached
-    for name, module, kind, fmt, pre, *_ in layers:
-        if name in resident_names:  # the planner counted it dense
-            owners = dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]
-            # Streamed, a GGUF tensor crosses as its blocks whatever `fmt`: dequantized here, nothing more.
-            packed = [] if fmt in (None, "lossless") or pre is not None else [
-                (o, k) for o, k, _ in (_group_slots(module) if kind == "group" else [(module, "weight", None)])
-                if not isinstance(o._parameters[k], GgufWeight) and (kind != "group" or o._parameters[k].dim() >= 2)]
-            for owner in owners:
-                _materialize_gguf(owner)
-                for p in list(owner._parameters.values()):
-                    _read_in(model, p)
-            for o, k in packed:  # the values it would stream with (the budget must not change the numbers)
-                p = o._parameters[k]
-                rows = p.numel() // p.shape[-1] if kind == "group" else p.shape[0]
-                quantized_resident.append((p, _C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt,
-                                                                  dequant_dtype)))
-            continue
-        if kind == "group":
-            slots = _group_slots(module)
-            params = [o._parameters[k] for o, k, _ in slots]
-            devices = [str(params[0].device)]
-            n_experts = _group_experts(module, routed)
-            gguf = [(p.gguf_format, p.gguf_bytes) if isinstance(p, GgufWeight) else None for p in params]
-            index = engine.add_group(name or "<root>", params, fmt or "", n_experts,
-                                     gguf if any(gguf) else [])
-            had_forward = "forward" in module.__dict__
-            old_forward = module.__dict__.get("forward")
-            a = _Attached(name, module, kind, index, had_forward, old_forward, devices)
-            attached.append(a)
-            if fmt is not None or any(gguf):
-                # Packed on the host: the module keeps data-less stand-ins (the dense
-                # tensors, or a GGUF file's bytes, are freed); copy_ / load_state_dict()
-                # re-quantize into them (not into GGUF parts: the engine refuses).
-                # A trainable lossless-coded tensor stays the parameter it is (dense on the
-                # host, coded on the bus: Note [Trainable coded weights], engine_coded.cpp).
-                a.packed_parts = [(qn, part, o, k) for part, ((o, k, qn), p) in enumerate(zip(slots, params))
-                                  if p.dim() >= 2 and (fmt is not None or gguf[part])
-                                  and not (fmt == "lossless" and p.requires_grad)]
-                for qn, part, o, k in a.packed_parts:
-                    p = o._parameters[k]
-                    o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
-                                                     f"{name or '<root>'}.{qn}", part)
-                a.hooks = _requantize_on_load(engine, index, module, a.packed_parts)
-                params = [o._parameters[k] for o, k, _ in slots]
-            module.forward = _GroupForward(engine, index, old_forward or module.forward, module, slots,
-                                           name or "<root>", n_experts)
-            # Each module that owns some of the tensors keeps them where they are on
-            # model.to() (nn.MultiheadAttention: its out_proj too).
-            for owner in dict.fromkeys(o for o, _, _ in slots):
-                keys = [k for o, k, _ in slots if o is owner]
-                qn = next(q for o, k, q in slots if o is owner)
-                sub = qn[:-len(keys[0]) - 1] if owner is not module else ""
-                full = ".".join(x for x in (name, sub) if x) or "<root>"
-                owner._apply = _StreamedApply(owner, compute_device, full, keys)
-                if owner is not module:
-                    a.owners.append(owner)
-            for p in params:
-                p._is_memory_managed = True
-                streamed_params.add(id(p))
-            continue
-        weight, bias = module.weight, getattr(module, "bias", None)
-        devices = [str(weight.device)]  # a GgufWeight's is the CPU, where its bytes are
-        if pre is not None:
-            if pre.format == "int8":
-                index = engine.add_linear_int8(name or "<root>", pre.codes, pre.scales, bias,
-                                               pre.dense_dtype)
-            else:
-                index = engine.add_linear_packed(name or "<root>", pre.format, pre.codes, pre.scales,
-                                                 bias, pre.rows, pre.cols, pre.dense_dtype)
-            # The engine copied them into its host store: let them go now rather than when
-            # offload() returns (a GGUF file's bytes would otherwise be held twice until then).
-            pre.codes = pre.scales = None
-        elif kind == "embedding":
-            index = engine.add_embedding(name or "<root>", weight,
-                                         -1 if module.padding_idx is None else module.padding_idx,
-                                         module.scale_grad_by_freq, module.sparse)
-        elif kind == "linear" and name in on_disk.names:
-            # The disk tier: read from its file (or the quantization cache file) on every use
-            # (the module keeps the FileWeights; their refusals say so until detach()).
-            for t in (weight, bias):
-                if isinstance(t, FileWeight):
-                    t._disk_tier = True
-            index = engine.add_linear_on_disk(
-                name or "<root>", torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                on_disk.packed.get(name, weight.file_range),
-                None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta"),
-                bias.file_range if isinstance(bias, FileWeight) else None, quantize=fmt or "")
-        elif kind == "linear":
-            # A weight still in its file is read straight into the host store (one copy)
-            # and adopted there without another.
-            weight = _read_in(model, weight, engine)
-            bias = _read_in(model, bias, engine)
-            index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
-        else:
-            index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",
-                                    **_conv_args(module))
-        # Recorded as soon as the engine holds the layer, so that a failure below
-        # is undone for this layer too.
+    it would stream with: returned as (parameter, values), for _attach to write last."""
+    quantized_resident = []
+    for layer in layers:
+        with held_interrupts():  # Ctrl-C: after this layer is recorded in `attached` (_interrupts.py)
+            _attach_one(model, engine, layer, resident_names, attached, streamed_params, compute_device, routed,
+                        on_disk, dequant_dtype, quantized_resident)
+    return quantized_resident
+
+
+def _attach_one(model, engine, layer, resident_names, attached, streamed_params, compute_device, routed: bool,
+                on_disk: _HostTier, dequant_dtype, quantized_resident: list) -> None:
+    """One layer of _attach_layers: read in and noted (quantized_resident) when the plan
+    keeps it resident, else handed to the engine, recorded in `attached`, its forward swapped."""
+    name, module, kind, fmt, pre, *_ = layer
+    if name in resident_names:  # the planner counted it dense
+        owners = dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]
+        # Streamed, a GGUF tensor crosses as its blocks whatever `fmt`: dequantized here, nothing more.
+        packed = [] if fmt in (None, "lossless") or pre is not None else [
+            (o, k) for o, k, _ in (_group_slots(module) if kind == "group" else [(module, "weight", None)])
+            if not isinstance(o._parameters[k], GgufWeight) and (kind != "group" or o._parameters[k].dim() >= 2)]
+        for owner in owners:
+            _materialize_gguf(owner)
+            for p in list(owner._parameters.values()):
+                _read_in(model, p)
+        for o, k in packed:  # the values it would stream with (the budget must not change the numbers)
+            p = o._parameters[k]
+            rows = p.numel() // p.shape[-1] if kind == "group" else p.shape[0]
+            quantized_resident.append((p, _C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt,
+                                                              dequant_dtype)))
+        return
+    if kind == "group":
+        slots = _group_slots(module)
+        params = [o._parameters[k] for o, k, _ in slots]
+        devices = [str(params[0].device)]
+        n_experts = _group_experts(module, routed)
+        gguf = [(p.gguf_format, p.gguf_bytes) if isinstance(p, GgufWeight) else None for p in params]
+        index = engine.add_group(name or "<root>", params, fmt or "", n_experts,
+                                 gguf if any(gguf) else [])
         had_forward = "forward" in module.__dict__
         old_forward = module.__dict__.get("forward")
-        a = _Attached(name, module, kind, index, had_forward, old_forward, devices,
-                      prequantized=pre is not None and not pre.gguf,
-                      bnb_stats=None if pre is None else pre.bnb_stats,
-                      strides=tuple(weight.stride()))
+        a = _Attached(name, module, kind, index, had_forward, old_forward, devices)
         attached.append(a)
-        if name in on_disk.names:
-            pass  # the module keeps its FileWeights: nothing of it is in host memory to write
-        elif (pre is None or pre.bnb_stats is not None or pre.gguf) and engine.layer_format(index):
-            # The weight now lives packed on the host; the module keeps a
-            # data-less (meta) parameter of the same shape and dtype so the
-            # dense (or the bitsandbytes) copy is freed.
-            shape = (pre.rows, pre.cols) if pre is not None else tuple(module.weight.shape)
-            dtype = pre.dense_dtype if pre is not None else module.weight.dtype
-            module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>")
-            del weight
-        if engine.layer_format(index) and name not in on_disk.names:
-            # Packed on the host: an in-place write to the module's weight that
-            # _PackedWeight does not turn into a re-quantization (or a pre-quantized
-            # int8 weight's write) does not reach it; the engine refuses the next call.
-            engine.watch_weight(index, module.weight if "weight" in module._parameters
-                                else module.__dict__["weight"])
-            if pre is None:
-                a.hooks = _requantize_on_load(engine, index, module)
-        if kind == "embedding" and type(module).forward is not nn.Embedding.forward:
-            # A subclass that looks up through super().forward: its own forward stays
-            # and reaches the streamed lookup (see _lookup_through_super).
-            module.__dict__["_layerstream_lookup"] = _StreamedForward(
-                engine, index, kind, functools.partial(nn.Embedding.forward, module), module, name)
-            module.__class__ = _with_streamed_lookup(type(module))
-        else:
-            module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
-                                              module, name)
-        module._apply = _StreamedApply(module, compute_device, name or "<root>")
-        for p in module.parameters(recurse=False):
+        if fmt is not None or any(gguf):
+            # Packed on the host: the module keeps data-less stand-ins (the dense
+            # tensors, or a GGUF file's bytes, are freed); copy_ / load_state_dict()
+            # re-quantize into them (not into GGUF parts: the engine refuses).
+            # A trainable lossless-coded tensor stays the parameter it is (dense on the
+            # host, coded on the bus: Note [Trainable coded weights], engine_coded.cpp).
+            a.packed_parts = [(qn, part, o, k) for part, ((o, k, qn), p) in enumerate(zip(slots, params))
+                              if p.dim() >= 2 and (fmt is not None or gguf[part])
+                              and not (fmt == "lossless" and p.requires_grad)]
+            for qn, part, o, k in a.packed_parts:
+                p = o._parameters[k]
+                o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
+                                                 f"{name or '<root>'}.{qn}", part)
+            a.hooks = _requantize_on_load(engine, index, module, a.packed_parts)
+            params = [o._parameters[k] for o, k, _ in slots]
+        module.forward = _GroupForward(engine, index, old_forward or module.forward, module, slots,
+                                       name or "<root>", n_experts)
+        # Each module that owns some of the tensors keeps them where they are on
+        # model.to() (nn.MultiheadAttention: its out_proj too).
+        for owner in dict.fromkeys(o for o, _, _ in slots):
+            keys = [k for o, k, _ in slots if o is owner]
+            qn = next(q for o, k, q in slots if o is owner)
+            sub = qn[:-len(keys[0]) - 1] if owner is not module else ""
+            full = ".".join(x for x in (name, sub) if x) or "<root>"
+            owner._apply = _StreamedApply(owner, compute_device, full, keys)
+            if owner is not module:
+                a.owners.append(owner)
+        for p in params:
             p._is_memory_managed = True
             streamed_params.add(id(p))
-    with torch.no_grad():
-        for p, values in quantized_resident:
-            p.copy_(values)
-
+        return
+    weight, bias = module.weight, getattr(module, "bias", None)
+    devices = [str(weight.device)]  # a GgufWeight's is the CPU, where its bytes are
+    if pre is not None:
+        if pre.format == "int8":
+            index = engine.add_linear_int8(name or "<root>", pre.codes, pre.scales, bias,
+                                           pre.dense_dtype)
+        else:
+            index = engine.add_linear_packed(name or "<root>", pre.format, pre.codes, pre.scales,
+                                             bias, pre.rows, pre.cols, pre.dense_dtype)
+        # The engine copied them into its host store: let them go now rather than when
+        # offload() returns (a GGUF file's bytes would otherwise be held twice until then).
+        pre.codes = pre.scales = None
+    elif kind == "embedding":
+        index = engine.add_embedding(name or "<root>", weight,
+                                     -1 if module.padding_idx is None else module.padding_idx,
+                                     module.scale_grad_by_freq, module.sparse)
+    elif kind == "linear" and name in on_disk.names:
+        # The disk tier: read from its file (or the quantization cache file) on every use
+        # (the module keeps the FileWeights; their refusals say so until detach()).
+        for t in (weight, bias):
+            if isinstance(t, FileWeight):
+                t._disk_tier = True
+        index = engine.add_linear_on_disk(
+            name or "<root>", torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+            on_disk.packed.get(name, weight.file_range),
+            None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta"),
+            bias.file_range if isinstance(bias, FileWeight) else None, quantize=fmt or "")
+    elif kind == "linear":
+        # A weight still in its file is read straight into the host store (one copy)
+        # and adopted there without another.
+        weight = _read_in(model, weight, engine)
+        bias = _read_in(model, bias, engine)
+        index = engine.add_linear(name or "<root>", weight, bias, fmt or "")
+    else:
+        index = engine.add_conv(name or "<root>", weight, bias, quantize=fmt or "",
+                                **_conv_args(module))
+    # Recorded as soon as the engine holds the layer, so that a failure below
+    # is undone for this layer too.
+    had_forward = "forward" in module.__dict__
+    old_forward = module.__dict__.get("forward")
+    a = _Attached(name, module, kind, index, had_forward, old_forward, devices,
+                  prequantized=pre is not None and not pre.gguf,
+                  bnb_stats=None if pre is None else pre.bnb_stats,
+                  strides=tuple(weight.stride()))
+    attached.append(a)
+    if name in on_disk.names:
+        pass  # the module keeps its FileWeights: nothing of it is in host memory to write
+    elif (pre is None or pre.bnb_stats is not None or pre.gguf) and engine.layer_format(index):
+        # The weight now lives packed on the host; the module keeps a
+        # data-less (meta) parameter of the same shape and dtype so the
+        # dense (or the bitsandbytes) copy is freed.
+        shape = (pre.rows, pre.cols) if pre is not None else tuple(module.weight.shape)
+        dtype = pre.dense_dtype if pre is not None else module.weight.dtype
+        module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>")
+        del weight
+    if engine.layer_format(index) and name not in on_disk.names:
+        # Packed on the host: an in-place write to the module's weight that
+        # _PackedWeight does not turn into a re-quantization (or a pre-quantized
+        # int8 weight's write) does not reach it; the engine refuses the next call.
+        engine.watch_weight(index, module.weight if "weight" in module._parameters
+                            else module.__dict__["weight"])
+        if pre is None:
+            a.hooks = _requantize_on_load(engine, index, module)
+    if kind == "embedding" and type(module).forward is not nn.Embedding.forward:
+        # A subclass that looks up through super().forward: its own forward stays
+        # and reaches the streamed lookup (see _lookup_through_super).
+        module.__dict__["_layerstream_lookup"] = _StreamedForward(
+            engine, index, kind, functools.partial(nn.Embedding.forward, module), module, name)
+        module.__class__ = _with_streamed_lookup(type(module))
+    else:
+        module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
+                                          module, name)
+    module._apply = _StreamedApply(module, compute_device, name or "<root>")
+    for p in module.parameters(recurse=False):
+        p._is_memory_managed = True
+        streamed_params.add(id(p))
 
 def _resolve_budget(budget, compute_device: torch.device) -> int:
     """Bytes of a budget (core/options.h budget_bytes): a byte count, or a share of

@@ -834,3 +834,86 @@ def test_cast_at_use_warns_once_and_names_compute_dtype():
     assert "compute_dtype=torch.bfloat16" in got[0] and "outside the budget" in got[0]
     assert warnings_of(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), compute_dtype=torch.bfloat16) == []
     assert warnings_of(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch.bfloat16)) == []
+
+
+def _sigint_once(at: int):
+    """A callable that sends this process SIGINT at its `at`-th call (as a Ctrl-C
+    would land: the handler runs at the next check of the running bytecode)."""
+    import signal
+    calls = [0]
+
+    def maybe():
+        calls[0] += 1
+        if calls[0] == at:
+            signal.raise_signal(signal.SIGINT)
+    return maybe
+
+
+def _plain(model, ref) -> bool:
+    """Every Linear computes with its class's forward on its own weights, equal to `ref`'s."""
+    return all("forward" not in m.__dict__ and not hasattr(m, "_layerstream_handle")
+               for m in model.modules()) and all(torch.equal(p, q) for p, q in
+                                                  zip(model.parameters(), ref.parameters()))
+
+
+def test_a_ctrl_c_while_offload_attaches_a_layer_undoes_it_all(monkeypatch):
+    """A Ctrl-C lands when a C++ call returns: in offload(), most likely right after the
+    engine took a layer and before the layer is recorded. It is held until the layer is
+    recorded (_interrupts.py), then offload() is undone: KeyboardInterrupt out of it, a
+    plain model, and offload() works again."""
+    import layerstream._offload as off
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    ref = copy.deepcopy(model)
+    hit = _sigint_once(2)
+
+    class Interrupted(off._Attached):
+        def __init__(self, *args, **kw):
+            hit()  # the engine holds the layer; `attached` does not yet
+            super().__init__(*args, **kw)
+    monkeypatch.setattr(off, "_Attached", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        layerstream.offload(model, device="sim")
+    assert _plain(model, ref)
+    monkeypatch.undo()
+    h = layerstream.offload(model, device="sim")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    h.detach()
+
+
+@pytest.mark.parametrize("step", ["detach", "suspend"])
+def test_a_ctrl_c_during_detach_or_suspend_lands_after_it(step):
+    """detach()'s and suspend()'s time is mostly one C++ call: a Ctrl-C as it returns is
+    raised once the modules match the engine (after detach(): a plain model that can be
+    offloaded again; after suspend(): suspended, and resume() works)."""
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    ref = copy.deepcopy(model)
+    h = layerstream.offload(model, device="sim")
+    engine, hit = h._engine, _sigint_once(1)
+
+    class Returning:  # the engine, whose detach()/suspend() is interrupted as it returns
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def detach(self, devices):
+            engine.detach(devices)
+            hit()
+
+        def suspend(self):
+            engine.suspend()
+            hit()
+    h._engine = Returning()
+    with pytest.raises(KeyboardInterrupt):
+        getattr(h, step)()
+    x = torch.randn(3, 64)
+    if step == "detach":
+        assert _plain(model, ref)
+        h = layerstream.offload(model, device="sim")
+    else:
+        assert h.suspended
+        h._engine = engine
+        h.resume()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    h.detach()

@@ -343,6 +343,23 @@ def test_suspend_is_refused_while_a_fetched_group_is_held_and_fetches_are_refuse
     assert e.ordering_errors() == []
 
 
+def test_detach_is_refused_while_a_fetched_group_is_held():
+    """Engine.detach() frees the scheduler a fetch() token releases through (another
+    thread's layer computing, as the token of a group recomputed in backward): refused,
+    nothing changed; once released, detach() goes ahead."""
+    e = layerstream._C.Engine({"device": "sim"})
+    w = torch.randn(4, 8)
+    want = w.clone()
+    i = e.add_group("experts", [w])
+    token, views = e.fetch(i)
+    with pytest.raises(LayerstreamError, match=r"detach\(\): 1 fetch\(\) token.*detach after it returns"):
+        e.detach(["cpu"])
+    assert torch.equal(views[0], want) and e.stats()["device_bytes"] > 0
+    e.release(token)
+    e.detach(["cpu"])
+    assert torch.equal(w, want)
+
+
 def test_a_backward_after_suspend_is_an_error_and_training_goes_on_after_resume():
     """A graph recorded before suspend() cannot run its backward (the streamed
     layers' weights would come back into freed slots): an error naming resume(); no

@@ -74,8 +74,8 @@ MUTATIONS = [
         "a group's recompute does not restore the RNG (other dropout masks)"),
     Mutation(
         "layout-quantized-detach-size1-strides", "python/layerstream/_offload.py",
-        "                      strides=tuple(weight.stride()))",
-        "                      strides=None if weight.is_contiguous() else tuple(weight.stride()))",
+        "                  strides=tuple(weight.stride()))",
+        "                  strides=None if weight.is_contiguous() else tuple(weight.stride()))",
         [P + "test_parity_layers.py::test_a_channels_last_1x1_conv_keeps_its_strides"],
         "detach() gives a quantized channels_last 1x1 conv weight the contiguous strides"),
     Mutation(
@@ -302,7 +302,7 @@ MUTATIONS = [
         "a torch.optim.AdamW state dict with maximize=True / amsgrad=True loads and the step ignores them"),
     Mutation(
         "streamed-layer-copy-refused", "python/layerstream/_offload.py",
-        '            a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module',
+        '        a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module',
         "",
         [P + "test_training.py::test_a_copy_of_one_streamed_layer_is_a_plain_module_so_peft_modules_to_save_trains"],
         "copy.deepcopy() of one streamed layer (peft's modules_to_save) raises \"an offloaded model cannot be "
@@ -339,10 +339,18 @@ MUTATIONS = [
         "the uncounted-training warning names torch's no_grad wrapper instead of the user's step() line"),
     Mutation(
         "resident-quantized-keeps-original-values", "python/layerstream/_offload.py",
-        "        for p, values in quantized_resident:\n            p.copy_(values)",
-        "        for p, values in quantized_resident:\n            pass",
+        "                for p, values in quantized_resident:\n                    p.copy_(values)",
+        "                for p, values in quantized_resident:\n                    pass",
         [P + "test_quant_offload.py::test_a_quantized_layer_the_budget_keeps_resident_computes_with_the_streamed_values"],
         "with quantize= and a budget, a layer the planner keeps resident computes with its unquantized weight"),
+    Mutation(
+        "ctrl-c-lands-half-way", "python/layerstream/_interrupts.py",
+        "    if not callable(previous):  # another thread",
+        "    if True:  # another thread",
+        [P + "test_errors.py::test_a_ctrl_c_while_offload_attaches_a_layer_undoes_it_all",
+         P + "test_errors.py::test_a_ctrl_c_during_detach_or_suspend_lands_after_it"],
+        "a Ctrl-C as offload()'s engine.add_* or detach()'s engine.detach() returns leaves a model neither "
+        "streamed nor plain, which no later call can recover"),
     Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",

@@ -378,4 +378,11 @@ MUTATIONS = [
         "",
         ["gtest:test_torch_offload:TorchOffload.AQuantizedLayerKeptResidentComputesWithTheStreamedValues"],
         "C++ offload() with quantize and a budget: a layer the plan keeps resident computes unquantized"),
+    Mutation(
+        "detach-frees-the-scheduler-under-a-held-slot", "csrc/torch/engine.cpp",
+        "  LS_CHECK(fetched_.empty(), \"detach(): \", fetched_.size(),",
+        "  LS_CHECK(true, \"detach(): \", fetched_.size(),",
+        [P + "test_misuse.py::test_detach_is_refused_while_a_fetched_group_is_held"],
+        "detach() while another thread's layer holds a slot frees the scheduler its release goes through "
+        "(use after free)"),
 ]
