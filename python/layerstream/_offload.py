@@ -140,7 +140,8 @@ def offload(
         weights are dequantized to it (it implies dequant_dtype). Weights
         still cross the bus in their own dtype, and numbers do not change:
         the cast is the one used at use, and activations of another dtype
-        still use the original weight. None = cast at use, or the compute
+        still use the original weight (a quantized weight's is the one
+        dequantized to compute_dtype). None = cast at use, or the compute
         dtype of diffusers' layerwise casting when the streamed layers have
         its hooks (docs/design/torch-glue.md, "A wrapper that streams").
     trace: record a timeline (copies, layer computations, stalls) for

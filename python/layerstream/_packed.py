@@ -73,6 +73,12 @@ class _PackedWeight(_standin.StandIn):
             raise LayerstreamError(cls._msg(ls, "its .data cannot be replaced"))
         if ls is not None and (name == "requires_grad_" and (args[1:] or [kwargs.get("requires_grad", True)])[0]
                                or descr is _REQUIRES_GRAD and name == "__set__" and args[1]):
+            engine, index, _, part = ls
+            if part is None and engine.layer_format(index) == "lossless":
+                raise LayerstreamError(
+                    f"the weight of streamed layer '{ls[2]}' was frozen at offload(), so it is held coded "
+                    f"(quantize='lossless') without what training needs; lossless weights do train: "
+                    f"detach(), requires_grad_(True), then offload() again")
             raise LayerstreamError(
                 f"the weight of quantized streamed layer '{ls[2]}' cannot be trained (it is packed "
                 f"on the host and dequantized on the device); train an adapter over it (LoRA), or "

@@ -33,6 +33,8 @@ _ABS_SLACK = 2.0 ** -140
 
 
 def _matrix(w: torch.Tensor) -> torch.Tensor:
+    # By the last dimension: a Linear's weight, and a group tensor's view (quant-formats.md,
+    # "Matrix view"); a convolution streamed as a layer is [shape[0], prod(rest)]: pass that.
     w = w.detach().to("cpu", torch.float32)
     return w.reshape(-1, w.shape[-1]) if w.dim() >= 2 else w.reshape(1, -1)
 

@@ -324,3 +324,19 @@ def test_trainable_lossless_weights_with_cached_slots_pageable_buffers_accumulat
     assert s["ordering_errors"] == 0 and s["coded_layers"] == 3
     if variant == "pinned_budget=0":
         assert s["pageable_bytes"] > 0 and s["staged_read_bytes"] < p.stats()["staged_read_bytes"]
+
+
+def test_unfreezing_a_weight_frozen_at_offload_says_lossless_weights_train():
+    """A frozen lossless weight is held coded without what training needs: unfreezing it
+    after offload() is refused with the way that works (detach, unfreeze, offload again),
+    not the lossy formats' advice (an adapter, or no quantization)."""
+    m = nn.Sequential(nn.Linear(64, 8)).requires_grad_(False)
+    h = layerstream.offload(m, device="sim", quantize="lossless")
+    with pytest.raises(layerstream.LayerstreamError, match=r"lossless weights do train: detach\(\), "
+                                                           r"requires_grad_\(True\), then offload\(\) again"):
+        m[0].weight.requires_grad_(True)
+    h.detach()
+    m.requires_grad_(True)
+    layerstream.offload(m, device="sim", quantize="lossless")
+    m(torch.randn(2, 64)).sum().backward()
+    assert m[0].weight.grad is not None
