@@ -213,6 +213,13 @@ class _StreamedForward(_RefusesCopy):
         given the parameters that require grad when a gradient is recorded (their
         gradients' edges; Note [Compiled weight gradients are staged], ops_compiled.cpp)."""
         weight, bias = self._weight, self._bias
+        if torch.compiler.is_exporting():
+            # Non-strict export swaps the module's parameters for its own tensors (the
+            # program's PARAMETER inputs): the op's gradient edges go to those; the cached
+            # ones would be lifted as constants, and no weight gradient would reach them.
+            params, attrs = self._params, self._attrs
+            weight = params["weight"] if "weight" in params else attrs.get("weight")
+            bias = params["bias"] if "bias" in params else attrs.get("bias")
         grad = torch.is_grad_enabled()
         w = None if self._standin or not (grad and weight.requires_grad) else weight
         # A str key: Dynamo cannot hand assume_constant_result an int attribute (torch 2.14 keeps

@@ -262,8 +262,11 @@ def traced(fwd, args, kwargs):
     req = tuple(t.requires_grad for t in tensors)
     trainable = [False] * len(fwd._params)
     params = []
+    # Non-strict export swaps the modules' parameters for the program's PARAMETER inputs:
+    # those get the gradient edges (the cached ones would be lifted as constants).
+    current = ([o._parameters[k] for o, k in fwd._slots] if torch.compiler.is_exporting() else fwd._params)
     for i in fwd._dense:  # packed stand-ins are frozen, and never graph inputs
-        p = fwd._params[i]
+        p = current[i]
         if p.requires_grad:
             trainable[i] = True
             params.append(p)

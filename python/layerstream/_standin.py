@@ -30,7 +30,7 @@ _METADATA = frozenset({
     "is_floating_point", "is_complex", "is_signed", "is_inference", "storage_offset",
     "untyped_storage", "_typed_storage", "get_device", "is_pinned", "_is_view", "has_names",
     "__len__", "__repr__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__", "__getstate__",
-    "__setstate__", "_is_zerotensor",
+    "__setstate__", "_is_zerotensor", "is_conj", "is_neg",
 })
 
 

@@ -284,6 +284,33 @@ def test_torch_export_records_the_operators(offload_sim):
         torch.testing.assert_close(ep.module()(x), ref(x), **TOL)
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_an_exported_program_trains_the_parameters_and_exports_quantized_models(offload_sim, strict):
+    """Non-strict export (torch's default) swaps the modules' parameters for the program's
+    PARAMETER inputs: the operators take those, so every weight gets its gradient from the
+    exported module (Linear layers and a group), equal to the resident model's. A model with
+    packed (quantized) stand-ins exports too (fakifying parameters reads is_conj/is_neg)."""
+    for make in (_mlp, _Attention):
+        model = make()
+        ref = copy.deepcopy(model)
+        offload_sim(model)
+        x = torch.randn(2, 5, 16) if make is _Attention else torch.randn(2, 16)
+        ep = torch.export.export(model, (x,), strict=strict)
+        assert not [s for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"]
+        ep.module()(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None, n
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
+    for fmt in ("nf4", "lossless"):
+        model = _mlp().eval().requires_grad_(False)
+        offload_sim(model, quantize=fmt)
+        x = torch.randn(2, 16)
+        with torch.no_grad():
+            want = model(x)
+            assert torch.equal(torch.export.export(model, (x,), strict=strict).module()(x), want)
+
+
 def test_an_operator_of_a_detached_engine_says_what_to_do(offload_sim):
     """...and the registries the traced calls look layers up in keep no entry of it."""
     from layerstream import _forward, _group_op

@@ -352,6 +352,24 @@ MUTATIONS = [
         "a Ctrl-C as offload()'s engine.add_* or detach()'s engine.detach() returns leaves a model neither "
         "streamed nor plain, which no later call can recover"),
     Mutation(
+        "export-lifts-streamed-weights", "python/layerstream/_forward.py",
+        "        if torch.compiler.is_exporting():\n            # Non-strict export swaps",
+        "        if False:\n            # Non-strict export swaps",
+        [P + "test_compile.py::test_an_exported_program_trains_the_parameters_and_exports_quantized_models"],
+        "non-strict torch.export lifts streamed weights as constants: no weight gradient reaches them"),
+    Mutation(
+        "export-lifts-group-tensors", "python/layerstream/_group_op.py",
+        "    current = ([o._parameters[k] for o, k in fwd._slots] if torch.compiler.is_exporting() else fwd._params)",
+        "    current = fwd._params",
+        [P + "test_compile.py::test_an_exported_program_trains_the_parameters_and_exports_quantized_models"],
+        "non-strict torch.export lifts a streamed group's tensors as constants: no gradient reaches them"),
+    Mutation(
+        "standin-refuses-is-conj", "python/layerstream/_standin.py",
+        "\"_is_zerotensor\", \"is_conj\", \"is_neg\",",
+        "\"_is_zerotensor\",",
+        [P + "test_compile.py::test_an_exported_program_trains_the_parameters_and_exports_quantized_models"],
+        "torch.export of a quantized model fails: fakifying its packed stand-ins reads is_conj()"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
