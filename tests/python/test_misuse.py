@@ -319,15 +319,21 @@ def test_offload_warnings_name_the_callers_line():
     handle.detach()
 
 
+def _engine_holding_a_group():
+    """A sim engine holding one fetched tensor group: (engine, its tensor, a copy of it,
+    the group's index, the fetch token, the fetched views)."""
+    e = layerstream._C.Engine({"device": "sim"})
+    w = torch.randn(4, 8)
+    i = e.add_group("experts", [w])
+    token, views = e.fetch(i)
+    return e, w, w.clone(), i, token, views
+
+
 def test_suspend_is_refused_while_a_fetched_group_is_held_and_fetches_are_refused_until_resume():
     """Engine.suspend() frees the slot arena: not while a fetch() token still points
     into it (refused, nothing changed), and no fetch until resume(), which brings the
     same bytes back."""
-    e = layerstream._C.Engine({"device": "sim"})
-    w = torch.randn(4, 8)
-    want = w.clone()
-    i = e.add_group("experts", [w])
-    token, views = e.fetch(i)
+    e, w, want, i, token, views = _engine_holding_a_group()
     with pytest.raises(LayerstreamError, match=r"1 fetch\(\) token.*release them first"):
         e.suspend()
     assert not e.suspended and e.stats()["device_bytes"] > 0
@@ -347,11 +353,7 @@ def test_detach_is_refused_while_a_fetched_group_is_held():
     """Engine.detach() frees the scheduler a fetch() token releases through (another
     thread's layer computing, as the token of a group recomputed in backward): refused,
     nothing changed; once released, detach() goes ahead."""
-    e = layerstream._C.Engine({"device": "sim"})
-    w = torch.randn(4, 8)
-    want = w.clone()
-    i = e.add_group("experts", [w])
-    token, views = e.fetch(i)
+    e, w, want, i, token, views = _engine_holding_a_group()
     with pytest.raises(LayerstreamError, match=r"detach\(\): 1 fetch\(\) token.*detach after it returns"):
         e.detach(["cpu"])
     assert torch.equal(views[0], want) and e.stats()["device_bytes"] > 0
