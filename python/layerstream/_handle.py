@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
@@ -534,19 +535,41 @@ class _CallBegins(_RefusesCopy):
     it does nothing (the engine's own signs apply). Copying or pickling the model is
     refused with the message of its streamed modules."""
 
-    __slots__ = ("_engine_of", "_follow", "_turns")
+    __slots__ = ("_engine_of", "_follow", "_turns", "_streamed", "_ddp_checked")
 
-    def __init__(self, engine_of, turns: _CallTurns, follow=None):
+    def __init__(self, engine_of, turns: _CallTurns, follow=None, streamed=frozenset()):
         self._engine_of, self._turns, self._follow = engine_of, turns, follow
+        self._streamed, self._ddp_checked = streamed, None
 
     def __call__(self, module, args):
         if not torch.compiler.is_compiling():
+            ddp = DistributedDataParallel._active_ddp_module  # set while a DDP forward runs
+            if ddp is not None and ddp is not self._ddp_checked:
+                _check_ddp_ignores(ddp, self._streamed)
+                self._ddp_checked = ddp
             self._turns.enter(sys._getframe(1))
             engine = self._engine_of()
             if engine is not None:
                 engine.begin_call()
             if self._follow is not None:
                 self._follow()
+
+
+def _check_ddp_ignores(ddp, streamed: set) -> None:
+    """A DistributedDataParallel that reduces streamed gradients itself: it wraps a module
+    holding the offloaded one, and reads the ignore list of the module it wraps, while
+    offload() set it on the module it was given. Those gradients would reach .grad as
+    zeros (the engine stages them after DDP's reduction): refused, naming the fix."""
+    names = [n for n, p in ddp.module.named_parameters() if id(p) in streamed
+             and any(p is q for q in ddp._module_parameters)]
+    if names:
+        raise LayerstreamError(
+            f"DistributedDataParallel reduces {len(names)} streamed parameter(s) itself (e.g. {names[0]!r}): it "
+            f"wraps a module that holds the offloaded one, and offload() put them on the ignore list of the "
+            f"module it was given, which DDP does not read; their gradients would arrive as zeros. Offload the "
+            f"module DDP wraps (offload(model) before DDP(model)), or name them before wrapping: "
+            f"DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names of the "
+            f"streamed parameters in model)")
 
 
 class _CallEnds(_RefusesCopy):
@@ -572,7 +595,7 @@ class CallHooks:
 
     def __init__(self, model: nn.Module, engine_of, streamed: set, follow=None):
         turns = _CallTurns()
-        self.begins = _CallBegins(engine_of, turns, follow)
+        self.begins = _CallBegins(engine_of, turns, follow, streamed)
         self.streamed = streamed
         self._handles = (model.register_forward_pre_hook(self.begins),
                          model.register_forward_hook(_CallEnds(turns), always_call=True))

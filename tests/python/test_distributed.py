@@ -2,6 +2,7 @@
 ranks' results equal one process on the concatenated batch, the host store is one
 copy per node, a crashed rank leaves nothing behind, and ranks that disagree are told.
 Each test starts its ranks as subprocesses (dist_worker.py) with a time limit."""
+import copy
 import os
 import socket
 import subprocess
@@ -344,3 +345,34 @@ def test_averaging_overlaps_the_backward(tmp_path):
     for p, g in zip(model.parameters(), results[0]["grads"]):
         torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
     assert results[0]["stats"]["averaged_bytes"] == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_ddp_around_a_parent_of_the_offloaded_module_is_refused_naming_the_fix():
+    """DDP reads the ignore list of the module it wraps; offload() sets it on the module it
+    was given. DDP around a parent would reduce the streamed gradients itself, and they
+    arrived as zeros: the first forward under it is refused, naming the fix, and the fix
+    (the names on the parent's list) trains as the resident model does. One process (a
+    store in memory)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.LayerNorm(8))
+        ref = copy.deepcopy(model)
+        layerstream.offload(model[0], device="sim")
+        x = torch.randn(2, 8)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(layerstream.LayerstreamError, match=r"reduces 4 streamed parameter\(s\) itself .*"
+                                                               r"_set_params_and_buffers_to_ignore_for_model"):
+            ddp(x)
+        del ddp
+        names = [f"0.{n}" for n in model[0]._layerstream_ddp_ignored]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=n)
+        del ddp
+    finally:
+        dist.destroy_process_group()

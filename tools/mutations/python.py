@@ -370,6 +370,12 @@ MUTATIONS = [
         [P + "test_compile.py::test_an_exported_program_trains_the_parameters_and_exports_quantized_models"],
         "torch.export of a quantized model fails: fakifying its packed stand-ins reads is_conj()"),
     Mutation(
+        "ddp-around-a-parent-unchecked", "python/layerstream/_handle.py",
+        "            if ddp is not None and ddp is not self._ddp_checked:",
+        "            if False:",
+        [P + "test_distributed.py::test_ddp_around_a_parent_of_the_offloaded_module_is_refused_naming_the_fix"],
+        "DDP around a parent of the offloaded module reduces the streamed gradients itself: zeros, silently"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
