@@ -57,19 +57,38 @@ def _node_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _fingerprint(model: nn.Module, layers: list, settings: dict) -> List[str]:
+def _fingerprint(model: nn.Module, layers: list, settings: dict, values: bool) -> List[str]:
     """What every rank's offload() must agree on: the parameters, the streamed layers
-    and their formats, and the options that shape the store and the plan."""
+    and their formats, and the options that shape the store and the plan; with `values`,
+    a sample of each streamed tensor's values (DDP's broadcast skips streamed parameters:
+    ranks that initialised them differently would train different weights for good)."""
     rows = [f"{n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}" for n, p in model.named_parameters()]
     rows += [f"stream {c.name} {c.kind} {c.fmt}" for c in layers]
     rows += [f"option {k}={v!r}" for k, v in sorted(settings.items())]
+    if values:
+        from ._standin import StandIn
+        for c in layers:
+            for n, p in c.module.named_parameters(recurse=c.kind == "group"):
+                if isinstance(p, StandIn) or p.is_meta or p.numel() == 0:
+                    continue  # no values here (a file's, packed): the file or packing is the same
+                try:
+                    flat = p.detach().reshape(-1)
+                    sample = flat[::max(1, flat.numel() // 64)][:64].to("cpu", torch.float64)
+                except Exception:  # noqa: BLE001 - a tensor subclass that holds codes (bitsandbytes)
+                    continue
+                rows.append(f"values {c.name}.{n} {hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]}")
     return rows
 
 
 def _first_difference(a: List[str], b: List[str]) -> str:
+    """The first row of one rank's fingerprint the other lacks, against the other's (rows
+    compared as sets: a layer one rank streams and the other not shifts every later row)."""
+    only_a, only_b = [x for x in a if x not in set(b)], [y for y in b if y not in set(a)]
+    if only_a or only_b:
+        return (f"'{only_a[0]}'" if only_a else "nothing") + " against " + (f"'{only_b[0]}'" if only_b else "nothing")
     for x, y in zip(a, b):
         if x != y:
-            return f"'{x}' against '{y}'"
+            return f"'{x}' against '{y}' (in another order)"
     return f"{len(a)} entries against {len(b)}"
 
 
@@ -82,7 +101,8 @@ class Distributed:
         self._pg = _WeakGroup(pg)
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
-        rows = _fingerprint(model, layers, settings)
+        # One host copy per node ("all") holds one rank's values; otherwise each rank's own.
+        rows = _fingerprint(model, layers, settings, values=share_host_store != "all")
         digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
         gathered: list = [None] * self.size
         dist.all_gather_object(gathered, (digest, _node_id(), os.getpid()), group=pg)
@@ -93,6 +113,8 @@ class Distributed:
             raise LayerstreamError(
                 f"offload() with a process group of {self.size} ranks: the ranks' models or offload() options "
                 f"differ (rank 0 and rank {other}: {_first_difference(everyone[0], everyone[other])}). Every "
+                f"rank must start from the same streamed weights (seed the initialisation, or load one "
+                f"checkpoint: DDP's broadcast skips them), and every "
                 f"rank must offload the same model with the same options (budget, quantize, include/exclude, "
                 f"...), or their collectives would not pair up.")
         node = gathered[self.rank][1]

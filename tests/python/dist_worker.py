@@ -367,6 +367,13 @@ def run(scenario, out, rank, result):
             layerstream.offload(make_model(), device="sim", budget=None if rank == 0 else "1MiB")
         except layerstream.LayerstreamError as e:
             result["budget_error"] = str(e)
+        unseeded = make_model()
+        with torch.no_grad():  # initialised with another seed on rank 1 (DDP's broadcast skips them)
+            unseeded.fc1.weight.add_(rank)
+        try:
+            layerstream.offload(unseeded, device="sim")
+        except layerstream.LayerstreamError as e:
+            result["values_error"] = str(e)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

@@ -4,6 +4,7 @@ copy per node, a crashed rank leaves nothing behind, and ranks that disagree are
 Each test starts its ranks as subprocesses (dist_worker.py) with a time limit."""
 import copy
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -310,6 +311,9 @@ def test_ranks_that_disagree_are_told(tmp_path):
         assert "ranks' models or offload() options differ" in res["error"]
         assert "fc1.weight" in res["error"]
         assert "'option budget=None' against 'option budget='1MiB''" in res["budget_error"]
+        # Streamed weights initialised differently: their values (sampled) differ.
+        assert re.search(r"'values fc1\.weight \w+' against 'values fc1\.weight \w+'.*same streamed weights",
+                         res["values_error"]), res["values_error"]
 
 
 def test_single_process_needs_no_group():
@@ -376,3 +380,15 @@ def test_ddp_around_a_parent_of_the_offloaded_module_is_refused_naming_the_fix()
         del ddp
     finally:
         dist.destroy_process_group()
+
+
+def test_the_ranks_first_difference_names_a_layer_only_one_rank_streams():
+    """Fingerprint rows are compared as sets: a layer one rank excludes is named as
+    missing on that rank, not paired with whatever row follows it on the other."""
+    from layerstream._distributed import _first_difference
+    a = ["stream fc1 linear None", "stream fc3 linear None", "option activations=None"]
+    b = ["stream fc1 linear None", "option activations=None"]
+    assert _first_difference(a, b) == "'stream fc3 linear None' against nothing"
+    assert _first_difference(b, a) == "nothing against 'stream fc3 linear None'"
+    assert _first_difference(["option budget=None"], ["option budget='1MiB'"]) == \
+        "'option budget=None' against 'option budget='1MiB''"

@@ -376,6 +376,19 @@ MUTATIONS = [
         [P + "test_distributed.py::test_ddp_around_a_parent_of_the_offloaded_module_is_refused_naming_the_fix"],
         "DDP around a parent of the offloaded module reduces the streamed gradients itself: zeros, silently"),
     Mutation(
+        "rank-difference-paired-by-position", "python/layerstream/_distributed.py",
+        "    if only_a or only_b:",
+        "    if False:",
+        [P + "test_distributed.py::test_the_ranks_first_difference_names_a_layer_only_one_rank_streams"],
+        "ranks that stream different layers are told about an unrelated row (compared by position)"),
+    Mutation(
+        "ranks-streamed-values-unchecked", "python/layerstream/_distributed.py",
+        "        rows = _fingerprint(model, layers, settings, values=share_host_store != \"all\")",
+        "        rows = _fingerprint(model, layers, settings, values=False)",
+        [P + "test_distributed.py::test_ranks_that_disagree_are_told"],
+        "ranks whose streamed weights were initialised differently train different weights for good "
+        "(DDP's broadcast skips them)"),
+    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
