@@ -376,6 +376,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   // stream with (the budget must not change the numbers): computed here, before
   // anything changes (NaN/Inf throw), written once every layer is attached.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> quantized_resident;
+  const auto dequant = scalar_type_of(options::check_dtypes(options.dequant_dtype, options.compute_dtype).dequant);
   if (options.budget_bytes >= 0) {
     const Residency r = plan_residency(root, items, found.collected, options, qformat, ties.groups);
     engine_options.budget_bytes = r.engine_budget;
@@ -391,7 +392,6 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
           dynamic_cast<nn::EmbeddingImpl*>(it.module.get()))
         continue;
       torch::Tensor w = it.module->named_parameters(/*recurse=*/false)["weight"];
-      const auto dequant = scalar_type_of(options::check_dtypes(options.dequant_dtype, options.compute_dtype).dequant);
       quantized_resident.emplace_back(w, quantized_values(w, w.size(0), w.numel() / std::max<int64_t>(w.size(0), 1),
                                                           options.quantize, dequant));
     }

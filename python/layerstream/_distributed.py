@@ -83,7 +83,8 @@ def _fingerprint(model: nn.Module, layers: list, settings: dict, values: bool) -
 def _first_difference(a: List[str], b: List[str]) -> str:
     """The first row of one rank's fingerprint the other lacks, against the other's (rows
     compared as sets: a layer one rank streams and the other not shifts every later row)."""
-    only_a, only_b = [x for x in a if x not in set(b)], [y for y in b if y not in set(a)]
+    in_a, in_b = set(a), set(b)
+    only_a, only_b = [x for x in a if x not in in_b], [y for y in b if y not in in_a]
     if only_a or only_b:
         return (f"'{only_a[0]}'" if only_a else "nothing") + " against " + (f"'{only_b[0]}'" if only_b else "nothing")
     for x, y in zip(a, b):

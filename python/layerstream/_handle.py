@@ -560,8 +560,8 @@ def _check_ddp_ignores(ddp, streamed: set) -> None:
     holding the offloaded one, and reads the ignore list of the module it wraps, while
     offload() set it on the module it was given. Those gradients would reach .grad as
     zeros (the engine stages them after DDP's reduction): refused, naming the fix."""
-    names = [n for n, p in ddp.module.named_parameters() if id(p) in streamed
-             and any(p is q for q in ddp._module_parameters)]
+    managed = {id(q) for q in ddp._module_parameters}
+    names = [n for n, p in ddp.module.named_parameters() if id(p) in streamed and id(p) in managed]
     if names:
         raise LayerstreamError(
             f"DistributedDataParallel reduces {len(names)} streamed parameter(s) itself (e.g. {names[0]!r}): it "
