@@ -337,15 +337,24 @@ class SyncHook:
     streamed gradients (not inside handle.no_sync() nor DDP's no_sync()), and that
     no shared trainable tensor was written except by a sharded step."""
 
-    def __init__(self, engine, group=None):
+    def __init__(self, engine, group=None, trains_streamed=lambda: True):
         self._engine = engine
         self._group = group
+        self._trains_streamed = trains_streamed  # whether a streamed weight requires grad now
         self.local = False  # handle.no_sync()
 
     def __call__(self, module, args):
         if self._group is not None and self._group.shards:
             self._group.check_shards()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None and _joining(ddp) and torch.is_grad_enabled() and self._trains_streamed():
+            raise LayerstreamError(
+                "DistributedDataParallel's join() (uneven inputs) is not supported while streamed weights train: "
+                "a rank that runs out of batches shadows DDP's collectives but not the all-reduces of the streamed "
+                "gradients, so the ranks' collectives would no longer pair (a crash or a hang). Give every rank "
+                "the same number of batches (DistributedSampler(..., drop_last=True); accelerate: "
+                "even_batches=True), or keep the trained weights resident (exclude=, e.g. LoRA adapters: "
+                "exclude=['*lora_*'])")
         sync = not self.local and (ddp is None or ddp.require_backward_grad_sync)
         self._engine.set_gradient_sync(sync)
         return None
@@ -357,6 +366,13 @@ class SyncHook:
             yield
         finally:
             self.local = old
+
+
+def _joining(ddp) -> bool:
+    """Whether `ddp` runs inside its join() context (torch.distributed.algorithms.Join
+    sets the config it reads on each Joinable)."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(getattr(config, "enable", False))
 
 
 def collective_device(group) -> torch.device:

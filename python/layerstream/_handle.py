@@ -135,7 +135,9 @@ class Handle(_RefusesCopy):
     def _set_group(self, group, model) -> None:
         from ._distributed import SyncHook
         self._group, self._group_model = group, model
-        self._sync_hook = SyncHook(self._engine, group)
+        streamed = self._call_hook.streamed  # ids of the streamed parameters
+        self._sync_hook = SyncHook(self._engine, group, lambda: any(
+            p.requires_grad for p in model.parameters() if id(p) in streamed))
         self._group_hook = model.register_forward_pre_hook(self._sync_hook)
         for a in self._attached:
             if a.kind == "group":

@@ -392,3 +392,41 @@ def test_the_ranks_first_difference_names_a_layer_only_one_rank_streams():
     assert _first_difference(b, a) == "nothing against 'stream fc3 linear None'"
     assert _first_difference(["option budget=None"], ["option budget='1MiB'"]) == \
         "'option budget=None' against 'option budget='1MiB''"
+
+
+def test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_are_frozen():
+    """Under DDP's join() (uneven inputs) a rank that ran out of batches shadows DDP's
+    collectives, not the engine's all-reduces of streamed gradients: gloo aborted a rank
+    ("collective mismatch"). Refused at the first forward, naming the fix; frozen
+    streamed weights (LoRA with the adapters resident) average nothing and train under
+    join() as without it. One process (a store in memory), its group given explicitly
+    so that the engine averages over it."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8))
+        ref = copy.deepcopy(model)
+        handle = layerstream.offload(model, device="sim", process_group=dist.group.WORLD)
+        x = torch.randn(2, 8)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(layerstream.LayerstreamError, match=r"join\(\) \(uneven inputs\) is not supported.*"
+                                                               r"drop_last=True"):
+            with ddp.join():
+                ddp(x)
+        with torch.no_grad(), ddp.join():  # no backward, no collective: allowed
+            torch.testing.assert_close(ddp(x), ref(x))
+        for m in (model, ref):  # the streamed weights frozen
+            for i in (0, 2):
+                m[i].requires_grad_(False)
+        with ddp.join():
+            ddp(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=n)
+        assert handle.stats()["averaged_bytes"] == 0
+        del ddp
+    finally:
+        dist.destroy_process_group()

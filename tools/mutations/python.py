@@ -413,4 +413,10 @@ MUTATIONS = [
         "        elif False:\n",
         [P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
         "the host-budget error of a model in memory no longer says to load it with load_safetensors()"),
+    Mutation(
+        "ddp-join-not-refused", "python/layerstream/_distributed.py",
+        "if ddp is not None and _joining(ddp) and torch.is_grad_enabled()",
+        "if False and ddp is not None and _joining(ddp) and torch.is_grad_enabled()",
+        [P + "test_distributed.py::test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_are_frozen"],
+        "DDP's join() with trained streamed weights: the ranks' collectives stop pairing (gloo aborts a rank)"),
 ]
