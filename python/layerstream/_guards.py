@@ -54,6 +54,57 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
             module.register_load_state_dict_post_hook(post)]
 
 
+class ResidentQuantized:
+    """The quantized layers the planner keeps resident: held dense with their quantized
+    values (docs/design/planner.md, "Quantized layers kept resident"), so that the
+    budget does not change the numbers. A write into one is quantized too, as a
+    streamed layer's is (_requantize_on_load, _PackedWeight): after load_state_dict()
+    of its module (a post-hook), and at its module's next eager call when the
+    parameter's version counter moved or the parameter was replaced (copy_(), in-place
+    ops; a write through .data escapes the counter, as it escapes autograd; a compiled
+    call does not look). One per handle; detach() removes its hooks (the values stay,
+    as a streamed layer's do)."""
+
+    __slots__ = ("_entries", "_hooks")
+
+    def __init__(self):
+        # the layer's module (a tensor group's too) -> [[owner, key, param, version, rows, fmt, dequant dtype], ...]
+        self._entries = {}
+        self._hooks = []
+
+    def add(self, module: nn.Module, owner: nn.Module, key: str, rows: int, fmt: str, dequant_dtype) -> None:
+        self._entries.setdefault(module, []).append([owner, key, None, -1, rows, fmt, dequant_dtype])
+
+    def arm(self) -> None:
+        """After offload() wrote the values: their versions are the quantized ones."""
+        for module, entries in self._entries.items():
+            for e in entries:
+                e[2] = e[0]._parameters[e[1]]
+                e[3] = e[2]._version
+            # (A module's load_state_dict post-hook runs after its children's loads.)
+            self._hooks += [module.register_load_state_dict_post_hook(lambda m, keys: self.refresh(m)),
+                            module.register_forward_pre_hook(self._before_call)]
+
+    def _before_call(self, module, args):
+        if not torch.compiler.is_compiling():
+            self.refresh(module)
+
+    def refresh(self, module: nn.Module) -> None:
+        for e in self._entries.get(module, ()):
+            owner, key, param, version, rows, fmt, dequant_dtype = e
+            p = owner._parameters.get(key)
+            if p is None or (p is param and p._version == version):
+                continue
+            with torch.no_grad():
+                p.copy_(_C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype))
+            e[2], e[3] = p, p._version
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._entries = [], {}
+
+
 class _StreamedApply:
     """The ``_apply`` offload() installs on a streamed module (an instance attribute;
     ``model.to()``, ``.cuda()``, ``.half()`` ... reach every module through it).

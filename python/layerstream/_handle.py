@@ -19,7 +19,7 @@ from . import _C
 from ._discovery import _WHOLE_GROUPS
 from ._file_weight import FileWeight
 from ._forward import _RefusesCopy
-from ._guards import _HostMove, _RootApply
+from ._guards import ResidentQuantized, _HostMove, _RootApply
 from ._interrupts import held_interrupts
 
 LayerstreamError = _C.LayerstreamError
@@ -71,6 +71,7 @@ class Handle(_RefusesCopy):
         # that can go to the host), None when off; the hooks detach() removes.
         self.activation_budget: Optional[int] = None
         self._activation_hooks = []
+        self._resident_quant = ResidentQuantized()  # offload(quantize=...)'s layers kept resident
         # peft wrappers patched over streamed groups and the hooks that patch later ones
         # (_peft_params.Installed), removed by detach(); None without any.
         self._peft = None
@@ -365,6 +366,7 @@ class Handle(_RefusesCopy):
         if self._call_hook is not None:
             self._call_hook.remove()
             self._call_hook = None
+        self._resident_quant.remove()
         for h in self._activation_hooks:
             h.remove()
         self._activation_hooks = []

@@ -500,8 +500,10 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
             if finish is not None:
                 finish(handle)
             with torch.no_grad():  # last: nothing after it can fail, which would leave them changed
-                for p, values in quantized_resident:
-                    p.copy_(values)
+                for module, o, k, rows, fmt, dq, values in quantized_resident:
+                    o._parameters[k].copy_(values)
+                    handle._resident_quant.add(module, o, k, rows, fmt, dq)
+            handle._resident_quant.arm()  # later writes into them are quantized too
     except BaseException:
         for name in grouped:
             _WHOLE_GROUPS.discard(model.get_submodule(name))
@@ -632,8 +634,8 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
         for o, k in packed:  # the values it would stream with (the budget must not change the numbers)
             p = o._parameters[k]
             rows = p.numel() // p.shape[-1] if kind == "group" else p.shape[0]
-            quantized_resident.append((p, _C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt,
-                                                              dequant_dtype)))
+            quantized_resident.append((module, o, k, rows, fmt, dequant_dtype, _C.quantized_values(
+                p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype)))
         return
     if kind == "group":
         slots = _group_slots(module)

@@ -253,6 +253,47 @@ def test_a_quantized_layer_the_budget_keeps_resident_computes_with_the_streamed_
     assert torch.equal(bad[0].weight.isnan(), before.isnan()) and bad[0].weight.nan_to_num().equal(before.nan_to_num())
 
 
+class _AttnNet(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc = nn.Sequential(*[nn.Linear(128, 128) for _ in range(3)])
+        self.attn = nn.MultiheadAttention(128, 2, batch_first=True)  # a tensor group
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        return self.attn(*(self.fc(x),) * 3, need_weights=False)[0]
+
+
+def test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_too():
+    """A streamed quantized layer re-quantizes what load_state_dict() or copy_() writes
+    into it; one the planner kept resident computed with the written values as they
+    were: the numbers after loading a checkpoint depended on the budget. Now both
+    budgets give the same outputs, after a load and after copy_() into a Linear's weight
+    and into a tensor group's tensor (an attention's out_proj, read by the group's own
+    forward)."""
+    x = torch.randn(2, 3, 128)
+    new, other = _AttnNet(1).state_dict(), _AttnNet(2)
+    outs, resident = [], []
+    for budget in (None, "64MiB"):
+        m = _AttnNet(0)
+        h = layerstream.offload(m, device="sim", quantize="int8", budget=budget)
+        resident.append(sum(not p.is_meta for p in m.parameters() if p.dim() == 2))
+        m.load_state_dict(new)
+        loaded = m(x)
+        with torch.no_grad():
+            m.fc[1].weight.copy_(other.fc[1].weight)
+            m.attn.out_proj.weight.copy_(other.attn.out_proj.weight)
+        outs.append((loaded, m(x)))
+        h.detach()
+    assert resident == [0, 5]  # all streamed, then all resident (3 Linear weights, the group's 2)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    plain = _AttnNet(0)
+    plain.load_state_dict(new)
+    assert not torch.allclose(outs[1][0], plain(x), rtol=0, atol=1e-6)  # quantized, not the loaded values
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):

@@ -339,8 +339,8 @@ MUTATIONS = [
         "the uncounted-training warning names torch's no_grad wrapper instead of the user's step() line"),
     Mutation(
         "resident-quantized-keeps-original-values", "python/layerstream/_offload.py",
-        "                for p, values in quantized_resident:\n                    p.copy_(values)",
-        "                for p, values in quantized_resident:\n                    pass",
+        "                    o._parameters[k].copy_(values)\n",
+        "",
         [P + "test_quant_offload.py::test_a_quantized_layer_the_budget_keeps_resident_computes_with_the_streamed_values"],
         "with quantize= and a budget, a layer the planner keeps resident computes with its unquantized weight"),
     Mutation(
@@ -419,4 +419,16 @@ MUTATIONS = [
         "if False and ddp is not None and _joining(ddp) and torch.is_grad_enabled()",
         [P + "test_distributed.py::test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_are_frozen"],
         "DDP's join() with trained streamed weights: the ranks' collectives stop pairing (gloo aborts a rank)"),
+    Mutation(
+        "resident-quant-writes-not-requantized", "python/layerstream/_offload.py",
+        "            handle._resident_quant.arm()  # later writes into them are quantized too\n",
+        "",
+        [P + "test_quant_offload.py::test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_too"],
+        "a checkpoint loaded into a quantized model: the layers the budget keeps resident compute unquantized"),
+    Mutation(
+        "resident-quant-call-unchecked", "python/layerstream/_guards.py",
+        "        if not torch.compiler.is_compiling():\n            self.refresh(module)",
+        "        pass",
+        [P + "test_quant_offload.py::test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_too"],
+        "copy_() into a quantized layer the budget keeps resident: it computes with the unquantized values"),
 ]
