@@ -125,6 +125,9 @@ class SavedActivations {
 
 class OffloadHandle {
  public:
+  // The engine's counters; with a budget, budget_bytes is the budget given to
+  // offload() and peak_device_bytes counts the layers the planner kept resident
+  // too (as Python's Handle.stats()); engine()->stats() has the slots' alone.
   EngineStats stats() const;
   void synchronize();
   // Restores plain computation: weights back to ordinary tensors on their
@@ -171,6 +174,8 @@ class OffloadHandle {
   std::vector<std::string> names_;
   std::vector<std::string> resident_;
   std::string plan_;
+  int64_t budget_bytes_ = -1;   // OffloadOptions::budget_bytes (stats())
+  uint64_t resident_bytes_ = 0;  // the planner's resident bytes (stats())
   std::vector<torch::Device> devices_;
   std::vector<Swap> swaps_;
   // suspend(): the tensors it moved to host memory and where they were.

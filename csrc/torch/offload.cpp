@@ -203,6 +203,7 @@ PlannerLayer planner_layer(const Item& it, quant::Format qformat, const options:
 struct Residency {
   std::set<std::string> resident;  // the layers the plan keeps on the device
   int64_t engine_budget = -1;      // what is left for the engine's slots
+  uint64_t resident_bytes = 0;     // the resident layers and the small always-resident tensors
   std::string plan;                // Plan::explain()
 };
 
@@ -248,6 +249,7 @@ Residency plan_residency(torch::nn::Module& root, const std::vector<Item>& items
       }
   r.engine_budget = static_cast<int64_t>(
       plan.budget_bytes - std::min(plan.budget_bytes, plan.resident_bytes + plan.fixed_resident_bytes + plan.train_bytes));
+  r.resident_bytes = plan.resident_bytes + plan.fixed_resident_bytes;
   r.plan = plan.explain();
   return r;
 }
@@ -291,7 +293,14 @@ std::shared_ptr<Engine> OffloadHandle::engine() const {
   return engine_;
 }
 
-EngineStats OffloadHandle::stats() const { return engine()->stats(); }
+EngineStats OffloadHandle::stats() const {
+  EngineStats s = engine()->stats();
+  if (budget_bytes_ >= 0) {  // the engine's budget is what the resident layers left for the slots
+    s.budget_bytes = budget_bytes_;
+    s.peak_device_bytes += resident_bytes_;
+  }
+  return s;
+}
 
 void OffloadHandle::synchronize() { engine()->synchronize(); }
 
@@ -381,6 +390,8 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
     const Residency r = plan_residency(root, items, found.collected, options, qformat, ties.groups);
     engine_options.budget_bytes = r.engine_budget;
     handle->plan_ = r.plan;
+    handle->budget_bytes_ = options.budget_bytes;
+    handle->resident_bytes_ = r.resident_bytes;
     std::vector<Item> streaming;
     for (auto& it : items) {
       if (!r.resident.count(it.name)) {

@@ -1488,6 +1488,12 @@ TEST(TorchOffload, BudgetIsPlannedAsInPython) {
   EXPECT_EQ(t->layers().size() + t->resident_layers().size(), 8u);
   EXPECT_GT(s.h2d_bytes, 0u);
   EXPECT_LE(static_cast<int64_t>(s.slots * s.slot_bytes) + resident * kLayer, opts.budget_bytes);
+  // The handle's stats, as Python's: the budget given, and a peak that counts the
+  // resident layers (the engine's own stats have what the slots got).
+  EXPECT_EQ(s.budget_bytes, opts.budget_bytes);
+  EXPECT_LT(t->engine()->stats().budget_bytes, opts.budget_bytes);
+  EXPECT_GE(static_cast<int64_t>(s.peak_device_bytes), static_cast<int64_t>(s.slots * s.slot_bytes) + resident * kLayer);
+  EXPECT_LE(static_cast<int64_t>(s.peak_device_bytes), opts.budget_bytes);
   t->detach();
 }
 

@@ -327,9 +327,18 @@ int run_demo(const DemoOptions& o) {
   if (budget < 0) {
     budget = std::max<int64_t>(static_cast<int64_t>(size.bytes / 4), static_cast<int64_t>(3 * size.slot_bytes));
     budget = static_cast<int64_t>(layerstream::slot_layout::align(static_cast<uint64_t>(budget)));
+    if (static_cast<uint64_t>(budget) >= size.bytes) budget = min_budget;  // a small model: 2 slots
+  }
+  if (o.budget < 0 && static_cast<uint64_t>(budget) >= size.bytes) {
+    throw UsageError{"the model's weights (" + std::to_string(size.bytes) + " bytes) fit in 2 slots of its "
+                     "largest layer: nothing would stream. Pass more --layers"};
   } else if (budget < min_budget) {
     throw UsageError{"--budget " + std::to_string(budget) + " bytes is below 2 slots of the largest streamed "
                      "layer '" + size.largest + "' (" + std::to_string(min_budget) + " bytes)"};
+  } else if (static_cast<uint64_t>(budget) >= size.bytes) {
+    throw UsageError{"--budget " + std::to_string(budget) + " bytes holds every weight of the model (" +
+                     std::to_string(size.bytes) + " bytes): nothing would stream. Pass a smaller budget "
+                     "(default: a quarter of the weights), or more --layers"};
   }
 
   std::printf("layerstream demo: character-level GPT, LibTorch C++ API, fp32\n");
@@ -429,7 +438,7 @@ int run_demo(const DemoOptions& o) {
               static_cast<long long>(budget), mib(static_cast<double>(budget)).c_str(),
               peak <= static_cast<double>(budget) ? "within budget" : "OVER BUDGET");
   // The depth the engine ran with: a slot per layer in flight beside the one in use.
-  const long long depth = std::min<long long>(opts.prefetch, static_cast<long long>(st.slots) - 1);
+  const long long depth = std::max<long long>(0, std::min<long long>(opts.prefetch, static_cast<long long>(st.slots) - 1));
   std::printf("slots                %.0f x %s, prefetch %lld\n", static_cast<double>(st.slots),
               mib(static_cast<double>(st.slot_bytes)).c_str(), depth);
   std::printf("host->device         %s per step (%.0f bytes in %d steps)\n", mib(static_cast<double>(st.h2d_bytes) / steps).c_str(),
@@ -459,16 +468,18 @@ int run_demo(const DemoOptions& o) {
     std::printf("ordering checker     %.0f races\n", static_cast<double>(st.ordering_errors));
   std::printf("max |loss diff|      %.2e (tolerance %.0e)\n", worst, tolerance);
   const bool races = static_cast<double>(st.ordering_errors) > 0;
-  const bool over = peak > static_cast<double>(budget);
+  const bool over = peak > static_cast<double>(budget);  // resident layers included (OffloadHandle::stats)
+  const bool none_streamed = st.h2d_bytes == 0;
   handle->detach();
   if (first_bad > 0) {
     std::fprintf(stderr, "layerstream demo: error: streamed loss differs from resident loss by more than %.0e "
                  "(first at step %d)\n", tolerance, first_bad);
     return 1;
   }
-  if (over || races) {
+  if (over || races || none_streamed) {
     std::fprintf(stderr, "layerstream demo: error: %s\n",
-                 over ? "peak device bytes exceeded the budget" : "the ordering checker reported races");
+                 over ? "peak device bytes exceeded the budget"
+                      : races ? "the ordering checker reported races" : "nothing streamed (0 bytes host to device)");
     return 1;
   }
   std::printf("OK: streamed training matches resident training under a %.1fx smaller device budget\n",

@@ -385,4 +385,11 @@ MUTATIONS = [
         [P + "test_misuse.py::test_detach_is_refused_while_a_fetched_group_is_held"],
         "detach() while another thread's layer holds a slot frees the scheduler its release goes through "
         "(use after free)"),
+    Mutation(
+        "cpp-handle-stats-omit-resident", "csrc/torch/offload.cpp",
+        "    s.peak_device_bytes += resident_bytes_;\n",
+        "",
+        ["gtest:test_torch_offload:*BudgetIsPlannedAsInPython*"],
+        "C++ OffloadHandle::stats(): the peak leaves out the layers the planner kept resident (Python counts "
+        "them), so a demo's \"within budget\" check could not fail"),
 ]
