@@ -438,6 +438,7 @@ void EngineImpl::ensure_scheduler() {
 // retiring the scheduler as a new layer does, keeping its trace for the next one.
 void EngineImpl::suspend() {
   auto scope = device_scope();
+  LetGoAfterUnlock let_go;  // Note [Saved tensors are let go after the lock]
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; there is nothing to suspend");
   if (suspended_) return;
@@ -562,6 +563,7 @@ void EngineImpl::begin_call() {
 
 void EngineImpl::synchronize() {
   auto scope = device_scope();
+  LetGoAfterUnlock let_go;  // Note [Saved tensors are let go after the lock]
   std::lock_guard<std::recursive_mutex> lock(mu_);
   wait_all_locked();
   force_recode_locked();  // trainable lossless weights: a `.data` write the sample missed
@@ -584,6 +586,7 @@ void EngineImpl::wait_lookups_locked() {
 
 void EngineImpl::detach(const std::vector<torch::Device>& devices) {
   auto scope = device_scope();
+  LetGoAfterUnlock let_go;  // Note [Saved tensors are let go after the lock]
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was already detached");
   LS_CHECK(devices.empty() || devices.size() == layers_.size(), "detach needs one device per layer");

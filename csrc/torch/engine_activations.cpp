@@ -20,6 +20,18 @@ const c10::StorageImpl* storage_of(const torch::Tensor& t) {
   return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
 }
 
+// Note [Saved tensors are let go after the lock]
+// A saved tensor can be the last owner of a storage that a Python object
+// shares (the pack hook read its untyped_storage()): destroying it takes the
+// GIL. Under mu_ that deadlocked (tests/python/test_threads.py): a thread in
+// stash_activation (the GIL released, for its wait) held mu_ and waited for
+// the GIL in the tensor's destructor, while another thread, in a Python
+// unpack or __del__ (the GIL held), waited for mu_. So tensors are let go
+// into this thread's list under the lock and destroyed after it, at the
+// outermost entry point of this thread (mu_ is recursive: depth counts them).
+thread_local std::vector<torch::Tensor> t_let_go;
+thread_local int t_let_go_depth = 0;
+
 bool inside(const void* p, const BufferRef& b) {
   const char* c = static_cast<const char*>(p);
   const char* lo = static_cast<const char*>(b.ptr);
@@ -33,6 +45,19 @@ EngineImpl::WeightsNotActivations::WeightsNotActivations(const DeviceParams& p) 
 
 EngineImpl::WeightsNotActivations::~WeightsNotActivations() { t_weights.resize(t_weights.size() - 4); }
 
+void EngineImpl::let_go_locked(torch::Tensor& t) {
+  if (t.defined()) t_let_go.push_back(std::move(t));
+  t = torch::Tensor();
+}
+
+EngineImpl::LetGoAfterUnlock::LetGoAfterUnlock() { ++t_let_go_depth; }
+
+EngineImpl::LetGoAfterUnlock::~LetGoAfterUnlock() {
+  if (--t_let_go_depth > 0) return;
+  std::vector<torch::Tensor> gone;
+  gone.swap(t_let_go);  // destroyed here, without the engine's lock
+}
+
 void EngineImpl::note_activation_bytes_locked(int64_t delta) {
   act_device_bytes_ += delta;
   act_peak_device_bytes_ = std::max(act_peak_device_bytes_, act_device_bytes_);
@@ -43,7 +68,7 @@ void EngineImpl::release_copied_locked() {
     auto it = stashed_.find(awaiting_copy_.front());
     if (it != stashed_.end() && it->second.device.defined()) {
       if (!backend_->query(it->second.to_host)) return;  // in saving order: the later ones are later
-      it->second.device = torch::Tensor();
+      let_go_locked(it->second.device);
       backend_->unwrap(it->second.device_ref);  // torch's memory again (the checker forgets it)
       it->second.device_ref = BufferRef();
       note_activation_bytes_locked(-static_cast<int64_t>(it->second.bytes));
@@ -54,6 +79,7 @@ void EngineImpl::release_copied_locked() {
 
 void EngineImpl::begin_activations(uint64_t device_budget) {
   auto scope = device_scope();
+  LetGoAfterUnlock let_go;
   std::lock_guard<std::recursive_mutex> lock(mu_);
   act_budget_ = device_budget;
   release_copied_locked();
@@ -84,6 +110,7 @@ int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
   auto scope = device_scope();
   Event wait;  // Note [Copies in flight]: waited for after the lock is released
   int64_t token;
+  LetGoAfterUnlock let_go;
   {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     token = stash_locked(t, &wait);
@@ -214,7 +241,7 @@ bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
   // torch's allocator orders the reuse after the copy instead, and the
   // tensor goes now (docs/design/activations.md, "Streams").
   if (cuda_index_ >= 0 && cuda_glue::record_stream(s.device, cuda_index_, act_stream_.native())) {
-    s.device = torch::Tensor();
+    let_go_locked(s.device);
     note_activation_bytes_locked(-static_cast<int64_t>(s.bytes));
   } else {
     awaiting_copy_.push_back(token);  // let go by release_copied_locked once its copy finished
@@ -244,6 +271,7 @@ void EngineImpl::copy_back_locked(Stashed& s) {
 
 torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) {
   auto scope = device_scope();
+  LetGoAfterUnlock let_go;
   std::lock_guard<std::recursive_mutex> lock(mu_);
   auto it = stashed_.find(token);
   LS_CHECK(it != stashed_.end(), "saved activation ", token, " was already released (its graph was freed); "
@@ -281,6 +309,7 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
 }
 
 void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
+  LetGoAfterUnlock let_go;
   std::lock_guard<std::recursive_mutex> lock(mu_);
   auto it = stashed_.find(token);
   if (it == stashed_.end()) return;
@@ -312,6 +341,8 @@ void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
   // What the checker still knows of this entry's device memory (wrapped): torch's again.
   if (s.device_ref.id) backend_->unwrap(s.device_ref);
   if (s.restored_ref.id) backend_->unwrap(s.restored_ref);
+  let_go_locked(s.device);
+  let_go_locked(s.restored);
   stashed_.erase(it);
 }
 

@@ -204,6 +204,7 @@ torch::Tensor EngineImpl::dequantized_part(int index, int part) {
 
 void EngineImpl::requantize_part(int index, int part, const torch::Tensor& dense) {
   auto scope = device_scope();
+  LetGoAfterUnlock let_go;  // Note [Saved tensors are let go after the lock]
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; write the module's tensor directly");
   LayerInfo& l = *layers_.at(static_cast<size_t>(index));

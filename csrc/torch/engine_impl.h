@@ -646,6 +646,18 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   };
   // Releases the device tensors whose copy to the host has finished.
   void release_copied_locked();
+  // Note [Saved tensors are let go after the lock]: a saved activation's
+  // tensor is never destroyed under mu_. let_go_locked() moves it to a list
+  // of this thread's; a LetGoAfterUnlock, declared before the lock_guard of a
+  // public entry point, destroys that list once the thread's outermost such
+  // entry point has released mu_.
+  static void let_go_locked(torch::Tensor& t);
+  struct LetGoAfterUnlock {
+    LetGoAfterUnlock();
+    ~LetGoAfterUnlock();
+    LetGoAfterUnlock(const LetGoAfterUnlock&) = delete;
+    LetGoAfterUnlock& operator=(const LetGoAfterUnlock&) = delete;
+  };
   // Starts copying a kept entry to the host (it leaves the device budget's
   // window); false when the host cap leaves no room (it stays kept).
   bool offload_locked(int64_t token, Stashed& s);

@@ -91,6 +91,7 @@ torch::Tensor quantized_values(const torch::Tensor& weight, int64_t rows, int64_
 
 void EngineImpl::requantize(int index, const torch::Tensor& dense) {
   auto scope = device_scope();
+  LetGoAfterUnlock let_go;  // Note [Saved tensors are let go after the lock]
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(!detached_, "this layerstream handle was detached; write the module's weight directly");
   LayerInfo& l = layer(index);

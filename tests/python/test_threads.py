@@ -290,3 +290,52 @@ def test_suspend_and_detach_wait_for_another_threads_call(offload_sim, what):
         assert handle.suspended
         handle.resume()
         assert torch.equal(model(x), ref(x))
+
+
+_SAVED_TENSORS_SCRIPT = r"""
+import copy, sys, threading, torch, torch.nn as nn
+import layerstream
+sys.setswitchinterval(1e-6)  # threads switch as often as possible
+torch.manual_seed(0)
+layers = []
+for _ in range(2):
+    layers += [nn.Linear(128, 128), nn.GELU()]
+model = nn.Sequential(*layers, nn.Linear(128, 8))
+ref = copy.deepcopy(model)
+layerstream.offload(model, device="sim", activations="host")
+def work():
+    torch.set_num_threads(1)
+    for _ in range(ROUNDS):
+        x = torch.randn(256, 128)
+        y = model(x)  # saved activations go to the host; freed without backward
+        with torch.no_grad():
+            assert torch.equal(y, ref(x))
+        del y
+threads = [threading.Thread(target=work) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("done")
+"""
+
+
+def test_threads_saving_and_freeing_activations_do_not_deadlock(tmp_path):
+    """offload(activations="host"), threads calling the model with gradients on and
+    dropping the outputs (their calls take turns): about one run in five hung for good.
+    A thread in stash_activation (the GIL released) destroyed a saved tensor under the
+    engine's lock, and the destructor waited for the GIL, which another thread held
+    while it waited for that lock (dropping its saved tensors in a Python __del__):
+    Note [Saved tensors are let go after the lock]. Runs in subprocesses, each bounded;
+    several rounds, so that the interleaving that hung comes up."""
+    import os
+    import subprocess
+    script = tmp_path / "saved.py"
+    script.write_text(_SAVED_TENSORS_SCRIPT.replace("ROUNDS", "40"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "..", "python")] +
+                                                      [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    for run in range(6):
+        try:
+            r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=45)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"run {run}: the threads hung (deadlock between the GIL and the engine's lock)")
+        assert r.returncode == 0 and "done" in r.stdout, r.stdout + r.stderr

@@ -392,4 +392,11 @@ MUTATIONS = [
         ["gtest:test_torch_offload:*BudgetIsPlannedAsInPython*"],
         "C++ OffloadHandle::stats(): the peak leaves out the layers the planner kept resident (Python counts "
         "them), so a demo's \"within budget\" check could not fail"),
+    Mutation(
+        "saved-tensor-destroyed-under-the-lock", "csrc/torch/engine_activations.cpp",
+        "  if (t.defined()) t_let_go.push_back(std::move(t));\n",
+        "",
+        [P + "test_threads.py::test_threads_saving_and_freeing_activations_do_not_deadlock"],
+        "a saved activation destroyed under the engine's lock: threads calling a model with "
+        "activations=\"host\" deadlock (the GIL against the lock)"),
 ]
