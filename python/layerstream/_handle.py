@@ -343,24 +343,14 @@ class Handle(_RefusesCopy):
 
     def _detach(self) -> None:
         engine = self._check()
+        # First what can fail, while nothing has changed: an error leaves the model
+        # offloaded and working, and the handle attached (as engine.detach()'s own
+        # refusals do): the weights rebuilt from the host store.
+        restored = self._restored_weights(engine)
         if self._suspended is not None:  # the resident parts back; no slots for detach
             self._move_back()
             self._end_suspension()
-        devices = []
-        dense = {}
-        for a in self._attached:
-            devices.append(a.devices[0])
-            if a.bnb_stats is not None:
-                # bitsandbytes weights: rebuilt from the same bytes.
-                dense[a.index] = engine.packed_codes(a.index)
-            elif a.packed_parts:
-                # A quantized tensor group: the dequantized values, per packed tensor.
-                dense[a.index] = {(o, k): engine.dequantized_part(a.index, part) for _, part, o, k in a.packed_parts}
-            elif engine.layer_format(a.index) and not a.prequantized and not isinstance(
-                    a.module._parameters.get("weight"), FileWeight):  # on disk: keeps its FileWeight
-                # Quantized by offload(): the dense values were not kept; restore the
-                # dequantized weights (lossy by the format's error bound).
-                dense[a.index] = engine.dequantized_weight(a.index)
+        devices = [a.devices[0] for a in self._attached]
         engine.detach(devices)
         if self._call_hook is not None:
             self._call_hook.remove()
@@ -382,25 +372,18 @@ class Handle(_RefusesCopy):
             self._group.forget_shards()
             self._group = self._sync_hook = self._group_hook = self._group_model = None
         for a in self._attached:
-            if a.index in dense and a.bnb_stats is not None:
-                import bitsandbytes as bnb
-                from ._prequant import _BNB_STORAGE
-                dev = torch.device(a.devices[0])
-                stats = dict(a.bnb_stats)
-                codes = dense[a.index].view(stats.pop(_BNB_STORAGE, torch.uint8))  # its container again
-                a.module.weight = bnb.nn.Params4bit.from_prequantized(
-                    data=codes.reshape(-1, 1).to(dev),
-                    # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
-                    quantized_stats=stats,
-                    requires_grad=False, device=dev, module=a.module)
-            elif a.index in dense and a.packed_parts:
-                for (o, k), value in dense[a.index].items():
-                    o._parameters[k] = nn.Parameter(value.to(a.devices[0]), requires_grad=False)
-            elif a.index in dense:
-                w = dense[a.index]
-                if a.strides is not None:  # the strides it had before offload() (e.g. channels_last)
-                    w = torch.empty_strided(w.shape, a.strides, dtype=w.dtype).copy_(w)
-                a.module.weight = nn.Parameter(w.to(a.devices[0]), requires_grad=False)
+            value = restored.get(a.index)
+            if value is None:
+                pass
+            elif a.bnb_stats is not None:
+                value.module = a.module  # as Params4bit.from_prequantized(module=...) sets them
+                a.module.quant_state = value.quant_state
+                a.module.weight = value
+            elif a.packed_parts:
+                for (o, k), part in value.items():
+                    o._parameters[k] = part
+            else:
+                a.module.weight = value
         for a in self._attached:
             for h in a.hooks:
                 h.remove()
@@ -446,6 +429,36 @@ class Handle(_RefusesCopy):
         self._device_reported = []
         self._root = None
         self._engine = None
+
+    def _restored_weights(self, engine) -> dict:
+        """The parameters detach() gives the layers whose weights the engine holds packed
+        (index -> the weight; a quantized tensor group's: (owner, key) -> each part's), built
+        before anything changes. bitsandbytes weights: rebuilt from the same bytes. Quantized
+        by offload(): the dense values were not kept, so the dequantized ones (lossy by the
+        format's error bound), in the strides the weight had (e.g. channels_last)."""
+        out = {}
+        for a in self._attached:
+            if a.bnb_stats is not None:
+                import bitsandbytes as bnb
+                from ._prequant import _BNB_STORAGE
+                dev = torch.device(a.devices[0])
+                stats = dict(a.bnb_stats)
+                codes = engine.packed_codes(a.index).view(stats.pop(_BNB_STORAGE, torch.uint8))  # its container
+                out[a.index] = bnb.nn.Params4bit.from_prequantized(
+                    data=codes.reshape(-1, 1).to(dev),
+                    # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
+                    quantized_stats=stats, requires_grad=False, device=dev)  # its module: set by _detach
+            elif a.packed_parts:
+                out[a.index] = {(o, k): nn.Parameter(engine.dequantized_part(a.index, part).to(a.devices[0]),
+                                                     requires_grad=False)
+                                for _, part, o, k in a.packed_parts}
+            elif engine.layer_format(a.index) and not a.prequantized and not isinstance(
+                    a.module._parameters.get("weight"), FileWeight):  # on disk: keeps its FileWeight
+                w = engine.dequantized_weight(a.index)
+                if a.strides is not None:  # the strides it had before offload() (e.g. channels_last)
+                    w = torch.empty_strided(w.shape, a.strides, dtype=w.dtype).copy_(w)
+                out[a.index] = nn.Parameter(w.to(a.devices[0]), requires_grad=False)
+        return out
 
     def __repr__(self):
         if self._engine is None:

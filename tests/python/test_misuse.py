@@ -297,6 +297,43 @@ def test_parameters_viewing_one_flat_buffer_are_refused():
     handle.detach()
 
 
+def test_a_failure_while_detach_rebuilds_the_weights_changes_nothing(monkeypatch):
+    """detach() rebuilds each weight offload() quantized from the host store (in the strides
+    it had); that could fail (it did on an expand()ed weight, now refused by offload(); a
+    device out of memory) after the engine had let go of every layer: the handle counted
+    as detached, the failing layer and the ones after it stayed data-less, and the model
+    could neither run nor be detached again. Everything that can fail now happens before
+    anything changes: the error propagates, the model stays offloaded and runs, and
+    detach() goes ahead once the cause is gone."""
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(3)]).requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = layerstream.offload(model, device="sim", quantize="lossless")
+    x = torch.randn(2, 16)
+    assert torch.equal(model(x), ref(x))
+    before = _state(model)
+    real, calls = torch.empty_strided, []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_strided", failing)
+    with pytest.raises(MemoryError, match="injected"):
+        handle.detach()
+    monkeypatch.undo()
+    assert len(calls) == 2
+    _assert_unchanged(before, model)
+    assert handle.layers == ["0", "1", "2"] and handle.stats()["steps"] >= 1  # not detached
+    assert torch.equal(model(x), ref(x))
+    handle.detach()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q) and type(p) is nn.Parameter, n
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert torch.equal(model(x), ref(x))
+
+
 def test_offload_warnings_name_the_callers_line():
     """offload() runs its steps in functions of its own; a warning from any of them
     (discovery, ties, formats) still points at the line that called offload()."""

@@ -419,4 +419,20 @@ MUTATIONS = [
         "if False and ddp is not None and _joining(ddp) and torch.is_grad_enabled()",
         [P + "test_distributed.py::test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_are_frozen"],
         "DDP's join() with trained streamed weights: the ranks' collectives stop pairing (gloo aborts a rank)"),
+    Mutation(
+        "detach-rebuilds-weights-after-letting-go", "python/layerstream/_handle.py",
+        "        restored = self._restored_weights(engine)\n"
+        "        if self._suspended is not None:  # the resident parts back; no slots for detach\n"
+        "            self._move_back()\n"
+        "            self._end_suspension()\n"
+        "        devices = [a.devices[0] for a in self._attached]\n"
+        "        engine.detach(devices)\n",
+        "        if self._suspended is not None:  # the resident parts back; no slots for detach\n"
+        "            self._move_back()\n"
+        "            self._end_suspension()\n"
+        "        devices = [a.devices[0] for a in self._attached]\n"
+        "        engine.detach(devices)\n"
+        "        restored = self._restored_weights(engine)\n",
+        [P + "test_misuse.py::test_a_failure_while_detach_rebuilds_the_weights_changes_nothing"],
+        "detach() rebuilds the quantized weights after the engine let go: a failure leaves them data-less for good"),
 ]
