@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 import copy
+import functools
 
 import pytest
 import torch
@@ -333,6 +334,53 @@ def test_a_failure_while_detach_rebuilds_the_weights_changes_nothing(monkeypatch
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert torch.equal(model(x), ref(x))
 
+
+def _doubled(forward, x):
+    return forward(x) * 2
+
+
+class _SlotWrapper:
+    """A wrapper that keeps the forward it wraps where detach() cannot see it."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __call__(self, x):
+        return self._inner(x) * 2
+
+
+@pytest.mark.parametrize("how", ["partial", "slots"])
+def test_detach_refuses_a_wrapper_that_keeps_the_streamed_forward_out_of_reach(how):
+    """A forward wrapper installed on a streamed layer after offload() that holds
+    layerstream's forward where detach() cannot put the layer's own forward back (a
+    functools.partial's arguments) or find it (an object with __slots__): detach() used
+    to drop the wrapper (other outputs, silently). It now refuses before anything
+    changes, naming the layer, the wrapper and the fix; the model still runs, wrapped;
+    with the wrapper removed, detach() goes ahead."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    handle = layerstream.offload(model, device="sim")
+    streamed = model[2].forward
+    model[2].forward = functools.partial(_doubled, streamed) if how == "partial" else _SlotWrapper(streamed)
+    x = torch.randn(3, 32)
+    assert torch.equal(model(x), ref[2](ref[1](ref[0](x))) * 2)
+    before, wrapper = _state(model), model[2].forward
+    name = r"test_misuse\._doubled" if how == "partial" else r"a test_misuse\._SlotWrapper object"
+    where = r"cannot replace it \(in a functools.partial" if how == "partial" else "does not find it"
+    with pytest.raises(LayerstreamError, match=rf"detach\(\): the forward of streamed layer '2' was wrapped after "
+                                               rf"offload\(\) by {name}, which .*{where}.*Nothing was changed: "
+                                               rf"remove that wrapper first"):
+        handle.detach()
+    _assert_unchanged(before, model)
+    assert model[2].__dict__["forward"] is wrapper and model[0].__dict__["forward"] is not None
+    assert handle.layers == ["0", "2"]
+    assert torch.equal(model(x), ref[2](ref[1](ref[0](x))) * 2)
+    model[2].forward = streamed  # the fix the message names
+    handle.detach()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert torch.equal(model(x), ref(x))
 
 def test_offload_warnings_name_the_callers_line():
     """offload() runs its steps in functions of its own; a warning from any of them

@@ -420,6 +420,19 @@ MUTATIONS = [
         [P + "test_distributed.py::test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_are_frozen"],
         "DDP's join() with trained streamed weights: the ranks' collectives stop pairing (gloo aborts a rank)"),
     Mutation(
+        "detach-drops-a-later-wrapper", "python/layerstream/_handle.py",
+        "    if current is ours or current is None:\n        return \"own\"\n",
+        "    if True:\n        return \"own\"\n",
+        [P + "test_errors.py::test_a_wrapper_installed_after_offload_keeps_working_after_detach",
+         P + "test_errors.py::test_accelerate_cpu_offload_on_an_offloaded_model"],
+        "detach() removes a forward wrapper installed after offload() (accelerate's hooks): other outputs, silently"),
+    Mutation(
+        "detach-keeps-a-wrapper-calling-the-stale-forward", "python/layerstream/_handle.py",
+        "    if places and not fixed:\n        return places\n",
+        "    if True:\n        return places\n",
+        [P + "test_misuse.py::test_detach_refuses_a_wrapper_that_keeps_the_streamed_forward_out_of_reach"],
+        "detach() goes ahead under a wrapper that keeps the streamed forward where it cannot be put back"),
+    Mutation(
         "detach-rebuilds-weights-after-letting-go", "python/layerstream/_handle.py",
         "        restored = self._restored_weights(engine)\n"
         "        if self._suspended is not None:  # the resident parts back; no slots for detach\n"
