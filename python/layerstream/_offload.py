@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _conv_args, _discover,
-                         _group_slots, _split_tied, check_no_group_offloading,
+from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_self_overlap, _check_no_shared_storage,
+                         _conv_args, _discover, _group_slots, _split_tied, check_no_group_offloading,
                          layerwise_casting)
 from ._forward import _GroupForward, _PlainCopy, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
@@ -254,6 +254,7 @@ def offload(
         dequant_dtype, compute_dtype = _set_dtypes(opts, dequant_dtype, cast)
     candidates, tie_groups = _split_tied(model, candidates, compute_device)
     _check_no_shared_storage(model, candidates)
+    _check_no_self_overlap(candidates)
     tied_names = {n for g in tie_groups for n in g}
     # Embedding tables stay in host memory and are looked up there (no slot, no planner
     # entry, no quantization): only the rows a batch names cross the bus.

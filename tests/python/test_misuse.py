@@ -298,6 +298,42 @@ def test_parameters_viewing_one_flat_buffer_are_refused():
     handle.detach()
 
 
+@pytest.mark.parametrize("quantize", [None, "lossless", "int8"])
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_a_parameter_whose_memory_overlaps_itself_is_refused(quantize, which):
+    """An expand()ed parameter (stride 0: one row for all) used to be accepted: offload()
+    streamed a dense copy, and detach() failed on torch's "more than one element of the
+    written-to tensor refers to a single memory location" with the handle counted as
+    detached and that layer and the ones after it left data-less (quantized) or with
+    other strides (quantize=None). offload() now refuses it before anything changes,
+    naming the parameter and both fixes; each fix works."""
+    model = _mlp().requires_grad_(False)
+    shape = model[2]._parameters[which].shape
+    row = torch.randn(shape[1:]).unsqueeze(0) if which == "weight" else torch.randn(1)
+    model[2]._parameters[which] = nn.Parameter(row.expand(shape), requires_grad=False)
+    ref = copy.deepcopy(model)
+    before = _state(model)
+    with pytest.raises(LayerstreamError, match=rf"parameter '2.{which}' has shape .* strides \(0,.*overlaps "
+                                               rf"itself.*detach\(\) could not give back.*"
+                                               rf"p.data = p.data.contiguous\(\).*exclude=\['2'\]"):
+        layerstream.offload(model, device="sim", quantize=quantize)
+    _assert_unchanged(before, model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    x = torch.randn(3, 32)
+    handle = layerstream.offload(model, device="sim", quantize=quantize, exclude=["2"])
+    assert handle.layers == ["0"]
+    handle.detach()
+    model[2]._parameters[which].data = model[2]._parameters[which].data.contiguous()
+    handle = layerstream.offload(model, device="sim", quantize=quantize)
+    assert handle.layers == ["0", "2"]
+    if quantize != "int8":
+        assert torch.equal(model(x), ref(x))
+    handle.detach()
+    assert not any(p.is_meta for p in model.parameters())
+    if quantize != "int8":
+        assert torch.equal(model(x), ref(x))
+
+
 def test_a_failure_while_detach_rebuilds_the_weights_changes_nothing(monkeypatch):
     """detach() rebuilds each weight offload() quantized from the host store (in the strides
     it had); that could fail (it did on an expand()ed weight, now refused by offload(); a

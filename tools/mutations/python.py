@@ -448,4 +448,10 @@ MUTATIONS = [
         "        restored = self._restored_weights(engine)\n",
         [P + "test_misuse.py::test_a_failure_while_detach_rebuilds_the_weights_changes_nothing"],
         "detach() rebuilds the quantized weights after the engine let go: a failure leaves them data-less for good"),
+    Mutation(
+        "self-overlapping-weight-streamed", "python/layerstream/_offload.py",
+        "    _check_no_self_overlap(candidates)\n",
+        "",
+        [P + "test_misuse.py::test_a_parameter_whose_memory_overlaps_itself_is_refused"],
+        "an expand()ed (stride 0) weight streams; detach() cannot write it back in its layout"),
 ]
