@@ -286,6 +286,41 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
                 f"these layers resident (offload(exclude=[...])).")
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` are at one address (expand()ed, or an as_strided view
+    that revisits its memory). torch answers for dense layouts and stride 0; for other
+    views: unless each stride, smallest first, steps past everything the smaller ones
+    reach, the layout counts as overlapping (a sufficient rule for distinct addresses)."""
+    answer = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: torch cannot tell
+    if answer != 2:
+        return answer == 1
+    reach = 0
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _check_no_self_overlap(candidates: list) -> None:
+    """Refuses, before anything changes, a streamed parameter whose memory overlaps itself
+    (nn.Parameter(row.expand(n, -1)): one row for all, stride 0). offload() would stream
+    a dense copy of it, and detach() could not give it back: its strides cannot be written."""
+    for name, module, kind in candidates:
+        params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
+                  [(k, module._parameters.get(k)) for k in ("weight", "bias")])
+        for pn, p in params:
+            if p is None or p.is_meta or _is_wrapper(p) or p.numel() == 0 or not _overlaps_itself(p):
+                continue
+            raise LayerstreamError(
+                f"parameter '{f'{name}.{pn}' if name else pn}' has shape {tuple(p.shape)} and strides "
+                f"{tuple(p.stride())}: its memory overlaps itself (an expand()ed view, or as_strided), so "
+                f"several of its elements are one value in memory. offload() would stream a dense copy, "
+                f"which detach() could not give back in that layout. Give it memory of its own before "
+                f"offload() (p.data = p.data.contiguous()), or keep the layer resident "
+                f"(offload(exclude=[{name!r}])).")
+
+
 def _selected(name: str, include, exclude) -> bool:
     def match(patterns):
         if patterns is None:

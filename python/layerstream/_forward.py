@@ -172,8 +172,9 @@ class _StreamedForward(_RefusesCopy):
                 (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
             raise LayerstreamError(
                 f"the parameters of streamed layer '{self._name}' were replaced after offload() (e.g. "
-                f"by load_state_dict(assign=True), assigning a new nn.Parameter, or "
-                f"torch.func.functional_call); layerstream streams the original ones. Copy new "
+                f"by accelerate's cpu_offload() or dispatch_model(), load_state_dict(assign=True), assigning "
+                f"a new nn.Parameter, or torch.func.functional_call); layerstream streams the original ones. "
+                f"Copy new "
                 f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
                 f"call handle.detach() first.")
         if self._frozen:  # only layers with stand-ins pay for the check (the disk tier, GGUF)

@@ -7,6 +7,7 @@ import functools
 import os
 import sys
 import threading
+import types
 import weakref
 from typing import Dict, List, Optional
 
@@ -29,7 +30,7 @@ class _Attached:
     """What offload() changed on one module, to undo it in detach()."""
 
     __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
-                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts", "owners")
+                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts", "owners", "forward")
 
     def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
                  prequantized=False, bnb_stats=None, hooks=(), strides=None):
@@ -48,6 +49,146 @@ class _Attached:
         # Other modules that own some of a tensor group's parameters (an attention's
         # out_proj): they got a _StreamedApply too.
         self.owners = []
+        # The forward offload() installed on the module (_StreamedForward, _GroupForward);
+        # None until then, and for an embedding subclass (its class is swapped instead).
+        self.forward = None
+
+
+# Note [A wrapper installed over a streamed forward]
+# offload() puts its forward (_Attached.forward) on each streamed module's instance. Code
+# that wraps the module's forward after that (accelerate's add_hook_to_module, which keeps
+# the forward it wraps in module._old_forward; a callable object or a closure that holds
+# it) calls ours from inside its wrapper. detach() undoes only its own forward: where the
+# wrapper keeps ours (an attribute of the module, an attribute of a callable or a closure
+# cell along the wrapper's chain of functools.partial objects, bound methods, functions
+# and __wrapped__), it puts the forward offload() replaced (the module's own: the instance
+# forward it had, else its class's, bound) in its place, and the wrapper stays and works;
+# removing it afterwards (accelerate's remove_hook_from_module) leaves the module as it was
+# before offload(). A wrapper that keeps ours where it cannot be replaced (a partial's
+# function or arguments, a bound method's), or where detach() does not find it, would call
+# the stale streamed forward after detach(), or be dropped: detach() refuses, before
+# anything changes, naming the wrapper.
+_WRAPPER_DEPTH = 8  # how deep detach() follows a wrapper's chain
+
+
+def _wrapper_refs(wrapper, ours) -> tuple:
+    """(places, fixed): where `wrapper` (a module's forward installed over `ours`) keeps
+    `ours`, each place a function that puts another value there (an attribute, a closure
+    cell, a default argument); and the objects that hold it where it cannot be replaced
+    (Note [A wrapper installed over a streamed forward]). Modules met on the way are not
+    searched (their attributes are the caller's)."""
+    places, fixed, seen = [], [], set()
+
+    def in_dict(d, key):
+        def put(value):
+            d[key] = value
+        return put
+
+    def in_cell(cell):
+        def put(value):
+            cell.cell_contents = value
+        return put
+
+    def in_defaults(fn):
+        def put(value):
+            fn.__defaults__ = tuple(value if d is ours else d for d in fn.__defaults__)
+        return put
+
+    def visit(obj, depth):
+        if obj is ours or id(obj) in seen or depth > _WRAPPER_DEPTH or isinstance(obj, nn.Module):
+            return
+        seen.add(id(obj))
+        inner = []
+        if isinstance(obj, functools.partial):
+            inner += [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, types.MethodType):
+            inner += [obj.__func__, obj.__self__]
+        if any(x is ours for x in inner):
+            fixed.append(obj)
+        if isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # a cell not filled yet
+                    continue
+                if value is ours:
+                    places.append(in_cell(cell))
+                else:
+                    inner.append(value)
+            defaults = obj.__defaults__ or ()
+            if any(d is ours for d in defaults):  # def fwd(x, base=module.forward): the loop idiom
+                places.append(in_defaults(obj))
+            inner += [d for d in defaults if d is not ours]
+            kwdefaults = obj.__kwdefaults__ or {}
+            places.extend(in_dict(kwdefaults, k) for k, v in kwdefaults.items() if v is ours)
+            inner += [v for v in kwdefaults.values() if v is not ours]
+        attrs = getattr(obj, "__dict__", None)
+        if type(attrs) is dict:  # an instance's or a function's own (a class's is a mappingproxy)
+            for key, value in attrs.items():
+                if value is ours:
+                    places.append(in_dict(attrs, key))
+                else:
+                    inner.append(value)
+        for x in inner:
+            if callable(x):
+                visit(x, depth + 1)
+
+    visit(wrapper, 0)
+    return places, fixed
+
+
+def _describe_callable(f) -> str:
+    """A wrapper as a refusal names it: its function's qualified name."""
+    while isinstance(f, functools.partial):
+        f = f.func
+    if isinstance(f, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return f"{getattr(f, '__module__', None) or '?'}.{getattr(f, '__qualname__', f.__name__)}"
+    return f"a {type(f).__module__}.{type(f).__qualname__} object"
+
+
+def _forward_restore(a: "_Attached"):
+    """How detach() puts `a`'s forward back: None (offload() installed none: an
+    embedding subclass, or a failure before the forward was swapped), "own" (ours is the
+    module's forward, or the forward was deleted since), or the places where a wrapper
+    keeps ours. Raises a LayerstreamError, changing nothing, for a wrapper that keeps it
+    where it cannot be replaced or found (Note [A wrapper installed over a streamed forward])."""
+    module, ours = a.module, a.forward
+    if ours is None:
+        return None
+    current = module.__dict__.get("forward")
+    if current is ours or current is None:
+        return "own"
+    places, fixed = _wrapper_refs(current, ours)
+    for key in [k for k, v in module.__dict__.items() if v is ours and k != "forward"]:  # module._old_forward
+        places.append(functools.partial(module.__dict__.__setitem__, key))
+    if places and not fixed:
+        return places
+    where = ("keeps it where detach() cannot replace it (in a functools.partial's arguments or a bound "
+             "method)" if fixed else "keeps it where detach() does not find it")
+    hook = getattr(module, "_hf_hook", None)
+    remedy = (f"remove the {type(hook).__name__} first (accelerate.hooks.remove_hook_from_module(module); "
+              f"recurse=True for a whole model accelerate hooked), then detach()" if hook is not None else
+              "remove that wrapper first (put back the forward it wrapped), then detach()")
+    raise LayerstreamError(
+        f"detach(): the forward of streamed layer '{a.name or '<root>'}' was wrapped after offload() by "
+        f"{_describe_callable(current)}{' (an accelerate hook)' if hook is not None else ''}, which calls "
+        f"layerstream's streamed forward and {where}; detach() would leave the wrapper calling a forward "
+        f"that no longer works, or drop the wrapper. Nothing was changed: {remedy}.")
+
+
+def _put_forward_back(a: "_Attached", restore) -> None:
+    """Undoes offload()'s forward on `a`'s module as _forward_restore said."""
+    module = a.module
+    if restore is None or restore == "own":
+        if a.had_forward:
+            module.forward = a.old_forward
+        else:
+            module.__dict__.pop("forward", None)
+        return
+    # A wrapper keeps ours: the module's own forward takes its place, the wrapper stays.
+    original = a.old_forward if a.had_forward else types.MethodType(type(module).forward, module)
+    for put in restore:
+        put(original)
 
 
 class Handle(_RefusesCopy):
@@ -344,24 +485,17 @@ class Handle(_RefusesCopy):
 
     def _detach(self) -> None:
         engine = self._check()
+        # First what can fail, while nothing has changed: a refusal or an error leaves the
+        # model offloaded and working, and the handle attached (as engine.detach()'s own
+        # refusals do). How each forward goes back (a wrapper installed since: Note [A
+        # wrapper installed over a streamed forward]), and the weights rebuilt from the
+        # host store.
+        forwards = [_forward_restore(a) for a in self._attached]
+        restored = self._restored_weights(engine)
         if self._suspended is not None:  # the resident parts back; no slots for detach
             self._move_back()
             self._end_suspension()
-        devices = []
-        dense = {}
-        for a in self._attached:
-            devices.append(a.devices[0])
-            if a.bnb_stats is not None:
-                # bitsandbytes weights: rebuilt from the same bytes.
-                dense[a.index] = engine.packed_codes(a.index)
-            elif a.packed_parts:
-                # A quantized tensor group: the dequantized values, per packed tensor.
-                dense[a.index] = {(o, k): engine.dequantized_part(a.index, part) for _, part, o, k in a.packed_parts}
-            elif engine.layer_format(a.index) and not a.prequantized and not isinstance(
-                    a.module._parameters.get("weight"), FileWeight):  # on disk: keeps its FileWeight
-                # Quantized by offload(): the dense values were not kept; restore the
-                # dequantized weights (lossy by the format's error bound).
-                dense[a.index] = engine.dequantized_weight(a.index)
+        devices = [a.devices[0] for a in self._attached]
         engine.detach(devices)
         if self._call_hook is not None:
             self._call_hook.remove()
@@ -384,26 +518,19 @@ class Handle(_RefusesCopy):
             self._group.forget_shards()
             self._group = self._sync_hook = self._group_hook = self._group_model = None
         for a in self._attached:
-            if a.index in dense and a.bnb_stats is not None:
-                import bitsandbytes as bnb
-                from ._prequant import _BNB_STORAGE
-                dev = torch.device(a.devices[0])
-                stats = dict(a.bnb_stats)
-                codes = dense[a.index].view(stats.pop(_BNB_STORAGE, torch.uint8))  # its container again
-                a.module.weight = bnb.nn.Params4bit.from_prequantized(
-                    data=codes.reshape(-1, 1).to(dev),
-                    # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
-                    quantized_stats=stats,
-                    requires_grad=False, device=dev, module=a.module)
-            elif a.index in dense and a.packed_parts:
-                for (o, k), value in dense[a.index].items():
-                    o._parameters[k] = nn.Parameter(value.to(a.devices[0]), requires_grad=False)
-            elif a.index in dense:
-                w = dense[a.index]
-                if a.strides is not None:  # the strides it had before offload() (e.g. channels_last)
-                    w = torch.empty_strided(w.shape, a.strides, dtype=w.dtype).copy_(w)
-                a.module.weight = nn.Parameter(w.to(a.devices[0]), requires_grad=False)
-        for a in self._attached:
+            value = restored.get(a.index)
+            if value is None:
+                pass
+            elif a.bnb_stats is not None:
+                value.module = a.module  # as Params4bit.from_prequantized(module=...) sets them
+                a.module.quant_state = value.quant_state
+                a.module.weight = value
+            elif a.packed_parts:
+                for (o, k), part in value.items():
+                    o._parameters[k] = part
+            else:
+                a.module.weight = value
+        for a, restore in zip(self._attached, forwards):
             for h in a.hooks:
                 h.remove()
             for t in a.module._parameters.values():
@@ -420,13 +547,8 @@ class Handle(_RefusesCopy):
             if original is not None:  # an Embedding subclass that looked up through super()
                 a.module.__class__ = original
                 a.module.__dict__.pop("_layerstream_lookup", None)
-            elif a.had_forward:
-                a.module.forward = a.old_forward
             else:
-                try:
-                    del a.module.forward
-                except AttributeError:
-                    pass
+                _put_forward_back(a, restore)
             for p in a.module.parameters(recurse=False):
                 if hasattr(p, "_is_memory_managed"):
                     del p._is_memory_managed
@@ -448,6 +570,36 @@ class Handle(_RefusesCopy):
         self._device_reported = []
         self._root = None
         self._engine = None
+
+    def _restored_weights(self, engine) -> dict:
+        """The parameters detach() gives the layers whose weights the engine holds packed
+        (index -> the weight; a quantized tensor group's: (owner, key) -> each part's), built
+        before anything changes. bitsandbytes weights: rebuilt from the same bytes. Quantized
+        by offload(): the dense values were not kept, so the dequantized ones (lossy by the
+        format's error bound), in the strides the weight had (e.g. channels_last)."""
+        out = {}
+        for a in self._attached:
+            if a.bnb_stats is not None:
+                import bitsandbytes as bnb
+                from ._prequant import _BNB_STORAGE
+                dev = torch.device(a.devices[0])
+                stats = dict(a.bnb_stats)
+                codes = engine.packed_codes(a.index).view(stats.pop(_BNB_STORAGE, torch.uint8))  # its container
+                out[a.index] = bnb.nn.Params4bit.from_prequantized(
+                    data=codes.reshape(-1, 1).to(dev),
+                    # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
+                    quantized_stats=stats, requires_grad=False, device=dev)  # its module: set by _detach
+            elif a.packed_parts:
+                out[a.index] = {(o, k): nn.Parameter(engine.dequantized_part(a.index, part).to(a.devices[0]),
+                                                     requires_grad=False)
+                                for _, part, o, k in a.packed_parts}
+            elif engine.layer_format(a.index) and not a.prequantized and not isinstance(
+                    a.module._parameters.get("weight"), FileWeight):  # on disk: keeps its FileWeight
+                w = engine.dequantized_weight(a.index)
+                if a.strides is not None:  # the strides it had before offload() (e.g. channels_last)
+                    w = torch.empty_strided(w.shape, a.strides, dtype=w.dtype).copy_(w)
+                out[a.index] = nn.Parameter(w.to(a.devices[0]), requires_grad=False)
+        return out
 
     def __repr__(self):
         if self._engine is None:

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_shared_storage, _conv_args, _discover,
-                         _group_slots, _split_tied, check_no_group_offloading,
+from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_self_overlap, _check_no_shared_storage,
+                         _conv_args, _discover, _group_slots, _split_tied, check_no_group_offloading,
                          layerwise_casting)
 from ._forward import _GroupForward, _PlainCopy, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
@@ -254,6 +254,7 @@ def offload(
         dequant_dtype, compute_dtype = _set_dtypes(opts, dequant_dtype, cast)
     candidates, tie_groups = _split_tied(model, candidates, compute_device)
     _check_no_shared_storage(model, candidates)
+    _check_no_self_overlap(candidates)
     tied_names = {n for g in tie_groups for n in g}
     # Embedding tables stay in host memory and are looked up there (no slot, no planner
     # entry, no quantization): only the rows a batch names cross the bus.
@@ -666,6 +667,7 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
             params = [o._parameters[k] for o, k, _ in slots]
         module.forward = _GroupForward(engine, index, old_forward or module.forward, module, slots,
                                        name or "<root>", n_experts)
+        a.forward = module.__dict__["forward"]  # what detach() undoes (_handle._forward_restore)
         # Each module that owns some of the tensors keeps them where they are on
         # model.to() (nn.MultiheadAttention: its out_proj too).
         for owner in dict.fromkeys(o for o, _, _ in slots):
@@ -752,6 +754,7 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
     else:
         module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
                                           module, name)
+        a.forward = module.__dict__["forward"]  # what detach() undoes (_handle._forward_restore)
     module._apply = _StreamedApply(module, compute_device, name or "<root>")
     for p in module.parameters(recurse=False):
         p._is_memory_managed = True

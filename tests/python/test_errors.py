@@ -361,6 +361,78 @@ def test_layer_with_a_forward_wrapped_on_the_instance_stays_resident(offload_sim
     assert torch.equal(model(x), ref(x))
 
 
+def _plus_one(forward):
+    def wrapper(x):
+        return forward(x) + 1
+    return wrapper
+
+
+def test_a_wrapper_installed_after_offload_keeps_working_after_detach(offload_sim):
+    """Forward wrappers installed on streamed layers after offload() (accelerate's
+    add_hook_to_module, which keeps the forward it wraps in module._old_forward; a closure;
+    a default argument)
+    used to be dropped by detach(): other outputs, silently; and accelerate's
+    remove_hook_from_module() then put layerstream's stale forward back (its next call:
+    "the weight of streamed layer ... was replaced", after detach). detach() now undoes
+    only its own forward: each wrapper keeps working over the layer's own forward, and
+    removing it leaves a plain module."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class Double(ModelHook):
+        def post_forward(self, module, output):
+            return output * 2
+
+    model = Named()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    for m in (model, ref):
+        add_hook_to_module(m.big, Double())
+        m.out.forward = _plus_one(m.out.forward)
+        m.small.forward = lambda x, base=m.small.forward: base(x) - 1  # a default argument
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), ref(x))
+    handle.detach()
+    assert torch.equal(model(x), ref(x))
+    assert model.big._old_forward.__func__ is nn.Linear.forward and model.big._old_forward.__self__ is model.big
+    assert model.out.forward.__closure__[0].cell_contents.__func__ is nn.Linear.forward
+    assert model.small.forward.__defaults__[0].__func__ is nn.Linear.forward
+    for m in (model, ref):
+        remove_hook_from_module(m.big)
+        m.out.forward = m.out.forward.__closure__[0].cell_contents
+    assert model.big.forward.__func__ is nn.Linear.forward
+    assert torch.equal(model(x), ref(x))
+
+
+def test_accelerate_cpu_offload_on_an_offloaded_model(offload_sim):
+    """accelerate's cpu_offload() on an offloaded model hooks every layer and swaps its
+    parameters for data-less ones (it loads them from its own copy, taken from the
+    state_dict, for each call). A streamed layer's call then refuses (its parameters were
+    replaced) naming cpu_offload; detach() used to drop accelerate's hooks from the
+    streamed layers, which then computed with the data-less weights: garbage (torch
+    2.14's linear on a meta weight returns uninitialised memory). detach() now leaves
+    accelerate's hooks working over the layers' own forwards: the outputs are the model's,
+    and removing the hooks gives the model back. (Quantized layers: cpu_offload() fails
+    reading their data-less stand-ins, before it changes anything.)"""
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with pytest.raises(LayerstreamError, match=r"parameters of streamed layer '0' were replaced after offload\(\) "
+                                               r"\(e.g. by accelerate's cpu_offload\(\)"):
+        model(ids)
+    handle.detach()
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+    remove_hook_from_module(model, recurse=True)
+    assert not any(p.is_meta for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+
 @pytest.mark.parametrize("where", ["third_layer", "moving_resident_weights"])
 def test_failure_while_attaching_undoes_what_was_attached(offload_sim, monkeypatch, where):
     """A failure part way through offload() (injected at the third layer, after the engine

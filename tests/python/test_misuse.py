@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 import copy
+import functools
 
 import pytest
 import torch
@@ -296,6 +297,126 @@ def test_parameters_viewing_one_flat_buffer_are_refused():
     assert torch.equal(model(x), want)
     handle.detach()
 
+
+@pytest.mark.parametrize("quantize", [None, "lossless", "int8"])
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_a_parameter_whose_memory_overlaps_itself_is_refused(quantize, which):
+    """An expand()ed parameter (stride 0: one row for all) used to be accepted: offload()
+    streamed a dense copy, and detach() failed on torch's "more than one element of the
+    written-to tensor refers to a single memory location" with the handle counted as
+    detached and that layer and the ones after it left data-less (quantized) or with
+    other strides (quantize=None). offload() now refuses it before anything changes,
+    naming the parameter and both fixes; each fix works."""
+    model = _mlp().requires_grad_(False)
+    shape = model[2]._parameters[which].shape
+    row = torch.randn(shape[1:]).unsqueeze(0) if which == "weight" else torch.randn(1)
+    model[2]._parameters[which] = nn.Parameter(row.expand(shape), requires_grad=False)
+    ref = copy.deepcopy(model)
+    before = _state(model)
+    with pytest.raises(LayerstreamError, match=rf"parameter '2.{which}' has shape .* strides \(0,.*overlaps "
+                                               rf"itself.*detach\(\) could not give back.*"
+                                               rf"p.data = p.data.contiguous\(\).*exclude=\['2'\]"):
+        layerstream.offload(model, device="sim", quantize=quantize)
+    _assert_unchanged(before, model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    x = torch.randn(3, 32)
+    handle = layerstream.offload(model, device="sim", quantize=quantize, exclude=["2"])
+    assert handle.layers == ["0"]
+    handle.detach()
+    model[2]._parameters[which].data = model[2]._parameters[which].data.contiguous()
+    handle = layerstream.offload(model, device="sim", quantize=quantize)
+    assert handle.layers == ["0", "2"]
+    if quantize != "int8":
+        assert torch.equal(model(x), ref(x))
+    handle.detach()
+    assert not any(p.is_meta for p in model.parameters())
+    if quantize != "int8":
+        assert torch.equal(model(x), ref(x))
+
+
+def test_a_failure_while_detach_rebuilds_the_weights_changes_nothing(monkeypatch):
+    """detach() rebuilds each weight offload() quantized from the host store (in the strides
+    it had); that could fail (it did on an expand()ed weight, now refused by offload(); a
+    device out of memory) after the engine had let go of every layer: the handle counted
+    as detached, the failing layer and the ones after it stayed data-less, and the model
+    could neither run nor be detached again. Everything that can fail now happens before
+    anything changes: the error propagates, the model stays offloaded and runs, and
+    detach() goes ahead once the cause is gone."""
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(3)]).requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = layerstream.offload(model, device="sim", quantize="lossless")
+    x = torch.randn(2, 16)
+    assert torch.equal(model(x), ref(x))
+    before = _state(model)
+    real, calls = torch.empty_strided, []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_strided", failing)
+    with pytest.raises(MemoryError, match="injected"):
+        handle.detach()
+    monkeypatch.undo()
+    assert len(calls) == 2
+    _assert_unchanged(before, model)
+    assert handle.layers == ["0", "1", "2"] and handle.stats()["steps"] >= 1  # not detached
+    assert torch.equal(model(x), ref(x))
+    handle.detach()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q) and type(p) is nn.Parameter, n
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert torch.equal(model(x), ref(x))
+
+
+def _doubled(forward, x):
+    return forward(x) * 2
+
+
+class _SlotWrapper:
+    """A wrapper that keeps the forward it wraps where detach() cannot see it."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __call__(self, x):
+        return self._inner(x) * 2
+
+
+@pytest.mark.parametrize("how", ["partial", "slots"])
+def test_detach_refuses_a_wrapper_that_keeps_the_streamed_forward_out_of_reach(how):
+    """A forward wrapper installed on a streamed layer after offload() that holds
+    layerstream's forward where detach() cannot put the layer's own forward back (a
+    functools.partial's arguments) or find it (an object with __slots__): detach() used
+    to drop the wrapper (other outputs, silently). It now refuses before anything
+    changes, naming the layer, the wrapper and the fix; the model still runs, wrapped;
+    with the wrapper removed, detach() goes ahead."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    handle = layerstream.offload(model, device="sim")
+    streamed = model[2].forward
+    model[2].forward = functools.partial(_doubled, streamed) if how == "partial" else _SlotWrapper(streamed)
+    x = torch.randn(3, 32)
+    assert torch.equal(model(x), ref[2](ref[1](ref[0](x))) * 2)
+    before, wrapper = _state(model), model[2].forward
+    name = r"test_misuse\._doubled" if how == "partial" else r"a test_misuse\._SlotWrapper object"
+    where = r"cannot replace it \(in a functools.partial" if how == "partial" else "does not find it"
+    with pytest.raises(LayerstreamError, match=rf"detach\(\): the forward of streamed layer '2' was wrapped after "
+                                               rf"offload\(\) by {name}, which .*{where}.*Nothing was changed: "
+                                               rf"remove that wrapper first"):
+        handle.detach()
+    _assert_unchanged(before, model)
+    assert model[2].__dict__["forward"] is wrapper and model[0].__dict__["forward"] is not None
+    assert handle.layers == ["0", "2"]
+    assert torch.equal(model(x), ref[2](ref[1](ref[0](x))) * 2)
+    model[2].forward = streamed  # the fix the message names
+    handle.detach()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert torch.equal(model(x), ref(x))
 
 def test_offload_warnings_name_the_callers_line():
     """offload() runs its steps in functions of its own; a warning from any of them

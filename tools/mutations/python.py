@@ -431,4 +431,39 @@ MUTATIONS = [
         "        pass",
         [P + "test_quant_offload.py::test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_too"],
         "copy_() into a quantized layer the budget keeps resident: it computes with the unquantized values"),
+    Mutation(
+        "detach-drops-a-later-wrapper", "python/layerstream/_handle.py",
+        "    if current is ours or current is None:\n        return \"own\"\n",
+        "    if True:\n        return \"own\"\n",
+        [P + "test_errors.py::test_a_wrapper_installed_after_offload_keeps_working_after_detach",
+         P + "test_errors.py::test_accelerate_cpu_offload_on_an_offloaded_model"],
+        "detach() removes a forward wrapper installed after offload() (accelerate's hooks): other outputs, silently"),
+    Mutation(
+        "detach-keeps-a-wrapper-calling-the-stale-forward", "python/layerstream/_handle.py",
+        "    if places and not fixed:\n        return places\n",
+        "    if True:\n        return places\n",
+        [P + "test_misuse.py::test_detach_refuses_a_wrapper_that_keeps_the_streamed_forward_out_of_reach"],
+        "detach() goes ahead under a wrapper that keeps the streamed forward where it cannot be put back"),
+    Mutation(
+        "detach-rebuilds-weights-after-letting-go", "python/layerstream/_handle.py",
+        "        restored = self._restored_weights(engine)\n"
+        "        if self._suspended is not None:  # the resident parts back; no slots for detach\n"
+        "            self._move_back()\n"
+        "            self._end_suspension()\n"
+        "        devices = [a.devices[0] for a in self._attached]\n"
+        "        engine.detach(devices)\n",
+        "        if self._suspended is not None:  # the resident parts back; no slots for detach\n"
+        "            self._move_back()\n"
+        "            self._end_suspension()\n"
+        "        devices = [a.devices[0] for a in self._attached]\n"
+        "        engine.detach(devices)\n"
+        "        restored = self._restored_weights(engine)\n",
+        [P + "test_misuse.py::test_a_failure_while_detach_rebuilds_the_weights_changes_nothing"],
+        "detach() rebuilds the quantized weights after the engine let go: a failure leaves them data-less for good"),
+    Mutation(
+        "self-overlapping-weight-streamed", "python/layerstream/_offload.py",
+        "    _check_no_self_overlap(candidates)\n",
+        "",
+        [P + "test_misuse.py::test_a_parameter_whose_memory_overlaps_itself_is_refused"],
+        "an expand()ed (stride 0) weight streams; detach() cannot write it back in its layout"),
 ]
