@@ -618,11 +618,11 @@ def _warn_unstreamable(model: nn.Module, grouped: list, compute_device: torch.de
         f"such modules whole (their own forward runs on the fetched tensors).", RuntimeWarning, stacklevel=4)
 
 
-def _warn_unmatched(model: nn.Module, **options) -> None:
-    """A pattern of include= or groups= that names no module is most likely a typo: the
-    modules the user meant then stream otherwise (or not at all), so say so. (exclude=
-    patterns are often written for several architectures at once, e.g. "lm_head": not
-    warned.)"""
+def _warn_unmatched(model: nn.Module, stacklevel: int = 4, **options) -> None:
+    """A pattern of include=, groups= or quantize={pattern: format} that names no module
+    is most likely a typo: the modules the user meant then stream otherwise (or not at
+    all, or unquantized), so say so. (exclude= patterns are often written for several
+    architectures at once, e.g. "lm_head": not warned.)"""
     names = [n for n, _ in model.named_modules() if n]
     for option, patterns in options.items():
         if patterns is None:
@@ -633,4 +633,4 @@ def _warn_unmatched(model: nn.Module, **options) -> None:
             warnings.warn(f"layerstream: offload({option}=...): {', '.join(repr(p) for p in unmatched)} "
                           f"match{'es' if len(unmatched) == 1 else ''} no module name (glob patterns on names "
                           f"such as {', '.join(repr(n) for n in names[:3])}; model.named_modules() lists them)",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=stacklevel)

@@ -14,8 +14,8 @@ import torch.nn as nn
 
 from . import _C
 from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_self_overlap, _check_no_shared_storage,
-                         _conv_args, _discover, _group_slots, _split_tied, check_no_group_offloading,
-                         layerwise_casting)
+                         _conv_args, _discover, _group_slots, _split_tied, _warn_unmatched,
+                         check_no_group_offloading, layerwise_casting)
 from ._forward import _GroupForward, _PlainCopy, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
@@ -116,8 +116,9 @@ def offload(
         decoded bit for bit into the weight's own dtype) for every streamed
         layer (layers
         whose shape the format cannot pack stay dense, with one warning), or a
-        dict {glob pattern: format or None} for per-layer choices (first match
-        wins; an explicit format that cannot pack a layer is an error).
+        dict {glob pattern on module names: format or None} for per-layer
+        choices (first match wins; an explicit format that cannot pack a layer
+        is an error; a pattern that names no module is warned).
         Quantized weights must be frozen (requires_grad False), except with
         "lossless": a trainable weight stays a dense parameter on the host
         (backward and the optimizer write it) and crosses the bus coded,
@@ -250,6 +251,8 @@ def offload(
     activation_budget = None if activations is None else parse_activations(activations, parse_bytes)
     _check_loadable(model)
     candidates, grouped = _discover(model, include, exclude, groups, compute_device)
+    if isinstance(quantize, dict):
+        _warn_unmatched(model, stacklevel=3, quantize=list(quantize))
     if compute_dtype is None and (cast := _layerwise_compute_dtype(candidates, dequant_dtype)) is not None:
         dequant_dtype, compute_dtype = _set_dtypes(opts, dequant_dtype, cast)
     candidates, tie_groups = _split_tied(model, candidates, compute_device)

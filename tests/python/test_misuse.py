@@ -271,6 +271,22 @@ def test_an_include_or_groups_pattern_that_names_no_module_is_warned():
     handle.detach()
 
 
+def test_a_quantize_pattern_that_names_no_module_is_warned():
+    """quantize={pattern: format} with a pattern that names no module (a typo, or a
+    parameter's name such as "0.weight") quantized nothing, silently: the layers the user
+    meant to pack streamed dense. Warned as include= and groups= patterns are, from the
+    caller's line; the matching pattern still applies."""
+    model = _mlp().requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = layerstream.offload(model, device="sim", quantize={"0.weight": "int8", "2": "int8"})
+    texts = [w for w in caught if "quantize=" in str(w.message) and "no module" in str(w.message)]
+    assert len(texts) == 1 and "offload(quantize=...): '0.weight' matches no module name" in str(texts[0].message)
+    assert texts[0].filename == __file__
+    assert handle.stats()["quantized_layers"] == 1  # "2" matched
+    handle.detach()
+
+
 # ---------------------------------------------------------------- shared storage
 
 def test_parameters_viewing_one_flat_buffer_are_refused():

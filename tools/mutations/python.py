@@ -466,4 +466,10 @@ MUTATIONS = [
         "",
         [P + "test_misuse.py::test_a_parameter_whose_memory_overlaps_itself_is_refused"],
         "an expand()ed (stride 0) weight streams; detach() cannot write it back in its layout"),
+    Mutation(
+        "quantize-pattern-typo-silent", "python/layerstream/_offload.py",
+        "        _warn_unmatched(model, stacklevel=3, quantize=list(quantize))\n",
+        "        pass\n",
+        [P + "test_misuse.py::test_a_quantize_pattern_that_names_no_module_is_warned"],
+        "a quantize={pattern: format} typo quantizes nothing, silently"),
 ]
