@@ -233,6 +233,18 @@ struct Sections {
   float* zeros;
 };
 
+// A row whose absmax is near FLT_MAX: absmax / top rounds up, and the top code
+// times that scale overflowed to Inf on dequantization. One ulp less is enough
+// (the top code then dequantizes a hair below absmax; docs/design/quant-formats.md).
+float top_code_finite(float scale, float top) {
+  return std::isinf(top * scale) ? std::nextafter(scale, 0.0f) : scale;
+}
+
+// pack_*'s failures: the flat index of the first non-finite source element, or
+// this bit with the index of an int4 group's first element whose dequantized
+// codes would overflow fp32.
+constexpr int64_t kOverflowBit = int64_t{1} << 62;
+
 template <class Load>
 int64_t pack_int8_rows(const Load& ld, int64_t cols, const Sections& s, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
@@ -243,7 +255,7 @@ int64_t pack_int8_rows(const Load& ld, int64_t cols, const Sections& s, int64_t 
       if (!finite(v)) return base + c;
       absmax = std::max(absmax, std::fabs(v));
     }
-    const float scale = absmax / 127.0f;
+    const float scale = top_code_finite(absmax / 127.0f, 127.0f);
     s.scales[r] = scale;
     int8_t* q = reinterpret_cast<int8_t*>(s.data) + base;
     if (scale == 0.0f) {
@@ -269,7 +281,7 @@ int64_t pack_fp8_rows(const Load& ld, int64_t cols, const Sections& s, int64_t r
       if (!finite(v)) return base + c;
       absmax = std::max(absmax, std::fabs(v));
     }
-    const float scale = absmax / 448.0f;
+    const float scale = top_code_finite(absmax / 448.0f, 448.0f);
     s.scales[r] = scale;
     uint8_t* q = s.data + base;
     if (scale == 0.0f) {
@@ -336,6 +348,8 @@ int64_t pack_int4_rows(const Load& ld, int64_t cols, const Sections& s, int64_t 
         for (int64_t i = 0; i < kInt4GroupSize; ++i) {
           const float x = rne_small(ld(base + i) / scale + zero);
           q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, x)));
+          // A range near ±FLT_MAX: (q - zero) * scale, as dequantization computes it.
+          if (std::isinf((static_cast<float>(q[i]) - zero) * scale)) return kOverflowBit | base;
         }
       }
       s.scales[r * groups + g] = scale;
@@ -391,6 +405,14 @@ void pack_impl(const PackedLayout& L, const Load& ld, void* dst, int num_threads
     }
     default:  // None and the GGUF formats: pack() refused them
       LS_INTERNAL_CHECK(false, "pack with format ", to_string(L.format));
+  }
+  if (bad >= 0 && (bad & kOverflowBit)) {
+    const int64_t at = bad & ~kOverflowBit;
+    LS_FAIL("cannot quantize to ", to_string(L.format), ": the weight [", L.rows, ", ", L.cols, "] has values "
+            "near the float32 limit (~3.4e38) in the group at row ", at / L.cols, ", columns ", at % L.cols, "..",
+            at % L.cols + kInt4GroupSize - 1, ": its range is too wide for a 4-bit code and a zero point (the "
+            "dequantized values would overflow to Inf). Quantize this layer with int8, fp8 or nf4 (scaled by "
+            "the largest magnitude), or keep it dense");
   }
   if (bad >= 0) {
     const float v = ld(bad);

@@ -435,6 +435,39 @@ TEST(QuantErrors, NaNAndInfNameTheElement) {
   }
 }
 
+// Finite weights near FLT_MAX: int8's and fp8's top code times a scale rounded up
+// dequantized to ±Inf; int4's zero point and a range spanning ±3.2e38 did too.
+TEST(QuantErrors, WeightsNearTheFloatLimitNeverDequantizeToInf) {
+  const float big = std::numeric_limits<float>::max();
+  for (Format f : {Format::Int8, Format::Fp8E4M3, Format::NF4}) {
+    SCOPED_TRACE(q::to_string(f));
+    std::vector<float> w(256);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = (i % 2 ? -1.0f : 1.0f) * big / static_cast<float>(1 + i % 3);
+    const q::PackedLayout L = q::layout_for(f, 1, 256);
+    const auto out = dequant_f32(L, pack_vec(f, w, 1, 256));
+    for (size_t i = 0; i < w.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(out[i])) << i << ": " << w[i] << " -> " << out[i];
+      // Within the stated bound: half a step (int8: absmax / 127 / 2), the format's relative one (fp8, nf4).
+      const double step = f == Format::Int8      ? big / 127.0 / 2
+                          : f == Format::Fp8E4M3 ? std::fabs(w[i]) / 16.0 + big / 448 / 1024
+                                                 : big * 0.161;
+      EXPECT_LE(std::fabs(static_cast<double>(out[i]) - w[i]), step * 1.0001) << i;
+    }
+  }
+  std::vector<float> w2(2 * 128, 1.0f);
+  w2[128 + 3] = -3.2e38f;
+  w2[128 + 7] = 3.2e38f;
+  const std::string msg2 = throws_message([&] { pack_vec(Format::Int4, w2, 2, 128); });
+  EXPECT_NE(msg2.find("near the float32 limit (~3.4e38) in the group at row 1, columns 0..127"), std::string::npos)
+      << msg2;
+  // A range that stays finite still packs: ±1.6e38 (zero point 8, 15 codes of 2.1e37).
+  w2[128 + 3] = -1.6e38f;
+  w2[128 + 7] = 1.6e38f;
+  const q::PackedLayout L = q::layout_for(Format::Int4, 2, 128);
+  const auto out = dequant_f32(L, pack_vec(Format::Int4, w2, 2, 128));
+  for (float v : out) ASSERT_TRUE(std::isfinite(v));
+}
+
 // ---------------------------------------------------------------- determinism, zeros, sources
 
 TEST(QuantThreads, OutputIndependentOfThreadCount) {

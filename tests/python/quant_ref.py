@@ -43,15 +43,20 @@ def _safe_div(a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return a / torch.where(s == 0, torch.ones_like(s), s)
 
 
+def _top_code_finite(scale, top):
+    """A scale whose top code would dequantize to Inf (absmax near FLT_MAX) steps one ulp down."""
+    return torch.where(torch.isinf(scale * top), torch.nextafter(scale, torch.zeros_like(scale)), scale)
+
+
 def _int8(m):
-    scale = m.abs().amax(1, keepdim=True) / 127.0  # fp32 division
+    scale = _top_code_finite(m.abs().amax(1, keepdim=True) / 127.0, 127.0)  # fp32 division
     q = torch.round(_safe_div(m, scale).clamp(-127.0, 127.0))  # torch.round: half to even
     q = torch.where(scale == 0, torch.zeros_like(q), q)
     return q * scale
 
 
 def _fp8(m):
-    scale = m.abs().amax(1, keepdim=True) / 448.0
+    scale = _top_code_finite(m.abs().amax(1, keepdim=True) / 448.0, 448.0)
     x = _safe_div(m, scale).clamp(-448.0, 448.0)  # e4m3fn saturates at 448
     dec = x.to(torch.float8_e4m3fn).to(torch.float32)  # round to nearest even, subnormals too
     return torch.where(scale == 0, torch.zeros_like(dec), dec * scale)

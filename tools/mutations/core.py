@@ -89,8 +89,8 @@ MUTATIONS = [
         "a re-code of a group's coded pieces does not wait for the routed copies still reading them"),
     Mutation(
         "int8-scale-128", "csrc/core/quant.cpp",
-        "    const float scale = absmax / 127.0f;",
-        "    const float scale = absmax / 128.0f;",
+        "    const float scale = top_code_finite(absmax / 127.0f, 127.0f);",
+        "    const float scale = top_code_finite(absmax / 128.0f, 127.0f);",
         ["gtest:test_quant:*", P + "test_quant_offload.py::test_streamed_values_equal_the_reference_dequantization"],
         "int8 packing with the wrong scale"),
     Mutation(
@@ -299,4 +299,16 @@ MUTATIONS = [
         [P + "test_host_tier_quant.py::test_two_models_with_other_weights_on_disk_keep_their_own_cache_files"],
         "a model with another set of weights on disk rewrites the cache file another handle streams (that one "
         "then fails)"),
+    Mutation(
+        "quant-top-code-overflows", "csrc/core/quant.cpp",
+        "  return std::isinf(top * scale) ? std::nextafter(scale, 0.0f) : scale;",
+        "  return scale;",
+        ["gtest:test_quant:*WeightsNearTheFloatLimit*"],
+        "int8/fp8: a row with values near FLT_MAX dequantizes its top code to Inf"),
+    Mutation(
+        "quant-int4-range-overflows", "csrc/core/quant.cpp",
+        "          if (std::isinf((static_cast<float>(q[i]) - zero) * scale)) return kOverflowBit | base;\n",
+        "",
+        ["gtest:test_quant:*WeightsNearTheFloatLimit*"],
+        "int4: a group spanning ±3.2e38 dequantizes to Inf, silently"),
 ]
