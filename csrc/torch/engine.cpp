@@ -533,12 +533,19 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
                "grad after offload(); a quantized weight is frozen (no gradient is computed for it). "
                "Train an adapter beside it (LoRA) or do not quantize this layer.");
   }
-  if (l.qformat == quant::Format::None && !l.on_disk())
-    LS_CHECK(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host, "the weight of streamed "
-           "layer '", l.name, "' was replaced or moved after offload() (e.g. by module.to(), "
-           ".cuda(), `param.data = ...` or load_state_dict(assign=True); in C++ set_data() or set_()); "
-           "layerstream keeps streamed weights in host memory. detach() the offload handle before "
-           "moving the model, or copy new values in place.");
+  if (l.qformat == quant::Format::None && !l.on_disk() &&
+      !(l.weight.device().is_cpu() && l.weight.data_ptr() == l.w_host)) {
+    const bool resized = l.weight.sizes().vec() != l.w_shape;
+    LS_FAIL("the weight of streamed layer '", l.name, "' was ",
+            resized ? "resized after offload() (from " + shape_str(l.w_shape) + " to " +
+                          shape_str(l.weight.sizes().vec()) + ": e.g. transformers' resize_token_embeddings())"
+                    : std::string("replaced or moved after offload() (e.g. by module.to(), .cuda(), `param.data = "
+                                  "...` (peft's merge_and_unload(safe_merge=True) does that: merge without "
+                                  "safe_merge, or detach() first) or load_state_dict(assign=True); in C++ "
+                                  "set_data() or set_())"),
+            "; layerstream keeps streamed weights in host memory. detach() the offload handle before changing "
+            "the model's weights this way (and offload() again after), or copy new values in place.");
+  }
   if (l.bias.defined() && !l.b_file)
     LS_CHECK(l.bias.device().is_cpu() && l.bias.data_ptr() == l.b_host, "the bias of streamed "
              "layer '", l.name, "' was replaced or moved after offload(); detach() the offload "

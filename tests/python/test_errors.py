@@ -701,6 +701,24 @@ def test_weight_moved_behind_the_engines_back_is_detected(offload_sim):
         model(torch.randn(2, 4))
 
 
+def test_a_streamed_weight_resized_after_offload_is_named_as_such(offload_sim):
+    """transformers' resize_token_embeddings() after offload() gives the table and head new
+    data of another shape: the error named module.to() and .cuda() instead. It names the
+    resize and both shapes; a `.data` swap of the same shape names peft's safe merge."""
+    model = Named()
+    offload_sim(model)
+    old = model.big.weight.data
+    model.big.weight.data = torch.randn(old.shape[0] + 2, old.shape[1])
+    shape = lambda t: "[" + ", ".join(map(str, t.shape)) + "]"  # noqa: E731
+    with pytest.raises(LayerstreamError, match=re.escape(
+            f"was resized after offload() (from {shape(old)} to {shape(model.big.weight)}: e.g. transformers' "
+            "resize_token_embeddings())")):
+        model(torch.randn(2, 4))
+    model.big.weight.data = old.clone()
+    with pytest.raises(LayerstreamError, match=re.escape("peft's merge_and_unload(safe_merge=True) does that")):
+        model(torch.randn(2, 4))
+
+
 def test_load_state_dict_assign_is_detected(offload_sim):
     model = Named()
     offload_sim(model)
