@@ -77,6 +77,19 @@ void EngineImpl::release_copied_locked() {
   }
 }
 
+uint64_t EngineImpl::prune_handed_out_locked(int64_t token) {
+  uint64_t dropped = 0;
+  auto keep = std::remove_if(handed_out_.begin(), handed_out_.end(), [&](const HandedOut& h) {
+    const bool gone = h.storage.expired();
+    if (!gone && h.token != token) return false;
+    if (gone) note_activation_bytes_locked(-static_cast<int64_t>(h.bytes));
+    else dropped += h.bytes;
+    return true;
+  });
+  handed_out_.erase(keep, handed_out_.end());
+  return dropped;
+}
+
 void EngineImpl::begin_activations(uint64_t device_budget) {
   auto scope = device_scope();
   LetGoAfterUnlock let_go;
@@ -280,6 +293,7 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   check_saved_version(s.version, s.saved_version, s.sizes);
   if (!s.offloaded) return s.device;
   release_copied_locked();
+  prune_handed_out_locked();
   // Its copy to the host has not finished and the tensor is still here:
   // handed back as it is (kept_until_copied). The sim copies it back, so that
   // the checker sees that path's order: the copy back after the copy to the
@@ -294,7 +308,11 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   torch::Tensor out = std::move(s.restored);
   s.restored = torch::Tensor();
   s.copying_back = false;
-  s.handed_out += s.bytes;
+  s.handed_out = true;
+  handed_out_.push_back({token,
+                         c10::weak_intrusive_ptr<c10::StorageImpl>(
+                             c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(out.storage().unsafeGetStorageImpl())),
+                         s.bytes});
   // The next `prefetch` offloaded stashes backward will unpack (saved
   // earlier) are coming back from now on; those already coming back count,
   // so that the copies back stay `prefetch` ahead and do not run further.
@@ -314,7 +332,8 @@ void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
   auto it = stashed_.find(token);
   if (it == stashed_.end()) return;
   Stashed& s = it->second;
-  int64_t held = static_cast<int64_t>(s.handed_out) + (s.device.defined() ? static_cast<int64_t>(s.bytes) : 0) +
+  const uint64_t handed = s.handed_out ? prune_handed_out_locked(token) : 0;  // the copies autograd still holds
+  int64_t held = static_cast<int64_t>(handed) + (s.device.defined() ? static_cast<int64_t>(s.bytes) : 0) +
                  (s.copying_back ? static_cast<int64_t>(s.bytes) : 0);
   note_activation_bytes_locked(-held);
   if (s.in_window) {

@@ -640,7 +640,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     BufferRef restored_ref;
     Event to_device;         // after the newest copy back
     bool copying_back = false;
-    uint64_t handed_out = 0;  // bytes of copies handed out, released at drop
+    bool handed_out = false;  // a copy back was handed to autograd (handed_out_ counts its bytes)
     std::optional<c10::VariableVersion> version;  // the saved tensor's counter (check_saved_version)
     uint32_t saved_version = 0;
   };
@@ -669,6 +669,19 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // allocator's memory, so that its checker sees that order (restore_activation).
   bool kept_until_copied(const Stashed& s) const { return s.device.defined() && cuda_index_ >= 0; }
   void note_activation_bytes_locked(int64_t delta);
+  // Copies back handed to autograd, counted in the activation bytes while their
+  // storage lives (autograd lets go once the node ran, or when the graph is
+  // freed; a retain_graph backward restores again: one entry per restore).
+  struct HandedOut {
+    int64_t token;
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    uint64_t bytes;
+  };
+  std::deque<HandedOut> handed_out_;
+  // Drops the entries whose storage is gone (their bytes leave the count); with
+  // `token`, that entry's live ones too (its graph was freed). Returns the live
+  // bytes of `token` it dropped.
+  uint64_t prune_handed_out_locked(int64_t token = -1);
   std::map<int64_t, Stashed> stashed_;
   std::deque<int64_t> awaiting_copy_;  // offloaded tokens still holding their device tensor
   // Copies to the host not seen finished (an event after each, its bytes),

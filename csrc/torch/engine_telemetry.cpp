@@ -42,7 +42,10 @@ EngineStats EngineImpl::stats() const {
   m.routed_fetches = routed_fetches_.load();
   m.activation_d2h_bytes = act_d2h_bytes_;
   m.activation_h2d_bytes = act_h2d_bytes_;
-  m.activation_device_bytes = static_cast<uint64_t>(act_device_bytes_);
+  int64_t released = 0;  // copies back autograd let go of since the last prune (prune_handed_out_locked)
+  for (const auto& h : handed_out_)
+    if (h.storage.expired()) released += static_cast<int64_t>(h.bytes);
+  m.activation_device_bytes = static_cast<uint64_t>(act_device_bytes_ - released);
   m.peak_activation_device_bytes = static_cast<uint64_t>(act_peak_device_bytes_);
   m.activation_host_bytes = act_host_bytes_;
   m.grad_staging_pinned_bytes = grad_pinned_bytes_;

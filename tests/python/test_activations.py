@@ -356,6 +356,27 @@ def test_backward_twice_with_retain_graph_and_a_graph_freed_without_backward(off
     assert_grads_match(model, ref, exact=True)
 
 
+def test_retain_graph_backwards_count_each_copy_back_only_while_autograd_holds_it(offload_sim):
+    """Each backward of a retained graph copies the offloaded activations back, and autograd
+    lets go of each copy once its node ran: activation_device_bytes counted every copy until
+    the graph was freed (4, 8, 12 x 128 KiB after three backwards, the peak too). Now it is 0
+    after each backward, and the peak does not grow with the backwards."""
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    handle = offload_sim(model, activations="host")
+    loss = model(torch.randn(128, 256)).square().sum()
+    handle.synchronize()
+    peaks = []
+    for _ in range(3):
+        loss.backward(retain_graph=True)
+        s = handle.stats()
+        assert s["activation_h2d_bytes"] > 0
+        assert s["activation_device_bytes"] == 0, s
+        peaks.append(s["peak_activation_device_bytes"])
+    assert peaks[0] == peaks[1] == peaks[2] > 0, peaks
+    del loss
+    assert handle.stats()["activation_device_bytes"] == 0
+
+
 def test_a_read_before_the_copy_back_lands_is_an_ordering_error():
     """The checker's view of the protocol: a restore that does not order the compute
     stream after its copy back (order_compute=False) is reported."""

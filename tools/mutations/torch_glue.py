@@ -399,4 +399,10 @@ MUTATIONS = [
         [P + "test_threads.py::test_threads_saving_and_freeing_activations_do_not_deadlock"],
         "a saved activation destroyed under the engine's lock: threads calling a model with "
         "activations=\"host\" deadlock (the GIL against the lock)"),
+    Mutation(
+        "handed-out-activations-counted-until-drop", "csrc/torch/engine_activations.cpp",
+        "  release_copied_locked();\n  prune_handed_out_locked();\n",
+        "  release_copied_locked();\n",
+        [P + "test_activations.py::test_retain_graph_backwards_count_each_copy_back_only_while_autograd_holds_it"],
+        "stats(): each retain_graph backward adds its copies back to the activation peak for good"),
 ]
