@@ -204,6 +204,14 @@ class _RootApply:
     def __init__(self, model: nn.Module, layers: list):
         self._model, self._layers = model, layers
 
+    def __deepcopy__(self, memo):
+        # A copy of a part of the model (copy.deepcopy(model.blocks[0])) is a plain
+        # module: its _apply checks nothing (its streamed layers' copies are plain too).
+        return _RootApply(memo.get(id(self._model), self._model), [])
+
+    def __reduce__(self):
+        return _RootApply, (self._model, [])
+
     def __call__(self, fn, recurse=True):
         # The verdict depends on the conversion and the dtype only: probe each
         # dtype once for all layers (their own _apply then finds it too).
@@ -217,6 +225,35 @@ class _RootApply:
         finally:
             for layer in self._layers:
                 layer._verdicts = None
+
+
+def install_subtree_checks(root: nn.Module, layers) -> list:
+    """A _RootApply on every module between `root` and its streamed modules (`layers`:
+    (name relative to root, the _apply objects of that layer's modules)), so that a
+    refused conversion of a part of the model (``model.blocks[0].half()``) raises before
+    any of that part changed, as the root's does: nn.Module._apply converts children in
+    order, and a LayerNorm before the streamed Linear was already fp16 when the Linear
+    refused. Modules with an _apply of their own (streamed ones) are left alone. Returns
+    the modules it installed on (detach() removes them)."""
+    below = {}
+    for name, applies in layers:
+        parts = name.split(".") if name else []
+        for i in range(1, len(parts)):
+            below.setdefault(".".join(parts[:i]), []).extend(applies)
+    installed = []
+    for prefix, applies in below.items():
+        module = root.get_submodule(prefix)
+        if "_apply" in module.__dict__:
+            continue
+        module._apply = _RootApply(module, applies)
+        installed.append(module)
+    return installed
+
+
+def remove_subtree_checks(modules: list) -> None:
+    for module in modules:
+        if isinstance(module.__dict__.get("_apply"), _RootApply):
+            del module.__dict__["_apply"]
 
 
 def _requested_move(kind: str, args, kwargs) -> Tuple[Optional[torch.device], Optional[torch.dtype], bool]:

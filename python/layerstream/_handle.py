@@ -20,7 +20,7 @@ from . import _C
 from ._discovery import _WHOLE_GROUPS
 from ._file_weight import FileWeight
 from ._forward import _RefusesCopy
-from ._guards import ResidentQuantized, _HostMove, _RootApply
+from ._guards import ResidentQuantized, _HostMove, _RootApply, remove_subtree_checks
 from ._interrupts import held_interrupts
 
 LayerstreamError = _C.LayerstreamError
@@ -199,6 +199,7 @@ class Handle(_RefusesCopy):
         self._attached = attached
         self._plan = plan  # the planner's decision when offload() had a budget
         self._root = None  # the model, when offload() installed a _RootApply on it
+        self._subtree_checks = []  # modules between it and the streamed ones (guards.install_subtree_checks)
         # (module, value) of the nn.TransformerEncoderLayer whose fused inference path
         # offload() turned off (_no_fused_encoder_path), to restore in detach().
         self._fused_off = []
@@ -549,6 +550,7 @@ class Handle(_RefusesCopy):
                 a.module.__dict__.pop("_layerstream_lookup", None)
             else:
                 _put_forward_back(a, restore)
+            a.forward = None  # the streamed forward (and its engine) go with the last other reference
             for p in a.module.parameters(recurse=False):
                 if hasattr(p, "_is_memory_managed"):
                     del p._is_memory_managed
@@ -557,6 +559,8 @@ class Handle(_RefusesCopy):
             a.module.__dict__.pop("__deepcopy__", None)
         if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
             del self._root.__dict__["_apply"]
+        remove_subtree_checks(self._subtree_checks)
+        self._subtree_checks = []
         for kind in self._host_moves:
             if self._root is not None and isinstance(self._root.__dict__.get(kind), _HostMove):
                 del self._root.__dict__[kind]

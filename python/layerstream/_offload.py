@@ -19,7 +19,7 @@ from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_self_overlap, 
 from ._forward import _GroupForward, _PlainCopy, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
-from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load
+from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load, install_subtree_checks
 from . import _distributed, _peft_params
 from ._activations import ActivationOffload, parse_activations
 from ._handle import CallHooks, Handle, _AddedTensorsFollow, _Attached
@@ -536,6 +536,8 @@ def _finish_attach(model, engine, attached, streamed_params, handle, grouped, co
         module = model.get_submodule(name)
         if id(module) not in streamed_ids:
             _WHOLE_GROUPS.discard(module)
+    handle._subtree_checks = install_subtree_checks(
+        model, [(a.name, [m._apply for m in [a.module] + a.owners]) for a in attached])
     if not isinstance(model.__dict__.get("_apply"), _StreamedApply):
         model._apply = _RootApply(model, [m._apply for a in attached for m in [a.module] + a.owners])
         handle._root = model

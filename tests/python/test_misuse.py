@@ -117,6 +117,40 @@ def test_move_to_meta_after_offload_is_refused_before_anything_changes():
     handle.detach()
 
 
+class _NormThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, h):
+        return self.up(self.norm(h))
+
+
+def test_a_refused_conversion_of_a_part_of_the_model_changes_nothing_and_a_copy_of_it_is_plain():
+    """model[0].half() on a block that holds a streamed Linear after a resident LayerNorm:
+    nn.Module._apply converted the LayerNorm to fp16 before the Linear refused, and every
+    later forward failed ("mixed dtype"). Each module between the model and its streamed
+    layers checks them first now, as the model itself does. A deep copy of such a block
+    is an ordinary module (its conversions are not checked), and detach() removes the
+    checks."""
+    model = nn.Sequential(_NormThenLinear(), _NormThenLinear())
+    handle = layerstream.offload(model, device="sim")
+    x = torch.randn(4, 32)
+    want = model(x)
+    before = _state(model)
+    for convert in (lambda m: m.half(), lambda m: m.to(torch.bfloat16)):
+        with pytest.raises(LayerstreamError, match="keeps its weights in host memory"):
+            convert(model[0])
+        _assert_unchanged(before, model)
+    assert torch.equal(model(x), want)
+    copied = copy.deepcopy(model[0]).half()
+    assert all(p.dtype == torch.float16 for p in copied.parameters())
+    handle.detach()
+    assert "_apply" not in model[0].__dict__
+    model[0].half()  # an ordinary module again
+    assert all(p.dtype == torch.float16 for p in model[0].parameters())
+
+
 # ---------------------------------------------------------------- modes and handles
 
 def test_offload_inside_inference_mode_is_refused():

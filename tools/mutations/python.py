@@ -472,4 +472,10 @@ MUTATIONS = [
         "        pass\n",
         [P + "test_misuse.py::test_a_quantize_pattern_that_names_no_module_is_warned"],
         "a quantize={pattern: format} typo quantizes nothing, silently"),
+    Mutation(
+        "part-of-model-conversion-unchecked", "python/layerstream/_offload.py",
+        "    handle._subtree_checks = install_subtree_checks(\n",
+        "    handle._subtree_checks = [] or (lambda *a: [])(\n",
+        [P + "test_misuse.py::test_a_refused_conversion_of_a_part_of_the_model_changes_nothing_and_a_copy_of_it_is_plain"],
+        "model.blocks[0].half() converts the block's resident layers before its streamed Linear refuses"),
 ]
