@@ -98,6 +98,29 @@ int64_t check_budget_bytes(int64_t bytes) {
   return bytes;
 }
 
+int64_t check_byte_cap(int64_t bytes, const char* what) {
+  LS_CHECK(bytes >= -1, what, " must be -1 (no cap) or a byte count >= 0, got ", bytes);
+  return bytes;
+}
+
+int64_t check_staging_bytes(int64_t bytes) {
+  LS_CHECK(bytes >= 0, "staging_bytes must be a byte count >= 0 (0: what the layers read through the staging "
+           "entries need at least), got ", bytes);
+  return bytes;
+}
+
+int64_t check_activation_min_bytes(int64_t bytes) {
+  LS_CHECK(bytes >= 0, "activation_min_bytes must be a byte count >= 0 (saved tensors smaller than it stay on "
+           "the device; 0: none does), got ", bytes);
+  return bytes;
+}
+
+int check_reader_threads(int64_t threads) {
+  LS_CHECK(threads >= 1 && threads <= INT32_MAX, "reader_threads must be >= 1 (threads reading one layer from "
+           "disk, the calling thread included; 1: that thread alone), got ", threads);
+  return static_cast<int>(threads);
+}
+
 uint64_t budget_bytes(const Budget& budget, uint64_t free_bytes) {
   if (!budget.fraction) return budget.bytes;
   return static_cast<uint64_t>(static_cast<long double>(free_bytes) * static_cast<long double>(budget.share));

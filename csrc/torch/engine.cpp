@@ -114,6 +114,13 @@ EngineImpl::EngineImpl(const EngineOptions& options)
   options::check_link_gbps(opts_.sim_h2d_gbps, "sim_h2d_gbps");
   options::check_link_gbps(opts_.sim_d2h_gbps, "sim_d2h_gbps");
   options::check_latency_us(opts_.sim_latency_us);
+  options::check_activation_min_bytes(opts_.activation_min_bytes);
+  options::check_byte_cap(opts_.activation_host_cap, "activation_host_cap");
+  options::check_byte_cap(opts_.activation_pinned_cap, "activation_pinned_cap");
+  options::check_byte_cap(opts_.grad_staging_pinned_cap, "grad_staging_pinned_cap");
+  options::check_byte_cap(opts_.store_pinned_cap, "store_pinned_cap");
+  options::check_staging_bytes(opts_.staging_bytes);
+  options::check_reader_threads(opts_.reader_threads);
   const options::Dtypes dtypes = options::check_dtypes(opts_.dequant_dtype, opts_.compute_dtype);
   dequant_dtype_ = scalar_type_of(dtypes.dequant);
   compute_dtype_ = scalar_type_of(dtypes.compute);

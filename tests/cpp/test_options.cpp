@@ -85,3 +85,18 @@ TEST(Options, CountsAndLink) {
   EXPECT_EQ(options::check_budget_bytes(-1), -1);
   EXPECT_HAS(error_of([] { options::check_budget_bytes(-2); }), "budget_bytes must be -1");
 }
+
+TEST(Options, EngineHostFields) {
+  EXPECT_EQ(options::check_byte_cap(-1, "store_pinned_cap"), -1);  // no cap
+  EXPECT_EQ(options::check_byte_cap(0, "store_pinned_cap"), 0);
+  EXPECT_HAS(error_of([] { options::check_byte_cap(-7, "store_pinned_cap"); }),
+             "store_pinned_cap must be -1 (no cap) or a byte count >= 0, got -7");
+  EXPECT_EQ(options::check_staging_bytes(0), 0);  // the least needed
+  EXPECT_HAS(error_of([] { options::check_staging_bytes(-5); }), "staging_bytes must be a byte count >= 0");
+  EXPECT_EQ(options::check_activation_min_bytes(0), 0);
+  EXPECT_HAS(error_of([] { options::check_activation_min_bytes(-1); }),
+             "activation_min_bytes must be a byte count >= 0");
+  EXPECT_EQ(options::check_reader_threads(1), 1);
+  EXPECT_HAS(error_of([] { options::check_reader_threads(0); }), "reader_threads must be >= 1");
+  EXPECT_HAS(error_of([] { options::check_reader_threads(-1); }), "reader_threads must be >= 1");
+}

@@ -1586,6 +1586,43 @@ TEST(TorchOffload, AutoDeviceFallingBackToSimWarnsOnceWhy) {
   EXPECT_NE(warnings[0].find("device \"sim\""), std::string::npos) << warnings[0];
 }
 
+// The host-tier and activation fields of EngineOptions are checked when the
+// engine is made (core/options.h), each naming what it takes; their
+// "unset" values (-1: no cap; staging_bytes 0: the least needed) work.
+TEST(TorchOffload, EngineRefusesBadHostOptions) {
+  auto error_of = [](void (*set)(layerstream::EngineOptions&)) {
+    layerstream::EngineOptions o = sim_options();
+    set(o);
+    try {
+      layerstream::Engine::create(o);
+    } catch (const layerstream::Error& e) {
+      return e.message();
+    }
+    ADD_FAILURE() << "no error";
+    return std::string();
+  };
+  auto has = [](const std::string& text, const char* needle) {
+    EXPECT_NE(text.find(needle), std::string::npos) << text;
+  };
+  has(error_of([](auto& o) { o.staging_bytes = -5; }), "staging_bytes must be a byte count >= 0");
+  has(error_of([](auto& o) { o.reader_threads = 0; }), "reader_threads must be >= 1");
+  has(error_of([](auto& o) { o.reader_threads = -1; }), "reader_threads must be >= 1");
+  has(error_of([](auto& o) { o.activation_min_bytes = -1; }), "activation_min_bytes must be a byte count >= 0");
+  has(error_of([](auto& o) { o.store_pinned_cap = -7; }), "store_pinned_cap must be -1 (no cap)");
+  has(error_of([](auto& o) { o.activation_host_cap = -2; }), "activation_host_cap must be -1 (no cap)");
+  has(error_of([](auto& o) { o.activation_pinned_cap = -2; }), "activation_pinned_cap must be -1 (no cap)");
+  has(error_of([](auto& o) { o.grad_staging_pinned_cap = -2; }), "grad_staging_pinned_cap must be -1 (no cap)");
+  layerstream::EngineOptions ok = sim_options();
+  ok.store_pinned_cap = ok.activation_host_cap = ok.activation_pinned_cap = ok.grad_staging_pinned_cap = -1;
+  ok.staging_bytes = 0;
+  ok.activation_min_bytes = 0;
+  ok.reader_threads = 1;
+  EXPECT_NO_THROW(layerstream::Engine::create(ok));
+  ok.store_pinned_cap = ok.activation_host_cap = ok.activation_pinned_cap = ok.grad_staging_pinned_cap = 0;
+  ok.staging_bytes = 1 << 20;
+  EXPECT_NO_THROW(layerstream::Engine::create(ok));
+}
+
 TEST(TorchOffload, SavedActivationsOfAnOffloadedModelGoToTheHost) {
   // OffloadOptions::activations and OffloadHandle::saved_activations(): what the forward
   // saves while the scope lives goes through the engine; gradients equal the model's

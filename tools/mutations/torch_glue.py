@@ -399,4 +399,11 @@ MUTATIONS = [
         [P + "test_threads.py::test_threads_saving_and_freeing_activations_do_not_deadlock"],
         "a saved activation destroyed under the engine's lock: threads calling a model with "
         "activations=\"host\" deadlock (the GIL against the lock)"),
+    Mutation(
+        "engine-host-options-unchecked", "csrc/torch/engine.cpp",
+        "  options::check_staging_bytes(opts_.staging_bytes);\n  options::check_reader_threads(opts_.reader_threads);\n",
+        "",
+        ["gtest:test_torch_offload:*EngineRefusesBadHostOptions*"],
+        "EngineOptions::staging_bytes < 0 and reader_threads < 1 are taken without a word (a negative staging "
+        "size read as the least, 0 reader threads as 1)"),
 ]
