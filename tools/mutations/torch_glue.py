@@ -406,4 +406,10 @@ MUTATIONS = [
         ["gtest:test_torch_offload:*EngineRefusesBadHostOptions*"],
         "EngineOptions::staging_bytes < 0 and reader_threads < 1 are taken without a word (a negative staging "
         "size read as the least, 0 reader threads as 1)"),
+    Mutation(
+        "adamw-takes-an-empty-list", "csrc/torch/host_optim.cpp",
+        "  LS_CHECK(!params.empty(), \"layerstream::optim::AdamW got an empty parameter list",
+        "  LS_CHECK(true, \"layerstream::optim::AdamW got an empty parameter list",
+        ["gtest:test_torch_optim:*AdamWRefusesAnEmptyParameterList*"],
+        "layerstream::optim::AdamW made with no parameters steps nothing, silently (torch.optim refuses it)"),
 ]
