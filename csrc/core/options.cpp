@@ -20,6 +20,11 @@ std::string trimmed_lower(const std::string& s) {
 }
 }  // namespace
 
+bool names_share(const std::string& text) {
+  const std::string t = trimmed_lower(text);
+  return t == "auto" || (!t.empty() && t.back() == '%');
+}
+
 Budget parse_budget(const std::string& text) {
   const std::string t = trimmed_lower(text);
   Budget b;
@@ -28,7 +33,7 @@ Budget parse_budget(const std::string& text) {
     b.share = kAutoFraction;
     return b;
   }
-  if (!t.empty() && t.back() == '%') {
+  if (names_share(text)) {  // not "auto": a percentage
     const std::string number = t.substr(0, t.size() - 1);
     char* end = nullptr;
     const double pct = std::strtod(number.c_str(), &end);

@@ -35,6 +35,11 @@ constexpr double kAutoFraction = 0.6;
 // Text: "auto", "40%", or a size ("12GiB", "500MB", "1.5e9", "123"; see
 // parse_bytes in planner.h: whole bytes, so "0.5" is refused and names "50%").
 Budget parse_budget(const std::string& text);
+// Whether `text` is a budget form that takes a share of free device memory
+// ("auto" or a percentage) rather than a byte count: parse_budget's test, for
+// callers that know no device (the command line's plan and demo take byte
+// counts only).
+bool names_share(const std::string& text);
 // A number (Python's int or float): 0 < value < 1 is a share of free device
 // memory; otherwise a whole, non-negative byte count below 2^63.
 Budget budget_from_number(double value);

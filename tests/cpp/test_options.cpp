@@ -50,6 +50,12 @@ TEST(Options, BudgetTexts) {
   EXPECT_HAS(error_of([] { options::parse_budget("0%"); }), "(0, 100]");
   EXPECT_HAS(error_of([] { options::parse_budget("x%"); }), "(0, 100]");
   EXPECT_HAS(error_of([] { options::parse_budget("12 parsecs"); }), "invalid size");
+  // The share forms, which callers without a device refuse by this test.
+  EXPECT_TRUE(options::names_share("auto"));
+  EXPECT_TRUE(options::names_share(" 50% "));
+  EXPECT_TRUE(options::names_share("150%"));  // a share, if a bad one
+  EXPECT_FALSE(options::names_share("12GiB"));
+  EXPECT_FALSE(options::names_share("0.5"));
 }
 
 TEST(Options, BudgetNumbers) {
