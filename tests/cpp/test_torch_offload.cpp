@@ -1623,6 +1623,45 @@ TEST(TorchOffload, EngineRefusesBadHostOptions) {
   EXPECT_NO_THROW(layerstream::Engine::create(ok));
 }
 
+// "cuda" without a visible GPU: the advice names the caller's spelling of the
+// simulated device (C++: OffloadOptions::device; Python: device='sim'; the
+// command line: --device sim), from one rule (resolve_device).
+TEST(TorchOffload, CudaWithoutAGpuAdvisesEachCallersSpelling) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is visible";
+  auto message = [](const std::string& device, layerstream::DeviceSpelling spelling) {
+    try {
+      layerstream::resolve_device(device, spelling);
+    } catch (const layerstream::Error& e) {
+      return e.message();
+    }
+    ADD_FAILURE() << "no error for " << device;
+    return std::string();
+  };
+  layerstream::EngineOptions o;
+  o.device = "cuda";
+  std::string cpp;
+  try {
+    layerstream::Engine::create(o);
+    ADD_FAILURE() << "no error for device cuda";
+  } catch (const layerstream::Error& e) {
+    cpp = e.message();
+  }
+  EXPECT_NE(cpp.find("OffloadOptions::device = \"sim\""), std::string::npos) << cpp;
+  EXPECT_NE(cpp.find("torch::cuda::is_available() is false"), std::string::npos) << cpp;
+  EXPECT_EQ(cpp.find("device='sim'"), std::string::npos) << cpp;
+  EXPECT_EQ(cpp.find("torch.cuda"), std::string::npos) << cpp;
+  EXPECT_EQ(cpp, message("cuda", layerstream::DeviceSpelling::Cpp));
+  const std::string py = message("cuda:0", layerstream::DeviceSpelling::Python);
+  EXPECT_NE(py.find("use device='sim'"), std::string::npos) << py;
+  EXPECT_NE(py.find("torch.cuda.is_available() is False"), std::string::npos) << py;
+  const std::string cli = message("cuda", layerstream::DeviceSpelling::Cli);
+  EXPECT_NE(cli.find("use --device sim"), std::string::npos) << cli;
+  EXPECT_EQ(cli.find("device='sim'"), std::string::npos) << cli;
+  EXPECT_EQ(cli.find("torch.cuda"), std::string::npos) << cli;
+  const std::string cpu = message("cpu", layerstream::DeviceSpelling::Cpp);
+  EXPECT_NE(cpu.find("OffloadOptions::device = \"sim\""), std::string::npos) << cpu;
+}
+
 TEST(TorchOffload, SavedActivationsOfAnOffloadedModelGoToTheHost) {
   // OffloadOptions::activations and OffloadHandle::saved_activations(): what the forward
   // saves while the scope lives goes through the engine; gradients equal the model's

@@ -264,15 +264,7 @@ int run_demo(const DemoOptions& o) {
   if (!std::getenv("OMP_NUM_THREADS"))
     at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2));
   // ---- device ----
-  std::string resolved;
-  try {
-    resolved = layerstream::resolve_device(o.device);
-  } catch (const layerstream::Error& e) {
-    if (o.device.rfind("cuda", 0) != 0) throw;
-    (void)e;  // its advice is in API terms (device='sim')
-    LS_FAIL("--device ", o.device, ": no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is false), "
-            "or this build has no CUDA support; run with --device sim for the simulated device");
-  }
+  const std::string resolved = layerstream::resolve_device(o.device, layerstream::DeviceSpelling::Cli);
   const bool sim = resolved == "sim";
   const torch::Device dev = sim ? torch::Device(torch::kCPU) : torch::Device(resolved);
   std::string device_line;

@@ -407,6 +407,14 @@ MUTATIONS = [
         "EngineOptions::staging_bytes < 0 and reader_threads < 1 are taken without a word (a negative staging "
         "size read as the least, 0 reader threads as 1)"),
     Mutation(
+        "device-advice-in-python-everywhere", "csrc/torch/engine.cpp",
+        "  const DeviceAdvice advice = device_advice(spelling);",
+        "  const DeviceAdvice advice = device_advice(DeviceSpelling::Python);",
+        ["gtest:test_torch_offload:*CudaWithoutAGpuAdvisesEachCallersSpelling*",
+         P + "test_cli_demo_bench.py::test_demo_cuda_without_a_gpu_names_the_cli_option"],
+        "device \"cuda\" without a GPU advises device='sim' and torch.cuda.is_available() to C++ and "
+        "command-line users"),
+    Mutation(
         "adamw-takes-an-empty-list", "csrc/torch/host_optim.cpp",
         "  LS_CHECK(!params.empty(), \"layerstream::optim::AdamW got an empty parameter list",
         "  LS_CHECK(true, \"layerstream::optim::AdamW got an empty parameter list",
