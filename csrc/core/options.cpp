@@ -20,6 +20,11 @@ std::string trimmed_lower(const std::string& s) {
 }
 }  // namespace
 
+bool names_share(const std::string& text) {
+  const std::string t = trimmed_lower(text);
+  return t == "auto" || (!t.empty() && t.back() == '%');
+}
+
 Budget parse_budget(const std::string& text) {
   const std::string t = trimmed_lower(text);
   Budget b;
@@ -28,7 +33,7 @@ Budget parse_budget(const std::string& text) {
     b.share = kAutoFraction;
     return b;
   }
-  if (!t.empty() && t.back() == '%') {
+  if (names_share(text)) {  // not "auto": a percentage
     const std::string number = t.substr(0, t.size() - 1);
     char* end = nullptr;
     const double pct = std::strtod(number.c_str(), &end);
@@ -96,6 +101,29 @@ double check_latency_us(double us, const char* what) {
 int64_t check_budget_bytes(int64_t bytes) {
   LS_CHECK(bytes >= -1, "budget_bytes must be -1 (no budget) or a byte count >= 0, got ", bytes);
   return bytes;
+}
+
+int64_t check_byte_cap(int64_t bytes, const char* what) {
+  LS_CHECK(bytes >= -1, what, " must be -1 (no cap) or a byte count >= 0, got ", bytes);
+  return bytes;
+}
+
+int64_t check_staging_bytes(int64_t bytes) {
+  LS_CHECK(bytes >= 0, "staging_bytes must be a byte count >= 0 (0: what the layers read through the staging "
+           "entries need at least), got ", bytes);
+  return bytes;
+}
+
+int64_t check_activation_min_bytes(int64_t bytes) {
+  LS_CHECK(bytes >= 0, "activation_min_bytes must be a byte count >= 0 (saved tensors smaller than it stay on "
+           "the device; 0: none does), got ", bytes);
+  return bytes;
+}
+
+int check_reader_threads(int64_t threads) {
+  LS_CHECK(threads >= 1 && threads <= INT32_MAX, "reader_threads must be >= 1 (threads reading one layer from "
+           "disk, the calling thread included; 1: that thread alone), got ", threads);
+  return static_cast<int>(threads);
 }
 
 uint64_t budget_bytes(const Budget& budget, uint64_t free_bytes) {

@@ -35,6 +35,11 @@ constexpr double kAutoFraction = 0.6;
 // Text: "auto", "40%", or a size ("12GiB", "500MB", "1.5e9", "123"; see
 // parse_bytes in planner.h: whole bytes, so "0.5" is refused and names "50%").
 Budget parse_budget(const std::string& text);
+// Whether `text` is a budget form that takes a share of free device memory
+// ("auto" or a percentage) rather than a byte count: parse_budget's test, for
+// callers that know no device (the command line's plan and demo take byte
+// counts only).
+bool names_share(const std::string& text);
 // A number (Python's int or float): 0 < value < 1 is a share of free device
 // memory; otherwise a whole, non-negative byte count below 2^63.
 Budget budget_from_number(double value);
@@ -58,6 +63,18 @@ double check_link_gbps(double gbps, const char* what = "sim_link_gbps");
 double check_latency_us(double us, const char* what = "sim_latency_us");
 // A C++ budget in bytes: -1 (none) or >= 0.
 int64_t check_budget_bytes(int64_t bytes);
+
+// EngineOptions' host-memory fields (each names itself in the message):
+// a cap in bytes is -1 (no cap) or >= 0 (store_pinned_cap,
+// activation_host_cap, activation_pinned_cap, grad_staging_pinned_cap);
+// staging_bytes and activation_min_bytes are byte counts >= 0 (staging_bytes
+// 0: what the layers read through the staging entries need at least);
+// reader_threads is >= 1 (threads reading one layer from disk, the calling
+// thread included).
+int64_t check_byte_cap(int64_t bytes, const char* what);
+int64_t check_staging_bytes(int64_t bytes);
+int64_t check_activation_min_bytes(int64_t bytes);
+int check_reader_threads(int64_t threads);
 
 // dequant_dtype and compute_dtype: "" (none: each weight's own dtype) or a
 // float dtype ("float32", "bfloat16", "float16"; quant::parse_out_dtype's

@@ -134,7 +134,10 @@ struct Plan {
   std::string bound() const;
   double stall_s() const { return step_time_s > compute_time_s ? step_time_s - compute_time_s : 0.0; }
 
-  std::string explain() const;  // human-readable table + summary
+  // Human-readable table + summary. host_budget: the caller places the
+  // streamed layers under a host budget (core/host_tier.h) and prints that
+  // placement itself; the pinned-RAM line then says it is the need without one.
+  std::string explain(bool host_budget = false) const;
   std::string to_json() const;  // one JSON object (schema in docs/design/planner.md)
 };
 

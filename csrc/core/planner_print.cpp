@@ -108,7 +108,7 @@ std::string json_number(double v) {
   return buf;
 }
 
-std::string Plan::explain() const {
+std::string Plan::explain(bool host_budget) const {
   std::string out;
   char buf[512];
   size_t w = 5;
@@ -141,8 +141,14 @@ std::string Plan::explain() const {
                 pct, format_bytes(budget_bytes).c_str());
   out += buf;
   const std::string tables = num_lookup ? " + " + std::to_string(num_lookup) + " looked-up tables" : "";
-  std::snprintf(buf, sizeof buf, "host RAM needed (pinned): %s (%zu streamed layers%s)\n",
-                format_bytes(host_pinned_bytes).c_str(), num_streamed, tables.c_str());
+  if (host_budget)
+    std::snprintf(buf, sizeof buf,
+                  "host RAM needed (pinned): %s without a host budget (%zu streamed layers%s, all in RAM); "
+                  "under the host budget: see host: below\n",
+                  format_bytes(host_pinned_bytes).c_str(), num_streamed, tables.c_str());
+  else
+    std::snprintf(buf, sizeof buf, "host RAM needed (pinned): %s (%zu streamed layers%s)\n",
+                  format_bytes(host_pinned_bytes).c_str(), num_streamed, tables.c_str());
   out += buf;
   std::snprintf(buf, sizeof buf, "slots:                    %d of %s, prefetch depth %d\n", num_slots,
                 format_bytes(slot_bytes).c_str(), prefetch_depth);

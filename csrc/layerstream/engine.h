@@ -645,8 +645,11 @@ void set_grad_hook_probe(GradHookProbe probe);
 
 // Resolves a device string for the engine ("auto" and "cuda": the current CUDA
 // device, as in PyTorch); throws a clear error for unknown devices or "cuda"
-// without a visible GPU.
-std::string resolve_device(const std::string& device);
+// without a visible GPU. `spelling` is the caller's API: the errors' advice
+// names its way of choosing the simulated device (C++: OffloadOptions::device
+// = "sim"; Python: device='sim'; the command line: --device sim).
+enum class DeviceSpelling { Cpp, Python, Cli };
+std::string resolve_device(const std::string& device, DeviceSpelling spelling = DeviceSpelling::Cpp);
 
 // Autograd's check of a saved tensor at unpack, for saved-tensor hooks (under
 // them torch skips it): throws its "modified by an inplace operation" error when

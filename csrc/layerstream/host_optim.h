@@ -391,6 +391,7 @@ class AdamW {
   class Overlap;
   // One group; add_param_group() adds more (lr, betas, eps, weight_decay,
   // state_precision of its own; max_grad_norm and seed are the optimizer's).
+  // `params` must not be empty (throws, as torch.optim does).
   AdamW(std::vector<torch::Tensor> params, AdamWOptions options = {});
   void add_param_group(std::vector<torch::Tensor> params, AdamWOptions options);
   // Steps every parameter that has a gradient (clipping first if set).

@@ -124,7 +124,10 @@ PYBIND11_MODULE(_C, m) {
     PyErr_WarnEx(PyExc_RuntimeWarning, ("layerstream: " + msg).c_str(), 1);
   });
 
-  m.def("resolve_device", &layerstream::resolve_device, py::arg("device"));
+  m.def(
+      "resolve_device",
+      [](const std::string& device) { return layerstream::resolve_device(device, layerstream::DeviceSpelling::Python); },
+      py::arg("device"));
   // The option rules (core/options.h), for offload()'s arguments: a bad
   // argument is Python's ValueError, with the rule's message.
 #define LS_VALUE_ERRORS(expr)                   \

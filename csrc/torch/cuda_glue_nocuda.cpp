@@ -10,7 +10,7 @@ int device_count() { return 0; }
 int current_device() { return 0; }
 std::shared_ptr<Backend> make_backend(int) {
   LS_FAIL("this layerstream build has no CUDA support (built against a CPU-only LibTorch or "
-          "without the CUDA toolkit); use device='sim'");
+          "without the CUDA toolkit); use the simulated device, \"sim\"");
 }
 bool capturing(int) { return false; }
 void* current_stream(int) { LS_FAIL("this layerstream build has no CUDA support"); }

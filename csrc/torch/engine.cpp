@@ -58,14 +58,39 @@ struct HostKeepAlive {
 };
 }  // namespace
 
-std::string resolve_device(const std::string& device) {
+namespace {
+// How `spelling`'s caller chooses the simulated device, and how it asks
+// whether a CUDA GPU is visible: resolve_device's advice in its words.
+struct DeviceAdvice {
+  const char* sim;        // how to pick the sim device
+  const char* no_cuda;    // why "cuda" is unavailable
+};
+DeviceAdvice device_advice(DeviceSpelling spelling) {
+  switch (spelling) {
+    case DeviceSpelling::Python:
+      return {"device='sim'", "no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is False, or this "
+                              "layerstream build has no CUDA support)"};
+    case DeviceSpelling::Cli:
+      return {"--device sim", "no CUDA GPU is visible to LibTorch (no GPU, a driver that does not load, or a "
+                              "CPU-only LibTorch), or this layerstream build has no CUDA support"};
+    case DeviceSpelling::Cpp:
+      break;
+  }
+  return {"OffloadOptions::device = \"sim\" (EngineOptions::device for an Engine)",
+          "no CUDA GPU is visible to LibTorch (torch::cuda::is_available() is false, or this layerstream "
+          "build has no CUDA support)"};
+}
+}  // namespace
+
+std::string resolve_device(const std::string& device, DeviceSpelling spelling) {
   if (device == "sim") return "sim";
   // "auto" and "cuda" name the current CUDA device, as in PyTorch (under torchrun,
   // torch.cuda.set_device(local_rank) makes each rank's its own GPU).
   if (device == "auto") return cuda_glue::available() ? "cuda:" + std::to_string(cuda_glue::current_device()) : "sim";
+  const DeviceAdvice advice = device_advice(spelling);
   if (device == "cpu")
-    LS_FAIL("device 'cpu' cannot be a streaming target: weights already live on the CPU. Use "
-            "device='sim' for the simulated GPU, or 'cuda'.");
+    LS_FAIL("device 'cpu' cannot be a streaming target: weights already live on the CPU. Use ", advice.sim,
+            " for the simulated GPU, or 'cuda'.");
   if (device.rfind("cuda", 0) == 0) {
     int index = -1;
     if (device.size() > 4) {
@@ -77,10 +102,8 @@ std::string resolve_device(const std::string& device) {
         LS_FAIL("bad device '", device, "': use 'cuda' or 'cuda:N'");
       }
     }
-    LS_CHECK(cuda_glue::available(), "device '", device,
-             "' was requested but no CUDA GPU is visible to PyTorch (torch.cuda.is_available() "
-             "is False, or this layerstream build has no CUDA support); use device='sim' to run "
-             "on the simulated device.");
+    LS_CHECK(cuda_glue::available(), "device '", device, "' was requested but ", advice.no_cuda, "; use ",
+             advice.sim, " to run on the simulated device.");
     if (index < 0 && device.size() == 4) index = cuda_glue::current_device();
     LS_CHECK(index >= 0 && index < cuda_glue::device_count(), "device '", device,
              "' does not exist: PyTorch sees ", cuda_glue::device_count(), " CUDA device(s)");
@@ -114,6 +137,13 @@ EngineImpl::EngineImpl(const EngineOptions& options)
   options::check_link_gbps(opts_.sim_h2d_gbps, "sim_h2d_gbps");
   options::check_link_gbps(opts_.sim_d2h_gbps, "sim_d2h_gbps");
   options::check_latency_us(opts_.sim_latency_us);
+  options::check_activation_min_bytes(opts_.activation_min_bytes);
+  options::check_byte_cap(opts_.activation_host_cap, "activation_host_cap");
+  options::check_byte_cap(opts_.activation_pinned_cap, "activation_pinned_cap");
+  options::check_byte_cap(opts_.grad_staging_pinned_cap, "grad_staging_pinned_cap");
+  options::check_byte_cap(opts_.store_pinned_cap, "store_pinned_cap");
+  options::check_staging_bytes(opts_.staging_bytes);
+  options::check_reader_threads(opts_.reader_threads);
   const options::Dtypes dtypes = options::check_dtypes(opts_.dequant_dtype, opts_.compute_dtype);
   dequant_dtype_ = scalar_type_of(dtypes.dequant);
   compute_dtype_ = scalar_type_of(dtypes.compute);

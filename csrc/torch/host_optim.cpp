@@ -433,6 +433,10 @@ void AdamW::warn_uncounted_training() const {
 }
 
 AdamW::AdamW(std::vector<torch::Tensor> params, AdamWOptions options) {
+  // An empty list is a mistake (a model's parameters not yet made, a filter
+  // that kept none): step() would do nothing, silently. torch.optim refuses it too.
+  LS_CHECK(!params.empty(), "layerstream::optim::AdamW got an empty parameter list: pass the parameters it "
+           "steps (e.g. model->parameters()); add_param_group() adds more groups later");
   add_param_group(std::move(params), std::move(options));
 }
 

@@ -50,6 +50,12 @@ TEST(Options, BudgetTexts) {
   EXPECT_HAS(error_of([] { options::parse_budget("0%"); }), "(0, 100]");
   EXPECT_HAS(error_of([] { options::parse_budget("x%"); }), "(0, 100]");
   EXPECT_HAS(error_of([] { options::parse_budget("12 parsecs"); }), "invalid size");
+  // The share forms, which callers without a device refuse by this test.
+  EXPECT_TRUE(options::names_share("auto"));
+  EXPECT_TRUE(options::names_share(" 50% "));
+  EXPECT_TRUE(options::names_share("150%"));  // a share, if a bad one
+  EXPECT_FALSE(options::names_share("12GiB"));
+  EXPECT_FALSE(options::names_share("0.5"));
 }
 
 TEST(Options, BudgetNumbers) {
@@ -84,4 +90,19 @@ TEST(Options, CountsAndLink) {
   EXPECT_HAS(error_of([] { options::check_latency_us(INFINITY); }), "sim_latency_us must be a finite");
   EXPECT_EQ(options::check_budget_bytes(-1), -1);
   EXPECT_HAS(error_of([] { options::check_budget_bytes(-2); }), "budget_bytes must be -1");
+}
+
+TEST(Options, EngineHostFields) {
+  EXPECT_EQ(options::check_byte_cap(-1, "store_pinned_cap"), -1);  // no cap
+  EXPECT_EQ(options::check_byte_cap(0, "store_pinned_cap"), 0);
+  EXPECT_HAS(error_of([] { options::check_byte_cap(-7, "store_pinned_cap"); }),
+             "store_pinned_cap must be -1 (no cap) or a byte count >= 0, got -7");
+  EXPECT_EQ(options::check_staging_bytes(0), 0);  // the least needed
+  EXPECT_HAS(error_of([] { options::check_staging_bytes(-5); }), "staging_bytes must be a byte count >= 0");
+  EXPECT_EQ(options::check_activation_min_bytes(0), 0);
+  EXPECT_HAS(error_of([] { options::check_activation_min_bytes(-1); }),
+             "activation_min_bytes must be a byte count >= 0");
+  EXPECT_EQ(options::check_reader_threads(1), 1);
+  EXPECT_HAS(error_of([] { options::check_reader_threads(0); }), "reader_threads must be >= 1");
+  EXPECT_HAS(error_of([] { options::check_reader_threads(-1); }), "reader_threads must be >= 1");
 }

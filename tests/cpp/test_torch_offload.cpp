@@ -1586,6 +1586,82 @@ TEST(TorchOffload, AutoDeviceFallingBackToSimWarnsOnceWhy) {
   EXPECT_NE(warnings[0].find("device \"sim\""), std::string::npos) << warnings[0];
 }
 
+// The host-tier and activation fields of EngineOptions are checked when the
+// engine is made (core/options.h), each naming what it takes; their
+// "unset" values (-1: no cap; staging_bytes 0: the least needed) work.
+TEST(TorchOffload, EngineRefusesBadHostOptions) {
+  auto error_of = [](void (*set)(layerstream::EngineOptions&)) {
+    layerstream::EngineOptions o = sim_options();
+    set(o);
+    try {
+      layerstream::Engine::create(o);
+    } catch (const layerstream::Error& e) {
+      return e.message();
+    }
+    ADD_FAILURE() << "no error";
+    return std::string();
+  };
+  auto has = [](const std::string& text, const char* needle) {
+    EXPECT_NE(text.find(needle), std::string::npos) << text;
+  };
+  has(error_of([](auto& o) { o.staging_bytes = -5; }), "staging_bytes must be a byte count >= 0");
+  has(error_of([](auto& o) { o.reader_threads = 0; }), "reader_threads must be >= 1");
+  has(error_of([](auto& o) { o.reader_threads = -1; }), "reader_threads must be >= 1");
+  has(error_of([](auto& o) { o.activation_min_bytes = -1; }), "activation_min_bytes must be a byte count >= 0");
+  has(error_of([](auto& o) { o.store_pinned_cap = -7; }), "store_pinned_cap must be -1 (no cap)");
+  has(error_of([](auto& o) { o.activation_host_cap = -2; }), "activation_host_cap must be -1 (no cap)");
+  has(error_of([](auto& o) { o.activation_pinned_cap = -2; }), "activation_pinned_cap must be -1 (no cap)");
+  has(error_of([](auto& o) { o.grad_staging_pinned_cap = -2; }), "grad_staging_pinned_cap must be -1 (no cap)");
+  layerstream::EngineOptions ok = sim_options();
+  ok.store_pinned_cap = ok.activation_host_cap = ok.activation_pinned_cap = ok.grad_staging_pinned_cap = -1;
+  ok.staging_bytes = 0;
+  ok.activation_min_bytes = 0;
+  ok.reader_threads = 1;
+  EXPECT_NO_THROW(layerstream::Engine::create(ok));
+  ok.store_pinned_cap = ok.activation_host_cap = ok.activation_pinned_cap = ok.grad_staging_pinned_cap = 0;
+  ok.staging_bytes = 1 << 20;
+  EXPECT_NO_THROW(layerstream::Engine::create(ok));
+}
+
+// "cuda" without a visible GPU: the advice names the caller's spelling of the
+// simulated device (C++: OffloadOptions::device; Python: device='sim'; the
+// command line: --device sim), from one rule (resolve_device).
+TEST(TorchOffload, CudaWithoutAGpuAdvisesEachCallersSpelling) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is visible";
+  auto message = [](const std::string& device, layerstream::DeviceSpelling spelling) {
+    try {
+      layerstream::resolve_device(device, spelling);
+    } catch (const layerstream::Error& e) {
+      return e.message();
+    }
+    ADD_FAILURE() << "no error for " << device;
+    return std::string();
+  };
+  layerstream::EngineOptions o;
+  o.device = "cuda";
+  std::string cpp;
+  try {
+    layerstream::Engine::create(o);
+    ADD_FAILURE() << "no error for device cuda";
+  } catch (const layerstream::Error& e) {
+    cpp = e.message();
+  }
+  EXPECT_NE(cpp.find("OffloadOptions::device = \"sim\""), std::string::npos) << cpp;
+  EXPECT_NE(cpp.find("torch::cuda::is_available() is false"), std::string::npos) << cpp;
+  EXPECT_EQ(cpp.find("device='sim'"), std::string::npos) << cpp;
+  EXPECT_EQ(cpp.find("torch.cuda"), std::string::npos) << cpp;
+  EXPECT_EQ(cpp, message("cuda", layerstream::DeviceSpelling::Cpp));
+  const std::string py = message("cuda:0", layerstream::DeviceSpelling::Python);
+  EXPECT_NE(py.find("use device='sim'"), std::string::npos) << py;
+  EXPECT_NE(py.find("torch.cuda.is_available() is False"), std::string::npos) << py;
+  const std::string cli = message("cuda", layerstream::DeviceSpelling::Cli);
+  EXPECT_NE(cli.find("use --device sim"), std::string::npos) << cli;
+  EXPECT_EQ(cli.find("device='sim'"), std::string::npos) << cli;
+  EXPECT_EQ(cli.find("torch.cuda"), std::string::npos) << cli;
+  const std::string cpu = message("cpu", layerstream::DeviceSpelling::Cpp);
+  EXPECT_NE(cpu.find("OffloadOptions::device = \"sim\""), std::string::npos) << cpu;
+}
+
 TEST(TorchOffload, SavedActivationsOfAnOffloadedModelGoToTheHost) {
   // OffloadOptions::activations and OffloadHandle::saved_activations(): what the forward
   // saves while the scope lives goes through the engine; gradients equal the model's

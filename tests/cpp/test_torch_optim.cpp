@@ -240,6 +240,21 @@ TEST(TorchOptim, GroupsPrecisionsAndErrors) {
   EXPECT_THROW(opt.add_param_group({a}, o1), layerstream::Error);  // already in a group
 }
 
+// An empty parameter list is refused, as torch.optim refuses it: step() would
+// otherwise do nothing, silently (a model's parameters not made yet, a filter
+// that kept none).
+TEST(TorchOptim, AdamWRefusesAnEmptyParameterList) {
+  try {
+    layerstream::optim::AdamW opt(std::vector<torch::Tensor>{});
+    FAIL() << "no error for an empty parameter list";
+  } catch (const layerstream::Error& e) {
+    EXPECT_NE(e.message().find("empty parameter list"), std::string::npos) << e.message();
+  }
+  torch::nn::Linear net(3, 2);
+  layerstream::optim::AdamW opt(net->parameters());  // a model's parameters: fine
+  opt.add_param_group({}, {});  // an empty extra group is harmless, as in torch
+}
+
 }  // namespace
 
 namespace {

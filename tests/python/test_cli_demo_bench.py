@@ -178,6 +178,37 @@ def test_demo_text_shorter_than_a_window_exits_2(tmp_path, chars):
     assert f"has {chars} characters" in line and "windows of 65" in line
 
 
+def test_demo_text_that_is_a_directory_says_so(tmp_path):
+    """A --text directory was reported as "has 0 characters"."""
+    if not built_with_torch():
+        pytest.skip("layerstream was built without LibTorch: no demo")
+    r = run("demo", "--steps", "1", "--device", "sim", "--text", str(tmp_path))
+    line = assert_one_line_usage_error(r, "demo")
+    assert "is a directory" in line and "characters" not in line, line
+
+
+@pytest.mark.parametrize("budget", ["50%", "auto", "AUTO"])
+def test_demo_budget_share_says_a_byte_count_is_needed(budget):
+    """--budget 50% / auto said "unknown unit (use B, KB, ...)": the demo takes a
+    byte count, and says so (and how to write one)."""
+    r = run("demo", "--steps", "1", "--device", "sim", "--budget", budget)
+    line = assert_one_line_usage_error(r, "demo")
+    assert "needs a byte count" in line and "2MiB" in line and "unknown unit" not in line, line
+
+
+def test_demo_cuda_without_a_gpu_names_the_cli_option():
+    """The advice for --device cuda without a GPU names --device sim, not the Python API."""
+    if not built_with_torch():
+        pytest.skip("layerstream was built without LibTorch: no demo")
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    r = run("demo", "--steps", "1", "--device", "cuda", env=env)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("layerstream demo: error: "), r.stderr
+    assert "--device sim" in lines[0] and "device='sim'" not in lines[0] and "torch.cuda" not in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("path,says", [("/nonexistent/dir/x.png", "cannot write into /nonexistent/dir"),
                                         ("out.txt", "must end in .png, .pdf or .svg")])
 def test_bench_plot_path_is_checked_before_the_benchmark_runs(path, says):

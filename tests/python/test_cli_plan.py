@@ -255,6 +255,47 @@ def test_usage_errors(args, needle):
     assert_one_line_error(run(*args), code=2, contains=needle)
 
 
+@pytest.mark.parametrize("value,needle", [
+    ("100000", "--max-prefetch: prefetch must be in [0, 64]"),
+    ("-1", "--max-prefetch: prefetch must be in [0, 64]"),
+    ("two", "--max-prefetch expects an integer in [0, 64]"),
+    ("99999999999999999999", "--max-prefetch expects an integer in [0, 64]"),
+])
+def test_max_prefetch_has_one_rule(value, needle):
+    """--max-prefetch 0 said "expects a positive integer" while 100000 said "must be in
+    [0, 64]": both follow offload(prefetch=)'s rule (core/options.h), 0 included."""
+    assert_one_line_error(run("--model", "llama-7b", "--budget", "8GiB", "--max-prefetch", value), code=2,
+                          contains=needle)
+
+
+def test_max_prefetch_zero_plans_like_offload_prefetch_zero():
+    """0 is offload(prefetch=0): 2 slots, nothing copied ahead; the text says the
+    prediction assumes the overlap that gives up."""
+    j = plan_json("--model", "llama-7b", "--budget", "8GiB", "--max-prefetch", "0")
+    assert j["options"]["max_prefetch"] == 0 and j["plan"]["num_slots"] == 2
+    r = run("--model", "llama-7b", "--budget", "8GiB", "--max-prefetch", "0")
+    assert r.returncode == 0 and "--max-prefetch 0" in r.stdout and "offload(prefetch=0)" in r.stdout
+
+
+@pytest.mark.parametrize("value", ["9223372036854775807", "18446744073709551616", str((1 << 40) + 1)])
+def test_tokens_too_large_says_so(value):
+    """A huge --tokens said "expects a positive integer, got ..." though it is one."""
+    assert_one_line_error(run("--model", "llama-7b", "--budget", "8GiB", "--tokens", value), code=2,
+                          contains=f"--tokens {value} is too large (at most {1 << 40})")
+    assert plan_json("--model", "llama-7b", "--budget", "8GiB", "--tokens", str(1 << 40))["options"][
+        "tokens"] == 1 << 40
+
+
+@pytest.mark.parametrize("budget", ["50%", "auto", " 40% "])
+def test_budget_share_says_plan_needs_a_byte_count(budget):
+    """--budget 50% / auto said "unknown unit (use B, KB, ...)": plan has no device to
+    take a share of, and says which forms it takes."""
+    line = assert_one_line_error(run("--model", "llama-7b", "--budget", budget), code=2,
+                                 contains="layerstream plan needs a byte count")
+    assert "no free memory to take a share of" in line and "2MiB" in line, line
+    assert "unknown unit" not in line
+
+
 def test_compute_dtype_adds_the_cast_copy_to_each_slot():
     """--compute-dtype mirrors offload(compute_dtype=): a bf16 model planned for
     fp32 activations holds each weight's fp32 copy in its slot too (2 + 4 bytes
@@ -512,6 +553,12 @@ def test_host_budget_shows_the_layers_from_disk_and_the_step_with_the_disk(st_fi
     q = plan_json("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(packed * 2 // 3),
                   "--quantize", "int8")["host"]
     assert q["from_disk"] and 0 < q["disk_bytes"] < h["disk_bytes"]
+    # The pinned-RAM line of the plan is what the layers would need without the host
+    # budget, and says so (it printed that beside the host budget's smaller split).
+    pinned = next(l for l in text.stdout.splitlines() if l.startswith("host RAM needed (pinned)"))
+    assert "without a host budget" in pinned and "see host: below" in pinned, pinned
+    plain = run("--checkpoint", st_file, "--budget", "200KiB").stdout
+    assert "without a host budget" not in plain
     # Training: every weight must be in RAM, so a small host budget is an error.
     r = run("--checkpoint", st_file, "--budget", "200KiB", "--host-budget", str(streamed // 2), "--train")
     assert r.returncode == 1 and "cannot hold the streamed weights" in r.stderr

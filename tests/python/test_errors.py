@@ -249,7 +249,8 @@ def test_cuda_without_gpu(device):
     with pytest.raises(LayerstreamError, match="no CUDA GPU") as info:
         layerstream.offload(model, device=device)
     assert f"'{device}'" in str(info.value)
-    assert "sim" in str(info.value)  # suggests the simulated device
+    assert "use device='sim'" in str(info.value)  # suggests the simulated device, in Python's spelling
+    assert "OffloadOptions" not in str(info.value) and "--device" not in str(info.value)
     assert _forwards(model) == before
     assert all(not hasattr(p, "_is_memory_managed") for p in model.parameters())
 

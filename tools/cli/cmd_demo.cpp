@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -50,8 +51,9 @@ const char* kHelp =
     "\n"
     "  --steps N        training steps (default 30)\n"
     "  --device D       auto | sim | cuda | cuda:N (default auto: CUDA when visible)\n"
-    "  --budget SIZE    device bytes for streamed weights, e.g. 2MiB (default: 1/4 of\n"
-    "                   the streamed bytes, at least 3 slots of the largest layer)\n"
+    "  --budget SIZE    device bytes for streamed weights, e.g. 2MiB (a byte count;\n"
+    "                   default: 1/4 of the streamed bytes, at least 3 slots of the\n"
+    "                   largest layer)\n"
     "  --layers N       transformer blocks (default 4)\n"
     "  --seed N         seed of the initial weights and batches (default 0)\n"
     "  --text PATH      training text (default /usr/share/common-licenses/GPL-3, else\n"
@@ -220,6 +222,9 @@ bool read_file(const std::string& path, std::string& out) {
 std::string load_text(const std::string& requested, std::string& source) {
   std::string text;
   if (!requested.empty()) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(requested, ec))
+      throw UsageError{"--text '" + requested + "' is a directory: give a text file"};
     if (!read_file(requested, text)) throw UsageError{"cannot read --text file '" + requested + "'"};
     if (text.size() <= static_cast<size_t>(kContext))  // the batches are windows of kContext + 1 characters
       throw UsageError{"--text file '" + requested + "' has " + std::to_string(text.size()) +
@@ -259,15 +264,7 @@ int run_demo(const DemoOptions& o) {
   if (!std::getenv("OMP_NUM_THREADS"))
     at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2));
   // ---- device ----
-  std::string resolved;
-  try {
-    resolved = layerstream::resolve_device(o.device);
-  } catch (const layerstream::Error& e) {
-    if (o.device.rfind("cuda", 0) != 0) throw;
-    (void)e;  // its advice is in API terms (device='sim')
-    LS_FAIL("--device ", o.device, ": no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is false), "
-            "or this build has no CUDA support; run with --device sim for the simulated device");
-  }
+  const std::string resolved = layerstream::resolve_device(o.device, layerstream::DeviceSpelling::Cli);
   const bool sim = resolved == "sim";
   const torch::Device dev = sim ? torch::Device(torch::kCPU) : torch::Device(resolved);
   std::string device_line;
@@ -510,6 +507,9 @@ int cmd_demo(int argc, char** argv) {
         if (!valid_device(v)) throw UsageError{"--device expects auto, sim, cuda or cuda:N, got '" + v + "'"};
         o.device = v;
       } else if (layerstream::cli::take_option(argc, argv, i, "--budget", v)) {
+        layerstream::cli::refuse_budget_share("--budget", v, "layerstream demo",
+                                              "its budget bounds the streamed weights in bytes, not as a "
+                                              "share of free device memory");
         o.budget = layerstream::cli::parse_size("--budget", v);
       } else if (layerstream::cli::take_option(argc, argv, i, "--layers", v)) {
         o.layers = layerstream::cli::parse_int("--layers", v, 1, 64);

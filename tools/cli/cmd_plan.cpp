@@ -2,6 +2,7 @@
 // under a device-memory budget (see docs/design/planner.md).
 #include <algorithm>
 #include <climits>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 #include "core/optim/optim.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
+#include "progress.h"
 
 namespace {
 
@@ -43,7 +45,8 @@ const char* kHelp =
     "                        another dtype are cast to it as offload() reads them (default:\n"
     "                        as stored)\n"
     "  --model NAME          a built-in model description (--list-models)\n"
-    "  --budget SIZE         device memory for weights, e.g. 12GiB, 500MB, 1.5e9\n"
+    "  --budget SIZE         device memory for weights, e.g. 12GiB, 500MB, 1.5e9 (bytes:\n"
+    "                        plan has no device to take a share such as 40% of)\n"
     "  --link-gbps X         host->device bandwidth in GB/s (10^9 bytes/s; default 25;\n"
     "                        0 = unknown, no time prediction)\n"
     "  --tflops X            device throughput in TFLOP/s (default 100; 0 = unknown)\n"
@@ -65,7 +68,8 @@ const char* kHelp =
     "  --experts MODE        routed (default) | all, as offload(experts=): with routed, a\n"
     "                        mixture-of-experts group whose step reaches at most half of its\n"
     "                        experts copies only those (uniform routing assumed)\n"
-    "  --max-prefetch N      at most N layers prefetched ahead (slots <= N+1; default 4)\n"
+    "  --max-prefetch N      at most N layers prefetched ahead (slots <= N+1, at least 2);\n"
+    "                        0 to 64, default 4; 0 as offload(prefetch=0): none ahead\n"
     "  --host-budget SIZE    host RAM for streamed weights, as offload(host_budget=): streamed\n"
     "                        Linear weights of a .safetensors checkpoint that do not fit stay\n"
     "                        in the file and are read on every use (inference; with --train\n"
@@ -103,13 +107,22 @@ double parse_number(const std::string& flag, const std::string& v) {
   return d;
 }
 
-uint64_t parse_count(const std::string& flag, const std::string& v) {
-  if (v.empty() || v.size() > 18 || v.find_first_not_of("0123456789") != std::string::npos)
-    throw Usage{flag + " expects a positive integer, got " + json::quote(v)};
-  uint64_t n = std::strtoull(v.c_str(), nullptr, 10);
-  if (n == 0) throw Usage{flag + " expects a positive integer, got " + json::quote(v)};
+// A whole number in [lo, hi] for `flag`: one that is not a whole number >= lo
+// says what it expects, one above hi that it is too large (and the limit).
+uint64_t parse_count(const std::string& flag, const std::string& v, uint64_t lo, uint64_t hi) {
+  const std::string expects = lo == 1 ? "a positive integer" : "an integer >= " + std::to_string(lo);
+  if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos)
+    throw Usage{flag + " expects " + expects + ", got " + json::quote(v)};
+  const uint64_t n = std::strtoull(v.c_str(), nullptr, 10);  // beyond 2^64 - 1: 2^64 - 1, too large too
+  if (n < lo) throw Usage{flag + " expects " + expects + ", got " + json::quote(v)};
+  if (n > hi)
+    throw Usage{flag + " " + v + " is too large (at most " + std::to_string(hi) + ")"};
   return n;
 }
+
+// Tokens per step (--tokens): a bound that keeps the planner's byte counts
+// (tokens x row bytes of a table or an activation) far from overflowing.
+constexpr uint64_t kMaxTokens = uint64_t{1} << 40;
 
 int usage_error(const std::string& msg) {
   std::fprintf(stderr, "layerstream plan: error: %s (run 'layerstream plan --help')\n", msg.c_str());
@@ -236,6 +249,8 @@ int cmd_plan(int argc, char** argv) {
         have_model = true;
       } else if (a == "--budget") {
         budget_s = take();
+        cli::refuse_budget_share(a, budget_s, "layerstream plan",
+                                 "it plans without a device, so there is no free memory to take a share of");
         have_budget = true;
       } else if (a == "--link-gbps") {
         link_gbps = options::check_link_gbps(parse_number(a, take()), "--link-gbps");
@@ -244,7 +259,7 @@ int cmd_plan(int argc, char** argv) {
         tflops = parse_number(a, take());
         if (!std::isfinite(tflops * 1e12)) throw too_large(a, tflops);
       } else if (a == "--tokens") {
-        opt.tokens = parse_count(a, take());
+        opt.tokens = parse_count(a, take(), 1, kMaxTokens);
       } else if (a == "--quantize") {
         opt.quantize = parse_quantization(take());
       } else if (a == "--train") {
@@ -276,9 +291,16 @@ int cmd_plan(int argc, char** argv) {
         if (m != "routed" && m != "all") throw Usage{"--experts expects routed or all, got " + json::quote(m)};
         opt.routed_experts = m == "routed";
       } else if (a == "--max-prefetch") {
-        const uint64_t n = parse_count(a, take());
+        // offload(prefetch=)'s rule (options::check_prefetch), 0 included.
+        const std::string v = take();
+        char* end = nullptr;
+        errno = 0;
+        const long long n = std::strtoll(v.c_str(), &end, 10);
+        if (v.empty() || *end != '\0' || errno == ERANGE)
+          throw Usage{"--max-prefetch expects an integer in [0, " + std::to_string(options::kMaxPrefetch) +
+                      "], got " + json::quote(v)};
         try {
-          max_prefetch = options::check_prefetch(static_cast<int64_t>(std::min<uint64_t>(n, INT64_MAX)));
+          max_prefetch = options::check_prefetch(n);
         } catch (const Error& e) {
           throw Usage{"--max-prefetch: " + e.message()};
         }
@@ -303,6 +325,8 @@ int cmd_plan(int argc, char** argv) {
         (!have_checkpoint || (checkpoint.size() > 5 && checkpoint.compare(checkpoint.size() - 5, 5, ".gguf") == 0)))
       throw Usage{"--quantize lossless needs a .safetensors --checkpoint: its size is measured from the weights"};
   } catch (const Usage& u) {
+    return usage_error(u.message);
+  } catch (const cli::UsageError& u) {
     return usage_error(u.message);
   } catch (const Error& e) {
     return usage_error(e.message());
@@ -348,7 +372,10 @@ int cmd_plan(int argc, char** argv) {
   in.fixed_train_bytes = small_train_bytes(desc, opt);
   in.link_bytes_per_s = link_gbps * 1e9;
   in.device_flops_per_s = tflops * 1e12;
-  in.max_prefetch = max_prefetch;
+  // The planner models at least one layer in flight (2 slots); prefetch 0
+  // plans those 2 slots as offload(prefetch=0) does (plan_slots_first), and
+  // the text says the prediction assumes the overlap prefetch 0 gives up.
+  in.max_prefetch = std::max(1, max_prefetch);
   in.training = opt.training;
   Plan plan = plan_placement(in);
   std::string host_text, host_json = "null";
@@ -448,7 +475,10 @@ int cmd_plan(int argc, char** argv) {
                 static_cast<unsigned long long>(opt.tokens), opt.training ? " (training)" : "",
                 to_string(opt.quantize), opt.compute_dtype.empty() ? "" : ", compute dtype ",
                 opt.compute_dtype.c_str(), link_gbps, tflops);
-    std::fputs(plan.explain().c_str(), stdout);
+    std::fputs(plan.explain(!host_budget_s.empty()).c_str(), stdout);
+    if (max_prefetch == 0)
+      std::printf("note:   --max-prefetch 0: as offload(prefetch=0), no layer is copied ahead of its use (2 slots); "
+                  "the predicted step above assumes one is, so the real step is slower by up to the copy time\n");
     std::fputs(host_text.c_str(), stdout);
   }
   return 0;

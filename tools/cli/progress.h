@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/options.h"
 #include "core/planner.h"
 
 namespace layerstream::cli {
@@ -77,6 +78,18 @@ inline int64_t parse_size(const std::string& flag, const std::string& v) {
   if (n == 0 || n >= (uint64_t{1} << 63))
     throw UsageError{flag + " expects a size above 0 and below 2^63 bytes, such as 2MiB, got '" + v + "'"};
   return static_cast<int64_t>(n);
+}
+
+// A device budget on the command line is a byte count: "auto" and "40%"
+// (offload()'s shares of free device memory, options::names_share) are
+// refused naming the forms taken; `why` says why `command` has no free
+// device memory to take a share of.
+inline void refuse_budget_share(const std::string& flag, const std::string& v, const char* command,
+                                const char* why) {
+  if (layerstream::options::names_share(v))
+    throw UsageError{flag + " '" + v + "': " + command + " needs a byte count (" + why +
+                     "): a size such as 2MiB, 1.5GiB, 500MB, 1e6 or 1048576 (bytes; K/M/G/T = powers of 1000, "
+                     "Ki/Mi/Gi/Ti = powers of 1024)"};
 }
 
 // Value of option argv[i] (either "--flag value" or "--flag=value"); advances i.

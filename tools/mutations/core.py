@@ -311,4 +311,25 @@ MUTATIONS = [
         "",
         ["gtest:test_quant:*WeightsNearTheFloatLimit*"],
         "int4: a group spanning ±3.2e38 dequantizes to Inf, silently"),
+    Mutation(
+        "plan-max-prefetch-zero-to-the-planner", "tools/cli/cmd_plan.cpp",
+        "  in.max_prefetch = std::max(1, max_prefetch);",
+        "  in.max_prefetch = max_prefetch;",
+        [P + "test_cli_plan.py::test_max_prefetch_zero_plans_like_offload_prefetch_zero"],
+        "`layerstream plan --max-prefetch 0`, which the option rule accepts as offload(prefetch=0) does, fails "
+        "in the planner (at least 2 slots: one layer in flight)"),
+    Mutation(
+        "plan-pinned-line-ignores-the-host-budget", "tools/cli/cmd_plan.cpp",
+        "std::fputs(plan.explain(!host_budget_s.empty()).c_str(), stdout);",
+        "std::fputs(plan.explain().c_str(), stdout);",
+        [P + "test_cli_plan.py::test_host_budget_shows_the_layers_from_disk_and_the_step_with_the_disk"],
+        "`layerstream plan --host-budget` prints the pinned RAM of all streamed layers as needed, beside the "
+        "host budget's split that keeps some of them in the checkpoint"),
+    Mutation(
+        "cli-budget-share-taken-as-a-size", "tools/cli/progress.h",
+        "  if (layerstream::options::names_share(v))",
+        "  if (false)",
+        [P + "test_cli_plan.py::test_budget_share_says_plan_needs_a_byte_count",
+         P + "test_cli_demo_bench.py::test_demo_budget_share_says_a_byte_count_is_needed"],
+        "`plan`/`demo --budget 50%` (or auto) says \"unknown unit\" instead of that they take a byte count"),
 ]

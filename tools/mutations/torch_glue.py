@@ -405,4 +405,25 @@ MUTATIONS = [
         "  release_copied_locked();\n",
         [P + "test_activations.py::test_retain_graph_backwards_count_each_copy_back_only_while_autograd_holds_it"],
         "stats(): each retain_graph backward adds its copies back to the activation peak for good"),
+    Mutation(
+        "engine-host-options-unchecked", "csrc/torch/engine.cpp",
+        "  options::check_staging_bytes(opts_.staging_bytes);\n  options::check_reader_threads(opts_.reader_threads);\n",
+        "",
+        ["gtest:test_torch_offload:*EngineRefusesBadHostOptions*"],
+        "EngineOptions::staging_bytes < 0 and reader_threads < 1 are taken without a word (a negative staging "
+        "size read as the least, 0 reader threads as 1)"),
+    Mutation(
+        "device-advice-in-python-everywhere", "csrc/torch/engine.cpp",
+        "  const DeviceAdvice advice = device_advice(spelling);",
+        "  const DeviceAdvice advice = device_advice(DeviceSpelling::Python);",
+        ["gtest:test_torch_offload:*CudaWithoutAGpuAdvisesEachCallersSpelling*",
+         P + "test_cli_demo_bench.py::test_demo_cuda_without_a_gpu_names_the_cli_option"],
+        "device \"cuda\" without a GPU advises device='sim' and torch.cuda.is_available() to C++ and "
+        "command-line users"),
+    Mutation(
+        "adamw-takes-an-empty-list", "csrc/torch/host_optim.cpp",
+        "  LS_CHECK(!params.empty(), \"layerstream::optim::AdamW got an empty parameter list",
+        "  LS_CHECK(true, \"layerstream::optim::AdamW got an empty parameter list",
+        ["gtest:test_torch_optim:*AdamWRefusesAnEmptyParameterList*"],
+        "layerstream::optim::AdamW made with no parameters steps nothing, silently (torch.optim refuses it)"),
 ]
