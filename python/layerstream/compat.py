@@ -70,6 +70,7 @@ import torch.nn as nn
 from . import _C, _peft_params
 from ._discovery import (_conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable, _pad_for_mode,
                          _resident_label, _resident_reason, _warn_resident)
+from ._file_weight import FileWeight
 from ._guards import _RootApply, _StreamedApply, _is_compute
 from ._handle import CallHooks
 from ._offload import _move_resident
@@ -188,6 +189,13 @@ class MemoryManager:
                 f"MemoryManager.attach: the model is already offloaded by layerstream.offload() "
                 f"({len(taken)} streamed layer(s), e.g. '{taken[0]}'); one model is streamed by one "
                 f"handle. Call handle.detach() on the offload() handle first, or keep using it.")
+        in_file = [name for name, p in module.named_parameters() if isinstance(p, FileWeight)]
+        if in_file:
+            raise LayerstreamError(
+                f"MemoryManager.attach: {len(in_file)} parameter(s) of this model are still in their checkpoint "
+                f"file (loaded by layerstream.load_safetensors(), e.g. '{in_file[0]}'), which MemoryManager does "
+                f"not read. Stream it with layerstream.offload(model, ...), which reads them from the file, or "
+                f"load the weights into a model in memory (load_state_dict) before attach; nothing was changed.")
         if not 0.0 <= float(offload_percent) <= 1.0:
             raise ValueError(f"offload_percent must be in [0, 1], got {offload_percent}")
         ignored_modules, ignored_params, ignore_list = set(), set(), list(ignore_modules or [])
@@ -316,10 +324,13 @@ class MemoryManager:
         (``LinearLayerMemoryManager.attach``) are handed back with all the layers of
         their managers; a module with neither is left as it is."""
         manager = module.__dict__.get("_memory_manager")
-        if manager is None:  # layers attached one by one (LinearLayerMemoryManager.attach)
+        if manager is None:  # layers attached below it: by MemoryManager.attach(child), or one by one
             for m in dict.fromkeys(sub.__dict__["_layer_memory_manager"].manager for sub in module.modules()
                                    if "_layer_memory_manager" in sub.__dict__):
-                m._release()
+                if m.module.__dict__.get("_memory_manager") is m:
+                    cls.detach(m.module)  # its module's to/_apply/_memory_manager go too
+                else:
+                    m._release()
             return
         manager._release()
         if manager._call_hook is not None:
@@ -475,7 +486,9 @@ class BaseLayerMemoryManager:
         self._original_forward = original
 
         def _mm_forward(x, *args, **kwargs):
-            if args or kwargs:
+            # Released (MemoryManager.detach): a wrapper installed after attach that
+            # still holds this forward gets the layer's own (_uninstall).
+            if args or kwargs or self.manager.engine is None:
                 return original(x, *args, **kwargs)
             return self._run(index, x)
 

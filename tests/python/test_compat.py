@@ -90,6 +90,54 @@ def test_detach_hands_back_layers_attached_one_by_one():
     assert torch.equal(m(x), ref(x))
 
 
+def test_detach_of_a_parent_hands_back_a_child_given_to_attach_whole():
+    """MemoryManager.detach(parent) of a model whose child was given to attach(): the
+    child's layers were released but its manager, to() and _apply stayed, so child.to()
+    raised and attach(child) again returned the dead manager (nothing streamed)."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    MemoryManager.attach(model[0], "cpu")
+    MemoryManager.detach(model)
+    assert not {"to", "_apply", "_memory_manager"} & set(model[0].__dict__)
+    model[0].to("cpu")
+    again = MemoryManager.attach(model[0], "cpu")
+    assert again.engine is not None and all("_layer_memory_manager" in layer.__dict__ for layer in model[0])
+    x = torch.randn(2, 4)
+    assert torch.equal(model(x), ref(x))
+    MemoryManager.detach(model[0])
+
+
+def test_a_wrapper_installed_after_attach_calls_the_layers_own_forward_after_detach():
+    """A forward wrapper put on a streamed layer after attach (not the org_forward style
+    compat repairs) kept calling the streamed forward, whose engine detach() released:
+    AttributeError on 'NoneType'. It now falls through to the layer's own forward."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    want = m(x) * 2
+    MemoryManager.attach(m, "cpu")
+    streamed = m[0].forward
+    m[0].forward = lambda t: streamed(t) * 2
+    assert torch.equal(m(x), want)
+    MemoryManager.detach(m)
+    assert torch.equal(m(x), want)
+
+
+def test_a_model_whose_weights_are_still_in_their_file_is_refused_naming_offload(tmp_path):
+    """attach() of a model loaded by layerstream.load_safetensors() (weights left in the
+    file) failed with torch's "Cannot copy out of meta tensor" after a misleading warning."""
+    import layerstream
+    from safetensors.torch import save_file
+    path = tmp_path / "m.safetensors"
+    save_file(nn.Sequential(nn.Linear(16, 4)).state_dict(), str(path))
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(16, 4))
+    layerstream.load_safetensors(m, str(path))
+    with pytest.raises(LayerstreamError, match=r"still in their checkpoint file .* layerstream.offload\(model"):
+        MemoryManager.attach(m, "cpu")
+    assert "_memory_manager" not in m.__dict__
+
+
 def test_second_attach_is_a_no_op():
     m = nn.Linear(4, 4)
     mgr = MemoryManager(m, "cpu")

@@ -478,4 +478,22 @@ MUTATIONS = [
         "    handle._subtree_checks = [] or (lambda *a: [])(\n",
         [P + "test_misuse.py::test_a_refused_conversion_of_a_part_of_the_model_changes_nothing_and_a_copy_of_it_is_plain"],
         "model.blocks[0].half() converts the block's resident layers before its streamed Linear refuses"),
+    Mutation(
+        "compat-parent-detach-leaves-child-manager", "python/layerstream/compat.py",
+        "                if m.module.__dict__.get(\"_memory_manager\") is m:\n",
+        "                if False:\n",
+        [P + "test_compat.py::test_detach_of_a_parent_hands_back_a_child_given_to_attach_whole"],
+        "MemoryManager.detach(parent) leaves a dead manager on a child given to attach(): re-attach streams nothing"),
+    Mutation(
+        "compat-wrapper-calls-released-engine", "python/layerstream/compat.py",
+        "            if args or kwargs or self.manager.engine is None:\n",
+        "            if args or kwargs:\n",
+        [P + "test_compat.py::test_a_wrapper_installed_after_attach_calls_the_layers_own_forward_after_detach"],
+        "a wrapper installed after MemoryManager.attach crashes after detach (the released engine)"),
+    Mutation(
+        "compat-attaches-file-weights", "python/layerstream/compat.py",
+        "        if in_file:\n            raise LayerstreamError(\n",
+        "        if False:\n            raise LayerstreamError(\n",
+        [P + "test_compat.py::test_a_model_whose_weights_are_still_in_their_file_is_refused_naming_offload"],
+        "MemoryManager.attach of a load_safetensors() model fails with torch's meta-tensor error"),
 ]
