@@ -71,7 +71,7 @@ from . import _C, _peft_params
 from ._discovery import (_conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable, _pad_for_mode,
                          _resident_label, _resident_reason, _warn_resident)
 from ._file_weight import FileWeight
-from ._guards import _RootApply, _StreamedApply, _is_compute
+from ._guards import _RootApply, _StreamedApply, _is_compute, install_subtree_checks, remove_subtree_checks
 from ._handle import CallHooks
 from ._offload import _move_resident
 from ._prequant import _library_linear, _prequantized
@@ -173,6 +173,7 @@ class MemoryManager:
         # layers offload_percent did not pick, layers that cannot stream).
         self.unmanaged_modules: list = []
         self._root_apply = None  # what attach installs on the model (_install_root)
+        self._subtree_checks = []  # and on the modules between it and the streamed layers
         self._call_hook = None  # the hooks on its calls (_handle.CallHooks): a call begins a step
         self._had_to, self._old_to = False, None
 
@@ -298,6 +299,7 @@ class MemoryManager:
         if not isinstance(module.__dict__.get("_apply"), _StreamedApply):
             self._root_apply = _RootApply(module, [lm.module._apply for lm in self._layers])
             module._apply = self._root_apply
+        self._install_subtree_checks()
         self._had_to = "to" in module.__dict__
         self._old_to = module.__dict__.get("to")
         module.to = self.memory_managed_to
@@ -307,6 +309,13 @@ class MemoryManager:
         for lm in self._layers:
             if lm._adapter is not None:
                 _move_resident(lm._adapter, streamed, compute)
+
+    def _install_subtree_checks(self) -> None:
+        """A refused conversion of a part of the model changes nothing (guards.install_subtree_checks);
+        again after the layers were attached anew (memory_managed_to)."""
+        remove_subtree_checks(self._subtree_checks)
+        self._subtree_checks = install_subtree_checks(self.module, [(lm.name, [lm.module._apply])
+                                                                    for lm in self._layers])
 
     def _streamed_ids(self) -> set:
         """ids of the parameters the engine holds."""
@@ -338,6 +347,8 @@ class MemoryManager:
             manager._call_hook = None
         if manager._root_apply is not None and module.__dict__.get("_apply") is manager._root_apply:
             del module.__dict__["_apply"]
+        remove_subtree_checks(manager._subtree_checks)
+        manager._subtree_checks = []
         if module.__dict__.get("to") == manager.memory_managed_to:
             if manager._had_to:
                 module.to = manager._old_to
@@ -398,6 +409,7 @@ class MemoryManager:
             if self._root_apply is not None:
                 self._root_apply = _RootApply(self.module, [lm.module._apply for lm in self._layers])
                 self.module._apply = self._root_apply
+            self._install_subtree_checks()
         compute = torch.device(self.engine.compute_device)
         if device is not None and compute.type != "cpu":  # docs/design/streaming-core.md, "Suspend"
             if device.type == "cpu":  # the original kept no device memory there: free the slots too

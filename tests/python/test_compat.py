@@ -138,6 +138,35 @@ def test_a_model_whose_weights_are_still_in_their_file_is_refused_naming_offload
     assert "_memory_manager" not in m.__dict__
 
 
+class _NormThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up = nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, h):
+        return self.up(self.norm(h))
+
+
+def test_a_refused_conversion_of_a_part_of_the_model_changes_nothing():
+    """model[0].half() after attach: the block's LayerNorm was fp16 before its streamed
+    Linear refused, and every forward then failed (mixed dtype). Checked first now, also
+    after model.to(dtype) attached the layers anew; detach() removes the checks."""
+    model = nn.Sequential(_NormThenLinear(), _NormThenLinear())
+    ref = copy.deepcopy(model)
+    MemoryManager.attach(model, "cpu")
+    x = torch.randn(2, 4)
+    for convert in (lambda m: m[0].half(), lambda m: m.to(torch.float64) and m[1].half()):
+        with pytest.raises(LayerstreamError, match="keeps its weights in host memory"):
+            convert(model)
+        assert len({p.dtype for p in model.parameters()}) == 1
+    model.to(torch.float32)
+    assert torch.equal(model(x), ref(x))
+    MemoryManager.detach(model)
+    assert "_apply" not in model[0].__dict__
+    model[0].half()
+    assert all(p.dtype == torch.float16 for p in model[0].parameters())
+
+
 def test_second_attach_is_a_no_op():
     m = nn.Linear(4, 4)
     mgr = MemoryManager(m, "cpu")

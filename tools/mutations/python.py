@@ -496,4 +496,10 @@ MUTATIONS = [
         "        if False:\n            raise LayerstreamError(\n",
         [P + "test_compat.py::test_a_model_whose_weights_are_still_in_their_file_is_refused_naming_offload"],
         "MemoryManager.attach of a load_safetensors() model fails with torch's meta-tensor error"),
+    Mutation(
+        "compat-part-of-model-conversion-unchecked", "python/layerstream/compat.py",
+        "        self._subtree_checks = install_subtree_checks(self.module,",
+        "        self._subtree_checks = (lambda *a: [])(self.module,",
+        [P + "test_compat.py::test_a_refused_conversion_of_a_part_of_the_model_changes_nothing"],
+        "compat: model[0].half() converts the block's resident layers before its streamed Linear refuses"),
 ]
