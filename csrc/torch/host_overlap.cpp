@@ -271,12 +271,28 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch:
   status_[i] = speculate ? kStepped : kNormOnly;
 }
 
+// A layer whose gradient lands a second time inside one overlap() block (two
+// backwards in it, or a retained graph's backward again) was stepped with the
+// first already: stepping again counted a second step on part of the gradient,
+// silently. An error instead, raised when the block ends (the engine's
+// gradient-ready thread hands it to the backward's end).
+static void refuse_second_landing(const Engine& engine, int layer, int status) {
+  LS_CHECK(status == AdamWOverlap::kUntouched, "streamed layer '", engine.layer_name(layer), "' got a second "
+           "gradient inside one opt.overlap(handle) block (two backwards in it, or backward(retain_graph=True) "
+           "again); it was stepped with the first one already. Wrap only the last backward of an optimizer step "
+           "in overlap() (run the other micro-batches' backwards before the block), then call step()");
+}
+
 void AdamWOverlap::on_layer(int layer, const Engine::LandedGradients* landed) {
   torch::NoGradGuard ng;
   if (layer < 0 || static_cast<size_t>(layer) >= by_layer_.size()) return keep_uncovered(*engine_, layer, landed, {});
   keep_uncovered(*engine_, layer, landed, by_layer_[static_cast<size_t>(layer)]);
   for (const LayerParam& lp : by_layer_[static_cast<size_t>(layer)]) {
     const size_t i = lp.index;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      refuse_second_landing(*engine_, layer, status_[i]);
+    }
     Param& p = params_[i];
     const torch::Tensor mine = landed_of(landed, lp);
     const torch::Tensor prior = p.param.grad();  // a handle: fused_one may set a new .grad
@@ -349,6 +365,10 @@ void AdafactorOverlap::on_layer(int layer, const Engine::LandedGradients* landed
   keep_uncovered(*engine_, layer, landed, by_layer_[static_cast<size_t>(layer)]);
   for (const AdamWOverlap::LayerParam& lp : by_layer_[static_cast<size_t>(layer)]) {
     const size_t i = lp.index;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      refuse_second_landing(*engine_, layer, status_[i]);
+    }
     const torch::Tensor& param = params_[i].param;
     const torch::Tensor mine = landed_of(landed, lp);
     if (!params_[i].owned) {  // another rank steps it and counts its norm

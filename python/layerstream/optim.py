@@ -145,6 +145,23 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         with torch.enable_grad():
             return closure()
 
+    @contextlib.contextmanager
+    def _counted_if_stepped(self, params):
+        """Around one group's kernel call (it takes each state's count + 1): the counts
+        advance only when it returned. A refused step (a bad lr or betas set through
+        param_groups, an fp16 parameter) left them advanced and the later steps' bias
+        correction off by one; the states it created for parameters never stepped go."""
+        fresh = [p for p in params if len(self.state[p]) == 0]
+        states = []
+        try:
+            yield states
+        except BaseException:
+            for p in fresh:
+                self.state.pop(p, None)
+            raise
+        for st in states:
+            st["step"] += 1
+
     def _collect(self):
         """Per group: (group, params with a gradient, their gradients, their keys).
         A key is the parameter's position in the optimizer (its stochastic
@@ -276,7 +293,9 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         is stepped on host threads as soon as its gradient has landed, while
         the rest of the backward runs. ``step()`` then waits for those steps
         and steps the other parameters. With gradient accumulation, wrap only
-        the last micro-batch's backward::
+        the last micro-batch's backward (a layer whose gradient lands twice in
+        one block, from two backwards or a retained graph's, is an error when
+        the block ends: it was stepped with the first)::
 
             for i, batch in enumerate(micro_batches):
                 loss = model(batch).mean() / len(micro_batches)
@@ -655,14 +674,15 @@ class AdamW(_HostOptimizer):
             if not ps:
                 continue
             fmt = group["state_precision"]
-            states = [self._states(p, fmt) for p in ps]
             b1, b2 = group["betas"]
-            _C.optim_adamw_step(
-                float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), fmt,
-                [self._target(p) for p in ps], [self._shard_grad(p, g) for p, g in zip(ps, gs)],
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s.get("exp_avg_absmax") for s in states], [s.get("exp_avg_sq_absmax") for s in states],
-                [int(s["step"].item()) for s in states], keys, scale * inv, int(group["seed"]))
+            with self._counted_if_stepped(ps) as states:
+                states += [self._states(p, fmt, count=False) for p in ps]
+                _C.optim_adamw_step(
+                    float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+                    fmt, [self._target(p) for p in ps], [self._shard_grad(p, g) for p, g in zip(ps, gs)],
+                    [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                    [s.get("exp_avg_absmax") for s in states], [s.get("exp_avg_sq_absmax") for s in states],
+                    [int(s["step"].item()) + 1 for s in states], keys, scale * inv, int(group["seed"]))
         if shards or early:
             (shards or [p._layerstream_shard for p in early])[0].barrier()
             for p in early + [p for _, ps, _, _ in work for p in ps]:
@@ -824,12 +844,13 @@ class Adafactor(_HostOptimizer):
         for group, ps, gs, keys in work:
             if not ps:
                 continue
-            states = [self._states(p, group) for p in ps]
-            rms = _C.optim_adafactor_step(
-                *self._config(group), [p.detach() for p in ps], gs, [s.get("exp_avg_sq_row") for s in states],
-                [s.get("exp_avg_sq_col") for s in states], [s.get("exp_avg_sq") for s in states],
-                [s.get("exp_avg") for s in states], [s["step"] for s in states], keys, scale * inv,
-                int(group["seed"]))
+            with self._counted_if_stepped(ps) as states:
+                states += [self._states(p, group, count=False) for p in ps]
+                rms = _C.optim_adafactor_step(
+                    *self._config(group), [p.detach() for p in ps], gs, [s.get("exp_avg_sq_row") for s in states],
+                    [s.get("exp_avg_sq_col") for s in states], [s.get("exp_avg_sq") for s in states],
+                    [s.get("exp_avg") for s in states], [s["step"] + 1 for s in states], keys, scale * inv,
+                    int(group["seed"]))
             for s, r in zip(states, rms):
                 s["RMS"].fill_(r)
         if sharded or early:

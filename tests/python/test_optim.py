@@ -624,6 +624,42 @@ def test_sparse_gradients_are_refused():
         opt.step()
 
 
+@pytest.mark.parametrize("make,bad", [
+    (lambda ps: AdamW(ps, lr=1e-2), {"lr": -1.0}),
+    (lambda ps: AdamW(ps, lr=1e-2), {"betas": (1.5, 0.9)}),
+    (lambda ps: Adafactor(ps, lr=1e-2, relative_step=False, scale_parameter=False), {"lr": -1.0}),
+], ids=["adamw-lr", "adamw-betas", "adafactor-lr"])
+def test_a_refused_step_counts_nothing_and_the_next_steps_equal_a_fresh_optimizers(make, bad):
+    """A step() refused by a bad hyperparameter set through param_groups (a scheduler
+    bug) advanced every parameter's step count before the kernel refused: the bias
+    correction of every later step was off by one (AdamW differed from torch by ~5e-3).
+    Now it counts nothing and keeps no state it made; fixed, training goes on exactly as
+    an optimizer that never saw the refused step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    twin = copy.deepcopy(model)
+    opt, ref = make(model.parameters()), make(twin.parameters())
+    x = torch.randn(4, 8)
+    good = {k: opt.param_groups[0][k] for k in bad}
+    opt.param_groups[0].update(bad)
+    model(x).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((layerstream.LayerstreamError, ValueError)):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(len(opt.state[p]) == 0 for p in model.parameters())
+    opt.param_groups[0].update(good)
+    opt.zero_grad()
+    for _ in range(3):
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        assert float(opt.state[p]["step"]) == float(ref.state[q]["step"]) == 3
+
+
 def test_grad_norm_sums_the_kernels_and_torch_parts():
     """The clip norm: fp32/bf16 host gradients by the kernels, the others (fp16 here, a
     device's on a GPU) by torch, summed per device in double: clip_grad_norm_'s total."""
@@ -803,6 +839,38 @@ def test_overlap_consumes_gradients_unless_kept(offload_sim, max_norm, keep_grad
 
 _MAKERS = {"adamw": lambda ps: AdamW(ps, lr=1e-2),
            "adafactor": lambda ps: Adafactor(ps, lr=1e-2, relative_step=False, scale_parameter=False)}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_two_backwards_inside_one_overlap_block_are_refused(offload_sim, name):
+    """Both micro-batches' backwards inside one overlap() block: each layer was stepped
+    when its first gradient landed and again at the second (AdamW counted two steps on
+    halves of the gradient, Adafactor one on the second half), silently. The second
+    landing is an error, raised when the block ends; one backward per block steps as the
+    plain optimizer does."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    handle, _ = offload_sim(model), offload_sim(ref)
+    opt, ropt = _MAKERS[name](list(model.parameters())), _MAKERS[name](list(ref.parameters()))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    # (Or autograd's version check, when a step of the first backward lands in the second.)
+    with pytest.raises(RuntimeError, match="got a second gradient inside one opt.overlap|modified in place after "
+                                           "the forward"):
+        with opt.overlap(handle):
+            model(x).square().mean().backward()
+            model(x).square().mean().backward()
+    opt.zero_grad()
+    model.load_state_dict(ref.state_dict())
+    opt, ropt = _MAKERS[name](list(model.parameters())), _MAKERS[name](list(ref.parameters()))
+    model(x).square().mean().backward()
+    with opt.overlap(handle):
+        model(x).square().mean().backward()
+    opt.step()
+    for _ in range(2):
+        ref(x).square().mean().backward()
+    ropt.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
 
 
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])

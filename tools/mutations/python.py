@@ -502,4 +502,10 @@ MUTATIONS = [
         "        self._subtree_checks = (lambda *a: [])(self.module,",
         [P + "test_compat.py::test_a_refused_conversion_of_a_part_of_the_model_changes_nothing"],
         "compat: model[0].half() converts the block's resident layers before its streamed Linear refuses"),
+    Mutation(
+        "optim-refused-step-counts", "python/layerstream/optim.py",
+        "        except BaseException:\n            for p in fresh:\n                self.state.pop(p, None)\n            raise\n",
+        "        except BaseException:\n            for st in states:\n                st[\"step\"] += 1\n            raise\n",
+        [P + "test_optim.py::test_a_refused_step_counts_nothing_and_the_next_steps_equal_a_fresh_optimizers"],
+        "a refused optimizer step advances the step counts: every later step's bias correction is off by one"),
 ]

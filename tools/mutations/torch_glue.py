@@ -426,4 +426,10 @@ MUTATIONS = [
         "  LS_CHECK(true, \"layerstream::optim::AdamW got an empty parameter list",
         ["gtest:test_torch_optim:*AdamWRefusesAnEmptyParameterList*"],
         "layerstream::optim::AdamW made with no parameters steps nothing, silently (torch.optim refuses it)"),
+    Mutation(
+        "overlap-steps-a-layer-twice", "csrc/torch/host_overlap.cpp",
+        "      refuse_second_landing(*engine_, layer, status_[i]);\n    }\n    Param& p = params_[i];",
+        "    }\n    Param& p = params_[i];",
+        [P + "test_optim.py::test_two_backwards_inside_one_overlap_block_are_refused"],
+        "two backwards inside one overlap() block: AdamW steps each layer twice, silently"),
 ]
