@@ -130,7 +130,10 @@ def _wrapper_refs(wrapper, ours) -> tuple:
                 else:
                     inner.append(value)
         for x in inner:
-            if callable(x):
+            # Callables, and plain objects a wrapper keeps its state in (diffusers'
+            # HookRegistry: the wrapped forward in a HookFunctionReference's attribute);
+            # not tensors, whose __dict__ holds nothing of a wrapper's.
+            if callable(x) or (type(getattr(x, "__dict__", None)) is dict and not isinstance(x, torch.Tensor)):
                 visit(x, depth + 1)
 
     visit(wrapper, 0)
@@ -884,10 +887,13 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _refuse_while_suspended(compute: str, module, args):
+    # On the sim device the compute device is the host: model.to('cpu') does not resume there.
+    how = ("call handle.resume() before running it" if compute == "cpu" else
+           f"call handle.resume() or model.to('{compute}') before running it (to compute on the host, "
+           f"handle.detach() first)")
     raise LayerstreamError(
-        f"this model's layerstream handle is suspended (handle.suspend() or model.to('cpu') freed its "
-        f"device memory); call handle.resume() or model.to('{compute}') before running it (to compute "
-        f"on the host, handle.detach() first)")
+        f"this model's layerstream handle is suspended (handle.suspend(), or model.to('cpu') of a model "
+        f"on a GPU, freed its device memory); {how}")
 
 
 def _moved_off(model: nn.Module, device: torch.device, move, moved: list) -> list:

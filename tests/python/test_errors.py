@@ -368,6 +368,39 @@ def _plus_one(forward):
     return wrapper
 
 
+def test_a_diffusers_hook_installed_after_offload_keeps_working_after_detach(offload_sim):
+    """diffusers' HookRegistry keeps the forward it wraps in an attribute of a plain
+    object (HookFunctionReference) reached from its closure, and sets __wrapped__ on its
+    partial: detach() patched __wrapped__ only, so the hook (and, once removed, the forward
+    diffusers put back) called the stale streamed forward: every call raised "replaced or
+    moved". Now the hook calls the layer's own forward, and removing it leaves a plain layer."""
+    pytest.importorskip("diffusers")
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Count(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Count.calls += 1
+            return args, kwargs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(2, 16)
+    want = model(x)
+    handle = offload_sim(model)
+    HookRegistry.check_if_exists_or_initialize(model[0]).register_hook(Count(), "count")
+    assert torch.equal(model(x), want) and Count.calls == 1
+    handle.detach()
+    assert torch.equal(model(x), want) and Count.calls == 2
+    HookRegistry.check_if_exists_or_initialize(model[0]).remove_hook("count")
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    plain = nn.functional.linear(torch.relu(nn.functional.linear(x, model[0].weight, model[0].bias)),
+                                 model[2].weight, model[2].bias)
+    assert torch.equal(model(x), plain) and Count.calls == 2
+
+
 def test_a_wrapper_installed_after_offload_keeps_working_after_detach(offload_sim):
     """Forward wrappers installed on streamed layers after offload() (accelerate's
     add_hook_to_module, which keeps the forward it wraps in module._old_forward; a closure;

@@ -596,8 +596,12 @@ def test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_res
     handle._host_moves = ["to", "cpu", "cuda"]
     assert model.to("cpu") is model
     assert handle.suspended and handle.stats()["device_bytes"] == 0 and "(suspended)" in repr(handle)
-    with pytest.raises(LayerstreamError, match=r"suspended.*handle\.resume\(\) or model\.to\("):
+    # The advice fits the compute device: on sim (the host) model.to('cpu') does not resume.
+    with pytest.raises(LayerstreamError, match=r"suspended.*call handle\.resume\(\) before running it$"):
         model(x)
+    from layerstream._handle import _refuse_while_suspended
+    with pytest.raises(LayerstreamError, match=r"handle\.resume\(\) or model\.to\('cuda:0'\) before running it"):
+        _refuse_while_suspended("cuda:0", model, (x,))
     assert model.cpu() is model and model.to(device="cpu") is model and handle.suspended
     assert model.to("cpu", torch.float32) is model and handle.suspended  # the model's own dtype: a move
     assert model.share_memory() is model and handle.suspended  # not a move

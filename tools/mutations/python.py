@@ -508,4 +508,10 @@ MUTATIONS = [
         "        except BaseException:\n            for st in states:\n                st[\"step\"] += 1\n            raise\n",
         [P + "test_optim.py::test_a_refused_step_counts_nothing_and_the_next_steps_equal_a_fresh_optimizers"],
         "a refused optimizer step advances the step counts: every later step's bias correction is off by one"),
+    Mutation(
+        "detach-misses-a-hook-objects-forward", "python/layerstream/_handle.py",
+        "            if callable(x) or (type(getattr(x, \"__dict__\", None)) is dict and not isinstance(x, torch.Tensor)):\n",
+        "            if callable(x):\n",
+        [P + "test_errors.py::test_a_diffusers_hook_installed_after_offload_keeps_working_after_detach"],
+        "detach() under a diffusers hook: the hook keeps calling the stale streamed forward (every call raises)"),
 ]
