@@ -278,6 +278,14 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         self._check_foreign_options(param_group, f"param group {len(self.param_groups)}")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if len({id(p) for p in params}) != len(params):
+            # torch warns (and will refuse); stepping one tensor twice in one kernel call
+            # with one count gave numbers of neither torch's two steps nor one.
+            raise ValueError(f"param group {len(self.param_groups)} lists a parameter more than once: list "
+                             f"each parameter once (torch.optim warns that this will become an error)")
+        param_group = dict(param_group, params=params)
         super().add_param_group(param_group)
         self._check_group_options(self.param_groups[-1])
 

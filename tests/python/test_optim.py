@@ -660,6 +660,20 @@ def test_a_refused_step_counts_nothing_and_the_next_steps_equal_a_fresh_optimize
         assert float(opt.state[p]["step"]) == float(ref.state[q]["step"]) == 3
 
 
+@pytest.mark.parametrize("cls", [AdamW, Adafactor])
+def test_a_parameter_listed_twice_in_a_group_is_refused(cls):
+    """torch.optim warns (and will refuse); the host kernels stepped such a tensor twice in
+    one call with one count: numbers of neither one step nor torch's two."""
+    lin = nn.Linear(4, 4)
+    make = AdamW if cls is AdamW else lambda ps: Adafactor(ps, lr=1e-2, relative_step=False)
+    with pytest.raises(ValueError, match="lists a parameter more than once"):
+        make([lin.weight, lin.bias, lin.weight])
+    opt = make([lin.weight])
+    with pytest.raises(ValueError, match="param group 1 lists a parameter more than once"):
+        opt.add_param_group({"params": [lin.bias, lin.bias]})
+    assert len(opt.param_groups) == 1
+
+
 def test_grad_norm_sums_the_kernels_and_torch_parts():
     """The clip norm: fp32/bf16 host gradients by the kernels, the others (fp16 here, a
     device's on a GPU) by torch, summed per device in double: clip_grad_norm_'s total."""

@@ -514,4 +514,10 @@ MUTATIONS = [
         "            if callable(x):\n",
         [P + "test_errors.py::test_a_diffusers_hook_installed_after_offload_keeps_working_after_detach"],
         "detach() under a diffusers hook: the hook keeps calling the stale streamed forward (every call raises)"),
+    Mutation(
+        "optim-duplicate-param-stepped-twice", "python/layerstream/optim.py",
+        "        if len({id(p) for p in params}) != len(params):\n",
+        "        if False:\n",
+        [P + "test_optim.py::test_a_parameter_listed_twice_in_a_group_is_refused"],
+        "a parameter listed twice in a group is stepped twice in one kernel call with one count"),
 ]
