@@ -672,7 +672,7 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
             params = [o._parameters[k] for o, k, _ in slots]
         module.forward = _GroupForward(engine, index, old_forward or module.forward, module, slots,
                                        name or "<root>", n_experts)
-        a.forward = module.__dict__["forward"]  # what detach() undoes (_handle._forward_restore)
+        a.forward = module.__dict__["forward"]  # what detach() undoes (_wrappers.forward_restore)
         # Each module that owns some of the tensors keeps them where they are on
         # model.to() (nn.MultiheadAttention: its out_proj too).
         for owner in dict.fromkeys(o for o, _, _ in slots):
@@ -759,7 +759,7 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
     else:
         module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,
                                           module, name)
-        a.forward = module.__dict__["forward"]  # what detach() undoes (_handle._forward_restore)
+        a.forward = module.__dict__["forward"]  # what detach() undoes (_wrappers.forward_restore)
     module._apply = _StreamedApply(module, compute_device, name or "<root>")
     for p in module.parameters(recurse=False):
         p._is_memory_managed = True

@@ -432,14 +432,14 @@ MUTATIONS = [
         [P + "test_quant_offload.py::test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_too"],
         "copy_() into a quantized layer the budget keeps resident: it computes with the unquantized values"),
     Mutation(
-        "detach-drops-a-later-wrapper", "python/layerstream/_handle.py",
+        "detach-drops-a-later-wrapper", "python/layerstream/_wrappers.py",
         "    if current is ours or current is None:\n        return \"own\"\n",
         "    if True:\n        return \"own\"\n",
         [P + "test_errors.py::test_a_wrapper_installed_after_offload_keeps_working_after_detach",
          P + "test_errors.py::test_accelerate_cpu_offload_on_an_offloaded_model"],
         "detach() removes a forward wrapper installed after offload() (accelerate's hooks): other outputs, silently"),
     Mutation(
-        "detach-keeps-a-wrapper-calling-the-stale-forward", "python/layerstream/_handle.py",
+        "detach-keeps-a-wrapper-calling-the-stale-forward", "python/layerstream/_wrappers.py",
         "    if places and not fixed:\n        return places\n",
         "    if True:\n        return places\n",
         [P + "test_misuse.py::test_detach_refuses_a_wrapper_that_keeps_the_streamed_forward_out_of_reach"],
@@ -509,7 +509,7 @@ MUTATIONS = [
         [P + "test_optim.py::test_a_refused_step_counts_nothing_and_the_next_steps_equal_a_fresh_optimizers"],
         "a refused optimizer step advances the step counts: every later step's bias correction is off by one"),
     Mutation(
-        "detach-misses-a-hook-objects-forward", "python/layerstream/_handle.py",
+        "detach-misses-a-hook-objects-forward", "python/layerstream/_wrappers.py",
         "            if callable(x) or (type(getattr(x, \"__dict__\", None)) is dict and not isinstance(x, torch.Tensor)):\n",
         "            if callable(x):\n",
         [P + "test_errors.py::test_a_diffusers_hook_installed_after_offload_keeps_working_after_detach"],
