@@ -166,6 +166,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         """Per group: (group, params with a gradient, their gradients, their keys).
         A key is the parameter's position in the optimizer (its stochastic
         rounding stream)."""
+        self._check_groups_foreign()
         work, grads, key = [], [], 0
         for gi, group in enumerate(self.param_groups):
             ps, gs, keys = [], [], []
@@ -289,6 +290,13 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._check_group_options(self.param_groups[-1])
 
+    def _check_groups_foreign(self):
+        """At each step: an option turned on through ``param_groups`` after the group
+        was added (``opt.param_groups[0]["amsgrad"] = True``) is refused as at
+        add_param_group(), not stepped without."""
+        for gi, group in enumerate(self.param_groups):
+            self._check_foreign_options(group, f"param group {gi}")
+
     @staticmethod
     def _check_foreign_options(group, where):
         """Options of torch's optimizers that change the numbers and that this one does
@@ -365,6 +373,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
                                "layers with the gradients it had. Call step() after each overlapped backward; with "
                                "gradient accumulation, wrap only the last micro-batch's backward in overlap()")
         engine = handle._check()
+        self._check_groups_foreign()
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None  # GradScaler(enabled=False): steps as without one
         loss_scale = None if grad_scaler is None else float(grad_scaler.get_scale())

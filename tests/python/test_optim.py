@@ -236,6 +236,30 @@ def test_a_torch_state_dict_with_options_it_lacks_is_refused_before_anything_loa
     AdamW([q]).load_state_dict(plain.state_dict())
 
 
+@pytest.mark.parametrize("key", ["amsgrad", "maximize"])
+def test_an_option_it_lacks_set_through_param_groups_later_is_refused_at_the_step(key, offload_sim):
+    """opt.param_groups[0]["amsgrad"] = True after construction (a config loader, a
+    trainer copying torch's group keys) was ignored: every step went on without it,
+    silently. step() and overlap() refuse it as add_param_group() does, before
+    anything is stepped or counted."""
+    model = Deep()
+    handle = offload_sim(model)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    model(x).square().mean().backward()
+    opt.param_groups[0][key] = True
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=f"param group 0 turns on {key}"):
+        opt.step()
+    with pytest.raises(ValueError, match=f"param group 0 turns on {key}"):
+        with opt.overlap(handle):
+            pass
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not opt.state
+    opt.param_groups[0][key] = False
+    opt.step()
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
+
+
 # ---------------------------------------------------------------- bf16 and 8-bit
 def test_bf16_stochastic_rounding_is_unbiased():
     """bf16 weights at 1.0, a constant gradient, an update of 1/40 of a bf16 ulp

@@ -520,4 +520,10 @@ MUTATIONS = [
         "        if False:\n",
         [P + "test_optim.py::test_a_parameter_listed_twice_in_a_group_is_refused"],
         "a parameter listed twice in a group is stepped twice in one kernel call with one count"),
+    Mutation(
+        "optim-late-amsgrad-ignored", "python/layerstream/optim.py",
+        "        for gi, group in enumerate(self.param_groups):\n            self._check_foreign_options(group, f\"param group {gi}\")\n",
+        "        for gi, group in enumerate(self.param_groups):\n            pass\n",
+        [P + "test_optim.py::test_an_option_it_lacks_set_through_param_groups_later_is_refused_at_the_step"],
+        "amsgrad / maximize set through param_groups after construction: stepped without, silently"),
 ]
