@@ -157,22 +157,30 @@ class _StateDicts:
             k: {kk: (_Keep(vv) if isinstance(vv, torch.Tensor) and kk != "step" else vv) for kk, vv in v.items()}
             for k, v in state_dict["state"].items()
         }
-        super().load_state_dict(sd)
-        for group in self.param_groups:
-            # e.g. a torch.optim.AdamW state dict: its groups lack our options
-            for k, v in self.defaults.items():
-                group.setdefault(k, v)
-            self._check_group_options(group)
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        for p, st in list(self.state.items()):
-            if any(isinstance(v, _Keep) for v in st.values()):
-                loaded = {k: (v.tensor if isinstance(v, _Keep) else v) for k, v in st.items()}
-                st.clear()
-                if split and hasattr(p, "_layerstream_shard"):
-                    loaded = self._shard_of_state(p, loaded)
-                    if loaded is None:  # another rank's to step
-                        continue
-                st.update(self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}"))
+        # torch's load builds new state and group objects: keeping the old ones puts them back when
+        # something below refuses the load (a state's shape, a group's option), so that nothing is half
+        # loaded (a retry, or a fresh start after the error, steps the states it had).
+        kept = self.state, self.param_groups
+        try:
+            super().load_state_dict(sd)
+            for group in self.param_groups:
+                # e.g. a torch.optim.AdamW state dict: its groups lack our options
+                for k, v in self.defaults.items():
+                    group.setdefault(k, v)
+                self._check_group_options(group)
+            index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            for p, st in list(self.state.items()):
+                if any(isinstance(v, _Keep) for v in st.values()):
+                    loaded = {k: (v.tensor if isinstance(v, _Keep) else v) for k, v in st.items()}
+                    st.clear()
+                    if split and hasattr(p, "_layerstream_shard"):
+                        loaded = self._shard_of_state(p, loaded)
+                        if loaded is None:  # another rank's to step
+                            continue
+                    st.update(self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}"))
+        except BaseException:
+            self.state, self.param_groups = kept
+            raise
         self._shard_seen = None
         self._shard_identity()  # the loaded states are this rank's shards, or whole ones
 

@@ -280,6 +280,12 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
     def add_param_group(self, param_group):
         self._check_foreign_options(param_group, f"param group {len(self.param_groups)}")
         params = param_group["params"]
+        if isinstance(params, set):
+            # As torch refuses it: a set's order (state dict indices, stochastic rounding keys)
+            # changes between runs, so a checkpoint's moments would reach other parameters.
+            raise TypeError(f"param group {len(self.param_groups)}: its parameters are a set, whose order changes "
+                            f"between runs (state dict indices, rounding streams); give a list, e.g. "
+                            f"sorted by name from model.named_parameters()")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         if len({id(p) for p in params}) != len(params):
             # torch warns (and will refuse); stepping one tensor twice in one kernel call
@@ -756,6 +762,13 @@ class Adafactor(_HostOptimizer):
                         weight_decay=weight_decay, scale_parameter=scale_parameter, relative_step=relative_step,
                         warmup_init=warmup_init, seed=int(seed))
         super().__init__(params, defaults, max_grad_norm)
+
+    @staticmethod
+    def _check_foreign_options(group, where):
+        if group.get("maximize"):
+            raise ValueError(
+                f"layerstream.optim.Adafactor: {where} turns on maximize, which this optimizer does not implement "
+                f"(it would minimize): leave it off (negate the loss), or keep torch's optimizer for this run")
 
     @staticmethod
     def _config(group):

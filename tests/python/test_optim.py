@@ -236,6 +236,20 @@ def test_a_torch_state_dict_with_options_it_lacks_is_refused_before_anything_loa
     AdamW([q]).load_state_dict(plain.state_dict())
 
 
+def test_adafactor_refuses_maximize():
+    """torch.optim.Adafactor(maximize=True) ascends; ours minimized with the group's
+    maximize=True, silently."""
+    p = nn.Parameter(torch.ones(4))
+    with pytest.raises(ValueError, match="param group 0 turns on maximize"):
+        Adafactor([{"params": [p], "maximize": True}], lr=1e-2, relative_step=False)
+    opt = Adafactor([p], lr=1e-2, relative_step=False)
+    opt.param_groups[0]["maximize"] = True
+    p.grad = torch.ones(4)
+    with pytest.raises(ValueError, match="param group 0 turns on maximize"):
+        opt.step()
+    assert torch.equal(p, torch.ones(4))
+
+
 @pytest.mark.parametrize("key", ["amsgrad", "maximize"])
 def test_an_option_it_lacks_set_through_param_groups_later_is_refused_at_the_step(key, offload_sim):
     """opt.param_groups[0]["amsgrad"] = True after construction (a config loader, a
@@ -695,7 +709,47 @@ def test_a_parameter_listed_twice_in_a_group_is_refused(cls):
     opt = make([lin.weight])
     with pytest.raises(ValueError, match="param group 1 lists a parameter more than once"):
         opt.add_param_group({"params": [lin.bias, lin.bias]})
+    with pytest.raises(TypeError, match="param group 1: its parameters are a set"):
+        opt.add_param_group({"params": {lin.bias}})  # (torch refuses a set: its order changes between runs)
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [AdamW, Adafactor])
+@pytest.mark.parametrize("bad", ["shape", "option"])
+def test_a_refused_load_state_dict_changes_nothing(cls, bad):
+    """Another run's checkpoint with one state of another shape (or a group option this
+    optimizer refuses) was refused after torch's load had replaced the groups and the
+    states: lr and the first parameters' moments were the checkpoint's, the rest gone,
+    and the next step trained on that mix, silently (or died on internal wrappers)."""
+    make = ((lambda ps, lr: AdamW(ps, lr=lr)) if cls is AdamW else
+            (lambda ps, lr: Adafactor(ps, lr=lr, relative_step=False, scale_parameter=False)))
+    gen = torch.Generator().manual_seed(0)
+    a, b = nn.Parameter(torch.randn(4, 4, generator=gen)), nn.Parameter(torch.randn(3, 2, generator=gen))
+    opt = make([a, b], 1e-2)
+    a2, b2 = nn.Parameter(torch.randn(4, 4, generator=gen)), nn.Parameter(torch.randn(5 if bad == "shape" else 3, 2,
+                                                                                        generator=gen))
+    other = make([a2, b2], 5e-4)
+    for o, ps, n in ((opt, (a, b), 3), (other, (a2, b2), 7)):
+        for _ in range(n):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            o.step()
+    saved = copy.deepcopy(opt.state_dict())
+    theirs = other.state_dict()
+    if bad == "option":
+        theirs["param_groups"][0]["state_precision" if cls is AdamW else "beta1"] = (
+            "fp64" if cls is AdamW else 2.0)
+    with pytest.raises((ValueError, RuntimeError)):
+        opt.load_state_dict(theirs)
+    now = opt.state_dict()
+    assert now["param_groups"] == saved["param_groups"]
+    assert now["state"].keys() == saved["state"].keys()
+    for i, st in saved["state"].items():
+        assert now["state"][i].keys() == st.keys(), i
+        for k, v in st.items():
+            assert (torch.equal(now["state"][i][k], v) if isinstance(v, torch.Tensor) else now["state"][i][k] == v), k
+    a.grad, b.grad = torch.ones(4, 4), torch.ones(3, 2)
+    opt.step()  # steps the states it had
 
 
 def test_grad_norm_sums_the_kernels_and_torch_parts():

@@ -526,4 +526,22 @@ MUTATIONS = [
         "        for gi, group in enumerate(self.param_groups):\n            pass\n",
         [P + "test_optim.py::test_an_option_it_lacks_set_through_param_groups_later_is_refused_at_the_step"],
         "amsgrad / maximize set through param_groups after construction: stepped without, silently"),
+    Mutation(
+        "optim-refused-load-half-loaded", "python/layerstream/_optim_state.py",
+        "        except BaseException:\n            self.state, self.param_groups = kept\n            raise\n",
+        "        except BaseException:\n            raise\n",
+        [P + "test_optim.py::test_a_refused_load_state_dict_changes_nothing"],
+        "a refused optimizer load_state_dict() leaves the checkpoint's lr and some of its moments in place"),
+    Mutation(
+        "optim-set-of-params-accepted", "python/layerstream/optim.py",
+        "        if isinstance(params, set):\n",
+        "        if False:\n",
+        [P + "test_optim.py::test_a_parameter_listed_twice_in_a_group_is_refused"],
+        "a param group given as a set is accepted: its order (state indices, rounding keys) changes between runs"),
+    Mutation(
+        "adafactor-maximize-ignored", "python/layerstream/optim.py",
+        "        if group.get(\"maximize\"):\n            raise ValueError(\n                f\"layerstream.optim.Adafactor:",
+        "        if False:\n            raise ValueError(\n                f\"layerstream.optim.Adafactor:",
+        [P + "test_optim.py::test_adafactor_refuses_maximize"],
+        "Adafactor with maximize=True in a group minimizes, silently"),
 ]
