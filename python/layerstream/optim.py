@@ -133,6 +133,14 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         self._overlap_hyper = {}
         self._overlap_grads = []
         self._budget_checked = False  # _warn_uncounted_training ran (at the first step)
+        # Note [Zeroed gradients an overlapped step dropped]: an overlapped step leaves the .grad
+        # of what it stepped None. torch's zero_grad(set_to_none=False) would leave zeros there,
+        # and torch's next step moves such a parameter from them (weight decay, momentum) when no
+        # gradient reaches it (a branch not taken, an expert not routed to, frozen since):
+        # zero_grad(set_to_none=False) marks them, and a step gives them a zero gradient (made
+        # then, not kept) while .grad is still None. id -> parameter.
+        self._dropped = {}  # stepped by the last overlapped backward (their .grad None unless kept)
+        self._zeroed = {}  # dropped, then zeroed by zero_grad(set_to_none=False)
         self._init_state_dicts()
         super().__init__(params, defaults)
         _LIVE.add(self)
@@ -171,9 +179,14 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             ps, gs, keys = [], [], []
             for p in group["params"]:
-                if p.grad is not None:
+                g = p.grad
+                if g is None and id(p) in self._zeroed:  # Note [Zeroed gradients an overlapped step dropped]
+                    g = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif g is not None:
+                    self._zeroed.pop(id(p), None)
+                if g is not None:
                     ps.append(p)
-                    gs.append(p.grad)
+                    gs.append(g)
                     keys.append(key)
                 key += 1
             _C.optim_check_group(ps, gs, gi)
@@ -295,6 +308,14 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         param_group = dict(param_group, params=params)
         super().add_param_group(param_group)
         self._check_group_options(self.param_groups[-1])
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)
+        if set_to_none:
+            self._zeroed.clear()
+        else:  # Note [Zeroed gradients an overlapped step dropped]
+            self._zeroed.update((i, p) for i, p in self._dropped.items() if p.grad is None)
+        self._dropped.clear()
 
     def _check_groups_foreign(self):
         """At each step: an option turned on through ``param_groups`` after the group
@@ -501,6 +522,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         if scaler is not None:
             self._report_to_scaler(scaler, skipped and not found)
         mine = [p for p, s in zip(plist, status) if s not in (0, _C.OVERLAP_OTHER_RANK)]
+        self._dropped.update((id(p), p) for p in mine)
         #: Parameters the last overlapped backward stepped (or, clipping, took the norm of) early.
         self.last_overlap_params = len(mine)
         return coef, counted, mine, skipped

@@ -933,6 +933,52 @@ _MAKERS = {"adamw": lambda ps: AdamW(ps, lr=1e-2),
            "adafactor": lambda ps: Adafactor(ps, lr=1e-2, relative_step=False, scale_parameter=False)}
 
 
+class _Branchy(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, use_b):
+        x = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.b(x)) if use_b else x)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step_does(offload_sim, name):
+    """opt.zero_grad(set_to_none=False): torch leaves zeros in .grad and its next step
+    moves a parameter no gradient reached (a branch not taken; frozen since) from them.
+    An overlapped step had dropped that .grad, so such a layer was no longer stepped
+    (AdamW: 2 steps counted of 6, weights 8e-2 off), silently."""
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 16, generator=gen) for _ in range(6)]
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = _Branchy()
+        handle = offload_sim(model)
+        opt = _MAKERS[name](list(model.parameters()))
+        for i, x in enumerate(xs):
+            if i == 4:
+                model.a.bias.requires_grad_(False)  # frozen later: torch steps it from its zeros
+            loss = model(x, use_b=i < 2).square().mean()
+            with opt.overlap(handle) if overlap else contextlib.nullcontext():
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        runs[overlap] = model, opt
+        if overlap:
+            assert model.b.weight.grad is None  # dropped, not kept: stepped from a zero made at the step
+    (plain, popt), (over, oopt) = runs[False], runs[True]
+    for (n, p), q in zip(plain.named_parameters(), over.parameters()):
+        assert torch.equal(p, q), n
+        assert int(popt.state[p]["step"]) == int(oopt.state[q]["step"]) == 6, n
+    oopt.zero_grad()  # set_to_none: nothing is stepped from zeros any more
+    before = over.b.weight.detach().clone()
+    over(xs[0], use_b=False).square().mean().backward()
+    oopt.step()
+    assert torch.equal(over.b.weight, before) and int(oopt.state[over.b.weight]["step"]) == 6
+
+
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])
 def test_two_backwards_inside_one_overlap_block_are_refused(offload_sim, name):
     """Both micro-batches' backwards inside one overlap() block: each layer was stepped

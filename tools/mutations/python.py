@@ -544,4 +544,10 @@ MUTATIONS = [
         "        if False:\n            raise ValueError(\n                f\"layerstream.optim.Adafactor:",
         [P + "test_optim.py::test_adafactor_refuses_maximize"],
         "Adafactor with maximize=True in a group minimizes, silently"),
+    Mutation(
+        "optim-overlap-zeroed-grads-forgotten", "python/layerstream/optim.py",
+        "            self._zeroed.update((i, p) for i, p in self._dropped.items() if p.grad is None)\n",
+        "            pass\n",
+        [P + "test_optim.py::test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step_does"],
+        "overlap + zero_grad(set_to_none=False): a layer no gradient reaches is no longer stepped from zeros"),
 ]
