@@ -66,5 +66,10 @@ class FileWeight(_standin.StandIn):
         the one loaded, unchanged), in its dtype (cast from ``file_dtype``)."""
         out = torch.empty(tuple(self.shape), dtype=self.file_dtype)
         r = self.file_range
+        if r.bytes != out.nbytes:  # else a prefix of its bytes (or more) decoded in another dtype: wrong values
+            raise LayerstreamError(
+                f"'{self.file_name}': tensor '{r.tensor}' has {r.bytes} bytes in {r.path}, but "
+                f"{list(self.shape)} of {self.file_dtype} (its file_dtype) needs {out.nbytes}; this FileWeight "
+                f"does not describe its file: load the model with load_safetensors() again")
         _C.read_file_into(r.path, r.offset, out, r.tensor, r.identity)
         return out.to(self.dtype)

@@ -140,7 +140,8 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
             continue
         fr = _C.FileRange(rec["file"], rec["offset"], rec["nbytes"], rec["name"], rec["identity"])
         put(holders[id(target)], target, FileWeight(tuple(target.shape), target.dtype, fr, dst,
-                                                    requires_grad=target.requires_grad, file_dtype=dtype))
+                                                    requires_grad=target.requires_grad,
+                                                    file_dtype=_DTYPES[rec["dtype"]]))
         out.in_file.append(dst)
         out.in_file_bytes += rec["nbytes"]
     return out

@@ -657,3 +657,50 @@ def test_suspend_and_resume_with_the_disk_tier(tmp_path):
     assert stats["ordering_errors"] == 0
     handle.detach()
     assert isinstance(model.layers[0].weight, FileWeight)
+
+
+def test_each_weight_left_in_the_file_is_read_in_its_own_dtype(tmp_path):
+    """A bf16 checkpoint with one fp16 buffer, which safetensors sorts last: every
+    FileWeight took the dtype of the checkpoint's last tensor (fp16), not its own, so
+    offload() decoded the bf16 bytes as fp16 (the byte counts match): wrong weights and
+    outputs, no error. Each now carries its own, and the model equals the resident one."""
+    class WithHalf(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale16", torch.ones(4, dtype=torch.float16))
+
+    torch.manual_seed(0)
+    ref = WithHalf().to(torch.bfloat16).requires_grad_(False)
+    ref.scale16 = ref.scale16.half()
+    path = _save(ref, tmp_path / "mixed.safetensors")
+    with torch.device("meta"):
+        model = WithHalf().to(torch.bfloat16)
+    model.scale16 = torch.empty(4, dtype=torch.float16, device="meta")
+    report = layerstream.load_safetensors(model, path)
+    assert "layers.0.weight" in report.in_file
+    model.requires_grad_(False)
+    for n, p in model.named_parameters():
+        if isinstance(p, FileWeight):
+            assert p.file_dtype == torch.bfloat16, n
+    assert torch.equal(model.layers[0].weight.read(), ref.layers[0].weight)
+    handle = layerstream.offload(model, device="sim")
+    assert torch.equal(model.layers[0].weight, ref.layers[0].weight)
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    handle.detach()
+
+
+def test_file_weight_read_refuses_a_byte_count_its_dtype_does_not_need(tmp_path):
+    """FileWeight.read() read out.nbytes bytes whatever its range held: a stand-in
+    whose file_dtype disagrees with its file (fp32 bytes read as bf16) gave the first
+    half of them decoded as bf16, silently. It now refuses, naming both counts."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    w = model.layers[0].weight
+    wrong = FileWeight(tuple(w.shape), torch.bfloat16, w.file_range, w.file_name, file_dtype=torch.bfloat16)
+    with pytest.raises(LayerstreamError, match=rf"has {D * D * 4} bytes in .*needs {D * D * 2}; this FileWeight "
+                                               r"does not describe its file"):
+        wrong.read()
+    assert torch.equal(w.read(), ref.layers[0].weight)

@@ -544,4 +544,16 @@ MUTATIONS = [
         "        if False:\n            raise ValueError(\n                f\"layerstream.optim.Adafactor:",
         [P + "test_optim.py::test_adafactor_refuses_maximize"],
         "Adafactor with maximize=True in a group minimizes, silently"),
+    Mutation(
+        "safetensors-file-dtype-of-the-last-tensor", "python/layerstream/_safetensors.py",
+        "                                                    file_dtype=_DTYPES[rec[\"dtype\"]]))\n",
+        "                                                    file_dtype=dtype))\n",
+        [P + "test_host_tier.py::test_each_weight_left_in_the_file_is_read_in_its_own_dtype"],
+        "every FileWeight takes the dtype of the checkpoint's last tensor: bf16 bytes decoded as fp16, silently"),
+    Mutation(
+        "file-weight-read-any-byte-count", "python/layerstream/_file_weight.py",
+        "        if r.bytes != out.nbytes:",
+        "        if False:",
+        [P + "test_host_tier.py::test_file_weight_read_refuses_a_byte_count_its_dtype_does_not_need"],
+        "FileWeight.read() decodes a prefix of its range in the wrong dtype when file_dtype disagrees with the file"),
 ]
