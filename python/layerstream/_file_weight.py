@@ -16,7 +16,8 @@ class FileWeight(_standin.StandIn):
     dtype) with the file's path and byte range beside it (``file_range``, a
     ``_C.FileRange``) and the dtype the file holds (``file_dtype``: another floating
     dtype is cast as read, and such a weight is always read into RAM). offload()
-    reads it straight into host memory, or, when the host budget cannot hold it and
+    reads it straight into host memory (this object then becomes an ordinary
+    Parameter, so what holds it keeps it: an optimizer built before), or, when the host budget cannot hold it and
     it is frozen, streams it from the file on every use (the disk tier); run the
     model only after offload(). ``requires_grad`` is the model parameter's: a
     trainable one is always read into RAM. Its ``.device`` is the CPU, where its

@@ -556,4 +556,17 @@ MUTATIONS = [
         "        if False:",
         [P + "test_host_tier.py::test_file_weight_read_refuses_a_byte_count_its_dtype_does_not_need"],
         "FileWeight.read() decodes a prefix of its range in the wrong dtype when file_dtype disagrees with the file"),
+    Mutation(
+        "file-weight-read-in-as-a-new-parameter", "python/layerstream/_host_plan.py",
+        "        torch.utils.swap_tensors(p, new)\n",
+        "        from ._loading import put, tensor_slots\n        put(tensor_slots(model)[1].get(id(p), []), p, new)\n"
+        "        return new\n",
+        [P + "test_host_tier.py::test_an_optimizer_built_before_offload_steps_the_weights_read_from_the_file"],
+        "offload() puts a new Parameter in place of each FileWeight: an optimizer built before it never trains them"),
+    Mutation(
+        "file-weight-read-in-walks-the-model", "python/layerstream/_host_plan.py",
+        "        torch.utils.swap_tensors(p, new)\n",
+        "        torch.utils.swap_tensors(p, new)\n        list(model.named_modules(remove_duplicate=False))\n",
+        [P + "test_host_tier.py::test_offload_of_a_file_loaded_model_walks_it_as_often_whatever_its_layer_count"],
+        "offload() walks the whole model for each weight it reads from a file: time quadratic in the layer count"),
 ]
