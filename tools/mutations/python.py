@@ -569,4 +569,16 @@ MUTATIONS = [
         "        torch.utils.swap_tensors(p, new)\n        list(model.named_modules(remove_duplicate=False))\n",
         [P + "test_host_tier.py::test_offload_of_a_file_loaded_model_walks_it_as_often_whatever_its_layer_count"],
         "offload() walks the whole model for each weight it reads from a file: time quadratic in the layer count"),
+    Mutation(
+        "gguf-casts-float-and-integer", "python/layerstream/_gguf.py",
+        "        if not rec[\"format\"]:\n            check_kind(",
+        "        if False:\n            check_kind(",
+        [P + "test_gguf.py::test_a_float_tensor_and_an_integer_one_do_not_load_into_each_other_with_either_loader"],
+        "load_gguf() casts a float tensor into an integer buffer (0.7 -> 0) and back, silently"),
+    Mutation(
+        "loaders-cast-float-and-integer", "python/layerstream/_loading.py",
+        "    if file_dtype.is_floating_point != target.dtype.is_floating_point and target.dtype != torch.bool:\n",
+        "    if False:\n",
+        [P + "test_gguf.py::test_a_float_tensor_and_an_integer_one_do_not_load_into_each_other_with_either_loader"],
+        "neither loader refuses a float tensor for an integer one (or the reverse): truncated or cast, silently"),
 ]
