@@ -16,7 +16,8 @@ class FileWeight(_standin.StandIn):
     dtype) with the file's path and byte range beside it (``file_range``, a
     ``_C.FileRange``) and the dtype the file holds (``file_dtype``: another floating
     dtype is cast as read, and such a weight is always read into RAM). offload()
-    reads it straight into host memory, or, when the host budget cannot hold it and
+    reads it straight into host memory (this object then becomes an ordinary
+    Parameter, so what holds it keeps it: an optimizer built before), or, when the host budget cannot hold it and
     it is frozen, streams it from the file on every use (the disk tier); run the
     model only after offload(). ``requires_grad`` is the model parameter's: a
     trainable one is always read into RAM. Its ``.device`` is the CPU, where its
@@ -66,5 +67,10 @@ class FileWeight(_standin.StandIn):
         the one loaded, unchanged), in its dtype (cast from ``file_dtype``)."""
         out = torch.empty(tuple(self.shape), dtype=self.file_dtype)
         r = self.file_range
+        if r.bytes != out.nbytes:  # else a prefix of its bytes (or more) decoded in another dtype: wrong values
+            raise LayerstreamError(
+                f"'{self.file_name}': tensor '{r.tensor}' has {r.bytes} bytes in {r.path}, but "
+                f"{list(self.shape)} of {self.file_dtype} (its file_dtype) needs {out.nbytes}; this FileWeight "
+                f"does not describe its file: load the model with load_safetensors() again")
         _C.read_file_into(r.path, r.offset, out, r.tensor, r.identity)
         return out.to(self.dtype)

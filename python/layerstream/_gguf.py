@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import _C
 from ._gguf_weight import GgufWeight
-from ._loading import LoadReport, assign, check_strict, renamed, tensor_slots
+from ._loading import LoadReport, assign, check_kind, check_strict, renamed, tensor_slots
 
 LayerstreamError = _C.LayerstreamError
 
@@ -105,7 +105,8 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
       dequantizes to the parameter's dtype, bit-identical to gguf-py's
       ``dequantize`` rounded to that dtype. Frozen.
     * Plain tensors (F32, F16, BF16, ...) are copied into the parameter or
-      buffer, cast to its dtype; quantized tensors of anything else (a conv or
+      buffer, cast to its dtype (a floating-point tensor and an integer one do
+      not load into each other: an error, as in load_safetensors()); quantized tensors of anything else (a conv or
       embedding weight, a bias) are dequantized on load to its dtype.
     * The model may be built without weights (``accelerate.init_empty_weights()``,
       which keeps buffers real, or ``torch.device("meta")``): a meta parameter
@@ -231,6 +232,8 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
                 f"{path}: tensor '{rec['name']}' is GGUF type {rec['type']}, which layerstream cannot "
                 f"read; supported: F32, F16, BF16, F64, I8-I64, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
                 f"Q4_K, Q5_K, Q6_K (requantize the file with llama.cpp's llama-quantize)")
+        if not rec["format"]:
+            check_kind(str(path), rec["name"], f"GGUF type {rec['type']}", _PLAIN[rec["type"]], dst, target)
         if rec["format"] and target.dtype not in _DENSE:
             raise LayerstreamError(f"{path}: '{dst}' is {target.dtype}; a quantized GGUF tensor loads "
                                    f"into float32, bfloat16 or float16 parameters")

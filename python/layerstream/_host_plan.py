@@ -13,7 +13,6 @@ import torch.nn as nn
 from . import _C
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
-from ._loading import put, tensor_slots
 
 LayerstreamError = _C.LayerstreamError
 
@@ -25,10 +24,12 @@ def parse_bytes(value: Union[int, float, str], what: str = "size") -> int:
 
 
 def _read_in(model: nn.Module, p, engine=None):
-    """A FileWeight (load_safetensors) read into an ordinary parameter, put in every
-    place of the model that holds it (tied stay tied): into `engine`'s host store
-    (one copy, adopted later without another) or a new CPU tensor. Returns the new
-    parameter, or `p` itself when it is not a FileWeight."""
+    """A FileWeight (load_safetensors) read into an ordinary parameter in place: into
+    `engine`'s host store (one copy, adopted later without another) or a new CPU
+    tensor. The object stays the same (torch.utils.swap_tensors: its class and data
+    change), so every holder keeps it without a walk of `model` (tied stay tied), and
+    so does an optimizer built before offload() (a new Parameter left it stepping
+    the stand-in, which never gets a gradient). Returns `p`."""
     if not isinstance(p, FileWeight):
         return p
     r = p.file_range
@@ -38,8 +39,14 @@ def _read_in(model: nn.Module, p, engine=None):
                                          or not engine.host_store_shared(False))
     value = engine.read_file(r, list(p.shape), p.dtype, p.file_dtype) if into_store else p.read()
     new = nn.Parameter(value, requires_grad=p.requires_grad)
-    put(tensor_slots(model)[1].get(id(p), []), p, new)
-    return new
+    try:
+        torch.utils.swap_tensors(p, new)
+    except RuntimeError as e:  # a weak reference to it, or a use of it beyond the Python object
+        raise LayerstreamError(
+            f"offload(): cannot read '{p.file_name}' (in {r.path}) into the parameter that holds its place: "
+            f"{e}. Drop what else refers to it (weak references, autograd graphs), or create those after "
+            f"offload()") from None
+    return p
 
 
 class _HostTier(NamedTuple):

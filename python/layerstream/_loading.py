@@ -76,6 +76,18 @@ def check_strict(who: str, missing: List[str], unexpected: List[str]) -> None:
                            "or pass strict=False to load what matches")
 
 
+def check_kind(where: str, tensor: str, file_type: str, file_dtype: torch.dtype, dst: str,
+               target: torch.Tensor) -> None:
+    """The loaders' one rule on dtypes: a floating-point tensor and an integer one do
+    not load into each other (the cast would truncate 0.7 to 0, or make indices floats,
+    silently); a bool target takes either (nonzero is True). `file_type` is the
+    file's name for its type (safetensors' "F32", GGUF's "I32")."""
+    if file_dtype.is_floating_point != target.dtype.is_floating_point and target.dtype != torch.bool:
+        raise LayerstreamError(f"{where}: tensor '{tensor}' is {file_type} but '{dst}' in the model is "
+                               f"{target.dtype}; a floating-point tensor and an integer one do not load into "
+                               f"each other")
+
+
 def put(holders, target: torch.Tensor, new_t: torch.Tensor) -> None:
     """Puts `new_t` (a tensor of target's dtype) in every place that holds `target`
     (tied stay tied); a parameter stays a parameter with its requires_grad."""

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from . import _C
 from ._file_weight import FileWeight
-from ._loading import LoadReport, Rename, assign, check_strict, put, renamed, tensor_slots
+from ._loading import LoadReport, Rename, assign, check_kind, check_strict, put, renamed, tensor_slots
 
 LayerstreamError = _C.LayerstreamError
 
@@ -115,10 +115,7 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
         if tuple(rec["shape"]) != tuple(target.shape):
             raise LayerstreamError(f"{rec['file']}: tensor '{rec['name']}' has shape {list(rec['shape'])} but "
                                    f"'{dst}' in the model is {list(target.shape)}")
-        if target.dtype.is_floating_point != _DTYPES[rec["dtype"]].is_floating_point and target.dtype != torch.bool:
-            raise LayerstreamError(f"{rec['file']}: tensor '{rec['name']}' is {rec['dtype']} but '{dst}' in the "
-                                   f"model is {target.dtype}; a floating-point tensor and an integer one do not "
-                                   f"load into each other")
+        check_kind(rec["file"], rec["name"], rec["dtype"], _DTYPES[rec["dtype"]], dst, target)
     # Read everything that is read now before anything changes (an I/O error or a
     # file changed since its header was read leaves the model as it was).
     out = LoadReport([], [], [], missing, unexpected, dict(ck["metadata"]))
@@ -140,7 +137,8 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
             continue
         fr = _C.FileRange(rec["file"], rec["offset"], rec["nbytes"], rec["name"], rec["identity"])
         put(holders[id(target)], target, FileWeight(tuple(target.shape), target.dtype, fr, dst,
-                                                    requires_grad=target.requires_grad, file_dtype=dtype))
+                                                    requires_grad=target.requires_grad,
+                                                    file_dtype=_DTYPES[rec["dtype"]]))
         out.in_file.append(dst)
         out.in_file_bytes += rec["nbytes"]
     return out

@@ -375,6 +375,47 @@ def test_shape_and_type_errors_change_nothing(tmp_path):
     assert not isinstance(lin[0].weight, GgufWeight)
 
 
+def test_a_float_tensor_and_an_integer_one_do_not_load_into_each_other_with_either_loader(tmp_path):
+    """load_gguf() cast a float tensor of the file into an integer buffer (0.7 -> 0,
+    -2.5 -> -2) and an integer one into a float parameter, silently, where
+    load_safetensors() refuses the same: both now apply one rule, before anything
+    changes. Integer into integer and float into float still load (cast)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.register_buffer("pos", torch.zeros(4, dtype=torch.int64))
+
+    ones, ramp = np.ones((8, 8), np.float32), np.arange(8, dtype=np.float32)
+    cases = {"pos": [("a.weight", ones, None), ("a.bias", ramp, None),
+                     ("pos", np.array([0.7, 1.9, -2.5, 3.0], np.float32), None)],
+             "a.bias": [("a.weight", ones, None), ("a.bias", np.arange(8, dtype=np.int32), None),
+                        ("pos", np.arange(4, dtype=np.int32), None)]}
+    for dst, tensors in cases.items():
+        path = tmp_path / f"{dst}.gguf"
+        _gguf_py_file(path, tensors)
+        with torch.device("meta"):
+            model = M()
+        with pytest.raises(LayerstreamError, match=rf"tensor '{dst}' is GGUF type (F32|I32) but '{dst}' in the "
+                                                   rf"model is torch\.(int64|float32); a floating-point tensor "
+                                                   rf"and an integer one do not load into each other"):
+            layerstream.load_gguf(model, str(path))
+        assert all(t.is_meta and not isinstance(t, GgufWeight) for t in model.state_dict().values())
+        st = tmp_path / f"{dst}.safetensors"
+        safetensors.torch.save_file({n: torch.from_numpy(a) for n, a, _ in tensors}, str(st))
+        with pytest.raises(LayerstreamError, match=rf"tensor '{dst}' is (F32|I32) but '{dst}' in the model is "
+                                                   rf"torch\.(int64|float32); a floating-point tensor and an "
+                                                   rf"integer one do not load into each other"):
+            layerstream.load_safetensors(model, str(st))
+    path = tmp_path / "ok.gguf"  # int32 into the int64 buffer
+    _gguf_py_file(path, [("a.weight", ones, None), ("a.bias", ramp, None), ("pos", np.arange(4, dtype=np.int32), None)])
+    with torch.device("meta"):
+        model = M()
+    layerstream.load_gguf(model, str(path))
+    assert model.pos.dtype == torch.int64 and model.pos.tolist() == [0, 1, 2, 3]
+    assert torch.equal(model.a.bias, torch.arange(8, dtype=torch.float32))
+
+
 def test_meta_tied_parameters_stay_tied(tmp_path):
     with torch.device("meta"):
         m = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32, bias=False))

@@ -657,3 +657,137 @@ def test_suspend_and_resume_with_the_disk_tier(tmp_path):
     assert stats["ordering_errors"] == 0
     handle.detach()
     assert isinstance(model.layers[0].weight, FileWeight)
+
+
+def test_each_weight_left_in_the_file_is_read_in_its_own_dtype(tmp_path):
+    """A bf16 checkpoint with one fp16 buffer, which safetensors sorts last: every
+    FileWeight took the dtype of the checkpoint's last tensor (fp16), not its own, so
+    offload() decoded the bf16 bytes as fp16 (the byte counts match): wrong weights and
+    outputs, no error. Each now carries its own, and the model equals the resident one."""
+    class WithHalf(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale16", torch.ones(4, dtype=torch.float16))
+
+    torch.manual_seed(0)
+    ref = WithHalf().to(torch.bfloat16).requires_grad_(False)
+    ref.scale16 = ref.scale16.half()
+    path = _save(ref, tmp_path / "mixed.safetensors")
+    with torch.device("meta"):
+        model = WithHalf().to(torch.bfloat16)
+    model.scale16 = torch.empty(4, dtype=torch.float16, device="meta")
+    report = layerstream.load_safetensors(model, path)
+    assert "layers.0.weight" in report.in_file
+    model.requires_grad_(False)
+    for n, p in model.named_parameters():
+        if isinstance(p, FileWeight):
+            assert p.file_dtype == torch.bfloat16, n
+    assert torch.equal(model.layers[0].weight.read(), ref.layers[0].weight)
+    handle = layerstream.offload(model, device="sim")
+    assert torch.equal(model.layers[0].weight, ref.layers[0].weight)
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    handle.detach()
+
+
+def test_file_weight_read_refuses_a_byte_count_its_dtype_does_not_need(tmp_path):
+    """FileWeight.read() read out.nbytes bytes whatever its range held: a stand-in
+    whose file_dtype disagrees with its file (fp32 bytes read as bf16) gave the first
+    half of them decoded as bf16, silently. It now refuses, naming both counts."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    w = model.layers[0].weight
+    wrong = FileWeight(tuple(w.shape), torch.bfloat16, w.file_range, w.file_name, file_dtype=torch.bfloat16)
+    with pytest.raises(LayerstreamError, match=rf"has {D * D * 4} bytes in .*needs {D * D * 2}; this FileWeight "
+                                               r"does not describe its file"):
+        wrong.read()
+    assert torch.equal(w.read(), ref.layers[0].weight)
+
+
+@pytest.mark.parametrize("make_optimizer", [lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                            lambda ps: torch.optim.AdamW(ps, lr=1e-2)], ids=["sgd", "adamw"])
+def test_an_optimizer_built_before_offload_steps_the_weights_read_from_the_file(tmp_path, make_optimizer):
+    """Parameters keep their identity: an optimizer built after load_safetensors() and
+    before offload() holds the FileWeight stand-ins. offload() put new Parameters in
+    their place, so the optimizer stepped stand-ins that never get a gradient: the
+    Linear weights never trained, silently. Now each stand-in becomes the parameter it
+    read, in place, and two steps equal the resident model's bit for bit."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    before = dict(model.named_parameters())
+    opt, opt_ref = make_optimizer(model.parameters()), make_optimizer(ref.parameters())
+    handle = layerstream.offload(model, device="sim")
+    for n, p in model.named_parameters():
+        assert p is before[n] and not isinstance(p, FileWeight), n
+    for _ in range(2):
+        model(_ids()).square().mean().backward()
+        ref(_ids()).square().mean().backward()
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    assert not torch.equal(model.layers[0].weight, _reference().layers[0].weight)  # it did train
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    handle.detach()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p is before[n] and torch.equal(p, q), n
+
+
+def test_a_weak_reference_to_a_weight_still_in_its_file_is_refused_by_offload_naming_it(tmp_path):
+    """Reading a stand-in in place (torch.utils.swap_tensors) cannot keep a weak
+    reference to it right: offload() refuses, naming the weight (never a silent new
+    Parameter beside it); the weights read before keep their values, and offload()
+    works once the reference is gone."""
+    import weakref
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    held = weakref.ref(model.layers[3].weight)
+    with pytest.raises(LayerstreamError, match=r"offload\(\): cannot read 'layers.3.weight' .*weak"):
+        layerstream.offload(model, device="sim")
+    assert isinstance(model.layers[3].weight, FileWeight)
+    assert torch.equal(model.layers[0].weight, ref.layers[0].weight)
+    del held
+    handle = layerstream.offload(model, device="sim")
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), ref(_ids()))
+    handle.detach()
+
+
+def test_offload_of_a_file_loaded_model_walks_it_as_often_whatever_its_layer_count(tmp_path, monkeypatch):
+    """offload() of a model loaded by load_safetensors() walked the whole model once for
+    every weight it read from the file (to find who holds it): time quadratic in the
+    layer count (800 layers: 16 s). Counted here as walks of the root module, which
+    must not grow with the layers."""
+    walks = []
+    plain = nn.Module.named_modules
+
+    def counted(self, *args, **kwargs):
+        walks[-1] += self is model
+        return plain(self, *args, **kwargs)
+
+    counts = []
+    for n in (4, 16):
+        torch.manual_seed(0)
+        ref = Net(n=n)
+        path = _save(ref, tmp_path / f"m{n}.safetensors")
+        with torch.device("meta"):
+            model = Net(n=n)
+        layerstream.load_safetensors(model, path)
+        walks.append(0)
+        monkeypatch.setattr(nn.Module, "named_modules", counted)
+        handle = layerstream.offload(model, device="sim")
+        monkeypatch.setattr(nn.Module, "named_modules", plain)
+        counts.append(walks[-1])
+        with torch.no_grad():
+            assert torch.equal(model(_ids()), ref(_ids()))
+        handle.detach()
+    assert counts[0] == counts[1], counts

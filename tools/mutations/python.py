@@ -550,4 +550,41 @@ MUTATIONS = [
         "            pass\n",
         [P + "test_optim.py::test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step_does"],
         "overlap + zero_grad(set_to_none=False): a layer no gradient reaches is no longer stepped from zeros"),
+    Mutation(
+        "safetensors-file-dtype-of-the-last-tensor", "python/layerstream/_safetensors.py",
+        "                                                    file_dtype=_DTYPES[rec[\"dtype\"]]))\n",
+        "                                                    file_dtype=dtype))\n",
+        [P + "test_host_tier.py::test_each_weight_left_in_the_file_is_read_in_its_own_dtype"],
+        "every FileWeight takes the dtype of the checkpoint's last tensor: bf16 bytes decoded as fp16, silently"),
+    Mutation(
+        "file-weight-read-any-byte-count", "python/layerstream/_file_weight.py",
+        "        if r.bytes != out.nbytes:",
+        "        if False:",
+        [P + "test_host_tier.py::test_file_weight_read_refuses_a_byte_count_its_dtype_does_not_need"],
+        "FileWeight.read() decodes a prefix of its range in the wrong dtype when file_dtype disagrees with the file"),
+    Mutation(
+        "file-weight-read-in-as-a-new-parameter", "python/layerstream/_host_plan.py",
+        "        torch.utils.swap_tensors(p, new)\n",
+        "        from ._loading import put, tensor_slots\n        put(tensor_slots(model)[1].get(id(p), []), p, new)\n"
+        "        return new\n",
+        [P + "test_host_tier.py::test_an_optimizer_built_before_offload_steps_the_weights_read_from_the_file"],
+        "offload() puts a new Parameter in place of each FileWeight: an optimizer built before it never trains them"),
+    Mutation(
+        "file-weight-read-in-walks-the-model", "python/layerstream/_host_plan.py",
+        "        torch.utils.swap_tensors(p, new)\n",
+        "        torch.utils.swap_tensors(p, new)\n        list(model.named_modules(remove_duplicate=False))\n",
+        [P + "test_host_tier.py::test_offload_of_a_file_loaded_model_walks_it_as_often_whatever_its_layer_count"],
+        "offload() walks the whole model for each weight it reads from a file: time quadratic in the layer count"),
+    Mutation(
+        "gguf-casts-float-and-integer", "python/layerstream/_gguf.py",
+        "        if not rec[\"format\"]:\n            check_kind(",
+        "        if False:\n            check_kind(",
+        [P + "test_gguf.py::test_a_float_tensor_and_an_integer_one_do_not_load_into_each_other_with_either_loader"],
+        "load_gguf() casts a float tensor into an integer buffer (0.7 -> 0) and back, silently"),
+    Mutation(
+        "loaders-cast-float-and-integer", "python/layerstream/_loading.py",
+        "    if file_dtype.is_floating_point != target.dtype.is_floating_point and target.dtype != torch.bool:\n",
+        "    if False:\n",
+        [P + "test_gguf.py::test_a_float_tensor_and_an_integer_one_do_not_load_into_each_other_with_either_loader"],
+        "neither loader refuses a float tensor for an integer one (or the reverse): truncated or cast, silently"),
 ]
