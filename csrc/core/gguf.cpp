@@ -218,6 +218,12 @@ GgufFile parse_gguf(std::string_view bytes, uint64_t file_bytes, const std::stri
     LS_FAIL(what, " is not a GGUF file (it does not start with the bytes \"GGUF\")");
   c.take(4, "the magic");
   g.version = c.get<uint32_t>("the version");
+  // A big-endian file (gguf-py's GGUFWriter(endianess=BIG), for s390x) reads its
+  // version byte-swapped here: say so rather than call it an unknown version.
+  const uint32_t swapped = (g.version >> 24) | ((g.version >> 8) & 0xff00u) | ((g.version << 8) & 0xff0000u) |
+                           (g.version << 24);
+  LS_CHECK(swapped != 2 && swapped != 3, what, " is a big-endian GGUF file (version ", swapped,
+           "); layerstream reads little-endian ones: convert it (gguf-py's `gguf-convert-endian FILE little`)");
   LS_CHECK(g.version == 2 || g.version == 3, what, ": GGUF version ", g.version,
            " is not supported (versions 2 and 3 are); convert the file with a recent llama.cpp");
   const uint64_t n_tensors = c.get<uint64_t>("the tensor count");
@@ -243,7 +249,8 @@ GgufFile parse_gguf(std::string_view bytes, uint64_t file_bytes, const std::stri
     t.name = c.string("a tensor name");
     const std::string where = what + ": tensor '" + t.name + "'";
     const uint32_t nd = c.get<uint32_t>("a tensor's dimension count");
-    LS_CHECK(nd >= 1 && nd <= 8, where, " has ", nd, " dimensions (1 to 8 are valid)");
+    // 0 dimensions: a scalar (gguf-py writes one for a 0-d tensor, e.g. CLIP's logit_scale).
+    LS_CHECK(nd <= 8, where, " has ", nd, " dimensions (0 to 8 are valid)");
     std::vector<uint64_t> dims(nd);
     t.numel = 1;
     for (uint32_t d = 0; d < nd; ++d) {
@@ -259,7 +266,8 @@ GgufFile parse_gguf(std::string_view bytes, uint64_t file_bytes, const std::stri
     LS_CHECK(ty.name != nullptr, where, " has unknown ggml type ", t.type,
              "; the file is newer than this reader");
     t.type_name = ty.name;
-    LS_CHECK(dims[0] % ty.block_elems == 0, where, " (", t.type_name, ") has ", dims[0],
+    const uint64_t inner = nd ? dims[0] : 1;
+    LS_CHECK(inner % ty.block_elems == 0, where, " (", t.type_name, ") has ", inner,
              " elements in its innermost dimension, not a multiple of the block size ", ty.block_elems);
     t.nbytes = t.numel / ty.block_elems * ty.block_bytes;
     g.tensors.push_back(std::move(t));

@@ -115,6 +115,9 @@ def test_reader_rejects_damaged_files(tmp_path):
         read(b"GGML" + data[4:], "magic.gguf")
     with pytest.raises(LayerstreamError, match="GGUF version 1 is not supported"):
         read(data[:4] + (1).to_bytes(4, "little") + data[8:], "v1.gguf")
+    # gguf-py's big-endian files (GGUFWriter(endianess=BIG)): not "version 50331648"
+    with pytest.raises(LayerstreamError, match="is a big-endian GGUF file .*gguf-convert-endian"):
+        read(data[:4] + (3).to_bytes(4, "big") + data[8:], "big.gguf")
     with pytest.raises(LayerstreamError, match="the file ends .* while reading"):
         read(data[:40], "cut_header.gguf")
     with pytest.raises(LayerstreamError, match="tensor 'b' .* runs past the end"):
@@ -414,6 +417,26 @@ def test_a_float_tensor_and_an_integer_one_do_not_load_into_each_other_with_eith
     layerstream.load_gguf(model, str(path))
     assert model.pos.dtype == torch.int64 and model.pos.tolist() == [0, 1, 2, 3]
     assert torch.equal(model.a.bias, torch.arange(8, dtype=torch.float32))
+
+
+def test_a_0d_tensor_loads(tmp_path):
+    """gguf-py writes a 0-d tensor (CLIP's logit_scale) with no dimensions; the reader
+    refused the whole file ("0 dimensions (1 to 8 are valid)")."""
+    class WithScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.logit_scale = nn.Parameter(torch.tensor(2.6592))
+
+    torch.manual_seed(0)
+    src = WithScale()
+    path = tmp_path / "scalar.gguf"
+    _gguf_py_file(path, [(k, v.detach().numpy(), None) for k, v in src.state_dict().items()])
+    with torch.device("meta"):
+        model = WithScale()
+    layerstream.load_gguf(model, str(path))
+    for k, v in src.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
 
 
 def test_meta_tied_parameters_stay_tied(tmp_path):
