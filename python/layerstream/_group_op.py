@@ -144,9 +144,13 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
         torch.set_rng_state(cpu_rng)
         if dev_rng is not None:
             torch.cuda.set_rng_state(dev_rng, dev)
-        with torch.enable_grad(), torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), \
-                fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:
-            out = fwd._original(*args, **kwargs)
+        with torch.enable_grad(), fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:
+            # Only the forward runs in the forward's autocast state: the backward's ops run
+            # in the caller's, as the resident graph's do (and torch.utils.checkpoint's).
+            # Differentiated under autocast, an fp32 region's backward (autocast off inside
+            # the forward) ran in bf16, and its gradients were off in the third digit.
+            with torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]):
+                out = fwd._original(*args, **kwargs)
             outs = (out,) if single else tuple(out)
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
             wanted = [t for t in inputs + ex + views if t.requires_grad]

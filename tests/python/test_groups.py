@@ -286,3 +286,44 @@ def test_group_under_autocast_recomputes_in_the_autocast_dtype(offload_sim, modu
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.grad.dtype == q.grad.dtype == torch.float32, n
         assert torch.equal(p.grad, q.grad), f"{n}: gradient differs from the resident model's"
+
+
+class _Fp32Router(nn.Module):
+    """Computes its scores in fp32 under autocast (autocast off inside: a MoE router's or
+    attention scores' usual guard)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return (x.float() @ self.w).softmax(-1)
+
+
+@pytest.mark.parametrize("backward_in_autocast", [False, True], ids=["backward-outside", "backward-inside"])
+def test_a_group_with_an_fp32_region_trains_under_autocast_exactly(offload_sim, backward_in_autocast):
+    """A group whose forward turns autocast off for an fp32 region, trained under bf16
+    autocast: every gradient equals the resident model's bit for bit. Before, the
+    backward's recompute differentiated inside the forward's restored autocast state, so
+    the region's backward ran in bf16 and the gradients were 2-4e-3 relative off (the
+    group's and the layer's before it). The backward's ops run in the caller's autocast
+    state, as the resident backward's do (also when backward is called inside autocast)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), _Fp32Router(), nn.Linear(64, 8))
+    ref = copy.deepcopy(model)
+    offload_sim(model, groups=["1"], compute_dtype=torch.bfloat16)
+    x = torch.randn(16, 64)
+    outs = []
+    for m in (ref, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+            if backward_in_autocast:
+                y.float().square().sum().backward()
+        if not backward_in_autocast:
+            y.float().square().sum().backward()
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        assert torch.equal(p.grad, q.grad), f"{n}: gradient differs from the resident model's"
+

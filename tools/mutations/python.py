@@ -544,4 +544,12 @@ MUTATIONS = [
         "        if False:\n            raise ValueError(\n                f\"layerstream.optim.Adafactor:",
         [P + "test_optim.py::test_adafactor_refuses_maximize"],
         "Adafactor with maximize=True in a group minimizes, silently"),
+    Mutation(
+        "group-recompute-differentiates-under-autocast", "python/layerstream/_group_op.py",
+        "        with torch.enable_grad(), fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:\n",
+        "        with torch.enable_grad(), torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), \\\n"
+        "                fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:\n",
+        [P + "test_groups.py::test_a_group_with_an_fp32_region_trains_under_autocast_exactly",
+         P + "test_attention.py::test_transformer_encoder_trains_under_autocast_exactly"],
+        "a group's backward recompute differentiates inside the forward's autocast state (bf16 backward ops)"),
 ]
