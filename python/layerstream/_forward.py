@@ -449,8 +449,9 @@ class _GroupFn(torch.autograd.Function):
         ctx.save_for_backward(*inputs, *extras, *fwd._params)
         args, kwargs = _rebuild(layout, inputs)
         ctx.experts = fwd.routed_experts(args, kwargs)  # the recompute reads the same ones
+        ctx.written = {}  # the buffers the forward wrote, as they were (Note [A group's buffers and the recompute])
         out = _group_op.forward_without_graph(fwd, functools.partial(_rebuild, layout), inputs, ctx.experts,
-                                              adapters, extras)
+                                              adapters, extras, ctx.written)
         ctx.single, outs = _group_op.check_outputs(fwd, out)
         return outs[0] if ctx.single else outs
 
@@ -474,5 +475,5 @@ class _GroupFn(torch.autograd.Function):
         n_ex = sum(n for _, _, n in ctx.adapters)
         ins, ex, host = _group_op.recompute_gradients(
             fwd, functools.partial(_rebuild, ctx.layout), saved[:n_in], ctx.needs_input_grad[3:], ctx.rng,
-            ctx.autocast, ctx.experts, ctx.single, grads, ctx.adapters, saved[n_in:n_in + n_ex])
+            ctx.autocast, ctx.experts, ctx.single, grads, ctx.adapters, saved[n_in:n_in + n_ex], ctx.written)
         return (None, None, None, *ins, *ex, *host)

@@ -552,4 +552,16 @@ MUTATIONS = [
         [P + "test_groups.py::test_a_group_with_an_fp32_region_trains_under_autocast_exactly",
          P + "test_attention.py::test_transformer_encoder_trains_under_autocast_exactly"],
         "a group's backward recompute differentiates inside the forward's autocast state (bf16 backward ops)"),
+    Mutation(
+        "group-recompute-writes-buffers", "python/layerstream/_group_op.py",
+        "            o._buffers[k] = copies[id(b)]\n",
+        "            pass\n",
+        [P + "test_groups.py::test_a_groups_buffers_are_written_once_per_training_step"],
+        "a group's backward recompute writes its BatchNorm running stats again (each batch counted twice)"),
+    Mutation(
+        "group-recompute-reads-buffers-after-forward", "python/layerstream/_group_op.py",
+        "                written[(id(o), k)] = value\n",
+        "                pass\n",
+        [P + "test_groups.py::test_a_groups_buffers_are_written_once_per_training_step"],
+        "a group's recompute starts from the buffers its forward wrote, not the values the forward read"),
 ]
