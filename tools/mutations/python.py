@@ -564,4 +564,11 @@ MUTATIONS = [
         "                pass\n",
         [P + "test_groups.py::test_a_groups_buffers_are_written_once_per_training_step"],
         "a group's recompute starts from the buffers its forward wrote, not the values the forward read"),
+    Mutation(
+        "group-saves-an-input-per-position", "python/layerstream/_forward.py",
+        "        ctx.save_for_backward(*distinct.values())\n",
+        "        ctx.where = list(range(len(tensors)))\n        ctx.save_for_backward(*tensors)\n",
+        [P + "test_attention.py::test_self_attention_under_non_reentrant_checkpoint_trains_exactly"],
+        "a group saves a tensor passed at several positions once per position (non-reentrant checkpoint: "
+        "attention's query is not key in the recompute)"),
 ]
