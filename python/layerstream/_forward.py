@@ -445,12 +445,21 @@ class _GroupFn(torch.autograd.Function):
         # The parameters are saved too (no copy: host tensors, or the packed ones' stand-ins,
         # whose version a re-quantization bumps), so that a write between forward and
         # backward raises autograd's version error, as for a resident module, instead of
-        # recomputing with other values.
-        ctx.save_for_backward(*inputs, *extras, *fwd._params)
+        # recomputing with other values. A tensor passed at several positions is saved
+        # once: non-reentrant checkpointing unpacks each saved tensor as its own object,
+        # and nn.MultiheadAttention's recompute took the path of query is not key (its
+        # gradients a few ulps off the resident's); backward puts the positions back.
+        distinct: Dict[int, torch.Tensor] = {}
+        for t in tensors:
+            distinct.setdefault(id(t), t)
+        order = {k: i for i, k in enumerate(distinct)}
+        ctx.where = [order[id(t)] for t in tensors]
+        ctx.save_for_backward(*distinct.values())
         args, kwargs = _rebuild(layout, inputs)
         ctx.experts = fwd.routed_experts(args, kwargs)  # the recompute reads the same ones
+        ctx.written = {}  # the buffers the forward wrote, as they were (Note [A group's buffers and the recompute])
         out = _group_op.forward_without_graph(fwd, functools.partial(_rebuild, layout), inputs, ctx.experts,
-                                              adapters, extras)
+                                              adapters, extras, ctx.written)
         ctx.single, outs = _group_op.check_outputs(fwd, out)
         return outs[0] if ctx.single else outs
 
@@ -462,7 +471,7 @@ class _GroupFn(torch.autograd.Function):
                                    f"backward) is not supported through a streamed layer; keep it "
                                    f"resident (offload(exclude=[...]))")
         try:
-            saved = ctx.saved_tensors
+            distinct = ctx.saved_tensors
         except RuntimeError as e:
             if _INPLACE_ERROR not in str(e):
                 raise  # e.g. a second backward through a freed graph: torch's own message
@@ -470,9 +479,10 @@ class _GroupFn(torch.autograd.Function):
                                    f"or a parameter) was modified in place after the forward pass (e.g. an "
                                    f"optimizer step before this backward); autograd raises the same for a "
                                    f"resident module. {e}") from None
+        saved = [distinct[i] for i in ctx.where]
         n_in = len(ctx.layout[2])
         n_ex = sum(n for _, _, n in ctx.adapters)
         ins, ex, host = _group_op.recompute_gradients(
             fwd, functools.partial(_rebuild, ctx.layout), saved[:n_in], ctx.needs_input_grad[3:], ctx.rng,
-            ctx.autocast, ctx.experts, ctx.single, grads, ctx.adapters, saved[n_in:n_in + n_ex])
+            ctx.autocast, ctx.experts, ctx.single, grads, ctx.adapters, saved[n_in:n_in + n_ex], ctx.written)
         return (None, None, None, *ins, *ex, *host)

@@ -106,28 +106,89 @@ def bind(adapters: Sequence[tuple], tensors: Sequence[torch.Tensor]) -> list:
 
 
 def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor], experts: Sequence[int],
-                          adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = ()):
+                          adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = (),
+                          written: Optional[dict] = None):
     """The module's forward on the fetched slot as the resident module runs it when a
     gradient is needed: grad mode on, inputs and parameters with their requires_grad
     (the fetched views have their parameters'), so that every op takes the same path
     (at::matmul folds by requires_grad; attention picks its kernel by grad mode). The
     graph it records is dropped with the detached outputs, and nothing it saves is an
-    activation to offload. `adapters` / `extras`: as recompute_gradients'.
+    activation to offload. `adapters` / `extras`: as recompute_gradients'. `written`:
+    filled with the buffers' values before the forward, of those it wrote (Note [A
+    group's buffers and the recompute]).
     (Note [Same calls as the resident module], csrc/torch/engine.cpp)"""
     bound = bind(adapters, leaves(extras, [t.requires_grad for t in extras]))
     with torch.enable_grad(), fwd.fetched(experts=experts, adapters=bound) as views, \
             torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
         args, kwargs = rebuild(leaves(inputs, [x.requires_grad for x in inputs]))
+        before = None if written is None else [(o, k, b, _version(b), b.detach().clone())
+                                               for o, k, b in _buffers(fwd._module)]
         out = fwd._original(*args, **kwargs)
+        for o, k, b, version, value in before or ():
+            if o._buffers.get(k) is not b or _version(b) != version:
+                written[(id(o), k)] = value
         fwd.check_output(out, views)
         return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 
 
+# Note [A group's buffers and the recompute]
+# The backward runs the group's forward again, and a forward may write its module's
+# buffers: nn.BatchNorm's running statistics and num_batches_tracked in training. The
+# resident model writes them once per call; written again by the recompute, the statistics
+# counted each batch twice (num_batches_tracked 4 after 2 steps; momentum=None's cumulative
+# average weighs by that count), and eval outputs after training differed from the
+# resident model's. torch.utils.checkpoint does the same (it keeps no buffers). So the
+# recompute runs on copies of the group's buffers (`_recompute_buffers`), the module's own
+# objects swapped back after: the backward leaves every buffer as the forward left it, with
+# no in-place write (a write would bump versions that another graph may have saved). A
+# forward that reads a buffer it has just written (an observation normalizer updating its
+# running mean first) must see the values it saw: the eager path keeps, until backward, a
+# copy of each buffer the forward wrote or replaced (by its version counter, or a new
+# object) as it was before, and the recompute starts from those. BatchNorm's kernel writes
+# its running statistics without bumping their version, but never reads them in a call
+# that writes them, so its recompute is exact from the current values. A compiled group
+# call recomputes from the current values (its operator holds no copies).
+
+
+def _buffers(module: torch.nn.Module) -> list:
+    """(owner, key, tensor) of every buffer of `module` and its descendants."""
+    return [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None]
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """t's version counter; None for an inference tensor (it has none, and nothing
+    outside inference mode writes it in place)."""
+    return None if t.is_inference() else t._version
+
+
+@contextlib.contextmanager
+def _recompute_buffers(module: torch.nn.Module, written: Optional[dict]):
+    """While the block runs, the buffers of `module`'s tree are copies (of their values
+    before the forward, for those in `written`; of their current values otherwise), and a
+    buffer several modules share stays one tensor; the module's own objects are back after
+    (Note [A group's buffers and the recompute])."""
+    held = _buffers(module)
+    copies: Dict[int, torch.Tensor] = {}
+    for o, k, b in held:
+        if id(b) not in copies:
+            start = (written or {}).get((id(o), k), b)
+            copies[id(b)] = start.detach().clone().requires_grad_(b.requires_grad)
+    try:
+        for o, k, b in held:
+            o._buffers[k] = copies[id(b)]
+        yield
+    finally:
+        for o, k, b in held:
+            o._buffers[k] = b
+
+
 def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], needs: Sequence[bool], rng: tuple,
                         autocast: tuple, experts: Sequence[int], single: bool, grads: Sequence,
-                        adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = ()) -> Tuple[list, list, list]:
+                        adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = (),
+                        written: Optional[dict] = None) -> Tuple[list, list, list]:
     """Backward of a group call: fetch again, re-run the forward with the saved inputs
-    (RNG and autocast state as at the forward) and differentiate it. `needs`: per
+    (RNG and autocast state as at the forward, buffers as forward_without_graph's
+    `written` kept them, the module's left untouched) and differentiate it. `needs`: per
     input, per adapter tensor, then per group tensor; `adapters`: (tensor index,
     function, count) of the adapters active at the forward, `extras` their tensors
     (Note [Adapters on a streamed group's tensors], _peft_params.py). Returns the
@@ -144,9 +205,14 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
         torch.set_rng_state(cpu_rng)
         if dev_rng is not None:
             torch.cuda.set_rng_state(dev_rng, dev)
-        with torch.enable_grad(), torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), \
-                fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:
-            out = fwd._original(*args, **kwargs)
+        with torch.enable_grad(), fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:
+            # Only the forward runs in the forward's autocast state: the backward's ops run
+            # in the caller's, as the resident graph's do (and torch.utils.checkpoint's).
+            # Differentiated under autocast, an fp32 region's backward (autocast off inside
+            # the forward) ran in bf16, and its gradients were off in the third digit.
+            with torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), \
+                    _recompute_buffers(fwd._module, written):
+                out = fwd._original(*args, **kwargs)
             outs = (out,) if single else tuple(out)
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
             wanted = [t for t in inputs + ex + views if t.requires_grad]

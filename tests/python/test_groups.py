@@ -286,3 +286,105 @@ def test_group_under_autocast_recomputes_in_the_autocast_dtype(offload_sim, modu
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.grad.dtype == q.grad.dtype == torch.float32, n
         assert torch.equal(p.grad, q.grad), f"{n}: gradient differs from the resident model's"
+
+
+class _Fp32Router(nn.Module):
+    """Computes its scores in fp32 under autocast (autocast off inside: a MoE router's or
+    attention scores' usual guard)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return (x.float() @ self.w).softmax(-1)
+
+
+@pytest.mark.parametrize("backward_in_autocast", [False, True], ids=["backward-outside", "backward-inside"])
+def test_a_group_with_an_fp32_region_trains_under_autocast_exactly(offload_sim, backward_in_autocast):
+    """A group whose forward turns autocast off for an fp32 region, trained under bf16
+    autocast: every gradient equals the resident model's bit for bit. Before, the
+    backward's recompute differentiated inside the forward's restored autocast state, so
+    the region's backward ran in bf16 and the gradients were 2-4e-3 relative off (the
+    group's and the layer's before it). The backward's ops run in the caller's autocast
+    state, as the resident backward's do (also when backward is called inside autocast)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), _Fp32Router(), nn.Linear(64, 8))
+    ref = copy.deepcopy(model)
+    offload_sim(model, groups=["1"], compute_dtype=torch.bfloat16)
+    x = torch.randn(16, 64)
+    outs = []
+    for m in (ref, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+            if backward_in_autocast:
+                y.float().square().sum().backward()
+        if not backward_in_autocast:
+            y.float().square().sum().backward()
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        assert torch.equal(p.grad, q.grad), f"{n}: gradient differs from the resident model's"
+
+
+class _Normalizer(nn.Module):
+    """Updates its running mean first, then centres its input with it (as observation
+    normalizers do): its output reads the buffers its forward has just written."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d))
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.count += 1
+                self.mean += (x.mean(0) - self.mean) / self.count
+        return x - self.mean
+
+
+class _NormBlock(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.l = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+        self.cumulative = nn.BatchNorm1d(d, momentum=None)  # running stats averaged over num_batches_tracked
+        self.norm = _Normalizer(d)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return self.norm(self.cumulative(self.bn(self.l(x)))) * self.scale
+
+
+def test_a_groups_buffers_are_written_once_per_training_step(offload_sim):
+    """A group holding BatchNorm layers (momentum and momentum=None) and a module whose
+    output reads the running mean it has just updated, trained two steps (the second
+    backward with retain_graph and a third one): every buffer, gradient and parameter,
+    and eval outputs after, equal the resident model's bit for bit. Before, the backward's
+    recompute ran the forward again on the module's buffers: each batch was counted twice
+    (num_batches_tracked 4 after 2 steps, running statistics off, eval outputs off), and
+    the normalizer's recompute centred with a mean updated twice (its scale's gradient off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _NormBlock(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    offload_sim(model, groups=["1"])
+    for step in range(2):
+        x = torch.randn(6, 8)
+        y, want = model(x), ref(x)
+        assert torch.equal(y, want)
+        for _ in range(2 if step else 1):
+            y.square().sum().backward(retain_graph=True)
+            want.square().sum().backward(retain_graph=True)
+        for m in (model, ref):
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+    assert model[1].bn.num_batches_tracked.item() == 2
+    for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(a, b), f"{n}: buffer differs from the resident model's"
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad) and torch.equal(p, q), n
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        assert torch.equal(model(x), ref(x))

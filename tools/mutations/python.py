@@ -587,4 +587,31 @@ MUTATIONS = [
         "    if False:\n",
         [P + "test_gguf.py::test_a_float_tensor_and_an_integer_one_do_not_load_into_each_other_with_either_loader"],
         "neither loader refuses a float tensor for an integer one (or the reverse): truncated or cast, silently"),
+    Mutation(
+        "group-recompute-differentiates-under-autocast", "python/layerstream/_group_op.py",
+        "        with torch.enable_grad(), fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:\n",
+        "        with torch.enable_grad(), torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), \\\n"
+        "                fwd.fetched(needs[n_in + n_ex:], experts, bind(adapters, ex)) as views:\n",
+        [P + "test_groups.py::test_a_group_with_an_fp32_region_trains_under_autocast_exactly",
+         P + "test_attention.py::test_transformer_encoder_trains_under_autocast_exactly"],
+        "a group's backward recompute differentiates inside the forward's autocast state (bf16 backward ops)"),
+    Mutation(
+        "group-recompute-writes-buffers", "python/layerstream/_group_op.py",
+        "            o._buffers[k] = copies[id(b)]\n",
+        "            pass\n",
+        [P + "test_groups.py::test_a_groups_buffers_are_written_once_per_training_step"],
+        "a group's backward recompute writes its BatchNorm running stats again (each batch counted twice)"),
+    Mutation(
+        "group-recompute-reads-buffers-after-forward", "python/layerstream/_group_op.py",
+        "                written[(id(o), k)] = value\n",
+        "                pass\n",
+        [P + "test_groups.py::test_a_groups_buffers_are_written_once_per_training_step"],
+        "a group's recompute starts from the buffers its forward wrote, not the values the forward read"),
+    Mutation(
+        "group-saves-an-input-per-position", "python/layerstream/_forward.py",
+        "        ctx.save_for_backward(*distinct.values())\n",
+        "        ctx.where = list(range(len(tensors)))\n        ctx.save_for_backward(*tensors)\n",
+        [P + "test_attention.py::test_self_attention_under_non_reentrant_checkpoint_trains_exactly"],
+        "a group saves a tensor passed at several positions once per position (non-reentrant checkpoint: "
+        "attention's query is not key in the recompute)"),
 ]
