@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import prune
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _C, _peft_params
@@ -204,15 +205,38 @@ def _lookup_through_super(cls: type) -> bool:
     return False
 
 
-def _computed_weight(module: nn.Module) -> bool:
-    """True when the module's weight is not a parameter of its own but computed
-    (torch.nn.utils.parametrize: weight_norm, spectral_norm, ...; pruning's
-    forward pre-hook): streaming would freeze one computed value. A torch
-    quantized or int8 weight (pre-quantized, streamed as it is) is not."""
-    if torch.nn.utils.parametrize.is_parametrized(module):
-        return True
-    w = module.__dict__.get("weight")
-    return "weight" not in module._parameters and isinstance(w, torch.Tensor) and w.is_floating_point()
+# The tensors nn.MultiheadAttention's forward reads (out_proj's aside), looked for by
+# name: one parametrized, pruned or made a buffer is no longer in its _parameters.
+_MHA_TENSORS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+                "bias_k", "bias_v")
+
+
+def _computed_tensor(module: nn.Module) -> Optional[str]:
+    """The name of a tensor the module's forward reads that is not a parameter of its
+    own (None when there is none): one computed (torch.nn.utils.parametrize:
+    weight_norm, spectral_norm, ...; pruning's forward pre-hook, which keeps the result
+    in the instance dict), a plain float tensor attribute, or a buffer. Streaming would
+    freeze one computed value, lose the gradients of the tensors it is computed from,
+    or fail at every call (the streamed forward finds the tensor it streams replaced). A
+    torch quantized or int8 weight in the instance dict (pre-quantized, streamed as it
+    is) is not one. nn.MultiheadAttention's out_proj counts as its own: its forward reads
+    out_proj.weight directly (they stream as one group)."""
+    owners = [("", module)]
+    if isinstance(module, nn.MultiheadAttention):
+        owners.append(("out_proj.", module.out_proj))
+    for prefix, owner in owners:
+        names = _MHA_TENSORS if isinstance(owner, nn.MultiheadAttention) else ("weight", "bias")
+        for n in names:
+            t = owner.__dict__.get(n)
+            if (torch.nn.utils.parametrize.is_parametrized(owner, n) or owner._buffers.get(n) is not None
+                    or (n not in owner._parameters and isinstance(t, torch.Tensor) and t.is_floating_point())):
+                return prefix + n
+        if torch.nn.utils.parametrize.is_parametrized(owner):  # another tensor (its own forward may read it)
+            return prefix + next(iter(owner.parametrizations.keys()))
+        for hook in owner._forward_pre_hooks.values():  # pruning of a tensor of another name
+            if isinstance(hook, prune.BasePruningMethod):
+                return prefix + hook._tensor_name
+    return None
 
 
 def _dora_layers(model: nn.Module) -> set:
@@ -403,10 +427,10 @@ def _pad_for_mode(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # Why offload() keeps a streamable module resident: reason -> (what, why) of the one
 # warning per reason (_warn_resident), in the order they are given.
 _RESIDENT_REASONS = {
-    "computed": ("layer(s) whose weight is not a parameter of their own",
+    "computed": ("layer(s) whose weight or bias is not a parameter of their own",
                  "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or peft's "
                  "LoRA on parameters (target_parameters) outside mixture-of-experts tensors, or by "
-                 "pruning; or a plain tensor attribute"),
+                 "pruning; or a plain tensor attribute, or a buffer"),
     "custom": ("Linear/conv/embedding subclass layer(s) with their own forward",
                "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
                "would drop what it adds"),
@@ -489,7 +513,7 @@ def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
             return "wrapped"  # a table's lookup would not cast its rows as the hook does
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             return "cast_trainable"
-    if _computed_weight(module):
+    if _computed_tensor(module) is not None:
         return "computed"
     if kind == "embedding":
         if not module.weight.is_floating_point():
@@ -506,6 +530,9 @@ def _resident_label(name: str, module: nn.Module, reason: str) -> str:
         return f"{label} ({type(module).__qualname__})"
     if reason == "wrapped" and hasattr(module, "_hf_hook"):
         return f"{label} (accelerate hook)"
+    if reason == "computed":
+        tensor = _computed_tensor(module)
+        return f"{label} ({tensor})" if tensor else label  # none: peft's LoRA on parameters, during a call
     return label
 
 

@@ -544,4 +544,16 @@ MUTATIONS = [
         "        if False:\n            raise ValueError(\n                f\"layerstream.optim.Adafactor:",
         [P + "test_optim.py::test_adafactor_refuses_maximize"],
         "Adafactor with maximize=True in a group minimizes, silently"),
+    Mutation(
+        "mha-computed-out-proj-streams", "python/layerstream/_discovery.py",
+        "        owners.append((\"out_proj.\", module.out_proj))\n",
+        "        pass\n",
+        [P + "test_errors.py::test_attention_whose_out_proj_weight_is_computed_stays_resident"],
+        "attention whose out_proj weight is weight_norm'd streams as a group: the parametrization's originals get no gradient"),
+    Mutation(
+        "non-parameter-bias-streams", "python/layerstream/_discovery.py",
+        "names = _MHA_TENSORS if isinstance(owner, nn.MultiheadAttention) else (\"weight\", \"bias\")",
+        "names = _MHA_TENSORS if isinstance(owner, nn.MultiheadAttention) else (\"weight\",)",
+        [P + "test_errors.py::test_layer_whose_bias_or_weight_is_not_its_own_parameter_stays_resident"],
+        "a pruned bias or a bias buffer streams, and every call fails claiming the parameters were replaced"),
 ]
