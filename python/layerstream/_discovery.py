@@ -449,7 +449,37 @@ _RESIDENT_REASONS = {
     "renormed": ("embedding layer(s) with max_norm",
                  "each lookup renormalizes the rows it reads in place, which a streamed lookup "
                  "does not do"),
+    # offload() only (_activation_dtype); compat's attach does not ask.
+    "dtype": ("Linear/conv layer(s) whose weight dtype streamed layers do not compute in",
+              "torch's Linear/conv takes its input in its weight's dtype, and a streamed one refuses "
+              "such activations at every call; to stream them, convert the model before offload(), "
+              "e.g. model.float() or model.to(torch.bfloat16)"),
 }
+
+
+def _takes_activations(dtype: torch.dtype) -> bool:
+    """Whether streamed Linear/conv layers take activations of this dtype: the dtypes
+    compute_dtype= may name (C++'s rule, options::check_dtypes; the streamed ops check
+    their input against the same float32/bfloat16/float16)."""
+    try:
+        _C.check_dtypes("", str(dtype).replace("torch.", ""))
+    except ValueError:
+        return False
+    return True
+
+
+def _activation_dtype(module: nn.Module, kind: str) -> Optional[torch.dtype]:
+    """The weight dtype of a Linear/conv whose input must have that dtype (torch's
+    linear/conv refuse another) when streamed layers refuse activations of it
+    (float64, complex): every streamed call would fail, so the layer stays resident,
+    with the same numbers as before. None when it streams. float8 (one byte, a storage
+    dtype torch's Linear does not compute in) is cast at use to the activations'
+    dtype, e.g. under diffusers' layerwise casting: it streams."""
+    w = module._parameters.get("weight")
+    if kind not in ("linear", "conv") or not isinstance(w, torch.Tensor) or w.dtype.itemsize == 1 \
+            or not (w.is_floating_point() or w.is_complex()) or _takes_activations(w.dtype):
+        return None
+    return w.dtype
 
 
 def layerwise_casting(module: nn.Module) -> Optional[torch.dtype]:
@@ -598,6 +628,10 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             continue  # not a float table: left as it is
         if reason is not None:
             resident[reason].append(_resident_label(name, module, reason))
+            continue
+        dtype = _activation_dtype(module, kind)
+        if dtype is not None:
+            resident["dtype"].append(f"'{name or '<root>'}' ({str(dtype).replace('torch.', '')})")
             continue
         candidates.append((name, module, kind))
     for reason, labels in resident.items():

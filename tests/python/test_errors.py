@@ -933,6 +933,45 @@ def test_layer_whose_bias_or_weight_is_not_its_own_parameter_stays_resident(offl
     handle.detach()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
 
+
+def test_layers_of_a_dtype_streamed_layers_refuse_stay_resident(offload_sim):
+    """A float64 (or complex) Linear/conv takes float64 (complex) input, which streamed
+    layers refuse: offload() streamed them without a word and every forward then failed
+    ("got a Double input"), and a complex Linear was refused as "an integer weight". They
+    stay resident with a warning naming each and what to do; the rest of the model (a
+    float64 table and attention stream: their dtype is theirs) streams, and training
+    equals the resident model's."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 16)
+            self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.lin, self.conv = nn.Linear(16, 16), nn.Conv1d(5, 5, 3, padding=1)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.conv(self.lin(self.att(h, h, h, need_weights=False)[0]))
+
+    torch.manual_seed(0)
+    model = Net().double()
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"2 Linear/conv layer\(s\) whose weight dtype streamed layers do not "
+                                            r"compute in stay resident .*model\.float\(\).*: 'lin' \(float64\); "
+                                            r"'conv' \(float64\)"):
+        handle = offload_sim(model)
+    assert handle.layers == ["emb", "att"]
+    _train_like_resident(model, ref, torch.randint(0, 10, (2, 5)))
+    handle.detach()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.complex64), nn.Linear(4, 4, dtype=torch.complex64))
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"'0' \(complex64\); '1' \(complex64\)"):
+        with pytest.raises(LayerstreamError, match="found no Linear"):  # nothing left to stream
+            offload_sim(model)
+    x = torch.randn(2, 4, dtype=torch.complex64)
+    assert torch.equal(model(x), ref(x))
+
 def test_pickle_and_deepcopy_of_an_offloaded_model_are_clear_errors(offload_sim):
     """torch.save(model) / deepcopy after offload() say what to do instead (before:
     pickle's "Can't pickle local object"); the model keeps working; its state_dict saves."""

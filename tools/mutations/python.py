@@ -556,4 +556,10 @@ MUTATIONS = [
         "names = _MHA_TENSORS if isinstance(owner, nn.MultiheadAttention) else (\"weight\",)",
         [P + "test_errors.py::test_layer_whose_bias_or_weight_is_not_its_own_parameter_stays_resident"],
         "a pruned bias or a bias buffer streams, and every call fails claiming the parameters were replaced"),
+    Mutation(
+        "float64-linear-streams", "python/layerstream/_discovery.py",
+        "        dtype = _activation_dtype(module, kind)\n",
+        "        dtype = None\n",
+        [P + "test_errors.py::test_layers_of_a_dtype_streamed_layers_refuse_stay_resident"],
+        "a float64 Linear/conv streams without a word, then every forward fails (Double input)"),
 ]
