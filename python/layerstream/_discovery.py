@@ -653,7 +653,8 @@ def _warn_unstreamable(model: nn.Module, grouped: list, compute_device: torch.de
     table, attention, experts or Conv1D; e.g. a custom attention's own nn.Parameter
     projections) stay on the device without any other word; when they are a large
     part of the model (a quarter, and 1 MiB or more), say which modules hold them and
-    that offload(groups=...) streams such modules whole."""
+    that offload(groups=...) streams such modules whole; except nn.LSTM/GRU/RNN (and
+    modules holding one), which groups= refuses: those are said to stay resident."""
     seen, total, held = set(), 0, {}
     for name, module in model.named_modules():
         mine = 0
@@ -666,17 +667,27 @@ def _warn_unstreamable(model: nn.Module, grouped: list, compute_device: torch.de
             mine += nbytes
         if mine and _is_streamable(module) is None and not any(
                 name == g or name.startswith(g + ".") or g == "" for g in grouped):
-            held[name] = (mine, type(module).__name__)
+            held[name] = (mine, module)
     unstreamed = sum(b for b, _ in held.values())
     if unstreamed < _UNSTREAMABLE_MIN_BYTES or unstreamed < _UNSTREAMABLE_MIN_SHARE * total:
         return
     top = sorted(held.items(), key=lambda kv: -kv[1][0])[:5]
-    names = "; ".join(f"'{n or '<root>'}' ({cls}, {b / 2**20:.1f} MiB)" for n, (b, cls) in top)
+    names = "; ".join(f"'{n or '<root>'}' ({type(m).__name__}, {b / 2**20:.1f} MiB)" for n, (b, m) in top)
+    # offload(groups=...) refuses these (their forward reads cached references to the weights)
+    rnn = [n for n, (_, m) in held.items() if any(isinstance(sub, nn.RNNBase) for sub in m.modules())]
+    advice = ""
+    if len(rnn) < len(held):
+        advice = (" offload(groups=[pattern, ...]) streams such modules whole (their own forward runs on "
+                  "the fetched tensors).")
+    if rnn:
+        shown = ", ".join(f"'{n or '<root>'}'" for n in rnn[:5]) + (", ..." if len(rnn) > 5 else "")
+        advice += (f" {shown} hold{'s' if len(rnn) == 1 else ''} an nn.LSTM/GRU/RNN, which stays resident: its "
+                   f"forward reads cached references to its weights (_flat_weights), so it cannot stream, "
+                   f"not even with groups=.")
     warnings.warn(
         f"layerstream: {unstreamed / 2**20:.1f} MiB of this model's weights ({100 * unstreamed / total:.0f}%) are "
         f"parameters of {len(held)} module(s) of no kind layerstream streams (their own forward reads them): "
-        f"they stay resident on {compute_device}. The largest: {names}. offload(groups=[pattern, ...]) streams "
-        f"such modules whole (their own forward runs on the fetched tensors).", RuntimeWarning, stacklevel=4)
+        f"they stay resident on {compute_device}. The largest: {names}.{advice}", RuntimeWarning, stacklevel=4)
 
 
 def _warn_unmatched(model: nn.Module, stacklevel: int = 4, **options) -> None:

@@ -562,4 +562,10 @@ MUTATIONS = [
         "        dtype = None\n",
         [P + "test_errors.py::test_layers_of_a_dtype_streamed_layers_refuse_stay_resident"],
         "a float64 Linear/conv streams without a word, then every forward fails (Double input)"),
+    Mutation(
+        "rnn-recommended-for-groups", "python/layerstream/_discovery.py",
+        "    rnn = [n for n, (_, m) in held.items() if any(isinstance(sub, nn.RNNBase) for sub in m.modules())]\n",
+        "    rnn = []\n",
+        [P + "test_misuse.py::test_a_large_rnn_is_said_to_stay_resident_not_sent_to_groups"],
+        "the warning for a large LSTM recommends groups=, which refuses it"),
 ]
