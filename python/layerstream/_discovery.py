@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import prune
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _C, _peft_params
@@ -204,15 +205,38 @@ def _lookup_through_super(cls: type) -> bool:
     return False
 
 
-def _computed_weight(module: nn.Module) -> bool:
-    """True when the module's weight is not a parameter of its own but computed
-    (torch.nn.utils.parametrize: weight_norm, spectral_norm, ...; pruning's
-    forward pre-hook): streaming would freeze one computed value. A torch
-    quantized or int8 weight (pre-quantized, streamed as it is) is not."""
-    if torch.nn.utils.parametrize.is_parametrized(module):
-        return True
-    w = module.__dict__.get("weight")
-    return "weight" not in module._parameters and isinstance(w, torch.Tensor) and w.is_floating_point()
+# The tensors nn.MultiheadAttention's forward reads (out_proj's aside), looked for by
+# name: one parametrized, pruned or made a buffer is no longer in its _parameters.
+_MHA_TENSORS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+                "bias_k", "bias_v")
+
+
+def _computed_tensor(module: nn.Module) -> Optional[str]:
+    """The name of a tensor the module's forward reads that is not a parameter of its
+    own (None when there is none): one computed (torch.nn.utils.parametrize:
+    weight_norm, spectral_norm, ...; pruning's forward pre-hook, which keeps the result
+    in the instance dict), a plain float tensor attribute, or a buffer. Streaming would
+    freeze one computed value, lose the gradients of the tensors it is computed from,
+    or fail at every call (the streamed forward finds the tensor it streams replaced). A
+    torch quantized or int8 weight in the instance dict (pre-quantized, streamed as it
+    is) is not one. nn.MultiheadAttention's out_proj counts as its own: its forward reads
+    out_proj.weight directly (they stream as one group)."""
+    owners = [("", module)]
+    if isinstance(module, nn.MultiheadAttention):
+        owners.append(("out_proj.", module.out_proj))
+    for prefix, owner in owners:
+        names = _MHA_TENSORS if isinstance(owner, nn.MultiheadAttention) else ("weight", "bias")
+        for n in names:
+            t = owner.__dict__.get(n)
+            if (torch.nn.utils.parametrize.is_parametrized(owner, n) or owner._buffers.get(n) is not None
+                    or (n not in owner._parameters and isinstance(t, torch.Tensor) and t.is_floating_point())):
+                return prefix + n
+        if torch.nn.utils.parametrize.is_parametrized(owner):  # another tensor (its own forward may read it)
+            return prefix + next(iter(owner.parametrizations.keys()))
+        for hook in owner._forward_pre_hooks.values():  # pruning of a tensor of another name
+            if isinstance(hook, prune.BasePruningMethod):
+                return prefix + hook._tensor_name
+    return None
 
 
 def _dora_layers(model: nn.Module) -> set:
@@ -403,10 +427,10 @@ def _pad_for_mode(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # Why offload() keeps a streamable module resident: reason -> (what, why) of the one
 # warning per reason (_warn_resident), in the order they are given.
 _RESIDENT_REASONS = {
-    "computed": ("layer(s) whose weight is not a parameter of their own",
+    "computed": ("layer(s) whose weight or bias is not a parameter of their own",
                  "computed by torch.nn.utils.parametrize, e.g. weight_norm / spectral_norm, or peft's "
                  "LoRA on parameters (target_parameters) outside mixture-of-experts tensors, or by "
-                 "pruning; or a plain tensor attribute"),
+                 "pruning; or a plain tensor attribute, or a buffer"),
     "custom": ("Linear/conv/embedding subclass layer(s) with their own forward",
                "they run that forward: a streamed layer computes the plain Linear/conv/lookup, which "
                "would drop what it adds"),
@@ -425,7 +449,37 @@ _RESIDENT_REASONS = {
     "renormed": ("embedding layer(s) with max_norm",
                  "each lookup renormalizes the rows it reads in place, which a streamed lookup "
                  "does not do"),
+    # offload() only (_activation_dtype); compat's attach does not ask.
+    "dtype": ("Linear/conv layer(s) whose weight dtype streamed layers do not compute in",
+              "torch's Linear/conv takes its input in its weight's dtype, and a streamed one refuses "
+              "such activations at every call; to stream them, convert the model before offload(), "
+              "e.g. model.float() or model.to(torch.bfloat16)"),
 }
+
+
+def _takes_activations(dtype: torch.dtype) -> bool:
+    """Whether streamed Linear/conv layers take activations of this dtype: the dtypes
+    compute_dtype= may name (C++'s rule, options::check_dtypes; the streamed ops check
+    their input against the same float32/bfloat16/float16)."""
+    try:
+        _C.check_dtypes("", str(dtype).replace("torch.", ""))
+    except ValueError:
+        return False
+    return True
+
+
+def _activation_dtype(module: nn.Module, kind: str) -> Optional[torch.dtype]:
+    """The weight dtype of a Linear/conv whose input must have that dtype (torch's
+    linear/conv refuse another) when streamed layers refuse activations of it
+    (float64, complex): every streamed call would fail, so the layer stays resident,
+    with the same numbers as before. None when it streams. float8 (one byte, a storage
+    dtype torch's Linear does not compute in) is cast at use to the activations'
+    dtype, e.g. under diffusers' layerwise casting: it streams."""
+    w = module._parameters.get("weight")
+    if kind not in ("linear", "conv") or not isinstance(w, torch.Tensor) or w.dtype.itemsize == 1 \
+            or not (w.is_floating_point() or w.is_complex()) or _takes_activations(w.dtype):
+        return None
+    return w.dtype
 
 
 def layerwise_casting(module: nn.Module) -> Optional[torch.dtype]:
@@ -489,7 +543,7 @@ def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
             return "wrapped"  # a table's lookup would not cast its rows as the hook does
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             return "cast_trainable"
-    if _computed_weight(module):
+    if _computed_tensor(module) is not None:
         return "computed"
     if kind == "embedding":
         if not module.weight.is_floating_point():
@@ -506,6 +560,9 @@ def _resident_label(name: str, module: nn.Module, reason: str) -> str:
         return f"{label} ({type(module).__qualname__})"
     if reason == "wrapped" and hasattr(module, "_hf_hook"):
         return f"{label} (accelerate hook)"
+    if reason == "computed":
+        tensor = _computed_tensor(module)
+        return f"{label} ({tensor})" if tensor else label  # none: peft's LoRA on parameters, during a call
     return label
 
 
@@ -572,6 +629,10 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
         if reason is not None:
             resident[reason].append(_resident_label(name, module, reason))
             continue
+        dtype = _activation_dtype(module, kind)
+        if dtype is not None:
+            resident["dtype"].append(f"'{name or '<root>'}' ({str(dtype).replace('torch.', '')})")
+            continue
         candidates.append((name, module, kind))
     for reason, labels in resident.items():
         what, why = _RESIDENT_REASONS[reason]
@@ -592,7 +653,8 @@ def _warn_unstreamable(model: nn.Module, grouped: list, compute_device: torch.de
     table, attention, experts or Conv1D; e.g. a custom attention's own nn.Parameter
     projections) stay on the device without any other word; when they are a large
     part of the model (a quarter, and 1 MiB or more), say which modules hold them and
-    that offload(groups=...) streams such modules whole."""
+    that offload(groups=...) streams such modules whole; except nn.LSTM/GRU/RNN (and
+    modules holding one), which groups= refuses: those are said to stay resident."""
     seen, total, held = set(), 0, {}
     for name, module in model.named_modules():
         mine = 0
@@ -605,17 +667,27 @@ def _warn_unstreamable(model: nn.Module, grouped: list, compute_device: torch.de
             mine += nbytes
         if mine and _is_streamable(module) is None and not any(
                 name == g or name.startswith(g + ".") or g == "" for g in grouped):
-            held[name] = (mine, type(module).__name__)
+            held[name] = (mine, module)
     unstreamed = sum(b for b, _ in held.values())
     if unstreamed < _UNSTREAMABLE_MIN_BYTES or unstreamed < _UNSTREAMABLE_MIN_SHARE * total:
         return
     top = sorted(held.items(), key=lambda kv: -kv[1][0])[:5]
-    names = "; ".join(f"'{n or '<root>'}' ({cls}, {b / 2**20:.1f} MiB)" for n, (b, cls) in top)
+    names = "; ".join(f"'{n or '<root>'}' ({type(m).__name__}, {b / 2**20:.1f} MiB)" for n, (b, m) in top)
+    # offload(groups=...) refuses these (their forward reads cached references to the weights)
+    rnn = [n for n, (_, m) in held.items() if any(isinstance(sub, nn.RNNBase) for sub in m.modules())]
+    advice = ""
+    if len(rnn) < len(held):
+        advice = (" offload(groups=[pattern, ...]) streams such modules whole (their own forward runs on "
+                  "the fetched tensors).")
+    if rnn:
+        shown = ", ".join(f"'{n or '<root>'}'" for n in rnn[:5]) + (", ..." if len(rnn) > 5 else "")
+        advice += (f" {shown} hold{'s' if len(rnn) == 1 else ''} an nn.LSTM/GRU/RNN, which stays resident: its "
+                   f"forward reads cached references to its weights (_flat_weights), so it cannot stream, "
+                   f"not even with groups=.")
     warnings.warn(
         f"layerstream: {unstreamed / 2**20:.1f} MiB of this model's weights ({100 * unstreamed / total:.0f}%) are "
         f"parameters of {len(held)} module(s) of no kind layerstream streams (their own forward reads them): "
-        f"they stay resident on {compute_device}. The largest: {names}. offload(groups=[pattern, ...]) streams "
-        f"such modules whole (their own forward runs on the fetched tensors).", RuntimeWarning, stacklevel=4)
+        f"they stay resident on {compute_device}. The largest: {names}.{advice}", RuntimeWarning, stacklevel=4)
 
 
 def _warn_unmatched(model: nn.Module, stacklevel: int = 4, **options) -> None:

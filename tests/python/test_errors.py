@@ -821,8 +821,8 @@ def test_layer_with_a_computed_weight_stays_resident(offload_sim, how):
         return m
 
     model, ref = make(), make()
-    with pytest.warns(RuntimeWarning, match=r"1 layer\(s\) whose weight is not a parameter of "
-                                            r"their own .*: '0'"):
+    with pytest.warns(RuntimeWarning, match=r"1 layer\(s\) whose weight or bias is not a parameter of "
+                                            r"their own .*: '0' \(weight\)"):
         handle = offload_sim(model)
     assert handle.layers == ["2"]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -835,6 +835,142 @@ def test_layer_with_a_computed_weight_stays_resident(offload_sim, how):
         out.square().sum().backward(), want.square().sum().backward()
         opt.step(), opt_r.step()
 
+
+
+def _train_like_resident(model, ref, x, steps=2):
+    """SGD steps on both models: outputs and every gradient equal bit for bit."""
+    opt, opt_r = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(steps):
+        out, want = model(x), ref(x)
+        assert torch.equal(out, want)
+        opt.zero_grad(), opt_r.zero_grad()
+        out.square().sum().backward(), want.square().sum().backward()
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert q.grad is not None and p.grad is not None and torch.equal(p.grad, q.grad), n
+        opt.step(), opt_r.step()
+
+
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "in_proj", "pruned_in_proj"])
+def test_attention_whose_out_proj_weight_is_computed_stays_resident(offload_sim, how):
+    """weight_norm / spectral_norm on nn.MultiheadAttention's out_proj: the attention
+    streamed as a tensor group without a word, and the parametrization's
+    original0/original1 ended every backward with grad None (only the attention's own
+    tensors were checked). It stays resident with the warning naming the tensor, and
+    trains as the resident model does; so does one with a parametrized or pruned
+    in_proj_weight. (Pruning out_proj is no case: torch's attention reads the pruned
+    weight without calling out_proj, so its pre-hook never recomputes it.)"""
+    from torch.nn.utils import parametrizations, parametrize, prune
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.att = nn.Linear(16, 16), nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.att(h, h, h, need_weights=False)[0]
+
+    def make():
+        torch.manual_seed(0)
+        m = Net()
+        if how == "pruned_in_proj":
+            prune.l1_unstructured(m.att, "in_proj_weight", amount=0.5)
+        elif how == "in_proj":
+            parametrize.register_parametrization(m.att, "in_proj_weight", nn.Identity())
+        else:
+            getattr(parametrizations, how)(m.att.out_proj)
+        return m
+
+    model, ref = make(), make()
+    tensor = "in_proj_weight" if how.endswith("in_proj") else "out_proj.weight"
+    with pytest.warns(RuntimeWarning, match=rf"1 layer\(s\) whose weight or bias is not a parameter of their "
+                                            rf"own .*: 'att' \({tensor}\)"):
+        handle = offload_sim(model)
+    assert handle.layers == ["inp"]
+    _train_like_resident(model, ref, torch.randn(2, 5, 16))
+
+
+def _pruned_bias(layer):
+    from torch.nn.utils import prune
+    prune.l1_unstructured(layer, "bias", amount=0.5)
+
+
+def _bias_buffer(layer):
+    b = layer.bias.detach().clone()
+    del layer.bias
+    layer.register_buffer("bias", b)
+
+
+def _weight_buffer(layer):
+    w = layer.weight.detach().clone()
+    del layer.weight
+    layer.register_buffer("weight", w)
+
+
+@pytest.mark.parametrize("how,tensor", [
+    (_pruned_bias, "bias"),
+    (_bias_buffer, "bias"), (_weight_buffer, "weight"),
+    (lambda m: torch.nn.utils.parametrize.register_parametrization(m, "bias", nn.Identity()), "bias"),
+], ids=["pruned_bias", "bias_buffer", "weight_buffer", "parametrized_bias"])
+def test_layer_whose_bias_or_weight_is_not_its_own_parameter_stays_resident(offload_sim, how, tensor):
+    """A pruned bias, or a weight or bias registered as a buffer: offload() streamed the
+    layer without a word, then every call failed claiming its parameters "were replaced
+    after offload()" (only a weight in the instance dict was looked for). It stays
+    resident with the warning naming the tensor; outputs and gradients equal the
+    resident model's."""
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        how(m[2])
+        return m
+
+    model, ref = make(), make()
+    with pytest.warns(RuntimeWarning, match=rf"1 layer\(s\) whose weight or bias is not a parameter of their "
+                                            rf"own .*: '2' \({tensor}\)"):
+        handle = offload_sim(model)
+    assert handle.layers == ["0"]
+    _train_like_resident(model, ref, torch.randn(4, 8))
+    handle.detach()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
+def test_layers_of_a_dtype_streamed_layers_refuse_stay_resident(offload_sim):
+    """A float64 (or complex) Linear/conv takes float64 (complex) input, which streamed
+    layers refuse: offload() streamed them without a word and every forward then failed
+    ("got a Double input"), and a complex Linear was refused as "an integer weight". They
+    stay resident with a warning naming each and what to do; the rest of the model (a
+    float64 table and attention stream: their dtype is theirs) streams, and training
+    equals the resident model's."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 16)
+            self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.lin, self.conv = nn.Linear(16, 16), nn.Conv1d(5, 5, 3, padding=1)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.conv(self.lin(self.att(h, h, h, need_weights=False)[0]))
+
+    torch.manual_seed(0)
+    model = Net().double()
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"2 Linear/conv layer\(s\) whose weight dtype streamed layers do not "
+                                            r"compute in stay resident .*model\.float\(\).*: 'lin' \(float64\); "
+                                            r"'conv' \(float64\)"):
+        handle = offload_sim(model)
+    assert handle.layers == ["emb", "att"]
+    _train_like_resident(model, ref, torch.randint(0, 10, (2, 5)))
+    handle.detach()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.complex64), nn.Linear(4, 4, dtype=torch.complex64))
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"'0' \(complex64\); '1' \(complex64\)"):
+        with pytest.raises(LayerstreamError, match="found no Linear"):  # nothing left to stream
+            offload_sim(model)
+    x = torch.randn(2, 4, dtype=torch.complex64)
+    assert torch.equal(model(x), ref(x))
 
 def test_pickle_and_deepcopy_of_an_offloaded_model_are_clear_errors(offload_sim):
     """torch.save(model) / deepcopy after offload() say what to do instead (before:

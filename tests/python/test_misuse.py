@@ -321,6 +321,48 @@ def test_a_quantize_pattern_that_names_no_module_is_warned():
     handle.detach()
 
 
+
+def test_a_large_rnn_is_said_to_stay_resident_not_sent_to_groups():
+    """A large nn.LSTM/GRU/RNN was named in the warning that recommends
+    offload(groups=...), which then refuses it (cached weight references). The warning
+    says it stays resident instead, and recommends groups= only for the other modules;
+    the model runs as the resident one."""
+    class Attention(nn.Module):  # its own nn.Parameter projections: groups= streams it
+        def __init__(self, d):
+            super().__init__()
+            self.qkv = nn.Parameter(torch.randn(3 * d, d) * 0.02)
+
+        def forward(self, x):
+            q, k, v = (x @ self.qkv.t()).chunk(3, -1)
+            return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    class Net(nn.Module):
+        def __init__(self, attention):
+            super().__init__()
+            self.inp, self.rnn, self.out = nn.Linear(16, 256), nn.LSTM(256, 256, batch_first=True), nn.Linear(256, 4)
+            self.att = Attention(256) if attention else None
+
+        def forward(self, x):
+            h = self.rnn(self.inp(x))[0]
+            return self.out(h if self.att is None else self.att(h))
+
+    for attention in (False, True):
+        torch.manual_seed(0)
+        model = Net(attention)
+        ref = copy.deepcopy(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = layerstream.offload(model, device="sim")
+        said = [str(w.message) for w in caught if "of no kind layerstream streams" in str(w.message)]
+        assert len(said) == 1, said
+        assert "'rnn' holds an nn.LSTM/GRU/RNN, which stays resident" in said[0], said
+        assert ("streams such modules whole" in said[0]) == attention, said
+        x = torch.randn(2, 3, 16)
+        assert torch.equal(model(x), ref(x))
+        handle.detach()
+        if attention:  # what the warning recommends works
+            layerstream.offload(model, device="sim", groups=["att"]).detach()
+
 # ---------------------------------------------------------------- shared storage
 
 def test_parameters_viewing_one_flat_buffer_are_refused():

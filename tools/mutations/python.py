@@ -614,4 +614,28 @@ MUTATIONS = [
         [P + "test_attention.py::test_self_attention_under_non_reentrant_checkpoint_trains_exactly"],
         "a group saves a tensor passed at several positions once per position (non-reentrant checkpoint: "
         "attention's query is not key in the recompute)"),
+    Mutation(
+        "mha-computed-out-proj-streams", "python/layerstream/_discovery.py",
+        "        owners.append((\"out_proj.\", module.out_proj))\n",
+        "        pass\n",
+        [P + "test_errors.py::test_attention_whose_out_proj_weight_is_computed_stays_resident"],
+        "attention whose out_proj weight is weight_norm'd streams as a group: the parametrization's originals get no gradient"),
+    Mutation(
+        "non-parameter-bias-streams", "python/layerstream/_discovery.py",
+        "names = _MHA_TENSORS if isinstance(owner, nn.MultiheadAttention) else (\"weight\", \"bias\")",
+        "names = _MHA_TENSORS if isinstance(owner, nn.MultiheadAttention) else (\"weight\",)",
+        [P + "test_errors.py::test_layer_whose_bias_or_weight_is_not_its_own_parameter_stays_resident"],
+        "a pruned bias or a bias buffer streams, and every call fails claiming the parameters were replaced"),
+    Mutation(
+        "float64-linear-streams", "python/layerstream/_discovery.py",
+        "        dtype = _activation_dtype(module, kind)\n",
+        "        dtype = None\n",
+        [P + "test_errors.py::test_layers_of_a_dtype_streamed_layers_refuse_stay_resident"],
+        "a float64 Linear/conv streams without a word, then every forward fails (Double input)"),
+    Mutation(
+        "rnn-recommended-for-groups", "python/layerstream/_discovery.py",
+        "    rnn = [n for n, (_, m) in held.items() if any(isinstance(sub, nn.RNNBase) for sub in m.modules())]\n",
+        "    rnn = []\n",
+        [P + "test_misuse.py::test_a_large_rnn_is_said_to_stay_resident_not_sent_to_groups"],
+        "the warning for a large LSTM recommends groups=, which refuses it"),
 ]
