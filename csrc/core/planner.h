@@ -301,7 +301,9 @@ struct LayerOptions {
   uint64_t tokens = 4096;     // tokens per step (FLOPs = 2 * tokens * params)
   Quantization quantize = Quantization::None;
   bool training = false;      // FLOPs x3, layers trainable
-  bool resident_dequantized = false;  // resident layers keep the stored (unquantized) bytes
+  // Resident quantized layers take their stored (unquantized) bytes, as offload()
+  // holds them (dense, with the quantized values); false: their packed bytes.
+  bool resident_dequantized = true;
   // "" or a safetensors float dtype ("F32", "BF16", "F16"): like the engine's
   // compute_dtype, a streamed float weight or bias of another dtype also
   // holds its cast copy in the slot, and quantized weights are dequantized

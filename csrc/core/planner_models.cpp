@@ -64,7 +64,6 @@ uint64_t bytes_of(uint64_t numel, const std::string& dtype) {
   LS_CHECK(bits > 0, "unknown dtype ", json::quote(dtype));
   return (numel * bits + 7) / 8;
 }
-uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 // A safetensors float dtype ("F32", "BF16", "F16") as the lossless coder's.
 lossless::Dtype lossless_dtype(const std::string& dtype) {
   return dtype == "F32" ? lossless::Dtype::F32 : dtype == "BF16" ? lossless::Dtype::BF16 : lossless::Dtype::F16;
@@ -87,28 +86,18 @@ uint64_t quantized_weight_bytes(const std::vector<uint64_t>& shape, const std::s
   if (rows == 0 || numel == 0) return 0;
   uint64_t in = numel / rows;
   // The exact size of the packed buffer the runtime uses (core/quant.h:
-  // sections 256-byte aligned) when the shape is supported; otherwise the
-  // formula below plus worst-case alignment padding.
+  // sections 256-byte aligned). A shape the format cannot lay out (int4 with
+  // in % 128 != 0) streams unquantized, as offload() streams it (with a warning:
+  // quant_check), so it is planned as stored.
   quant::Format fmt = q == Quantization::Int8  ? quant::Format::Int8
                       : q == Quantization::FP8 ? quant::Format::Fp8E4M3
                       : q == Quantization::NF4 ? quant::Format::NF4
                                                : quant::Format::Int4;
-  if (rows <= static_cast<uint64_t>(INT64_MAX) && in <= static_cast<uint64_t>(INT64_MAX) &&
-      (q != Quantization::Int4 || in % static_cast<uint64_t>(quant::kInt4GroupSize) == 0)) {
+  if (rows <= static_cast<uint64_t>(INT64_MAX) && in <= static_cast<uint64_t>(INT64_MAX)) {
     try {
       return quant::layout_for(fmt, static_cast<int64_t>(rows), static_cast<int64_t>(in)).total_bytes();
     } catch (const Error&) {
-      // fall through to the formula
     }
-  }
-  const uint64_t pad = 3 * quant::kSectionAlign;
-  switch (q) {
-    case Quantization::Int8:
-    case Quantization::FP8: return rows * in + rows * 4 + pad;  // 1 B/param + fp32 scale per row
-    case Quantization::NF4: return ceil_div(numel, 2) + ceil_div(numel, 64) * 4 + pad;  // fp32 absmax / 64
-    case Quantization::Int4: return rows * ceil_div(in, 2) + rows * ceil_div(in, 128) * 8 + pad;  // scale+zero / 128
-    case Quantization::None:
-    case Quantization::Lossless: break;
   }
   return bytes_of(numel, dtype);
 }

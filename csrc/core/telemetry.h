@@ -53,6 +53,9 @@ class TraceRecorder {
   // to_us <= from_us). 1.0 = every copy hid behind compute; NaN if no copy.
   double overlap_fraction(const std::string& copy_lane, const std::string& compute_lane,
                           double from_us = 0, double to_us = 0) const;
+  // The same for each window [from_us, to_us) in one pass over the slices.
+  std::vector<double> overlap_fractions(const std::string& copy_lane, const std::string& compute_lane,
+                                        const std::vector<std::pair<double, double>>& windows) const;
 
  private:
   std::chrono::steady_clock::time_point origin_;

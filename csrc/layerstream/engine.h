@@ -192,6 +192,10 @@ struct EngineStats {
   // issued their copies).
   uint64_t coded_layers = 0, recoded_bytes = 0;
   double recode_seconds = 0;
+  // Timeline slices not recorded since the trace reached its capacity (1M
+  // slices: trace=True's memory bound); the per-step overlap_fraction of later
+  // steps is NaN.
+  uint64_t trace_dropped_slices = 0;
 
   // Calls f(name, value) for every field, in the order above (bindings,
   // printing).
@@ -216,6 +220,7 @@ struct EngineStats {
     f("grad_staging_pinned_bytes", grad_staging_pinned_bytes);
     f("grad_staging_pageable_bytes", grad_staging_pageable_bytes);
     f("coded_layers", coded_layers), f("recoded_bytes", recoded_bytes), f("recode_seconds", recode_seconds);
+    f("trace_dropped_slices", trace_dropped_slices);
   }
 };
 

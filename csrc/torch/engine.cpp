@@ -586,9 +586,10 @@ void EngineImpl::check_process() const {
   if (g_forks.load(std::memory_order_relaxed) == forks_at_creation_) return;
   LS_FAIL("this process was forked from the one that offloaded the model (os.fork(), a DataLoader "
           "worker, multiprocessing's 'fork' start method): the engine's threads, streams and device "
-          "memory stayed in the parent, so the model cannot run here. Offload it in this process "
-          "(call offload() on a model the child builds or loads), or start the process with 'spawn' "
-          "(DataLoader(..., multiprocessing_context='spawn'), multiprocessing.get_context('spawn')).");
+          "memory stayed in the parent, so the model cannot run here. Offload it in this process: call "
+          "offload() on a model the child builds or loads (e.g. in a DataLoader's worker_init_fn), "
+          "whatever the start method ('spawn' does not carry an offloaded model either: it cannot be "
+          "pickled); or keep the model out of the worker (DataLoader workers that only load data).");
 }
 
 void EngineImpl::begin_call() {

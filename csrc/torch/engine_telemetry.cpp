@@ -66,6 +66,7 @@ EngineStats EngineImpl::stats() const {
   m.peak_device_bytes = backend_->memory_stats().device_bytes_peak;
   m.device_bytes = backend_->memory_stats().device_bytes_in_use;
   m.ordering_errors = backend_->ordering_errors().size();
+  m.trace_dropped_slices = tracer_ ? tracer_->dropped() : 0;
   return m;
 }
 
@@ -82,19 +83,23 @@ void EngineImpl::trace_end(Stream s, const std::shared_ptr<double>& start, const
 
 std::vector<std::pair<StepStats, double>> EngineImpl::step_stats() const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  std::vector<std::pair<StepStats, double>> out;
-  auto add = [&](const StepStats& st) {
-    const double overlap = tracer_ ? tracer_->overlap_fraction("transfer", "compute", st.start_us, st.end_us)
-                                   : std::numeric_limits<double>::quiet_NaN();
-    out.emplace_back(st, overlap);
-  };
-  for (const StepStats& st : carried_steps_) add(st);  // schedulers before this one (suspend(), new layers)
-  if (sched_)
+  std::vector<StepStats> steps(carried_steps_.begin(), carried_steps_.end());  // schedulers before this one
+  if (sched_)                                                                  // (suspend(), new layers)
     for (StepStats st : sched_->step_stats()) {
       st.step += carried_.steps;
-      add(st);
+      steps.push_back(st);
     }
-  if (out.size() > 4096) out.erase(out.begin(), out.end() - 4096);
+  if (steps.size() > 4096) steps.erase(steps.begin(), steps.end() - 4096);
+  std::vector<double> overlap(steps.size(), std::numeric_limits<double>::quiet_NaN());
+  if (tracer_) {
+    std::vector<std::pair<double, double>> windows;
+    windows.reserve(steps.size());
+    for (const StepStats& st : steps) windows.emplace_back(st.start_us, st.end_us);
+    overlap = tracer_->overlap_fractions("transfer", "compute", windows);
+  }
+  std::vector<std::pair<StepStats, double>> out;
+  out.reserve(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) out.emplace_back(steps[i], overlap[i]);
   return out;
 }
 

@@ -32,9 +32,9 @@ class _RefusesCopy:
 
     def __reduce_ex__(self, protocol):
         raise LayerstreamError(_NO_COPY.format(
-            what="pickled (e.g. torch.save(model))",
+            what="pickled (e.g. torch.save(model), or sent to a 'spawn' DataLoader worker or process)",
             instead="save model.state_dict() instead (quantized weights are data-less there until "
-                    "detach())"))
+                    "detach()); a worker process builds and offloads its own model"))
 
     def __deepcopy__(self, memo):
         raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))

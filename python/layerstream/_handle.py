@@ -7,6 +7,7 @@ import functools
 import os
 import sys
 import threading
+import warnings
 import weakref
 from typing import Dict, List, Optional
 
@@ -230,20 +231,30 @@ class Handle(_RefusesCopy):
 
     def export_trace(self, path: str) -> None:
         """Writes the timeline as Chrome trace / Perfetto JSON (open it in
-        ui.perfetto.dev or chrome://tracing). Needs offload(..., trace=True)."""
-        text = self._check().trace_json()
-        if not text:
-            raise LayerstreamError("no timeline was recorded: pass trace=True to offload()")
+        ui.perfetto.dev or chrome://tracing). Needs offload(..., trace=True).
+        The timeline's memory is bounded: slices past its capacity are left out
+        (stats()'s trace_dropped_slices counts them; a warning says so)."""
+        text = self._timeline()
         with open(path, "w") as f:
             f.write(text)
+
+    def _timeline(self) -> str:
+        engine = self._check()
+        text = engine.trace_json()
+        if not text:
+            raise LayerstreamError("no timeline was recorded: pass trace=True to offload()")
+        dropped = engine.stats()["trace_dropped_slices"]
+        if dropped:
+            warnings.warn(f"layerstream: the timeline reached its capacity; {dropped} later slices were not "
+                          f"recorded (trace=True bounds its memory), nor the overlap of those steps. Trace fewer "
+                          f"steps: offload(..., trace=True) for a few, then detach() and offload() again",
+                          RuntimeWarning, stacklevel=3)
+        return text
 
     def plot_timeline(self, path: str, max_ms: Optional[float] = None) -> None:
         """Draws the timeline (one lane per stream) into a PNG with matplotlib."""
         from .timeline import plot_chrome_trace
-        text = self._check().trace_json()
-        if not text:
-            raise LayerstreamError("no timeline was recorded: pass trace=True to offload()")
-        plot_chrome_trace(text, path, max_ms=max_ms)
+        plot_chrome_trace(self._timeline(), path, max_ms=max_ms)
 
     def ordering_errors(self) -> List[str]:
         """Races found by the sim device's ordering checker (empty on CUDA)."""

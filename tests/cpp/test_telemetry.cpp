@@ -24,6 +24,55 @@ TEST(TraceRecorder, OverlapFractionOfCopiesHiddenBehindCompute) {
   EXPECT_TRUE(std::isnan(t.overlap_fraction("grad", "compute")));
 }
 
+// The batched form (one pass for every step's window) against the definition,
+// evaluated on a grid of 1/4-us cells: overlapping and touching compute slices,
+// copies longer than a window, windows between slices, a window covering all.
+TEST(TraceRecorder, OverlapFractionsOfManyWindowsEqualTheDefinition) {
+  TraceRecorder t;
+  unsigned seed = 7;
+  auto next = [&seed](int n) { seed = seed * 1103515245u + 12345u; return static_cast<int>((seed >> 8) % n); };
+  for (int i = 0; i < 300; ++i) {
+    const double a = next(4000) / 4.0, d = (1 + next(120)) / 4.0;
+    t.add({next(3) ? "compute" : "transfer", "s", a, a + d, 0});
+  }
+  t.add({"transfer", "long", 10, 900, 0});
+  std::vector<std::pair<double, double>> windows = {{0, 0}, {2000, 2000}};
+  for (int i = 0; i < 60; ++i) {
+    const double a = next(4200) / 4.0;
+    windows.emplace_back(a, a + (1 + next(400)) / 4.0);
+  }
+  const auto slices = t.slices();
+  auto busy = [&](const char* lane, double x) {
+    for (const auto& s : slices)
+      if (s.lane == lane && s.start_us <= x && x < s.end_us) return true;
+    return false;
+  };
+  auto copy_cells = [&](double x) {  // copies covering the cell starting at x
+    int n = 0;
+    for (const auto& s : slices) n += s.lane == "transfer" && s.start_us <= x && x < s.end_us;
+    return n;
+  };
+  const std::vector<double> got = t.overlap_fractions("transfer", "compute", windows);
+  ASSERT_EQ(got.size(), windows.size());
+  for (size_t w = 0; w < windows.size(); ++w) {
+    const auto [from, to] = windows[w];
+    const bool all = to <= from;
+    double copied = 0, hidden = 0;
+    for (double x = all ? 0 : from; x < (all ? 1100 : to); x += 0.25) {
+      const int n = copy_cells(x);
+      copied += n;
+      hidden += busy("compute", x) ? n : 0;
+    }
+    if (copied == 0) {
+      EXPECT_TRUE(std::isnan(got[w])) << "window " << w;
+    } else {
+      EXPECT_NEAR(got[w], hidden / copied, 1e-9) << "window " << w << " [" << from << ", " << to << ")";
+    }
+    EXPECT_TRUE(std::isnan(got[w]) ? std::isnan(t.overlap_fraction("transfer", "compute", from, to))
+                                   : got[w] == t.overlap_fraction("transfer", "compute", from, to));
+  }
+}
+
 TEST(TraceRecorder, ChromeJsonHasLanesSlicesAndSteps) {
   TraceRecorder t;
   t.add({"compute", "fwd \"quoted\"\\name", 1, 2, 0});

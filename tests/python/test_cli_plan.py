@@ -745,3 +745,32 @@ def test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it(tmp_path):
     # below their coded bytes is an error, not a plan from disk.
     r = run("--checkpoint", path, "--budget", "250KiB", "--host-budget", "250KiB", "--quantize", "lossless")
     assert r.returncode == 1 and "cannot hold the streamed weights" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("quantize, width", [("int8", 256), ("nf4", 256), ("int4", 320)])
+def test_quantized_plan_places_and_sizes_layers_as_offload_does(tmp_path, quantize, width):
+    """`plan --quantize` charged resident quantized layers their packed size (offload()
+    holds them dense: 8 of 8 resident predicted, 1 kept), and sized int4 layers of a
+    width not a multiple of 128 packed (offload() streams them as stored: 6.7x the bytes)."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    import warnings
+    import layerstream
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).requires_grad_(False)
+    path = tmp_path / "m.safetensors"
+    st.save_file(model.state_dict(), str(path))
+    cli = plan_json("--checkpoint", path, "--budget", "1MiB", "--quantize", quantize, "--max-prefetch", "1",
+                    "--link-gbps", "0")["plan"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = layerstream.offload(model, device="sim", budget="1MiB", prefetch=1, quantize=quantize)
+    try:
+        ours = json.loads(handle._plan["json"])
+        place = lambda p: {l["name"]: (l["placement"], l["bytes"]) for l in p["layers"]}
+        assert place(cli) == place(ours)
+        model(torch.randn(1, width))
+        s = handle.stats()
+        assert cli["device_bytes"] == s["peak_device_bytes"] and cli["host_pinned_bytes"] == s["pinned_bytes"]
+    finally:
+        handle.detach()

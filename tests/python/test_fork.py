@@ -142,7 +142,8 @@ def test_a_dataloader_worker_calling_the_model_reports_the_error_to_the_main_pro
                                              multiprocessing_context="fork", timeout=60)
         with pytest.raises(Exception, match="forked") as e:
             next(iter(loader))
-    assert "spawn" in str(e.value)
+    # ('spawn' alone leads into the pickling refusal: the worker offloads a model of its own)
+    assert "worker_init_fn" in str(e.value) and "cannot be pickled" in str(e.value)
 
 
 def test_offload_in_the_child_works(offload_sim):

@@ -1490,3 +1490,18 @@ def test_suspend_moves_the_states_of_the_moved_parameters(cls):
         assert opt.state[a][k] is not mine_a[k] and torch.equal(opt.state[a][k], mine_a[k]), k
     assert all(opt.state[b][k] is v for k, v in mine_b.items())
     assert all(theirs.state[a][k] is v for k, v in their_a.items())
+
+
+def test_an_unknown_optim_isa_is_refused():
+    """LS_OPTIM_ISA=avx512 (or a typo of avx2) was ignored: the widest kernels ran where
+    a benchmark or a narrow-CPU run meant the named ones."""
+    code = ("import torch, layerstream.optim as o\n"
+            "p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.ones(4)\n"
+            "o.AdamW([p]).step()\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(layerstream.__file__)))
+    for isa, ok in (("avx512", False), ("AVX2", False), ("generic", True)):
+        r = subprocess.run([sys.executable, "-c", code], env=dict(env, LS_OPTIM_ISA=isa), capture_output=True,
+                           text=True, timeout=120)
+        assert (r.returncode == 0) == ok, (isa, r.stderr[-500:])
+        if not ok:
+            assert f"LS_OPTIM_ISA={isa} is not one of generic, avx2" in r.stderr

@@ -154,6 +154,9 @@ bool avx512_usable() {
 const Kernels& kernels() {
   static const Kernels* k = [] {
     const char* force = std::getenv("LS_OPTIM_ISA");
+    // Another spelling was ignored (AVX-512 kernels ran where a benchmark meant AVX2's).
+    LS_CHECK(!force || !*force || std::string(force) == "generic" || std::string(force) == "avx2",
+             "LS_OPTIM_ISA=", force, " is not one of generic, avx2 (unset: the widest the CPU runs)");
     if (force && std::string(force) == "generic") return &generic::kKernels;
 #if defined(__x86_64__)
     __builtin_cpu_init();
