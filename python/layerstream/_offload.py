@@ -25,7 +25,7 @@ from ._activations import ActivationOffload, parse_activations
 from ._handle import CallHooks, Handle, _AddedTensorsFollow, _Attached
 from ._interrupts import held_interrupts
 from ._packed import _PackedWeight
-from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _is_packed_only_format
+from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _quantize_format
 from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
 from ._formats import _Candidate, _formats_and_bytes, _group_experts, _materialize_gguf
 
@@ -114,8 +114,8 @@ def offload(
     quantize: pack streamed weights on the host and dequantize them on the
         device: "int8", "fp8", "nf4", "int4" or "lossless" (entropy-coded,
         decoded bit for bit into the weight's own dtype) for every streamed
-        layer (layers
-        whose shape the format cannot pack stay dense, with one warning), or a
+        layer (names as C++ reads them: any case, fp8 also "e4m3", "none" =
+        None; layers whose shape the format cannot pack stay dense, with one warning), or a
         dict {glob pattern on module names: format or None} for per-layer
         choices (first match wins; an explicit format that cannot pack a layer
         is an error; a pattern that names no module is warned).
@@ -379,21 +379,16 @@ def _layerwise_compute_dtype(candidates, dequant_dtype) -> Optional[torch.dtype]
 
 def _check_quantize(quantize):
     """quantize= names formats offload() can pack (ValueError otherwise). Returns it with
-    the names in lower case: the engine reads them so (quant::parse_format), "INT8" too."""
+    each name as C++'s quant::parse_format reads it (_quantize_format: "INT8" is int8,
+    "e4m3" fp8, "none" None)."""
     if isinstance(quantize, str):
-        quantize = quantize.lower()
-    elif isinstance(quantize, dict):
-        quantize = {k: v.lower() if isinstance(v, str) else v for k, v in quantize.items()}
-    formats = ([quantize] if isinstance(quantize, str) else
-               list(quantize.values()) if isinstance(quantize, dict) else [])
-    for fmt in formats:
-        if isinstance(fmt, str) and fmt not in _C.quant_formats() and _is_packed_only_format(fmt):
-            raise ValueError(f"{fmt!r} is a GGUF format: layerstream streams GGUF weights as they are "
-                             f"read from a .gguf file (layerstream.load_gguf) but does not quantize to "
-                             f"it; valid formats for quantize=: {', '.join(_C.quant_formats())}")
-        if fmt is not None and fmt not in _C.quant_formats():
-            raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
-                             f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
+        return _quantize_format(quantize)
+    if isinstance(quantize, dict):
+        bad = [v for v in quantize.values() if v is not None and not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"quantize={{pattern: format}} takes a format name or None per pattern, got "
+                             f"{bad[0]!r}; valid formats: {', '.join(_C.quant_formats())}")
+        return {k: None if v is None else _quantize_format(v) for k, v in quantize.items()}
     return quantize
 
 

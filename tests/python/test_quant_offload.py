@@ -345,6 +345,36 @@ def test_format_names_are_read_in_any_case_as_the_engine_reads_them():
     assert all(torch.equal(o, outputs[0]) for o in outputs)
 
 
+def test_fp8_by_its_other_names_and_none_are_read_as_the_engine_reads_them():
+    """quantize="e4m3" / "fp8_e4m3" were refused as "a GGUF format" and "none" as unknown,
+    though C++'s quant::parse_format (OffloadOptions::quantize, docs/design/quant-formats.md)
+    takes them: fp8, and no quantization."""
+    x = torch.randn(3, 64)
+
+    def run(quantize):
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)).requires_grad_(False)
+        h = layerstream.offload(m, device="sim", quantize=quantize)
+        out, n = m(x), h.stats()["quantized_layers"]
+        h.detach()
+        return out, n
+
+    fp8, n = run("fp8")
+    assert n == 2
+    for quantize in ("e4m3", "FP8_E4M3", "fp8e4m3", {"*": "E4M3"}):
+        out, n = run(quantize)
+        assert n == 2 and torch.equal(out, fp8), quantize
+    dense, n = run(None)
+    assert n == 0
+    for quantize in ("none", "NONE", {"*": "none"}):
+        out, n = run(quantize)
+        assert n == 0 and torch.equal(out, dense), quantize
+    with pytest.raises(ValueError, match="'q4_k' is a GGUF format"):
+        run("q4_k")
+    with pytest.raises(ValueError, match="unknown quantization format 'e5m2'.*fp8"):
+        run("e5m2")
+
+
 def test_prequantized_torch_qint8_weight_streams_exactly():
     lin = nn.Linear(64, 32)
     w = lin.weight.detach()

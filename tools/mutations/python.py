@@ -550,4 +550,10 @@ MUTATIONS = [
         "            pass\n",
         [P + "test_optim.py::test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step_does"],
         "overlap + zero_grad(set_to_none=False): a layer no gradient reaches is no longer stepped from zeros"),
+    Mutation(
+        "quantize-fp8-alias-refused", "python/layerstream/_prequant.py",
+        "    reason = _C.quant_check(name, 0, 256)",
+        "    reason = \"\" if name in _C.quant_formats() else f\"{fmt!r} is a GGUF format\"",
+        [P + "test_quant_offload.py::test_fp8_by_its_other_names_and_none_are_read_as_the_engine_reads_them"],
+        "quantize=\"e4m3\" / \"fp8_e4m3\" refused as GGUF formats though C++'s parse_format takes them"),
 ]
