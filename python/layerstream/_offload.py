@@ -240,9 +240,9 @@ def offload(
         dequant_dtype, compute_dtype)
     quantize = _check_quantize(quantize)
     resolved = _C.resolve_device(opts.device)
-    if device is None and resolved == "sim":
+    if opts.device == "auto" and resolved == "sim":  # device=None or "auto"
         _warn_sim_fallback()
-    opts.device = resolved  # said once, here (the engine warns for "auto" itself: C++ callers)
+    opts.device = resolved  # resolved here: the engine's own warning for "auto" (C++ callers) never sees it
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
     if budget is not None:
@@ -320,8 +320,9 @@ def _note_uncounted_training(model: nn.Module, handle: Handle) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _warn_sim_fallback() -> None:
-    """offload() without device= found no usable CUDA GPU: says why, once per process
-    (a broken driver would otherwise give a slow CPU simulation without a word)."""
+    """offload() without device= (or with device="auto") found no usable CUDA GPU: says
+    why, once per process (a broken driver would otherwise give a slow CPU simulation
+    without a word)."""
     if torch.version.cuda is None:
         why = f"this torch ({torch.__version__}) is a CPU-only build"
     else:
@@ -331,9 +332,10 @@ def _warn_sim_fallback() -> None:
                    "CUDA toolkit)")
         except Exception as e:  # torch's own reason: no driver, no visible device, driver too old, ...
             why = f"torch.cuda is not available: {e}"
-    warnings.warn(f"layerstream: offload() without device= runs on the simulated device (weights stream "
-                  f"through a modelled link on the CPU), because {why}. Pass device='sim' to choose it "
-                  f"(and silence this), or fix CUDA and pass device='cuda'.", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"layerstream: offload() without device= (or device='auto') runs on the simulated device "
+                  f"(weights stream through a modelled link on the CPU), because {why}. Pass device='sim' to "
+                  f"choose it (and silence this), or fix CUDA and pass device='cuda'.", RuntimeWarning,
+                  stacklevel=3)
 
 
 def _engine_options(device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory,

@@ -660,3 +660,19 @@ def test_suspend_moves_each_device_tensor_once_with_its_gradient():
         assert b is elsewhere if n == "0.elsewhere" else b is not buffers[n] and torch.equal(b, buffers[n]), n
     assert model[2].running_mean is model[1].running_mean
     assert len([m for m in moved if m[1] is None]) == len(params)  # each parameter once
+
+
+def test_device_auto_without_cuda_warns_why_as_no_device_does():
+    """offload(device="auto") fell back to the sim device without a word (only device=None
+    warned; the engine's own warning for "auto" never saw it, offload() resolves it first)."""
+    from layerstream import _offload
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: device='auto' uses it")
+    _offload._warn_sim_fallback.cache_clear()
+    with pytest.warns(RuntimeWarning, match=r"device='auto'\) runs on the simulated device .* because"):
+        h = layerstream.offload(nn.Sequential(nn.Linear(8, 8)), device="auto")
+    assert h.device == "sim"
+    h.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layerstream.offload(nn.Sequential(nn.Linear(8, 8))).detach()  # said once per process

@@ -556,4 +556,10 @@ MUTATIONS = [
         "    reason = \"\" if name in _C.quant_formats() else f\"{fmt!r} is a GGUF format\"",
         [P + "test_quant_offload.py::test_fp8_by_its_other_names_and_none_are_read_as_the_engine_reads_them"],
         "quantize=\"e4m3\" / \"fp8_e4m3\" refused as GGUF formats though C++'s parse_format takes them"),
+    Mutation(
+        "device-auto-sim-fallback-silent", "python/layerstream/_offload.py",
+        "    if opts.device == \"auto\" and resolved == \"sim\":",
+        "    if device is None and resolved == \"sim\":",
+        [P + "test_misuse.py::test_device_auto_without_cuda_warns_why_as_no_device_does"],
+        "offload(device=\"auto\") falls back to the sim device without the warning device=None gives"),
 ]
