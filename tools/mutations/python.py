@@ -562,4 +562,10 @@ MUTATIONS = [
         "    if device is None and resolved == \"sim\":",
         [P + "test_misuse.py::test_device_auto_without_cuda_warns_why_as_no_device_does"],
         "offload(device=\"auto\") falls back to the sim device without the warning device=None gives"),
+    Mutation(
+        "to-empty-after-offload-not-refused", "python/layerstream/_guards.py",
+        "        module.to_empty = _NoToEmpty(module, f\"'{name}'\" if name else \"the offloaded model\")",
+        "        module.to_empty = _NoToEmpty(module, None)",
+        [P + "test_misuse.py::test_to_empty_after_offload_is_refused_before_anything_changes"],
+        "model.to_empty(device=<compute device>) after offload(): resident tensors become uninitialised memory"),
 ]
