@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
+import re
 import warnings
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -25,7 +27,7 @@ from ._activations import ActivationOffload, parse_activations
 from ._handle import CallHooks, Handle, _AddedTensorsFollow, _Attached
 from ._interrupts import held_interrupts
 from ._packed import _PackedWeight
-from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _quantize_format
+from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _quant_for, _quantize_format
 from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
 from ._formats import _Candidate, _formats_and_bytes, _group_experts, _materialize_gguf
 
@@ -276,7 +278,12 @@ def offload(
                                 defer_file_reads=cache_dir is not None, routed=experts == "routed")
 
     # 2. With a budget: which layers stay resident; the slots get what is left.
-    plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups, train_spec)
+    # Layers quantize= does not apply to (tied to another's weight, pre-quantized or GGUF, or
+    # not packable by the format asked for): "budget too small" then suggests no quantizing.
+    as_stored = {t.name for t in layers if t.pre is not None or (t.kind != "group" and t.name in tied_names)
+                 or (t.fmt is None and _quant_for(t.name, quantize) is not None)}
+    plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups, train_spec,
+                                 as_stored)
 
     # 3. Host RAM: which weights stay in their file, what is pinned (core/host_tier.h).
     on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts, cache_dir)
@@ -427,7 +434,7 @@ def _train_bytes(spec: str, tensors) -> int:
 
 
 def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, compute_device: torch.device,
-          opts, slots, tie_groups: list, train_spec: str = ""):
+          opts, slots, tie_groups: list, train_spec: str = "", as_stored: frozenset = frozenset()):
     """Step 2: with a budget, the planner decides which layers stay resident; the
     slots get what is left (opts.budget_bytes). The budget covers every weight on
     the device (and with train=, the resident trainable weights' gradients and
@@ -461,9 +468,12 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                             _train_bytes(train_spec, tensors)))
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
-        plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
-                                   slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
-                                   fixed_train_bytes=fixed_train)
+        try:
+            plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
+                                       slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
+                                       fixed_train_bytes=fixed_train)
+        except LayerstreamError as e:
+            raise _as_stored_advice(e, as_stored) from None
         resident_names = set(plan["resident"])
         # Tied weights: a layer kept resident keeps its tensor on the device, so the
         # layers that share it stay resident too (it is on the device once, counted once).
@@ -474,6 +484,20 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                                 - plan["train_bytes"])
 
     return plan, resident_names
+
+
+_QUANTIZE_ADVICE = " (or quantize the weights, e.g. to nf4)"
+
+
+def _as_stored_advice(error: Exception, as_stored) -> Exception:
+    """The planner's "budget too small" error, whose largest layer (which it names) is one
+    quantize= does not apply to: said as C++ says it where it knows (core/planner.cpp,
+    PlannerLayer::as_stored; _C.plan_slots_first does not take it), not "or quantize"."""
+    text = str(error)
+    named = re.search(r'the largest layer ("(?:[^"\\]|\\.)*")', text)
+    if not text.endswith(_QUANTIZE_ADVICE) or named is None or json.loads(named.group(1)) not in as_stored:
+        return error
+    return type(error)(text[:-len(_QUANTIZE_ADVICE)] + " (it streams as stored: quantization does not apply to it)")
 
 
 def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,

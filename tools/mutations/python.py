@@ -568,4 +568,10 @@ MUTATIONS = [
         "        module.to_empty = _NoToEmpty(module, None)",
         [P + "test_misuse.py::test_to_empty_after_offload_is_refused_before_anything_changes"],
         "model.to_empty(device=<compute device>) after offload(): resident tensors become uninitialised memory"),
+    Mutation(
+        "too-small-advises-quantizing-as-stored", "python/layerstream/_offload.py",
+        "            raise _as_stored_advice(e, as_stored) from None\n",
+        "            raise\n",
+        [P + "test_quant_offload.py::test_a_budget_too_small_suggests_quantizing_only_a_layer_it_applies_to"],
+        "\"budget too small\" tells to quantize a largest layer quantize= does not apply to (a tied head)"),
 ]
