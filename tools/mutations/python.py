@@ -574,4 +574,10 @@ MUTATIONS = [
         "            raise\n",
         [P + "test_quant_offload.py::test_a_budget_too_small_suggests_quantizing_only_a_layer_it_applies_to"],
         "\"budget too small\" tells to quantize a largest layer quantize= does not apply to (a tied head)"),
+    Mutation(
+        "readme-usage-streams-nothing", "README.md",
+        "    budget=\"16MiB\",         # every weight on the device",
+        "    budget=\"64MiB\",         # every weight on the device",
+        [P + "test_readme.py::test_the_usage_example_streams_more_layers_than_its_slots_hold"],
+        "the README's first example keeps its whole model resident: it shows nothing streamed"),
 ]
