@@ -14,7 +14,11 @@
 // stream their weights (an embedding: a table without max_norm, looked up in
 // host memory; see Engine::add_embedding).
 //
-// offload(root, options) walks root's module tree and
+// offload(root, options) needs root owned by a std::shared_ptr
+// (std::make_shared<Net>(), or a TORCH_MODULE holder): its walk of the tree
+// takes root as one (Module::named_modules, root included), and a module on
+// the stack gets torch's "attempted to retrieve your top-level module as a
+// shared_ptr". It walks root's module tree and
 //  * attaches every layerstream::nn::* module (an Embedding only without
 //    max_norm), and
 //  * swaps a registered torch::nn::Linear / Conv*d child for a streamed

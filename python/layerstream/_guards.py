@@ -1,6 +1,6 @@
 """What keeps an offloaded model consistent: model.to()/.half() on streamed layers
-(_StreamedApply, _RootApply), model.to("cpu") and back as suspend and resume
-(_HostMove) and load_state_dict() into packed weights.
+(_StreamedApply, _RootApply), to_empty() (_NoToEmpty), model.to("cpu") and back as
+suspend and resume (_HostMove) and load_state_dict() into packed weights.
 """
 from __future__ import annotations
 
@@ -227,14 +227,52 @@ class _RootApply:
                 layer._verdicts = None
 
 
+class _NoToEmpty:
+    """The ``to_empty`` offload() installs on the model, on the modules between it and
+    the streamed ones and on those (instance attributes; install_subtree_checks).
+
+    ``to_empty(device=<compute device>)`` converts through ``_apply`` as a move to
+    that device does, and no probe of the conversion tells them apart (a fresh
+    ``empty_like`` on the same device is a move's result too): _StreamedApply would
+    let it through and keep the streamed weights, while every resident tensor
+    (norms, biases, the layers a budget keeps) became uninitialised memory. So it is
+    refused here, before anything changes. To the meta device it is the class's own
+    method, which the conversion checks refuse as they refuse ``model.to("meta")``."""
+
+    __slots__ = ("_module", "_name")
+
+    def __init__(self, module: nn.Module, name: Optional[str]):
+        self._module, self._name = module, name  # name None: a plain copy's, which refuses nothing
+
+    def __deepcopy__(self, memo):
+        # A copy of the model is a plain module (as _RootApply's copy checks nothing).
+        return _NoToEmpty(memo.get(id(self._module), self._module), None)
+
+    def __reduce__(self):
+        return _NoToEmpty, (self._module, None)
+
+    def __call__(self, *, device, recurse=True):
+        module = self._module
+        if self._name is not None and torch.device(device).type != "meta":
+            raise LayerstreamError(
+                f"to_empty(device={str(device)!r}) of {self._name} after offload() would replace its "
+                f"resident tensors (norms, biases, layers kept resident) with uninitialised memory, "
+                f"while its streamed layers keep their weights in host memory: the model would compute "
+                f"with garbage. To load new values, use load_state_dict() (streamed layers take them "
+                f"too); to start from empty tensors, undo the offload first (handle.detach(); "
+                f"layerstream.compat: MemoryManager.detach(model)).")
+        return type(module).to_empty(module, device=device, recurse=recurse)
+
+
 def install_subtree_checks(root: nn.Module, layers) -> list:
     """A _RootApply on every module between `root` and its streamed modules (`layers`:
     (name relative to root, the _apply objects of that layer's modules)), so that a
     refused conversion of a part of the model (``model.blocks[0].half()``) raises before
     any of that part changed, as the root's does: nn.Module._apply converts children in
     order, and a LayerNorm before the streamed Linear was already fp16 when the Linear
-    refused. Modules with an _apply of their own (streamed ones) are left alone. Returns
-    the modules it installed on (detach() removes them)."""
+    refused. Modules with an _apply of their own (streamed ones) are left alone. And a
+    _NoToEmpty on those modules, the root and the streamed modules. Returns what it
+    installed, (module, attribute, object) (remove_subtree_checks removes them)."""
     below = {}
     for name, applies in layers:
         parts = name.split(".") if name else []
@@ -246,14 +284,22 @@ def install_subtree_checks(root: nn.Module, layers) -> list:
         if "_apply" in module.__dict__:
             continue
         module._apply = _RootApply(module, applies)
-        installed.append(module)
+        installed.append((module, "_apply", module._apply))
+    guarded = set()
+    for name in [""] + list(below) + [name for name, _ in layers]:
+        module = root.get_submodule(name)
+        if id(module) in guarded or "to_empty" in module.__dict__:
+            continue
+        guarded.add(id(module))
+        module.to_empty = _NoToEmpty(module, f"'{name}'" if name else "the offloaded model")
+        installed.append((module, "to_empty", module.to_empty))
     return installed
 
 
-def remove_subtree_checks(modules: list) -> None:
-    for module in modules:
-        if isinstance(module.__dict__.get("_apply"), _RootApply):
-            del module.__dict__["_apply"]
+def remove_subtree_checks(installed: list) -> None:
+    for module, attr, obj in installed:
+        if module.__dict__.get(attr) is obj:
+            del module.__dict__[attr]
 
 
 def _requested_move(kind: str, args, kwargs) -> Tuple[Optional[torch.device], Optional[torch.dtype], bool]:

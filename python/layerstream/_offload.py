@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
+import re
 import warnings
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -25,7 +27,7 @@ from ._activations import ActivationOffload, parse_activations
 from ._handle import CallHooks, Handle, _AddedTensorsFollow, _Attached
 from ._interrupts import held_interrupts
 from ._packed import _PackedWeight
-from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _is_packed_only_format
+from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _quant_for, _quantize_format
 from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
 from ._formats import _Candidate, _formats_and_bytes, _group_experts, _materialize_gguf
 
@@ -114,8 +116,8 @@ def offload(
     quantize: pack streamed weights on the host and dequantize them on the
         device: "int8", "fp8", "nf4", "int4" or "lossless" (entropy-coded,
         decoded bit for bit into the weight's own dtype) for every streamed
-        layer (layers
-        whose shape the format cannot pack stay dense, with one warning), or a
+        layer (names as C++ reads them: any case, fp8 also "e4m3", "none" =
+        None; layers whose shape the format cannot pack stay dense, with one warning), or a
         dict {glob pattern on module names: format or None} for per-layer
         choices (first match wins; an explicit format that cannot pack a layer
         is an error; a pattern that names no module is warned).
@@ -240,9 +242,9 @@ def offload(
         dequant_dtype, compute_dtype)
     quantize = _check_quantize(quantize)
     resolved = _C.resolve_device(opts.device)
-    if device is None and resolved == "sim":
+    if opts.device == "auto" and resolved == "sim":  # device=None or "auto"
         _warn_sim_fallback()
-    opts.device = resolved  # said once, here (the engine warns for "auto" itself: C++ callers)
+    opts.device = resolved  # resolved here: the engine's own warning for "auto" (C++ callers) never sees it
     compute_device = torch.device("cpu") if resolved == "sim" else torch.device(resolved)
 
     if budget is not None:
@@ -276,7 +278,12 @@ def offload(
                                 defer_file_reads=cache_dir is not None, routed=experts == "routed")
 
     # 2. With a budget: which layers stay resident; the slots get what is left.
-    plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups, train_spec)
+    # Layers quantize= does not apply to (tied to another's weight, pre-quantized or GGUF, or
+    # not packable by the format asked for): "budget too small" then suggests no quantizing.
+    as_stored = {t.name for t in layers if t.pre is not None or (t.kind != "group" and t.name in tied_names)
+                 or (t.fmt is None and _quant_for(t.name, quantize) is not None)}
+    plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups, train_spec,
+                                 as_stored)
 
     # 3. Host RAM: which weights stay in their file, what is pinned (core/host_tier.h).
     on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts, cache_dir)
@@ -320,8 +327,9 @@ def _note_uncounted_training(model: nn.Module, handle: Handle) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _warn_sim_fallback() -> None:
-    """offload() without device= found no usable CUDA GPU: says why, once per process
-    (a broken driver would otherwise give a slow CPU simulation without a word)."""
+    """offload() without device= (or with device="auto") found no usable CUDA GPU: says
+    why, once per process (a broken driver would otherwise give a slow CPU simulation
+    without a word)."""
     if torch.version.cuda is None:
         why = f"this torch ({torch.__version__}) is a CPU-only build"
     else:
@@ -331,9 +339,10 @@ def _warn_sim_fallback() -> None:
                    "CUDA toolkit)")
         except Exception as e:  # torch's own reason: no driver, no visible device, driver too old, ...
             why = f"torch.cuda is not available: {e}"
-    warnings.warn(f"layerstream: offload() without device= runs on the simulated device (weights stream "
-                  f"through a modelled link on the CPU), because {why}. Pass device='sim' to choose it "
-                  f"(and silence this), or fix CUDA and pass device='cuda'.", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"layerstream: offload() without device= (or device='auto') runs on the simulated device "
+                  f"(weights stream through a modelled link on the CPU), because {why}. Pass device='sim' to "
+                  f"choose it (and silence this), or fix CUDA and pass device='cuda'.", RuntimeWarning,
+                  stacklevel=3)
 
 
 def _engine_options(device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory,
@@ -379,21 +388,16 @@ def _layerwise_compute_dtype(candidates, dequant_dtype) -> Optional[torch.dtype]
 
 def _check_quantize(quantize):
     """quantize= names formats offload() can pack (ValueError otherwise). Returns it with
-    the names in lower case: the engine reads them so (quant::parse_format), "INT8" too."""
+    each name as C++'s quant::parse_format reads it (_quantize_format: "INT8" is int8,
+    "e4m3" fp8, "none" None)."""
     if isinstance(quantize, str):
-        quantize = quantize.lower()
-    elif isinstance(quantize, dict):
-        quantize = {k: v.lower() if isinstance(v, str) else v for k, v in quantize.items()}
-    formats = ([quantize] if isinstance(quantize, str) else
-               list(quantize.values()) if isinstance(quantize, dict) else [])
-    for fmt in formats:
-        if isinstance(fmt, str) and fmt not in _C.quant_formats() and _is_packed_only_format(fmt):
-            raise ValueError(f"{fmt!r} is a GGUF format: layerstream streams GGUF weights as they are "
-                             f"read from a .gguf file (layerstream.load_gguf) but does not quantize to "
-                             f"it; valid formats for quantize=: {', '.join(_C.quant_formats())}")
-        if fmt is not None and fmt not in _C.quant_formats():
-            raise ValueError(f"unknown quantization format {fmt!r}; valid formats: "
-                             f"{', '.join(_C.quant_formats())} (or None to keep a layer dense)")
+        return _quantize_format(quantize)
+    if isinstance(quantize, dict):
+        bad = [v for v in quantize.values() if v is not None and not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"quantize={{pattern: format}} takes a format name or None per pattern, got "
+                             f"{bad[0]!r}; valid formats: {', '.join(_C.quant_formats())}")
+        return {k: None if v is None else _quantize_format(v) for k, v in quantize.items()}
     return quantize
 
 
@@ -430,7 +434,7 @@ def _train_bytes(spec: str, tensors) -> int:
 
 
 def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, compute_device: torch.device,
-          opts, slots, tie_groups: list, train_spec: str = ""):
+          opts, slots, tie_groups: list, train_spec: str = "", as_stored: frozenset = frozenset()):
     """Step 2: with a budget, the planner decides which layers stay resident; the
     slots get what is left (opts.budget_bytes). The budget covers every weight on
     the device (and with train=, the resident trainable weights' gradients and
@@ -464,9 +468,12 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                             _train_bytes(train_spec, tensors)))
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
-        plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
-                                   slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
-                                   fixed_train_bytes=fixed_train)
+        try:
+            plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
+                                       slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
+                                       fixed_train_bytes=fixed_train)
+        except LayerstreamError as e:
+            raise _as_stored_advice(e, as_stored) from None
         resident_names = set(plan["resident"])
         # Tied weights: a layer kept resident keeps its tensor on the device, so the
         # layers that share it stay resident too (it is on the device once, counted once).
@@ -477,6 +484,20 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                                 - plan["train_bytes"])
 
     return plan, resident_names
+
+
+_QUANTIZE_ADVICE = " (or quantize the weights, e.g. to nf4)"
+
+
+def _as_stored_advice(error: Exception, as_stored) -> Exception:
+    """The planner's "budget too small" error, whose largest layer (which it names) is one
+    quantize= does not apply to: said as C++ says it where it knows (core/planner.cpp,
+    PlannerLayer::as_stored; _C.plan_slots_first does not take it), not "or quantize"."""
+    text = str(error)
+    named = re.search(r'the largest layer ("(?:[^"\\]|\\.)*")', text)
+    if not text.endswith(_QUANTIZE_ADVICE) or named is None or json.loads(named.group(1)) not in as_stored:
+        return error
+    return type(error)(text[:-len(_QUANTIZE_ADVICE)] + " (it streams as stored: quantization does not apply to it)")
 
 
 def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,

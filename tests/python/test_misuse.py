@@ -702,3 +702,51 @@ def test_suspend_moves_each_device_tensor_once_with_its_gradient():
         assert b is elsewhere if n == "0.elsewhere" else b is not buffers[n] and torch.equal(b, buffers[n]), n
     assert model[2].running_mean is model[1].running_mean
     assert len([m for m in moved if m[1] is None]) == len(params)  # each parameter once
+
+
+def test_device_auto_without_cuda_warns_why_as_no_device_does():
+    """offload(device="auto") fell back to the sim device without a word (only device=None
+    warned; the engine's own warning for "auto" never saw it, offload() resolves it first)."""
+    from layerstream import _offload
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: device='auto' uses it")
+    _offload._warn_sim_fallback.cache_clear()
+    with pytest.warns(RuntimeWarning, match=r"device='auto'\) runs on the simulated device .* because"):
+        h = layerstream.offload(nn.Sequential(nn.Linear(8, 8)), device="auto")
+    assert h.device == "sim"
+    h.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layerstream.offload(nn.Sequential(nn.Linear(8, 8))).detach()  # said once per process
+
+
+def test_to_empty_after_offload_is_refused_before_anything_changes():
+    """model.to_empty(device=<compute device>) after offload() went through: the streamed
+    layers kept their host weights and every resident tensor (the LayerNorms here) became
+    uninitialised memory, though the README lists to_empty() as refused. The conversion
+    checks cannot tell it from a move to that device; the model, the modules between it
+    and the streamed layers, and those layers refuse it themselves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_NormThenLinear(), nn.Linear(32, 32), nn.LayerNorm(32))
+    for p in model.parameters():  # LayerNorm's ones and zeros would survive by chance
+        p.data.normal_()
+    x = torch.randn(4, 32)
+    want = model(x)
+    handle = layerstream.offload(model, device="sim")  # the compute device is the CPU
+    assert handle.stats()["layers"] == 2
+    before = _state(model)
+    for convert in (lambda: model.to_empty(device="cpu"),
+                    lambda: model.to_empty(device=torch.device("cpu"), recurse=False),
+                    lambda: model[0].to_empty(device="cpu"),  # holds a LayerNorm and a streamed Linear
+                    lambda: model[0].up.to_empty(device="cpu"),
+                    lambda: model[1].to_empty(device="cpu")):
+        with pytest.raises(LayerstreamError, match=r"to_empty\(device='cpu'\) of .* uninitialised memory"):
+            convert()
+        _assert_unchanged(before, model)
+    with pytest.raises(LayerstreamError, match="would move them elsewhere"):
+        model[0].to_empty(device="meta")  # refused as model.to("meta") is
+    _assert_unchanged(before, model)
+    assert torch.equal(model(x), want)
+    handle.detach()
+    assert not any("to_empty" in m.__dict__ for m in model.modules())
+    model[2].to_empty(device="cpu")  # torch's own again

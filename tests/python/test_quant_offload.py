@@ -345,6 +345,36 @@ def test_format_names_are_read_in_any_case_as_the_engine_reads_them():
     assert all(torch.equal(o, outputs[0]) for o in outputs)
 
 
+def test_fp8_by_its_other_names_and_none_are_read_as_the_engine_reads_them():
+    """quantize="e4m3" / "fp8_e4m3" were refused as "a GGUF format" and "none" as unknown,
+    though C++'s quant::parse_format (OffloadOptions::quantize, docs/design/quant-formats.md)
+    takes them: fp8, and no quantization."""
+    x = torch.randn(3, 64)
+
+    def run(quantize):
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)).requires_grad_(False)
+        h = layerstream.offload(m, device="sim", quantize=quantize)
+        out, n = m(x), h.stats()["quantized_layers"]
+        h.detach()
+        return out, n
+
+    fp8, n = run("fp8")
+    assert n == 2
+    for quantize in ("e4m3", "FP8_E4M3", "fp8e4m3", {"*": "E4M3"}):
+        out, n = run(quantize)
+        assert n == 2 and torch.equal(out, fp8), quantize
+    dense, n = run(None)
+    assert n == 0
+    for quantize in ("none", "NONE", {"*": "none"}):
+        out, n = run(quantize)
+        assert n == 0 and torch.equal(out, dense), quantize
+    with pytest.raises(ValueError, match="'q4_k' is a GGUF format"):
+        run("q4_k")
+    with pytest.raises(ValueError, match="unknown quantization format 'e5m2'.*fp8"):
+        run("e5m2")
+
+
 def test_prequantized_torch_qint8_weight_streams_exactly():
     lin = nn.Linear(64, 32)
     w = lin.weight.detach()
@@ -738,3 +768,41 @@ def test_a_budget_too_small_suggests_a_narrower_write_only_where_there_is_one():
     assert "have the device write a narrower dtype" in message(torch.float32, quantize="int8")
     assert "narrower dtype" not in message(torch.float32, quantize="int8", dequant_dtype="bfloat16")
     assert "narrower dtype" not in message(torch.bfloat16, quantize="lossless")
+
+
+class _TiedHead(nn.Module):
+    """An embedding whose table the output head shares (the head: the largest layer)."""
+
+    def __init__(self, tied=True):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 128)
+        self.blocks = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
+        self.head = nn.Linear(128, 1000, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+def test_a_budget_too_small_suggests_quantizing_only_a_layer_it_applies_to():
+    """offload()'s "budget too small" error ended "(or quantize the weights, e.g. to nf4)"
+    when its largest layer was a head tied to the embedding, which streams as stored
+    (quantize= does not apply to it), also with quantize="nf4" given. It says so now, as
+    the C++ planner does (PlannerLayer::as_stored); an untied head is still told to."""
+    for tied, quantize in ((True, None), (True, "nf4"), (False, None)):
+        model = _TiedHead(tied).requires_grad_(False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tied head stays unquantized: warned
+            with pytest.raises(layerstream.LayerstreamError,
+                               match="is too small: the largest layer \"head\"") as e:
+                layerstream.offload(model, device="sim", budget="300KiB", prefetch=1, quantize=quantize)
+        text = str(e.value)
+        if tied:
+            assert text.endswith("(it streams as stored: quantization does not apply to it)"), text
+            assert "quantize the weights" not in text, text
+        else:
+            assert text.endswith("(or quantize the weights, e.g. to nf4)"), text

@@ -6,6 +6,7 @@ does not have ("# needs a GGUF file ..."), and there are at most two such.
 """
 from __future__ import annotations
 
+import ast
 import re
 import textwrap
 from pathlib import Path
@@ -38,3 +39,15 @@ def test_snippet_runs(index, capsys):
     if not code.lstrip().startswith("import"):
         exec("import torch, layerstream", namespace)  # the README's first lines, for the later blocks
     exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+
+
+def test_the_usage_example_streams_more_layers_than_its_slots_hold(capsys):
+    """The first example's budget ("12MiB") held its whole 6 MiB model resident: it
+    streamed nothing, and its stats() showed no copies."""
+    exec(compile(BLOCKS[0], "README.md python block 0", "exec"), {"__name__": "readme_snippet_0"})
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{'steps'")]
+    assert len(printed) == 1, printed
+    stats = ast.literal_eval(printed[0])
+    assert stats["steps"] == 1 and stats["h2d_bytes"] > 0, stats
+    assert stats["layers"] > stats["slots"], stats  # streaming saves device memory
+    assert stats["peak_device_bytes"] <= stats["budget_bytes"], stats

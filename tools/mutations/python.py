@@ -638,4 +638,34 @@ MUTATIONS = [
         "    rnn = []\n",
         [P + "test_misuse.py::test_a_large_rnn_is_said_to_stay_resident_not_sent_to_groups"],
         "the warning for a large LSTM recommends groups=, which refuses it"),
+    Mutation(
+        "quantize-fp8-alias-refused", "python/layerstream/_prequant.py",
+        "    reason = _C.quant_check(name, 0, 256)",
+        "    reason = \"\" if name in _C.quant_formats() else f\"{fmt!r} is a GGUF format\"",
+        [P + "test_quant_offload.py::test_fp8_by_its_other_names_and_none_are_read_as_the_engine_reads_them"],
+        "quantize=\"e4m3\" / \"fp8_e4m3\" refused as GGUF formats though C++'s parse_format takes them"),
+    Mutation(
+        "device-auto-sim-fallback-silent", "python/layerstream/_offload.py",
+        "    if opts.device == \"auto\" and resolved == \"sim\":",
+        "    if device is None and resolved == \"sim\":",
+        [P + "test_misuse.py::test_device_auto_without_cuda_warns_why_as_no_device_does"],
+        "offload(device=\"auto\") falls back to the sim device without the warning device=None gives"),
+    Mutation(
+        "to-empty-after-offload-not-refused", "python/layerstream/_guards.py",
+        "        module.to_empty = _NoToEmpty(module, f\"'{name}'\" if name else \"the offloaded model\")",
+        "        module.to_empty = _NoToEmpty(module, None)",
+        [P + "test_misuse.py::test_to_empty_after_offload_is_refused_before_anything_changes"],
+        "model.to_empty(device=<compute device>) after offload(): resident tensors become uninitialised memory"),
+    Mutation(
+        "too-small-advises-quantizing-as-stored", "python/layerstream/_offload.py",
+        "            raise _as_stored_advice(e, as_stored) from None\n",
+        "            raise\n",
+        [P + "test_quant_offload.py::test_a_budget_too_small_suggests_quantizing_only_a_layer_it_applies_to"],
+        "\"budget too small\" tells to quantize a largest layer quantize= does not apply to (a tied head)"),
+    Mutation(
+        "readme-usage-streams-nothing", "README.md",
+        "    budget=\"16MiB\",         # every weight on the device",
+        "    budget=\"64MiB\",         # every weight on the device",
+        [P + "test_readme.py::test_the_usage_example_streams_more_layers_than_its_slots_hold"],
+        "the README's first example keeps its whole model resident: it shows nothing streamed"),
 ]
