@@ -1155,3 +1155,66 @@ def test_an_operator_call_of_another_layout_is_refused(offload_sim):
     for ask in (engine.op_spec, engine.layer_name, engine.layer_format):
         with pytest.raises(layerstream.LayerstreamError, match="no streamed layer #7"):
             ask(7)
+
+
+_REPLACED = r"parameters of streamed layer '\w+' were replaced after offload\(\)"
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("make", [_mlp, _Attention], ids=["linear", "group"])
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "new_parameter_after_tracing", "functional_call"])
+def test_parameters_replaced_after_offload_raise_under_compile_as_eagerly(offload_sim, make, how, grad):
+    """Parameters replaced after offload() (load_state_dict(assign=True), a new nn.Parameter
+    assigned after the graph was traced, torch.func.functional_call) raise under
+    torch.compile as the eager call does. Before, only the eager call checked: the compiled
+    graph streamed the original weights (outputs off, the new parameters' .grad None, nothing
+    trained), for Linear layers and tensor groups (nn.MultiheadAttention; with gradients the
+    group's operator happened to run the eager check). The check adds no graph break: a
+    normal compiled call is one graph, equal to the resident's (the group's operator within
+    fp32 rounding, as in the tests above)."""
+    with torch.set_grad_enabled(grad):  # inference: eval() too (nn.MultiheadAttention's fast path)
+        _replaced_under_compile(offload_sim, make().train(grad), how)
+
+
+def _replaced_under_compile(offload_sim, model, how):
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    group = isinstance(model, _Attention)
+    x = torch.randn(2, 5, 16) if group else torch.randn(4, 16)
+    step = torch.compile(model, backend="aot_eager")
+    new = {k: v + 1 for k, v in ref.state_dict().items()}
+    if how == "load_state_dict_assign":  # before the first trace (a checkpoint loaded after offload())
+        model.load_state_dict(new, assign=True)
+    else:
+        torch.testing.assert_close(step(x), ref(x), **(TOL if group else dict(rtol=0, atol=0)))
+        assert (_frames(), _graph_breaks()) == (1, 0)
+    if how == "functional_call":
+        compiled = torch.compile(lambda p, x: torch.func.functional_call(model, p, (x,)), backend="aot_eager")
+        calls = [lambda: torch.func.functional_call(model, new, (x,)), lambda: compiled(new, x)]
+    else:
+        if how == "new_parameter_after_tracing":
+            key = "att.in_proj_weight" if group else "0.weight"
+            module, name = key.rsplit(".", 1)
+            setattr(model.get_submodule(module), name, nn.Parameter(new[key].clone()))
+        calls = [lambda: model(x), lambda: step(x)]
+    held = dict(model.named_parameters())
+    for call in calls:  # eagerly, then compiled
+        with pytest.raises(layerstream.LayerstreamError, match=_REPLACED):
+            call()
+    # The group's traced call had put the original parameters back into the module.
+    assert all(p is held[n] for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_exporting_a_model_whose_parameters_were_replaced_raises(offload_sim, strict):
+    """torch.export after load_state_dict(assign=True) raises (strict export: torch's
+    error carries layerstream's message). Before, the program exported and streamed the
+    original weights while its state_dict held the new ones (outputs off)."""
+    for make in (_mlp, _Attention):
+        model = make()
+        ref = copy.deepcopy(model)
+        offload_sim(model)
+        model.load_state_dict({k: v + 1 for k, v in ref.state_dict().items()}, assign=True)
+        x = torch.randn(2, 5, 16) if make is _Attention else torch.randn(2, 16)
+        with pytest.raises(layerstream.LayerstreamError if not strict else Exception, match=_REPLACED):
+            torch.export.export(model, (x,), strict=strict)

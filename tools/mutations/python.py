@@ -638,4 +638,25 @@ MUTATIONS = [
         "    rnn = []\n",
         [P + "test_misuse.py::test_a_large_rnn_is_said_to_stay_resident_not_sent_to_groups"],
         "the warning for a large LSTM recommends groups=, which refuses it"),
+    Mutation(
+        "compiled-layer-skips-replaced-check", "python/layerstream/_forward.py",
+        "            self._check_own()\n        grad = torch.is_grad_enabled()",
+        "            pass\n        grad = torch.is_grad_enabled()",
+        [P + "test_compile.py::test_parameters_replaced_after_offload_raise_under_compile_as_eagerly"],
+        "a compiled call streams the original weights after load_state_dict(assign=True) or a new "
+        "nn.Parameter (eager raises; the new parameters get no gradient)"),
+    Mutation(
+        "compiled-group-skips-replaced-check", "python/layerstream/_forward.py",
+        "                raise LayerstreamError(_REPLACED.format(name=self._name))\n            if self._adapted:",
+        "                pass\n            if self._adapted:",
+        [P + "test_compile.py::test_parameters_replaced_after_offload_raise_under_compile_as_eagerly"],
+        "a compiled nn.MultiheadAttention group traced after load_state_dict(assign=True) streams the "
+        "original weights (and its fake kernel puts them back into the module)"),
+    Mutation(
+        "export-skips-replaced-check", "python/layerstream/_forward.py",
+        "            self._check_own((weight, bias))\n",
+        "            pass\n",
+        [P + "test_compile.py::test_exporting_a_model_whose_parameters_were_replaced_raises"],
+        "non-strict torch.export after load_state_dict(assign=True) exports a program that streams "
+        "the original weights"),
 ]
