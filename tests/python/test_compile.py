@@ -1218,3 +1218,25 @@ def test_exporting_a_model_whose_parameters_were_replaced_raises(offload_sim, st
         x = torch.randn(2, 5, 16) if make is _Attention else torch.randn(2, 16)
         with pytest.raises(layerstream.LayerstreamError if not strict else Exception, match=_REPLACED):
             torch.export.export(model, (x,), strict=strict)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_exporting_a_model_with_activation_offload_says_to_offload_it_without(offload_sim, strict):
+    """torch.export of a model offloaded with activations= raises layerstream's error, which
+    says to export it offloaded without activations= (strict export: torch's error carries
+    it), and the model still trains exactly eagerly afterwards. Before, non-strict export
+    failed with torch's "Cannot access data pointer of Tensor (e.g. FakeTensor...)" (the
+    scope read the fake parameters' data pointers) and strict export with the advice for
+    torch.compile (compile the blocks), which does not apply to export."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    offload_sim(model, activations="host")
+    x = torch.randn(4, 16)
+    says = r"torch\.export cannot export a model offloaded with activations=.*offload the model without activations="
+    with pytest.raises(layerstream.LayerstreamError if not strict else Exception, match=says):
+        torch.export.export(model, (x,), strict=strict)
+    y, yr = model(x), ref(x)
+    assert torch.equal(y, yr)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))

@@ -659,4 +659,11 @@ MUTATIONS = [
         [P + "test_compile.py::test_exporting_a_model_whose_parameters_were_replaced_raises"],
         "non-strict torch.export after load_state_dict(assign=True) exports a program that streams "
         "the original weights"),
+    Mutation(
+        "export-with-activation-offload-unrefused", "python/layerstream/_activations.py",
+        "        if torch.compiler.is_exporting():\n            _not_exported()\n",
+        "",
+        [P + "test_compile.py::test_exporting_a_model_with_activation_offload_says_to_offload_it_without"],
+        "torch.export of a model with activations= fails with torch's data-pointer error (non-strict) "
+        "or the torch.compile advice (strict)"),
 ]
