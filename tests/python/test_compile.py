@@ -1240,3 +1240,50 @@ def test_exporting_a_model_with_activation_offload_says_to_offload_it_without(of
     y.square().sum().backward()
     yr.square().sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class _Block(nn.Module):
+    """A small pre-norm transformer block (attention by scaled_dot_product_attention)."""
+
+    def __init__(self, d, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.f1, self.f2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        y = self.ln1(x)
+        q, k, v = (p(y).view(b, t, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.f2(torch.nn.functional.gelu(self.f1(self.ln2(x))))
+
+
+def test_blocks_compiled_one_by_one_are_a_graph_each(offload_sim):
+    """What the README says of compiling an offloaded model's blocks: each block is a graph
+    of its own (the resident blocks share one, plus one for the first block's input, which
+    needs no gradient), so past torch's recompile_limit the remaining blocks run
+    uncompiled, with the same numbers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Block(32) for _ in range(4)))
+    ref = copy.deepcopy(model)
+    resident = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(2, 5, 32)
+    for m in (resident, model):
+        for block in m:
+            block.compile(backend="aot_eager")
+    assert torch.equal(resident(x), ref(x))
+    assert _frames() == 2
+    torch._dynamo.reset()  # the limit counts the graphs of the same code (Block.forward)
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=3):
+        y = model(x)
+    assert _frames() == 3  # the 4th block ran uncompiled
+    assert torch.equal(y, ref(x))
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(model(x), ref(x))
+    assert _frames() == 4  # recompile_limit (8) is more than the blocks: one graph each
