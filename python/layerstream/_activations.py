@@ -62,6 +62,20 @@ def _scope_outside_graphs():
     with the reason above, instead of one inside them at a call Dynamo cannot trace)."""
 
 
+_NOT_EXPORTED = (
+    "torch.export cannot export a model offloaded with activations=...: its activation offload is "
+    "saved-tensor hooks around the model's eager calls, which an exported program does not run. For the "
+    "export, offload the model without activations= (handle.detach(), then layerstream.offload() without it)")
+
+
+@_dynamo_marks.disable(reason=_NOT_EXPORTED)
+def _not_exported():
+    """Refuses torch.export of a model with activation offload (non-strict export runs the
+    hooks on fake tensors, whose data pointers the scope would read; strict export fails on
+    this function's mark, with its reason)."""
+    raise _C.LayerstreamError(_NOT_EXPORTED)
+
+
 class ActivationOffload:
     """The saved-tensor hooks around the model's forward (forward pre-hook and an
     always-called forward hook on the root module)."""
@@ -90,6 +104,8 @@ class ActivationOffload:
         return saved.unpack() if isinstance(saved, _Kept) else self.engine.restore_activation(saved.token)
 
     def _enter(self, module, args):
+        if torch.compiler.is_exporting():
+            _not_exported()
         if torch.compiler.is_compiling():
             _scope_outside_graphs()
         if self._depth and not self._entering_call_running():

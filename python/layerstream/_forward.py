@@ -130,6 +130,23 @@ def _call_spec(key: str) -> str:
     return fwd._op_spec(fwd._index)
 
 
+_REPLACED = ("the parameters of streamed layer '{name}' were replaced after offload() (e.g. by accelerate's "
+             "cpu_offload() or dispatch_model(), load_state_dict(assign=True), assigning a new nn.Parameter, "
+             "or torch.func.functional_call); layerstream streams the original ones. Copy new values in place "
+             "(load_state_dict() without assign, or param.data.copy_()), or call handle.detach() first.")
+
+
+def _exported_as(original, current) -> bool:
+    """Whether `current`, a module's tensor while non-strict torch.export traces it, stands
+    for offload()'s `original`: export swaps each parameter for a fake tensor made from it,
+    which the fake mode's converter remembers (a parameter replaced before the export has
+    a fake of its own; the program would stream the original's values)."""
+    if current is original:
+        return True
+    mode = getattr(current, "fake_mode", None)
+    return original is not None and mode is not None and mode.fake_tensor_converter._get_memo(original) is current
+
+
 class _StreamedForward(_RefusesCopy):
     """The forward offload() installs on a streamed module (an instance attribute).
 
@@ -167,16 +184,7 @@ class _StreamedForward(_RefusesCopy):
             return self._original(x, *args, **kwargs)
         if torch.compiler.is_compiling():
             return self._traced(x)
-        params, attrs, weight, bias = self._params, self._attrs, self._weight, self._bias
-        if ((params["weight"] if "weight" in params else attrs.get("weight")) is not weight or
-                (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
-            raise LayerstreamError(
-                f"the parameters of streamed layer '{self._name}' were replaced after offload() (e.g. "
-                f"by accelerate's cpu_offload() or dispatch_model(), load_state_dict(assign=True), assigning "
-                f"a new nn.Parameter, or torch.func.functional_call); layerstream streams the original ones. "
-                f"Copy new "
-                f"values in place (load_state_dict() without assign, or param.data.copy_()), or "
-                f"call handle.detach() first.")
+        self._check_own()
         if self._frozen:  # only layers with stand-ins pay for the check (the disk tier, GGUF)
             self._unfrozen()
         if self._pad is not None:  # the hot path: no call for the usual zero padding
@@ -184,6 +192,18 @@ class _StreamedForward(_RefusesCopy):
         # A parameter with gradient hooks gets its gradient through autograd
         # (synchronously) so that the hooks fire: the engine checks (EngineImpl::stages_grads).
         return self._run(self._index, x)
+
+    def _check_own(self, now=None) -> None:
+        """Raises when the module's parameters are no longer offload()'s: the engine would
+        compute with the original values, and no gradient would reach the new tensors.
+        `now`: (weight, bias) stand-ins for them (non-strict torch.export's, _exported_as)."""
+        params, attrs, weight, bias = self._params, self._attrs, self._weight, self._bias
+        if now is not None:
+            if not (_exported_as(weight, now[0]) and _exported_as(bias, now[1])):
+                raise LayerstreamError(_REPLACED.format(name=self._name))
+        elif ((params["weight"] if "weight" in params else attrs.get("weight")) is not weight or
+                (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
+            raise LayerstreamError(_REPLACED.format(name=self._name))
 
     def _unfrozen(self) -> None:
         """Raises when a stand-in of this layer (a weight the disk tier streams from its
@@ -214,13 +234,20 @@ class _StreamedForward(_RefusesCopy):
         given the parameters that require grad when a gradient is recorded (their
         gradients' edges; Note [Compiled weight gradients are staged], ops_compiled.cpp)."""
         weight, bias = self._weight, self._bias
-        if torch.compiler.is_exporting():
+        if torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling():
             # Non-strict export swaps the module's parameters for its own tensors (the
             # program's PARAMETER inputs): the op's gradient edges go to those; the cached
             # ones would be lifted as constants, and no weight gradient would reach them.
             params, attrs = self._params, self._attrs
             weight = params["weight"] if "weight" in params else attrs.get("weight")
             bias = params["bias"] if "bias" in params else attrs.get("bias")
+            self._check_own((weight, bias))
+        else:
+            # Under Dynamo (torch.compile, strict export) the check reads the module's
+            # parameter entries, so the graph is guarded on them: a parameter replaced
+            # after tracing recompiles, and raises here as the eager call does, instead of
+            # the graph streaming the original weights while the new ones get no gradient.
+            self._check_own()
         grad = torch.is_grad_enabled()
         w = None if self._standin or not (grad and weight.requires_grad) else weight
         # A str key: Dynamo cannot hand assume_constant_result an int attribute (torch 2.14 keeps
@@ -355,6 +382,13 @@ class _GroupForward(_RefusesCopy):
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
+            # The eager paths check the parameters in fetched(); the operator's body is not
+            # traced, so the traced call checks them here, as _StreamedForward._traced does
+            # (Dynamo guards on the entries read; non-strict export reads its fakes).
+            exporting = torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
+            if any(not _exported_as(p, o._parameters.get(k)) if exporting else o._parameters.get(k) is not p
+                   for (o, k), p in zip(self._slots, self._params)):
+                raise LayerstreamError(_REPLACED.format(name=self._name))
             if self._adapted:
                 return _group_adapted_eagerly(self, args, kwargs)
             if _group_op.describable(args, kwargs):

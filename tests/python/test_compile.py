@@ -1155,3 +1155,167 @@ def test_an_operator_call_of_another_layout_is_refused(offload_sim):
     for ask in (engine.op_spec, engine.layer_name, engine.layer_format):
         with pytest.raises(layerstream.LayerstreamError, match="no streamed layer #7"):
             ask(7)
+
+
+_REPLACED = r"parameters of streamed layer '\w+' were replaced after offload\(\)"
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("make", [_mlp, _Attention], ids=["linear", "group"])
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "new_parameter_after_tracing", "functional_call"])
+def test_parameters_replaced_after_offload_raise_under_compile_as_eagerly(offload_sim, make, how, grad):
+    """Parameters replaced after offload() (load_state_dict(assign=True), a new nn.Parameter
+    assigned after the graph was traced, torch.func.functional_call) raise under
+    torch.compile as the eager call does. Before, only the eager call checked: the compiled
+    graph streamed the original weights (outputs off, the new parameters' .grad None, nothing
+    trained), for Linear layers and tensor groups (nn.MultiheadAttention; with gradients the
+    group's operator happened to run the eager check). The check adds no graph break: a
+    normal compiled call is one graph, equal to the resident's (the group's operator within
+    fp32 rounding, as in the tests above)."""
+    with torch.set_grad_enabled(grad):  # inference: eval() too (nn.MultiheadAttention's fast path)
+        _replaced_under_compile(offload_sim, make().train(grad), how)
+
+
+def _replaced_under_compile(offload_sim, model, how):
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    group = isinstance(model, _Attention)
+    x = torch.randn(2, 5, 16) if group else torch.randn(4, 16)
+    step = torch.compile(model, backend="aot_eager")
+    new = {k: v + 1 for k, v in ref.state_dict().items()}
+    if how == "load_state_dict_assign":  # before the first trace (a checkpoint loaded after offload())
+        model.load_state_dict(new, assign=True)
+    else:
+        torch.testing.assert_close(step(x), ref(x), **(TOL if group else dict(rtol=0, atol=0)))
+        assert (_frames(), _graph_breaks()) == (1, 0)
+    if how == "functional_call":
+        compiled = torch.compile(lambda p, x: torch.func.functional_call(model, p, (x,)), backend="aot_eager")
+        calls = [lambda: torch.func.functional_call(model, new, (x,)), lambda: compiled(new, x)]
+    else:
+        if how == "new_parameter_after_tracing":
+            key = "att.in_proj_weight" if group else "0.weight"
+            module, name = key.rsplit(".", 1)
+            setattr(model.get_submodule(module), name, nn.Parameter(new[key].clone()))
+        calls = [lambda: model(x), lambda: step(x)]
+    held = dict(model.named_parameters())
+    for call in calls:  # eagerly, then compiled
+        with pytest.raises(layerstream.LayerstreamError, match=_REPLACED):
+            call()
+    # The group's traced call had put the original parameters back into the module.
+    assert all(p is held[n] for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_exporting_a_model_whose_parameters_were_replaced_raises(offload_sim, strict):
+    """torch.export after load_state_dict(assign=True) raises (strict export: torch's
+    error carries layerstream's message). Before, the program exported and streamed the
+    original weights while its state_dict held the new ones (outputs off)."""
+    for make in (_mlp, _Attention):
+        model = make()
+        ref = copy.deepcopy(model)
+        offload_sim(model)
+        model.load_state_dict({k: v + 1 for k, v in ref.state_dict().items()}, assign=True)
+        x = torch.randn(2, 5, 16) if make is _Attention else torch.randn(2, 16)
+        with pytest.raises(layerstream.LayerstreamError if not strict else Exception, match=_REPLACED):
+            torch.export.export(model, (x,), strict=strict)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_exporting_a_model_with_activation_offload_says_to_offload_it_without(offload_sim, strict):
+    """torch.export of a model offloaded with activations= raises layerstream's error, which
+    says to export it offloaded without activations= (strict export: torch's error carries
+    it), and the model still trains exactly eagerly afterwards. Before, non-strict export
+    failed with torch's "Cannot access data pointer of Tensor (e.g. FakeTensor...)" (the
+    scope read the fake parameters' data pointers) and strict export with the advice for
+    torch.compile (compile the blocks), which does not apply to export."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    offload_sim(model, activations="host")
+    x = torch.randn(4, 16)
+    says = r"torch\.export cannot export a model offloaded with activations=.*offload the model without activations="
+    with pytest.raises(layerstream.LayerstreamError if not strict else Exception, match=says):
+        torch.export.export(model, (x,), strict=strict)
+    y, yr = model(x), ref(x)
+    assert torch.equal(y, yr)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class _Block(nn.Module):
+    """A small pre-norm transformer block (attention by scaled_dot_product_attention)."""
+
+    def __init__(self, d, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.f1, self.f2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        y = self.ln1(x)
+        q, k, v = (p(y).view(b, t, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.f2(torch.nn.functional.gelu(self.f1(self.ln2(x))))
+
+
+def test_compiled_models_offload_their_saved_tensors_and_a_whole_graph_takes_them_back_at_once(offload_sim):
+    """What the README says of activations= under torch.compile (the sim's numbers): the
+    compiled regions' saved tensors go to the host, compiled whole or block by block (the
+    same bytes, fewer than eagerly), but a whole-model graph's backward takes them all back
+    at once, so its peak on the device is higher than by block. Before, the README said a
+    whole-model graph kept them on the device. Outputs and gradients equal the resident's."""
+    torch.manual_seed(0)
+    base = nn.Sequential(_Block(128), _Block(128))
+    x = torch.randn(4, 64, 128)
+    ref = copy.deepcopy(base)
+    yr = ref(x)
+    yr.square().mean().backward()
+    seen = {}
+    for how in ("eager", "whole", "blocks"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        handle = offload_sim(model, activations="host")
+        step = torch.compile(model, backend="aot_eager") if how == "whole" else model
+        if how == "blocks":
+            for block in model:
+                block.compile(backend="aot_eager")
+        y = step(x)
+        sent = handle.stats()["activation_d2h_bytes"]
+        y.square().mean().backward()
+        assert torch.equal(y, yr)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        seen[how] = (sent, handle.stats()["peak_activation_device_bytes"])
+        handle.detach()
+    assert seen["whole"][0] == seen["blocks"][0] > 0 and seen["eager"][0] > seen["whole"][0]
+    assert seen["whole"][1] >= seen["whole"][0] > seen["blocks"][1] > seen["eager"][1]
+
+
+def test_blocks_compiled_one_by_one_are_a_graph_each(offload_sim):
+    """What the README says of compiling an offloaded model's blocks: each block is a graph
+    of its own (the resident blocks share one, plus one for the first block's input, which
+    needs no gradient), so past torch's recompile_limit the remaining blocks run
+    uncompiled, with the same numbers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Block(32) for _ in range(4)))
+    ref = copy.deepcopy(model)
+    resident = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(2, 5, 32)
+    for m in (resident, model):
+        for block in m:
+            block.compile(backend="aot_eager")
+    assert torch.equal(resident(x), ref(x))
+    assert _frames() == 2
+    torch._dynamo.reset()  # the limit counts the graphs of the same code (Block.forward)
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=3):
+        y = model(x)
+    assert _frames() == 3  # the 4th block ran uncompiled
+    assert torch.equal(y, ref(x))
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(model(x), ref(x))
+    assert _frames() == 4  # recompile_limit (8) is more than the blocks: one graph each

@@ -668,4 +668,32 @@ MUTATIONS = [
         "    budget=\"64MiB\",         # every weight on the device",
         [P + "test_readme.py::test_the_usage_example_streams_more_layers_than_its_slots_hold"],
         "the README's first example keeps its whole model resident: it shows nothing streamed"),
+    Mutation(
+        "compiled-layer-skips-replaced-check", "python/layerstream/_forward.py",
+        "            self._check_own()\n        grad = torch.is_grad_enabled()",
+        "            pass\n        grad = torch.is_grad_enabled()",
+        [P + "test_compile.py::test_parameters_replaced_after_offload_raise_under_compile_as_eagerly"],
+        "a compiled call streams the original weights after load_state_dict(assign=True) or a new "
+        "nn.Parameter (eager raises; the new parameters get no gradient)"),
+    Mutation(
+        "compiled-group-skips-replaced-check", "python/layerstream/_forward.py",
+        "                raise LayerstreamError(_REPLACED.format(name=self._name))\n            if self._adapted:",
+        "                pass\n            if self._adapted:",
+        [P + "test_compile.py::test_parameters_replaced_after_offload_raise_under_compile_as_eagerly"],
+        "a compiled nn.MultiheadAttention group traced after load_state_dict(assign=True) streams the "
+        "original weights (and its fake kernel puts them back into the module)"),
+    Mutation(
+        "export-skips-replaced-check", "python/layerstream/_forward.py",
+        "            self._check_own((weight, bias))\n",
+        "            pass\n",
+        [P + "test_compile.py::test_exporting_a_model_whose_parameters_were_replaced_raises"],
+        "non-strict torch.export after load_state_dict(assign=True) exports a program that streams "
+        "the original weights"),
+    Mutation(
+        "export-with-activation-offload-unrefused", "python/layerstream/_activations.py",
+        "        if torch.compiler.is_exporting():\n            _not_exported()\n",
+        "",
+        [P + "test_compile.py::test_exporting_a_model_with_activation_offload_says_to_offload_it_without"],
+        "torch.export of a model with activations= fails with torch's data-pointer error (non-strict) "
+        "or the torch.compile advice (strict)"),
 ]
