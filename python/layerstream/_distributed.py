@@ -369,10 +369,42 @@ class SyncHook:
 
 
 def _joining(ddp) -> bool:
-    """Whether `ddp` runs inside its join() context (torch.distributed.algorithms.Join
-    sets the config it reads on each Joinable)."""
+    """Whether `ddp` runs inside a join() context. torch.distributed.algorithms.Join sets
+    an enabled config on each Joinable when made and never resets it: after the block the
+    flag stays set, and training outside join() was refused. A join ends (every rank has
+    joined) in DDP's join post-hook, which syncs the final model: wrapped at the first
+    forward inside the join, it records the config that ended (_JoinEnd). A join left by
+    an exception runs no post-hook: its config still reads as joining, until the next
+    join() ends. A join in which this rank ran no forward is not seen to end either."""
     config = getattr(ddp, "_join_config", None)
-    return bool(getattr(config, "enable", False))
+    if not getattr(config, "enable", False):
+        return False
+    if ddp.__dict__.get("_layerstream_join_ended") is config:
+        return False
+    if "_sync_final_model" not in ddp.__dict__ and hasattr(type(ddp), "_sync_final_model"):
+        ddp.__dict__["_sync_final_model"] = _JoinEnd(ddp)
+    return True
+
+
+class _JoinEnd:
+    """Stands for DistributedDataParallel._sync_final_model on one DDP while a join()
+    runs: torch's join post-hook calls it once every rank has joined; it syncs as torch
+    does, records the config of the join that ended, and takes itself off (held weakly:
+    DDP holds it)."""
+
+    __slots__ = ("_ddp",)
+
+    def __init__(self, ddp):
+        self._ddp = weakref.ref(ddp)
+
+    def __call__(self, *args, **kwargs):
+        ddp = self._ddp()
+        config = ddp._join_config
+        try:
+            return type(ddp)._sync_final_model(ddp, *args, **kwargs)
+        finally:
+            ddp.__dict__.pop("_sync_final_model", None)
+            ddp.__dict__["_layerstream_join_ended"] = config
 
 
 def collective_device(group) -> torch.device:

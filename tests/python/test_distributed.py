@@ -430,3 +430,34 @@ def test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_
         del ddp
     finally:
         dist.destroy_process_group()
+
+
+def test_training_outside_join_after_a_join_block_ended_equals_the_resident_model():
+    """torch's Join never resets the config it sets on DDP (enable stays True after the
+    block): every training forward after any join() block, an evaluation under no_grad
+    included, was refused as if still inside join(). A join() now counts until its end
+    (DDP's join post-hook): training after it equals the resident model, and a new join()
+    is refused again. One process (a store in memory), its group given explicitly."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+        ref = copy.deepcopy(model)
+        handle = layerstream.offload(model, device="sim", process_group=dist.group.WORLD)
+        x = torch.randn(2, 8)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for _ in range(2):  # an evaluation under join(), then a training step outside it
+            with torch.no_grad(), ddp.join():
+                assert torch.equal(ddp(x), ref(x))
+            ddp(x).square().sum().backward()
+            ref(x).square().sum().backward()
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad), n
+        assert handle.stats()["averaged_bytes"] > 0
+        with pytest.raises(layerstream.LayerstreamError, match=r"join\(\) \(uneven inputs\) is not supported"):
+            with ddp.join():
+                ddp(x)
+        del ddp
+    finally:
+        dist.destroy_process_group()

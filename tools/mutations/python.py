@@ -550,4 +550,10 @@ MUTATIONS = [
         "            pass\n",
         [P + "test_optim.py::test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step_does"],
         "overlap + zero_grad(set_to_none=False): a layer no gradient reaches is no longer stepped from zeros"),
+    Mutation(
+        "ddp-join-end-unseen", "python/layerstream/_distributed.py",
+        "    if ddp.__dict__.get(\"_layerstream_join_ended\") is config:\n        return False\n",
+        "",
+        [P + "test_distributed.py::test_training_outside_join_after_a_join_block_ended_equals_the_resident_model"],
+        "after any DDP join() block (torch never resets its enable flag) every training forward is refused"),
 ]
