@@ -461,3 +461,19 @@ def test_training_outside_join_after_a_join_block_ended_equals_the_resident_mode
         del ddp
     finally:
         dist.destroy_process_group()
+
+
+def test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward(tmp_path):
+    """DDP's ignore list keeps the streamed weights out of its broadcast and its gradient
+    reduction. A checkpoint loaded on rank 0 alone after offload() reached rank 0 alone,
+    and offload(process_group=False) under a DDP of 2 ranks averaged no streamed gradient:
+    both trained on, the ranks' weights apart, silently. Now both are refused at the
+    first training forward on every rank, naming the fix; loaded on every rank, the ranks
+    train as one process on the concatenated batch."""
+    results = _run("ddp_first_forward", 2, tmp_path)
+    for res in results:
+        assert re.search(r"streamed weights differ \(rank 0 and rank 1: 'values \S+ \w+' against "
+                         r"'values \S+ \w+'\).*load it on every rank", res["rank0_only"]), res["rank0_only"]
+        assert re.search(r"averages them over no group.*process_group=None", res["no_group"]), res["no_group"]
+    model = make_model()
+    _check_equal([res["every_rank"] for res in results], model, _reference(model, 2), 2)

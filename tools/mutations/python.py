@@ -556,4 +556,17 @@ MUTATIONS = [
         "",
         [P + "test_distributed.py::test_training_outside_join_after_a_join_block_ended_equals_the_resident_model"],
         "after any DDP join() block (torch never resets its enable flag) every training forward is refused"),
+    Mutation(
+        "ddp-ranks-streamed-values-unchecked-at-first-forward", "python/layerstream/_distributed.py",
+        "        if any(g != digest for g in gathered):",
+        "        if False:",
+        [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
+        "a checkpoint loaded on rank 0 alone after offload(): DDP's broadcast skips the streamed weights, "
+        "the ranks train apart, silently"),
+    Mutation(
+        "ddp-without-engine-group-unrefused", "python/layerstream/_distributed.py",
+        "            if mine is None or dist.get_process_group_ranks(mine) != dist.get_process_group_ranks(pg):",
+        "            if False:",
+        [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
+        "offload(process_group=False) under a DDP of 2 ranks: streamed gradients never averaged, silently"),
 ]
