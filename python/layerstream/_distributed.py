@@ -66,17 +66,24 @@ def _fingerprint(model: nn.Module, layers: list, settings: dict, values: bool) -
     rows += [f"stream {c.name} {c.kind} {c.fmt}" for c in layers]
     rows += [f"option {k}={v!r}" for k, v in sorted(settings.items())]
     if values:
-        from ._standin import StandIn
-        for c in layers:
-            for n, p in c.module.named_parameters(recurse=c.kind == "group"):
-                if isinstance(p, StandIn) or p.is_meta or p.numel() == 0:
-                    continue  # no values here (a file's, packed): the file or packing is the same
-                try:
-                    flat = p.detach().reshape(-1)
-                    sample = flat[::max(1, flat.numel() // 64)][:64].to("cpu", torch.float64)
-                except Exception:  # noqa: BLE001 - a tensor subclass that holds codes (bitsandbytes)
-                    continue
-                rows.append(f"values {c.name}.{n} {hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]}")
+        rows += _value_rows((f"{c.name}.{n}", p) for c in layers
+                            for n, p in c.module.named_parameters(recurse=c.kind == "group"))
+    return rows
+
+
+def _value_rows(named) -> List[str]:
+    """A digest of a sample of each (name, tensor)'s values: 64 elements, evenly spaced."""
+    from ._standin import StandIn
+    rows = []
+    for n, p in named:
+        if isinstance(p, StandIn) or p.is_meta or p.numel() == 0:
+            continue  # no values here (a file's, packed): the file or packing is the same
+        try:
+            flat = p.detach().reshape(-1)
+            sample = flat[::max(1, flat.numel() // 64)][:64].to("cpu", torch.float64)
+        except Exception:  # noqa: BLE001 - a tensor subclass that holds codes (bitsandbytes)
+            continue
+        rows.append(f"values {n} {hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]}")
     return rows
 
 
@@ -193,6 +200,9 @@ class Distributed:
                                        "(a bug, or models that differ in ways offload() did not check); "
                                        "pass share_host_store=False")
         engine.set_gradient_group(self.pg.group_name)
+        check = model.__dict__.get("_layerstream_ddp_check")
+        if check is not None:
+            check.group = self  # the group its gradients are averaged over (DDPCheck)
         if self.sharded:
             named = dict(model.named_parameters(remove_duplicate=False))
             index, count = self.local.index(self.rank), len(self.local)
@@ -255,17 +265,112 @@ def store_pss(pid="self") -> int:
 def ignore_streamed_in_ddp(model: nn.Module, names: List[str]) -> None:
     """DistributedDataParallel(model) then leaves the streamed parameters to layerstream:
     it neither broadcasts them (host copies) nor checks their device nor reduces their
-    gradients (the engine averages those). detach() takes them out again."""
+    gradients (the engine averages those); a DDPCheck on the model checks, at each DDP's
+    first training forward, what that leaves undone. detach() takes them out again."""
     old = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     model._ddp_params_and_buffers_to_ignore = old + [n for n in names if n not in old]
     model._layerstream_ddp_ignored = names
+    if _may_run_ddp():
+        check = DDPCheck(names)
+        check.removable = model.register_forward_pre_hook(check)
+        model.__dict__["_layerstream_ddp_check"] = check
+
+
+def _may_run_ddp() -> bool:
+    """Whether a DDP of several ranks may wrap the model: torch.distributed is initialized,
+    or the launcher (torchrun) says the job has several ranks. A single process gets no
+    DDPCheck: one forward pre-hook less on every call."""
+    dist = torch.distributed
+    if not dist.is_available():
+        return False
+    if dist.is_initialized():
+        return True
+    try:
+        return int(os.environ.get("WORLD_SIZE") or 1) > 1
+    except ValueError:
+        return False
 
 
 def forget_ddp_ignore(model: nn.Module) -> None:
+    check = model.__dict__.pop("_layerstream_ddp_check", None)
+    if check is not None:
+        check.removable.remove()
     names = set(model.__dict__.pop("_layerstream_ddp_ignored", []))
     if names and hasattr(model, "_ddp_params_and_buffers_to_ignore"):
         model._ddp_params_and_buffers_to_ignore = [n for n in model._ddp_params_and_buffers_to_ignore
                                                    if n not in names]
+
+
+class DDPCheck:
+    """A forward pre-hook on the offloaded model: at the first training forward (grad
+    enabled, gradients synchronised) of each DistributedDataParallel that wraps it, with
+    more than one rank, what DDP's ignore list leaves to layerstream is checked:
+
+    - the engine averages the streamed gradients over DDP's ranks: without a group
+      (offload(process_group=False), or offload() before init_process_group()) each rank
+      would step its own gradients, and the ranks drift apart, silently;
+    - the ranks hold the same streamed weights: DDP's broadcast at construction skips
+      them, so a checkpoint loaded on rank 0 alone (after offload()) reached rank 0 alone.
+
+    Only a training forward: every rank runs it together (their backwards' all-reduces
+    pair up), so the all-gather of the weights' digests does too; a forward one rank
+    runs alone (an evaluation on rank 0) is not checked."""
+
+    def __init__(self, names: List[str]):
+        self.names = names
+        self.group = None  # the offload()'s Distributed (its finish()), None without a group
+        self.removable = None
+        self._checked = []  # weak references to the DDPs checked
+
+    def __call__(self, module, args):
+        if torch.compiler.is_compiling():
+            return None
+        ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        if (ddp is None or ddp.module is not module or not torch.is_grad_enabled()
+                or not ddp.require_backward_grad_sync or any(r() is ddp for r in self._checked)):
+            return None
+        if self.check(module, ddp):
+            self._checked = [r for r in self._checked if r() is not None] + [weakref.ref(ddp)]
+        return None
+
+    def check(self, model: nn.Module, ddp) -> bool:
+        """Refuses what the docstring above says; False when it could not check yet."""
+        dist = torch.distributed
+        pg = ddp.process_group
+        size = dist.get_world_size(pg)
+        if size < 2:
+            return True
+        named = dict(model.named_parameters(remove_duplicate=False))
+        streamed = [(n, named[n]) for n in self.names if n in named]
+        if any(p.requires_grad for _, p in streamed):
+            mine = None if self.group is None else self.group.pg
+            if mine is None or dist.get_process_group_ranks(mine) != dist.get_process_group_ranks(pg):
+                where = ("no group: offload() ran with process_group=False or before "
+                         "torch.distributed.init_process_group()" if mine is None else
+                         f"ranks {dist.get_process_group_ranks(mine)}, DDP's are {dist.get_process_group_ranks(pg)}")
+                raise LayerstreamError(
+                    f"DistributedDataParallel over {size} ranks leaves the streamed weights' gradients to "
+                    f"layerstream (they are on its ignore list), but offload() averages them over {where}: the "
+                    f"ranks would step different gradients and their weights drift apart. Call offload() after "
+                    f"init_process_group() with process_group=None (the world group) or DDP's process group, or "
+                    f"freeze the streamed weights.")
+            if _joining(ddp):
+                return False  # refused by SyncHook, which comes next (no collective here: a rank may have joined)
+        rows = _value_rows(streamed)
+        digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
+        gathered: list = [None] * size
+        dist.all_gather_object(gathered, digest, group=pg)
+        if any(g != digest for g in gathered):
+            everyone: list = [None] * size
+            dist.all_gather_object(everyone, rows, group=pg)
+            other = next(r for r, g in enumerate(gathered) if g != gathered[0])
+            raise LayerstreamError(
+                f"DistributedDataParallel over {size} ranks: the ranks' streamed weights differ (rank 0 and rank "
+                f"{other}: {_first_difference(everyone[0], everyone[other])}). DDP's broadcast at construction "
+                f"skips the streamed parameters (they are on its ignore list), so a checkpoint loaded on one rank "
+                f"reached that rank alone: load it on every rank (before or after offload()), or seed their "
+                f"initialisation alike.")
+        return True
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -369,10 +474,42 @@ class SyncHook:
 
 
 def _joining(ddp) -> bool:
-    """Whether `ddp` runs inside its join() context (torch.distributed.algorithms.Join
-    sets the config it reads on each Joinable)."""
+    """Whether `ddp` runs inside a join() context. torch.distributed.algorithms.Join sets
+    an enabled config on each Joinable when made and never resets it: after the block the
+    flag stays set, and training outside join() was refused. A join ends (every rank has
+    joined) in DDP's join post-hook, which syncs the final model: wrapped at the first
+    forward inside the join, it records the config that ended (_JoinEnd). A join left by
+    an exception runs no post-hook: its config still reads as joining, until the next
+    join() ends. A join in which this rank ran no forward is not seen to end either."""
     config = getattr(ddp, "_join_config", None)
-    return bool(getattr(config, "enable", False))
+    if not getattr(config, "enable", False):
+        return False
+    if ddp.__dict__.get("_layerstream_join_ended") is config:
+        return False
+    if "_sync_final_model" not in ddp.__dict__ and hasattr(type(ddp), "_sync_final_model"):
+        ddp.__dict__["_sync_final_model"] = _JoinEnd(ddp)
+    return True
+
+
+class _JoinEnd:
+    """Stands for DistributedDataParallel._sync_final_model on one DDP while a join()
+    runs: torch's join post-hook calls it once every rank has joined; it syncs as torch
+    does, records the config of the join that ended, and takes itself off (held weakly:
+    DDP holds it)."""
+
+    __slots__ = ("_ddp",)
+
+    def __init__(self, ddp):
+        self._ddp = weakref.ref(ddp)
+
+    def __call__(self, *args, **kwargs):
+        ddp = self._ddp()
+        config = ddp._join_config
+        try:
+            return type(ddp)._sync_final_model(ddp, *args, **kwargs)
+        finally:
+            ddp.__dict__.pop("_sync_final_model", None)
+            ddp.__dict__["_layerstream_join_ended"] = config
 
 
 def collective_device(group) -> torch.device:

@@ -374,6 +374,36 @@ def run(scenario, out, rank, result):
             layerstream.offload(unseeded, device="sim")
         except layerstream.LayerstreamError as e:
             result["values_error"] = str(e)
+    elif scenario == "ddp_first_forward":
+        # What DDP's ignore list leaves to layerstream, checked at a DDP's first training
+        # forward: the ranks' streamed weights (DDP's broadcast skips them) and the group
+        # their gradients are averaged over. Every rank starts from another initialisation
+        # than the checkpoint's (alike on every rank), then loads it after offload().
+        checkpoint = make_model().state_dict()
+
+        def attempt(loaders, **offload_kw):
+            model = make_model()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            handle = layerstream.offload(model, device="sim", **offload_kw)
+            if rank in loaders:
+                model.load_state_dict(checkpoint)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            try:
+                out = {"losses": train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
+                                             accumulate_with=ddp.no_sync),
+                       "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            except layerstream.LayerstreamError as e:
+                out = str(e)
+            del ddp
+            dist.barrier()
+            handle.detach()
+            return out
+
+        result["rank0_only"] = attempt([0])
+        result["every_rank"] = attempt([0, 1])
+        result["no_group"] = attempt([0, 1], process_group=False)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

@@ -430,3 +430,50 @@ def test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_
         del ddp
     finally:
         dist.destroy_process_group()
+
+
+def test_training_outside_join_after_a_join_block_ended_equals_the_resident_model():
+    """torch's Join never resets the config it sets on DDP (enable stays True after the
+    block): every training forward after any join() block, an evaluation under no_grad
+    included, was refused as if still inside join(). A join() now counts until its end
+    (DDP's join post-hook): training after it equals the resident model, and a new join()
+    is refused again. One process (a store in memory), its group given explicitly."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+        ref = copy.deepcopy(model)
+        handle = layerstream.offload(model, device="sim", process_group=dist.group.WORLD)
+        x = torch.randn(2, 8)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for _ in range(2):  # an evaluation under join(), then a training step outside it
+            with torch.no_grad(), ddp.join():
+                assert torch.equal(ddp(x), ref(x))
+            ddp(x).square().sum().backward()
+            ref(x).square().sum().backward()
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad), n
+        assert handle.stats()["averaged_bytes"] > 0
+        with pytest.raises(layerstream.LayerstreamError, match=r"join\(\) \(uneven inputs\) is not supported"):
+            with ddp.join():
+                ddp(x)
+        del ddp
+    finally:
+        dist.destroy_process_group()
+
+
+def test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward(tmp_path):
+    """DDP's ignore list keeps the streamed weights out of its broadcast and its gradient
+    reduction. A checkpoint loaded on rank 0 alone after offload() reached rank 0 alone,
+    and offload(process_group=False) under a DDP of 2 ranks averaged no streamed gradient:
+    both trained on, the ranks' weights apart, silently. Now both are refused at the
+    first training forward on every rank, naming the fix; loaded on every rank, the ranks
+    train as one process on the concatenated batch."""
+    results = _run("ddp_first_forward", 2, tmp_path)
+    for res in results:
+        assert re.search(r"streamed weights differ \(rank 0 and rank 1: 'values \S+ \w+' against "
+                         r"'values \S+ \w+'\).*load it on every rank", res["rank0_only"]), res["rank0_only"]
+        assert re.search(r"averages them over no group.*process_group=None", res["no_group"]), res["no_group"]
+    model = make_model()
+    _check_equal([res["every_rank"] for res in results], model, _reference(model, 2), 2)

@@ -696,4 +696,23 @@ MUTATIONS = [
         [P + "test_compile.py::test_exporting_a_model_with_activation_offload_says_to_offload_it_without"],
         "torch.export of a model with activations= fails with torch's data-pointer error (non-strict) "
         "or the torch.compile advice (strict)"),
+    Mutation(
+        "ddp-join-end-unseen", "python/layerstream/_distributed.py",
+        "    if ddp.__dict__.get(\"_layerstream_join_ended\") is config:\n        return False\n",
+        "",
+        [P + "test_distributed.py::test_training_outside_join_after_a_join_block_ended_equals_the_resident_model"],
+        "after any DDP join() block (torch never resets its enable flag) every training forward is refused"),
+    Mutation(
+        "ddp-ranks-streamed-values-unchecked-at-first-forward", "python/layerstream/_distributed.py",
+        "        if any(g != digest for g in gathered):",
+        "        if False:",
+        [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
+        "a checkpoint loaded on rank 0 alone after offload(): DDP's broadcast skips the streamed weights, "
+        "the ranks train apart, silently"),
+    Mutation(
+        "ddp-without-engine-group-unrefused", "python/layerstream/_distributed.py",
+        "            if mine is None or dist.get_process_group_ranks(mine) != dist.get_process_group_ranks(pg):",
+        "            if False:",
+        [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
+        "offload(process_group=False) under a DDP of 2 ranks: streamed gradients never averaged, silently"),
 ]
