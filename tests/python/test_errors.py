@@ -1041,3 +1041,88 @@ def test_a_ctrl_c_during_detach_or_suspend_lands_after_it(step):
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
     h.detach()
+
+
+# -------------------------------------------- a Ctrl-C as a C++ call returns
+def _sigint_at(event: str, hit):
+    """While the block runs: SIGINT sent to this process once, at the first `event` for
+    which hit(frame, arg) holds, where CPython runs the handler of a Ctrl-C that came
+    just before: 'c_return' of a C++ call (one that came during it: a profile hook),
+    'line' of a Python line (a trace hook). signal.raise_signal runs the handler at
+    once: an exception then replaces the call's result or the line, as a real Ctrl-C's
+    would. Yields a list that holds True once it was sent."""
+    import contextlib
+    import signal
+    import sys
+    sent = []
+
+    def hook(frame, ev, arg):
+        if not sent and ev == event and hit(frame, arg):
+            sent.append(True)
+            (sys.settrace if event == "line" else sys.setprofile)(None)
+            signal.raise_signal(signal.SIGINT)
+        return hook
+
+    @contextlib.contextmanager
+    def block():
+        install = sys.settrace if event == "line" else sys.setprofile
+        install(hook)
+        try:
+            yield sent
+        finally:
+            install(None)
+    return block()
+
+
+def _returning(name):
+    return lambda frame, arg: getattr(arg, "__name__", "") == name
+
+
+class _Attending(nn.Module):
+    """nn.MultiheadAttention layers: tensor groups (their own forward runs on the
+    parameters swapped for a fetched slot's views, _GroupForward.fetched)."""
+
+    def __init__(self, d=32, n=4):
+        super().__init__()
+        self.att = nn.ModuleList(nn.MultiheadAttention(d, 4, batch_first=True) for _ in range(n))
+
+    def forward(self, x):
+        for a in self.att:
+            x = a(x, x, x, need_weights=False)[0]
+        return x
+
+
+def _group_swap_back(frame, arg):
+    """The first line of _GroupForward.fetched's swap back, while the module holds the
+    fetched views."""
+    import linecache
+    fwd = frame.f_locals.get("self") if frame.f_code.co_name == "fetched" else None
+    return (fwd is not None and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            == "o._parameters[k] = p"
+            and all(o._parameters[k] is not p for (o, k), p in zip(fwd._slots, fwd._params)))
+
+
+@pytest.mark.parametrize("where", ["fetch returns", "the swap back begins"])
+def test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released(offload_sim, where):
+    """A Ctrl-C as Engine.fetch() returned (most of a tensor group's time outside its
+    forward) dropped the slot's token, never released: after as many interrupts as
+    slots every call raised "all N device slots are held at once" and detach() refused
+    for ever. One as the swap back began left the module holding views of the freed
+    slot: every later call raised "parameters ... were replaced". Held now
+    (_interrupts.py): raised after the call, and the next calls and detach() work."""
+    model = _Attending().eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    h = offload_sim(model)
+    assert h.stats()["group_layers"] == 4
+    x = torch.randn(2, 5, 32)
+    hit = _returning("fetch") if where == "fetch returns" else _group_swap_back
+    for _ in range(4):  # more than the slots
+        with _sigint_at("c_return" if where == "fetch returns" else "line", hit) as sent, \
+                pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(x)
+        assert sent
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+    h.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))

@@ -550,4 +550,10 @@ MUTATIONS = [
         "            pass\n",
         [P + "test_optim.py::test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step_does"],
         "overlap + zero_grad(set_to_none=False): a layer no gradient reaches is no longer stepped from zeros"),
+    Mutation(
+        "group-call-ctrl-c-not-held", "python/layerstream/_forward.py",
+        "            with held_interrupts():\n                token, views = self._engine.fetch(",
+        "            if True:\n                token, views = self._engine.fetch(",
+        [P + "test_errors.py::test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released"],
+        "a Ctrl-C as a tensor group's fetch() returns leaks the slot's token (all slots held, detach refused)"),
 ]
