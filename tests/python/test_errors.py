@@ -1126,3 +1126,39 @@ def test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released(offloa
     h.detach()
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("opt", ["AdamW", "Adafactor"])
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted(opt, at):
+    """layerstream.optim's step is one C++ kernel call per group, and a Ctrl-C is raised
+    as it returns: the update was applied but the counts stayed behind it (the first
+    step's states dropped), so every later step's bias correction was off, silently.
+    Held now: raised once the counts match the update, and training goes on as an
+    uninterrupted run (equal numbers, equal counts)."""
+    import layerstream.optim as lo
+    torch.manual_seed(0)
+    init, grads = torch.randn(64, 32), [torch.randn(64, 32) for _ in range(4)]
+    kernel = {"AdamW": "optim_adamw_step", "Adafactor": "optim_adafactor_step"}[opt]
+
+    def train(interrupt_at=None):
+        p = nn.Parameter(init.clone())
+        o = lo.AdamW([p], lr=1e-2) if opt == "AdamW" else lo.Adafactor([p])
+        for i, g in enumerate(grads):
+            p.grad = g.clone()
+            if i != interrupt_at:
+                o.step()
+                continue
+            before = p.detach().clone()
+            with _sigint_at("c_return", _returning(kernel)) as sent, pytest.raises(KeyboardInterrupt):
+                o.step()
+            assert sent and not torch.equal(before, p.detach())  # the kernel's update was applied
+            assert int(o.state[p]["step"]) == i + 1  # and counted
+        return p.detach(), int(o.state[p]["step"]), o.state_dict()
+
+    want, steps, want_state = train()
+    got, got_steps, got_state = train(at)
+    assert steps == got_steps == 4
+    assert torch.equal(got, want)
+    for k, v in want_state["state"][0].items():
+        assert torch.equal(torch.as_tensor(got_state["state"][0][k]), torch.as_tensor(v)), k

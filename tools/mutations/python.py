@@ -556,4 +556,11 @@ MUTATIONS = [
         "            if True:\n                token, views = self._engine.fetch(",
         [P + "test_errors.py::test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released"],
         "a Ctrl-C as a tensor group's fetch() returns leaks the slot's token (all slots held, detach refused)"),
+    Mutation(
+        "optim-step-ctrl-c-not-held", "python/layerstream/optim.py",
+        "            with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
+        "                states += [self._states(p, fmt,",
+        "            with self._counted_if_stepped(ps) as states:\n                states += [self._states(p, fmt,",
+        [P + "test_errors.py::test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted"],
+        "a Ctrl-C as AdamW's kernel returns leaves the step counts behind the applied update"),
 ]
