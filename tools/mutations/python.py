@@ -563,4 +563,10 @@ MUTATIONS = [
         "            with self._counted_if_stepped(ps) as states:\n                states += [self._states(p, fmt,",
         [P + "test_errors.py::test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted"],
         "a Ctrl-C as AdamW's kernel returns leaves the step counts behind the applied update"),
+    Mutation(
+        "activation-stash-ctrl-c-not-held", "python/layerstream/_activations.py",
+        "        with held_interrupts():  # Ctrl-C: once _Saved owns the token",
+        "        if True:  # Ctrl-C: once _Saved owns the token",
+        [P + "test_errors.py::test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy"],
+        "a Ctrl-C as an activation is stashed leaks its host copy"),
 ]
