@@ -569,4 +569,10 @@ MUTATIONS = [
         "        if True:  # Ctrl-C: once _Saved owns the token",
         [P + "test_errors.py::test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy"],
         "a Ctrl-C as an activation is stashed leaks its host copy"),
+    Mutation(
+        "turns-lock-ctrl-c-not-held", "python/layerstream/_handle.py",
+        "        with held_interrupts() as interrupted, self._cond:\n",
+        "        with contextlib.nullcontext([]) as interrupted, self._cond:\n",
+        [P + "test_threads.py::test_a_ctrl_c_at_the_turns_lock_leaves_it_free_for_the_next_calls"],
+        "a Ctrl-C at the call turns' lock leaves it taken: every later call waits for ever"),
 ]
