@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _C, _dynamo_marks
+from ._interrupts import held_interrupts
 
 
 class _Kept:
@@ -95,8 +96,10 @@ class ActivationOffload:
                 or is_traceable_wrapper_subclass(t) or t.device.type == "meta"
                 or t.untyped_storage().data_ptr() in self._held):
             return _Kept(t)
-        token = self.engine.stash_activation(t)
-        return _Kept(t) if token < 0 else _Saved(self.engine, token)
+        with held_interrupts():  # Ctrl-C: once _Saved owns the token (Note [A Ctrl-C as a C++ call returns])
+            token = self.engine.stash_activation(t)
+            saved = _Kept(t) if token < 0 else _Saved(self.engine, token)
+        return saved
 
     def unpack(self, saved):
         # Under saved-tensor hooks torch skips its version check: the engine's restore

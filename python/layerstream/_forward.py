@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from . import _C, _dynamo_marks, _group_op
 from ._discovery import _is_experts, _mode_padding, _reads_routed_experts_only, as_held
+from ._interrupts import held_interrupts
 from ._standin import StandIn
 
 LayerstreamError = _C.LayerstreamError
@@ -363,22 +364,26 @@ class _GroupForward(_RefusesCopy):
                     f"the parameters of streamed layer '{self._name}' were replaced after offload(); "
                     f"layerstream streams the original ones. Copy new values in place, or call "
                     f"handle.detach() first.")
-            token, views = self._engine.fetch(self._index, list(experts))
-            try:
-                if requires_grad is not None:
-                    views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
-                seen = list(views)
-                for slot, fn, tensors in adapters:
-                    seen[slot] = fn(seen[slot], *tensors)
+            # A Ctrl-C lands once the call is done (Note [A Ctrl-C as a C++ call returns]): as
+            # fetch() returned it dropped the slot's token, in the swap back it left the
+            # module holding views of a freed slot.
+            with held_interrupts():
+                token, views = self._engine.fetch(self._index, list(experts))
                 try:
-                    for (o, k), p, v in zip(self._slots, self._params, seen):
-                        o._parameters[k] = as_held(p, v)
-                    yield views
+                    if requires_grad is not None:
+                        views = [v.detach().requires_grad_(bool(r)) for v, r in zip(views, requires_grad)]
+                    seen = list(views)
+                    for slot, fn, tensors in adapters:
+                        seen[slot] = fn(seen[slot], *tensors)
+                    try:
+                        for (o, k), p, v in zip(self._slots, self._params, seen):
+                            o._parameters[k] = as_held(p, v)
+                        yield views
+                    finally:
+                        for (o, k), p in zip(self._slots, self._params):
+                            o._parameters[k] = p
                 finally:
-                    for (o, k), p in zip(self._slots, self._params):
-                        o._parameters[k] = p
-            finally:
-                self._engine.release(token)
+                    self._engine.release(token)
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():

@@ -511,6 +511,7 @@ class _CallTurns:
 
     __slots__ = ("_cond", "_owner", "_depth", "_frame", "__weakref__")
     POLL_S = 1.0  # how often a waiting call looks whether the holder's call is still under way
+    INTERRUPT_POLL_S = 0.05  # how often a waiting call of the main thread looks for a Ctrl-C (_take)
     _ALL: "weakref.WeakSet[_CallTurns]" = weakref.WeakSet()
 
     def __init__(self):
@@ -537,17 +538,31 @@ class _CallTurns:
 
     def enter(self, frame) -> None:
         """Waits for the turn; `frame`: the frame of the call (the pre-hook's caller)."""
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me and self._held():
+        while not self._take(threading.get_ident(), frame):
+            pass  # a Ctrl-C stopped the wait and its handler raised nothing: wait on
+
+    def _take(self, me, frame) -> bool:
+        """The turn, unless a Ctrl-C came first (False; it is raised as this returns).
+        threading.Condition takes and gives back its lock in Python code: a
+        KeyboardInterrupt raised between left it taken for ever, and every later call
+        (detach() too) waited on it. So Ctrl-C is held over this (Note [A Ctrl-C as a
+        C++ call returns]); a wait for the turn still ends on one, taking no turn (the
+        main thread, where it lands, looks every INTERRUPT_POLL_S)."""
+        poll = self.INTERRUPT_POLL_S if threading.current_thread() is threading.main_thread() else self.POLL_S
+        with held_interrupts() as interrupted, self._cond:
+            if not interrupted and self._owner == me and self._held():
                 self._depth += 1  # this thread's call calls the model again
-                return
-            while self._owner is not None and self._held():
-                self._cond.wait(timeout=self.POLL_S)
+                return True
+            while not interrupted and self._owner is not None and self._held():
+                self._cond.wait(timeout=poll)
+            if interrupted:
+                self._cond.notify()  # the wake-up this wait may have had goes on to another
+                return False
             self._owner, self._depth, self._frame = me, 1, frame
+            return True
 
     def leave(self) -> None:
-        with self._cond:
+        with held_interrupts(), self._cond:  # Ctrl-C: after the lock is given back (_take)
             if self._owner != threading.get_ident():
                 return  # a call whose pre-hook did not run (one registered before it raised)
             self._depth -= 1

@@ -35,6 +35,7 @@ import weakref
 import torch
 
 from . import _C
+from ._interrupts import held_interrupts
 from ._optim_state import _StateDicts
 
 __all__ = ["AdamW", "Adafactor"]
@@ -158,7 +159,9 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         """Around one group's kernel call (it takes each state's count + 1): the counts
         advance only when it returned. A refused step (a bad lr or betas set through
         param_groups, an fp16 parameter) left them advanced and the later steps' bias
-        correction off by one; the states it created for parameters never stepped go."""
+        correction off by one; the states it created for parameters never stepped go.
+        Its callers hold Ctrl-C over it (Note [A Ctrl-C as a C++ call returns]): raised
+        as the kernel returned, it left the update applied and the counts behind it."""
         fresh = [p for p in params if len(self.state[p]) == 0]
         states = []
         try:
@@ -720,7 +723,7 @@ class AdamW(_HostOptimizer):
                 continue
             fmt = group["state_precision"]
             b1, b2 = group["betas"]
-            with self._counted_if_stepped(ps) as states:
+            with held_interrupts(), self._counted_if_stepped(ps) as states:
                 states += [self._states(p, fmt, count=False) for p in ps]
                 _C.optim_adamw_step(
                     float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
@@ -896,15 +899,15 @@ class Adafactor(_HostOptimizer):
         for group, ps, gs, keys in work:
             if not ps:
                 continue
-            with self._counted_if_stepped(ps) as states:
+            with held_interrupts(), self._counted_if_stepped(ps) as states:
                 states += [self._states(p, group, count=False) for p in ps]
                 rms = _C.optim_adafactor_step(
                     *self._config(group), [p.detach() for p in ps], gs, [s.get("exp_avg_sq_row") for s in states],
                     [s.get("exp_avg_sq_col") for s in states], [s.get("exp_avg_sq") for s in states],
                     [s.get("exp_avg") for s in states], [s["step"] + 1 for s in states], keys, scale * inv,
                     int(group["seed"]))
-            for s, r in zip(states, rms):
-                s["RMS"].fill_(r)
+                for s, r in zip(states, rms):
+                    s["RMS"].fill_(r)
         if sharded or early:
             seen = {id(p) for p in sharded}
             done = sharded + [p for p in early if id(p) not in seen]

@@ -1177,3 +1177,154 @@ def test_a_ctrl_c_during_detach_or_suspend_lands_after_it(step):
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
     h.detach()
+
+
+# -------------------------------------------- a Ctrl-C as a C++ call returns
+def _sigint_at(event: str, hit):
+    """While the block runs: SIGINT sent to this process once, at the first `event` for
+    which hit(frame, arg) holds, where CPython runs the handler of a Ctrl-C that came
+    just before: 'c_return' of a C++ call (one that came during it: a profile hook),
+    'line' of a Python line (a trace hook). signal.raise_signal runs the handler at
+    once: an exception then replaces the call's result or the line, as a real Ctrl-C's
+    would. Yields a list that holds True once it was sent."""
+    import contextlib
+    import signal
+    import sys
+    sent = []
+
+    def hook(frame, ev, arg):
+        if not sent and ev == event and hit(frame, arg):
+            sent.append(True)
+            (sys.settrace if event == "line" else sys.setprofile)(None)
+            signal.raise_signal(signal.SIGINT)
+        return hook
+
+    @contextlib.contextmanager
+    def block():
+        install = sys.settrace if event == "line" else sys.setprofile
+        install(hook)
+        try:
+            yield sent
+        finally:
+            install(None)
+    return block()
+
+
+def _returning(name):
+    return lambda frame, arg: getattr(arg, "__name__", "") == name
+
+
+class _Attending(nn.Module):
+    """nn.MultiheadAttention layers: tensor groups (their own forward runs on the
+    parameters swapped for a fetched slot's views, _GroupForward.fetched)."""
+
+    def __init__(self, d=32, n=4):
+        super().__init__()
+        self.att = nn.ModuleList(nn.MultiheadAttention(d, 4, batch_first=True) for _ in range(n))
+
+    def forward(self, x):
+        for a in self.att:
+            x = a(x, x, x, need_weights=False)[0]
+        return x
+
+
+def _group_swap_back(frame, arg):
+    """The first line of _GroupForward.fetched's swap back, while the module holds the
+    fetched views."""
+    import linecache
+    fwd = frame.f_locals.get("self") if frame.f_code.co_name == "fetched" else None
+    return (fwd is not None and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            == "o._parameters[k] = p"
+            and all(o._parameters[k] is not p for (o, k), p in zip(fwd._slots, fwd._params)))
+
+
+@pytest.mark.parametrize("where", ["fetch returns", "the swap back begins"])
+def test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released(offload_sim, where):
+    """A Ctrl-C as Engine.fetch() returned (most of a tensor group's time outside its
+    forward) dropped the slot's token, never released: after as many interrupts as
+    slots every call raised "all N device slots are held at once" and detach() refused
+    for ever. One as the swap back began left the module holding views of the freed
+    slot: every later call raised "parameters ... were replaced". Held now
+    (_interrupts.py): raised after the call, and the next calls and detach() work."""
+    model = _Attending().eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    h = offload_sim(model)
+    assert h.stats()["group_layers"] == 4
+    x = torch.randn(2, 5, 32)
+    hit = _returning("fetch") if where == "fetch returns" else _group_swap_back
+    for _ in range(4):  # more than the slots
+        with _sigint_at("c_return" if where == "fetch returns" else "line", hit) as sent, \
+                pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(x)
+        assert sent
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+    h.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("opt", ["AdamW", "Adafactor"])
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted(opt, at):
+    """layerstream.optim's step is one C++ kernel call per group, and a Ctrl-C is raised
+    as it returns: the update was applied but the counts stayed behind it (the first
+    step's states dropped), so every later step's bias correction was off, silently.
+    Held now: raised once the counts match the update, and training goes on as an
+    uninterrupted run (equal numbers, equal counts)."""
+    import layerstream.optim as lo
+    torch.manual_seed(0)
+    init, grads = torch.randn(64, 32), [torch.randn(64, 32) for _ in range(4)]
+    kernel = {"AdamW": "optim_adamw_step", "Adafactor": "optim_adafactor_step"}[opt]
+
+    def train(interrupt_at=None):
+        p = nn.Parameter(init.clone())
+        o = lo.AdamW([p], lr=1e-2) if opt == "AdamW" else lo.Adafactor([p])
+        for i, g in enumerate(grads):
+            p.grad = g.clone()
+            if i != interrupt_at:
+                o.step()
+                continue
+            before = p.detach().clone()
+            with _sigint_at("c_return", _returning(kernel)) as sent, pytest.raises(KeyboardInterrupt):
+                o.step()
+            assert sent and not torch.equal(before, p.detach())  # the kernel's update was applied
+            assert int(o.state[p]["step"]) == i + 1  # and counted
+        return p.detach(), int(o.state[p]["step"]), o.state_dict()
+
+    want, steps, want_state = train()
+    got, got_steps, got_state = train(at)
+    assert steps == got_steps == 4
+    assert torch.equal(got, want)
+    for k, v in want_state["state"][0].items():
+        assert torch.equal(torch.as_tensor(got_state["state"][0][k]), torch.as_tensor(v)), k
+
+
+def test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy(offload_sim):
+    """offload(activations="host"): a Ctrl-C as Engine.stash_activation() returned
+    (most of the pack hook's time) dropped its token before a _Saved owned it: that
+    activation's host copy was never released, one more per interrupt. Held now: the
+    host bytes come back to their value, and training is unchanged."""
+    import gc
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.GELU())])
+    ref = copy.deepcopy(model)
+    h = offload_sim(model, activations="host")
+    x = torch.randn(256, 64)  # big enough to leave the device (smaller ones may stay)
+
+    def clean():
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        gc.collect()
+
+    clean()
+    held = h.stats()["activation_host_bytes"]
+    assert held > 0
+    for _ in range(3):
+        with _sigint_at("c_return", _returning("stash_activation")) as sent, pytest.raises(KeyboardInterrupt):
+            model(x).sum().backward()
+        assert sent
+        gc.collect()
+        clean()
+        assert h.stats()["activation_host_bytes"] == held
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))

@@ -339,3 +339,73 @@ def test_threads_saving_and_freeing_activations_do_not_deadlock(tmp_path):
         except subprocess.TimeoutExpired:
             pytest.fail(f"run {run}: the threads hung (deadlock between the GIL and the engine's lock)")
         assert r.returncode == 0 and "done" in r.stdout, r.stdout + r.stderr
+
+
+def _turn_lock_taken(turns):
+    """threading.Condition's __enter__ took the turns' lock (its C call returns)."""
+    return lambda frame, arg: getattr(arg, "__name__", "") == "__enter__" and getattr(
+        arg, "__self__", None) is turns._cond._lock
+
+
+def _turn_lock_given_back(turns):
+    """threading.Condition's __exit__ is about to give the turns' lock back."""
+    return lambda frame, arg: frame.f_code.co_name == "__exit__" and frame.f_locals.get("self") is turns._cond
+
+
+@pytest.mark.parametrize("where", ["taken", "given back"])
+def test_a_ctrl_c_at_the_turns_lock_leaves_it_free_for_the_next_calls(offload_sim, where):
+    """threading.Condition takes and gives back its lock in Python code: a Ctrl-C
+    raised just after the take, or just before the give-back, left the lock taken for
+    ever, and every later call of the model (another thread's, this one's, detach())
+    waited on it. Held over those steps now (_CallTurns._take): raised after them."""
+    from test_errors import _sigint_at
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    turns = handle._call_hook.begins._turns
+    x = torch.randn(2, 8)
+    event, hit = ("c_return", _turn_lock_taken(turns)) if where == "taken" else ("line", _turn_lock_given_back(turns))
+    with _sigint_at(event, hit) as sent, pytest.raises(KeyboardInterrupt):
+        model(x)
+    leaked = turns._cond._lock.locked()
+    if leaked:
+        turns._cond._lock.release()  # or the fixture's detach() waits for ever
+    assert sent and not leaked
+    _call_in_thread(model, x, ref, timeout=10)
+    assert torch.equal(model(x), ref(x))
+    handle.detach()
+
+
+def test_a_ctrl_c_stops_a_call_waiting_for_its_turn(offload_sim):
+    """Ctrl-C is held over the turns' lock (_CallTurns._take), not over the wait for a
+    turn another thread's call holds: the waiting call raises KeyboardInterrupt while
+    the other call goes on, takes no turn, and the calls after it work."""
+    from test_errors import _sigint_at
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    turns = handle._call_hook.begins._turns
+    inside, go_on = threading.Event(), threading.Event()
+
+    def hold(module, args):
+        if threading.current_thread().name == "holder":
+            inside.set()
+            go_on.wait(30)
+
+    model[1].register_forward_pre_hook(hold)
+    x = torch.randn(2, 8)
+    got = []
+    holder = threading.Thread(target=lambda: got.append(torch.equal(model(x), ref(x))), name="holder")
+    holder.start()
+    assert inside.wait(30)
+    waiting = lambda frame, arg: frame.f_code.co_name == "wait" and frame.f_locals.get("self") is turns._cond
+    try:
+        with _sigint_at("line", waiting) as sent, pytest.raises(KeyboardInterrupt):
+            model(x)  # waits for the holder's turn
+        assert sent and holder.is_alive() and turns._owner == holder.ident
+    finally:
+        go_on.set()
+    holder.join(30)
+    assert got == [True]
+    assert torch.equal(model(x), ref(x))
+    _call_in_thread(model, x, ref, timeout=10)

@@ -715,4 +715,29 @@ MUTATIONS = [
         "            if False:",
         [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
         "offload(process_group=False) under a DDP of 2 ranks: streamed gradients never averaged, silently"),
+    Mutation(
+        "group-call-ctrl-c-not-held", "python/layerstream/_forward.py",
+        "            with held_interrupts():\n                token, views = self._engine.fetch(",
+        "            if True:\n                token, views = self._engine.fetch(",
+        [P + "test_errors.py::test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released"],
+        "a Ctrl-C as a tensor group's fetch() returns leaks the slot's token (all slots held, detach refused)"),
+    Mutation(
+        "optim-step-ctrl-c-not-held", "python/layerstream/optim.py",
+        "            with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
+        "                states += [self._states(p, fmt,",
+        "            with self._counted_if_stepped(ps) as states:\n                states += [self._states(p, fmt,",
+        [P + "test_errors.py::test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted"],
+        "a Ctrl-C as AdamW's kernel returns leaves the step counts behind the applied update"),
+    Mutation(
+        "activation-stash-ctrl-c-not-held", "python/layerstream/_activations.py",
+        "        with held_interrupts():  # Ctrl-C: once _Saved owns the token",
+        "        if True:  # Ctrl-C: once _Saved owns the token",
+        [P + "test_errors.py::test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy"],
+        "a Ctrl-C as an activation is stashed leaks its host copy"),
+    Mutation(
+        "turns-lock-ctrl-c-not-held", "python/layerstream/_handle.py",
+        "        with held_interrupts() as interrupted, self._cond:\n",
+        "        with contextlib.nullcontext([]) as interrupted, self._cond:\n",
+        [P + "test_threads.py::test_a_ctrl_c_at_the_turns_lock_leaves_it_free_for_the_next_calls"],
+        "a Ctrl-C at the call turns' lock leaves it taken: every later call waits for ever"),
 ]
