@@ -319,7 +319,7 @@ class Handle(_RefusesCopy):
         states = []  # layerstream.optim's states of the moved parameters
         self._suspended = (moved, hook, states)  # before moving: resume() undoes a move that raised half-way
         if self._model is not None and compute.type != "cpu":  # the sim device computes on the host
-            from .optim import _move_states_of
+            from ._optim_state import _move_states_of
             _moved_off(self._model, compute, _to_host, moved)
             _move_states_of([t for t, owner, _, _ in moved if owner is None], compute, _to_host, states)
 
@@ -341,7 +341,7 @@ class Handle(_RefusesCopy):
         self._end_suspension()
 
     def _move_back(self) -> None:
-        from .optim import _move_states_back
+        from ._optim_state import _move_states_back
         _move_back(self._suspended[0])
         _move_states_back(self._suspended[2])
 

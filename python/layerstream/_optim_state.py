@@ -2,7 +2,9 @@
 the checkpoints of a sharded step (offload(share_host_store="all"): each rank's state
 dict holds its shard and says whose; consolidate_state_dict() gathers whole tensors'
 states). docs/design/optim.md, "The Python optimizer"; docs/design/distributed.md,
-"Sharded step"."""
+"Sharded step"; and the states Handle.suspend() moves with their parameters."""
+import weakref
+
 import torch
 
 
@@ -184,3 +186,31 @@ class _StateDicts:
         self._shard_seen = None
         self._shard_identity()  # the loaded states are this rank's shards, or whole ones
 
+
+# Every live AdamW / Adafactor: Handle.suspend() moves their states of the parameters
+# it moves off the device (_move_states_of).
+_LIVE = weakref.WeakSet()
+
+
+def _move_states_of(params, device: torch.device, move, moved: list) -> list:
+    """Moves the state tensors on `device` that the live layerstream optimizers keep
+    for `params` by `move` (tensor -> its copy elsewhere), as Handle.suspend()
+    moves the parameters. Appends (state dict, key, device) to `moved` as it goes
+    (for _move_states_back) and returns it. torch's own optimizers are not seen."""
+    for opt in list(_LIVE):
+        for p in params:
+            st = opt.state.get(p)
+            for key, t in (st or {}).items():
+                if isinstance(t, torch.Tensor) and t.device == device:
+                    st[key] = move(t)
+                    moved.append((st, key, device))
+    return moved
+
+
+def _move_states_back(moved: list) -> None:
+    """Undoes _move_states_of: each of those states to the device it was on (also one
+    load_state_dict() put there meanwhile, beside its parameter then on the host)."""
+    for st, key, device in moved:
+        t = st.get(key)
+        if isinstance(t, torch.Tensor) and t.device != device:
+            st[key] = t.to(device)

@@ -30,13 +30,12 @@ dtypes other than float32 / bfloat16.
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 
 from . import _C
 from ._interrupts import held_interrupts
-from ._optim_state import _StateDicts
+from ._optim_state import _LIVE, _StateDicts
 
 __all__ = ["AdamW", "Adafactor"]
 
@@ -73,35 +72,6 @@ class _EnterOrWarn:
             import warnings
             warnings.warn("layerstream.optim: overlap() was called but not entered, so it does nothing: "
                           "write `with opt.overlap(handle): loss.backward()`", RuntimeWarning, stacklevel=2)
-
-
-# Every live AdamW / Adafactor: Handle.suspend() moves their states of the parameters
-# it moves off the device (_move_states_of).
-_LIVE = weakref.WeakSet()
-
-
-def _move_states_of(params, device: torch.device, move, moved: list) -> list:
-    """Moves the state tensors on `device` that the live layerstream optimizers keep
-    for `params` by `move` (tensor -> its copy elsewhere), as Handle.suspend()
-    moves the parameters. Appends (state dict, key, device) to `moved` as it goes
-    (for _move_states_back) and returns it. torch's own optimizers are not seen."""
-    for opt in list(_LIVE):
-        for p in params:
-            st = opt.state.get(p)
-            for key, t in (st or {}).items():
-                if isinstance(t, torch.Tensor) and t.device == device:
-                    st[key] = move(t)
-                    moved.append((st, key, device))
-    return moved
-
-
-def _move_states_back(moved: list) -> None:
-    """Undoes _move_states_of: each of those states to the device it was on (also one
-    load_state_dict() put there meanwhile, beside its parameter then on the host)."""
-    for st, key, device in moved:
-        t = st.get(key)
-        if isinstance(t, torch.Tensor) and t.device != device:
-            st[key] = t.to(device)
 
 
 class _HostOptimizer(_StateDicts, torch.optim.Optimizer):

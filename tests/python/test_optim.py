@@ -1475,7 +1475,7 @@ def test_suspend_moves_the_states_of_the_moved_parameters(cls):
     machine (one device) with a copy in place of the move: every state tensor a live
     layerstream optimizer keeps on that device for the given parameters is replaced
     (same values), the other parameters' and torch's optimizers' are not."""
-    from layerstream.optim import _move_states_of
+    from layerstream._optim_state import _move_states_of
     a, b = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6))
     opt = layerstream.optim.AdamW([a, b], lr=0.1) if cls == "AdamW" else layerstream.optim.Adafactor([a, b])
     theirs = torch.optim.AdamW([a, b], lr=0.1)
