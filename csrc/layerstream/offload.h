@@ -79,7 +79,8 @@ struct OffloadOptions : EngineOptions {
   // Glob patterns (* and ?) on qualified module names; empty include = all.
   std::vector<std::string> include;
   std::vector<std::string> exclude;
-  // "", "int8", "fp8", "nf4", "int4" or "lossless": pack every streamed
+  // "" or "none", "int8", "fp8" (also "fp8_e4m3", "e4m3"), "nf4", "int4" or
+  // "lossless", in any case (quant::parse_format's names): pack every streamed
   // weight (they must be frozen, but for "lossless"). In C++ the module's
   // dense parameter is left as it is (the engine does not use it; free it
   // yourself if host RAM matters). A write to it is refused at the layer's

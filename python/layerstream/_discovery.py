@@ -239,6 +239,20 @@ def _computed_tensor(module: nn.Module) -> Optional[str]:
     return None
 
 
+def _already_offloaded(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Refuses a module another handle streams, naming the way back: the handle is
+    reachable from its layers when the caller did not keep it (offload(model) on its
+    own line), and layerstream.compat's MemoryManager from the model it attached to."""
+    held = next((n for n, m in model.named_modules() if m is module), name)
+    path = "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in held.split(".") if p)
+    if getattr(module, "_layerstream_handle", None) is not None:
+        back = (f"call detach() on that handle first (the one offload() returned; if it was not kept: "
+                f"{path}._layerstream_handle.detach())")
+    else:
+        back = "call layerstream.compat.MemoryManager.detach() on the model it was attached to first"
+    raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; {back}")
+
+
 def _dora_layers(model: nn.Module) -> set:
     """ids of the modules inside a peft LoRA layer with a DoRA adapter: DoRA reads
     base_layer.weight and the lora_A/lora_B weights directly (its weight norm), not
@@ -583,9 +597,9 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
         if any(name.startswith(g + ".") or g == "" for g in grouped):
             continue
         if groups is not None and _selected(name, groups, None) and _selected(name, include, exclude):
-            if any(getattr(m, "_layerstream_handle", None) is not None for m in module.modules()):
-                raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; "
-                                       f"call detach() on that handle first")
+            held = next((m for m in module.modules() if getattr(m, "_layerstream_handle", None) is not None), None)
+            if held is not None:
+                _already_offloaded(model, name, held)
             if "forward" in module.__dict__:
                 resident["wrapped"].append(f"'{name or '<root>'}'")
                 continue
@@ -618,9 +632,7 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
         if isinstance(w, torch.Tensor) and w.numel() == 0:
             continue  # zero elements (e.g. Linear(0, n)): nothing to stream; it stays as it is
         if getattr(module, "_layerstream_handle", None) is not None or hasattr(module, "_layer_memory_manager"):
-            raise LayerstreamError(
-                f"module '{name}' is already offloaded by another layerstream handle; call "
-                f"detach() on that handle first")
+            _already_offloaded(model, name, module)
         if id(module) in adapters:
             continue
         reason = "computed" if id(module) in wrapped and kind != "group" else _resident_reason(module, kind, dora)

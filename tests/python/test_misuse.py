@@ -750,3 +750,18 @@ def test_to_empty_after_offload_is_refused_before_anything_changes():
     handle.detach()
     assert not any("to_empty" in m.__dict__ for m in model.modules())
     model[2].to_empty(device="cpu")  # torch's own again
+
+
+def test_a_model_offloaded_by_a_dropped_handle_names_the_way_back(offload_sim):
+    """offload(model) on its own line drops the handle: a second offload() said to call
+    detach() "on that handle", which the user no longer has. The error names the way
+    to it from the model, and that way works."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    with pytest.raises(LayerstreamError, match=r"if it was not kept: model\[0\]\._layerstream_handle\.detach\(\)"):
+        offload_sim(model, budget="1MiB")
+    model[0]._layerstream_handle.detach()
+    offload_sim(model)
+    x = torch.randn(2, 8)
+    assert torch.equal(model(x), ref(x))
