@@ -740,4 +740,11 @@ MUTATIONS = [
         "        with contextlib.nullcontext([]) as interrupted, self._cond:\n",
         [P + "test_threads.py::test_a_ctrl_c_at_the_turns_lock_leaves_it_free_for_the_next_calls"],
         "a Ctrl-C at the call turns' lock leaves it taken: every later call waits for ever"),
+    Mutation(
+        "already-offloaded-names-no-way-back", "python/layerstream/_discovery.py",
+        "        back = (f\"call detach() on that handle first (the one offload() returned; if it was not kept: \"\n"
+        "                f\"{path}._layerstream_handle.detach())\")\n",
+        "        back = \"call detach() on that handle first\"\n",
+        [P + "test_misuse.py::test_a_model_offloaded_by_a_dropped_handle_names_the_way_back"],
+        "offload() of a model whose handle was dropped says to detach 'that handle', which the user no longer has"),
 ]
