@@ -208,6 +208,11 @@ PYBIND11_MODULE(_C, m) {
       return e.message();
     }
   }, py::arg("format"), py::arg("rows"), py::arg("cols"), py::arg("dtype") = py::none());
+  // A quantize= name as parse_format reads it (any case, fp8's other names, "" and
+  // "none"), in its one spelling: "int8", "fp8", "nf4", "int4", "lossless" or "none";
+  // parse_format's error (a GGUF name's says where those weights come from) otherwise.
+  m.def("quant_format", [fmt](const std::string& format) { return std::string(quant::to_string(fmt(format))); },
+        py::arg("format"));
   m.def("quant_formats", [] { return std::vector<std::string>{"int8", "fp8", "nf4", "int4", "lossless"}; });
   // The lossless format (core/lossless.h) on a contiguous CPU float32 /
   // bfloat16 / float16 tensor: its exact coded size; the coded bytes; and the

@@ -50,28 +50,16 @@ class _Packed:
         self.out_scale = out_scale  # torchao int8: fp32 [rows], applied to the product
 
 
-# The other names C++'s quant::parse_format takes for fp8 (csrc/core/quant.cpp): the
-# Python layer compares format names ("fp8" in _C.quant_formats()), so they become it.
-_FP8_NAMES = ("fp8_e4m3", "e4m3", "fp8e4m3")
-
-
 def _quantize_format(fmt: str) -> Optional[str]:
     """A quantize= format name as C++'s quant::parse_format reads it (one rule for C++,
-    Python and the command line): any case, fp8's other names, "none" (and "", as
-    OffloadOptions::quantize) for None. Anything else is a ValueError with parse_format's
-    own message (a GGUF name's says where such weights come from)."""
-    name = fmt.lower()
-    if name in ("", "none"):
-        return None
-    reason = _C.quant_check(name, 0, 256)  # parse_format's error; a 0 x 256 weight packs in every format
-    if reason:
-        raise ValueError(f"{reason} (or None to keep a layer dense)")
-    if name in _FP8_NAMES:
-        return "fp8"
-    if name not in _C.quant_formats():
-        raise LayerstreamError(f"internal: quant::parse_format takes {fmt!r}, which _prequant does not "
-                               f"know; add it to _FP8_NAMES or to _C.quant_formats()")
-    return name
+    Python and the command line: _C.quant_format): any case, fp8's other names, "none"
+    (and "", as OffloadOptions::quantize) for None. Anything else is a ValueError with
+    parse_format's own message (a GGUF name's says where such weights come from)."""
+    try:
+        name = _C.quant_format(fmt)
+    except LayerstreamError as e:
+        raise ValueError(f"{e} (or None to keep a layer dense)") from None
+    return None if name == "none" else name
 
 
 _DEQUANT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

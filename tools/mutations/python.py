@@ -640,8 +640,8 @@ MUTATIONS = [
         "the warning for a large LSTM recommends groups=, which refuses it"),
     Mutation(
         "quantize-fp8-alias-refused", "python/layerstream/_prequant.py",
-        "    reason = _C.quant_check(name, 0, 256)",
-        "    reason = \"\" if name in _C.quant_formats() else f\"{fmt!r} is a GGUF format\"",
+        "        name = _C.quant_format(fmt)\n",
+        "        name = fmt.lower() if fmt.lower() in _C.quant_formats() else _C.quant_format(\"q4_k\")\n",
         [P + "test_quant_offload.py::test_fp8_by_its_other_names_and_none_are_read_as_the_engine_reads_them"],
         "quantize=\"e4m3\" / \"fp8_e4m3\" refused as GGUF formats though C++'s parse_format takes them"),
     Mutation(
