@@ -57,6 +57,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
     module changes. With `defer_file_reads` (cache_dir=), a frozen Linear weight
     still in its file that is to be quantized stays there: step 3 packs it into
     the cache file or reads it in (_read_in_deferred)."""
+    _dequantize_tied_gguf(model)
     layers: List[_Candidate] = []
     unpackable, trainable, tied_dense = [], [], []
     coded_trainable = [0, 0, 0]  # lossless weights that require grad: count, host bytes, host bytes if frozen
@@ -247,10 +248,35 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
     return layers
 
 
+def _dequantize_tied_gguf(model: nn.Module) -> None:
+    """GGUF weights (load_gguf) that several modules hold (tied, e.g. a head tied to its
+    embedding table) become one dense, dequantized parameter in every place that holds
+    them, before anything else looks at them: offload() streams a tied weight from one
+    dense host copy (no format applies to it, as with quantize=), and a parameter per
+    holder (_materialize_gguf, or the engine's copy per streamed layer) would untie them."""
+    holders = {}  # id of a GgufWeight -> (it, its qualified names, {(id(module), key): module})
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for k, p in m._parameters.items():
+            if isinstance(p, GgufWeight):
+                entry = holders.setdefault(id(p), (p, [], {}))
+                entry[1].append(f"{mname}.{k}" if mname else k)
+                entry[2][(id(m), k)] = m
+    tied = [(p, names, places) for p, names, places in holders.values() if len(places) > 1]
+    for p, _, places in tied:
+        dense = nn.Parameter(p.dequantized(), requires_grad=False)
+        for (_, k), m in places.items():
+            m._parameters[k] = dense
+    if tied:
+        warnings.warn(f"layerstream: {len(tied)} GGUF weight(s) are tied (held by several modules), so they are "
+                      f"dequantized once for all of them and stream dense: "
+                      + "; ".join(" = ".join(names) for _, names, _ in tied), RuntimeWarning, stacklevel=4)
+
+
 def _materialize_gguf(module: nn.Module, keep=frozenset()) -> None:
     """Replaces the module's own GGUF weights (load_gguf) by dense, dequantized
     parameters (frozen), for a module that does not stream them (but not those
-    whose id is in `keep`: a streamed tensor group's)."""
+    whose id is in `keep`: a streamed tensor group's). Tied ones are dense already
+    (_dequantize_tied_gguf)."""
     for k, p in list(module._parameters.items()):
         if isinstance(p, GgufWeight) and id(p) not in keep:
             module._parameters[k] = nn.Parameter(p.dequantized(), requires_grad=False)

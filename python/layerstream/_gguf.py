@@ -112,6 +112,8 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
       which keeps buffers real, or ``torch.device("meta")``): a meta parameter
       gets a new tensor (tied parameters stay tied; tie them before loading,
       e.g. transformers' ``model.tie_weights()``); a real one is written in place.
+      A packed weight that several modules hold (tied) is dequantized by
+      offload(), once for all of them (tied weights stream dense).
 
     ``rename`` maps the file's tensor names to the model's parameter names: a
     callable or a dict (a name it maps to None, or a callable returning None,

@@ -450,6 +450,55 @@ def test_meta_tied_parameters_stay_tied(tmp_path):
     assert m[1].weight is m[0].weight and torch.equal(m[0].weight, table.float())
 
 
+@pytest.mark.parametrize("kw", [{}, {"budget": "1GiB"}])
+def test_a_gguf_weight_tied_to_an_embedding_stays_tied_and_trains_like_the_resident_model(tmp_path, kw):
+    """A head tied to its embedding table, the file naming the head (Q8_0, kept packed
+    by load_gguf in both places). offload() used to give the table a dense copy of its
+    own while the head streamed the file's blocks (and a resident layer a copy per
+    holder), so the tie came apart: after detach(), training the table left the head
+    as it was. Now the tied weight is dequantized once for both, and logits and a
+    training step equal the resident model's."""
+    torch.manual_seed(0)
+    w, h1 = torch.randn(64, 256), torch.randn(256, 256) * 0.05
+    q = {n: torch.from_numpy(quants.quantize(t.numpy(), T.Q8_0).reshape(-1).copy()) for n, t in (("w", w), ("h", h1))}
+    b = torch.randn(256)
+    path = write_gguf(tmp_path / "tied.gguf", [("1.weight", (256, 256), "Q8_0", q["h"]),
+                                               ("1.bias", (256,), "F32", b.view(torch.uint8)),
+                                               ("2.weight", (64, 256), "Q8_0", q["w"])])
+
+    def build():
+        m = nn.Sequential(nn.Embedding(64, 256), nn.Linear(256, 256), nn.Linear(256, 64, bias=False))
+        m[2].weight = m[0].weight
+        return m
+
+    ref = build()
+    with torch.no_grad():
+        ref[0].weight.copy_(torch.from_numpy(quants.dequantize(q["w"].numpy().reshape(64, -1), T.Q8_0)))
+        ref[1].weight.copy_(torch.from_numpy(quants.dequantize(q["h"].numpy().reshape(256, -1), T.Q8_0)))
+        ref[1].bias.copy_(b)
+    ref.requires_grad_(False)
+    with torch.device("meta"):
+        model = build()
+    layerstream.load_gguf(model, str(path))
+    assert isinstance(model[0].weight, GgufWeight) and model[2].weight is model[0].weight
+    with pytest.warns(RuntimeWarning, match=r"1 GGUF weight\(s\) are tied .* 0.weight = 2.weight"):
+        handle = layerstream.offload(model, device="sim", **kw)
+    assert model[2].weight is model[0].weight
+    ids = torch.randint(0, 64, (3, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+    handle.detach()
+    assert model[2].weight is model[0].weight
+    for m in (model, ref):  # one step on the tied weight, through the table and the head
+        m[0].weight.requires_grad_(True)
+        opt = torch.optim.SGD([m[0].weight], lr=0.1)
+        m(ids).square().mean().backward()
+        opt.step()
+    assert model[2].weight is model[0].weight and torch.equal(model[0].weight, ref[0].weight)
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+
+
 class _DiffusersGgufNet(nn.Module):
     """Four diffusers GGUFLinear layers (Q8_0, Q4_0, Q4_K, Q6_K blocks in GGUFParameters,
     bf16 compute and biases) and a dense bf16 head, as GGUFQuantizationConfig builds them."""

@@ -747,4 +747,10 @@ MUTATIONS = [
         "        back = \"call detach() on that handle first\"\n",
         [P + "test_misuse.py::test_a_model_offloaded_by_a_dropped_handle_names_the_way_back"],
         "offload() of a model whose handle was dropped says to detach 'that handle', which the user no longer has"),
+    Mutation(
+        "gguf-tied-weight-untied-at-offload", "python/layerstream/_formats.py",
+        "    _dequantize_tied_gguf(model)\n",
+        "",
+        [P + "test_gguf.py::test_a_gguf_weight_tied_to_an_embedding_stays_tied_and_trains_like_the_resident_model"],
+        "a GGUF weight tied to an embedding table comes apart at offload(): each holder gets its own copy"),
 ]
