@@ -18,7 +18,8 @@ Observable behaviour kept from the original:
   * after attach, ``module.to(...)`` is ``MemoryManager.memory_managed_to``:
     what is not streamed moves / converts as ``nn.Module.to`` would; the
     streamed weights stay in host memory, and a dtype converts them too (they
-    are streamed again in the new dtype);
+    are streamed again in the new dtype; float64 and complex, which streamed
+    layers do not compute in, are refused);
   * ``MemoryManager.detach(module)`` undoes attach: the original forwards, the
     streamed weights as ordinary tensors where they were before attach, the
     original ``.to``; what attach moved to the device stays there;
@@ -44,10 +45,10 @@ Class rules and safety (the original manages ``Linear``, ``LoRACompatibleLinear`
 ``QLinear``, ``Conv2d``, ``LoRACompatibleConv``, ``QConv2d`` by class name and
 replaces their forward): a layer streams only when the streamed op computes
 what its forward computes, by the rule offload() uses
-(_discovery._resident_reason); a Linear / conv subclass with its own forward
+(_discovery._resident_reason, _activation_dtype); a Linear / conv subclass with its own forward
 (``LoRACompatibleLinear``, ``QConv2d``, your own), a wrapped forward that is
-not an adapter's ``org_forward``, a quantized weight layerstream does not
-know, stays resident on the device and is named in one warning per reason.
+not an adapter's ``org_forward``, a float64 or complex weight, a quantized
+weight layerstream does not know, stays resident on the device and is named in one warning per reason.
 No forward is dropped.
 
 Differences (fixes): ``offload_percent`` picks layers by bytes, largest
@@ -68,8 +69,8 @@ import torch
 import torch.nn as nn
 
 from . import _C, _peft_params
-from ._discovery import (_conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable, _pad_for_mode,
-                         _resident_label, _resident_reason, _warn_resident)
+from ._discovery import (_activation_dtype, _conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable,
+                         _pad_for_mode, _resident_label, _resident_reason, _takes_activations, _warn_resident)
 from ._file_weight import FileWeight
 from ._guards import _RootApply, _StreamedApply, _is_compute, install_subtree_checks, remove_subtree_checks
 from ._handle import CallHooks
@@ -126,6 +127,9 @@ _REASON_TEXT = {
     "dora": "a layer of a peft DoRA adapter (DoRA reads the weights directly)",
     "cast_trainable": "a trainable layer under diffusers' layerwise casting (frozen ones stream)",
     "diffusers_gguf": "a diffusers GGUF layer (layerstream.offload() streams it, as a tensor group)",
+    "dtype": ("its weight is float64 or complex, which streamed layers do not compute in (torch's Linear/conv "
+              "takes its input in its weight's dtype; a streamed one would refuse it at every call); to "
+              "stream it, convert the model to float32, bfloat16 or float16 before attach"),
 }
 
 
@@ -143,7 +147,9 @@ def _why_resident(module: nn.Module, kind: str, dora: set) -> Optional[str]:
         return None
     reason = _resident_reason(module, kind, dora)
     if reason == "wrapped" and _adapter_of(module) is not None:
-        return None  # the adapter's org_forward is replaced instead
+        reason = None  # the adapter's org_forward is replaced instead
+    if reason is None and _activation_dtype(module, kind) is not None:
+        reason = "dtype"  # offload()'s rule (_discover), so both leave the same layers resident
     return None if reason is None else _REASON_TEXT[reason]
 
 
@@ -374,13 +380,21 @@ class MemoryManager:
         the streamed layers too, which are then streamed again in that dtype (while
         that runs, their weights are held twice in host memory). Quantized streamed
         layers keep their dtype (their libraries refuse to change it): a dtype other
-        than theirs raises before anything changes. Returns the module."""
+        than theirs raises before anything changes, as does float64 or a complex dtype
+        (streamed layers do not compute in it). Returns the module."""
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"nn.Module.to only accepts floating point or complex dtypes, but got "
                             f"desired dtype={dtype}")
         if self.engine is None:
             raise LayerstreamError("this MemoryManager was detached; attach the model again")
+        if dtype is not None and self._layers and not _takes_activations(dtype):
+            # attach's rule (_why_resident): such layers would refuse their input at every call.
+            raise LayerstreamError(
+                f"model.to({dtype}): layer '{self._layers[0].name}' streams, and streamed layers do not compute "
+                f"in {dtype} (their activations must be float32, bfloat16 or float16); nothing was changed. "
+                f"Convert to one of those, or call MemoryManager.detach(model) first (the layers then run "
+                f"resident in {dtype}).")
         stale = []
         if dtype is not None:
             for lm in self._layers:

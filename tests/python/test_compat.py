@@ -155,11 +155,12 @@ def test_a_refused_conversion_of_a_part_of_the_model_changes_nothing():
     ref = copy.deepcopy(model)
     MemoryManager.attach(model, "cpu")
     x = torch.randn(2, 4)
-    for convert in (lambda m: m[0].half(), lambda m: m.to(torch.float64) and m[1].half()):
+    for convert in (lambda m: m[0].half(), lambda m: m.to(torch.bfloat16) and m[1].half()):
         with pytest.raises(LayerstreamError, match="keeps its weights in host memory"):
             convert(model)
         assert len({p.dtype for p in model.parameters()}) == 1
     model.to(torch.float32)
+    ref.to(torch.bfloat16).to(torch.float32)  # the round trip model.to(torch.bfloat16) made
     assert torch.equal(model(x), ref(x))
     MemoryManager.detach(model)
     assert "_apply" not in model[0].__dict__
@@ -236,3 +237,57 @@ def test_peft_lora_on_a_weight_parameter_keeps_its_layer_and_adapters_resident()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if p.requires_grad:
             assert torch.equal(p.grad, q.grad), n
+
+
+class _Float64Head(nn.Module):
+    """A float32 body and a float64 head (e.g. a precision-sensitive output layer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(16, 32), nn.Linear(32, 8).double()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)).double())
+
+
+def test_a_float64_layer_stays_resident_under_attach_as_under_offload():
+    """attach() used to stream a float64 Linear, which then refused its input at every
+    call ("got a Double input"); offload() keeps such layers resident (_discovery's
+    _activation_dtype). attach now asks the same rule: the float64 layer stays
+    resident with a warning, the float32 one streams, and output and gradients equal
+    the resident model's. Attaching that layer alone is refused, naming why."""
+    model = _Float64Head()
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"cannot stream stay resident .* float64 or complex"):
+        mgr = MemoryManager.attach(model, "cpu")
+    assert hasattr(model.body, "_layer_memory_manager") and not hasattr(model.head, "_layer_memory_manager")
+    x = torch.randn(3, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    y, yr = model(x), ref(xr)
+    assert y.dtype == torch.float64 and torch.equal(y, yr)
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    assert mgr.stats()["acquires"] > 0
+    MemoryManager.detach(model)
+    with pytest.raises(LayerstreamError, match=r"layer 'head' cannot stream: its weight is float64 or complex"):
+        LinearLayerMemoryManager.attach(model.head, MemoryManager(model.head, "cpu"), "head")
+
+
+def test_converting_an_attached_model_to_float64_is_refused_before_anything_changes():
+    """model.to(torch.float64) after attach used to stream the layers again in float64,
+    which then refused their input at every call. Refused now (attach's rule), the
+    model as it was: it still runs, equal to the resident model."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    ref = copy.deepcopy(model)
+    MemoryManager.attach(model, "cpu")
+    with pytest.raises(LayerstreamError, match=r"model.to\(torch.float64\): layer '[02]' streams, and streamed "
+                                               r"layers do not compute in torch.float64 .* nothing was changed"):
+        model.to(torch.float64)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x = torch.randn(3, 16)
+    assert torch.equal(model(x), ref(x))
+    MemoryManager.detach(model)

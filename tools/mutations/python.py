@@ -753,4 +753,16 @@ MUTATIONS = [
         "",
         [P + "test_gguf.py::test_a_gguf_weight_tied_to_an_embedding_stays_tied_and_trains_like_the_resident_model"],
         "a GGUF weight tied to an embedding table comes apart at offload(): each holder gets its own copy"),
+    Mutation(
+        "compat-attach-streams-float64", "python/layerstream/compat.py",
+        "    if reason is None and _activation_dtype(module, kind) is not None:\n",
+        "    if False:\n",
+        [P + "test_compat.py::test_a_float64_layer_stays_resident_under_attach_as_under_offload"],
+        "compat's attach streams a float64 Linear, which then refuses its input at every call"),
+    Mutation(
+        "compat-to-float64-not-refused", "python/layerstream/compat.py",
+        "        if dtype is not None and self._layers and not _takes_activations(dtype):\n",
+        "        if False:\n",
+        [P + "test_compat.py::test_converting_an_attached_model_to_float64_is_refused_before_anything_changes"],
+        "model.to(torch.float64) after compat's attach streams the layers again in float64: every call fails"),
 ]
