@@ -480,6 +480,11 @@ def fake(inputs, params, engine, layer, call):
     # returns: let the trial make them; an output sized by one counts as data-dependent.
     env = getattr(torch._guards.detect_fake_mode(inputs), "shape_env", None)
     data_dependent, free_unbacked_symbols = _data_dependent()
+    # The trial puts back what the module held, which is not always offload()'s tensors:
+    # non-strict export swaps them for the program's PARAMETER inputs while it traces. Put
+    # back as offload()'s, a second call of the group in the same forward read those, export
+    # lifted them as constants, and the program's gradients lacked that call's part.
+    held = [o._parameters[k] for o, k in fwd._slots]
     try:
         for (o, k), p in zip(fwd._slots, fwd._params):
             o._parameters[k] = as_held(p, torch.empty(p.shape, dtype=p.dtype, device=dev).requires_grad_(
@@ -502,7 +507,7 @@ def fake(inputs, params, engine, layer, call):
         out = torch.empty_like(args[0] if args else inputs[0])
         _LIKE_FIRST_INPUT.add((engine, layer, call))
     finally:
-        for (o, k), p in zip(fwd._slots, fwd._params):
+        for (o, k), p in zip(fwd._slots, held):
             o._parameters[k] = p
     single, outs = check_outputs(fwd, out)
     _PATTERNS[(engine, layer, call)] = (single, tuple(o is None for o in outs))

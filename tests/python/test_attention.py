@@ -243,3 +243,38 @@ def test_self_attention_under_non_reentrant_checkpoint_trains_exactly(offload_si
         want.square().sum().backward()
     for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
         assert torch.equal(p.grad, q.grad), f"{n}: gradient differs from the resident model's"
+
+
+class _AttendTwice(nn.Module):
+    """One attention module called twice in a forward (weights shared across steps)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.att(x, x, x, need_weights=False)[0]
+        return self.fc(self.att(h, h, h, need_weights=False)[0])
+
+
+def test_an_exported_attention_called_twice_gets_both_calls_gradients(offload_sim):
+    """Non-strict torch.export swaps the modules' parameters for the program's PARAMETER
+    inputs while it traces. The group's fake kernel put offload()'s tensors back after its
+    trial instead of what the module held, so the second call read those and export lifted
+    them as constants: the exported program's attention gradients lacked the second call's
+    part (off by 0.3-0.9). Now both calls take the PARAMETER inputs and every gradient
+    equals the resident model's (within fp32 rounding: another graph)."""
+    model = _AttendTwice()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    held = dict(model.named_parameters())
+    x = torch.randn(2, 5, 16)
+    ep = torch.export.export(model, (x,), strict=False)
+    assert not [s for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"]
+    assert all(p is held[n] for n, p in model.named_parameters())  # offload()'s, after the export
+    ep.module()(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=n)

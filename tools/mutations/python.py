@@ -765,4 +765,11 @@ MUTATIONS = [
         "        if False:\n",
         [P + "test_compat.py::test_converting_an_attached_model_to_float64_is_refused_before_anything_changes"],
         "model.to(torch.float64) after compat's attach streams the layers again in float64: every call fails"),
+    Mutation(
+        "group-fake-restores-offload-tensors", "python/layerstream/_group_op.py",
+        "        for (o, k), p in zip(fwd._slots, held):\n",
+        "        for (o, k), p in zip(fwd._slots, fwd._params):\n",
+        [P + "test_attention.py::test_an_exported_attention_called_twice_gets_both_calls_gradients"],
+        "a group's fake kernel puts offload()'s tensors back where export had its parameter inputs: a second "
+        "call of the group is exported with constants and its gradients are lost"),
 ]
