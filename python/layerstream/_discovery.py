@@ -463,7 +463,7 @@ _RESIDENT_REASONS = {
     "renormed": ("embedding layer(s) with max_norm",
                  "each lookup renormalizes the rows it reads in place, which a streamed lookup "
                  "does not do"),
-    # offload() only (_activation_dtype); compat's attach does not ask.
+    # offload() (_activation_dtype); compat has its own text (compat._REASON_TEXT["dtype"]).
     "dtype": ("Linear/conv layer(s) whose weight dtype streamed layers do not compute in",
               "torch's Linear/conv takes its input in its weight's dtype, and a streamed one refuses "
               "such activations at every call; to stream them, convert the model before offload(), "
