@@ -220,7 +220,7 @@ class MemoryManager:
         # peft's LoRA on parameters reads its adapters' weights directly and
         # parametrizes its base's weight during each call (as offload()'s _discover).
         adapters, wrapped = _peft_params.adapter_modules(module), _peft_params.wrapped_bases(module)
-        layers, resident = [], {}
+        layers, resident, cannot = [], {}, []  # cannot: the modules of `resident`
         for name, sub in module.named_modules():
             if id(sub) in ignored_modules or id(sub) in adapters:
                 continue
@@ -250,6 +250,7 @@ class MemoryManager:
                 why = _foreign_weight(sub, pre)
             if why is not None:
                 resident.setdefault(why, []).append(_resident_label(name, sub, "custom"))
+                cannot.append(sub)
                 continue
             if pre is not None:
                 nbytes = pre.codes.numel() * pre.codes.element_size() + pre.scales.numel() * 4
@@ -267,7 +268,7 @@ class MemoryManager:
             acc += nbytes
 
         manager = cls(module, device, **engine_options)
-        manager.unmanaged_modules = ignore_list + [t[2] for t in layers if id(t[2]) not in chosen]
+        manager.unmanaged_modules = ignore_list + [t[2] for t in layers if id(t[2]) not in chosen] + cannot
         for why, names in resident.items():
             _warn_resident(names, "layer(s) that MemoryManager.attach cannot stream",
                            manager.process_device, why, stacklevel=3)

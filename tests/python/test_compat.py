@@ -262,6 +262,9 @@ def test_a_float64_layer_stays_resident_under_attach_as_under_offload():
     with pytest.warns(RuntimeWarning, match=r"cannot stream stay resident .* float64 or complex"):
         mgr = MemoryManager.attach(model, "cpu")
     assert hasattr(model.body, "_layer_memory_manager") and not hasattr(model.head, "_layer_memory_manager")
+    # The original's list of what attach left resident holds the layers that cannot stream too.
+    assert any(m is model.head for m in mgr.unmanaged_modules)
+    assert not any(m is model.body for m in mgr.unmanaged_modules)
     x = torch.randn(3, 16, requires_grad=True)
     xr = x.detach().clone().requires_grad_(True)
     y, yr = model(x), ref(xr)
