@@ -747,4 +747,10 @@ MUTATIONS = [
         "        back = \"call detach() on that handle first\"\n",
         [P + "test_misuse.py::test_a_model_offloaded_by_a_dropped_handle_names_the_way_back"],
         "offload() of a model whose handle was dropped says to detach 'that handle', which the user no longer has"),
+    Mutation(
+        "multiprocessing-share-of-streamed-unrefused", "python/layerstream/_guards.py",
+        "        if i and self.ranges[i - 1][1] > start:",
+        "        if False:",
+        [P + "test_ddp_rules.py::test_sending_a_streamed_parameter_through_torch_multiprocessing_is_refused_and_the_model_keeps_its_numbers"],
+        "a state_dict sent through torch.multiprocessing moves streamed storages away from the engine; the next call names module.to()"),
 ]
