@@ -267,19 +267,51 @@ def ignore_streamed_in_ddp(model: nn.Module, names: List[str]) -> None:
     it neither broadcasts them (host copies) nor checks their device nor reduces their
     gradients (the engine averages those); a DDPCheck on the model checks, at each DDP's
     first training forward, what that leaves undone. detach() takes them out again."""
-    old = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    model._ddp_params_and_buffers_to_ignore = old + [n for n in names if n not in old]
+    old = _plain(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    ignored = old + [n for n in names if n not in old]
     model._layerstream_ddp_ignored = names
     if _may_run_ddp():
-        check = DDPCheck(names)
-        check.removable = model.register_forward_pre_hook(check)
-        model.__dict__["_layerstream_ddp_check"] = check
+        model._ddp_params_and_buffers_to_ignore = ignored
+        _add_ddp_check(model, names)
+    else:  # DDP made later, after init_process_group(), reads the list: the check then
+        model._ddp_params_and_buffers_to_ignore = _IgnoreList(ignored, model)
+
+
+def _add_ddp_check(model: nn.Module, names: List[str]) -> None:
+    check = DDPCheck(names)
+    check.removable = model.register_forward_pre_hook(check)
+    model.__dict__["_layerstream_ddp_check"] = check
+
+
+class _IgnoreList(list):
+    """DDP's ignore list on a model offloaded in a process that was not one of several
+    ranks yet (no DDPCheck: _may_run_ddp). A job that passes rank and world size to
+    init_process_group() itself (mp.spawn, srun) sets no WORLD_SIZE, and offload()
+    before init_process_group() there left its DDP unchecked: the engine averaged over
+    no group and the ranks' streamed weights drifted apart, silently. DDP reads this list
+    when it is made (DistributedDataParallel.__init__: set(module.<list>)): read with
+    torch.distributed initialized, it puts the DDPCheck on first. A copy is a plain list."""
+
+    def __init__(self, names, model: nn.Module):
+        super().__init__(names)
+        self._model = weakref.ref(model)
+
+    def __iter__(self):
+        model = self._model()
+        if (model is not None and "_layerstream_ddp_check" not in model.__dict__
+                and "_layerstream_ddp_ignored" in model.__dict__ and _may_run_ddp()):
+            _add_ddp_check(model, model._layerstream_ddp_ignored)
+        return super().__iter__()
+
+    def __reduce_ex__(self, protocol):
+        return list, (list(super().__iter__()),)
 
 
 def _may_run_ddp() -> bool:
     """Whether a DDP of several ranks may wrap the model: torch.distributed is initialized,
     or the launcher (torchrun) says the job has several ranks. A single process gets no
-    DDPCheck: one forward pre-hook less on every call."""
+    DDPCheck (one forward pre-hook less on every call) until a DDP reads the ignore list
+    after init_process_group() (_IgnoreList)."""
     dist = torch.distributed
     if not dist.is_available():
         return False
@@ -292,13 +324,19 @@ def _may_run_ddp() -> bool:
 
 
 def forget_ddp_ignore(model: nn.Module) -> None:
+    """detach(): the streamed parameters off DDP's ignore list, and the checks off the model."""
     check = model.__dict__.pop("_layerstream_ddp_check", None)
     if check is not None:
         check.removable.remove()
     names = set(model.__dict__.pop("_layerstream_ddp_ignored", []))
     if names and hasattr(model, "_ddp_params_and_buffers_to_ignore"):
-        model._ddp_params_and_buffers_to_ignore = [n for n in model._ddp_params_and_buffers_to_ignore
+        model._ddp_params_and_buffers_to_ignore = [n for n in _plain(model._ddp_params_and_buffers_to_ignore)
                                                    if n not in names]
+
+
+def _plain(names) -> list:
+    """An ignore list's names, read without _IgnoreList's check."""
+    return list(list.__iter__(names)) if isinstance(names, _IgnoreList) else list(names)
 
 
 class DDPCheck:

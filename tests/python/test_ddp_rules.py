@@ -4,6 +4,11 @@ rank, DDP's join() left by an exception, and offload() before init_process_group
 job that sets no WORLD_SIZE (mp.spawn). The two-rank tests run this file as their ranks
 (gloo, the sim device), each with a time limit; nothing outlives a test."""
 import copy
+import datetime
+import os
+import socket
+import subprocess
+import sys
 from multiprocessing import Pipe
 from multiprocessing.reduction import ForkingPickler
 
@@ -13,6 +18,10 @@ import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler re
 import torch.nn as nn
 
 import layerstream
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+needs_gloo = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="this torch has no torch.distributed with gloo")
 
 
 def _model():
@@ -57,3 +66,83 @@ def test_sending_a_streamed_parameter_through_torch_multiprocessing_is_refused_a
     model[0].weight.detach().share_memory_()  # ordinary tensors again
     assert model[0].weight.is_shared()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(scenario: str, tmp_path, timeout=120) -> list:
+    """Runs this file as 2 ranks of `scenario` (rank and world size passed to
+    init_process_group(), as mp.spawn does: no WORLD_SIZE in their environment); returns
+    their results."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    path = [os.path.join(HERE, "..", "..", "python")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), scenario, str(r), port, str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    finally:
+        for p in procs:  # bounded: nothing outlives the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    wrong = [f"rank {r} exited with {p.returncode}:\n{out[-4000:]}" for r, (p, out) in enumerate(zip(procs, outputs))
+             if p.returncode != 0]
+    assert not wrong, "\n".join(wrong)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@needs_gloo
+def test_ddp_of_a_model_offloaded_before_init_process_group_without_world_size_is_checked(tmp_path):
+    """A job that passes rank and world size to init_process_group() itself (mp.spawn)
+    sets no WORLD_SIZE: a model offloaded before init_process_group() got no DDP check,
+    its engine averaged over no group and the two ranks' streamed weights stepped apart,
+    silently. Now DDP's first training forward is refused on both ranks, saying to
+    offload after init_process_group(); nothing was stepped."""
+    for res in _ranks("late_group", tmp_path):
+        assert "averages them over no group" in res["error"] and "Call offload() after" in res["error"], res["error"]
+        assert res["weight"] == res["weight_before"]
+
+
+def _rank_main(scenario: str, rank: int, port: str, out: str) -> None:
+    import torch._dynamo  # noqa: F401 - before init_process_group (dist_worker.py's main() says why)
+    import torch.distributed as dist
+    result = {}
+    if scenario == "late_group":
+        model = _model()
+        handle = layerstream.offload(model, device="sim")  # before init_process_group(), no WORLD_SIZE
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        if scenario == "late_group":
+            result["weight_before"] = model[0].weight.tolist()
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            torch.manual_seed(rank)
+            try:
+                ddp(torch.randn(4, 8)).square().sum().backward()
+                opt.step()
+            except layerstream.LayerstreamError as e:
+                result["error"] = str(e)
+            result["weight"] = model[0].weight.tolist()
+            del ddp
+            dist.barrier()
+            handle.detach()
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+    finally:
+        import gc
+        gc.collect()
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

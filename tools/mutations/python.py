@@ -753,4 +753,10 @@ MUTATIONS = [
         "        if False:",
         [P + "test_ddp_rules.py::test_sending_a_streamed_parameter_through_torch_multiprocessing_is_refused_and_the_model_keeps_its_numbers"],
         "a state_dict sent through torch.multiprocessing moves streamed storages away from the engine; the next call names module.to()"),
+    Mutation(
+        "ddp-after-late-init-unchecked", "python/layerstream/_distributed.py",
+        "        model._ddp_params_and_buffers_to_ignore = _IgnoreList(ignored, model)",
+        "        model._ddp_params_and_buffers_to_ignore = ignored",
+        [P + "test_ddp_rules.py::test_ddp_of_a_model_offloaded_before_init_process_group_without_world_size_is_checked"],
+        "offload() before init_process_group() without WORLD_SIZE (mp.spawn): DDP's ranks step streamed weights apart, silently"),
 ]
