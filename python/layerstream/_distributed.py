@@ -392,7 +392,7 @@ class DDPCheck:
                     f"ranks would step different gradients and their weights drift apart. Call offload() after "
                     f"init_process_group() with process_group=None (the world group) or DDP's process group, or "
                     f"freeze the streamed weights.")
-            if _joining(ddp):
+            if _joining(ddp) and _join_alive(ddp):
                 return False  # refused by SyncHook, which comes next (no collective here: a rank may have joined)
         rows = _value_rows(streamed)
         digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
@@ -490,7 +490,8 @@ class SyncHook:
         if self._group is not None and self._group.shards:
             self._group.check_shards()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
-        if ddp is not None and _joining(ddp) and torch.is_grad_enabled() and self._trains_streamed():
+        if ddp is not None and _joining(ddp) and torch.is_grad_enabled() and self._trains_streamed() and \
+                _join_alive(ddp):  # last: it may scan for the join's hook
             raise LayerstreamError(
                 "DistributedDataParallel's join() (uneven inputs) is not supported while streamed weights train: "
                 "a rank that runs out of batches shadows DDP's collectives but not the all-reduces of the streamed "
@@ -512,13 +513,12 @@ class SyncHook:
 
 
 def _joining(ddp) -> bool:
-    """Whether `ddp` runs inside a join() context. torch.distributed.algorithms.Join sets
-    an enabled config on each Joinable when made and never resets it: after the block the
-    flag stays set, and training outside join() was refused. A join ends (every rank has
-    joined) in DDP's join post-hook, which syncs the final model: wrapped at the first
-    forward inside the join, it records the config that ended (_JoinEnd). A join left by
-    an exception runs no post-hook: its config still reads as joining, until the next
-    join() ends. A join in which this rank ran no forward is not seen to end either."""
+    """Whether `ddp` may run inside a join() context (cheap; _join_alive() tells).
+    torch.distributed.algorithms.Join sets an enabled config on each Joinable when made
+    and never resets it: after the block the flag stays set, and training outside join()
+    was refused. A join ends (every rank has joined) in DDP's join post-hook, which syncs
+    the final model: wrapped at the first forward inside the join, it records the config
+    that ended (_JoinEnd)."""
     config = getattr(ddp, "_join_config", None)
     if not getattr(config, "enable", False):
         return False
@@ -527,6 +527,46 @@ def _joining(ddp) -> bool:
     if "_sync_final_model" not in ddp.__dict__ and hasattr(type(ddp), "_sync_final_model"):
         ddp.__dict__["_sync_final_model"] = _JoinEnd(ddp)
     return True
+
+
+def _join_alive(ddp) -> bool:
+    """Whether the join() whose config `ddp` holds (_joining() said so) is still there.
+    A join left by an exception (SyncHook's refusal, a user's error) runs no post-hook,
+    so its config read as joining and every later training forward was refused, until
+    another join() ended. Its Join object, though, is gone with its `with` block: it alone
+    holds the _DDPJoinHook it made for `ddp`. That hook is looked up once per join (a
+    scan of the garbage collector's objects: only on the way to a refusal) and held
+    weakly; once it is gone the join has ended (recorded as the post-hook's end is)."""
+    config = ddp._join_config
+    seen = ddp.__dict__.get("_layerstream_join_hook")
+    if seen is None or seen[0] is not config:
+        hook = _join_hook_of(ddp)
+        seen = (config, None if hook is None else weakref.ref(hook))
+        ddp.__dict__["_layerstream_join_hook"] = seen
+    if seen[1] is not None and seen[1]() is not None:
+        return True
+    ddp.__dict__["_layerstream_join_ended"] = config
+    return False
+
+
+def _join_hook_of(ddp):
+    """A live _DDPJoinHook made for `ddp` (by a Join, in ddp.join()), or None."""
+    import gc
+    hook_type = getattr(torch.nn.parallel.distributed, "_DDPJoinHook", None)
+    if hook_type is None:  # another torch: taken as alive, as before
+        return _AliveJoin
+    for o in gc.get_referrers(ddp):
+        if isinstance(o, hook_type) and getattr(o, "ddp", None) is ddp:
+            return o
+        if type(o) is dict and o.get("ddp") is ddp:  # a hook whose __dict__ was materialised
+            for owner in gc.get_referrers(o):
+                if isinstance(owner, hook_type) and getattr(owner, "__dict__", None) is o:
+                    return owner
+    return None
+
+
+class _AliveJoin:
+    """Stands for a join hook that cannot be looked up: never collected."""
 
 
 class _JoinEnd:

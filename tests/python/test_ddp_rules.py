@@ -68,6 +68,42 @@ def test_sending_a_streamed_parameter_through_torch_multiprocessing_is_refused_a
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
+@needs_gloo
+def test_training_after_a_join_left_by_an_exception_equals_the_resident_model():
+    """A DDP join() left by an exception (the refusal of training under join() itself, or
+    a user's error) runs no join post-hook, and its config stays enabled: every later
+    training forward was refused as if still inside join(), for good until another
+    join() ended. Now the join counts as ended once its block is left: training after it
+    equals the resident model, and a new join() is refused again. One process (a store in
+    memory), its group given explicitly so that the engine averages over it."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _model()
+        ref = copy.deepcopy(model)
+        handle = layerstream.offload(model, device="sim", process_group=dist.group.WORLD)
+        x = torch.randn(2, 8)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(layerstream.LayerstreamError, match=r"join\(\) \(uneven inputs\) is not supported"):
+            with ddp.join():
+                ddp(x).square().sum().backward()
+        with pytest.raises(ZeroDivisionError):  # an evaluation under join() that fails
+            with torch.no_grad(), ddp.join():
+                ddp(x)
+                1 / 0
+        for m in (ddp, ref):
+            m(x).square().sum().backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+        assert handle.stats()["averaged_bytes"] > 0
+        with pytest.raises(layerstream.LayerstreamError, match=r"join\(\) \(uneven inputs\) is not supported"):
+            with ddp.join():
+                ddp(x)
+        del ddp
+    finally:
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -759,4 +759,10 @@ MUTATIONS = [
         "        model._ddp_params_and_buffers_to_ignore = ignored",
         [P + "test_ddp_rules.py::test_ddp_of_a_model_offloaded_before_init_process_group_without_world_size_is_checked"],
         "offload() before init_process_group() without WORLD_SIZE (mp.spawn): DDP's ranks step streamed weights apart, silently"),
+    Mutation(
+        "join-left-by-exception-never-ends", "python/layerstream/_distributed.py",
+        "    if seen[1] is not None and seen[1]() is not None:\n        return True",
+        "    if True:\n        return True",
+        [P + "test_ddp_rules.py::test_training_after_a_join_left_by_an_exception_equals_the_resident_model"],
+        "after a join() left by an exception every training forward is refused as if still inside join()"),
 ]
