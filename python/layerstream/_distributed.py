@@ -3,6 +3,7 @@ host store shared by the ranks of one node, DistributedDataParallel's ignore
 list, and no_sync(). The engine does the work (csrc/torch/engine_distributed.cpp,
 core/shared_region.h); docs/design/distributed.md says why it is built this way."""
 import contextlib
+import functools
 import hashlib
 import os
 import socket
@@ -138,6 +139,7 @@ class Distributed:
         self.sharded = self.share and share_host_store == "all"
         self.shards: List[torch.Tensor] = []
         self.region = None
+        self.backwards = None  # SameBackwards, from finish() on
         if self.share:
             self._open_region(model, gathered)
 
@@ -200,6 +202,9 @@ class Distributed:
                                        "(a bug, or models that differ in ways offload() did not check); "
                                        "pass share_host_store=False")
         engine.set_gradient_group(self.pg.group_name)
+        if self.size > 1:
+            self.backwards = SameBackwards(self, model, streamed_names)
+            model.__dict__["_layerstream_same_backwards"] = self.backwards  # removed by forget_ddp_ignore
         check = model.__dict__.get("_layerstream_ddp_check")
         if check is not None:
             check.group = self  # the group its gradients are averaged over (DDPCheck)
@@ -328,6 +333,9 @@ def forget_ddp_ignore(model: nn.Module) -> None:
     check = model.__dict__.pop("_layerstream_ddp_check", None)
     if check is not None:
         check.removable.remove()
+    backwards = model.__dict__.pop("_layerstream_same_backwards", None)
+    if backwards is not None:
+        backwards.remove()
     names = set(model.__dict__.pop("_layerstream_ddp_ignored", []))
     if names and hasattr(model, "_ddp_params_and_buffers_to_ignore"):
         model._ddp_params_and_buffers_to_ignore = [n for n in _plain(model._ddp_params_and_buffers_to_ignore)
@@ -501,6 +509,8 @@ class SyncHook:
                 "exclude=['*lora_*'])")
         sync = not self.local and (ddp is None or ddp.require_backward_grad_sync)
         self._engine.set_gradient_sync(sync)
+        if self._group is not None and self._group.backwards is not None:
+            self._group.backwards.begin(module, ddp, sync)
         return None
 
     @contextlib.contextmanager
@@ -510,6 +520,105 @@ class SyncHook:
             yield
         finally:
             self.local = old
+
+
+class SameBackwards:
+    """The rule under DDP: every rank runs the same streamed layers' backwards, in the
+    same order. The engine all-reduces each streamed layer's gradient in that layer's
+    backward (DDP's find_unused_parameters=True covers DDP's own parameters only: the
+    streamed ones are on its ignore list), so a rank whose control flow skipped a
+    streamed layer, or ran one more, left the ranks' collectives unpaired: gloo aborted a
+    rank ("collective mismatch") or timed out, naming neither the rule nor the layer.
+
+    Each eager training forward under DDP (grad enabled, gradients synchronised, a
+    streamed weight trainable: every rank runs it together, as DDPCheck's) records the
+    trainable streamed layers it runs (a forward pre-hook on each) and at its end
+    all-reduces a digest of them and of those run under no_sync() since the last
+    synchronising forward (whose gradients this backward averages whole): two integers
+    per step. A difference is refused on every rank, before any backward, naming the
+    first layer that differs. A forward outside DDP is not checked (a rank may run one
+    alone: an evaluation), nor one torch.compile traced."""
+
+    def __init__(self, group: "Distributed", model: nn.Module, streamed_names: List[str]):
+        self._group = group
+        keys = {}
+        for name in dict.fromkeys(streamed_names):
+            prefix, _, key = name.rpartition(".")
+            keys.setdefault(prefix, []).append(key)
+        self._layers = [(model.get_submodule(prefix), k) for prefix, k in keys.items()]
+        self._removables = [model.register_forward_hook(self._end, prepend=True)]  # before the call's turn ends
+        for (module, k), prefix in zip(self._layers, keys):
+            self._removables.append(module.register_forward_pre_hook(functools.partial(self._ran, prefix, k)))
+        self._now = None  # the trainable streamed layers this training forward ran; None outside one
+        self._sync = False
+        self._under_ddp = False
+        self._accumulated = set()  # those run under no_sync() since the last synchronising forward
+
+    def remove(self) -> None:
+        for r in self._removables:
+            r.remove()
+        self._removables = []
+
+    def begin(self, model: nn.Module, ddp, sync: bool) -> None:
+        """From SyncHook, before each forward of the model."""
+        if torch.compiler.is_compiling():
+            return
+        self._now = [] if torch.is_grad_enabled() else None
+        self._sync = sync
+        self._under_ddp = ddp is not None and ddp.module is model
+
+    def _ran(self, name: str, keys: List[str], module, args) -> None:
+        if self._now is None or torch.compiler.is_compiling():
+            return
+        if any(p is not None and p.requires_grad for p in map(module._parameters.get, keys)):
+            self._now.append(name)
+
+    def _trains(self) -> bool:
+        return any(p is not None and p.requires_grad for m, keys in self._layers for p in map(m._parameters.get, keys))
+
+    def _end(self, model, args, output) -> None:
+        now, self._now = self._now, None
+        if now is None or torch.compiler.is_compiling():
+            return
+        if not self._sync:
+            self._accumulated.update(now)
+            return
+        accumulated, self._accumulated = sorted(self._accumulated), set()
+        if not self._under_ddp or not self._trains():
+            return
+        dist = torch.distributed
+        pg = self._group.pg
+        digest = hashlib.sha256(repr((now, accumulated)).encode()).digest()
+        mine = int.from_bytes(digest[:7], "little")
+        both = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(pg))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+        highest, lowest = both.tolist()
+        if highest == -lowest:
+            return
+        everyone: list = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(everyone, (now, accumulated), group=pg)
+        other = next(r for r, e in enumerate(everyone) if e != everyone[0])
+        (a, acc_a), (b, acc_b) = everyone[0], everyone[other]
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            name = lambda seq: f"'{seq[i]}'" if i < len(seq) else "nothing"  # noqa: E731
+            where = (f"the {_ordinal(i + 1)} trainable streamed layer of the forward: {name(a)} on rank 0, "
+                     f"{name(b)} on rank {other}")
+        else:
+            where = (f"the streamed layers run under no_sync() since the last synchronising forward: "
+                     f"{acc_a} on rank 0, {acc_b} on rank {other}")
+        raise LayerstreamError(
+            f"DistributedDataParallel over {len(everyone)} ranks: the ranks ran different streamed layers in this "
+            f"training forward ({where}). The engine all-reduces each streamed layer's gradient in its backward, "
+            f"so every rank must run the same streamed layers' backwards in the same order (DDP's "
+            f"find_unused_parameters=True covers DDP's own parameters, not the streamed ones on its ignore list); "
+            f"otherwise the ranks' collectives would not pair (a crash or a hang). Make the control flow alike on "
+            f"every rank (e.g. decide a skipped layer from a seed all ranks share, or broadcast the decision), or "
+            f"keep the layers whose use differs resident (offload(exclude=[...])).")
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _joining(ddp) -> bool:

@@ -136,6 +136,25 @@ def _ranks(scenario: str, tmp_path, timeout=120) -> list:
 
 
 @needs_gloo
+def test_ranks_that_run_different_streamed_layers_are_refused_naming_the_layer(tmp_path):
+    """The engine all-reduces each streamed layer's gradient in its backward: a rank whose
+    control flow skipped a streamed layer (DDP's find_unused_parameters=True covers its own
+    parameters only) left the collectives unpaired, and gloo aborted a rank ("collective
+    mismatch") or timed out, naming neither the rule nor the layer. Now the training
+    forward is refused on both ranks, before any backward, naming the layer; the same
+    skips on every rank train as the resident model under DDP."""
+    results = _ranks("skips", tmp_path)
+    for r, res in enumerate(results):
+        for name, value in res["resident"].items():
+            assert torch.equal(res["same_skips"][name], value), (r, name)
+        assert "ranks ran different streamed layers" in res["rank_skips"], res["rank_skips"]
+        assert "the 2nd trainable streamed layer of the forward: 'b' on rank 0, 'c' on rank 1" in res["rank_skips"]
+        assert "same streamed layers' backwards in the same order" in res["rank_skips"]
+        assert res["rank_skips_grads"] == [None, None, None]  # refused before the backward
+    assert torch.equal(results[0]["same_skips"]["b.weight"], results[1]["same_skips"]["b.weight"])
+
+
+@needs_gloo
 def test_ddp_of_a_model_offloaded_before_init_process_group_without_world_size_is_checked(tmp_path):
     """A job that passes rank and world size to init_process_group() itself (mp.spawn)
     sets no WORLD_SIZE: a model offloaded before init_process_group() got no DDP check,
@@ -145,6 +164,20 @@ def test_ddp_of_a_model_offloaded_before_init_process_group_without_world_size_i
     for res in _ranks("late_group", tmp_path):
         assert "averages them over no group" in res["error"] and "Call offload() after" in res["error"], res["error"]
         assert res["weight"] == res["weight_before"]
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.norm = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4), nn.LayerNorm(8)
+        self.skip_b = False
+
+    def forward(self, x):
+        h = self.norm(torch.relu(self.a(x)))
+        if not self.skip_b:
+            h = torch.relu(self.b(h))
+        return self.c(h)
 
 
 def _rank_main(scenario: str, rank: int, port: str, out: str) -> None:
@@ -171,6 +204,30 @@ def _rank_main(scenario: str, rank: int, port: str, out: str) -> None:
             del ddp
             dist.barrier()
             handle.detach()
+        elif scenario == "skips":
+            def train(offloaded, skip, into):
+                model = _Branchy()
+                handle = layerstream.offload(model, device="sim", exclude=["norm"]) if offloaded else None
+                ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                try:
+                    for step in range(3):
+                        model.skip_b = skip(step)
+                        g = torch.Generator().manual_seed(100 * step + rank)
+                        ddp(torch.randn(4, 8, generator=g)).square().mean().backward()
+                        opt.step()
+                        opt.zero_grad()
+                    result[into] = {n: p.detach().clone() for n, p in model.named_parameters()}
+                except layerstream.LayerstreamError as e:
+                    result[into] = str(e)
+                    result[into + "_grads"] = [getattr(model, n).weight.grad for n in "abc"]
+                del ddp
+                dist.barrier()
+                if handle is not None:
+                    handle.detach()
+            train(False, lambda step: step == 1, "resident")
+            train(True, lambda step: step == 1, "same_skips")
+            train(True, lambda step: step == 1 and rank == 1, "rank_skips")
         else:
             raise SystemExit(f"unknown scenario {scenario}")
     finally:

@@ -765,4 +765,10 @@ MUTATIONS = [
         "    if True:\n        return True",
         [P + "test_ddp_rules.py::test_training_after_a_join_left_by_an_exception_equals_the_resident_model"],
         "after a join() left by an exception every training forward is refused as if still inside join()"),
+    Mutation(
+        "ranks-different-streamed-backwards-unchecked", "python/layerstream/_distributed.py",
+        "        if highest == -lowest:\n            return",
+        "        if True:\n            return",
+        [P + "test_ddp_rules.py::test_ranks_that_run_different_streamed_layers_are_refused_naming_the_layer"],
+        "a rank that skips a streamed layer under DDP: gloo aborts a rank ('collective mismatch'), the rule unnamed"),
 ]
