@@ -3,6 +3,7 @@ host store shared by the ranks of one node, DistributedDataParallel's ignore
 list, and no_sync(). The engine does the work (csrc/torch/engine_distributed.cpp,
 core/shared_region.h); docs/design/distributed.md says why it is built this way."""
 import contextlib
+import functools
 import hashlib
 import os
 import socket
@@ -138,6 +139,7 @@ class Distributed:
         self.sharded = self.share and share_host_store == "all"
         self.shards: List[torch.Tensor] = []
         self.region = None
+        self.backwards = None  # SameBackwards, from finish() on
         if self.share:
             self._open_region(model, gathered)
 
@@ -200,6 +202,9 @@ class Distributed:
                                        "(a bug, or models that differ in ways offload() did not check); "
                                        "pass share_host_store=False")
         engine.set_gradient_group(self.pg.group_name)
+        if self.size > 1:
+            self.backwards = SameBackwards(self, model, streamed_names)
+            model.__dict__["_layerstream_same_backwards"] = self.backwards  # removed by forget_ddp_ignore
         check = model.__dict__.get("_layerstream_ddp_check")
         if check is not None:
             check.group = self  # the group its gradients are averaged over (DDPCheck)
@@ -267,19 +272,51 @@ def ignore_streamed_in_ddp(model: nn.Module, names: List[str]) -> None:
     it neither broadcasts them (host copies) nor checks their device nor reduces their
     gradients (the engine averages those); a DDPCheck on the model checks, at each DDP's
     first training forward, what that leaves undone. detach() takes them out again."""
-    old = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    model._ddp_params_and_buffers_to_ignore = old + [n for n in names if n not in old]
+    old = _plain(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    ignored = old + [n for n in names if n not in old]
     model._layerstream_ddp_ignored = names
     if _may_run_ddp():
-        check = DDPCheck(names)
-        check.removable = model.register_forward_pre_hook(check)
-        model.__dict__["_layerstream_ddp_check"] = check
+        model._ddp_params_and_buffers_to_ignore = ignored
+        _add_ddp_check(model, names)
+    else:  # DDP made later, after init_process_group(), reads the list: the check then
+        model._ddp_params_and_buffers_to_ignore = _IgnoreList(ignored, model)
+
+
+def _add_ddp_check(model: nn.Module, names: List[str]) -> None:
+    check = DDPCheck(names)
+    check.removable = model.register_forward_pre_hook(check)
+    model.__dict__["_layerstream_ddp_check"] = check
+
+
+class _IgnoreList(list):
+    """DDP's ignore list on a model offloaded in a process that was not one of several
+    ranks yet (no DDPCheck: _may_run_ddp). A job that passes rank and world size to
+    init_process_group() itself (mp.spawn, srun) sets no WORLD_SIZE, and offload()
+    before init_process_group() there left its DDP unchecked: the engine averaged over
+    no group and the ranks' streamed weights drifted apart, silently. DDP reads this list
+    when it is made (DistributedDataParallel.__init__: set(module.<list>)): read with
+    torch.distributed initialized, it puts the DDPCheck on first. A copy is a plain list."""
+
+    def __init__(self, names, model: nn.Module):
+        super().__init__(names)
+        self._model = weakref.ref(model)
+
+    def __iter__(self):
+        model = self._model()
+        if (model is not None and "_layerstream_ddp_check" not in model.__dict__
+                and "_layerstream_ddp_ignored" in model.__dict__ and _may_run_ddp()):
+            _add_ddp_check(model, model._layerstream_ddp_ignored)
+        return super().__iter__()
+
+    def __reduce_ex__(self, protocol):
+        return list, (list(super().__iter__()),)
 
 
 def _may_run_ddp() -> bool:
     """Whether a DDP of several ranks may wrap the model: torch.distributed is initialized,
     or the launcher (torchrun) says the job has several ranks. A single process gets no
-    DDPCheck: one forward pre-hook less on every call."""
+    DDPCheck (one forward pre-hook less on every call) until a DDP reads the ignore list
+    after init_process_group() (_IgnoreList)."""
     dist = torch.distributed
     if not dist.is_available():
         return False
@@ -292,13 +329,22 @@ def _may_run_ddp() -> bool:
 
 
 def forget_ddp_ignore(model: nn.Module) -> None:
+    """detach(): the streamed parameters off DDP's ignore list, and the checks off the model."""
     check = model.__dict__.pop("_layerstream_ddp_check", None)
     if check is not None:
         check.removable.remove()
+    backwards = model.__dict__.pop("_layerstream_same_backwards", None)
+    if backwards is not None:
+        backwards.remove()
     names = set(model.__dict__.pop("_layerstream_ddp_ignored", []))
     if names and hasattr(model, "_ddp_params_and_buffers_to_ignore"):
-        model._ddp_params_and_buffers_to_ignore = [n for n in model._ddp_params_and_buffers_to_ignore
+        model._ddp_params_and_buffers_to_ignore = [n for n in _plain(model._ddp_params_and_buffers_to_ignore)
                                                    if n not in names]
+
+
+def _plain(names) -> list:
+    """An ignore list's names, read without _IgnoreList's check."""
+    return list(list.__iter__(names)) if isinstance(names, _IgnoreList) else list(names)
 
 
 class DDPCheck:
@@ -354,7 +400,7 @@ class DDPCheck:
                     f"ranks would step different gradients and their weights drift apart. Call offload() after "
                     f"init_process_group() with process_group=None (the world group) or DDP's process group, or "
                     f"freeze the streamed weights.")
-            if _joining(ddp):
+            if _joining(ddp) and _join_alive(ddp):
                 return False  # refused by SyncHook, which comes next (no collective here: a rank may have joined)
         rows = _value_rows(streamed)
         digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
@@ -452,7 +498,8 @@ class SyncHook:
         if self._group is not None and self._group.shards:
             self._group.check_shards()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
-        if ddp is not None and _joining(ddp) and torch.is_grad_enabled() and self._trains_streamed():
+        if ddp is not None and _joining(ddp) and torch.is_grad_enabled() and self._trains_streamed() and \
+                _join_alive(ddp):  # last: it may scan for the join's hook
             raise LayerstreamError(
                 "DistributedDataParallel's join() (uneven inputs) is not supported while streamed weights train: "
                 "a rank that runs out of batches shadows DDP's collectives but not the all-reduces of the streamed "
@@ -462,6 +509,8 @@ class SyncHook:
                 "exclude=['*lora_*'])")
         sync = not self.local and (ddp is None or ddp.require_backward_grad_sync)
         self._engine.set_gradient_sync(sync)
+        if self._group is not None and self._group.backwards is not None:
+            self._group.backwards.begin(module, ddp, sync)
         return None
 
     @contextlib.contextmanager
@@ -473,14 +522,112 @@ class SyncHook:
             self.local = old
 
 
+class SameBackwards:
+    """The rule under DDP: every rank runs the same streamed layers' backwards, in the
+    same order. The engine all-reduces each streamed layer's gradient in that layer's
+    backward (DDP's find_unused_parameters=True covers DDP's own parameters only: the
+    streamed ones are on its ignore list), so a rank whose control flow skipped a
+    streamed layer, or ran one more, left the ranks' collectives unpaired: gloo aborted a
+    rank ("collective mismatch") or timed out, naming neither the rule nor the layer.
+
+    Each eager training forward under DDP (grad enabled, gradients synchronised, a
+    streamed weight trainable: every rank runs it together, as DDPCheck's) records the
+    trainable streamed layers it runs (a forward pre-hook on each) and at its end
+    all-reduces a digest of them and of those run under no_sync() since the last
+    synchronising forward (whose gradients this backward averages whole): two integers
+    per step. A difference is refused on every rank, before any backward, naming the
+    first layer that differs. A forward outside DDP is not checked (a rank may run one
+    alone: an evaluation), nor one torch.compile traced."""
+
+    def __init__(self, group: "Distributed", model: nn.Module, streamed_names: List[str]):
+        self._group = group
+        keys = {}
+        for name in dict.fromkeys(streamed_names):
+            prefix, _, key = name.rpartition(".")
+            keys.setdefault(prefix, []).append(key)
+        self._layers = [(model.get_submodule(prefix), k) for prefix, k in keys.items()]
+        self._removables = [model.register_forward_hook(self._end, prepend=True)]  # before the call's turn ends
+        for (module, k), prefix in zip(self._layers, keys):
+            self._removables.append(module.register_forward_pre_hook(functools.partial(self._ran, prefix, k)))
+        self._now = None  # the trainable streamed layers this training forward ran; None outside one
+        self._sync = False
+        self._under_ddp = False
+        self._accumulated = set()  # those run under no_sync() since the last synchronising forward
+
+    def remove(self) -> None:
+        for r in self._removables:
+            r.remove()
+        self._removables = []
+
+    def begin(self, model: nn.Module, ddp, sync: bool) -> None:
+        """From SyncHook, before each forward of the model."""
+        if torch.compiler.is_compiling():
+            return
+        self._now = [] if torch.is_grad_enabled() else None
+        self._sync = sync
+        self._under_ddp = ddp is not None and ddp.module is model
+
+    def _ran(self, name: str, keys: List[str], module, args) -> None:
+        if self._now is None or torch.compiler.is_compiling():
+            return
+        if any(p is not None and p.requires_grad for p in map(module._parameters.get, keys)):
+            self._now.append(name)
+
+    def _trains(self) -> bool:
+        return any(p is not None and p.requires_grad for m, keys in self._layers for p in map(m._parameters.get, keys))
+
+    def _end(self, model, args, output) -> None:
+        now, self._now = self._now, None
+        if now is None or torch.compiler.is_compiling():
+            return
+        if not self._sync:
+            self._accumulated.update(now)
+            return
+        accumulated, self._accumulated = sorted(self._accumulated), set()
+        if not self._under_ddp or not self._trains():
+            return
+        dist = torch.distributed
+        pg = self._group.pg
+        digest = hashlib.sha256(repr((now, accumulated)).encode()).digest()
+        mine = int.from_bytes(digest[:7], "little")
+        both = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(pg))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+        highest, lowest = both.tolist()
+        if highest == -lowest:
+            return
+        everyone: list = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(everyone, (now, accumulated), group=pg)
+        other = next(r for r, e in enumerate(everyone) if e != everyone[0])
+        (a, acc_a), (b, acc_b) = everyone[0], everyone[other]
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            name = lambda seq: f"'{seq[i]}'" if i < len(seq) else "nothing"  # noqa: E731
+            where = (f"the {_ordinal(i + 1)} trainable streamed layer of the forward: {name(a)} on rank 0, "
+                     f"{name(b)} on rank {other}")
+        else:
+            where = (f"the streamed layers run under no_sync() since the last synchronising forward: "
+                     f"{acc_a} on rank 0, {acc_b} on rank {other}")
+        raise LayerstreamError(
+            f"DistributedDataParallel over {len(everyone)} ranks: the ranks ran different streamed layers in this "
+            f"training forward ({where}). The engine all-reduces each streamed layer's gradient in its backward, "
+            f"so every rank must run the same streamed layers' backwards in the same order (DDP's "
+            f"find_unused_parameters=True covers DDP's own parameters, not the streamed ones on its ignore list); "
+            f"otherwise the ranks' collectives would not pair (a crash or a hang). Make the control flow alike on "
+            f"every rank (e.g. decide a skipped layer from a seed all ranks share, or broadcast the decision), or "
+            f"keep the layers whose use differs resident (offload(exclude=[...])).")
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def _joining(ddp) -> bool:
-    """Whether `ddp` runs inside a join() context. torch.distributed.algorithms.Join sets
-    an enabled config on each Joinable when made and never resets it: after the block the
-    flag stays set, and training outside join() was refused. A join ends (every rank has
-    joined) in DDP's join post-hook, which syncs the final model: wrapped at the first
-    forward inside the join, it records the config that ended (_JoinEnd). A join left by
-    an exception runs no post-hook: its config still reads as joining, until the next
-    join() ends. A join in which this rank ran no forward is not seen to end either."""
+    """Whether `ddp` may run inside a join() context (cheap; _join_alive() tells).
+    torch.distributed.algorithms.Join sets an enabled config on each Joinable when made
+    and never resets it: after the block the flag stays set, and training outside join()
+    was refused. A join ends (every rank has joined) in DDP's join post-hook, which syncs
+    the final model: wrapped at the first forward inside the join, it records the config
+    that ended (_JoinEnd)."""
     config = getattr(ddp, "_join_config", None)
     if not getattr(config, "enable", False):
         return False
@@ -489,6 +636,46 @@ def _joining(ddp) -> bool:
     if "_sync_final_model" not in ddp.__dict__ and hasattr(type(ddp), "_sync_final_model"):
         ddp.__dict__["_sync_final_model"] = _JoinEnd(ddp)
     return True
+
+
+def _join_alive(ddp) -> bool:
+    """Whether the join() whose config `ddp` holds (_joining() said so) is still there.
+    A join left by an exception (SyncHook's refusal, a user's error) runs no post-hook,
+    so its config read as joining and every later training forward was refused, until
+    another join() ended. Its Join object, though, is gone with its `with` block: it alone
+    holds the _DDPJoinHook it made for `ddp`. That hook is looked up once per join (a
+    scan of the garbage collector's objects: only on the way to a refusal) and held
+    weakly; once it is gone the join has ended (recorded as the post-hook's end is)."""
+    config = ddp._join_config
+    seen = ddp.__dict__.get("_layerstream_join_hook")
+    if seen is None or seen[0] is not config:
+        hook = _join_hook_of(ddp)
+        seen = (config, None if hook is None else weakref.ref(hook))
+        ddp.__dict__["_layerstream_join_hook"] = seen
+    if seen[1] is not None and seen[1]() is not None:
+        return True
+    ddp.__dict__["_layerstream_join_ended"] = config
+    return False
+
+
+def _join_hook_of(ddp):
+    """A live _DDPJoinHook made for `ddp` (by a Join, in ddp.join()), or None."""
+    import gc
+    hook_type = getattr(torch.nn.parallel.distributed, "_DDPJoinHook", None)
+    if hook_type is None:  # another torch: taken as alive, as before
+        return _AliveJoin
+    for o in gc.get_referrers(ddp):
+        if isinstance(o, hook_type) and getattr(o, "ddp", None) is ddp:
+            return o
+        if type(o) is dict and o.get("ddp") is ddp:  # a hook whose __dict__ was materialised
+            for owner in gc.get_referrers(o):
+                if isinstance(owner, hook_type) and getattr(owner, "__dict__", None) is o:
+                    return owner
+    return None
+
+
+class _AliveJoin:
+    """Stands for a join hook that cannot be looked up: never collected."""
 
 
 class _JoinEnd:

@@ -1,9 +1,12 @@
 """What keeps an offloaded model consistent: model.to()/.half() on streamed layers
 (_StreamedApply, _RootApply), to_empty() (_NoToEmpty), model.to("cpu") and back as
-suspend and resume (_HostMove) and load_state_dict() into packed weights.
+suspend and resume (_HostMove), load_state_dict() into packed weights, and
+torch.multiprocessing's moves into shared memory (_NoSharing).
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import weakref
 from typing import Optional, Sequence, Tuple
 
@@ -271,8 +274,10 @@ def install_subtree_checks(root: nn.Module, layers) -> list:
     any of that part changed, as the root's does: nn.Module._apply converts children in
     order, and a LayerNorm before the streamed Linear was already fp16 when the Linear
     refused. Modules with an _apply of their own (streamed ones) are left alone. And a
-    _NoToEmpty on those modules, the root and the streamed modules. Returns what it
-    installed, (module, attribute, object) (remove_subtree_checks removes them)."""
+    _NoToEmpty on those modules, the root and the streamed modules. And the streamed
+    parameters' host bytes to the sharing check (_NoSharing). Returns what it
+    installed, (module, attribute, object) and the _NoSharing (remove_subtree_checks
+    removes them)."""
     below = {}
     for name, applies in layers:
         parts = name.split(".") if name else []
@@ -293,13 +298,103 @@ def install_subtree_checks(root: nn.Module, layers) -> list:
         guarded.add(id(module))
         module.to_empty = _NoToEmpty(module, f"'{name}'" if name else "the offloaded model")
         installed.append((module, "to_empty", module.to_empty))
+    installed.append(_NoSharing(layers))
     return installed
 
 
 def remove_subtree_checks(installed: list) -> None:
-    for module, attr, obj in installed:
+    for entry in installed:
+        if isinstance(entry, _NoSharing):
+            entry.end()
+            continue
+        module, attr, obj = entry
         if module.__dict__.get(attr) is obj:
             del module.__dict__[attr]
+
+
+class _NoSharing:
+    """The host bytes of one model's streamed parameters (install_subtree_checks: the
+    layers' _StreamedApply name them), which torch.multiprocessing must not move.
+
+    Sending a tensor through torch.multiprocessing (a Queue, a Pipe, a Process's
+    arguments: its ForkingPickler) or ``share_memory_()`` moves the tensor's storage
+    into shared memory in place: the parameter then points away from the host copy
+    the engine streams from, and the model's next call failed with "replaced or moved
+    after offload()", which named module.to() and .data, not the send. A state_dict()'s
+    tensors are views of the same storages. torch has no hook per storage, so its two
+    ways into shared memory (``UntypedStorage._share_fd_cpu_`` and
+    ``_share_filename_cpu_``, which both paths end in) check these bytes first, from
+    the first offload() of the process on (_guard_torch_sharing); ended by detach()."""
+
+    __slots__ = ("ranges", "starts", "__weakref__")
+
+    def __init__(self, layers):
+        from ._standin import StandIn
+        self.ranges = []  # (first byte, end, name)
+        for _, applies in layers:
+            for apply in applies:
+                if not isinstance(apply, _StreamedApply):
+                    continue
+                for key in apply._keys:
+                    p = apply._module._parameters.get(key)
+                    if p is None or isinstance(p, StandIn) or p.is_meta or p.device.type != "cpu" or not p.numel():
+                        continue  # no host bytes of its own (packed, in its file)
+                    start = p.data_ptr()
+                    self.ranges.append((start, start + p.numel() * p.element_size(),
+                                        f"{apply._name}.{key}" if apply._name else key))
+        self.ranges.sort()  # by first byte: a tensor's bytes do not overlap another's
+        self.starts = [first for first, _, _ in self.ranges]
+        _guard_torch_sharing()
+        _NO_SHARING.add(self)
+
+    def holding(self, start: int, end: int) -> Optional[str]:
+        """The name of a parameter with bytes in [start, end), or None. The last one that
+        begins before `end` is such one if any is (they do not overlap)."""
+        i = bisect.bisect_left(self.starts, end)
+        if i and self.ranges[i - 1][1] > start:
+            return self.ranges[i - 1][2]
+        return None
+
+    def end(self) -> None:
+        _NO_SHARING.discard(self)
+
+
+_NO_SHARING: "weakref.WeakSet[_NoSharing]" = weakref.WeakSet()
+
+
+def _refuse_sharing(storage) -> None:
+    """Raises when `storage` holds bytes of a streamed parameter (_NoSharing)."""
+    if not _NO_SHARING:
+        return
+    start = storage.data_ptr()
+    end = start + storage.nbytes()
+    for guard in list(_NO_SHARING):
+        name = guard.holding(start, end)
+        if name is not None:
+            raise LayerstreamError(
+                f"streamed parameter '{name}' lives in layerstream's host store, where the engine streams it "
+                f"from: torch.multiprocessing would move it into shared memory (a tensor or a state_dict() "
+                f"sent through its Queue, Pipe or a Process's arguments, or share_memory_()), away from the "
+                f"engine, and the model's next call would fail. Send a copy instead (param.detach().clone(), "
+                f"{{k: v.clone() for k, v in model.state_dict().items()}}), or detach() the offload handle "
+                f"first (the weights become ordinary tensors).")
+
+
+def _guard_torch_sharing() -> None:
+    """Once per process: torch.UntypedStorage's ways into shared memory refuse a streamed
+    parameter's bytes first (_NoSharing)."""
+    for attr in ("_share_fd_cpu_", "_share_filename_cpu_"):
+        share = getattr(torch.UntypedStorage, attr, None)
+        if share is None or getattr(share, "_layerstream_checked", False):
+            continue
+
+        def checked(self, *args, _share=share, **kwargs):
+            _refuse_sharing(self)
+            return _share(self, *args, **kwargs)
+
+        functools.update_wrapper(checked, share)
+        checked._layerstream_checked = True
+        setattr(torch.UntypedStorage, attr, checked)
 
 
 def _requested_move(kind: str, args, kwargs) -> Tuple[Optional[torch.device], Optional[torch.dtype], bool]:

@@ -772,4 +772,28 @@ MUTATIONS = [
         [P + "test_attention.py::test_an_exported_attention_called_twice_gets_both_calls_gradients"],
         "a group's fake kernel puts offload()'s tensors back where export had its parameter inputs: a second "
         "call of the group is exported with constants and its gradients are lost"),
+    Mutation(
+        "multiprocessing-share-of-streamed-unrefused", "python/layerstream/_guards.py",
+        "        if i and self.ranges[i - 1][1] > start:",
+        "        if False:",
+        [P + "test_ddp_rules.py::test_sending_a_streamed_parameter_through_torch_multiprocessing_is_refused_and_the_model_keeps_its_numbers"],
+        "a state_dict sent through torch.multiprocessing moves streamed storages away from the engine; the next call names module.to()"),
+    Mutation(
+        "ddp-after-late-init-unchecked", "python/layerstream/_distributed.py",
+        "        model._ddp_params_and_buffers_to_ignore = _IgnoreList(ignored, model)",
+        "        model._ddp_params_and_buffers_to_ignore = ignored",
+        [P + "test_ddp_rules.py::test_ddp_of_a_model_offloaded_before_init_process_group_without_world_size_is_checked"],
+        "offload() before init_process_group() without WORLD_SIZE (mp.spawn): DDP's ranks step streamed weights apart, silently"),
+    Mutation(
+        "join-left-by-exception-never-ends", "python/layerstream/_distributed.py",
+        "    if seen[1] is not None and seen[1]() is not None:\n        return True",
+        "    if True:\n        return True",
+        [P + "test_ddp_rules.py::test_training_after_a_join_left_by_an_exception_equals_the_resident_model"],
+        "after a join() left by an exception every training forward is refused as if still inside join()"),
+    Mutation(
+        "ranks-different-streamed-backwards-unchecked", "python/layerstream/_distributed.py",
+        "        if highest == -lowest:\n            return",
+        "        if True:\n            return",
+        [P + "test_ddp_rules.py::test_ranks_that_run_different_streamed_layers_are_refused_naming_the_layer"],
+        "a rank that skips a streamed layer under DDP: gloo aborts a rank ('collective mismatch'), the rule unnamed"),
 ]
