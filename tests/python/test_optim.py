@@ -878,6 +878,67 @@ def test_overlap_steps_layers_during_backward_with_the_same_result(offload_sim, 
         assert torch.equal(p, q), n
 
 
+# ---------------------------------------------------------------- weight decay with narrow weights or states
+def _bf16_ulp(x):
+    """One bf16 ulp at |x| (8 significant bits), elementwise."""
+    e = torch.frexp(x.abs().double().clamp_min(2.0 ** -126))[1]
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - 8)
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.bfloat16, "fp32"), (torch.bfloat16, "bf16"),
+                                             (torch.float32, "bf16"), (torch.float32, "8bit"),
+                                             (torch.bfloat16, "8bit")],
+                         ids=["bf16-fp32states", "bf16-bf16states", "fp32-bf16states", "fp32-8bit", "bf16-8bit"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap"])
+def test_adamw_weight_decay_with_narrow_weights_or_states_matches_torch(offload_sim, dtype, precision, overlap):
+    """weight_decay=0.1 on bf16 weights, bf16 states or 8-bit states, stepped after the
+    backward or under overlap(): the weights follow torch.optim.AdamW (float64, fed the
+    same gradients) to the roundings those formats add. The host kernels were compared
+    with torch only for fp32 weights with fp32 states; the others against each other
+    (overlap against step) or with weight_decay=0, so kernels that dropped the decay
+    passed every test."""
+    torch.manual_seed(0)
+    model = Deep(d=64).to(dtype)
+    ref = [nn.Parameter(p.detach().double()) for p in model.parameters()]
+    handle = offload_sim(model)
+    lr, wd, steps = 1e-2, 0.1, 6
+    opt = AdamW(model.parameters(), lr=lr, weight_decay=wd, state_precision=precision, seed=3)
+    ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=wd, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        loss = model(torch.randn(8, 64, generator=gen).to(dtype)).float().square().mean()
+        with opt.overlap(handle, keep_grads=True) if overlap else contextlib.nullcontext():
+            loss.backward()
+        opt.step()
+        for p, r in zip(model.parameters(), ref):
+            r.grad = p.grad.double()  # the gradient the step used (kept under overlap)
+        ref_opt.step()
+        opt.zero_grad()
+    if overlap:
+        assert opt.last_overlap_params == 8
+    got = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    want = torch.cat([r.detach().flatten() for r in ref])
+    err = got - want
+    # Elementwise: each step rounds a bf16 weight once, by less than one ulp (stochastic
+    # rounding), at a magnitude below |w| + lr per step. Narrow states change the update
+    # (about lr per step in size): bf16 states by their 8-bit mantissas (measured: under
+    # 0.004 lr per step), 8-bit states by their 3-bit ones (under 0.09 lr); the bounds are
+    # 5x and 3x those.
+    tol = torch.full_like(want, steps * lr * {"fp32": 0.0, "bf16": 0.02, "8bit": 0.25}[precision])
+    if dtype == torch.bfloat16:
+        tol += steps * _bf16_ulp(want.abs() + steps * lr)
+    worst = (err.abs() / tol).argmax()
+    assert err.abs()[worst] <= tol[worst], (worst.item(), got[worst].item(), want[worst].item())
+    # The decay itself: it pulls every weight towards zero by lr * wd * |w| per step,
+    # 6e-3 |w| in all here, which the elementwise bound (several ulps) can hide. The
+    # roundings and the narrow states' errors do not depend on the weight's sign and
+    # average to zero, so the mean error along sign(w) is zero to 5 of its standard
+    # errors; steps without the decay leave it at +6e-3 mean|w| (over 10x that bound).
+    along = err * want.sign()
+    bound = 5 * along.std().item() / math.sqrt(along.numel())
+    assert abs(along.mean().item()) <= bound, (along.mean().item(), bound, lr * wd * steps * want.abs().mean().item())
+
+
 @pytest.mark.parametrize("slots", [2, 3, 5])
 def test_overlapped_steps_that_leave_the_trace_write_no_weight_a_copy_reads(offload_sim, slots):
     """Note [No copy in flight at a step's end] (csrc/core/scheduler.cpp): the first two
