@@ -502,6 +502,53 @@ def test_adafactor_matches_transformers(kw):
         assert float(sa["RMS"]) == pytest.approx(float(sb["RMS"]), rel=1e-6)
 
 
+@pytest.mark.parametrize("kw", [
+    {},
+    {"lr": 1e-2, "relative_step": False, "beta1": 0.9, "weight_decay": 0.01},
+    {"lr": 5e-3, "relative_step": False, "scale_parameter": False, "clip_threshold": 0.5, "weight_decay": 0.1},
+], ids=["default", "lr-beta1-wd", "no-scale-wd"])
+def test_adafactor_on_bf16_parameters_matches_transformers(kw):
+    """bf16 parameters on the host, stepped by the host kernel (stochastic rounding):
+    transformers' Adafactor on fp32 copies of them, fed the same bf16 gradients, to a
+    rounding per step. Only fp32 parameters were compared on the host (bf16 ones only
+    through the device path, optim_adafactor_step_torch), so a host kernel that never
+    wrote bf16 parameters back passed every test."""
+    from transformers.optimization import Adafactor as Reference
+
+    torch.manual_seed(0)
+    params = [torch.randn(96, 80), torch.randn(80), torch.randn(3, 20, 24)]  # 2-D, 1-D, 3-D
+    ours = [nn.Parameter(p.bfloat16()) for p in params]
+    theirs = [nn.Parameter(p.bfloat16().float()) for p in params]
+    opt, ref = Adafactor(ours, seed=2, **kw), Reference(theirs, **kw)
+    gen = torch.Generator().manual_seed(9)
+    steps = 10
+    peak = torch.cat([b.detach().double().abs().flatten() for b in theirs])  # largest |w| on the way
+    for _ in range(steps):
+        for a, b in zip(ours, theirs):
+            g = (torch.randn(a.shape, generator=gen) * 0.1).bfloat16()
+            a.grad, b.grad = g, g.float()
+        opt.step()
+        ref.step()
+        peak = torch.maximum(peak, torch.cat([b.detach().double().abs().flatten() for b in theirs]))
+    assert all(p.dtype == torch.bfloat16 for p in ours)
+    got = torch.cat([a.detach().double().flatten() for a in ours])
+    want = torch.cat([b.detach().double().flatten() for b in theirs])
+    err = got - want
+    # Each step rounds a weight once, by less than one bf16 ulp (stochastic rounding), and
+    # the update hardly depends on the weight (through its RMS and the decay): within
+    # `steps` ulps at the largest magnitude on the way (10% over the reference's, for our
+    # own weight's distance from it).
+    tol = steps * _bf16_ulp(1.1 * peak)
+    worst = (err.abs() / tol).argmax()
+    assert err.abs()[worst] <= tol[worst], (worst.item(), got[worst].item(), want[worst].item())
+    # The roundings are unbiased and do not depend on the weight's sign, the decay pulls
+    # every weight towards zero: the mean error along sign(w) is zero to 5 standard errors
+    # (steps without the decay leave it at 2x that bound for wd=0.01, 10x for wd=0.1).
+    along = err * want.sign()
+    bound = 5 * along.std().item() / math.sqrt(along.numel())
+    assert abs(along.mean().item()) <= bound, (along.mean().item(), bound)
+
+
 def test_adafactor_leaves_a_parameter_of_zero_elements_as_transformers_does():
     """A (0, 4) parameter beside others: the step raised "factored states ... do not
     match its shape" (transformers' Adafactor steps past it)."""
