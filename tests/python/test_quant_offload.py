@@ -375,13 +375,19 @@ def test_fp8_by_its_other_names_and_none_are_read_as_the_engine_reads_them():
         run("e5m2")
 
 
-def test_prequantized_torch_qint8_weight_streams_exactly():
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per-channel", "per-tensor"])
+def test_prequantized_torch_qint8_weight_streams_exactly(per_tensor):
+    """Per channel (axis 0) and per tensor (one scale, a path of its own that no test
+    had run): equal to F.linear over q.dequantize()."""
     lin = nn.Linear(64, 32)
     w = lin.weight.detach()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(32, dtype=torch.long), 0,
-                                       torch.qint8)
+        if per_tensor:
+            q = torch.quantize_per_tensor(w, w.abs().max().item() / 127, 0, torch.qint8)
+        else:
+            q = torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(32, dtype=torch.long), 0,
+                                           torch.qint8)
     del lin.weight
     lin.weight = q
     x = torch.randn(3, 64)
