@@ -35,8 +35,10 @@ def quantized_toy(lib, qtype, dtype):
         quanto.quantize(m, weights={"qint8": quanto.qint8, "qfloat8": quanto.qfloat8}[qtype],
                         exclude="proj_out")
         quanto.freeze(m)
-    else:
-        config = {"int8": torchao_q.Int8WeightOnlyConfig, "float8": torchao_q.Float8WeightOnlyConfig}[qtype]()
+    else:  # "int8-tensor" / "float8-tensor": one scale for each weight (granularity PerTensor())
+        kind, _, per = qtype.partition("-")
+        config = {"int8": torchao_q.Int8WeightOnlyConfig, "float8": torchao_q.Float8WeightOnlyConfig}[kind](
+            **({"granularity": torchao_q.PerTensor()} if per == "tensor" else {}))
         torchao_q.quantize_(m, config, filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and fqn != "proj_out")
     m.requires_grad_(False)
     return m
@@ -45,7 +47,8 @@ def quantized_toy(lib, qtype, dtype):
 CASES = [("quanto", "qint8", "fp32"), ("quanto", "qint8", "fp16"),
          ("quanto", "qfloat8", "fp32"), ("quanto", "qfloat8", "bf16"), ("quanto", "qfloat8", "fp16"),
          ("torchao", "int8", "fp32"), ("torchao", "int8", "bf16"), ("torchao", "int8", "fp16"),
-         ("torchao", "float8", "fp32"), ("torchao", "float8", "bf16")]
+         ("torchao", "float8", "fp32"), ("torchao", "float8", "bf16"),
+         ("torchao", "int8-tensor", "bf16"), ("torchao", "float8-tensor", "bf16")]
 
 
 @pytest.mark.parametrize("lib,qtype,dt", CASES, ids=["-".join(c) for c in CASES])
@@ -56,6 +59,8 @@ def test_quantized_model_output_and_input_grad_equal_the_resident_quantized_mode
     mgr = MemoryManager.attach(model, torch.device("cpu"), ignore_modules=[model.proj_in])
     streamed = [n for n, m in model.named_modules() if hasattr(m, "_layer_memory_manager")]
     assert streamed == ["blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "proj_out"]
+    if qtype.endswith("-tensor"):  # one scale for the tensor (a path of its own: spread over the rows)
+        assert ref.blocks[0].up.weight.scale.numel() == 1
     torch.manual_seed(1)
     x = torch.randn(2, 5, 32, dtype=dtype, requires_grad=True)
     xr = x.detach().clone().requires_grad_()

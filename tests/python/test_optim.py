@@ -502,6 +502,53 @@ def test_adafactor_matches_transformers(kw):
         assert float(sa["RMS"]) == pytest.approx(float(sb["RMS"]), rel=1e-6)
 
 
+@pytest.mark.parametrize("kw", [
+    {},
+    {"lr": 1e-2, "relative_step": False, "beta1": 0.9, "weight_decay": 0.01},
+    {"lr": 5e-3, "relative_step": False, "scale_parameter": False, "clip_threshold": 0.5, "weight_decay": 0.1},
+], ids=["default", "lr-beta1-wd", "no-scale-wd"])
+def test_adafactor_on_bf16_parameters_matches_transformers(kw):
+    """bf16 parameters on the host, stepped by the host kernel (stochastic rounding):
+    transformers' Adafactor on fp32 copies of them, fed the same bf16 gradients, to a
+    rounding per step. Only fp32 parameters were compared on the host (bf16 ones only
+    through the device path, optim_adafactor_step_torch), so a host kernel that never
+    wrote bf16 parameters back passed every test."""
+    from transformers.optimization import Adafactor as Reference
+
+    torch.manual_seed(0)
+    params = [torch.randn(96, 80), torch.randn(80), torch.randn(3, 20, 24)]  # 2-D, 1-D, 3-D
+    ours = [nn.Parameter(p.bfloat16()) for p in params]
+    theirs = [nn.Parameter(p.bfloat16().float()) for p in params]
+    opt, ref = Adafactor(ours, seed=2, **kw), Reference(theirs, **kw)
+    gen = torch.Generator().manual_seed(9)
+    steps = 10
+    peak = torch.cat([b.detach().double().abs().flatten() for b in theirs])  # largest |w| on the way
+    for _ in range(steps):
+        for a, b in zip(ours, theirs):
+            g = (torch.randn(a.shape, generator=gen) * 0.1).bfloat16()
+            a.grad, b.grad = g, g.float()
+        opt.step()
+        ref.step()
+        peak = torch.maximum(peak, torch.cat([b.detach().double().abs().flatten() for b in theirs]))
+    assert all(p.dtype == torch.bfloat16 for p in ours)
+    got = torch.cat([a.detach().double().flatten() for a in ours])
+    want = torch.cat([b.detach().double().flatten() for b in theirs])
+    err = got - want
+    # Each step rounds a weight once, by less than one bf16 ulp (stochastic rounding), and
+    # the update hardly depends on the weight (through its RMS and the decay): within
+    # `steps` ulps at the largest magnitude on the way (10% over the reference's, for our
+    # own weight's distance from it).
+    tol = steps * _bf16_ulp(1.1 * peak)
+    worst = (err.abs() / tol).argmax()
+    assert err.abs()[worst] <= tol[worst], (worst.item(), got[worst].item(), want[worst].item())
+    # The roundings are unbiased and do not depend on the weight's sign, the decay pulls
+    # every weight towards zero: the mean error along sign(w) is zero to 5 standard errors
+    # (steps without the decay leave it at 2x that bound for wd=0.01, 10x for wd=0.1).
+    along = err * want.sign()
+    bound = 5 * along.std().item() / math.sqrt(along.numel())
+    assert abs(along.mean().item()) <= bound, (along.mean().item(), bound)
+
+
 def test_adafactor_leaves_a_parameter_of_zero_elements_as_transformers_does():
     """A (0, 4) parameter beside others: the step raised "factored states ... do not
     match its shape" (transformers' Adafactor steps past it)."""
@@ -876,6 +923,67 @@ def test_overlap_steps_layers_during_backward_with_the_same_result(offload_sim, 
     assert fused == [8] * 5
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
+
+
+# ---------------------------------------------------------------- weight decay with narrow weights or states
+def _bf16_ulp(x):
+    """One bf16 ulp at |x| (8 significant bits), elementwise."""
+    e = torch.frexp(x.abs().double().clamp_min(2.0 ** -126))[1]
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - 8)
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.bfloat16, "fp32"), (torch.bfloat16, "bf16"),
+                                             (torch.float32, "bf16"), (torch.float32, "8bit"),
+                                             (torch.bfloat16, "8bit")],
+                         ids=["bf16-fp32states", "bf16-bf16states", "fp32-bf16states", "fp32-8bit", "bf16-8bit"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap"])
+def test_adamw_weight_decay_with_narrow_weights_or_states_matches_torch(offload_sim, dtype, precision, overlap):
+    """weight_decay=0.1 on bf16 weights, bf16 states or 8-bit states, stepped after the
+    backward or under overlap(): the weights follow torch.optim.AdamW (float64, fed the
+    same gradients) to the roundings those formats add. The host kernels were compared
+    with torch only for fp32 weights with fp32 states; the others against each other
+    (overlap against step) or with weight_decay=0, so kernels that dropped the decay
+    passed every test."""
+    torch.manual_seed(0)
+    model = Deep(d=64).to(dtype)
+    ref = [nn.Parameter(p.detach().double()) for p in model.parameters()]
+    handle = offload_sim(model)
+    lr, wd, steps = 1e-2, 0.1, 6
+    opt = AdamW(model.parameters(), lr=lr, weight_decay=wd, state_precision=precision, seed=3)
+    ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=wd, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        loss = model(torch.randn(8, 64, generator=gen).to(dtype)).float().square().mean()
+        with opt.overlap(handle, keep_grads=True) if overlap else contextlib.nullcontext():
+            loss.backward()
+        opt.step()
+        for p, r in zip(model.parameters(), ref):
+            r.grad = p.grad.double()  # the gradient the step used (kept under overlap)
+        ref_opt.step()
+        opt.zero_grad()
+    if overlap:
+        assert opt.last_overlap_params == 8
+    got = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    want = torch.cat([r.detach().flatten() for r in ref])
+    err = got - want
+    # Elementwise: each step rounds a bf16 weight once, by less than one ulp (stochastic
+    # rounding), at a magnitude below |w| + lr per step. Narrow states change the update
+    # (about lr per step in size): bf16 states by their 8-bit mantissas (measured: under
+    # 0.004 lr per step), 8-bit states by their 3-bit ones (under 0.09 lr); the bounds are
+    # 5x and 3x those.
+    tol = torch.full_like(want, steps * lr * {"fp32": 0.0, "bf16": 0.02, "8bit": 0.25}[precision])
+    if dtype == torch.bfloat16:
+        tol += steps * _bf16_ulp(want.abs() + steps * lr)
+    worst = (err.abs() / tol).argmax()
+    assert err.abs()[worst] <= tol[worst], (worst.item(), got[worst].item(), want[worst].item())
+    # The decay itself: it pulls every weight towards zero by lr * wd * |w| per step,
+    # 6e-3 |w| in all here, which the elementwise bound (several ulps) can hide. The
+    # roundings and the narrow states' errors do not depend on the weight's sign and
+    # average to zero, so the mean error along sign(w) is zero to 5 of its standard
+    # errors; steps without the decay leave it at +6e-3 mean|w| (over 10x that bound).
+    along = err * want.sign()
+    bound = 5 * along.std().item() / math.sqrt(along.numel())
+    assert abs(along.mean().item()) <= bound, (along.mean().item(), bound, lr * wd * steps * want.abs().mean().item())
 
 
 @pytest.mark.parametrize("slots", [2, 3, 5])

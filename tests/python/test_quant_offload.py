@@ -375,13 +375,19 @@ def test_fp8_by_its_other_names_and_none_are_read_as_the_engine_reads_them():
         run("e5m2")
 
 
-def test_prequantized_torch_qint8_weight_streams_exactly():
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per-channel", "per-tensor"])
+def test_prequantized_torch_qint8_weight_streams_exactly(per_tensor):
+    """Per channel (axis 0) and per tensor (one scale, a path of its own that no test
+    had run): equal to F.linear over q.dequantize()."""
     lin = nn.Linear(64, 32)
     w = lin.weight.detach()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(32, dtype=torch.long), 0,
-                                       torch.qint8)
+        if per_tensor:
+            q = torch.quantize_per_tensor(w, w.abs().max().item() / 127, 0, torch.qint8)
+        else:
+            q = torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(32, dtype=torch.long), 0,
+                                           torch.qint8)
     del lin.weight
     lin.weight = q
     x = torch.randn(3, 64)
@@ -394,6 +400,31 @@ def test_prequantized_torch_qint8_weight_streams_exactly():
     with pytest.raises(layerstream.LayerstreamError, match="change their dtype"):
         lin.half()  # the bias would change dtype
 
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per-row", "per-tensor"])
+def test_prequantized_int8_weight_with_weight_scale_streams_exactly(per_tensor):
+    """An int8 weight with a `weight_scale` attribute (one scale per row, or one for the
+    tensor) computes F.linear(x, codes * scale, bias) bit for bit (the codes times an
+    fp32 scale: the same fp32 products), and detach() gives back the module's own int8
+    parameter and scale. It was only ever streamed with a constant scale and never
+    compared, so a scale lost on the way (every row at 1) passed."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    scale = torch.tensor(0.013) if per_tensor else torch.rand(32) * 0.02 + 0.001
+    del lin.weight
+    lin.weight = nn.Parameter(codes.clone(), requires_grad=False)
+    lin.weight_scale = scale
+    weight = lin.weight
+    x = torch.randn(3, 64)
+    expected = nn.functional.linear(x, codes.float() * (scale if per_tensor else scale[:, None]), lin.bias)
+    h = layerstream.offload(lin, device="sim")
+    assert torch.equal(lin(x), expected)
+    assert h.stats()["h2d_bytes"] < 64 * 32 * 2  # packed int8, not fp32
+    h.detach()
+    assert lin.weight is weight and lin.weight.dtype == torch.int8 and torch.equal(lin.weight, codes)
+    assert lin.weight_scale is scale
 
 def _align256(n):
     return (n + 255) // 256 * 256

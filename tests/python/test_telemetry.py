@@ -70,12 +70,47 @@ def test_trace_export_is_valid_chrome_json_with_lanes_and_slices(tmp_path):
             assert e["dur"] >= 0 and e["ts"] >= 0
 
 
-def test_timeline_png(tmp_path):
+def test_timeline_png(tmp_path, monkeypatch):
+    """Each lane of the trace gets one bar per slice, in its row and its colour, and a
+    line per step boundary; the bars show in the PNG. Only the PNG's header was checked,
+    so a chart with the lane names and nothing drawn passed."""
     pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    import matplotlib.image
+    from layerstream.timeline import _COLORS
+
     m, h = run_steps(steps=2)
+    h.export_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    slices = [e for e in events if e.get("ph") == "X"]
+    drawn, lines = [], []
+    barh, axvline = matplotlib.axes.Axes.broken_barh, matplotlib.axes.Axes.axvline
+    monkeypatch.setattr(matplotlib.axes.Axes, "broken_barh",
+                        lambda ax, bars, yrange, **kw: drawn.append((list(bars), yrange, kw)) or barh(ax, bars, yrange, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
+                        lambda ax, x=0, *a, **kw: lines.append(x) or axvline(ax, x, *a, **kw))
     path = tmp_path / "timeline.png"
     h.plot_timeline(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(drawn) == len(lanes) and {"compute", "transfer", "grad"} <= set(lanes.values())
+    t0 = min(e["ts"] for e in slices)
+    span_ms = (max(e["ts"] + e["dur"] for e in slices) - t0) / 1000.0
+    img = (matplotlib.image.imread(str(path))[..., :3] * 255).round().astype(int)
+    wide = 0
+    for row, ((bars, yrange, kw), tid) in enumerate(zip(drawn, sorted(lanes))):
+        lane = lanes[tid]
+        own = sorted(((e["ts"] - t0) / 1000.0, e["dur"] / 1000.0) for e in slices if e["tid"] == tid)
+        assert own and sorted(bars) == pytest.approx(own), lane
+        assert yrange == (row - 0.4, 0.8) and kw["facecolors"] == _COLORS[lane], lane
+        # A bar over 1/200 of the time axis (over 5 pixels of ~1200) has pixels of exactly
+        # its colour inside it (narrower ones may be blended into their neighbours).
+        if max(d for _, d in own) > span_ms / 200:
+            wide += 1
+            rgb = [int(_COLORS[lane][i:i + 2], 16) for i in (1, 3, 5)]
+            assert (img == rgb).all(-1).any(), lane
+    assert wide >= 1  # compute's bars are milliseconds long
+    assert len(lines) == sum(e.get("ph") == "i" for e in events) >= 1  # a line per step boundary
 
 
 def test_export_without_trace_is_a_clear_error(tmp_path):
