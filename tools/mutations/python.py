@@ -747,4 +747,11 @@ MUTATIONS = [
         "        back = \"call detach() on that handle first\"\n",
         [P + "test_misuse.py::test_a_model_offloaded_by_a_dropped_handle_names_the_way_back"],
         "offload() of a model whose handle was dropped says to detach 'that handle', which the user no longer has"),
+    Mutation(
+        "overlap-counts-ctrl-c-not-held", "python/layerstream/optim.py",
+        "        with held_interrupts():\n            scale, done, stepped, skipped = self._finish_overlap(",
+        "        if True:\n            scale, done, stepped, skipped = self._finish_overlap(",
+        [P + "test_interrupts.py::test_a_ctrl_c_as_an_overlapped_step_settles_lands_after_its_counts"],
+        "a Ctrl-C as an overlapped step's wait() or settle() returns leaves Adafactor's counts behind the layers "
+        "stepped: every later step's lr and decay one step off"),
 ]
