@@ -355,7 +355,9 @@ class Handle(_RefusesCopy):
         """Restores the modules: original forward, weights as ordinary tensors
         on their original devices, bit-identical (a suspended model's resident
         parts are moved back first)."""
-        with self._in_turn(sys._getframe()), held_interrupts():  # Ctrl-C after it, not half way
+        from ._offload import _HeldSignals
+        # Ctrl-C or a timeout's signal after it, not half way (Note [A signal lands between steps])
+        with self._in_turn(sys._getframe()), _HeldSignals():
             self._detach()
 
     def _detach(self) -> None:

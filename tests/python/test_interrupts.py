@@ -95,3 +95,137 @@ def test_a_ctrl_c_as_a_refused_overlapped_step_is_taken_back_lands_after_its_cou
         assert not torch.equal(p, b) and opt.state[p]["step"] == 1
     h.detach()
 
+
+# ------------------------------------------------ offload() and detach() under a timeout's signal
+class _Timeout(Exception):
+    """What a SIGALRM timeout handler raises (pytest-timeout's signal method, timeout-decorator)."""
+
+
+@contextlib.contextmanager
+def _timeout_handler():
+    def raise_timeout(signum, frame):
+        raise _Timeout()
+    previous = signal.signal(signal.SIGALRM, raise_timeout)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+# Counted: the events of layerstream's frames (calls, returns, the C calls they make, but
+# Python's builtins and containers' methods: isinstance(), dict.items(), ...). Not the
+# returns of offload() and of its last step (_attach): an exception there is offload()'s
+# caller's, as after any call (Note [A signal lands between steps]); nor its first
+# steps, which only read the model (discovery, formats, host plan).
+_READ_ONLY = ("_discovery.py", "_formats.py", "_host_plan.py", "_prequant.py")
+
+
+def _counted(frame, event, arg) -> bool:
+    import builtins
+    import os
+    path = frame.f_code.co_filename
+    if not path.startswith(os.path.dirname(layerstream.__file__)) or os.path.basename(path) in _READ_ONLY:
+        return False
+    if event.startswith("c_"):
+        owner = getattr(arg, "__self__", None)
+        return not (owner is builtins or isinstance(owner, (dict, list, set, tuple, str)) or arg is signal.getsignal)
+    return not (event == "return" and frame.f_code.co_name in ("offload", "_attach"))
+
+
+def _run_signalled(fn, n: int):
+    """fn() with SIGALRM raised at its n-th counted event (0: none): (fn's result or None,
+    the _Timeout it raised or None, the events counted)."""
+    counted = []
+
+    def hook(frame, event, arg):
+        if _counted(frame, event, arg):
+            counted.append(event)
+            if len(counted) == n:
+                signal.raise_signal(signal.SIGALRM)
+    sys.setprofile(hook)
+    try:
+        return fn(), None, len(counted)
+    except _Timeout as e:
+        return None, e, len(counted)
+    finally:
+        sys.setprofile(None)
+
+
+def _left_on(model, ref) -> list:
+    """What offload() left on `model` that `ref` (its copy from before) does not have."""
+    left = []
+    for name, m in model.named_modules():
+        left += [f"{name}.{k}" for k in ("forward", "_apply", "_layerstream_handle", "__deepcopy__", "to", "cpu",
+                                          "cuda") if k in m.__dict__]
+        left += [f"{name}: hooks"] if m._forward_pre_hooks or m._forward_hooks else []
+        left += [f"{name}.{k}: {type(p).__name__}" for k, p in m._parameters.items()
+                 if type(p) is not nn.Parameter or hasattr(p, "_is_memory_managed")]
+    if not all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())):
+        left.append("values")
+    return left
+
+
+def test_a_timeout_signal_anywhere_in_offload_lands_with_the_model_as_it_was():
+    """A SIGALRM handler's exception (a timeout) landing in offload() as a C++ call
+    returned (engine.add_linear: before the layer was recorded) left layers the undo did
+    not know ("offload() failed and undoing it failed too: detach needs one device per
+    layer"), forwards streaming from a dropped engine: a model neither plain nor
+    offloaded. Only Ctrl-C was held. Now every signal with a Python handler is held and
+    lands between layers or at the end, inside the undo: at every event of offload()'s
+    code it raises, the model as it was, and offload() works again."""
+    model = _stacked()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        want = ref(x)
+
+    def offload():
+        return layerstream.offload(model, device="sim", activations="host")
+    with _timeout_handler():
+        h, _, events = _run_signalled(offload, 0)
+        h.detach()
+        assert events > 100
+        for n in range(1, events + 1):
+            h, raised, _ = _run_signalled(offload, n)
+            assert raised is not None and _left_on(model, ref) == [], n
+        h = offload()
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        h.detach()
+        assert _left_on(model, ref) == []
+
+
+def test_a_timeout_signal_anywhere_in_detach_lands_after_it():
+    """detach() held only Ctrl-C: a timeout's exception as engine.detach() returned left
+    the handle attached to a detached engine ("this layerstream handle was already
+    detached" on the next detach) and the modules streaming from it ("the weight of
+    streamed layer '0' was replaced or moved"). At every event of detach()'s code now:
+    raised before it began, the handle still works; else once it is done: a plain model
+    that offloads again."""
+    model = _stacked(5)
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        want = ref(x)
+
+    def offload():  # 4 layers streamed, one kept resident
+        return layerstream.offload(model, device="sim", activations="host", budget=5130)
+    with _timeout_handler():
+        h = offload()
+        assert len(h.layers) == 4
+        _, _, events = _run_signalled(h.detach, 0)
+        assert events > 50
+        for n in range(1, events + 1):
+            h = offload()
+            _, raised, _ = _run_signalled(h.detach, n)
+            assert raised is not None, n
+            if h._engine is not None:  # landed before detach() began
+                with torch.no_grad():
+                    assert torch.equal(model(x), want), n
+                h.detach()
+            assert _left_on(model, ref) == [], n
+    h = offload()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    h.detach()
+

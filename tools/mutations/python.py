@@ -754,4 +754,12 @@ MUTATIONS = [
         [P + "test_interrupts.py::test_a_ctrl_c_as_an_overlapped_step_settles_lands_after_its_counts"],
         "a Ctrl-C as an overlapped step's wait() or settle() returns leaves Adafactor's counts behind the layers "
         "stepped: every later step's lr and decay one step off"),
+    Mutation(
+        "only-ctrl-c-held-in-offload", "python/layerstream/_offload.py",
+        "        for s in signal.valid_signals():\n            handler = signal.getsignal(s)",
+        "        for s in [signal.SIGINT]:\n            handler = signal.getsignal(s)",
+        [P + "test_interrupts.py::test_a_timeout_signal_anywhere_in_offload_lands_with_the_model_as_it_was",
+         P + "test_interrupts.py::test_a_timeout_signal_anywhere_in_detach_lands_after_it"],
+        "a timeout's SIGALRM exception as offload()'s engine.add_* or detach()'s engine.detach() returns leaves a "
+        "model neither streamed nor plain"),
 ]
