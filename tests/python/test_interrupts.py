@@ -229,3 +229,40 @@ def test_a_timeout_signal_anywhere_in_detach_lands_after_it():
         assert torch.equal(model(x), want)
     h.detach()
 
+
+class _Planted(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("step", ["put_forward_back", "remove_subtree_checks", "CallHooks.remove",
+                                  "ResidentQuantized.remove"])
+def test_a_step_of_detach_that_raises_after_the_engine_let_go_does_not_stop_the_others(monkeypatch, step):
+    """Once engine.detach() returned there is no way back, yet an exception from one of
+    the steps after it (any BaseException: a planted one here, once, after the step did
+    its work) ended detach() there: the modules after it kept streaming from the detached
+    engine, the handle stayed attached to it, and no call could finish. Now every step
+    runs and the exception propagates after them: the handle detached, the model plain."""
+    import layerstream._handle as handle_module
+    owner, name = (handle_module, step) if "." not in step else (getattr(handle_module, step.split(".")[0]),
+                                                                 step.split(".")[1])
+    original, raised = getattr(owner, name), []
+
+    def once_then_raise(*args, **kw):
+        result = original(*args, **kw)
+        if not raised:
+            raised.append(True)
+            raise _Planted()
+        return result
+    model = _stacked()
+    ref = copy.deepcopy(model)
+    h = layerstream.offload(model, device="sim")
+    monkeypatch.setattr(owner, name, once_then_raise)
+    with pytest.raises(_Planted):
+        h.detach()
+    monkeypatch.undo()
+    assert h._engine is None and _left_on(model, ref) == []
+    h = layerstream.offload(model, device="sim")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    h.detach()

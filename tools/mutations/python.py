@@ -762,4 +762,11 @@ MUTATIONS = [
          P + "test_interrupts.py::test_a_timeout_signal_anywhere_in_detach_lands_after_it"],
         "a timeout's SIGALRM exception as offload()'s engine.add_* or detach()'s engine.detach() returns leaves a "
         "model neither streamed nor plain"),
+    Mutation(
+        "detach-stops-at-a-failed-step", "python/layerstream/_handle.py",
+        "        except BaseException as e:  # raised below, after the other steps\n            errors.append(e)\n",
+        "        except BaseException as e:  # raised below, after the other steps\n            raise\n",
+        [P + "test_interrupts.py::test_a_step_of_detach_that_raises_after_the_engine_let_go_does_not_stop_the_others"],
+        "a step of detach() that raises after engine.detach() leaves the later modules streaming from a detached "
+        "engine"),
 ]
