@@ -101,15 +101,20 @@ class _Timeout(Exception):
     """What a SIGALRM timeout handler raises (pytest-timeout's signal method, timeout-decorator)."""
 
 
+# Sent as SIGUSR1, whose handler raises as a SIGALRM timeout's would (SIGALRM itself may
+# be a test runner's own timer).
+_SIGNAL = signal.SIGUSR1
+
+
 @contextlib.contextmanager
 def _timeout_handler():
     def raise_timeout(signum, frame):
         raise _Timeout()
-    previous = signal.signal(signal.SIGALRM, raise_timeout)
+    previous = signal.signal(_SIGNAL, raise_timeout)
     try:
         yield
     finally:
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(_SIGNAL, previous)
 
 
 # Counted: the events of layerstream's frames (calls, returns, the C calls they make, but
@@ -133,7 +138,7 @@ def _counted(frame, event, arg) -> bool:
 
 
 def _run_signalled(fn, n: int):
-    """fn() with SIGALRM raised at its n-th counted event (0: none): (fn's result or None,
+    """fn() with the signal raised at its n-th counted event (0: none): (fn's result or None,
     the _Timeout it raised or None, the events counted)."""
     counted = []
 
@@ -141,7 +146,7 @@ def _run_signalled(fn, n: int):
         if _counted(frame, event, arg):
             counted.append(event)
             if len(counted) == n:
-                signal.raise_signal(signal.SIGALRM)
+                signal.raise_signal(_SIGNAL)
     sys.setprofile(hook)
     try:
         return fn(), None, len(counted)
