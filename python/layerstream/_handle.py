@@ -355,7 +355,9 @@ class Handle(_RefusesCopy):
         """Restores the modules: original forward, weights as ordinary tensors
         on their original devices, bit-identical (a suspended model's resident
         parts are moved back first)."""
-        with self._in_turn(sys._getframe()), held_interrupts():  # Ctrl-C after it, not half way
+        from ._offload import _HeldSignals
+        # Ctrl-C or a timeout's signal after it, not half way (Note [A signal lands between steps])
+        with self._in_turn(sys._getframe()), _HeldSignals():
             self._detach()
 
     def _detach(self) -> None:
@@ -372,65 +374,47 @@ class Handle(_RefusesCopy):
             self._end_suspension()
         devices = [a.devices[0] for a in self._attached]
         engine.detach(devices)
+        # No way back from here: every step runs even when one before it raised (that
+        # exception propagates once all ran, the handle detached). Stopping half way left
+        # modules streaming from a detached engine, with no handle that could finish.
+        _each([self._unhook_call, self._resident_quant.remove, self._unhook_activations, self._unhook_peft,
+               self._end_uncounted, self._forget_ddp, self._forget_group]
+              + [functools.partial(_restore_layer, a, restored.get(a.index), restore)
+                 for a, restore in zip(self._attached, forwards)]
+              + [self._unhook_root, self._unfuse_off, self._unreport_device, self._detached])
+
+    def _unhook_call(self) -> None:
         if self._call_hook is not None:
             self._call_hook.remove()
             self._call_hook = None
-        self._resident_quant.remove()
+
+    def _unhook_activations(self) -> None:
         for h in self._activation_hooks:
             h.remove()
         self._activation_hooks = []
+
+    def _unhook_peft(self) -> None:
         if self._peft is not None:
             self._peft.remove()
             self._peft = None
+
+    def _end_uncounted(self) -> None:
         if self._uncounted is not None:
             self._uncounted.end()
+
+    def _forget_ddp(self) -> None:
         if self._ddp_model is not None:
             from ._distributed import forget_ddp_ignore
             forget_ddp_ignore(self._ddp_model)
             self._ddp_model = None
+
+    def _forget_group(self) -> None:
         if self._group_hook is not None:
             self._group_hook.remove()
             self._group.forget_shards()
             self._group = self._sync_hook = self._group_hook = self._group_model = None
-        for a in self._attached:
-            value = restored.get(a.index)
-            if value is None:
-                pass
-            elif a.bnb_stats is not None:
-                value.module = a.module  # as Params4bit.from_prequantized(module=...) sets them
-                a.module.quant_state = value.quant_state
-                a.module.weight = value
-            elif a.packed_parts:
-                for (o, k), part in value.items():
-                    o._parameters[k] = part
-            else:
-                a.module.weight = value
-        for a, restore in zip(self._attached, forwards):
-            for h in a.hooks:
-                h.remove()
-            for t in a.module._parameters.values():
-                if isinstance(t, FileWeight):
-                    t._disk_tier = False  # in its file again, waiting for an offload()
-            a.module.__dict__.pop("_apply", None)
-            _WHOLE_GROUPS.discard(a.module)
-            for o in a.owners:
-                o.__dict__.pop("_apply", None)
-                for p in o.parameters(recurse=False):
-                    if hasattr(p, "_is_memory_managed"):
-                        del p._is_memory_managed
-            original = type(a.module).__dict__.get("_layerstream_original_class")
-            if original is not None:  # an Embedding subclass that looked up through super()
-                a.module.__class__ = original
-                a.module.__dict__.pop("_layerstream_lookup", None)
-            else:
-                put_forward_back(a, restore)
-            a.forward = None  # the streamed forward (and its engine) go with the last other reference
-            for p in a.module.parameters(recurse=False):
-                if hasattr(p, "_is_memory_managed"):
-                    del p._is_memory_managed
-            if getattr(a.module, "_layerstream_handle", None) is not None:
-                del a.module._layerstream_handle
-            a.module.__dict__.pop("__deepcopy__", None)
+
+    def _unhook_root(self) -> None:
         if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
             del self._root.__dict__["_apply"]
         remove_subtree_checks(self._subtree_checks)
@@ -439,13 +423,19 @@ class Handle(_RefusesCopy):
             if self._root is not None and isinstance(self._root.__dict__.get(kind), _HostMove):
                 del self._root.__dict__[kind]
         self._host_moves = []
+
+    def _unfuse_off(self) -> None:
         for layer, value in self._fused_off:
             layer.activation_relu_or_gelu = value
         self._fused_off = []
+
+    def _unreport_device(self) -> None:
         for m in self._device_reported:
             m.__class__ = type(m).__dict__["_layerstream_reports_device_of"]
             m.__dict__.pop("_layerstream_device", None)
         self._device_reported = []
+
+    def _detached(self) -> None:
         self._root = None
         self._engine = None
 
@@ -484,6 +474,62 @@ class Handle(_RefusesCopy):
             return "<layerstream.Handle (detached)>"
         return (f"<layerstream.Handle device={self.device} layers={len(self._attached)}"
                 f"{' (suspended)' if self.suspended else ''}>")
+
+
+def _each(steps: list) -> None:
+    """Runs every step, even after one raised: the first exception propagates once all
+    ran (the others' in its notes)."""
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # raised below, after the other steps
+            errors.append(e)
+    for e in errors[1:]:
+        errors[0].add_note(f"layerstream: detach() then also raised {type(e).__name__}: {e}")
+    if errors:
+        raise errors[0]
+
+
+def _restore_layer(a: _Attached, value, restore) -> None:
+    """detach() on one layer: its weight as `value` gave it back (None: the parameter it
+    kept), its forward as `restore` (forward_restore) says, offload()'s marks gone."""
+    if value is None:
+        pass
+    elif a.bnb_stats is not None:
+        value.module = a.module  # as Params4bit.from_prequantized(module=...) sets them
+        a.module.quant_state = value.quant_state
+        a.module.weight = value
+    elif a.packed_parts:
+        for (o, k), part in value.items():
+            o._parameters[k] = part
+    else:
+        a.module.weight = value
+    for h in a.hooks:
+        h.remove()
+    for t in a.module._parameters.values():
+        if isinstance(t, FileWeight):
+            t._disk_tier = False  # in its file again, waiting for an offload()
+    a.module.__dict__.pop("_apply", None)
+    _WHOLE_GROUPS.discard(a.module)
+    for o in a.owners:
+        o.__dict__.pop("_apply", None)
+        for p in o.parameters(recurse=False):
+            if hasattr(p, "_is_memory_managed"):
+                del p._is_memory_managed
+    for p in a.module.parameters(recurse=False):
+        if hasattr(p, "_is_memory_managed"):
+            del p._is_memory_managed
+    if getattr(a.module, "_layerstream_handle", None) is not None:
+        del a.module._layerstream_handle
+    a.module.__dict__.pop("__deepcopy__", None)
+    original = type(a.module).__dict__.get("_layerstream_original_class")
+    if original is not None:  # an Embedding subclass that looked up through super()
+        a.module.__class__ = original
+        a.module.__dict__.pop("_layerstream_lookup", None)
+    else:
+        put_forward_back(a, restore)
+    a.forward = None  # the streamed forward (and its engine) go with the last other reference
 
 
 # Note [Calls of one offloaded model take turns]

@@ -207,9 +207,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         driven = hasattr(self, "found_inf")  # set by GradScaler.step() (_step_supports_amp_scaling)
         told = self._overlap is not None and self._overlap_scaler is not None
         if self._overlap is not None and driven != told:
-            plan, plist, _ = self._take_overlap()
-            plan.abort()  # speculated layers are taken back
-            self._aborted(plan, plist)
+            self._abort()  # speculated layers are taken back
             if driven:
                 raise RuntimeError(
                     "layerstream.optim: scaler.step(optimizer) after an overlapped backward that was not given the "
@@ -385,8 +383,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
             yield plan
             plan.wait()  # the block ends when every layer's gradient is consumed (keep_grads: in .grad)
         except BaseException:
-            plan.abort()
-            self._aborted(plan, plist)
+            self._abort(plan, plist)
             raise
         self._overlap, self._overlap_scaler = (plan, plist), grad_scaler
         self._overlap_hyper = hyper
@@ -426,9 +423,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or g._version != v)
         if not changed and not edited:
             return
-        plan, plist, _ = self._take_overlap()
-        plan.abort()  # speculated layers are taken back
-        self._aborted(plan, plist)
+        self._abort()  # speculated layers are taken back
         taken = ("(layers stepped with clipping's or a scaler's speculation are taken back; the others keep the "
                  "step the backward gave them, and the rest of the model was not stepped)")
         if changed:
@@ -445,9 +440,23 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
             "gradients without writing them (torch.nn.utils.get_total_norm, or last_grad_norm), or drop overlap() "
             + taken)
 
+    def _abort(self, plan=None, plist=None):
+        """plan.abort() (None: the pending plan, taken) and _aborted(). Ctrl-C is held over
+        both (Note [A Ctrl-C as a C++ call returns]): raised as abort() returned, it left
+        the layers that stay stepped uncounted (Adafactor's counts behind them)."""
+        with held_interrupts():
+            if plan is None:
+                plan, plist, _ = self._take_overlap()
+            plan.abort()
+            self._aborted(plan, plist)
+
     def _aborted(self, plan, plist):
         """After overlap()'s backward raised and plan.abort(): the bookkeeping of the
         layers that stay stepped (AdamW's step counters are the plan's own)."""
+
+    def _count_overlapped(self, stepped):
+        """After an overlapped backward's step (not skipped): counts it in the states of
+        the parameters it stepped (AdamW's step counters are the plan's own)."""
 
     def _scale_and_rest(self, work, grads):
         """What step() does: (clip coefficient, the loss scale's reciprocal for the
@@ -464,7 +473,13 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
             if found:
                 return 1.0, inv, [], [], True
             return self._grad_scale(grads, inv), inv, work, [], False
-        scale, done, stepped, skipped = self._finish_overlap(work, inv, found)
+        # Ctrl-C held from taking the plan to its counts (Note [A Ctrl-C as a C++ call
+        # returns]): raised as wait() or settle() returned, it left the stepped layers'
+        # counts behind, and every later step of theirs off by one.
+        with held_interrupts():
+            scale, done, stepped, skipped = self._finish_overlap(work, inv, found)
+            if not skipped:
+                self._count_overlapped(stepped)
         rest = [] if skipped else [
             (g, [p for p in ps if id(p) not in done], [x for p, x in zip(ps, gs) if id(p) not in done],
              [k for p, k in zip(ps, keys) if id(p) not in done]) for g, ps, gs, keys in work]
@@ -824,6 +839,10 @@ class Adafactor(_HostOptimizer):
             if status == _C.OVERLAP_STEPPED:  # stepped without clipping: it stays stepped, counted
                 self.state[p]["step"] += 1
 
+    def _count_overlapped(self, stepped):
+        for p in stepped:  # stepped during the backward with the state's count + 1
+            self.state[p]["step"] += 1
+
     def _overlap_plan(self, engine, speculation_bytes, keep_grads, loss_scale):
         groups, params = [], []
         key = 0
@@ -848,8 +867,6 @@ class Adafactor(_HostOptimizer):
         loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
         work, grads = self._collect()
         scale, inv, work, stepped, skipped = self._scale_and_rest(work, grads)
-        for p in [] if skipped else stepped:  # stepped during the backward with the state's count + 1
-            self.state[p]["step"] += 1
         sharded = [p for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")]
         # An overlapped backward stepped sharded tensors already (each on its owner, once
         # every rank's backward of its layer was done: no barrier before); the one after

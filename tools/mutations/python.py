@@ -796,4 +796,26 @@ MUTATIONS = [
         "        if True:\n            return",
         [P + "test_ddp_rules.py::test_ranks_that_run_different_streamed_layers_are_refused_naming_the_layer"],
         "a rank that skips a streamed layer under DDP: gloo aborts a rank ('collective mismatch'), the rule unnamed"),
+    Mutation(
+        "overlap-counts-ctrl-c-not-held", "python/layerstream/optim.py",
+        "        with held_interrupts():\n            scale, done, stepped, skipped = self._finish_overlap(",
+        "        if True:\n            scale, done, stepped, skipped = self._finish_overlap(",
+        [P + "test_interrupts.py::test_a_ctrl_c_as_an_overlapped_step_settles_lands_after_its_counts"],
+        "a Ctrl-C as an overlapped step's wait() or settle() returns leaves Adafactor's counts behind the layers "
+        "stepped: every later step's lr and decay one step off"),
+    Mutation(
+        "only-ctrl-c-held-in-offload", "python/layerstream/_offload.py",
+        "        for s in signal.valid_signals():\n            handler = signal.getsignal(s)",
+        "        for s in [signal.SIGINT]:\n            handler = signal.getsignal(s)",
+        [P + "test_interrupts.py::test_a_timeout_signal_anywhere_in_offload_lands_with_the_model_as_it_was",
+         P + "test_interrupts.py::test_a_timeout_signal_anywhere_in_detach_lands_after_it"],
+        "a timeout's SIGALRM exception as offload()'s engine.add_* or detach()'s engine.detach() returns leaves a "
+        "model neither streamed nor plain"),
+    Mutation(
+        "detach-stops-at-a-failed-step", "python/layerstream/_handle.py",
+        "        except BaseException as e:  # raised below, after the other steps\n            errors.append(e)\n",
+        "        except BaseException as e:  # raised below, after the other steps\n            raise\n",
+        [P + "test_interrupts.py::test_a_step_of_detach_that_raises_after_the_engine_let_go_does_not_stop_the_others"],
+        "a step of detach() that raises after engine.detach() leaves the later modules streaming from a detached "
+        "engine"),
 ]
