@@ -37,6 +37,16 @@ namespace quant_cache = layerstream::quant_cache;
 
 namespace {
 
+// The dict of a Python hook object, `base` being of the class its type name said
+// (set_grad_hook_probe below). Without UBSan's vptr checks (of the cast and of the
+// member read): they compare against the class's type_info, which torch does not
+// export, so the extension of a sanitizer build (tools/sanitize.sh) did not load
+// ("undefined symbol: _ZTIN5torch8autograd23PyFunctionTensorPreHookE").
+template <class Derived, class Base>
+__attribute__((no_sanitize("vptr"))) PyObject* hook_dict(const Base& base) {
+  return static_cast<const Derived&>(base).dict;
+}
+
 // The element type of a weight the formats read: float32, bfloat16 or float16
 // (the engine's own rule: src_dtype_of in torch/engine_impl.h).
 layerstream::quant::SrcDtype float_src_dtype(torch::ScalarType t, const std::string& what) {
@@ -104,12 +114,12 @@ PYBIND11_MODULE(_C, m) {
       {[](const torch::autograd::FunctionPreHook& h) {
          if (std::strcmp(typeid(h).name(), "N5torch8autograd23PyFunctionTensorPreHookE") != 0) return true;
          py::gil_scoped_acquire gil;
-         return PyDict_Size(static_cast<const torch::autograd::PyFunctionTensorPreHook&>(h).dict) > 0;
+         return PyDict_Size(hook_dict<torch::autograd::PyFunctionTensorPreHook>(h)) > 0;
        },
        [](const torch::autograd::PostAccumulateGradHook& h) {
          if (std::strcmp(typeid(h).name(), "N5torch8autograd32PyFunctionTensorPostAccGradHooksE") != 0) return true;
          py::gil_scoped_acquire gil;
-         return PyDict_Size(static_cast<const torch::autograd::PyFunctionTensorPostAccGradHooks&>(h).dict) > 0;
+         return PyDict_Size(hook_dict<torch::autograd::PyFunctionTensorPostAccGradHooks>(h)) > 0;
        }});
 
   // LS_NATIVE_BACKTRACE=1: a crash prints its native stack before faulthandler's
