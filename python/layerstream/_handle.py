@@ -21,7 +21,7 @@ from ._discovery import _WHOLE_GROUPS
 from ._file_weight import FileWeight
 from ._forward import _RefusesCopy
 from ._guards import ResidentQuantized, _HostMove, _RootApply, remove_subtree_checks
-from ._interrupts import held_interrupts
+from ._interrupts import HeldSignals, held_interrupts
 from ._wrappers import forward_restore, put_forward_back
 
 LayerstreamError = _C.LayerstreamError
@@ -303,7 +303,8 @@ class Handle(_RefusesCopy):
         while another thread's call of the model runs, it waits for that call to end
         (as resume() and detach() do); inside a call, refused, changing nothing, while
         a streamed layer is computing. Nothing to do when already suspended."""
-        with self._in_turn(sys._getframe()), held_interrupts():  # Ctrl-C after it, not half way
+        # Ctrl-C or a timeout's signal after it, not half way (Note [A signal lands between steps])
+        with self._in_turn(sys._getframe()), HeldSignals():
             self._suspend()
 
     def _suspend(self) -> None:
@@ -329,7 +330,7 @@ class Handle(_RefusesCopy):
         ``suspend()`` moved back to the device it was on. The first step
         prefetches in the order learnt before. Nothing to do when not
         suspended."""
-        with self._in_turn(sys._getframe()), held_interrupts():  # Ctrl-C after it, not half way
+        with self._in_turn(sys._getframe()), HeldSignals():  # as suspend()
             self._resume()
 
     def _resume(self) -> None:
@@ -355,9 +356,8 @@ class Handle(_RefusesCopy):
         """Restores the modules: original forward, weights as ordinary tensors
         on their original devices, bit-identical (a suspended model's resident
         parts are moved back first)."""
-        from ._offload import _HeldSignals
         # Ctrl-C or a timeout's signal after it, not half way (Note [A signal lands between steps])
-        with self._in_turn(sys._getframe()), _HeldSignals():
+        with self._in_turn(sys._getframe()), HeldSignals():
             self._detach()
 
     def _detach(self) -> None:

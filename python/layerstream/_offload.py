@@ -8,8 +8,6 @@ import inspect
 import json
 import os
 import re
-import signal
-import threading
 import warnings
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -27,6 +25,7 @@ from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load,
 from . import _distributed, _peft_params
 from ._activations import ActivationOffload, parse_activations
 from ._handle import CallHooks, Handle, _AddedTensorsFollow, _Attached
+from ._interrupts import HeldSignals
 from ._packed import _PackedWeight
 from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _quant_for, _quantize_format
 from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
@@ -516,7 +515,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
     handle = Handle(engine, attached, plan)
     handle._model = model
     handle.host_plan = on_disk.summary  # core/host_tier.h's plan, or None (no host budget)
-    held = _HeldSignals()
+    held = HeldSignals()
     try:
         held.hold()
         if group is not None:
@@ -545,90 +544,6 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                               RuntimeWarning, stacklevel=3)
         raise
     return handle
-
-
-# Note [A signal lands between steps]
-# A Python signal handler runs in the main thread between two bytecodes (e.g. as a C++
-# call returns), and what it raises is raised there: Ctrl-C's KeyboardInterrupt, and a
-# timeout's exception (a SIGALRM handler: pytest-timeout's signal method,
-# timeout-decorator). offload() and detach() change the engine and then the modules;
-# such an exception between the two left a model neither streamed nor plain (a layer
-# the engine held and offload()'s undo did not know: "detach needs one device per
-# layer", forwards left streamed; a handle whose engine was detached under modules still
-# streaming). Ctrl-C alone was held (_interrupts.py); _HeldSignals holds every signal
-# with a Python handler, as held_interrupts() holds SIGINT: its handler records the
-# signal, and the handler it replaced runs once the step is done or undone. offload()
-# lets them land between layers (a long load still stops within a layer's time) and
-# last inside its undo; detach() once done. Main thread only (where handlers run). One
-# landing as offload() returns (after the undo's end) is its caller's, as after any call:
-# the model stays offloaded, its handle in the layers' _layerstream_handle.
-class _HeldSignals:
-    """Holds the signals with a Python handler (Note [A signal lands between steps]):
-    hold(), release() (puts the handlers back and runs those of the signals that came,
-    in order, each once), land() (release, then hold again); entered: held until exit."""
-
-    def __init__(self):
-        self._held = {}  # signal -> the handler it had
-        self._received = []  # (handler, signal, frame) in order of arrival, each signal once
-        self._recorder = self._record  # one object: getsignal() returns it while held
-
-    def __enter__(self):
-        try:
-            self.hold()
-        except BaseException:  # a handler ran while they were being replaced: nothing changed yet
-            self.release()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
-
-    def _record(self, signum, frame):
-        if all(s != signum for _, s, _ in self._received):
-            self._received.append((self._held[signum], signum, frame))
-
-    def hold(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for s in signal.valid_signals():
-            handler = signal.getsignal(s)
-            if callable(handler) and handler is not self._recorder:
-                self._held[s] = handler  # first: _record and _restore look it up
-                signal.signal(s, self._recorder)
-
-    def _restore(self) -> None:
-        try:
-            while self._held:
-                s, handler = next(iter(self._held.items()))
-                signal.signal(s, handler)
-                del self._held[s]
-        finally:
-            if self._held:  # a handler put back ran and raised: the others go back too
-                self._restore()
-
-    def release(self) -> None:
-        try:
-            self._restore()
-        finally:
-            received, self._received = self._received, []
-            _run_handlers(received)
-
-    def land(self) -> None:
-        try:
-            self.release()
-        finally:
-            self.hold()
-
-
-def _run_handlers(received: list) -> None:
-    """Runs each held signal's handler, all of them even when one raises (the last
-    exception raised propagates, the others as its context)."""
-    if received:
-        handler, signum, frame = received[0]
-        try:
-            handler(signum, frame)
-        finally:
-            _run_handlers(received[1:])
 
 
 def _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group) -> None:
@@ -721,7 +636,7 @@ def _report_compute_device(model: nn.Module, streamed_params: set, compute_devic
 
 def _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device,
                    routed: bool, on_disk: _HostTier, dequant_dtype: Optional[torch.dtype],
-                   held: _HeldSignals) -> list:
+                   held: HeldSignals) -> list:
     """offload() step 3: hands each streamed layer to `engine` and swaps its forward,
     appending to `attached` / `streamed_params` as it goes (what offload() undoes on
     failure). A layer the plan keeps resident is read in; quantized, it gets the values

@@ -120,8 +120,10 @@ def _timeout_handler():
 # Counted: the events of layerstream's frames (calls, returns, the C calls they make, but
 # Python's builtins and containers' methods: isinstance(), dict.items(), ...). Not the
 # returns of offload() and of its last step (_attach): an exception there is offload()'s
-# caller's, as after any call (Note [A signal lands between steps]); nor its first
-# steps, which only read the model (discovery, formats, host plan).
+# caller's, as after any call (Note [A signal lands between steps]); nor the returns of
+# __enter__ methods: the hook would raise between __enter__ and its with-block, where
+# CPython runs no signal handler (it does at the block's first instruction, which runs
+# __exit__); nor its first steps, which only read the model (discovery, formats, host plan).
 _READ_ONLY = ("_discovery.py", "_formats.py", "_host_plan.py", "_prequant.py")
 
 
@@ -134,13 +136,14 @@ def _counted(frame, event, arg) -> bool:
     if event.startswith("c_"):
         owner = getattr(arg, "__self__", None)
         return not (owner is builtins or isinstance(owner, (dict, list, set, tuple, str)) or arg is signal.getsignal)
-    return not (event == "return" and frame.f_code.co_name in ("offload", "_attach"))
+    return not (event == "return" and frame.f_code.co_name in ("offload", "_attach", "__enter__"))
 
 
 def _run_signalled(fn, n: int):
     """fn() with the signal raised at its n-th counted event (0: none): (fn's result or None,
     the _Timeout it raised or None, the events counted)."""
     counted = []
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(_SIGNAL)
 
     def hook(frame, event, arg):
         if _counted(frame, event, arg):
@@ -154,6 +157,13 @@ def _run_signalled(fn, n: int):
         return None, e, len(counted)
     finally:
         sys.setprofile(None)
+        # Wherever the signal landed, a later Ctrl-C raises and every handler is back: a
+        # timeout's exception as a holder's __exit__ was entered (or, before, as a
+        # generator's holder set SIGINT's) left the recorder in place, and every later
+        # Ctrl-C was swallowed (Note [A signal lands between steps]).
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(_SIGNAL)) == handlers, n
 
 
 def _left_on(model, ref) -> list:
