@@ -819,4 +819,11 @@ MUTATIONS = [
         [P + "test_interrupts.py::test_a_step_of_detach_that_raises_after_the_engine_let_go_does_not_stop_the_others"],
         "a step of detach() that raises after engine.detach() leaves the later modules streaming from a detached "
         "engine"),
+    Mutation(
+        "stale-signal-recorder-swallows", "python/layerstream/_interrupts.py",
+        "        if not self._holding(frame):",
+        "        if False:",
+        [P + "test_interrupts.py::test_a_timeout_signal_anywhere_in_detach_lands_after_it"],
+        "a timeout's exception as a signal holder's __exit__ is entered leaves its recorder in place: every later "
+        "Ctrl-C is swallowed"),
 ]
