@@ -688,7 +688,7 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
             for qn, part, o, k in a.packed_parts:
                 p = o._parameters[k]
                 o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
-                                                 f"{name or '<root>'}.{qn}", part)
+                                                 f"{name or '<root>'}.{qn}", part, fmt or "")
             a.hooks = _requantize_on_load(engine, index, module, a.packed_parts)
             params = [o._parameters[k] for o, k, _ in slots]
         module.forward = _GroupForward(engine, index, old_forward or module.forward, module, slots,
@@ -761,7 +761,8 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
         # dense (or the bitsandbytes) copy is freed.
         shape = (pre.rows, pre.cols) if pre is not None else tuple(module.weight.shape)
         dtype = pre.dense_dtype if pre is not None else module.weight.dtype
-        module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>")
+        module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>",
+                                      fmt=engine.layer_format(index))
         del weight
     if engine.layer_format(index) and name not in on_disk.names:
         # Packed on the host: an in-place write to the module's weight that
