@@ -120,7 +120,8 @@ def offload(
         None; layers whose shape the format cannot pack stay dense, with one warning), or a
         dict {glob pattern on module names: format or None} for per-layer
         choices (first match wins; an explicit format that cannot pack a layer
-        is an error; a pattern that names no module is warned).
+        is an error; a pattern that names no module is warned; one that gives a
+        module inside a tensor group another format than the group's is an error).
         Quantized weights must be frozen (requires_grad False), except with
         "lossless": a trainable weight stays a dense parameter on the host
         (backward and the optimizer write it) and crosses the bus coded,
