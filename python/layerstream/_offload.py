@@ -686,6 +686,12 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
             a.packed_parts = [(qn, part, o, k) for part, ((o, k, qn), p) in enumerate(zip(slots, params))
                               if p.dim() >= 2 and (fmt is not None or gguf[part])
                               and not (fmt == "lossless" and p.requires_grad)]
+            # What detach() gives them back in: their strides (the engine dequantizes them
+            # contiguous; e.g. channels_last convs), rounded through dequant_dtype as the
+            # group computes with them (and as one the budget keeps resident holds them).
+            a.strides = {part: tuple(params[part].stride()) for _, part, _, _ in a.packed_parts if not gguf[part]}
+            a.dequant = {part: dequant_dtype for _, part, _, _ in a.packed_parts
+                         if dequant_dtype is not None and fmt not in (None, "lossless") and not gguf[part]}
             for qn, part, o, k in a.packed_parts:
                 p = o._parameters[k]
                 o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
@@ -753,6 +759,8 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
                   prequantized=pre is not None and not pre.gguf,
                   bnb_stats=None if pre is None else pre.bnb_stats,
                   strides=tuple(weight.stride()))
+    if fmt not in (None, "lossless") and dequant_dtype is not None:
+        a.dequant = dequant_dtype  # detach() gives the values it computes with (_restored_weights)
     attached.append(a)
     if name in on_disk.names:
         pass  # the module keeps its FileWeights: nothing of it is in host memory to write
