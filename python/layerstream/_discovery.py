@@ -372,6 +372,44 @@ def _selected(name: str, include, exclude) -> bool:
     return not match(exclude)
 
 
+def inside_groups(candidates: list) -> List[tuple]:
+    """(group name, name, module) of each module below a streamed tensor group that holds a
+    weight of it (a tensor of 2+ dimensions, e.g. an attention's out_proj, a Linear of a
+    groups= module): its tensors stream in the group's slot, packed in the group's format,
+    so an option that names it alone (exclude=, quantize={pattern: format}) cannot apply."""
+    return [(name, sub, m) for name, module, kind in candidates if kind == "group"
+            for sub, m in module.named_modules(prefix=name) if m is not module
+            and any(p.dim() >= 2 for p in m.parameters())]
+
+
+def group_why(group: str, module: nn.Module) -> Tuple[str, str]:
+    """Why a tensor group streams its descendants with it, and the other way out of it."""
+    if module in _WHOLE_GROUPS:
+        return ("offload(groups=...) streams it whole", f"leave {group or '<root>'!r} out of groups= (its Linear "
+                "and conv layers then stream one by one, and options apply to each)")
+    if isinstance(module, nn.MultiheadAttention):
+        return "nn.MultiheadAttention's forward reads its out_proj's weight directly", ""
+    return "its own forward reads these weights", ""
+
+
+def _check_exclude_inside_groups(candidates: list, exclude) -> None:
+    """exclude= naming a module inside a streamed tensor group (and not the group) was
+    silently ignored: the module streamed with the group. A group's tensors share one
+    slot and one forward, so the module cannot stay resident alone: refused, naming
+    what to write instead."""
+    patterns = [exclude] if isinstance(exclude, str) else list(exclude or ())
+    for group, name, _ in inside_groups(candidates) if patterns else ():
+        pattern = next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is not None:  # the group itself matched none of them: it streams
+            module = next(m for n, m, _ in candidates if n == group)
+            why, other = group_why(group, module)
+            ways = ([f"exclude the whole group (exclude=[{group!r}])"] if group else []) + ([other] if other else [])
+            raise LayerstreamError(
+                f"offload(exclude=[{pattern!r}]) names '{name}', which streams inside tensor group "
+                f"'{group or '<root>'}' ({why}): a group's tensors stream together, so a module in it "
+                f"cannot stay resident alone. Instead, {'; or '.join(ways)}")
+
+
 def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device):
     """Tied weights (the rule: core/offload_policy.h analyse_ties): returns (kept
     candidates, groups), groups being the lists of candidate names that share one
@@ -646,6 +684,12 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             resident["dtype"].append(f"'{name or '<root>'}' ({str(dtype).replace('torch.', '')})")
             continue
         candidates.append((name, module, kind))
+    try:
+        _check_exclude_inside_groups(candidates, exclude)
+    except LayerstreamError:
+        for name in grouped:  # nothing changed: offload() never gets to undo these
+            _WHOLE_GROUPS.discard(model.get_submodule(name))
+        raise
     for reason, labels in resident.items():
         what, why = _RESIDENT_REASONS[reason]
         _warn_resident(labels, what, compute_device, why)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from ._discovery import _group_slots
+from ._discovery import _WHOLE_GROUPS, _group_slots, group_why, inside_groups
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._host_plan import _read_in
@@ -57,6 +57,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
     module changes. With `defer_file_reads` (cache_dir=), a frozen Linear weight
     still in its file that is to be quantized stays there: step 3 packs it into
     the cache file or reads it in (_read_in_deferred)."""
+    _check_quantize_inside_groups(candidates, quantize)
     _dequantize_tied_gguf(model)
     layers: List[_Candidate] = []
     unpackable, trainable, tied_dense = [], [], []
@@ -246,6 +247,31 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
                       f"freeze it first (model.requires_grad_(False))", RuntimeWarning, stacklevel=3)
 
     return layers
+
+
+def _check_quantize_inside_groups(candidates: list, quantize) -> None:
+    """quantize={pattern: format} giving a module inside a streamed tensor group another
+    format than the group's own name gets was silently ignored (the group's tensors are
+    packed together, in the group's format): refused, naming the group and what to write."""
+    if not isinstance(quantize, dict):
+        return
+    for group, name, _ in inside_groups(candidates):
+        pattern = next((p for p in quantize if fnmatch.fnmatchcase(name, p)), None)
+        # A pattern that matches the group too (a "*" default) chose for the group.
+        if pattern is None or fnmatch.fnmatchcase(group, pattern):
+            continue
+        fmt, group_fmt = quantize[pattern], _quant_for(group, quantize)
+        if fmt == group_fmt:
+            continue
+        module = next(m for n, m, _ in candidates if n == group)
+        why, other = group_why(group, module)
+        for _, m, _ in candidates:  # nothing changed: offload() never gets to undo these
+            _WHOLE_GROUPS.discard(m)
+        raise LayerstreamError(
+            f"quantize={{{pattern!r}: {fmt!r}, ...}} names '{name}', which streams inside tensor group "
+            f"'{group or '<root>'}' ({why}): the group's tensors are packed together, in the format its "
+            f"own name gets ({group_fmt!r}). Choose it by the group's name: quantize={{{group!r}: {fmt!r}, "
+            f"...}} (before the patterns that match it){'; or ' + other if other else ''}")
 
 
 def _dequantize_tied_gguf(model: nn.Module) -> None:

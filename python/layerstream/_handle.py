@@ -31,7 +31,7 @@ class _Attached:
     """What offload() changed on one module, to undo it in detach()."""
 
     __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
-                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts", "owners", "forward")
+                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts", "owners", "forward", "dequant")
 
     def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
                  prequantized=False, bnb_stats=None, hooks=(), strides=None):
@@ -53,6 +53,21 @@ class _Attached:
         # The forward offload() installed on the module (_StreamedForward, _GroupForward);
         # None until then, and for an embedding subclass (its class is swapped instead).
         self.forward = None
+        # Quantized by offload() with a dequant_dtype: the dtype the layer computes with
+        # (a tensor group: part -> it); detach() gives those values (_restored_weights).
+        self.dequant = None
+
+
+def _as_computed(w: torch.Tensor, dequant: Optional[torch.dtype], strides: Optional[tuple]) -> torch.Tensor:
+    """A weight the engine dequantized on the host (in its own dtype, contiguous) as the
+    layer computed with it: rounded through the dequant_dtype its slot held (so detach()
+    gives what a layer the budget kept resident holds: the budget does not change the
+    numbers), in the strides it had before offload() (e.g. channels_last)."""
+    if dequant is not None and dequant != w.dtype:
+        w = w.to(dequant).to(w.dtype)
+    if strides is not None:
+        w = torch.empty_strided(w.shape, strides, dtype=w.dtype).copy_(w)
+    return w
 
 
 class Handle(_RefusesCopy):
@@ -458,14 +473,14 @@ class Handle(_RefusesCopy):
                     # CPU tensors, as when loading a checkpoint: bitsandbytes moves them.
                     quantized_stats=stats, requires_grad=False, device=dev)  # its module: set by _detach
             elif a.packed_parts:
-                out[a.index] = {(o, k): nn.Parameter(engine.dequantized_part(a.index, part).to(a.devices[0]),
+                out[a.index] = {(o, k): nn.Parameter(_as_computed(engine.dequantized_part(a.index, part),
+                                                                  (a.dequant or {}).get(part),
+                                                                  (a.strides or {}).get(part)).to(a.devices[0]),
                                                      requires_grad=False)
                                 for _, part, o, k in a.packed_parts}
             elif engine.layer_format(a.index) and not a.prequantized and not isinstance(
                     a.module._parameters.get("weight"), FileWeight):  # on disk: keeps its FileWeight
-                w = engine.dequantized_weight(a.index)
-                if a.strides is not None:  # the strides it had before offload() (e.g. channels_last)
-                    w = torch.empty_strided(w.shape, a.strides, dtype=w.dtype).copy_(w)
+                w = _as_computed(engine.dequantized_weight(a.index), a.dequant, a.strides)
                 out[a.index] = nn.Parameter(w.to(a.devices[0]), requires_grad=False)
         return out
 

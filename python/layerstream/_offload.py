@@ -120,7 +120,8 @@ def offload(
         None; layers whose shape the format cannot pack stay dense, with one warning), or a
         dict {glob pattern on module names: format or None} for per-layer
         choices (first match wins; an explicit format that cannot pack a layer
-        is an error; a pattern that names no module is warned).
+        is an error; a pattern that names no module is warned; one that gives a
+        module inside a tensor group another format than the group's is an error).
         Quantized weights must be frozen (requires_grad False), except with
         "lossless": a trainable weight stays a dense parameter on the host
         (backward and the optimizer write it) and crosses the bus coded,
@@ -691,10 +692,16 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
             a.packed_parts = [(qn, part, o, k) for part, ((o, k, qn), p) in enumerate(zip(slots, params))
                               if p.dim() >= 2 and (fmt is not None or gguf[part])
                               and not (fmt == "lossless" and p.requires_grad)]
+            # What detach() gives them back in: their strides (the engine dequantizes them
+            # contiguous; e.g. channels_last convs), rounded through dequant_dtype as the
+            # group computes with them (and as one the budget keeps resident holds them).
+            a.strides = {part: tuple(params[part].stride()) for _, part, _, _ in a.packed_parts if not gguf[part]}
+            a.dequant = {part: dequant_dtype for _, part, _, _ in a.packed_parts
+                         if dequant_dtype is not None and fmt not in (None, "lossless") and not gguf[part]}
             for qn, part, o, k in a.packed_parts:
                 p = o._parameters[k]
                 o._parameters[k] = _PackedWeight(tuple(p.shape), p.dtype, engine, index,
-                                                 f"{name or '<root>'}.{qn}", part)
+                                                 f"{name or '<root>'}.{qn}", part, fmt or "")
             a.hooks = _requantize_on_load(engine, index, module, a.packed_parts)
             params = [o._parameters[k] for o, k, _ in slots]
         module.forward = _GroupForward(engine, index, old_forward or module.forward, module, slots,
@@ -758,6 +765,8 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
                   prequantized=pre is not None and not pre.gguf,
                   bnb_stats=None if pre is None else pre.bnb_stats,
                   strides=tuple(weight.stride()))
+    if fmt not in (None, "lossless") and dequant_dtype is not None:
+        a.dequant = dequant_dtype  # detach() gives the values it computes with (_restored_weights)
     attached.append(a)
     if name in on_disk.names:
         pass  # the module keeps its FileWeights: nothing of it is in host memory to write
@@ -767,7 +776,8 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
         # dense (or the bitsandbytes) copy is freed.
         shape = (pre.rows, pre.cols) if pre is not None else tuple(module.weight.shape)
         dtype = pre.dense_dtype if pre is not None else module.weight.dtype
-        module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>")
+        module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>",
+                                      fmt=engine.layer_format(index))
         del weight
     if engine.layer_format(index) and name not in on_disk.names:
         # Packed on the host: an in-place write to the module's weight that

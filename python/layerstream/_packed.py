@@ -32,7 +32,8 @@ class _PackedWeight(_standin.StandIn):
     as it was without a word, and ``torch.save(model.state_dict())`` would save
     no values. So:
       * ``copy_`` (what load_state_dict() does) re-quantizes the new values into
-        the host store (``Engine.requantize``);
+        the host store (``Engine.requantize``; a lossless-coded weight's is refused
+        there: its coded size depends on its values);
       * every other in-place write, assigning ``.data``, converting or moving it
         (``model.to()``, ``.half()``) and pickling it (``torch.save``) raise a
         LayerstreamError that says what to do (``handle.detach()`` restores a
@@ -46,9 +47,11 @@ class _PackedWeight(_standin.StandIn):
         live, instead of on the meta device, where their values would be lost.
     """
 
-    def __new__(cls, shape, dtype, engine, index: int, name: str, part: Optional[int] = None):
+    def __new__(cls, shape, dtype, engine, index: int, name: str, part: Optional[int] = None, fmt: str = ""):
         self = cls._meta(shape, dtype)
-        self._ls = (engine, index, name, part)  # part: a tensor group's tensor, else None
+        # part: a tensor group's tensor, else None; fmt: the format it is packed in
+        # ("lossless" gets other advice: new values cannot be coded into its place).
+        self._ls = (engine, index, name, part, fmt)
         return self
 
     @classmethod
@@ -73,8 +76,7 @@ class _PackedWeight(_standin.StandIn):
             raise LayerstreamError(cls._msg(ls, "its .data cannot be replaced"))
         if ls is not None and (name == "requires_grad_" and (args[1:] or [kwargs.get("requires_grad", True)])[0]
                                or descr is _REQUIRES_GRAD and name == "__set__" and args[1]):
-            engine, index, _, part = ls
-            if part is None and engine.layer_format(index) == "lossless":
+            if ls[4] == "lossless":
                 raise LayerstreamError(
                     f"the weight of streamed layer '{ls[2]}' was frozen at offload(), so it is held coded "
                     f"(quantize='lossless') without what training needs; lossless weights do train: "
@@ -84,7 +86,7 @@ class _PackedWeight(_standin.StandIn):
                 f"on the host and dequantized on the device); train an adapter over it (LoRA), or "
                 f"detach() and offload() again without quantizing this layer")
         if ls is not None and name == "copy_":
-            engine, index, _, part = ls
+            engine, index, _, part, _ = ls
             if part is None:
                 engine.requantize(index, args[1])
             else:
@@ -118,6 +120,14 @@ class _PackedWeight(_standin.StandIn):
 
     @staticmethod
     def _msg(ls, what: str) -> str:
+        if ls[4] == "lossless":
+            # Its coded size depends on its values: the engine refuses copy_() and
+            # load_state_dict() too, so they are not the way to new values here.
+            return (f"the weight of streamed layer '{ls[2]}' is held lossless-coded (quantize='lossless', "
+                    f"frozen at offload()) in layerstream's host store and this parameter is its data-less "
+                    f"(meta) stand-in: {what}. New values cannot be coded into its place (not by "
+                    f"load_state_dict() or weight.copy_() either): call handle.detach() (it restores the "
+                    f"weight bit for bit), change it, then offload() again")
         return (f"the weight of quantized streamed layer '{ls[2]}' is packed in layerstream's host "
                 f"store and this parameter is its data-less (meta) stand-in: {what}. Load new values "
                 f"with load_state_dict() or weight.copy_() (they are re-quantized); to change it "

@@ -826,4 +826,37 @@ MUTATIONS = [
         [P + "test_interrupts.py::test_a_timeout_signal_anywhere_in_detach_lands_after_it"],
         "a timeout's exception as a signal holder's __exit__ is entered leaves its recorder in place: every later "
         "Ctrl-C is swallowed"),
+    Mutation(
+        "lossless-write-advises-requantizing-copy", "python/layerstream/_packed.py",
+        "        if ls[4] == \"lossless\":\n            # Its coded size",
+        "        if False:\n            # Its coded size",
+        [P + "test_packed_advice.py::test_a_write_into_a_frozen_lossless_weight_advises_detach_change_offload"],
+        "a write into a frozen lossless weight advises load_state_dict()/copy_(), which are refused for it"),
+    Mutation(
+        "quantize-pattern-inside-group-ignored", "python/layerstream/_formats.py",
+        "    _check_quantize_inside_groups(candidates, quantize)\n",
+        "",
+        [P + "test_group_patterns.py::test_quantize_naming_an_attention_out_proj_is_an_error_naming_the_attention",
+         P + "test_group_patterns.py::test_quantize_naming_a_child_of_a_groups_module_is_an_error"],
+        "quantize={pattern: format} naming a module inside a tensor group is silently ignored"),
+    Mutation(
+        "exclude-pattern-inside-group-ignored", "python/layerstream/_discovery.py",
+        "        _check_exclude_inside_groups(candidates, exclude)\n",
+        "        pass\n",
+        [P + "test_group_patterns.py::test_exclude_naming_an_attention_out_proj_is_an_error",
+         P + "test_group_patterns.py::test_exclude_naming_a_child_of_a_groups_module_is_an_error"],
+        "exclude= naming a module inside a tensor group is silently ignored (it streams with the group)"),
+    Mutation(
+        "quantized-group-detach-loses-strides", "python/layerstream/_offload.py",
+        "            a.strides = {part: tuple(params[part].stride()) for _, part, _, _ in a.packed_parts if not gguf[part]}\n",
+        "",
+        [P + "test_detach_quantized.py::test_a_quantized_tensor_group_keeps_its_layout_after_detach"],
+        "detach() gives a quantized tensor group's channels_last convs back contiguous"),
+    Mutation(
+        "detach-ignores-dequant-dtype", "python/layerstream/_handle.py",
+        "    if dequant is not None and dequant != w.dtype:\n        w = w.to(dequant).to(w.dtype)\n",
+        "",
+        [P + "test_detach_quantized.py::test_detach_gives_the_same_quantized_weights_whatever_the_budget"],
+        "with a dequant_dtype, detach() of a streamed quantized layer gives other weights than a resident one's "
+        "(the budget changes the numbers)"),
 ]
