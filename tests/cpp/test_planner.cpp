@@ -845,6 +845,37 @@ TEST(Models, LayerSpecsFlopsAndQuantization) {
   EXPECT_EQ(specs[0].bytes, 32000u * 4096 * 2);  // tables are never quantized
 }
 
+TEST(Models, LayerBytesAreTheSlotLayoutTheEngineAllocates) {
+  // Each tensor of a slot starts on a 256-byte boundary (slot_layout::of, the
+  // engine's rule); layer_specs added a weight and a bias unaligned: a
+  // 100-element F32 bias (400 B) was planned 112 B short.
+  ModelDescription m;
+  ModelLayer l;
+  l.name = "fc";
+  l.weight_shape = {100, 36};  // 14400 B: 14592 aligned
+  l.weight_dtype = "F32";
+  l.bias_numel = 100;
+  l.bias_dtype = "F32";
+  m.layers.push_back(l);
+  ModelLayer g;  // a tensor group of two unaligned tensors
+  g.name = "experts";
+  g.group = true;
+  g.group_tensors = {{{3, 5, 7}, "F32"}, {{3, 5}, "F32"}};
+  g.group_bytes = (105 + 15) * 4;
+  g.group_params = 120;
+  m.layers.push_back(g);
+  for (const char* compute : {"", "BF16"}) {
+    LayerOptions opt;
+    opt.compute_dtype = compute;
+    const auto specs = layer_specs(m, opt);
+    SCOPED_TRACE(compute);
+    EXPECT_EQ(specs[0].bytes, slot_layout::of({{14400, 0}, {400, 0}}).bus_bytes);
+    EXPECT_EQ(specs[0].bytes, 14592u + 512);
+    EXPECT_EQ(specs[1].bytes, 512u + 256);
+    EXPECT_EQ(specs[0].resident_bytes, 14400u + 400);  // resident: the tensors as they are
+  }
+}
+
 TEST(Models, LayerSpecsComputeDtypeWorkspace) {
   // Like offload(compute_dtype=...): the slot also holds the weight cast to
   // it (dense) or dequantized to it (quantized); same dtype: no workspace.
