@@ -747,4 +747,11 @@ MUTATIONS = [
         "        back = \"call detach() on that handle first\"\n",
         [P + "test_misuse.py::test_a_model_offloaded_by_a_dropped_handle_names_the_way_back"],
         "offload() of a model whose handle was dropped says to detach 'that handle', which the user no longer has"),
+    Mutation(
+        "offload-plans-tied-layers-apart", "python/layerstream/_offload.py",
+        "fixed_train_bytes=fixed_train, ties=ties)",
+        "fixed_train_bytes=fixed_train)",
+        [P + "test_planner_ties.py"],
+        "offload(budget=) plans two layers sharing a weight as unrelated ones: the weight counted twice, and "
+        "handle.plan / stats() report one resident where both are"),
 ]
