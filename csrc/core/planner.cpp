@@ -110,6 +110,12 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
                                   in.layers[static_cast<size_t>(l.tied_table)].lookup),
              "planner: layer ", json::quote(l.name), " is tied to layer #", l.tied_table,
              ", which is not a lookup table");
+    LS_CHECK(l.tied_layer < 0 || (static_cast<size_t>(l.tied_layer) < static_cast<size_t>(&l - in.layers.data()) &&
+                                  !l.lookup && l.tied_table < 0 && l.tied_bytes <= l.bytes &&
+                                  !in.layers[static_cast<size_t>(l.tied_layer)].lookup &&
+                                  in.layers[static_cast<size_t>(l.tied_layer)].tied_layer < 0),
+             "planner: layer ", json::quote(l.name), " is tied to layer #", l.tied_layer,
+             ", which is not an earlier streamable layer of its own weight (or its tied_bytes exceed its bytes)");
     if (l.lookup) continue;
     if (l.train_bytes > UINT64_MAX - l.resident_bytes || total_resident > UINT64_MAX - l.resident_cost())
       total_overflow = true;
@@ -122,6 +128,26 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
                                       " their gradients and optimizer states (train=)"
                                 : std::string(),
            "); raise the budget to at least ", format_bytes(fixed));
+
+  // Layers with tied weights (PlannerLayer::tied_layer) are placed together:
+  // unit[i], the layers resident with layer i (i among them); unit_cost(i),
+  // what they take on the device resident (saturated: UINT64_MAX fits no budget).
+  std::vector<std::vector<size_t>> unit(n);
+  for (size_t i = 0; i < n; ++i)
+    if (in.layers[i].tied_layer < 0) unit[i].push_back(i);
+  for (size_t i = 0; i < n; ++i)
+    if (in.layers[i].tied_layer >= 0) unit[static_cast<size_t>(in.layers[i].tied_layer)].push_back(i);
+  for (size_t i = 0; i < n; ++i)
+    if (in.layers[i].tied_layer >= 0) unit[i] = unit[static_cast<size_t>(in.layers[i].tied_layer)];
+  auto unit_cost = [&](size_t i) {
+    uint64_t c = 0;
+    for (size_t j : unit[i]) {
+      const PlannerLayer& l = in.layers[j];
+      if (l.train_bytes > UINT64_MAX - l.resident_bytes || c > UINT64_MAX - l.resident_cost()) return UINT64_MAX;
+      c += l.resident_cost();
+    }
+    return c;
+  };
 
   Plan plan;
   plan.budget_bytes = in.budget_bytes;
@@ -137,6 +163,8 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
     c.held = tables_held(in, resident);
     c.resident_bytes = fixed;
     for (size_t i = 0; i < n; ++i) {
+      const int tied = in.layers[i].tied_layer;  // placed with it
+      LS_INTERNAL_CHECK(tied < 0 || resident[i] == resident[static_cast<size_t>(tied)]);
       if (c.held[i]) continue;  // on the device in its tied layer's resident bytes
       if (in.layers[i].lookup) {
         c.lookup_bytes += in.layers[i].bytes;
@@ -150,6 +178,7 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
         c.streamed_host_bytes += in.layers[i].host_bytes ? in.layers[i].host_bytes : in.layers[i].bytes;
         c.fetched_bytes += in.layers[i].fetch_bytes();
         if (in.layers[i].tied_table >= 0) c.shared_host_bytes += in.layers[i].bytes;
+        c.shared_host_bytes += in.layers[i].tied_bytes;  // 0 unless tied_layer
         ++c.num_streamed;
       }
     }
@@ -181,30 +210,42 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
     });
     // The number of largest layers forced resident for k slots, or n + 1
     // when no such plan fits (keeping every layer resident does not fit
-    // either: that case was handled above). Also the least device memory any
-    // plan with k slots needs, and its forced prefix.
-    auto forced_prefix = [&](uint64_t k, long double* least = nullptr, size_t* least_p = nullptr) -> size_t {
+    // either: that case was handled above); each forced with the layers tied
+    // to it (unit). Also the least device memory any plan with k slots needs,
+    // its forced prefix, and how many largest layers and layers tied to them
+    // that plan keeps resident.
+    auto forced_prefix = [&](uint64_t k, long double* least = nullptr, size_t* least_p = nullptr,
+                             size_t* least_largest = nullptr, size_t* least_tied = nullptr) -> size_t {
       long double res = static_cast<long double>(fixed);
-      size_t found = n + 1;
+      std::vector<char> forced(n, 0);
+      size_t found = n + 1, largest = 0, tied = 0;
       for (size_t p = 0; p < by_slot.size(); ++p) {
+        if (forced[by_slot[p]]) continue;  // resident with a larger layer it is tied to
         const long double need = res + static_cast<long double>(k) *
                                            static_cast<long double>(in.layers[by_slot[p]].streamed_slot_bytes());
         if (least && (p == 0 || need < *least)) {
           *least = need;
           *least_p = p;
+          *least_largest = largest;
+          *least_tied = tied;
         }
         if (need <= static_cast<long double>(in.budget_bytes)) {
           found = p;
           if (!least) break;
         }
-        res += static_cast<long double>(in.layers[by_slot[p]].resident_cost());
+        ++largest;
+        for (size_t j : unit[by_slot[p]]) {
+          forced[j] = 1;
+          res += static_cast<long double>(in.layers[j].resident_cost());
+          tied += j != by_slot[p];
+        }
       }
       return found;
     };
     const uint64_t min_slots = static_cast<uint64_t>(in.min_slots);
     long double least = 0;
-    size_t least_p = 0;
-    if (forced_prefix(min_slots, &least, &least_p) > n) {
+    size_t least_p = 0, least_largest = 0, least_tied = 0;
+    if (forced_prefix(min_slots, &least, &least_p, &least_largest, &least_tied) > n) {
       const PlannerLayer& L = in.layers[by_slot[0]];
       const uint64_t L_slot = L.streamed_slot_bytes();
       std::string resident_note;
@@ -213,8 +254,9 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
         resident_note = " (every layer resident)";
       } else if (least_p > 0) {
         const PlannerLayer& S = in.layers[by_slot[least_p]];
-        resident_note = " (the least with the " + std::to_string(least_p) + " largest layer(s) resident and " +
-                        std::to_string(in.min_slots) + " slots of " + json::quote(S.name) + ", " +
+        resident_note = " (the least with the " + std::to_string(least_largest) + " largest layer(s)" +
+                        (least_tied ? " and the " + std::to_string(least_tied) + " layer(s) tied to them" : "") +
+                        " resident and " + std::to_string(in.min_slots) + " slots of " + json::quote(S.name) + ", " +
                         format_bytes(S.streamed_slot_bytes()) + ")";
       }
       const uint64_t needed_b = least >= 18446744073709551615.0L ? UINT64_MAX : static_cast<uint64_t>(least);
@@ -244,8 +286,14 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
     std::vector<size_t> order(n);
     std::iota(order.begin(), order.end(), size_t{0});
     std::vector<double> ratio(n);
-    for (size_t i = 0; i < n; ++i)
-      ratio[i] = in.layers[i].bytes ? in.layers[i].flops / static_cast<double>(in.layers[i].fetch_bytes()) : 0.0;
+    for (size_t i = 0; i < n; ++i) {  // tied layers: their unit's, so that they are considered together
+      double flops = 0, fetched = 0;
+      for (size_t j : unit[i]) {
+        flops += in.layers[j].flops;
+        fetched += static_cast<double>(in.layers[j].fetch_bytes());
+      }
+      ratio[i] = fetched > 0 ? flops / fetched : 0.0;
+    }
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       if (ratio[a] != ratio[b]) return ratio[a] < ratio[b];
       if (in.layers[a].bytes != in.layers[b].bytes) return in.layers[a].bytes > in.layers[b].bytes;
@@ -260,28 +308,32 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
       std::vector<char> resident(n, 0);
       std::multiset<uint64_t> streamed;  // slot sizes of the streamed layers
       uint64_t res = fixed;
-      for (size_t p = 0; p < forced; ++p) {
-        resident[by_slot[p]] = 1;
-        res += in.layers[by_slot[p]].resident_cost();
-      }
+      for (size_t p = 0; p < forced; ++p)
+        for (size_t j : unit[by_slot[p]])
+          if (!resident[j]) {
+            resident[j] = 1;
+            res += in.layers[j].resident_cost();
+          }
       for (size_t i = 0; i < n; ++i)
         if (!resident[i] && !in.layers[i].lookup) streamed.insert(in.layers[i].streamed_slot_bytes());
-      for (size_t i : order) {
+      for (size_t i : order) {  // with the layers tied to it (unit), all or none
         if (resident[i] || in.layers[i].lookup) continue;
-        const PlannerLayer& l = in.layers[i];
-        if (l.resident_cost() > in.budget_bytes - res) continue;
-        auto it = streamed.find(l.streamed_slot_bytes());
-        LS_INTERNAL_CHECK(it != streamed.end());
-        streamed.erase(it);
+        const uint64_t cost = unit_cost(i);
+        if (cost > in.budget_bytes - res) continue;
+        for (size_t j : unit[i]) {
+          auto it = streamed.find(in.layers[j].streamed_slot_bytes());
+          LS_INTERNAL_CHECK(it != streamed.end());
+          streamed.erase(it);
+        }
         uint64_t slot = streamed.empty() ? 0 : *streamed.rbegin();
         uint64_t slots = static_cast<uint64_t>(effective_slots(k, in.min_slots, streamed.size()));
-        uint64_t new_res = res + l.resident_cost();
+        uint64_t new_res = res + cost;
         bool fits = slot == 0 || slots <= (in.budget_bytes - new_res) / slot;
         if (fits) {
-          resident[i] = 1;
+          for (size_t j : unit[i]) resident[j] = 1;
           res = new_res;
         } else {
-          streamed.insert(l.streamed_slot_bytes());
+          for (size_t j : unit[i]) streamed.insert(in.layers[j].streamed_slot_bytes());
         }
       }
       Candidate c = build(resident, k);
@@ -321,6 +373,8 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
     tied_with[i] = in.layers[i].tied_table;
     tied_with[static_cast<size_t>(in.layers[i].tied_table)] = static_cast<int>(i);
   }
+  for (size_t i = 0; i < n; ++i)
+    if (in.layers[i].tied_layer >= 0) tied_with[i] = in.layers[i].tied_layer;
   for (size_t i = 0; i < n; ++i) {
     const PlannerLayer& l = in.layers[i];
     const bool held = best.held[i] != 0;
@@ -330,6 +384,7 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
     p.resident = best.resident[i] != 0 || held;
     p.lookup = l.lookup && !held;
     p.tied_with = tied_with[i];
+    p.shares_weight = l.tied_layer >= 0;
     p.bytes = l.bytes;
     p.routed_bytes = l.routed_bytes;
     p.resident_bytes = held ? 0 : l.resident_bytes;

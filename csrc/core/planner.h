@@ -51,6 +51,16 @@ struct PlannerLayer {
   // resident with it (the tensor is on the device once, in this layer's
   // resident_bytes, and no rows cross the bus).
   int tied_table = -1;
+  // Tied weights of two streamed layers (offload(): Linears / convs whose
+  // weight is one tensor, core/offload_policy.h): this layer's weight is layer
+  // #tied_layer's (an earlier layer, neither a lookup table nor tied to
+  // another; -1: none), `tied_bytes` of this layer's `bytes`. Both are
+  // resident or both stream (as offload() runs them): resident, the tensor is
+  // on the device once, in #tied_layer's resident_bytes and train_bytes, which
+  // this layer's leave out; streamed, both copy the one host copy, pinned once
+  // (in #tied_layer's bytes).
+  int tied_layer = -1;
+  uint64_t tied_bytes = 0;
   // Streamed as stored whatever the quantization asked for (a tied layer, a
   // tensor group with nothing to pack): the "too small" error then does not
   // suggest quantizing.
@@ -91,8 +101,10 @@ struct LayerPlacement {
   bool lookup = false;  // looked up in host memory (PlannerLayer::lookup); resident is false
   // Tied weights: the other layer of the pair (-1: none). A table whose tied
   // layer is resident is resident too, with resident_bytes 0 (that layer
-  // holds the tensor).
+  // holds the tensor). A layer with PlannerLayer::tied_layer: that layer (set
+  // on this one only, so several may share one weight).
   int tied_with = -1;
+  bool shares_weight = false;  // PlannerLayer::tied_layer: the weight's bytes are tied_with's
   uint64_t bytes = 0;
   uint64_t routed_bytes = 0;  // PlannerLayer::routed_bytes (0: copied whole)
   uint64_t resident_bytes = 0;

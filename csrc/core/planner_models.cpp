@@ -148,8 +148,8 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       // host its dense copy too (Note [Trainable coded weights], engine_coded.cpp).
       std::vector<slot_layout::Part> slot_parts;
       uint64_t host = 0;
-      uint64_t bus = 0, workspace = 0;
       bool gguf = false, narrow = true;  // narrow: every tensor written on the device is 2 bytes wide
+      bool packed = false, coded_trained = false;  // some tensor crosses packed or coded; a coded one trains
       for (size_t k = 0; k < l.group_tensors.size(); ++k) {
         const auto& [shape, dtype] = l.group_tensors[k];
         const uint64_t numel = numel_of(shape);
@@ -164,12 +164,14 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
           // engine stores them, and are dequantized into the workspace.
           gguf = true;
           const std::string& written = opt.compute_dtype.empty() ? l.dense_dtype : opt.compute_dtype;
-          parts.push_back({slot_layout::align(bytes_of(numel, dtype)), bytes_of(numel, written)});
+          parts.push_back({bytes_of(numel, dtype), bytes_of(numel, written)});
           narrow = narrow && safetensors_dtype_bits(written) <= 16;
         } else if (coded) {  // decoded into its own dtype
+          packed = true;
           parts.push_back({coded, bytes_of(numel, dtype)});
           narrow = narrow && safetensors_dtype_bits(dtype) <= 16;
         } else if (pack) {
+          packed = true;
           const std::string& written = opt.compute_dtype.empty() ? dtype : opt.compute_dtype;
           parts.push_back({quantized_weight_bytes({numel / shape.back(), shape.back()}, dtype, opt.quantize),
                            bytes_of(numel, written)});
@@ -177,10 +179,10 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
         } else {
           parts.push_back({bytes_of(numel, dtype), 0});
         }
-        bus += parts.back().bus;
         slot_parts.push_back(parts.back());
         host += parts.back().bus;
         if (coded && opt.training) {  // the pieces as the measure cut them (one per expert of dim 0)
+          coded_trained = true;
           const lossless::Dtype d = lossless_dtype(dtype);
           const int64_t n = static_cast<int64_t>(numel);
           const int64_t count =
@@ -189,12 +191,12 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
           host += bytes_of(numel, dtype) + slot_parts.back().bus - coded;
         }
       }
-      const slot_layout::Layout layout = slot_layout::of(parts);
-      workspace = layout.workspace_bytes;
-      if (l.group_tensors.empty()) bus = l.group_bytes;
+      const slot_layout::Layout layout = slot_layout::of(parts);  // each part aligned, as the engine lays them out
+      const uint64_t workspace = layout.workspace_bytes;
+      const uint64_t bus = l.group_tensors.empty() ? l.group_bytes : layout.bus_bytes;
       s.bytes = bus;
       if (workspace) s.slot_bytes = slot_layout::of(slot_parts).slot_bytes();  // else 0: the bus bytes
-      if (host != bus && !l.group_tensors.empty()) s.host_bytes = host;
+      if (coded_trained) s.host_bytes = host;
       s.narrow_write = workspace && narrow;
       // Resident, a group with GGUF tensors is dense (group_bytes: dequantized).
       s.resident_bytes = opt.resident_dequantized || gguf ? l.group_bytes : bus;
@@ -204,7 +206,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
                     !gguf;
       if (s.trainable)
         for (const auto& [shape, dtype] : l.group_tensors) s.train_bytes += tensor_train_bytes(train, shape, dtype);
-      s.as_stored = gguf || (opt.quantize != Quantization::None && bus == l.group_bytes);  // nothing to pack
+      s.as_stored = gguf || (opt.quantize != Quantization::None && !packed);  // nothing to pack
       if (opt.routed_experts && l.active < 1.0) {
         const double share = experts_reached(l.active, opt.tokens);
         if (share <= 0.5) s.routed_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(bus * share)));
@@ -230,17 +232,16 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
                                                                                       int64_t(l.weight_numel()))
                                                         : 0;
     const uint64_t w_bus = lossless ? l.lossless_bytes : quantized_weight_bytes(l.weight_shape, l.weight_dtype, quantize);
-    s.bytes = w_bus + bias;
     if (!l.dense_dtype.empty() && !l.embedding) {
       // GGUF blocks (load_gguf): they cross as they are (padded to 256 B, as
       // the engine stores them) and are dequantized in the slot to the
       // parameter's dtype (compute_dtype when given); resident, offload()
       // holds the dequantized weight.
       const std::string& dense = opt.compute_dtype.empty() ? l.dense_dtype : opt.compute_dtype;
-      const uint64_t packed = slot_layout::align(w_stored);
       const uint64_t dense_w = bytes_of(l.weight_numel(), dense);
-      s.bytes = packed + bias;
-      s.slot_bytes = slot_layout::of({{packed, dense_w}, {bias, 0}}).slot_bytes();
+      const slot_layout::Layout layout = slot_layout::of({{w_stored, dense_w}, {bias, 0}});
+      s.bytes = layout.bus_bytes;
+      s.slot_bytes = layout.slot_bytes();
       s.resident_bytes = dense_w + bias;
       s.flops = 2.0 * tokens * static_cast<double>(l.params()) * (opt.training ? 3.0 : 1.0);
       s.trainable = false;  // a GGUF weight is frozen
@@ -267,6 +268,8 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
     }
     if (!cd.empty() && !l.bias_dtype.empty() && l.bias_dtype != cd && safetensors_dtype_is_wide_float(l.bias_dtype))
       b_written = bytes_of(l.bias_numel, cd);
+    // The slot as the engine lays it out (EngineImpl::layout_of): each part aligned.
+    s.bytes = slot_layout::of({{w_bus, w_written}, {bias, b_written}}).bus_bytes;
     if (w_written || b_written)  // else 0: the bus bytes
       s.slot_bytes = slot_layout::of({{coded_max ? coded_max : w_bus, w_written}, {bias, b_written}}).slot_bytes();
     if (coded_max) s.host_bytes = w_stored + coded_max + bias;

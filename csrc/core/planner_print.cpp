@@ -154,11 +154,16 @@ std::string Plan::explain(bool host_budget) const {
                 format_bytes(slot_bytes).c_str(), prefetch_depth);
   out += buf;
   for (const auto& l : layers) {
-    if (l.tied_with < 0 || l.lookup || (l.resident && l.resident_bytes == 0)) continue;
+    if (l.tied_with < 0 || l.lookup || (!l.shares_weight && l.resident && l.resident_bytes == 0))
+      continue;  // a table held by its resident tied layer: said on that layer's line
     const std::string& other = layers[static_cast<size_t>(l.tied_with)].name;
-    out += "tied weights:             " + l.name + (l.resident ? " is resident, and " + other + " with it"
-                                                               : " streams the host copy of " + other +
-                                                                     " (counted once)") + "\n";
+    if (l.shares_weight)  // PlannerLayer::tied_layer: placed with `other`, whose bytes hold the weight
+      out += "tied weights:             " + l.name + (l.resident ? " is resident with " : " streams with ") + other +
+             ", whose weight it shares (counted once)\n";
+    else
+      out += "tied weights:             " + l.name + (l.resident ? " is resident, and " + other + " with it"
+                                                                 : " streams the host copy of " + other +
+                                                                       " (counted once)") + "\n";
   }
   if (activation_bytes_per_step) {
     std::snprintf(buf, sizeof buf,

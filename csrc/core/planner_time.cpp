@@ -59,7 +59,8 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
       const PlannerLayer& l = in.layers[r];
       double c = compute_seconds(in, l);
       bool streamed = !resident[r] && !l.lookup;
-      double g = (streamed && l.trainable) ? transfer_seconds(in, l.resident_bytes) : 0.0;
+      // (A layer tied to another's weight: its weight's gradient too, which resident_bytes leaves out.)
+      double g = (streamed && l.trainable) ? transfer_seconds(in, l.resident_bytes + l.tied_bytes) : 0.0;
       // A trainable table's gradient rows go back synchronously, on the compute stream.
       const double rows_back = (l.lookup && !held[r] && l.trainable) ? transfer_seconds(in, l.lookup_bytes) : 0.0;
       ops.push_back({r, c * 2.0 / 3.0 + rows_back, streamed, g});

@@ -485,9 +485,12 @@ PYBIND11_MODULE(_C, m) {
   // The placement planner (core/planner.h): which layers stay resident.
   // layers, in execution order: (name, bus bytes, slot bytes (0 = bus bytes),
   // resident bytes, FLOPs, trainable, narrow write, train bytes): PlannerLayer's fields.
+  // ties: (layer, the layer whose weight it shares, the shared bytes), PlannerLayer::tied_layer / tied_bytes.
   using PlannedLayers =
       std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, double, bool, bool, uint64_t>>;
-  auto planner_input = [](uint64_t budget, const PlannedLayers& layers, uint64_t fixed, uint64_t fixed_train) {
+  using PlannedTies = std::vector<std::tuple<size_t, int, uint64_t>>;
+  auto planner_input = [](uint64_t budget, const PlannedLayers& layers, uint64_t fixed, uint64_t fixed_train,
+                          const PlannedTies& ties) {
     layerstream::PlannerInput in;
     in.budget_bytes = budget;
     in.fixed_resident_bytes = fixed;
@@ -503,6 +506,11 @@ PYBIND11_MODULE(_C, m) {
       l.narrow_write = narrow_write;
       l.train_bytes = train;
       in.layers.push_back(l);
+    }
+    for (const auto& [layer, tied_layer, tied_bytes] : ties) {
+      LS_CHECK(layer < in.layers.size(), "planner: a tie names layer #", layer, " of ", in.layers.size());
+      in.layers[layer].tied_layer = tied_layer;
+      in.layers[layer].tied_bytes = tied_bytes;
     }
     return in;
   };
@@ -528,15 +536,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "plan_slots_first",
       [planner_input, plan_dict](uint64_t budget, const PlannedLayers& layers, uint64_t fixed, int prefetch,
-                                 int slots, double link_bytes_per_s, bool training, uint64_t fixed_train) {
-        layerstream::PlannerInput in = planner_input(budget, layers, fixed, fixed_train);
+                                 int slots, double link_bytes_per_s, bool training, uint64_t fixed_train,
+                                 const PlannedTies& ties) {
+        layerstream::PlannerInput in = planner_input(budget, layers, fixed, fixed_train, ties);
         in.link_bytes_per_s = link_bytes_per_s;  // the copy times (0: unknown)
         in.training = training;
         return plan_dict(layerstream::plan_slots_first(in, prefetch, slots));
       },
       py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"), py::arg("prefetch"),
       py::arg("slots") = 0, py::arg("link_bytes_per_s") = 0.0, py::arg("training") = false,
-      py::arg("fixed_train_bytes") = 0);
+      py::arg("fixed_train_bytes") = 0, py::arg("ties") = PlannedTies());
   // This machine's memory (core/host_memory.h): {total_bytes, available_bytes}, 0 = unknown.
   m.def("host_memory", [] {
     const layerstream::HostMemory h = layerstream::host_memory();

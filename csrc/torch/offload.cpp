@@ -7,6 +7,7 @@
 
 #include <fnmatch.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -219,10 +220,33 @@ Residency plan_residency(torch::nn::Module& root, const std::vector<Item>& items
   PlannerInput in;
   in.budget_bytes = static_cast<uint64_t>(options.budget_bytes);
   std::set<torch::nn::Module*> planned;
+  std::map<std::string, size_t> index;  // planned layer name -> its index in in.layers
   for (const auto& it : items) {
     if (dynamic_cast<nn::EmbeddingImpl*>(it.module.get())) continue;  // looked up in host memory
     planned.insert(it.module.get());
+    index[it.name] = in.layers.size();
     in.layers.push_back(planner_layer(it, qformat, dtypes, train));
+  }
+  // Tied weights of streamed layers: placed together by the planner, the weight
+  // counted once, in the first one's bytes (PlannerLayer::tied_layer); tables are
+  // not planned.
+  for (const auto& group : tie_groups) {
+    int first = -1;
+    for (const auto& name : group) {
+      auto at = index.find(name);
+      if (at == index.end()) continue;
+      if (first < 0) {
+        first = static_cast<int>(at->second);
+        continue;
+      }
+      const Item& it = *std::find_if(items.begin(), items.end(), [&](const Item& i) { return i.name == name; });
+      const torch::Tensor w = it.module->named_parameters(/*recurse=*/false)["weight"];
+      PlannerLayer& l = in.layers[at->second];
+      l.tied_layer = first;
+      l.tied_bytes = slot_layout::align(w.nbytes());
+      l.resident_bytes -= w.nbytes();
+      l.train_bytes -= train_bytes_of(train, w);
+    }
   }
   std::set<torch::TensorImpl*> counted;  // a tensor shared by two modules is on the device once
   for (const auto& named : root.named_modules("", /*include_self=*/true)) {
@@ -239,8 +263,8 @@ Residency plan_residency(torch::nn::Module& root, const std::vector<Item>& items
   Residency r;
   for (const auto& l : plan.layers)
     if (l.resident) r.resident.insert(l.name);
-  // Tied weights: a layer kept resident keeps the tensor on the device, so
-  // the layers that share it stay resident too.
+  // Tied weights: a head kept resident keeps the tensor on the device, so
+  // the table that shares it is resident too (in the head's bytes).
   for (const auto& group : tie_groups)
     for (const auto& n : group)
       if (r.resident.count(n)) {

@@ -459,25 +459,38 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                     fixed += t.numel() * t.element_size()
                     if isinstance(t, nn.Parameter):
                         fixed_train += _train_bytes(train_spec, [t])
+        # Tied weights of streamed layers: placed together by the planner, the weight counted
+        # once, in the first one's bytes (PlannerLayer::tied_layer); tables are not planned.
+        index = {t.name: i for i, t in enumerate(layers)}
+        leader = {}  # planned layer index -> the index of the first planned layer of its tie group
+        for group in tie_groups:
+            planned_group = [index[n] for n in group if n in index]
+            leader.update({i: planned_group[0] for i in planned_group[1:]})
         # Slots first, residency with what is left (core/planner.h plan_slots_first).
-        planned = []
-        for t in layers:
+        planned, ties = [], []
+        for i, t in enumerate(layers):
             tensors = ([o._parameters[key] for o, key, _ in _group_slots(t.module)] if t.kind == "group"
                        else [t.module.weight, getattr(t.module, "bias", None)])
             trainable = any(p is not None and p.requires_grad for p in tensors)
-            planned.append((t.name, t.bus_bytes, t.slot_bytes, t.resident_bytes, 0.0, trainable, t.narrow_write,
+            resident_bytes = t.resident_bytes
+            if i in leader:  # its weight is in the first layer's resident, train and host bytes
+                weight_bytes = tensors[0].numel() * tensors[0].element_size()
+                resident_bytes -= weight_bytes
+                ties.append((i, leader[i], _C.slot_layout([(weight_bytes, 0)])["bus_bytes"]))
+                tensors = tensors[1:]
+            planned.append((t.name, t.bus_bytes, t.slot_bytes, resident_bytes, 0.0, trainable, t.narrow_write,
                             _train_bytes(train_spec, tensors)))
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
         try:
             plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
                                        slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
-                                       fixed_train_bytes=fixed_train)
+                                       fixed_train_bytes=fixed_train, ties=ties)
         except LayerstreamError as e:
             raise _as_stored_advice(e, as_stored) from None
         resident_names = set(plan["resident"])
-        # Tied weights: a layer kept resident keeps its tensor on the device, so the
-        # layers that share it stay resident too (it is on the device once, counted once).
+        # Tied weights: a head kept resident keeps its tensor on the device, so the table
+        # that shares it is resident too (it is on the device once, in the head's bytes).
         for group in tie_groups:
             if resident_names.intersection(group):
                 resident_names.update(group)

@@ -358,6 +358,118 @@ TEST(Planner, TiedHeadSharesItsTablesHostCopyOrHoldsItResident) {
   EXPECT_HAS(error_of([&] { plan_placement(in); }), "is tied to layer #2, which is not a lookup table");
 }
 
+TEST(Planner, LayersSharingAWeightArePlacedTogetherAndCountItOnce) {
+  // Two Linears sharing one weight (offload() streams both from one host copy):
+  // resident together or streamed together; the weight on the device once (in
+  // the first one's resident_bytes) and pinned once. Before, the planner placed
+  // them apart (offload() then kept both resident, beyond the plan it reported)
+  // and counted the weight twice.
+  constexpr uint64_t KiB = 1024, W = 256 * KiB, B = KiB;
+  auto model = [&] {
+    PlannerInput in;
+    in.layers.push_back(layer("l1", W + B));
+    for (int i = 0; i < 3; ++i) in.layers.push_back(layer("mid" + std::to_string(i), W + B));
+    PlannerLayer l2 = layer("l2", W + B);
+    l2.tied_layer = 0;
+    l2.tied_bytes = W;
+    l2.resident_bytes = B;  // its weight is l1's
+    in.layers.push_back(l2);
+    return in;
+  };
+  PlannerInput in = model();
+  int together = 0, apart_streamed = 0;
+  for (uint64_t budget = 2 * (W + B); budget <= 6 * (W + B); budget += 16 * KiB) {
+    in.budget_bytes = budget;
+    SCOPED_TRACE(budget);
+    Plan p;
+    try {
+      p = plan_slots_first(in, 1, 0);
+    } catch (const BudgetTooSmall&) {
+      continue;
+    }
+    EXPECT_EQ(p.layers[0].resident, p.layers[4].resident);
+    together += p.layers[0].resident;
+    apart_streamed += !p.layers[0].resident;
+    EXPECT_EQ(p.layers[4].tied_with, 0);
+    EXPECT_TRUE(p.layers[4].shares_weight);
+    uint64_t res = 0, pinned = 0;
+    for (const auto& l : p.layers) (l.resident ? res : pinned) += l.resident ? l.resident_bytes : l.bytes;
+    if (!p.layers[4].resident) pinned -= W;  // one host copy
+    EXPECT_EQ(p.resident_bytes, res);
+    EXPECT_EQ(p.host_pinned_bytes, pinned);
+    EXPECT_LE(p.device_bytes, budget);
+  }
+  EXPECT_GT(together, 0);
+  EXPECT_GT(apart_streamed, 0);
+  // Everything fits with the weight counted once: 4 weights + 5 biases.
+  in.budget_bytes = 4 * W + 5 * B;
+  Plan p = plan_slots_first(in, 1, 0);
+  EXPECT_EQ(p.num_streamed, 0u);
+  EXPECT_EQ(p.device_bytes, 4 * W + 5 * B);
+  EXPECT_HAS(p.explain(), "tied weights:             l2 is resident with l1, whose weight it shares (counted once)");
+  EXPECT_HAS(p.to_json(), "\"tied_with\": \"l1\"");
+  // Room for l1 and 2 slots, not for l1's partner too: both stream (l1 alone resident was the old plan).
+  in.budget_bytes = 3 * (W + B) + B / 2;
+  p = plan_slots_first(in, 1, 0);
+  EXPECT_FALSE(p.layers[0].resident);
+  EXPECT_FALSE(p.layers[4].resident);
+  EXPECT_HAS(p.explain(), "tied weights:             l2 streams with l1, whose weight it shares (counted once)");
+
+  in.layers[4].tied_layer = 4;  // not an earlier layer
+  EXPECT_HAS(error_of([&] { plan_placement(in); }), "is tied to layer #4, which is not an earlier streamable layer");
+}
+
+TEST(Planner, RandomTiedLayersArePlacedTogetherWithinBudget) {
+  std::mt19937_64 rng(77);
+  int together_resident = 0, together_streamed = 0;
+  for (int iter = 0; iter < 300; ++iter) {
+    PlannerInput in;
+    const size_t n = 2 + rng() % 30;
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t bytes = 1024 + rng() % (1 << 20);
+      PlannerLayer l = layer("layer" + std::to_string(i), bytes,
+                             rng() % 2 ? 0.0 : static_cast<double>(rng() % 1000000000));
+      if (i > 0 && rng() % 3 == 0) {  // shares layer t's weight (t not tied itself)
+        size_t t = rng() % i;
+        while (in.layers[t].tied_layer >= 0) t = static_cast<size_t>(in.layers[t].tied_layer);
+        l.tied_layer = static_cast<int>(t);
+        l.tied_bytes = std::min(bytes, in.layers[t].resident_bytes);
+        l.resident_bytes = bytes - l.tied_bytes;
+      }
+      total += l.resident_bytes;
+      in.layers.push_back(l);
+    }
+    in.budget_bytes = static_cast<uint64_t>(static_cast<double>(total) * (static_cast<double>(rng() % 1200) / 1000.0));
+    in.link_bytes_per_s = rng() % 2 ? 0.0 : 1e10;
+    in.device_flops_per_s = 1e12;
+    SCOPED_TRACE("iteration " + std::to_string(iter));
+    Plan p;
+    try {
+      p = plan_slots_first(in, static_cast<int>(1 + rng() % 3), 0);
+    } catch (const BudgetTooSmall&) {
+      continue;
+    }
+    EXPECT_LE(p.device_bytes, in.budget_bytes);
+    uint64_t res = 0, pinned = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const auto& l = p.layers[i];
+      if (l.resident) {
+        res += l.resident_bytes;
+      } else {
+        pinned += l.bytes - in.layers[i].tied_bytes;
+      }
+      if (in.layers[i].tied_layer < 0) continue;
+      EXPECT_EQ(l.resident, p.layers[static_cast<size_t>(in.layers[i].tied_layer)].resident);
+      ++(l.resident ? together_resident : together_streamed);
+    }
+    EXPECT_EQ(p.resident_bytes, res);
+    EXPECT_EQ(p.host_pinned_bytes, pinned);
+  }
+  EXPECT_GT(together_resident, 20);
+  EXPECT_GT(together_streamed, 20);
+}
+
 TEST(Models, TiedHeadFromConfig) {
   // A checkpoint of a tied model stores only the table: add_tied_head adds
   // the head when the config says tie_word_embeddings, or does not say and
@@ -843,6 +955,37 @@ TEST(Models, LayerSpecsFlopsAndQuantization) {
   EXPECT_EQ(specs[1].resident_bytes, 4096u * 4096 * 2);
   EXPECT_FALSE(specs[1].trainable);  // quantized base weights are frozen
   EXPECT_EQ(specs[0].bytes, 32000u * 4096 * 2);  // tables are never quantized
+}
+
+TEST(Models, LayerBytesAreTheSlotLayoutTheEngineAllocates) {
+  // Each tensor of a slot starts on a 256-byte boundary (slot_layout::of, the
+  // engine's rule); layer_specs added a weight and a bias unaligned: a
+  // 100-element F32 bias (400 B) was planned 112 B short.
+  ModelDescription m;
+  ModelLayer l;
+  l.name = "fc";
+  l.weight_shape = {100, 36};  // 14400 B: 14592 aligned
+  l.weight_dtype = "F32";
+  l.bias_numel = 100;
+  l.bias_dtype = "F32";
+  m.layers.push_back(l);
+  ModelLayer g;  // a tensor group of two unaligned tensors
+  g.name = "experts";
+  g.group = true;
+  g.group_tensors = {{{3, 5, 7}, "F32"}, {{3, 5}, "F32"}};
+  g.group_bytes = (105 + 15) * 4;
+  g.group_params = 120;
+  m.layers.push_back(g);
+  for (const char* compute : {"", "BF16"}) {
+    LayerOptions opt;
+    opt.compute_dtype = compute;
+    const auto specs = layer_specs(m, opt);
+    SCOPED_TRACE(compute);
+    EXPECT_EQ(specs[0].bytes, slot_layout::of({{14400, 0}, {400, 0}}).bus_bytes);
+    EXPECT_EQ(specs[0].bytes, 14592u + 512);
+    EXPECT_EQ(specs[1].bytes, 512u + 256);
+    EXPECT_EQ(specs[0].resident_bytes, 14400u + 400);  // resident: the tensors as they are
+  }
 }
 
 TEST(Models, LayerSpecsComputeDtypeWorkspace) {

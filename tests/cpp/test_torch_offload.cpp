@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -1495,6 +1496,52 @@ TEST(TorchOffload, BudgetIsPlannedAsInPython) {
   EXPECT_GE(static_cast<int64_t>(s.peak_device_bytes), static_cast<int64_t>(s.slots * s.slot_bytes) + resident * kLayer);
   EXPECT_LE(static_cast<int64_t>(s.peak_device_bytes), opts.budget_bytes);
   t->detach();
+}
+
+TEST(TorchOffload, LayersSharingAWeightArePlannedTogetherAndCountedOnce) {
+  // l1 -> 3 blocks -> l2, l2's weight is l1's. Before, the planner saw them as
+  // unrelated layers: the weight counted twice (a budget holding everything
+  // streamed), and a plan keeping l1 resident was widened to l2 after it, so
+  // plan() said what did not run.
+  struct SharedImpl : torch::nn::Module {
+    std::vector<layerstream::nn::Linear> layers;
+    SharedImpl() {
+      torch::manual_seed(0);
+      layers.push_back(register_module("l1", layerstream::nn::Linear(64, 64)));
+      for (int i = 0; i < 3; ++i)
+        layers.push_back(register_module("m" + std::to_string(i), layerstream::nn::Linear(64, 64)));
+      layers.push_back(register_module(
+          "l2", layerstream::nn::Linear(torch::nn::LinearOptions(64, 64), layers[0]->weight, torch::randn({64}))));
+    }
+    torch::Tensor forward(torch::Tensor x) {
+      for (auto& l : layers) x = torch::tanh(l(x));
+      return x;
+    }
+  };
+  constexpr int64_t W = 64 * 64 * 4, B = 64 * 4;
+  const torch::Tensor x = torch::randn({3, 64});
+  torch::NoGradGuard ng;
+  const torch::Tensor expected = std::make_shared<SharedImpl>()->forward(x);
+  for (const int64_t budget : {4 * W + 5 * B, 3 * (W + B) + 4 * B, 3 * (W + B) + B / 2}) {
+    SCOPED_TRACE(budget);
+    auto model = std::make_shared<SharedImpl>();
+    auto opts = sim_options();
+    opts.budget_bytes = budget;
+    opts.prefetch = 1;
+    auto h = layerstream::offload(*model, opts);
+    EXPECT_TRUE(torch::equal(model->forward(x), expected));
+    const auto& resident = h->resident_layers();
+    const bool l1 = std::count(resident.begin(), resident.end(), "l1") > 0;
+    EXPECT_EQ(l1, std::count(resident.begin(), resident.end(), "l2") > 0);
+    EXPECT_EQ(l1, budget != 3 * (W + B) + B / 2) << h->plan();
+    if (budget == 4 * W + 5 * B) {
+      EXPECT_TRUE(h->layers().empty()) << h->plan();  // the weight counted once
+    }
+    EXPECT_NE(h->plan().find(std::to_string(resident.size()) + " resident"), std::string::npos) << h->plan();
+    EXPECT_NE(h->plan().find(l1 ? "l2 is resident with l1" : "l2 streams with l1"), std::string::npos) << h->plan();
+    EXPECT_LE(static_cast<int64_t>(h->stats().peak_device_bytes), budget);
+    h->detach();
+  }
 }
 
 // quantize with a budget: a layer the plan keeps resident holds the values it

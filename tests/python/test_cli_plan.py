@@ -774,3 +774,35 @@ def test_quantized_plan_places_and_sizes_layers_as_offload_does(tmp_path, quanti
         assert cli["device_bytes"] == s["peak_device_bytes"] and cli["host_pinned_bytes"] == s["pinned_bytes"]
     finally:
         handle.detach()
+
+
+@pytest.mark.parametrize("compute_dtype", [None, "bfloat16"])
+def test_cli_layer_bytes_are_the_slot_bytes_offload_allocates(tmp_path, compute_dtype):
+    """Each part of a slot starts on a 256-byte boundary (core/slot_layout.h, the one rule the
+    engine lays its slots out by). `plan` added a layer's weight and bias bytes unaligned:
+    a 100x100 fp32 layer (40000 + 400 B) planned 304 B short of what offload() allocates."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    import layerstream
+    torch.manual_seed(0)
+    # One shape: the CLI orders residency by FLOPs per byte, offload() (no FLOPs) by size.
+    model = torch.nn.Sequential(*[torch.nn.Linear(100, 100) for _ in range(6)]).requires_grad_(False)
+    path = tmp_path / "m.safetensors"
+    st.save_file(model.state_dict(), str(path))
+    flags = ("--compute-dtype", "bf16") if compute_dtype else ()
+    cli = plan_json("--checkpoint", path, "--budget", "150KiB", "--max-prefetch", "1", "--link-gbps", "0",
+                    *flags)["plan"]
+    handle = layerstream.offload(model, device="sim", budget="150KiB", prefetch=1,
+                                 compute_dtype=getattr(torch, compute_dtype) if compute_dtype else None)
+    try:
+        ours = json.loads(handle._plan["json"])
+        place = lambda p: {l["name"]: (l["placement"], l["bytes"]) for l in p["layers"]}
+        assert place(cli) == place(ours)
+        assert cli["layers"][0]["bytes"] == 40192 + 512  # 40000 B of weight and 400 B of bias, each aligned
+        assert "streamed" in {l["placement"] for l in cli["layers"]}
+        model(torch.randn(1, 100))
+        s = handle.stats()
+        assert cli["slot_bytes"] == s["slot_bytes"] > 0 and cli["device_bytes"] == s["peak_device_bytes"]
+        assert cli["host_pinned_bytes"] == ours["host_pinned_bytes"]
+    finally:
+        handle.detach()

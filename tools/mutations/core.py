@@ -332,4 +332,19 @@ MUTATIONS = [
         [P + "test_cli_plan.py::test_budget_share_says_plan_needs_a_byte_count",
          P + "test_cli_demo_bench.py::test_demo_budget_share_says_a_byte_count_is_needed"],
         "`plan`/`demo --budget 50%` (or auto) says \"unknown unit\" instead of that they take a byte count"),
+    Mutation(
+        "planner-tied-layers-placed-apart", "csrc/core/planner.cpp",
+        "          for (size_t j : unit[i]) resident[j] = 1;",
+        "          resident[i] = 1;",
+        ["gtest:test_planner:Planner.LayersSharingAWeightArePlacedTogetherAndCountItOnce:"
+         "Planner.RandomTiedLayersArePlacedTogetherWithinBudget"],
+        "the planner keeps one of two layers sharing a weight resident and streams the other (offload() then "
+        "kept both resident, beyond the plan it reported)"),
+    Mutation(
+        "plan-layer-bytes-unaligned", "csrc/core/planner_models.cpp",
+        "    s.bytes = slot_layout::of({{w_bus, w_written}, {bias, b_written}}).bus_bytes;",
+        "    s.bytes = w_bus + bias;",
+        ["gtest:test_planner:Models.LayerBytesAreTheSlotLayoutTheEngineAllocates"],
+        "`layerstream plan` adds a layer's weight and bias bytes unaligned: up to 255 B per tensor short of the "
+        "slot the engine allocates"),
 ]

@@ -859,4 +859,11 @@ MUTATIONS = [
         [P + "test_detach_quantized.py::test_detach_gives_the_same_quantized_weights_whatever_the_budget"],
         "with a dequant_dtype, detach() of a streamed quantized layer gives other weights than a resident one's "
         "(the budget changes the numbers)"),
+    Mutation(
+        "offload-plans-tied-layers-apart", "python/layerstream/_offload.py",
+        "fixed_train_bytes=fixed_train, ties=ties)",
+        "fixed_train_bytes=fixed_train)",
+        [P + "test_planner_ties.py"],
+        "offload(budget=) plans two layers sharing a weight as unrelated ones: the weight counted twice, and "
+        "handle.plan / stats() report one resident where both are"),
 ]
