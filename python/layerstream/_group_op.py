@@ -118,8 +118,12 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
     group's buffers and the recompute]).
     (Note [Same calls as the resident module], csrc/torch/engine.cpp)"""
     bound = bind(adapters, leaves(extras, [t.requires_grad for t in extras]))
+    # Saved as detached aliases (the graph is never differentiated): a tensor saved with
+    # its grad_fn closes a reference cycle where a node saves its own output (attention's
+    # kernel does), through autograd's C++ nodes that Python's collector does not see, and
+    # every call's graph, its activations and its weights' casts with it, was never freed.
     with torch.enable_grad(), fwd.fetched(experts=experts, adapters=bound) as views, \
-            torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _as_is):
         args, kwargs = rebuild(leaves(inputs, [x.requires_grad for x in inputs]))
         before = None if written is None else [(o, k, b, _version(b), b.detach().clone())
                                                for o, k, b in _buffers(fwd._module)]

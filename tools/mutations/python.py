@@ -772,4 +772,11 @@ MUTATIONS = [
         [P + "test_attention.py::test_an_exported_attention_called_twice_gets_both_calls_gradients"],
         "a group's fake kernel puts offload()'s tensors back where export had its parameter inputs: a second "
         "call of the group is exported with constants and its gradients are lost"),
+    Mutation(
+        "group-forward-graph-leaks", "python/layerstream/_group_op.py",
+        "saved_tensors_hooks(torch.Tensor.detach, _as_is)",
+        "saved_tensors_hooks(_as_is, _as_is)",
+        [P + "test_attention.py::test_training_steps_with_a_streamed_attention_leave_no_graph_behind"],
+        "a group's forward without a graph saves its tensors with their grad_fn: attention's graph is a reference "
+        "cycle Python's collector does not see, and every training step leaks its graphs"),
 ]
