@@ -480,7 +480,11 @@ class _GroupFn(torch.autograd.Function):
         dev = fwd._device
         ctx.rng = _group_op.rng_state(dev)
         kind = dev.type
-        ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind),
+                        torch.is_autocast_cache_enabled())
+        # Which inputs autocast would cast once (Note [Autocast casts a leaf once]); asked
+        # here: the saved tensors come back as other objects (activations=, checkpointing).
+        ctx.leaf = [_group_op.cast_once(t) for t in tensors[:n_in + n_ex]]
         # The parameters are saved too (no copy: host tensors, or the packed ones' stand-ins,
         # whose version a re-quantization bumps), so that a write between forward and
         # backward raises autograd's version error, as for a resident module, instead of
@@ -523,5 +527,6 @@ class _GroupFn(torch.autograd.Function):
         n_ex = sum(n for _, _, n in ctx.adapters)
         ins, ex, host = _group_op.recompute_gradients(
             fwd, functools.partial(_rebuild, ctx.layout), saved[:n_in], ctx.needs_input_grad[3:], ctx.rng,
-            ctx.autocast, ctx.experts, ctx.single, grads, ctx.adapters, saved[n_in:n_in + n_ex], ctx.written)
+            ctx.autocast, ctx.experts, ctx.single, grads, ctx.adapters, saved[n_in:n_in + n_ex], ctx.written,
+            ctx.leaf)
         return (None, None, None, *ins, *ex, *host)

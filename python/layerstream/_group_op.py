@@ -79,15 +79,46 @@ def _as_is(t):
     return t
 
 
-def leaves(tensors: Sequence[torch.Tensor], requires_grad: Sequence[bool]) -> list:
+def leaves(tensors: Sequence[torch.Tensor], requires_grad: Sequence[bool],
+           leaf: Optional[Sequence[bool]] = None) -> list:
     """Detached copies of `tensors` (no data copied) with the given requires_grad, one per
     distinct tensor: a tensor passed twice stays one object (nn.MultiheadAttention takes
-    another path when query is key is value)."""
+    another path when query is key is value). `leaf`: per tensor, whether the caller's
+    was a leaf and no view (cast_once); a copy of one that was not, and requires grad,
+    is a view of the leaf copy (None: all leaves). Note [Autocast casts a leaf once]."""
     seen = {}
-    for t, r in zip(tensors, requires_grad):
-        if id(t) not in seen:
-            seen[id(t)] = t.detach().requires_grad_(bool(r))
+    with torch.enable_grad():  # a view made without grad mode would be a leaf (backward runs without)
+        for i, (t, r) in enumerate(zip(tensors, requires_grad)):
+            if id(t) not in seen:
+                c = t.detach().requires_grad_(bool(r))
+                seen[id(t)] = c if leaf is None or leaf[i] or not r else c.view_as(c)
     return [seen[id(t)] for t in tensors]
+
+
+def cast_once(t: torch.Tensor) -> bool:
+    """Whether `t` is a leaf and no view: of such a tensor that requires grad, torch's
+    autocast casts it once per region (Note [Autocast casts a leaf once])."""
+    return t.is_leaf and not t._is_view()
+
+
+# Note [Autocast casts a leaf once]
+# With its cast cache on (the default), torch.autocast casts an fp32 tensor that is a leaf,
+# requires grad and is no view (a parameter, or an input leaf) once per autocast region,
+# and reuses that cast at each use: the uses' gradients are summed in the autocast dtype
+# before the cast back. Any other tensor (an activation) is cast at each use, and its
+# gradients are summed in fp32. A group's recompute runs on copies of its inputs: as plain
+# leaves, a group using an activation twice (a GLU MLP's gate and up projections, q/k/v
+# projections of one input) had its input cast once and the two gradients summed in bf16,
+# where the resident graph sums in fp32 (the input's gradient, and every one before it,
+# off in bf16's last bit; likewise a leaf under cache_enabled=False). So each
+# copy is a leaf where the caller's tensor was one, else a view of a leaf, and the
+# recompute runs with the cache on or off as the forward did: the group's casts within
+# one call are the resident module's. The cache holds a cast until the outermost autocast
+# region exits (a region that spans the forward): the forward without a graph runs with
+# it off (its casts would hold a copy of every group's weights on the device until then;
+# the values are the same), and so can match only what happens inside one call. Across
+# calls (a tensor the resident model's cache casts once for several layers) it cannot:
+# docs/design/torch-glue.md, "Dtype rule".
 
 
 def rng_state(dev: torch.device) -> tuple:
@@ -115,11 +146,16 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
     graph it records is dropped with the detached outputs, and nothing it saves is an
     activation to offload. `adapters` / `extras`: as recompute_gradients'. `written`:
     filled with the buffers' values before the forward, of those it wrote (Note [A
-    group's buffers and the recompute]).
+    group's buffers and the recompute]). Autocast's cast cache is off for the call
+    (Note [Autocast casts a leaf once]).
     (Note [Same calls as the resident module], csrc/torch/engine.cpp)"""
     bound = bind(adapters, leaves(extras, [t.requires_grad for t in extras]))
+    # Saved as detached aliases (the graph is never differentiated): a tensor saved with
+    # its grad_fn closes a reference cycle where a node saves its own output (attention's
+    # kernel does), through autograd's C++ nodes that Python's collector does not see, and
+    # every call's graph, its activations and its weights' casts with it, was never freed.
     with torch.enable_grad(), fwd.fetched(experts=experts, adapters=bound) as views, \
-            torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _as_is), _cast_cache(False):
         args, kwargs = rebuild(leaves(inputs, [x.requires_grad for x in inputs]))
         before = None if written is None else [(o, k, b, _version(b), b.detach().clone())
                                                for o, k, b in _buffers(fwd._module)]
@@ -148,6 +184,17 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
 # its running statistics without bumping their version, but never reads them in a call
 # that writes them, so its recompute is exact from the current values. A compiled group
 # call recomputes from the current values (its operator holds no copies).
+
+
+@contextlib.contextmanager
+def _cast_cache(enabled: bool):
+    """Autocast's cast cache on or off while the block runs (the setting is per thread)."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
 
 
 def _buffers(module: torch.nn.Module) -> list:
@@ -185,19 +232,22 @@ def _recompute_buffers(module: torch.nn.Module, written: Optional[dict]):
 def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], needs: Sequence[bool], rng: tuple,
                         autocast: tuple, experts: Sequence[int], single: bool, grads: Sequence,
                         adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = (),
-                        written: Optional[dict] = None) -> Tuple[list, list, list]:
+                        written: Optional[dict] = None, leaf: Optional[Sequence[bool]] = None
+                        ) -> Tuple[list, list, list]:
     """Backward of a group call: fetch again, re-run the forward with the saved inputs
     (RNG and autocast state as at the forward, buffers as forward_without_graph's
     `written` kept them, the module's left untouched) and differentiate it. `needs`: per
-    input, per adapter tensor, then per group tensor; `adapters`: (tensor index,
-    function, count) of the adapters active at the forward, `extras` their tensors
-    (Note [Adapters on a streamed group's tensors], _peft_params.py). Returns the
+    input, per adapter tensor, then per group tensor; `autocast`: (enabled, dtype, cast
+    cache enabled) at the forward; `adapters`: (tensor index, function, count) of the
+    adapters active at the forward, `extras` their tensors (Note [Adapters on a streamed
+    group's tensors], _peft_params.py); `leaf`: per input and adapter tensor, cast_once
+    of the caller's (Note [Autocast casts a leaf once]; None: all leaves). Returns the
     inputs' gradients (a tensor passed at several positions gets its whole gradient at
     the first), the adapter tensors' and the group tensors' gradients on the host in
     their dtypes (averaged over the process group first when the engine averages)."""
     n_in, n_ex = len(saved), len(extras)
-    inputs = leaves(saved, needs[:n_in])
-    ex = leaves(extras, needs[n_in:n_in + n_ex])
+    inputs = leaves(saved, needs[:n_in], None if leaf is None else leaf[:n_in])
+    ex = leaves(extras, needs[n_in:n_in + n_ex], None if leaf is None else leaf[n_in:])
     args, kwargs = rebuild(inputs)
     dev = fwd._device
     cpu_rng, dev_rng = rng
@@ -210,7 +260,7 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
             # in the caller's, as the resident graph's do (and torch.utils.checkpoint's).
             # Differentiated under autocast, an fp32 region's backward (autocast off inside
             # the forward) ran in bf16, and its gradients were off in the third digit.
-            with torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), \
+            with torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), _cast_cache(autocast[2]), \
                     _recompute_buffers(fwd._module, written):
                 out = fwd._original(*args, **kwargs)
             outs = (out,) if single else tuple(out)
@@ -525,8 +575,11 @@ def _group_backward_kernel(grads, inputs, rng, engine, layer, call, mask):
     it = iter(grads)
     full = [None if n else next(it) for n in nones]
     with _as_eager():
+        # The compiled call records neither the cache setting nor which inputs were
+        # leaves: the thread's setting, and leaves (Note [Autocast casts a leaf once]).
         ins, _, host = recompute_gradients(fwd, c.rebuild, inputs, list(mask), _split_rng(rng, fwd._device),
-                                           c.autocast, experts, single, full)
+                                           (*c.autocast, torch.is_autocast_cache_enabled()), experts, single,
+                                           full)
     # In the layouts backward_fake promises (Inductor's code relies on them): an input's
     # gradient laid out like the input, a group tensor's contiguous.
     n_in = len(inputs)

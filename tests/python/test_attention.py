@@ -278,3 +278,33 @@ def test_an_exported_attention_called_twice_gets_both_calls_gradients(offload_si
     ref(x).square().sum().backward()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_training_steps_with_a_streamed_attention_leave_no_graph_behind(offload_sim):
+    """Each training step's autograd graphs are freed with it. Before, the group's forward
+    without a graph saved its tensors through a pack hook that returned them as they were:
+    attention's kernel saves its own output, which with its grad_fn closed a reference
+    cycle through autograd's C++ nodes that Python's collector does not see, so every
+    call's graph (its activations, its weights' casts) stayed in memory: 3 graphs a step
+    here, 30 MiB a step for 4 layers of width 512."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.MultiheadAttention(16, 2, batch_first=True) for _ in range(3)])
+    offload_sim(model)
+
+    def step():
+        x = torch.randn(2, 5, 16)
+        for attention in model:
+            x = attention(x, x, x, need_weights=False)[0]
+        x.sum().backward()
+
+    def recorded():
+        gc.collect()
+        return sum(1 for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and t.grad_fn is not None)
+
+    step()
+    before = recorded()
+    for _ in range(3):
+        step()
+    assert recorded() == before, "tensors of earlier steps' graphs are still alive"

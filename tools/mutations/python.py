@@ -866,4 +866,32 @@ MUTATIONS = [
         [P + "test_planner_ties.py"],
         "offload(budget=) plans two layers sharing a weight as unrelated ones: the weight counted twice, and "
         "handle.plan / stats() report one resident where both are"),
+    Mutation(
+        "group-forward-graph-leaks", "python/layerstream/_group_op.py",
+        "saved_tensors_hooks(torch.Tensor.detach, _as_is)",
+        "saved_tensors_hooks(_as_is, _as_is)",
+        [P + "test_attention.py::test_training_steps_with_a_streamed_attention_leave_no_graph_behind"],
+        "a group's forward without a graph saves its tensors with their grad_fn: attention's graph is a reference "
+        "cycle Python's collector does not see, and every training step leaks its graphs"),
+    Mutation(
+        "group-recompute-input-always-a-leaf", "python/layerstream/_group_op.py",
+        "                seen[id(t)] = c if leaf is None or leaf[i] or not r else c.view_as(c)\n",
+        "                seen[id(t)] = c\n",
+        [P + "test_autocast_cache.py::test_a_group_using_its_input_twice_trains_under_autocast_exactly"],
+        "a group's recompute takes an activation input as a leaf: autocast casts it once and sums its uses' "
+        "gradients in bf16, where the resident module casts at each use and sums in fp32"),
+    Mutation(
+        "group-recompute-ignores-cast-cache-setting", "python/layerstream/_group_op.py",
+        "enabled=autocast[0]), _cast_cache(autocast[2]), \\\n",
+        "enabled=autocast[0]), \\\n",
+        [P + "test_autocast_cache.py::test_a_group_using_its_input_twice_trains_under_autocast_exactly"],
+        "a group's recompute runs with autocast's cast cache on after a forward under cache_enabled=False: "
+        "a leaf input used twice is cast once, its gradients summed in bf16"),
+    Mutation(
+        "group-forward-caches-casts", "python/layerstream/_group_op.py",
+        "_as_is), _cast_cache(False):\n",
+        "_as_is):\n",
+        [P + "test_autocast_cache.py::test_a_group_trained_under_autocast_holds_no_cast_of_its_weights_for_the_region"],
+        "a group's training forward under autocast leaves autocast's cache holding a bf16 copy of its weights "
+        "until the region exits: a model's worth of weights on the device outside the budget"),
 ]
