@@ -348,3 +348,16 @@ def assert_data_writes_between_calls_are_seen(model, ref, x, layer=1, calls=3):
             for m in (model, ref):
                 m.layers[layer].weight.data.mul_(0.5)
             assert torch.equal(model(x), ref(x)), f"call {call + 1}"
+
+
+class TwoLinears(torch.nn.Module):
+    """A module of two Linear(16, 16) with a ReLU between: the smallest tensor group
+    (groups=) with children a pattern can name."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))

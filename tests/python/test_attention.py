@@ -307,4 +307,5 @@ def test_training_steps_with_a_streamed_attention_leave_no_graph_behind(offload_
     before = recorded()
     for _ in range(3):
         step()
-    assert recorded() == before, "tensors of earlier steps' graphs are still alive"
+    # At most as many: a tensor another test of this process left may go meanwhile.
+    assert recorded() <= before, "tensors of earlier steps' graphs are still alive"

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import layerstream
+from conftest import TwoLinears
 from layerstream import LayerstreamError
 from layerstream._discovery import _WHOLE_GROUPS
 
@@ -21,19 +22,9 @@ def _encoder():
     return nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).requires_grad_(False)
 
 
-class _Mixer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
 def _mixer_model(frozen=True):
     torch.manual_seed(0)
-    return nn.Sequential(_Mixer(), nn.Linear(16, 8)).requires_grad_(not frozen)
+    return nn.Sequential(TwoLinears(), nn.Linear(16, 8)).requires_grad_(not frozen)
 
 
 def _unchanged(model, before):

@@ -10,22 +10,13 @@ import torch
 import torch.nn as nn
 
 import layerstream
+from conftest import TwoLinears
 from layerstream import LayerstreamError
-
-
-class _Mixer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
 
 
 def _frozen(groups):
     torch.manual_seed(0)
-    model = nn.Sequential(_Mixer(), nn.Linear(16, 8)) if groups else nn.Sequential(nn.Linear(16, 16),
+    model = nn.Sequential(TwoLinears(), nn.Linear(16, 8)) if groups else nn.Sequential(nn.Linear(16, 16),
                                                                                  nn.Linear(16, 8))
     return model.requires_grad_(False)
 

@@ -25,8 +25,8 @@ MUTATIONS = [
         "a budget that holds the whole model keeps nothing resident (streams everything)"),
     Mutation(
         "planner-greedy-fill-keeps-nothing", "csrc/core/planner.cpp",
-        "        if (fits) {\n          resident[i] = 1;",
-        "        if (false) {\n          resident[i] = 1;",
+        "        if (fits) {\n          for (size_t j : unit[i]) resident[j] = 1;",
+        "        if (false) {\n          for (size_t j : unit[i]) resident[j] = 1;",
         [P + "test_parity_layers.py::test_resident_and_streamed_layers_in_one_model"],
         "a budget with room for some layers beside the slots keeps none of them resident"),
     Mutation(
