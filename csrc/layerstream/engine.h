@@ -596,7 +596,9 @@ class Engine {
   // it may read .grad and write the parameters' host data (an optimizer
   // step), and must not compute with the engine. After it returns, a weight
   // streamed lossless-coded that it changed is re-coded on that thread.
-  // Empty: off.
+  // Once a backward queued a layer for the hook, a call of any layer outside
+  // a backward throws until a hook is set or removed again (the hook may be
+  // writing the weights it would read). Empty: off.
   using GradReadyHook = std::function<void(int layer)>;
   virtual void set_grad_ready_hook(GradReadyHook hook) = 0;
   // The consuming form (the fused optimizer step, docs/design/optim.md,

@@ -57,7 +57,26 @@ void EngineImpl::queue_if_ready_locked(int layer_index, LayerInfo& l) {
   backend_->record(*done, grad_stream_);
   std::lock_guard<std::mutex> lock(gr_mu_);
   gr_queue_.push_back(GradReadyJob{layer_index, task, std::move(done), std::move(hook), consume});
+  gr_jobs_.fetch_add(1, std::memory_order_relaxed);
   gr_cv_.notify_one();
+}
+
+// Note [No call between an overlapped backward and its step]: once a backward
+// handed layers to the hook (an overlapped optimizer step), their host
+// weights are being written on the hook's thread until the step's scope ends.
+// A call of any layer of this engine before then (a second forward inside the
+// overlap block, a validation pass under no_grad) would copy weights some of
+// which are stepped, some half-stepped and some not (resident parameters are
+// stepped only by step()): numbers no resident model computes, and a copy
+// racing a write. Refused at the call, before anything is read. Calls inside
+// a backward (a checkpoint's recomputation) run before their layers' own
+// gradients land, and are the backward's business.
+void EngineImpl::check_no_step_in_flight(const LayerInfo& l) const {
+  if (gr_jobs_.load(std::memory_order_relaxed) == 0 || torch::autograd::get_current_graph_task_id() != -1) return;
+  LS_FAIL("layer '", l.name, "' was called after a backward inside an overlapped optimizer step's block "
+          "(opt.overlap(handle)): that backward's layers are being stepped meanwhile, so the call would read "
+          "weights partly updated. Call the model before the backward or after the block (and step()); with "
+          "gradient accumulation, run the earlier micro-batches' forward and backward before the block.");
 }
 
 void EngineImpl::set_grad_ready_hook(GradReadyHook hook) {
@@ -67,6 +86,7 @@ void EngineImpl::set_grad_ready_hook(GradReadyHook hook) {
   check_one_hook_locked(static_cast<bool>(h));
   gr_hook_ = std::move(h);
   gr_consume_ = false;
+  gr_jobs_.store(0, std::memory_order_relaxed);
   if (gr_hook_ && !gr_thread_.joinable()) gr_thread_ = std::thread([this] { grad_ready_loop(); });
 }
 
@@ -81,6 +101,7 @@ void EngineImpl::set_grad_consume_hook(GradConsumeHook hook) {
   check_one_hook_locked(static_cast<bool>(hook));
   gr_hook_ = std::move(hook);
   gr_consume_ = static_cast<bool>(gr_hook_);
+  gr_jobs_.store(0, std::memory_order_relaxed);
   if (gr_hook_ && !gr_thread_.joinable()) gr_thread_ = std::thread([this] { grad_ready_loop(); });
 }
 

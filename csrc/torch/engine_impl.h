@@ -246,6 +246,10 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // At the end of backward `task`: the forward uses of the layers it staged
   // count from zero again.
   void reset_forward_uses_locked(int task);
+  // Refuses a call of `l` outside any backward after a backward landed
+  // gradients for the hook set now: its layers may be stepping (Note [No call
+  // between an overlapped backward and its step], engine_grad_ready.cpp).
+  void check_no_step_in_flight(const LayerInfo& l) const;
   // Stops the hook's thread (destructor).
   void stop_grad_ready();
   uint64_t id() const override { return id_; }
@@ -494,7 +498,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // dropped gradients: never from inside the autograd engine.
   void report_failed_backward();
   // The common start of linear()/conv()/embedding(): reports a failed backward,
-  // refuses tracing, and checks that layer `index` is of `kind` ("a Linear",
+  // refuses tracing and a call while an overlapped step runs, and checks that layer `index` is of `kind` ("a Linear",
   // "a convolution", "an embedding").
   LayerInfo& call_layer(int index, const char* kind);
   // Refuses a call inside a CUDA graph capture, naming `l` (ops_streamed.cpp).
@@ -727,6 +731,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::deque<GradReadyJob> gr_queue_;
   bool gr_busy_ = false, gr_stop_ = false;
   std::exception_ptr gr_error_;
+  // Jobs queued for the hook set now (0 again when a hook is set or cleared):
+  // read without gr_mu_ by check_no_step_in_flight().
+  std::atomic<uint64_t> gr_jobs_{0};
 };
 
 // ---- helpers the engine's files share ----

@@ -275,7 +275,10 @@ void AdamWOverlap::fused_one(size_t i, const torch::Tensor& landed, const torch:
 // backwards in it, or a retained graph's backward again) was stepped with the
 // first already: stepping again counted a second step on part of the gradient,
 // silently. An error instead, raised when the block ends (the engine's
-// gradient-ready thread hands it to the backward's end).
+// gradient-ready thread hands it to the backward's end). Defensive: the
+// engine now refuses the second forward such a backward needs (Note [No call
+// between an overlapped backward and its step], engine_grad_ready.cpp), and a
+// retained graph's second backward fails autograd's version check.
 static void refuse_second_landing(const Engine& engine, int layer, int status) {
   LS_CHECK(status == AdamWOverlap::kUntouched, "streamed layer '", engine.layer_name(layer), "' got a second "
            "gradient inside one opt.overlap(handle) block (two backwards in it, or backward(retain_graph=True) "

@@ -627,6 +627,7 @@ EngineImpl::LayerInfo& EngineImpl::call_layer(int index, const char* kind) {
   LayerInfo& l = layer(index);
   check_not_tracing(l);
   check_not_capturing(l);
+  check_no_step_in_flight(l);
   LS_CHECK(std::strcmp(kind_of(l), kind) == 0, "layer '", l.name, "' is ", kind_of(l), ", not ", kind);
   return l;
 }

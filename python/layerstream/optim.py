@@ -290,8 +290,8 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
 
         When the block ends, every layer it stepped is done (an error on the
         stepping thread is raised there, as a failed backward). Call
-        ``step()`` next; do not call the model inside the block after its
-        backward (its layers may still be stepping). With ``max_grad_norm``, layers are stepped
+        ``step()`` next. A call of the model inside the block after its
+        backward is refused (its layers may still be stepping). With ``max_grad_norm``, layers are stepped
         speculatively (unclipped) after a copy of their parameters and states
         is saved, up to ``speculation_bytes`` of copies (None: no limit,
         unless the previous step clipped, then none; 0: only the norms are

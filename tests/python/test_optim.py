@@ -1091,17 +1091,18 @@ def test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step
 def test_two_backwards_inside_one_overlap_block_are_refused(offload_sim, name):
     """Both micro-batches' backwards inside one overlap() block: each layer was stepped
     when its first gradient landed and again at the second (AdamW counted two steps on
-    halves of the gradient, Adafactor one on the second half), silently. The second
-    landing is an error, raised when the block ends; one backward per block steps as the
-    plain optimizer does."""
+    halves of the gradient, Adafactor one on the second half), silently; later the
+    second forward was refused only when the block ended, after it had copied weights
+    the first backward's steps were writing (ThreadSanitizer saw the race). The second
+    forward is refused now, at its first streamed layer; one backward per block steps
+    as the plain optimizer does."""
     model = Deep()
     ref = copy.deepcopy(model)
     handle, _ = offload_sim(model), offload_sim(ref)
     opt, ropt = _MAKERS[name](list(model.parameters())), _MAKERS[name](list(ref.parameters()))
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
-    # (Or autograd's version check, when a step of the first backward lands in the second.)
-    with pytest.raises(RuntimeError, match="got a second gradient inside one opt.overlap|modified in place after "
-                                           "the forward"):
+    with pytest.raises(RuntimeError, match="layer 'layers.0' was called after a backward inside an overlapped "
+                                           "optimizer step's block"):
         with opt.overlap(handle):
             model(x).square().mean().backward()
             model(x).square().mean().backward()
@@ -1117,6 +1118,38 @@ def test_two_backwards_inside_one_overlap_block_are_refused(offload_sim, name):
     ropt.step()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_a_call_of_the_model_inside_an_overlap_block_after_its_backward_is_refused(offload_sim, name):
+    """A validation pass under no_grad inside the block, after its backward, copied the
+    streamed layers' weights while the hook's thread was stepping them: some layers
+    computed with stepped weights, some with half-stepped ones, resident ones with the
+    old (numbers no model computes). The engine refuses the call before reading; after
+    the block and step(), the same pass runs and the step equals the plain one. A
+    call inside the block before its backward stays allowed."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    handle, _ = offload_sim(model), offload_sim(ref)
+    opt, ropt = _MAKERS[name](list(model.parameters())), _MAKERS[name](list(ref.parameters()))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    with opt.overlap(handle):
+        with torch.no_grad():
+            before = model(x)  # before the backward: allowed
+        model(x).square().mean().backward()
+        with pytest.raises(RuntimeError, match="called after a backward inside an overlapped optimizer step's "
+                                               "block .* Call the model before the backward or after the block"):
+            with torch.no_grad():
+                model(x)
+    opt.step()
+    with torch.no_grad():
+        assert torch.equal(before, ref(x))
+    ref(x).square().mean().backward()
+    ropt.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))  # after step(): calls run again
 
 
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])

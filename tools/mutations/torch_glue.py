@@ -427,9 +427,12 @@ MUTATIONS = [
         ["gtest:test_torch_optim:*AdamWRefusesAnEmptyParameterList*"],
         "layerstream::optim::AdamW made with no parameters steps nothing, silently (torch.optim refuses it)"),
     Mutation(
-        "overlap-steps-a-layer-twice", "csrc/torch/host_overlap.cpp",
-        "      refuse_second_landing(*engine_, layer, status_[i]);\n    }\n    Param& p = params_[i];",
-        "    }\n    Param& p = params_[i];",
-        [P + "test_optim.py::test_two_backwards_inside_one_overlap_block_are_refused"],
-        "two backwards inside one overlap() block: AdamW steps each layer twice, silently"),
+        "overlap-block-calls-the-model-mid-step", "csrc/torch/engine_grad_ready.cpp",
+        "  if (gr_jobs_.load(std::memory_order_relaxed) == 0 || torch::autograd::get_current_graph_task_id() != -1) "
+        "return;",
+        "  return;",
+        [P + "test_optim.py::test_two_backwards_inside_one_overlap_block_are_refused",
+         P + "test_optim.py::test_a_call_of_the_model_inside_an_overlap_block_after_its_backward_is_refused"],
+        "a call of the model inside an overlap() block after its backward copies weights the step is writing "
+        "(a second micro-batch's forward and backward: each layer stepped twice)"),
 ]
