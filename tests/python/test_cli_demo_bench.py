@@ -219,6 +219,16 @@ def test_bench_plot_path_is_checked_before_the_benchmark_runs(path, says):
     assert says in line and "running" not in r.stdout
 
 
+def test_bench_plot_into_a_directory_is_refused_before_the_benchmark_runs(tmp_path):
+    """--plot naming an existing directory (out.png/) ran the whole benchmark, then
+    blamed the Python setup (matplotlib and LS_PYTHON) for matplotlib's IsADirectoryError."""
+    target = tmp_path / "out.png"
+    target.mkdir()
+    r = run("bench", "--quick", "--only", "quant", "--plot", target, timeout=30)
+    line = assert_one_line_usage_error(r, "bench")
+    assert "is a directory" in line and "LS_PYTHON" not in line and "running" not in r.stdout, line
+
+
 def test_demo_budget_too_small_exits_2():
     if not built_with_torch():
         pytest.skip("layerstream was built without LibTorch: no demo")

@@ -10,6 +10,7 @@
 //  (c) quant    — pack and CPU dequantize throughput of every quantized
 //      format (core/quant.h).
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -264,6 +265,9 @@ int cmd_bench(int argc, char** argv) {
         const std::string dir = slash == std::string::npos ? "." : v.substr(0, std::max<size_t>(slash, 1));
         if (access(dir.c_str(), W_OK) != 0)
           throw UsageError{"--plot " + v + ": cannot write into " + dir + " (" + std::strerror(errno) + ")"};
+        struct stat st {};
+        if (stat(v.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+          throw UsageError{"--plot " + v + ": is a directory; give the name of the image file to write"};
         plot_file = v;
       } else if (layerstream::cli::take_option(argc, argv, i, "--only", v)) {
         if (v != "overlap" && v != "overhead" && v != "quant")
