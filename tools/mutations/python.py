@@ -894,4 +894,11 @@ MUTATIONS = [
         [P + "test_autocast_cache.py::test_a_group_trained_under_autocast_holds_no_cast_of_its_weights_for_the_region"],
         "a group's training forward under autocast leaves autocast's cache holding a bf16 copy of its weights "
         "until the region exits: a model's worth of weights on the device outside the budget"),
+    Mutation(
+        "refused-offload-keeps-groups-marks", "python/layerstream/_offload.py",
+        "    except BaseException:\n        unmark_groups(model, grouped)\n        raise\n",
+        "    except BaseException:\n        raise\n",
+        [P + "test_loose_ends.py::test_a_refused_offload_leaves_no_groups_marks"],
+        "offload(groups=...) refused after discovery (budget too small, a bad option, Ctrl-C) leaves its marks: a "
+        "later offload() of the model says a module streams whole because of groups= it was not given"),
 ]
