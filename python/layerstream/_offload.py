@@ -496,8 +496,13 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
         resident_names = set(plan["resident"])
         # Tied weights: a head kept resident keeps its tensor on the device, so the table
         # that shares it is resident too (it is on the device once, in the head's bytes).
+        # The planner places the planned layers of a tie together, so what this adds are
+        # tables (not planned): noted in the plan, which handle.plan and stats() report.
+        plan["held_tables"] = {}
         for group in tie_groups:
-            if resident_names.intersection(group):
+            held_by = [n for n in group if n in plan["resident"]]
+            if held_by:
+                plan["held_tables"].update({n: held_by for n in group if n not in resident_names})
                 resident_names.update(group)
         opts.budget_bytes = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"]
                                 - plan["train_bytes"])

@@ -62,3 +62,67 @@ def test_a_refused_offload_leaves_no_groups_marks(offload_sim, monkeypatch, refu
     handle = offload_sim(model)
     assert torch.equal(model(x), before(x))
     handle.detach()
+
+
+# ------------------------------------------------ a tied table resident with its head is counted
+class _TiedHead(nn.Module):
+    """emb -> 4 blocks -> head, the head's weight the table's (the largest layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 128)
+        self.blocks = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
+        self.head = nn.Linear(128, 1000, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("budget", ["8MiB", "700KiB"])
+def test_a_table_resident_with_its_tied_head_is_in_the_plan_and_stats(offload_sim, budget):
+    """A budget that keeps the tied head resident keeps its table resident too (one
+    tensor on the device): stats()["resident_layers"] left the table out (5 of the 6
+    layers resident with 8 MiB) and handle.plan did not name it at all."""
+    torch.manual_seed(0)
+    model = _TiedHead().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, budget=budget, prefetch=1)
+    ids = torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(model(ids), ref(ids))
+    layers = {"emb": model.emb, "head": model.head, **{f"blocks.{i}": b for i, b in enumerate(model.blocks)}}
+    resident = [n for n in layers if n not in handle.layers]
+    assert "emb" in resident and "head" in resident
+    s = handle.stats()
+    assert s["resident_layers"] == len(resident)
+    # The shared weight is on the device once, in the head's bytes.
+    tensors = {id(p): p.numel() * p.element_size() for n in resident for p in layers[n].parameters()}
+    assert s["resident_bytes"] == sum(tensors.values())
+    assert "embedding tables:         1 resident with the layer that shares its weight (its bytes are that " \
+           "layer's above): emb (weight shared with head)" in handle.plan
+    assert s["peak_device_bytes"] <= s["budget_bytes"]
+
+
+def test_a_gpt2_tied_head_kept_resident_counts_its_table(offload_sim):
+    """The same with transformers' GPT-2 (tie_word_embeddings): wte is resident with
+    lm_head, wpe is looked up in host memory; the plan says both."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=2000, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                  tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = offload_sim(model, budget="700KiB", prefetch=1)
+    ids = torch.randint(0, 2000, (1, 8), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert "lm_head" not in handle.layers and "transformer.wte" not in handle.layers
+    planned = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"] + ["lm_head"]
+    assert handle.stats()["resident_layers"] == len([n for n in planned if n not in handle.layers]) + 1
+    assert ("1 looked up in host memory (pinned unless pinning failed), 0.01 MiB more, no device memory: "
+            "transformer.wpe; 1 resident with the layer that shares its weight (its bytes are that layer's "
+            "above): transformer.wte (weight shared with lm_head)") in handle.plan

@@ -901,4 +901,10 @@ MUTATIONS = [
         [P + "test_loose_ends.py::test_a_refused_offload_leaves_no_groups_marks"],
         "offload(groups=...) refused after discovery (budget too small, a bad option, Ctrl-C) leaves its marks: a "
         "later offload() of the model says a module streams whole because of groups= it was not given"),
+    Mutation(
+        "tied-table-resident-uncounted", "python/layerstream/_offload.py",
+        "                plan[\"held_tables\"].update({n: held_by for n in group if n not in resident_names})\n",
+        "                pass\n",
+        [P + "test_loose_ends.py::test_a_table_resident_with_its_tied_head_is_in_the_plan_and_stats"],
+        "a table resident with its tied head is left out of stats()['resident_layers'] and handle.plan"),
 ]
