@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
-import re
 import warnings
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -487,6 +485,12 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                             _train_bytes(train_spec, tensors)))
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
+        # The layer a "budget too small" error names: the largest slot, the first of equals
+        # (core/planner.cpp, PlannerLayer::streamed_slot_bytes; max() keeps the first too).
+        # Chosen from what the planner is given, not read back from its text (a name is
+        # escaped there byte by byte, and slots= wraps the text in more words).
+        largest = max(planned, key=lambda layer: max(layer[1], layer[2]))[0] if planned else None
+        as_stored = as_stored & {largest}  # it, when quantize= does not apply to it
         try:
             plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
                                        slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
@@ -510,18 +514,20 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
     return plan, resident_names
 
 
+# core/planner.cpp's words: its "budget too small" advice for a layer quantize= could pack,
+# and what it says instead for one it cannot (PlannerLayer::as_stored).
 _QUANTIZE_ADVICE = " (or quantize the weights, e.g. to nf4)"
+_AS_STORED_NOTE = " (it streams as stored: quantization does not apply to it)"
 
 
 def _as_stored_advice(error: Exception, as_stored) -> Exception:
-    """The planner's "budget too small" error, whose largest layer (which it names) is one
-    quantize= does not apply to: said as C++ says it where it knows (core/planner.cpp,
+    """The planner's "budget too small" error, whose largest layer is in `as_stored` (one
+    quantize= does not apply to): said as C++ says it where it knows (core/planner.cpp,
     PlannerLayer::as_stored; _C.plan_slots_first does not take it), not "or quantize"."""
     text = str(error)
-    named = re.search(r'the largest layer ("(?:[^"\\]|\\.)*")', text)
-    if not text.endswith(_QUANTIZE_ADVICE) or named is None or json.loads(named.group(1)) not in as_stored:
+    if not as_stored or text.count(_QUANTIZE_ADVICE) != 1:
         return error
-    return type(error)(text[:-len(_QUANTIZE_ADVICE)] + " (it streams as stored: quantization does not apply to it)")
+    return type(error)(text.replace(_QUANTIZE_ADVICE, _AS_STORED_NOTE))
 
 
 def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,

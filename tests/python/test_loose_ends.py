@@ -126,3 +126,35 @@ def test_a_gpt2_tied_head_kept_resident_counts_its_table(offload_sim):
     assert ("1 looked up in host memory (pinned unless pinning failed), 0.01 MiB more, no device memory: "
             "transformer.wpe; 1 resident with the layer that shares its weight (its bytes are that layer's "
             "above): transformer.wte (weight shared with lm_head)") in handle.plan
+
+
+# ------------------------------------------------ "budget too small" for a layer quantize= cannot pack
+class _NamedTiedHead(_TiedHead):
+    def __init__(self, name):
+        super().__init__()
+        head = self._modules.pop("head")
+        self.add_module(name, head)
+        self.name = name
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return getattr(self, self.name)(x)
+
+
+@pytest.mark.parametrize("name, options", [("head", {"slots": 2}), ("head", {"slots": 3, "quantize": "nf4"}),
+                                           ("tête", {}), ("tête", {"quantize": "nf4"})])
+def test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it(name, options):
+    """The planner's error suggested "or quantize the weights" for a largest layer that
+    streams as stored (a head tied to the table) when slots= wrapped the error in more
+    words, or when the layer's name is not ASCII (escaped byte by byte in the text):
+    offload() rewrote the advice by reading the name back from the text."""
+    model = _NamedTiedHead(name).requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied head stays unquantized: warned
+        with pytest.raises(LayerstreamError, match="is too small: the largest layer") as e:
+            layerstream.offload(model, device="sim", budget="300KiB", prefetch=1, **options)
+    text = str(e.value)
+    assert "quantize the weights" not in text, text
+    assert "(it streams as stored: quantization does not apply to it)" in text, text

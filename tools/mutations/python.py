@@ -907,4 +907,10 @@ MUTATIONS = [
         "                pass\n",
         [P + "test_loose_ends.py::test_a_table_resident_with_its_tied_head_is_in_the_plan_and_stats"],
         "a table resident with its tied head is left out of stats()['resident_layers'] and handle.plan"),
+    Mutation(
+        "as-stored-advice-only-at-the-end", "python/layerstream/_offload.py",
+        "    if not as_stored or text.count(_QUANTIZE_ADVICE) != 1:\n",
+        "    if not as_stored or not text.endswith(_QUANTIZE_ADVICE):\n",
+        [P + "test_loose_ends.py::test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it"],
+        "with slots=, a budget too small for a tied head (which streams as stored) suggests quantizing it"),
 ]
