@@ -5,7 +5,10 @@ was lost to slots= or a name's escaping, and a step() re-run after a Ctrl-C that
 stepped again what the interrupted one had stepped."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import signal
+import sys
 import warnings
 
 import pytest
@@ -15,6 +18,7 @@ import torch.nn as nn
 import layerstream
 from layerstream import LayerstreamError
 from layerstream._discovery import _WHOLE_GROUPS
+from layerstream.optim import Adafactor, AdamW
 
 
 # ------------------------------------------------ a refused offload() leaves no groups= marks
@@ -158,3 +162,84 @@ def test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it(name, o
     text = str(e.value)
     assert "quantize the weights" not in text, text
     assert "(it streams as stored: quantization does not apply to it)" in text, text
+
+
+# ------------------------------------------------ a re-run step() after a Ctrl-C completes it once
+@contextlib.contextmanager
+def _signal_at(name: str):
+    """While the block runs: SIGINT raised once, as the first C function `name` returns."""
+    sent = []
+
+    def hook(frame, ev, arg):
+        if not sent and ev == "c_return" and getattr(arg, "__name__", "") == name:
+            sent.append(True)
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGINT)
+
+    sys.setprofile(hook)
+    try:
+        yield sent
+    finally:
+        sys.setprofile(None)
+
+
+_XS = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def _train(opt_cls, options, keep_grads, interrupt_at=None):
+    """3 overlapped steps of Linear, LayerNorm (resident), Linear; the second step() is
+    interrupted as `interrupt_at` returns, then run again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16))
+    handle = layerstream.offload(model, device="sim")
+    opt = opt_cls(model.parameters(), **options)
+    for i, x in enumerate(_XS):
+        with opt.overlap(handle, keep_grads=keep_grads):
+            model(x).square().mean().backward()
+        if i == 1 and interrupt_at is not None:
+            with _signal_at(interrupt_at) as sent, pytest.raises(KeyboardInterrupt):
+                opt.step()
+            assert sent
+        opt.step()
+        opt.zero_grad()
+    handle.detach()
+    return [p.detach().clone() for p in model.parameters()], [int(opt.state[p]["step"]) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_cls, options", [(AdamW, {}), (AdamW, {"max_grad_norm": 0.01}), (Adafactor, {})],
+                         ids=["adamw", "adamw-clip", "adafactor"])
+@pytest.mark.parametrize("keep_grads", [True, False], ids=["keep_grads", "drop_grads"])
+@pytest.mark.parametrize("where", ["settle", "kernel"])
+def test_a_step_rerun_after_a_ctrl_c_completes_it_once(opt_cls, options, keep_grads, where):
+    """A Ctrl-C lands in step() between its held parts: after the overlapped backward's
+    steps were settled and counted, or after a group's kernel. Running step() again (as
+    after any step() that raised) stepped the overlapped layers a second time with the
+    gradients overlap(keep_grads=True) kept (their counts 4 after 3 steps), the groups
+    already stepped a second time, and clipped the rest by their norm alone. Now the
+    re-run finishes the interrupted step: the uninterrupted run's numbers and counts."""
+    kernel = {AdamW: "optim_adamw_step", Adafactor: "optim_adafactor_step"}[opt_cls]
+    want, want_steps = _train(opt_cls, options, keep_grads)
+    got, got_steps = _train(opt_cls, options, keep_grads, interrupt_at="settle" if where == "settle" else kernel)
+    assert got_steps == want_steps == [3] * 6
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_new_backward_after_an_interrupted_step_is_a_new_step():
+    """What the re-run finishes is the interrupted step only: after zero_grad() and a new
+    backward, step() steps every parameter with the new gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16))
+    handle = layerstream.offload(model, device="sim")
+    opt = AdamW(model.parameters())
+    with opt.overlap(handle, keep_grads=True):
+        model(_XS[0]).square().mean().backward()
+    with _signal_at("settle"), pytest.raises(KeyboardInterrupt):
+        opt.step()
+    streamed = [p for a in handle._attached for p in a.module.parameters()]
+    counts = lambda: [int(opt.state[p]["step"]) if p in opt.state else 0 for p in model.parameters()]  # noqa: E731
+    assert counts() == [1 if any(p is q for q in streamed) else 0 for p in model.parameters()]
+    opt.zero_grad()
+    model(_XS[1]).square().mean().backward()
+    opt.step()
+    assert counts() == [2 if any(p is q for q in streamed) else 1 for p in model.parameters()]
+    handle.detach()

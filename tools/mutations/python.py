@@ -913,4 +913,11 @@ MUTATIONS = [
         "    if not as_stored or not text.endswith(_QUANTIZE_ADVICE):\n",
         [P + "test_loose_ends.py::test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it"],
         "with slots=, a budget too small for a tied head (which streams as stored) suggests quantizing it"),
+    Mutation(
+        "rerun-step-after-ctrl-c-steps-again", "python/layerstream/optim.py",
+        "        if unfinished is not None and self._overlap is None and unfinished.resumes(work):\n",
+        "        if False:\n",
+        [P + "test_loose_ends.py::test_a_step_rerun_after_a_ctrl_c_completes_it_once"],
+        "step() run again after a Ctrl-C stopped it steps a second time what it had stepped (kept gradients, "
+        "groups done) and clips the rest by their norm alone"),
 ]
