@@ -69,6 +69,14 @@ def _reads_routed_experts_only(module: nn.Module) -> bool:
 _WHOLE_GROUPS = weakref.WeakSet()
 
 
+def unmark_groups(model: nn.Module, grouped: List[str]) -> None:
+    """Takes back the marks _discover set on the modules named `grouped`: an offload()
+    refused (or interrupted) before its layers are attached leaves the model exactly as it
+    was, and a later offload() or error message names no group of the refused call."""
+    for name in grouped:
+        _WHOLE_GROUPS.discard(model.get_submodule(name))
+
+
 def _group_slots(module: nn.Module) -> List[tuple]:
     """(owner, key, name) of each parameter of a tensor group: the module's own, and for
     nn.MultiheadAttention its out_proj's too (its forward reads out_proj.weight directly,
@@ -657,8 +665,7 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             if not any(p is not None for m in below for p in m._parameters.values()):
                 raise LayerstreamError(
                     f"offload(groups=...) names module '{name or '<root>'}', which has no parameters to stream")
-            grouped.append(name)
-            _WHOLE_GROUPS.add(module)
+            grouped.append(name)  # marked below, once no refusal of this loop can leave the mark behind
             candidates.append((name, module, "group"))
             continue
         kind = _is_streamable(module)
@@ -684,17 +691,18 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             resident["dtype"].append(f"'{name or '<root>'}' ({str(dtype).replace('torch.', '')})")
             continue
         candidates.append((name, module, kind))
-    try:
+    try:  # refused here (or a warning made an error, Ctrl-C): no mark left, the model as it was
+        for name in grouped:  # _group_slots() lists every parameter below them from here on
+            _WHOLE_GROUPS.add(model.get_submodule(name))
         _check_exclude_inside_groups(candidates, exclude)
-    except LayerstreamError:
-        for name in grouped:  # nothing changed: offload() never gets to undo these
-            _WHOLE_GROUPS.discard(model.get_submodule(name))
+        for reason, labels in resident.items():
+            what, why = _RESIDENT_REASONS[reason]
+            _warn_resident(labels, what, compute_device, why)
+        _warn_unmatched(model, include=include, groups=groups)
+        _warn_unstreamable(model, grouped, compute_device)
+    except BaseException:
+        unmark_groups(model, grouped)
         raise
-    for reason, labels in resident.items():
-        what, why = _RESIDENT_REASONS[reason]
-        _warn_resident(labels, what, compute_device, why)
-    _warn_unmatched(model, include=include, groups=groups)
-    _warn_unstreamable(model, grouped, compute_device)
     return candidates, grouped
 
 

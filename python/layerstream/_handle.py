@@ -197,7 +197,8 @@ class Handle(_RefusesCopy):
         if self._plan is None:
             return None
         tables = [a for a in self._attached if a.kind == "embedding"]
-        if not tables:
+        held = self._plan["held_tables"]  # tables resident with a tied head (offload's _plan)
+        if not tables and not held:
             return self._plan["explain"]
 
         def sharing(t):  # the streamed layers that read the table's weight (a tied head)
@@ -208,13 +209,18 @@ class Handle(_RefusesCopy):
             tied = sharing(t)
             return (t.name or "<root>") + (f" (weight shared with {', '.join(tied)}: its bytes are in the "
                                            f"host RAM line above)" if tied else "")
-        # A table whose weight a streamed head shares is one host copy, already counted
-        # in the planner's host RAM line as the head's.
-        size = sum(engine.layer_bytes(a.index) for a in tables if not sharing(a))
-        return (self._plan["explain"].rstrip("\n") +
-                f"\nembedding tables:         {len(tables)} looked up in host memory (pinned unless "
-                f"pinning failed), {size / 2**20:.2f} MiB more, no device memory: "
-                + ", ".join(describe(t) for t in tables) + "\n")
+        parts = []
+        if tables:
+            # A table whose weight a streamed head shares is one host copy, already counted
+            # in the planner's host RAM line as the head's.
+            size = sum(engine.layer_bytes(a.index) for a in tables if not sharing(a))
+            parts.append(f"{len(tables)} looked up in host memory (pinned unless pinning failed), "
+                         f"{size / 2**20:.2f} MiB more, no device memory: " + ", ".join(describe(t) for t in tables))
+        if held:
+            parts.append(f"{len(held)} resident with the layer that shares its weight (its bytes are that "
+                         f"layer's above): " + ", ".join(f"{n or '<root>'} (weight shared with {', '.join(h)})"
+                                                         for n, h in held.items()))
+        return self._plan["explain"].rstrip("\n") + "\nembedding tables:         " + "; ".join(parts) + "\n"
 
     def stats(self) -> Dict[str, float]:
         """Counters since offload(): peak_device_bytes (streaming slots plus the
@@ -225,7 +231,8 @@ class Handle(_RefusesCopy):
         s["resident_bytes"] = 0
         if self._plan is not None:
             s["resident_bytes"] = self._plan["resident_bytes"] + self._plan["fixed_resident_bytes"]
-            s["resident_layers"] = len(self._plan["resident"])
+            # The planned layers it keeps resident, and the tables resident with a tied one.
+            s["resident_layers"] = len(self._plan["resident"]) + len(self._plan["held_tables"])
             s["budget_bytes"] = self._plan["budget_bytes"]
         s["peak_device_bytes"] = s["streamed_device_bytes"] + s["resident_bytes"]
         return s

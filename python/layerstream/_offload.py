@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
-import re
 import warnings
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -17,7 +15,7 @@ import torch.nn as nn
 from . import _C
 from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_self_overlap, _check_no_shared_storage,
                          _conv_args, _discover, _group_slots, _split_tied, _warn_unmatched,
-                         check_no_group_offloading, layerwise_casting)
+                         check_no_group_offloading, layerwise_casting, unmark_groups)
 from ._forward import _GroupForward, _PlainCopy, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
@@ -254,66 +252,71 @@ def offload(
     activation_budget = None if activations is None else parse_activations(activations, parse_bytes)
     _check_loadable(model)
     candidates, grouped = _discover(model, include, exclude, groups, compute_device)
-    if isinstance(quantize, dict):
-        _warn_unmatched(model, stacklevel=3, quantize=list(quantize))
-    if compute_dtype is None and (cast := _layerwise_compute_dtype(candidates, dequant_dtype)) is not None:
-        dequant_dtype, compute_dtype = _set_dtypes(opts, dequant_dtype, cast)
-    candidates, tie_groups = _split_tied(model, candidates, compute_device)
-    _check_no_shared_storage(model, candidates)
-    _check_no_self_overlap(candidates)
-    tied_names = {n for g in tie_groups for n in g}
-    # Embedding tables stay in host memory and are looked up there (no slot, no planner
-    # entry, no quantization): only the rows a batch names cross the bus.
-    order = {id(module): i for i, (_, module, _) in enumerate(candidates)}  # attached in model order
-    tables = [_Candidate(name, module, kind, None, None, 0, 0, 0) for name, module, kind in candidates
-              if kind == "embedding"]
-    candidates = [c for c in candidates if c[2] != "embedding"]
-    if not candidates and not tables:
-        raise LayerstreamError(
-            "offload() found no Linear, Conv1d/2d/3d, Embedding, MultiheadAttention or mixture-of-experts "
-            "layer to stream"
-            + (" (check include/exclude)" if include is not None or exclude is not None else ""))
+    try:  # refused before _attach (which undoes its own): the groups= marks go too (_discover's)
+        if isinstance(quantize, dict):
+            _warn_unmatched(model, stacklevel=3, quantize=list(quantize))
+        if compute_dtype is None and (cast := _layerwise_compute_dtype(candidates, dequant_dtype)) is not None:
+            dequant_dtype, compute_dtype = _set_dtypes(opts, dequant_dtype, cast)
+        candidates, tie_groups = _split_tied(model, candidates, compute_device)
+        _check_no_shared_storage(model, candidates)
+        _check_no_self_overlap(candidates)
 
-    # 1. Per layer: its format and its bytes on the bus, in a slot, resident.
-    layers = _formats_and_bytes(model, candidates, tables, quantize, tied_names, dequant_dtype, compute_dtype,
-                                defer_file_reads=cache_dir is not None, routed=experts == "routed")
+        tied_names = {n for g in tie_groups for n in g}
+        # Embedding tables stay in host memory and are looked up there (no slot, no planner
+        # entry, no quantization): only the rows a batch names cross the bus.
+        order = {id(module): i for i, (_, module, _) in enumerate(candidates)}  # attached in model order
+        tables = [_Candidate(name, module, kind, None, None, 0, 0, 0) for name, module, kind in candidates
+                  if kind == "embedding"]
+        candidates = [c for c in candidates if c[2] != "embedding"]
+        if not candidates and not tables:
+            raise LayerstreamError(
+                "offload() found no Linear, Conv1d/2d/3d, Embedding, MultiheadAttention or mixture-of-experts "
+                "layer to stream"
+                + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
-    # 2. With a budget: which layers stay resident; the slots get what is left.
-    # Layers quantize= does not apply to (tied to another's weight, pre-quantized or GGUF, or
-    # not packable by the format asked for): "budget too small" then suggests no quantizing.
-    as_stored = {t.name for t in layers if t.pre is not None or (t.kind != "group" and t.name in tied_names)
-                 or (t.fmt is None and _quant_for(t.name, quantize) is not None)}
-    plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups, train_spec,
-                                 as_stored)
+        # 1. Per layer: its format and its bytes on the bus, in a slot, resident.
+        layers = _formats_and_bytes(model, candidates, tables, quantize, tied_names, dequant_dtype, compute_dtype,
+                                    defer_file_reads=cache_dir is not None, routed=experts == "routed")
 
-    # 3. Host RAM: which weights stay in their file, what is pinned (core/host_tier.h).
-    on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts, cache_dir)
+        # 2. With a budget: which layers stay resident; the slots get what is left.
+        # Layers quantize= does not apply to (tied to another's weight, pre-quantized or GGUF, or
+        # not packable by the format asked for): "budget too small" then suggests no quantizing.
+        as_stored = {t.name for t in layers if t.pre is not None or (t.kind != "group" and t.name in tied_names)
+                     or (t.fmt is None and _quant_for(t.name, quantize) is not None)}
+        plan, resident_names = _plan(model, layers, tables, budget, compute_device, opts, slots, tie_groups, train_spec,
+                                     as_stored)
 
-    # 4. Several processes: agree, and share the host store within a node.
-    if share_host_store not in (None, True, False, "all"):
-        raise ValueError(f'share_host_store must be None, True, False or "all", got {share_host_store!r}')
-    group = None
-    pg = _distributed.resolve_group(process_group)
-    if pg is not None:
-        settings = dict(device=compute_device.type, budget=budget, prefetch=prefetch, slots=slots, include=include,
-                        exclude=exclude, quantize=quantize, dequant_dtype=dequant_dtype, compute_dtype=compute_dtype,
-                        experts=experts, groups=groups, host_budget=host_budget, pinned_budget=pinned_budget,
-                        activations=activations, pin_memory=pin_memory, share_host_store=share_host_store,
-                        train=train_spec)
-        group = _distributed.Distributed(pg, model, layers + tables, settings, share_host_store)
+        # 3. Host RAM: which weights stay in their file, what is pinned (core/host_tier.h).
+        on_disk = _host_tier(model, layers, tables, resident_names, host_budget, pinned_budget, opts, cache_dir)
 
-    # 5. Attach them to one engine (undone on failure); the rest moves to the device.
-    def finish(handle: Handle) -> None:  # inside _attach's undo: a failure here detaches too
-        handle._peft = _peft_params.install(model, {id(a.module): a.module.forward for a in handle._attached
-                                                    if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
-        if activation_budget is not None:
-            handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
-            handle.activation_budget = activation_budget
-        if plan is not None and not train_spec:
-            _note_uncounted_training(model, handle)
+        # 4. Several processes: agree, and share the host store within a node.
+        if share_host_store not in (None, True, False, "all"):
+            raise ValueError(f'share_host_store must be None, True, False or "all", got {share_host_store!r}')
+        group = None
+        pg = _distributed.resolve_group(process_group)
+        if pg is not None:
+            settings = dict(device=compute_device.type, budget=budget, prefetch=prefetch, slots=slots, include=include,
+                            exclude=exclude, quantize=quantize, dequant_dtype=dequant_dtype, compute_dtype=compute_dtype,
+                            experts=experts, groups=groups, host_budget=host_budget, pinned_budget=pinned_budget,
+                            activations=activations, pin_memory=pin_memory, share_host_store=share_host_store,
+                            train=train_spec)
+            group = _distributed.Distributed(pg, model, layers + tables, settings, share_host_store)
 
-    return _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
-                   plan, grouped, compute_device, experts == "routed", on_disk, group, finish)
+        # 5. Attach them to one engine (undone on failure); the rest moves to the device.
+        def finish(handle: Handle) -> None:  # inside _attach's undo: a failure here detaches too
+            handle._peft = _peft_params.install(model, {id(a.module): a.module.forward for a in handle._attached
+                                                        if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
+            if activation_budget is not None:
+                handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
+                handle.activation_budget = activation_budget
+            if plan is not None and not train_spec:
+                _note_uncounted_training(model, handle)
+
+        return _attach(model, opts, sorted(layers + tables, key=lambda t: order[id(t.module)]), resident_names,
+                       plan, grouped, compute_device, experts == "routed", on_disk, group, finish)
+    except BaseException:
+        unmark_groups(model, grouped)
+        raise
 
 
 def _note_uncounted_training(model: nn.Module, handle: Handle) -> None:
@@ -482,6 +485,12 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                             _train_bytes(train_spec, tensors)))
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
+        # The layer a "budget too small" error names: the largest slot, the first of equals
+        # (core/planner.cpp, PlannerLayer::streamed_slot_bytes; max() keeps the first too).
+        # Chosen from what the planner is given, not read back from its text (a name is
+        # escaped there byte by byte, and slots= wraps the text in more words).
+        largest = max(planned, key=lambda layer: max(layer[1], layer[2]))[0] if planned else None
+        as_stored = as_stored & {largest}  # it, when quantize= does not apply to it
         try:
             plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
                                        slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
@@ -491,8 +500,13 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
         resident_names = set(plan["resident"])
         # Tied weights: a head kept resident keeps its tensor on the device, so the table
         # that shares it is resident too (it is on the device once, in the head's bytes).
+        # The planner places the planned layers of a tie together, so what this adds are
+        # tables (not planned): noted in the plan, which handle.plan and stats() report.
+        plan["held_tables"] = {}
         for group in tie_groups:
-            if resident_names.intersection(group):
+            held_by = [n for n in group if n in plan["resident"]]
+            if held_by:
+                plan["held_tables"].update({n: held_by for n in group if n not in resident_names})
                 resident_names.update(group)
         opts.budget_bytes = max(0, budget_bytes - plan["resident_bytes"] - plan["fixed_resident_bytes"]
                                 - plan["train_bytes"])
@@ -500,18 +514,20 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
     return plan, resident_names
 
 
+# core/planner.cpp's words: its "budget too small" advice for a layer quantize= could pack,
+# and what it says instead for one it cannot (PlannerLayer::as_stored).
 _QUANTIZE_ADVICE = " (or quantize the weights, e.g. to nf4)"
+_AS_STORED_NOTE = " (it streams as stored: quantization does not apply to it)"
 
 
 def _as_stored_advice(error: Exception, as_stored) -> Exception:
-    """The planner's "budget too small" error, whose largest layer (which it names) is one
-    quantize= does not apply to: said as C++ says it where it knows (core/planner.cpp,
+    """The planner's "budget too small" error, whose largest layer is in `as_stored` (one
+    quantize= does not apply to): said as C++ says it where it knows (core/planner.cpp,
     PlannerLayer::as_stored; _C.plan_slots_first does not take it), not "or quantize"."""
     text = str(error)
-    named = re.search(r'the largest layer ("(?:[^"\\]|\\.)*")', text)
-    if not text.endswith(_QUANTIZE_ADVICE) or named is None or json.loads(named.group(1)) not in as_stored:
+    if not as_stored or text.count(_QUANTIZE_ADVICE) != 1:
         return error
-    return type(error)(text[:-len(_QUANTIZE_ADVICE)] + " (it streams as stored: quantization does not apply to it)")
+    return type(error)(text.replace(_QUANTIZE_ADVICE, _AS_STORED_NOTE))
 
 
 def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,
@@ -549,8 +565,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
             handle._resident_quant.arm()  # later writes into them are quantized too
     except BaseException:
         with held:  # the undo, whole
-            for name in grouped:
-                _WHOLE_GROUPS.discard(model.get_submodule(name))
+            unmark_groups(model, grouped)
             try:
                 handle.detach()
             except Exception as undo_error:  # pragma: no cover - reported with the original error

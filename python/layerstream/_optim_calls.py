@@ -36,3 +36,37 @@ class _EnterOrWarn:
             import warnings
             warnings.warn("layerstream.optim: overlap() was called but not entered, so it does nothing: "
                           "write `with opt.overlap(handle): loss.backward()`", RuntimeWarning, stacklevel=2)
+
+
+# Note [A re-run step() completes an interrupted one]
+# step() holds Ctrl-C over each kernel and its counts (Note [A Ctrl-C as a C++ call
+# returns]), so a KeyboardInterrupt out of step() lands between two of its parts: after
+# an overlapped backward's steps were settled and counted, or after a param group's
+# kernel. torch's answer to a step() that raised is to run it again; that stepped what
+# was done a second time wherever a gradient was still in .grad (overlap(keep_grads=True),
+# the groups already stepped), and took the clip norm of the rest alone. So the step
+# leaves a record of what it stepped and with which coefficient until it returns, and a
+# step() that finds every gradient of it as it was (same tensor, same version: no
+# zero_grad() or backward since) and no new overlapped backward finishes that step:
+# the rest, with its coefficient; anything else is a new step.
+class _Unfinished:
+    """The record of a step() under way (the Note above): its clip coefficient and loss
+    scale reciprocal, every parameter it had a gradient for with that gradient (None: a
+    zero_grad(set_to_none=False) one, Note [Zeroed gradients an overlapped step dropped])
+    and its version, and the ids of those it stepped so far (`done`)."""
+
+    __slots__ = ("scale", "inv", "grads", "done")
+
+    def __init__(self, scale, inv, params, done):
+        self.scale, self.inv, self.done = scale, inv, set(done)
+        self.grads = {id(p): (p, p.grad, None if p.grad is None else p.grad._version) for p in params}
+
+    def resumes(self, work) -> bool:
+        """Whether a step() with `work` (_collect's) finishes this one."""
+        return (all(p.grad is g and (g is None or g._version == v) for p, g, v in self.grads.values())
+                and all(id(p) in self.grads for _, ps, _, _ in work for p in ps))
+
+    def rest(self, work) -> list:
+        """`work` without what this step stepped already."""
+        return [(g, [p for p in ps if id(p) not in self.done], [x for p, x in zip(ps, gs) if id(p) not in self.done],
+                 [k for p, k in zip(ps, keys) if id(p) not in self.done]) for g, ps, gs, keys in work]

@@ -35,7 +35,7 @@ import torch
 
 from . import _C
 from ._interrupts import held_interrupts
-from ._optim_calls import _EnterOrWarn, _user_stacklevel
+from ._optim_calls import _EnterOrWarn, _Unfinished, _user_stacklevel
 from ._optim_state import _LIVE, _StateDicts
 
 __all__ = ["AdamW", "Adafactor"]
@@ -79,6 +79,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         # then, not kept) while .grad is still None. id -> parameter.
         self._dropped = {}  # stepped by the last overlapped backward (their .grad None unless kept)
         self._zeroed = {}  # dropped, then zeroed by zero_grad(set_to_none=False)
+        self._unfinished = None  # the step() under way, or one a Ctrl-C stopped (Note [A re-run step() ...])
         self._init_state_dicts()
         super().__init__(params, defaults)
         _LIVE.add(self)
@@ -109,6 +110,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
             raise
         for st in states:
             st["step"] += 1
+        self._unfinished.done.update(map(id, params))
 
     def _collect(self):
         """Per group: (group, params with a gradient, their gradients, their keys).
@@ -436,11 +438,16 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         if self._overlap is not None:
             self._check_overlap_inputs()
         self._check_still_sharded()
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is not None and self._overlap is None and unfinished.resumes(work):
+            self._unfinished = unfinished  # Note [A re-run step() completes an interrupted one]
+            return unfinished.scale, unfinished.inv, unfinished.rest(work), [], False
         inv, found = self._loss_scaling()
+        params = [p for _, ps, _, _ in work for p in ps]
         if self._overlap is None:
-            if found:
-                return 1.0, inv, [], [], True
-            return self._grad_scale(grads, inv), inv, work, [], False
+            scale = 1.0 if found else self._grad_scale(grads, inv)
+            self._unfinished = _Unfinished(scale, inv, params, map(id, params) if found else ())
+            return scale, inv, self._unfinished.rest(work), [], found
         # Ctrl-C held from taking the plan to its counts (Note [A Ctrl-C as a C++ call
         # returns]): raised as wait() or settle() returned, it left the stepped layers'
         # counts behind, and every later step of theirs off by one.
@@ -448,10 +455,9 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
             scale, done, stepped, skipped = self._finish_overlap(work, inv, found)
             if not skipped:
                 self._count_overlapped(stepped)
-        rest = [] if skipped else [
-            (g, [p for p in ps if id(p) not in done], [x for p, x in zip(ps, gs) if id(p) not in done],
-             [k for p, k in zip(ps, keys) if id(p) not in done]) for g, ps, gs, keys in work]
-        return scale, inv, rest, stepped, skipped
+            # What a re-run step() finishes if a Ctrl-C lands as this block ends: the rest.
+            self._unfinished = _Unfinished(scale, inv, params, map(id, params) if skipped else done)
+        return scale, inv, self._unfinished.rest(work), stepped, skipped
 
     def _finish_overlap(self, work, inv, found):
         """After an overlapped backward: waits for the layers' steps and returns
@@ -689,6 +695,7 @@ class AdamW(_HostOptimizer):
             for p in early + [p for _, ps, _, _ in work for p in ps]:
                 if hasattr(p, "_layerstream_shard"):
                     p._layerstream_shard.version = p._version
+        self._unfinished = None  # done: a step() now is a new one
         return loss
 
     @staticmethod
@@ -869,4 +876,5 @@ class Adafactor(_HostOptimizer):
             done[0]._layerstream_shard.barrier()
             for p in done:
                 p._layerstream_shard.version = p._version
+        self._unfinished = None  # done: a step() now is a new one
         return loss

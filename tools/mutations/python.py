@@ -894,4 +894,30 @@ MUTATIONS = [
         [P + "test_autocast_cache.py::test_a_group_trained_under_autocast_holds_no_cast_of_its_weights_for_the_region"],
         "a group's training forward under autocast leaves autocast's cache holding a bf16 copy of its weights "
         "until the region exits: a model's worth of weights on the device outside the budget"),
+    Mutation(
+        "refused-offload-keeps-groups-marks", "python/layerstream/_offload.py",
+        "    except BaseException:\n        unmark_groups(model, grouped)\n        raise\n",
+        "    except BaseException:\n        raise\n",
+        [P + "test_loose_ends.py::test_a_refused_offload_leaves_no_groups_marks"],
+        "offload(groups=...) refused after discovery (budget too small, a bad option, Ctrl-C) leaves its marks: a "
+        "later offload() of the model says a module streams whole because of groups= it was not given"),
+    Mutation(
+        "tied-table-resident-uncounted", "python/layerstream/_offload.py",
+        "                plan[\"held_tables\"].update({n: held_by for n in group if n not in resident_names})\n",
+        "                pass\n",
+        [P + "test_loose_ends.py::test_a_table_resident_with_its_tied_head_is_in_the_plan_and_stats"],
+        "a table resident with its tied head is left out of stats()['resident_layers'] and handle.plan"),
+    Mutation(
+        "as-stored-advice-only-at-the-end", "python/layerstream/_offload.py",
+        "    if not as_stored or text.count(_QUANTIZE_ADVICE) != 1:\n",
+        "    if not as_stored or not text.endswith(_QUANTIZE_ADVICE):\n",
+        [P + "test_loose_ends.py::test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it"],
+        "with slots=, a budget too small for a tied head (which streams as stored) suggests quantizing it"),
+    Mutation(
+        "rerun-step-after-ctrl-c-steps-again", "python/layerstream/optim.py",
+        "        if unfinished is not None and self._overlap is None and unfinished.resumes(work):\n",
+        "        if False:\n",
+        [P + "test_loose_ends.py::test_a_step_rerun_after_a_ctrl_c_completes_it_once"],
+        "step() run again after a Ctrl-C stopped it steps a second time what it had stepped (kept gradients, "
+        "groups done) and clips the rest by their norm alone"),
 ]
