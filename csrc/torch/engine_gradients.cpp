@@ -229,10 +229,11 @@ void EngineImpl::discard_task(int task) noexcept {
     }
     pending_ = std::move(still);
     reset_forward_uses_locked(task);  // the gradient-ready hook counts from here
-    if (dropped) {
-      ++failed_backwards_;
-      failed_backward_unreported_ = true;
-    }
+    // Every failed backward that reached a streamed layer counts, also one whose
+    // gradients an overlapped step had all consumed already (nothing left to
+    // drop: the layers it stepped stay stepped); the warning is for dropped ones.
+    ++failed_backwards_;
+    if (dropped) failed_backward_unreported_ = true;
   } catch (...) {
     // Runs from a destructor inside the autograd engine: never throw there.
   }

@@ -1406,6 +1406,24 @@ def test_adafactor_overlap_backward_that_raises_counts_the_layers_it_stepped(off
     assert [opt.state[a]["step"], opt.state[b]["step"]] == [steps[0] + 1, steps[1]]
 
 
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_every_overlapped_backward_that_raises_is_counted_in_stats(offload_sim, max_norm):
+    """stats()["failed_backwards"] counted a failed backward only when it had staged
+    gradients left to drop: under overlap() without clipping, where the hook's thread had
+    consumed (and stepped) them all, three failed backwards counted 1 or none."""
+    model = Deep()
+    handle = offload_sim(model)
+    opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm)
+    for n in range(1, 4):
+        _overlapped_backward_that_raises(model, handle, opt)
+        opt.zero_grad()
+        assert handle.stats()["failed_backwards"] == n
+        model(torch.randn(4, 16)).square().mean().backward()  # a good step between them
+        opt.step()
+        opt.zero_grad()
+    assert handle.stats()["failed_backwards"] == 3
+
+
 def test_overlap_backward_that_raises_restores_speculated_layers(offload_sim):
     """With clipping, a backward that raises after some layers were stepped
     speculatively leaves every parameter as it was."""
