@@ -894,4 +894,11 @@ MUTATIONS = [
         [P + "test_autocast_cache.py::test_a_group_trained_under_autocast_holds_no_cast_of_its_weights_for_the_region"],
         "a group's training forward under autocast leaves autocast's cache holding a bf16 copy of its weights "
         "until the region exits: a model's worth of weights on the device outside the budget"),
+    Mutation(
+        "optim-adopts-loaded-states-into-meta-parameter", "python/layerstream/_optim_state.py",
+        "                    if p.is_meta:  # Note [States loaded for a meta parameter]\n",
+        "                    if False:  # Note [States loaded for a meta parameter]\n",
+        [P + "test_resume_order.py::test_optimizer_state_loaded_before_offload_into_a_meta_model_resumes_bit_for_bit"],
+        "an optimizer state loaded before offload() into a model load_safetensors() filled is adopted in the "
+        "meta parameters' layout: the moments become meta tensors, lost, and state_dict() saves them so"),
 ]
