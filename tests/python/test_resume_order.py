@@ -118,3 +118,25 @@ def test_a_torch_adamw_state_loaded_before_offload_is_adopted_as_after_it(overla
     for i in s2:
         for k in s2[i]:
             assert s1[i][k].dtype == s2[i][k].dtype and torch.equal(s1[i][k], s2[i][k]), (i, k)
+
+
+def test_torch_save_of_an_offloaded_model_says_that_the_file_it_writes_is_lost(offload_sim, tmp_path):
+    """torch.save(model, path) over a good checkpoint: torch.save truncates `path`
+    before it pickles, so the refusal comes after the old checkpoint is gone (a
+    70 KB checkpoint left as 665 bytes that do not load), and the message did not
+    say so: it now says the file is lost and to save to a new path, then rename."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    path = tmp_path / "last.pt"
+    torch.save(model.state_dict(), path)
+    offload_sim(model, budget="40KiB")
+    with pytest.raises(layerstream.LayerstreamError, match=r"cannot be pickled.*state_dict\(\).*has already "
+                       r"truncated `path`.*lost: save to a new path and rename"):
+        torch.save(model, path)
+    with pytest.raises(Exception):  # what the message says: the old checkpoint is gone
+        torch.load(path)
+    # The way the message gives: the state dict to a new path, renamed over the old one.
+    torch.save(model.state_dict(), tmp_path / "last.pt.new")
+    (tmp_path / "last.pt.new").replace(path)
+    back = torch.load(path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(back[k], v), k

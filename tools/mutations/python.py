@@ -901,4 +901,11 @@ MUTATIONS = [
         [P + "test_resume_order.py::test_optimizer_state_loaded_before_offload_into_a_meta_model_resumes_bit_for_bit"],
         "an optimizer state loaded before offload() into a model load_safetensors() filled is adopted in the "
         "meta parameters' layout: the moments become meta tensors, lost, and state_dict() saves them so"),
+    Mutation(
+        "pickle-refusal-hides-the-truncated-file", "python/layerstream/_forward.py",
+        "\"detach()); torch.save(model, path) has already truncated `path`, so a checkpoint that was \"",
+        "\"detach()); \"",
+        [P + "test_resume_order.py::test_torch_save_of_an_offloaded_model_says_that_the_file_it_writes_is_lost"],
+        "torch.save(model, path) of an offloaded model is refused after torch.save truncated `path`, and the "
+        "message does not say that the checkpoint there is lost"),
 ]
