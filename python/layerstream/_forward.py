@@ -34,8 +34,11 @@ class _RefusesCopy:
     def __reduce_ex__(self, protocol):
         raise LayerstreamError(_NO_COPY.format(
             what="pickled (e.g. torch.save(model), or sent to a 'spawn' DataLoader worker or process)",
+            # torch.save opens its target before it pickles: this refusal cannot come first.
             instead="save model.state_dict() instead (quantized weights are data-less there until "
-                    "detach()); a worker process builds and offloads its own model"))
+                    "detach()); torch.save(model, path) has already truncated `path`, so a checkpoint that was "
+                    "there is lost: save to a new path and rename it over the old one once written; a worker "
+                    "process builds and offloads its own model"))
 
     def __deepcopy__(self, memo):
         raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))

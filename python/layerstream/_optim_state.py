@@ -30,6 +30,7 @@ class _StateDicts:
     def _init_state_dicts(self):
         self._consolidated = None  # consolidate_state_dict()'s whole states, by state-dict index, until a step
         self._shard_seen = None  # _shard_identity() of the states while they are a sharded step's
+        self._unadopted = {}  # id -> meta parameter whose loaded states wait (Note [States loaded for a meta parameter])
 
     # The state dict's record of whose shard it holds (offload(share_host_store="all")):
     # {"rank": this rank's index among its node's ranks, "ranks": their number}.
@@ -73,6 +74,7 @@ class _StateDicts:
         torch's ``ZeroRedundancyOptimizer.consolidate_state_dict``). The other ranks'
         state dicts stay their shards. Without sharding it does nothing."""
         self._consolidated = None
+        self._adopt_unadopted()
         sharded = self._sharded_params()
         if not sharded:
             return
@@ -171,10 +173,17 @@ class _StateDicts:
                     group.setdefault(k, v)
                 self._check_group_options(group)
             index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            unadopted = {}
             for p, st in list(self.state.items()):
                 if any(isinstance(v, _Keep) for v in st.values()):
                     loaded = {k: (v.tensor if isinstance(v, _Keep) else v) for k, v in st.items()}
                     st.clear()
+                    if p.is_meta:  # Note [States loaded for a meta parameter]
+                        # adopted for the meta parameter only to check the shapes and dtypes now
+                        self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}")
+                        st.update(loaded)
+                        unadopted[id(p)] = p
+                        continue
                     if split and hasattr(p, "_layerstream_shard"):
                         loaded = self._shard_of_state(p, loaded)
                         if loaded is None:  # another rank's to step
@@ -183,8 +192,39 @@ class _StateDicts:
         except BaseException:
             self.state, self.param_groups = kept
             raise
+        self._unadopted = unadopted
         self._shard_seen = None
         self._shard_identity()  # the loaded states are this rank's shards, or whole ones
+
+    # Note [States loaded for a meta parameter]
+    # A model built on the meta device and given its checkpoint by load_safetensors() has
+    # meta parameters (FileWeight) until offload() reads them; an optimizer state loaded
+    # before that was adopted in the layout of the meta parameter: meta tensors, the moments
+    # lost (step() refused them without saying why, and state_dict() saved them). The loaded
+    # tensors stay as they are (state_dict() gives them back) until the parameter has
+    # values; the next step() or overlap() adopts them, for the parameter as it is then
+    # (streamed, resident on the device, or this rank's shard), as a load after offload() does.
+    def _adopt_unadopted(self):
+        if not self._unadopted:
+            return
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        for i, p in list(self._unadopted.items()):
+            if p.is_meta:
+                continue
+            loaded = dict(self.state.get(p, {}))
+            if not loaded:
+                del self._unadopted[i]
+                continue
+            if hasattr(p, "_layerstream_shard"):  # whole states (a shard's did not load into a meta model)
+                self._check_splittable({"state": {index.get(i, -1): loaded}}, [(index.get(i, -1), p)])
+                loaded = self._shard_of_state(p, loaded)
+            st = self.state[p]
+            adopted = None if loaded is None else self._adopt(p, self._group_of(p), loaded,
+                                                              f"parameter {index.get(i, '?')}")
+            st.clear()
+            if adopted is not None:
+                st.update(adopted)
+            del self._unadopted[i]
 
 
 # Every live AdamW / Adafactor: Handle.suspend() moves their states of the parameters

@@ -116,6 +116,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         """Per group: (group, params with a gradient, their gradients, their keys).
         A key is the parameter's position in the optimizer (its stochastic
         rounding stream)."""
+        self._adopt_unadopted()  # Note [States loaded for a meta parameter]
         self._check_groups_foreign()
         work, grads, key = [], [], 0
         for gi, group in enumerate(self.param_groups):
@@ -341,6 +342,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
                                "layers with the gradients it had. Call step() after each overlapped backward; with "
                                "gradient accumulation, wrap only the last micro-batch's backward in overlap()")
         engine = handle._check()
+        self._adopt_unadopted()  # Note [States loaded for a meta parameter]
         self._check_groups_foreign()
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None  # GradScaler(enabled=False): steps as without one

@@ -920,4 +920,18 @@ MUTATIONS = [
         [P + "test_loose_ends.py::test_a_step_rerun_after_a_ctrl_c_completes_it_once"],
         "step() run again after a Ctrl-C stopped it steps a second time what it had stepped (kept gradients, "
         "groups done) and clips the rest by their norm alone"),
+    Mutation(
+        "optim-adopts-loaded-states-into-meta-parameter", "python/layerstream/_optim_state.py",
+        "                    if p.is_meta:  # Note [States loaded for a meta parameter]\n",
+        "                    if False:  # Note [States loaded for a meta parameter]\n",
+        [P + "test_resume_order.py::test_optimizer_state_loaded_before_offload_into_a_meta_model_resumes_bit_for_bit"],
+        "an optimizer state loaded before offload() into a model load_safetensors() filled is adopted in the "
+        "meta parameters' layout: the moments become meta tensors, lost, and state_dict() saves them so"),
+    Mutation(
+        "pickle-refusal-hides-the-truncated-file", "python/layerstream/_forward.py",
+        "\"detach()); torch.save(model, path) has already truncated `path`, so a checkpoint that was \"",
+        "\"detach()); \"",
+        [P + "test_resume_order.py::test_torch_save_of_an_offloaded_model_says_that_the_file_it_writes_is_lost"],
+        "torch.save(model, path) of an offloaded model is refused after torch.save truncated `path`, and the "
+        "message does not say that the checkpoint there is lost"),
 ]
