@@ -435,4 +435,10 @@ MUTATIONS = [
          P + "test_optim.py::test_a_call_of_the_model_inside_an_overlap_block_after_its_backward_is_refused"],
         "a call of the model inside an overlap() block after its backward copies weights the step is writing "
         "(a second micro-batch's forward and backward: each layer stepped twice)"),
+    Mutation(
+        "failed-overlapped-backward-uncounted", "csrc/torch/engine_gradients.cpp",
+        "    ++failed_backwards_;\n    if (dropped) failed_backward_unreported_ = true;",
+        "    if (dropped) ++failed_backwards_;\n    if (dropped) failed_backward_unreported_ = true;",
+        [P + "test_optim.py::test_every_overlapped_backward_that_raises_is_counted_in_stats"],
+        "a failed backward whose gradients an overlapped step consumed is not counted in stats()['failed_backwards']"),
 ]
