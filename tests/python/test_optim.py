@@ -1410,12 +1410,24 @@ def test_adafactor_overlap_backward_that_raises_counts_the_layers_it_stepped(off
 def test_every_overlapped_backward_that_raises_is_counted_in_stats(offload_sim, max_norm):
     """stats()["failed_backwards"] counted a failed backward only when it had staged
     gradients left to drop: under overlap() without clipping, where the hook's thread had
-    consumed (and stepped) them all, three failed backwards counted 1 or none."""
+    consumed (and stepped) them all, three failed backwards counted 1 or none. (The
+    hook that raises waits first, so that the hook's thread has consumed them: counted
+    either way, but without the wait the old count depended on that race.)"""
+    import time
     model = Deep()
     handle = offload_sim(model)
     opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm)
+
+    def late_boom(g):
+        time.sleep(0.3)
+        raise RuntimeError("boom")
+
     for n in range(1, 4):
-        _overlapped_backward_that_raises(model, handle, opt)
+        x = torch.randn(4, 16, requires_grad=True)
+        x.register_hook(late_boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            with opt.overlap(handle):
+                model(x).square().mean().backward()
         opt.zero_grad()
         assert handle.stats()["failed_backwards"] == n
         model(torch.randn(4, 16)).square().mean().backward()  # a good step between them
