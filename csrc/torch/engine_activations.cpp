@@ -3,6 +3,9 @@
 // backward that unpacks them (the engine's rooms: engine_impl.h).
 #include "engine_impl.h"
 
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
 #include <algorithm>
 #include <iterator>
 
@@ -200,10 +203,50 @@ void EngineImpl::limit_in_flight_locked(Event* wait) {
   }
 }
 
+// Note [The activation host pool]
+// Host copies are pooled across steps (a step repeats its sizes), by their
+// allocated size, which is the tensor's rounded up to a size class (four per
+// power of two, at least 256 bytes: at most a quarter more). A stash takes the
+// smallest free buffer that holds it and is at most twice its size, else
+// allocates one of its class. Shapes that change every step (dynamic padding)
+// asked for an exact size before: the pool kept every size ever seen and grew
+// without bound, and once it filled the host budget every later tensor stayed
+// on the device (an out-of-memory on a GPU some steps later). Now a new buffer
+// first evicts free ones while the pool and the buffers in use would exceed
+// twice the most ever in use at once (so the pool stays about one step's worth)
+// or the host budget; what is evicted has finished its copies (its event).
+size_t EngineImpl::host_class_bytes(size_t bytes) {
+  size_t k = 256;
+  while (k * 2 <= bytes) k *= 2;
+  const size_t step = std::max<size_t>(k / 4, 256);
+  return (bytes + step - 1) / step * step;
+}
+
+void EngineImpl::evict_host_pool_locked(uint64_t need) {
+  auto over = [&] {
+    const uint64_t in_use = act_host_bytes_ - pool_bytes_;
+    const bool cap = opts_.activation_host_cap >= 0 &&
+                     act_host_bytes_ + grad_extra_bytes_ + need > static_cast<uint64_t>(opts_.activation_host_cap);
+    return cap || act_host_bytes_ + need > 2 * std::max<uint64_t>(act_host_peak_in_use_, in_use + need);
+  };
+  while (!host_pool_.empty() && over()) {
+    auto largest = std::prev(host_pool_.end());
+    backend_->synchronize(largest->second.second);  // its last copy has finished (long since, as a rule)
+    const uint64_t b = largest->second.first.bytes();
+    if (largest->second.first.kind() == MemoryKind::HostPinned) act_pinned_bytes_ -= b;
+    act_host_bytes_ -= b;
+    pool_bytes_ -= b;
+    host_pool_.erase(largest);
+  }
+}
+
 bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
-  auto pooled = host_pool_.find(s.bytes);
+  auto pooled = host_pool_.lower_bound(s.bytes);
+  if (pooled != host_pool_.end() && pooled->first > 2 * host_class_bytes(s.bytes)) pooled = host_pool_.end();
+  const size_t alloc = host_class_bytes(s.bytes);
+  if (pooled == host_pool_.end()) evict_host_pool_locked(alloc);
   if (pooled == host_pool_.end() && opts_.activation_host_cap >= 0 &&
-      act_host_bytes_ + grad_extra_bytes_ + s.bytes > static_cast<uint64_t>(opts_.activation_host_cap)) {
+      act_host_bytes_ + grad_extra_bytes_ + alloc > static_cast<uint64_t>(opts_.activation_host_cap)) {
     warn_once("activation-host-cap-" + std::to_string(id_),
               "saved activations: the host budget leaves " + format_bytes(opts_.activation_host_cap) +
                   " for their host copies and they need more; the rest stay on the device (raise host_budget, "
@@ -220,9 +263,10 @@ bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
     s.host = std::move(pooled->second.first);
     backend_->wait(act_stream_, pooled->second.second);  // its last copy back has read it
     host_pool_.erase(pooled);
+    pool_bytes_ -= s.host.bytes();
   } else {
     const bool pin = opts_.pin_memory && (opts_.activation_pinned_cap < 0 ||
-                                          act_pinned_bytes_ + s.bytes <=
+                                          act_pinned_bytes_ + alloc <=
                                               static_cast<uint64_t>(opts_.activation_pinned_cap));
     if (opts_.pin_memory && !pin)
       warn_once("activation-pinned-cap-" + std::to_string(id_),
@@ -230,13 +274,14 @@ bool EngineImpl::offload_locked(int64_t token, Stashed& s) {
                     " for their host copies and they need more; the rest use pageable memory (slower copies; "
                     "raise pinned_budget)");
     bool fell_back = false;
-    s.host = HostBuffer::allocate(*backend_, s.bytes, pin, "saved activation", &fell_back);
+    s.host = HostBuffer::allocate(*backend_, alloc, pin, "saved activation", &fell_back);
     if (fell_back)
       warn_once("activation-pageable", "could not pin a host buffer for saved activations; using pageable "
                                        "memory (slower copies)");
-    act_host_bytes_ += s.bytes;
-    if (s.host.kind() == MemoryKind::HostPinned) act_pinned_bytes_ += s.bytes;
+    act_host_bytes_ += alloc;
+    if (s.host.kind() == MemoryKind::HostPinned) act_pinned_bytes_ += alloc;
   }
+  act_host_peak_in_use_ = std::max<uint64_t>(act_host_peak_in_use_, act_host_bytes_ - pool_bytes_);
   s.offloaded = true;
   auto span = trace_begin(act_stream_);
   backend_->copy_async(s.host.ref(), 0, s.device_ref, 0, s.bytes, act_stream_);
@@ -308,7 +353,10 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   torch::Tensor out = std::move(s.restored);
   s.restored = torch::Tensor();
   s.copying_back = false;
+  const bool again = s.handed_out;  // a retained graph's backward after the first
+  const int task = torch::autograd::get_current_graph_task_id();
   s.handed_out = true;
+  s.handed_task = task;
   handed_out_.push_back({token,
                          c10::weak_intrusive_ptr<c10::StorageImpl>(
                              c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(out.storage().unsafeGetStorageImpl())),
@@ -316,11 +364,17 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   // The next `prefetch` offloaded stashes backward will unpack (saved
   // earlier) are coming back from now on; those already coming back count,
   // so that the copies back stay `prefetch` ahead and do not run further.
+  // Entries handed out already count as served (another graph's, or unpacked
+  // out of order) -- unless this backward is a retained graph's again and they
+  // were handed to an earlier one: then they come next, as the first time.
+  // (Skipped uncounted before, a second backward walked every entry at each
+  // restore and started no copy early: quadratic in the saved tensors.)
   int ahead = opts_.prefetch;
   for (auto prev = std::make_reverse_iterator(it); prev != stashed_.rend() && ahead > 0; ++prev) {
     Stashed& q = prev->second;
-    if (!q.offloaded || kept_until_copied(q) || q.handed_out) continue;
-    if (!q.copying_back) copy_back_locked(q);
+    if (!q.offloaded || kept_until_copied(q)) continue;
+    const bool served = q.handed_out && (!again || (task != -1 && q.handed_task == task));
+    if (!served && !q.copying_back) copy_back_locked(q);
     --ahead;
   }
   return out;
@@ -355,7 +409,9 @@ void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
     // that read or write them have finished.
     if (s.device.defined()) backend_->synchronize(s.to_host);
     if (s.copying_back) backend_->synchronize(s.to_device);
-    host_pool_.emplace(s.bytes, std::make_pair(std::move(s.host), std::move(done)));
+    pool_bytes_ += s.host.bytes();
+    const size_t size = s.host.bytes();
+    host_pool_.emplace(size, std::make_pair(std::move(s.host), std::move(done)));
   }
   // What the checker still knows of this entry's device memory (wrapped): torch's again.
   if (s.device_ref.id) backend_->unwrap(s.device_ref);

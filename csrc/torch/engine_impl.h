@@ -645,6 +645,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     Event to_device;         // after the newest copy back
     bool copying_back = false;
     bool handed_out = false;  // a copy back was handed to autograd (handed_out_ counts its bytes)
+    int handed_task = -1;     // the graph task of the last hand-out (-1: outside a backward)
     std::optional<c10::VariableVersion> version;  // the saved tensor's counter (check_saved_version)
     uint32_t saved_version = 0;
   };
@@ -699,7 +700,15 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // stash_activation() under the lock; *wait: limit_in_flight_locked's.
   int64_t stash_locked(const torch::Tensor& t, Event* wait);
   std::deque<int64_t> window_;         // kept tokens within the device budget, oldest first
-  std::multimap<size_t, std::pair<HostBuffer, Event>> host_pool_;  // free host copies, by size
+  // Free host copies, by allocated size (Note [The activation host pool]), and their bytes.
+  std::multimap<size_t, std::pair<HostBuffer, Event>> host_pool_;
+  uint64_t pool_bytes_ = 0;
+  uint64_t act_host_peak_in_use_ = 0;  // the most host copy bytes ever in use at once
+  // A host copy's allocated size: `bytes` rounded up to its size class.
+  static size_t host_class_bytes(size_t bytes);
+  // Frees pooled buffers (largest first) while a new one of `need` bytes would
+  // pass the host cap or twice the peak in use.
+  void evict_host_pool_locked(uint64_t need);
   Stream act_stream_;                  // device-to-host copies of activations
   int64_t next_stash_ = 1;
   uint64_t act_budget_ = 0, act_kept_ = 0;  // act_kept_: bytes of the window's entries

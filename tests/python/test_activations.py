@@ -156,6 +156,67 @@ def test_copies_back_start_ahead_of_the_backward(prefetch):
     handle.detach()
 
 
+def test_a_retained_graphs_second_backward_copies_back_ahead_too():
+    """A retained graph's second backward restores every saved tensor again: those were
+    all handed out to the first, and the prefetch skipped handed-out entries without
+    counting them, so each restore walked the whole map (quadratic) and started no copy
+    back early. Now the second pass copies back `prefetch` ahead, as the first did."""
+    prefetch = 2
+    handle = layerstream.offload(_mlp(), device="sim", activations="host", prefetch=prefetch)
+    engine = handle._engine
+    nbytes = 256 * 256 * 4
+    engine.begin_activations(0)
+    ts = [torch.randn(256, 256) for _ in range(5)]
+    tokens = [engine.stash_activation(t) for t in ts]
+    engine.synchronize()
+    for i in reversed(range(5)):  # the first backward
+        assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
+    engine.synchronize()
+    first = handle.stats()["activation_h2d_bytes"]
+    assert first == 5 * nbytes
+    for n, i in enumerate(reversed(range(5))):  # the retained graph's second one
+        assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
+        ahead = min(prefetch, i)
+        assert handle.stats()["activation_h2d_bytes"] - first == (n + 1 + ahead) * nbytes, (i, handle.stats())
+    engine.synchronize()
+    for t in tokens:
+        engine.drop_activation(t)
+    assert not handle.ordering_errors()
+    handle.detach()
+
+
+@pytest.mark.parametrize("host_budget", [None, "24MiB"])
+def test_the_host_pool_stays_bounded_when_shapes_change_every_step(host_budget):
+    """Dynamic padding: another sequence length every step. The pool kept a buffer of every
+    exact size ever seen (85 MiB after 60 steps of at most 2 MiB each); under a host
+    budget it filled it by step 30, after which every saved tensor stayed on the device
+    (on a GPU: out of memory some steps later). Now buffers of a size class are reused
+    and the pool stays within twice the most in use at once; every step offloads all it
+    saves, and the gradients equal the resident model's."""
+    import random
+    torch.manual_seed(0)
+    model = _mlp(depth=2)
+    ref = copy.deepcopy(model)
+    kw = {} if host_budget is None else {"host_budget": host_budget}
+    handle = layerstream.offload(model, device="sim", activations="host", **kw)
+    rng = random.Random(0)
+    peak_step = 0
+    for _ in range(40):
+        tokens = rng.randint(64, 512)
+        x = torch.randn(tokens, 256)
+        before = handle.stats()["activation_d2h_bytes"]
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        s = handle.stats()
+        saved = s["activation_d2h_bytes"] - before
+        peak_step = max(peak_step, saved)
+        assert saved >= 3 * tokens * 256 * 4, (tokens, s)  # the three Linear inputs (and more) went to the host
+        assert s["activation_host_bytes"] <= 2.5 * peak_step, (s, peak_step)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    handle.detach()
+
+
 def test_a_restore_before_the_copy_to_the_host_finished_copies_back_after_it():
     """On a GPU the allocator takes a saved tensor when its copy to the host is issued,
     so a restore before that copy finished copies back, ordered after it. The sim still

@@ -441,4 +441,22 @@ MUTATIONS = [
         "    if (dropped) ++failed_backwards_;\n    if (dropped) failed_backward_unreported_ = true;",
         [P + "test_optim.py::test_every_overlapped_backward_that_raises_is_counted_in_stats"],
         "a failed backward whose gradients an overlapped step consumed is not counted in stats()['failed_backwards']"),
+    Mutation(
+        "activation-pool-never-evicts", "csrc/torch/engine_activations.cpp",
+        "  if (pooled == host_pool_.end()) evict_host_pool_locked(alloc);\n",
+        "",
+        [P + "test_activations.py::test_the_host_pool_stays_bounded_when_shapes_change_every_step"],
+        "the saved activations' host pool keeps every buffer: it grows with the shapes seen and fills the host budget"),
+    Mutation(
+        "activation-pool-exact-size-no-eviction", "csrc/torch/engine_activations.cpp",
+        "  auto pooled = host_pool_.lower_bound(s.bytes);\n  if (pooled != host_pool_.end() && pooled->first > 2 * host_class_bytes(s.bytes)) pooled = host_pool_.end();\n  const size_t alloc = host_class_bytes(s.bytes);\n  if (pooled == host_pool_.end()) evict_host_pool_locked(alloc);",
+        "  auto pooled = host_pool_.find(s.bytes);\n  const size_t alloc = s.bytes;",
+        [P + "test_activations.py::test_the_host_pool_stays_bounded_when_shapes_change_every_step"],
+        "the host pool as before: exact sizes only, never freed (85 MiB after 60 steps of 2 MiB; offload stops at the cap)"),
+    Mutation(
+        "retained-backward-prefetches-nothing", "csrc/torch/engine_activations.cpp",
+        "    const bool served = q.handed_out && (!again || (task != -1 && q.handed_task == task));",
+        "    const bool served = q.handed_out;",
+        [P + "test_activations.py::test_a_retained_graphs_second_backward_copies_back_ahead_too"],
+        "a retained graph's second backward starts no copy back ahead of its restores"),
 ]
