@@ -162,8 +162,8 @@ MUTATIONS = [
         "saved activations come back only when the backward asks for them (nothing ahead)"),
     Mutation(
         "activation-prefetch-runs-ahead", "csrc/torch/engine_activations.cpp",
-        "    if (!q.copying_back) copy_back_locked(q);\n    --ahead;",
-        "    if (q.copying_back) continue;\n    copy_back_locked(q);\n    --ahead;",
+        "    if (!served && !q.copying_back) copy_back_locked(q);\n    --ahead;",
+        "    if (served || q.copying_back) continue;\n    copy_back_locked(q);\n    --ahead;",
         [P + "test_activations.py::test_copies_back_start_ahead_of_the_backward"],
         "each restore starts `prefetch` more copies back, so they run ever further ahead (fixed 2026-12-04)"),
     Mutation(
