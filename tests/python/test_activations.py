@@ -201,8 +201,9 @@ def test_the_host_pool_stays_bounded_when_shapes_change_every_step(host_budget):
     handle = layerstream.offload(model, device="sim", activations="host", **kw)
     rng = random.Random(0)
     peak_step = 0
-    for _ in range(40):
-        tokens = rng.randint(64, 512)
+    # Growing lengths first (no free buffer is large enough: each step allocates, the
+    # smaller ones go free), then random ones.
+    for tokens in [int(64 * 1.09 ** k) for k in range(25)] + [rng.randint(64, 512) for _ in range(15)]:
         x = torch.randn(tokens, 256)
         before = handle.stats()["activation_d2h_bytes"]
         model(x).square().mean().backward()
