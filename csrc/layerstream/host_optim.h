@@ -391,7 +391,9 @@ class AdamW {
   class Overlap;
   // One group; add_param_group() adds more (lr, betas, eps, weight_decay,
   // state_precision of its own; max_grad_norm and seed are the optimizer's).
-  // `params` must not be empty (throws, as torch.optim does).
+  // `params` must not be empty (throws, as torch.optim does). A tensor listed
+  // twice (a tied weight: Module::parameters() lists it once per module that
+  // registers it) is stepped once; in two groups, it throws.
   AdamW(std::vector<torch::Tensor> params, AdamWOptions options = {});
   void add_param_group(std::vector<torch::Tensor> params, AdamWOptions options);
   // Steps every parameter that has a gradient (clipping first if set).
@@ -408,8 +410,8 @@ class AdamW {
   // (nullopt: no limit unless the previous step clipped, then none) and
   // re-stepped in step() when the clip triggers. A scope left by an
   // exception restores the speculated layers (layers stepped without
-  // clipping stay stepped; zero the gradients, as after any failed
-  // backward), and step() is then the plain step. Parameters must not be
+  // clipping stay stepped, their kept .grad dropped: it was applied; zero
+  // the gradients after a failed backward), and step() is then the plain step. Parameters must not be
   // written while the scope lives. The scope's end waits until every
   // layer's gradient has been consumed; the layers' gradients are consumed
   // in one pass with their update (AdamWOverlap, "Fusion"): their .grad is

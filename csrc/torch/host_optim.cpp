@@ -451,6 +451,11 @@ void AdamW::add_param_group(std::vector<torch::Tensor> params, AdamWOptions opti
     for (const auto& other : groups_)
       for (const auto& q : other.params)
         LS_CHECK(!q.param.is_same(p), "some parameters appear in more than one parameter group");
+    // Listed twice in one group: a tied weight, which Module::parameters() lists once
+    // per module that registers it. Stepped once (twice, it took two steps and the
+    // clip norm counted it twice).
+    if (std::any_of(g.params.begin(), g.params.end(), [&](const Param& q) { return q.param.is_same(p); }))
+      continue;
     core_dtype(p, "a parameter");
     g.params.push_back(Param{p, {}, 0, next_key_++});
   }

@@ -435,11 +435,19 @@ float AdafactorOverlap::settle(double other_sum_of_squares, double* total_norm, 
   return coef;
 }
 
+// Note [A stepped layer's kept gradient goes at an abort]: a block left by an
+// exception leaves the layers stepped without clipping stepped; with
+// keep_grads their gradient was still in .grad, and the step() that follows
+// (the plain step, after an abort) stepped them a second time. Their .grad is
+// dropped: it was applied.
 void AdafactorOverlap::abort() {
   try {
     wait();
   } catch (...) {
   }
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (status_[i] == AdamWOverlap::kStepped) drop_grad(params_[i].param);
 }
 
 namespace {
@@ -495,6 +503,9 @@ void AdamWOverlap::abort() {
     if (speculated_[i]) {
       restore_one(i);
       speculated_[i] = 0;
+      status_[i] = kUntouched;  // as before the backward: step() steps it
+    } else if (status_[i] == kStepped) {
+      drop_grad(params_[i].param);  // Note [A stepped layer's kept gradient goes at an abort]
     }
 }
 

@@ -98,6 +98,27 @@ Candidates collect_candidates(torch::nn::Module& root, const OffloadOptions& opt
       c.items.push_back(Item{name, parent, named.value(), child.key(), m});
     }
   }
+  // The root itself a layer (offload(*layerstream::nn::Linear(...)), named ""
+  // as Python names it): one of ours is bound where it is; a torch::nn layer
+  // would have to be swapped in a parent, and the root has none.
+  torch::nn::Module* r = c.root ? c.root.get() : nullptr;
+  if (r && !c.collected.count(r) && selected("")) {
+    LS_CHECK(!(dynamic_cast<torch::nn::LinearImpl*>(r) || dynamic_cast<torch::nn::Conv1dImpl*>(r) ||
+               dynamic_cast<torch::nn::Conv2dImpl*>(r) || dynamic_cast<torch::nn::Conv3dImpl*>(r)),
+             "cannot stream the root module: it is a torch::nn layer, which offload() streams by swapping it in "
+             "its parent, and the root has none. Declare it as layerstream::nn::Linear/Conv*d (streamed where it "
+             "is), or offload a module that holds it");
+    const auto* e = dynamic_cast<nn::EmbeddingImpl*>(r);
+    const auto own = r->named_parameters(/*recurse=*/false);
+    const torch::Tensor* w = own.find("weight");
+    if (dynamic_cast<nn::StreamedBase*>(r) && (!e || (e->weight.is_floating_point() && !e->options.max_norm())) &&
+        !(w && w->numel() == 0)) {
+      LS_CHECK(!dynamic_cast<nn::StreamedBase*>(r)->attached(), "the root module is already offloaded by another "
+               "layerstream handle; detach it first");
+      c.collected.insert(r);
+      c.items.insert(c.items.begin(), Item{"", nullptr, {}, "", c.root});
+    }
+  }
   return c;
 }
 

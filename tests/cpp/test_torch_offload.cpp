@@ -862,6 +862,39 @@ TEST(TorchOffload, ATorchLinearHeldOutsideTheRegistryIsRefusedNamingTheFix) {
   handle->detach();
 }
 
+// A root that is itself a layer: offload(*layerstream::nn::Linear(...)) found "no Linear ...
+// to stream" (only children were candidates), where Python's offload(nn.Linear) streams
+// it as ''. Ours is streamed where it is; a torch::nn root is refused naming the fix.
+TEST(TorchOffload, ARootThatIsAStreamedLayerIsStreamed) {
+  torch::manual_seed(0);
+  torch::nn::Linear ref(8, 4);
+  layerstream::nn::Linear root(torch::nn::LinearOptions(8, 4), ref->weight.detach().clone(),
+                               ref->bias.detach().clone());
+  const auto x = torch::randn({3, 8});
+  {
+    auto handle = layerstream::offload(*root, sim_options());
+    EXPECT_EQ(handle->layers(), (std::vector<std::string>{""}));
+    const auto y = root->forward(x);
+    EXPECT_TRUE(torch::equal(y, ref->forward(x)));
+    y.square().sum().backward();
+    ref->forward(x).square().sum().backward();
+    EXPECT_TRUE(torch::equal(root->weight.grad(), ref->weight.grad()));
+    EXPECT_TRUE(torch::equal(root->bias.grad(), ref->bias.grad()));
+    handle->detach();
+  }
+  layerstream::nn::Embedding table(50, 8);
+  auto handle = layerstream::offload(*table, sim_options());
+  EXPECT_EQ(handle->layers(), (std::vector<std::string>{""}));
+  handle->detach();
+  try {
+    layerstream::offload(*ref, sim_options());
+    FAIL() << "a torch::nn::Linear root cannot be swapped";
+  } catch (const layerstream::Error& e) {
+    EXPECT_NE(e.message().find("cannot stream the root module"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("layerstream::nn::Linear"), std::string::npos) << e.message();
+  }
+}
+
 TEST(TorchOffload, SuspendFreesTheSlotsAndResumeContinuesExactly) {
   // suspend() frees the engine's device memory (the sim device computes on the
   // host, so no parameter moves here); a forward throws until resume(); after

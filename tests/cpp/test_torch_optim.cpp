@@ -314,6 +314,50 @@ TEST(TorchOptim, OverlappedStepEqualsThePlainStep) {
   expect_overlap_equals_plain_step(0);
 }
 
+// A tensor listed twice in one group (Module::parameters() lists a tied weight once per
+// module that registers it) was stepped twice per step, with two states.
+TEST(TorchOptim, AParameterListedTwiceIsSteppedOnce) {
+  auto w = torch::ones({2, 2}, torch::requires_grad());
+  auto v = torch::ones({2, 2}, torch::requires_grad());
+  layerstream::optim::AdamWOptions o;
+  o.lr = 0.1;
+  o.weight_decay = 0.0;
+  layerstream::optim::AdamW twice({w, w}, o), once({v}, o);
+  w.mutable_grad() = torch::full({2, 2}, 0.5);
+  v.mutable_grad() = torch::full({2, 2}, 0.5);
+  twice.step();
+  once.step();
+  EXPECT_TRUE(torch::equal(w, v)) << w;
+  EXPECT_NEAR(w[0][0].item<float>(), 0.9f, 1e-6);
+}
+
+// A scope left by an exception after a complete backward: the layers stepped during it
+// stay stepped; with keep_grads their gradient was still in .grad and step() (the plain
+// step after an abort) stepped them again.
+TEST(TorchOptim, AScopeLeftByAnExceptionKeepingGradsStepsEachLayerOnce) {
+  torch::manual_seed(3);
+  Net plain;
+  Net overlapped = twin_of(plain);
+  auto ha = offload_sim(plain);
+  auto hb = offload_sim(overlapped);
+  layerstream::optim::AdamWOptions opts;
+  opts.lr = 1e-2;
+  layerstream::optim::AdamW a(plain->parameters(), opts), b(overlapped->parameters(), opts);
+  const torch::Tensor x = torch::randn({16, 8});
+  plain->forward(x).square().mean().backward();
+  try {
+    auto scope = b.overlap(hb->engine(), std::nullopt, /*keep_grads=*/true);
+    overlapped->forward(x).square().mean().backward();
+    throw std::runtime_error("the user's own error");
+  } catch (const std::runtime_error&) {
+  }
+  a.step();
+  b.step();
+  auto got = overlapped->named_parameters();
+  for (const auto& p : plain->named_parameters())
+    EXPECT_TRUE(torch::equal(got[p.key()], p.value())) << p.key();
+}
+
 TEST(TorchOptim, OverlapTwiceWithoutStepIsAnError) {
   Net model;
   auto handle = offload_sim(model);

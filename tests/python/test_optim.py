@@ -1406,6 +1406,29 @@ def test_adafactor_overlap_backward_that_raises_counts_the_layers_it_stepped(off
     assert [opt.state[a]["step"], opt.state[b]["step"]] == [steps[0] + 1, steps[1]]
 
 
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_a_block_left_by_an_exception_after_its_backward_steps_each_layer_once(offload_sim, name):
+    """overlap(keep_grads=True), a complete backward, then the user's own exception leaves
+    the block: the layers stepped during the backward stay stepped, and their gradient
+    stayed in .grad, so the step() that followed stepped them a second time (one lr step
+    off). Their kept .grad goes at the abort (it was applied); step() steps the rest, and
+    the result equals one plain step."""
+    model = Deep()
+    ref = copy.deepcopy(model)
+    handle, _ = offload_sim(model), offload_sim(ref)
+    opt, ropt = _MAKERS[name](list(model.parameters())), _MAKERS[name](list(ref.parameters()))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="the user's"):
+        with opt.overlap(handle, keep_grads=True):
+            model(x).square().mean().backward()
+            raise ValueError("the user's own error")
+    opt.step()
+    ref(x).square().mean().backward()
+    ropt.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
 @pytest.mark.parametrize("max_norm", [None, 1.0])
 def test_every_overlapped_backward_that_raises_is_counted_in_stats(offload_sim, max_norm):
     """stats()["failed_backwards"] counted a failed backward only when it had staged

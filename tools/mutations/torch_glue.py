@@ -459,4 +459,29 @@ MUTATIONS = [
         "    const bool served = q.handed_out;",
         [P + "test_activations.py::test_a_retained_graphs_second_backward_copies_back_ahead_too"],
         "a retained graph's second backward starts no copy back ahead of its restores"),
+    Mutation(
+        "overlap-abort-keeps-stepped-grads", "csrc/torch/host_overlap.cpp",
+        "    } else if (status_[i] == kStepped) {\n      drop_grad(params_[i].param);  // Note [A stepped layer's kept gradient goes at an abort]\n    }",
+        "    }",
+        [P + "test_optim.py::test_a_block_left_by_an_exception_after_its_backward_steps_each_layer_once",
+         "gtest:test_torch_optim:*AScopeLeftByAnExceptionKeepingGradsStepsEachLayerOnce*"],
+        "an overlap block left by an exception with keep_grads: step() steps the layers stepped during the backward again"),
+    Mutation(
+        "adafactor-overlap-abort-keeps-stepped-grads", "csrc/torch/host_overlap.cpp",
+        "    if (status_[i] == AdamWOverlap::kStepped) drop_grad(params_[i].param);\n}",
+        "}",
+        [P + "test_optim.py::test_a_block_left_by_an_exception_after_its_backward_steps_each_layer_once"],
+        "Adafactor's overlap block left by an exception with keep_grads: step() steps the stepped layers again"),
+    Mutation(
+        "adamw-steps-a-parameter-listed-twice-twice", "csrc/torch/host_optim.cpp",
+        "    if (std::any_of(g.params.begin(), g.params.end(), [&](const Param& q) { return q.param.is_same(p); }))\n      continue;\n",
+        "",
+        ["gtest:test_torch_optim:*AParameterListedTwiceIsSteppedOnce*"],
+        "layerstream::optim::AdamW(net->parameters()) steps a tied weight (listed once per module) twice per step"),
+    Mutation(
+        "root-layer-is-not-streamed", "csrc/torch/offload.cpp",
+        "      c.items.insert(c.items.begin(), Item{\"\", nullptr, {}, \"\", c.root});\n",
+        "",
+        ["gtest:test_torch_offload:*ARootThatIsAStreamedLayerIsStreamed*"],
+        "offload(*layerstream::nn::Linear(...)) finds nothing to stream (the root is never a candidate)"),
 ]
