@@ -103,7 +103,10 @@ struct EngineOptions {
   // straight to it (it implies dequant_dtype; both given must agree). The
   // cast copy is used when the activations have this dtype; activations of
   // the weight's own dtype use the weight as it is, any other dtype casts at
-  // use (as without this option), so results never depend on it.
+  // use (as without this option), so a dense weight's results never depend
+  // on it. A quantized weight's do: it is dequantized to this dtype whatever
+  // the activations' (bfloat16 weights cast up for float32 activations are
+  // rounded through bfloat16).
   std::string compute_dtype;
   // Activation offload: saved tensors smaller than this stay on the device
   // (a copy that small is mostly latency).

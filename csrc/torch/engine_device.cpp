@@ -136,11 +136,18 @@ const char* dtype_name(torch::ScalarType t) {
 
 void EngineImpl::note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch::ScalarType to) {
   if (cast_warned_.exchange(true)) return;
+  // A quantized weight dequantized to `from` (compute_dtype or dequant_dtype)
+  // was rounded through it: dequantized straight to `to`, its numbers change.
+  const std::string numbers =
+      l.qformat == quant::Format::None
+          ? std::string("; the numbers are the same.")
+          : std::string("; a quantized weight is then dequantized straight to ") + dtype_name(to) +
+                " (the numbers change: now it is rounded through " + dtype_name(from) + ").";
   warn("layer '" + l.name + "' (and any other streamed layer in this case) casts its " +
        dtype_name(from) + " weight to the " + dtype_name(to) + " activations at every use: a temporary "
        "outside the budget, on the compute stream. With compute_dtype=" + dtype_name(to) +
        " (offload(..., compute_dtype=torch." + dtype_name(to) + "); C++: EngineOptions::compute_dtype) "
-       "the weight is cast once per copy, inside its slot; the numbers are the same.");
+       "the weight is cast once per copy, inside its slot" + numbers);
 }
 
 EngineImpl::DeviceParams EngineImpl::device_params(const LayerInfo& l, const Lease& lease, torch::ScalarType dtype) {

@@ -1096,6 +1096,29 @@ def test_cast_at_use_warns_once_and_names_compute_dtype():
     assert warnings_of(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch.bfloat16)) == []
 
 
+def test_cast_at_use_of_a_quantized_weight_says_the_numbers_change():
+    """A quantized layer dequantized to compute_dtype=bf16 and called with fp32
+    activations: the warning said compute_dtype=float32 gives the same numbers, but
+    then the weight is dequantized straight to fp32, no longer rounded through bf16
+    (the outputs differ)."""
+    import warnings
+    torch.manual_seed(0)
+    x = torch.randn(2, 64)
+    outs, said = [], []
+    for dtype in (torch.bfloat16, torch.float32):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).requires_grad_(False)
+        layerstream.offload(model, device="sim", quantize="int8", compute_dtype=dtype)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                outs.append(model(x))
+        said += [str(m.message) for m in w if "at every use" in str(m.message)]
+    assert len(said) == 1, said
+    assert "bfloat16 weight to the float32 activations" in said[0] and "the numbers change" in said[0], said[0]
+    assert "the numbers are the same" not in said[0]
+    assert not torch.equal(outs[0], outs[1])  # what the warning now says
+
+
 def _sigint_once(at: int):
     """A callable that sends this process SIGINT at its `at`-th call (as a Ctrl-C
     would land: the handler runs at the next check of the running bytecode)."""

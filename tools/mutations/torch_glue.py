@@ -484,4 +484,10 @@ MUTATIONS = [
         "",
         ["gtest:test_torch_offload:*ARootThatIsAStreamedLayerIsStreamed*"],
         "offload(*layerstream::nn::Linear(...)) finds nothing to stream (the root is never a candidate)"),
+    Mutation(
+        "cast-warning-says-quantized-numbers-are-the-same", "csrc/torch/engine_device.cpp",
+        "      l.qformat == quant::Format::None\n",
+        "      true\n",
+        [P + "test_errors.py::test_cast_at_use_of_a_quantized_weight_says_the_numbers_change"],
+        "the cast-at-use warning promises the same numbers with compute_dtype=<activations> for a quantized weight"),
 ]
