@@ -135,8 +135,11 @@ double grad_norm(const std::vector<torch::Tensor>& grads);
 // Checks what every optimizer refuses in a group: sparse gradients, a
 // gradient on another device or of another dtype than its parameter, and
 // parameters on two devices besides the host (optim::check_group_devices;
-// `group` numbers the group in messages).
-void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group);
+// `group` numbers the group in messages, `positions` each parameter's place in
+// the group's list (empty: its index in `params`); `cpp`: messages in the C++
+// API's spelling, else Python's).
+void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group,
+                 const std::vector<int64_t>& positions = {}, bool cpp = false);
 
 // ---------------------------------------------------------------- overlap
 // One AdamW step whose streamed layers are stepped during the backward that

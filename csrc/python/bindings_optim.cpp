@@ -173,7 +173,8 @@ void bind_optim(py::module& m) {
   m.def("optim_grad_norm", &o::grad_norm, py::call_guard<py::gil_scoped_release>(),
         "the total 2-norm of the gradients (host ones by the C++ kernels), as a Python float");
   m.def("optim_clip_coefficient", &o::clip_coefficient, py::arg("total_norm"), py::arg("max_norm"));
-  m.def("optim_check_group", &o::check_group, py::arg("params"), py::arg("grads"), py::arg("group"));
+  m.def("optim_check_group", &o::check_group, py::arg("params"), py::arg("grads"), py::arg("group"),
+        py::arg("positions") = std::vector<int64_t>{}, py::arg("cpp") = false);
   m.def("optim_bytes_per_element", [](const std::string& param, const std::string& grad, const std::string& fmt) {
     auto dt = [](const std::string& s) { return s == "bfloat16" ? o::Dtype::BF16 : o::Dtype::F32; };
     return o::adamw_bytes_per_element(dt(param), dt(grad), o::parse_state_format(fmt));

@@ -146,19 +146,25 @@ AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, A
   return out;
 }
 
-void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group) {
+void check_group(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, int group,
+                 const std::vector<int64_t>& positions, bool cpp) {
   LS_CHECK(params.size() == grads.size(), "internal: one gradient per parameter");
+  LS_CHECK(positions.empty() || positions.size() == params.size(), "internal: one position per parameter");
+  const char* who = cpp ? "layerstream::optim::AdamW" : "layerstream.optim";
   std::vector<std::string> devices;
   for (size_t i = 0; i < params.size(); ++i) {
     const torch::Tensor& p = params[i];
     const torch::Tensor& g = grads[i];
-    LS_CHECK(g.layout() == torch::kStrided, "layerstream.optim: parameter ", i, " of param group ", group,
-             " has a sparse gradient (", g.layout(), "); layerstream's optimizers need dense gradients "
-             "(use nn.Embedding(sparse=False), or torch.optim.SparseAdam for that parameter)");
-    LS_CHECK(g.device() == p.device(), "layerstream.optim: parameter ", i, " of param group ", group, " is on ",
+    const int64_t at = positions.empty() ? static_cast<int64_t>(i) : positions[i];
+    LS_CHECK(g.layout() == torch::kStrided, who, ": parameter ", at, " of param group ", group,
+             " has a sparse gradient (", g.layout(), "); layerstream's optimizers need dense gradients (",
+             cpp ? "torch::nn::EmbeddingOptions::sparse(false), or torch::optim::SparseAdam for that parameter"
+                 : "use nn.Embedding(sparse=False), or torch.optim.SparseAdam for that parameter",
+             ")");
+    LS_CHECK(g.device() == p.device(), who, ": parameter ", at, " of param group ", group, " is on ",
              device_str(p.device()), " but its gradient on ", device_str(g.device()));
-    LS_CHECK(g.scalar_type() == p.scalar_type(), "layerstream.optim: parameter ", i, " of param group ", group,
-             " is ", p.scalar_type(), " but its gradient ", g.scalar_type());
+    LS_CHECK(g.scalar_type() == p.scalar_type(), who, ": parameter ", at, " of param group ", group, " is ",
+             p.scalar_type(), " but its gradient ", g.scalar_type());
     devices.push_back(device_str(p.device()));
   }
   optim::check_group_devices(devices, group);
@@ -550,14 +556,16 @@ void AdamW::step() {
   std::vector<torch::Tensor> all_grads;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Work w{&groups_[gi], {}, {}, {}};
+    std::vector<int64_t> positions;  // in the group's list, for messages
     for (auto& prm : groups_[gi].params) {
       const torch::Tensor& grad = prm.param.grad();
       if (!grad.defined() || covered.count(&prm)) continue;
       w.params.push_back(&prm);
       w.p.push_back(prm.param);
       w.g.push_back(grad);
+      positions.push_back(&prm - groups_[gi].params.data());
     }
-    check_group(w.p, w.g, static_cast<int>(gi));
+    check_group(w.p, w.g, static_cast<int>(gi), positions, /*cpp=*/true);
     all_grads.insert(all_grads.end(), w.g.begin(), w.g.end());
     work.push_back(std::move(w));
   }

@@ -120,8 +120,8 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         self._check_groups_foreign()
         work, grads, key = [], [], 0
         for gi, group in enumerate(self.param_groups):
-            ps, gs, keys = [], [], []
-            for p in group["params"]:
+            ps, gs, keys, at = [], [], [], []
+            for pos, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None and id(p) in self._zeroed:  # Note [Zeroed gradients an overlapped step dropped]
                     g = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -131,8 +131,9 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
                     ps.append(p)
                     gs.append(g)
                     keys.append(key)
+                    at.append(pos)
                 key += 1
-            _C.optim_check_group(ps, gs, gi)
+            _C.optim_check_group(ps, gs, gi, at)
             work.append((group, ps, gs, keys))
             grads += gs
         if not self._budget_checked:

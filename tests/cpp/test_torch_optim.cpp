@@ -222,14 +222,19 @@ TEST(TorchOptim, GroupsPrecisionsAndErrors) {
   opt.step();
   EXPECT_FALSE(torch::equal(b, b0));
 
+  // Named by its place in the group (behind one without a gradient), in the C++ spelling.
   auto sparse = torch::randn({4, 3}, torch::requires_grad());
-  layerstream::optim::AdamW s({sparse});
+  auto no_grad = torch::randn({2}, torch::requires_grad());
+  layerstream::optim::AdamW s({no_grad, sparse});
   sparse.mutable_grad() = torch::randn({4, 3}).to_sparse();
   try {
     s.step();
     FAIL() << "no error for a sparse gradient";
   } catch (const layerstream::Error& e) {
-    EXPECT_NE(e.message().find("sparse gradient"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("layerstream::optim::AdamW: parameter 1 of param group 0 has a sparse gradient"),
+              std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("torch::optim::SparseAdam"), std::string::npos) << e.message();
+    EXPECT_EQ(e.message().find("nn.Embedding("), std::string::npos) << e.message();
   }
   EXPECT_THROW(layerstream::optim::AdamW({a}, [] {
                  layerstream::optim::AdamWOptions o;

@@ -702,10 +702,14 @@ def test_nan_gradients_with_narrow_states_do_not_crash(precision):
 
 
 def test_sparse_gradients_are_refused():
+    """Refused naming the parameter's place in its group (it named its index among
+    the parameters with a gradient: 0 here, behind a frozen one)."""
+    frozen = nn.Parameter(torch.zeros(3), requires_grad=False)
     emb = nn.Embedding(10, 4, sparse=True)
-    opt = AdamW(emb.parameters())
+    opt = AdamW([frozen, emb.weight])
     emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(RuntimeError, match="sparse gradient.*SparseAdam"):
+    with pytest.raises(RuntimeError, match=r"layerstream.optim: parameter 1 of param group 0 has a sparse "
+                                           r"gradient.*nn.Embedding\(sparse=False\).*SparseAdam"):
         opt.step()
 
 

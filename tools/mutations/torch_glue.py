@@ -490,4 +490,11 @@ MUTATIONS = [
         "      true\n",
         [P + "test_errors.py::test_cast_at_use_of_a_quantized_weight_says_the_numbers_change"],
         "the cast-at-use warning promises the same numbers with compute_dtype=<activations> for a quantized weight"),
+    Mutation(
+        "optim-error-names-the-index-among-grads", "csrc/torch/host_optim.cpp",
+        "    const int64_t at = positions.empty() ? static_cast<int64_t>(i) : positions[i];",
+        "    const int64_t at = static_cast<int64_t>(i);",
+        [P + "test_optim.py::test_sparse_gradients_are_refused",
+         "gtest:test_torch_optim:*GroupsPrecisionsAndErrors*"],
+        "an optimizer's error names a parameter by its index among those with a gradient, not its place in the group"),
 ]
