@@ -920,4 +920,11 @@ MUTATIONS = [
         [P + "test_loose_ends.py::test_a_step_rerun_after_a_ctrl_c_completes_it_once"],
         "step() run again after a Ctrl-C stopped it steps a second time what it had stepped (kept gradients, "
         "groups done) and clips the rest by their norm alone"),
+    Mutation(
+        "root-apply-holds-its-model", "python/layerstream/_guards.py",
+        "        self._model_ref, self._layers = weakref.ref(model), layers\n",
+        "        self._model_ref, self._layers = (lambda: model), layers\n",
+        [P + "test_del_frees.py"],
+        "the _apply offload() installs on the model holds it strongly: a dropped model, its optimizer and "
+        "handle keep the engine (4 threads, host store, device slots) until the cyclic collector runs"),
 ]
