@@ -306,10 +306,10 @@ class Handle(_RefusesCopy):
         return s
 
     def step_stats(self) -> List[Dict[str, float]]:
-        """Per completed step: h2d_bytes, d2h_bytes, stall_seconds (time compute
-        waited for weights), overlap_fraction (share of copy time hidden behind
-        compute; needs trace=True, else NaN), peak_device_bytes, slot
-        utilisation (max_slots_held / slots), hits, misses."""
+        """Per completed step, the most recent 4096 (older ones are dropped): h2d_bytes,
+        d2h_bytes, stall_seconds (time compute waited for weights), overlap_fraction
+        (share of copy time hidden behind compute; needs trace=True, else NaN),
+        peak_device_bytes, slot utilisation (max_slots_held / slots), hits, misses."""
         engine = self._check()
         total = self.stats()
         out = []
