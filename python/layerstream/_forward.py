@@ -7,6 +7,7 @@ import contextlib
 import copy
 import functools
 import threading
+import types
 import weakref
 from typing import Dict, List, Sequence
 
@@ -97,6 +98,30 @@ class _PlainCopy:
         return clone
 
 
+class _OwnForward(_RefusesCopy):
+    """A module's forward as a streamed forward calls it (`fn(module, ...)`), with the
+    module held weakly: the streamed forward is an attribute of the module, and a bound
+    method would refer back to it (Note [Nothing offload() puts on a model refers back
+    to it], _handle.py)."""
+
+    __slots__ = ("_fn", "_module")
+
+    def __init__(self, fn, module: nn.Module):
+        self._fn, self._module = fn, weakref.ref(module)
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(self._module(), *args, **kwargs)
+
+
+def _held_weakly(original, module: nn.Module):
+    """`original` (the forward a streamed forward falls back to), a bound method of
+    `module` as an _OwnForward; anything else (a forward of the module's own that a
+    library set before offload()) as it is."""
+    if isinstance(original, types.MethodType) and original.__self__ is module:
+        return _OwnForward(original.__func__, module)
+    return original
+
+
 class _LookupBase(_RefusesCopy, nn.Embedding):
     """The base offload() slides under a streamed Embedding subclass that calls
     super().forward (see _lookup_through_super): its forward is the streamed
@@ -158,7 +183,7 @@ class _StreamedForward(_RefusesCopy):
     (torch.save(model)) or deep-copying it fails with a message that says what
     to do instead of pickle's "Can't pickle local object"."""
 
-    __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_attrs", "_name",
+    __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_module_ref", "_name",
                  "_lookup", "_op", "_engine_id", "_op_spec", "_key", "_standin", "_bias_standin", "_pad",
                  "_frozen", "__weakref__")
 
@@ -176,11 +201,12 @@ class _StreamedForward(_RefusesCopy):
         self._bias_standin = isinstance(getattr(module, "bias", None), StandIn)  # e.g. a bias left in its file
         # The stand-ins, which no gradient reaches: unfreezing one after offload() is an error (_unfrozen).
         self._frozen = tuple(p for p in (module.weight, getattr(module, "bias", None)) if isinstance(p, StandIn))
-        self._index, self._original, self._name = index, original, name
+        self._index, self._original, self._name = index, _held_weakly(original, module), name
         self._weight, self._bias = module.weight, getattr(module, "bias", None)
         # Direct dict access is cheaper than nn.Module.__getattr__; a weight that is
-        # not a Parameter (e.g. a torch quantized tensor) lives in the instance dict.
-        self._params, self._attrs = module._parameters, module.__dict__
+        # not a Parameter (e.g. a torch quantized tensor) lives in the instance dict,
+        # read through the module, held weakly (this object is in that dict).
+        self._params, self._module_ref = module._parameters, weakref.ref(module)
         self._pad = _mode_padding(module) if kind == "conv" else None  # padded as torch's _conv_forward pads
 
     def __call__(self, x, *args, **kwargs):
@@ -201,13 +227,17 @@ class _StreamedForward(_RefusesCopy):
         """Raises when the module's parameters are no longer offload()'s: the engine would
         compute with the original values, and no gradient would reach the new tensors.
         `now`: (weight, bias) stand-ins for them (non-strict torch.export's, _exported_as)."""
-        params, attrs, weight, bias = self._params, self._attrs, self._weight, self._bias
+        params, weight, bias = self._params, self._weight, self._bias
         if now is not None:
             if not (_exported_as(weight, now[0]) and _exported_as(bias, now[1])):
                 raise LayerstreamError(_REPLACED.format(name=self._name))
-        elif ((params["weight"] if "weight" in params else attrs.get("weight")) is not weight or
-                (params["bias"] if "bias" in params else attrs.get("bias")) is not bias):
+        elif ((params["weight"] if "weight" in params else self._attr("weight")) is not weight or
+                (params["bias"] if "bias" in params else self._attr("bias")) is not bias):
             raise LayerstreamError(_REPLACED.format(name=self._name))
+
+    def _attr(self, key: str):
+        """The module's instance attribute `key` (a weight that is not a Parameter), or None."""
+        return self._module_ref().__dict__.get(key)
 
     def _unfrozen(self) -> None:
         """Raises when a stand-in of this layer (a weight the disk tier streams from its
@@ -242,9 +272,9 @@ class _StreamedForward(_RefusesCopy):
             # Non-strict export swaps the module's parameters for its own tensors (the
             # program's PARAMETER inputs): the op's gradient edges go to those; the cached
             # ones would be lifted as constants, and no weight gradient would reach them.
-            params, attrs = self._params, self._attrs
-            weight = params["weight"] if "weight" in params else attrs.get("weight")
-            bias = params["bias"] if "bias" in params else attrs.get("bias")
+            params = self._params
+            weight = params["weight"] if "weight" in params else self._attr("weight")
+            bias = params["bias"] if "bias" in params else self._attr("bias")
             self._check_own((weight, bias))
         else:
             # Under Dynamo (torch.compile, strict export) the check reads the module's
@@ -275,15 +305,18 @@ class _GroupForward(_RefusesCopy):
     the module, so it is held under the group's lock (Note [Two threads and one tensor
     group])."""
 
-    __slots__ = ("_engine", "_index", "_original", "_module", "_slots", "_params", "_name", "_device", "_experts",
+    __slots__ = ("_engine", "_index", "_original", "_module_ref", "_slot_refs", "_params", "_name", "_device", "_experts",
                  "_averaged", "_experts_module", "_dense", "_adapted", "_layout", "_swap_lock", "__weakref__")
 
     def __init__(self, engine, index: int, original, module: nn.Module, slots: Sequence[tuple], name: str,
                  experts: int = 0):
-        self._engine, self._index, self._original, self._module, self._name = engine, index, original, module, name
+        # The module and the owners of its tensors weakly: this object is the module's
+        # attribute (Note [Nothing offload() puts on a model refers back to it], _handle.py).
+        self._engine, self._index, self._name = engine, index, name
+        self._original, self._module_ref = _held_weakly(original, module), weakref.ref(module)
         self._averaged = False  # gradients averaged over a process group (Handle._set_group)
-        self._slots = tuple((o, k) for o, k, _ in slots)  # (owner, key) of each tensor (_group_slots)
-        self._params = tuple(o._parameters[k] for o, k in self._slots)
+        self._slot_refs = tuple((weakref.ref(o), k) for o, k, _ in slots)  # see _slots
+        self._params = tuple(o._parameters[k] for o, k, _ in slots)
         self._device = torch.device(engine.compute_device)
         self._experts = experts  # > 0: the group was added indexed by expert (offload(experts="routed"))
         self._experts_module = _is_experts(module)
@@ -295,6 +328,15 @@ class _GroupForward(_RefusesCopy):
         self._layout = _group_op.layout(module, self._params)  # named by its operator's calls
         self._swap_lock = threading.RLock()  # held while the module holds the fetched views
         _group_op.register(self)  # reachable from its operator (Note [A tensor group as an operator])
+
+    @property
+    def _module(self) -> nn.Module:
+        return self._module_ref()
+
+    @property
+    def _slots(self) -> tuple:
+        """(owner, key) of each tensor (_group_slots)."""
+        return tuple((o(), k) for o, k in self._slot_refs)
 
     def routed_experts(self, args, kwargs) -> List[int]:
         """The experts this call reads (its routing ids), when fewer than all of them may
@@ -326,8 +368,8 @@ class _GroupForward(_RefusesCopy):
 
     def slot_index(self, owner: nn.Module, key: str) -> int:
         """The index of `owner`'s tensor `key` among the group's tensors."""
-        for i, (o, k) in enumerate(self._slots):
-            if o is owner and k == key:
+        for i, (o, k) in enumerate(self._slot_refs):
+            if o() is owner and k == key:
                 return i
         raise LayerstreamError(f"streamed layer '{self._name}' holds no tensor '{key}' of that module")
 
@@ -361,8 +403,9 @@ class _GroupForward(_RefusesCopy):
         # entering again meets the check below, not a deadlock. The lock is taken
         # eagerly only (under torch.compile inside the group's operator, whose body
         # Dynamo does not trace).
+        slots = self._slots
         with self._swap_lock:
-            if any(o._parameters.get(k) is not p for (o, k), p in zip(self._slots, self._params)):
+            if any(o._parameters.get(k) is not p for (o, k), p in zip(slots, self._params)):
                 raise LayerstreamError(
                     f"the parameters of streamed layer '{self._name}' were replaced after offload(); "
                     f"layerstream streams the original ones. Copy new values in place, or call "
@@ -379,11 +422,11 @@ class _GroupForward(_RefusesCopy):
                     for slot, fn, tensors in adapters:
                         seen[slot] = fn(seen[slot], *tensors)
                     try:
-                        for (o, k), p, v in zip(self._slots, self._params, seen):
+                        for (o, k), p, v in zip(slots, self._params, seen):
                             o._parameters[k] = as_held(p, v)
                         yield views
                     finally:
-                        for (o, k), p in zip(self._slots, self._params):
+                        for (o, k), p in zip(slots, self._params):
                             o._parameters[k] = p
                 finally:
                     self._engine.release(token)

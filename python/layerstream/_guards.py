@@ -28,7 +28,10 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
     taken = []
     # (parameter name, part, owner, key): a layer's weight, or a tensor group's packed
     # parts (the name relative to `module`; the parameter is owner._parameters[key]).
-    targets = [("weight", None, module, "weight")] if parts is None else list(parts)
+    # The owner weakly: the hooks live on `module` (Note [Nothing offload() puts on a
+    # model refers back to it], _handle.py).
+    targets = [("weight", None, None, "weight")] if parts is None else [
+        (pname, part, weakref.ref(owner), pkey) for pname, part, owner, pkey in parts]
 
     def pre(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
             error_msgs):
@@ -43,7 +46,7 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
                     engine.requantize(index, value)
                 else:
                     engine.requantize_part(index, part, value)
-                    torch.autograd.graph.increment_version(owner._parameters[pkey])  # see _PackedWeight
+                    torch.autograd.graph.increment_version(owner()._parameters[pkey])  # see _PackedWeight
             except LayerstreamError as e:
                 error_msgs.append(f'While loading "{key}" into a quantized streamed layer: {e}')
 
@@ -71,18 +74,20 @@ class ResidentQuantized:
     __slots__ = ("_entries", "_hooks")
 
     def __init__(self):
-        # the layer's module (a tensor group's too) -> [[owner, key, param, version, rows, fmt, dequant dtype], ...]
-        self._entries = {}
+        # The layer's module (a tensor group's too) -> [[owner, key, param, version, rows, fmt,
+        # dequant dtype], ...]; modules and owners weakly: the modules' hooks hold this object
+        # (Note [Nothing offload() puts on a model refers back to it], _handle.py).
+        self._entries = weakref.WeakKeyDictionary()
         self._hooks = []
 
     def add(self, module: nn.Module, owner: nn.Module, key: str, rows: int, fmt: str, dequant_dtype) -> None:
-        self._entries.setdefault(module, []).append([owner, key, None, -1, rows, fmt, dequant_dtype])
+        self._entries.setdefault(module, []).append([weakref.ref(owner), key, None, -1, rows, fmt, dequant_dtype])
 
     def arm(self) -> None:
         """After offload() wrote the values: their versions are the quantized ones."""
         for module, entries in self._entries.items():
             for e in entries:
-                e[2] = e[0]._parameters[e[1]]
+                e[2] = e[0]()._parameters[e[1]]
                 e[3] = e[2]._version
             # (A module's load_state_dict post-hook runs after its children's loads.)
             self._hooks += [module.register_load_state_dict_post_hook(lambda m, keys: self.refresh(m)),
@@ -95,7 +100,7 @@ class ResidentQuantized:
     def refresh(self, module: nn.Module) -> None:
         for e in self._entries.get(module, ()):
             owner, key, param, version, rows, fmt, dequant_dtype = e
-            p = owner._parameters.get(key)
+            p = owner()._parameters.get(key)
             if p is None or (p is param and p._version == version):
                 continue
             with torch.no_grad():
@@ -105,7 +110,7 @@ class ResidentQuantized:
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
-        self._hooks, self._entries = [], {}
+        self._hooks, self._entries = [], weakref.WeakKeyDictionary()
 
 
 class _StreamedApply:
@@ -120,7 +125,7 @@ class _StreamedApply:
     Other parameters, buffers and children of the module (rare on a Linear/conv)
     are converted as usual."""
 
-    __slots__ = ("_module", "_compute", "_name", "_verdicts", "_keys", "_remedy")
+    __slots__ = ("_module_ref", "_compute", "_name", "_verdicts", "_keys", "_remedy")
 
     # What the refusal tells offload() users to do instead.
     OFFLOAD_REMEDY = ("Convert the model before offload(), or call handle.detach() first (to free "
@@ -131,10 +136,16 @@ class _StreamedApply:
 
     def __init__(self, module: nn.Module, compute_device: torch.device, name: str,
                  keys: Sequence[str] = ("weight", "bias"), remedy: str = OFFLOAD_REMEDY):
-        self._module, self._compute, self._name = module, compute_device, name
+        # Weakly: this object is an attribute of the module (Note [Nothing offload() puts on
+        # a model refers back to it], _handle.py).
+        self._module_ref, self._compute, self._name = weakref.ref(module), compute_device, name
         self._verdicts = None  # dtype -> allowed, shared by _RootApply during one conversion
         self._keys = tuple(keys)  # the streamed parameters (a tensor group: all of them)
         self._remedy = remedy  # layerstream.compat names its own ways out
+
+    @property
+    def _module(self) -> nn.Module:
+        return self._module_ref()
 
     def _allowed(self, fn, dtype: torch.dtype) -> bool:
         if self._verdicts is not None:
@@ -202,10 +213,16 @@ class _RootApply:
     before any part of the model changed, then converts as nn.Module does (the
     streamed layers' own _StreamedApply keeps their weights as they are)."""
 
-    __slots__ = ("_model", "_layers")
+    __slots__ = ("_model_ref", "_layers")
 
     def __init__(self, model: nn.Module, layers: list):
-        self._model, self._layers = model, layers
+        # The model weakly, as its layers' _StreamedApply do theirs (Note [Nothing offload()
+        # puts on a model refers back to it], _handle.py).
+        self._model_ref, self._layers = weakref.ref(model), layers
+
+    @property
+    def _model(self) -> nn.Module:
+        return self._model_ref()
 
     def __deepcopy__(self, memo):
         # A copy of a part of the model (copy.deepcopy(model.blocks[0])) is a plain
@@ -242,10 +259,16 @@ class _NoToEmpty:
     refused here, before anything changes. To the meta device it is the class's own
     method, which the conversion checks refuse as they refuse ``model.to("meta")``."""
 
-    __slots__ = ("_module", "_name")
+    __slots__ = ("_module_ref", "_name")
 
     def __init__(self, module: nn.Module, name: Optional[str]):
-        self._module, self._name = module, name  # name None: a plain copy's, which refuses nothing
+        # name None: a plain copy's, which refuses nothing. The module weakly: this object is
+        # its attribute (Note [Nothing offload() puts on a model refers back to it], _handle.py).
+        self._module_ref, self._name = weakref.ref(module), name
+
+    @property
+    def _module(self) -> nn.Module:
+        return self._module_ref()
 
     def __deepcopy__(self, memo):
         # A copy of the model is a plain module (as _RootApply's copy checks nothing).
@@ -276,8 +299,8 @@ def install_subtree_checks(root: nn.Module, layers) -> list:
     refused. Modules with an _apply of their own (streamed ones) are left alone. And a
     _NoToEmpty on those modules, the root and the streamed modules. And the streamed
     parameters' host bytes to the sharing check (_NoSharing). Returns what it
-    installed, (module, attribute, object) and the _NoSharing (remove_subtree_checks
-    removes them)."""
+    installed, (weak reference to the module, attribute, object) and the _NoSharing
+    (remove_subtree_checks removes them)."""
     below = {}
     for name, applies in layers:
         parts = name.split(".") if name else []
@@ -289,7 +312,7 @@ def install_subtree_checks(root: nn.Module, layers) -> list:
         if "_apply" in module.__dict__:
             continue
         module._apply = _RootApply(module, applies)
-        installed.append((module, "_apply", module._apply))
+        installed.append((weakref.ref(module), "_apply", module._apply))
     guarded = set()
     for name in [""] + list(below) + [name for name, _ in layers]:
         module = root.get_submodule(name)
@@ -297,7 +320,7 @@ def install_subtree_checks(root: nn.Module, layers) -> list:
             continue
         guarded.add(id(module))
         module.to_empty = _NoToEmpty(module, f"'{name}'" if name else "the offloaded model")
-        installed.append((module, "to_empty", module.to_empty))
+        installed.append((weakref.ref(module), "to_empty", module.to_empty))
     installed.append(_NoSharing(layers))
     return installed
 
@@ -307,8 +330,8 @@ def remove_subtree_checks(installed: list) -> None:
         if isinstance(entry, _NoSharing):
             entry.end()
             continue
-        module, attr, obj = entry
-        if module.__dict__.get(attr) is obj:
+        module, attr, obj = entry[0](), entry[1], entry[2]
+        if module is not None and module.__dict__.get(attr) is obj:
             del module.__dict__[attr]
 
 

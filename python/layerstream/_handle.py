@@ -27,15 +27,30 @@ from ._wrappers import forward_restore, put_forward_back
 LayerstreamError = _C.LayerstreamError
 
 
+# Note [Nothing offload() puts on a model refers back to it]
+# A model is freed by reference counting when its last reference goes (del model), as a
+# resident one is: its engine with it (the engine's threads end, its host store, gradient
+# staging and device slots are freed). A reference cycle through the model would keep all
+# of that until Python's cyclic garbage collector happened to run (a sweep over models
+# kept each one's 4 threads and host copy; on a GPU, its slots), so the references run one
+# way: the model and its modules hold what offload() installed on them (forwards, _apply,
+# to_empty, hooks, the handle in the layers' _layerstream_handle, and through those the
+# engine), and nothing of that holds a module strongly: the installed objects, the handle
+# and its records (_Attached) reach the modules through weak references. So a model kept
+# keeps its handle and engine (offload(model) on its own line streams on), and a handle
+# kept while the model is dropped keeps the engine (its stats()), not the model; its
+# detach() then restores what is left (the engine lets go of its weights).
 class _Attached:
-    """What offload() changed on one module, to undo it in detach()."""
+    """What offload() changed on one module, to undo it in detach(). The modules weakly
+    (Note [Nothing offload() puts on a model refers back to it])."""
 
-    __slots__ = ("name", "module", "kind", "index", "had_forward", "old_forward", "devices",
-                 "prequantized", "bnb_stats", "hooks", "strides", "packed_parts", "owners", "forward", "dequant")
+    __slots__ = ("name", "_module", "kind", "index", "had_forward", "old_forward", "devices",
+                 "prequantized", "bnb_stats", "hooks", "strides", "_packed_parts", "_owners", "forward", "dequant")
 
     def __init__(self, name, module, kind, index, had_forward, old_forward, devices,
                  prequantized=False, bnb_stats=None, hooks=(), strides=None):
-        self.name, self.module, self.kind, self.index = name, module, kind, index
+        self.name, self.kind, self.index = name, kind, index
+        self._module = weakref.ref(module)
         self.had_forward, self.old_forward, self.devices = had_forward, old_forward, devices
         self.prequantized = prequantized
         self.bnb_stats = bnb_stats
@@ -46,16 +61,36 @@ class _Attached:
         self.strides = strides
         # A tensor group quantized by offload(): (parameter name, part, owner module, key)
         # of its packed tensors (the name relative to the module: "out_proj.weight").
-        self.packed_parts = []
+        self._packed_parts = []
         # Other modules that own some of a tensor group's parameters (an attention's
-        # out_proj): they got a _StreamedApply too.
-        self.owners = []
+        # out_proj): they got a _StreamedApply too (add_owner).
+        self._owners = []
         # The forward offload() installed on the module (_StreamedForward, _GroupForward);
         # None until then, and for an embedding subclass (its class is swapped instead).
         self.forward = None
         # Quantized by offload() with a dequant_dtype: the dtype the layer computes with
         # (a tensor group: part -> it); detach() gives those values (_restored_weights).
         self.dequant = None
+
+    @property
+    def module(self) -> Optional[nn.Module]:
+        """The module (None once it was freed)."""
+        return self._module()
+
+    @property
+    def owners(self) -> List[nn.Module]:
+        return [o for o in (r() for r in self._owners) if o is not None]
+
+    def add_owner(self, owner: nn.Module) -> None:
+        self._owners.append(weakref.ref(owner))
+
+    @property
+    def packed_parts(self) -> list:
+        return [(qn, part, o(), k) for qn, part, o, k in self._packed_parts]
+
+    @packed_parts.setter
+    def packed_parts(self, parts: list) -> None:
+        self._packed_parts = [(qn, part, weakref.ref(o), k) for qn, part, o, k in parts]
 
 
 def _as_computed(w: torch.Tensor, dequant: Optional[torch.dtype], strides: Optional[tuple]) -> torch.Tensor:
@@ -70,6 +105,11 @@ def _as_computed(w: torch.Tensor, dequant: Optional[torch.dtype], strides: Optio
     return w
 
 
+def _weakly(key: str) -> property:
+    """A Handle attribute that holds a module weakly (Handle._ref)."""
+    return property(lambda self: self._ref(key), lambda self, module: self._set_ref(key, module))
+
+
 class Handle(_RefusesCopy):
     """The result of offload(): statistics, synchronisation and detach."""
 
@@ -77,13 +117,17 @@ class Handle(_RefusesCopy):
         self._engine = engine
         self._attached = attached
         self._plan = plan  # the planner's decision when offload() had a budget
+        self._tied_tables = {}  # a table's layer index -> the streamed layers sharing its weight (_note_tied_tables)
+        # The modules weakly (Note [Nothing offload() puts on a model refers back to it]):
+        # _root, _model, _group_model and _ddp_model are properties over these.
+        self._refs = {}
         self._root = None  # the model, when offload() installed a _RootApply on it
         self._subtree_checks = []  # modules between it and the streamed ones (guards.install_subtree_checks)
-        # (module, value) of the nn.TransformerEncoderLayer whose fused inference path
-        # offload() turned off (_no_fused_encoder_path), to restore in detach().
+        # (weak reference to the module, value) of the nn.TransformerEncoderLayer whose fused
+        # inference path offload() turned off (_no_fused_encoder_path), to restore in detach().
         self._fused_off = []
-        # Modules whose class offload() swapped so that their `device` property reports
-        # the compute device (_report_compute_device), to restore in detach().
+        # Weak references to the modules whose class offload() swapped so that their `device`
+        # property reports the compute device (_report_compute_device), to restore in detach().
         self._device_reported = []
         # core/host_tier.h's plan (store, disk and staging bytes, budgets) when offload()
         # had a host or pinned budget, or weights still in their file; else None.
@@ -114,6 +158,18 @@ class Handle(_RefusesCopy):
         # suspend(): what it moved to host memory, to move back in resume(), and the
         # forward pre-hook that refuses calls meanwhile; None when not suspended.
         self._suspended = None
+
+    def _ref(self, key: str) -> Optional[nn.Module]:
+        ref = self._refs.get(key)
+        return None if ref is None else ref()
+
+    def _set_ref(self, key: str, module: Optional[nn.Module]) -> None:
+        self._refs[key] = None if module is None else weakref.ref(module)
+
+    _root = _weakly("root")
+    _model = _weakly("model")
+    _group_model = _weakly("group_model")
+    _ddp_model = _weakly("ddp_model")
 
     # -- state --------------------------------------------------------------
     def _check(self):
@@ -158,8 +214,9 @@ class Handle(_RefusesCopy):
         from ._distributed import SyncHook
         self._group, self._group_model = group, model
         streamed = self._call_hook.streamed  # ids of the streamed parameters
+        ref = weakref.ref(model)  # the hook is the model's (Note [Nothing offload() puts on a model refers back to it])
         self._sync_hook = SyncHook(self._engine, group, lambda: any(
-            p.requires_grad for p in model.parameters() if id(p) in streamed))
+            p.requires_grad for p in ref().parameters() if id(p) in streamed))
         self._group_hook = model.register_forward_pre_hook(self._sync_hook)
         for a in self._attached:
             if a.kind == "group":
@@ -202,8 +259,7 @@ class Handle(_RefusesCopy):
             return self._plan["explain"]
 
         def sharing(t):  # the streamed layers that read the table's weight (a tied head)
-            return [a.name or "<root>" for a in self._attached
-                    if a is not t and a.module._parameters.get("weight") is t.module.weight]
+            return self._tied_tables.get(t.index, [])
 
         def describe(t):
             tied = sharing(t)
@@ -222,6 +278,18 @@ class Handle(_RefusesCopy):
                                                          for n, h in held.items()))
         return self._plan["explain"].rstrip("\n") + "\nembedding tables:         " + "; ".join(parts) + "\n"
 
+    def _note_tied_tables(self) -> None:
+        """offload(), once attached: which streamed layers read each table's weight (a tied
+        head), for the plan; noted while the modules are there (the handle does not keep
+        them: Note [Nothing offload() puts on a model refers back to it])."""
+        for t in self._attached:
+            if t.kind == "embedding":
+                weight = t.module.weight
+                tied = [a.name or "<root>" for a in self._attached
+                        if a is not t and a.module._parameters.get("weight") is weight]
+                if tied:
+                    self._tied_tables[t.index] = tied
+
     def stats(self) -> Dict[str, float]:
         """Counters since offload(): peak_device_bytes (streaming slots plus the
         weights the planner kept resident), device_bytes (the streaming slots now:
@@ -238,10 +306,10 @@ class Handle(_RefusesCopy):
         return s
 
     def step_stats(self) -> List[Dict[str, float]]:
-        """Per completed step: h2d_bytes, d2h_bytes, stall_seconds (time compute
-        waited for weights), overlap_fraction (share of copy time hidden behind
-        compute; needs trace=True, else NaN), peak_device_bytes, slot
-        utilisation (max_slots_held / slots), hits, misses."""
+        """Per completed step, the most recent 4096 (older ones are dropped): h2d_bytes,
+        d2h_bytes, stall_seconds (time compute waited for weights), overlap_fraction
+        (share of copy time hidden behind compute; needs trace=True, else NaN),
+        peak_device_bytes, slot utilisation (max_slots_held / slots), hits, misses."""
         engine = self._check()
         total = self.stats()
         out = []
@@ -389,7 +457,9 @@ class Handle(_RefusesCopy):
         # refusals do). How each forward goes back (a wrapper installed since: Note [A
         # wrapper installed over a streamed forward]), and the weights rebuilt from the
         # host store.
-        forwards = [forward_restore(a) for a in self._attached]
+        # (A layer whose module was freed meanwhile has nothing to restore: Note [Nothing
+        # offload() puts on a model refers back to it].)
+        forwards = [forward_restore(a) if a.module is not None else None for a in self._attached]
         restored = self._restored_weights(engine)
         if self._suspended is not None:  # the resident parts back; no slots for detach
             self._move_back()
@@ -448,11 +518,12 @@ class Handle(_RefusesCopy):
 
     def _unfuse_off(self) -> None:
         for layer, value in self._fused_off:
-            layer.activation_relu_or_gelu = value
+            if layer() is not None:
+                layer().activation_relu_or_gelu = value
         self._fused_off = []
 
     def _unreport_device(self) -> None:
-        for m in self._device_reported:
+        for m in filter(None, (ref() for ref in self._device_reported)):
             m.__class__ = type(m).__dict__["_layerstream_reports_device_of"]
             m.__dict__.pop("_layerstream_device", None)
         self._device_reported = []
@@ -469,6 +540,8 @@ class Handle(_RefusesCopy):
         format's error bound), in the strides the weight had (e.g. channels_last)."""
         out = {}
         for a in self._attached:
+            if a.module is None:
+                continue  # freed: nothing to give it back to
             if a.bnb_stats is not None:
                 import bitsandbytes as bnb
                 from ._prequant import _BNB_STORAGE
@@ -516,6 +589,9 @@ def _each(steps: list) -> None:
 def _restore_layer(a: _Attached, value, restore) -> None:
     """detach() on one layer: its weight as `value` gave it back (None: the parameter it
     kept), its forward as `restore` (forward_restore) says, offload()'s marks gone."""
+    if a.module is None:  # freed (Note [Nothing offload() puts on a model refers back to it])
+        a.forward = None
+        return
     if value is None:
         pass
     elif a.bnb_stats is not None:
@@ -807,18 +883,19 @@ class _AddedTensorsFollow:
 
     def __init__(self, model: nn.Module, handle: "Handle", skip_modules: set, skip_params: set,
                  device: torch.device):
-        self._model, self._handle = model, weakref.ref(handle)
+        # The model weakly: this object is its hook's (Note [Nothing offload() puts on a model refers back to it]).
+        self._model, self._handle = weakref.ref(model), weakref.ref(handle)
         self._skip_modules, self._skip_params, self._device = skip_modules, skip_params, device
         self._seen = _REGISTERED[0]
 
     def __call__(self):
         if _REGISTERED[0] == self._seen:
             return
-        handle = self._handle()
-        if handle is None or handle.suspended:
+        handle, model = self._handle(), self._model()
+        if handle is None or model is None or handle.suspended:
             return
         self._seen = _REGISTERED[0]
-        for module, kind, name in _added_tensors(self._model, self._skip_modules, self._skip_params, self._device):
+        for module, kind, name in _added_tensors(model, self._skip_modules, self._skip_params, self._device):
             _move_to(module, kind, name, self._device)
 
 
@@ -873,7 +950,9 @@ def _moved_off(model: nn.Module, device: torch.device, move, moved: list) -> lis
                 if id(b) not in done:
                     done[id(b)] = move(b)
                 module._buffers[name] = done[id(b)]
-                moved.append((done[id(b)], module, name, device))
+                # The module weakly: the handle keeps this while suspended (Note [Nothing
+                # offload() puts on a model refers back to it]).
+                moved.append((done[id(b)], weakref.ref(module), name, device))
     return moved
 
 
@@ -888,7 +967,8 @@ def _move_back(moved: list) -> None:
                 t.data = t.data.to(device)
                 if t.grad is not None and t.grad.device.type == "cpu":
                     t.grad = t.grad.to(device)
-            elif module._buffers.get(name) is t:
+            elif module() is not None and module()._buffers.get(name) is t:
+                module = module()
                 if id(t) not in done:
                     done[id(t)] = t.to(device)
                 module._buffers[name] = done[id(t)]

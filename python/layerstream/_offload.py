@@ -7,6 +7,7 @@ import functools
 import inspect
 import os
 import warnings
+import weakref
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
@@ -16,7 +17,7 @@ from . import _C
 from ._discovery import (_WHOLE_GROUPS, _check_no_meta, _check_no_self_overlap, _check_no_shared_storage,
                          _conv_args, _discover, _group_slots, _split_tied, _warn_unmatched,
                          check_no_group_offloading, layerwise_casting, unmark_groups)
-from ._forward import _GroupForward, _PlainCopy, _StreamedForward, _with_streamed_lookup
+from ._forward import _GroupForward, _OwnForward, _PlainCopy, _StreamedForward, _with_streamed_lookup
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load, install_subtree_checks
@@ -578,6 +579,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
 def _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group) -> None:
     """The rest of step 3, once every layer is attached: the modules' marks and hooks,
     the model's device and moves, the resident weights on the compute device, DDP."""
+    handle._note_tied_tables()
     for a in attached:
         a.module._layerstream_handle = handle
         a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module
@@ -625,7 +627,7 @@ def _no_fused_encoder_path(model: nn.Module, attached, undo: list) -> None:
     for m in model.modules():
         if (isinstance(m, nn.TransformerEncoderLayer) and getattr(m, "activation_relu_or_gelu", 0)
                 and any(id(getattr(m, n, None)) in streamed for n in ("self_attn", "linear1", "linear2"))):
-            undo.append((m, m.activation_relu_or_gelu))
+            undo.append((weakref.ref(m), m.activation_relu_or_gelu))
             m.activation_relu_or_gelu = 0
 
 
@@ -660,7 +662,7 @@ def _report_compute_device(model: nn.Module, streamed_params: set, compute_devic
                                    "model (its streamed weights are in host memory)")})
         m.__dict__["_layerstream_device"] = compute_device
         m.__class__ = _DEVICE_CLASSES[cls]
-        undo.append(m)
+        undo.append(weakref.ref(m))
 
 
 def _attach_layers(model, engine, layers, resident_names, attached, streamed_params, compute_device,
@@ -744,7 +746,7 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
             full = ".".join(x for x in (name, sub) if x) or "<root>"
             owner._apply = _StreamedApply(owner, compute_device, full, keys)
             if owner is not module:
-                a.owners.append(owner)
+                a.add_owner(owner)
         for p in params:
             p._is_memory_managed = True
             streamed_params.add(id(p))
@@ -819,7 +821,7 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
         # A subclass that looks up through super().forward: its own forward stays
         # and reaches the streamed lookup (see _lookup_through_super).
         module.__dict__["_layerstream_lookup"] = _StreamedForward(
-            engine, index, kind, functools.partial(nn.Embedding.forward, module), module, name)
+            engine, index, kind, _OwnForward(nn.Embedding.forward, module), module, name)
         module.__class__ = _with_streamed_lookup(type(module))
     else:
         module.forward = _StreamedForward(engine, index, kind, old_forward or module.forward,

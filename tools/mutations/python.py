@@ -934,4 +934,11 @@ MUTATIONS = [
         [P + "test_resume_order.py::test_torch_save_of_an_offloaded_model_says_that_the_file_it_writes_is_lost"],
         "torch.save(model, path) of an offloaded model is refused after torch.save truncated `path`, and the "
         "message does not say that the checkpoint there is lost"),
+    Mutation(
+        "root-apply-holds-its-model", "python/layerstream/_guards.py",
+        "        self._model_ref, self._layers = weakref.ref(model), layers\n",
+        "        self._model_ref, self._layers = (lambda: model), layers\n",
+        [P + "test_del_frees.py"],
+        "the _apply offload() installs on the model holds it strongly: a dropped model, its optimizer and "
+        "handle keep the engine (4 threads, host store, device slots) until the cyclic collector runs"),
 ]

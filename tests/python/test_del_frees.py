@@ -1,0 +1,167 @@
+"""An offloaded model is freed by reference counting, as a resident one is: Note [Nothing
+offload() puts on a model refers back to it] (_handle.py). Every test runs with Python's
+cyclic garbage collector off, so only reference counting frees anything."""
+import contextlib
+import copy
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import layerstream
+
+
+@contextlib.contextmanager
+def _no_gc():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _threads() -> int:
+    """The process's threads (the engine's C++ ones too)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+
+
+class Block(nn.Module):
+    """An embedding table, an attention (a tensor group) and Linears."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(50, d)
+        self.att = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.l2(torch.relu(self.l1(self.att(x, x, x, need_weights=False)[0])))
+
+
+def _model(kind):
+    if kind == "block":
+        return Block(), torch.randint(0, 50, (2, 5))
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    return model, torch.randn(3, 64)
+
+
+# (model, offload options): the planner keeps some layers resident and streams the others;
+# the tensor groups, the table, quantized layers (a resident one too), saved activations.
+CASES = {
+    "linears": ("linears", dict(budget="60KiB", prefetch=1)),
+    "groups-and-table": ("block", {}),
+    "quantized": ("linears", dict(budget="60KiB", quantize="int8")),
+    "activations": ("linears", dict(activations="host")),
+}
+
+
+def _train(model, x, steps=3):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.1) if trainable else None
+    outs = []
+    for _ in range(steps):
+        out = model(x)
+        outs.append(out.detach().clone())
+        if opt is not None:
+            out.pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return opt, outs
+
+
+@needs_proc
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dropping_the_model_its_optimizer_and_handle_frees_the_engine_without_gc(case):
+    """Before, the model referred to itself through what offload() installs on it (its
+    _RootApply and _NoToEmpty, the call hooks' _AddedTensorsFollow, the layers' forwards
+    and records): `del model, opt, handle` freed nothing until the cyclic collector ran,
+    so each model kept its engine's 4 threads, its host store and gradient staging (on a
+    GPU, its device slots): a sweep over 30 models held 91 threads."""
+    kind, options = CASES[case]
+    model, x = _model(kind)
+    if options.get("quantize"):
+        model.requires_grad_(False)  # quantized weights are frozen
+    ref = copy.deepcopy(model)
+    _, expected = _train(ref, x)  # the resident run first: torch's threads are up before counting
+    with _no_gc():
+        before = _threads()
+        handle = layerstream.offload(model, device="sim", **options)
+        opt, outs = _train(model, x)
+        if not options.get("quantize"):
+            for a, b in zip(outs, expected):
+                assert torch.equal(a, b)
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p.detach(), q.detach()), n
+        assert handle.ordering_errors() == []
+        assert _threads() > before  # the engine's
+        gone = [weakref.ref(o) for o in (model, handle, handle._engine)]
+        del model, opt, handle, outs
+        assert [r() is None for r in gone] == [True] * 3
+        assert _threads() == before
+
+
+@needs_proc
+def test_a_model_whose_handle_was_not_kept_is_freed_with_it():
+    """offload(model) on its own line (the handle reachable from the layers'
+    _layerstream_handle): dropping the model and its optimizer freed nothing until the
+    cyclic collector ran."""
+    model, x = _model("linears")
+    with _no_gc():
+        before = _threads()
+        layerstream.offload(model, device="sim", budget="60KiB", prefetch=1)
+        opt, _ = _train(model, x)
+        streamed = next(m for m in model if "_layerstream_handle" in m.__dict__)
+        engine = weakref.ref(streamed._layerstream_handle._engine)
+        del streamed
+        del model, opt
+        assert engine() is None
+        assert _threads() == before
+
+
+def test_a_model_kept_without_its_handle_keeps_streaming_and_can_be_detached():
+    """The model keeps its handle and engine: dropping the handle (and collecting
+    whatever is garbage) changes nothing; the handle is still reachable from the layers."""
+    model, x = _model("block")
+    ref = copy.deepcopy(model)
+    with _no_gc():
+        handle = layerstream.offload(model, device="sim")
+        engine = weakref.ref(handle._engine)
+        del handle
+        gc.collect()
+        assert engine() is not None
+        _, outs = _train(model, x)
+        _, expected = _train(ref, x)
+        for a, b in zip(outs, expected):
+            assert torch.equal(a, b)
+        model.l1._layerstream_handle.detach()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.detach(), q.detach()), n
+        assert "forward" not in model.l1.__dict__ and "_apply" not in model.__dict__
+        del model
+        assert engine() is None
+
+
+def test_a_handle_kept_without_its_model_keeps_the_engine_until_detach():
+    """The handle holds the engine, not the model: the model goes when dropped; the
+    handle's stats() still answer, and its detach() lets the engine go."""
+    model, x = _model("linears")
+    with _no_gc():
+        handle = layerstream.offload(model, device="sim", budget="60KiB", prefetch=1)
+        _train(model, x)
+        steps = handle.stats()["steps"]
+        gone = weakref.ref(model)
+        del model
+        assert gone() is None
+        assert handle.stats()["steps"] == steps and handle.plan is not None
+        engine = weakref.ref(handle._engine)
+        handle.detach()
+        assert engine() is None
