@@ -600,7 +600,7 @@ class Engine {
   // step), and must not compute with the engine. After it returns, a weight
   // streamed lossless-coded that it changed is re-coded on that thread.
   // Once a backward queued a layer for the hook, a call of any layer outside
-  // a backward throws until a hook is set or removed again (the hook may be
+  // a backward waits until the jobs queued so far have run (the hook may be
   // writing the weights it would read). Empty: off.
   using GradReadyHook = std::function<void(int layer)>;
   virtual void set_grad_ready_hook(GradReadyHook hook) = 0;
@@ -611,7 +611,10 @@ class Engine {
   // host tensors in the parameters' shape and dtype (undefined: none),
   // views of the engine's staging buffers, readable during the call only --
   // and takes over their accumulation (what the hook does with .grad is its
-  // business; the engine never adds them). Other layers are applied to
+  // business; the engine never adds them). Once a backward queued a layer
+  // for it, a call of any layer outside a backward throws until a hook is
+  // set or removed again (it is an optimizer step: the call would read
+  // weights partly stepped). Other layers are applied to
   // .grad first and get hook(layer, nullptr), as set_grad_ready_hook's.
   // The hook takes over every landed gradient of the layer, its parameters'
   // that it does not step too (AdamWOverlap puts those in .grad). One hook at

@@ -62,21 +62,26 @@ void EngineImpl::queue_if_ready_locked(int layer_index, LayerInfo& l) {
 }
 
 // Note [No call between an overlapped backward and its step]: once a backward
-// handed layers to the hook (an overlapped optimizer step), their host
-// weights are being written on the hook's thread until the step's scope ends.
-// A call of any layer of this engine before then (a second forward inside the
-// overlap block, a validation pass under no_grad) would copy weights some of
-// which are stepped, some half-stepped and some not (resident parameters are
-// stepped only by step()): numbers no resident model computes, and a copy
-// racing a write. Refused at the call, before anything is read. Calls inside
-// a backward (a checkpoint's recomputation) run before their layers' own
-// gradients land, and are the backward's business.
-void EngineImpl::check_no_step_in_flight(const LayerInfo& l) const {
+// handed layers to the hook, their host weights may be written on the hook's
+// thread. A consuming hook is an overlapped optimizer step (AdamWOverlap,
+// AdafactorOverlap): a call of any layer of this engine before its scope ends
+// (a second forward inside the overlap block, a validation pass under
+// no_grad) would copy weights some of which are stepped, some half-stepped
+// and some not (resident parameters are stepped only by step()): numbers no
+// resident model computes, and a copy racing a write. Refused at the call,
+// before anything is read. A plain ready hook (C++ only: a monitor, or a step
+// of the caller's own) is waited for instead: the call reads what its jobs
+// left. Calls inside a backward (a checkpoint's recomputation) run before
+// their layers' own gradients land, and are the backward's business.
+void EngineImpl::check_no_step_in_flight(const LayerInfo& l) {
   if (gr_jobs_.load(std::memory_order_relaxed) == 0 || torch::autograd::get_current_graph_task_id() != -1) return;
-  LS_FAIL("layer '", l.name, "' was called after a backward inside an overlapped optimizer step's block "
-          "(opt.overlap(handle)): that backward's layers are being stepped meanwhile, so the call would read "
-          "weights partly updated. Call the model before the backward or after the block (and step()); with "
-          "gradient accumulation, run the earlier micro-batches' forward and backward before the block.");
+  std::unique_lock<std::mutex> lock(gr_mu_);
+  if (!gr_hook_) return;
+  LS_CHECK(!gr_consume_, "layer '", l.name, "' was called after a backward inside an overlapped optimizer step's "
+           "block (opt.overlap(handle)): that backward's layers are being stepped meanwhile, so the call would read "
+           "weights partly updated. Call the model before the backward or after the block (and step()); with "
+           "gradient accumulation, run the earlier micro-batches' forward and backward before the block.");
+  gr_idle_cv_.wait(lock, [&] { return gr_queue_.empty() && !gr_busy_; });  // errors stay for wait_grad_ready()
 }
 
 void EngineImpl::set_grad_ready_hook(GradReadyHook hook) {

@@ -246,10 +246,11 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // At the end of backward `task`: the forward uses of the layers it staged
   // count from zero again.
   void reset_forward_uses_locked(int task);
-  // Refuses a call of `l` outside any backward after a backward landed
-  // gradients for the hook set now: its layers may be stepping (Note [No call
-  // between an overlapped backward and its step], engine_grad_ready.cpp).
-  void check_no_step_in_flight(const LayerInfo& l) const;
+  // A call of `l` outside any backward after a backward queued layers for the
+  // hook set now: refused under a consuming hook (an overlapped step), else
+  // waits for the queued jobs (Note [No call between an overlapped backward
+  // and its step], engine_grad_ready.cpp).
+  void check_no_step_in_flight(const LayerInfo& l);
   // Stops the hook's thread (destructor).
   void stop_grad_ready();
   uint64_t id() const override { return id_; }
