@@ -934,4 +934,11 @@ MUTATIONS = [
         [P + "test_resume_order.py::test_torch_save_of_an_offloaded_model_says_that_the_file_it_writes_is_lost"],
         "torch.save(model, path) of an offloaded model is refused after torch.save truncated `path`, and the "
         "message does not say that the checkpoint there is lost"),
+    Mutation(
+        "activation-scope-shared-by-threads", "python/layerstream/_activations.py",
+        "class _Scope(threading.local):",
+        "class _Scope:",
+        [P + "test_activation_hooks.py::test_a_call_beginning_as_another_thread_s_call_ends_opens_its_own_scope"],
+        "one activation scope depth for all threads: a call beginning as another thread's ends is not offloaded, "
+        "and leaves that thread's saved-tensor hooks (torch's INTERNAL ASSERT, a thread offloading for good)"),
 ]
