@@ -120,6 +120,7 @@ class ActivationOffload:
         self.engine, self.device_budget = engine, device_budget
         self._scope = _Scope()
         self._held = set()  # storages of the model's parameters and buffers, at the newest call
+        self._root = self._forward = None  # the model and the forward install() set on it
 
     def pack(self, t: torch.Tensor):
         # Held by the model anyway (a resident weight, or a view of it such as the
@@ -221,13 +222,33 @@ class ActivationOffload:
                           "that one is closed", RuntimeWarning, stacklevel=3)
 
     def remove(self) -> None:
-        """As a hook handle: detach() closes a scope left open (close())."""
+        """As a hook handle: detach() takes back the forward install() set and closes a
+        scope left open (close())."""
         self.close()
+        root, self._root = self._root, None
+        if root is not None and root.__dict__.get("forward") is self._forward:
+            del root.__dict__["forward"]
+        self._forward = None
 
     def install(self, model: nn.Module) -> List:
-        """The hook handles, and this object as one (removed by Handle.detach())."""
-        return [model.register_forward_pre_hook(self._enter),
-                model.register_forward_hook(self._exit, always_call=True), self]
+        """The hook handles, and this object as one (removed by Handle.detach()).
+
+        Note [Compiled before offload]
+        torch.compile does not guard on a module's hooks (torch._dynamo.config.
+        skip_nnmodule_hook_guards): a model compiled before offload() (or another
+        model of its class compiled first: the graphs are per class) kept its graph
+        without our hooks, and its compiled calls offloaded nothing. Dynamo does guard
+        on whether the model's __dict__ holds "forward" (nn.Module's call reads
+        self.forward), so the model's own bound forward is put there: every graph made
+        before no longer matches, and the model is traced again with its hooks.
+        detach() takes it back. A forward already there (a streamed root layer's, a
+        wrapper's) is left as it is: Dynamo traces such a model again anyway."""
+        handles = [model.register_forward_pre_hook(self._enter),
+                   model.register_forward_hook(self._exit, always_call=True), self]
+        if "forward" not in model.__dict__:
+            self._root, self._forward = model, model.forward
+            model.__dict__["forward"] = self._forward
+        return handles
 
 
 def parse_activations(value, parse_bytes) -> int:

@@ -3,6 +3,7 @@ what torch.compile sees of them, and which thread's scope they open and close.""
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 
 import pytest
@@ -24,6 +25,10 @@ def _mlp(width=256):
                          nn.Linear(width, 8))
 
 
+def _wrapped(forward, *args, **kwargs):
+    return forward(*args, **kwargs)
+
+
 def _plain_saves_offloaded(handle) -> bool:
     """Whether a plain tensor op on this thread, outside any model, sends its saved
     tensor (256 KiB) to `handle`'s engine: our hooks left installed on the thread."""
@@ -35,6 +40,57 @@ def _plain_saves_offloaded(handle) -> bool:
     handle.synchronize()
     del y
     return handle.stats()["activation_d2h_bytes"] != before
+
+
+@pytest.mark.parametrize("how", ["torch.compile before offload", "module.compile before offload",
+                                 "a wrapped forward compiled before offload",
+                                 "a resident model of its class compiled first"])
+def test_a_model_compiled_before_offload_offloads_its_activations(offload_sim, how):
+    """offload(activations="host") of a model compiled before it (or compiled after a
+    resident model of its class was: Dynamo's graphs are per class), every layer resident:
+    the compiled call sends its saved tensors to the host, and the numbers equal the eager
+    resident model's. Before, Dynamo kept the graph traced without our hooks (it does not
+    guard on a module's hooks: skip_nnmodule_hook_guards), so the compiled call offloaded
+    nothing (activation_d2h_bytes 0), silently; only torch._dynamo.reset() helped."""
+    torch.manual_seed(0)
+    model = _mlp()
+    ref, other = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(128, 256)
+    if how == "torch.compile before offload":
+        step = torch.compile(model, backend="aot_eager")
+        step(x).square().sum().backward()
+    elif how == "a wrapped forward compiled before offload":  # a forward offload() leaves as it is
+        model.forward = functools.partial(_wrapped, model.forward)
+        step = torch.compile(model, backend="aot_eager")
+        step(x).square().sum().backward()
+    elif how == "module.compile before offload":
+        model.compile(backend="aot_eager")
+        step = model
+        step(x).square().sum().backward()
+    else:
+        torch.compile(other, backend="aot_eager")(x).square().sum().backward()
+    model.zero_grad(set_to_none=True)
+    handle = offload_sim(model, budget="4MiB", activations="host")
+    assert "(3 resident, 0 streamed)" in handle.plan  # no streamed layer's forward retraces it
+    if how == "a resident model of its class compiled first":
+        step = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        y, yr = step(x), ref(x)
+        handle.synchronize()
+        sent = handle.stats()["activation_d2h_bytes"]
+        assert sent > 0
+        assert torch.equal(y, yr)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        assert handle.stats()["activation_h2d_bytes"] > 0
+        assert_grads_match(model, ref, exact=True)
+    if how == "a resident model of its class compiled first":
+        torch.compile(other, backend="aot_eager")(x).square().sum().backward()  # not offloaded
+        handle.synchronize()
+        assert handle.stats()["activation_d2h_bytes"] == sent
+    handle.detach()
+    assert ("forward" in model.__dict__) == (how == "a wrapped forward compiled before offload")
+    assert torch.equal(step(x), ref(x))
 
 
 def _interleaved_calls(offload_sim, monkeypatch, first_ends):

@@ -935,6 +935,13 @@ MUTATIONS = [
         "torch.save(model, path) of an offloaded model is refused after torch.save truncated `path`, and the "
         "message does not say that the checkpoint there is lost"),
     Mutation(
+        "activation-compiled-before-keeps-hookless-graph", "python/layerstream/_activations.py",
+        '            model.__dict__["forward"] = self._forward\n',
+        "",
+        [P + "test_activation_hooks.py::test_a_model_compiled_before_offload_offloads_its_activations"],
+        "a model compiled before offload(activations=...) keeps its graph without the hooks: its compiled calls "
+        "offload nothing, silently"),
+    Mutation(
         "activation-scope-shared-by-threads", "python/layerstream/_activations.py",
         "class _Scope(threading.local):",
         "class _Scope:",
