@@ -4,6 +4,7 @@ memory on the device-to-host stream, or kept on the device), and come back when 
 unpacks them (Engine.restore_activation, which also starts the next ones back)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import warnings
@@ -58,9 +59,24 @@ class _Saved:
     "torch.compile cannot trace: the graph breaks at the model's start and end (the compiled regions' "
     "saved tensors still go through the hooks). With fullgraph=True compile the model's blocks instead "
     "of the whole model, or drop fullgraph=True"))
-def _scope_outside_graphs():
-    """Marks the activation scope's hooks as eager under torch.compile (a graph break there,
-    with the reason above, instead of one inside them at a call Dynamo cannot trace)."""
+def _scope_outside_graphs(step, *args):
+    """Runs the activation scope's hooks' work (`step(*args)`) eagerly under torch.compile:
+    a graph break there, with the reason above, instead of one inside them at a call Dynamo
+    cannot trace, and the per-thread state (_Scope) read as Python reads it."""
+    step(*args)
+
+
+_DYNAMO_DIR = os.path.join("torch", "_dynamo", "")
+
+
+def _call_frame():
+    """The frame of the model's call running our hook (nn.Module's call): the first frame
+    above this module's and torch.compiler.disable's wrapper (under torch.compile the hook
+    reaches _open through it, after a graph break)."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename == __file__ or _DYNAMO_DIR in f.f_code.co_filename):
+        f = f.f_back
+    return f
 
 
 _NOT_EXPORTED = (
@@ -77,24 +93,45 @@ def _not_exported():
     raise _C.LayerstreamError(_NOT_EXPORTED)
 
 
+class _Scope(threading.local):
+    """One thread's scope (Note [One scope per thread]): its call depth, the saved-tensor
+    hooks it entered, the model's storages taken at its call, and the frame of the call
+    that opened it."""
+
+    def __init__(self):
+        self.depth, self.context, self.held, self.caller = 0, None, set(), None
+
+
 class ActivationOffload:
     """The saved-tensor hooks around the model's forward (forward pre-hook and an
-    always-called forward hook on the root module)."""
+    always-called forward hook on the root module).
+
+    Note [One scope per thread]
+    torch keeps saved-tensor hooks per thread, and so does this object: the depth and
+    the entered hooks are the calling thread's (_Scope). Calls of one model from several
+    threads take turns (Note [Calls of one offloaded model take turns]), but the turn
+    passes on in the forward hook registered before ours, so the next thread's call
+    begins before this one's _exit: with one depth for all threads it found the depth
+    at 1 and opened no scope (a call not offloaded), then left the first thread's
+    hooks on its own thread (torch's assertion that the hooks stack is not empty, and
+    a thread whose every later save went to this engine)."""
 
     def __init__(self, engine, device_budget: int):
         self.engine, self.device_budget = engine, device_budget
-        self._depth = 0
-        self._context = None
-        self._held = set()  # storages of the model's parameters and buffers, per forward
-        self._caller = None  # (thread id, frame) of the call that opened the scope
+        self._scope = _Scope()
+        self._held = set()  # storages of the model's parameters and buffers, at the newest call
+        self._root = self._forward = None  # the model and the forward install() set on it
 
     def pack(self, t: torch.Tensor):
         # Held by the model anyway (a resident weight, or a view of it such as the
         # transposed weight a linear saves): a copy would free nothing. Not dense
         # (sparse, nested, a wrapper subclass such as DTensor): left as it is.
+        # (A backward inside the forward packs on autograd's threads, which torch gives
+        # the caller's hooks and not our _Scope: the newest call's storages then.)
+        held = self._scope.held if self._scope.depth else self._held
         if (isinstance(t, nn.Parameter) or t.layout != torch.strided or t.is_nested
                 or is_traceable_wrapper_subclass(t) or t.device.type == "meta"
-                or t.untyped_storage().data_ptr() in self._held):
+                or t.untyped_storage().data_ptr() in held):
             return _Kept(t)
         with held_interrupts():  # Ctrl-C: once _Saved owns the token (Note [A Ctrl-C as a C++ call returns])
             token = self.engine.stash_activation(t)
@@ -110,42 +147,56 @@ class ActivationOffload:
         if torch.compiler.is_exporting():
             _not_exported()
         if torch.compiler.is_compiling():
-            _scope_outside_graphs()
+            _scope_outside_graphs(self._open, module)
+        else:
+            self._open(module)
+
+    @property
+    def _depth(self) -> int:
+        """This thread's depth of calls of the model (Note [One scope per thread])."""
+        return self._scope.depth
+
+    def _open(self, module) -> None:
+        scope = self._scope
         if self._depth and not self._entering_call_running():
             self.close()  # Note [An interrupted forward's scope]
-        if self._depth == 0:
-            self._caller = (threading.get_ident(), sys._getframe(1))
+        if scope.depth == 0:
+            scope.caller = _call_frame()
             self.engine.begin_activations(self.device_budget)
-            self._held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
-                          if t.device.type != "meta"}
-            self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-            self._context.__enter__()
-        self._depth += 1
+            scope.held = self._held = {t.untyped_storage().data_ptr()
+                                       for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"}
+            scope.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            scope.context.__enter__()
+        scope.depth += 1
 
     def _exit(self, module, args, output):
         if torch.compiler.is_compiling():
-            _scope_outside_graphs()
-        if self._depth == 0:  # its scope was closed as interrupted (close())
+            _scope_outside_graphs(self._leave)
+        else:
+            self._leave()
+
+    def _leave(self) -> None:
+        scope = self._scope
+        if scope.depth == 0:  # its scope was closed as interrupted (close()), or its pre-hook did not run
             return
-        self._depth -= 1
-        if self._depth == 0:
-            context, self._context, self._caller = self._context, None, None
-            self._held = set()
+        scope.depth -= 1
+        if scope.depth == 0:
+            context, scope.context, scope.caller = scope.context, None, None
+            scope.held = set()
             context.__exit__(None, None, None)
 
     def _entering_call_running(self) -> bool:
-        """Whether the call of the model that opened the scope is still on this thread's
+        """Whether the call of the model that opened this thread's scope is still on its
         stack (a call of the model inside its own forward), rather than unwound."""
-        thread, frame = self._caller
-        if thread != threading.get_ident():
-            return True  # another thread's call: not this one's to judge
-        f = sys._getframe(2)
+        frame = self._scope.caller
+        f = sys._getframe()
         while f is not None and f is not frame:
             f = f.f_back
         return f is not None
 
     def close(self) -> None:
-        """Closes a scope whose forward never reached the forward hook (also detach()).
+        """Closes this thread's scope if its forward never reached the forward hook (also
+        detach()).
 
         Note [An interrupted forward's scope]
         torch runs a module's always-called forward hooks when its forward raises an
@@ -157,8 +208,9 @@ class ActivationOffload:
         then other saves are offloaded (their values unchanged). torch keeps the hooks
         as a stack: the scope is popped only when it is on top, else it is left there
         with a warning (a scope pushed after it was not closed either)."""
-        context, self._context, self._caller = self._context, None, None
-        self._depth, self._held = 0, set()
+        scope = self._scope
+        context, scope.context, scope.caller = scope.context, None, None
+        scope.depth, scope.held = 0, set()
         if context is None:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -170,13 +222,33 @@ class ActivationOffload:
                           "that one is closed", RuntimeWarning, stacklevel=3)
 
     def remove(self) -> None:
-        """As a hook handle: detach() closes a scope left open (close())."""
+        """As a hook handle: detach() takes back the forward install() set and closes a
+        scope left open (close())."""
         self.close()
+        root, self._root = self._root, None
+        if root is not None and root.__dict__.get("forward") is self._forward:
+            del root.__dict__["forward"]
+        self._forward = None
 
     def install(self, model: nn.Module) -> List:
-        """The hook handles, and this object as one (removed by Handle.detach())."""
-        return [model.register_forward_pre_hook(self._enter),
-                model.register_forward_hook(self._exit, always_call=True), self]
+        """The hook handles, and this object as one (removed by Handle.detach()).
+
+        Note [Compiled before offload]
+        torch.compile does not guard on a module's hooks (torch._dynamo.config.
+        skip_nnmodule_hook_guards): a model compiled before offload() (or another
+        model of its class compiled first: the graphs are per class) kept its graph
+        without our hooks, and its compiled calls offloaded nothing. Dynamo does guard
+        on whether the model's __dict__ holds "forward" (nn.Module's call reads
+        self.forward), so the model's own bound forward is put there: every graph made
+        before no longer matches, and the model is traced again with its hooks.
+        detach() takes it back. A forward already there (a streamed root layer's, a
+        wrapper's) is left as it is: Dynamo traces such a model again anyway."""
+        handles = [model.register_forward_pre_hook(self._enter),
+                   model.register_forward_hook(self._exit, always_call=True), self]
+        if "forward" not in model.__dict__:
+            self._root, self._forward = model, model.forward
+            model.__dict__["forward"] = self._forward
+        return handles
 
 
 def parse_activations(value, parse_bytes) -> int:

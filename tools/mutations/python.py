@@ -941,4 +941,18 @@ MUTATIONS = [
         [P + "test_del_frees.py"],
         "the _apply offload() installs on the model holds it strongly: a dropped model, its optimizer and "
         "handle keep the engine (4 threads, host store, device slots) until the cyclic collector runs"),
+    Mutation(
+        "activation-compiled-before-keeps-hookless-graph", "python/layerstream/_activations.py",
+        '            model.__dict__["forward"] = self._forward\n',
+        "",
+        [P + "test_activation_hooks.py::test_a_model_compiled_before_offload_offloads_its_activations"],
+        "a model compiled before offload(activations=...) keeps its graph without the hooks: its compiled calls "
+        "offload nothing, silently"),
+    Mutation(
+        "activation-scope-shared-by-threads", "python/layerstream/_activations.py",
+        "class _Scope(threading.local):",
+        "class _Scope:",
+        [P + "test_activation_hooks.py::test_a_call_beginning_as_another_thread_s_call_ends_opens_its_own_scope"],
+        "one activation scope depth for all threads: a call beginning as another thread's ends is not offloaded, "
+        "and leaves that thread's saved-tensor hooks (torch's INTERNAL ASSERT, a thread offloading for good)"),
 ]
