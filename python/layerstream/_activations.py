@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from typing import List
 
 import torch
@@ -225,7 +226,7 @@ class ActivationOffload:
         """As a hook handle: detach() takes back the forward install() set and closes a
         scope left open (close())."""
         self.close()
-        root, self._root = self._root, None
+        root, self._root = (self._root() if self._root is not None else None), None
         if root is not None and root.__dict__.get("forward") is self._forward:
             del root.__dict__["forward"]
         self._forward = None
@@ -242,13 +243,49 @@ class ActivationOffload:
         self.forward), so the model's own bound forward is put there: every graph made
         before no longer matches, and the model is traced again with its hooks.
         detach() takes it back. A forward already there (a streamed root layer's, a
-        wrapper's) is left as it is: Dynamo traces such a model again anyway."""
+        wrapper's) is left as it is: Dynamo traces such a model again anyway. It and
+        this object reach the model weakly (a bound method in its __dict__ was a cycle
+        that kept a dropped model and its engine until gc: Note [Nothing offload()
+        puts on a model refers back to it], _handle.py)."""
         handles = [model.register_forward_pre_hook(self._enter),
                    model.register_forward_hook(self._exit, always_call=True), self]
         if "forward" not in model.__dict__:
-            self._root, self._forward = model, model.forward
+            self._root, self._forward = weakref.ref(model), _OwnForward(model)
             model.__dict__["forward"] = self._forward
         return handles
+
+
+class _OwnForward:
+    """The model's class's forward, called on the model, which it reaches weakly
+    (ActivationOffload.install). It reads as the bound method it stands for: its
+    __func__, __self__, __code__ and signature (torch.export reads the code,
+    transformers' Trainer the signature)."""
+
+    __slots__ = ("_model", "__weakref__")
+
+    def __init__(self, model: nn.Module):
+        self._model = weakref.ref(model)
+
+    def __call__(self, *args, **kwargs):
+        model = self._model()
+        return type(model).forward(model, *args, **kwargs)
+
+    @property
+    def __self__(self):
+        return self._model()
+
+    @property
+    def __func__(self):
+        return type(self._model()).forward
+
+    @property
+    def __code__(self):
+        return self.__func__.__code__
+
+    @property
+    def __signature__(self):
+        import inspect
+        return inspect.signature(self.__func__.__get__(self._model()))
 
 
 def parse_activations(value, parse_bytes) -> int:

@@ -183,3 +183,32 @@ def test_a_call_beginning_as_another_thread_s_call_ends_opens_its_own_scope(offl
     assert leaked == []
     assert handle.stats()["activation_d2h_bytes"] == 2 * per_call
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_the_forward_offload_sets_on_the_model_reads_as_its_bound_method(offload_sim):
+    """install() puts the model's forward in its __dict__ (Note [Compiled before
+    offload]); as a bound method it was a cycle through the model, which kept a dropped
+    model and its engine until gc (test_del_frees). What stands there now reaches the
+    model weakly and still reads as the bound method: its signature (transformers'
+    Trainer keeps the dataset columns it names), __self__, __func__ and __code__
+    (torch.export reads it)."""
+    import inspect
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, attention_mask=None, *, scale=1.0):
+            return self.lin(x) * scale
+
+    model = Masked()
+    want = inspect.signature(model.forward)
+    handle = offload_sim(model, activations="host")
+    fwd = model.__dict__["forward"]
+    assert inspect.signature(model.forward) == want
+    assert fwd.__self__ is model and fwd.__func__ is Masked.forward and fwd.__code__ is Masked.forward.__code__
+    import gc
+    assert not any(o is model for o in gc.get_referents(fwd))  # weakly
+    handle.detach()
+    assert "forward" not in model.__dict__

@@ -157,7 +157,7 @@ MUTATIONS = [
         [P + "test_optim.py::test_suspend_moves_the_states_of_the_moved_parameters"],
         "suspend() leaves layerstream.optim's states of the moved parameters on the device"),
     Mutation(
-        "a-call-begins-no-step", "python/layerstream/_handle.py",
+        "a-call-begins-no-step", "python/layerstream/_calls.py",
         "            engine = self._engine_of()\n            if engine is not None:\n                engine.begin_call()",
         "            pass",
         [P + "test_training.py::test_a_data_write_between_calls_that_skip_the_first_layer_is_seen"],
@@ -171,7 +171,7 @@ MUTATIONS = [
         "compat: a call of the attached model that skips the trace's first layer reuses the weights "
         "the call before cached"),
     Mutation(
-        "calls-do-not-take-turns", "python/layerstream/_handle.py",
+        "calls-do-not-take-turns", "python/layerstream/_calls.py",
         "            self._turns.enter(sys._getframe(1))",
         "            pass",
         [P + "test_threads.py::test_threads_calling_one_offloaded_model_get_the_resident_models_outputs"],
@@ -185,7 +185,7 @@ MUTATIONS = [
         "two threads calling one streamed tensor group each find the other's views in place of "
         "the parameters"),
     Mutation(
-        "turn-kept-when-its-call-is-gone", "python/layerstream/_handle.py",
+        "turn-kept-when-its-call-is-gone", "python/layerstream/_calls.py",
         "            f = f.f_back\n        return False",
         "            f = f.f_back\n        return True",
         [P + "test_threads.py::test_a_call_ended_by_keyboard_interrupt_gives_its_turn_to_the_next_call",
@@ -207,27 +207,27 @@ MUTATIONS = [
         "the fake kernel of a compiled eval of a streamed nn.MultiheadAttention takes torch's fused "
         "path, whose meta kernel promises a weights tensor the real kernel never returns"),
     Mutation(
-        "turn-taken-from-a-call-under-way", "python/layerstream/_handle.py",
+        "turn-taken-from-a-call-under-way", "python/layerstream/_calls.py",
         "            if f is self._frame:\n                return True",
         "            if f is self._frame:\n                return False",
         [P + "test_threads.py::test_a_waiting_call_does_not_take_the_turn_of_a_call_under_way"],
         "a waiting call takes the turn of a call still under way"),
     Mutation(
-        "optimizer-step-not-a-write", "python/layerstream/_handle.py",
+        "optimizer-step-not-a-write", "python/layerstream/_calls.py",
         "        torch.autograd.graph.increment_version(written)",
         "        pass",
         [P + "test_training.py::test_an_optimizer_step_writing_behind_the_version_counters_is_seen"],
         "with cache_across_steps an optimizer step that writes through .data elements the next step's "
         "sample skips (a bf16 step whose updates mostly round away) leaves them stale in the slots"),
     Mutation(
-        "optimizer-step-writes-frozen-weights", "python/layerstream/_handle.py",
+        "optimizer-step-writes-frozen-weights", "python/layerstream/_calls.py",
         "               if p.grad is not None and any(id(p) in ids for ids in live)",
         "               if any(id(p) in ids for ids in live)",
         [P + "test_training.py::test_an_optimizer_step_writing_behind_the_version_counters_is_seen"],
         "an optimizer step counts the frozen weights it was given as written: with cache_across_steps "
         "they are copied again every step (a LoRA run loses the cache)"),
     Mutation(
-        "own-optimizer-step-written-twice", "python/layerstream/_handle.py",
+        "own-optimizer-step-written-twice", "python/layerstream/_calls.py",
         '    if not live or getattr(optimizer, "_layerstream_moves_versions", False):',
         "    if not live:",
         [P + "test_distributed.py::test_sharded_host_step_into_one_shared_copy"],
@@ -256,7 +256,7 @@ MUTATIONS = [
         "diffusers' layerwise casting counts as any wrapper: its layers stay resident (a model stored in float8 "
         "for a small GPU does not stream at all)"),
     Mutation(
-        "added-tensors-stay-on-the-host", "python/layerstream/_handle.py",
+        "added-tensors-stay-on-the-host", "python/layerstream/_calls.py",
         "                if t is None or id(t) in skip_params or id(t) in seen or t.is_meta or t.device == device:",
         "                if True:",
         [P + "test_training.py::test_tensors_added_after_offload_are_moved_by_the_next_call"],
@@ -371,7 +371,7 @@ MUTATIONS = [
         [P + "test_compile.py::test_an_exported_program_trains_the_parameters_and_exports_quantized_models"],
         "torch.export of a quantized model fails: fakifying its packed stand-ins reads is_conj()"),
     Mutation(
-        "ddp-around-a-parent-unchecked", "python/layerstream/_handle.py",
+        "ddp-around-a-parent-unchecked", "python/layerstream/_calls.py",
         "            if ddp is not None and ddp is not self._ddp_checked:",
         "            if False:",
         [P + "test_distributed.py::test_ddp_around_a_parent_of_the_offloaded_module_is_refused_naming_the_fix"],
@@ -736,7 +736,7 @@ MUTATIONS = [
         [P + "test_errors.py::test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy"],
         "a Ctrl-C as an activation is stashed leaks its host copy"),
     Mutation(
-        "turns-lock-ctrl-c-not-held", "python/layerstream/_handle.py",
+        "turns-lock-ctrl-c-not-held", "python/layerstream/_calls.py",
         "        with held_interrupts() as interrupted, self._cond:\n",
         "        with contextlib.nullcontext([]) as interrupted, self._cond:\n",
         [P + "test_threads.py::test_a_ctrl_c_at_the_turns_lock_leaves_it_free_for_the_next_calls"],
@@ -955,4 +955,12 @@ MUTATIONS = [
         [P + "test_activation_hooks.py::test_a_call_beginning_as_another_thread_s_call_ends_opens_its_own_scope"],
         "one activation scope depth for all threads: a call beginning as another thread's ends is not offloaded, "
         "and leaves that thread's saved-tensor hooks (torch's INTERNAL ASSERT, a thread offloading for good)"),
+    Mutation(
+        "activation-forward-holds-its-model", "python/layerstream/_activations.py",
+        "            self._root, self._forward = weakref.ref(model), _OwnForward(model)",
+        "            self._root, self._forward = weakref.ref(model), model.forward",
+        [P + "test_del_frees.py::test_dropping_the_model_its_optimizer_and_handle_frees_the_engine_without_gc",
+         P + "test_activation_hooks.py::test_the_forward_offload_sets_on_the_model_reads_as_its_bound_method"],
+        "the forward activation offload puts in the model's __dict__ is a bound method: a dropped model keeps its "
+        "engine until gc"),
 ]
