@@ -23,7 +23,8 @@ from ._gguf_weight import GgufWeight
 from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load, install_subtree_checks
 from . import _distributed, _peft_params
 from ._activations import ActivationOffload, parse_activations
-from ._handle import CallHooks, Handle, _AddedTensorsFollow, _Attached
+from ._calls import CallHooks, _AddedTensorsFollow
+from ._handle import Handle, _Attached
 from ._interrupts import HeldSignals
 from ._packed import _PackedWeight
 from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _quant_for, _quantize_format

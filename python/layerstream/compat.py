@@ -73,7 +73,7 @@ from ._discovery import (_activation_dtype, _conv_args, _dora_layers, _is_diffus
                          _pad_for_mode, _resident_label, _resident_reason, _takes_activations, _warn_resident)
 from ._file_weight import FileWeight
 from ._guards import _RootApply, _StreamedApply, _is_compute, install_subtree_checks, remove_subtree_checks
-from ._handle import CallHooks
+from ._calls import CallHooks
 from ._offload import _move_resident
 from ._prequant import _library_linear, _prequantized
 
@@ -180,7 +180,7 @@ class MemoryManager:
         self.unmanaged_modules: list = []
         self._root_apply = None  # what attach installs on the model (_install_root)
         self._subtree_checks = []  # and on the modules between it and the streamed layers
-        self._call_hook = None  # the hooks on its calls (_handle.CallHooks): a call begins a step
+        self._call_hook = None  # the hooks on its calls (_calls.CallHooks): a call begins a step
         self._had_to, self._old_to = False, None
 
     # ------------------------------------------------------------------ attach

@@ -51,7 +51,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
     # step with a non-finite gradient (docs/design/optim.md, "Loss scaling").
     _step_supports_amp_scaling = True
     # Its C++ step moves the version counters of what it writes (host_optim.cpp), and
-    # a sharded step records them: _handle's step post-hook leaves them alone (Note
+    # a sharded step records them: _calls' step post-hook leaves them alone (Note
     # [An optimizer step is a write]).
     _layerstream_moves_versions = True
 

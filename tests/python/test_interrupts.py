@@ -258,7 +258,9 @@ def test_a_step_of_detach_that_raises_after_the_engine_let_go_does_not_stop_the_
     engine, the handle stayed attached to it, and no call could finish. Now every step
     runs and the exception propagates after them: the handle detached, the model plain."""
     import layerstream._handle as handle_module
-    owner, name = (handle_module, step) if "." not in step else (getattr(handle_module, step.split(".")[0]),
+    import layerstream._calls as calls_module
+    where = calls_module if step.startswith("CallHooks.") else handle_module
+    owner, name = (handle_module, step) if "." not in step else (getattr(where, step.split(".")[0]),
                                                                  step.split(".")[1])
     original, raised = getattr(owner, name), []
 

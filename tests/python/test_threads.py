@@ -1,5 +1,5 @@
 """Calls of one offloaded model from several threads (a server's worker threads):
-Note [Calls of one offloaded model take turns] (_handle.py) and Note [Two threads and
+Note [Calls of one offloaded model take turns] (_calls.py) and Note [Two threads and
 one tensor group] (_forward.py)."""
 import copy
 import sys
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from layerstream import _handle
+from layerstream import _calls
 
 THREADS, ROUNDS = 4, 3
 
@@ -182,7 +182,7 @@ def test_a_call_ended_by_keyboard_interrupt_gives_its_turn_to_the_next_call(offl
 def test_a_waiting_call_does_not_take_the_turn_of_a_call_under_way(offload_sim, monkeypatch):
     """The look at the holder's stack must not take a turn whose call is still running
     (here: held inside a layer for many of the waiter's looks)."""
-    monkeypatch.setattr(_handle._CallTurns, "POLL_S", 0.02)
+    monkeypatch.setattr(_calls._CallTurns, "POLL_S", 0.02)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     ref = copy.deepcopy(model)
     offload_sim(model)

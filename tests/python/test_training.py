@@ -713,7 +713,7 @@ class _DataWritingSGD(torch.optim.Optimizer):
 @pytest.mark.parametrize("quantize", [None, "lossless"])
 @pytest.mark.parametrize("how", [".data", "pointer", ".data, one element"])
 def test_an_optimizer_step_writing_behind_the_version_counters_is_seen(offload_sim, how, quantize):
-    """Note [An optimizer step is a write] (_handle.py): with cache_across_steps every
+    """Note [An optimizer step is a write] (_calls.py): with cache_across_steps every
     layer stays in its own slot across steps, and an optimizer step that wrote the
     trainable weights through .data or a raw pointer used to leave the old weights
     there: every later loss differed from the resident model's. The step's own writes
@@ -871,7 +871,7 @@ def test_tensors_added_after_offload_are_moved_by_the_next_call(offload_sim, mon
     exactly what was added, not a streamed layer's tensors nor a parameter replaced on a
     streamed layer, nothing while suspended, and only after something was registered
     since it last looked."""
-    import layerstream._handle as handle_module
+    import layerstream._calls as calls_module
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     handle = offload_sim(model)
     hook = handle._call_hook.begins
@@ -881,7 +881,7 @@ def test_tensors_added_after_offload_are_moved_by_the_next_call(offload_sim, mon
     model(torch.randn(2, 8))
     assert calls == [1], "each call looks"
     moved = []
-    monkeypatch.setattr(handle_module, "_move_to", lambda module, kind, name, device: moved.append(
+    monkeypatch.setattr(calls_module, "_move_to", lambda module, kind, name, device: moved.append(
         (module, kind, name, device)))
     follow._device = torch.device("meta")
     follow()  # whatever offload() itself registered
