@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -264,17 +265,31 @@ TEST(TorchOptim, AdamWRefusesAnEmptyParameterList) {
 
 namespace {
 
-// Two identical offloaded models, one stepped plainly and one with AdamW::overlap() around
-// the last micro-batch's backward; `speculation` as AdamW::overlap() takes it.
-void expect_overlap_equals_plain_step(std::optional<int64_t> speculation) {
+// Two identical offloaded models and their optimizers: `a` to step plainly, `b` with
+// AdamW::overlap() around a backward.
+struct TwinRuns {
   Net plain;
-  Net overlapped = twin_of(plain);
-  auto ha = offload_sim(plain);
-  auto hb = offload_sim(overlapped);
+  Net overlapped;
+  decltype(offload_sim(std::declval<Net&>())) ha, hb;
+  layerstream::optim::AdamW a, b;
+  explicit TwinRuns(const layerstream::optim::AdamWOptions& opts)
+      : overlapped(twin_of(plain)),
+        ha(offload_sim(plain)),
+        hb(offload_sim(overlapped)),
+        a(plain->parameters(), opts),
+        b(overlapped->parameters(), opts) {}
+};
+
+// One stepped plainly, one with AdamW::overlap() around the last micro-batch's backward;
+// `speculation` as AdamW::overlap() takes it.
+void expect_overlap_equals_plain_step(std::optional<int64_t> speculation) {
   layerstream::optim::AdamWOptions opts;
   opts.lr = 1e-2;
   opts.max_grad_norm = 0.3;
-  layerstream::optim::AdamW a(plain->parameters(), opts), b(overlapped->parameters(), opts);
+  TwinRuns runs(opts);
+  Net &plain = runs.plain, &overlapped = runs.overlapped;
+  auto& hb = runs.hb;
+  layerstream::optim::AdamW &a = runs.a, &b = runs.b;
   int clipped = 0;
   for (int s = 0; s < 8; ++s) {
     for (int micro = 0; micro < 2; ++micro) {  // accumulation: only the last backward steps layers early
@@ -341,17 +356,15 @@ TEST(TorchOptim, AParameterListedTwiceIsSteppedOnce) {
 // step after an abort) stepped them again.
 TEST(TorchOptim, AScopeLeftByAnExceptionKeepingGradsStepsEachLayerOnce) {
   torch::manual_seed(3);
-  Net plain;
-  Net overlapped = twin_of(plain);
-  auto ha = offload_sim(plain);
-  auto hb = offload_sim(overlapped);
   layerstream::optim::AdamWOptions opts;
   opts.lr = 1e-2;
-  layerstream::optim::AdamW a(plain->parameters(), opts), b(overlapped->parameters(), opts);
+  TwinRuns runs(opts);
+  Net &plain = runs.plain, &overlapped = runs.overlapped;
+  layerstream::optim::AdamW &a = runs.a, &b = runs.b;
   const torch::Tensor x = torch::randn({16, 8});
   plain->forward(x).square().mean().backward();
   try {
-    auto scope = b.overlap(hb->engine(), std::nullopt, /*keep_grads=*/true);
+    auto scope = b.overlap(runs.hb->engine(), std::nullopt, /*keep_grads=*/true);
     overlapped->forward(x).square().mean().backward();
     throw std::runtime_error("the user's own error");
   } catch (const std::runtime_error&) {

@@ -361,3 +361,22 @@ class TwoLinears(torch.nn.Module):
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))
+
+
+class TiedHead(torch.nn.Module):
+    """emb -> 4 Linear blocks -> head, the head's weight the table's when `tied` (the
+    head is the largest layer)."""
+
+    def __init__(self, tied=True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(1000, 128)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(128, 128) for _ in range(4)])
+        self.head = torch.nn.Linear(128, 1000, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)

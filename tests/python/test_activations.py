@@ -134,10 +134,14 @@ def test_the_window_is_the_newest_tensors_through_the_engine_api():
     handle.detach()
 
 
+@pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_copies_back_start_ahead_of_the_backward(prefetch):
+def test_copies_back_start_ahead_of_the_backward(prefetch, passes):
     """Restoring a saved tensor also starts the copies back of the `prefetch` saved
-    just before it (the backward unpacks them next), each once."""
+    just before it (the backward unpacks them next), each once. A retained graph's
+    second backward (passes=2) restores every one again: they were all handed out to
+    the first, and the prefetch skipped handed-out entries without counting them, so
+    each restore walked the whole map (quadratic) and started no copy back early."""
     handle = layerstream.offload(_mlp(), device="sim", activations="host", prefetch=prefetch)
     engine = handle._engine
     nbytes = 256 * 256 * 4
@@ -145,40 +149,13 @@ def test_copies_back_start_ahead_of_the_backward(prefetch):
     ts = [torch.randn(256, 256) for _ in range(5)]
     tokens = [engine.stash_activation(t) for t in ts]
     engine.synchronize()
-    for n, i in enumerate(reversed(range(5))):
-        assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
-        ahead = min(prefetch, i)  # the earlier ones copying back too
-        assert handle.stats()["activation_h2d_bytes"] == (n + 1 + ahead) * nbytes, (i, handle.stats())
-    engine.synchronize()
-    for t in tokens:
-        engine.drop_activation(t)
-    assert not handle.ordering_errors()
-    handle.detach()
-
-
-def test_a_retained_graphs_second_backward_copies_back_ahead_too():
-    """A retained graph's second backward restores every saved tensor again: those were
-    all handed out to the first, and the prefetch skipped handed-out entries without
-    counting them, so each restore walked the whole map (quadratic) and started no copy
-    back early. Now the second pass copies back `prefetch` ahead, as the first did."""
-    prefetch = 2
-    handle = layerstream.offload(_mlp(), device="sim", activations="host", prefetch=prefetch)
-    engine = handle._engine
-    nbytes = 256 * 256 * 4
-    engine.begin_activations(0)
-    ts = [torch.randn(256, 256) for _ in range(5)]
-    tokens = [engine.stash_activation(t) for t in ts]
-    engine.synchronize()
-    for i in reversed(range(5)):  # the first backward
-        assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
-    engine.synchronize()
-    first = handle.stats()["activation_h2d_bytes"]
-    assert first == 5 * nbytes
-    for n, i in enumerate(reversed(range(5))):  # the retained graph's second one
-        assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
-        ahead = min(prefetch, i)
-        assert handle.stats()["activation_h2d_bytes"] - first == (n + 1 + ahead) * nbytes, (i, handle.stats())
-    engine.synchronize()
+    for _ in range(passes):
+        start = handle.stats()["activation_h2d_bytes"]
+        for n, i in enumerate(reversed(range(5))):
+            assert torch.equal(engine.restore_activation(tokens[i]), ts[i])
+            ahead = min(prefetch, i)  # the earlier ones copying back too
+            assert handle.stats()["activation_h2d_bytes"] - start == (n + 1 + ahead) * nbytes, (i, handle.stats())
+        engine.synchronize()
     for t in tokens:
         engine.drop_activation(t)
     assert not handle.ordering_errors()

@@ -19,6 +19,7 @@ import layerstream
 from layerstream import LayerstreamError
 from layerstream._discovery import _WHOLE_GROUPS
 from layerstream.optim import Adafactor, AdamW
+from conftest import TiedHead
 
 
 # ------------------------------------------------ a refused offload() leaves no groups= marks
@@ -69,30 +70,13 @@ def test_a_refused_offload_leaves_no_groups_marks(offload_sim, monkeypatch, refu
 
 
 # ------------------------------------------------ a tied table resident with its head is counted
-class _TiedHead(nn.Module):
-    """emb -> 4 blocks -> head, the head's weight the table's (the largest layer)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(1000, 128)
-        self.blocks = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
-        self.head = nn.Linear(128, 1000, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for b in self.blocks:
-            x = torch.relu(b(x))
-        return self.head(x)
-
-
 @pytest.mark.parametrize("budget", ["8MiB", "700KiB"])
 def test_a_table_resident_with_its_tied_head_is_in_the_plan_and_stats(offload_sim, budget):
     """A budget that keeps the tied head resident keeps its table resident too (one
     tensor on the device): stats()["resident_layers"] left the table out (5 of the 6
     layers resident with 8 MiB) and handle.plan did not name it at all."""
     torch.manual_seed(0)
-    model = _TiedHead().requires_grad_(False)
+    model = TiedHead().requires_grad_(False)
     ref = copy.deepcopy(model)
     handle = offload_sim(model, budget=budget, prefetch=1)
     ids = torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -133,7 +117,7 @@ def test_a_gpt2_tied_head_kept_resident_counts_its_table(offload_sim):
 
 
 # ------------------------------------------------ "budget too small" for a layer quantize= cannot pack
-class _NamedTiedHead(_TiedHead):
+class _NamedTiedHead(TiedHead):
     def __init__(self, name):
         super().__init__()
         head = self._modules.pop("head")

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import layerstream
+from conftest import TiedHead
 
 # Packed bytes per parameter of each format (data + scales), from the layouts
 # in docs/design/quant-formats.md; fp32 is 4.
@@ -801,31 +802,13 @@ def test_a_budget_too_small_suggests_a_narrower_write_only_where_there_is_one():
     assert "narrower dtype" not in message(torch.bfloat16, quantize="lossless")
 
 
-class _TiedHead(nn.Module):
-    """An embedding whose table the output head shares (the head: the largest layer)."""
-
-    def __init__(self, tied=True):
-        super().__init__()
-        self.emb = nn.Embedding(1000, 128)
-        self.blocks = nn.ModuleList([nn.Linear(128, 128) for _ in range(4)])
-        self.head = nn.Linear(128, 1000, bias=False)
-        if tied:
-            self.head.weight = self.emb.weight
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for b in self.blocks:
-            x = torch.relu(b(x))
-        return self.head(x)
-
-
 def test_a_budget_too_small_suggests_quantizing_only_a_layer_it_applies_to():
     """offload()'s "budget too small" error ended "(or quantize the weights, e.g. to nf4)"
     when its largest layer was a head tied to the embedding, which streams as stored
     (quantize= does not apply to it), also with quantize="nf4" given. It says so now, as
     the C++ planner does (PlannerLayer::as_stored); an untied head is still told to."""
     for tied, quantize in ((True, None), (True, "nf4"), (False, None)):
-        model = _TiedHead(tied).requires_grad_(False)
+        model = TiedHead(tied).requires_grad_(False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tied head stays unquantized: warned
             with pytest.raises(layerstream.LayerstreamError,

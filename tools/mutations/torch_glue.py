@@ -457,7 +457,7 @@ MUTATIONS = [
         "retained-backward-prefetches-nothing", "csrc/torch/engine_activations.cpp",
         "    const bool served = q.handed_out && (!again || (task != -1 && q.handed_task == task));",
         "    const bool served = q.handed_out;",
-        [P + "test_activations.py::test_a_retained_graphs_second_backward_copies_back_ahead_too"],
+        [P + "test_activations.py::test_copies_back_start_ahead_of_the_backward"],
         "a retained graph's second backward starts no copy back ahead of its restores"),
     Mutation(
         "overlap-abort-keeps-stepped-grads", "csrc/torch/host_overlap.cpp",
