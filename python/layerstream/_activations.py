@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _C, _dynamo_marks
+from ._forward import _OwnForward
 from ._interrupts import held_interrupts
 
 
@@ -240,52 +241,19 @@ class ActivationOffload:
         model of its class compiled first: the graphs are per class) kept its graph
         without our hooks, and its compiled calls offloaded nothing. Dynamo does guard
         on whether the model's __dict__ holds "forward" (nn.Module's call reads
-        self.forward), so the model's own bound forward is put there: every graph made
+        self.forward), so the model's own forward is put there (an _OwnForward, which
+        reads as the bound method): every graph made
         before no longer matches, and the model is traced again with its hooks.
         detach() takes it back. A forward already there (a streamed root layer's, a
         wrapper's) is left as it is: Dynamo traces such a model again anyway. It and
         this object reach the model weakly (a bound method in its __dict__ was a cycle
-        that kept a dropped model and its engine until gc: Note [Nothing offload()
-        puts on a model refers back to it], _handle.py)."""
+        that kept a dropped model and its engine until gc)."""
         handles = [model.register_forward_pre_hook(self._enter),
                    model.register_forward_hook(self._exit, always_call=True), self]
         if "forward" not in model.__dict__:
-            self._root, self._forward = weakref.ref(model), _OwnForward(model)
+            self._root, self._forward = weakref.ref(model), _OwnForward(type(model).forward, model)
             model.__dict__["forward"] = self._forward
         return handles
-
-
-class _OwnForward:
-    """The model's class's forward, called on the model, which it reaches weakly
-    (ActivationOffload.install). It reads as the bound method it stands for: its
-    __func__, __self__, __code__ and signature (torch.export reads the code,
-    transformers' Trainer the signature)."""
-
-    __slots__ = ("_model", "__weakref__")
-
-    def __init__(self, model: nn.Module):
-        self._model = weakref.ref(model)
-
-    def __call__(self, *args, **kwargs):
-        model = self._model()
-        return type(model).forward(model, *args, **kwargs)
-
-    @property
-    def __self__(self):
-        return self._model()
-
-    @property
-    def __func__(self):
-        return type(self._model()).forward
-
-    @property
-    def __code__(self):
-        return self.__func__.__code__
-
-    @property
-    def __signature__(self):
-        import inspect
-        return inspect.signature(self.__func__.__get__(self._model()))
 
 
 def parse_activations(value, parse_bytes) -> int:

@@ -99,10 +99,12 @@ class _PlainCopy:
 
 
 class _OwnForward(_RefusesCopy):
-    """A module's forward as a streamed forward calls it (`fn(module, ...)`), with the
-    module held weakly: the streamed forward is an attribute of the module, and a bound
-    method would refer back to it (Note [Nothing offload() puts on a model refers back
-    to it], _handle.py)."""
+    """`fn` bound to `module` (a module's forward, as a streamed forward falls back to it,
+    or as activation offload puts it in the model's __dict__), with the module held
+    weakly: it is an attribute of the module, and a bound method would refer back to it
+    (Note [Nothing offload() puts on a model refers back to it], _handle.py). It reads as
+    the bound method: __self__, __func__, __code__ (torch.export reads it) and its
+    signature (transformers' Trainer keeps the dataset columns it names)."""
 
     __slots__ = ("_fn", "_module")
 
@@ -111,6 +113,23 @@ class _OwnForward(_RefusesCopy):
 
     def __call__(self, *args, **kwargs):
         return self._fn(self._module(), *args, **kwargs)
+
+    @property
+    def __self__(self):
+        return self._module()
+
+    @property
+    def __func__(self):
+        return self._fn
+
+    @property
+    def __code__(self):
+        return self._fn.__code__
+
+    @property
+    def __signature__(self):
+        import inspect
+        return inspect.signature(self._fn.__get__(self._module()))
 
 
 def _held_weakly(original, module: nn.Module):

@@ -957,7 +957,7 @@ MUTATIONS = [
         "and leaves that thread's saved-tensor hooks (torch's INTERNAL ASSERT, a thread offloading for good)"),
     Mutation(
         "activation-forward-holds-its-model", "python/layerstream/_activations.py",
-        "            self._root, self._forward = weakref.ref(model), _OwnForward(model)",
+        "            self._root, self._forward = weakref.ref(model), _OwnForward(type(model).forward, model)",
         "            self._root, self._forward = weakref.ref(model), model.forward",
         [P + "test_del_frees.py::test_dropping_the_model_its_optimizer_and_handle_frees_the_engine_without_gc",
          P + "test_activation_hooks.py::test_the_forward_offload_sets_on_the_model_reads_as_its_bound_method"],
