@@ -1,5 +1,6 @@
 """Bugs planted in the Python layer (python/layerstream: module surgery, forwards,
-activation scopes, optimizers, loaders, compat), and the harness's control entry."""
+activation scopes, tensor groups, loaders, compat), and the harness's control entry. The
+optimizers' and several processes' are in python_optim.py."""
 from __future__ import annotations
 
 from .base import P, Mutation
@@ -11,12 +12,6 @@ MUTATIONS = [
         "torch.autocast(dev.type, dtype=autocast[1], enabled=False)",
         [P + "test_groups.py::test_group_under_autocast_recomputes_in_the_autocast_dtype"],
         "a group's recompute in backward ignores autocast", survived_before=True),
-    Mutation(
-        "sharded-clip-norm-not-summed", "python/layerstream/optim.py",
-        "            plan.sum_of_squares = total.item() / shard.nodes",
-        "            pass",
-        [P + "test_distributed.py::test_sharded_step_overlapped_with_the_backward"],
-        "an overlapped sharded step clips by its own shards' norm, not the ranks' sum"),
     Mutation(
         "group-forward-without-grad-mode", "python/layerstream/_group_op.py",
         "    with torch.enable_grad(), fwd.fetched(experts=experts, adapters=bound) as views, \\\n",
@@ -91,42 +86,6 @@ MUTATIONS = [
         [P + "test_activations.py::test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open"],
         "detach() leaves an interrupted forward's saved-tensor hooks entered (autograd then fails)"),
     Mutation(
-        "scaler-not-told", "python/layerstream/optim.py",
-        "            self._report_to_scaler(scaler, skipped and not found)",
-        "            pass",
-        [P + "test_optim.py::test_overlap_tells_the_scaler_of_an_overflow_it_cannot_see"],
-        "the scaler never hears of an overflow in the gradients an overlapped backward consumed"),
-    Mutation(
-        "scaler-found-inf-ignored", "python/layerstream/optim.py",
-        "        return inv, bool(fi.item() if isinstance(fi, torch.Tensor) else fi)",
-        "        return inv, False",
-        [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
-        "a step whose gradients GradScaler found Inf/NaN in is taken anyway"),
-    Mutation(
-        "scaler-not-unscaled", "python/layerstream/optim.py",
-        "keys, scale * inv, int(group[\"seed\"]))",
-        "keys, scale, int(group[\"seed\"]))",
-        [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
-        "AdamW under a GradScaler steps with the scaled gradients"),
-    Mutation(
-        "scaler-check-not-summed-over-ranks", "python/layerstream/optim.py",
-        "if (self.max_grad_norm is not None or scaler is not None) and shard is not None:",
-        "if self.max_grad_norm is not None and shard is not None:",
-        [P + "test_distributed.py::test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan"],
-        "a rank whose shards are finite steps while the rank that holds the NaN skips"),
-    Mutation(
-        "sharded-state-loads-anywhere", "python/layerstream/_optim_state.py",
-        "        if saved == mine or not state_dict.get(\"state\"):",
-        "        if True:",
-        [P + "test_distributed.py::test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks"],
-        "rank 0's sharded optimizer state dict loads on rank 1, which steps its elements with rank 0's moments"),
-    Mutation(
-        "whole-state-wrong-shard", "python/layerstream/optim.py",
-        "                out[key] = p._layerstream_shard.view(laid).clone()",
-        "                out[key] = p._layerstream_shard.flat(laid)[:p._layerstream_shard.hi - p._layerstream_shard.lo].clone()",
-        [P + "test_distributed.py::test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_another_ranks"],
-        "every rank takes the first elements of a whole AdamW state dict, not its own shard"),
-    Mutation(
         "suspend-leaves-gradients-on-the-device", "python/layerstream/_handle.py",
         "                if p.grad is not None and p.grad.device == device:\n                    p.grad = move(p.grad)",
         "                pass",
@@ -150,12 +109,6 @@ MUTATIONS = [
         "            if device.type == \"cpu\":  # the original kept no device memory there: free the slots too\n                pass",
         [P + "test_compat_aitoolkit.py::test_to_the_cpu_frees_the_slots_and_back_to_the_gpu_resumes"],
         "compat: model.to('cpu') of a model attached for a GPU keeps the engine's slots"),
-    Mutation(
-        "suspend-leaves-optimizer-states", "python/layerstream/_optim_state.py",
-        "                    st[key] = move(t)\n",
-        "                    pass\n",
-        [P + "test_optim.py::test_suspend_moves_the_states_of_the_moved_parameters"],
-        "suspend() leaves layerstream.optim's states of the moved parameters on the device"),
     Mutation(
         "a-call-begins-no-step", "python/layerstream/_calls.py",
         "            engine = self._engine_of()\n            if engine is not None:\n                engine.begin_call()",
@@ -295,12 +248,6 @@ MUTATIONS = [
         [P + "test_parity_layers.py::test_conv_padding_modes_stream_padding_the_input_as_torch_does"],
         "a streamed conv with padding_mode reflect/replicate/circular convolves the unpadded input"),
     Mutation(
-        "adamw-ignores-torch-only-options", "python/layerstream/optim.py",
-        '        on = [k for k in ("amsgrad", "maximize") if group.get(k)]',
-        "        on = []",
-        [P + "test_optim.py::test_a_torch_state_dict_with_options_it_lacks_is_refused_before_anything_loads"],
-        "a torch.optim.AdamW state dict with maximize=True / amsgrad=True loads and the step ignores them"),
-    Mutation(
         "streamed-layer-copy-refused", "python/layerstream/_offload.py",
         '        a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module',
         "",
@@ -319,24 +266,6 @@ MUTATIONS = [
         "        if (isinstance(t, nn.Parameter) or t.is_nested",
         [P + "test_activations.py::test_sparse_and_wrapper_saved_tensors_stay_as_they_are"],
         "the pack hook reads the storage of a sparse saved tensor (NotImplementedError)"),
-    Mutation(
-        "overlap-ignores-late-hyperparameters", "python/layerstream/optim.py",
-        "                        if now.get(k) != v]",
-        "                        if False]",
-        [P + "test_optim.py::test_a_hyperparameter_set_between_an_overlapped_backward_and_step_is_refused"],
-        "an lr set between an overlapped backward and step() reaches the resident parameters only"),
-    Mutation(
-        "overlap-ignores-edited-kept-grads", "python/layerstream/optim.py",
-        "        edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or g._version != v)",
-        "        edited = 0",
-        [P + "test_optim.py::test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refused"],
-        "a custom clip of kept gradients after an overlapped backward reaches the resident parameters only"),
-    Mutation(
-        "uncounted-training-warning-points-into-torch", "python/layerstream/optim.py",
-        "RuntimeWarning, stacklevel=_user_stacklevel())",
-        "RuntimeWarning, stacklevel=4)",
-        [P + "test_optim.py::test_the_uncounted_training_warning_points_at_the_users_step"],
-        "the uncounted-training warning names torch's no_grad wrapper instead of the user's step() line"),
     Mutation(
         "resident-quantized-keeps-original-values", "python/layerstream/_offload.py",
         "                    o._parameters[k].copy_(values)\n",
@@ -377,19 +306,6 @@ MUTATIONS = [
         [P + "test_distributed.py::test_ddp_around_a_parent_of_the_offloaded_module_is_refused_naming_the_fix"],
         "DDP around a parent of the offloaded module reduces the streamed gradients itself: zeros, silently"),
     Mutation(
-        "rank-difference-paired-by-position", "python/layerstream/_distributed.py",
-        "    if only_a or only_b:",
-        "    if False:",
-        [P + "test_distributed.py::test_the_ranks_first_difference_names_a_layer_only_one_rank_streams"],
-        "ranks that stream different layers are told about an unrelated row (compared by position)"),
-    Mutation(
-        "ranks-streamed-values-unchecked", "python/layerstream/_distributed.py",
-        "        rows = _fingerprint(model, layers, settings, values=share_host_store != \"all\")",
-        "        rows = _fingerprint(model, layers, settings, values=False)",
-        [P + "test_distributed.py::test_ranks_that_disagree_are_told"],
-        "ranks whose streamed weights were initialised differently train different weights for good "
-        "(DDP's broadcast skips them)"),
-    Mutation(
         "control-harmless-comment", "python/layerstream/_forward.py",
         "class _GroupFn(torch.autograd.Function):",
         "class _GroupFn(torch.autograd.Function):  # (no-op: the anchor check itself)",
@@ -414,12 +330,6 @@ MUTATIONS = [
         "        elif False:\n",
         [P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
         "the host-budget error of a model in memory no longer says to load it with load_safetensors()"),
-    Mutation(
-        "ddp-join-not-refused", "python/layerstream/_distributed.py",
-        "if ddp is not None and _joining(ddp) and torch.is_grad_enabled()",
-        "if False and ddp is not None and _joining(ddp) and torch.is_grad_enabled()",
-        [P + "test_distributed.py::test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_are_frozen"],
-        "DDP's join() with trained streamed weights: the ranks' collectives stop pairing (gloo aborts a rank)"),
     Mutation(
         "resident-quant-writes-not-requantized", "python/layerstream/_offload.py",
         "            handle._resident_quant.arm()  # later writes into them are quantized too\n",
@@ -504,53 +414,11 @@ MUTATIONS = [
         [P + "test_compat.py::test_a_refused_conversion_of_a_part_of_the_model_changes_nothing"],
         "compat: model[0].half() converts the block's resident layers before its streamed Linear refuses"),
     Mutation(
-        "optim-refused-step-counts", "python/layerstream/optim.py",
-        "        except BaseException:\n            for p in fresh:\n                self.state.pop(p, None)\n            raise\n",
-        "        except BaseException:\n            for st in states:\n                st[\"step\"] += 1\n            raise\n",
-        [P + "test_optim.py::test_a_refused_step_counts_nothing_and_the_next_steps_equal_a_fresh_optimizers"],
-        "a refused optimizer step advances the step counts: every later step's bias correction is off by one"),
-    Mutation(
         "detach-misses-a-hook-objects-forward", "python/layerstream/_wrappers.py",
         "            if callable(x) or (type(getattr(x, \"__dict__\", None)) is dict and not isinstance(x, torch.Tensor)):\n",
         "            if callable(x):\n",
         [P + "test_errors.py::test_a_diffusers_hook_installed_after_offload_keeps_working_after_detach"],
         "detach() under a diffusers hook: the hook keeps calling the stale streamed forward (every call raises)"),
-    Mutation(
-        "optim-duplicate-param-stepped-twice", "python/layerstream/optim.py",
-        "        if len({id(p) for p in params}) != len(params):\n",
-        "        if False:\n",
-        [P + "test_optim.py::test_a_parameter_listed_twice_in_a_group_is_refused"],
-        "a parameter listed twice in a group is stepped twice in one kernel call with one count"),
-    Mutation(
-        "optim-late-amsgrad-ignored", "python/layerstream/optim.py",
-        "        for gi, group in enumerate(self.param_groups):\n            self._check_foreign_options(group, f\"param group {gi}\")\n",
-        "        for gi, group in enumerate(self.param_groups):\n            pass\n",
-        [P + "test_optim.py::test_an_option_it_lacks_set_through_param_groups_later_is_refused_at_the_step"],
-        "amsgrad / maximize set through param_groups after construction: stepped without, silently"),
-    Mutation(
-        "optim-refused-load-half-loaded", "python/layerstream/_optim_state.py",
-        "        except BaseException:\n            self.state, self.param_groups = kept\n            raise\n",
-        "        except BaseException:\n            raise\n",
-        [P + "test_optim.py::test_a_refused_load_state_dict_changes_nothing"],
-        "a refused optimizer load_state_dict() leaves the checkpoint's lr and some of its moments in place"),
-    Mutation(
-        "optim-set-of-params-accepted", "python/layerstream/optim.py",
-        "        if isinstance(params, set):\n",
-        "        if False:\n",
-        [P + "test_optim.py::test_a_parameter_listed_twice_in_a_group_is_refused"],
-        "a param group given as a set is accepted: its order (state indices, rounding keys) changes between runs"),
-    Mutation(
-        "adafactor-maximize-ignored", "python/layerstream/optim.py",
-        "        if group.get(\"maximize\"):\n            raise ValueError(\n                f\"layerstream.optim.Adafactor:",
-        "        if False:\n            raise ValueError(\n                f\"layerstream.optim.Adafactor:",
-        [P + "test_optim.py::test_adafactor_refuses_maximize"],
-        "Adafactor with maximize=True in a group minimizes, silently"),
-    Mutation(
-        "optim-overlap-zeroed-grads-forgotten", "python/layerstream/optim.py",
-        "            self._zeroed.update((i, p) for i, p in self._dropped.items() if p.grad is None)\n",
-        "            pass\n",
-        [P + "test_optim.py::test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step_does"],
-        "overlap + zero_grad(set_to_none=False): a layer no gradient reaches is no longer stepped from zeros"),
     Mutation(
         "safetensors-file-dtype-of-the-last-tensor", "python/layerstream/_safetensors.py",
         "                                                    file_dtype=_DTYPES[rec[\"dtype\"]]))\n",
@@ -698,37 +566,11 @@ MUTATIONS = [
         "torch.export of a model with activations= fails with torch's data-pointer error (non-strict) "
         "or the torch.compile advice (strict)"),
     Mutation(
-        "ddp-join-end-unseen", "python/layerstream/_distributed.py",
-        "    if ddp.__dict__.get(\"_layerstream_join_ended\") is config:\n        return False\n",
-        "",
-        [P + "test_distributed.py::test_training_outside_join_after_a_join_block_ended_equals_the_resident_model"],
-        "after any DDP join() block (torch never resets its enable flag) every training forward is refused"),
-    Mutation(
-        "ddp-ranks-streamed-values-unchecked-at-first-forward", "python/layerstream/_distributed.py",
-        "        if any(g != digest for g in gathered):",
-        "        if False:",
-        [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
-        "a checkpoint loaded on rank 0 alone after offload(): DDP's broadcast skips the streamed weights, "
-        "the ranks train apart, silently"),
-    Mutation(
-        "ddp-without-engine-group-unrefused", "python/layerstream/_distributed.py",
-        "            if mine is None or dist.get_process_group_ranks(mine) != dist.get_process_group_ranks(pg):",
-        "            if False:",
-        [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
-        "offload(process_group=False) under a DDP of 2 ranks: streamed gradients never averaged, silently"),
-    Mutation(
         "group-call-ctrl-c-not-held", "python/layerstream/_forward.py",
         "            with held_interrupts():\n                token, views = self._engine.fetch(",
         "            if True:\n                token, views = self._engine.fetch(",
         [P + "test_errors.py::test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released"],
         "a Ctrl-C as a tensor group's fetch() returns leaks the slot's token (all slots held, detach refused)"),
-    Mutation(
-        "optim-step-ctrl-c-not-held", "python/layerstream/optim.py",
-        "            with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
-        "                states += [self._states(p, fmt,",
-        "            with self._counted_if_stepped(ps) as states:\n                states += [self._states(p, fmt,",
-        [P + "test_errors.py::test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted"],
-        "a Ctrl-C as AdamW's kernel returns leaves the step counts behind the applied update"),
     Mutation(
         "activation-stash-ctrl-c-not-held", "python/layerstream/_activations.py",
         "        with held_interrupts():  # Ctrl-C: once _Saved owns the token",
@@ -779,31 +621,6 @@ MUTATIONS = [
         "        if False:",
         [P + "test_ddp_rules.py::test_sending_a_streamed_parameter_through_torch_multiprocessing_is_refused_and_the_model_keeps_its_numbers"],
         "a state_dict sent through torch.multiprocessing moves streamed storages away from the engine; the next call names module.to()"),
-    Mutation(
-        "ddp-after-late-init-unchecked", "python/layerstream/_distributed.py",
-        "        model._ddp_params_and_buffers_to_ignore = _IgnoreList(ignored, model)",
-        "        model._ddp_params_and_buffers_to_ignore = ignored",
-        [P + "test_ddp_rules.py::test_ddp_of_a_model_offloaded_before_init_process_group_without_world_size_is_checked"],
-        "offload() before init_process_group() without WORLD_SIZE (mp.spawn): DDP's ranks step streamed weights apart, silently"),
-    Mutation(
-        "join-left-by-exception-never-ends", "python/layerstream/_distributed.py",
-        "    if seen[1] is not None and seen[1]() is not None:\n        return True",
-        "    if True:\n        return True",
-        [P + "test_ddp_rules.py::test_training_after_a_join_left_by_an_exception_equals_the_resident_model"],
-        "after a join() left by an exception every training forward is refused as if still inside join()"),
-    Mutation(
-        "ranks-different-streamed-backwards-unchecked", "python/layerstream/_distributed.py",
-        "        if highest == -lowest:\n            return",
-        "        if True:\n            return",
-        [P + "test_ddp_rules.py::test_ranks_that_run_different_streamed_layers_are_refused_naming_the_layer"],
-        "a rank that skips a streamed layer under DDP: gloo aborts a rank ('collective mismatch'), the rule unnamed"),
-    Mutation(
-        "overlap-counts-ctrl-c-not-held", "python/layerstream/optim.py",
-        "        with held_interrupts():\n            scale, done, stepped, skipped = self._finish_overlap(",
-        "        if True:\n            scale, done, stepped, skipped = self._finish_overlap(",
-        [P + "test_interrupts.py::test_a_ctrl_c_as_an_overlapped_step_settles_lands_after_its_counts"],
-        "a Ctrl-C as an overlapped step's wait() or settle() returns leaves Adafactor's counts behind the layers "
-        "stepped: every later step's lr and decay one step off"),
     Mutation(
         "only-ctrl-c-held-in-offload", "python/layerstream/_interrupts.py",
         "        for s in signal.valid_signals() if self._signals is None else self._signals:\n",
@@ -913,20 +730,6 @@ MUTATIONS = [
         "    if not as_stored or not text.endswith(_QUANTIZE_ADVICE):\n",
         [P + "test_loose_ends.py::test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it"],
         "with slots=, a budget too small for a tied head (which streams as stored) suggests quantizing it"),
-    Mutation(
-        "rerun-step-after-ctrl-c-steps-again", "python/layerstream/optim.py",
-        "        if unfinished is not None and self._overlap is None and unfinished.resumes(work):\n",
-        "        if False:\n",
-        [P + "test_loose_ends.py::test_a_step_rerun_after_a_ctrl_c_completes_it_once"],
-        "step() run again after a Ctrl-C stopped it steps a second time what it had stepped (kept gradients, "
-        "groups done) and clips the rest by their norm alone"),
-    Mutation(
-        "optim-adopts-loaded-states-into-meta-parameter", "python/layerstream/_optim_state.py",
-        "                    if p.is_meta:  # Note [States loaded for a meta parameter]\n",
-        "                    if False:  # Note [States loaded for a meta parameter]\n",
-        [P + "test_resume_order.py::test_optimizer_state_loaded_before_offload_into_a_meta_model_resumes_bit_for_bit"],
-        "an optimizer state loaded before offload() into a model load_safetensors() filled is adopted in the "
-        "meta parameters' layout: the moments become meta tensors, lost, and state_dict() saves them so"),
     Mutation(
         "pickle-refusal-hides-the-truncated-file", "python/layerstream/_forward.py",
         "\"detach()); torch.save(model, path) has already truncated `path`, so a checkpoint that was \"",
