@@ -125,6 +125,9 @@ class ActivationOffload:
         self._root = self._forward = None  # the model and the forward install() set on it
 
     def pack(self, t: torch.Tensor):
+        engine = self.engine  # read once: detach() may clear it meanwhile
+        if engine is None:
+            return self._pass_through(t)
         # Held by the model anyway (a resident weight, or a view of it such as the
         # transposed weight a linear saves): a copy would free nothing. Not dense
         # (sparse, nested, a wrapper subclass such as DTensor): left as it is.
@@ -136,14 +139,24 @@ class ActivationOffload:
                 or t.untyped_storage().data_ptr() in held):
             return _Kept(t)
         with held_interrupts():  # Ctrl-C: once _Saved owns the token (Note [A Ctrl-C as a C++ call returns])
-            token = self.engine.stash_activation(t)
-            saved = _Kept(t) if token < 0 else _Saved(self.engine, token)
+            token = engine.stash_activation(t)
+            saved = _Kept(t) if token < 0 else _Saved(engine, token)
         return saved
 
     def unpack(self, saved):
         # Under saved-tensor hooks torch skips its version check: the engine's restore
         # and _Kept keep it (check_saved_version).
-        return saved.unpack() if isinstance(saved, _Kept) else self.engine.restore_activation(saved.token)
+        return saved.unpack() if isinstance(saved, _Kept) else saved.engine.restore_activation(saved.token)
+
+    def _pass_through(self, t: torch.Tensor) -> _Kept:
+        """pack() once detached (Note [Hooks left on another thread]): the tensor saved as
+        plain autograd saves it (its data, without its autograd history: an output holding
+        its own node is a cycle that a forward without backward never frees), and these
+        hooks taken off this thread when they are on top of its stack."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == self.pack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        return _Kept(t.detach())
 
     def _enter(self, module, args):
         if torch.compiler.is_exporting():
@@ -205,11 +218,12 @@ class ActivationOffload:
         Exception, not a KeyboardInterrupt (Ctrl-C in a notebook) or another
         BaseException, so such a forward leaves the saved-tensor hooks entered: every
         tensor autograd saves in this thread, in any model, would still go through this
-        engine, and after detach() fail. The next call of the model sees the scope of a
-        call no longer on the stack and closes it first; detach() closes it too. Until
-        then other saves are offloaded (their values unchanged). torch keeps the hooks
-        as a stack: the scope is popped only when it is on top, else it is left there
-        with a warning (a scope pushed after it was not closed either)."""
+        engine. The next call of the model sees the scope of a call no longer on the
+        stack and closes it first; detach() closes it too (on another thread: Note
+        [Hooks left on another thread]). Until then other saves are offloaded (their
+        values unchanged). torch keeps the hooks as a stack: the scope is popped only
+        when it is on top, else it is left there with a warning (a scope pushed after it
+        was not closed either)."""
         scope = self._scope
         context, scope.context, scope.caller = scope.context, None, None
         scope.depth, scope.held = 0, set()
@@ -225,8 +239,22 @@ class ActivationOffload:
 
     def remove(self) -> None:
         """As a hook handle: detach() takes back the forward install() set and closes a
-        scope left open (close())."""
+        scope left open (close()).
+
+        Note [Hooks left on another thread]
+        close() can close only the calling thread's scope: torch lets a thread pop only
+        its own saved-tensor hooks. A forward interrupted on another thread (Note [An
+        interrupted forward's scope]) left ours entered there, and after detach() that
+        thread's next call of the model, which would close them, never comes: every
+        save on it, in any model, went to the detached engine ("this layerstream handle
+        was detached"), and its hooks kept the engine alive. So detach() lets go of the
+        engine and of every thread's scope (the frame of the interrupted call, which
+        holds the model), and pack() then passes each tensor through as plain autograd
+        saves it and pops the hooks once they are on top of that thread's stack: its
+        first save after detach() does. Until then (a thread that saves nothing more)
+        they stay on its stack, with this object, which no longer holds the engine."""
         self.close()
+        self.engine, self._scope, self._held = None, _Scope(), set()
         root, self._root = (self._root() if self._root is not None else None), None
         if root is not None and root.__dict__.get("forward") is self._forward:
             del root.__dict__["forward"]
