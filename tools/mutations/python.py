@@ -770,7 +770,8 @@ MUTATIONS = [
         "activation-detach-keeps-other-threads-hooks-live", "python/layerstream/_activations.py",
         "        self.engine, self._scope, self._held = None, _Scope(), set()\n",
         "",
-        [P + "test_activation_threads.py::test_after_detach_a_thread_whose_forward_was_interrupted_saves_as_plain_torch"],
+        [P + "test_activation_threads.py::"
+             "test_after_detach_a_thread_whose_forward_was_interrupted_saves_as_plain_torch"],
         "after detach() the hooks a forward interrupted on another thread left there still reach the engine: every "
         "later save on that thread fails (\"handle was detached\"), and they keep the engine and the model alive"),
 ]
