@@ -151,6 +151,9 @@ struct FileRange {
   // engine first opens it): every read checks that the file is still that one.
   FileIdentity identity;
   SourceFile::Kind kind = SourceFile::Kind::Checkpoint;  // whose file it is (what errors advise)
+  // The bytes' checksum64 (core/io/checksum.h) when layerstream wrote them (a
+  // quantization cache file): the disk tier checks it at the range's first read.
+  std::optional<uint64_t> checksum;
 };
 
 // Counters since the engine was made (Engine::stats(): a snapshot).

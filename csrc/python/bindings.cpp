@@ -49,9 +49,12 @@ __attribute__((no_sanitize("vptr"))) PyObject* hook_dict(const Base& base) {
 
 // The element type of a weight the formats read: float32, bfloat16 or float16
 // (the engine's own rule: src_dtype_of in torch/engine_impl.h).
+// A dtype as Python spells it (torch.float64; LibTorch prints "Double"). Needs the GIL.
+std::string py_dtype(torch::ScalarType t) { return py::str(py::cast(t)).cast<std::string>(); }
+
 layerstream::quant::SrcDtype float_src_dtype(torch::ScalarType t, const std::string& what) {
   namespace quant = layerstream::quant;
-  LS_CHECK(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf, what, " is ", t,
+  LS_CHECK(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf, what, " is ", py_dtype(t),
            "; only float32, bfloat16 and float16 weights are packed or coded");
   return t == torch::kFloat ? quant::SrcDtype::F32 : t == torch::kBFloat16 ? quant::SrcDtype::BF16
                                                                            : quant::SrcDtype::F16;
@@ -418,7 +421,7 @@ PYBIND11_MODULE(_C, m) {
     py::list ranges;
     for (size_t i = 0; i < in.size(); ++i)
       ranges.append(FileRange{res.path, res.items[i].offset, res.items[i].bytes, in[i].tensor, res.identity,
-                              SourceFile::Kind::QuantCache});
+                              SourceFile::Kind::QuantCache, res.items[i].checksum});
     py::dict out;
     out["path"] = res.path;
     out["built"] = res.built;
@@ -462,7 +465,7 @@ PYBIND11_MODULE(_C, m) {
                                 torch::ScalarType dtype) {
     const quant::PackedLayout L = quant::layout_for(quant::parse_packed_format(format), rows, cols);
     LS_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8, "dequantize_packed: the packed "
-             "bytes must be a CPU uint8 tensor, got ", packed.scalar_type(), " on ", packed.device());
+             "bytes must be a CPU uint8 tensor, got ", py_dtype(packed.scalar_type()), " on ", packed.device());
     torch::Tensor src = packed.contiguous();
     const size_t need = quant::is_gguf(L.format) ? L.data_bytes : L.total_bytes();
     LS_CHECK(static_cast<size_t>(src.numel()) == need, "dequantize_packed: a ", quant::to_string(L.format),
@@ -585,7 +588,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<FileRange>(m, "FileRange")
       .def(py::init([](const std::string& path, uint64_t offset, uint64_t bytes, const std::string& tensor,
                        const layerstream::FileIdentity& identity) {
-             return FileRange{path, offset, bytes, tensor, identity};
+             FileRange r;
+             r.path = path;
+             r.offset = offset;
+             r.bytes = bytes;
+             r.tensor = tensor;
+             r.identity = identity;
+             return r;
            }),
            py::arg("path"), py::arg("offset"), py::arg("bytes"), py::arg("tensor"),
            py::arg("identity") = layerstream::FileIdentity())
@@ -593,7 +602,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("offset", &FileRange::offset)
       .def_readonly("bytes", &FileRange::bytes)
       .def_readonly("tensor", &FileRange::tensor)
-      .def_readonly("identity", &FileRange::identity);
+      .def_readonly("identity", &FileRange::identity)
+      .def_readonly("checksum", &FileRange::checksum);  // None, or what the first read checks
 
   // A host region shared by the processes of one node (core/shared_region.h).
   py::class_<layerstream::SharedRegion, std::shared_ptr<layerstream::SharedRegion>>(m, "SharedRegion")

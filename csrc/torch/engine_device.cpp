@@ -120,20 +120,6 @@ PostCopyFn EngineImpl::make_post_copy(const LayerInfo& l, size_t workspace_part)
   };
 }
 
-namespace {
-const char* dtype_name(torch::ScalarType t) {
-  switch (t) {
-    case torch::kFloat: return "float32";
-    case torch::kBFloat16: return "bfloat16";
-    case torch::kHalf: return "float16";
-    case torch::kDouble: return "float64";
-    case torch::kFloat8_e4m3fn: return "float8_e4m3fn";
-    case torch::kFloat8_e5m2: return "float8_e5m2";
-    default: return c10::toString(t);
-  }
-}
-}  // namespace
-
 void EngineImpl::note_cast_at_use(const LayerInfo& l, torch::ScalarType from, torch::ScalarType to) {
   if (cast_warned_.exchange(true)) return;
   // A quantized weight dequantized to `from` (compute_dtype or dequant_dtype)

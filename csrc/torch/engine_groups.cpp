@@ -37,7 +37,8 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
     if ((format != quant::Format::None && format != quant::Format::Lossless && t.dim() >= 2 && t.is_floating_point()) ||
         pre)
       LS_CHECK(!t.requires_grad(), "tensor group '", name, "': tensor #", k, " requires grad, but a quantized "
-               "tensor cannot be trained; freeze it (requires_grad_(False)) or do not quantize this group");
+               "tensor cannot be trained; freeze it (requires_grad_(False) in Python, requires_grad_(false) in C++) or "
+               "do not quantize this group");
     if (pre) {
       LS_CHECK(quant::is_gguf(prepacked[k].format), "tensor group '", name, "': tensor #", k,
                ": pre-packed tensors are supported in the GGUF formats only, got ",

@@ -31,11 +31,12 @@ torch::Tensor EngineImpl::read_file(const FileRange& src, const std::vector<int6
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
   const torch::ScalarType from = file_dtype.value_or(dtype);
   LS_CHECK(from == dtype || (c10::isFloatingType(from) && c10::isFloatingType(dtype)), src.path, ": tensor '",
-           src.tensor, "' is ", from, " in the file; only floating-point tensors are cast as read (to ", dtype, ")");
+           src.tensor, "' is ", dtype_name(from), " in the file; only floating-point tensors are cast as read (to ",
+           dtype_name(dtype), ")");
   const int64_t numel = numel_of(shape);
   const uint64_t want = static_cast<uint64_t>(numel) * c10::elementSize(from);
   LS_CHECK(want == src.bytes, src.path, ": tensor '", src.tensor, "' has ", src.bytes, " bytes in the file; ",
-           shape_str(shape), " of ", from, " needs ", want);
+           shape_str(shape), " of ", dtype_name(from), " needs ", want);
   std::shared_ptr<SourceFile> file = file_locked(src);
   const size_t index = store_->add_unclaimed(static_cast<uint64_t>(numel) * c10::elementSize(dtype), src.tensor);
   void* ptr = store_->buffer(index).ptr;
@@ -92,11 +93,12 @@ int EngineImpl::add_linear_on_disk(const std::string& name, const torch::Tensor&
     info.w_bytes = info.qlayout.total_bytes();
   }
   LS_CHECK(info.w_bytes == w.bytes, w.path, ": tensor '", w.tensor, "' has ", w.bytes, " bytes in the file; '",
-           name, ".weight' ", shape_str(info.w_shape), " of ", info.w_dtype,
+           name, ".weight' ", shape_str(info.w_shape), " of ", dtype_name(info.w_dtype),
            format != quant::Format::None ? std::string(" packed in ") + quant::to_string(format) : std::string(),
            " needs ", info.w_bytes);
   file_locked(w)->check(w.tensor);
   info.w_file = w;
+  if (w.checksum) info.w_check = std::make_shared<ReadCheck>(*w.checksum);
   info.weight = meta_like(info.w_shape, info.w_dtype);
   if (bias.defined()) {
     LS_CHECK(bias.is_floating_point(), "layer '", name, "' has a non-float bias");
@@ -122,9 +124,10 @@ void EngineImpl::staged_sources_locked(const LayerInfo& l, LayerSpec& s) {
   if (l.is_table()) return;
   if (l.on_disk()) {
     s.parts.clear();
-    auto from_file = [&](const FileRange& r) {
+    auto from_file = [&](const FileRange& r, std::shared_ptr<ReadCheck> check) {
       StagedPart p;
       p.file = file_locked(r);
+      p.check = std::move(check);
       p.offset = r.offset;
       p.bytes = r.bytes;
       p.tensor = r.tensor;
@@ -135,9 +138,9 @@ void EngineImpl::staged_sources_locked(const LayerInfo& l, LayerSpec& s) {
       size_only.label = r.tensor;
       s.parts.push_back(size_only);
     };
-    from_file(*l.w_file);
+    from_file(*l.w_file, l.w_check);
     if (l.b_file) {
-      from_file(*l.b_file);
+      from_file(*l.b_file, nullptr);
     } else if (l.bias.defined()) {
       const BufferRef& b = store_->buffer(l.b_index);
       StagedPart p;

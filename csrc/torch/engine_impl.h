@@ -53,6 +53,8 @@
 
 #include "core/host_store.h"
 #include "core/lossless.h"
+#include "core/io/checksum.h"
+#include "dtype_name.h"
 #include "core/io/source_file.h"
 #include "core/runtime.h"
 #include "core/scheduler.h"
@@ -407,6 +409,9 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     // The disk tier (add_linear_on_disk): the weight (and bias) read from
     // their file on every use; the weight is then a meta stand-in.
     std::optional<FileRange> w_file, b_file;
+    // w_file's checksum (a quantization cache file's weight): checked at its
+    // first read, shared by every schedule's staged parts.
+    std::shared_ptr<ReadCheck> w_check;
     bool on_disk() const { return w_file.has_value(); }
     // watch_weight(): the module parameter's version counter and its value then.
     std::optional<c10::VariableVersion> watched;
@@ -769,7 +774,7 @@ inline quant::SrcDtype src_dtype_of(torch::ScalarType t, const std::string& name
     case torch::kBFloat16: return quant::SrcDtype::BF16;
     case torch::kHalf: return quant::SrcDtype::F16;
     default:
-      LS_FAIL("layer '", name, "': only float32/bfloat16/float16 weights can be quantized, got ", t);
+      LS_FAIL("layer '", name, "': only float32/bfloat16/float16 weights can be quantized, got ", dtype_name(t));
   }
 }
 

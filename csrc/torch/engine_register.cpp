@@ -141,7 +141,7 @@ int EngineImpl::add_layer(LayerInfo info, quant::Format format) {
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
   LS_CHECK(info.weight.defined(), "layer '", info.name, "' has no weight");
   LS_CHECK(info.weight.is_floating_point(), "layer '", info.name, "' has a ",
-           info.weight.scalar_type(), " weight; only floating-point weights can be streamed");
+           dtype_name(info.weight.scalar_type()), " weight; only floating-point weights can be streamed");
   info.w_shape = info.weight.sizes().vec();
   info.w_dtype = info.weight.scalar_type();
   if (share_weight_locked(info, format)) {
@@ -154,8 +154,8 @@ int EngineImpl::add_layer(LayerInfo info, quant::Format format) {
     if (format == quant::Format::Lossless) make_coded_locked(info);
   } else {
     LS_CHECK(!info.weight.requires_grad(), "layer '", info.name, "': a quantized weight cannot be "
-             "trained; freeze it first (weight.requires_grad_(False), as QLoRA does with the base "
-             "model) or do not quantize this layer");
+             "trained; freeze it first (weight.requires_grad_(False) in Python, requires_grad_(false) in C++, as "
+             "QLoRA does with the base model) or do not quantize this layer");
     torch::NoGradGuard ng;
     torch::Tensor src = info.weight.detach().to(torch::kCPU);
     // Lossless codes element by element: in the weight's own memory order
@@ -279,7 +279,7 @@ int EngineImpl::add_embedding(const std::string& name, torch::Tensor weight, int
   LS_CHECK(!detached_, "this layerstream handle was detached; create a new one with offload()");
   LS_CHECK(weight.defined() && weight.dim() == 2, "embedding layer '", name, "' needs a 2-D weight, got ",
            weight.defined() ? shape_str(weight.sizes().vec()) : std::string("none"));
-  LS_CHECK(weight.is_floating_point(), "embedding layer '", name, "' has a ", weight.scalar_type(),
+  LS_CHECK(weight.is_floating_point(), "embedding layer '", name, "' has a ", dtype_name(weight.scalar_type()),
            " weight; only floating-point weights can be streamed");
   LayerInfo info;
   info.name = name;
@@ -305,7 +305,7 @@ int EngineImpl::add_embedding(const std::string& name, torch::Tensor weight, int
 int EngineImpl::add_linear_int8(const std::string& name, torch::Tensor data,
                             torch::Tensor scales, torch::Tensor bias, torch::ScalarType dense_dtype) {
   LS_CHECK(data.dim() == 2 && data.scalar_type() == torch::kChar, "layer '", name,
-           "': pre-quantized weight must be a 2-D int8 tensor, got ", data.scalar_type(), " ",
+           "': pre-quantized weight must be a 2-D int8 tensor, got ", dtype_name(data.scalar_type()), " ",
            shape_str(data.sizes().vec()));
   const int64_t rows = data.size(0), cols = data.size(1);
   torch::Tensor sc = scales.detach().to(torch::kCPU).to(torch::kFloat).contiguous().reshape({-1});

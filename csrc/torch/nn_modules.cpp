@@ -83,8 +83,8 @@ bool StreamedBase::keep_streamed(const torch::Tensor& weight, std::optional<torc
            engine_->layer_name(index_), "' keeps its weights in host memory and computes on ",
            compute.str(), ": to() that device is fine (the streamed weights stay as they are), but "
            "this conversion would move them elsewhere or change their dtype (weight is ",
-           weight.scalar_type(), "). Convert the model before offload(), or call detach() first (to free the "
-           "device memory for a while: suspend(), then resume()).");
+           dtype_name(weight.scalar_type()), "). Convert the model before offload(), or call detach() first (to free "
+           "the device memory for a while: suspend(), then resume()).");
   return true;
 }
 

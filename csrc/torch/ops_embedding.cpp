@@ -91,7 +91,7 @@ void EngineImpl::check_ids(const LayerInfo& l, const torch::Tensor& ids) const {
            " (tensors on ", compute_device_.str(), ") but its ids are on ", ids.device().str(),
            "; move them to ", compute_device_.str());
   LS_CHECK(ids.scalar_type() == torch::kLong || ids.scalar_type() == torch::kInt, "embedding layer '",
-           l.name, "' got ", ids.scalar_type(), " ids; they must be int64 or int32");
+           l.name, "' got ", dtype_name(ids.scalar_type()), " ids; they must be int64 or int32");
 }
 
 torch::Tensor EngineImpl::embedding(int layer_index, const torch::Tensor& ids) {

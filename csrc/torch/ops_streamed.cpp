@@ -83,7 +83,7 @@ void check_input(EngineImpl& e, const EngineImpl::LayerInfo& l, const torch::Ten
   LS_CHECK(x.device() == e.compute_device(), "layer '", l.name, "' streams to ",
            e.device_name(), " (tensors on ", e.compute_device().str(), ") but its input is on ",
            x.device().str(), "; move the input to ", e.compute_device().str());
-  LS_CHECK(is_float_activation(x.scalar_type()), "layer '", l.name, "' got a ", x.scalar_type(),
+  LS_CHECK(is_float_activation(x.scalar_type()), "layer '", l.name, "' got a ", dtype_name(x.scalar_type()),
            " input; activations must be float32, bfloat16 or float16");
 }
 

@@ -18,6 +18,7 @@
 #include "backends/sim/sim_backend.h"
 #include "core/error.h"
 #include "core/host_store.h"
+#include "core/io/checksum.h"
 #include "core/io/source_file.h"
 #include "core/optim/thread_pool.h"
 #include "core/scheduler.h"
@@ -78,6 +79,55 @@ TEST(SourceFile, ReadsInChunksOnAPoolAndChecksIdentity) {
   std::remove(path.c_str());
   EXPECT_NE(error_of([&] { f->check("x"); }).find("is gone"), std::string::npos);
   EXPECT_NE(error_of([&] { SourceFile::open(path); }).find("cannot open"), std::string::npos);
+}
+
+// checksum64 (core/io/checksum.h): every one-bit change of a buffer and every
+// length changes it, for all the tails of the word loop; fixed width hex.
+TEST(Checksum, EveryBitFlipAndEveryLengthChangesIt) {
+  std::mt19937 rng(11);
+  for (size_t n : {0, 1, 7, 8, 9, 31, 32, 33, 63, 100}) {
+    auto b = random_bytes(n, rng);
+    const uint64_t base = checksum64(b.data(), n);
+    for (size_t i = 0; i < n; ++i)
+      for (int bit = 0; bit < 8; ++bit) {
+        b[i] ^= static_cast<unsigned char>(1 << bit);
+        EXPECT_NE(checksum64(b.data(), n), base) << n << " " << i << " " << bit;
+        b[i] ^= static_cast<unsigned char>(1 << bit);
+      }
+    EXPECT_EQ(checksum64(b.data(), n), base);
+  }
+  const std::vector<unsigned char> zeros(64, 0);
+  for (size_t n = 0; n < 64; ++n) EXPECT_NE(checksum64(zeros.data(), n), checksum64(zeros.data(), n + 1)) << n;
+  uint64_t back = 0;
+  EXPECT_TRUE(parse_checksum(checksum_hex(0x0123456789abcdefull), &back));
+  EXPECT_EQ(back, 0x0123456789abcdefull);
+  EXPECT_EQ(checksum_hex(5), "0000000000000005");
+  EXPECT_FALSE(parse_checksum("0123456789ABCDEF", &back));
+  EXPECT_FALSE(parse_checksum("123", &back));
+}
+
+// SourceFile::verify: bytes as written pass (and are not hashed again); other
+// bytes are an error naming the file and the tensor, and stay unverified.
+TEST(SourceFile, VerifyChecksBytesOnceAndNamesTheFile) {
+  std::mt19937 rng(3);
+  const std::string path = temp_path("verify.bin");
+  const auto bytes = random_bytes(5000, rng);
+  write_file(path, bytes);
+  auto f = SourceFile::open(path, {}, SourceFile::Kind::QuantCache);
+  ReadCheck good(checksum64(bytes.data(), bytes.size()));
+  std::vector<unsigned char> out(bytes.size());
+  f->read(out.data(), 0, out.size(), "w");
+  f->verify(out.data(), out.size(), "w", good);
+  EXPECT_TRUE(good.verified.load());
+  out[10] ^= 1;
+  f->verify(out.data(), out.size(), "w", good);  // verified once: not checked again
+  ReadCheck bad(checksum64(bytes.data(), bytes.size()) ^ 1);
+  const std::string msg = error_of([&] { f->verify(bytes.data(), bytes.size(), "blk.2.weight", bad); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'blk.2.weight' does not hold the bytes written there"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Delete it"), std::string::npos) << msg;
+  EXPECT_FALSE(bad.verified.load());
+  std::remove(path.c_str());
 }
 
 TEST(SourceFile, ARecordedIdentityIsCheckedByAFileOpenedLater) {

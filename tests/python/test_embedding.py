@@ -210,7 +210,7 @@ def test_bad_ids_are_clear_errors(offload_sim):
     model = _LM()
     ref = copy.deepcopy(model)
     offload_sim(model)
-    with pytest.raises(LayerstreamError, match=r"embedding layer 'emb' got Float ids; they must be int64 or int32"):
+    with pytest.raises(LayerstreamError, match=r"embedding layer 'emb' got float32 ids; they must be int64 or int32"):
         model(torch.zeros(2, 3))
     with pytest.raises(LayerstreamError, match=r"its ids are on meta; move them to cpu"):
         model(torch.zeros(2, 3, dtype=torch.long, device="meta"))

@@ -241,12 +241,12 @@ def test_lossless_group_of_another_dtype_streams_dense(offload_sim):
     error. (A float64 Linear stays resident: streamed layers compute in float32, bfloat16
     or float16.)"""
     model = _model().double().requires_grad_(False)
-    with pytest.warns(RuntimeWarning, match=r"cannot pack 1 layer.*: 0 \(the tensor is Double; only float32, "
+    with pytest.warns(RuntimeWarning, match=r"cannot pack 1 layer.*: 0 \(the tensor is torch.float64; only float32, "
                                             r"bfloat16 and float16"):
         handle = offload_sim(model, groups=["0"], quantize="lossless")
     assert not model[0].w.is_meta and handle.stats()["quantized_layers"] == 0
     handle.detach()
-    with pytest.raises(LayerstreamError, match="cannot quantize layer '0' to lossless: the tensor is Double"):
+    with pytest.raises(LayerstreamError, match="cannot quantize layer '0' to lossless: the tensor is torch.float64"):
         offload_sim(_model().double().requires_grad_(False), groups=["0"], quantize={"0": "lossless"})
 
 

@@ -4,6 +4,7 @@ not fit in host_budget are packed once into a cache file under cache_dir= and
 streamed packed from it; outputs and LoRA gradients equal the same model quantized
 in RAM; the cache is reused while valid and rebuilt when stale; a write that fails
 (no space) is a clear error that leaves nothing behind."""
+import json
 import os
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def test_disk_tier_streams_packed_bytes_from_the_cache_and_equals_the_model_quan
     # A .safetensors file any tool reads: one U8 tensor per weight, metadata saying what it was built from.
     with safe_open(cache_file, "pt") as f:
         meta = f.metadata()
-        assert meta["format"] == fmt and meta["layerstream.quant_cache"] == "1"
+        assert meta["format"] == fmt and meta["layerstream.quant_cache"] == "2"
         assert os.path.realpath(path) in meta["sources"]
         assert sorted(f.keys()) == sorted(n for n, _ in ref.named_parameters()
                                           if n.endswith("weight") and not n.startswith(("emb", "norm")))
@@ -197,6 +198,59 @@ def test_a_cache_file_changed_under_a_reader_is_named_as_layerstreams_cache(tmp_
         with torch.no_grad():
             model(_ids())
             handle.synchronize()
+
+
+def test_cache_bytes_changed_in_place_are_refused_at_their_first_read_and_a_deleted_cache_is_rebuilt(tmp_path):
+    """The cache's metadata (sizes, times) cannot see bytes changed in place: a damaged
+    cache file was streamed as it was (wrong numbers). Each tensor's checksum is now
+    checked at its first read."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    budget, cache = _budget(ref), tmp_path / "cache"
+
+    def run():
+        model = _loaded(path)
+        handle = layerstream.offload(model, device="sim", quantize="int8", host_budget=budget, cache_dir=cache)
+        try:
+            with torch.no_grad():
+                out = model(_ids())
+                handle.synchronize()
+            return out, _cache_file(handle)
+        finally:
+            handle.detach()
+
+    first, f = run()
+    with safe_open(f, "pt") as h:
+        sums = json.loads(h.metadata()["checksums"])
+        assert sorted(sums) == sorted(h.keys()) and all(len(v) == 16 for v in sums.values())
+    # One byte of layers.1's packed weight changed in place, the file's times put back.
+    with open(f, "rb") as h:
+        n = int.from_bytes(h.read(8), "little")
+        at = 8 + n + json.loads(h.read(n))["layers.1.weight"]["data_offsets"][0] + 5
+    st = os.stat(f)
+    with open(f, "r+b") as h:
+        h.seek(at)
+        byte = h.read(1)
+        h.seek(at)
+        h.write(bytes([byte[0] ^ 0x40]))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(LayerstreamError,
+                       match=r"tensor 'layers\.1\.weight' does not hold the bytes written there \(checksum .*Delete it"):
+        run()
+    os.remove(f)
+    again, f2 = run()
+    assert f2 == f and torch.equal(again, first)
+
+    # A cache file without checksums (as written before they were kept): rebuilt, never read.
+    with safe_open(f, "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+        meta = {k: v for k, v in h.metadata().items() if k != "checksums"}
+    tensors["layers.0.weight"] = torch.zeros_like(tensors["layers.0.weight"])
+    save_file(tensors, f, metadata=meta)
+    out, _ = run()
+    assert torch.equal(out, first)
+    with safe_open(f, "pt") as h:
+        assert "checksums" in h.metadata()
 
 
 def test_without_cache_dir_quantized_weights_must_fit_in_ram(tmp_path):

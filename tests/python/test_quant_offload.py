@@ -163,14 +163,16 @@ def test_a_float8_weight_streams_as_stored_or_is_refused_by_name(fmt):
     m[0].to(torch.float8_e4m3fn)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     streamed = copy.deepcopy(m)
-    with pytest.warns(RuntimeWarning, match=r"cannot pack 1 layer.*0 \(the tensor is Float8_e4m3fn; only float32"):
+    with pytest.warns(RuntimeWarning,
+                      match=r"cannot pack 1 layer.*0 \(the tensor is torch.float8_e4m3fn; only float32"):
         h = layerstream.offload(streamed, device="sim", quantize=fmt, compute_dtype=torch.bfloat16)
     assert h.stats()["quantized_layers"] == 1 and h.layers == ["0", "1"]
     with torch.no_grad():
         first = streamed[0](x)
     assert streamed[0].weight.dtype == torch.float8_e4m3fn
     assert torch.equal(first, nn.functional.linear(x, m[0].weight.to(torch.bfloat16), m[0].bias.to(torch.bfloat16)))
-    with pytest.raises(layerstream.LayerstreamError, match=f"cannot quantize layer '0' to {fmt}: the tensor is Float8"):
+    with pytest.raises(layerstream.LayerstreamError,
+                       match=f"cannot quantize layer '0' to {fmt}: the tensor is torch.float8"):
         layerstream.offload(copy.deepcopy(m), device="sim", quantize={"0": fmt})
 
 

@@ -347,4 +347,19 @@ MUTATIONS = [
         ["gtest:test_planner:Models.LayerBytesAreTheSlotLayoutTheEngineAllocates"],
         "`layerstream plan` adds a layer's weight and bias bytes unaligned: up to 255 B per tensor short of the "
         "slot the engine allocates"),
+    Mutation(
+        "quant-cache-checksum-not-checked", "csrc/core/io/stager.cpp",
+        "          if (p.check) p.file->verify(dst + off[i], p.bytes, p.tensor, *p.check);",
+        "          (void)p.check;",
+        [P + "test_host_tier_quant.py::test_cache_bytes_changed_in_place_are_refused_at_their_first_read_and_a_"
+         "deleted_cache_is_rebuilt"],
+        "the disk tier streams a quantization cache file's bytes changed in place (same size, times put back) "
+        "as they are: wrong weights"),
+    Mutation(
+        "quant-cache-checksums-not-required", "csrc/core/io/quant_cache.cpp",
+        "      return \"no checksum for tensor '\" + items[i].tensor + \"'\";",
+        "      value = 0;",
+        [P + "test_host_tier_quant.py::test_cache_bytes_changed_in_place_are_refused_at_their_first_read_and_a_"
+         "deleted_cache_is_rebuilt"],
+        "a cache file without checksums is read (with none to check against)"),
 ]

@@ -21,6 +21,7 @@
 #include "core/json.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
+#include "checksum.h"
 #include "source_file.h"
 
 namespace layerstream::quant_cache {
@@ -29,6 +30,19 @@ namespace {
 
 constexpr uint64_t kDataAlign = 4096;  // where the tensors start in the file
 constexpr const char* kVersionKey = "layerstream.quant_cache";
+// Per tensor, the checksum64 of its packed bytes: a JSON object of tensor name
+// -> 16 hex digits (checked at each tensor's first read, checksum.h).
+constexpr const char* kChecksumsKey = "checksums";
+
+// The checksums' metadata value; `sums` null: placeholders of the same length
+// (the header is written before the tensors are packed, and again after).
+std::string checksums_value(const std::vector<Item>& items, const std::vector<uint64_t>* sums) {
+  std::string out = "{";
+  for (size_t i = 0; i < items.size(); ++i)
+    out += std::string(i ? ", " : "") + json::quote(items[i].tensor) + ": \"" +
+           (sums ? checksum_hex((*sums)[i]) : std::string(16, '0')) + "\"";
+  return out + "}";
+}
 
 std::string real_path(const std::string& path) {
   char buf[PATH_MAX];
@@ -121,12 +135,23 @@ std::string stale(const std::string& path, const Expected& want, const std::vect
   }
   std::map<std::string, const TensorInfo*> by_name;
   for (const TensorInfo& t : h.tensors) by_name[t.name] = &t;
+  auto sums = h.metadata.find(kChecksumsKey);
+  json::Value parsed;
+  try {
+    if (sums != h.metadata.end()) parsed = json::parse(sums->second, path + " (checksums)");
+  } catch (const Error&) {
+    return "its checksums are unreadable";
+  }
   placed->clear();
   for (size_t i = 0; i < items.size(); ++i) {
     auto it = by_name.find(items[i].tensor);
     if (it == by_name.end() || it->second->nbytes != packed[i] || it->second->dtype != "U8")
       return "tensor '" + items[i].tensor + "' missing or of another size";
-    placed->push_back({it->second->file_offset, it->second->nbytes});
+    const json::Value* sum = parsed.find(items[i].tensor);
+    uint64_t value = 0;
+    if (sum == nullptr || !sum->is_string() || !parse_checksum(sum->text, &value))
+      return "no checksum for tensor '" + items[i].tensor + "'";
+    placed->push_back({it->second->file_offset, it->second->nbytes, value});
   }
   *identity = h.identity;  // the file checked: readers check that it stays this one
   return "";
@@ -262,7 +287,11 @@ Result ensure(const std::string& cache_dir, quant::Format format, const std::vec
     header += std::string(first ? "" : ", ") + json::quote(key) + ": " + json::quote(value);
     first = false;
   }
-  header += "}";
+  // Written last: the header is rewritten with the real values once every
+  // tensor is packed (the same length: fixed-width hex digits).
+  const std::string placeholder_sums = json::quote(checksums_value(items, nullptr));
+  const size_t sums_at = header.size() + json::quote(kChecksumsKey).size() + 4;
+  header += ", " + json::quote(kChecksumsKey) + ": " + placeholder_sums + "}";
   uint64_t data_bytes = 0;
   std::vector<uint64_t> begin;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -299,6 +328,7 @@ Result ensure(const std::string& cache_dir, quant::Format format, const std::vec
   // One weight at a time: read it dense (checked: the source is the one
   // described in the metadata), pack it, write it.
   std::vector<char> dense, out;
+  std::vector<uint64_t> sums;
   r.items.clear();
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
@@ -313,8 +343,14 @@ Result ensure(const std::string& cache_dir, quant::Format format, const std::vec
       LS_FAIL("cannot quantize '", it.tensor, "' of ", it.path, " to ", quant::to_string(format), ": ", e.message());
     }
     write_all(tmp, out.data(), packed[i], data_start + begin[i], r.path, "tensor '" + it.tensor + "'", total);
-    r.items.push_back({data_start + begin[i], packed[i]});
+    sums.push_back(checksum64(out.data(), packed[i]));
+    r.items.push_back({data_start + begin[i], packed[i], sums.back()});
   }
+  const std::string real_sums = json::quote(checksums_value(items, &sums));
+  LS_INTERNAL_CHECK(real_sums.size() == placeholder_sums.size() &&
+                        header.compare(sums_at, placeholder_sums.size(), placeholder_sums) == 0,
+                    "quant_cache: the checksums do not fit their placeholder");
+  write_all(tmp, real_sums.data(), real_sums.size(), 8 + sums_at, r.path, "checksums", total);
   // The sources must not have changed while they were read.
   LS_CHECK(expected(format, items).metadata == want.metadata, "a checkpoint file changed while the quantization "
            "cache file ", r.path, " was built from it; run again when it no longer changes");

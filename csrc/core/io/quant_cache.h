@@ -13,7 +13,9 @@
 // tensors back to back from a 4096-byte aligned data start. Its __metadata__
 // says what it was built from: the cache version, the format, every source
 // file (real path, size, modification time) and every item (tensor, file,
-// offset, bytes, dtype, shape). A file whose metadata differs from what is
+// offset, bytes, dtype, shape), and holds each tensor's checksum (checksum.h),
+// which the disk tier checks at the tensor's first read (the metadata cannot
+// see bytes changed in place). A file whose metadata differs from what is
 // asked now (a source rewritten, another format, another set of weights,
 // another version) is stale and rebuilt; nothing is ever read from a stale
 // one. One cache file per (format, source files, set of weights): its name
@@ -49,7 +51,7 @@ namespace layerstream::quant_cache {
 
 // Bumped whenever the packed bytes a format produces, or this file's layout,
 // change: caches of another version are rebuilt.
-constexpr int kVersion = 1;
+constexpr int kVersion = 2;  // 2: per-tensor checksums
 
 // One weight to cache: its dense bytes in a checkpoint file.
 struct Item {
@@ -64,6 +66,7 @@ struct Item {
 // Where one item's packed bytes lie in the cache file.
 struct Placed {
   uint64_t offset = 0, bytes = 0;
+  uint64_t checksum = 0;  // checksum64 of the packed bytes, as written (checksum.h)
 };
 
 struct Result {

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "checksum.h"
 #include "core/error.h"
 #include "core/optim/thread_pool.h"
 
@@ -33,6 +34,18 @@ const char* remedy(SourceFile::Kind kind) {
                "model again";
 }
 }  // namespace
+
+void SourceFile::verify(const void* data, uint64_t bytes, const std::string& tensor, ReadCheck& check) const {
+  if (check.verified.load(std::memory_order_acquire)) return;
+  const uint64_t got = checksum64(data, bytes);
+  LS_CHECK(got == check.expected, path_, ": tensor '", tensor, "' does not hold the bytes written there (checksum ",
+           checksum_hex(got), ", written ", checksum_hex(check.expected), "): the file was damaged or changed in "
+           "place after it was written.",
+           kind_ == Kind::QuantCache ? " Delete it (it is layerstream's quantization cache file; offload() builds it "
+                                       "again), and check the disk"
+                                     : remedy(kind_));
+  check.verified.store(true, std::memory_order_release);
+}
 
 FileIdentity FileIdentity::of(int fd, const std::string& path) {
   struct stat st {};

@@ -25,6 +25,7 @@ namespace layerstream {
 namespace optim {
 class ThreadPool;
 }
+struct ReadCheck;  // checksum.h
 
 // What a file was when it was recorded: size, modification time (ns), inode
 // and device. All zero: not recorded. Plain value.
@@ -76,6 +77,10 @@ class SourceFile {
   // layerstream::Error naming the file, the tensor and the offset.
   void read(void* dst, uint64_t offset, uint64_t bytes, const std::string& tensor,
             optim::ThreadPool* pool = nullptr, uint64_t chunk_bytes = 1ull << 20) const;
+  // Checks `bytes` bytes at `data`, read from this file for `tensor`, against
+  // `check` unless a read already verified them (core/io/checksum.h): throws
+  // layerstream::Error naming the file and the tensor on a mismatch.
+  void verify(const void* data, uint64_t bytes, const std::string& tensor, ReadCheck& check) const;
   // A process-wide pool of 4 reader threads (created on first use).
   static optim::ThreadPool& readers();
 

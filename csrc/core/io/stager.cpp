@@ -120,9 +120,10 @@ void Stager::issue_read(int entry, int layer, bool ahead) {
     try {
       for (size_t i = 0; i < parts.size(); ++i) {
         const StagedPart& p = parts[i];
-        if (p.file)
+        if (p.file) {
           p.file->read(dst + off[i], p.offset, p.bytes, p.tensor, pool, chunk);
-        else if (p.bytes)
+          if (p.check) p.file->verify(dst + off[i], p.bytes, p.tensor, *p.check);
+        } else if (p.bytes)
           std::memcpy(dst + off[i], p.memory, p.bytes);
       }
     } catch (const std::exception& ex) {

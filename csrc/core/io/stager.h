@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "../runtime.h"
+#include "checksum.h"
 #include "source_file.h"
 
 namespace layerstream {
@@ -57,6 +58,9 @@ struct StagedPart {
   const void* memory = nullptr;      // else: copy `bytes` from here
   uint64_t bytes = 0;
   std::string tensor;                // for error messages
+  // Set: the file's bytes must have this checksum, checked at the part's first
+  // read (then marked verified); a mismatch fails the read like an I/O error.
+  std::shared_ptr<ReadCheck> check;
 };
 
 struct StagerOptions {
