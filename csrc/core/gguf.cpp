@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "error.h"
+#include "json.h"
 
 namespace layerstream {
 
@@ -131,8 +132,13 @@ class Cursor {
     if (n > file_bytes_)
       LS_FAIL(what_, ": ", reading, " at byte ", pos_ - 8, " claims ", n, " bytes, more than the file holds; "
               "the file is damaged or not GGUF");
+    const uint64_t at = pos_;
     const char* p = take(n, reading);
-    return std::string(p, static_cast<size_t>(n));
+    std::string s(p, static_cast<size_t>(n));
+    // GGUF strings are UTF-8: one that is not cannot be named back to the user.
+    if (!json::valid_utf8(s))
+      LS_FAIL(what_, ": ", reading, " at byte ", at, " is not valid UTF-8; the file is damaged");
+    return s;
   }
 
  private:
@@ -272,6 +278,11 @@ GgufFile parse_gguf(std::string_view bytes, uint64_t file_bytes, const std::stri
     t.nbytes = t.numel / ty.block_elems * ty.block_bytes;
     g.tensors.push_back(std::move(t));
   }
+  {
+    std::map<std::string_view, int> seen;
+    for (const GgufTensor& t : g.tensors)
+      LS_CHECK(seen[t.name]++ == 0, what, ": tensor '", t.name, "' is named twice in the file; the file is damaged");
+  }
   g.data_offset = (c.pos() + g.alignment - 1) / g.alignment * g.alignment;
   // Offsets are relative to the data section; data must be aligned, inside
   // the file, and not overlap.
@@ -302,6 +313,9 @@ GgufFile read_gguf(const std::string& path) {
   auto st = fs::status(path, ec);
   LS_CHECK(!ec && fs::exists(st), "GGUF file '", path, "' does not exist");
   LS_CHECK(!fs::is_directory(st), "'", path, "' is a directory, not a GGUF file");
+  // A FIFO would block the reads forever: weights come from regular files only.
+  LS_CHECK(fs::is_regular_file(st), "'", path, "' is not a regular file (a FIFO, socket or device); pass the "
+           "path of a .gguf file");
   std::ifstream f(path, std::ios::binary);
   LS_CHECK(f.good(), "cannot open GGUF file '", path, "': ", std::strerror(errno));
   f.seekg(0, std::ios::end);

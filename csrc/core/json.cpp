@@ -40,6 +40,37 @@ bool Value::to_uint64(uint64_t& out) const {
   return true;
 }
 
+size_t utf8_sequence(std::string_view s, size_t at) {
+  const auto b = [&](size_t i) { return static_cast<unsigned char>(s[at + i]); };
+  const size_t left = s.size() - at;
+  const unsigned char c = b(0);
+  if (c < 0x80) return 1;
+  // The first byte gives the length and the range of the second byte
+  // (which excludes overlong forms, surrogates and code points past U+10FFFF).
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;
+  if (c >= 0xC2 && c <= 0xDF) n = 2;
+  else if (c == 0xE0) n = 3, lo = 0xA0;
+  else if (c == 0xED) n = 3, hi = 0x9F;
+  else if (c >= 0xE1 && c <= 0xEF) n = 3;
+  else if (c == 0xF0) n = 4, lo = 0x90;
+  else if (c >= 0xF1 && c <= 0xF3) n = 4;
+  else if (c == 0xF4) n = 4, hi = 0x8F;
+  if (n == 0 || left < n || b(1) < lo || b(1) > hi) return 0;
+  for (size_t i = 2; i < n; ++i)
+    if (b(i) < 0x80 || b(i) > 0xBF) return 0;
+  return n;
+}
+
+bool valid_utf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = utf8_sequence(s, i);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
+}
+
 std::string quote(std::string_view s) {
   std::string out;
   out.reserve(s.size() + 2);
@@ -248,6 +279,13 @@ class Parser {
         return out;
       }
       if (c < 0x20) fail("control character inside a string (must be escaped)");
+      if (c >= 0x80) {  // JSON text is UTF-8 (RFC 8259 8.1): a name that is not cannot be given back
+        const size_t n = utf8_sequence(s_, pos_);
+        if (n == 0) fail("invalid UTF-8 inside a string (the file is damaged)");
+        out.append(s_.data() + pos_, n);
+        pos_ += n;
+        continue;
+      }
       if (c != '\\') {
         out.push_back(static_cast<char>(c));
         ++pos_;

@@ -49,6 +49,12 @@ constexpr int kMaxDepth = 64;
 // `what` names the input in error messages (e.g. a file path).
 Value parse(std::string_view text, const std::string& what);
 
+// The length of the well-formed UTF-8 sequence (RFC 3629: no overlong forms,
+// no surrogates, at most U+10FFFF) starting at s[at], 0 when there is none.
+size_t utf8_sequence(std::string_view s, size_t at);
+// Whether all of `s` is well-formed UTF-8.
+bool valid_utf8(std::string_view s);
+
 // `s` as a JSON string literal, quotes included (control characters and
 // non-ASCII bytes escaped, so the result is always one printable line).
 std::string quote(std::string_view s);

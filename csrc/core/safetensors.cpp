@@ -206,7 +206,11 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   auto st = fs::status(path, ec);
   LS_CHECK(!ec && fs::exists(st), "safetensors file ", q(path), " does not exist");
   LS_CHECK(!fs::is_directory(st), q(path), " is a directory, not a safetensors file");
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // A FIFO or a device would block the open or the reads (forever, for a FIFO
+  // nobody writes): weights come from regular files only.
+  LS_CHECK(fs::is_regular_file(st), q(path), " is not a regular file (a FIFO, socket or device); pass the path "
+           "of a .safetensors file");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   LS_CHECK(fd >= 0, "cannot open safetensors file ", q(path), ": ", std::strerror(errno));
   struct Closer {
     int fd;

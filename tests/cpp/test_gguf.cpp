@@ -238,6 +238,32 @@ TEST(GgufReader, ReadsHeaderMetadataAndTensors) {
   std::remove(path.c_str());
 }
 
+// A damaged header: a tensor named twice, or a name that is not UTF-8, is an
+// error saying the file is damaged (it was blamed on rename=, or reached
+// Python as a bare UnicodeDecodeError).
+TEST(GgufReader, DuplicateOrNonUtf8NamesAreADamagedFile) {
+  for (const std::string& second : {std::string("w"), std::string("b\xff")}) {
+    Writer w;
+    w.b = "GGUF";
+    w.u32(3);
+    w.u64(2);
+    w.u64(0);
+    w.str("w"); w.u32(1); w.u64(3); w.u32(0); w.u64(0);
+    w.str(second); w.u32(1); w.u64(3); w.u32(0); w.u64(32);
+    w.pad(32);
+    w.b += std::string(64, 'f');
+    std::string msg;
+    try {
+      parse_gguf(w.b, w.b.size(), "mem.gguf");
+    } catch (const Error& e) {
+      msg = e.message();
+    }
+    EXPECT_NE(msg.find(second == "w" ? "tensor 'w' is named twice" : "a tensor name at byte"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("the file is damaged"), std::string::npos) << msg;
+  }
+}
+
 TEST(GgufReader, HeadersLargerThanTheFirstReadAreReadWhole) {
   // A 3 MiB metadata string (vocabularies make real headers megabytes long):
   // read_gguf reads the first MiB, then more until the header is whole.

@@ -1,6 +1,7 @@
 // safetensors header reader, JSON parser, checkpoint grouping, and a
 // randomized fuzz test (LS_FUZZ_ITERS=N for a longer local run).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -15,6 +16,8 @@
 #include "core/error.h"
 #include "core/json.h"
 #include "core/planner.h"
+#include "core/gguf.h"
+#include "core/io/source_file.h"
 #include "core/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -90,6 +93,22 @@ const std::string kTwo =
 
 // ------------------------------------------------------------------ JSON
 
+// A FIFO (or device) named as a checkpoint is refused at once: opening and
+// reading one blocked forever (until Ctrl-C) when nobody wrote into it.
+TEST(SafetensorsFile, AFifoIsRefusedWithoutBlocking) {
+  TempDir dir;
+  const std::string fifo = dir.str() + "/m.safetensors";
+  ASSERT_EQ(0, ::mkfifo(fifo.c_str(), 0600));
+  const std::string msg = error_of([&] { read_safetensors_header(fifo); });
+  EXPECT_NE(msg.find("is not a regular file"), std::string::npos) << msg;
+  const std::string gguf = dir.str() + "/m.gguf";
+  ASSERT_EQ(0, ::mkfifo(gguf.c_str(), 0600));
+  const std::string g = error_of([&] { read_gguf(gguf); });
+  EXPECT_NE(g.find("is not a regular file"), std::string::npos) << g;
+  const std::string src = error_of([&] { SourceFile::open(fifo); });
+  EXPECT_NE(src.find("not a regular file"), std::string::npos) << src;
+}
+
 TEST(Json, ParsesValues) {
   json::Value v = json::parse(R"( {"a": [1, -2.5e3, true, false, null], "s": "x\"\\\n\u00e9\ud83d\ude00", "n": 18446744073709551615} )", "t");
   ASSERT_TRUE(v.is_object());
@@ -116,6 +135,21 @@ TEST(Json, RejectsMalformed) {
   }
   uint64_t u;
   EXPECT_FALSE(json::parse("18446744073709551616", "t").to_uint64(u));  // overflow
+}
+
+// JSON text is UTF-8: a string with bytes that are not (a damaged header) is an
+// error naming the input, not a name that cannot be given back to Python.
+TEST(Json, StringsMustBeUtf8) {
+  EXPECT_EQ(json::parse("\"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80\"", "t").text,
+            "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+  for (const char* bad : {"\"a\xff\"", "\"\xc3\"", "\"\xc0\xaf\"", "\"\xe0\x80\xaf\"", "\"\xed\xa0\x80\"",
+                          "\"\xf4\x90\x80\x80\"", "\"\xe2\x82\""}) {
+    const std::string msg = error_of([&] { json::parse(bad, "input"); });
+    EXPECT_HAS(msg, "input: bad JSON at byte");
+    EXPECT_HAS(msg, "invalid UTF-8");
+  }
+  EXPECT_TRUE(json::valid_utf8("plain \xc3\xa9"));
+  EXPECT_FALSE(json::valid_utf8("\xc3"));
 }
 
 TEST(Json, DeepNestingIsAnErrorNotACrash) {

@@ -152,7 +152,7 @@ TEST(SourceFile, ARecordedIdentityIsCheckedByAFileOpenedLater) {
   auto later = SourceFile::open(path, recorded);
   const std::string msg = error_of([&] { later->read(out.data(), 0, out.size(), "blk.0.weight"); });
   EXPECT_NE(msg.find("changed after it was loaded"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("Restore the file"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Load the model again"), std::string::npos) << msg;
   // Layerstream's own cache file says so, and what to do.
   const std::string cache = error_of([&] {
     SourceFile::open(path, recorded, SourceFile::Kind::QuantCache)->check("blk.0.weight");

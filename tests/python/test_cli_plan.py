@@ -250,6 +250,9 @@ def test_unknown_model():
     (("--model", "llama-7b", "--budget", "1GB", "--frobnicate"), 'unknown option "--frobnicate"'),
     (("--model", "llama-7b", "--budget"), "--budget needs a value"),
     (("--model", "a", "--checkpoint", "b", "--budget", "1GB"), "exactly one of"),
+    # -1 said "expects a non-negative number", then 0 "expects a positive number"
+    (("--model", "llama-7b", "--budget", "1GB", "--disk-gbps", "-1"), '--disk-gbps expects a positive number, got "-1"'),
+    (("--model", "llama-7b", "--budget", "1GB", "--disk-gbps", "0"), '--disk-gbps expects a positive number, got "0"'),
 ])
 def test_usage_errors(args, needle):
     assert_one_line_error(run(*args), code=2, contains=needle)

@@ -99,12 +99,13 @@ std::string config_json_beside(const std::string& checkpoint) {
   return fs::is_regular_file(config, ec) ? config.string() : std::string();
 }
 
-double parse_number(const std::string& flag, const std::string& v) {
+double parse_number(const std::string& flag, const std::string& v, bool positive = false) {
   const char* s = v.c_str();
   char* end = nullptr;
   double d = std::strtod(s, &end);
-  if (v.empty() || end != s + v.size() || !std::isfinite(d) || d < 0)
-    throw Usage{flag + " expects a non-negative number, got " + json::quote(v)};
+  if (v.empty() || end != s + v.size() || !std::isfinite(d) || d < 0 || (positive && d == 0))
+    throw Usage{flag + (positive ? " expects a positive number, got " : " expects a non-negative number, got ") +
+                json::quote(v)};
   return d;
 }
 
@@ -308,8 +309,7 @@ int cmd_plan(int argc, char** argv) {
       } else if (a == "--host-budget") {
         host_budget_s = take();
       } else if (a == "--disk-gbps") {
-        disk_gbps = parse_number(a, take());
-        if (disk_gbps <= 0) throw Usage{"--disk-gbps expects a positive number"};
+        disk_gbps = parse_number(a, take(), /*positive=*/true);
       } else if (a == "--json") {
         no_value();
         as_json = true;

@@ -362,4 +362,23 @@ MUTATIONS = [
         [P + "test_host_tier_quant.py::test_cache_bytes_changed_in_place_are_refused_at_their_first_read_and_a_"
          "deleted_cache_is_rebuilt"],
         "a cache file without checksums is read (with none to check against)"),
+    Mutation(
+        "checkpoint-fifo-opened", "csrc/core/safetensors.cpp",
+        "  LS_CHECK(fs::is_regular_file(st), q(path), \" is not a regular file (a FIFO, socket or device); pass the path \"\n"
+        "           \"of a .safetensors file\");",
+        "",
+        ["gtest:test_safetensors:SafetensorsFile.AFifoIsRefusedWithoutBlocking"],
+        "a FIFO named as a checkpoint blocks load_safetensors() forever (until Ctrl-C)"),
+    Mutation(
+        "json-strings-not-checked-for-utf8", "csrc/core/json.cpp",
+        "        if (n == 0) fail(\"invalid UTF-8 inside a string (the file is damaged)\");",
+        "        if (n == 0) n = 1;",
+        ["gtest:test_safetensors:Json.StringsMustBeUtf8"],
+        "a safetensors header with a name that is not UTF-8 reaches Python as a bare UnicodeDecodeError naming no file"),
+    Mutation(
+        "gguf-duplicate-tensor-names-accepted", "csrc/core/gguf.cpp",
+        "      LS_CHECK(seen[t.name]++ == 0, what,",
+        "      LS_CHECK(seen[t.name]++ >= 0, what,",
+        ["gtest:test_gguf:GgufReader.DuplicateOrNonUtf8NamesAreADamagedFile"],
+        "a GGUF file naming a tensor twice is blamed on rename= instead of called damaged"),
 ]

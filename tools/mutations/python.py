@@ -81,8 +81,8 @@ MUTATIONS = [
         "a forward interrupted by Ctrl-C leaves the saved-tensor hooks entered: the next call nests in it"),
     Mutation(
         "activation-detach-keeps-scope", "python/layerstream/_activations.py",
-        "(close()).\"\"\"\n        self.close()",
-        "(close()).\"\"\"\n        pass",
+        "which no longer holds the engine.\"\"\"\n        self.close()",
+        "which no longer holds the engine.\"\"\"\n        pass",
         [P + "test_activations.py::test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open"],
         "detach() leaves an interrupted forward's saved-tensor hooks entered (autograd then fails)"),
     Mutation(

@@ -367,10 +367,10 @@ MUTATIONS = [
         "a saved activation written in place after the forward is restored without autograd's version check"),
     Mutation(
         "quant-cache-change-blames-the-user", "csrc/python/bindings.cpp",
-        "res.identity,\n                              SourceFile::Kind::QuantCache});",
-        "res.identity});",
+        "SourceFile::Kind::QuantCache, res.items[i].checksum});",
+        "SourceFile::Kind::Checkpoint, res.items[i].checksum});",
         [P + "test_host_tier_quant.py::test_a_cache_file_changed_under_a_reader_is_named_as_layerstreams_cache"],
-        "a changed quantization cache file is reported as the user's checkpoint (\"Restore the file\"), not as "
+        "a changed quantization cache file is reported as the user's checkpoint (\"Load the model again\"), not as "
         "layerstream's cache to rebuild with offload()"),
     Mutation(
         "cpp-resident-quantized-keeps-original-values", "csrc/torch/offload.cpp",

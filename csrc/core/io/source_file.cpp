@@ -30,8 +30,9 @@ const char* remedy(SourceFile::Kind kind) {
              ? " layerstream's quantization cache file (cache_dir=) is not the one offload() checked: another "
                "offload() rebuilt it for a changed checkpoint, or something else wrote or removed it. Leave the "
                "files of cache_dir alone while a model uses them, and offload() again (it rebuilds the cache)"
-             : " layerstream does not use weights other than those it loaded. Restore the file, or load the "
-               "model again";
+             : " layerstream does not use weights other than those it loaded, and a file put back is another "
+               "file (its inode and modification time). Load the model again (load_safetensors(), or "
+               "read_checkpoint() in C++) and offload() it";
 }
 }  // namespace
 
@@ -57,8 +58,13 @@ std::shared_ptr<SourceFile> SourceFile::open(const std::string& path, const File
   std::shared_ptr<SourceFile> f(new SourceFile());
   f->path_ = path;
   f->kind_ = kind;
-  f->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO put under the name does not block the open (no effect
+  // on a regular file's reads); it is refused below.
+  f->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   LS_CHECK(f->fd_ >= 0, path, ": cannot open for reading: ", std::strerror(errno));
+  struct stat st {};
+  LS_CHECK(::fstat(f->fd_, &st) == 0 && S_ISREG(st.st_mode), path, ": not a regular file (a FIFO, socket, "
+           "device or directory); weights are read from regular files only.", remedy(kind));
   f->opened_ = FileIdentity::of(f->fd_, path);
   f->identity_ = recorded.recorded() ? recorded : f->opened_;
   return f;
