@@ -570,9 +570,10 @@ void EngineImpl::check_host_alias(const LayerInfo& l) const {
             resized ? "resized after offload() (from " + shape_str(l.w_shape) + " to " +
                           shape_str(l.weight.sizes().vec()) + ": e.g. transformers' resize_token_embeddings())"
                     : std::string("replaced or moved after offload() (e.g. by module.to(), .cuda(), `param.data = "
-                                  "...` (peft's merge_and_unload(safe_merge=True) does that: merge without "
-                                  "safe_merge, or detach() first) or load_state_dict(assign=True); in C++ "
-                                  "set_data() or set_())"),
+                                  "...` or load_state_dict(assign=True); in C++ set_data() or set_()). peft's "
+                                  "merge_and_unload() assigns .data with safe_merge=True, and for DoRA, IA3, HRA, "
+                                  "BOFT and trainable tokens always (only plain LoRA merges in place); so does "
+                                  "prepare_model_for_kbit_training() when it casts weights to float32"),
             "; layerstream keeps streamed weights in host memory. detach() the offload handle before changing "
             "the model's weights this way (and offload() again after), or copy new values in place.");
   }
