@@ -772,13 +772,51 @@ const std::vector<uint32_t>& Scheduler::positions_locked(int layer) {
   return positions_[static_cast<size_t>(layer)];
 }
 
+// Note [Staging skips what a slot serves]
+// The staging cache keeps the entries whose layers the trace needs soonest
+// (Belady). But the device prefetch runs ahead of pos_: the next layers are
+// copied into device slots before they are computed, and once a layer's copy
+// is in its slot, its staging entry serves nothing until its next use after
+// that. Measured from pos_ alone, such entries looked needed soonest and were
+// kept, and the entries of layers not yet copied were evicted instead; with a
+// prefetch of at least the number of entries that read every layer about
+// twice per step (12 layers, 3 entries, prefetch 4: 21 reads a step instead of
+// 12). So within the span the prefetch covers, a layer already in a valid
+// slot counts from its following use, and read_ahead() passes it over.
+// Correctness does not depend on it: a layer evicted from its slot before its
+// use is read again on demand (stage()).
+size_t Scheduler::prefetch_span_locked() {
+  const int k = opts_.prefetch_depth;
+  if (k <= 0 || trace_.empty()) return 0;
+  const bool wraps = static_cast<bool>(opts_.content_version);  // prefetch_locked() crosses the step boundary
+  const size_t end = wraps ? trace_.size() : trace_.size() - std::min(pos_, trace_.size());
+  int taken = 0;
+  for (size_t j = 0; j < end; ++j)
+    if (layers_[static_cast<size_t>(trace_[(pos_ + j) % trace_.size()])].prefetch && ++taken == k) return j + 1;
+  return end;
+}
+
+bool Scheduler::served_from_slot_locked(int layer, size_t d) {
+  const int s = loaded_[static_cast<size_t>(layer)];
+  if (s < 0 || d >= prefetch_span_locked()) return false;
+  const auto& version = opts_.content_version ? opts_.content_version : opts_.write_version;
+  return !version || version(layer) == copied_version_[static_cast<size_t>(layer)];
+}
+
 int64_t Scheduler::next_use_cyclic_locked(int layer) {
   if (recording_ || trace_.empty()) return -1;
   const std::vector<uint32_t>& at = positions_locked(layer);
   if (at.empty()) return -1;
-  const auto it = std::lower_bound(at.begin(), at.end(), static_cast<uint32_t>(pos_));
-  if (it != at.end()) return static_cast<int64_t>(*it) - static_cast<int64_t>(pos_);
-  return static_cast<int64_t>(trace_.size() - pos_ + at.front());  // in the next step
+  // Its uses from pos_ on, unwrapped (k-th: this step's, then the next's).
+  const size_t here = static_cast<size_t>(std::lower_bound(at.begin(), at.end(), static_cast<uint32_t>(pos_)) -
+                                          at.begin());
+  auto use = [&](size_t k) {
+    const size_t i = here + k;
+    return static_cast<int64_t>(at[i % at.size()]) + static_cast<int64_t>(i / at.size() * trace_.size()) -
+           static_cast<int64_t>(pos_);
+  };
+  const int64_t d = use(0);
+  return served_from_slot_locked(layer, static_cast<size_t>(d)) ? use(1) : d;
 }
 
 void Scheduler::read_ahead_locked() {
@@ -790,7 +828,8 @@ void Scheduler::read_ahead_locked() {
   const size_t want = std::min<size_t>(static_cast<size_t>(depth), stager_->stats().entries);
   for (size_t j = 0; j < trace_.size() && upcoming.size() < want; ++j) {
     const int l = trace_[(pos_ + j) % trace_.size()];
-    if (stager_->staged(l) && std::find(upcoming.begin(), upcoming.end(), l) == upcoming.end())
+    if (stager_->staged(l) && !served_from_slot_locked(l, j) &&
+        std::find(upcoming.begin(), upcoming.end(), l) == upcoming.end())
       upcoming.push_back(l);
   }
   stager_->read_ahead(upcoming, [this](int l) { return next_use_cyclic_locked(l); });

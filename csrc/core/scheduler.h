@@ -358,6 +358,12 @@ class Scheduler {
   std::vector<uint64_t> copied_version_;  // layer -> content version of its last copy
   std::vector<uint64_t> staged_version_;  // layer -> version when last copied from its staging entry
   bool loaded_valid_locked(int layer);
+  // The staging cache's view of the trace (Note [Staging skips what a slot
+  // serves], scheduler.cpp): how many trace entries from pos_ the device
+  // prefetch covers, and whether `layer`, `d` entries ahead, is served by the
+  // device slot it is already in (so its staging entry is not needed for it).
+  size_t prefetch_span_locked();
+  bool served_from_slot_locked(int layer, size_t d);
 
   mutable std::mutex mu_;
   std::vector<int> trace_;

@@ -290,7 +290,7 @@ INSTANTIATE_TEST_SUITE_P(Schedules, StagedSchedule,
 // entries and read-ahead r, keeping by farthest next use reads at most
 // n - e + r layers per step; least-recently used would read all n every
 // step. With entries for all, nothing is read after the first step.
-uint64_t reads_per_step(int n, int entries) {
+uint64_t reads_per_step(int n, int entries, int prefetch = 1, int slots = 2) {
   SimOptions o;
   o.h2d_gbps = 0;
   o.latency_us = 0;
@@ -300,8 +300,8 @@ uint64_t reads_per_step(int n, int entries) {
   const std::string path = temp_path("belady" + std::to_string(entries) + ".bin");
   Model m = make_model(*sim, store, n, rng, path, /*all_from_file=*/true, /*fixed=*/1024);
   SchedulerOptions so;
-  so.num_slots = 2;
-  so.prefetch_depth = 1;
+  so.num_slots = slots;
+  so.prefetch_depth = prefetch;
   so.staging.cache_bytes = 1024 * static_cast<size_t>(entries);
   Stream transfer = sim->create_stream("transfer");
   Stream compute = sim->create_inline_stream("compute");
@@ -328,6 +328,18 @@ TEST(StagerCache, KeepsByFarthestNextUse) {
     EXPECT_LT(r, 10u) << e << " entries";
   }
   EXPECT_EQ(reads_per_step(10, 10), 0u);
+}
+
+// A device prefetch deeper than the entries (Note [Staging skips what a slot
+// serves], scheduler.cpp): the layers already copied into slots kept their
+// entries as if needed soonest, and the others were read twice a step (12
+// layers, 3 entries, prefetch 4: 21 reads a step).
+TEST(StagerCache, APrefetchDeeperThanTheEntriesReadsEachLayerOnce) {
+  for (int prefetch : {3, 4, 6}) {
+    const uint64_t r = reads_per_step(12, 3, prefetch, prefetch + 2);
+    EXPECT_LE(r, 12u - 3u + static_cast<uint64_t>(prefetch) + 1u) << "prefetch " << prefetch;
+    EXPECT_LE(r, 12u) << "prefetch " << prefetch;
+  }
 }
 
 TEST(StagerCache, TooSmallIsAClearError) {

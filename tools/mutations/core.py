@@ -372,7 +372,7 @@ MUTATIONS = [
     Mutation(
         "json-strings-not-checked-for-utf8", "csrc/core/json.cpp",
         "        if (n == 0) fail(\"invalid UTF-8 inside a string (the file is damaged)\");",
-        "        if (n == 0) n = 1;",
+        "        if (n == 0) {\n          out.push_back(static_cast<char>(c));\n          ++pos_;\n          continue;\n        }",
         ["gtest:test_safetensors:Json.StringsMustBeUtf8"],
         "a safetensors header with a name that is not UTF-8 reaches Python as a bare UnicodeDecodeError naming no file"),
     Mutation(
@@ -381,4 +381,11 @@ MUTATIONS = [
         "      LS_CHECK(seen[t.name]++ >= 0, what,",
         ["gtest:test_gguf:GgufReader.DuplicateOrNonUtf8NamesAreADamagedFile"],
         "a GGUF file naming a tensor twice is blamed on rename= instead of called damaged"),
+    Mutation(
+        "staging-keeps-entries-a-slot-serves", "csrc/core/scheduler.cpp",
+        "  if (s < 0 || d >= prefetch_span_locked()) return false;",
+        "  if (true) return false;",
+        ["gtest:test_stager:StagerCache.APrefetchDeeperThanTheEntriesReadsEachLayerOnce"],
+        "the disk tier's staging cache keeps the entries of layers already copied into device slots: with a "
+        "prefetch deeper than the entries every layer is read about twice a step"),
 ]
