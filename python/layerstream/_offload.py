@@ -487,18 +487,10 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                             _train_bytes(train_spec, tensors)))
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
-        # The layer a "budget too small" error names: the largest slot, the first of equals
-        # (core/planner.cpp, PlannerLayer::streamed_slot_bytes; max() keeps the first too).
-        # Chosen from what the planner is given, not read back from its text (a name is
-        # escaped there byte by byte, and slots= wraps the text in more words).
-        largest = max(planned, key=lambda layer: max(layer[1], layer[2]))[0] if planned else None
-        as_stored = as_stored & {largest}  # it, when quantize= does not apply to it
-        try:
-            plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
-                                       slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
-                                       fixed_train_bytes=fixed_train, ties=ties)
-        except LayerstreamError as e:
-            raise _as_stored_advice(e, as_stored) from None
+        plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
+                                   slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
+                                   fixed_train_bytes=fixed_train, ties=ties,
+                                   as_stored=[i for i, t in enumerate(layers) if t.name in as_stored])
         resident_names = set(plan["resident"])
         # Tied weights: a head kept resident keeps its tensor on the device, so the table
         # that shares it is resident too (it is on the device once, in the head's bytes).
@@ -514,22 +506,6 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                                 - plan["train_bytes"])
 
     return plan, resident_names
-
-
-# core/planner.cpp's words: its "budget too small" advice for a layer quantize= could pack,
-# and what it says instead for one it cannot (PlannerLayer::as_stored).
-_QUANTIZE_ADVICE = " (or quantize the weights, e.g. to nf4)"
-_AS_STORED_NOTE = " (it streams as stored: quantization does not apply to it)"
-
-
-def _as_stored_advice(error: Exception, as_stored) -> Exception:
-    """The planner's "budget too small" error, whose largest layer is in `as_stored` (one
-    quantize= does not apply to): said as C++ says it where it knows (core/planner.cpp,
-    PlannerLayer::as_stored; _C.plan_slots_first does not take it), not "or quantize"."""
-    text = str(error)
-    if not as_stored or text.count(_QUANTIZE_ADVICE) != 1:
-        return error
-    return type(error)(text.replace(_QUANTIZE_ADVICE, _AS_STORED_NOTE))
 
 
 def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, grouped: list,

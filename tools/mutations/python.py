@@ -527,8 +527,8 @@ MUTATIONS = [
         "model.to_empty(device=<compute device>) after offload(): resident tensors become uninitialised memory"),
     Mutation(
         "too-small-advises-quantizing-as-stored", "python/layerstream/_offload.py",
-        "            raise _as_stored_advice(e, as_stored) from None\n",
-        "            raise\n",
+        "as_stored=[i for i, t in enumerate(layers) if t.name in as_stored])",
+        "as_stored=[])",
         [P + "test_quant_offload.py::test_a_budget_too_small_suggests_quantizing_only_a_layer_it_applies_to"],
         "\"budget too small\" tells to quantize a largest layer quantize= does not apply to (a tied head)"),
     Mutation(
@@ -678,8 +678,8 @@ MUTATIONS = [
         "(the budget changes the numbers)"),
     Mutation(
         "offload-plans-tied-layers-apart", "python/layerstream/_offload.py",
-        "fixed_train_bytes=fixed_train, ties=ties)",
-        "fixed_train_bytes=fixed_train)",
+        "fixed_train_bytes=fixed_train, ties=ties,\n",
+        "fixed_train_bytes=fixed_train,\n",
         [P + "test_planner_ties.py"],
         "offload(budget=) plans two layers sharing a weight as unrelated ones: the weight counted twice, and "
         "handle.plan / stats() report one resident where both are"),
@@ -725,9 +725,9 @@ MUTATIONS = [
         [P + "test_loose_ends.py::test_a_table_resident_with_its_tied_head_is_in_the_plan_and_stats"],
         "a table resident with its tied head is left out of stats()['resident_layers'] and handle.plan"),
     Mutation(
-        "as-stored-advice-only-at-the-end", "python/layerstream/_offload.py",
-        "    if not as_stored or text.count(_QUANTIZE_ADVICE) != 1:\n",
-        "    if not as_stored or not text.endswith(_QUANTIZE_ADVICE):\n",
+        "as-stored-advice-only-at-the-end", "csrc/python/bindings.cpp",
+        "          in.layers[i].as_stored = true;",
+        "          in.layers[i].as_stored = i + 1 == in.layers.size();",
         [P + "test_loose_ends.py::test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it"],
         "with slots=, a budget too small for a tied head (which streams as stored) suggests quantizing it"),
     Mutation(
