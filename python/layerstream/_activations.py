@@ -23,11 +23,15 @@ from ._interrupts import held_interrupts
 class _Kept:
     """A saved tensor the engine does not take (a parameter, a view of one, not dense),
     with its version when saved: unpacking runs autograd's check, which torch skips
-    under saved-tensor hooks (_C.check_saved_version)."""
+    under saved-tensor hooks (_C.check_saved_version). Its data only, as autograd saves
+    it: an output saved with its own autograd node is a cycle through the graph that
+    not even gc frees, so a forward without backward kept its graph (autograd gives the
+    unpacked data its node and the leaf's accumulator back)."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor):
+        t = t.detach()
         self.tensor = t
         try:
             self.version = t._version
@@ -156,7 +160,7 @@ class ActivationOffload:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is not None and top[0] == self.pack:
             torch._C._autograd._pop_saved_tensors_default_hooks()
-        return _Kept(t.detach())
+        return _Kept(t)
 
     def _enter(self, module, args):
         if torch.compiler.is_exporting():

@@ -649,3 +649,41 @@ def test_sparse_and_wrapper_saved_tensors_stay_as_they_are(offload_sim):
     ref = copy.deepcopy(model)
     offload_sim(model, slots=2, activations="host")
     _train(model, ref, torch.randn(256, 256), steps=2)
+
+
+def test_a_forward_without_backward_frees_its_graph_when_a_saved_output_is_kept_as_it_is():
+    """A saved tensor the engine does not take (here sparse: torch.sparse.softmax saves
+    its result) was kept with its autograd history: an output holding its own node, a
+    cycle through the graph that not even gc freed, so every forward without backward
+    (a validation pass with grad on) kept its graph and activations. The gradients stay
+    those of the resident model."""
+    import gc
+    import weakref
+
+    class Sparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            z = torch.sparse.softmax(self.lin(x).to_sparse().coalesce(), 0)
+            self.seen = weakref.ref(z)
+            return z.to_dense()
+
+    torch.manual_seed(0)
+    model = Sparse()
+    ref = copy.deepcopy(model)
+    handle = layerstream.offload(model, device="sim", activations="host")
+    x = torch.randn(4, 16)
+    gc.disable()
+    try:
+        out = model(x)
+        seen = model.seen
+        del out
+        assert seen() is None
+    finally:
+        gc.enable()
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_match(model, ref)
+    handle.detach()

@@ -774,4 +774,12 @@ MUTATIONS = [
              "test_after_detach_a_thread_whose_forward_was_interrupted_saves_as_plain_torch"],
         "after detach() the hooks a forward interrupted on another thread left there still reach the engine: every "
         "later save on that thread fails (\"handle was detached\"), and they keep the engine and the model alive"),
+    Mutation(
+        "activation-kept-tensor-keeps-its-graph", "python/layerstream/_activations.py",
+        "        t = t.detach()\n        self.tensor = t",
+        "        self.tensor = t",
+        [P + "test_activations.py::test_a_forward_without_backward_frees_its_graph_when_a_saved_output_is_kept_as_"
+             "it_is"],
+        "a saved tensor activation offload keeps as it is holds its autograd history: a forward without backward "
+        "whose output is saved keeps its graph (a cycle gc does not free)"),
 ]
