@@ -99,6 +99,65 @@ def _scaled_modes(rank, result, init_scale, poison_step=None):
         handle.detach()
 
 
+def _sigint_as_returns(name, call):
+    """call(), with SIGINT raised once as the first C function `name` returns inside it
+    (where CPython runs the handler of a Ctrl-C that came during that call). Returns
+    (whether it was sent, call()'s KeyboardInterrupt or None)."""
+    sent = []
+
+    def hook(frame, ev, arg):
+        if not sent and ev == "c_return" and getattr(arg, "__name__", "") == name:
+            sent.append(True)
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGINT)
+
+    sys.setprofile(hook)
+    try:
+        call()
+    except KeyboardInterrupt as e:
+        return bool(sent), e
+    finally:
+        sys.setprofile(None)
+    return bool(sent), None
+
+
+def _interrupted_sharded_steps(rank, result):
+    """3 steps of each optimizer on a shared host copy (share_host_store="all"); rank 0's
+    second step() gets a Ctrl-C as the opening barrier's wait or the kernel returns, then
+    is run again ("rerun") or not ("go_on": zero_grad() and the next step). result[name]:
+    {case: (weights, step counts)}, case None for the run without a Ctrl-C."""
+    from layerstream.optim import Adafactor, AdamW
+    makers = {"adamw": lambda ps: AdamW(ps, lr=1e-2),
+              "adafactor": lambda ps: Adafactor(ps, lr=1e-2, relative_step=False)}
+    kernels = {"adamw": "optim_adamw_step", "adafactor": "optim_adafactor_step"}
+    for name, make_opt in makers.items():
+        runs = {}
+        for case in (None, ("kernel", "rerun"), ("kernel", "go_on"), ("wait", "rerun"), ("wait", "go_on")):
+            model = make_model()
+            handle = layerstream.offload(model, device="sim", share_host_store="all")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = make_opt(params)
+            for step in range(3):
+                ids, target = batch_of(step, 0, ranks=dist.get_world_size())[rank * BATCH:(rank + 1) * BATCH]
+                nn.functional.mse_loss(ddp(ids), target).backward()
+                if step == 1 and rank == 0 and case is not None:
+                    at, then = case
+                    sent, stopped = _sigint_as_returns(kernels[name] if at == "kernel" else "wait", opt.step)
+                    assert sent and stopped is not None, (name, case, sent)
+                    if then == "rerun":
+                        opt.step()
+                else:
+                    opt.step()
+                opt.zero_grad()
+            runs[case] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                          [int(opt.state[p]["step"]) if p in opt.state else 0 for p in params])
+            del ddp
+            dist.barrier()
+            handle.detach()
+        result[name] = runs
+
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -268,6 +327,8 @@ def run(scenario, out, rank, result):
             result[name] = {"straight": straight, "resumed": resumed, "wrong_rank_error": wrong,
                             "from_whole": from_whole, "whole": whole,
                             "single_state": copy.deepcopy(single_opt.state_dict())}
+    elif scenario == "sharded_interrupted":
+        _interrupted_sharded_steps(rank, result)
     elif scenario == "sharded_adafactor":
         # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
         # owner rank), and the Linear weights crossing the bus lossless-coded.

@@ -246,6 +246,25 @@ def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_anot
             assert detached["shard"] == {"rank": rank % 2, "ranks": 2}, (name, rank, detached)
             assert "model was detached" in (detached["error"] or ""), (name, rank, detached["error"])
 
+def test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank(tmp_path):
+    """A Ctrl-C that landed in a sharded step (rank 0's, as the opening barrier's wait or
+    the kernel returned) left its closing barrier and version records undone: the next
+    forward refused the step's own writes ("written by something other than
+    layerstream.optim's sharded step") and rank 1 waited in that barrier; a re-run
+    stepped nothing and skipped them too, or (stopped past the opening barrier) passed it
+    again, paired with rank 1's closing one. Now the Ctrl-C lands once the step is done:
+    re-run or not, both ranks train as without it (equal weights, equal step counts)."""
+    results = _run("sharded_interrupted", 2, tmp_path)
+    for name in ("adamw", "adafactor"):
+        want, want_counts = results[0][name][None]
+        assert sum(want_counts) > 0
+        for r, res in enumerate(results):
+            for case, (got, counts) in res[name].items():
+                assert counts == res[name][None][1], (name, r, case)
+                for n, value in got.items():
+                    assert torch.equal(value, want[n]), (name, r, case, n)
+
+
 def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
     """layerstream.optim.Adafactor on a shared host copy: each trainable streamed tensor
     is stepped whole by one rank (largest first to the least-loaded rank), the results

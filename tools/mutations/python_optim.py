@@ -204,4 +204,11 @@ MUTATIONS = [
         [P + "test_resume_order.py::test_optimizer_state_loaded_before_offload_into_a_meta_model_resumes_bit_for_bit"],
         "an optimizer state loaded before offload() into a model load_safetensors() filled is adopted in the "
         "meta parameters' layout: the moments become meta tensors, lost, and state_dict() saves them so"),
+    Mutation(
+        "sharded-step-ctrl-c-not-held-whole", "python/layerstream/optim.py",
+        "        return held_interrupts() if self._sharded_params() else contextlib.nullcontext()",
+        "        return contextlib.nullcontext()",
+        [P + "test_distributed.py::test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank"],
+        "a Ctrl-C in a sharded step skips its closing barrier and version records: the next forward refuses the "
+        "step's own writes, the other ranks wait in the barrier, a re-run does not end it either"),
 ]
