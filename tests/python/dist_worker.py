@@ -2,6 +2,7 @@
 
 Run as: python dist_worker.py SCENARIO OUT_DIR (RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT in the environment, as torchrun sets them). Writes OUT_DIR/rank<R>.pt."""
+import copy
 import datetime
 import functools
 import gc
@@ -155,6 +156,80 @@ def _interrupted_sharded_steps(rank, result):
             del ddp
             dist.barrier()
             handle.detach()
+        result[name] = runs
+
+
+def _meta_state_resumes(rank, out, result):
+    """A resume on a shared host copy (share_host_store="all") whose optimizer state, a
+    whole one (one process's), is loaded before offload() into a model built on meta and
+    filled by load_safetensors() ("before"; "before_overlap": the first step after it
+    overlapped with the backward), against the same state loaded after offload() and
+    against one process without offload() ("one_process": the ranks' rows together;
+    AdamW's is torch.optim.AdamW's). Per optimizer, 2 steps in one process make the
+    checkpoint (every rank makes the same), then 3 steps each way. result[name][way]:
+    the weights after them; [way + "_state"]: the optimizer's state dict; "meta_at_load":
+    the parameters still meta when the state was loaded."""
+    from safetensors.torch import save_file
+    world = dist.get_world_size()
+    torch_adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-3, weight_decay=0.01)  # noqa: E731 - host_adamw's
+    makers = {"adamw": (torch_adamw, torch_adamw, host_adamw), "adafactor": (host_adafactor,) * 3}
+
+    def steps(model, opt, which, rows, overlap_with=None):
+        for step in which:
+            ids, target = batch_of(step, 0, ranks=world)[rows]
+            loss = nn.functional.mse_loss(model(ids), target)
+            if overlap_with is not None and step == which[0]:
+                with opt.overlap(overlap_with):
+                    loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    for name, (make_first, make_one, make_opt) in makers.items():
+        model = make_model()
+        opt = make_first(list(model.parameters()))
+        steps(model, opt, range(2), slice(0, world * BATCH))
+        weights = os.path.join(out, f"{name}-rank{rank}.safetensors")
+        save_file(model.state_dict(), weights)
+        state = copy.deepcopy(opt.state_dict())
+        runs = {}
+        one = make_model()  # the same run in one process, without offload(): the ranks' rows together
+        one.load_state_dict(model.state_dict())
+        one_opt = make_one(list(one.parameters()))
+        one_opt.load_state_dict(copy.deepcopy(state))
+        steps(one, one_opt, range(2, 5), slice(0, world * BATCH))
+        runs["one_process"] = {n: p.detach().clone() for n, p in one.named_parameters()}
+        for way in ("before", "after", "before_overlap"):
+            if way.startswith("before"):
+                with torch.device("meta"):
+                    resumed = make_model()
+                layerstream.load_safetensors(resumed, weights)
+                opt = make_opt(list(resumed.parameters()))
+                opt.load_state_dict(copy.deepcopy(state))
+                runs["meta_at_load"] = [n for n, p in resumed.named_parameters() if p.is_meta]
+                handle = layerstream.offload(resumed, device="sim", share_host_store="all")
+            else:
+                resumed = make_model()
+                resumed.load_state_dict(model.state_dict())
+                handle = layerstream.offload(resumed, device="sim", share_host_store="all")
+                opt = make_opt(list(resumed.parameters()))
+                opt.load_state_dict(copy.deepcopy(state))
+            ddp = nn.parallel.DistributedDataParallel(resumed)
+            steps(ddp, opt, range(2, 5), slice(rank * BATCH, (rank + 1) * BATCH),
+                  overlap_with=handle if way.endswith("overlap") else None)
+            runs[way] = {n: p.detach().clone() for n, p in resumed.named_parameters()}
+            runs[way + "_state"] = copy.deepcopy(opt.state_dict())
+            del ddp
+            dist.barrier()
+            handle.detach()
+        with torch.device("meta"):  # this rank's own state dict (its shards) before offload()
+            early = make_model()
+        layerstream.load_safetensors(early, weights)
+        try:
+            make_opt(list(early.parameters())).load_state_dict(runs["after_state"])
+        except RuntimeError as e:
+            runs["shards_before_offload"] = str(e)
         result[name] = runs
 
 
@@ -329,6 +404,8 @@ def run(scenario, out, rank, result):
                             "single_state": copy.deepcopy(single_opt.state_dict())}
     elif scenario == "sharded_interrupted":
         _interrupted_sharded_steps(rank, result)
+    elif scenario == "sharded_meta_state":
+        _meta_state_resumes(rank, out, result)
     elif scenario == "sharded_adafactor":
         # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
         # owner rank), and the Linear weights crossing the bus lossless-coded.
