@@ -160,9 +160,9 @@ MUTATIONS = [
         "offload(process_group=False) under a DDP of 2 ranks: streamed gradients never averaged, silently"),
     Mutation(
         "optim-step-ctrl-c-not-held", "python/layerstream/optim.py",
-        "            with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
-        "                states += [self._states(p, fmt,",
-        "            with self._counted_if_stepped(ps) as states:\n                states += [self._states(p, fmt,",
+        "                with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
+        "                    states += [self._states(p, fmt,",
+        "                with self._counted_if_stepped(ps) as states:\n                    states += [self._states(p, fmt,",
         [P + "test_errors.py::test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted"],
         "a Ctrl-C as AdamW's kernel returns leaves the step counts behind the applied update"),
     Mutation(
