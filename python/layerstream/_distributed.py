@@ -217,6 +217,8 @@ class Distributed:
                     p._layerstream_shard = Shard(p, index, count, self.pg, name, self.nodes)
                     self.shards.append(p)
             Shard.assign_owners(self.shards, count)
+            from ._optim_state import _states_made_whole
+            _states_made_whole(self.shards)  # Note [States made before their parameters were sharded]
 
     def check_shards(self) -> None:
         """Before a forward: no shared trainable tensor was written except by a sharded step."""

@@ -53,12 +53,13 @@ class _Unfinished:
     """The record of a step() under way (the Note above): its clip coefficient and loss
     scale reciprocal, every parameter it had a gradient for with that gradient (None: a
     zero_grad(set_to_none=False) one, Note [Zeroed gradients an overlapped step dropped])
-    and its version, and the ids of those it stepped so far (`done`)."""
+    and its version, the ids of those it stepped so far (`done`), and whether a sharded
+    step's end (its barrier and version records) ran (`ended`; the Note below)."""
 
-    __slots__ = ("scale", "inv", "grads", "done")
+    __slots__ = ("scale", "inv", "grads", "done", "ended")
 
     def __init__(self, scale, inv, params, done):
-        self.scale, self.inv, self.done = scale, inv, set(done)
+        self.scale, self.inv, self.done, self.ended = scale, inv, set(done), False
         self.grads = {id(p): (p, p.grad, None if p.grad is None else p.grad._version) for p in params}
 
     def resumes(self, work) -> bool:
@@ -70,3 +71,18 @@ class _Unfinished:
         """`work` without what this step stepped already."""
         return [(g, [p for p in ps if id(p) not in self.done], [x for p, x in zip(ps, gs) if id(p) not in self.done],
                  [k for p, k in zip(ps, keys) if id(p) not in self.done]) for g, ps, gs, keys in work]
+
+
+# Note [A sharded step lands a Ctrl-C when it is done]
+# A sharded step (offload(share_host_store="all")) opens with a barrier of the ranks, writes
+# this rank's shards and ends with a barrier and the versions of what it wrote (what
+# Distributed.check_shards compares before each forward). A Ctrl-C that landed between
+# its parts (as a kernel's hold ended) left the end undone: the next forward refused the
+# step's own writes as "written by something other than layerstream.optim", the other
+# ranks waited in the end's barrier, and a re-run stepped nothing and skipped the end too
+# (what the end records was computed from what was left to step); one that landed past
+# the opening barrier made a re-run pass it again, paired with the other ranks' closing one.
+# So Ctrl-C is held over the sharded step whole (a barrier's wait does not stop on one
+# anyway) and lands after its end, the record kept with every parameter done and `ended`:
+# a re-run (torch's answer to a step() that raised) finds nothing left and returns, and
+# a new backward makes a new step.

@@ -7,6 +7,8 @@ import weakref
 
 import torch
 
+from ._interrupts import held_interrupts
+
 
 class _Keep:
     """Carries a state tensor through ``Optimizer.load_state_dict``, which would
@@ -31,6 +33,7 @@ class _StateDicts:
         self._consolidated = None  # consolidate_state_dict()'s whole states, by state-dict index, until a step
         self._shard_seen = None  # _shard_identity() of the states while they are a sharded step's
         self._unadopted = {}  # id -> meta parameter whose loaded states wait (Note [States loaded for a meta parameter])
+        self._whole_states = False  # offload() sharded parameters whose states are whole (Note [States made ...])
 
     # The state dict's record of whose shard it holds (offload(share_host_store="all")):
     # {"rank": this rank's index among its node's ranks, "ranks": their number}.
@@ -74,7 +77,7 @@ class _StateDicts:
         torch's ``ZeroRedundancyOptimizer.consolidate_state_dict``). The other ranks'
         state dicts stay their shards. Without sharding it does nothing."""
         self._consolidated = None
-        self._adopt_unadopted()
+        self._adopt_unadopted()  # and _take_shards()
         sharded = self._sharded_params()
         if not sharded:
             return
@@ -110,6 +113,7 @@ class _StateDicts:
 
     def state_dict(self):
         self._check_not_pending("state_dict()")
+        self._take_shards()  # Note [States made before their parameters were sharded]
         sd = super().state_dict()
         if self._consolidated is not None:
             for i, st in self._consolidated.items():
@@ -144,7 +148,9 @@ class _StateDicts:
             f"is {who(mine)}. Under offload(share_host_store=\"all\") each rank steps and saves its own shard: "
             f"save and load one state dict per rank (e.g. f\"optimizer-rank{{rank}}.pt\"), with the same "
             f"number of ranks per node, or save a whole one (opt.consolidate_state_dict() on every rank, then "
-            f"opt.state_dict() on rank 0), which loads anywhere (docs/design/distributed.md, \"Sharded step\")")
+            f"opt.state_dict() on rank 0), which loads anywhere (docs/design/distributed.md, \"Sharded step\")"
+            + (". A rank's own loads once offload(share_host_store=\"all\") has sharded the parameters: load it "
+               "after offload()" if mine is None else ""))
 
     def _check_splittable(self, state_dict, sharded):
         """Refuses a whole state dict this sharded optimizer cannot take its shards of."""
@@ -193,6 +199,7 @@ class _StateDicts:
             self.state, self.param_groups = kept
             raise
         self._unadopted = unadopted
+        self._whole_states = False  # this rank's shards if sharded now, else whole ones of whole parameters
         self._shard_seen = None
         self._shard_identity()  # the loaded states are this rank's shards, or whole ones
 
@@ -205,6 +212,7 @@ class _StateDicts:
     # values; the next step() or overlap() adopts them, for the parameter as it is then
     # (streamed, resident on the device, or this rank's shard), as a load after offload() does.
     def _adopt_unadopted(self):
+        self._take_shards()  # Note [States made before their parameters were sharded]
         if not self._unadopted:
             return
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -225,6 +233,47 @@ class _StateDicts:
             if adopted is not None:
                 st.update(adopted)
             del self._unadopted[i]
+
+
+    # Note [States made before their parameters were sharded]
+    # offload(share_host_store="all") shards the trainable streamed parameters: a rank's
+    # states are its elements of each (AdamW) or the tensors it owns (Adafactor). States an
+    # optimizer already held (loaded before offload(), as a resume that loads the model and
+    # then the optimizer may; or made by a step before it) are whole tensors': the first
+    # sharded step refused AdamW's ("the states of parameter 0 do not match it"), and a
+    # rank kept and saved Adafactor's of tensors another rank steps. So offload() marks
+    # the optimizers that hold such states (_states_made_whole), and their next step(),
+    # overlap(), state_dict() or consolidate_state_dict() takes this rank's shard of them,
+    # as a whole state dict loaded after offload() is (8-bit states refused likewise).
+    def _take_shards(self):
+        if not self._whole_states:
+            return
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        held = [(index[id(p)], p) for p, st in self.state.items()
+                if len(st) > 0 and hasattr(p, "_layerstream_shard") and id(p) not in self._unadopted
+                and id(p) in index]
+        self._check_splittable({"state": {i: self.state[p] for i, p in held}}, held)  # before any changes
+        with held_interrupts():  # all or none: a second pass would take shards of shards
+            for i, p in held:
+                st = self.state[p]
+                piece = self._shard_of_state(p, st)
+                if piece is st:  # Adafactor: whole tensors, this rank's own
+                    continue
+                adopted = None if piece is None else self._adopt(p, self._group_of(p), piece, f"parameter {i}")
+                st.clear()
+                if adopted is not None:
+                    st.update(adopted)
+            self._whole_states = False
+
+
+def _states_made_whole(params) -> None:
+    """offload(share_host_store="all") sharded `params`: the live layerstream optimizers
+    holding states of any of them take their shards of those before their next use
+    (Note [States made before their parameters were sharded])."""
+    ids = {id(p) for p in params}
+    for opt in list(_LIVE):
+        if any(len(st) > 0 and id(p) in ids for p, st in opt.state.items()):
+            opt._whole_states = True
 
 
 # Every live AdamW / Adafactor: Handle.suspend() moves their states of the parameters

@@ -2,6 +2,7 @@
 
 Run as: python dist_worker.py SCENARIO OUT_DIR (RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT in the environment, as torchrun sets them). Writes OUT_DIR/rank<R>.pt."""
+import copy
 import datetime
 import functools
 import gc
@@ -97,6 +98,139 @@ def _scaled_modes(rank, result, init_scale, poison_step=None):
         del ddp
         dist.barrier()
         handle.detach()
+
+
+def _sigint_as_returns(name, call):
+    """call(), with SIGINT raised once as the first C function `name` returns inside it
+    (where CPython runs the handler of a Ctrl-C that came during that call). Returns
+    (whether it was sent, call()'s KeyboardInterrupt or None)."""
+    sent = []
+
+    def hook(frame, ev, arg):
+        if not sent and ev == "c_return" and getattr(arg, "__name__", "") == name:
+            sent.append(True)
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGINT)
+
+    sys.setprofile(hook)
+    try:
+        call()
+    except KeyboardInterrupt as e:
+        return bool(sent), e
+    finally:
+        sys.setprofile(None)
+    return bool(sent), None
+
+
+def _interrupted_sharded_steps(rank, result):
+    """3 steps of each optimizer on a shared host copy (share_host_store="all"); rank 0's
+    second step() gets a Ctrl-C as the opening barrier's wait or the kernel returns, then
+    is run again ("rerun") or not ("go_on": zero_grad() and the next step). result[name]:
+    {case: (weights, step counts)}, case None for the run without a Ctrl-C."""
+    from layerstream.optim import Adafactor, AdamW
+    makers = {"adamw": lambda ps: AdamW(ps, lr=1e-2),
+              "adafactor": lambda ps: Adafactor(ps, lr=1e-2, relative_step=False)}
+    kernels = {"adamw": "optim_adamw_step", "adafactor": "optim_adafactor_step"}
+    for name, make_opt in makers.items():
+        runs = {}
+        for case in (None, ("kernel", "rerun"), ("kernel", "go_on"), ("wait", "rerun"), ("wait", "go_on")):
+            model = make_model()
+            handle = layerstream.offload(model, device="sim", share_host_store="all")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = make_opt(params)
+            for step in range(3):
+                ids, target = batch_of(step, 0, ranks=dist.get_world_size())[rank * BATCH:(rank + 1) * BATCH]
+                nn.functional.mse_loss(ddp(ids), target).backward()
+                if step == 1 and rank == 0 and case is not None:
+                    at, then = case
+                    sent, stopped = _sigint_as_returns(kernels[name] if at == "kernel" else "wait", opt.step)
+                    assert sent and stopped is not None, (name, case, sent)
+                    if then == "rerun":
+                        opt.step()
+                else:
+                    opt.step()
+                opt.zero_grad()
+            runs[case] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                          [int(opt.state[p]["step"]) if p in opt.state else 0 for p in params])
+            del ddp
+            dist.barrier()
+            handle.detach()
+        result[name] = runs
+
+
+def _meta_state_resumes(rank, out, result):
+    """A resume on a shared host copy (share_host_store="all") whose optimizer state, a
+    whole one (one process's), is loaded before offload() into a model built on meta and
+    filled by load_safetensors() ("before"; "before_overlap": the first step after it
+    overlapped with the backward), against the same state loaded after offload() and
+    against one process without offload() ("one_process": the ranks' rows together;
+    AdamW's is torch.optim.AdamW's). Per optimizer, 2 steps in one process make the
+    checkpoint (every rank makes the same), then 3 steps each way. result[name][way]:
+    the weights after them; [way + "_state"]: the optimizer's state dict; "meta_at_load":
+    the parameters still meta when the state was loaded."""
+    from safetensors.torch import save_file
+    world = dist.get_world_size()
+    torch_adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-3, weight_decay=0.01)  # noqa: E731 - host_adamw's
+    makers = {"adamw": (torch_adamw, torch_adamw, host_adamw), "adafactor": (host_adafactor,) * 3}
+
+    def steps(model, opt, which, rows, overlap_with=None):
+        for step in which:
+            ids, target = batch_of(step, 0, ranks=world)[rows]
+            loss = nn.functional.mse_loss(model(ids), target)
+            if overlap_with is not None and step == which[0]:
+                with opt.overlap(overlap_with):
+                    loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    for name, (make_first, make_one, make_opt) in makers.items():
+        model = make_model()
+        opt = make_first(list(model.parameters()))
+        steps(model, opt, range(2), slice(0, world * BATCH))
+        weights = os.path.join(out, f"{name}-rank{rank}.safetensors")
+        save_file(model.state_dict(), weights)
+        state = copy.deepcopy(opt.state_dict())
+        runs = {}
+        one = make_model()  # the same run in one process, without offload(): the ranks' rows together
+        one.load_state_dict(model.state_dict())
+        one_opt = make_one(list(one.parameters()))
+        one_opt.load_state_dict(copy.deepcopy(state))
+        steps(one, one_opt, range(2, 5), slice(0, world * BATCH))
+        runs["one_process"] = {n: p.detach().clone() for n, p in one.named_parameters()}
+        for way in ("before", "after", "before_overlap"):
+            if way.startswith("before"):
+                with torch.device("meta"):
+                    resumed = make_model()
+                layerstream.load_safetensors(resumed, weights)
+                opt = make_opt(list(resumed.parameters()))
+                opt.load_state_dict(copy.deepcopy(state))
+                runs["meta_at_load"] = [n for n, p in resumed.named_parameters() if p.is_meta]
+                handle = layerstream.offload(resumed, device="sim", share_host_store="all")
+            else:
+                resumed = make_model()
+                resumed.load_state_dict(model.state_dict())
+                handle = layerstream.offload(resumed, device="sim", share_host_store="all")
+                opt = make_opt(list(resumed.parameters()))
+                opt.load_state_dict(copy.deepcopy(state))
+            ddp = nn.parallel.DistributedDataParallel(resumed)
+            steps(ddp, opt, range(2, 5), slice(rank * BATCH, (rank + 1) * BATCH),
+                  overlap_with=handle if way.endswith("overlap") else None)
+            runs[way] = {n: p.detach().clone() for n, p in resumed.named_parameters()}
+            runs[way + "_state"] = copy.deepcopy(opt.state_dict())
+            del ddp
+            dist.barrier()
+            handle.detach()
+        with torch.device("meta"):  # this rank's own state dict (its shards) before offload()
+            early = make_model()
+        layerstream.load_safetensors(early, weights)
+        try:
+            make_opt(list(early.parameters())).load_state_dict(runs["after_state"])
+        except RuntimeError as e:
+            runs["shards_before_offload"] = str(e)
+        result[name] = runs
 
 
 def _threads() -> int:
@@ -268,6 +402,10 @@ def run(scenario, out, rank, result):
             result[name] = {"straight": straight, "resumed": resumed, "wrong_rank_error": wrong,
                             "from_whole": from_whole, "whole": whole,
                             "single_state": copy.deepcopy(single_opt.state_dict())}
+    elif scenario == "sharded_interrupted":
+        _interrupted_sharded_steps(rank, result)
+    elif scenario == "sharded_meta_state":
+        _meta_state_resumes(rank, out, result)
     elif scenario == "sharded_adafactor":
         # The same with layerstream.optim.Adafactor (whole tensors, each stepped by its
         # owner rank), and the Linear weights crossing the bus lossless-coded.

@@ -246,6 +246,59 @@ def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_anot
             assert detached["shard"] == {"rank": rank % 2, "ranks": 2}, (name, rank, detached)
             assert "model was detached" in (detached["error"] or ""), (name, rank, detached["error"])
 
+def test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank(tmp_path):
+    """A Ctrl-C that landed in a sharded step (rank 0's, as the opening barrier's wait or
+    the kernel returned) left its closing barrier and version records undone: the next
+    forward refused the step's own writes ("written by something other than
+    layerstream.optim's sharded step") and rank 1 waited in that barrier; a re-run
+    stepped nothing and skipped them too, or (stopped past the opening barrier) passed it
+    again, paired with rank 1's closing one. Now the Ctrl-C lands once the step is done:
+    re-run or not, both ranks train as without it (equal weights, equal step counts)."""
+    results = _run("sharded_interrupted", 2, tmp_path)
+    for name in ("adamw", "adafactor"):
+        want, want_counts = results[0][name][None]
+        assert sum(want_counts) > 0
+        for r, res in enumerate(results):
+            for case, (got, counts) in res[name].items():
+                assert counts == res[name][None][1], (name, r, case)
+                for n, value in got.items():
+                    assert torch.equal(value, want[n]), (name, r, case, n)
+
+
+def test_an_optimizer_state_loaded_before_a_sharded_offload_resumes_as_one_loaded_after_it(tmp_path):
+    """A whole optimizer state loaded before offload(share_host_store="all") (a resume that
+    builds the model on meta, fills it with load_safetensors() and loads the optimizer
+    next): the states of the parameters load_safetensors() gave values (the embedding,
+    the attention) were adopted whole, and the first sharded step refused AdamW's ("the
+    states of parameter 0 do not match it"), while each rank kept and saved Adafactor's of
+    the tensors another rank steps (a consolidated checkpoint took them). Now the first
+    step takes this rank's shard of them, as of the states waiting for the meta
+    parameters (the Linear layers'): the same weights and state dicts as the state loaded
+    after offload() (also with that step overlapped), and one process's run without
+    offload() to the tolerance of the other sharded tests. A rank's own state dict (its
+    shards) loaded before offload() is refused saying to load it after."""
+    results = _run("sharded_meta_state", 2, tmp_path)
+    for name in ("adamw", "adafactor"):
+        for r, res in enumerate(results):
+            runs = res[name]
+            assert runs["meta_at_load"] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+            assert "load it after offload()" in runs["shards_before_offload"], runs["shards_before_offload"]
+            want, want_state = runs["after"], runs["after_state"]
+            for way in ("before", "before_overlap"):
+                for n, value in want.items():
+                    assert torch.equal(runs[way][n], value), (name, r, way, n)
+                    torch.testing.assert_close(runs[way][n], runs["one_process"][n], rtol=1e-6, atol=1e-7,
+                                               msg=lambda m: f"{name}, rank {r}, {way}, {n}: {m}")
+                got_state = runs[way + "_state"]
+                assert got_state["layerstream_shard"] == want_state["layerstream_shard"] == {"rank": r, "ranks": 2}
+                assert got_state["state"].keys() == want_state["state"].keys()
+                for i, st in want_state["state"].items():
+                    assert got_state["state"][i].keys() == st.keys(), (name, r, way, i)
+                    for k, v in st.items():
+                        got = torch.as_tensor(got_state["state"][i][k])
+                        assert torch.equal(got, torch.as_tensor(v)), (name, r, way, i, k)
+
+
 def test_sharded_adafactor_steps_whole_tensors_one_rank_each(tmp_path):
     """layerstream.optim.Adafactor on a shared host copy: each trainable streamed tensor
     is stepped whole by one rank (largest first to the least-loaded rank), the results

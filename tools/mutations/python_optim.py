@@ -160,9 +160,9 @@ MUTATIONS = [
         "offload(process_group=False) under a DDP of 2 ranks: streamed gradients never averaged, silently"),
     Mutation(
         "optim-step-ctrl-c-not-held", "python/layerstream/optim.py",
-        "            with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
-        "                states += [self._states(p, fmt,",
-        "            with self._counted_if_stepped(ps) as states:\n                states += [self._states(p, fmt,",
+        "                with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
+        "                    states += [self._states(p, fmt,",
+        "                with self._counted_if_stepped(ps) as states:\n                    states += [self._states(p, fmt,",
         [P + "test_errors.py::test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted"],
         "a Ctrl-C as AdamW's kernel returns leaves the step counts behind the applied update"),
     Mutation(
@@ -204,4 +204,19 @@ MUTATIONS = [
         [P + "test_resume_order.py::test_optimizer_state_loaded_before_offload_into_a_meta_model_resumes_bit_for_bit"],
         "an optimizer state loaded before offload() into a model load_safetensors() filled is adopted in the "
         "meta parameters' layout: the moments become meta tensors, lost, and state_dict() saves them so"),
+    Mutation(
+        "sharded-step-ctrl-c-not-held-whole", "python/layerstream/optim.py",
+        "        return held_interrupts() if self._sharded_params() else contextlib.nullcontext()",
+        "        return contextlib.nullcontext()",
+        [P + "test_distributed.py::test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank"],
+        "a Ctrl-C in a sharded step skips its closing barrier and version records: the next forward refuses the "
+        "step's own writes, the other ranks wait in the barrier, a re-run does not end it either"),
+    Mutation(
+        "sharded-offload-leaves-earlier-states-whole", "python/layerstream/_distributed.py",
+        "            _states_made_whole(self.shards)  # Note [States made before their parameters were sharded]",
+        "            pass",
+        [P + "test_distributed.py::"
+             "test_an_optimizer_state_loaded_before_a_sharded_offload_resumes_as_one_loaded_after_it"],
+        "optimizer states loaded before offload(share_host_store='all') stay whole tensors': AdamW's first sharded "
+        "step refuses them, Adafactor ranks keep and save states of tensors another rank steps"),
 ]
