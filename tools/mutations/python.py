@@ -774,4 +774,11 @@ MUTATIONS = [
              "test_after_detach_a_thread_whose_forward_was_interrupted_saves_as_plain_torch"],
         "after detach() the hooks a forward interrupted on another thread left there still reach the engine: every "
         "later save on that thread fails (\"handle was detached\"), and they keep the engine and the model alive"),
+    Mutation(
+        "file-standin-data-is-a-plain-meta-tensor", "python/layerstream/_standin.py",
+        "                return self  # metadata reads through it work; writes reach the refusals below\n",
+        "                return cls._common(func, types, args, kwargs)\n",
+        [P + "test_standin_writes.py"],
+        "a FileWeight's / GgufWeight's .data is a plain meta tensor: writes through it (peft's merge_and_unload()) "
+        "are dropped without a word and the file's values stream"),
 ]
