@@ -58,7 +58,9 @@ def reads_metadata_only(func) -> bool:
 
 
 def writes_in_place(name: str) -> bool:
-    """True for the name of a torch function that writes its first argument."""
+    """True for the name of a torch function that writes its first argument's values."""
+    if name in ("requires_grad_", "detach_", "share_memory_"):
+        return False
     return (name.endswith("_") and not name.startswith("_")) or name in (
         "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
         "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__", "__ixor__")
@@ -138,7 +140,7 @@ class StandIn(nn.Parameter):
             if name == "__set__" and args[1] is self:
                 return None  # an unchanged parameter assigned back
             raise _C.LayerstreamError(self._write_refusal("replacing its .data"))
-        if self is not None and (name == "copy_" or writes_in_place(name) and name != "requires_grad_"):
+        if self is not None and writes_in_place(name):
             raise _C.LayerstreamError(self._write_refusal(f"writing into it ({name}())"))
         if name not in ("detach", "alias", "requires_grad_"):
             return cls._common(func, types, args, kwargs)
