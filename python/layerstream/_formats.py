@@ -60,7 +60,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
     _check_quantize_inside_groups(candidates, quantize)
     _dequantize_tied_gguf(model)
     layers: List[_Candidate] = []
-    unpackable, trainable, tied_dense = [], [], []
+    unpackable, trainable, tied_dense, as_stored = [], [], [], []
     coded_trainable = [0, 0, 0]  # lossless weights that require grad: count, host bytes, host bytes if frozen
     for name, module, kind in candidates:
         if kind == "group":
@@ -73,6 +73,9 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
                 _read_in(model, o._parameters[k])
             params = [o._parameters[k] for o, k, _ in _group_slots(module)]
             packed = [p for p in params if p.dim() >= 2 and not isinstance(p, GgufWeight)]
+            gguf = sorted({p.gguf_format for p in params if isinstance(p, GgufWeight)})
+            if fmt is not None and gguf:
+                _as_stored(as_stored, name, quantize, f"its GGUF {'/'.join(gguf)} tensors", some_packed=bool(packed))
             if fmt is not None:
                 reasons = [_C.quant_check(fmt, p.numel() // p.shape[-1], p.shape[-1], p.dtype) for p in packed]
                 if fmt == "lossless" and not all(p.is_contiguous() for p in packed if p.requires_grad):
@@ -137,7 +140,12 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         if pre is not None and kind != "linear":
             raise LayerstreamError(f"layer '{name}': pre-quantized weights are supported for "
                                    f"Linear layers only")
-        fmt = _quant_for(name, quantize) if pre is None else None
+        fmt = _quant_for(name, quantize)
+        if pre is not None:  # streamed as it came, packed
+            if fmt is not None and (pre.gguf or fmt != pre.format):
+                _as_stored(as_stored, name, quantize,
+                           f"GGUF {pre.format} blocks" if pre.gguf else f"pre-quantized {pre.format}")
+            fmt = None
         if fmt is not None and name in tied_names:
             tied_dense.append(f"'{name or '<root>'}'")  # one host copy, read dense by every user
             fmt = None
@@ -233,6 +241,10 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
                       f"with tied weights (the weight is shared with an embedding table or another "
                       f"layer, which read the same host copy): they stream unquantized: "
                       + ", ".join(tied_dense), RuntimeWarning, stacklevel=3)
+    if as_stored:
+        warnings.warn(f"layerstream: quantize={quantize!r} does not apply to {len(as_stored)} layer(s) whose "
+                      f"weights came quantized (load_gguf(), or a pre-quantized weight): they stream as stored: "
+                      + ", ".join(as_stored), RuntimeWarning, stacklevel=3)
     if unpackable:
         warnings.warn(f"layerstream: quantize={quantize!r} cannot pack {len(unpackable)} layer(s); "
                       f"they stream unquantized: " + "; ".join(unpackable), RuntimeWarning,
@@ -247,6 +259,22 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
                       f"freeze it first (model.requires_grad_(False))", RuntimeWarning, stacklevel=3)
 
     return layers
+
+
+def _as_stored(as_stored: list, name: str, quantize, what: str, some_packed: bool = False) -> None:
+    """A layer whose weights came quantized (`what`: "GGUF q4_k blocks", ...) that quantize=
+    gives a format: they stream as stored, so the format does not apply (it was ignored
+    without a word). Listed for a warning; an error when a quantize= dict names the layer
+    itself (no wildcard) and the format packs none of its tensors."""
+    pattern = next((p for p in quantize if fnmatch.fnmatchcase(name, p)), None) if isinstance(quantize, dict) else None
+    if pattern is not None and not any(c in pattern for c in "*?[") and not some_packed:
+        raise LayerstreamError(
+            f"quantize={{{pattern!r}: {quantize[pattern]!r}, ...}} names layer '{name or '<root>'}', whose "
+            f"weights came quantized ({what}): they stream as stored, and no other format applies to them. "
+            f"Leave the layer out of quantize= (or give it None); to use {quantize[pattern]!r}, make its weights "
+            f"dense first (a GgufWeight: module.weight = torch.nn.Parameter(module.weight.dequantized(), "
+            f"requires_grad=False))")
+    as_stored.append(f"'{name or '<root>'}' ({what})")
 
 
 def _check_quantize_inside_groups(candidates: list, quantize) -> None:

@@ -37,6 +37,13 @@ class GgufWeight(_standin.StandIn):
                 f"there); handle.detach() afterwards leaves dense, dequantized weights, and "
                 f"GgufWeight.dequantized() gives one weight's values")
 
+    def _write_refusal(self, what: str) -> str:
+        return (f"the weight of '{self.gguf_name}' is GGUF {self.gguf_format} bytes that load_gguf() kept "
+                f"packed (a data-less stand-in), so {what} is not possible: the file's blocks would stay as "
+                f"they are. To change its values (e.g. peft's merge_and_unload(), a .data write), make it "
+                f"dense first: module.weight = torch.nn.Parameter(module.weight.dequantized(), "
+                f"requires_grad=False), or offload() and then handle.detach() (dense, dequantized weights)")
+
     def _save_refusal(self) -> str:
         return self._refusal("saving it (torch.save, safetensors' save_file)") + "; save the .gguf file's path instead"
 

@@ -21,6 +21,8 @@ from . import _C
 # (GgufWeight, _PackedWeight) report from it: the host, where their bytes are.
 DEVICE = torch._C.TensorBase.__dict__["device"]
 HOST = torch.device("cpu")
+# The .data descriptor, the same way: a read-only stand-in answers its getter with itself.
+DATA = torch._C.TensorBase.__dict__["data"]
 
 # Property getters that compute a view of the values: refused like any computation.
 _VIEW_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -55,6 +57,15 @@ def reads_metadata_only(func) -> bool:
     return name in _METADATA
 
 
+def writes_in_place(name: str) -> bool:
+    """True for the name of a torch function that writes its first argument's values."""
+    if name in ("requires_grad_", "detach_", "share_memory_"):
+        return False
+    return (name.endswith("_") and not name.startswith("_")) or name in (
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+        "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__", "__ixor__")
+
+
 def computing_message(func) -> str:
     """How a refusal names what was attempted."""
     name = getattr(func, "__name__", repr(func))
@@ -84,6 +95,11 @@ class StandIn(nn.Parameter):
         """The message that refuses `what` ("computing with it (mm())", ...)."""
         raise NotImplementedError
 
+    def _write_refusal(self, what: str) -> str:
+        """The message that refuses a write (`what`: "writing into it (add_())", ...);
+        a read-only stand-in adds how to change its values."""
+        return self._refusal(what)
+
     @classmethod
     def _common(cls, func, types, args, kwargs):
         """The rules every stand-in shares: ``.device`` is the host; any computation
@@ -108,15 +124,24 @@ class StandIn(nn.Parameter):
 
     @classmethod
     def _read_only(cls, func, types, args, kwargs):
-        """The rules of a stand-in whose bytes nothing writes (a file's): ``copy_`` into
-        it is refused; ``detach`` / ``alias`` keep the type and its ``_CARRIED``
+        """The rules of a stand-in whose bytes nothing writes (a file's): ``.data`` is
+        the stand-in itself (a plain meta tensor there took in-place writes without a
+        word: peft's merge_and_unload() did ``weight.data += delta``, and the file's
+        values streamed as if unchanged); writes into it, ``copy_`` and assigning its
+        ``.data`` are refused; ``detach`` / ``alias`` keep the type and its ``_CARRIED``
         attributes (state_dict() holds detached aliases: saving them then raises
         instead of writing a value-less tensor); the rest as ``_common``."""
         kwargs = kwargs or {}
         self = args[0] if args and isinstance(args[0], cls) else None
         name = getattr(func, "__name__", "")
-        if self is not None and name == "copy_":
-            raise _C.LayerstreamError(self._refusal("writing into it"))
+        if self is not None and getattr(func, "__self__", None) is DATA:
+            if name == "__get__":
+                return self  # metadata reads through it work; writes reach the refusals below
+            if name == "__set__" and args[1] is self:
+                return None  # an unchanged parameter assigned back
+            raise _C.LayerstreamError(self._write_refusal("replacing its .data"))
+        if self is not None and writes_in_place(name):
+            raise _C.LayerstreamError(self._write_refusal(f"writing into it ({name}())"))
         if name not in ("detach", "alias", "requires_grad_"):
             return cls._common(func, types, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():

@@ -644,6 +644,50 @@ def test_quantize_names_a_gguf_format_is_refused():
     assert type(model.up.weight) is nn.Parameter
 
 
+def test_quantize_over_gguf_layers_warns_that_they_stream_as_stored(tmp_path):
+    """quantize="nf4" (or a dict whose wildcard gives them a format) over layers load_gguf()
+    kept packed was ignored without a word: they streamed their GGUF blocks all the same.
+    Now a warning names them and their formats; the numbers and the bytes on the bus are
+    those of the run without quantize=."""
+    path, ref = _net_file(tmp_path, dtype=torch.float32)
+    x = torch.randn(5, 256)
+    want = ref(x)
+    plain = _meta_net(dtype=torch.float32)
+    layerstream.load_gguf(plain, str(path))
+    h = layerstream.offload(plain, device="sim")
+    plain(x)
+    bus = h.stats()["h2d_bytes"]
+    h.detach()
+    for quantize in ("nf4", {"*": "int4"}):
+        model = _meta_net(dtype=torch.float32)
+        layerstream.load_gguf(model, str(path))
+        with pytest.warns(RuntimeWarning, match=r"quantize=.* does not apply to 3 layer\(s\) whose weights came "
+                                                r"quantized .*stream as stored: 'up' \(GGUF q4_k blocks\), "
+                                                r"'down' \(GGUF q8_0 blocks\), 'head' \(GGUF q6_k blocks\)"):
+            h = layerstream.offload(model, device="sim", quantize=quantize)
+        assert torch.equal(model(x), want)
+        assert h.stats()["h2d_bytes"] == bus
+        h.detach()
+
+
+def test_quantize_dict_naming_a_gguf_layer_is_refused(tmp_path):
+    """quantize={"down": "int4"} naming a layer load_gguf() kept packed was ignored without
+    a word (it streamed its Q8_0 blocks). Now an error names the layer and what to do,
+    before anything changes."""
+    path, ref = _net_file(tmp_path, dtype=torch.float32)
+    model = _meta_net(dtype=torch.float32)
+    layerstream.load_gguf(model, str(path))
+    with pytest.raises(LayerstreamError, match=r"quantize=\{'down': 'int4', \.\.\.\} names layer 'down', whose "
+                                               r"weights came quantized \(GGUF q8_0 blocks\): they stream as "
+                                               r"stored.*Leave the layer out of quantize=.*dequantized\(\)"):
+        layerstream.offload(model, device="sim", quantize={"down": "int4"})
+    assert all(isinstance(model.get_submodule(k[:-7]).weight, GgufWeight) for k in TYPES)
+    h = layerstream.offload(model, device="sim", quantize={"down": None})
+    x = torch.randn(5, 256)
+    assert torch.equal(model(x), ref(x))
+    h.detach()
+
+
 def test_lora_over_a_gguf_base_trains(tmp_path):
     """peft over GgufWeights (before offload): the adapters land in host memory, and
     training them gives the gradients of a dense model holding the dequantized values."""

@@ -782,4 +782,19 @@ MUTATIONS = [
              "it_is"],
         "a saved tensor activation offload keeps as it is holds its autograd history: a forward without backward "
         "whose output is saved keeps its graph (a cycle gc does not free)"),
+    Mutation(
+        "file-standin-data-is-a-plain-meta-tensor", "python/layerstream/_standin.py",
+        "                return self  # metadata reads through it work; writes reach the refusals below\n",
+        "                return cls._common(func, types, args, kwargs)\n",
+        [P + "test_standin_writes.py"],
+        "a FileWeight's / GgufWeight's .data is a plain meta tensor: writes through it (peft's merge_and_unload()) "
+        "are dropped without a word and the file's values stream"),
+    Mutation(
+        "quantize-silently-skips-gguf-layers", "python/layerstream/_formats.py",
+        "        fmt = _quant_for(name, quantize)\n        if pre is not None:",
+        "        fmt = _quant_for(name, quantize) if pre is None else None\n        if pre is not None:",
+        [P + "test_gguf.py::test_quantize_over_gguf_layers_warns_that_they_stream_as_stored",
+         P + "test_gguf.py::test_quantize_dict_naming_a_gguf_layer_is_refused"],
+        "quantize= over layers load_gguf() kept packed is ignored without a word, even a dict naming the layer: "
+        "they stream their GGUF blocks"),
 ]
