@@ -122,6 +122,9 @@ def offload(
         choices (first match wins; an explicit format that cannot pack a layer
         is an error; a pattern that names no module is warned; one that gives a
         module inside a tensor group another format than the group's is an error).
+        Weights that came quantized (load_gguf(), pre-quantized int8 / nf4) stream
+        as stored: another format asked for them is warned, and an error when a
+        dict names the layer without a wildcard.
         Quantized weights must be frozen (requires_grad False), except with
         "lossless": a trainable weight stays a dense parameter on the host
         (backward and the optimizer write it) and crosses the bus coded,
