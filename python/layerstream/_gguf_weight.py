@@ -30,19 +30,20 @@ class GgufWeight(_standin.StandIn):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return cls._read_only(func, types, args, kwargs)  # _standin.StandIn's rules
 
-    def _refusal(self, what: str) -> str:
+    def _not_possible(self, what: str) -> str:
         return (f"the weight of '{self.gguf_name}' is GGUF {self.gguf_format} bytes that load_gguf() kept "
-                f"packed (a data-less stand-in), so {what} is not possible: call layerstream.offload("
-                f"model, ...) to run the model (the bytes stream to the device and are dequantized "
-                f"there); handle.detach() afterwards leaves dense, dequantized weights, and "
-                f"GgufWeight.dequantized() gives one weight's values")
+                f"packed (a data-less stand-in), so {what} is not possible: ")
+
+    def _refusal(self, what: str) -> str:
+        return (self._not_possible(what) + "call layerstream.offload(model, ...) to run the model (the bytes "
+                "stream to the device and are dequantized there); handle.detach() afterwards leaves dense, "
+                "dequantized weights, and GgufWeight.dequantized() gives one weight's values")
 
     def _write_refusal(self, what: str) -> str:
-        return (f"the weight of '{self.gguf_name}' is GGUF {self.gguf_format} bytes that load_gguf() kept "
-                f"packed (a data-less stand-in), so {what} is not possible: the file's blocks would stay as "
-                f"they are. To change its values (e.g. peft's merge_and_unload(), a .data write), make it "
-                f"dense first: module.weight = torch.nn.Parameter(module.weight.dequantized(), "
-                f"requires_grad=False), or offload() and then handle.detach() (dense, dequantized weights)")
+        return (self._not_possible(what) + "the file's blocks would stay as they are. To change its values (e.g. "
+                "peft's merge_and_unload(), a .data write), make it dense first: module.weight = "
+                "torch.nn.Parameter(module.weight.dequantized(), requires_grad=False), or offload() and then "
+                "handle.detach() (dense, dequantized weights)")
 
     def _save_refusal(self) -> str:
         return self._refusal("saving it (torch.save, safetensors' save_file)") + "; save the .gguf file's path instead"

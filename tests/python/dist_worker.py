@@ -22,6 +22,7 @@ from dist_models import (BATCH, LORA_LR, MICRO, STEPS, batch_of, host_adafactor,
                          host_adamw, host_adamw_clipped, lora_model, make_model, train_steps)
 
 import layerstream  # noqa: E402
+from ctrl_c import signal_at  # noqa: E402
 from layerstream._distributed import store_pss  # noqa: E402
 
 
@@ -104,21 +105,11 @@ def _sigint_as_returns(name, call):
     """call(), with SIGINT raised once as the first C function `name` returns inside it
     (where CPython runs the handler of a Ctrl-C that came during that call). Returns
     (whether it was sent, call()'s KeyboardInterrupt or None)."""
-    sent = []
-
-    def hook(frame, ev, arg):
-        if not sent and ev == "c_return" and getattr(arg, "__name__", "") == name:
-            sent.append(True)
-            sys.setprofile(None)
-            signal.raise_signal(signal.SIGINT)
-
-    sys.setprofile(hook)
-    try:
-        call()
-    except KeyboardInterrupt as e:
-        return bool(sent), e
-    finally:
-        sys.setprofile(None)
+    with signal_at("c_return", name) as sent:
+        try:
+            call()
+        except KeyboardInterrupt as e:
+            return bool(sent), e
     return bool(sent), None
 
 

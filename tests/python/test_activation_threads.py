@@ -14,21 +14,8 @@ import torch
 import torch.nn as nn
 
 import layerstream
+from test_activations import _Interrupt
 
-
-class _Interrupt(nn.Module):
-    """Raises KeyboardInterrupt (Ctrl-C) once when armed: torch skips always-called
-    forward hooks for anything that is not an Exception."""
-
-    def __init__(self):
-        super().__init__()
-        self.armed = False
-
-    def forward(self, x):
-        if self.armed:
-            self.armed = False
-            raise KeyboardInterrupt
-        return x
 
 
 def _mlp():

@@ -14,27 +14,8 @@ import torch
 import torch.nn as nn
 
 import layerstream
+from ctrl_c import signal_at as _signal_at
 from layerstream.optim import Adafactor
-
-
-@contextlib.contextmanager
-def _signal_at(event: str, name: str, signum=signal.SIGINT):
-    """While the block runs: `signum` raised once, at the first profile `event` ('c_return',
-    'return') of a function called `name`. Yields a list that holds True once it was sent."""
-    sent = []
-
-    def hook(frame, ev, arg):
-        called = getattr(arg, "__name__", "") if ev.startswith("c_") else frame.f_code.co_name
-        if not sent and ev == event and called == name:
-            sent.append(True)
-            sys.setprofile(None)
-            signal.raise_signal(signum)
-
-    sys.setprofile(hook)
-    try:
-        yield sent
-    finally:
-        sys.setprofile(None)
 
 
 def _stacked(n=3, d=16):

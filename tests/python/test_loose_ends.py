@@ -5,10 +5,7 @@ was lost to slots= or a name's escaping, and a step() re-run after a Ctrl-C that
 stepped again what the interrupted one had stepped."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import signal
-import sys
 import warnings
 
 import pytest
@@ -20,6 +17,7 @@ from layerstream import LayerstreamError
 from layerstream._discovery import _WHOLE_GROUPS
 from layerstream.optim import Adafactor, AdamW
 from conftest import TiedHead
+from ctrl_c import signal_at
 
 
 # ------------------------------------------------ a refused offload() leaves no groups= marks
@@ -149,22 +147,9 @@ def test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it(name, o
 
 
 # ------------------------------------------------ a re-run step() after a Ctrl-C completes it once
-@contextlib.contextmanager
 def _signal_at(name: str):
     """While the block runs: SIGINT raised once, as the first C function `name` returns."""
-    sent = []
-
-    def hook(frame, ev, arg):
-        if not sent and ev == "c_return" and getattr(arg, "__name__", "") == name:
-            sent.append(True)
-            sys.setprofile(None)
-            signal.raise_signal(signal.SIGINT)
-
-    sys.setprofile(hook)
-    try:
-        yield sent
-    finally:
-        sys.setprofile(None)
+    return signal_at("c_return", name)
 
 
 _XS = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
