@@ -34,7 +34,9 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
   if (total + grads + (crosses ? 2 * largest : 0) <= budget) {
     p.store_bytes = total;
     if (crosses) {
-      p.staging_bytes = std::min(entries_wanted * largest, budget - total - grads);
+      // In whole entries (the stager makes no partial one): a fraction counted
+      // here was RAM the spare host bytes (saved activations) never got.
+      p.staging_bytes = std::min(entries_wanted * largest, budget - total - grads) / largest * largest;
       // Entries exist here only to make pageable copies asynchronous, which a
       // pageable entry cannot: as many as the pinned budget holds (two at least).
       if (p.staging_bytes > pinned && pinned >= 2 * largest) p.staging_bytes = pinned / largest * largest;

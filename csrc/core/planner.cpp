@@ -76,6 +76,7 @@ Plan plan_slots_first(PlannerInput in, int prefetch, int slots) {
     for (int k = std::max(2, prefetch + 1); k >= 2; --k) wanted.push_back(k);
   }
   std::string why;
+  in.prefetch_depth = std::max(prefetch, 0);  // as the engine runs it (engine.cpp build_scheduler_locked)
   for (int k : wanted) {  // fewer slots may fit (prefetch becomes slots - 1)
     in.min_slots = k;
     in.max_prefetch = std::max({1, prefetch, k - 1});
@@ -123,11 +124,12 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
       total_resident += l.resident_cost();
   }
   LS_CHECK(fixed <= in.budget_bytes, "budget ", format_bytes(in.budget_bytes), " (", in.budget_bytes,
-           " bytes) cannot even hold the always-resident small tensors (", format_bytes(fixed),
+           " bytes) cannot even hold the always-resident small tensors (the tensors outside the streamed "
+           "layers, any layer left unstreamed included, e.g. by exclude=: ", format_bytes(fixed),
            in.fixed_train_bytes ? ", of which " + format_bytes(in.fixed_train_bytes) +
                                       " their gradients and optimizer states (train=)"
                                 : std::string(),
-           "); raise the budget to at least ", format_bytes(fixed));
+           "); raise the budget to at least ", format_bytes(fixed), ", or stream more of them");
 
   // Layers with tied weights (PlannerLayer::tied_layer) are placed together:
   // unit[i], the layers resident with layer i (i among them); unit_cost(i),
@@ -357,6 +359,7 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
   plan.slot_bytes = best.slot_bytes;
   plan.num_slots = best.slots;
   plan.prefetch_depth = best.slots > 0 ? best.slots - 1 : 0;
+  if (in.prefetch_depth >= 0) plan.prefetch_depth = std::min(plan.prefetch_depth, in.prefetch_depth);
   plan.device_bytes = best.device_bytes;
   plan.train_bytes = in.fixed_train_bytes;
   for (size_t i = 0; i < n; ++i)

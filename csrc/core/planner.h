@@ -91,6 +91,10 @@ struct PlannerInput {
   double device_flops_per_s = 0.0;     // device throughput (0 = unknown: compute time 0)
   int min_slots = 2;                   // at least 2 (one in use + one being filled)
   int max_prefetch = 4;                // slots <= max_prefetch + 1
+  // The prefetch depth the engine runs over the slots: min(it, slots - 1)
+  // (offload(prefetch=); -1: slots - 1). Slots beyond it + 1 hold no copy in
+  // flight, so the plan's depth and copy times use it.
+  int prefetch_depth = -1;
   bool training = false;               // forward + backward pass (streamed layers cross twice)
 };
 
@@ -124,7 +128,7 @@ struct Plan {
   uint64_t train_bytes = 0;
   uint64_t slot_bytes = 0;            // largest streamed layer's slot (0 when nothing streams)
   int num_slots = 0;                  // 0 when nothing streams, else >= 2
-  int prefetch_depth = 0;             // num_slots - 1 (0 when nothing streams)
+  int prefetch_depth = 0;             // min(num_slots - 1, PlannerInput::prefetch_depth) (0 when nothing streams)
   uint64_t device_bytes = 0;          // resident + fixed + train + num_slots * slot_bytes  (<= budget)
   uint64_t host_pinned_bytes = 0;     // sum of streamed and looked-up layers' bytes
   uint64_t bus_bytes_per_step = 0;    // host->device bytes per step (streamed x2 when training, + lookups)
@@ -172,7 +176,7 @@ Plan plan_placement(const PlannerInput& in);
 // 2 (prefetch becomes slots - 1); with `slots` given, none fewer. The slots
 // are sized by the largest *streamed* layer: whether k slots fit is the
 // placement's call (it may keep an outlier resident). `in.min_slots` and
-// `in.max_prefetch` are set here.
+// `in.max_prefetch` and `in.prefetch_depth` (= prefetch) are set here.
 Plan plan_slots_first(PlannerInput in, int prefetch, int slots);
 
 // "12GiB", "500MB", "1.5e9", "123", "64 KiB", "2g" (k/m/g/t = powers of 1000,

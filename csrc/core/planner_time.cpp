@@ -68,7 +68,9 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
     }
   }
   const int kSteps = 4;
-  std::vector<double> slot_free(static_cast<size_t>(std::max(slots, 1)), 0.0);
+  // Copies in flight: the slots, or the engine's prefetch depth + 1 when less.
+  const int in_flight = in.prefetch_depth >= 0 ? std::min(slots, in.prefetch_depth + 1) : slots;
+  std::vector<double> slot_free(static_cast<size_t>(std::max(in_flight, 1)), 0.0);
   double link_free = 0.0, d2h_free = 0.0, compute_free = 0.0;
   double prev_start = 0.0;  // when the previous op's compute started
   uint64_t streamed_count = 0;

@@ -167,6 +167,8 @@ struct EngineStats {
   uint64_t gathered_bytes = 0;  // embedding rows read from the host store
   uint64_t d2h_bytes = 0;
   double stall_seconds = 0;     // host time the compute stream waited for weights
+  // The streaming slots now (0 until the first call builds them, and while
+  // suspended), and the most slots held at once since the engine was made.
   uint64_t slots = 0, slot_bytes = 0, max_slots_held = 0;
   int64_t budget_bytes = -1;    // EngineOptions::budget_bytes
   uint64_t layers = 0, quantized_layers = 0, embedding_layers = 0, group_layers = 0;

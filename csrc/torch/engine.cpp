@@ -447,6 +447,7 @@ void EngineImpl::retire_scheduler_locked(std::vector<int>* trace, std::vector<bo
   carried_.staging.read_bytes += st.staging.read_bytes;
   carried_.staging.file_bytes += st.staging.file_bytes;
   carried_.staging.hits += st.staging.hits;
+  carried_.max_slots_held = std::max(carried_.max_slots_held, st.max_slots_held);  // a peak, not a sum
   sched_.reset();
 }
 

@@ -26,7 +26,7 @@ EngineStats EngineImpl::stats() const {
   m.stall_seconds = st.host_wait_seconds + carried_.host_wait_seconds;
   m.slots = static_cast<uint64_t>(st.num_slots);
   m.slot_bytes = st.slot_bytes;
-  m.max_slots_held = static_cast<uint64_t>(st.max_slots_held);
+  m.max_slots_held = static_cast<uint64_t>(std::max(st.max_slots_held, carried_.max_slots_held));
   m.budget_bytes = opts_.budget_bytes;
   m.layers = layers_.size();
   for (const auto& l : layers_) {

@@ -490,9 +490,11 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
                             _train_bytes(train_spec, tensors)))
         # The copy times: the sim device models its link; a GPU's is not known here.
         link = opts.sim_h2d_gbps * 1e9 if compute_device.type != "cuda" else 0.0
+        # train=: a training step (streamed weights cross again in the backward, with their
+        # gradients back), as the plan's copies per step and times count it.
         plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
                                    slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
-                                   fixed_train_bytes=fixed_train, ties=ties,
+                                   training=bool(train_spec), fixed_train_bytes=fixed_train, ties=ties,
                                    as_stored=[i for i, t in enumerate(layers) if t.name in as_stored])
         resident_names = set(plan["resident"])
         # Tied weights: a head kept resident keeps its tensor on the device, so the table

@@ -127,7 +127,7 @@ TEST(Planner, TrainingBytesOfResidentWeightsCountInTheBudget) {
   EXPECT_HAS(p.to_json(), "\"train_bytes\": 346030080");
   in.budget_bytes = 35 * MiB;
   EXPECT_HAS(error_of([&] { plan_placement(in); }),
-             "small tensors (40.00 MiB, of which 30.00 MiB their gradients and optimizer states (train=))");
+             "e.g. by exclude=: 40.00 MiB, of which 30.00 MiB their gradients and optimizer states (train=))");
 }
 
 TEST(Planner, TooSmallBudgetErrorNamesLargestLayer) {
@@ -144,6 +144,29 @@ TEST(Planner, TooSmallBudgetErrorNamesLargestLayer) {
 
   in.fixed_resident_bytes = 200 * MiB;
   EXPECT_HAS(error_of([&] { plan_placement(in); }), "cannot even hold the always-resident small tensors");
+}
+
+// The prefetch depth the plan reports and times is the one the engine runs,
+// min(prefetch, slots - 1): slots=5 with prefetch=1 said depth 4 (3 slots never
+// prefetched into) and prefetch=0 said 1, and timed copies that never overlap.
+TEST(Planner, PlansThePrefetchDepthTheEngineRuns) {
+  PlannerInput in;
+  in.link_bytes_per_s = 1e9;
+  in.device_flops_per_s = 1e12;
+  for (int i = 0; i < 8; ++i) in.layers.push_back(layer("l" + std::to_string(i), 10 * MiB, 1e9));
+  in.budget_bytes = 60 * MiB;
+  const Plan five = plan_slots_first(in, 1, 5);
+  EXPECT_EQ(five.num_slots, 5);
+  EXPECT_EQ(five.prefetch_depth, 1);
+  const Plan two = plan_slots_first(in, 1, 2);
+  EXPECT_EQ(two.prefetch_depth, 1);
+  const Plan deep = plan_slots_first(in, 4, 5);
+  EXPECT_EQ(deep.prefetch_depth, 4);
+  const Plan none = plan_slots_first(in, 0, 0);
+  EXPECT_EQ(none.num_slots, 2);
+  EXPECT_EQ(none.prefetch_depth, 0);
+  EXPECT_GE(none.step_time_s, two.step_time_s);
+  EXPECT_HAS(five.explain(), "prefetch depth 1");
 }
 
 TEST(Planner, LowFlopsPerByteLayerIsKeptResidentFirst) {
@@ -1208,6 +1231,11 @@ TEST(HostTierPlan, SpareHostBytesCountEveryStagingEntry) {
   const host_tier::Plan p = host_tier::plan(tier_layers(L, true), 11 * L, 0, 1);
   EXPECT_EQ(p.staging_bytes, 3 * L);
   EXPECT_EQ(p.spare_host_bytes, 2 * L);
+  // All in RAM with pageable store tensors: the entries are whole ones too (2.5
+  // entries of room staged 2.5, and the half entry was left to nothing).
+  const host_tier::Plan q = host_tier::plan(tier_layers(L, false), 8 * L + L / 2, 0, 1);
+  EXPECT_EQ(q.staging_bytes, 2 * L);
+  EXPECT_EQ(q.spare_host_bytes, static_cast<int64_t>(L / 2));
 }
 
 // The staging entries are pinned first. All in RAM, they only make pageable

@@ -408,6 +408,10 @@ def test_train_budget_covers_the_resident_weights_gradients_and_states(offload_s
                                     + plan["num_slots"] * plan["slot_bytes"])
     assert plan["device_bytes"] <= 3 * 2**20
     assert "+ gradients and optimizer states " in handle.plan
+    # A training step's copies: the streamed weights cross again in the backward (the plan said
+    # an inference pass's copies).
+    assert "per step, training)" in handle.plan and "per step, training)" not in offload_sim(
+        _NormedStack(), budget="1MiB").plan
     assert "gradients" not in frozen_plan["explain"]
 
 

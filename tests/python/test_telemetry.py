@@ -39,8 +39,11 @@ def test_step_stats_go_on_across_suspend_and_resume():
     per-step history keeps every step, numbered on, and the timeline keeps its
     overlap figures for the steps before."""
     m, h = run_steps(steps=2)
+    held = h.stats()["max_slots_held"]
+    assert held > 0
     h.suspend()
     h.resume()
+    assert h.stats()["max_slots_held"] == held  # a peak since the engine was made (was 0 here)
     x = torch.randn(16, 256, requires_grad=True)
     for _ in range(2):
         m(x).sum().backward()

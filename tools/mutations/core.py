@@ -388,4 +388,17 @@ MUTATIONS = [
         ["gtest:test_stager:StagerCache.APrefetchDeeperThanTheEntriesReadsEachLayerOnce"],
         "the disk tier's staging cache keeps the entries of layers already copied into device slots: with a "
         "prefetch deeper than the entries every layer is read about twice a step"),
+    Mutation(
+        "host-plan-staging-in-part-entries", "csrc/core/host_tier.cpp",
+        "      p.staging_bytes = std::min(entries_wanted * largest, budget - total - grads) / largest * largest;",
+        "      p.staging_bytes = std::min(entries_wanted * largest, budget - total - grads);",
+        ["gtest:test_planner:HostTierPlan.SpareHostBytesCountEveryStagingEntry"],
+        "all in RAM with pageable store tensors, the host plan counts part of a staging entry the stager never "
+        "makes: that RAM is left to nothing (saved activations got 0 B)"),
+    Mutation(
+        "plan-prefetch-depth-is-slots-minus-one", "csrc/core/planner.cpp",
+        "  if (in.prefetch_depth >= 0) plan.prefetch_depth = std::min(plan.prefetch_depth, in.prefetch_depth);",
+        "",
+        ["gtest:test_planner:Planner.PlansThePrefetchDepthTheEngineRuns"],
+        "the plan says prefetch depth slots - 1 where the engine runs min(prefetch, slots - 1)"),
 ]

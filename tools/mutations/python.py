@@ -797,4 +797,10 @@ MUTATIONS = [
          P + "test_gguf.py::test_quantize_dict_naming_a_gguf_layer_is_refused"],
         "quantize= over layers load_gguf() kept packed is ignored without a word, even a dict naming the layer: "
         "they stream their GGUF blocks"),
+    Mutation(
+        "train-plan-counts-inference-copies", "python/layerstream/_offload.py",
+        "                                   training=bool(train_spec), fixed_train_bytes=fixed_train, ties=ties,",
+        "                                   fixed_train_bytes=fixed_train, ties=ties,",
+        [P + "test_optim.py::test_train_budget_covers_the_resident_weights_gradients_and_states"],
+        "offload(train=...) plans an inference pass's copies per step (the backward's second crossing uncounted)"),
 ]

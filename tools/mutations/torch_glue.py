@@ -497,4 +497,10 @@ MUTATIONS = [
         [P + "test_optim.py::test_sparse_gradients_are_refused",
          "gtest:test_torch_optim:*GroupsPrecisionsAndErrors*"],
         "an optimizer's error names a parameter by its index among those with a gradient, not its place in the group"),
+    Mutation(
+        "max-slots-held-reset-by-resume", "csrc/torch/engine.cpp",
+        "  carried_.max_slots_held = std::max(carried_.max_slots_held, st.max_slots_held);  // a peak, not a sum\n",
+        "",
+        [P + "test_telemetry.py::test_step_stats_go_on_across_suspend_and_resume"],
+        "stats()['max_slots_held'] falls to 0 after suspend() and resume() (a peak since the engine was made)"),
 ]
