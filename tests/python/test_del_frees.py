@@ -165,3 +165,62 @@ def test_a_handle_kept_without_its_model_keeps_the_engine_until_detach():
         engine = weakref.ref(handle._engine)
         handle.detach()
         assert engine() is None
+
+
+def _moe_with_param_lora(transformers, peft, after_offload: bool, **options):
+    """A transformers MoE (its experts a tensor group) with peft's LoRA on the experts'
+    3-D tensors (target_parameters), before or after offload(); and its resident twin."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    base = transformers.Qwen3MoeForCausalLM(cfg)
+
+    def lora(m):
+        torch.manual_seed(1)
+        return peft.get_peft_model(m, peft.LoraConfig(
+            r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            init_lora_weights=False))
+
+    ref = lora(copy.deepcopy(base))
+    if after_offload:
+        handle = layerstream.offload(base, device="sim", **options)
+        return lora(base), handle, ref
+    model = lora(base)
+    return model, layerstream.offload(model, device="sim", **options), ref
+
+
+@pytest.mark.parametrize("after_offload", [False, True], ids=["lora-then-offload", "offload-then-lora"])
+def test_a_model_with_peft_lora_on_a_groups_tensors_is_freed_without_gc(after_offload):
+    """peft's LoRA on a streamed group's tensors (_peft_params.py): the patched wrapper's
+    _activate_lora was a partial holding the wrapper (a cycle), and the handle's record
+    (Installed) held the wrappers strongly: `del model, handle` kept the wrappers, the
+    experts under them, the handle and its engine until gc, and a handle kept held the
+    model's wrappers. Now the model goes at once; a handle kept keeps the engine only."""
+    # Imported here, not in a helper: an import that keeps a traceback (bitsandbytes') keeps
+    # the frames it ran under, and so a helper's locals.
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig  # noqa: B018 (imported lazily)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    with _no_gc():
+        model, handle, ref = _moe_with_param_lora(transformers, peft, after_offload)
+        loss, expected = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        assert torch.equal(loss, expected)
+        loss.backward(), expected.backward()
+        del loss, expected
+        wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+        assert wrappers and all("_activate_lora" in w.__dict__ for w in wrappers)
+        gone = [weakref.ref(o) for o in [model, handle, handle._engine] + wrappers]
+        del wrappers, model, handle
+        assert [r() is None for r in gone] == [True] * len(gone)
+
+        model, handle, _ = _moe_with_param_lora(transformers, peft, after_offload)
+        model(input_ids=ids)
+        gone = [weakref.ref(m) for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+        del model
+        assert [r() is None for r in gone] == [True] * len(gone)
+        engine = weakref.ref(handle._engine)
+        handle.detach()
+        assert engine() is None

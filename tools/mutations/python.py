@@ -766,4 +766,25 @@ MUTATIONS = [
          P + "test_activation_hooks.py::test_the_forward_offload_sets_on_the_model_reads_as_its_bound_method"],
         "the forward activation offload puts in the model's __dict__ is a bound method: a dropped model keeps its "
         "engine until gc"),
+    Mutation(
+        "peft-patch-holds-its-wrapper", "python/layerstream/_peft_params.py",
+        "                w._activate_lora = _Activate(w, fwd)\n",
+        "                w._activate_lora = functools.partial(_activate, w, fwd)\n",
+        [P + "test_del_frees.py::test_a_model_with_peft_lora_on_a_groups_tensors_is_freed_without_gc"],
+        "the _activate_lora patched on a peft wrapper over a streamed group holds the wrapper: a dropped model "
+        "keeps its experts, handle and engine until gc"),
+    Mutation(
+        "peft-copy-keeps-the-original-patch", "python/layerstream/_peft_params.py",
+        "        return self if copied is None else _Activate(copied)\n",
+        "        return self\n",
+        [P + "test_experts.py::test_a_copy_of_a_lora_wrapper_over_streamed_experts_computes_with_its_own_adapters"],
+        "a deep copy of a peft wrapper over streamed experts keeps the original's patch: it applies the original "
+        "wrapper's adapters, silently"),
+    Mutation(
+        "peft-copy-patch-blocks-offload", "python/layerstream/_peft_params.py",
+        '    return patch is not None and getattr(patch, "_fwd", True) is not None\n',
+        "    return patch is not None\n",
+        [P + "test_experts.py::test_a_copy_of_a_lora_wrapper_over_streamed_experts_computes_with_its_own_adapters"],
+        "a copied peft wrapper (its patch without a group forward) is not patched when its model is offloaded: "
+        "peft parametrizes the host tensor"),
 ]
