@@ -224,3 +224,72 @@ def test_a_model_with_peft_lora_on_a_groups_tensors_is_freed_without_gc(after_of
         engine = weakref.ref(handle._engine)
         handle.detach()
         assert engine() is None
+
+
+class _Recovery(nn.Module):
+    """An accuracy-recovery adapter as compat sees one (ai-toolkit's, less its own cycle):
+    it keeps the layer's forward as org_forward; the layer points back to it weakly."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.up = nn.Linear(layer.in_features, layer.out_features, bias=False)
+        self.org_forward = layer.forward
+        layer.ara_lora_ref = weakref.ref(self)
+
+    def forward(self, x):
+        return self.org_forward(x) + self.up(x)
+
+
+@needs_proc
+@pytest.mark.parametrize("how", ["attach", "attach-then-to-bfloat16", "one-by-one", "recovery-adapters"])
+def test_a_model_attached_by_compat_is_freed_without_gc(how):
+    """layerstream.compat: the manager held its model (module, managed), the layers'
+    records held their layers, adapters and bound forwards, the manager its records and
+    its call hooks a lambda over it: `del model, mgr` kept the model, the engine and its
+    threads until gc. Now they go at once (the adapters, which keep their layers as
+    before attach, with the adapters); a layer attached one by one keeps its manager."""
+    from layerstream.compat import LinearLayerMemoryManager, MemoryManager
+
+    torch.manual_seed(0)
+    model, x = _model("linears")
+    ref = copy.deepcopy(model)
+    if how == "attach-then-to-bfloat16":
+        ref.to(torch.bfloat16)
+    # The resident run first: torch's threads are up before counting, and what its first
+    # optimizer imports (keeping the frames it ran under) is imported.
+    _, expected = _train(ref, x.to(torch.bfloat16) if how == "attach-then-to-bfloat16" else x)
+    with _no_gc():
+        before = _threads()
+        adapters = []
+        if how == "one-by-one":
+            mgr = MemoryManager(model, "cpu")
+            LinearLayerMemoryManager.attach(model[0], mgr)
+            LinearLayerMemoryManager.attach(model[1], mgr)
+            del mgr  # the layers keep it
+        else:
+            if how == "recovery-adapters":
+                torch.manual_seed(1)
+                adapters = [_Recovery(layer) for layer in model]
+                torch.manual_seed(1)
+                ref_adapters = [_Recovery(layer) for layer in ref]
+            mgr = MemoryManager.attach(model, torch.device("cpu"), offload_percent=0.5)
+        if how == "attach-then-to-bfloat16":
+            model.to(torch.bfloat16)
+            x = x.to(torch.bfloat16)
+        _, outs = _train(model, x)
+        for a, b in zip(outs, expected):
+            assert torch.equal(a, b)
+        for a, b in zip(adapters, ref_adapters if adapters else []):
+            with torch.no_grad():
+                assert torch.equal(a(x), b(x))
+        assert _threads() > before
+        engine = weakref.ref(model[0]._layer_memory_manager.manager.engine)
+        gone = [weakref.ref(o) for o in [model] + list(model)]
+        del model, outs
+        if adapters:
+            assert engine() is not None and all(r() is not None for r in gone[1:])  # the adapters hold theirs
+            del adapters, a, b
+        mgr = None
+        assert [r() is None for r in gone] == [True] * len(gone)
+        assert engine() is None
+        assert _threads() == before

@@ -118,7 +118,7 @@ MUTATIONS = [
         "cached weights) of the call before"),
     Mutation(
         "compat-call-begins-no-step", "python/layerstream/compat.py",
-        "        self._call_hook = CallHooks(module, lambda: self.engine, self._streamed_ids())",
+        "        self._call_hook = CallHooks(module, lambda: this().engine, self._streamed_ids())",
         "        pass",
         [P + "test_compat_aitoolkit.py::test_a_call_that_skips_the_first_streamed_layer_still_begins_a_step"],
         "compat: a call of the attached model that skips the trace's first layer reuses the weights "
@@ -391,7 +391,7 @@ MUTATIONS = [
         "model.blocks[0].half() converts the block's resident layers before its streamed Linear refuses"),
     Mutation(
         "compat-parent-detach-leaves-child-manager", "python/layerstream/compat.py",
-        "                if m.module.__dict__.get(\"_memory_manager\") is m:\n",
+        "                if getattr(m.module, \"__dict__\", {}).get(\"_memory_manager\") is m:\n",
         "                if False:\n",
         [P + "test_compat.py::test_detach_of_a_parent_hands_back_a_child_given_to_attach_whole"],
         "MemoryManager.detach(parent) leaves a dead manager on a child given to attach(): re-attach streams nothing"),
@@ -787,4 +787,11 @@ MUTATIONS = [
         [P + "test_experts.py::test_a_copy_of_a_lora_wrapper_over_streamed_experts_computes_with_its_own_adapters"],
         "a copied peft wrapper (its patch without a group forward) is not patched when its model is offloaded: "
         "peft parametrizes the host tensor"),
+    Mutation(
+        "compat-manager-holds-its-model", "python/layerstream/compat.py",
+        "        self._module = weakref.ref(module)\n        self.process_device",
+        "        self._module = (lambda: module)\n        self.process_device",
+        [P + "test_del_frees.py::test_a_model_attached_by_compat_is_freed_without_gc"],
+        "layerstream.compat's MemoryManager holds its model strongly (the model holds it): a dropped model keeps "
+        "its engine and threads until gc"),
 ]
