@@ -274,7 +274,7 @@ MUTATIONS = [
         "with quantize= and a budget, a layer the planner keeps resident computes with its unquantized weight"),
     Mutation(
         "ctrl-c-lands-half-way", "python/layerstream/_interrupts.py",
-        "            if callable(handler) and handler is not self._recorder:",
+        "            if callable(handler) and getattr(handler, \"__self__\", None) is not self:",
         "            if False:",
         [P + "test_errors.py::test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released",
          P + "test_errors.py::test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy",
@@ -794,4 +794,12 @@ MUTATIONS = [
         [P + "test_del_frees.py::test_a_model_attached_by_compat_is_freed_without_gc"],
         "layerstream.compat's MemoryManager holds its model strongly (the model holds it): a dropped model keeps "
         "its engine and threads until gc"),
+    Mutation(
+        "held-signals-keep-their-recorder", "python/layerstream/_interrupts.py",
+        "        self._received = []  # (handler, signal, frame) in order of arrival, each signal once\n",
+        "        self._received = []  # (handler, signal, frame) in order of arrival, each signal once\n"
+        "        self._recorder = self._record\n",
+        [P + "test_del_frees.py::test_holding_signals_leaves_nothing_to_the_cyclic_collector"],
+        "a HeldSignals keeps its recorder (a bound method of itself): every held block, on the hot paths too, "
+        "leaves a cycle to the cyclic collector"),
 ]
