@@ -75,7 +75,6 @@ class HeldSignals:
         self._signals = signals  # None: every valid signal (a sweep at each hold())
         self._held = {}  # signal -> the handler it had
         self._received = []  # (handler, signal, frame) in order of arrival, each signal once
-        self._recorder = self._record  # one object: getsignal() returns it while held
         self._frame = None  # the frame that holds them (its block: while it runs)
 
     def __enter__(self):
@@ -116,9 +115,11 @@ class HeldSignals:
         self._frame = frame
         for s in signal.valid_signals() if self._signals is None else self._signals:
             handler = signal.getsignal(s)
-            if callable(handler) and handler is not self._recorder:
+            # Our recorder is a bound method of this object, made here: kept on it, it
+            # was a cycle (each block's HeldSignals was left to the cyclic collector).
+            if callable(handler) and getattr(handler, "__self__", None) is not self:
                 self._held[s] = handler  # first: _record and _restore look it up
-                signal.signal(s, self._recorder)
+                signal.signal(s, self._record)
 
     def _restore(self) -> None:
         try:

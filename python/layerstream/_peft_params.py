@@ -18,7 +18,9 @@ adapters' deltas added), and passes the adapter's tensors to its autograd
 function, whose backward recomputes the value and returns their gradients
 (_GroupFn). Wrappers present at offload() are patched then; wrappers added
 later (get_peft_model after offload()) at the first call of the module that
-holds them (a forward pre-hook). detach() undoes both.
+holds them (a forward pre-hook). detach() undoes both. The patch sits in the
+wrapper's __dict__ and holds the wrapper weakly, as Installed does (Note [Nothing
+offload() puts on a model refers back to it], _handle.py).
 
 The adapters' own modules (lora_A / lora_B) are never streamed: the wrapper
 reads their weights directly, not through their forward (_discovery.py)."""
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import weakref
 from typing import List, Optional
 
 import torch
@@ -111,13 +114,47 @@ def _activate(wrapper: nn.Module, fwd, active_adapters):
         yield
 
 
+class _Activate:
+    """A patched wrapper's _activate_lora: _activate with the wrapper held weakly (a
+    partial of it in the wrapper's __dict__ was a cycle that kept a dropped model, its
+    handle and engine until gc). A copy of the wrapper (copy.deepcopy: its base is copied
+    plain, _forward._PlainCopy) gets one without `fwd`: it activates as peft's own does."""
+
+    __slots__ = ("_wrapper", "_fwd")
+
+    def __init__(self, wrapper: nn.Module, fwd=None):
+        self._wrapper, self._fwd = weakref.ref(wrapper), fwd
+
+    def __call__(self, active_adapters):
+        w = self._wrapper()
+        if self._fwd is None:
+            return type(w)._activate_lora(w, active_adapters)
+        return _activate(w, self._fwd, active_adapters)
+
+    def __deepcopy__(self, memo):
+        copied = memo.get(id(self._wrapper()))
+        return self if copied is None else _Activate(copied)
+
+    def __reduce__(self):
+        if self._fwd is not None:  # refuses, saying what to do (_forward._RefusesCopy)
+            return self._fwd.__reduce_ex__(2)
+        return _Activate, (self._wrapper(),)
+
+
+def _is_patched(wrapper: nn.Module) -> bool:
+    """Whether `wrapper` activates through a streamed group (a copy's patch does not)."""
+    patch = wrapper.__dict__.get("_activate_lora")
+    return patch is not None and getattr(patch, "_fwd", True) is not None
+
+
 class Installed:
-    """What install() changed: removed by detach()."""
+    """What install() changed: removed by detach(). The wrappers weakly: the handle
+    keeps it, and a handle kept does not keep its model."""
 
     def __init__(self, cls, fwds):
         self._cls = cls
         self._fwds = fwds  # id(group module) -> its _GroupForward
-        self._patched: List[nn.Module] = []
+        self._patched: List[weakref.ref] = []
         self._hooks = []
 
     def patch(self, top: nn.Module) -> None:
@@ -127,15 +164,16 @@ class Installed:
         if fwd is None:
             return
         for w in chain:
-            if "_activate_lora" not in w.__dict__:
-                w._activate_lora = functools.partial(_activate, w, fwd)
-                self._patched.append(w)
+            if not _is_patched(w):
+                w._activate_lora = _Activate(w, fwd)
+                self._patched.append(weakref.ref(w))
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
-        for w in self._patched:
-            w.__dict__.pop("_activate_lora", None)
+        for w in (r() for r in self._patched):
+            if w is not None:
+                w.__dict__.pop("_activate_lora", None)
         self._hooks, self._patched = [], []
 
 
@@ -159,7 +197,7 @@ def install(model: nn.Module, group_forwards: dict) -> Optional[Installed]:
 
             def hook(mod, args, key=key):
                 top = mod._modules.get(key)
-                if isinstance(top, inst._cls) and "_activate_lora" not in top.__dict__:
+                if isinstance(top, inst._cls) and not _is_patched(top):
                     inst.patch(top)
 
             inst._hooks.append(parent.register_forward_pre_hook(hook))

@@ -58,11 +58,17 @@ returns; quantized weights stream frozen (no weight gradient; a warning says
 so when one requires grad); a CPU ``device`` runs on layerstream's simulated
 device; a model already offloaded by ``layerstream.offload()`` is refused (one
 model, one handle), as offload() refuses a model attached here; an adapter's
-own layers (``ara_lora_ref()``) stay resident rather than being streamed.
+own layers (``ara_lora_ref()``) stay resident rather than being streamed;
+the manager and the layers' records (``manager.module``, ``managed``,
+``unmanaged_modules``) refer to the model weakly, so a dropped model goes
+with its engine at once (Note [A model attached here is freed with its last
+reference]).
 """
 from __future__ import annotations
 
+import types
 import warnings
+import weakref
 from typing import Iterable, List, Optional
 
 import torch
@@ -72,6 +78,7 @@ from . import _C, _peft_params
 from ._discovery import (_activation_dtype, _conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable,
                          _pad_for_mode, _resident_label, _resident_reason, _takes_activations, _warn_resident)
 from ._file_weight import FileWeight
+from ._forward import _RefusesCopy
 from ._guards import _RootApply, _StreamedApply, _is_compute, install_subtree_checks, remove_subtree_checks
 from ._calls import CallHooks
 from ._offload import _move_resident
@@ -164,24 +171,61 @@ def _foreign_weight(module: nn.Module, pre) -> Optional[str]:
     return None
 
 
-class MemoryManager:
+def _held(fn, owner):
+    """A getter of `fn`: weakly when it is a bound method of `owner`, whose __dict__ (or
+    its layer's) holds what holds `fn`: a strong one was a cycle."""
+    if isinstance(fn, types.MethodType) and fn.__self__ is owner:
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
+# Note [A model attached here is freed with its last reference]
+# As offload()'s (Note [Nothing offload() puts on a model refers back to it], _handle.py):
+# the references run from the model to the manager (model._memory_manager, model.to, the
+# call hooks; each layer's _layer_memory_manager, whose `manager` keeps it for layers
+# attached one by one) and on to the engine, and nothing of the manager's or the layers'
+# records holds a module, an adapter, a record or a bound method of theirs strongly (a
+# cycle kept a dropped model and its engine until the cyclic collector ran). A layer
+# dropped from the model goes with its record; detach() hands back the layers left.
+class MemoryManager(_RefusesCopy):
     """Owns one layerstream engine for the layers attached through it."""
 
     def __init__(self, module: nn.Module, process_device, **engine_options):
-        self.module = module
+        self._module = weakref.ref(module)
         self.process_device = torch.device(process_device)
         self._engine_options = {"device": _engine_device(self.process_device)}
         self._engine_options.update(engine_options)
         self.engine = _C.Engine(self._engine_options)
-        self.managed: List[nn.Module] = []
-        self._layers: List["BaseLayerMemoryManager"] = []  # in engine order
-        # The original's name: what attach() leaves resident (ignore_modules entries,
-        # layers offload_percent did not pick, layers that cannot stream).
-        self.unmanaged_modules: list = []
+        self._layer_refs: List[weakref.ref] = []  # the layers' records (BaseLayerMemoryManager), in engine order
+        self._unmanaged: List[weakref.ref] = []
         self._root_apply = None  # what attach installs on the model (_install_root)
         self._subtree_checks = []  # and on the modules between it and the streamed layers
         self._call_hook = None  # the hooks on its calls (_calls.CallHooks): a call begins a step
         self._had_to, self._old_to = False, None
+
+    @property
+    def module(self) -> Optional[nn.Module]:
+        """The module given to attach (None once it was freed)."""
+        return self._module()
+
+    @property
+    def _layers(self) -> List["BaseLayerMemoryManager"]:
+        return [lm for lm in (r() for r in self._layer_refs) if lm is not None]
+
+    @property
+    def managed(self) -> List[nn.Module]:
+        """The streamed layers, in engine order."""
+        return [m for m in (lm.module for lm in self._layers) if m is not None]
+
+    @property
+    def unmanaged_modules(self) -> list:
+        """The original's name: what attach() leaves resident (ignore_modules entries,
+        layers offload_percent did not pick, layers that cannot stream)."""
+        return [m for m in (r() for r in self._unmanaged) if m is not None]
+
+    @unmanaged_modules.setter
+    def unmanaged_modules(self, modules: list) -> None:
+        self._unmanaged = [weakref.ref(m) for m in modules]
 
     # ------------------------------------------------------------------ attach
     @classmethod
@@ -302,7 +346,8 @@ class MemoryManager:
         runs on the process device (adapters of streamed layers included)."""
         module = self.module
         module._memory_manager = self
-        self._call_hook = CallHooks(module, lambda: self.engine, self._streamed_ids())
+        this = weakref.ref(self)  # the hooks are this manager's (_call_hook): a lambda over self was a cycle
+        self._call_hook = CallHooks(module, lambda: this().engine, self._streamed_ids())
         if not isinstance(module.__dict__.get("_apply"), _StreamedApply):
             self._root_apply = _RootApply(module, [lm.module._apply for lm in self._layers])
             module._apply = self._root_apply
@@ -343,7 +388,7 @@ class MemoryManager:
         if manager is None:  # layers attached below it: by MemoryManager.attach(child), or one by one
             for m in dict.fromkeys(sub.__dict__["_layer_memory_manager"].manager for sub in module.modules()
                                    if "_layer_memory_manager" in sub.__dict__):
-                if m.module.__dict__.get("_memory_manager") is m:
+                if getattr(m.module, "__dict__", {}).get("_memory_manager") is m:
                     cls.detach(m.module)  # its module's to/_apply/_memory_manager go too
                 else:
                     m._release()
@@ -368,10 +413,12 @@ class MemoryManager:
         weights to the devices they were on before attach, or (to_host) to the CPU."""
         if self.engine is None:
             return
-        self.engine.detach(["cpu" if to_host else lm._device for lm in self._layers])
-        for lm in self._layers:
-            lm._uninstall()
-        self._layers, self.managed, self.engine = [], [], None
+        layers = [r() for r in self._layer_refs]  # a layer dropped from the model: its weights go nowhere
+        self.engine.detach(["cpu" if to_host or lm is None else lm._device for lm in layers])
+        for lm in layers:
+            if lm is not None:
+                lm._uninstall()
+        self._layer_refs, self.engine = [], None
 
     def memory_managed_to(self, *args, **kwargs):
         """``module.to(...)`` after attach, as the original's: a device moves what is not
@@ -442,16 +489,31 @@ class MemoryManager:
         self.engine.synchronize()
 
 
-class BaseLayerMemoryManager:
+class BaseLayerMemoryManager(_RefusesCopy):
+    """One streamed layer's record (module._layer_memory_manager). It and its manager
+    refuse a deep copy (of a layer, say) with the message a streamed model gives, as they
+    did when they held the model."""
+
     kind = ""
 
     def __init__(self, module: nn.Module, manager: MemoryManager, name: Optional[str] = None):
-        self.module = module
+        # The layer and its adapter weakly (Note [A model attached here is freed with its
+        # last reference]); the manager strongly: a layer attached one by one keeps it.
+        self._module = weakref.ref(module)
         self.manager = manager
         self.name = name or f"{type(module).__name__}@{id(module):x}"
         self._pre = None  # the packed weight, when it arrives quantized
-        self._adapter = None
+        self._adapter_ref = None
         self._device = "cpu"
+
+    @property
+    def module(self) -> Optional[nn.Module]:
+        """The layer (None once it was freed)."""
+        return self._module()
+
+    @property
+    def _adapter(self):
+        return None if self._adapter_ref is None else self._adapter_ref()
 
     @classmethod
     def attach(cls, module: nn.Module, manager: MemoryManager, name: Optional[str] = None):
@@ -503,23 +565,24 @@ class BaseLayerMemoryManager:
         self._device = str(w.device)
         index = self._register()
         self.index = index
-        self.manager.managed.append(self.module)
-        self.manager._layers.append(self)
-        self._adapter = _adapter_of(self.module)
-        target, attr = (self._adapter, "org_forward") if self._adapter is not None else (self.module, "forward")
-        self._target, self._attr = target, attr
+        self.manager._layer_refs.append(weakref.ref(self))
+        adapter = _adapter_of(self.module)
+        self._adapter_ref = None if adapter is None else weakref.ref(adapter)
+        target, attr = (adapter, "org_forward") if adapter is not None else (self.module, "forward")
+        self._target, self._attr = weakref.ref(target), attr
         self._had_attr = attr in target.__dict__
         original = getattr(target, attr)
-        self._original_forward = original
+        self._original_forward = _held(original, self.module)
+        fallback = _held(original, target)  # an adapter keeps its layer as before attach
 
         def _mm_forward(x, *args, **kwargs):
             # Released (MemoryManager.detach): a wrapper installed after attach that
             # still holds this forward gets the layer's own (_uninstall).
             if args or kwargs or self.manager.engine is None:
-                return original(x, *args, **kwargs)
+                return fallback()(x, *args, **kwargs)
             return self._run(index, x)
 
-        self._mm_forward = _mm_forward
+        self._mm_forward = weakref.ref(_mm_forward)  # it holds this record
         setattr(target, attr, _mm_forward)
         self.module._memory_management_device = self.manager.process_device
         self.module._apply = _StreamedApply(self.module, torch.device(self.manager.engine.compute_device),
@@ -529,16 +592,18 @@ class BaseLayerMemoryManager:
         """Undoes _install (the engine was detached). A wrapper installed after attach
         (its org_forward is the streamed forward) keeps wrapping: its org_forward
         becomes the layer's own forward again."""
-        if self._target.__dict__.get(self._attr) is self._mm_forward:
+        target, mm, m = self._target(), self._mm_forward(), self.module
+        if m is None:
+            return
+        if target is not None and mm is not None and target.__dict__.get(self._attr) is mm:
             if self._had_attr:
-                setattr(self._target, self._attr, self._original_forward)
+                setattr(target, self._attr, self._original_forward())
             else:
-                del self._target.__dict__[self._attr]
-        else:
-            holder = getattr(self.module.__dict__.get("forward"), "__self__", None)
-            if getattr(holder, "org_forward", None) is self._mm_forward:
-                holder.org_forward = self._original_forward
-        m = self.module
+                del target.__dict__[self._attr]
+        elif mm is not None:
+            holder = getattr(m.__dict__.get("forward"), "__self__", None)
+            if getattr(holder, "org_forward", None) is mm:
+                holder.org_forward = self._original_forward()
         m.__dict__.pop("_apply", None)
         for attr in ("_layer_memory_manager", "_memory_management_device"):
             m.__dict__.pop(attr, None)

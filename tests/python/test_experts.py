@@ -508,6 +508,44 @@ def test_lora_on_expert_parameters_with_two_adapters_adds_their_deltas(offload_s
     assert model.base_model.model.model.layers[0].mlp.experts.lora_B["second"].weight.grad is not None
 
 
+def test_a_copy_of_a_lora_wrapper_over_streamed_experts_computes_with_its_own_adapters(offload_sim):
+    """copy.deepcopy() of peft's wrapper over streamed experts (its base is copied plain,
+    _forward._PlainCopy): the copy activates its own adapters on its own experts, as a
+    copy of the resident wrapper does, pickled again too. Before, the copy's
+    _activate_lora was the original's patch (it applied the original wrapper's adapters
+    through the streamed experts), or one whose group forward was left out of the copy
+    (AttributeError). The copy, in a model offloaded anew, streams exactly."""
+    import io
+
+    model = _param_lora(_qwen3_moe())
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    top, ref_top = (m.base_model.model.model.layers[0].mlp.experts for m in (model, ref))
+    clone, ref_clone = copy.deepcopy(top), copy.deepcopy(ref_top)
+    with torch.no_grad():
+        for c in (clone, ref_clone):  # the copies' adapters part from the originals'
+            c.lora_B["default"].weight.mul_(3)
+    buf = io.BytesIO()
+    torch.save(clone, buf)
+    buf.seek(0)
+    reloaded = torch.load(buf, weights_only=False)
+    g = torch.Generator().manual_seed(4)
+    x, top_k, weights = torch.randn(9, 32, generator=g), torch.randint(0, 4, (9, 2), generator=g), torch.rand(9, 2)
+    with torch.no_grad():
+        expected = ref_clone(x, top_k, weights)
+        assert not torch.equal(expected, ref_top(x, top_k, weights))
+        assert torch.equal(clone(x, top_k, weights), expected)
+        assert torch.equal(reloaded(x, top_k, weights), expected)
+        assert torch.equal(top(x, top_k, weights), ref_top(x, top_k, weights))
+    # The copy in a model offloaded anew activates through its streamed experts again.
+    model2, ref2 = copy.deepcopy(ref), copy.deepcopy(ref)
+    model2.base_model.model.model.layers[0].mlp.experts = clone
+    ref2.base_model.model.model.layers[0].mlp.experts = ref_clone
+    offload_sim(model2)
+    assert clone.__dict__["_activate_lora"]._fwd is not None
+    _train_compare(model2, ref2, steps=1)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "lossless"])
 def test_lora_on_packed_expert_parameters(offload_sim, fmt):
     """QLoRA on the experts' own tensors: packed (int8) or lossless-coded frozen experts

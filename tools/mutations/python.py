@@ -118,7 +118,7 @@ MUTATIONS = [
         "cached weights) of the call before"),
     Mutation(
         "compat-call-begins-no-step", "python/layerstream/compat.py",
-        "        self._call_hook = CallHooks(module, lambda: self.engine, self._streamed_ids())",
+        "        self._call_hook = CallHooks(module, lambda: this().engine, self._streamed_ids())",
         "        pass",
         [P + "test_compat_aitoolkit.py::test_a_call_that_skips_the_first_streamed_layer_still_begins_a_step"],
         "compat: a call of the attached model that skips the trace's first layer reuses the weights "
@@ -274,7 +274,7 @@ MUTATIONS = [
         "with quantize= and a budget, a layer the planner keeps resident computes with its unquantized weight"),
     Mutation(
         "ctrl-c-lands-half-way", "python/layerstream/_interrupts.py",
-        "            if callable(handler) and handler is not self._recorder:",
+        "            if callable(handler) and getattr(handler, \"__self__\", None) is not self:",
         "            if False:",
         [P + "test_errors.py::test_a_ctrl_c_in_a_tensor_group_call_lands_after_its_slot_is_released",
          P + "test_errors.py::test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy",
@@ -391,7 +391,7 @@ MUTATIONS = [
         "model.blocks[0].half() converts the block's resident layers before its streamed Linear refuses"),
     Mutation(
         "compat-parent-detach-leaves-child-manager", "python/layerstream/compat.py",
-        "                if m.module.__dict__.get(\"_memory_manager\") is m:\n",
+        "                if getattr(m.module, \"__dict__\", {}).get(\"_memory_manager\") is m:\n",
         "                if False:\n",
         [P + "test_compat.py::test_detach_of_a_parent_hands_back_a_child_given_to_attach_whole"],
         "MemoryManager.detach(parent) leaves a dead manager on a child given to attach(): re-attach streams nothing"),
@@ -803,4 +803,40 @@ MUTATIONS = [
         "                                   fixed_train_bytes=fixed_train, ties=ties,",
         [P + "test_optim.py::test_train_budget_covers_the_resident_weights_gradients_and_states"],
         "offload(train=...) plans an inference pass's copies per step (the backward's second crossing uncounted)"),
+    Mutation(
+        "peft-patch-holds-its-wrapper", "python/layerstream/_peft_params.py",
+        "                w._activate_lora = _Activate(w, fwd)\n",
+        "                w._activate_lora = functools.partial(_activate, w, fwd)\n",
+        [P + "test_del_frees.py::test_a_model_with_peft_lora_on_a_groups_tensors_is_freed_without_gc"],
+        "the _activate_lora patched on a peft wrapper over a streamed group holds the wrapper: a dropped model "
+        "keeps its experts, handle and engine until gc"),
+    Mutation(
+        "peft-copy-keeps-the-original-patch", "python/layerstream/_peft_params.py",
+        "        return self if copied is None else _Activate(copied)\n",
+        "        return self\n",
+        [P + "test_experts.py::test_a_copy_of_a_lora_wrapper_over_streamed_experts_computes_with_its_own_adapters"],
+        "a deep copy of a peft wrapper over streamed experts keeps the original's patch: it applies the original "
+        "wrapper's adapters, silently"),
+    Mutation(
+        "peft-copy-patch-blocks-offload", "python/layerstream/_peft_params.py",
+        '    return patch is not None and getattr(patch, "_fwd", True) is not None\n',
+        "    return patch is not None\n",
+        [P + "test_experts.py::test_a_copy_of_a_lora_wrapper_over_streamed_experts_computes_with_its_own_adapters"],
+        "a copied peft wrapper (its patch without a group forward) is not patched when its model is offloaded: "
+        "peft parametrizes the host tensor"),
+    Mutation(
+        "compat-manager-holds-its-model", "python/layerstream/compat.py",
+        "        self._module = weakref.ref(module)\n        self.process_device",
+        "        self._module = (lambda: module)\n        self.process_device",
+        [P + "test_del_frees.py::test_a_model_attached_by_compat_is_freed_without_gc"],
+        "layerstream.compat's MemoryManager holds its model strongly (the model holds it): a dropped model keeps "
+        "its engine and threads until gc"),
+    Mutation(
+        "held-signals-keep-their-recorder", "python/layerstream/_interrupts.py",
+        "        self._received = []  # (handler, signal, frame) in order of arrival, each signal once\n",
+        "        self._received = []  # (handler, signal, frame) in order of arrival, each signal once\n"
+        "        self._recorder = self._record\n",
+        [P + "test_del_frees.py::test_holding_signals_leaves_nothing_to_the_cyclic_collector"],
+        "a HeldSignals keeps its recorder (a bound method of itself): every held block, on the hot paths too, "
+        "leaves a cycle to the cyclic collector"),
 ]
