@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "dtype_name.h"
 
 namespace layerstream {
 
