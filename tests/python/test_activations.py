@@ -565,6 +565,7 @@ def test_a_forward_interrupted_by_ctrl_c_does_not_leave_its_scope_open(offload_s
     with pytest.raises(KeyboardInterrupt):
         model(x)
     handle.detach()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # closed by detach() itself
     other(torch.randn(128, 256, requires_grad=True)).tanh().sum().backward()  # no engine involved
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 

@@ -725,12 +725,6 @@ MUTATIONS = [
         [P + "test_loose_ends.py::test_a_table_resident_with_its_tied_head_is_in_the_plan_and_stats"],
         "a table resident with its tied head is left out of stats()['resident_layers'] and handle.plan"),
     Mutation(
-        "as-stored-advice-only-at-the-end", "csrc/python/bindings.cpp",
-        "          in.layers[i].as_stored = true;",
-        "          in.layers[i].as_stored = i + 1 == in.layers.size();",
-        [P + "test_loose_ends.py::test_a_budget_too_small_for_a_tied_head_never_suggests_quantizing_it"],
-        "with slots=, a budget too small for a tied head (which streams as stored) suggests quantizing it"),
-    Mutation(
         "pickle-refusal-hides-the-truncated-file", "python/layerstream/_forward.py",
         "\"detach()); torch.save(model, path) has already truncated `path`, so a checkpoint that was \"",
         "\"detach()); \"",
