@@ -774,4 +774,35 @@ MUTATIONS = [
              "test_after_detach_a_thread_whose_forward_was_interrupted_saves_as_plain_torch"],
         "after detach() the hooks a forward interrupted on another thread left there still reach the engine: every "
         "later save on that thread fails (\"handle was detached\"), and they keep the engine and the model alive"),
+    Mutation(
+        "peft-base-readers-only-dora", "python/layerstream/_discovery.py",
+        "    label = _PEFT_BASE_READERS.get(parts[2]) if parts[:2]",
+        "    label = None and _PEFT_BASE_READERS.get(parts[2]) if parts[:2]",
+        [P + "test_peft_adapters.py::test_peft_adapters_that_read_their_base_weight_keep_it_resident_at_offload"],
+        "only DoRA's base layers stay resident: HRA, DeFT (a bias), MiSS 'bat' and the other peft adapters whose "
+        "forward reads the base weight stream it, unwarned (on a GPU the adapter meets host tensors)"),
+    Mutation(
+        "peft-base-reader-added-after-offload-unchecked", "python/layerstream/_calls.py",
+        "        _check_no_base_readers(model, self._skip_modules)  # refused: the next call looks again\n",
+        "",
+        [P + "test_peft_adapters.py::test_dora_added_after_offload_is_refused_at_the_first_call_naming_the_adapter",
+         P + "test_peft_adapters.py::test_hra_added_after_a_quantized_offload_is_refused_naming_hra"],
+        "a DoRA/HRA adapter added after offload() computes with its streamed base layer's host weights (on a GPU "
+        "torch's device mismatch; quantized, the stand-in's refusal naming no adapter)"),
+    Mutation(
+        "packed-refusal-names-no-peft-caller", "python/layerstream/_packed.py",
+        "        caller = _peft_caller()\n        if caller is not None:\n            return _peft_refusal(ls, what, "
+        "caller, cast_yet)\n",
+        "",
+        [P + "test_peft_adapters.py::test_qdora_over_a_quantized_offload_is_refused_naming_dora"],
+        "QDoRA's get_peft_model() over a quantized offload fails with 'cannot be converted or moved (to())' and "
+        "advice about load_state_dict and merges, naming no adapter"),
+    Mutation(
+        "kbit-prepare-casts-before-refusal", "python/layerstream/_packed.py",
+        '                and _peft_caller() == ("kbit", ""):',
+        '                and _peft_caller() == ("never", ""):',
+        [P + "test_peft_adapters.py::"
+             "test_prepare_model_for_kbit_training_after_a_quantized_offload_is_refused_before_casting"],
+        "prepare_model_for_kbit_training() after offload(quantize=...) casts the embedding to float32 before a "
+        "packed weight refuses the cast: the model is left half-converted and its next call fails"),
 ]
