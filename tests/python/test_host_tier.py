@@ -414,8 +414,8 @@ def test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file(
     """A model whose weights are all in memory cannot use the disk tier: the error says
     how to load it so that it can, and gives the sizes unambiguously."""
     ref = _reference().requires_grad_(False)
-    with pytest.raises(LayerstreamError, match=r"this model's weights are all in memory already: .* load it with "
-                                               r"load_safetensors\(\)") as e:
+    with pytest.raises(LayerstreamError, match=r"9 frozen Linear layer\(s\) have their weights in memory, e\.g\. "
+                                               r"'layers\.0': .* load it with load_safetensors\(\)") as e:
         layerstream.offload(ref, device="sim", host_budget=_quarter(ref))
     assert "load_gguf" not in str(e.value) and "in all. Raise host_budget" in str(e.value)
 
@@ -423,6 +423,31 @@ def _loaded_trainable(path):
     model = _meta()
     layerstream.load_safetensors(model, path)
     return model
+
+
+def test_the_host_budget_error_of_a_gpt2_loaded_by_load_safetensors_names_what_stays_in_ram(tmp_path):
+    """GPT-2 built on the meta device and loaded by load_safetensors(): its Conv1D layers are
+    tensor groups and its tables embeddings, read into RAM, and lm_head shares the table's
+    weight. Before, the error said this model's weights were all in memory and to build it
+    on the meta device and load it with load_safetensors(), which is what had been done."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    with accelerate.init_empty_weights():
+        model = transformers.GPT2LMHeadModel(cfg)
+    model.tie_weights()
+    layerstream.load_safetensors(model, str(tmp_path))
+    model.requires_grad_(False)
+    with pytest.raises(LayerstreamError, match=r"Raise host_budget to at least .*\(10 streamed layer\(s\) are not "
+                                               r"Linear layers, so their .* stay in RAM however the model is loaded: "
+                                               r"8 tensor group\(s\), e\.g\. 'transformer\.h\.0\.attn\.c_attn' "
+                                               r"\(modules whose own forward reads their tensors: transformers' "
+                                               r"Conv1D.*; 2 embedding table\(s\), e\.g\. 'transformer\.wte'\) "
+                                               r"\(1 Linear layer\(s\) share their weight .*'lm_head'\)") as e:
+        layerstream.offload(model, device="sim", host_budget="1KiB")
+    assert "meta device" not in str(e.value)
 
 
 def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):

@@ -326,8 +326,8 @@ MUTATIONS = [
         "the host-budget error of lossless weights suggests cache_dir=, which cannot keep them on disk"),
     Mutation(
         "in-memory-model-hint-missing", "python/layerstream/_host_plan.py",
-        "        elif not in_file:\n",
-        "        elif False:\n",
+        "    if dense:\n",
+        "    if False:\n",
         [P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
         "the host-budget error of a model in memory no longer says to load it with load_safetensors()"),
     Mutation(
@@ -805,4 +805,14 @@ MUTATIONS = [
              "test_prepare_model_for_kbit_training_after_a_quantized_offload_is_refused_before_casting"],
         "prepare_model_for_kbit_training() after offload(quantize=...) casts the embedding to float32 before a "
         "packed weight refuses the cast: the model is left half-converted and its next call fails"),
+    Mutation(
+        "host-budget-error-says-all-in-memory", "python/layerstream/_host_plan.py",
+        "        else:\n            hint += _in_ram_hint(model, streamed, entries)\n",
+        "        elif not in_file:\n            hint += (\" (this model's weights are all in memory already: build the "
+        "model on the meta device and load it with load_safetensors())\")\n",
+        [P + "test_host_tier.py::"
+             "test_the_host_budget_error_of_a_gpt2_loaded_by_load_safetensors_names_what_stays_in_ram",
+         P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
+        "the host budget error of a GPT-2 loaded by load_safetensors() says to load it with load_safetensors(), "
+        "not that its Conv1D groups, tables and tied head stay in RAM whatever loads them"),
 ]
