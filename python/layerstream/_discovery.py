@@ -326,16 +326,42 @@ def _check_no_meta(model: nn.Module) -> None:
             f"{len(lazy)} parameter(s)/buffer(s) are not initialized yet (lazy modules such as nn.LazyLinear "
             f"take their shapes from their first call): {', '.join(lazy[:5])}{', ...' if len(lazy) > 5 else ''}. "
             f"Run the model once on a batch of the real input shape, then call offload().")
-    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+    tensors = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+    meta = [n for n, t in tensors
             if t.is_meta and not isinstance(t, (_PackedWeight, GgufWeight, FileWeight))]  # offloaded; bytes elsewhere
-    if meta:
+    if not meta:
+        return
+    listed = f"{', '.join(meta[:5])}{', ...' if len(meta) > 5 else ''}"
+    head = f"{len(meta)} parameter(s)/buffer(s) have no data (meta tensors): {listed}."
+    params = list(model.parameters())
+    if all(p.is_meta and not isinstance(p, (_PackedWeight, GgufWeight, FileWeight)) for p in params):
         raise LayerstreamError(
-            f"{len(meta)} parameter(s)/buffer(s) have no data (meta tensors): "
-            f"{', '.join(meta[:5])}{', ...' if len(meta) > 5 else ''}. The model was built without "
-            f"weights (torch.device('meta'), accelerate's init_empty_weights) or its weights are "
-            f"offloaded by accelerate hooks (a device_map with 'cpu'/'disk' entries). Load real "
-            f"weights into host memory first (e.g. from_pretrained(...) without device_map, or "
-            f"model.to_empty(device='cpu') then load_state_dict()), then call offload().")
+            f"{head} The model was built without weights (torch.device('meta'), accelerate's init_empty_weights) "
+            f"or its weights are offloaded by accelerate hooks (a device_map with 'cpu'/'disk' entries). Load "
+            f"them with layerstream.load_safetensors(model, path) (a .safetensors file, or a transformers or "
+            f"diffusers directory) or layerstream.load_gguf(model, path), which leave frozen Linear weights in "
+            f"their file until offload() streams them; or into host memory (from_pretrained(...) without "
+            f"device_map, or model.to_empty(device='cpu') then load_state_dict()); then call offload().")
+    # Some weights have values: a load that left these out, or a part moved to the meta device.
+    unsaved = {f"{mn}.{k}" if mn else k for mn, m in model.named_modules() for k in m._non_persistent_buffers_set}
+    missing = [n for n in meta if n not in unsaved]
+    buffers = [n for n in meta if n in unsaved]
+    why = []
+    if missing:
+        why.append(f"the model's other weights have values, so a load left "
+                   f"{'these' if not buffers else repr(missing[0])}"
+                   f"{' and others' if buffers and len(missing) > 1 else ''} out (load_safetensors(strict=False) "
+                   f"lists them in its report's .missing; load_state_dict(strict=False) too) or a part was moved "
+                   f"to the meta device. Load them too (layerstream.load_safetensors(model, path, strict=False) of "
+                   f"a file that has them; tied weights: model.tie_weights()), or load the model whole (e.g. "
+                   f"from_pretrained(...) without device_map), then call offload()")
+    if buffers:
+        what = ("is a non-persistent buffer" if len(buffers) == 1 else
+                f"and {len(buffers) - 1} more are non-persistent buffers")
+        why.append(f"'{buffers[0]}' {what}, which no checkpoint holds (the model computes them when it is "
+                   f"built): build the model under accelerate's init_empty_weights() (it leaves buffers real) "
+                   f"instead of torch.device('meta')")
+    raise LayerstreamError(f"{head} " + "; ".join(w[0].upper() + w[1:] for w in why) + ".")
 
 
 def _is_wrapper(t: torch.Tensor) -> bool:

@@ -450,6 +450,51 @@ def test_the_host_budget_error_of_a_gpt2_loaded_by_load_safetensors_names_what_s
     assert "meta device" not in str(e.value)
 
 
+def test_offload_of_a_model_built_on_meta_names_load_safetensors_and_load_gguf():
+    """Before, the refusal of a model with no weights at all named only from_pretrained and
+    to_empty() + load_state_dict(), not layerstream's own loaders for meta models."""
+    with pytest.raises(LayerstreamError, match=r"have no data \(meta tensors\): emb\.weight, .*The model was built "
+                                               r"without weights .*layerstream\.load_safetensors\(model, path\) .*"
+                                               r"layerstream\.load_gguf\(model, path\)"):
+        layerstream.offload(_meta(), device="sim")
+
+
+def test_offload_after_a_partial_load_names_the_weights_the_load_left_out(tmp_path):
+    """load_safetensors(strict=False) of a file without 'layers.3.weight' leaves it meta.
+    Before, offload() said the model was built without weights and to load real weights
+    (from_pretrained, to_empty()), though every other weight had been loaded; now it says
+    a load left that one out and how to load it."""
+    sd = {k: v.contiguous() for k, v in _reference().state_dict().items() if k != "layers.3.weight"}
+    path = tmp_path / "partial.safetensors"
+    save_file(sd, str(path))
+    model = _meta()
+    assert layerstream.load_safetensors(model, str(path), strict=False).missing == ["layers.3.weight"]
+    with pytest.raises(LayerstreamError, match=r"^1 parameter\(s\)/buffer\(s\) have no data \(meta tensors\): "
+                                               r"layers\.3\.weight\. The model's other weights have values, so a "
+                                               r"load left these out \(load_safetensors\(strict=False\) lists them "
+                                               r".*load_safetensors\(model, path, strict=False\) of a file that has "
+                                               r"them") as e:
+        layerstream.offload(model, device="sim")
+    assert "built without weights" not in str(e.value)
+
+
+def test_offload_of_non_persistent_buffers_left_meta_says_to_build_under_init_empty_weights(tmp_path):
+    """A model built under torch.device('meta') keeps its non-persistent buffers (no
+    checkpoint holds them) meta after load_safetensors(); the refusal says so."""
+    class Scaled(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(1), persistent=False)
+
+    path = _save(_reference(), tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        model = Scaled()
+    layerstream.load_safetensors(model, path)
+    with pytest.raises(LayerstreamError, match=r"have no data \(meta tensors\): scale\. 'scale' is a non-persistent "
+                                               r"buffer, which no checkpoint holds .*init_empty_weights\(\)"):
+        layerstream.offload(model, device="sim")
+
+
 def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):
     """Training: each trainable streamed layer's gradient is copied from the device into
     a host staging buffer the engine keeps; those count against host_budget next to the

@@ -815,4 +815,20 @@ MUTATIONS = [
          P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
         "the host budget error of a GPT-2 loaded by load_safetensors() says to load it with load_safetensors(), "
         "not that its Conv1D groups, tables and tied head stay in RAM whatever loads them"),
+    Mutation(
+        "meta-refusal-ignores-partial-load", "python/layerstream/_discovery.py",
+        "    if all(p.is_meta and not isinstance(p, (_PackedWeight, GgufWeight, FileWeight)) for p in params):\n",
+        "    if True:\n",
+        [P + "test_host_tier.py::test_offload_after_a_partial_load_names_the_weights_the_load_left_out",
+         P + "test_host_tier.py::"
+             "test_offload_of_non_persistent_buffers_left_meta_says_to_build_under_init_empty_weights"],
+        "a weight load_safetensors(strict=False) left out is refused as a model built without weights (load real "
+        "weights, from_pretrained), not as the one weight the load missed"),
+    Mutation(
+        "meta-refusal-names-no-layerstream-loader", "python/layerstream/_discovery.py",
+        '            f"them with layerstream.load_safetensors(model, path) (a .safetensors file, or a transformers or "',
+        '            f"them with from_pretrained (a .safetensors file, or a transformers or "',
+        [P + "test_host_tier.py::test_offload_of_a_model_built_on_meta_names_load_safetensors_and_load_gguf"],
+        "the refusal of a meta model names from_pretrained and to_empty(), not load_safetensors() / load_gguf(), "
+        "the loaders for meta models"),
 ]
