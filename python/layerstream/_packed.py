@@ -170,7 +170,9 @@ def _peft_caller() -> Optional[tuple]:
         if module.startswith("peft."):
             if f.f_code.co_name == "prepare_model_for_kbit_training":
                 return ("kbit", "")
-            in_tuner = module.startswith("peft.tuners.")
+            # A tuner's own package (peft.tuners.hra.layer), not the code they share
+            # (peft.tuners.tuners_utils: inject_adapter, modules_to_save's copies).
+            in_tuner = module.startswith("peft.tuners.") and module.count(".") >= 3
             if in_tuner and tuner is None:
                 tuner = f
             adding = adding or f.f_code.co_name == "inject_adapter" or in_tuner and f.f_code.co_name == "forward"
