@@ -15,8 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
+from ._discovery import peft_base_reader
 from ._forward import _RefusesCopy
 from ._interrupts import held_interrupts
+from ._packed import _PackedWeight
 
 LayerstreamError = _C.LayerstreamError
 
@@ -237,7 +239,9 @@ register_optimizer_step_post_hook(_after_optimizer_step)
 # ones (parameters keep their identity, as with model.to()). Never a streamed module's
 # own tensors (a parameter replaced there is refused by its layer), not while suspended
 # (that call is refused; the next one looks), not in a call torch.compile traces (move
-# what you add before compiling, model.to(device)).
+# what you add before compiling, model.to(device)). A peft adapter whose forward reads
+# its base layer's weights itself (DoRA, HRA, ...) over a streamed layer is refused
+# instead, at each such call (_check_no_base_readers).
 _REGISTERED = [0]  # parameters and buffers registered on any module since import
 
 
@@ -285,9 +289,39 @@ class _AddedTensorsFollow:
         handle, model = self._handle(), self._model()
         if handle is None or model is None or handle.suspended:
             return
+        _check_no_base_readers(model, self._skip_modules)  # refused: the next call looks again
         self._seen = _REGISTERED[0]
         for module, kind, name in _added_tensors(model, self._skip_modules, self._skip_params, self._device):
             _move_to(module, kind, name, self._device)
+
+
+def _check_no_base_readers(model: nn.Module, streamed: set) -> None:
+    """Refuses a peft adapter added after offload() whose forward reads its base layer's
+    weights itself (DoRA, HRA, ...: _discovery.peft_base_reader) over a streamed layer:
+    it would compute with host tensors (on a GPU, torch's device-mismatch error; on the
+    sim device unnoticed) or with a quantized weight's data-less stand-in. offload()
+    keeps such base layers resident when the adapter is there first; a layer that
+    streams cannot become resident while attached, so the way is detach() and offload()."""
+    found = [(name, label, sub_name) for name, m in model.named_modules()
+             for label in [peft_base_reader(m)] if label is not None
+             for sub_name, sub in m.named_modules(prefix=name) if sub is not m and id(sub) in streamed]
+    if not found:
+        return
+    name, label, base = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    w = model.get_submodule(base)._parameters.get("weight")
+    if isinstance(w, _PackedWeight):
+        why, how = (f"its weight is held quantized (quantize=), and {label} over a quantized layer is not "
+                    f"supported: it needs the dense weight"), " (unquantized)"
+    else:
+        why, how = ("its weights stay in host memory (on a GPU the adapter would meet them there: torch's "
+                    "device-mismatch error)"), ""
+    raise LayerstreamError(
+        f"peft's {label} adapter '{name}' was added after offload(), and its forward reads the weights of its "
+        f"base layer '{base}'{more} itself, not through the layer's forward, while that layer streams: {why}. "
+        f"Add the adapter before offload() (get_peft_model(), then offload() of the peft model): offload() keeps "
+        f"the base layers of such adapters resident{how}. To go on: handle.detach() (the adapter stays), then "
+        f"offload() the model again")
 
 
 def _move_to(module: nn.Module, kind: str, name: str, device: torch.device) -> None:

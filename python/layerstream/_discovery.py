@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import sys
 import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -261,15 +262,56 @@ def _already_offloaded(model: nn.Module, name: str, module: nn.Module) -> None:
     raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; {back}")
 
 
-def _dora_layers(model: nn.Module) -> set:
-    """ids of the modules inside a peft LoRA layer with a DoRA adapter: DoRA reads
-    base_layer.weight and the lora_A/lora_B weights directly (its weight norm), not
-    through their forward."""
-    out = set()
+# peft tuner layers whose forward reads their base layer's weight or bias itself (not
+# through the base layer's forward), by the package under peft.tuners: the label errors
+# and warnings show, and, where only some of its layers do, which. A streamed base layer
+# has those tensors in host memory (on a GPU the adapter would meet them there: torch's
+# device-mismatch error) or as a data-less stand-in (quantize=). Found by running every
+# tuner of peft 0.21 over a streamed model, watching which read a streamed tensor, and
+# over an int8 one (refused): DoRA (LoRA's use_dora) and these. Not listed: the tuners
+# that read the base weight only when the adapter is added (e.g. TinyLoRA's SVD; over a
+# quantized layer _packed.py's refusal names them) or read only its shape or dtype.
+_PEFT_BASE_READERS = {
+    "hra": "HRA", "hira": "HiRA", "glora": "GLoRA", "peanut": "PEANuT", "shira": "SHiRA",
+    "supertuning": "SuperTuning",
+    "miss": "MiSS",  # with init_weights="bat" only
+    "boft": "BOFT", "deft": "DeFT", "frod": "FRoD",  # the bias (BOFT's convolutions: the weight too)
+}
+
+
+def peft_base_reader(m: nn.Module) -> Optional[str]:
+    """The adapter type (e.g. "DoRA", "HRA") when `m` is a peft tuner layer whose forward
+    reads its base layer's weight or bias itself (_PEFT_BASE_READERS), else None."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    base_cls = getattr(tuners, "BaseTunerLayer", None)
+    if base_cls is None or not isinstance(m, base_cls):
+        return None
+    use_dora = getattr(m, "use_dora", None)
+    if isinstance(use_dora, dict) and any(use_dora.values()):
+        return "DoRA"
+    parts = type(m).__module__.split(".")
+    label = _PEFT_BASE_READERS.get(parts[2]) if parts[:2] == ["peft", "tuners"] and len(parts) > 2 else None
+    if label is None:
+        return None
+    base = m.get_base_layer()
+    if label == "MiSS":
+        return label if getattr(m, "miss_fn", None) == "bat" else None
+    if label in ("BOFT", "DeFT", "FRoD"):
+        reads_weight = label == "BOFT" and isinstance(base, _CONV_TYPES)
+        return label if reads_weight or getattr(base, "bias", None) is not None else None
+    return label
+
+
+def _dora_layers(model: nn.Module) -> Dict[int, str]:
+    """id -> adapter type of the modules inside a peft tuner layer whose forward reads
+    its base weight itself (peft_base_reader: DoRA, HRA, ...; DoRA reads the lora_A /
+    lora_B weights directly too): they stay resident, with the tuner layer's own
+    modules. (The name is compat's, which shares the rule.)"""
+    out = {}
     for m in model.modules():
-        use_dora = getattr(m, "use_dora", None)
-        if isinstance(use_dora, dict) and any(use_dora.values()):
-            out.update(id(sub) for sub in m.modules() if sub is not m)
+        label = peft_base_reader(m)
+        if label is not None:
+            out.update((id(sub), label) for sub in m.modules() if sub is not m)
     return out
 
 
@@ -284,16 +326,42 @@ def _check_no_meta(model: nn.Module) -> None:
             f"{len(lazy)} parameter(s)/buffer(s) are not initialized yet (lazy modules such as nn.LazyLinear "
             f"take their shapes from their first call): {', '.join(lazy[:5])}{', ...' if len(lazy) > 5 else ''}. "
             f"Run the model once on a batch of the real input shape, then call offload().")
-    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+    tensors = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+    meta = [n for n, t in tensors
             if t.is_meta and not isinstance(t, (_PackedWeight, GgufWeight, FileWeight))]  # offloaded; bytes elsewhere
-    if meta:
+    if not meta:
+        return
+    listed = f"{', '.join(meta[:5])}{', ...' if len(meta) > 5 else ''}"
+    head = f"{len(meta)} parameter(s)/buffer(s) have no data (meta tensors): {listed}."
+    params = list(model.parameters())
+    if all(p.is_meta and not isinstance(p, (_PackedWeight, GgufWeight, FileWeight)) for p in params):
         raise LayerstreamError(
-            f"{len(meta)} parameter(s)/buffer(s) have no data (meta tensors): "
-            f"{', '.join(meta[:5])}{', ...' if len(meta) > 5 else ''}. The model was built without "
-            f"weights (torch.device('meta'), accelerate's init_empty_weights) or its weights are "
-            f"offloaded by accelerate hooks (a device_map with 'cpu'/'disk' entries). Load real "
-            f"weights into host memory first (e.g. from_pretrained(...) without device_map, or "
-            f"model.to_empty(device='cpu') then load_state_dict()), then call offload().")
+            f"{head} The model was built without weights (torch.device('meta'), accelerate's init_empty_weights) "
+            f"or its weights are offloaded by accelerate hooks (a device_map with 'cpu'/'disk' entries). Load "
+            f"them with layerstream.load_safetensors(model, path) (a .safetensors file, or a transformers or "
+            f"diffusers directory) or layerstream.load_gguf(model, path), which leave frozen Linear weights in "
+            f"their file until offload() streams them; or into host memory (from_pretrained(...) without "
+            f"device_map, or model.to_empty(device='cpu') then load_state_dict()); then call offload().")
+    # Some weights have values: a load that left these out, or a part moved to the meta device.
+    unsaved = {f"{mn}.{k}" if mn else k for mn, m in model.named_modules() for k in m._non_persistent_buffers_set}
+    missing = [n for n in meta if n not in unsaved]
+    buffers = [n for n in meta if n in unsaved]
+    why = []
+    if missing:
+        why.append(f"the model's other weights have values, so a load left "
+                   f"{'these' if not buffers else repr(missing[0])}"
+                   f"{' and others' if buffers and len(missing) > 1 else ''} out (load_safetensors(strict=False) "
+                   f"lists them in its report's .missing; load_state_dict(strict=False) too) or a part was moved "
+                   f"to the meta device. Load them too (layerstream.load_safetensors(model, path, strict=False) of "
+                   f"a file that has them; tied weights: model.tie_weights()), or load the model whole (e.g. "
+                   f"from_pretrained(...) without device_map), then call offload()")
+    if buffers:
+        what = ("is a non-persistent buffer" if len(buffers) == 1 else
+                f"and {len(buffers) - 1} more are non-persistent buffers")
+        why.append(f"'{buffers[0]}' {what}, which no checkpoint holds (the model computes them when it is "
+                   f"built): build the model under accelerate's init_empty_weights() (it leaves buffers real) "
+                   f"instead of torch.device('meta')")
+    raise LayerstreamError(f"{head} " + "; ".join(w[0].upper() + w[1:] for w in why) + ".")
 
 
 def _is_wrapper(t: torch.Tensor) -> bool:
@@ -502,9 +570,9 @@ _RESIDENT_REASONS = {
                        "diffusers keeps such a weight in its storage dtype and gives it a gradient "
                        "in the compute dtype, which a streamed layer does not reproduce; frozen "
                        "ones stream (freeze them, e.g. for LoRA training, before offload())"),
-    "dora": ("layer(s) of a peft DoRA adapter",
-             "DoRA reads the base and adapter weights directly at every forward to compute "
-             "the weight norm, which a streamed layer does not keep on the device; plain "
+    "dora": ("layer(s) of peft adapters that read their base layer's weights themselves",
+             "at every forward (DoRA's weight norm, HRA's reflections, ...), not through the "
+             "layer's forward, and a streamed layer does not keep them on the device; plain "
              "LoRA (use_dora=False) streams the base layers"),
     "renormed": ("embedding layer(s) with max_norm",
                  "each lookup renormalizes the rows it reads in place, which a streamed lookup "
@@ -589,11 +657,12 @@ def check_no_group_offloading(model: nn.Module) -> None:
                 f"offload() on it (diffusers' layerwise casting may stay: it streams)")
 
 
-def _resident_reason(module: nn.Module, kind: str, dora: set) -> Optional[str]:
+def _resident_reason(module: nn.Module, kind: str, dora: Dict[int, str]) -> Optional[str]:
     """Why a module _is_streamable() calls `kind` must not stream (a key of
     _RESIDENT_REASONS), "skip" for a table that is not floating point (left as it
     is, no warning), None when it streams: the rule offload() and
-    layerstream.compat share (`dora`: _dora_layers() of the model)."""
+    layerstream.compat share (`dora`: _dora_layers() of the model, the peft adapters'
+    layers that read their base weight themselves)."""
     if not _stock_forward(module, kind):
         return "custom"
     if id(module) in dora:
@@ -684,7 +753,8 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
         if reason == "skip":
             continue  # not a float table: left as it is
         if reason is not None:
-            resident[reason].append(_resident_label(name, module, reason))
+            label = _resident_label(name, module, reason)
+            resident[reason].append(f"{label} ({dora[id(module)]})" if reason == "dora" else label)
             continue
         dtype = _activation_dtype(module, kind)
         if dtype is not None:

@@ -132,9 +132,8 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
         if gguf:
             hint += (f" ({len(gguf)} layer(s) were loaded by load_gguf(), e.g. '{gguf[0]}': GGUF weights are read "
                      f"into RAM; only .safetensors files loaded by load_safetensors() can keep weights on disk)")
-        elif not in_file:
-            hint += (" (this model's weights are all in memory already: to keep frozen Linear weights in their "
-                     "file, build the model on the meta device and load it with load_safetensors())")
+        else:
+            hint += _in_ram_hint(model, streamed, entries)
         raise LayerstreamError(f"offload(): {e}{hint}") from None
     opts.store_pinned_cap = p["store_pinned_cap"]
     opts.staging_bytes = p["staging_bytes"]
@@ -149,6 +148,56 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
     if packed:
         summary["cache_files"] = sorted({r.path for r in packed.values()})
     return _HostTier(names, summary, packed)
+
+
+# What stays in RAM by its kind, however the model was loaded (only a Linear's weights can
+# stay in their file: core/host_tier.h may_stay_in_file), as the host budget's error says it.
+_KIND_IN_RAM = {
+    "group": ("tensor group(s)", " (modules whose own forward reads their tensors: transformers' Conv1D, "
+                                 "attention, experts, groups=)"),
+    "conv": ("convolution(s)", ""),
+    "embedding": ("embedding table(s)", ""),
+}
+
+
+def _in_ram_hint(model: nn.Module, streamed: list, entries: list) -> str:
+    """The host budget's error, for weights neither in a file nor GGUF: which streamed
+    layers are in RAM whatever loads them (no Linear: a tensor group, a convolution, a
+    table; a Linear sharing its weight with another module), and which Linear layers
+    hold weights a load put in memory (those could stay in their file). Before, it said
+    that the model's weights were all in memory and to load it with load_safetensors(),
+    also to a model load_safetensors() had loaded (GPT-2: Conv1D groups)."""
+    holders: dict = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders[id(p)] = holders.get(id(p), 0) + 1
+    by_kind: dict = {}
+    tied, dense = [], []
+    for t, (name, nbytes, from_file, _) in zip(streamed, entries):
+        w = getattr(t.module, "weight", None)
+        if from_file or isinstance(w, FileWeight):
+            continue  # said by the message, or by the trainable / cast hints
+        if t.kind != "linear":
+            by_kind.setdefault(t.kind, []).append((name, nbytes))
+        elif isinstance(w, torch.Tensor) and holders.get(id(w), 0) > 1:
+            tied.append(name)
+        elif t.pre is None and t.fmt in (None, "lossless") and not (isinstance(w, torch.Tensor) and w.requires_grad):
+            dense.append(name)
+    parts = []
+    if by_kind:
+        total = sum(b for layers in by_kind.values() for _, b in layers)
+        kinds = "; ".join(f"{len(layers)} {_KIND_IN_RAM[kind][0]}, e.g. '{layers[0][0]}'{_KIND_IN_RAM[kind][1]}"
+                          for kind, layers in by_kind.items())
+        parts.append(f"{sum(len(v) for v in by_kind.values())} streamed layer(s) are not Linear layers, so their "
+                     f"{_C.format_bytes(total)} stay in RAM however the model is loaded: {kinds}")
+    if tied:
+        parts.append(f"{len(tied)} Linear layer(s) share their weight with another module (tied), which holds it "
+                     f"in RAM, e.g. '{tied[0]}'")
+    if dense:
+        parts.append(f"{len(dense)} frozen Linear layer(s) have their weights in memory, e.g. '{dense[0]}': to keep "
+                     f"them in their file, build the model on the meta device and load it with load_safetensors()")
+    return "".join(f" ({part})" for part in parts)
 
 
 def _read_in_deferred(model: nn.Module, layers: list) -> None:

@@ -3,6 +3,7 @@ writes re-quantize or are refused, computing with it is refused (see _standin).
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -74,6 +75,11 @@ class _PackedWeight(_standin.StandIn):
             if value is self or (isinstance(value, _PackedWeight) and value._ls == ls):
                 return None  # Module._apply assigns an unchanged parameter back
             raise LayerstreamError(cls._msg(ls, "its .data cannot be replaced"))
+        if ls is not None and descr is _REQUIRES_GRAD and name == "__set__" and not args[1] \
+                and _peft_caller() == ("kbit", ""):
+            # Its first loop freezes every parameter, its second casts them: refused at the
+            # first stand-in of the first loop, before any weight is cast.
+            raise LayerstreamError(cls._msg(ls, "it cannot be cast to float32", cast_yet=False))
         if ls is not None and (name == "requires_grad_" and (args[1:] or [kwargs.get("requires_grad", True)])[0]
                                or descr is _REQUIRES_GRAD and name == "__set__" and args[1]):
             if ls[4] == "lossless":
@@ -116,10 +122,16 @@ class _PackedWeight(_standin.StandIn):
         return cls._common(func, types, args, kwargs)
 
     def _refusal(self, what: str) -> str:
+        caller = _peft_caller()
+        if caller is not None:
+            return _peft_refusal(self._ls, what, caller, cast_yet=True)
         return self._msg(self._ls, what) + "; run the module itself (it streams the weight), or detach() first"
 
     @staticmethod
-    def _msg(ls, what: str) -> str:
+    def _msg(ls, what: str, cast_yet: bool = True) -> str:
+        caller = _peft_caller()
+        if caller is not None:
+            return _peft_refusal(ls, what, caller, cast_yet)
         if ls[4] == "lossless":
             # Its coded size depends on its values: the engine refuses copy_() and
             # load_state_dict() too, so they are not the way to new values here.
@@ -145,3 +157,58 @@ class _PackedWeight(_standin.StandIn):
     def __repr__(self):
         return (f"layerstream packed weight of '{self._ls[2]}' (meta stand-in, shape "
                 f"{tuple(self.shape)}, {self.dtype})")
+
+
+def _peft_caller() -> Optional[tuple]:
+    """Which peft code is refused (the stack, read only on a refusal or a freeze):
+    ("kbit", "") inside prepare_model_for_kbit_training(); (adapter type, peft's
+    function) inside a peft tuner's code while it adds an adapter (inject_adapter) or
+    runs one (forward); else None (merges and the rest get the general advice)."""
+    f, tuner, adding = sys._getframe(1), None, False
+    while f is not None:
+        module = f.f_globals.get("__name__", "")
+        if module.startswith("peft."):
+            if f.f_code.co_name == "prepare_model_for_kbit_training":
+                return ("kbit", "")
+            # A tuner's own package (peft.tuners.hra.layer), not the code they share
+            # (peft.tuners.tuners_utils: inject_adapter, modules_to_save's copies).
+            in_tuner = module.startswith("peft.tuners.") and module.count(".") >= 3
+            if in_tuner and tuner is None:
+                tuner = f
+            adding = adding or f.f_code.co_name == "inject_adapter" or in_tuner and f.f_code.co_name == "forward"
+        f = f.f_back
+    if tuner is None or not adding:
+        return None
+    from ._discovery import _PEFT_BASE_READERS  # imports this module
+    module, where = tuner.f_globals["__name__"], tuner.f_code.co_qualname
+    package = module.split(".")[2]
+    label = ("DoRA" if package == "lora" and ("dora" in module or "Dora" in where) else
+             _PEFT_BASE_READERS.get(package, package))
+    return (label, where)
+
+
+def _peft_refusal(ls, what: str, caller: tuple, cast_yet: bool) -> str:
+    """_PackedWeight._msg for a refusal _peft_caller() recognises: what to do instead."""
+    held = "lossless-coded" if ls[4] == "lossless" else "quantized"
+    head = (f"the weight of streamed layer '{ls[2]}' is held {held} in layerstream's host store and this "
+            f"parameter is its data-less (meta) stand-in: {what}")
+    if caller[0] == "kbit":
+        state = ("nothing was cast yet" if not cast_yet else
+                 "parameters before it in model.parameters() may be cast already: handle.detach(), then call it "
+                 "again, which casts the rest")
+        return (f"{head}. peft's prepare_model_for_kbit_training() casts the model's weights to float32 through "
+                f".data, which a streamed weight cannot take ({state}). Call it before offload(), or leave it "
+                f"out: for a model offload() quantizes, it only freezes the weights and casts the others to "
+                f"float32; for gradient checkpointing call model.gradient_checkpointing_enable() and "
+                f"model.enable_input_require_grads()")
+    label, where = caller
+    from ._discovery import _PEFT_BASE_READERS
+    if label == "DoRA" or label in _PEFT_BASE_READERS.values():  # reads it at every forward too
+        return (f"{head}. peft's {label} adapter ({where}) reads its base layer's weight itself, and {label} over "
+                f"a layer quantized by offload() is not supported. Add the adapter before offload() "
+                f"(get_peft_model(), then offload()): offload() keeps the base layers of such adapters resident, "
+                f"unquantized")
+    return (f"{head}. peft's {label} adapter ({where}) reads its base layer's weight when it is added, which a "
+            f"layer quantized by offload() does not have. Add the adapter before offload() (get_peft_model(), "
+            f"then offload() with the adapter's own modules left dense: a quantize= dict, e.g. "
+            f"{{'*lora_*': None, '*': '{ls[4] or 'nf4'}'}} for LoRA)")

@@ -414,8 +414,8 @@ def test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file(
     """A model whose weights are all in memory cannot use the disk tier: the error says
     how to load it so that it can, and gives the sizes unambiguously."""
     ref = _reference().requires_grad_(False)
-    with pytest.raises(LayerstreamError, match=r"this model's weights are all in memory already: .* load it with "
-                                               r"load_safetensors\(\)") as e:
+    with pytest.raises(LayerstreamError, match=r"9 frozen Linear layer\(s\) have their weights in memory, e\.g\. "
+                                               r"'layers\.0': .* load it with load_safetensors\(\)") as e:
         layerstream.offload(ref, device="sim", host_budget=_quarter(ref))
     assert "load_gguf" not in str(e.value) and "in all. Raise host_budget" in str(e.value)
 
@@ -423,6 +423,76 @@ def _loaded_trainable(path):
     model = _meta()
     layerstream.load_safetensors(model, path)
     return model
+
+
+def test_the_host_budget_error_of_a_gpt2_loaded_by_load_safetensors_names_what_stays_in_ram(tmp_path):
+    """GPT-2 built on the meta device and loaded by load_safetensors(): its Conv1D layers are
+    tensor groups and its tables embeddings, read into RAM, and lm_head shares the table's
+    weight. Before, the error said this model's weights were all in memory and to build it
+    on the meta device and load it with load_safetensors(), which is what had been done."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    with accelerate.init_empty_weights():
+        model = transformers.GPT2LMHeadModel(cfg)
+    model.tie_weights()
+    layerstream.load_safetensors(model, str(tmp_path))
+    model.requires_grad_(False)
+    with pytest.raises(LayerstreamError, match=r"Raise host_budget to at least .*\(10 streamed layer\(s\) are not "
+                                               r"Linear layers, so their .* stay in RAM however the model is loaded: "
+                                               r"8 tensor group\(s\), e\.g\. 'transformer\.h\.0\.attn\.c_attn' "
+                                               r"\(modules whose own forward reads their tensors: transformers' "
+                                               r"Conv1D.*; 2 embedding table\(s\), e\.g\. 'transformer\.wte'\) "
+                                               r"\(1 Linear layer\(s\) share their weight .*'lm_head'\)") as e:
+        layerstream.offload(model, device="sim", host_budget="1KiB")
+    assert "meta device" not in str(e.value)
+
+
+def test_offload_of_a_model_built_on_meta_names_load_safetensors_and_load_gguf():
+    """Before, the refusal of a model with no weights at all named only from_pretrained and
+    to_empty() + load_state_dict(), not layerstream's own loaders for meta models."""
+    with pytest.raises(LayerstreamError, match=r"have no data \(meta tensors\): emb\.weight, .*The model was built "
+                                               r"without weights .*layerstream\.load_safetensors\(model, path\) .*"
+                                               r"layerstream\.load_gguf\(model, path\)"):
+        layerstream.offload(_meta(), device="sim")
+
+
+def test_offload_after_a_partial_load_names_the_weights_the_load_left_out(tmp_path):
+    """load_safetensors(strict=False) of a file without 'layers.3.weight' leaves it meta.
+    Before, offload() said the model was built without weights and to load real weights
+    (from_pretrained, to_empty()), though every other weight had been loaded; now it says
+    a load left that one out and how to load it."""
+    sd = {k: v.contiguous() for k, v in _reference().state_dict().items() if k != "layers.3.weight"}
+    path = tmp_path / "partial.safetensors"
+    save_file(sd, str(path))
+    model = _meta()
+    assert layerstream.load_safetensors(model, str(path), strict=False).missing == ["layers.3.weight"]
+    with pytest.raises(LayerstreamError, match=r"^1 parameter\(s\)/buffer\(s\) have no data \(meta tensors\): "
+                                               r"layers\.3\.weight\. The model's other weights have values, so a "
+                                               r"load left these out \(load_safetensors\(strict=False\) lists them "
+                                               r".*load_safetensors\(model, path, strict=False\) of a file that has "
+                                               r"them") as e:
+        layerstream.offload(model, device="sim")
+    assert "built without weights" not in str(e.value)
+
+
+def test_offload_of_non_persistent_buffers_left_meta_says_to_build_under_init_empty_weights(tmp_path):
+    """A model built under torch.device('meta') keeps its non-persistent buffers (no
+    checkpoint holds them) meta after load_safetensors(); the refusal says so."""
+    class Scaled(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(1), persistent=False)
+
+    path = _save(_reference(), tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        model = Scaled()
+    layerstream.load_safetensors(model, path)
+    with pytest.raises(LayerstreamError, match=r"have no data \(meta tensors\): scale\. 'scale' is a non-persistent "
+                                               r"buffer, which no checkpoint holds .*init_empty_weights\(\)"):
+        layerstream.offload(model, device="sim")
 
 
 def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):

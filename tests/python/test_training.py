@@ -236,10 +236,11 @@ def test_peft_dora_layers_stay_resident(offload_sim):
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["0"], use_dora=True,
                                             init_lora_weights=False))
     ref = copy.deepcopy(model)
-    with pytest.warns(RuntimeWarning, match=r"3 layer\(s\) of a peft DoRA adapter stay resident .*"
-                                            r"'base_model.model.0.base_layer'; "
-                                            r"'base_model.model.0.lora_A.default'; "
-                                            r"'base_model.model.0.lora_B.default'"):
+    with pytest.warns(RuntimeWarning, match=r"3 layer\(s\) of peft adapters that read their base layer's weights "
+                                            r"themselves stay resident .*"
+                                            r"'base_model.model.0.base_layer' \(DoRA\); "
+                                            r"'base_model.model.0.lora_A.default' \(DoRA\); "
+                                            r"'base_model.model.0.lora_B.default' \(DoRA\)"):
         handle = offload_sim(model)
     assert handle.layers == ["base_model.model.2", "base_model.model.4"]
     _train_exactly(model, ref, steps=2)

@@ -326,8 +326,8 @@ MUTATIONS = [
         "the host-budget error of lossless weights suggests cache_dir=, which cannot keep them on disk"),
     Mutation(
         "in-memory-model-hint-missing", "python/layerstream/_host_plan.py",
-        "        elif not in_file:\n",
-        "        elif False:\n",
+        "    if dense:\n",
+        "    if False:\n",
         [P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
         "the host-budget error of a model in memory no longer says to load it with load_safetensors()"),
     Mutation(
@@ -833,4 +833,61 @@ MUTATIONS = [
         [P + "test_del_frees.py::test_holding_signals_leaves_nothing_to_the_cyclic_collector"],
         "a HeldSignals keeps its recorder (a bound method of itself): every held block, on the hot paths too, "
         "leaves a cycle to the cyclic collector"),
+    Mutation(
+        "peft-base-readers-only-dora", "python/layerstream/_discovery.py",
+        "    label = _PEFT_BASE_READERS.get(parts[2]) if parts[:2]",
+        "    label = None and _PEFT_BASE_READERS.get(parts[2]) if parts[:2]",
+        [P + "test_peft_adapters.py::test_peft_adapters_that_read_their_base_weight_keep_it_resident_at_offload"],
+        "only DoRA's base layers stay resident: HRA, DeFT (a bias), MiSS 'bat' and the other peft adapters whose "
+        "forward reads the base weight stream it, unwarned (on a GPU the adapter meets host tensors)"),
+    Mutation(
+        "peft-base-reader-added-after-offload-unchecked", "python/layerstream/_calls.py",
+        "        _check_no_base_readers(model, self._skip_modules)  # refused: the next call looks again\n",
+        "",
+        [P + "test_peft_adapters.py::test_dora_added_after_offload_is_refused_at_the_first_call_naming_the_adapter",
+         P + "test_peft_adapters.py::test_hra_added_after_a_quantized_offload_is_refused_naming_hra"],
+        "a DoRA/HRA adapter added after offload() computes with its streamed base layer's host weights (on a GPU "
+        "torch's device mismatch; quantized, the stand-in's refusal naming no adapter)"),
+    Mutation(
+        "packed-refusal-names-no-peft-caller", "python/layerstream/_packed.py",
+        "        caller = _peft_caller()\n        if caller is not None:\n            return _peft_refusal(ls, what, "
+        "caller, cast_yet)\n",
+        "",
+        [P + "test_peft_adapters.py::test_qdora_over_a_quantized_offload_is_refused_naming_dora"],
+        "QDoRA's get_peft_model() over a quantized offload fails with 'cannot be converted or moved (to())' and "
+        "advice about load_state_dict and merges, naming no adapter"),
+    Mutation(
+        "kbit-prepare-casts-before-refusal", "python/layerstream/_packed.py",
+        '                and _peft_caller() == ("kbit", ""):',
+        '                and _peft_caller() == ("never", ""):',
+        [P + "test_peft_adapters.py::"
+             "test_prepare_model_for_kbit_training_after_a_quantized_offload_is_refused_before_casting"],
+        "prepare_model_for_kbit_training() after offload(quantize=...) casts the embedding to float32 before a "
+        "packed weight refuses the cast: the model is left half-converted and its next call fails"),
+    Mutation(
+        "host-budget-error-says-all-in-memory", "python/layerstream/_host_plan.py",
+        "        else:\n            hint += _in_ram_hint(model, streamed, entries)\n",
+        "        elif not in_file:\n            hint += (\" (this model's weights are all in memory already: build the "
+        "model on the meta device and load it with load_safetensors())\")\n",
+        [P + "test_host_tier.py::"
+             "test_the_host_budget_error_of_a_gpt2_loaded_by_load_safetensors_names_what_stays_in_ram",
+         P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
+        "the host budget error of a GPT-2 loaded by load_safetensors() says to load it with load_safetensors(), "
+        "not that its Conv1D groups, tables and tied head stay in RAM whatever loads them"),
+    Mutation(
+        "meta-refusal-ignores-partial-load", "python/layerstream/_discovery.py",
+        "    if all(p.is_meta and not isinstance(p, (_PackedWeight, GgufWeight, FileWeight)) for p in params):\n",
+        "    if True:\n",
+        [P + "test_host_tier.py::test_offload_after_a_partial_load_names_the_weights_the_load_left_out",
+         P + "test_host_tier.py::"
+             "test_offload_of_non_persistent_buffers_left_meta_says_to_build_under_init_empty_weights"],
+        "a weight load_safetensors(strict=False) left out is refused as a model built without weights (load real "
+        "weights, from_pretrained), not as the one weight the load missed"),
+    Mutation(
+        "meta-refusal-names-no-layerstream-loader", "python/layerstream/_discovery.py",
+        '            f"them with layerstream.load_safetensors(model, path) (a .safetensors file, or a transformers or "',
+        '            f"them with from_pretrained (a .safetensors file, or a transformers or "',
+        [P + "test_host_tier.py::test_offload_of_a_model_built_on_meta_names_load_safetensors_and_load_gguf"],
+        "the refusal of a meta model names from_pretrained and to_empty(), not load_safetensors() / load_gguf(), "
+        "the loaders for meta models"),
 ]
