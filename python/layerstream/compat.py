@@ -131,7 +131,7 @@ _REASON_TEXT = {
     "computed": "its weight is computed (parametrize, pruning) or a plain tensor attribute",
     "custom": "a Linear/conv subclass with its own forward, which a streamed layer would drop",
     "wrapped": "its forward was replaced on the instance (a wrapper the streamed forward would drop)",
-    "dora": "a layer of a peft DoRA adapter (DoRA reads the weights directly)",
+    "dora": "a base layer of a peft adapter that reads its weights directly (DoRA, HRA, ...)",
     "cast_trainable": "a trainable layer under diffusers' layerwise casting (frozen ones stream)",
     "diffusers_gguf": "a diffusers GGUF layer (layerstream.offload() streams it, as a tensor group)",
     "dtype": ("its weight is float64 or complex, which streamed layers do not compute in (torch's Linear/conv "
