@@ -21,6 +21,7 @@ from . import _C, _peft_params
 from ._file_weight import FileWeight
 from ._gguf_weight import GgufWeight
 from ._packed import _PackedWeight
+from ._peft_params import _PEFT_BASE_READERS
 
 LayerstreamError = _C.LayerstreamError
 
@@ -260,23 +261,6 @@ def _already_offloaded(model: nn.Module, name: str, module: nn.Module) -> None:
     else:
         back = "call layerstream.compat.MemoryManager.detach() on the model it was attached to first"
     raise LayerstreamError(f"module '{name}' is already offloaded by another layerstream handle; {back}")
-
-
-# peft tuner layers whose forward reads their base layer's weight or bias itself (not
-# through the base layer's forward), by the package under peft.tuners: the label errors
-# and warnings show, and, where only some of its layers do, which. A streamed base layer
-# has those tensors in host memory (on a GPU the adapter would meet them there: torch's
-# device-mismatch error) or as a data-less stand-in (quantize=). Found by running every
-# tuner of peft 0.21 over a streamed model, watching which read a streamed tensor, and
-# over an int8 one (refused): DoRA (LoRA's use_dora) and these. Not listed: the tuners
-# that read the base weight only when the adapter is added (e.g. TinyLoRA's SVD; over a
-# quantized layer _packed.py's refusal names them) or read only its shape or dtype.
-_PEFT_BASE_READERS = {
-    "hra": "HRA", "hira": "HiRA", "glora": "GLoRA", "peanut": "PEANuT", "shira": "SHiRA",
-    "supertuning": "SuperTuning",
-    "miss": "MiSS",  # with init_weights="bat" only
-    "boft": "BOFT", "deft": "DeFT", "frod": "FRoD",  # the bias (BOFT's convolutions: the weight too)
-}
 
 
 def peft_base_reader(m: nn.Module) -> Optional[str]:

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from . import _C, _standin
+from ._peft_params import _PEFT_BASE_READERS
 
 LayerstreamError = _C.LayerstreamError
 
@@ -179,7 +180,6 @@ def _peft_caller() -> Optional[tuple]:
         f = f.f_back
     if tuner is None or not adding:
         return None
-    from ._discovery import _PEFT_BASE_READERS  # imports this module
     module, where = tuner.f_globals["__name__"], tuner.f_code.co_qualname
     package = module.split(".")[2]
     label = ("DoRA" if package == "lora" and ("dora" in module or "Dora" in where) else
@@ -202,7 +202,6 @@ def _peft_refusal(ls, what: str, caller: tuple, cast_yet: bool) -> str:
                 f"float32; for gradient checkpointing call model.gradient_checkpointing_enable() and "
                 f"model.enable_input_require_grads()")
     label, where = caller
-    from ._discovery import _PEFT_BASE_READERS
     if label == "DoRA" or label in _PEFT_BASE_READERS.values():  # reads it at every forward too
         return (f"{head}. peft's {label} adapter ({where}) reads its base layer's weight itself, and {label} over "
                 f"a layer quantized by offload() is not supported. Add the adapter before offload() "

@@ -38,6 +38,23 @@ import torch.nn as nn
 from ._guards import LayerstreamError
 
 
+# peft tuner layers whose forward reads their base layer's weight or bias itself (not
+# through the base layer's forward), by the package under peft.tuners: the label errors
+# and warnings show, and, where only some of its layers do, which. A streamed base layer
+# has those tensors in host memory (on a GPU the adapter would meet them there: torch's
+# device-mismatch error) or as a data-less stand-in (quantize=). Found by running every
+# tuner of peft 0.21 over a streamed model, watching which read a streamed tensor, and
+# over an int8 one (refused): DoRA (LoRA's use_dora) and these. Not listed: the tuners
+# that read the base weight only when the adapter is added (e.g. TinyLoRA's SVD; over a
+# quantized layer _packed.py's refusal names them) or read only its shape or dtype.
+_PEFT_BASE_READERS = {
+    "hra": "HRA", "hira": "HiRA", "glora": "GLoRA", "peanut": "PEANuT", "shira": "SHiRA",
+    "supertuning": "SuperTuning",
+    "miss": "MiSS",  # with init_weights="bat" only
+    "boft": "BOFT", "deft": "DeFT", "frod": "FRoD",  # the bias (BOFT's convolutions: the weight too)
+}
+
+
 def wrapper_class() -> Optional[type]:
     """peft's ParamWrapper when peft is imported (a model holding one has imported it)."""
     mod = sys.modules.get("peft.tuners.lora.layer")
