@@ -144,7 +144,7 @@ std::string Plan::explain(bool host_budget) const {
   if (host_budget)
     std::snprintf(buf, sizeof buf,
                   "host RAM needed (pinned): %s without a host budget (%zu streamed layers%s, all in RAM); "
-                  "under the host budget: see host: below\n",
+                  "under the host budget: see the host lines below\n",
                   format_bytes(host_pinned_bytes).c_str(), num_streamed, tables.c_str());
   else
     std::snprintf(buf, sizeof buf, "host RAM needed (pinned): %s (%zu streamed layers%s)\n",

@@ -532,6 +532,7 @@ PYBIND11_MODULE(_C, m) {
     d["device_bytes"] = plan.device_bytes;
     d["budget_bytes"] = plan.budget_bytes;
     d["explain"] = plan.explain();
+    d["explain_host_budget"] = plan.explain(/*host_budget=*/true);  // the host line as "without a host budget"
     d["json"] = plan.to_json();
     return d;
   };

@@ -250,10 +250,14 @@ class Handle(_RefusesCopy):
         engine = self._check()
         if self._plan is None:
             return None
+        # With a host budget the planner's host line is what RAM would hold without one
+        # (the host lines below say what it holds): it said "(pinned)" of a store held
+        # pageable, or of weights left in their file.
+        explain = self._plan["explain_host_budget" if self.host_plan else "explain"]
         tables = [a for a in self._attached if a.kind == "embedding"]
         held = self._plan["held_tables"]  # tables resident with a tied head (offload's _plan)
         if not tables and not held:
-            return self._plan["explain"]
+            return explain
 
         def sharing(t):  # the streamed layers that read the table's weight (a tied head)
             return self._tied_tables.get(t.index, [])
@@ -273,7 +277,7 @@ class Handle(_RefusesCopy):
             parts.append(f"{len(held)} resident with the layer that shares its weight (its bytes are that "
                          f"layer's above): " + ", ".join(f"{n or '<root>'} (weight shared with {', '.join(h)})"
                                                          for n, h in held.items()))
-        return self._plan["explain"].rstrip("\n") + "\nembedding tables:         " + "; ".join(parts) + "\n"
+        return explain.rstrip("\n") + "\nembedding tables:         " + "; ".join(parts) + "\n"
 
     def _note_tied_tables(self) -> None:
         """offload(), once attached: which streamed layers read each table's weight (a tied

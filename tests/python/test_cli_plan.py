@@ -559,7 +559,7 @@ def test_host_budget_shows_the_layers_from_disk_and_the_step_with_the_disk(st_fi
     # The pinned-RAM line of the plan is what the layers would need without the host
     # budget, and says so (it printed that beside the host budget's smaller split).
     pinned = next(l for l in text.stdout.splitlines() if l.startswith("host RAM needed (pinned)"))
-    assert "without a host budget" in pinned and "see host: below" in pinned, pinned
+    assert "without a host budget" in pinned and "see the host lines below" in pinned, pinned
     plain = run("--checkpoint", st_file, "--budget", "200KiB").stdout
     assert "without a host budget" not in plain
     # Training: every weight must be in RAM, so a small host budget is an error.

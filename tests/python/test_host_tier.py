@@ -124,6 +124,24 @@ def assert_lora_steps_equal(model, ref, steps):
                 p.grad = q.grad = None
 
 
+def test_with_a_host_budget_the_device_plan_says_its_pinned_ram_is_without_one(tmp_path):
+    """handle.plan with budget= and host_budget=: the planner's line "host RAM needed
+    (pinned): X" read as what is pinned, though the weights stayed in their file (the
+    host lines below said so); it says now that X is without a host budget."""
+    ref = _reference()
+    path = _save(ref, tmp_path / "m.safetensors")
+    model = _meta()
+    layerstream.load_safetensors(model, path)
+    model.requires_grad_(False)
+    budget = _layer_bytes(ref) // 2  # half of the Linear layers stream
+    handle = layerstream.offload(model, device="sim", budget=budget, host_budget=_quarter(ref))
+    assert handle.host_plan["disk_bytes"] > 0
+    assert "without a host budget" in handle.plan and "host RAM (budget" in handle.plan, handle.plan
+    handle.detach()
+    plain = layerstream.offload(_reference(), device="sim", budget=budget)
+    assert "host RAM needed (pinned)" in plain.plan and "without a host budget" not in plain.plan
+
+
 @pytest.mark.parametrize("pinned_budget", [None, 0])
 def test_disk_tier_under_a_quarter_of_the_model_equals_the_resident_model(tmp_path, pinned_budget):
     """host_budget = 1/4 of the streamed bytes: the frozen Linear weights stay in the

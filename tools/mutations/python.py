@@ -890,4 +890,10 @@ MUTATIONS = [
         [P + "test_host_tier.py::test_offload_of_a_model_built_on_meta_names_load_safetensors_and_load_gguf"],
         "the refusal of a meta model names from_pretrained and to_empty(), not load_safetensors() / load_gguf(), "
         "the loaders for meta models"),
+    Mutation(
+        "device-plan-host-line-as-if-pinned", "python/layerstream/_handle.py",
+        "        explain = self._plan[\"explain_host_budget\" if self.host_plan else \"explain\"]",
+        "        explain = self._plan[\"explain\"]",
+        [P + "test_host_tier.py::test_with_a_host_budget_the_device_plan_says_its_pinned_ram_is_without_one"],
+        "handle.plan under a host budget says the streamed layers' RAM is pinned, though they stay in their file"),
 ]
