@@ -796,9 +796,9 @@ size_t Scheduler::prefetch_span_locked() {
   return end;
 }
 
-bool Scheduler::served_from_slot_locked(int layer, size_t d) {
+bool Scheduler::served_from_slot_locked(int layer, size_t d, size_t span) {
   const int s = loaded_[static_cast<size_t>(layer)];
-  if (s < 0 || d >= prefetch_span_locked()) return false;
+  if (s < 0 || d >= span) return false;
   const auto& version = opts_.content_version ? opts_.content_version : opts_.write_version;
   return !version || version(layer) == copied_version_[static_cast<size_t>(layer)];
 }
@@ -816,7 +816,9 @@ int64_t Scheduler::next_use_cyclic_locked(int layer) {
            static_cast<int64_t>(pos_);
   };
   const int64_t d = use(0);
-  return served_from_slot_locked(layer, static_cast<size_t>(d)) ? use(1) : d;
+  const bool served = loaded_[static_cast<size_t>(layer)] >= 0 &&
+                      served_from_slot_locked(layer, static_cast<size_t>(d), prefetch_span_locked());
+  return served ? use(1) : d;
 }
 
 void Scheduler::read_ahead_locked() {
@@ -826,9 +828,10 @@ void Scheduler::read_ahead_locked() {
   std::vector<int> upcoming;
   const int depth = opts_.staging.read_ahead > 0 ? opts_.staging.read_ahead : opts_.prefetch_depth + 1;
   const size_t want = std::min<size_t>(static_cast<size_t>(depth), stager_->stats().entries);
+  const size_t span = prefetch_span_locked();  // once: pos_ does not move here
   for (size_t j = 0; j < trace_.size() && upcoming.size() < want; ++j) {
     const int l = trace_[(pos_ + j) % trace_.size()];
-    if (stager_->staged(l) && !served_from_slot_locked(l, j) &&
+    if (stager_->staged(l) && !served_from_slot_locked(l, j, span) &&
         std::find(upcoming.begin(), upcoming.end(), l) == upcoming.end())
       upcoming.push_back(l);
   }

@@ -360,10 +360,10 @@ class Scheduler {
   bool loaded_valid_locked(int layer);
   // The staging cache's view of the trace (Note [Staging skips what a slot
   // serves], scheduler.cpp): how many trace entries from pos_ the device
-  // prefetch covers, and whether `layer`, `d` entries ahead, is served by the
+  // prefetch covers (`span`), and whether `layer`, `d` entries ahead, is served by the
   // device slot it is already in (so its staging entry is not needed for it).
   size_t prefetch_span_locked();
-  bool served_from_slot_locked(int layer, size_t d);
+  bool served_from_slot_locked(int layer, size_t d, size_t span);
 
   mutable std::mutex mu_;
   std::vector<int> trace_;

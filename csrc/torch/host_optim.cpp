@@ -90,13 +90,10 @@ AdamWTensor host_tensor(const torch::Tensor& p, const AdamWStates& s, StateForma
   return t;
 }
 
-// torch's dtype in messages (optim::dtype_name names the kernels' Dtype).
-inline const char* torch_dtype_name(torch::ScalarType t) { return layerstream::dtype_name(t); }
-
 Dtype core_dtype(const torch::Tensor& t, const std::string& what) {
   if (t.scalar_type() == torch::kFloat) return Dtype::F32;
   if (t.scalar_type() == torch::kBFloat16) return Dtype::BF16;
-  LS_FAIL("layerstream.optim: ", what, " has dtype ", torch_dtype_name(t.scalar_type()),
+  LS_FAIL("layerstream.optim: ", what, " has dtype ", layerstream::dtype_name(t.scalar_type()),
           "; the host optimizers step float32 and bfloat16 parameters");
 }
 
@@ -125,11 +122,11 @@ AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, A
              t.sizes(), ", the parameter ", param.sizes());
     if (format == StateFormat::Q8) {
       LS_CHECK(t.scalar_type() == torch::kByte, "layerstream.optim: the loaded state '", key, "' of ", name,
-               " is ", torch_dtype_name(t.scalar_type()), ", but this optimizer keeps 8-bit states (uint8 codes); "
+               " is ", layerstream::dtype_name(t.scalar_type()), ", but this optimizer keeps 8-bit states (uint8 codes); "
                "load a state dict saved with state_precision='8bit'");
     } else {
       LS_CHECK(t.is_floating_point(), "layerstream.optim: the loaded state '", key, "' of ", name, " is ",
-               torch_dtype_name(t.scalar_type()), "; state_precision='", state_format_name(format),
+               layerstream::dtype_name(t.scalar_type()), "; state_precision='", state_format_name(format),
                "' needs floating-point states");
     }
     torch::Tensor r = torch::empty_like(param, param.options().dtype(want), torch::MemoryFormat::Preserve);
@@ -169,7 +166,7 @@ void check_group(const std::vector<torch::Tensor>& params, const std::vector<tor
     LS_CHECK(g.device() == p.device(), who, ": parameter ", at, " of param group ", group, " is on ",
              device_str(p.device()), " but its gradient on ", device_str(g.device()));
     LS_CHECK(g.scalar_type() == p.scalar_type(), who, ": parameter ", at, " of param group ", group, " is ",
-             torch_dtype_name(p.scalar_type()), " but its gradient ", torch_dtype_name(g.scalar_type()));
+             layerstream::dtype_name(p.scalar_type()), " but its gradient ", layerstream::dtype_name(g.scalar_type()));
     devices.push_back(device_str(p.device()));
   }
   optim::check_group_devices(devices, group);

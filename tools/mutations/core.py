@@ -383,7 +383,7 @@ MUTATIONS = [
         "a GGUF file naming a tensor twice is blamed on rename= instead of called damaged"),
     Mutation(
         "staging-keeps-entries-a-slot-serves", "csrc/core/scheduler.cpp",
-        "  if (s < 0 || d >= prefetch_span_locked()) return false;",
+        "  if (s < 0 || d >= span) return false;",
         "  if (true) return false;",
         ["gtest:test_stager:StagerCache.APrefetchDeeperThanTheEntriesReadsEachLayerOnce"],
         "the disk tier's staging cache keeps the entries of layers already copied into device slots: with a "
