@@ -67,7 +67,8 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         self._overlap_sharded = False  # that plan covered sharded parameters (set by _finish_overlap)
         self._overlap_scaler = None  # the GradScaler that plan was given (overlap(grad_scaler=))
         # What that plan stepped with and left (checked by step(): _check_overlap_inputs):
-        # {group index: its hyperparameters} and, with keep_grads, (param, .grad, its version).
+        # {group index: its hyperparameters} and (param, .grad, its version) of each of its
+        # parameters that holds a .grad after the block (with keep_grads, the streamed ones too).
         self._overlap_hyper = {}
         self._overlap_grads = []
         self._budget_checked = False  # _warn_uncounted_training ran (at the first step)
@@ -337,9 +338,12 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         then holds what a plain backward leaves there, at the cost of writing
         it. The layers were stepped with those gradients and with the groups'
         hyperparameters of when the block was entered: ``step()`` refuses a
-        kept ``.grad`` written since (a custom clip) or a hyperparameter set
-        since (set ``lr`` before the block), which would reach only the other
-        parameters.
+        ``.grad`` written or replaced since (a custom clip, of the kept ones or
+        of the other parameters') or a hyperparameter set since (set ``lr``
+        before the block), which would reach only the other parameters.
+        Without ``keep_grads``, a model whose trainable parameters all stream
+        leaves no ``.grad`` to check: clip with ``max_grad_norm``, not between
+        the block and ``step()``.
 
         Mixed precision with ``torch.amp.GradScaler``: pass it
         (``grad_scaler=scaler``; the backward is ``scaler.scale(loss).backward()``,
@@ -376,7 +380,9 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
             raise
         self._overlap, self._overlap_scaler = (plan, plist), grad_scaler
         self._overlap_hyper = hyper
-        self._overlap_grads = [(p, p.grad, p.grad._version) for p in plist if p.grad is not None] if keep_grads else []
+        # Without keep_grads too: a clip of the .grad left (the resident parameters') reached them only.
+        self._overlap_grads = [(p, p.grad, p.grad._version) for g in self.param_groups for p in g["params"]
+                               if p.grad is not None]
 
     def _take_overlap(self):
         """The pending overlapped backward's (plan, its parameters, its GradScaler), forgotten here."""
@@ -399,9 +405,10 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         """step() after an overlapped backward: the streamed layers were stepped during
         that backward with the hyperparameters of when the block was entered and the
         gradients as they landed. A change since then (a scheduler or warmup setting
-        lr between the block and step(); a custom clip of kept .grad) would reach the
-        other parameters only, silently: refused, the block's step taken back as far
-        as it can be (as a scaler mismatch is; docs/design/optim.md, "Overlap")."""
+        lr between the block and step(); a custom clip of the .grad the block left, the
+        resident parameters' and the kept ones') would reach the other parameters only,
+        silently: refused, the block's step taken back as far as it can be (as a scaler
+        mismatch is; docs/design/optim.md, "Overlap")."""
         changed = []
         for gi, before in self._overlap_hyper.items():
             now = self._hyperparameters(self.param_groups[gi]) if gi < len(self.param_groups) else {}
@@ -422,12 +429,12 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
                 "stepped with the new ones. Set hyperparameters before the block (a scheduler's step() after "
                 "opt.step(), a warmup's lr before the overlapped backward) " + taken)
         raise RuntimeError(
-            f"layerstream.optim: the .grad of {edited} parameter(s) kept by overlap(keep_grads=True) changed "
-            "(written in place or replaced: a custom clip such as clip_grad_norm_, or zero_grad) between the "
-            "overlapped backward and step(): the streamed layers were already stepped with the gradients as they "
-            "landed. Clip with the optimizer's max_grad_norm= (the result of clip + step, also with overlap), read "
-            "gradients without writing them (torch.nn.utils.get_total_norm, or last_grad_norm), or drop overlap() "
-            + taken)
+            f"layerstream.optim: the .grad of {edited} parameter(s) changed (written in place or replaced: a custom "
+            "clip such as clip_grad_norm_, or zero_grad) between the overlapped backward and step(): the streamed "
+            "layers were already stepped with the gradients as they landed (without overlap(keep_grads=True) their "
+            ".grad is None, so a clip there sees only the other parameters). Clip with the optimizer's "
+            "max_grad_norm= (the result of clip + step, also with overlap), read gradients without writing them "
+            "(torch.nn.utils.get_total_norm, or last_grad_norm), or drop overlap() " + taken)
 
     def _abort(self, plan=None, plist=None):
         """plan.abort() (None: the pending plan, taken) and _aborted(). Ctrl-C is held over

@@ -1226,9 +1226,67 @@ def test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refu
     with opt.overlap(handle, keep_grads=True):
         model(x).square().mean().backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # writes .grad (times 1.0)
-    with pytest.raises(RuntimeError, match=r"the \.grad of 10 parameter\(s\) kept by overlap\(keep_grads=True\) "
-                                           r"changed .* max_grad_norm="):
+    with pytest.raises(RuntimeError, match=r"the \.grad of 10 parameter\(s\) changed .* max_grad_norm="):
         opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:layerstream.optim.*kept on the device train there:RuntimeWarning")
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+@pytest.mark.parametrize("resident", ["budget", "layernorm"])
+def test_a_clip_between_an_overlapped_backward_and_step_is_refused(offload_sim, name, resident):
+    """Without keep_grads the overlapped backward consumes the streamed layers' gradients
+    (.grad None), so clip_grad_norm_(model.parameters()) between the block and step(),
+    alone or in the AMP recipe (unscale_, clip, scaler.step), took the norm of the
+    resident parameters only (a layer a budget kept, a LayerNorm) and scaled their .grad
+    alone, the streamed layers stepped unclipped: before, silently. step() refuses it, as
+    for kept gradients; scaler.unscale_() alone steps as the plain backward does, and the
+    refused AMP step leaves the model as it was (the scaler's speculation taken back)."""
+    if resident == "budget":  # six Linear layers, the budget keeps one on the device
+        layers = lambda: nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+        kw = dict(budget=5000)
+    else:
+        layers, kw = Deep, {}
+    model = layers()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, **kw)
+    offload_sim(ref, **kw)
+    if resident == "budget":
+        assert handle.stats()["resident_layers"] == 1
+    opt, ropt = _MAKERS[name](list(model.parameters())), _MAKERS[name](list(ref.parameters()))
+    scaler, rscaler = (torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    with opt.overlap(handle, grad_scaler=scaler):
+        scaler.scale(model(x).square().mean()).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    rscaler.scale(ref(x).square().mean()).backward()
+    rscaler.unscale_(ropt)
+    rscaler.step(ropt)
+    rscaler.update()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    refused = (r"the \.grad of {} parameter\(s\) changed .*\(without overlap\(keep_grads=True\) their \.grad is None, "
+               r"so a clip there sees only the other parameters\)\. Clip with the optimizer's max_grad_norm=")
+    opt.zero_grad()
+    with opt.overlap(handle):
+        model(x).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match=refused.format(2)):  # the resident layer's or LayerNorm's
+        opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    with opt.overlap(handle, grad_scaler=scaler):
+        scaler.scale(model(x).square().mean()).backward()
+    # Adafactor under a scaler only takes the norms during the backward: every .grad is left
+    left = sum(p.grad is not None for p in model.parameters())
+    assert left == (2 if name == "adamw" else len(before))
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match=refused.format(left)):
+        scaler.step(opt)
+    for (n, p), b in zip(model.named_parameters(), before):
+        assert torch.equal(p, b), n
 
 
 def test_the_uncounted_training_warning_points_at_the_users_step(offload_sim):

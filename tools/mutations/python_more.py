@@ -6,4 +6,13 @@ from __future__ import annotations
 from .base import P, Mutation
 
 MUTATIONS: list = [
+    Mutation(
+        "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
+        "        self._overlap_grads = [(p, p.grad, p.grad._version) for g in self.param_groups for p in g[\"params\"]\n"
+        "                               if p.grad is not None]",
+        "        self._overlap_grads = [(p, p.grad, p.grad._version) for p in plist if p.grad is not None] if keep_grads "
+        "else []",
+        [P + "test_optim.py::test_a_clip_between_an_overlapped_backward_and_step_is_refused"],
+        "clip_grad_norm_ between an overlapped backward (no keep_grads) and step() clips the resident parameters "
+        "only, the streamed layers stepped unclipped, silently"),
 ]
