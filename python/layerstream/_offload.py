@@ -100,10 +100,11 @@ def offload(
     train: with a budget, what the trainable weights kept on the device take
         there beside themselves while they train, which the budget then covers
         too (the planner keeps fewer layers resident): None (default) counts
-        the weights only; True or "grads" their gradients; "adamw", "adamw-bf16",
-        "adamw-8bit", "adafactor" or "adafactor-beta1" their gradients and the
-        states layerstream.optim keeps on the device (AdamW's state_precision;
-        Adafactor without / with beta1); a number: the gradients plus that many bytes
+        the weights only; True or "grads" their gradients; "adamw" (or
+        "adamw-fp32", the same), "adamw-bf16", "adamw-8bit", "adafactor" or
+        "adafactor-beta1" their gradients and the states layerstream.optim
+        keeps on the device (AdamW's state_precision; Adafactor without / with
+        beta1); a number: the gradients plus that many bytes
         of optimizer state per parameter (8 for torch.optim.AdamW on float32
         weights, 4 on bfloat16). Streamed weights' gradients and states are on
         the host. handle.plan shows the bytes. docs/design/planner.md, "Training".

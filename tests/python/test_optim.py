@@ -473,6 +473,24 @@ def test_train_needs_a_budget_and_a_known_footprint():
     assert len(grads["resident"]) > len(adamw["resident"]) and eight["train_bytes"] == adamw["train_bytes"]
 
 
+def test_every_train_name_the_optimizers_suggest_is_documented():
+    """The first step's warning suggests offload(..., train=NAME) with the optimizers' canonical
+    names; offload() accepts 'adamw-fp32' (the same bytes as 'adamw'), but README's train= list
+    and offload()'s docstring did not name it. Every suggested name is in both."""
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    listed = readme[readme.index("* `offload(..., train=...)` sizes the budget"):]
+    listed = listed[:listed.index("\n* ")]
+    names = [AdamW._train_spec({"state_precision": p}) for p in ("fp32", "bf16", "8bit")]
+    names += [Adafactor._train_spec({"beta1": b}) for b in (None, 0.9)]
+    for name in names:
+        assert f'"{name}"' in listed, name
+        assert f'"{name}"' in layerstream.offload.__doc__, name
+    fp32 = layerstream.offload(_NormedStack(), device="sim", budget="3MiB", train="adamw-fp32")._plan
+    adamw = layerstream.offload(_NormedStack(), device="sim", budget="3MiB", train="adamw")._plan
+    assert (fp32["resident"], fp32["train_bytes"]) == (adamw["resident"], adamw["train_bytes"])
+
+
 # ---------------------------------------------------------------- Adafactor
 @pytest.mark.parametrize("kw", [
     {},

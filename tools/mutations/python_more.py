@@ -15,4 +15,10 @@ MUTATIONS: list = [
         [P + "test_optim.py::test_a_clip_between_an_overlapped_backward_and_step_is_refused"],
         "clip_grad_norm_ between an overlapped backward (no keep_grads) and step() clips the resident parameters "
         "only, the streamed layers stepped unclipped, silently"),
+    Mutation(
+        "readme-train-list-lacks-adamw-fp32", "README.md",
+        "`train=\"adamw\"` (or `\"adamw-fp32\"`, the same; `\"adamw-bf16\"`",
+        "`train=\"adamw\"` (or `\"adamw-bf16\"`",
+        [P + "test_optim.py::test_every_train_name_the_optimizers_suggest_is_documented"],
+        "the step's warning suggests train='adamw-fp32', which README's train= list does not name"),
 ]
