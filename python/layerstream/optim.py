@@ -380,9 +380,10 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
             raise
         self._overlap, self._overlap_scaler = (plan, plist), grad_scaler
         self._overlap_hyper = hyper
-        # Without keep_grads too: a clip of the .grad left (the resident parameters') reached them only.
-        self._overlap_grads = [(p, p.grad, p.grad._version) for g in self.param_groups for p in g["params"]
-                               if p.grad is not None]
+        # Without keep_grads too: a clip of the .grad left (the resident parameters') reached them only;
+        # and a .grad None here that step() finds set was made by another backward, which it would skip.
+        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)
+                               for g in self.param_groups for p in g["params"]]
 
     def _take_overlap(self):
         """The pending overlapped backward's (plan, its parameters, its GradScaler), forgotten here."""
@@ -416,7 +417,7 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
                         if now.get(k) != v]
         # GradScaler.unscale_() does not move the version counters (torch's amp kernel): unscaling
         # kept gradients is not an edit, a clip after it is (test_optim.py checks both).
-        edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or g._version != v)
+        edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or (g is not None and g._version != v))
         if not changed and not edited:
             return
         self._abort()  # speculated layers are taken back
@@ -430,7 +431,8 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
                 "opt.step(), a warmup's lr before the overlapped backward) " + taken)
         raise RuntimeError(
             f"layerstream.optim: the .grad of {edited} parameter(s) changed (written in place or replaced: a custom "
-            "clip such as clip_grad_norm_, or zero_grad) between the overlapped backward and step(): the streamed "
+            "clip such as clip_grad_norm_, or zero_grad; or made by another backward, which belongs before the "
+            "block) between the overlapped backward and step(): the streamed "
             "layers were already stepped with the gradients as they landed (without overlap(keep_grads=True) their "
             ".grad is None, so a clip there sees only the other parameters). Clip with the optimizer's "
             "max_grad_norm= (the result of clip + step, also with overlap), read gradients without writing them "

@@ -1307,6 +1307,22 @@ def test_a_clip_between_an_overlapped_backward_and_step_is_refused(offload_sim, 
         assert torch.equal(p, b), n
 
 
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_a_backward_between_an_overlapped_backward_and_step_is_refused(offload_sim, name):
+    """A backward after the overlap block and before step(): the layers the block stepped
+    skip step(), so the gradients it left in their .grad were dropped (before, silently;
+    all streamed, nothing else changed to see). step() refuses it."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    handle = offload_sim(model)
+    opt = _MAKERS[name](list(model.parameters()))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    with opt.overlap(handle):
+        model(x).square().mean().backward()
+    model(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"the \.grad of 4 parameter\(s\) changed .*or made by another backward"):
+        opt.step()
+
+
 def test_the_uncounted_training_warning_points_at_the_users_step(offload_sim):
     """The once-per-optimizer warning about trainable parameters a budget kept on the
     device names the line that called step() (through torch.no_grad's wrapper)."""

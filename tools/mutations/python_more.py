@@ -8,8 +8,8 @@ from .base import P, Mutation
 MUTATIONS: list = [
     Mutation(
         "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
-        "        self._overlap_grads = [(p, p.grad, p.grad._version) for g in self.param_groups for p in g[\"params\"]\n"
-        "                               if p.grad is not None]",
+        "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
+        "                               for g in self.param_groups for p in g[\"params\"]]",
         "        self._overlap_grads = [(p, p.grad, p.grad._version) for p in plist if p.grad is not None] if keep_grads "
         "else []",
         [P + "test_optim.py::test_a_clip_between_an_overlapped_backward_and_step_is_refused"],
@@ -21,4 +21,11 @@ MUTATIONS: list = [
         "`train=\"adamw\"` (or `\"adamw-bf16\"`",
         [P + "test_optim.py::test_every_train_name_the_optimizers_suggest_is_documented"],
         "the step's warning suggests train='adamw-fp32', which README's train= list does not name"),
+    Mutation(
+        "overlap-ignores-a-later-backward", "python/layerstream/optim.py",
+        "                               for g in self.param_groups for p in g[\"params\"]]",
+        "                               for g in self.param_groups for p in g[\"params\"] if p.grad is not None]",
+        [P + "test_optim.py::test_a_backward_between_an_overlapped_backward_and_step_is_refused"],
+        "a backward between an overlapped backward and step() is dropped for the layers the block stepped, "
+        "silently"),
 ]
