@@ -68,7 +68,7 @@ MUTATIONS = [
         "an lr set between an overlapped backward and step() reaches the resident parameters only"),
     Mutation(
         "overlap-ignores-edited-kept-grads", "python/layerstream/optim.py",
-        "        edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or g._version != v)",
+        "        edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or (g is not None and g._version != v))",
         "        edited = 0",
         [P + "test_optim.py::test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refused"],
         "a custom clip of kept gradients after an overlapped backward reaches the resident parameters only"),
