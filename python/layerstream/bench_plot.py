@@ -4,11 +4,71 @@ against the prefetch depth, one line per transfer/compute ratio, and, when
 measured, the per-call overhead against plain PyTorch.
 
     python -m layerstream.bench_plot bench.json out.png
+
+A file that is not that output, or an output path it cannot write, is refused
+with one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+# The lists `layerstream bench --json` writes (tools/cli/cmd_bench.cpp), and
+# what this module reads from each row of them.
+SECTIONS = ("overlap", "overhead", "quant")
+ROW_KEYS = {"overlap": ("transfer_over_compute", "prefetch", "overlap_ratio"),
+            "overhead": ("system", "layers", "forward_ratio", "fwd_bwd_ratio")}
+FORMATS = (".png", ".pdf", ".svg")  # as `bench --plot` accepts
+AGAIN = "pass the unedited output of `layerstream bench --json`"
+
+
+class InputError(Exception):
+    """Bad input or output path: main() prints it as one line and exits 2."""
+
+
+def load(path: str) -> dict:
+    """`layerstream bench --json` output read from `path`, checked for what plot() reads."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        results = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"{path} is not JSON ({e}); {AGAIN}") from None
+    if not isinstance(results, dict) or not any(k in results for k in SECTIONS):
+        raise InputError(f"{path} is not `layerstream bench --json` output (it has none of the lists "
+                         f"{', '.join(SECTIONS)}); {AGAIN}")
+    if not isinstance(results.get("overlap_config", {}), dict):
+        raise InputError(f"{path}: overlap_config is not an object; {AGAIN}")
+    for section in SECTIONS:
+        rows = results.get(section, [])
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise InputError(f"{path}: {section} is not a list of objects; {AGAIN}")
+        for i, row in enumerate(rows):
+            bad = [k for k in ROW_KEYS.get(section, ()) if not _valid(k, row.get(k))]
+            if bad:
+                raise InputError(f"{path}: {section}[{i}] has no valid {', '.join(bad)}; {AGAIN}")
+    return results
+
+
+def _valid(key: str, value) -> bool:
+    if key == "system":
+        return isinstance(value, str)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_out(out: str) -> None:
+    """Refuses an `out` matplotlib cannot write, before drawing."""
+    if not out.lower().endswith(FORMATS):
+        raise InputError(f"{out}: the output must end in {', '.join(FORMATS[:-1])} or {FORMATS[-1]}")
+    folder = os.path.dirname(out) or "."
+    if not os.path.isdir(folder):
+        raise InputError(f"cannot write into {folder}: no such directory")
+    if os.path.isdir(out):
+        raise InputError(f"{out} is a directory; name a file")
 
 
 def plot(results: dict, out: str) -> None:
@@ -48,8 +108,12 @@ def plot(results: dict, out: str) -> None:
         ax.set_xlabel("time / plain PyTorch")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        raise InputError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -57,8 +121,13 @@ def main(argv=None) -> int:
     if len(argv) != 2:
         print("usage: python -m layerstream.bench_plot BENCH.json OUT.png", file=sys.stderr)
         return 2
-    with open(argv[0]) as f:
-        plot(json.load(f), argv[1])
+    try:
+        results = load(argv[0])
+        check_out(argv[1])
+        plot(results, argv[1])
+    except InputError as e:
+        print(f"layerstream.bench_plot: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

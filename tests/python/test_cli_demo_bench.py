@@ -337,3 +337,49 @@ def test_bench_plot_writes_a_png_and_still_prints_the_tables(tmp_path):
             env=dict(os.environ, LS_PYTHON="/nonexistent/python"))
     assert r.returncode == 1 and "--plot" in r.stderr and "LS_PYTHON" in r.stderr, r.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+BENCH_ROWS = {"quick": True, "overlap_config": {"layers": 2, "compute_ms": 3, "layer_mib": 1, "steps": 1},
+              "overlap": [{"transfer_over_compute": 1, "prefetch": 0, "slots": 1, "step_ms": 12, "ideal_ms": 6,
+                           "overlap_ratio": 2, "hit_rate": 0}],
+              "overhead_available": False, "overhead": [], "quant": []}
+
+
+@pytest.mark.parametrize("content,out,says", [
+    (None, "o.png", ["cannot read", "No such file or directory"]),
+    ("not json", "o.png", ["is not JSON", "layerstream bench --json"]),
+    ("[]", "o.png", ["none of the lists overlap, overhead, quant", "layerstream bench --json"]),
+    ("{}", "o.png", ["none of the lists overlap, overhead, quant", "layerstream bench --json"]),
+    ("plan", "o.png", ["none of the lists overlap, overhead, quant", "layerstream bench --json"]),
+    (json.dumps({"overlap": [{"transfer_over_compute": 1, "prefetch": 0}]}), "o.png",
+     ["overlap[0] has no valid overlap_ratio", "layerstream bench --json"]),
+    (json.dumps(BENCH_ROWS), "o.xyz", ["must end in .png, .pdf or .svg"]),
+    (json.dumps(BENCH_ROWS), "nodir/o.png", ["cannot write into", "no such directory"]),
+], ids=["missing", "not-json", "list", "empty", "plan-json", "row-without-ratio", "extension", "no-directory"])
+def test_bench_plot_refuses_what_is_not_bench_output_in_one_line(tmp_path, capsys, content, out, says):
+    """`python -m layerstream.bench_plot` printed a raw traceback for a missing file, text
+    that is not JSON, a JSON list, a row without overlap_ratio or an output name matplotlib
+    cannot write, and drew an empty "overlap not run" plot, exit 0, from `{}` or from
+    `layerstream plan --json` output passed by mistake."""
+    from layerstream import bench_plot
+    src = tmp_path / "in.json"
+    if content == "plan":
+        r = run("plan", "--model", "gpt2-small", "--budget", "1GiB", "--json")
+        assert r.returncode == 0, r.stderr
+        content = r.stdout
+    if content is not None:
+        src.write_text(content)
+    assert bench_plot.main([str(src), str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("layerstream.bench_plot: error: "), err
+    assert all(s in err[0] for s in says), err[0]
+    assert not (tmp_path / out).exists()
+
+
+def test_bench_plot_draws_bench_output_with_empty_sections(tmp_path):
+    """What `bench --only quant --plot` passes (every list but quant's empty) still draws."""
+    from layerstream import bench_plot
+    src, out = tmp_path / "in.json", tmp_path / "o.png"
+    src.write_text(json.dumps(dict(BENCH_ROWS, overlap=[])))
+    assert bench_plot.main([str(src), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -28,4 +28,10 @@ MUTATIONS: list = [
         [P + "test_optim.py::test_a_backward_between_an_overlapped_backward_and_step_is_refused"],
         "a backward between an overlapped backward and step() is dropped for the layers the block stepped, "
         "silently"),
+    Mutation(
+        "bench-plot-draws-any-object", "python/layerstream/bench_plot.py",
+        "    if not isinstance(results, dict) or not any(k in results for k in SECTIONS):",
+        "    if not isinstance(results, dict):",
+        [P + "test_cli_demo_bench.py::test_bench_plot_refuses_what_is_not_bench_output_in_one_line"],
+        "`python -m layerstream.bench_plot` given `{}` or `plan --json` output draws an empty plot, exit 0"),
 ]
