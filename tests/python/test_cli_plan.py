@@ -91,6 +91,54 @@ def test_help_and_list_models():
     assert r.returncode == 0 and "llama-7b" in r.stdout.split()
 
 
+def planner_md_section(title):
+    text = (REPO / "docs" / "design" / "planner.md").read_text()
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_planner_md_usage_block_is_plan_help_s_option_list():
+    """planner.md's CLI usage block left out --host-budget, --disk-gbps, --activations
+    host, --quantize lossless and --resident-dequantized, which `plan --help` lists."""
+    help_text = run("--help").stdout
+    block = "\n".join(l for l in planner_md_section("CLI").splitlines() if l.startswith("    "))
+    # An option line: the flag, and its literal value where it takes one (--activations host).
+    options = re.findall(r"^ +(?:-h, )?(--[a-z-]+)(?: ([a-z][a-z0-9]*)\b)?", help_text, re.M)
+    assert len(options) > 15, help_text
+    flag = r"(?<![\w-])--[a-z][a-z-]*"
+    assert set(re.findall(flag, block)) == {f for f, _ in options}, block
+    for f, value in options:
+        assert not value or f"{f} {value}" in block, (f, value)
+    for choices in re.findall(r"\b[a-z0-9]+(?:\|[a-z0-9]+)+\b", help_text):  # int8|fp8|nf4|int4|lossless
+        assert choices in block, choices
+
+
+def test_planner_md_json_schema_names_every_key_plan_writes(st_file, tmp_path):
+    """planner.md's `--json` schema gave source.kind as "checkpoint" | "model" (a .gguf
+    file gives "gguf") and lacked source.cast_layers and the top-level "host" object."""
+    torch = pytest.importorskip("torch")
+    from conftest import write_gguf
+
+    gguf = write_gguf(tmp_path / "m.gguf", [("blk.0.attn_q.weight", (64, 64), "F16",
+                                             torch.zeros(64 * 64 * 2, dtype=torch.uint8))])
+    schema = planner_md_section("JSON output (`--json`)").split("```json", 1)[1].split("```", 1)[0]
+    kind_line = next(l for l in schema.splitlines() if '"kind":' in l)
+
+    def keys(obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                yield k
+                yield from keys(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                yield from keys(v)
+
+    for args in (["--checkpoint", st_file, "--host-budget", "1GiB"], ["--checkpoint", gguf], ["--model", "gpt2-small"]):
+        j = plan_json(*args, "--budget", "1GiB")
+        assert f'"{j["source"]["kind"]}"' in kind_line, (args, kind_line)
+        missing = sorted({k for k in keys(j) if f'"{k}"' not in schema})
+        assert not missing, (args, missing)
+
+
 def test_safetensors_file_text_and_json(st_file):
     r = run("--checkpoint", st_file, "--budget", "300KB")
     assert r.returncode == 0, r.stderr

@@ -34,4 +34,16 @@ MUTATIONS: list = [
         "    if not isinstance(results, dict):",
         [P + "test_cli_demo_bench.py::test_bench_plot_refuses_what_is_not_bench_output_in_one_line"],
         "`python -m layerstream.bench_plot` given `{}` or `plan --json` output draws an empty plot, exit 0"),
+    Mutation(
+        "planner-md-usage-lacks-disk-options", "docs/design/planner.md",
+        "        [--host-budget SIZE] [--disk-gbps GB/s]\n",
+        "        [--host-budget SIZE]\n",
+        [P + "test_cli_plan.py::test_planner_md_usage_block_is_plan_help_s_option_list"],
+        "planner.md's `plan` usage block leaves out an option `plan --help` lists"),
+    Mutation(
+        "planner-md-json-kind-lacks-gguf", "docs/design/planner.md",
+        '"kind": "checkpoint" | "gguf" | "model"',
+        '"kind": "checkpoint" | "model"',
+        [P + "test_cli_plan.py::test_planner_md_json_schema_names_every_key_plan_writes"],
+        "planner.md's `plan --json` schema omits the source kind a .gguf file gives"),
 ]
