@@ -857,3 +857,35 @@ def test_cli_layer_bytes_are_the_slot_bytes_offload_allocates(tmp_path, compute_
         assert cli["host_pinned_bytes"] == ours["host_pinned_bytes"]
     finally:
         handle.detach()
+
+
+def test_readme_says_plan_and_offload_may_place_the_same_model_differently(tmp_path):
+    """README's Command-line tool section did not say that `plan` picks the slot count by
+    its time model while offload() reserves prefetch + 1 slots first, and said
+    `plan --train=adamw` "plans the same": here the CLI plans 2 slots and 2 resident
+    layers, offload(prefetch=2) 3 slots and 1 resident, from the same bytes per layer."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    import layerstream
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 256) if i % 2 == 0 else torch.nn.Linear(256, 128, bias=False)
+                                  for i in range(8)]).half().requires_grad_(False)
+    path = tmp_path / "m.safetensors"
+    st.save_file(model.state_dict(), str(path))
+    cli = plan_json("--checkpoint", path, "--budget", "300KiB", "--max-prefetch", "2")["plan"]
+    handle = layerstream.offload(model, device="sim", budget="300KiB", prefetch=2)
+    try:
+        ours = json.loads(handle._plan["json"])
+        assert "3 slots" in handle.plan and "1 resident" in handle.plan, handle.plan
+    finally:
+        handle.detach()
+    assert [l["bytes"] for l in cli["layers"]] == [l["bytes"] for l in ours["layers"]]
+    assert cli["slot_bytes"] == ours["slot_bytes"]
+    assert (cli["num_slots"], cli["num_resident"]) == (2, 2) and (ours["num_slots"], ours["num_resident"]) == (3, 1)
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Command-line tool\n", 1)[1].split("\n## ", 1)[0]
+    prose = " ".join(section.split("```")[-1].split())
+    for says in ("`plan` counts each layer's bytes and the slot size as `offload()` does",
+                 "`offload()` reserves `prefetch + 1` slots first", "which layers stay resident may differ",
+                 "`print(handle.plan)`"):
+        assert says in prose, says
+    assert "plans the same" not in readme

@@ -46,4 +46,10 @@ MUTATIONS: list = [
         '"kind": "checkpoint" | "model"',
         [P + "test_cli_plan.py::test_planner_md_json_schema_names_every_key_plan_writes"],
         "planner.md's `plan --json` schema omits the source kind a .gguf file gives"),
+    Mutation(
+        "readme-cli-plan-said-to-place-as-offload", "README.md",
+        "  counts the same). Without it the budget counts weights only.",
+        "  plans the same). Without it the budget counts weights only.",
+        [P + "test_cli_plan.py::test_readme_says_plan_and_offload_may_place_the_same_model_differently"],
+        "README says `layerstream plan --train=adamw` plans as offload() does; its slots and residency may differ"),
 ]
