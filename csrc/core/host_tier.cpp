@@ -88,9 +88,20 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
   return p;
 }
 
-bool may_stay_in_file(bool linear, bool frozen, bool as_stored, const std::string& format, bool cache_dir) {
+std::vector<std::string> in_ram_reasons(bool linear, bool frozen, bool as_stored, const std::string& format,
+                                        bool cache_dir) {
   const bool dense = format.empty() || format == "none";
-  return linear && frozen && as_stored && (dense || (cache_dir && format != "lossless"));
+  std::vector<std::string> why;
+  if (!linear) why.emplace_back("not_linear");
+  if (!frozen) why.emplace_back("trainable");
+  if (!as_stored) why.emplace_back("cast");
+  if (format == "lossless") why.emplace_back("lossless");  // coded in RAM, with a cache directory or not
+  else if (!dense && !cache_dir) why.emplace_back("quantized");
+  return why;
+}
+
+bool may_stay_in_file(bool linear, bool frozen, bool as_stored, const std::string& format, bool cache_dir) {
+  return in_ram_reasons(linear, frozen, as_stored, format, cache_dir).empty();
 }
 
 int64_t default_host_budget() {

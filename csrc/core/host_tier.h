@@ -77,6 +77,13 @@ Plan plan(const std::vector<Layer>& layers, int64_t host_budget, int64_t pinned_
 // (core/io/quant_cache.h); never lossless, which is coded in RAM. `format`:
 // "" or "none" for none, else the quantization format's name.
 bool may_stay_in_file(bool linear, bool frozen, bool as_stored, const std::string& format, bool cache_dir);
+// The same rule, saying why not: every reason that holds, in this order:
+// "not_linear", "trainable", "cast" (not as_stored), "lossless", "quantized"
+// (quantized without a cache directory); empty when the layer may stay.
+// offload()'s host budget error names the layers by these reasons
+// (python/layerstream/_host_plan.py), so that its advice follows the rule.
+std::vector<std::string> in_ram_reasons(bool linear, bool frozen, bool as_stored, const std::string& format,
+                                        bool cache_dir);
 
 // The default host budget: what this machine can give now (MemAvailable of
 // /proc/meminfo) minus a margin of 10% of MemTotal (at least 2 GiB) for the

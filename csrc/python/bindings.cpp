@@ -324,7 +324,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("quantized_values", &layerstream::quantized_values, py::arg("weight"), py::arg("rows"), py::arg("cols"),
         py::arg("format"), py::arg("dequant") = std::nullopt,
         py::call_guard<py::gil_scoped_release>());  // layerstream/engine.h
-  m.def("may_stay_in_file", &host_tier::may_stay_in_file, py::arg("linear"), py::arg("frozen"),
+  m.def("in_ram_reasons", &host_tier::in_ram_reasons, py::arg("linear"), py::arg("frozen"),
         py::arg("as_stored"), py::arg("format"), py::arg("cache_dir"));  // core/host_tier.h
   // The host budget plan (core/host_tier.h): layers = [(name, bytes,
   // from_file, grad_bytes)]; budgets in bytes, -1 = unlimited.

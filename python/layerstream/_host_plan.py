@@ -80,13 +80,18 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
         _read_in_deferred(model, deferred)
         return _HostTier(set(), None, {})
 
-    def from_file(t) -> bool:  # t: an offload() _Candidate; the rule: core/host_tier.h
+    def in_ram(t) -> list:  # t: an offload() _Candidate; why it could not stay in its file (core/host_tier.h)
+        params = [p for p in (getattr(t.module, "weight", None), getattr(t.module, "bias", None)) if p is not None]
+        return _C.in_ram_reasons(t.kind == "linear", not any(p.requires_grad for p in params),
+                                 all(getattr(p, "file_dtype", p.dtype) == p.dtype for p in params), t.fmt or "",
+                                 cache_dir is not None)
+
+    def in_file(t) -> bool:  # all its tensors are still in a .safetensors file (load_safetensors)
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
-        files = [p for p in (w, b) if p is not None]
-        if t.pre is not None or not isinstance(w, FileWeight) or not all(isinstance(p, FileWeight) for p in files):
-            return False
-        return _C.may_stay_in_file(t.kind == "linear", not any(p.requires_grad for p in files),
-                                   all(p.file_dtype == p.dtype for p in files), t.fmt or "", cache_dir is not None)
+        return t.pre is None and isinstance(w, FileWeight) and (b is None or isinstance(b, FileWeight))
+
+    def from_file(t) -> bool:
+        return in_file(t) and not in_ram(t)
 
     def grad_bytes(t) -> int:  # its gradient's host staging buffer (training), as the engine sizes it
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
@@ -104,25 +109,24 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
     try:
         p = _C.host_tier_plan(entries, host, pinned, opts.prefetch)
     except LayerstreamError as e:
-        trainable = [n for (n, _, f, _), t in zip(entries, streamed) if not f and isinstance(
-            getattr(t.module, "weight", None), FileWeight) and t.module.weight.requires_grad]
+        why = {t.name: in_ram(t) for t in streamed}
+        trainable = [t.name or "<root>" for t in streamed if in_file(t) and "trainable" in why[t.name]]
         hint = (f" ({len(trainable)} layer(s) loaded from a file are trainable, e.g. '{trainable[0]}': for "
                 f"inference, freeze the model (model.requires_grad_(False)) so they can stay in their file)"
                 if trainable else "")
-        cast = [t for t in streamed if isinstance(getattr(t.module, "weight", None), FileWeight)
-                and t.module.weight.file_dtype != t.module.weight.dtype]
+        cast = [t for t in streamed if in_file(t) and "cast" in why[t.name]]
         if cast:
             w = cast[0].module.weight
             hint += (f" ({len(cast)} layer(s) loaded from a file are cast as read, e.g. '{cast[0].name}' from the "
                      f"file's {w.file_dtype} to the model's {w.dtype}, so they must be in RAM: build the model in "
                      f"the file's dtype so that frozen ones can stay in their file)")
-        quantized = [t.name or "<root>" for t in streamed if t.fmt not in (None, "lossless")]
-        if quantized and cache_dir is None:
+        quantized = [t.name or "<root>" for t in streamed if why[t.name] == ["quantized"]]
+        if quantized:
             hint += (f" ({len(quantized)} layer(s) are quantized, e.g. '{quantized[0]}', and quantized weights are "
                      f"held in RAM: pass cache_dir= so that those loaded by load_safetensors() can stay on disk, "
                      f"packed in a cache file)")
-        lossless = [t.name or "<root>" for t in streamed if t.fmt == "lossless"]
-        if lossless:  # coded in RAM, never on disk: cache_dir= cannot help (core/host_tier.h may_stay_in_file)
+        lossless = [t.name or "<root>" for t in streamed if "lossless" in why[t.name]]
+        if lossless:
             hint += (f" ({len(lossless)} layer(s) are quantized losslessly, e.g. '{lossless[0]}': lossless weights "
                      f"are coded in RAM and cannot stay on disk, with cache_dir= or without; for frozen ones loaded "
                      f"by load_safetensors() to stream from their file, quantize them otherwise (int8, fp8, nf4, "
@@ -133,7 +137,7 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
             hint += (f" ({len(gguf)} layer(s) were loaded by load_gguf(), e.g. '{gguf[0]}': GGUF weights are read "
                      f"into RAM; only .safetensors files loaded by load_safetensors() can keep weights on disk)")
         else:
-            hint += _in_ram_hint(model, streamed, entries)
+            hint += _in_ram_hint(model, streamed, entries, why)
         raise LayerstreamError(f"offload(): {e}{hint}") from None
     opts.store_pinned_cap = p["store_pinned_cap"]
     opts.staging_bytes = p["staging_bytes"]
@@ -151,7 +155,7 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
 
 
 # What stays in RAM by its kind, however the model was loaded (only a Linear's weights can
-# stay in their file: core/host_tier.h may_stay_in_file), as the host budget's error says it.
+# stay in their file: core/host_tier.h in_ram_reasons), as the host budget's error says it.
 _KIND_IN_RAM = {
     "group": ("tensor group(s)", " (modules whose own forward reads their tensors: transformers' Conv1D, "
                                  "attention, experts, groups=)"),
@@ -160,7 +164,7 @@ _KIND_IN_RAM = {
 }
 
 
-def _in_ram_hint(model: nn.Module, streamed: list, entries: list) -> str:
+def _in_ram_hint(model: nn.Module, streamed: list, entries: list, why: dict) -> str:
     """The host budget's error, for weights neither in a file nor GGUF: which streamed
     layers are in RAM whatever loads them (no Linear: a tensor group, a convolution, a
     table; a Linear sharing its weight with another module), and which Linear layers
@@ -178,11 +182,11 @@ def _in_ram_hint(model: nn.Module, streamed: list, entries: list) -> str:
         w = getattr(t.module, "weight", None)
         if from_file or isinstance(w, FileWeight):
             continue  # said by the message, or by the trainable / cast hints
-        if t.kind != "linear":
+        if "not_linear" in why[t.name]:
             by_kind.setdefault(t.kind, []).append((name, nbytes))
         elif isinstance(w, torch.Tensor) and holders.get(id(w), 0) > 1:
             tied.append(name)
-        elif t.pre is None and t.fmt in (None, "lossless") and not (isinstance(w, torch.Tensor) and w.requires_grad):
+        elif t.pre is None and not why[t.name]:  # loaded by load_safetensors(), it could stay in its file
             dense.append(name)
     parts = []
     if by_kind:

@@ -1183,6 +1183,28 @@ std::vector<host_tier::Layer> tier_layers(uint64_t bytes, bool from_file) {
 
 }  // namespace
 
+// The disk rule and its reasons are one rule: a layer may stay in its file
+// exactly when no reason holds, and each reason names what breaks it (lossless
+// holds with a cache directory too; a quantized format only without one).
+TEST(HostTierPlan, InRamReasonsAreTheRuleSpelledOut) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(host_tier::in_ram_reasons(true, true, true, "", false), V{});
+  EXPECT_EQ(host_tier::in_ram_reasons(true, true, true, "none", false), V{});
+  EXPECT_EQ(host_tier::in_ram_reasons(true, true, true, "int8", true), V{});
+  EXPECT_EQ(host_tier::in_ram_reasons(true, true, true, "int8", false), V{"quantized"});
+  EXPECT_EQ(host_tier::in_ram_reasons(true, true, true, "lossless", true), V{"lossless"});
+  EXPECT_EQ(host_tier::in_ram_reasons(false, false, false, "lossless", false),
+            (V{"not_linear", "trainable", "cast", "lossless"}));
+  EXPECT_EQ(host_tier::in_ram_reasons(true, false, true, "nf4", false), (V{"trainable", "quantized"}));
+  for (bool linear : {false, true})
+    for (bool frozen : {false, true})
+      for (bool as_stored : {false, true})
+        for (const char* format : {"", "none", "int8", "nf4", "lossless"})
+          for (bool cache : {false, true})
+            EXPECT_EQ(host_tier::may_stay_in_file(linear, frozen, as_stored, format, cache),
+                      host_tier::in_ram_reasons(linear, frozen, as_stored, format, cache).empty());
+}
+
 // A pinned budget below the store makes store tensors pageable, and those cross
 // through staging entries: the stager needs two of the largest layer
 // (core/io/stager.cpp). Whatever RAM the host budget leaves, the plan stages

@@ -4,6 +4,7 @@ not fit in host_budget are packed once into a cache file under cache_dir= and
 streamed packed from it; outputs and LoRA gradients equal the same model quantized
 in RAM; the cache is reused while valid and rebuilt when stale; a write that fails
 (no space) is a clear error that leaves nothing behind."""
+import copy
 import json
 import os
 import subprocess
@@ -278,6 +279,27 @@ def test_lossless_weights_cannot_stay_on_disk_and_the_error_does_not_offer_cache
             layerstream.offload(_loaded(path), device="sim", quantize="lossless", host_budget=_quarter(ref),
                                 cache_dir=cache_dir)
         assert "pass cache_dir=" not in str(e.value), e.value
+
+def test_the_advice_for_quantized_weights_in_memory_follows_the_disk_rule(tmp_path):
+    """A model in memory, quantized: its layers' advice follows core/host_tier.h's rule.
+    Lossless ones cannot stay on disk however they are loaded, so the error does not tell
+    to load them with load_safetensors() (before, it did, beside the lossless hint that
+    says they cannot); int8 ones could with cache_dir=, so with it the error says to load
+    them with load_safetensors(), and without it to pass cache_dir=."""
+    ref = _reference().requires_grad_(False)
+    with pytest.raises(LayerstreamError, match="quantized losslessly") as e:
+        layerstream.offload(copy.deepcopy(ref), device="sim", quantize="lossless", host_budget=_quarter(ref) // 8)
+    assert "have their weights in memory" not in str(e.value), e.value
+    with pytest.raises(LayerstreamError, match=r"frozen Linear layer\(s\) have their weights in memory.*"
+                                               r"load it with load_safetensors\(\)") as e:
+        layerstream.offload(copy.deepcopy(ref), device="sim", quantize="int8", host_budget=_quarter(ref) // 8,
+                            cache_dir=tmp_path / "cache")
+    assert "pass cache_dir=" not in str(e.value), e.value
+    with pytest.raises(LayerstreamError, match="pass cache_dir=") as e:
+        layerstream.offload(copy.deepcopy(ref), device="sim", quantize="int8", host_budget=_quarter(ref) // 8)
+    assert "have their weights in memory" not in str(e.value), e.value
+    assert not (tmp_path / "cache").exists()
+
 
 def test_a_cache_file_that_cannot_be_written_is_a_clear_error_and_leaves_nothing(tmp_path):
     """No space (here: a file-size limit, which fails the write the same way ENOSPC
