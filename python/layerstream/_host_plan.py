@@ -86,12 +86,12 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
                                  all(getattr(p, "file_dtype", p.dtype) == p.dtype for p in params), t.fmt or "",
                                  cache_dir is not None)
 
-    def in_file(t) -> bool:  # all its tensors are still in a .safetensors file (load_safetensors)
+    def file_backed(t) -> bool:  # all its tensors are still in a .safetensors file (load_safetensors)
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
         return t.pre is None and isinstance(w, FileWeight) and (b is None or isinstance(b, FileWeight))
 
     def from_file(t) -> bool:
-        return in_file(t) and not in_ram(t)
+        return file_backed(t) and not in_ram(t)
 
     def grad_bytes(t) -> int:  # its gradient's host staging buffer (training), as the engine sizes it
         w, b = getattr(t.module, "weight", None), getattr(t.module, "bias", None)
@@ -110,11 +110,11 @@ def _host_tier(model: nn.Module, layers: list, tables: list, resident_names: set
         p = _C.host_tier_plan(entries, host, pinned, opts.prefetch)
     except LayerstreamError as e:
         why = {t.name: in_ram(t) for t in streamed}
-        trainable = [t.name or "<root>" for t in streamed if in_file(t) and "trainable" in why[t.name]]
+        trainable = [t.name or "<root>" for t in streamed if file_backed(t) and "trainable" in why[t.name]]
         hint = (f" ({len(trainable)} layer(s) loaded from a file are trainable, e.g. '{trainable[0]}': for "
                 f"inference, freeze the model (model.requires_grad_(False)) so they can stay in their file)"
                 if trainable else "")
-        cast = [t for t in streamed if in_file(t) and "cast" in why[t.name]]
+        cast = [t for t in streamed if file_backed(t) and "cast" in why[t.name]]
         if cast:
             w = cast[0].module.weight
             hint += (f" ({len(cast)} layer(s) loaded from a file are cast as read, e.g. '{cast[0].name}' from the "

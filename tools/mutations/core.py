@@ -197,8 +197,8 @@ MUTATIONS = [
         "share one step: inference calls after them read weights cached before a `.data` write"),
     Mutation(
         "cast-as-read-streams-the-files-bytes", "csrc/core/host_tier.cpp",
-        "  return linear && frozen && as_stored && (dense || (cache_dir && format != \"lossless\"));",
-        "  return linear && frozen && (dense || (cache_dir && format != \"lossless\"));",
+        "  if (!as_stored) why.emplace_back(\"cast\");",
+        "  if (false && !as_stored) why.emplace_back(\"cast\");",
         [P + "test_host_tier.py::test_a_checkpoint_in_another_float_dtype_is_cast_as_offload_reads_it",
          P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
         "a frozen weight whose file holds another dtype is left on the disk tier, which streams the file's bytes "
@@ -217,6 +217,12 @@ MUTATIONS = [
         [P + "test_cli_plan.py::test_dense_dtype_plans_a_checkpoint_cast_as_offload_reads_it"],
         "`layerstream plan --host-budget` plans convolutions on the disk tier; load_safetensors() leaves only "
         "Linear weights in the file"),
+    Mutation(
+        "disk-rule-lets-lossless-stay", "csrc/core/host_tier.cpp",
+        "  if (format == \"lossless\") why.emplace_back(\"lossless\");",
+        "  if (format == \"lossless\" && !cache_dir) why.emplace_back(\"lossless\");",
+        [P + "test_host_tier_quant.py::test_lossless_weights_cannot_stay_on_disk_and_the_error_does_not_offer_cache_dir"],
+        "lossless weights are left on disk with cache_dir=, though they are coded in RAM"),
     Mutation(
         "lossless-measure-ignores-the-cast", "csrc/core/planner_models.cpp",
         "    const lossless::Dtype d = codable(as_dtype) ? lossless_dtype(as_dtype) : stored;  // what offload() codes",

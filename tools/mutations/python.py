@@ -320,8 +320,8 @@ MUTATIONS = [
         "a weight the disk tier streams, unfrozen after offload(), is silently never trained (grad None)"),
     Mutation(
         "lossless-hint-offers-cache-dir", "python/layerstream/_host_plan.py",
-        "t.fmt not in (None, \"lossless\")]\n        if quantized and cache_dir is None:",
-        "t.fmt is not None]\n        if quantized and cache_dir is None:",
+        "        quantized = [t.name or \"<root>\" for t in streamed if why[t.name] == [\"quantized\"]]",
+        "        quantized = [t.name or \"<root>\" for t in streamed if t.fmt is not None and cache_dir is None]",
         [P + "test_host_tier_quant.py::test_lossless_weights_cannot_stay_on_disk_and_the_error_does_not_offer_cache_dir"],
         "the host-budget error of lossless weights suggests cache_dir=, which cannot keep them on disk"),
     Mutation(
@@ -866,7 +866,7 @@ MUTATIONS = [
         "packed weight refuses the cast: the model is left half-converted and its next call fails"),
     Mutation(
         "host-budget-error-says-all-in-memory", "python/layerstream/_host_plan.py",
-        "        else:\n            hint += _in_ram_hint(model, streamed, entries)\n",
+        "        else:\n            hint += _in_ram_hint(model, streamed, entries, why)\n",
         "        elif not in_file:\n            hint += (\" (this model's weights are all in memory already: build the "
         "model on the meta device and load it with load_safetensors())\")\n",
         [P + "test_host_tier.py::"

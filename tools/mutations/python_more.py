@@ -52,4 +52,11 @@ MUTATIONS: list = [
         "  plans the same). Without it the budget counts weights only.",
         [P + "test_cli_plan.py::test_readme_says_plan_and_offload_may_place_the_same_model_differently"],
         "README says `layerstream plan --train=adamw` plans as offload() does; its slots and residency may differ"),
+    Mutation(
+        "in-ram-advice-ignores-the-rule", "python/layerstream/_host_plan.py",
+        "        elif t.pre is None and not why[t.name]:  # loaded by load_safetensors(), it could stay in its file",
+        "        elif t.pre is None and t.fmt in (None, \"lossless\"):",
+        [P + "test_host_tier_quant.py::test_the_advice_for_quantized_weights_in_memory_follows_the_disk_rule"],
+        "the host budget's error tells to load an in-memory lossless model with load_safetensors(), though "
+        "lossless weights cannot stay on disk"),
 ]
