@@ -393,7 +393,8 @@ class AdamW {
  public:
   class Overlap;
   // One group; add_param_group() adds more (lr, betas, eps, weight_decay,
-  // state_precision of its own; max_grad_norm and seed are the optimizer's).
+  // state_precision of its own; max_grad_norm and seed are the optimizer's:
+  // a later group that sets another throws).
   // `params` must not be empty (throws, as torch.optim does). A tensor listed
   // twice (a tied weight: Module::parameters() lists it once per module that
   // registers it) is stepped once; in two groups, it throws.
@@ -419,7 +420,15 @@ class AdamW {
   // layer's gradient has been consumed; the layers' gradients are consumed
   // in one pass with their update (AdamWOverlap, "Fusion"): their .grad is
   // left undefined unless `keep_grads` (then it holds the gradient as
-  // after a plain backward, at the cost of writing it).
+  // after a plain backward, at the cost of writing it). Between the scope's
+  // end and step(), the options and the parameters' .grad must stay as they
+  // are: the streamed layers were stepped with them as they were, so step()
+  // throws (after restoring the speculated layers) when a group's options
+  // changed (a scheduler's lr: set it before the scope) or a .grad was
+  // written in place, replaced or made by another backward (a hand clip: use
+  // max_grad_norm), as Python's step() does. A write through .data() (LibTorch's
+  // torch::nn::utils::clip_grad_norm_ writes so) escapes the version counters
+  // this reads: clip with max_grad_norm.
   Overlap overlap(std::shared_ptr<Engine> engine, std::optional<int64_t> speculation_bytes = std::nullopt,
                   bool keep_grads = false);
   // Parameters the last overlapped step stepped (or, clipping, took the norm
@@ -467,6 +476,13 @@ class AdamW {
     std::vector<Param*> params;
     std::vector<torch::Tensor> steps;
     std::exception_ptr error;  // what the plan's thread threw (step() rethrows it)
+    std::vector<AdamWOptions> options;  // each group's, when overlap() was called
+    struct Grad {
+      const Param* param;
+      torch::Tensor grad;  // its .grad at the scope's end (undefined: none)
+      int64_t version;
+    };
+    std::vector<Grad> grads;  // every parameter's, at the scope's end
   };
   std::unique_ptr<Pending> pending_;
   std::shared_ptr<OverlapBackups> backups_;  // the speculation's copies, kept across steps
@@ -477,6 +493,9 @@ class AdamW {
   // After a failed overlapped backward: restores the speculated layers and
   // copies the step counters of those that stay stepped.
   static void abort_pending(Pending& pending);
+  // step() after an overlapped backward: throws (the plan aborted) when an
+  // option or a .grad changed since (overlap()'s comment).
+  void check_overlap_inputs(Pending& pending);
   // Copies the overlapped layers' step counters back; returns per parameter
   // of pending_ whether the plan counted it.
   std::vector<int> finish_pending(const std::vector<torch::Tensor>& other_grads, float* coef);

@@ -9,6 +9,7 @@
 #include <exception>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <unordered_map>
 
 #include "core/error.h"
@@ -452,6 +453,17 @@ void AdamW::add_param_group(std::vector<torch::Tensor> params, AdamWOptions opti
   check_adamw(AdamWConfig{options.lr, options.beta1, options.beta2, options.eps, options.weight_decay});
   if (options.max_grad_norm)
     LS_CHECK(*options.max_grad_norm > 0.0, "max_grad_norm must be > 0, got ", *options.max_grad_norm);
+  // A later group's own max_grad_norm or seed was dropped silently: they are the optimizer's.
+  if (!groups_.empty()) {
+    const AdamWOptions& first = groups_[0].options;
+    LS_CHECK(!options.max_grad_norm || options.max_grad_norm == first.max_grad_norm,
+             "add_param_group(): max_grad_norm is the optimizer's (one clip over every parameter), set in the "
+             "constructor's options; this group asks for ", *options.max_grad_norm, ", the optimizer has ",
+             first.max_grad_norm ? std::to_string(*first.max_grad_norm) : std::string("none"),
+             ". Leave it unset in add_param_group()'s options");
+    LS_CHECK(options.seed == 0 || options.seed == first.seed, "add_param_group(): seed is the optimizer's, set in "
+             "the constructor's options; leave it 0 in add_param_group()'s options");
+  }
   Group g;
   g.format = parse_state_format(options.state_precision);
   g.options = std::move(options);
@@ -476,6 +488,7 @@ AdamW::Overlap AdamW::overlap(std::shared_ptr<Engine> engine, std::optional<int6
            "followed by step()");
   LS_CHECK(engine != nullptr, "layerstream::optim::AdamW: overlap() needs an offload() handle's engine");
   auto pending = std::make_unique<Pending>();
+  for (const Group& g : groups_) pending->options.push_back(g.options);
   std::vector<AdamWOverlap::Group> groups;
   std::vector<AdamWOverlap::Param> params;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -528,7 +541,51 @@ AdamW::Overlap::~Overlap() {
   } catch (...) {
     pending_->error = std::current_exception();
   }
+  for (const Group& g : opt_->groups_)
+    for (const Param& prm : g.params) {
+      const torch::Tensor& grad = prm.param.grad();
+      pending_->grads.push_back({&prm, grad, grad.defined() ? static_cast<int64_t>(grad._version()) : 0});
+    }
   opt_->pending_ = std::move(pending_);
+}
+
+void AdamW::check_overlap_inputs(Pending& pending) {
+  std::string changed;
+  auto compare = [&](size_t gi, const char* name, double was, double now) {
+    if (was == now) return;
+    std::ostringstream o;
+    o << (changed.empty() ? "" : "; ") << "group " << gi << "'s " << name << " from " << was << " to " << now;
+    changed += o.str();
+  };
+  for (size_t gi = 0; gi < pending.options.size() && gi < groups_.size(); ++gi) {
+    const AdamWOptions &was = pending.options[gi], &now = groups_[gi].options;
+    compare(gi, "lr", was.lr, now.lr);
+    compare(gi, "beta1", was.beta1, now.beta1);
+    compare(gi, "beta2", was.beta2, now.beta2);
+    compare(gi, "eps", was.eps, now.eps);
+    compare(gi, "weight_decay", was.weight_decay, now.weight_decay);
+  }
+  if (!groups_.empty() && pending.options[0].max_grad_norm != groups_[0].options.max_grad_norm)
+    changed += (changed.empty() ? "" : "; ") + std::string("max_grad_norm");
+  size_t edited = 0;
+  for (const auto& r : pending.grads) {
+    const torch::Tensor& now = r.param->param.grad();
+    if (now.defined() != r.grad.defined() || (now.defined() && (!now.is_same(r.grad) ||
+                                                                static_cast<int64_t>(now._version()) != r.version)))
+      ++edited;
+  }
+  if (changed.empty() && !edited) return;
+  abort_pending(pending);
+  const char* taken = " (layers stepped with clipping's speculation are taken back; the others keep the step the "
+                      "backward gave them, and the rest of the model was not stepped)";
+  LS_CHECK(changed.empty(), "layerstream::optim::AdamW: ", changed, " after overlap(): the streamed layers were "
+           "stepped during the backward with the options of then, and the rest would be stepped with the new "
+           "ones. Set options before overlap() (a scheduler's lr after step())", taken);
+  LS_CHECK(false, "layerstream::optim::AdamW: the .grad of ", edited, " parameter(s) changed between the end of the "
+           "overlap() scope and step() (written in place or replaced: a clip by hand, zero_grad(); or made by "
+           "another backward): the streamed layers were already stepped with the gradients as they landed. Clip "
+           "with AdamWOptions::max_grad_norm, read gradients without writing them, and run every backward of the "
+           "step before the scope, wrapping only the last one", taken);
 }
 
 void AdamW::step() {
@@ -543,6 +600,7 @@ void AdamW::step() {
     abort_pending(*pending);
     std::rethrow_exception(pending->error);
   }
+  if (pending) check_overlap_inputs(*pending);
   std::set<const Param*> covered;
   if (pending) {
     const std::vector<int> status = pending->plan->wait();

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <unistd.h>
 #include <mutex>
 #include <string>
@@ -259,6 +260,16 @@ TEST(TorchOptim, AdamWRefusesAnEmptyParameterList) {
   torch::nn::Linear net(3, 2);
   layerstream::optim::AdamW opt(net->parameters());  // a model's parameters: fine
   opt.add_param_group({}, {});  // an empty extra group is harmless, as in torch
+  // A group's own max_grad_norm was dropped silently: the optimizer's.
+  layerstream::optim::AdamWOptions clip;
+  clip.max_grad_norm = 1.0;
+  try {
+    opt.add_param_group({torch::zeros({2}, torch::requires_grad())}, clip);
+    FAIL() << "no error for a group's own max_grad_norm";
+  } catch (const layerstream::Error& e) {
+    EXPECT_NE(e.message().find("max_grad_norm is the optimizer's"), std::string::npos) << e.message();
+  }
+  EXPECT_EQ(opt.num_groups(), 2u);
 }
 
 }  // namespace
@@ -374,6 +385,47 @@ TEST(TorchOptim, AScopeLeftByAnExceptionKeepingGradsStepsEachLayerOnce) {
   auto got = overlapped->named_parameters();
   for (const auto& p : plain->named_parameters())
     EXPECT_TRUE(torch::equal(got[p.key()], p.value())) << p.key();
+}
+
+// Between the overlap() scope and step(): an option set (a scheduler's lr), a .grad
+// written in place (a hand clip: of the LayerNorm's two without keep_grads, of all six
+// with it), or another backward. Each reached only what step() steps, silently; now step()
+// throws, as Python's does, and the next step is the plain one.
+TEST(TorchOptim, ChangesBetweenTheOverlapScopeAndStepAreRefused) {
+  using Change = std::function<void(Net&, layerstream::optim::AdamW&, const torch::Tensor&)>;
+  auto expect_refused = [](const Change& change, bool keep_grads, const std::string& says) {
+    torch::manual_seed(4);
+    layerstream::optim::AdamWOptions opts;
+    opts.lr = 1e-2;
+    TwinRuns runs(opts);
+    const torch::Tensor x = torch::randn({16, 8});
+    {
+      auto scope = runs.b.overlap(runs.hb->engine(), std::nullopt, keep_grads);
+      runs.overlapped->forward(x).square().mean().backward();
+    }
+    change(runs.overlapped, runs.b, x);
+    try {
+      runs.b.step();
+      ADD_FAILURE() << "no error; expected: " << says;
+    } catch (const layerstream::Error& e) {
+      EXPECT_NE(e.message().find(says), std::string::npos) << e.message();
+    }
+    runs.b.zero_grad();
+    runs.overlapped->forward(x).square().mean().backward();
+    runs.b.step();  // plain: nothing pending
+  };
+  expect_refused([](Net&, layerstream::optim::AdamW& opt, const torch::Tensor&) { opt.group_options(0).lr = 1e-3; },
+                 false, "group 0's lr from 0.01 to 0.001 after overlap()");
+  for (bool keep : {false, true})
+    expect_refused([](Net& m, layerstream::optim::AdamW&, const torch::Tensor&) {
+      // A clip by hand (LibTorch's clip_grad_norm_ writes through .data(), which the
+      // version counters do not see: host_optim.h says so).
+      for (auto& p : m->parameters())
+        if (p.grad().defined()) p.mutable_grad().mul_(0.5);
+    }, keep, keep ? "the .grad of 6 parameter(s) changed" : "the .grad of 2 parameter(s) changed");
+  expect_refused([](Net& m, layerstream::optim::AdamW&, const torch::Tensor& x) {
+    m->forward(x).square().mean().backward();
+  }, false, "the .grad of 6 parameter(s) changed");
 }
 
 TEST(TorchOptim, OverlapTwiceWithoutStepIsAnError) {
