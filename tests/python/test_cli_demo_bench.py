@@ -332,11 +332,16 @@ def test_bench_plot_writes_a_png_and_still_prints_the_tables(tmp_path):
     assert "== overlap (sim device)" in r.stdout and f"wrote {out}" in r.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000  # axes, lines, labels
-    # A Python that cannot draw: one clear error, exit 1.
-    r = run("bench", "--quick", "--only", "overlap", "--plot", tmp_path / "x.png", timeout=300,
-            env=dict(os.environ, LS_PYTHON="/nonexistent/python"))
-    assert r.returncode == 1 and "--plot" in r.stderr and "LS_PYTHON" in r.stderr, r.stderr
-    assert not (tmp_path / "x.png").exists()
+    # A Python that cannot draw: one clear error, exit 1, after the results (they were lost).
+    for extra in ((), ("--json",)):
+        r = run("bench", "--quick", "--only", "overlap", "--plot", tmp_path / "x.png", *extra, timeout=300,
+                env=dict(os.environ, LS_PYTHON="/nonexistent/python"))
+        assert r.returncode == 1 and "--plot" in r.stderr and "LS_PYTHON" in r.stderr, r.stderr
+        assert not (tmp_path / "x.png").exists()
+        if extra:
+            assert json.loads(r.stdout)["overlap"], r.stdout
+        else:
+            assert "== overlap (sim device)" in r.stdout, r.stdout
 
 
 BENCH_ROWS = {"quick": True, "overlap_config": {"layers": 2, "compute_ms": 3, "layer_mib": 1, "steps": 1},

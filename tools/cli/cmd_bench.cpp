@@ -323,6 +323,7 @@ int cmd_bench(int argc, char** argv) {
     quant = run_quant(quick);
   }
 
+  int plot_rc = 0;  // --plot's status, returned after the results are out
   if (json || !plot_file.empty()) {
     std::string s = "{\"quick\": " + std::string(quick ? "true" : "false") + ", \"overlap_config\": {\"layers\": " +
                     std::to_string(oc.layers) + ", \"compute_ms\": " + num(oc.compute_ms) +
@@ -354,14 +355,11 @@ int cmd_bench(int argc, char** argv) {
            ", \"dequant_cpu_gbps_bf16_out\": " + num(r.dequant_gbps) + "}";
     }
     s += "]}";
-    if (!plot_file.empty()) {
-      const int rc = plot(s, plot_file);
-      if (rc != 0) return rc;
-    }
-    if (json) {
-      std::printf("%s\n", s.c_str());
-      return 0;
-    }
+    // The results first: a plot that fails (no matplotlib) lost a run of minutes.
+    if (json) std::printf("%s\n", s.c_str());
+    std::fflush(stdout);
+    if (!plot_file.empty()) plot_rc = plot(s, plot_file);
+    if (json) return plot_rc;
   }
 
   if (!overlap.empty()) {
@@ -397,7 +395,7 @@ int cmd_bench(int argc, char** argv) {
                   static_cast<double>(r.packed_bytes) / 1048576.0, r.pack_s * 1e3, r.pack_gbps,
                   r.dequant_s * 1e3, r.dequant_gbps);
   }
-  return 0;
+  return plot_rc;
 }
 
 }  // namespace

@@ -5,11 +5,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <string>
 
 #include "commands.h"
@@ -211,10 +213,22 @@ int cmd_plan(int argc, char** argv) {
     std::snprintf(b, sizeof b, "%s %g is too large", flag.c_str(), v);
     return Usage{b};
   };
+  // A rate so small that one byte or FLOP takes longer than a double holds (1e-320:
+  // the plan said "inf s", its JSON "inf", which is not JSON): at least 1e-9.
+  constexpr double kMinRate = 1e-9;  // 1 byte (1000 FLOPs) per second
+  const auto check_rate = [](const std::string& flag, const std::string& text, double v, bool zero_ok) {
+    if (v != 0 && v < kMinRate) {
+      char b[96];
+      std::snprintf(b, sizeof b, " is too small (at least %g%s)", kMinRate, zero_ok ? ", or 0: no time model" : "");
+      throw Usage{flag + " " + text + b};
+    }
+    return v;
+  };
   LayerOptions opt;
   int max_prefetch = 4;
   std::string host_budget_s;
   double disk_gbps = 2.0;
+  std::set<std::string> given;  // the options seen
   try {
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -231,8 +245,13 @@ int cmd_plan(int argc, char** argv) {
       auto take = [&]() -> std::string {
         if (inline_value) return value;
         if (i + 1 >= argc) throw Usage{a + " needs a value"};
+        // "--model --budget 1GiB" took --budget as the model's name.
+        if (std::string(argv[i + 1]).rfind("--", 0) == 0)
+          throw Usage{a + " needs a value, got the option " + json::quote(argv[i + 1])};
         return argv[++i];
       };
+      // Given twice, the last one won silently.
+      if (a.rfind("--", 0) == 0 && !given.insert(a).second) throw Usage{a + " is given twice: give it once"};
       auto no_value = [&]() {
         if (inline_value) throw Usage{a + " takes no value"};
       };
@@ -255,10 +274,12 @@ int cmd_plan(int argc, char** argv) {
                                  "it plans without a device, so there is no free memory to take a share of");
         have_budget = true;
       } else if (a == "--link-gbps") {
-        link_gbps = options::check_link_gbps(parse_number(a, take()), "--link-gbps");
+        const std::string v = take();
+        link_gbps = check_rate(a, v, options::check_link_gbps(parse_number(a, v), "--link-gbps"), true);
         if (!std::isfinite(link_gbps * 1e9)) throw too_large(a, link_gbps);
       } else if (a == "--tflops") {
-        tflops = parse_number(a, take());
+        const std::string v = take();
+        tflops = check_rate(a, v, parse_number(a, v), true);
         if (!std::isfinite(tflops * 1e12)) throw too_large(a, tflops);
       } else if (a == "--tokens") {
         opt.tokens = parse_count(a, take(), 1, kMaxTokens);
@@ -309,11 +330,15 @@ int cmd_plan(int argc, char** argv) {
       } else if (a == "--host-budget") {
         host_budget_s = take();
       } else if (a == "--disk-gbps") {
-        disk_gbps = parse_number(a, take(), /*positive=*/true);
+        const std::string v = take();
+        disk_gbps = check_rate(a, v, parse_number(a, v, /*positive=*/true), false);
+        if (!std::isfinite(disk_gbps * 1e9)) throw too_large(a, disk_gbps);
       } else if (a == "--json") {
         no_value();
         as_json = true;
       } else {
+        if (i > 1 && std::string(argv[i - 1]) == "--train")  // "--train grads"
+          throw Usage{"unknown option " + json::quote(a) + " (a --train spec goes after '=': --train=" + a + ")"};
         throw Usage{"unknown option " + json::quote(a)};
       }
     }
@@ -383,7 +408,10 @@ int cmd_plan(int argc, char** argv) {
   if (!host_budget_s.empty()) {
     int64_t host_budget = 0;
     try {
-      host_budget = static_cast<int64_t>(parse_bytes(host_budget_s));
+      const uint64_t b = parse_bytes(host_budget_s);
+      // 2^63 and more read as a negative budget in the JSON.
+      if (b > static_cast<uint64_t>(INT64_MAX)) return usage_error("--host-budget " + host_budget_s + " is too large");
+      host_budget = static_cast<int64_t>(b);
     } catch (const Error& e) {
       return usage_error("--host-budget: " + e.message());
     }
