@@ -2,6 +2,7 @@
 // (planner.h; the files: docs/design/README.md).
 #include "planner.h"
 #include "planner_impl.h"
+#include "options.h"
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -69,6 +70,10 @@ Plan plan_placement(const PlannerInput& in) {
 // run of 2026-12-04 (GCC 13.3; GCC 12 builds run it cleanly under ASan/UBSan
 // and valgrind): docs/benchmarks.md, run 5.
 Plan plan_slots_first(PlannerInput in, int prefetch, int slots) {
+  // The engine's rules, checked here too: offload() plans before it makes the
+  // engine, and a value out of range reached place() as an internal bound.
+  options::check_prefetch(prefetch);
+  options::check_slots(slots);
   std::vector<int> wanted;
   if (slots > 0) {
     wanted.push_back(slots);
@@ -79,7 +84,7 @@ Plan plan_slots_first(PlannerInput in, int prefetch, int slots) {
   in.prefetch_depth = std::max(prefetch, 0);  // as the engine runs it (engine.cpp build_scheduler_locked)
   for (int k : wanted) {  // fewer slots may fit (prefetch becomes slots - 1)
     in.min_slots = k;
-    in.max_prefetch = std::max({1, prefetch, k - 1});
+    in.max_prefetch = std::max({1, prefetch, k - 1});  // up to kMaxSlots - 1 (slots=kMaxSlots)
     std::optional<Plan> plan = place(in, &why);
     if (plan) return std::move(*plan);
   }
@@ -92,8 +97,8 @@ Plan plan_slots_first(PlannerInput in, int prefetch, int slots) {
 
 static std::optional<Plan> place(const PlannerInput& in, std::string* too_small) {
   LS_CHECK(in.min_slots >= 2, "planner: min_slots must be at least 2 (got ", in.min_slots, ")");
-  LS_CHECK(in.max_prefetch >= 1 && in.max_prefetch <= 64, "planner: max_prefetch must be in [1, 64] (got ",
-           in.max_prefetch, ")");
+  LS_CHECK(in.max_prefetch >= 1 && in.max_prefetch < options::kMaxSlots, "planner: max_prefetch must be in [1, ",
+           options::kMaxSlots - 1, "] (got ", in.max_prefetch, ")");
   LS_CHECK(std::isfinite(in.link_bytes_per_s) && in.link_bytes_per_s >= 0,
            "planner: link bandwidth must be a non-negative number of bytes/s");
   LS_CHECK(std::isfinite(in.device_flops_per_s) && in.device_flops_per_s >= 0,
@@ -278,7 +283,12 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
                     "slot holds that weight too)"
               : L.as_stored ? " (it streams as stored: quantization does not apply to it)"
               : L_slot > L.bytes ? ""
-                                 : " (or quantize the weights, e.g. to nf4)");
+                                 : " (or quantize the weights, e.g. to nf4)",
+              L.stored_slot_bytes && L.stored_slot_bytes < L_slot
+                  ? " (streamed as stored, without quantize= / compute_dtype, it would need a slot of " +
+                        format_bytes(L.stored_slot_bytes) + ": what crosses the bus shrinks, but the slot also holds "
+                        "the weight written from it)"
+                  : std::string());
       return std::nullopt;
     }
 

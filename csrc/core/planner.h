@@ -69,6 +69,11 @@ struct PlannerLayer {
   // already 2 bytes per element (bf16 / fp16): the "too small" error then
   // does not suggest a narrower dequant_dtype / compute_dtype.
   bool narrow_write = false;
+  // Quantized or cast on the device: the slot it would take streamed as stored
+  // (without quantize= / compute_dtype; 0: not known, or not quantized or
+  // cast). When it is smaller than the slot, the "too small" error says so: the
+  // slot holds what crosses and the weight written from it.
+  uint64_t stored_slot_bytes = 0;
   // A mixture-of-experts group under routed fetch (offload(experts="routed")):
   // the bytes one fetch copies when a step's tokens reach at most half of the
   // experts (0: the whole group, prefetched). Such a copy is on demand, after

@@ -270,8 +270,10 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       b_written = bytes_of(l.bias_numel, cd);
     // The slot as the engine lays it out (EngineImpl::layout_of): each part aligned.
     s.bytes = slot_layout::of({{w_bus, w_written}, {bias, b_written}}).bus_bytes;
-    if (w_written || b_written)  // else 0: the bus bytes
+    if (w_written || b_written) {  // else 0: the bus bytes
       s.slot_bytes = slot_layout::of({{coded_max ? coded_max : w_bus, w_written}, {bias, b_written}}).slot_bytes();
+      s.stored_slot_bytes = slot_layout::of({{w_stored, 0}, {bias, 0}}).slot_bytes();
+    }
     if (coded_max) s.host_bytes = w_stored + coded_max + bias;
     s.resident_bytes = opt.resident_dequantized ? l.stored_bytes() : s.bytes;
     uint64_t rows = l.weight_shape.empty() ? 0 : l.weight_shape[0];
@@ -289,7 +291,7 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
       // step names cross the bus; a trainable one's gradient rows come back),
       // never quantized, never in a slot.
       s.bytes = s.resident_bytes = l.stored_bytes();
-      s.slot_bytes = 0;
+      s.slot_bytes = s.stored_slot_bytes = 0;
       s.lookup = true;
       s.lookup_bytes = opt.tokens * (rows ? l.stored_bytes() / rows : 0);
     }

@@ -539,15 +539,21 @@ PYBIND11_MODULE(_C, m) {
   // offload()'s rule: slots first, residency with what is left (plan_slots_first).
   // `as_stored`: indices of layers streamed as stored whatever quantize= asked
   // (PlannerLayer::as_stored: the "too small" error does not suggest quantizing).
+  // `stored_slots`: (layer, its slot streamed as stored), PlannerLayer::stored_slot_bytes.
   m.def(
       "plan_slots_first",
       [planner_input, plan_dict](uint64_t budget, const PlannedLayers& layers, uint64_t fixed, int prefetch,
                                  int slots, double link_bytes_per_s, bool training, uint64_t fixed_train,
-                                 const PlannedTies& ties, const std::vector<size_t>& as_stored) {
+                                 const PlannedTies& ties, const std::vector<size_t>& as_stored,
+                                 const std::vector<std::pair<size_t, uint64_t>>& stored_slots) {
         layerstream::PlannerInput in = planner_input(budget, layers, fixed, fixed_train, ties);
         for (size_t i : as_stored) {
           LS_CHECK(i < in.layers.size(), "planner: as_stored names layer #", i, " of ", in.layers.size());
           in.layers[i].as_stored = true;
+        }
+        for (const auto& [i, bytes] : stored_slots) {
+          LS_CHECK(i < in.layers.size(), "planner: stored_slots names layer #", i, " of ", in.layers.size());
+          in.layers[i].stored_slot_bytes = bytes;
         }
         in.link_bytes_per_s = link_bytes_per_s;  // the copy times (0: unknown)
         in.training = training;
@@ -556,7 +562,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("budget"), py::arg("layers"), py::arg("fixed_resident_bytes"), py::arg("prefetch"),
       py::arg("slots") = 0, py::arg("link_bytes_per_s") = 0.0, py::arg("training") = false,
       py::arg("fixed_train_bytes") = 0, py::arg("ties") = PlannedTies(),
-      py::arg("as_stored") = std::vector<size_t>());
+      py::arg("as_stored") = std::vector<size_t>(),
+      py::arg("stored_slots") = std::vector<std::pair<size_t, uint64_t>>());
   // This machine's memory (core/host_memory.h): {total_bytes, available_bytes}, 0 = unknown.
   m.def("host_memory", [] {
     const layerstream::HostMemory h = layerstream::host_memory();

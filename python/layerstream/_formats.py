@@ -38,6 +38,9 @@ class _Candidate(NamedTuple):
     # narrower (lossless: its own dtype): a "budget too small" error suggests no narrower
     # dequant_dtype / compute_dtype (core/planner.h, PlannerLayer::narrow_write).
     narrow_write: bool = False
+    # Quantized or cast on the device: its slot streamed as stored (the "too small" error
+    # says when that is smaller: PlannerLayer::stored_slot_bytes); 0: not quantized or cast.
+    stored_slot_bytes: int = 0
 
 
 def _group_experts(module: nn.Module, routed: bool) -> int:
@@ -206,8 +209,10 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
         bus = layout["bus_bytes"]
         if host_bytes is not None:  # Note [Trainable coded weights] (engine_coded.cpp)
             layout = _C.slot_layout([(w_cap, w_written)] + parts[1:])
+        stored = (_C.slot_layout([(dense_w, 0)] + [(b, 0) for b, _ in parts[1:]])["slot_bytes"]
+                  if pre is None and any(written for _, written in parts) else 0)
         layers.append(_Candidate(name, module, kind, fmt, pre, bus, layout["slot_bytes"],
-                                 dense_w + b_bytes, host_bytes, narrow))
+                                 dense_w + b_bytes, host_bytes, narrow, stored))
     # GGUF weights (load_gguf) of layers that stream neither as Linear layers nor in a tensor
     # group (excluded, a subclass with its own forward, ...) stay resident: dense, dequantized
     # here so that the planner counts them (not undone if offload() fails: the values are the same).

@@ -496,7 +496,9 @@ def _plan(model: nn.Module, layers: List[_Candidate], tables: list, budget, comp
         plan = _C.plan_slots_first(budget_bytes, planned, fixed, prefetch=opts.prefetch,
                                    slots=int(slots) if slots is not None else 0, link_bytes_per_s=link,
                                    training=bool(train_spec), fixed_train_bytes=fixed_train, ties=ties,
-                                   as_stored=[i for i, t in enumerate(layers) if t.name in as_stored])
+                                   as_stored=[i for i, t in enumerate(layers) if t.name in as_stored],
+                                   stored_slots=[(i, t.stored_slot_bytes) for i, t in enumerate(layers)
+                                                 if t.stored_slot_bytes])
         resident_names = set(plan["resident"])
         # Tied weights: a head kept resident keeps its tensor on the device, so the table
         # that shares it is resident too (it is on the device once, in the head's bytes).

@@ -12,6 +12,7 @@
 #include "core/json.h"
 #include "core/gguf.h"
 #include "core/host_tier.h"
+#include "core/options.h"
 #include "core/planner.h"
 #include "core/slot_layout.h"
 
@@ -167,6 +168,20 @@ TEST(Planner, PlansThePrefetchDepthTheEngineRuns) {
   EXPECT_EQ(none.prefetch_depth, 0);
   EXPECT_GE(none.step_time_s, two.step_time_s);
   EXPECT_HAS(five.explain(), "prefetch depth 1");
+}
+
+// Every slots= the engine takes plans (slots=66 with a budget was refused with
+// "max_prefetch must be in [1, 64] (got 65)"), and values out of range get the
+// engine's own messages, not the planner's internal bounds.
+TEST(Planner, PlansEverySlotCountTheEngineTakesAndRefusesOthersInItsWords) {
+  PlannerInput in;
+  for (int i = 0; i < 80; ++i) in.layers.push_back(layer("l" + std::to_string(i), 1 * MiB, 1e9));
+  in.budget_bytes = 70 * MiB;  // 66 slots and 4 layers resident; or 65 and 5
+  EXPECT_EQ(plan_slots_first(in, 2, static_cast<int>(options::kMaxSlots)).num_slots, options::kMaxSlots);
+  EXPECT_EQ(plan_slots_first(in, static_cast<int>(options::kMaxPrefetch), 0).num_slots, options::kMaxPrefetch + 1);
+  EXPECT_HAS(error_of([&] { plan_slots_first(in, 100, 0); }), "prefetch must be in [0, 64]");
+  EXPECT_HAS(error_of([&] { plan_slots_first(in, 2, 67); }), "slots must be in [2, 66]");
+  EXPECT_HAS(error_of([&] { plan_slots_first(in, 2, 1); }), "slots must be in [2, 66]");
 }
 
 TEST(Planner, LowFlopsPerByteLayerIsKeptResidentFirst) {

@@ -804,6 +804,29 @@ def test_a_budget_too_small_suggests_a_narrower_write_only_where_there_is_one():
     assert "narrower dtype" not in message(torch.bfloat16, quantize="lossless")
 
 
+def test_a_budget_too_small_for_quantized_slots_says_when_the_stored_slot_is_smaller():
+    """bf16 weights packed to nf4 take a larger slot than as stored (the packed copy and
+    the bf16 weight written from it), so a budget that holds the unquantized slots was
+    "too small" with quantize="nf4" and no advice. The error now gives the slot as stored,
+    which fits; fp32 weights packed to nf4 and written in bf16 take a smaller slot, and
+    it says nothing of it."""
+    layer = 256 * 256 * 2 + 256 * 2
+
+    def model(dtype):
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).to(dtype).requires_grad_(False)
+
+    with pytest.raises(layerstream.LayerstreamError, match="is too small") as e:
+        layerstream.offload(model(torch.bfloat16), device="sim", budget=2 * layer + 100, quantize="nf4", prefetch=1)
+    assert str(e.value).endswith("(streamed as stored, without quantize= / compute_dtype, it would need a slot "
+                                 "of 128.50 KiB: what crosses the bus shrinks, but the slot also holds the weight "
+                                 "written from it)"), e.value
+    layerstream.offload(model(torch.bfloat16), device="sim", budget=2 * layer + 100, prefetch=1).detach()
+    with pytest.raises(layerstream.LayerstreamError, match="is too small") as e:
+        layerstream.offload(model(torch.float32), device="sim", budget=2 * layer, quantize="nf4",
+                            dequant_dtype="bfloat16", prefetch=1)
+    assert "streamed as stored" not in str(e.value), e.value
+
+
 def test_a_budget_too_small_suggests_quantizing_only_a_layer_it_applies_to():
     """offload()'s "budget too small" error ended "(or quantize the weights, e.g. to nf4)"
     when its largest layer was a head tied to the embedding, which streams as stored
