@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "offload_mlp: nothing streamed, or the peak exceeded the budget\n");
       return 1;
     }
-    return worst <= 1e-5f ? 0 : 1;
+    return worst == 0.0f ? 0 : 1;  // identical: streaming does not change the numbers
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offload_mlp: %s\n", e.what());
     return 1;

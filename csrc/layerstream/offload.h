@@ -114,7 +114,9 @@ struct OffloadOptions : EngineOptions {
 // supplying these hooks while a scope lives; a process whose engine is
 // already another (LibTorch under Python) is refused. Scopes nest (the
 // innermost wins). Thread safety: a scope belongs to the thread that made it
-// and must end there; not copyable or movable.
+// and ends there; one destroyed on another thread warns and is ended for its
+// own thread too (saved_activations.cpp, Note [A scope ended on another
+// thread]). Not copyable or movable.
 class SavedActivations {
  public:
   ~SavedActivations();
@@ -192,6 +194,9 @@ class OffloadHandle {
   std::shared_ptr<std::atomic<bool>> uncounted_;
 };
 
+// Keep the handle while the model is offloaded: its layers hold the engine, so
+// a handle dropped without detach() leaves them streamed (and another offload()
+// of them refused) until they are destroyed.
 std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOptions& options = {});
 
 namespace nn {
@@ -208,8 +213,21 @@ class StreamedBase {
     engine_.reset();
     index_ = -1;
   }
+  // offload(quantize=) kept this layer resident with its weight's quantized
+  // values (the budget must not change the numbers; docs/design/planner.md,
+  // "Quantized layers kept resident"): from here on, a torch::load() into it is
+  // quantized again as it loads, and a write into its weight (its version
+  // counter moved, or the parameter was replaced) at its next forward, as a
+  // streamed layer's is. Called by offload() after it wrote the values; ended
+  // (the values stay) by stop_quantized(), which detach() calls. Not
+  // concurrently with a call of the module.
+  void keep_quantized(const torch::Tensor& weight, std::string format, std::optional<torch::Dtype> dequant);
+  void stop_quantized() { quantized_.reset(); }
 
  protected:
+  // keep_quantized()'s refresh of `weight` (a no-op without it): quantizes it
+  // again when it was written since (`force`: whatever its version says).
+  void refresh_quantized(const torch::Tensor& weight, bool force = false);
   // module->to() once attached: a move to the engine's compute device in the
   // weight's own dtype leaves the streamed weights in host memory (returns
   // true: nothing to do); any other device or dtype throws, naming detach().
@@ -229,6 +247,15 @@ class StreamedBase {
   bool load_in_place(torch::nn::Module& self, torch::serialize::InputArchive& archive);
   std::shared_ptr<Engine> engine_;
   int index_ = -1;
+
+ private:
+  struct Quantized {
+    std::string format;
+    std::optional<torch::Dtype> dequant;
+    const void* weight;  // the parameter's TensorImpl the values were written into
+    uint32_t version;    // its version counter then
+  };
+  std::optional<Quantized> quantized_;
 };
 
 class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public StreamedBase {

@@ -3,6 +3,7 @@
 // docs/design/torch-glue.md). offload(), which attaches them: offload.cpp.
 #include "layerstream/offload.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -129,12 +130,33 @@ bool StreamedBase::load_in_place(torch::nn::Module& self, torch::serialize::Inpu
   return true;
 }
 
+void StreamedBase::keep_quantized(const torch::Tensor& weight, std::string format,
+                                  std::optional<torch::Dtype> dequant) {
+  quantized_ = Quantized{std::move(format), dequant, weight.unsafeGetTensorImpl(), weight._version()};
+}
+
+void StreamedBase::refresh_quantized(const torch::Tensor& weight, bool force) {
+  if (!quantized_ || !weight.defined()) return;
+  if (!force && quantized_->weight == weight.unsafeGetTensorImpl() && quantized_->version == weight._version())
+    return;
+  torch::NoGradGuard ng;
+  const int64_t rows = weight.dim() ? weight.size(0) : 1;
+  weight.copy_(quantized_values(weight.detach(), rows, weight.numel() / std::max<int64_t>(rows, 1),
+                                quantized_->format, quantized_->dequant));
+  quantized_->weight = weight.unsafeGetTensorImpl();
+  quantized_->version = weight._version();
+}
+
 void LinearImpl::load(torch::serialize::InputArchive& archive) {
-  if (!load_in_place(*this, archive)) torch::nn::Module::load(archive);
+  if (load_in_place(*this, archive)) return;
+  torch::nn::Module::load(archive);
+  refresh_quantized(weight, /*force=*/true);
 }
 template <size_t D>
 void ConvImpl<D>::load(torch::serialize::InputArchive& archive) {
-  if (!this->load_in_place(*this, archive)) torch::nn::Module::load(archive);
+  if (this->load_in_place(*this, archive)) return;
+  torch::nn::Module::load(archive);
+  this->refresh_quantized(weight, /*force=*/true);
 }
 void EmbeddingImpl::load(torch::serialize::InputArchive& archive) {
   if (!load_in_place(*this, archive)) torch::nn::Module::load(archive);
@@ -201,6 +223,7 @@ void LinearImpl::reset() {
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   if (engine_) return engine_->linear(index_, x);
+  refresh_quantized(weight);
   return torch::linear(x, weight, bias);
 }
 
@@ -251,6 +274,7 @@ torch::Tensor ConvImpl<D>::forward(const torch::Tensor& x) {
   if (engine_) return engine_->conv(index_, in);
   // Unattached (before offload(), after detach(), or kept resident by the plan):
   // as torch::nn::Conv*d, an unbatched input (no batch dimension) too.
+  this->refresh_quantized(weight);
   const bool unbatched = in.dim() == static_cast<int64_t>(D) + 1;
   const torch::Tensor batched = unbatched ? in.unsqueeze(0) : in;
   const ConvSpec s = spec();

@@ -93,7 +93,8 @@ Candidates collect_candidates(torch::nn::Module& root, const OffloadOptions& opt
                "swap. Declare it as layerstream::nn::Linear/Conv*d, or exclude it.");
       if (ours) {
         LS_CHECK(!dynamic_cast<nn::StreamedBase*>(m.get())->attached(), "module '", name,
-                 "' is already offloaded by another layerstream handle; detach it first");
+                 "' is already offloaded by another layerstream handle; detach it first (OffloadHandle::detach(): a "
+                 "handle dropped without detach() leaves its layers streamed until they are destroyed)");
       }
       c.items.push_back(Item{name, parent, named.value(), child.key(), m});
     }
@@ -429,7 +430,12 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   // A quantized layer the plan keeps resident computes with the values it would
   // stream with (the budget must not change the numbers): computed here, before
   // anything changes (NaN/Inf throw), written once every layer is attached.
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> quantized_resident;
+  struct QuantizedResident {
+    std::shared_ptr<torch::nn::Module> module;
+    torch::Tensor weight, values;
+  };
+  std::vector<QuantizedResident> quantized_resident;
+  std::vector<std::string> not_ours;  // torch::nn modules among them: nothing quantizes a later write
   const auto dequant = scalar_type_of(options::check_dtypes(options.dequant_dtype, options.compute_dtype).dequant);
   if (options.budget_bytes >= 0) {
     const Residency r = plan_residency(root, items, found.collected, options, qformat, ties.groups);
@@ -448,8 +454,13 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
           dynamic_cast<nn::EmbeddingImpl*>(it.module.get()))
         continue;
       torch::Tensor w = it.module->named_parameters(/*recurse=*/false)["weight"];
-      quantized_resident.emplace_back(w, quantized_values(w, w.size(0), w.numel() / std::max<int64_t>(w.size(0), 1),
-                                                          options.quantize, dequant));
+      // As the engine refuses a streamed one (engine_register.cpp): whether it streams is the budget's call.
+      LS_CHECK(!w.requires_grad(), "layer '", it.name, "': a quantized weight cannot be trained; freeze it "
+               "first (requires_grad_(false), as QLoRA does with the base model) or do not quantize");
+      quantized_resident.push_back({it.module, w, quantized_values(w, w.size(0),
+                                                                   w.numel() / std::max<int64_t>(w.size(0), 1),
+                                                                   options.quantize, dequant)});
+      if (!dynamic_cast<nn::StreamedBase*>(it.module.get())) not_ours.push_back("'" + it.name + "'");
     }
     items = std::move(streaming);
   }
@@ -571,7 +582,22 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
       if (p.requires_grad() && !streamed.count(p.unsafeGetTensorImpl())) kept.push_back(p);
     handle->uncounted_ = optim::note_uncounted_training(kept);
   }
-  for (auto& [w, values] : quantized_resident) w.copy_(values);
+  // A later torch::load() or write into them is quantized again
+  // (StreamedBase::keep_quantized); torch::nn modules have no hook for it.
+  for (auto& q : quantized_resident) {
+    q.weight.copy_(q.values);
+    if (auto* ours = dynamic_cast<nn::StreamedBase*>(q.module.get())) {
+      ours->keep_quantized(q.weight, options.quantize, dequant);
+      handle->unbind_.push_back([weak = std::weak_ptr<torch::nn::Module>(q.module)] {
+        if (auto alive = weak.lock()) dynamic_cast<nn::StreamedBase&>(*alive).stop_quantized();
+      });
+    }
+  }
+  warn_list("layerstream: " + std::to_string(not_ours.size()) + " torch::nn layer(s) kept resident hold their "
+                "quantize=" + options.quantize + " values, but a later torch::load() or write into them is not "
+                "quantized again (declare them layerstream::nn::Linear / Conv*d, which quantize it as a streamed "
+                "layer does): ",
+            not_ours, ", ");
   undo.armed = false;
   return handle;
 }

@@ -6,8 +6,10 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
+#include <atomic>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "core/error.h"
 #include "layerstream/offload.h"
@@ -18,11 +20,33 @@ struct SavedActivations::State {
   std::shared_ptr<Engine> engine;
   std::set<const c10::StorageImpl*> keep;  // the model's parameters and buffers: held by the model anyway
   State* previous = nullptr;
+  std::thread::id thread = std::this_thread::get_id();  // whose chain (t_scope) links it
+  // Ended on another thread (Note [A scope ended on another thread]): its own
+  // thread unlinks and frees it.
+  std::atomic<bool> ended{false};
 };
 
 namespace {
 
 thread_local SavedActivations::State* t_scope = nullptr;
+
+// Note [A scope ended on another thread]: a scope belongs to the thread that
+// made it (its t_scope chain links it), but a SavedActivations object can be
+// destroyed anywhere. Freed there, its thread's chain pointed into freed
+// memory and the next forward crashed. Instead it is marked ended and left
+// to its thread, which unlinks and frees the ended scopes at the next lookup
+// or the next scope it makes or ends; a warning says the rule.
+void unlink_ended() {
+  for (SavedActivations::State** link = &t_scope; *link != nullptr;) {
+    if ((*link)->ended.load(std::memory_order_acquire)) {
+      SavedActivations::State* dead = *link;
+      *link = dead->previous;
+      delete dead;
+    } else {
+      link = &(*link)->previous;
+    }
+  }
+}
 
 // One saved tensor: a token of the engine's, or the tensor itself when the
 // engine does not take it (a parameter, not on the compute device, ...).
@@ -64,6 +88,7 @@ class EngineHooks final : public torch::autograd::SavedVariableHooks {
 class ActivationEngine final : public torch::autograd::Engine {
  public:
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    unlink_ended();
     if (t_scope == nullptr) return nullptr;
     return std::make_unique<EngineHooks>(*t_scope);
   }
@@ -96,11 +121,19 @@ SavedActivations::SavedActivations(std::shared_ptr<Engine> engine, uint64_t devi
   for (const torch::Tensor& t : keep)
     if (t.defined() && t.has_storage()) state_->keep.insert(t.storage().unsafeGetStorageImpl());
   state_->engine->begin_activations(device_budget);
+  unlink_ended();
   state_->previous = t_scope;
   t_scope = state_.get();
 }
 
 SavedActivations::~SavedActivations() {
+  if (state_->thread != std::this_thread::get_id()) {  // Note [A scope ended on another thread]
+    TORCH_WARN("layerstream: a saved_activations() scope ended on another thread than the one that made it; "
+               "it is ended for that thread too (what it saves next stays where autograd keeps it). End a "
+               "scope on the thread that made it (offload.h, SavedActivations)");
+    state_.release()->ended.store(true, std::memory_order_release);
+    return;
+  }
   // Unlinked from this thread's chain wherever it is (scopes that end out of
   // order leave no dangling link).
   for (State** link = &t_scope; *link != nullptr; link = &(*link)->previous)
@@ -108,6 +141,7 @@ SavedActivations::~SavedActivations() {
       *link = state_->previous;
       break;
     }
+  unlink_ended();
 }
 
 SavedActivations OffloadHandle::saved_activations() {

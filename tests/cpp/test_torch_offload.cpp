@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/log.h"
@@ -1610,6 +1611,59 @@ TEST(TorchOffload, AQuantizedLayerKeptResidentComputesWithTheStreamedValues) {
   all->detach();
 }
 
+// A quantized layer kept resident stays quantized after torch::load() and after
+// a write into its weight, as a streamed one does (before, both wrote dense
+// values: the budget changed the numbers); after detach() a write is as written.
+TEST(TorchOffload, AQuantizedLayerKeptResidentIsQuantizedAgainAfterALoadOrAWrite) {
+  torch::manual_seed(6);
+  Stack streamed, tight, values;
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < streamed->parameters().size(); ++i) tight->parameters()[i].copy_(streamed->parameters()[i]);
+  }
+  for (auto* m : {&streamed, &tight})
+    for (auto& p : (*m)->parameters()) p.requires_grad_(false);
+  const std::string path = temp_path("quantized_resident.pt");
+  torch::save(values, path);
+  auto opts = sim_options();
+  opts.quantize = "int8";
+  auto all = layerstream::offload(*streamed, opts);
+  opts.budget_bytes = 8 * 64 * 64 * 4;
+  auto some = layerstream::offload(*tight, opts);
+  ASSERT_FALSE(some->resident_layers().empty());
+  const auto x = torch::randn({5, 64});
+  torch::load(tight, path);
+  torch::load(streamed, path);
+  EXPECT_TRUE(torch::equal(tight(x), streamed(x)));
+  const std::string& name = some->resident_layers().front();
+  const size_t i = std::stoul(name.substr(1));
+  const auto written = torch::randn({64, 64});
+  {
+    torch::NoGradGuard ng;
+    tight->layers[i]->weight.copy_(written);
+  }
+  tight(x);
+  EXPECT_TRUE(torch::equal(tight->layers[i]->weight, layerstream::quantized_values(written, 64, 64, "int8"))) << name;
+  some->detach();
+  {
+    torch::NoGradGuard ng;
+    tight->layers[i]->weight.copy_(written);
+  }
+  tight(x);
+  EXPECT_TRUE(torch::equal(tight->layers[i]->weight, written)) << name;
+  all->detach();
+  std::filesystem::remove(path);
+  // A trainable layer is refused whether the budget streams it or keeps it (kept, it
+  // trained dense after one quantization).
+  Stack trainable;
+  try {
+    layerstream::offload(*trainable, opts);
+    FAIL() << "a trainable layer kept resident under quantize= was not refused";
+  } catch (const layerstream::Error& e) {
+    EXPECT_NE(e.message().find("a quantized weight cannot be trained"), std::string::npos) << e.message();
+  }
+}
+
 // OffloadOptions::train: the budget covers the resident trainable weights'
 // gradients and optimizer states too, with Python's rule (optim::train_bytes).
 TEST(TorchOffload, TrainFootprintKeepsFewerTrainableLayersResident) {
@@ -1800,6 +1854,12 @@ TEST(TorchOffload, SavedActivationsOfAnOffloadedModelGoToTheHost) {
   auto* inner = new layerstream::SavedActivations(handle->saved_activations());
   delete outer;
   delete inner;
+  model->forward(x).sum().backward();
+  EXPECT_EQ(handle->stats().activation_d2h_bytes, s.activation_d2h_bytes);
+  // A scope destroyed on another thread (Note [A scope ended on another thread]) is
+  // ended here too, with no dangling link: this thread's next forward crashed.
+  auto* elsewhere = new layerstream::SavedActivations(handle->saved_activations());
+  std::thread([elsewhere] { delete elsewhere; }).join();
   model->forward(x).sum().backward();
   EXPECT_EQ(handle->stats().activation_d2h_bytes, s.activation_d2h_bytes);
   // Without OffloadOptions::activations there is nothing to scope.
