@@ -407,4 +407,34 @@ MUTATIONS = [
         "",
         ["gtest:test_planner:Planner.PlansThePrefetchDepthTheEngineRuns"],
         "the plan says prefetch depth slots - 1 where the engine runs min(prefetch, slots - 1)"),
+    Mutation(
+        "slots-first-caps-at-64", "csrc/core/planner.cpp",
+        "  LS_CHECK(in.max_prefetch >= 1 && in.max_prefetch < options::kMaxSlots,",
+        "  LS_CHECK(in.max_prefetch >= 1 && in.max_prefetch <= 64,",
+        ["gtest:test_planner:*PlansEverySlotCountTheEngineTakesAndRefusesOthersInItsWords*"],
+        "offload(slots=66, budget=...) is refused with the planner's internal bound"),
+    Mutation(
+        "too-small-hides-the-stored-slot", "csrc/core/planner.cpp",
+        "              L.stored_slot_bytes && L.stored_slot_bytes < L_slot\n",
+        "              false\n",
+        [P + "test_quant_offload.py::test_a_budget_too_small_for_quantized_slots_says_when_the_stored_slot_is_smaller"],
+        "a budget too small for nf4 slots of bf16 weights gives no advice, though the unquantized slots fit"),
+    Mutation(
+        "plan-rate-without-a-floor", "tools/cli/cmd_plan.cpp",
+        "    if (v != 0 && v < kMinRate) {",
+        "    if (false) {",
+        [P + "test_cli_plan.py::test_values_that_overflow_or_say_nothing_are_usage_errors"],
+        "`layerstream plan --link-gbps 1e-320` prints inf s and writes inf into its JSON"),
+    Mutation(
+        "plan-flag-takes-the-next-flag", "tools/cli/cmd_plan.cpp",
+        "        if (std::string(argv[i + 1]).rfind(\"--\", 0) == 0)\n",
+        "        if (false)\n",
+        [P + "test_cli_plan.py::test_values_that_overflow_or_say_nothing_are_usage_errors"],
+        "`layerstream plan --model --budget 1GiB` takes --budget as the model's name"),
+    Mutation(
+        "bench-plot-failure-loses-results", "tools/cli/cmd_bench.cpp",
+        "    if (json) std::printf(\"%s\\n\", s.c_str());\n",
+        "",
+        [P + "test_cli_demo_bench.py::test_bench_plot_writes_a_png_and_still_prints_the_tables"],
+        "`layerstream bench --json --plot` prints nothing: the results are lost"),
 ]

@@ -527,8 +527,8 @@ MUTATIONS = [
         "model.to_empty(device=<compute device>) after offload(): resident tensors become uninitialised memory"),
     Mutation(
         "too-small-advises-quantizing-as-stored", "python/layerstream/_offload.py",
-        "as_stored=[i for i, t in enumerate(layers) if t.name in as_stored])",
-        "as_stored=[])",
+        "as_stored=[i for i, t in enumerate(layers) if t.name in as_stored],",
+        "as_stored=[],",
         [P + "test_quant_offload.py::test_a_budget_too_small_suggests_quantizing_only_a_layer_it_applies_to"],
         "\"budget too small\" tells to quantize a largest layer quantize= does not apply to (a tied head)"),
     Mutation(

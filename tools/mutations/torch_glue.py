@@ -374,7 +374,7 @@ MUTATIONS = [
         "layerstream's cache to rebuild with offload()"),
     Mutation(
         "cpp-resident-quantized-keeps-original-values", "csrc/torch/offload.cpp",
-        "  for (auto& [w, values] : quantized_resident) w.copy_(values);",
+        "    q.weight.copy_(q.values);\n",
         "",
         ["gtest:test_torch_offload:TorchOffload.AQuantizedLayerKeptResidentComputesWithTheStreamedValues"],
         "C++ offload() with quantize and a budget: a layer the plan keeps resident computes unquantized"),
@@ -503,4 +503,34 @@ MUTATIONS = [
         "",
         [P + "test_telemetry.py::test_step_stats_go_on_across_suspend_and_resume"],
         "stats()['max_slots_held'] falls to 0 after suspend() and resume() (a peak since the engine was made)"),
+    Mutation(
+        "resident-quantized-not-refreshed", "csrc/torch/nn_modules.cpp",
+        "  refresh_quantized(weight);\n  return torch::linear(x, weight, bias);",
+        "  return torch::linear(x, weight, bias);",
+        ["gtest:test_torch_offload:*AQuantizedLayerKeptResidentIsQuantizedAgainAfterALoadOrAWrite*"],
+        "a write into a quantized layer the budget keeps resident computes dense: the budget changes the numbers"),
+    Mutation(
+        "resident-quantized-load-not-requantized", "csrc/torch/nn_modules.cpp",
+        "  torch::nn::Module::load(archive);\n  refresh_quantized(weight, /*force=*/true);",
+        "  torch::nn::Module::load(archive);",
+        ["gtest:test_torch_offload:*AQuantizedLayerKeptResidentIsQuantizedAgainAfterALoadOrAWrite*"],
+        "torch::load() into a quantized layer the budget keeps resident writes dense values"),
+    Mutation(
+        "scope-ended-elsewhere-freed", "csrc/torch/saved_activations.cpp",
+        "  if (state_->thread != std::this_thread::get_id()) {",
+        "  if (false) {",
+        ["gtest:test_torch_offload:*SavedActivationsOfAnOffloadedModelGoToTheHost*"],
+        "a SavedActivations scope destroyed on another thread leaves its thread's chain pointing into freed memory"),
+    Mutation(
+        "cpp-overlap-inputs-unchecked", "csrc/torch/host_optim.cpp",
+        "  if (pending) check_overlap_inputs(*pending);\n",
+        "",
+        ["gtest:test_torch_optim:*ChangesBetweenTheOverlapScopeAndStepAreRefused*"],
+        "the C++ AdamW steps the rest with an lr or a .grad changed after the overlap() scope, silently"),
+    Mutation(
+        "cpp-group-clip-dropped", "csrc/torch/host_optim.cpp",
+        "    LS_CHECK(!options.max_grad_norm || options.max_grad_norm == first.max_grad_norm,",
+        "    LS_CHECK(true,",
+        ["gtest:test_torch_optim:*AdamWRefusesAnEmptyParameterList*"],
+        "add_param_group() drops a group's own max_grad_norm silently"),
 ]
