@@ -947,14 +947,25 @@ def test_compute_dtype_recasts_after_optimizer_steps(offload_dev, compute_device
         assert _equal(p, q), f"{n} diverged"
 
 
-def _layerwise_cast_net(dev):
+def _layerwise_cast_net(dev, hooked=True):
     """A conv and two Linears stored in float8 by diffusers' layerwise casting (compute
-    bf16, frozen, as under LoRA training), then a trainable bf16 Linear it skips."""
+    bf16, frozen, as under LoRA training), then a trainable bf16 Linear it skips.
+    hooked=False: the numbers the hooks compute, without them (bf16 weights rounded
+    through float8): the reference, whose backward runs on every CPU (the hooked model's
+    conv backward reads the float8 weight the hook put back, which torch's CPU
+    convolution refuses on some CPUs: "expected scalar type BFloat16 but found
+    Float8_e4m3fn")."""
     from diffusers.hooks import apply_layerwise_casting
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 64),
                         nn.GELU(), nn.Linear(64, 32), nn.Linear(32, 8)).to(dev, torch.bfloat16)
     net[:6].requires_grad_(False)
+    if not hooked:
+        with torch.no_grad():
+            for i in (0, 3, 5):
+                for p in net[i].parameters():
+                    p.copy_(p.to(torch.float8_e4m3fn).to(torch.bfloat16))
+        return net
     apply_layerwise_casting(net, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
                             skip_modules_pattern=("^6$",))
     return net
@@ -968,7 +979,7 @@ def test_diffusers_layerwise_casting_streams_the_storage_dtype_with_the_hooks_nu
     and detach() gives each layer its hook back."""
     import warnings
     dev = compute_device
-    model, ref = _layerwise_cast_net(dev), _layerwise_cast_net(dev)
+    model, ref = _layerwise_cast_net(dev), _layerwise_cast_net(dev, hooked=False)
     hooked = [model[i].__dict__["forward"] for i in (0, 3, 5)]
     x = _randn((2, 3, 6, 6), dev, torch.bfloat16).requires_grad_()
     xr = clone_input(x)
@@ -989,6 +1000,8 @@ def test_diffusers_layerwise_casting_streams_the_storage_dtype_with_the_hooks_nu
     y.backward(g)
     yr.backward(g)
     same = _equal if _bf16_exact(dev) else (lambda u, v: _close(u, v, **BF16_TOL) or True)
+    with torch.no_grad():
+        assert same(_layerwise_cast_net(dev)(x), ref(x)), "the reference is not what the hooks compute"
     assert same(y, yr), "forward differs from the hooked resident model"
     assert same(x.grad, xr.grad), "input grad differs"
     for n in ("weight", "bias"):
