@@ -687,5 +687,12 @@ std::optional<c10::VariableVersion> version_of(const torch::Tensor& t);
 // "Quantized layers kept resident"). Throws on NaN/Inf, as the packer does.
 torch::Tensor quantized_values(const torch::Tensor& weight, int64_t rows, int64_t cols, const std::string& format,
                                std::optional<torch::ScalarType> dequant = std::nullopt);
+// A 64-bit checksum of `t`'s values (core/io/checksum.h over its bytes, copied
+// to the CPU, contiguous). A layer kept resident with quantized values tells
+// with it a write of the same values (load_state_dict of its own state_dict(),
+// torch::load of its own save) from a new one: quantizing quantized values
+// again is not the identity (int4; a narrower dequant dtype), so only new
+// values are quantized.
+uint64_t tensor_checksum(const torch::Tensor& t);
 
 }  // namespace layerstream

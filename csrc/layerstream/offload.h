@@ -226,7 +226,8 @@ class StreamedBase {
 
  protected:
   // keep_quantized()'s refresh of `weight` (a no-op without it): quantizes it
-  // again when it was written since (`force`: whatever its version says).
+  // again when it was written since (`force`: whatever its version says) with
+  // other values than the quantized ones (tensor_checksum).
   void refresh_quantized(const torch::Tensor& weight, bool force = false);
   // module->to() once attached: a move to the engine's compute device in the
   // weight's own dtype leaves the streamed weights in host memory (returns
@@ -254,6 +255,7 @@ class StreamedBase {
     std::optional<torch::Dtype> dequant;
     const void* weight;  // the parameter's TensorImpl the values were written into
     uint32_t version;    // its version counter then
+    uint64_t checksum;   // the values' (tensor_checksum): a write of the same ones is not quantized again
   };
   std::optional<Quantized> quantized_;
 };

@@ -321,6 +321,7 @@ PYBIND11_MODULE(_C, m) {
         layerstream::check_saved_version(layerstream::version_of(t), saved, t.sizes());
       },
       py::arg("tensor"), py::arg("saved_version"));
+  m.def("tensor_checksum", &layerstream::tensor_checksum, py::arg("tensor"));  // layerstream/engine.h
   m.def("quantized_values", &layerstream::quantized_values, py::arg("weight"), py::arg("rows"), py::arg("cols"),
         py::arg("format"), py::arg("dequant") = std::nullopt,
         py::call_guard<py::gil_scoped_release>());  // layerstream/engine.h

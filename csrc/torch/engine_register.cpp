@@ -2,6 +2,7 @@
 // (the engine's rooms: engine_impl.h).
 #include "engine_impl.h"
 
+#include "core/io/checksum.h"
 #include "core/lossless.h"
 
 #include <c10/util/strides.h>
@@ -87,6 +88,11 @@ torch::Tensor quantized_values(const torch::Tensor& weight, int64_t rows, int64_
   torch::Tensor out = torch::empty({rows, cols}, src.options().dtype(to));
   quant::dequantize_cpu(layout, packed.data(), out.data_ptr(), out_dtype_of(to), 0);
   return out.reshape(weight.sizes()).to(weight.scalar_type());
+}
+
+uint64_t tensor_checksum(const torch::Tensor& t) {
+  const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
+  return checksum64(c.data_ptr(), static_cast<uint64_t>(c.numel()) * c.element_size());
 }
 
 void EngineImpl::requantize(int index, const torch::Tensor& dense) {

@@ -132,7 +132,8 @@ bool StreamedBase::load_in_place(torch::nn::Module& self, torch::serialize::Inpu
 
 void StreamedBase::keep_quantized(const torch::Tensor& weight, std::string format,
                                   std::optional<torch::Dtype> dequant) {
-  quantized_ = Quantized{std::move(format), dequant, weight.unsafeGetTensorImpl(), weight._version()};
+  quantized_ = Quantized{std::move(format), dequant, weight.unsafeGetTensorImpl(), weight._version(),
+                         tensor_checksum(weight)};
 }
 
 void StreamedBase::refresh_quantized(const torch::Tensor& weight, bool force) {
@@ -140,9 +141,12 @@ void StreamedBase::refresh_quantized(const torch::Tensor& weight, bool force) {
   if (!force && quantized_->weight == weight.unsafeGetTensorImpl() && quantized_->version == weight._version())
     return;
   torch::NoGradGuard ng;
-  const int64_t rows = weight.dim() ? weight.size(0) : 1;
-  weight.copy_(quantized_values(weight.detach(), rows, weight.numel() / std::max<int64_t>(rows, 1),
-                                quantized_->format, quantized_->dequant));
+  if (tensor_checksum(weight) != quantized_->checksum) {  // new values: its own (a load of its save) stay
+    const int64_t rows = weight.dim() ? weight.size(0) : 1;
+    weight.copy_(quantized_values(weight.detach(), rows, weight.numel() / std::max<int64_t>(rows, 1),
+                                  quantized_->format, quantized_->dequant));
+    quantized_->checksum = tensor_checksum(weight);
+  }
   quantized_->weight = weight.unsafeGetTensorImpl();
   quantized_->version = weight._version();
 }

@@ -1664,6 +1664,32 @@ TEST(TorchOffload, AQuantizedLayerKeptResidentIsQuantizedAgainAfterALoadOrAWrite
   }
 }
 
+// torch::load() of a budget-kept quantized layer's own save leaves its values as
+// they are: quantizing nf4 values (dequantized to bf16) again moves some
+// (tensor_checksum tells a write of the same values from a new one).
+TEST(TorchOffload, AQuantizedLayerKeptResidentLoadsItsOwnSaveUnchanged) {
+  torch::manual_seed(7);
+  Stack net;
+  for (auto& p : net->parameters()) p.requires_grad_(false);
+  auto opts = sim_options();
+  opts.quantize = "nf4";
+  opts.dequant_dtype = "bfloat16";
+  opts.budget_bytes = 8 * 64 * 64 * 4;
+  auto h = layerstream::offload(*net, opts);
+  ASSERT_FALSE(h->resident_layers().empty());
+  const size_t i = std::stoul(h->resident_layers().front().substr(1));
+  const torch::Tensor before = net->layers[i]->weight.detach().clone();
+  const auto twice = layerstream::quantized_values(before, 64, 64, "nf4", torch::kBFloat16);
+  ASSERT_FALSE(torch::equal(twice, before)) << "idempotent here: this test shows nothing";
+  const std::string path = temp_path("quantized_own_save.pt");
+  torch::save(net, path);
+  torch::load(net, path);
+  net->forward(torch::randn({2, 64}));
+  EXPECT_TRUE(torch::equal(net->layers[i]->weight, before));
+  h->detach();
+  std::filesystem::remove(path);
+}
+
 // OffloadOptions::train: the budget covers the resident trainable weights'
 // gradients and optimizer states too, with Python's rule (optim::train_bytes).
 TEST(TorchOffload, TrainFootprintKeepsFewerTrainableLayersResident) {

@@ -533,4 +533,10 @@ MUTATIONS = [
         "    LS_CHECK(true,",
         ["gtest:test_torch_optim:*AdamWRefusesAnEmptyParameterList*"],
         "add_param_group() drops a group's own max_grad_norm silently"),
+    Mutation(
+        "resident-quantized-requantizes-its-own-values", "csrc/torch/nn_modules.cpp",
+        "  if (tensor_checksum(weight) != quantized_->checksum) {",
+        "  if (true) {",
+        ["gtest:test_torch_offload:*AQuantizedLayerKeptResidentLoadsItsOwnSaveUnchanged*"],
+        "torch::load() of a resident quantized layer's own save quantizes its quantized values again, moving them"),
 ]
