@@ -193,6 +193,17 @@ class _HostOptimizer(_StateDicts, torch.optim.Optimizer):
         if not driven:
             return 1.0, False
         gs = getattr(self, "grad_scale", None)  # None: scaler.unscale_(optimizer) ran already
+        if told and gs is None:
+            # The plan unscales each gradient as it reads it, some in step() from .grad (kept
+            # ones, Adafactor's, those past the speculation bytes): unscale_ divided those
+            # already, and they were divided twice (silently off by the scale).
+            self._abort()
+            raise RuntimeError(
+                "layerstream.optim: scaler.unscale_(optimizer) after an overlapped backward given the GradScaler: "
+                "its plan unscales the gradients as it reads them, some of them in step() from .grad, which "
+                "unscale_ divided already. Drop unscale_ here: clip with the optimizer's max_grad_norm= and read "
+                "the (unscaled) norm from last_grad_norm (layers stepped with the scaler's speculation are taken "
+                "back; the rest of the model was not stepped)")
         inv = 1.0 if gs is None else float(torch.as_tensor(gs).double().reciprocal().float())  # as unscale_()
         fi = self.found_inf
         return inv, bool(fi.item() if isinstance(fi, torch.Tensor) else fi)

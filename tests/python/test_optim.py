@@ -1218,9 +1218,11 @@ def test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refu
     """keep_grads=True lets a user read .grad after an overlapped backward, but the
     streamed layers were stepped with the gradients as they landed: a custom clip
     (clip_grad_norm_ writes every .grad in place, also when it does not clip) would
-    reach the resident ones only. step() refuses it; reading (get_total_norm) and
-    GradScaler.unscale_ (which torch's amp kernel does without moving the version
-    counters) step as without overlap."""
+    reach the resident ones only. step() refuses it; reading (get_total_norm, of the
+    scaled gradients) steps as without overlap. GradScaler.unscale_ (which torch's amp
+    kernel does without moving the version counters) is refused by scaler.step(): the
+    plan reads kept gradients in step() and unscales them itself, and they were
+    divided twice (the weights off, silently)."""
     model = Deep()
     ref = copy.deepcopy(model)
     handle, _ = offload_sim(model), offload_sim(ref)
@@ -1229,17 +1231,28 @@ def test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refu
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     with opt.overlap(handle, keep_grads=True, grad_scaler=scaler):
         scaler.scale(model(x).square().mean()).backward()
-    scaler.unscale_(opt)
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     scaler.step(opt)
     scaler.update()
     rscaler.scale(ref(x).square().mean()).backward()
-    rscaler.unscale_(ropt)
     assert torch.equal(norm, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
     rscaler.step(ropt)
     rscaler.update()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    for speculation in (None, 0):  # stepped during the backward and re-read in step(), or only read there
+        with opt.overlap(handle, keep_grads=True, grad_scaler=scaler, speculation_bytes=speculation):
+            scaler.scale(model(x).square().mean()).backward()
+        scaler.unscale_(opt)
+        with pytest.raises(RuntimeError, match=r"scaler\.unscale_\(optimizer\) after an overlapped backward given "
+                                               r"the GradScaler: .* Drop unscale_ here"):
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        for (n, p), b in zip(model.named_parameters(), before):
+            assert torch.equal(p, b), n
     opt.zero_grad()
     with opt.overlap(handle, keep_grads=True):
         model(x).square().mean().backward()
@@ -1257,7 +1270,7 @@ def test_a_clip_between_an_overlapped_backward_and_step_is_refused(offload_sim, 
     alone or in the AMP recipe (unscale_, clip, scaler.step), took the norm of the
     resident parameters only (a layer a budget kept, a LayerNorm) and scaled their .grad
     alone, the streamed layers stepped unclipped: before, silently. step() refuses it, as
-    for kept gradients; scaler.unscale_() alone steps as the plain backward does, and the
+    for kept gradients; the scaler's step without them is the plain backward's, and the
     refused AMP step leaves the model as it was (the scaler's speculation taken back)."""
     if resident == "budget":  # six Linear layers, the budget keeps one on the device
         layers = lambda: nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
@@ -1275,11 +1288,9 @@ def test_a_clip_between_an_overlapped_backward_and_step_is_refused(offload_sim, 
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     with opt.overlap(handle, grad_scaler=scaler):
         scaler.scale(model(x).square().mean()).backward()
-    scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
     rscaler.scale(ref(x).square().mean()).backward()
-    rscaler.unscale_(ropt)
     rscaler.step(ropt)
     rscaler.update()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):

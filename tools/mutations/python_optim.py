@@ -219,4 +219,11 @@ MUTATIONS = [
              "test_an_optimizer_state_loaded_before_a_sharded_offload_resumes_as_one_loaded_after_it"],
         "optimizer states loaded before offload(share_host_store='all') stay whole tensors': AdamW's first sharded "
         "step refuses them, Adafactor ranks keep and save states of tensors another rank steps"),
+    Mutation(
+        "overlap-unscaled-twice", "python/layerstream/optim.py",
+        "        if told and gs is None:\n",
+        "        if False:\n",
+        [P + "test_optim.py::test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refused"],
+        "scaler.unscale_() after overlap(grad_scaler=) divides kept (or Adafactor's) gradients by the scale "
+        "twice: the weights off, silently"),
 ]
