@@ -159,12 +159,38 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
         args, kwargs = rebuild(leaves(inputs, [x.requires_grad for x in inputs]))
         before = None if written is None else [(o, k, b, _version(b), b.detach().clone())
                                                for o, k, b in _buffers(fwd._module)]
-        out = fwd._original(*args, **kwargs)
+        versions = [(x, _version(x)) for x in {id(x): x for x in inputs}.values()]
+        try:
+            out = fwd._original(*args, **kwargs)
+        except RuntimeError as e:
+            if _LEAF_INPLACE not in str(e) or not any(x.requires_grad for x in inputs):
+                raise
+            raise _writes_input(fwd, e) from None
+        if any(_version(x) != v for x, v in versions):
+            raise _writes_input(fwd)
         for o, k, b, version, value in before or ():
             if o._buffers.get(k) is not b or _version(b) != version:
                 written[(id(o), k)] = value
         fwd.check_output(out, views)
         return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+
+# What autograd says of an in-place write to a leaf that requires grad (or a view of one):
+# the group's inputs are such leaves while its forward runs without a graph.
+_LEAF_INPLACE = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _writes_input(fwd, cause: Optional[BaseException] = None) -> LayerstreamError:
+    """A group whose forward wrote one of its inputs in place: its backward recomputes the
+    forward from the inputs, which such a write would have changed (a silently different
+    gradient), and its forward runs on leaf copies of them, which torch refuses to write when
+    they require grad (docs/design/torch-glue.md, "offload(groups=[patterns])")."""
+    said = f" (torch: {str(cause).rstrip('.')})" if cause is not None else ""
+    return LayerstreamError(
+        f"streamed tensor group '{fwd._name}' modifies an input in place in its forward{said}; a streamed "
+        f"group runs its forward again in backward from its inputs as they were, which it cannot do once "
+        f"they are written. Clone the input in its forward before writing it (x = x.clone()), or keep the "
+        f"module resident (offload(exclude=[{fwd._name!r}])).")
 
 
 # Note [A group's buffers and the recompute]

@@ -172,7 +172,8 @@ def offload(
         a function of its inputs, parameters and the RNG (recomputed), read its
         parameters through the module attributes at call time (not through references
         cached earlier: nn.RNNBase modules are refused for that reason), read no
-        parameter outside it, and return no view of a parameter (an error says so).
+        parameter outside it, return no view of a parameter, and write no input in place
+        when a gradient is needed (the recompute starts from the inputs; errors say so).
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
         counters. Faster for inference loops and small models. A

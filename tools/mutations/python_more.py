@@ -59,4 +59,11 @@ MUTATIONS: list = [
         [P + "test_host_tier_quant.py::test_the_advice_for_quantized_weights_in_memory_follows_the_disk_rule"],
         "the host budget's error tells to load an in-memory lossless model with load_safetensors(), though "
         "lossless weights cannot stay on disk"),
+    Mutation(
+        "group-input-written-in-place-recomputed", "python/layerstream/_group_op.py",
+        "        if any(_version(x) != v for x, v in versions):\n            raise _writes_input(fwd)\n",
+        "",
+        [P + "test_groups.py::test_a_group_that_writes_its_input_in_place_is_refused_when_it_trains"],
+        "a groups= module that writes an input that requires no grad in place trains with silently wrong "
+        "gradients (the backward's recompute starts from the written input)"),
 ]
