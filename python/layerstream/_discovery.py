@@ -456,14 +456,17 @@ def _check_exclude_inside_groups(candidates: list, exclude) -> None:
     """exclude= naming a module inside a streamed tensor group (and not the group) was
     silently ignored: the module streamed with the group. A group's tensors share one
     slot and one forward, so the module cannot stay resident alone: refused, naming
-    what to write instead."""
+    what to write instead. exclude= naming a groups= module leaves it out of groups=
+    (its Linear and conv layers then stream one by one): the whole group stays resident
+    when its descendants are excluded too ('g.*')."""
     patterns = [exclude] if isinstance(exclude, str) else list(exclude or ())
     for group, name, _ in inside_groups(candidates) if patterns else ():
         pattern = next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
         if pattern is not None:  # the group itself matched none of them: it streams
             module = next(m for n, m, _ in candidates if n == group)
             why, other = group_why(group, module)
-            ways = ([f"exclude the whole group (exclude=[{group!r}])"] if group else []) + ([other] if other else [])
+            whole = [group, f"{group}.*"] if module in _WHOLE_GROUPS else [group]
+            ways = ([f"exclude the whole group (exclude={whole!r})"] if group else []) + ([other] if other else [])
             raise LayerstreamError(
                 f"offload(exclude=[{pattern!r}]) names '{name}', which streams inside tensor group "
                 f"'{group or '<root>'}' ({why}): a group's tensors stream together, so a module in it "

@@ -174,6 +174,8 @@ def offload(
         cached earlier: nn.RNNBase modules are refused for that reason), read no
         parameter outside it, return no view of a parameter, and write no input in place
         when a gradient is needed (the recompute starts from the inputs; errors say so).
+        exclude= naming such a module leaves it out of groups= (its Linear and conv
+        layers stream one by one); exclude=["m", "m.*"] keeps all of it resident.
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
         counters. Faster for inference loops and small models. A

@@ -66,4 +66,11 @@ MUTATIONS: list = [
         [P + "test_groups.py::test_a_group_that_writes_its_input_in_place_is_refused_when_it_trains"],
         "a groups= module that writes an input that requires no grad in place trains with silently wrong "
         "gradients (the backward's recompute starts from the written input)"),
+    Mutation(
+        "exclude-group-advice-streams-its-children", "python/layerstream/_discovery.py",
+        "            whole = [group, f\"{group}.*\"] if module in _WHOLE_GROUPS else [group]",
+        "            whole = [group]",
+        [P + "test_group_patterns.py::test_exclude_naming_a_child_of_a_groups_module_is_an_error"],
+        "exclude= naming a module inside a groups= module advises exclude=['g'], which streams g's Linears one "
+        "by one instead of keeping the group resident"),
 ]
