@@ -493,10 +493,27 @@ def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device
         described.append((name, id(module), [(pn, id(p), kind != "group" and pn == "weight")
                                              for pn, p in params if p is not None]))
     kept, groups, tied = _C.analyse_ties(described, owners)  # core/offload_policy.h
-    _warn_resident(tied, "layer(s) with tied weights", compute_device,
+    inside, other = [], []  # `tied`: one label per candidate not kept, in order
+    for i, label in zip(sorted(set(range(len(candidates))) - set(kept)), tied):
+        _, module, kind = candidates[i]
+        (inside if kind == "group" and _tied_inside(module, owners) else other).append(label)
+    _warn_resident(other, "layer(s) with tied weights", compute_device,
                    "another module that stays resident, or a bias, shares the tensor; a streamed "
                    "copy would move it under that module")
+    _warn_resident(inside, "tensor group(s) with a weight tied inside them", compute_device,
+                   "a tensor held twice inside one group, as b.weight = a.weight in it, does not stream; "
+                   "to stream them, leave the group out of groups=: its Linear and conv layers then stream one by one, "
+                   "tied ones from one host copy")
     return [candidates[i] for i in kept], groups
+
+
+def _tied_inside(module: nn.Module, owners: Dict[int, List[tuple]]) -> bool:
+    """Whether every tensor of group `module` that several modules hold is held by modules
+    inside the group only (`b.weight = a.weight` in it): _split_tied's `owners`."""
+    below = {id(m) for m in module.modules()}
+    shared = [owners[id(o._parameters[k])] for o, k, _ in _group_slots(module)
+              if len(owners.get(id(o._parameters[k]), ())) > 1]
+    return bool(shared) and all(mid in below for who in shared for mid, _, _ in who)
 
 
 def _warn_resident(names: list, what: str, compute_device: torch.device, why: str,

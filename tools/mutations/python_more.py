@@ -73,4 +73,11 @@ MUTATIONS: list = [
         [P + "test_group_patterns.py::test_exclude_naming_a_child_of_a_groups_module_is_an_error"],
         "exclude= naming a module inside a groups= module advises exclude=['g'], which streams g's Linears one "
         "by one instead of keeping the group resident"),
+    Mutation(
+        "tie-inside-a-group-told-as-a-resident-partner", "python/layerstream/_discovery.py",
+        "        (inside if kind == \"group\" and _tied_inside(module, owners) else other).append(label)",
+        "        other.append(label)",
+        [P + "test_tied.py::test_a_tie_inside_one_group_says_so"],
+        "a tie inside one groups= module keeps it resident with the warning \"another module that stays resident, "
+        "or a bias, shares the tensor\", true of neither, and no word of how to stream it"),
 ]
