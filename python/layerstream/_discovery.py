@@ -473,6 +473,25 @@ def _check_exclude_inside_groups(candidates: list, exclude) -> None:
                 f"cannot stay resident alone. Instead, {'; or '.join(ways)}")
 
 
+def _check_group_not_inside_a_group(name: str, module: nn.Module, candidates: list, groups) -> None:
+    """groups= naming a module whose tensors already stream in a tensor group found earlier
+    (an nn.MultiheadAttention's out_proj) failed in the engine ("tensor group 'mha.out_proj':
+    tensor #0 is already streamed by layer 'mha'"): refused before anything changes, naming
+    the group to write instead."""
+    mine = {id(p) for p in module.parameters()}
+    for group, owner, kind in candidates:
+        if kind != "group" or not (group == "" or name.startswith(group + ".")):
+            continue
+        if any(id(o._parameters[k]) in mine for o, k, _ in _group_slots(owner)):
+            patterns = [groups] if isinstance(groups, str) else list(groups)
+            pattern = next(p for p in patterns if fnmatch.fnmatchcase(name, p))
+            why, _ = group_why(group, owner)
+            raise LayerstreamError(
+                f"offload(groups=[{pattern!r}]) names '{name}', which already streams inside tensor group "
+                f"'{group or '<root>'}' ({why}); a tensor streams in one group only. Drop the pattern (it "
+                f"streams with {group or '<root>'!r} as it is), or name {group or '<root>'!r} itself.")
+
+
 def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device):
     """Tied weights (the rule: core/offload_policy.h analyse_ties): returns (kept
     candidates, groups), groups being the lists of candidate names that share one
@@ -719,6 +738,7 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             held = next((m for m in module.modules() if getattr(m, "_layerstream_handle", None) is not None), None)
             if held is not None:
                 _already_offloaded(model, name, held)
+            _check_group_not_inside_a_group(name, module, candidates, groups)
             if "forward" in module.__dict__:
                 resident["wrapped"].append(f"'{name or '<root>'}'")
                 continue

@@ -121,3 +121,24 @@ def test_exclude_naming_a_child_of_a_groups_module_is_an_error(offload_sim):
     before(x).square().sum().backward()
     for p, q in zip(model.parameters(), before.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_groups_naming_an_attention_out_proj_is_an_error_naming_the_attention(offload_sim):
+    """groups=["self_attn.out_proj"] (a module already inside nn.MultiheadAttention's group)
+    failed in the engine: "tensor group 'self_attn.out_proj': tensor #0 is already streamed by
+    layer 'self_attn'", naming no option. Now offload() says so before anything changes,
+    naming the attention; dropping the pattern streams the attention as before."""
+    model = _encoder()
+    before = copy.deepcopy(model)
+    for groups in (["self_attn.out_proj"], "*out_proj"):
+        with pytest.raises(LayerstreamError, match=r"offload\(groups=\['\*?(self_attn\.)?out_proj'\]\) names "
+                                                   r"'self_attn\.out_proj', which already streams inside tensor "
+                                                   r"group 'self_attn'.*Drop the pattern \(it streams with "
+                                                   r"'self_attn' as it is\), or name 'self_attn' itself"):
+            offload_sim(model, groups=groups)
+        _unchanged(model, before)
+    handle = offload_sim(model)
+    assert handle.stats()["group_layers"] == 1 and model.self_attn.out_proj.weight.device.type == "cpu"
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), before(x))

@@ -80,4 +80,11 @@ MUTATIONS: list = [
         [P + "test_tied.py::test_a_tie_inside_one_group_says_so"],
         "a tie inside one groups= module keeps it resident with the warning \"another module that stays resident, "
         "or a bias, shares the tensor\", true of neither, and no word of how to stream it"),
+    Mutation(
+        "groups-inside-an-attention-left-to-the-engine", "python/layerstream/_discovery.py",
+        "            _check_group_not_inside_a_group(name, module, candidates, groups)\n",
+        "",
+        [P + "test_group_patterns.py::test_groups_naming_an_attention_out_proj_is_an_error_naming_the_attention"],
+        "groups=['mha.out_proj'] fails in the engine (\"tensor #0 is already streamed by layer 'mha'\"), naming "
+        "no option to change"),
 ]
