@@ -165,7 +165,7 @@ def offload(
         "eager", "batched_mm" and "grouped_mm" implementations; any other
         gets every expert). "all": every expert, every call (prefetched).
     groups: glob patterns of modules to stream whole as tensor groups (opt-in, for
-        layers whose forward reads weights directly: custom layers, RNNs, ...): all
+        layers whose forward reads weights directly: custom layers, ...): all
         the parameters of such a module and of its descendants share one slot, its own
         forward runs with them swapped for the fetched tensors, and when a gradient is
         needed it runs again in backward (with the same RNG state). Its forward must be

@@ -436,3 +436,18 @@ def test_a_group_that_writes_its_input_in_place_is_refused_when_it_trains(offloa
     ref(x).square().sum().backward()
     for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), n
+
+
+def test_offload_docstring_names_no_rnn_among_what_groups_streams(offload_sim):
+    """offload()'s docstring listed "RNNs" among the layers groups= streams, while groups= on a
+    module holding an nn.LSTM is refused: every sentence of its groups= entry that names an
+    RNN says it is refused, as offload() does."""
+    import re
+
+    import layerstream
+
+    entry = layerstream.offload.__doc__.split("\n    groups:")[1].split("\n    cache_across_steps:")[0]
+    said = [s for s in re.split(r"(?<=[.)])\s+(?=[A-Z])", " ".join(entry.split())) if "RNN" in s]
+    assert said and all("refused" in s for s in said), said
+    with pytest.raises(LayerstreamError, match="holds a LSTM"):
+        offload_sim(nn.Sequential(nn.LSTM(4, 4), nn.Linear(4, 4)), groups="0")

@@ -87,4 +87,11 @@ MUTATIONS: list = [
         [P + "test_group_patterns.py::test_groups_naming_an_attention_out_proj_is_an_error_naming_the_attention"],
         "groups=['mha.out_proj'] fails in the engine (\"tensor #0 is already streamed by layer 'mha'\"), naming "
         "no option to change"),
+    Mutation(
+        "offload-doc-says-groups-streams-rnns", "python/layerstream/_offload.py",
+        "directly: custom layers, ...): all",
+        "directly: custom layers, RNNs, ...): all",
+        [P + "test_groups.py::test_offload_docstring_names_no_rnn_among_what_groups_streams"],
+        "offload()'s docstring lists RNNs among what groups= streams; groups= on a module holding an nn.LSTM "
+        "raises"),
 ]
