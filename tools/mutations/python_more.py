@@ -94,4 +94,11 @@ MUTATIONS: list = [
         [P + "test_groups.py::test_offload_docstring_names_no_rnn_among_what_groups_streams"],
         "offload()'s docstring lists RNNs among what groups= streams; groups= on a module holding an nn.LSTM "
         "raises"),
+    Mutation(
+        "torch-glue-says-encoder-eval-bit-for-bit", "docs/design/torch-glue.md",
+        "equals the resident layer's unfused path bit for bit and its fused kernel\nonly to rounding",
+        "equals the resident layer bit for bit, its unfused path and its fused kernel\nalike, not to rounding",
+        [P + "test_attention.py::test_an_encoder_layer_in_eval_equals_its_fused_path_to_rounding_as_the_design_note_says"],
+        "torch-glue.md says an nn.TransformerEncoderLayer in eval is tested bit for bit with masks, where "
+        "offload() turns its fused path off and the output equals the resident fused path to rounding only"),
 ]
