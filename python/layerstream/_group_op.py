@@ -256,7 +256,7 @@ def _recompute_buffers(module: torch.nn.Module, written: Optional[dict]):
 
 
 def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], needs: Sequence[bool], rng: tuple,
-                        autocast: tuple, experts: Sequence[int], single: bool, grads: Sequence,
+                        autocast: tuple, experts: Sequence[int], grads: Sequence,
                         adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = (),
                         written: Optional[dict] = None, leaf: Optional[Sequence[bool]] = None
                         ) -> Tuple[list, list, list]:
@@ -289,7 +289,7 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
             with torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), _cast_cache(autocast[2]), \
                     _recompute_buffers(fwd._module, written):
                 out = fwd._original(*args, **kwargs)
-            outs = (out,) if single else tuple(out)
+            outs = torch.utils._pytree.tree_leaves(out)  # as flatten_outputs / check_outputs list them
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
             wanted = [t for t in inputs + ex + views if t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
@@ -321,6 +321,18 @@ def check_outputs(fwd, out) -> Tuple[bool, tuple]:
         return False, tuple(out)  # None entries: nn.MultiheadAttention without attention weights
     raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__}; a streamed "
                            f"tensor group must return a tensor or a tuple of tensors (or None)")
+
+
+def flatten_outputs(fwd, out) -> Tuple[list, object]:
+    """(tensors, tree spec) of what a group's module returned eagerly: a tensor, or a
+    tuple, namedtuple, list or dict of tensors and Nones, which the caller gets back in
+    its own type (torch.utils._pytree); anything else is refused."""
+    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    if leaves and all(o is None or isinstance(o, torch.Tensor) for o in leaves):
+        return leaves, spec
+    raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__} holding "
+                           f"{sorted({type(o).__name__ for o in leaves}) or 'nothing'}; a streamed tensor group must "
+                           f"return a tensor, or a tuple, list or dict of tensors (or None)")
 
 
 # ---- the call description ----
@@ -604,8 +616,7 @@ def _group_backward_kernel(grads, inputs, rng, engine, layer, call, mask):
         # The compiled call records neither the cache setting nor which inputs were
         # leaves: the thread's setting, and leaves (Note [Autocast casts a leaf once]).
         ins, _, host = recompute_gradients(fwd, c.rebuild, inputs, list(mask), _split_rng(rng, fwd._device),
-                                           (*c.autocast, torch.is_autocast_cache_enabled()), experts, single,
-                                           full)
+                                           (*c.autocast, torch.is_autocast_cache_enabled()), experts, full)
     # In the layouts backward_fake promises (Inductor's code relies on them): an input's
     # gradient laid out like the input, a group tensor's contiguous.
     n_in = len(inputs)

@@ -451,3 +451,39 @@ def test_offload_docstring_names_no_rnn_among_what_groups_streams(offload_sim):
     assert said and all("refused" in s for s in said), said
     with pytest.raises(LayerstreamError, match="holds a LSTM"):
         offload_sim(nn.Sequential(nn.LSTM(4, 4), nn.Linear(4, 4)), groups="0")
+
+
+@pytest.mark.parametrize("kind", ["dict", "namedtuple", "list"])
+def test_a_group_returns_its_own_container_when_it_trains(offload_sim, kind):
+    """A groups= module returning a namedtuple or a list gave a plain tuple when a gradient
+    was needed (its own type without one), and a dict was refused only then. It now returns
+    the module's own container either way, with the resident model's values and gradients."""
+    import collections
+
+    pair = collections.namedtuple("Pair", "y z")
+
+    class Out(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            y = x @ self.w
+            return {"y": y, "z": y.tanh()} if kind == "dict" else pair(y, y.tanh()) if kind == "namedtuple" \
+                else [y, y.tanh()]
+
+    torch.manual_seed(0)
+    model = Out()
+    ref = copy.deepcopy(model)
+    wrapper = nn.Sequential(model)
+    offload_sim(wrapper, groups=["0"])
+    x = torch.randn(3, 8)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got, want = model(x), ref(x)
+        assert type(got) is type(want)
+        got, want = (list(o.values()) if kind == "dict" else list(o) for o in (got, want))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    sum(o.square().sum() for o in got).backward()
+    sum(o.square().sum() for o in want).backward()
+    assert torch.equal(model.w.grad, ref.w.grad)

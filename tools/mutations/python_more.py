@@ -101,4 +101,10 @@ MUTATIONS: list = [
         [P + "test_attention.py::test_an_encoder_layer_in_eval_equals_its_fused_path_to_rounding_as_the_design_note_says"],
         "torch-glue.md says an nn.TransformerEncoderLayer in eval is tested bit for bit with masks, where "
         "offload() turns its fused path off and the output equals the resident fused path to rounding only"),
+    Mutation(
+        "group-output-container-lost-in-training", "python/layerstream/_forward.py",
+        "        return torch.utils._pytree.tree_unflatten(list(outs), box[0])",
+        "        return outs[0] if len(outs) == 1 else outs",
+        [P + "test_groups.py::test_a_group_returns_its_own_container_when_it_trains"],
+        "a groups= module's namedtuple, list or dict output comes back as a plain tuple when a gradient is needed"),
 ]
