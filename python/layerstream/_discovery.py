@@ -456,18 +456,40 @@ def _check_exclude_inside_groups(candidates: list, exclude) -> None:
     """exclude= naming a module inside a streamed tensor group (and not the group) was
     silently ignored: the module streamed with the group. A group's tensors share one
     slot and one forward, so the module cannot stay resident alone: refused, naming
-    what to write instead."""
+    what to write instead. exclude= naming a groups= module leaves it out of groups=
+    (its Linear and conv layers then stream one by one): the whole group stays resident
+    when its descendants are excluded too ('g.*')."""
     patterns = [exclude] if isinstance(exclude, str) else list(exclude or ())
     for group, name, _ in inside_groups(candidates) if patterns else ():
         pattern = next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
         if pattern is not None:  # the group itself matched none of them: it streams
             module = next(m for n, m, _ in candidates if n == group)
             why, other = group_why(group, module)
-            ways = ([f"exclude the whole group (exclude=[{group!r}])"] if group else []) + ([other] if other else [])
+            whole = [group, f"{group}.*"] if module in _WHOLE_GROUPS else [group]
+            ways = ([f"exclude the whole group (exclude={whole!r})"] if group else []) + ([other] if other else [])
             raise LayerstreamError(
                 f"offload(exclude=[{pattern!r}]) names '{name}', which streams inside tensor group "
                 f"'{group or '<root>'}' ({why}): a group's tensors stream together, so a module in it "
                 f"cannot stay resident alone. Instead, {'; or '.join(ways)}")
+
+
+def _check_group_not_inside_a_group(name: str, module: nn.Module, candidates: list, groups) -> None:
+    """groups= naming a module whose tensors already stream in a tensor group found earlier
+    (an nn.MultiheadAttention's out_proj) failed in the engine ("tensor group 'mha.out_proj':
+    tensor #0 is already streamed by layer 'mha'"): refused before anything changes, naming
+    the group to write instead."""
+    mine = {id(p) for p in module.parameters()}
+    for group, owner, kind in candidates:
+        if kind != "group" or not (group == "" or name.startswith(group + ".")):
+            continue
+        if any(id(o._parameters[k]) in mine for o, k, _ in _group_slots(owner)):
+            patterns = [groups] if isinstance(groups, str) else list(groups)
+            pattern = next(p for p in patterns if fnmatch.fnmatchcase(name, p))
+            why, _ = group_why(group, owner)
+            raise LayerstreamError(
+                f"offload(groups=[{pattern!r}]) names '{name}', which already streams inside tensor group "
+                f"'{group or '<root>'}' ({why}); a tensor streams in one group only. Drop the pattern (it "
+                f"streams with {group or '<root>'!r} as it is), or name {group or '<root>'!r} itself.")
 
 
 def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device):
@@ -490,10 +512,27 @@ def _split_tied(model: nn.Module, candidates: list, compute_device: torch.device
         described.append((name, id(module), [(pn, id(p), kind != "group" and pn == "weight")
                                              for pn, p in params if p is not None]))
     kept, groups, tied = _C.analyse_ties(described, owners)  # core/offload_policy.h
-    _warn_resident(tied, "layer(s) with tied weights", compute_device,
+    inside, other = [], []  # `tied`: one label per candidate not kept, in order
+    for i, label in zip(sorted(set(range(len(candidates))) - set(kept)), tied):
+        _, module, kind = candidates[i]
+        (inside if kind == "group" and _tied_inside(module, owners) else other).append(label)
+    _warn_resident(other, "layer(s) with tied weights", compute_device,
                    "another module that stays resident, or a bias, shares the tensor; a streamed "
                    "copy would move it under that module")
+    _warn_resident(inside, "tensor group(s) with a weight tied inside them", compute_device,
+                   "a tensor held twice inside one group, as b.weight = a.weight in it, does not stream; "
+                   "to stream them, leave the group out of groups=: its Linear and conv layers then stream one by one, "
+                   "tied ones from one host copy")
     return [candidates[i] for i in kept], groups
+
+
+def _tied_inside(module: nn.Module, owners: Dict[int, List[tuple]]) -> bool:
+    """Whether every tensor of group `module` that several modules hold is held by modules
+    inside the group only (`b.weight = a.weight` in it): _split_tied's `owners`."""
+    below = {id(m) for m in module.modules()}
+    shared = [owners[id(o._parameters[k])] for o, k, _ in _group_slots(module)
+              if len(owners.get(id(o._parameters[k]), ())) > 1]
+    return bool(shared) and all(mid in below for who in shared for mid, _, _ in who)
 
 
 def _warn_resident(names: list, what: str, compute_device: torch.device, why: str,
@@ -699,6 +738,7 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             held = next((m for m in module.modules() if getattr(m, "_layerstream_handle", None) is not None), None)
             if held is not None:
                 _already_offloaded(model, name, held)
+            _check_group_not_inside_a_group(name, module, candidates, groups)
             if "forward" in module.__dict__:
                 resident["wrapped"].append(f"'{name or '<root>'}'")
                 continue

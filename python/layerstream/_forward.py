@@ -490,7 +490,9 @@ class _GroupForward(_RefusesCopy):
         taken = set(positions)
         skeleton = [None if i in taken else a for i, a in enumerate(flat)]
         shape = tuple((slot, fn, len(ts)) for slot, fn, ts in adapters)
-        return _GroupFn.apply(self, (skeleton, spec, positions), shape, *inputs, *extras, *self._params)
+        box = [None]
+        outs = _GroupFn.apply(self, (skeleton, spec, positions), shape, box, *inputs, *extras, *self._params)
+        return torch.utils._pytree.tree_unflatten(list(outs), box[0])
 
 
 @_dynamo_marks.disable(reason=(
@@ -536,9 +538,10 @@ class _GroupFn(torch.autograd.Function):
     copied to the host and returned to autograd, which accumulates them into .grad."""
 
     @staticmethod
-    def forward(ctx, fwd, layout, adapters, *tensors):
+    def forward(ctx, fwd, layout, adapters, box, *tensors):
         # tensors: the call's, then the adapters' (`adapters`: (tensor index, function,
-        # how many of them) each, _GroupForward.adapted), then the group's.
+        # how many of them) each, _GroupForward.adapted), then the group's. `box`: a
+        # one-entry list that gets the outputs' tree spec (the module's container).
         n_in, n_ex = len(layout[2]), sum(n for _, _, n in adapters)
         inputs, extras = tensors[:n_in], tensors[n_in:n_in + n_ex]
         ctx.fwd, ctx.layout, ctx.adapters = fwd, layout, adapters
@@ -568,8 +571,8 @@ class _GroupFn(torch.autograd.Function):
         ctx.written = {}  # the buffers the forward wrote, as they were (Note [A group's buffers and the recompute])
         out = _group_op.forward_without_graph(fwd, functools.partial(_rebuild, layout), inputs, ctx.experts,
                                               adapters, extras, ctx.written)
-        ctx.single, outs = _group_op.check_outputs(fwd, out)
-        return outs[0] if ctx.single else outs
+        outs, box[0] = _group_op.flatten_outputs(fwd, out)  # the caller rebuilds the module's own container
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -591,7 +594,7 @@ class _GroupFn(torch.autograd.Function):
         n_in = len(ctx.layout[2])
         n_ex = sum(n for _, _, n in ctx.adapters)
         ins, ex, host = _group_op.recompute_gradients(
-            fwd, functools.partial(_rebuild, ctx.layout), saved[:n_in], ctx.needs_input_grad[3:], ctx.rng,
-            ctx.autocast, ctx.experts, ctx.single, grads, ctx.adapters, saved[n_in:n_in + n_ex], ctx.written,
+            fwd, functools.partial(_rebuild, ctx.layout), saved[:n_in], ctx.needs_input_grad[4:], ctx.rng,
+            ctx.autocast, ctx.experts, grads, ctx.adapters, saved[n_in:n_in + n_ex], ctx.written,
             ctx.leaf)
-        return (None, None, None, *ins, *ex, *host)
+        return (None, None, None, None, *ins, *ex, *host)

@@ -159,12 +159,38 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
         args, kwargs = rebuild(leaves(inputs, [x.requires_grad for x in inputs]))
         before = None if written is None else [(o, k, b, _version(b), b.detach().clone())
                                                for o, k, b in _buffers(fwd._module)]
-        out = fwd._original(*args, **kwargs)
+        versions = [(x, _version(x)) for x in {id(x): x for x in inputs}.values()]
+        try:
+            out = fwd._original(*args, **kwargs)
+        except RuntimeError as e:
+            if _LEAF_INPLACE not in str(e) or not any(x.requires_grad for x in inputs):
+                raise
+            raise _writes_input(fwd, e) from None
+        if any(_version(x) != v for x, v in versions):
+            raise _writes_input(fwd)
         for o, k, b, version, value in before or ():
             if o._buffers.get(k) is not b or _version(b) != version:
                 written[(id(o), k)] = value
         fwd.check_output(out, views)
         return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+
+# What autograd says of an in-place write to a leaf that requires grad (or a view of one):
+# the group's inputs are such leaves while its forward runs without a graph.
+_LEAF_INPLACE = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _writes_input(fwd, cause: Optional[BaseException] = None) -> LayerstreamError:
+    """A group whose forward wrote one of its inputs in place: its backward recomputes the
+    forward from the inputs, which such a write would have changed (a silently different
+    gradient), and its forward runs on leaf copies of them, which torch refuses to write when
+    they require grad (docs/design/torch-glue.md, "offload(groups=[patterns])")."""
+    said = f" (torch: {str(cause).rstrip('.')})" if cause is not None else ""
+    return LayerstreamError(
+        f"streamed tensor group '{fwd._name}' modifies an input in place in its forward{said}; a streamed "
+        f"group runs its forward again in backward from its inputs as they were, which it cannot do once "
+        f"they are written. Clone the input in its forward before writing it (x = x.clone()), or keep the "
+        f"module resident (offload(exclude=[{fwd._name!r}])).")
 
 
 # Note [A group's buffers and the recompute]
@@ -230,7 +256,7 @@ def _recompute_buffers(module: torch.nn.Module, written: Optional[dict]):
 
 
 def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], needs: Sequence[bool], rng: tuple,
-                        autocast: tuple, experts: Sequence[int], single: bool, grads: Sequence,
+                        autocast: tuple, experts: Sequence[int], grads: Sequence,
                         adapters: Sequence[tuple] = (), extras: Sequence[torch.Tensor] = (),
                         written: Optional[dict] = None, leaf: Optional[Sequence[bool]] = None
                         ) -> Tuple[list, list, list]:
@@ -263,7 +289,7 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
             with torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), _cast_cache(autocast[2]), \
                     _recompute_buffers(fwd._module, written):
                 out = fwd._original(*args, **kwargs)
-            outs = (out,) if single else tuple(out)
+            outs = torch.utils._pytree.tree_leaves(out)  # as flatten_outputs / check_outputs list them
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
             wanted = [t for t in inputs + ex + views if t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
@@ -295,6 +321,18 @@ def check_outputs(fwd, out) -> Tuple[bool, tuple]:
         return False, tuple(out)  # None entries: nn.MultiheadAttention without attention weights
     raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__}; a streamed "
                            f"tensor group must return a tensor or a tuple of tensors (or None)")
+
+
+def flatten_outputs(fwd, out) -> Tuple[list, object]:
+    """(tensors, tree spec) of what a group's module returned eagerly: a tensor, or a
+    tuple, namedtuple, list or dict of tensors and Nones, which the caller gets back in
+    its own type (torch.utils._pytree); anything else is refused."""
+    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    if leaves and all(o is None or isinstance(o, torch.Tensor) for o in leaves):
+        return leaves, spec
+    raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__} holding "
+                           f"{sorted({type(o).__name__ for o in leaves}) or 'nothing'}; a streamed tensor group must "
+                           f"return a tensor, or a tuple, list or dict of tensors (or None)")
 
 
 # ---- the call description ----
@@ -578,8 +616,7 @@ def _group_backward_kernel(grads, inputs, rng, engine, layer, call, mask):
         # The compiled call records neither the cache setting nor which inputs were
         # leaves: the thread's setting, and leaves (Note [Autocast casts a leaf once]).
         ins, _, host = recompute_gradients(fwd, c.rebuild, inputs, list(mask), _split_rng(rng, fwd._device),
-                                           (*c.autocast, torch.is_autocast_cache_enabled()), experts, single,
-                                           full)
+                                           (*c.autocast, torch.is_autocast_cache_enabled()), experts, full)
     # In the layouts backward_fake promises (Inductor's code relies on them): an input's
     # gradient laid out like the input, a group tensor's contiguous.
     n_in = len(inputs)

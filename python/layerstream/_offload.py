@@ -165,14 +165,17 @@ def offload(
         "eager", "batched_mm" and "grouped_mm" implementations; any other
         gets every expert). "all": every expert, every call (prefetched).
     groups: glob patterns of modules to stream whole as tensor groups (opt-in, for
-        layers whose forward reads weights directly: custom layers, RNNs, ...): all
+        layers whose forward reads weights directly: custom layers, ...): all
         the parameters of such a module and of its descendants share one slot, its own
         forward runs with them swapped for the fetched tensors, and when a gradient is
         needed it runs again in backward (with the same RNG state). Its forward must be
         a function of its inputs, parameters and the RNG (recomputed), read its
         parameters through the module attributes at call time (not through references
         cached earlier: nn.RNNBase modules are refused for that reason), read no
-        parameter outside it, and return no view of a parameter (an error says so).
+        parameter outside it, return no view of a parameter, and write no input in place
+        when a gradient is needed (the recompute starts from the inputs; errors say so).
+        exclude= naming such a module leaves it out of groups= (its Linear and conv
+        layers stream one by one); exclude=["m", "m.*"] keeps all of it resident.
     cache_across_steps: keep weights in device slots and prefetch across step
         boundaries, detecting weight updates by the parameters' version
         counters. Faster for inference loops and small models. A

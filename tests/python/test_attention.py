@@ -183,6 +183,29 @@ def test_transformer_encoder_inference_streams_instead_of_its_fused_path(offload
     assert all(m.activation_relu_or_gelu == 1 for m in enc.layers)
 
 
+def test_an_encoder_layer_in_eval_equals_its_fused_path_to_rounding_as_the_design_note_says(offload_sim):
+    """torch-glue.md said of nn.TransformerEncoderLayer, whose fused inference path offload()
+    turns off: "Tested bit for bit ... masks". A layer called alone in eval with
+    src_key_padding_mask equals the resident layer's unfused path bit for bit, and its fused
+    kernel only to rounding (3.6e-7 here on some CPUs); the note now says so."""
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    ref = copy.deepcopy(layer)
+    offload_sim(layer)
+    x = torch.randn(2, 5, 32)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        got, fused = layer(x, src_key_padding_mask=pad), ref(x, src_key_padding_mask=pad)
+        ref.activation_relu_or_gelu = 0
+        assert torch.equal(got, ref(x, src_key_padding_mask=pad))
+    torch.testing.assert_close(got, fused, rtol=0, atol=1e-6)
+    note = (Path(__file__).resolve().parents[2] / "docs" / "design" / "torch-glue.md").read_text()
+    said = " ".join(note.split("(`_no_fused_encoder_path`).")[1].split("Otherwise tested bit for bit")[0].split())
+    assert "unfused path bit for bit and its fused kernel only to rounding" in said, said[:300]
+
+
 @pytest.mark.parametrize("backward_in_autocast", [False, True], ids=["backward-outside", "backward-inside"])
 def test_transformer_encoder_trains_under_autocast_exactly(offload_sim, backward_in_autocast):
     """nn.TransformerEncoder (dropout on) trained under CPU bf16 autocast with

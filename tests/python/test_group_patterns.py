@@ -97,14 +97,23 @@ def test_exclude_naming_an_attention_out_proj_is_an_error(offload_sim):
 
 def test_exclude_naming_a_child_of_a_groups_module_is_an_error(offload_sim):
     """groups=["0"], exclude=["0.a"]: 0.a streamed in the group all the same. Now an error; its
-    second way (leave '0' out of groups=) streams 0.b alone and keeps 0.a resident."""
+    second way (leave '0' out of groups=) streams 0.b alone and keeps 0.a resident. Its first
+    way said exclude=['0'], which streamed 0.a and 0.b one by one (exclude= names a module, not
+    what is below it); it says exclude=['0', '0.*'], which keeps the whole group resident."""
     model = _mixer_model(frozen=False)
     before = copy.deepcopy(model)
     for exclude in (["0.a"], "*.a"):
         with pytest.raises(LayerstreamError, match=r"names '0\.a', which streams inside tensor group '0'.*"
-                                                   r"exclude=\['0'\]\); or leave '0' out of groups="):
+                                                   r"exclude the whole group \(exclude=\['0', '0\.\*'\]\); or "
+                                                   r"leave '0' out of groups="):
             offload_sim(model, groups=["0"], exclude=exclude)
         _unchanged(model, before)
+    x = torch.randn(3, 16)
+    handle = offload_sim(model, groups=["0"], exclude=["0", "0.*"])
+    assert handle.layers == ["1"] and not any(hasattr(p, "_is_memory_managed") for p in model[0].parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x), before(x))
+    handle.detach()
     handle = offload_sim(model, exclude=["0.a"])
     assert handle.stats()["group_layers"] == 0 and handle.stats()["layers"] == 2
     x = torch.randn(3, 16)
@@ -112,3 +121,24 @@ def test_exclude_naming_a_child_of_a_groups_module_is_an_error(offload_sim):
     before(x).square().sum().backward()
     for p, q in zip(model.parameters(), before.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_groups_naming_an_attention_out_proj_is_an_error_naming_the_attention(offload_sim):
+    """groups=["self_attn.out_proj"] (a module already inside nn.MultiheadAttention's group)
+    failed in the engine: "tensor group 'self_attn.out_proj': tensor #0 is already streamed by
+    layer 'self_attn'", naming no option. Now offload() says so before anything changes,
+    naming the attention; dropping the pattern streams the attention as before."""
+    model = _encoder()
+    before = copy.deepcopy(model)
+    for groups in (["self_attn.out_proj"], "*out_proj"):
+        with pytest.raises(LayerstreamError, match=r"offload\(groups=\['\*?(self_attn\.)?out_proj'\]\) names "
+                                                   r"'self_attn\.out_proj', which already streams inside tensor "
+                                                   r"group 'self_attn'.*Drop the pattern \(it streams with "
+                                                   r"'self_attn' as it is\), or name 'self_attn' itself"):
+            offload_sim(model, groups=groups)
+        _unchanged(model, before)
+    handle = offload_sim(model)
+    assert handle.stats()["group_layers"] == 1 and model.self_attn.out_proj.weight.device.type == "cpu"
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), before(x))

@@ -389,3 +389,101 @@ def test_a_groups_buffers_are_written_once_per_training_step(offload_sim):
     with torch.no_grad():
         x = torch.randn(4, 8)
         assert torch.equal(model(x), ref(x))
+
+
+class _WritesInput(nn.Module):
+    """Doubles its input in place before using it; `clone`: on a copy of it."""
+
+    def __init__(self, clone=False, d=16):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.clone = clone
+
+    def forward(self, x):
+        x = x.clone() if self.clone else x
+        x.mul_(2)
+        return torch.tanh(x @ self.w)
+
+
+@pytest.mark.parametrize("input_grad", [True, False], ids=["activation", "data"])
+def test_a_group_that_writes_its_input_in_place_is_refused_when_it_trains(offload_sim, input_grad):
+    """A groups= module whose forward writes its input in place trained fine resident. Streamed,
+    an input that requires grad (an activation) raised torch's "a leaf Variable that requires
+    grad is being used in an in-place operation", naming neither the group nor layerstream; one
+    that does not (the data) trained silently wrong: the backward's recompute doubled the
+    already doubled input, and the weight's gradient differed. Both are now an error naming the
+    group and what to do; without a gradient the write is fine, and with the clone it says to
+    add, training matches the resident model bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _WritesInput(), nn.Linear(16, 16))
+    model[0].requires_grad_(input_grad)
+    handle = offload_sim(model, groups=["1"])
+    x = torch.randn(4, 16)
+    with pytest.raises(LayerstreamError, match=r"streamed tensor group '1' modifies an input in place in its "
+                                               r"forward.*runs its forward again in backward.*Clone the input in "
+                                               r"its forward.*offload\(exclude=\['1'\]\)"):
+        model(x)
+    handle.detach()
+    with torch.no_grad():
+        ref = copy.deepcopy(model)
+        handle = offload_sim(model, groups=["1"])
+        assert torch.equal(model(x), ref(x))
+    handle.detach()
+    model[1].clone = True
+    ref = copy.deepcopy(model)
+    offload_sim(model, groups=["1"])
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), n
+
+
+def test_offload_docstring_names_no_rnn_among_what_groups_streams(offload_sim):
+    """offload()'s docstring listed "RNNs" among the layers groups= streams, while groups= on a
+    module holding an nn.LSTM is refused: every sentence of its groups= entry that names an
+    RNN says it is refused, as offload() does."""
+    import re
+
+    import layerstream
+
+    entry = layerstream.offload.__doc__.split("\n    groups:")[1].split("\n    cache_across_steps:")[0]
+    said = [s for s in re.split(r"(?<=[.)])\s+(?=[A-Z])", " ".join(entry.split())) if "RNN" in s]
+    assert said and all("refused" in s for s in said), said
+    with pytest.raises(LayerstreamError, match="holds a LSTM"):
+        offload_sim(nn.Sequential(nn.LSTM(4, 4), nn.Linear(4, 4)), groups="0")
+
+
+@pytest.mark.parametrize("kind", ["dict", "namedtuple", "list"])
+def test_a_group_returns_its_own_container_when_it_trains(offload_sim, kind):
+    """A groups= module returning a namedtuple or a list gave a plain tuple when a gradient
+    was needed (its own type without one), and a dict was refused only then. It now returns
+    the module's own container either way, with the resident model's values and gradients."""
+    import collections
+
+    pair = collections.namedtuple("Pair", "y z")
+
+    class Out(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            y = x @ self.w
+            return {"y": y, "z": y.tanh()} if kind == "dict" else pair(y, y.tanh()) if kind == "namedtuple" \
+                else [y, y.tanh()]
+
+    torch.manual_seed(0)
+    model = Out()
+    ref = copy.deepcopy(model)
+    wrapper = nn.Sequential(model)
+    offload_sim(wrapper, groups=["0"])
+    x = torch.randn(3, 8)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got, want = model(x), ref(x)
+        assert type(got) is type(want)
+        got, want = (list(o.values()) if kind == "dict" else list(o) for o in (got, want))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    sum(o.square().sum() for o in got).backward()
+    sum(o.square().sum() for o in want).backward()
+    assert torch.equal(model.w.grad, ref.w.grad)

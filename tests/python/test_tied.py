@@ -352,3 +352,41 @@ def test_tie_partner_of_a_resident_layer_stays_resident(offload_sim):
     assert handle.layers == ["fc"]
     assert model.emb.weight.data_ptr() == model.head.weight.data_ptr()
     _train_and_compare(model, ref)
+
+
+def test_a_tie_inside_one_group_says_so(offload_sim):
+    """groups=["0"] naming a module whose two Linears share a weight (b.weight = a.weight in
+    it) kept it resident with the reason "another module that stays resident, or a bias,
+    shares the tensor", true of neither. The warning now says the tie is inside the group and
+    how to stream it (leave it out of groups=), which, followed, streams the two Linears
+    from one host copy, bit for bit."""
+
+    class Tied(nn.Module):
+        def __init__(self, d=6):
+            super().__init__()
+            self.a = nn.Linear(d, d)
+            self.b = nn.Linear(d, d)
+            self.b.weight = self.a.weight
+            self.scale = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))) * self.scale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Tied(), nn.Linear(6, 6))
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning) as caught:
+        handle = offload_sim(model, groups=["0"])
+    said = [str(w.message) for w in caught if "tied" in str(w.message)]
+    assert len(said) == 1 and "1 tensor group(s) with a weight tied inside them stay resident" in said[0], said
+    assert "a tensor held twice inside one group" in said[0] and "leave the group out of groups=" in said[0]
+    assert "'0' (a.weight shared with '0.b.weight'" in said[0] and "stays resident, or a bias" not in said[0]
+    assert handle.layers == ["1"]
+    handle.detach()
+    handle = offload_sim(model)
+    assert handle.layers == ["0.a", "0.b", "1"] and model[0].a.weight is model[0].b.weight
+    x = torch.randn(3, 6)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n

@@ -59,4 +59,52 @@ MUTATIONS: list = [
         [P + "test_host_tier_quant.py::test_the_advice_for_quantized_weights_in_memory_follows_the_disk_rule"],
         "the host budget's error tells to load an in-memory lossless model with load_safetensors(), though "
         "lossless weights cannot stay on disk"),
+    Mutation(
+        "group-input-written-in-place-recomputed", "python/layerstream/_group_op.py",
+        "        if any(_version(x) != v for x, v in versions):\n            raise _writes_input(fwd)\n",
+        "",
+        [P + "test_groups.py::test_a_group_that_writes_its_input_in_place_is_refused_when_it_trains"],
+        "a groups= module that writes an input that requires no grad in place trains with silently wrong "
+        "gradients (the backward's recompute starts from the written input)"),
+    Mutation(
+        "exclude-group-advice-streams-its-children", "python/layerstream/_discovery.py",
+        "            whole = [group, f\"{group}.*\"] if module in _WHOLE_GROUPS else [group]",
+        "            whole = [group]",
+        [P + "test_group_patterns.py::test_exclude_naming_a_child_of_a_groups_module_is_an_error"],
+        "exclude= naming a module inside a groups= module advises exclude=['g'], which streams g's Linears one "
+        "by one instead of keeping the group resident"),
+    Mutation(
+        "tie-inside-a-group-told-as-a-resident-partner", "python/layerstream/_discovery.py",
+        "        (inside if kind == \"group\" and _tied_inside(module, owners) else other).append(label)",
+        "        other.append(label)",
+        [P + "test_tied.py::test_a_tie_inside_one_group_says_so"],
+        "a tie inside one groups= module keeps it resident with the warning \"another module that stays resident, "
+        "or a bias, shares the tensor\", true of neither, and no word of how to stream it"),
+    Mutation(
+        "groups-inside-an-attention-left-to-the-engine", "python/layerstream/_discovery.py",
+        "            _check_group_not_inside_a_group(name, module, candidates, groups)\n",
+        "",
+        [P + "test_group_patterns.py::test_groups_naming_an_attention_out_proj_is_an_error_naming_the_attention"],
+        "groups=['mha.out_proj'] fails in the engine (\"tensor #0 is already streamed by layer 'mha'\"), naming "
+        "no option to change"),
+    Mutation(
+        "offload-doc-says-groups-streams-rnns", "python/layerstream/_offload.py",
+        "directly: custom layers, ...): all",
+        "directly: custom layers, RNNs, ...): all",
+        [P + "test_groups.py::test_offload_docstring_names_no_rnn_among_what_groups_streams"],
+        "offload()'s docstring lists RNNs among what groups= streams; groups= on a module holding an nn.LSTM "
+        "raises"),
+    Mutation(
+        "torch-glue-says-encoder-eval-bit-for-bit", "docs/design/torch-glue.md",
+        "equals the resident layer's unfused path bit for bit and its fused kernel\nonly to rounding",
+        "equals the resident layer bit for bit, its unfused path and its fused kernel\nalike, not to rounding",
+        [P + "test_attention.py::test_an_encoder_layer_in_eval_equals_its_fused_path_to_rounding_as_the_design_note_says"],
+        "torch-glue.md says an nn.TransformerEncoderLayer in eval is tested bit for bit with masks, where "
+        "offload() turns its fused path off and the output equals the resident fused path to rounding only"),
+    Mutation(
+        "group-output-container-lost-in-training", "python/layerstream/_forward.py",
+        "        return torch.utils._pytree.tree_unflatten(list(outs), box[0])",
+        "        return outs[0] if len(outs) == 1 else outs",
+        [P + "test_groups.py::test_a_group_returns_its_own_container_when_it_trains"],
+        "a groups= module's namedtuple, list or dict output comes back as a plain tuple when a gradient is needed"),
 ]
