@@ -68,20 +68,24 @@ class ResidentQuantized:
     of its module (a post-hook), and at its module's next eager call when the
     parameter's version counter moved or the parameter was replaced (copy_(), in-place
     ops; a write through .data escapes the counter, as it escapes autograd; a compiled
-    call does not look). One per handle; detach() removes its hooks (the values stay,
-    as a streamed layer's do)."""
+    call does not look). Only new values are quantized: quantizing quantized values
+    again is not the identity (int4; a narrower dequant dtype), so a write of the
+    values it holds (load_state_dict() of its own state_dict()) is told apart by their
+    checksum (_C.tensor_checksum, as the C++ layers do: layerstream/engine.h). One per
+    handle; detach() removes its hooks (the values stay, as a streamed layer's do)."""
 
     __slots__ = ("_entries", "_hooks")
 
     def __init__(self):
         # The layer's module (a tensor group's too) -> [[owner, key, param, version, rows, fmt,
-        # dequant dtype], ...]; modules and owners weakly: the modules' hooks hold this object
+        # dequant dtype, checksum of the values written], ...]; modules and owners weakly: the modules' hooks hold this object
         # (Note [Nothing offload() puts on a model refers back to it], _handle.py).
         self._entries = weakref.WeakKeyDictionary()
         self._hooks = []
 
     def add(self, module: nn.Module, owner: nn.Module, key: str, rows: int, fmt: str, dequant_dtype) -> None:
-        self._entries.setdefault(module, []).append([weakref.ref(owner), key, None, -1, rows, fmt, dequant_dtype])
+        self._entries.setdefault(module, []).append([weakref.ref(owner), key, None, -1, rows, fmt, dequant_dtype,
+                                                     None])
 
     def arm(self) -> None:
         """After offload() wrote the values: their versions are the quantized ones."""
@@ -89,6 +93,7 @@ class ResidentQuantized:
             for e in entries:
                 e[2] = e[0]()._parameters[e[1]]
                 e[3] = e[2]._version
+                e[7] = _C.tensor_checksum(e[2])
             # (A module's load_state_dict post-hook runs after its children's loads.)
             self._hooks += [module.register_load_state_dict_post_hook(lambda m, keys: self.refresh(m)),
                             module.register_forward_pre_hook(self._before_call)]
@@ -99,12 +104,14 @@ class ResidentQuantized:
 
     def refresh(self, module: nn.Module) -> None:
         for e in self._entries.get(module, ()):
-            owner, key, param, version, rows, fmt, dequant_dtype = e
+            owner, key, param, version, rows, fmt, dequant_dtype, checksum = e
             p = owner()._parameters.get(key)
             if p is None or (p is param and p._version == version):
                 continue
-            with torch.no_grad():
-                p.copy_(_C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype))
+            if _C.tensor_checksum(p) != checksum:  # new values (a write of its own ones stays as it is)
+                with torch.no_grad():
+                    p.copy_(_C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype))
+                e[7] = _C.tensor_checksum(p)
             e[2], e[3] = p, p._version
 
     def remove(self) -> None:

@@ -297,6 +297,30 @@ def test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_to
     assert not torch.allclose(outs[1][0], plain(x), rtol=0, atol=1e-6)  # quantized, not the loaded values
 
 
+@pytest.mark.parametrize("fmt,dequant", [("int4", None), ("int8", torch.bfloat16), ("nf4", torch.float16)])
+def test_loading_its_own_state_dict_into_a_resident_quantized_layer_changes_nothing(fmt, dequant):
+    """A quantized layer the budget keeps resident quantized load_state_dict(model.state_dict())
+    again: quantizing quantized values is not the identity (int4; a dequant_dtype narrower
+    than the weights), so its weights and outputs moved at each such load. Now a write of
+    the values it holds changes nothing, while new values are still quantized."""
+    m = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).requires_grad_(False)
+    with torch.no_grad():
+        m[0].weight.normal_(0, 0.05)
+    other = copy.deepcopy(m)
+    h = layerstream.offload(m, device="sim", quantize=fmt, dequant_dtype=dequant, budget="4MiB")
+    assert not m[0].weight.is_meta  # kept resident
+    x = torch.randn(4, 256)
+    y0, w0 = m(x), m[0].weight.detach().clone()
+    for _ in range(2):
+        m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()})
+        assert torch.equal(m(x), y0) and torch.equal(m[0].weight, w0)
+    with torch.no_grad():
+        m[0].weight.copy_(other[0].weight * 2)
+    m(x)
+    assert not torch.equal(m[0].weight, other[0].weight * 2)  # new values: quantized
+    h.detach()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):

@@ -7,6 +7,13 @@ from .base import P, Mutation
 
 MUTATIONS: list = [
     Mutation(
+        "resident-quant-requantizes-its-own-values", "python/layerstream/_guards.py",
+        "            if _C.tensor_checksum(p) != checksum:  # new values (a write of its own ones stays as it is)",
+        "            if True:",
+        [P + "test_quant_offload.py::test_loading_its_own_state_dict_into_a_resident_quantized_layer_changes_nothing"],
+        "load_state_dict(model.state_dict()) quantizes a resident quantized layer's quantized values again "
+        "(int4, a narrower dequant_dtype): its weights and outputs move at each load"),
+    Mutation(
         "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
         "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
         "                               for g in self.param_groups for p in g[\"params\"]]",
