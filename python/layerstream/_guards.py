@@ -71,21 +71,25 @@ class ResidentQuantized:
     call does not look). Only new values are quantized: quantizing quantized values
     again is not the identity (int4; a narrower dequant dtype), so a write of the
     values it holds (load_state_dict() of its own state_dict()) is told apart by their
-    checksum (_C.tensor_checksum, as the C++ layers do: layerstream/engine.h). One per
+    checksum (_C.tensor_checksum, as the C++ layers do: layerstream/engine.h). A
+    load_state_dict() of values it could not quantize (NaN, Inf) is refused before
+    torch writes them (a pre-hook), as a streamed layer's is: the old values stay. One per
     handle; detach() removes its hooks (the values stay, as a streamed layer's do)."""
 
     __slots__ = ("_entries", "_hooks")
 
     def __init__(self):
         # The layer's module (a tensor group's too) -> [[owner, key, param, version, rows, fmt,
-        # dequant dtype, checksum of the values written], ...]; modules and owners weakly: the modules' hooks hold this object
+        # dequant dtype, checksum of the values written, layer name, parameter name relative to
+        # the module], ...]; modules and owners weakly: the modules' hooks hold this object
         # (Note [Nothing offload() puts on a model refers back to it], _handle.py).
         self._entries = weakref.WeakKeyDictionary()
         self._hooks = []
 
-    def add(self, module: nn.Module, owner: nn.Module, key: str, rows: int, fmt: str, dequant_dtype) -> None:
+    def add(self, module: nn.Module, name: str, qualified: str, owner: nn.Module, key: str, rows: int, fmt: str,
+            dequant_dtype) -> None:
         self._entries.setdefault(module, []).append([weakref.ref(owner), key, None, -1, rows, fmt, dequant_dtype,
-                                                     None])
+                                                     None, name or "<root>", qualified])
 
     def arm(self) -> None:
         """After offload() wrote the values: their versions are the quantized ones."""
@@ -95,8 +99,39 @@ class ResidentQuantized:
                 e[3] = e[2]._version
                 e[7] = _C.tensor_checksum(e[2])
             # (A module's load_state_dict post-hook runs after its children's loads.)
-            self._hooks += [module.register_load_state_dict_post_hook(lambda m, keys: self.refresh(m)),
-                            module.register_forward_pre_hook(self._before_call)]
+            taken = []  # the keys its pre-hook refused, this load
+            self._hooks += [
+                module._register_load_state_dict_pre_hook(functools.partial(self._check_load, taken), with_module=True),
+                module.register_load_state_dict_post_hook(functools.partial(self._after_load, taken)),
+                module.register_forward_pre_hook(self._before_call)]
+
+    def _check_load(self, taken, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                    unexpected_keys, error_msgs):
+        """Values it could not quantize are taken out of the state dict before torch writes
+        them, the error joining load_state_dict's own (_requantize_on_load's way)."""
+        for owner, key, _, _, rows, fmt, dequant_dtype, _, name, qualified in self._entries.get(module, ()):
+            value, p = state_dict.get(prefix + qualified), owner()._parameters.get(key)
+            if not isinstance(value, torch.Tensor) or p is None or value.is_meta or value.shape != p.shape:
+                continue  # torch's own checks
+            value = value.detach().to(p.dtype)  # as it would be written
+            if bool(torch.isfinite(value).all()):
+                continue
+            try:
+                _C.quantized_values(value, rows, value.numel() // max(rows, 1), fmt, dequant_dtype)
+                why = "it has NaN or Inf"
+            except LayerstreamError as e:  # the packer's words: where the first one is
+                why = str(e)
+            del state_dict[prefix + qualified]
+            taken.append(prefix + qualified)
+            error_msgs.append(f'While loading "{prefix + qualified}" into quantized layer \'{name}\' (kept resident '
+                              f'by the budget; its weight is unchanged): {why}')
+
+    def _after_load(self, taken, module, incompatible_keys):
+        for key in taken:
+            if key in incompatible_keys.missing_keys:
+                incompatible_keys.missing_keys.remove(key)
+        taken.clear()
+        self.refresh(module)
 
     def _before_call(self, module, args):
         if not torch.compiler.is_compiling():
@@ -104,13 +139,18 @@ class ResidentQuantized:
 
     def refresh(self, module: nn.Module) -> None:
         for e in self._entries.get(module, ()):
-            owner, key, param, version, rows, fmt, dequant_dtype, checksum = e
+            owner, key, param, version, rows, fmt, dequant_dtype, checksum, _, _ = e
             p = owner()._parameters.get(key)
             if p is None or (p is param and p._version == version):
                 continue
             if _C.tensor_checksum(p) != checksum:  # new values (a write of its own ones stays as it is)
+                try:
+                    values = _C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype)
+                except LayerstreamError as err:
+                    raise LayerstreamError(f"quantized layer '{e[8]}' (kept resident by the budget) cannot quantize "
+                                           f"the values written into it after offload(): {err}") from None
                 with torch.no_grad():
-                    p.copy_(_C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype))
+                    p.copy_(values)
                 e[7] = _C.tensor_checksum(p)
             e[2], e[3] = p, p._version
 

@@ -545,9 +545,9 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
             if finish is not None:
                 finish(handle)
             with torch.no_grad():  # last: nothing after it can fail, which would leave them changed
-                for module, o, k, rows, fmt, dq, values in quantized_resident:
+                for module, name, qn, o, k, rows, fmt, dq, values in quantized_resident:
                     o._parameters[k].copy_(values)
-                    handle._resident_quant.add(module, o, k, rows, fmt, dq)
+                    handle._resident_quant.add(module, name, qn, o, k, rows, fmt, dq)
             handle._resident_quant.arm()  # later writes into them are quantized too
     except BaseException:
         with held:  # the undo, whole
@@ -674,16 +674,16 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
         owners = dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]
         # Streamed, a GGUF tensor crosses as its blocks whatever `fmt`: dequantized here, nothing more.
         packed = [] if fmt in (None, "lossless") or pre is not None else [
-            (o, k) for o, k, _ in (_group_slots(module) if kind == "group" else [(module, "weight", None)])
+            (o, k, qn) for o, k, qn in (_group_slots(module) if kind == "group" else [(module, "weight", "weight")])
             if not isinstance(o._parameters[k], GgufWeight) and (kind != "group" or o._parameters[k].dim() >= 2)]
         for owner in owners:
             _materialize_gguf(owner)
             for p in list(owner._parameters.values()):
                 _read_in(model, p)
-        for o, k in packed:  # the values it would stream with (the budget must not change the numbers)
+        for o, k, qn in packed:  # the values it would stream with (the budget must not change the numbers)
             p = o._parameters[k]
             rows = p.numel() // p.shape[-1] if kind == "group" else p.shape[0]
-            quantized_resident.append((module, o, k, rows, fmt, dequant_dtype, _C.quantized_values(
+            quantized_resident.append((module, name, qn, o, k, rows, fmt, dequant_dtype, _C.quantized_values(
                 p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype)))
         return
     if kind == "group":

@@ -321,6 +321,39 @@ def test_loading_its_own_state_dict_into_a_resident_quantized_layer_changes_noth
     h.detach()
 
 
+def test_a_load_with_nan_into_a_resident_quantized_layer_is_refused_and_keeps_the_old_weight():
+    """load_state_dict() with a NaN for a quantized layer the budget keeps resident: torch
+    wrote it, then the post-hook failed to quantize it without naming the layer, every
+    later call failed, and detach() left the NaN: the old values were lost. Now it is
+    refused before torch writes, naming the key and the layer, as a streamed layer's is;
+    the rest loads, the layer keeps its weight. A NaN written with copy_() fails the next
+    call naming the layer."""
+    x = torch.randn(2, 3, 128)
+    m = _AttnNet(0)
+    h = layerstream.offload(m, device="sim", quantize="int8", budget="64MiB")
+    before = m(x)
+    weights = {n: p.detach().clone() for n, p in m.named_parameters()}
+    sd = {k: v.clone() for k, v in _AttnNet(1).state_dict().items()}
+    sd["fc.1.weight"][5, 7] = float("nan")
+    sd["attn.out_proj.weight"][0, 0] = float("inf")
+    with pytest.raises(RuntimeError) as info:
+        m.load_state_dict(sd)
+    msg = str(info.value)
+    assert "While loading \"fc.1.weight\" into quantized layer 'fc.1'" in msg and "NaN at row 5, column 7" in msg
+    assert "While loading \"attn.out_proj.weight\" into quantized layer 'attn'" in msg and "Inf" in msg
+    assert "Missing key" not in msg
+    assert torch.equal(m.fc[1].weight, weights["fc.1.weight"])
+    assert torch.equal(m.attn.out_proj.weight, weights["attn.out_proj.weight"])
+    assert torch.equal(m.fc[1].bias, sd["fc.1.bias"])  # the rest loaded, as torch does
+    m.load_state_dict(weights)  # its own values back: nothing quantized again
+    assert torch.equal(m(x), before)
+    with torch.no_grad():
+        m.fc[0].weight[1, 2] = float("nan")
+    with pytest.raises(layerstream.LayerstreamError, match=r"quantized layer 'fc.0' \(kept resident.*NaN"):
+        m(x)
+    h.detach()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):

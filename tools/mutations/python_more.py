@@ -14,6 +14,13 @@ MUTATIONS: list = [
         "load_state_dict(model.state_dict()) quantizes a resident quantized layer's quantized values again "
         "(int4, a narrower dequant_dtype): its weights and outputs move at each load"),
     Mutation(
+        "resident-quant-nan-load-written", "python/layerstream/_guards.py",
+        "            del state_dict[prefix + qualified]",
+        "            pass",
+        [P + "test_quant_offload.py::test_a_load_with_nan_into_a_resident_quantized_layer_is_refused_and_keeps_the_old_weight"],
+        "load_state_dict() with NaN for a resident quantized layer writes it: the old values are lost, every "
+        "later call fails"),
+    Mutation(
         "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
         "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
         "                               for g in self.param_groups for p in g[\"params\"]]",
