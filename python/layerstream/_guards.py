@@ -18,6 +18,13 @@ from . import _C
 LayerstreamError = _C.LayerstreamError
 
 
+def quantized_untrainable(layer: str, held: str) -> str:
+    """The refusal to train a weight offload() quantized, streamed (_PackedWeight) or kept
+    resident (ResidentQuantized): `layer` names it, `held` says how it is held."""
+    return (f"the weight of quantized {layer} cannot be trained ({held}); train an adapter over it (LoRA), or "
+            f"detach() and offload() again without quantizing this layer")
+
+
 def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> list:
     """load_state_dict() hooks for a layer offload() quantized. Its parameter's
     copy_ re-quantizes too (_PackedWeight), but load_state_dict() would first warn
@@ -135,6 +142,13 @@ class ResidentQuantized:
 
     def _before_call(self, module, args):
         if not torch.compiler.is_compiling():
+            for owner, key, *_, name, _ in self._entries.get(module, ()):
+                p = owner()._parameters.get(key)
+                if p is not None and p.requires_grad:  # unfrozen after offload() (frozen then: _formats.py)
+                    raise LayerstreamError(quantized_untrainable(
+                        f"layer '{name}' (kept resident by the budget)", "it holds its quantized values, quantized "
+                        "again after each write, which would undo a training step") + "; freeze it again "
+                        "(requires_grad_(False)) to run the model")
             self.refresh(module)
 
     def refresh(self, module: nn.Module) -> None:

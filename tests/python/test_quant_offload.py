@@ -354,6 +354,27 @@ def test_a_load_with_nan_into_a_resident_quantized_layer_is_refused_and_keeps_th
     h.detach()
 
 
+def test_a_resident_quantized_weight_unfrozen_after_offload_is_refused_as_a_streamed_one_is():
+    """A quantized weight the budget keeps resident, unfrozen after offload(), trained and
+    was then quantized again at the next call, silently (the step mostly undone); a
+    streamed one refuses requires_grad_(True). Now its next call is refused with the same
+    advice (an adapter), the weight unchanged, and runs again once frozen."""
+    m = _two_layer(0)
+    h = layerstream.offload(m, device="sim", quantize="int8", budget="4MiB")
+    assert not m[0].weight.is_meta  # kept resident
+    x = torch.randn(2, 64)
+    before, w = m(x), m[0].weight.detach().clone()
+    m[0].weight.requires_grad_(True)
+    with pytest.raises(layerstream.LayerstreamError,
+                       match=r"weight of quantized layer '0' \(kept resident by the budget\) cannot be trained.*"
+                             r"train an adapter over it \(LoRA\).*requires_grad_\(False\)"):
+        m(x)
+    assert torch.equal(m[0].weight, w)
+    m[0].weight.requires_grad_(False)
+    assert torch.equal(m(x), before)
+    h.detach()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):

@@ -21,6 +21,13 @@ MUTATIONS: list = [
         "load_state_dict() with NaN for a resident quantized layer writes it: the old values are lost, every "
         "later call fails"),
     Mutation(
+        "resident-quant-trains", "python/layerstream/_guards.py",
+        "                if p is not None and p.requires_grad:  # unfrozen after offload() (frozen then: _formats.py)",
+        "                if False:",
+        [P + "test_quant_offload.py::test_a_resident_quantized_weight_unfrozen_after_offload_is_refused_as_a_streamed_one_is"],
+        "a resident quantized weight unfrozen after offload() trains and is quantized again at the next call, "
+        "silently"),
+    Mutation(
         "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
         "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
         "                               for g in self.param_groups for p in g[\"params\"]]",
