@@ -558,7 +558,30 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                 warnings.warn(f"layerstream: offload() failed and undoing it failed too: {undo_error}",
                               RuntimeWarning, stacklevel=3)
         raise
+    _warn_resident_rounding(quantized_resident)
     return handle
+
+
+def _warn_resident_rounding(quantized_resident: list) -> None:
+    """A quantized layer kept resident holds its values in its weight's dtype (the parameter
+    keeps it); with a dequant_dtype whose values that dtype cannot hold (float32 for bf16
+    weights), they are rounded, while a streamed layer computes with the dequant_dtype
+    ones: the budget changes the numbers (docs/design/planner.md, "Quantized layers kept
+    resident"). Said once per offload()."""
+    rounded = {}
+    for _, name, _, o, k, _, _, dq, _ in quantized_resident:
+        dtype = o._parameters[k].dtype
+        if dq is not None and torch.promote_types(dtype, dq) != dtype:
+            rounded.setdefault(f"'{name or '<root>'}'", (dtype, dq))
+    if rounded:
+        dtype, dq = next(iter(rounded.values()))
+        names = list(rounded)
+        warnings.warn(f"layerstream: {len(names)} quantized layer(s) kept resident by the budget hold their quantized "
+                      f"values in their weights' dtype ({dtype}), rounded from dequant_dtype={dq}, while streamed "
+                      f"layers compute in {dq}: the budget changes the numbers. For the same numbers everywhere, pass "
+                      f"a dequant_dtype the weights' dtype holds (dequant_dtype={dtype}), or a budget that streams "
+                      f"them: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}", RuntimeWarning,
+                      stacklevel=4)
 
 
 def _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group) -> None:

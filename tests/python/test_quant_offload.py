@@ -375,6 +375,33 @@ def test_a_resident_quantized_weight_unfrozen_after_offload_is_refused_as_a_stre
     h.detach()
 
 
+def test_resident_quantized_layers_rounded_from_a_wider_dequant_dtype_are_warned_of():
+    """bf16 weights with dequant_dtype=float32: a streamed layer computes with the float32
+    dequantized weight, one the budget keeps resident holds its quantized values rounded
+    to bf16 (its parameter's dtype), so the budget changed the numbers without a word.
+    Now offload() warns, naming those layers and the two ways to the same numbers; not
+    where the weights' dtype holds the dequant_dtype's values, nor with nothing resident."""
+    base = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).requires_grad_(False)
+    for dtype, dq, budget, warned in ((torch.bfloat16, torch.float32, "1MiB", True),
+                                      (torch.float16, torch.bfloat16, "1MiB", True),
+                                      (torch.float32, torch.bfloat16, "2MiB", False),
+                                      (torch.bfloat16, torch.float32, None, False)):
+        m = copy.deepcopy(base).to(dtype)
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            h = layerstream.offload(m, device="sim", quantize="int8", dequant_dtype=dq, budget=budget)
+        assert (budget is None) == m[0].weight.is_meta
+        msgs = [str(w.message) for w in ws if "kept resident" in str(w.message)]
+        assert bool(msgs) == warned, (dtype, dq, budget, msgs)
+        if warned:
+            assert ws[-1].filename == __file__
+            assert (f"2 quantized layer(s) kept resident by the budget hold their quantized values in their weights' "
+                    f"dtype ({dtype}), rounded from dequant_dtype={dq}") in msgs[0]
+            assert f"dequant_dtype={dtype}" in msgs[0] and "a budget that streams" in msgs[0]
+            assert msgs[0].endswith("'0', '2'")
+        h.detach()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):

@@ -28,6 +28,13 @@ MUTATIONS: list = [
         "a resident quantized weight unfrozen after offload() trains and is quantized again at the next call, "
         "silently"),
     Mutation(
+        "resident-quant-rounding-unwarned", "python/layerstream/_offload.py",
+        "        if dq is not None and torch.promote_types(dtype, dq) != dtype:",
+        "        if False:",
+        [P + "test_quant_offload.py::test_resident_quantized_layers_rounded_from_a_wider_dequant_dtype_are_warned_of"],
+        "bf16 weights with dequant_dtype=float32: the layers a budget keeps resident hold bf16-rounded values, "
+        "the streamed ones compute in float32, without a word"),
+    Mutation(
         "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
         "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
         "                               for g in self.param_groups for p in g[\"params\"]]",
