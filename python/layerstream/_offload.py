@@ -242,6 +242,7 @@ def offload(
             "offload() was called inside torch.inference_mode(): the tensors it makes would be inference "
             "tensors, which no later training step could use. Call offload() outside inference_mode (then "
             "run the model inside it as you like).")
+    asked_dequant = dequant_dtype
     opts, dequant_dtype, compute_dtype = _engine_options(
         device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory, cache_across_steps, trace,
         dequant_dtype, compute_dtype)
@@ -281,8 +282,16 @@ def offload(
                 + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
         # 1. Per layer: its format and its bytes on the bus, in a slot, resident.
+        gguf = any(isinstance(p, GgufWeight) for p in model.parameters())
         layers = _formats_and_bytes(model, candidates, tables, quantize, tied_names, dequant_dtype, compute_dtype,
                                     defer_file_reads=cache_dir is not None, routed=experts == "routed")
+        if asked_dequant is not None and not gguf and all(t.fmt in (None, "lossless") and t.pre is None
+                                                          for t in layers):
+            warnings.warn(f"layerstream: offload(dequant_dtype={asked_dequant}) does nothing here: no weight is "
+                          f"dequantized (quantize={quantize!r} packs none with a loss, and none came quantized). "
+                          f"It applies to quantize='int8', 'fp8', 'nf4' or 'int4' and to pre-quantized or GGUF "
+                          f"weights; to cast dense weights for the activations, pass compute_dtype=",
+                          RuntimeWarning, stacklevel=2)
 
         # 2. With a budget: which layers stay resident; the slots get what is left.
         # Layers quantize= does not apply to (tied to another's weight, pre-quantized or GGUF, or

@@ -622,6 +622,27 @@ def test_dequant_dtype_must_be_a_float_dtype():
         layerstream.offload(m, device="sim", quantize="int8", dequant_dtype=torch.int8)
 
 
+def test_dequant_dtype_without_a_lossy_format_is_warned_of():
+    """offload(dequant_dtype=...) with no lossy quantize= (none, "lossless", a dict of
+    those) was ignored without a word: the weights computed in their own dtype. Now it
+    warns that it does nothing here and what it applies to; not with a lossy format."""
+    def mk():
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).requires_grad_(False)
+    for quantize, warned in ((None, True), ("lossless", True), ({"*": None}, True), ("int8", False),
+                             ({"0": "nf4"}, False)):
+        m = mk()
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            h = layerstream.offload(m, device="sim", quantize=quantize, dequant_dtype=torch.bfloat16)
+        msgs = [str(w.message) for w in ws if "dequant_dtype=" in str(w.message)]
+        assert bool(msgs) == warned, (quantize, msgs)
+        if warned:
+            assert msgs[0].startswith(f"layerstream: offload(dequant_dtype=torch.bfloat16) does nothing here: no "
+                                      f"weight is dequantized (quantize={quantize!r} packs none with a loss")
+            assert "compute_dtype=" in msgs[0] and ws[0].filename == __file__
+        h.detach()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
 def test_quantized_conv_matches_host_dequantized_weights(fmt):
     """Conv weights [out, in, kh, kw] are packed as [out, in*kh*kw]; the device

@@ -35,6 +35,12 @@ MUTATIONS: list = [
         "bf16 weights with dequant_dtype=float32: the layers a budget keeps resident hold bf16-rounded values, "
         "the streamed ones compute in float32, without a word"),
     Mutation(
+        "dequant-dtype-ignored-unwarned", "python/layerstream/_offload.py",
+        "        if asked_dequant is not None and not gguf and all(",
+        "        if False and all(",
+        [P + "test_quant_offload.py::test_dequant_dtype_without_a_lossy_format_is_warned_of"],
+        "offload(dequant_dtype=...) without a lossy quantize= is ignored without a word"),
+    Mutation(
         "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
         "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
         "                               for g in self.param_groups for p in g[\"params\"]]",
