@@ -41,6 +41,12 @@ MUTATIONS: list = [
         [P + "test_quant_offload.py::test_dequant_dtype_without_a_lossy_format_is_warned_of"],
         "offload(dequant_dtype=...) without a lossy quantize= is ignored without a word"),
     Mutation(
+        "quantize-pattern-on-excluded-unwarned", "python/layerstream/_formats.py",
+        "            and not any(fnmatch.fnmatchcase(n, p) for n in layers)]",
+        "            and False]",
+        [P + "test_misuse.py::test_a_quantize_pattern_that_names_only_modules_not_streamed_is_warned"],
+        "quantize={'0': 'int8'} with exclude=['0'] quantizes nothing, without a word"),
+    Mutation(
         "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
         "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
         "                               for g in self.param_groups for p in g[\"params\"]]",
