@@ -429,6 +429,17 @@ def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):
     assert_reference_values(fmt, original.float(), lin.weight, fmt)
 
 
+def test_fp8_negative_zero_keeps_its_sign_except_in_an_all_zero_row():
+    """docs/design/quant-formats.md: -0.0 encodes to 0x80, but an all-zero row (scale 0)
+    gets codes 0, so its -0.0 comes back +0.0."""
+    w = torch.zeros(2, 256)
+    w[0, 3] = -0.0
+    w[1] = 0.5
+    w[1, 4] = -0.0
+    q = layerstream._C.quantized_values(w, 2, 256, "fp8")
+    assert not torch.signbit(q[0, 3]) and torch.signbit(q[1, 4])
+
+
 def test_unknown_format_is_a_clear_error():
     m = nn.Linear(64, 64)
     m.requires_grad_(False)
