@@ -550,6 +550,7 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                                             compute_device, routed, on_disk, _CORE_DTYPES[dequant] if dequant else None,
                                             held)
         with held:  # the steps after the last layer; what came lands as it ends, inside the undo
+            _warn_resident_rounding(quantized_resident)
             _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group)
             if finish is not None:
                 finish(handle)
@@ -567,7 +568,6 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                 warnings.warn(f"layerstream: offload() failed and undoing it failed too: {undo_error}",
                               RuntimeWarning, stacklevel=3)
         raise
-    _warn_resident_rounding(quantized_resident)
     return handle
 
 
