@@ -61,6 +61,7 @@ def _formats_and_bytes(model: nn.Module, candidates: list, tables: list, quantiz
     still in its file that is to be quantized stays there: step 3 packs it into
     the cache file or reads it in (_read_in_deferred)."""
     _check_quantize_inside_groups(candidates, quantize)
+    _warn_quantize_matching_no_layer(model, candidates, tables, quantize)
     _dequantize_tied_gguf(model)
     layers: List[_Candidate] = []
     unpackable, trainable, tied_dense, as_stored = [], [], [], []
@@ -280,6 +281,24 @@ def _as_stored(as_stored: list, name: str, quantize, what: str, some_packed: boo
             f"dense first (a GgufWeight: module.weight = torch.nn.Parameter(module.weight.dequantized(), "
             f"requires_grad=False))")
     as_stored.append(f"'{name or '<root>'}' ({what})")
+
+
+def _warn_quantize_matching_no_layer(model: nn.Module, candidates: list, tables: list, quantize) -> None:
+    """A quantize={pattern: format} pattern that names modules but no streamed layer (only
+    ones exclude= or include= left out, or modules that are not layers) quantizes nothing:
+    said, as a pattern naming no module is (_discovery._warn_unmatched, which warns of
+    those)."""
+    if not isinstance(quantize, dict):
+        return
+    layers = [n for n, _, _ in candidates] + [t.name for t in tables] + [n for _, n, _ in inside_groups(candidates)]
+    modules = [n for n, _ in model.named_modules()]
+    idle = [p for p, fmt in quantize.items() if fmt is not None and any(fnmatch.fnmatchcase(n, p) for n in modules)
+            and not any(fnmatch.fnmatchcase(n, p) for n in layers)]
+    if idle:
+        warnings.warn(f"layerstream: offload(quantize=...): {', '.join(repr(p) for p in idle)} "
+                      f"match{'es' if len(idle) == 1 else ''} only modules offload() does not stream (left out "
+                      f"by include=/exclude=, or containers: a pattern must name the layers inside them), so "
+                      f"nothing is quantized by {'it' if len(idle) == 1 else 'them'}", RuntimeWarning, stacklevel=4)
 
 
 def _check_quantize_inside_groups(candidates: list, quantize) -> None:

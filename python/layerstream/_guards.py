@@ -18,6 +18,13 @@ from . import _C
 LayerstreamError = _C.LayerstreamError
 
 
+def quantized_untrainable(layer: str, held: str) -> str:
+    """The refusal to train a weight offload() quantized, streamed (_PackedWeight) or kept
+    resident (ResidentQuantized): `layer` names it, `held` says how it is held."""
+    return (f"the weight of quantized {layer} cannot be trained ({held}); train an adapter over it (LoRA), or "
+            f"detach() and offload() again without quantizing this layer")
+
+
 def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> list:
     """load_state_dict() hooks for a layer offload() quantized. Its parameter's
     copy_ re-quantizes too (_PackedWeight), but load_state_dict() would first warn
@@ -68,20 +75,28 @@ class ResidentQuantized:
     of its module (a post-hook), and at its module's next eager call when the
     parameter's version counter moved or the parameter was replaced (copy_(), in-place
     ops; a write through .data escapes the counter, as it escapes autograd; a compiled
-    call does not look). One per handle; detach() removes its hooks (the values stay,
-    as a streamed layer's do)."""
+    call does not look). Only new values are quantized: quantizing quantized values
+    again is not the identity (int4; a narrower dequant dtype), so a write of the
+    values it holds (load_state_dict() of its own state_dict()) is told apart by their
+    checksum (_C.tensor_checksum, as the C++ layers do: layerstream/engine.h). A
+    load_state_dict() of values it could not quantize (NaN, Inf) is refused before
+    torch writes them (a pre-hook), as a streamed layer's is: the old values stay. One per
+    handle; detach() removes its hooks (the values stay, as a streamed layer's do)."""
 
     __slots__ = ("_entries", "_hooks")
 
     def __init__(self):
         # The layer's module (a tensor group's too) -> [[owner, key, param, version, rows, fmt,
-        # dequant dtype], ...]; modules and owners weakly: the modules' hooks hold this object
+        # dequant dtype, checksum of the values written, layer name, parameter name relative to
+        # the module], ...]; modules and owners weakly: the modules' hooks hold this object
         # (Note [Nothing offload() puts on a model refers back to it], _handle.py).
         self._entries = weakref.WeakKeyDictionary()
         self._hooks = []
 
-    def add(self, module: nn.Module, owner: nn.Module, key: str, rows: int, fmt: str, dequant_dtype) -> None:
-        self._entries.setdefault(module, []).append([weakref.ref(owner), key, None, -1, rows, fmt, dequant_dtype])
+    def add(self, module: nn.Module, name: str, qualified: str, owner: nn.Module, key: str, rows: int, fmt: str,
+            dequant_dtype) -> None:
+        self._entries.setdefault(module, []).append([weakref.ref(owner), key, None, -1, rows, fmt, dequant_dtype,
+                                                     None, name or "<root>", qualified])
 
     def arm(self) -> None:
         """After offload() wrote the values: their versions are the quantized ones."""
@@ -89,22 +104,68 @@ class ResidentQuantized:
             for e in entries:
                 e[2] = e[0]()._parameters[e[1]]
                 e[3] = e[2]._version
+                e[7] = _C.tensor_checksum(e[2])
             # (A module's load_state_dict post-hook runs after its children's loads.)
-            self._hooks += [module.register_load_state_dict_post_hook(lambda m, keys: self.refresh(m)),
-                            module.register_forward_pre_hook(self._before_call)]
+            taken = []  # the keys its pre-hook refused, this load
+            self._hooks += [
+                module._register_load_state_dict_pre_hook(functools.partial(self._check_load, taken), with_module=True),
+                module.register_load_state_dict_post_hook(functools.partial(self._after_load, taken)),
+                module.register_forward_pre_hook(self._before_call)]
+
+    def _check_load(self, taken, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                    unexpected_keys, error_msgs):
+        """Values it could not quantize are taken out of the state dict before torch writes
+        them, the error joining load_state_dict's own (_requantize_on_load's way)."""
+        for owner, key, _, _, rows, fmt, dequant_dtype, _, name, qualified in self._entries.get(module, ()):
+            value, p = state_dict.get(prefix + qualified), owner()._parameters.get(key)
+            if not isinstance(value, torch.Tensor) or p is None or value.is_meta or value.shape != p.shape:
+                continue  # torch's own checks
+            value = value.detach().to(p.dtype)  # as it would be written
+            if bool(torch.isfinite(value).all()):
+                continue
+            try:
+                _C.quantized_values(value, rows, value.numel() // max(rows, 1), fmt, dequant_dtype)
+                why = "it has NaN or Inf"
+            except LayerstreamError as e:  # the packer's words: where the first one is
+                why = str(e)
+            del state_dict[prefix + qualified]
+            taken.append(prefix + qualified)
+            error_msgs.append(f'While loading "{prefix + qualified}" into quantized layer \'{name}\' (kept resident '
+                              f'by the budget; its weight is unchanged): {why}')
+
+    def _after_load(self, taken, module, incompatible_keys):
+        for key in taken:
+            if key in incompatible_keys.missing_keys:
+                incompatible_keys.missing_keys.remove(key)
+        taken.clear()
+        self.refresh(module)
 
     def _before_call(self, module, args):
         if not torch.compiler.is_compiling():
+            for owner, key, *_, name, _ in self._entries.get(module, ()):
+                p = owner()._parameters.get(key)
+                if p is not None and p.requires_grad:  # unfrozen after offload() (frozen then: _formats.py)
+                    raise LayerstreamError(quantized_untrainable(
+                        f"layer '{name}' (kept resident by the budget)", "it holds its quantized values, quantized "
+                        "again after each write, which would undo a training step") + "; freeze it again "
+                        "(requires_grad_(False)) to run the model")
             self.refresh(module)
 
     def refresh(self, module: nn.Module) -> None:
         for e in self._entries.get(module, ()):
-            owner, key, param, version, rows, fmt, dequant_dtype = e
+            owner, key, param, version, rows, fmt, dequant_dtype, checksum, _, _ = e
             p = owner()._parameters.get(key)
             if p is None or (p is param and p._version == version):
                 continue
-            with torch.no_grad():
-                p.copy_(_C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype))
+            if _C.tensor_checksum(p) != checksum:  # new values (a write of its own ones stays as it is)
+                try:
+                    values = _C.quantized_values(p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype)
+                except LayerstreamError as err:
+                    raise LayerstreamError(f"quantized layer '{e[8]}' (kept resident by the budget) cannot quantize "
+                                           f"the values written into it after offload(): {err}") from None
+                with torch.no_grad():
+                    p.copy_(values)
+                e[7] = _C.tensor_checksum(p)
             e[2], e[3] = p, p._version
 
     def remove(self) -> None:

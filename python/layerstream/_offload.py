@@ -245,6 +245,7 @@ def offload(
             "offload() was called inside torch.inference_mode(): the tensors it makes would be inference "
             "tensors, which no later training step could use. Call offload() outside inference_mode (then "
             "run the model inside it as you like).")
+    asked_dequant = dequant_dtype
     opts, dequant_dtype, compute_dtype = _engine_options(
         device, prefetch, slots, sim_link_gbps, sim_latency_us, checker, pin_memory, cache_across_steps, trace,
         dequant_dtype, compute_dtype)
@@ -284,8 +285,16 @@ def offload(
                 + (" (check include/exclude)" if include is not None or exclude is not None else ""))
 
         # 1. Per layer: its format and its bytes on the bus, in a slot, resident.
+        gguf = any(isinstance(p, GgufWeight) for p in model.parameters())
         layers = _formats_and_bytes(model, candidates, tables, quantize, tied_names, dequant_dtype, compute_dtype,
                                     defer_file_reads=cache_dir is not None, routed=experts == "routed")
+        if asked_dequant is not None and not gguf and all(t.fmt in (None, "lossless") and t.pre is None
+                                                          for t in layers):
+            warnings.warn(f"layerstream: offload(dequant_dtype={asked_dequant}) does nothing here: no weight is "
+                          f"dequantized (quantize={quantize!r} packs none with a loss, and none came quantized). "
+                          f"It applies to quantize='int8', 'fp8', 'nf4' or 'int4' and to pre-quantized or GGUF "
+                          f"weights; to cast dense weights for the activations, pass compute_dtype=",
+                          RuntimeWarning, stacklevel=2)
 
         # 2. With a budget: which layers stay resident; the slots get what is left.
         # Layers quantize= does not apply to (tied to another's weight, pre-quantized or GGUF, or
@@ -544,13 +553,14 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                                             compute_device, routed, on_disk, _CORE_DTYPES[dequant] if dequant else None,
                                             held)
         with held:  # the steps after the last layer; what came lands as it ends, inside the undo
+            _warn_resident_rounding(quantized_resident)
             _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group)
             if finish is not None:
                 finish(handle)
             with torch.no_grad():  # last: nothing after it can fail, which would leave them changed
-                for module, o, k, rows, fmt, dq, values in quantized_resident:
+                for module, name, qn, o, k, rows, fmt, dq, values in quantized_resident:
                     o._parameters[k].copy_(values)
-                    handle._resident_quant.add(module, o, k, rows, fmt, dq)
+                    handle._resident_quant.add(module, name, qn, o, k, rows, fmt, dq)
             handle._resident_quant.arm()  # later writes into them are quantized too
     except BaseException:
         with held:  # the undo, whole
@@ -562,6 +572,28 @@ def _attach(model: nn.Module, opts, layers: list, resident_names: set, plan, gro
                               RuntimeWarning, stacklevel=3)
         raise
     return handle
+
+
+def _warn_resident_rounding(quantized_resident: list) -> None:
+    """A quantized layer kept resident holds its values in its weight's dtype (the parameter
+    keeps it); with a dequant_dtype whose values that dtype cannot hold (float32 for bf16
+    weights), they are rounded, while a streamed layer computes with the dequant_dtype
+    ones: the budget changes the numbers (docs/design/planner.md, "Quantized layers kept
+    resident"). Said once per offload()."""
+    rounded = {}
+    for _, name, _, o, k, _, _, dq, _ in quantized_resident:
+        dtype = o._parameters[k].dtype
+        if dq is not None and torch.promote_types(dtype, dq) != dtype:
+            rounded.setdefault(f"'{name or '<root>'}'", (dtype, dq))
+    if rounded:
+        dtype, dq = next(iter(rounded.values()))
+        names = list(rounded)
+        warnings.warn(f"layerstream: {len(names)} quantized layer(s) kept resident by the budget hold their quantized "
+                      f"values in their weights' dtype ({dtype}), rounded from dequant_dtype={dq}, while streamed "
+                      f"layers compute in {dq}: the budget changes the numbers. For the same numbers everywhere, pass "
+                      f"a dequant_dtype the weights' dtype holds (dequant_dtype={dtype}), or a budget that streams "
+                      f"them: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}", RuntimeWarning,
+                      stacklevel=4)
 
 
 def _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group) -> None:
@@ -677,16 +709,16 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
         owners = dict.fromkeys(o for o, _, _ in _group_slots(module)) if kind == "group" else [module]
         # Streamed, a GGUF tensor crosses as its blocks whatever `fmt`: dequantized here, nothing more.
         packed = [] if fmt in (None, "lossless") or pre is not None else [
-            (o, k) for o, k, _ in (_group_slots(module) if kind == "group" else [(module, "weight", None)])
+            (o, k, qn) for o, k, qn in (_group_slots(module) if kind == "group" else [(module, "weight", "weight")])
             if not isinstance(o._parameters[k], GgufWeight) and (kind != "group" or o._parameters[k].dim() >= 2)]
         for owner in owners:
             _materialize_gguf(owner)
             for p in list(owner._parameters.values()):
                 _read_in(model, p)
-        for o, k in packed:  # the values it would stream with (the budget must not change the numbers)
+        for o, k, qn in packed:  # the values it would stream with (the budget must not change the numbers)
             p = o._parameters[k]
             rows = p.numel() // p.shape[-1] if kind == "group" else p.shape[0]
-            quantized_resident.append((module, o, k, rows, fmt, dequant_dtype, _C.quantized_values(
+            quantized_resident.append((module, name, qn, o, k, rows, fmt, dequant_dtype, _C.quantized_values(
                 p.detach(), rows, p.numel() // max(rows, 1), fmt, dequant_dtype)))
         return
     if kind == "group":

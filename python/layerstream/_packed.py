@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from . import _C, _standin
+from ._guards import quantized_untrainable
 from ._peft_params import _PEFT_BASE_READERS
 
 LayerstreamError = _C.LayerstreamError
@@ -88,10 +89,8 @@ class _PackedWeight(_standin.StandIn):
                     f"the weight of streamed layer '{ls[2]}' was frozen at offload(), so it is held coded "
                     f"(quantize='lossless') without what training needs; lossless weights do train: "
                     f"detach(), requires_grad_(True), then offload() again")
-            raise LayerstreamError(
-                f"the weight of quantized streamed layer '{ls[2]}' cannot be trained (it is packed "
-                f"on the host and dequantized on the device); train an adapter over it (LoRA), or "
-                f"detach() and offload() again without quantizing this layer")
+            raise LayerstreamError(quantized_untrainable(
+                f"streamed layer '{ls[2]}'", "it is packed on the host and dequantized on the device"))
         if ls is not None and name == "copy_":
             engine, index, _, part, _ = ls
             if part is None:

@@ -321,6 +321,31 @@ def test_a_quantize_pattern_that_names_no_module_is_warned():
     handle.detach()
 
 
+def test_a_quantize_pattern_that_names_only_modules_not_streamed_is_warned():
+    """quantize={"0": "int8"} with exclude=["0"] (or a pattern naming only a container,
+    not the layers in it) quantized nothing, silently, while a pattern naming no module
+    was warned of. Now warned too, from the caller's line; not a None pattern, nor one
+    naming a module inside a tensor group (it goes with the group)."""
+    model = nn.Sequential(_mlp(), nn.Linear(32, 32)).requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = layerstream.offload(model, device="sim", exclude=["0.0"],
+                                     quantize={"0.0": "int8", "0": "nf4", "1": "int8", "0.2": None})
+    texts = [w for w in caught if "does not stream" in str(w.message)]
+    assert len(texts) == 1 and str(texts[0].message).startswith(
+        "layerstream: offload(quantize=...): '0.0', '0' match only modules offload() does not stream (left out by "
+        "include=/exclude=, or containers")
+    assert texts[0].filename == __file__
+    assert handle.stats()["quantized_layers"] == 1  # "1"
+    handle.detach()
+    attn = nn.MultiheadAttention(32, 2).requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = layerstream.offload(attn, device="sim", quantize={"out_proj": "int8", "*": "int8"})
+    assert not [w for w in caught if "does not stream" in str(w.message)]
+    handle.detach()
+
+
 
 def test_a_large_rnn_is_said_to_stay_resident_not_sent_to_groups():
     """A large nn.LSTM/GRU/RNN was named in the warning that recommends

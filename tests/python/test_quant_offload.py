@@ -297,6 +297,111 @@ def test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_to
     assert not torch.allclose(outs[1][0], plain(x), rtol=0, atol=1e-6)  # quantized, not the loaded values
 
 
+@pytest.mark.parametrize("fmt,dequant", [("int4", None), ("int8", torch.bfloat16), ("nf4", torch.float16)])
+def test_loading_its_own_state_dict_into_a_resident_quantized_layer_changes_nothing(fmt, dequant):
+    """A quantized layer the budget keeps resident quantized load_state_dict(model.state_dict())
+    again: quantizing quantized values is not the identity (int4; a dequant_dtype narrower
+    than the weights), so its weights and outputs moved at each such load. Now a write of
+    the values it holds changes nothing, while new values are still quantized."""
+    m = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).requires_grad_(False)
+    with torch.no_grad():
+        m[0].weight.normal_(0, 0.05)
+    other = copy.deepcopy(m)
+    h = layerstream.offload(m, device="sim", quantize=fmt, dequant_dtype=dequant, budget="4MiB")
+    assert not m[0].weight.is_meta  # kept resident
+    x = torch.randn(4, 256)
+    y0, w0 = m(x), m[0].weight.detach().clone()
+    for _ in range(2):
+        m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()})
+        assert torch.equal(m(x), y0) and torch.equal(m[0].weight, w0)
+    with torch.no_grad():
+        m[0].weight.copy_(other[0].weight * 2)
+    m(x)
+    assert not torch.equal(m[0].weight, other[0].weight * 2)  # new values: quantized
+    h.detach()
+
+
+def test_a_load_with_nan_into_a_resident_quantized_layer_is_refused_and_keeps_the_old_weight():
+    """load_state_dict() with a NaN for a quantized layer the budget keeps resident: torch
+    wrote it, then the post-hook failed to quantize it without naming the layer, every
+    later call failed, and detach() left the NaN: the old values were lost. Now it is
+    refused before torch writes, naming the key and the layer, as a streamed layer's is;
+    the rest loads, the layer keeps its weight. A NaN written with copy_() fails the next
+    call naming the layer."""
+    x = torch.randn(2, 3, 128)
+    m = _AttnNet(0)
+    h = layerstream.offload(m, device="sim", quantize="int8", budget="64MiB")
+    before = m(x)
+    weights = {n: p.detach().clone() for n, p in m.named_parameters()}
+    sd = {k: v.clone() for k, v in _AttnNet(1).state_dict().items()}
+    sd["fc.1.weight"][5, 7] = float("nan")
+    sd["attn.out_proj.weight"][0, 0] = float("inf")
+    with pytest.raises(RuntimeError) as info:
+        m.load_state_dict(sd)
+    msg = str(info.value)
+    assert "While loading \"fc.1.weight\" into quantized layer 'fc.1'" in msg and "NaN at row 5, column 7" in msg
+    assert "While loading \"attn.out_proj.weight\" into quantized layer 'attn'" in msg and "Inf" in msg
+    assert "Missing key" not in msg
+    assert torch.equal(m.fc[1].weight, weights["fc.1.weight"])
+    assert torch.equal(m.attn.out_proj.weight, weights["attn.out_proj.weight"])
+    assert torch.equal(m.fc[1].bias, sd["fc.1.bias"])  # the rest loaded, as torch does
+    m.load_state_dict(weights)  # its own values back: nothing quantized again
+    assert torch.equal(m(x), before)
+    with torch.no_grad():
+        m.fc[0].weight[1, 2] = float("nan")
+    with pytest.raises(layerstream.LayerstreamError, match=r"quantized layer 'fc.0' \(kept resident.*NaN"):
+        m(x)
+    h.detach()
+
+
+def test_a_resident_quantized_weight_unfrozen_after_offload_is_refused_as_a_streamed_one_is():
+    """A quantized weight the budget keeps resident, unfrozen after offload(), trained and
+    was then quantized again at the next call, silently (the step mostly undone); a
+    streamed one refuses requires_grad_(True). Now its next call is refused with the same
+    advice (an adapter), the weight unchanged, and runs again once frozen."""
+    m = _two_layer(0)
+    h = layerstream.offload(m, device="sim", quantize="int8", budget="4MiB")
+    assert not m[0].weight.is_meta  # kept resident
+    x = torch.randn(2, 64)
+    before, w = m(x), m[0].weight.detach().clone()
+    m[0].weight.requires_grad_(True)
+    with pytest.raises(layerstream.LayerstreamError,
+                       match=r"weight of quantized layer '0' \(kept resident by the budget\) cannot be trained.*"
+                             r"train an adapter over it \(LoRA\).*requires_grad_\(False\)"):
+        m(x)
+    assert torch.equal(m[0].weight, w)
+    m[0].weight.requires_grad_(False)
+    assert torch.equal(m(x), before)
+    h.detach()
+
+
+def test_resident_quantized_layers_rounded_from_a_wider_dequant_dtype_are_warned_of():
+    """bf16 weights with dequant_dtype=float32: a streamed layer computes with the float32
+    dequantized weight, one the budget keeps resident holds its quantized values rounded
+    to bf16 (its parameter's dtype), so the budget changed the numbers without a word.
+    Now offload() warns, naming those layers and the two ways to the same numbers; not
+    where the weights' dtype holds the dequant_dtype's values, nor with nothing resident."""
+    base = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).requires_grad_(False)
+    for dtype, dq, budget, warned in ((torch.bfloat16, torch.float32, "1MiB", True),
+                                      (torch.float16, torch.bfloat16, "1MiB", True),
+                                      (torch.float32, torch.bfloat16, "2MiB", False),
+                                      (torch.bfloat16, torch.float32, None, False)):
+        m = copy.deepcopy(base).to(dtype)
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            h = layerstream.offload(m, device="sim", quantize="int8", dequant_dtype=dq, budget=budget)
+        assert (budget is None) == m[0].weight.is_meta
+        msgs = [str(w.message) for w in ws if "kept resident" in str(w.message)]
+        assert bool(msgs) == warned, (dtype, dq, budget, msgs)
+        if warned:
+            assert ws[-1].filename == __file__
+            assert (f"2 quantized layer(s) kept resident by the budget hold their quantized values in their weights' "
+                    f"dtype ({dtype}), rounded from dequant_dtype={dq}") in msgs[0]
+            assert f"dequant_dtype={dtype}" in msgs[0] and "a budget that streams" in msgs[0]
+            assert msgs[0].endswith("'0', '2'")
+        h.detach()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "nf4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):
@@ -322,6 +427,17 @@ def test_streamed_values_equal_the_reference_dequantization(fmt, dtype):
         assert torch.equal(lin(x), ref(x))
     h.detach()
     assert_reference_values(fmt, original.float(), lin.weight, fmt)
+
+
+def test_fp8_negative_zero_keeps_its_sign_except_in_an_all_zero_row():
+    """docs/design/quant-formats.md: -0.0 encodes to 0x80, but an all-zero row (scale 0)
+    gets codes 0, so its -0.0 comes back +0.0."""
+    w = torch.zeros(2, 256)
+    w[0, 3] = -0.0
+    w[1] = 0.5
+    w[1, 4] = -0.0
+    q = layerstream._C.quantized_values(w, 2, 256, "fp8")
+    assert not torch.signbit(q[0, 3]) and torch.signbit(q[1, 4])
 
 
 def test_unknown_format_is_a_clear_error():
@@ -515,6 +631,27 @@ def test_dequant_dtype_must_be_a_float_dtype():
     m.requires_grad_(False)
     with pytest.raises(ValueError, match="dequant_dtype"):
         layerstream.offload(m, device="sim", quantize="int8", dequant_dtype=torch.int8)
+
+
+def test_dequant_dtype_without_a_lossy_format_is_warned_of():
+    """offload(dequant_dtype=...) with no lossy quantize= (none, "lossless", a dict of
+    those) was ignored without a word: the weights computed in their own dtype. Now it
+    warns that it does nothing here and what it applies to; not with a lossy format."""
+    def mk():
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).requires_grad_(False)
+    for quantize, warned in ((None, True), ("lossless", True), ({"*": None}, True), ("int8", False),
+                             ({"0": "nf4"}, False)):
+        m = mk()
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            h = layerstream.offload(m, device="sim", quantize=quantize, dequant_dtype=torch.bfloat16)
+        msgs = [str(w.message) for w in ws if "dequant_dtype=" in str(w.message)]
+        assert bool(msgs) == warned, (quantize, msgs)
+        if warned:
+            assert msgs[0].startswith(f"layerstream: offload(dequant_dtype=torch.bfloat16) does nothing here: no "
+                                      f"weight is dequantized (quantize={quantize!r} packs none with a loss")
+            assert "compute_dtype=" in msgs[0] and ws[0].filename == __file__
+        h.detach()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])

@@ -7,6 +7,46 @@ from .base import P, Mutation
 
 MUTATIONS: list = [
     Mutation(
+        "resident-quant-requantizes-its-own-values", "python/layerstream/_guards.py",
+        "            if _C.tensor_checksum(p) != checksum:  # new values (a write of its own ones stays as it is)",
+        "            if True:",
+        [P + "test_quant_offload.py::test_loading_its_own_state_dict_into_a_resident_quantized_layer_changes_nothing"],
+        "load_state_dict(model.state_dict()) quantizes a resident quantized layer's quantized values again "
+        "(int4, a narrower dequant_dtype): its weights and outputs move at each load"),
+    Mutation(
+        "resident-quant-nan-load-written", "python/layerstream/_guards.py",
+        "            del state_dict[prefix + qualified]",
+        "            pass",
+        [P + "test_quant_offload.py::test_a_load_with_nan_into_a_resident_quantized_layer_is_refused_and_keeps_the_old_weight"],
+        "load_state_dict() with NaN for a resident quantized layer writes it: the old values are lost, every "
+        "later call fails"),
+    Mutation(
+        "resident-quant-trains", "python/layerstream/_guards.py",
+        "                if p is not None and p.requires_grad:  # unfrozen after offload() (frozen then: _formats.py)",
+        "                if False:",
+        [P + "test_quant_offload.py::test_a_resident_quantized_weight_unfrozen_after_offload_is_refused_as_a_streamed_one_is"],
+        "a resident quantized weight unfrozen after offload() trains and is quantized again at the next call, "
+        "silently"),
+    Mutation(
+        "resident-quant-rounding-unwarned", "python/layerstream/_offload.py",
+        "        if dq is not None and torch.promote_types(dtype, dq) != dtype:",
+        "        if False:",
+        [P + "test_quant_offload.py::test_resident_quantized_layers_rounded_from_a_wider_dequant_dtype_are_warned_of"],
+        "bf16 weights with dequant_dtype=float32: the layers a budget keeps resident hold bf16-rounded values, "
+        "the streamed ones compute in float32, without a word"),
+    Mutation(
+        "dequant-dtype-ignored-unwarned", "python/layerstream/_offload.py",
+        "        if asked_dequant is not None and not gguf and all(",
+        "        if False and all(",
+        [P + "test_quant_offload.py::test_dequant_dtype_without_a_lossy_format_is_warned_of"],
+        "offload(dequant_dtype=...) without a lossy quantize= is ignored without a word"),
+    Mutation(
+        "quantize-pattern-on-excluded-unwarned", "python/layerstream/_formats.py",
+        "            and not any(fnmatch.fnmatchcase(n, p) for n in layers)]",
+        "            and False]",
+        [P + "test_misuse.py::test_a_quantize_pattern_that_names_only_modules_not_streamed_is_warned"],
+        "quantize={'0': 'int8'} with exclude=['0'] quantizes nothing, without a word"),
+    Mutation(
         "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
         "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
         "                               for g in self.param_groups for p in g[\"params\"]]",
