@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import layerstream
 from conftest import TwoLinears
 from layerstream import LayerstreamError
 from layerstream._discovery import _WHOLE_GROUPS
