@@ -254,7 +254,7 @@ class StreamedBase {
     std::string format;
     std::optional<torch::Dtype> dequant;
     const void* weight;  // the parameter's TensorImpl the values were written into
-    uint32_t version;    // its version counter then
+    int64_t version;     // its version counter then
     uint64_t checksum;   // the values' (tensor_checksum): a write of the same ones is not quantized again
   };
   std::optional<Quantized> quantized_;
