@@ -51,7 +51,8 @@ struct Plan {
   uint64_t grad_staging_bytes = 0;  // the gradients' staging buffers (Layer::grad_bytes, one use each)
   bool staging_pinned = true;   // the entries fit the pinned budget
   int64_t store_pinned_cap = kUnlimited;  // pinned bytes the store may take
-  uint64_t pageable_store_bytes = 0;      // store bytes beyond that cap
+  uint64_t pageable_store_bytes = 0;      // store bytes beyond that cap: a floor (the store pins whole
+                                          // tensors; EngineStats::pageable_bytes, what it made)
   // What the budgets leave for the engine's other host buffers (the saved
   // activations' copies, EngineOptions::activation_host_cap / _pinned_cap):
   // kUnlimited when that budget is.

@@ -44,14 +44,18 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
     double grad_out;  // seconds of device->host gradient copy after compute
     double act_out = 0.0;  // forward: saved activations to the host (device->host, after compute)
     double act_in = 0.0;   // backward: saved activations back (host->device link, before compute)
+    double rows_in = 0.0;  // forward: a table's rows read across the bus (in `compute`; the link too)
+    double rows_out = 0.0; // backward: its gradient rows back (in `compute`; the device->host link too)
   };
   std::vector<Op> ops;
   for (size_t i = 0; i < n; ++i) {
     const PlannerLayer& l = in.layers[i];
     double c = compute_seconds(in, l);
     double fwd = in.training ? c / 3.0 : c;
-    if (l.lookup && !held[i]) fwd += transfer_seconds(in, l.lookup_bytes);  // rows read across the bus, on the compute stream
-    ops.push_back({i, fwd, !resident[i] && !l.lookup, 0.0});
+    // Rows read across the bus, by the compute stream: they take the link from the weights' copies too.
+    const double rows = (l.lookup && !held[i]) ? transfer_seconds(in, l.lookup_bytes) : 0.0;
+    ops.push_back({i, fwd + rows, !resident[i] && !l.lookup, 0.0});
+    ops.back().rows_in = rows;
     if (in.training) ops.back().act_out = transfer_seconds(in, l.activation_bytes);
   }
   if (in.training) {
@@ -65,6 +69,7 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
       const double rows_back = (l.lookup && !held[r] && l.trainable) ? transfer_seconds(in, l.lookup_bytes) : 0.0;
       ops.push_back({r, c * 2.0 / 3.0 + rows_back, streamed, g});
       ops.back().act_in = transfer_seconds(in, l.activation_bytes);
+      ops.back().rows_out = rows_back;
     }
   }
   const int kSteps = 4;
@@ -96,6 +101,10 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
       double start = std::max(compute_free, ready);
       prev_start = start;
       compute_free = start + op.compute;
+      // The rows share the link with the copies queued on it: they hold it as long
+      // again (the step is never shorter than the bytes it moves).
+      if (op.rows_in > 0) link_free = std::max(link_free, start) + op.rows_in;
+      if (op.rows_out > 0) d2h_free = std::max(d2h_free, start) + op.rows_out;
       if (op.streamed) slot_free[slot] = compute_free;
       if (op.grad_out > 0) d2h_free = std::max(d2h_free, compute_free) + op.grad_out;
       if (op.act_out > 0) d2h_free = std::max(d2h_free, compute_free) + op.act_out;

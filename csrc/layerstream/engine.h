@@ -687,6 +687,12 @@ std::optional<c10::VariableVersion> version_of(const torch::Tensor& t);
 // "Quantized layers kept resident"). Throws on NaN/Inf, as the packer does.
 torch::Tensor quantized_values(const torch::Tensor& weight, int64_t rows, int64_t cols, const std::string& format,
                                std::optional<torch::ScalarType> dequant = std::nullopt);
+// Whether a quantized layer kept resident rounds its values: it holds them in
+// its weight's dtype `weight`, which cannot hold every value of a wider
+// `dequant` (float32 for bf16 weights), while a streamed layer computes in
+// `dequant`; the budget then changes the numbers. offload() warns of it, in
+// both languages (Python: _C.resident_quantized_rounds).
+bool resident_quantized_rounds(torch::ScalarType weight, std::optional<torch::ScalarType> dequant);
 // A 64-bit checksum of `t`'s values (core/io/checksum.h over its bytes, copied
 // to the CPU, contiguous). A layer kept resident with quantized values tells
 // with it a write of the same values (load_state_dict of its own state_dict(),

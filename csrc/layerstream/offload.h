@@ -67,6 +67,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -154,6 +155,7 @@ class OffloadHandle {
   void suspend();
   void resume();
   bool suspended() const { return engine()->suspended(); }
+  // Fixed by offload() (detach() leaves them as they were): no lock needed.
   const std::vector<std::string>& layers() const { return names_; }  // streamed layers
   // With a budget: the layers the planner kept resident (not streamed, moved to
   // the compute device) and its placement as text; empty without a budget.
@@ -167,6 +169,9 @@ class OffloadHandle {
 
  private:
   friend std::shared_ptr<OffloadHandle> offload(torch::nn::Module&, const OffloadOptions&);
+  // Held by every method that reads or changes the members below (recursive:
+  // they call engine()); never while the model runs, which does not take it.
+  mutable std::recursive_mutex mu_;
   // Weak references to the modules of the offloaded tree: the handle may outlive
   // them (detach() then has nothing to swap back into; saved_activations()
   // throws), and keeps nothing of the user's model alive.
@@ -219,15 +224,19 @@ class StreamedBase {
   // quantized again as it loads, and a write into its weight (its version
   // counter moved, or the parameter was replaced) at its next forward, as a
   // streamed layer's is. Called by offload() after it wrote the values; ended
-  // (the values stay) by stop_quantized(), which detach() calls. Not
-  // concurrently with a call of the module.
-  void keep_quantized(const torch::Tensor& weight, std::string format, std::optional<torch::Dtype> dequant);
+  // (the values stay) by stop_quantized(), which detach() calls. A weight
+  // unfrozen since is refused at the next forward (a step's values would be
+  // quantized again), naming the layer `name`. Not concurrently with a call of
+  // the module.
+  void keep_quantized(const torch::Tensor& weight, std::string format, std::optional<torch::Dtype> dequant,
+                      std::string name);
   void stop_quantized() { quantized_.reset(); }
 
  protected:
   // keep_quantized()'s refresh of `weight` (a no-op without it): quantizes it
-  // again when it was written since (`force`: whatever its version says) with
-  // other values than the quantized ones (tensor_checksum).
+  // again when it was written since (`force`: whatever its version says; a
+  // load) with other values than the quantized ones (tensor_checksum). Without
+  // `force` (a forward), an unfrozen weight throws first.
   void refresh_quantized(const torch::Tensor& weight, bool force = false);
   // module->to() once attached: a move to the engine's compute device in the
   // weight's own dtype leaves the streamed weights in host memory (returns
@@ -253,6 +262,7 @@ class StreamedBase {
   struct Quantized {
     std::string format;
     std::optional<torch::Dtype> dequant;
+    std::string name;    // the layer's, for the errors
     const void* weight;  // the parameter's TensorImpl the values were written into
     int64_t version;     // its version counter then
     uint64_t checksum;   // the values' (tensor_checksum): a write of the same ones is not quantized again

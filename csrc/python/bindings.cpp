@@ -322,6 +322,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensor"), py::arg("saved_version"));
   m.def("tensor_checksum", &layerstream::tensor_checksum, py::arg("tensor"));  // layerstream/engine.h
+  m.def("resident_quantized_rounds", &layerstream::resident_quantized_rounds, py::arg("weight"),
+        py::arg("dequant"));  // layerstream/engine.h
   m.def("quantized_values", &layerstream::quantized_values, py::arg("weight"), py::arg("rows"), py::arg("cols"),
         py::arg("format"), py::arg("dequant") = std::nullopt,
         py::call_guard<py::gil_scoped_release>());  // layerstream/engine.h

@@ -90,6 +90,10 @@ torch::Tensor quantized_values(const torch::Tensor& weight, int64_t rows, int64_
   return out.reshape(weight.sizes()).to(weight.scalar_type());
 }
 
+bool resident_quantized_rounds(torch::ScalarType weight, std::optional<torch::ScalarType> dequant) {
+  return dequant && c10::promoteTypes(weight, *dequant) != weight;
+}
+
 uint64_t tensor_checksum(const torch::Tensor& t) {
   const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
   return checksum64(c.data_ptr(), static_cast<uint64_t>(c.numel()) * c.element_size());

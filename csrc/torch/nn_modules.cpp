@@ -131,13 +131,19 @@ bool StreamedBase::load_in_place(torch::nn::Module& self, torch::serialize::Inpu
 }
 
 void StreamedBase::keep_quantized(const torch::Tensor& weight, std::string format,
-                                  std::optional<torch::Dtype> dequant) {
-  quantized_ = Quantized{std::move(format), dequant, weight.unsafeGetTensorImpl(), weight._version(),
-                         tensor_checksum(weight)};
+                                  std::optional<torch::Dtype> dequant, std::string name) {
+  quantized_ = Quantized{std::move(format), dequant, std::move(name), weight.unsafeGetTensorImpl(),
+                         weight._version(), tensor_checksum(weight)};
 }
 
 void StreamedBase::refresh_quantized(const torch::Tensor& weight, bool force) {
   if (!quantized_ || !weight.defined()) return;
+  // As offload() refuses it and the engine refuses a streamed one unfrozen later (engine.cpp).
+  LS_CHECK(force || !weight.requires_grad(), "the weight of quantized layer '", quantized_->name,
+           "' (kept resident by the budget) was set to require grad after offload(); it holds its quantized "
+           "values, quantized again after each write, which would undo a training step. Train an adapter "
+           "beside it (LoRA) or do not quantize this layer; freeze it again (requires_grad_(false)) to run "
+           "the model.");
   if (!force && quantized_->weight == weight.unsafeGetTensorImpl() && quantized_->version == weight._version())
     return;
   torch::NoGradGuard ng;

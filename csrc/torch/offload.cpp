@@ -16,6 +16,7 @@
 #include "core/options.h"
 #include "core/planner.h"
 #include "core/slot_layout.h"
+#include "dtype_name.h"
 #include "engine_impl.h"  // src_dtype_of
 #include "layerstream/host_optim.h"
 
@@ -335,11 +336,13 @@ void warn_list(const std::string& head, const std::vector<std::string>& names, c
 // OffloadHandle
 // ---------------------------------------------------------------------------
 std::shared_ptr<Engine> OffloadHandle::engine() const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(engine_ != nullptr, "this layerstream handle was detached; call offload() again");
   return engine_;
 }
 
 EngineStats OffloadHandle::stats() const {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   EngineStats s = engine()->stats();
   if (budget_bytes_ >= 0) {  // the engine's budget is what the resident layers left for the slots
     s.budget_bytes = budget_bytes_;
@@ -348,11 +351,12 @@ EngineStats OffloadHandle::stats() const {
   return s;
 }
 
-void OffloadHandle::synchronize() { engine()->synchronize(); }
+void OffloadHandle::synchronize() { engine()->synchronize(); }  // engine(): a copy, taken under the lock
 
 // Note [Suspend] (engine.cpp): the engine frees its slots; the model's tensors on
 // the compute device are the handle's to move (as the Python Handle does).
 void OffloadHandle::suspend() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   auto e = engine();
   if (e->suspended()) return;
   e->suspend();  // first: it refuses while a layer computes
@@ -380,6 +384,7 @@ void OffloadHandle::move_back() {
 }
 
 void OffloadHandle::resume() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   auto e = engine();
   if (!e->suspended()) return;
   move_back();  // before the slots: a retry after an error redoes both
@@ -388,6 +393,7 @@ void OffloadHandle::resume() {
 }
 
 void OffloadHandle::detach() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   auto e = engine();
   move_back();  // a suspended model's tensors; no slots for detach
   moved_.clear();
@@ -433,9 +439,12 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   struct QuantizedResident {
     std::shared_ptr<torch::nn::Module> module;
     torch::Tensor weight, values;
+    std::string name;
   };
   std::vector<QuantizedResident> quantized_resident;
   std::vector<std::string> not_ours;  // torch::nn modules among them: nothing quantizes a later write
+  std::vector<std::string> rounded;   // their weights' dtype cannot hold the dequant_dtype values
+  std::optional<torch::ScalarType> rounded_dtype;
   const auto dequant = scalar_type_of(options::check_dtypes(options.dequant_dtype, options.compute_dtype).dequant);
   if (options.budget_bytes >= 0) {
     const Residency r = plan_residency(root, items, found.collected, options, qformat, ties.groups);
@@ -459,8 +468,13 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                "first (requires_grad_(false), as QLoRA does with the base model) or do not quantize");
       quantized_resident.push_back({it.module, w, quantized_values(w, w.size(0),
                                                                    w.numel() / std::max<int64_t>(w.size(0), 1),
-                                                                   options.quantize, dequant)});
+                                                                   options.quantize, dequant),
+                                    it.name});
       if (!dynamic_cast<nn::StreamedBase*>(it.module.get())) not_ours.push_back("'" + it.name + "'");
+      if (resident_quantized_rounds(w.scalar_type(), dequant)) {
+        rounded.push_back("'" + it.name + "'");
+        if (!rounded_dtype) rounded_dtype = w.scalar_type();
+      }
     }
     items = std::move(streaming);
   }
@@ -587,7 +601,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   for (auto& q : quantized_resident) {
     q.weight.copy_(q.values);
     if (auto* ours = dynamic_cast<nn::StreamedBase*>(q.module.get())) {
-      ours->keep_quantized(q.weight, options.quantize, dequant);
+      ours->keep_quantized(q.weight, options.quantize, dequant, q.name);
       handle->unbind_.push_back([weak = std::weak_ptr<torch::nn::Module>(q.module)] {
         if (auto alive = weak.lock()) dynamic_cast<nn::StreamedBase&>(*alive).stop_quantized();
       });
@@ -598,6 +612,15 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                 "quantized again (declare them layerstream::nn::Linear / Conv*d, which quantize it as a streamed "
                 "layer does): ",
             not_ours, ", ");
+  if (rounded_dtype) {  // as Python's _offload._warn_resident_rounding says it
+    const std::string held = dtype_name(*rounded_dtype), dq = dtype_name(*dequant);
+    warn_list("layerstream: " + std::to_string(rounded.size()) + " quantized layer(s) kept resident by the budget "
+                  "hold their quantized values in their weights' dtype (" + held + "), rounded from dequant_dtype=" +
+                  dq + ", while streamed layers compute in " + dq + ": the budget changes the numbers. For the "
+                  "same numbers everywhere, pass a dequant_dtype the weights' dtype holds (dequant_dtype=" + held +
+                  "), or a budget that streams them: ",
+              rounded, ", ");
+  }
   undo.armed = false;
   return handle;
 }

@@ -145,6 +145,7 @@ SavedActivations::~SavedActivations() {
 }
 
 SavedActivations OffloadHandle::saved_activations() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   LS_CHECK(activations_ >= 0, "saved_activations(): this model was offloaded without activation offload; set "
            "OffloadOptions::activations (0: every saved tensor that can goes to the host, or a device budget "
            "in bytes)");

@@ -238,8 +238,11 @@ class Handle(_RefusesCopy):
         budget = "unbounded" if h["host_budget"] < 0 else mib(h["host_budget"])
         pinned = "unlimited" if h["pinned_budget"] < 0 else mib(h["pinned_budget"])
         disk = sum(1 for d in h["on_disk"] if d)
+        # The store as made: it pins whole tensors, so more can be pageable than the
+        # plan's pageable_store_bytes (the bytes beyond the cap) says.
+        pageable = self._check().stats()["pageable_bytes"]
         return text + (f"host RAM (budget {budget}, pinned {pinned}): {mib(h['store_bytes'])} in the store"
-                f" ({mib(h['pageable_store_bytes'])} pageable), {mib(h['staging_bytes'])} of staging entries"
+                f" ({mib(pageable)} pageable), {mib(h['staging_bytes'])} of staging entries"
                 f" ({'pinned' if h['staging_pinned'] else 'pageable'})"
                 + (f", {mib(h['grad_staging_bytes'])} of gradient staging buffers" if h["grad_staging_bytes"] else "")
                 + f"; disk: {disk} layer(s), "

@@ -583,7 +583,7 @@ def _warn_resident_rounding(quantized_resident: list) -> None:
     rounded = {}
     for _, name, _, o, k, _, _, dq, _ in quantized_resident:
         dtype = o._parameters[k].dtype
-        if dq is not None and torch.promote_types(dtype, dq) != dtype:
+        if _C.resident_quantized_rounds(dtype, dq):
             rounded.setdefault(f"'{name or '<root>'}'", (dtype, dq))
     if rounded:
         dtype, dq = next(iter(rounded.values()))

@@ -340,6 +340,32 @@ TEST(Planner, LookupTablesTakeNoDeviceMemory) {
   EXPECT_EQ(p.device_bytes, 40 * MiB);
 }
 
+// A table's rows read across the bus take the link from the weights' copies:
+// a transfer-bound step is never predicted shorter than the bytes it moves
+// (inference: host->device; training: the gradient rows back too).
+TEST(Planner, LookedUpRowsAreChargedToTheLink) {
+  for (bool training : {false, true}) {
+    PlannerInput in;
+    PlannerLayer table = layer("model.embed_tokens", 100 * MiB);
+    table.lookup = true;
+    table.lookup_bytes = 20 * MiB;
+    table.trainable = training;
+    in.layers.push_back(table);
+    for (int i = 0; i < 4; ++i) in.layers.push_back(layer("l" + std::to_string(i), 10 * MiB, 1e3));
+    in.budget_bytes = 25 * MiB;  // every block streams
+    in.link_bytes_per_s = 1e9;
+    in.device_flops_per_s = 1e12;
+    in.training = training;
+    const Plan p = plan_placement(in);
+    ASSERT_EQ(p.num_resident, 0u) << p.explain();
+    if (!training) {
+      EXPECT_EQ(p.bus_bytes_per_step, 20 * MiB + 40 * MiB);
+    }
+    EXPECT_GE(p.step_time_s, static_cast<double>(p.bus_bytes_per_step) / 1e9 * (1 - 1e-9))
+        << (training ? "training" : "inference");
+  }
+}
+
 TEST(Planner, TiedHeadSharesItsTablesHostCopyOrHoldsItResident) {
   // A 100 MiB table and an lm_head tied to it. Streamed, the head reads the
   // table's host copy: pinned host bytes count it once. Kept resident, the

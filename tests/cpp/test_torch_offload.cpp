@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -1692,6 +1693,97 @@ TEST(TorchOffload, AQuantizedLayerKeptResidentLoadsItsOwnSaveUnchanged) {
   EXPECT_TRUE(torch::equal(net->layers[i]->weight, before));
   h->detach();
   std::filesystem::remove(path);
+}
+
+// A budget-kept quantized layer whose weight is unfrozen after offload() is
+// refused at its next forward, as a streamed one is (a step's values would be
+// quantized again). A dequant_dtype wider than the weights' dtype is warned of:
+// the kept values are rounded to it, the streamed ones are not
+// (resident_quantized_rounds, the rule Python's warning follows too).
+TEST(TorchOffload, AQuantizedLayerKeptResidentRefusesUnfreezingAndWarnsOfRounding) {
+  struct Collect : c10::WarningHandler {
+    std::vector<std::string> got;
+    void process(const c10::Warning& w) override { got.push_back(w.msg()); }
+  };
+  EXPECT_TRUE(layerstream::resident_quantized_rounds(torch::kBFloat16, torch::kFloat32));
+  EXPECT_FALSE(layerstream::resident_quantized_rounds(torch::kBFloat16, torch::kBFloat16));
+  EXPECT_FALSE(layerstream::resident_quantized_rounds(torch::kFloat32, torch::kBFloat16));
+  EXPECT_FALSE(layerstream::resident_quantized_rounds(torch::kBFloat16, std::nullopt));
+  for (const std::string dq : {"float32", "bfloat16"}) {
+    torch::manual_seed(8);
+    Stack net;
+    net->to(torch::kBFloat16);
+    for (auto& p : net->parameters()) p.requires_grad_(false);
+    auto opts = sim_options();
+    opts.quantize = "int8";
+    opts.dequant_dtype = dq;
+    opts.budget_bytes = 8 * 64 * 64 * 4;
+    Collect warnings;
+    std::shared_ptr<layerstream::OffloadHandle> handle;
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      handle = layerstream::offload(*net, opts);
+    }
+    ASSERT_FALSE(handle->resident_layers().empty()) << handle->plan();
+    const std::string& name = handle->resident_layers().front();
+    size_t rounding = 0;
+    for (const auto& w : warnings.got)
+      if (w.find("rounded from dequant_dtype=float32") != std::string::npos) {
+        ++rounding;
+        EXPECT_NE(w.find("'" + name + "'"), std::string::npos) << w;
+        EXPECT_NE(w.find("(dequant_dtype=bfloat16)"), std::string::npos) << w;
+      }
+    EXPECT_EQ(rounding, dq == "float32" ? 1u : 0u) << dq;
+    const auto x = torch::randn({5, 64}).to(torch::kBFloat16);
+    const auto before = net(x);
+    auto& weight = net->layers[std::stoul(name.substr(1))]->weight;
+    weight.requires_grad_(true);
+    try {
+      net(x);
+      ADD_FAILURE() << "a kept quantized weight unfrozen after offload() ran";
+    } catch (const layerstream::Error& e) {
+      EXPECT_NE(e.message().find("'" + name + "'"), std::string::npos) << e.message();
+      EXPECT_NE(e.message().find("set to require grad after offload()"), std::string::npos) << e.message();
+    }
+    weight.requires_grad_(false);
+    EXPECT_TRUE(torch::equal(net(x), before));
+    handle->detach();
+  }
+}
+
+// The handle's methods are thread-safe (offload.h): stats(), suspended() and
+// synchronize() from other threads while one detaches each return or throw
+// "detached", never read a handle half torn down (a race on engine_ before it
+// had a lock: tools/sanitize.sh's stage 3 reports one; here it may crash).
+TEST(TorchOffload, HandleMethodsFromSeveralThreadsWhileItDetaches) {
+  for (int round = 0; round < 20; ++round) {
+    Stack net;
+    auto handle = layerstream::offload(*net, sim_options());
+    net(torch::randn({2, 64}));
+    std::atomic<bool> go{false};
+    std::atomic<int> returned{0}, refused{0};
+    std::vector<std::thread> readers;
+    for (int t = 0; t < 3; ++t)
+      readers.emplace_back([&, t] {
+        while (!go.load()) std::this_thread::yield();
+        for (int i = 0; i < 200; ++i) {
+          try {
+            if (t == 0) handle->stats();
+            if (t == 1) handle->suspended();
+            if (t == 2) handle->synchronize();
+            ++returned;
+          } catch (const layerstream::Error& e) {
+            EXPECT_NE(e.message().find("detached"), std::string::npos) << e.message();
+            ++refused;
+          }
+        }
+      });
+    go = true;
+    handle->detach();
+    for (auto& r : readers) r.join();
+    EXPECT_EQ(returned + refused, 3 * 200);
+    EXPECT_THROW(handle->stats(), layerstream::Error);
+  }
 }
 
 // OffloadOptions::train: the budget covers the resident trainable weights'

@@ -571,6 +571,9 @@ def test_gguf_file_plans_the_file_blocks(tmp_path):
     assert fp32["plan"]["slot_bytes"] == q8 + 1024 * 512 * 4
     r = run("--checkpoint", path, "--budget", "6MiB")
     assert r.returncode == 0 and "8 weight(s) cross as the file's blocks, dequantized in the slot to BF16" in r.stdout
+    # --quantize reaches only a GGUF's dense weights, and the inputs line says so (here: none).
+    r = run("--checkpoint", path, "--budget", "6MiB", "--quantize", "int8")
+    assert r.returncode == 0 and "quantize int8 (none applies: every weight crosses as the file's blocks)" in r.stdout
     assert_one_line_error(run("--checkpoint", tmp_path / "none.gguf", "--budget", "1GiB"), 1, "does not exist")
 
 
@@ -589,6 +592,8 @@ def test_gguf_plain_float_tensors_are_planned_in_the_models_dtype(tmp_path):
         layers = plan_json(*args, "--dense-dtype", dtype)["plan"]["layers"]
         assert [l["bytes"] for l in layers] == [64 * 64 * size] * 2, (dtype, layers)
     assert [l["bytes"] for l in plan_json("--checkpoint", path, "--budget", "1MiB")["plan"]["layers"]] == [8192] * 2
+    r = run("--checkpoint", path, "--budget", "1MiB", "--quantize", "int8")
+    assert r.returncode == 0 and "quantize int8 (the 2 dense weight(s) only; the file's blocks cross as" in r.stdout
 
 
 def test_host_budget_shows_the_layers_from_disk_and_the_step_with_the_disk(st_file):

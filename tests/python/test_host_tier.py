@@ -546,6 +546,21 @@ def test_the_gradients_staging_buffers_count_in_the_host_budget(tmp_path):
     assert layerstream.offload(frozen, device="sim", host_budget=weights).host_plan["grad_staging_bytes"] == 0
 
 
+def test_the_plan_says_the_pageable_bytes_the_store_made():
+    """The store pins whole tensors: under a pinned budget below one weight only the
+    biases are pinned. handle.plan said the bytes beyond the cap were pageable (a
+    weight's worth too few); it says what the store made (stats' pageable_bytes)."""
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).requires_grad_(False)
+    weight, bias = 64 * 64 * 4, 64 * 4
+    handle = layerstream.offload(model, device="sim", pinned_budget=weight - 1)
+    h = handle.host_plan
+    assert h["store_bytes"] == 4 * (weight + bias)
+    assert h["pageable_store_bytes"] == h["store_bytes"] - (weight - 1)  # the floor the cap gives
+    assert handle.stats()["pageable_bytes"] == 4 * weight  # every weight, no bias
+    assert f"({4 * weight / 2**20:.2f} MiB pageable)" in handle.plan, handle.plan
+    handle.detach()
+
+
 def test_gradient_staging_buffers_beyond_the_pinned_budget_are_pageable():
     """The gradients' staging buffers are pinned within what the pinned budget leaves
     after the staging entries (host_plan["grad_pinned_cap"]); beyond it they are

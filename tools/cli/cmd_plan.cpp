@@ -500,9 +500,16 @@ int cmd_plan(int argc, char** argv) {
     if (!tied_table.empty())
       std::printf("        lm_head: not in the checkpoint, tied to %s (per %s); planned as offload() runs it\n",
                   tied_table.c_str(), config_json_beside(checkpoint).c_str());
+    std::string quantize = to_string(opt.quantize);
+    if (gguf && opt.quantize != Quantization::None) {  // the file's blocks cross as they are
+      size_t dense = 0;
+      for (const auto& l : desc.layers) dense += l.dense_dtype.empty() ? 1 : 0;
+      quantize += dense ? " (the " + std::to_string(dense) + " dense weight(s) only; the file's blocks cross as they are)"
+                        : std::string(" (none applies: every weight crosses as the file's blocks)");
+    }
     std::printf("inputs: %llu tokens/step%s, quantize %s%s%s, link %g GB/s, device %g TFLOP/s\n\n",
                 static_cast<unsigned long long>(opt.tokens), opt.training ? " (training)" : "",
-                to_string(opt.quantize), opt.compute_dtype.empty() ? "" : ", compute dtype ",
+                quantize.c_str(), opt.compute_dtype.empty() ? "" : ", compute dtype ",
                 opt.compute_dtype.c_str(), link_gbps, tflops);
     std::fputs(plan.explain(!host_budget_s.empty()).c_str(), stdout);
     if (max_prefetch == 0)
