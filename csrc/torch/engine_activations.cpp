@@ -374,10 +374,46 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
     Stashed& q = prev->second;
     if (!q.offloaded || kept_until_copied(q)) continue;
     const bool served = q.handed_out && (!again || (task != -1 && q.handed_task == task));
-    if (!served && !q.copying_back) copy_back_locked(q);
+    if (!served && !q.copying_back) {
+      copy_back_locked(q);
+      q.prefetch_task = task;
+      if (task != -1 && act_callback_task_ != task) {
+        act_callback_task_ = task;
+        torch::autograd::Engine::get_default_engine().queue_callback(
+            [weak = weak_from_this(), task] {
+              if (auto self = weak.lock()) {
+                LetGoAfterUnlock let_go_after;
+                std::lock_guard<std::recursive_mutex> lock(self->mu_);
+                self->release_unserved_locked(task);
+              }
+            });
+      }
+    }
     --ahead;
   }
   return out;
+}
+
+// Note [Copies back that no backward reads]: the prefetch above copies back the
+// entries saved before the one unpacked, which may be another graph's (a
+// validation loss kept with its graph, never backpropagated) or ones this
+// backward does not reach (torch.autograd.grad of part of a graph). Kept, they
+// held device memory until their graph was freed. At the end of the backward
+// (its final callback; one that raised keeps them until their graph goes) the
+// device copies it did not hand out are freed; their host copies stay, and a
+// later backward copies them back again.
+void EngineImpl::release_unserved_locked(int task) {
+  for (auto& entry : stashed_) {
+    Stashed& s = entry.second;
+    if (!s.copying_back || s.prefetch_task != task) continue;
+    backend_->synchronize(s.to_device);  // the copy into it has finished
+    if (s.restored_ref.id) backend_->unwrap(s.restored_ref);
+    s.restored_ref = BufferRef();
+    let_go_locked(s.restored);
+    s.copying_back = false;
+    s.prefetch_task = -1;
+    note_activation_bytes_locked(-static_cast<int64_t>(s.bytes));
+  }
 }
 
 void EngineImpl::drop_activation(int64_t token, bool order_reuse) {

@@ -652,6 +652,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     bool copying_back = false;
     bool handed_out = false;  // a copy back was handed to autograd (handed_out_ counts its bytes)
     int handed_task = -1;     // the graph task of the last hand-out (-1: outside a backward)
+    int prefetch_task = -1;   // the graph task whose prefetch started the copy back
     std::optional<c10::VariableVersion> version;  // the saved tensor's counter (check_saved_version)
     uint32_t saved_version = 0;
   };
@@ -674,6 +675,12 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   bool offload_locked(int64_t token, Stashed& s);
   // Starts copying `s` back on the transfer stream (into s.restored).
   void copy_back_locked(Stashed& s);
+  // Note [Copies back that no backward reads]: at the end of graph task
+  // `task`, the entries its prefetch copied back and it did not hand out
+  // free their device copies (host-only again). act_callback_task_: the task
+  // that has the callback queued.
+  void release_unserved_locked(int task);
+  int act_callback_task_ = -1;
   // On a GPU, an entry whose copy to the host has not finished still holds its
   // tensor (memory not torch's allocator's): restore hands that back as it is,
   // and prefetch skips it. The sim copies it back, as a GPU must for the

@@ -57,7 +57,10 @@ class EngineHooks final : public torch::autograd::SavedVariableHooks {
     if (!t.has_storage() || !keep_->count(t.storage().unsafeGetStorageImpl())) token_ = engine_->stash_activation(t);
     keep_ = nullptr;  // the scope may end before backward
     if (token_ < 0) {
-      kept_ = t;
+      // Detached: an op saving its own output hands it over with its grad_fn, which
+      // kept here would make the graph refer to itself (never freed without a
+      // backward). Autograd restores the history at unpack; the version counter is shared.
+      kept_ = t.detach();
       version_ = version_of(t);
       if (version_) saved_version_ = version_->current_version();
     }

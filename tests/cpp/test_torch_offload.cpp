@@ -1995,6 +1995,53 @@ TEST(TorchOffload, SavedActivationsOfAnOffloadedModelGoToTheHost) {
   }
 }
 
+// A saved tensor the engine does not take (here: off the compute device) is
+// kept by the scope's hook. An op that saves its own output (sigmoid) hands the
+// hook the output with its grad_fn: kept as it was, the graph referred to
+// itself and a forward whose backward never ran was never freed. The hook keeps
+// it detached (as Python's _Kept does); the gradient stays the same.
+TEST(TorchOffload, AForwardWithoutBackwardInASavedActivationsScopeIsFreed) {
+  layerstream::nn::Linear net(8, 8);
+  auto o = sim_options();
+  o.activations = 0;
+  auto handle = layerstream::offload(*net, o);
+  auto freed = [&](bool scoped, const torch::TensorOptions& where) {
+    auto x = torch::randn({1024}, where).requires_grad_();
+    c10::weak_intrusive_ptr<torch::autograd::Node> node(c10::intrusive_ptr<torch::autograd::Node>{});
+    {
+      torch::Tensor y;
+      if (scoped) {
+        auto saved = handle->saved_activations();
+        y = (x * 2).sigmoid();
+      } else {
+        y = (x * 2).sigmoid();
+      }
+      node = c10::weak_intrusive_ptr<torch::autograd::Node>(y.grad_fn());
+    }
+    return node.expired();
+  };
+  const auto meta = torch::TensorOptions().device(torch::kMeta);  // not the compute device: kept
+  EXPECT_TRUE(freed(false, meta));
+  EXPECT_TRUE(freed(true, meta));
+  // A kept tensor still reaches its backward: mul saves the model's weight (a
+  // parameter: kept) and the input (taken); the gradients are the same.
+  auto x = torch::randn({8, 8}, torch::requires_grad());
+  auto grads = [&](bool scoped) {
+    x.mutable_grad().reset();
+    torch::Tensor y;
+    if (scoped) {
+      auto saved = handle->saved_activations();
+      y = (x * net->weight).tanh().sum();
+    } else {
+      y = (x * net->weight).tanh().sum();
+    }
+    y.backward();
+    return x.grad().clone();
+  };
+  EXPECT_TRUE(torch::equal(grads(true), grads(false)));
+  handle->detach();
+}
+
 TEST(TorchOffload, AChildForkedAfterOffloadIsRefusedAndDropsNothingOfTheParents) {
   // Note [An engine belongs to the process that made it] (csrc/torch/engine.cpp):
   // fork() leaves the engine's threads in the parent, so a child's call would wait

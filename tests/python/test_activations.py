@@ -416,6 +416,44 @@ def test_retain_graph_backwards_count_each_copy_back_only_while_autograd_holds_i
     assert handle.stats()["activation_device_bytes"] == 0
 
 
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_a_backward_frees_the_copies_back_it_did_not_hand_out(offload_sim, prefetch):
+    """Note [Copies back that no backward reads]: a backward's prefetch copies back the
+    tensors saved before the one it unpacks. Those of a graph kept without a backward (a
+    validation loss kept with its graph), or of the part of a graph torch.autograd.grad does
+    not reach, stayed on the device until their graph was freed (activation_device_bytes
+    256 KiB after each step, here). They are freed at the end of the backward; the gradients
+    are the same, and the kept graph's own backward still is."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, activations="host", prefetch=prefetch)
+    x = torch.randn(128, 256)
+    kept, kept_ref = model(x).square().sum(), ref(x).square().sum()
+    handle.synchronize()
+    _train(model, ref, torch.randn(128, 256))
+    handle.synchronize()
+    assert handle.stats()["activation_device_bytes"] == 0, handle.stats()
+    kept.backward()
+    kept_ref.backward()
+    assert_grads_match(model, ref, exact=True)
+    assert handle.stats()["activation_device_bytes"] == 0
+    # Part of a graph: the gradient of an inner output; the first layers' saved
+    # tensors are not unpacked, while the graph lives on.
+    mids = {}
+    for m, key in ((model, "model"), (ref, "ref")):
+        m[3].register_forward_hook(lambda mod, args, out, key=key: mids.__setitem__(key, out))
+    x = torch.randn(128, 256)
+    loss, loss_ref = model(x).square().sum(), ref(x).square().sum()
+    (g,) = torch.autograd.grad(loss, mids["model"])
+    (g_ref,) = torch.autograd.grad(loss_ref, mids["ref"])
+    assert torch.equal(g, g_ref)
+    handle.synchronize()
+    assert handle.stats()["activation_device_bytes"] == 0, handle.stats()
+    del loss, loss_ref, mids
+    assert handle.stats()["activation_device_bytes"] == 0
+    assert handle.ordering_errors() == []
+
+
 def test_a_read_before_the_copy_back_lands_is_an_ordering_error():
     """The checker's view of the protocol: a restore that does not order the compute
     stream after its copy back (order_compute=False) is reported."""
