@@ -116,6 +116,15 @@ def test_demo_numbers_checked_independently(demo_run):
     assert total >= 3 * streamed, (total, streamed)
 
 
+def test_demo_default_budget_holds_the_resident_tensors_and_three_slots(demo_run):
+    """The default budget counts the resident tensors (embeddings, norms) as offload()
+    does: it was 3 slots with nothing for them, so the demo ran with 2 slots, prefetch 1."""
+    out = demo_run.stdout
+    assert "then room for 3 slots" in out, out
+    slots = next(l for l in out.splitlines() if l.startswith("slots "))
+    assert slots.split()[1] == "3" and slots.endswith("prefetch 2"), slots
+
+
 def test_demo_peak_within_printed_budget(demo_run):
     line = next(l for l in demo_run.stdout.splitlines() if l.startswith("peak device bytes"))
     words = line.split()

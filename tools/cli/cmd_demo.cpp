@@ -51,9 +51,11 @@ const char* kHelp =
     "\n"
     "  --steps N        training steps (default 30)\n"
     "  --device D       auto | sim | cuda | cuda:N (default auto: CUDA when visible)\n"
-    "  --budget SIZE    device bytes for streamed weights, e.g. 2MiB (a byte count;\n"
-    "                   default: 1/4 of the streamed bytes, at least 3 slots of the\n"
-    "                   largest layer)\n"
+    "  --budget SIZE    device bytes, e.g. 2MiB (a byte count), as offload() takes\n"
+    "                   it: the resident tensors (embeddings, norms; with --full their\n"
+    "                   gradients and AdamW states too) and the streamed weights'\n"
+    "                   slots (default: the resident tensors plus 1/4 of the streamed\n"
+    "                   bytes, at least 3 slots of the largest layer)\n"
     "  --layers N       transformer blocks (default 4)\n"
     "  --seed N         seed of the initial weights and batches (default 0)\n"
     "  --text PATH      training text (default /usr/share/common-licenses/GPL-3, else\n"
@@ -181,6 +183,7 @@ struct StreamedSize {
   size_t bytes = 0;       // weight + bias bytes of every streamed Linear
   size_t slot_bytes = 0;  // the engine's slot size: largest layer, 256-aligned parts
   std::string largest;
+  size_t rest_bytes = 0;  // every other parameter and buffer: resident, inside the budget
 };
 
 StreamedSize streamed_size(GPT& model) {
@@ -198,6 +201,10 @@ StreamedSize streamed_size(GPT& model) {
       s.largest = item.key();
     }
   }
+  size_t all = 0;
+  for (const auto& p : model->parameters()) all += static_cast<size_t>(p.numel() * p.element_size());
+  for (const auto& t : model->buffers()) all += static_cast<size_t>(t.numel() * t.element_size());
+  s.rest_bytes = all - s.bytes;
   return s;
 }
 
@@ -321,12 +328,16 @@ int run_demo(const DemoOptions& o) {
   for (const auto& p : resident->parameters()) params += p.numel();
   int64_t budget = o.budget;
   const int64_t min_budget = static_cast<int64_t>(2 * size.slot_bytes);
+  // The budget holds the resident tensors too (offload(budget=)); with --full their
+  // gradients and two fp32 AdamW states (all fp32 here), as the planner counts them.
+  const int64_t resident_bytes = static_cast<int64_t>(size.rest_bytes) * (o.full ? 4 : 1);
   if (budget < 0) {
     budget = std::max<int64_t>(static_cast<int64_t>(size.bytes / 4), static_cast<int64_t>(3 * size.slot_bytes));
     budget = static_cast<int64_t>(layerstream::slot_layout::align(static_cast<uint64_t>(budget)));
     if (static_cast<uint64_t>(budget) >= size.bytes) budget = min_budget;  // a small model: 2 slots
+    budget += resident_bytes;
   }
-  if (o.budget < 0 && static_cast<uint64_t>(budget) >= size.bytes) {
+  if (o.budget < 0 && static_cast<uint64_t>(budget - resident_bytes) >= size.bytes) {
     throw UsageError{"the model's weights (" + std::to_string(size.bytes) + " bytes) fit in 2 slots of its "
                      "largest layer: nothing would stream. Pass more --layers"};
   } else if (budget < min_budget) {
@@ -348,10 +359,12 @@ int run_demo(const DemoOptions& o) {
   std::printf("streamed %d Linear layers, %s of weights (largest '%s': one slot = %s)\n", size.layers,
               mib(static_cast<double>(size.bytes)).c_str(), size.largest.c_str(),
               mib(static_cast<double>(size.slot_bytes)).c_str());
-  std::printf("budget   %s = %lld bytes (%.1fx smaller than the streamed weights; the size of %lld slots)\n",
+  std::printf("budget   %s = %lld bytes (%.1fx smaller than the streamed weights; %s of resident tensors%s, "
+              "then room for %lld slots)\n",
               mib(static_cast<double>(budget)).c_str(), static_cast<long long>(budget),
               static_cast<double>(size.bytes) / static_cast<double>(budget),
-              static_cast<long long>(budget / static_cast<int64_t>(size.slot_bytes)));
+              mib(static_cast<double>(resident_bytes)).c_str(), o.full ? " with their gradients and AdamW states" : "",
+              static_cast<long long>(std::max<int64_t>(budget - resident_bytes, 0) / static_cast<int64_t>(size.slot_bytes)));
   std::printf("training %d steps, batch %lld x %lld tokens, AdamW lr %g, same batches for both models "
               "(CPU threads: %d)\n",
               o.steps, static_cast<long long>(kBatch), static_cast<long long>(kContext), kLr, at::get_num_threads());
