@@ -279,13 +279,16 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
               "; a budget of at least ", format_bytes(needed_b), " (", needed_b,
               " bytes) is needed", resident_note,
               L_slot > L.bytes && !L.narrow_write
-                  ? " (or have the device write a narrower dtype, e.g. dequant_dtype / compute_dtype bfloat16: the "
-                    "slot holds that weight too)"
+                  ? std::string(" (or have the device write a narrower dtype, e.g. ") +
+                        (in.cli ? "--compute-dtype bf16 / --dense-dtype bf16" : "dequant_dtype / compute_dtype bfloat16") +
+                        ": the slot holds that weight too)"
               : L.as_stored ? " (it streams as stored: quantization does not apply to it)"
               : L_slot > L.bytes ? ""
                                  : " (or quantize the weights, e.g. to nf4)",
               L.stored_slot_bytes && L.stored_slot_bytes < L_slot
-                  ? " (streamed as stored, without quantize= / compute_dtype, it would need a slot of " +
+                  ? std::string(" (streamed as stored, without ") +
+                        (in.cli ? "--quantize / --compute-dtype" : "quantize= / compute_dtype") +
+                        ", it would need a slot of " +
                         format_bytes(L.stored_slot_bytes) + ": what crosses the bus shrinks, but the slot also holds "
                         "the weight written from it)"
                   : std::string());

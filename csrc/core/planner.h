@@ -101,6 +101,7 @@ struct PlannerInput {
   // flight, so the plan's depth and copy times use it.
   int prefetch_depth = -1;
   bool training = false;               // forward + backward pass (streamed layers cross twice)
+  bool cli = false;                    // errors name `layerstream plan`'s flags, not offload()'s options
 };
 
 struct LayerPlacement {

@@ -27,13 +27,15 @@ namespace layerstream {
 // ------------------------------------------------------ model descriptions
 
 Quantization parse_quantization(const std::string& s) {
-  if (s == "none") return Quantization::None;
-  if (s == "int8") return Quantization::Int8;
-  if (s == "fp8") return Quantization::FP8;
-  if (s == "nf4") return Quantization::NF4;
-  if (s == "int4") return Quantization::Int4;
-  if (s == "lossless") return Quantization::Lossless;
-  LS_FAIL("unknown quantization ", json::quote(s), " (valid: none, int8, fp8, nf4, int4, lossless)");
+  switch (quant::parse_format(s)) {  // the names offload(quantize=) takes, aliases too (core/quant.h)
+    case quant::Format::None: return Quantization::None;
+    case quant::Format::Int8: return Quantization::Int8;
+    case quant::Format::Fp8E4M3: return Quantization::FP8;
+    case quant::Format::NF4: return Quantization::NF4;
+    case quant::Format::Int4: return Quantization::Int4;
+    case quant::Format::Lossless: return Quantization::Lossless;
+    default: LS_FAIL("unknown quantization ", json::quote(s), " (valid: none, int8, fp8, nf4, int4, lossless)");
+  }
 }
 
 const char* to_string(Quantization q) {

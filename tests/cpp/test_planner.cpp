@@ -992,7 +992,9 @@ TEST(Models, QuantizedBytes) {
   // packed size, 1348 B here, the CLI's figures 6.7x off what offload() moved).
   EXPECT_EQ(quantized_weight_bytes({10, 100}, "F16", Quantization::Int4), 1000u * 2);
   EXPECT_EQ(parse_quantization("nf4"), Quantization::NF4);
-  EXPECT_HAS(error_of([] { parse_quantization("int3"); }), "unknown quantization \"int3\" (valid: none, int8");
+  EXPECT_HAS(error_of([] { parse_quantization("int3"); }), "unknown quantization format 'int3'; valid formats are: int8");
+  EXPECT_EQ(parse_quantization("e4m3"), Quantization::FP8);  // offload()'s aliases too
+  EXPECT_EQ(parse_quantization("FP8_E4M3"), Quantization::FP8);
 }
 
 TEST(Models, LayerSpecsFlopsAndQuantization) {

@@ -302,7 +302,7 @@ def test_unknown_model():
     ((), "exactly one of --checkpoint"),
     (("--model", "llama-7b"), "--budget SIZE is required"),
     (("--model", "llama-7b", "--budget", "lots"), 'invalid size "lots"'),
-    (("--model", "llama-7b", "--budget", "1GB", "--quantize", "int3"), 'unknown quantization "int3"'),
+    (("--model", "llama-7b", "--budget", "1GB", "--quantize", "int3"), "unknown quantization format 'int3'"),
     (("--model", "llama-7b", "--budget", "1GB", "--tokens", "-5"), "--tokens expects a positive integer"),
     (("--model", "llama-7b", "--budget", "1GB", "--link-gbps", "fast"), "--link-gbps expects"),
     (("--model", "llama-7b", "--budget", "1GB", "--frobnicate"), 'unknown option "--frobnicate"'),
@@ -575,6 +575,43 @@ def test_gguf_file_plans_the_file_blocks(tmp_path):
     r = run("--checkpoint", path, "--budget", "6MiB", "--quantize", "int8")
     assert r.returncode == 0 and "quantize int8 (none applies: every weight crosses as the file's blocks)" in r.stdout
     assert_one_line_error(run("--checkpoint", tmp_path / "none.gguf", "--budget", "1GiB"), 1, "does not exist")
+
+
+def test_plan_texts_name_its_own_flags_and_sources(tmp_path):
+    """The "too small" advice named offload()'s options (dequant_dtype / compute_dtype)
+    and a GGUF file's routed share was said to come from "config.json"; `plan` names its
+    flags and the file's metadata. --quantize takes offload()'s aliases (e4m3)."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+    from conftest import gguf_random_blocks, write_gguf
+
+    path = write_gguf(tmp_path / "q8.gguf", [(f"blocks.{i}.mlp.fc.weight", (1024, 512), "Q8_0",
+                                              gguf_random_blocks("Q8_0", 1024, 512)) for i in range(4)])
+    r = run("--checkpoint", path, "--budget", "1MiB", "--dense-dtype", "fp32")
+    assert r.returncode == 1 and "--compute-dtype bf16 / --dense-dtype bf16" in r.stderr, r.stderr
+    assert "dequant_dtype" not in r.stderr and "quantize=" not in r.stderr, r.stderr
+    assert plan_json("--checkpoint", path, "--budget", "8MiB", "--quantize", "e4m3")["options"]["quantize"] == "fp8"
+
+    moe = tmp_path / "moe.gguf"
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(moe), "qwen3moe")
+    w.add_expert_count(8)
+    w.add_expert_used_count(2)
+    w.add_block_count(1)
+    for name, shape in (("ffn_gate_exps", (8, 128, 64)), ("ffn_up_exps", (8, 128, 64)), ("ffn_down_exps", (8, 64, 128))):
+        a = rng.standard_normal(shape).astype(np.float32) * 0.02
+        w.add_tensor(f"blk.0.{name}.weight", quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((8, 64)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = run("--checkpoint", moe, "--budget", "1MiB", "--tokens", "1")
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if "mixture-of-experts" in l)
+    assert "(the file's metadata)" in line and "config.json" not in line, line
 
 
 def test_gguf_plain_float_tensors_are_planned_in_the_models_dtype(tmp_path):

@@ -403,6 +403,7 @@ int cmd_plan(int argc, char** argv) {
   // the text says the prediction assumes the overlap prefetch 0 gives up.
   in.max_prefetch = std::max(1, max_prefetch);
   in.training = opt.training;
+  in.cli = true;
   Plan plan = plan_placement(in);
   std::string host_text, host_json = "null";
   if (!host_budget_s.empty()) {
@@ -484,7 +485,7 @@ int cmd_plan(int argc, char** argv) {
       groups += l.group ? 1 : 0;
       if (l.group && l.active < 1.0 && experts_active <= 0) experts_active = l.active;  // a built-in's own
     }
-    const char* active_from = have_checkpoint ? "config.json" : "built-in";
+    const char* active_from = gguf ? "the file's metadata" : have_checkpoint ? "config.json" : "built-in";
     if (groups && experts_active > 0) {
       const double reach = experts_reached(experts_active, opt.tokens);
       std::printf("        %zu mixture-of-experts group(s), one slot each; a token runs %.3g%% of the experts "
