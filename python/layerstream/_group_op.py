@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import itertools
 import threading
 import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -48,9 +49,10 @@ _ops = torch.ops.layerstream
 
 # (engine id, layer) -> the group's _GroupForward (weak: detach() or a freed model ends it and its entry).
 _GROUPS: Dict[Tuple[int, int], "weakref.ref"] = {}
-# (engine id, layer, call) -> (single, which outputs are None): how the operator's list of
-# tensors maps back onto what the module returns; set by the kernels (fake and real).
-_PATTERNS: Dict[Tuple[int, int, str], Tuple[bool, Tuple[bool, ...]]] = {}
+# (engine id, layer, call) -> the pattern of what the module returns, how the operator's list
+# of tensors maps back onto it (Note [A compiled group's own container]); set by the
+# kernels (fake and real).
+_PATTERNS: Dict[Tuple[int, int, str], object] = {}
 # The calls whose fake kernel could not run the module (shapes that depend on the routing)
 # and promised the first input's shape and dtype instead: the real kernel checks them.
 _LIKE_FIRST_INPUT: set = set()
@@ -289,7 +291,7 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
             with torch.autocast(dev.type, dtype=autocast[1], enabled=autocast[0]), _cast_cache(autocast[2]), \
                     _recompute_buffers(fwd._module, written):
                 out = fwd._original(*args, **kwargs)
-            outs = torch.utils._pytree.tree_leaves(out)  # as flatten_outputs / check_outputs list them
+            outs = torch.utils._pytree.tree_leaves(out)  # as flatten_outputs lists them
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
             wanted = [t for t in inputs + ex + views if t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
@@ -312,21 +314,11 @@ def recompute_gradients(fwd, rebuild: Callable, saved: Sequence[torch.Tensor], n
     return result[:n_in], result[n_in:n_in + n_ex], host
 
 
-def check_outputs(fwd, out) -> Tuple[bool, tuple]:
-    """(single tensor?, the outputs as a tuple) of what a group's module returned;
-    anything but a tensor or a tuple of tensors and Nones is refused."""
-    if isinstance(out, torch.Tensor):
-        return True, (out,)
-    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
-        return False, tuple(out)  # None entries: nn.MultiheadAttention without attention weights
-    raise LayerstreamError(f"streamed layer '{fwd._name}' returned {type(out).__name__}; a streamed "
-                           f"tensor group must return a tensor or a tuple of tensors (or None)")
-
-
 def flatten_outputs(fwd, out) -> Tuple[list, object]:
-    """(tensors, tree spec) of what a group's module returned eagerly: a tensor, or a
-    tuple, namedtuple, list or dict of tensors and Nones, which the caller gets back in
-    its own type (torch.utils._pytree); anything else is refused."""
+    """(tensors, tree spec) of what a group's module returned: a tensor, or a tuple,
+    namedtuple, list or dict of tensors and Nones, which the caller gets back in its own
+    type (torch.utils._pytree; compiled: Note [A compiled group's own container]);
+    anything else is refused."""
     leaves, spec = torch.utils._pytree.tree_flatten(out)
     if leaves and all(o is None or isinstance(o, torch.Tensor) for o in leaves):
         return leaves, spec
@@ -432,11 +424,88 @@ def traced(fwd, args, kwargs):
                      torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), fwd._layout)
     engine = fwd._engine.id
     outs = _ops.group(tensors, params, engine, fwd._index, call)
-    single, nones = _pattern(engine, fwd._index, call)
-    if single:
-        return outs[0]
-    it = iter(outs)
-    return tuple(None if n else next(it) for n in nones)
+    return _build(_pattern(engine, fwd._index, call), iter(outs))
+
+
+# Note [A compiled group's own container]
+# Eagerly, a group's outputs are flattened by torch.utils._pytree and the caller gets them
+# back in the module's own container from the tree spec (flatten_outputs). Compiled, the
+# operator returns a list of tensors, and traced() rebuilds the container in the code
+# Dynamo traces, from the pattern the fake kernel recorded at trace time (`_pattern`, a
+# constant there; the real kernel checks that every call returns the same). The tree spec
+# itself is no such constant: Dynamo wraps what assume_constant_result returns with a
+# source it cannot evaluate once it reads the object's attributes (torch 2.14: NameError
+# at trace time), and a spec read from a module dict is guarded field by field at every
+# call. So the pattern is a literal, derived from the tree spec (the leaves in pytree's
+# order, which the backward's recompute pairs with the gradients): None, "Tensor", or
+# (kind, key, children) for a tuple, a list, a dict (key: its keys, which must be plain
+# literals) or a namedtuple (key: the id of its class, which traced code looks up in
+# _TYPES; Dynamo guards that one entry, which never changes). Any other container (an
+# OrderedDict, a structseq, a transformers ModelOutput) is refused at trace time, with
+# what to change.
+_TYPES: Dict[int, type] = {}
+
+
+def _build(pattern, tensors):
+    """The module's container of `pattern` (_pattern_of), holding the tensors from the
+    iterator `tensors` in order and None where the module returned None."""
+    if pattern is None:
+        return None
+    if pattern == "Tensor":
+        return next(tensors)
+    kind, key, children = pattern
+    values = [_build(c, tensors) for c in children]
+    if kind == "tuple":
+        return tuple(values)
+    if kind == "list":
+        return values
+    if kind == "dict":
+        return dict(zip(key, values))
+    return _TYPES[key](*values)
+
+
+def _pattern_of(fwd, leaves: Sequence[Optional[torch.Tensor]], spec):
+    """The literal pattern of what a group's module returned (flatten_outputs' `leaves`
+    and `spec`), for a compiled call (Note [A compiled group's own container])."""
+    it = iter(leaves)
+
+    def walk(s):
+        if s.is_leaf():
+            return None if next(it) is None else "Tensor"
+        children = tuple(walk(c) for c in s.children())
+        if s.type in (tuple, list):
+            return s.type.__name__, None, children
+        if s.type is dict and all(isinstance(k, _LITERALS) for k in s.context):
+            return "dict", tuple(s.context), children
+        if s.type is torch.utils._pytree.namedtuple:
+            _TYPES.setdefault(id(s.context), s.context)
+            return "namedtuple", id(s.context), children
+        what = f"a dict keyed by {sorted({type(k).__name__ for k in s.context})}" if s.type is dict else \
+            getattr(s.type, "__name__", str(s.type))
+        raise LayerstreamError(
+            f"streamed layer '{fwd._name}' returned {what} under torch.compile, where a streamed tensor group "
+            f"returns a tensor, or a tuple, namedtuple, list or dict (keys str, int, float, bool or None) of them "
+            f"and Nones, nested or not; return one of those, or call the module outside the compiled code "
+            f"(torch.compiler.disable), or keep it resident (offload(exclude=[{fwd._name!r}]))")
+    return walk(spec)
+
+
+def _structure(pattern) -> str:
+    """A pattern as the module's container holding "Tensor" and None, for messages."""
+    return repr(_build(pattern, itertools.repeat(_TENSOR)))
+
+
+def _nones(pattern) -> List[bool]:
+    """Per leaf of the pattern, in pytree's order: whether the module returned None there."""
+    return [o is None for o in torch.utils._pytree.tree_leaves(_build(pattern, itertools.repeat(_TENSOR)))]
+
+
+class _Placeholder:
+    def __repr__(self):
+        return "Tensor"
+
+
+_TENSOR = _Placeholder()
 
 
 # ---- the kernels ----
@@ -520,18 +589,18 @@ def _group_kernel(inputs, params, engine, layer, call):
     fwd, c = _group(engine, layer), _parse(call)
     rng = _rng_tensor(fwd._device)
     with _as_eager():
-        single, outs = check_outputs(fwd, _run(fwd, c, inputs))
-    pattern = (single, tuple(o is None for o in outs))
+        outs, spec = flatten_outputs(fwd, _run(fwd, c, inputs))
+    pattern = _pattern_of(fwd, outs, spec)
     expected = _PATTERNS.get((engine, layer, call))
     if expected is not None and expected != pattern:
-        raise LayerstreamError(f"streamed layer '{fwd._name}' returned {len(outs)} outputs (None at "
-                               f"{pattern[1]}) where the traced call returned None at {expected[1]}; a "
-                               f"compiled tensor group must return the same structure on every call")
+        raise LayerstreamError(f"streamed layer '{fwd._name}' returned {_structure(pattern)} where the traced "
+                               f"call returned {_structure(expected)}; a compiled tensor group must return the "
+                               f"same structure on every call")
     _PATTERNS[(engine, layer, call)] = pattern
     if (engine, layer, call) in _LIKE_FIRST_INPUT:
         args, _ = c.rebuild(inputs)
         first = args[0] if args else inputs[0]
-        if not single or outs[0].shape != first.shape or outs[0].dtype != first.dtype:
+        if pattern != "Tensor" or outs[0].shape != first.shape or outs[0].dtype != first.dtype:
             raise LayerstreamError(
                 f"streamed layer '{fwd._name}' returned {[tuple(o.shape) for o in outs if o is not None]} where its "
                 f"compiled call promised one tensor shaped like its first input {tuple(first.shape)} "
@@ -597,8 +666,8 @@ def fake(inputs, params, engine, layer, call):
     finally:
         for (o, k), p in zip(fwd._slots, held):
             o._parameters[k] = p
-    single, outs = check_outputs(fwd, out)
-    _PATTERNS[(engine, layer, call)] = (single, tuple(o is None for o in outs))
+    outs, spec = flatten_outputs(fwd, out)
+    _PATTERNS[(engine, layer, call)] = _pattern_of(fwd, outs, spec)
     return [torch.empty_like(o, requires_grad=False) for o in outs if o is not None] + \
         [torch.empty(_rng_tensor(fwd._device).shape, dtype=torch.uint8)]
 
@@ -609,9 +678,8 @@ def _group_backward_kernel(grads, inputs, rng, engine, layer, call, mask):
     fwd, c = _group(engine, layer), _parse(call)
     args, kwargs = c.rebuild(inputs)
     experts = fwd.routed_experts(args, kwargs)
-    single, nones = _PATTERNS[(engine, layer, call)]
     it = iter(grads)
-    full = [None if n else next(it) for n in nones]
+    full = [None if n else next(it) for n in _nones(_PATTERNS[(engine, layer, call)])]
     with _as_eager():
         # The compiled call records neither the cache setting nor which inputs were
         # leaves: the thread's setting, and leaves (Note [Autocast casts a leaf once]).

@@ -10,6 +10,7 @@ channels_last conv net goes through Inductor itself (whose kernels trust the fak
 strides)."""
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -768,6 +769,89 @@ def test_a_group_whose_shapes_depend_on_the_data_is_checked(offload_sim, kind):
         return
     torch.testing.assert_close(step(x, ids), model.experts(x, ids) * 2, **TOL)
     assert _graph_breaks() == 0
+
+
+_Pair = collections.namedtuple("_Pair", "y z")
+
+
+class _Returns(nn.Module):
+    """A groups= module returning its output in the container `kind` names."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.b = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        y = x @ self.w + self.b
+        z = y.tanh()
+        if self.kind == "namedtuple":
+            return _Pair(y, z)
+        if self.kind == "list":
+            return [y, z]
+        if self.kind == "dict":
+            return {"z": z, "y": y}
+        if self.kind == "nested":
+            return None, {"pair": _Pair(z, None), "all": [y, y.exp()]}
+        if self.kind == "ordered":
+            return collections.OrderedDict(y=y)
+        return [y, y] if self.kind == "flipped" else _Pair(y, z)
+
+
+def _tensors(out) -> list:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if t is not None]
+
+
+@pytest.mark.parametrize("kind", ["namedtuple", "list", "dict", "nested"])
+def test_a_compiled_group_returns_its_own_container(offload_sim, kind):
+    """Note [A compiled group's own container] (_group_op.py): a groups= module returning
+    a namedtuple, a list, a dict or a nested structure with Nones gave a plain tuple (a
+    namedtuple's fields gone) under torch.compile, and a dict was refused, where the eager
+    call returns the module's own container. Compiled with fullgraph=True it now returns
+    the eager call's container, values and gradients, bit for bit, over calls of one graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Returns(kind))
+    offload_sim(model, groups=["0"])
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for grad in (True, False, True):
+        x = torch.randn(3, 8, requires_grad=grad)
+        xr = clone_input(x)
+        with torch.set_grad_enabled(grad):
+            got, want = step(x), model(xr)
+        assert torch.utils._pytree.tree_structure(got) == torch.utils._pytree.tree_structure(want)
+        assert type(got) is type(want) is {"namedtuple": _Pair, "list": list, "dict": dict, "nested": tuple}[kind]
+        if kind == "namedtuple":
+            assert torch.equal(got.z, want.z)
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(got), _tensors(want), strict=True))
+        if not grad:
+            continue
+        sum((i + 1) * t.square().sum() for i, t in enumerate(_tensors(got))).backward()
+        grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        sum((i + 1) * t.square().sum() for i, t in enumerate(_tensors(want))).backward()
+        assert all(torch.equal(a, b) for a, b in zip(grads, [xr.grad] + [p.grad for p in model.parameters()]))
+        model.zero_grad()
+    assert _graph_breaks() == 0
+    assert _frames() == 2  # one graph with gradients, one without
+
+
+def test_a_compiled_group_refuses_a_container_it_cannot_rebuild_and_a_changed_one(offload_sim):
+    """A container the compiled call cannot rebuild (an OrderedDict) is refused at trace
+    time, saying what to return instead; a module whose container changes between calls of
+    one graph is refused at the call, naming both."""
+    model = nn.Sequential(_Returns("ordered"))
+    offload_sim(model, groups=["0"])
+    with pytest.raises(Exception, match=r"returned OrderedDict under torch.compile.*tuple, namedtuple, list or "
+                                        r"dict.*torch.compiler.disable"):
+        torch.compile(model, fullgraph=True, backend="aot_eager")(torch.randn(3, 8))
+    model[0].kind = "namedtuple"
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert step(torch.randn(3, 8)).z.shape == (3, 8)
+    model[0].kind = "flipped"  # the operator's body is not traced: no guard sees this
+    with pytest.raises(layerstream.LayerstreamError, match=r"returned \[Tensor, Tensor\] where the traced call "
+                                                           r"returned _Pair\(y=Tensor, z=Tensor\)"):
+        step(torch.randn(3, 8))
 
 
 def test_a_group_call_that_is_not_one_operator_runs_eagerly(offload_sim, monkeypatch):

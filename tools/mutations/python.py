@@ -26,8 +26,8 @@ MUTATIONS = [
         "a tensor passed twice to a group becomes two tensors (attention: query is not key)"),
     Mutation(
         "group-op-kernel-below-autograd", "python/layerstream/_group_op.py",
-        "    with _as_eager():\n        single, outs",
-        "    if True:\n        single, outs",
+        "    with _as_eager():\n        outs, spec",
+        "    if True:\n        outs, spec",
         [P + "test_blas_calls.py::test_attention_group_issues_the_resident_calls"],
         "the compiled group operator runs the module below autograd (other GEMMs than the resident module)"),
     Mutation(

@@ -147,4 +147,18 @@ MUTATIONS: list = [
         "        return outs[0] if len(outs) == 1 else outs",
         [P + "test_groups.py::test_a_group_returns_its_own_container_when_it_trains"],
         "a groups= module's namedtuple, list or dict output comes back as a plain tuple when a gradient is needed"),
+    Mutation(
+        "compiled-group-output-container-lost", "python/layerstream/_group_op.py",
+        "    if kind == \"tuple\":\n        return tuple(values)\n",
+        "    if kind != \"dict\":\n        return tuple(values)\n",
+        [P + "test_compile.py::test_a_compiled_group_returns_its_own_container"],
+        "a compiled groups= module's namedtuple or list output comes back as a plain tuple (a namedtuple's "
+        "fields gone), where the eager call returns the module's own container"),
+    Mutation(
+        "compiled-group-changed-container-unchecked", "python/layerstream/_group_op.py",
+        "    if expected is not None and expected != pattern:",
+        "    if False:",
+        [P + "test_compile.py::test_a_compiled_group_refuses_a_container_it_cannot_rebuild_and_a_changed_one"],
+        "a compiled groups= module whose container changes after the trace is rebuilt in the traced one: its "
+        "tensors silently land in other fields"),
 ]
