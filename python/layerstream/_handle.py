@@ -313,7 +313,11 @@ class Handle(_RefusesCopy):
         """Per completed step, the most recent 4096 (older ones are dropped): h2d_bytes,
         d2h_bytes, stall_seconds (time compute waited for weights), overlap_fraction
         (share of copy time hidden behind compute; needs trace=True, else NaN),
-        peak_device_bytes, slot utilisation (max_slots_held / slots), hits, misses."""
+        peak_device_bytes (the peak so far, as stats() gives it: no per-step peak is
+        kept), slot utilisation (max_slots_held / slots), hits, misses. A step is
+        complete when the next one begins (its first streamed layer): the engine cannot
+        tell the end of a step earlier (several forwards and backwards may make one), so
+        the step just run is not listed yet; stats()["steps"] counts it."""
         engine = self._check()
         total = self.stats()
         out = []

@@ -22,6 +22,7 @@ def test_step_stats_count_bytes_stall_and_overlap():
     m, h = run_steps()
     steps = h.step_stats()
     assert len(steps) == 2  # the last step ends at the next step boundary
+    assert h.stats()["steps"] == 3  # which stats() counts already (step_stats' docstring)
     layer_bytes = 256 * 256 * 4 + 256 * 4
     for s in steps:
         # forward fetches 6 layers; backward refetches those not still in a slot
