@@ -437,4 +437,23 @@ MUTATIONS = [
         "",
         [P + "test_cli_demo_bench.py::test_bench_plot_writes_a_png_and_still_prints_the_tables"],
         "`layerstream bench --json --plot` prints nothing: the results are lost"),
+    Mutation(
+        "planner-rows-not-on-the-link", "csrc/core/planner_time.cpp",
+        "      if (op.rows_in > 0) link_free = std::max(link_free, start) + op.rows_in;\n",
+        "",
+        ["gtest:test_planner:*LookedUpRowsAreChargedToTheLink*"],
+        "the time model reads a table's rows on the compute stream only: a transfer-bound step is predicted "
+        "shorter than the bytes it moves"),
+    Mutation(
+        "demo-budget-leaves-out-resident-tensors", "tools/cli/cmd_demo.cpp",
+        "    budget += resident_bytes;\n",
+        "",
+        [P + "test_cli_demo_bench.py::test_demo_default_budget_holds_the_resident_tensors_and_three_slots"],
+        "`layerstream demo`'s default budget has no room for the resident tensors: 2 slots, prefetch 1"),
+    Mutation(
+        "plan-quantize-aliases-refused", "csrc/core/planner_models.cpp",
+        "  switch (quant::parse_format(s)) {",
+        "  switch (s == \"e4m3\" ? quant::Format::GgufQ8_0 : quant::parse_format(s)) {",
+        ["gtest:test_planner:*"],
+        "`layerstream plan --quantize e4m3` is refused while offload(quantize=\"e4m3\") takes it"),
 ]

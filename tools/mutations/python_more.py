@@ -29,7 +29,7 @@ MUTATIONS: list = [
         "silently"),
     Mutation(
         "resident-quant-rounding-unwarned", "python/layerstream/_offload.py",
-        "        if dq is not None and torch.promote_types(dtype, dq) != dtype:",
+        "        if _C.resident_quantized_rounds(dtype, dq):",
         "        if False:",
         [P + "test_quant_offload.py::test_resident_quantized_layers_rounded_from_a_wider_dequant_dtype_are_warned_of"],
         "bf16 weights with dequant_dtype=float32: the layers a budget keeps resident hold bf16-rounded values, "

@@ -162,8 +162,8 @@ MUTATIONS = [
         "saved activations come back only when the backward asks for them (nothing ahead)"),
     Mutation(
         "activation-prefetch-runs-ahead", "csrc/torch/engine_activations.cpp",
-        "    if (!served && !q.copying_back) copy_back_locked(q);\n    --ahead;",
-        "    if (served || q.copying_back) continue;\n    copy_back_locked(q);\n    --ahead;",
+        "    if (!served && !q.copying_back) {\n      copy_back_locked(q);",
+        "    if (served || q.copying_back) continue;\n    {\n      copy_back_locked(q);",
         [P + "test_activations.py::test_copies_back_start_ahead_of_the_backward"],
         "each restore starts `prefetch` more copies back, so they run ever further ahead (fixed 2026-12-04)"),
     Mutation(
@@ -539,4 +539,29 @@ MUTATIONS = [
         "  if (true) {",
         ["gtest:test_torch_offload:*AQuantizedLayerKeptResidentLoadsItsOwnSaveUnchanged*"],
         "torch::load() of a resident quantized layer's own save quantizes its quantized values again, moving them"),
+    Mutation(
+        "cpp-resident-quantized-unfrozen-runs", "csrc/torch/nn_modules.cpp",
+        "  LS_CHECK(force || !weight.requires_grad(), \"the weight of quantized layer '\", quantized_->name,",
+        "  LS_CHECK(true, \"the weight of quantized layer '\", quantized_->name,",
+        ["gtest:test_torch_offload:*AQuantizedLayerKeptResidentRefusesUnfreezingAndWarnsOfRounding*"],
+        "a C++ resident quantized weight unfrozen after offload() trains dense values, quantized again at each write"),
+    Mutation(
+        "resident-rounding-rule-never-rounds", "csrc/torch/engine_register.cpp",
+        "  return dequant && c10::promoteTypes(weight, *dequant) != weight;",
+        "  return false;",
+        ["gtest:test_torch_offload:*AQuantizedLayerKeptResidentRefusesUnfreezingAndWarnsOfRounding*",
+         P + "test_quant_offload.py::test_resident_quantized_layers_rounded_from_a_wider_dequant_dtype_are_warned_of"],
+        "a dequant_dtype wider than a resident quantized layer's weights rounds its values without a warning"),
+    Mutation(
+        "activation-prefetch-left-on-the-device", "csrc/torch/engine_activations.cpp",
+        "    if (!s.copying_back || s.prefetch_task != task) continue;",
+        "    continue;",
+        [P + "test_activations.py::test_a_backward_frees_the_copies_back_it_did_not_hand_out"],
+        "copies back that no backward reads (another graph's) stay on the device until their graph is freed"),
+    Mutation(
+        "cpp-kept-saved-tensor-not-detached", "csrc/torch/saved_activations.cpp",
+        "      kept_ = t.detach();",
+        "      kept_ = t;",
+        ["gtest:test_torch_offload:*AForwardWithoutBackwardInASavedActivationsScopeIsFreed*"],
+        "a C++ activation scope keeps a saved output with its grad_fn: a forward without backward is never freed"),
 ]
