@@ -147,4 +147,27 @@ MUTATIONS: list = [
         "        return outs[0] if len(outs) == 1 else outs",
         [P + "test_groups.py::test_a_group_returns_its_own_container_when_it_trains"],
         "a groups= module's namedtuple, list or dict output comes back as a plain tuple when a gradient is needed"),
+    Mutation(
+        "activation-scope-opens-inside-backward", "python/layerstream/_activations.py",
+        "        if torch._C._current_graph_task_id() != -1:\n            return False",
+        "        if False:\n            return False",
+        [P + "test_activations.py::test_a_checkpoint_around_the_whole_model_keeps_checkpointing"],
+        "a reentrant checkpoint around the whole offloaded model: its recomputation in backward opens a scope, "
+        "and what it saves goes to the host and straight back (or stays on the device with a budget)"),
+    Mutation(
+        "activation-scope-over-callers-hooks", "python/layerstream/_activations.py",
+        "        if top is None or isinstance(getattr(top[0], \"__self__\", None), ActivationOffload):",
+        "        if True:",
+        [P + "test_activations.py::test_a_checkpoint_around_the_whole_model_keeps_checkpointing",
+         P + "test_activations.py::test_saved_tensor_hooks_of_the_caller_stay_in_charge"],
+        "a non-reentrant checkpoint around the whole offloaded model: layerstream's hooks entered over the "
+        "checkpoint's take every save, and the checkpoint recomputes nothing (with a device budget all stay on "
+        "the device), silently"),
+    Mutation(
+        "activation-scope-under-another-offload-left", "python/layerstream/_activations.py",
+        "        if top is None or isinstance(getattr(top[0], \"__self__\", None), ActivationOffload):",
+        "        if top is None:",
+        [P + "test_activations.py::test_an_offloaded_model_called_inside_another_offloads_its_own_saves"],
+        "an offloaded model called inside another's forward leaves its saves to the outer model's engine, "
+        "with a warning about someone else's hooks"),
 ]
