@@ -326,7 +326,7 @@ def offload(
                                                         if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
             if activation_budget is not None:
                 handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
-                handle.activation_budget = activation_budget
+                handle.activation_budget, handle._pin_memory = activation_budget, opts.pin_memory
             if plan is not None and not train_spec:
                 _note_uncounted_training(model, handle)
 

@@ -284,9 +284,26 @@ def test_the_pinned_budget_bounds_the_pinned_host_copies(offload_sim):
     the numbers do not change."""
     handle, after, one = _budget_step(offload_sim, "saved activations: the pinned budget leaves .* use pageable memory",
                                       lambda w, one: dict(pinned_budget=2 * w + 2 * one + one // 2))
-    assert handle.host_plan["spare_pinned_bytes"] // one == 2
+    spare = handle.host_plan["spare_pinned_bytes"]
+    assert spare // one == 2
     assert after["activation_d2h_bytes"] == 9 * one and after["activation_device_bytes"] == 0, after
     assert handle.stats()["activation_host_bytes"] == 9 * one
+    assert (f"saved activations: to pinned host memory up to {spare / 2**20:.2f} MiB (what the pinned budget "
+            f"leaves), the rest pageable") in handle.plan
+
+
+def test_the_plan_says_pageable_when_saved_activations_get_no_pinned_memory(offload_sim):
+    """handle.plan names the host memory the engine uses for the saved activations'
+    copies: pageable with pin_memory=False, or when the pinned budget leaves them
+    nothing (the engine's warning at the first copy says the same); it said "pinned"."""
+    handle, _, one = _budget_step(offload_sim, "saved activations: the pinned budget leaves 0 B",
+                                  lambda w, one: dict(pinned_budget=one))
+    assert handle.host_plan["spare_pinned_bytes"] == 0
+    assert "saved activations: to pageable host memory (the pinned budget leaves none for them)" in handle.plan
+    handle.detach()
+    handle = offload_sim(_mlp(), activations="host", pin_memory=False)
+    assert "saved activations: to pageable host memory (pin_memory=False)" in handle.plan
+    assert "pinned" not in [line for line in handle.plan.splitlines() if "saved activations" in line][0]
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -170,4 +170,18 @@ MUTATIONS: list = [
         [P + "test_activations.py::test_an_offloaded_model_called_inside_another_offloads_its_own_saves"],
         "an offloaded model called inside another's forward leaves its saves to the outer model's engine, "
         "with a warning about someone else's hooks"),
+    Mutation(
+        "plan-activations-pinned-without-pin-memory", "python/layerstream/_handle.py",
+        "        if not self._pin_memory:\n",
+        "        if False:\n",
+        [P + "test_activations.py::test_the_plan_says_pageable_when_saved_activations_get_no_pinned_memory"],
+        "handle.plan says saved activations go to pinned host memory with pin_memory=False"),
+    Mutation(
+        "plan-activations-pinned-past-the-pinned-budget", "python/layerstream/_handle.py",
+        "        cap = (self.host_plan or {}).get(\"spare_pinned_bytes\", -1)",
+        "        cap = -1",
+        [P + "test_activations.py::test_the_plan_says_pageable_when_saved_activations_get_no_pinned_memory",
+         P + "test_activations.py::test_the_pinned_budget_bounds_the_pinned_host_copies"],
+        "handle.plan says saved activations go to pinned host memory when the pinned budget leaves them little "
+        "or nothing (the engine copies them to pageable memory)"),
 ]
