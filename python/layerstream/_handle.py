@@ -311,10 +311,11 @@ class Handle(_RefusesCopy):
     def stats(self) -> Dict[str, float]:
         """Counters since offload(): peak_device_bytes (streaming slots plus the
         weights the planner kept resident), device_bytes (the streaming slots now:
-        0 while suspended), h2d_bytes, d2h_bytes, steps, ..."""
+        0 while suspended), h2d_bytes, d2h_bytes, steps, ...; the same keys with a
+        budget and without (resident_layers and resident_bytes 0 then)."""
         s = dict(self._check().stats())
         s["streamed_device_bytes"] = s["peak_device_bytes"]
-        s["resident_bytes"] = 0
+        s["resident_bytes"] = s["resident_layers"] = 0  # without a budget nothing is planned resident
         if self._plan is not None:
             s["resident_bytes"] = self._plan["resident_bytes"] + self._plan["fixed_resident_bytes"]
             # The planned layers it keeps resident, and the tables resident with a tied one.

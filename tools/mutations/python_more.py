@@ -184,4 +184,11 @@ MUTATIONS: list = [
          P + "test_activations.py::test_the_pinned_budget_bounds_the_pinned_host_copies"],
         "handle.plan says saved activations go to pinned host memory when the pinned budget leaves them little "
         "or nothing (the engine copies them to pageable memory)"),
+    Mutation(
+        "stats-lack-resident-layers-without-a-budget", "python/layerstream/_handle.py",
+        "        s[\"resident_bytes\"] = s[\"resident_layers\"] = 0",
+        "        s[\"resident_bytes\"] = 0",
+        [P + "test_telemetry.py::test_stats_have_the_same_keys_with_and_without_a_budget"],
+        "stats() without a budget has no resident_layers key: code written for stats() with a budget fails "
+        "with KeyError"),
 ]
