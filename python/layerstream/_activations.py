@@ -127,6 +127,7 @@ class ActivationOffload:
         self._scope = _Scope()
         self._held = set()  # storages of the model's parameters and buffers, at the newest call
         self._root = self._forward = None  # the model and the forward install() set on it
+        self._warned_hooks = False  # Note [Other saved-tensor hooks around the model]
 
     def pack(self, t: torch.Tensor):
         engine = self.engine  # read once: detach() may clear it meanwhile
@@ -179,6 +180,8 @@ class ActivationOffload:
         scope = self._scope
         if self._depth and not self._entering_call_running():
             self.close()  # Note [An interrupted forward's scope]
+        if scope.depth == 0 and not self._in_charge():
+            return  # Note [Other saved-tensor hooks around the model]
         if scope.depth == 0:
             scope.caller = _call_frame()
             self.engine.begin_activations(self.device_budget)
@@ -187,6 +190,35 @@ class ActivationOffload:
             scope.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             scope.context.__enter__()
         scope.depth += 1
+
+    def _in_charge(self) -> bool:
+        """Whether a call of the model opens this thread's scope.
+
+        Note [Other saved-tensor hooks around the model]
+        Hooks entered around the model's call are the caller's: torch.utils.checkpoint
+        around the whole model (non-reentrant: its hooks drop every save and the
+        backward recomputes them) or save_on_cpu. Ours entered on top of them took every
+        save, and the checkpoint then kept them all and recomputed nothing (with a device
+        budget they all stayed on the device), so the call is left to them, with a
+        warning. A call inside a backward (the reentrant checkpoint's recomputation of
+        the whole model) saves for that backward only: offloaded, its tensors went to the
+        host and straight back. Checkpointed blocks inside the model are unaffected: our
+        scope is entered first, at the model's call, the checkpoint's hooks inside it.
+        Another offloaded model's scope on top (or a detached one's, Note [Hooks left on
+        another thread]) is layerstream's: ours is entered over it, as before."""
+        if torch._C._current_graph_task_id() != -1:
+            return False
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or isinstance(getattr(top[0], "__self__", None), ActivationOffload):
+            return True
+        if not self._warned_hooks:
+            self._warned_hooks = True
+            warnings.warn(
+                "layerstream: the offloaded model was called under other saved-tensor hooks (torch.utils.checkpoint "
+                "around the whole model, or torch.autograd.graph.save_on_cpu): those keep what the call saves, and "
+                "activations= offloads none of it. Checkpoint the model's blocks instead (e.g. "
+                "model.gradient_checkpointing_enable()), not the whole model", RuntimeWarning, stacklevel=4)
+        return False
 
     def _exit(self, module, args, output):
         if torch.compiler.is_compiling():

@@ -132,6 +132,7 @@ class Handle(_RefusesCopy):
         # offload(activations=...): the device budget of saved activations (0: all
         # that can go to the host), None when off; the hooks detach() removes.
         self.activation_budget: Optional[int] = None
+        self._pin_memory = True  # offload(pin_memory=...)
         self._activation_hooks = []
         self._resident_quant = ResidentQuantized()  # offload(quantize=...)'s layers kept resident
         # peft wrappers patched over streamed groups and the hooks that patch later ones
@@ -196,7 +197,7 @@ class Handle(_RefusesCopy):
         device = self._device_plan()
         host = self._host_text()
         if self.activation_budget is not None:
-            line = "saved activations: to pinned host memory"
+            line = f"saved activations: to {self._activation_host_memory()}"
             if self.activation_budget:
                 line += f", the newest {self.activation_budget / 2**20:.2f} MiB kept on the device"
             spare = (self.host_plan or {}).get("spare_host_bytes", -1)
@@ -249,6 +250,19 @@ class Handle(_RefusesCopy):
                 f"{mib(h['disk_bytes'])} read from their files on every use"
                 + "".join(f"; packed in {path}" for path in h.get("cache_files", [])) + "\n")
 
+    def _activation_host_memory(self) -> str:
+        """Which host memory saved activations go to, by the engine's rule: pinned when
+        pin_memory, up to what the pinned budget leaves them (EngineOptions::
+        activation_pinned_cap, the host plan's spare_pinned_bytes), then pageable."""
+        cap = (self.host_plan or {}).get("spare_pinned_bytes", -1)
+        if not self._pin_memory:
+            return "pageable host memory (pin_memory=False)"
+        if cap < 0:
+            return "pinned host memory"
+        if cap == 0:
+            return "pageable host memory (the pinned budget leaves none for them)"
+        return f"pinned host memory up to {cap / 2**20:.2f} MiB (what the pinned budget leaves), the rest pageable"
+
     def _device_plan(self) -> Optional[str]:
         engine = self._check()
         if self._plan is None:
@@ -297,10 +311,11 @@ class Handle(_RefusesCopy):
     def stats(self) -> Dict[str, float]:
         """Counters since offload(): peak_device_bytes (streaming slots plus the
         weights the planner kept resident), device_bytes (the streaming slots now:
-        0 while suspended), h2d_bytes, d2h_bytes, steps, ..."""
+        0 while suspended), h2d_bytes, d2h_bytes, steps, ...; the same keys with a
+        budget and without (resident_layers and resident_bytes 0 then)."""
         s = dict(self._check().stats())
         s["streamed_device_bytes"] = s["peak_device_bytes"]
-        s["resident_bytes"] = 0
+        s["resident_bytes"] = s["resident_layers"] = 0  # without a budget nothing is planned resident
         if self._plan is not None:
             s["resident_bytes"] = self._plan["resident_bytes"] + self._plan["fixed_resident_bytes"]
             # The planned layers it keeps resident, and the tables resident with a tied one.

@@ -91,7 +91,8 @@ def offload(
     budget: hard bound on the device bytes of the weights: streaming slots
         plus the layers the planner keeps resident: whole bytes (an int, or a
         text such as "12GiB", "500MB", "1.5e9"), a share of the device's free
-        memory ("40%", a float in (0, 1), or "auto": 60%); None = no bound.
+        memory ("40%", a float in (0, 1), or "auto": 60%; the sim device reports
+        a fixed 16 GiB free, SIM_DEVICE_MEMORY); None = no bound.
         Must hold 2 slots of the largest layer. The planner
         first reserves the slots (``slots``, else prefetch + 1), then keeps as
         many layers resident as the rest holds; a budget too small for
@@ -114,6 +115,14 @@ def offload(
         (csrc/core/options.h): bad values raise ValueError before anything
         changes. offload() inside torch.inference_mode() is refused (the
         tensors it makes could never be trained); run the model in it after.
+    sim_link_gbps, sim_latency_us: the sim device's modelled link, each direction:
+        a copy takes sim_latency_us microseconds plus its bytes at sim_link_gbps
+        GB/s (10^9 bytes/s; 0: no link model, copies take no modelled time).
+    checker: the sim device's ordering checker (handle.ordering_errors() lists
+        the races it saw).
+    pin_memory: host copies (the store, staging entries, gradient and saved-
+        activation buffers) in pinned memory, within pinned_budget; False: all
+        pageable (on CUDA slower copies, which block the thread that issues them).
     quantize: pack streamed weights on the host and dequantize them on the
         device: "int8", "fp8", "nf4", "int4" or "lossless" (entropy-coded,
         decoded bit for bit into the weight's own dtype) for every streamed
@@ -326,7 +335,7 @@ def offload(
                                                         if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
             if activation_budget is not None:
                 handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
-                handle.activation_budget = activation_budget
+                handle.activation_budget, handle._pin_memory = activation_budget, opts.pin_memory
             if plan is not None and not train_spec:
                 _note_uncounted_training(model, handle)
 

@@ -6,6 +6,7 @@ offload_sim fixture) sees every read of a restored activation ordered after its 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -283,9 +284,26 @@ def test_the_pinned_budget_bounds_the_pinned_host_copies(offload_sim):
     the numbers do not change."""
     handle, after, one = _budget_step(offload_sim, "saved activations: the pinned budget leaves .* use pageable memory",
                                       lambda w, one: dict(pinned_budget=2 * w + 2 * one + one // 2))
-    assert handle.host_plan["spare_pinned_bytes"] // one == 2
+    spare = handle.host_plan["spare_pinned_bytes"]
+    assert spare // one == 2
     assert after["activation_d2h_bytes"] == 9 * one and after["activation_device_bytes"] == 0, after
     assert handle.stats()["activation_host_bytes"] == 9 * one
+    assert (f"saved activations: to pinned host memory up to {spare / 2**20:.2f} MiB (what the pinned budget "
+            f"leaves), the rest pageable") in handle.plan
+
+
+def test_the_plan_says_pageable_when_saved_activations_get_no_pinned_memory(offload_sim):
+    """handle.plan names the host memory the engine uses for the saved activations'
+    copies: pageable with pin_memory=False, or when the pinned budget leaves them
+    nothing (the engine's warning at the first copy says the same); it said "pinned"."""
+    handle, _, one = _budget_step(offload_sim, "saved activations: the pinned budget leaves 0 B",
+                                  lambda w, one: dict(pinned_budget=one))
+    assert handle.host_plan["spare_pinned_bytes"] == 0
+    assert "saved activations: to pageable host memory (the pinned budget leaves none for them)" in handle.plan
+    handle.detach()
+    handle = offload_sim(_mlp(), activations="host", pin_memory=False)
+    assert "saved activations: to pageable host memory (pin_memory=False)" in handle.plan
+    assert "pinned" not in [line for line in handle.plan.splitlines() if "saved activations" in line][0]
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -323,6 +341,103 @@ def test_checkpointed_blocks_inputs_are_offloaded(offload_sim, reentrant):
     assert seen[0]["activation_d2h_bytes"] == 4 * one, seen  # the 4 blocks' inputs
     assert seen[0]["activation_device_bytes"] == 0, seen
     assert handle.stats()["activation_h2d_bytes"] == 2 * 4 * one  # each back once per step
+
+
+@pytest.mark.parametrize("mode", ["host", "1GiB"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_around_the_whole_model_keeps_checkpointing(offload_sim, reentrant, mode):
+    """torch.utils.checkpoint around the offloaded model itself (Note [Other saved-tensor
+    hooks around the model]): the checkpoint still recomputes the model in backward, and
+    nothing is offloaded or kept on the device by the engine. Non-reentrant, the call runs
+    under the checkpoint's hooks: left to them, with one warning (ours on top took every
+    save: the checkpoint recomputed nothing, and with a device budget all stayed on the
+    device). Reentrant, the recomputation runs inside backward: its saves are that
+    backward's (offloaded, they went to the host and straight back)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    calls = []
+    model[0].register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    handle = offload_sim(model, activations=mode)
+    x = torch.randn(128, 256, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            xr = clone_input(x)
+            y = checkpoint(model, x, use_reentrant=reentrant)
+            yr = checkpoint(ref, xr, use_reentrant=reentrant)
+            handle.synchronize()
+            after_forward = handle.stats()
+            assert torch.equal(y, yr)
+            y.square().sum().backward()
+            yr.square().sum().backward()
+            assert torch.equal(x.grad, xr.grad)
+            assert_grads_match(model, ref, exact=True)
+            x.grad = None
+            model.zero_grad()
+            ref.zero_grad()
+            assert after_forward["activation_device_bytes"] == 0, after_forward
+    s = handle.stats()
+    assert s["activation_d2h_bytes"] == s["activation_h2d_bytes"] == 0, s
+    assert s["peak_activation_device_bytes"] == 0, s
+    assert len(calls) == 4  # each step's forward and its recomputation
+    ours = [w for w in caught if "other saved-tensor hooks" in str(w.message)]
+    assert len(ours) == (0 if reentrant else 1), [str(w.message) for w in caught]
+    if ours:
+        assert "gradient_checkpointing_enable()" in str(ours[0].message)
+
+
+def test_saved_tensor_hooks_of_the_caller_stay_in_charge(offload_sim):
+    """save_on_cpu() around the model's call: its hooks take what the call saves (ours are
+    not entered over them), with the warning; the next call without them is offloaded."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, activations="host")
+    x = torch.randn(128, 256, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="other saved-tensor hooks"):
+        with torch.autograd.graph.save_on_cpu():
+            y = model(x)
+    y.square().sum().backward()
+    ref(clone_input(x)).square().sum().backward()
+    assert_grads_match(model, ref, exact=True)
+    assert handle.stats()["activation_d2h_bytes"] == 0
+    model.zero_grad()
+    ref.zero_grad()
+    x.grad = None
+    _train(model, ref, x, steps=1, after_forward=handle.synchronize)
+    assert handle.stats()["activation_d2h_bytes"] > 0
+
+
+def test_an_offloaded_model_called_inside_another_offloads_its_own_saves(offload_sim):
+    """Another offloaded model's scope on top is layerstream's, not a caller's hooks to
+    leave in charge: the inner model's call opens its own scope over the outer's, and what
+    it saves goes to its own engine, without a warning."""
+    inner = _mlp(depth=2)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(256, 256), nn.Linear(8, 8)
+            self.inner = [inner]  # not a submodule: offloaded on its own
+
+        def forward(self, x):
+            return self.b(self.inner[0](torch.tanh(self.a(x))))
+
+    outer = Outer()
+    ref = copy.deepcopy(outer)
+    ref.inner = [copy.deepcopy(inner)]
+    inner_handle = offload_sim(inner, activations="host")
+    outer_handle = offload_sim(outer, activations="host")
+    x = torch.randn(128, 256, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(outer, ref, x, steps=1, after_forward=lambda: (inner_handle.synchronize(), outer_handle.synchronize()))
+    for p, q in zip(inner.parameters(), ref.inner[0].parameters()):
+        assert torch.equal(p.grad, q.grad)
+    one = 128 * 256 * 4
+    assert inner_handle.stats()["activation_d2h_bytes"] == 5 * one  # its 3 Linears' and 2 GELUs' inputs
+    assert outer_handle.stats()["activation_d2h_bytes"] == 2 * one  # a's input and output (tanh's)
 
 
 @pytest.mark.parametrize("ckpt", [None, "reentrant", "non-reentrant"])

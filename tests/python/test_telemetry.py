@@ -35,6 +35,23 @@ def test_step_stats_count_bytes_stall_and_overlap():
     assert h.ordering_errors() == []
 
 
+def test_stats_have_the_same_keys_with_and_without_a_budget():
+    """Without a budget nothing is planned resident: resident_layers is there, 0 (it
+    was missing, so code written for stats() with a budget failed without one)."""
+    def stats(**kw):
+        m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        h = layerstream.offload(m, device="sim", **kw)
+        m(torch.randn(2, 64)).sum().backward()
+        s = h.stats()
+        h.detach()
+        return s
+
+    planned, unplanned = stats(budget=10**6), stats()
+    assert planned.keys() == unplanned.keys()
+    assert planned["resident_layers"] == 4
+    assert unplanned["resident_layers"] == unplanned["resident_bytes"] == 0
+
+
 def test_step_stats_go_on_across_suspend_and_resume():
     """suspend() ends the step under way and resume() starts a new scheduler: the
     per-step history keeps every step, numbered on, and the timeline keeps its

@@ -161,4 +161,48 @@ MUTATIONS: list = [
         [P + "test_compile.py::test_a_compiled_group_refuses_a_container_it_cannot_rebuild_and_a_changed_one"],
         "a compiled groups= module whose container changes after the trace is rebuilt in the traced one: its "
         "tensors silently land in other fields"),
+    Mutation(
+        "activation-scope-opens-inside-backward", "python/layerstream/_activations.py",
+        "        if torch._C._current_graph_task_id() != -1:\n            return False",
+        "        if False:\n            return False",
+        [P + "test_activations.py::test_a_checkpoint_around_the_whole_model_keeps_checkpointing"],
+        "a reentrant checkpoint around the whole offloaded model: its recomputation in backward opens a scope, "
+        "and what it saves goes to the host and straight back (or stays on the device with a budget)"),
+    Mutation(
+        "activation-scope-over-callers-hooks", "python/layerstream/_activations.py",
+        "        if top is None or isinstance(getattr(top[0], \"__self__\", None), ActivationOffload):",
+        "        if True:",
+        [P + "test_activations.py::test_a_checkpoint_around_the_whole_model_keeps_checkpointing",
+         P + "test_activations.py::test_saved_tensor_hooks_of_the_caller_stay_in_charge"],
+        "a non-reentrant checkpoint around the whole offloaded model: layerstream's hooks entered over the "
+        "checkpoint's take every save, and the checkpoint recomputes nothing (with a device budget all stay on "
+        "the device), silently"),
+    Mutation(
+        "activation-scope-under-another-offload-left", "python/layerstream/_activations.py",
+        "        if top is None or isinstance(getattr(top[0], \"__self__\", None), ActivationOffload):",
+        "        if top is None:",
+        [P + "test_activations.py::test_an_offloaded_model_called_inside_another_offloads_its_own_saves"],
+        "an offloaded model called inside another's forward leaves its saves to the outer model's engine, "
+        "with a warning about someone else's hooks"),
+    Mutation(
+        "plan-activations-pinned-without-pin-memory", "python/layerstream/_handle.py",
+        "        if not self._pin_memory:\n",
+        "        if False:\n",
+        [P + "test_activations.py::test_the_plan_says_pageable_when_saved_activations_get_no_pinned_memory"],
+        "handle.plan says saved activations go to pinned host memory with pin_memory=False"),
+    Mutation(
+        "plan-activations-pinned-past-the-pinned-budget", "python/layerstream/_handle.py",
+        "        cap = (self.host_plan or {}).get(\"spare_pinned_bytes\", -1)",
+        "        cap = -1",
+        [P + "test_activations.py::test_the_plan_says_pageable_when_saved_activations_get_no_pinned_memory",
+         P + "test_activations.py::test_the_pinned_budget_bounds_the_pinned_host_copies"],
+        "handle.plan says saved activations go to pinned host memory when the pinned budget leaves them little "
+        "or nothing (the engine copies them to pageable memory)"),
+    Mutation(
+        "stats-lack-resident-layers-without-a-budget", "python/layerstream/_handle.py",
+        "        s[\"resident_bytes\"] = s[\"resident_layers\"] = 0",
+        "        s[\"resident_bytes\"] = 0",
+        [P + "test_telemetry.py::test_stats_have_the_same_keys_with_and_without_a_budget"],
+        "stats() without a budget has no resident_layers key: code written for stats() with a budget fails "
+        "with KeyError"),
 ]
