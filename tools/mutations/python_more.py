@@ -47,7 +47,7 @@ MUTATIONS: list = [
         [P + "test_misuse.py::test_a_quantize_pattern_that_names_only_modules_not_streamed_is_warned"],
         "quantize={'0': 'int8'} with exclude=['0'] quantizes nothing, without a word"),
     Mutation(
-        "overlap-ignores-edited-resident-grads", "python/layerstream/optim.py",
+        "overlap-ignores-edited-resident-grads", "python/layerstream/_optim_overlap.py",
         "        self._overlap_grads = [(p, p.grad, None if p.grad is None else p.grad._version)\n"
         "                               for g in self.param_groups for p in g[\"params\"]]",
         "        self._overlap_grads = [(p, p.grad, p.grad._version) for p in plist if p.grad is not None] if keep_grads "
@@ -62,7 +62,7 @@ MUTATIONS: list = [
         [P + "test_optim.py::test_every_train_name_the_optimizers_suggest_is_documented"],
         "the step's warning suggests train='adamw-fp32', which README's train= list does not name"),
     Mutation(
-        "overlap-ignores-a-later-backward", "python/layerstream/optim.py",
+        "overlap-ignores-a-later-backward", "python/layerstream/_optim_overlap.py",
         "                               for g in self.param_groups for p in g[\"params\"]]",
         "                               for g in self.param_groups for p in g[\"params\"] if p.grad is not None]",
         [P + "test_optim.py::test_a_backward_between_an_overlapped_backward_and_step_is_refused"],

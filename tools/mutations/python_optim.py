@@ -1,25 +1,25 @@
 """Bugs planted in the Python optimizers and their state dicts (layerstream.optim:
-optim.py, _optim_state.py, _optim_calls.py) and in the several-process wiring
-(_distributed.py)."""
+optim.py, _optim_base.py, _optim_overlap.py, _optim_state.py, _optim_calls.py) and in
+the several-process wiring (_distributed.py)."""
 from __future__ import annotations
 
 from .base import P, Mutation
 
 MUTATIONS = [
     Mutation(
-        "sharded-clip-norm-not-summed", "python/layerstream/optim.py",
+        "sharded-clip-norm-not-summed", "python/layerstream/_optim_overlap.py",
         "            plan.sum_of_squares = total.item() / shard.nodes",
         "            pass",
         [P + "test_distributed.py::test_sharded_step_overlapped_with_the_backward"],
         "an overlapped sharded step clips by its own shards' norm, not the ranks' sum"),
     Mutation(
-        "scaler-not-told", "python/layerstream/optim.py",
+        "scaler-not-told", "python/layerstream/_optim_overlap.py",
         "            self._report_to_scaler(scaler, skipped and not found)",
         "            pass",
         [P + "test_optim.py::test_overlap_tells_the_scaler_of_an_overflow_it_cannot_see"],
         "the scaler never hears of an overflow in the gradients an overlapped backward consumed"),
     Mutation(
-        "scaler-found-inf-ignored", "python/layerstream/optim.py",
+        "scaler-found-inf-ignored", "python/layerstream/_optim_overlap.py",
         "        return inv, bool(fi.item() if isinstance(fi, torch.Tensor) else fi)",
         "        return inv, False",
         [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
@@ -31,7 +31,7 @@ MUTATIONS = [
         [P + "test_optim.py::test_a_grad_scaler_steps_like_torch_and_skips_the_overflowing_steps"],
         "AdamW under a GradScaler steps with the scaled gradients"),
     Mutation(
-        "scaler-check-not-summed-over-ranks", "python/layerstream/optim.py",
+        "scaler-check-not-summed-over-ranks", "python/layerstream/_optim_overlap.py",
         "if (self.max_grad_norm is not None or scaler is not None) and shard is not None:",
         "if self.max_grad_norm is not None and shard is not None:",
         [P + "test_distributed.py::test_sharded_overlap_skips_on_every_rank_when_one_ranks_shard_has_nan"],
@@ -61,19 +61,19 @@ MUTATIONS = [
         [P + "test_optim.py::test_a_torch_state_dict_with_options_it_lacks_is_refused_before_anything_loads"],
         "a torch.optim.AdamW state dict with maximize=True / amsgrad=True loads and the step ignores them"),
     Mutation(
-        "overlap-ignores-late-hyperparameters", "python/layerstream/optim.py",
+        "overlap-ignores-late-hyperparameters", "python/layerstream/_optim_overlap.py",
         "                        if now.get(k) != v]",
         "                        if False]",
         [P + "test_optim.py::test_a_hyperparameter_set_between_an_overlapped_backward_and_step_is_refused"],
         "an lr set between an overlapped backward and step() reaches the resident parameters only"),
     Mutation(
-        "overlap-ignores-edited-kept-grads", "python/layerstream/optim.py",
+        "overlap-ignores-edited-kept-grads", "python/layerstream/_optim_overlap.py",
         "        edited = sum(1 for p, g, v in self._overlap_grads if p.grad is not g or (g is not None and g._version != v))",
         "        edited = 0",
         [P + "test_optim.py::test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refused"],
         "a custom clip of kept gradients after an overlapped backward reaches the resident parameters only"),
     Mutation(
-        "uncounted-training-warning-points-into-torch", "python/layerstream/optim.py",
+        "uncounted-training-warning-points-into-torch", "python/layerstream/_optim_base.py",
         "RuntimeWarning, stacklevel=_user_stacklevel())",
         "RuntimeWarning, stacklevel=4)",
         [P + "test_optim.py::test_the_uncounted_training_warning_points_at_the_users_step"],
@@ -98,19 +98,19 @@ MUTATIONS = [
         [P + "test_distributed.py::test_ddp_join_is_refused_while_streamed_weights_train_and_allowed_when_they_are_frozen"],
         "DDP's join() with trained streamed weights: the ranks' collectives stop pairing (gloo aborts a rank)"),
     Mutation(
-        "optim-refused-step-counts", "python/layerstream/optim.py",
+        "optim-refused-step-counts", "python/layerstream/_optim_base.py",
         "        except BaseException:\n            for p in fresh:\n                self.state.pop(p, None)\n            raise\n",
         "        except BaseException:\n            for st in states:\n                st[\"step\"] += 1\n            raise\n",
         [P + "test_optim.py::test_a_refused_step_counts_nothing_and_the_next_steps_equal_a_fresh_optimizers"],
         "a refused optimizer step advances the step counts: every later step's bias correction is off by one"),
     Mutation(
-        "optim-duplicate-param-stepped-twice", "python/layerstream/optim.py",
+        "optim-duplicate-param-stepped-twice", "python/layerstream/_optim_base.py",
         "        if len({id(p) for p in params}) != len(params):\n",
         "        if False:\n",
         [P + "test_optim.py::test_a_parameter_listed_twice_in_a_group_is_refused"],
         "a parameter listed twice in a group is stepped twice in one kernel call with one count"),
     Mutation(
-        "optim-late-amsgrad-ignored", "python/layerstream/optim.py",
+        "optim-late-amsgrad-ignored", "python/layerstream/_optim_base.py",
         "        for gi, group in enumerate(self.param_groups):\n            self._check_foreign_options(group, f\"param group {gi}\")\n",
         "        for gi, group in enumerate(self.param_groups):\n            pass\n",
         [P + "test_optim.py::test_an_option_it_lacks_set_through_param_groups_later_is_refused_at_the_step"],
@@ -122,7 +122,7 @@ MUTATIONS = [
         [P + "test_optim.py::test_a_refused_load_state_dict_changes_nothing"],
         "a refused optimizer load_state_dict() leaves the checkpoint's lr and some of its moments in place"),
     Mutation(
-        "optim-set-of-params-accepted", "python/layerstream/optim.py",
+        "optim-set-of-params-accepted", "python/layerstream/_optim_base.py",
         "        if isinstance(params, set):\n",
         "        if False:\n",
         [P + "test_optim.py::test_a_parameter_listed_twice_in_a_group_is_refused"],
@@ -134,7 +134,7 @@ MUTATIONS = [
         [P + "test_optim.py::test_adafactor_refuses_maximize"],
         "Adafactor with maximize=True in a group minimizes, silently"),
     Mutation(
-        "optim-overlap-zeroed-grads-forgotten", "python/layerstream/optim.py",
+        "optim-overlap-zeroed-grads-forgotten", "python/layerstream/_optim_base.py",
         "            self._zeroed.update((i, p) for i, p in self._dropped.items() if p.grad is None)\n",
         "            pass\n",
         [P + "test_optim.py::test_zero_grad_without_none_steps_layers_no_gradient_reached_as_a_plain_step_does"],
@@ -184,14 +184,14 @@ MUTATIONS = [
         [P + "test_ddp_rules.py::test_ranks_that_run_different_streamed_layers_are_refused_naming_the_layer"],
         "a rank that skips a streamed layer under DDP: gloo aborts a rank ('collective mismatch'), the rule unnamed"),
     Mutation(
-        "overlap-counts-ctrl-c-not-held", "python/layerstream/optim.py",
+        "overlap-counts-ctrl-c-not-held", "python/layerstream/_optim_overlap.py",
         "        with held_interrupts():\n            scale, done, stepped, skipped = self._finish_overlap(",
         "        if True:\n            scale, done, stepped, skipped = self._finish_overlap(",
         [P + "test_interrupts.py::test_a_ctrl_c_as_an_overlapped_step_settles_lands_after_its_counts"],
         "a Ctrl-C as an overlapped step's wait() or settle() returns leaves Adafactor's counts behind the layers "
         "stepped: every later step's lr and decay one step off"),
     Mutation(
-        "rerun-step-after-ctrl-c-steps-again", "python/layerstream/optim.py",
+        "rerun-step-after-ctrl-c-steps-again", "python/layerstream/_optim_overlap.py",
         "        if unfinished is not None and self._overlap is None and unfinished.resumes(work):\n",
         "        if False:\n",
         [P + "test_loose_ends.py::test_a_step_rerun_after_a_ctrl_c_completes_it_once"],
@@ -205,7 +205,7 @@ MUTATIONS = [
         "an optimizer state loaded before offload() into a model load_safetensors() filled is adopted in the "
         "meta parameters' layout: the moments become meta tensors, lost, and state_dict() saves them so"),
     Mutation(
-        "sharded-step-ctrl-c-not-held-whole", "python/layerstream/optim.py",
+        "sharded-step-ctrl-c-not-held-whole", "python/layerstream/_optim_base.py",
         "        return held_interrupts() if self._sharded_params() else contextlib.nullcontext()",
         "        return contextlib.nullcontext()",
         [P + "test_distributed.py::test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank"],
@@ -220,7 +220,7 @@ MUTATIONS = [
         "optimizer states loaded before offload(share_host_store='all') stay whole tensors': AdamW's first sharded "
         "step refuses them, Adafactor ranks keep and save states of tensors another rank steps"),
     Mutation(
-        "overlap-unscaled-twice", "python/layerstream/optim.py",
+        "overlap-unscaled-twice", "python/layerstream/_optim_overlap.py",
         "        if told and gs is None:\n",
         "        if False:\n",
         [P + "test_optim.py::test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refused"],
