@@ -674,7 +674,10 @@ def _moved_off(model: nn.Module, device: torch.device, move, moved: list) -> lis
     registered twice moves once. Appends what moved to `moved` as it goes (for
     _move_back) and returns it."""
     done = {}  # id(old buffer) -> its host copy
-    with torch.no_grad():
+    # Out of inference mode (suspend() inside torch.inference_mode(), a sampling step of a
+    # training loop): copies made in it are inference tensors, which a later backward
+    # cannot save (as _calls._move_to).
+    with torch.inference_mode(False), torch.no_grad():
         for module in model.modules():
             for p in module._parameters.values():
                 if p is None or id(p) in done or p.device != device:
@@ -701,7 +704,7 @@ def _move_back(moved: list) -> None:
     was on (a buffer registered twice, once). A buffer replaced meanwhile is
     left as it is."""
     done = {}
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # as _moved_off
         for t, module, name, device in moved:
             if module is None:
                 t.data = t.data.to(device)

@@ -286,20 +286,22 @@ def _move_states_of(params, device: torch.device, move, moved: list) -> list:
     for `params` by `move` (tensor -> its copy elsewhere), as Handle.suspend()
     moves the parameters. Appends (state dict, key, device) to `moved` as it goes
     (for _move_states_back) and returns it. torch's own optimizers are not seen."""
-    for opt in list(_LIVE):
-        for p in params:
-            st = opt.state.get(p)
-            for key, t in (st or {}).items():
-                if isinstance(t, torch.Tensor) and t.device == device:
-                    st[key] = move(t)
-                    moved.append((st, key, device))
+    with torch.inference_mode(False):  # as _handle._moved_off
+        for opt in list(_LIVE):
+            for p in params:
+                st = opt.state.get(p)
+                for key, t in (st or {}).items():
+                    if isinstance(t, torch.Tensor) and t.device == device:
+                        st[key] = move(t)
+                        moved.append((st, key, device))
     return moved
 
 
 def _move_states_back(moved: list) -> None:
     """Undoes _move_states_of: each of those states to the device it was on (also one
     load_state_dict() put there meanwhile, beside its parameter then on the host)."""
-    for st, key, device in moved:
-        t = st.get(key)
-        if isinstance(t, torch.Tensor) and t.device != device:
-            st[key] = t.to(device)
+    with torch.inference_mode(False):  # as _handle._moved_off
+        for st, key, device in moved:
+            t = st.get(key)
+            if isinstance(t, torch.Tensor) and t.device != device:
+                st[key] = t.to(device)

@@ -623,6 +623,32 @@ def test_a_backward_after_suspend_is_an_error_and_training_goes_on_after_resume(
     assert handle.ordering_errors() == []
 
 
+def test_suspend_and_resume_inside_inference_mode_leave_tensors_a_backward_can_save():
+    """handle.suspend() / resume() inside torch.inference_mode() (a sampling step of a LoRA
+    training loop): the moves made inference tensors of the parameters, buffers and
+    optimizer states, and the next training step failed ("Inference tensors cannot be
+    saved for backward"). The moves leave inference mode. The sim device computes on the
+    host, where nothing moves: the move helpers, with a host-to-host copy."""
+    from layerstream._handle import _move_back, _moved_off
+    from layerstream._optim_state import _move_states_back, _move_states_of
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = layerstream.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        moved = _moved_off(model, cpu, torch.clone, [])
+        states = _move_states_of([t for t, owner, _, _ in moved if owner is None], cpu, torch.clone, [])
+        _move_back(moved)
+        _move_states_back(states)
+    assert states and moved
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    assert not any(t.is_inference() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+
+
 def test_detach_of_a_suspended_model_restores_it_without_allocating_the_slots():
     """detach() while suspended: the model comes back whole (weights bit-identical,
     its own forward), and the engine did not allocate the slots again for it."""

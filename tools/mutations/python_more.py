@@ -205,4 +205,11 @@ MUTATIONS: list = [
         [P + "test_telemetry.py::test_stats_have_the_same_keys_with_and_without_a_budget"],
         "stats() without a budget has no resident_layers key: code written for stats() with a budget fails "
         "with KeyError"),
+    Mutation(
+        "suspend-moves-make-inference-tensors", "python/layerstream/_handle.py",
+        "    with torch.inference_mode(False), torch.no_grad():\n        for module in model.modules():",
+        "    with torch.no_grad():\n        for module in model.modules():",
+        [P + "test_misuse.py::test_suspend_and_resume_inside_inference_mode_leave_tensors_a_backward_can_save"],
+        "handle.suspend() inside torch.inference_mode() makes the parameters inference tensors: the next "
+        "training step fails"),
 ]
