@@ -13,8 +13,34 @@ from typing import List
 import torch
 import torch.nn as nn
 
-from . import _C
+from . import _C, _dynamo_marks
 from ._guards import LayerstreamError
+
+
+# Note [Checks of a call under torch.compile]
+# The forward pre-hooks' checks that read Python state or issue a collective (DDP's
+# ignore list and first training forward) cannot be traced: skipped while Dynamo traced
+# the hook, a compiled model (torch.compile(DDP(model)), DDP(torch.compile(model)))
+# trained on silently wrong. So a traced hook calls them through checked_eagerly,
+# which Dynamo does not trace: they run at every call, as in eager, with a graph break
+# around them, only where a DDP's forward runs (a process group's forward already
+# breaks the graph there: Engine.set_gradient_sync). So
+# fullgraph=True fails under DDP, naming this (a one-rank DDP compiled it before).
+@_dynamo_marks.disable(reason=(
+    "layerstream's checks of a call under DistributedDataParallel run eagerly under torch.compile, with "
+    "a graph break around them: compile without fullgraph=True there (Note [Checks of a call under torch.compile], "
+    "python/layerstream/_distributed.py)"))
+def checked_eagerly(check, *args):
+    """check(*args), outside any graph (Note [Checks of a call under torch.compile])."""
+    return check(*args)
+
+
+def eagerly(check, *args):
+    """check(*args) from a forward pre-hook: as is in an eager call, through
+    checked_eagerly in one torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return checked_eagerly(check, *args)
+    return check(*args)
 
 
 def resolve_group(process_group):
@@ -269,13 +295,32 @@ def store_pss(pid="self") -> int:
     return total
 
 
+# torch.compile's wrapper (OptimizedModule) names the model's parameters with this prefix.
+_COMPILED = "_orig_mod."
+
+
+def _listed(names: List[str]) -> List[str]:
+    """The names offload() puts on DDP's ignore list for the streamed parameters `names`:
+    each also as torch.compile's wrapper names it. DistributedDataParallel(torch.compile(
+    model)) reads the model's list through the wrapper but names the parameters
+    '_orig_mod.<name>': with the plain names alone it reduced the streamed gradients
+    itself, and they arrived as zeros. DDP skips names its module does not have."""
+    return names + [_COMPILED + n for n in names]
+
+
+def wraps(ddp, model: nn.Module) -> bool:
+    """Whether `ddp` wraps `model`, or torch.compile's wrapper of it."""
+    return ddp.module is model or getattr(ddp.module, "_orig_mod", None) is model
+
+
 def ignore_streamed_in_ddp(model: nn.Module, names: List[str]) -> None:
-    """DistributedDataParallel(model) then leaves the streamed parameters to layerstream:
-    it neither broadcasts them (host copies) nor checks their device nor reduces their
-    gradients (the engine averages those); a DDPCheck on the model checks, at each DDP's
-    first training forward, what that leaves undone. detach() takes them out again."""
+    """DistributedDataParallel(model), or of torch.compile(model), then leaves the streamed
+    parameters to layerstream: it neither broadcasts them (host copies) nor checks their
+    device nor reduces their gradients (the engine averages those); a DDPCheck on the model
+    checks, at each DDP's first training forward, what that leaves undone. detach() takes
+    them out again."""
     old = _plain(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    ignored = old + [n for n in names if n not in old]
+    ignored = old + [n for n in _listed(names) if n not in old]
     model._layerstream_ddp_ignored = names
     if _may_run_ddp():
         model._ddp_params_and_buffers_to_ignore = ignored
@@ -338,7 +383,7 @@ def forget_ddp_ignore(model: nn.Module) -> None:
     backwards = model.__dict__.pop("_layerstream_same_backwards", None)
     if backwards is not None:
         backwards.remove()
-    names = set(model.__dict__.pop("_layerstream_ddp_ignored", []))
+    names = set(_listed(model.__dict__.pop("_layerstream_ddp_ignored", [])))
     if names and hasattr(model, "_ddp_params_and_buffers_to_ignore"):
         model._ddp_params_and_buffers_to_ignore = [n for n in _plain(model._ddp_params_and_buffers_to_ignore)
                                                    if n not in names]
@@ -362,7 +407,8 @@ class DDPCheck:
 
     Only a training forward: every rank runs it together (their backwards' all-reduces
     pair up), so the all-gather of the weights' digests does too; a forward one rank
-    runs alone (an evaluation on rank 0) is not checked."""
+    runs alone (an evaluation on rank 0) is not checked. Compiled calls too (Note
+    [Checks of a call under torch.compile])."""
 
     def __init__(self, names: List[str]):
         self.names = names
@@ -371,15 +417,17 @@ class DDPCheck:
         self._checked = []  # weak references to the DDPs checked
 
     def __call__(self, module, args):
-        if torch.compiler.is_compiling():
-            return None
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
-        if (ddp is None or ddp.module is not module or not torch.is_grad_enabled()
-                or not ddp.require_backward_grad_sync or any(r() is ddp for r in self._checked)):
-            return None
+        if ddp is not None:
+            eagerly(self._at_forward, module, ddp)
+        return None
+
+    def _at_forward(self, module, ddp) -> None:
+        if (not wraps(ddp, module) or not torch.is_grad_enabled() or not ddp.require_backward_grad_sync
+                or any(r() is ddp for r in self._checked)):
+            return
         if self.check(module, ddp):
             self._checked = [r for r in self._checked if r() is not None] + [weakref.ref(ddp)]
-        return None
 
     def check(self, model: nn.Module, ddp) -> bool:
         """Refuses what the docstring above says; False when it could not check yet."""
@@ -567,7 +615,7 @@ class SameBackwards:
             return
         self._now = [] if torch.is_grad_enabled() else None
         self._sync = sync
-        self._under_ddp = ddp is not None and ddp.module is model
+        self._under_ddp = ddp is not None and wraps(ddp, model)
 
     def _ran(self, name: str, keys: List[str], module, args) -> None:
         if self._now is None or torch.compiler.is_compiling():

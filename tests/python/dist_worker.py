@@ -231,14 +231,16 @@ def _threads() -> int:
 def run(scenario, out, rank, result):
     """The scenario's work; its objects (DDP, which holds the group, among them) die when
     it returns, before main() destroys the process group."""
-    if scenario in ("full", "lora"):
-        model = make_model() if scenario == "full" else lora_model(wide=True)
+    if scenario in ("full", "lora", "full_ddp_of_compiled"):
+        model = make_model() if scenario != "lora" else lora_model(wide=True)
         # LoRA: the adapters stay resident, where DDP averages them; the frozen base streams.
-        handle = layerstream.offload(model, device="sim", exclude=None if scenario == "full" else ["*lora_*"])
-        ddp = nn.parallel.DistributedDataParallel(model)
+        handle = layerstream.offload(model, device="sim", exclude=None if scenario != "lora" else ["*lora_*"])
+        # DDP(torch.compile(model)) reads the model's ignore list through the compiled wrapper.
+        ddp = nn.parallel.DistributedDataParallel(
+            torch.compile(model, backend="aot_eager") if scenario == "full_ddp_of_compiled" else model)
         # This rank's share of each step's batch: rows rank*B .. (rank+1)*B.
         result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
-                                       accumulate_with=ddp.no_sync, lr=0.05 if scenario == "full" else LORA_LR)
+                                       accumulate_with=ddp.no_sync, lr=LORA_LR if scenario == "lora" else 0.05)
         result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         result["stats"] = handle.stats()
         result["plan"] = handle.plan
@@ -503,14 +505,24 @@ def run(scenario, out, rank, result):
             layerstream.offload(unseeded, device="sim")
         except layerstream.LayerstreamError as e:
             result["values_error"] = str(e)
-    elif scenario == "ddp_first_forward":
+    elif scenario in ("ddp_first_forward", "ddp_first_forward_compiled"):
         # What DDP's ignore list leaves to layerstream, checked at a DDP's first training
         # forward: the ranks' streamed weights (DDP's broadcast skips them) and the group
         # their gradients are averaged over. Every rank starts from another initialisation
         # than the checkpoint's (alike on every rank), then loads it after offload().
+        # Compiled: torch.compile(DDP(model)) (Dynamo traces the model's hooks).
         checkpoint = make_model().state_dict()
+        compiled = scenario.endswith("compiled")
 
-        def attempt(loaders, **offload_kw):
+        class Parent(nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, ids):
+                return self.inner(ids)
+
+        def attempt(loaders, parent=False, **offload_kw):
             model = make_model()
             with torch.no_grad():
                 for p in model.parameters():
@@ -518,7 +530,10 @@ def run(scenario, out, rank, result):
             handle = layerstream.offload(model, device="sim", **offload_kw)
             if rank in loaders:
                 model.load_state_dict(checkpoint)
-            ddp = nn.parallel.DistributedDataParallel(model)
+            ddp = nn.parallel.DistributedDataParallel(Parent(model) if parent else model)
+            if compiled:
+                torch._dynamo.reset()  # each attempt traced afresh, as in its own process
+                ddp = torch.compile(ddp, backend="aot_eager")
             try:
                 out = {"losses": train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
                                              accumulate_with=ddp.no_sync),
@@ -533,6 +548,7 @@ def run(scenario, out, rank, result):
         result["rank0_only"] = attempt([0])
         result["every_rank"] = attempt([0, 1])
         result["no_group"] = attempt([0, 1], process_group=False)
+        result["parent"] = attempt([0, 1], parent=True)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

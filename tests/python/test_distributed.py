@@ -382,7 +382,8 @@ def test_single_process_needs_no_group():
     assert handle.stats()["shared_bytes"] == 0 and handle.plan is None
     # DDP leaves the streamed parameters to layerstream even in a one-process job
     # (a one-GPU torchrun would otherwise refuse host and device parameters together).
-    assert model._ddp_params_and_buffers_to_ignore == ["0.weight", "0.bias"]
+    # Also as torch.compile's wrapper names them (DDP(torch.compile(model)) reads this list).
+    assert model._ddp_params_and_buffers_to_ignore == ["0.weight", "0.bias", "_orig_mod.0.weight", "_orig_mod.0.bias"]
     with handle.no_sync():  # nothing to suspend: a no-op
         model(torch.randn(2, 8)).sum().backward()
     assert model[0].weight.grad is not None
@@ -520,17 +521,35 @@ def test_training_outside_join_after_a_join_block_ended_equals_the_resident_mode
         dist.destroy_process_group()
 
 
-def test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward(tmp_path, compiled):
     """DDP's ignore list keeps the streamed weights out of its broadcast and its gradient
     reduction. A checkpoint loaded on rank 0 alone after offload() reached rank 0 alone,
     and offload(process_group=False) under a DDP of 2 ranks averaged no streamed gradient:
     both trained on, the ranks' weights apart, silently. Now both are refused at the
-    first training forward on every rank, naming the fix; loaded on every rank, the ranks
-    train as one process on the concatenated batch."""
-    results = _run("ddp_first_forward", 2, tmp_path)
+    first training forward on every rank, naming the fix, as is DDP around a parent of the
+    offloaded model; loaded on every rank, the ranks train as one process on the
+    concatenated batch. Also under torch.compile(DDP(model)), whose traced hooks skipped
+    every check (the ranks trained apart, the parent's streamed gradients were zeros)."""
+    results = _run("ddp_first_forward" + ("_compiled" if compiled else ""), 2, tmp_path)
     for res in results:
         assert re.search(r"streamed weights differ \(rank 0 and rank 1: 'values \S+ \w+' against "
                          r"'values \S+ \w+'\).*load it on every rank", res["rank0_only"]), res["rank0_only"]
         assert re.search(r"averages them over no group.*process_group=None", res["no_group"]), res["no_group"]
+        assert re.search(r"reduces 9 streamed parameter\(s\) itself \(e\.g\. 'inner\.emb\.weight'\)",
+                         res["parent"]), res["parent"]
     model = make_model()
     _check_equal([res["every_rank"] for res in results], model, _reference(model, 2), 2)
+
+
+def test_ddp_of_a_compiled_model_equals_one_process(tmp_path):
+    """DistributedDataParallel(torch.compile(model)) reads the model's ignore list through
+    the compiled wrapper, which names the parameters '_orig_mod.<name>': with the plain
+    names alone DDP reduced the streamed gradients itself, and those arrived as zeros,
+    silently. offload() lists both names: the ranks train as one process on the
+    concatenated batch, with DDP's no_sync() for the first micro-batch of each step."""
+    results = _run("full_ddp_of_compiled", 2, tmp_path)
+    model = make_model()
+    _check_equal(results, model, _reference(model, 2), 2)
+    assert all(res["stats"]["averaged_bytes"] > 0 for res in results)
+

@@ -161,4 +161,18 @@ MUTATIONS: list = [
         [P + "test_compile.py::test_a_compiled_group_refuses_a_container_it_cannot_rebuild_and_a_changed_one"],
         "a compiled groups= module whose container changes after the trace is rebuilt in the traced one: its "
         "tensors silently land in other fields"),
+    Mutation(
+        "ddp-of-compiled-ignores-plain-names", "python/layerstream/_distributed.py",
+        "    return names + [_COMPILED + n for n in names]",
+        "    return names",
+        [P + "test_distributed.py::test_ddp_of_a_compiled_model_equals_one_process"],
+        "DDP(torch.compile(model)) names the parameters '_orig_mod.<name>' and reduces the streamed gradients "
+        "itself: they arrive as zeros"),
+    Mutation(
+        "compiled-ddp-checks-skipped", "python/layerstream/_distributed.py",
+        "        return checked_eagerly(check, *args)",
+        "        return None",
+        [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
+        "under torch.compile(DDP(model)) the first-training-forward checks and the parent refusal are skipped: "
+        "ranks with different streamed weights, no averaging group or a parent's zero gradients train on"),
 ]
