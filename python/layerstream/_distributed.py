@@ -14,21 +14,23 @@ import torch
 import torch.nn as nn
 
 from . import _C, _dynamo_marks
-from ._guards import LayerstreamError
+from ._guards import LayerstreamError, shared_write_refusal
 
 
 # Note [Checks of a call under torch.compile]
-# The forward pre-hooks' checks that read Python state or issue a collective (DDP's
-# ignore list and first training forward) cannot be traced: skipped while Dynamo traced
-# the hook, a compiled model (torch.compile(DDP(model)), DDP(torch.compile(model)))
-# trained on silently wrong. So a traced hook calls them through checked_eagerly,
+# The forward pre-hooks' checks that read Python state, compare bytes or issue a
+# collective (DDP's ignore list and first training forward, the writes to a shared host
+# store) cannot be traced: skipped while Dynamo traced the hook, a compiled model (under
+# torch.compile(DDP(model)), DDP(torch.compile(model)), or compiled alone in a process
+# group) trained on silently wrong. So a traced hook calls them through checked_eagerly,
 # which Dynamo does not trace: they run at every call, as in eager, with a graph break
-# around them, only where a DDP's forward runs (a process group's forward already
-# breaks the graph there: Engine.set_gradient_sync). So
+# around them, only where a DDP's forward runs or a host store is shared (a process
+# group's forward already breaks the graph there: Engine.set_gradient_sync). So
 # fullgraph=True fails under DDP, naming this (a one-rank DDP compiled it before).
 @_dynamo_marks.disable(reason=(
-    "layerstream's checks of a call under DistributedDataParallel run eagerly under torch.compile, with "
-    "a graph break around them: compile without fullgraph=True there (Note [Checks of a call under torch.compile], "
+    "layerstream's checks of a call under DistributedDataParallel, and of the writes to the host store "
+    "a node's ranks share, run eagerly under torch.compile, with a graph break around them: compile "
+    "without fullgraph=True there (Note [Checks of a call under torch.compile], "
     "python/layerstream/_distributed.py)"))
 def checked_eagerly(check, *args):
     """check(*args), outside any graph (Note [Checks of a call under torch.compile])."""
@@ -164,6 +166,7 @@ class Distributed:
         # "all": trainable tensors shared too, each rank stepping its shard (layerstream.optim).
         self.sharded = self.share and share_host_store == "all"
         self.shards: List[torch.Tensor] = []
+        self.frozen = None  # the shared frozen tensors' _FrozenWrites, from finish() on
         self.region = None
         self.backwards = None  # SameBackwards, from finish() on
         if self.share:
@@ -227,6 +230,9 @@ class Distributed:
                 raise LayerstreamError("the ranks of this node laid the shared host store out differently "
                                        "(a bug, or models that differ in ways offload() did not check); "
                                        "pass share_host_store=False")
+            named = dict(model.named_parameters())
+            self.frozen = _FrozenWrites([(n, named[n]) for n in dict.fromkeys(streamed_names)
+                                         if n in named and not named[n].requires_grad])
         engine.set_gradient_group(self.pg.group_name)
         if self.size > 1:
             self.backwards = SameBackwards(self, model, streamed_names)
@@ -246,8 +252,19 @@ class Distributed:
             from ._optim_state import _states_made_whole
             _states_made_whole(self.shards)  # Note [States made before their parameters were sharded]
 
+    @property
+    def watched(self) -> bool:
+        """Whether the store this node's ranks share holds tensors whose writes check_writes() checks."""
+        return bool(self.shards) or bool(self.frozen)
+
+    def check_writes(self) -> None:
+        """Before a forward: the shared tensors were written by no one but a sharded step."""
+        self.check_shards()
+        if self.frozen:
+            self.frozen.check()
+
     def check_shards(self) -> None:
-        """Before a forward: no shared trainable tensor was written except by a sharded step."""
+        """No shared trainable tensor was written except by a sharded step."""
         for p in self.shards:
             if p._version != p._layerstream_shard.version:
                 raise LayerstreamError(
@@ -259,9 +276,11 @@ class Distributed:
                     f"weights: one copy per process).")
 
     def forget_shards(self) -> None:
+        """detach(): nothing shared is checked any more."""
         for p in self.shards:
             del p._layerstream_shard
         self.shards = []
+        self.frozen = None
 
     def describe(self) -> str:
         if self.sharded:
@@ -533,6 +552,73 @@ class Shard:
         torch.distributed.barrier(group=self.group)
 
 
+# Note [Frozen weights a node's ranks share are read-only]
+# By default the frozen streamed weights live once per node, in the host store its ranks
+# map (Distributed._open_region): a write by one rank reaches every rank. peft's
+# merge_adapter() on rank 0 alone (an evaluation with the adapter merged, LoRA under DDP)
+# changed rank 1's weights too (rank 1 then applied the adapter twice, and after
+# unmerge_adapter() kept weights off by the rounding), silently; on every rank it merged
+# the adapter once per rank. So after offload() (whose writer filled the store) they are
+# read-only: before each forward of the model, compiled or not, each rank checks that
+# their version counters stand still (copy_, load_state_dict(), an in-place op) and that
+# a sample of their bytes is unchanged (a write through .data, as merge_adapter() and
+# diffusers' fuse_lora() do, moves no counter): 16 elements of each tensor, evenly
+# spaced, gathered with one torch.cat per element size. A change is refused at that
+# forward, on the rank that wrote and on the others (their weights changed too), naming
+# share_host_store=False (one copy per process: each rank writes its own). Cost: the
+# sampled reads miss every CPU cache; about 0.2 ms per forward for 300 tensors on the
+# 2-core test machine. Not seen: a write that misses every sampled element and moves no
+# counter. Quantized, lossless-coded and disk-tier weights have no dense bytes here: their
+# stand-ins refuse writes, except a quantized one's copy_() and load_state_dict(), which
+# re-quantize into the store: refused at once while it is shared
+# (_guards.refuse_shared_requantize).
+class _FrozenWrites:
+    """The frozen streamed tensors of a store this node's ranks share (Note [Frozen
+    weights a node's ranks share are read-only])."""
+
+    _SAMPLE = 16
+    _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by element size
+
+    def __init__(self, named):
+        from ._standin import StandIn
+        self._tensors = []  # (name, parameter, version)
+        samples = {}  # word dtype -> [(name, a view of the sampled elements)]
+        seen = set()
+        for name, p in named:
+            if id(p) in seen or isinstance(p, StandIn) or p.is_meta or p.numel() == 0:
+                continue
+            seen.add(id(p))
+            self._tensors.append((name, p, p._version))
+            word = self._WORDS.get(p.element_size())
+            if word is None or not _dense(p):
+                continue  # its counter only
+            flat = Shard.flat(p.detach()).view(word)
+            samples.setdefault(word, []).append((name, flat[::max(1, flat.numel() // self._SAMPLE)][:self._SAMPLE]))
+        # Per element size: the names (one per sampled element), the views, and their bytes now.
+        self._samples = []
+        for rows in samples.values():
+            views = [v for _, v in rows]
+            names = [n for n, v in rows for _ in range(v.numel())]
+            self._samples.append((names, views, torch.cat(views)))
+
+    def __bool__(self) -> bool:
+        return bool(self._tensors)
+
+    def check(self) -> None:
+        for name, p, version in self._tensors:
+            if p._version != version:
+                raise LayerstreamError(shared_write_refusal(
+                    f"frozen streamed weight {name}",
+                    "was written in place after offload() (copy_, load_state_dict(), an in-place op)"))
+        for names, views, before in self._samples:
+            now = torch.cat(views)
+            if not torch.equal(now, before):
+                raise LayerstreamError(shared_write_refusal(
+                    f"frozen streamed weight {names[int((now != before).nonzero()[0])]}",
+                    "changed after offload() without a write through the parameter on this rank (a write "
+                    "through .data, as peft's merge_adapter() does, or another rank's)"))
+
+
 class SyncHook:
     """Before each forward of the model: whether the coming backward averages its
     streamed gradients (not inside handle.no_sync() nor DDP's no_sync()), and that
@@ -545,8 +631,8 @@ class SyncHook:
         self.local = False  # handle.no_sync()
 
     def __call__(self, module, args):
-        if self._group is not None and self._group.shards:
-            self._group.check_shards()
+        if self._group is not None and self._group.watched:
+            eagerly(self._group.check_writes)
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and _joining(ddp) and torch.is_grad_enabled() and self._trains_streamed() and \
                 _join_alive(ddp):  # last: it may scan for the join's hook

@@ -549,6 +549,58 @@ def run(scenario, out, rank, result):
         result["every_rank"] = attempt([0, 1])
         result["no_group"] = attempt([0, 1], process_group=False)
         result["parent"] = attempt([0, 1], parent=True)
+    elif scenario == "shared_frozen_write":
+        # LoRA under DDP, the frozen base in the host store the node's ranks share. Rank 0
+        # alone merges the adapter (peft's merge_adapter(): a write through .data) for an
+        # evaluation; then rank 0 alone loads weights (load_state_dict: copy_). Each rank
+        # then calls the model: rank 0 eagerly, rank 1 compiled. With share_host_store=False
+        # rank 0 merges and evaluates, and rank 1's outputs stay its own.
+        ids = batch_of(0, 0)[:BATCH][0]
+        for share in (None, False):
+            model = lora_model()
+            with torch.no_grad():  # an adapter that changes the weights it merges into (B starts at 0)
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+            handle = layerstream.offload(model, device="sim", exclude=["*lora_*"], share_host_store=share)
+            assert (handle.stats()["shared_bytes"] > 0) == (share is None)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            # A training step first: what the check saw at offload() still holds.
+            nn.functional.mse_loss(ddp(ids), batch_of(0, 0)[:BATCH][1]).backward()
+            call = model if rank == 0 else torch.compile(model, backend="aot_eager")
+            with torch.no_grad():
+                before = call(ids)
+            frozen = {k: v + 1 for k, v in model.state_dict().items() if "base_layer" in k}
+            for name, write in (("merge", model.merge_adapter), ("load", lambda: model.load_state_dict(frozen, strict=False))):
+                dist.barrier()
+                if rank == 0:
+                    write()
+                dist.barrier()  # rank 1 calls the model after rank 0 wrote
+                try:
+                    with torch.no_grad():
+                        out = call(ids)
+                    result[f"{name}_{share}"] = (out - before).abs().max().item()
+                except layerstream.LayerstreamError as e:
+                    result[f"{name}_{share}"] = str(e)
+                if rank == 0 and name == "merge":
+                    model.unmerge_adapter()
+            del ddp
+            dist.barrier()
+            handle.detach()
+        # A quantized frozen weight's copy_() re-quantizes into the store: refused while shared.
+        for share in (None, False):
+            model = make_model().requires_grad_(False)
+            handle = layerstream.offload(model, device="sim", quantize="int8", share_host_store=share)
+            for way, write in (("load", lambda: model.load_state_dict(make_model().state_dict())),
+                               ("copy", lambda: model.fc1.weight.copy_(make_model().fc1.weight))):
+                try:
+                    with torch.no_grad():
+                        write()
+                    result[f"requantize_{way}_{share}"] = None
+                except (layerstream.LayerstreamError, RuntimeError) as e:  # load_state_dict's joins the errors
+                    result[f"requantize_{way}_{share}"] = str(e)
+            dist.barrier()
+            handle.detach()
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

@@ -553,3 +553,31 @@ def test_ddp_of_a_compiled_model_equals_one_process(tmp_path):
     _check_equal(results, model, _reference(model, 2), 2)
     assert all(res["stats"]["averaged_bytes"] > 0 for res in results)
 
+
+def test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank(tmp_path):
+    """The frozen streamed weights of a node's ranks are one host copy (the default): peft's
+    merge_adapter() on rank 0 alone (an evaluation, LoRA under DDP) merged the adapter into
+    rank 1's weights too, silently. Now a write after offload(), through .data (the
+    merge) or through the parameter (load_state_dict), is refused at the next call of the
+    model on every rank of the node (rank 0 eager, rank 1 compiled), naming
+    share_host_store=False, and so is a quantized weight's copy_() (a re-quantization into
+    the shared store), at once; with share_host_store=False, rank 0 merges and loads and
+    rank 1's outputs stay its own."""
+    results = _run("shared_frozen_write", 2, tmp_path)
+    weight = r"frozen streamed weight base_model\.model\.\S+ "
+    dotdata = weight + r"changed after offload\(\) without a write through the parameter on this rank .*"
+    shared = r"it sits in the host store this node's ranks share .*share_host_store=False"
+    for rank, res in enumerate(results):
+        assert re.search(dotdata + shared, res["merge_None"]), (rank, res["merge_None"])
+        loaded = weight + r"was written in place after offload\(\) \(copy_" if rank == 0 else dotdata
+        assert re.search(loaded + ".*" + shared, res["load_None"]), (rank, res["load_None"])
+        # A quantized weight's copy_() (a re-quantization into the shared store): refused at the write.
+        requantize = r" cannot be re-quantized after offload\(\) \(copy_, load_state_dict\(\)\): " + shared
+        assert re.search(r"quantized streamed weight attn\.in_proj_weight" + requantize,
+                         res["requantize_load_None"]), res["requantize_load_None"]
+        assert re.search(r"the quantized weight of streamed layer 'fc1'" + requantize,
+                         res["requantize_copy_None"]), res["requantize_copy_None"]
+        assert res["requantize_load_False"] is None and res["requantize_copy_False"] is None
+    assert 0 < results[0]["merge_False"] < 1e-5  # merged: the same function, rounded otherwise
+    assert results[0]["load_False"] > 0.1
+    assert results[1]["merge_False"] == results[1]["load_False"] == 0  # rank 1's weights are its own
