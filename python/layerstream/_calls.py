@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _C
+from . import _C, _distributed
 from ._discovery import peft_base_reader
 from ._forward import _RefusesCopy
 from ._interrupts import held_interrupts
@@ -118,8 +118,9 @@ class _CallBegins(_RefusesCopy):
     slots by the call before are not served to this one even when it skips the layer that
     began the steps before (Note [When a step begins] in core/scheduler.cpp); then
     `follow` (offload()'s _AddedTensorsFollow), if given, runs. Traced by torch.compile,
-    it does nothing (the engine's own signs apply). Copying or pickling the model is
-    refused with the message of its streamed modules."""
+    it checks a DDP's ignore list only (Note [Checks of a call under torch.compile] in
+    _distributed.py; the engine's own signs begin the step). Copying or pickling the model
+    is refused with the message of its streamed modules."""
 
     __slots__ = ("_engine_of", "_follow", "_turns", "_streamed", "_ddp_checked")
 
@@ -128,17 +129,21 @@ class _CallBegins(_RefusesCopy):
         self._streamed, self._ddp_checked = streamed, None
 
     def __call__(self, module, args):
+        ddp = DistributedDataParallel._get_active_ddp_module()  # set while a DDP forward runs
+        if ddp is not None:
+            _distributed.eagerly(self._check_ddp, ddp)
         if not torch.compiler.is_compiling():
-            ddp = DistributedDataParallel._active_ddp_module  # set while a DDP forward runs
-            if ddp is not None and ddp is not self._ddp_checked:
-                _check_ddp_ignores(ddp, self._streamed)
-                self._ddp_checked = ddp
             self._turns.enter(sys._getframe(1))
             engine = self._engine_of()
             if engine is not None:
                 engine.begin_call()
             if self._follow is not None:
                 self._follow()
+
+    def _check_ddp(self, ddp) -> None:
+        if ddp is not self._ddp_checked:
+            _check_ddp_ignores(ddp, self._streamed)
+            self._ddp_checked = ddp
 
 
 def _check_ddp_ignores(ddp, streamed: set) -> None:

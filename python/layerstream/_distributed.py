@@ -13,8 +13,36 @@ from typing import List
 import torch
 import torch.nn as nn
 
-from . import _C
-from ._guards import LayerstreamError
+from . import _C, _dynamo_marks
+from ._guards import LayerstreamError, shared_write_refusal
+
+
+# Note [Checks of a call under torch.compile]
+# The forward pre-hooks' checks that read Python state, compare bytes or issue a
+# collective (DDP's ignore list and first training forward, the writes to a shared host
+# store) cannot be traced: skipped while Dynamo traced the hook, a compiled model (under
+# torch.compile(DDP(model)), DDP(torch.compile(model)), or compiled alone in a process
+# group) trained on silently wrong. So a traced hook calls them through checked_eagerly,
+# which Dynamo does not trace: they run at every call, as in eager, with a graph break
+# around them, only where a DDP's forward runs or a host store is shared (a process
+# group's forward already breaks the graph there: Engine.set_gradient_sync). So
+# fullgraph=True fails under DDP, naming this (a one-rank DDP compiled it before).
+@_dynamo_marks.disable(reason=(
+    "layerstream's checks of a call under DistributedDataParallel, and of the writes to the host store "
+    "a node's ranks share, run eagerly under torch.compile, with a graph break around them: compile "
+    "without fullgraph=True there (Note [Checks of a call under torch.compile], "
+    "python/layerstream/_distributed.py)"))
+def checked_eagerly(check, *args):
+    """check(*args), outside any graph (Note [Checks of a call under torch.compile])."""
+    return check(*args)
+
+
+def eagerly(check, *args):
+    """check(*args) from a forward pre-hook: as is in an eager call, through
+    checked_eagerly in one torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return checked_eagerly(check, *args)
+    return check(*args)
 
 
 def resolve_group(process_group):
@@ -138,6 +166,7 @@ class Distributed:
         # "all": trainable tensors shared too, each rank stepping its shard (layerstream.optim).
         self.sharded = self.share and share_host_store == "all"
         self.shards: List[torch.Tensor] = []
+        self.frozen = None  # the shared frozen tensors' _FrozenWrites, from finish() on
         self.region = None
         self.backwards = None  # SameBackwards, from finish() on
         if self.share:
@@ -201,6 +230,9 @@ class Distributed:
                 raise LayerstreamError("the ranks of this node laid the shared host store out differently "
                                        "(a bug, or models that differ in ways offload() did not check); "
                                        "pass share_host_store=False")
+            named = dict(model.named_parameters())
+            self.frozen = _FrozenWrites([(n, named[n]) for n in dict.fromkeys(streamed_names)
+                                         if n in named and not named[n].requires_grad])
         engine.set_gradient_group(self.pg.group_name)
         if self.size > 1:
             self.backwards = SameBackwards(self, model, streamed_names)
@@ -220,8 +252,19 @@ class Distributed:
             from ._optim_state import _states_made_whole
             _states_made_whole(self.shards)  # Note [States made before their parameters were sharded]
 
+    @property
+    def watched(self) -> bool:
+        """Whether the store this node's ranks share holds tensors whose writes check_writes() checks."""
+        return bool(self.shards) or bool(self.frozen)
+
+    def check_writes(self) -> None:
+        """Before a forward: the shared tensors were written by no one but a sharded step."""
+        self.check_shards()
+        if self.frozen:
+            self.frozen.check()
+
     def check_shards(self) -> None:
-        """Before a forward: no shared trainable tensor was written except by a sharded step."""
+        """No shared trainable tensor was written except by a sharded step."""
         for p in self.shards:
             if p._version != p._layerstream_shard.version:
                 raise LayerstreamError(
@@ -233,9 +276,11 @@ class Distributed:
                     f"weights: one copy per process).")
 
     def forget_shards(self) -> None:
+        """detach(): nothing shared is checked any more."""
         for p in self.shards:
             del p._layerstream_shard
         self.shards = []
+        self.frozen = None
 
     def describe(self) -> str:
         if self.sharded:
@@ -269,13 +314,32 @@ def store_pss(pid="self") -> int:
     return total
 
 
+# torch.compile's wrapper (OptimizedModule) names the model's parameters with this prefix.
+_COMPILED = "_orig_mod."
+
+
+def _listed(names: List[str]) -> List[str]:
+    """The names offload() puts on DDP's ignore list for the streamed parameters `names`:
+    each also as torch.compile's wrapper names it. DistributedDataParallel(torch.compile(
+    model)) reads the model's list through the wrapper but names the parameters
+    '_orig_mod.<name>': with the plain names alone it reduced the streamed gradients
+    itself, and they arrived as zeros. DDP skips names its module does not have."""
+    return names + [_COMPILED + n for n in names]
+
+
+def wraps(ddp, model: nn.Module) -> bool:
+    """Whether `ddp` wraps `model`, or torch.compile's wrapper of it."""
+    return ddp.module is model or getattr(ddp.module, "_orig_mod", None) is model
+
+
 def ignore_streamed_in_ddp(model: nn.Module, names: List[str]) -> None:
-    """DistributedDataParallel(model) then leaves the streamed parameters to layerstream:
-    it neither broadcasts them (host copies) nor checks their device nor reduces their
-    gradients (the engine averages those); a DDPCheck on the model checks, at each DDP's
-    first training forward, what that leaves undone. detach() takes them out again."""
+    """DistributedDataParallel(model), or of torch.compile(model), then leaves the streamed
+    parameters to layerstream: it neither broadcasts them (host copies) nor checks their
+    device nor reduces their gradients (the engine averages those); a DDPCheck on the model
+    checks, at each DDP's first training forward, what that leaves undone. detach() takes
+    them out again."""
     old = _plain(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    ignored = old + [n for n in names if n not in old]
+    ignored = old + [n for n in _listed(names) if n not in old]
     model._layerstream_ddp_ignored = names
     if _may_run_ddp():
         model._ddp_params_and_buffers_to_ignore = ignored
@@ -338,7 +402,7 @@ def forget_ddp_ignore(model: nn.Module) -> None:
     backwards = model.__dict__.pop("_layerstream_same_backwards", None)
     if backwards is not None:
         backwards.remove()
-    names = set(model.__dict__.pop("_layerstream_ddp_ignored", []))
+    names = set(_listed(model.__dict__.pop("_layerstream_ddp_ignored", [])))
     if names and hasattr(model, "_ddp_params_and_buffers_to_ignore"):
         model._ddp_params_and_buffers_to_ignore = [n for n in _plain(model._ddp_params_and_buffers_to_ignore)
                                                    if n not in names]
@@ -362,7 +426,8 @@ class DDPCheck:
 
     Only a training forward: every rank runs it together (their backwards' all-reduces
     pair up), so the all-gather of the weights' digests does too; a forward one rank
-    runs alone (an evaluation on rank 0) is not checked."""
+    runs alone (an evaluation on rank 0) is not checked. Compiled calls too (Note
+    [Checks of a call under torch.compile])."""
 
     def __init__(self, names: List[str]):
         self.names = names
@@ -371,15 +436,17 @@ class DDPCheck:
         self._checked = []  # weak references to the DDPs checked
 
     def __call__(self, module, args):
-        if torch.compiler.is_compiling():
-            return None
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
-        if (ddp is None or ddp.module is not module or not torch.is_grad_enabled()
-                or not ddp.require_backward_grad_sync or any(r() is ddp for r in self._checked)):
-            return None
+        if ddp is not None:
+            eagerly(self._at_forward, module, ddp)
+        return None
+
+    def _at_forward(self, module, ddp) -> None:
+        if (not wraps(ddp, module) or not torch.is_grad_enabled() or not ddp.require_backward_grad_sync
+                or any(r() is ddp for r in self._checked)):
+            return
         if self.check(module, ddp):
             self._checked = [r for r in self._checked if r() is not None] + [weakref.ref(ddp)]
-        return None
 
     def check(self, model: nn.Module, ddp) -> bool:
         """Refuses what the docstring above says; False when it could not check yet."""
@@ -485,6 +552,73 @@ class Shard:
         torch.distributed.barrier(group=self.group)
 
 
+# Note [Frozen weights a node's ranks share are read-only]
+# By default the frozen streamed weights live once per node, in the host store its ranks
+# map (Distributed._open_region): a write by one rank reaches every rank. peft's
+# merge_adapter() on rank 0 alone (an evaluation with the adapter merged, LoRA under DDP)
+# changed rank 1's weights too (rank 1 then applied the adapter twice, and after
+# unmerge_adapter() kept weights off by the rounding), silently; on every rank it merged
+# the adapter once per rank. So after offload() (whose writer filled the store) they are
+# read-only: before each forward of the model, compiled or not, each rank checks that
+# their version counters stand still (copy_, load_state_dict(), an in-place op) and that
+# a sample of their bytes is unchanged (a write through .data, as merge_adapter() and
+# diffusers' fuse_lora() do, moves no counter): 16 elements of each tensor, evenly
+# spaced, gathered with one torch.cat per element size. A change is refused at that
+# forward, on the rank that wrote and on the others (their weights changed too), naming
+# share_host_store=False (one copy per process: each rank writes its own). Cost: the
+# sampled reads miss every CPU cache; about 0.2 ms per forward for 300 tensors on the
+# 2-core test machine. Not seen: a write that misses every sampled element and moves no
+# counter. Quantized, lossless-coded and disk-tier weights have no dense bytes here: their
+# stand-ins refuse writes, except a quantized one's copy_() and load_state_dict(), which
+# re-quantize into the store: refused at once while it is shared
+# (_guards.refuse_shared_requantize).
+class _FrozenWrites:
+    """The frozen streamed tensors of a store this node's ranks share (Note [Frozen
+    weights a node's ranks share are read-only])."""
+
+    _SAMPLE = 16
+    _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by element size
+
+    def __init__(self, named):
+        from ._standin import StandIn
+        self._tensors = []  # (name, parameter, version)
+        samples = {}  # word dtype -> [(name, a view of the sampled elements)]
+        seen = set()
+        for name, p in named:
+            if id(p) in seen or isinstance(p, StandIn) or p.is_meta or p.numel() == 0:
+                continue
+            seen.add(id(p))
+            self._tensors.append((name, p, p._version))
+            word = self._WORDS.get(p.element_size())
+            if word is None or not _dense(p):
+                continue  # its counter only
+            flat = Shard.flat(p.detach()).view(word)
+            samples.setdefault(word, []).append((name, flat[::max(1, flat.numel() // self._SAMPLE)][:self._SAMPLE]))
+        # Per element size: the names (one per sampled element), the views, and their bytes now.
+        self._samples = []
+        for rows in samples.values():
+            views = [v for _, v in rows]
+            names = [n for n, v in rows for _ in range(v.numel())]
+            self._samples.append((names, views, torch.cat(views)))
+
+    def __bool__(self) -> bool:
+        return bool(self._tensors)
+
+    def check(self) -> None:
+        for name, p, version in self._tensors:
+            if p._version != version:
+                raise LayerstreamError(shared_write_refusal(
+                    f"frozen streamed weight {name}",
+                    "was written in place after offload() (copy_, load_state_dict(), an in-place op)"))
+        for names, views, before in self._samples:
+            now = torch.cat(views)
+            if not torch.equal(now, before):
+                raise LayerstreamError(shared_write_refusal(
+                    f"frozen streamed weight {names[int((now != before).nonzero()[0])]}",
+                    "changed after offload() without a write through the parameter on this rank (a write "
+                    "through .data, as peft's merge_adapter() does, or another rank's)"))
+
+
 class SyncHook:
     """Before each forward of the model: whether the coming backward averages its
     streamed gradients (not inside handle.no_sync() nor DDP's no_sync()), and that
@@ -497,8 +631,8 @@ class SyncHook:
         self.local = False  # handle.no_sync()
 
     def __call__(self, module, args):
-        if self._group is not None and self._group.shards:
-            self._group.check_shards()
+        if self._group is not None and self._group.watched:
+            eagerly(self._group.check_writes)
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and _joining(ddp) and torch.is_grad_enabled() and self._trains_streamed() and \
                 _join_alive(ddp):  # last: it may scan for the join's hook
@@ -567,7 +701,7 @@ class SameBackwards:
             return
         self._now = [] if torch.is_grad_enabled() else None
         self._sync = sync
-        self._under_ddp = ddp is not None and ddp.module is model
+        self._under_ddp = ddp is not None and wraps(ddp, model)
 
     def _ran(self, name: str, keys: List[str], module, args) -> None:
         if self._now is None or torch.compiler.is_compiling():

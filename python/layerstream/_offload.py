@@ -236,7 +236,9 @@ def offload(
         or without a group), so DistributedDataParallel(model) needs no argument for them.
     share_host_store: the ranks of one machine keep one host copy of the frozen streamed
         weights (a memory file the first of them fills and the others map; freed by the
-        kernel when the last rank exits, even after a crash); trainable ones keep one copy
+        kernel when the last rank exits, even after a crash), read-only after offload()
+        (a write, which would reach every rank, is refused at the next call: peft's
+        merge_adapter() on one rank needs False); trainable ones keep one copy
         per process (each rank's optimizer steps its own). None: shared when another rank
         of the group runs on this machine (True: the same); False: one copy per process;
         "all": trainable

@@ -231,14 +231,16 @@ def _threads() -> int:
 def run(scenario, out, rank, result):
     """The scenario's work; its objects (DDP, which holds the group, among them) die when
     it returns, before main() destroys the process group."""
-    if scenario in ("full", "lora"):
-        model = make_model() if scenario == "full" else lora_model(wide=True)
+    if scenario in ("full", "lora", "full_ddp_of_compiled"):
+        model = make_model() if scenario != "lora" else lora_model(wide=True)
         # LoRA: the adapters stay resident, where DDP averages them; the frozen base streams.
-        handle = layerstream.offload(model, device="sim", exclude=None if scenario == "full" else ["*lora_*"])
-        ddp = nn.parallel.DistributedDataParallel(model)
+        handle = layerstream.offload(model, device="sim", exclude=None if scenario != "lora" else ["*lora_*"])
+        # DDP(torch.compile(model)) reads the model's ignore list through the compiled wrapper.
+        ddp = nn.parallel.DistributedDataParallel(
+            torch.compile(model, backend="aot_eager") if scenario == "full_ddp_of_compiled" else model)
         # This rank's share of each step's batch: rows rank*B .. (rank+1)*B.
         result["losses"] = train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
-                                       accumulate_with=ddp.no_sync, lr=0.05 if scenario == "full" else LORA_LR)
+                                       accumulate_with=ddp.no_sync, lr=LORA_LR if scenario == "lora" else 0.05)
         result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         result["stats"] = handle.stats()
         result["plan"] = handle.plan
@@ -503,14 +505,24 @@ def run(scenario, out, rank, result):
             layerstream.offload(unseeded, device="sim")
         except layerstream.LayerstreamError as e:
             result["values_error"] = str(e)
-    elif scenario == "ddp_first_forward":
+    elif scenario in ("ddp_first_forward", "ddp_first_forward_compiled"):
         # What DDP's ignore list leaves to layerstream, checked at a DDP's first training
         # forward: the ranks' streamed weights (DDP's broadcast skips them) and the group
         # their gradients are averaged over. Every rank starts from another initialisation
         # than the checkpoint's (alike on every rank), then loads it after offload().
+        # Compiled: torch.compile(DDP(model)) (Dynamo traces the model's hooks).
         checkpoint = make_model().state_dict()
+        compiled = scenario.endswith("compiled")
 
-        def attempt(loaders, **offload_kw):
+        class Parent(nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, ids):
+                return self.inner(ids)
+
+        def attempt(loaders, parent=False, **offload_kw):
             model = make_model()
             with torch.no_grad():
                 for p in model.parameters():
@@ -518,7 +530,10 @@ def run(scenario, out, rank, result):
             handle = layerstream.offload(model, device="sim", **offload_kw)
             if rank in loaders:
                 model.load_state_dict(checkpoint)
-            ddp = nn.parallel.DistributedDataParallel(model)
+            ddp = nn.parallel.DistributedDataParallel(Parent(model) if parent else model)
+            if compiled:
+                torch._dynamo.reset()  # each attempt traced afresh, as in its own process
+                ddp = torch.compile(ddp, backend="aot_eager")
             try:
                 out = {"losses": train_steps(ddp, lambda step, micro: batch_of(step, micro)[rank * BATCH:(rank + 1) * BATCH],
                                              accumulate_with=ddp.no_sync),
@@ -533,6 +548,59 @@ def run(scenario, out, rank, result):
         result["rank0_only"] = attempt([0])
         result["every_rank"] = attempt([0, 1])
         result["no_group"] = attempt([0, 1], process_group=False)
+        result["parent"] = attempt([0, 1], parent=True)
+    elif scenario == "shared_frozen_write":
+        # LoRA under DDP, the frozen base in the host store the node's ranks share. Rank 0
+        # alone merges the adapter (peft's merge_adapter(): a write through .data) for an
+        # evaluation; then rank 0 alone loads weights (load_state_dict: copy_). Each rank
+        # then calls the model: rank 0 eagerly, rank 1 compiled. With share_host_store=False
+        # rank 0 merges and evaluates, and rank 1's outputs stay its own.
+        ids = batch_of(0, 0)[:BATCH][0]
+        for share in (None, False):
+            model = lora_model()
+            with torch.no_grad():  # an adapter that changes the weights it merges into (B starts at 0)
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+            handle = layerstream.offload(model, device="sim", exclude=["*lora_*"], share_host_store=share)
+            assert (handle.stats()["shared_bytes"] > 0) == (share is None)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            # A training step first: what the check saw at offload() still holds.
+            nn.functional.mse_loss(ddp(ids), batch_of(0, 0)[:BATCH][1]).backward()
+            call = model if rank == 0 else torch.compile(model, backend="aot_eager")
+            with torch.no_grad():
+                before = call(ids)
+            frozen = {k: v + 1 for k, v in model.state_dict().items() if "base_layer" in k}
+            for name, write in (("merge", model.merge_adapter), ("load", lambda: model.load_state_dict(frozen, strict=False))):
+                dist.barrier()
+                if rank == 0:
+                    write()
+                dist.barrier()  # rank 1 calls the model after rank 0 wrote
+                try:
+                    with torch.no_grad():
+                        out = call(ids)
+                    result[f"{name}_{share}"] = (out - before).abs().max().item()
+                except layerstream.LayerstreamError as e:
+                    result[f"{name}_{share}"] = str(e)
+                if rank == 0 and name == "merge":
+                    model.unmerge_adapter()
+            del ddp
+            dist.barrier()
+            handle.detach()
+        # A quantized frozen weight's copy_() re-quantizes into the store: refused while shared.
+        for share in (None, False):
+            model = make_model().requires_grad_(False)
+            handle = layerstream.offload(model, device="sim", quantize="int8", share_host_store=share)
+            for way, write in (("load", lambda: model.load_state_dict(make_model().state_dict())),
+                               ("copy", lambda: model.fc1.weight.copy_(make_model().fc1.weight))):
+                try:
+                    with torch.no_grad():
+                        write()
+                    result[f"requantize_{way}_{share}"] = None
+                except (layerstream.LayerstreamError, RuntimeError) as e:  # load_state_dict's joins the errors
+                    result[f"requantize_{way}_{share}"] = str(e)
+            dist.barrier()
+            handle.detach()
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

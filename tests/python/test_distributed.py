@@ -382,7 +382,8 @@ def test_single_process_needs_no_group():
     assert handle.stats()["shared_bytes"] == 0 and handle.plan is None
     # DDP leaves the streamed parameters to layerstream even in a one-process job
     # (a one-GPU torchrun would otherwise refuse host and device parameters together).
-    assert model._ddp_params_and_buffers_to_ignore == ["0.weight", "0.bias"]
+    # Also as torch.compile's wrapper names them (DDP(torch.compile(model)) reads this list).
+    assert model._ddp_params_and_buffers_to_ignore == ["0.weight", "0.bias", "_orig_mod.0.weight", "_orig_mod.0.bias"]
     with handle.no_sync():  # nothing to suspend: a no-op
         model(torch.randn(2, 8)).sum().backward()
     assert model[0].weight.grad is not None
@@ -520,17 +521,63 @@ def test_training_outside_join_after_a_join_block_ended_equals_the_resident_mode
         dist.destroy_process_group()
 
 
-def test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward(tmp_path, compiled):
     """DDP's ignore list keeps the streamed weights out of its broadcast and its gradient
     reduction. A checkpoint loaded on rank 0 alone after offload() reached rank 0 alone,
     and offload(process_group=False) under a DDP of 2 ranks averaged no streamed gradient:
     both trained on, the ranks' weights apart, silently. Now both are refused at the
-    first training forward on every rank, naming the fix; loaded on every rank, the ranks
-    train as one process on the concatenated batch."""
-    results = _run("ddp_first_forward", 2, tmp_path)
+    first training forward on every rank, naming the fix, as is DDP around a parent of the
+    offloaded model; loaded on every rank, the ranks train as one process on the
+    concatenated batch. Also under torch.compile(DDP(model)), whose traced hooks skipped
+    every check (the ranks trained apart, the parent's streamed gradients were zeros)."""
+    results = _run("ddp_first_forward" + ("_compiled" if compiled else ""), 2, tmp_path)
     for res in results:
         assert re.search(r"streamed weights differ \(rank 0 and rank 1: 'values \S+ \w+' against "
                          r"'values \S+ \w+'\).*load it on every rank", res["rank0_only"]), res["rank0_only"]
         assert re.search(r"averages them over no group.*process_group=None", res["no_group"]), res["no_group"]
+        assert re.search(r"reduces 9 streamed parameter\(s\) itself \(e\.g\. 'inner\.emb\.weight'\)",
+                         res["parent"]), res["parent"]
     model = make_model()
     _check_equal([res["every_rank"] for res in results], model, _reference(model, 2), 2)
+
+
+def test_ddp_of_a_compiled_model_equals_one_process(tmp_path):
+    """DistributedDataParallel(torch.compile(model)) reads the model's ignore list through
+    the compiled wrapper, which names the parameters '_orig_mod.<name>': with the plain
+    names alone DDP reduced the streamed gradients itself, and those arrived as zeros,
+    silently. offload() lists both names: the ranks train as one process on the
+    concatenated batch, with DDP's no_sync() for the first micro-batch of each step."""
+    results = _run("full_ddp_of_compiled", 2, tmp_path)
+    model = make_model()
+    _check_equal(results, model, _reference(model, 2), 2)
+    assert all(res["stats"]["averaged_bytes"] > 0 for res in results)
+
+
+def test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank(tmp_path):
+    """The frozen streamed weights of a node's ranks are one host copy (the default): peft's
+    merge_adapter() on rank 0 alone (an evaluation, LoRA under DDP) merged the adapter into
+    rank 1's weights too, silently. Now a write after offload(), through .data (the
+    merge) or through the parameter (load_state_dict), is refused at the next call of the
+    model on every rank of the node (rank 0 eager, rank 1 compiled), naming
+    share_host_store=False, and so is a quantized weight's copy_() (a re-quantization into
+    the shared store), at once; with share_host_store=False, rank 0 merges and loads and
+    rank 1's outputs stay its own."""
+    results = _run("shared_frozen_write", 2, tmp_path)
+    weight = r"frozen streamed weight base_model\.model\.\S+ "
+    dotdata = weight + r"changed after offload\(\) without a write through the parameter on this rank .*"
+    shared = r"it sits in the host store this node's ranks share .*share_host_store=False"
+    for rank, res in enumerate(results):
+        assert re.search(dotdata + shared, res["merge_None"]), (rank, res["merge_None"])
+        loaded = weight + r"was written in place after offload\(\) \(copy_" if rank == 0 else dotdata
+        assert re.search(loaded + ".*" + shared, res["load_None"]), (rank, res["load_None"])
+        # A quantized weight's copy_() (a re-quantization into the shared store): refused at the write.
+        requantize = r" cannot be re-quantized after offload\(\) \(copy_, load_state_dict\(\)\): " + shared
+        assert re.search(r"quantized streamed weight attn\.in_proj_weight" + requantize,
+                         res["requantize_load_None"]), res["requantize_load_None"]
+        assert re.search(r"the quantized weight of streamed layer 'fc1'" + requantize,
+                         res["requantize_copy_None"]), res["requantize_copy_None"]
+        assert res["requantize_load_False"] is None and res["requantize_copy_False"] is None
+    assert 0 < results[0]["merge_False"] < 1e-5  # merged: the same function, rounded otherwise
+    assert results[0]["load_False"] > 0.1
+    assert results[1]["merge_False"] == results[1]["load_False"] == 0  # rank 1's weights are its own

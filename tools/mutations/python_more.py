@@ -212,4 +212,45 @@ MUTATIONS: list = [
         [P + "test_misuse.py::test_suspend_and_resume_inside_inference_mode_leave_tensors_a_backward_can_save"],
         "handle.suspend() inside torch.inference_mode() makes the parameters inference tensors: the next "
         "training step fails"),
+    Mutation(
+        "ddp-of-compiled-ignores-plain-names", "python/layerstream/_distributed.py",
+        "    return names + [_COMPILED + n for n in names]",
+        "    return names",
+        [P + "test_distributed.py::test_ddp_of_a_compiled_model_equals_one_process"],
+        "DDP(torch.compile(model)) names the parameters '_orig_mod.<name>' and reduces the streamed gradients "
+        "itself: they arrive as zeros"),
+    Mutation(
+        "compiled-ddp-checks-skipped", "python/layerstream/_distributed.py",
+        "        return checked_eagerly(check, *args)",
+        "        return None",
+        [P + "test_distributed.py::test_what_ddp_leaves_to_layerstream_is_checked_at_its_first_training_forward"],
+        "under torch.compile(DDP(model)) the first-training-forward checks and the parent refusal are skipped: "
+        "ranks with different streamed weights, no averaging group or a parent's zero gradients train on"),
+    Mutation(
+        "shared-frozen-writes-unchecked", "python/layerstream/_distributed.py",
+        "        return bool(self.shards) or bool(self.frozen)",
+        "        return bool(self.shards)",
+        [P + "test_distributed.py::test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank"],
+        "peft's merge_adapter() on rank 0 alone changes every rank's shared frozen weights, silently"),
+    Mutation(
+        "shared-frozen-dotdata-write-unseen", "python/layerstream/_distributed.py",
+        "            if not torch.equal(now, before):",
+        "            if False:",
+        [P + "test_distributed.py::test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank"],
+        "a write through .data (merge_adapter()) to a shared frozen weight, or another rank's write, is not "
+        "seen: only version counters are checked"),
+    Mutation(
+        "shared-frozen-version-unchecked", "python/layerstream/_distributed.py",
+        "            if p._version != version:",
+        "            if False:",
+        [P + "test_distributed.py::test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank"],
+        "load_state_dict() into a shared frozen weight is seen by its bytes only (a write of few elements "
+        "passes; the writer is told of another rank's write)"),
+    Mutation(
+        "shared-requantize-unrefused", "python/layerstream/_guards.py",
+        "    if engine.host_store_shared(False) and engine.layer_format(index) != \"lossless\":",
+        "    if False:",
+        [P + "test_distributed.py::test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank"],
+        "load_state_dict() into a quantized frozen weight on one rank re-quantizes it into the store every "
+        "rank of the node shares"),
 ]
