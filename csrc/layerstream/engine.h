@@ -383,7 +383,8 @@ class Engine {
   // Group layers quantized by add_group: tensor `part` dequantized on the
   // host (what detach() restores; lossy, but bit for bit when lossless), and
   // new values packed into it in place of the old ones (as requantize() for
-  // a layer; not for lossless, whose coded size depends on the values).
+  // a layer; not for lossless, whose coded size depends on the values, nor
+  // into a store a node's ranks share).
   virtual torch::Tensor dequantized_part(int layer, int part) = 0;
   virtual void requantize_part(int layer, int part, const torch::Tensor& dense) = 0;
   // Group layers: acquires the layer's slot for the compute stream (waiting
@@ -581,8 +582,10 @@ class Engine {
   // load_state_dict's copy would) into the layer's host buffer in place of
   // the old weight. Waits for in-flight copies and forgets weights cached on
   // the device first (like synchronize()); the old packed weight stays if
-  // packing fails (e.g. NaN). Not safe concurrently with a forward or
-  // backward of this engine.
+  // packing fails (e.g. NaN). Refused while the layer's host copy sits in
+  // the store a node's ranks share (a write there reaches every rank:
+  // shared_write_refusal). Not safe concurrently with a forward or backward
+  // of this engine.
   virtual void requantize(int layer, const torch::Tensor& dense) = 0;
   // Quantized layers: the weight dequantized on the host (CPU, original
   // dtype) — what detach() restores (lossy); "" / format name per layer.
@@ -693,6 +696,13 @@ torch::Tensor quantized_values(const torch::Tensor& weight, int64_t rows, int64_
 // `dequant`; the budget then changes the numbers. offload() warns of it, in
 // both languages (Python: _C.resident_quantized_rounds).
 bool resident_quantized_rounds(torch::ScalarType weight, std::optional<torch::ScalarType> dequant);
+// Why a write to a frozen tensor of the host store a node's ranks share is
+// refused: "<what> <how>: it sits in the host store ..., <what to do>"
+// (docs/design/distributed.md, "One host copy per node"). The engine's
+// refusals (requantize() and requantize_part() into a shared store) and
+// Python's (writes seen at the next call, _distributed.py) say it alike
+// (Python: _C.shared_write_refusal).
+std::string shared_write_refusal(const std::string& what, const std::string& how);
 // A 64-bit checksum of `t`'s values (core/io/checksum.h over its bytes, copied
 // to the CPU, contiguous). A layer kept resident with quantized values tells
 // with it a write of the same values (load_state_dict of its own state_dict(),

@@ -324,6 +324,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("tensor_checksum", &layerstream::tensor_checksum, py::arg("tensor"));  // layerstream/engine.h
   m.def("resident_quantized_rounds", &layerstream::resident_quantized_rounds, py::arg("weight"),
         py::arg("dequant"));  // layerstream/engine.h
+  m.def("shared_write_refusal", &layerstream::shared_write_refusal, py::arg("what"),
+        py::arg("how"));  // layerstream/engine.h
   m.def("quantized_values", &layerstream::quantized_values, py::arg("weight"), py::arg("rows"), py::arg("cols"),
         py::arg("format"), py::arg("dequant") = std::nullopt,
         py::call_guard<py::gil_scoped_release>());  // layerstream/engine.h

@@ -215,6 +215,8 @@ void EngineImpl::requantize_part(int index, int part, const torch::Tensor& dense
   LS_CHECK(e.qformat != quant::Format::Lossless, "tensor #", part, " of group '", l.name, "' streams "
            "lossless-coded, whose size depends on its values: new values cannot be coded into its place. "
            "detach(), load the weights, and offload() again");
+  if (store_->in_shared(e.host))
+    LS_FAIL(shared_requantize_refusal("tensor #" + std::to_string(part) + " of streamed group '" + l.name + "'"));
   LS_CHECK(dense.defined() && dense.sizes().vec() == e.shape, "group '", l.name, "': new tensor #", part,
            " of shape ", dense.defined() ? shape_str(dense.sizes().vec()) : "(undefined)", " does not match ",
            shape_str(e.shape));

@@ -832,6 +832,9 @@ torch::autograd::variable_list saved_variables_of(torch::autograd::AutogradConte
 // Defined in ops_library.cpp, which registers the layerstream:: operators:
 // Engine::create() calls it so that the linker keeps that file.
 void ops_library_linked();
+// requantize()/requantize_part() into the host store a node's ranks share:
+// shared_write_refusal (engine.h) of `what` ("the quantized weight of ...").
+std::string shared_requantize_refusal(const std::string& what);
 // Under torch.autocast for `device`, a float input cast to the autocast
 // dtype, as autocast casts Linear/conv inputs; else x itself.
 torch::Tensor autocast_input(const torch::Tensor& x, c10::DeviceType device);

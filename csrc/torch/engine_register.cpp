@@ -94,6 +94,18 @@ bool resident_quantized_rounds(torch::ScalarType weight, std::optional<torch::Sc
   return dequant && c10::promoteTypes(weight, *dequant) != weight;
 }
 
+std::string shared_write_refusal(const std::string& what, const std::string& how) {
+  return what + " " + how + ": it sits in the host store this node's ranks share (share_host_store), where a "
+         "write reaches every rank of the node (peft's merge_adapter() on rank 0 alone merges the adapter into "
+         "every rank's weights; on every rank, once per rank). Write frozen weights before offload() (load the "
+         "checkpoint first), evaluate with the adapter unmerged, or offload with share_host_store=False (one host "
+         "copy per process: each rank writes its own).";
+}
+
+std::string shared_requantize_refusal(const std::string& what) {
+  return shared_write_refusal(what, "cannot be re-quantized after offload() (copy_, load_state_dict())");
+}
+
 uint64_t tensor_checksum(const torch::Tensor& t) {
   const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
   return checksum64(c.data_ptr(), static_cast<uint64_t>(c.numel()) * c.element_size());
@@ -115,6 +127,8 @@ void EngineImpl::requantize(int index, const torch::Tensor& dense) {
            l.qformat == quant::Format::None ? "it is not quantized: write its parameter in place"
                                             : "its weight came pre-packed: detach(), load, and offload() again",
            ")");
+  if (store_->in_shared(l.w_host))
+    LS_FAIL(shared_requantize_refusal("the quantized weight of streamed layer '" + l.name + "'"));
   LS_CHECK(dense.defined() && dense.sizes().vec() == l.w_shape, "layer '", l.name,
            "': new weight of shape ", dense.defined() ? shape_str(dense.sizes().vec()) : "(undefined)",
            " does not match the layer's ", shape_str(l.w_shape));

@@ -9,14 +9,14 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import List
+from typing import List, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _C, _dynamo_marks
-from ._forward import _OwnForward
+from ._forward import _DroppedInCopies, _OwnForward
 from ._interrupts import held_interrupts
 
 
@@ -296,8 +296,9 @@ class ActivationOffload:
             del root.__dict__["forward"]
         self._forward = None
 
-    def install(self, model: nn.Module) -> List:
-        """The hook handles, and this object as one (removed by Handle.detach()).
+    def install(self, model: nn.Module, entries: Sequence[nn.Module] = ()) -> List:
+        """The hook handles, and this object as one (removed by Handle.detach()): on the
+        model, and (eager calls only) on its `entries` (_calls.entry_modules).
 
         Note [Compiled before offload]
         torch.compile does not guard on a module's hooks (torch._dynamo.config.
@@ -314,10 +315,31 @@ class ActivationOffload:
         that kept a dropped model and its engine until gc)."""
         handles = [model.register_forward_pre_hook(self._enter),
                    model.register_forward_hook(self._exit, always_call=True), self]
+        for m in entries:
+            handles += [m.register_forward_pre_hook(_ScopeBelow(self, True)),
+                        m.register_forward_hook(_ScopeBelow(self, False), always_call=True)]
         if "forward" not in model.__dict__:
             self._root, self._forward = weakref.ref(model), _OwnForward(type(model).forward, model)
             model.__dict__["forward"] = self._forward
         return handles
+
+
+class _ScopeBelow(_DroppedInCopies):
+    """The activation scope's hooks on an entry module below the root (Note [Calls that
+    enter the model below its root] in _calls.py), eager calls only: inside a call of
+    the model the scope only nests."""
+
+    __slots__ = ("_offload", "_opens")
+
+    def __init__(self, offload: ActivationOffload, opens: bool):
+        self._offload, self._opens = offload, opens
+
+    def __call__(self, module, args, output=None):
+        if not torch.compiler.is_compiling():
+            if self._opens:
+                self._offload._open(module)
+            else:
+                self._offload._leave()
 
 
 def parse_activations(value, parse_bytes) -> int:

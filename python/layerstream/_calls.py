@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C, _distributed
 from ._discovery import peft_base_reader
-from ._forward import _RefusesCopy
+from ._forward import _DroppedInCopies, _RefusesCopy
 from ._interrupts import held_interrupts
 from ._packed import _PackedWeight
 
@@ -37,7 +37,8 @@ LayerstreamError = _C.LayerstreamError
 # traced (the hooks do nothing there).
 # A turn is the holder's while its call is under way, which is known without its help:
 # the frame that called the pre-hook (torch's Module call) is on the holder's stack until
-# the call ends. A call ended by an exception that is not an Exception (KeyboardInterrupt
+# the call ends (the calls of the entry modules below the root inside it only nest: Note
+# [Calls that enter the model below its root]). A call ended by an exception that is not an Exception (KeyboardInterrupt
 # in a notebook, SystemExit) skips torch's always-called hooks and never gives its turn
 # back; the next call, of that thread or a waiting one, finds the frame gone from the
 # holder's stack (or the holder's thread gone) and takes the turn. A fork()ed child starts
@@ -46,7 +47,7 @@ LayerstreamError = _C.LayerstreamError
 class _CallTurns:
     """Whose turn it is to call the model (the note above). Thread-safe."""
 
-    __slots__ = ("_cond", "_owner", "_depth", "_frame", "__weakref__")
+    __slots__ = ("_cond", "_owner", "_frames", "__weakref__")
     POLL_S = 1.0  # how often a waiting call looks whether the holder's call is still under way
     INTERRUPT_POLL_S = 0.05  # how often a waiting call of the main thread looks for a Ctrl-C (_take)
     _ALL: "weakref.WeakSet[_CallTurns]" = weakref.WeakSet()
@@ -57,29 +58,40 @@ class _CallTurns:
 
     def _free(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._owner, self._depth, self._frame = None, 0, None
+        # The holder's thread, and its calls under way, outermost first: (frame, its caller's).
+        self._owner, self._frames = None, []
 
     @classmethod
     def after_fork_in_child(cls) -> None:
         for turns in list(cls._ALL):
             turns._free()  # a fresh lock too: a parent's thread may have held the old one
 
-    def _held(self) -> bool:
-        """Whether the holder's call is under way: its call frame is on its thread's stack."""
-        f = sys._current_frames().get(self._owner)
+    def _held(self, me) -> bool:
+        """Whether the holder's outermost call is under way: its frame is on its thread's
+        stack (this thread's own stack when `me` holds the turn: no other thread's read)."""
+        if not self._frames:
+            return False
+        f = sys._getframe() if self._owner == me else sys._current_frames().get(self._owner)
+        frame = self._frames[0][0]
         while f is not None:
-            if f is self._frame:
+            if f is frame:
                 return True
             f = f.f_back
         return False
 
-    def enter(self, frame) -> None:
-        """Waits for the turn; `frame`: the frame of the call (the pre-hook's caller)."""
-        while not self._take(threading.get_ident(), frame):
-            pass  # a Ctrl-C stopped the wait and its handler raised nothing: wait on
+    def enter(self, frame) -> bool:
+        """Waits for the turn; `frame`: the frame of the call (the pre-hook's caller).
+        True when this call is the thread's outermost call of the model (it took the
+        turn), False when the thread's call under way calls the model again."""
+        while True:
+            outer = self._take(threading.get_ident(), frame)
+            if outer is not None:
+                return outer
+            # a Ctrl-C stopped the wait and its handler raised nothing: wait on
 
-    def _take(self, me, frame) -> bool:
-        """The turn, unless a Ctrl-C came first (False; it is raised as this returns).
+    def _take(self, me, frame):
+        """True (the turn, taken) or False (a call inside this thread's call under way),
+        or None when a Ctrl-C came first (it is raised as this returns).
         threading.Condition takes and gives back its lock in Python code: a
         KeyboardInterrupt raised between left it taken for ever, and every later call
         (detach() too) waited on it. So Ctrl-C is held over this (Note [A Ctrl-C as a
@@ -87,24 +99,34 @@ class _CallTurns:
         main thread, where it lands, looks every INTERRUPT_POLL_S)."""
         poll = self.INTERRUPT_POLL_S if threading.current_thread() is threading.main_thread() else self.POLL_S
         with held_interrupts() as interrupted, self._cond:
-            if not interrupted and self._owner == me and self._held():
-                self._depth += 1  # this thread's call calls the model again
-                return True
-            while not interrupted and self._owner is not None and self._held():
+            if not interrupted and self._owner == me and self._held(me):
+                self._frames.append((frame, frame.f_back))  # this thread's call calls the model again
+                return False
+            while not interrupted and self._owner is not None and self._held(me):
                 self._cond.wait(timeout=poll)
             if interrupted:
                 self._cond.notify()  # the wake-up this wait may have had goes on to another
-                return False
-            self._owner, self._depth, self._frame = me, 1, frame
+                return None
+            self._owner, self._frames = me, [(frame, frame.f_back)]
             return True
 
-    def leave(self) -> None:
+    def leave(self, frame) -> None:
+        """The call of `frame` ends: the frame enter() was given, or (torch's always-called
+        hooks after a forward raised) its caller's. The turn passes on when it is the
+        outermost. Calls above it that never ended (a KeyboardInterrupt skips torch's
+        always-called hooks) end with it."""
         with held_interrupts(), self._cond:  # Ctrl-C: after the lock is given back (_take)
             if self._owner != threading.get_ident():
                 return  # a call whose pre-hook did not run (one registered before it raised)
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner, self._frame = None, None
+            frames = self._frames
+            for i in range(len(frames) - 1, -1, -1):
+                if frame is frames[i][0] or frame is frames[i][1]:
+                    del frames[i:]
+                    break
+            else:
+                return  # its pre-hook did not run
+            if not frames:
+                self._owner = None
                 self._cond.notify()
 
 
@@ -133,7 +155,13 @@ class _CallBegins(_RefusesCopy):
         if ddp is not None:
             _distributed.eagerly(self._check_ddp, ddp)
         if not torch.compiler.is_compiling():
-            self._turns.enter(sys._getframe(1))
+            self.enter(sys._getframe(1))
+
+    def enter(self, frame) -> None:
+        """The call's turn, and at the thread's outermost call of the model the engine's
+        step and `follow`. `frame`: the pre-hook's caller (torch's Module call). Eager calls
+        only (the hooks do nothing in calls torch.compile traces)."""
+        if self._turns.enter(frame):
             engine = self._engine_of()
             if engine is not None:
                 engine.begin_call()
@@ -174,22 +202,95 @@ class _CallEnds(_RefusesCopy):
 
     def __call__(self, module, args, output):
         if not torch.compiler.is_compiling():
-            self._turns.leave()
+            self._turns.leave(sys._getframe(1))
+
+
+class _EntryBegins(_DroppedInCopies):
+    """_CallBegins' pre-hook on an entry module below the model's root (entry_modules()):
+    the same turn and step, with no DDP check (DDP calls the root)."""
+
+    __slots__ = ("_begins",)
+
+    def __init__(self, begins: _CallBegins):
+        self._begins = begins
+
+    def __call__(self, module, args):
+        if not torch.compiler.is_compiling():
+            self._begins.enter(sys._getframe(1))
+
+
+class _EntryEnds(_DroppedInCopies):
+    """_CallEnds' forward hook on an entry module."""
+
+    __slots__ = ("_turns",)
+
+    def __init__(self, turns: _CallTurns):
+        self._turns = turns
+
+    def __call__(self, module, args, output):
+        if not torch.compiler.is_compiling():
+            self._turns.leave(sys._getframe(1))
+
+
+# Note [Calls that enter the model below its root]
+# The model's call hooks (the turn, the engine's step, tensors added after offload(), the
+# activation offload's scope) sit on the module offload() was given. Callers also enter
+# below it: peft's PeftModel.generate() calls its base model's generate(), which calls the
+# causal LM inside the peft wrappers; merge_and_unload() returns that inner model; a
+# caller wants hidden states from model.model(...). Such a call never ran the root's
+# hooks: threads serving the model met each other's slots, a late DoRA adapter was not
+# refused, an adapter loaded after offload() stayed in host memory. So the hooks sit on
+# the entry modules too: the modules that hold a streamed layer, from the root down to
+# the first container of blocks (ModuleList, ModuleDict; a Sequential is an entry, its
+# children are not). A call of an entry inside a call of the model (the usual path)
+# only counts as nested; the thread's outermost call does the rest. Not entries: a
+# block of a container, a streamed layer itself (model.lm_head(h) alone, model.layers[3](x));
+# their calls have no turn (documented in README's Limits), as hooks on every block
+# would cost each call of the model a Python hook per block.
+def entry_modules(model: nn.Module, streamed_modules: set) -> list:
+    """The entry modules of `model` below it (the note above): modules not in
+    `streamed_modules` (ids) holding one that is, down to the first container."""
+    holds = {}  # id(module) -> whether it holds a streamed module
+
+    def held(m: nn.Module) -> bool:
+        if id(m) not in holds:
+            holds[id(m)] = any(id(c) in streamed_modules or held(c) for c in m.children())
+        return holds[id(m)]
+
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    found, todo = [], [] if isinstance(model, containers) else [model]
+    while todo:
+        m = todo.pop()
+        for child in m.children():
+            if id(child) in streamed_modules or not held(child):
+                continue
+            if not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                found.append(child)
+            if not isinstance(child, containers):
+                todo.append(child)
+    return found
 
 
 class CallHooks:
-    """The two hooks on the model's calls (_CallBegins, _CallEnds), and the model's
+    """The two hooks on the model's calls (_CallBegins, _CallEnds), on the model and its
+    entry modules (Note [Calls that enter the model below its root]), and the model's
     streamed parameters (ids, `streamed`: a set the caller may still add to) that an
     optimizer step writes (Note [An optimizer step is a write]); remove() ends both."""
 
-    __slots__ = ("begins", "_handles", "streamed", "__weakref__")
+    __slots__ = ("begins", "entries", "_handles", "streamed", "__weakref__")
 
-    def __init__(self, model: nn.Module, engine_of, streamed: set, follow=None):
+    def __init__(self, model: nn.Module, engine_of, streamed: set, streamed_modules: set, follow=None):
         turns = _CallTurns()
         self.begins = _CallBegins(engine_of, turns, follow, streamed)
         self.streamed = streamed
-        self._handles = (model.register_forward_pre_hook(self.begins),
-                         model.register_forward_hook(_CallEnds(turns), always_call=True))
+        # Weakly: the hooks are the modules' (Note [Nothing offload() puts on a model refers back to it]).
+        self.entries = [weakref.ref(m) for m in entry_modules(model, streamed_modules)]
+        self._handles = [model.register_forward_pre_hook(self.begins),
+                         model.register_forward_hook(_CallEnds(turns), always_call=True)]
+        begins, ends = _EntryBegins(self.begins), _EntryEnds(turns)
+        for ref in self.entries:
+            self._handles += [ref().register_forward_pre_hook(begins),
+                              ref().register_forward_hook(ends, always_call=True)]
         _STEP_WRITES.add(self)
 
     def remove(self) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import _C, _dynamo_marks
-from ._guards import LayerstreamError, shared_write_refusal
+from ._guards import LayerstreamError
 
 
 # Note [Checks of a call under torch.compile]
@@ -570,8 +570,8 @@ class Shard:
 # 2-core test machine. Not seen: a write that misses every sampled element and moves no
 # counter. Quantized, lossless-coded and disk-tier weights have no dense bytes here: their
 # stand-ins refuse writes, except a quantized one's copy_() and load_state_dict(), which
-# re-quantize into the store: refused at once while it is shared
-# (_guards.refuse_shared_requantize).
+# re-quantize into the store: refused at once while it is shared (Engine::requantize,
+# layerstream/engine.h).
 class _FrozenWrites:
     """The frozen streamed tensors of a store this node's ranks share (Note [Frozen
     weights a node's ranks share are read-only])."""
@@ -607,13 +607,13 @@ class _FrozenWrites:
     def check(self) -> None:
         for name, p, version in self._tensors:
             if p._version != version:
-                raise LayerstreamError(shared_write_refusal(
+                raise LayerstreamError(_C.shared_write_refusal(
                     f"frozen streamed weight {name}",
                     "was written in place after offload() (copy_, load_state_dict(), an in-place op)"))
         for names, views, before in self._samples:
             now = torch.cat(views)
             if not torch.equal(now, before):
-                raise LayerstreamError(shared_write_refusal(
+                raise LayerstreamError(_C.shared_write_refusal(
                     f"frozen streamed weight {names[int((now != before).nonzero()[0])]}",
                     "changed after offload() without a write through the parameter on this rank (a write "
                     "through .data, as peft's merge_adapter() does, or another rank's)"))

@@ -45,6 +45,28 @@ class _RefusesCopy:
         raise LayerstreamError(_NO_COPY.format(what="deep-copied", instead="deep-copy it before offload()"))
 
 
+def _no_hook(*args) -> None:
+    """What a _DroppedInCopies hook is in a copy of its module: nothing."""
+
+
+def _make_no_hook():
+    return _no_hook
+
+
+class _DroppedInCopies:
+    """A hook offload() puts on a module below the model's root (Note [Calls that enter the
+    model below its root], _calls.py). A copy of that module (copy.deepcopy, pickle) is a
+    plain module, as its streamed layers' copies are (_PlainCopy): there it is _no_hook."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo):
+        return _no_hook
+
+    def __reduce__(self):
+        return _make_no_hook, ()
+
+
 class _PlainCopy:
     """``copy.deepcopy()`` of one streamed module (an instance attribute offload()
     installs): a plain copy, as detach() would leave the module, with its values

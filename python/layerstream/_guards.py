@@ -25,25 +25,6 @@ def quantized_untrainable(layer: str, held: str) -> str:
             f"detach() and offload() again without quantizing this layer")
 
 
-def shared_write_refusal(what: str, how: str) -> str:
-    """Why a write to a frozen tensor of the host store a node's ranks share is refused
-    (Note [Frozen weights a node's ranks share are read-only], _distributed.py)."""
-    return (f"{what} {how}: it sits in the host store this node's ranks share (share_host_store), where a write "
-            f"reaches every rank of the node (peft's merge_adapter() on rank 0 alone merges the adapter into every "
-            f"rank's weights; on every rank, once per rank). Write frozen weights before offload() (load the "
-            f"checkpoint first), evaluate with the adapter unmerged, or offload with share_host_store=False (one "
-            f"host copy per process: each rank writes its own).")
-
-
-def refuse_shared_requantize(engine, index: int, what: str) -> None:
-    """Before re-quantizing layer `index`'s weight into its host store (copy_,
-    load_state_dict()): refused while the store is shared by a node's ranks (a lossless
-    one the engine refuses anyway, saying why)."""
-    if engine.host_store_shared(False) and engine.layer_format(index) != "lossless":
-        raise LayerstreamError(shared_write_refusal(what, "cannot be re-quantized after offload() (copy_, "
-                                                          "load_state_dict())"))
-
-
 def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> list:
     """load_state_dict() hooks for a layer offload() quantized. Its parameter's
     copy_ re-quantizes too (_PackedWeight), but load_state_dict() would first warn
@@ -68,7 +49,6 @@ def _requantize_on_load(engine, index: int, module: nn.Module, parts=None) -> li
             value = state_dict.pop(key)
             taken.append(key)
             try:
-                refuse_shared_requantize(engine, index, f"quantized streamed weight {key}")
                 if part is None:
                     engine.requantize(index, value)
                 else:

@@ -398,7 +398,7 @@ class Handle(_RefusesCopy):
         try:
             yield
         finally:
-            turns.leave()
+            turns.leave(frame)
 
     # -- suspend / resume (docs/design/streaming-core.md, "Suspend") ---------
     @property

@@ -336,7 +336,8 @@ def offload(
             handle._peft = _peft_params.install(model, {id(a.module): a.module.forward for a in handle._attached
                                                         if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
             if activation_budget is not None:
-                handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(model)
+                handle._activation_hooks = ActivationOffload(handle._engine, activation_budget).install(
+                    model, [r() for r in handle._call_hook.entries])
                 handle.activation_budget, handle._pin_memory = activation_budget, opts.pin_memory
             if plan is not None and not train_spec:
                 _note_uncounted_training(model, handle)
@@ -614,9 +615,9 @@ def _finish_attach(model, engine, attached, streamed_params, handle, grouped, co
     for a in attached:
         a.module._layerstream_handle = handle
         a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module
-    follow = _AddedTensorsFollow(model, handle, {id(m) for a in attached for m in [a.module] + a.owners},
-                                 streamed_params, compute_device)
-    handle._call_hook = CallHooks(model, lambda: engine, streamed_params, follow)
+    streamed_modules = {id(m) for a in attached for m in [a.module] + a.owners}
+    follow = _AddedTensorsFollow(model, handle, streamed_modules, streamed_params, compute_device)
+    handle._call_hook = CallHooks(model, lambda: engine, streamed_params, streamed_modules, follow)
     _no_fused_encoder_path(model, attached, handle._fused_off)
     _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
     streamed_ids = {id(a.module) for a in attached}

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from . import _C, _standin
-from ._guards import quantized_untrainable, refuse_shared_requantize
+from ._guards import quantized_untrainable
 from ._peft_params import _PEFT_BASE_READERS
 
 LayerstreamError = _C.LayerstreamError
@@ -93,7 +93,6 @@ class _PackedWeight(_standin.StandIn):
                 f"streamed layer '{ls[2]}'", "it is packed on the host and dequantized on the device"))
         if ls is not None and name == "copy_":
             engine, index, _, part, _ = ls
-            refuse_shared_requantize(engine, index, f"the quantized weight of streamed layer '{ls[2]}'")
             if part is None:
                 engine.requantize(index, args[1])
             else:

@@ -347,7 +347,8 @@ class MemoryManager(_RefusesCopy):
         module = self.module
         module._memory_manager = self
         this = weakref.ref(self)  # the hooks are this manager's (_call_hook): a lambda over self was a cycle
-        self._call_hook = CallHooks(module, lambda: this().engine, self._streamed_ids())
+        self._call_hook = CallHooks(module, lambda: this().engine, self._streamed_ids(),
+                                    {id(m) for m in self.managed})
         if not isinstance(module.__dict__.get("_apply"), _StreamedApply):
             self._root_apply = _RootApply(module, [lm.module._apply for lm in self._layers])
             module._apply = self._root_apply

@@ -63,6 +63,33 @@ def test_mlp_gradients_are_bit_identical_and_activations_cross_both_ways(offload
     assert "saved activations: to pinned host memory" in handle.plan
 
 
+class _Wrapped(nn.Module):
+    """A module holding the model, as peft's wrappers hold a causal LM."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_call_below_the_root_offloads_its_activations(offload_sim):
+    """A training call of a module inside the offloaded model (the causal LM inside
+    peft's wrappers, model.model(...)) skipped the root's hooks: nothing it saved went
+    to the host. The scope opens at such a call too (Note [Calls that enter the model
+    below its root] in _calls.py), and only nests inside a call of the root."""
+    model = _Wrapped(_Wrapped(_mlp()))
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, activations="host")
+    x = torch.randn(128, 256, requires_grad=True)
+    _train(model.inner, ref.inner, x, after_forward=handle.synchronize)
+    below = handle.stats()["activation_d2h_bytes"]
+    assert below > 0
+    _train(model, ref, x, after_forward=handle.synchronize)
+    assert handle.stats()["activation_d2h_bytes"] == 2 * below  # nested: the same saves, once each
+
+
 def test_device_activation_bytes_drop(offload_sim):
     """The same step with every saved tensor kept on the device (a budget larger than
     all of them) and with activations="host": once the copies to the host have finished

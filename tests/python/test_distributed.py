@@ -571,9 +571,11 @@ def test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank(tmp
         assert re.search(dotdata + shared, res["merge_None"]), (rank, res["merge_None"])
         loaded = weight + r"was written in place after offload\(\) \(copy_" if rank == 0 else dotdata
         assert re.search(loaded + ".*" + shared, res["load_None"]), (rank, res["load_None"])
-        # A quantized weight's copy_() (a re-quantization into the shared store): refused at the write.
+        # A quantized weight's copy_() (a re-quantization into the shared store): refused at the write,
+        # by the engine (Engine::requantize, requantize_part).
         requantize = r" cannot be re-quantized after offload\(\) \(copy_, load_state_dict\(\)\): " + shared
-        assert re.search(r"quantized streamed weight attn\.in_proj_weight" + requantize,
+        assert re.search(r'While loading "attn\.in_proj_weight" into a quantized streamed layer: '
+                         r"tensor #\d+ of streamed group 'attn'" + requantize,
                          res["requantize_load_None"]), res["requantize_load_None"]
         assert re.search(r"the quantized weight of streamed layer 'fc1'" + requantize,
                          res["requantize_copy_None"]), res["requantize_copy_None"]

@@ -99,6 +99,22 @@ def test_dora_added_after_offload_is_refused_at_the_first_call_naming_the_adapte
     _train_exactly(model, ref)
 
 
+def test_dora_added_to_an_offloaded_peft_model_is_refused_in_its_generate(offload_sim):
+    """peft's PeftModel.generate() calls the causal LM inside the peft wrappers, below the
+    offloaded root: the root's call hooks never ran, and a DoRA adapter added after
+    offload() computed unrefused there. Now the hooks on the modules a caller enters
+    below the root (Note [Calls that enter the model below its root]) refuse it in
+    generate(), as in a call of the root."""
+    pm = peft.get_peft_model(tiny_llama().requires_grad_(False), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    offload_sim(pm)
+    ids = torch.randint(0, 64, (1, 4))
+    pm.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    pm.add_adapter("d", peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    pm.set_adapter("d")
+    with pytest.raises(LayerstreamError, match=r"peft's DoRA adapter '\S+q_proj' was added after offload\(\)"):
+        pm.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+
+
 def test_hra_added_after_a_quantized_offload_is_refused_naming_hra(offload_sim):
     """Before, HRA added over an offload(quantize="int8") model failed in its forward with
     the stand-in's "computing with it (mm())", naming no adapter."""

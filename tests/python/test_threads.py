@@ -94,6 +94,62 @@ def test_threads_calling_one_offloaded_model_get_the_resident_models_outputs(off
             assert torch.equal(y, ref(xs[i]))
 
 
+class Backbone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Wrapper(nn.Module):
+    """As peft's wrappers hold a causal LM, and a causal LM its backbone."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Backbone()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_threads_calling_a_model_below_its_root_take_turns(offload_sim):
+    """Calls that enter the offloaded model below its root (peft's generate() calls the
+    causal LM inside its wrappers; model.model(...) for hidden states) skipped the root's
+    call hooks: four threads met each other's slots ('all 2 device slots are held at
+    once'). The modules between the root and its blocks carry the hooks too (Note [Calls
+    that enter the model below its root]); a call of one inside a call of the root only
+    nests. A deep copy of such a module is plain: its hooks do nothing."""
+    torch.manual_seed(0)
+    model = Wrapper().eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model, budget=2 * 4 * 4 * 32 * 32 + 4096, prefetch=1, groups="*.mix")
+    assert [r() for r in handle._call_hook.entries] == [model.model]
+    xs = [torch.randn(2, 5, 32) for _ in range(THREADS)]
+    got = {}
+
+    def work(i):
+        for r in range(ROUNDS):
+            with torch.no_grad():
+                got[i, r] = (model if r == 1 else model.model)(xs[i])
+
+    _in_threads(work)
+    assert len(got) == THREADS * ROUNDS
+    with torch.no_grad():
+        for (i, _), y in got.items():
+            assert torch.equal(y, ref(xs[i]))
+    turns = handle._call_hook.begins._turns
+    assert turns._owner is None and turns._frames == []
+    plain = copy.deepcopy(model.model)
+    handle.detach()
+    with torch.no_grad():  # the copy's hooks do nothing: it outlives the handle
+        assert torch.equal(plain(xs[0]), ref(xs[0]))
+    assert not model.model._forward_pre_hooks and not model.model._forward_hooks
+
+
 def test_threads_calling_one_streamed_group_directly_take_turns_on_it(offload_sim):
     """Note [Two threads and one tensor group]: calls of a streamed group module itself
     (not through the model, so without the model's turns) from two threads at once wait
@@ -117,10 +173,12 @@ def test_threads_calling_one_streamed_group_directly_take_turns_on_it(offload_si
 
 def test_a_call_that_raises_passes_the_turn_on(offload_sim):
     """A call that raises (here: inside the model, after its first layer) ends its turn:
-    the other threads' calls run, and the raising thread calls again afterwards."""
+    the other threads' calls run, and the raising thread calls again afterwards. The turn
+    is given back as the call raises (torch's always-called hook runs in another frame
+    than the pre-hook), not found stale by the next call."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     ref = copy.deepcopy(model)
-    offload_sim(model)
+    turns = offload_sim(model)._call_hook.begins._turns
     fail = threading.local()
 
     def maybe_raise(module, args):
@@ -139,6 +197,10 @@ def test_a_call_that_raises_passes_the_turn_on(offload_sim):
         assert torch.equal(model(x), ref(x))
 
     _in_threads(work)
+    fail.on = True
+    with pytest.raises(RuntimeError, match="planted"):
+        model(x)
+    assert turns._owner is None and turns._frames == []
 
 
 def _call_in_thread(model, x, ref, timeout=30):

@@ -247,10 +247,26 @@ MUTATIONS: list = [
         "load_state_dict() into a shared frozen weight is seen by its bytes only (a write of few elements "
         "passes; the writer is told of another rank's write)"),
     Mutation(
-        "shared-requantize-unrefused", "python/layerstream/_guards.py",
-        "    if engine.host_store_shared(False) and engine.layer_format(index) != \"lossless\":",
-        "    if False:",
-        [P + "test_distributed.py::test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank"],
-        "load_state_dict() into a quantized frozen weight on one rank re-quantizes it into the store every "
-        "rank of the node shares"),
+        "entry-modules-unhooked", "python/layerstream/_calls.py",
+        "        self.entries = [weakref.ref(m) for m in entry_modules(model, streamed_modules)]",
+        "        self.entries = []",
+        [P + "test_threads.py::test_threads_calling_a_model_below_its_root_take_turns",
+         P + "test_peft_adapters.py::test_dora_added_to_an_offloaded_peft_model_is_refused_in_its_generate",
+         P + "test_activations.py::test_a_call_below_the_root_offloads_its_activations"],
+        "calls that enter the model below its root (peft's generate(), model.model(...)) take no turn, "
+        "refuse no late DoRA adapter and offload no activations"),
+    Mutation(
+        "entry-hooks-copied-live", "python/layerstream/_forward.py",
+        "    def __deepcopy__(self, memo):\n        return _no_hook",
+        "    def __deepcopy__(self, memo):\n        return self",
+        [P + "test_threads.py::test_threads_calling_a_model_below_its_root_take_turns"],
+        "a deep copy of a module between the root and its blocks keeps the offloaded model's hooks: "
+        "it fails once the model is detached"),
+    Mutation(
+        "raised-call-keeps-its-turn", "python/layerstream/_calls.py",
+        "                if frame is frames[i][0] or frame is frames[i][1]:",
+        "                if frame is frames[i][0]:",
+        [P + "test_threads.py::test_a_call_that_raises_passes_the_turn_on"],
+        "a call that raised keeps its turn until the next call finds it stale (a waiting thread polls "
+        "for a second)"),
 ]
