@@ -81,9 +81,10 @@ class ResidentQuantized:
     checksum (_C.tensor_checksum, as the C++ layers do: layerstream/engine.h). A
     load_state_dict() of values it could not quantize (NaN, Inf) is refused before
     torch writes them (a pre-hook), as a streamed layer's is: the old values stay. One per
-    handle; detach() removes its hooks (the values stay, as a streamed layer's do)."""
+    handle; detach() removes its hooks (the values stay, as a streamed layer's do). peft's
+    merges into them are refused before any layer is written (_packed.refuse_quantized_merge)."""
 
-    __slots__ = ("_entries", "_hooks")
+    __slots__ = ("_entries", "_hooks", "__weakref__")
 
     def __init__(self):
         # The layer's module (a tensor group's too) -> [[owner, key, param, version, rows, fmt,
@@ -111,6 +112,22 @@ class ResidentQuantized:
                 module._register_load_state_dict_pre_hook(functools.partial(self._check_load, taken), with_module=True),
                 module.register_load_state_dict_post_hook(functools.partial(self._after_load, taken)),
                 module.register_forward_pre_hook(self._before_call)]
+        if self._entries:
+            _RESIDENT_QUANT.add(self)
+
+    @staticmethod
+    def held() -> dict:
+        """id(module) -> layer name, for the modules that hold a quantized layer kept resident
+        (its module, and the owners of a tensor group's tensors), of every handle."""
+        out = {}
+        for rq in list(_RESIDENT_QUANT):
+            for layer, entries in list(rq._entries.items()):
+                for e in entries:
+                    out[id(layer)] = e[8]
+                    owner = e[0]()
+                    if owner is not None:
+                        out[id(owner)] = e[8]
+        return out
 
     def _check_load(self, taken, module, state_dict, prefix, local_metadata, strict, missing_keys,
                     unexpected_keys, error_msgs):
@@ -172,6 +189,11 @@ class ResidentQuantized:
         for h in self._hooks:
             h.remove()
         self._hooks, self._entries = [], weakref.WeakKeyDictionary()
+        _RESIDENT_QUANT.discard(self)
+
+
+# The ResidentQuantized that hold layers (armed, not yet removed): what held() reads.
+_RESIDENT_QUANT: "weakref.WeakSet[ResidentQuantized]" = weakref.WeakSet()
 
 
 class _StreamedApply:

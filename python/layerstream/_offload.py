@@ -26,7 +26,7 @@ from ._activations import ActivationOffload, parse_activations
 from ._calls import CallHooks, _AddedTensorsFollow
 from ._handle import Handle, _Attached
 from ._interrupts import HeldSignals
-from ._packed import _PackedWeight
+from ._packed import _PackedWeight, guard_peft_merges
 from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _quant_for, _quantize_format
 from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
 from ._formats import _Candidate, _formats_and_bytes, _group_experts, _materialize_gguf
@@ -333,6 +333,7 @@ def offload(
 
         # 5. Attach them to one engine (undone on failure); the rest moves to the device.
         def finish(handle: Handle) -> None:  # inside _attach's undo: a failure here detaches too
+            guard_peft_merges()
             handle._peft = _peft_params.install(model, {id(a.module): a.module.forward for a in handle._attached
                                                         if isinstance(a.module.__dict__.get("forward"), _GroupForward)})
             if activation_budget is not None:

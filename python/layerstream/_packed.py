@@ -1,15 +1,17 @@
 """The data-less parameter a layer quantized by offload() keeps (_PackedWeight):
-writes re-quantize or are refused, computing with it is refused (see _standin).
+writes re-quantize or are refused, computing with it is refused (see _standin); and
+peft's merges into any layer offload() quantized, refused up front (refuse_quantized_merge).
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Optional
 
 import torch
 
 from . import _C, _standin
-from ._guards import quantized_untrainable
+from ._guards import ResidentQuantized, quantized_untrainable
 from ._peft_params import _PEFT_BASE_READERS
 
 LayerstreamError = _C.LayerstreamError
@@ -210,3 +212,50 @@ def _peft_refusal(ls, what: str, caller: tuple, cast_yet: bool) -> str:
             f"layer quantized by offload() does not have. Add the adapter before offload() (get_peft_model(), "
             f"then offload() with the adapter's own modules left dense: a quantize= dict, e.g. "
             f"{{'*lora_*': None, '*': '{ls[4] or 'nf4'}'}} for LoRA)")
+
+
+def refuse_quantized_merge(model: torch.nn.Module) -> None:
+    """Before peft merges adapters into `model`: refused, before any layer is written, when
+    an adapter's base layer holds a weight offload() quantized. peft writes each base
+    weight through .data in turn; a streamed one (_PackedWeight) refuses its write, but one
+    the budget keeps resident (ResidentQuantized) is a dense tensor that takes it, so the
+    layers before the first streamed one were merged: the adapter half merged, and
+    disable_adapter() no longer gave the base. Runs inside peft's own pre-merge check
+    (guard_peft_merges)."""
+    layer_cls = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
+    if layer_cls is None:
+        return
+    what = "peft's merge cannot write an adapter into it (nothing was merged)"
+    resident = ResidentQuantized.held()
+    for m in model.modules():
+        if not isinstance(m, layer_cls):
+            continue
+        for sub in m.get_base_layer().modules():
+            for p in sub._parameters.values():
+                if isinstance(p, _PackedWeight):
+                    raise LayerstreamError(p._msg(p._ls, what))
+            name = resident.get(id(sub))
+            if name is not None:
+                raise LayerstreamError(
+                    f"the weight of quantized layer '{name}' (kept resident by the budget) holds its quantized "
+                    f"values: {what}. Merge before offload() (merge_and_unload(), then offload() the merged "
+                    f"model), or call handle.detach() first (the weights stay dense, with the values offload() "
+                    f"quantized them to), or offload() without quantizing the layers the adapter is on")
+
+
+def guard_peft_merges() -> None:
+    """Once per process, from an offload() while peft is imported: peft's check before it
+    merges (BaseTuner._check_merge_allowed: merge_adapter(), merge_and_unload()) runs
+    refuse_quantized_merge too."""
+    tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
+    check = getattr(tuner, "_check_merge_allowed", None)
+    if check is None or getattr(check, "_layerstream_checked", False):
+        return
+
+    def checked(self, *args, **kwargs):
+        check(self, *args, **kwargs)
+        refuse_quantized_merge(self.model)
+
+    functools.update_wrapper(checked, check)
+    checked._layerstream_checked = True
+    tuner._check_merge_allowed = checked

@@ -878,6 +878,60 @@ def test_peft_merge_into_a_quantized_base_is_refused(offload_sim):
     torch.testing.assert_close(merged(x), with_adapter, rtol=1e-5, atol=1e-5)
 
 
+class _SmallThenWide(nn.Module):
+    """a -> b (small: a budget keeps them resident) -> four wide Linears (streamed), summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.wide = nn.ModuleList(nn.Linear(64, 1024) for _ in range(4))
+
+    def forward(self, x):
+        y = self.b(self.a(x))
+        return sum(layer(y) for layer in self.wide)
+
+
+def test_peft_merge_into_a_quantized_base_kept_resident_is_refused_before_any_layer_is_written(offload_sim):
+    """peft's merges write each base weight through `.data` in turn: a quantized layer the
+    budget kept resident (a dense tensor) took its write, a dense layer before it too, and the
+    first streamed one refused: the adapter was half merged, and disable_adapter() no longer
+    gave the base model. Now merge_adapter() and merge_and_unload() are refused before any
+    layer is written, naming the layer and what to do; after detach() the merge works."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_SmallThenWide(), peft.LoraConfig(
+        r=4, target_modules=["a", "b", "wide.0", "wide.1", "wide.2", "wide.3"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    handle = offload_sim(model, exclude=["*lora_*"], quantize={"*.a.base_layer": None, "*": "int8"},
+                         budget="800KiB")
+    base = model.base_model.model
+    assert not base.a.base_layer.weight.is_meta and not base.b.base_layer.weight.is_meta  # kept resident
+    assert all(layer.base_layer.weight.is_meta for layer in base.wide)  # streamed
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        with_adapter = model(x)
+        with model.disable_adapter():
+            without = model(x)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    for merge in (model.merge_adapter, model.merge_and_unload):
+        with pytest.raises(layerstream.LayerstreamError,
+                           match=r"quantized layer 'base_model\.model\.b\.base_layer' \(kept resident by the budget\)"
+                                 r".*nothing was merged.*Merge before offload\(\).*handle\.detach\(\) first"):
+            merge()
+        assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters() if not p.is_meta)
+        with torch.no_grad():
+            assert torch.equal(model(x), with_adapter)
+            with model.disable_adapter():
+                assert torch.equal(model(x), without)
+    handle.detach()
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), with_adapter, rtol=1e-5, atol=1e-5)
+
+
 def test_lora_added_after_offload_lives_on_the_host_and_trains(offload_sim):
     """The flow the 'would quantize trainable layers' error suggests: quantize the
     frozen base, then add the adapter. peft puts an adapter on its base weight's

@@ -269,4 +269,18 @@ MUTATIONS: list = [
         [P + "test_threads.py::test_a_call_that_raises_passes_the_turn_on"],
         "a call that raised keeps its turn until the next call finds it stale (a waiting thread polls "
         "for a second)"),
+    Mutation(
+        "peft-merge-unguarded", "python/layerstream/_offload.py",
+        "            guard_peft_merges()",
+        "            pass",
+        [P + "test_quant_offload.py::test_peft_merge_into_a_quantized_base_kept_resident_is_refused_before_any_layer_is_written"],
+        "peft's merge_adapter() / merge_and_unload() over a quantized base write the dense and the resident "
+        "quantized layers before the first streamed one refuses: the adapter half merged"),
+    Mutation(
+        "peft-merge-resident-unseen", "python/layerstream/_packed.py",
+        "            if name is not None:",
+        "            if False:",
+        [P + "test_quant_offload.py::test_peft_merge_into_a_quantized_base_kept_resident_is_refused_before_any_layer_is_written"],
+        "peft's merge into a quantized layer kept resident is let through (its dense weight takes the merged "
+        "values, unquantized); the refusal names a streamed layer after it, or none comes"),
 ]
