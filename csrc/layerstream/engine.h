@@ -587,6 +587,14 @@ class Engine {
   // shared_write_refusal). Not safe concurrently with a forward or backward
   // of this engine.
   virtual void requantize(int layer, const torch::Tensor& dense) = 0;
+  // Why requantize(layer, ·) (part < 0) or requantize_part(layer, part, ·)
+  // would refuse any new values, whatever they are (a detached handle, a
+  // disk-tier or lossless-coded weight, one offload() did not quantize, a
+  // store the node's ranks share); "" when values of the right shape would
+  // be packed. Writes nothing; both call it first, so the rule and its words
+  // are here once. Python's load_state_dict() pre-hook on the model asks it
+  // for every key before torch writes any (_guards.py).
+  virtual std::string requantize_refusal(int layer, int part = -1) = 0;
   // Quantized layers: the weight dequantized on the host (CPU, original
   // dtype) — what detach() restores (lossy); "" / format name per layer.
   virtual torch::Tensor dequantized_weight(int layer) = 0;

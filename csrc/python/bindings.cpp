@@ -809,5 +809,6 @@ PYBIND11_MODULE(_C, m) {
       .def("packed_codes", &Engine::packed_codes)
       .def("watch_weight", &Engine::watch_weight)
       .def("requantize", &Engine::requantize)
+      .def("requantize_refusal", &Engine::requantize_refusal, py::arg("layer"), py::arg("part") = -1)
       .def_property_readonly("detached", &Engine::detached);
 }

@@ -185,6 +185,40 @@ static EngineImpl::LayerInfo::Part& group_part(EngineImpl::LayerInfo& l, int par
   return l.group().parts[static_cast<size_t>(part)];
 }
 
+std::string EngineImpl::requantize_refusal(int index, int part) {
+  using detail::compose;
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (detached_) return "this layerstream handle was detached; write the module's tensors directly";
+  LayerInfo& l = layer(index);
+  if (part < 0) {
+    if (l.on_disk())
+      return compose("layer '", l.name, "' streams its weight from ", l.w_file->path, " (the disk tier), which "
+                     "layerstream does not write: detach(), save the new weights to a checkpoint, load it and "
+                     "offload() again");
+    if (l.qformat == quant::Format::Lossless)
+      return compose("layer '", l.name, "' streams its weight lossless-coded, whose size depends on its values: "
+                     "new values cannot be coded into its place. detach(), load the weights, and offload() again");
+    if (!l.packed_here)
+      return compose("layer '", l.name, "' was not quantized by offload() (",
+                     l.qformat == quant::Format::None ? "it is not quantized: write its parameter in place"
+                                                      : "its weight came pre-packed: detach(), load, and offload() again",
+                     ")");
+    if (store_->in_shared(l.w_host))
+      return shared_requantize_refusal("the quantized weight of streamed layer '" + l.name + "'");
+    return "";
+  }
+  const LayerInfo::Part& e = group_part(l, part);
+  if (e.qformat == quant::Format::None)
+    return compose("tensor #", part, " of group '", l.name, "' is not quantized: write its parameter in place");
+  if (e.qformat == quant::Format::Lossless)
+    return compose("tensor #", part, " of group '", l.name, "' streams lossless-coded, whose size depends on its "
+                   "values: new values cannot be coded into its place. detach(), load the weights, and offload() "
+                   "again");
+  if (store_->in_shared(e.host))
+    return shared_requantize_refusal("tensor #" + std::to_string(part) + " of streamed group '" + l.name + "'");
+  return "";
+}
+
 torch::Tensor EngineImpl::dequantized_part(int index, int part) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LayerInfo::Part& e = group_part(*layers_.at(static_cast<size_t>(index)), part);
@@ -207,16 +241,10 @@ void EngineImpl::requantize_part(int index, int part, const torch::Tensor& dense
   auto scope = device_scope();
   LetGoAfterUnlock let_go;  // Note [Saved tensors are let go after the lock]
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  LS_CHECK(!detached_, "this layerstream handle was detached; write the module's tensor directly");
+  const std::string why = requantize_refusal(index, part);
+  if (!why.empty()) LS_FAIL(why);
   LayerInfo& l = *layers_.at(static_cast<size_t>(index));
   LayerInfo::Part& e = group_part(l, part);
-  LS_CHECK(e.qformat != quant::Format::None, "tensor #", part, " of group '", l.name,
-           "' is not quantized: write its parameter in place");
-  LS_CHECK(e.qformat != quant::Format::Lossless, "tensor #", part, " of group '", l.name, "' streams "
-           "lossless-coded, whose size depends on its values: new values cannot be coded into its place. "
-           "detach(), load the weights, and offload() again");
-  if (store_->in_shared(e.host))
-    LS_FAIL(shared_requantize_refusal("tensor #" + std::to_string(part) + " of streamed group '" + l.name + "'"));
   LS_CHECK(dense.defined() && dense.sizes().vec() == e.shape, "group '", l.name, "': new tensor #", part,
            " of shape ", dense.defined() ? shape_str(dense.sizes().vec()) : "(undefined)", " does not match ",
            shape_str(e.shape));

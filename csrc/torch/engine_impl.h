@@ -108,6 +108,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::string trace_json() const override;
   void watch_weight(int layer, const torch::Tensor& param) override;
   void requantize(int layer, const torch::Tensor& dense) override;
+  std::string requantize_refusal(int layer, int part) override;
   torch::Tensor dequantized_weight(int layer) override;
   torch::Tensor packed_codes(int layer) override;
   std::string layer_format(int layer) const override;

@@ -115,20 +115,9 @@ void EngineImpl::requantize(int index, const torch::Tensor& dense) {
   auto scope = device_scope();
   LetGoAfterUnlock let_go;  // Note [Saved tensors are let go after the lock]
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  LS_CHECK(!detached_, "this layerstream handle was detached; write the module's weight directly");
+  const std::string why = requantize_refusal(index, -1);
+  if (!why.empty()) LS_FAIL(why);
   LayerInfo& l = layer(index);
-  LS_CHECK(!l.on_disk(), "layer '", l.name, "' streams its weight from ", l.w_file->path, " (the disk tier), "
-           "which layerstream does not write: detach(), save the new weights to a checkpoint, load it and "
-           "offload() again");
-  LS_CHECK(l.qformat != quant::Format::Lossless, "layer '", l.name, "' streams its weight lossless-coded, "
-           "whose size depends on its values: new values cannot be coded into its place. detach(), load the "
-           "weights, and offload() again");
-  LS_CHECK(l.packed_here, "layer '", l.name, "' was not quantized by offload() (",
-           l.qformat == quant::Format::None ? "it is not quantized: write its parameter in place"
-                                            : "its weight came pre-packed: detach(), load, and offload() again",
-           ")");
-  if (store_->in_shared(l.w_host))
-    LS_FAIL(shared_requantize_refusal("the quantized weight of streamed layer '" + l.name + "'"));
   LS_CHECK(dense.defined() && dense.sizes().vec() == l.w_shape, "layer '", l.name,
            "': new weight of shape ", dense.defined() ? shape_str(dense.sizes().vec()) : "(undefined)",
            " does not match the layer's ", shape_str(l.w_shape));

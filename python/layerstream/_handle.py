@@ -119,6 +119,7 @@ class Handle(_RefusesCopy):
         # _root, _model, _group_model and _ddp_model are properties over these.
         self._refs = {}
         self._root = None  # the model, when offload() installed a _RootApply on it
+        self._load_check = None  # the model's load_state_dict() pre-hook (_packed.RefusedLoads)
         self._subtree_checks = []  # modules between it and the streamed ones (guards.install_subtree_checks)
         # (weak reference to the module, value) of the nn.TransformerEncoderLayer whose fused
         # inference path offload() turned off (_no_fused_encoder_path), to restore in detach().
@@ -530,6 +531,9 @@ class Handle(_RefusesCopy):
             self._group = self._sync_hook = self._group_hook = self._group_model = None
 
     def _unhook_root(self) -> None:
+        if self._load_check is not None:
+            self._load_check.remove()
+            self._load_check = None
         if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
             del self._root.__dict__["_apply"]
         remove_subtree_checks(self._subtree_checks)

@@ -26,7 +26,7 @@ from ._activations import ActivationOffload, parse_activations
 from ._calls import CallHooks, _AddedTensorsFollow
 from ._handle import Handle, _Attached
 from ._interrupts import HeldSignals
-from ._packed import _PackedWeight, guard_peft_merges
+from ._packed import RefusedLoads, _PackedWeight, guard_peft_merges
 from ._prequant import _CORE_DTYPES, _DEQUANT_DTYPES, _quant_for, _quantize_format
 from ._host_plan import _HostTier, _host_tier, _read_in, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
 from ._formats import _Candidate, _formats_and_bytes, _group_experts, _materialize_gguf
@@ -619,6 +619,7 @@ def _finish_attach(model, engine, attached, streamed_params, handle, grouped, co
     streamed_modules = {id(m) for a in attached for m in [a.module] + a.owners}
     follow = _AddedTensorsFollow(model, handle, streamed_modules, streamed_params, compute_device)
     handle._call_hook = CallHooks(model, lambda: engine, streamed_params, streamed_modules, follow)
+    handle._load_check = model.register_load_state_dict_pre_hook(RefusedLoads())
     _no_fused_encoder_path(model, attached, handle._fused_off)
     _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
     streamed_ids = {id(a.module) for a in attached}

@@ -259,3 +259,31 @@ def guard_peft_merges() -> None:
     functools.update_wrapper(checked, check)
     checked._layerstream_checked = True
     tuner._check_merge_allowed = checked
+
+
+# Note [A refused load writes nothing]
+# torch's load_state_dict() copies key by key (a module's pre-hooks, its own tensors, then
+# its children's) and gathers per-key errors to raise at the end. A key refused there (a
+# quantized weight that cannot take new values: lossless-coded, pre-packed, in a store the
+# node's ranks share, its handle detached) came after the keys before it were written:
+# the model held parts of two checkpoints. So the model's own pre-hook, which runs before
+# any key is copied, asks the engine of every key that names a quantized streamed weight
+# whether it would refuse any values (Engine::requantize_refusal, the rule requantize()
+# itself applies) and raises what it refuses. Values refused for themselves (a shape, NaN
+# or Inf) still fail per key, as torch's own shape errors do. A load_state_dict() of a
+# module below the model is not checked first.
+class RefusedLoads:
+    """offload()'s load_state_dict() pre-hook on the model (the note above)."""
+
+    __slots__ = ()
+
+    def __call__(self, module, state_dict, prefix, *args):
+        refused = [(key, why) for name, p in module.named_parameters(remove_duplicate=False)
+                   if isinstance(p, _PackedWeight) and prefix + name in state_dict
+                   for key, (engine, index, _, part, _) in [(prefix + name, p._ls)]
+                   for why in [engine.requantize_refusal(index, -1 if part is None else part)] if why]
+        if refused:
+            key, why = refused[0]
+            more = f" ({len(refused) - 1} more key(s) likewise)" if len(refused) > 1 else ""
+            raise LayerstreamError(f"load_state_dict() refused before writing anything: {key!r} names a quantized "
+                                   f"streamed weight that cannot take new values: {why}{more}")

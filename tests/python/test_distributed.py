@@ -572,9 +572,9 @@ def test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank(tmp
         loaded = weight + r"was written in place after offload\(\) \(copy_" if rank == 0 else dotdata
         assert re.search(loaded + ".*" + shared, res["load_None"]), (rank, res["load_None"])
         # A quantized weight's copy_() (a re-quantization into the shared store): refused at the write,
-        # by the engine (Engine::requantize, requantize_part).
+        # by the engine (Engine::requantize_refusal); a load_state_dict() before it writes any key.
         requantize = r" cannot be re-quantized after offload\(\) \(copy_, load_state_dict\(\)\): " + shared
-        assert re.search(r'While loading "attn\.in_proj_weight" into a quantized streamed layer: '
+        assert re.search(r"load_state_dict\(\) refused before writing anything: 'attn\.in_proj_weight' .*: "
                          r"tensor #\d+ of streamed group 'attn'" + requantize,
                          res["requantize_load_None"]), res["requantize_load_None"]
         assert re.search(r"the quantized weight of streamed layer 'fc1'" + requantize,

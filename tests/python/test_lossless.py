@@ -114,13 +114,28 @@ def test_bytes_on_the_link_of_a_bf16_llama_are_at_most_three_quarters(tmp_path):
     assert ratio <= 0.75
 
 
-def test_frozen_lossless_weights_are_not_rewritten_in_place():
-    lin = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
-    frozen = copy.deepcopy(lin).requires_grad_(False)
-    state = copy.deepcopy(frozen.state_dict())
+def test_frozen_lossless_weights_are_not_rewritten_in_place_and_a_refused_load_writes_nothing():
+    """A load_state_dict() naming lossless-coded weights is refused, as their coded size
+    depends on their values. Before, torch wrote every other key first (the biases, the
+    norms) and the model held parts of two checkpoints; the model's own pre-hook now
+    refuses before any key is written (Note [A refused load writes nothing]), a tensor
+    group's tensor too."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(64, 4), "fc": nn.Linear(64, 64)})
+    frozen = model.to(torch.bfloat16).requires_grad_(False)
+    state = {k: v + 1 for k, v in frozen.state_dict().items()}
     h = layerstream.offload(frozen, device="sim", quantize="lossless")
-    with pytest.raises(RuntimeError, match="lossless-coded"):  # torch gathers the hooks' errors
-        frozen.load_state_dict(state)
+    before = {k: v.clone() for k, v in frozen.state_dict().items() if not v.is_meta}
+    assert {"fc.bias", "attn.in_proj_bias"} <= set(before)
+    for key, left in (("fc.weight", ("attn.in_proj_weight", "attn.out_proj.weight")),
+                      ("attn.in_proj_weight", ("fc.weight",))):
+        with pytest.raises(LayerstreamError, match=rf"refused before writing anything: '{key}' names a quantized "
+                                                   r"streamed weight .*lossless-coded"):
+            frozen.load_state_dict({k: v for k, v in state.items() if k not in left})
+        assert all(torch.equal(frozen.state_dict()[k], v) for k, v in before.items())
+    frozen.load_state_dict({k: v for k, v in state.items() if k not in ("fc.weight", "attn.in_proj_weight",
+                                                                         "attn.out_proj.weight")}, strict=False)
+    assert torch.equal(frozen.fc.bias, before["fc.bias"] + 1)
     h.detach()
     frozen.load_state_dict(state)
 

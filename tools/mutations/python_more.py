@@ -283,4 +283,11 @@ MUTATIONS: list = [
         [P + "test_quant_offload.py::test_peft_merge_into_a_quantized_base_kept_resident_is_refused_before_any_layer_is_written"],
         "peft's merge into a quantized layer kept resident is let through (its dense weight takes the merged "
         "values, unquantized); the refusal names a streamed layer after it, or none comes"),
+    Mutation(
+        "refused-load-writes-first", "python/layerstream/_packed.py",
+        "        if refused:\n            key, why = refused[0]",
+        "        if False:\n            key, why = refused[0]",
+        [P + "test_lossless.py::test_frozen_lossless_weights_are_not_rewritten_in_place_and_a_refused_load_writes_nothing"],
+        "a load_state_dict() refused for a lossless-coded weight has written the keys before it: the model "
+        "holds parts of two checkpoints"),
 ]

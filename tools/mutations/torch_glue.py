@@ -565,9 +565,9 @@ MUTATIONS = [
         ["gtest:test_torch_offload:*AForwardWithoutBackwardInASavedActivationsScopeIsFreed*"],
         "a C++ activation scope keeps a saved output with its grad_fn: a forward without backward is never freed"),
     Mutation(
-        "shared-requantize-unrefused", "csrc/torch/engine_register.cpp",
-        "  if (store_->in_shared(l.w_host))",
-        "  if (false)",
+        "shared-requantize-unrefused", "csrc/torch/engine_groups.cpp",
+        "    if (store_->in_shared(l.w_host))",
+        "    if (false)",
         [P + "test_distributed.py::test_a_write_to_a_frozen_weight_the_ranks_share_is_refused_on_every_rank"],
         "a quantized frozen weight's copy_() on one rank re-quantizes it into the store every rank of the "
         "node shares"),
