@@ -18,7 +18,7 @@ from . import _C, _distributed
 from ._discovery import peft_base_reader
 from ._forward import _DroppedInCopies, _RefusesCopy
 from ._interrupts import held_interrupts
-from ._packed import _PackedWeight
+from ._packed import _PackedWeight, guard_peft_merges
 
 LayerstreamError = _C.LayerstreamError
 
@@ -396,6 +396,7 @@ class _AddedTensorsFollow:
         if handle is None or model is None or handle.suspended:
             return
         _check_no_base_readers(model, self._skip_modules)  # refused: the next call looks again
+        guard_peft_merges()  # peft imported after offload(): its adapters came now
         self._seen = _REGISTERED[0]
         for module, kind, name in _added_tensors(model, self._skip_modules, self._skip_params, self._device):
             _move_to(module, kind, name, self._device)

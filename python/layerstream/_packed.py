@@ -244,7 +244,9 @@ def refuse_quantized_merge(model: torch.nn.Module) -> None:
 
 
 def guard_peft_merges() -> None:
-    """Once per process, from an offload() while peft is imported: peft's check before it
+    """Once per process, from an offload() while peft is imported, or from the first call of
+    an offloaded model after peft was (Note [Tensors added after offload() follow to the
+    compute device], _calls.py: its adapters are added tensors): peft's check before it
     merges (BaseTuner._check_merge_allowed: merge_adapter(), merge_and_unload()) runs
     refuse_quantized_merge too."""
     tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)

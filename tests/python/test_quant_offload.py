@@ -932,6 +932,54 @@ def test_peft_merge_into_a_quantized_base_kept_resident_is_refused_before_any_la
         torch.testing.assert_close(merged(x), with_adapter, rtol=1e-5, atol=1e-5)
 
 
+_MERGE_AFTER_A_LATE_PEFT_IMPORT = """
+import sys, torch, torch.nn as nn, layerstream
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.wide = nn.ModuleList(nn.Linear(64, 1024) for _ in range(4))
+    def forward(self, x):
+        y = self.a(x)
+        return sum(layer(y) for layer in self.wide)
+torch.manual_seed(0)
+model = M().requires_grad_(False)
+layerstream.offload(model, device="sim", quantize="int8", budget="800KiB")
+assert "peft" not in sys.modules and not model.a.weight.is_meta and model.wide[0].weight.is_meta
+import peft
+pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["a", "wide.0"], init_lora_weights=False))
+x = torch.randn(2, 64)
+with torch.no_grad():
+    before = pm(x)
+weights = {n: p.clone() for n, p in pm.named_parameters() if not p.is_meta}
+try:
+    pm.merge_and_unload()
+except layerstream.LayerstreamError as e:
+    assert "nothing was merged" in str(e), e
+    assert all(torch.equal(p, weights[n]) for n, p in pm.named_parameters() if not p.is_meta)
+    with torch.no_grad():
+        assert torch.equal(pm(x), before)
+    print("refused")
+"""
+
+
+def test_a_merge_after_peft_was_imported_after_offload_is_refused_before_any_layer_is_written():
+    """peft's merges are guarded from offload() while peft is imported; a script that
+    imports peft only after offload() (then get_peft_model() over the quantized base) got
+    the half-merged model: the guard is also put in place by the first call of the model
+    after peft's adapters were added. In a fresh process, where peft is not imported yet."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("peft")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-c", _MERGE_AFTER_A_LATE_PEFT_IMPORT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["refused"]
+
+
 def test_lora_added_after_offload_lives_on_the_host_and_trains(offload_sim):
     """The flow the 'would quantize trainable layers' error suggests: quantize the
     frozen base, then add the adapter. peft puts an adapter on its base weight's

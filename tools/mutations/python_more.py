@@ -290,4 +290,11 @@ MUTATIONS: list = [
         [P + "test_lossless.py::test_frozen_lossless_weights_are_not_rewritten_in_place_and_a_refused_load_writes_nothing"],
         "a load_state_dict() refused for a lossless-coded weight has written the keys before it: the model "
         "holds parts of two checkpoints"),
+    Mutation(
+        "peft-merge-unguarded-after-late-import", "python/layerstream/_calls.py",
+        "        guard_peft_merges()  # peft imported after offload(): its adapters came now",
+        "        pass",
+        [P + "test_quant_offload.py::test_a_merge_after_peft_was_imported_after_offload_is_refused_before_any_layer_is_written"],
+        "peft imported after offload(): its merge into a quantized base half-writes the model before a "
+        "streamed layer refuses"),
 ]
