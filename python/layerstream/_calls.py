@@ -38,9 +38,9 @@ LayerstreamError = _C.LayerstreamError
 # A turn is the holder's while its call is under way, which is known without its help:
 # the frame that called the pre-hook (torch's Module call) is on the holder's stack until
 # the call ends (the calls of the entry modules below the root inside it only nest: Note
-# [Calls that enter the model below its root]). A call ended by an exception that is not an Exception (KeyboardInterrupt
-# in a notebook, SystemExit) skips torch's always-called hooks and never gives its turn
-# back; the next call, of that thread or a waiting one, finds the frame gone from the
+# [Calls that enter the model below its root]). A call ended by an exception that is not
+# an Exception (KeyboardInterrupt in a notebook, SystemExit) skips torch's always-called
+# hooks and never gives its turn back; the next call, of that thread or a waiting one, finds the frame gone from the
 # holder's stack (or the holder's thread gone) and takes the turn. A fork()ed child starts
 # with every turn free (the holders stayed in the parent; its call is then refused by the
 # engine, Note [An engine belongs to the process that made it] in csrc/torch/engine.cpp).
