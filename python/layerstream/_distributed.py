@@ -548,8 +548,20 @@ class Shard:
         """This rank's elements of `t` (the parameter, or a gradient laid out like it)."""
         return self.flat(t)[self.lo:self.hi]
 
-    def barrier(self) -> None:
-        torch.distributed.barrier(group=self.group)
+    def exchange(self, failed: bool, payload: float = 0.0):
+        """One collective of a sharded step, a barrier of the group that also carries a flag
+        per rank (this rank's set when `failed`) and the sum of the ranks' `payload`s (Note
+        [An error on one rank in a sharded step], _optim_base.py). Returns (the ranks whose
+        flag is set, the sum)."""
+        group = self.group
+        size = torch.distributed.get_world_size(group)
+        both = torch.zeros(size + 1, dtype=torch.float64, device=collective_device(group))
+        both[size] = payload
+        if failed:
+            both[torch.distributed.get_rank(group)] = 1.0
+        torch.distributed.all_reduce(both, group=group)
+        flags = both.tolist()
+        return [r for r in range(size) if flags[r]], flags[size]
 
 
 # Note [Frozen weights a node's ranks share are read-only]

@@ -8,10 +8,70 @@ import contextlib
 import torch
 
 from . import _C
+from ._guards import LayerstreamError
 from ._interrupts import held_interrupts
 from ._optim_calls import _user_stacklevel
 from ._optim_overlap import _OverlapAndScaling
 from ._optim_state import _LIVE, _StateDicts
+
+
+# Note [An error on one rank in a sharded step]
+# A sharded step (offload(share_host_store="all")) is framed by collectives of the group:
+# after an overlapped backward with max_grad_norm or a GradScaler, the clip norm's
+# all-reduce; a barrier before this rank writes; and one after. An exception on one rank
+# only (a refusal of its gradient, its C++ step, an out-of-memory, a new lr on that rank)
+# left the others waiting in the next one until the group's timeout; and a re-run of
+# step() on the rank that raised passed its opening barrier paired with the others'
+# closing one: they went on before its shard was written, and their later collectives
+# did not pair. So each of
+# those collectives is one all-reduce that carries a flag per rank (Shard.exchange): a
+# rank that raises anywhere in step() after the closure sends its failure at the step's
+# next collective (one it has not passed: the others wait there), and every rank leaves
+# the step at that one. Every rank then gathers what each wrote (nothing, all of its part,
+# part of it) and raises: the failing rank its own error with a note, the others a
+# LayerstreamError naming it; both say whether the weights and states were updated, partly
+# or not at all. The shared tensors' versions are recorded (the writes were the step's
+# own), `ended` is not: a re-run of step() on every rank passes the same collectives and
+# steps what each rank has left (_Unfinished). Which collectives a step has is decided
+# alike on every rank (sharded parameters, an overlapped backward, the optimizer's clip),
+# never from what one rank has left to write. An exception raised by a collective itself
+# (a rank that died, the group's timeout) is raised as it is.
+class _ShardedFrame:
+    """This rank's part in one sharded step's collectives (the Note above)."""
+
+    __slots__ = ("shard", "overlapped", "pending", "wrote", "finished")
+
+    def __init__(self, shard, overlapped):
+        self.shard = shard  # a Shard of the step: its group
+        self.overlapped = overlapped  # the step follows an overlapped backward
+        self.pending = True  # the other ranks may wait for this one at a collective of the step
+        self.wrote = False  # this step wrote weights or states on this rank (or may have: a kernel that raised)
+        self.finished = False  # this rank wrote all of its part
+
+    def exchange(self, payload: float = 0.0) -> float:
+        """One of the step's collectives: the sum of the ranks' `payload`s."""
+        failed, total = self._exchange(False, payload)
+        if failed:
+            raise _OtherRankFailed(failed)
+        return total
+
+    def exchange_failure(self):
+        """This rank's failure, sent at the step's next collective."""
+        return self._exchange(True)
+
+    def _exchange(self, failed, payload=0.0):
+        self.pending = False  # a collective that raises leaves none to pair with
+        ranks, total = self.shard.exchange(failed, payload)
+        self.pending = not ranks  # the step ends on every rank at one that carries a failure
+        return ranks, total
+
+
+class _OtherRankFailed(Exception):
+    """Raised in a sharded step at a collective that carries another rank's failure."""
+
+    def __init__(self, ranks):
+        super().__init__(f"ranks {ranks} failed")
+        self.ranks = ranks
 
 
 class _HostOptimizer(_OverlapAndScaling, _StateDicts, torch.optim.Optimizer):
@@ -49,6 +109,7 @@ class _HostOptimizer(_OverlapAndScaling, _StateDicts, torch.optim.Optimizer):
         self._dropped = {}  # stepped by the last overlapped backward (their .grad None unless kept)
         self._zeroed = {}  # dropped, then zeroed by zero_grad(set_to_none=False)
         self._unfinished = None  # the step() under way, or one a Ctrl-C stopped (Note [A re-run step() ...])
+        self._frame = None  # a sharded step()'s _ShardedFrame while it runs
         self._init_state_dicts()
         super().__init__(params, defaults)
         _LIVE.add(self)
@@ -71,6 +132,8 @@ class _HostOptimizer(_OverlapAndScaling, _StateDicts, torch.optim.Optimizer):
         as the kernel returned, it left the update applied and the counts behind it."""
         fresh = [p for p in params if len(self.state[p]) == 0]
         states = []
+        if self._frame is not None:
+            self._frame.wrote = True  # or may have, if its kernel raises
         try:
             yield states
         except BaseException:
@@ -136,25 +199,92 @@ class _HostOptimizer(_OverlapAndScaling, _StateDicts, torch.optim.Optimizer):
         shard = getattr(p, "_layerstream_shard", None)
         return p.detach() if shard is None else shard.view(p.detach())
 
-    @staticmethod
-    def _shards(work):
-        return [p._layerstream_shard for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")]
+    @contextlib.contextmanager
+    def _sharded_frame(self):
+        """Around a sharded step() after its closure: its collectives carry each rank's
+        failure, and an exception on this rank is sent at the next one (Note [An error on
+        one rank in a sharded step]); a no-op without sharded parameters."""
+        sharded = self._sharded_params()
+        if not sharded:
+            yield
+            return
+        self._frame = frame = _ShardedFrame(sharded[0][1]._layerstream_shard, self._overlap is not None)
+        try:
+            yield
+        except BaseException as e:
+            if isinstance(e, _OtherRankFailed):
+                self._sharded_step_failed(frame, e.ranks, None)
+            elif frame.pending:  # the other ranks wait for this one at the step's next collective
+                failed, _ = frame.exchange_failure()
+                if self._overlap is not None:  # not taken yet: taken back as step()'s own refusals do
+                    self._abort()
+                self._sharded_step_failed(frame, failed, e)
+            raise
+        finally:
+            self._frame = None
 
     def _held_if_sharded(self):
         """Ctrl-C held over a sharded step whole (Note [A sharded step lands a Ctrl-C when it
         is done]); a no-op without sharded parameters."""
-        return held_interrupts() if self._sharded_params() else contextlib.nullcontext()
+        return held_interrupts() if self._frame is not None else contextlib.nullcontext()
+
+    def _open_sharded(self):
+        """A sharded step's barrier before this rank writes: every rank's backward has read
+        the shared weights (and no rank writes after another one's error)."""
+        if self._frame is not None and self._frame.pending:
+            self._frame.exchange()
 
     def _end_sharded(self, written):
         """A sharded step's end, once per step (a re-run of one a Ctrl-C stopped after it
         skips it): the barrier that orders every rank's writes before any rank's next
         forward, and the versions of the shared tensors it wrote (Distributed.check_shards)."""
-        unfinished = self._unfinished
-        if written and not unfinished.ended:
-            written[0]._layerstream_shard.barrier()
+        frame = self._frame
+        if frame is not None and frame.pending:
+            frame.finished = True
+            frame.exchange()
+            frame.pending = False
             for p in written:
                 p._layerstream_shard.version = p._version
-        unfinished.ended = True
+        self._unfinished.ended = True
+
+    def _sharded_step_failed(self, frame, failed, error):
+        """After the collective at which every rank learnt that ranks `failed` raised in this
+        sharded step: each says what it wrote (one all_gather_object, on every rank), and
+        this rank raises (`error`, its own, with a note; else a LayerstreamError)."""
+        for _, p in self._sharded_params():  # the step's own writes: not refused at the next forward
+            p._layerstream_shard.version = p._version
+        dist, group = torch.distributed, frame.shard.group
+        mine = (None if error is None else f"{type(error).__name__}: {error}",
+                "all" if frame.finished else "part" if frame.wrote else "none")
+        reports: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, mine, group=group)
+        who = " and ".join(f"rank {r} ({reports[r][0]})" for r in failed)
+        if all(w == "none" for _, w in reports):
+            state = "The weights and optimizer states were not updated on any rank."
+            todo = ("Fix the cause, then zero_grad() and go on (or run this batch again) on every rank." if
+                    frame.overlapped else
+                    "Fix the cause and run step() again on every rank (it steps the whole step), or zero_grad() "
+                    "and go on.")
+        else:
+            wrote = {"all": "its part", "part": "part of its part", "none": "nothing"}
+            state = ("The weights and optimizer states are partly updated: " +
+                     ", ".join(f"rank {r} wrote {wrote[w]}" for r, (_, w) in enumerate(reports)) + ".")
+            todo = ("Restore the model and optimizer from the last checkpoint on every rank, or accept the step "
+                    "as it stands and go on with the next batch (the overlapped backward consumed its gradients)."
+                    if frame.overlapped else
+                    "Fix the cause and run step() again on every rank: each steps what it has left of this step (if "
+                    "the error came from inside a C++ step, its parameters may be stepped twice: restore the model "
+                    "and optimizer from the last checkpoint on every rank instead).")
+        if error is not None:
+            me = dist.get_rank(group)
+            also = "".join(f"; rank {r} failed too ({reports[r][0]})" for r in failed if r != me)
+            error.add_note(f"layerstream.optim: this error stopped the sharded step (offload(share_host_store=\"all\")) "
+                           f"on every rank at its next collective (the others raised an error naming rank {me}{also}). "
+                           f"{state} {todo}")
+            return
+        raise LayerstreamError(
+            f"layerstream.optim.{type(self).__name__}: the sharded step (offload(share_host_store=\"all\")) failed on "
+            f"{who}; this rank stopped at the step's next collective instead of waiting there. {state} {todo}") from None
 
     def _group_of(self, p):
         for group in self.param_groups:

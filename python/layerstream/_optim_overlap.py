@@ -249,6 +249,8 @@ class _OverlapAndScaling:
                 plan, plist, _ = self._take_overlap()
             plan.abort()
             self._aborted(plan, plist)
+            if self._frame is not None and _C.OVERLAP_STEPPED in plan.wait():  # steps it keeps
+                self._frame.wrote = True
 
     def _aborted(self, plan, plist):
         """After overlap()'s backward raised and plan.abort(): the bookkeeping of the
@@ -271,6 +273,8 @@ class _OverlapAndScaling:
         unfinished, self._unfinished = self._unfinished, None
         if unfinished is not None and self._overlap is None and unfinished.resumes(work):
             self._unfinished = unfinished  # Note [A re-run step() completes an interrupted one]
+            if unfinished.ended and self._frame is not None:  # its collectives ran
+                self._frame.pending = False
             return unfinished.scale, unfinished.inv, unfinished.rest(work), [], False
         inv, found = self._loss_scaling()
         params = [p for _, ps, _, _ in work for p in ps]
@@ -294,26 +298,29 @@ class _OverlapAndScaling:
         (clip coefficient, ids of the parameters already stepped, those parameters,
         whether the loss-scaled step is skipped)."""
         plan, plist, scaler = self._take_overlap()
-        status = plan.wait()
-        counted = {id(p) for p, s in zip(plist, status) if s != 0}
-        other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
-        other_sq = (_C.optim_grad_norm(other) * inv) ** 2 if (self.max_grad_norm is not None and other) else 0.0
-        shard = next((p._layerstream_shard for p in plist if hasattr(p, "_layerstream_shard")), None)
-        self._overlap_sharded = shard is not None  # the same on every rank: step() ends with a barrier
-        if (self.max_grad_norm is not None or scaler is not None) and shard is not None:
-            # Sharded: each rank's passes took the norm of its shards (AdamW) or of the
-            # tensors it owns (Adafactor); every node's ranks cover each tensor once, so the
-            # sum over the group counts it once per node.
-            from ._distributed import collective_device
-            total = torch.tensor([plan.sum_of_squares], dtype=torch.float64, device=collective_device(shard.group))
-            torch.distributed.all_reduce(total, group=shard.group)
-            plan.sum_of_squares = total.item() / shard.nodes
-        coef, norm, skipped = plan.settle(other_sq, found)
+        try:  # until it is settled: an error (here, or another rank's in a sharded step) takes it back
+            status = plan.wait()
+            counted = {id(p) for p, s in zip(plist, status) if s != 0}
+            other = [g for _, ps, gs, _ in work for p, g in zip(ps, gs) if id(p) not in counted]
+            other_sq = (_C.optim_grad_norm(other) * inv) ** 2 if (self.max_grad_norm is not None and other) else 0.0
+            shard = next((p._layerstream_shard for p in plist if hasattr(p, "_layerstream_shard")), None)
+            self._overlap_sharded = shard is not None  # step() records the versions of what it stepped
+            if (self.max_grad_norm is not None or scaler is not None) and shard is not None:
+                # Sharded: each rank's passes took the norm of its shards (AdamW) or of the
+                # tensors it owns (Adafactor); every node's ranks cover each tensor once, so the
+                # sum over the group counts it once per node.
+                plan.sum_of_squares = self._frame.exchange(plan.sum_of_squares) / shard.nodes
+            coef, norm, skipped = plan.settle(other_sq, found)
+        except BaseException:
+            self._abort(plan, plist)
+            raise
         if self.max_grad_norm is not None:
             self.last_grad_norm = norm
         if scaler is not None:
             self._report_to_scaler(scaler, skipped and not found)
         mine = [p for p, s in zip(plist, status) if s not in (0, _C.OVERLAP_OTHER_RANK)]
+        if self._frame is not None and mine and not skipped:
+            self._frame.wrote = True
         self._dropped.update((id(p), p) for p in mine)
         #: Parameters the last overlapped backward stepped (or, clipping, took the norm of) early.
         self.last_overlap_params = len(mine)

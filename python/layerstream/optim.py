@@ -212,34 +212,34 @@ class AdamW(_HostOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
-        work, grads = self._collect()
-        with self._held_if_sharded():  # Note [A sharded step lands a Ctrl-C when it is done]
-            scale, inv, work, stepped, skipped = self._scale_and_rest(work, grads)
-            if not skipped:
-                self._last_clipped = scale < 1.0
-            shards = self._shards(work)
-            # Stepped during the backward: a layer's shard once its averaged gradient
-            # landed, i.e. after every rank's backward of that layer (their all-reduces
-            # pair), so after their last read of its weights.
-            early = [p for p in stepped if hasattr(p, "_layerstream_shard")]
-            if shards:
+        with self._sharded_frame():  # Note [An error on one rank in a sharded step]
+            work, grads = self._collect()
+            with self._held_if_sharded():  # Note [A sharded step lands a Ctrl-C when it is done]
+                scale, inv, work, stepped, skipped = self._scale_and_rest(work, grads)
+                if not skipped:
+                    self._last_clipped = scale < 1.0
+                # Stepped during the backward: a layer's shard once its averaged gradient
+                # landed, i.e. after every rank's backward of that layer (their all-reduces
+                # pair), so after their last read of its weights.
+                early = [p for p in stepped if hasattr(p, "_layerstream_shard")]
                 # Sharded: every rank's backward has read the shared weights before any
                 # rank writes its shard, and every shard is written before anyone reads on.
-                shards[0].barrier()
-            for group, ps, gs, keys in work:
-                if not ps:
-                    continue
-                fmt = group["state_precision"]
-                b1, b2 = group["betas"]
-                with held_interrupts(), self._counted_if_stepped(ps) as states:
-                    states += [self._states(p, fmt, count=False) for p in ps]
-                    _C.optim_adamw_step(
-                        float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
-                        fmt, [self._target(p) for p in ps], [self._shard_grad(p, g) for p, g in zip(ps, gs)],
-                        [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                        [s.get("exp_avg_absmax") for s in states], [s.get("exp_avg_sq_absmax") for s in states],
-                        [int(s["step"].item()) + 1 for s in states], keys, scale * inv, int(group["seed"]))
-            self._end_sharded(early + [p for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")])
+                self._open_sharded()
+                for group, ps, gs, keys in work:
+                    if not ps:
+                        continue
+                    fmt = group["state_precision"]
+                    b1, b2 = group["betas"]
+                    with held_interrupts(), self._counted_if_stepped(ps) as states:
+                        states += [self._states(p, fmt, count=False) for p in ps]
+                        _C.optim_adamw_step(
+                            float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                            float(group["weight_decay"]), fmt, [self._target(p) for p in ps],
+                            [self._shard_grad(p, g) for p, g in zip(ps, gs)],
+                            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                            [s.get("exp_avg_absmax") for s in states], [s.get("exp_avg_sq_absmax") for s in states],
+                            [int(s["step"].item()) + 1 for s in states], keys, scale * inv, int(group["seed"]))
+                self._end_sharded(early + [p for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")])
         self._unfinished = None  # done: a step() now is a new one
         return loss
 
@@ -385,40 +385,42 @@ class Adafactor(_HostOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._run_closure(closure)  # before _collect(): it may compute the gradients
-        work, grads = self._collect()
-        with self._held_if_sharded():  # Note [A sharded step lands a Ctrl-C when it is done]
-            scale, inv, work, stepped, skipped = self._scale_and_rest(work, grads)
-            sharded = [p for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")]
-            # An overlapped backward stepped sharded tensors already (each on its owner, once
-            # every rank's backward of its layer was done: no barrier before); the one after
-            # the step still orders those writes before any rank's next forward.
-            early = ([p for g in self.param_groups for p in g["params"] if hasattr(p, "_layerstream_shard")]
-                     if self._overlap_sharded else [])
-            self._overlap_sharded = False
-            if sharded:
+        with self._sharded_frame():  # Note [An error on one rank in a sharded step]
+            work, grads = self._collect()
+            with self._held_if_sharded():  # Note [A sharded step lands a Ctrl-C when it is done]
+                scale, inv, work, stepped, skipped = self._scale_and_rest(work, grads)
+                sharded = [p for _, ps, _, _ in work for p in ps if hasattr(p, "_layerstream_shard")]
+                # An overlapped backward stepped sharded tensors already (each on its owner, once
+                # every rank's backward of its layer was done: no barrier before); the one after
+                # the step still orders those writes before any rank's next forward.
+                early = ([p for g in self.param_groups for p in g["params"] if hasattr(p, "_layerstream_shard")]
+                         if self._overlap_sharded else [])
+                self._overlap_sharded = False
                 # Sharded (offload(share_host_store="all")): whole tensors, each stepped by the
                 # rank that owns it (Shard.assign_owners), after every rank's backward has read
                 # the shared weights; every tensor is written before anyone reads on.
-                sharded[0]._layerstream_shard.barrier()
-                mine = [[i for i, p in enumerate(ps) if not hasattr(p, "_layerstream_shard")
-                         or p._layerstream_shard.owned] for _, ps, _, _ in work]
-                work = [(group, [ps[i] for i in m], [gs[i] for i in m], [keys[i] for i in m])
-                        for (group, ps, gs, keys), m in zip(work, mine)]
-                # Another rank's to step: done here (a re-run finds nothing of this step left).
-                self._unfinished.done.update(id(p) for p in sharded if not p._layerstream_shard.owned)
-            for group, ps, gs, keys in work:
-                if not ps:
-                    continue
-                with held_interrupts(), self._counted_if_stepped(ps) as states:
-                    states += [self._states(p, group, count=False) for p in ps]
-                    rms = _C.optim_adafactor_step(
-                        *self._config(group), [p.detach() for p in ps], gs, [s.get("exp_avg_sq_row") for s in states],
-                        [s.get("exp_avg_sq_col") for s in states], [s.get("exp_avg_sq") for s in states],
-                        [s.get("exp_avg") for s in states], [s["step"] + 1 for s in states], keys, scale * inv,
-                        int(group["seed"]))
-                    for s, r in zip(states, rms):
-                        s["RMS"].fill_(r)
-            seen = {id(p) for p in sharded}
-            self._end_sharded(sharded + [p for p in early if id(p) not in seen])
+                self._open_sharded()
+                if sharded:
+                    mine = [[i for i, p in enumerate(ps) if not hasattr(p, "_layerstream_shard")
+                             or p._layerstream_shard.owned] for _, ps, _, _ in work]
+                    work = [(group, [ps[i] for i in m], [gs[i] for i in m], [keys[i] for i in m])
+                            for (group, ps, gs, keys), m in zip(work, mine)]
+                    # Another rank's to step: done here (a re-run finds nothing of this step left).
+                    self._unfinished.done.update(id(p) for p in sharded if not p._layerstream_shard.owned)
+                for group, ps, gs, keys in work:
+                    if not ps:
+                        continue
+                    with held_interrupts(), self._counted_if_stepped(ps) as states:
+                        states += [self._states(p, group, count=False) for p in ps]
+                        rms = _C.optim_adafactor_step(
+                            *self._config(group), [p.detach() for p in ps], gs,
+                            [s.get("exp_avg_sq_row") for s in states], [s.get("exp_avg_sq_col") for s in states],
+                            [s.get("exp_avg_sq") for s in states], [s.get("exp_avg") for s in states],
+                            [s["step"] + 1 for s in states], keys, scale * inv,
+                            int(group["seed"]))
+                        for s, r in zip(states, rms):
+                            s["RMS"].fill_(r)
+                seen = {id(p) for p in sharded}
+                self._end_sharded(sharded + [p for p in early if id(p) not in seen])
         self._unfinished = None  # done: a step() now is a new one
         return loss

@@ -150,6 +150,77 @@ def _interrupted_sharded_steps(rank, result):
         result[name] = runs
 
 
+def _fail_once(owner, name, error):
+    """owner.name (a function) raises `error` at its next call, once, then is itself again."""
+    real = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        setattr(owner, name, real)
+        raise error
+    setattr(owner, name, failing)
+
+
+def _one_rank_fails(rank, result):
+    """Steps of a shared host copy (share_host_store="all") in which rank 1 alone raises in
+    one step(), at a point injected on rank 1 only: "refusal", a check before the step's
+    first collective (_C.optim_check_group, as a bad gradient's refusal); "kernel", the C++
+    step of its first group, between the barriers, before it writes anything (as an
+    out-of-memory); after the first overlapped backward (with a clip: its layers were
+    stepped speculatively), "overlap_lr": rank 1 alone set a new lr (step()'s own refusal,
+    before the clip norm's all-reduce), "overlap_refusal": as "refusal". Every rank records
+    what its step() raised, runs step() again (not after an overlapped backward), and
+    trains on. result[case]: (each
+    step's error or None, the weights at the end, the step counts, the weights right after
+    the error); case None: no failure."""
+    from layerstream import _C
+    from layerstream.optim import AdamW
+    world = dist.get_world_size()
+    makers = {"adamw": host_adamw, "adafactor": host_adafactor, "adamw_clipped": host_adamw_clipped}
+    cases = [("adamw", None), ("adamw", "refusal"), ("adamw", "kernel"), ("adafactor", None),
+             ("adafactor", "kernel"), ("adamw_clipped", "overlap_lr"), ("adamw_clipped", "overlap_refusal")]
+    for name, point in cases:
+        model = make_model()
+        handle = layerstream.offload(model, device="sim", share_host_store="all")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = makers[name](params)
+        lr = opt.param_groups[0]["lr"]
+        errors, stopped = [], None
+        overlapped = point is not None and point.startswith("overlap")
+        fail_at = 0 if overlapped else 1
+        for step in range(3):
+            ids, target = batch_of(step, 0, ranks=world)[rank * BATCH:(rank + 1) * BATCH]
+            loss = nn.functional.mse_loss(ddp(ids), target)
+            if overlapped:
+                with opt.overlap(handle):
+                    loss.backward()
+            else:
+                loss.backward()
+            if step == fail_at and rank == 1:
+                if point in ("refusal", "overlap_refusal"):
+                    _fail_once(_C, "optim_check_group", ValueError("injected: rank 1's gradient is refused"))
+                elif point == "kernel":
+                    kernel = "optim_adamw_step" if isinstance(opt, AdamW) else "optim_adafactor_step"
+                    _fail_once(_C, kernel, RuntimeError("injected: out of memory in rank 1's kernel"))
+                elif point == "overlap_lr":
+                    opt.param_groups[0]["lr"] = 2 * lr
+            try:
+                opt.step()
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - recorded for the test
+                errors.append((type(e).__name__, str(e), getattr(e, "__notes__", [])))
+                stopped = {n: p.detach().clone() for n, p in model.named_parameters()}
+                if not overlapped:
+                    opt.step()  # torch's answer to a step() that raised: run it again
+            opt.param_groups[0]["lr"] = lr
+            opt.zero_grad()
+        result[(name, point)] = (errors, {n: p.detach().clone() for n, p in model.named_parameters()},
+                                 [int(opt.state[p]["step"]) if p in opt.state else 0 for p in params], stopped)
+        del ddp
+        dist.barrier()
+        handle.detach()
+
+
 def _meta_state_resumes(rank, out, result):
     """A resume on a shared host copy (share_host_store="all") whose optimizer state, a
     whole one (one process's), is loaded before offload() into a model built on meta and
@@ -395,8 +466,9 @@ def run(scenario, out, rank, result):
             result[name] = {"straight": straight, "resumed": resumed, "wrong_rank_error": wrong,
                             "from_whole": from_whole, "whole": whole,
                             "single_state": copy.deepcopy(single_opt.state_dict())}
-    elif scenario == "sharded_interrupted":
+    elif scenario == "sharded_interrupted":  # a sharded step stopped on one rank: a Ctrl-C, an exception
         _interrupted_sharded_steps(rank, result)
+        _one_rank_fails(rank, result)
     elif scenario == "sharded_meta_state":
         _meta_state_resumes(rank, out, result)
     elif scenario == "sharded_adafactor":
@@ -612,7 +684,9 @@ def main():
     # whether offload() holds it.
     scenario, out = sys.argv[1], sys.argv[2]
     result = {"threads_at_start": _threads()}
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    # A scenario whose ranks must not wait for each other long gives up sooner.
+    wait = 20 if scenario == "sharded_interrupted" else 60
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=wait))
     result["threads_at_init"] = _threads()
     rank = dist.get_rank()
     if scenario.endswith("@2nodes"):  # the ranks as two machines' (one host store per half)

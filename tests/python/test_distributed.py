@@ -246,7 +246,14 @@ def test_a_sharded_optimizer_resumes_from_each_ranks_checkpoint_and_refuses_anot
             assert detached["shard"] == {"rank": rank % 2, "ranks": 2}, (name, rank, detached)
             assert "model was detached" in (detached["error"] or ""), (name, rank, detached["error"])
 
-def test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank(tmp_path):
+@pytest.fixture(scope="module")
+def stopped_sharded_steps(tmp_path_factory):
+    """The ranks of the "sharded_interrupted" scenario, run once: sharded steps that a
+    Ctrl-C or an exception stopped on one rank."""
+    return _run("sharded_interrupted", 2, tmp_path_factory.mktemp("sharded_interrupted"), timeout=90)
+
+
+def test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank(stopped_sharded_steps):
     """A Ctrl-C that landed in a sharded step (rank 0's, as the opening barrier's wait or
     the kernel returned) left its closing barrier and version records undone: the next
     forward refused the step's own writes ("written by something other than
@@ -254,7 +261,7 @@ def test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank(tmp_path):
     stepped nothing and skipped them too, or (stopped past the opening barrier) passed it
     again, paired with rank 1's closing one. Now the Ctrl-C lands once the step is done:
     re-run or not, both ranks train as without it (equal weights, equal step counts)."""
-    results = _run("sharded_interrupted", 2, tmp_path)
+    results = stopped_sharded_steps
     for name in ("adamw", "adafactor"):
         want, want_counts = results[0][name][None]
         assert sum(want_counts) > 0
@@ -263,6 +270,49 @@ def test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank(tmp_path):
                 assert counts == res[name][None][1], (name, r, case)
                 for n, value in got.items():
                     assert torch.equal(value, want[n]), (name, r, case, n)
+
+
+def test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank(stopped_sharded_steps):
+    """An exception on one rank inside a sharded step (rank 1's, injected there alone: a
+    refusal before the step's first collective, its C++ step between the barriers; after
+    an overlapped backward, an lr set on rank 1 alone or the refusal) left rank 0 waiting in the next
+    barrier or collective, or, once rank 1 ran step() again, paired rank 1's opening
+    barrier with rank 0's closing one (rank 0's step returned before rank 1's shard was
+    written, and the later collectives mismatched). Now every rank raises at the step's
+    next collective: rank 1 its own error, rank 0 one naming rank 1 and its error; both
+    say what the step wrote. A re-run of step() on every rank then finishes the step (the
+    run equals the one without the error); after an overlapped backward, every rank took
+    its speculated steps back (the weights are the initial ones)."""
+    results = stopped_sharded_steps
+    initial = dict(make_model().named_parameters())
+    for name, point, written in (("adamw", "refusal", "not updated"), ("adamw", "kernel", "partly updated"),
+                                 ("adafactor", "kernel", "partly updated"),
+                                 ("adamw_clipped", "overlap_lr", "not updated"),
+                                 ("adamw_clipped", "overlap_refusal", "not updated")):
+        overlapped = point.startswith("overlap")
+        own = {"refusal": ("ValueError", "injected: rank 1's gradient is refused"),
+               "overlap_refusal": ("ValueError", "injected: rank 1's gradient is refused"),
+               "kernel": ("RuntimeError", "injected: out of memory in rank 1's kernel"),
+               "overlap_lr": ("RuntimeError", "param group 0's lr from")}[point]
+        for r, res in enumerate(results):
+            errors, weights, counts, stopped = res[name, point]
+            at = 0 if overlapped else 1  # the step rank 1 failed in
+            assert [i for i, e in enumerate(errors) if e is not None] == [at], (name, point, r, errors)
+            kind, text, notes = errors[at]
+            if r == 1:
+                assert kind == own[0] and own[1] in text, (name, point, text)
+                text = "\n".join(notes)
+            else:
+                assert kind == "LayerstreamError" and "failed on rank 1" in text and own[1] in text, (name, point, text)
+            assert written in text, (name, point, r, text)
+            if overlapped:
+                for n, value in stopped.items():
+                    assert torch.equal(value, initial[n].detach()), (name, point, r, n)
+            else:  # re-run: as without the error
+                want, want_counts = res[name, None][1:3]
+                assert counts == want_counts and sum(counts) > 0, (name, point, r)
+                for n, value in weights.items():
+                    assert torch.equal(value, want[n]), (name, point, r, n)
 
 
 def test_an_optimizer_state_loaded_before_a_sharded_offload_resumes_as_one_loaded_after_it(tmp_path):

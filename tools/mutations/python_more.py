@@ -297,4 +297,41 @@ MUTATIONS: list = [
         [P + "test_quant_offload.py::test_a_merge_after_peft_was_imported_after_offload_is_refused_before_any_layer_is_written"],
         "peft imported after offload(): its merge into a quantized base half-writes the model before a "
         "streamed layer refuses"),
+    Mutation(
+        "sharded-step-error-not-sent", "python/layerstream/_optim_base.py",
+        "            elif frame.pending:  # the other ranks wait for this one at the step's next collective",
+        "            elif False:",
+        [P + "test_distributed.py::test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank"],
+        "an exception on one rank in a sharded step leaves the others waiting in its next barrier until the "
+        "group's timeout"),
+    Mutation(
+        "sharded-step-barriers-from-local-work", "python/layerstream/_optim_base.py",
+        "        if frame is not None and frame.pending:\n            frame.finished = True",
+        "        if frame is not None and frame.pending and written:\n            frame.finished = True",
+        [P + "test_distributed.py::test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank"],
+        "step() run again after one rank's error: the ranks with nothing left skip the closing barrier, the "
+        "failed rank waits in it, paired with the others' next collective"),
+    Mutation(
+        "sharded-failed-step-versions-unrecorded", "python/layerstream/_optim_base.py",
+        "        for _, p in self._sharded_params():  # the step's own writes: not refused at the next forward",
+        "        for _, p in []:",
+        [P + "test_distributed.py::test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank"],
+        "after one rank's error in a sharded step, the next forward refuses the step's own writes as "
+        "'written by something other than layerstream.optim'"),
+    Mutation(
+        "sharded-peer-keeps-speculated-steps", "python/layerstream/_optim_overlap.py",
+        "            coef, norm, skipped = plan.settle(other_sq, found)\n        except BaseException:\n"
+        "            self._abort(plan, plist)",
+        "            coef, norm, skipped = plan.settle(other_sq, found)\n        except BaseException:\n"
+        "            pass",
+        [P + "test_distributed.py::test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank"],
+        "another rank's error before the clip is settled leaves this rank's speculated (unclipped) steps of its "
+        "shards in place, while the failed rank took its own back"),
+    Mutation(
+        "sharded-failed-step-keeps-its-plan", "python/layerstream/_optim_base.py",
+        "                if self._overlap is not None:  # not taken yet: taken back as step()'s own refusals do",
+        "                if False:",
+        [P + "test_distributed.py::test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank"],
+        "an error on one rank before its step() took the overlapped plan leaves it pending (speculated steps "
+        "kept, the next overlap() refused) while the other ranks took theirs back"),
 ]

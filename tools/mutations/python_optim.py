@@ -8,8 +8,8 @@ from .base import P, Mutation
 MUTATIONS = [
     Mutation(
         "sharded-clip-norm-not-summed", "python/layerstream/_optim_overlap.py",
-        "            plan.sum_of_squares = total.item() / shard.nodes",
-        "            pass",
+        "                plan.sum_of_squares = self._frame.exchange(plan.sum_of_squares) / shard.nodes",
+        "                self._frame.exchange(plan.sum_of_squares)",
         [P + "test_distributed.py::test_sharded_step_overlapped_with_the_backward"],
         "an overlapped sharded step clips by its own shards' norm, not the ranks' sum"),
     Mutation(
@@ -160,9 +160,9 @@ MUTATIONS = [
         "offload(process_group=False) under a DDP of 2 ranks: streamed gradients never averaged, silently"),
     Mutation(
         "optim-step-ctrl-c-not-held", "python/layerstream/optim.py",
-        "                with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
-        "                    states += [self._states(p, fmt,",
-        "                with self._counted_if_stepped(ps) as states:\n                    states += [self._states(p, fmt,",
+        "                    with held_interrupts(), self._counted_if_stepped(ps) as states:\n"
+        "                        states += [self._states(p, fmt,",
+        "                    with self._counted_if_stepped(ps) as states:\n                        states += [self._states(p, fmt,",
         [P + "test_errors.py::test_a_ctrl_c_as_the_optimizer_kernel_returns_lands_after_the_step_is_counted"],
         "a Ctrl-C as AdamW's kernel returns leaves the step counts behind the applied update"),
     Mutation(
@@ -206,7 +206,7 @@ MUTATIONS = [
         "meta parameters' layout: the moments become meta tensors, lost, and state_dict() saves them so"),
     Mutation(
         "sharded-step-ctrl-c-not-held-whole", "python/layerstream/_optim_base.py",
-        "        return held_interrupts() if self._sharded_params() else contextlib.nullcontext()",
+        "        return held_interrupts() if self._frame is not None else contextlib.nullcontext()",
         "        return contextlib.nullcontext()",
         [P + "test_distributed.py::test_a_ctrl_c_in_a_sharded_step_leaves_it_done_once_on_every_rank"],
         "a Ctrl-C in a sharded step skips its closing barrier and version records: the next forward refuses the "
