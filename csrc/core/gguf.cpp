@@ -210,6 +210,12 @@ bool ggml_type_by_name(std::string_view name, uint32_t& id) {
   return false;
 }
 
+std::string gguf_type_unreadable(const std::string& path, const std::string& tensor, const std::string& type_name) {
+  return path + ": tensor '" + tensor + "' is GGUF type " + type_name + ", which layerstream cannot read; "
+         "supported: F32, F16, BF16, F64, I8-I64, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K "
+         "(requantize the file with llama.cpp's llama-quantize)";
+}
+
 quant::Format ggml_type_format(uint32_t id) {
   const TypeRow* r = find_type(id);
   return r ? r->format : quant::Format::None;
@@ -275,7 +281,10 @@ GgufFile parse_gguf(std::string_view bytes, uint64_t file_bytes, const std::stri
     const uint64_t inner = nd ? dims[0] : 1;
     LS_CHECK(inner % ty.block_elems == 0, where, " (", t.type_name, ") has ", inner,
              " elements in its innermost dimension, not a multiple of the block size ", ty.block_elems);
-    t.nbytes = t.numel / ty.block_elems * ty.block_bytes;
+    const uint64_t blocks = t.numel / ty.block_elems;
+    LS_CHECK(blocks <= UINT64_MAX / ty.block_bytes, where, " (", t.type_name, ") has ", t.numel,
+             " elements: more bytes than fit in 64 bits; the file is damaged");
+    t.nbytes = blocks * ty.block_bytes;
     g.tensors.push_back(std::move(t));
   }
   {

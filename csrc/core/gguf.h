@@ -41,6 +41,11 @@ bool ggml_type_by_name(std::string_view name, uint32_t& id);
 // (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K); Format::None otherwise (plain
 // element types such as F16, and the block types layerstream cannot dequantize).
 quant::Format ggml_type_format(uint32_t id);
+// Why tensor `tensor` of `path`, of ggml type `type_name`, cannot be read
+// (neither a plain element type nor one ggml_type_format streams), with the
+// types that can and what to do; the planner's and load_gguf()'s refusal
+// (Python: _C.gguf_type_unreadable).
+std::string gguf_type_unreadable(const std::string& path, const std::string& tensor, const std::string& type_name);
 
 struct GgufTensor {
   std::string name;

@@ -589,8 +589,8 @@ ModelDescription describe_gguf(const GgufFile& g, const std::string& dense_dtype
   ck.files = {g.path};
   for (const auto& t : g.tensors) {
     const bool plain = safetensors_dtype_bits(t.type_name) > 0;
-    LS_CHECK(plain || ggml_type_format(t.type) != quant::Format::None, g.path, ": tensor '", t.name,
-             "' is GGUF type ", t.type_name, ", which layerstream cannot read");
+    LS_CHECK(plain || ggml_type_format(t.type) != quant::Format::None,
+             gguf_type_unreadable(g.path, t.name, t.type_name));
     TensorInfo i;
     i.name = t.name;
     // llama.cpp's expert tensors ("blk.7.ffn_up_exps.weight"): one group per
@@ -698,19 +698,29 @@ double set_expert_activity(ModelDescription& m, const std::string& config_json, 
   const json::Value cfg = json::parse(config_json, what);
   if (!cfg.is_object()) return 0.0;
   const json::Value* text = cfg.find("text_config");
+  // A key's value, 0 when absent (or null); a value that is not a count of
+  // experts is refused (it was ignored as if absent, and every expert planned).
+  const char* e_key = "num_experts";
   auto number = [&](const char* key) -> double {
     for (const json::Value* c : {&cfg, text}) {
       if (c == nullptr || !c->is_object()) continue;
+      const json::Value* x = c->find(key);
+      if (x == nullptr || x->is_null()) continue;
       uint64_t v = 0;
-      if (const json::Value* x = c->find(key); x != nullptr && x->to_uint64(v) && v > 0) return static_cast<double>(v);
+      LS_CHECK(x->to_uint64(v) && v > 0, what, ": ", key, " is ",
+               x->is_number() ? x->text : x->is_string() ? json::quote(x->text) : json::to_string(x->type),
+               ", not a whole number of experts above 0; correct it, or remove the key to plan every expert");
+      return static_cast<double>(v);
     }
     return 0.0;
   };
   const double k = number("num_experts_per_tok");
-  double e = number("num_experts");
-  if (e == 0.0) e = number("num_local_experts");
-  if (e == 0.0) e = number("n_routed_experts");
-  if (k == 0.0 || e == 0.0 || k > e) return 0.0;
+  double e = number(e_key);
+  if (e == 0.0) e = number(e_key = "num_local_experts");
+  if (e == 0.0) e = number(e_key = "n_routed_experts");
+  LS_CHECK(k == 0.0 || e == 0.0 || k <= e, what, ": num_experts_per_tok ", k, " is more than the model's ", e,
+           " experts (", e_key, "); correct it, or remove the key to plan every expert");
+  if (k == 0.0 || e == 0.0) return 0.0;
   bool any = false;
   for (auto& l : m.layers)
     if (l.group) {

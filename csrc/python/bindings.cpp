@@ -437,6 +437,8 @@ PYBIND11_MODULE(_C, m) {
 
   // A .gguf file's header (core/gguf.h): metadata and tensor records; the
   // data is read by the caller at each record's absolute `offset`.
+  m.def("gguf_type_unreadable", &layerstream::gguf_type_unreadable, py::arg("path"), py::arg("tensor"),
+        py::arg("type_name"));  // core/gguf.h
   m.def("gguf_read", [](const std::string& path) {
     const layerstream::GgufFile g = layerstream::read_gguf(path);
     py::dict d;

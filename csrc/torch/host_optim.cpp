@@ -112,6 +112,17 @@ AdamWStates adamw_init_states(const torch::Tensor& param, StateFormat format) {
   return s;
 }
 
+namespace {
+// Whether a and b (same sizes) lay their elements out in the same order in
+// memory: dense, with equal strides in every dimension of more than one element.
+bool same_memory_order(const torch::Tensor& a, const torch::Tensor& b) {
+  if (!a.is_non_overlapping_and_dense() || !b.is_non_overlapping_and_dense()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  return true;
+}
+}  // namespace
+
 AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, AdamWStates loaded,
                                const std::string& name) {
   torch::NoGradGuard ng;
@@ -131,6 +142,14 @@ AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, A
                "' needs floating-point states");
     }
     torch::Tensor r = torch::empty_like(param, param.options().dtype(want), torch::MemoryFormat::Preserve);
+    // 8-bit codes share an absmax per block of consecutive elements in memory
+    // order: copied into another layout (a checkpoint of a contiguous conv into
+    // a channels_last one) each code would be decoded with another block's scale.
+    LS_CHECK(format != StateFormat::Q8 || same_memory_order(t, r), "layerstream.optim: the loaded 8-bit state '", key,
+             "' of ", name, " was saved for a parameter of another memory layout (strides ", t.strides(), ", the "
+             "parameter's ", r.strides(), "), and its blocks of codes share a scale in that layout: give the "
+             "parameter the layout it had when saved (e.g. .to(memory_format=torch.contiguous_format) or "
+             "torch.channels_last) before loading, or save with state_precision='fp32' or 'bf16'");
     r.copy_(t);
     return r;
   };

@@ -230,10 +230,7 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
                     f"{path}: tensor '{rec['name']}'{rows} has shape {list(shape)} (GGUF dims reversed) but "
                     f"'{dst}' in the model is {list(target.shape)}")
         if rec["type"] not in _PLAIN and not rec["format"]:
-            raise LayerstreamError(
-                f"{path}: tensor '{rec['name']}' is GGUF type {rec['type']}, which layerstream cannot "
-                f"read; supported: F32, F16, BF16, F64, I8-I64, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
-                f"Q4_K, Q5_K, Q6_K (requantize the file with llama.cpp's llama-quantize)")
+            raise LayerstreamError(_C.gguf_type_unreadable(str(path), rec["name"], rec["type"]))
         if not rec["format"]:
             check_kind(str(path), rec["name"], f"GGUF type {rec['type']}", _PLAIN[rec["type"]], dst, target)
         if rec["format"] and target.dtype not in _DENSE:

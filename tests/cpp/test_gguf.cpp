@@ -307,6 +307,19 @@ TEST(GgufReader, DamagedFilesAreOneClearError) {
   huge[24 + 8 + 12 + 4 + 7] = '\x7F';  // the top byte of its uint64
   EXPECT_NE(message(huge, huge.size()).find("more than the file holds"), std::string::npos);
   EXPECT_NE(message("", 0).find("is not a GGUF file"), std::string::npos);
+  {  // an F32 tensor of 2^62 elements: 2^64 bytes wrapped to 0, which passed the end-of-file check
+    Writer w;
+    w.b = "GGUF";
+    w.u32(3);
+    w.u64(1);
+    w.u64(0);
+    w.str("b"); w.u32(1); w.u64(uint64_t{1} << 62); w.u32(0); w.u64(0);
+    w.pad(32);
+    EXPECT_NE(message(w.b, w.b.size()).find("tensor 'b' (F32) has 4611686018427387904 elements: more bytes than fit "
+                                            "in 64 bits; the file is damaged"),
+              std::string::npos)
+        << message(w.b, w.b.size());
+  }
   try {
     read_gguf(::testing::TempDir() + "/ls_no_such.gguf");
     ADD_FAILURE();

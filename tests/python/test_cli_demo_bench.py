@@ -6,6 +6,7 @@ Without a GPU the demo runs on the simulated device.
 """
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -166,6 +167,23 @@ def test_demo_full_fine_tune_with_the_host_optimizer():
 def test_demo_bad_option_exits_2(args):
     r = run("demo", *args)
     assert_one_line_usage_error(r, "demo")
+
+
+def test_demo_budget_bounds_count_the_resident_tensors():
+    """--layers 1 (documented 1 to 64) refused its own default budget ("holds every
+    weight"): that bound compared a budget holding the resident tensors with the
+    streamed weights alone. And the floor that "--budget 1" named was then refused by
+    offload() (it left out the resident tensors). Both count them now: --layers 1 runs,
+    and the floor named runs."""
+    if not built_with_torch():
+        pytest.skip("layerstream was built without LibTorch: no demo")
+    r = run("demo", "--layers", "1", "--steps", "1", "--device", "sim", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = assert_one_line_usage_error(run("demo", "--budget", "1"), "demo")
+    floor = re.search(r"plus the tensors that stay resident \((\d+) bytes\)", line)
+    assert floor, line
+    r = run("demo", "--budget", floor.group(1), "--steps", "1", "--device", "sim", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_demo_prints_the_prefetch_depth_its_slots_allow(demo_run):

@@ -243,6 +243,41 @@ def test_values_that_overflow_or_say_nothing_are_usage_errors(args, contains):
     assert_one_line_error(run("--model", "llama-7b", "--budget", "8GiB", *args), code=2, contains=contains)
 
 
+def test_the_budget_follows_the_rule_offload_and_demo_follow():
+    """plan --budget took 1e19 and 9.3e18 bytes, which offload() and demo refuse (at most
+    2^63 - 1): it parsed the size itself, not through the one budget rule."""
+    for budget in ("1e19", "9.3e18"):
+        assert_one_line_error(run("--model", "llama-7b", "--budget", budget), code=2,
+                              contains=f"budget '{budget}' is too large (at most 2^63 - 1 bytes)")
+
+
+def test_a_gguf_file_is_known_by_its_magic_not_its_name(tmp_path):
+    """A GGUF named Model-Q8_0.GGUF was read as a safetensors file: "header length ... is
+    absurd". The first four bytes decide now."""
+    torch = pytest.importorskip("torch")
+    from conftest import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", [("blk.0.attn_q.weight", (64, 64), "F16",
+                                             torch.zeros(64 * 64 * 2, dtype=torch.uint8))])
+    upper = tmp_path / "Model-Q8_0.GGUF"
+    upper.write_bytes(open(path, "rb").read())
+    for p in (path, str(upper)):
+        assert plan_json("--checkpoint", p, "--budget", "1GiB")["source"]["kind"] == "gguf"
+
+
+def test_a_gguf_type_it_cannot_read_says_what_it_can_and_what_to_do(tmp_path):
+    """plan said only "... is GGUF type IQ4_NL, which layerstream cannot read", where
+    load_gguf() lists the types it reads and says to requantize: one message now."""
+    torch = pytest.importorskip("torch")
+    from conftest import gguf_random_blocks, write_gguf
+
+    path = write_gguf(tmp_path / "iq.gguf", [("blk.0.attn_q.weight", (64, 64), "IQ4_NL",
+                                              gguf_random_blocks("IQ4_NL", 64, 64))])
+    line = assert_one_line_error(run("--checkpoint", path, "--budget", "1GiB"), code=1,
+                                 contains="is GGUF type IQ4_NL, which layerstream cannot read; supported: F32")
+    assert "llama-quantize" in line
+
+
 def test_a_step_time_of_many_days_keeps_its_unit():
     """The time was cut at 31 characters: 9130999807999926608506360991311, no unit."""
     r = run("--model", "llama-7b", "--budget", "4GiB", "--link-gbps", "1e-9")
@@ -462,6 +497,22 @@ def test_moe_checkpoint_plans_one_group_per_experts_module(tmp_path):
     assert ("2 mixture-of-experts group(s), one slot each; a token runs 25% of the experts (config.json), "
             "4096 tokens reach ~100%: more than half, so each group crosses whole") in r.stdout
     assert j["options"]["experts"] == "routed" and "routed_bytes" not in g
+
+
+def test_an_invalid_expert_count_in_config_json_is_an_error(tmp_path):
+    """num_experts_per_tok of 16 (of 8 experts), 0, -2 or "2" was ignored as if absent:
+    "no config.json with num_experts_per_tok", every expert planned."""
+    import json as json_module
+
+    _save_tiny_qwen3_moe(tmp_path)
+    config = tmp_path / "config.json"
+    good = json_module.loads(config.read_text())
+    for value, says in ((16, "num_experts_per_tok 16 is more than the model's 8 experts ("),
+                        (0, "num_experts_per_tok is 0, not a whole number of experts above 0"),
+                        (-2, "num_experts_per_tok is -2, not a whole"), ("2", 'num_experts_per_tok is "2", not')):
+        config.write_text(json_module.dumps({**good, "num_experts_per_tok": value}))
+        line = assert_one_line_error(run("--checkpoint", tmp_path, "--budget", "200KB"), code=1, contains=says)
+        assert "config.json" in line and "remove the key to plan every expert" in line
 
 
 def test_moe_checkpoint_plans_the_router_before_its_experts(tmp_path):

@@ -327,14 +327,16 @@ int run_demo(const DemoOptions& o) {
   int64_t params = 0;
   for (const auto& p : resident->parameters()) params += p.numel();
   int64_t budget = o.budget;
-  const int64_t min_budget = static_cast<int64_t>(2 * size.slot_bytes);
+  const int64_t two_slots = static_cast<int64_t>(2 * size.slot_bytes);
   // The budget holds the resident tensors too (offload(budget=)); with --full their
   // gradients and two fp32 AdamW states (all fp32 here), as the planner counts them.
+  // Every bound below counts them, as offload() does.
   const int64_t resident_bytes = static_cast<int64_t>(size.rest_bytes) * (o.full ? 4 : 1);
+  const int64_t min_budget = two_slots + resident_bytes;
   if (budget < 0) {
     budget = std::max<int64_t>(static_cast<int64_t>(size.bytes / 4), static_cast<int64_t>(3 * size.slot_bytes));
     budget = static_cast<int64_t>(layerstream::slot_layout::align(static_cast<uint64_t>(budget)));
-    if (static_cast<uint64_t>(budget) >= size.bytes) budget = min_budget;  // a small model: 2 slots
+    if (static_cast<uint64_t>(budget) >= size.bytes) budget = two_slots;  // a small model: 2 slots
     budget += resident_bytes;
   }
   if (o.budget < 0 && static_cast<uint64_t>(budget - resident_bytes) >= size.bytes) {
@@ -342,11 +344,13 @@ int run_demo(const DemoOptions& o) {
                      "largest layer: nothing would stream. Pass more --layers"};
   } else if (budget < min_budget) {
     throw UsageError{"--budget " + std::to_string(budget) + " bytes is below 2 slots of the largest streamed "
-                     "layer '" + size.largest + "' (" + std::to_string(min_budget) + " bytes)"};
-  } else if (static_cast<uint64_t>(budget) >= size.bytes) {
+                     "layer '" + size.largest + "' plus the tensors that stay resident (" +
+                     std::to_string(min_budget) + " bytes)"};
+  } else if (static_cast<uint64_t>(budget - resident_bytes) >= size.bytes) {
     throw UsageError{"--budget " + std::to_string(budget) + " bytes holds every weight of the model (" +
-                     std::to_string(size.bytes) + " bytes): nothing would stream. Pass a smaller budget "
-                     "(default: a quarter of the weights), or more --layers"};
+                     std::to_string(size.bytes) + " bytes streamed, " + std::to_string(resident_bytes) +
+                     " resident): nothing would stream. Pass a smaller budget (default: a quarter of the "
+                     "weights), or more --layers"};
   }
 
   std::printf("layerstream demo: character-level GPT, LibTorch C++ API, fp32\n");

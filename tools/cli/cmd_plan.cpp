@@ -204,6 +204,16 @@ void host_disk_section(const Plan& plan, const std::vector<PlannerLayer>& specs,
   *json_out = j + "]}";
 }
 
+// Whether the file at `path` begins with GGUF's magic ("GGUF"), whatever its
+// name ends with (a ".GGUF" was read as a damaged safetensors file); anything
+// else, unreadable paths included, goes to the safetensors reader, whose error
+// names the problem.
+static bool starts_as_gguf(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  char magic[4] = {};
+  return f.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
+}
+
 int cmd_plan(int argc, char** argv) {
   std::string checkpoint, model, budget_s, dense_dtype = "BF16";
   bool have_checkpoint = false, have_model = false, have_budget = false, as_json = false, have_dense_dtype = false;
@@ -348,7 +358,7 @@ int cmd_plan(int argc, char** argv) {
       throw Usage{"--activations host needs --train: only a training step saves activations for a backward"};
     if (have_checkpoint && checkpoint.empty()) throw Usage{"--checkpoint needs a non-empty path"};
     if (opt.quantize == Quantization::Lossless &&
-        (!have_checkpoint || (checkpoint.size() > 5 && checkpoint.compare(checkpoint.size() - 5, 5, ".gguf") == 0)))
+        (!have_checkpoint || starts_as_gguf(checkpoint)))
       throw Usage{"--quantize lossless needs a .safetensors --checkpoint: its size is measured from the weights"};
   } catch (const Usage& u) {
     return usage_error(u.message);
@@ -361,7 +371,7 @@ int cmd_plan(int argc, char** argv) {
   PlannerInput in;
   ModelDescription desc;
   try {
-    in.budget_bytes = parse_bytes(budget_s);
+    in.budget_bytes = layerstream::options::parse_budget(budget_s).bytes;  // shares refused above
     if (have_model) desc = builtin_model(model);
     if (have_model && have_dense_dtype) cast_to_dtype(desc, dense_dtype);
   } catch (const Error& e) {
@@ -369,8 +379,7 @@ int cmd_plan(int argc, char** argv) {
   }
   std::string tied_table;
   double experts_active = 0.0;  // share of the experts a token runs (config.json), 0: unknown
-  const bool gguf = have_checkpoint && checkpoint.size() > 5 &&
-                    checkpoint.compare(checkpoint.size() - 5, 5, ".gguf") == 0;
+  const bool gguf = have_checkpoint && starts_as_gguf(checkpoint);
   if (gguf) {
     const GgufFile g = read_gguf(checkpoint);  // errors -> exit 1
     LS_CHECK(!g.tensors.empty(), checkpoint, " holds no tensors: nothing to plan");

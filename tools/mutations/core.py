@@ -456,4 +456,47 @@ MUTATIONS = [
         "  switch (s == \"e4m3\" ? quant::Format::GgufQ8_0 : quant::parse_format(s)) {",
         ["gtest:test_planner:*"],
         "`layerstream plan --quantize e4m3` is refused while offload(quantize=\"e4m3\") takes it"),
+    Mutation(
+        "gguf-tensor-bytes-wrap", "csrc/core/gguf.cpp",
+        "    LS_CHECK(blocks <= UINT64_MAX / ty.block_bytes, where,",
+        "    LS_CHECK(true, where,",
+        ["gtest:test_gguf:GgufReader.DamagedFilesAreOneClearError"],
+        "a damaged GGUF whose tensor claims 2^62 F32 elements reads as 0 bytes and is planned"),
+    Mutation(
+        "demo-floor-without-resident", "tools/cli/cmd_demo.cpp",
+        "  const int64_t min_budget = two_slots + resident_bytes;",
+        "  const int64_t min_budget = two_slots;",
+        [P + "test_cli_demo_bench.py::test_demo_budget_bounds_count_the_resident_tensors"],
+        "the demo's floor leaves out the resident tensors: the budget it names is refused by offload()"),
+    Mutation(
+        "demo-everything-fits-without-resident", "tools/cli/cmd_demo.cpp",
+        "  } else if (static_cast<uint64_t>(budget - resident_bytes) >= size.bytes) {",
+        "  } else if (static_cast<uint64_t>(budget) >= size.bytes) {",
+        [P + "test_cli_demo_bench.py::test_demo_budget_bounds_count_the_resident_tensors"],
+        "demo --layers 1 refuses its own default budget as holding every weight"),
+    Mutation(
+        "plan-budget-own-rule", "tools/cli/cmd_plan.cpp",
+        "    in.budget_bytes = layerstream::options::parse_budget(budget_s).bytes;  // shares refused above",
+        "    in.budget_bytes = parse_bytes(budget_s);",
+        [P + "test_cli_plan.py::test_the_budget_follows_the_rule_offload_and_demo_follow"],
+        "plan --budget takes 1e19 bytes, which offload() and demo refuse"),
+    Mutation(
+        "plan-gguf-by-name", "tools/cli/cmd_plan.cpp",
+        "  const bool gguf = have_checkpoint && starts_as_gguf(checkpoint);",
+        "  const bool gguf = have_checkpoint && checkpoint.size() > 5 && "
+        "checkpoint.compare(checkpoint.size() - 5, 5, \".gguf\") == 0;",
+        [P + "test_cli_plan.py::test_a_gguf_file_is_known_by_its_magic_not_its_name"],
+        "a GGUF file named .GGUF is read as a damaged safetensors file"),
+    Mutation(
+        "plan-expert-share-above-one", "csrc/core/planner_models.cpp",
+        "  LS_CHECK(k == 0.0 || e == 0.0 || k <= e, what,",
+        "  LS_CHECK(true, what,",
+        [P + "test_cli_plan.py::test_an_invalid_expert_count_in_config_json_is_an_error"],
+        "a config.json naming more experts per token than the model has is taken as is"),
+    Mutation(
+        "plan-gguf-unreadable-type-bare", "csrc/core/planner_models.cpp",
+        "             gguf_type_unreadable(g.path, t.name, t.type_name));",
+        "             g.path + \": cannot read \" + t.name);",
+        [P + "test_cli_plan.py::test_a_gguf_type_it_cannot_read_says_what_it_can_and_what_to_do"],
+        "plan's refusal of an IQ-type GGUF tensor names neither the types it reads nor what to do"),
 ]
