@@ -219,17 +219,10 @@ class _EntryBegins(_DroppedInCopies):
             self._begins.enter(sys._getframe(1))
 
 
-class _EntryEnds(_DroppedInCopies):
-    """_CallEnds' forward hook on an entry module."""
+class _EntryEnds(_DroppedInCopies, _CallEnds):
+    """_CallEnds on an entry module (a copy of the module drops it)."""
 
-    __slots__ = ("_turns",)
-
-    def __init__(self, turns: _CallTurns):
-        self._turns = turns
-
-    def __call__(self, module, args, output):
-        if not torch.compiler.is_compiling():
-            self._turns.leave(sys._getframe(1))
+    __slots__ = ()
 
 
 # Note [Calls that enter the model below its root]

@@ -63,7 +63,7 @@ class _DroppedInCopies:
     def __deepcopy__(self, memo):
         return _no_hook
 
-    def __reduce__(self):
+    def __reduce_ex__(self, protocol):
         return _make_no_hook, ()
 
 
