@@ -110,7 +110,7 @@ class _Scope(threading.local):
 
 class ActivationOffload:
     """The saved-tensor hooks around the model's forward (forward pre-hook and an
-    always-called forward hook on the root module).
+    always-called forward hook on the root module, and on its entry modules: _ScopeBelow).
 
     Note [One scope per thread]
     torch keeps saved-tensor hooks per thread, and so does this object: the depth and
