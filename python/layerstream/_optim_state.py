@@ -284,8 +284,9 @@ _LIVE = weakref.WeakSet()
 def _move_states_of(params, device: torch.device, move, moved: list) -> list:
     """Moves the state tensors on `device` that the live layerstream optimizers keep
     for `params` by `move` (tensor -> its copy elsewhere), as Handle.suspend()
-    moves the parameters. Appends (state dict, key, device) to `moved` as it goes
-    (for _move_states_back) and returns it. torch's own optimizers are not seen."""
+    moves the parameters. Appends (weakref to the optimizer, parameter, key, device)
+    to `moved` as it goes (for _move_states_back) and returns it. torch's own
+    optimizers are not seen."""
     with torch.inference_mode(False):  # as _handle._moved_off
         for opt in list(_LIVE):
             for p in params:
@@ -293,15 +294,18 @@ def _move_states_of(params, device: torch.device, move, moved: list) -> list:
                 for key, t in (st or {}).items():
                     if isinstance(t, torch.Tensor) and t.device == device:
                         st[key] = move(t)
-                        moved.append((st, key, device))
+                        moved.append((weakref.ref(opt), p, key, device))
     return moved
 
 
 def _move_states_back(moved: list) -> None:
-    """Undoes _move_states_of: each of those states to the device it was on (also one
-    load_state_dict() put there meanwhile, beside its parameter then on the host)."""
+    """Undoes _move_states_of: each of those states to the device it was on, looked up
+    in its optimizer now (a load_state_dict() meanwhile made new state dicts, with the
+    states beside the parameter then on the host)."""
     with torch.inference_mode(False):  # as _handle._moved_off
-        for st, key, device in moved:
-            t = st.get(key)
+        for ref, p, key, device in moved:
+            opt = ref()
+            st = None if opt is None else opt.state.get(p)
+            t = None if st is None else st.get(key)
             if isinstance(t, torch.Tensor) and t.device != device:
                 st[key] = t.to(device)

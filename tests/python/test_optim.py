@@ -210,6 +210,17 @@ def test_torch_adamw_state_dict_loads_and_continues_equal():
         assert_rel_close(p, q, what=n)
 
 
+def _stepped_adamw(precision, steps=3, seed=0):
+    """A parameter of 600 elements (8-bit states: 3 blocks) and its AdamW after a few steps."""
+    gen = torch.Generator().manual_seed(seed)
+    p = nn.Parameter(torch.randn(3, 200, generator=gen))
+    opt = AdamW([p], lr=1e-2, state_precision=precision)
+    for _ in range(steps):
+        p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return p, opt
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True),
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
@@ -1790,11 +1801,29 @@ def test_suspend_moves_the_states_of_the_moved_parameters(cls):
     mine_a, mine_b, their_a = dict(opt.state[a]), dict(opt.state[b]), dict(theirs.state[a])
     moved = _move_states_of([a], torch.device("cpu"), lambda t: t.clone(), [])
     tensors = {k for k, v in mine_a.items() if isinstance(v, torch.Tensor)}
-    assert {k for _, k, _ in moved} == tensors and len(tensors) >= 2
+    assert {k for _, _, k, _ in moved} == tensors and len(tensors) >= 2
     for k in tensors:
         assert opt.state[a][k] is not mine_a[k] and torch.equal(opt.state[a][k], mine_a[k]), k
     assert all(opt.state[b][k] is v for k, v in mine_b.items())
     assert all(theirs.state[a][k] is v for k, v in their_a.items())
+
+
+def test_resume_moves_back_the_states_a_load_made_while_suspended():
+    """load_state_dict() between Handle.suspend() and resume() (torch's load makes new
+    per-parameter state dicts, the states beside the parameter then on the host):
+    resume() moved back the old dicts' tensors and left the loaded ones on the host
+    beside a parameter back on its device. The move back looks the states up in the
+    optimizer. On this one-device machine the states are put on the meta device in
+    place of the device they came from, so that the move back shows."""
+    from layerstream._optim_state import _move_states_back, _move_states_of
+    p, opt = _stepped_adamw("fp32")
+    saved = copy.deepcopy(opt.state_dict())
+    moved = _move_states_of([p], p.device, lambda t: t.clone(), [])  # what suspend() does
+    moved = [(*entry[:-1], torch.device("meta")) for entry in moved]  # "came from the meta device"
+    opt.load_state_dict(saved)  # while suspended
+    _move_states_back(moved)  # what resume() does
+    assert {k: v.device.type for k, v in opt.state[p].items()} == {
+        "step": "meta", "exp_avg": "meta", "exp_avg_sq": "meta"}
 
 
 def test_an_unknown_optim_isa_is_refused():

@@ -55,6 +55,12 @@ MUTATIONS = [
         [P + "test_optim.py::test_suspend_moves_the_states_of_the_moved_parameters"],
         "suspend() leaves layerstream.optim's states of the moved parameters on the device"),
     Mutation(
+        "resume-leaves-states-loaded-while-suspended", "python/layerstream/_optim_state.py",
+        "            st = None if opt is None else opt.state.get(p)",
+        "            st = None",
+        [P + "test_optim.py::test_resume_moves_back_the_states_a_load_made_while_suspended"],
+        "resume() leaves on the host the states layerstream.optim keeps for parameters back on the device"),
+    Mutation(
         "adamw-ignores-torch-only-options", "python/layerstream/optim.py",
         '        on = [k for k in ("amsgrad", "maximize") if group.get(k)]',
         "        on = []",
