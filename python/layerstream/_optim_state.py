@@ -111,6 +111,20 @@ class _StateDicts:
                 f"the backward are a step ahead of the others (their states and weights), and the others' "
                 f"gradients are not in the state; call step() first")
 
+    # Group options a load_state_dict() keeps from this optimizer, not the state dict's (AdamW:
+    # state_precision; the loaded states are adopted into it, as the C++ AdamW::load does).
+    _OWN_OPTIONS = ()
+
+    @staticmethod
+    def _saved_state(st):
+        """A parameter's state as its state dict holds it (AdamW: 8-bit codes renamed)."""
+        return st
+
+    @staticmethod
+    def _loaded_state(st):
+        """Undoes _saved_state for a loaded state (a new dict)."""
+        return dict(st)
+
     def state_dict(self):
         self._check_not_pending("state_dict()")
         self._take_shards()  # Note [States made before their parameters were sharded]
@@ -121,6 +135,8 @@ class _StateDicts:
                     sd["state"][i] = st
                 else:
                     sd["state"].pop(i, None)
+        sd["state"] = {i: self._saved_state(st) for i, st in sd["state"].items()}
+        if self._consolidated is not None:
             return sd
         identity = self._shard_identity()
         if identity is not None:
@@ -159,13 +175,14 @@ class _StateDicts:
         self._check_not_pending("load_state_dict()")
         for i, group in enumerate(state_dict.get("param_groups", [])):  # before anything loads
             self._check_foreign_options(group, f"param group {i} of the state dict")
-        split = self._check_shard_identity(state_dict)
-        self._consolidated = None
         sd = dict(state_dict)
+        sd["state"] = {k: self._loaded_state(v) for k, v in state_dict["state"].items()}
+        split = self._check_shard_identity(sd)
+        self._consolidated = None
         sd.pop(self._SHARD_KEY, None)
         sd["state"] = {
             k: {kk: (_Keep(vv) if isinstance(vv, torch.Tensor) and kk != "step" else vv) for kk, vv in v.items()}
-            for k, v in state_dict["state"].items()
+            for k, v in sd["state"].items()
         }
         # torch's load builds new state and group objects: keeping the old ones puts them back when
         # something below refuses the load (a state's shape, a group's option), so that nothing is half
@@ -173,10 +190,17 @@ class _StateDicts:
         kept = self.state, self.param_groups
         try:
             super().load_state_dict(sd)
-            for group in self.param_groups:
+            saved_as = {}  # id(group) -> how the state dict's differs in _OWN_OPTIONS, for the errors
+            for group, mine in zip(self.param_groups, kept[1]):
                 # e.g. a torch.optim.AdamW state dict: its groups lack our options
                 for k, v in self.defaults.items():
                     group.setdefault(k, v)
+                differ = [k for k in self._OWN_OPTIONS if group[k] != mine[k]]
+                if differ:
+                    saved_as[id(group)] = (" (saved with " + ", ".join(f"{k}={group[k]!r}" for k in differ)
+                                           + "; its param group here keeps "
+                                           + ", ".join(f"{k}={mine[k]!r}" for k in differ) + ")")
+                group.update({k: mine[k] for k in self._OWN_OPTIONS})
                 self._check_group_options(group)
             index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
             unadopted = {}
@@ -184,9 +208,11 @@ class _StateDicts:
                 if any(isinstance(v, _Keep) for v in st.values()):
                     loaded = {k: (v.tensor if isinstance(v, _Keep) else v) for k, v in st.items()}
                     st.clear()
+                    group = self._group_of(p)
+                    name = f"parameter {index.get(id(p), '?')}{saved_as.get(id(group), '')}"
                     if p.is_meta:  # Note [States loaded for a meta parameter]
                         # adopted for the meta parameter only to check the shapes and dtypes now
-                        self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}")
+                        self._adopt(p, group, loaded, name)
                         st.update(loaded)
                         unadopted[id(p)] = p
                         continue
@@ -194,7 +220,7 @@ class _StateDicts:
                         loaded = self._shard_of_state(p, loaded)
                         if loaded is None:  # another rank's to step
                             continue
-                    st.update(self._adopt(p, self._group_of(p), loaded, f"parameter {index.get(id(p), '?')}"))
+                    st.update(self._adopt(p, group, loaded, name))
         except BaseException:
             self.state, self.param_groups = kept
             raise
@@ -284,8 +310,9 @@ _LIVE = weakref.WeakSet()
 def _move_states_of(params, device: torch.device, move, moved: list) -> list:
     """Moves the state tensors on `device` that the live layerstream optimizers keep
     for `params` by `move` (tensor -> its copy elsewhere), as Handle.suspend()
-    moves the parameters. Appends (state dict, key, device) to `moved` as it goes
-    (for _move_states_back) and returns it. torch's own optimizers are not seen."""
+    moves the parameters. Appends (weakref to the optimizer, parameter, key, device)
+    to `moved` as it goes (for _move_states_back) and returns it. torch's own
+    optimizers are not seen."""
     with torch.inference_mode(False):  # as _handle._moved_off
         for opt in list(_LIVE):
             for p in params:
@@ -293,15 +320,18 @@ def _move_states_of(params, device: torch.device, move, moved: list) -> list:
                 for key, t in (st or {}).items():
                     if isinstance(t, torch.Tensor) and t.device == device:
                         st[key] = move(t)
-                        moved.append((st, key, device))
+                        moved.append((weakref.ref(opt), p, key, device))
     return moved
 
 
 def _move_states_back(moved: list) -> None:
-    """Undoes _move_states_of: each of those states to the device it was on (also one
-    load_state_dict() put there meanwhile, beside its parameter then on the host)."""
+    """Undoes _move_states_of: each of those states to the device it was on, looked up
+    in its optimizer now (a load_state_dict() meanwhile made new state dicts, with the
+    states beside the parameter then on the host)."""
     with torch.inference_mode(False):  # as _handle._moved_off
-        for st, key, device in moved:
-            t = st.get(key)
+        for ref, p, key, device in moved:
+            opt = ref()
+            st = None if opt is None else opt.state.get(p)
+            t = None if st is None else st.get(key)
             if isinstance(t, torch.Tensor) and t.device != device:
                 st[key] = t.to(device)

@@ -67,8 +67,15 @@ class AdamW(_HostOptimizer):
 
     State per parameter: ``step`` (float32 tensor, as torch), ``exp_avg``,
     ``exp_avg_sq`` (float32 / bfloat16, or uint8 codes with
-    ``exp_avg_absmax`` / ``exp_avg_sq_absmax``). A ``torch.optim.AdamW``
-    state dict loads into an fp32 or bf16 one (and back, for fp32).
+    ``exp_avg_absmax`` / ``exp_avg_sq_absmax``). ``state_dict()`` saves the
+    codes as ``exp_avg_codes`` / ``exp_avg_sq_codes``, so that torch's AdamW
+    does not take them for moments (its ``step()`` then raises
+    ``KeyError: 'exp_avg'``): 8-bit states load into an 8-bit
+    ``layerstream.optim.AdamW`` only (also from a state dict that has them
+    under ``exp_avg`` / ``exp_avg_sq``). ``load_state_dict()`` keeps each
+    group's ``state_precision``, not the checkpoint's (docs/design/optim.md).
+    A ``torch.optim.AdamW`` state dict loads into an fp32 or bf16 one (and
+    back, for fp32).
 
     NaN or Inf in a gradient propagate as in torch (with clipping, a NaN or
     infinite total norm reaches every parameter, as after
@@ -103,6 +110,24 @@ class AdamW(_HostOptimizer):
         _C.optim_check_adamw(float(group["lr"]), float(b1), float(b2), float(group["eps"]),
                              float(group["weight_decay"]))
         group["state_precision"] = _C.optim_state_precision(group["state_precision"])
+
+    _OWN_OPTIONS = ("state_precision",)
+
+    # 8-bit codes in a state dict: keys of their own, so that torch's AdamW, which would cast the
+    # codes to floats as if they were moments, finds no moments (its step() raises KeyError).
+    _CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
+
+    @classmethod
+    def _saved_state(cls, st):
+        m = st.get("exp_avg")
+        if not (isinstance(m, torch.Tensor) and m.dtype == torch.uint8):
+            return st
+        return {cls._CODE_KEYS.get(k, k): v for k, v in st.items()}
+
+    @classmethod
+    def _loaded_state(cls, st):
+        names = {v: k for k, v in cls._CODE_KEYS.items()}  # (a state dict saved before: the codes under exp_avg)
+        return {names.get(k, k): v for k, v in st.items()}
 
     def _adopt(self, p, group, loaded, name):
         fmt = group["state_precision"]

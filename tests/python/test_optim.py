@@ -210,6 +210,79 @@ def test_torch_adamw_state_dict_loads_and_continues_equal():
         assert_rel_close(p, q, what=n)
 
 
+def _stepped_adamw(precision, steps=3, seed=0):
+    """A parameter of 600 elements (8-bit states: 3 blocks) and its AdamW after a few steps."""
+    gen = torch.Generator().manual_seed(seed)
+    p = nn.Parameter(torch.randn(3, 200, generator=gen))
+    opt = AdamW([p], lr=1e-2, state_precision=precision)
+    for _ in range(steps):
+        p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return p, opt
+
+
+def test_load_state_dict_keeps_the_constructed_state_precision():
+    """The checkpoint's state_precision replaced the constructor's: an optimizer made
+    with "8bit" (or "bf16") to save host memory kept a checkpoint's fp32 states, 4x (2x)
+    the bytes, and an "fp32" one kept 8-bit codes, without a word. As the C++
+    AdamW::load (docs/design/optim.md): float states are converted, 8-bit ones refused
+    across precisions, nothing changed by a refusal."""
+    p, opt = _stepped_adamw("fp32")
+    saved = copy.deepcopy(opt.state_dict())
+    q = nn.Parameter(p.detach().clone())
+    narrow = AdamW([q], lr=1e-2, state_precision="bf16")
+    narrow.load_state_dict(saved)
+    st = narrow.state[q]
+    assert narrow.param_groups[0]["state_precision"] == "bf16"
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert st[k].dtype == torch.bfloat16 and torch.equal(st[k], saved["state"][0][k].bfloat16()), k
+    assert float(st["step"]) == 3.0
+    for theirs, mine, words in (("fp32", "8bit", "keeps 8-bit states"), ("8bit", "fp32", "needs floating-point")):
+        _, other = _stepped_adamw(theirs)
+        r = nn.Parameter(p.detach().clone())
+        opt = AdamW([r], state_precision=mine)
+        with pytest.raises(RuntimeError, match=rf"saved with state_precision='{theirs}'; its param group here keeps "
+                                               rf"state_precision='{mine}'\).*{words}"):
+            opt.load_state_dict(other.state_dict())
+        assert opt.param_groups[0]["state_precision"] == mine and not opt.state
+
+
+def test_an_8bit_state_dict_does_not_load_into_torch_adamw_as_moments():
+    """8-bit codes were saved under torch's names (exp_avg, exp_avg_sq): torch's AdamW
+    loaded them, cast the codes (0..255) to floats as moments, ignored the absmax
+    values and stepped with them, silently. They have keys of their own now: torch's
+    step finds no moments and raises, changing nothing; layerstream loads both the new
+    layout and the old one (the codes under exp_avg) and continues alike."""
+    p, opt = _stepped_adamw("8bit")
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd["state"][0]) == {"step", "exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax",
+                                   "exp_avg_sq_absmax"}
+    assert set(opt.state[p]) >= {"exp_avg", "exp_avg_sq"}  # the live states keep their names
+    q = nn.Parameter(p.detach().clone())
+    theirs = torch.optim.AdamW([q], lr=1e-2)
+    theirs.load_state_dict(copy.deepcopy(sd))
+    q.grad = torch.ones_like(q)
+    with pytest.raises(KeyError, match="exp_avg"):
+        theirs.step()
+    assert torch.equal(q, p)
+    old = copy.deepcopy(sd)
+    old["state"][0] = {{"exp_avg_codes": "exp_avg", "exp_avg_sq_codes": "exp_avg_sq"}.get(k, k): v
+                       for k, v in old["state"][0].items()}
+    grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(9))
+    for loaded in (sd, old):
+        r = nn.Parameter(p.detach().clone())
+        mine = AdamW([r], lr=1e-2, state_precision="8bit")
+        mine.load_state_dict(copy.deepcopy(loaded))
+        for k in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+            assert torch.equal(mine.state[r][k], opt.state[p][k]), k
+        assert mine.state_dict()["state"][0].keys() == sd["state"][0].keys()
+        r.grad = grad
+        mine.step()
+        assert not torch.equal(r, p)
+    _, fp32 = _stepped_adamw("fp32")
+    assert set(fp32.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}  # torch's own names
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True),
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
@@ -841,8 +914,7 @@ def test_a_refused_load_state_dict_changes_nothing(cls, bad):
     saved = copy.deepcopy(opt.state_dict())
     theirs = other.state_dict()
     if bad == "option":
-        theirs["param_groups"][0]["state_precision" if cls is AdamW else "beta1"] = (
-            "fp64" if cls is AdamW else 2.0)
+        theirs["param_groups"][0]["eps" if cls is AdamW else "beta1"] = -1.0 if cls is AdamW else 2.0
     with pytest.raises((ValueError, RuntimeError)):
         opt.load_state_dict(theirs)
     now = opt.state_dict()
@@ -1821,11 +1893,29 @@ def test_suspend_moves_the_states_of_the_moved_parameters(cls):
     mine_a, mine_b, their_a = dict(opt.state[a]), dict(opt.state[b]), dict(theirs.state[a])
     moved = _move_states_of([a], torch.device("cpu"), lambda t: t.clone(), [])
     tensors = {k for k, v in mine_a.items() if isinstance(v, torch.Tensor)}
-    assert {k for _, k, _ in moved} == tensors and len(tensors) >= 2
+    assert {k for _, _, k, _ in moved} == tensors and len(tensors) >= 2
     for k in tensors:
         assert opt.state[a][k] is not mine_a[k] and torch.equal(opt.state[a][k], mine_a[k]), k
     assert all(opt.state[b][k] is v for k, v in mine_b.items())
     assert all(theirs.state[a][k] is v for k, v in their_a.items())
+
+
+def test_resume_moves_back_the_states_a_load_made_while_suspended():
+    """load_state_dict() between Handle.suspend() and resume() (torch's load makes new
+    per-parameter state dicts, the states beside the parameter then on the host):
+    resume() moved back the old dicts' tensors and left the loaded ones on the host
+    beside a parameter back on its device. The move back looks the states up in the
+    optimizer. On this one-device machine the states are put on the meta device in
+    place of the device they came from, so that the move back shows."""
+    from layerstream._optim_state import _move_states_back, _move_states_of
+    p, opt = _stepped_adamw("fp32")
+    saved = copy.deepcopy(opt.state_dict())
+    moved = _move_states_of([p], p.device, lambda t: t.clone(), [])  # what suspend() does
+    moved = [(*entry[:-1], torch.device("meta")) for entry in moved]  # "came from the meta device"
+    opt.load_state_dict(saved)  # while suspended
+    _move_states_back(moved)  # what resume() does
+    assert {k: v.device.type for k, v in opt.state[p].items()} == {
+        "step": "meta", "exp_avg": "meta", "exp_avg_sq": "meta"}
 
 
 def test_an_unknown_optim_isa_is_refused():

@@ -55,6 +55,25 @@ MUTATIONS = [
         [P + "test_optim.py::test_suspend_moves_the_states_of_the_moved_parameters"],
         "suspend() leaves layerstream.optim's states of the moved parameters on the device"),
     Mutation(
+        "optim-load-takes-checkpoint-precision", "python/layerstream/optim.py",
+        '    _OWN_OPTIONS = ("state_precision",)',
+        "    _OWN_OPTIONS = ()",
+        [P + "test_optim.py::test_load_state_dict_keeps_the_constructed_state_precision"],
+        "AdamW(state_precision='8bit').load_state_dict() of an fp32 checkpoint keeps fp32 states (4x the host "
+        "memory), and an fp32 one keeps 8-bit codes, silently"),
+    Mutation(
+        "8bit-codes-saved-under-torch-names", "python/layerstream/optim.py",
+        "        return {cls._CODE_KEYS.get(k, k): v for k, v in st.items()}",
+        "        return st",
+        [P + "test_optim.py::test_an_8bit_state_dict_does_not_load_into_torch_adamw_as_moments"],
+        "an 8-bit AdamW state dict loads into torch.optim.AdamW, which steps with the codes (0..255) as moments"),
+    Mutation(
+        "resume-leaves-states-loaded-while-suspended", "python/layerstream/_optim_state.py",
+        "            st = None if opt is None else opt.state.get(p)",
+        "            st = None",
+        [P + "test_optim.py::test_resume_moves_back_the_states_a_load_made_while_suspended"],
+        "resume() leaves on the host the states layerstream.optim keeps for parameters back on the device"),
+    Mutation(
         "adamw-ignores-torch-only-options", "python/layerstream/optim.py",
         '        on = [k for k in ("amsgrad", "maximize") if group.get(k)]',
         "        on = []",
