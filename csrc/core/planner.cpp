@@ -296,21 +296,27 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
     }
 
     // Residency priority: lowest FLOPs per streamed byte first (its transfer
-    // hides least behind its compute); unknown FLOPs count as 0; ties: larger
-    // first, then execution order.
+    // hides least behind its compute); unknown FLOPs count as 0; ties: the most
+    // link bytes saved per device byte first (a routed experts group fetches a
+    // share of its bytes a step but holds them all resident: a dense layer of
+    // the same FLOPs per byte saves more; larger first put the groups first and
+    // a decode step moved ~1.7x the bytes), then larger, then execution order.
     std::vector<size_t> order(n);
     std::iota(order.begin(), order.end(), size_t{0});
-    std::vector<double> ratio(n);
+    std::vector<double> ratio(n), saves(n);
     for (size_t i = 0; i < n; ++i) {  // tied layers: their unit's, so that they are considered together
-      double flops = 0, fetched = 0;
+      double flops = 0, fetched = 0, held = 0;
       for (size_t j : unit[i]) {
         flops += in.layers[j].flops;
         fetched += static_cast<double>(in.layers[j].fetch_bytes());
+        held += static_cast<double>(in.layers[j].resident_cost());
       }
       ratio[i] = fetched > 0 ? flops / fetched : 0.0;
+      saves[i] = held > 0 ? fetched / held : 0.0;
     }
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       if (ratio[a] != ratio[b]) return ratio[a] < ratio[b];
+      if (saves[a] != saves[b]) return saves[a] > saves[b];
       if (in.layers[a].bytes != in.layers[b].bytes) return in.layers[a].bytes > in.layers[b].bytes;
       return a < b;
     });

@@ -716,6 +716,30 @@ TEST(Models, RoutedExpertsCopyTheShareOfExpertsAStepReaches) {
   EXPECT_EQ(layer_specs(m, opt).at(0).routed_bytes, 0u);
 }
 
+TEST(Planner, DenseLayersStayBeforeRoutedGroupsOfTheSameFlopsPerByte) {
+  // Three blocks: attention (8 MiB) and a routed experts group (32 MiB, 2 MiB
+  // fetched a step), the same FLOPs per fetched byte. Kept resident, the group
+  // saves 2 MiB a step for 32 MiB of device memory, the attention 8 for 8: the
+  // budget's 33 MiB past the slots hold the three attentions (6 MiB a step on
+  // the link), not a group (larger first: 28 MiB a step).
+  PlannerInput in;
+  for (int b = 0; b < 3; ++b) {
+    in.layers.push_back(layer("attn" + std::to_string(b), 8 * MiB, 8e6));
+    PlannerLayer g = layer("experts" + std::to_string(b), 32 * MiB, 2e6);
+    g.routed_bytes = 2 * MiB;
+    in.layers.push_back(g);
+  }
+  in.budget_bytes = 2 * 32 * MiB + 33 * MiB;
+  in.link_bytes_per_s = 1e9;
+  in.device_flops_per_s = 1e12;
+  const Plan p = plan_placement(in);
+  for (int b = 0; b < 3; ++b) {
+    EXPECT_TRUE(p.layers[2 * b].resident) << p.explain();
+    EXPECT_FALSE(p.layers[2 * b + 1].resident) << p.explain();
+  }
+  EXPECT_EQ(p.bus_bytes_per_step, 6 * MiB);
+}
+
 TEST(Planner, RoutedGroupsCrossTheirShareOnDemand) {
   // Two blocks of attention (1 MiB, 1 ms) and a routed group (32 MiB, of
   // which a fetch copies 2 MiB, 1 ms); the budget holds only 2 slots of a

@@ -499,4 +499,11 @@ MUTATIONS = [
         "             g.path + \": cannot read \" + t.name);",
         [P + "test_cli_plan.py::test_a_gguf_type_it_cannot_read_says_what_it_can_and_what_to_do"],
         "plan's refusal of an IQ-type GGUF tensor names neither the types it reads nor what to do"),
+    Mutation(
+        "planner-routed-groups-by-size", "csrc/core/planner.cpp",
+        "      if (saves[a] != saves[b]) return saves[a] > saves[b];",
+        "      if (false) return saves[a] > saves[b];",
+        ["gtest:test_planner:Planner.DenseLayersStayBeforeRoutedGroupsOfTheSameFlopsPerByte"],
+        "the planner keeps routed expert groups resident before dense layers of the same FLOPs per byte: "
+        "MoE decoding moves ~1.7x the bytes"),
 ]
