@@ -144,8 +144,17 @@ def test_threads_calling_a_model_below_its_root_take_turns(offload_sim):
     turns = handle._call_hook.begins._turns
     assert turns._owner is None and turns._frames == []
     plain = copy.deepcopy(model.model)
+    turns.enter(sys._getframe())  # this thread holds the model's turn: the copy's call takes none
+    try:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (plain(xs[0]), done.set()), daemon=True)
+        t.start()
+        t.join(10)
+        assert done.is_set(), "the copy's call waits for the offloaded model's turn"
+    finally:
+        turns.leave(sys._getframe())
     handle.detach()
-    with torch.no_grad():  # the copy's hooks do nothing: it outlives the handle
+    with torch.no_grad():  # and it outlives the handle
         assert torch.equal(plain(xs[0]), ref(xs[0]))
     assert not model.model._forward_pre_hooks and not model.model._forward_hooks
 

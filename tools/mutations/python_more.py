@@ -261,7 +261,7 @@ MUTATIONS: list = [
         "    def __deepcopy__(self, memo):\n        return self",
         [P + "test_threads.py::test_threads_calling_a_model_below_its_root_take_turns"],
         "a deep copy of a module between the root and its blocks keeps the offloaded model's hooks: "
-        "it fails once the model is detached"),
+        "its calls wait for the offloaded model's turn and begin steps in its engine"),
     Mutation(
         "raised-call-keeps-its-turn", "python/layerstream/_calls.py",
         "                if frame is frames[i][0] or frame is frames[i][1]:",
