@@ -593,7 +593,7 @@ class Engine {
   // store the node's ranks share); "" when values of the right shape would
   // be packed. Writes nothing; both call it first, so the rule and its words
   // are here once. Python's load_state_dict() pre-hook on the model asks it
-  // for every key before torch writes any (_guards.py).
+  // for every key before torch writes any (_packed.RefusedLoads).
   virtual std::string requantize_refusal(int layer, int part = -1) = 0;
   // Quantized layers: the weight dequantized on the host (CPU, original
   // dtype) — what detach() restores (lossy); "" / format name per layer.
