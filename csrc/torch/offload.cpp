@@ -612,7 +612,7 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                 "quantized again (declare them layerstream::nn::Linear / Conv*d, which quantize it as a streamed "
                 "layer does): ",
             not_ours, ", ");
-  if (rounded_dtype) {  // as Python's _offload._warn_resident_rounding says it
+  if (rounded_dtype) {  // as Python's _attach._warn_resident_rounding says it
     const std::string held = dtype_name(*rounded_dtype), dq = dtype_name(*dequant);
     warn_list("layerstream: " + std::to_string(rounded.size()) + " quantized layer(s) kept resident by the budget "
                   "hold their quantized values in their weights' dtype (" + held + "), rounded from dequant_dtype=" +

@@ -13,6 +13,7 @@ them to the engine and swaps their ``forward``; one module per concern (the map:
 docs/design/README.md):
 
     _offload    offload(): the steps, in order          _handle    Handle
+    _attach     offload()'s step 5: the layers attached   _calls     the model's call hooks
     _discovery  which modules stream, and as what       _forward   the installed forwards
     _prequant   already-quantized weights, quantize=     _guards    .to() / load_state_dict()
     _packed     the stand-in of a weight offload() packed _standin  what stand-ins refuse

@@ -1,7 +1,7 @@
 """The calls of an offloaded model: whose turn it is (threads take turns), the hooks that
 begin and end each call (a step of the engine), what an optimizer step writes, and the
 tensors added after offload() that follow to the compute device. Installed by offload()
-(_offload.py) and layerstream.compat; removed by Handle.detach() (_handle.py)."""
+(_attach.py) and layerstream.compat; removed by Handle.detach() (_handle.py)."""
 from __future__ import annotations
 
 import os

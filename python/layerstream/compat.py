@@ -81,7 +81,7 @@ from ._file_weight import FileWeight
 from ._forward import _RefusesCopy
 from ._guards import _RootApply, _StreamedApply, _is_compute, install_subtree_checks, remove_subtree_checks
 from ._calls import CallHooks
-from ._offload import _move_resident
+from ._attach import _move_resident
 from ._prequant import _library_linear, _prequantized
 
 LayerstreamError = _C.LayerstreamError

@@ -68,7 +68,7 @@ MUTATIONS = [
         [P + "test_groups.py::test_named_modules_stream_whole_and_train_exactly"],
         "a group's recompute does not restore the RNG (other dropout masks)"),
     Mutation(
-        "layout-quantized-detach-size1-strides", "python/layerstream/_offload.py",
+        "layout-quantized-detach-size1-strides", "python/layerstream/_attach.py",
         "                  strides=tuple(weight.stride()))",
         "                  strides=None if weight.is_contiguous() else tuple(weight.stride()))",
         [P + "test_parity_layers.py::test_a_channels_last_1x1_conv_keeps_its_strides"],
@@ -248,7 +248,7 @@ MUTATIONS = [
         [P + "test_parity_layers.py::test_conv_padding_modes_stream_padding_the_input_as_torch_does"],
         "a streamed conv with padding_mode reflect/replicate/circular convolves the unpadded input"),
     Mutation(
-        "streamed-layer-copy-refused", "python/layerstream/_offload.py",
+        "streamed-layer-copy-refused", "python/layerstream/_attach.py",
         '        a.module.__dict__["__deepcopy__"] = _PlainCopy(a)  # a copy of one layer is a plain module',
         "",
         [P + "test_training.py::test_a_copy_of_one_streamed_layer_is_a_plain_module_so_peft_modules_to_save_trains"],
@@ -267,7 +267,7 @@ MUTATIONS = [
         [P + "test_activations.py::test_sparse_and_wrapper_saved_tensors_stay_as_they_are"],
         "the pack hook reads the storage of a sparse saved tensor (NotImplementedError)"),
     Mutation(
-        "resident-quantized-keeps-original-values", "python/layerstream/_offload.py",
+        "resident-quantized-keeps-original-values", "python/layerstream/_attach.py",
         "                    o._parameters[k].copy_(values)\n",
         "",
         [P + "test_quant_offload.py::test_a_quantized_layer_the_budget_keeps_resident_computes_with_the_streamed_values"],
@@ -331,7 +331,7 @@ MUTATIONS = [
         [P + "test_host_tier.py::test_the_error_of_a_model_in_memory_says_how_weights_can_stay_in_their_file"],
         "the host-budget error of a model in memory no longer says to load it with load_safetensors()"),
     Mutation(
-        "resident-quant-writes-not-requantized", "python/layerstream/_offload.py",
+        "resident-quant-writes-not-requantized", "python/layerstream/_attach.py",
         "            handle._resident_quant.arm()  # later writes into them are quantized too\n",
         "",
         [P + "test_quant_offload.py::test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_too"],
@@ -384,7 +384,7 @@ MUTATIONS = [
         [P + "test_misuse.py::test_a_quantize_pattern_that_names_no_module_is_warned"],
         "a quantize={pattern: format} typo quantizes nothing, silently"),
     Mutation(
-        "part-of-model-conversion-unchecked", "python/layerstream/_offload.py",
+        "part-of-model-conversion-unchecked", "python/layerstream/_attach.py",
         "    handle._subtree_checks = install_subtree_checks(\n",
         "    handle._subtree_checks = [] or (lambda *a: [])(\n",
         [P + "test_misuse.py::test_a_refused_conversion_of_a_part_of_the_model_changes_nothing_and_a_copy_of_it_is_plain"],
@@ -664,7 +664,7 @@ MUTATIONS = [
          P + "test_group_patterns.py::test_exclude_naming_a_child_of_a_groups_module_is_an_error"],
         "exclude= naming a module inside a tensor group is silently ignored (it streams with the group)"),
     Mutation(
-        "quantized-group-detach-loses-strides", "python/layerstream/_offload.py",
+        "quantized-group-detach-loses-strides", "python/layerstream/_attach.py",
         "            a.strides = {part: tuple(params[part].stride()) for _, part, _, _ in a.packed_parts if not gguf[part]}\n",
         "",
         [P + "test_detach_quantized.py::test_a_quantized_tensor_group_keeps_its_layout_after_detach"],

@@ -28,7 +28,7 @@ MUTATIONS: list = [
         "a resident quantized weight unfrozen after offload() trains and is quantized again at the next call, "
         "silently"),
     Mutation(
-        "resident-quant-rounding-unwarned", "python/layerstream/_offload.py",
+        "resident-quant-rounding-unwarned", "python/layerstream/_attach.py",
         "        if _C.resident_quantized_rounds(dtype, dq):",
         "        if False:",
         [P + "test_quant_offload.py::test_resident_quantized_layers_rounded_from_a_wider_dequant_dtype_are_warned_of"],
