@@ -487,13 +487,13 @@ def test_failure_while_attaching_undoes_what_was_attached(offload_sim, monkeypat
                 raise MemoryError("injected")
             return real(module, device, name)
 
-        monkeypatch.setattr(layerstream._offload, "_StreamedApply", failing)
+        monkeypatch.setattr(layerstream._attach, "_StreamedApply", failing)
     else:
         def failing(*args):
             calls.append("moved")
             raise MemoryError("injected")
 
-        monkeypatch.setattr(layerstream._offload, "_move_resident", failing)
+        monkeypatch.setattr(layerstream._attach, "_move_resident", failing)
     with pytest.raises(MemoryError, match="injected"):
         layerstream.offload(model, device="sim")
     monkeypatch.undo()
@@ -1145,7 +1145,7 @@ def test_a_ctrl_c_while_offload_attaches_a_layer_undoes_it_all(monkeypatch):
     engine took a layer and before the layer is recorded. It is held until the layer is
     recorded (_interrupts.py), then offload() is undone: KeyboardInterrupt out of it, a
     plain model, and offload() works again."""
-    import layerstream._offload as off
+    import layerstream._attach as off
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
     ref = copy.deepcopy(model)
     hit = _sigint_once(2)
