@@ -68,10 +68,12 @@ struct AdamWStates {
 // Zero states for `param` (in its layout, on its device).
 AdamWStates adamw_init_states(const torch::Tensor& param, StateFormat format);
 // Checks states loaded from a state dict against `param` and `format` and
-// returns them in the layout and dtype the kernels need (float states of
-// another float dtype are converted, e.g. a torch.optim.AdamW fp32 state for
-// bf16 states; 8-bit states must match exactly). `name` names the
-// parameter in errors.
+// returns them in the layout and dtype the kernels need, converted from
+// whatever precision they were saved in (e.g. a torch.optim.AdamW fp32 state
+// for bf16 or 8-bit states, 8-bit codes for fp32 ones; optim::q8_decode /
+// q8_encode). 8-bit codes in the parameter's memory order are copied as they
+// are. `name` names the parameter in errors. Thread safety: none needed (new
+// tensors only).
 AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, AdamWStates loaded,
                                const std::string& name);
 
@@ -446,8 +448,7 @@ class AdamW {
   // states, by position.
   // load() needs an optimizer built over parameters of the same shapes in the
   // same groups; it restores those options (as torch does) and keeps each
-  // group's state_precision: fp32 states load into a bf16 group and back
-  // (rounded to nearest), 8-bit ones only into an 8-bit group (as
+  // group's state_precision: states saved in another one are converted (as
   // adamw_adopt_states). A mismatch throws before anything changes. Neither
   // between overlap()'s scope and step().
   void save(torch::serialize::OutputArchive& archive) const;

@@ -121,50 +121,69 @@ bool same_memory_order(const torch::Tensor& a, const torch::Tensor& b) {
     if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
   return true;
 }
+
+// The float values of 8-bit states `codes` (decoded in their own memory order, with
+// their blocks' `absmax`), in the codes' layout, on the host.
+torch::Tensor q8_decoded(const torch::Tensor& codes, const torch::Tensor& absmax, bool first_moment,
+                         const std::string& what) {
+  LS_CHECK(codes.is_non_overlapping_and_dense(), "layerstream.optim: the loaded 8-bit state ", what,
+           " is not dense in memory (strides ", codes.strides(), "): its codes have no block order to decode in");
+  const torch::Tensor c = codes.cpu();
+  const torch::Tensor a = absmax.cpu().contiguous();
+  torch::Tensor out = torch::empty_like(c, c.options().dtype(torch::kFloat), torch::MemoryFormat::Preserve);
+  optim::q8_decode(c.data_ptr<uint8_t>(), a.data_ptr<float>(), c.numel(), first_moment, out.data_ptr<float>());
+  return out;
+}
 }  // namespace
 
 AdamWStates adamw_adopt_states(const torch::Tensor& param, StateFormat format, AdamWStates loaded,
                                const std::string& name) {
   torch::NoGradGuard ng;
   AdamWStates out;
-  const torch::ScalarType want = state_dtype(format);
-  auto adopt = [&](const torch::Tensor& t, const char* key) {
+  const int64_t blocks = optim::q8_blocks(param.numel());
+  // One moment (exp_avg: first_moment) into `format`, in param's layout; `absmax_out`
+  // receives its absmax values when `format` is 8-bit.
+  auto adopt = [&](const torch::Tensor& t, const torch::Tensor& absmax, const char* key, bool first_moment,
+                   torch::Tensor* absmax_out) {
     LS_CHECK(t.defined(), "layerstream.optim: the loaded state of ", name, " has no '", key, "'");
     LS_CHECK(t.sizes() == param.sizes(), "layerstream.optim: the loaded state '", key, "' of ", name, " has shape ",
              t.sizes(), ", the parameter ", param.sizes());
-    if (format == StateFormat::Q8) {
-      LS_CHECK(t.scalar_type() == torch::kByte, "layerstream.optim: the loaded state '", key, "' of ", name,
-               " is ", layerstream::dtype_name(t.scalar_type()), ", but this optimizer keeps 8-bit states (uint8 codes); "
-               "load a state dict saved with state_precision='8bit'");
-    } else {
-      LS_CHECK(t.is_floating_point(), "layerstream.optim: the loaded state '", key, "' of ", name, " is ",
-               layerstream::dtype_name(t.scalar_type()), "; state_precision='", state_format_name(format),
-               "' needs floating-point states");
+    const bool codes = t.scalar_type() == torch::kByte;
+    LS_CHECK(codes || t.is_floating_point(), "layerstream.optim: the loaded state '", key, "' of ", name, " is ",
+             layerstream::dtype_name(t.scalar_type()), "; AdamW states are floating-point moments or 8-bit codes "
+             "(uint8, with their absmax values)");
+    const std::string absmax_key = std::string(key) + "_absmax";
+    LS_CHECK(!codes || (absmax.defined() && absmax.numel() == blocks && absmax.scalar_type() == torch::kFloat),
+             "layerstream.optim: the loaded state of ", name, " needs '", absmax_key, "' (float32, ", blocks,
+             " values) for its 8-bit states");
+    torch::Tensor r = torch::empty_like(param, param.options().dtype(state_dtype(format)), torch::MemoryFormat::Preserve);
+    // 8-bit codes share an absmax per block of consecutive elements in memory order:
+    // copied as they are only into the same order; otherwise decoded in theirs and
+    // encoded in the parameter's (docs/design/optim.md, "Converting states").
+    if (format == StateFormat::Q8 && codes && same_memory_order(t, r)) {
+      r.copy_(t);
+      *absmax_out = absmax.to(param.device()).contiguous().clone();
+      return r;
     }
-    torch::Tensor r = torch::empty_like(param, param.options().dtype(want), torch::MemoryFormat::Preserve);
-    // 8-bit codes share an absmax per block of consecutive elements in memory
-    // order: copied into another layout (a checkpoint of a contiguous conv into
-    // a channels_last one) each code would be decoded with another block's scale.
-    LS_CHECK(format != StateFormat::Q8 || same_memory_order(t, r), "layerstream.optim: the loaded 8-bit state '", key,
-             "' of ", name, " was saved for a parameter of another memory layout (strides ", t.strides(), ", the "
-             "parameter's ", r.strides(), "), and its blocks of codes share a scale in that layout: give the "
-             "parameter the layout it had when saved (e.g. .to(memory_format=torch.contiguous_format) or "
-             "torch.channels_last) before loading, or save with state_precision='fp32' or 'bf16'");
-    r.copy_(t);
+    const torch::Tensor values = codes ? q8_decoded(t, absmax, first_moment, "'" + std::string(key) + "' of " + name) : t;
+    if (format != StateFormat::Q8) {
+      r.copy_(values);  // a float precision: rounded to nearest
+      return r;
+    }
+    torch::Tensor f = torch::empty_like(r, r.options().dtype(torch::kFloat).device(torch::kCPU),
+                                        torch::MemoryFormat::Preserve);
+    f.copy_(values);
+    torch::Tensor c = torch::empty_like(f, f.options().dtype(torch::kByte), torch::MemoryFormat::Preserve);
+    torch::Tensor a = torch::empty({blocks}, f.options());
+    LS_CHECK(optim::q8_encode(f.data_ptr<float>(), f.numel(), first_moment, c.data_ptr<uint8_t>(), a.data_ptr<float>()),
+             "layerstream.optim: the loaded state '", key, "' of ", name, " has negative values; a second moment "
+             "(exp_avg_sq) never is: was the state dict's exp_avg_sq another optimizer's state?");
+    r.copy_(c);
+    *absmax_out = a.to(param.device());
     return r;
   };
-  out.exp_avg = adopt(loaded.exp_avg, "exp_avg");
-  out.exp_avg_sq = adopt(loaded.exp_avg_sq, "exp_avg_sq");
-  if (format == StateFormat::Q8) {
-    const int64_t blocks = state_absmax_count(format, param.numel());
-    auto absmax = [&](const torch::Tensor& t, const char* key) {
-      LS_CHECK(t.defined() && t.numel() == blocks && t.scalar_type() == torch::kFloat, "layerstream.optim: the loaded ",
-               "state of ", name, " needs '", key, "' (float32, ", blocks, " values) for its 8-bit states");
-      return t.to(param.device()).contiguous().clone();
-    };
-    out.exp_avg_absmax = absmax(loaded.exp_avg_absmax, "exp_avg_absmax");
-    out.exp_avg_sq_absmax = absmax(loaded.exp_avg_sq_absmax, "exp_avg_sq_absmax");
-  }
+  out.exp_avg = adopt(loaded.exp_avg, loaded.exp_avg_absmax, "exp_avg", true, &out.exp_avg_absmax);
+  out.exp_avg_sq = adopt(loaded.exp_avg_sq, loaded.exp_avg_sq_absmax, "exp_avg_sq", false, &out.exp_avg_sq_absmax);
   return out;
 }
 

@@ -70,12 +70,13 @@ class AdamW(_HostOptimizer):
     ``exp_avg_absmax`` / ``exp_avg_sq_absmax``). ``state_dict()`` saves the
     codes as ``exp_avg_codes`` / ``exp_avg_sq_codes``, so that torch's AdamW
     does not take them for moments (its ``step()`` then raises
-    ``KeyError: 'exp_avg'``): 8-bit states load into an 8-bit
-    ``layerstream.optim.AdamW`` only (also from a state dict that has them
-    under ``exp_avg`` / ``exp_avg_sq``). ``load_state_dict()`` keeps each
-    group's ``state_precision``, not the checkpoint's (docs/design/optim.md).
-    A ``torch.optim.AdamW`` state dict loads into an fp32 or bf16 one (and
-    back, for fp32).
+    ``KeyError: 'exp_avg'``; a state dict that has them under ``exp_avg`` /
+    ``exp_avg_sq`` loads too). ``load_state_dict()`` keeps each group's
+    ``state_precision``, not the checkpoint's, and converts the loaded states
+    into it (8-bit to the nearest codes; docs/design/optim.md, "Converting
+    states"). A ``torch.optim.AdamW`` state dict loads into any precision; to
+    hand 8-bit states to torch, load them into an fp32 ``AdamW`` over the same
+    parameters and save its ``state_dict()``.
 
     NaN or Inf in a gradient propagate as in torch (with clipping, a NaN or
     infinite total norm reaches every parameter, as after

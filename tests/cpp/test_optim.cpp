@@ -892,6 +892,79 @@ TEST(OptimAdamW, EightBitBlockWithNanReadsAsNan) {
   EXPECT_FALSE(std::isnan(am[0]) || std::isnan(am[2]));
 }
 
+// q8_encode / q8_decode: the conversion of loaded states (docs/design/optim.md,
+// "Converting states").
+TEST(OptimQ8, ConversionIsNearestAndGivesAStepsCodesBack) {
+  const int64_t n = 600;  // blocks [0,256) [256,512) [512,600)
+  const size_t un = static_cast<size_t>(n);
+  // States a few 8-bit steps wrote: decoded, then encoded, they are the same codes.
+  std::vector<float> p = randn(un, 5);
+  std::vector<uint8_t> m(un, 0), v(un, 0);
+  std::vector<float> am(3, 0.0f), av(am);
+  for (int64_t step = 1; step <= 3; ++step) {
+    std::vector<float> g = randn(un, static_cast<uint32_t>(40 + step));
+    g[7] *= 1e-4f;  // small moments too, in the codes' subnormal range
+    o::AdamWTensor t;
+    t.param = p.data();
+    t.grad = g.data();
+    t.exp_avg = m.data();
+    t.exp_avg_sq = v.data();
+    t.exp_avg_absmax = am.data();
+    t.exp_avg_sq_absmax = av.data();
+    t.numel = n;
+    t.step = step;
+    o::adamw_step(o::AdamWConfig{}, o::StateFormat::Q8, {t}, 1.0f, 9);
+  }
+  for (bool first : {true, false}) {
+    const std::vector<uint8_t>& codes = first ? m : v;
+    const std::vector<float>& absmax = first ? am : av;
+    std::vector<float> x(un), back(3);
+    std::vector<uint8_t> again(un);
+    o::q8_decode(codes.data(), absmax.data(), n, first, x.data());
+    ASSERT_TRUE(o::q8_encode(x.data(), n, first, again.data(), back.data()));
+    EXPECT_EQ(again, codes) << first;
+    EXPECT_TRUE(same_bits(back, absmax)) << first;
+  }
+  // Floats: each element gets the code nearest to it (checked against all codes of its
+  // block), the block's absmax is its largest magnitude.
+  for (bool first : {true, false}) {
+    std::vector<float> x = randn(un, first ? 6 : 7);
+    for (size_t i = 0; i < un; ++i) x[i] = first ? x[i] * std::exp2(-static_cast<float>(i % 20))
+                                               : x[i] * x[i] * std::exp2(-static_cast<float>(i % 40));
+    std::vector<uint8_t> codes(un);
+    std::vector<float> absmax(3), d(un);
+    ASSERT_TRUE(o::q8_encode(x.data(), n, first, codes.data(), absmax.data()));
+    o::q8_decode(codes.data(), absmax.data(), n, first, d.data());
+    for (int64_t b = 0; b < 3; ++b) {
+      float top = 0;
+      for (int64_t i = b * 256; i < std::min(n, b * 256 + 256); ++i) top = std::max(top, std::fabs(x[static_cast<size_t>(i)]));
+      EXPECT_EQ(absmax[static_cast<size_t>(b)], top) << b;
+    }
+    for (size_t i = 0; i < un; ++i) {
+      float best = std::numeric_limits<float>::infinity();
+      for (uint32_t c = !first && x[i] > 0 ? 1 : 0; c < 256; ++c) {  // code 0 only for a zero second moment
+        const float value = (first ? o::q8_value_e4m3(c) : o::q8_value_e5m3(c)) * absmax[i / 256];
+        best = std::min(best, std::fabs(value - x[i]));
+      }
+      EXPECT_LE(std::fabs(d[i] - x[i]), best * (1 + 1e-6f) + 1e-30f) << first << " " << i;
+      if (!first && x[i] > 0) EXPECT_GT(codes[i], 0) << i;
+    }
+  }
+  // A NaN makes its block NaN, the others keep their values; a negative second moment is refused.
+  std::vector<float> x = randn(un, 8);
+  for (float& e : x) e = std::fabs(e);
+  x[300] = std::nanf("");
+  std::vector<uint8_t> codes(un);
+  std::vector<float> absmax(3), d(un);
+  ASSERT_TRUE(o::q8_encode(x.data(), n, false, codes.data(), absmax.data()));
+  o::q8_decode(codes.data(), absmax.data(), n, false, d.data());
+  EXPECT_TRUE(std::isnan(absmax[1]) && std::isnan(d[256]) && std::isnan(d[511]));
+  EXPECT_FALSE(std::isnan(d[255]) || std::isnan(d[512]));
+  x[300] = -1.0f;
+  EXPECT_FALSE(o::q8_encode(x.data(), n, false, codes.data(), absmax.data()));
+  EXPECT_TRUE(o::q8_encode(x.data(), n, true, codes.data(), absmax.data()));  // a first moment may be negative
+}
+
 TEST(OptimAdamW, ArgumentRules) {
   o::AdamWConfig c;
   c.lr = -1;

@@ -225,26 +225,83 @@ def test_load_state_dict_keeps_the_constructed_state_precision():
     """The checkpoint's state_precision replaced the constructor's: an optimizer made
     with "8bit" (or "bf16") to save host memory kept a checkpoint's fp32 states, 4x (2x)
     the bytes, and an "fp32" one kept 8-bit codes, without a word. As the C++
-    AdamW::load (docs/design/optim.md): float states are converted, 8-bit ones refused
-    across precisions, nothing changed by a refusal."""
+    AdamW::load (docs/design/optim.md): the loaded states are converted into the group's
+    precision, the step count kept."""
     p, opt = _stepped_adamw("fp32")
     saved = copy.deepcopy(opt.state_dict())
-    q = nn.Parameter(p.detach().clone())
-    narrow = AdamW([q], lr=1e-2, state_precision="bf16")
-    narrow.load_state_dict(saved)
-    st = narrow.state[q]
-    assert narrow.param_groups[0]["state_precision"] == "bf16"
-    for k in ("exp_avg", "exp_avg_sq"):
-        assert st[k].dtype == torch.bfloat16 and torch.equal(st[k], saved["state"][0][k].bfloat16()), k
-    assert float(st["step"]) == 3.0
-    for theirs, mine, words in (("fp32", "8bit", "keeps 8-bit states"), ("8bit", "fp32", "needs floating-point")):
-        _, other = _stepped_adamw(theirs)
-        r = nn.Parameter(p.detach().clone())
-        opt = AdamW([r], state_precision=mine)
-        with pytest.raises(RuntimeError, match=rf"saved with state_precision='{theirs}'; its param group here keeps "
-                                               rf"state_precision='{mine}'\).*{words}"):
-            opt.load_state_dict(other.state_dict())
-        assert opt.param_groups[0]["state_precision"] == mine and not opt.state
+    for mine, dtype in (("bf16", torch.bfloat16), ("8bit", torch.uint8)):
+        q = nn.Parameter(p.detach().clone())
+        narrow = AdamW([q], lr=1e-2, state_precision=mine)
+        narrow.load_state_dict(copy.deepcopy(saved))
+        st = narrow.state[q]
+        assert narrow.param_groups[0]["state_precision"] == mine and float(st["step"]) == 3.0
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert st[k].dtype == dtype, k
+            if mine == "bf16":
+                assert torch.equal(st[k], saved["state"][0][k].bfloat16()), k
+
+
+def _q8_values(opt, p):
+    """The float values of p's 8-bit states in opt, as an fp32 layerstream AdamW loads them."""
+    clones = {id(x): nn.Parameter(x.detach().clone()) for g in opt.param_groups for x in g["params"]}
+    wide = AdamW([{"params": [clones[id(x)] for x in g["params"]]} for g in opt.param_groups], state_precision="fp32")
+    wide.load_state_dict(copy.deepcopy(opt.state_dict()))
+    st = wide.state[clones[id(p)]]
+    return st["exp_avg"], st["exp_avg_sq"], wide
+
+
+def _near_codes(got, want, what):
+    """got within 8-bit rounding of want: 1/16 of the value (3 mantissa bits, to nearest),
+    or the codes' resolution below their block's largest value."""
+    err = (got.float() - want.float()).abs()
+    bound = want.float().abs() / 16 + want.float().abs().max() * 2.0 ** -16
+    assert bool((err <= bound).all()), f"{what}: worst {float((err - bound).max())} over the bound"
+
+
+def test_8bit_states_convert_to_float_and_back():
+    """8-bit states were refused by an fp32 or bf16 optimizer and float states by an
+    8-bit one: a run could not change its state precision on resume (more host memory,
+    or less), nor hand 8-bit states to torch. They convert now (optim::q8_decode /
+    q8_encode): decoded as the step reads them, encoded to the nearest codes. A step's
+    codes come back unchanged through fp32, so the 8-bit run continues bit for bit."""
+    p, opt = _stepped_adamw("8bit", steps=4)
+    m, v, wide = _q8_values(opt, p)
+    assert m.dtype == v.dtype == torch.float32 and float(wide.state[wide.param_groups[0]["params"][0]]["step"]) == 4
+    st = opt.state[p]
+    for values, absmax in ((m, st["exp_avg_absmax"]), (v, st["exp_avg_sq_absmax"])):
+        flat = values.reshape(-1)
+        tops = torch.stack([flat[i:i + 256].abs().max() for i in range(0, flat.numel(), 256)])
+        assert torch.equal(tops, absmax)  # each block's top code is its absmax, exactly
+    back = AdamW([nn.Parameter(p.detach().clone())], lr=1e-2, state_precision="8bit")
+    back.load_state_dict(copy.deepcopy(wide.state_dict()))
+    r = back.param_groups[0]["params"][0]
+    for k in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+        assert torch.equal(back.state[r][k], st[k]), k
+    grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(11))
+    p.grad, r.grad = grad, grad.clone()
+    opt.step()
+    back.step()
+    assert torch.equal(r, p)
+
+    # torch's fp32 states into an 8-bit optimizer: within the codes' rounding, and it trains on.
+    gen = torch.Generator().manual_seed(12)
+    t = nn.Parameter(torch.randn(3, 200, generator=gen))
+    theirs = torch.optim.AdamW([t], lr=1e-2)
+    for _ in range(3):
+        t.grad = torch.randn(t.shape, generator=gen)
+        theirs.step()
+    u = nn.Parameter(t.detach().clone())
+    eight = AdamW([u], lr=1e-2, state_precision="8bit")
+    eight.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    m8, v8, _ = _q8_values(eight, u)
+    _near_codes(m8, theirs.state[t]["exp_avg"], "exp_avg")
+    _near_codes(v8, theirs.state[t]["exp_avg_sq"], "exp_avg_sq")
+    bad = copy.deepcopy(theirs.state_dict())
+    bad["state"][0]["exp_avg_sq"][0, 0] = -1.0
+    fresh = AdamW([nn.Parameter(t.detach().clone())], state_precision="8bit")
+    with pytest.raises(RuntimeError, match=r"'exp_avg_sq' of parameter 0.* negative values"):
+        fresh.load_state_dict(bad)
+    assert not fresh.state
 
 
 def test_an_8bit_state_dict_does_not_load_into_torch_adamw_as_moments():
@@ -451,13 +508,14 @@ class _NormedStack(nn.Module):
         return self.norm(self.layers(x))
 
 
-def test_8bit_states_of_another_memory_layout_are_refused_and_float_ones_load():
+def test_8bit_states_of_another_memory_layout_are_reencoded():
     """8-bit states keep a scale per block of consecutive elements in memory order. Loaded
     into a parameter of another layout (a checkpoint of a contiguous conv into a
     channels_last one), the codes were copied element by element and decoded with other
     blocks' scales: the moments silently wrong (weight moves 0.77x to 1.3x what they
-    should be). Refused now, naming the layouts; float states convert as before, and the
-    same layout loads."""
+    should be); then refused. Now decoded in their own order and encoded in the
+    parameter's: each moment within the codes' rounding of what was saved. Float
+    states and the same layout load as they are."""
     def net(channels_last):
         torch.manual_seed(0)
         m = nn.Conv2d(16, 32, 3, padding=1)
@@ -472,13 +530,13 @@ def test_8bit_states_of_another_memory_layout_are_refused_and_float_ones_load():
         for channels_last in (False, True):
             other = net(channels_last)
             loads = AdamW(other.parameters(), lr=1e-2, state_precision=precision)
+            loads.load_state_dict(copy.deepcopy(saved))
+            state = loads.state[other.weight]
             if precision == "8bit" and channels_last:
-                with pytest.raises(layerstream.LayerstreamError, match=r"8-bit state 'exp_avg' of .* another memory "
-                                                                       r"layout .*strides.*before loading"):
-                    loads.load_state_dict(copy.deepcopy(saved))
+                assert state["exp_avg"].is_contiguous(memory_format=torch.channels_last)
+                for got, want in zip(_q8_values(loads, other.weight)[:2], _q8_values(opt, model.weight)[:2]):
+                    _near_codes(got, want, "channels_last")
             else:
-                loads.load_state_dict(copy.deepcopy(saved))
-                state = loads.state[other.weight]
                 assert torch.equal(state["exp_avg"], opt.state[model.weight]["exp_avg"])
 
 

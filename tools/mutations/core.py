@@ -120,6 +120,20 @@ MUTATIONS = [
         ["gtest:test_optim:*"],
         "the host AdamW of bf16 parameters folds 1 - beta2^t into its step, not its square root"),
     Mutation(
+        "q8-conversion-truncates", "csrc/core/optim/optim.cpp",
+        "  constexpr uint32_t kNearest = 0x80000u;",
+        "  constexpr uint32_t kNearest = 0u;",
+        ["gtest:test_optim:OptimQ8.*"],
+        "8-bit states converted from floats (a checkpoint of another state_precision or layout) truncate to the "
+        "code below instead of the nearest: moments biased low"),
+    Mutation(
+        "q8-conversion-absmax-of-signed-values", "csrc/core/optim/optim.cpp",
+        "      top = std::max(top, bits_from_f32(x[i]) & 0x7FFFFFFFu);",
+        "      top = std::max(top, bits_from_f32(x[i]));",
+        ["gtest:test_optim:OptimQ8.*"],
+        "the absmax of a converted block compares signed bits: a negative first moment larger than the rest "
+        "reads as NaN (the sign bit) and wipes its block"),
+    Mutation(
         "disk-tier-file-change-unseen", "csrc/core/io/source_file.cpp",
         "  if (now == identity_ && opened_ == identity_) return;",
         "  if (true) return;",

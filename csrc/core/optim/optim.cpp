@@ -45,6 +45,32 @@ int64_t state_bytes(StateFormat f, int64_t numel) {
 
 int64_t state_absmax_count(StateFormat f, int64_t numel) { return f == StateFormat::Q8 ? q8_blocks(numel) : 0; }
 
+void q8_decode(const uint8_t* codes, const float* absmax, int64_t n, bool first_moment, float* out) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = (first_moment ? q8_value_e4m3(codes[i]) : q8_value_e5m3(codes[i])) * absmax[i / kQ8Block];
+}
+
+bool q8_encode(const float* x, int64_t n, bool first_moment, uint8_t* codes, float* absmax) {
+  constexpr uint32_t kNearest = 0x80000u;  // half the 20 dropped bits: round to nearest
+  for (int64_t b0 = 0; b0 < n; b0 += kQ8Block) {
+    const int64_t e = std::min(n, b0 + kQ8Block);
+    uint32_t top = 0;  // |x| as bits (as the step: NaN and Inf show as >= 0x7F800000)
+    for (int64_t i = b0; i < e; ++i) {
+      if (!first_moment && x[i] < 0.0f) return false;
+      top = std::max(top, bits_from_f32(x[i]) & 0x7FFFFFFFu);
+    }
+    const float am = top >= 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : f32_from_bits(top);
+    const float scale = am > 0.0f ? kQ8Top / am : 0.0f;
+    for (int64_t i = b0; i < e; ++i) {
+      const float y = f32_from_bits(bits_from_f32(x[i]) & 0x7FFFFFFFu) * scale;
+      codes[i] = static_cast<uint8_t>(first_moment ? q8_code_e4m3(y, kNearest) | ((bits_from_f32(x[i]) >> 31) << 7)
+                                                   : q8_code_e5m3(y, kNearest));
+    }
+    absmax[b0 / kQ8Block] = am;
+  }
+  return true;
+}
+
 double adamw_bytes_per_element(Dtype param, Dtype grad, StateFormat states) {
   const double p = param == Dtype::BF16 ? 2 : 4, g = grad == Dtype::BF16 ? 2 : 4;
   double s = 0;

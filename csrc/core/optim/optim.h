@@ -124,6 +124,19 @@ struct AdamWTensor {
 void adamw_step(const AdamWConfig& config, StateFormat states, const std::vector<AdamWTensor>& tensors,
                 float grad_scale = 1.0f, uint64_t seed = 0, ThreadPool* pool = nullptr);
 
+// 8-bit states to and from fp32, for states loaded with another state_precision or
+// another memory layout (docs/design/optim.md, "Converting states"). `n` elements in
+// memory order, q8_blocks(n) absmax values; `first_moment`: exp_avg (signed codes), else
+// exp_avg_sq. Decoding reads each element as the step does (its code's value times its
+// block's absmax). Encoding takes each block's absmax as the step does and rounds each
+// element to the nearest code (the step rounds stochastically; a one-off conversion
+// wants the smallest error), so encoding decoded codes gives them back whenever their
+// block holds its top code (every block a step wrote, unless all zero). A nonzero second
+// moment keeps a nonzero code; a block with a NaN or Inf reads back as NaN. A negative
+// second moment is not one: q8_encode returns false (nothing else is checked).
+void q8_decode(const uint8_t* codes, const float* absmax, int64_t n, bool first_moment, float* out);
+bool q8_encode(const float* x, int64_t n, bool first_moment, uint8_t* codes, float* absmax);
+
 // ---------------------------------------------------------------- fused AdamW
 // The overlapped step's fusion (docs/design/optim.md, "Fusion"): one pass
 // over a tensor's host memory that assembles its gradient, takes its sum of
