@@ -214,17 +214,29 @@ int64_t parallel_ranges(int64_t units, int threads, const Fn& fn) {
 }
 
 // ---- source loaders ----
+// Each also rounds an fp32 to its dtype (as dequantizing into it does) and gives a
+// value's neighbours in its dtype (below, above; ±Inf past the largest).
 struct LoadF32 {
   const float* p;
   float operator()(int64_t i) const { return p[i]; }
+  static float round(float x) { return x; }
+  static float step(float v, int by) { return u2f(static_cast<uint32_t>(static_cast<int64_t>(f2u(v)) + by)); }
 };
 struct LoadBF16 {
   const uint16_t* p;
   float operator()(int64_t i) const { return float_from_bf16(p[i]); }
+  static float round(float x) { return float_from_bf16(bf16_from_float(x)); }
+  static float step(float v, int by) {
+    return float_from_bf16(static_cast<uint16_t>(static_cast<int>(bf16_from_float(v)) + by));
+  }
 };
 struct LoadF16 {
   const uint16_t* p;
   float operator()(int64_t i) const { return float_from_f16(p[i]); }
+  static float round(float x) { return float_from_f16(f16_from_float(x)); }
+  static float step(float v, int by) {
+    return float_from_f16(static_cast<uint16_t>(static_cast<int>(f16_from_float(v)) + by));
+  }
 };
 
 struct Sections {
@@ -323,6 +335,62 @@ int64_t pack_nf4_blocks(const Load& ld, int64_t n, const Sections& s, int64_t b0
   return -1;
 }
 
+// Note [An int4 group that holds dequantized int4 values]
+// int4's scale is range / 15 of the group's values. Values that detach() restored
+// (dequantized into a bf16/fp16 weight, so rounded) quantized again got another scale:
+// range / 15 of the rounded extremes is not the scale they came from, and a group whose
+// codes spanned 14 steps (the zero point's rounding tied: a symmetric group) gets a
+// grid of 15 steps over 14 of the old ones. Each detach()/offload() cycle, or a
+// load_state_dict() of a detached model's state dict, changed weights. So when the
+// usual packing does not give the group back exactly, one that does is looked for: a
+// grid of 15, 14 or 13 steps over the range gives codes and a zero point, and the scales
+// that round (q - zero) * scale to each value form an interval (between the midpoints to
+// the value's neighbours in its dtype, over q - zero); where the group's intervals meet,
+// their middle (or an fp32 next to it) is tried, and kept when dequantizing with it
+// gives every value back bit for bit. Other weights leave the intersection empty
+// within a few elements and keep the usual packing
+// (`QuantKnown.Int4DequantizedValuesQuantizeBackToThemselves`).
+template <class Load>
+bool int4_gives_back(const Load& ld, int64_t base, const uint8_t* q, float zero, float scale) {
+  for (int64_t i = 0; i < kInt4GroupSize; ++i)
+    if (f2u(Load::round((static_cast<float>(q[i]) - zero) * scale)) != f2u(ld(base + i))) return false;
+  return true;
+}
+
+// A packing of the group that gives it back exactly, on a grid of `steps` steps over
+// [mn, mx]: true with q, zero and scale set, or false (q clobbered).
+template <class Load>
+bool int4_exact_packing(const Load& ld, int64_t base, float mn, float mx, int steps, uint8_t* q, float& zero,
+                        float& scale) {
+  const float grid = static_cast<float>((static_cast<double>(mx) - static_cast<double>(mn)) / steps);
+  const float z = std::min(15.0f, std::max(0.0f, rne_small(-mn / grid)));
+  double lo = 0.0, hi = std::numeric_limits<double>::infinity();  // scales are positive
+  for (int64_t i = 0; i < kInt4GroupSize; ++i) {
+    const float v = ld(base + i);
+    q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, rne_small(v / grid + z))));
+    const double d = static_cast<double>(q[i]) - static_cast<double>(z);
+    if (d == 0.0 && f2u(v) == 0u) continue;  // +0 for every scale
+    if (d == 0.0 || v == 0.0f) return false;  // no scale gives it back
+    const double a = (static_cast<double>(v) + Load::step(v, -1)) / 2, b = (static_cast<double>(v) + Load::step(v, 1)) / 2;
+    const double below = v > 0.0f ? a : b, above = v > 0.0f ? b : a;  // (a dtype's bits grow away from zero)
+    lo = std::max(lo, (d > 0 ? below : above) / d);
+    hi = std::min(hi, (d > 0 ? above : below) / d);
+    if (!(lo <= hi)) return false;  // (an end may be a tie that rounds to v)
+  }
+  // The middle, rounded to fp32, may fall outside an intersection a few ulps wide: its
+  // neighbours are tried too.
+  const float mid = static_cast<float>((lo + hi) / 2);
+  for (int by : {0, -1, 1, -2, 2}) {
+    const float sc = u2f(static_cast<uint32_t>(static_cast<int64_t>(f2u(mid)) + by));
+    if (sc > 0.0f && int4_gives_back(ld, base, q, z, sc)) {
+      zero = z;
+      scale = sc;
+      return true;
+    }
+  }
+  return false;
+}
+
 template <class Load>
 int64_t pack_int4_rows(const Load& ld, int64_t cols, const Sections& s, int64_t r0, int64_t r1) {
   const int64_t groups = cols / kInt4GroupSize;
@@ -338,8 +406,7 @@ int64_t pack_int4_rows(const Load& ld, int64_t cols, const Sections& s, int64_t 
         mx = std::max(mx, v);
       }
       // In double so that a range near ±FLT_MAX cannot overflow.
-      const float scale =
-          static_cast<float>((static_cast<double>(mx) - static_cast<double>(mn)) / 15.0);
+      float scale = static_cast<float>((static_cast<double>(mx) - static_cast<double>(mn)) / 15.0);
       float zero = 0.0f;
       if (scale == 0.0f) {
         std::fill(q, q + kInt4GroupSize, uint8_t{0});
@@ -350,6 +417,15 @@ int64_t pack_int4_rows(const Load& ld, int64_t cols, const Sections& s, int64_t 
           q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, x)));
           // A range near ±FLT_MAX: (q - zero) * scale, as dequantization computes it.
           if (std::isinf((static_cast<float>(q[i]) - zero) * scale)) return kOverflowBit | base;
+        }
+        if (!int4_gives_back(ld, base, q, zero, scale)) {
+          uint8_t exact[kInt4GroupSize];
+          for (int steps : {15, 14, 13}) {
+            if (int4_exact_packing(ld, base, mn, mx, steps, exact, zero, scale)) {
+              std::copy(exact, exact + kInt4GroupSize, q);
+              break;
+            }
+          }
         }
       }
       s.scales[r * groups + g] = scale;

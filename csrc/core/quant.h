@@ -27,7 +27,12 @@
 //         zero = clamp(round_half_even(-min/scale), 0, 15) (an integer kept
 //         as fp32), q = clamp(round_half_even(w/scale + zero), 0, 15);
 //         two per byte, element 2k of a row in the HIGH nibble;
-//         w' = (float(q) - zero) * scale.
+//         w' = (float(q) - zero) * scale. A group that this gives back
+//         inexactly but another scale (on a grid of 15, 14 or 13 steps over
+//         the range) gives back bit for bit in the source dtype -- values
+//         dequantized from int4, as detach() restores them -- is packed with
+//         that one (Note [An int4 group that holds dequantized int4 values],
+//         quant.cpp), so quantizing them again changes nothing.
 //
 // Error bounds (per element, |w - w'|; "slack" covers fp32 rounding of the
 // quantizer's own arithmetic, see error_bound()):

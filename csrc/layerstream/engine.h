@@ -715,7 +715,7 @@ std::string shared_write_refusal(const std::string& what, const std::string& how
 // to the CPU, contiguous). A layer kept resident with quantized values tells
 // with it a write of the same values (load_state_dict of its own state_dict(),
 // torch::load of its own save) from a new one: quantizing quantized values
-// again is not the identity (int4; a narrower dequant dtype), so only new
+// again is not the identity with a dequant dtype narrower than the weight's, so only new
 // values are quantized.
 uint64_t tensor_checksum(const torch::Tensor& t);
 

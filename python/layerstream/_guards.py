@@ -76,7 +76,7 @@ class ResidentQuantized:
     parameter's version counter moved or the parameter was replaced (copy_(), in-place
     ops; a write through .data escapes the counter, as it escapes autograd; a compiled
     call does not look). Only new values are quantized: quantizing quantized values
-    again is not the identity (int4; a narrower dequant dtype), so a write of the
+    again is not the identity with a narrower dequant dtype, so a write of the
     values it holds (load_state_dict() of its own state_dict()) is told apart by their
     checksum (_C.tensor_checksum, as the C++ layers do: layerstream/engine.h). A
     load_state_dict() of values it could not quantize (NaN, Inf) is refused before

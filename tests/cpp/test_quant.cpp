@@ -402,6 +402,49 @@ TEST(QuantKnown, Int4GroupScaleZero) {
   EXPECT_EQ(out[0], (0.0f - 5.0f) * scale);
 }
 
+// Note [An int4 group that holds dequantized int4 values]: int4 values dequantized into
+// the weight's dtype (what detach() restores) quantize to a packing that dequantizes to
+// them again, bit for bit, in every source dtype (the usual scale, range / 15 of the
+// rounded values, moved some of them by an ulp in bf16 and fp16).
+TEST(QuantKnown, Int4DequantizedValuesQuantizeBackToThemselves) {
+  const int64_t rows = 64, cols = 1024;
+  const q::PackedLayout L = q::layout_for(Format::Int4, rows, cols);
+  const std::vector<float> w = make_weights(rows, cols, 17);
+  const size_t n = w.size();
+  for (OutDtype dt : {OutDtype::F32, OutDtype::BF16, OutDtype::F16}) {
+    SCOPED_TRACE(q::to_string(dt));
+    // The weight in its dtype, as 16-bit words (fp32: as floats).
+    std::vector<uint16_t> src16(n);
+    std::vector<float> src32(w);
+    for (size_t i = 0; i < n; ++i)
+      src16[i] = dt == OutDtype::BF16 ? q::float_to_bf16_bits(w[i]) : q::float_to_f16_bits(w[i]);
+    std::vector<uint8_t> buf(L.total_bytes());
+    auto pack = [&]() {
+      if (dt == OutDtype::F32) q::pack(Format::Int4, src32.data(), rows, cols, buf.data(), 2);
+      else if (dt == OutDtype::BF16) q::pack_bf16(Format::Int4, src16.data(), rows, cols, buf.data(), 2);
+      else q::pack_f16(Format::Int4, src16.data(), rows, cols, buf.data(), 2);
+    };
+    auto dequant = [&]() {  // into the source, as detach() restores the weight
+      q::dequantize_cpu(L, buf.data(), dt == OutDtype::F32 ? static_cast<void*>(src32.data()) : src16.data(), dt, 2);
+    };
+    pack();
+    dequant();
+    const std::vector<uint16_t> first16 = src16;
+    const std::vector<float> first32 = src32;
+    for (int cycle = 0; cycle < 2; ++cycle) {
+      pack();
+      dequant();
+      if (dt == OutDtype::F32) {
+        EXPECT_EQ(std::memcmp(src32.data(), first32.data(), n * sizeof(float)), 0) << cycle;
+      } else {
+        size_t changed = 0;
+        for (size_t i = 0; i < n; ++i) changed += src16[i] != first16[i];
+        EXPECT_EQ(changed, 0u) << cycle;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- errors
 
 TEST(QuantErrors, NaNAndInfNameTheElement) {

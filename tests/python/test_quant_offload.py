@@ -300,7 +300,7 @@ def test_writes_into_quantized_layers_the_budget_keeps_resident_are_quantized_to
 @pytest.mark.parametrize("fmt,dequant", [("int4", None), ("int8", torch.bfloat16), ("nf4", torch.float16)])
 def test_loading_its_own_state_dict_into_a_resident_quantized_layer_changes_nothing(fmt, dequant):
     """A quantized layer the budget keeps resident quantized load_state_dict(model.state_dict())
-    again: quantizing quantized values is not the identity (int4; a dequant_dtype narrower
+    again: quantizing quantized values was not the identity (int4; a dequant_dtype narrower
     than the weights), so its weights and outputs moved at each such load. Now a write of
     the values it holds changes nothing, while new values are still quantized."""
     m = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).requires_grad_(False)

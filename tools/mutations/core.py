@@ -134,6 +134,20 @@ MUTATIONS = [
         "the absmax of a converted block compares signed bits: a negative first moment larger than the rest "
         "reads as NaN (the sign bit) and wipes its block"),
     Mutation(
+        "int4-dequantized-values-requantized-inexactly", "csrc/core/quant.cpp",
+        "        if (!int4_gives_back(ld, base, q, zero, scale)) {",
+        "        if (false) {",
+        ["gtest:test_quant:QuantKnown.*"],
+        "int4 values that detach() restored are quantized to another scale: each detach()/offload() cycle moves "
+        "some bf16/fp16 weights by an ulp, or a code (symmetric groups)"),
+    Mutation(
+        "int4-exact-scale-tie-end-dropped", "csrc/core/quant.cpp",
+        "    if (!(lo <= hi)) return false;",
+        "    if (!(lo < hi)) return false;",
+        ["gtest:test_quant:QuantKnown.*"],
+        "an intersection of scales that is one point (a tie that rounds to the value) is taken for empty: "
+        "some fp32 groups requantize an ulp off"),
+    Mutation(
         "disk-tier-file-change-unseen", "csrc/core/io/source_file.cpp",
         "  if (now == identity_ && opened_ == identity_) return;",
         "  if (true) return;",
