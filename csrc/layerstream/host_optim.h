@@ -57,6 +57,11 @@ namespace optim {
 // The core dtype of a parameter or gradient (float32 / bfloat16; any other
 // dtype throws, naming `what`).
 Dtype core_dtype(const torch::Tensor& t, const std::string& what);
+// core_dtype of each parameter of param group `group` that requires grad, named by its
+// position and shape: what the Python optimizers check when a group is added and before
+// an overlapped backward steps any layer, so that a dtype they cannot step is refused
+// before anything moved (a frozen one is checked at the step, once it trains).
+void check_param_dtypes(const std::vector<torch::Tensor>& params, int group);
 
 // ---------------------------------------------------------------- AdamW
 // The states of one parameter, as in its optimizer state dict: exp_avg and

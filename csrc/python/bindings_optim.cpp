@@ -173,6 +173,7 @@ void bind_optim(py::module& m) {
   m.def("optim_grad_norm", &o::grad_norm, py::call_guard<py::gil_scoped_release>(),
         "the total 2-norm of the gradients (host ones by the C++ kernels), as a Python float");
   m.def("optim_clip_coefficient", &o::clip_coefficient, py::arg("total_norm"), py::arg("max_norm"));
+  m.def("optim_check_param_dtypes", &o::check_param_dtypes, py::arg("params"), py::arg("group"));
   m.def("optim_check_group", &o::check_group, py::arg("params"), py::arg("grads"), py::arg("group"),
         py::arg("positions") = std::vector<int64_t>{}, py::arg("cpp") = false);
   m.def("optim_bytes_per_element", [](const std::string& param, const std::string& grad, const std::string& fmt) {

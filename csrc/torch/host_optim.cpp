@@ -95,7 +95,18 @@ Dtype core_dtype(const torch::Tensor& t, const std::string& what) {
   if (t.scalar_type() == torch::kFloat) return Dtype::F32;
   if (t.scalar_type() == torch::kBFloat16) return Dtype::BF16;
   LS_FAIL("layerstream.optim: ", what, " has dtype ", layerstream::dtype_name(t.scalar_type()),
-          "; the host optimizers step float32 and bfloat16 parameters");
+          "; the host optimizers step float32 and bfloat16 parameters (cast the model, e.g. model.float() or "
+          "model.bfloat16(), or step those parameters with a torch optimizer of their own)");
+}
+
+void check_param_dtypes(const std::vector<torch::Tensor>& params, int group) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor& p = params[i];
+    if (!p.requires_grad()) continue;
+    std::ostringstream what;
+    what << "parameter " << i << " of param group " << group << " (shape " << p.sizes() << ")";
+    core_dtype(p, what.str());
+  }
 }
 
 AdamWStates adamw_init_states(const torch::Tensor& param, StateFormat format) {

@@ -150,6 +150,7 @@ class _HostOptimizer(_OverlapAndScaling, _StateDicts, torch.optim.Optimizer):
         rounding stream)."""
         self._adopt_unadopted()  # Note [States loaded for a meta parameter]
         self._check_groups_foreign()
+        self._check_dtypes()
         work, grads, key = [], [], 0
         for gi, group in enumerate(self.param_groups):
             ps, gs, keys, at = [], [], [], []
@@ -308,9 +309,16 @@ class _HostOptimizer(_OverlapAndScaling, _StateDicts, torch.optim.Optimizer):
             # with one count gave numbers of neither torch's two steps nor one.
             raise ValueError(f"param group {len(self.param_groups)} lists a parameter more than once: list "
                              f"each parameter once (torch.optim warns that this will become an error)")
+        _C.optim_check_param_dtypes([p for p in params if isinstance(p, torch.Tensor)], len(self.param_groups))
         param_group = dict(param_group, params=params)
         super().add_param_group(param_group)
         self._check_group_options(self.param_groups[-1])
+
+    def _check_dtypes(self):
+        """Each trainable parameter's dtype, named by its place (unfrozen since
+        add_param_group()): before a step or an overlapped backward changes anything."""
+        for gi, g in enumerate(self.param_groups):
+            _C.optim_check_param_dtypes(g["params"], gi)
 
     def zero_grad(self, set_to_none: bool = True):
         super().zero_grad(set_to_none)

@@ -167,6 +167,7 @@ class _OverlapAndScaling:
         engine = handle._check()
         self._adopt_unadopted()  # Note [States loaded for a meta parameter]
         self._check_groups_foreign()
+        self._check_dtypes()
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None  # GradScaler(enabled=False): steps as without one
         loss_scale = None if grad_scaler is None else float(grad_scaler.get_scale())

@@ -1989,3 +1989,38 @@ def test_an_unknown_optim_isa_is_refused():
         assert (r.returncode == 0) == ok, (isa, r.stderr[-500:])
         if not ok:
             assert f"LS_OPTIM_ISA={isa} is not one of generic, avx2" in r.stderr
+
+
+def test_a_parameter_dtype_it_cannot_step_is_refused_before_anything_moves(offload_sim):
+    """A float64 (or float16) trainable parameter was accepted by the constructor and refused
+    only by step(), as "a parameter has dtype float64": under overlap() the streamed layers
+    had been stepped by then, so the model was left half-stepped. Now the constructor refuses
+    it naming its place, and a parameter unfrozen later is refused when overlap() is entered,
+    before the backward steps anything."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+            self.temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x))) * self.temperature.float()
+
+    torch.manual_seed(0)
+    m = M()
+    h = offload_sim(m)
+    with pytest.raises(RuntimeError, match=r"parameter 0 of param group 0 \(shape \[\]\) has dtype float64; the "
+                                           r"host optimizers step float32 and bfloat16"):
+        AdamW(m.parameters(), lr=0.1)
+    m.temperature.requires_grad_(False)  # frozen: accepted, checked once it trains
+    opt = AdamW(m.parameters(), lr=0.1)
+    m.temperature.requires_grad_(True)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    loss = m(torch.randn(3, 8)).square().mean()
+    with pytest.raises(RuntimeError, match=r"parameter 0 of param group 0 .* float64"):
+        with opt.overlap(h):
+            loss.backward()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in m.named_parameters())
+    with pytest.raises(RuntimeError, match=r"parameter 0 of param group 0 .* float64"):
+        opt.step()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in m.named_parameters())

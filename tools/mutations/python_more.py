@@ -334,4 +334,17 @@ MUTATIONS: list = [
         [P + "test_distributed.py::test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank"],
         "an error on one rank before its step() took the overlapped plan leaves it pending (speculated steps "
         "kept, the next overlap() refused) while the other ranks took theirs back"),
+    Mutation(
+        "optim-dtype-checked-at-the-step-only", "python/layerstream/_optim_base.py",
+        "        _C.optim_check_param_dtypes([p for p in params if isinstance(p, torch.Tensor)], len(self.param_groups))",
+        "        pass",
+        [P + "test_optim.py::test_a_parameter_dtype_it_cannot_step_is_refused_before_anything_moves"],
+        "a float64 trainable parameter is accepted by the optimizer's constructor and refused only at the step"),
+    Mutation(
+        "optim-dtype-unchecked-before-an-overlapped-backward", "python/layerstream/_optim_overlap.py",
+        "        self._check_dtypes()\n",
+        "",
+        [P + "test_optim.py::test_a_parameter_dtype_it_cannot_step_is_refused_before_anything_moves"],
+        "a parameter unfrozen since the optimizer was made, of a dtype it cannot step, is refused only at step(), "
+        "after the overlapped backward stepped the streamed layers: the model half-stepped"),
 ]
