@@ -334,4 +334,17 @@ MUTATIONS: list = [
         [P + "test_distributed.py::test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank"],
         "an error on one rank before its step() took the overlapped plan leaves it pending (speculated steps "
         "kept, the next overlap() refused) while the other ranks took theirs back"),
+    Mutation(
+        "resume-moves-the-step-count-to-the-device", "python/layerstream/_optim_state.py",
+        " and t.device != device and key not in opt._HOST_STATES:",
+        " and t.device != device:",
+        [P + "test_optim.py::test_resume_puts_every_state_of_a_moved_parameter_where_a_step_on_its_device_makes_it"],
+        "resume() puts the step count of layerstream.optim's states on the device, where a step of a device "
+        "parameter keeps it on the host (each step's .item() then waits for the device)"),
+    Mutation(
+        "resume-moves-adafactor-rms-to-the-device", "python/layerstream/optim.py",
+        '    _HOST_STATES = ("step", "RMS")  # as AdamW\'s',
+        '    _HOST_STATES = ("step",)  # as AdamW\'s',
+        [P + "test_optim.py::test_resume_puts_every_state_of_a_moved_parameter_where_a_step_on_its_device_makes_it"],
+        "resume() puts Adafactor's RMS on the device, where a step of a device parameter keeps it on the host"),
 ]
