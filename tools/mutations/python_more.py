@@ -347,4 +347,25 @@ MUTATIONS: list = [
         '    _HOST_STATES = ("step",)  # as AdamW\'s',
         [P + "test_optim.py::test_resume_puts_every_state_of_a_moved_parameter_where_a_step_on_its_device_makes_it"],
         "resume() puts Adafactor's RMS on the device, where a step of a device parameter keeps it on the host"),
+    Mutation(
+        "quantized-merge-refuses-every-adapter", "python/layerstream/_packed.py",
+        "    if adapter_names is _EVERY:\n        return sorted(held)",
+        "    if True:\n        return sorted(held)",
+        [P + "test_quant_offload.py::test_a_peft_merge_refuses_only_the_adapters_it_would_write_into_a_quantized_layer"],
+        "merge_adapter(adapter_names=['d']) of an adapter on dense layers only is refused because another "
+        "adapter is on a quantized layer"),
+    Mutation(
+        "quantized-merge-ignores-adapter-names", "python/layerstream/_packed.py",
+        "        token = _MERGING.set(names)",
+        "        token = _MERGING.set(None)",
+        [P + "test_quant_offload.py::test_a_peft_merge_refuses_only_the_adapters_it_would_write_into_a_quantized_layer"],
+        "merge_adapter(adapter_names=['q']) is checked for the active adapters: q is half merged into the "
+        "quantized layers (the resident one written, the streamed one refused)"),
+    Mutation(
+        "quantized-merge-unnamed-checks-active-only", "python/layerstream/_packed.py",
+        '_MERGING = contextvars.ContextVar("layerstream_peft_merging", default=_EVERY)',
+        '_MERGING = contextvars.ContextVar("layerstream_peft_merging", default=None)',
+        [P + "test_quant_offload.py::test_a_peft_merge_refuses_only_the_adapters_it_would_write_into_a_quantized_layer"],
+        "a peft merge entered other than through merge_adapter() / merge_and_unload() (adapters unknown) is "
+        "checked for the active adapters only, and may write the others into quantized layers"),
 ]
