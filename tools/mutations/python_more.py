@@ -368,4 +368,18 @@ MUTATIONS: list = [
         [P + "test_quant_offload.py::test_a_peft_merge_refuses_only_the_adapters_it_would_write_into_a_quantized_layer"],
         "a peft merge entered other than through merge_adapter() / merge_and_unload() (adapters unknown) is "
         "checked for the active adapters only, and may write the others into quantized layers"),
+    Mutation(
+        "sharded-closure-error-says-nothing", "python/layerstream/_optim_base.py",
+        "            if self._sharded_params():\n                state = (",
+        "            if False:\n                state = (",
+        [P + "test_distributed.py::test_an_error_in_one_ranks_step_closure_is_raised_on_every_rank_saying_nothing_was_stepped"],
+        "an error in one rank's step() closure of a sharded step: no rank's error says that nothing was "
+        "stepped (the others raise the group's timeout at their next collective)"),
+    Mutation(
+        "sharded-collective-error-says-nothing", "python/layerstream/_optim_base.py",
+        "        except Exception as e:\n            wrote = (",
+        "        except ImportError as e:\n            wrote = (",
+        [P + "test_distributed.py::test_an_error_in_one_ranks_step_closure_is_raised_on_every_rank_saying_nothing_was_stepped"],
+        "a collective of a sharded step that raises (the group's timeout after another rank's closure failed, "
+        "a rank that died) does not say what this rank's step wrote"),
 ]
