@@ -431,19 +431,19 @@ class Handle(_RefusesCopy):
         if self._model is not None:
             hook = self._model.register_forward_pre_hook(
                 functools.partial(_refuse_while_suspended, str(compute)), prepend=True)
-        states = []  # layerstream.optim's states of the moved parameters
-        self._suspended = (moved, hook, states)  # before moving: resume() undoes a move that raised half-way
+        self._suspended = (moved, hook)  # before moving: resume() undoes a move that raised half-way
         if self._model is not None and compute.type != "cpu":  # the sim device computes on the host
             from ._optim_state import _move_states_of
             _moved_off(self._model, compute, _to_host, moved)
-            _move_states_of([t for t, owner, _, _ in moved if owner is None], compute, _to_host, states)
+            _move_states_of([t for t, owner, _, _ in moved if owner is None], compute, _to_host)
 
     def resume(self) -> None:
         """Undoes ``suspend()``: allocates the streaming slots again (an error,
         still suspended, when the device cannot hold them) and moves what
-        ``suspend()`` moved back to the device it was on. The first step
-        prefetches in the order learnt before. Nothing to do when not
-        suspended."""
+        ``suspend()`` moved back to the device it was on, with the states
+        ``layerstream.optim`` made for those parameters meanwhile (a load, a
+        step). The first step prefetches in the order learnt before. Nothing
+        to do when not suspended."""
         with self._in_turn(sys._getframe()), HeldSignals():  # as suspend()
             self._resume()
 
@@ -457,8 +457,9 @@ class Handle(_RefusesCopy):
 
     def _move_back(self) -> None:
         from ._optim_state import _move_states_back
-        _move_back(self._suspended[0])
-        _move_states_back(self._suspended[2])
+        moved = self._suspended[0]
+        _move_back(moved)
+        _move_states_back([(t, device) for t, owner, _, device in moved if owner is None])
 
     def _end_suspension(self) -> None:
         hook = self._suspended[1]

@@ -35,7 +35,13 @@ from ._optim_state import _LIVE, _StateDicts
 # steps what each rank has left (_Unfinished). Which collectives a step has is decided
 # alike on every rank (sharded parameters, an overlapped backward, the optimizer's clip),
 # never from what one rank has left to write. An exception raised by a collective itself
-# (a rank that died, the group's timeout) is raised as it is.
+# (a rank that died, the group's timeout) is raised with a note of what this rank wrote.
+# An exception in step()'s closure (the forward and backward) is not sent: the other
+# ranks may be waiting in a collective of their own closure (DDP's all-reduces), which
+# the flag's all-reduce would be paired with. The rank raises it at once, noting that
+# no rank has stepped (none passes the opening barrier without it); the others raise
+# their next collective's error at the group's timeout (at once if its process exits),
+# with the note above or, raised inside their closure, that one.
 class _ShardedFrame:
     """This rank's part in one sharded step's collectives (the Note above)."""
 
@@ -61,7 +67,17 @@ class _ShardedFrame:
 
     def _exchange(self, failed, payload=0.0):
         self.pending = False  # a collective that raises leaves none to pair with
-        ranks, total = self.shard.exchange(failed, payload)
+        try:
+            ranks, total = self.shard.exchange(failed, payload)
+        except Exception as e:
+            wrote = ("updated (all of its part)" if self.finished else "partly updated" if self.wrote
+                     else "not updated")
+            e.add_note(f"layerstream.optim: a collective of the sharded step (offload(share_host_store=\"all\")) "
+                       f"raised this (the process group's timeout, or a rank that exited: another rank's error "
+                       f"in step()'s closure is not sent, it keeps that rank from the step's collectives). On this "
+                       f"rank the weights and optimizer states were {wrote}; restore the model and optimizer from "
+                       f"the last checkpoint on every rank")
+            raise
         self.pending = not ranks  # the step ends on every rank at one that carries a failure
         return ranks, total
 
@@ -114,13 +130,28 @@ class _HostOptimizer(_OverlapAndScaling, _StateDicts, torch.optim.Optimizer):
         super().__init__(params, defaults)
         _LIVE.add(self)
 
-    @staticmethod
-    def _run_closure(closure):
-        """step()'s closure (torch's contract: re-evaluates the loss with grad enabled)."""
+    def _run_closure(self, closure):
+        """step()'s closure (torch's contract: re-evaluates the loss with grad enabled).
+        Sharded, an exception in it says what the step left (Note [An error on one rank
+        in a sharded step])."""
         if closure is None:
             return None
-        with torch.enable_grad():
-            return closure()
+        try:
+            with torch.enable_grad():
+                return closure()
+        except Exception as e:
+            if self._sharded_params():
+                state = ("no rank has updated weights or optimizer states in this step (none steps before every "
+                         "rank has run its closure)" if self._overlap is None and self._unfinished is None else
+                         "this rank's weights and optimizer states are as what came before it left them (an "
+                         "overlapped backward's steps, a step() that did not finish)")
+                e.add_note(
+                    f"layerstream.optim: this error was raised in step()'s closure, before this rank's part of the "
+                    f"sharded step (offload(share_host_store=\"all\")): {state}. It is not sent to the other "
+                    f"ranks (they may be waiting in a collective of their own closure): they raise at their next "
+                    f"collective when the process group's timeout runs out, or at once if this process exits. Fix "
+                    f"the cause and restart the run from the last checkpoint on every rank")
+            raise
 
     @contextlib.contextmanager
     def _counted_if_stepped(self, params):

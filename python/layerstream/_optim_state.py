@@ -303,16 +303,15 @@ def _states_made_whole(params) -> None:
 
 
 # Every live AdamW / Adafactor: Handle.suspend() moves their states of the parameters
-# it moves off the device (_move_states_of).
+# it moves off the device (_move_states_of), and resume() puts them beside those again
+# (_move_states_back).
 _LIVE = weakref.WeakSet()
 
 
-def _move_states_of(params, device: torch.device, move, moved: list) -> list:
+def _move_states_of(params, device: torch.device, move) -> None:
     """Moves the state tensors on `device` that the live layerstream optimizers keep
     for `params` by `move` (tensor -> its copy elsewhere), as Handle.suspend()
-    moves the parameters. Appends (weakref to the optimizer, parameter, key, device)
-    to `moved` as it goes (for _move_states_back) and returns it. torch's own
-    optimizers are not seen."""
+    moves the parameters. torch's own optimizers are not seen."""
     with torch.inference_mode(False):  # as _handle._moved_off
         for opt in list(_LIVE):
             for p in params:
@@ -320,18 +319,19 @@ def _move_states_of(params, device: torch.device, move, moved: list) -> list:
                 for key, t in (st or {}).items():
                     if isinstance(t, torch.Tensor) and t.device == device:
                         st[key] = move(t)
-                        moved.append((weakref.ref(opt), p, key, device))
-    return moved
 
 
-def _move_states_back(moved: list) -> None:
-    """Undoes _move_states_of: each of those states to the device it was on, looked up
-    in its optimizer now (a load_state_dict() meanwhile made new state dicts, with the
-    states beside the parameter then on the host)."""
+def _move_states_back(params) -> None:
+    """Handle.resume(): for each (parameter, the device it is back on) of `params`, every
+    state tensor the live layerstream optimizers keep for it beside it (all but their
+    _HOST_STATES, as a step of a parameter on that device makes them) goes to that
+    device. Looked up in each optimizer now: besides the states _move_states_of moved,
+    those a load_state_dict() or a first step() made while suspended, beside the
+    parameter then on the host."""
     with torch.inference_mode(False):  # as _handle._moved_off
-        for ref, p, key, device in moved:
-            opt = ref()
-            st = None if opt is None else opt.state.get(p)
-            t = None if st is None else st.get(key)
-            if isinstance(t, torch.Tensor) and t.device != device:
-                st[key] = t.to(device)
+        for opt in list(_LIVE):
+            for p, device in params:
+                st = opt.state.get(p)
+                for key, t in (st or {}).items():
+                    if isinstance(t, torch.Tensor) and t.device != device and key not in opt._HOST_STATES:
+                        st[key] = t.to(device)

@@ -4,7 +4,9 @@ peft's merges into any layer offload() quantized, refused up front (refuse_quant
 """
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
 import sys
 from typing import Optional
 
@@ -214,22 +216,34 @@ def _peft_refusal(ls, what: str, caller: tuple, cast_yet: bool) -> str:
             f"{{'*lora_*': None, '*': '{ls[4] or 'nf4'}'}} for LoRA)")
 
 
-def refuse_quantized_merge(model: torch.nn.Module) -> None:
+# The adapters the peft merge under way writes (its adapter_names; None: each layer's
+# active ones), set by merge_adapter() and merge_and_unload() for the check inside them; a
+# merge entered another way, every adapter of each layer (_EVERY).
+_EVERY = object()
+_MERGING = contextvars.ContextVar("layerstream_peft_merging", default=_EVERY)
+
+
+def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY) -> None:
     """Before peft merges adapters into `model`: refused, before any layer is written, when
-    an adapter's base layer holds a weight offload() quantized. peft writes each base
-    weight through .data in turn; a streamed one (_PackedWeight) refuses its write, but one
-    the budget keeps resident (ResidentQuantized) is a dense tensor that takes it, so the
-    layers before the first streamed one were merged: the adapter half merged, and
-    disable_adapter() no longer gave the base. Runs inside peft's own pre-merge check
-    (guard_peft_merges)."""
+    a layer the merge writes (one that holds an adapter it merges: `adapter_names`, None
+    for each layer's active ones, as peft's merges take them) has a base layer with a
+    weight offload() quantized. peft writes each base weight through .data in turn; a
+    streamed one (_PackedWeight) refuses its write, but one the budget keeps resident
+    (ResidentQuantized) is a dense tensor that takes it, so the layers before the first
+    streamed one were merged: the adapter half merged, and disable_adapter() no longer gave
+    the base. Runs inside peft's own pre-merge check (guard_peft_merges)."""
     layer_cls = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
     if layer_cls is None:
         return
-    what = "peft's merge cannot write an adapter into it (nothing was merged)"
     resident = ResidentQuantized.held()
     for m in model.modules():
         if not isinstance(m, layer_cls):
             continue
+        merging = _merged_into(m, adapter_names)
+        if not merging:
+            continue
+        what = (f"peft's merge cannot write adapter {', '.join(map(repr, merging))} into it (nothing was "
+                f"merged)")
         for sub in m.get_base_layer().modules():
             for p in sub._parameters.values():
                 if isinstance(p, _PackedWeight):
@@ -243,12 +257,24 @@ def refuse_quantized_merge(model: torch.nn.Module) -> None:
                     f"quantized them to), or offload() without quantizing the layers the adapter is on")
 
 
+def _merged_into(layer, adapter_names) -> list:
+    """The adapters a peft merge given `adapter_names` writes into `layer` (a BaseTunerLayer):
+    as its merge() picks them (peft's check_adapters_to_merge: the named ones, None for its
+    active ones, less those merged already), those it holds (its adapter_layer_names)."""
+    held = {n for attr in layer.adapter_layer_names for n in getattr(layer, attr, {})}
+    if adapter_names is _EVERY:
+        return sorted(held)
+    names = layer.active_adapters if adapter_names is None else adapter_names
+    merged = set(layer.merged_adapters)
+    return [n for n in names if n in held and n not in merged]
+
+
 def guard_peft_merges() -> None:
     """Once per process, from an offload() while peft is imported, or from the first call of
     an offloaded model after peft was (Note [Tensors added after offload() follow to the
     compute device], _calls.py: its adapters are added tensors): peft's check before it
     merges (BaseTuner._check_merge_allowed: merge_adapter(), merge_and_unload()) runs
-    refuse_quantized_merge too."""
+    refuse_quantized_merge too, for the adapters those merge (_MERGING)."""
     tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
     check = getattr(tuner, "_check_merge_allowed", None)
     if check is None or getattr(check, "_layerstream_checked", False):
@@ -256,11 +282,33 @@ def guard_peft_merges() -> None:
 
     def checked(self, *args, **kwargs):
         check(self, *args, **kwargs)
-        refuse_quantized_merge(self.model)
+        refuse_quantized_merge(self.model, _MERGING.get())
 
     functools.update_wrapper(checked, check)
     checked._layerstream_checked = True
     tuner._check_merge_allowed = checked
+    for entry in ("merge_adapter", "_unload_and_optionally_merge"):  # merge_and_unload()'s
+        if hasattr(tuner, entry):
+            setattr(tuner, entry, _telling_adapters(getattr(tuner, entry)))
+
+
+def _telling_adapters(merge):
+    """peft's `merge` (an entry of its merges, with an adapter_names argument), which sets
+    _MERGING to the adapters it merges while it runs."""
+    signature = inspect.signature(merge)
+
+    @functools.wraps(merge)
+    def telling(self, *args, **kwargs):
+        try:
+            names = signature.bind(self, *args, **kwargs).arguments.get("adapter_names")
+        except TypeError:  # peft's own call raises it
+            names = _EVERY
+        token = _MERGING.set(names)
+        try:
+            return merge(self, *args, **kwargs)
+        finally:
+            _MERGING.reset(token)
+    return telling
 
 
 # Note [A refused load writes nothing]

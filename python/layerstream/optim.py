@@ -130,6 +130,10 @@ class AdamW(_HostOptimizer):
         names = {v: k for k, v in cls._CODE_KEYS.items()}  # (a state dict saved before: the codes under exp_avg)
         return {names.get(k, k): v for k, v in st.items()}
 
+    # The state entries kept in host memory whatever the parameter's device (_states and
+    # _adopt make them there); the others sit beside the parameter (_move_states_back).
+    _HOST_STATES = ("step",)
+
     def _adopt(self, p, group, loaded, name):
         fmt = group["state_precision"]
         m, v, a1, a2 = _C.optim_adamw_adopt_states(
@@ -352,6 +356,8 @@ class Adafactor(_HostOptimizer):
     @staticmethod
     def _shard_of_state(p, loaded):
         return loaded if p._layerstream_shard.owned else None
+
+    _HOST_STATES = ("step", "RMS")  # as AdamW's
 
     def _adopt(self, p, group, loaded, name):
         row, col, v, m = _C.optim_adafactor_init_states(p.detach(), group["beta1"] is not None)

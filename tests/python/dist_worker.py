@@ -221,6 +221,50 @@ def _one_rank_fails(rank, result):
         handle.detach()
 
 
+def _closure_fails(rank, out, point, result):
+    """One step(closure) of a shared host copy (share_host_store="all") whose closure raises
+    on rank 1 alone: "forward", before its forward (the other ranks then wait in their
+    backward's all-reduce), or "after_backward" (they wait at the step's opening barrier).
+    Rank 1 waits for rank 0's error (a file), so that rank 0 raises at the group's timeout,
+    not at rank 1's exit. result: its error (type, message, notes), the seconds step()
+    took, whether the weights are the initial ones, the number of optimizer states."""
+    model = make_model()
+    handle = layerstream.offload(model, device="sim", share_host_store="all")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = host_adamw([p for p in model.parameters() if p.requires_grad])
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids, target = batch_of(0, 0, ranks=dist.get_world_size())[rank * BATCH:(rank + 1) * BATCH]
+
+    def closure():
+        opt.zero_grad()
+        if rank == 1 and point == "forward":
+            raise ValueError("injected: rank 1's forward")
+        loss = nn.functional.mse_loss(ddp(ids), target)
+        loss.backward()
+        if rank == 1 and point == "after_backward":
+            raise ValueError("injected: rank 1 after its backward")
+        return loss
+
+    marker = os.path.join(out, "rank0-raised")
+    start = time.monotonic()
+    try:
+        opt.step(closure)
+        result["error"] = None
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        result["error"] = (type(e).__name__, str(e), getattr(e, "__notes__", []))
+    result["seconds"] = time.monotonic() - start
+    if rank == 0:
+        open(marker, "w").close()
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    result["unchanged"] = all(torch.equal(p, initial[n]) for n, p in model.named_parameters())
+    result["states"] = sum(len(st) > 0 for st in opt.state.values())
+    del ddp
+    handle.detach()
+
+
 def _meta_state_resumes(rank, out, result):
     """A resume on a shared host copy (share_host_store="all") whose optimizer state, a
     whole one (one process's), is loaded before offload() into a model built on meta and
@@ -469,6 +513,8 @@ def run(scenario, out, rank, result):
     elif scenario == "sharded_interrupted":  # a sharded step stopped on one rank: a Ctrl-C, an exception
         _interrupted_sharded_steps(rank, result)
         _one_rank_fails(rank, result)
+    elif scenario.startswith("sharded_closure_fails_"):  # one rank's step() closure raises
+        _closure_fails(rank, out, scenario[len("sharded_closure_fails_"):], result)
     elif scenario == "sharded_meta_state":
         _meta_state_resumes(rank, out, result)
     elif scenario == "sharded_adafactor":
@@ -685,7 +731,7 @@ def main():
     scenario, out = sys.argv[1], sys.argv[2]
     result = {"threads_at_start": _threads()}
     # A scenario whose ranks must not wait for each other long gives up sooner.
-    wait = 20 if scenario == "sharded_interrupted" else 60
+    wait = 20 if scenario == "sharded_interrupted" else 5 if scenario.startswith("sharded_closure_fails") else 60
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=wait))
     result["threads_at_init"] = _threads()
     rank = dist.get_rank()

@@ -315,6 +315,32 @@ def test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank(stopped_
                     assert torch.equal(value, want[n]), (name, point, r, n)
 
 
+@pytest.mark.parametrize("point", ["forward", "after_backward"])
+def test_an_error_in_one_ranks_step_closure_is_raised_on_every_rank_saying_nothing_was_stepped(point, tmp_path):
+    """step(closure) of a sharded optimizer whose closure raises on rank 1 alone (before its
+    forward, or after its backward): rank 1 raised its error without a word on the step,
+    and rank 0 raised the process group's timeout (in its backward's all-reduce, or at the
+    step's opening barrier), saying nothing of what the step left. The failure cannot be
+    sent (rank 0 may be in a collective of its own closure, which the flag's all-reduce
+    would pair with), so rank 0 still raises at the group's timeout (5 s here), but both
+    errors now say that the weights and optimizer states were not updated; they were not."""
+    results = _run("sharded_closure_fails_" + point, 2, tmp_path, timeout=90)
+    for r, res in enumerate(results):
+        kind, text, notes = res["error"]
+        note = "\n".join(notes)
+        if r == 1:
+            assert kind == "ValueError" and "injected: rank 1" in text, (point, text)
+            assert res["seconds"] < 5, res["seconds"]  # at once
+        else:
+            assert "Timed out" in text or "timeout" in text.lower(), (point, text)
+            assert res["seconds"] < 30, res["seconds"]  # the group's timeout, not a hang
+        inside = r == 1 or point == "forward"  # raised in its own closure, else at the opening barrier
+        want = (r"raised in step\(\)'s closure.*no rank has updated weights or optimizer states" if inside else
+                r"a collective of the sharded step.*this rank the weights and optimizer states were not updated")
+        assert re.search(want + ".*from the last checkpoint on every rank", note, re.S), (point, r, note)
+        assert res["unchanged"] and res["states"] == 0, (point, r)
+
+
 def test_an_optimizer_state_loaded_before_a_sharded_offload_resumes_as_one_loaded_after_it(tmp_path):
     """A whole optimizer state loaded before offload(share_host_store="all") (a resume that
     builds the model on meta, fills it with load_safetensors() and loads the optimizer

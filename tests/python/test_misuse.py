@@ -639,10 +639,11 @@ def test_suspend_and_resume_inside_inference_mode_leave_tensors_a_backward_can_s
     cpu = torch.device("cpu")
     with torch.inference_mode():
         moved = _moved_off(model, cpu, torch.clone, [])
-        states = _move_states_of([t for t, owner, _, _ in moved if owner is None], cpu, torch.clone, [])
+        params = [t for t, owner, _, _ in moved if owner is None]
+        _move_states_of(params, cpu, torch.clone)
         _move_back(moved)
-        _move_states_back(states)
-    assert states and moved
+        _move_states_back([(p, cpu) for p in params])
+    assert params and moved
     assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
     assert not any(t.is_inference() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
     model(torch.randn(3, 4)).sum().backward()

@@ -932,6 +932,50 @@ def test_peft_merge_into_a_quantized_base_kept_resident_is_refused_before_any_la
         torch.testing.assert_close(merged(x), with_adapter, rtol=1e-5, atol=1e-5)
 
 
+def test_a_peft_merge_refuses_only_the_adapters_it_would_write_into_a_quantized_layer(offload_sim):
+    """A merge was refused whenever any adapter layer's base held a quantized weight, also
+    merge_adapter(adapter_names=["d"]) / merge_and_unload(adapter_names=["d"]) of an adapter
+    that is on a dense layer only (nothing quantized written). Now a merge is refused when
+    a layer it writes (one holding an adapter it merges: the named ones, else the active
+    ones) is quantized, before any layer is written, naming that adapter; a merge of the
+    dense-only adapter computes what the adapter did."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_SmallThenWide(), peft.LoraConfig(
+        r=4, target_modules=["a", "b", "wide.0"], init_lora_weights=False), adapter_name="q")
+    model.add_adapter("d", peft.LoraConfig(r=4, target_modules=["a"], init_lora_weights=False))
+    handle = offload_sim(model, exclude=["*lora_*"], quantize={"*.a.base_layer": None, "*": "int8"},
+                         budget="800KiB")
+    base = model.base_model.model
+    assert not base.b.base_layer.weight.is_meta and base.wide[0].base_layer.weight.is_meta  # resident, streamed
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        with_q = model(x)
+        model.set_adapter("d")
+        with_d = model(x)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    for merge in (lambda: model.merge_adapter(adapter_names=["d", "q"]), lambda: model.merge_adapter(["q"]),
+                  lambda: model.merge_and_unload(adapter_names=["q"])):
+        with pytest.raises(layerstream.LayerstreamError,
+                           match=r"quantized layer 'base_model\.model\.b\.base_layer'.*cannot write adapter 'q'"
+                                 r".*nothing was merged"):
+            merge()
+        assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters() if not p.is_meta)
+    with pytest.raises(layerstream.LayerstreamError, match=r"cannot write adapter 'q'"):
+        model.base_model._check_merge_allowed()  # a merge that does not say which adapters: any of them
+    with torch.no_grad():
+        model.merge_adapter()  # the active adapter: "d"
+        torch.testing.assert_close(model(x), with_d, rtol=1e-5, atol=1e-5)
+        model.unmerge_adapter()
+        model.set_adapter("q")
+        with pytest.raises(layerstream.LayerstreamError, match=r"cannot write adapter 'q'"):
+            model.merge_adapter()
+        torch.testing.assert_close(model(x), with_q, rtol=1e-5, atol=1e-5)  # a: merged and unmerged
+        merged = model.merge_and_unload(adapter_names=["d"])
+        torch.testing.assert_close(merged(x), with_d, rtol=1e-5, atol=1e-5)
+    handle.detach()
+
+
 _MERGE_AFTER_A_LATE_PEFT_IMPORT = """
 import sys, torch, torch.nn as nn, layerstream
 class M(nn.Module):

@@ -347,4 +347,52 @@ MUTATIONS: list = [
         [P + "test_optim.py::test_a_parameter_dtype_it_cannot_step_is_refused_before_anything_moves"],
         "a parameter unfrozen since the optimizer was made, of a dtype it cannot step, is refused only at step(), "
         "after the overlapped backward stepped the streamed layers: the model half-stepped"),
+    Mutation(
+        "resume-moves-the-step-count-to-the-device", "python/layerstream/_optim_state.py",
+        " and t.device != device and key not in opt._HOST_STATES:",
+        " and t.device != device:",
+        [P + "test_optim.py::test_resume_puts_every_state_of_a_moved_parameter_where_a_step_on_its_device_makes_it"],
+        "resume() puts the step count of layerstream.optim's states on the device, where a step of a device "
+        "parameter keeps it on the host (each step's .item() then waits for the device)"),
+    Mutation(
+        "resume-moves-adafactor-rms-to-the-device", "python/layerstream/optim.py",
+        '    _HOST_STATES = ("step", "RMS")  # as AdamW\'s',
+        '    _HOST_STATES = ("step",)  # as AdamW\'s',
+        [P + "test_optim.py::test_resume_puts_every_state_of_a_moved_parameter_where_a_step_on_its_device_makes_it"],
+        "resume() puts Adafactor's RMS on the device, where a step of a device parameter keeps it on the host"),
+    Mutation(
+        "quantized-merge-refuses-every-adapter", "python/layerstream/_packed.py",
+        "    if adapter_names is _EVERY:\n        return sorted(held)",
+        "    if True:\n        return sorted(held)",
+        [P + "test_quant_offload.py::test_a_peft_merge_refuses_only_the_adapters_it_would_write_into_a_quantized_layer"],
+        "merge_adapter(adapter_names=['d']) of an adapter on dense layers only is refused because another "
+        "adapter is on a quantized layer"),
+    Mutation(
+        "quantized-merge-ignores-adapter-names", "python/layerstream/_packed.py",
+        "        token = _MERGING.set(names)",
+        "        token = _MERGING.set(None)",
+        [P + "test_quant_offload.py::test_a_peft_merge_refuses_only_the_adapters_it_would_write_into_a_quantized_layer"],
+        "merge_adapter(adapter_names=['q']) is checked for the active adapters: q is half merged into the "
+        "quantized layers (the resident one written, the streamed one refused)"),
+    Mutation(
+        "quantized-merge-unnamed-checks-active-only", "python/layerstream/_packed.py",
+        '_MERGING = contextvars.ContextVar("layerstream_peft_merging", default=_EVERY)',
+        '_MERGING = contextvars.ContextVar("layerstream_peft_merging", default=None)',
+        [P + "test_quant_offload.py::test_a_peft_merge_refuses_only_the_adapters_it_would_write_into_a_quantized_layer"],
+        "a peft merge entered other than through merge_adapter() / merge_and_unload() (adapters unknown) is "
+        "checked for the active adapters only, and may write the others into quantized layers"),
+    Mutation(
+        "sharded-closure-error-says-nothing", "python/layerstream/_optim_base.py",
+        "            if self._sharded_params():\n                state = (",
+        "            if False:\n                state = (",
+        [P + "test_distributed.py::test_an_error_in_one_ranks_step_closure_is_raised_on_every_rank_saying_nothing_was_stepped"],
+        "an error in one rank's step() closure of a sharded step: no rank's error says that nothing was "
+        "stepped (the others raise the group's timeout at their next collective)"),
+    Mutation(
+        "sharded-collective-error-says-nothing", "python/layerstream/_optim_base.py",
+        "        except Exception as e:\n            wrote = (",
+        "        except ImportError as e:\n            wrote = (",
+        [P + "test_distributed.py::test_an_error_in_one_ranks_step_closure_is_raised_on_every_rank_saying_nothing_was_stepped"],
+        "a collective of a sharded step that raises (the group's timeout after another rank's closure failed, "
+        "a rank that died) does not say what this rank's step wrote"),
 ]

@@ -69,9 +69,9 @@ MUTATIONS = [
         "an 8-bit AdamW state dict loads into torch.optim.AdamW, which steps with the codes (0..255) as moments"),
     Mutation(
         "resume-leaves-states-loaded-while-suspended", "python/layerstream/_optim_state.py",
-        "            st = None if opt is None else opt.state.get(p)",
-        "            st = None",
-        [P + "test_optim.py::test_resume_moves_back_the_states_a_load_made_while_suspended"],
+        "            for p, device in params:\n                st = opt.state.get(p)",
+        "            for p, device in params:\n                st = None",
+        [P + "test_optim.py::test_resume_puts_every_state_of_a_moved_parameter_where_a_step_on_its_device_makes_it"],
         "resume() leaves on the host the states layerstream.optim keeps for parameters back on the device"),
     Mutation(
         "adamw-ignores-torch-only-options", "python/layerstream/optim.py",
