@@ -356,9 +356,11 @@ def _is_wrapper(t: torch.Tensor) -> bool:
 
 def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     """Refuses, before anything changes, streamed parameters that share memory with another
-    tensor of the model (views of one flat buffer, as some trainers build): offload() moves
-    each streamed parameter into host memory of its own, and detach() could not restore
-    the sharing. The same tensor in several places (tied weights) is not refused here."""
+    tensor of the model (views of one flat buffer, as some trainers build), or that use only
+    part of their memory (a view into a buffer held outside the model, a master copy, or a
+    strided slice such as big[::2, ::2]): offload() moves each streamed parameter into dense
+    host memory of its own, and detach() could not restore the sharing or the gaps. The same
+    tensor in several places (tied weights) is not refused here."""
     owners = {}  # storage address -> names of the distinct tensors on it
     seen = set()
     for n, t in itertools.chain(model.named_parameters(remove_duplicate=True),
@@ -371,9 +373,9 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     for name, module, kind in candidates:
         params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
                   [(k, module._parameters.get(k)) for k in ("weight", "bias")])
-        streamed += [(f"{name}.{pn}" if name else pn, p) for pn, p in params
+        streamed += [(f"{name}.{pn}" if name else pn, p, name) for pn, p in params
                      if p is not None and not p.is_meta and not _is_wrapper(p)]
-    for qn, p in streamed:
+    for qn, p, name in streamed:
         names = owners.get((p.device, p.untyped_storage().data_ptr()), [])
         if len(names) > 1:
             raise LayerstreamError(
@@ -382,6 +384,17 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
                 f"its own, so that sharing would be lost for good after detach(). Give the parameters "
                 f"memory of their own before offload() (e.g. p.data = p.data.clone() for each), or keep "
                 f"these layers resident (offload(exclude=[...])).")
+        # Without self-overlap (refused next), uses == holds only for dense memory of its own.
+        uses, holds = p.numel() * p.element_size(), p.untyped_storage().nbytes()
+        if uses < holds:
+            raise LayerstreamError(
+                f"parameter '{qn}' (shape {tuple(p.shape)}, strides {tuple(p.stride())}, storage offset "
+                f"{p.storage_offset()}) uses {uses} of the {holds} bytes of its memory: it is a view into a "
+                f"larger buffer (a flat buffer or a master copy outside the model) or a strided slice. "
+                f"offload() moves each streamed parameter into dense host memory of its own, so whatever "
+                f"else views that buffer would no longer share memory with it, for good after detach() "
+                f"(which gives it back dense). Give it memory of its own before offload() "
+                f"(p.data = p.data.clone()), or keep the layer resident (offload(exclude=[{name!r}])).")
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

@@ -128,6 +128,13 @@ MUTATIONS: list = [
         "groups=['mha.out_proj'] fails in the engine (\"tensor #0 is already streamed by layer 'mha'\"), naming "
         "no option to change"),
     Mutation(
+        "param-using-part-of-its-memory-streamed", "python/layerstream/_discovery.py",
+        "        if uses < holds:\n",
+        "        if False:\n",
+        [P + "test_misuse.py::test_a_parameter_using_part_of_its_memory_is_refused"],
+        "a streamed weight that is a view into a flat buffer outside the model, or a strided slice, streams: "
+        "writes to the buffer no longer reach it, and detach() gives it back in memory of its own, dense"),
+    Mutation(
         "offload-doc-says-groups-streams-rnns", "python/layerstream/_offload.py",
         "directly: custom layers, ...): all",
         "directly: custom layers, RNNs, ...): all",
