@@ -135,6 +135,20 @@ MUTATIONS: list = [
         "a streamed weight that is a view into a flat buffer outside the model, or a strided slice, streams: "
         "writes to the buffer no longer reach it, and detach() gives it back in memory of its own, dense"),
     Mutation(
+        "groups-trainable-complex-left-to-the-engine", "python/layerstream/_discovery.py",
+        "            if trained is not None:\n",
+        "            if False:\n",
+        [P + "test_errors.py::test_complex_tables_and_trainable_complex_group_tensors_say_why"],
+        "a trainable complex parameter in groups= fails in the engine (\"tensor #0 is undefined, or requires "
+        "grad and is not a floating-point tensor\"), naming neither the parameter nor the fix"),
+    Mutation(
+        "non-float-table-resident-unwarned", "python/layerstream/_discovery.py",
+        "            return \"table_dtype\"  # complex, integer\n",
+        "            return \"table_dtype\" if False else None  # complex, integer\n",
+        [P + "test_errors.py::test_complex_tables_and_trainable_complex_group_tensors_say_why"],
+        "a complex or integer nn.Embedding is taken for a streamed table (or, as before, left resident without "
+        "a word: \"found no ... Embedding\" for a model with one)"),
+    Mutation(
         "offload-doc-says-groups-streams-rnns", "python/layerstream/_offload.py",
         "directly: custom layers, ...): all",
         "directly: custom layers, RNNs, ...): all",
