@@ -356,9 +356,11 @@ def _is_wrapper(t: torch.Tensor) -> bool:
 
 def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     """Refuses, before anything changes, streamed parameters that share memory with another
-    tensor of the model (views of one flat buffer, as some trainers build): offload() moves
-    each streamed parameter into host memory of its own, and detach() could not restore
-    the sharing. The same tensor in several places (tied weights) is not refused here."""
+    tensor of the model (views of one flat buffer, as some trainers build), or that use only
+    part of their memory (a view into a buffer held outside the model, a master copy, or a
+    strided slice such as big[::2, ::2]): offload() moves each streamed parameter into dense
+    host memory of its own, and detach() could not restore the sharing or the gaps. The same
+    tensor in several places (tied weights) is not refused here."""
     owners = {}  # storage address -> names of the distinct tensors on it
     seen = set()
     for n, t in itertools.chain(model.named_parameters(remove_duplicate=True),
@@ -371,9 +373,9 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
     for name, module, kind in candidates:
         params = ([(qn, o._parameters[k]) for o, k, qn in _group_slots(module)] if kind == "group" else
                   [(k, module._parameters.get(k)) for k in ("weight", "bias")])
-        streamed += [(f"{name}.{pn}" if name else pn, p) for pn, p in params
+        streamed += [(f"{name}.{pn}" if name else pn, p, name) for pn, p in params
                      if p is not None and not p.is_meta and not _is_wrapper(p)]
-    for qn, p in streamed:
+    for qn, p, name in streamed:
         names = owners.get((p.device, p.untyped_storage().data_ptr()), [])
         if len(names) > 1:
             raise LayerstreamError(
@@ -382,6 +384,17 @@ def _check_no_shared_storage(model: nn.Module, candidates: list) -> None:
                 f"its own, so that sharing would be lost for good after detach(). Give the parameters "
                 f"memory of their own before offload() (e.g. p.data = p.data.clone() for each), or keep "
                 f"these layers resident (offload(exclude=[...])).")
+        # Without self-overlap (refused next), uses == holds only for dense memory of its own.
+        uses, holds = p.numel() * p.element_size(), p.untyped_storage().nbytes()
+        if uses < holds:
+            raise LayerstreamError(
+                f"parameter '{qn}' (shape {tuple(p.shape)}, strides {tuple(p.stride())}, storage offset "
+                f"{p.storage_offset()}) uses {uses} of the {holds} bytes of its memory: it is a view into a "
+                f"larger buffer (a flat buffer or a master copy outside the model) or a strided slice. "
+                f"offload() moves each streamed parameter into dense host memory of its own, so whatever "
+                f"else views that buffer would no longer share memory with it, for good after detach() "
+                f"(which gives it back dense). Give it memory of its own before offload() "
+                f"(p.data = p.data.clone()), or keep the layer resident (offload(exclude=[{name!r}])).")
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
@@ -597,6 +610,9 @@ _RESIDENT_REASONS = {
              "at every forward (DoRA's weight norm, HRA's reflections, ...), not through the "
              "layer's forward, and a streamed layer does not keep them on the device; plain "
              "LoRA (use_dora=False) streams the base layers"),
+    "table_dtype": ("embedding layer(s) whose table is not floating point",
+                    "a streamed lookup reads float32, bfloat16, float16 or float64 rows; they are looked "
+                    "up as before"),
     "renormed": ("embedding layer(s) with max_norm",
                  "each lookup renormalizes the rows it reads in place, which a streamed lookup "
                  "does not do"),
@@ -682,8 +698,7 @@ def check_no_group_offloading(model: nn.Module) -> None:
 
 def _resident_reason(module: nn.Module, kind: str, dora: Dict[int, str]) -> Optional[str]:
     """Why a module _is_streamable() calls `kind` must not stream (a key of
-    _RESIDENT_REASONS), "skip" for a table that is not floating point (left as it
-    is, no warning), None when it streams: the rule offload() and
+    _RESIDENT_REASONS), None when it streams: the rule offload() and
     layerstream.compat share (`dora`: _dora_layers() of the model, the peft adapters'
     layers that read their base weight themselves)."""
     if not _stock_forward(module, kind):
@@ -699,7 +714,7 @@ def _resident_reason(module: nn.Module, kind: str, dora: Dict[int, str]) -> Opti
         return "computed"
     if kind == "embedding":
         if not module.weight.is_floating_point():
-            return "skip"
+            return "table_dtype"  # complex, integer
         if module.max_norm is not None:  # renormalizes the looked-up rows in place
             return "renormed"
     return None
@@ -710,6 +725,8 @@ def _resident_label(name: str, module: nn.Module, reason: str) -> str:
     label = f"'{name or '<root>'}'"
     if reason == "custom":
         return f"{label} ({type(module).__qualname__})"
+    if reason == "table_dtype":
+        return f"{label} ({str(module.weight.dtype).replace('torch.', '')})"
     if reason == "wrapped" and hasattr(module, "_hf_hook"):
         return f"{label} (accelerate hook)"
     if reason == "computed":
@@ -758,6 +775,17 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
             if not any(p is not None for m in below for p in m._parameters.values()):
                 raise LayerstreamError(
                     f"offload(groups=...) names module '{name or '<root>'}', which has no parameters to stream")
+            # The engine trains floating-point group tensors only (add_group): named here.
+            trained = next(((f"{name}.{n}" if name else n, p) for n, p in module.named_parameters()
+                            if p.requires_grad and not p.is_floating_point()), None)
+            if trained is not None:
+                raise LayerstreamError(
+                    f"offload(groups=...) names module '{name or '<root>'}', whose parameter '{trained[0]}' is "
+                    f"{str(trained[1].dtype).replace('torch.', '')} and requires grad: a tensor group trains "
+                    f"floating-point tensors only, so a complex one cannot stream in it unless frozen (it "
+                    f"then crosses as it is). Freeze it ({trained[0]}.requires_grad_(False)) or leave "
+                    f"'{name or '<root>'}' out of groups= (its Linear and conv layers then stream one by one, "
+                    f"its other tensors stay resident)")
             grouped.append(name)  # marked below, once no refusal of this loop can leave the mark behind
             candidates.append((name, module, "group"))
             continue
@@ -774,8 +802,6 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
         if id(module) in adapters:
             continue
         reason = "computed" if id(module) in wrapped and kind != "group" else _resident_reason(module, kind, dora)
-        if reason == "skip":
-            continue  # not a float table: left as it is
         if reason is not None:
             label = _resident_label(name, module, reason)
             resident[reason].append(f"{label} ({dora[id(module)]})" if reason == "dora" else label)

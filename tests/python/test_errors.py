@@ -973,6 +973,52 @@ def test_layers_of_a_dtype_streamed_layers_refuse_stay_resident(offload_sim):
     x = torch.randn(2, 4, dtype=torch.complex64)
     assert torch.equal(model(x), ref(x))
 
+def test_complex_tables_and_trainable_complex_group_tensors_say_why(offload_sim):
+    """A complex (or integer) nn.Embedding stayed resident without a word, and a model whose
+    only layer it was got "found no ... Embedding": it is now warned of, with its dtype. A
+    trainable complex parameter in groups= was refused by the engine as "tensor #0 is
+    undefined, or requires grad and is not a floating-point tensor"; offload() now names it
+    before anything changes, and both fixes it names work (frozen, it streams as it is)."""
+    model = nn.Sequential(nn.Embedding(20, 8, dtype=torch.complex64),
+                          nn.Embedding.from_pretrained(torch.arange(20).view(10, 2)))
+    with pytest.warns(RuntimeWarning, match=r"2 embedding layer\(s\) whose table is not floating point stay "
+                                            r"resident .*: '0' \(complex64\); '1' \(int64\)"):
+        with pytest.raises(LayerstreamError, match="found no Linear"):  # nothing left to stream
+            offload_sim(model)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (self.lin(x).to(self.w.dtype) @ self.w).abs()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    with pytest.raises(LayerstreamError, match=r"names module '0', whose parameter '0.w' is complex64 and requires "
+                                               r"grad: .*floating-point tensors only.*"
+                                               r"0.w.requires_grad_\(False\).*leave '0' out of groups="):
+        offload_sim(model, groups=["0"])
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    x = torch.randn(3, 8)
+    handle = offload_sim(model)  # out of groups=: its Linear streams, w stays resident
+    assert handle.layers == ["0.lin", "1"]
+    _train_like_resident(model, ref, x)
+    handle.detach()
+    model[0].w.requires_grad_(False), ref[0].w.requires_grad_(False)
+    handle = offload_sim(model, groups=["0"])
+    assert handle.layers == ["0", "1"]
+    out, want = model(x), ref(x)
+    assert torch.equal(out, want)
+    out.sum().backward(), want.sum().backward()
+    assert torch.equal(model[0].lin.weight.grad, ref[0].lin.weight.grad)
+    handle.detach()
+    assert torch.equal(model[0].w, ref[0].w)
+
+
 def test_pickle_and_deepcopy_of_an_offloaded_model_are_clear_errors(offload_sim):
     """torch.save(model) / deepcopy after offload() say what to do instead (before:
     pickle's "Can't pickle local object"); the model keeps working; its state_dict saves."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -413,6 +414,55 @@ def test_parameters_viewing_one_flat_buffer_are_refused():
     handle = layerstream.offload(model, device="sim")
     assert torch.equal(model(x), want)
     handle.detach()
+
+
+@pytest.mark.parametrize("case", ["flat-outside", "offset", "strided-slice", "group"])
+def test_a_parameter_using_part_of_its_memory_is_refused(case):
+    """A streamed parameter that is a view into a larger buffer held outside the model (a
+    flat buffer, a master copy) used to be accepted: offload() moved it into host memory of
+    its own, so writes to the buffer no longer reached the model, for good after detach().
+    A strided slice (big[::2, ::2]) came back from detach() dense, not in its layout. Both
+    are now refused before anything changes, naming the parameter and the fixes; each fix
+    works, and a dense view of a whole buffer (W.t(), W.view(...)) still streams."""
+    model = _mlp()
+    groups = ["2"] if case == "group" else None
+    w = model[2].weight.detach()
+    flat = torch.zeros(8 + w.numel() + 8)
+    if case == "strided-slice":
+        big = torch.zeros(2 * w.shape[0], 2 * w.shape[1])
+        big[::2, ::2] = w
+        view = big[::2, ::2]
+    else:
+        start = 0 if case == "flat-outside" else 8
+        flat[start:start + w.numel()] = w.reshape(-1)
+        view = flat[start:start + w.numel()].view(w.shape)
+    model[2].weight = nn.Parameter(view)
+    model[0].weight = nn.Parameter(torch.randn(32, 64).t())  # dense, all of its memory: streams
+    model[0].bias = nn.Parameter(torch.randn(8, 8).view(64))
+    x = torch.randn(3, 32)
+    want = model(x)  # a deep copy would make the slice dense: another BLAS path
+    before = _state(model)
+    with pytest.raises(LayerstreamError, match=rf"parameter '2.weight' \(shape \(32, 64\), strides "
+                                               rf"{re.escape(str(view.stride()))}, storage offset "
+                                               rf"{view.storage_offset()}\) uses 8192 of the \d+ bytes.*"
+                                               rf"view into a larger buffer.*strided slice.*gives it back dense.*"
+                                               rf"p.data = p.data.clone\(\).*exclude=\['2'\]"):
+        layerstream.offload(model, device="sim", groups=groups)
+    _assert_unchanged(before, model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    handle = layerstream.offload(model, device="sim", exclude=["2"])
+    assert handle.layers == ["0"]
+    assert torch.equal(model(x), want)
+    handle.detach()
+    assert model[2].weight.data_ptr() == view.data_ptr()  # resident: still the view
+    assert model[0].weight.stride() == (1, 64)
+    model[2].weight.data = model[2].weight.data.clone()  # dense now (a slice's BLAS path changes)
+    want = model(x)
+    handle = layerstream.offload(model, device="sim", groups=groups)
+    assert handle.layers == ["0", "2"]
+    assert torch.equal(model(x), want)
+    handle.detach()
+    assert torch.equal(model(x), want)
 
 
 @pytest.mark.parametrize("quantize", [None, "lossless", "int8"])

@@ -128,6 +128,27 @@ MUTATIONS: list = [
         "groups=['mha.out_proj'] fails in the engine (\"tensor #0 is already streamed by layer 'mha'\"), naming "
         "no option to change"),
     Mutation(
+        "param-using-part-of-its-memory-streamed", "python/layerstream/_discovery.py",
+        "        if uses < holds:\n",
+        "        if False:\n",
+        [P + "test_misuse.py::test_a_parameter_using_part_of_its_memory_is_refused"],
+        "a streamed weight that is a view into a flat buffer outside the model, or a strided slice, streams: "
+        "writes to the buffer no longer reach it, and detach() gives it back in memory of its own, dense"),
+    Mutation(
+        "groups-trainable-complex-left-to-the-engine", "python/layerstream/_discovery.py",
+        "            if trained is not None:\n",
+        "            if False:\n",
+        [P + "test_errors.py::test_complex_tables_and_trainable_complex_group_tensors_say_why"],
+        "a trainable complex parameter in groups= fails in the engine (\"tensor #0 is undefined, or requires "
+        "grad and is not a floating-point tensor\"), naming neither the parameter nor the fix"),
+    Mutation(
+        "non-float-table-resident-unwarned", "python/layerstream/_discovery.py",
+        "            return \"table_dtype\"  # complex, integer\n",
+        "            return \"table_dtype\" if False else None  # complex, integer\n",
+        [P + "test_errors.py::test_complex_tables_and_trainable_complex_group_tensors_say_why"],
+        "a complex or integer nn.Embedding is taken for a streamed table (or, as before, left resident without "
+        "a word: \"found no ... Embedding\" for a model with one)"),
+    Mutation(
         "offload-doc-says-groups-streams-rnns", "python/layerstream/_offload.py",
         "directly: custom layers, ...): all",
         "directly: custom layers, RNNs, ...): all",
