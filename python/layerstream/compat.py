@@ -75,8 +75,8 @@ import torch
 import torch.nn as nn
 
 from . import _C, _peft_params
-from ._discovery import (_activation_dtype, _conv_args, _dora_layers, _is_diffusers_gguf, _is_streamable,
-                         _pad_for_mode, _resident_label, _resident_reason, _takes_activations, _warn_resident)
+from ._discovery import (_RESIDENT_REASONS, _activation_dtype, _conv_args, _dora_layers, _is_diffusers_gguf,
+                         _is_streamable, _pad_for_mode, _resident_label, _resident_reason, _takes_activations, _warn_resident)
 from ._file_weight import FileWeight
 from ._forward import _RefusesCopy
 from ._guards import _RootApply, _StreamedApply, _is_compute, install_subtree_checks, remove_subtree_checks
@@ -126,7 +126,8 @@ def _is_quanto_qlinear(module: nn.Module) -> bool:
             and getattr(fwd, "__qualname__", "") == "QLinear.forward")
 
 
-# The reasons _resident_reason() gives, as the sentence compat's warning shows.
+# The reasons _resident_reason() gives, as the sentence compat's warning shows (the others:
+# offload()'s own sentence, _RESIDENT_REASONS).
 _REASON_TEXT = {
     "computed": "its weight is computed (parametrize, pruning) or a plain tensor attribute",
     "custom": "a Linear/conv subclass with its own forward, which a streamed layer would drop",
@@ -157,7 +158,7 @@ def _why_resident(module: nn.Module, kind: str, dora: set) -> Optional[str]:
         reason = None  # the adapter's org_forward is replaced instead
     if reason is None and _activation_dtype(module, kind) is not None:
         reason = "dtype"  # offload()'s rule (_discover), so both leave the same layers resident
-    return None if reason is None else _REASON_TEXT[reason]
+    return None if reason is None else _REASON_TEXT.get(reason) or _RESIDENT_REASONS[reason][1]
 
 
 def _foreign_weight(module: nn.Module, pre) -> Optional[str]:

@@ -176,6 +176,15 @@ def test_second_attach_is_a_no_op():
     assert mgr.engine.num_layers == 1
 
 
+def test_attach_of_a_table_that_cannot_stream_says_why():
+    """BaseLayerMemoryManager.attach() of a non-floating nn.Embedding raised KeyError: compat's
+    sentences lacked offload()'s table reasons. It says why now, offload()'s words."""
+    from layerstream.compat import BaseLayerMemoryManager
+    table = nn.Embedding(8, 4).to(torch.complex64)
+    with pytest.raises(LayerstreamError, match=r"cannot stream: a streamed lookup reads float32"):
+        BaseLayerMemoryManager.attach(table, MemoryManager(table, "cpu"), name="emb")
+
+
 def test_ara_lora_ref_gets_its_org_forward_replaced():
     base = nn.Linear(4, 4)
 
