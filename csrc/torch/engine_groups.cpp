@@ -22,8 +22,11 @@ int EngineImpl::add_group(const std::string& name, const std::vector<torch::Tens
     const torch::Tensor& t = tensors[k];
     // Raw bytes (diffusers' GGUF blocks, which the module's own forward decodes)
     // stream as they are: frozen, never quantized or cast.
-    LS_CHECK(t.defined() && (t.is_floating_point() || !t.requires_grad()), "tensor group '", name,
-             "': tensor #", k, " is undefined, or requires grad and is not a floating-point tensor");
+    LS_CHECK(t.defined(), "tensor group '", name, "': tensor #", k, " is undefined");
+    LS_CHECK(t.is_floating_point() || !t.requires_grad(), "tensor group '", name, "': tensor #", k, " (",
+             layerstream::dtype_name(t.scalar_type()), ") requires grad but is not floating point; a tensor "
+             "group trains floating-point tensors only: freeze it (requires_grad_(False)) or keep the module "
+             "resident");
     for (const auto& l : layers_) {
       bool taken = l->weight.is_same(t) || (l->bias.defined() && l->bias.is_same(t));
       for (const auto& e : l->parts()) taken = taken || e.param.is_same(t);

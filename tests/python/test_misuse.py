@@ -867,3 +867,15 @@ def test_a_model_offloaded_by_a_dropped_handle_names_the_way_back(offload_sim):
     offload_sim(model)
     x = torch.randn(2, 8)
     assert torch.equal(model(x), ref(x))
+
+
+def test_the_engine_names_a_trainable_complex_group_tensor_and_what_to_do():
+    """Engine.add_group() of a complex tensor that requires grad said "tensor #0 is
+    undefined, or requires grad and is not a floating-point tensor": neither the dtype
+    nor the fix. (offload() refuses it earlier, naming the parameter: test_errors.py.)"""
+    e = layerstream._C.Engine({"device": "sim"})
+    w = torch.randn(4, 8, dtype=torch.complex64, requires_grad=True)
+    with pytest.raises(LayerstreamError, match=r"tensor #1 \(complex64\) requires grad but is not floating point; "
+                                               r"a tensor group trains floating-point tensors only: freeze it"):
+        e.add_group("g", [torch.randn(4), w])
+    e.add_group("g", [torch.randn(4), w.detach()])  # frozen: crosses as it is
