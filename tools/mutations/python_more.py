@@ -334,4 +334,18 @@ MUTATIONS: list = [
         [P + "test_distributed.py::test_an_error_on_one_rank_in_a_sharded_step_is_raised_on_every_rank"],
         "an error on one rank before its step() took the overlapped plan leaves it pending (speculated steps "
         "kept, the next overlap() refused) while the other ranks took theirs back"),
+    Mutation(
+        "conv-table-attrs-changed-after-offload-ignored", "python/layerstream/_forward.py",
+        "        if self._taken is not None and self._taken_now() != self._taken_at:\n            self._retaken()\n"
+        "        if self._pad",
+        "        if self._pad",
+        [P + "test_errors.py::test_a_conv_or_table_attribute_changed_after_offload_is_refused_naming_it"],
+        "conv.stride = (2, 2) or emb.padding_idx = pad after offload(): the streamed layer computes with the "
+        "values it had at offload() (another output shape, a padding row trained), without a word"),
+    Mutation(
+        "compiled-conv-table-attrs-unchecked", "python/layerstream/_forward.py",
+        "            self._retaken()  # read under Dynamo: the graph is guarded on the attributes",
+        "            pass",
+        [P + "test_errors.py::test_a_conv_or_table_attribute_changed_after_offload_is_refused_naming_it"],
+        "under torch.compile a conv or table attribute changed after offload() is ignored (eager refuses)"),
 ]
