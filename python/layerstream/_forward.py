@@ -493,12 +493,29 @@ class _GroupForward(_RefusesCopy):
                     try:
                         for (o, k), p, v in zip(slots, self._params, seen):
                             o._parameters[k] = as_held(p, v)
+                        held = [o._parameters[k] for o, k in slots]
+                        versions = [_group_op.version_of(t) for t in held]
                         yield views
+                        for i, (t, version) in enumerate(zip(held, versions)):
+                            if _group_op.version_of(t) != version:
+                                raise self._written(i)
                     finally:
                         for (o, k), p in zip(slots, self._params):
                             o._parameters[k] = p
                 finally:
                     self._engine.release(token)
+
+    def _written(self, i: int) -> LayerstreamError:
+        """The error for a forward that wrote the group's tensor #i in place: it wrote the
+        slot's copy, and the write would be lost (the parameter, state_dict() and
+        detach() never see it)."""
+        owner, key = self._slots[i]
+        where = next(n for n, m in self._module.named_modules() if m is owner)
+        return LayerstreamError(
+            f"streamed tensor group '{self._name}' writes its tensor '{where + '.' if where else ''}{key}' in place "
+            f"in its forward (e.g. nn.Embedding(max_norm=...) renormalizing the rows it reads, or a weight's "
+            f"clamp_()); the group's forward runs on copies of its tensors in a device slot, so the write would be "
+            f"lost. Leave the module out of the group: offload(exclude=[{self._name!r}])")
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -637,9 +654,12 @@ class _GroupFn(torch.autograd.Function):
             if _INPLACE_ERROR not in str(e):
                 raise  # e.g. a second backward through a freed graph: torch's own message
             raise LayerstreamError(f"streamed layer '{fwd._name}': a tensor its backward needs (an input "
-                                   f"or a parameter) was modified in place after the forward pass (e.g. an "
-                                   f"optimizer step before this backward); autograd raises the same for a "
-                                   f"resident module. {e}") from None
+                                   f"or a parameter) was modified in place after the forward pass (e.g. "
+                                   f"`h += attn(h, h, h)[0]`, or an optimizer step before this backward). A "
+                                   f"streamed tensor group runs its forward again in backward from its inputs "
+                                   f"and parameters, so they must stay unwritten until then, even where the "
+                                   f"resident module would not need them: write `h = h + a` instead of "
+                                   f"`h += a`. {e}") from None
         saved = [distinct[i] for i in ctx.where]
         n_in = len(ctx.layout[2])
         n_ex = sum(n for _, _, n in ctx.adapters)

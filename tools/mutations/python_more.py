@@ -101,7 +101,7 @@ MUTATIONS: list = [
         "lossless weights cannot stay on disk"),
     Mutation(
         "group-input-written-in-place-recomputed", "python/layerstream/_group_op.py",
-        "        if any(_version(x) != v for x, v in versions):\n            raise _writes_input(fwd)\n",
+        "        if any(version_of(x) != v for x, v in versions):\n            raise _writes_input(fwd)\n",
         "",
         [P + "test_groups.py::test_a_group_that_writes_its_input_in_place_is_refused_when_it_trains"],
         "a groups= module that writes an input that requires no grad in place trains with silently wrong "
@@ -348,4 +348,25 @@ MUTATIONS: list = [
         "            pass",
         [P + "test_errors.py::test_a_conv_or_table_attribute_changed_after_offload_is_refused_naming_it"],
         "under torch.compile a conv or table attribute changed after offload() is ignored (eager refuses)"),
+    Mutation(
+        "group-writes-its-own-tensor-lost", "python/layerstream/_forward.py",
+        "                            if _group_op.version_of(t) != version:",
+        "                            if False:",
+        [P + "test_groups.py::test_a_group_that_writes_its_own_tensor_in_place_is_refused"],
+        "a groups= module whose forward clamps its weight in place writes the slot's copy: the parameter, "
+        "state_dict() and detach() never see it, silently"),
+    Mutation(
+        "groups-renormed-table-accepted", "python/layerstream/_discovery.py",
+        "            if renormed is not None:  # the check in _GroupForward.fetched would refuse its first call",
+        "            if False:",
+        [P + "test_groups.py::test_a_group_that_writes_its_own_tensor_in_place_is_refused"],
+        "offload(groups=...) accepts a module holding an nn.Embedding(max_norm=...), whose renormalization "
+        "only the first call refuses"),
+    Mutation(
+        "group-inplace-input-error-claims-resident-parity", "python/layerstream/_forward.py",
+        "                                   f\"streamed tensor group runs its forward again in backward from its inputs \"",
+        "                                   f\"autograd raises the same for a resident module \"",
+        [P + "test_attention.py::test_an_attention_input_written_in_place_before_backward_is_refused_saying_why"],
+        "`h += attn(h, h, h)[0]` before backward: the error says a resident module fails the same, which is "
+        "false, and not why the streamed attention needs its input"),
 ]
