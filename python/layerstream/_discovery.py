@@ -767,6 +767,14 @@ def _discover(model: nn.Module, include, exclude, groups, compute_device: torch.
                     f"{type(rnn[0]).__name__}: its forward reads cached references to its weights "
                     f"(_flat_weights), not the parameters swapped in for the call, so it cannot stream "
                     f"as a tensor group; leave it out of groups= (it stays resident)")
+            renormed = next((n for n, m in module.named_modules() if isinstance(m, nn.Embedding)
+                             and m.max_norm is not None), None)
+            if renormed is not None:  # the check in _GroupForward.fetched would refuse its first call
+                raise LayerstreamError(
+                    f"offload(groups=...) names module '{name or '<root>'}', which holds an nn.Embedding with "
+                    f"max_norm ('{'.'.join(x for x in (name, renormed) if x)}'): its lookup renormalizes the rows it "
+                    f"reads in place, and a tensor group's forward runs on copies of its tensors (the write would be "
+                    f"lost); leave it out of groups= (such a table stays resident)")
             if any(torch.nn.utils.parametrize.is_parametrized(m) for m in below):
                 resident["computed"].append(f"'{name or '<root>'}'")
                 continue

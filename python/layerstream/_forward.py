@@ -200,6 +200,14 @@ def _call_spec(key: str) -> str:
     return fwd._op_spec(fwd._index)
 
 
+# What a streamed conv or table's engine layer took at offload() (add_conv's stride, padding,
+# dilation, groups, and padding_mode's F.pad; add_embedding's padding_idx, scale_grad_by_freq,
+# sparse; max_norm and its norm_type keep a table resident): torch's modules read them at
+# every call, the engine does not, so a change after offload() is refused at the next call.
+_TAKEN_AT_OFFLOAD = {"conv": ("stride", "padding", "dilation", "groups", "padding_mode"),
+                     "embedding": ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")}
+
+
 _REPLACED = ("the parameters of streamed layer '{name}' were replaced after offload() (e.g. by accelerate's "
              "cpu_offload() or dispatch_model(), load_state_dict(assign=True), assigning a new nn.Parameter, "
              "or torch.func.functional_call); layerstream streams the original ones. Copy new values in place "
@@ -226,7 +234,7 @@ class _StreamedForward(_RefusesCopy):
 
     __slots__ = ("_run", "_index", "_original", "_weight", "_bias", "_params", "_module_ref", "_name",
                  "_lookup", "_op", "_engine_id", "_op_spec", "_key", "_standin", "_bias_standin", "_pad",
-                 "_frozen", "__weakref__")
+                 "_frozen", "_taken", "_taken_at", "__weakref__")
 
     def __init__(self, engine, index: int, kind: str, original, module: nn.Module, name: str):
         self._lookup = kind == "embedding"
@@ -249,6 +257,8 @@ class _StreamedForward(_RefusesCopy):
         # read through the module, held weakly (this object is in that dict).
         self._params, self._module_ref = module._parameters, weakref.ref(module)
         self._pad = _mode_padding(module) if kind == "conv" else None  # padded as torch's _conv_forward pads
+        self._taken = _TAKEN_AT_OFFLOAD.get(kind)  # None for a Linear
+        self._taken_at = None if self._taken is None else self._taken_now()  # their values at offload()
 
     def __call__(self, x, *args, **kwargs):
         if args or kwargs:  # an unusual call signature: use the module's own forward
@@ -258,6 +268,8 @@ class _StreamedForward(_RefusesCopy):
         self._check_own()
         if self._frozen:  # only layers with stand-ins pay for the check (the disk tier, GGUF)
             self._unfrozen()
+        if self._taken is not None and self._taken_now() != self._taken_at:
+            self._retaken()
         if self._pad is not None:  # the hot path: no call for the usual zero padding
             x = self._padded(x)
         # A parameter with gradient hooks gets its gradient through autograd
@@ -300,6 +312,20 @@ class _StreamedForward(_RefusesCopy):
                 f"{which} requires grad, but layerstream holds it as a frozen stand-in ({type(p).__name__}) that no "
                 f"gradient reaches; keep it frozen (requires_grad_(False)), or train an adapter over it (LoRA)")
 
+    def _taken_now(self) -> list:
+        """The module's current values of the attributes _TAKEN_AT_OFFLOAD names for it (a
+        list comprehension: Dynamo traces it, and guards the graph on them)."""
+        module = self._module_ref()
+        return [getattr(module, name) for name in self._taken]
+
+    def _retaken(self) -> None:
+        """Raises naming the conv or table attribute (_TAKEN_AT_OFFLOAD) changed since offload()."""
+        name, was, new = next((n, a, b) for n, a, b in zip(self._taken, self._taken_at, self._taken_now()) if a != b)
+        raise LayerstreamError(
+            f"streamed layer '{self._name}': its {name} changed after offload() ({was!r} -> {new!r}), but the "
+            f"streamed layer computes with the one it had at offload(). Set it before offload(), or call "
+            f"handle.detach() first (and offload() again)")
+
     def _padded(self, x):
         """The input of a conv whose padding_mode is not zeros, padded as torch pads it."""
         return x if self._pad is None else torch.nn.functional.pad(x, self._pad[0], mode=self._pad[1])
@@ -324,6 +350,8 @@ class _StreamedForward(_RefusesCopy):
             # the graph streaming the original weights while the new ones get no gradient.
             self._check_own()
         grad = torch.is_grad_enabled()
+        if self._taken is not None and self._taken_now() != self._taken_at:
+            self._retaken()  # read under Dynamo: the graph is guarded on the attributes
         w = None if self._standin or not (grad and weight.requires_grad) else weight
         # A str key: Dynamo cannot hand assume_constant_result an int attribute (torch 2.14 keeps
         # it a lazy constant; blocks compiled one by one make the layer index a SymInt).
@@ -465,12 +493,29 @@ class _GroupForward(_RefusesCopy):
                     try:
                         for (o, k), p, v in zip(slots, self._params, seen):
                             o._parameters[k] = as_held(p, v)
+                        held = [o._parameters[k] for o, k in slots]
+                        versions = [_group_op.version_of(t) for t in held]
                         yield views
+                        for i, (t, version) in enumerate(zip(held, versions)):
+                            if _group_op.version_of(t) != version:
+                                raise self._written(i)
                     finally:
                         for (o, k), p in zip(slots, self._params):
                             o._parameters[k] = p
                 finally:
                     self._engine.release(token)
+
+    def _written(self, i: int) -> LayerstreamError:
+        """The error for a forward that wrote the group's tensor #i in place: it wrote the
+        slot's copy, and the write would be lost (the parameter, state_dict() and
+        detach() never see it)."""
+        owner, key = self._slots[i]
+        where = next(n for n, m in self._module.named_modules() if m is owner)
+        return LayerstreamError(
+            f"streamed tensor group '{self._name}' writes its tensor '{where + '.' if where else ''}{key}' in place "
+            f"in its forward (e.g. nn.Embedding(max_norm=...) renormalizing the rows it reads, or a weight's "
+            f"clamp_()); the group's forward runs on copies of its tensors in a device slot, so the write would be "
+            f"lost. Leave the module out of the group: offload(exclude=[{self._name!r}])")
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -609,9 +654,12 @@ class _GroupFn(torch.autograd.Function):
             if _INPLACE_ERROR not in str(e):
                 raise  # e.g. a second backward through a freed graph: torch's own message
             raise LayerstreamError(f"streamed layer '{fwd._name}': a tensor its backward needs (an input "
-                                   f"or a parameter) was modified in place after the forward pass (e.g. an "
-                                   f"optimizer step before this backward); autograd raises the same for a "
-                                   f"resident module. {e}") from None
+                                   f"or a parameter) was modified in place after the forward pass (e.g. "
+                                   f"`h += attn(h, h, h)[0]`, or an optimizer step before this backward). A "
+                                   f"streamed tensor group runs its forward again in backward from its inputs "
+                                   f"and parameters, so they must stay unwritten until then, even where the "
+                                   f"resident module would not need them: write `h = h + a` instead of "
+                                   f"`h += a`. {e}") from None
         saved = [distinct[i] for i in ctx.where]
         n_in = len(ctx.layout[2])
         n_ex = sum(n for _, _, n in ctx.adapters)

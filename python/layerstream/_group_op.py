@@ -159,19 +159,19 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
     with torch.enable_grad(), fwd.fetched(experts=experts, adapters=bound) as views, \
             torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _as_is), _cast_cache(False):
         args, kwargs = rebuild(leaves(inputs, [x.requires_grad for x in inputs]))
-        before = None if written is None else [(o, k, b, _version(b), b.detach().clone())
+        before = None if written is None else [(o, k, b, version_of(b), b.detach().clone())
                                                for o, k, b in _buffers(fwd._module)]
-        versions = [(x, _version(x)) for x in {id(x): x for x in inputs}.values()]
+        versions = [(x, version_of(x)) for x in {id(x): x for x in inputs}.values()]
         try:
             out = fwd._original(*args, **kwargs)
         except RuntimeError as e:
             if _LEAF_INPLACE not in str(e) or not any(x.requires_grad for x in inputs):
                 raise
             raise _writes_input(fwd, e) from None
-        if any(_version(x) != v for x, v in versions):
+        if any(version_of(x) != v for x, v in versions):
             raise _writes_input(fwd)
         for o, k, b, version, value in before or ():
-            if o._buffers.get(k) is not b or _version(b) != version:
+            if o._buffers.get(k) is not b or version_of(b) != version:
                 written[(id(o), k)] = value
         fwd.check_output(out, views)
         return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
@@ -230,7 +230,7 @@ def _buffers(module: torch.nn.Module) -> list:
     return [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None]
 
 
-def _version(t: torch.Tensor) -> Optional[int]:
+def version_of(t: torch.Tensor) -> Optional[int]:
     """t's version counter; None for an inference tensor (it has none, and nothing
     outside inference mode writes it in place)."""
     return None if t.is_inference() else t._version

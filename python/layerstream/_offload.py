@@ -175,8 +175,9 @@ def offload(
         a function of its inputs, parameters and the RNG (recomputed), read its
         parameters through the module attributes at call time (not through references
         cached earlier: nn.RNNBase modules are refused for that reason), read no
-        parameter outside it, return no view of a parameter, and write no input in place
-        when a gradient is needed (the recompute starts from the inputs; errors say so).
+        parameter outside it, return no view of a parameter, write no parameter of its own
+        in place (the forward runs on copies in a slot), and write no input in place when a
+        gradient is needed (the recompute starts from the inputs; errors say so).
         exclude= naming such a module leaves it out of groups= (its Linear and conv
         layers stream one by one); exclude=["m", "m.*"] keeps all of it resident.
     cache_across_steps: keep weights in device slots and prefetch across step

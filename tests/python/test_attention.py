@@ -268,6 +268,52 @@ def test_self_attention_under_non_reentrant_checkpoint_trains_exactly(offload_si
         assert torch.equal(p.grad, q.grad), f"{n}: gradient differs from the resident model's"
 
 
+class _InPlaceResidual(nn.Module):
+    """`h += attention(h, h, h)`: its input written in place after the call."""
+
+    def __init__(self, inplace=True):
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.inplace = inplace
+
+    def forward(self, x):
+        h = self.pre(x)
+        a = self.att(h, h, h, need_weights=False)[0]
+        if self.inplace:
+            h += a
+        else:
+            h = h + a
+        return h
+
+
+def test_an_attention_input_written_in_place_before_backward_is_refused_saying_why(offload_sim):
+    """`h += attention(h, h, h)`: the resident batch_first attention saves no view of h, so
+    its backward works; the streamed one recomputes its forward from its saved inputs in
+    backward, and autograd's version check refuses. The error said that autograd raises
+    the same for a resident module, which is false here; it says why the streamed group
+    needs its inputs and what to write instead, and `h = h + a` trains as resident."""
+    torch.manual_seed(0)
+    model = _InPlaceResidual()
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    x = torch.randn(3, 5, 16)
+    ref(x).square().sum().backward()  # the resident model trains
+    with pytest.raises(LayerstreamError, match=r"streamed layer 'att': a tensor its backward needs \(an input or a "
+                                               r"parameter\) was modified in place.*runs its forward again in "
+                                               r"backward.*write `h = h \+ a` instead of `h \+= a`"):
+        model(x).square().sum().backward()
+    handle.detach()
+    model.inplace = ref.inplace = False
+    model.zero_grad()
+    ref.zero_grad()
+    offload_sim(model)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
 class _AttendTwice(nn.Module):
     """One attention module called twice in a forward (weights shared across steps)."""
 

@@ -725,6 +725,53 @@ def test_module_to_other_dtype_after_offload(offload_sim):
     assert all(p.dtype == torch.float16 for p in model.parameters())
 
 
+_CONV_INPUT, _IDS = torch.randn(1, 4, 9, 9), torch.tensor([[0, 3, 3, 7], [1, 0, 19, 3]])
+_GROUPED_INPUT = torch.randn(1, 8, 9, 9)  # what the conv takes with groups=2
+
+
+@pytest.mark.parametrize("make, attr, value, x", [
+    (lambda: nn.Conv2d(4, 4, 3), "stride", (2, 2), _CONV_INPUT),
+    (lambda: nn.Conv2d(4, 4, 3), "padding", (1, 1), _CONV_INPUT),
+    (lambda: nn.Conv2d(4, 4, 3), "dilation", (2, 2), _CONV_INPUT),
+    (lambda: nn.Conv2d(4, 4, 3), "groups", 2, (_CONV_INPUT, _GROUPED_INPUT)),
+    (lambda: nn.Conv2d(4, 4, 3, padding=1), "padding_mode", "reflect", _CONV_INPUT),
+    (lambda: nn.Embedding(20, 8), "padding_idx", 3, _IDS),
+    (lambda: nn.Embedding(20, 8), "max_norm", 1.0, _IDS),
+    (lambda: nn.Embedding(20, 8), "norm_type", 1.0, _IDS),
+    (lambda: nn.Embedding(20, 8), "scale_grad_by_freq", True, _IDS),
+    (lambda: nn.Embedding(20, 8), "sparse", True, _IDS),
+], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_conv_or_table_attribute_changed_after_offload_is_refused_naming_it(offload_sim, make, attr, value, x,
+                                                                              compiled):
+    """A conv's stride, padding, dilation, groups or padding_mode, or a table's padding_idx,
+    max_norm, norm_type, scale_grad_by_freq or sparse, set after offload(): the engine took
+    them at offload(), torch's module reads them at each call. Before, the streamed layer
+    computed with the old ones without a word (another output shape, a padding row that got
+    gradients). The next call is refused naming the layer and the attribute (under
+    torch.compile too); set back, the layer works; after detach() the new value is used."""
+    x, x_new = x if isinstance(x, tuple) else (x, x)  # the input before and after the change
+    torch.manual_seed(0)
+    model = nn.Sequential(make())
+    ref = copy.deepcopy(model)
+    handle = offload_sim(model)
+    call = torch.compile(model, backend="aot_eager") if compiled else model
+    want = ref(x)
+    assert torch.equal(call(x), want)
+    old = getattr(model[0], attr)
+    setattr(model[0], attr, value)
+    with pytest.raises(LayerstreamError, match=re.escape(
+            f"streamed layer '0': its {attr} changed after offload() ({old!r} -> {value!r})") + r".*before offload\(\), "
+            r"or call handle\.detach\(\) first"):
+        call(x_new)
+    setattr(model[0], attr, old)
+    assert torch.equal(call(x), want)
+    handle.detach()
+    setattr(model[0], attr, value)
+    setattr(ref[0], attr, value)
+    assert torch.equal(model(x_new), ref(x_new))
+
+
 def test_weight_moved_behind_the_engines_back_is_detected(offload_sim):
     """A streamed parameter's data replaced directly (not through model.to()) is still
     caught at the next call."""

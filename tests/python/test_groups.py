@@ -438,6 +438,67 @@ def test_a_group_that_writes_its_input_in_place_is_refused_when_it_trains(offloa
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), n
 
 
+class _ClampsWeight(nn.Module):
+    """Clamps its Linear's weight in place in its forward (weight clipping, a WGAN critic's)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x)
+
+
+class _Renormed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16, max_norm=1.0)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_group_that_writes_its_own_tensor_in_place_is_refused(offload_sim, grad):
+    """A groups= module whose forward writes one of its parameters in place (a weight's
+    clamp_(); nn.Embedding(max_norm=...) renormalizing the rows it reads) wrote the slot's
+    copy: the parameter, state_dict() and detach() never saw the write, and training went on
+    from the unclamped weights, without a word. The call is now refused naming the group and
+    the tensor, the parameters left as they were; offload(exclude=[...]) as it advises trains
+    as the resident model does. A max_norm table inside a groups= module is refused at
+    offload(), the model left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _ClampsWeight(), nn.Linear(16, 2))
+    ref = copy.deepcopy(model)
+    before = copy.deepcopy(model.state_dict())
+    handle = offload_sim(model, groups=["1"])
+    x = torch.randn(4, 16)
+    with torch.set_grad_enabled(grad), pytest.raises(
+            LayerstreamError, match=r"streamed tensor group '1' writes its tensor 'lin\.weight' in place in its "
+                                    r"forward.*lost\. Leave the module out of the group: offload\(exclude=\['1'\]\)"):
+        model(x)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    handle.detach()
+    offload_sim(model, exclude=["1"])
+    with torch.set_grad_enabled(grad):
+        for _ in range(2):
+            y, want = model(x), ref(x)
+            assert torch.equal(y, want)
+            if grad:
+                y.square().sum().backward()
+                want.square().sum().backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b) and (a.grad is None) == (b.grad is None), n
+        assert a.grad is None or torch.equal(a.grad, b.grad), n
+    table = nn.Sequential(_Renormed(), nn.Linear(16, 2))
+    with pytest.raises(LayerstreamError, match=r"names module '0', which holds an nn\.Embedding with max_norm "
+                                               r"\('0\.emb'\).*leave it out of groups="):
+        offload_sim(table, groups=["0"])
+    assert all("forward" not in m.__dict__ for m in table.modules())
+
+
 def test_offload_docstring_names_no_rnn_among_what_groups_streams(offload_sim):
     """offload()'s docstring listed "RNNs" among the layers groups= streams, while groups= on a
     module holding an nn.LSTM is refused: every sentence of its groups= entry that names an

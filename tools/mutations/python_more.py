@@ -101,7 +101,7 @@ MUTATIONS: list = [
         "lossless weights cannot stay on disk"),
     Mutation(
         "group-input-written-in-place-recomputed", "python/layerstream/_group_op.py",
-        "        if any(_version(x) != v for x, v in versions):\n            raise _writes_input(fwd)\n",
+        "        if any(version_of(x) != v for x, v in versions):\n            raise _writes_input(fwd)\n",
         "",
         [P + "test_groups.py::test_a_group_that_writes_its_input_in_place_is_refused_when_it_trains"],
         "a groups= module that writes an input that requires no grad in place trains with silently wrong "
@@ -416,4 +416,39 @@ MUTATIONS: list = [
         [P + "test_distributed.py::test_an_error_in_one_ranks_step_closure_is_raised_on_every_rank_saying_nothing_was_stepped"],
         "a collective of a sharded step that raises (the group's timeout after another rank's closure failed, "
         "a rank that died) does not say what this rank's step wrote"),
+    Mutation(
+        "conv-table-attrs-changed-after-offload-ignored", "python/layerstream/_forward.py",
+        "        if self._taken is not None and self._taken_now() != self._taken_at:\n            self._retaken()\n"
+        "        if self._pad",
+        "        if self._pad",
+        [P + "test_errors.py::test_a_conv_or_table_attribute_changed_after_offload_is_refused_naming_it"],
+        "conv.stride = (2, 2) or emb.padding_idx = pad after offload(): the streamed layer computes with the "
+        "values it had at offload() (another output shape, a padding row trained), without a word"),
+    Mutation(
+        "compiled-conv-table-attrs-unchecked", "python/layerstream/_forward.py",
+        "            self._retaken()  # read under Dynamo: the graph is guarded on the attributes",
+        "            pass",
+        [P + "test_errors.py::test_a_conv_or_table_attribute_changed_after_offload_is_refused_naming_it"],
+        "under torch.compile a conv or table attribute changed after offload() is ignored (eager refuses)"),
+    Mutation(
+        "group-writes-its-own-tensor-lost", "python/layerstream/_forward.py",
+        "                            if _group_op.version_of(t) != version:",
+        "                            if False:",
+        [P + "test_groups.py::test_a_group_that_writes_its_own_tensor_in_place_is_refused"],
+        "a groups= module whose forward clamps its weight in place writes the slot's copy: the parameter, "
+        "state_dict() and detach() never see it, silently"),
+    Mutation(
+        "groups-renormed-table-accepted", "python/layerstream/_discovery.py",
+        "            if renormed is not None:  # the check in _GroupForward.fetched would refuse its first call",
+        "            if False:",
+        [P + "test_groups.py::test_a_group_that_writes_its_own_tensor_in_place_is_refused"],
+        "offload(groups=...) accepts a module holding an nn.Embedding(max_norm=...), whose renormalization "
+        "only the first call refuses"),
+    Mutation(
+        "group-inplace-input-error-claims-resident-parity", "python/layerstream/_forward.py",
+        "                                   f\"streamed tensor group runs its forward again in backward from its inputs \"",
+        "                                   f\"autograd raises the same for a resident module \"",
+        [P + "test_attention.py::test_an_attention_input_written_in_place_before_backward_is_refused_saying_why"],
+        "`h += attn(h, h, h)[0]` before backward: the error says a resident module fails the same, which is "
+        "false, and not why the streamed attention needs its input"),
 ]
