@@ -303,8 +303,8 @@ MUTATIONS = [
         "tensor's start: values past the first 64 MiB are the first chunk's again"),
     Mutation(
         "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
-        "    LS_CHECK(t.defined() && (t.is_floating_point() || !t.requires_grad()), \"tensor group '\", name,",
-        "    LS_CHECK(t.defined() && t.is_floating_point(), \"tensor group '\", name,",
+        "    LS_CHECK(t.is_floating_point() || !t.requires_grad(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
+        "    LS_CHECK(t.is_floating_point(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
         ["gtest:test_torch_offload:TorchOffload.AGroupsRawBytesCrossAsTheyAreEvenWithAFormat",
          P + "test_gguf.py::test_diffusers_gguf_layers_stream_their_blocks_and_compute_what_diffusers_computes"],
         "a tensor group refuses a tensor that is not floating point: diffusers' GGUF layers cannot stream"),
