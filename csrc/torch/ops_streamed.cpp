@@ -475,7 +475,9 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     const bool need_b = l.bias.defined() && ctx->needs_input_grad(2) && kept->b.defined() &&
                         kept->b.requires_grad() && wants_grad(l.bias);
     if (!need_x && !need_w && !need_b) return none;
-    const bool via_autograd = ctx->saved_data["via_autograd"].toBool() || !plain_backward();
+    // A gradient hook registered since the forward (stages_grads() now false) fires
+    // only if autograd accumulates the gradient: returned, not staged (it got None).
+    const bool via_autograd = ctx->saved_data["via_autograd"].toBool() || !plain_backward() || !e->stages_grads(layer);
     const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
     torch::autograd::edge_list wanted;
     if (need_x) wanted.push_back(kept->x_edge);

@@ -1167,6 +1167,27 @@ def test_param_hooks_fire_like_reference(offload_sim):
         torch.testing.assert_close(got[n], want[n], **TOL, msg=lambda m: f"{n}: {m}")
 
 
+def test_param_hooks_registered_after_the_forward_fire_like_reference(offload_sim):
+    """A hook registered between the forward and the backward: the layer's forward had
+    chosen to stage its gradients (no hook then), so register_hook got None and
+    post-accumulate-grad hooks read .grad None; a None-tolerant hook that doubles the
+    gradient left it undoubled, silently. The backward routes them through autograd now."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    offload_sim(model)
+    x = torch.randn(4, 8)
+    seen = {"m": [], "r": []}
+    for key, m in (("m", model), ("r", ref)):
+        loss = m(x).square().sum()
+        for n, p in m.named_parameters():
+            p.register_hook(lambda g, n=n, key=key: (seen[key].append((n, g is None)), None if g is None else g * 2)[1])
+            p.register_post_accumulate_grad_hook(lambda p, n=n, key=key: seen[key].append((n, p.grad is None)))
+        loss.backward()
+    assert sorted(seen["m"]) == sorted(seen["r"]) and not any(none for _, none in seen["m"])
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["cast-at-use", "compute_dtype"])
 def test_autocast_bf16_mixed_precision_training(offload_sim, compute_dtype):
     """fp32 weights under bf16 autocast: streamed layers compute in bf16 exactly as

@@ -579,6 +579,13 @@ MUTATIONS = [
         "load_state_dict() into a quantized frozen group tensor on one rank re-quantizes it into the store "
         "every rank of the node shares"),
     Mutation(
+        "late-grad-hook-gets-a-staged-gradient", "csrc/torch/ops_streamed.cpp",
+        "ctx->saved_data[\"via_autograd\"].toBool() || !plain_backward() || !e->stages_grads(layer);",
+        "ctx->saved_data[\"via_autograd\"].toBool() || !plain_backward();",
+        [P + "test_training.py::test_param_hooks_registered_after_the_forward_fire_like_reference"],
+        "a gradient hook registered between a streamed layer's forward and its backward gets None (the gradient "
+        "staged, not returned to autograd): a hook that scales it is skipped silently"),
+    Mutation(
         "q8-states-decoded-as-second-moments", "csrc/torch/host_optim.cpp",
         "  out.exp_avg = adopt(loaded.exp_avg, loaded.exp_avg_absmax, \"exp_avg\", true, &out.exp_avg_absmax);",
         "  out.exp_avg = adopt(loaded.exp_avg, loaded.exp_avg_absmax, \"exp_avg\", false, &out.exp_avg_absmax);",
