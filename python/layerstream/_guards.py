@@ -267,6 +267,24 @@ class _StreamedApply:
                     f"{self._compute}: model.to()/cuda() to that device is fine (the streamed layers "
                     f"stay as they are), but this conversion would move them elsewhere or change "
                     f"their dtype ({key} is {p.dtype}). {self._remedy}")
+            if p is not None and p.dim() in (4, 5) and self._relayouts(fn, p):
+                raise LayerstreamError(
+                    f"streamed layer '{self._name}' keeps its weights in host memory in the layout they had at "
+                    f"offload() (strides {tuple(p.stride())}); this conversion would give {key} another memory "
+                    f"layout (e.g. model.to(memory_format=torch.channels_last)), which the streamed layer would "
+                    f"not take. Convert the model's layout before offload(), or call handle.detach() first")
+
+    @staticmethod
+    def _relayouts(fn, p) -> bool:
+        """Whether `fn` (a conversion nn.Module._apply hands each tensor) gives a 4-D/5-D
+        tensor of p's shape and strides other strides (model.to(memory_format=...): the
+        dtype probe's empty tensors have no layout to change). Probed on the meta device;
+        a conversion that cannot run there (a move) is the dtype probe's to judge."""
+        try:
+            out = fn(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"))
+        except Exception:  # noqa: BLE001
+            return False
+        return isinstance(out, torch.Tensor) and out.is_meta and out.stride() != p.stride()
 
     def __call__(self, fn, recurse=True):
         self.check(fn)

@@ -879,3 +879,19 @@ def test_the_engine_names_a_trainable_complex_group_tensor_and_what_to_do():
                                                r"a tensor group trains floating-point tensors only: freeze it"):
         e.add_group("g", [torch.randn(4), w])
     e.add_group("g", [torch.randn(4), w.detach()])  # frozen: crosses as it is
+
+
+def test_a_layout_conversion_after_offload_is_refused_before_anything_changes():
+    """model.to(memory_format=torch.channels_last) after offload() left the streamed conv
+    weights contiguous, silently (the conversion probe's empty tensors have no layout), while
+    the rest converted: the numbers of neither layout. Refused now, before anything changes;
+    moves to the compute device and no-op conversions still pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 8, 3))
+    layerstream.offload(model, device="sim")
+    before = {n: (p.detach().clone(), p.stride()) for n, p in model.named_parameters()}
+    with pytest.raises(LayerstreamError, match=r"streamed layer '0' .* another memory layout .*before offload\(\)"):
+        model.to(memory_format=torch.channels_last)
+    assert all(torch.equal(p, before[n][0]) and p.stride() == before[n][1] for n, p in model.named_parameters())
+    model.to("cpu").float()
+    model(torch.randn(2, 16, 8, 8))

@@ -451,4 +451,11 @@ MUTATIONS: list = [
         [P + "test_attention.py::test_an_attention_input_written_in_place_before_backward_is_refused_saying_why"],
         "`h += attn(h, h, h)[0]` before backward: the error says a resident module fails the same, which is "
         "false, and not why the streamed attention needs its input"),
+    Mutation(
+        "layout-conversion-after-offload-skipped", "python/layerstream/_guards.py",
+        "            if p is not None and p.dim() in (4, 5) and self._relayouts(fn, p):",
+        "            if False:",
+        [P + "test_misuse.py::test_a_layout_conversion_after_offload_is_refused_before_anything_changes"],
+        "model.to(memory_format=torch.channels_last) after offload() converts the rest and leaves the streamed conv "
+        "weights contiguous, silently"),
 ]
