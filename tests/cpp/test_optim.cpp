@@ -833,6 +833,22 @@ TEST(OptimAdafactor, Bf16RoundingBitsDifferAcrossElements) {
 }
 
 // 8-bit states follow fp32 states closely on a quadratic problem.
+// An fp32 parameter, its gradient and its states (absmax values: empty unless 8-bit) as
+// one tensor of a step.
+static o::AdamWTensor with_states(std::vector<float>& p, std::vector<float>& g, void* m, void* v,
+                                  std::vector<float>& am, std::vector<float>& av, int64_t step) {
+  o::AdamWTensor t;
+  t.param = p.data();
+  t.grad = g.data();
+  t.exp_avg = m;
+  t.exp_avg_sq = v;
+  t.exp_avg_absmax = am.empty() ? nullptr : am.data();
+  t.exp_avg_sq_absmax = av.empty() ? nullptr : av.data();
+  t.numel = static_cast<int64_t>(p.size());
+  t.step = step;
+  return t;
+}
+
 TEST(OptimAdamW, EightBitStatesStayCloseToFp32) {
   const int64_t n = 10000;
   std::vector<float> target = randn(static_cast<size_t>(n), 21);
@@ -846,16 +862,7 @@ TEST(OptimAdamW, EightBitStatesStayCloseToFp32) {
     c.weight_decay = 0;
     for (int64_t step = 1; step <= 100; ++step) {
       for (int64_t i = 0; i < n; ++i) g[static_cast<size_t>(i)] = p[static_cast<size_t>(i)] - target[static_cast<size_t>(i)];
-      o::AdamWTensor t;
-      t.param = p.data();
-      t.grad = g.data();
-      t.exp_avg = m.data();
-      t.exp_avg_sq = v.data();
-      t.exp_avg_absmax = am.data();
-      t.exp_avg_sq_absmax = av.data();
-      t.numel = n;
-      t.step = step;
-      o::adamw_step(c, f, {t}, 1.0f, 3);
+      o::adamw_step(c, f, {with_states(p, g, m.data(), v.data(), am, av, step)}, 1.0f, 3);
     }
     double loss = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -904,16 +911,7 @@ TEST(OptimQ8, ConversionIsNearestAndGivesAStepsCodesBack) {
   for (int64_t step = 1; step <= 3; ++step) {
     std::vector<float> g = randn(un, static_cast<uint32_t>(40 + step));
     g[7] *= 1e-4f;  // small moments too, in the codes' subnormal range
-    o::AdamWTensor t;
-    t.param = p.data();
-    t.grad = g.data();
-    t.exp_avg = m.data();
-    t.exp_avg_sq = v.data();
-    t.exp_avg_absmax = am.data();
-    t.exp_avg_sq_absmax = av.data();
-    t.numel = n;
-    t.step = step;
-    o::adamw_step(o::AdamWConfig{}, o::StateFormat::Q8, {t}, 1.0f, 9);
+    o::adamw_step(o::AdamWConfig{}, o::StateFormat::Q8, {with_states(p, g, m.data(), v.data(), am, av, step)}, 1.0f, 9);
   }
   for (bool first : {true, false}) {
     const std::vector<uint8_t>& codes = first ? m : v;
