@@ -96,6 +96,25 @@ options::Budget budget_of(py::handle v) {
   return b;
 }
 
+// A stashed activation's token as autograd holds it (offload(activations=...)'s pack
+// hook): dropped by this destructor when the graph that saved it is freed. In C++ so
+// that no Python code runs there: a Ctrl-C landing in a Python __del__ raised its
+// KeyboardInterrupt there, which Python swallows ("Exception ignored in ...") before the
+// drop, and the host copy leaked, one per interrupt.
+struct StashedActivation {
+  std::shared_ptr<Engine> engine;
+  int64_t token;
+  StashedActivation(std::shared_ptr<Engine> e, int64_t t) : engine(std::move(e)), token(t) {}
+  StashedActivation(const StashedActivation&) = delete;
+  StashedActivation& operator=(const StashedActivation&) = delete;
+  ~StashedActivation() {
+    try {
+      engine->drop_activation(token);
+    } catch (...) {  // a destructor must not throw; the engine's own errors are logged there
+    }
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -638,6 +657,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("creator", &layerstream::SharedRegion::creator)
       .def_static("page_size", &layerstream::SharedRegion::page_size)
       .def("close_fd", &layerstream::SharedRegion::close_fd);
+  py::class_<StashedActivation, std::unique_ptr<StashedActivation>>(m, "StashedActivation")
+      .def(py::init<std::shared_ptr<Engine>, int64_t>(), py::arg("engine"), py::arg("token"))
+      .def_readonly("engine", &StashedActivation::engine)
+      .def_readonly("token", &StashedActivation::token);
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](const EngineOptions& opts) { return Engine::create(opts); }), py::arg("options"))
       // {field: value} of EngineOptions (an unknown field is refused).

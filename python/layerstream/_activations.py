@@ -44,22 +44,6 @@ class _Kept:
         return self.tensor
 
 
-class _Saved:
-    """A saved tensor the engine holds for autograd (kept or on the host): released with
-    the graph that holds this object."""
-
-    __slots__ = ("engine", "token")
-
-    def __init__(self, engine, token: int):
-        self.engine, self.token = engine, token
-
-    def __del__(self):
-        try:
-            self.engine.drop_activation(self.token)
-        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
-            pass
-
-
 @_dynamo_marks.disable(reason=(
     "offload(activations=...) opens a saved-tensor hooks scope around the model's call, which "
     "torch.compile cannot trace: the graph breaks at the model's start and end (the compiled regions' "
@@ -143,9 +127,11 @@ class ActivationOffload:
                 or is_traceable_wrapper_subclass(t) or t.device.type == "meta"
                 or t.untyped_storage().data_ptr() in held):
             return _Kept(t)
-        with held_interrupts():  # Ctrl-C: once _Saved owns the token (Note [A Ctrl-C as a C++ call returns])
+        # Ctrl-C: once the StashedActivation owns the token (Note [A Ctrl-C as a C++ call
+        # returns]); it drops the token in C++ when autograd frees the graph (no Python runs there).
+        with held_interrupts():
             token = engine.stash_activation(t)
-            saved = _Kept(t) if token < 0 else _Saved(engine, token)
+            saved = _Kept(t) if token < 0 else _C.StashedActivation(engine, token)
         return saved
 
     def unpack(self, saved):

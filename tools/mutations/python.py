@@ -573,8 +573,8 @@ MUTATIONS = [
         "a Ctrl-C as a tensor group's fetch() returns leaks the slot's token (all slots held, detach refused)"),
     Mutation(
         "activation-stash-ctrl-c-not-held", "python/layerstream/_activations.py",
-        "        with held_interrupts():  # Ctrl-C: once _Saved owns the token",
-        "        if True:  # Ctrl-C: once _Saved owns the token",
+        "        with held_interrupts():\n            token = engine.stash_activation(t)",
+        "        if True:\n            token = engine.stash_activation(t)",
         [P + "test_errors.py::test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy"],
         "a Ctrl-C as an activation is stashed leaks its host copy"),
     Mutation(

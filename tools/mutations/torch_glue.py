@@ -586,6 +586,13 @@ MUTATIONS = [
         "a gradient hook registered between a streamed layer's forward and its backward gets None (the gradient "
         "staged, not returned to autograd): a hook that scales it is skipped silently"),
     Mutation(
+        "stashed-activation-never-dropped", "csrc/python/bindings.cpp",
+        "      engine->drop_activation(token);",
+        "      (void)engine;",
+        [P + "test_errors.py::test_a_ctrl_c_as_an_activation_is_stashed_does_not_leak_its_host_copy"],
+        "a stashed activation's host copy is never given back when autograd frees its graph: the pool grows "
+        "every step"),
+    Mutation(
         "q8-states-decoded-as-second-moments", "csrc/torch/host_optim.cpp",
         "  out.exp_avg = adopt(loaded.exp_avg, loaded.exp_avg_absmax, \"exp_avg\", true, &out.exp_avg_absmax);",
         "  out.exp_avg = adopt(loaded.exp_avg, loaded.exp_avg_absmax, \"exp_avg\", false, &out.exp_avg_absmax);",
