@@ -15,9 +15,14 @@
 
 namespace layerstream {
 
-std::shared_ptr<SourceFile> EngineImpl::file_locked(const FileRange& r) {
+std::shared_ptr<SourceFile> EngineImpl::open_file_locked(const FileRange& r) const {
   auto it = files_.find(r.path);
   if (it != files_.end() && (!r.identity.recorded() || it->second->identity() == r.identity)) return it->second;
+  return nullptr;
+}
+
+std::shared_ptr<SourceFile> EngineImpl::file_locked(const FileRange& r) {
+  if (auto open = open_file_locked(r)) return open;
   // Not open yet, or open as another version of the file (a range recorded
   // before or after a change): this range's version, checked at every read.
   auto f = SourceFile::open(r.path, r.identity, r.kind);
@@ -37,7 +42,12 @@ torch::Tensor EngineImpl::read_file(const FileRange& src, const std::vector<int6
   const uint64_t want = static_cast<uint64_t>(numel) * c10::elementSize(from);
   LS_CHECK(want == src.bytes, src.path, ": tensor '", src.tensor, "' has ", src.bytes, " bytes in the file; ",
            shape_str(shape), " of ", dtype_name(from), " needs ", want);
-  std::shared_ptr<SourceFile> file = file_locked(src);
+  // The disk tier's open file when it reads this one too, else one opened for
+  // this read alone: a checkpoint whose weights were all read into RAM is
+  // closed, and a deleted one frees its disk space (docs/design/host-tier.md,
+  // "Open files").
+  std::shared_ptr<SourceFile> file = open_file_locked(src);
+  if (!file) file = SourceFile::open(src.path, src.identity, src.kind);
   const size_t index = store_->add_unclaimed(static_cast<uint64_t>(numel) * c10::elementSize(dtype), src.tensor);
   void* ptr = store_->buffer(index).ptr;
   // Several threads, large chunks: core/io/source_file.h.

@@ -472,7 +472,10 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // The host tier (engine_host_tier.cpp): fills `s.staged` (and size-only
   // parts) when the layer is on disk or a part of it is pageable in the store.
   void staged_sources_locked(const LayerInfo& l, LayerSpec& s);
+  // The file `r` names, opened once and kept while the engine lives (the disk
+  // tier reads it on every use); open_file_locked(): the one already kept, or null.
   std::shared_ptr<SourceFile> file_locked(const FileRange& r);
+  std::shared_ptr<SourceFile> open_file_locked(const FileRange& r) const;
   // Host bytes the staging entries need at least (0: no layer is staged).
   uint64_t staging_needed_locked(const std::vector<LayerSpec>& specs) const;
   void ensure_scheduler();
@@ -595,7 +598,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::shared_ptr<void> keepalive_;  // held by parameters' data: store + backend
   Stream transfer_, grad_stream_, dequant_stream_, inline_compute_;
   std::map<void*, Stream> wrapped_streams_;
-  std::map<std::string, std::shared_ptr<SourceFile>> files_;  // the disk tier's, by path
+  std::map<std::string, std::shared_ptr<SourceFile>> files_;  // the disk tier's, by path (file_locked)
 
   mutable std::recursive_mutex mu_;
   std::vector<std::unique_ptr<LayerInfo>> layers_;

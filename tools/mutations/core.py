@@ -151,7 +151,7 @@ MUTATIONS = [
         "disk-tier-file-change-unseen", "csrc/core/io/source_file.cpp",
         "  if (now == identity_ && opened_ == identity_) return;",
         "  if (true) return;",
-        [P + "test_host_tier.py::test_a_file_changed_after_loading_is_an_error_never_other_weights"],
+        [P + "test_host_tier_files.py::test_a_file_changed_after_loading_is_an_error_never_other_weights"],
         "a checkpoint file rewritten after loading is read as if it were the same weights"),
     Mutation(
         "host-store-pins-past-its-cap", "csrc/core/host_store.cpp",
@@ -298,14 +298,14 @@ MUTATIONS = [
         "disk-tier-load-identity-ignored", "csrc/core/io/source_file.cpp",
         "  f->identity_ = recorded.recorded() ? recorded : f->opened_;",
         "  f->identity_ = f->opened_;",
-        [P + "test_host_tier.py::test_a_file_changed_between_loading_and_offload_is_an_error"],
+        [P + "test_host_tier_files.py::test_a_file_changed_between_loading_and_offload_is_an_error"],
         "a checkpoint rewritten between load_safetensors() and offload() is read as the weights loaded (the "
         "identity recorded with its header is ignored; a longer header shifts every offset)"),
     Mutation(
         "checkpoint-path-stays-relative", "csrc/core/safetensors.cpp",
         "  const std::string path = named.empty() ? named : fs::absolute(named, ec).string();",
         "  const std::string path = named;",
-        [P + "test_host_tier.py::test_a_checkpoint_loaded_by_a_relative_path_streams_after_a_chdir"],
+        [P + "test_host_tier_files.py::test_a_checkpoint_loaded_by_a_relative_path_streams_after_a_chdir"],
         "a checkpoint loaded by a relative path cannot be read after os.chdir()"),
     Mutation(
         "quant-cache-dir-stays-relative", "csrc/core/io/quant_cache.cpp",
