@@ -58,19 +58,10 @@ def sh(cmd, cwd, env=None, timeout=None, log=None):
 def sync_tree(tree: Path):
     """Copies the working tree's tracked and untracked-but-not-ignored files into
     `tree`, only those whose bytes differ (unchanged files keep their mtimes, so the
-    scratch build stays incremental), and removes files no longer listed."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           stdout=subprocess.PIPE, check=True).stdout.decode().split("\0")
-    files = [f for f in files if f and (ROOT / f).is_file()]
-    tree.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        src, dst = ROOT / f, tree / f
-        data = src.read_bytes()
-        if dst.is_file() and dst.read_bytes() == data:
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(data)
-        shutil.copymode(src, dst)
+    scratch build stays incremental), and removes files no longer listed: the GPU
+    proof's gpu_sync_tree (bench/gpu/build_lib.sh), one copy of the rule."""
+    subprocess.run(["bash", "-c", '. bench/gpu/build_lib.sh && gpu_sync_tree "$1"', "sync", str(tree)],
+                   cwd=ROOT, check=True)
     venv = tree / ".venv"
     if not venv.exists():
         venv.symlink_to(ROOT / ".venv")
