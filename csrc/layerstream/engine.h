@@ -475,7 +475,10 @@ class Engine {
   // largest tensor offloaded so far (always the newest one): past that, the
   // call blocks until the oldest have finished. Thread-safe.
   // Conjugate, negative and zero views (their bit is not in the bytes), and
-  // tensors without strided storage, are none of its business either.
+  // tensors without strided storage, are none of its business either. A save
+  // of data a live token holds, unchanged since (same storage, address,
+  // sizes, strides, dtype and version), gets a token that shares that entry:
+  // one host copy, and one copy back serves both unpacks.
   virtual int64_t stash_activation(const torch::Tensor& t) = 0;
   // The stashed tensor on the compute device (same sizes, strides and
   // dtype), ready for work enqueued on the compute stream after the call
@@ -483,7 +486,9 @@ class Engine {
   // the ordering checker reports a read before the copy lands). Starts the
   // copy back of the next `prefetch` stashes in reverse saving order (the
   // order backward unpacks them) on the transfer stream. May be called
-  // again for the same token (a retained graph): each call copies back.
+  // again for the same token (a retained graph): each call copies back
+  // (but a copy back that tokens sharing the entry may still unpack is kept
+  // for them until the last one unpacks it or the backward ends).
   // Autograd's version check, which its saved-tensor hooks turn off: a tensor
   // written in place since it was saved throws autograd's "modified by an
   // inplace operation" (check_saved_version, below).

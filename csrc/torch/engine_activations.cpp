@@ -135,6 +135,49 @@ int64_t EngineImpl::stash_activation(const torch::Tensor& t) {
   return token;
 }
 
+// Note [A tensor saved by several ops]
+// The normed input of a block's q, k and v projections is saved by each of
+// them (a Llama block saves its attention input three times and its MLP input
+// twice). Stashed once per save, each save took its own host buffer and its
+// own copies each way. Now a later save of the same data, unchanged since the
+// first (the same storage, address, sizes, strides and dtype, and the version
+// it was saved at: an op may save its own view of the tensor, as a Linear's
+// reshape), is an alias of the first one's entry (the primary), which holds the data for all:
+// one host copy, one copy back. Backward unpacks them in reverse saving order,
+// so an alias is usually unpacked first: the primary is copied back then, and
+// its copy is kept (`shared`) for the others' unpacks while any other token of
+// the tensor lives, until the last of them unpacks it or this backward ends
+// (its final callback, as for Note [Copies back that no backward reads]). The
+// device holds it from its first unpack to its last, as without offload it
+// would all along. The entry goes when every token of it was dropped.
+bool EngineImpl::holds_unchanged(const Stashed& s, const torch::Tensor& t) {
+  if (s.primary >= 0 || !s.storage || s.storage->expired() || s.data != t.data_ptr()) return false;
+  if (s.sizes != t.sizes() || s.strides != t.strides() || s.options.dtype() != t.dtype()) return false;
+  const auto now = version_of(t);
+  if (now.has_value() != s.version.has_value()) return false;
+  return !now || (now->current_version() == s.saved_version && s.version->current_version() == s.saved_version);
+}
+
+std::pair<EngineImpl::Stashed*, int64_t> EngineImpl::primary_of(std::map<int64_t, Stashed>::iterator it) {
+  if (it->second.primary < 0) return {&it->second, it->first};
+  auto p = stashed_.find(it->second.primary);
+  LS_CHECK(p != stashed_.end(), "saved activation ", it->first, ": the entry it shares (", it->second.primary,
+           ") is gone while it lives (an internal error; please report it)");
+  return {&p->second, p->first};
+}
+
+void EngineImpl::release_at_end_of_locked(int task) {
+  if (task == -1 || act_callback_task_ == task) return;
+  act_callback_task_ = task;
+  torch::autograd::Engine::get_default_engine().queue_callback([weak = weak_from_this(), task] {
+    if (auto self = weak.lock()) {
+      LetGoAfterUnlock let_go_after;
+      std::lock_guard<std::recursive_mutex> lock(self->mu_);
+      self->release_unserved_locked(task);
+    }
+  });
+}
+
 int64_t EngineImpl::stash_locked(const torch::Tensor& t, Event* wait) {
   LS_CHECK(!detached_, "this layerstream handle was detached; its activation offload is off");
   const void* p = t.data_ptr();
@@ -142,6 +185,20 @@ int64_t EngineImpl::stash_locked(const torch::Tensor& t, Event* wait) {
     for (int i = 0; i < sched_->pool().num_slots(); ++i)
       if (inside(p, sched_->pool().slot(i))) return -1;  // a view of a slot (weights)
   release_copied_locked();
+  for (auto [seen, end] = saved_by_storage_.equal_range(storage_of(t)); seen != end; ++seen) {
+    auto p = stashed_.find(seen->second);
+    if (p != stashed_.end() && holds_unchanged(p->second, t)) {  // Note [A tensor saved by several ops]
+      Stashed alias;
+      alias.primary = seen->second;
+      alias.sizes = p->second.sizes;
+      alias.version = version_of(t);  // its own counter (an op's view of it may have another)
+      alias.saved_version = p->second.saved_version;
+      ++p->second.sharers;
+      const int64_t token = next_stash_++;
+      stashed_.emplace(token, std::move(alias));
+      return token;
+    }
+  }
   Stashed s;
   s.bytes = static_cast<size_t>(t.numel()) * t.element_size();
   s.sizes = t.sizes().vec();
@@ -154,7 +211,11 @@ int64_t EngineImpl::stash_locked(const torch::Tensor& t, Event* wait) {
   s.device = t.detach();
   s.version = version_of(t);
   if (s.version) s.saved_version = s.version->current_version();
+  s.storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
+      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl()));
+  s.data = p;
   const int64_t token = next_stash_++;
+  saved_by_storage_.emplace(storage_of(t), token);
   // Held here as autograd would hold it; a large dense one enters the device
   // budget's window, and the oldest ones beyond the budget leave it for the
   // host (docs/design/activations.md, "The device budget keeps the newest").
@@ -334,8 +395,9 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   auto it = stashed_.find(token);
   LS_CHECK(it != stashed_.end(), "saved activation ", token, " was already released (its graph was freed); "
            "backward through it twice needs retain_graph=True");
-  Stashed& s = it->second;
-  check_saved_version(s.version, s.saved_version, s.sizes);
+  check_saved_version(it->second.version, it->second.saved_version, it->second.sizes);
+  auto [sp, held_by] = primary_of(it);  // Note [A tensor saved by several ops]
+  Stashed& s = *sp;
   if (!s.offloaded) return s.device;
   release_copied_locked();
   prune_handed_out_locked();
@@ -344,23 +406,34 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   // the checker sees that path's order: the copy back after the copy to the
   // host (copy_back_locked).
   if (kept_until_copied(s)) return s.device;
-  if (!s.copying_back) copy_back_locked(s);
-  Stream cs = compute_stream();
-  if (order_compute) backend_->wait(cs, s.to_device);
-  backend_->declare_access(s.restored_ref, Access::Read, cs, "the backward's read of a saved activation");
-  backend_->unwrap(s.restored_ref);  // handed to autograd: the engine never touches it again
-  s.restored_ref = BufferRef();
-  torch::Tensor out = std::move(s.restored);
-  s.restored = torch::Tensor();
-  s.copying_back = false;
   const bool again = s.handed_out;  // a retained graph's backward after the first
   const int task = torch::autograd::get_current_graph_task_id();
-  s.handed_out = true;
-  s.handed_task = task;
-  handed_out_.push_back({token,
-                         c10::weak_intrusive_ptr<c10::StorageImpl>(
-                             c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(out.storage().unsafeGetStorageImpl())),
-                         s.bytes});
+  torch::Tensor out;
+  if (s.shared.defined()) {  // another sharer's unpack copied it back
+    out = s.shared;
+    if (s.sharers <= 1) let_go_locked(s.shared);
+  } else {
+    if (!s.copying_back) copy_back_locked(s);
+    Stream cs = compute_stream();
+    if (order_compute) backend_->wait(cs, s.to_device);
+    backend_->declare_access(s.restored_ref, Access::Read, cs, "the backward's read of a saved activation");
+    backend_->unwrap(s.restored_ref);  // handed to autograd: the engine never touches it again
+    s.restored_ref = BufferRef();
+    out = std::move(s.restored);
+    s.restored = torch::Tensor();
+    s.copying_back = false;
+    s.handed_out = true;
+    s.handed_task = task;
+    handed_out_.push_back({held_by,
+                           c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
+                               out.storage().unsafeGetStorageImpl())),
+                           s.bytes});
+    if (s.sharers > 1) {
+      s.shared = out;
+      s.shared_task = task;
+      release_at_end_of_locked(task);
+    }
+  }
   // The next `prefetch` offloaded stashes backward will unpack (saved
   // earlier) are coming back from now on; those already coming back count,
   // so that the copies back stay `prefetch` ahead and do not run further.
@@ -368,26 +441,18 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
   // out of order) -- unless this backward is a retained graph's again and they
   // were handed to an earlier one: then they come next, as the first time.
   // (Skipped uncounted before, a second backward walked every entry at each
-  // restore and started no copy early: quadratic in the saved tensors.)
+  // restore and started no copy early: quadratic in the saved tensors.) An
+  // alias stands for its primary, at the alias's place in the order.
   int ahead = opts_.prefetch;
   for (auto prev = std::make_reverse_iterator(it); prev != stashed_.rend() && ahead > 0; ++prev) {
-    Stashed& q = prev->second;
+    Stashed& q = *primary_of(std::prev(prev.base())).first;
     if (!q.offloaded || kept_until_copied(q)) continue;
-    const bool served = q.handed_out && (!again || (task != -1 && q.handed_task == task));
+    const bool served =
+        q.shared.defined() || (q.handed_out && (!again || (task != -1 && q.handed_task == task)));
     if (!served && !q.copying_back) {
       copy_back_locked(q);
       q.prefetch_task = task;
-      if (task != -1 && act_callback_task_ != task) {
-        act_callback_task_ = task;
-        torch::autograd::Engine::get_default_engine().queue_callback(
-            [weak = weak_from_this(), task] {
-              if (auto self = weak.lock()) {
-                LetGoAfterUnlock let_go_after;
-                std::lock_guard<std::recursive_mutex> lock(self->mu_);
-                self->release_unserved_locked(task);
-              }
-            });
-      }
+      release_at_end_of_locked(task);
     }
     --ahead;
   }
@@ -405,6 +470,7 @@ torch::Tensor EngineImpl::restore_activation(int64_t token, bool order_compute) 
 void EngineImpl::release_unserved_locked(int task) {
   for (auto& entry : stashed_) {
     Stashed& s = entry.second;
+    if (s.shared.defined() && s.shared_task == task) let_go_locked(s.shared);  // Note [A tensor saved by several ops]
     if (!s.copying_back || s.prefetch_task != task) continue;
     backend_->synchronize(s.to_device);  // the copy into it has finished
     if (s.restored_ref.id) backend_->unwrap(s.restored_ref);
@@ -421,7 +487,21 @@ void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   auto it = stashed_.find(token);
   if (it == stashed_.end()) return;
+  if (it->second.primary >= 0) {  // Note [A tensor saved by several ops]: the primary holds the data
+    const int64_t primary = it->second.primary;
+    stashed_.erase(it);
+    it = stashed_.find(primary);
+    if (it == stashed_.end()) return;
+    token = primary;
+  }
   Stashed& s = it->second;
+  if (--s.sharers > 0) return;  // another token of the tensor lives
+  if (s.storage)
+    for (auto [at, end] = saved_by_storage_.equal_range(s.storage->_unsafe_get_target()); at != end; ++at)
+      if (at->second == token) {
+        saved_by_storage_.erase(at);
+        break;
+      }
   const uint64_t handed = s.handed_out ? prune_handed_out_locked(token) : 0;  // the copies autograd still holds
   int64_t held = static_cast<int64_t>(handed) + (s.device.defined() ? static_cast<int64_t>(s.bytes) : 0) +
                  (s.copying_back ? static_cast<int64_t>(s.bytes) : 0);
@@ -454,6 +534,7 @@ void EngineImpl::drop_activation(int64_t token, bool order_reuse) {
   if (s.restored_ref.id) backend_->unwrap(s.restored_ref);
   let_go_locked(s.device);
   let_go_locked(s.restored);
+  let_go_locked(s.shared);
   stashed_.erase(it);
 }
 

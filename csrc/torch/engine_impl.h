@@ -45,6 +45,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <unordered_map>
+#include <utility>
 #include <variant>
 #include <string>
 #include <string_view>
@@ -659,7 +661,31 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     int prefetch_task = -1;   // the graph task whose prefetch started the copy back
     std::optional<c10::VariableVersion> version;  // the saved tensor's counter (check_saved_version)
     uint32_t saved_version = 0;
+    // Note [A tensor saved by several ops] (engine_activations.cpp). An alias
+    // (primary >= 0) holds nothing but its version: its primary's entry holds
+    // the data for both. A primary: `sharers`, its own token and its aliases'
+    // not dropped yet; `storage` and `data`, where the saved tensor's data was
+    // (a later save of the same data, unchanged, becomes an alias); `shared`,
+    // its copy back while other sharers may still unpack it (until their last
+    // unpack, or the end of graph task shared_task).
+    int64_t primary = -1;
+    int sharers = 1;
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+    const void* data = nullptr;
+    torch::Tensor shared;
+    int shared_task = -1;
   };
+  // The primary entries, by the storage their tensor's data is in (which each
+  // entry's `storage` keeps allocated: no other storage can take its address).
+  std::unordered_multimap<const c10::StorageImpl*, int64_t> saved_by_storage_;
+  // Whether `s` (a primary) holds `t` as it is now: the same data (storage,
+  // address, sizes, strides, dtype), not written since it was saved.
+  static bool holds_unchanged(const Stashed& s, const torch::Tensor& t);
+  // An entry and its alias resolved: the primary, and its token.
+  std::pair<Stashed*, int64_t> primary_of(std::map<int64_t, Stashed>::iterator it);
+  // Queues release_unserved_locked(task) at the end of graph task `task`
+  // (once per task).
+  void release_at_end_of_locked(int task);
   // Releases the device tensors whose copy to the host has finished.
   void release_copied_locked();
   // Note [Saved tensors are let go after the lock]: a saved activation's

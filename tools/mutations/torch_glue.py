@@ -302,6 +302,41 @@ MUTATIONS = [
         "a weight cast as it is read (the file holds another dtype) reads every chunk of the temporary from the "
         "tensor's start: values past the first 64 MiB are the first chunk's again"),
     Mutation(
+        "checkpoint-read-into-ram-kept-open", "csrc/torch/engine_host_tier.cpp",
+        "  std::shared_ptr<SourceFile> file = open_file_locked(src);\n"
+        "  if (!file) file = SourceFile::open(src.path, src.identity, src.kind);",
+        "  std::shared_ptr<SourceFile> file = file_locked(src);",
+        [P + "test_host_tier_files.py::test_a_checkpoint_read_into_ram_is_closed_and_its_space_freed_when_deleted"],
+        "a checkpoint whose weights were all read into RAM stays open until detach(): deleting it frees no "
+        "disk space"),
+    Mutation(
+        "saved-tensor-not-shared", "csrc/torch/engine_activations.cpp",
+        "    if (p != stashed_.end() && holds_unchanged(p->second, t)) {",
+        "    if (false) {",
+        [P + "test_activation_shared.py::test_a_tensor_saved_by_three_projections_crosses_once_each_way"],
+        "a tensor saved by several ops (q, k and v's input) is copied to the host and back once per save"),
+    Mutation(
+        "saved-tensor-shared-after-a-write", "csrc/torch/engine_activations.cpp",
+        "  return !now || (now->current_version() == s.saved_version && s.version->current_version() == s.saved_version);",
+        "  return true;",
+        [P + "test_activation_shared.py::test_a_tensor_written_between_saves_is_not_shared"],
+        "a tensor written in place between two saves shares the first save's entry: the second op's backward "
+        "reads the values from before the write"),
+    Mutation(
+        "shared-copy-back-dropped-after-first-unpack", "csrc/torch/engine_activations.cpp",
+        "    if (s.sharers > 1) {\n      s.shared = out;",
+        "    if (false) {\n      s.shared = out;",
+        [P + "test_activation_shared.py::test_a_tensor_saved_by_three_projections_crosses_once_each_way"],
+        "the copy back of a shared saved tensor is not kept for the other saves' unpacks: copied back once per "
+        "unpack"),
+    Mutation(
+        "shared-copy-back-kept-after-backward", "csrc/torch/engine_activations.cpp",
+        "    if (s.shared.defined() && s.shared_task == task) let_go_locked(s.shared);",
+        "",
+        [P + "test_activation_shared.py::test_a_retained_graph_backward_twice_and_a_partial_backward"],
+        "a shared copy back stays on the device after the backward that made it (a retained graph, a partial "
+        "backward): device memory held until the graph goes"),
+    Mutation(
         "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
         "    LS_CHECK(t.is_floating_point() || !t.requires_grad(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
         "    LS_CHECK(t.is_floating_point(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
