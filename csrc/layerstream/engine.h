@@ -546,7 +546,10 @@ class Engine {
   // recompute). Cheap; thread-safe.
   virtual void begin_call() = 0;
   // Restores every layer's parameters to ordinary tensors on `device`
-  // (bit-identical data) and disables the engine.
+  // (bit-identical data) and disables the engine. A quantized layer's
+  // parameter keeps its values, unless it is a plain tensor freed (another
+  // shape): then it takes dequantized_weight() (Python's stand-ins are
+  // restored by the Python layer).
   virtual void detach(const std::vector<torch::Device>& devices) = 0;
   virtual bool detached() const = 0;
   // Frees the engine's device memory (the slot arena) for a while, e.g. for
@@ -589,8 +592,10 @@ class Engine {
   // the device first (like synchronize()); the old packed weight stays if
   // packing fails (e.g. NaN). Refused while the layer's host copy sits in
   // the store a node's ranks share (a write there reaches every rank:
-  // shared_write_refusal). Not safe concurrently with a forward or backward
-  // of this engine.
+  // shared_write_refusal). The watched parameter (watch_weight), when it is
+  // a plain tensor of the weight's shape (C++'s dense parameter, not freed),
+  // takes the values too: torch::save() and detach() give them back. Not safe
+  // concurrently with a forward or backward of this engine.
   virtual void requantize(int layer, const torch::Tensor& dense) = 0;
   // Why requantize(layer, ·) (part < 0) or requantize_part(layer, part, ·)
   // would refuse any new values, whatever they are (a detached handle, a

@@ -84,8 +84,11 @@ struct OffloadOptions : EngineOptions {
   // "lossless", in any case (quant::parse_format's names): pack every streamed
   // weight (they must be frozen, but for "lossless"). In C++ the module's
   // dense parameter is left as it is (the engine does not use it; free it
-  // yourself if host RAM matters). A write to it is refused at the layer's
-  // next call; Engine::requantize() loads new values (handle->engine()).
+  // yourself if host RAM matters: weight.set_data(torch::empty({0})). Freed,
+  // torch::save() writes the dequantized packed copy and detach() puts that
+  // back). A write to it is refused at the layer's next call;
+  // Engine::requantize() (handle->engine()) or torch::load() loads new values,
+  // packed and written into the dense parameter too unless it was freed.
   // A trainable weight with "lossless" stays the dense parameter, adopted
   // into the host store like an unquantized one, and only its copy to the
   // device is coded (re-coded after it changes; Note [Trainable coded
@@ -255,6 +258,12 @@ class StreamedBase {
   // (Engine::requantize). Not concurrently with a call of the model. Returns
   // false when not attached (torch's load then runs).
   bool load_in_place(torch::nn::Module& self, torch::serialize::InputArchive& archive);
+  // torch::save() of the module once attached with a quantized weight (each
+  // module's save() override): as torch's, but a dense weight parameter the
+  // caller freed (another shape than the layer's) is saved as the dequantized
+  // packed copy, what the layer computes with. Returns false otherwise (torch's
+  // save then runs).
+  bool save_streamed(const torch::nn::Module& self, torch::serialize::OutputArchive& archive) const;
   std::shared_ptr<Engine> engine_;
   int index_ = -1;
 
@@ -286,6 +295,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public StreamedBase 
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
   void load(torch::serialize::InputArchive& archive) override;  // see StreamedBase::load_in_place
+  void save(torch::serialize::OutputArchive& archive) const override;  // see StreamedBase::save_streamed
 
   torch::nn::LinearOptions options;
   torch::Tensor weight, bias;
@@ -308,6 +318,7 @@ class ConvImpl : public torch::nn::Cloneable<ConvImpl<D>>, public StreamedBase {
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
   void load(torch::serialize::InputArchive& archive) override;  // see StreamedBase::load_in_place
+  void save(torch::serialize::OutputArchive& archive) const override;  // see StreamedBase::save_streamed
 
   torch::nn::ConvOptions<D> options;
   torch::Tensor weight, bias;

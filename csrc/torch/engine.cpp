@@ -648,8 +648,12 @@ void EngineImpl::detach(const std::vector<torch::Device>& devices) {
     if (l.is_group()) {
       // Its tensors are its parts (below).
     } else if (l.qformat != quant::Format::None || l.on_disk()) {
-      // The caller restores quantized weights from dequantized_weight(), and
-      // weights on disk as the stand-ins they were.
+      // Python restores quantized weights from dequantized_weight(), and
+      // weights on disk as the stand-ins they were. A plain (C++) parameter
+      // keeps its values, but one freed is filled from the packed copy (Note
+      // [The dense parameter of a quantized layer], engine_register.cpp).
+      torch::Tensor param = l.on_disk() ? torch::Tensor() : l.plain_dense_param();
+      if (param.defined() && param.sizes().vec() != l.w_shape) param.set_data(dequantized_weight(int(i)).to(dev));
     } else if (l.shared_weight && l.weight.data_ptr() != l.w_host) {
       // Tied: already restored by the first layer that shares it (the one that
       // adopted it, registered first), to that layer's device.

@@ -424,6 +424,12 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
     // at once).
     c10::weak_intrusive_ptr<c10::TensorImpl> watched_param{c10::intrusive_ptr<c10::TensorImpl>()};
     uint32_t watched_version = 0;
+    // The watched parameter when C++ code holds it as a plain tensor (not
+    // Python's stand-in, which Python keeps and restores): requantize() writes
+    // the new values into it, and detach() fills it from the packed copy when
+    // it was freed (Note [The dense parameter of a quantized layer],
+    // engine_register.cpp). Undefined otherwise.
+    torch::Tensor plain_dense_param() const;
     // Gradient staging (host): one buffer per use of the layer in one
     // backward, summed in arrival order and added to .grad once, as autograd
     // sums a leaf's incoming gradients first.

@@ -66,6 +66,24 @@ void watch(EngineImpl::LayerInfo& l, const torch::Tensor& param) {
 }
 }  // namespace
 
+// Note [The dense parameter of a quantized layer]
+// In C++ offload() packs a weight and leaves the module's dense parameter as
+// it is (offload.h): the engine computes with the packed copy, and the user
+// may free the dense one to save host RAM. Engine::requantize() loaded new
+// values into the packed copy only: torch::save() and detach() then gave the
+// old ones back, silently; and a freed parameter was saved and left empty (0
+// elements) by detach(). Now requantize() also writes the values into the
+// dense parameter when it still has the layer's shape, and detach() fills a
+// freed one (another shape) with the dequantized values (what the layer
+// computed with); LinearImpl/ConvImpl's save() writes those for a freed one.
+// Python replaces the parameter by a data-less stand-in and restores it
+// itself (Handle._dequantized), so only a plain tensor is touched here.
+torch::Tensor EngineImpl::LayerInfo::plain_dense_param() const {
+  auto p = watched_param.lock();
+  if (!p || p->key_set().has(c10::DispatchKey::Python) || !p->has_storage()) return {};
+  return torch::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(p.release()));
+}
+
 void EngineImpl::watch_weight(int index, const torch::Tensor& param) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   LayerInfo& l = layer(index);
@@ -143,6 +161,9 @@ void EngineImpl::requantize(int index, const torch::Tensor& dense) {
   // used the old values raises (see saved_variables_of()).
   if (l.weight.unsafeGetTensorImpl()->version_counter().enabled())
     l.weight.unsafeGetTensorImpl()->bump_version();
+  // Note [The dense parameter of a quantized layer]: C++'s parameter takes them too.
+  if (torch::Tensor param = l.plain_dense_param(); param.defined() && param.sizes().vec() == l.w_shape)
+    param.copy_(dense.detach());
   // The packed weight now holds these values: an earlier stray write to the
   // watched parameter no longer matters.
   if (l.watched) l.watched_version = l.watched->current_version();

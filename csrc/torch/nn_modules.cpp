@@ -121,12 +121,22 @@ bool StreamedBase::load_in_place(torch::nn::Module& self, torch::serialize::Inpu
   }
   torch::NoGradGuard ng;
   for (const auto& w : writes)  // first: it refuses (lossless-coded, pre-packed) before anything changes
-    if (w.packed) engine_->requantize(index_, w.value);
-  for (const auto& w : writes) {
-    if (w.packed && w.param.sizes() != w.value.sizes()) continue;  // freed: the packed copy is the weight
-    w.param.copy_(w.value);
-    if (w.packed) engine_->watch_weight(index_, w.param);  // this write is the one just packed
+    if (w.packed) engine_->requantize(index_, w.value);  // and writes the dense parameter unless freed
+  for (const auto& w : writes)
+    if (!w.packed) w.param.copy_(w.value);
+  return true;
+}
+
+bool StreamedBase::save_streamed(const torch::nn::Module& self, torch::serialize::OutputArchive& archive) const {
+  if (!engine_ || engine_->layer_format(index_).empty()) return false;
+  for (const auto& p : self.named_parameters(/*recurse=*/false)) {
+    torch::Tensor value = p.value();
+    // Freed (another shape than the registered one): the packed copy is the weight.
+    if (p.key() == "weight" && value.sizes() != engine_->layer_parameters(index_).first.sizes())
+      value = engine_->dequantized_weight(index_);
+    archive.write(p.key(), value);
   }
+  for (const auto& b : self.named_buffers(/*recurse=*/false)) archive.write(b.key(), b.value(), /*is_buffer=*/true);
   return true;
 }
 
@@ -155,6 +165,14 @@ void StreamedBase::refresh_quantized(const torch::Tensor& weight, bool force) {
   }
   quantized_->weight = weight.unsafeGetTensorImpl();
   quantized_->version = weight._version();
+}
+
+void LinearImpl::save(torch::serialize::OutputArchive& archive) const {
+  if (!save_streamed(*this, archive)) torch::nn::Module::save(archive);
+}
+template <size_t D>
+void ConvImpl<D>::save(torch::serialize::OutputArchive& archive) const {
+  if (!this->save_streamed(*this, archive)) torch::nn::Module::save(archive);
 }
 
 void LinearImpl::load(torch::serialize::InputArchive& archive) {

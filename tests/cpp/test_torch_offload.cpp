@@ -495,6 +495,41 @@ TEST(TorchOffload, WriteToQuantizedWeightIsRefusedUntilRequantized) {
   fresh_handle->detach();
 }
 
+TEST(TorchOffload, RequantizedOrFreedDenseWeightIsNotLostBySaveOrDetach) {
+  // Note [The dense parameter of a quantized layer]: values loaded with
+  // Engine::requantize() reach the dense parameter (torch::save and detach gave
+  // the old ones back), and a dense parameter freed to save host RAM is saved
+  // and restored as the packed copy dequantized (it was saved and left empty).
+  torch::manual_seed(0);
+  One model;
+  model->fc->weight.requires_grad_(false);
+  auto opts = sim_options();
+  opts.quantize = "int8";
+  auto handle = layerstream::offload(*model, opts);
+  const auto x = torch::randn({3, 64});
+  const auto fresh = torch::randn({32, 64});
+  handle->engine()->requantize(0, fresh);
+  EXPECT_TRUE(torch::equal(model->fc->weight, fresh));
+  std::stringstream saved;
+  torch::save(model, saved);
+  One loaded;
+  torch::load(loaded, saved);
+  EXPECT_TRUE(torch::equal(loaded->fc->weight, fresh));
+  const auto out = model->forward(x);
+
+  const auto packed = handle->engine()->dequantized_weight(0);
+  model->fc->weight.set_data(torch::empty({0}));  // freed, as offload.h says a caller may
+  EXPECT_TRUE(torch::equal(model->forward(x), out));
+  std::stringstream saved_freed;
+  torch::save(model, saved_freed);
+  One loaded_freed;
+  torch::load(loaded_freed, saved_freed);
+  EXPECT_TRUE(torch::equal(loaded_freed->fc->weight, packed));
+  handle->detach();
+  EXPECT_TRUE(torch::equal(model->fc->weight, packed));
+  EXPECT_TRUE(torch::allclose(model->forward(x), out, 1e-5, 1e-5));  // dense math on the dequantized values
+}
+
 // torch::load() into an offloaded model: LibTorch's archive replaced each tensor
 // (set_), so the next call refused the model ("replaced or moved after
 // offload()"). The streamed modules read the values and write them in place.

@@ -337,6 +337,26 @@ MUTATIONS = [
         "a shared copy back stays on the device after the backward that made it (a retained graph, a partial "
         "backward): device memory held until the graph goes"),
     Mutation(
+        "requantize-leaves-the-dense-parameter", "csrc/torch/engine_register.cpp",
+        "    param.copy_(dense.detach());",
+        "    (void)param;",
+        ["gtest:test_torch_offload:TorchOffload.RequantizedOrFreedDenseWeightIsNotLostBySaveOrDetach"],
+        "C++: values loaded with Engine::requantize() never reach the module's dense parameter: torch::save() "
+        "and detach() give the old weights back"),
+    Mutation(
+        "detach-leaves-a-freed-dense-parameter-empty", "csrc/torch/engine.cpp",
+        "      if (param.defined() && param.sizes().vec() != l.w_shape) param.set_data(dequantized_weight(int(i)).to(dev));",
+        "",
+        ["gtest:test_torch_offload:TorchOffload.RequantizedOrFreedDenseWeightIsNotLostBySaveOrDetach"],
+        "C++: a quantized layer's dense parameter freed to save host RAM is left empty by detach() (the next "
+        "forward fails; the weights are gone)"),
+    Mutation(
+        "save-writes-a-freed-dense-parameter", "csrc/torch/nn_modules.cpp",
+        "  if (!engine_ || engine_->layer_format(index_).empty()) return false;",
+        "  return false;",
+        ["gtest:test_torch_offload:TorchOffload.RequantizedOrFreedDenseWeightIsNotLostBySaveOrDetach"],
+        "C++: torch::save() of a quantized layer whose dense parameter was freed writes a 0-element weight"),
+    Mutation(
         "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
         "    LS_CHECK(t.is_floating_point() || !t.requires_grad(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
         "    LS_CHECK(t.is_floating_point(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
