@@ -53,7 +53,21 @@ struct Candidates {
   std::vector<Item> items;
   std::set<torch::nn::Module*> collected;  // every module taken, planned or not
   std::shared_ptr<torch::nn::Module> root;  // named_modules' shared_ptr to the root
+  // Linear/conv layers left resident: their weight's dtype (float64) needs
+  // activations of that dtype, which streamed layers refuse ("'name' (float64)").
+  std::vector<std::string> resident_dtype;
+  // include patterns that name no module: most likely typos, the layers meant
+  // then stay resident (Python's _discovery._warn_unmatched; exclude patterns,
+  // often written for several architectures at once, are not checked).
+  std::vector<std::string> unmatched_include;
 };
+
+// Whether a streamed Linear/conv with weights of this dtype can be called: it
+// takes float32/bfloat16/float16 activations (ops_streamed.cpp's check_input),
+// and torch's module takes its input in its weight's dtype. A one-byte float
+// (float8) is cast at use to the activations' dtype. As Python's
+// _discovery._activation_dtype.
+bool streams_in(torch::ScalarType t) { return c10::elementSize(t) == 1 || is_float_activation(t); }
 
 // The modules offload() would stream, ties aside, in the tree's order.
 Candidates collect_candidates(torch::nn::Module& root, const OffloadOptions& options) {
@@ -62,6 +76,11 @@ Candidates collect_candidates(torch::nn::Module& root, const OffloadOptions& opt
     return !glob_any(options.exclude, name);
   };
   Candidates c;
+  std::vector<std::string> names;  // every module's, the root's ("") too
+  for (const auto& named : root.named_modules("", /*include_self=*/true)) names.push_back(named.key());
+  for (const auto& p : options.include)
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return glob_any({p}, n); }))
+      c.unmatched_include.push_back("'" + p + "'");
   for (const auto& named : root.named_modules("", /*include_self=*/true)) {
     if (named.key().empty()) c.root = named.value();
     torch::nn::Module* parent = named.value().get();
@@ -88,6 +107,11 @@ Candidates collect_candidates(torch::nn::Module& root, const OffloadOptions& opt
       const auto own = m->named_parameters(/*recurse=*/false);  // kept: find() points into it
       if (const torch::Tensor* w = own.find("weight"); w && w->numel() == 0)
         continue;  // zero elements (e.g. Linear(0, n)): nothing to stream
+      if (const torch::Tensor* w = own.find("weight");
+          w && w->is_floating_point() && !dynamic_cast<nn::EmbeddingImpl*>(m.get()) && !streams_in(w->scalar_type())) {
+        c.resident_dtype.push_back("'" + name + "' (" + dtype_name(w->scalar_type()) + ")");
+        continue;
+      }
       if (!c.collected.insert(m.get()).second) continue;  // one module under two names
       LS_CHECK(!(plain && is_container), "cannot stream '", name, "': it is a torch::nn module "
                "inside a Sequential/ModuleList/ModuleDict, whose element list offload() cannot "
@@ -322,11 +346,14 @@ void refuse_held_torch_modules(const std::vector<Item>& items) {
            "as a budget that holds them keeps them); nothing was changed");
 }
 
-void warn_list(const std::string& head, const std::vector<std::string>& names, const char* sep) {
-  if (names.empty()) return;
+std::string join(const std::vector<std::string>& names, const char* sep) {
   std::string list;
   for (const auto& t : names) list += (list.empty() ? "" : sep) + t;
-  TORCH_WARN(head, list);
+  return list;
+}
+
+void warn_list(const std::string& head, const std::vector<std::string>& names, const char* sep) {
+  if (!names.empty()) TORCH_WARN(head, join(names, sep));
 }
 
 }  // namespace
@@ -426,12 +453,23 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
   handle->root_ = found.root;
   std::vector<Item> items = std::move(found.items);
   const Ties ties = apply_ties(root, items, qformat);
+  if (!found.unmatched_include.empty())  // before the error below, which a typo may explain
+    TORCH_WARN("layerstream: OffloadOptions::include: ", join(found.unmatched_include, ", "), " match",
+               found.unmatched_include.size() == 1 ? "es" : "", " no module name (glob patterns on the qualified "
+               "names root.named_modules() lists, e.g. \"layers.*\")");
+  const char* dtype_why = "torch's Linear/conv takes its input in its weight's dtype, and a streamed one refuses "
+                          "such activations at every call; to stream them, convert the model before offload(), "
+                          "e.g. model->to(torch::kFloat)";
   LS_CHECK(!items.empty(), "offload() found no Linear, Conv1d/2d/3d or Embedding module to stream: it streams "
            "layerstream::nn::Linear / Conv*d / Embedding (a table without max_norm) and registered "
            "torch::nn::Linear / Conv*d children outside Sequential/ModuleList/ModuleDict, never "
            "torch::nn::Embedding, and keeps layers whose weights are tied to a resident module resident (a "
            "warning names them); a layer of zero elements has nothing to stream; include/exclude select "
-           "among them");
+           "among them",
+           found.resident_dtype.empty() ? std::string()
+                                        : "; Linear/conv layers whose weight dtype streamed layers do not compute "
+                                          "in stay resident (" + std::string(dtype_why) + "): " +
+                                              join(found.resident_dtype, ", "));
   EngineOptions engine_options = options;
   // A quantized layer the plan keeps resident computes with the values it would
   // stream with (the budget must not change the numbers): computed here, before
@@ -487,6 +525,9 @@ std::shared_ptr<OffloadHandle> offload(torch::nn::Module& root, const OffloadOpt
                 dev.str() + " (another module that stays resident, or a bias, shares the tensor; a streamed copy "
                 "would move it under that module): ",
             ties.resident, "; ");
+  warn_list("layerstream: " + std::to_string(found.resident_dtype.size()) + " Linear/conv layer(s) whose weight "
+                "dtype streamed layers do not compute in stay resident on " + dev.str() + " (" + dtype_why + "): ",
+            found.resident_dtype, ", ");
   warn_list("layerstream: quantize=" + options.quantize + " does not apply to " +
                 std::to_string(ties.unquantized.size()) +
                 " layer(s) with tied weights (a shared weight streams unquantized): ",

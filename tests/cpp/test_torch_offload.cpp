@@ -1106,6 +1106,76 @@ struct TwoImpl : torch::nn::Module {
 };
 TORCH_MODULE(Two);
 
+// A float64 Linear was streamed in C++ and then refused every float64 input
+// (and computed a float32 one in float32, where the resident model refuses
+// it); Python keeps such layers resident. Now C++ does too, with a warning
+// naming them; nothing left to stream says why. A mistyped include pattern
+// warns (it streamed nothing, silently), as in Python.
+struct MixedImpl : torch::nn::Module {
+  layerstream::nn::Linear a{nullptr}, b{nullptr};
+  MixedImpl() {
+    a = register_module("a", layerstream::nn::Linear(64, 64));
+    b = register_module("b", layerstream::nn::Linear(64, 64));
+    b->to(torch::kDouble);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(a(x)).to(torch::kDouble)); }
+};
+TORCH_MODULE(Mixed);
+
+TEST(TorchOffload, AFloat64LayerStaysResidentAndAnIncludeTypoIsWarned) {
+  struct Collect : c10::WarningHandler {
+    std::vector<std::string> got;
+    void process(const c10::Warning& w) override { got.push_back(w.msg()); }
+    bool has(const std::string& text) const {
+      return std::any_of(got.begin(), got.end(), [&](const std::string& w) { return w.find(text) != std::string::npos; });
+    }
+  };
+  torch::manual_seed(3);
+  Mixed model, ref;
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : ref->named_parameters()) p.value().copy_(model->named_parameters()[p.key()]);
+  }
+  const auto x = torch::randn({4, 64});
+  Collect warnings;
+  std::shared_ptr<layerstream::OffloadHandle> handle;
+  {
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    handle = layerstream::offload(*model, sim_options());
+  }
+  EXPECT_TRUE(warnings.has("1 Linear/conv layer(s) whose weight dtype streamed layers do not compute in stay "
+                           "resident on cpu")) << (warnings.got.empty() ? "" : warnings.got.front());
+  EXPECT_TRUE(warnings.has("'b' (float64)"));
+  EXPECT_EQ(handle->engine()->num_layers(), 1);
+  EXPECT_TRUE(torch::equal(model->forward(x), ref->forward(x)));
+  model->forward(x).sum().backward();
+  ref->forward(x).sum().backward();
+  EXPECT_TRUE(torch::equal(model->b->weight.grad(), ref->b->weight.grad()));
+  EXPECT_TRUE(torch::equal(model->a->weight.grad(), ref->a->weight.grad()));
+  handle->detach();
+
+  auto only_b = sim_options();
+  only_b.include = {"b"};
+  try {
+    layerstream::offload(*model, only_b);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("stay resident (torch's Linear/conv takes its input in its weight's dtype"),
+              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'b' (float64)"), std::string::npos) << e.what();
+  }
+  auto typo = sim_options();
+  typo.include = {"a", "bb"};
+  Collect typo_warnings;
+  {
+    c10::WarningUtils::WarningHandlerGuard guard(&typo_warnings);
+    handle = layerstream::offload(*model, typo);
+  }
+  EXPECT_TRUE(typo_warnings.has("OffloadOptions::include: 'bb' matches no module name"));
+  EXPECT_FALSE(typo_warnings.has("'a'"));
+  handle->detach();
+}
+
 TEST(TorchOffload, FailureWhileAttachingUndoesWhatWasAttached) {
   // 'a' is frozen and quantizes; 'b' is trainable, which the engine refuses
   // for a quantized weight. Before, the exception left 'a' bound to an engine

@@ -357,6 +357,18 @@ MUTATIONS = [
         ["gtest:test_torch_offload:TorchOffload.RequantizedOrFreedDenseWeightIsNotLostBySaveOrDetach"],
         "C++: torch::save() of a quantized layer whose dense parameter was freed writes a 0-element weight"),
     Mutation(
+        "cpp-float64-layer-streamed", "csrc/torch/offload.cpp",
+        "w && w->is_floating_point() && !dynamic_cast<nn::EmbeddingImpl*>(m.get()) && !streams_in(w->scalar_type())) {",
+        "false) {",
+        ["gtest:test_torch_offload:TorchOffload.AFloat64LayerStaysResidentAndAnIncludeTypoIsWarned"],
+        "C++ offload() streams a float64 Linear, which then refuses every float64 input (Python keeps it resident)"),
+    Mutation(
+        "cpp-include-typo-silent", "csrc/torch/offload.cpp",
+        "      c.unmatched_include.push_back(\"'\" + p + \"'\");",
+        "      (void)p;",
+        ["gtest:test_torch_offload:TorchOffload.AFloat64LayerStaysResidentAndAnIncludeTypoIsWarned"],
+        "C++ offload(): an include pattern that names no module streams nothing there, silently"),
+    Mutation(
         "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
         "    LS_CHECK(t.is_floating_point() || !t.requires_grad(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
         "    LS_CHECK(t.is_floating_point(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
