@@ -472,4 +472,11 @@ MUTATIONS: list = [
         [P + "test_peft_merges.py::test_ln_tuning_merges_over_a_quantized_base_compute_the_tuned_layers"],
         "LN tuning's merge_adapter() over a quantized base is refused as a write into it, though it only swaps "
         "in the tuned copy (its merge_and_unload() goes through)"),
+    Mutation(
+        "share-memory-passes-on-sim", "python/layerstream/_guards.py",
+        "        if self._shares(fn):",
+        "        if False:",
+        [P + "test_ddp_rules.py::test_share_memory_of_an_offloaded_model_is_refused_on_the_sim_device_as_on_a_gpu"],
+        "model.share_memory() after offload() on the sim device returns normally with the streamed weights "
+        "unshared (on a GPU refused as a move, with a message about moves and dtypes)"),
 ]
