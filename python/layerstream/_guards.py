@@ -255,8 +255,30 @@ class _StreamedApply:
             return False
         return isinstance(out, torch.Tensor) and out.device == self._compute and out.dtype == dtype
 
+    def _shares(self, fn) -> bool:
+        """Whether `fn` moves a host tensor into shared memory in place (model.share_memory()).
+        On a GPU the dtype probe refuses it as a move to the host; on the sim device, which
+        computes on the host, it took it for a no-op move and left the streamed weights
+        unshared, the call returning as if they were shared."""
+        verdicts = self._verdicts if self._verdicts is not None else {}
+        if "shares" not in verdicts:
+            try:
+                out = fn(torch.empty(0))
+                verdicts["shares"] = isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.is_shared()
+            except Exception:  # noqa: BLE001 - not a share (e.g. .cuda() without a GPU)
+                verdicts["shares"] = False
+        return verdicts["shares"]
+
     def check(self, fn) -> None:
         module = self._module
+        if self._shares(fn):
+            detach = "handle.detach()" if self._remedy == self.OFFLOAD_REMEDY else "MemoryManager.detach(model)"
+            raise LayerstreamError(
+                f"streamed layer '{self._name}' keeps its weights in layerstream's host store, where the engine "
+                f"streams them from: share_memory() would move them into shared memory, away from the engine "
+                f"(nothing was shared). Streamed weights cannot be shared with other processes: call {detach} "
+                f"first (the weights become ordinary tensors), or let each process load and offload() its own "
+                f"copy of the model.")
         w = module._parameters.get("weight", module.__dict__.get("weight"))
         for key, p in ((k, w if k == "weight" else module._parameters.get(k)) for k in self._keys):
             # A torch quantized (qint8) weight is probed as the int8 it stores: not

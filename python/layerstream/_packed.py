@@ -231,13 +231,16 @@ def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY) -> None
     streamed one (_PackedWeight) refuses its write, but one the budget keeps resident
     (ResidentQuantized) is a dense tensor that takes it, so the layers before the first
     streamed one were merged: the adapter half merged, and disable_adapter() no longer gave
-    the base. Runs inside peft's own pre-merge check (guard_peft_merges)."""
+    the base. Runs inside peft's own pre-merge check (guard_peft_merges). LN tuning's layers
+    are left alone: their merge swaps the base layer with its tuned copy and writes no weight,
+    so it computes the adapter's numbers over a quantized base too."""
     layer_cls = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
     if layer_cls is None:
         return
+    swapping = getattr(sys.modules.get("peft.tuners.ln_tuning.layer"), "LNTuningLayer", ())
     resident = ResidentQuantized.held()
     for m in model.modules():
-        if not isinstance(m, layer_cls):
+        if not isinstance(m, layer_cls) or isinstance(m, swapping):
             continue
         merging = _merged_into(m, adapter_names)
         if not merging:
@@ -270,44 +273,66 @@ def _merged_into(layer, adapter_names) -> list:
 
 
 def guard_peft_merges() -> None:
-    """Once per process, from an offload() while peft is imported, or from the first call of
-    an offloaded model after peft was (Note [Tensors added after offload() follow to the
-    compute device], _calls.py: its adapters are added tensors): peft's check before it
-    merges (BaseTuner._check_merge_allowed: merge_adapter(), merge_and_unload()) runs
-    refuse_quantized_merge too, for the adapters those merge (_MERGING)."""
+    """From an offload() while peft is imported, or from the first call of an offloaded model
+    after peft was (Note [Tensors added after offload() follow to the compute device],
+    _calls.py: its adapters are added tensors): peft's check before it merges
+    (BaseTuner._check_merge_allowed: merge_adapter(), merge_and_unload()) runs
+    refuse_quantized_merge too, for the adapters those merge (_MERGING). A tuner's own
+    merge_and_unload() that neither runs that check nor BaseTuner's (PeftMixedModel's
+    MixedModel: LoRA and LoHa merged one layer after another, the resident quantized layers
+    before the first streamed one written) runs refuse_quantized_merge first."""
     tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
     check = getattr(tuner, "_check_merge_allowed", None)
-    if check is None or getattr(check, "_layerstream_checked", False):
+    if check is None:
         return
+    if not getattr(check, "_layerstream_checked", False):
+        def checked(self, *args, **kwargs):
+            check(self, *args, **kwargs)
+            refuse_quantized_merge(self.model, _MERGING.get())
 
-    def checked(self, *args, **kwargs):
-        check(self, *args, **kwargs)
-        refuse_quantized_merge(self.model, _MERGING.get())
+        functools.update_wrapper(checked, check)
+        checked._layerstream_checked = True
+        tuner._check_merge_allowed = checked
+        for entry in ("merge_adapter", "_unload_and_optionally_merge"):  # merge_and_unload()'s
+            if hasattr(tuner, entry):
+                setattr(tuner, entry, _telling_adapters(getattr(tuner, entry)))
+    # Each call: a tuner defined since (peft imports its own with itself) is seen next time.
+    pending = list(tuner.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        own = cls.__dict__.get("_unload_and_optionally_merge")
+        if own is None or getattr(own, "_layerstream_checked", False):
+            continue
+        names = getattr(getattr(own, "__code__", None), "co_names", ())
+        if "_check_merge_allowed" in names or "_unload_and_optionally_merge" in names:
+            continue  # checks itself, or ends in BaseTuner's (IA3, ShadowPEFT: super())
+        cls._unload_and_optionally_merge = _telling_adapters(own, check_first=True)
 
-    functools.update_wrapper(checked, check)
-    checked._layerstream_checked = True
-    tuner._check_merge_allowed = checked
-    for entry in ("merge_adapter", "_unload_and_optionally_merge"):  # merge_and_unload()'s
-        if hasattr(tuner, entry):
-            setattr(tuner, entry, _telling_adapters(getattr(tuner, entry)))
 
-
-def _telling_adapters(merge):
+def _telling_adapters(merge, check_first: bool = False):
     """peft's `merge` (an entry of its merges, with an adapter_names argument), which sets
-    _MERGING to the adapters it merges while it runs."""
+    _MERGING to the adapters it merges while it runs; with `check_first` (a tuner's own
+    _unload_and_optionally_merge, which peft's pre-merge check does not run in), it runs
+    refuse_quantized_merge first when it merges."""
     signature = inspect.signature(merge)
 
     @functools.wraps(merge)
     def telling(self, *args, **kwargs):
         try:
-            names = signature.bind(self, *args, **kwargs).arguments.get("adapter_names")
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            names = bound.arguments.get("adapter_names")
         except TypeError:  # peft's own call raises it
-            names = _EVERY
+            bound, names = None, _EVERY
+        if check_first and bound is not None and bound.arguments.get("merge", True):
+            refuse_quantized_merge(self.model, names)
         token = _MERGING.set(names)
         try:
             return merge(self, *args, **kwargs)
         finally:
             _MERGING.reset(token)
+    telling._layerstream_checked = True
     return telling
 
 

@@ -68,6 +68,36 @@ def test_sending_a_streamed_parameter_through_torch_multiprocessing_is_refused_a
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
+
+def test_share_memory_of_an_offloaded_model_is_refused_on_the_sim_device_as_on_a_gpu():
+    """model.share_memory() after offload() returned normally on the sim device, the streamed
+    weights left unshared: the layers' conversion check took the share for a no-op move to
+    the compute device, which there is the host (on a GPU it refused it as a move to the
+    host, with a message about moves and dtypes). Now both refuse it before anything is
+    shared, naming share_memory() and detach(); a resident part (the norm) shares as
+    torch's does, the model computes as before, and after detach() it shares."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    handle = layerstream.offload(model, device="sim")
+    refused = (r"streamed layer '0' keeps its weights in layerstream's host store.*share_memory\(\) would move "
+               r"them into shared memory.*\(nothing was shared\).*call handle\.detach\(\) first")
+    for share in (model.share_memory, model[0].share_memory):
+        with pytest.raises(layerstream.LayerstreamError, match=refused):
+            share()
+        assert not any(p.is_shared() for p in model.parameters())
+    for layer in (model[0], model[2]):  # the streamed layers' check, as on a model computing on a GPU
+        layer._apply._compute = torch.device("cuda", 0)
+    with pytest.raises(layerstream.LayerstreamError, match=refused):
+        model.share_memory()
+    for layer in (model[0], model[2]):
+        layer._apply._compute = torch.device("cpu")
+    assert model[1].share_memory() is model[1] and all(p.is_shared() for p in model[1].parameters())
+    x = torch.randn(4, 8)
+    assert torch.equal(model(x), ref(x))
+    handle.detach()
+    assert model.share_memory() is model and all(p.is_shared() for p in model.parameters())
+    assert torch.equal(model(x), ref(x))
+
 @needs_gloo
 def test_training_after_a_join_left_by_an_exception_equals_the_resident_model():
     """A DDP join() left by an exception (the refusal of training under join() itself, or

@@ -748,7 +748,8 @@ def test_the_whole_model_to_the_host_suspends_and_back_to_the_compute_device_res
         _refuse_while_suspended("cuda:0", model, (x,))
     assert model.cpu() is model and model.to(device="cpu") is model and handle.suspended
     assert model.to("cpu", torch.float32) is model and handle.suspended  # the model's own dtype: a move
-    assert model.share_memory() is model and handle.suspended  # not a move
+    with pytest.raises(LayerstreamError, match=r"share_memory\(\) would move them into shared memory"):
+        model.share_memory()  # not a move: refused (test_ddp_rules.py); still suspended (below)
     with pytest.raises(LayerstreamError, match=r"would move them elsewhere or change their dtype.*"
                                                r"model\.to\('cpu'\) on the model given to offload\(\).*handle\.resume\(\)"):
         model.to("cpu", torch.float16)  # more than a move: the class's own

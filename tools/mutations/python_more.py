@@ -458,4 +458,25 @@ MUTATIONS: list = [
         [P + "test_misuse.py::test_a_layout_conversion_after_offload_is_refused_before_anything_changes"],
         "model.to(memory_format=torch.channels_last) after offload() converts the rest and leaves the streamed conv "
         "weights contiguous, silently"),
+    Mutation(
+        "peft-mixed-merge-unguarded", "python/layerstream/_packed.py",
+        "        cls._unload_and_optionally_merge = _telling_adapters(own, check_first=True)",
+        "        pass",
+        [P + "test_peft_merges.py::test_mixed_model_merge_and_unload_into_a_quantized_base_is_refused_before_any_layer_is_written"],
+        "PeftMixedModel's merge_and_unload() (LoRA + LoHa) over a quantized base merges and unwraps the layers "
+        "before the first streamed one, which refuses: the model half merged, half unwrapped"),
+    Mutation(
+        "peft-ln-tuning-merge-refused", "python/layerstream/_packed.py",
+        "        if not isinstance(m, layer_cls) or isinstance(m, swapping):",
+        "        if not isinstance(m, layer_cls):",
+        [P + "test_peft_merges.py::test_ln_tuning_merges_over_a_quantized_base_compute_the_tuned_layers"],
+        "LN tuning's merge_adapter() over a quantized base is refused as a write into it, though it only swaps "
+        "in the tuned copy (its merge_and_unload() goes through)"),
+    Mutation(
+        "share-memory-passes-on-sim", "python/layerstream/_guards.py",
+        "        if self._shares(fn):",
+        "        if False:",
+        [P + "test_ddp_rules.py::test_share_memory_of_an_offloaded_model_is_refused_on_the_sim_device_as_on_a_gpu"],
+        "model.share_memory() after offload() on the sim device returns normally with the streamed weights "
+        "unshared (on a GPU refused as a move, with a message about moves and dtypes)"),
 ]

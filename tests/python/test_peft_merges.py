@@ -1,0 +1,127 @@
+"""peft merges over offloaded layers whose tuner does not run peft's pre-merge check
+(BaseTuner._check_merge_allowed, which layerstream extends: _packed.guard_peft_merges):
+PeftMixedModel's merge_and_unload() (adapters of several types, here LoRA and LoHa) and LN
+tuning's merges (LNTuningConfig: they swap the base layer with its tuned copy). LoRA's own
+merges: test_quant_offload.py and test_training.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from layerstream import LayerstreamError
+
+peft = pytest.importorskip("peft")
+
+
+class _SmallThenWide(nn.Module):
+    """a -> norm -> b (small: a budget keeps them resident) -> four wide Linears (streamed), summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64)
+        self.wide = nn.ModuleList(nn.Linear(64, 1024) for _ in range(4))
+
+    def forward(self, x):
+        y = self.b(self.norm(self.a(x)))
+        return sum(layer(y) for layer in self.wide)
+
+
+def _mixed():
+    """LoRA 'l' and LoHa 'h' (over it on b and wide.0), both active, not zero at the start."""
+    torch.manual_seed(0)
+    model = peft.PeftMixedModel(_SmallThenWide(), peft.LoraConfig(
+        r=4, target_modules=["a", "b", "wide.0", "wide.1"], init_lora_weights=False), "l")
+    model.add_adapter("h", peft.LoHaConfig(r=4, target_modules=["b", "wide.0", "wide.2"], init_weights=False))
+    model.set_adapter(["l", "h"])
+    return model
+
+
+def test_mixed_model_merges_into_streamed_layers_match_the_resident_model(offload_sim):
+    """Into dense streamed weights peft's writes through .data land in the host copies the
+    layers stream from: merge_adapter(), unmerge_adapter() and merge_and_unload() of a
+    mixed model compute what the resident mixed model does."""
+    ref, model = _mixed(), _mixed()
+    handle = offload_sim(model, exclude=["*lora_*", "*hada_*"])
+    assert any(name.endswith("wide.0.base_layer.base_layer") for name in handle.layers)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for what in ("merged", "unmerged"):
+            for m in (ref, model):
+                m.merge_adapter() if what == "merged" else m.unmerge_adapter()
+            assert torch.equal(model(x), ref(x)), what
+        merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
+        assert torch.equal(merged(x), ref_merged(x))
+
+
+def test_mixed_model_merge_and_unload_into_a_quantized_base_is_refused_before_any_layer_is_written(offload_sim):
+    """PeftMixedModel's merge_and_unload() runs no pre-merge check: it merged and unwrapped
+    a (dense), then b (a quantized layer the budget keeps resident: its dense tensor took
+    the merge), and stopped at wide.0 (streamed, packed) with an error about an in-place
+    add_(): the model half merged and half unwrapped, disable_adapter() no longer gave the
+    base. Now it is refused before any layer is written, as LoRA's merges are, naming the
+    layer, the adapter and what to do; after detach() the merge works."""
+    model = _mixed()
+    handle = offload_sim(model, exclude=["*lora_*", "*hada_*"], quantize={"*.a.base_layer": None, "*": "int8"},
+                         budget="800KiB")
+    base = model.base_model.model
+    assert not base.b.base_layer.base_layer.weight.is_meta and base.wide[0].base_layer.base_layer.weight.is_meta
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        with_adapters = model(x)
+        with model.disable_adapter():
+            without = model(x)
+    modules = [name for name, _ in model.named_modules()]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    for merge in (model.merge_and_unload, lambda: model.merge_and_unload(adapter_names=["h"]),
+                  model.merge_adapter):
+        with pytest.raises(LayerstreamError,
+                           match=r"quantized layer 'base_model\.model\.b\.base_layer\.base_layer' \(kept resident by "
+                                 r"the budget\).*cannot write adapter 'h'.*nothing was merged.*Merge before "
+                                 r"offload\(\).*handle\.detach\(\) first"):
+            merge()
+        assert [name for name, _ in model.named_modules()] == modules
+        assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters() if not p.is_meta)
+        with torch.no_grad():
+            assert torch.equal(model(x), with_adapters)
+            with model.disable_adapter():
+                assert torch.equal(model(x), without)
+    handle.detach()
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), with_adapters, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Unsupported layer type")  # peft's, for the norm
+def test_ln_tuning_merges_over_a_quantized_base_compute_the_tuned_layers(offload_sim):
+    """LN tuning's adapter is a tuned copy of its layer (here Linears as well as a norm), and
+    its merge swaps the copy in for the base layer, writing no weight. merge_adapter() over
+    a quantized base was refused (taken for a write into it) while merge_and_unload() of the
+    same went through. Both now compute the tuned layers; unmerge_adapter() and
+    disable_adapter() give back the adapter's and the base's numbers."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_SmallThenWide(), peft.LNTuningConfig(target_modules=["a", "norm", "b", "wide.0"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "ln_tuning_layers" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    handle = offload_sim(model, quantize={"*ln_tuning_layers*": None, "*.a.base_layer": None, "*": "int8"},
+                         budget="800KiB")
+    base = model.base_model.model
+    assert not base.b.base_layer.weight.is_meta and base.wide[0].base_layer.weight.is_meta  # resident, streamed
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        with_adapter = model(x)
+        with model.disable_adapter():
+            without = model(x)
+        assert not torch.equal(with_adapter, without)
+        model.merge_adapter()
+        assert base.b.merged and torch.equal(model(x), with_adapter)
+        model.unmerge_adapter()
+        assert torch.equal(model(x), with_adapter)
+        with model.disable_adapter():
+            assert torch.equal(model(x), without)
+        merged = model.merge_and_unload()
+        assert torch.equal(merged(x), with_adapter)
+    handle.detach()
+    with torch.no_grad():
+        assert torch.equal(merged(x), with_adapter)
