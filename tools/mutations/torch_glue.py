@@ -395,8 +395,8 @@ MUTATIONS = [
         ["gtest:test_torch_offload:TorchOffload.TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace"],
         "torch::load() into an offloaded C++ model replaces the streamed tensors (LibTorch's set_)"),
     Mutation(
-        "cpp-torch-load-leaves-the-watch-stale", "csrc/torch/nn_modules.cpp",
-        "    if (w.packed) engine_->watch_weight(index_, w.param);",
+        "cpp-torch-load-leaves-the-watch-stale", "csrc/torch/engine_register.cpp",
+        "  if (l.watched) l.watched_version = l.watched->current_version();",
         "",
         ["gtest:test_torch_offload:TorchOffload.TorchLoadIntoAnOffloadedModelWritesItsValuesInPlace"],
         "torch::load() into a quantized streamed layer: its write to the dense parameter is refused at the "
@@ -428,8 +428,8 @@ MUTATIONS = [
         "a saved conjugate / negative view crosses as bytes and comes back without its bit"),
     Mutation(
         "activation-restore-skips-the-version-check", "csrc/torch/engine_activations.cpp",
-        "  check_saved_version(s.version, s.saved_version, s.sizes);\n  if (!s.offloaded) return s.device;",
-        "  if (!s.offloaded) return s.device;",
+        "  check_saved_version(it->second.version, it->second.saved_version, it->second.sizes);",
+        "",
         [P + "test_activations.py::test_a_write_in_place_between_forward_and_backward_is_still_caught"],
         "a saved activation written in place after the forward is restored without autograd's version check"),
     Mutation(
@@ -522,8 +522,8 @@ MUTATIONS = [
         "the host pool as before: exact sizes only, never freed (85 MiB after 60 steps of 2 MiB; offload stops at the cap)"),
     Mutation(
         "retained-backward-prefetches-nothing", "csrc/torch/engine_activations.cpp",
-        "    const bool served = q.handed_out && (!again || (task != -1 && q.handed_task == task));",
-        "    const bool served = q.handed_out;",
+        "        q.shared.defined() || (q.handed_out && (!again || (task != -1 && q.handed_task == task)));",
+        "        q.shared.defined() || q.handed_out;",
         [P + "test_activations.py::test_copies_back_start_ahead_of_the_backward"],
         "a retained graph's second backward starts no copy back ahead of its restores"),
     Mutation(
