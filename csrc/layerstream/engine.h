@@ -654,6 +654,14 @@ class Engine {
   // Blocks until every application and hook queued so far has run; rethrows
   // the first exception a hook threw since the last call.
   virtual void wait_grad_ready() = 0;
+  // An overlapped optimizer step that stepped layers during a backward and
+  // whose step() has not settled yet (AdamWOverlap sets it when its hook is
+  // removed, clears it at settle() or abort()): while set, a call of any layer
+  // outside a backward throws, and so do torch::save() of a streamed module
+  // and Python's model.state_dict() (Note [No call between an overlapped
+  // backward and its step], engine_grad_ready.cpp). Thread-safe.
+  virtual void set_unsettled_step(bool unsettled) = 0;
+  virtual bool unsettled_step() const = 0;
   // A Linear's or convolution's parameters as registered (bias undefined if
   // none); undefined tensors for other layers.
   virtual std::pair<torch::Tensor, torch::Tensor> layer_parameters(int layer) const = 0;

@@ -311,6 +311,7 @@ class AdamWOverlap {
   std::vector<char> speculated_;
   double sum_sq_ = 0;
   bool hooked_ = false;
+  bool unsettled_ = false;  // it set Engine::set_unsettled_step (wait() with a layer stepped)
 };
 
 // One Adafactor step overlapped with a backward, as AdamWOverlap: each
@@ -382,6 +383,7 @@ class AdafactorOverlap {
   std::vector<int> status_;
   double sum_sq_ = 0;
   bool hooked_ = false;
+  bool unsettled_ = false;  // it set Engine::set_unsettled_step (wait() with a layer stepped)
 };
 
 // ---------------------------------------------------------------- C++ AdamW

@@ -809,6 +809,7 @@ PYBIND11_MODULE(_C, m) {
       .def("layer_name", &Engine::layer_name)
       .def("layer_bytes", &Engine::layer_bytes)
       .def("layer_format", &Engine::layer_format)
+      .def("unsettled_step", &Engine::unsettled_step)
       .def("trace_json", &Engine::trace_json)
       .def("step_stats",
            [](const Engine& e) {

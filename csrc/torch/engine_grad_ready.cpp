@@ -73,7 +73,16 @@ void EngineImpl::queue_if_ready_locked(int layer_index, LayerInfo& l) {
 // of the caller's own) is waited for instead: the call reads what its jobs
 // left. Calls inside a backward (a checkpoint's recomputation) run before
 // their layers' own gradients land, and are the backward's business.
+// After the block and before step() (set_unsettled_step) the same holds: the
+// layers stepped during the backward are a step ahead of the resident ones
+// (and, with clipping, stepped without it until step() settles): a call, a
+// torch::save() or Python's model.state_dict() there gave those numbers, a
+// checkpoint no run ever had. Refused too.
 void EngineImpl::check_no_step_in_flight(const LayerInfo& l) {
+  if (gr_unsettled_.load(std::memory_order_relaxed) && torch::autograd::get_current_graph_task_id() == -1)
+    LS_FAIL("layer '", l.name, "' was called between an overlapped backward (opt.overlap(handle)) and step(): the "
+            "layers stepped during the backward are a step ahead of the others (and not yet clipped), so the call "
+            "would compute with weights no run holds. Call step() first, or the model before the backward.");
   if (gr_jobs_.load(std::memory_order_relaxed) == 0 || torch::autograd::get_current_graph_task_id() != -1) return;
   std::unique_lock<std::mutex> lock(gr_mu_);
   if (!gr_hook_) return;

@@ -119,6 +119,8 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   // Setting a hook while one is set throws (one overlapped optimizer at a time).
   void check_one_hook_locked(bool setting) const;
   void wait_grad_ready() override;
+  void set_unsettled_step(bool unsettled) override { gr_unsettled_.store(unsettled, std::memory_order_relaxed); }
+  bool unsettled_step() const override { return gr_unsettled_.load(std::memory_order_relaxed); }
   std::pair<torch::Tensor, torch::Tensor> layer_parameters(int layer) const override;
   torch::Device compute_device() const override { return compute_device_; }
   const std::string& device_name() const override { return device_name_; }
@@ -779,6 +781,7 @@ class EngineImpl final : public Engine, public std::enable_shared_from_this<Engi
   std::condition_variable gr_cv_, gr_idle_cv_;
   GradConsumeHook gr_hook_;
   bool gr_consume_ = false;  // gr_hook_ takes single-use layers' staged gradients
+  std::atomic<bool> gr_unsettled_{false};  // set_unsettled_step()
   std::thread gr_thread_;
   struct GradReadyJob {
     int layer = -1, task = -1;

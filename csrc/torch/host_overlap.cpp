@@ -2,6 +2,7 @@
 // OverlapBackups, AdamWOverlap, AdafactorOverlap): each streamed layer stepped
 // on the engine's gradient-ready hook as its gradient lands, in one fused pass
 // (docs/design/optim.md, "Overlap", "Clipping", "Fusion").
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -142,6 +143,19 @@ void unhook(Engine& engine) {
   engine.set_grad_ready_hook({});
   engine.wait_grad_ready();
 }
+
+// Note [No call between an overlapped backward and its step]
+// (engine_grad_ready.cpp): from the end of the block (wait()) while a layer
+// was stepped, until settle() or abort(), the engine refuses calls.
+void mark_unsettled(Engine& engine, bool& flag, bool now) {
+  if (flag == now) return;
+  engine.set_unsettled_step(now);
+  flag = now;
+}
+
+bool any_stepped(const std::vector<int>& status) {
+  return std::find(status.begin(), status.end(), AdamWOverlap::kStepped) != status.end();
+}
 }  // namespace
 
 AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> groups, std::vector<Param> params,
@@ -184,6 +198,7 @@ AdamWOverlap::AdamWOverlap(std::shared_ptr<Engine> engine, std::vector<Group> gr
 }
 
 AdamWOverlap::~AdamWOverlap() {
+  mark_unsettled(*engine_, unsettled_, false);
   if (!hooked_) return;
   try {
     unhook(*engine_);  // queued jobs still call on_layer: let them finish first
@@ -312,11 +327,13 @@ void AdamWOverlap::on_layer(int layer, const Engine::LandedGradients* landed) {
 }
 
 std::vector<int> AdamWOverlap::wait() {
+  const bool stepped_now = hooked_;  // the block ends here
   if (hooked_) {
     hooked_ = false;
     unhook(*engine_);  // no new jobs; queued ones still run on_layer
   }
   std::lock_guard<std::mutex> lock(mu_);
+  if (stepped_now && any_stepped(status_)) mark_unsettled(*engine_, unsettled_, true);
   return status_;
 }
 
@@ -346,6 +363,7 @@ AdafactorOverlap::AdafactorOverlap(std::shared_ptr<Engine> engine, std::vector<G
 }
 
 AdafactorOverlap::~AdafactorOverlap() {
+  mark_unsettled(*engine_, unsettled_, false);
   if (!hooked_) return;
   try {
     unhook(*engine_);
@@ -404,15 +422,18 @@ void AdafactorOverlap::on_layer(int layer, const Engine::LandedGradients* landed
 }
 
 std::vector<int> AdafactorOverlap::wait() {
+  const bool stepped_now = hooked_;  // the block ends here
   if (hooked_) {
     hooked_ = false;
     unhook(*engine_);
   }
   std::lock_guard<std::mutex> lock(mu_);
+  if (stepped_now && any_stepped(status_)) mark_unsettled(*engine_, unsettled_, true);
   return status_;
 }
 
 float AdafactorOverlap::settle(double other_sum_of_squares, double* total_norm, bool skip) {
+  mark_unsettled(*engine_, unsettled_, false);
   LS_CHECK(!hooked_, "internal: AdafactorOverlap::settle before wait()");
   float coef = 1.0f;
   if (settles()) {
@@ -445,6 +466,7 @@ void AdafactorOverlap::abort() {
     wait();
   } catch (...) {
   }
+  mark_unsettled(*engine_, unsettled_, false);  // after wait(), which may set it
   torch::NoGradGuard ng;
   for (size_t i = 0; i < params_.size(); ++i)
     if (status_[i] == AdamWOverlap::kStepped) drop_grad(params_[i].param);
@@ -457,6 +479,7 @@ void restore(const torch::Tensor& dst, const torch::Tensor& src) {
 }  // namespace
 
 float AdamWOverlap::settle(double other_sum_of_squares, double* total_norm, bool skip) {
+  mark_unsettled(*engine_, unsettled_, false);
   LS_CHECK(!hooked_, "internal: AdamWOverlap::settle before wait()");
   torch::NoGradGuard ng;
   float coef = 1.0f;
@@ -498,6 +521,7 @@ void AdamWOverlap::abort() {
     wait();
   } catch (...) {
   }
+  mark_unsettled(*engine_, unsettled_, false);  // after wait(), which may set it
   torch::NoGradGuard ng;
   for (size_t i = 0; i < params_.size(); ++i)
     if (speculated_[i]) {

@@ -128,6 +128,11 @@ bool StreamedBase::load_in_place(torch::nn::Module& self, torch::serialize::Inpu
 }
 
 bool StreamedBase::save_streamed(const torch::nn::Module& self, torch::serialize::OutputArchive& archive) const {
+  // Note [No call between an overlapped backward and its step] (engine_grad_ready.cpp).
+  LS_CHECK(!engine_ || !engine_->unsettled_step(), "torch::save() of streamed layer '",
+           engine_ ? engine_->layer_name(index_) : std::string(), "' between an overlapped backward "
+           "(opt.overlap(engine)) and step(): the layers stepped during the backward are a step ahead of the others "
+           "(and not yet clipped), a checkpoint no run holds. Call step() first.");
   if (!engine_ || engine_->layer_format(index_).empty()) return false;
   for (const auto& p : self.named_parameters(/*recurse=*/false)) {
     torch::Tensor value = p.value();

@@ -98,6 +98,23 @@ def _warn_resident_rounding(quantized_resident: list) -> None:
                       stacklevel=4)
 
 
+class _NoSaveBeforeStep:
+    """The model's state_dict() pre-hook: refused between an overlapped backward and its
+    step(), whose streamed layers are a step ahead of the others (and not yet clipped):
+    Note [No call between an overlapped backward and its step] (engine_grad_ready.cpp),
+    which refuses calls of the model there too. Removed by detach()."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __call__(self, module, prefix, keep_vars):
+        if self._engine.unsettled_step():
+            raise LayerstreamError(
+                "model.state_dict() between an overlapped backward (opt.overlap(handle)) and step(): the layers "
+                "stepped during the backward are a step ahead of the others (and not yet clipped), a checkpoint "
+                "no run holds. Call opt.step() first.")
+
+
 def _finish_attach(model, engine, attached, streamed_params, handle, grouped, compute_device, group) -> None:
     """The rest of step 5, once every layer is attached: the modules' marks and hooks,
     the model's device and moves, the resident weights on the compute device, DDP."""
@@ -109,6 +126,7 @@ def _finish_attach(model, engine, attached, streamed_params, handle, grouped, co
     follow = _AddedTensorsFollow(model, handle, streamed_modules, streamed_params, compute_device)
     handle._call_hook = CallHooks(model, lambda: engine, streamed_params, streamed_modules, follow)
     handle._load_check = model.register_load_state_dict_pre_hook(RefusedLoads())
+    handle._save_check = model.register_state_dict_pre_hook(_NoSaveBeforeStep(engine))
     _no_fused_encoder_path(model, attached, handle._fused_off)
     _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
     streamed_ids = {id(a.module) for a in attached}

@@ -120,6 +120,7 @@ class Handle(_RefusesCopy):
         self._refs = {}
         self._root = None  # the model, when offload() installed a _RootApply on it
         self._load_check = None  # the model's load_state_dict() pre-hook (_packed.RefusedLoads)
+        self._save_check = None  # its state_dict() pre-hook (_attach._NoSaveBeforeStep)
         self._subtree_checks = []  # modules between it and the streamed ones (guards.install_subtree_checks)
         # (weak reference to the module, value) of the nn.TransformerEncoderLayer whose fused
         # inference path offload() turned off (_no_fused_encoder_path), to restore in detach().
@@ -532,9 +533,10 @@ class Handle(_RefusesCopy):
             self._group = self._sync_hook = self._group_hook = self._group_model = None
 
     def _unhook_root(self) -> None:
-        if self._load_check is not None:
-            self._load_check.remove()
-            self._load_check = None
+        for hook in (self._load_check, self._save_check):
+            if hook is not None:
+                hook.remove()
+        self._load_check = self._save_check = None
         if self._root is not None and isinstance(self._root.__dict__.get("_apply"), _RootApply):
             del self._root.__dict__["_apply"]
         remove_subtree_checks(self._subtree_checks)

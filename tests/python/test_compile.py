@@ -1348,7 +1348,8 @@ class _Block(nn.Module):
 def test_compiled_models_offload_their_saved_tensors_and_a_whole_graph_takes_them_back_at_once(offload_sim):
     """What the README says of activations= under torch.compile (the sim's numbers): the
     compiled regions' saved tensors go to the host, compiled whole or block by block (the
-    same bytes, fewer than eagerly), but a whole-model graph's backward takes them all back
+    same bytes as eagerly, where a tensor several ops save crosses once), but a whole-model
+    graph's backward takes them all back
     at once, so its peak on the device is higher than by block. Before, the README said a
     whole-model graph kept them on the device. Outputs and gradients equal the resident's."""
     torch.manual_seed(0)
@@ -1373,7 +1374,7 @@ def test_compiled_models_offload_their_saved_tensors_and_a_whole_graph_takes_the
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
         seen[how] = (sent, handle.stats()["peak_activation_device_bytes"])
         handle.detach()
-    assert seen["whole"][0] == seen["blocks"][0] > 0 and seen["eager"][0] > seen["whole"][0]
+    assert seen["whole"][0] == seen["blocks"][0] == seen["eager"][0] > 0
     assert seen["whole"][1] >= seen["whole"][0] > seen["blocks"][1] > seen["eager"][1]
 
 

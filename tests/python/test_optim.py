@@ -1481,18 +1481,25 @@ def test_a_clip_between_an_overlapped_backward_and_step_is_refused(offload_sim, 
 
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])
 def test_a_backward_between_an_overlapped_backward_and_step_is_refused(offload_sim, name):
-    """A backward after the overlap block and before step(): the layers the block stepped
-    skip step(), so the gradients it left in their .grad were dropped (before, silently;
-    all streamed, nothing else changed to see). step() refuses it."""
+    """A forward and backward after the overlap block and before step(): the layers the
+    block stepped skip step(), so the gradients it left in their .grad were dropped
+    (before, silently; all streamed, nothing else changed to see), and the forward
+    computed with half-stepped weights. The forward is refused (Note [No call between an
+    overlapped backward and its step]); step() then steps as if nothing happened."""
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    ref = copy.deepcopy(model)
     handle = offload_sim(model)
-    opt = _MAKERS[name](list(model.parameters()))
+    opt, ref_opt = _MAKERS[name](list(model.parameters())), _MAKERS[name](list(ref.parameters()))
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     with opt.overlap(handle):
         model(x).square().mean().backward()
-    model(x).square().mean().backward()
-    with pytest.raises(RuntimeError, match=r"the \.grad of 4 parameter\(s\) changed .*or made by another backward"):
-        opt.step()
+    with pytest.raises(RuntimeError, match=r"layer '0' was called between an overlapped backward .*step\(\) first"):
+        model(x).square().mean().backward()
+    opt.step()
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_the_uncounted_training_warning_points_at_the_users_step(offload_sim):
@@ -1931,8 +1938,19 @@ def test_state_dict_between_an_overlapped_backward_and_its_step_is_an_error(offl
     for call in (opt.state_dict, lambda: opt.load_state_dict(before)):
         with pytest.raises(RuntimeError, match=r"between an overlapped backward and step\(\).*call step\(\) first"):
             call()
+    # The model's weights too: a state dict or a call there saw the streamed layers
+    # stepped and the resident ones not (Note [No call between an overlapped backward
+    # and its step]).
+    with pytest.raises(layerstream.LayerstreamError, match=r"model.state_dict\(\) between an overlapped backward .*step\(\) first"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match=r"called between an overlapped backward .*Call step\(\) first"):
+        with torch.no_grad():
+            model(torch.randn(4, 16))
     opt.step()
     assert {float(s["step"]) for s in opt.state_dict()["state"].values()} == {2.0}
+    model.state_dict()
+    with torch.no_grad():
+        model(torch.randn(4, 16))
 
 
 @pytest.mark.parametrize("cls", ["AdamW", "Adafactor"])

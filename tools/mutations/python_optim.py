@@ -245,4 +245,11 @@ MUTATIONS = [
         [P + "test_optim.py::test_kept_gradients_written_between_an_overlapped_backward_and_step_are_refused"],
         "scaler.unscale_() after overlap(grad_scaler=) divides kept (or Adafactor's) gradients by the scale "
         "twice: the weights off, silently"),
+    Mutation(
+        "model-state-dict-between-overlap-and-step", "python/layerstream/_attach.py",
+        "        if self._engine.unsettled_step():",
+        "        if False:",
+        [P + "test_optim.py::test_state_dict_between_an_overlapped_backward_and_its_step_is_an_error"],
+        "model.state_dict() between an overlapped backward and step() saves the streamed layers a step ahead of "
+        "the others (and unclipped): a torn checkpoint"),
 ]

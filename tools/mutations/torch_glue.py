@@ -369,6 +369,25 @@ MUTATIONS = [
         ["gtest:test_torch_offload:TorchOffload.AFloat64LayerStaysResidentAndAnIncludeTypoIsWarned"],
         "C++ offload(): an include pattern that names no module streams nothing there, silently"),
     Mutation(
+        "call-between-overlap-and-step", "csrc/torch/engine_grad_ready.cpp",
+        "  if (gr_unsettled_.load(std::memory_order_relaxed) && torch::autograd::get_current_graph_task_id() == -1)",
+        "  if (false)",
+        ["gtest:test_torch_optim:TorchOptim.ChangesBetweenTheOverlapScopeAndStepAreRefused", P + "test_optim.py::test_state_dict_between_an_overlapped_backward_and_its_step_is_an_error"],
+        "a call of the model between an overlapped backward and step() computes with the streamed layers "
+        "stepped (unclipped) and the resident ones not"),
+    Mutation(
+        "overlap-block-end-marks-nothing", "csrc/torch/host_overlap.cpp",
+        "  if (stepped_now && any_stepped(status_)) mark_unsettled(*engine_, unsettled_, true);\n  return status_;\n}\n\n// ----",
+        "  return status_;\n}\n\n// ----",
+        ["gtest:test_torch_optim:TorchOptim.ChangesBetweenTheOverlapScopeAndStepAreRefused", P + "test_optim.py::test_state_dict_between_an_overlapped_backward_and_its_step_is_an_error"],
+        "AdamW's overlap block ends without marking the engine: calls and saves before step() see half a step"),
+    Mutation(
+        "cpp-save-between-overlap-and-step", "csrc/torch/nn_modules.cpp",
+        "  LS_CHECK(!engine_ || !engine_->unsettled_step(), \"torch::save() of streamed layer '\",",
+        "  LS_CHECK(true, \"torch::save() of streamed layer '\",",
+        ["gtest:test_torch_optim:TorchOptim.ChangesBetweenTheOverlapScopeAndStepAreRefused"],
+        "C++ torch::save() of the model between an overlapped backward and step(): a torn checkpoint"),
+    Mutation(
         "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
         "    LS_CHECK(t.is_floating_point() || !t.requires_grad(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
         "    LS_CHECK(t.is_floating_point(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
