@@ -208,6 +208,20 @@ _TAKEN_AT_OFFLOAD = {"conv": ("stride", "padding", "dilation", "groups", "paddin
                      "embedding": ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")}
 
 
+def _restates(name: str, was, now) -> bool:
+    """Whether `now`, a value of the _TAKEN_AT_OFFLOAD attribute `name` set after offload(),
+    computes as `was` (offload()'s) in torch's conv: a list for a tuple of the same ints
+    ([1, 1] for (1, 1)), and for a conv's stride, padding or dilation one int for a tuple
+    that repeats it once per dimension (1 for (1, 1): F.conv2d expands it so). Anything
+    else counts as a change (the streamed layer would compute with `was`)."""
+    if isinstance(was, (list, tuple)) and isinstance(now, (list, tuple)):
+        return tuple(now) == tuple(was)
+    if name in ("stride", "padding", "dilation") and isinstance(was, (list, tuple)) and \
+            isinstance(now, int) and not isinstance(now, bool):
+        return tuple(was) == (now,) * len(was)
+    return was == now
+
+
 _REPLACED = ("the parameters of streamed layer '{name}' were replaced after offload() (e.g. by accelerate's "
              "cpu_offload() or dispatch_model(), load_state_dict(assign=True), assigning a new nn.Parameter, "
              "or torch.func.functional_call); layerstream streams the original ones. Copy new values in place "
@@ -319,8 +333,13 @@ class _StreamedForward(_RefusesCopy):
         return [getattr(module, name) for name in self._taken]
 
     def _retaken(self) -> None:
-        """Raises naming the conv or table attribute (_TAKEN_AT_OFFLOAD) changed since offload()."""
-        name, was, new = next((n, a, b) for n, a, b in zip(self._taken, self._taken_at, self._taken_now()) if a != b)
+        """Raises naming the conv or table attribute (_TAKEN_AT_OFFLOAD) changed since offload();
+        returns when each change only restates its value as torch's conv reads it (_restates)."""
+        changed = [(n, a, b) for n, a, b in zip(self._taken, self._taken_at, self._taken_now())
+                   if not _restates(n, a, b)]
+        if not changed:
+            return
+        name, was, new = changed[0]
         raise LayerstreamError(
             f"streamed layer '{self._name}': its {name} changed after offload() ({was!r} -> {new!r}), but the "
             f"streamed layer computes with the one it had at offload(). Set it before offload(), or call "

@@ -458,4 +458,11 @@ MUTATIONS: list = [
         [P + "test_misuse.py::test_a_layout_conversion_after_offload_is_refused_before_anything_changes"],
         "model.to(memory_format=torch.channels_last) after offload() converts the rest and leaves the streamed conv "
         "weights contiguous, silently"),
+    Mutation(
+        "conv-attribute-restated-refused", "python/layerstream/_forward.py",
+        "                   if not _restates(n, a, b)]",
+        "                   if a != b]",
+        [P + "test_conv_after_offload.py"],
+        "conv.stride = [1, 1] (or 1) where it held (1, 1) after offload() is refused as a change of the stride, "
+        "though torch's conv computes the same"),
 ]
