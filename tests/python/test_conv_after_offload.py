@@ -55,3 +55,36 @@ def test_a_conv1d_stride_restated_as_one_int_is_accepted(offload_sim):
     model[0].stride = 2
     x = torch.randn(2, 4, 11)
     assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_a_layout_conversion_with_a_move_after_offload_is_refused_as_without_one(offload_sim, layout):
+    """model.to(device, memory_format=torch.channels_last) (the move and the layout in one
+    call) after offload() left the streamed conv weights in their layout, silently: the
+    layout probe ran on the meta device, which a move cannot copy out of, and counted it as
+    no layout change. The outputs stayed right, but the weights did not get the layout
+    asked for, where model.to(memory_format=...) alone is refused. Refused the same way now,
+    before anything changes, for the model and for one conv (a 1x1 one too, whose strides
+    torch changes in its size-1 dimensions); the layout the weights have, or a move alone,
+    still passes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1))
+    fmt, other = torch.contiguous_format, torch.channels_last
+    if layout == "channels_last":
+        model, fmt, other = model.to(memory_format=torch.channels_last), other, fmt
+    ref = copy.deepcopy(model).eval()
+    offload_sim(model)
+    model.eval()
+    before = {n: (p.detach().clone(), p.stride()) for n, p in model.named_parameters()}
+    for args in [("cpu",), (torch.device("cpu"), torch.float32), ()]:
+        for part, name in [(model, "0"), (model[0], "0"), (model[2], "2")]:
+            with pytest.raises(LayerstreamError, match=rf"streamed layer '{name}' .* another memory layout "
+                                                       r".*before offload\(\)"):
+                part.to(*args, memory_format=other)
+            assert all(torch.equal(p, before[n][0]) and p.stride() == before[n][1]
+                       for n, p in model.named_parameters())
+        model.to(*args, memory_format=fmt)
+    model.to("cpu")
+    assert all(p.stride() == before[n][1] for n, p in model.named_parameters())
+    x = torch.randn(2, 4, 6, 6)
+    assert torch.equal(model(x), ref(x))

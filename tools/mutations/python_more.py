@@ -465,4 +465,11 @@ MUTATIONS: list = [
         [P + "test_conv_after_offload.py"],
         "conv.stride = [1, 1] (or 1) where it held (1, 1) after offload() is refused as a change of the stride, "
         "though torch's conv computes the same"),
+    Mutation(
+        "layout-conversion-with-a-move-skipped", "python/layerstream/_guards.py",
+        "            fmt = self._moved_format(fn, p.dim(), torch.float32 if p.is_quantized else p.dtype)",
+        "            fmt = None",
+        [P + "test_conv_after_offload.py::test_a_layout_conversion_with_a_move_after_offload_is_refused_as_without_one"],
+        "model.to(device, memory_format=torch.channels_last) after offload() converts the rest and leaves the "
+        "streamed conv weights in their layout, silently (model.to(memory_format=...) alone is refused)"),
 ]
