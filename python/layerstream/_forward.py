@@ -524,12 +524,22 @@ class _GroupForward(_RefusesCopy):
                 finally:
                     self._engine.release(token)
 
-    def _written(self, i: int) -> LayerstreamError:
+    def _written(self, i: int, grad: bool = False) -> LayerstreamError:
         """The error for a forward that wrote the group's tensor #i in place: it wrote the
         slot's copy, and the write would be lost (the parameter, state_dict() and
-        detach() never see it)."""
+        detach() never see it). `grad`: with grad mode on, to a tensor that requires grad,
+        which torch refused (_group_op._own_tensor_written found it)."""
         owner, key = self._slots[i]
         where = next(n for n, m in self._module.named_modules() if m is owner)
+        if grad:
+            return LayerstreamError(
+                f"streamed tensor group '{self._name}' writes its own parameter '{where + '.' if where else ''}{key}' "
+                f"in place in its forward with grad enabled (e.g. a weight's clamp_() outside torch.no_grad()), which "
+                f"torch refuses for a parameter that requires grad, resident or not; and the group's forward runs "
+                f"on copies of its tensors in a device slot, so even under torch.no_grad() the write would be lost. "
+                f"Write the parameter outside the forward, under torch.no_grad() (e.g. clamp it after "
+                f"optimizer.step()), or write it under torch.no_grad() in the forward and keep the module "
+                f"resident: offload(exclude=[{self._name!r}])")
         return LayerstreamError(
             f"streamed tensor group '{self._name}' writes its tensor '{where + '.' if where else ''}{key}' in place "
             f"in its forward (e.g. nn.Embedding(max_norm=...) renormalizing the rows it reads, or a weight's "

@@ -472,4 +472,11 @@ MUTATIONS: list = [
         [P + "test_conv_after_offload.py::test_a_layout_conversion_with_a_move_after_offload_is_refused_as_without_one"],
         "model.to(device, memory_format=torch.channels_last) after offload() converts the rest and leaves the "
         "streamed conv weights in their layout, silently (model.to(memory_format=...) alone is refused)"),
+    Mutation(
+        "group-own-parameter-write-reported-as-input", "python/layerstream/_group_op.py",
+        "            own = _own_tensor_written(fwd, rebuild, inputs, views)",
+        "            own = None",
+        [P + "test_groups.py::test_a_group_that_writes_its_own_parameter_with_grad_enabled_is_named_as_such"],
+        "a groups= module clamping its own trainable weight in place with grad enabled is reported as modifying "
+        "an input in place (clone the input), or as torch's bare leaf error"),
 ]
