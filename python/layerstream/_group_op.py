@@ -169,7 +169,7 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
                 raise
             own = _own_tensor_written(fwd, rebuild, inputs, views)
             if own is not None:
-                raise fwd._written(own, grad=True) from None
+                raise fwd._written(own, grad=views[own].requires_grad) from None
             if not any(x.requires_grad for x in inputs):
                 raise
             raise _writes_input(fwd, e) from None
