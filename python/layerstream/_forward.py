@@ -208,6 +208,20 @@ _TAKEN_AT_OFFLOAD = {"conv": ("stride", "padding", "dilation", "groups", "paddin
                      "embedding": ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")}
 
 
+def _restates(name: str, was, now) -> bool:
+    """Whether `now`, a value of the _TAKEN_AT_OFFLOAD attribute `name` set after offload(),
+    computes as `was` (offload()'s) in torch's conv: a list for a tuple of the same ints
+    ([1, 1] for (1, 1)), and for a conv's stride, padding or dilation one int for a tuple
+    that repeats it once per dimension (1 for (1, 1): F.conv2d expands it so). Anything
+    else counts as a change (the streamed layer would compute with `was`)."""
+    if isinstance(was, (list, tuple)) and isinstance(now, (list, tuple)):
+        return tuple(now) == tuple(was)
+    if name in ("stride", "padding", "dilation") and isinstance(was, (list, tuple)) and \
+            isinstance(now, int) and not isinstance(now, bool):
+        return tuple(was) == (now,) * len(was)
+    return was == now
+
+
 _REPLACED = ("the parameters of streamed layer '{name}' were replaced after offload() (e.g. by accelerate's "
              "cpu_offload() or dispatch_model(), load_state_dict(assign=True), assigning a new nn.Parameter, "
              "or torch.func.functional_call); layerstream streams the original ones. Copy new values in place "
@@ -319,8 +333,13 @@ class _StreamedForward(_RefusesCopy):
         return [getattr(module, name) for name in self._taken]
 
     def _retaken(self) -> None:
-        """Raises naming the conv or table attribute (_TAKEN_AT_OFFLOAD) changed since offload()."""
-        name, was, new = next((n, a, b) for n, a, b in zip(self._taken, self._taken_at, self._taken_now()) if a != b)
+        """Raises naming the conv or table attribute (_TAKEN_AT_OFFLOAD) changed since offload();
+        returns when each change only restates its value as torch's conv reads it (_restates)."""
+        changed = [(n, a, b) for n, a, b in zip(self._taken, self._taken_at, self._taken_now())
+                   if not _restates(n, a, b)]
+        if not changed:
+            return
+        name, was, new = changed[0]
         raise LayerstreamError(
             f"streamed layer '{self._name}': its {name} changed after offload() ({was!r} -> {new!r}), but the "
             f"streamed layer computes with the one it had at offload(). Set it before offload(), or call "
@@ -505,12 +524,22 @@ class _GroupForward(_RefusesCopy):
                 finally:
                     self._engine.release(token)
 
-    def _written(self, i: int) -> LayerstreamError:
+    def _written(self, i: int, grad: bool = False) -> LayerstreamError:
         """The error for a forward that wrote the group's tensor #i in place: it wrote the
         slot's copy, and the write would be lost (the parameter, state_dict() and
-        detach() never see it)."""
+        detach() never see it). `grad`: with grad mode on, to a tensor that requires grad,
+        which torch refused (_group_op._own_tensor_written found it)."""
         owner, key = self._slots[i]
         where = next(n for n, m in self._module.named_modules() if m is owner)
+        if grad:
+            return LayerstreamError(
+                f"streamed tensor group '{self._name}' writes its own parameter '{where + '.' if where else ''}{key}' "
+                f"in place in its forward with grad enabled (e.g. a weight's clamp_() outside torch.no_grad()), which "
+                f"torch refuses for a parameter that requires grad, resident or not; and the group's forward runs "
+                f"on copies of its tensors in a device slot, so even under torch.no_grad() the write would be lost. "
+                f"Write the parameter outside the forward, under torch.no_grad() (e.g. clamp it after "
+                f"optimizer.step()), or write it under torch.no_grad() in the forward and keep the module "
+                f"resident: offload(exclude=[{self._name!r}])")
         return LayerstreamError(
             f"streamed tensor group '{self._name}' writes its tensor '{where + '.' if where else ''}{key}' in place "
             f"in its forward (e.g. nn.Embedding(max_norm=...) renormalizing the rows it reads, or a weight's "

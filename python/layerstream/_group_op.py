@@ -165,7 +165,12 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
         try:
             out = fwd._original(*args, **kwargs)
         except RuntimeError as e:
-            if _LEAF_INPLACE not in str(e) or not any(x.requires_grad for x in inputs):
+            if _LEAF_INPLACE not in str(e):
+                raise
+            own = _own_tensor_written(fwd, rebuild, inputs, views)
+            if own is not None:
+                raise fwd._written(own, grad=views[own].requires_grad) from None
+            if not any(x.requires_grad for x in inputs):
                 raise
             raise _writes_input(fwd, e) from None
         if any(version_of(x) != v for x, v in versions):
@@ -180,6 +185,40 @@ def forward_without_graph(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor]
 # What autograd says of an in-place write to a leaf that requires grad (or a view of one):
 # the group's inputs are such leaves while its forward runs without a graph.
 _LEAF_INPLACE = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _own_tensor_written(fwd, rebuild: Callable, inputs: Sequence[torch.Tensor],
+                        views: Sequence[torch.Tensor]) -> Optional[int]:
+    """After torch refused an in-place write to a leaf that requires grad in a group's forward
+    without a graph: which of the group's tensors the forward writes (their fetched views are
+    such leaves when their parameters train, as its inputs are), or None (an input, or
+    nothing found). The forward runs once more, on copies: of the inputs, as leaves that
+    require grad as before (a write to one is refused again, first if it came first), and of
+    the group's tensors, frozen (a write bumps a copy's version). The module's buffers are
+    copies for the run and the RNG is put back (as the recompute's), the module's tensors
+    too; a run that fails otherwise (e.g. out of memory for the copies) finds nothing."""
+    copies: Dict[int, torch.Tensor] = {}
+    clone = [copies.setdefault(id(x), x.detach().clone().requires_grad_(x.requires_grad)) for x in inputs]
+    slots = fwd._slots
+    held = [o._parameters[k] for o, k in slots]
+    dev = fwd._device
+    mine: list = []
+    versions: list = []
+    try:
+        mine = [as_held(p, v.detach().clone()) for p, v in zip(fwd._params, views)]
+        versions = [version_of(t) for t in mine]
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
+                _recompute_buffers(fwd._module, None):
+            for (o, k), t in zip(slots, mine):
+                o._parameters[k] = t
+            args, kwargs = rebuild(clone)
+            fwd._original(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - e.g. the input's write refused again: decided by the versions
+        pass
+    finally:
+        for (o, k), t in zip(slots, held):
+            o._parameters[k] = t
+    return next((i for i, (t, v) in enumerate(zip(mine, versions)) if version_of(t) != v), None)
 
 
 def _writes_input(fwd, cause: Optional[BaseException] = None) -> LayerstreamError:

@@ -222,7 +222,7 @@ class _StreamedApply:
         # Weakly: this object is an attribute of the module (Note [Nothing offload() puts on
         # a model refers back to it], _handle.py).
         self._module_ref, self._compute, self._name = weakref.ref(module), compute_device, name
-        self._verdicts = None  # dtype -> allowed, shared by _RootApply during one conversion
+        self._verdicts = None  # dtype -> allowed (and _moved_format's), shared by _RootApply during one conversion
         self._keys = tuple(keys)  # the streamed parameters (a tensor group: all of them)
         self._remedy = remedy  # layerstream.compat names its own ways out
 
@@ -296,17 +296,45 @@ class _StreamedApply:
                     f"layout (e.g. model.to(memory_format=torch.channels_last)), which the streamed layer would "
                     f"not take. Convert the model's layout before offload(), or call handle.detach() first")
 
-    @staticmethod
-    def _relayouts(fn, p) -> bool:
+    def _relayouts(self, fn, p) -> bool:
         """Whether `fn` (a conversion nn.Module._apply hands each tensor) gives a 4-D/5-D
         tensor of p's shape and strides other strides (model.to(memory_format=...): the
         dtype probe's empty tensors have no layout to change). Probed on the meta device;
-        a conversion that cannot run there (a move) is the dtype probe's to judge."""
+        a conversion that cannot run there is a move (model.to(device, memory_format=...)),
+        whose memory format _moved_format finds, then applied to p's shape and strides on
+        the meta device as the form without a move is."""
         try:
             out = fn(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"))
-        except Exception:  # noqa: BLE001
-            return False
+        except Exception:  # noqa: BLE001 - a move: meta tensors cannot be copied out
+            fmt = self._moved_format(fn, p.dim(), torch.float32 if p.is_quantized else p.dtype)
+            if fmt is None:
+                return False
+            return torch.empty_strided(p.shape, p.stride(), device="meta").to(memory_format=fmt).stride() != p.stride()
         return isinstance(out, torch.Tensor) and out.is_meta and out.stride() != p.stride()
+
+    def _moved_format(self, fn, dim: int, dtype: torch.dtype):
+        """The memory format a move `fn` gives every `dim`-D tensor (model.to(device,
+        memory_format=...)), or None when it keeps each one's own (no memory_format). Probed
+        on two host tensors of 2 per dimension, one contiguous and one channels_last (sizes
+        at which no tensor is both); a conversion that fails on them is the dtype probe's to
+        judge (None). One probe per conversion and dim when _RootApply shares its verdicts."""
+        key = ("memory_format", dim)
+        if self._verdicts is not None and key in self._verdicts:
+            return self._verdicts[key]
+        last = torch.channels_last if dim == 4 else torch.channels_last_3d
+        outs = []
+        for fmt in (torch.contiguous_format, last):
+            try:
+                outs.append(fn(torch.empty([2] * dim, dtype=dtype, memory_format=fmt)))
+            except Exception:  # noqa: BLE001
+                outs.append(None)
+        found = None
+        if all(isinstance(o, torch.Tensor) and o.dim() == dim for o in outs):
+            found = next((f for f in (torch.contiguous_format, last)
+                          if all(o.is_contiguous(memory_format=f) for o in outs)), None)
+        if self._verdicts is not None:
+            self._verdicts[key] = found
+        return found
 
     def __call__(self, fn, recurse=True):
         self.check(fn)

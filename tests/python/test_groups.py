@@ -499,6 +499,55 @@ def test_a_group_that_writes_its_own_tensor_in_place_is_refused(offload_sim, gra
     assert all("forward" not in m.__dict__ for m in table.modules())
 
 
+class _ClampsWithGrad(nn.Module):
+    """Normalizes and drops out its input (a buffer write, random draws), then clamps its
+    Linear's weight in place with grad enabled (no torch.no_grad() around it)."""
+
+    def __init__(self, d=16, norm=True):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(d) if norm else nn.Identity()
+        self.drop, self.lin = nn.Dropout(0.5), nn.Linear(d, d)
+
+    def forward(self, x):
+        x = self.drop(self.norm(x))
+        self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("input_grad", [True, False], ids=["activation", "data"])
+def test_a_group_that_writes_its_own_parameter_with_grad_enabled_is_named_as_such(offload_sim, input_grad,
+                                                                                  compiled):
+    """A groups= module whose forward writes its own trainable weight in place with grad
+    enabled (torch refuses that resident too: "a leaf Variable that requires grad is being
+    used in an in-place operation") was reported as modifying an input in place ("Clone the
+    input"), or, with an input that requires no grad, as torch's bare error. It is named now:
+    the group's own parameter, written in place, and what to do. Finding it runs the forward
+    once more on copies: the random state, buffers and parameters after the refused call are
+    the resident model's after its refused call. (Compiled without the BatchNorm: a compiled
+    group's trial on fake tensors meets its real buffers.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _ClampsWithGrad(norm=not compiled), nn.Linear(16, 2))
+    model[0].requires_grad_(input_grad)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    torch.manual_seed(1)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+        ref(x)
+    rng = torch.get_rng_state()
+    offload_sim(model, groups=["1"])
+    call = torch.compile(model, backend="aot_eager") if compiled else model
+    torch.manual_seed(1)
+    with pytest.raises(LayerstreamError, match=r"streamed tensor group '1' writes its own parameter 'lin\.weight' in "
+                                               r"place in its forward with grad enabled .*under torch\.no_grad\(\) "
+                                               r".*offload\(exclude=\['1'\]\)") as err:
+        call(x)
+    assert "an input" not in str(err.value)
+    assert torch.equal(torch.get_rng_state(), rng)
+    want = ref.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
 def test_offload_docstring_names_no_rnn_among_what_groups_streams(offload_sim):
     """offload()'s docstring listed "RNNs" among the layers groups= streams, while groups= on a
     module holding an nn.LSTM is refused: every sentence of its groups= entry that names an

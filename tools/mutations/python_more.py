@@ -479,4 +479,25 @@ MUTATIONS: list = [
         [P + "test_ddp_rules.py::test_share_memory_of_an_offloaded_model_is_refused_on_the_sim_device_as_on_a_gpu"],
         "model.share_memory() after offload() on the sim device returns normally with the streamed weights "
         "unshared (on a GPU refused as a move, with a message about moves and dtypes)"),
+    Mutation(
+        "conv-attribute-restated-refused", "python/layerstream/_forward.py",
+        "                   if not _restates(n, a, b)]",
+        "                   if a != b]",
+        [P + "test_conv_after_offload.py"],
+        "conv.stride = [1, 1] (or 1) where it held (1, 1) after offload() is refused as a change of the stride, "
+        "though torch's conv computes the same"),
+    Mutation(
+        "layout-conversion-with-a-move-skipped", "python/layerstream/_guards.py",
+        "            fmt = self._moved_format(fn, p.dim(), torch.float32 if p.is_quantized else p.dtype)",
+        "            fmt = None",
+        [P + "test_conv_after_offload.py::test_a_layout_conversion_with_a_move_after_offload_is_refused_as_without_one"],
+        "model.to(device, memory_format=torch.channels_last) after offload() converts the rest and leaves the "
+        "streamed conv weights in their layout, silently (model.to(memory_format=...) alone is refused)"),
+    Mutation(
+        "group-own-parameter-write-reported-as-input", "python/layerstream/_group_op.py",
+        "            own = _own_tensor_written(fwd, rebuild, inputs, views)",
+        "            own = None",
+        [P + "test_groups.py::test_a_group_that_writes_its_own_parameter_with_grad_enabled_is_named_as_such"],
+        "a groups= module clamping its own trainable weight in place with grad enabled is reported as modifying "
+        "an input in place (clone the input), or as torch's bare leaf error"),
 ]
