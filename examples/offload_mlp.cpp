@@ -55,6 +55,7 @@ static std::vector<float> train(MLP model, bool stream, const std::string& devic
     auto x = torch::randn({32, 64}).to(dev);
     auto y = torch::randint(0, 10, {32}).to(dev);
     opt.zero_grad();
+    if (handle) handle->engine()->begin_call();  // a new call of the model (README, C++ usage)
     auto loss = torch::nn::functional::cross_entropy(model(x), y);
     loss.backward();  // streamed weight gradients are on the host and complete here
     opt.step();

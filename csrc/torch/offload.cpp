@@ -306,6 +306,9 @@ Residency plan_residency(torch::nn::Module& root, const std::vector<Item>& items
     for (const auto& t : named.value()->buffers(/*recurse=*/false))
       if (t.defined() && counted.insert(t.unsafeGetTensorImpl()).second) in.fixed_resident_bytes += t.nbytes();
   }
+  // The copy times: the sim device models its link (as Python's offload());
+  // a GPU's is not known here.
+  if (resolve_device(options.device, DeviceSpelling::Cpp) == "sim") in.link_bytes_per_s = options.sim_h2d_gbps * 1e9;
   const Plan plan = plan_slots_first(in, options.prefetch, options.slots);
   Residency r;
   for (const auto& l : plan.layers)

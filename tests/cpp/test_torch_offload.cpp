@@ -1635,6 +1635,10 @@ TEST(TorchOffload, BudgetIsPlannedAsInPython) {
   EXPECT_LT(t->engine()->stats().budget_bytes, opts.budget_bytes);
   EXPECT_GE(static_cast<int64_t>(s.peak_device_bytes), static_cast<int64_t>(s.slots * s.slot_bytes) + resident * kLayer);
   EXPECT_LE(static_cast<int64_t>(s.peak_device_bytes), opts.budget_bytes);
+  // The sim's modelled link times the plan, as in Python (it said "no link bandwidth given").
+  EXPECT_NE(t->plan().find("predicted copy time:      3.3 us per step over the 25 GB/s link"), std::string::npos)
+      << t->plan();
+  EXPECT_EQ(t->plan().find("no link bandwidth given"), std::string::npos) << t->plan();
   t->detach();
 }
 

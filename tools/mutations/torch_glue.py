@@ -388,6 +388,12 @@ MUTATIONS = [
         ["gtest:test_torch_optim:TorchOptim.ChangesBetweenTheOverlapScopeAndStepAreRefused"],
         "C++ torch::save() of the model between an overlapped backward and step(): a torn checkpoint"),
     Mutation(
+        "cpp-plan-without-the-sim-link", "csrc/torch/offload.cpp",
+        "  if (resolve_device(options.device, DeviceSpelling::Cpp) == \"sim\") in.link_bytes_per_s = options.sim_h2d_gbps * 1e9;",
+        "",
+        ["gtest:test_torch_offload:TorchOffload.BudgetIsPlannedAsInPython"],
+        "C++ offload()'s plan on the sim device says 'no link bandwidth given' (Python's times the modelled link)"),
+    Mutation(
         "group-raw-bytes-refused", "csrc/torch/engine_groups.cpp",
         "    LS_CHECK(t.is_floating_point() || !t.requires_grad(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
         "    LS_CHECK(t.is_floating_point(), \"tensor group '\", name, \"': tensor #\", k, \" (\",",
