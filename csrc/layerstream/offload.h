@@ -49,7 +49,8 @@
 // (prefetch + 1, or `slots`) are reserved first, then the planner keeps as many
 // layers resident as the rest holds (handle->resident_layers(), plan()); only
 // the others stream. A budget too small for 2 slots of the largest streamed
-// layer throws layerstream::BudgetTooSmall before anything changes.
+// layer throws layerstream::BudgetTooSmall before anything changes (a
+// layerstream::Error; to catch it by type: #include "layerstream/core/planner.h").
 // Non-streamed parameters and buffers are moved to the compute device. After
 // offload(), model->to(<compute device>) leaves the streamed weights in host
 // memory; other devices or dtypes throw (children convert in order, so

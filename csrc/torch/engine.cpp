@@ -459,7 +459,8 @@ void EngineImpl::ensure_scheduler() {
   LS_CHECK(!suspended_, "this layerstream handle is suspended: its device memory was freed (handle.suspend(), "
            "or model.to('cpu') of a model streamed to a GPU); resume it (handle.resume(), or model.to(<compute "
            "device>); C++: OffloadHandle::resume()) before running the model. A backward of a graph recorded "
-           "before the suspension needs it too.");
+           "before the suspension needs it too: resume before that backward (one refused here has freed its graph, "
+           "unless retain_graph=True: run the forward again).");
   if (!sched_) build_scheduler_locked();
 }
 
