@@ -432,4 +432,43 @@ static std::optional<Plan> place(const PlannerInput& in, std::string* too_small)
   return plan;
 }
 
+namespace {
+// The projections that read one input, by the last part of their names.
+const std::vector<std::vector<std::string>>& input_families() {
+  static const std::vector<std::vector<std::string>> families = {
+      {"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"to_q", "to_k", "to_v"},
+      {"query", "key", "value"},      {"w1", "w3"},             {"wq", "wk", "wv"},
+      {"q", "k", "v"},                {"gate", "up"}};
+  return families;
+}
+
+// (prefix, the index of the family) of a layer named "<prefix>.<member>"; family -1: none.
+std::pair<std::string, int> family_of(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  const std::string last = dot == std::string::npos ? name : name.substr(dot + 1);
+  const auto& families = input_families();
+  for (size_t f = 0; f < families.size(); ++f)
+    if (std::find(families[f].begin(), families[f].end(), last) != families[f].end())
+      return {dot == std::string::npos ? std::string() : name.substr(0, dot), static_cast<int>(f)};
+  return {std::string(), -1};
+}
+
+uint64_t in_features(const ModelLayer& l) {
+  return l.weight_shape.size() >= 2 && l.weight_shape[0] ? l.weight_numel() / l.weight_shape[0] : 0;
+}
+}  // namespace
+
+bool reads_an_earlier_layers_input(const std::vector<ModelLayer>& layers, size_t i) {
+  const ModelLayer& l = layers[i];
+  if (l.embedding || l.group) return false;
+  const auto [prefix, family] = family_of(l.name);
+  if (family < 0) return false;
+  for (size_t j = 0; j < i; ++j) {
+    const ModelLayer& e = layers[j];
+    if (e.embedding || e.group || in_features(e) != in_features(l)) continue;
+    if (family_of(e.name) == std::make_pair(prefix, family)) return true;
+  }
+  return false;
+}
+
 }  // namespace layerstream

@@ -340,8 +340,9 @@ struct LayerOptions {
   // input (tokens x in_features in compute_dtype, else the weight's dtype)
   // goes to the host in the forward and back in the backward
   // (PlannerLayer::activation_bytes). Other saved tensors (norms,
-  // nonlinearities, attention) are not counted, and an input several layers
-  // read (q, k and v) is counted per layer although offload() copies it once.
+  // nonlinearities, attention) are not counted; an input several layers read
+  // (q, k and v) is counted once, as offload() copies it
+  // (reads_an_earlier_layers_input, planner_impl.h: by the layers' names).
   bool activations = false;
   // With training: what a trainable weight kept resident takes on the device
   // beside itself (its gradient, optimizer states), as offload(train=...):

@@ -34,4 +34,13 @@ Timing simulate(const PlannerInput& in, const std::vector<char>& resident, int s
 // The slots a plan with `k` slots uses for `num_streamed` streamed layers.
 int effective_slots(int k, int min_slots, size_t num_streamed);
 
+// Whether layers[i] reads the same input as an earlier layer of the list: a
+// sibling under one parent (same prefix) of one family of projections that
+// transformers and diffusers feed one tensor (q/k/v_proj, gate/up_proj,
+// to_q/k/v, query/key/value, w1/w3, wq/wk/wv, ...) with the same in_features.
+// offload(activations=) copies such an input once (Note [A tensor saved by
+// several ops], engine_activations.cpp), so the plan counts it once
+// (LayerOptions::activations). By name: a guess, as the rest of the estimate.
+bool reads_an_earlier_layers_input(const std::vector<ModelLayer>& layers, size_t i);
+
 }  // namespace layerstream

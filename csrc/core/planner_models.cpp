@@ -132,8 +132,10 @@ std::vector<PlannerLayer> layer_specs(const ModelDescription& m, const LayerOpti
   std::vector<PlannerLayer> out;
   const double tokens = static_cast<double>(opt.tokens);
   // LayerOptions::activations: a linear layer's saved input, tokens x in_features.
+  // An input several layers read (q, k and v) once: reads_an_earlier_layers_input.
   auto saved_input_bytes = [&](const ModelLayer& l, const std::string& dtype) -> uint64_t {
     if (!opt.training || !opt.activations || l.weight_shape.empty() || l.weight_shape[0] == 0) return 0;
+    if (reads_an_earlier_layers_input(m.layers, static_cast<size_t>(&l - m.layers.data()))) return 0;
     return bytes_of(opt.tokens * (l.weight_numel() / l.weight_shape[0]), dtype);
   };
   for (const auto& l : m.layers) {

@@ -779,6 +779,16 @@ def test_activation_offload_uses_both_directions_of_the_link(st_file):
     assert_one_line_error(r, code=2, contains="--activations expects host")
 
 
+def test_activation_offload_counts_an_input_several_projections_read_once():
+    """offload(activations=) copies the normed input of q, k and v (and of gate and up)
+    once (Note [A tensor saved by several ops]): the plan counts it once per block, not
+    once per projection. llama-7b, 1000 tokens in fp16: per block the inputs of q/k/v,
+    o, gate/up (4096 each) and down (11008), and lm_head's."""
+    plan = plan_json("--model", "llama-7b", "--budget", "4GiB", "--train", "--tokens", "1000",
+                     "--activations", "host")["plan"]
+    assert plan["activation_bytes_per_step"] == 1000 * 2 * (32 * (3 * 4096 + 11008) + 4096)
+
+
 def test_training_counts_the_gradients_staging_buffers_in_the_host_budget(st_file):
     """--train --host-budget: each streamed trainable layer's gradient staging buffer is
     host RAM too (as offload() plans it)."""

@@ -534,4 +534,11 @@ MUTATIONS = [
         ["gtest:test_planner:Planner.DenseLayersStayBeforeRoutedGroupsOfTheSameFlopsPerByte"],
         "the planner keeps routed expert groups resident before dense layers of the same FLOPs per byte: "
         "MoE decoding moves ~1.7x the bytes"),
+    Mutation(
+        "planner-shared-input-counted-per-layer", "csrc/core/planner_models.cpp",
+        "    if (reads_an_earlier_layers_input(m.layers, static_cast<size_t>(&l - m.layers.data()))) return 0;",
+        "",
+        [P + "test_cli_plan.py::test_activation_offload_counts_an_input_several_projections_read_once"],
+        "layerstream plan --activations host counts q, k and v's shared input (and gate and up's) once per "
+        "projection, though offload() copies it once"),
 ]
