@@ -456,6 +456,14 @@ struct OneImpl : torch::nn::Module {
 };
 TORCH_MODULE(One);
 
+// `model` with its weight frozen, offloaded to the sim device quantized to int8.
+std::shared_ptr<layerstream::OffloadHandle> offload_int8(One& model) {
+  model->fc->weight.requires_grad_(false);
+  auto opts = sim_options();
+  opts.quantize = "int8";
+  return layerstream::offload(*model, opts);
+}
+
 TEST(TorchOffload, WriteToQuantizedWeightIsRefusedUntilRequantized) {
   // The engine holds a quantized weight packed: a write to the module's dense
   // parameter would be silently ignored; it is refused at the next call
@@ -502,10 +510,7 @@ TEST(TorchOffload, RequantizedOrFreedDenseWeightIsNotLostBySaveOrDetach) {
   // and restored as the packed copy dequantized (it was saved and left empty).
   torch::manual_seed(0);
   One model;
-  model->fc->weight.requires_grad_(false);
-  auto opts = sim_options();
-  opts.quantize = "int8";
-  auto handle = layerstream::offload(*model, opts);
+  auto handle = offload_int8(model);
   const auto x = torch::randn({3, 64});
   const auto fresh = torch::randn({32, 64});
   handle->engine()->requantize(0, fresh);
@@ -1078,10 +1083,7 @@ TEST(TorchOffload, TrainingAQuantizedWeightIsRefused) {
   // offload() used to train nothing without a word; the next call refuses it.
   torch::manual_seed(0);
   One model;
-  model->fc->weight.requires_grad_(false);
-  auto opts = sim_options();
-  opts.quantize = "int8";
-  auto handle = layerstream::offload(*model, opts);
+  auto handle = offload_int8(model);
   const auto x = torch::randn({3, 64});
   const auto before = model->forward(x);
   model->fc->weight.requires_grad_(true);
