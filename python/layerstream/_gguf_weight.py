@@ -46,7 +46,7 @@ class GgufWeight(_standin.StandIn):
                 "handle.detach() (dense, dequantized weights)")
 
     def _save_refusal(self) -> str:
-        return self._refusal("saving it (torch.save, safetensors' save_file)") + "; save the .gguf file's path instead"
+        return self._refusal(f"saving it ({_standin.SAVERS})") + "; save the .gguf file's path instead"
 
     def __deepcopy__(self, memo):
         # The copy shares the file's bytes (nothing writes them).

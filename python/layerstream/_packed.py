@@ -151,7 +151,7 @@ class _PackedWeight(_standin.StandIn):
                 f"handle.detach() first (it restores the dense, dequantized weight)")
 
     def _save_refusal(self) -> str:
-        return (self._msg(self._ls, "it cannot be saved (torch.save, safetensors' save_file)") +
+        return (self._msg(self._ls, f"it cannot be saved ({_standin.SAVERS})") +
                 "; state_dict() of an offloaded model has no values for it: save only the trainable "
                 "parameters (peft's save_pretrained does), or detach() first")
 
