@@ -24,7 +24,7 @@ from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load,
 from ._handle import Handle, _Attached
 from ._host_plan import _HostTier, _read_in
 from ._interrupts import HeldSignals
-from ._packed import RefusedLoads, _PackedWeight
+from ._packed import _PackedWeight, install_refused_loads
 from ._prequant import _CORE_DTYPES
 
 LayerstreamError = _C.LayerstreamError
@@ -108,7 +108,7 @@ def _finish_attach(model, engine, attached, streamed_params, handle, grouped, co
     streamed_modules = {id(m) for a in attached for m in [a.module] + a.owners}
     follow = _AddedTensorsFollow(model, handle, streamed_modules, streamed_params, compute_device)
     handle._call_hook = CallHooks(model, lambda: engine, streamed_params, streamed_modules, follow)
-    handle._load_check = model.register_load_state_dict_pre_hook(RefusedLoads())
+    handle._load_check = install_refused_loads(model)
     _no_fused_encoder_path(model, attached, handle._fused_off)
     _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
     streamed_ids = {id(a.module) for a in attached}

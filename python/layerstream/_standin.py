@@ -153,6 +153,10 @@ class StandIn(nn.Parameter):
             return alias
         return out
 
+    def _load_refusal(self) -> str:
+        """The message that refuses a load_state_dict() into it (_packed.RefusedLoads)."""
+        return self._write_refusal(LOADING)
+
     def _save_refusal(self) -> str:
         """The message that refuses saving it: pickling (torch.save), a writer reading
         its bytes (data_ptr(): safetensors' save_file), or planning a save (DCP)."""
@@ -175,3 +179,4 @@ class StandIn(nn.Parameter):
 # every tensor (__create_write_items__) before its writer opens one. torch.save is the
 # exception: it opens (truncates) its file before it pickles (the README says so).
 SAVERS = "torch.save, safetensors' save_file, torch.distributed.checkpoint.save"
+LOADING = "loading new values into it (load_state_dict())"

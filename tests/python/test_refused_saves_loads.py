@@ -1,7 +1,9 @@
-"""Saves that a stand-in parameter (a quantized weight held packed, a FileWeight the disk tier
-streams) cannot take are refused before anything is written: torch.distributed.checkpoint.save()
-leaves a checkpoint already in its folder as it was (Note [A refused save writes nothing],
-_standin.py); the message says how to save instead."""
+"""Saves and loads that a stand-in parameter (a quantized weight held packed, a FileWeight the
+disk tier streams or load_safetensors() left in its file, a GgufWeight before offload()) cannot
+take are refused before anything is written: torch.distributed.checkpoint.save() leaves a
+checkpoint already in its folder as it was (Note [A refused save writes nothing], _standin.py),
+and load_state_dict() leaves every key of the model as it was (Note [A refused load writes
+nothing], _packed.py); each message says how to do it instead."""
 import os
 import warnings
 
@@ -11,7 +13,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 import layerstream
-from layerstream import FileWeight
+from layerstream import FileWeight, GgufWeight, LayerstreamError
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -82,3 +84,84 @@ def test_a_refused_dcp_save_leaves_the_checkpoint_already_in_its_folder_intact(t
     dcp.load({"model": back}, checkpoint_id=folder)
     assert all(torch.equal(back[k], v) for k, v in good.state_dict().items())
     handle.detach()
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if not v.is_meta}
+
+
+@pytest.mark.parametrize("where", ["disk", "in_file"])
+def test_a_load_into_file_weights_is_refused_before_any_key_is_written(tmp_path, where, offload_sim):
+    """load_state_dict() into a model with FileWeights (streamed by the disk tier, or left in their
+    file by load_safetensors() before offload()) raised per key, after torch had written every other
+    key (the LayerNorm), with torch's warning that the copy "is a no-op" and to pass assign=True:
+    the model held parts of two checkpoints. Now nothing is written, torch warns nothing, and the
+    message says what to do (disk tier: detach(), offload() with a larger host_budget)."""
+    model = _in_file(tmp_path)
+    handle = offload_sim(model, host_budget=_DISK_TIER) if where == "disk" else None
+    before = _snapshot(model)
+    new = {k: v + 1 for k, v in _build(seed=1).state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(LayerstreamError) as info:
+            model.load_state_dict(new)
+    assert not [w for w in caught if "no-op" in str(w.message)]
+    text = str(info.value)
+    assert text.startswith("load_state_dict() refused before writing anything: '0.weight' ")
+    assert "(5 more key(s) likewise)" in text
+    if where == "disk":
+        assert "To load new values, call handle.detach(), then offload() again with a host_budget= that holds" in text
+    else:
+        assert "call layerstream.offload(model, ...) first" in text and "load_state_dict(..., assign=True)" in text
+    after = _snapshot(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    if handle is not None:  # the advice: detach(), offload() with a host budget that holds them, load
+        handle.detach()
+        handle = offload_sim(model, host_budget="1MiB")
+        assert handle.stats()["disk_layers"] == 0
+        model.load_state_dict(new)
+        ref = _build()
+        ref.load_state_dict(new)
+        x = torch.randn(3, D)
+        assert torch.equal(model(x), ref(x))
+        handle.detach()
+
+
+def test_before_offload_a_load_with_assign_replaces_the_file_weights_and_offload_computes_with_them(
+        tmp_path, offload_sim):
+    """The other way the pre-offload message names: assign=True puts the loaded tensors in place of
+    the FileWeights (the check lets it through); offload() then gives the loaded model's numbers."""
+    model = _in_file(tmp_path)
+    ref = _build(seed=1).requires_grad_(False)
+    model.load_state_dict(ref.state_dict(), assign=True)
+    assert not any(isinstance(p, FileWeight) for p in model.parameters())
+    handle = offload_sim(model)
+    x = torch.randn(3, D)
+    assert torch.equal(model(x), ref(x))
+    handle.detach()
+
+
+def test_a_load_into_gguf_weights_before_offload_is_refused_before_any_key_is_written(tmp_path):
+    """The same for the GgufWeights load_gguf() keeps packed until offload()."""
+    gguf = pytest.importorskip("gguf")
+    from conftest import write_gguf
+    T = gguf.GGMLQuantizationType
+    tensors = []
+    for k, v in _build().state_dict().items():
+        if k.endswith("weight") and v.dim() == 2:
+            raw = gguf.quants.quantize(v.numpy(), T.Q8_0)
+            tensors.append((k, tuple(v.shape), "Q8_0", torch.from_numpy(raw.reshape(-1).copy())))
+        else:
+            tensors.append((k, tuple(v.shape), "F32", v.contiguous().reshape(-1).view(torch.uint8).clone()))
+    path = str(write_gguf(tmp_path / "m.gguf", tensors))
+    with torch.device("meta"):
+        model = _build()
+    model.requires_grad_(False)
+    layerstream.load_gguf(model, path)
+    assert isinstance(model[0].weight, GgufWeight)
+    before = _snapshot(model)
+    with pytest.raises(LayerstreamError, match=r"^load_state_dict\(\) refused before writing anything: the "
+                                               r"weight of '0.weight' is GGUF q8_0 .*assign=True"):
+        model.load_state_dict({k: v + 1 for k, v in _build(seed=1).state_dict().items()})
+    after = _snapshot(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -306,8 +306,8 @@ MUTATIONS: list = [
         "values, unquantized); the refusal names a streamed layer after it, or none comes"),
     Mutation(
         "refused-load-writes-first", "python/layerstream/_packed.py",
-        "        if refused:\n            key, why = refused[0]",
-        "        if False:\n            key, why = refused[0]",
+        "        if refused:\n            more = f\" ({len(refused) - 1} more key(s) likewise)\"",
+        "        if False:\n            more = f\" ({len(refused) - 1} more key(s) likewise)\"",
         [P + "test_lossless.py::test_frozen_lossless_weights_are_not_rewritten_in_place_and_a_refused_load_writes_nothing"],
         "a load_state_dict() refused for a lossless-coded weight has written the keys before it: the model "
         "holds parts of two checkpoints"),
@@ -466,4 +466,27 @@ MUTATIONS: list = [
         "torch.distributed.checkpoint.save() of a quantized or disk-tier offloaded model is refused only at its "
         "writer's cpu(), after it opened its data file: a checkpoint already in the folder is left with a 0-byte "
         "data file, and the quantized weight's message is about moving it, not saving"),
+    Mutation(
+        "file-weight-load-written-per-key", "python/layerstream/_packed.py",
+        "            elif not assign:\n                refused.append(p._load_refusal())",
+        "            elif False:\n                refused.append(p._load_refusal())",
+        [P + "test_refused_saves_loads.py::test_a_load_into_file_weights_is_refused_before_any_key_is_written",
+         P + "test_refused_saves_loads.py::test_a_load_into_gguf_weights_before_offload_is_refused_before_any_key_is_written"],
+        "load_state_dict() into a model with FileWeights (the disk tier, or before offload()) or GgufWeights "
+        "fails per key after torch wrote the other keys (a half-loaded model), with torch's misleading "
+        "'no-op ... assign=True' warning"),
+    Mutation(
+        "load-safetensors-leaves-loads-unchecked", "python/layerstream/_safetensors.py",
+        "    if out.in_file:\n        install_refused_loads(model)",
+        "    if False:\n        install_refused_loads(model)",
+        [P + "test_refused_saves_loads.py::test_a_load_into_file_weights_is_refused_before_any_key_is_written"],
+        "between load_safetensors() and offload(), load_state_dict() writes the norms and biases, then fails "
+        "per key at the FileWeights"),
+    Mutation(
+        "load-gguf-leaves-loads-unchecked", "python/layerstream/_gguf.py",
+        "    if out.packed:\n        from ._packed import install_refused_loads",
+        "    if False:\n        from ._packed import install_refused_loads",
+        [P + "test_refused_saves_loads.py::test_a_load_into_gguf_weights_before_offload_is_refused_before_any_key_is_written"],
+        "between load_gguf() and offload(), load_state_dict() writes the norms and biases, then fails per key "
+        "at the GgufWeights"),
 ]
