@@ -489,4 +489,11 @@ MUTATIONS: list = [
         [P + "test_refused_saves_loads.py::test_a_load_into_gguf_weights_before_offload_is_refused_before_any_key_is_written"],
         "between load_gguf() and offload(), load_state_dict() writes the norms and biases, then fails per key "
         "at the GgufWeights"),
+    Mutation(
+        "readme-hides-resident-quant-data-writes", "README.md",
+        "  warned of). A write through `.data` (`p.data.copy_(new)`, diffusers'",
+        "  warned of). (`p.data.copy_(new)`, diffusers'",
+        [P + "test_resident_quant_data_writes.py::test_a_data_write_into_a_resident_quantized_layer_is_not_quantized_as_the_readme_says"],
+        "the README says a quantized layer kept resident quantizes what is written into it, without the "
+        "exception: a .data write (EMAModel.copy_to) is not quantized, so the budget changes the numbers"),
 ]
