@@ -25,7 +25,7 @@ from ._handle import Handle, _Attached
 from ._host_plan import _HostTier, _read_in
 from ._interrupts import HeldSignals
 from ._packed import _PackedWeight, install_refused_loads
-from ._prequant import _CORE_DTYPES
+from ._prequant import _CORE_DTYPES, BnbQuantStateKeys
 
 LayerstreamError = _C.LayerstreamError
 
@@ -332,6 +332,8 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
         module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>",
                                       fmt=engine.layer_format(index))
         del weight
+        if pre is not None and pre.bnb_stats is not None:  # its quant state's keys in state_dict()
+            a.hooks = [*a.hooks, module.register_state_dict_post_hook(BnbQuantStateKeys(pre.bnb_stats))]
     if engine.layer_format(index) and name not in on_disk.names:
         # Packed on the host: an in-place write to the module's weight that
         # _PackedWeight does not turn into a re-quantization (or a pre-quantized

@@ -496,4 +496,18 @@ MUTATIONS: list = [
         [P + "test_resident_quant_data_writes.py::test_a_data_write_into_a_resident_quantized_layer_is_not_quantized_as_the_readme_says"],
         "the README says a quantized layer kept resident quantizes what is written into it, without the "
         "exception: a .data write (EMAModel.copy_to) is not quantized, so the budget changes the numbers"),
+    Mutation(
+        "bnb-state-dict-drops-quant-state", "python/layerstream/_attach.py",
+        "        if pre is not None and pre.bnb_stats is not None:  # its quant state's keys in state_dict()",
+        "        if False:",
+        [P + "test_bnb_nf4.py::test_state_dict_of_an_offloaded_bnb_model_keeps_its_quant_state_keys"],
+        "state_dict() of an offloaded bitsandbytes Linear4bit model silently lacks the quant state's keys "
+        "(weight.absmax, weight.quant_map, weight.nested_*, weight.quant_state.*) that the resident one has"),
+    Mutation(
+        "bnb-state-dict-quant-state-aliased", "python/layerstream/_prequant.py",
+        "v.clone() if torch.is_tensor(v) else v",
+        "v",
+        [P + "test_bnb_nf4.py::test_state_dict_of_an_offloaded_bnb_model_keeps_its_quant_state_keys"],
+        "the quant-state entries of an offloaded Linear4bit's state_dict() are the tensors detach() rebuilds "
+        "from: a write into them changes the weight detach() gives back (not the one that streams)"),
 ]
