@@ -24,8 +24,8 @@ from ._guards import _HostMove, _RootApply, _StreamedApply, _requantize_on_load,
 from ._handle import Handle, _Attached
 from ._host_plan import _HostTier, _read_in
 from ._interrupts import HeldSignals
-from ._packed import RefusedLoads, _PackedWeight
-from ._prequant import _CORE_DTYPES
+from ._packed import _PackedWeight, install_refused_loads
+from ._prequant import _CORE_DTYPES, BnbQuantStateKeys
 
 LayerstreamError = _C.LayerstreamError
 
@@ -125,7 +125,7 @@ def _finish_attach(model, engine, attached, streamed_params, handle, grouped, co
     streamed_modules = {id(m) for a in attached for m in [a.module] + a.owners}
     follow = _AddedTensorsFollow(model, handle, streamed_modules, streamed_params, compute_device)
     handle._call_hook = CallHooks(model, lambda: engine, streamed_params, streamed_modules, follow)
-    handle._load_check = model.register_load_state_dict_pre_hook(RefusedLoads())
+    handle._load_check = install_refused_loads(model)
     handle._save_check = model.register_state_dict_pre_hook(_NoSaveBeforeStep(engine))
     _no_fused_encoder_path(model, attached, handle._fused_off)
     _report_compute_device(model, streamed_params, compute_device, handle._device_reported)
@@ -350,6 +350,8 @@ def _attach_one(model, engine, layer, resident_names, attached, streamed_params,
         module.weight = _PackedWeight(shape, dtype, engine, index, name or "<root>",
                                       fmt=engine.layer_format(index))
         del weight
+        if pre is not None and pre.bnb_stats is not None:  # its quant state's keys in state_dict()
+            a.hooks = [*a.hooks, module.register_state_dict_post_hook(BnbQuantStateKeys(pre.bnb_stats))]
     if engine.layer_format(index) and name not in on_disk.names:
         # Packed on the host: an in-place write to the module's weight that
         # _PackedWeight does not turn into a re-quantization (or a pre-quantized

@@ -38,15 +38,16 @@ class FileWeight(_standin.StandIn):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return cls._read_only(func, types, args, kwargs)  # _standin.StandIn's rules
 
-    def _refusal(self, what: str, write: bool = False) -> str:
+    def _refusal(self, what: str, write: bool = False, load: bool = False) -> str:
         r = self.file_range
-        change = ("To change them (e.g. peft's merge_and_unload(), a .data write), " if write else "")
+        change = ("To load new values, " if load else
+                  "To change them (e.g. peft's merge_and_unload(), a .data write), " if write else "")
         if getattr(self, "_disk_tier", False):
             return (f"'{self.file_name}' streams from its file ({r.path}, tensor '{r.tensor}') on every use: "
                     f"offload(host_budget=...) left this frozen weight there (the disk tier), so {what} is not "
                     "possible; the file holds its values unchanged. " + (
                         change + "call handle.detach(), then offload() again with a host_budget= that holds "
-                        "it in host memory" if write else
+                        "it in host memory" if write or load else
                         "FileWeight.read() gives them (for a state dict to save: {k: v.read() if isinstance(v, "
                         "layerstream.FileWeight) else v for k, v in sd.items()}, or save only the trainable "
                         "tensors, as peft's save_pretrained() does)"))
@@ -54,13 +55,19 @@ class FileWeight(_standin.StandIn):
                 f"left it there for offload() to read into host memory or stream from disk, so {what} is "
                 f"not possible yet. " + (
                     "The file's values would stay as they are. " + change + "call layerstream.offload(model, "
-                    "...) first (a weight it reads into host memory becomes an ordinary parameter), or put its "
-                    "values in its place: module.weight = torch.nn.Parameter(module.weight.read())" if write else
+                    "...) first (a weight it reads into host memory becomes an ordinary parameter), or " + (
+                        "load_state_dict(..., assign=True), which puts the loaded tensors in place of the "
+                        "file's" if load else
+                        "put its values in its place: module.weight = torch.nn.Parameter(module.weight.read())")
+                    if write or load else
                     "Call layerstream.offload(model, ...) to run the model, or FileWeight.read() for one "
                     "weight's values"))
 
     def _write_refusal(self, what: str) -> str:
         return self._refusal(what, write=True)
+
+    def _load_refusal(self) -> str:
+        return self._refusal(_standin.LOADING, load=True)
 
     def __deepcopy__(self, memo):
         out = FileWeight(self.shape, self.dtype, self.file_range, self.file_name, self.requires_grad,

@@ -271,6 +271,9 @@ def load_gguf(model: nn.Module, path: str, *, rename: Union[None, str, Callable[
                 value = raw.view(_PLAIN[rec["type"]]).reshape(shape)
                 out.dense.append(dst)
             _assign(holders[id(target)], target, value)
+    if out.packed:
+        from ._packed import install_refused_loads
+        install_refused_loads(model)  # load_state_dict() into a GgufWeight: refused before any key is written
     return out
 
 

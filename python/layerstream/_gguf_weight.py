@@ -45,8 +45,13 @@ class GgufWeight(_standin.StandIn):
                 "torch.nn.Parameter(module.weight.dequantized(), requires_grad=False), or offload() and then "
                 "handle.detach() (dense, dequantized weights)")
 
+    def _load_refusal(self) -> str:
+        return (self._not_possible(_standin.LOADING) + "the file's blocks would stay as they are. Load with "
+                "load_state_dict(..., assign=True) before offload(), which puts the loaded tensors in place of the "
+                "file's, or offload(), handle.detach() (dense, dequantized weights), then load")
+
     def _save_refusal(self) -> str:
-        return self._refusal("saving it (torch.save, safetensors' save_file)") + "; save the .gguf file's path instead"
+        return self._refusal(f"saving it ({_standin.SAVERS})") + "; save the .gguf file's path instead"
 
     def __deepcopy__(self, memo):
         # The copy shares the file's bytes (nothing writes them).

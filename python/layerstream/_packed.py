@@ -151,7 +151,7 @@ class _PackedWeight(_standin.StandIn):
                 f"handle.detach() first (it restores the dense, dequantized weight)")
 
     def _save_refusal(self) -> str:
-        return (self._msg(self._ls, "it cannot be saved (torch.save, safetensors' save_file)") +
+        return (self._msg(self._ls, f"it cannot be saved ({_standin.SAVERS})") +
                 "; state_dict() of an offloaded model has no values for it: save only the trainable "
                 "parameters (peft's save_pretrained does), or detach() first")
 
@@ -340,25 +340,45 @@ def _telling_adapters(merge, check_first: bool = False):
 # torch's load_state_dict() copies key by key (a module's pre-hooks, its own tensors, then
 # its children's) and gathers per-key errors to raise at the end. A key refused there (a
 # quantized weight that cannot take new values: lossless-coded, pre-packed, in a store the
-# node's ranks share, its handle detached) came after the keys before it were written:
-# the model held parts of two checkpoints. So the model's own pre-hook, which runs before
-# any key is copied, asks the engine of every key that names a quantized streamed weight
-# whether it would refuse any values (Engine::requantize_refusal, the rule requantize()
-# itself applies) and raises what it refuses. Values refused for themselves (a shape, NaN
-# or Inf) still fail per key, as torch's own shape errors do. A load_state_dict() of a
-# module below the model is not checked first.
+# node's ranks share, its handle detached; a read-only stand-in: a FileWeight the disk tier
+# streams or load_safetensors() left for offload(), a GgufWeight before offload()) came
+# after the keys before it were written: the model held parts of two checkpoints (torch
+# also warned that copying into a meta parameter "is a no-op" and suggested assign=True).
+# So the model's own pre-hook, which runs before any key is copied, asks the engine of
+# every key that names a quantized streamed weight whether it would refuse any values
+# (Engine::requantize_refusal, the rule requantize() itself applies), refuses every key
+# that names a read-only stand-in (unless assign=True, which replaces it: before offload()
+# that is a way to new values), and raises what it refuses. offload() installs it, and so
+# do load_safetensors() and load_gguf() when they leave stand-ins. Values refused for
+# themselves (a shape, NaN or Inf) still fail per key, as torch's own shape errors do. A
+# load_state_dict() of a module below the model is not checked first.
 class RefusedLoads:
-    """offload()'s load_state_dict() pre-hook on the model (the note above)."""
+    """The model's load_state_dict() pre-hook (the note above)."""
 
     __slots__ = ()
 
-    def __call__(self, module, state_dict, prefix, *args):
-        refused = [(key, why) for name, p in module.named_parameters(remove_duplicate=False)
-                   if isinstance(p, _PackedWeight) and prefix + name in state_dict
-                   for key, (engine, index, _, part, _) in [(prefix + name, p._ls)]
-                   for why in [engine.requantize_refusal(index, -1 if part is None else part)] if why]
+    def __call__(self, module, state_dict, prefix, local_metadata, *args):
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        refused = []
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key not in state_dict or not isinstance(p, _standin.StandIn):
+                continue
+            if isinstance(p, _PackedWeight):
+                engine, index, _, part, _ = p._ls
+                why = engine.requantize_refusal(index, -1 if part is None else part)
+                if why:
+                    refused.append(f"{key!r} names a quantized streamed weight that cannot take new values: {why}")
+            elif not assign:
+                refused.append(p._load_refusal())  # it names the weight
         if refused:
-            key, why = refused[0]
             more = f" ({len(refused) - 1} more key(s) likewise)" if len(refused) > 1 else ""
-            raise LayerstreamError(f"load_state_dict() refused before writing anything: {key!r} names a quantized "
-                                   f"streamed weight that cannot take new values: {why}{more}")
+            raise LayerstreamError(f"load_state_dict() refused before writing anything: {refused[0]}{more}")
+
+
+def install_refused_loads(model: torch.nn.Module):
+    """RefusedLoads on `model` unless it has one already; its hook handle, or None."""
+    hooks = getattr(model, "_load_state_dict_pre_hooks", {}).values()  # torch wraps each (_WrappedHook)
+    if any(isinstance(getattr(h, "hook", h), RefusedLoads) for h in hooks):
+        return None
+    return model.register_load_state_dict_pre_hook(RefusedLoads())

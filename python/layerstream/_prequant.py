@@ -108,6 +108,23 @@ def _bnb_nf4(name: str, w) -> Optional[_Packed]:
 _BNB_STORAGE = "layerstream.quant_storage"
 
 
+class BnbQuantStateKeys:
+    """state_dict() post-hook of a bitsandbytes Linear4bit that offload() streams. bitsandbytes
+    adds its quant state's keys (weight.absmax, weight.quant_map, weight.nested_*,
+    weight.quant_state.bitsandbytes__nf4) from weight.quant_state, which the data-less stand-in
+    has not: state_dict() lacked them without a word. They are added from the host copies
+    offload() keeps for detach() (bnb_stats), as copies (a write into them would change what
+    detach() rebuilds, not what streams); the same keys, in the same order, as resident."""
+
+    def __init__(self, stats: dict):
+        self._stats = stats
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        for k, v in self._stats.items():
+            if k != _BNB_STORAGE:
+                state_dict[prefix + "weight." + k] = v.clone() if torch.is_tensor(v) else v
+
+
 def _prequantized(name: str, module: nn.Module) -> Optional[_Packed]:
     """The weight when it is already quantized: a torch quantized tensor
     (qint8, zero points 0) or an int8 tensor with a `weight_scale` attribute

@@ -81,7 +81,7 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
     model), ``in_file`` (left in the file) and its bytes, ``missing``,
     ``unexpected``, the files' ``__metadata__``. Not thread-safe with other users of
     the model."""
-    from ._packed import _PackedWeight
+    from ._packed import _PackedWeight, install_refused_loads
     if any(hasattr(p, "_is_memory_managed") or isinstance(p, _PackedWeight) for p in model.parameters()):
         raise LayerstreamError("load_safetensors(): the model is offloaded (layerstream holds its weights); call "
                                "handle.detach() first, then load_safetensors() and offload() again")
@@ -141,4 +141,6 @@ def load_safetensors(model: nn.Module, path: str, *, strict: bool = True, rename
                                                     file_dtype=_DTYPES[rec["dtype"]]))
         out.in_file.append(dst)
         out.in_file_bytes += rec["nbytes"]
+    if out.in_file:
+        install_refused_loads(model)  # load_state_dict() into a FileWeight: refused before any key is written
     return out

@@ -153,10 +153,30 @@ class StandIn(nn.Parameter):
             return alias
         return out
 
+    def _load_refusal(self) -> str:
+        """The message that refuses a load_state_dict() into it (_packed.RefusedLoads)."""
+        return self._write_refusal(LOADING)
+
     def _save_refusal(self) -> str:
-        """The message that refuses saving it: pickling (torch.save), or a writer reading
-        its bytes (data_ptr(): safetensors' save_file)."""
-        return self._refusal("saving it (torch.save, safetensors' save_file)")
+        """The message that refuses saving it: pickling (torch.save), a writer reading
+        its bytes (data_ptr(): safetensors' save_file), or planning a save (DCP)."""
+        return self._refusal(f"saving it ({SAVERS})")
 
     def __reduce_ex__(self, protocol):
         raise _C.LayerstreamError(self._save_refusal())
+
+    def __create_write_items__(self, fqn, obj):
+        """torch.distributed.checkpoint.save() asks each tensor of the state dict for its
+        write items while it plans the save, before its writer opens a file: refused
+        there. Its writer's .cpu() of the stand-in came after it had truncated the data
+        file of a checkpoint already in the folder (Note [A refused save writes nothing])."""
+        raise _C.LayerstreamError(self._save_refusal())
+
+
+# Note [A refused save writes nothing]
+# A stand-in has no values to save, and each saver is refused before it writes: safetensors'
+# save_file reads data_ptr() of every tensor before it opens its file; DCP's save plans
+# every tensor (__create_write_items__) before its writer opens one. torch.save is the
+# exception: it opens (truncates) its file before it pickles (the README says so).
+SAVERS = "torch.save, safetensors' save_file, torch.distributed.checkpoint.save"
+LOADING = "loading new values into it (load_state_dict())"

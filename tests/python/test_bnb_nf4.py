@@ -2,6 +2,7 @@
 as they are: their codes and absmax become our nf4 layout byte for byte, so
 the device dequantization gives exactly bitsandbytes' own dequantized weight."""
 import copy
+import io
 
 import pytest
 import torch
@@ -69,6 +70,33 @@ def test_bnb_nf4_streams_bit_identical_to_its_own_dequantization(nested, storage
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     with torch.no_grad():
         assert torch.equal(model(x), y_bnb)
+
+
+def test_state_dict_of_an_offloaded_bnb_model_keeps_its_quant_state_keys():
+    """bitsandbytes adds its quant state's keys (weight.absmax, weight.quant_map, weight.nested_*,
+    weight.quant_state.bitsandbytes__nf4) from weight.quant_state, which the streamed stand-in has
+    not: state_dict() of the offloaded model here had 5 keys where the resident one has 18, without a
+    word. Now the same keys in the same order, with the same quant-state values (copies: a write
+    into them changes nothing detach() gives back); the weight itself stays the data-less
+    stand-in, whose save is refused with the save message; detach() gives bitsandbytes' own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(bnb_linear(64, 64), bnb_linear(64, 64, compress_statistics=False),
+                          bnb_linear(64, 64, bias=False))
+    resident = {k: v.clone() for k, v in model.state_dict().items()}
+    assert len(resident) == 18  # weight, bias, absmax, quant_map, the packed state; nested_* when double-quantized
+    h = layerstream.offload(model, device="sim")
+    assert all(model[i].weight.is_meta for i in range(3))  # streamed
+    offloaded = model.state_dict()
+    assert list(offloaded) == list(resident)
+    for k, v in offloaded.items():
+        assert v.is_meta if k.endswith(".weight") else torch.equal(v, resident[k]), k
+    offloaded["0.weight.absmax"].fill_(0)
+    with pytest.raises(layerstream.LayerstreamError, match=r"it cannot be saved \(torch.save"):
+        torch.save(offloaded, io.BytesIO())
+    h.detach()
+    after = model.state_dict()
+    assert list(after) == list(resident)
+    assert all(torch.equal(after[k], v) for k, v in resident.items())
 
 
 def test_lora_over_bnb_nf4_base_trains_the_adapter():

@@ -306,8 +306,8 @@ MUTATIONS: list = [
         "values, unquantized); the refusal names a streamed layer after it, or none comes"),
     Mutation(
         "refused-load-writes-first", "python/layerstream/_packed.py",
-        "        if refused:\n            key, why = refused[0]",
-        "        if False:\n            key, why = refused[0]",
+        "        if refused:\n            more = f\" ({len(refused) - 1} more key(s) likewise)\"",
+        "        if False:\n            more = f\" ({len(refused) - 1} more key(s) likewise)\"",
         [P + "test_lossless.py::test_frozen_lossless_weights_are_not_rewritten_in_place_and_a_refused_load_writes_nothing"],
         "a load_state_dict() refused for a lossless-coded weight has written the keys before it: the model "
         "holds parts of two checkpoints"),
@@ -500,4 +500,56 @@ MUTATIONS: list = [
         [P + "test_groups.py::test_a_group_that_writes_its_own_parameter_with_grad_enabled_is_named_as_such"],
         "a groups= module clamping its own trainable weight in place with grad enabled is reported as modifying "
         "an input in place (clone the input), or as torch's bare leaf error"),
+    Mutation(
+        "dcp-save-of-standin-refused-after-truncating", "python/layerstream/_standin.py",
+        "    def __create_write_items__(self, fqn, obj):",
+        "    def _create_write_items_unused(self, fqn, obj):",
+        [P + "test_refused_saves_loads.py::test_a_refused_dcp_save_leaves_the_checkpoint_already_in_its_folder_intact"],
+        "torch.distributed.checkpoint.save() of a quantized or disk-tier offloaded model is refused only at its "
+        "writer's cpu(), after it opened its data file: a checkpoint already in the folder is left with a 0-byte "
+        "data file, and the quantized weight's message is about moving it, not saving"),
+    Mutation(
+        "file-weight-load-written-per-key", "python/layerstream/_packed.py",
+        "            elif not assign:\n                refused.append(p._load_refusal())",
+        "            elif False:\n                refused.append(p._load_refusal())",
+        [P + "test_refused_saves_loads.py::test_a_load_into_file_weights_is_refused_before_any_key_is_written",
+         P + "test_refused_saves_loads.py::test_a_load_into_gguf_weights_before_offload_is_refused_before_any_key_is_written"],
+        "load_state_dict() into a model with FileWeights (the disk tier, or before offload()) or GgufWeights "
+        "fails per key after torch wrote the other keys (a half-loaded model), with torch's misleading "
+        "'no-op ... assign=True' warning"),
+    Mutation(
+        "load-safetensors-leaves-loads-unchecked", "python/layerstream/_safetensors.py",
+        "    if out.in_file:\n        install_refused_loads(model)",
+        "    if False:\n        install_refused_loads(model)",
+        [P + "test_refused_saves_loads.py::test_a_load_into_file_weights_is_refused_before_any_key_is_written"],
+        "between load_safetensors() and offload(), load_state_dict() writes the norms and biases, then fails "
+        "per key at the FileWeights"),
+    Mutation(
+        "load-gguf-leaves-loads-unchecked", "python/layerstream/_gguf.py",
+        "    if out.packed:\n        from ._packed import install_refused_loads",
+        "    if False:\n        from ._packed import install_refused_loads",
+        [P + "test_refused_saves_loads.py::test_a_load_into_gguf_weights_before_offload_is_refused_before_any_key_is_written"],
+        "between load_gguf() and offload(), load_state_dict() writes the norms and biases, then fails per key "
+        "at the GgufWeights"),
+    Mutation(
+        "readme-hides-resident-quant-data-writes", "README.md",
+        "  warned of). A write through `.data` (`p.data.copy_(new)`, diffusers'",
+        "  warned of). (`p.data.copy_(new)`, diffusers'",
+        [P + "test_resident_quant_data_writes.py::test_a_data_write_into_a_resident_quantized_layer_is_not_quantized_as_the_readme_says"],
+        "the README says a quantized layer kept resident quantizes what is written into it, without the "
+        "exception: a .data write (EMAModel.copy_to) is not quantized, so the budget changes the numbers"),
+    Mutation(
+        "bnb-state-dict-drops-quant-state", "python/layerstream/_attach.py",
+        "        if pre is not None and pre.bnb_stats is not None:  # its quant state's keys in state_dict()",
+        "        if False:",
+        [P + "test_bnb_nf4.py::test_state_dict_of_an_offloaded_bnb_model_keeps_its_quant_state_keys"],
+        "state_dict() of an offloaded bitsandbytes Linear4bit model silently lacks the quant state's keys "
+        "(weight.absmax, weight.quant_map, weight.nested_*, weight.quant_state.*) that the resident one has"),
+    Mutation(
+        "bnb-state-dict-quant-state-aliased", "python/layerstream/_prequant.py",
+        "v.clone() if torch.is_tensor(v) else v",
+        "v",
+        [P + "test_bnb_nf4.py::test_state_dict_of_an_offloaded_bnb_model_keeps_its_quant_state_keys"],
+        "the quant-state entries of an offloaded Linear4bit's state_dict() are the tensors detach() rebuilds "
+        "from: a write into them changes the weight detach() gives back (not the one that streams)"),
 ]
