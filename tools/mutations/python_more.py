@@ -500,4 +500,18 @@ MUTATIONS: list = [
         [P + "test_groups.py::test_a_group_that_writes_its_own_parameter_with_grad_enabled_is_named_as_such"],
         "a groups= module clamping its own trainable weight in place with grad enabled is reported as modifying "
         "an input in place (clone the input), or as torch's bare leaf error"),
+    Mutation(
+        "diffusers-fuse-unguarded", "python/layerstream/_packed.py",
+        "    guard_diffusers_fuses()\n",
+        "",
+        [P + "test_peft_merges.py::test_diffusers_fuse_lora_into_a_quantized_base_is_refused_before_any_layer_is_written"],
+        "diffusers' fuse_lora() over a quantized base fuses the dense and the resident quantized layers before "
+        "the first streamed one refuses: the model half fused"),
+    Mutation(
+        "diffusers-pipeline-fuse-unguarded", "python/layerstream/_packed.py",
+        "    (\"diffusers.loaders.lora_base\", \"LoraBaseMixin\", \"fuse_lora\", _fused_models),\n",
+        "",
+        [P + "test_peft_merges.py::test_diffusers_fuse_lora_into_a_quantized_base_is_refused_before_any_layer_is_written"],
+        "a pipeline's fuse_lora() fuses its components one after another: the unet fused whole before the "
+        "quantized transformer refuses"),
 ]
