@@ -559,8 +559,7 @@ def _warn_resident(names: list, what: str, compute_device: torch.device, why: st
 
 def _conv_args(module: nn.Module) -> dict:
     dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[next(t for t in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, t))]
-    pad = module.padding
-    same = False
+    pad, same = module.padding, False
     if module.padding_mode != "zeros":  # the input comes padded (_StreamedForward), as torch's _conv_forward does
         pad = (0,) * dims
     elif isinstance(pad, str):
@@ -570,8 +569,9 @@ def _conv_args(module: nn.Module) -> dict:
             pad = (0,) * dims
         else:
             raise ValueError(f"unknown conv padding {pad!r}")
-    return dict(dims=dims, stride=list(module.stride), padding=list(pad), same=same,
-                dilation=list(module.dilation), groups=int(module.groups))
+    stride, pad, dilation = (list(v) if isinstance(v, (list, tuple)) else [v] * dims  # conv.stride = 2: one
+                             for v in (module.stride, pad, module.dilation))  # int, as F.conv2d expands it
+    return dict(dims=dims, stride=stride, padding=pad, same=same, dilation=dilation, groups=int(module.groups))
 
 
 def _mode_padding(module: nn.Module) -> Optional[Tuple[Tuple[int, ...], str]]:

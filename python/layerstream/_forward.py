@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import operator
 import threading
 import types
 import weakref
@@ -208,18 +209,45 @@ _TAKEN_AT_OFFLOAD = {"conv": ("stride", "padding", "dilation", "groups", "paddin
                      "embedding": ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")}
 
 
-def _restates(name: str, was, now) -> bool:
+def _restates(name: str, was, now, dims: int) -> bool:
     """Whether `now`, a value of the _TAKEN_AT_OFFLOAD attribute `name` set after offload(),
-    computes as `was` (offload()'s) in torch's conv: a list for a tuple of the same ints
-    ([1, 1] for (1, 1)), and for a conv's stride, padding or dilation one int for a tuple
-    that repeats it once per dimension (1 for (1, 1): F.conv2d expands it so). Anything
-    else counts as a change (the streamed layer would compute with `was`)."""
+    computes as `was` (offload()'s) in torch's conv or lookup: a list for a tuple of the same
+    ints ([1, 1] for (1, 1)), and for a conv's stride, padding or dilation (`dims` of them)
+    one int for a tuple that repeats it once per dimension (1 for (1, 1): F.conv2d expands it
+    so), either way round. An int is what torch's conv takes for one (a numpy int too); a
+    float or a bool equal to it ((1.0, 1.0) == (1, 1) in Python) torch refuses, so it counts
+    as a change, as does anything else (the streamed layer would compute with `was`)."""
+    if name in _INTS_PER_DIM and not isinstance(was, str) and not isinstance(now, str):
+        return _per_dim(now, dims) == _per_dim(was, dims) is not None
+    if name in ("groups", "padding_idx") and now is not None:
+        return _as_int(now) == was
+    if name in ("scale_grad_by_freq", "sparse"):
+        return isinstance(now, bool) and now == was
     if isinstance(was, (list, tuple)) and isinstance(now, (list, tuple)):
         return tuple(now) == tuple(was)
-    if name in ("stride", "padding", "dilation") and isinstance(was, (list, tuple)) and \
-            isinstance(now, int) and not isinstance(now, bool):
-        return tuple(was) == (now,) * len(was)
     return was == now
+
+
+# A conv's attributes that hold an int per spatial dimension, or one int for all of them.
+_INTS_PER_DIM = ("stride", "padding", "dilation")
+
+
+def _as_int(v):
+    """`v` as torch's conv and lookup take an int argument (an int, a numpy int, a 0-dim
+    integer tensor), None for what they refuse (a float, a bool, anything else)."""
+    if isinstance(v, (bool, float)):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def _per_dim(v, dims: int):
+    """A conv's stride, padding or dilation `v` as the tuple of ints torch's conv reads
+    (one int repeated `dims` times), None for one it refuses."""
+    ints = tuple(map(_as_int, v)) if isinstance(v, (list, tuple)) else (_as_int(v),) * dims
+    return None if None in ints else ints
 
 
 _REPLACED = ("the parameters of streamed layer '{name}' were replaced after offload() (e.g. by accelerate's "
@@ -282,7 +310,8 @@ class _StreamedForward(_RefusesCopy):
         self._check_own()
         if self._frozen:  # only layers with stand-ins pay for the check (the disk tier, GGUF)
             self._unfrozen()
-        if self._taken is not None and self._taken_now() != self._taken_at:
+        # By identity: a value set again, even an equal one ((1.0, 1.0) == (1, 1)), is checked.
+        if self._taken is not None and any(map(operator.is_not, self._taken_now(), self._taken_at)):
             self._retaken()
         if self._pad is not None:  # the hot path: no call for the usual zero padding
             x = self._padded(x)
@@ -335,8 +364,9 @@ class _StreamedForward(_RefusesCopy):
     def _retaken(self) -> None:
         """Raises naming the conv or table attribute (_TAKEN_AT_OFFLOAD) changed since offload();
         returns when each change only restates its value as torch's conv reads it (_restates)."""
+        dims = len(getattr(self._module_ref(), "kernel_size", ()))
         changed = [(n, a, b) for n, a, b in zip(self._taken, self._taken_at, self._taken_now())
-                   if not _restates(n, a, b)]
+                   if not _restates(n, a, b, dims)]
         if not changed:
             return
         name, was, new = changed[0]
@@ -369,8 +399,8 @@ class _StreamedForward(_RefusesCopy):
             # the graph streaming the original weights while the new ones get no gradient.
             self._check_own()
         grad = torch.is_grad_enabled()
-        if self._taken is not None and self._taken_now() != self._taken_at:
-            self._retaken()  # read under Dynamo: the graph is guarded on the attributes
+        if self._taken is not None:
+            self._retaken()  # read under Dynamo (while tracing only): the graph is guarded on the attributes
         w = None if self._standin or not (grad and weight.requires_grad) else weight
         # A str key: Dynamo cannot hand assume_constant_result an int attribute (torch 2.14 keeps
         # it a lazy constant; blocks compiled one by one make the layer index a SymInt).

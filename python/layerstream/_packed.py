@@ -1,6 +1,7 @@
 """The data-less parameter a layer quantized by offload() keeps (_PackedWeight):
 writes re-quantize or are refused, computing with it is refused (see _standin); and
-peft's merges into any layer offload() quantized, refused up front (refuse_quantized_merge).
+peft's merges (and diffusers' fuses) into any layer offload() quantized, refused up front
+(refuse_quantized_merge).
 """
 from __future__ import annotations
 
@@ -223,7 +224,13 @@ _EVERY = object()
 _MERGING = contextvars.ContextVar("layerstream_peft_merging", default=_EVERY)
 
 
-def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY) -> None:
+# Who writes adapters into base layers: (who, what it did not do, what to do instead).
+_PEFT_MERGE = ("peft's merge", "merged", "Merge before offload() (merge_and_unload(), then offload() the merged model)")
+_DIFFUSERS_FUSE = ("diffusers' fuse_lora()", "fused", "Fuse before offload() (fuse_lora(), then unload_lora_weights(), "
+                   "which keeps the fused weights, then offload())")
+
+
+def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY, by: tuple = _PEFT_MERGE) -> None:
     """Before peft merges adapters into `model`: refused, before any layer is written, when
     a layer the merge writes (one that holds an adapter it merges: `adapter_names`, None
     for each layer's active ones, as peft's merges take them) has a base layer with a
@@ -231,9 +238,10 @@ def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY) -> None
     streamed one (_PackedWeight) refuses its write, but one the budget keeps resident
     (ResidentQuantized) is a dense tensor that takes it, so the layers before the first
     streamed one were merged: the adapter half merged, and disable_adapter() no longer gave
-    the base. Runs inside peft's own pre-merge check (guard_peft_merges). LN tuning's layers
-    are left alone: their merge swaps the base layer with its tuned copy and writes no weight,
-    so it computes the adapter's numbers over a quantized base too."""
+    the base. Runs inside peft's own pre-merge check (guard_peft_merges), and before diffusers'
+    fuses (`by`: _DIFFUSERS_FUSE; guard_diffusers_fuses). LN tuning's layers are left alone:
+    their merge swaps the base layer with its tuned copy and writes no weight, so it computes
+    the adapter's numbers over a quantized base too."""
     layer_cls = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
     if layer_cls is None:
         return
@@ -245,19 +253,19 @@ def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY) -> None
         merging = _merged_into(m, adapter_names)
         if not merging:
             continue
-        what = (f"peft's merge cannot write adapter {', '.join(map(repr, merging))} into it (nothing was "
-                f"merged)")
+        who, undone, instead = by
+        what = f"{who} cannot write adapter {', '.join(map(repr, merging))} into it (nothing was {undone})"
         for sub in m.get_base_layer().modules():
             for p in sub._parameters.values():
                 if isinstance(p, _PackedWeight):
-                    raise LayerstreamError(p._msg(p._ls, what))
+                    raise LayerstreamError(f"{p._msg(p._ls, what)}. Or: {instead}")
             name = resident.get(id(sub))
             if name is not None:
                 raise LayerstreamError(
                     f"the weight of quantized layer '{name}' (kept resident by the budget) holds its quantized "
-                    f"values: {what}. Merge before offload() (merge_and_unload(), then offload() the merged "
-                    f"model), or call handle.detach() first (the weights stay dense, with the values offload() "
-                    f"quantized them to), or offload() without quantizing the layers the adapter is on")
+                    f"values: {what}. {instead}, or call handle.detach() first (the weights stay dense, with the "
+                    f"values offload() quantized them to), or offload() without quantizing the layers the adapter "
+                    f"is on")
 
 
 def _merged_into(layer, adapter_names) -> list:
@@ -281,6 +289,7 @@ def guard_peft_merges() -> None:
     merge_and_unload() that neither runs that check nor BaseTuner's (PeftMixedModel's
     MixedModel: LoRA and LoHa merged one layer after another, the resident quantized layers
     before the first streamed one written) runs refuse_quantized_merge first."""
+    guard_diffusers_fuses()
     tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
     check = getattr(tuner, "_check_merge_allowed", None)
     if check is None:
@@ -334,6 +343,58 @@ def _telling_adapters(merge, check_first: bool = False):
             _MERGING.reset(token)
     telling._layerstream_checked = True
     return telling
+
+
+def _fused_models(args) -> list:
+    """The models a diffusers pipeline's fuse_lora() fuses: its named `components`."""
+    pipe = args.get("self")
+    return [getattr(pipe, c, None) for c in args.get("components") or () if isinstance(c, str)]
+
+
+# diffusers' fuses call each peft layer's merge() in turn (after its scale_layer() when
+# lora_scale is not 1), which runs no pre-merge check of peft's: over a quantized base
+# they wrote the resident layers before the first streamed one refused (the model, or the
+# pipeline's components before the refused one, left fused). Each is checked whole first.
+# (module, class or None for a module function, name, the models its arguments fuse)
+_DIFFUSERS_FUSES = (
+    ("diffusers.loaders.peft", "PeftAdapterMixin", "fuse_lora", lambda args: [args.get("self")]),
+    ("diffusers.loaders.lora_base", "LoraBaseMixin", "fuse_lora", _fused_models),
+    ("diffusers.loaders.lora_base", None, "fuse_text_encoder_lora", lambda args: [args.get("text_encoder")]),
+)
+
+
+def guard_diffusers_fuses() -> None:
+    """With guard_peft_merges (whichever of diffusers' loaders are imported by then): diffusers'
+    fuse_lora() of a model or a pipeline and its fuse_text_encoder_lora() run
+    refuse_quantized_merge over every model they fuse before they fuse any."""
+    for module_name, cls_name, name, models in _DIFFUSERS_FUSES:
+        owner = sys.modules.get(module_name)
+        if owner is not None and cls_name is not None:
+            owner = getattr(owner, cls_name, None)
+        fuse = getattr(owner, name, None) if owner is not None else None
+        if fuse is None or getattr(fuse, "_layerstream_checked", False):
+            continue
+        setattr(owner, name, _checked_fuse(fuse, models))
+
+
+def _checked_fuse(fuse, models):
+    """diffusers' `fuse`, which first refuses a fuse into a quantized layer of any of the
+    models `models` picks from its arguments (_DIFFUSERS_FUSES)."""
+    signature = inspect.signature(fuse)
+
+    @functools.wraps(fuse)
+    def checked(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:  # diffusers' own call raises it
+            return fuse(*args, **kwargs)
+        bound.apply_defaults()
+        for model in models(bound.arguments):
+            if isinstance(model, torch.nn.Module):
+                refuse_quantized_merge(model, bound.arguments.get("adapter_names"), _DIFFUSERS_FUSE)
+        return fuse(*args, **kwargs)
+    checked._layerstream_checked = True
+    return checked
 
 
 # Note [A refused load writes nothing]

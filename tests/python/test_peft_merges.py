@@ -125,3 +125,110 @@ def test_ln_tuning_merges_over_a_quantized_base_compute_the_tuned_layers(offload
     handle.detach()
     with torch.no_grad():
         assert torch.equal(merged(x), with_adapter)
+
+
+def _diffusers_model():
+    """_SmallThenWide as a diffusers model with a LoRA on a, b and wide.0 added through
+    diffusers' PEFT integration (add_adapter), not zero at the start."""
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.loaders.peft import PeftAdapterMixin
+
+    class Model(diffusers.ModelMixin, PeftAdapterMixin):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64)
+            self.wide = nn.ModuleList(nn.Linear(64, 1024) for _ in range(4))
+
+        forward = _SmallThenWide.forward
+
+    torch.manual_seed(0)
+    model = Model()
+    model.add_adapter(peft.LoraConfig(r=4, target_modules=["a", "b", "wide.0"], init_lora_weights=False))
+    return model
+
+
+def _pipeline(**components):
+    """A diffusers pipeline's LoRA loader (LoraBaseMixin) over `components`."""
+    from diffusers.loaders.lora_base import LoraBaseMixin
+
+    pipe = type("Pipe", (LoraBaseMixin,), {"_lora_loadable_modules": list(components)})()
+    for name, model in components.items():
+        setattr(pipe, name, model)
+    return pipe
+
+
+_FUSES = {
+    "model": lambda model, other: model.fuse_lora(),
+    "model, lora_scale": lambda model, other: model.fuse_lora(lora_scale=0.5),  # scales each layer first
+    "model, adapter_names": lambda model, other: model.fuse_lora(adapter_names=["default"]),
+    "text encoder": lambda model, other: __import__("diffusers").loaders.lora_base.fuse_text_encoder_lora(model),
+    "pipeline": lambda model, other: _pipeline(unet=other, transformer=model).fuse_lora(
+        components=["unet", "transformer"]),
+}
+
+
+@pytest.mark.parametrize("fuse", list(_FUSES))
+def test_diffusers_fuse_lora_into_a_quantized_base_is_refused_before_any_layer_is_written(offload_sim, fuse):
+    """diffusers' fuses (a model's fuse_lora(), fuse_text_encoder_lora(), a pipeline's
+    fuse_lora() over its components) call each peft layer's merge() in turn, never peft's
+    pre-merge check: over a quantized base they fused a (dense) and b (quantized, kept
+    resident by the budget: its dense tensor took the merge), then wide.0 (streamed,
+    packed) refused: the model half fused (the pipeline's unet before it fused whole).
+    Now each is refused before any layer (or component) is written, as peft's merges are,
+    saying what to do; after detach() the fuse works."""
+    other = _diffusers_model()  # the pipeline's other component, resident
+    model = _diffusers_model()
+    handle = offload_sim(model, exclude=["*lora_*"], quantize={"a.base_layer": None, "*": "int8"}, budget="800KiB")
+    assert not model.b.base_layer.weight.is_meta and model.wide[0].base_layer.weight.is_meta  # resident, streamed
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        with_adapter, other_out = model(x), other(x)
+    weights = {(id(m), n): p.detach().clone() for m in (model, other) for n, p in m.named_parameters()
+               if not p.is_meta}
+    with pytest.raises(LayerstreamError, match=r"quantized layer 'b\.base_layer' \(kept resident by the budget\).*"
+                                               r"diffusers' fuse_lora\(\) cannot write adapter 'default'.*nothing "
+                                               r"was fused.*Fuse before offload\(\).*handle\.detach\(\) first"):
+        _FUSES[fuse](model, other)
+    assert all(torch.equal(p, weights[id(m), n]) for m in (model, other) for n, p in m.named_parameters()
+               if not p.is_meta)
+    assert not any(getattr(m, "merged", False) for mm in (model, other) for m in mm.modules())
+    with torch.no_grad():
+        assert torch.equal(model(x), with_adapter) and torch.equal(other(x), other_out)
+    handle.detach()
+    _FUSES[fuse](model, other)
+    with torch.no_grad():
+        assert model.b.merged and model.wide[0].merged
+        want = with_adapter if fuse != "model, lora_scale" else None
+        if want is not None:
+            torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_diffusers_fuse_lora_into_a_streamed_quantized_layer_says_to_fuse_before_offload(offload_sim):
+    """The first layer the fuse writes streamed (packed): the refusal names it and says what to do."""
+    model = _diffusers_model()
+    offload_sim(model, exclude=["*lora_*"], quantize="int8", budget="680KiB")
+    assert model.a.base_layer.weight.is_meta
+    with pytest.raises(LayerstreamError, match=r"quantized streamed layer 'a\.base_layer'.*diffusers' fuse_lora\(\) "
+                                               r"cannot write adapter 'default'.*nothing was fused.*detach\(\) first"
+                                               r".*Or: Fuse before offload\(\)"):
+        model.fuse_lora()
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("fuse", list(_FUSES))
+def test_diffusers_fuse_and_unfuse_over_dense_streamed_layers_match_the_resident_model(offload_sim, fuse):
+    """Into dense streamed weights diffusers' fuses write through peft's merge() into the host
+    copies the layers stream from: fused, then unfused (unfuse_lora()), each call equals the
+    resident model's."""
+    ref, model = _diffusers_model(), _diffusers_model()
+    ref_other, other = _diffusers_model(), _diffusers_model()
+    handle = offload_sim(model, exclude=["*lora_*"], budget="800KiB")
+    assert any(name.startswith("wide.0") for name in handle.layers)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        _FUSES[fuse](ref, ref_other)
+        _FUSES[fuse](model, other)
+        assert model.wide[0].merged and torch.equal(model(x), ref(x))
+        ref.unfuse_lora()
+        model.unfuse_lora()
+        assert not model.wide[0].merged and torch.equal(model(x), ref(x))

@@ -418,15 +418,14 @@ MUTATIONS: list = [
         "a rank that died) does not say what this rank's step wrote"),
     Mutation(
         "conv-table-attrs-changed-after-offload-ignored", "python/layerstream/_forward.py",
-        "        if self._taken is not None and self._taken_now() != self._taken_at:\n            self._retaken()\n"
-        "        if self._pad",
-        "        if self._pad",
+        "        if self._taken is not None and any(map(operator.is_not, self._taken_now(), self._taken_at)):",
+        "        if False:",
         [P + "test_errors.py::test_a_conv_or_table_attribute_changed_after_offload_is_refused_naming_it"],
         "conv.stride = (2, 2) or emb.padding_idx = pad after offload(): the streamed layer computes with the "
         "values it had at offload() (another output shape, a padding row trained), without a word"),
     Mutation(
         "compiled-conv-table-attrs-unchecked", "python/layerstream/_forward.py",
-        "            self._retaken()  # read under Dynamo: the graph is guarded on the attributes",
+        "            self._retaken()  # read under Dynamo (while tracing only): the graph is guarded on the attributes",
         "            pass",
         [P + "test_errors.py::test_a_conv_or_table_attribute_changed_after_offload_is_refused_naming_it"],
         "under torch.compile a conv or table attribute changed after offload() is ignored (eager refuses)"),
@@ -481,7 +480,7 @@ MUTATIONS: list = [
         "unshared (on a GPU refused as a move, with a message about moves and dtypes)"),
     Mutation(
         "conv-attribute-restated-refused", "python/layerstream/_forward.py",
-        "                   if not _restates(n, a, b)]",
+        "                   if not _restates(n, a, b, dims)]",
         "                   if a != b]",
         [P + "test_conv_after_offload.py"],
         "conv.stride = [1, 1] (or 1) where it held (1, 1) after offload() is refused as a change of the stride, "
@@ -552,4 +551,39 @@ MUTATIONS: list = [
         [P + "test_bnb_nf4.py::test_state_dict_of_an_offloaded_bnb_model_keeps_its_quant_state_keys"],
         "the quant-state entries of an offloaded Linear4bit's state_dict() are the tensors detach() rebuilds "
         "from: a write into them changes the weight detach() gives back (not the one that streams)"),
+    Mutation(
+        "diffusers-fuse-unguarded", "python/layerstream/_packed.py",
+        "    guard_diffusers_fuses()\n",
+        "",
+        [P + "test_peft_merges.py::test_diffusers_fuse_lora_into_a_quantized_base_is_refused_before_any_layer_is_written"],
+        "diffusers' fuse_lora() over a quantized base fuses the dense and the resident quantized layers before "
+        "the first streamed one refuses: the model half fused"),
+    Mutation(
+        "diffusers-pipeline-fuse-unguarded", "python/layerstream/_packed.py",
+        "    (\"diffusers.loaders.lora_base\", \"LoraBaseMixin\", \"fuse_lora\", _fused_models),\n",
+        "",
+        [P + "test_peft_merges.py::test_diffusers_fuse_lora_into_a_quantized_base_is_refused_before_any_layer_is_written"],
+        "a pipeline's fuse_lora() fuses its components one after another: the unet fused whole before the "
+        "quantized transformer refuses"),
+    Mutation(
+        "conv-one-int-not-expanded", "python/layerstream/_discovery.py",
+        "    stride, pad, dilation = (list(v) if isinstance(v, (list, tuple)) else [v] * dims",
+        "    stride, pad, dilation = (list(v)",
+        [P + "test_conv_after_offload.py::test_a_conv_given_one_int_or_a_padding_string_before_offload_streams_as_the_resident_model"],
+        "conv.stride = 2 (one int) set before offload(): offload() fails with a TypeError from list(2), though "
+        "torch's conv takes it"),
+    Mutation(
+        "conv-attribute-float-taken-as-int", "python/layerstream/_forward.py",
+        "        return None\n    try:\n        return operator.index(v)",
+        "        return v\n    try:\n        return operator.index(v)",
+        [P + "test_conv_after_offload.py::test_a_conv_attribute_set_to_floats_after_offload_is_refused_as_torch_refuses_it"],
+        "conv.stride = (1.0, 1.0) after offload() restates (1, 1) to the check, while torch's conv refuses floats: "
+        "the streamed conv computes on"),
+    Mutation(
+        "conv-attribute-checked-by-value", "python/layerstream/_forward.py",
+        "any(map(operator.is_not, self._taken_now(), self._taken_at))",
+        "self._taken_now() != self._taken_at",
+        [P + "test_conv_after_offload.py::test_a_conv_attribute_set_to_floats_after_offload_is_refused_as_torch_refuses_it"],
+        "the eager call's quick check compares the attributes by value: (1.0, 1.0) == (1, 1), so a float stride "
+        "set after offload() is never looked at"),
 ]
