@@ -228,6 +228,14 @@ _MERGING = contextvars.ContextVar("layerstream_peft_merging", default=_EVERY)
 _PEFT_MERGE = ("peft's merge", "merged", "Merge before offload() (merge_and_unload(), then offload() the merged model)")
 _DIFFUSERS_FUSE = ("diffusers' fuse_lora()", "fused", "Fuse before offload() (fuse_lora(), then unload_lora_weights(), "
                    "which keeps the fused weights, then offload())")
+# Who takes merged adapters back out (adapter_names: _UNMERGING, each layer's merged_adapters).
+_UNMERGING = object()
+_PEFT_UNMERGE = ("peft's unmerge_adapter()", "unmerged", "Call handle.detach() first (the weights dense again), "
+                 "unmerge_adapter(), then offload() again; or, to keep the merged weights without the adapter, "
+                 "merge_and_unload() before offload()")
+_DIFFUSERS_UNFUSE = ("diffusers' unfuse_lora()", "unfused", "Call handle.detach() first (the weights dense again), "
+                     "unfuse_lora(), then offload() again; or, to keep the fused weights without the adapter, "
+                     "unload_lora_weights() before offload()")
 
 
 def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY, by: tuple = _PEFT_MERGE) -> None:
@@ -241,7 +249,10 @@ def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY, by: tup
     the base. Runs inside peft's own pre-merge check (guard_peft_merges), and before diffusers'
     fuses (`by`: _DIFFUSERS_FUSE; guard_diffusers_fuses). LN tuning's layers are left alone:
     their merge swaps the base layer with its tuned copy and writes no weight, so it computes
-    the adapter's numbers over a quantized base too."""
+    the adapter's numbers over a quantized base too. With `adapter_names` _UNMERGING (`by`:
+    _PEFT_UNMERGE, _DIFFUSERS_UNFUSE), before an unmerge of the adapters merged before offload():
+    peft pops each layer's merged flag before it writes, so the refused streamed layer was
+    left flagged unmerged with the adapter still in its weight, the layers before it unmerged."""
     layer_cls = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
     if layer_cls is None:
         return
@@ -255,11 +266,22 @@ def refuse_quantized_merge(model: torch.nn.Module, adapter_names=_EVERY, by: tup
             continue
         who, undone, instead = by
         what = f"{who} cannot write adapter {', '.join(map(repr, merging))} into it (nothing was {undone})"
+        if adapter_names is _UNMERGING:
+            what = (f"{who} cannot take adapter {', '.join(map(repr, merging))}, merged before offload(), back out "
+                    f"of it (nothing was {undone})")
         for sub in m.get_base_layer().modules():
             for p in sub._parameters.values():
+                if isinstance(p, _PackedWeight) and adapter_names is _UNMERGING:
+                    held = "lossless-coded" if p._ls[4] == "lossless" else "quantized"
+                    raise LayerstreamError(f"the weight of streamed layer '{p._ls[2]}' is held {held} in layerstream's "
+                                           f"host store and this parameter is its data-less (meta) stand-in: {what}. "
+                                           f"{instead}")
                 if isinstance(p, _PackedWeight):
                     raise LayerstreamError(f"{p._msg(p._ls, what)}. Or: {instead}")
             name = resident.get(id(sub))
+            if name is not None and adapter_names is _UNMERGING:
+                raise LayerstreamError(f"the weight of quantized layer '{name}' (kept resident by the budget) holds "
+                                       f"its quantized values: {what}. {instead}")
             if name is not None:
                 raise LayerstreamError(
                     f"the weight of quantized layer '{name}' (kept resident by the budget) holds its quantized "
@@ -272,6 +294,8 @@ def _merged_into(layer, adapter_names) -> list:
     """The adapters a peft merge given `adapter_names` writes into `layer` (a BaseTunerLayer):
     as its merge() picks them (peft's check_adapters_to_merge: the named ones, None for its
     active ones, less those merged already), those it holds (its adapter_layer_names)."""
+    if adapter_names is _UNMERGING:
+        return list(layer.merged_adapters)
     held = {n for attr in layer.adapter_layer_names for n in getattr(layer, attr, {})}
     if adapter_names is _EVERY:
         return sorted(held)
@@ -288,7 +312,8 @@ def guard_peft_merges() -> None:
     refuse_quantized_merge too, for the adapters those merge (_MERGING). A tuner's own
     merge_and_unload() that neither runs that check nor BaseTuner's (PeftMixedModel's
     MixedModel: LoRA and LoHa merged one layer after another, the resident quantized layers
-    before the first streamed one written) runs refuse_quantized_merge first."""
+    before the first streamed one written) runs refuse_quantized_merge first. BaseTuner's
+    unmerge_adapter() runs it over the adapters merged before offload() (_PEFT_UNMERGE)."""
     guard_diffusers_fuses()
     tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
     check = getattr(tuner, "_check_merge_allowed", None)
@@ -305,6 +330,10 @@ def guard_peft_merges() -> None:
         for entry in ("merge_adapter", "_unload_and_optionally_merge"):  # merge_and_unload()'s
             if hasattr(tuner, entry):
                 setattr(tuner, entry, _telling_adapters(getattr(tuner, entry)))
+        # Tuners' own unmerge_adapter() (OSF's) refuses to unmerge; their unload() unwraps, unmerges nothing.
+        if hasattr(tuner, "unmerge_adapter"):
+            tuner.unmerge_adapter = _checked_fuse(tuner.unmerge_adapter, lambda args: [args["self"].model],
+                                                  _PEFT_UNMERGE)
     # Each call: a tuner defined since (peft imports its own with itself) is seen next time.
     pending = list(tuner.__subclasses__())
     while pending:
@@ -361,25 +390,34 @@ _DIFFUSERS_FUSES = (
     ("diffusers.loaders.lora_base", "LoraBaseMixin", "fuse_lora", _fused_models),
     ("diffusers.loaders.lora_base", None, "fuse_text_encoder_lora", lambda args: [args.get("text_encoder")]),
 )
+# Their unfuses (each layer's unmerge() in turn) likewise, over the adapters fused before offload().
+_DIFFUSERS_UNFUSES = (
+    ("diffusers.loaders.peft", "PeftAdapterMixin", "unfuse_lora", lambda args: [args.get("self")]),
+    ("diffusers.loaders.lora_base", "LoraBaseMixin", "unfuse_lora", _fused_models),
+    ("diffusers.loaders.lora_base", None, "unfuse_text_encoder_lora", lambda args: [args.get("text_encoder")]),
+)
 
 
 def guard_diffusers_fuses() -> None:
     """With guard_peft_merges (whichever of diffusers' loaders are imported by then): diffusers'
     fuse_lora() of a model or a pipeline and its fuse_text_encoder_lora() run
-    refuse_quantized_merge over every model they fuse before they fuse any."""
-    for module_name, cls_name, name, models in _DIFFUSERS_FUSES:
+    refuse_quantized_merge over every model they fuse before they fuse any; their unfuses
+    (_DIFFUSERS_UNFUSES) before they unfuse any."""
+    fuses = [entry + (_DIFFUSERS_FUSE,) for entry in _DIFFUSERS_FUSES]
+    for module_name, cls_name, name, models, by in fuses + [e + (_DIFFUSERS_UNFUSE,) for e in _DIFFUSERS_UNFUSES]:
         owner = sys.modules.get(module_name)
         if owner is not None and cls_name is not None:
             owner = getattr(owner, cls_name, None)
         fuse = getattr(owner, name, None) if owner is not None else None
         if fuse is None or getattr(fuse, "_layerstream_checked", False):
             continue
-        setattr(owner, name, _checked_fuse(fuse, models))
+        setattr(owner, name, _checked_fuse(fuse, models, by))
 
 
-def _checked_fuse(fuse, models):
-    """diffusers' `fuse`, which first refuses a fuse into a quantized layer of any of the
-    models `models` picks from its arguments (_DIFFUSERS_FUSES)."""
+def _checked_fuse(fuse, models, by=_DIFFUSERS_FUSE):
+    """diffusers' `fuse` (or peft's unmerge_adapter()), which first refuses a fuse into a
+    quantized layer of any of the models `models` picks from its arguments (_DIFFUSERS_FUSES); with `by` an unmerge
+    (_DIFFUSERS_UNFUSE, _PEFT_UNMERGE), an unmerge of the adapters merged into one."""
     signature = inspect.signature(fuse)
 
     @functools.wraps(fuse)
@@ -391,7 +429,8 @@ def _checked_fuse(fuse, models):
         bound.apply_defaults()
         for model in models(bound.arguments):
             if isinstance(model, torch.nn.Module):
-                refuse_quantized_merge(model, bound.arguments.get("adapter_names"), _DIFFUSERS_FUSE)
+                names = _UNMERGING if by in (_DIFFUSERS_UNFUSE, _PEFT_UNMERGE) else bound.arguments.get("adapter_names")
+                refuse_quantized_merge(model, names, by)
         return fuse(*args, **kwargs)
     checked._layerstream_checked = True
     return checked

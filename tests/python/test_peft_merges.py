@@ -1,8 +1,9 @@
 """peft merges over offloaded layers whose tuner does not run peft's pre-merge check
 (BaseTuner._check_merge_allowed, which layerstream extends: _packed.guard_peft_merges):
 PeftMixedModel's merge_and_unload() (adapters of several types, here LoRA and LoHa) and LN
-tuning's merges (LNTuningConfig: they swap the base layer with its tuned copy). LoRA's own
-merges: test_quant_offload.py and test_training.py."""
+tuning's merges (LNTuningConfig: they swap the base layer with its tuned copy); diffusers'
+fuses; unmerges of adapters merged before offload(). LoRA's own merges:
+test_quant_offload.py and test_training.py."""
 from __future__ import annotations
 
 import pytest
@@ -232,3 +233,113 @@ def test_diffusers_fuse_and_unfuse_over_dense_streamed_layers_match_the_resident
         ref.unfuse_lora()
         model.unfuse_lora()
         assert not model.wide[0].merged and torch.equal(model(x), ref(x))
+
+
+def _lora_merged(mixed: bool = False):
+    """_SmallThenWide with a LoRA on a, b and wide.0 (with mixed, _mixed()'s LoRA and LoHa),
+    merged into its weights (before offload())."""
+    if mixed:
+        model = _mixed()
+    else:
+        torch.manual_seed(0)
+        model = peft.get_peft_model(_SmallThenWide(), peft.LoraConfig(
+            r=4, target_modules=["a", "b", "wide.0"], init_lora_weights=False))
+    model.merge_adapter()
+    return model
+
+
+def _merged_flags(*models):
+    return [(m.merged, list(m.merged_adapters)) for mm in models for m in mm.modules() if hasattr(m, "merged_adapters")]
+
+
+_UNFUSES = {
+    "model": lambda model, other: model.unfuse_lora(),
+    "text encoder": lambda model, other: __import__("diffusers").loaders.lora_base.unfuse_text_encoder_lora(model),
+    "pipeline": lambda model, other: _pipeline(unet=other, transformer=model).unfuse_lora(
+        components=["unet", "transformer"]),
+}
+
+
+@pytest.mark.parametrize("unmerge", ["peft", "peft mixed"] + [f"diffusers {u}" for u in _UNFUSES])
+def test_unmerge_of_adapters_merged_before_offload_into_a_quantized_base_is_refused_before_any_layer_is_written(
+        offload_sim, unmerge):
+    """An adapter merged (peft's merge_adapter()) or fused (diffusers' fuse_lora()) before an
+    offload() that quantized its base: peft's unmerge_adapter() and diffusers' unfuses call
+    each layer's unmerge() in turn, which pops the layer's merged flag, then writes: they
+    unmerged a (dense) and b (quantized, kept resident by the budget), then wide.0 (streamed,
+    packed) refused with its flag popped: the model half unmerged, flagged unmerged
+    throughout. Now refused before any layer is written, flags kept, saying what to do;
+    after detach() the unmerge works."""
+    other = _diffusers_model() if unmerge.startswith("diffusers") else None  # the pipeline's other one, resident
+    if other is not None:
+        model = _diffusers_model()
+        for m in (model, other):
+            m.fuse_lora()
+        prefix, who, what = "", "diffusers' unfuse_lora", r"unfused.*unfuse_lora\(\), then offload\(\) again.*" \
+                                                           r"unload_lora_weights\(\) before offload\(\)"
+        call = lambda: _UNFUSES[unmerge.split(" ", 1)[1]](model, other)  # noqa: E731
+    else:
+        model, other = _lora_merged(mixed=unmerge == "peft mixed"), nn.Linear(64, 1)
+        prefix, who, what = r"base_model\.model\.", "peft's unmerge_adapter", \
+            r"unmerged.*unmerge_adapter\(\), then offload\(\) again.*merge_and_unload\(\) before offload\(\)"
+        call = lambda: model.unmerge_adapter()  # noqa: E731 (looked up after offload(), which wraps it)
+    handle = offload_sim(model, exclude=["*lora_*", "*hada_*"], quantize={"*a.base_layer": None, "*": "int8"},
+                         budget="800KiB")
+    layer = model.base_model.model if prefix else model
+    b, wide = layer.b.base_layer, layer.wide[0].base_layer
+    if unmerge == "peft mixed":
+        b, wide = b.base_layer, wide.base_layer
+    assert not b.weight.is_meta and wide.weight.is_meta  # resident, streamed
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        merged, other_out = model(x), other(x)
+    flags = _merged_flags(model, other)
+    weights = {(id(m), n): p.detach().clone() for m in (model, other) for n, p in m.named_parameters()
+               if not p.is_meta}
+    with pytest.raises(LayerstreamError, match=rf"quantized layer '{prefix}b\.base_layer.*' \(kept resident by the "
+                                               rf"budget\).*{who}\(\) cannot take adapter '.*', merged before "
+                                               rf"offload\(\),.*nothing was {what}"):
+        call()
+    assert _merged_flags(model, other) == flags and all(flag for flag, _ in flags)
+    assert all(torch.equal(p, weights[id(m), n]) for m in (model, other) for n, p in m.named_parameters()
+               if not p.is_meta)
+    with torch.no_grad():
+        assert torch.equal(model(x), merged) and torch.equal(other(x), other_out)
+    handle.detach()
+    call()
+    assert not any(flag for flag, _ in _merged_flags(model))
+
+
+def test_unmerge_adapter_out_of_a_streamed_quantized_layer_says_what_to_do(offload_sim):
+    """The first layer the unmerge writes streamed (packed): the refusal names it and says what to do."""
+    model = _lora_merged()
+    offload_sim(model, exclude=["*lora_*"], quantize="int8", budget="680KiB")
+    assert model.base_model.model.a.base_layer.weight.is_meta
+    with pytest.raises(LayerstreamError, match=r"streamed layer 'base_model\.model\.a\.base_layer' is held quantized.*"
+                                               r"unmerge_adapter\(\) cannot take adapter 'default'.*nothing was "
+                                               r"unmerged.*handle\.detach\(\) first.*then offload\(\) again"):
+        model.unmerge_adapter()
+    assert all(flag for flag, _ in _merged_flags(model))
+
+
+@pytest.mark.parametrize("unmerge", ["peft", "peft mixed", "diffusers"])
+def test_unmerge_of_adapters_merged_before_offload_over_dense_streamed_layers_matches_the_resident_model(
+        offload_sim, unmerge):
+    """Merged (fused) before offload(), dense streamed: unmerge_adapter() (unfuse_lora()) writes
+    into the host copies the layers stream from, and computes what the resident model does."""
+    if unmerge == "diffusers":
+        ref, model = _diffusers_model(), _diffusers_model()
+        for m in (ref, model):
+            m.fuse_lora()
+        call = lambda m: m.unfuse_lora()  # noqa: E731
+    else:
+        ref, model = _lora_merged(unmerge == "peft mixed"), _lora_merged(unmerge == "peft mixed")
+        call = lambda m: m.unmerge_adapter()  # noqa: E731
+    handle = offload_sim(model, exclude=["*lora_*", "*hada_*"], budget="800KiB")
+    assert any(".wide.0" in "." + name for name in handle.layers)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+        call(ref)
+        call(model)
+        assert not any(flag for flag, _ in _merged_flags(model)) and torch.equal(model(x), ref(x))

@@ -586,4 +586,18 @@ MUTATIONS: list = [
         [P + "test_conv_after_offload.py::test_a_conv_attribute_set_to_floats_after_offload_is_refused_as_torch_refuses_it"],
         "the eager call's quick check compares the attributes by value: (1.0, 1.0) == (1, 1), so a float stride "
         "set after offload() is never looked at"),
+    Mutation(
+        "peft-unmerge-unguarded", "python/layerstream/_packed.py",
+        "        if hasattr(tuner, \"unmerge_adapter\"):\n",
+        "        if not hasattr(tuner, \"unmerge_adapter\"):\n",
+        [P + "test_peft_merges.py::test_unmerge_of_adapters_merged_before_offload_into_a_quantized_base_is_refused_before_any_layer_is_written"],
+        "peft's unmerge_adapter() of a LoRA merged before offload(int8): the dense and resident quantized layers "
+        "unmerge, the first streamed one refuses with its merged flag popped: half unmerged, flags wrong"),
+    Mutation(
+        "diffusers-unfuse-unguarded", "python/layerstream/_packed.py",
+        "fuses + [e + (_DIFFUSERS_UNFUSE,) for e in _DIFFUSERS_UNFUSES]",
+        "fuses",
+        [P + "test_peft_merges.py::test_unmerge_of_adapters_merged_before_offload_into_a_quantized_base_is_refused_before_any_layer_is_written"],
+        "diffusers' unfuse_lora() of a LoRA fused before offload(int8) unfuses the layers before the first "
+        "streamed one, which refuses with its flag popped: the model half unfused"),
 ]
